@@ -1,0 +1,70 @@
+/**
+ * Router ↔ worker protocol: SGLang's native `POST /generate` with the bootstrap fields.
+ * The router sends the same body to the chosen prefill and decode workers at once.
+ *
+ * Prefill answers (non-streaming) when its room is terminal: 200 {rid, meta_info} on Success,
+ * an OpenAI error body with 4xx/5xx otherwise.
+ * Decode answers with an SSE stream of `GenerateEvent`s, then `data: [DONE]`; an error before the
+ * stream starts is a plain OpenAI error body with 4xx/5xx; after it starts, an `{error}` event.
+ * `POST /abort_request {rid}` cancels on either worker (idempotent, 200 even when unknown).
+ */
+import { z } from 'zod';
+
+export const ChatMessageSchema = z.object({
+  role: z.enum(['system', 'user', 'assistant', 'developer', 'tool']),
+  content: z.string(),
+});
+
+export const WorkerSamplingSchema = z.object({
+  temperature: z.number().min(0).max(2),
+  top_p: z.number().gt(0).max(1),
+  top_k: z.number().int().min(0),
+  seed: z.number().int().optional(),
+  max_new_tokens: z.number().int().min(1),
+  stop: z.array(z.string()).max(16),
+  ignore_eos: z.boolean(),
+});
+
+/** Body of POST /generate (router → prefill and decode). Exactly one of text, input_ids, messages. */
+export const GenerateRequestSchema = z
+  .object({
+    rid: z.string().min(1).max(128),
+    text: z.string().optional(),
+    input_ids: z.array(z.number().int().min(0)).optional(),
+    messages: z.array(ChatMessageSchema).optional(),
+    sampling_params: WorkerSamplingSchema,
+    stream: z.boolean().default(true),
+    bootstrap_host: z.string().min(1).max(255),
+    bootstrap_port: z.number().int().min(1).max(65535),
+    /** Decimal string or number; 63-bit. */
+    bootstrap_room: z.union([z.string().regex(/^\d{1,19}$/), z.number().int().min(0)]).transform(String),
+  })
+  .refine((b) => [b.text, b.input_ids, b.messages].filter((x) => x !== undefined).length === 1, {
+    message: 'exactly one of text, input_ids, messages is required',
+  });
+export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
+
+/** One SSE event of decode's stream. */
+export interface GenerateEvent {
+  /** New text since the previous event. */
+  text: string;
+  token_ids: number[];
+  meta_info: {
+    id: string;
+    prompt_tokens: number;
+    completion_tokens: number;
+    /** Set on the last event. */
+    finish_reason: null | { type: 'stop' | 'length' | 'abort'; message?: string };
+  };
+}
+
+/** Error event inside an already started stream. */
+export interface GenerateErrorEvent {
+  error: { message: string; type: string; code: string };
+}
+
+/** Prefill's answer on success. */
+export interface PrefillResponse {
+  rid: string;
+  meta_info: { prompt_tokens: number; kv_bytes: number; prefill_ms: number; transfer_ms: number };
+}

@@ -1,0 +1,119 @@
+/**
+ * The engine seam: the only interfaces the rest of pdserve uses to reach llama.cpp.
+ * Implementations live in this folder (node-llama-cpp) and nowhere else touches the library.
+ *
+ * Units: token ids are llama.cpp vocabulary ids (int32); sizes in bytes; times in ms.
+ */
+
+/** Sampling settings of one request, already validated and defaulted by the API layer. */
+export interface SamplingParams {
+  /** 0 = greedy. */
+  temperature: number;
+  /** Nucleus sampling mass in (0, 1]; 1 = off. */
+  topP: number;
+  /** 0 = off. */
+  topK: number;
+  /** RNG seed for non-greedy sampling; undefined = random. */
+  seed?: number;
+  /** Upper bound on generated tokens, including the first one (>= 1). */
+  maxTokens: number;
+  /** Stop strings: generation ends before the first occurrence; the stop text is not returned. */
+  stop: string[];
+  /** When true, EOS tokens do not end generation. */
+  ignoreEos: boolean;
+}
+
+/** One chat message as accepted by the OpenAI API (content already flattened to text). */
+export interface ChatMessage {
+  role: 'system' | 'user' | 'assistant' | 'developer' | 'tool';
+  content: string;
+}
+
+/** Static facts about the loaded model and context; both PD sides must agree on `compat`. */
+export interface EngineInfo {
+  /** Absolute path of the GGUF file. */
+  modelPath: string;
+  /** Name shown in /v1/models (file name without extension). */
+  modelName: string;
+  /** sha256 of the GGUF file, lowercase hex (64 chars). */
+  fingerprint: string;
+  /** Context settings that must match between the saving and the loading side. */
+  compat: {
+    /** Tokens per sequence. */
+    contextSize: number;
+    /** Prompt-evaluation chunk size in tokens (also llama.cpp batchSize). */
+    batchSize: number;
+    /** Number of KV layers and the per-token state size, for sanity checks. */
+    nLayer: number;
+  };
+  /** Number of sequences (slots) of this engine's context. */
+  sequences: number;
+  /** Vocabulary size. */
+  nVocab: number;
+  /** Threads used by llama.cpp. */
+  threads: number;
+}
+
+/** Outcome of a prefill: the first token and the saved sequence state. */
+export interface PrefillResult {
+  /** Number of prompt tokens evaluated (also the n_tokens of the saved state). */
+  promptTokens: number;
+  /** First generated token (sampled after the last prompt chunk). */
+  firstToken: number;
+  /** True when the first token is an end-of-generation token (EOS/EOT). */
+  firstIsEog: boolean;
+}
+
+/** One generated token as streamed to a client. */
+export interface GeneratedToken {
+  token: number;
+  /** Text newly decodable at this step (may be '' while a multi-byte char is incomplete, or while held back as a possible stop-string prefix). */
+  text: string;
+}
+
+/** Why generation ended. `stop`: EOS or a stop string; `length`: maxTokens reached. */
+export type FinishReason = 'stop' | 'length';
+
+/**
+ * A reserved sequence of a multi-sequence llama.cpp context ("slot", as in llama.cpp server).
+ * Exactly one owner; `release()` is idempotent and must be called on every path.
+ */
+export interface Slot {
+  readonly index: number;
+  /**
+   * Evaluate `tokens` in chunks of `compat.batchSize`, checking `signal` between chunks, then
+   * sample the first token with `sampling`. The sampled token is NOT evaluated (the state holds
+   * the prompt only), exactly as the decode side expects.
+   * @throws AbortError-like Error with code 'ABORTED' when the signal fires between chunks.
+   * @throws Error with code 'PROMPT_TOO_LONG' when tokens.length + maxTokens > contextSize.
+   */
+  prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult>;
+  /** Save this sequence's state (llama.cpp "ggsq" file) to `path`; returns its size in bytes. */
+  saveState(path: string): Promise<number>;
+  /**
+   * Load a state previously validated with `validateStateFile` into this sequence.
+   * The caller guarantees the file passed validation (a bad file can abort the process).
+   */
+  loadState(path: string, promptTokens: number[]): Promise<void>;
+  /**
+   * Continue generation from `firstToken` (emitted first, then evaluated, then more sampled),
+   * honouring maxTokens, stop strings and EOS. Ends on `signal` (finish reason 'abort').
+   */
+  generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'>;
+  /** Clear the sequence and return it to the pool. Idempotent. */
+  release(): void;
+}
+
+/** A loaded model with one multi-sequence context. */
+export interface Engine {
+  readonly info: EngineInfo;
+  tokenize(text: string): number[];
+  /** Render messages with the model's chat template (generic one when the GGUF has none), add the assistant prefix, tokenize. */
+  renderChat(messages: ChatMessage[]): number[];
+  detokenize(tokens: number[]): string;
+  /** Free slots right now. */
+  slotsFree(): number;
+  /** Reserve a free slot, or null when all are taken. */
+  tryAcquireSlot(): Slot | null;
+  dispose(): Promise<void>;
+}
