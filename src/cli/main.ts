@@ -1,0 +1,222 @@
+/**
+ * The `pdserve` command line (commander). Each role runs on its own (`prefill`, `decode`,
+ * `router`, `colocated`) so workers can live on other hosts; `up` starts a whole local cluster.
+ */
+import { Command, InvalidArgumentError, Option } from 'commander';
+import { randomBytes } from 'node:crypto';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { createLogger } from '../common/log.js';
+
+function int(v: string): number {
+  const n = Number(v);
+  if (!Number.isInteger(n)) throw new InvalidArgumentError(`not an integer: ${v}`);
+  return n;
+}
+
+function collect(v: string, prev: string[] = []): string[] {
+  return [...prev, v];
+}
+
+const engineOptions = (c: Command) =>
+  c
+    .option('--model <file>', 'GGUF model file (default: the built-in tiny model, generated once into the cache)')
+    .option('--threads <n>', 'llama.cpp threads of this process', int, 1)
+    .option('--ctx-size <tokens>', 'context size per sequence, tokens', int, 2048)
+    .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512);
+
+const kvOptions = (c: Command) =>
+  c
+    .option('--cluster-secret <secret>', 'shared secret of the KV channels (or PDSERVE_CLUSTER_SECRET)')
+    .option('--heartbeat-ms <ms>', 'KV channel heartbeat interval; a peer is lost after 2 silent intervals', int, 1000)
+    .option('--prealloc-timeout-ms <ms>', 'decode: max wait for a free sequence slot', int, 30_000)
+    .option('--bootstrap-timeout-ms <ms>', 'max wait for the peer to register the room', int, 10_000)
+    .option('--waiting-timeout-ms <ms>', 'prefill: max queue + prompt evaluation time; decode: max wait for the KV to start', int, 60_000)
+    .option('--transfer-timeout-ms <ms>', 'max time without KV transfer progress', int, 10_000)
+    .option('--state-dir <dir>', 'folder for sequence-state files (tmpfs)', '/dev/shm');
+
+async function modelPath(model: string | undefined): Promise<string> {
+  if (model) return resolve(model);
+  const { ensureModel } = await import('../engine/gguf-writer.js');
+  return ensureModel('tiny', 1);
+}
+
+function secretOf(o: { clusterSecret?: string }): string {
+  const s = o.clusterSecret ?? process.env.PDSERVE_CLUSTER_SECRET;
+  if (!s) {
+    console.error('pdserve: a cluster secret is required: pass --cluster-secret or set PDSERVE_CLUSTER_SECRET (the same on every prefill and decode worker)');
+    process.exit(2);
+  }
+  return s;
+}
+
+/** Run a server role until SIGINT/SIGTERM or until the parent's IPC channel closes. */
+async function serve(role: string, start: () => Promise<{ close(): Promise<void>; url: string; bootstrapPort?: number }>): Promise<void> {
+  const s = await start();
+  process.send?.({ type: 'ready', role, url: s.url, bootstrapPort: s.bootstrapPort });
+  let closing = false;
+  const stop = async () => {
+    if (closing) return;
+    closing = true;
+    const t = setTimeout(() => process.exit(0), 3000);
+    t.unref();
+    await s.close().catch(() => {});
+    process.exit(0);
+  };
+  process.on('SIGINT', stop);
+  process.on('SIGTERM', stop);
+  process.on('disconnect', stop);
+}
+
+function timeoutsOf(o: Record<string, number>) {
+  return { preallocMs: o.preallocTimeoutMs, bootstrapMs: o.bootstrapTimeoutMs, waitingMs: o.waitingTimeoutMs, transferIdleMs: o.transferTimeoutMs };
+}
+
+/** Parse argv and run. */
+export async function runCli(argv: string[]): Promise<void> {
+  const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
+
+  engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback'))
+    .option('--prefill <n>', 'prefill workers', int, 1)
+    .option('--decode <n>', 'decode workers', int, 1)
+    .option('--port <port>', 'router port', int, 8000)
+    .option('--host <host>', 'bind address of every process', '127.0.0.1')
+    .option('--decode-slots <n>', 'sequences per decode worker', int, 8)
+    .option('--cluster-secret <secret>', 'shared secret (default: a random one)')
+    .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
+    .action(async (o) => {
+      const { Cluster } = await import('../harness/cluster.js');
+      const model = await modelPath(o.model);
+      const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir });
+      let stopping = false;
+      const stop = async (code = 0) => {
+        if (stopping) return;
+        stopping = true;
+        console.log('\npdserve: stopping the cluster…');
+        await c.stop();
+        process.exit(code);
+      };
+      process.on('SIGINT', () => void stop());
+      process.on('SIGTERM', () => void stop());
+      try {
+        await c.start();
+      } catch (err) {
+        console.error(`pdserve: ${(err as Error).message}`);
+        await stop(1);
+        return;
+      }
+      const r = c.router.url;
+      console.log(`pdserve is up (model ${model})`);
+      console.log(`  router   ${r}   (OpenAI API: ${r}/v1)`);
+      for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(8)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
+      console.log(`  logs     ${logDir}`);
+      console.log('\nTry:');
+      console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
+      console.log('\nCtrl-C stops everything.');
+      setInterval(() => {
+        for (const p of c.procs) {
+          if (!p.child && !p.expectedDown) {
+            console.error(`pdserve: ${p.name} exited unexpectedly${p.logFile ? ` (log: ${p.logFile})` : ''}; stopping`);
+            void stop(1);
+          }
+        }
+      }, 1000);
+    });
+
+  kvOptions(engineOptions(program.command('prefill').description('run a prefill worker')))
+    .option('--host <host>', 'HTTP bind address', '127.0.0.1')
+    .option('--port <port>', 'HTTP port', int, 30000)
+    .option('--bootstrap-port <port>', 'KV bootstrap/control listener port', int, 8998)
+    .option('--bootstrap-host <host>', 'address decode workers use to reach the bootstrap listener', '127.0.0.1')
+    .option('--slots <n>', 'sequences of the prefill context', int, 1)
+    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)
+    .action(async (o) => {
+      const { startPrefillWorker } = await import('../prefill/worker.js');
+      const model = await modelPath(o.model);
+      await serve('prefill', async () =>
+        startPrefillWorker(
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize } },
+          createLogger('prefill'),
+        ),
+      );
+    });
+
+  kvOptions(engineOptions(program.command('decode').description('run a decode worker')))
+    .option('--host <host>', 'HTTP bind address', '127.0.0.1')
+    .option('--port <port>', 'HTTP port', int, 30001)
+    .option('--slots <n>', 'sequences decoded as one batch', int, 8)
+    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256)
+    .action(async (o) => {
+      const { startDecodeWorker } = await import('../decode/worker.js');
+      const model = await modelPath(o.model);
+      await serve('decode', async () =>
+        startDecodeWorker(
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize } },
+          createLogger('decode'),
+        ),
+      );
+    });
+
+  engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
+    .option('--host <host>', 'HTTP bind address', '127.0.0.1')
+    .option('--port <port>', 'HTTP port', int, 8000)
+    .option('--slots <n>', 'sequences decoded as one batch', int, 8)
+    .action(async (o) => {
+      const { startColocated } = await import('../colocated/server.js');
+      const model = await modelPath(o.model);
+      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize } }, createLogger('colocated')));
+    });
+
+  program
+    .command('router')
+    .description('run the router (OpenAI API) in front of prefill and decode workers')
+    .option('--host <host>', 'bind address', '127.0.0.1')
+    .option('--port <port>', 'port', int, 8000)
+    .addOption(new Option('--prefill <url[,bootstrap-port]>', 'a prefill worker (repeatable); bootstrap port defaults to 8998').argParser(collect))
+    .addOption(new Option('--decode <url>', 'a decode worker (repeatable)').argParser(collect))
+    .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
+    .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
+    .action(async (o) => {
+      const { startRouter } = await import('../router/index.js');
+      if (!o.prefill?.length || !o.decode?.length) {
+        console.error('pdserve router: at least one --prefill and one --decode are required');
+        process.exit(2);
+      }
+      const prefill = (o.prefill as string[]).map((s) => {
+        const [url, bp] = s.split(',');
+        const u = new URL(url!);
+        return { url: url!, bootstrapHost: u.hostname, bootstrapPort: bp ? int(bp) : 8998 };
+      });
+      const decode = (o.decode as string[]).map((url) => ({ url }));
+      await serve('router', async () => {
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, log: createLogger('router') });
+        return r;
+      });
+    });
+
+  program
+    .command('make-model')
+    .description('write a deterministic llama GGUF with random weights (no download needed)')
+    .requiredOption('--out <file>', 'output path')
+    .addOption(new Option('--preset <name>', 'model size').choices(['tiny', 'small']).default('tiny'))
+    .option('--seed <n>', 'PRNG seed', int, 1)
+    .action(async (o) => {
+      const { writeLlamaGguf } = await import('../engine/gguf-writer.js');
+      await writeLlamaGguf(resolve(o.out), { preset: o.preset, seed: o.seed });
+      console.log(`wrote ${resolve(o.out)} (${o.preset}, seed ${o.seed})`);
+    });
+
+  program
+    .command('sim')
+    .description('run the deterministic room-lifecycle simulator over many seeds')
+    .allowUnknownOption()
+    .helpOption(false)
+    .action(async () => {
+      const { simMain } = await import('../kv/sim/index.js');
+      const i = argv.indexOf('sim');
+      process.exitCode = await simMain(argv.slice(i + 1));
+    });
+
+  await program.parseAsync(argv);
+}

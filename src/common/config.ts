@@ -1,0 +1,98 @@
+/**
+ * Worker configuration, validated once with zod at start-up (all problems reported together)
+ * and frozen, in the style of fastify's initial-config-validation.
+ */
+import { z } from 'zod';
+import { DEFAULT_TIMEOUTS } from '../kv/types.js';
+
+const port = z.number().int().min(0).max(65535);
+
+export const EngineConfigSchema = z.object({
+  /** Path of the GGUF model. */
+  modelPath: z.string().min(1),
+  /** llama.cpp threads for this process (1 per worker on a 2-core machine). */
+  threads: z.number().int().min(1).max(256).default(1),
+  /** Tokens per sequence. */
+  contextSize: z.number().int().min(16).max(1 << 20).default(2048),
+  /** Prompt chunk size in tokens; abort is checked between chunks. */
+  batchSize: z.number().int().min(1).max(1 << 16).default(512),
+});
+
+export const TimeoutsSchema = z.object({
+  preallocMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.preallocMs),
+  bootstrapMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.bootstrapMs),
+  waitingMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.waitingMs),
+  transferIdleMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.transferIdleMs),
+});
+
+const common = {
+  host: z.string().default('127.0.0.1'),
+  port: port.default(0),
+  /** Shared secret of the cluster's KV channels (HMAC challenge). */
+  secret: z.string().min(8, 'cluster secret must be at least 8 characters'),
+  engine: EngineConfigSchema,
+  timeouts: TimeoutsSchema.default({}),
+  /** Heartbeat interval of the KV control channel, ms; a peer is lost after 2 silent intervals. */
+  heartbeatMs: z.number().int().min(50).max(60_000).default(1000),
+  /** Watchdog period (deadline checks), ms. */
+  watchdogMs: z.number().int().min(5).max(10_000).default(100),
+  /** Folder for sequence-state files (tmpfs). */
+  stateDir: z.string().default('/dev/shm'),
+  /** Largest accepted KV state, bytes. */
+  maxStateBytes: z.number().int().positive().default(512 * 1024 * 1024),
+};
+
+export const PrefillConfigSchema = z.object({
+  ...common,
+  /** Address decode workers use to reach the bootstrap listener. */
+  bootstrapHost: z.string().default('127.0.0.1'),
+  bootstrapPort: port.default(8998),
+  /** Sequences of the prefill context (prompts evaluated at once). */
+  slots: z.number().int().min(1).max(64).default(1),
+  /** Bound on rooms waiting for prompt evaluation. */
+  maxWaiting: z.number().int().min(1).default(256),
+  /** Bound on live rooms (bootstrap + waiting + inflight). */
+  maxRooms: z.number().int().min(1).default(1024),
+  /** KV chunk size on the wire, bytes. */
+  chunkBytes: z.number().int().min(1024).max(1024 * 1024).default(1024 * 1024),
+});
+export type PrefillConfig = Readonly<z.infer<typeof PrefillConfigSchema>>;
+
+export const DecodeConfigSchema = z.object({
+  ...common,
+  /** Sequences of the decode context (requests decoded as one batch). */
+  slots: z.number().int().min(1).max(256).default(8),
+  /** Bound on the prealloc queue (requests waiting for a slot). */
+  maxPrealloc: z.number().int().min(1).default(256),
+  /** Connect timeout to a prefill bootstrap port, ms. */
+  connectTimeoutMs: z.number().int().positive().default(2000),
+});
+export type DecodeConfig = Readonly<z.infer<typeof DecodeConfigSchema>>;
+
+export const ColocatedConfigSchema = z.object({
+  host: z.string().default('127.0.0.1'),
+  port: port.default(0),
+  engine: EngineConfigSchema,
+  slots: z.number().int().min(1).max(256).default(8),
+  maxWaiting: z.number().int().min(1).default(256),
+  requestTimeoutMs: z.number().int().positive().default(300_000),
+});
+export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
+
+/** Parse and freeze; throws one Error listing every problem. */
+export function parseConfig<S extends z.ZodTypeAny>(schema: S, raw: unknown): Readonly<z.infer<S>> {
+  const r = schema.safeParse(raw);
+  if (!r.success) {
+    const lines = r.error.issues.map((i) => `  ${i.path.join('.') || '(root)'}: ${i.message}`);
+    throw new Error(`invalid configuration:\n${lines.join('\n')}`);
+  }
+  return deepFreeze(r.data);
+}
+
+function deepFreeze<T>(o: T): T {
+  if (o && typeof o === 'object') {
+    for (const v of Object.values(o)) deepFreeze(v);
+    Object.freeze(o);
+  }
+  return o;
+}

@@ -1,0 +1,68 @@
+/**
+ * Prometheus metrics of a worker (prom-client, one registry per process — never the global one).
+ * Queue and room gauges are read from the live data structures at scrape time (collect), so
+ * they cannot drift from the truth: a gauge is never incremented on one path and forgotten on another.
+ */
+import client from 'prom-client';
+import { KVPoll, type Role } from '../kv/types.js';
+
+export interface WorkerMetricSources {
+  /** Queue name (e.g. 'prefill_inflight_queue') → entries now. */
+  queues(): Record<string, number>;
+  /** KVPoll → live rooms now. */
+  roomsByState(): Map<KVPoll, number>;
+}
+
+/** Metric handles shared by prefill and decode workers. */
+export class WorkerMetrics {
+  readonly registry = new client.Registry();
+  readonly kvTransferFailed: client.Counter<'reason'>;
+  readonly bootstrapFailed: client.Counter<'reason'>;
+  readonly kvBytes: client.Counter;
+  readonly kvSeconds: client.Histogram;
+  readonly illegal: client.Counter<'from' | 'to'>;
+  readonly expired: client.Counter<'role' | 'state'>;
+  readonly roomsTerminal: client.Counter<'state'>;
+  readonly channel: client.Counter<'event'>;
+
+  constructor(readonly role: Role | 'colocated', sources: WorkerMetricSources) {
+    const registers = [this.registry];
+    client.collectDefaultMetrics({ register: this.registry, prefix: 'pdserve_process_' });
+    const queueNames = Object.keys(sources.queues());
+    for (const q of queueNames) {
+      new client.Gauge({
+        name: `pdserve_${q}_reqs`,
+        help: `Requests in the ${q.replace(/_/g, ' ')}`,
+        registers,
+        collect() {
+          this.set(sources.queues()[q] ?? 0);
+        },
+      });
+    }
+    new client.Gauge({
+      name: 'pdserve_rooms',
+      help: 'Live rooms by role and KVPoll state',
+      labelNames: ['role', 'state'],
+      registers,
+      collect() {
+        const m = sources.roomsByState();
+        for (const s of [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring]) {
+          this.set({ role, state: KVPoll[s] }, m.get(s) ?? 0);
+        }
+      },
+    });
+    this.kvTransferFailed = new client.Counter({ name: 'pdserve_kv_transfer_failed_total', help: 'Rooms that failed after registration, by reason', labelNames: ['reason'], registers });
+    this.bootstrapFailed = new client.Counter({ name: 'pdserve_bootstrap_failed_total', help: 'Rooms that failed before registration completed, by reason', labelNames: ['reason'], registers });
+    this.kvBytes = new client.Counter({ name: 'pdserve_kv_transfer_bytes_total', help: 'KV state bytes sent (prefill) or received (decode)', registers });
+    this.kvSeconds = new client.Histogram({ name: 'pdserve_kv_transfer_seconds', help: 'Time from kv_begin to the room reaching Success', buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], registers });
+    this.illegal = new client.Counter({ name: 'pdserve_illegal_transitions_total', help: 'Room state writes refused by the transition function', labelNames: ['from', 'to'], registers });
+    this.expired = new client.Counter({ name: 'pdserve_room_deadline_expired_total', help: 'Rooms failed by the watchdog', labelNames: ['role', 'state'], registers });
+    this.roomsTerminal = new client.Counter({ name: 'pdserve_rooms_terminal_total', help: 'Rooms that reached a terminal state', labelNames: ['state'], registers });
+    this.channel = new client.Counter({ name: 'pdserve_kv_channel_events_total', help: 'KV channel events (auth failures, bad frames, stale epochs, peers lost)', labelNames: ['event'], registers });
+  }
+
+  /** Reason label, bounded in cardinality: the part before the first ':' (e.g. 'deadline'). */
+  static reasonLabel(reason: string): string {
+    return reason.split(':')[0]!.slice(0, 40);
+  }
+}

@@ -1,0 +1,452 @@
+/**
+ * Decode worker: accepts `POST /generate` with bootstrap fields, reserves a sequence slot
+ * (prealloc queue), registers the room with the prefill worker over the KV channel, receives the
+ * enveloped state (transfer queue), validates it completely (envelope + ggsq walk) before
+ * llama.cpp sees a byte, loads it into the slot and streams tokens (running batch: all slots of
+ * one llama.cpp context, batched by node-llama-cpp).
+ *
+ * Room state lives only in the lifecycle core (`RoomTable`). The slot is released in exactly one
+ * place: the `finally` of the request handler, after any engine call on it has settled.
+ */
+import { rm, writeFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import type { FastifyInstance, FastifyReply } from 'fastify';
+import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
+import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
+import { ApiError, toApiError } from '../common/errors.js';
+import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
+import { createLogger, type Logger } from '../common/log.js';
+import { WorkerMetrics } from '../common/metrics.js';
+import { samplingFromWire } from '../common/requests.js';
+import { loadEngine } from '../engine/index.js';
+import { parseStateFile } from '../engine/ggsq.js';
+import type { Engine, SamplingParams, Slot } from '../engine/types.js';
+import { newEpoch } from '../kv/auth.js';
+import { KvPeerPool, type PeerConn } from '../kv/channel.js';
+import { decodeEnvelope } from '../kv/envelope.js';
+import { RoomTable } from '../kv/lifecycle.js';
+import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
+import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
+import { failureToApiError, zodToApiError } from '../prefill/worker.js';
+
+interface Job {
+  room: RoomId;
+  rid: string;
+  sampling: SamplingParams;
+  /** "host:port" of the prefill bootstrap listener; also the room's peer key. */
+  peerKey: string;
+  host: string;
+  port: number;
+  ac: AbortController;
+  slot?: Slot;
+  conn?: PeerConn;
+  recv?: { buf: Buffer; got: number };
+  /** In-flight engine load, awaited before the slot is released. */
+  loading?: Promise<void>;
+  /** Resolves with the envelope header when the room reaches Success. */
+  ready: Deferred<EnvelopeHeader>;
+  header?: EnvelopeHeader;
+  t0: number;
+}
+
+/** A running decode worker. Create with `startDecodeWorker`. */
+export class DecodeWorker {
+  readonly rooms: RoomTable;
+  readonly metrics: WorkerMetrics;
+  readonly epoch = newEpoch();
+  private readonly jobs = new Map<RoomId, Job>();
+  private readonly byRid = new Map<string, RoomId>();
+  /** FIFO of rooms waiting for a free slot. */
+  private readonly prealloc = new Set<RoomId>();
+  /** Requests generating tokens now. */
+  private running = 0;
+  private watchdog?: NodeJS.Timeout;
+  app!: FastifyInstance;
+  pool!: KvPeerPool;
+  url = '';
+
+  constructor(
+    readonly config: DecodeConfig,
+    readonly engine: Engine,
+    readonly log: Logger,
+  ) {
+    this.rooms = new RoomTable('decode', config.timeouts);
+    this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => this.roomsByState() });
+  }
+
+  /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
+  queueSizes(): Record<string, number> {
+    let prealloc = 0;
+    let transfer = 0;
+    for (const r of this.rooms.rooms()) {
+      if (r.phase === 'prealloc') prealloc++;
+      else transfer++;
+    }
+    return { decode_prealloc_queue: prealloc, decode_transfer_queue: transfer, decode_running: this.running, decode_slots_used: this.engine.info.sequences - this.engine.slotsFree() };
+  }
+
+  private roomsByState(): Map<KVPoll, number> {
+    const m = new Map<KVPoll, number>();
+    for (const r of this.rooms.rooms()) m.set(r.state, (m.get(r.state) ?? 0) + 1);
+    return m;
+  }
+
+  async start(): Promise<void> {
+    const c = this.config;
+    this.pool = new KvPeerPool({
+      secret: c.secret,
+      epoch: this.epoch,
+      heartbeatMs: c.heartbeatMs,
+      connectTimeoutMs: c.connectTimeoutMs,
+      log: this.log.child({ part: 'kv' }),
+      onMessage: (conn, msg) => this.onControl(conn, msg),
+      onChunk: (conn, room, offset, data) => this.onChunk(conn, room, offset, data),
+      onPeerLost: (conn, reason) => this.onPeerLost(conn, reason),
+    });
+    this.app = createWorkerApp({
+      log: this.log,
+      registry: this.metrics.registry,
+      health: () => ({
+        role: 'decode',
+        model: this.engine.info.modelName,
+        fingerprint: this.engine.info.fingerprint,
+        epoch: this.epoch,
+        slots: this.engine.info.sequences,
+        slots_free: this.engine.slotsFree(),
+        rooms: this.rooms.rooms().length,
+        ...this.queueSizes(),
+      }),
+      debugRooms: () => ({ role: 'decode', epoch: this.epoch, queues: this.queueSizes(), ...this.rooms.snapshot(Date.now()) }),
+    });
+    this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
+    this.app.post('/abort_request', async (req) => {
+      const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
+      const id = b.bootstrap_room !== undefined ? String(b.bootstrap_room) : typeof b.rid === 'string' ? this.byRid.get(b.rid) : undefined;
+      if (id) this.abort(id, 'router');
+      return { ok: true };
+    });
+    this.app.get('/v1/models', async () => ({ object: 'list', data: [{ id: this.engine.info.modelName, object: 'model', owned_by: 'pdserve', created: 0 }] }));
+    await this.app.listen({ host: c.host, port: c.port });
+    const addr = this.app.server.address();
+    this.url = `http://${c.host}:${typeof addr === 'object' && addr ? addr.port : c.port}`;
+    this.watchdog = setInterval(() => this.run(this.rooms.tick(Date.now())), c.watchdogMs);
+    this.watchdog.unref();
+    this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
+  }
+
+  async close(): Promise<void> {
+    if (this.watchdog) clearInterval(this.watchdog);
+    this.watchdog = undefined;
+    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', reason: 'shutdown' });
+    for (const j of this.jobs.values()) j.ac.abort();
+    await this.app?.close().catch(() => {});
+    await this.pool?.close();
+    await this.engine.dispose();
+  }
+
+  // ---- lifecycle plumbing ---------------------------------------------------------------------
+
+  private apply(room: RoomId, ev: RoomEvent): void {
+    this.run(this.rooms.apply(room, ev, Date.now()));
+  }
+
+  private run(effects: Effect[]): void {
+    for (const e of effects) {
+      switch (e.t) {
+        case 'send_register':
+          void this.register(e.room);
+          break;
+        case 'send_ack': {
+          const job = this.jobs.get(e.room);
+          job?.conn?.sendControl({ type: 'kv_ack', room: e.room, epoch: this.epoch });
+          break;
+        }
+        case 'notify_peer': {
+          const job = this.jobs.get(e.room);
+          job?.conn?.sendControl({ type: 'fail', room: e.room, reason: e.reason, epoch: this.epoch });
+          break;
+        }
+        case 'terminal':
+          this.finish(e.room, e.state, e.reason);
+          break;
+        case 'illegal':
+          this.metrics.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
+          this.log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');
+          break;
+        case 'expired':
+          this.metrics.expired.inc({ role: 'decode', state: KVPoll[e.state] });
+          this.log.warn({ room: e.room, state: KVPoll[e.state], phase: e.phase, timeline: e.timeline }, 'room deadline expired');
+          break;
+        default:
+          break;
+      }
+    }
+  }
+
+  /** Room terminal: drop its queue entry and receive buffer, wake the request handler. */
+  private finish(room: RoomId, state: KVPoll, reason: string): void {
+    this.prealloc.delete(room);
+    const job = this.jobs.get(room);
+    if (!job) return;
+    job.recv = undefined;
+    this.metrics.roomsTerminal.inc({ state: KVPoll[state] });
+    if (state === KVPoll.Success && job.header) {
+      job.ready.resolve(job.header);
+    } else {
+      job.ac.abort();
+      const registered = job.conn !== undefined && (this.rooms.get(room)?.timeline ?? []).some((t) => t.state === KVPoll.WaitingForInput);
+      (registered ? this.metrics.kvTransferFailed : this.metrics.bootstrapFailed).inc({ reason: WorkerMetrics.reasonLabel(reason) });
+      job.ready.reject(failureToApiError(reason));
+    }
+    this.admit();
+  }
+
+  abort(room: RoomId, from: 'router' | 'client' | 'local'): void {
+    const job = this.jobs.get(room);
+    this.apply(room, { t: 'abort', from, reason: `abort: ${from}` });
+    job?.ac.abort();
+  }
+
+  /** Hand free slots to the oldest prealloc rooms. */
+  private admit(): void {
+    while (this.prealloc.size > 0) {
+      const room = this.prealloc.values().next().value as RoomId;
+      const job = this.jobs.get(room);
+      if (!job) {
+        this.prealloc.delete(room);
+        continue;
+      }
+      const slot = this.engine.tryAcquireSlot();
+      if (!slot) return;
+      this.prealloc.delete(room);
+      job.slot = slot;
+      this.apply(room, { t: 'slot_reserved' });
+    }
+  }
+
+  private async register(room: RoomId): Promise<void> {
+    const job = this.jobs.get(room);
+    if (!job) return;
+    let conn: PeerConn;
+    try {
+      conn = await this.pool.get(job.host, job.port);
+    } catch (err) {
+      this.apply(room, { t: 'fail', reason: `bootstrap: cannot reach prefill ${job.peerKey}: ${(err as Error).message}` });
+      return;
+    }
+    if (!this.jobs.has(room) || job.ac.signal.aborted) return;
+    job.conn = conn;
+    if (!conn.sendControl({ type: 'register', room, rid: job.rid, epoch: this.epoch })) {
+      this.apply(room, { t: 'peer_lost', reason: 'peer_lost: connection closed before register' });
+    }
+  }
+
+  // ---- KV channel -----------------------------------------------------------------------------
+
+  /** The job for a room, only when `conn` is the connection that room registered on. */
+  private jobOn(conn: PeerConn, room: RoomId): Job | undefined {
+    const job = this.jobs.get(room);
+    if (!job || job.conn !== conn) {
+      this.log.debug({ room, peer: conn.id }, 'message for a room not registered on this connection: ignored');
+      return undefined;
+    }
+    return job;
+  }
+
+  private onControl(conn: PeerConn, msg: ControlMsg): void {
+    switch (msg.type) {
+      case 'registered':
+        if (this.jobOn(conn, msg.room)) this.apply(msg.room, { t: 'registered' });
+        return;
+      case 'kv_begin': {
+        const job = this.jobOn(conn, msg.room);
+        if (!job) return;
+        if (msg.totalBytes <= 0 || msg.totalBytes > this.config.maxStateBytes) {
+          this.apply(msg.room, { t: 'fail', reason: `transfer: announced state of ${msg.totalBytes} bytes is outside (0, ${this.config.maxStateBytes}]` });
+          return;
+        }
+        job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), got: 0 };
+        this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes });
+        return;
+      }
+      case 'kv_end': {
+        const job = this.jobOn(conn, msg.room);
+        if (!job) return;
+        if (!job.recv || job.recv.got !== job.recv.buf.length) {
+          this.apply(msg.room, { t: 'fail', reason: `transfer: kv_end after ${job.recv?.got ?? 0} of ${job.recv?.buf.length ?? 0} bytes` });
+          return;
+        }
+        job.loading = this.load(job);
+        return;
+      }
+      case 'fail':
+        if (this.jobOn(conn, msg.room)) this.apply(msg.room, { t: 'abort', from: 'peer', reason: `prefill: ${msg.reason}` });
+        return;
+      default:
+        this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on decode');
+    }
+  }
+
+  private onChunk(conn: PeerConn, room: RoomId, offset: number, data: Buffer): void {
+    const job = this.jobOn(conn, room);
+    if (!job) return;
+    const r = job.recv;
+    if (!r) {
+      this.apply(room, { t: 'fail', reason: 'transfer: chunk before kv_begin' });
+      return;
+    }
+    if (offset !== r.got || r.got + data.length > r.buf.length) {
+      this.apply(room, { t: 'fail', reason: `transfer: chunk at offset ${offset} (+${data.length}) does not follow ${r.got} of ${r.buf.length}` });
+      return;
+    }
+    data.copy(r.buf, r.got);
+    r.got += data.length;
+    this.metrics.kvBytes.inc(data.length);
+    this.apply(room, { t: 'progress', bytes: data.length });
+  }
+
+  private onPeerLost(conn: PeerConn, reason: string): void {
+    this.metrics.channel.inc({ event: 'peer_lost' });
+    const rooms = [...this.jobs.values()].filter((j) => j.conn === conn || (!j.conn && false)).map((j) => j.room);
+    for (const room of rooms) this.apply(room, { t: 'peer_lost', reason: `peer_lost: ${reason}` });
+  }
+
+  /** Validate the received blob completely, then load it into the room's slot. */
+  private async load(job: Job): Promise<void> {
+    const { room } = job;
+    const blob = job.recv!.buf;
+    const info = this.engine.info;
+    const path = join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`);
+    try {
+      const { header, payload } = decodeEnvelope(blob, { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes });
+      const state = parseStateFile(payload, { nLayer: info.compat.nLayer, contextSize: info.compat.contextSize, maxBytes: this.config.maxStateBytes });
+      if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
+      if (!this.jobs.has(room) || !job.slot) return;
+      await writeFile(path, payload);
+      await job.slot.loadState(path, state.tokens);
+      job.header = header;
+      this.apply(room, { t: 'kv_done' });
+    } catch (err) {
+      const e = err as { code?: string; message?: string };
+      this.apply(room, { t: 'fail', reason: `${e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'load'}: ${e.message ?? String(err)}` });
+    } finally {
+      await rm(path, { force: true }).catch(() => {});
+    }
+  }
+
+  // ---- HTTP -----------------------------------------------------------------------------------
+
+  private async handleGenerate(raw: unknown, reply: FastifyReply): Promise<void> {
+    const parsed = GenerateRequestSchema.safeParse(raw);
+    if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
+    const body: GenerateRequest = parsed.data;
+    if (this.prealloc.size >= this.config.maxPrealloc) return sendError(reply, new ApiError(503, 'queue_full', `decode prealloc queue is full (${this.config.maxPrealloc})`, 'overloaded_error'));
+    const room = body.bootstrap_room;
+    const job: Job = {
+      room,
+      rid: body.rid,
+      sampling: samplingFromWire(body.sampling_params),
+      peerKey: `${body.bootstrap_host}:${body.bootstrap_port}`,
+      host: body.bootstrap_host,
+      port: body.bootstrap_port,
+      ac: new AbortController(),
+      ready: deferred(),
+      t0: Date.now(),
+    };
+    let effects: Effect[];
+    try {
+      effects = this.rooms.create(room, body.rid, Date.now(), job.peerKey);
+    } catch (err) {
+      return sendError(reply, toApiError(err));
+    }
+    this.jobs.set(room, job);
+    this.byRid.set(job.rid, room);
+    this.prealloc.add(room);
+    const off = onClientGone(reply, () => this.abort(room, 'client'));
+    try {
+      this.run(effects);
+      this.admit();
+      let header: EnvelopeHeader;
+      try {
+        header = await job.ready.promise;
+      } catch (err) {
+        return sendError(reply, toApiError(err));
+      }
+      await this.stream(job, header, body, reply);
+    } finally {
+      off();
+      if (job.loading) await job.loading.catch(() => {});
+      job.slot?.release();
+      job.slot = undefined;
+      this.jobs.delete(room);
+      if (this.byRid.get(job.rid) === room) this.byRid.delete(job.rid);
+      this.prealloc.delete(room);
+      this.admit();
+    }
+  }
+
+  /** Generate from the loaded slot and write SSE events until finish, abort or client loss. */
+  private async stream(job: Job, header: EnvelopeHeader, body: GenerateRequest, reply: FastifyReply): Promise<void> {
+    const res = reply.raw;
+    reply.hijack();
+    res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
+    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, completion_tokens: n, finish_reason: finish });
+    this.running++;
+    let n = 0;
+    try {
+      const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
+      let finish: 'stop' | 'length' | 'abort' = 'abort';
+      for (;;) {
+        const r = await gen.next();
+        if (r.done) {
+          finish = r.value;
+          break;
+        }
+        n++;
+        const ev: GenerateEvent = { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
+        if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
+          job.ac.abort();
+        }
+      }
+      if (!res.destroyed) {
+        await writeEvent(res, { text: '', token_ids: [], meta_info: meta(n, { type: finish }) }, this.config.timeouts.transferIdleMs);
+        res.write('data: [DONE]\n\n');
+      }
+    } catch (err) {
+      const e = toApiError(err);
+      if (!res.destroyed) res.write(`data: ${JSON.stringify({ error: { message: e.message, type: e.type, code: e.code } })}\n\n`);
+    } finally {
+      this.running--;
+      if (!res.writableEnded) res.end();
+    }
+    void body;
+  }
+}
+
+/** Write one SSE event; waits for 'drain' at most `deadlineMs`. False when the client is gone or stuck. */
+async function writeEvent(res: import('node:http').ServerResponse, ev: unknown, deadlineMs: number): Promise<boolean> {
+  if (res.destroyed || res.writableEnded) return false;
+  if (res.write(`data: ${JSON.stringify(ev)}\n\n`)) return true;
+  return new Promise<boolean>((resolve) => {
+    const t = setTimeout(() => done(false), deadlineMs);
+    const done = (ok: boolean) => {
+      clearTimeout(t);
+      res.off('drain', onDrain);
+      res.off('close', onClose);
+      resolve(ok);
+    };
+    const onDrain = () => done(true);
+    const onClose = () => done(false);
+    res.once('drain', onDrain);
+    res.once('close', onClose);
+  });
+}
+
+/** Load the engine, start the worker. */
+export async function startDecodeWorker(raw: unknown, log = createLogger('decode')): Promise<DecodeWorker> {
+  const config = parseConfig(DecodeConfigSchema, raw);
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const w = new DecodeWorker(config, engine, log);
+  await w.start();
+  return w;
+}

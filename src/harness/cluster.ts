@@ -1,0 +1,231 @@
+/**
+ * A local pdserve cluster as child processes on loopback: N prefill + M decode workers and a
+ * router, each a real `pdserve <role>` process. Used by `pdserve up`, `pdserve storm`, the bench
+ * suite and the end-to-end tests. Ports are chosen up front so a killed worker restarts on the
+ * same address (peers and the router find it again with no manual step).
+ *
+ * Children report readiness over an IPC channel ({type:'ready', url, bootstrapPort}) and exit
+ * when that channel closes, so a dead parent leaves no orphans.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { mkdirSync, openSync, closeSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';
+
+export interface ClusterOptions {
+  model: string;
+  prefill?: number;
+  decode?: number;
+  /** Router port (0 = any free port). */
+  port?: number;
+  host?: string;
+  threads?: number;
+  ctxSize?: number;
+  batchSize?: number;
+  decodeSlots?: number;
+  prefillSlots?: number;
+  secret?: string;
+  /** Folder for one log file per process; undefined = logs discarded unless PDSERVE_LOG_LEVEL is set, then inherited. */
+  logDir?: string;
+  /** Extra flags per role, e.g. {decode: ['--heartbeat-ms', '200']}. */
+  extraArgs?: Partial<Record<ProcRole, string[]>>;
+  /** Extra environment for all children. */
+  env?: Record<string, string>;
+  /** Per-process start deadline, ms. */
+  startTimeoutMs?: number;
+  /** Also start a colocated reference server. */
+  colocated?: boolean;
+}
+
+export interface ClusterProc {
+  role: ProcRole;
+  index: number;
+  name: string;
+  port: number;
+  bootstrapPort?: number;
+  url: string;
+  args: string[];
+  child?: ChildProcess;
+  /** True while the harness expects the process to be dead (killed on purpose). */
+  expectedDown: boolean;
+  /** Exits nobody asked for: {code, signal, at}. */
+  unexpectedExits: { code: number | null; signal: NodeJS.Signals | null; at: number }[];
+  logFile?: string;
+}
+
+const here = dirname(fileURLToPath(import.meta.url));
+/** Path of bin/pdserve.js, from src/harness or dist/harness. */
+export const BIN = join(here, '..', '..', 'bin', 'pdserve.js');
+
+/** A port that was free a moment ago (listen on 0, close). */
+export async function freePort(host = '127.0.0.1'): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const s = createServer();
+    s.once('error', reject);
+    s.listen(0, host, () => {
+      const a = s.address();
+      const p = typeof a === 'object' && a ? a.port : 0;
+      s.close(() => resolve(p));
+    });
+  });
+}
+
+/** Start and supervise a cluster. `start()` resolves when every process answered ready. */
+export class Cluster {
+  readonly procs: ClusterProc[] = [];
+  readonly secret: string;
+  readonly host: string;
+  private stopping = false;
+
+  constructor(readonly opts: ClusterOptions) {
+    this.secret = opts.secret ?? randomBytes(24).toString('hex');
+    this.host = opts.host ?? '127.0.0.1';
+  }
+
+  get router(): ClusterProc {
+    return this.procs.find((p) => p.role === 'router')!;
+  }
+  get colocated(): ClusterProc | undefined {
+    return this.procs.find((p) => p.role === 'colocated');
+  }
+  byRole(role: ProcRole): ClusterProc[] {
+    return this.procs.filter((p) => p.role === role);
+  }
+
+  private engineArgs(): string[] {
+    const o = this.opts;
+    const a = ['--model', o.model, '--threads', String(o.threads ?? 1)];
+    if (o.ctxSize) a.push('--ctx-size', String(o.ctxSize));
+    if (o.batchSize) a.push('--batch-size', String(o.batchSize));
+    return a;
+  }
+
+  async start(): Promise<void> {
+    const o = this.opts;
+    const h = this.host;
+    for (let i = 0; i < (o.prefill ?? 1); i++) {
+      const port = await freePort(h);
+      const bootstrapPort = await freePort(h);
+      const args = ['prefill', ...this.engineArgs(), '--host', h, '--port', String(port), '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h];
+      if (o.prefillSlots) args.push('--slots', String(o.prefillSlots));
+      this.procs.push(this.proc('prefill', i, port, [...args, ...(o.extraArgs?.prefill ?? [])], bootstrapPort));
+    }
+    for (let i = 0; i < (o.decode ?? 1); i++) {
+      const port = await freePort(h);
+      const args = ['decode', ...this.engineArgs(), '--host', h, '--port', String(port)];
+      if (o.decodeSlots) args.push('--slots', String(o.decodeSlots));
+      this.procs.push(this.proc('decode', i, port, [...args, ...(o.extraArgs?.decode ?? [])]));
+    }
+    if (o.colocated) {
+      const port = await freePort(h);
+      const args = ['colocated', ...this.engineArgs(), '--host', h, '--port', String(port)];
+      if (o.decodeSlots) args.push('--slots', String(o.decodeSlots));
+      this.procs.push(this.proc('colocated', 0, port, [...args, ...(o.extraArgs?.colocated ?? [])]));
+    }
+    const workers = [...this.procs];
+    await Promise.all(workers.map((p) => this.spawn(p)));
+    const rport = o.port === undefined || o.port === 0 ? await freePort(h) : o.port;
+    const rargs = ['router', '--host', h, '--port', String(rport)];
+    for (const p of this.byRole('prefill')) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
+    for (const p of this.byRole('decode')) rargs.push('--decode', p.url);
+    const router = this.proc('router', 0, rport, [...rargs, ...(o.extraArgs?.router ?? [])]);
+    this.procs.push(router);
+    await this.spawn(router);
+  }
+
+  private proc(role: ProcRole, index: number, port: number, args: string[], bootstrapPort?: number): ClusterProc {
+    const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
+    return { role, index, name, port, bootstrapPort, url: `http://${this.host}:${port}`, args, expectedDown: false, unexpectedExits: [] };
+  }
+
+  /** Spawn (or respawn) one process and wait for its ready message. */
+  async spawn(p: ClusterProc): Promise<void> {
+    const o = this.opts;
+    let out: number | 'ignore' | 'inherit' = process.env.PDSERVE_LOG_LEVEL ? 'inherit' : 'ignore';
+    if (o.logDir) {
+      mkdirSync(o.logDir, { recursive: true });
+      p.logFile = join(o.logDir, `${p.name}.log`);
+      out = openSync(p.logFile, 'a');
+    }
+    const child = spawn(process.execPath, [BIN, ...p.args], {
+      stdio: ['ignore', out, out, 'ipc'],
+      env: { ...process.env, PDSERVE_CLUSTER_SECRET: this.secret, ...(o.env ?? {}) },
+    });
+    if (typeof out === 'number') closeSync(out);
+    p.child = child;
+    p.expectedDown = false;
+    child.on('exit', (code, signal) => {
+      if (p.child === child) p.child = undefined;
+      if (!p.expectedDown && !this.stopping) p.unexpectedExits.push({ code, signal, at: Date.now() });
+    });
+    const deadline = o.startTimeoutMs ?? 60_000;
+    await new Promise<void>((resolve, reject) => {
+      const t = setTimeout(() => fail(new Error(`${p.name} did not become ready within ${deadline} ms${p.logFile ? ` (log: ${p.logFile})` : ''}`)), deadline);
+      const onMsg = (m: unknown) => {
+        const msg = m as { type?: string };
+        if (msg?.type === 'ready') done();
+      };
+      const onExit = (code: number | null, signal: string | null) => fail(new Error(`${p.name} exited (${code ?? signal}) before it was ready${p.logFile ? ` (log: ${p.logFile})` : ''}`));
+      const done = () => {
+        clearTimeout(t);
+        child.off('message', onMsg);
+        child.off('exit', onExit);
+        resolve();
+      };
+      const fail = (e: Error) => {
+        clearTimeout(t);
+        child.off('message', onMsg);
+        child.off('exit', onExit);
+        child.kill('SIGKILL');
+        reject(e);
+      };
+      child.on('message', onMsg);
+      child.once('exit', onExit);
+    });
+  }
+
+  /** Send a signal on purpose (the storm's faults). SIGKILL/SIGTERM mark the process as expected down. */
+  signal(p: ClusterProc, sig: NodeJS.Signals): void {
+    if (sig === 'SIGKILL' || sig === 'SIGTERM') p.expectedDown = true;
+    p.child?.kill(sig);
+  }
+
+  /** Kill with SIGKILL and wait for the exit. */
+  async kill(p: ClusterProc): Promise<void> {
+    const c = p.child;
+    if (!c) return;
+    p.expectedDown = true;
+    const exited = new Promise<void>((r) => c.once('exit', () => r()));
+    c.kill('SIGKILL');
+    await exited;
+  }
+
+  /** Kill (if alive) and start again on the same ports. */
+  async restart(p: ClusterProc): Promise<void> {
+    await this.kill(p);
+    await this.spawn(p);
+  }
+
+  /** SIGTERM everything (router first), SIGKILL after `graceMs`. Idempotent. */
+  async stop(graceMs = 3000): Promise<void> {
+    this.stopping = true;
+    const order = [...this.procs].sort((a, b) => (a.role === 'router' ? -1 : b.role === 'router' ? 1 : 0));
+    await Promise.all(
+      order.map(async (p) => {
+        const c = p.child;
+        if (!c) return;
+        p.expectedDown = true;
+        const exited = new Promise<void>((r) => c.once('exit', () => r()));
+        c.kill('SIGCONT');
+        c.kill('SIGTERM');
+        const t = setTimeout(() => c.kill('SIGKILL'), graceMs);
+        await exited;
+        clearTimeout(t);
+      }),
+    );
+  }
+}

@@ -1,0 +1,432 @@
+/**
+ * Prefill worker: accepts SGLang-style `POST /generate` with bootstrap fields, waits for the
+ * decode worker to register the room on the bootstrap listener (decode backpressure, as in
+ * SGLang), evaluates the prompt, samples the first token, and streams the enveloped sequence
+ * state to decode. The room's state lives only in the lifecycle core (`RoomTable`); this file
+ * turns its effects into I/O.
+ *
+ * Queues (SGLang's names): bootstrap (rooms in phase 'bootstrap'), waiting (registered, queued for
+ * or in prompt evaluation), inflight (state sent, waiting for decode's KV_ACK). Each entry leaves
+ * on the single `terminal` effect of its room.
+ */
+import { readFile, rm } from 'node:fs/promises';
+import { join } from 'node:path';
+import type { FastifyInstance } from 'fastify';
+import { GenerateRequestSchema, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
+import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
+import { ApiError, toApiError } from '../common/errors.js';
+import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
+import { createLogger, type Logger } from '../common/log.js';
+import { WorkerMetrics } from '../common/metrics.js';
+import { loadEngine } from '../engine/index.js';
+import type { Engine, SamplingParams, Slot } from '../engine/types.js';
+import { newEpoch } from '../kv/auth.js';
+import { KvServer, type PeerConn } from '../kv/channel.js';
+import { encodeEnvelope } from '../kv/envelope.js';
+import { RoomTable } from '../kv/lifecycle.js';
+import type { ControlMsg } from '../kv/messages.js';
+import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
+import { samplingFromWire, tokenizeRequest } from './../common/requests.js';
+
+interface Job {
+  room: RoomId;
+  rid: string;
+  tokens: number[];
+  sampling: SamplingParams;
+  /** Fires when the room becomes terminal: stops prompt evaluation and the send. */
+  ac: AbortController;
+  conn?: PeerConn;
+  /** The enveloped state while inflight (the KV buffer). Dropped on terminal. */
+  blob?: Buffer;
+  done: Deferred<PrefillResponse>;
+  t0: number;
+  prefillMs: number;
+  tKvBegin: number;
+}
+
+interface PendingRegistration {
+  conn: PeerConn;
+  rid: string;
+  at: number;
+}
+
+/** A running prefill worker. Create with `startPrefillWorker`. */
+export class PrefillWorker {
+  readonly rooms: RoomTable;
+  readonly metrics: WorkerMetrics;
+  readonly epoch = newEpoch();
+  private readonly jobs = new Map<RoomId, Job>();
+  private readonly byRid = new Map<string, RoomId>();
+  /** Rooms registered by decode before the router's request arrived here. Bounded, expires after bootstrapMs. */
+  private readonly pendingRegs = new Map<RoomId, PendingRegistration>();
+  /** FIFO of rooms waiting for a prefill slot. */
+  private readonly waiting = new Set<RoomId>();
+  private readonly conns = new Map<string, PeerConn>();
+  private computing = 0;
+  private watchdog?: NodeJS.Timeout;
+  app!: FastifyInstance;
+  kv!: KvServer;
+  url = '';
+  bootstrapPort = 0;
+
+  constructor(
+    readonly config: PrefillConfig,
+    readonly engine: Engine,
+    readonly log: Logger,
+  ) {
+    this.rooms = new RoomTable('prefill', config.timeouts);
+    this.metrics = new WorkerMetrics('prefill', {
+      queues: () => this.queueSizes(),
+      roomsByState: () => this.roomsByState(),
+    });
+  }
+
+  /** Queue name → entries, derived from room phases (cannot drift). */
+  queueSizes(): Record<string, number> {
+    let bootstrap = 0;
+    let inflight = 0;
+    let waiting = 0;
+    for (const r of this.rooms.rooms()) {
+      if (r.phase === 'bootstrap') bootstrap++;
+      else if (r.phase === 'waiting') waiting++;
+      else if (r.phase === 'inflight') inflight++;
+    }
+    return { prefill_bootstrap_queue: bootstrap, prefill_waiting_queue: waiting, prefill_inflight_queue: inflight };
+  }
+
+  private roomsByState(): Map<KVPoll, number> {
+    const m = new Map<KVPoll, number>();
+    for (const r of this.rooms.rooms()) m.set(r.state, (m.get(r.state) ?? 0) + 1);
+    return m;
+  }
+
+  async start(): Promise<void> {
+    const c = this.config;
+    this.kv = new KvServer({
+      host: c.host === '0.0.0.0' ? '0.0.0.0' : c.host,
+      port: c.bootstrapPort,
+      secret: c.secret,
+      epoch: this.epoch,
+      heartbeatMs: c.heartbeatMs,
+      log: this.log.child({ part: 'kv' }),
+      onMessage: (conn, msg) => this.onControl(conn, msg),
+      onPeerLost: (conn, reason) => this.onPeerLost(conn, reason),
+    });
+    this.bootstrapPort = await this.kv.listen();
+    this.app = createWorkerApp({
+      log: this.log,
+      registry: this.metrics.registry,
+      health: () => ({
+        role: 'prefill',
+        model: this.engine.info.modelName,
+        fingerprint: this.engine.info.fingerprint,
+        bootstrap_host: c.bootstrapHost,
+        bootstrap_port: this.bootstrapPort,
+        epoch: this.epoch,
+        slots: this.engine.info.sequences,
+        slots_free: this.engine.slotsFree(),
+        rooms: this.rooms.rooms().length,
+        ...this.queueSizes(),
+      }),
+      debugRooms: () => ({ role: 'prefill', epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...this.rooms.snapshot(Date.now()) }),
+    });
+    this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
+    this.app.post('/abort_request', async (req) => {
+      const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
+      this.abort(typeof b.rid === 'string' ? b.rid : undefined, b.bootstrap_room === undefined ? undefined : String(b.bootstrap_room), 'router');
+      return { ok: true };
+    });
+    this.app.get('/v1/models', async () => ({ object: 'list', data: [{ id: this.engine.info.modelName, object: 'model', owned_by: 'pdserve', created: 0 }] }));
+    await this.app.listen({ host: c.host, port: c.port });
+    const addr = this.app.server.address();
+    const port = typeof addr === 'object' && addr ? addr.port : c.port;
+    this.url = `http://${c.host}:${port}`;
+    this.watchdog = setInterval(() => this.tick(), c.watchdogMs);
+    this.watchdog.unref();
+    this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
+  }
+
+  /** Stop accepting, fail live rooms, close sockets, free the engine. Idempotent. */
+  async close(): Promise<void> {
+    if (this.watchdog) clearInterval(this.watchdog);
+    this.watchdog = undefined;
+    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', reason: 'shutdown' });
+    await this.app?.close().catch(() => {});
+    await this.kv?.close();
+    await this.engine.dispose();
+  }
+
+  // ---- lifecycle plumbing -------------------------------------------------------------------
+
+  private apply(room: RoomId, ev: RoomEvent): void {
+    this.run(this.rooms.apply(room, ev, Date.now()));
+  }
+
+  private tick(): void {
+    const now = Date.now();
+    for (const [room, p] of this.pendingRegs) {
+      if (now - p.at > this.config.timeouts.bootstrapMs) {
+        this.pendingRegs.delete(room);
+        p.conn.sendControl({ type: 'fail', room, reason: 'bootstrap: no request for this room reached prefill', epoch: this.epoch });
+        this.metrics.bootstrapFailed.inc({ reason: 'no_request' });
+      }
+    }
+    this.run(this.rooms.tick(now));
+  }
+
+  /** Perform the core's effects, in order. */
+  private run(effects: Effect[]): void {
+    for (const e of effects) {
+      switch (e.t) {
+        case 'notify_peer': {
+          const conn = this.conns.get(e.peer);
+          conn?.sendControl({ type: 'fail', room: e.room, reason: e.reason, epoch: this.epoch });
+          break;
+        }
+        case 'start_prefill':
+          this.waiting.add(e.room);
+          this.pump();
+          break;
+        case 'terminal':
+          this.finish(e.room, e.state, e.reason);
+          break;
+        case 'illegal':
+          this.metrics.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
+          this.log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');
+          break;
+        case 'expired':
+          this.metrics.expired.inc({ role: 'prefill', state: KVPoll[e.state] });
+          this.log.warn({ room: e.room, state: KVPoll[e.state], phase: e.phase, timeline: e.timeline }, 'room deadline expired');
+          break;
+        default:
+          break;
+      }
+    }
+  }
+
+  /** The one release path of a room's resources (runs once: on the room's terminal effect). */
+  private finish(room: RoomId, state: KVPoll, reason: string): void {
+    const job = this.jobs.get(room);
+    this.waiting.delete(room);
+    if (!job) return;
+    this.jobs.delete(room);
+    if (this.byRid.get(job.rid) === room) this.byRid.delete(job.rid);
+    job.ac.abort();
+    job.blob = undefined;
+    this.metrics.roomsTerminal.inc({ state: KVPoll[state] });
+    if (state === KVPoll.Success) {
+      this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
+      job.done.resolve({
+        rid: job.rid,
+        meta_info: { prompt_tokens: job.tokens.length, kv_bytes: this.rooms.get(room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
+      });
+    } else {
+      const registered = job.conn !== undefined;
+      (registered ? this.metrics.kvTransferFailed : this.metrics.bootstrapFailed).inc({ reason: WorkerMetrics.reasonLabel(reason) });
+      job.done.reject(failureToApiError(reason));
+    }
+  }
+
+  // ---- HTTP -----------------------------------------------------------------------------------
+
+  private async handleGenerate(raw: unknown, reply: import('fastify').FastifyReply): Promise<void> {
+    const parsed = GenerateRequestSchema.safeParse(raw);
+    if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
+    const body: GenerateRequest = parsed.data;
+    let tokens: number[];
+    try {
+      tokens = tokenizeRequest(this.engine, body);
+    } catch (err) {
+      return sendError(reply, toApiError(err));
+    }
+    const sampling = samplingFromWire(body.sampling_params);
+    const ctx = this.engine.info.compat.contextSize;
+    if (tokens.length + sampling.maxTokens > ctx) {
+      return sendError(reply, new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', 'max_tokens'));
+    }
+    if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
+    if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
+    const room = body.bootstrap_room;
+    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), t0: Date.now(), prefillMs: 0, tKvBegin: 0 };
+    const log = this.log.child({ rid: body.rid, room });
+    let effects: Effect[];
+    try {
+      effects = this.rooms.create(room, body.rid, Date.now());
+    } catch (err) {
+      return sendError(reply, toApiError(err));
+    }
+    this.jobs.set(room, job);
+    this.byRid.set(body.rid, room);
+    log.debug({ tokens: tokens.length }, 'room created');
+    this.run(effects);
+    const pending = this.pendingRegs.get(room);
+    if (pending) {
+      this.pendingRegs.delete(room);
+      this.register(pending.conn, room);
+    }
+    const off = onClientGone(reply, () => this.apply(room, { t: 'abort', from: 'router', reason: 'abort: router closed the request' }));
+    try {
+      const res = await job.done.promise;
+      off();
+      void reply.send(res);
+    } catch (err) {
+      off();
+      sendError(reply, toApiError(err));
+    }
+  }
+
+  /** Abort by rid and/or room id; unknown ids leave a tombstone (when the room id is known). */
+  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'local'): void {
+    const id = room ?? (rid ? this.byRid.get(rid) : undefined);
+    if (!id) return;
+    this.apply(id, { t: 'abort', from, reason: `abort: ${from}` });
+    this.pendingRegs.delete(id);
+  }
+
+  // ---- KV control channel ---------------------------------------------------------------------
+
+  private onControl(conn: PeerConn, msg: ControlMsg): void {
+    this.conns.set(conn.id, conn);
+    switch (msg.type) {
+      case 'register': {
+        const live = this.jobs.has(msg.room);
+        if (live) return this.register(conn, msg.room);
+        const known = this.rooms.get(msg.room);
+        if (known || this.rooms.isTombstoned?.(msg.room)) {
+          conn.sendControl({ type: 'fail', room: msg.room, reason: `bootstrap: room already ${known ? KVPoll[known.state] : 'aborted'}`, epoch: this.epoch });
+          return;
+        }
+        if (this.pendingRegs.size >= this.config.maxRooms) {
+          conn.sendControl({ type: 'fail', room: msg.room, reason: 'bootstrap: too many pending registrations', epoch: this.epoch });
+          return;
+        }
+        this.pendingRegs.set(msg.room, { conn, rid: msg.rid, at: Date.now() });
+        return;
+      }
+      case 'kv_ack':
+        return this.apply(msg.room, { t: 'kv_done' });
+      case 'fail':
+        this.pendingRegs.delete(msg.room);
+        return this.apply(msg.room, { t: 'abort', from: 'peer', reason: `decode: ${msg.reason}` });
+      default:
+        this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on prefill');
+    }
+  }
+
+  private register(conn: PeerConn, room: RoomId): void {
+    const job = this.jobs.get(room);
+    if (!job) return;
+    if (job.conn && job.conn !== conn) {
+      conn.sendControl({ type: 'fail', room, reason: 'bootstrap: room already registered by another decode', epoch: this.epoch });
+      return;
+    }
+    job.conn = conn;
+    const before = this.rooms.get(room)?.state;
+    this.apply(room, { t: 'registered', peer: conn.id, peerEpoch: conn.peerEpoch });
+    if (before === KVPoll.Bootstrapping && this.rooms.get(room)?.state === KVPoll.WaitingForInput) {
+      conn.sendControl({ type: 'registered', room });
+    }
+  }
+
+  private onPeerLost(conn: PeerConn, reason: string): void {
+    this.conns.delete(conn.id);
+    for (const [room, p] of this.pendingRegs) if (p.conn === conn) this.pendingRegs.delete(room);
+    this.metrics.channel.inc({ event: 'peer_lost' });
+    this.run(this.rooms.failPeer(conn.id, `peer_lost: ${reason}`, Date.now()));
+  }
+
+  // ---- compute and send -----------------------------------------------------------------------
+
+  /** Start prompt evaluation for waiting rooms while slots are free. */
+  private pump(): void {
+    while (this.waiting.size > 0) {
+      const slot = this.engine.tryAcquireSlot();
+      if (!slot) return;
+      const room = this.waiting.values().next().value as RoomId;
+      this.waiting.delete(room);
+      this.computing++;
+      void this.compute(room, slot).finally(() => {
+        this.computing--;
+        this.pump();
+      });
+    }
+  }
+
+  private async compute(room: RoomId, slot: Slot): Promise<void> {
+    const job = this.jobs.get(room);
+    if (!job) {
+      slot.release();
+      return;
+    }
+    const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${room}.ggsq`);
+    let blob: Buffer;
+    try {
+      const t0 = Date.now();
+      const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
+      if (job.ac.signal.aborted) return;
+      await slot.saveState(path);
+      const payload = await readFile(path);
+      blob = encodeEnvelope(
+        { fingerprint: this.engine.info.fingerprint, contextSize: this.engine.info.compat.contextSize, batchSize: this.engine.info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, firstIsEog: r.firstIsEog },
+        payload,
+      );
+      job.prefillMs = Date.now() - t0;
+    } catch (err) {
+      const e = err as { code?: string; message?: string };
+      if (e.code !== 'ABORTED') this.apply(room, { t: 'fail', reason: `prefill: ${e.message ?? String(err)}` });
+      return;
+    } finally {
+      slot.release();
+      await rm(path, { force: true }).catch(() => {});
+    }
+    if (!this.jobs.has(room) || !job.conn) return;
+    job.blob = blob;
+    job.tKvBegin = Date.now();
+    this.apply(room, { t: 'kv_begin', totalBytes: blob.length });
+    if (!this.jobs.has(room)) return;
+    const conn = job.conn;
+    if (!conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length })) {
+      this.apply(room, { t: 'fail', reason: 'transfer: connection to decode is gone' });
+      return;
+    }
+    try {
+      await conn.sendChunks(room, blob, {
+        chunkBytes: this.config.chunkBytes,
+        signal: job.ac.signal,
+        stallMs: this.config.timeouts.transferIdleMs,
+        onProgress: (bytes: number) => {
+          this.metrics.kvBytes.inc(bytes);
+          this.apply(room, { t: 'progress', bytes });
+        },
+      });
+      job.blob = undefined;
+      conn.sendControl({ type: 'kv_end', room });
+    } catch (err) {
+      if (!job.ac.signal.aborted) this.apply(room, { t: 'fail', reason: `transfer: ${(err as Error).message}` });
+    }
+  }
+}
+
+/** Map a room's failure reason to the HTTP error prefill answers with. */
+export function failureToApiError(reason: string): ApiError {
+  if (reason.startsWith('abort')) return new ApiError(499, 'request_aborted', `request aborted (${reason})`);
+  if (reason.startsWith('deadline')) return new ApiError(504, 'room_deadline_expired', `KV room deadline expired (${reason})`, 'timeout_error');
+  if (reason.startsWith('prefill: ') && reason.includes('PROMPT_TOO_LONG')) return new ApiError(400, 'context_length_exceeded', reason);
+  return new ApiError(502, 'kv_transfer_failed', `KV transfer failed: ${reason}`);
+}
+
+/** zod error → 400 naming the first bad field. */
+export function zodToApiError(err: import('zod').ZodError): ApiError {
+  const i = err.issues[0];
+  const param = i ? i.path.join('.') : null;
+  return new ApiError(400, 'invalid_request', i ? `${param || 'body'}: ${i.message}` : 'invalid request', 'invalid_request_error', param || null);
+}
+
+/** Load the engine, start the worker. */
+export async function startPrefillWorker(raw: unknown, log = createLogger('prefill')): Promise<PrefillWorker> {
+  const config = parseConfig(PrefillConfigSchema, raw);
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const w = new PrefillWorker(config, engine, log);
+  await w.start();
+  return w;
+}
