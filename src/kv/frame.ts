@@ -1,0 +1,281 @@
+/**
+ * Framing of the prefill↔decode channel (see messages.ts for the wire format).
+ *
+ *   frame = u32 BE length of (type byte + body) | u8 type | body
+ *   type 1 (control): body = UTF-8 JSON of a ControlMsg, 1..MAX_CONTROL_BYTES bytes.
+ *   type 2 (chunk):   body = u64 BE room | u64 BE offset | data (1..MAX_CHUNK_BYTES bytes).
+ *
+ * Encoding validates what it writes (a bug at the sender fails at the sender); decoding is an
+ * explicit state machine (header → body) with hard caps checked on the 5-byte header, before any
+ * body byte is buffered, so a hostile or broken peer can make us hold at most one capped frame.
+ * Every decoding problem is a KvError('BAD_FRAME', reason); nothing else is ever thrown.
+ */
+import { z } from 'zod';
+import { FRAME_CHUNK, FRAME_CONTROL, MAX_CHUNK_BYTES, MAX_CONTROL_BYTES, type ControlMsg } from './messages.js';
+import { KvError } from './types.js';
+
+/** Bytes of the frame header: u32 length + u8 type. */
+export const FRAME_HEADER_BYTES = 5;
+/** Bytes of a chunk body before its data: u64 room + u64 offset. */
+export const CHUNK_PREFIX_BYTES = 16;
+/** Longest `reason` carried by fail / auth_fail, characters. encodeControl truncates longer ones. */
+export const MAX_REASON_CHARS = 4096;
+
+const U64_MAX = (1n << 64n) - 1n;
+const ROOM_RE = /^(0|[1-9][0-9]{0,19})$/;
+
+/** True when `s` is a canonical room id: decimal, no leading zeros, at most 2^64-1. */
+export function isRoomId(s: unknown): s is string {
+  return typeof s === 'string' && ROOM_RE.test(s) && BigInt(s) <= U64_MAX;
+}
+
+/**
+ * Canonical form of a room id given as a decimal string or a non-negative integer
+ * ("007" → "7"). Chunk frames carry the room as a u64, so only canonical ids survive a round trip:
+ * use this on every room id that enters the KV layer. Throws KvError('BAD_FRAME') if not a u64.
+ */
+export function normalizeRoomId(id: string | number | bigint): string {
+  let v: bigint;
+  try {
+    if (typeof id === 'string' && !/^[0-9]{1,20}$/.test(id)) throw new Error();
+    if (typeof id === 'number' && !Number.isSafeInteger(id)) throw new Error();
+    v = BigInt(id);
+  } catch {
+    throw new KvError('BAD_FRAME', `room id ${JSON.stringify(String(id)).slice(0, 40)} is not a decimal u64`);
+  }
+  if (v < 0n || v > U64_MAX) throw new KvError('BAD_FRAME', `room id ${String(id)} is out of u64 range`);
+  return v.toString();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Control message schemas (one per ControlMsg variant). Unknown keys are stripped, not refused,
+// so a later minor version may add optional fields; missing/mistyped fields are refused.
+
+const hex = (min: number, max: number) => z.string().min(min).max(max).regex(/^[0-9a-f]+$/, 'must be lowercase hex');
+const nonce = hex(32, 128);
+const epoch = hex(8, 64);
+const mac = hex(64, 64);
+const room = z.string().refine(isRoomId, 'must be a canonical decimal u64 room id');
+const reason = z.string().max(MAX_REASON_CHARS);
+const count = z.number().int().min(0).max(Number.MAX_SAFE_INTEGER);
+
+/** zod schema of every ControlMsg variant, discriminated on `type`. */
+export const ControlMsgSchema = z.discriminatedUnion('type', [
+  z.object({ type: z.literal('hello'), nonce, epoch, role: z.literal('prefill') }),
+  z.object({ type: z.literal('auth'), nonce, epoch, role: z.literal('decode'), mac }),
+  z.object({ type: z.literal('auth_ok'), mac }),
+  z.object({ type: z.literal('auth_fail'), reason }),
+  z.object({ type: z.literal('register'), room, rid: z.string().min(1).max(128), epoch }),
+  z.object({ type: z.literal('registered'), room }),
+  z.object({ type: z.literal('kv_begin'), room, totalBytes: count }),
+  z.object({ type: z.literal('kv_end'), room }),
+  z.object({ type: z.literal('kv_ack'), room, epoch }),
+  z.object({ type: z.literal('fail'), room, reason, epoch }),
+  z.object({ type: z.literal('ping'), seq: count }),
+  z.object({ type: z.literal('pong'), seq: count }),
+]);
+
+// Compile-time proof that the schemas and the ControlMsg union describe the same shapes.
+type Same<A, B> = [A] extends [B] ? ([B] extends [A] ? true : false) : false;
+const _schemaMatchesType: Same<z.infer<typeof ControlMsgSchema>, ControlMsg> = true;
+void _schemaMatchesType;
+
+const KNOWN_TYPES = new Set(ControlMsgSchema.options.map((o) => o.shape.type.value as string));
+
+/**
+ * Validates an already-parsed JSON value as a ControlMsg.
+ * Throws KvError('BAD_FRAME') naming the first offending field.
+ */
+export function parseControl(value: unknown): ControlMsg {
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    throw new KvError('BAD_FRAME', 'control message is not a JSON object');
+  }
+  const type = (value as { type?: unknown }).type;
+  if (typeof type !== 'string' || !KNOWN_TYPES.has(type)) {
+    throw new KvError('BAD_FRAME', `unknown control message type ${JSON.stringify(type)?.slice(0, 40) ?? 'undefined'}`);
+  }
+  const r = ControlMsgSchema.safeParse(value);
+  if (!r.success) {
+    const i = r.error.issues[0];
+    throw new KvError('BAD_FRAME', `bad ${type} message: ${i ? `${i.path.join('.') || '(root)'}: ${i.message}` : 'invalid'}`);
+  }
+  return r.data as ControlMsg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding
+
+/**
+ * Encodes one control frame. `fail`/`auth_fail` reasons longer than MAX_REASON_CHARS are
+ * truncated; anything else invalid (bad field, body over MAX_CONTROL_BYTES) throws
+ * KvError('BAD_FRAME') — that is a bug at the caller.
+ */
+export function encodeControl(msg: ControlMsg): Buffer {
+  let m: ControlMsg = msg;
+  if ((m.type === 'fail' || m.type === 'auth_fail') && typeof m.reason === 'string' && m.reason.length > MAX_REASON_CHARS) {
+    m = { ...m, reason: m.reason.slice(0, MAX_REASON_CHARS - 1) + '…' };
+  }
+  const valid = parseControl(m);
+  const json = Buffer.from(JSON.stringify(valid), 'utf8');
+  if (json.length > MAX_CONTROL_BYTES) {
+    throw new KvError('BAD_FRAME', `control message of ${json.length} bytes exceeds MAX_CONTROL_BYTES (${MAX_CONTROL_BYTES})`);
+  }
+  const out = Buffer.allocUnsafe(FRAME_HEADER_BYTES + json.length);
+  out.writeUInt32BE(json.length + 1, 0);
+  out[4] = FRAME_CONTROL;
+  json.copy(out, FRAME_HEADER_BYTES);
+  return out;
+}
+
+/**
+ * Encodes one KV chunk frame as [header (21 bytes: length, type, room, offset), data]. `data` is
+ * not copied: it must stay unchanged until written. `roomId` must be canonical (see
+ * normalizeRoomId), `offset` a safe non-negative integer (byte offset of `data` in the blob),
+ * `data` 1..MAX_CHUNK_BYTES bytes; otherwise throws KvError('BAD_FRAME').
+ */
+export function encodeChunk(roomId: string, offset: number, data: Buffer): Buffer[] {
+  if (!isRoomId(roomId)) throw new KvError('BAD_FRAME', `room id ${JSON.stringify(String(roomId)).slice(0, 40)} is not a canonical decimal u64`);
+  if (!Number.isSafeInteger(offset) || offset < 0) throw new KvError('BAD_FRAME', `chunk offset ${offset} is not a safe non-negative integer`);
+  if (data.length === 0) throw new KvError('BAD_FRAME', 'empty chunk');
+  if (data.length > MAX_CHUNK_BYTES) throw new KvError('BAD_FRAME', `chunk of ${data.length} bytes exceeds MAX_CHUNK_BYTES (${MAX_CHUNK_BYTES})`);
+  const h = Buffer.allocUnsafe(FRAME_HEADER_BYTES + CHUNK_PREFIX_BYTES);
+  h.writeUInt32BE(1 + CHUNK_PREFIX_BYTES + data.length, 0);
+  h[4] = FRAME_CHUNK;
+  h.writeBigUInt64BE(BigInt(roomId), 5);
+  h.writeBigUInt64BE(BigInt(offset), 13);
+  return [h, data];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding
+
+/** One decoded frame. `data` of a chunk may share memory with the buffers fed in. */
+export type Frame =
+  | { kind: 'control'; msg: ControlMsg }
+  | { kind: 'chunk'; room: string; offset: number; data: Buffer };
+
+const utf8 = new TextDecoder('utf-8', { fatal: true });
+
+/**
+ * Incremental frame decoder: feed it socket buffers as they come, in order.
+ *
+ * State machine: `header` (needs 5 bytes; length and type are checked against the caps here) →
+ * `body` (needs exactly length-1 bytes) → frame emitted → `header`. Holds at most one partial
+ * frame. After an error it is poisoned: every later feed rethrows the same KvError.
+ */
+export class FrameDecoder {
+  /** When false, a chunk frame header is an error (used before authentication). */
+  acceptChunks: boolean;
+  private readonly bufs: Buffer[] = [];
+  private buffered = 0;
+  private state: 'header' | 'body' = 'header';
+  private type = 0;
+  private bodyLen = 0;
+  private error: KvError | undefined;
+
+  constructor(opts: { acceptChunks?: boolean } = {}) {
+    this.acceptChunks = opts.acceptChunks ?? true;
+  }
+
+  /** Bytes held for the frame in progress. */
+  get bufferedBytes(): number {
+    return this.buffered;
+  }
+
+  /**
+   * Consumes `chunk` and yields every frame it completes, in order. Throws KvError('BAD_FRAME')
+   * at the first malformed frame (frames before it have already been yielded).
+   */
+  *feed(chunk: Buffer): Generator<Frame, void, undefined> {
+    if (this.error) throw this.error;
+    if (chunk.length > 0) {
+      this.bufs.push(chunk);
+      this.buffered += chunk.length;
+    }
+    try {
+      for (;;) {
+        if (this.state === 'header') {
+          if (this.buffered < FRAME_HEADER_BYTES) return;
+          const h = this.take(FRAME_HEADER_BYTES);
+          this.checkHeader(h.readUInt32BE(0), h[4]);
+          this.state = 'body';
+        }
+        if (this.buffered < this.bodyLen) return;
+        const body = this.take(this.bodyLen);
+        this.state = 'header';
+        const frame = this.type === FRAME_CONTROL ? decodeControlBody(body) : decodeChunkBody(body);
+        yield frame;
+      }
+    } catch (e) {
+      this.error = e instanceof KvError ? e : new KvError('BAD_FRAME', `decoder failure: ${(e as Error)?.message ?? String(e)}`);
+      this.bufs.length = 0;
+      this.buffered = 0;
+      throw this.error;
+    }
+  }
+
+  private checkHeader(len: number, type: number): void {
+    if (len === 0) throw new KvError('BAD_FRAME', 'zero-length frame');
+    const body = len - 1;
+    if (type === FRAME_CONTROL) {
+      if (body === 0) throw new KvError('BAD_FRAME', 'empty control frame');
+      if (body > MAX_CONTROL_BYTES) throw new KvError('BAD_FRAME', `control frame of ${body} bytes exceeds cap ${MAX_CONTROL_BYTES}`);
+    } else if (type === FRAME_CHUNK) {
+      if (!this.acceptChunks) throw new KvError('BAD_FRAME', 'chunk frame not allowed here (before authentication?)');
+      if (body > MAX_CHUNK_BYTES + CHUNK_PREFIX_BYTES) {
+        throw new KvError('BAD_FRAME', `chunk frame of ${body} bytes exceeds cap ${MAX_CHUNK_BYTES + CHUNK_PREFIX_BYTES}`);
+      }
+      if (body <= CHUNK_PREFIX_BYTES) throw new KvError('BAD_FRAME', `chunk frame of ${body} bytes carries no data`);
+    } else {
+      throw new KvError('BAD_FRAME', `unknown frame type ${type} (length ${len})`);
+    }
+    this.type = type;
+    this.bodyLen = body;
+  }
+
+  /** Removes and returns exactly n buffered bytes (n <= buffered); copies only across buffers. */
+  private take(n: number): Buffer {
+    const first = this.bufs[0];
+    if (first.length >= n) {
+      if (first.length === n) this.bufs.shift();
+      else this.bufs[0] = first.subarray(n);
+      this.buffered -= n;
+      return first.subarray(0, n);
+    }
+    const out = Buffer.allocUnsafe(n);
+    let filled = 0;
+    while (filled < n) {
+      const b = this.bufs[0];
+      const k = Math.min(b.length, n - filled);
+      b.copy(out, filled, 0, k);
+      filled += k;
+      if (k === b.length) this.bufs.shift();
+      else this.bufs[0] = b.subarray(k);
+    }
+    this.buffered -= n;
+    return out;
+  }
+}
+
+function decodeControlBody(body: Buffer): Frame {
+  let text: string;
+  try {
+    text = utf8.decode(body);
+  } catch {
+    throw new KvError('BAD_FRAME', 'control frame is not valid UTF-8');
+  }
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch (e) {
+    throw new KvError('BAD_FRAME', `control frame is not valid JSON: ${(e as Error).message.slice(0, 100)}`);
+  }
+  return { kind: 'control', msg: parseControl(value) };
+}
+
+function decodeChunkBody(body: Buffer): Frame {
+  const room = body.readBigUInt64BE(0).toString();
+  const off = body.readBigUInt64BE(8);
+  if (off > BigInt(Number.MAX_SAFE_INTEGER)) throw new KvError('BAD_FRAME', `chunk offset ${off} is beyond 2^53-1`);
+  return { kind: 'chunk', room, offset: Number(off), data: body.subarray(CHUNK_PREFIX_BYTES) };
+}

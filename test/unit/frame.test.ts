@@ -1,0 +1,276 @@
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import fc from 'fast-check';
+import {
+  encodeChunk,
+  encodeControl,
+  FrameDecoder,
+  isRoomId,
+  MAX_REASON_CHARS,
+  normalizeRoomId,
+  parseControl,
+  type Frame,
+} from '../../src/kv/frame.js';
+import { MAX_CHUNK_BYTES, MAX_CONTROL_BYTES, type ControlMsg } from '../../src/kv/messages.js';
+import { KvError } from '../../src/kv/types.js';
+
+const N = 'a'.repeat(32);
+const E = '0123456789abcdef';
+const MAC = 'f'.repeat(64);
+const ALL: ControlMsg[] = [
+  { type: 'hello', nonce: N, epoch: E, role: 'prefill' },
+  { type: 'auth', nonce: N, epoch: E, role: 'decode', mac: MAC },
+  { type: 'auth_ok', mac: MAC },
+  { type: 'auth_fail', reason: 'bad mac' },
+  { type: 'register', room: '18446744073709551615', rid: 'chatcmpl-1', epoch: E },
+  { type: 'registered', room: '0' },
+  { type: 'kv_begin', room: '42', totalBytes: 123456 },
+  { type: 'kv_end', room: '42' },
+  { type: 'kv_ack', room: '42', epoch: E },
+  { type: 'fail', room: '42', reason: 'abort: client', epoch: E },
+  { type: 'ping', seq: 0 },
+  { type: 'pong', seq: Number.MAX_SAFE_INTEGER },
+];
+
+function frameBytes(parts: Buffer | Buffer[]): Buffer {
+  return Array.isArray(parts) ? Buffer.concat(parts) : parts;
+}
+
+function decodeAll(chunks: Buffer[]): Frame[] {
+  const d = new FrameDecoder();
+  const out: Frame[] = [];
+  for (const c of chunks) for (const f of d.feed(c)) out.push(f);
+  assert.equal(d.bufferedBytes, 0);
+  return out;
+}
+
+function rawFrame(type: number, body: Buffer, len = body.length + 1): Buffer {
+  const h = Buffer.alloc(5);
+  h.writeUInt32BE(len, 0);
+  h[4] = type;
+  return Buffer.concat([h, body]);
+}
+
+function expectBad(fn: () => unknown, re: RegExp): void {
+  assert.throws(fn, (e: unknown) => {
+    assert.ok(e instanceof KvError, `expected KvError, got ${String(e)}`);
+    assert.equal(e.code, 'BAD_FRAME');
+    assert.match(e.message, re);
+    return true;
+  });
+}
+
+function feedAll(d: FrameDecoder, b: Buffer): Frame[] {
+  return [...d.feed(b)];
+}
+
+describe('frame: round trips', () => {
+  it('every control message variant', () => {
+    for (const m of ALL) {
+      const [f] = decodeAll([encodeControl(m)]);
+      assert.deepEqual(f, { kind: 'control', msg: m });
+    }
+  });
+
+  it('chunk frame, without copying the data', () => {
+    const data = Buffer.from('hello kv');
+    const parts = encodeChunk('9223372036854775807', 1 << 40, data);
+    assert.equal(parts.length, 2);
+    assert.equal(parts[1], data, 'data buffer is passed through, not copied');
+    const [f] = decodeAll([frameBytes(parts)]);
+    assert.deepEqual(f, { kind: 'chunk', room: '9223372036854775807', offset: 1 << 40, data });
+  });
+
+  it('max-size control and chunk frames', () => {
+    const big = { type: 'fail', room: '1', epoch: E, reason: 'x'.repeat(MAX_REASON_CHARS) } as const;
+    assert.deepEqual(decodeAll([encodeControl(big)])[0], { kind: 'control', msg: big });
+    const data = Buffer.alloc(MAX_CHUNK_BYTES, 7);
+    const [f] = decodeAll([frameBytes(encodeChunk('5', 0, data))]);
+    assert.ok(f.kind === 'chunk' && f.data.equals(data));
+  });
+
+  it('a stream split at every byte boundary, merged, and byte by byte', () => {
+    const frames: Buffer[] = [];
+    for (const m of ALL) frames.push(encodeControl(m));
+    frames.push(frameBytes(encodeChunk('7', 0, Buffer.from([1, 2, 3]))));
+    frames.push(frameBytes(encodeChunk('7', 3, Buffer.alloc(300, 9))));
+    const stream = Buffer.concat(frames);
+    const want = decodeAll([stream]);
+    assert.equal(want.length, ALL.length + 2);
+    for (let i = 0; i <= stream.length; i++) {
+      assert.deepEqual(decodeAll([stream.subarray(0, i), stream.subarray(i)]), want, `split at ${i}`);
+    }
+    for (let i = 0; i < stream.length; i += 7) {
+      for (const j of [i + 1, i + 5, i + 21, i + 200]) {
+        if (j > stream.length) continue;
+        assert.deepEqual(decodeAll([stream.subarray(0, i), stream.subarray(i, j), stream.subarray(j)]), want, `split at ${i},${j}`);
+      }
+    }
+    assert.deepEqual(decodeAll([...stream].map((b) => Buffer.from([b]))), want);
+  });
+});
+
+describe('frame: caps and garbage', () => {
+  it('zero length', () => expectBad(() => feedAll(new FrameDecoder(), Buffer.from([0, 0, 0, 0, 1])), /zero-length/));
+  it('unknown type', () => expectBad(() => feedAll(new FrameDecoder(), rawFrame(3, Buffer.from('x'))), /unknown frame type 3/));
+  it('empty control frame', () => expectBad(() => feedAll(new FrameDecoder(), rawFrame(1, Buffer.alloc(0))), /empty control/));
+
+  it('oversized control frame is refused on its header, before the body arrives', () => {
+    const h = Buffer.alloc(5);
+    h.writeUInt32BE(MAX_CONTROL_BYTES + 2, 0);
+    h[4] = 1;
+    expectBad(() => feedAll(new FrameDecoder(), h), /control frame of 65537 bytes exceeds cap 65536/);
+  });
+
+  it('oversized chunk frame is refused on its header', () => {
+    const h = Buffer.alloc(5);
+    h.writeUInt32BE(MAX_CHUNK_BYTES + 18, 0);
+    h[4] = 2;
+    expectBad(() => feedAll(new FrameDecoder(), h), /chunk frame of \d+ bytes exceeds cap/);
+    h.writeUInt32BE(0xffffffff, 0);
+    expectBad(() => feedAll(new FrameDecoder(), h), /exceeds cap/);
+  });
+
+  it('chunk frame without data, and chunk frames while not accepted', () => {
+    expectBad(() => feedAll(new FrameDecoder(), rawFrame(2, Buffer.alloc(16))), /carries no data/);
+    const d = new FrameDecoder({ acceptChunks: false });
+    expectBad(() => feedAll(d, frameBytes(encodeChunk('1', 0, Buffer.from('x')))), /not allowed/);
+  });
+
+  it('chunk offset beyond 2^53', () => {
+    const body = Buffer.alloc(17);
+    body.writeBigUInt64BE(1n, 0);
+    body.writeBigUInt64BE(1n << 60n, 8);
+    expectBad(() => feedAll(new FrameDecoder(), rawFrame(2, body)), /offset/);
+  });
+
+  it('bad JSON, bad UTF-8, unknown type, bad shapes', () => {
+    const ctl = (s: string | Buffer) => rawFrame(1, Buffer.isBuffer(s) ? s : Buffer.from(s));
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":')), /not valid JSON/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl(Buffer.from([0x7b, 0xff, 0x7d]))), /UTF-8/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('[1,2]')), /not a JSON object/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('null')), /not a JSON object/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"bogus"}')), /unknown control message type "bogus"/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"seq":1}')), /unknown control message type/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"ping","seq":-1}')), /bad ping message: seq/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"ping","seq":1.5}')), /bad ping message: seq/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"kv_end","room":"007"}')), /bad kv_end message: room/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"kv_end","room":"18446744073709551616"}')), /room/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"register","room":"1","rid":"r"}')), /bad register message: epoch/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl('{"type":"hello","nonce":"ab","epoch":"0123456789abcdef","role":"prefill"}')), /nonce/);
+    expectBad(() => feedAll(new FrameDecoder(), ctl(`{"type":"auth_ok","mac":"${'F'.repeat(64)}"}`)), /mac/);
+  });
+
+  it('unknown extra keys are stripped, not refused', () => {
+    const [f] = feedAll(new FrameDecoder(), rawFrame(1, Buffer.from('{"type":"ping","seq":3,"extra":true}')));
+    assert.deepEqual(f, { kind: 'control', msg: { type: 'ping', seq: 3 } });
+  });
+
+  it('frames before the bad one are delivered; the decoder stays poisoned', () => {
+    const d = new FrameDecoder();
+    const good = encodeControl({ type: 'ping', seq: 1 });
+    const got: Frame[] = [];
+    assert.throws(() => {
+      for (const f of d.feed(Buffer.concat([good, good, Buffer.from([0, 0, 0, 0, 1])]))) got.push(f);
+    }, KvError);
+    assert.equal(got.length, 2);
+    expectBad(() => feedAll(d, good), /zero-length/);
+  });
+});
+
+describe('frame: encoding refuses invalid input', () => {
+  it('control', () => {
+    expectBad(() => encodeControl({ type: 'kv_end', room: '01' }), /room/);
+    expectBad(() => encodeControl({ type: 'bogus' } as unknown as ControlMsg), /unknown control message type/);
+    expectBad(() => encodeControl({ type: 'register', room: '1', rid: 'x'.repeat(129), epoch: E }), /rid/);
+    const m = encodeControl({ type: 'fail', room: '1', epoch: E, reason: 'y'.repeat(100_000) });
+    const [f] = decodeAll([m]);
+    assert.ok(f.kind === 'control' && f.msg.type === 'fail' && f.msg.reason.length === MAX_REASON_CHARS);
+  });
+
+  it('chunk', () => {
+    expectBad(() => encodeChunk('-1', 0, Buffer.from('x')), /room id/);
+    expectBad(() => encodeChunk('1', -1, Buffer.from('x')), /offset/);
+    expectBad(() => encodeChunk('1', 0.5, Buffer.from('x')), /offset/);
+    expectBad(() => encodeChunk('1', 0, Buffer.alloc(0)), /empty chunk/);
+    expectBad(() => encodeChunk('1', 0, Buffer.alloc(MAX_CHUNK_BYTES + 1)), /exceeds MAX_CHUNK_BYTES/);
+  });
+
+  it('room ids', () => {
+    assert.equal(normalizeRoomId('007'), '7');
+    assert.equal(normalizeRoomId(42), '42');
+    assert.equal(normalizeRoomId('18446744073709551615'), '18446744073709551615');
+    expectBad(() => normalizeRoomId('18446744073709551616'), /range/);
+    expectBad(() => normalizeRoomId('1e3'), /decimal/);
+    expectBad(() => normalizeRoomId(-1), /range/);
+    expectBad(() => normalizeRoomId(''), /decimal/);
+    assert.ok(isRoomId('0') && !isRoomId('00') && !isRoomId(7) && !isRoomId(' 7'));
+    assert.throws(() => parseControl({ type: 'kv_end', room: 7 }), KvError);
+  });
+});
+
+describe('frame: fuzz', () => {
+  const onlyKvErrors = (chunks: Uint8Array[]): void => {
+    const d = new FrameDecoder();
+    try {
+      for (const c of chunks) for (const _ of d.feed(Buffer.from(c))) void _;
+    } catch (e) {
+      if (!(e instanceof KvError) || e.code !== 'BAD_FRAME') throw e;
+    }
+  };
+
+  it('random bytes never throw anything but KvError(BAD_FRAME)', () => {
+    fc.assert(fc.property(fc.array(fc.uint8Array({ maxLength: 300 }), { maxLength: 8 }), onlyKvErrors), { numRuns: 3000 });
+  });
+
+  it('random bodies behind plausible headers never throw anything but KvError(BAD_FRAME)', () => {
+    const arb = fc.tuple(fc.constantFrom(1, 2, 0, 255), fc.uint8Array({ maxLength: 200 }), fc.integer({ min: -3, max: 3 }));
+    fc.assert(
+      fc.property(fc.array(arb, { maxLength: 5 }), (frames) => {
+        onlyKvErrors(frames.map(([t, body, delta]) => rawFrame(t, Buffer.from(body), Math.max(0, body.length + 1 + delta))));
+      }),
+      { numRuns: 3000 },
+    );
+  });
+
+  it('mutated JSON of valid messages never throws anything but KvError(BAD_FRAME)', () => {
+    fc.assert(
+      fc.property(fc.constantFrom(...ALL), fc.nat(), fc.nat(255), (m, pos, byte) => {
+        const f = encodeControl(m);
+        const i = 5 + (pos % (f.length - 5));
+        f[i] = byte;
+        onlyKvErrors([f]);
+      }),
+      { numRuns: 3000 },
+    );
+  });
+
+  it('random valid frame sequences round-trip under random splits', () => {
+    const chunkArb = fc.record({
+      room: fc.bigInt({ min: 0n, max: (1n << 64n) - 1n }).map(String),
+      offset: fc.nat(),
+      data: fc.uint8Array({ minLength: 1, maxLength: 100 }),
+    });
+    fc.assert(
+      fc.property(fc.array(fc.oneof(fc.constantFrom(...ALL), chunkArb), { maxLength: 10 }), fc.array(fc.nat(), { maxLength: 6 }), (items, cuts) => {
+        const bytes = Buffer.concat(
+          items.map((it) => ('type' in it ? encodeControl(it) : frameBytes(encodeChunk(it.room, it.offset, Buffer.from(it.data))))),
+        );
+        const points = [...new Set(cuts.map((c) => c % (bytes.length + 1)))].sort((a, b) => a - b);
+        const parts: Buffer[] = [];
+        let prev = 0;
+        for (const p of points) {
+          parts.push(bytes.subarray(prev, p));
+          prev = p;
+        }
+        parts.push(bytes.subarray(prev));
+        const got = decodeAll(parts);
+        assert.deepEqual(
+          got,
+          items.map((it) => ('type' in it ? { kind: 'control', msg: it } : { kind: 'chunk', room: it.room, offset: it.offset, data: Buffer.from(it.data) })),
+        );
+      }),
+      { numRuns: 1000 },
+    );
+  });
+});
