@@ -1,0 +1,178 @@
+import assert from 'node:assert/strict';
+import { createHash } from 'node:crypto';
+import { describe, it } from 'node:test';
+import fc from 'fast-check';
+import {
+  decodeEnvelope,
+  encodeEnvelope,
+  ENVELOPE_DIGEST_BYTES,
+  ENVELOPE_PREFIX_BYTES,
+  ENVELOPE_VERSION,
+  type EnvelopeExpect,
+} from '../../src/kv/envelope.js';
+import { KvError } from '../../src/kv/types.js';
+
+const FP = createHash('sha256').update('model-a').digest('hex');
+const FP_B = createHash('sha256').update('model-b').digest('hex');
+const HDR = { fingerprint: FP, contextSize: 4096, batchSize: 512, nTokens: 37, firstToken: 1234, firstIsEog: false };
+const EXPECT: EnvelopeExpect = { fingerprint: FP, contextSize: 4096, batchSize: 512, maxPayloadBytes: 1 << 20 };
+const PAYLOAD = Buffer.from(Array.from({ length: 1000 }, (_, i) => (i * 31) & 0xff));
+
+function bad(fn: () => unknown, re: RegExp): void {
+  assert.throws(fn, (e: unknown) => {
+    assert.ok(e instanceof KvError, `expected KvError, got ${String(e)}`);
+    assert.equal(e.code, 'BAD_ENVELOPE');
+    assert.match(e.message, re);
+    return true;
+  });
+}
+
+/** Builds an envelope with an arbitrary header JSON and a valid header digest. */
+function forge(header: unknown, payload: Buffer, version = ENVELOPE_VERSION): Buffer {
+  const json = Buffer.from(JSON.stringify(header));
+  const pre = Buffer.alloc(ENVELOPE_PREFIX_BYTES);
+  pre.write('PDKV', 0, 'ascii');
+  pre.writeUInt32BE(version, 4);
+  pre.writeUInt32BE(json.length, 8);
+  const head = Buffer.concat([pre, json]);
+  return Buffer.concat([head, createHash('sha256').update(head).digest(), payload]);
+}
+
+function headerOf(env: Buffer): Record<string, unknown> {
+  const n = env.readUInt32BE(8);
+  return JSON.parse(env.subarray(12, 12 + n).toString());
+}
+
+describe('envelope', () => {
+  it('round trip: header fields filled in, payload is a view', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD);
+    assert.equal(env.subarray(0, 4).toString(), 'PDKV');
+    const { header, payload } = decodeEnvelope(env, EXPECT);
+    assert.deepEqual(header, {
+      version: ENVELOPE_VERSION,
+      ...HDR,
+      payloadBytes: PAYLOAD.length,
+      checksum: createHash('sha256').update(PAYLOAD).digest('hex'),
+    });
+    assert.ok(payload.equals(PAYLOAD));
+    assert.equal(payload.buffer, env.buffer, 'payload shares memory with the envelope');
+  });
+
+  it('empty payload round-trips', () => {
+    const { payload } = decodeEnvelope(encodeEnvelope({ ...HDR, nTokens: 0 }, Buffer.alloc(0)), EXPECT);
+    assert.equal(payload.length, 0);
+  });
+
+  it('every truncation is refused', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD);
+    for (let n = 0; n < env.length; n++) bad(() => decodeEnvelope(env.subarray(0, n), EXPECT), /truncated/);
+  });
+
+  it('trailing bytes are refused', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD);
+    bad(() => decodeEnvelope(Buffer.concat([env, Buffer.from([0])]), EXPECT), /1 trailing bytes/);
+  });
+
+  it('a flipped byte anywhere is refused', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD);
+    for (let i = 0; i < env.length; i++) {
+      for (const mask of [0x01, 0x80]) {
+        const c = Buffer.from(env);
+        c[i] ^= mask;
+        assert.throws(() => decodeEnvelope(c, EXPECT), (e: unknown) => e instanceof KvError && e.code === 'BAD_ENVELOPE', `byte ${i} ^ ${mask}`);
+      }
+    }
+  });
+
+  it('random corruption never throws anything but BAD_ENVELOPE', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD.subarray(0, 64));
+    fc.assert(
+      fc.property(fc.array(fc.tuple(fc.nat(), fc.integer({ min: 1, max: 255 })), { minLength: 1, maxLength: 4 }), fc.nat(), (flips, cut) => {
+        const c = Buffer.from(env);
+        for (const [p, x] of flips) c[p % c.length] ^= x;
+        for (const b of [c, c.subarray(0, cut % (c.length + 1))]) {
+          assert.throws(() => decodeEnvelope(b, EXPECT), (e: unknown) => e instanceof KvError && e.code === 'BAD_ENVELOPE');
+        }
+      }),
+      { numRuns: 2000 },
+    );
+    fc.assert(
+      fc.property(fc.uint8Array({ maxLength: 400 }), (bytes) => {
+        const b = Buffer.from(bytes);
+        if (b.length >= 4) b.write('PDKV', 0, 'ascii');
+        if (b.length >= 8) b.writeUInt32BE(1, 4);
+        assert.throws(() => decodeEnvelope(b, EXPECT), (e: unknown) => e instanceof KvError && e.code === 'BAD_ENVELOPE');
+      }),
+      { numRuns: 2000 },
+    );
+  });
+
+  it('precise reasons for prefix problems', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD);
+    const m = Buffer.from(env);
+    m.write('GGUF', 0, 'ascii');
+    bad(() => decodeEnvelope(m, EXPECT), /bad magic "GGUF"/);
+    bad(() => decodeEnvelope(forge(headerOf(env), PAYLOAD, 2), EXPECT), /unsupported envelope version 2/);
+    const l = Buffer.from(env);
+    l.writeUInt32BE(0xffffffff, 8);
+    bad(() => decodeEnvelope(l, EXPECT), /bad header length 4294967295/);
+    l.writeUInt32BE(1, 8);
+    bad(() => decodeEnvelope(l, EXPECT), /bad header length 1/);
+    const d = Buffer.from(env);
+    d[20] ^= 1;
+    bad(() => decodeEnvelope(d, EXPECT), /header digest mismatch/);
+    const p = Buffer.from(env);
+    p[p.length - 1] ^= 1;
+    bad(() => decodeEnvelope(p, EXPECT), /payload checksum mismatch/);
+  });
+
+  it('header JSON and field types are validated', () => {
+    const good = headerOf(encodeEnvelope(HDR, PAYLOAD));
+    const json = Buffer.from('{not json');
+    const pre = Buffer.alloc(12);
+    pre.write('PDKV');
+    pre.writeUInt32BE(1, 4);
+    pre.writeUInt32BE(json.length, 8);
+    const head = Buffer.concat([pre, json]);
+    bad(() => decodeEnvelope(Buffer.concat([head, createHash('sha256').update(head).digest()]), EXPECT), /not valid UTF-8 JSON/);
+    bad(() => decodeEnvelope(forge([1, 2], PAYLOAD), EXPECT), /bad header/);
+    bad(() => decodeEnvelope(forge({ ...good, nTokens: '37' }, PAYLOAD), EXPECT), /bad header: nTokens/);
+    bad(() => decodeEnvelope(forge({ ...good, nTokens: -1 }, PAYLOAD), EXPECT), /bad header: nTokens/);
+    bad(() => decodeEnvelope(forge({ ...good, firstIsEog: 1 }, PAYLOAD), EXPECT), /bad header: firstIsEog/);
+    bad(() => decodeEnvelope(forge({ ...good, checksum: 'abc' }, PAYLOAD), EXPECT), /bad header: checksum/);
+    bad(() => decodeEnvelope(forge({ ...good, extra: 1 }, PAYLOAD), EXPECT), /bad header/);
+    const { payloadBytes: _omit, ...noBytes } = good;
+    bad(() => decodeEnvelope(forge(noBytes, PAYLOAD), EXPECT), /bad header: payloadBytes/);
+    bad(() => decodeEnvelope(forge({ ...good, version: 2 }, PAYLOAD), EXPECT), /header version 2 differs/);
+    bad(() => decodeEnvelope(forge({ ...good, payloadBytes: PAYLOAD.length + 1 }, PAYLOAD), EXPECT), /truncated payload: 1000 of 1001/);
+    bad(() => decodeEnvelope(forge({ ...good, payloadBytes: PAYLOAD.length - 1 }, PAYLOAD), EXPECT), /1 trailing bytes/);
+  });
+
+  it('a state from another model is refused with a clear message', () => {
+    const env = encodeEnvelope({ ...HDR, fingerprint: FP_B }, PAYLOAD);
+    bad(() => decodeEnvelope(env, EXPECT), new RegExp(`state was produced by a different model: .*${FP_B.slice(0, 16)}.*${FP.slice(0, 16)}`));
+  });
+
+  it('context setting mismatches are refused', () => {
+    bad(() => decodeEnvelope(encodeEnvelope({ ...HDR, contextSize: 2048 }, PAYLOAD), EXPECT), /context setting mismatch: state has contextSize 2048, this context has 4096/);
+    bad(() => decodeEnvelope(encodeEnvelope({ ...HDR, batchSize: 256 }, PAYLOAD), EXPECT), /context setting mismatch: state has batchSize 256/);
+    bad(() => decodeEnvelope(encodeEnvelope({ ...HDR, nTokens: 5000 }, PAYLOAD), EXPECT), /5000 tokens, more than contextSize 4096/);
+  });
+
+  it('payload over the limit is refused before hashing', () => {
+    bad(() => decodeEnvelope(encodeEnvelope(HDR, PAYLOAD), { ...EXPECT, maxPayloadBytes: 999 }), /payload of 1000 bytes exceeds the limit of 999/);
+  });
+
+  it('encode refuses invalid header fields', () => {
+    bad(() => encodeEnvelope({ ...HDR, nTokens: 1.5 }, PAYLOAD), /cannot encode envelope: nTokens/);
+    bad(() => encodeEnvelope({ ...HDR, fingerprint: '' }, PAYLOAD), /cannot encode envelope: fingerprint/);
+  });
+
+  it('layout: prefix, header, digest, payload', () => {
+    const env = encodeEnvelope(HDR, PAYLOAD);
+    const n = env.readUInt32BE(8);
+    assert.equal(env.readUInt32BE(4), ENVELOPE_VERSION);
+    assert.equal(env.length, ENVELOPE_PREFIX_BYTES + n + ENVELOPE_DIGEST_BYTES + PAYLOAD.length);
+    assert.ok(env.subarray(env.length - PAYLOAD.length).equals(PAYLOAD));
+  });
+});
