@@ -1,0 +1,599 @@
+/**
+ * The room lifecycle core: a sans-IO state machine for the KV rooms of ONE worker role.
+ *
+ * `(rooms, event, now) → effects`. No timers, no sockets, no `Date.now()`: time is passed in
+ * (ms; wall-clock in the workers, virtual in the simulator), and every side effect is returned as
+ * an `Effect` for the driver to perform in order. The workers (src/prefill, src/decode) and the
+ * deterministic simulator (src/kv/sim) drive this same code.
+ *
+ * States are SGLang's `KVPoll` (Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3,
+ * Success=4). The incident this core exists to prevent: SGLang's `update_status` took
+ * `max(old, new)`, so a transfer worker's late `Transferring` (3) overwrote an abort's `Failed`
+ * (0); the abort had already dropped the room's transfer info, the worker skipped the room, and the
+ * prefill inflight queue had no timeout: the request hung forever with every engine idle.
+ *
+ * Rules enforced here (see docs/LIFECYCLE.md):
+ *  1. One transition function (`RoomTable.transition`); every state write goes through it.
+ *  2. Terminal (Success, Failed) is sticky. Non-terminal states only move forward, one step at a
+ *     time along the role's path; any non-terminal state may fail. Refused writes change nothing
+ *     and emit `{t:'illegal'}`.
+ *  3. Every phase has a deadline (`deadlineAt = now + timeout(phase)`); `tick(now)` fails every
+ *     live room at or past it. Transfer deadlines restart on `progress`.
+ *  4. `terminal` is emitted exactly once per room, when it becomes terminal: the one moment a
+ *     driver releases the room's resources.
+ *  5. Failures reach the peer (`notify_peer`) unless the peer caused them.
+ *  6. Cancellations for rooms not seen yet leave a tombstone, so a late request fails at once.
+ *
+ * Idempotent inputs (return `[]`, no `illegal`): a cancellation (abort/fail/peer_lost) of a room
+ * that is already terminal (the first outcome wins — a late client abort after Success is normal);
+ * `progress` for a terminal room (bytes of a finished room are dropped; not a state write); a
+ * duplicate `registered` from the same peer once the room is past bootstrap; a duplicate `kv_done`
+ * on Success. `registered` on a Failed room answers with `notify_peer` (the registration is told
+ * the room failed; it is never revived). Duplicates that would double-acquire a resource
+ * (`slot_reserved`, `kv_begin`) are refused with `illegal`, so the driver releases the extra one.
+ */
+import {
+  KVPoll,
+  KvError,
+  isTerminal,
+  type Effect,
+  type Phase,
+  type Role,
+  type Room,
+  type RoomEvent,
+  type RoomId,
+  type RoomTimeouts,
+  type TimelineEntry,
+} from './types.js';
+
+/** Name of a KVPoll value ('Failed', 'Bootstrapping', ...). */
+export type StateName = 'Failed' | 'Bootstrapping' | 'WaitingForInput' | 'Transferring' | 'Success';
+
+export const stateName = (s: KVPoll): StateName => KVPoll[s] as StateName;
+
+/** Deadline length (ms) of a phase; `Infinity` for 'done'. */
+export function phaseTimeout(phase: Phase, t: RoomTimeouts): number {
+  switch (phase) {
+    case 'prealloc':
+      return t.preallocMs;
+    case 'bootstrap':
+      return t.bootstrapMs;
+    case 'waiting':
+      return t.waitingMs;
+    case 'inflight':
+    case 'transfer':
+      return t.transferIdleMs;
+    case 'done':
+      return Infinity;
+  }
+}
+
+export interface RoomTableOptions {
+  /**
+   * TEST-ONLY. Reproduces SGLang's buggy status rule, for the simulator's proof that it wedges:
+   * state writes become `max(old, new)` with no terminal stickiness and no source checks
+   * (so Failed=0 is overwritten by Transferring=3, and a later Failed write — the watchdog's —
+   * is swallowed because max(3, 0) = 3). The one exception is `abort`, which lands as Failed on
+   * any non-terminal room: SGLang's abort handler pops the room's status and re-inserts Failed.
+   * No `illegal` effects are emitted in this mode (the legacy code had none). Never enable it in
+   * a worker.
+   */
+  legacyMaxRule?: boolean;
+  /** How long a tombstone lives, ms. Default 60_000. */
+  tombstoneTtlMs?: number;
+  /** Most tombstones kept; the oldest is evicted first. Default 10_000. */
+  tombstoneMax?: number;
+  /** Most recent terminal rooms kept for /debug/rooms. Default 200. */
+  historyMax?: number;
+  /** Most timeline entries per room (the first, 'create', is always kept). Default 32. */
+  timelineMax?: number;
+}
+
+/** A cancellation that arrived for a room before (or after) its record. */
+export interface Tombstone {
+  /** Fail reason a late room gets. */
+  reason: string;
+  /** When it was written (ms). Expires at `at + tombstoneTtlMs`. */
+  at: number;
+  /** The cancellation came from the peer itself (abort from 'peer', peer_lost): do not echo it back. */
+  fromPeer: boolean;
+}
+
+/** Cumulative counters (monotonic over the table's life). */
+export interface RoomTableStats {
+  created: number;
+  success: number;
+  failed: number;
+  /** Refused writes (`illegal` effects). */
+  illegal: number;
+  /** Rooms failed by their deadline (`expired` effects). */
+  expired: number;
+  /** Tombstones written for rooms not seen yet. */
+  tombstoned: number;
+  /** Tombstones evicted because `tombstoneMax` was reached. */
+  tombstonesEvicted: number;
+  /** Non-cancel events for rooms this table does not know (returned []). */
+  unknownEvents: number;
+  /** Legacy mode only: writes swallowed by max(old, new). */
+  swallowed: number;
+}
+
+/** One room as shown by GET /debug/rooms. */
+export interface RoomView {
+  room: RoomId;
+  rid: string;
+  role: Role;
+  state: StateName;
+  state_code: KVPoll;
+  phase: Phase;
+  age_ms: number;
+  /** Remaining ms until the phase deadline (negative: overdue); null when terminal. */
+  deadline_ms: number | null;
+  peer: string | null;
+  peer_epoch: string | null;
+  bytes: number;
+  total_bytes: number | null;
+  fail_reason: string | null;
+  timeline: { at: number; state: StateName; phase: Phase; why: string }[];
+}
+
+/** JSON-able body of GET /debug/rooms. */
+export interface RoomsSnapshot {
+  role: Role;
+  now: number;
+  legacy_max_rule: boolean;
+  counts: Record<StateName, number>;
+  tombstones: number;
+  stats: RoomTableStats;
+  /** Live (non-terminal) rooms, oldest first. */
+  live: RoomView[];
+  /** Recent terminal rooms, newest first. */
+  recent: RoomView[];
+}
+
+/** Internal causes: the public events plus the watchdog and a tombstone replayed at create. */
+type Cause = RoomEvent | { t: 'deadline' } | { t: 'tombstone'; reason: string; fromPeer: boolean };
+
+type Plan =
+  /** Nothing to do, nothing to report. */
+  | { k: 'noop'; swallowed?: boolean }
+  /** Refused write. */
+  | { k: 'refuse'; to: KVPoll; why: string }
+  /** Transfer progress: add bytes, restart the transfer deadline. */
+  | { k: 'progress'; bytes: number }
+  /** Reply without writing (registration of a failed room). */
+  | { k: 'answer'; effects: Effect[] }
+  /** The one kind of state write. */
+  | { k: 'write'; to: KVPoll; phase: Phase; why: string; failReason?: string; fromPeer?: boolean };
+
+const FAILURE_CAUSES = new Set(['abort', 'fail', 'peer_lost', 'deadline', 'tombstone']);
+
+/**
+ * Reason a failure cause leaves in `failReason` (and in `terminal`/`notify_peer`): the event's own
+ * `reason`, verbatim (the workers prefix it with its category, e.g. 'abort: router',
+ * 'peer_lost: heartbeat', 'bootstrap: ...'); `deadline:<phase>` for the watchdog.
+ */
+function failureReason(c: Cause, phase: Phase): string {
+  switch (c.t) {
+    case 'abort':
+      return c.reason || `abort:${c.from}`;
+    case 'fail':
+    case 'peer_lost':
+    case 'tombstone':
+      return c.reason || c.t;
+    case 'deadline':
+      return `deadline:${phase}`;
+    default:
+      return c.t;
+  }
+}
+
+/** Short label of a cause for timelines ('abort:router', 'deadline:waiting', ...). */
+function why(c: Cause, phase: Phase): string {
+  switch (c.t) {
+    case 'abort':
+      return `abort:${c.from}`;
+    case 'deadline':
+      return `deadline:${phase}`;
+    case 'tombstone':
+      return 'tombstone';
+    default:
+      return c.t;
+  }
+}
+
+const fromPeer = (c: Cause): boolean =>
+  (c.t === 'abort' && c.from === 'peer') || c.t === 'peer_lost' || (c.t === 'tombstone' && c.fromPeer);
+
+/**
+ * The rooms of one worker role. Not thread-safe by design: JS is single-threaded, and each call
+ * is atomic with respect to the others — the races this guards against are between *awaits* in
+ * the drivers, which all funnel through `apply`.
+ */
+export class RoomTable {
+  readonly role: Role;
+  readonly legacyMaxRule: boolean;
+  private readonly timeouts: RoomTimeouts;
+  private readonly tombstoneTtlMs: number;
+  private readonly tombstoneMax: number;
+  private readonly historyMax: number;
+  private readonly timelineMax: number;
+  /** Non-terminal rooms (insertion order = creation order). */
+  private readonly live = new Map<RoomId, Room>();
+  /** Recent terminal rooms (insertion order = terminal order), bounded by historyMax. */
+  private readonly history = new Map<RoomId, Room>();
+  /** Insertion order = age order (entries are never refreshed: first reason wins). */
+  private readonly tombstones = new Map<RoomId, Tombstone>();
+  private readonly counters: RoomTableStats = {
+    created: 0,
+    success: 0,
+    failed: 0,
+    illegal: 0,
+    expired: 0,
+    tombstoned: 0,
+    tombstonesEvicted: 0,
+    unknownEvents: 0,
+    swallowed: 0,
+  };
+
+  constructor(role: Role, timeouts: RoomTimeouts, opts: RoomTableOptions = {}) {
+    this.role = role;
+    this.timeouts = { ...timeouts };
+    this.legacyMaxRule = opts.legacyMaxRule ?? false;
+    this.tombstoneTtlMs = opts.tombstoneTtlMs ?? 60_000;
+    this.tombstoneMax = Math.max(1, opts.tombstoneMax ?? 10_000);
+    this.historyMax = Math.max(0, opts.historyMax ?? 200);
+    this.timelineMax = Math.max(2, opts.timelineMax ?? 32);
+  }
+
+  // ---- inputs ---------------------------------------------------------------------------------
+
+  /**
+   * Register a new room. prefill: Bootstrapping/'bootstrap' (waiting for decode's REGISTER);
+   * decode: Bootstrapping/'prealloc' (waiting for a slot). `peer` is decode's view of prefill's
+   * bootstrap address (prefill learns its peer at `registered`).
+   *
+   * If a cancellation already arrived for this id (tombstone) or a room with this id already
+   * failed, the room is created and failed at once: the effects are `[notify_peer?, terminal]`.
+   * @throws KvError('DUPLICATE_ROOM') when a live room with this id exists.
+   */
+  create(id: RoomId, rid: string, now: number, peer?: string): Effect[] {
+    if (this.live.has(id)) throw new KvError('DUPLICATE_ROOM', `room ${id} already exists (rid ${this.live.get(id)!.rid})`);
+    const phase: Phase = this.role === 'prefill' ? 'bootstrap' : 'prealloc';
+    const room: Room = {
+      id,
+      rid,
+      role: this.role,
+      state: KVPoll.Bootstrapping,
+      phase,
+      createdAt: now,
+      deadlineAt: now + phaseTimeout(phase, this.timeouts),
+      peer,
+      bytes: 0,
+      timeline: [{ at: now, state: KVPoll.Bootstrapping, phase, why: 'create' }],
+    };
+    this.counters.created++;
+    this.live.set(id, room);
+    const prior = this.priorFailure(id);
+    if (prior) return this.transition(room, { t: 'tombstone', reason: prior.reason, fromPeer: prior.fromPeer }, now);
+    return [];
+  }
+
+  /**
+   * Feed one event for room `id`. Returns the effects to perform, in order.
+   *
+   * Unknown ids: abort/fail/peer_lost leave a tombstone and return []; `registered` for a
+   * tombstoned id answers `notify_peer` (to `event.peer`) with the tombstone's reason; any other
+   * event returns [] and counts `stats.unknownEvents` — the driver decides (prefill buffers a
+   * REGISTER that beat the router's request; check `get(id)` / `isTombstoned(id)` first).
+   */
+  apply(id: RoomId, event: RoomEvent, now: number): Effect[] {
+    const room = this.live.get(id) ?? this.history.get(id);
+    if (room) return this.transition(room, event, now);
+    if (event.t === 'abort' || event.t === 'fail' || event.t === 'peer_lost') {
+      if (!this.tombstones.has(id)) {
+        this.counters.tombstoned++;
+        this.addTombstone(id, failureReason(event, 'done'), fromPeer(event), now);
+      }
+      return [];
+    }
+    const ts = this.tombstones.get(id);
+    if (event.t === 'registered' && ts) {
+      return event.peer ? [{ t: 'notify_peer', room: id, peer: event.peer, reason: ts.reason }] : [];
+    }
+    this.counters.unknownEvents++;
+    return [];
+  }
+
+  /**
+   * The watchdog: fail every live room whose phase deadline is at or before `now`, with reason
+   * `deadline:<phase>`; effects per room `expired` (state/phase at expiry, timeline) then
+   * `notify_peer` (when it has a peer) then `terminal`. Also drops expired tombstones.
+   * Call it periodically (the workers: every watchdog interval; the simulator: every tick).
+   */
+  tick(now: number): Effect[] {
+    const out: Effect[] = [];
+    for (const room of this.live.values()) {
+      if (now >= room.deadlineAt) out.push(...this.transition(room, { t: 'deadline' }, now));
+    }
+    for (const [id, ts] of this.tombstones) {
+      if (ts.at + this.tombstoneTtlMs > now) break;
+      this.tombstones.delete(id);
+    }
+    return out;
+  }
+
+  /** `peer_lost` for every live room bound to `peer` (connection closed or silent). */
+  failPeer(peer: string, reason: string, now: number): Effect[] {
+    const out: Effect[] = [];
+    for (const room of [...this.live.values()]) {
+      if (room.peer === peer) out.push(...this.transition(room, { t: 'peer_lost', reason }, now));
+    }
+    return out;
+  }
+
+  // ---- queries --------------------------------------------------------------------------------
+
+  /** Live (non-terminal) rooms, oldest first. The objects are the table's own: do not mutate. */
+  rooms(): Room[] {
+    return [...this.live.values()];
+  }
+
+  /** Recent terminal rooms, newest first (at most historyMax). */
+  recent(): Room[] {
+    return [...this.history.values()].reverse();
+  }
+
+  /** A live room, else a recent terminal one. */
+  get(id: RoomId): Room | undefined {
+    return this.live.get(id) ?? this.history.get(id);
+  }
+
+  /** Whether a live (non-terminal) room with this id exists. */
+  has(id: RoomId): boolean {
+    return this.live.has(id);
+  }
+
+  /** Whether a cancellation for this id is remembered (room failed, or abort before create). */
+  isTombstoned(id: RoomId): boolean {
+    return this.tombstones.has(id);
+  }
+
+  tombstone(id: RoomId): Tombstone | undefined {
+    const t = this.tombstones.get(id);
+    return t ? { ...t } : undefined;
+  }
+
+  /** Earliest deadline among live rooms (ms), Infinity when none: lets a driver sleep until then. */
+  nextDeadline(): number {
+    let min = Infinity;
+    for (const r of this.live.values()) if (r.deadlineAt < min) min = r.deadlineAt;
+    return min;
+  }
+
+  /** Rooms per state: live rooms plus the recent terminal ones still in history. */
+  countsByState(): Record<StateName, number> {
+    const c: Record<StateName, number> = { Failed: 0, Bootstrapping: 0, WaitingForInput: 0, Transferring: 0, Success: 0 };
+    for (const r of this.live.values()) c[stateName(r.state)]++;
+    for (const r of this.history.values()) c[stateName(r.state)]++;
+    return c;
+  }
+
+  get stats(): Readonly<RoomTableStats> {
+    return { ...this.counters };
+  }
+
+  /** JSON-able state for GET /debug/rooms. */
+  snapshot(now: number): RoomsSnapshot {
+    return {
+      role: this.role,
+      now,
+      legacy_max_rule: this.legacyMaxRule,
+      counts: this.countsByState(),
+      tombstones: this.tombstones.size,
+      stats: this.stats,
+      live: this.rooms().map((r) => view(r, now)),
+      recent: this.recent().map((r) => view(r, now)),
+    };
+  }
+
+  // ---- the transition function ------------------------------------------------------------------
+
+  /**
+   * THE transition function: decides (`plan`) and writes (`commit`). Every state change of every
+   * room — create's tombstone replay, apply, tick's deadlines, failPeer — goes through here.
+   */
+  private transition(room: Room, cause: Cause, now: number): Effect[] {
+    const plan = this.legacyMaxRule ? this.planLegacy(room, cause) : this.plan(room, cause);
+    switch (plan.k) {
+      case 'noop':
+        if (plan.swallowed) this.counters.swallowed++;
+        return [];
+      case 'answer':
+        return plan.effects;
+      case 'refuse':
+        this.counters.illegal++;
+        return [{ t: 'illegal', room: room.id, from: room.state, to: plan.to, why: plan.why }];
+      case 'progress':
+        room.bytes += plan.bytes;
+        room.deadlineAt = now + phaseTimeout(room.phase, this.timeouts);
+        return [];
+      case 'write':
+        return this.commit(room, plan, cause, now);
+    }
+  }
+
+  /** The real rule. Pure: reads the room, returns what to do. */
+  private plan(room: Room, c: Cause): Plan {
+    const s = room.state;
+    const terminal = isTerminal(s);
+    if (FAILURE_CAUSES.has(c.t)) {
+      if (terminal) return { k: 'noop' };
+      return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failReason: failureReason(c, room.phase), fromPeer: fromPeer(c) };
+    }
+    const refuse = (to: KVPoll): Plan => ({ k: 'refuse', to, why: `${c.t} refused in ${stateName(s)}/${room.phase}` });
+    switch (c.t) {
+      case 'slot_reserved':
+        if (this.role !== 'decode') return { k: 'refuse', to: KVPoll.Bootstrapping, why: 'slot_reserved on a prefill room' };
+        if (s === KVPoll.Bootstrapping && room.phase === 'prealloc') {
+          if (!room.peer) return { k: 'write', to: KVPoll.Failed, phase: 'done', why: 'no_peer', failReason: 'bootstrap: decode room has no peer to register with' };
+          return { k: 'write', to: KVPoll.Bootstrapping, phase: 'bootstrap', why: 'slot_reserved' };
+        }
+        return refuse(KVPoll.Bootstrapping);
+      case 'registered': {
+        if (s === KVPoll.Failed) {
+          const peer = c.peer ?? room.peer;
+          return { k: 'answer', effects: peer ? [{ t: 'notify_peer', room: room.id, peer, reason: room.failReason ?? 'failed' }] : [] };
+        }
+        if (s === KVPoll.Success) return { k: 'noop' };
+        if (s === KVPoll.Bootstrapping && room.phase === 'bootstrap') return { k: 'write', to: KVPoll.WaitingForInput, phase: 'waiting', why: 'registered' };
+        if (s === KVPoll.Bootstrapping) return refuse(KVPoll.WaitingForInput); // decode prealloc: no slot, never registered
+        if ((c.peer !== undefined && room.peer !== undefined && c.peer !== room.peer) || (c.peerEpoch !== undefined && room.peerEpoch !== undefined && c.peerEpoch !== room.peerEpoch)) {
+          return { k: 'refuse', to: KVPoll.WaitingForInput, why: `registered by another peer (${c.peer ?? '?'}/${c.peerEpoch ?? '?'}) than ${room.peer}/${room.peerEpoch ?? '?'}` };
+        }
+        return { k: 'noop' }; // duplicate registration from the same peer
+      }
+      case 'kv_begin':
+        if (s === KVPoll.WaitingForInput) return { k: 'write', to: KVPoll.Transferring, phase: this.role === 'prefill' ? 'inflight' : 'transfer', why: 'kv_begin' };
+        return refuse(KVPoll.Transferring);
+      case 'progress':
+        if (terminal) return { k: 'noop' };
+        if (s === KVPoll.Transferring) return { k: 'progress', bytes: c.bytes };
+        return refuse(KVPoll.Transferring);
+      case 'kv_done':
+        if (s === KVPoll.Success) return { k: 'noop' };
+        if (s === KVPoll.Transferring) return { k: 'write', to: KVPoll.Success, phase: 'done', why: 'kv_done' };
+        return refuse(KVPoll.Success);
+      default:
+        return refuse(s);
+    }
+  }
+
+  /**
+   * TEST-ONLY legacy rule (SGLang's old `update_status`): new = max(old, target), no terminal
+   * stickiness, no source checks; `abort` pops and re-inserts Failed on a non-terminal room.
+   */
+  private planLegacy(room: Room, c: Cause): Plan {
+    const s = room.state;
+    if (c.t === 'progress') return s === KVPoll.Transferring ? { k: 'progress', bytes: c.bytes } : { k: 'noop' };
+    if (FAILURE_CAUSES.has(c.t)) {
+      const lands = (c.t === 'abort' || c.t === 'tombstone') && !isTerminal(s);
+      if (!lands) return { k: 'noop', swallowed: s !== KVPoll.Failed };
+      return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failReason: failureReason(c, room.phase), fromPeer: fromPeer(c) };
+    }
+    let target: { to: KVPoll; phase: Phase };
+    switch (c.t) {
+      case 'slot_reserved':
+        target = { to: KVPoll.Bootstrapping, phase: 'bootstrap' };
+        break;
+      case 'registered':
+        target = { to: KVPoll.WaitingForInput, phase: 'waiting' };
+        break;
+      case 'kv_begin':
+        target = { to: KVPoll.Transferring, phase: this.role === 'prefill' ? 'inflight' : 'transfer' };
+        break;
+      case 'kv_done':
+        target = { to: KVPoll.Success, phase: 'done' };
+        break;
+      default:
+        return { k: 'noop' };
+    }
+    const to = Math.max(s, target.to) as KVPoll;
+    if (to === s && !(c.t === 'slot_reserved' && room.phase === 'prealloc')) return { k: 'noop', swallowed: true };
+    return { k: 'write', to, phase: to === target.to ? target.phase : room.phase, why: `${c.t}${isTerminal(s) ? ' (legacy max rule: overwrote a terminal state)' : ''}` };
+  }
+
+  /** The single writer of `room.state`/`room.phase`/`room.deadlineAt`. */
+  private commit(room: Room, p: Extract<Plan, { k: 'write' }>, cause: Cause, now: number): Effect[] {
+    const from = room.state;
+    const fromPhase = room.phase;
+    const wasTerminal = isTerminal(from);
+    if (cause.t === 'registered') {
+      if (cause.peer !== undefined) room.peer = cause.peer;
+      if (cause.peerEpoch !== undefined) room.peerEpoch = cause.peerEpoch;
+    }
+    if (cause.t === 'kv_begin') room.totalBytes = cause.totalBytes;
+    room.state = p.to;
+    room.phase = p.phase;
+    room.deadlineAt = now + phaseTimeout(p.phase, this.timeouts);
+    if (p.to === KVPoll.Failed && room.failReason === undefined) room.failReason = p.failReason;
+    this.pushTimeline(room, { at: now, state: p.to, phase: p.phase, why: p.why });
+
+    const out: Effect[] = [];
+    if (cause.t === 'deadline') {
+      this.counters.expired++;
+      out.push({ t: 'expired', room: room.id, state: from, phase: fromPhase, timeline: room.timeline.map((e) => ({ ...e })) });
+    }
+    if (p.to === KVPoll.Failed) {
+      if (room.peer && !p.fromPeer) out.push({ t: 'notify_peer', room: room.id, peer: room.peer, reason: room.failReason ?? p.why });
+    } else if (p.to === KVPoll.Bootstrapping && p.phase === 'bootstrap') {
+      out.push({ t: 'send_register', room: room.id, peer: room.peer ?? '' });
+    } else if (p.to === KVPoll.WaitingForInput && this.role === 'prefill') {
+      out.push({ t: 'start_prefill', room: room.id });
+    } else if (p.to === KVPoll.Success && this.role === 'decode' && room.peer) {
+      out.push({ t: 'send_ack', room: room.id, peer: room.peer });
+    }
+
+    const nowTerminal = isTerminal(p.to);
+    if (nowTerminal && (!wasTerminal || from !== p.to)) {
+      if (p.to === KVPoll.Success) this.counters.success++;
+      else this.counters.failed++;
+      out.push({ t: 'terminal', room: room.id, state: p.to as KVPoll.Success | KVPoll.Failed, reason: p.to === KVPoll.Success ? 'kv_done' : (room.failReason ?? p.why) });
+    }
+    if (nowTerminal && this.live.get(room.id) === room) {
+      this.live.delete(room.id);
+      this.history.delete(room.id);
+      this.history.set(room.id, room);
+      while (this.history.size > this.historyMax) this.history.delete(this.history.keys().next().value as RoomId);
+      if (p.to === KVPoll.Failed && !this.tombstones.has(room.id)) this.addTombstone(room.id, room.failReason ?? p.why, !!p.fromPeer, now);
+    } else if (!nowTerminal && this.history.get(room.id) === room) {
+      // Only reachable with legacyMaxRule: the revival the real rule forbids.
+      this.history.delete(room.id);
+      this.live.set(room.id, room);
+    }
+    return out;
+  }
+
+  // ---- helpers ----------------------------------------------------------------------------------
+
+  /** A reason this id must not run: a tombstone, or a Failed record in history. */
+  private priorFailure(id: RoomId): Tombstone | undefined {
+    const ts = this.tombstones.get(id);
+    if (ts) return ts;
+    const old = this.history.get(id);
+    if (old && old.state === KVPoll.Failed) return { reason: old.failReason ?? 'failed', at: old.createdAt, fromPeer: false };
+    return undefined;
+  }
+
+  private addTombstone(id: RoomId, reason: string, fromPeerFlag: boolean, now: number): void {
+    while (this.tombstones.size >= this.tombstoneMax) {
+      this.tombstones.delete(this.tombstones.keys().next().value as RoomId);
+      this.counters.tombstonesEvicted++;
+    }
+    this.tombstones.set(id, { reason, at: now, fromPeer: fromPeerFlag });
+  }
+
+  private pushTimeline(room: Room, e: TimelineEntry): void {
+    room.timeline.push(e);
+    if (room.timeline.length > this.timelineMax) room.timeline.splice(1, room.timeline.length - this.timelineMax);
+  }
+}
+
+function view(r: Room, now: number): RoomView {
+  return {
+    room: r.id,
+    rid: r.rid,
+    role: r.role,
+    state: stateName(r.state),
+    state_code: r.state,
+    phase: r.phase,
+    age_ms: now - r.createdAt,
+    deadline_ms: Number.isFinite(r.deadlineAt) ? r.deadlineAt - now : null,
+    peer: r.peer ?? null,
+    peer_epoch: r.peerEpoch ?? null,
+    bytes: r.bytes,
+    total_bytes: r.totalBytes ?? null,
+    fail_reason: r.failReason ?? null,
+    timeline: r.timeline.map((e) => ({ at: e.at, state: stateName(e.state), phase: e.phase, why: e.why })),
+  };
+}
