@@ -1,0 +1,211 @@
+/**
+ * ggsq parser and n_stream rewriting against state files written by the real llama.cpp
+ * (node-llama-cpp 3.21.1) for a generated tiny model, in both V layouts.
+ * Run: node --import tsx --test test/unit/ggsq.test.ts
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { kvBytesPerCell, parseStateFile, rewriteNStream, type StateExpect } from '../../src/engine/ggsq.js';
+import { loadEngine } from '../../src/engine/llama.js';
+import type { Engine, SamplingParams } from '../../src/engine/types.js';
+import { KvError } from '../../src/kv/types.js';
+
+const CTX = 256;
+const expect: StateExpect = { contextSize: CTX, nLayer: 2, maxBytes: 1 << 24 };
+const greedy: SamplingParams = { temperature: 0, topP: 1, topK: 0, maxTokens: 8, stop: [], ignoreEos: true };
+
+const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-ggsq-test-'));
+/** Files written by llama.cpp: transposed V (no flash attention) from slot 1 of 2; plain V (flash attention) from slot 0 of 1. */
+let trans: Buffer; // 5 tokens, n_stream 2, data in stream 1
+let plain: Buffer; // 5 tokens, n_stream 1
+let transLong: Buffer; // 40 tokens
+let prompt5: number[];
+let prompt40: number[];
+
+function isBadState(err: unknown): boolean {
+  return err instanceof KvError && err.code === 'BAD_STATE';
+}
+
+async function saveFrom(engine: Engine, prompt: number[], holdFirst: boolean, file: string): Promise<Buffer> {
+  const hold = holdFirst ? engine.tryAcquireSlot() : null;
+  const slot = engine.tryAcquireSlot()!;
+  await slot.prefill(prompt, greedy, new AbortController().signal);
+  await slot.saveState(file);
+  slot.release();
+  hold?.release();
+  return readFileSync(file);
+}
+
+before(async () => {
+  const modelPath = await ensureModel('tiny', 1, dir);
+  const a = await loadEngine({ modelPath, sequences: 2, contextSize: CTX, batchSize: 64, flashAttention: false });
+  const b = await loadEngine({ modelPath, sequences: 1, contextSize: CTX, batchSize: 64, flashAttention: true });
+  try {
+    prompt5 = a.tokenize('Hi there').slice(0, 5);
+    prompt40 = a.tokenize('the model of the state stream '.repeat(10)).slice(0, 40);
+    assert.equal(prompt5.length, 5);
+    trans = await saveFrom(a, prompt5, true, path.join(dir, 'trans.ggsq'));
+    transLong = await saveFrom(a, prompt40, false, path.join(dir, 'trans40.ggsq'));
+    plain = await saveFrom(b, prompt5, false, path.join(dir, 'plain.ggsq'));
+  } finally {
+    await a.dispose();
+    await b.dispose();
+  }
+});
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+describe('parseStateFile on real llama.cpp files', () => {
+  it('reads a transposed-V state saved from slot 1 of a 2-sequence context', () => {
+    const st = parseStateFile(trans, expect);
+    assert.equal(st.version, 3);
+    assert.deepEqual(st.tokens, prompt5);
+    assert.equal(st.nStream, 2);
+    assert.deepEqual(st.streams.map((s) => s.cellCount), [0, 5]);
+    const s = st.streams[1];
+    assert.equal(s.vTrans, true);
+    assert.equal(s.nLayer, 2);
+    assert.deepEqual([...s.positions].sort((x, y) => x - y), [0, 1, 2, 3, 4]);
+    // f16 K and V, n_embd_kv = 64 → 128 bytes per cell per layer
+    assert.deepEqual(s.k!.map((l) => [l.type, l.bytesPerCell]), [[1, 128], [1, 128]]);
+    assert.deepEqual(s.v!.map((l) => [l.type, l.elSize, l.nEmbd]), [[1, 2, 64], [1, 2, 64]]);
+    assert.equal(kvBytesPerCell(s), 512);
+    // exact size: header 12 + tokens 4n + n_stream 4 + 2 cell counts + 12/cell meta + v_trans/n_layer 8
+    //   + K (4 + 8 + 128n) × 2 + V (4 + 4 + 4 + 128n) × 2
+    const n = 5;
+    assert.equal(trans.length, 12 + 4 * n + 4 + 8 + 12 * n + 8 + 2 * (12 + 128 * n) + 2 * (12 + 128 * n));
+    assert.equal(st.end, trans.length);
+  });
+
+  it('reads a plain-V state (flash attention) from a 1-sequence context', () => {
+    const st = parseStateFile(plain, expect);
+    assert.equal(st.nStream, 1);
+    assert.equal(st.streams[0].vTrans, false);
+    assert.deepEqual(st.streams[0].v!.map((l) => [l.type, l.bytesPerCell]), [[1, 128], [1, 128]]);
+    assert.equal(plain.length, 12 + 4 * 5 + 4 + 4 + 12 * 5 + 8 + 4 * (12 + 128 * 5));
+  });
+
+  it('reads a 40-token state; ~528 bytes per token', () => {
+    const st = parseStateFile(transLong, expect);
+    assert.equal(st.nTokens, 40);
+    assert.equal(st.streams[0].cellCount, 40);
+    assert.ok(Math.abs(transLong.length / 40 - 528) < 5);
+  });
+});
+
+describe('parseStateFile rejects damaged files', () => {
+  it('rejects every truncation (each header field, inside K data, inside V data)', () => {
+    for (const buf of [trans, plain]) {
+      for (let len = 0; len < buf.length; len++) {
+        assert.throws(() => parseStateFile(buf.subarray(0, len), expect), isBadState, `truncated to ${len} of ${buf.length}`);
+      }
+    }
+  });
+
+  it('rejects trailing bytes (llama.cpp would ignore them; the handoff payload must be exact)', () => {
+    assert.throws(() => parseStateFile(Buffer.concat([trans, Buffer.from([0])]), expect), /trailing/);
+    assert.throws(() => parseStateFile(Buffer.concat([plain, Buffer.alloc(4096)]), expect), /trailing/);
+  });
+
+  const cellCountOff = (buf: Buffer) => parseStateFile(buf, expect).streams.find((s) => s.cellCount > 0)!.start;
+  const mutate = (buf: Buffer, f: (b: Buffer) => void): Buffer => {
+    const b = Buffer.from(buf);
+    f(b);
+    return b;
+  };
+
+  it('rejects a huge or oversized cell_count before allocating', () => {
+    const off = cellCountOff(trans);
+    for (const v of [0xffffffff, 0x7fffffff, CTX + 1, 6, 4]) {
+      assert.throws(() => parseStateFile(mutate(trans, (b) => b.writeUInt32LE(v, off)), expect), isBadState, `cell_count ${v}`);
+    }
+  });
+
+  it('rejects a wrong n_layer (expected, and in the file)', () => {
+    assert.throws(() => parseStateFile(trans, { ...expect, nLayer: 3 }), /n_layer 2, this model has 3/);
+    const off = cellCountOff(plain) + 4 + 12 * 5 + 4;
+    for (const v of [0, 1, 3, 0xffffffff]) {
+      assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeUInt32LE(v, off)), expect), isBadState, `n_layer ${v}`);
+    }
+    // and without an expected n_layer the inconsistent sizes still fail
+    assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeUInt32LE(3, off)), { ...expect, nLayer: undefined }), isBadState);
+  });
+
+  it('rejects absurd row sizes without overflow (u64 max, 2^40, off by one)', () => {
+    const kRowOff = cellCountOff(plain) + 4 + 12 * 5 + 8 + 4;
+    for (const v of [0xffffffffffffffffn, 1n << 40n, 1n << 24n, 129n, 0n]) {
+      assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeBigUInt64LE(v, kRowOff)), expect), isBadState, `row ${v}`);
+    }
+  });
+
+  it('rejects bad magic, version, n_tokens, n_stream, n_seq_id, positions, v_trans, types, size limit', () => {
+    const cases: Array<[string, (b: Buffer) => void]> = [
+      ['magic', (b) => b.writeUInt32LE(0x46554747, 0)],
+      ['version', (b) => b.writeUInt32LE(2, 4)],
+      ['n_tokens huge', (b) => b.writeUInt32LE(0xffffffff, 8)],
+      ['n_tokens > ctx', (b) => b.writeUInt32LE(CTX + 1, 8)],
+      ['n_tokens < cells', (b) => b.writeUInt32LE(4, 8)],
+      ['negative token', (b) => b.writeInt32LE(-1, 12)],
+      ['n_stream 0', (b) => b.writeUInt32LE(0, 12 + 20)],
+      ['n_stream 1000', (b) => b.writeUInt32LE(1000, 12 + 20)],
+      ['n_stream 3', (b) => b.writeUInt32LE(3, 12 + 20)],
+      ['pos dup', (b) => b.writeInt32LE(0, cellCountOff(trans) + 4 + 12)],
+      ['pos negative', (b) => b.writeInt32LE(-1, cellCountOff(trans) + 4)],
+      ['pos ≥ n_tokens', (b) => b.writeInt32LE(5, cellCountOff(trans) + 4)],
+      ['n_seq_id 2', (b) => b.writeUInt32LE(2, cellCountOff(trans) + 8)],
+      ['n_seq_id 0', (b) => b.writeUInt32LE(0, cellCountOff(trans) + 8)],
+      ['seq_id', (b) => b.writeInt32LE(-5, cellCountOff(trans) + 12)],
+      ['v_trans 2', (b) => b.writeUInt32LE(2, cellCountOff(trans) + 4 + 60)],
+      ['v_trans flipped', (b) => b.writeUInt32LE(0, cellCountOff(trans) + 4 + 60)],
+      ['K type', (b) => b.writeInt32LE(-1, cellCountOff(trans) + 4 + 60 + 8)],
+    ];
+    for (const [name, f] of cases) assert.throws(() => parseStateFile(mutate(trans, f), expect), isBadState, name);
+    assert.throws(() => parseStateFile(trans, { ...expect, maxBytes: trans.length - 1 }), /exceeds the limit/);
+    assert.throws(() => parseStateFile(trans, { ...expect, nVocab: Math.min(...prompt5) }), /outside the vocabulary/);
+  });
+
+  it('never throws anything but BAD_STATE on random corruption of the metadata', () => {
+    let x = 12345;
+    const rnd = () => ((x = (Math.imul(x, 1103515245) + 12345) >>> 0) / 2 ** 32);
+    const metaEnd = cellCountOff(trans) + 4 + 60 + 8 + 12; // through the first K header
+    let accepted = 0;
+    for (let i = 0; i < 3000; i++) {
+      const b = Buffer.from(trans);
+      const flips = 1 + Math.floor(rnd() * 3);
+      for (let j = 0; j < flips; j++) b[Math.floor(rnd() * metaEnd)] ^= 1 << Math.floor(rnd() * 8);
+      try {
+        parseStateFile(b, expect);
+        accepted++; // e.g. a flipped token id or seq_id: structurally fine
+      } catch (err) {
+        assert.ok(isBadState(err), String(err));
+      }
+    }
+    assert.ok(accepted < 3000);
+  });
+});
+
+describe('rewriteNStream', () => {
+  it('adds and drops empty streams, keeping the KV bytes', () => {
+    for (const target of [1, 2, 3, 8, 256]) {
+      const out = rewriteNStream(trans, target);
+      const st = parseStateFile(out, expect);
+      assert.equal(st.nStream, target);
+      assert.deepEqual(st.tokens, prompt5);
+      assert.deepEqual(st.streams.map((s) => s.cellCount).filter((c) => c > 0), [5]);
+      const src = parseStateFile(trans, expect).streams[1];
+      const dst = st.streams.find((s) => s.cellCount > 0)!;
+      assert.ok(trans.subarray(src.start, src.end).equals(out.subarray(dst.start, dst.end)));
+      assert.equal(out.length, trans.length + 4 * (target - 2));
+    }
+    assert.equal(rewriteNStream(trans, 2), trans);
+  });
+
+  it('validates its input and target', () => {
+    assert.throws(() => rewriteNStream(trans.subarray(0, trans.length - 1), 1), isBadState);
+    assert.throws(() => rewriteNStream(trans, 0), RangeError);
+    assert.throws(() => rewriteNStream(trans, 257), RangeError);
+  });
+});
