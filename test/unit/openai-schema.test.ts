@@ -1,0 +1,300 @@
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import Fastify, { type FastifyInstance } from 'fastify';
+import { GenerateRequestSchema, type GenerateEvent } from '../../src/api/worker-protocol.js';
+import {
+  ApiError,
+  DEFAULT_CHAT_MAX_TOKENS,
+  OpenAIResponseBuilder,
+  parseChatRequest,
+  parseCompletionRequest,
+  registerOpenAIErrorHandling,
+  toWorkerRequest,
+} from '../../src/api/openai.js';
+
+const routing = { rid: 'cmpl-abc', bootstrapHost: '127.0.0.1', bootstrapPort: 8998, bootstrapRoom: '9223372036854775807' };
+
+function rejects400(fn: () => unknown, param: string | null, re?: RegExp): ApiError {
+  try {
+    fn();
+  } catch (e) {
+    assert.ok(e instanceof ApiError, `ApiError, got ${String(e)}`);
+    assert.equal(e.status, 400);
+    assert.equal(e.type, 'invalid_request_error');
+    assert.equal(e.param, param);
+    if (re) assert.match(e.message, re);
+    return e;
+  }
+  assert.fail('expected a 400');
+}
+
+describe('completion schema', () => {
+  test('defaults', () => {
+    const p = parseCompletionRequest({ model: 'm', prompt: 'hello' });
+    assert.deepEqual(p.prompt, { text: 'hello' });
+    assert.equal(p.stream, false);
+    assert.equal(p.includeUsage, false);
+    assert.deepEqual(p.sampling, { temperature: 1, top_p: 1, top_k: 0, max_new_tokens: 16, stop: [], ignore_eos: false });
+  });
+
+  test('prompt forms: string, [string], token ids, [[token ids]]', () => {
+    assert.deepEqual(parseCompletionRequest({ prompt: ['hi'] }).prompt, { text: 'hi' });
+    assert.deepEqual(parseCompletionRequest({ prompt: [1, 2, 3] }).prompt, { input_ids: [1, 2, 3] });
+    assert.deepEqual(parseCompletionRequest({ prompt: [[4, 5]] }).prompt, { input_ids: [4, 5] });
+    rejects400(() => parseCompletionRequest({ prompt: ['a', 'b'] }), 'prompt', /batched prompts are not supported/);
+    rejects400(() => parseCompletionRequest({ prompt: [] }), 'prompt');
+    rejects400(() => parseCompletionRequest({ prompt: [1.5] }), 'prompt');
+    rejects400(() => parseCompletionRequest({ prompt: 42 }), 'prompt');
+    rejects400(() => parseCompletionRequest({ model: 'm' }), 'prompt', /Missing required parameter: 'prompt'/);
+  });
+
+  test('sampling fields, nulls and unknown fields', () => {
+    const p = parseCompletionRequest({
+      prompt: 'x',
+      max_tokens: 5,
+      temperature: 0,
+      top_p: 0.5,
+      top_k: -1,
+      seed: 42,
+      stop: 'END',
+      stream: true,
+      stream_options: { include_usage: true },
+      n: 1,
+      ignore_eos: true,
+      user: 'u',
+      presence_penalty: 0,
+      some_vllm_extension: { anything: true },
+      logprobs: null,
+    });
+    assert.deepEqual(p.sampling, { temperature: 0, top_p: 0.5, top_k: 0, seed: 42, max_new_tokens: 5, stop: ['END'], ignore_eos: true });
+    assert.equal(p.stream, true);
+    assert.equal(p.includeUsage, true);
+    const q = parseCompletionRequest({ prompt: 'x', max_tokens: null, temperature: null, stop: ['a', '', 'b'], top_k: 40 });
+    assert.equal(q.sampling.max_new_tokens, 16);
+    assert.equal(q.sampling.temperature, 1);
+    assert.equal(q.sampling.top_k, 40);
+    assert.deepEqual(q.sampling.stop, ['a', 'b'], 'empty stop strings dropped');
+    assert.equal(parseCompletionRequest({ prompt: 'x', stop: Array(16).fill('s') }).sampling.stop.length, 16);
+  });
+
+  test('invalid values name the field', () => {
+    rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 0 }), 'max_tokens');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: -1 }), 'max_tokens', /Invalid value for 'max_tokens'/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 1.5 }), 'max_tokens');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 'ten' }), 'max_tokens', /Invalid type for 'max_tokens': expected number, got string/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', temperature: 2.5 }), 'temperature');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', temperature: -0.1 }), 'temperature');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', top_p: 0 }), 'top_p');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', top_k: -2 }), 'top_k');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', seed: 'a' }), 'seed');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', stream: 'yes' }), 'stream');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', stop: Array(17).fill('s') }), 'stop', /at most 16/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', stop: [1] }), 'stop');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', ignore_eos: 1 }), 'ignore_eos');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', model: 5 }), 'model');
+    rejects400(() => parseCompletionRequest(null), null, /expected a JSON object/);
+    rejects400(() => parseCompletionRequest([1, 2]), null, /expected a JSON object/);
+    rejects400(() => parseCompletionRequest('prompt'), null);
+  });
+
+  test('unsupported features are 400 with a clear message', () => {
+    rejects400(() => parseCompletionRequest({ prompt: 'x', n: 2 }), 'n', /only n=1/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logprobs: 1 }), 'logprobs', /logprobs are not supported/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logprobs: 0 }), 'logprobs', /logprobs are not supported/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', echo: true }), 'echo');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', best_of: 3 }), 'best_of');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', suffix: 'tail' }), 'suffix');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', frequency_penalty: 0.5 }), 'frequency_penalty');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logit_bias: { '5': 1 } }), 'logit_bias');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', stream_options: { include_usage: true } }), 'stream_options', /only allowed when stream is true/);
+    // Explicit "off" values are fine.
+    parseCompletionRequest({ prompt: 'x', n: 1, echo: false, best_of: 1, suffix: '', logit_bias: {}, frequency_penalty: 0 });
+  });
+
+  test('toWorkerRequest produces a valid worker body', () => {
+    const w = toWorkerRequest(parseCompletionRequest({ prompt: 'hello', max_tokens: 3, seed: 7 }), routing);
+    assert.deepEqual(w, {
+      rid: 'cmpl-abc',
+      text: 'hello',
+      sampling_params: { temperature: 1, top_p: 1, top_k: 0, seed: 7, max_new_tokens: 3, stop: [], ignore_eos: false },
+      stream: true,
+      bootstrap_host: '127.0.0.1',
+      bootstrap_port: 8998,
+      bootstrap_room: '9223372036854775807',
+    });
+    assert.ok(GenerateRequestSchema.safeParse(w).success);
+    const ids = toWorkerRequest(parseCompletionRequest({ prompt: [1, 2] }), routing);
+    assert.deepEqual(ids.input_ids, [1, 2]);
+    assert.equal(ids.text, undefined);
+    assert.ok(GenerateRequestSchema.safeParse(ids).success);
+  });
+});
+
+describe('chat schema', () => {
+  test('messages: string and text parts flattened, null content, name ignored', () => {
+    const p = parseChatRequest({
+      model: 'm',
+      messages: [
+        { role: 'system', content: 'be brief' },
+        { role: 'user', name: 'bob', content: [{ type: 'text', text: 'hello' }, { type: 'text', text: 'world' }] },
+        { role: 'assistant', content: null },
+      ],
+    });
+    assert.deepEqual(p.messages, [
+      { role: 'system', content: 'be brief' },
+      { role: 'user', content: 'hello\nworld' },
+      { role: 'assistant', content: '' },
+    ]);
+    assert.equal(p.sampling.max_new_tokens, DEFAULT_CHAT_MAX_TOKENS);
+    const w = toWorkerRequest(p, { ...routing, rid: 'chatcmpl-x' });
+    assert.ok(GenerateRequestSchema.safeParse(w).success);
+    assert.deepEqual(w.messages, p.messages);
+  });
+
+  test('max_completion_tokens wins over max_tokens', () => {
+    assert.equal(parseChatRequest({ messages: [{ role: 'user', content: 'x' }], max_tokens: 9 }).sampling.max_new_tokens, 9);
+    assert.equal(parseChatRequest({ messages: [{ role: 'user', content: 'x' }], max_tokens: 9, max_completion_tokens: 4 }).sampling.max_new_tokens, 4);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], max_completion_tokens: 0 }), 'max_completion_tokens');
+  });
+
+  test('invalid messages', () => {
+    rejects400(() => parseChatRequest({ model: 'm' }), 'messages', /Missing required parameter: 'messages'/);
+    rejects400(() => parseChatRequest({ messages: [] }), 'messages');
+    rejects400(() => parseChatRequest({ messages: 'hi' }), 'messages');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'wizard', content: 'x' }] }), 'messages[0].role');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 5 }] }), 'messages[0].content');
+    rejects400(
+      () => parseChatRequest({ messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] }),
+      'messages[0].content[0].type',
+      /unsupported content part type 'image_url'/,
+    );
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: [{ type: 'text' }] }] }), 'messages[0].content[0].text');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], logprobs: true }), 'logprobs');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], n: 3 }), 'n');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function' }] }), 'tools');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], response_format: { type: 'json_object' } }), 'response_format');
+    parseChatRequest({ messages: [{ role: 'user', content: 'x' }], logprobs: false, tools: [], response_format: { type: 'text' }, tool_choice: 'none' });
+  });
+});
+
+describe('OpenAIResponseBuilder', () => {
+  const ev = (text: string, n: number, finish: GenerateEvent['meta_info']['finish_reason'] = null): GenerateEvent => ({
+    text,
+    token_ids: text ? [n] : [],
+    meta_info: { id: 'r', prompt_tokens: 7, completion_tokens: n, finish_reason: finish },
+  });
+  const meta = { id: 'chatcmpl-1', model: 'm', created: 1 };
+
+  test('chat stream: role chunk first, content chunks, finish chunk, usage chunk', () => {
+    const b = new OpenAIResponseBuilder('chat', meta, true);
+    const c1 = b.push(ev('Hel', 1));
+    assert.equal(c1.length, 2);
+    assert.deepEqual(c1[0]!.choices[0], { index: 0, delta: { role: 'assistant', content: '' }, logprobs: null, finish_reason: null });
+    assert.deepEqual((c1[1] as any).choices[0].delta, { content: 'Hel' });
+    assert.equal(c1[1]!.usage, null);
+    assert.deepEqual(b.push(ev('', 1)), [], 'empty non-final event → no chunk');
+    const last = b.push(ev('', 2, { type: 'length' }));
+    assert.deepEqual(last.length, 1);
+    assert.deepEqual((last[0] as any).choices[0], { index: 0, delta: {}, logprobs: null, finish_reason: 'length' });
+    const tail = b.tail();
+    assert.deepEqual(tail, [{ id: 'chatcmpl-1', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [], usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9 } }]);
+    assert.deepEqual(b.response(), {
+      id: 'chatcmpl-1',
+      object: 'chat.completion',
+      created: 1,
+      model: 'm',
+      choices: [{ index: 0, message: { role: 'assistant', content: 'Hel' }, logprobs: null, finish_reason: 'length' }],
+      usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9 },
+    });
+  });
+
+  test('completion stream: text chunks, finish with text', () => {
+    const b = new OpenAIResponseBuilder('completion', { ...meta, id: 'cmpl-1' });
+    assert.deepEqual(b.push(ev('a', 1)).map((c) => (c as any).choices[0].text), ['a']);
+    const fin = b.push(ev('b', 2, { type: 'stop' }));
+    assert.deepEqual((fin[0] as any).choices[0], { index: 0, text: 'b', logprobs: null, finish_reason: 'stop' });
+    assert.equal('usage' in fin[0]!, false);
+    assert.deepEqual(b.tail(), []);
+    const r = b.response();
+    assert.equal(r.object, 'text_completion');
+    assert.equal((r as any).choices[0].text, 'ab');
+  });
+
+  test('abort finish and malformed events are errors', () => {
+    const b = new OpenAIResponseBuilder('completion', meta);
+    assert.throws(() => b.push(ev('', 0, { type: 'abort', message: 'deadline' })), (e: unknown) => e instanceof ApiError && e.code === 'generation_aborted' && /deadline/.test(e.message));
+    assert.throws(() => new OpenAIResponseBuilder('completion', meta).push({ nope: 1 } as any), (e: unknown) => e instanceof ApiError && e.status === 502);
+    const done = new OpenAIResponseBuilder('completion', meta);
+    done.push(ev('x', 1, { type: 'stop' }));
+    assert.throws(() => done.push(ev('y', 2)), (e: unknown) => e instanceof ApiError && e.code === 'bad_worker_event');
+  });
+});
+
+describe('HTTP errors through fastify', () => {
+  let app: FastifyInstance;
+  before(async () => {
+    app = Fastify({ bodyLimit: 64 * 1024 });
+    registerOpenAIErrorHandling(app);
+    app.post('/v1/completions', async (req) => ({ ok: parseCompletionRequest(req.body).prompt }));
+    app.post('/v1/chat/completions', async (req) => ({ ok: parseChatRequest(req.body).messages.length }));
+    app.get('/boom', async () => {
+      throw new Error('secret internals');
+    });
+    await app.ready();
+  });
+  after(() => app.close());
+
+  const post = (url: string, payload: string, contentType = 'application/json') => app.inject({ method: 'POST', url, payload, headers: { 'content-type': contentType } });
+
+  function assertOpenAIError(r: { statusCode: number; body: string }, status: number, re?: RegExp): { message: string; type: string; param: string | null; code: string | null } {
+    assert.equal(r.statusCode, status, r.body);
+    const j = JSON.parse(r.body) as { error: { message: string; type: string; param: string | null; code: string | null } };
+    assert.deepEqual(Object.keys(j.error).sort(), ['code', 'message', 'param', 'type']);
+    assert.equal(typeof j.error.message, 'string');
+    if (re) assert.match(j.error.message, re);
+    return j.error;
+  }
+
+  test('valid body passes', async () => {
+    const r = await post('/v1/completions', JSON.stringify({ model: 'm', prompt: 'hi' }));
+    assert.equal(r.statusCode, 200);
+    assert.deepEqual(JSON.parse(r.body), { ok: { text: 'hi' } });
+  });
+
+  test('invalid JSON → 400 invalid_json', async () => {
+    const e = assertOpenAIError(await post('/v1/completions', '{"model": "x", "prompt": '), 400, /could not parse the JSON body/);
+    assert.equal(e.type, 'invalid_request_error');
+    assert.equal(e.code, 'invalid_json');
+  });
+
+  test('empty JSON body → 400', async () => {
+    assertOpenAIError(await post('/v1/completions', ''), 400);
+  });
+
+  test('wrong content type → 400', async () => {
+    const e = assertOpenAIError(await post('/v1/completions', 'a=b', 'application/x-www-form-urlencoded'), 400, /Content-Type/);
+    assert.equal(e.code, 'unsupported_media_type');
+  });
+
+  test('too-large body → 413', async () => {
+    const e = assertOpenAIError(await post('/v1/completions', JSON.stringify({ prompt: 'x'.repeat(100 * 1024) })), 413);
+    assert.equal(e.code, 'body_too_large');
+  });
+
+  test('zod errors → 400 naming the field', async () => {
+    const e1 = assertOpenAIError(await post('/v1/completions', JSON.stringify({ prompt: 'hi', max_tokens: -1 })), 400, /max_tokens/);
+    assert.equal(e1.param, 'max_tokens');
+    const e2 = assertOpenAIError(await post('/v1/completions', JSON.stringify({ prompt: 'hi', max_tokens: 'ten' })), 400, /max_tokens/);
+    assert.equal(e2.code, 'invalid_type');
+    const e3 = assertOpenAIError(await post('/v1/chat/completions', JSON.stringify({ model: 'x' })), 400, /messages/);
+    assert.equal(e3.param, 'messages');
+    assert.equal(e3.code, 'missing_required_parameter');
+  });
+
+  test('unknown route → 404 OpenAI body; internal error → 500 without internals', async () => {
+    const e = assertOpenAIError(await app.inject({ method: 'GET', url: '/v2/nope' }), 404);
+    assert.equal(e.type, 'not_found_error');
+    const b = assertOpenAIError(await app.inject({ method: 'GET', url: '/boom' }), 500);
+    assert.equal(b.message, 'Internal server error');
+  });
+});
