@@ -70,13 +70,14 @@ export function phaseTimeout(phase: Phase, t: RoomTimeouts): number {
 
 export interface RoomTableOptions {
   /**
-   * TEST-ONLY. Reproduces SGLang's buggy status rule, for the simulator's proof that it wedges:
-   * state writes become `max(old, new)` with no terminal stickiness and no source checks
-   * (so Failed=0 is overwritten by Transferring=3, and a later Failed write — the watchdog's —
-   * is swallowed because max(3, 0) = 3). The one exception is `abort`, which lands as Failed on
-   * any non-terminal room: SGLang's abort handler pops the room's status and re-inserts Failed.
-   * No `illegal` effects are emitted in this mode (the legacy code had none). Never enable it in
-   * a worker.
+   * TEST-ONLY. Reproduces SGLang's buggy status rule, for the simulator's proof that it wedges.
+   * Forward writes become `max(old, new)` with no terminal stickiness and no source checks, so a
+   * late `Transferring` (3) overwrites `Failed` (0) — the revival. Explicit failures (abort, fail,
+   * peer_lost, a tombstone) still land on a non-terminal room, as in SGLang (`update_status`
+   * lets Failed through; the abort handler pops the room and re-inserts Failed). The watchdog's
+   * `deadline` write goes through max like any other write and is swallowed by every live room
+   * (max(3, 0) = 3): the incident's inflight queue had no working timeout. No `illegal` effects
+   * are emitted in this mode (the legacy code had none). Never enable it in a worker.
    */
   legacyMaxRule?: boolean;
   /** How long a tombstone lives, ms. Default 60_000. */
@@ -470,15 +471,16 @@ export class RoomTable {
   }
 
   /**
-   * TEST-ONLY legacy rule (SGLang's old `update_status`): new = max(old, target), no terminal
-   * stickiness, no source checks; `abort` pops and re-inserts Failed on a non-terminal room.
+   * TEST-ONLY legacy rule (SGLang's old `update_status`): forward writes new = max(old, target),
+   * no terminal stickiness, no source checks; explicit failures land on a non-terminal room;
+   * the watchdog's Failed write goes through max and is swallowed.
    */
   private planLegacy(room: Room, c: Cause): Plan {
     const s = room.state;
     if (c.t === 'progress') return s === KVPoll.Transferring ? { k: 'progress', bytes: c.bytes } : { k: 'noop' };
     if (FAILURE_CAUSES.has(c.t)) {
-      const lands = (c.t === 'abort' || c.t === 'tombstone') && !isTerminal(s);
-      if (!lands) return { k: 'noop', swallowed: s !== KVPoll.Failed };
+      const lands = c.t !== 'deadline' && !isTerminal(s);
+      if (!lands) return { k: 'noop', swallowed: c.t === 'deadline' && s !== KVPoll.Failed };
       return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failReason: failureReason(c, room.phase), fromPeer: fromPeer(c) };
     }
     let target: { to: KVPoll; phase: Phase };

@@ -1,0 +1,1051 @@
+/**
+ * One simulated world (TigerBeetle VOPR style): a router, one prefill node (P) and one decode node
+ * (D), each holding a real `RoomTable`, driven by small but faithful models of the workers'
+ * drivers, over a network that drops, duplicates, reorders and delays — all on virtual time from a
+ * seeded PRNG, so a seed replays exactly.
+ *
+ * What is modelled (mirrors src/prefill/worker.ts and src/decode/worker.ts):
+ *  - router: dispatches each request to both nodes in random order with random gaps (sometimes
+ *    large, so an abort can beat the request: tombstones), aborts at random points to P, D or
+ *    both, and (per seed) aborts the other side when one side fails or its connection resets.
+ *  - decode: prealloc queue → limited slots → REGISTER → REGISTERED → KV_BEGIN → chunks (by
+ *    offset, duplicates ignored, any order) → KV_END → async "load" into the slot → kv_done →
+ *    KV_ACK → generation holds the slot, then frees it. A slot whose room fails mid-load is
+ *    released only when the load returns (llama.cpp cannot cancel it) — otherwise the state would
+ *    land in the next owner's slot.
+ *  - prefill: REGISTER buffered when it beats the router's request (pending registrations, TTL);
+ *    registered → compute queue (one engine) → compute → state file saved → a *separate* transfer
+ *    continuation (after a random hop) writes kv_begin, sends KV_BEGIN + chunks + KV_END, waits
+ *    for KV_ACK. The abort handler drops the room's transfer info first — the incident's driver
+ *    ordering, kept in BOTH modes: only the table's rule differs between real and legacy runs.
+ *  - channel: every frame is stamped with the sender's epoch; frames from another epoch are refused;
+ *    `hello` (re)binds the peer epoch and fails all rooms of a previous epoch; pings every
+ *    heartbeat; a peer silent for 2 intervals is lost (failPeer).
+ *  - crashes: a node dies (memory gone; in-flight timers dead; state files stay on disk) and
+ *    restarts with a new epoch, sweeping stale state files.
+ *
+ * Checks (violations): double release and leaks of slots / queue entries / receive buffers /
+ * state files; state loaded into a slot owned by another room; revival (terminal → non-terminal);
+ * more than one `terminal` per room; a live room past its deadline by more than one tick (wedge) or
+ * without a deadline; rooms of a crashed peer not failed within two heartbeat intervals of silence
+ * (+ one check period + max network delay); non-terminal rooms at the end.
+ */
+import { RoomTable, stateName } from '../lifecycle.js';
+import { KVPoll, isTerminal, type Effect, type Role, type RoomEvent, type RoomId, type RoomTimeouts } from '../types.js';
+import type { ControlMsg } from '../messages.js';
+import { EventHeap } from './heap.js';
+import { Prng } from './prng.js';
+
+export type NodeName = 'P' | 'D';
+
+export type ViolationKind =
+  | 'double_release'
+  | 'leak'
+  | 'wrong_room'
+  | 'revival'
+  | 'double_terminal'
+  | 'wedge'
+  | 'no_deadline'
+  | 'peer_loss_late'
+  | 'stuck'
+  | 'exception';
+
+export interface Violation {
+  kind: ViolationKind;
+  /** Virtual ms. */
+  at: number;
+  node?: NodeName;
+  room?: RoomId;
+  /** Request label, '#<n>'. */
+  label?: string;
+  /** wedge only: the room had already been terminal (the incident's revival). */
+  revived?: boolean;
+  detail: string;
+}
+
+export interface TraceEntry {
+  /** Virtual ms. */
+  at: number;
+  who: 'R' | 'P' | 'D' | 'net' | 'sim';
+  room?: RoomId;
+  text: string;
+}
+
+export type FaultProfileName = 'calm' | 'mild' | 'harsh';
+
+export interface FaultProfile {
+  name: FaultProfileName;
+  /** Probability a node→node frame is lost (hello excepted: the handshake retries until it works). */
+  drop: number;
+  /** Probability a frame is delivered twice. */
+  dup: number;
+  /** Extra random delay, ms (uniform 0..jitter). */
+  jitterMs: number;
+  /**
+   * Probability a frame ignores the link's FIFO order (may overtake earlier frames). The real
+   * channel is one TCP connection (FIFO); reordering models a broken/reconnected path and keeps
+   * the drivers honest about out-of-order KV_BEGIN / chunks / KV_END.
+   */
+  reorder: number;
+}
+
+export const FAULT_PROFILES: Readonly<Record<FaultProfileName, FaultProfile>> = {
+  calm: { name: 'calm', drop: 0, dup: 0, jitterMs: 2, reorder: 0 },
+  mild: { name: 'mild', drop: 0.01, dup: 0.01, jitterMs: 10, reorder: 0.02 },
+  harsh: { name: 'harsh', drop: 0.05, dup: 0.03, jitterMs: 30, reorder: 0.1 },
+};
+
+/** Deadlines used by the simulator (virtual ms), scaled down from the defaults. */
+export const SIM_TIMEOUTS: Readonly<RoomTimeouts> = Object.freeze({ preallocMs: 400, bootstrapMs: 150, waitingMs: 600, transferIdleMs: 120 });
+
+export interface SimOptions {
+  seed: number;
+  /** Requests in this world. Default 12. */
+  rooms?: number;
+  /** TEST-ONLY: both tables use `legacyMaxRule` (SGLang's max(old, new) status rule). */
+  legacy?: boolean;
+  /** Record the full event trace (slower; used to replay a failing seed). */
+  trace?: boolean;
+  /** Fault profile; default: drawn from the seed (30% calm, 50% mild, 20% harsh). */
+  faults?: FaultProfileName;
+  /** Decode slots; default drawn from the seed (2..4). */
+  slots?: number;
+  timeouts?: Partial<RoomTimeouts>;
+}
+
+export interface SimStats {
+  requests: number;
+  success: number;
+  failed: number;
+  aborts: number;
+  crashes: number;
+  frames: number;
+  dropped: number;
+  duplicated: number;
+  refusedStale: number;
+  illegal: number;
+  expired: number;
+  events: number;
+  endAt: number;
+}
+
+export interface SimResult {
+  seed: number;
+  ok: boolean;
+  legacy: boolean;
+  profile: FaultProfileName;
+  violations: Violation[];
+  stats: SimStats;
+  /** Present when `trace: true`. */
+  trace?: TraceEntry[];
+  /** room id → '#n' */
+  labels: Record<RoomId, string>;
+}
+
+// ---- internal model ---------------------------------------------------------------------------
+
+type ResourceKind = 'slot' | 'queue' | 'recvbuf' | 'statefile';
+
+interface Handle {
+  id: number;
+  kind: ResourceKind;
+  node: NodeName;
+  inc: number;
+  room: RoomId;
+  at: number;
+  released?: { at: number; why: string };
+}
+
+type ChunkBody = { type: 'chunk'; room: string; offset: number; len: number; tag: string };
+type HelloBody = { type: 'hello' };
+type Body =
+  | Extract<ControlMsg, { type: 'register' | 'registered' | 'kv_begin' | 'kv_end' | 'kv_ack' | 'fail' | 'ping' | 'pong' }>
+  | ChunkBody
+  | HelloBody;
+
+interface Rec {
+  id: RoomId;
+  rid: string;
+  queue?: Handle;
+  // decode
+  slot?: { h: Handle; idx: number };
+  recv?: { h: Handle; total: number; got: Map<number, { len: number; tag: string }>; bytes: number; endSeen: boolean };
+  loading?: boolean;
+  loaded?: boolean;
+  deferSlotRelease?: boolean;
+  // prefill
+  file?: Handle;
+}
+
+interface Slot {
+  owner?: RoomId;
+  content?: { room: RoomId; rid: string };
+}
+
+interface Node {
+  name: NodeName;
+  role: Role;
+  peer: NodeName;
+  inc: number;
+  epoch: string;
+  up: boolean;
+  table: RoomTable;
+  recs: Map<RoomId, Rec>;
+  knownPeerEpoch?: string;
+  connected: boolean;
+  lastHeard: number;
+  /** terminal effects seen per room in this incarnation. */
+  terminals: Map<RoomId, number>;
+  reported: Set<string>;
+  // decode
+  waitQ: RoomId[];
+  slots: Slot[];
+  // prefill
+  computeQ: RoomId[];
+  busy: boolean;
+  transferInfo: Map<RoomId, { epoch: string }>;
+  pendingRegs: Map<RoomId, { epoch: string; at: number }>;
+}
+
+interface Req {
+  n: number;
+  id: RoomId;
+  rid: string;
+  label: string;
+  arrival: number;
+  /** Dispatched to (and accepted by) the node incarnation. */
+  on: Partial<Record<NodeName, number>>;
+  outcome: Partial<Record<NodeName, 'Success' | 'Failed'>>;
+}
+
+const TICK_MS = 10;
+const HB_MS = 40;
+
+export class World {
+  readonly seed: number;
+  readonly legacy: boolean;
+  readonly tracing: boolean;
+  readonly profile: FaultProfile;
+  readonly timeouts: RoomTimeouts;
+  private readonly rng: Prng;
+  private readonly q = new EventHeap();
+  now = 0;
+  private readonly nodes: Record<NodeName, Node>;
+  private readonly reqs: Req[] = [];
+  private readonly byId = new Map<RoomId, Req>();
+  readonly violations: Violation[] = [];
+  readonly trace: TraceEntry[] = [];
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, expired: 0, events: 0, endAt: 0 };
+  private readonly handles = new Set<Handle>();
+  private handleSeq = 0;
+  private readonly crossAbort: boolean;
+  private endAt = 0;
+  private readonly nSlots: number;
+  private readonly maxNetDelay: number;
+  /** Delivery time of the last FIFO frame per sending node (the link's tail). */
+  private readonly linkTail: Record<NodeName, number> = { P: 0, D: 0 };
+  /** Prefill's table: its bootstrap deadline covers decode's slot wait plus registration. */
+  private readonly prefillTimeouts: RoomTimeouts;
+
+  constructor(opts: SimOptions) {
+    this.seed = opts.seed;
+    this.rng = new Prng(opts.seed);
+    this.legacy = opts.legacy ?? false;
+    this.tracing = opts.trace ?? false;
+    const r = this.rng.float();
+    this.profile = FAULT_PROFILES[opts.faults ?? (r < 0.3 ? 'calm' : r < 0.8 ? 'mild' : 'harsh')];
+    this.timeouts = { ...SIM_TIMEOUTS, ...opts.timeouts };
+    this.prefillTimeouts = { ...this.timeouts, bootstrapMs: this.timeouts.preallocMs + this.timeouts.bootstrapMs };
+    this.nSlots = opts.slots ?? this.rng.int(2, 4);
+    this.crossAbort = this.rng.chance(0.5);
+    this.maxNetDelay = 1 + this.profile.jitterMs;
+    this.nodes = { P: this.newNode('P', 'prefill'), D: this.newNode('D', 'decode') };
+    this.setup(opts.rooms ?? 12);
+  }
+
+  // ---- scaffolding ------------------------------------------------------------------------------
+
+  private newNode(name: NodeName, role: Role): Node {
+    return {
+      name,
+      role,
+      peer: name === 'P' ? 'D' : 'P',
+      inc: 0,
+      epoch: '',
+      up: false,
+      table: new RoomTable(role, this.timeouts, { legacyMaxRule: this.legacy }),
+      recs: new Map(),
+      connected: false,
+      lastHeard: 0,
+      terminals: new Map(),
+      reported: new Set(),
+      waitQ: [],
+      slots: [],
+      computeQ: [],
+      busy: false,
+      transferInfo: new Map(),
+      pendingRegs: new Map(),
+    };
+  }
+
+  private at(t: number, fn: () => void): void {
+    this.q.push(t, fn);
+  }
+
+  /** Schedule on a node incarnation: dropped if the node crashed (or restarted) meanwhile. */
+  private atNode(n: Node, t: number, fn: () => void): void {
+    const inc = n.inc;
+    this.q.push(t, () => {
+      if (n.up && n.inc === inc) fn();
+    });
+  }
+
+  private tr(who: TraceEntry['who'], room: RoomId | undefined, text: string): void {
+    this.trace.push({ at: this.now, who, room, text });
+  }
+
+  private label(id: RoomId): string {
+    return this.byId.get(id)?.label ?? `room ${id}`;
+  }
+
+  private violate(v: Omit<Violation, 'at' | 'label'>): void {
+    const key = `${v.kind}|${v.node ?? ''}|${v.room ?? ''}`;
+    if (this.violations.some((x) => `${x.kind}|${x.node ?? ''}|${x.room ?? ''}` === key)) return;
+    const full: Violation = { ...v, at: this.now, label: v.room ? this.label(v.room) : undefined };
+    this.violations.push(full);
+    if (this.tracing) this.tr('sim', v.room, `!! VIOLATION ${v.kind}${v.node ? ` on ${v.node}` : ''}: ${v.detail}`);
+  }
+
+  // ---- resources --------------------------------------------------------------------------------
+
+  private acquire(n: Node, kind: ResourceKind, room: RoomId): Handle {
+    const h: Handle = { id: ++this.handleSeq, kind, node: n.name, inc: n.inc, room, at: this.now };
+    this.handles.add(h);
+    return h;
+  }
+
+  private release(h: Handle, why: string): void {
+    if (h.released) {
+      this.violate({ kind: 'double_release', node: h.node, room: h.room, detail: `${h.kind} #${h.id} released twice: first at t=${ms(h.released.at)} (${h.released.why}), again (${why})` });
+      return;
+    }
+    h.released = { at: this.now, why };
+    this.handles.delete(h);
+    if (this.tracing && h.kind !== 'queue') this.tr(h.node, h.room, `release ${h.kind} (${why})`);
+  }
+
+  // ---- setup ------------------------------------------------------------------------------------
+
+  private setup(nReq: number): void {
+    const rng = this.rng;
+    let t = 5;
+    const ids = new Set<RoomId>();
+    for (let i = 0; i < nReq; i++) {
+      t += rng.int(0, 100);
+      let id = rng.roomId();
+      while (ids.has(id)) id = rng.roomId();
+      ids.add(id);
+      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, on: {}, outcome: {} };
+      this.reqs.push(req);
+      this.byId.set(id, req);
+    }
+    this.stats.requests = nReq;
+    const window = t;
+    this.endAt = window + 3000;
+    this.stats.endAt = this.endAt;
+
+    for (const req of this.reqs) {
+      const first: NodeName = rng.chance(0.5) ? 'P' : 'D';
+      const second: NodeName = first === 'P' ? 'D' : 'P';
+      const gap = rng.chance(0.15) ? rng.int(20, 250) : rng.int(0, 5);
+      this.at(req.arrival, () => this.dispatch(req, first));
+      this.at(req.arrival + gap, () => this.dispatch(req, second));
+      if (rng.chance(0.3)) {
+        const when = req.arrival + rng.int(0, 900);
+        const k = rng.int(0, 2);
+        const targets: NodeName[] = k === 0 ? ['P'] : k === 1 ? ['D'] : ['P', 'D'];
+        this.at(when, () => {
+          this.stats.aborts++;
+          if (this.tracing) this.tr('R', req.id, `client abort → ${targets.join('+')}`);
+          for (const s of targets) this.routerAbort(req, s, 'abort: router');
+        });
+      }
+    }
+
+    const crashes = rng.chance(0.2) ? (this.profile.name === 'harsh' && rng.chance(0.5) ? 2 : 1) : 0;
+    for (let c = 0; c < crashes; c++) {
+      const who: NodeName = rng.chance(0.5) ? 'P' : 'D';
+      const when = rng.int(20, window + 200);
+      const down = rng.int(30, 300);
+      this.at(when, () => this.crash(this.nodes[who], down));
+    }
+
+    // Start both nodes, then the periodic watchdog ticks and heartbeats (random phase per node).
+    for (const n of [this.nodes.P, this.nodes.D]) {
+      this.at(0, () => this.start(n));
+      this.periodic(rng.int(0, TICK_MS - 1), TICK_MS, () => this.tick(n));
+      this.periodic(rng.int(0, HB_MS - 1), HB_MS, () => this.heartbeat(n));
+    }
+  }
+
+  private periodic(first: number, every: number, fn: () => void): void {
+    const loop = (t: number): void => {
+      this.at(t, () => {
+        fn();
+        if (t + every <= this.endAt) loop(t + every);
+      });
+    };
+    loop(first);
+  }
+
+  /** Run to the end; returns the result. */
+  run(): SimResult {
+    for (;;) {
+      const e = this.q.pop();
+      if (!e) break;
+      this.now = e.at;
+      this.stats.events++;
+      try {
+        e.run();
+      } catch (err) {
+        this.violate({ kind: 'exception', detail: (err as Error).stack ?? String(err) });
+      }
+    }
+    this.finalChecks();
+    const labels: Record<RoomId, string> = {};
+    for (const r of this.reqs) labels[r.id] = r.label;
+    return {
+      seed: this.seed,
+      ok: this.violations.length === 0,
+      legacy: this.legacy,
+      profile: this.profile.name,
+      violations: this.violations,
+      stats: this.stats,
+      trace: this.tracing ? this.trace : undefined,
+      labels,
+    };
+  }
+
+  private finalChecks(): void {
+    for (const n of [this.nodes.P, this.nodes.D]) {
+      if (!n.up) continue;
+      for (const room of n.table.rooms()) {
+        this.violate({ kind: 'stuck', node: n.name, room: room.id, detail: `still ${stateName(room.state)}/${room.phase} at the end (t=${ms(this.now)}), deadline was t=${ms(room.deadlineAt)}` });
+      }
+    }
+    for (const h of this.handles) {
+      this.violate({ kind: 'leak', node: h.node, room: h.room, detail: `${h.kind} #${h.id} acquired at t=${ms(h.at)} (incarnation ${h.inc}) never released` });
+    }
+  }
+
+  // ---- node lifecycle ---------------------------------------------------------------------------
+
+  private start(n: Node): void {
+    n.inc++;
+    n.epoch = `${n.name}${n.inc}`;
+    n.up = true;
+    n.table = new RoomTable(n.role, n.role === 'prefill' ? this.prefillTimeouts : this.timeouts, { legacyMaxRule: this.legacy });
+    n.recs = new Map();
+    n.knownPeerEpoch = undefined;
+    n.connected = false;
+    n.lastHeard = this.now;
+    n.terminals = new Map();
+    n.reported = new Set();
+    n.waitQ = [];
+    n.slots = Array.from({ length: n.role === 'decode' ? this.nSlots : 0 }, () => ({}));
+    n.computeQ = [];
+    n.busy = false;
+    n.transferInfo = new Map();
+    n.pendingRegs = new Map();
+    // Startup sweep: state files of previous incarnations are deleted.
+    for (const h of [...this.handles]) {
+      if (h.node === n.name && h.kind === 'statefile' && h.inc < n.inc) this.release(h, 'startup sweep');
+    }
+    if (this.tracing) this.tr('sim', undefined, `${n.name} up, epoch ${n.epoch}`);
+    this.send(n, { type: 'hello' });
+  }
+
+  private crash(n: Node, downMs: number): void {
+    if (!n.up) return;
+    this.stats.crashes++;
+    n.up = false;
+    if (this.tracing) this.tr('sim', undefined, `${n.name} CRASH (epoch ${n.epoch}), down ${downMs} ms`);
+    // Process memory is gone: slots, queue entries and buffers die with it; state files stay on disk.
+    for (const h of [...this.handles]) if (h.node === n.name && h.kind !== 'statefile') this.release(h, 'crash');
+    // The peer must fail every room bound to n within two heartbeat intervals of silence.
+    const s = this.nodes[n.peer];
+    if (s.up && s.connected) {
+      const inc = s.inc;
+      const bound = this.now + this.maxNetDelay + 3 * HB_MS + 1;
+      const ids = s.table.rooms().filter((r) => r.peer === n.name).map((r) => r.id);
+      this.at(bound, () => {
+        if (!s.up || s.inc !== inc) return;
+        for (const id of ids) {
+          const r = s.table.get(id);
+          if (r && !isTerminal(r.state)) {
+            this.violate({ kind: 'peer_loss_late', node: s.name, room: id, detail: `${n.name} crashed but ${s.name} still has the room ${stateName(r.state)}/${r.phase} ${3 * HB_MS + this.maxNetDelay} ms later` });
+          }
+        }
+      });
+    }
+    // The router sees its HTTP connections to n reset.
+    for (const req of this.reqs) {
+      if (req.on[n.name] !== undefined && req.outcome[n.name] === undefined) this.routerSide(req, n.name, 'Failed', 'connection reset');
+    }
+    this.at(this.now + downMs, () => this.start(n));
+  }
+
+  // ---- network ----------------------------------------------------------------------------------
+
+  /** Send a frame to the peer. false when the sender's connection is down (a failed socket write). */
+  private send(from: Node, body: Body): boolean {
+    if (!from.up) return false;
+    if (body.type !== 'hello' && body.type !== 'ping' && body.type !== 'pong' && !from.connected) return false;
+    const to = this.nodes[from.peer];
+    const epoch = from.epoch;
+    this.stats.frames++;
+    const p = this.profile;
+    const room = 'room' in body ? body.room : undefined;
+    if (body.type !== 'hello' && this.rng.chance(p.drop)) {
+      this.stats.dropped++;
+      if (this.tracing && room) this.tr('net', room, `${from.name}→${to.name} ${body.type} DROPPED`);
+      return true;
+    }
+    const copies = body.type !== 'hello' && this.rng.chance(p.dup) ? 2 : 1;
+    if (copies === 2) this.stats.duplicated++;
+    for (let i = 0; i < copies; i++) {
+      let t = this.now + 0.5 + this.rng.float() * p.jitterMs;
+      if (!this.rng.chance(p.reorder)) {
+        t = Math.max(t, this.linkTail[from.name]);
+        this.linkTail[from.name] = t;
+      } else if (this.tracing && room) this.tr('net', room, `${from.name}→${to.name} ${body.type} may overtake earlier frames`);
+      this.at(t, () => this.deliver(to, from.name, epoch, body));
+    }
+    return true;
+  }
+
+  private deliver(to: Node, from: NodeName, epoch: string, body: Body): void {
+    if (!to.up) return;
+    const room = 'room' in body ? body.room : undefined;
+    if (body.type === 'hello') {
+      if (to.knownPeerEpoch !== epoch) {
+        const old = to.knownPeerEpoch;
+        to.knownPeerEpoch = epoch;
+        if (this.tracing) this.tr('sim', undefined, `${to.name} binds peer epoch ${epoch}${old ? ` (was ${old}: failing its rooms)` : ''}`);
+        if (old) this.lost(to, `peer_lost: ${from} restarted (epoch ${old} → ${epoch})`);
+        this.send(to, { type: 'hello' });
+      }
+      to.connected = true;
+      to.lastHeard = this.now;
+      return;
+    }
+    if (epoch !== to.knownPeerEpoch) {
+      this.stats.refusedStale++;
+      if (this.tracing && room) this.tr(to.name, room, `refused ${body.type} from stale epoch ${epoch} (bound: ${to.knownPeerEpoch ?? 'none'})`);
+      return;
+    }
+    if (!to.connected) {
+      if (body.type !== 'ping' && body.type !== 'pong') {
+        if (this.tracing && room) this.tr(to.name, room, `refused ${body.type}: connection to ${from} closed`);
+        return;
+      }
+      to.connected = true;
+      if (this.tracing) this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
+    }
+    to.lastHeard = this.now;
+    if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.reason})` : ''}`);
+    if (to.role === 'prefill') this.prefillRecv(to, body);
+    else this.decodeRecv(to, body);
+  }
+
+  /** The peer is gone (silent, or restarted): fail every room bound to it. */
+  private lost(n: Node, reason: string): void {
+    if (n.role === 'prefill') n.pendingRegs.clear();
+    this.perform(n, n.table.failPeer(n.peer, reason, this.now));
+  }
+
+  private heartbeat(n: Node): void {
+    if (!n.up) return;
+    if (n.connected && this.now - n.lastHeard > 2 * HB_MS) {
+      n.connected = false;
+      if (this.tracing) this.tr('sim', undefined, `${n.name}: ${n.peer} silent for ${this.now - n.lastHeard} ms > 2 heartbeats: peer lost`);
+      this.lost(n, `peer_lost: heartbeat: ${n.peer} silent for 2 intervals`);
+    }
+    if (n.knownPeerEpoch) this.send(n, { type: 'ping', seq: 0 });
+  }
+
+  // ---- the core, wrapped with checks ------------------------------------------------------------
+
+  private applyOn(n: Node, id: RoomId, ev: RoomEvent): Effect[] {
+    const before = n.table.get(id);
+    const b = before ? `${stateName(before.state)}/${before.phase}` : 'unknown';
+    const eff = n.table.apply(id, ev, this.now);
+    const after = n.table.get(id);
+    if (this.tracing && ev.t !== 'progress') {
+      const a = after ? `${stateName(after.state)}/${after.phase}` : 'unknown';
+      const revived = (n.terminals.get(id) ?? 0) > 0 && after && !isTerminal(after.state) ? '  [REVIVED a terminal room]' : '';
+      const swallowed = this.legacy && before && a === b && ev.t !== 'registered' ? '  (legacy: write swallowed by max)' : '';
+      this.tr(n.name, id, `apply ${ev.t}${'from' in ev ? `:${ev.from}` : ''}: ${b} → ${a}${fx(eff)}${revived}${swallowed}`);
+    }
+    this.perform(n, eff);
+    if (after && !isTerminal(after.state) && (n.terminals.get(id) ?? 0) > 0) {
+      this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after.state)}/${after.phase} on ${ev.t}` });
+    }
+    return eff;
+  }
+
+  /** Perform effects, in order. */
+  private perform(n: Node, effects: Effect[]): void {
+    for (const e of effects) {
+      switch (e.t) {
+        case 'terminal': {
+          const c = (n.terminals.get(e.room) ?? 0) + 1;
+          n.terminals.set(e.room, c);
+          if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: e.room, detail: `terminal effect #${c} (${stateName(e.state)}: ${e.reason})` });
+          if (this.tracing) this.tr(n.name, e.room, `TERMINAL ${stateName(e.state)} (${e.reason})`);
+          if (n.role === 'prefill') this.prefillFinish(n, e.room, e.state);
+          else this.decodeFinish(n, e.room, e.state);
+          const req = this.byId.get(e.room);
+          if (req && req.on[n.name] === n.inc) {
+            const side = n.name;
+            const st = e.state === KVPoll.Success ? 'Success' : 'Failed';
+            this.at(this.now + 1, () => this.routerSide(req, side, st, e.reason));
+          }
+          break;
+        }
+        case 'notify_peer':
+          this.send(n, { type: 'fail', room: e.room, reason: e.reason, epoch: n.epoch });
+          break;
+        case 'illegal':
+          this.stats.illegal++;
+          break;
+        case 'expired':
+          this.stats.expired++;
+          if (this.tracing) this.tr(n.name, e.room, `watchdog: ${stateName(e.state)}/${e.phase} expired`);
+          break;
+        case 'start_prefill': {
+          const rec = n.recs.get(e.room);
+          if (rec && !rec.queue) {
+            rec.queue = this.acquire(n, 'queue', e.room);
+            n.computeQ.push(e.room);
+          }
+          this.pumpCompute(n);
+          break;
+        }
+        case 'send_register': {
+          const rec = n.recs.get(e.room);
+          if (!rec) break;
+          if (!this.send(n, { type: 'register', room: e.room, rid: rec.rid, epoch: n.epoch })) {
+            this.applyOn(n, e.room, { t: 'peer_lost', reason: 'peer_lost: connection closed before register' });
+          }
+          break;
+        }
+        case 'send_ack':
+          this.send(n, { type: 'kv_ack', room: e.room, epoch: n.epoch });
+          break;
+      }
+    }
+  }
+
+  /** The watchdog timer of a node. */
+  private tick(n: Node): void {
+    if (!n.up) return;
+    if (n.role === 'prefill') {
+      for (const [id, p] of n.pendingRegs) {
+        if (this.now - p.at > this.prefillTimeouts.bootstrapMs) {
+          n.pendingRegs.delete(id);
+          this.send(n, { type: 'fail', room: id, reason: 'bootstrap: no request for this room reached prefill', epoch: n.epoch });
+        }
+      }
+    }
+    this.perform(n, n.table.tick(this.now));
+    for (const room of n.table.rooms()) {
+      if (!Number.isFinite(room.deadlineAt)) {
+        this.violate({ kind: 'no_deadline', node: n.name, room: room.id, detail: `live room ${stateName(room.state)}/${room.phase} has no deadline` });
+      } else if (this.now > room.deadlineAt + TICK_MS) {
+        const revived = (n.terminals.get(room.id) ?? 0) > 0;
+        const key = `wedge|${room.id}`;
+        if (this.tracing && !n.reported.has(key)) {
+          n.reported.add(key);
+          this.tr(n.name, room.id, `watchdog: Failed write for ${stateName(room.state)}/${room.phase} swallowed (max(${room.state}, ${KVPoll.Failed}) = ${room.state})`);
+        }
+        this.violate({
+          kind: 'wedge',
+          node: n.name,
+          room: room.id,
+          revived,
+          detail: `${stateName(room.state)}/${room.phase} is ${ms(this.now - room.deadlineAt)} ms past its deadline (t=${ms(room.deadlineAt)}) and still live${revived ? '; it had already been Failed and was revived' : ''}`,
+        });
+      }
+    }
+  }
+
+  // ---- router -------------------------------------------------------------------------------------
+
+  private http(to: Node, fn: (n: Node) => void, onDown?: () => void): void {
+    const d = 0.5 + this.rng.float() * 3;
+    this.at(this.now + d, () => {
+      if (to.up) fn(to);
+      else onDown?.();
+    });
+  }
+
+  private dispatch(req: Req, side: NodeName): void {
+    if (this.tracing) this.tr('R', req.id, `dispatch → ${side}`);
+    this.http(
+      this.nodes[side],
+      (n) => (n.role === 'prefill' ? this.prefillCreate(n, req) : this.decodeCreate(n, req)),
+      () => this.routerSide(req, side, 'Failed', 'connection refused'),
+    );
+  }
+
+  private routerAbort(req: Req, side: NodeName, reason: string): void {
+    this.http(this.nodes[side], (n) => {
+      if (this.tracing) this.tr(n.name, req.id, `← router abort`);
+      if (n.role === 'prefill') {
+        // The incident's abort handler: drop the room's transfer info, then mark it Failed.
+        n.transferInfo.delete(req.id);
+        n.pendingRegs.delete(req.id);
+      }
+      this.applyOn(n, req.id, { t: 'abort', from: 'router', reason });
+    });
+  }
+
+  private routerSide(req: Req, side: NodeName, outcome: 'Success' | 'Failed', why: string): void {
+    if (req.outcome[side] !== undefined) return;
+    req.outcome[side] = outcome;
+    if (side === 'D') {
+      if (outcome === 'Success') this.stats.success++;
+      else this.stats.failed++;
+    }
+    if (this.tracing) this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
+    const other: NodeName = side === 'P' ? 'D' : 'P';
+    if (outcome === 'Failed' && this.crossAbort && req.outcome[other] === undefined) this.routerAbort(req, other, `abort: router: ${side} failed`);
+  }
+
+  // ---- prefill driver -------------------------------------------------------------------------------
+
+  private prefillCreate(n: Node, req: Req): void {
+    const eff = n.table.create(req.id, req.rid, this.now);
+    req.on.P = n.inc;
+    n.recs.set(req.id, { id: req.id, rid: req.rid });
+    if (this.tracing) this.tr('P', req.id, `create → ${stateName(n.table.get(req.id)!.state)}${fx(eff)}`);
+    this.perform(n, eff);
+    const pending = n.pendingRegs.get(req.id);
+    if (pending && n.table.has(req.id)) {
+      n.pendingRegs.delete(req.id);
+      this.prefillRegister(n, req.id, pending.epoch);
+    }
+  }
+
+  private prefillRecv(n: Node, body: Body): void {
+    switch (body.type) {
+      case 'register': {
+        if (n.table.get(body.room) || n.table.isTombstoned(body.room)) return this.prefillRegister(n, body.room, body.epoch);
+        if (n.pendingRegs.size < 64) n.pendingRegs.set(body.room, { epoch: body.epoch, at: this.now });
+        if (this.tracing) this.tr('P', body.room, 'REGISTER before the request: buffered');
+        return;
+      }
+      case 'kv_ack':
+        this.applyOn(n, body.room, { t: 'kv_done' });
+        return;
+      case 'fail':
+        n.pendingRegs.delete(body.room);
+        this.applyOn(n, body.room, { t: 'abort', from: 'peer', reason: `decode: ${body.reason}` });
+        return;
+      case 'ping':
+        this.send(n, { type: 'pong', seq: body.seq });
+        return;
+      default:
+        return;
+    }
+  }
+
+  private prefillRegister(n: Node, id: RoomId, epoch: string): void {
+    const before = n.table.get(id)?.state;
+    const eff = n.table.apply(id, { t: 'registered', peer: 'D', peerEpoch: epoch }, this.now);
+    const after = n.table.get(id)?.state;
+    if (this.tracing) this.tr('P', id, `apply registered(D ${epoch}): ${before === undefined ? 'unknown' : stateName(before)} → ${after === undefined ? 'unknown' : stateName(after)}${fx(eff)}`);
+    if (before === KVPoll.Bootstrapping && after === KVPoll.WaitingForInput) {
+      n.transferInfo.set(id, { epoch });
+      this.send(n, { type: 'registered', room: id });
+    }
+    this.perform(n, eff);
+    if (after !== undefined && !isTerminal(after) && (n.terminals.get(id) ?? 0) > 0) {
+      this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after)} on registered` });
+    }
+  }
+
+  private pumpCompute(n: Node): void {
+    if (n.busy) return;
+    while (n.computeQ.length > 0) {
+      const id = n.computeQ.shift()!;
+      const rec = n.recs.get(id);
+      if (rec?.queue) {
+        this.release(rec.queue, 'dequeued');
+        rec.queue = undefined;
+      }
+      const room = n.table.get(id);
+      if (!rec || !room || room.state !== KVPoll.WaitingForInput) continue;
+      n.busy = true;
+      const dur = this.rng.int(20, 150);
+      if (this.tracing) this.tr('P', id, `compute starts (${dur} ms)`);
+      this.atNode(n, this.now + dur, () => this.computeDone(n, id));
+      return;
+    }
+  }
+
+  private computeDone(n: Node, id: RoomId): void {
+    n.busy = false;
+    // The engine finished: the state is saved to a file whatever happened to the room meanwhile.
+    const file = this.acquire(n, 'statefile', id);
+    const hop = this.rng.int(0, 25);
+    if (this.tracing) this.tr('P', id, `compute done, state file saved; transfer continuation in ${hop} ms`);
+    this.atNode(n, this.now + hop, () => this.transferContinuation(n, id, file));
+    this.pumpCompute(n);
+  }
+
+  /** The transfer worker picking the room up (the incident's window is between compute and here). */
+  private transferContinuation(n: Node, id: RoomId, file: Handle): void {
+    const rec = n.recs.get(id);
+    const nChunks = this.rng.int(1, 4);
+    const lens = Array.from({ length: nChunks }, () => this.rng.int(64, 512));
+    const total = lens.reduce((a, b) => a + b, 0);
+    const eff = this.applyOn(n, id, { t: 'kv_begin', totalBytes: total });
+    const room = n.table.get(id);
+    if (!rec || !room || room.state !== KVPoll.Transferring || eff.some((e) => e.t === 'illegal')) {
+      this.release(file, 'kv_begin refused: room is over');
+      return;
+    }
+    rec.file = file;
+    const info = n.transferInfo.get(id);
+    if (!info) {
+      if (this.tracing) this.tr('P', id, 'transfer info gone (dropped by the abort handler): transfer worker skips the room');
+      return;
+    }
+    this.send(n, { type: 'kv_begin', room: id, totalBytes: total });
+    let t = this.now;
+    let offset = 0;
+    lens.forEach((len, k) => {
+      t += this.rng.int(1, 8);
+      const off = offset;
+      offset += len;
+      this.atNode(n, t, () => this.sendChunk(n, id, off, len, k === lens.length - 1));
+    });
+  }
+
+  private sendChunk(n: Node, id: RoomId, offset: number, len: number, last: boolean): void {
+    const room = n.table.get(id);
+    if (!room || room.state !== KVPoll.Transferring) return;
+    const rec = n.recs.get(id)!;
+    if (!this.send(n, { type: 'chunk', room: id, offset, len, tag: `${id}/${rec.rid}` })) {
+      this.applyOn(n, id, { t: 'fail', reason: 'socket write failed: connection closed' });
+      return;
+    }
+    this.applyOn(n, id, { t: 'progress', bytes: len });
+    if (last) this.send(n, { type: 'kv_end', room: id });
+  }
+
+  private prefillFinish(n: Node, id: RoomId, _state: KVPoll): void {
+    const rec = n.recs.get(id);
+    n.transferInfo.delete(id);
+    if (!rec) return;
+    if (rec.queue) {
+      this.release(rec.queue, 'terminal');
+      rec.queue = undefined;
+    }
+    if (rec.file) {
+      this.release(rec.file, 'terminal');
+      rec.file = undefined;
+    }
+  }
+
+  // ---- decode driver --------------------------------------------------------------------------------
+
+  private decodeCreate(n: Node, req: Req): void {
+    const eff = n.table.create(req.id, req.rid, this.now, 'P');
+    req.on.D = n.inc;
+    n.recs.set(req.id, { id: req.id, rid: req.rid });
+    if (this.tracing) this.tr('D', req.id, `create → ${stateName(n.table.get(req.id)!.state)}/${n.table.get(req.id)!.phase}${fx(eff)}`);
+    this.perform(n, eff);
+    if (n.table.has(req.id)) {
+      n.recs.get(req.id)!.queue = this.acquire(n, 'queue', req.id);
+      n.waitQ.push(req.id);
+      this.admit(n);
+    }
+  }
+
+  /** Hand free slots to the oldest prealloc rooms. */
+  private admit(n: Node): void {
+    while (n.waitQ.length > 0) {
+      const idx = n.slots.findIndex((s) => s.owner === undefined);
+      if (idx < 0) return;
+      const id = n.waitQ.shift()!;
+      const rec = n.recs.get(id);
+      if (rec?.queue) {
+        this.release(rec.queue, 'admitted');
+        rec.queue = undefined;
+      }
+      const room = n.table.get(id);
+      if (!rec || !room || !n.table.has(id) || room.phase !== 'prealloc') continue;
+      const slot = n.slots[idx]!;
+      slot.owner = id;
+      slot.content = undefined;
+      rec.slot = { h: this.acquire(n, 'slot', id), idx };
+      this.applyOn(n, id, { t: 'slot_reserved' });
+      const now = n.table.get(id);
+      if (rec.slot && (!now || now.phase === 'prealloc')) this.releaseSlot(n, rec, 'slot_reserved refused');
+    }
+  }
+
+  private releaseSlot(n: Node, rec: Rec, why: string): void {
+    const s = rec.slot;
+    if (!s) return;
+    const slot = n.slots[s.idx]!;
+    if (slot.owner === rec.id) {
+      slot.owner = undefined;
+      slot.content = undefined;
+    }
+    rec.slot = undefined;
+    this.release(s.h, why);
+  }
+
+  private decodeRecv(n: Node, body: Body): void {
+    switch (body.type) {
+      case 'registered':
+        this.applyOn(n, body.room, { t: 'registered', peerEpoch: n.knownPeerEpoch });
+        return;
+      case 'kv_begin': {
+        const rec = n.recs.get(body.room);
+        this.applyOn(n, body.room, { t: 'kv_begin', totalBytes: body.totalBytes });
+        const room = n.table.get(body.room);
+        if (rec && room && n.table.has(body.room) && room.state === KVPoll.Transferring && !rec.recv) {
+          rec.recv = { h: this.acquire(n, 'recvbuf', body.room), total: body.totalBytes, got: new Map(), bytes: 0, endSeen: false };
+        }
+        return;
+      }
+      case 'chunk': {
+        const rec = n.recs.get(body.room);
+        const room = n.table.get(body.room);
+        if (!rec?.recv || !room || room.state !== KVPoll.Transferring) {
+          if (this.tracing) this.tr('D', body.room, `chunk @${body.offset} dropped: room ${room ? stateName(room.state) : 'unknown'}`);
+          return;
+        }
+        if (body.tag !== `${body.room}/${rec.rid}`) {
+          this.applyOn(n, body.room, { t: 'fail', reason: `bad envelope: chunk tagged ${body.tag}` });
+          return;
+        }
+        if (rec.recv.got.has(body.offset)) return; // duplicate frame
+        rec.recv.got.set(body.offset, { len: body.len, tag: body.tag });
+        rec.recv.bytes += body.len;
+        this.applyOn(n, body.room, { t: 'progress', bytes: body.len });
+        this.maybeLoad(n, body.room);
+        return;
+      }
+      case 'kv_end': {
+        const rec = n.recs.get(body.room);
+        if (rec?.recv) {
+          rec.recv.endSeen = true;
+          this.maybeLoad(n, body.room);
+        }
+        return;
+      }
+      case 'fail':
+        this.applyOn(n, body.room, { t: 'abort', from: 'peer', reason: `prefill: ${body.reason}` });
+        return;
+      case 'ping':
+        this.send(n, { type: 'pong', seq: body.seq });
+        return;
+      default:
+        return;
+    }
+  }
+
+  private maybeLoad(n: Node, id: RoomId): void {
+    const rec = n.recs.get(id);
+    const recv = rec?.recv;
+    if (!rec || !recv || !recv.endSeen || rec.loading || rec.loaded || !rec.slot) return;
+    if (recv.bytes > recv.total) {
+      this.applyOn(n, id, { t: 'fail', reason: `bad envelope: ${recv.bytes} bytes > announced ${recv.total}` });
+      return;
+    }
+    if (recv.bytes < recv.total) return; // wait for the missing chunks (or the transfer deadline)
+    rec.loading = true;
+    const dur = this.rng.int(3, 60);
+    if (this.tracing) this.tr('D', id, `all ${recv.total} bytes in: loading into slot ${rec.slot.idx} (${dur} ms)`);
+    this.atNode(n, this.now + dur, () => this.loadDone(n, id));
+  }
+
+  private loadDone(n: Node, id: RoomId): void {
+    const rec = n.recs.get(id);
+    if (!rec) return;
+    rec.loading = false;
+    rec.loaded = true;
+    const s = rec.slot;
+    if (s) {
+      const slot = n.slots[s.idx]!;
+      if (slot.owner !== id) {
+        this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `state of ${this.label(id)} loaded into slot ${s.idx} now owned by ${slot.owner ? this.label(slot.owner) : 'nobody'}` });
+      } else {
+        slot.content = { room: id, rid: rec.rid };
+      }
+    }
+    const room = n.table.get(id);
+    if (room && n.table.has(id) && room.state === KVPoll.Transferring) {
+      this.applyOn(n, id, { t: 'kv_done' });
+    } else if (rec.deferSlotRelease) {
+      rec.deferSlotRelease = false;
+      this.releaseSlot(n, rec, 'load returned after the room failed');
+      this.admit(n);
+    }
+  }
+
+  private decodeFinish(n: Node, id: RoomId, state: KVPoll): void {
+    const rec = n.recs.get(id);
+    if (!rec) return;
+    if (rec.queue) {
+      this.release(rec.queue, 'terminal');
+      rec.queue = undefined;
+    }
+    if (rec.recv) {
+      this.release(rec.recv.h, 'terminal');
+      rec.recv = undefined;
+    }
+    if (state === KVPoll.Success && rec.slot) {
+      const slot = n.slots[rec.slot.idx]!;
+      if (slot.owner !== id || slot.content?.rid !== rec.rid) {
+        this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `generation for ${this.label(id)} would run on slot ${rec.slot.idx} holding ${slot.content ? this.label(slot.content.room) : 'nothing'}` });
+      }
+      const gen = this.rng.int(10, 100);
+      this.atNode(n, this.now + gen, () => {
+        this.releaseSlot(n, rec, 'generation done');
+        this.admit(n);
+      });
+    } else if (rec.slot) {
+      if (rec.loading) rec.deferSlotRelease = true;
+      else this.releaseSlot(n, rec, 'terminal');
+    }
+    this.admit(n);
+  }
+}
+
+const ms = (x: number): string => (Math.round(x * 10) / 10).toString();
+
+/** ' [effect, effect]' for traces. */
+function fx(eff: Effect[]): string {
+  if (eff.length === 0) return '';
+  return ` [${eff
+    .map((e) => {
+      switch (e.t) {
+        case 'terminal':
+          return `terminal ${stateName(e.state)}`;
+        case 'illegal':
+          return `illegal ${stateName(e.from)}→${stateName(e.to)}`;
+        case 'notify_peer':
+          return `notify_peer(${e.reason})`;
+        default:
+          return e.t;
+      }
+    })
+    .join(', ')}]`;
+}
