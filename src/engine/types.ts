@@ -85,19 +85,25 @@ export interface Slot {
    * sample the first token with `sampling`. The sampled token is NOT evaluated (the state holds
    * the prompt only), exactly as the decode side expects.
    * @throws AbortError-like Error with code 'ABORTED' when the signal fires between chunks.
-   * @throws Error with code 'PROMPT_TOO_LONG' when tokens.length + maxTokens > contextSize.
+   * @throws Error with code 'PROMPT_TOO_LONG' when tokens.length + maxTokens > contextSize,
+   *   'EMPTY_PROMPT' for no tokens, 'INVALID_TOKEN' for an id outside the vocabulary.
    */
   prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult>;
   /** Save this sequence's state (llama.cpp "ggsq" file) to `path`; returns its size in bytes. */
   saveState(path: string): Promise<number>;
   /**
-   * Load a state previously validated with `validateStateFile` into this sequence.
-   * The caller guarantees the file passed validation (a bad file can abort the process).
+   * Load a state previously validated with `parseStateFile` (ggsq.ts) into this sequence.
+   * The file is parsed again here before llama.cpp sees it (a bad file can abort the process
+   * inside llama.cpp); a state saved from a context with another sequence count is re-framed
+   * (n_stream rewritten) through a temporary file.
+   * @throws KvError('BAD_STATE') when the file is malformed or its tokens differ from `promptTokens`.
    */
   loadState(path: string, promptTokens: number[]): Promise<void>;
   /**
    * Continue generation from `firstToken` (emitted first, then evaluated, then more sampled),
-   * honouring maxTokens, stop strings and EOS. Ends on `signal` (finish reason 'abort').
+   * honouring maxTokens, stop strings and EOS. Ends on `signal` or `release()` (finish reason
+   * 'abort'). An EOS/EOT token that ends generation is yielded with text '' (plus any text that
+   * was held back), so token counts include it; its own text is never emitted.
    */
   generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'>;
   /** Clear the sequence and return it to the pool. Idempotent. */
@@ -107,6 +113,7 @@ export interface Slot {
 /** A loaded model with one multi-sequence context. */
 export interface Engine {
   readonly info: EngineInfo;
+  /** Tokenize plain text (special-token text is not parsed); prepends BOS when the model asks for it. */
   tokenize(text: string): number[];
   /** Render messages with the model's chat template (generic one when the GGUF has none), add the assistant prefix, tokenize. */
   renderChat(messages: ChatMessage[]): number[];

@@ -1,0 +1,527 @@
+/**
+ * The node-llama-cpp implementation of the engine seam (types.ts): one model, one context with
+ * `sequences` sequences; a slot is one LlamaContextSequence.
+ *
+ * PD exactness: prefill evaluates the prompt in chunks of `batchSize` and samples the first
+ * token from the last chunk without evaluating it; generate() emits that token, evaluates it and
+ * samples on. A prefill → saveState → loadState (any process, any sequence count, any slot) →
+ * generate run therefore does exactly what prefill → generate on one slot does.
+ */
+import { randomInt, randomUUID } from 'node:crypto';
+import { existsSync, promises as fsp } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import {
+  GeneralChatWrapper,
+  getLlama,
+  LlamaLogLevel,
+  resolveChatWrapper,
+  type ChatHistoryItem,
+  type ChatWrapper,
+  type Llama,
+  type LlamaContext,
+  type LlamaContextSequence,
+  type LlamaModel,
+  type Token,
+} from 'node-llama-cpp';
+import { KvError } from '../kv/types.js';
+import { sha256File } from './gguf-writer.js';
+import { parseStateFile, rewriteNStream } from './ggsq.js';
+import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot } from './types.js';
+
+/** Options of `loadEngine`. Sizes in tokens. */
+export interface LoadEngineOptions {
+  modelPath: string;
+  /** llama.cpp threads (default 1; the library default of 4 is ~20× slower on 2 cores). */
+  threads?: number;
+  /** Sequences (slots) of the context, ≥ 1. */
+  sequences: number;
+  /** Tokens per sequence. */
+  contextSize: number;
+  /** Prompt chunk size and llama.cpp batch size. */
+  batchSize: number;
+  /** sha256 of the GGUF (hex); computed at load when absent. */
+  fingerprint?: string;
+  /** Receives llama.cpp's log lines (level, message) — where the real failure reasons appear. */
+  log?: (level: string, msg: string) => void;
+  /** Flash attention (changes numerics and the V layout: both PD sides must agree). Default false. */
+  flashAttention?: boolean;
+  /** Folder for temporary re-framed state files (default /dev/shm, else the OS temp dir). */
+  tmpDir?: string;
+}
+
+/** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
+export class EngineError extends Error {
+  constructor(
+    public readonly code: string,
+    message: string,
+  ) {
+    super(message);
+    this.name = 'EngineError';
+  }
+}
+
+// ------------------------------------------------------------------------------- llama singleton
+
+type LogSink = (level: string, msg: string) => void;
+const logSinks = new Set<LogSink>();
+/** Recent llama.cpp warnings/errors, appended to load errors (the JS error text is generic). */
+const recentProblems: Array<{ n: number; msg: string }> = [];
+let problemCounter = 0;
+let llamaPromise: Promise<Llama> | null = null;
+
+function getSharedLlama(): Promise<Llama> {
+  llamaPromise ??= getLlama({
+    gpu: false,
+    build: 'never',
+    // 0 = no thread budget: each context's `threads` is used exactly.
+    maxThreads: 0,
+    logLevel: LlamaLogLevel.warn,
+    logger: (level, message) => {
+      const msg = message.trimEnd();
+      if (level === LlamaLogLevel.error || level === LlamaLogLevel.warn || level === LlamaLogLevel.fatal) {
+        recentProblems.push({ n: problemCounter++, msg });
+        if (recentProblems.length > 20) recentProblems.shift();
+      }
+      for (const sink of logSinks) {
+        try {
+          sink(level, msg);
+        } catch {
+          /* a logger must not break llama.cpp callbacks */
+        }
+      }
+    },
+  }).catch((err: unknown) => {
+    llamaPromise = null;
+    throw err;
+  });
+  return llamaPromise;
+}
+
+/** Append the llama.cpp warnings/errors logged since `since` (a `markProblems()` value) to err. */
+function withLlamaLog(err: unknown, since: number): Error {
+  const lines = recentProblems.filter((p) => p.n >= since).map((p) => p.msg);
+  const e = err instanceof Error ? err : new Error(String(err));
+  if (lines.length > 0) e.message += ` [llama.cpp: ${lines.join(' | ')}]`;
+  return e;
+}
+function markProblems(): number {
+  return problemCounter;
+}
+
+// ------------------------------------------------------------------------------- text streaming
+
+/**
+ * Incremental detokenizer + stop-string filter. Feed tokens one at a time; each call returns the
+ * text that is now final. Multi-byte characters split across tokens are held until complete
+ * (a trailing U+FFFD from an incomplete UTF-8 sequence is never emitted early); text that could
+ * be the start of a stop string is held until disambiguated; the stop string itself and
+ * everything after it are never returned.
+ */
+export class TextStream {
+  private tail: number[];
+  private pending: number[] = [];
+  private pendingEmitted = 0;
+  private held = '';
+  private readonly stops: string[];
+  /** Set once a stop string was found; further pushes return ''. */
+  stopped = false;
+
+  /**
+   * @param detok detokenizer: (tokens, lastTokens) → text of `tokens` as it reads after `lastTokens`.
+   * @param stop stop strings (empty strings are ignored).
+   * @param context tokens preceding the generated ones (for SentencePiece leading-space rules).
+   */
+  constructor(
+    private readonly detok: (tokens: number[], lastTokens: number[]) => string,
+    stop: readonly string[],
+    context: readonly number[] = [],
+  ) {
+    this.stops = stop.filter((s) => s.length > 0);
+    this.tail = context.slice(-16);
+  }
+
+  /** Add one token; returns newly final text (possibly ''). */
+  push(token: number): string {
+    if (this.stopped) return '';
+    this.pending.push(token);
+    const s = this.detok(this.pending, this.tail);
+    let stableEnd = s.length;
+    while (stableEnd > 0 && s.charCodeAt(stableEnd - 1) === 0xfffd) stableEnd--;
+    // Guard against unbounded re-decoding in long runs of invalid bytes.
+    if (this.pending.length > 32) stableEnd = s.length;
+    let fresh = '';
+    if (stableEnd > this.pendingEmitted) {
+      fresh = s.slice(this.pendingEmitted, stableEnd);
+      this.pendingEmitted = stableEnd;
+    }
+    if (stableEnd === s.length) this.commitPending();
+    return this.filter(fresh, false);
+  }
+
+  /** End of generation (length / EOS): everything still held is final. */
+  flush(): string {
+    if (this.stopped) return '';
+    let rest = '';
+    if (this.pending.length > 0) {
+      rest = this.detok(this.pending, this.tail).slice(this.pendingEmitted);
+      this.commitPending();
+    }
+    return this.filter(rest, true);
+  }
+
+  private commitPending(): void {
+    this.tail = this.tail.concat(this.pending).slice(-16);
+    this.pending = [];
+    this.pendingEmitted = 0;
+  }
+
+  private filter(fresh: string, final: boolean): string {
+    if (this.stops.length === 0) return fresh;
+    const text = this.held + fresh;
+    let cut = -1;
+    for (const st of this.stops) {
+      const i = text.indexOf(st);
+      if (i !== -1 && (cut === -1 || i < cut)) cut = i;
+    }
+    if (cut !== -1) {
+      this.stopped = true;
+      this.held = '';
+      return text.slice(0, cut);
+    }
+    if (final) {
+      this.held = '';
+      return text;
+    }
+    // hold the longest suffix that is a proper prefix of some stop string
+    let hold = 0;
+    for (const st of this.stops) {
+      for (let k = Math.min(st.length - 1, text.length); k > hold; k--) {
+        if (text.endsWith(st.slice(0, k))) {
+          hold = k;
+          break;
+        }
+      }
+    }
+    this.held = text.slice(text.length - hold);
+    return text.slice(0, text.length - hold);
+  }
+}
+
+// ------------------------------------------------------------------------------- engine
+
+function defaultTmpDir(): string {
+  return existsSync('/dev/shm') ? '/dev/shm' : os.tmpdir();
+}
+
+function samplerOptions(s: SamplingParams): { temperature: number; topK: number; topP: number; seed: number } {
+  return {
+    temperature: s.temperature,
+    topK: s.topK,
+    topP: s.topP,
+    // node-llama-cpp would default to the current second: concurrent requests would share it.
+    seed: s.seed ?? randomInt(0, 0xffffffff),
+  };
+}
+
+function sameTokens(a: readonly number[], b: readonly number[]): boolean {
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
+}
+
+/** One sequence of the context; handed out as short-lived `Lease`s. */
+class SeqHolder {
+  /** Resolves when the previous owner's history is cleared. */
+  pending: Promise<void> = Promise.resolve();
+  lease: Lease | null = null;
+  constructor(
+    readonly index: number,
+    readonly seq: LlamaContextSequence,
+  ) {}
+}
+
+class Lease implements Slot {
+  released = false;
+  constructor(
+    private readonly engine: LlamaEngine,
+    private readonly holder: SeqHolder,
+  ) {}
+
+  get index(): number {
+    return this.holder.index;
+  }
+
+  private async ready(): Promise<LlamaContextSequence> {
+    this.check();
+    await this.holder.pending;
+    this.check();
+    return this.holder.seq;
+  }
+
+  private check(): void {
+    if (this.released) throw new EngineError('SLOT_RELEASED', `slot ${this.index} was released`);
+    if (this.engine.disposed) throw new EngineError('ENGINE_DISPOSED', 'the engine is disposed');
+  }
+
+  async prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult> {
+    const { contextSize, batchSize } = this.engine.info.compat;
+    if (tokens.length < 1) throw new EngineError('EMPTY_PROMPT', 'the prompt has no tokens');
+    if (tokens.length + sampling.maxTokens > contextSize) {
+      throw new EngineError('PROMPT_TOO_LONG', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size ${contextSize}`);
+    }
+    const nVocab = this.engine.info.nVocab;
+    for (const t of tokens) {
+      if (!Number.isInteger(t) || t < 0 || t >= nVocab) throw new EngineError('INVALID_TOKEN', `token ${t} is outside the vocabulary (${nVocab})`);
+    }
+    const seq = await this.ready();
+    if (seq.nextTokenIndex > 0) await seq.clearHistory();
+    const aborted = (): void => {
+      if (signal.aborted) throw new EngineError('ABORTED', 'prefill aborted');
+      this.check();
+    };
+    aborted();
+    let i = 0;
+    for (; i + batchSize < tokens.length; i += batchSize) {
+      await seq.evaluateWithoutGeneratingNewTokens(tokens.slice(i, i + batchSize) as Token[]);
+      aborted();
+    }
+    const last = tokens.slice(i) as Token[];
+    let first: number | undefined;
+    for await (const t of seq.evaluate(last, { ...samplerOptions(sampling), yieldEogToken: true })) {
+      first = t;
+      break;
+    }
+    if (first === undefined) throw new Error('llama.cpp sampled no token');
+    return { promptTokens: tokens.length, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
+  }
+
+  async saveState(filePath: string): Promise<number> {
+    const seq = await this.ready();
+    const { fileSize } = await seq.saveStateToFile(filePath);
+    return fileSize;
+  }
+
+  async loadState(filePath: string, promptTokens: number[]): Promise<void> {
+    const seq = await this.ready();
+    const { contextSize, nLayer } = this.engine.info.compat;
+    const buf = await fsp.readFile(filePath);
+    // Re-validated here too: a malformed file can abort the process inside llama.cpp.
+    const st = parseStateFile(buf, { contextSize, nLayer, maxBytes: buf.length, nVocab: this.engine.info.nVocab });
+    if (!sameTokens(st.tokens, promptTokens)) throw new KvError('BAD_STATE', 'bad sequence state: the tokens in the state differ from the prompt');
+    let loadPath = filePath;
+    let tmp: string | null = null;
+    const since = markProblems();
+    try {
+      if (st.nStream !== this.engine.info.sequences) {
+        tmp = path.join(this.engine.tmpDir, `pdserve-restream-${process.pid}-${randomUUID()}.ggsq`);
+        await fsp.writeFile(tmp, rewriteNStream(buf, this.engine.info.sequences, { contextSize, nLayer, maxBytes: buf.length }));
+        loadPath = tmp;
+      }
+      this.check();
+      try {
+        await seq.loadStateFromFile(loadPath, { acceptRisk: true });
+      } catch (err) {
+        throw withLlamaLog(err, since);
+      }
+      if (!sameTokens(seq.contextTokens, promptTokens) || seq.nextTokenIndex !== promptTokens.length) {
+        await seq.clearHistory();
+        throw new KvError('BAD_STATE', 'bad sequence state: the loaded sequence does not hold the prompt');
+      }
+    } finally {
+      if (tmp) await fsp.rm(tmp, { force: true }).catch(() => {});
+    }
+  }
+
+  async *generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'> {
+    const seq = await this.ready();
+    const model = this.engine.model;
+    const text = new TextStream((toks, last) => model.detokenize(toks as Token[], false, last as Token[]), sampling.stop, seq.contextTokens);
+    const maxTokens = Math.max(1, sampling.maxTokens);
+    let count = 0;
+    /** Turn one sampled token into its output and, when generation ends on it, the reason. */
+    const step = (tok: number): { out: GeneratedToken; end?: FinishReason } => {
+      count++;
+      const eog = model.isEogToken(tok as Token);
+      if (eog && !sampling.ignoreEos) return { out: { token: tok, text: text.flush() }, end: 'stop' };
+      let t = eog ? '' : text.push(tok);
+      if (text.stopped) return { out: { token: tok, text: t }, end: 'stop' };
+      if (count >= maxTokens) {
+        t += text.flush();
+        return { out: { token: tok, text: t }, end: text.stopped ? 'stop' : 'length' };
+      }
+      return { out: { token: tok, text: t } };
+    };
+    if (signal.aborted) return 'abort';
+    let r = step(firstToken);
+    yield r.out;
+    if (r.end) return r.end;
+    const it = seq.evaluate([firstToken as Token], { ...samplerOptions(sampling), yieldEogToken: true });
+    try {
+      for (;;) {
+        if (signal.aborted || this.released || this.engine.disposed) return 'abort';
+        const n = await it.next();
+        if (signal.aborted || this.released || this.engine.disposed) return 'abort';
+        // with yieldEogToken node-llama-cpp ends its generator only when sampling yields nothing
+        if (n.done) throw new Error('llama.cpp stopped sampling unexpectedly');
+        r = step(n.value);
+        yield r.out;
+        if (r.end) return r.end;
+      }
+    } finally {
+      await it.return();
+    }
+  }
+
+  release(): void {
+    if (this.released) return;
+    this.released = true;
+    this.engine.releaseHolder(this.holder, this);
+  }
+}
+
+class LlamaEngine implements Engine {
+  disposed = false;
+  private readonly holders: SeqHolder[];
+  private readonly free: SeqHolder[];
+  private readonly chatWrapper: ChatWrapper;
+
+  constructor(
+    readonly info: EngineInfo,
+    readonly model: LlamaModel,
+    private readonly context: LlamaContext,
+    readonly tmpDir: string,
+    private readonly logSink: LogSink | null,
+  ) {
+    this.holders = [];
+    for (let i = 0; i < info.sequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
+    this.free = [...this.holders];
+    // The model's own template when it has one; the generic wrapper otherwise (resolveChatWrapper
+    // would guess from the architecture, e.g. Llama-2 [INST] for any llama GGUF).
+    const tmpl = (model.fileInfo.metadata as unknown as { tokenizer?: { chat_template?: unknown } }).tokenizer?.chat_template;
+    this.chatWrapper = typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
+  }
+
+  tokenize(text: string): number[] {
+    const toks = this.model.tokenize(text, false) as number[];
+    const bos = this.model.tokens.bos;
+    if (bos != null && this.model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
+    return toks;
+  }
+
+  renderChat(messages: ChatMessage[]): number[] {
+    const history: ChatHistoryItem[] = [];
+    for (const m of messages) {
+      if (m.role === 'system' || m.role === 'developer') history.push({ type: 'system', text: m.content });
+      else if (m.role === 'assistant') history.push({ type: 'model', response: [m.content] });
+      else if (m.role === 'tool') history.push({ type: 'user', text: `Tool result:\n${m.content}` });
+      else history.push({ type: 'user', text: m.content });
+    }
+    history.push({ type: 'model', response: [] });
+    const { contextText } = this.chatWrapper.generateContextState({ chatHistory: history });
+    return contextText.tokenize(this.model.tokenizer) as number[];
+  }
+
+  detokenize(tokens: number[]): string {
+    // Like llama.cpp with remove_special: a leading BOS is dropped, so the SentencePiece space
+    // prefix of the first word is removed and detokenize(tokenize(s)) === s for plain text.
+    const bos = this.model.tokens.bos;
+    const start = bos != null && tokens[0] === bos ? 1 : 0;
+    return this.model.detokenize((start ? tokens.slice(start) : tokens) as Token[], false);
+  }
+
+  slotsFree(): number {
+    return this.disposed ? 0 : this.free.length;
+  }
+
+  tryAcquireSlot(): Slot | null {
+    if (this.disposed || this.free.length === 0) return null;
+    // lowest free index first: predictable slot numbers
+    let best = 0;
+    for (let i = 1; i < this.free.length; i++) if (this.free[i].index < this.free[best].index) best = i;
+    const holder = this.free.splice(best, 1)[0];
+    const lease = new Lease(this, holder);
+    holder.lease = lease;
+    return lease;
+  }
+
+  /** @internal called by Lease.release(): clear the history, then the slot is free again. */
+  releaseHolder(holder: SeqHolder, lease: Lease): void {
+    if (holder.lease !== lease) return;
+    holder.lease = null;
+    const prev = holder.pending;
+    holder.pending = prev
+      .then(() => (this.disposed || holder.seq.disposed ? undefined : holder.seq.clearHistory()))
+      .catch((err: unknown) => this.logSink?.('error', `clearHistory of slot ${holder.index} failed: ${String(err)}`));
+    this.free.push(holder);
+  }
+
+  async dispose(): Promise<void> {
+    if (this.disposed) return;
+    this.disposed = true;
+    this.free.length = 0;
+    if (this.logSink) logSinks.delete(this.logSink);
+    await this.context.dispose();
+    await this.model.dispose();
+  }
+}
+
+/**
+ * Load a GGUF and create one context with `sequences` sequences of `contextSize` tokens.
+ * @returns the Engine; `info.fingerprint` is the GGUF's sha256 (computed unless given).
+ * @throws Error when the model or context cannot be created (llama.cpp's log lines are appended).
+ */
+export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
+  const threads = opts.threads ?? 1;
+  if (!Number.isInteger(threads) || threads < 1) throw new RangeError('threads must be a positive integer');
+  if (!Number.isInteger(opts.sequences) || opts.sequences < 1) throw new RangeError('sequences must be a positive integer');
+  if (!Number.isInteger(opts.contextSize) || opts.contextSize < 1) throw new RangeError('contextSize must be a positive integer');
+  if (!Number.isInteger(opts.batchSize) || opts.batchSize < 1) throw new RangeError('batchSize must be a positive integer');
+  const modelPath = path.resolve(opts.modelPath);
+  const sink = opts.log ?? null;
+  if (sink) logSinks.add(sink);
+  const since = markProblems();
+  let model: LlamaModel | null = null;
+  try {
+    const llama = await getSharedLlama();
+    const fingerprint = opts.fingerprint ?? (await sha256File(modelPath));
+    try {
+      model = await llama.loadModel({ modelPath, gpuLayers: 0 });
+    } catch (err) {
+      throw withLlamaLog(err, since);
+    }
+    let context: LlamaContext;
+    try {
+      context = await model.createContext({
+        sequences: opts.sequences,
+        contextSize: opts.contextSize,
+        batchSize: opts.batchSize,
+        threads,
+        flashAttention: opts.flashAttention ?? true,
+        failedCreationRemedy: false,
+      });
+    } catch (err) {
+      throw withLlamaLog(err, since);
+    }
+    const meta = model.fileInfo.architectureMetadata as { block_count?: number };
+    const tokensMeta = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
+    const info: EngineInfo = {
+      modelPath,
+      modelName: path.basename(modelPath).replace(/\.gguf$/i, ''),
+      fingerprint,
+      compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0) },
+      sequences: opts.sequences,
+      nVocab: tokensMeta?.length ?? 0,
+      threads,
+    };
+    if (info.compat.contextSize !== opts.contextSize) {
+      // llama.cpp may round the context size up; PD compat needs the real value, which info carries.
+      sink?.('warn', `context size ${opts.contextSize} was rounded to ${info.compat.contextSize}`);
+    }
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink);
+  } catch (err) {
+    if (sink) logSinks.delete(sink);
+    await model?.dispose().catch(() => {});
+    throw err;
+  }
+}
