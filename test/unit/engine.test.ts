@@ -289,6 +289,23 @@ describe('engine on the tiny model', () => {
     assert.deepEqual(res.out, ref.tokens);
   });
 
+  it('seeded sampling (temperature 0.8, topP 0.9, topK 40) is reproducible and PD equals colocated', async () => {
+    const sp: SamplingParams = { temperature: 0.8, topP: 0.9, topK: 40, seed: 42, maxTokens: 30, stop: [], ignoreEos: true };
+    const ref = await colocated(A, prompts.short, sp);
+    assert.deepEqual((await colocated(A, prompts.short, sp)).tokens, ref.tokens);
+    assert.notDeepEqual((await colocated(A, prompts.short, { ...sp, seed: 43 })).tokens, ref.tokens);
+    const p = A.tryAcquireSlot()!;
+    const r = await p.prefill(prompts.short, sp, never);
+    const file = path.join(dir, 'seeded.ggsq');
+    await p.saveState(file);
+    p.release();
+    const d = B.tryAcquireSlot()!;
+    await d.loadState(file, prompts.short);
+    const got = await drain(d, r.firstToken, sp);
+    d.release();
+    assert.deepEqual(got.tokens, ref.tokens);
+  });
+
   it('maxTokens counts the first token; text equals the detokenized tokens', async () => {
     const one = await colocated(A, prompts.short, greedy({ maxTokens: 1 }));
     assert.equal(one.tokens.length, 1);
