@@ -26,6 +26,8 @@
  *
  * Checks (violations): double release and leaks of slots / queue entries / receive buffers /
  * state files; state loaded into a slot owned by another room; revival (terminal → non-terminal);
+ * a room live on a node after a router abort for it reached that node (an abort that beat the
+ * request must leave a tombstone that fails the request at once);
  * more than one `terminal` per room; a live room past its deadline by more than one tick (wedge) or
  * without a deadline; rooms of a crashed peer not failed within two heartbeat intervals of silence
  * (+ one check period + max network delay); non-terminal rooms at the end.
@@ -47,6 +49,7 @@ export type ViolationKind =
   | 'wedge'
   | 'no_deadline'
   | 'peer_loss_late'
+  | 'ran_after_abort'
   | 'stuck'
   | 'exception';
 
@@ -171,6 +174,8 @@ interface Rec {
   slot?: { h: Handle; idx: number };
   recv?: { h: Handle; total: number; got: Map<number, { len: number; tag: string }>; bytes: number; endSeen: boolean };
   loading?: boolean;
+  /** Slot index the in-flight load writes into (captured when the load starts). */
+  loadSlot?: number;
   loaded?: boolean;
   deferSlotRelease?: boolean;
   // prefill
@@ -197,6 +202,8 @@ interface Node {
   /** terminal effects seen per room in this incarnation. */
   terminals: Map<RoomId, number>;
   reported: Set<string>;
+  /** Rooms a router abort was delivered for (this incarnation): they must never be live again. */
+  aborted: Set<RoomId>;
   // decode
   waitQ: RoomId[];
   slots: Slot[];
@@ -279,6 +286,7 @@ export class World {
       lastHeard: 0,
       terminals: new Map(),
       reported: new Set(),
+      aborted: new Set(),
       waitQ: [],
       slots: [],
       computeQ: [],
@@ -451,6 +459,7 @@ export class World {
     n.lastHeard = this.now;
     n.terminals = new Map();
     n.reported = new Set();
+    n.aborted = new Set();
     n.waitQ = [];
     n.slots = Array.from({ length: n.role === 'decode' ? this.nSlots : 0 }, () => ({}));
     n.computeQ = [];
@@ -576,6 +585,14 @@ export class World {
 
   // ---- the core, wrapped with checks ------------------------------------------------------------
 
+  /** After a router abort reached n, the room must never be live on n (tombstones, stickiness). */
+  private checkAborted(n: Node, id: RoomId, on: string): void {
+    if (n.aborted.has(id) && n.table.has(id)) {
+      const r = n.table.get(id)!;
+      this.violate({ kind: 'ran_after_abort', node: n.name, room: id, detail: `live (${stateName(r.state)}/${r.phase}) after a router abort reached ${n.name}, on ${on}` });
+    }
+  }
+
   private applyOn(n: Node, id: RoomId, ev: RoomEvent): Effect[] {
     const before = n.table.get(id);
     const b = before ? `${stateName(before.state)}/${before.phase}` : 'unknown';
@@ -588,6 +605,7 @@ export class World {
       this.tr(n.name, id, `apply ${ev.t}${'from' in ev ? `:${ev.from}` : ''}: ${b} → ${a}${fx(eff)}${revived}${swallowed}`);
     }
     this.perform(n, eff);
+    this.checkAborted(n, id, ev.t);
     if (after && !isTerminal(after.state) && (n.terminals.get(id) ?? 0) > 0) {
       this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after.state)}/${after.phase} on ${ev.t}` });
     }
@@ -707,6 +725,7 @@ export class World {
         n.transferInfo.delete(req.id);
         n.pendingRegs.delete(req.id);
       }
+      n.aborted.add(req.id);
       this.applyOn(n, req.id, { t: 'abort', from: 'router', reason });
     });
   }
@@ -731,6 +750,7 @@ export class World {
     n.recs.set(req.id, { id: req.id, rid: req.rid });
     if (this.tracing) this.tr('P', req.id, `create → ${stateName(n.table.get(req.id)!.state)}${fx(eff)}`);
     this.perform(n, eff);
+    this.checkAborted(n, req.id, 'create');
     const pending = n.pendingRegs.get(req.id);
     if (pending && n.table.has(req.id)) {
       n.pendingRegs.delete(req.id);
@@ -771,6 +791,7 @@ export class World {
       this.send(n, { type: 'registered', room: id });
     }
     this.perform(n, eff);
+    this.checkAborted(n, id, 'registered');
     if (after !== undefined && !isTerminal(after) && (n.terminals.get(id) ?? 0) > 0) {
       this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after)} on registered` });
     }
@@ -868,6 +889,7 @@ export class World {
     n.recs.set(req.id, { id: req.id, rid: req.rid });
     if (this.tracing) this.tr('D', req.id, `create → ${stateName(n.table.get(req.id)!.state)}/${n.table.get(req.id)!.phase}${fx(eff)}`);
     this.perform(n, eff);
+    this.checkAborted(n, req.id, 'create');
     if (n.table.has(req.id)) {
       n.recs.get(req.id)!.queue = this.acquire(n, 'queue', req.id);
       n.waitQ.push(req.id);
@@ -971,6 +993,7 @@ export class World {
     }
     if (recv.bytes < recv.total) return; // wait for the missing chunks (or the transfer deadline)
     rec.loading = true;
+    rec.loadSlot = rec.slot.idx;
     const dur = this.rng.int(3, 60);
     if (this.tracing) this.tr('D', id, `all ${recv.total} bytes in: loading into slot ${rec.slot.idx} (${dur} ms)`);
     this.atNode(n, this.now + dur, () => this.loadDone(n, id));
@@ -981,14 +1004,13 @@ export class World {
     if (!rec) return;
     rec.loading = false;
     rec.loaded = true;
-    const s = rec.slot;
-    if (s) {
-      const slot = n.slots[s.idx]!;
-      if (slot.owner !== id) {
-        this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `state of ${this.label(id)} loaded into slot ${s.idx} now owned by ${slot.owner ? this.label(slot.owner) : 'nobody'}` });
-      } else {
-        slot.content = { room: id, rid: rec.rid };
-      }
+    // llama.cpp writes the state into the slot the load started on, whatever happened meanwhile.
+    const idx = rec.loadSlot!;
+    const slot = n.slots[idx]!;
+    if (slot.owner !== id) {
+      this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `state of ${this.label(id)} loaded into slot ${idx}, now ${slot.owner ? `owned by ${this.label(slot.owner)}` : 'free'}` });
+    } else {
+      slot.content = { room: id, rid: rec.rid };
     }
     const room = n.table.get(id);
     if (room && n.table.has(id) && room.state === KVPoll.Transferring) {
