@@ -447,11 +447,11 @@ export class RoomTable {
           return { k: 'answer', effects: peer ? [{ t: 'notify_peer', room: room.id, peer, reason: room.failReason ?? 'failed' }] : [] };
         }
         if (s === KVPoll.Success) return { k: 'noop' };
-        if (s === KVPoll.Bootstrapping && room.phase === 'bootstrap') return { k: 'write', to: KVPoll.WaitingForInput, phase: 'waiting', why: 'registered' };
-        if (s === KVPoll.Bootstrapping) return refuse(KVPoll.WaitingForInput); // decode prealloc: no slot, never registered
+        if (s === KVPoll.Bootstrapping && room.phase !== 'bootstrap') return refuse(KVPoll.WaitingForInput); // decode prealloc: no slot, never registered
         if ((c.peer !== undefined && room.peer !== undefined && c.peer !== room.peer) || (c.peerEpoch !== undefined && room.peerEpoch !== undefined && c.peerEpoch !== room.peerEpoch)) {
           return { k: 'refuse', to: KVPoll.WaitingForInput, why: `registered by another peer (${c.peer ?? '?'}/${c.peerEpoch ?? '?'}) than ${room.peer}/${room.peerEpoch ?? '?'}` };
         }
+        if (s === KVPoll.Bootstrapping) return { k: 'write', to: KVPoll.WaitingForInput, phase: 'waiting', why: 'registered' };
         return { k: 'noop' }; // duplicate registration from the same peer
       }
       case 'kv_begin':
@@ -511,8 +511,9 @@ export class RoomTable {
     const fromPhase = room.phase;
     const wasTerminal = isTerminal(from);
     if (cause.t === 'registered') {
-      if (cause.peer !== undefined) room.peer = cause.peer;
-      if (cause.peerEpoch !== undefined) room.peerEpoch = cause.peerEpoch;
+      // Bind, never rebind: a decode room keeps the prefill address it was created with.
+      if (cause.peer !== undefined && room.peer === undefined) room.peer = cause.peer;
+      if (cause.peerEpoch !== undefined && room.peerEpoch === undefined) room.peerEpoch = cause.peerEpoch;
     }
     if (cause.t === 'kv_begin') room.totalBytes = cause.totalBytes;
     room.state = p.to;
