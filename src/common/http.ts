@@ -2,9 +2,10 @@
  * Pieces every worker's HTTP server shares: a fastify instance whose errors are OpenAI error
  * bodies, GET /health, GET /metrics and GET /debug/rooms, and a deferred helper.
  */
-import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
-import { ApiError, toApiError } from './errors.js';
+import { registerOpenAIErrorHandling, sendApiError } from '../api/openai.js';
+import type { ApiError } from './errors.js';
 import type { Logger } from './log.js';
 
 export interface WorkerAppOptions {
@@ -20,13 +21,8 @@ export interface WorkerAppOptions {
 
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
-  const app = Fastify({ loggerInstance: o.log, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, disableRequestLogging: true });
-  app.setErrorHandler((err, _req, reply) => {
-    sendError(reply, httpError(err));
-  });
-  app.setNotFoundHandler((req, reply) => {
-    sendError(reply, new ApiError(404, 'not_found', `no route ${req.method} ${req.url}`, 'not_found_error'));
-  });
+  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, disableRequestLogging: true });
+  registerOpenAIErrorHandling(app);
   app.get('/health', async () => ({ status: 'ok', ...o.health() }));
   app.get('/metrics', async (_req, reply) => {
     reply.header('content-type', o.registry.contentType);
@@ -36,24 +32,13 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   return app;
 }
 
-/** Fastify's own errors (bad JSON, body too large, wrong content type) → ApiError. */
-export function httpError(err: unknown): ApiError {
-  const e = err as { code?: string; statusCode?: number; message?: string };
-  if (err instanceof ApiError) return err;
-  if (typeof e?.statusCode === 'number' && e.statusCode >= 400 && e.statusCode < 500) {
-    const code = e.statusCode === 413 ? 'request_too_large' : e.code === 'FST_ERR_CTP_INVALID_JSON_BODY' || e instanceof SyntaxError ? 'invalid_json' : 'invalid_request';
-    return new ApiError(e.statusCode, code, e.message ?? 'bad request');
-  }
-  return toApiError(err);
-}
-
-/** Send an OpenAI error body unless the response has started. */
+/** Send an OpenAI error body; if the response has already started, just end it. */
 export function sendError(reply: FastifyReply, err: ApiError): void {
   if (reply.sent || reply.raw.headersSent) {
     if (!reply.raw.writableEnded) reply.raw.end();
     return;
   }
-  void reply.code(err.status).type('application/json').send(err.toBody());
+  void sendApiError(reply, err);
 }
 
 /** A promise with its resolve/reject exposed; settles once (later calls are ignored). */

@@ -116,7 +116,7 @@ export class DecodeWorker {
         rooms: this.rooms.rooms().length,
         ...this.queueSizes(),
       }),
-      debugRooms: () => ({ role: 'decode', epoch: this.epoch, queues: this.queueSizes(), ...this.rooms.snapshot(Date.now()) }),
+      debugRooms: () => ({ epoch: this.epoch, queues: this.queueSizes(), ...this.rooms.snapshot(Date.now()) }),
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {

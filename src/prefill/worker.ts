@@ -128,7 +128,7 @@ export class PrefillWorker {
         rooms: this.rooms.rooms().length,
         ...this.queueSizes(),
       }),
-      debugRooms: () => ({ role: 'prefill', epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...this.rooms.snapshot(Date.now()) }),
+      debugRooms: () => ({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...this.rooms.snapshot(Date.now()) }),
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {

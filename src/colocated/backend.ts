@@ -1,0 +1,105 @@
+/**
+ * Colocated generation: prompt evaluation and decoding in one process and one llama.cpp
+ * context, no KV handoff. The baseline for benchmarks and the correctness reference for PD: it
+ * runs exactly the engine calls PD runs (chunked prefill, first token sampled after the prompt,
+ * then `generate` from that token) minus save/transfer/load.
+ */
+import type { GenerateEvent, GenerateRequest } from '../api/worker-protocol.js';
+import { ApiError } from '../common/errors.js';
+import { samplingFromWire, tokenizeRequest } from '../common/requests.js';
+import type { Engine, Slot } from '../engine/types.js';
+
+export interface ColocatedLimits {
+  /** Bound on requests waiting for a slot. */
+  maxWaiting: number;
+  /** Max wait for a slot, ms. */
+  slotWaitMs: number;
+}
+
+/** Slot allocation with a bounded FIFO of waiters, each with a deadline. */
+export class ColocatedBackend {
+  private readonly waiters: { resolve(s: Slot): void; reject(e: unknown): void }[] = [];
+  running = 0;
+
+  constructor(
+    readonly engine: Engine,
+    readonly limits: ColocatedLimits,
+  ) {}
+
+  get waiting(): number {
+    return this.waiters.length;
+  }
+
+  private async acquire(signal: AbortSignal): Promise<Slot> {
+    const s = this.engine.tryAcquireSlot();
+    if (s) return s;
+    if (this.waiters.length >= this.limits.maxWaiting) throw new ApiError(503, 'queue_full', `colocated queue is full (${this.limits.maxWaiting})`, 'overloaded_error');
+    return new Promise<Slot>((resolve, reject) => {
+      const w = {
+        resolve: (slot: Slot) => {
+          cleanup();
+          resolve(slot);
+        },
+        reject: (e: unknown) => {
+          cleanup();
+          reject(e);
+        },
+      };
+      const t = setTimeout(() => w.reject(new ApiError(503, 'queue_timeout', `no free slot within ${this.limits.slotWaitMs} ms`, 'overloaded_error')), this.limits.slotWaitMs);
+      const onAbort = () => w.reject(Object.assign(new Error('aborted while waiting for a slot'), { code: 'ABORTED' }));
+      signal.addEventListener('abort', onAbort, { once: true });
+      const cleanup = () => {
+        clearTimeout(t);
+        signal.removeEventListener('abort', onAbort);
+        const i = this.waiters.indexOf(w);
+        if (i >= 0) this.waiters.splice(i, 1);
+      };
+      this.waiters.push(w);
+    });
+  }
+
+  private release(slot: Slot): void {
+    slot.release();
+    const w = this.waiters[0];
+    if (w) {
+      const s = this.engine.tryAcquireSlot();
+      if (s) w.resolve(s);
+    }
+  }
+
+  /**
+   * Generate for one request: yields GenerateEvents (one per token, then a final one with
+   * finish_reason). @throws ApiError for bad prompts, full queues; Error code 'ABORTED' on signal.
+   */
+  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
+    const tokens = tokenizeRequest(this.engine, body);
+    const sampling = samplingFromWire(body.sampling_params);
+    const ctx = this.engine.info.compat.contextSize;
+    if (tokens.length + sampling.maxTokens > ctx) {
+      throw new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', 'max_tokens');
+    }
+    const slot = await this.acquire(signal);
+    this.running++;
+    let gen: AsyncGenerator<unknown, unknown> | undefined;
+    try {
+      const first = await slot.prefill(tokens, sampling, signal);
+      const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: first.promptTokens, completion_tokens: n, finish_reason: finish });
+      const g = slot.generate(first.firstToken, sampling, signal);
+      gen = g;
+      let n = 0;
+      for (;;) {
+        const r = await g.next();
+        if (r.done) {
+          yield { text: '', token_ids: [], meta_info: meta(n, { type: r.value }) };
+          return;
+        }
+        n++;
+        yield { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
+      }
+    } finally {
+      await gen?.return(undefined).catch(() => {});
+      this.running--;
+      this.release(slot);
+    }
+  }
+}

@@ -1,0 +1,100 @@
+/**
+ * `pdserve colocated`: the OpenAI API served by one process that evaluates prompts and decodes
+ * in one llama.cpp context — no disaggregation. Same request schemas, same response builders
+ * and the same engine calls as PD, so greedy outputs can be compared token for token.
+ */
+import { randomBytes } from 'node:crypto';
+import type { FastifyReply, FastifyRequest } from 'fastify';
+import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
+import { SseWriter } from '../api/sse.js';
+import { ColocatedConfigSchema, parseConfig, type ColocatedConfig } from '../common/config.js';
+import { createWorkerApp, onClientGone } from '../common/http.js';
+import { createLogger, type Logger } from '../common/log.js';
+import { WorkerMetrics } from '../common/metrics.js';
+import { loadEngine } from '../engine/index.js';
+import type { Engine } from '../engine/types.js';
+import { ColocatedBackend } from './backend.js';
+
+/** A running colocated server. */
+export interface ColocatedServer {
+  url: string;
+  backend: ColocatedBackend;
+  close(): Promise<void>;
+}
+
+/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. */
+export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
+  const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
+  const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs });
+  const metrics = new WorkerMetrics('colocated', {
+    queues: () => ({ colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
+    roomsByState: () => new Map(),
+  });
+  const app = createWorkerApp({
+    log,
+    registry: metrics.registry,
+    health: () => ({ role: 'colocated', model: engine.info.modelName, fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
+    debugRooms: () => ({ role: 'colocated', live: [], recent: [] }),
+  });
+  const created = Math.floor(Date.now() / 1000);
+  app.get('/v1/models', async () => ({ object: 'list', data: [{ id: engine.info.modelName, object: 'model', owned_by: 'pdserve', created }] }));
+
+  const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
+    const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
+    const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
+    const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: '0' });
+    const ac = new AbortController();
+    const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
+    const off = onClientGone(reply, () => ac.abort());
+    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(Date.now() / 1000), model: engine.info.modelName }, parsed.includeUsage);
+    const events = backend.generate(body, ac.signal);
+    try {
+      if (!parsed.stream) {
+        for await (const ev of events) builder.push(ev);
+        return reply.send(builder.response());
+      }
+      // First event before committing to a 200 stream, so early errors are plain HTTP errors.
+      const first = await events.next();
+      reply.hijack();
+      const sse = new SseWriter(reply.raw, { headers: { 'x-request-id': rid } });
+      try {
+        let r = first;
+        while (!r.done) {
+          for (const ch of builder.push(r.value)) await sse.write(ch);
+          r = await events.next();
+        }
+        for (const ch of builder.tail()) await sse.write(ch);
+        await sse.write(SSE_DONE);
+      } catch (err) {
+        const e = apiErrorOf(err);
+        if (!sse.closed) await sse.write(e.toBody()).catch(() => {});
+      } finally {
+        sse.end();
+      }
+      return reply;
+    } catch (err) {
+      if (reply.raw.headersSent) return reply;
+      const e = ac.signal.aborted ? new ApiError(504, 'timeout', 'request deadline expired', 'timeout_error') : apiErrorOf(err);
+      return sendApiError(reply, e);
+    } finally {
+      clearTimeout(deadline);
+      off();
+      await events.return(undefined).catch(() => {});
+    }
+  };
+  app.post('/v1/completions', handler('completion'));
+  app.post('/v1/chat/completions', handler('chat'));
+  await app.listen({ host: config.host, port: config.port });
+  const addr = app.server.address();
+  const url = `http://${config.host}:${typeof addr === 'object' && addr ? addr.port : config.port}`;
+  log.info({ url }, 'colocated server ready');
+  return {
+    url,
+    backend,
+    async close() {
+      await app.close().catch(() => {});
+      await engine.dispose();
+    },
+  };
+}

@@ -1,0 +1,67 @@
+/**
+ * Test helpers: a real cluster (router + prefill + decode + colocated reference) on loopback,
+ * built on the same Cluster class `pdserve up` uses, and small HTTP probes with deadlines.
+ */
+import { mkdtempSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import OpenAI from 'openai';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { Cluster, type ClusterOptions } from '../../src/harness/cluster.js';
+
+export const CTX = 1024;
+
+export async function tinyModel(): Promise<string> {
+  return ensureModel('tiny', 1);
+}
+
+/** Start a cluster with the colocated reference; logs go to a temp folder (printed on failure). */
+export async function startStack(over: Partial<ClusterOptions> = {}): Promise<Cluster> {
+  const logDir = mkdtempSync(join(tmpdir(), 'pdserve-test-'));
+  const c = new Cluster({ model: await tinyModel(), prefill: 1, decode: 1, ctxSize: CTX, batchSize: 128, decodeSlots: 8, colocated: true, logDir, ...over });
+  try {
+    await c.start();
+  } catch (err) {
+    await c.stop();
+    throw err;
+  }
+  return c;
+}
+
+export function client(baseUrl: string, timeoutMs = 30_000): OpenAI {
+  return new OpenAI({ baseURL: `${baseUrl}/v1`, apiKey: 'none', timeout: timeoutMs, maxRetries: 0 });
+}
+
+/** GET JSON with a deadline. */
+export async function getJson<T = any>(url: string, timeoutMs = 2000): Promise<T> {
+  const r = await fetch(url, { signal: AbortSignal.timeout(timeoutMs) });
+  if (!r.ok) throw new Error(`GET ${url}: ${r.status}`);
+  return (await r.json()) as T;
+}
+
+/** Poll `fn` until it returns true or `timeoutMs` passes; returns the last value of `fn`. */
+export async function waitFor(fn: () => Promise<boolean>, timeoutMs: number, stepMs = 25): Promise<boolean> {
+  const end = Date.now() + timeoutMs;
+  for (;;) {
+    if (await fn().catch(() => false)) return true;
+    if (Date.now() > end) return false;
+    await new Promise((r) => setTimeout(r, stepMs));
+  }
+}
+
+/** Sum of the queue and room gauges a worker reports on /health (0 when idle). */
+export async function busy(workerUrl: string): Promise<number> {
+  const h = await getJson<Record<string, unknown>>(`${workerUrl}/health`);
+  let n = Number(h.rooms ?? 0);
+  for (const [k, v] of Object.entries(h)) if (/_queue$|_running$|slots_used$/.test(k)) n += Number(v);
+  return n;
+}
+
+/** Deterministic prompt text of about `n` characters (the tiny model's vocab is byte-level). */
+export function promptOf(n: number, seed = 0): string {
+  const words = ['the', 'river', 'ran', 'past', 'old', 'mills', 'and', 'quiet', 'farms', 'where', 'children', 'played', 'until', 'dusk', 'fell', 'over', 'hills'];
+  let s = '';
+  let i = seed;
+  while (s.length < n) s += (s ? ' ' : '') + words[(i++ * 7 + seed) % words.length];
+  return s.slice(0, Math.max(1, n));
+}
