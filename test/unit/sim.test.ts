@@ -1,0 +1,105 @@
+/**
+ * The deterministic simulator (src/kv/sim) over many seeds: the real lifecycle rule must survive
+ * every interleaving with no violation; the legacy max(old, new) rule must be caught wedging.
+ *
+ * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 10,000).
+ * PDSERVE_SIM_FROM=<s> changes the first seed (default 1).
+ */
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/kv/sim/index.js';
+import { Prng } from '../../src/kv/sim/prng.js';
+
+const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 10_000);
+const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
+/** Seeds within which the legacy rule must show the incident's wedge. */
+const LEGACY_BOUND = 2_000;
+
+test('PRNG is deterministic and roughly uniform', () => {
+  const a = new Prng(7);
+  const b = new Prng(7);
+  const xs = Array.from({ length: 1000 }, () => a.u32());
+  assert.deepEqual(xs, Array.from({ length: 1000 }, () => b.u32()));
+  assert.notDeepEqual(xs.slice(0, 10), Array.from({ length: 10 }, () => new Prng(8).u32()));
+  const r = new Prng(1);
+  const buckets = [0, 0, 0, 0];
+  for (let i = 0; i < 40_000; i++) buckets[r.int(0, 3)]!++;
+  for (const c of buckets) assert.ok(c > 9_000 && c < 11_000, `bucket ${c}`);
+  assert.match(new Prng(3).roomId(), /^[1-9]\d{0,18}$/);
+});
+
+test('a seed replays exactly (same trace, same verdict, with or without tracing)', () => {
+  for (const seed of [1, 2, 3, 99, 12345]) {
+    const a = runSim({ seed, trace: true });
+    const b = runSim({ seed, trace: true });
+    assert.deepEqual(a, b);
+    assert.deepEqual(runSim({ seed }).stats, a.stats);
+  }
+  const l1 = runSim({ seed: 5, legacy: true, trace: true });
+  assert.deepEqual(runSim({ seed: 5, legacy: true, trace: true }), l1);
+});
+
+test(`real rule: ${SEEDS} seeds, no violation`, () => {
+  const res = runSeeds(FROM, SEEDS, { rooms: 12, printFailures: 3 });
+  const t = res.totals;
+  console.log(
+    `sim: ${res.ran} seeds in ${(res.elapsedMs / 1000).toFixed(1)} s (${res.seedsPerSec.toFixed(0)} seeds/s); ` +
+      `${t.requests} requests: ${t.success} ok, ${t.failed} failed; ${t.aborts} aborts, ${t.crashes} crashes, ${t.expired} deadlines, ${t.illegal} refused writes, ${t.events} events`,
+  );
+  // The worlds must actually exercise the hard paths, or "no violation" means nothing.
+  assert.ok(t.success > t.requests * 0.3, 'enough requests complete');
+  assert.ok(t.aborts > SEEDS, 'aborts happen');
+  assert.ok(t.crashes > SEEDS / 20, 'crashes happen');
+  assert.ok(t.illegal > 0, 'late writes are refused (the incident ordering occurs)');
+  assert.ok(t.expired > 0, 'deadlines fire');
+  assert.deepEqual(
+    res.failures.map((f) => f.seed),
+    [],
+    `failing seeds (replay with: pdserve sim --from <seed> --seeds 1 --verbose): ${JSON.stringify(res.violationsByKind)}`,
+  );
+});
+
+test('real rule, larger worlds and harsh network: no violation', () => {
+  const big = runSeeds(FROM + 1_000_000, 300, { rooms: 40, printFailures: 2 });
+  const harsh = runSeeds(FROM + 2_000_000, 500, { rooms: 12, faults: 'harsh', slots: 1, printFailures: 2 });
+  assert.deepEqual([...big.failures, ...harsh.failures].map((f) => f.seed), []);
+});
+
+test(`legacy max rule: the simulator finds the incident's wedge within ${LEGACY_BOUND} seeds`, () => {
+  // The incident: abort → Failed(0); the transfer continuation writes Transferring(3) and the max
+  // rule revives the room; the abort dropped its transfer info so the worker skips it; the
+  // watchdog's Failed write is swallowed (max(3, 0) = 3): non-terminal forever.
+  const res = findFirstWedge(1, LEGACY_BOUND, { legacy: true, rooms: 12, revivedOnly: true });
+  assert.ok(res.matched, `no revived wedge in ${LEGACY_BOUND} legacy seeds`);
+  const r = res.matched;
+  const v = r.violations.find((x) => x.kind === 'wedge' && x.revived)!;
+  console.log(`legacy: first revived wedge at seed ${r.seed} (after ${res.ran} seeds)\n${formatFailure(r)}`);
+  const story = interleaving(r, v.room).filter((e) => e.who === v.node).map((e) => e.text);
+  const iFail = story.findIndex((s) => s.includes('→ Failed/done'));
+  const iRevive = story.findIndex((s) => s.includes('REVIVED'));
+  const iSwallow = story.findIndex((s) => s.includes('swallowed'));
+  assert.ok(iFail >= 0 && iRevive > iFail && iSwallow > iRevive, `interleaving Failed → revived → swallowed:\n${story.join('\n')}`);
+  // The same seed under the real rule is clean.
+  assert.equal(runSim({ seed: r.seed, rooms: 12 }).ok, true);
+});
+
+test('legacy max rule: the very first failing seed is a wedge too', () => {
+  const res = findFirstWedge(1, LEGACY_BOUND, { legacy: true, rooms: 12 });
+  assert.ok(res.matched);
+  const v = res.matched.violations.find((x) => x.kind === 'wedge')!;
+  console.log(`legacy: first wedge of any kind at seed ${res.matched.seed}: ${v.node} ${v.label} ${v.detail}`);
+});
+
+test('simMain: exit codes and output', () => {
+  const lines: string[] = [];
+  assert.equal(simMain(['--seeds', '20', '--from', '3'], (l) => lines.push(l)), 0);
+  assert.match(lines.at(-1)!, /^ok: 20 seeds from 3 .* seeds\/s/);
+  lines.length = 0;
+  assert.equal(simMain(['--seeds', '200', '--legacy'], (l) => lines.push(l)), 1);
+  assert.match(lines.join('\n'), /SIM seed \d+ \(legacy max rule\) FAILED[\s\S]*replay: pdserve sim --from \d+ --seeds 1 --legacy --verbose/);
+  lines.length = 0;
+  assert.equal(simMain(['--seed', '4'], (l) => lines.push(l)), 0);
+  assert.match(lines.join('\n'), /full trace:/);
+  assert.equal(simMain(['--seeds'], () => {}), 2);
+  assert.equal(simMain(['--seeds', 'x'], () => {}), 2);
+});
