@@ -1,0 +1,140 @@
+/**
+ * A decode worker must never hand a bad state to llama.cpp, and a bad state fails one request,
+ * never the process. The test plays the prefill side itself with the real parts — the real KV
+ * channel (KvServer), the real envelope, and a real state saved by the real engine — and then
+ * damages what it sends: a truncated payload, a flipped byte, a state from another model.
+ */
+import assert from 'node:assert/strict';
+import { randomBytes } from 'node:crypto';
+import { readFile, rm } from 'node:fs/promises';
+import { after, before, describe, test } from 'node:test';
+import { ensureModel, loadEngine, parseStateFile, sha256File } from '../../src/engine/index.js';
+import type { Engine } from '../../src/engine/types.js';
+import { newEpoch } from '../../src/kv/auth.js';
+import { KvServer, type PeerConn } from '../../src/kv/channel.js';
+import { encodeEnvelope } from '../../src/kv/envelope.js';
+import type { Cluster } from '../../src/harness/cluster.js';
+import { busy, client, CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
+
+const BATCH = 128;
+let c: Cluster;
+let kv: KvServer;
+let kvPort: number;
+/** What the fake prefill sends for the next registered room, and what it heard back. */
+let nextBlob: Buffer | undefined;
+const fails = new Map<string, string>();
+
+async function stateOf(modelPath: string, prompt: string): Promise<{ payload: Buffer; fingerprint: string; nTokens: number; firstToken: number; firstIsEog: boolean }> {
+  const engine: Engine = await loadEngine({ modelPath, sequences: 1, contextSize: CTX, batchSize: BATCH, threads: 1 });
+  const path = `/dev/shm/pdserve-test-${process.pid}-${randomBytes(4).toString('hex')}.ggsq`;
+  try {
+    const slot = engine.tryAcquireSlot()!;
+    const tokens = engine.tokenize(prompt);
+    const r = await slot.prefill(tokens, { temperature: 0, topP: 1, topK: 0, maxTokens: 8, stop: [], ignoreEos: false }, new AbortController().signal);
+    await slot.saveState(path);
+    slot.release();
+    return { payload: await readFile(path), fingerprint: await sha256File(modelPath), nTokens: r.promptTokens, firstToken: r.firstToken, firstIsEog: r.firstIsEog };
+  } finally {
+    await rm(path, { force: true });
+    await engine.dispose();
+  }
+}
+
+before(async () => {
+  c = await startStack({ colocated: false });
+  kv = new KvServer({
+    host: '127.0.0.1',
+    port: 0,
+    secret: c.secret,
+    epoch: newEpoch(),
+    onMessage: (conn: PeerConn, msg) => {
+      if (msg.type === 'register') {
+        const blob = nextBlob!;
+        conn.sendControl({ type: 'registered', room: msg.room });
+        conn.sendControl({ type: 'kv_begin', room: msg.room, totalBytes: blob.length });
+        void conn.sendChunks(msg.room, blob, { chunkBytes: 4096 }).then(() => conn.sendControl({ type: 'kv_end', room: msg.room }), () => {});
+      } else if (msg.type === 'fail') {
+        fails.set(msg.room, msg.reason);
+      }
+    },
+  });
+  kvPort = await kv.listen();
+});
+
+after(async () => {
+  await kv?.close();
+  await c?.stop();
+});
+
+/** Send one request straight to the decode worker, bootstrapping from the fake prefill. */
+async function generate(): Promise<{ status: number; body: string; room: string }> {
+  const room = BigInt.asUintN(63, randomBytes(8).readBigUInt64BE()).toString();
+  const decode = c.byRole('decode')[0]!;
+  const r = await fetch(`${decode.url}/generate`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ rid: `test-${room}`, text: 'Once upon a time', sampling_params: { temperature: 0, top_p: 1, top_k: 0, max_new_tokens: 8, stop: [], ignore_eos: false }, bootstrap_host: '127.0.0.1', bootstrap_port: kvPort, bootstrap_room: room }),
+    signal: AbortSignal.timeout(10_000),
+  });
+  return { status: r.status, body: await r.text(), room };
+}
+
+describe('corrupt KV state reaching a real decode worker', () => {
+  let good: Awaited<ReturnType<typeof stateOf>>;
+  before(async () => {
+    good = await stateOf(await ensureModel('tiny', 1), 'Once upon a time');
+  });
+
+  const envelope = (s: typeof good, payload = s.payload, fingerprint = s.fingerprint) =>
+    encodeEnvelope({ fingerprint, contextSize: CTX, batchSize: BATCH, nTokens: s.nTokens, firstToken: s.firstToken, firstIsEog: s.firstIsEog }, payload);
+
+  test('the untouched state is accepted (the fake prefill is faithful)', async () => {
+    nextBlob = envelope(good);
+    const r = await generate();
+    assert.equal(r.status, 200, r.body);
+    assert.match(r.body, /\[DONE\]/);
+  });
+
+  const bad: [string, () => Buffer, RegExp][] = [
+    ['truncated payload inside the KV data (re-enveloped, so only the ggsq walk can catch it)', () => envelope(good, good.payload.subarray(0, good.payload.length - 100)), /bad_state/],
+    ['truncated blob on the wire', () => envelope(good).subarray(0, envelope(good).length - 1000), /bad_state/],
+    ['one flipped byte in the KV data', () => {
+      const b = Buffer.from(envelope(good));
+      b[b.length - 500] ^= 0x40;
+      return b;
+    }, /checksum|bad_state/],
+    ['a flipped cell count in the ggsq header (re-enveloped)', () => {
+      const p = Buffer.from(good.payload);
+      const st = parseStateFile(p, { contextSize: CTX, maxBytes: 1 << 30 });
+      p.writeUInt32LE(st.streams[0]!.cellCount + 7, st.streams[0]!.start);
+      return envelope(good, p);
+    }, /bad_state/],
+  ];
+  for (const [name, make, re] of bad) {
+    test(`${name}: that request fails with a clear error, decode lives on`, async () => {
+      nextBlob = make();
+      const r = await generate();
+      assert.ok(r.status >= 400, `status ${r.status}`);
+      const j = JSON.parse(r.body) as { error: { message: string } };
+      assert.match(j.error.message, re);
+      assert.ok(await waitFor(async () => fails.has(r.room), 1000), 'prefill side told at once');
+    });
+  }
+
+  test('a state from another model (same shapes, other weights) is refused by fingerprint', async () => {
+    const other = await ensureModel('tiny', 2);
+    const s = await stateOf(other, 'Once upon a time');
+    nextBlob = envelope(s);
+    const r = await generate();
+    assert.ok(r.status >= 400);
+    assert.match(JSON.parse(r.body).error.message, /different model/);
+  });
+
+  test('after all that, decode is idle, alive, and serves a normal request through the router', async () => {
+    const d = c.byRole('decode')[0]!;
+    assert.ok(await waitFor(async () => (await busy(d.url)) === 0, 1000), JSON.stringify(await getJson(`${d.url}/health`)));
+    const r = await client(c.router.url).completions.create({ model: 'x', prompt: 'hello there', max_tokens: 8, temperature: 0 });
+    assert.ok(r.usage!.completion_tokens >= 1);
+    for (const p of c.procs) assert.equal(p.unexpectedExits.length, 0, `${p.name} did not crash`);
+  });
+});
