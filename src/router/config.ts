@@ -1,0 +1,129 @@
+/**
+ * Router configuration: validated once with zod, defaults applied, then frozen.
+ *
+ * Shape (all times in ms, sizes in bytes):
+ *   { host = '127.0.0.1', port = 8000 (0 = any free port),
+ *     prefill: [{ url, bootstrapHost? (default: the url's hostname), bootstrapPort }] (≥ 1),
+ *     decode: [{ url }] (≥ 1),
+ *     healthIntervalMs = 2000, healthTimeoutMs = 1000 (probes never overlap),
+ *     unhealthyAfter = 2 (consecutive failed probes before a worker is skipped; a refused
+ *       connection counts at once),
+ *     requestTimeoutMs = 600000 (end-to-end deadline of one request),
+ *     abortTimeoutMs = 2000 (deadline of one POST /abort_request),
+ *     writeTimeoutMs = 30000 (max wait for a slow client to drain one SSE write),
+ *     bodyLimit = 4 MiB, maxEventBytes = 1 MiB (largest SSE event accepted from decode),
+ *     log: a pino logger | { level } (default { level: 'info' }) }
+ * Unknown keys are rejected (a typo in a config should not be silently ignored).
+ */
+import { z } from 'zod';
+import type { Logger } from 'pino';
+
+const LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
+
+/** http(s) URL without trailing slash, path or query. */
+const WorkerUrl = z
+  .string()
+  .url()
+  .refine((u) => /^https?:$/.test(new URL(u).protocol), { message: 'must be an http(s) URL' })
+  .transform((u) => new URL(u).origin);
+
+const PortSchema = z.number().int().min(1).max(65535);
+
+const LoggerSchema = z.custom<Logger>(
+  (v) => typeof v === 'object' && v !== null && ['info', 'warn', 'error', 'debug', 'child'].every((k) => typeof (v as Record<string, unknown>)[k] === 'function'),
+  { message: 'expected a pino logger or { level }' },
+);
+
+export const RouterConfigSchema = z
+  .object({
+    host: z.string().min(1).default('127.0.0.1'),
+    port: z.number().int().min(0).max(65535).default(8000),
+    prefill: z
+      .array(
+        z
+          .object({
+            url: WorkerUrl,
+            bootstrapHost: z.string().min(1).max(255).optional(),
+            bootstrapPort: PortSchema,
+          })
+          .strict(),
+      )
+      .min(1, 'at least one prefill worker is required'),
+    decode: z
+      .array(z.object({ url: WorkerUrl }).strict())
+      .min(1, 'at least one decode worker is required'),
+    healthIntervalMs: z.number().int().min(20).default(2000),
+    healthTimeoutMs: z.number().int().min(10).default(1000),
+    unhealthyAfter: z.number().int().min(1).default(2),
+    requestTimeoutMs: z.number().int().min(50).default(600_000),
+    abortTimeoutMs: z.number().int().min(10).default(2000),
+    writeTimeoutMs: z.number().int().min(10).default(30_000),
+    bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
+    maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
+    log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
+  })
+  .strict()
+  .superRefine((c, ctx) => {
+    const seen = new Set<string>();
+    for (const [i, w] of [...c.prefill.map((w) => w.url), ...c.decode.map((w) => w.url)].entries()) {
+      if (seen.has(w)) ctx.addIssue({ code: z.ZodIssueCode.custom, path: [i < c.prefill.length ? 'prefill' : 'decode'], message: `duplicate worker url ${w}` });
+      seen.add(w);
+    }
+  });
+
+export type RouterConfigInput = z.input<typeof RouterConfigSchema>;
+
+export interface PrefillWorkerConfig {
+  readonly url: string;
+  readonly bootstrapHost: string;
+  readonly bootstrapPort: number;
+}
+
+export interface RouterConfig {
+  readonly host: string;
+  readonly port: number;
+  readonly prefill: readonly PrefillWorkerConfig[];
+  readonly decode: readonly { readonly url: string }[];
+  readonly healthIntervalMs: number;
+  readonly healthTimeoutMs: number;
+  readonly unhealthyAfter: number;
+  readonly requestTimeoutMs: number;
+  readonly abortTimeoutMs: number;
+  readonly writeTimeoutMs: number;
+  readonly bodyLimit: number;
+  readonly maxEventBytes: number;
+  /** A ready logger, or the level of one the router creates. */
+  readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
+}
+
+/** Typed config error with a stable code. */
+export class RouterConfigError extends Error {
+  readonly code = 'INVALID_ROUTER_CONFIG';
+  constructor(message: string) {
+    super(message);
+    this.name = 'RouterConfigError';
+  }
+}
+
+/** Strip IPv6 brackets: URL.hostname of http://[::1]:80 is '[::1]'. */
+const bareHost = (h: string) => (h.startsWith('[') && h.endsWith(']') ? h.slice(1, -1) : h);
+
+/**
+ * Validate, default and freeze a router config.
+ * @throws RouterConfigError listing every problem as `path: message`.
+ */
+export function parseRouterConfig(raw: unknown): RouterConfig {
+  const r = RouterConfigSchema.safeParse(raw);
+  if (!r.success) {
+    throw new RouterConfigError(`invalid router config: ${r.error.issues.map((i) => `${i.path.join('.') || '(root)'}: ${i.message}`).join('; ')}`);
+  }
+  const c = r.data;
+  const cfg: RouterConfig = {
+    ...c,
+    prefill: Object.freeze(c.prefill.map((p) => Object.freeze({ url: p.url, bootstrapHost: p.bootstrapHost ?? bareHost(new URL(p.url).hostname), bootstrapPort: p.bootstrapPort }))),
+    decode: Object.freeze(c.decode.map((d) => Object.freeze({ url: d.url }))),
+    // A logger instance is not ours to freeze.
+    log: 'child' in c.log ? c.log : Object.freeze({ ...c.log }),
+  };
+  return Object.freeze(cfg);
+}

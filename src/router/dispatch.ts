@@ -1,0 +1,429 @@
+/**
+ * Dual dispatch of one generation request (SGLang mini-LB style).
+ *
+ * The same `/generate` body (rid, bootstrap_host/port of the chosen prefill, a random 63-bit
+ * bootstrap_room) is POSTed to the prefill and the decode worker at once. Prefill answers JSON
+ * when its room is terminal; decode streams `GenerateEvent`s as SSE. The client gets decode's
+ * stream converted to OpenAI chunks (stream) or the assembled response (non-stream).
+ *
+ * Lifecycle (`PdRequest`): waiting → streaming (stream mode, from decode's first event) →
+ * finished. `finish(outcome)` runs once and:
+ *  - sends the client an OpenAI error (status + body while waiting; an SSE `{error}` event and
+ *    an end without `[DONE]` once streaming) unless the client is gone;
+ *  - on client_abort / timeout: POSTs /abort_request {rid, bootstrap_room} to BOTH workers
+ *    (fire-and-forget, short deadline, failures logged); on error: to every worker that has
+ *    not itself reported a terminal answer; aborts the undici requests;
+ *  - releases both load leases (each lease's release is guarded: exactly once per request);
+ *  - on ok: a leg still open (prefill's answer not yet arrived, decode's body not yet ended)
+ *    gets LINGER_MS to settle, then is aborted; its lease is released when it settles.
+ * A prefill error after decode produced its first event is logged and ignored: the KV handoff
+ * evidently succeeded and decode's output stands.
+ */
+import { randomBytes } from 'node:crypto';
+import { performance } from 'node:perf_hooks';
+import type { FastifyReply } from 'fastify';
+import type { Logger } from 'pino';
+import { request, type Dispatcher } from 'undici';
+import { ApiError, OpenAIResponseBuilder, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
+import { readSse, SseError, SseWriter } from '../api/sse.js';
+import type { GenerateEvent } from '../api/worker-protocol.js';
+import type { RouterConfig } from './config.js';
+import type { Outcome, RouterMetrics } from './metrics.js';
+import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
+
+/** How long an already-answered request waits for a leg to settle on its own before aborting it. */
+export const LINGER_MS = 2000;
+/** Largest worker error body read, bytes. */
+const MAX_ERROR_BODY = 64 * 1024;
+const JSON_HEADERS = { 'content-type': 'application/json' } as const;
+
+/** Random 63-bit bootstrap room id as a decimal string (crypto RNG). */
+export function randomRoom(): string {
+  return (randomBytes(8).readBigUInt64BE(0) & 0x7fff_ffff_ffff_ffffn).toString();
+}
+
+/** Request id: `cmpl-<24 hex>` or `chatcmpl-<24 hex>`. */
+export function newRid(kind: 'completion' | 'chat'): string {
+  return `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
+}
+
+/** Everything a request needs from its router. */
+export interface DispatchContext {
+  config: RouterConfig;
+  registry: WorkerRegistry;
+  metrics: RouterMetrics;
+  /** Pool for /generate (long-lived streams). */
+  dataAgent: Dispatcher;
+  /** Pool for /abort_request (never queued behind streams). */
+  controlAgent: Dispatcher;
+  /** Register a fire-and-forget promise so `close()` can wait for it. */
+  track(p: Promise<unknown>): void;
+}
+
+type LegName = 'prefill' | 'decode';
+
+interface Leg {
+  name: LegName;
+  worker: WorkerState;
+  lease: Lease;
+  ac: AbortController;
+  /** The worker gave a terminal answer (200, error status, error event, [DONE]): no abort_request needed on error. */
+  reported: boolean;
+  /** The HTTP exchange is over. */
+  settled: boolean;
+  abortSent: boolean;
+  linger: NodeJS.Timeout | null;
+}
+
+/** Parse a worker's error body (OpenAI shape or anything) into an ApiError for the client. */
+export function workerError(role: LegName, status: number, text: string): ApiError {
+  let message = text.trim().slice(0, 500) || `HTTP ${status}`;
+  let code = `${role}_error`;
+  let type: string | undefined;
+  let param: string | null = null;
+  try {
+    const j = JSON.parse(text) as { error?: { message?: unknown; code?: unknown; type?: unknown; param?: unknown } };
+    if (j?.error && typeof j.error === 'object') {
+      if (typeof j.error.message === 'string') message = j.error.message;
+      if (typeof j.error.code === 'string') code = j.error.code;
+      if (typeof j.error.type === 'string') type = j.error.type;
+      if (typeof j.error.param === 'string') param = j.error.param;
+    }
+  } catch {
+    // not JSON: keep the text
+  }
+  const valid = status >= 400 && status <= 599;
+  const out = valid ? status : 502;
+  // 4xx: the client's fault (e.g. prompt too long): pass the message through untouched.
+  if (out < 500) return new ApiError(out, code, message, (type ?? 'invalid_request_error') as ApiError['type'], param);
+  return new ApiError(out, code, `${role} worker error: ${message}`, (type ?? 'server_error') as ApiError['type'], param);
+}
+
+/**
+ * One generation request from dispatch to its last byte. Construct, then `await run()`;
+ * `run()` never rejects.
+ */
+export class PdRequest {
+  readonly room = randomRoom();
+  outcome: Outcome | null = null;
+  private phase: 'waiting' | 'streaming' | 'finished' = 'waiting';
+  private readonly log: Logger;
+  private readonly builder: OpenAIResponseBuilder;
+  private readonly legs: Record<LegName, Leg>;
+  private readonly body: string;
+  private writer: SseWriter | null = null;
+  private deadline: NodeJS.Timeout | null = null;
+  private readonly t0 = performance.now();
+  private firstTokenAt = 0;
+  private lastTokenAt = 0;
+  private status = 200;
+  private resolveDone!: () => void;
+  private readonly done = new Promise<void>((r) => (this.resolveDone = r));
+  private readonly onClientClose = () => {
+    if (this.phase !== 'finished') this.finish('client_abort', new ApiError(499, 'client_closed_request', 'client disconnected'));
+  };
+
+  constructor(
+    private readonly ctx: DispatchContext,
+    readonly rid: string,
+    private readonly parsed: ParsedRequest,
+    private readonly reply: FastifyReply,
+    prefill: WorkerState,
+    decode: WorkerState,
+    log: Logger,
+    model: string,
+  ) {
+    const leg = (name: LegName, worker: WorkerState): Leg => ({
+      name,
+      worker,
+      lease: ctx.registry.acquire(worker),
+      ac: new AbortController(),
+      reported: false,
+      settled: false,
+      abortSent: false,
+      linger: null,
+    });
+    this.legs = { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
+    this.log = log.child({ room: this.room });
+    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage);
+    this.body = JSON.stringify(
+      toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room }),
+    );
+  }
+
+  /** Dispatch to both workers and serve the client; resolves when the request is finished. */
+  async run(): Promise<void> {
+    const { metrics, config } = this.ctx;
+    metrics.inflight.inc();
+    this.log.debug({ prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url, stream: this.parsed.stream }, 'dispatching');
+    this.reply.raw.on('close', this.onClientClose);
+    this.deadline = setTimeout(
+      () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
+      config.requestTimeoutMs,
+    );
+    void this.runPrefill();
+    void this.runDecode();
+    await this.done;
+  }
+
+  /** Router shutdown: fail the request with 503 and abort both legs. */
+  cancel(reason = 'router is shutting down'): void {
+    this.finish('error', new ApiError(503, 'shutting_down', reason, 'server_error'));
+  }
+
+  private get over(): boolean {
+    return this.phase === 'finished';
+  }
+
+  private async runPrefill(): Promise<void> {
+    const leg = this.legs.prefill;
+    try {
+      const res = await request(`${leg.worker.url}/generate`, { method: 'POST', headers: JSON_HEADERS, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
+      const text = await readText(res.body, MAX_ERROR_BODY);
+      leg.reported = true;
+      if (res.statusCode === 200) {
+        this.log.debug({ prefill: safeJson(text) }, 'prefill answered');
+        return;
+      }
+      this.legFailed(leg, workerError('prefill', res.statusCode, text));
+    } catch (err) {
+      if (this.over || leg.ac.signal.aborted) return;
+      this.legFailed(leg, this.transportError(leg, err));
+    } finally {
+      this.settle(leg);
+    }
+  }
+
+  private async runDecode(): Promise<void> {
+    const leg = this.legs.decode;
+    try {
+      const res = await request(`${leg.worker.url}/generate`, {
+        method: 'POST',
+        headers: { ...JSON_HEADERS, accept: 'text/event-stream' },
+        body: this.body,
+        signal: leg.ac.signal,
+        dispatcher: this.ctx.dataAgent,
+      });
+      if (res.statusCode !== 200) {
+        const text = await readText(res.body, MAX_ERROR_BODY);
+        leg.reported = true;
+        this.legFailed(leg, workerError('decode', res.statusCode, text));
+        return;
+      }
+      for await (const data of readSse(res.body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
+        if (this.over && this.outcome !== 'ok') break;
+        if (data === SSE_DONE) {
+          leg.reported = true;
+          continue;
+        }
+        if (this.over) continue; // ok: drain to the end of the body
+        let ev: unknown;
+        try {
+          ev = JSON.parse(data);
+        } catch {
+          throw new ApiError(502, 'bad_worker_event', 'decode worker sent an event that is not JSON', 'server_error');
+        }
+        const errEv = (ev as { error?: unknown } | null)?.error;
+        if (errEv && typeof errEv === 'object') {
+          leg.reported = true;
+          const e = errEv as { message?: unknown; code?: unknown; type?: unknown };
+          const msg = typeof e.message === 'string' ? e.message : 'decode failed';
+          const code = typeof e.code === 'string' ? e.code : 'decode_error';
+          this.legFailed(leg, new ApiError(500, code, `decode worker error: ${msg}`, (typeof e.type === 'string' ? e.type : 'server_error') as ApiError['type']));
+          return;
+        }
+        await this.onEvent(ev as GenerateEvent);
+      }
+      if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
+    } catch (err) {
+      if (this.over) return;
+      if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT')) {
+        // Our write to the client failed: the client is gone or not reading.
+        this.finish('client_abort', new ApiError(499, 'client_closed_request', `client stream failed: ${err.message}`));
+        return;
+      }
+      if (err instanceof SseError) {
+        this.legFailed(leg, new ApiError(502, 'bad_worker_event', `decode worker stream: ${err.message}`, 'server_error'));
+        return;
+      }
+      if (err instanceof ApiError) {
+        if (err.code === 'generation_aborted') leg.reported = true;
+        this.legFailed(leg, err);
+        return;
+      }
+      if (leg.ac.signal.aborted) return;
+      this.legFailed(leg, this.transportError(leg, err));
+    } finally {
+      this.settle(leg);
+    }
+  }
+
+  /** A decode event: metrics, translation, write to the client; completes on the finish event. */
+  private async onEvent(ev: GenerateEvent): Promise<void> {
+    const chunks = this.builder.push(ev); // throws ApiError on malformed / aborted events
+    const now = performance.now();
+    const n = Array.isArray(ev.token_ids) ? ev.token_ids.length : 0;
+    if (n > 0) {
+      if (this.firstTokenAt === 0) {
+        this.firstTokenAt = now;
+        this.ctx.metrics.ttft.observe((now - this.t0) / 1000);
+      } else {
+        const per = (now - this.lastTokenAt) / 1000 / n;
+        for (let i = 0; i < n; i++) this.ctx.metrics.itl.observe(per);
+      }
+      this.lastTokenAt = now;
+    }
+    if (this.parsed.stream) {
+      if (this.phase === 'waiting') this.openStream();
+      for (const c of chunks) {
+        await this.writer!.write(c);
+        if (this.over) return;
+      }
+    }
+    if (this.builder.finished) await this.complete();
+  }
+
+  private openStream(): void {
+    this.reply.hijack();
+    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid } });
+    this.writer.open(200);
+    this.phase = 'streaming';
+  }
+
+  /** The finish event arrived: end the client response. */
+  private async complete(): Promise<void> {
+    if (this.parsed.stream) {
+      for (const c of this.builder.tail()) await this.writer!.write(c);
+      await this.writer!.write(SSE_DONE);
+      if (this.over) return;
+      this.writer!.end();
+    } else {
+      void this.reply.code(200).header('x-request-id', this.rid).send(this.builder.response());
+    }
+    this.finish('ok');
+  }
+
+  /** A leg failed before the request finished (see the module doc for the prefill exception). */
+  private legFailed(leg: Leg, err: ApiError): void {
+    if (this.over) {
+      this.log.warn({ leg: leg.name, worker: leg.worker.url, status: err.status, err: err.message }, 'worker error after the request finished');
+      return;
+    }
+    if (leg.name === 'prefill' && this.builder.events > 0) {
+      this.log.warn({ worker: leg.worker.url, status: err.status, err: err.message }, 'prefill reported an error after decode started generating; keeping decode output');
+      return;
+    }
+    this.finish('error', err);
+  }
+
+  private transportError(leg: Leg, err: unknown): ApiError {
+    if (isUnreachable(err)) {
+      this.ctx.registry.markUnreachable(leg.worker, err);
+      return new ApiError(502, `${leg.name}_unreachable`, `${leg.name} worker ${leg.worker.url} is unreachable: ${describeError(err)}`, 'server_error');
+    }
+    return new ApiError(502, `${leg.name}_failed`, `${leg.name} worker ${leg.worker.url} failed: ${describeError(err)}`, 'server_error');
+  }
+
+  /** The leg's HTTP exchange is over: release its load (guarded) and stop its linger timer. */
+  private settle(leg: Leg): void {
+    leg.settled = true;
+    if (leg.linger) clearTimeout(leg.linger);
+    leg.linger = null;
+    leg.lease.release();
+  }
+
+  /** Fire-and-forget POST /abort_request to the leg's worker (once per leg). */
+  private sendAbort(leg: Leg): void {
+    if (leg.abortSent) return;
+    leg.abortSent = true;
+    const { controlAgent, config } = this.ctx;
+    const p = request(`${leg.worker.url}/abort_request`, {
+      method: 'POST',
+      headers: JSON_HEADERS,
+      body: JSON.stringify({ rid: this.rid, bootstrap_room: this.room }),
+      dispatcher: controlAgent,
+      signal: AbortSignal.timeout(config.abortTimeoutMs),
+    })
+      .then(async (res) => {
+        await res.body.dump();
+        if (res.statusCode >= 300) this.log.warn({ worker: leg.worker.url, status: res.statusCode }, 'abort_request refused');
+      })
+      .catch((err: unknown) => this.log.warn({ worker: leg.worker.url, err: describeError(err) }, 'abort_request failed'));
+    this.ctx.track(p);
+  }
+
+  /** Send the client an error in the form its phase allows. */
+  private sendError(err: ApiError, wasStreaming: boolean): void {
+    this.status = err.status;
+    if (!wasStreaming) {
+      if (!this.reply.sent && !this.reply.raw.headersSent && !this.reply.raw.destroyed) void sendApiError(this.reply, err);
+      return;
+    }
+    const w = this.writer;
+    if (w && !w.closed) {
+      w.write({ error: err.toBody().error }).catch(() => {});
+      w.end();
+    }
+  }
+
+  /** The single exit: see the module doc. Idempotent. */
+  private finish(outcome: Outcome, err?: ApiError): void {
+    if (this.phase === 'finished') return;
+    const wasStreaming = this.phase === 'streaming';
+    this.phase = 'finished';
+    this.outcome = outcome;
+    if (this.deadline) clearTimeout(this.deadline);
+    this.reply.raw.off('close', this.onClientClose);
+    if (err && outcome !== 'client_abort') this.sendError(err, wasStreaming);
+    else if (outcome === 'client_abort') this.status = 499;
+
+    for (const leg of [this.legs.prefill, this.legs.decode]) {
+      if (outcome === 'ok') {
+        if (!leg.settled) {
+          leg.linger = setTimeout(() => {
+            if (leg.settled) return;
+            this.log.warn({ leg: leg.name, worker: leg.worker.url }, 'leg did not settle after the response; aborting it');
+            if (leg.name === 'prefill') this.sendAbort(leg);
+            leg.ac.abort();
+            leg.lease.release();
+          }, LINGER_MS);
+          leg.linger.unref();
+        }
+        continue;
+      }
+      if (outcome === 'client_abort' || outcome === 'timeout' || !leg.reported) this.sendAbort(leg);
+      leg.ac.abort();
+      leg.lease.release();
+    }
+
+    const { metrics } = this.ctx;
+    const e2eMs = performance.now() - this.t0;
+    metrics.requests.labels(outcome).inc();
+    metrics.inflight.dec();
+    if (outcome === 'ok') metrics.e2e.observe(e2eMs / 1000);
+    const line = {
+      outcome,
+      status: this.status,
+      prefill: this.legs.prefill.worker.url,
+      decode: this.legs.decode.worker.url,
+      stream: this.parsed.stream,
+      prompt_tokens: this.builder.promptTokens,
+      completion_tokens: this.builder.completionTokens,
+      finish_reason: this.builder.finishReason,
+      ttft_ms: this.firstTokenAt ? Math.round(this.firstTokenAt - this.t0) : null,
+      e2e_ms: Math.round(e2eMs),
+      ...(err && outcome !== 'ok' ? { err: err.message, code: err.code } : {}),
+    };
+    if (outcome === 'ok' || outcome === 'client_abort') this.log.info(line, 'request finished');
+    else this.log.warn(line, 'request failed');
+    this.resolveDone();
+  }
+}
+
+function safeJson(text: string): unknown {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return text.slice(0, 200);
+  }
+}

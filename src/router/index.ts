@@ -1,0 +1,212 @@
+/**
+ * The pdserve router: the OpenAI-compatible front door of a PD deployment.
+ *
+ *   createRouter(config) → { app, close(), registry, metrics, config }  (not listening)
+ *   startRouter(config)  → the same plus { url, port }                    (listening)
+ *
+ * Config: see `./config.ts` (validated with zod, frozen). Endpoints:
+ *   POST /v1/completions, POST /v1/chat/completions — dual dispatch, see `./dispatch.ts`
+ *   GET /v1/models  — {object:'list', data:[{id, object:'model', owned_by:'pdserve', created}]}
+ *                      with the `model` names reported by the workers' /health
+ *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
+ *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total}
+ *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
+ * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
+ * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid.
+ */
+import { randomBytes } from 'node:crypto';
+import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
+import pino, { type Logger } from 'pino';
+import { Agent } from 'undici';
+import { ApiError, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
+import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
+import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
+import { RouterMetrics } from './metrics.js';
+import { WorkerRegistry } from './registry.js';
+
+export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
+export { LINGER_MS, newRid, randomRoom, workerError } from './dispatch.js';
+export { OUTCOMES, RouterMetrics, type Outcome } from './metrics.js';
+export { WorkerRegistry, type Lease, type WorkerRole, type WorkerSnapshot, type WorkerState } from './registry.js';
+
+export interface Router {
+  app: FastifyInstance;
+  config: RouterConfig;
+  registry: WorkerRegistry;
+  metrics: RouterMetrics;
+  /** Requests being served right now. */
+  readonly inflight: number;
+  /**
+   * Stop polling, fail in-flight requests with 503 (aborting them on the workers), wait briefly
+   * for the abort_request calls, close the HTTP server and the connection pools. Idempotent.
+   */
+  close(): Promise<void>;
+}
+
+export interface RunningRouter extends Router {
+  /** http://host:port of the listening router. */
+  url: string;
+  port: number;
+}
+
+/** Request id by route: generation routes get the OpenAI-style id that becomes the rid. */
+function genReqId(req: { url?: string }): string {
+  const url = req.url ?? '';
+  if (url.startsWith('/v1/chat/completions')) return newRid('chat');
+  if (url.startsWith('/v1/completions')) return newRid('completion');
+  return `req-${randomBytes(8).toString('hex')}`;
+}
+
+function makeLogger(config: RouterConfig): Logger {
+  if ('child' in config.log) return config.log as Logger;
+  return pino({ name: 'router', level: config.log.level, base: { role: 'router', pid: process.pid } }, pino.destination(2));
+}
+
+/**
+ * Build the router (validates `raw` first), probe every worker once, start health polling.
+ * @throws RouterConfigError on an invalid config.
+ */
+export async function createRouter(raw: RouterConfigInput | RouterConfig): Promise<Router> {
+  const config = parseRouterConfig(raw);
+  const log = makeLogger(config);
+  const dataAgent = new Agent({
+    connections: 256,
+    pipelining: 1,
+    keepAliveTimeout: 30_000,
+    connect: { timeout: 5_000 },
+    // Safety nets only: the request deadline (requestTimeoutMs) fires first.
+    headersTimeout: config.requestTimeoutMs + 5_000,
+    bodyTimeout: config.requestTimeoutMs + 5_000,
+  });
+  const controlAgent = new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000 }, headersTimeout: 10_000, bodyTimeout: 10_000 });
+  const registry = new WorkerRegistry(config, { dispatcher: controlAgent, log, intervalMs: config.healthIntervalMs, timeoutMs: config.healthTimeoutMs, unhealthyAfter: config.unhealthyAfter });
+  const metrics = new RouterMetrics(registry);
+  const pending = new Set<Promise<unknown>>();
+  const active = new Set<PdRequest>();
+  const ctx: DispatchContext = {
+    config,
+    registry,
+    metrics,
+    dataAgent,
+    controlAgent,
+    track(p) {
+      pending.add(p);
+      void p.finally(() => pending.delete(p));
+    },
+  };
+  const createdAt = Math.floor(Date.now() / 1000);
+  let closing = false;
+
+  const app = Fastify({
+    loggerInstance: log,
+    bodyLimit: config.bodyLimit,
+    genReqId,
+    requestIdHeader: false,
+    // Probes (GET) are not worth two log lines each; generation requests are.
+    logController: new LogController({ requestIdLogLabel: 'rid', disableRequestLogging: (req) => req.method === 'GET' }),
+  }) as unknown as FastifyInstance;
+  registerOpenAIErrorHandling(app);
+  // Every response names its rid (errors included); hijacked streams set it themselves.
+  app.addHook('onRequest', async (request, reply) => {
+    reply.header('x-request-id', String(request.id));
+  });
+
+  const generation = (kind: 'completion' | 'chat') =>
+    async function handler(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
+      let parsed: ParsedRequest;
+      try {
+        parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);
+        if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+      } catch (err) {
+        metrics.requests.labels('error').inc();
+        throw err;
+      }
+      const prefill = registry.pick('prefill');
+      const decode = registry.pick('decode');
+      if (!prefill || !decode) {
+        metrics.requests.labels('error').inc();
+        const role = prefill ? 'decode' : 'prefill';
+        throw new ApiError(503, `no_healthy_${role}`, `no healthy ${role} worker`, 'server_error');
+      }
+      const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
+      const run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model);
+      active.add(run);
+      try {
+        await run.run();
+      } finally {
+        active.delete(run);
+      }
+      if (!reply.sent) {
+        // Client gone before any response: nothing to send.
+        reply.hijack();
+        if (!reply.raw.destroyed) reply.raw.destroy();
+      }
+      return reply;
+    };
+
+  app.post('/v1/completions', generation('completion'));
+  app.post('/v1/chat/completions', generation('chat'));
+
+  app.get('/v1/models', async () => ({
+    object: 'list',
+    data: registry.models().map((id) => ({ id, object: 'model', owned_by: 'pdserve', created: createdAt })),
+  }));
+
+  app.get('/health', async (_req, reply) => {
+    const role = (r: 'prefill' | 'decode') => ({ healthy: registry.healthyCount(r), total: registry.workers.filter((w) => w.role === r).length });
+    const prefill = role('prefill');
+    const decode = role('decode');
+    const ok = prefill.healthy > 0 && decode.healthy > 0 && !closing;
+    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : 'unavailable', role: 'router', models: registry.models(), prefill, decode, inflight: active.size });
+  });
+
+  app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal }));
+
+  app.get('/metrics', async (_req, reply) => {
+    const text = await metrics.registry.metrics();
+    return reply.header('content-type', metrics.registry.contentType).send(text);
+  });
+
+  await registry.start();
+  await app.ready();
+
+  let closed: Promise<void> | null = null;
+  const close = (): Promise<void> =>
+    (closed ??= (async () => {
+      closing = true;
+      registry.stop();
+      for (const r of [...active]) r.cancel();
+      const settle = Promise.allSettled([...pending]);
+      await Promise.race([settle, new Promise((r) => setTimeout(r, config.abortTimeoutMs + 100).unref())]);
+      await app.close();
+      await Promise.allSettled([dataAgent.destroy(), controlAgent.destroy()]);
+    })());
+
+  return {
+    app,
+    config,
+    registry,
+    metrics,
+    get inflight() {
+      return active.size;
+    },
+    close,
+  };
+}
+
+/** createRouter + listen on config.host:config.port. */
+export async function startRouter(raw: RouterConfigInput | RouterConfig): Promise<RunningRouter> {
+  const r = await createRouter(raw);
+  try {
+    await r.app.listen({ host: r.config.host, port: r.config.port });
+  } catch (err) {
+    await r.close();
+    throw err;
+  }
+  const addr = r.app.server.address();
+  const port = typeof addr === 'object' && addr ? addr.port : r.config.port;
+  const h = r.config.host === '0.0.0.0' ? '127.0.0.1' : r.config.host === '::' ? '[::1]' : r.config.host.includes(':') ? `[${r.config.host}]` : r.config.host;
+  const url = `http://${h}:${port}`;
+  r.app.log.info({ url, prefill: r.config.prefill.map((p) => p.url), decode: r.config.decode.map((d) => d.url) }, 'router listening');
+  return Object.assign(r, { url, port });
+}

@@ -1,0 +1,61 @@
+/**
+ * Router metrics, in a prom-client Registry of its own (never the global one, so several
+ * routers can live in one process, e.g. in tests).
+ *
+ * - pdserve_time_to_first_token_seconds: request received → first decode event (histogram).
+ * - pdserve_inter_token_latency_seconds: gap between decode events, per token (histogram).
+ * - pdserve_e2e_request_latency_seconds: request received → response finished, ok requests only.
+ * - pdserve_router_requests_total{outcome}: finished generation requests by outcome
+ *   (ok | client_abort | error | timeout); requests rejected before dispatch (400, 503) count as error.
+ * - pdserve_router_inflight_requests: generation requests being served right now.
+ * - pdserve_router_worker_load{worker}: the router's in-flight count per worker URL.
+ */
+import { Counter, Gauge, Histogram, Registry } from 'prom-client';
+import type { WorkerRegistry } from './registry.js';
+
+export type Outcome = 'ok' | 'client_abort' | 'error' | 'timeout';
+export const OUTCOMES: readonly Outcome[] = ['ok', 'client_abort', 'error', 'timeout'];
+
+export class RouterMetrics {
+  readonly registry = new Registry();
+  readonly ttft: Histogram;
+  readonly itl: Histogram;
+  readonly e2e: Histogram;
+  readonly requests: Counter<'outcome'>;
+  readonly inflight: Gauge;
+  readonly workerLoad: Gauge<'worker'>;
+
+  constructor(workers: WorkerRegistry) {
+    const registers = [this.registry];
+    this.ttft = new Histogram({
+      name: 'pdserve_time_to_first_token_seconds',
+      help: 'Time from request arrival at the router to the first generated token, seconds.',
+      buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 320],
+      registers,
+    });
+    this.itl = new Histogram({
+      name: 'pdserve_inter_token_latency_seconds',
+      help: 'Time between consecutive generated tokens as seen by the router, seconds.',
+      buckets: [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10],
+      registers,
+    });
+    this.e2e = new Histogram({
+      name: 'pdserve_e2e_request_latency_seconds',
+      help: 'End-to-end latency of successful requests at the router, seconds.',
+      buckets: [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1200],
+      registers,
+    });
+    this.requests = new Counter({ name: 'pdserve_router_requests_total', help: 'Finished generation requests by outcome.', labelNames: ['outcome'], registers });
+    for (const o of OUTCOMES) this.requests.labels(o).inc(0);
+    this.inflight = new Gauge({ name: 'pdserve_router_inflight_requests', help: 'Generation requests in flight at the router.', registers });
+    this.workerLoad = new Gauge({
+      name: 'pdserve_router_worker_load',
+      help: "The router's in-flight request count per worker.",
+      labelNames: ['worker'],
+      registers,
+      collect() {
+        for (const w of workers.workers) this.labels(w.url).set(w.load);
+      },
+    });
+  }
+}

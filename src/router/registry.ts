@@ -1,0 +1,287 @@
+/**
+ * Worker registry: health polling, load accounting and pair selection.
+ *
+ * - Health: every `intervalMs` each worker's `GET /health` is polled with a `timeoutMs`
+ *   deadline (one probe per worker in flight at most). Healthy = HTTP 200, JSON body with
+ *   `status: 'ok'` and, when present, `role` equal to the configured role. `model` (string) is
+ *   remembered for /v1/models. A worker is skipped after `unhealthyAfter` consecutive failed
+ *   probes (timeouts, bad answers), or at once when the connection is refused (by a probe or
+ *   while dispatching: `markUnreachable`); the next successful probe restores it.
+ * - Load: the router's own count of in-flight requests per worker. `acquire()` returns a
+ *   `Lease` whose `release()` decrements exactly once (later calls are no-ops returning false).
+ * - Selection: least-loaded healthy worker of a role; ties broken round-robin.
+ */
+import { request, type Dispatcher } from 'undici';
+import type { Logger } from 'pino';
+import type { RouterConfig } from './config.js';
+
+export type WorkerRole = 'prefill' | 'decode';
+
+/** One worker as the router sees it. Mutated only by the registry. */
+export interface WorkerState {
+  readonly role: WorkerRole;
+  /** Origin, e.g. http://127.0.0.1:30000 — also the worker's id. */
+  readonly url: string;
+  /** Prefill only: the KV bootstrap address handed to decode. */
+  readonly bootstrapHost: string | null;
+  readonly bootstrapPort: number | null;
+  healthy: boolean;
+  model: string | null;
+  /** In-flight requests routed to this worker by this router. */
+  load: number;
+  lastError: string | null;
+  /** ms since epoch of the last completed probe, 0 = never. */
+  lastCheckAt: number;
+  consecutiveFailures: number;
+}
+
+/** JSON row of GET /workers. */
+export interface WorkerSnapshot {
+  role: WorkerRole;
+  url: string;
+  bootstrap_host: string | null;
+  bootstrap_port: number | null;
+  healthy: boolean;
+  model: string | null;
+  load: number;
+  last_error: string | null;
+  last_check_at: string | null;
+  consecutive_failures: number;
+}
+
+/** A held unit of load on one worker. `release()` is idempotent; true only on the first call. */
+export interface Lease {
+  readonly worker: WorkerState;
+  readonly released: boolean;
+  release(): boolean;
+}
+
+export interface RegistryOptions {
+  /** Dispatcher for /health probes (a small control-plane undici Agent). */
+  dispatcher: Dispatcher;
+  log: Logger;
+  intervalMs: number;
+  timeoutMs: number;
+  /** Consecutive failed probes before a healthy worker is skipped (default 2). */
+  unhealthyAfter?: number;
+}
+
+const MAX_HEALTH_BODY = 64 * 1024;
+
+export class WorkerRegistry {
+  readonly workers: readonly WorkerState[];
+  /** Totals over the registry's life; acquired − released = Σ load. For tests and /workers. */
+  acquiredTotal = 0;
+  releasedTotal = 0;
+  private readonly rr: Record<WorkerRole, number> = { prefill: 0, decode: 0 };
+  private readonly probing = new Set<WorkerState>();
+  private readonly warnedBootstrap = new Set<WorkerState>();
+  private timer: NodeJS.Timeout | null = null;
+  private stopped = false;
+  private readonly probeAc = new AbortController();
+
+  constructor(
+    config: Pick<RouterConfig, 'prefill' | 'decode'>,
+    private readonly opts: RegistryOptions,
+  ) {
+    const base = { healthy: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0 };
+    this.workers = [
+      ...config.prefill.map((p): WorkerState => ({ role: 'prefill', url: p.url, bootstrapHost: p.bootstrapHost, bootstrapPort: p.bootstrapPort, ...base })),
+      ...config.decode.map((d): WorkerState => ({ role: 'decode', url: d.url, bootstrapHost: null, bootstrapPort: null, ...base })),
+    ];
+  }
+
+  /** Probe every worker once (awaited), then keep polling every intervalMs until `stop()`. */
+  async start(): Promise<void> {
+    await this.checkAll();
+    this.schedule();
+  }
+
+  stop(): void {
+    this.stopped = true;
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = null;
+    this.probeAc.abort();
+  }
+
+  private schedule(): void {
+    if (this.stopped) return;
+    this.timer = setTimeout(() => {
+      void this.checkAll().finally(() => this.schedule());
+    }, this.opts.intervalMs);
+    this.timer.unref();
+  }
+
+  /** Probe all workers concurrently; resolves when every probe settled. Never rejects. */
+  async checkAll(): Promise<void> {
+    await Promise.all(this.workers.map((w) => this.check(w)));
+  }
+
+  /** Probe one worker (skipped when a probe of it is already in flight). Never rejects. */
+  async check(w: WorkerState): Promise<void> {
+    if (this.probing.has(w) || this.stopped) return;
+    this.probing.add(w);
+    try {
+      const signal = AbortSignal.any([AbortSignal.timeout(this.opts.timeoutMs), this.probeAc.signal]);
+      const res = await request(`${w.url}/health`, { method: 'GET', dispatcher: this.opts.dispatcher, signal, headersTimeout: this.opts.timeoutMs, bodyTimeout: this.opts.timeoutMs });
+      const text = await readText(res.body, MAX_HEALTH_BODY);
+      if (res.statusCode !== 200) return this.probeFailed(w, `GET /health: HTTP ${res.statusCode}`);
+      let j: Record<string, unknown>;
+      try {
+        j = JSON.parse(text) as Record<string, unknown>;
+      } catch {
+        return this.probeFailed(w, 'GET /health: body is not JSON');
+      }
+      if (j?.status !== 'ok') return this.probeFailed(w, `GET /health: status ${JSON.stringify(j?.status)}`);
+      if (j.role !== undefined && j.role !== w.role) return this.probeFailed(w, `GET /health: role is ${JSON.stringify(j.role)}, expected '${w.role}'`);
+      if (w.role === 'prefill' && typeof j.bootstrap_port === 'number' && j.bootstrap_port !== w.bootstrapPort && !this.warnedBootstrap.has(w)) {
+        this.warnedBootstrap.add(w);
+        this.opts.log.warn({ worker: w.url, configured: w.bootstrapPort, reported: j.bootstrap_port }, 'prefill reports a different bootstrap_port than configured; decode will dial the configured one');
+      }
+      this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
+    } catch (err) {
+      if (this.stopped) return;
+      if (isUnreachable(err)) this.markUnreachable(w, err);
+      else this.probeFailed(w, `GET /health: ${describeError(err)}`);
+    } finally {
+      this.probing.delete(w);
+    }
+  }
+
+  /** Record a successful probe. */
+  setHealthy(w: WorkerState, model: string | null): void {
+    if (!w.healthy) this.opts.log.info({ worker: w.url, role: w.role, model }, 'worker healthy');
+    w.healthy = true;
+    w.model = model ?? w.model;
+    w.lastError = null;
+    w.lastCheckAt = Date.now();
+    w.consecutiveFailures = 0;
+  }
+
+  /** A failed probe: the worker is skipped once `unhealthyAfter` probes failed in a row. */
+  probeFailed(w: WorkerState, reason: string): void {
+    if (w.healthy && w.consecutiveFailures + 1 < (this.opts.unhealthyAfter ?? 2)) {
+      w.consecutiveFailures++;
+      w.lastError = reason;
+      w.lastCheckAt = Date.now();
+      this.opts.log.debug({ worker: w.url, role: w.role, reason, failures: w.consecutiveFailures }, 'health probe failed');
+      return;
+    }
+    this.setUnhealthy(w, reason);
+  }
+
+  /** Mark `w` unhealthy now. */
+  setUnhealthy(w: WorkerState, reason: string): void {
+    if (w.healthy || w.lastCheckAt === 0) this.opts.log.warn({ worker: w.url, role: w.role, reason }, 'worker unhealthy');
+    w.healthy = false;
+    w.lastError = reason;
+    w.lastCheckAt = Date.now();
+    w.consecutiveFailures++;
+  }
+
+  /** A request could not reach `w` (connection refused, DNS, connect timeout): skip it until the next good probe. */
+  markUnreachable(w: WorkerState, err: unknown): void {
+    this.setUnhealthy(w, `unreachable: ${describeError(err)}`);
+  }
+
+  /** Least-loaded healthy worker of `role` (ties round-robin), or null when none is healthy. */
+  pick(role: WorkerRole): WorkerState | null {
+    let min = Infinity;
+    let tied: WorkerState[] = [];
+    for (const w of this.workers) {
+      if (w.role !== role || !w.healthy) continue;
+      if (w.load < min) {
+        min = w.load;
+        tied = [w];
+      } else if (w.load === min) {
+        tied.push(w);
+      }
+    }
+    if (tied.length === 0) return null;
+    const w = tied[this.rr[role] % tied.length]!;
+    this.rr[role] = (this.rr[role] + 1) % 1_000_000_007;
+    return w;
+  }
+
+  /** Take one unit of load on `w`; the returned lease gives it back exactly once. */
+  acquire(w: WorkerState): Lease {
+    w.load++;
+    this.acquiredTotal++;
+    let released = false;
+    const release = (): boolean => {
+      if (released) return false;
+      released = true;
+      w.load--;
+      this.releasedTotal++;
+      if (w.load < 0) {
+        // Unreachable by construction; kept loud in case a future change breaks the invariant.
+        this.opts.log.error({ worker: w.url, load: w.load }, 'worker load went negative');
+        w.load = 0;
+      }
+      return true;
+    };
+    return {
+      worker: w,
+      get released() {
+        return released;
+      },
+      release,
+    };
+  }
+
+  /** Distinct model names reported by workers (healthy ones first). */
+  models(): string[] {
+    const sorted = [...this.workers].sort((a, b) => Number(b.healthy) - Number(a.healthy));
+    return [...new Set(sorted.map((w) => w.model).filter((m): m is string => m !== null))];
+  }
+
+  healthyCount(role: WorkerRole): number {
+    return this.workers.filter((w) => w.role === role && w.healthy).length;
+  }
+
+  snapshot(): WorkerSnapshot[] {
+    return this.workers.map((w) => ({
+      role: w.role,
+      url: w.url,
+      bootstrap_host: w.bootstrapHost,
+      bootstrap_port: w.bootstrapPort,
+      healthy: w.healthy,
+      model: w.model,
+      load: w.load,
+      last_error: w.lastError,
+      last_check_at: w.lastCheckAt ? new Date(w.lastCheckAt).toISOString() : null,
+      consecutive_failures: w.consecutiveFailures,
+    }));
+  }
+}
+
+/** Read at most `max` bytes of a body as UTF-8 (the rest is discarded). */
+export async function readText(body: AsyncIterable<Uint8Array> & { destroy?(): unknown }, max: number): Promise<string> {
+  const parts: Buffer[] = [];
+  let n = 0;
+  for await (const chunk of body) {
+    if (n < max) {
+      const c = Buffer.from(chunk.buffer, chunk.byteOffset, Math.min(chunk.length, max - n));
+      parts.push(Buffer.from(c));
+      n += c.length;
+    }
+  }
+  return Buffer.concat(parts).toString('utf8');
+}
+
+/** Short description of a transport error (undici codes kept). */
+export function describeError(err: unknown): string {
+  const e = err as { code?: unknown; message?: unknown; name?: unknown; cause?: { code?: unknown; message?: unknown } };
+  const code = typeof e?.code === 'string' ? e.code : typeof e?.cause?.code === 'string' ? e.cause.code : undefined;
+  const msg = typeof e?.message === 'string' ? e.message : String(err);
+  if (e?.name === 'TimeoutError') return 'timed out';
+  return code && !msg.includes(code) ? `${code}: ${msg}` : msg;
+}
+
+const UNREACHABLE = new Set(['ECONNREFUSED', 'ENOTFOUND', 'EHOSTUNREACH', 'ENETUNREACH', 'EAI_AGAIN', 'UND_ERR_CONNECT_TIMEOUT']);
+
+/** True when `err` means the worker could not be connected to at all. */
+export function isUnreachable(err: unknown): boolean {
+  const e = err as { code?: unknown; cause?: { code?: unknown } };
+  return UNREACHABLE.has(String(e?.code)) || UNREACHABLE.has(String(e?.cause?.code));
+}

@@ -1,0 +1,802 @@
+/**
+ * Router unit tests against FAKE prefill/decode workers: real fastify servers on port 0 that
+ * speak the worker protocol (POST /generate, POST /abort_request, GET /health) with canned
+ * behaviour. The client is the real `openai` npm package pointed at the router.
+ */
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, afterEach, describe, test } from 'node:test';
+import Fastify, { type FastifyInstance } from 'fastify';
+import OpenAI from 'openai';
+import type { GenerateEvent, GenerateRequest } from '../../src/api/worker-protocol.js';
+import { createRouter, startRouter, WorkerRegistry, parseRouterConfig, RouterConfigError, type RunningRouter } from '../../src/router/index.js';
+import pino from 'pino';
+
+// ------------------------------------------------------------------------------------------
+// Fake workers
+// ------------------------------------------------------------------------------------------
+
+interface PrefillBehaviour {
+  /** Answer after this many ms (abortable). */
+  delayMs?: number;
+  /** Non-200 answer with an OpenAI error body. */
+  status?: number;
+  message?: string;
+  code?: string;
+}
+
+interface DecodeBehaviour {
+  /** Error status before the stream starts (after startDelayMs). */
+  status?: number;
+  message?: string;
+  /** Wait before the first event (the "KV transfer"), abortable. */
+  startDelayMs?: number;
+  tokens?: string[];
+  intervalMs?: number;
+  finish?: 'stop' | 'length' | 'abort';
+  /** Send an `{error}` event after this many tokens. */
+  errorAfter?: number;
+  /** End the stream (no finish, no [DONE]) after this many tokens. */
+  truncateAfter?: number;
+  /** Stop sending after this many tokens but keep the stream open. */
+  hangAfter?: number;
+  promptTokens?: number;
+}
+
+interface AbortRecord {
+  rid: string;
+  bootstrap_room?: string;
+  at: number;
+}
+
+class FakeWorker {
+  readonly app: FastifyInstance;
+  url = '';
+  generates: GenerateRequest[] = [];
+  aborts: AbortRecord[] = [];
+  /** rid → time the worker saw its /generate connection close before it finished. */
+  connectionClosed = new Map<string, number>();
+  active = 0;
+  health: () => { code: number; body: unknown };
+  prefill: (b: GenerateRequest) => PrefillBehaviour = () => ({ delayMs: 5 });
+  decode: (b: GenerateRequest) => DecodeBehaviour = () => ({ tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'length' });
+  private readonly cancels = new Map<string, AbortController>();
+
+  constructor(
+    readonly role: 'prefill' | 'decode',
+    readonly model = 'fake-model',
+  ) {
+    this.health = () => ({ code: 200, body: { status: 'ok', role: this.role, model: this.model, slots_free: 4 } });
+    this.app = Fastify({ logger: false });
+    this.app.get('/health', async (_req, reply) => {
+      const h = this.health();
+      return reply.code(h.code).send(h.body);
+    });
+    this.app.post('/abort_request', async (req) => {
+      const b = req.body as { rid: string; bootstrap_room?: string };
+      this.aborts.push({ ...b, at: Date.now() });
+      this.cancels.get(b.rid)?.abort();
+      return { ok: true };
+    });
+    this.app.post('/generate', async (req, reply) => {
+      const body = req.body as GenerateRequest;
+      this.generates.push(body);
+      const ac = new AbortController();
+      this.cancels.set(body.rid, ac);
+      let finished = false;
+      reply.raw.on('close', () => {
+        if (!finished) {
+          this.connectionClosed.set(body.rid, Date.now());
+          ac.abort();
+        }
+      });
+      this.active++;
+      try {
+        if (this.role === 'prefill') return await this.runPrefill(body, reply, ac.signal);
+        return await this.runDecode(body, reply, ac.signal);
+      } finally {
+        finished = true;
+        this.active--;
+        this.cancels.delete(body.rid);
+      }
+    });
+  }
+
+  private async runPrefill(body: GenerateRequest, reply: import('fastify').FastifyReply, signal: AbortSignal) {
+    const b = this.prefill(body);
+    try {
+      await sleep(b.delayMs ?? 0, undefined, { signal });
+    } catch {
+      return reply.code(500).send({ error: { message: 'aborted', type: 'server_error', param: null, code: 'aborted' } });
+    }
+    if (b.status && b.status !== 200) {
+      return reply.code(b.status).send({ error: { message: b.message ?? 'prefill failed', type: b.status < 500 ? 'invalid_request_error' : 'server_error', param: null, code: b.code ?? 'prefill_failed' } });
+    }
+    return { rid: body.rid, meta_info: { prompt_tokens: 3, kv_bytes: 1000, prefill_ms: 1, transfer_ms: 1 } };
+  }
+
+  private async runDecode(body: GenerateRequest, reply: import('fastify').FastifyReply, signal: AbortSignal) {
+    const b = this.decode(body);
+    try {
+      await sleep(b.startDelayMs ?? 0, undefined, { signal });
+    } catch {
+      return reply.code(500).send({ error: { message: 'aborted', type: 'server_error', param: null, code: 'aborted' } });
+    }
+    if (b.status) return reply.code(b.status).send({ error: { message: b.message ?? 'decode failed', type: 'server_error', param: null, code: 'decode_failed' } });
+    reply.hijack();
+    const res = reply.raw;
+    res.writeHead(200, { 'content-type': 'text/event-stream' });
+    const tokens = b.tokens ?? [];
+    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: b.promptTokens ?? 3, completion_tokens: n, finish_reason: finish });
+    try {
+      for (let i = 0; i < tokens.length; i++) {
+        if (b.errorAfter === i) {
+          res.write(`data: ${JSON.stringify({ error: { message: 'slot exploded', type: 'server_error', code: 'engine_error' } })}\n\n`);
+          return res.end();
+        }
+        if (b.truncateAfter === i) return res.end();
+        if (b.hangAfter === i) {
+          await new Promise((r) => signal.addEventListener('abort', r, { once: true }));
+          return res.end();
+        }
+        if (i > 0) await sleep(b.intervalMs ?? 0, undefined, { signal });
+        const ev: GenerateEvent = { text: tokens[i]!, token_ids: [100 + i], meta_info: meta(i + 1, null) };
+        res.write(`data: ${JSON.stringify(ev)}\n\n`);
+      }
+      res.write(`data: ${JSON.stringify({ text: '', token_ids: [], meta_info: meta(tokens.length, { type: b.finish ?? 'length' }) })}\n\n`);
+      res.write('data: [DONE]\n\n');
+      res.end();
+    } catch {
+      if (!res.destroyed) res.end();
+    }
+  }
+
+  async start(): Promise<this> {
+    await this.app.listen({ host: '127.0.0.1', port: 0 });
+    const a = this.app.server.address();
+    this.url = `http://127.0.0.1:${typeof a === 'object' && a ? a.port : 0}`;
+    return this;
+  }
+
+  abortsFor(rid: string): AbortRecord[] {
+    return this.aborts.filter((a) => a.rid === rid);
+  }
+
+  async close(): Promise<void> {
+    for (const ac of this.cancels.values()) ac.abort();
+    await this.app.close();
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Harness
+// ------------------------------------------------------------------------------------------
+
+interface Stack {
+  router: RunningRouter;
+  prefill: FakeWorker[];
+  decode: FakeWorker[];
+  client: OpenAI;
+}
+
+const open: Stack[] = [];
+
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number } = {}): Promise<Stack> {
+  const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
+  const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
+  const router = await startRouter({
+    host: '127.0.0.1',
+    port: 0,
+    prefill: prefill.map((p, i) => ({ url: p.url, bootstrapPort: 9000 + i })),
+    decode: decode.map((d) => ({ url: d.url })),
+    healthIntervalMs: opts.healthIntervalMs ?? 100,
+    requestTimeoutMs: opts.requestTimeoutMs ?? 10_000,
+    abortTimeoutMs: 500,
+    ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
+    log: { level: 'silent' },
+  });
+  const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 10_000 });
+  const s = { router, prefill, decode, client };
+  open.push(s);
+  return s;
+}
+
+async function waitFor(fn: () => boolean, timeoutMs: number, stepMs = 5): Promise<boolean> {
+  const end = Date.now() + timeoutMs;
+  for (;;) {
+    if (fn()) return true;
+    if (Date.now() > end) return false;
+    await sleep(stepMs);
+  }
+}
+
+/** Every lease released exactly once: acquired == released and each load 0, within `ms`. */
+async function assertReleased(s: Stack, ms = 1000): Promise<void> {
+  const r = s.router.registry;
+  const ok = await waitFor(() => r.acquiredTotal === r.releasedTotal && r.workers.every((w) => w.load === 0), ms);
+  assert.ok(ok, `loads released: acquired ${r.acquiredTotal}, released ${r.releasedTotal}, loads ${r.workers.map((w) => w.load).join(',')}`);
+  assert.equal(r.acquiredTotal, r.releasedTotal);
+  for (const w of r.workers) assert.equal(w.load, 0, `${w.role} ${w.url} load`);
+  assert.equal(s.router.inflight, 0);
+}
+
+async function metric(s: Stack, name: string): Promise<string> {
+  const text = await (await fetch(`${s.router.url}/metrics`)).text();
+  return text
+    .split('\n')
+    .filter((l) => l.startsWith(name))
+    .join('\n');
+}
+
+async function outcomeCount(s: Stack, outcome: string): Promise<number> {
+  const line = (await metric(s, 'pdserve_router_requests_total')).split('\n').find((l) => l.includes(`outcome="${outcome}"`));
+  return Number(line?.split(' ').pop() ?? NaN);
+}
+
+afterEach(async () => {
+  while (open.length) {
+    const s = open.pop()!;
+    await s.router.close();
+    await Promise.all([...s.prefill, ...s.decode].map((w) => w.close()));
+  }
+});
+
+after(() => {
+  // nothing global
+});
+
+function isApiError(status: number | undefined, re?: RegExp) {
+  return (e: unknown) => {
+    assert.ok(e instanceof OpenAI.APIError, `APIError, got ${String(e)}`);
+    if (status !== undefined) assert.equal(e.status, status, e.message);
+    if (re) assert.match(e.message, re);
+    return true;
+  };
+}
+
+// ------------------------------------------------------------------------------------------
+// Tests
+// ------------------------------------------------------------------------------------------
+
+describe('router: happy paths through the openai client', () => {
+  test('non-stream completion: text, usage, finish_reason, same body to both workers', async () => {
+    const s = await stack();
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'Say hi', max_tokens: 3, temperature: 0 });
+    assert.match(r.id, /^cmpl-[0-9a-f]{24}$/);
+    assert.equal(r.object, 'text_completion');
+    assert.equal(r.model, 'fake-model');
+    assert.equal(r.choices[0]!.text, 'Hello, world');
+    assert.equal(r.choices[0]!.finish_reason, 'length');
+    assert.deepEqual(r.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 });
+
+    const [pb] = s.prefill[0]!.generates;
+    const [db] = s.decode[0]!.generates;
+    assert.deepEqual(pb, db, 'the same /generate body goes to prefill and decode');
+    assert.equal(pb!.rid, r.id);
+    assert.equal(pb!.text, 'Say hi');
+    assert.equal(pb!.bootstrap_host, '127.0.0.1');
+    assert.equal(pb!.bootstrap_port, 9000);
+    assert.match(String(pb!.bootstrap_room), /^\d{1,19}$/);
+    assert.ok(BigInt(String(pb!.bootstrap_room)) < 2n ** 63n);
+    assert.equal(pb!.sampling_params.max_new_tokens, 3);
+    assert.equal(pb!.sampling_params.temperature, 0);
+    assert.equal(s.prefill[0]!.aborts.length + s.decode[0]!.aborts.length, 0, 'no aborts on success');
+    await assertReleased(s);
+    assert.equal(await outcomeCount(s, 'ok'), 1);
+  });
+
+  test('stream completion with include_usage', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd'], intervalMs: 1, finish: 'stop' });
+    const stream = await s.client.completions.create({ model: 'x', prompt: [1, 2, 3], max_tokens: 10, stream: true, stream_options: { include_usage: true } });
+    let text = '';
+    const finishes: (string | null)[] = [];
+    let usage: OpenAI.CompletionUsage | undefined;
+    const ids = new Set<string>();
+    for await (const ch of stream) {
+      ids.add(ch.id);
+      if (ch.choices[0]) {
+        text += ch.choices[0].text;
+        finishes.push(ch.choices[0].finish_reason);
+      }
+      if (ch.usage) usage = ch.usage;
+    }
+    assert.equal(text, 'abcd');
+    assert.equal(finishes.at(-1), 'stop');
+    assert.ok(finishes.slice(0, -1).every((f) => f === null));
+    assert.deepEqual(usage, { prompt_tokens: 3, completion_tokens: 4, total_tokens: 7 });
+    assert.equal(ids.size, 1);
+    assert.deepEqual(s.decode[0]!.generates[0]!.input_ids, [1, 2, 3]);
+    await assertReleased(s);
+  });
+
+  test('chat non-stream and stream: role chunk first, finish chunk last, usage', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: ['I', ' am', ' fine'], intervalMs: 1, finish: 'stop' });
+    const messages = [
+      { role: 'system' as const, content: 'be brief' },
+      { role: 'user' as const, content: [{ type: 'text' as const, text: 'how' }, { type: 'text' as const, text: 'are you' }] },
+    ];
+    const r = await s.client.chat.completions.create({ model: 'x', messages, max_completion_tokens: 8 });
+    assert.match(r.id, /^chatcmpl-/);
+    assert.equal(r.object, 'chat.completion');
+    assert.deepEqual(r.choices[0]!.message.role, 'assistant');
+    assert.equal(r.choices[0]!.message.content, 'I am fine');
+    assert.equal(r.choices[0]!.finish_reason, 'stop');
+    assert.equal(r.usage?.completion_tokens, 3);
+    assert.deepEqual(s.decode[0]!.generates[0]!.messages, [
+      { role: 'system', content: 'be brief' },
+      { role: 'user', content: 'how\nare you' },
+    ]);
+    assert.equal(s.decode[0]!.generates[0]!.sampling_params.max_new_tokens, 8);
+
+    const stream = await s.client.chat.completions.create({ model: 'x', messages, stream: true, stream_options: { include_usage: true } });
+    const chunks: OpenAI.ChatCompletionChunk[] = [];
+    for await (const ch of stream) chunks.push(ch);
+    assert.equal(chunks[0]!.object, 'chat.completion.chunk');
+    assert.equal(chunks[0]!.choices[0]!.delta.role, 'assistant');
+    const withChoices = chunks.filter((c) => c.choices.length > 0);
+    assert.equal(withChoices.at(-1)!.choices[0]!.finish_reason, 'stop');
+    assert.equal(withChoices.map((c) => c.choices[0]!.delta.content ?? '').join(''), 'I am fine');
+    const last = chunks.at(-1)!;
+    assert.deepEqual(last.choices, []);
+    assert.deepEqual(last.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 });
+    await assertReleased(s);
+  });
+
+  test('raw SSE ends with data: [DONE]; x-request-id is the rid', async () => {
+    const s = await stack();
+    const r = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'x', stream: true }) });
+    assert.equal(r.status, 200);
+    assert.match(r.headers.get('content-type') ?? '', /text\/event-stream/);
+    const rid = r.headers.get('x-request-id');
+    const text = await r.text();
+    assert.ok(text.trimEnd().endsWith('data: [DONE]'), text);
+    assert.ok(text.includes(`"id":"${rid}"`));
+    await assertReleased(s);
+  });
+
+  test('concurrent requests never mix: each stream carries its own rid and text', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = (b) => ({ tokens: [...String(b.text)].map((c) => c + '.'), intervalMs: 3, finish: 'stop' });
+    const prompts = ['alpha', 'bravo', 'charlie', 'delta', 'echo', 'foxtrot', 'golf', 'hotel'];
+    const results = await Promise.all(
+      prompts.map(async (p) => {
+        const st = await s.client.completions.create({ model: 'x', prompt: p, stream: true, max_tokens: 50 });
+        let text = '';
+        const ids = new Set<string>();
+        for await (const ch of st) {
+          ids.add(ch.id);
+          text += ch.choices[0]?.text ?? '';
+        }
+        return { text, ids };
+      }),
+    );
+    for (const [i, p] of prompts.entries()) {
+      assert.equal(results[i]!.text, [...p].map((c) => c + '.').join(''));
+      assert.equal(results[i]!.ids.size, 1);
+    }
+    assert.equal(new Set(results.map((r) => [...r.ids][0])).size, prompts.length, 'distinct rids');
+    const rooms = new Set(s.prefill[0]!.generates.map((g) => g.bootstrap_room));
+    assert.equal(rooms.size, prompts.length, 'distinct bootstrap rooms');
+    await assertReleased(s);
+  });
+
+  test('GET /v1/models, /health, /workers, /metrics', async () => {
+    const s = await stack();
+    const models = await s.client.models.list();
+    assert.deepEqual(
+      models.data.map((m) => [m.id, m.object, m.owned_by, typeof m.created]),
+      [['fake-model', 'model', 'pdserve', 'number']],
+    );
+    const h = await (await fetch(`${s.router.url}/health`)).json();
+    assert.equal(h.status, 'ok');
+    assert.deepEqual(h.prefill, { healthy: 1, total: 1 });
+    const w = await (await fetch(`${s.router.url}/workers`)).json();
+    assert.equal(w.workers.length, 2);
+    const p = w.workers.find((x: any) => x.role === 'prefill');
+    assert.deepEqual(
+      { url: p.url, bootstrap_host: p.bootstrap_host, bootstrap_port: p.bootstrap_port, healthy: p.healthy, model: p.model, load: p.load, last_error: p.last_error },
+      { url: s.prefill[0]!.url, bootstrap_host: '127.0.0.1', bootstrap_port: 9000, healthy: true, model: 'fake-model', load: 0, last_error: null },
+    );
+    await s.client.completions.create({ model: 'x', prompt: 'hi', stream: true }).then(async (st) => {
+      for await (const _ of st);
+    });
+    const m = await (await fetch(`${s.router.url}/metrics`)).text();
+    for (const name of [
+      'pdserve_time_to_first_token_seconds_bucket',
+      'pdserve_inter_token_latency_seconds_bucket',
+      'pdserve_e2e_request_latency_seconds_bucket',
+      'pdserve_router_requests_total{outcome="ok"} 1',
+      'pdserve_router_requests_total{outcome="client_abort"} 0',
+      'pdserve_router_inflight_requests 0',
+      `pdserve_router_worker_load{worker="${s.decode[0]!.url}"} 0`,
+    ]) {
+      assert.ok(m.includes(name), name);
+    }
+    assert.match(m, /pdserve_time_to_first_token_seconds_count 1/);
+    assert.match(m, /pdserve_inter_token_latency_seconds_count 2/);
+  });
+});
+
+describe('router: failures', () => {
+  test('client abort mid-stream → abort_request to BOTH workers within 1 s, loads back to 0', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: Array.from({ length: 2000 }, (_, i) => `t${i} `), intervalMs: 10 });
+    const ac = new AbortController();
+    const st = await s.client.completions.create({ model: 'x', prompt: 'long', stream: true, max_tokens: 2000 }, { signal: ac.signal });
+    let rid = '';
+    let n = 0;
+    // openai v6 ends the iteration quietly on abort (it swallows the AbortError).
+    await (async () => {
+      for await (const ch of st) {
+        rid = ch.id;
+        if (++n === 3) ac.abort();
+      }
+    })().catch(() => {});
+    assert.equal(n, 3);
+    const t0 = Date.now();
+    assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1 && s.decode[0]!.abortsFor(rid).length === 1, 1000), 'both workers got abort_request');
+    assert.ok(Date.now() - t0 < 1000);
+    assert.equal(s.decode[0]!.aborts[0]!.bootstrap_room, s.decode[0]!.generates[0]!.bootstrap_room);
+    await assertReleased(s);
+    assert.ok(await waitFor(() => s.decode[0]!.active === 0, 1000), 'decode stopped streaming');
+    assert.equal(await outcomeCount(s, 'client_abort'), 1);
+    assert.equal(await outcomeCount(s, 'ok'), 0);
+  });
+
+  test('client abort while waiting for prefill (non-stream) → aborts to both, loads 0', async () => {
+    const s = await stack();
+    s.prefill[0]!.prefill = () => ({ delayMs: 5000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 5000, tokens: ['x'] });
+    const ac = new AbortController();
+    const p = s.client.completions.create({ model: 'x', prompt: 'slow', max_tokens: 5 }, { signal: ac.signal });
+    assert.ok(await waitFor(() => s.decode[0]!.generates.length === 1 && s.prefill[0]!.generates.length === 1, 1000));
+    ac.abort();
+    await assert.rejects(p);
+    const rid = s.decode[0]!.generates[0]!.rid;
+    assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1 && s.decode[0]!.abortsFor(rid).length === 1, 1000));
+    await assertReleased(s);
+    assert.ok(await waitFor(() => s.prefill[0]!.active === 0 && s.decode[0]!.active === 0, 1000));
+    assert.equal(await outcomeCount(s, 'client_abort'), 1);
+  });
+
+  for (const stream of [false, true]) {
+    test(`prefill error 10 ms in (${stream ? 'stream' : 'non-stream'}) → client error within 1 s, decode gets abort_request`, async () => {
+      const s = await stack();
+      s.prefill[0]!.prefill = () => ({ delayMs: 10, status: 500, message: 'KV transfer failed: peer lost', code: 'kv_transfer_failed' });
+      s.decode[0]!.decode = () => ({ startDelayMs: 30_000, tokens: ['never'] });
+      const t0 = Date.now();
+      await assert.rejects(async () => {
+        const r = await s.client.completions.create({ model: 'x', prompt: 'p', stream });
+        if (stream) for await (const _ of r as AsyncIterable<unknown>);
+      }, isApiError(500, /prefill worker error: KV transfer failed: peer lost/));
+      assert.ok(Date.now() - t0 < 1000, `error after ${Date.now() - t0} ms`);
+      const rid = s.decode[0]!.generates[0]!.rid;
+      assert.ok(await waitFor(() => s.decode[0]!.abortsFor(rid).length === 1, 1000), 'decode got abort_request');
+      assert.equal(s.prefill[0]!.abortsFor(rid).length, 0, 'prefill already terminal: no abort');
+      await assertReleased(s);
+      assert.ok(await waitFor(() => s.decode[0]!.active === 0, 1000), 'decode request cancelled');
+      assert.equal(await outcomeCount(s, 'error'), 1);
+    });
+  }
+
+  test('prefill 4xx passes through as 4xx with its message', async () => {
+    const s = await stack();
+    s.prefill[0]!.prefill = () => ({ delayMs: 1, status: 400, message: 'prompt (2000 tokens) + max_tokens (10) exceeds the context size (1024 tokens)', code: 'context_length_exceeded' });
+    s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), (e: unknown) => {
+      isApiError(400, /exceeds the context size/)(e);
+      assert.equal((e as InstanceType<typeof OpenAI.APIError>).code, 'context_length_exceeded');
+      return true;
+    });
+    await assertReleased(s);
+  });
+
+  test('decode error before the stream → client error, prefill gets abort_request', async () => {
+    const s = await stack();
+    s.prefill[0]!.prefill = () => ({ delayMs: 30_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 10, status: 503, message: 'decode prealloc queue is full' });
+    const t0 = Date.now();
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p', stream: true }), isApiError(503, /decode prealloc queue is full/));
+    assert.ok(Date.now() - t0 < 1000);
+    const rid = s.prefill[0]!.generates[0]!.rid;
+    assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1, 1000));
+    assert.equal(s.decode[0]!.abortsFor(rid).length, 0);
+    await assertReleased(s);
+    assert.ok(await waitFor(() => s.prefill[0]!.active === 0, 1000));
+  });
+
+  test('decode error event mid-stream → SSE error event (no [DONE]) for stream, 500 for non-stream', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd'], intervalMs: 1, errorAfter: 2 });
+    let got = '';
+    await assert.rejects(async () => {
+      const st = await s.client.completions.create({ model: 'x', prompt: 'p', stream: true });
+      for await (const ch of st) got += ch.choices[0]?.text ?? '';
+    }, isApiError(undefined, /decode worker error: slot exploded/));
+    assert.equal(got, 'ab');
+    const raw = await (await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'x', stream: true }) })).text();
+    assert.match(raw, /data: \{"error":\{"message":"decode worker error: slot exploded"/);
+    assert.ok(!raw.includes('[DONE]'));
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(500, /slot exploded/));
+    await assertReleased(s);
+    assert.equal(await outcomeCount(s, 'error'), 3);
+  });
+
+  test('decode stream that ends without a finish event → 502', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b'], truncateAfter: 1 });
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(502, /ended its stream before the finish event/));
+    await assertReleased(s);
+  });
+
+  test('decode finish_reason abort → 500 error, not a normal end', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: ['a'], finish: 'abort' });
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(500, /generation aborted/));
+    await assertReleased(s);
+  });
+
+  test('prefill error after decode started generating is ignored (decode output stands)', async () => {
+    const s = await stack();
+    s.prefill[0]!.prefill = () => ({ delayMs: 40, status: 500, message: 'late ack timeout' });
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd', 'e'], intervalMs: 20, finish: 'stop' });
+    const r = await s.client.completions.create({ model: 'x', prompt: 'p' });
+    assert.equal(r.choices[0]!.text, 'abcde');
+    await assertReleased(s);
+  });
+
+  test('prefill answering after decode finished: client served at once, no abort, lease released when prefill answers', async () => {
+    const s = await stack();
+    s.prefill[0]!.prefill = () => ({ delayMs: 300 });
+    const t0 = Date.now();
+    const r = await s.client.completions.create({ model: 'x', prompt: 'p' });
+    assert.ok(Date.now() - t0 < 250, 'response does not wait for prefill');
+    assert.equal(r.choices[0]!.text, 'Hello, world');
+    assert.equal(s.router.registry.workers[0]!.load, 1, 'prefill lease still held while its answer is pending');
+    await assertReleased(s, 1000);
+    assert.equal(s.prefill[0]!.aborts.length + s.decode[0]!.aborts.length, 0);
+    assert.equal(s.prefill[0]!.connectionClosed.size, 0, 'prefill request not cut');
+  });
+
+  test('request deadline → 504 before streaming, SSE error after; aborts to both', async () => {
+    const s = await stack({ requestTimeoutMs: 300 });
+    s.prefill[0]!.prefill = () => ({ delayMs: 30_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
+    const t0 = Date.now();
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(504, /timed out after 300 ms/));
+    assert.ok(Date.now() - t0 < 1000);
+    const rid = s.decode[0]!.generates[0]!.rid;
+    assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1 && s.decode[0]!.abortsFor(rid).length === 1, 1000));
+    await assertReleased(s);
+
+    s.prefill[0]!.prefill = () => ({ delayMs: 1 });
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c'], hangAfter: 2 });
+    let got = '';
+    await assert.rejects(async () => {
+      const st = await s.client.completions.create({ model: 'x', prompt: 'p', stream: true });
+      for await (const ch of st) got += ch.choices[0]?.text ?? '';
+    }, isApiError(undefined, /timed out/));
+    assert.equal(got, 'ab');
+    const rid2 = s.decode[0]!.generates[1]!.rid;
+    assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid2).length === 1 && s.decode[0]!.abortsFor(rid2).length === 1, 1000));
+    await assertReleased(s);
+    assert.equal(await outcomeCount(s, 'timeout'), 2);
+  });
+
+  test('no healthy worker → 503 (prefill down; decode reporting not ok)', async () => {
+    const s = await stack();
+    await s.prefill[0]!.close();
+    await s.router.registry.checkAll();
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503, /no healthy prefill worker/));
+    const h = await fetch(`${s.router.url}/health`);
+    assert.equal(h.status, 503);
+    const w = await (await fetch(`${s.router.url}/workers`)).json();
+    const p = w.workers.find((x: any) => x.role === 'prefill');
+    assert.equal(p.healthy, false);
+    assert.match(p.last_error, /ECONNREFUSED|GET \/health/);
+    assert.equal(s.decode[0]!.generates.length, 0, 'nothing dispatched');
+
+    const s2 = await stack();
+    s2.decode[0]!.health = () => ({ code: 200, body: { status: 'loading', role: 'decode' } });
+    await s2.router.registry.checkAll();
+    assert.equal(s2.router.registry.healthyCount('decode'), 1, 'one failed probe is not enough (no flapping)');
+    await s2.router.registry.checkAll();
+    assert.equal(s2.router.registry.healthyCount('decode'), 0, 'two in a row are');
+    await assert.rejects(s2.client.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: 'hi' }] }), isApiError(503, /no healthy decode worker/));
+    // Recovers on the next probe.
+    s2.decode[0]!.health = () => ({ code: 200, body: { status: 'ok', role: 'decode', model: 'fake-model' } });
+    assert.ok(await waitFor(() => s2.router.registry.healthyCount('decode') === 1, 1000));
+    const ok = await s2.client.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: 'hi' }] });
+    assert.equal(ok.choices[0]!.message.content, 'Hello, world');
+    await assertReleased(s2);
+  });
+
+  test('a worker reporting the wrong role is unhealthy', async () => {
+    const s = await stack();
+    s.prefill[0]!.health = () => ({ code: 200, body: { status: 'ok', role: 'decode' } });
+    await s.router.registry.checkAll();
+    await s.router.registry.checkAll();
+    assert.match(String(s.router.registry.workers[0]!.lastError), /role is "decode", expected 'prefill'/);
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503));
+  });
+
+  test('prefill unreachable at dispatch → 502, worker marked unhealthy at once', async () => {
+    const s = await stack({ healthIntervalMs: 60_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
+    await s.prefill[0]!.close();
+    let rid = '';
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), (e: unknown) => {
+      isApiError(502, /prefill worker .* is unreachable/)(e);
+      rid = String((e as InstanceType<typeof OpenAI.APIError>).requestID);
+      return true;
+    });
+    assert.match(rid, /^cmpl-/);
+    assert.equal(s.router.registry.workers[0]!.healthy, false);
+    // decode may or may not have seen /generate before the cancel; it gets abort_request either way.
+    assert.ok(await waitFor(() => s.decode[0]!.abortsFor(rid).length === 1, 1000));
+    await assertReleased(s);
+    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503, /no healthy prefill/));
+  });
+
+  test('bad HTTP input → 400/413 OpenAI bodies through the router, nothing dispatched', async () => {
+    const s = await stack({ bodyLimit: 64 * 1024 });
+    const post = (body: string, url = '/v1/completions') => fetch(`${s.router.url}${url}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+    for (const [body, status, re] of [
+      ['{"model": "x", "prompt": ', 400, /JSON/],
+      [JSON.stringify({ model: 'x' }), 400, /prompt/],
+      [JSON.stringify({ prompt: 'x', max_tokens: -1 }), 400, /max_tokens/],
+      [JSON.stringify({ prompt: 'x', max_tokens: 'ten' }), 400, /max_tokens/],
+      [JSON.stringify({ prompt: 'x', n: 2 }), 400, /n=1/],
+      [JSON.stringify({ prompt: 'x'.repeat(100 * 1024) }), 413, /too large/],
+    ] as const) {
+      const r = await post(body);
+      assert.equal(r.status, status, body.slice(0, 50));
+      const j = (await r.json()) as { error: { message: string; type: string } };
+      assert.match(j.error.message, re);
+      assert.equal(j.error.type, 'invalid_request_error');
+    }
+    const chat = await post(JSON.stringify({ model: 'x' }), '/v1/chat/completions');
+    assert.equal(chat.status, 400);
+    assert.match(((await chat.json()) as any).error.message, /messages/);
+    assert.equal(s.prefill[0]!.generates.length + s.decode[0]!.generates.length, 0);
+    assert.equal(s.router.registry.acquiredTotal, 0);
+  });
+});
+
+describe('router: scheduling and load accounting', () => {
+  test('lease release is guarded: exactly once', () => {
+    const reg = new WorkerRegistry(parseRouterConfig({ prefill: [{ url: 'http://127.0.0.1:1', bootstrapPort: 2 }], decode: [{ url: 'http://127.0.0.1:3' }], log: { level: 'silent' } }), {
+      dispatcher: undefined as never,
+      log: pino({ level: 'silent' }),
+      intervalMs: 1000,
+      timeoutMs: 100,
+    });
+    const w = reg.workers[0]!;
+    const a = reg.acquire(w);
+    const b = reg.acquire(w);
+    assert.equal(w.load, 2);
+    assert.equal(a.release(), true);
+    assert.equal(a.release(), false);
+    assert.equal(a.release(), false);
+    assert.equal(w.load, 1);
+    assert.equal(a.released, true);
+    assert.equal(b.released, false);
+    assert.equal(b.release(), true);
+    assert.equal(w.load, 0);
+    assert.equal(reg.acquiredTotal, 2);
+    assert.equal(reg.releasedTotal, 2);
+  });
+
+  test('pick: least loaded healthy worker, ties round-robin, unhealthy skipped', () => {
+    const reg = new WorkerRegistry(
+      parseRouterConfig({ prefill: [{ url: 'http://127.0.0.1:1', bootstrapPort: 2 }], decode: [{ url: 'http://127.0.0.1:3' }, { url: 'http://127.0.0.1:4' }, { url: 'http://127.0.0.1:5' }], log: { level: 'silent' } }),
+      { dispatcher: undefined as never, log: pino({ level: 'silent' }), intervalMs: 1000, timeoutMs: 100 },
+    );
+    assert.equal(reg.pick('decode'), null, 'nothing healthy before probing');
+    const [, d1, d2, d3] = reg.workers;
+    for (const w of reg.workers) reg.setHealthy(w, 'm');
+    const seq = Array.from({ length: 6 }, () => reg.pick('decode')!.url);
+    assert.deepEqual(new Set(seq), new Set([d1!.url, d2!.url, d3!.url]), 'ties rotate over all');
+    const l1 = reg.acquire(d1!);
+    const l2 = reg.acquire(d2!);
+    assert.equal(reg.pick('decode'), d3, 'least loaded');
+    reg.setUnhealthy(d3!, 'down');
+    const picks = new Set(Array.from({ length: 4 }, () => reg.pick('decode')!.url));
+    assert.deepEqual(picks, new Set([d1!.url, d2!.url]));
+    reg.acquire(d1!);
+    assert.equal(reg.pick('decode'), d2);
+    l1.release();
+    l2.release();
+  });
+
+  test('concurrent requests spread over two decode workers; all released after', async () => {
+    const s = await stack({ decode: 2 });
+    for (const d of s.decode) d.decode = () => ({ tokens: ['a', 'b', 'c'], intervalMs: 100 });
+    const runs = Array.from({ length: 4 }, () => s.client.completions.create({ model: 'x', prompt: 'p' }));
+    assert.ok(await waitFor(() => s.decode[0]!.generates.length + s.decode[1]!.generates.length === 4, 1000));
+    assert.deepEqual(
+      s.router.registry.workers.filter((w) => w.role === 'decode').map((w) => w.load),
+      [2, 2],
+    );
+    assert.equal(s.router.registry.workers[0]!.load <= 4, true);
+    await Promise.all(runs);
+    assert.deepEqual(
+      s.decode.map((d) => d.generates.length),
+      [2, 2],
+    );
+    await assertReleased(s);
+  });
+
+  test('many mixed outcomes: acquired == released and loads 0', async () => {
+    const s = await stack({ requestTimeoutMs: 400 });
+    let i = 0;
+    s.prefill[0]!.prefill = () => {
+      const k = i++ % 4;
+      return k === 1 ? { delayMs: 5, status: 500, message: 'boom' } : { delayMs: 2 };
+    };
+    s.decode[0]!.decode = (b) => {
+      const k = Number(b.text) % 4;
+      if (k === 2) return { startDelayMs: 10_000 }; // → timeout
+      if (k === 3) return { tokens: ['x', 'y'], errorAfter: 1 };
+      return { tokens: ['x', 'y', 'z'], intervalMs: 2 };
+    };
+    const outcomes = await Promise.allSettled(
+      Array.from({ length: 24 }, async (_, n) => {
+        const ac = new AbortController();
+        // Abort once the router dispatched it (a request aborted before it is sent never reaches the router).
+        if (n % 5 === 4) void waitFor(() => s.prefill[0]!.generates.some((g) => g.text === String(n)), 3000).then(() => setTimeout(() => ac.abort(), 5));
+        const st = await s.client.completions.create({ model: 'x', prompt: String(n), stream: n % 2 === 0 }, { signal: ac.signal });
+        if (n % 2 === 0) for await (const _ of st as AsyncIterable<unknown>);
+      }),
+    );
+    assert.ok(outcomes.some((o) => o.status === 'fulfilled'));
+    assert.ok(outcomes.some((o) => o.status === 'rejected'));
+    await assertReleased(s, 2000);
+    const counts = await Promise.all(['ok', 'client_abort', 'error', 'timeout'].map((o) => outcomeCount(s, o)));
+    assert.ok(counts.every((c) => c > 0), `every outcome occurred: ${counts}`);
+    assert.equal(counts.reduce((a, b) => a + b, 0), 24, 'every request counted once');
+  });
+});
+
+describe('router: config and lifecycle', () => {
+  test('config is validated and frozen', () => {
+    assert.throws(() => parseRouterConfig({ prefill: [], decode: [{ url: 'http://a:1' }] }), RouterConfigError);
+    assert.throws(() => parseRouterConfig({ prefill: [{ url: 'ftp://a', bootstrapPort: 1 }], decode: [{ url: 'http://a:1' }] }), /http/);
+    assert.throws(() => parseRouterConfig({ prefill: [{ url: 'http://a:1', bootstrapPort: 1 }], decode: [{ url: 'http://a:2' }], helthIntervalMs: 5 }), /Unrecognized key/);
+    assert.throws(() => parseRouterConfig({ prefill: [{ url: 'http://a:1', bootstrapPort: 1 }], decode: [{ url: 'http://a:1/' }] }), /duplicate/);
+    const c = parseRouterConfig({ prefill: [{ url: 'http://[::1]:30000/', bootstrapPort: 8998 }], decode: [{ url: 'http://localhost:30001' }] });
+    assert.equal(c.prefill[0]!.url, 'http://[::1]:30000');
+    assert.equal(c.prefill[0]!.bootstrapHost, '::1');
+    assert.equal(c.requestTimeoutMs, 600_000);
+    assert.ok(Object.isFrozen(c) && Object.isFrozen(c.prefill) && Object.isFrozen(c.prefill[0]));
+    // A pino logger instance is accepted (the CLI passes one) and not frozen.
+    const log = pino({ level: 'silent' });
+    const c2 = parseRouterConfig({ prefill: [{ url: 'http://a:1', bootstrapPort: 1 }], decode: [{ url: 'http://a:2' }], log });
+    assert.equal(c2.log, log);
+    assert.ok(!Object.isFrozen(log));
+  });
+
+  test('close() fails in-flight requests with 503 and aborts them on both workers', async () => {
+    const prefill = await new FakeWorker('prefill').start();
+    const decode = await new FakeWorker('decode').start();
+    decode.decode = () => ({ startDelayMs: 30_000 });
+    const r = await createRouter({ port: 0, prefill: [{ url: prefill.url, bootstrapPort: 9000 }], decode: [{ url: decode.url }], log: { level: 'silent' }, healthIntervalMs: 100 });
+    await r.app.listen({ host: '127.0.0.1', port: 0 });
+    const port = (r.app.server.address() as { port: number }).port;
+    const p = fetch(`http://127.0.0.1:${port}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'x' }) });
+    assert.ok(await waitFor(() => decode.generates.length === 1, 1000));
+    const closing = r.close();
+    const res = await p;
+    assert.equal(res.status, 503);
+    await closing;
+    const rid = decode.generates[0]!.rid;
+    assert.equal(decode.abortsFor(rid).length, 1);
+    assert.equal(prefill.abortsFor(rid).length, 1);
+    assert.equal(r.registry.acquiredTotal, r.registry.releasedTotal);
+    await r.close();
+    await prefill.close();
+    await decode.close();
+  });
+});
