@@ -249,6 +249,7 @@ describe('deadlines', () => {
     test(`${role} ${phase}: deadline = entry + ${ms} ms; tick fails it with deadline:${phase}`, () => {
       const t = at(role, position, 1000);
       const r = t.get('42')!;
+      const stateBefore = r.state;
       assert.equal(r.phase, phase);
       assert.equal(phaseTimeout(phase, T), ms);
       assert.equal(r.deadlineAt, 1000 + ms);
@@ -259,7 +260,8 @@ describe('deadlines', () => {
       assert.equal(kinds(eff), hasPeer ? 'expired,notify_peer,terminal' : 'expired,terminal');
       const exp = eff[0] as Extract<Effect, { t: 'expired' }>;
       assert.equal(exp.phase, phase);
-      assert.equal(exp.state, PATHS[role][position]!.length === 0 ? KVPoll.Bootstrapping : exp.state);
+      assert.equal(exp.state, stateBefore, 'expired carries the state at expiry');
+      assert.equal(r.state, KVPoll.Failed);
       assert.equal(exp.timeline.at(-1)!.why, `deadline:${phase}`);
       assert.equal(r.failReason, `deadline:${phase}`);
       assert.equal((eff.at(-1) as Extract<Effect, { t: 'terminal' }>).reason, `deadline:${phase}`);
