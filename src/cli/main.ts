@@ -211,6 +211,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .command('sim')
     .description('run the deterministic room-lifecycle simulator over many seeds')
     .allowUnknownOption()
+    .allowExcessArguments(true)
     .helpOption(false)
     .action(async () => {
       const { simMain } = await import('../kv/sim/index.js');

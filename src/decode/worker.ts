@@ -16,6 +16,7 @@ import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/co
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
+import { hold, holdsEnabled } from '../common/testhooks.js';
 import { WorkerMetrics } from '../common/metrics.js';
 import { samplingFromWire } from '../common/requests.js';
 import { loadEngine } from '../engine/index.js';
@@ -46,6 +47,8 @@ interface Job {
   /** Resolves with the envelope header when the room reaches Success. */
   ready: Deferred<EnvelopeHeader>;
   header?: EnvelopeHeader;
+  /** What the worker is doing for the request right now (shown in /debug/rooms). */
+  step: 'prealloc' | 'registering' | 'waiting_kv' | 'receiving' | 'loading' | 'decoding';
   t0: number;
 }
 
@@ -116,7 +119,11 @@ export class DecodeWorker {
         rooms: this.rooms.rooms().length,
         ...this.queueSizes(),
       }),
-      debugRooms: () => ({ epoch: this.epoch, queues: this.queueSizes(), ...this.rooms.snapshot(Date.now()) }),
+      debugRooms: () => {
+        const snap = this.rooms.snapshot(Date.now());
+        const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0 }));
+        return { epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null })), decoding };
+      },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
@@ -132,6 +139,7 @@ export class DecodeWorker {
     this.watchdog = setInterval(() => this.run(this.rooms.tick(Date.now())), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
+    if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
   }
 
   async close(): Promise<void> {
@@ -191,6 +199,7 @@ export class DecodeWorker {
     job.recv = undefined;
     this.metrics.roomsTerminal.inc({ state: KVPoll[state] });
     if (state === KVPoll.Success && job.header) {
+      job.step = 'decoding';
       job.ready.resolve(job.header);
     } else {
       job.ac.abort();
@@ -203,7 +212,7 @@ export class DecodeWorker {
 
   abort(room: RoomId, from: 'router' | 'client' | 'local'): void {
     const job = this.jobs.get(room);
-    this.apply(room, { t: 'abort', from, reason: `abort: ${from}` });
+    if (this.rooms.has(room)) this.apply(room, { t: 'abort', from, reason: `abort: ${from}` });
     job?.ac.abort();
   }
 
@@ -220,6 +229,7 @@ export class DecodeWorker {
       if (!slot) return;
       this.prealloc.delete(room);
       job.slot = slot;
+      job.step = 'registering';
       this.apply(room, { t: 'slot_reserved' });
     }
   }
@@ -227,6 +237,8 @@ export class DecodeWorker {
   private async register(room: RoomId): Promise<void> {
     const job = this.jobs.get(room);
     if (!job) return;
+    await hold('decode.register', job.ac.signal);
+    if (!this.jobs.has(room) || job.ac.signal.aborted) return;
     let conn: PeerConn;
     try {
       conn = await this.pool.get(job.host, job.port);
@@ -255,9 +267,13 @@ export class DecodeWorker {
 
   private onControl(conn: PeerConn, msg: ControlMsg): void {
     switch (msg.type) {
-      case 'registered':
-        if (this.jobOn(conn, msg.room)) this.apply(msg.room, { t: 'registered' });
+      case 'registered': {
+        const job = this.jobOn(conn, msg.room);
+        if (!job) return;
+        job.step = 'waiting_kv';
+        this.apply(msg.room, { t: 'registered' });
         return;
+      }
       case 'kv_begin': {
         const job = this.jobOn(conn, msg.room);
         if (!job) return;
@@ -266,6 +282,7 @@ export class DecodeWorker {
           return;
         }
         job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), got: 0 };
+        job.step = 'receiving';
         this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes });
         return;
       }
@@ -276,6 +293,7 @@ export class DecodeWorker {
           this.apply(msg.room, { t: 'fail', reason: `transfer: kv_end after ${job.recv?.got ?? 0} of ${job.recv?.buf.length ?? 0} bytes` });
           return;
         }
+        job.step = 'loading';
         job.loading = this.load(job);
         return;
       }
@@ -318,6 +336,8 @@ export class DecodeWorker {
     const info = this.engine.info;
     const path = join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`);
     try {
+      await hold('decode.load', job.ac.signal);
+      if (!this.rooms.has(room)) return;
       const { header, payload } = decodeEnvelope(blob, { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes });
       const state = parseStateFile(payload, { nLayer: info.compat.nLayer, contextSize: info.compat.contextSize, maxBytes: this.config.maxStateBytes });
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
@@ -351,6 +371,7 @@ export class DecodeWorker {
       port: body.bootstrap_port,
       ac: new AbortController(),
       ready: deferred(),
+      step: 'prealloc',
       t0: Date.now(),
     };
     let effects: Effect[];
@@ -372,7 +393,7 @@ export class DecodeWorker {
       } catch (err) {
         return sendError(reply, toApiError(err));
       }
-      await this.stream(job, header, body, reply);
+      await this.stream(job, header, reply);
     } finally {
       off();
       if (job.loading) await job.loading.catch(() => {});
@@ -386,15 +407,15 @@ export class DecodeWorker {
   }
 
   /** Generate from the loaded slot and write SSE events until finish, abort or client loss. */
-  private async stream(job: Job, header: EnvelopeHeader, body: GenerateRequest, reply: FastifyReply): Promise<void> {
+  private async stream(job: Job, header: EnvelopeHeader, reply: FastifyReply): Promise<void> {
     const res = reply.raw;
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
     const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, completion_tokens: n, finish_reason: finish });
     this.running++;
     let n = 0;
+    const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
     try {
-      const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
       let finish: 'stop' | 'length' | 'abort' = 'abort';
       for (;;) {
         const r = await gen.next();
@@ -416,10 +437,10 @@ export class DecodeWorker {
       const e = toApiError(err);
       if (!res.destroyed) res.write(`data: ${JSON.stringify({ error: { message: e.message, type: e.type, code: e.code } })}\n\n`);
     } finally {
+      await gen.return('abort').catch(() => {});
       this.running--;
       if (!res.writableEnded) res.end();
     }
-    void body;
   }
 }
 

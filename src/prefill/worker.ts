@@ -17,6 +17,7 @@ import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
+import { hold, holdsEnabled } from '../common/testhooks.js';
 import { WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
@@ -39,6 +40,8 @@ interface Job {
   /** The enveloped state while inflight (the KV buffer). Dropped on terminal. */
   blob?: Buffer;
   done: Deferred<PrefillResponse>;
+  /** What the worker is doing for the room right now (shown in /debug/rooms). */
+  step: 'bootstrap' | 'queued' | 'computing' | 'sending' | 'awaiting_ack';
   t0: number;
   prefillMs: number;
   tKvBegin: number;
@@ -74,7 +77,9 @@ export class PrefillWorker {
     readonly engine: Engine,
     readonly log: Logger,
   ) {
-    this.rooms = new RoomTable('prefill', config.timeouts);
+    // Prefill's bootstrap wait includes decode's wait for a free slot (prealloc), so its
+    // deadline is the sum of both: a request queued at decode must not fail here first.
+    this.rooms = new RoomTable('prefill', { ...config.timeouts, bootstrapMs: config.timeouts.preallocMs + config.timeouts.bootstrapMs });
     this.metrics = new WorkerMetrics('prefill', {
       queues: () => this.queueSizes(),
       roomsByState: () => this.roomsByState(),
@@ -128,7 +133,10 @@ export class PrefillWorker {
         rooms: this.rooms.rooms().length,
         ...this.queueSizes(),
       }),
-      debugRooms: () => ({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...this.rooms.snapshot(Date.now()) }),
+      debugRooms: () => {
+        const snap = this.rooms.snapshot(Date.now());
+        return { epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null })) };
+      },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
@@ -144,6 +152,7 @@ export class PrefillWorker {
     this.watchdog = setInterval(() => this.tick(), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
+    if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
   }
 
   /** Stop accepting, fail live rooms, close sockets, free the engine. Idempotent. */
@@ -183,10 +192,13 @@ export class PrefillWorker {
           conn?.sendControl({ type: 'fail', room: e.room, reason: e.reason, epoch: this.epoch });
           break;
         }
-        case 'start_prefill':
+        case 'start_prefill': {
+          const job = this.jobs.get(e.room);
+          if (job) job.step = 'queued';
           this.waiting.add(e.room);
           this.pump();
           break;
+        }
         case 'terminal':
           this.finish(e.room, e.state, e.reason);
           break;
@@ -247,7 +259,7 @@ export class PrefillWorker {
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
     const room = body.bootstrap_room;
-    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), t0: Date.now(), prefillMs: 0, tKvBegin: 0 };
+    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0 };
     const log = this.log.child({ rid: body.rid, room });
     let effects: Effect[];
     try {
@@ -279,7 +291,7 @@ export class PrefillWorker {
   abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'local'): void {
     const id = room ?? (rid ? this.byRid.get(rid) : undefined);
     if (!id) return;
-    this.apply(id, { t: 'abort', from, reason: `abort: ${from}` });
+    if (this.rooms.has(id) || !this.rooms.get(id)) this.apply(id, { t: 'abort', from, reason: `abort: ${from}` });
     this.pendingRegs.delete(id);
   }
 
@@ -360,9 +372,12 @@ export class PrefillWorker {
     }
     const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${room}.ggsq`);
     let blob: Buffer;
+    job.step = 'computing';
     try {
+      await hold('prefill.compute', job.ac.signal);
       const t0 = Date.now();
       const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
+      await hold('prefill.save', job.ac.signal);
       if (job.ac.signal.aborted) return;
       await slot.saveState(path);
       const payload = await readFile(path);
@@ -381,6 +396,7 @@ export class PrefillWorker {
     }
     if (!this.jobs.has(room) || !job.conn) return;
     job.blob = blob;
+    job.step = 'sending';
     job.tKvBegin = Date.now();
     this.apply(room, { t: 'kv_begin', totalBytes: blob.length });
     if (!this.jobs.has(room)) return;
@@ -400,7 +416,10 @@ export class PrefillWorker {
         },
       });
       job.blob = undefined;
+      await hold('prefill.send', job.ac.signal);
+      if (job.ac.signal.aborted) return;
       conn.sendControl({ type: 'kv_end', room });
+      job.step = 'awaiting_ack';
     } catch (err) {
       if (!job.ac.signal.aborted) this.apply(room, { t: 'fail', reason: `transfer: ${(err as Error).message}` });
     }

@@ -1,0 +1,49 @@
+/**
+ * Test-only pauses at named points of a request's path, so real-process tests can catch a
+ * request in a chosen phase (e.g. abort while prefill is transferring). Off unless the
+ * environment variable PDSERVE_TEST_HOLDS is set, e.g. `prefill.compute=50,decode.load=50`
+ * (ms per point). Never set it in production: it only adds latency.
+ */
+export type HoldPoint =
+  /** router: after validation, before dispatching to the workers. */
+  | 'router.dispatch'
+  /** decode: slot reserved, before sending REGISTER. */
+  | 'decode.register'
+  /** decode: all KV bytes received, before validation and load. */
+  | 'decode.load'
+  /** prefill: registered, before prompt evaluation starts. */
+  | 'prefill.compute'
+  /** prefill: prompt evaluated, before the state is saved. */
+  | 'prefill.save'
+  /** prefill: chunks sent, before KV_END. */
+  | 'prefill.send';
+
+function parseHolds(spec: string | undefined): Map<string, number> {
+  const m = new Map<string, number>();
+  for (const part of (spec ?? '').split(',')) {
+    const [k, v] = part.split('=');
+    const ms = Number(v);
+    if (k && Number.isFinite(ms) && ms > 0) m.set(k.trim(), Math.min(ms, 60_000));
+  }
+  return m;
+}
+
+const holds = parseHolds(process.env.PDSERVE_TEST_HOLDS);
+
+/** True when any hold is configured (logged once at start-up by the workers). */
+export const holdsEnabled = holds.size > 0;
+
+/** Wait the configured ms at `point` (resolves early when `signal` aborts); no-op when unset. */
+export function hold(point: HoldPoint, signal?: AbortSignal): Promise<void> {
+  const ms = holds.get(point);
+  if (!ms || signal?.aborted) return Promise.resolve();
+  return new Promise((resolve) => {
+    const t = setTimeout(done, ms);
+    function done() {
+      clearTimeout(t);
+      signal?.removeEventListener('abort', done);
+      resolve();
+    }
+    signal?.addEventListener('abort', done, { once: true });
+  });
+}
