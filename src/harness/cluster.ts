@@ -39,6 +39,11 @@ export interface ClusterOptions {
   startTimeoutMs?: number;
   /** Also start a colocated reference server. */
   colocated?: boolean;
+  /**
+   * Pin a role's processes to CPUs by running them under `taskset -c <list>` (Linux; e.g.
+   * {prefill: '0', decode: '1'}). Roles not listed run unpinned.
+   */
+  cpuAffinity?: Partial<Record<ProcRole, string>>;
 }
 
 export interface ClusterProc {
@@ -151,7 +156,9 @@ export class Cluster {
       p.logFile = join(o.logDir, `${p.name}.log`);
       out = openSync(p.logFile, 'a');
     }
-    const child = spawn(process.execPath, [BIN, ...p.args], {
+    const cpus = o.cpuAffinity?.[p.role];
+    const [cmd, argv]: [string, string[]] = cpus ? ['taskset', ['-c', cpus, process.execPath, BIN, ...p.args]] : [process.execPath, [BIN, ...p.args]];
+    const child = spawn(cmd, argv, {
       stdio: ['ignore', out, out, 'ipc'],
       env: { ...process.env, PDSERVE_CLUSTER_SECRET: this.secret, ...(o.env ?? {}) },
     });
