@@ -149,10 +149,14 @@ export function encodeChunk(roomId: string, offset: number, data: Buffer): Buffe
 // ---------------------------------------------------------------------------------------------
 // Decoding
 
-/** One decoded frame. `data` of a chunk may share memory with the buffers fed in. */
+/**
+ * One decoded frame. `data` of a chunk may share memory with the buffers fed in. In streaming
+ * mode a chunk frame comes out as one or more pieces in order (contiguous offsets); `final`
+ * marks the piece that ends the frame (always true otherwise).
+ */
 export type Frame =
   | { kind: 'control'; msg: ControlMsg }
-  | { kind: 'chunk'; room: string; offset: number; data: Buffer };
+  | { kind: 'chunk'; room: string; offset: number; data: Buffer; final: boolean };
 
 const utf8 = new TextDecoder('utf-8', { fatal: true });
 
@@ -161,20 +165,29 @@ const utf8 = new TextDecoder('utf-8', { fatal: true });
  *
  * State machine: `header` (needs 5 bytes; length and type are checked against the caps here) →
  * `body` (needs exactly length-1 bytes) → frame emitted → `header`. Holds at most one partial
- * frame. After an error it is poisoned: every later feed rethrows the same KvError.
+ * frame. With `streamChunks`, a chunk frame goes `header` → `chunkPrefix` (16 bytes: room,
+ * offset) → `chunkData`, which emits each received piece of data as soon as it arrives, without
+ * copying or buffering it (zero-copy receive; the receiver places data by offset anyway).
+ * After an error the decoder is poisoned: every later feed rethrows the same KvError.
  */
 export class FrameDecoder {
   /** When false, a chunk frame header is an error (used before authentication). */
   acceptChunks: boolean;
+  /** Emit chunk data in pieces as it arrives (see class doc). */
+  readonly streamChunks: boolean;
   private readonly bufs: Buffer[] = [];
   private buffered = 0;
-  private state: 'header' | 'body' = 'header';
+  private state: 'header' | 'body' | 'chunkPrefix' | 'chunkData' = 'header';
   private type = 0;
   private bodyLen = 0;
+  private room = '';
+  private offset = 0;
+  private dataLeft = 0;
   private error: KvError | undefined;
 
-  constructor(opts: { acceptChunks?: boolean } = {}) {
+  constructor(opts: { acceptChunks?: boolean; streamChunks?: boolean } = {}) {
     this.acceptChunks = opts.acceptChunks ?? true;
+    this.streamChunks = opts.streamChunks ?? false;
   }
 
   /** Bytes held for the frame in progress. */
@@ -194,17 +207,43 @@ export class FrameDecoder {
     }
     try {
       for (;;) {
-        if (this.state === 'header') {
-          if (this.buffered < FRAME_HEADER_BYTES) return;
-          const h = this.take(FRAME_HEADER_BYTES);
-          this.checkHeader(h.readUInt32BE(0), h[4]);
-          this.state = 'body';
+        switch (this.state) {
+          case 'header': {
+            if (this.buffered < FRAME_HEADER_BYTES) return;
+            const h = this.take(FRAME_HEADER_BYTES);
+            this.checkHeader(h.readUInt32BE(0), h[4]);
+            this.state = this.type === FRAME_CHUNK && this.streamChunks ? 'chunkPrefix' : 'body';
+            break;
+          }
+          case 'body': {
+            if (this.buffered < this.bodyLen) return;
+            const body = this.take(this.bodyLen);
+            this.state = 'header';
+            yield this.type === FRAME_CONTROL ? decodeControlBody(body) : decodeChunkBody(body);
+            break;
+          }
+          case 'chunkPrefix': {
+            if (this.buffered < CHUNK_PREFIX_BYTES) return;
+            const p = this.take(CHUNK_PREFIX_BYTES);
+            this.dataLeft = this.bodyLen - CHUNK_PREFIX_BYTES;
+            this.room = p.readBigUInt64BE(0).toString();
+            this.offset = chunkOffset(p.readBigUInt64BE(8), this.dataLeft);
+            this.state = 'chunkData';
+            break;
+          }
+          case 'chunkData': {
+            if (this.buffered === 0) return;
+            const n = Math.min(this.bufs[0].length, this.dataLeft);
+            const data = this.take(n); // within the first buffer: a view, no copy
+            const offset = this.offset;
+            this.offset += n;
+            this.dataLeft -= n;
+            const final = this.dataLeft === 0;
+            if (final) this.state = 'header';
+            yield { kind: 'chunk', room: this.room, offset, data, final };
+            break;
+          }
         }
-        if (this.buffered < this.bodyLen) return;
-        const body = this.take(this.bodyLen);
-        this.state = 'header';
-        const frame = this.type === FRAME_CONTROL ? decodeControlBody(body) : decodeChunkBody(body);
-        yield frame;
       }
     } catch (e) {
       this.error = e instanceof KvError ? e : new KvError('BAD_FRAME', `decoder failure: ${(e as Error)?.message ?? String(e)}`);
@@ -273,9 +312,13 @@ function decodeControlBody(body: Buffer): Frame {
   return { kind: 'control', msg: parseControl(value) };
 }
 
+function chunkOffset(off: bigint, dataLen: number): number {
+  if (off + BigInt(dataLen) > BigInt(Number.MAX_SAFE_INTEGER)) throw new KvError('BAD_FRAME', `chunk offset ${off} (+${dataLen}) is beyond 2^53-1`);
+  return Number(off);
+}
+
 function decodeChunkBody(body: Buffer): Frame {
   const room = body.readBigUInt64BE(0).toString();
-  const off = body.readBigUInt64BE(8);
-  if (off > BigInt(Number.MAX_SAFE_INTEGER)) throw new KvError('BAD_FRAME', `chunk offset ${off} is beyond 2^53-1`);
-  return { kind: 'chunk', room, offset: Number(off), data: body.subarray(CHUNK_PREFIX_BYTES) };
+  const data = body.subarray(CHUNK_PREFIX_BYTES);
+  return { kind: 'chunk', room, offset: chunkOffset(body.readBigUInt64BE(8), data.length), data, final: true };
 }

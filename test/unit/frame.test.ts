@@ -36,8 +36,8 @@ function frameBytes(parts: Buffer | Buffer[]): Buffer {
   return Array.isArray(parts) ? Buffer.concat(parts) : parts;
 }
 
-function decodeAll(chunks: Buffer[]): Frame[] {
-  const d = new FrameDecoder();
+function decodeAll(chunks: Buffer[], streamChunks = false): Frame[] {
+  const d = new FrameDecoder({ streamChunks });
   const out: Frame[] = [];
   for (const c of chunks) for (const f of d.feed(c)) out.push(f);
   assert.equal(d.bufferedBytes, 0);
@@ -78,7 +78,7 @@ describe('frame: round trips', () => {
     assert.equal(parts.length, 2);
     assert.equal(parts[1], data, 'data buffer is passed through, not copied');
     const [f] = decodeAll([frameBytes(parts)]);
-    assert.deepEqual(f, { kind: 'chunk', room: '9223372036854775807', offset: 1 << 40, data });
+    assert.deepEqual(f, { kind: 'chunk', room: '9223372036854775807', offset: 1 << 40, data, final: true });
   });
 
   it('max-size control and chunk frames', () => {
@@ -107,6 +107,70 @@ describe('frame: round trips', () => {
       }
     }
     assert.deepEqual(decodeAll([...stream].map((b) => Buffer.from([b]))), want);
+  });
+});
+
+/** Merges streamed chunk pieces back into whole frames (checking order and contiguity). */
+function mergePieces(frames: Frame[]): Frame[] {
+  const out: Frame[] = [];
+  let open: { room: string; offset: number; parts: Buffer[]; next: number } | undefined;
+  for (const f of frames) {
+    if (f.kind === 'control') {
+      assert.equal(open, undefined, 'control frame inside a chunk frame');
+      out.push(f);
+      continue;
+    }
+    assert.ok(f.data.length > 0);
+    if (!open) open = { room: f.room, offset: f.offset, parts: [], next: f.offset };
+    assert.equal(f.room, open.room);
+    assert.equal(f.offset, open.next, 'pieces are contiguous');
+    open.parts.push(f.data);
+    open.next += f.data.length;
+    if (f.final) {
+      out.push({ kind: 'chunk', room: open.room, offset: open.offset, data: Buffer.concat(open.parts), final: true });
+      open = undefined;
+    }
+  }
+  assert.equal(open, undefined);
+  return out;
+}
+
+describe('frame: streamed chunks', () => {
+  const stream = Buffer.concat([
+    encodeControl({ type: 'kv_begin', room: '3', totalBytes: 1300 }),
+    frameBytes(encodeChunk('3', 0, Buffer.alloc(1000, 1))),
+    encodeControl({ type: 'ping', seq: 1 }),
+    frameBytes(encodeChunk('3', 1000, Buffer.alloc(300, 2))),
+    encodeControl({ type: 'kv_end', room: '3' }),
+  ]);
+  const want = decodeAll([stream]);
+
+  it('pieces merge back to the same frames at every split point', () => {
+    for (let i = 0; i <= stream.length; i++) {
+      assert.deepEqual(mergePieces(decodeAll([stream.subarray(0, i), stream.subarray(i)], true)), want, `split at ${i}`);
+    }
+    assert.deepEqual(mergePieces(decodeAll([...stream].map((b) => Buffer.from([b])), true)), want);
+  });
+
+  it('data pieces are views of the fed buffers, never copies', () => {
+    const parts = [stream.subarray(0, 100), Buffer.from(stream.subarray(100, 700)), Buffer.from(stream.subarray(700))];
+    const d = new FrameDecoder({ streamChunks: true });
+    for (const p of parts) {
+      for (const f of d.feed(p)) if (f.kind === 'chunk') assert.equal(f.data.buffer, p.buffer);
+    }
+  });
+
+  it('a whole chunk inside one buffer comes out as one final piece', () => {
+    const f = decodeAll([stream], true);
+    assert.equal(f.length, want.length);
+    assert.ok(f.every((x) => x.kind === 'control' || x.final));
+  });
+
+  it('caps are checked on the header, before any piece is emitted', () => {
+    const h = Buffer.alloc(5);
+    h.writeUInt32BE(MAX_CHUNK_BYTES + 18, 0);
+    h[4] = 2;
+    expectBad(() => [...new FrameDecoder({ streamChunks: true }).feed(h)], /exceeds cap/);
   });
 });
 
@@ -211,11 +275,13 @@ describe('frame: encoding refuses invalid input', () => {
 
 describe('frame: fuzz', () => {
   const onlyKvErrors = (chunks: Uint8Array[]): void => {
-    const d = new FrameDecoder();
-    try {
-      for (const c of chunks) for (const _ of d.feed(Buffer.from(c))) void _;
-    } catch (e) {
-      if (!(e instanceof KvError) || e.code !== 'BAD_FRAME') throw e;
+    for (const streamChunks of [false, true]) {
+      const d = new FrameDecoder({ streamChunks });
+      try {
+        for (const c of chunks) for (const _ of d.feed(Buffer.from(c))) void _;
+      } catch (e) {
+        if (!(e instanceof KvError) || e.code !== 'BAD_FRAME') throw e;
+      }
     }
   };
 
@@ -265,9 +331,10 @@ describe('frame: fuzz', () => {
         }
         parts.push(bytes.subarray(prev));
         const got = decodeAll(parts);
+        assert.deepEqual(mergePieces(decodeAll(parts, true)), got);
         assert.deepEqual(
           got,
-          items.map((it) => ('type' in it ? { kind: 'control', msg: it } : { kind: 'chunk', room: it.room, offset: it.offset, data: Buffer.from(it.data) })),
+          items.map((it) => ('type' in it ? { kind: 'control', msg: it } : { kind: 'chunk', room: it.room, offset: it.offset, data: Buffer.from(it.data), final: true })),
         );
       }),
       { numRuns: 1000 },
