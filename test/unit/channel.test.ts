@@ -1,0 +1,601 @@
+import assert from 'node:assert/strict';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { createHash, randomBytes } from 'node:crypto';
+import net from 'node:net';
+import { once } from 'node:events';
+import { createInterface } from 'node:readline';
+import { afterEach, describe, it } from 'node:test';
+import { fileURLToPath } from 'node:url';
+import { authMac, newEpoch, newNonce } from '../../src/kv/auth.js';
+import { KvPeerPool, KvServer, type KvChannelOptions, type KvLog, type PeerConn } from '../../src/kv/channel.js';
+import { encodeChunk, encodeControl, FrameDecoder, type Frame } from '../../src/kv/frame.js';
+import type { ControlMsg, RoomMsg } from '../../src/kv/messages.js';
+import { KvError } from '../../src/kv/types.js';
+
+const SECRET = 'test-secret';
+const CHILD = fileURLToPath(new URL('../fixtures/kv-peer-child.ts', import.meta.url));
+
+type Entry = { level: string; obj: Record<string, unknown>; msg?: string };
+function memLog(): KvLog & { entries: Entry[]; has(re: RegExp): boolean } {
+  const entries: Entry[] = [];
+  const at = (level: string) => (obj: object, msg?: string) => void entries.push({ level, obj: obj as Record<string, unknown>, msg });
+  return {
+    entries,
+    info: at('info'),
+    warn: at('warn'),
+    error: at('error'),
+    debug: at('debug'),
+    has: (re) => entries.some((e) => re.test(`${e.msg} ${JSON.stringify(e.obj)}`)),
+  };
+}
+
+const cleanups: (() => unknown)[] = [];
+afterEach(async () => {
+  while (cleanups.length) await cleanups.pop()!();
+});
+
+async function startServer(o: Partial<KvChannelOptions> & { port?: number } = {}) {
+  const log = memLog();
+  const got: { conn: PeerConn; msg: RoomMsg }[] = [];
+  const lost: { conn: PeerConn; reason: string }[] = [];
+  const epoch = o.epoch ?? newEpoch();
+  const server = new KvServer({
+    host: '127.0.0.1',
+    port: 0,
+    secret: SECRET,
+    log,
+    onMessage: (conn, msg) => got.push({ conn, msg }),
+    onPeerLost: (conn, reason) => lost.push({ conn, reason }),
+    ...o,
+    epoch,
+  });
+  const port = await server.listen();
+  cleanups.push(() => server.destroy());
+  return { server, port, log, got, lost, epoch };
+}
+
+function startPool(o: Partial<KvChannelOptions> & { connectTimeoutMs?: number } = {}) {
+  const log = memLog();
+  const got: { conn: PeerConn; msg: RoomMsg }[] = [];
+  const lost: { conn: PeerConn; reason: string }[] = [];
+  const epoch = o.epoch ?? newEpoch();
+  const pool = new KvPeerPool({
+    secret: SECRET,
+    log,
+    onMessage: (conn, msg) => got.push({ conn, msg }),
+    onPeerLost: (conn, reason) => lost.push({ conn, reason }),
+    ...o,
+    epoch,
+  });
+  cleanups.push(() => pool.destroy());
+  return { pool, log, got, lost, epoch };
+}
+
+async function until(cond: () => boolean, ms = 3000, what = 'condition'): Promise<void> {
+  const end = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+async function rejectsKv(p: Promise<unknown>, code: KvError['code'], re?: RegExp): Promise<KvError> {
+  let err: unknown;
+  await p.then(
+    () => assert.fail(`expected KvError ${code}, got success`),
+    (e) => (err = e),
+  );
+  assert.ok(err instanceof KvError, `expected KvError ${code}, got ${String(err)}`);
+  assert.equal(err.code, code, err.message);
+  if (re) assert.match(err.message, re);
+  return err;
+}
+
+/** A hand-driven client socket speaking the wire protocol. */
+class RawPeer {
+  readonly frames: Frame[] = [];
+  readonly dec = new FrameDecoder();
+  closed = false;
+  error: unknown;
+  constructor(readonly sock: net.Socket) {
+    sock.on('data', (b) => {
+      try {
+        for (const f of this.dec.feed(b)) this.frames.push(f);
+      } catch (e) {
+        this.error = e;
+      }
+    });
+    sock.on('close', () => (this.closed = true));
+    sock.on('error', () => {});
+    cleanups.push(() => sock.destroy());
+  }
+  static async connect(port: number): Promise<RawPeer> {
+    const sock = net.connect({ host: '127.0.0.1', port });
+    await once(sock, 'connect');
+    return new RawPeer(sock);
+  }
+  async next(type?: ControlMsg['type']): Promise<ControlMsg> {
+    await until(() => this.frames.some((f) => f.kind === 'control' && (!type || f.msg.type === type)), 3000, `frame ${type}`);
+    const i = this.frames.findIndex((f) => f.kind === 'control' && (!type || f.msg.type === type));
+    const f = this.frames.splice(i, 1)[0];
+    return (f as { msg: ControlMsg }).msg;
+  }
+  send(b: Buffer | Buffer[]): void {
+    this.sock.write(Array.isArray(b) ? Buffer.concat(b) : b);
+  }
+  /** Runs the decode side of the handshake; returns prefill's epoch. */
+  static async authed(port: number, epoch = newEpoch()): Promise<{ raw: RawPeer; epoch: string; serverEpoch: string }> {
+    const raw = await RawPeer.connect(port);
+    const hello = await raw.next('hello');
+    assert.ok(hello.type === 'hello');
+    const cN = newNonce();
+    raw.send(encodeControl({ type: 'auth', nonce: cN, epoch, role: 'decode', mac: authMac(SECRET, 'decode>prefill', hello.nonce, cN, epoch) }));
+    const ok = await raw.next('auth_ok');
+    assert.ok(ok.type === 'auth_ok' && ok.mac === authMac(SECRET, 'prefill>decode', hello.nonce, cN, hello.epoch));
+    return { raw, epoch, serverEpoch: hello.epoch };
+  }
+}
+
+function spawnChild(args: string[]): Promise<{ child: ChildProcess; first: Record<string, unknown> }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', CHILD, ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
+  cleanups.push(() => {
+    if (child.exitCode === null && child.signalCode === null) {
+      child.kill('SIGCONT');
+      child.kill('SIGKILL');
+    }
+  });
+  const rl = createInterface({ input: child.stdout! });
+  return new Promise((resolve, reject) => {
+    const t = setTimeout(() => reject(new Error('child did not start')), 20_000);
+    rl.once('line', (line) => {
+      clearTimeout(t);
+      resolve({ child, first: JSON.parse(line) });
+    });
+    child.once('exit', (code) => reject(new Error(`child exited early with ${code}`)));
+  });
+}
+
+/** Measures the largest gap between ticks of a 10 ms interval: our event loop's responsiveness. */
+function loopWatch(): { stop(): number } {
+  let last = Date.now();
+  let max = 0;
+  const t = setInterval(() => {
+    const now = Date.now();
+    max = Math.max(max, now - last);
+    last = now;
+  }, 10);
+  return {
+    stop: () => {
+      clearInterval(t);
+      return Math.max(max, Date.now() - last);
+    },
+  };
+}
+
+describe('channel: authentication', () => {
+  it('authenticates both ways, binds epochs, shares one connection, carries room messages', async () => {
+    const s = await startServer();
+    const connected: PeerConn[] = [];
+    s.server.onConnect = (c) => connected.push(c);
+    const p = startPool();
+    const [a, b, c] = await Promise.all([p.pool.get('127.0.0.1', s.port), p.pool.get('127.0.0.1', s.port), p.pool.get('127.0.0.1', s.port)]);
+    assert.equal(a, b);
+    assert.equal(a, c);
+    assert.equal(await p.pool.get('127.0.0.1', s.port), a, 'reused');
+    assert.equal(a.peerEpoch, s.epoch);
+    assert.equal(a.id, `prefill@127.0.0.1:${s.port}#${s.epoch.slice(0, 8)}`);
+    await until(() => connected.length === 1);
+    const sc = connected[0];
+    assert.equal(sc.peerEpoch, p.epoch);
+    assert.match(sc.id, new RegExp(`^decode@127\\.0\\.0\\.1:\\d+#${p.epoch.slice(0, 8)}$`));
+    assert.equal(s.server.get(sc.id), sc);
+    assert.deepEqual(s.server.connections(), [sc]);
+
+    assert.ok(a.sendControl({ type: 'register', room: '12345678901234567890', rid: 'r1', epoch: p.epoch }));
+    await until(() => s.got.length === 1);
+    assert.deepEqual(s.got[0].msg, { type: 'register', room: '12345678901234567890', rid: 'r1', epoch: p.epoch });
+    assert.equal(s.got[0].conn, sc);
+    assert.ok(sc.sendControl({ type: 'registered', room: '12345678901234567890' }));
+    await until(() => p.got.length === 1);
+    assert.deepEqual(p.got[0].msg, { type: 'registered', room: '12345678901234567890' });
+    assert.equal(s.server.stats.authFailures + p.pool.stats.authFailures, 0);
+    assert.ok(s.server.stats.framesIn >= 2 && p.pool.stats.framesIn >= 3 && s.server.stats.bytesOut > 0);
+  });
+
+  it('a decode with the wrong secret is refused', async () => {
+    const s = await startServer();
+    const p = startPool({ secret: 'wrong' });
+    await rejectsKv(p.pool.get('127.0.0.1', s.port), 'AUTH_FAILED', /prefill refused authentication: .*bad mac/);
+    assert.equal(s.server.stats.authFailures, 1);
+    assert.equal(p.pool.stats.authFailures, 1);
+    assert.ok(s.log.has(/bad mac/));
+    assert.equal(s.lost.length, 0, 'no onPeerLost for a connection that never authenticated');
+    assert.equal(s.server.connections().length, 0);
+  });
+
+  it('a prefill that cannot prove the secret is refused', async () => {
+    // An impostor: says hello, accepts any auth, answers with a mac made from another secret.
+    const srv = net.createServer((sock) => {
+      const dec = new FrameDecoder();
+      const sN = newNonce();
+      sock.on('error', () => {});
+      sock.write(encodeControl({ type: 'hello', nonce: sN, epoch: 'deadbeefdeadbeef', role: 'prefill' }));
+      sock.on('data', (b) => {
+        for (const f of dec.feed(b)) {
+          if (f.kind === 'control' && f.msg.type === 'auth') {
+            sock.write(encodeControl({ type: 'auth_ok', mac: authMac('guess', 'prefill>decode', sN, f.msg.nonce, 'deadbeefdeadbeef') }));
+          }
+        }
+      });
+    });
+    srv.listen(0, '127.0.0.1');
+    await once(srv, 'listening');
+    cleanups.push(() => srv.close());
+    const p = startPool();
+    await rejectsKv(p.pool.get('127.0.0.1', (srv.address() as net.AddressInfo).port), 'AUTH_FAILED', /prefill failed to authenticate: bad mac/);
+    assert.equal(p.pool.stats.authFailures, 1);
+    assert.ok(p.log.has(/bad mac/));
+  });
+
+  it('a prefill that never completes the handshake hits the auth deadline', async () => {
+    const srv = net.createServer((sock) => sock.on('error', () => {}));
+    srv.listen(0, '127.0.0.1');
+    await once(srv, 'listening');
+    cleanups.push(() => srv.close());
+    const p = startPool({ authTimeoutMs: 200 });
+    const t0 = Date.now();
+    await rejectsKv(p.pool.get('127.0.0.1', (srv.address() as net.AddressInfo).port), 'TIMEOUT', /authentication timed out after 200 ms/);
+    assert.ok(Date.now() - t0 < 1000);
+  });
+
+  it('an unauthenticated frame before auth closes the connection', async () => {
+    const s = await startServer();
+    const raw = await RawPeer.connect(s.port);
+    await raw.next('hello');
+    raw.send(encodeControl({ type: 'register', room: '1', rid: 'r', epoch: newEpoch() }));
+    const m = await raw.next('auth_fail');
+    assert.ok(m.type === 'auth_fail' && /unauthenticated 'register' frame before auth/.test(m.reason));
+    await until(() => raw.closed);
+    assert.equal(s.got.length, 0);
+    assert.equal(s.server.stats.authFailures, 1);
+    assert.ok(s.log.has(/unauthenticated 'register' frame before auth/));
+
+    const raw2 = await RawPeer.connect(s.port);
+    await raw2.next('hello');
+    raw2.send(encodeChunk('1', 0, Buffer.from('sneaky')));
+    await until(() => raw2.closed);
+    assert.equal(s.server.stats.badFrames, 1);
+    assert.ok(s.log.has(/chunk frame not allowed/));
+  });
+
+  it('a silent client is dropped at the auth deadline', async () => {
+    const s = await startServer({ authTimeoutMs: 150 });
+    const raw = await RawPeer.connect(s.port);
+    await raw.next('hello');
+    const t0 = Date.now();
+    await until(() => raw.closed, 2000);
+    assert.ok(Date.now() - t0 < 1000);
+    assert.equal(s.server.stats.authFailures, 1);
+  });
+
+  it('refuses a dead address with PEER_LOST', async () => {
+    const srv = net.createServer();
+    srv.listen(0, '127.0.0.1');
+    await once(srv, 'listening');
+    const port = (srv.address() as net.AddressInfo).port;
+    await new Promise((r) => srv.close(r));
+    const p = startPool();
+    await rejectsKv(p.pool.get('127.0.0.1', port), 'PEER_LOST', /ECONNREFUSED/);
+  });
+});
+
+describe('channel: bad frames', () => {
+  it('an oversized frame closes that connection with a logged reason; the server keeps serving', async () => {
+    const s = await startServer();
+    const { raw } = await RawPeer.authed(s.port);
+    await until(() => s.server.connections().length === 1);
+    const h = Buffer.alloc(5);
+    h.writeUInt32BE(0x7fffffff, 0);
+    h[4] = 1;
+    raw.send(h);
+    await until(() => raw.closed);
+    await until(() => s.lost.length === 1);
+    assert.match(s.lost[0].reason, /bad frame: control frame of \d+ bytes exceeds cap/);
+    assert.equal(s.server.stats.badFrames, 1);
+    assert.equal(s.server.stats.peersLost, 1);
+    assert.ok(s.log.has(/exceeds cap/));
+
+    const p = startPool();
+    const conn = await p.pool.get('127.0.0.1', s.port);
+    conn.sendControl({ type: 'kv_ack', room: '9', epoch: p.epoch });
+    await until(() => s.got.length === 1);
+  });
+
+  it('malformed JSON, unknown types and handshake replays after auth close the connection', async () => {
+    const s = await startServer();
+    const cases: [Buffer, RegExp][] = [
+      [Buffer.concat([Buffer.from([0, 0, 0, 4, 1]), Buffer.from('{x}')]), /not valid JSON/],
+      [Buffer.concat([Buffer.from([0, 0, 0, 17, 1]), Buffer.from('{"type":"nope"}X')]), /not valid JSON|unknown control message type/],
+      [Buffer.concat([Buffer.from([0, 0, 0, 16, 1]), Buffer.from('{"type":"nope"}')]), /unknown control message type .*nope/],
+      [Buffer.from([0, 0, 0, 2, 9, 0]), /unknown frame type 9/],
+      [encodeControl({ type: 'hello', nonce: newNonce(), epoch: newEpoch(), role: 'prefill' }), /handshake message 'hello' after authentication/],
+    ];
+    for (const [bytes, re] of cases) {
+      const { raw } = await RawPeer.authed(s.port);
+      raw.send(bytes);
+      await until(() => raw.closed, 3000, `close for ${re}`);
+      await until(() => s.log.has(re), 1000, `log ${re}`);
+    }
+    assert.equal(s.server.stats.badFrames, cases.length);
+    assert.equal(s.lost.length, cases.length);
+    const { raw } = await RawPeer.authed(s.port);
+    raw.send(encodeControl({ type: 'ping', seq: 7 }));
+    const pong = await raw.next('pong');
+    assert.deepEqual(pong, { type: 'pong', seq: 7 });
+  });
+
+  it('an unexpected chunk frame on prefill closes the connection', async () => {
+    const s = await startServer();
+    const { raw } = await RawPeer.authed(s.port);
+    raw.send(encodeChunk('5', 0, Buffer.from('data')));
+    await until(() => raw.closed);
+    assert.ok(s.log.has(/unexpected chunk frame/));
+  });
+});
+
+describe('channel: epochs', () => {
+  it('stale-epoch messages are refused and counted, both ways', async () => {
+    const s = await startServer();
+    const p = startPool();
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const conn = await p.pool.get('127.0.0.1', s.port);
+    const stale = newEpoch();
+    conn.sendControl({ type: 'register', room: '1', rid: 'r', epoch: stale });
+    conn.sendControl({ type: 'kv_ack', room: '1', epoch: stale });
+    conn.sendControl({ type: 'fail', room: '1', reason: 'x', epoch: stale });
+    conn.sendControl({ type: 'register', room: '2', rid: 'r', epoch: p.epoch });
+    await until(() => s.got.length === 1);
+    assert.equal((s.got[0].msg as { room: string }).room, '2');
+    assert.equal(s.server.stats.staleEpoch, 3);
+    assert.ok(s.log.has(/stale epoch/));
+    assert.ok(conn.alive, 'a stale message does not close the connection');
+
+    await until(() => sc !== undefined);
+    sc!.sendControl({ type: 'fail', room: '2', reason: 'old', epoch: stale });
+    sc!.sendControl({ type: 'fail', room: '2', reason: 'new', epoch: s.epoch });
+    await until(() => p.got.length === 1);
+    assert.equal((p.got[0].msg as { reason: string }).reason, 'new');
+    assert.equal(p.pool.stats.staleEpoch, 1);
+  });
+});
+
+describe('channel: chunks', () => {
+  it('a 16 MiB blob arrives intact, in order, with bounded queueing', async () => {
+    const s = await startServer({ sendWindowBytes: 2 * 1024 * 1024 });
+    const blob = randomBytes(16 * 1024 * 1024);
+    const recv = Buffer.alloc(blob.length);
+    let received = 0;
+    let lastEnd = 0;
+    let inOrder = true;
+    const p = startPool();
+    p.pool.onChunk = (_c, room, offset, data) => {
+      assert.equal(room, '77');
+      if (offset !== lastEnd) inOrder = false;
+      lastEnd = offset + data.length;
+      data.copy(recv, offset);
+      received += data.length;
+    };
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    await p.pool.get('127.0.0.1', s.port);
+    await until(() => sc !== undefined);
+    let progress = 0;
+    let maxQueued = 0;
+    const watch = loopWatch();
+    const t0 = performance.now();
+    await sc!.sendChunks('77', blob, {
+      chunkBytes: 256 * 1024,
+      onProgress: (n) => {
+        progress += n;
+        maxQueued = Math.max(maxQueued, sc!.queuedBytes);
+      },
+    });
+    const ms = performance.now() - t0;
+    const gap = watch.stop();
+    await until(() => received === blob.length);
+    assert.ok(inOrder);
+    assert.equal(progress, blob.length);
+    assert.equal(createHash('sha256').update(recv).digest('hex'), createHash('sha256').update(blob).digest('hex'));
+    assert.ok(maxQueued <= 2 * 1024 * 1024 + 256 * 1024 + 64, `queued ${maxQueued}`);
+    assert.ok(gap < 500, `event loop gap ${gap} ms`);
+    console.log(`# 16 MiB in ${ms.toFixed(0)} ms (${(blob.length / 1e6 / (ms / 1000)).toFixed(0)} MB/s), max queued ${maxQueued}, loop gap ${gap} ms`);
+  });
+
+  it('a peer that does not read: sends stop at the window and time out; abort and close reject', async () => {
+    const s = await startServer({ heartbeatMs: 10_000, sendWindowBytes: 1024 * 1024 });
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const { raw } = await RawPeer.authed(s.port);
+    raw.sock.pause();
+    await until(() => sc !== undefined);
+    const blob = Buffer.alloc(64 * 1024 * 1024, 1);
+    const t0 = Date.now();
+    const watch = loopWatch();
+    await rejectsKv(sc!.sendChunks('1', blob, { stallMs: 300, chunkBytes: 128 * 1024 }), 'TIMEOUT', /stalled: no progress for 300 ms/);
+    assert.ok(Date.now() - t0 < 3000);
+    assert.ok(watch.stop() < 200);
+    assert.ok(sc!.queuedBytes <= 1024 * 1024 + 128 * 1024 + 64, `queued ${sc!.queuedBytes}`);
+
+    const ac = new AbortController();
+    const p = sc!.sendChunks('2', blob, { signal: ac.signal });
+    setTimeout(() => ac.abort(new Error('router abort')), 50);
+    await rejectsKv(p, 'ABORTED', /router abort/);
+    await rejectsKv(sc!.sendChunks('3', blob, { signal: ac.signal }), 'ABORTED');
+
+    const q = sc!.sendChunks('4', blob, {});
+    setTimeout(() => sc!.destroy('test teardown'), 50);
+    await rejectsKv(q, 'PEER_LOST', /test teardown/);
+    await rejectsKv(sc!.sendChunks('5', blob), 'PEER_LOST');
+    assert.equal(sc!.sendControl({ type: 'kv_end', room: '5' }), false);
+    assert.equal(s.lost.length, 1);
+    assert.equal(s.server.stats.peersLost, 0, 'a local destroy is not a lost peer');
+  });
+
+  it('a control flood to a peer that does not read hits the queue cap and drops the connection', async () => {
+    const s = await startServer({ heartbeatMs: 10_000, maxQueuedBytes: 256 * 1024 });
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const { raw } = await RawPeer.authed(s.port);
+    raw.sock.pause();
+    await until(() => sc !== undefined);
+    const reason = 'z'.repeat(4000);
+    let sent = 0;
+    while (sc!.sendControl({ type: 'fail', room: '1', reason, epoch: s.epoch })) {
+      if (++sent > 100_000) assert.fail('cap never hit');
+    }
+    await until(() => s.lost.length === 1);
+    assert.match(s.lost[0].reason, /send queue over cap/);
+    assert.equal(s.server.stats.peersLost, 1);
+  });
+
+  it('rejects bad arguments', async () => {
+    const s = await startServer();
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    await RawPeer.authed(s.port);
+    await until(() => sc !== undefined);
+    await rejectsKv(sc!.sendChunks('007', Buffer.alloc(10)), 'BAD_FRAME', /room id/);
+    await assert.rejects(sc!.sendChunks('7', Buffer.alloc(10), { chunkBytes: 0 }), RangeError);
+    await assert.rejects(sc!.sendChunks('7', Buffer.alloc(10), { chunkBytes: 2 * 1024 * 1024 }), RangeError);
+    await sc!.sendChunks('7', Buffer.alloc(0));
+    assert.throws(() => sc!.sendControl({ type: 'kv_end', room: 'x' }), KvError);
+  });
+});
+
+describe('channel: liveness and reconnection', () => {
+  it('heartbeats keep an idle connection alive', async () => {
+    const s = await startServer({ heartbeatMs: 100 });
+    const p = startPool({ heartbeatMs: 100 });
+    const conn = await p.pool.get('127.0.0.1', s.port);
+    await new Promise((r) => setTimeout(r, 700));
+    assert.ok(conn.alive);
+    assert.equal(p.lost.length + s.lost.length, 0);
+    assert.ok(conn.rttMs !== undefined && conn.rttMs < 1000);
+    assert.ok(s.server.stats.framesIn >= 6, 'pings arrived');
+  });
+
+  it('a prefill restarted on the same port is reachable again on the next get', async () => {
+    const s1 = await startServer();
+    const p = startPool();
+    const c1 = await p.pool.get('127.0.0.1', s1.port);
+    assert.equal(c1.peerEpoch, s1.epoch);
+    await s1.server.close();
+    await until(() => p.lost.length === 1);
+    assert.equal(p.lost[0].conn, c1);
+    assert.ok(!c1.alive);
+    assert.equal(c1.sendControl({ type: 'kv_end', room: '1' }), false);
+    await rejectsKv(p.pool.get('127.0.0.1', s1.port), 'PEER_LOST', /ECONNREFUSED/);
+
+    const s2 = await startServer({ port: s1.port });
+    const c2 = await p.pool.get('127.0.0.1', s1.port);
+    assert.notEqual(c2, c1);
+    assert.equal(c2.peerEpoch, s2.epoch);
+    assert.ok(c2.sendControl({ type: 'register', room: '3', rid: 'r', epoch: p.epoch }));
+    await until(() => s2.got.length === 1);
+    assert.equal(p.pool.stats.peersLost, 1);
+  });
+
+  it('a SIGSTOPped prefill is declared lost within 2 heartbeat intervals; our loop stays responsive', async () => {
+    const HB = 200;
+    const epoch = newEpoch();
+    const { child, first } = await spawnChild(['server', SECRET, epoch, String(HB)]);
+    const p = startPool({ heartbeatMs: HB });
+    const conn = await p.pool.get('127.0.0.1', first.port as number);
+    assert.equal(conn.peerEpoch, epoch);
+    await new Promise((r) => setTimeout(r, 3 * HB)); // heartbeats flowing
+    assert.ok(conn.alive);
+    const watch = loopWatch();
+    child.kill('SIGSTOP');
+    const t0 = Date.now();
+    // Keep writing to the frozen peer meanwhile: must not block or buffer without bound.
+    const spam = setInterval(() => conn.sendControl({ type: 'register', room: '1', rid: 'r', epoch: p.epoch }), 5);
+    await until(() => p.lost.length === 1, 5 * HB, 'peer lost');
+    const dt = Date.now() - t0;
+    clearInterval(spam);
+    const gap = watch.stop();
+    child.kill('SIGCONT');
+    assert.match(p.lost[0].reason, /peer silent for \d+ ms/);
+    assert.ok(dt <= 2.5 * HB, `lost after ${dt} ms (heartbeat ${HB})`);
+    assert.ok(dt >= HB / 2, `lost too early: ${dt} ms`);
+    assert.ok(gap < 100, `event loop gap ${gap} ms`);
+    assert.equal(p.pool.stats.peersLost, 1);
+    // The same prefill, thawed, is usable again on the next get.
+    const again = await p.pool.get('127.0.0.1', first.port as number);
+    assert.ok(again.alive && again !== conn);
+    console.log(`# frozen prefill lost after ${dt} ms (heartbeat ${HB} ms), max loop gap ${gap} ms`);
+  });
+
+  it('a SIGSTOPped decode receiving a large blob: transfer rejects, peer lost in time, loop responsive', async () => {
+    const HB = 200;
+    const blob = Buffer.alloc(64 * 1024 * 1024, 3); // before connecting: allocating blocks our loop
+    const s = await startServer({ heartbeatMs: HB });
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const { child } = await spawnChild(['pool', String(s.port), SECRET, newEpoch(), String(HB)]);
+    await until(() => sc !== undefined, 5000);
+    let progress = 0;
+    let t0 = 0;
+    const watch = loopWatch();
+    const sending = sc!.sendChunks('11', blob, {
+      stallMs: 60_000,
+      onProgress: (n) => {
+        progress += n;
+        if (!t0 && progress >= 8 * 1024 * 1024) {
+          child.kill('SIGSTOP');
+          t0 = Date.now();
+        }
+      },
+    });
+    const err = await rejectsKv(sending, 'PEER_LOST', /peer silent/);
+    const dt = Date.now() - t0;
+    const gap = watch.stop();
+    child.kill('SIGCONT');
+    assert.ok(t0 > 0 && progress < blob.length, `progress ${progress}`);
+    assert.ok(dt <= 2.5 * HB, `lost after ${dt} ms: ${err.message}`);
+    assert.ok(gap < 100, `event loop gap ${gap} ms`);
+    assert.equal(s.lost.length, 1);
+    assert.equal(s.server.stats.peersLost, 1);
+    console.log(`# frozen decode lost after ${dt} ms (heartbeat ${HB} ms), ${(progress / 1048576).toFixed(1)} MiB flushed, max loop gap ${gap} ms`);
+  });
+});
+
+describe('channel: close', () => {
+  it('close() is idempotent, drains, fires onPeerLost once, and refuses later gets', async () => {
+    const s = await startServer();
+    const p = startPool();
+    const conn = await p.pool.get('127.0.0.1', s.port);
+    await until(() => s.server.connections().length === 1);
+    conn.sendControl({ type: 'kv_ack', room: '1', epoch: p.epoch });
+    await Promise.all([p.pool.close(), p.pool.close()]);
+    await until(() => s.got.length === 1, 1000, 'message sent before close delivered');
+    assert.equal(p.lost.length, 1);
+    assert.match(p.lost[0].reason, /pool closing/);
+    assert.equal(p.pool.stats.peersLost, 0);
+    await rejectsKv(p.pool.get('127.0.0.1', s.port), 'PEER_LOST', /closed/);
+    await until(() => s.lost.length === 1);
+    await Promise.all([s.server.close(), s.server.close()]);
+    s.server.destroy();
+  });
+
+  it('closing the pool aborts a pending connect', async () => {
+    const srv = net.createServer((sock) => sock.on('error', () => {}));
+    srv.listen(0, '127.0.0.1');
+    await once(srv, 'listening');
+    cleanups.push(() => srv.close());
+    const p = startPool();
+    const g = p.pool.get('127.0.0.1', (srv.address() as net.AddressInfo).port);
+    setTimeout(() => p.pool.destroy(), 30);
+    await rejectsKv(g, 'PEER_LOST');
+  });
+});
