@@ -414,7 +414,7 @@ export class PdRequest {
       e2e_ms: Math.round(e2eMs),
       ...(err && outcome !== 'ok' ? { err: err.message, code: err.code } : {}),
     };
-    if (outcome === 'ok' || outcome === 'client_abort') this.log.info(line, 'request finished');
+    if (outcome === 'ok' || outcome === 'client_abort' || this.status < 500) this.log.info(line, 'request finished');
     else this.log.warn(line, 'request failed');
     this.resolveDone();
   }
