@@ -36,8 +36,12 @@ export const GenerateRequestSchema = z
     stream: z.boolean().default(true),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
-    /** Decimal string or number; 63-bit. */
-    bootstrap_room: z.union([z.string().regex(/^\d{1,19}$/), z.number().int().min(0)]).transform(String),
+    /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised ("007" → "7"). */
+    bootstrap_room: z
+      .union([z.string().regex(/^\d{1,20}$/), z.number().int().min(0).max(Number.MAX_SAFE_INTEGER)])
+      .transform((v) => BigInt(v))
+      .refine((v) => v < 1n << 64n, 'bootstrap_room must fit in 64 bits')
+      .transform((v) => v.toString()),
   })
   .refine((b) => [b.text, b.input_ids, b.messages].filter((x) => x !== undefined).length === 1, {
     message: 'exactly one of text, input_ids, messages is required',

@@ -11,6 +11,8 @@ export interface WorkerMetricSources {
   queues(): Record<string, number>;
   /** KVPoll → live rooms now. */
   roomsByState(): Map<KVPoll, number>;
+  /** Monotonic counters of the KV channel (KvServer / KvPeerPool `stats`), when the role has one. */
+  channel?(): Record<string, number>;
 }
 
 /** Metric handles shared by prefill and decode workers. */
@@ -23,7 +25,6 @@ export class WorkerMetrics {
   readonly illegal: client.Counter<'from' | 'to'>;
   readonly expired: client.Counter<'role' | 'state'>;
   readonly roomsTerminal: client.Counter<'state'>;
-  readonly channel: client.Counter<'event'>;
 
   constructor(readonly role: Role | 'colocated', sources: WorkerMetricSources) {
     const registers = [this.registry];
@@ -58,7 +59,18 @@ export class WorkerMetrics {
     this.illegal = new client.Counter({ name: 'pdserve_illegal_transitions_total', help: 'Room state writes refused by the transition function', labelNames: ['from', 'to'], registers });
     this.expired = new client.Counter({ name: 'pdserve_room_deadline_expired_total', help: 'Rooms failed by the watchdog', labelNames: ['role', 'state'], registers });
     this.roomsTerminal = new client.Counter({ name: 'pdserve_rooms_terminal_total', help: 'Rooms that reached a terminal state', labelNames: ['state'], registers });
-    this.channel = new client.Counter({ name: 'pdserve_kv_channel_events_total', help: 'KV channel events (auth failures, bad frames, stale epochs, peers lost)', labelNames: ['event'], registers });
+    if (sources.channel) {
+      const read = sources.channel;
+      new client.Gauge({
+        name: 'pdserve_kv_channel_events_total',
+        help: 'KV channel counters since start: frames and bytes in/out, auth failures, bad frames, stale-epoch messages, peers lost',
+        labelNames: ['event'],
+        registers,
+        collect() {
+          for (const [k, v] of Object.entries(read())) this.set({ event: k.replace(/[A-Z]/g, (m) => `_${m.toLowerCase()}`) }, v);
+        },
+      });
+    }
   }
 
   /** Reason label, bounded in cardinality: the part before the first ':' (e.g. 'deadline'). */

@@ -74,7 +74,7 @@ export class DecodeWorker {
     readonly log: Logger,
   ) {
     this.rooms = new RoomTable('decode', config.timeouts);
-    this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => this.roomsByState() });
+    this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => this.roomsByState(), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
   }
 
   /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
@@ -324,7 +324,6 @@ export class DecodeWorker {
   }
 
   private onPeerLost(conn: PeerConn, reason: string): void {
-    this.metrics.channel.inc({ event: 'peer_lost' });
     const rooms = [...this.jobs.values()].filter((j) => j.conn === conn || (!j.conn && false)).map((j) => j.room);
     for (const room of rooms) this.apply(room, { t: 'peer_lost', reason: `peer_lost: ${reason}` });
   }

@@ -66,6 +66,15 @@ export class PrefillWorker {
   private readonly waiting = new Set<RoomId>();
   private readonly conns = new Map<string, PeerConn>();
   private computing = 0;
+  /**
+   * TEST-ONLY fault injection, off unless PDSERVE_FAULT_LEAK_ROOM=1 (never set it in production).
+   * The first room to get decode's kv_ack is leaked: the ack and every later event for that room
+   * except `progress` are dropped, and each watchdog tick feeds it a zero-byte `progress` (a
+   * zombie sender), so it stays Transferring in the inflight queue forever without passing its
+   * deadline. It exists so the storm test can prove the storm's leak check fails and names the
+   * room (test/e2e/storm.test.ts). A decode loss (failPeer) still fails the room.
+   */
+  private readonly faultLeak = process.env.PDSERVE_FAULT_LEAK_ROOM === '1' ? { room: undefined as RoomId | undefined } : undefined;
   private watchdog?: NodeJS.Timeout;
   app!: FastifyInstance;
   kv!: KvServer;
@@ -83,6 +92,7 @@ export class PrefillWorker {
     this.metrics = new WorkerMetrics('prefill', {
       queues: () => this.queueSizes(),
       roomsByState: () => this.roomsByState(),
+      channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
   }
 
@@ -168,6 +178,7 @@ export class PrefillWorker {
   // ---- lifecycle plumbing -------------------------------------------------------------------
 
   private apply(room: RoomId, ev: RoomEvent): void {
+    if (this.faultLeak?.room === room && ev.t !== 'progress') return; // TEST-ONLY fault (faultLeak)
     this.run(this.rooms.apply(room, ev, Date.now()));
   }
 
@@ -180,6 +191,8 @@ export class PrefillWorker {
         this.metrics.bootstrapFailed.inc({ reason: 'no_request' });
       }
     }
+    const leaked = this.faultLeak?.room; // TEST-ONLY fault (faultLeak): the zombie sender
+    if (leaked !== undefined && this.rooms.has(leaked)) this.apply(leaked, { t: 'progress', bytes: 0 });
     this.run(this.rooms.tick(now));
   }
 
@@ -316,6 +329,11 @@ export class PrefillWorker {
         return;
       }
       case 'kv_ack':
+        if (this.faultLeak && this.faultLeak.room === undefined && this.rooms.has(msg.room)) {
+          this.faultLeak.room = msg.room; // TEST-ONLY fault (faultLeak): drop the ack, leak the room
+          this.log.warn({ room: msg.room }, 'FAULT INJECTION (PDSERVE_FAULT_LEAK_ROOM=1): leaking this room');
+          return;
+        }
         return this.apply(msg.room, { t: 'kv_done' });
       case 'fail':
         this.pendingRegs.delete(msg.room);
@@ -343,7 +361,6 @@ export class PrefillWorker {
   private onPeerLost(conn: PeerConn, reason: string): void {
     this.conns.delete(conn.id);
     for (const [room, p] of this.pendingRegs) if (p.conn === conn) this.pendingRegs.delete(room);
-    this.metrics.channel.inc({ event: 'peer_lost' });
     this.run(this.rooms.failPeer(conn.id, `peer_lost: ${reason}`, Date.now()));
   }
 

@@ -19,6 +19,7 @@
  * A prefill error after decode produced its first event is logged and ignored: the KV handoff
  * evidently succeeded and decode's output stands.
  */
+import { hold } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import type { FastifyReply } from 'fastify';
@@ -161,8 +162,11 @@ export class PdRequest {
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
       config.requestTimeoutMs,
     );
-    void this.runPrefill();
-    void this.runDecode();
+    await hold('router.dispatch');
+    if (!this.over) {
+      void this.runPrefill();
+      void this.runDecode();
+    }
     await this.done;
   }
 

@@ -11,7 +11,8 @@ import { busy, getJson, promptOf, startStack, waitFor } from '../helpers/stack.j
 
 const REPS = Number(process.env.PDSERVE_LIFECYCLE_REPS ?? 50);
 const HOLD = 30;
-const HOLDS = ['router.dispatch', 'decode.register', 'prefill.compute', 'prefill.save', 'prefill.send', 'decode.load'].map((p) => `${p}=${HOLD}`).join(',');
+// prefill.compute is held longer so a second request reliably queues behind the first.
+const HOLDS = ['router.dispatch', 'decode.register', 'prefill.save', 'prefill.send', 'decode.load'].map((p) => `${p}=${HOLD}`).join(',') + `,prefill.compute=${HOLD * 5}`;
 
 interface LiveRoom {
   room: string;
@@ -86,7 +87,7 @@ const scenarios: Scenario[] = [
   {
     name: 'decode prealloc (all slots busy)',
     setup: () => Promise.all([0, 1].map((i) => completion({ prompt: promptOf(10, i), max_tokens: 250, ignore_eos: true, stream: true }))),
-    ready: async () => ((await debug('decode')).decoding ?? []).length === 2,
+    ready: async () => (await getJson<{ decode_slots_used: number }>(`${url('decode')}/health`)).decode_slots_used === 2,
     find: { role: 'decode', pick: liveIn('prealloc') },
   },
   { name: 'decode transfer queue', find: { role: 'decode', pick: liveIn('transfer') } },
