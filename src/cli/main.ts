@@ -18,6 +18,14 @@ function collect(v: string, prev: string[] = []): string[] {
   return [...prev, v];
 }
 
+/** `500ms`, `20s`, `10m`, `1h`, or a bare number of seconds → ms. */
+function parseDurationMs(v: string): number {
+  const m = /^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$/.exec(v);
+  if (!m) throw new Error(`not a duration: ${v} (e.g. 500ms, 20s, 10m)`);
+  const unit = m[2] ?? 's';
+  return Math.round(Number(m[1]) * (unit === 'ms' ? 1 : unit === 's' ? 1000 : unit === 'm' ? 60_000 : 3_600_000));
+}
+
 const engineOptions = (c: Command) =>
   c
     .option('--model <file>', 'GGUF model file (default: the built-in tiny model, generated once into the cache)')
@@ -218,6 +226,101 @@ export async function runCli(argv: string[]): Promise<void> {
       const i = argv.indexOf('sim');
       process.exitCode = await simMain(argv.slice(i + 1));
     });
+
+  // ---- storm (src/harness/storm.ts) ----
+  {
+    const dur = (v: string): number => {
+      try {
+        return parseDurationMs(v);
+      } catch (err) {
+        throw new InvalidArgumentError((err as Error).message);
+      }
+    };
+    const rate = (v: string): number => {
+      const n = Number(v);
+      if (!(n >= 0 && n <= 1)) throw new InvalidArgumentError(`not a rate in [0, 1]: ${v}`);
+      return n;
+    };
+    engineOptions(program.command('storm').description('many agents, client cancellations at every phase and worker faults; fails (exit 1) on any wedge, leak, hang, crash or wrong answer'))
+      .option('--url <url>', 'drive this router instead of starting a cluster (client-side chaos only)')
+      .addOption(new Option('--worker <url>', 'with --url: a worker to watch (/metrics, /health, /debug/rooms); repeatable').argParser(collect))
+      .option('--reference <url>', 'with --url: a colocated server for the wrong-answer check')
+      .option('--agents <n>', 'agents running conversations in parallel', int, 30)
+      .option('--rounds <n>', 'rounds per conversation', int, 6)
+      .option('--duration <time>', 'storm length (then drain, settle, verify)', dur, 60_000)
+      .option('--seed <n>', 'seed of the chaos and prompt RNG', int, 1)
+      .option('--prefill <n>', 'prefill workers (self-hosted)', int, 2)
+      .option('--decode <n>', 'decode workers (self-hosted)', int, 2)
+      .addOption(new Option('--preset <name>', 'built-in model when --model is not given').choices(['tiny', 'small']).default('tiny'))
+      .option('--decode-slots <n>', 'sequences per decode worker', int, 8)
+      .option('--abort-rate <p>', 'share of requests the agent aborts (after sending, before the first token, mid-stream)', rate, 0.3)
+      .option('--kill-rate <p>', 'share of requests whose agent is killed (TCP reset) and restarts its conversation', rate, 0.05)
+      .option('--non-stream-rate <p>', 'share of requests sent without streaming', rate, 0.2)
+      .option('--burst-every <time>', 'every agent cancels at once, this often (0 = never)', dur, 15_000)
+      .option('--kill-decode-every <time>', 'SIGKILL + restart a decode worker, this often (0 = never)', dur, 20_000)
+      .option('--kill-prefill-every <time>', 'SIGKILL + restart a prefill worker, this often (0 = never)', dur, 30_000)
+      .option('--stop-prefill-every <time>', 'SIGSTOP a prefill worker, this often (0 = never)', dur, 25_000)
+      .option('--stop-duration <time>', 'how long a SIGSTOP lasts before SIGCONT', dur, 3000)
+      .option('--request-timeout <time>', 'deadline of every request (the hang check); the router gets 80 % of it', dur, 60_000)
+      .option('--settle <time>', 'after the drain, max wait for every gauge to reach zero (the leak check)', dur, 10_000)
+      .option('--max-tokens <n>', 'max_tokens of a round is drawn from [n/4, n]', int, 48)
+      .option('--think <time>', 'max think time between rounds', dur, 200)
+      .option('--verify <n>', 'completed rounds compared with the colocated reference (0 = skip)', int, 24)
+      .option('--json <file>', 'write the full report as JSON')
+      .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
+      .option('--no-progress', 'no progress line')
+      .action(async (o) => {
+        const { runStorm } = await import('../harness/storm.js');
+        const ac = new AbortController();
+        let interrupts = 0;
+        process.on('SIGINT', () => {
+          if (++interrupts === 1) {
+            console.error('\npdserve storm: interrupted; draining and checking (Ctrl-C again to quit at once)');
+            ac.abort();
+          } else process.exit(130);
+        });
+        try {
+          const report = await runStorm({
+            url: o.url,
+            workers: o.worker ?? [],
+            reference: o.reference,
+            agents: o.agents,
+            rounds: o.rounds,
+            durationMs: o.duration,
+            seed: o.seed,
+            prefill: o.prefill,
+            decode: o.decode,
+            model: o.model,
+            preset: o.preset,
+            threads: o.threads,
+            ctxSize: o.ctxSize,
+            batchSize: o.batchSize,
+            decodeSlots: o.decodeSlots,
+            abortRate: o.abortRate,
+            killRate: o.killRate,
+            nonStreamRate: o.nonStreamRate,
+            burstEveryMs: o.burstEvery,
+            killDecodeEveryMs: o.killDecodeEvery,
+            killPrefillEveryMs: o.killPrefillEvery,
+            stopPrefillEveryMs: o.stopPrefillEvery,
+            stopDurationMs: o.stopDuration,
+            requestTimeoutMs: o.requestTimeout,
+            settleMs: o.settle,
+            maxTokens: o.maxTokens,
+            thinkMs: o.think,
+            verify: o.verify,
+            json: o.json ? resolve(o.json) : undefined,
+            logDir: o.logDir ? resolve(o.logDir) : undefined,
+            progress: o.progress === false ? 'off' : process.stderr.isTTY ? 'tty' : 'lines',
+            signal: ac.signal,
+          });
+          process.exit(report.ok ? 0 : 1);
+        } catch (err) {
+          console.error(`pdserve storm: ${(err as Error).message}`);
+          process.exit(2);
+        }
+      });
+  }
 
   await program.parseAsync(argv);
 }

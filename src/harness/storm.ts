@@ -1,0 +1,696 @@
+/**
+ * `pdserve storm`: the production incident as a command. Many agents run multi-round chat
+ * conversations in parallel while clients cancel at every phase of a request and workers are
+ * killed, restarted and frozen; then the storm checks that nothing wedged, leaked, hung, crashed
+ * or answered wrongly, and exits 1 (printing the offending rooms' timelines) if anything did.
+ *
+ * Two modes:
+ *  - self-hosted (default): starts its own cluster (router + N prefill + M decode, plus a
+ *    colocated reference) with `Cluster`, so it can inject worker faults on a schedule:
+ *    SIGKILL + restart of a decode or prefill worker, SIGSTOP/SIGCONT of a prefill worker;
+ *  - `url`: drives an existing router (client-side chaos only) and watches the workers given.
+ *
+ * Phases: start → storm (duration) → drain (requests in flight finish; each has a deadline) →
+ * settle (wait for every gauge to reach zero, bounded) → verify (sampled rounds against the
+ * colocated reference, temperature 0) → stop → report.
+ *
+ * Checks: wedge (a live room past its deadline, from /debug/rooms), leak (a queue/room gauge, a
+ * slot or a router lease not back to zero after the settle period), hang (a request with
+ * neither answer nor error within its deadline), crash (a worker that died without being killed
+ * by the storm), wrong answer (a completed round whose text differs from the reference's).
+ */
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import http from 'node:http';
+import { performance } from 'node:perf_hooks';
+import { Cluster, type ClusterProc } from './cluster.js';
+import { Agents, type RequestRecord, type SampledRound } from './storm-agents.js';
+import { ChatCall, getJson } from './storm-client.js';
+import { loadCorpus } from './storm-corpus.js';
+import { collectLeaks, RoomMonitor, type LeakReport, type RoomView, type WatchedFault, type WatchedWorker } from './storm-monitor.js';
+import { formatProgress, formatReport } from './storm-report.js';
+import { summarize, type Summary } from './stats.js';
+
+export type FaultKind = 'kill_decode' | 'kill_prefill' | 'stop_prefill';
+
+/** Everything `runStorm` needs. Durations in ms; rates in [0, 1]; 0 disables a schedule. */
+export interface StormOptions {
+  /** Drive this router instead of starting a cluster (no worker faults). */
+  url?: string;
+  /** Workers to watch in `url` mode (their /metrics, /health and /debug/rooms). */
+  workers?: string[];
+  /** A colocated server for the wrong-answer check in `url` mode. */
+  reference?: string;
+  agents: number;
+  rounds: number;
+  durationMs: number;
+  seed: number;
+  prefill: number;
+  decode: number;
+  /** GGUF path; default: the built-in model of `preset`. */
+  model?: string;
+  preset: 'tiny' | 'small';
+  threads: number;
+  ctxSize: number;
+  batchSize: number;
+  decodeSlots: number;
+  abortRate: number;
+  killRate: number;
+  nonStreamRate: number;
+  burstEveryMs: number;
+  killDecodeEveryMs: number;
+  killPrefillEveryMs: number;
+  stopPrefillEveryMs: number;
+  stopDurationMs: number;
+  requestTimeoutMs: number;
+  settleMs: number;
+  maxTokens: number;
+  thinkMs: number;
+  /** Completed rounds checked against the reference (0 = skip the check). */
+  verify: number;
+  /** /debug/rooms polling period. */
+  pollMs: number;
+  /** A live room must be this far past its deadline to count as wedged. */
+  wedgeGraceMs: number;
+  json?: string;
+  logDir?: string;
+  /** Extra environment for the cluster's processes. */
+  env?: Record<string, string>;
+  /** Progress output: a line refreshed in place ('tty'), a line every 10 s ('lines'), or none. */
+  progress: 'tty' | 'lines' | 'off';
+  /** Ends the storm early (drain, checks and report still run). */
+  signal?: AbortSignal;
+  /** Where progress and the report go (default: stderr / stdout). */
+  write?: { progress(s: string): void; out(s: string): void };
+}
+
+/** Defaults of every option (the CLI's defaults). */
+export const STORM_DEFAULTS: StormOptions = {
+  agents: 30,
+  rounds: 6,
+  durationMs: 60_000,
+  seed: 1,
+  prefill: 2,
+  decode: 2,
+  preset: 'tiny',
+  threads: 1,
+  ctxSize: 2048,
+  batchSize: 512,
+  decodeSlots: 8,
+  abortRate: 0.3,
+  killRate: 0.05,
+  nonStreamRate: 0.2,
+  burstEveryMs: 15_000,
+  killDecodeEveryMs: 20_000,
+  killPrefillEveryMs: 30_000,
+  stopPrefillEveryMs: 25_000,
+  stopDurationMs: 3000,
+  requestTimeoutMs: 60_000,
+  settleMs: 10_000,
+  maxTokens: 48,
+  thinkMs: 200,
+  verify: 24,
+  pollMs: 1000,
+  wedgeGraceMs: 2000,
+  progress: 'lines',
+};
+
+/** One injected worker fault and the recovery after it. */
+export interface FaultRecord {
+  kind: FaultKind;
+  target: string;
+  /** Seconds since the storm started. */
+  at_s: number;
+  /** SIGKILL → ready again (kills), or how long the process was stopped (SIGSTOP). */
+  down_ms: number | null;
+  /** Fault → the first request sent after it that completed ok (service recovery). */
+  first_ok_ms: number | null;
+  /** Fault → the first successful room on the faulted worker (worker recovery). */
+  worker_ok_ms: number | null;
+  error?: string;
+}
+
+export type CheckName = 'wedge' | 'leak' | 'hang' | 'crash' | 'wrong_answer';
+
+/** The verdict of one check; `details` names the offending rooms/requests/processes. */
+export interface CheckResult {
+  name: CheckName;
+  status: 'pass' | 'fail' | 'skipped';
+  summary: string;
+  details: unknown[];
+}
+
+/** A room printed with a failed check. */
+export interface OffendingRoom {
+  check: CheckName;
+  worker: string;
+  room: RoomView;
+}
+
+/** The storm's result (also the `--json` file). */
+export interface StormReport {
+  ok: boolean;
+  mode: 'self-hosted' | 'url';
+  target: string;
+  config: Record<string, unknown>;
+  started_at: string;
+  storm_s: number;
+  wall_s: number;
+  requests: {
+    total: number;
+    ok: number;
+    aborted: number;
+    killed: number;
+    failed: number;
+    hung: number;
+    /** aborted / total. */
+    abort_share: number;
+    /** (aborted + killed) / total. */
+    cancel_share: number;
+    aborted_at: Record<string, number>;
+    killed_at: Record<string, number>;
+    /** Failed requests by error code. */
+    failed_by_code: Record<string, number>;
+    /** The first error message seen for each code. */
+    failed_examples: Record<string, string>;
+    stream: number;
+    non_stream: number;
+  };
+  bursts: { count: number; cancelled: number };
+  rounds: { completed: number; conversations_started: number; conversations_finished: number; restarted_after_kill: number };
+  latency_ms: { ttft: Summary; itl: Summary; e2e: Summary };
+  prompt_bytes: Summary;
+  faults: FaultRecord[];
+  checks: CheckResult[];
+  offending_rooms: OffendingRoom[];
+  log_dir?: string;
+  model?: string;
+}
+
+interface HangNote {
+  agent: number;
+  conv: number;
+  round: number;
+  phase: string;
+  rid?: string;
+  stream: boolean;
+  rooms: { worker: string; room: RoomView }[];
+}
+
+const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
+
+/** Run a storm; never throws for check failures (see `report.ok`), throws on setup errors. */
+export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport> {
+  const o: StormOptions = { ...STORM_DEFAULTS, ...opts };
+  const write = o.write ?? { progress: (s: string) => process.stderr.write(s), out: (s: string) => process.stdout.write(s) };
+  const wall0 = Date.now();
+  const corpus = loadCorpus();
+  const selfHosted = !o.url;
+  let cluster: Cluster | undefined;
+  let routerUrl: string;
+  let referenceUrl: string | undefined = o.reference;
+  let watched: WatchedWorker[];
+  let logDir: string | undefined;
+  let model: string | undefined;
+
+  if (selfHosted) {
+    model = o.model ? resolve(o.model) : await (await import('../engine/gguf-writer.js')).ensureModel(o.preset, 1);
+    logDir = o.logDir ?? mkdtempSync(join(tmpdir(), 'pdserve-storm-'));
+    const routerTimeout = Math.max(1000, Math.round(o.requestTimeoutMs * 0.8));
+    cluster = new Cluster({
+      model,
+      prefill: o.prefill,
+      decode: o.decode,
+      threads: o.threads,
+      ctxSize: o.ctxSize,
+      batchSize: o.batchSize,
+      decodeSlots: o.decodeSlots,
+      logDir,
+      colocated: o.verify > 0,
+      env: o.env,
+      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout)] },
+    });
+    write.progress(`pdserve storm: starting ${o.prefill} prefill + ${o.decode} decode + router${o.verify > 0 ? ' + colocated reference' : ''} (logs: ${logDir})\n`);
+    try {
+      await cluster.start();
+    } catch (err) {
+      await cluster.stop();
+      throw err;
+    }
+    routerUrl = cluster.router.url;
+    referenceUrl = cluster.colocated?.url;
+    watched = cluster.procs.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => ({ name: p.name, url: p.url }));
+  } else {
+    routerUrl = o.url!.replace(/\/+$/, '').replace(/\/v1$/, '');
+    watched = (o.workers ?? []).map((u, i) => ({ name: `worker-${i}(${new URL(u).host})`, url: u.replace(/\/+$/, '') }));
+    await getJson(`${routerUrl}/health`, 5000).catch((err) => {
+      throw new Error(`router ${routerUrl} does not answer /health: ${(err as Error).message}`);
+    });
+    // Name url-mode workers by their role.
+    await Promise.all(
+      watched.map(async (w) => {
+        const h = await getJson<{ role?: string }>(`${w.url}/health`, 3000).catch(() => ({}) as { role?: string });
+        if (h.role) w.name = `${h.role}(${new URL(w.url).host})`;
+      }),
+    );
+  }
+
+  const records: RequestRecord[] = [];
+  const ttfts: number[] = [];
+  const itls: number[] = [];
+  const e2es: number[] = [];
+  const recentTtft: number[] = [];
+  const hangNotes: Promise<HangNote>[] = [];
+  const faults: (FaultRecord & { t: number; watch?: WatchedFault })[] = [];
+  const counts = { ok: 0, aborted: 0, killed: 0, failed: 0, hung: 0 };
+  const bursts = { count: 0, cancelled: 0 };
+  const monitor = new RoomMonitor(watched, { pollMs: o.pollMs, graceMs: o.wedgeGraceMs });
+
+  const snapshotRooms = async (rid: string | undefined, minAgeMs: number): Promise<{ worker: string; room: RoomView }[]> => {
+    const out: { worker: string; room: RoomView }[] = [];
+    await Promise.all(
+      watched.map(async (w) => {
+        const d = await getJson<{ live?: RoomView[]; recent?: RoomView[] }>(`${w.url}/debug/rooms`, 3000).catch(() => undefined);
+        if (!d) return;
+        for (const r of d.live ?? []) if ((rid && r.rid === rid) || (!rid && r.age_ms >= minAgeMs)) out.push({ worker: w.name, room: r });
+        if (rid) for (const r of d.recent ?? []) if (r.rid === rid) out.push({ worker: w.name, room: r });
+      }),
+    );
+    return out;
+  };
+
+  const agents = new Agents({
+    baseUrl: routerUrl,
+    agents: o.agents,
+    rounds: o.rounds,
+    seed: o.seed,
+    corpus,
+    ctxSize: o.ctxSize,
+    maxTokens: o.maxTokens,
+    abortRate: o.abortRate,
+    killRate: o.killRate,
+    nonStreamRate: o.nonStreamRate,
+    requestTimeoutMs: o.requestTimeoutMs,
+    thinkMs: o.thinkMs,
+    sampleSize: o.verify,
+    onRecord(rec) {
+      records.push(rec);
+      const r = rec.result;
+      counts[r.outcome]++;
+      if (r.outcome === 'ok') {
+        e2es.push(r.tEnd - r.tStart);
+        if (rec.stream && r.tFirst !== undefined) {
+          ttfts.push(r.tFirst - r.tStart);
+          recentTtft.push(r.tFirst - r.tStart);
+          if (recentTtft.length > 2000) recentTtft.splice(0, recentTtft.length - 2000);
+        }
+        for (const g of r.itl) itls.push(g);
+      }
+    },
+    onHang(rec) {
+      const r = rec.result;
+      hangNotes.push(
+        snapshotRooms(r.rid, o.requestTimeoutMs - 2000).then((rooms) => ({ agent: rec.agent, conv: rec.conv, round: rec.round, phase: r.phase, rid: r.rid, stream: rec.stream, rooms })),
+      );
+    },
+  });
+
+  // ---- schedules ------------------------------------------------------------------------------
+  const t0 = performance.now();
+  const timers: NodeJS.Timeout[] = [];
+  const pendingFaults = new Set<Promise<void>>();
+  const busy = new Set<ClusterProc>();
+  const rr: Record<FaultKind, number> = { kill_decode: 0, kill_prefill: 0, stop_prefill: 0 };
+  const tail = Math.min(10_000, o.durationMs / 6);
+  /** Call `fn` every `everyMs` while the storm runs; worker faults stop `tail` ms before its end so their recovery can be seen. */
+  const schedule = (everyMs: number, fn: () => void, tailMs = tail) => {
+    if (!(everyMs > 0)) return;
+    for (let t = everyMs; t <= o.durationMs - tailMs; t += everyMs) timers.push(setTimeout(fn, t));
+  };
+
+  const inject = async (kind: FaultKind): Promise<void> => {
+    if (!cluster) return;
+    const role = kind === 'kill_decode' ? 'decode' : 'prefill';
+    const pool = cluster.byRole(role);
+    let p: ClusterProc | undefined;
+    for (let i = 0; i < pool.length; i++) {
+      const c = pool[(rr[kind] + i) % pool.length]!;
+      if (!busy.has(c) && c.child) {
+        p = c;
+        rr[kind] = (rr[kind] + i + 1) % pool.length;
+        break;
+      }
+    }
+    if (!p) return;
+    busy.add(p);
+    const f: FaultRecord & { t: number; watch?: WatchedFault } = { kind, target: p.name, at_s: (performance.now() - t0) / 1000, down_ms: null, first_ok_ms: null, worker_ok_ms: null, t: performance.now() };
+    f.watch = { worker: p.name, at: Date.now() };
+    monitor.watchFault(f.watch);
+    faults.push(f);
+    try {
+      if (kind === 'stop_prefill') {
+        monitor.pause(p.name);
+        const child = p.child!;
+        child.kill('SIGSTOP');
+        await sleep(o.stopDurationMs);
+        child.kill('SIGCONT');
+        monitor.resume(p.name);
+        f.down_ms = o.stopDurationMs;
+      } else {
+        const k0 = performance.now();
+        monitor.expectRestart(p.name);
+        await cluster.kill(p);
+        await cluster.spawn(p);
+        f.down_ms = Math.round(performance.now() - k0);
+      }
+    } catch (err) {
+      f.error = (err as Error).message;
+    } finally {
+      busy.delete(p);
+    }
+  };
+  const fault = (kind: FaultKind) => () => {
+    const pr = inject(kind);
+    pendingFaults.add(pr);
+    void pr.finally(() => pendingFaults.delete(pr));
+  };
+  if (selfHosted) {
+    schedule(o.killDecodeEveryMs, fault('kill_decode'));
+    schedule(o.killPrefillEveryMs, fault('kill_prefill'));
+    schedule(o.stopPrefillEveryMs, fault('stop_prefill'));
+  }
+  schedule(
+    o.burstEveryMs,
+    () => {
+      bursts.count++;
+      bursts.cancelled += agents.burst();
+    },
+    1,
+  );
+
+  // ---- progress -------------------------------------------------------------------------------
+  const progressLine = (): string =>
+    formatProgress({
+      elapsedS: (performance.now() - t0) / 1000,
+      durationS: o.durationMs / 1000,
+      counts,
+      ttft: recentTtft,
+      live: monitor.liveByState(),
+      faults: faults.map((f) => f.kind),
+      inFlight: agents.inFlight,
+    });
+  let lastLine = 0;
+  const progress = setInterval(
+    () => {
+      if (o.progress === 'tty') write.progress(`\r${progressLine()}\x1b[K`);
+      else if (o.progress === 'lines' && performance.now() - lastLine >= 9_500) {
+        lastLine = performance.now();
+        write.progress(`${progressLine()}\n`);
+      }
+    },
+    o.progress === 'tty' ? 1000 : 500,
+  );
+
+  // ---- run ------------------------------------------------------------------------------------
+  let report: StormReport | undefined;
+  try {
+    monitor.start();
+    const running = agents.run();
+    await new Promise<void>((res) => {
+      const t = setTimeout(res, o.durationMs);
+      o.signal?.addEventListener('abort', () => {
+        clearTimeout(t);
+        res();
+      });
+    });
+    const stormS = (performance.now() - t0) / 1000;
+    for (const t of timers) clearTimeout(t);
+    agents.stop();
+    // Drain: every request has its own deadline; this bound is a safety net.
+    const drained = await Promise.race([running.then(() => true), sleep(o.requestTimeoutMs + 5000).then(() => false)]);
+    if (!drained) {
+      agents.cancelAll();
+      await running;
+    }
+    await Promise.all([...pendingFaults]);
+    clearInterval(progress);
+    if (o.progress === 'tty') write.progress(`\r${progressLine()}\x1b[K\n`);
+    else if (o.progress === 'lines') write.progress(`${progressLine()}\n`);
+
+    // Settle: wait (bounded) for every gauge to come back to zero.
+    const settle0 = performance.now();
+    let leaks: LeakReport = await collectLeaks(watched, routerUrl);
+    while ((leaks.items.length > 0 || leaks.rooms.length > 0 || leaks.unreachable.length > 0) && performance.now() - settle0 < o.settleMs) {
+      await sleep(250);
+      leaks = await collectLeaks(watched, routerUrl);
+    }
+    const settledMs = performance.now() - settle0;
+    await monitor.pollAll();
+    monitor.stop();
+
+    // Verify: sampled rounds against the colocated reference, one at a time.
+    const verification = await verify(agents.sample, referenceUrl, o.requestTimeoutMs);
+    const hangs = await Promise.all(hangNotes);
+
+    // Crashes.
+    const crashes: { process: string; detail: string }[] = [];
+    if (cluster) {
+      for (const p of cluster.procs) for (const e of p.unexpectedExits) crashes.push({ process: p.name, detail: `exited (code ${e.code}, signal ${e.signal}) at +${((e.at - wall0) / 1000).toFixed(1)} s without being killed by the storm${p.logFile ? ` (log: ${p.logFile})` : ''}` });
+    }
+    for (const h of monitor.health()) for (const e of h.unexpectedEpochChanges) crashes.push({ process: h.name, detail: `restarted (epoch ${e.from} → ${e.to}) without the storm restarting it` });
+    if (!cluster) for (const u of leaks.unreachable) crashes.push({ process: u.where, detail: `unreachable after the storm: ${u.error}` });
+
+    report = buildReport({
+      o,
+      selfHosted,
+      routerUrl,
+      model,
+      logDir,
+      wall0,
+      stormS,
+      records,
+      counts,
+      bursts,
+      conversations: agents.conversations,
+      ttfts,
+      itls,
+      e2es,
+      faults,
+      wedges: [...monitor.wedges.values()],
+      leaks,
+      settledMs,
+      hangs,
+      crashes,
+      verification,
+      watchedCount: watched.length,
+    });
+  } finally {
+    clearInterval(progress);
+    for (const t of timers) clearTimeout(t);
+    monitor.stop();
+    agents.stop();
+    await cluster?.stop();
+  }
+  report.wall_s = (Date.now() - wall0) / 1000;
+  if (o.json) writeFileSync(o.json, `${JSON.stringify(report, null, 2)}\n`);
+  write.out(formatReport(report));
+  return report;
+}
+
+interface Verification {
+  reference?: string;
+  sampled: number;
+  equal: number;
+  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; got: string; want: string }[];
+  errors: { agent: number; round: number; error: string }[];
+}
+
+/** Send each sampled round to the reference (temperature 0, one at a time) and compare texts. */
+async function verify(sample: SampledRound[], reference: string | undefined, timeoutMs: number): Promise<Verification> {
+  const v: Verification = { reference, sampled: sample.length, equal: 0, mismatches: [], errors: [] };
+  if (!reference || sample.length === 0) return v;
+  const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+  try {
+    for (const s of sample) {
+      const r = await new ChatCall({ baseUrl: reference, agent, messages: s.messages, maxTokens: s.maxTokens, stream: false, deadlineMs: timeoutMs }).done;
+      if (r.outcome !== 'ok') {
+        v.errors.push({ agent: s.agent, round: s.round, error: `${r.outcome}: ${r.code ?? ''} ${r.message ?? ''}`.trim() });
+      } else if (r.text === s.text) {
+        v.equal++;
+      } else {
+        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), got: s.text, want: r.text });
+      }
+    }
+  } finally {
+    agent.destroy();
+  }
+  return v;
+}
+
+interface BuildInput {
+  o: StormOptions;
+  selfHosted: boolean;
+  routerUrl: string;
+  model?: string;
+  logDir?: string;
+  wall0: number;
+  stormS: number;
+  records: RequestRecord[];
+  counts: Record<'ok' | 'aborted' | 'killed' | 'failed' | 'hung', number>;
+  bursts: { count: number; cancelled: number };
+  conversations: { started: number; restarted: number; finished: number };
+  ttfts: number[];
+  itls: number[];
+  e2es: number[];
+  faults: (FaultRecord & { t: number; watch?: WatchedFault })[];
+  wedges: { worker: string; room: RoomView; overdueMs: number; sightings: number }[];
+  leaks: LeakReport;
+  settledMs: number;
+  hangs: HangNote[];
+  crashes: { process: string; detail: string }[];
+  verification: Verification;
+  watchedCount: number;
+}
+
+function buildReport(b: BuildInput): StormReport {
+  const { o, records, counts } = b;
+  const total = records.length;
+  const abortedAt: Record<string, number> = {};
+  const killedAt: Record<string, number> = {};
+  const failedBy: Record<string, number> = {};
+  const failedExamples: Record<string, string> = {};
+  let stream = 0;
+  for (const r of records) {
+    if (r.stream) stream++;
+    const res = r.result;
+    const at = r.plan.endsWith(':send') ? 'right_after_send' : res.phase === 'sending' ? 'while_sending' : res.phase === 'sent' ? 'before_first_token' : 'mid_stream';
+    if (res.outcome === 'aborted') abortedAt[at] = (abortedAt[at] ?? 0) + 1;
+    if (res.outcome === 'killed') killedAt[at] = (killedAt[at] ?? 0) + 1;
+    if (res.outcome === 'failed') {
+      const code = res.code ?? 'unknown';
+      failedBy[code] = (failedBy[code] ?? 0) + 1;
+      failedExamples[code] ??= (res.message ?? '').slice(0, 300);
+    }
+  }
+  const oks = records.filter((r) => r.result.outcome === 'ok').sort((a, b2) => a.result.tStart - b2.result.tStart);
+  const faults: FaultRecord[] = b.faults.map((f) => {
+    let firstOk = Infinity;
+    for (const r of oks) if (r.result.tStart >= f.t && r.result.tEnd - f.t < firstOk) firstOk = r.result.tEnd - f.t;
+    const { t: _t, watch, ...rest } = f;
+    void _t;
+    return {
+      ...rest,
+      at_s: Math.round(f.at_s * 10) / 10,
+      first_ok_ms: Number.isFinite(firstOk) ? Math.round(firstOk) : null,
+      worker_ok_ms: watch?.workerOkAt !== undefined ? Math.max(0, watch.workerOkAt - watch.at) : null,
+    };
+  });
+
+  const offending: OffendingRoom[] = [];
+  const checks: CheckResult[] = [];
+  const noWorkers = b.watchedCount === 0;
+
+  // wedge
+  for (const w of b.wedges) offending.push({ check: 'wedge', worker: w.worker, room: w.room });
+  checks.push(
+    noWorkers
+      ? { name: 'wedge', status: 'skipped', summary: 'no worker to watch (pass --worker URL)', details: [] }
+      : {
+          name: 'wedge',
+          status: b.wedges.length ? 'fail' : 'pass',
+          summary: b.wedges.length ? `${b.wedges.length} room(s) live past their deadline (> ${o.wedgeGraceMs} ms, seen in 2 polls)` : `no live room past its deadline (polled every ${o.pollMs} ms)`,
+          details: b.wedges.map((w) => ({ worker: w.worker, room: w.room.room, rid: w.room.rid, state: w.room.state, phase: w.room.phase, overdue_ms: w.overdueMs })),
+        },
+  );
+
+  // leak
+  const L = b.leaks;
+  for (const r of L.rooms) offending.push({ check: 'leak', worker: r.worker, room: r.room });
+  const leakFail = L.items.length > 0 || L.rooms.length > 0 || L.unreachable.length > 0;
+  checks.push(
+    noWorkers
+      ? { name: 'leak', status: 'skipped', summary: 'no worker to watch (pass --worker URL)', details: [] }
+      : {
+          name: 'leak',
+          status: leakFail ? 'fail' : 'pass',
+          summary: leakFail
+            ? `after a ${(o.settleMs / 1000).toFixed(0)} s settle: ${L.items.length} gauge(s) not zero, ${L.rooms.length} live room(s)${L.unreachable.length ? `, ${L.unreachable.length} process(es) unreachable` : ''}`
+            : `every queue/room gauge, slot and router lease back to 0 (${(b.settledMs / 1000).toFixed(1)} s after the drain)`,
+          details: [...L.items, ...L.rooms.map((r) => ({ where: r.worker, room: r.room.room, rid: r.room.rid, state: r.room.state, phase: r.room.phase, step: r.room.step ?? null })), ...L.unreachable],
+        },
+  );
+
+  // hang
+  for (const h of b.hangs) for (const r of h.rooms) offending.push({ check: 'hang', worker: r.worker, room: r.room });
+  checks.push({
+    name: 'hang',
+    status: counts.hung ? 'fail' : 'pass',
+    summary: counts.hung ? `${counts.hung} request(s) got neither an answer nor an error within ${o.requestTimeoutMs / 1000} s` : `every request got its answer or an error within ${o.requestTimeoutMs / 1000} s`,
+    details: b.hangs.map((h) => ({ agent: h.agent, conv: h.conv, round: h.round, phase: h.phase, rid: h.rid ?? null, stream: h.stream, rooms: h.rooms.map((r) => `${r.worker}/${r.room.room}`) })),
+  });
+
+  // crash
+  checks.push({
+    name: 'crash',
+    status: b.crashes.length ? 'fail' : 'pass',
+    summary: b.crashes.length ? `${b.crashes.length} unexpected exit(s)/restart(s)` : b.selfHosted ? 'no process died without being killed by the storm' : 'no watched worker restarted or vanished',
+    details: b.crashes,
+  });
+
+  // wrong answer
+  const v = b.verification;
+  const checked = v.equal + v.mismatches.length;
+  checks.push(
+    !v.reference || o.verify <= 0
+      ? { name: 'wrong_answer', status: 'skipped', summary: o.verify <= 0 ? 'disabled (--verify 0)' : 'no reference (pass --reference URL of a colocated server)', details: [] }
+      : checked === 0
+        ? { name: 'wrong_answer', status: v.errors.length ? 'fail' : 'skipped', summary: v.errors.length ? `the reference failed all ${v.errors.length} sampled rounds` : 'no completed round to check', details: v.errors }
+        : {
+            name: 'wrong_answer',
+            status: v.mismatches.length ? 'fail' : 'pass',
+            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
+            details: [...v.mismatches, ...v.errors],
+          },
+  );
+
+  const r1 = (x: number) => Math.round(x * 10) / 10;
+  const sum = (xs: number[]): Summary => {
+    const s = summarize(xs);
+    return { n: s.n, mean: r1(s.mean), median: r1(s.median), p50: r1(s.p50), p90: r1(s.p90), p99: r1(s.p99), min: r1(s.min), max: r1(s.max) };
+  };
+  const { write: _w, signal: _s, env: _e, ...config } = o;
+  void _w;
+  void _s;
+  void _e;
+  return {
+    ok: checks.every((c) => c.status !== 'fail'),
+    mode: b.selfHosted ? 'self-hosted' : 'url',
+    target: b.routerUrl,
+    config: config as unknown as Record<string, unknown>,
+    started_at: new Date(b.wall0).toISOString(),
+    storm_s: r1(b.stormS),
+    wall_s: 0,
+    requests: {
+      total,
+      ...counts,
+      abort_share: total ? counts.aborted / total : 0,
+      cancel_share: total ? (counts.aborted + counts.killed) / total : 0,
+      aborted_at: abortedAt,
+      killed_at: killedAt,
+      failed_by_code: failedBy,
+      failed_examples: failedExamples,
+      stream,
+      non_stream: total - stream,
+    },
+    bursts: b.bursts,
+    rounds: { completed: counts.ok, conversations_started: b.conversations.started, conversations_finished: b.conversations.finished, restarted_after_kill: b.conversations.restarted },
+    latency_ms: { ttft: sum(b.ttfts), itl: sum(b.itls), e2e: sum(b.e2es) },
+    prompt_bytes: sum(records.map((r) => r.promptBytes)),
+    faults,
+    checks,
+    offending_rooms: offending,
+    log_dir: b.logDir,
+    model: b.model,
+  };
+}

@@ -1,0 +1,133 @@
+/**
+ * `pdserve storm` end to end, through the real CLI (bin/pdserve.js → dist/):
+ *  1. the CI storm: 60 s, self-hosted, tiny model, 30 agents, ≥ 30 % aborts, bursts, and at
+ *     least one decode SIGKILL, one prefill SIGKILL and one prefill SIGSTOP/SIGCONT — it must
+ *     pass every check (wedge, leak, hang, crash, wrong answer);
+ *  2. the storm can fail: a prefill started with the test-only fault switch
+ *     PDSERVE_FAULT_LEAK_ROOM=1 leaks one room; the storm must exit 1 and name that room.
+ */
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { describe, test } from 'node:test';
+import { BIN } from '../../src/harness/cluster.js';
+import type { StormReport } from '../../src/harness/storm.js';
+
+interface Run {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+  report: StormReport;
+  dir: string;
+  ms: number;
+}
+
+/** Run `pdserve storm ARGS --json … --log-dir …` with a hard deadline. */
+async function storm(args: string[], env: Record<string, string> = {}, deadlineMs = 240_000): Promise<Run> {
+  const dir = mkdtempSync(join(tmpdir(), 'pdserve-storm-test-'));
+  const json = join(dir, 'report.json');
+  const t0 = Date.now();
+  const child = spawn(process.execPath, [BIN, 'storm', ...args, '--json', json, '--log-dir', join(dir, 'logs')], { env: { ...process.env, ...env }, stdio: ['ignore', 'pipe', 'pipe'] });
+  let stdout = '';
+  let stderr = '';
+  child.stdout.on('data', (d) => (stdout += d));
+  child.stderr.on('data', (d) => (stderr += d));
+  const code = await new Promise<number | null>((resolve) => {
+    const t = setTimeout(() => child.kill('SIGKILL'), deadlineMs);
+    child.on('exit', (c) => {
+      clearTimeout(t);
+      resolve(c);
+    });
+  });
+  let report: StormReport;
+  try {
+    report = JSON.parse(readFileSync(json, 'utf8')) as StormReport;
+  } catch (err) {
+    throw new Error(`no JSON report (exit ${code}): ${(err as Error).message}\n--- stdout\n${stdout}\n--- stderr\n${stderr}`);
+  }
+  return { code, stdout, stderr, report, dir, ms: Date.now() - t0 };
+}
+
+describe('pdserve storm', () => {
+  test('CI storm: 60 s, 30 agents, ≥ 30 % aborts, decode/prefill SIGKILL and prefill SIGSTOP — every check passes', async () => {
+    const r = await storm([
+      '--duration', '60s',
+      '--agents', '30',
+      '--prefill', '2',
+      '--decode', '2',
+      '--abort-rate', '0.4',
+      '--kill-rate', '0.05',
+      '--burst-every', '15s',
+      '--kill-decode-every', '20s',
+      '--kill-prefill-every', '25s',
+      '--stop-prefill-every', '15s',
+      '--stop-duration', '3s',
+      '--request-timeout', '30s',
+      '--settle', '10s',
+      '--verify', '24',
+      '--seed', '4',
+    ]);
+    const rep = r.report;
+    const ctx = `\n--- stdout\n${r.stdout}\n--- stderr (tail)\n${r.stderr.slice(-3000)}`;
+    console.log(r.stdout);
+    assert.equal(r.code, 0, `storm exit code${ctx}`);
+    assert.equal(rep.ok, true, `storm verdict${ctx}`);
+    for (const c of rep.checks) assert.equal(c.status, 'pass', `check ${c.name}: ${c.summary}${ctx}`);
+    assert.ok(rep.requests.total >= 200, `enough requests (${rep.requests.total})`);
+    assert.ok(rep.requests.abort_share >= 0.3, `abort share ${rep.requests.abort_share} ≥ 30 %`);
+    assert.ok(rep.bursts.count >= 3, 'bursts happened');
+    for (const kind of ['kill_decode', 'kill_prefill', 'stop_prefill'] as const) {
+      const fs = rep.faults.filter((f) => f.kind === kind);
+      assert.ok(fs.length >= 1, `at least one ${kind}`);
+      for (const f of fs) assert.equal(f.error, undefined, `${kind} on ${f.target} injected cleanly`);
+    }
+    assert.ok(rep.faults.some((f) => f.first_ok_ms !== null), 'service recovered after the faults');
+    const wa = rep.checks.find((c) => c.name === 'wrong_answer')!;
+    assert.match(wa.summary, /^(\d+) of \1 sampled rounds/, 'wrong-answer check compared every sampled round');
+    assert.ok(Number(/^(\d+)/.exec(wa.summary)![1]) >= 20, 'at least 20 rounds compared');
+    assert.equal(rep.requests.hung, 0);
+    console.log(`storm test wall time ${(r.ms / 1000).toFixed(1)} s`);
+  });
+
+  test('the storm fails loudly: a leaked room (PDSERVE_FAULT_LEAK_ROOM=1) makes it exit 1 and name the room', async () => {
+    const r = await storm(
+      [
+        '--duration', '12s',
+        '--agents', '8',
+        '--prefill', '1',
+        '--decode', '1',
+        '--abort-rate', '0.2',
+        '--kill-decode-every', '0',
+        '--kill-prefill-every', '0',
+        '--stop-prefill-every', '0',
+        '--burst-every', '5s',
+        '--request-timeout', '20s',
+        '--settle', '4s',
+        '--verify', '0',
+      ],
+      { PDSERVE_FAULT_LEAK_ROOM: '1' },
+    );
+    const ctx = `\n--- stdout\n${r.stdout}\n--- stderr (tail)\n${r.stderr.slice(-3000)}`;
+    assert.equal(r.code, 1, `storm exit code${ctx}`);
+    assert.equal(r.report.ok, false);
+    const leak = r.report.checks.find((c) => c.name === 'leak')!;
+    assert.equal(leak.status, 'fail', `leak check${ctx}`);
+    // The room the prefill worker says it leaked…
+    const log = readFileSync(join(r.dir, 'logs', 'prefill-0.log'), 'utf8');
+    const line = log.split('\n').find((l) => l.includes('FAULT INJECTION'));
+    assert.ok(line, 'the prefill worker leaked a room');
+    const room = String(JSON.parse(line).room);
+    // …is the room the storm names, with its timeline, and the only one.
+    const named = r.report.offending_rooms.filter((o) => o.check === 'leak');
+    assert.deepEqual(named.map((o) => o.room.room), [room], `leaked room named${ctx}`);
+    assert.equal(named[0]!.worker, 'prefill-0');
+    assert.equal(named[0]!.room.state, 'Transferring');
+    assert.ok(r.stdout.includes(`room ${room}`), 'the room is printed');
+    assert.match(r.stdout, /\(kv_begin\)/, 'with its timeline');
+    assert.match(r.stdout, /RESULT: FAIL \(failed: leak/);
+    // The other checks still pass: the fault leaks, it does not wedge or hang anything.
+    for (const c of r.report.checks) if (c.name !== 'leak') assert.notEqual(c.status, 'fail', `${c.name}: ${c.summary}`);
+  });
+});
