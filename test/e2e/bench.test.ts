@@ -1,0 +1,91 @@
+/**
+ * Smoke test of `pdserve bench` against a running tiny-model stack (router + prefill + decode +
+ * colocated on loopback): the command completes and its JSON has every field, through the
+ * router (OpenAI API) and with the pd-direct backend. No timing thresholds.
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, readFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import { runCli } from '../../src/cli/main.js';
+import type { Cluster } from '../../src/harness/cluster.js';
+import { startStack, tinyModel } from '../helpers/stack.js';
+
+let c: Cluster;
+const dir = mkdtempSync(join(tmpdir(), 'pdserve-bench-test-'));
+
+before(async () => {
+  c = await startStack({ colocated: false });
+});
+after(async () => {
+  await c?.stop();
+});
+
+const SUMMARY = ['mean', 'median', 'p50', 'p90', 'p99', 'min', 'max', 'n'];
+const METRICS = ['completed', 'failed', 'durationS', 'totalInputTokens', 'totalOutputTokens', 'requestThroughput', 'inputThroughput', 'outputThroughput', 'totalTokenThroughput', 'goodRequests', 'goodput', 'peakConcurrency', 'ttftMs', 'tpotMs', 'itlMs', 'e2eMs'];
+const CONFIG = ['target', 'numPrompts', 'requestRate', 'maxConcurrency', 'seed', 'slo', 'warmup', 'ignoreEos', 'dataset', 'inputLen', 'outputLen', 'rangeRatio', 'tokenizer'];
+const REQUESTS = ['inputLens', 'outputLens', 'ttftsMs', 'e2elsMs', 'itlsMs', 'startsMs', 'errors'];
+
+async function bench(args: string[]): Promise<any> {
+  const file = join(dir, `r-${Math.random().toString(36).slice(2)}.json`);
+  const before = process.exitCode;
+  await runCli(['node', 'pdserve', 'bench', ...args, '--json', file, '--no-progress']);
+  const code = process.exitCode;
+  process.exitCode = before;
+  assert.equal(code, 0, 'pdserve bench exit code');
+  return JSON.parse(readFileSync(file, 'utf8'));
+}
+
+function checkShape(j: any, n: number, outputLen: number): void {
+  assert.equal(j.tool, 'pdserve bench');
+  assert.ok(!Number.isNaN(Date.parse(j.date)));
+  for (const k of CONFIG) assert.ok(k in j.config, `config.${k}`);
+  for (const k of METRICS) assert.ok(k in j.metrics, `metrics.${k}`);
+  for (const s of ['ttftMs', 'tpotMs', 'itlMs', 'e2eMs']) for (const k of SUMMARY) assert.equal(typeof j.metrics[s][k], 'number', `metrics.${s}.${k}`);
+  for (const k of REQUESTS) {
+    assert.ok(Array.isArray(j.requests[k]), `requests.${k}`);
+    assert.equal(j.requests[k].length, n, `requests.${k} length`);
+  }
+  assert.equal(j.metrics.completed, n, `failures: ${JSON.stringify(j.requests.errors)}`);
+  assert.equal(j.metrics.failed, 0);
+  assert.deepEqual(j.requests.errors, Array(n).fill(null));
+  // ignore_eos + usage: every request generated exactly --output-len tokens
+  assert.deepEqual(j.requests.outputLens, Array(n).fill(outputLen));
+  assert.equal(j.metrics.totalOutputTokens, n * outputLen);
+  assert.ok(j.requests.inputLens.every((x: number) => x > 0));
+  assert.ok(j.requests.ttftsMs.every((x: number) => x > 0));
+  assert.ok(j.requests.itlsMs.every((x: number[]) => Array.isArray(x)));
+  assert.equal(j.metrics.ttftMs.n, n);
+  assert.equal(j.metrics.tpotMs.n, n);
+  assert.ok(j.metrics.durationS > 0);
+  assert.ok(j.metrics.outputThroughput > 0);
+  assert.ok(j.metrics.peakConcurrency >= 1 && j.metrics.peakConcurrency <= n);
+}
+
+describe('pdserve bench', () => {
+  test('through the router: corpus prompts of exact length, Poisson arrivals, SLO goodput', async () => {
+    const model = await tinyModel();
+    const j = await bench(['--url', c.router.url, '--num-prompts', '10', '--request-rate', '20', '--max-concurrency', '4', '--dataset', 'corpus', '--input-len', '40', '--output-len', '8', '--tokenizer', model, '--seed', '1', '--slo-ttft-ms', '60000', '--slo-tpot-ms', '60000']);
+    checkShape(j, 10, 8);
+    assert.equal(j.config.requestRate, 20);
+    assert.equal(j.config.maxConcurrency, 4);
+    assert.ok(j.metrics.peakConcurrency <= 4);
+    assert.deepEqual(j.config.slo, { ttftMs: 60000, tpotMs: 60000 });
+    assert.equal(j.metrics.goodRequests, 10);
+    assert.equal(j.config.target.kind, 'openai');
+    // with the tokenizer, prompt lengths are exact (the server's usage says so)
+    assert.deepEqual(j.requests.inputLens, Array(10).fill(40));
+  });
+
+  test('pd-direct backend, all at once, random dataset, no SLO', async () => {
+    const p = c.byRole('prefill')[0]!;
+    const d = c.byRole('decode')[0]!;
+    const j = await bench(['--backend', 'pd-direct', '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', d.url, '--num-prompts', '6', '--request-rate', 'inf', '--input-len', '24', '--output-len', '6']);
+    checkShape(j, 6, 6);
+    assert.equal(j.config.requestRate, 'inf');
+    assert.equal(j.config.slo, null);
+    assert.equal(j.metrics.goodput, null);
+    assert.equal(j.config.target.kind, 'pd-direct');
+  });
+});
