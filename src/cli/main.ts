@@ -215,6 +215,63 @@ export async function runCli(argv: string[]): Promise<void> {
       console.log(`wrote ${resolve(o.out)} (${o.preset}, seed ${o.seed})`);
     });
 
+  // ---- bench (src/harness/bench.ts) and the benchmark suite (src/harness/bench-suite.ts) ----
+  {
+    const num = (v: string): number => {
+      const n = Number(v);
+      if (!Number.isFinite(n)) throw new InvalidArgumentError(`not a number: ${v}`);
+      return n;
+    };
+    const reqRate = (v: string): number => {
+      if (v === 'inf') return Infinity;
+      const n = Number(v);
+      if (!(n > 0)) throw new InvalidArgumentError(`not a positive rate or 'inf': ${v}`);
+      return n;
+    };
+    program
+      .command('bench')
+      .description('serving benchmark of an OpenAI-compatible endpoint (TTFT, TPOT, ITL, E2E, throughput, goodput), like vLLM bench serve')
+      .option('--url <url>', 'base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000')
+      .addOption(new Option('--backend <name>', 'openai: /v1/completions or /v1/chat/completions; pd-direct: SGLang /generate to a prefill and a decode worker (no router)').choices(['openai', 'pd-direct']).default('openai'))
+      .addOption(new Option('--endpoint <name>', 'OpenAI endpoint').choices(['completions', 'chat']).default('completions'))
+      .option('--model <name>', 'model name sent in requests (default: the first of GET /v1/models)')
+      .option('--prefill <url,bootstrap-port>', 'pd-direct: the prefill worker')
+      .option('--decode <url>', 'pd-direct: the decode worker')
+      .option('--num-prompts <n>', 'requests to send', int, 100)
+      .option('--request-rate <r>', "Poisson arrival rate, req/s; 'inf' = all at once", reqRate, Infinity)
+      .option('--max-concurrency <n>', 'cap on requests in flight', int)
+      .addOption(new Option('--dataset <name>', 'random: words drawn at random; corpus: windows of a real text (bench/corpus/alice.txt)').choices(['random', 'corpus']).default('random'))
+      .option('--input-len <tokens>', 'prompt length', int, 256)
+      .option('--output-len <tokens>', 'max_tokens of each request', int, 128)
+      .option('--random-range-ratio <r>', 'lengths uniform in [L(1-r), L(1+r)]', num, 0)
+      .option('--corpus <file>', 'text file for --dataset corpus (and the random vocabulary)')
+      .option('--tokenizer <gguf>', "the served model's GGUF: makes prompt lengths exact in its tokens (else estimated at 4 chars/token)")
+      .option('--seed <n>', 'seed of prompts and arrival times', int, 0)
+      .option('--slo-ttft-ms <ms>', 'goodput SLO on TTFT', num)
+      .option('--slo-tpot-ms <ms>', 'goodput SLO on TPOT', num)
+      .option('--slo-e2e-ms <ms>', 'goodput SLO on end-to-end latency', num)
+      .option('--warmup <n>', 'unrecorded requests sent first', int, 1)
+      .option('--no-ignore-eos', 'let EOS end generation (default: ignore_eos, so outputs have --output-len tokens)')
+      .option('--timeout-ms <ms>', 'per-request deadline', int, 600_000)
+      .option('--json <file>', 'write the result (config, metrics, per-request arrays) as JSON')
+      .option('--no-progress', 'no progress bar on stderr')
+      .action(async (o) => {
+        const { benchCli } = await import('../harness/bench.js');
+        process.exitCode = await benchCli(o);
+      });
+    program
+      .command('bench-suite')
+      .description('the benchmark suite behind `npm run bench`: writes BENCHMARKS.md, bench/results/*.json, bench/plots/*.svg')
+      .option('--sections <list>', 'comma-separated section numbers to run (1-6)', '1,2,3,4,5,6')
+      .option('--quick', 'tiny repetitions and durations (a smoke run, numbers meaningless)')
+      .option('--out <dir>', 'repository root to write into (default: this checkout)')
+      .option('--no-pin', 'do not pin prefill/decode to separate cores with taskset')
+      .action(async (o) => {
+        const { benchSuiteCli } = await import('../harness/bench-suite.js');
+        process.exitCode = await benchSuiteCli({ sections: String(o.sections), quick: !!o.quick, out: o.out ? resolve(o.out) : undefined, pin: o.pin !== false, argv });
+      });
+  }
+
   program
     .command('sim')
     .description('run the deterministic room-lifecycle simulator over many seeds')

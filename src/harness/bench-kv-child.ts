@@ -1,0 +1,248 @@
+/**
+ * Child process of bench section 1 (KV handoff vs raw TCP). Two roles, one process each:
+ *
+ *   sender   (prefill side): loads the model, makes real sequence states of the requested token
+ *            counts (prompt evaluation + saveState to /dev/shm), listens with a KvServer and a
+ *            bare TCP server. `kv` trial: from "state saved" — readFile, encodeEnvelope,
+ *            kv_begin, sendChunks, kv_end — until the receiver's kv_ack. `raw` trial: write an
+ *            8-byte length and the same number of bytes on a bare socket until a 1-byte ack.
+ *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
+ *            sender. On kv_end: decodeEnvelope, parseStateFile, writeFile, Slot.loadState, then
+ *            kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
+ *
+ * These are the calls the prefill and decode workers make on their data path (without the room
+ * state machine around them). Messages with the parent go over the IPC channel.
+ */
+import { randomFillSync } from 'node:crypto';
+import { readFile, rm, writeFile } from 'node:fs/promises';
+import net from 'node:net';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { loadEngine } from '../engine/llama.js';
+import { parseStateFile } from '../engine/ggsq.js';
+import type { Engine } from '../engine/types.js';
+import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
+import { decodeEnvelope, encodeEnvelope } from '../kv/envelope.js';
+import { loadCorpus } from './bench.js';
+
+interface Init {
+  role: 'sender' | 'receiver';
+  model: string;
+  contextSize: number;
+  batchSize: number;
+  secret: string;
+  epoch: string;
+  stateDir: string;
+}
+
+const init = JSON.parse(process.argv[2] ?? '{}') as Init;
+const send = (m: object): void => void process.send?.(m);
+process.on('disconnect', () => process.exit(0));
+const now = () => performance.now();
+
+interface State {
+  n: number;
+  path: string;
+  bytes: number;
+  firstToken: number;
+  firstIsEog: boolean;
+}
+
+async function main(): Promise<void> {
+  const engine = await loadEngine({ modelPath: init.model, threads: 1, sequences: 1, contextSize: init.contextSize, batchSize: init.batchSize });
+  if (init.role === 'sender') await sender(engine);
+  else await receiver(engine);
+}
+
+async function sender(engine: Engine): Promise<void> {
+  const states: State[] = [];
+  const acks = new Map<string, () => void>();
+  let conn: PeerConn | undefined;
+  const kv = new KvServer({
+    host: '127.0.0.1',
+    port: 0,
+    secret: init.secret,
+    epoch: init.epoch,
+    onConnect: (c) => void (conn = c),
+    onMessage: (_c, msg) => {
+      if (msg.type === 'kv_ack') acks.get(msg.room)?.();
+    },
+  });
+  const kvPort = await kv.listen();
+  let rawSock: net.Socket | undefined;
+  let rawAck: (() => void) | undefined;
+  const raw = net.createServer({ noDelay: true }, (s) => {
+    rawSock = s;
+    s.on('data', () => rawAck?.());
+  });
+  await new Promise<void>((r) => raw.listen(0, '127.0.0.1', () => r()));
+  const rawPort = (raw.address() as net.AddressInfo).port;
+  let rawBuf = Buffer.alloc(0);
+  send({ type: 'ready', kvPort, rawPort, fingerprint: engine.info.fingerprint });
+
+  process.on('message', async (m: { cmd: string; tokens?: number[]; idx?: number; room?: string; bytes?: number }) => {
+    try {
+      if (m.cmd === 'make') {
+        const ids = engine.tokenize(loadCorpus());
+        for (const n of m.tokens ?? []) {
+          const toks: number[] = [];
+          for (let i = 0; toks.length < n; i++) toks.push(ids[i % ids.length]!);
+          const slot = engine.tryAcquireSlot();
+          if (!slot) throw new Error('no free slot');
+          const t0 = now();
+          try {
+            const sampling = { temperature: 0, topP: 1, topK: 0, maxTokens: 1, stop: [], ignoreEos: true };
+            const r = await slot.prefill(toks, sampling, new AbortController().signal);
+            const path = join(init.stateDir, `pdserve-bench-kv-${process.pid}-${n}.ggsq`);
+            const bytes = await slot.saveState(path);
+            states.push({ n, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog });
+          } finally {
+            slot.release();
+          }
+          send({ type: 'progress', msg: `state of ${n} tokens made in ${((now() - t0) / 1000).toFixed(1)} s` });
+        }
+        const max = Math.max(...states.map((s) => s.bytes)) + 64 * 1024;
+        rawBuf = Buffer.allocUnsafe(max);
+        randomFillSync(rawBuf);
+        send({ type: 'made', states: states.map((s) => ({ n: s.n, bytes: s.bytes })) });
+      } else if (m.cmd === 'kv') {
+        const st = states[m.idx!]!;
+        const room = m.room!;
+        if (!conn?.alive) throw new Error('no kv connection');
+        const acked = new Promise<void>((r) => acks.set(room, r));
+        const t0 = now();
+        const payload = await readFile(st.path);
+        const t1 = now();
+        const info = engine.info;
+        const blob = encodeEnvelope({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog }, payload);
+        const t2 = now();
+        conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length });
+        await conn.sendChunks(room, blob, { chunkBytes: 1024 * 1024 });
+        conn.sendControl({ type: 'kv_end', room });
+        const t3 = now();
+        await acked;
+        const t4 = now();
+        acks.delete(room);
+        send({ type: 'kvDone', room, blobBytes: blob.length, totalMs: t4 - t0, readMs: t1 - t0, encodeMs: t2 - t1, sendMs: t3 - t2 });
+      } else if (m.cmd === 'raw') {
+        const n = m.bytes!;
+        if (!rawSock) throw new Error('no raw connection');
+        const acked = new Promise<void>((r) => (rawAck = r));
+        const t0 = now();
+        const head = Buffer.alloc(8);
+        head.writeBigUInt64BE(BigInt(n));
+        rawSock.write(head);
+        rawSock.write(rawBuf.subarray(0, n));
+        await acked;
+        const t1 = now();
+        rawAck = undefined;
+        send({ type: 'rawDone', totalMs: t1 - t0 });
+      } else if (m.cmd === 'cleanup') {
+        await Promise.all(states.map((s) => rm(s.path, { force: true })));
+        send({ type: 'cleaned' });
+      }
+    } catch (err) {
+      send({ type: m.cmd === 'make' ? 'made' : m.cmd === 'kv' ? 'kvDone' : m.cmd === 'raw' ? 'rawDone' : 'cleaned', error: (err as Error).message });
+    }
+  });
+}
+
+async function receiver(engine: Engine): Promise<void> {
+  const info = engine.info;
+  const maxBytes = 512 * 1024 * 1024;
+  let recv: { room: string; buf: Buffer; got: number; tBegin: number; tLast: number } | undefined;
+  const pool = new KvPeerPool({
+    secret: init.secret,
+    epoch: init.epoch,
+    onMessage: (conn, msg) => {
+      if (msg.type === 'kv_begin') {
+        recv = { room: msg.room, buf: Buffer.allocUnsafe(msg.totalBytes), got: 0, tBegin: now(), tLast: now() };
+      } else if (msg.type === 'kv_end') {
+        const r = recv;
+        recv = undefined;
+        if (!r || r.room !== msg.room || r.got !== r.buf.length) {
+          send({ type: 'kvRecv', room: msg.room, error: `kv_end after ${r?.got ?? 0} of ${r?.buf.length ?? 0} bytes` });
+          return;
+        }
+        void load(conn, r);
+      }
+    },
+    onChunk: (_c, room, offset, data) => {
+      const r = recv;
+      if (!r || r.room !== room || offset !== r.got) return;
+      data.copy(r.buf, r.got);
+      r.got += data.length;
+      r.tLast = now();
+    },
+  });
+  const load = async (conn: PeerConn, r: { room: string; buf: Buffer; tBegin: number; tLast: number }) => {
+    const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${r.room}.ggsq`);
+    const slot = engine.tryAcquireSlot();
+    try {
+      if (!slot) throw new Error('no free slot');
+      const t0 = now();
+      const { header, payload } = decodeEnvelope(r.buf, { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes });
+      const t1 = now();
+      const state = parseStateFile(payload, { nLayer: info.compat.nLayer, contextSize: info.compat.contextSize, maxBytes });
+      if (state.nTokens !== header.nTokens) throw new Error('token count mismatch');
+      const t2 = now();
+      await writeFile(path, payload);
+      const t3 = now();
+      await slot.loadState(path, state.tokens);
+      const t4 = now();
+      conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
+      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: t1 - t0, parseMs: t2 - t1, writeMs: t3 - t2, loadMs: t4 - t3 });
+    } catch (err) {
+      send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
+    } finally {
+      slot?.release();
+      await rm(path, { force: true }).catch(() => {});
+    }
+  };
+  send({ type: 'ready', fingerprint: info.fingerprint });
+  process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number }) => {
+    if (m.cmd !== 'connect') return;
+    try {
+      await pool.get('127.0.0.1', m.kvPort!);
+      const s = net.connect({ host: '127.0.0.1', port: m.rawPort!, noDelay: true });
+      await new Promise<void>((res, rej) => {
+        s.once('connect', () => res());
+        s.once('error', rej);
+      });
+      let need = -1;
+      let got = 0;
+      let head = Buffer.alloc(0);
+      s.on('data', (b: Buffer) => {
+        let off = 0;
+        while (off < b.length) {
+          if (need < 0) {
+            const take = Math.min(8 - head.length, b.length - off);
+            head = Buffer.concat([head, b.subarray(off, off + take)]);
+            off += take;
+            if (head.length === 8) {
+              need = Number(head.readBigUInt64BE(0));
+              head = Buffer.alloc(0);
+              got = 0;
+            }
+            continue;
+          }
+          const take = Math.min(need - got, b.length - off);
+          got += take;
+          off += take;
+          if (got === need) {
+            need = -1;
+            s.write(Buffer.from([1]));
+          }
+        }
+      });
+      send({ type: 'connected' });
+    } catch (err) {
+      send({ type: 'connected', error: (err as Error).message });
+    }
+  });
+}
+
+main().catch((err) => {
+  send({ type: 'ready', error: (err as Error).message });
+  process.exit(1);
+});

@@ -1,0 +1,153 @@
+/**
+ * Bench section 1: the KV handoff against a bare TCP socket, between two processes.
+ *
+ * KV: from "state saved on prefill" (the ggsq file exists in /dev/shm) to "state loaded on
+ * decode" (decode's kv_ack received back on prefill): readFile + encodeEnvelope (sha256) +
+ * framed chunks over the authenticated channel + decodeEnvelope (sha256) + parseStateFile +
+ * writeFile + llama.cpp state load. Raw: the same number of bytes written on a bare net.Socket
+ * and counted (not stored) by the other process, until its 1-byte ack. Both round trips include
+ * one small ack message. Trials alternate KV/raw, sizes interleaved.
+ */
+import { randomBytes } from 'node:crypto';
+import { newEpoch } from '../kv/auth.js';
+import { summarize, type Summary } from './stats.js';
+import { BenchChild, median, say } from './bench-util.js';
+
+/** Options of section 1. */
+export interface KvSectionOptions {
+  model: string;
+  /** Target state sizes, MiB. */
+  sizesMiB: number[];
+  /** Trials per size (each = one KV and one raw transfer). */
+  reps: number[];
+  /** Context of both processes (must hold the largest state). */
+  contextSize: number;
+  batchSize: number;
+  /** Bytes of state per token of this model (to pick token counts); measured when absent. */
+  bytesPerToken?: number;
+}
+
+/** One size's results. Times in ms, rates in GB/s (10^9 bytes/s). */
+export interface KvSizeResult {
+  targetMiB: number;
+  tokens: number;
+  stateBytes: number;
+  blobBytes: number;
+  kvMs: Summary;
+  rawMs: Summary;
+  kvGBps: number;
+  rawGBps: number;
+  /** median KV time / median raw time. */
+  ratio: number;
+  /** Medians of the phases (sender: read, envelope, send; receiver: wire, validate, write, load). */
+  phasesMs: { read: number; envelope: number; send: number; wire: number; decodeEnvelope: number; parseState: number; writeFile: number; loadState: number };
+  /** Raw-socket GB/s vs the KV channel's wire phase alone. */
+  wireGBps: number;
+}
+
+/** Result of section 1. */
+export interface KvSectionResult {
+  sizes: KvSizeResult[];
+  stateMaking: { tokens: number; bytes: number }[];
+}
+
+interface Msg {
+  type: string;
+  error?: string;
+  [k: string]: unknown;
+}
+
+/** Run section 1. */
+export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult> {
+  const secret = randomBytes(16).toString('hex');
+  const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm' };
+  const sender = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'sender', epoch: newEpoch() })]);
+  const receiver = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'receiver', epoch: newEpoch() })]);
+  sender.on((m) => {
+    if (m.type === 'progress') say(`  ${String(m.msg)}`);
+  });
+  try {
+    const [sr, rr] = await Promise.all([sender.wait('ready', 120_000), receiver.wait('ready', 120_000)]);
+    if (sr.error || rr.error) throw new Error(`kv child failed to start: ${sr.error ?? rr.error}`);
+    await receiver.call({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort }, 'connected', 30_000);
+    const bpt = o.bytesPerToken ?? 16_401;
+    const maxTok = o.contextSize - 2;
+    const tokens = o.sizesMiB.map((mib) => Math.min(maxTok, Math.max(1, Math.round((mib * 1024 * 1024) / bpt))));
+    say(`  making states of ${tokens.join(', ')} tokens (prompt evaluation; the largest takes a while)`);
+    const made = await sender.call<Msg & { states: { n: number; bytes: number }[] }>({ cmd: 'make', tokens }, 'made', 600_000);
+    const states = made.states;
+    const kv: { total: number[]; blob: number; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], blob: 0, ph: {} }));
+    const raw: number[][] = states.map(() => []);
+    const push = (ph: Record<string, number[]>, k: string, v: unknown) => {
+      if (typeof v === 'number') (ph[k] ??= []).push(v);
+    };
+    let room = 1000;
+    const kvTrial = async (i: number, record: boolean) => {
+      const r = String(room++);
+      const recvP = receiver.wait('kvRecv', 120_000, (m) => m.room === r);
+      const d = await sender.call<Msg>({ cmd: 'kv', idx: i, room: r }, 'kvDone', 120_000);
+      const rv = await recvP;
+      if (rv.error) throw new Error(`kv receive failed: ${rv.error}`);
+      if (!record) return;
+      const k = kv[i]!;
+      k.total.push(d.totalMs as number);
+      k.blob = d.blobBytes as number;
+      push(k.ph, 'read', d.readMs);
+      push(k.ph, 'envelope', d.encodeMs);
+      push(k.ph, 'send', d.sendMs);
+      push(k.ph, 'wire', rv.wireMs);
+      push(k.ph, 'decodeEnvelope', rv.decodeMs);
+      push(k.ph, 'parseState', rv.parseMs);
+      push(k.ph, 'writeFile', rv.writeMs);
+      push(k.ph, 'loadState', rv.loadMs);
+    };
+    const rawTrial = async (i: number, record: boolean) => {
+      const bytes = kv[i]!.blob || states[i]!.bytes;
+      const d = await sender.call<Msg>({ cmd: 'raw', bytes }, 'rawDone', 120_000);
+      if (record) raw[i]!.push(d.totalMs as number);
+    };
+    // warm-up: one of each per size (page cache, socket buffers, llama.cpp first load)
+    for (let i = 0; i < states.length; i++) {
+      await kvTrial(i, false);
+      await rawTrial(i, false);
+    }
+    const rounds = Math.max(...o.reps);
+    for (let round = 0; round < rounds; round++) {
+      for (let i = 0; i < states.length; i++) {
+        if (round >= (o.reps[i] ?? 0)) continue;
+        if ((round + i) % 2 === 0) {
+          await kvTrial(i, true);
+          await rawTrial(i, true);
+        } else {
+          await rawTrial(i, true);
+          await kvTrial(i, true);
+        }
+      }
+      say(`  round ${round + 1}/${rounds} done`);
+    }
+    await sender.call({ cmd: 'cleanup' }, 'cleaned', 30_000).catch(() => {});
+    const sizes: KvSizeResult[] = states.map((s, i) => {
+      const k = kv[i]!;
+      const kvMs = summarize(k.total);
+      const rawMs = summarize(raw[i]!);
+      const gbps = (bytes: number, ms: number) => bytes / (ms / 1000) / 1e9;
+      const ph = (name: string) => median(k.ph[name] ?? []);
+      return {
+        targetMiB: o.sizesMiB[i]!,
+        tokens: s.n,
+        stateBytes: s.bytes,
+        blobBytes: k.blob,
+        kvMs,
+        rawMs,
+        kvGBps: gbps(k.blob, kvMs.median),
+        rawGBps: gbps(k.blob, rawMs.median),
+        ratio: kvMs.median / rawMs.median,
+        phasesMs: { read: ph('read'), envelope: ph('envelope'), send: ph('send'), wire: ph('wire'), decodeEnvelope: ph('decodeEnvelope'), parseState: ph('parseState'), writeFile: ph('writeFile'), loadState: ph('loadState') },
+        wireGBps: gbps(k.blob, ph('wire')),
+      };
+    });
+    return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })) };
+  } finally {
+    await Promise.all([sender.stop(), receiver.stop()]);
+  }
+}

@@ -1,0 +1,433 @@
+/**
+ * Bench sections 2–6: comparisons run against one live cluster (router + prefill + decode +
+ * colocated reference, all on the same machine). Each comparison runs both sides in the same
+ * invocation, interleaved (A B, B A, …), and reports their ratio.
+ */
+import { performance } from 'node:perf_hooks';
+import type { Dispatcher } from 'undici';
+import { computeMetrics, type BenchMetrics, type RequestRecord, type Slo } from './bench-metrics.js';
+import { buildPrompts, runBench, sendRequest, type BenchTarget, type BenchTokenizer, type PromptSpec } from './bench.js';
+import { alternate, BenchChild, median, say, sleep } from './bench-util.js';
+import { summarize, type Summary } from './stats.js';
+
+/** What every section needs. */
+export interface SectionCtx {
+  /** PD through the router (OpenAI API). */
+  pd: BenchTarget;
+  /** The colocated server (OpenAI API). */
+  colo: BenchTarget;
+  /** PD without the router (SGLang /generate to both workers). */
+  direct: BenchTarget;
+  tokenizer: BenchTokenizer;
+  dispatcher: Dispatcher;
+  model: string;
+  contextSize: number;
+  batchSize: number;
+  decodeSlots: number;
+  /** CPU list of the decode worker when pinned (section 4 pins the direct engine the same way). */
+  decodeCpus?: string;
+  quick: boolean;
+  timeoutMs: number;
+}
+
+const send = (ctx: SectionCtx, t: BenchTarget, p: PromptSpec, t0 = performance.now()) => sendRequest(t, p, { t0, dispatcher: ctx.dispatcher, timeoutMs: ctx.timeoutMs });
+
+function corpusPrompts(ctx: SectionCtx, n: number, inputLen: number, outputLen: number, seed: number): PromptSpec[] {
+  return buildPrompts({ dataset: 'corpus', numPrompts: n, inputLen, outputLen, seed, tokenizer: ctx.tokenizer });
+}
+
+function failures(rs: RequestRecord[]): string[] {
+  return rs.filter((r) => !r.ok).map((r) => r.error ?? 'failed');
+}
+
+// ------------------------------------------------------------------------------ section 2
+
+/** Section 2, one prompt length. */
+export interface LowLoadRow {
+  promptTokens: number;
+  outputTokens: number;
+  reps: number;
+  pd: BenchMetrics;
+  colo: BenchMetrics;
+  /** PD median / colocated median. */
+  ratio: { ttft: number; tpot: number; e2e: number };
+  errors: string[];
+}
+
+/** Section 2: PD vs colocated, one request at a time, prompts of 64/512/1500 tokens. */
+export async function runLowLoad(ctx: SectionCtx, lens = [64, 512, 1500], outputLen = 32): Promise<LowLoadRow[]> {
+  const reps = ctx.quick ? [2, 2, 2] : [10, 8, 6];
+  const rows: LowLoadRow[] = [];
+  for (let li = 0; li < lens.length; li++) {
+    const len = lens[li]!;
+    const n = reps[li] ?? reps[reps.length - 1]!;
+    const prompts = corpusPrompts(ctx, n, len, outputLen, 200 + len);
+    const pd: RequestRecord[] = [];
+    const colo: RequestRecord[] = [];
+    for (let i = 0; i < n; i++) {
+      const [a, b] = await alternate(i, () => send(ctx, ctx.pd, prompts[i]!), () => send(ctx, ctx.colo, prompts[i]!));
+      pd.push(a);
+      colo.push(b);
+    }
+    const mp = computeMetrics(pd, 1);
+    const mc = computeMetrics(colo, 1);
+    rows.push({
+      promptTokens: median(pd.map((r) => r.promptTokens)),
+      outputTokens: outputLen,
+      reps: n,
+      pd: mp,
+      colo: mc,
+      ratio: { ttft: mp.ttftMs.median / mc.ttftMs.median, tpot: mp.tpotMs.median / mc.tpotMs.median, e2e: mp.e2eMs.median / mc.e2eMs.median },
+      errors: [...failures(pd), ...failures(colo)],
+    });
+    say(`  ${len} tokens: TTFT PD ${mp.ttftMs.median.toFixed(0)} ms vs colocated ${mc.ttftMs.median.toFixed(0)} ms; E2E ${mp.e2eMs.median.toFixed(0)} vs ${mc.e2eMs.median.toFixed(0)} ms`);
+  }
+  return rows;
+}
+
+// ------------------------------------------------------------------------------ section 3
+
+/** One interference segment (one side, one run). */
+export interface InterferenceSegment {
+  side: 'pd' | 'colo';
+  durationMs: number;
+  streamRequests: number;
+  longRequests: number;
+  /** ITL of the decoding streams, chunks after the settle time. */
+  itlMs: Summary;
+  /** Gaps > 100 ms among those. */
+  stalls: number;
+  /** TPOT of the stream requests. */
+  tpotMs: Summary;
+  /** TTFT of the long prompts. */
+  longTtftMs: Summary;
+  /** Stream output tokens/s over the segment. */
+  streamTokPerS: number;
+  /** Max ITL per 100 ms bin: [t_s, ms]. */
+  itlSeries: [number, number][];
+  /** When long prompts were sent, s. */
+  longAt: number[];
+  errors: string[];
+}
+
+/** Section 3 result. */
+export interface InterferenceResult {
+  streams: number;
+  streamPrompt: number;
+  streamOutput: number;
+  longPrompt: number;
+  longOutput: number;
+  periodMs: number;
+  segmentMs: number;
+  settleMs: number;
+  segments: InterferenceSegment[];
+  pd: { itlMs: Summary; tpotMs: Summary; longTtftMs: Summary; stalls: number; streamTokPerS: number };
+  colo: { itlMs: Summary; tpotMs: Summary; longTtftMs: Summary; stalls: number; streamTokPerS: number };
+  /** colocated / PD: how many times worse colocated is. */
+  ratio: { itlP50: number; itlP99: number; longTtftP50: number };
+}
+
+/** Section 3: 8 streams decoding while long prompts arrive every few seconds. */
+export async function runInterference(ctx: SectionCtx): Promise<InterferenceResult> {
+  const streams = 8;
+  const streamPrompt = 32;
+  const streamOutput = ctx.quick ? 48 : 192;
+  const longPrompt = 1200;
+  const longOutput = 8;
+  const periodMs = ctx.quick ? 2500 : 4000;
+  const segmentMs = ctx.quick ? 6000 : 20_000;
+  const settleMs = 2000;
+  const rounds = ctx.quick ? 1 : 2;
+  const sp = corpusPrompts(ctx, 64, streamPrompt, streamOutput, 301);
+  const lp = corpusPrompts(ctx, 16, longPrompt, longOutput, 302);
+
+  const segment = async (side: 'pd' | 'colo'): Promise<{ seg: InterferenceSegment; itl: number[]; tpot: number[]; longTtft: number[] }> => {
+    const target = side === 'pd' ? ctx.pd : ctx.colo;
+    const t0 = performance.now();
+    const streamRecs: RequestRecord[] = [];
+    const longRecs: RequestRecord[] = [];
+    const longAt: number[] = [];
+    let stop = false;
+    let k = 0;
+    const loops = Array.from({ length: streams }, async () => {
+      while (!stop) streamRecs.push(await send(ctx, target, sp[k++ % sp.length]!, t0));
+    });
+    const longs: Promise<void>[] = [];
+    for (let j = 0; settleMs + j * periodMs < segmentMs; j++) {
+      await sleep(t0 + settleMs + j * periodMs - performance.now());
+      longAt.push((performance.now() - t0) / 1000);
+      longs.push(send(ctx, target, lp[j % lp.length]!, t0).then((r) => void longRecs.push(r)));
+    }
+    await sleep(t0 + segmentMs - performance.now());
+    stop = true;
+    await Promise.all([...loops, ...longs]);
+    // ITL samples: gaps whose end falls in [settle, segment end]
+    const itl: number[] = [];
+    const bins = new Map<number, number>();
+    let tokens = 0;
+    for (const r of streamRecs) {
+      if (!r.ok) continue;
+      for (let i = 0; i < r.chunkAtMs.length; i++) {
+        const at = r.chunkAtMs[i]!;
+        if (at < settleMs || at > segmentMs) continue;
+        tokens++;
+        if (i === 0) continue;
+        const gap = at - r.chunkAtMs[i - 1]!;
+        itl.push(gap);
+        const b = Math.floor(at / 100);
+        bins.set(b, Math.max(bins.get(b) ?? 0, gap));
+      }
+    }
+    const okStreams = streamRecs.filter((r) => r.ok);
+    const m = computeMetrics(okStreams, 1);
+    const tpot = okStreams.map((r) => (r.outputTokens > 1 ? (r.e2eMs - r.ttftMs) / (r.outputTokens - 1) : NaN)).filter(Number.isFinite);
+    const longTtft = longRecs.filter((r) => r.ok).map((r) => r.ttftMs);
+    const seg: InterferenceSegment = {
+      side,
+      durationMs: segmentMs,
+      streamRequests: streamRecs.length,
+      longRequests: longRecs.length,
+      itlMs: summarize(itl),
+      stalls: itl.filter((g) => g > 100).length,
+      tpotMs: m.tpotMs,
+      longTtftMs: summarize(longTtft),
+      streamTokPerS: tokens / ((segmentMs - settleMs) / 1000),
+      itlSeries: [...bins.entries()].sort((a, b) => a[0] - b[0]).map(([b, v]) => [b / 10, Math.round(v * 10) / 10]),
+      longAt,
+      errors: [...failures(streamRecs), ...failures(longRecs)],
+    };
+    say(`  ${side === 'pd' ? 'PD        ' : 'colocated '} ITL p50 ${seg.itlMs.p50.toFixed(1)} ms, p99 ${seg.itlMs.p99.toFixed(1)} ms, stalls>100ms ${seg.stalls}, long TTFT p50 ${seg.longTtftMs.p50.toFixed(0)} ms`);
+    return { seg, itl, tpot, longTtft };
+  };
+
+  const segments: InterferenceSegment[] = [];
+  const raw = new Map<InterferenceSegment, { itl: number[]; tpot: number[]; longTtft: number[] }>();
+  for (let r = 0; r < rounds; r++) {
+    // colo, pd, then pd, colo, ...
+    for (const side of (r % 2 === 0 ? ['colo', 'pd'] : ['pd', 'colo']) as ('pd' | 'colo')[]) {
+      const { seg, itl, tpot, longTtft } = await segment(side);
+      segments.push(seg);
+      raw.set(seg, { itl, tpot, longTtft });
+    }
+  }
+  // pool the samples of both runs of a side (medians of per-run percentiles would hide tails)
+  const pool = (side: 'pd' | 'colo') => {
+    const segs = segments.filter((s) => s.side === side);
+    const all = (k: 'itl' | 'tpot' | 'longTtft') => segs.flatMap((s) => raw.get(s)![k]);
+    const itl = all('itl');
+    return { itlMs: summarize(itl), tpotMs: summarize(all('tpot')), longTtftMs: summarize(all('longTtft')), stalls: itl.filter((g) => g > 100).length, streamTokPerS: median(segs.map((s) => s.streamTokPerS)) };
+  };
+  const pd = pool('pd');
+  const colo = pool('colo');
+  return {
+    streams,
+    streamPrompt,
+    streamOutput,
+    longPrompt,
+    longOutput,
+    periodMs,
+    segmentMs,
+    settleMs,
+    segments,
+    pd,
+    colo,
+    ratio: { itlP50: colo.itlMs.p50 / pd.itlMs.p50, itlP99: colo.itlMs.p99 / pd.itlMs.p99, longTtftP50: colo.longTtftMs.p50 / pd.longTtftMs.p50 },
+  };
+}
+
+// ------------------------------------------------------------------------------ section 4
+
+/**
+ * Steady-state aggregate decode rate of concurrent streams: tokens arriving while all streams
+ * were producing (from the last stream's first token to the first stream's last token) divided
+ * by that window. When the streams never all overlap, falls back to every token after each
+ * stream's first over the whole span (`allLive` false). `scale[i]` converts stream i's chunks to
+ * tokens (usage tokens / chunks). Times in ms; streams of < 2 arrivals make the result NaN.
+ */
+export function windowRate(streams: number[][], scale?: number[]): { tokens: number; ms: number; tokPerS: number; allLive: boolean } {
+  if (streams.length === 0 || streams.some((s) => s.length < 2)) return { tokens: 0, ms: 0, tokPerS: NaN, allLive: false };
+  const count = (from: number, to: number) => {
+    let tokens = 0;
+    streams.forEach((s, i) => {
+      let c = 0;
+      for (const t of s) if (t > from && t <= to) c++;
+      tokens += c * (scale?.[i] ?? 1);
+    });
+    return tokens;
+  };
+  const start = Math.max(...streams.map((s) => s[0]!));
+  const end = Math.min(...streams.map((s) => s[s.length - 1]!));
+  if (end > start) {
+    const tokens = count(start, end);
+    return { tokens, ms: end - start, tokPerS: tokens / ((end - start) / 1000), allLive: true };
+  }
+  const first = Math.min(...streams.map((s) => s[0]!));
+  const last = Math.max(...streams.map((s) => s[s.length - 1]!));
+  let tokens = 0;
+  streams.forEach((s, i) => (tokens += (s.length - 1) * (scale?.[i] ?? 1)));
+  return { tokens, ms: last - first, tokPerS: last > first ? tokens / ((last - first) / 1000) : NaN, allLive: false };
+}
+
+/** Section 4, one concurrency level. */
+export interface BatchingRow {
+  streams: number;
+  promptTokens: number;
+  outputTokens: number;
+  reps: number;
+  /** Runs (either side) whose streams never all overlapped: their rate is over the whole span instead. */
+  partialOverlapRuns: number;
+  /** Steady-state aggregate tokens/s (all streams live), median over reps. */
+  pdTokPerS: number;
+  directTokPerS: number;
+  /** Whole-run tokens/s (first request → last token), median over reps. */
+  pdWallTokPerS: number;
+  directWallTokPerS: number;
+  /** pdserve / direct, steady state. */
+  ratio: number;
+  errors: string[];
+}
+
+/** Section 4: decode batching through pdserve vs node-llama-cpp driven directly. */
+export async function runBatching(ctx: SectionCtx, levels = [1, 4, 8]): Promise<BatchingRow[]> {
+  const outputLen = ctx.quick ? 64 : 256;
+  const promptLen = 16;
+  const reps = ctx.quick ? 1 : 3;
+  const child = new BenchChild<{ type: string; error?: string; streams?: number[][] }>(
+    'bench-engine-child',
+    [JSON.stringify({ model: ctx.model, contextSize: ctx.contextSize, batchSize: ctx.batchSize, sequences: ctx.decodeSlots, threads: 1 })],
+    ctx.decodeCpus,
+  );
+  try {
+    const ready = await child.wait('ready', 120_000);
+    if (ready.error) throw new Error(`engine child: ${ready.error}`);
+    const rows: BatchingRow[] = [];
+    const acc = new Map<number, { pd: number[]; direct: number[]; pdWall: number[]; directWall: number[]; partial: number; errors: string[] }>();
+    for (const n of levels) acc.set(n, { pd: [], direct: [], pdWall: [], directWall: [], partial: 0, errors: [] });
+    for (let rep = 0; rep < reps; rep++) {
+      for (const n of levels) {
+        const prompts = corpusPrompts(ctx, n, promptLen, outputLen, 400 + rep * 16 + n);
+        const a = acc.get(n)!;
+        const viaPd = async () => {
+          const t0 = performance.now();
+          const recs = await Promise.all(prompts.map((p) => send(ctx, ctx.pd, p, t0)));
+          const bad = failures(recs);
+          a.errors.push(...bad);
+          if (bad.length) return;
+          const w = windowRate(
+            recs.map((r) => r.chunkAtMs),
+            recs.map((r) => (r.chunkAtMs.length ? r.outputTokens / r.chunkAtMs.length : 1)),
+          );
+          a.pd.push(w.tokPerS);
+          if (!w.allLive) a.partial++;
+          const last = Math.max(...recs.map((r) => r.startMs + r.e2eMs));
+          a.pdWall.push(recs.reduce((x, r) => x + r.outputTokens, 0) / (last / 1000));
+        };
+        const viaDirect = async () => {
+          const r = await child.call<{ type: string; streams?: number[][] }>({ cmd: 'run', prompts: prompts.map((p) => p.text), outputLen }, 'result', 300_000);
+          const s = r.streams!;
+          const w = windowRate(s);
+          a.direct.push(w.tokPerS);
+          if (!w.allLive) a.partial++;
+          const last = Math.max(...s.map((x) => x[x.length - 1] ?? 0));
+          a.directWall.push(s.reduce((x, y) => x + y.length, 0) / (last / 1000));
+        };
+        await alternate(rep + n, viaPd, viaDirect);
+      }
+    }
+    for (const n of levels) {
+      const a = acc.get(n)!;
+      const pd = median(a.pd);
+      const direct = median(a.direct);
+      rows.push({ streams: n, promptTokens: promptLen, outputTokens: outputLen, reps, partialOverlapRuns: a.partial, pdTokPerS: pd, directTokPerS: direct, pdWallTokPerS: median(a.pdWall), directWallTokPerS: median(a.directWall), ratio: pd / direct, errors: a.errors });
+      say(`  ${n} stream(s): pdserve ${pd.toFixed(0)} tok/s vs direct ${direct.toFixed(0)} tok/s`);
+    }
+    return rows;
+  } finally {
+    await child.stop();
+  }
+}
+
+// ------------------------------------------------------------------------------ section 5
+
+/** Section 5 result. */
+export interface RouterOverheadResult {
+  promptTokens: number;
+  outputTokens: number;
+  reps: number;
+  router: BenchMetrics;
+  direct: BenchMetrics;
+  /** router − direct, ms. */
+  addedMs: { ttftP50: number; ttftP99: number; e2eP50: number; e2eP99: number; itlP50: number };
+  /** router / direct. */
+  ratio: { ttftP50: number; e2eP50: number };
+  errors: string[];
+}
+
+/** Section 5: the same streamed requests to the workers directly vs through the router. */
+export async function runRouterOverhead(ctx: SectionCtx): Promise<RouterOverheadResult> {
+  const reps = ctx.quick ? 4 : 40;
+  const promptLen = 64;
+  const outputLen = 32;
+  const prompts = corpusPrompts(ctx, reps, promptLen, outputLen, 500);
+  const viaRouter: RequestRecord[] = [];
+  const direct: RequestRecord[] = [];
+  for (let i = 0; i < reps; i++) {
+    const [a, b] = await alternate(i, () => send(ctx, ctx.pd, prompts[i]!), () => send(ctx, ctx.direct, prompts[i]!));
+    viaRouter.push(a);
+    direct.push(b);
+  }
+  const r = computeMetrics(viaRouter, 1);
+  const d = computeMetrics(direct, 1);
+  const res: RouterOverheadResult = {
+    promptTokens: promptLen,
+    outputTokens: outputLen,
+    reps,
+    router: r,
+    direct: d,
+    addedMs: { ttftP50: r.ttftMs.p50 - d.ttftMs.p50, ttftP99: r.ttftMs.p99 - d.ttftMs.p99, e2eP50: r.e2eMs.p50 - d.e2eMs.p50, e2eP99: r.e2eMs.p99 - d.e2eMs.p99, itlP50: r.itlMs.p50 - d.itlMs.p50 },
+    ratio: { ttftP50: r.ttftMs.p50 / d.ttftMs.p50, e2eP50: r.e2eMs.p50 / d.e2eMs.p50 },
+    errors: [...failures(viaRouter), ...failures(direct)],
+  };
+  say(`  router adds ${res.addedMs.ttftP50.toFixed(1)} ms TTFT p50, ${res.addedMs.e2eP50.toFixed(1)} ms E2E p50 (p99 ${res.addedMs.e2eP99.toFixed(1)} ms)`);
+  return res;
+}
+
+// ------------------------------------------------------------------------------ section 6
+
+/** Section 6, one request rate. */
+export interface ScalingRow {
+  rate: number;
+  numPrompts: number;
+  pd: BenchMetrics;
+  colo: BenchMetrics;
+  errors: string[];
+}
+
+/** Section 6 result. */
+export interface ScalingResult {
+  slo: Slo;
+  inputLen: number;
+  outputLen: number;
+  rangeRatio: number;
+  rows: ScalingRow[];
+}
+
+/** Section 6: Poisson request-rate sweep; goodput under an SLO for PD vs colocated. */
+export async function runScaling(ctx: SectionCtx, rates = [0.5, 1, 2, 4], slo: Slo = { ttftMs: 2000, tpotMs: 50 }): Promise<ScalingResult> {
+  const inputLen = 512;
+  const outputLen = 64;
+  const rangeRatio = 0.5;
+  const secondsPerRate = ctx.quick ? 3 : 16;
+  const rows: ScalingRow[] = [];
+  for (let i = 0; i < rates.length; i++) {
+    const rate = rates[i]!;
+    const numPrompts = Math.max(ctx.quick ? 2 : 6, Math.round(rate * secondsPerRate));
+    const prompts = buildPrompts({ dataset: 'corpus', numPrompts, inputLen, outputLen, rangeRatio, seed: 600 + i, tokenizer: ctx.tokenizer });
+    const run = (target: BenchTarget, label: string) =>
+      runBench({ target, prompts, requestRate: rate, seed: 600 + i, slo, warmup: 0, timeoutMs: ctx.timeoutMs, progress: false, label, dispatcher: ctx.dispatcher });
+    const [pd, colo] = await alternate(i, () => run(ctx.pd, 'pd'), () => run(ctx.colo, 'colocated'));
+    rows.push({ rate, numPrompts, pd: pd.metrics, colo: colo.metrics, errors: [...pd.requests.errors, ...colo.requests.errors].filter((e): e is string => !!e) });
+    say(`  ${rate} req/s: goodput PD ${pd.metrics.goodput?.toFixed(2)} vs colocated ${colo.metrics.goodput?.toFixed(2)} req/s; TTFT p50 ${pd.metrics.ttftMs.p50.toFixed(0)} vs ${colo.metrics.ttftMs.p50.toFixed(0)} ms; TPOT p50 ${pd.metrics.tpotMs.p50.toFixed(1)} vs ${colo.metrics.tpotMs.p50.toFixed(1)} ms`);
+  }
+  return { slo, inputLen, outputLen, rangeRatio, rows };
+}

@@ -1,0 +1,226 @@
+/**
+ * `npm run bench` (`pdserve bench-suite`): the benchmark suite of issue #5. Six sections, each a
+ * comparison whose two sides run in the same invocation, interleaved, so the ratio holds on a
+ * noisy machine even when absolute times move:
+ *
+ *   1. KV handoff vs raw TCP (1/4/16/64 MiB real states, two processes)
+ *   2. PD vs colocated at low load (prompts of 64/512/1500 tokens, one at a time)
+ *   3. Interference: 8 decoding streams + long prompts every few seconds
+ *   4. Decode batching: 1/4/8 streams through pdserve vs node-llama-cpp driven directly
+ *   5. Router overhead: the same requests through the router vs to the workers directly
+ *   6. Scaling: Poisson rate sweep, goodput under an SLO
+ *
+ * Writes bench/results/sN-*.json, bench/plots/*.svg and BENCHMARKS.md (sections not run this time
+ * are taken from their previous JSON, when present). Model: the generated `small` GGUF.
+ */
+import { execSync } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, statSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { ensureModel, describeModel } from '../engine/gguf-writer.js';
+import { Cluster } from './cluster.js';
+import { benchAgent, discoverModel, loadTokenizer, REPO_ROOT, sendRequest, type BenchTarget } from './bench.js';
+import { runKvSection, type KvSectionResult } from './bench-kv.js';
+import { runBatching, runInterference, runLowLoad, runRouterOverhead, runScaling, type SectionCtx } from './bench-sections.js';
+import { renderReport, writePlots, type SectionFile, type SuiteMeta } from './bench-report.js';
+import { canPin, say } from './bench-util.js';
+
+/** Options of `pdserve bench-suite`. */
+export interface SuiteOptions {
+  /** Comma-separated section numbers. */
+  sections: string;
+  quick: boolean;
+  /** Repository root to write into (default: this checkout). */
+  out?: string;
+  /** Pin prefill and decode to separate cores (when the machine has ≥ 2 and taskset exists). */
+  pin: boolean;
+  argv: string[];
+}
+
+export const SECTION_FILES: Record<number, string> = {
+  1: 's1-kv-handoff.json',
+  2: 's2-low-load.json',
+  3: 's3-interference.json',
+  4: 's4-batching.json',
+  5: 's5-router-overhead.json',
+  6: 's6-scaling.json',
+};
+
+const CTX = 2048;
+const BATCH = 512;
+const DECODE_SLOTS = 10;
+
+function pkgVersion(name: string): string {
+  try {
+    return (JSON.parse(readFileSync(join(REPO_ROOT, 'node_modules', name, 'package.json'), 'utf8')) as { version: string }).version;
+  } catch {
+    return '?';
+  }
+}
+
+function gitCommit(): string {
+  try {
+    return execSync('git rev-parse --short HEAD', { cwd: REPO_ROOT, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
+  } catch {
+    return '?';
+  }
+}
+
+function machine(): SuiteMeta['machine'] {
+  const cpus = os.cpus();
+  return {
+    cpuModel: cpus[0]?.model ?? '?',
+    cores: cpus.length,
+    memGiB: Math.round((os.totalmem() / 2 ** 30) * 10) / 10,
+    os: `${os.type()} ${os.release()} ${os.arch()}`,
+    node: process.version,
+    packages: Object.fromEntries(['node-llama-cpp', 'undici', 'fastify', 'zod', 'typescript'].map((p) => [p, pkgVersion(p)])),
+    loadavgStart: os.loadavg().map((x) => Math.round(x * 100) / 100),
+    loadavgEnd: [],
+  };
+}
+
+/** Run the suite; returns the process exit code. */
+export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
+  const t0 = performance.now();
+  const root = o.out ?? REPO_ROOT;
+  const resultsDir = join(root, 'bench', 'results');
+  const plotsDir = join(root, 'bench', 'plots');
+  mkdirSync(resultsDir, { recursive: true });
+  mkdirSync(plotsDir, { recursive: true });
+  const want = new Set(
+    o.sections
+      .split(',')
+      .map((s) => Number(s.trim()))
+      .filter((n) => n >= 1 && n <= 6),
+  );
+  const modelPath = await ensureModel('small', 1);
+  const desc = describeModel({ preset: 'small', seed: 1 });
+  const pinned = o.pin && canPin(2);
+  const meta: SuiteMeta = {
+    date: new Date().toISOString(),
+    command: process.env.npm_lifecycle_event === 'bench' ? `npm run bench${o.argv.slice(3).length ? ` -- ${o.argv.slice(3).join(' ')}` : ''}` : `pdserve ${o.argv.slice(2).join(' ')}`,
+    quick: o.quick,
+    commit: gitCommit(),
+    machine: machine(),
+    model: { name: 'small (generated, random weights)', path: modelPath, params: desc.nParams, nVocab: desc.nVocab, dims: { nEmbd: desc.dims.nEmbd, nLayer: desc.dims.nLayer, nHead: desc.dims.nHead }, ggufBytes: statSync(modelPath).size },
+    config: { contextSize: CTX, batchSize: BATCH, decodeSlots: DECODE_SLOTS, threadsPerProcess: 1, pinned, pinning: pinned ? 'prefill → CPU 0, decode → CPU 1 (taskset); router, colocated and the bench client unpinned' : 'none' },
+    sectionSeconds: {},
+    totalSeconds: 0,
+  };
+  say(`pdserve bench suite: sections ${[...want].sort().join(',')}${o.quick ? ' (quick)' : ''}; model ${modelPath}; ${meta.machine.cores} cores, load ${meta.machine.loadavgStart.join(' ')}`);
+  const fresh = new Map<number, SectionFile>();
+  const save = (n: number, result: unknown, seconds: number) => {
+    meta.sectionSeconds[n] = Math.round(seconds);
+    const file: SectionFile = { section: n, meta: { date: new Date().toISOString(), quick: o.quick, commit: meta.commit, seconds: Math.round(seconds), loadavg: os.loadavg().map((x) => Math.round(x * 100) / 100) }, result };
+    fresh.set(n, file);
+    writeFileSync(join(resultsDir, SECTION_FILES[n]!), JSON.stringify(file, (_k, v: unknown) => (typeof v === 'number' && !Number.isFinite(v) ? null : v), 1) + '\n');
+  };
+  let failed = false;
+
+  if (want.has(1)) {
+    const ts = performance.now();
+    say('section 1: KV handoff vs raw TCP');
+    try {
+      const r: KvSectionResult = await runKvSection({
+        model: modelPath,
+        sizesMiB: [1, 4, 16, 64],
+        reps: o.quick ? [2, 2, 1, 1] : [12, 10, 8, 6],
+        contextSize: 4096,
+        batchSize: BATCH,
+      });
+      save(1, r, (performance.now() - ts) / 1000);
+    } catch (err) {
+      failed = true;
+      say(`section 1 failed: ${(err as Error).stack ?? err}`);
+    }
+  }
+
+  const clusterSections = [2, 3, 4, 5, 6].filter((n) => want.has(n));
+  if (clusterSections.length) {
+    const logDir = mkdtempSync(join(os.tmpdir(), 'pdserve-bench-'));
+    const cluster = new Cluster({
+      model: modelPath,
+      prefill: 1,
+      decode: 1,
+      colocated: true,
+      threads: 1,
+      ctxSize: CTX,
+      batchSize: BATCH,
+      decodeSlots: DECODE_SLOTS,
+      prefillSlots: 1,
+      logDir,
+      startTimeoutMs: 120_000,
+      cpuAffinity: pinned ? { prefill: '0', decode: '1' } : undefined,
+    });
+    const dispatcher = benchAgent(64);
+    const tokenizer = await loadTokenizer(modelPath);
+    try {
+      say(`starting the cluster (router, prefill, decode, colocated; logs in ${logDir})`);
+      await cluster.start();
+      const routerUrl = cluster.router.url;
+      const coloUrl = cluster.colocated!.url;
+      const prefill = cluster.byRole('prefill')[0]!;
+      const decode = cluster.byRole('decode')[0]!;
+      const served = await discoverModel(routerUrl, dispatcher);
+      const pd: BenchTarget = { kind: 'openai', url: routerUrl, endpoint: 'completions', model: served };
+      const colo: BenchTarget = { kind: 'openai', url: coloUrl, endpoint: 'completions', model: served };
+      const direct: BenchTarget = { kind: 'pd-direct', prefillUrl: prefill.url, bootstrapHost: '127.0.0.1', bootstrapPort: prefill.bootstrapPort!, decodeUrl: decode.url };
+      const ctx: SectionCtx = { pd, colo, direct, tokenizer, dispatcher, model: modelPath, contextSize: CTX, batchSize: BATCH, decodeSlots: DECODE_SLOTS, decodeCpus: pinned ? '1' : undefined, quick: o.quick, timeoutMs: 180_000 };
+      // warm-up: every path once (first llama.cpp evaluation, connection pools, KV channel)
+      const warm = { text: 'Alice was beginning to get very tired of sitting by her sister on the bank.', promptTokens: 20, outputLen: 8 };
+      for (const t of [pd, colo, direct]) {
+        const r = await sendRequest(t, warm, { t0: performance.now(), dispatcher, timeoutMs: 60_000 });
+        if (!r.ok) throw new Error(`warm-up request failed (${t.kind === 'openai' ? t.url : 'pd-direct'}): ${r.error}`);
+      }
+      const sections: [number, string, () => Promise<unknown>][] = [
+        [2, 'PD vs colocated at low load', () => runLowLoad(ctx)],
+        [3, 'interference (8 streams + long prompts)', () => runInterference(ctx)],
+        [4, 'decode batching: pdserve vs node-llama-cpp directly', () => runBatching(ctx)],
+        [5, 'router overhead', () => runRouterOverhead(ctx)],
+        [6, 'scaling: request-rate sweep, goodput', () => runScaling(ctx)],
+      ];
+      for (const [n, name, fn] of sections) {
+        if (!want.has(n)) continue;
+        const ts = performance.now();
+        say(`section ${n}: ${name}`);
+        try {
+          save(n, await fn(), (performance.now() - ts) / 1000);
+        } catch (err) {
+          failed = true;
+          say(`section ${n} failed: ${(err as Error).stack ?? err}`);
+        }
+        for (const p of cluster.procs) if (p.unexpectedExits.length) say(`warning: ${p.name} exited unexpectedly (log: ${p.logFile})`);
+      }
+    } catch (err) {
+      failed = true;
+      say(`cluster sections failed: ${(err as Error).stack ?? err}`);
+    } finally {
+      await cluster.stop();
+      await tokenizer.dispose().catch(() => {});
+      await dispatcher.close().catch(() => {});
+    }
+  }
+
+  meta.totalSeconds = Math.round((performance.now() - t0) / 1000);
+  meta.machine.loadavgEnd = os.loadavg().map((x) => Math.round(x * 100) / 100);
+  // sections not run now: previous results, when present
+  const files = new Map<number, SectionFile>();
+  for (let n = 1; n <= 6; n++) {
+    const f = fresh.get(n);
+    if (f) files.set(n, f);
+    else if (existsSync(join(resultsDir, SECTION_FILES[n]!))) {
+      try {
+        files.set(n, JSON.parse(readFileSync(join(resultsDir, SECTION_FILES[n]!), 'utf8')) as SectionFile);
+      } catch {
+        /* unreadable: section shown as missing */
+      }
+    }
+  }
+  writeFileSync(join(resultsDir, 'suite.json'), JSON.stringify({ meta, sectionsRun: [...fresh.keys()] }, null, 1) + '\n');
+  const plots = writePlots(files, plotsDir);
+  writeFileSync(join(root, 'BENCHMARKS.md'), renderReport(meta, files, plots, [...fresh.keys()]));
+  say(`wrote BENCHMARKS.md, ${resultsDir}, ${plotsDir} in ${meta.totalSeconds} s`);
+  return failed ? 1 : 0;
+}
