@@ -6,6 +6,7 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRepl
 import type { Registry } from 'prom-client';
 import { registerOpenAIErrorHandling, sendApiError } from '../api/openai.js';
 import type { ApiError } from './errors.js';
+import { registerHoldRoute } from './testhooks.js';
 import type { Logger } from './log.js';
 
 export interface WorkerAppOptions {
@@ -29,6 +30,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
     return o.registry.metrics();
   });
   app.get('/debug/rooms', async () => o.debugRooms());
+  registerHoldRoute(app);
   return app;
 }
 

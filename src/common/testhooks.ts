@@ -2,7 +2,9 @@
  * Test-only pauses at named points of a request's path, so real-process tests can catch a
  * request in a chosen phase (e.g. abort while prefill is transferring). Off unless the
  * environment variable PDSERVE_TEST_HOLDS is set, e.g. `prefill.compute=50,decode.load=50`
- * (ms per point). Never set it in production: it only adds latency.
+ * (ms per point) or `on` (none yet). When set, every process also serves
+ * `POST /debug/test-holds` (body: the same spec as text) to change them at run time.
+ * Never set it in production: it only adds latency.
  */
 export type HoldPoint =
   /** router: after validation, before dispatching to the workers. */
@@ -28,10 +30,24 @@ function parseHolds(spec: string | undefined): Map<string, number> {
   return m;
 }
 
-const holds = parseHolds(process.env.PDSERVE_TEST_HOLDS);
+let holds = parseHolds(process.env.PDSERVE_TEST_HOLDS);
 
-/** True when any hold is configured (logged once at start-up by the workers). */
-export const holdsEnabled = holds.size > 0;
+/** True when PDSERVE_TEST_HOLDS is set (logged at start-up; enables POST /debug/test-holds). */
+export const holdsEnabled = (process.env.PDSERVE_TEST_HOLDS ?? '') !== '';
+
+/** Replace every hold with `spec` ("point=ms,…"; '' clears). Ignored unless holdsEnabled. */
+export function setHolds(spec: string): void {
+  if (holdsEnabled) holds = parseHolds(spec);
+}
+
+/** Register POST /debug/test-holds on a fastify app when holds are enabled. */
+export function registerHoldRoute(app: { post(path: string, handler: (req: { body: unknown }) => Promise<unknown>): unknown }): void {
+  if (!holdsEnabled) return;
+  app.post('/debug/test-holds', async (req) => {
+    setHolds(typeof req.body === 'string' ? req.body : String((req.body as { spec?: unknown } | null)?.spec ?? ''));
+    return { holds: Object.fromEntries(holds) };
+  });
+}
 
 /** Wait the configured ms at `point` (resolves early when `signal` aborts); no-op when unset. */
 export function hold(point: HoldPoint, signal?: AbortSignal): Promise<void> {

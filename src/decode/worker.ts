@@ -203,7 +203,7 @@ export class DecodeWorker {
       job.ready.resolve(job.header);
     } else {
       job.ac.abort();
-      const registered = job.conn !== undefined && (this.rooms.get(room)?.timeline ?? []).some((t) => t.state === KVPoll.WaitingForInput);
+      const registered = job.step !== 'prealloc' && job.step !== 'registering';
       (registered ? this.metrics.kvTransferFailed : this.metrics.bootstrapFailed).inc({ reason: WorkerMetrics.reasonLabel(reason) });
       job.ready.reject(failureToApiError(reason));
     }

@@ -316,6 +316,16 @@ interface TensorSpec {
   rowScale?: ReadonlyMap<number, number>;
 }
 
+/** Row multipliers of the output projection (token id → scale); ids 3..258 are the byte tokens. */
+function outputRowScale(): Map<number, number> {
+  const m = new Map<number, number>([[0, 0.05], [1, 0.05], [2, 0.85]]);
+  for (let b = 0; b < 256; b++) {
+    const printable = (b >= 0x20 && b < 0x7f) || b === 0x0a;
+    if (!printable) m.set(3 + b, 0.05);
+  }
+  return m;
+}
+
 function tensorBytes(t: TensorSpec): number {
   const n = t.ne.reduce((a, b) => a * b, 1);
   return n * (t.type === GGML_F16 ? 2 : 4);
@@ -384,8 +394,10 @@ function buildTensorSpecs(d: ModelDims, nVocab: number): TensorSpec[] {
   specs.push(
     { name: 'output_norm.weight', ne: [d.nEmbd], type: GGML_F32, init: norm },
     // <unk> and <s> are (almost) never predicted; </s> is predicted, but less often than the
-    // average token, so greedy runs are long enough to be interesting yet end sometimes.
-    { name: 'output.weight', ne: [d.nEmbd, nVocab], type: wt, init: rand(0.5), rowScale: new Map([[0, 0.05], [1, 0.05], [2, 0.85]]) },
+    // average token, so greedy runs are long enough to be interesting yet end sometimes. Byte
+    // tokens that are not printable ASCII (control bytes, 0x7F–0xFF: lone UTF-8 fragments) are
+    // damped too, so the random model writes readable characters instead of U+FFFD.
+    { name: 'output.weight', ne: [d.nEmbd, nVocab], type: wt, init: rand(0.5), rowScale: outputRowScale() },
   );
   return specs;
 }
@@ -469,14 +481,18 @@ export function defaultCacheDir(): string {
   return path.join(os.homedir(), '.cache', 'pdserve');
 }
 
+/** Bumped whenever the bytes written for a (preset, seed) change. */
+export const GENERATOR_VERSION = 2;
+
 /**
- * Path of `pdserve-<preset>-s<seed>.gguf` in the cache dir, writing it first if missing
- * (tmp file + rename, so concurrent callers never see a partial file).
+ * Path of `pdserve-<preset>-s<seed>-g<GENERATOR_VERSION>.gguf` in the cache dir, writing it
+ * first if missing (tmp file + rename, so concurrent callers never see a partial file).
  * @returns absolute path of the GGUF.
  */
 export async function ensureModel(preset: GgufPreset, seed: number, cacheDir?: string): Promise<string> {
   const dir = path.resolve(cacheDir ?? defaultCacheDir());
-  const file = path.join(dir, `pdserve-${preset}-s${seed}.gguf`);
+  // The generator version is part of the name: a changed generator never reuses a stale cache.
+  const file = path.join(dir, `pdserve-${preset}-s${seed}-g${GENERATOR_VERSION}.gguf`);
   try {
     await fsp.access(file);
     return file;

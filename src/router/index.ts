@@ -14,6 +14,7 @@
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid.
  */
+import { registerHoldRoute } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
 import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
@@ -159,6 +160,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     const ok = prefill.healthy > 0 && decode.healthy > 0 && !closing;
     return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : 'unavailable', role: 'router', models: registry.models(), prefill, decode, inflight: active.size });
   });
+
+  registerHoldRoute(app);
 
   app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal }));
 

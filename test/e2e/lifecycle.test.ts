@@ -2,7 +2,8 @@
  * The room lifecycle on real processes: a client abort in every phase of a request, a prefill
  * that fails early, and each scenario repeated (PDSERVE_LIFECYCLE_REPS, default 50). Pass: no
  * crash; the victim's rooms terminal on both sides and everything released within 1 s; the next
- * request succeeds. Phases are made long enough to hit with test-only holds (PDSERVE_TEST_HOLDS).
+ * request succeeds. The target phase of each scenario is made long enough to hit with a test-only
+ * hold (PDSERVE_TEST_HOLDS, set at run time through POST /debug/test-holds).
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
@@ -10,9 +11,8 @@ import type { Cluster } from '../../src/harness/cluster.js';
 import { busy, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
 const REPS = Number(process.env.PDSERVE_LIFECYCLE_REPS ?? 50);
-const HOLD = 30;
-// prefill.compute is held longer so a second request reliably queues behind the first.
-const HOLDS = ['router.dispatch', 'decode.register', 'prefill.save', 'prefill.send', 'decode.load'].map((p) => `${p}=${HOLD}`).join(',') + `,prefill.compute=${HOLD * 5}`;
+/** How long the target phase is held, ms: long enough to observe on a loaded 2-core machine. */
+const HOLD = 150;
 
 interface LiveRoom {
   room: string;
@@ -62,6 +62,10 @@ async function findRoom(role: 'prefill' | 'decode', pick: (d: Debug) => string |
 
 interface Scenario {
   name: string;
+  /** Holds for this scenario (PDSERVE_TEST_HOLDS syntax). */
+  holds: string;
+  /** Tokens the victim asks for (it is aborted long before). */
+  maxTokens?: number;
   /** Start background work the victim must queue behind; returns its completion. */
   setup?: () => Promise<unknown>;
   /** Holds once the background work occupies what the victim must wait for. */
@@ -74,28 +78,40 @@ interface Scenario {
 const liveIn = (phase: string, step?: string) => (d: Debug) => d.live.find((r) => r.phase === phase && (step === undefined || r.step === step))?.room;
 
 const scenarios: Scenario[] = [
-  { name: 'router before dispatch', delayMs: HOLD / 3 },
-  { name: 'prefill bootstrapping', find: { role: 'prefill', pick: liveIn('bootstrap') } },
+  { name: 'router before dispatch', holds: `router.dispatch=${HOLD}`, delayMs: HOLD / 3 },
+  { name: 'prefill bootstrapping', holds: `decode.register=${HOLD}`, find: { role: 'prefill', pick: liveIn('bootstrap') } },
   {
     name: 'prefill waiting (queued behind another prompt)',
+    holds: `prefill.compute=${HOLD}`,
     setup: () => completion({ prompt: promptOf(40, 1), max_tokens: 2, stream: true }),
     ready: async () => (await debug('prefill')).live.some((r) => r.step === 'computing'),
     find: { role: 'prefill', pick: liveIn('waiting', 'queued') },
   },
-  { name: 'prefill computing', find: { role: 'prefill', pick: liveIn('waiting', 'computing') } },
-  { name: 'prefill inflight (transferring)', find: { role: 'prefill', pick: liveIn('inflight') } },
+  { name: 'prefill computing', holds: `prefill.compute=${HOLD}`, find: { role: 'prefill', pick: liveIn('waiting', 'computing') } },
+  { name: 'prefill inflight (transferring)', holds: `prefill.send=${HOLD}`, find: { role: 'prefill', pick: liveIn('inflight') } },
   {
     name: 'decode prealloc (all slots busy)',
+    holds: `prefill.compute=${HOLD}`,
     setup: () => Promise.all([0, 1].map((i) => completion({ prompt: promptOf(10, i), max_tokens: 250, ignore_eos: true, stream: true }))),
     ready: async () => (await getJson<{ decode_slots_used: number }>(`${url('decode')}/health`)).decode_slots_used === 2,
     find: { role: 'decode', pick: liveIn('prealloc') },
   },
-  { name: 'decode transfer queue', find: { role: 'decode', pick: liveIn('transfer') } },
-  { name: 'decoding', find: { role: 'decode', pick: (d) => d.decoding?.[0]?.room } },
+  { name: 'decode transfer queue', holds: `decode.load=${HOLD}`, find: { role: 'decode', pick: liveIn('transfer') } },
+  { name: 'decoding', holds: '', maxTokens: 800, find: { role: 'decode', pick: (d) => d.decoding?.[0]?.room } },
 ];
 
+/** Set the same holds on every process of the stack. */
+async function setHolds(spec: string): Promise<void> {
+  await Promise.all(
+    c.procs.map(async (p) => {
+      const r = await fetch(`${p.url}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ spec }) });
+      assert.equal(r.status, 200, `${p.name} accepts test holds`);
+    }),
+  );
+}
+
 before(async () => {
-  c = await startStack({ colocated: false, decodeSlots: 2, env: { PDSERVE_TEST_HOLDS: HOLDS } });
+  c = await startStack({ colocated: false, decodeSlots: 2, env: { PDSERVE_TEST_HOLDS: 'on' } });
 });
 after(async () => {
   await c?.stop();
@@ -104,11 +120,12 @@ after(async () => {
 describe(`client abort in each phase, ${REPS}× each`, () => {
   for (const s of scenarios) {
     test(s.name, async () => {
+      await setHolds(s.holds);
       for (let i = 0; i < REPS; i++) {
         const background = s.setup?.();
         if (s.ready) assert.ok(await waitFor(s.ready, 3000, 3), 'background work in place');
         const ac = new AbortController();
-        const victim = completion({ prompt: promptOf(30 + (i % 7) * 10, i), max_tokens: 200, ignore_eos: true, stream: true }, ac.signal);
+        const victim = completion({ prompt: promptOf(30 + (i % 7) * 10, i), max_tokens: s.maxTokens ?? 200, ignore_eos: true, stream: true }, ac.signal);
         let room: string | undefined;
         if (s.find) room = await findRoom(s.find.role, s.find.pick);
         else await new Promise((r) => setTimeout(r, s.delayMs));
@@ -133,6 +150,7 @@ describe(`client abort in each phase, ${REPS}× each`, () => {
   }
 
   test('prefill answers an error at once: the client gets it within 1 s and the decode leg is cancelled', async () => {
+    await setHolds('');
     for (let i = 0; i < Math.min(REPS, 20); i++) {
       const t0 = Date.now();
       const r = await completion({ prompt: promptOf(3000, i), max_tokens: 16, stream: true });

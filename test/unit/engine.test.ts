@@ -105,7 +105,7 @@ describe('gguf writer', () => {
   it('ensureModel writes once into the cache dir; sha256File matches', async () => {
     const cache = path.join(dir, 'cache');
     const p = await ensureModel('tiny', 11, cache);
-    assert.equal(p, path.join(cache, 'pdserve-tiny-s11.gguf'));
+    assert.equal(p, path.join(cache, 'pdserve-tiny-s11-g2.gguf'));
     const m1 = statSync(p).mtimeMs;
     assert.equal(await ensureModel('tiny', 11, cache), p);
     assert.equal(statSync(p).mtimeMs, m1);
@@ -191,7 +191,7 @@ describe('engine on the tiny model', () => {
     assert.equal(A.info.sequences, 2);
     assert.equal(A.info.threads, 1);
     assert.equal(A.info.nVocab, describeModel({ preset: 'tiny', seed: 1 }).nVocab);
-    assert.equal(A.info.modelName, 'pdserve-tiny-s1');
+    assert.equal(A.info.modelName, 'pdserve-tiny-s1-g2');
     assert.equal(A.detokenize(A.tokenize('hello there')), 'hello there');
   });
 
