@@ -13,7 +13,7 @@
  * These are the calls the prefill and decode workers make on their data path (without the room
  * state machine around them). Messages with the parent go over the IPC channel.
  */
-import { randomFillSync } from 'node:crypto';
+import { createHash, randomFillSync } from 'node:crypto';
 import { readFile, rm, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { join } from 'node:path';
@@ -39,6 +39,8 @@ const init = JSON.parse(process.argv[2] ?? '{}') as Init;
 const send = (m: object): void => void process.send?.(m);
 process.on('disconnect', () => process.exit(0));
 const now = () => performance.now();
+/** Wall clock with sub-ms resolution, comparable across processes of this machine. */
+const abs = () => performance.timeOrigin + performance.now();
 
 interface State {
   n: number;
@@ -116,14 +118,16 @@ async function sender(engine: Engine): Promise<void> {
         const info = engine.info;
         const blob = encodeEnvelope({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog }, payload);
         const t2 = now();
+        const t2Abs = abs();
         conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length });
         await conn.sendChunks(room, blob, { chunkBytes: 1024 * 1024 });
         conn.sendControl({ type: 'kv_end', room });
         const t3 = now();
         await acked;
         const t4 = now();
+        const t4Abs = abs();
         acks.delete(room);
-        send({ type: 'kvDone', room, blobBytes: blob.length, totalMs: t4 - t0, readMs: t1 - t0, encodeMs: t2 - t1, sendMs: t3 - t2 });
+        send({ type: 'kvDone', room, blobBytes: blob.length, totalMs: t4 - t0, readMs: t1 - t0, encodeMs: t2 - t1, sendMs: t3 - t2, t2Abs, t4Abs });
       } else if (m.cmd === 'raw') {
         const n = m.bytes!;
         if (!rawSock) throw new Error('no raw connection');
@@ -137,12 +141,39 @@ async function sender(engine: Engine): Promise<void> {
         const t1 = now();
         rawAck = undefined;
         send({ type: 'rawDone', totalMs: t1 - t0 });
+      } else if (m.cmd === 'probe') {
+        // What this machine allows for the handoff's building blocks, on `bytes` of data (median of 5).
+        const n = m.bytes!;
+        const src = Buffer.allocUnsafe(n);
+        randomFillSync(src);
+        const warm = Buffer.allocUnsafe(n);
+        src.copy(warm);
+        const path = join(init.stateDir, `pdserve-bench-probe-${process.pid}.bin`);
+        const time = async (fn: () => unknown | Promise<unknown>) => {
+          const xs: number[] = [];
+          for (let i = 0; i < 5; i++) {
+            const t = now();
+            await fn();
+            xs.push(now() - t);
+          }
+          return xs.sort((a, b) => a - b)[2]!;
+        };
+        const out = {
+          bytes: n,
+          sha256Ms: await time(() => createHash('sha256').update(src).digest()),
+          copyWarmMs: await time(() => src.copy(warm)),
+          copyFreshMs: await time(() => src.copy(Buffer.allocUnsafe(n))),
+          writeFileMs: await time(() => writeFile(path, src)),
+          readFileMs: await time(() => readFile(path)),
+        };
+        await rm(path, { force: true });
+        send({ type: 'probed', ...out });
       } else if (m.cmd === 'cleanup') {
         await Promise.all(states.map((s) => rm(s.path, { force: true })));
         send({ type: 'cleaned' });
       }
     } catch (err) {
-      send({ type: m.cmd === 'make' ? 'made' : m.cmd === 'kv' ? 'kvDone' : m.cmd === 'raw' ? 'rawDone' : 'cleaned', error: (err as Error).message });
+      send({ type: ({ make: 'made', kv: 'kvDone', raw: 'rawDone', probe: 'probed' } as Record<string, string>)[m.cmd] ?? 'cleaned', error: (err as Error).message });
     }
   });
 }
@@ -150,16 +181,17 @@ async function sender(engine: Engine): Promise<void> {
 async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
   const maxBytes = 512 * 1024 * 1024;
-  let recv: { room: string; buf: Buffer; got: number; tBegin: number; tLast: number } | undefined;
+  let recv: { room: string; buf: Buffer; got: number; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number } | undefined;
   const pool = new KvPeerPool({
     secret: init.secret,
     epoch: init.epoch,
     onMessage: (conn, msg) => {
       if (msg.type === 'kv_begin') {
-        recv = { room: msg.room, buf: Buffer.allocUnsafe(msg.totalBytes), got: 0, tBegin: now(), tLast: now() };
+        recv = { room: msg.room, buf: Buffer.allocUnsafe(msg.totalBytes), got: 0, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
       } else if (msg.type === 'kv_end') {
         const r = recv;
         recv = undefined;
+        if (r) r.endAbs = abs();
         if (!r || r.room !== msg.room || r.got !== r.buf.length) {
           send({ type: 'kvRecv', room: msg.room, error: `kv_end after ${r?.got ?? 0} of ${r?.buf.length ?? 0} bytes` });
           return;
@@ -173,14 +205,16 @@ async function receiver(engine: Engine): Promise<void> {
       data.copy(r.buf, r.got);
       r.got += data.length;
       r.tLast = now();
+      r.lastAbs = abs();
     },
   });
-  const load = async (conn: PeerConn, r: { room: string; buf: Buffer; tBegin: number; tLast: number }) => {
+  const load = async (conn: PeerConn, r: { room: string; buf: Buffer; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number }) => {
     const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${r.room}.ggsq`);
     const slot = engine.tryAcquireSlot();
     try {
       if (!slot) throw new Error('no free slot');
       const t0 = now();
+      const loadAbs = abs();
       const { header, payload } = decodeEnvelope(r.buf, { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes });
       const t1 = now();
       const state = parseStateFile(payload, { nLayer: info.compat.nLayer, contextSize: info.compat.contextSize, maxBytes });
@@ -190,8 +224,9 @@ async function receiver(engine: Engine): Promise<void> {
       const t3 = now();
       await slot.loadState(path, state.tokens);
       const t4 = now();
+      const ackAbs = abs();
       conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
-      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: t1 - t0, parseMs: t2 - t1, writeMs: t3 - t2, loadMs: t4 - t3 });
+      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: t1 - t0, parseMs: t2 - t1, writeMs: t3 - t2, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs });
     } catch (err) {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
     } finally {

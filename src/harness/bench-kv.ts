@@ -40,15 +40,46 @@ export interface KvSizeResult {
   /** median KV time / median raw time. */
   ratio: number;
   /** Medians of the phases (sender: read, envelope, send; receiver: wire, validate, write, load). */
-  phasesMs: { read: number; envelope: number; send: number; wire: number; decodeEnvelope: number; parseState: number; writeFile: number; loadState: number };
+  phasesMs: {
+    read: number;
+    envelope: number;
+    send: number;
+    wire: number;
+    decodeEnvelope: number;
+    parseState: number;
+    writeFile: number;
+    loadState: number;
+    /** kv_begin sent (prefill) → received (decode). */
+    beginLag: number;
+    /** last chunk received → kv_end received (decode). */
+    endLag: number;
+    /** kv_end received → validation starts (decode). */
+    loadLag: number;
+    /** kv_ack sent (decode) → received (prefill). */
+    ackLag: number;
+  };
   /** Raw-socket GB/s vs the KV channel's wire phase alone. */
   wireGBps: number;
+}
+
+/** The machine's speed at the handoff's building blocks (one process, 16 MiB, GB/s). */
+export interface MachineLimits {
+  bytes: number;
+  sha256GBps: number;
+  /** memcpy into memory already touched. */
+  copyWarmGBps: number;
+  /** memcpy into a fresh allocation (page faults on first touch). */
+  copyFreshGBps: number;
+  /** writeFile / readFile on /dev/shm (tmpfs). */
+  writeFileGBps: number;
+  readFileGBps: number;
 }
 
 /** Result of section 1. */
 export interface KvSectionResult {
   sizes: KvSizeResult[];
   stateMaking: { tokens: number; bytes: number }[];
+  machine?: MachineLimits;
 }
 
 interface Msg {
@@ -100,6 +131,12 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       push(k.ph, 'parseState', rv.parseMs);
       push(k.ph, 'writeFile', rv.writeMs);
       push(k.ph, 'loadState', rv.loadMs);
+      // cross-process gaps (wall clock of both processes): queueing and scheduling delays
+      const n = (x: unknown) => (typeof x === 'number' ? x : NaN);
+      push(k.ph, 'beginLag', n(rv.beginAbs) - n(d.t2Abs));
+      push(k.ph, 'endLag', n(rv.endAbs) - n(rv.lastAbs));
+      push(k.ph, 'loadLag', n(rv.loadAbs) - n(rv.endAbs));
+      push(k.ph, 'ackLag', n(d.t4Abs) - n(rv.ackAbs));
     };
     const rawTrial = async (i: number, record: boolean) => {
       const bytes = kv[i]!.blob || states[i]!.bytes;
@@ -125,6 +162,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       }
       say(`  round ${round + 1}/${rounds} done`);
     }
+    const pr = await sender.call<Msg>({ cmd: 'probe', bytes: 16 * 1024 * 1024 }, 'probed', 120_000);
+    const g = (ms: unknown) => (pr.bytes as number) / ((ms as number) / 1000) / 1e9;
+    const machine: MachineLimits = { bytes: pr.bytes as number, sha256GBps: g(pr.sha256Ms), copyWarmGBps: g(pr.copyWarmMs), copyFreshGBps: g(pr.copyFreshMs), writeFileGBps: g(pr.writeFileMs), readFileGBps: g(pr.readFileMs) };
     await sender.call({ cmd: 'cleanup' }, 'cleaned', 30_000).catch(() => {});
     const sizes: KvSizeResult[] = states.map((s, i) => {
       const k = kv[i]!;
@@ -142,11 +182,24 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
         kvGBps: gbps(k.blob, kvMs.median),
         rawGBps: gbps(k.blob, rawMs.median),
         ratio: kvMs.median / rawMs.median,
-        phasesMs: { read: ph('read'), envelope: ph('envelope'), send: ph('send'), wire: ph('wire'), decodeEnvelope: ph('decodeEnvelope'), parseState: ph('parseState'), writeFile: ph('writeFile'), loadState: ph('loadState') },
+        phasesMs: {
+          read: ph('read'),
+          envelope: ph('envelope'),
+          send: ph('send'),
+          wire: ph('wire'),
+          decodeEnvelope: ph('decodeEnvelope'),
+          parseState: ph('parseState'),
+          writeFile: ph('writeFile'),
+          loadState: ph('loadState'),
+          beginLag: ph('beginLag'),
+          endLag: ph('endLag'),
+          loadLag: ph('loadLag'),
+          ackLag: ph('ackLag'),
+        },
         wireGBps: gbps(k.blob, ph('wire')),
       };
     });
-    return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })) };
+    return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })), machine };
   } finally {
     await Promise.all([sender.stop(), receiver.stop()]);
   }

@@ -81,12 +81,12 @@ export function writePlots(files: Map<number, SectionFile>, dir: string): Plots 
       's3-itl-over-time.svg',
       lineChart({
         title: `ITL of ${s3.streams} decoding streams while ${s3.longPrompt}-token prompts arrive`,
-        xLabel: 'time in segment (s)',
-        yLabel: 'max ITL per 100 ms (ms, log)',
+        xLabel: 'time in segment (s); one point per 100 ms: the largest gap ending in it',
+        yLabel: 'ITL (ms, log)',
         logY: true,
         series: [
-          { name: 'colocated', points: colo?.itlSeries ?? [], mode: 'line' },
-          { name: 'PD (prefill CPU 0, decode CPU 1)', points: pd?.itlSeries ?? [], mode: 'line' },
+          { name: 'colocated', points: colo?.itlSeries ?? [], mode: 'points' },
+          { name: 'PD', points: pd?.itlSeries ?? [], mode: 'points' },
         ],
         vlines: { x: colo?.longAt ?? pd?.longAt ?? [], label: 'long prompt sent' },
         width: 760,
@@ -247,13 +247,29 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
         s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, s.tokens, s.blobBytes.toLocaleString('en-US'), `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, `${fmt(s.rawMs.median)} (${fmt(s.rawMs.p90)})`, fmt(s.kvGBps, 3), fmt(s.rawGBps, 3), `**${fmtRatio(s.ratio)}**`, s.kvMs.n]),
       ),
     );
-    L.push('', 'Where the KV time goes (medians, ms; the wire phase is measured on decode from `kv_begin` to the last chunk and overlaps the sender\'s send):', '');
+    L.push('', 'Where the KV time goes (medians per phase, ms, so they need not add up to the median total). Prefill side: read file, envelope (copy + SHA-256), send (until the last chunk is in the kernel). Decode side: wire (`kv_begin` → last chunk received; overlaps send), decodeEnvelope (SHA-256 + checks), parseStateFile, writeFile, loadState (llama.cpp). Lags between the processes use both processes\' wall clocks: `kv_begin` sent → received, and `kv_ack` sent → received.', '');
     L.push(
       table(
-        ['state', 'read file', 'envelope (sha256)', 'send (to kernel)', 'wire', 'decodeEnvelope (sha256)', 'parseStateFile', 'writeFile', 'loadState', 'wire GB/s'],
-        s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, fmt(s.phasesMs.read), fmt(s.phasesMs.envelope), fmt(s.phasesMs.send), fmt(s.phasesMs.wire), fmt(s.phasesMs.decodeEnvelope), fmt(s.phasesMs.parseState), fmt(s.phasesMs.writeFile), fmt(s.phasesMs.loadState), fmt(s.wireGBps, 3)]),
+        ['state', 'read file', 'envelope', 'send', 'kv_begin lag', 'wire', 'decodeEnvelope', 'parseStateFile', 'writeFile', 'loadState', 'kv_ack lag', 'wire GB/s'],
+        s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, fmt(s.phasesMs.read), fmt(s.phasesMs.envelope), fmt(s.phasesMs.send), fmt(s.phasesMs.beginLag), fmt(s.phasesMs.wire), fmt(s.phasesMs.decodeEnvelope), fmt(s.phasesMs.parseState), fmt(s.phasesMs.writeFile), fmt(s.phasesMs.loadState), fmt(s.phasesMs.ackLag), fmt(s.wireGBps, 3)]),
       ),
     );
+    const mach = s1.machine;
+    if (mach) {
+      L.push('', `What this machine allows for the same building blocks (one process, ${(mach.bytes / MiB).toFixed(0)} MiB, median of 5, GB/s):`, '');
+      L.push(
+        table(
+          ['SHA-256', 'memcpy, warm destination', 'memcpy, fresh allocation', 'writeFile /dev/shm', 'readFile /dev/shm', 'raw TCP between processes (largest state)'],
+          [[fmt(mach.sha256GBps, 2), fmt(mach.copyWarmGBps, 2), fmt(mach.copyFreshGBps, 2), fmt(mach.writeFileGBps, 2), fmt(mach.readFileGBps, 2), fmt(s1.sizes[s1.sizes.length - 1]!.rawGBps, 2)]],
+        ),
+      );
+      if (mach.copyFreshGBps < mach.copyWarmGBps / 3)
+        L.push(
+          '',
+          `Copying into freshly allocated memory runs at ${fmt(mach.copyFreshGBps, 2)} GB/s against ${fmt(mach.copyWarmGBps, 2)} GB/s into memory already touched: on this VM first-touch page faults, not bandwidth, bound every buffer the handoff allocates per transfer (prefill: file read buffer and envelope; decode: a 1 MiB frame buffer per chunk in the frame decoder and the whole-state receive buffer). The raw-TCP side counts bytes without storing them, so it pays none of that; it is the transport's ceiling, not a like-for-like copy.`,
+        );
+      else L.push('', 'The raw-TCP side counts bytes without storing them: it is the transport\'s ceiling, not a like-for-like copy.');
+    }
     L.push(img(plots, 's1-kv-vs-raw.svg', 'KV handoff vs raw TCP, GB/s'));
   } else L.push('_Not run yet._');
 
@@ -281,8 +297,9 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
       `${s3.streams} closed-loop streams (each: ${s3.streamPrompt}-token prompt, ${s3.streamOutput} output tokens, then the next request) decode continuously; after ${s3.settleMs / 1000} s of settling, a ${s3.longPrompt}-token prompt (${s3.longOutput} output tokens) arrives every ${s3.periodMs / 1000} s. Segments of ${s3.segmentMs / 1000} s, order colocated, PD, PD, colocated. ITL = gaps between consecutive chunks of the streams (after the settle time), pooled over both segments of a side. PD: ${meta.config.pinned ? 'prefill pinned to CPU 0 and decode to CPU 1 with taskset' : 'not pinned (no taskset or < 2 cores)'}; the colocated server is one process, one llama.cpp thread, unpinned.`,
       '',
     );
-    const row = (name: string, x: InterferenceResult['pd']) => [name, fmt(x.itlMs.p50), fmt(x.itlMs.p90), fmt(x.itlMs.p99), fmt(x.itlMs.max, 0), x.stalls, fmt(x.tpotMs.p50), fmt(x.longTtftMs.p50, 0), fmt(x.longTtftMs.max, 0), fmt(x.streamTokPerS, 0)];
-    L.push(table(['', 'ITL p50 ms', 'ITL p90 ms', 'ITL p99 ms', 'ITL max ms', 'gaps > 100 ms', 'stream TPOT p50 ms', 'long TTFT p50 ms', 'long TTFT max ms', 'stream tok/s'], [row('colocated', s3.colo), row('PD', s3.pd)]));
+    const row = (name: string, x: InterferenceResult['pd']) => [name, fmt(x.itlMs.p50), fmt(x.itlMs.p90), fmt(x.itlMs.p99), fmt(x.itlMs.max, 0), x.stalls, fmt(x.tpotMs.p50), fmt(x.longTtftMs.p50, 0), fmt(x.longTtftMs.max, 0), `${x.longUnfinished ?? 0} / ${x.longSent ?? '?'}`, fmt(x.streamTokPerS, 0)];
+    L.push(table(['', 'ITL p50 ms', 'ITL p90 ms', 'ITL p99 ms', 'ITL max ms', 'gaps > 100 ms', 'stream TPOT p50 ms', 'long TTFT p50 ms', 'long TTFT max ms', 'long without 1st token', 'stream tok/s'], [row('colocated', s3.colo), row('PD', s3.pd)]));
+    L.push('', `A segment's in-flight requests get ${(s3.drainMs ?? 0) / 1000} s to finish after it ends, then are cancelled; a long prompt with no first token by then is counted in "long without 1st token" (its TTFT, not in the percentiles, exceeds the time left).`);
     L.push('', `Colocated / PD: ITL p50 ${fmtRatio(s3.ratio.itlP50)}, ITL p99 **${fmtRatio(s3.ratio.itlP99)}**, long-prompt TTFT p50 ${fmtRatio(s3.ratio.longTtftP50)}.`);
     if (s3.ratio.itlP50 < 1) L.push('', `PD's median ITL is higher than colocated's (${fmt(s3.pd.itlMs.p50)} vs ${fmt(s3.colo.itlMs.p50)} ms): every PD token also crosses the router, and each new long request's state load stops the decode batch briefly.`);
     L.push(img(plots, 's3-itl-over-time.svg', 'ITL over time, colocated vs PD'));
@@ -337,7 +354,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   L.push('', '## 6. Scaling: request-rate sweep and goodput', '', provenance(files.get(6), isFresh(6)), '');
   if (s6?.rows?.length) {
     L.push(
-      `\`pdserve bench\` runs with Poisson arrivals at each rate (same seed, hence the same prompts and arrival times, for both sides; the side that goes first alternates), corpus prompts of ${s6.inputLen} tokens ±${s6.rangeRatio * 100} %, ${s6.outputLen} ±${s6.rangeRatio * 100} % output tokens, no concurrency cap. Goodput = requests per second meeting **TTFT ≤ ${s6.slo.ttftMs} ms and TPOT ≤ ${s6.slo.tpotMs} ms**.`,
+      `\`pdserve bench\` runs with Poisson arrivals at each rate (same seed, hence the same prompts and arrival times, for both sides; the side that goes first alternates), corpus prompts of ${s6.inputLen} tokens ±${s6.rangeRatio * 100} %, ${s6.outputLen} ±${s6.rangeRatio * 100} % output tokens, no concurrency cap. Goodput = requests per second meeting **TTFT ≤ ${s6.slo.ttftMs} ms and TPOT ≤ ${s6.slo.tpotMs} ms**. Requests still running ${(s6.drainMs ?? 0) / 1000} s after the last arrival are cancelled and counted as failed: such a request cannot meet the SLO anyway, and an overloaded side cannot stretch the suite without bound.`,
       '',
     );
     L.push(

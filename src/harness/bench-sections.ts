@@ -30,7 +30,7 @@ export interface SectionCtx {
   timeoutMs: number;
 }
 
-const send = (ctx: SectionCtx, t: BenchTarget, p: PromptSpec, t0 = performance.now()) => sendRequest(t, p, { t0, dispatcher: ctx.dispatcher, timeoutMs: ctx.timeoutMs });
+const send = (ctx: SectionCtx, t: BenchTarget, p: PromptSpec, t0 = performance.now(), signal?: AbortSignal) => sendRequest(t, p, { t0, dispatcher: ctx.dispatcher, timeoutMs: ctx.timeoutMs, signal });
 
 function corpusPrompts(ctx: SectionCtx, n: number, inputLen: number, outputLen: number, seed: number): PromptSpec[] {
   return buildPrompts({ dataset: 'corpus', numPrompts: n, inputLen, outputLen, seed, tokenizer: ctx.tokenizer });
@@ -107,7 +107,23 @@ export interface InterferenceSegment {
   itlSeries: [number, number][];
   /** When long prompts were sent, s. */
   longAt: number[];
+  /** Long prompts that got no first token before the segment's drain deadline (their TTFT is at least that). */
+  longUnfinished: number;
+  /** Requests cancelled at the drain deadline (streams and long prompts). */
+  cancelled: number;
   errors: string[];
+}
+
+/** One side of section 3, pooled over its segments. */
+export interface InterferenceSide {
+  itlMs: Summary;
+  tpotMs: Summary;
+  longTtftMs: Summary;
+  stalls: number;
+  streamTokPerS: number;
+  longSent: number;
+  /** Long prompts without a first token before their segment's drain deadline (not in longTtftMs). */
+  longUnfinished: number;
 }
 
 /** Section 3 result. */
@@ -120,9 +136,10 @@ export interface InterferenceResult {
   periodMs: number;
   segmentMs: number;
   settleMs: number;
+  drainMs: number;
   segments: InterferenceSegment[];
-  pd: { itlMs: Summary; tpotMs: Summary; longTtftMs: Summary; stalls: number; streamTokPerS: number };
-  colo: { itlMs: Summary; tpotMs: Summary; longTtftMs: Summary; stalls: number; streamTokPerS: number };
+  pd: InterferenceSide;
+  colo: InterferenceSide;
   /** colocated / PD: how many times worse colocated is. */
   ratio: { itlP50: number; itlP99: number; longTtftP50: number };
 }
@@ -132,11 +149,13 @@ export async function runInterference(ctx: SectionCtx): Promise<InterferenceResu
   const streams = 8;
   const streamPrompt = 32;
   const streamOutput = ctx.quick ? 48 : 192;
-  const longPrompt = 1200;
+  const longPrompt = 1024;
   const longOutput = 8;
   const periodMs = ctx.quick ? 2500 : 4000;
   const segmentMs = ctx.quick ? 6000 : 20_000;
   const settleMs = 2000;
+  /** After the segment, in-flight requests get this long to finish, then are cancelled (counted). */
+  const drainMs = ctx.quick ? 5000 : 15_000;
   const rounds = ctx.quick ? 1 : 2;
   const sp = corpusPrompts(ctx, 64, streamPrompt, streamOutput, 301);
   const lp = corpusPrompts(ctx, 16, longPrompt, longOutput, 302);
@@ -149,18 +168,23 @@ export async function runInterference(ctx: SectionCtx): Promise<InterferenceResu
     const longAt: number[] = [];
     let stop = false;
     let k = 0;
+    const cancel = new AbortController();
     const loops = Array.from({ length: streams }, async () => {
-      while (!stop) streamRecs.push(await send(ctx, target, sp[k++ % sp.length]!, t0));
+      while (!stop) streamRecs.push(await send(ctx, target, sp[k++ % sp.length]!, t0, cancel.signal));
     });
     const longs: Promise<void>[] = [];
     for (let j = 0; settleMs + j * periodMs < segmentMs; j++) {
       await sleep(t0 + settleMs + j * periodMs - performance.now());
       longAt.push((performance.now() - t0) / 1000);
-      longs.push(send(ctx, target, lp[j % lp.length]!, t0).then((r) => void longRecs.push(r)));
+      longs.push(send(ctx, target, lp[j % lp.length]!, t0, cancel.signal).then((r) => void longRecs.push(r)));
     }
     await sleep(t0 + segmentMs - performance.now());
     stop = true;
-    await Promise.all([...loops, ...longs]);
+    const all = Promise.all([...loops, ...longs]);
+    await Promise.race([all, sleep(drainMs)]);
+    cancel.abort(new Error('segment over'));
+    await all;
+    const cancelled = [...streamRecs, ...longRecs].filter((r) => !r.ok && r.error?.startsWith('cancelled')).length;
     // ITL samples: gaps whose end falls in [settle, segment end]
     const itl: number[] = [];
     const bins = new Map<number, number>();
@@ -181,7 +205,7 @@ export async function runInterference(ctx: SectionCtx): Promise<InterferenceResu
     const okStreams = streamRecs.filter((r) => r.ok);
     const m = computeMetrics(okStreams, 1);
     const tpot = okStreams.map((r) => (r.outputTokens > 1 ? (r.e2eMs - r.ttftMs) / (r.outputTokens - 1) : NaN)).filter(Number.isFinite);
-    const longTtft = longRecs.filter((r) => r.ok).map((r) => r.ttftMs);
+    const longTtft = longRecs.map((r) => r.ttftMs).filter(Number.isFinite);
     const seg: InterferenceSegment = {
       side,
       durationMs: segmentMs,
@@ -194,7 +218,9 @@ export async function runInterference(ctx: SectionCtx): Promise<InterferenceResu
       streamTokPerS: tokens / ((segmentMs - settleMs) / 1000),
       itlSeries: [...bins.entries()].sort((a, b) => a[0] - b[0]).map(([b, v]) => [b / 10, Math.round(v * 10) / 10]),
       longAt,
-      errors: [...failures(streamRecs), ...failures(longRecs)],
+      longUnfinished: longRecs.filter((r) => !Number.isFinite(r.ttftMs)).length,
+      cancelled,
+      errors: [...failures(streamRecs), ...failures(longRecs)].filter((e) => !e.startsWith('cancelled')),
     };
     say(`  ${side === 'pd' ? 'PD        ' : 'colocated '} ITL p50 ${seg.itlMs.p50.toFixed(1)} ms, p99 ${seg.itlMs.p99.toFixed(1)} ms, stalls>100ms ${seg.stalls}, long TTFT p50 ${seg.longTtftMs.p50.toFixed(0)} ms`);
     return { seg, itl, tpot, longTtft };
@@ -215,7 +241,15 @@ export async function runInterference(ctx: SectionCtx): Promise<InterferenceResu
     const segs = segments.filter((s) => s.side === side);
     const all = (k: 'itl' | 'tpot' | 'longTtft') => segs.flatMap((s) => raw.get(s)![k]);
     const itl = all('itl');
-    return { itlMs: summarize(itl), tpotMs: summarize(all('tpot')), longTtftMs: summarize(all('longTtft')), stalls: itl.filter((g) => g > 100).length, streamTokPerS: median(segs.map((s) => s.streamTokPerS)) };
+    return {
+      itlMs: summarize(itl),
+      tpotMs: summarize(all('tpot')),
+      longTtftMs: summarize(all('longTtft')),
+      stalls: itl.filter((g) => g > 100).length,
+      streamTokPerS: median(segs.map((s) => s.streamTokPerS)),
+      longSent: segs.reduce((a, s) => a + s.longAt.length, 0),
+      longUnfinished: segs.reduce((a, s) => a + s.longUnfinished, 0),
+    };
   };
   const pd = pool('pd');
   const colo = pool('colo');
@@ -228,6 +262,7 @@ export async function runInterference(ctx: SectionCtx): Promise<InterferenceResu
     periodMs,
     segmentMs,
     settleMs,
+    drainMs,
     segments,
     pd,
     colo,
@@ -409,8 +444,17 @@ export interface ScalingResult {
   inputLen: number;
   outputLen: number;
   rangeRatio: number;
+  /** Requests still running this long after the last arrival were cancelled (counted as failed). */
+  drainMs: number;
   rows: ScalingRow[];
 }
+
+/**
+ * Section 6 cancels requests still running this long after the last arrival (counted as failed):
+ * a request unfinished that long after being sent cannot meet the SLO (TTFT 2 s + 96 tokens × 50 ms
+ * < 7 s), so goodput is unaffected, and an overloaded side cannot stretch the suite without bound.
+ */
+const DRAIN_MS = (ctx: SectionCtx) => (ctx.quick ? 5000 : 20_000);
 
 /** Section 6: Poisson request-rate sweep; goodput under an SLO for PD vs colocated. */
 export async function runScaling(ctx: SectionCtx, rates = [0.5, 1, 2, 4], slo: Slo = { ttftMs: 2000, tpotMs: 50 }): Promise<ScalingResult> {
@@ -424,10 +468,10 @@ export async function runScaling(ctx: SectionCtx, rates = [0.5, 1, 2, 4], slo: S
     const numPrompts = Math.max(ctx.quick ? 2 : 6, Math.round(rate * secondsPerRate));
     const prompts = buildPrompts({ dataset: 'corpus', numPrompts, inputLen, outputLen, rangeRatio, seed: 600 + i, tokenizer: ctx.tokenizer });
     const run = (target: BenchTarget, label: string) =>
-      runBench({ target, prompts, requestRate: rate, seed: 600 + i, slo, warmup: 0, timeoutMs: ctx.timeoutMs, progress: false, label, dispatcher: ctx.dispatcher });
+      runBench({ target, prompts, requestRate: rate, seed: 600 + i, slo, warmup: 0, timeoutMs: ctx.timeoutMs, progress: false, label, dispatcher: ctx.dispatcher, drainMs: DRAIN_MS(ctx) });
     const [pd, colo] = await alternate(i, () => run(ctx.pd, 'pd'), () => run(ctx.colo, 'colocated'));
     rows.push({ rate, numPrompts, pd: pd.metrics, colo: colo.metrics, errors: [...pd.requests.errors, ...colo.requests.errors].filter((e): e is string => !!e) });
     say(`  ${rate} req/s: goodput PD ${pd.metrics.goodput?.toFixed(2)} vs colocated ${colo.metrics.goodput?.toFixed(2)} req/s; TTFT p50 ${pd.metrics.ttftMs.p50.toFixed(0)} vs ${colo.metrics.ttftMs.p50.toFixed(0)} ms; TPOT p50 ${pd.metrics.tpotMs.p50.toFixed(1)} vs ${colo.metrics.tpotMs.p50.toFixed(1)} ms`);
   }
-  return { slo, inputLen, outputLen, rangeRatio, rows };
+  return { slo, inputLen, outputLen, rangeRatio, drainMs: DRAIN_MS(ctx), rows };
 }

@@ -18,7 +18,8 @@ export function niceTicks(lo: number, hi: number, count = 5): number[] {
   const mag = 10 ** Math.floor(Math.log10(raw));
   const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw) ?? 10 * mag;
   const out: number[] = [];
-  for (let v = Math.floor(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Number(v.toPrecision(12)));
+  const end = Math.ceil(hi / step - 1e-9) * step;
+  for (let v = Math.floor(lo / step) * step; v <= end + step * 1e-9; v += step) out.push(Number(v.toPrecision(12)));
   return out;
 }
 
@@ -42,7 +43,7 @@ interface Frame {
 }
 
 function frame(width: number, height: number): Frame {
-  return { width, height, left: 64, right: 16, top: 40, bottom: 48 };
+  return { width, height, left: 64, right: 24, top: 56, bottom: 48 };
 }
 
 function header(f: Frame, title: string): string[] {
@@ -55,12 +56,12 @@ function header(f: Frame, title: string): string[] {
 
 function legend(f: Frame, names: string[]): string[] {
   const out: string[] = [];
-  let x = f.left + 8;
-  const y = f.top + 6;
+  let x = f.left;
+  const y = 30;
   names.forEach((n, i) => {
     out.push(`<rect x="${x}" y="${y}" width="10" height="10" fill="${COLORS[i % COLORS.length]}"/>`);
     out.push(`<text x="${x + 14}" y="${y + 9}">${esc(n)}</text>`);
-    x += 24 + n.length * 7;
+    x += 30 + n.length * 7;
   });
   return out;
 }
@@ -175,16 +176,14 @@ export function lineChart(o: LineChartOptions): string {
     const p = s.points.filter(([x, v]) => Number.isFinite(x) && Number.isFinite(v) && (!o.logY || v > 0));
     const mode = s.mode ?? 'both';
     if (mode !== 'points' && p.length > 1) out.push(`<polyline fill="none" stroke="${c}" stroke-width="1.5" points="${p.map(([x, v]) => `${X(x).toFixed(1)},${Y(v).toFixed(1)}`).join(' ')}"/>`);
-    if (mode !== 'line') for (const [x, v] of p) out.push(`<circle cx="${X(x).toFixed(1)}" cy="${Y(v).toFixed(1)}" r="${mode === 'points' ? 1.8 : 3}" fill="${c}"/>`);
+    if (mode !== 'line') for (const [x, v] of p) out.push(`<circle cx="${X(x).toFixed(1)}" cy="${Y(v).toFixed(1)}" r="${mode === 'points' ? 2.4 : 3}" fill="${c}"/>`);
   });
   out.push(`<line x1="${f.left}" x2="${f.left + pw}" y1="${f.top + ph}" y2="${f.top + ph}" stroke="#333"/>`);
   out.push(`<line x1="${f.left}" x2="${f.left}" y1="${f.top}" y2="${f.top + ph}" stroke="#333"/>`);
   out.push(`<text x="${f.left + pw / 2}" y="${f.height - 10}" text-anchor="middle">${esc(o.xLabel)}</text>`);
   out.push(`<text transform="translate(14 ${f.top + ph / 2}) rotate(-90)" text-anchor="middle">${esc(o.yLabel)}</text>`);
-  const names = o.series.map((s) => s.name);
-  if (o.vlines) names.push(o.vlines.label);
   out.push(...legend(f, o.series.map((s) => s.name)));
-  if (o.vlines) out.push(`<text x="${f.left + pw - 4}" y="${f.top + 15}" text-anchor="end" fill="#555">dashed: ${esc(o.vlines.label)}</text>`);
+  if (o.vlines) out.push(`<text x="${f.left + pw}" y="39" text-anchor="end" fill="#555">dashed: ${esc(o.vlines.label)}</text>`);
   out.push('</svg>');
   return out.join('\n') + '\n';
 }

@@ -231,6 +231,18 @@ export interface SendOptions {
   ignoreEos?: boolean;
   timeoutMs?: number;
   dispatcher?: Dispatcher;
+  /** Cancels the request (recorded as failed with the signal's reason). */
+  signal?: AbortSignal;
+}
+
+function signalOf(o: SendOptions): AbortSignal {
+  const t = AbortSignal.timeout(o.timeoutMs ?? 600_000);
+  return o.signal ? AbortSignal.any([t, o.signal]) : t;
+}
+
+function transportError(err: unknown, o: SendOptions): string {
+  if (o.signal?.aborted) return `cancelled: ${String(o.signal.reason instanceof Error ? o.signal.reason.message : (o.signal.reason ?? 'aborted'))}`;
+  return `transport: ${(err as Error).message}`;
 }
 
 const JSON_HEADERS = { 'content-type': 'application/json' };
@@ -321,7 +333,7 @@ async function sendOpenAI(target: Extract<BenchTarget, { kind: 'openai' }>, prom
   const start = performance.now();
   const c = new Collector(start, o.t0, prompt);
   try {
-    const res = await request(url, { method: 'POST', headers: JSON_HEADERS, body: JSON.stringify(body), dispatcher: o.dispatcher, signal: AbortSignal.timeout(o.timeoutMs ?? 600_000) });
+    const res = await request(url, { method: 'POST', headers: JSON_HEADERS, body: JSON.stringify(body), dispatcher: o.dispatcher, signal: signalOf(o) });
     if (res.statusCode !== 200) return c.finish(await errorText(res.body, res.statusCode));
     let done = false;
     for await (const data of readSse(res.body)) {
@@ -350,7 +362,7 @@ async function sendOpenAI(target: Extract<BenchTarget, { kind: 'openai' }>, prom
     }
     return c.finish(done ? undefined : 'stream ended without [DONE]');
   } catch (err) {
-    return c.finish(`transport: ${(err as Error).message}`);
+    return c.finish(transportError(err, o));
   }
 }
 
@@ -369,7 +381,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
     bootstrap_port: target.bootstrapPort,
     bootstrap_room: randomRoomId(),
   });
-  const signal = AbortSignal.timeout(o.timeoutMs ?? 600_000);
+  const signal = signalOf(o);
   const start = performance.now();
   const c = new Collector(start, o.t0, prompt);
   const prefill = request(`${baseUrl(target.prefillUrl)}/generate`, { method: 'POST', headers: JSON_HEADERS, body, dispatcher: o.dispatcher, signal })
@@ -409,7 +421,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
     if (pe && !rec.ok) rec.error = `${rec.error}; prefill ${pe}`;
     return rec;
   } catch (err) {
-    return c.finish(`transport: ${(err as Error).message}`);
+    return c.finish(transportError(err, o));
   }
 }
 
@@ -433,6 +445,11 @@ export interface BenchOptions {
   /** Name shown on the progress line. */
   label?: string;
   dispatcher?: Dispatcher;
+  /**
+   * Cancel requests still running this long after the last one was sent (recorded as failed,
+   * error 'cancelled: …'); default: wait for all.
+   */
+  drainMs?: number;
 }
 
 /** Result of `runBench`; `config` echoes the options that shaped the run. */
@@ -518,7 +535,8 @@ function sleep(ms: number): Promise<void> {
 export async function runBench(o: BenchOptions): Promise<BenchResult> {
   const dispatcher = o.dispatcher ?? benchAgent(Math.max(16, Math.min(1024, o.maxConcurrency ?? o.prompts.length)));
   const ownAgent = !o.dispatcher;
-  const send = (p: PromptSpec, t0: number) => sendRequest(o.target, p, { t0, ignoreEos: o.ignoreEos, timeoutMs: o.timeoutMs, dispatcher });
+  const cancel = new AbortController();
+  const send = (p: PromptSpec, t0: number) => sendRequest(o.target, p, { t0, ignoreEos: o.ignoreEos, timeoutMs: o.timeoutMs, dispatcher, signal: cancel.signal });
   try {
     const warm = o.warmup ?? 1;
     for (let i = 0; i < warm && o.prompts.length > 0; i++) {
@@ -561,7 +579,15 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
         })(),
       );
     }
-    await Promise.all(tasks);
+    const all = Promise.all(tasks);
+    if (o.drainMs !== undefined) {
+      let timer: NodeJS.Timeout | undefined;
+      const late = new Promise<void>((r) => (timer = setTimeout(r, o.drainMs)));
+      await Promise.race([all, late]);
+      clearTimeout(timer);
+      cancel.abort(new Error(`still running ${o.drainMs} ms after the last request was sent`));
+    }
+    await all;
     const durationMs = performance.now() - t0;
     progress.end();
     const metrics = computeMetrics(records, durationMs, o.slo);
