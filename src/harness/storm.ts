@@ -506,14 +506,24 @@ interface Verification {
   errors: { agent: number; round: number; error: string }[];
 }
 
-/** Send each sampled round to the reference (temperature 0, one at a time) and compare texts. */
+/**
+ * Send each sampled round to the reference (temperature 0, one at a time) and compare texts.
+ * Bounded: each call has `timeoutMs`, the whole pass `max(60 s, 2 × timeoutMs)`; rounds left
+ * when the budget runs out are reported as not checked.
+ */
 async function verify(sample: SampledRound[], reference: string | undefined, timeoutMs: number): Promise<Verification> {
   const v: Verification = { reference, sampled: sample.length, equal: 0, mismatches: [], errors: [] };
   if (!reference || sample.length === 0) return v;
   const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+  const end = performance.now() + Math.max(60_000, 2 * timeoutMs);
   try {
     for (const s of sample) {
-      const r = await new ChatCall({ baseUrl: reference, agent, messages: s.messages, maxTokens: s.maxTokens, stream: false, deadlineMs: timeoutMs }).done;
+      const left = end - performance.now();
+      if (left < 1000) {
+        v.errors.push({ agent: s.agent, round: s.round, error: 'not checked: the verification time budget ran out' });
+        continue;
+      }
+      const r = await new ChatCall({ baseUrl: reference, agent, messages: s.messages, maxTokens: s.maxTokens, stream: false, deadlineMs: Math.min(timeoutMs, left) }).done;
       if (r.outcome !== 'ok') {
         v.errors.push({ agent: s.agent, round: s.round, error: `${r.outcome}: ${r.code ?? ''} ${r.message ?? ''}`.trim() });
       } else if (r.text === s.text) {

@@ -11,9 +11,12 @@ import { spawn } from 'node:child_process';
 import { mkdtempSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { createServer, type Server } from 'node:http';
 import { describe, test } from 'node:test';
 import { BIN } from '../../src/harness/cluster.js';
+import { percentile, summarize } from '../../src/harness/stats.js';
 import type { StormReport } from '../../src/harness/storm.js';
+import { collectLeaks, RoomMonitor } from '../../src/harness/storm-monitor.js';
 
 interface Run {
   code: number | null;
@@ -49,6 +52,96 @@ async function storm(args: string[], env: Record<string, string> = {}, deadlineM
   }
   return { code, stdout, stderr, report, dir, ms: Date.now() - t0 };
 }
+
+/** A fake worker whose /debug/rooms, /metrics and /health bodies the test sets. */
+async function fakeWorker(): Promise<{ url: string; server: Server; set(p: Partial<{ rooms: unknown; metrics: string; health: unknown }>): void }> {
+  let state: { rooms: unknown; metrics: string; health: unknown } = { rooms: { epoch: 'e1', live: [], recent: [] }, metrics: '', health: { slots: 1, slots_free: 1 } };
+  const server = createServer((req, res) => {
+    const body = req.url === '/debug/rooms' ? JSON.stringify(state.rooms) : req.url === '/health' ? JSON.stringify(state.health) : state.metrics;
+    res.writeHead(200, { 'content-type': req.url === '/metrics' ? 'text/plain' : 'application/json' }).end(body);
+  });
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  const a = server.address() as { port: number };
+  return { url: `http://127.0.0.1:${a.port}`, server, set: (p) => (state = { ...state, ...p }) };
+}
+
+const room = (id: string, deadline: number | null, state = 'Transferring') => ({
+  room: id,
+  rid: `rid-${id}`,
+  role: 'prefill',
+  state,
+  phase: 'inflight',
+  age_ms: 20_000,
+  deadline_ms: deadline,
+  peer: 'decode@x',
+  timeline: [
+    { at: 1000, state: 'Bootstrapping', phase: 'bootstrap', why: 'create' },
+    { at: 1010, state, phase: 'inflight', why: 'kv_begin' },
+  ],
+});
+
+describe('storm helpers', () => {
+  test('percentile interpolates linearly; summarize', () => {
+    assert.equal(percentile([1, 2, 3, 4], 50), 2.5);
+    assert.equal(percentile([1, 2, 3, 4], 0), 1);
+    assert.equal(percentile([1, 2, 3, 4], 100), 4);
+    assert.equal(percentile([10, 20], 90), 19);
+    assert.ok(Number.isNaN(percentile([], 50)));
+    const s = summarize([3, 1, 2, NaN]);
+    assert.deepEqual([s.n, s.mean, s.median, s.p50, s.min, s.max], [3, 2, 2, 2, 1, 3]);
+    assert.ok(Number.isNaN(summarize([]).p99));
+  });
+
+  test('wedge: a room past its deadline in two consecutive polls; paused workers and one-off sightings do not count', async () => {
+    const w = await fakeWorker();
+    try {
+      const m = new RoomMonitor([{ name: 'prefill-0', url: w.url }], { pollMs: 1000, graceMs: 2000 });
+      w.set({ rooms: { epoch: 'e1', live: [room('1', -5000), room('2', -100), room('3', 4000)], recent: [] } });
+      await m.pollAll();
+      assert.equal(m.wedges.size, 0, 'one sighting is not a wedge');
+      w.set({ rooms: { epoch: 'e1', live: [room('1', -6000), room('2', -3000)], recent: [] } });
+      await m.pollAll();
+      assert.deepEqual([...m.wedges.values()].map((x) => [x.worker, x.room.room, x.overdueMs]), [['prefill-0', '1', 6000]]);
+      assert.deepEqual(m.liveByState(), { Transferring: 2 });
+      m.pause('prefill-0');
+      w.set({ rooms: { epoch: 'e2', live: [room('2', -9000)], recent: [] } });
+      await m.pollAll();
+      await m.pollAll();
+      assert.equal(m.wedges.size, 1, 'a paused (SIGSTOPped) worker is not polled');
+      m.resume('prefill-0', 0);
+      await m.pollAll();
+      assert.equal(m.health()[0]!.unexpectedEpochChanges.length, 1, 'an epoch change nobody announced is a crash');
+      m.expectRestart('prefill-0');
+      w.set({ rooms: { epoch: 'e3', live: [], recent: [{ ...room('9', null, 'Success'), timeline: [{ at: Date.now() + 5, state: 'Success', phase: 'done', why: 'kv_done' }] }] } });
+      const f = { worker: 'prefill-0', at: Date.now() };
+      m.watchFault(f);
+      await m.pollAll();
+      assert.equal(m.health()[0]!.unexpectedEpochChanges.length, 1, 'an announced restart is not');
+      assert.ok(f.workerOkAt !== undefined && f.workerOkAt >= f.at, 'worker recovery seen');
+    } finally {
+      w.server.close();
+    }
+  });
+
+  test('leak: non-zero gauges, held slots and live rooms are reported by name', async () => {
+    const w = await fakeWorker();
+    try {
+      w.set({ metrics: '# HELP x\npdserve_prefill_inflight_queue_reqs 1\npdserve_prefill_waiting_queue_reqs 0\npdserve_rooms{role="prefill",state="Transferring"} 1\npdserve_kv_transfer_bytes_total 99\n', health: { slots: 2, slots_free: 1 }, rooms: { epoch: 'e', live: [room('42', 3000)], recent: [] } });
+      const rep = await collectLeaks([{ name: 'prefill-0', url: w.url }]);
+      assert.deepEqual(rep.items.map((i) => [i.what, i.value]), [
+        ['pdserve_prefill_inflight_queue_reqs', 1],
+        ['pdserve_rooms{role="prefill",state="Transferring"}', 1],
+        ['sequence slots held (slots 2, free 1)', 1],
+      ]);
+      assert.deepEqual(rep.rooms.map((r) => r.room.room), ['42']);
+      w.set({ metrics: 'pdserve_prefill_inflight_queue_reqs 0\n', health: { slots: 2, slots_free: 2 }, rooms: { epoch: 'e', live: [], recent: [] } });
+      const clean = await collectLeaks([{ name: 'prefill-0', url: w.url }]);
+      assert.deepEqual([clean.items, clean.rooms, clean.unreachable], [[], [], []]);
+    } finally {
+      w.server.close();
+    }
+  });
+});
 
 describe('pdserve storm', () => {
   test('CI storm: 60 s, 30 agents, ≥ 30 % aborts, decode/prefill SIGKILL and prefill SIGSTOP — every check passes', async () => {
