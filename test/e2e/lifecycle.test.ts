@@ -82,7 +82,8 @@ const scenarios: Scenario[] = [
   { name: 'prefill bootstrapping', holds: `decode.register=${HOLD}`, find: { role: 'prefill', pick: liveIn('bootstrap') } },
   {
     name: 'prefill waiting (queued behind another prompt)',
-    holds: `prefill.compute=${HOLD}`,
+    // Longer: the victim must register while the first prompt still holds the only prefill slot.
+    holds: `prefill.compute=${HOLD * 3}`,
     setup: () => completion({ prompt: promptOf(40, 1), max_tokens: 2, stream: true }),
     ready: async () => (await debug('prefill')).live.some((r) => r.step === 'computing'),
     find: { role: 'prefill', pick: liveIn('waiting', 'queued') },
