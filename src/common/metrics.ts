@@ -4,7 +4,9 @@
  * they cannot drift from the truth: a gauge is never incremented on one path and forgotten on another.
  */
 import client from 'prom-client';
-import { KVPoll, type Role } from '../kv/types.js';
+import type { RoomTable } from '../kv/lifecycle.js';
+import { KVPoll, type Effect, type Role } from '../kv/types.js';
+import type { Logger } from './log.js';
 
 export interface WorkerMetricSources {
   /** Queue name (e.g. 'prefill_inflight_queue') → entries now. */
@@ -73,8 +75,26 @@ export class WorkerMetrics {
     }
   }
 
+  /** Count and log the core's diagnostic effects (`illegal`, `expired`); other effects are ignored. */
+  recordDiagnostic(e: Effect, log: Logger): void {
+    if (e.t === 'illegal') {
+      this.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
+      log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');
+    } else if (e.t === 'expired') {
+      this.expired.inc({ role: this.role, state: KVPoll[e.state] });
+      log.warn({ room: e.room, state: KVPoll[e.state], phase: e.phase, timeline: e.timeline }, 'room deadline expired');
+    }
+  }
+
   /** Reason label, bounded in cardinality: the part before the first ':' (e.g. 'deadline'). */
   static reasonLabel(reason: string): string {
     return reason.split(':')[0]!.slice(0, 40);
   }
+}
+
+/** Live rooms of `table` per KVPoll state. */
+export function roomsByState(table: RoomTable): Map<KVPoll, number> {
+  const m = new Map<KVPoll, number>();
+  for (const r of table.rooms()) m.set(r.state, (m.get(r.state) ?? 0) + 1);
+  return m;
 }

@@ -17,7 +17,7 @@ import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
-import { WorkerMetrics } from '../common/metrics.js';
+import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { samplingFromWire } from '../common/requests.js';
 import { loadEngine } from '../engine/index.js';
 import { parseStateFile } from '../engine/ggsq.js';
@@ -74,7 +74,7 @@ export class DecodeWorker {
     readonly log: Logger,
   ) {
     this.rooms = new RoomTable('decode', config.timeouts);
-    this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => this.roomsByState(), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
+    this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
   }
 
   /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
@@ -88,11 +88,6 @@ export class DecodeWorker {
     return { decode_prealloc_queue: prealloc, decode_transfer_queue: transfer, decode_running: this.running, decode_slots_used: this.engine.info.sequences - this.engine.slotsFree() };
   }
 
-  private roomsByState(): Map<KVPoll, number> {
-    const m = new Map<KVPoll, number>();
-    for (const r of this.rooms.rooms()) m.set(r.state, (m.get(r.state) ?? 0) + 1);
-    return m;
-  }
 
   async start(): Promise<void> {
     const c = this.config;
@@ -178,12 +173,8 @@ export class DecodeWorker {
           this.finish(e.room, e.state, e.reason);
           break;
         case 'illegal':
-          this.metrics.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
-          this.log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');
-          break;
         case 'expired':
-          this.metrics.expired.inc({ role: 'decode', state: KVPoll[e.state] });
-          this.log.warn({ room: e.room, state: KVPoll[e.state], phase: e.phase, timeline: e.timeline }, 'room deadline expired');
+          this.metrics.recordDiagnostic(e, this.log);
           break;
         default:
           break;

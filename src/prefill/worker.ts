@@ -18,7 +18,7 @@ import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
-import { WorkerMetrics } from '../common/metrics.js';
+import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
@@ -91,7 +91,7 @@ export class PrefillWorker {
     this.rooms = new RoomTable('prefill', { ...config.timeouts, bootstrapMs: config.timeouts.preallocMs + config.timeouts.bootstrapMs });
     this.metrics = new WorkerMetrics('prefill', {
       queues: () => this.queueSizes(),
-      roomsByState: () => this.roomsByState(),
+      roomsByState: () => roomsByState(this.rooms),
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
   }
@@ -109,11 +109,6 @@ export class PrefillWorker {
     return { prefill_bootstrap_queue: bootstrap, prefill_waiting_queue: waiting, prefill_inflight_queue: inflight };
   }
 
-  private roomsByState(): Map<KVPoll, number> {
-    const m = new Map<KVPoll, number>();
-    for (const r of this.rooms.rooms()) m.set(r.state, (m.get(r.state) ?? 0) + 1);
-    return m;
-  }
 
   async start(): Promise<void> {
     const c = this.config;
@@ -216,12 +211,8 @@ export class PrefillWorker {
           this.finish(e.room, e.state, e.reason);
           break;
         case 'illegal':
-          this.metrics.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
-          this.log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');
-          break;
         case 'expired':
-          this.metrics.expired.inc({ role: 'prefill', state: KVPoll[e.state] });
-          this.log.warn({ room: e.room, state: KVPoll[e.state], phase: e.phase, timeline: e.timeline }, 'room deadline expired');
+          this.metrics.recordDiagnostic(e, this.log);
           break;
         default:
           break;
