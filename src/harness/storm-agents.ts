@@ -12,7 +12,6 @@
  * Every request has a deadline; a request with neither answer nor error by then is `hung`.
  */
 import http from 'node:http';
-import { performance } from 'node:perf_hooks';
 import { Prng } from '../kv/sim/prng.js';
 import { ChatCall, type CallResult, type CancelKind, type ChatMessage } from './storm-client.js';
 import type { Corpus } from './storm-corpus.js';
@@ -296,6 +295,3 @@ export class Agents {
     }
   }
 }
-
-/** Milliseconds of `performance.now()` since `t0`. */
-export const since = (t0: number): number => performance.now() - t0;

@@ -105,6 +105,7 @@ export class RoomMonitor {
     this.ws = workers.map((w) => ({ w, inflight: false, ignoreBefore: 0, paused: false, expectedRestarts: 0, unexpectedEpochChanges: [], live: {}, overdue: new Map(), okPolls: 0, failedPolls: 0 }));
   }
 
+  /** Poll now, then every `pollMs` until `stop()`. */
   start(): void {
     this.running = true;
     const loop = () => {
@@ -116,6 +117,7 @@ export class RoomMonitor {
     loop();
   }
 
+  /** Stop polling (a poll in flight completes). */
   stop(): void {
     this.running = false;
     if (this.timer) clearTimeout(this.timer);
