@@ -334,6 +334,10 @@ export class DecodeWorker {
       if (!this.jobs.has(room) || !job.slot) return;
       await writeFile(path, payload);
       await job.slot.loadState(path, state.tokens);
+      // The room may have failed while llama.cpp was loading (deadline, abort, peer lost): the
+      // core would refuse kv_done anyway; not sending it keeps the illegal-transition counter
+      // for real bugs.
+      if (!this.rooms.has(room)) return;
       job.header = header;
       this.apply(room, { t: 'kv_done' });
     } catch (err) {
