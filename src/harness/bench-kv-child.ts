@@ -33,6 +33,8 @@ interface Init {
   secret: string;
   epoch: string;
   stateDir: string;
+  /** Sequences of this process's context (decode: the decode worker's slot count, so loads are re-framed as in the cluster). */
+  sequences?: number;
 }
 
 const init = JSON.parse(process.argv[2] ?? '{}') as Init;
@@ -51,7 +53,7 @@ interface State {
 }
 
 async function main(): Promise<void> {
-  const engine = await loadEngine({ modelPath: init.model, threads: 1, sequences: 1, contextSize: init.contextSize, batchSize: init.batchSize });
+  const engine = await loadEngine({ modelPath: init.model, threads: 1, sequences: init.sequences ?? 1, contextSize: init.contextSize, batchSize: init.batchSize });
   if (init.role === 'sender') await sender(engine);
   else await receiver(engine);
 }

@@ -25,6 +25,8 @@ export interface KvSectionOptions {
   batchSize: number;
   /** Bytes of state per token of this model (to pick token counts); measured when absent. */
   bytesPerToken?: number;
+  /** Sequences of the receiving context (the decode worker's slots; 1 on the sending side, as the prefill worker). */
+  receiverSequences?: number;
 }
 
 /** One size's results. Times in ms, rates in GB/s (10^9 bytes/s). */
@@ -80,6 +82,8 @@ export interface KvSectionResult {
   sizes: KvSizeResult[];
   stateMaking: { tokens: number; bytes: number }[];
   machine?: MachineLimits;
+  /** Sequences of the receiving (decode-side) context. */
+  receiverSequences?: number;
 }
 
 interface Msg {
@@ -93,7 +97,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   const secret = randomBytes(16).toString('hex');
   const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm' };
   const sender = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'sender', epoch: newEpoch() })]);
-  const receiver = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'receiver', epoch: newEpoch() })]);
+  const receiver = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'receiver', epoch: newEpoch(), sequences: o.receiverSequences ?? 1 })]);
   sender.on((m) => {
     if (m.type === 'progress') say(`  ${String(m.msg)}`);
   });
@@ -199,7 +203,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
         wireGBps: gbps(k.blob, ph('wire')),
       };
     });
-    return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })), machine };
+    return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })), machine, receiverSequences: o.receiverSequences ?? 1 };
   } finally {
     await Promise.all([sender.stop(), receiver.stop()]);
   }

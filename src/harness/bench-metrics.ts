@@ -33,6 +33,8 @@ export interface RequestRecord {
   itlMs: number[];
   /** Arrival of each non-empty chunk, ms since the run's start (for time plots). */
   chunkAtMs: number[];
+  /** pd-direct only: what the prefill worker reported (meta_info) once its room succeeded. */
+  server?: { prefillMs?: number; transferMs?: number; kvBytes?: number };
 }
 
 /** Service-level objectives for goodput; unset fields are not checked. */

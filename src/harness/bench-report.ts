@@ -5,7 +5,7 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { KvSectionResult } from './bench-kv.js';
-import type { BatchingRow, InterferenceResult, LowLoadRow, RouterOverheadResult, ScalingResult } from './bench-sections.js';
+import type { BatchingResult, BatchingRow, InterferenceResult, LowLoadRow, RouterOverheadResult, ScalingResult } from './bench-sections.js';
 import { barChart, lineChart } from './bench-svg.js';
 import { fmt, fmtRatio } from './bench-util.js';
 
@@ -93,7 +93,8 @@ export function writePlots(files: Map<number, SectionFile>, dir: string): Plots 
       }),
     );
   }
-  const s4 = files.get(4)?.result as BatchingRow[] | undefined;
+  const s4r = files.get(4)?.result as BatchingResult | undefined;
+  const s4 = s4r?.rows;
   if (s4?.length) {
     put(
       's4-batching.svg',
@@ -173,7 +174,8 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   const s1 = files.get(1)?.result as KvSectionResult | undefined;
   const s2 = files.get(2)?.result as LowLoadRow[] | undefined;
   const s3 = files.get(3)?.result as InterferenceResult | undefined;
-  const s4 = files.get(4)?.result as BatchingRow[] | undefined;
+  const s4r = files.get(4)?.result as BatchingResult | undefined;
+  const s4: BatchingRow[] | undefined = s4r?.rows;
   const s5 = files.get(5)?.result as RouterOverheadResult | undefined;
   const s6 = files.get(6)?.result as ScalingResult | undefined;
   const L: string[] = [];
@@ -216,7 +218,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     bullets.push(`**Low load (§2):** PD/colocated TTFT ${t}; E2E ${e}. ${loses ? 'PD loses here: one request at a time there is nothing to separate, and PD pays the router hop, the state save/transfer/load and a second process.' : 'PD is not slower even one request at a time on this run.'}`);
   }
   if (s3?.pd) {
-    bullets.push(`**Interference (§3):** with ${s3.streams} streams decoding and ${s3.longPrompt}-token prompts arriving every ${s3.periodMs / 1000} s, stream ITL p99 is ${fmt(s3.colo.itlMs.p99)} ms colocated vs ${fmt(s3.pd.itlMs.p99)} ms PD (colocated/PD ${fmtRatio(s3.ratio.itlP99)}), p50 ${fmt(s3.colo.itlMs.p50)} vs ${fmt(s3.pd.itlMs.p50)} ms; long-prompt TTFT p50 ${fmt(s3.colo.longTtftMs.p50, 0)} ms colocated vs ${fmt(s3.pd.longTtftMs.p50, 0)} ms PD. ${s3.ratio.itlP99 > 1.5 ? 'This is where PD pays: long prefills stall every colocated decoder, while PD\'s decoder keeps its pace.' : 'On this run PD did not clearly isolate the decoders.'}`);
+    bullets.push(`**Interference (§3):** with ${s3.streams} streams decoding and ${s3.longPrompt}-token prompts arriving every ${s3.periodMs / 1000} s, stream ITL p99 is ${fmt(s3.colo.itlMs.p99)} ms colocated vs ${fmt(s3.pd.itlMs.p99)} ms PD (colocated/PD ${fmtRatio(s3.ratio.itlP99)}), p50 ${fmt(s3.colo.itlMs.p50)} vs ${fmt(s3.pd.itlMs.p50)} ms; long-prompt TTFT p50 ${fmt(s3.colo.longTtftMs.p50, 0)} ms colocated vs ${fmt(s3.pd.longTtftMs.p50, 0)} ms PD. ${s3.ratio.itlP99 > 1.5 ? 'This is where PD pays: long prefills stall every colocated decoder, while PD\'s decoder keeps its pace.' : 'On this run PD did not clearly isolate the decoders.'}${s3.ratio.longTtftP50 < 1 ? ' The long prompts themselves wait longer under PD (state transfer, and decode cannot load a state while its batch runs).' : ''}`);
   }
   if (s4?.length) {
     bullets.push(`**Decode batching (§4):** pdserve/direct node-llama-cpp aggregate tokens/s: ${s4.map((r) => `${r.streams} stream${r.streams > 1 ? 's' : ''} ${fmtRatio(r.ratio)}`).join(', ')} (${s4.map((r) => `${fmt(r.pdTokPerS, 0)} vs ${fmt(r.directTokPerS, 0)}`).join(', ')} tok/s).`);
@@ -234,7 +236,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   L.push('', '## 1. KV handoff vs raw TCP', '', provenance(files.get(1), isFresh(1)), '');
   if (s1?.sizes?.length) {
     L.push(
-      'Two processes (prefill side, decode side), each with the small model loaded (context 4096, 1 sequence). The states are **real**: prompts of the listed token counts evaluated by llama.cpp and saved with `saveState` to /dev/shm (the largest, 4 091 tokens, is a real ≈64 MiB state, so every size is measured end to end, validation and load included).',
+      `Two processes (prefill side: 1 sequence, as the prefill worker; decode side: ${s1.receiverSequences ?? 1} sequence(s)${(s1.receiverSequences ?? 1) > 1 ? ', as the decode worker, so every load re-frames the state\'s stream count through a temp file exactly as in the cluster' : ''}), each with the small model loaded (context 4096). The states are **real**: prompts of the listed token counts evaluated by llama.cpp and saved with \`saveState\` to /dev/shm (the largest, 4 091 tokens, is a real ≈64 MiB state, so every size is measured end to end, validation and load included).`,
       '',
       '- **KV handoff**: clock starts when the state file exists on the prefill side and stops when the prefill side receives decode\'s `kv_ack`. In between, exactly the workers\' data path (without the room state machine): `readFile` → `encodeEnvelope` (SHA-256 of the payload) → `kv_begin` + `sendChunks` (1 MiB chunk frames, 4 MiB send window, over the authenticated KvServer/KvPeerPool channel) + `kv_end` → on decode: chunks copied into one buffer → `decodeEnvelope` (SHA-256 again) → `parseStateFile` → `writeFile` to /dev/shm → `Slot.loadState` (llama.cpp) → `kv_ack`.',
       '- **Raw TCP**: the same number of bytes (already in memory) written on a bare `net.Socket` to the other process, which counts them (without storing) and answers 1 byte. Clock: first write → ack.',
@@ -283,6 +285,15 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
         s2.map((r) => [r.promptTokens, r.reps, `${fmt(r.pd.ttftMs.median)} / ${fmt(r.colo.ttftMs.median)}`, `${fmt(r.pd.tpotMs.median, 2)} / ${fmt(r.colo.tpotMs.median, 2)}`, `${fmt(r.pd.e2eMs.median)} / ${fmt(r.colo.e2eMs.median)}`, `**${fmtRatio(r.ratio.ttft)}**`, fmtRatio(r.ratio.tpot), fmtRatio(r.ratio.e2e)]),
       ),
     );
+    if (s2.some((r) => r.pdBreakdown)) {
+      L.push('', 'Where PD\'s TTFT goes: a few more requests per length sent to the workers directly (no router), with what the prefill worker reports for them: `prefill_ms` = prompt evaluation + state save + file read + envelope; `transfer_ms` = `kv_begin` → decode\'s `kv_ack` (transfer, validation, load). Compare `prefill_ms` with the colocated TTFT (prompt evaluation alone, on an unpinned process).', '');
+      L.push(
+        table(
+          ['prompt tokens', 'colocated TTFT', 'PD prefill_ms', 'PD transfer_ms', 'state MiB', 'PD TTFT without router', 'PD TTFT via router'],
+          s2.filter((r) => r.pdBreakdown).map((r) => [r.promptTokens, fmt(r.colo.ttftMs.median), fmt(r.pdBreakdown.prefillMs), fmt(r.pdBreakdown.transferMs), fmt(r.pdBreakdown.kvBytes / MiB, 1), fmt(r.pdBreakdown.directTtftMs), fmt(r.pd.ttftMs.median)]),
+        ),
+      );
+    }
     const worst = s2.reduce((a, b) => (b.ratio.ttft > a.ratio.ttft ? b : a));
     L.push('', `Ratios are PD / colocated (> 1: PD slower). ${worst.ratio.ttft > 1 ? `**PD loses at low load**: TTFT is ${pct(worst.ratio.ttft)} at ${worst.promptTokens} prompt tokens. PD's TTFT includes the router hop, the state save, transfer (≈${((worst.promptTokens * 16_401) / MiB).toFixed(1)} MiB at ${worst.promptTokens} tokens) and load; the colocated server samples the first token right after the prompt.` : 'PD was not slower on TTFT in this run.'}`);
     const errs = s2.flatMap((r) => r.errors);
@@ -301,6 +312,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     L.push(table(['', 'ITL p50 ms', 'ITL p90 ms', 'ITL p99 ms', 'ITL max ms', 'gaps > 100 ms', 'stream TPOT p50 ms', 'long TTFT p50 ms', 'long TTFT max ms', 'long without 1st token', 'stream tok/s'], [row('colocated', s3.colo), row('PD', s3.pd)]));
     L.push('', `A segment's in-flight requests get ${(s3.drainMs ?? 0) / 1000} s to finish after it ends, then are cancelled; a long prompt with no first token by then is counted in "long without 1st token" (its TTFT, not in the percentiles, exceeds the time left).`);
     L.push('', `Colocated / PD: ITL p50 ${fmtRatio(s3.ratio.itlP50)}, ITL p99 **${fmtRatio(s3.ratio.itlP99)}**, long-prompt TTFT p50 ${fmtRatio(s3.ratio.longTtftP50)}.`);
+    if (s3.ratio.longTtftP50 < 1) L.push('', `**PD loses on the long prompts' TTFT** (${fmt(s3.pd.longTtftMs.p50, 0)} vs ${fmt(s3.colo.longTtftMs.p50, 0)} ms p50): besides the ≈${((s3.longPrompt * 16_401) / MiB).toFixed(0)} MiB state transfer, the decode worker cannot load a state while its batch is running (§4, engine contention probe), so each long request waits for streams to end.`);
     if (s3.ratio.itlP50 < 1) L.push('', `PD's median ITL is higher than colocated's (${fmt(s3.pd.itlMs.p50)} vs ${fmt(s3.colo.itlMs.p50)} ms): every PD token also crosses the router, and each new long request's state load stops the decode batch briefly.`);
     L.push(img(plots, 's3-itl-over-time.svg', 'ITL over time, colocated vs PD'));
   } else L.push('_Not run yet._');
@@ -318,6 +330,30 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
         s4.map((r) => [r.streams, r.reps, fmt(r.pdTokPerS, 0), fmt(r.directTokPerS, 0), `**${fmtRatio(r.ratio)}**`, fmt(r.pdWallTokPerS, 0), fmt(r.directWallTokPerS, 0)]),
       ),
     );
+    const ct = s4r?.contention;
+    if (ct) {
+      L.push(
+        '',
+        `**Engine contention probe** (same process, same settings): a ${ct.stateTokens}-token state load and a slot reuse (prefill of 64 tokens on a slot released just before, whose history clear is still pending), first with the context idle, then while ${ct.streams} other sequences generate ${ct.outputLen} tokens each (measured 0.5 s after they start):`,
+        '',
+      );
+      L.push(
+        table(
+          ['', 'idle (ms)', `while ${ct.streams} sequences decode (ms)`, 'streams finished by then', 'last stream ended (ms after start of measurement)'],
+          [
+            ['loadState', fmt(ct.idleLoadMs), fmt(ct.busyLoadMs), `${ct.finishedAtLoad} / ${ct.streams}`, fmt(ct.loadStreamsEndMs, 0)],
+            ['reuse a released slot', fmt(ct.idleReuseMs), fmt(ct.busyReuseMs), `${ct.finishedAtReuse} / ${ct.streams}`, fmt(ct.reuseStreamsEndMs, 0)],
+          ],
+        ),
+      );
+      const starved = ct.finishedAtLoad === ct.streams || ct.finishedAtReuse === ct.streams;
+      L.push(
+        '',
+        starved
+          ? `**The load and/or the reuse waited for every other sequence to finish.** node-llama-cpp's batch dispatcher keeps the context lock across consecutive batches while any sequence has queued work, and \`loadStateFromFile\` (and \`clearHistory\`, which a released slot runs before its next use) need that lock. On the decode worker this means a new request's KV state cannot be loaded, and a freed slot cannot be reused, until the running batch drains; under steady load new requests wait for whole generations of others. This dominates PD's TTFT under load in §3 and §6 (and delays slot reuse on the colocated server too).`
+          : 'Neither waited for the other sequences to finish on this run.',
+      );
+    }
     const partial = s4.reduce((x, r) => x + (r.partialOverlapRuns ?? 0), 0);
     if (partial) L.push('', `In ${partial} run(s) the streams never all overlapped (prefills too slow for the output length); their rate is over the whole span instead.`);
     const errs = s4.flatMap((r) => r.errors);
@@ -376,7 +412,12 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     );
     const lose = s6.rows.filter((r) => (r.pd.goodput ?? 0) < (r.colo.goodput ?? 0));
     L.push('', lose.length ? `PD's goodput is below colocated's at ${lose.map((r) => `${r.rate} req/s`).join(', ')}.` : 'PD\'s goodput is at least colocated\'s at every rate of this run.');
-    L.push('', 'With one prefill worker on one core, both setups saturate on prompt evaluation at about the same request rate; past it TTFT grows without bound for both. PD keeps TPOT flat because decoding never waits for a prefill.');
+    const top = s6.rows[s6.rows.length - 1]!;
+    const tpotBetter = s6.rows.filter((r) => r.pd.tpotMs.p99 < r.colo.tpotMs.p99).length;
+    L.push(
+      '',
+      `With one prefill worker on one core, both setups saturate on prompt evaluation at about the same request rate; past it TTFT grows for both until requests are cancelled. P99 TPOT is lower for PD at ${tpotBetter} of ${s6.rows.length} rates (at ${top.rate} req/s: ${fmt(top.pd.tpotMs.p99, 1)} vs ${fmt(top.colo.tpotMs.p99, 1)} ms): ${tpotBetter >= s6.rows.length / 2 ? 'decoding does not wait for prompt evaluation' : 'on this run that advantage did not show'}. PD's TTFT also carries the state transfer and, under load, the decode-side wait described in §4 (engine contention probe).`,
+    );
     L.push(img(plots, 's6-goodput.svg', 'goodput vs request rate'));
     L.push(img(plots, 's6-latency.svg', 'P99 TPOT vs request rate'));
   } else L.push('_Not run yet._');
@@ -387,6 +428,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   if (s2?.length) for (const r of s2) if (r.ratio.ttft > 1.05) losses.push(`Unloaded TTFT at ${r.promptTokens} prompt tokens: ${pct(r.ratio.ttft)} (${fmt(r.pd.ttftMs.median, 0)} vs ${fmt(r.colo.ttftMs.median, 0)} ms).`);
   if (s2?.length) for (const r of s2) if (r.ratio.tpot > 1.05) losses.push(`Unloaded TPOT at ${r.promptTokens} prompt tokens: ${pct(r.ratio.tpot)} (every token crosses one more process, the router).`);
   if (s1?.sizes?.length) losses.push(`Moving the state costs ${s1.sizes.map((s) => `${fmt(s.kvMs.median, 0)} ms at ${(s.blobBytes / MiB).toFixed(0)} MiB`).join(', ')}, ${fmtRatio(Math.min(...s1.sizes.map((s) => s.ratio)))}–${fmtRatio(Math.max(...s1.sizes.map((s) => s.ratio)))} a bare socket; a colocated server pays none of it.`);
+  if (s3?.pd && s3.ratio.longTtftP50 < 1) losses.push(`Long-prompt TTFT under interference: ${fmt(s3.pd.longTtftMs.p50, 0)} ms PD vs ${fmt(s3.colo.longTtftMs.p50, 0)} ms colocated (p50).`);
   if (s3?.pd && s3.ratio.itlP50 < 1) losses.push(`Median ITL under interference: ${fmt(s3.pd.itlMs.p50)} ms PD vs ${fmt(s3.colo.itlMs.p50)} ms colocated.`);
   if (s4?.length) for (const r of s4) if (r.ratio < 0.95) losses.push(`Decode throughput with ${r.streams} stream(s): pdserve reaches ${fmtRatio(r.ratio)} of node-llama-cpp driven directly.`);
   if (s5?.router && s5.addedMs.e2eP50 > 0) losses.push(`The router hop: +${fmt(s5.addedMs.ttftP50)} ms TTFT, +${fmt(s5.addedMs.e2eP50)} ms E2E at p50.`);

@@ -51,6 +51,12 @@ export interface LowLoadRow {
   colo: BenchMetrics;
   /** PD median / colocated median. */
   ratio: { ttft: number; tpot: number; e2e: number };
+  /**
+   * Where PD's TTFT goes (medians of a few extra requests sent to the workers directly):
+   * prefill_ms (prompt evaluation + state save + read + envelope, as the prefill worker reports
+   * it), transfer_ms (kv_begin → decode's kv_ack), state bytes, and those requests' TTFT.
+   */
+  pdBreakdown: { prefillMs: number; transferMs: number; kvBytes: number; directTtftMs: number; probes: number };
   errors: string[];
 }
 
@@ -71,14 +77,18 @@ export async function runLowLoad(ctx: SectionCtx, lens = [64, 512, 1500], output
     }
     const mp = computeMetrics(pd, 1);
     const mc = computeMetrics(colo, 1);
+    const probes: RequestRecord[] = [];
+    for (let i = 0; i < (ctx.quick ? 1 : 3); i++) probes.push(await send(ctx, ctx.direct, prompts[i % prompts.length]!));
+    const sv = (k: 'prefillMs' | 'transferMs' | 'kvBytes') => median(probes.map((r) => r.server?.[k] ?? NaN));
     rows.push({
+      pdBreakdown: { prefillMs: sv('prefillMs'), transferMs: sv('transferMs'), kvBytes: sv('kvBytes'), directTtftMs: median(probes.filter((r) => r.ok).map((r) => r.ttftMs)), probes: probes.length },
       promptTokens: median(pd.map((r) => r.promptTokens)),
       outputTokens: outputLen,
       reps: n,
       pd: mp,
       colo: mc,
       ratio: { ttft: mp.ttftMs.median / mc.ttftMs.median, tpot: mp.tpotMs.median / mc.tpotMs.median, e2e: mp.e2eMs.median / mc.e2eMs.median },
-      errors: [...failures(pd), ...failures(colo)],
+      errors: [...failures(pd), ...failures(colo), ...failures(probes)],
     });
     say(`  ${len} tokens: TTFT PD ${mp.ttftMs.median.toFixed(0)} ms vs colocated ${mc.ttftMs.median.toFixed(0)} ms; E2E ${mp.e2eMs.median.toFixed(0)} vs ${mc.e2eMs.median.toFixed(0)} ms`);
   }
@@ -322,12 +332,33 @@ export interface BatchingRow {
   errors: string[];
 }
 
+/** Engine probe of section 4: state load and slot reuse with the context idle vs while N sequences decode. */
+export interface EngineContention {
+  streams: number;
+  outputLen: number;
+  stateTokens: number;
+  idleLoadMs: number;
+  idleReuseMs: number;
+  busyLoadMs: number;
+  finishedAtLoad: number;
+  loadStreamsEndMs: number;
+  busyReuseMs: number;
+  finishedAtReuse: number;
+  reuseStreamsEndMs: number;
+}
+
+/** Section 4 result. */
+export interface BatchingResult {
+  rows: BatchingRow[];
+  contention?: EngineContention;
+}
+
 /** Section 4: decode batching through pdserve vs node-llama-cpp driven directly. */
-export async function runBatching(ctx: SectionCtx, levels = [1, 4, 8]): Promise<BatchingRow[]> {
-  const outputLen = ctx.quick ? 64 : 256;
+export async function runBatching(ctx: SectionCtx, levels = [1, 4, 8]): Promise<BatchingResult> {
+  const outputLen = ctx.quick ? 64 : 192;
   const promptLen = 16;
   const reps = ctx.quick ? 1 : 3;
-  const child = new BenchChild<{ type: string; error?: string; streams?: number[][] }>(
+  const child = new BenchChild<{ type: string; error?: string }>(
     'bench-engine-child',
     [JSON.stringify({ model: ctx.model, contextSize: ctx.contextSize, batchSize: ctx.batchSize, sequences: ctx.decodeSlots, threads: 1 })],
     ctx.decodeCpus,
@@ -376,7 +407,18 @@ export async function runBatching(ctx: SectionCtx, levels = [1, 4, 8]): Promise<
       rows.push({ streams: n, promptTokens: promptLen, outputTokens: outputLen, reps, partialOverlapRuns: a.partial, pdTokPerS: pd, directTokPerS: direct, pdWallTokPerS: median(a.pdWall), directWallTokPerS: median(a.directWall), ratio: pd / direct, errors: a.errors });
       say(`  ${n} stream(s): pdserve ${pd.toFixed(0)} tok/s vs direct ${direct.toFixed(0)} tok/s`);
     }
-    return rows;
+    let contention: EngineContention | undefined;
+    try {
+      const probe = corpusPrompts(ctx, 8, promptLen, ctx.quick ? 48 : 96, 450);
+      const r = await child.call<{ type: string } & EngineContention>({ cmd: 'starve', prompts: probe.map((p) => p.text), outputLen: ctx.quick ? 48 : 96, stateTokens: 1024 }, 'starved', 300_000);
+      const { type: _t, ...rest } = r;
+      void _t;
+      contention = rest;
+      say(`  engine: state load ${contention.idleLoadMs.toFixed(0)} ms idle vs ${contention.busyLoadMs.toFixed(0)} ms while ${contention.streams} sequences decode (${contention.finishedAtLoad}/${contention.streams} had finished)`);
+    } catch (err) {
+      say(`  engine contention probe failed: ${(err as Error).message}`);
+    }
+    return { rows, contention };
   } finally {
     await child.stop();
   }

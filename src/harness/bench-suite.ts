@@ -129,6 +129,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
         reps: o.quick ? [2, 2, 1, 1] : [12, 10, 8, 6],
         contextSize: 4096,
         batchSize: BATCH,
+        receiverSequences: DECODE_SLOTS,
       });
       save(1, r, (performance.now() - ts) / 1000);
     } catch (err) {

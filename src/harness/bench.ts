@@ -385,7 +385,13 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
   const start = performance.now();
   const c = new Collector(start, o.t0, prompt);
   const prefill = request(`${baseUrl(target.prefillUrl)}/generate`, { method: 'POST', headers: JSON_HEADERS, body, dispatcher: o.dispatcher, signal })
-    .then(async (r) => (r.statusCode === 200 ? (await r.body.dump(), undefined) : errorText(r.body, r.statusCode)))
+    .then(async (r) => {
+      if (r.statusCode !== 200) return errorText(r.body, r.statusCode);
+      const j = (await r.body.json().catch(() => ({}))) as { meta_info?: { prefill_ms?: number; transfer_ms?: number; kv_bytes?: number } };
+      const mi = j.meta_info;
+      if (mi) c.rec.server = { prefillMs: mi.prefill_ms, transferMs: mi.transfer_ms, kvBytes: mi.kv_bytes };
+      return undefined;
+    })
     .catch((e: Error) => `prefill transport: ${e.message}`);
   try {
     const res = await request(`${baseUrl(target.decodeUrl)}/generate`, { method: 'POST', headers: JSON_HEADERS, body, dispatcher: o.dispatcher, signal });
@@ -417,7 +423,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
       if (mi?.finish_reason?.type === 'abort') return c.finish(`aborted: ${mi.finish_reason.message ?? ''}`);
     }
     const rec = c.finish(done ? undefined : 'decode stream ended without [DONE]');
-    const pe = await prefill;
+    const pe = await prefill; // after finish(): E2E ends with decode's stream, as through the router
     if (pe && !rec.ok) rec.error = `${rec.error}; prefill ${pe}`;
     return rec;
   } catch (err) {
