@@ -266,9 +266,10 @@ export async function runCli(argv: string[]): Promise<void> {
       .option('--quick', 'tiny repetitions and durations (a smoke run, numbers meaningless)')
       .option('--out <dir>', 'repository root to write into (default: this checkout)')
       .option('--no-pin', 'do not pin prefill/decode to separate cores with taskset')
+      .option('--render-only', 'only re-render BENCHMARKS.md and the plots from bench/results')
       .action(async (o) => {
         const { benchSuiteCli } = await import('../harness/bench-suite.js');
-        process.exitCode = await benchSuiteCli({ sections: String(o.sections), quick: !!o.quick, out: o.out ? resolve(o.out) : undefined, pin: o.pin !== false, argv });
+        process.exitCode = await benchSuiteCli({ sections: String(o.sections), quick: !!o.quick, out: o.out ? resolve(o.out) : undefined, pin: o.pin !== false, argv, renderOnly: !!o.renderOnly });
       });
   }
 

@@ -36,6 +36,8 @@ export interface SuiteOptions {
   /** Pin prefill and decode to separate cores (when the machine has ≥ 2 and taskset exists). */
   pin: boolean;
   argv: string[];
+  /** Only re-render BENCHMARKS.md and the plots from bench/results (no measurement). */
+  renderOnly?: boolean;
 }
 
 export const SECTION_FILES: Record<number, string> = {
@@ -89,6 +91,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
   const plotsDir = join(root, 'bench', 'plots');
   mkdirSync(resultsDir, { recursive: true });
   mkdirSync(plotsDir, { recursive: true });
+  if (o.renderOnly) return renderOnly(resultsDir, plotsDir, root);
   const want = new Set(
     o.sections
       .split(',')
@@ -206,7 +209,14 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
 
   meta.totalSeconds = Math.round((performance.now() - t0) / 1000);
   meta.machine.loadavgEnd = os.loadavg().map((x) => Math.round(x * 100) / 100);
-  // sections not run now: previous results, when present
+  writeFileSync(join(resultsDir, 'suite.json'), JSON.stringify({ meta, sectionsRun: [...fresh.keys()] }, null, 1) + '\n');
+  render(resultsDir, plotsDir, root, meta, [...fresh.keys()], fresh);
+  say(`wrote BENCHMARKS.md, ${resultsDir}, ${plotsDir} in ${meta.totalSeconds} s`);
+  return failed ? 1 : 0;
+}
+
+/** Sections' files: this run's, else the previous JSON when present. */
+function render(resultsDir: string, plotsDir: string, root: string, meta: SuiteMeta, sectionsRun: number[], fresh: Map<number, SectionFile>): void {
   const files = new Map<number, SectionFile>();
   for (let n = 1; n <= 6; n++) {
     const f = fresh.get(n);
@@ -219,9 +229,19 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
       }
     }
   }
-  writeFileSync(join(resultsDir, 'suite.json'), JSON.stringify({ meta, sectionsRun: [...fresh.keys()] }, null, 1) + '\n');
   const plots = writePlots(files, plotsDir);
-  writeFileSync(join(root, 'BENCHMARKS.md'), renderReport(meta, files, plots, [...fresh.keys()]));
-  say(`wrote BENCHMARKS.md, ${resultsDir}, ${plotsDir} in ${meta.totalSeconds} s`);
-  return failed ? 1 : 0;
+  writeFileSync(join(root, 'BENCHMARKS.md'), renderReport(meta, files, plots, sectionsRun));
+}
+
+/** `--render-only`: BENCHMARKS.md and plots again from bench/results (after a change to the report's wording). */
+function renderOnly(resultsDir: string, plotsDir: string, root: string): number {
+  const file = join(resultsDir, 'suite.json');
+  if (!existsSync(file)) {
+    console.error(`pdserve bench-suite: ${file} is missing; run the suite first`);
+    return 1;
+  }
+  const { meta, sectionsRun } = JSON.parse(readFileSync(file, 'utf8')) as { meta: SuiteMeta; sectionsRun: number[] };
+  render(resultsDir, plotsDir, root, meta, sectionsRun, new Map());
+  say(`re-rendered BENCHMARKS.md and ${plotsDir} from ${resultsDir}`);
+  return 0;
 }
