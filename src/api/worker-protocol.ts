@@ -15,14 +15,16 @@ export const ChatMessageSchema = z.object({
   content: z.string(),
 });
 
+/** sampling_params of /generate; defaults as SGLang's SamplingParams (max_new_tokens 128). */
 export const WorkerSamplingSchema = z.object({
-  temperature: z.number().min(0).max(2),
-  top_p: z.number().gt(0).max(1),
-  top_k: z.number().int().min(0),
+  temperature: z.number().min(0).max(2).default(1),
+  top_p: z.number().gt(0).max(1).default(1),
+  /** 0 or -1 = off (SGLang uses -1). */
+  top_k: z.number().int().min(-1).default(0).transform((k) => Math.max(0, k)),
   seed: z.number().int().optional(),
-  max_new_tokens: z.number().int().min(1),
-  stop: z.array(z.string()).max(16),
-  ignore_eos: z.boolean(),
+  max_new_tokens: z.number().int().min(1).default(128),
+  stop: z.union([z.string(), z.array(z.string()).max(16)]).default([]).transform((s) => (typeof s === 'string' ? [s] : s)),
+  ignore_eos: z.boolean().default(false),
 });
 
 /** Body of POST /generate (router → prefill and decode). Exactly one of text, input_ids, messages. */
@@ -32,7 +34,7 @@ export const GenerateRequestSchema = z
     text: z.string().optional(),
     input_ids: z.array(z.number().int().min(0)).optional(),
     messages: z.array(ChatMessageSchema).optional(),
-    sampling_params: WorkerSamplingSchema,
+    sampling_params: WorkerSamplingSchema.default({}),
     stream: z.boolean().default(true),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),

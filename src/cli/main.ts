@@ -14,6 +14,28 @@ function int(v: string): number {
   return n;
 }
 
+function port(v: string): number {
+  const n = int(v);
+  if (n < 0 || n > 65535) throw new InvalidArgumentError(`not a port (0-65535): ${v}`);
+  return n;
+}
+
+function positive(v: string): number {
+  const n = int(v);
+  if (n < 1) throw new InvalidArgumentError(`must be at least 1: ${v}`);
+  return n;
+}
+
+/** Resolve when host:port can be bound; reject with a clear message when it cannot. */
+async function assertPortFree(host: string, p: number): Promise<void> {
+  const { createServer } = await import('node:net');
+  await new Promise<void>((resolve, reject) => {
+    const s = createServer();
+    s.once('error', (err: NodeJS.ErrnoException) => reject(new Error(`cannot listen on ${host}:${p}: ${err.code === 'EADDRINUSE' ? 'the port is in use (pick another with --port)' : err.message}`)));
+    s.listen(p, host, () => s.close(() => resolve()));
+  });
+}
+
 function collect(v: string, prev: string[] = []): string[] {
   return [...prev, v];
 }
@@ -85,15 +107,21 @@ export async function runCli(argv: string[]): Promise<void> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
 
   engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback'))
-    .option('--prefill <n>', 'prefill workers', int, 1)
-    .option('--decode <n>', 'decode workers', int, 1)
-    .option('--port <port>', 'router port', int, 8000)
+    .option('--prefill <n>', 'prefill workers', positive, 1)
+    .option('--decode <n>', 'decode workers', positive, 1)
+    .option('--port <port>', 'router port', port, 8000)
     .option('--host <host>', 'bind address of every process', '127.0.0.1')
-    .option('--decode-slots <n>', 'sequences per decode worker', int, 8)
+    .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
     .option('--cluster-secret <secret>', 'shared secret (default: a random one)')
     .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
+      try {
+        await assertPortFree(o.host, o.port);
+      } catch (err) {
+        console.error(`pdserve: ${(err as Error).message}`);
+        process.exit(2);
+      }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
       const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir });
@@ -116,18 +144,24 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const r = c.router.url;
       console.log(`pdserve is up (model ${model})`);
-      console.log(`  router   ${r}   (OpenAI API: ${r}/v1)`);
-      for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(8)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
-      console.log(`  logs     ${logDir}`);
+      console.log(`  router    ${r}   (OpenAI API: ${r}/v1)`);
+      for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(9)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
+      console.log(`  logs      ${logDir}`);
       console.log('\nTry:');
       console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
       console.log('\nCtrl-C stops everything.');
+      // Supervise: a worker that dies on its own is restarted on the same ports (peers and the
+      // router find it again); `up` itself keeps serving with the others meanwhile.
+      const restarting = new Set<string>();
       setInterval(() => {
         for (const p of c.procs) {
-          if (!p.child && !p.expectedDown) {
-            console.error(`pdserve: ${p.name} exited unexpectedly${p.logFile ? ` (log: ${p.logFile})` : ''}; stopping`);
-            void stop(1);
-          }
+          if (p.child || p.expectedDown || stopping || restarting.has(p.name)) continue;
+          restarting.add(p.name);
+          console.error(`pdserve: ${p.name} exited unexpectedly${p.logFile ? ` (log: ${p.logFile})` : ''}; restarting it`);
+          c.spawn(p).then(
+            () => console.error(`pdserve: ${p.name} is back`),
+            (err) => console.error(`pdserve: ${p.name} failed to restart: ${(err as Error).message}`),
+          ).finally(() => restarting.delete(p.name));
         }
       }, 1000);
     });
@@ -310,7 +344,7 @@ export async function runCli(argv: string[]): Promise<void> {
       .option('--prefill <n>', 'prefill workers (self-hosted)', int, 2)
       .option('--decode <n>', 'decode workers (self-hosted)', int, 2)
       .addOption(new Option('--preset <name>', 'built-in model when --model is not given').choices(['tiny', 'small']).default('tiny'))
-      .option('--decode-slots <n>', 'sequences per decode worker', int, 8)
+      .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
       .option('--abort-rate <p>', 'share of requests the agent aborts (after sending, before the first token, mid-stream)', rate, 0.3)
       .option('--kill-rate <p>', 'share of requests whose agent is killed (TCP reset) and restarts its conversation', rate, 0.05)
       .option('--non-stream-rate <p>', 'share of requests sent without streaming', rate, 0.2)

@@ -76,7 +76,7 @@ export class ColocatedBackend {
     const sampling = samplingFromWire(body.sampling_params);
     const ctx = this.engine.info.compat.contextSize;
     if (tokens.length + sampling.maxTokens > ctx) {
-      throw new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', 'max_tokens');
+      throw new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', tokens.length >= ctx ? 'prompt' : 'max_tokens');
     }
     const slot = await this.acquire(signal);
     this.running++;

@@ -2,7 +2,7 @@
  * Pieces every worker's HTTP server shares: a fastify instance whose errors are OpenAI error
  * bodies, GET /health, GET /metrics and GET /debug/rooms, and a deferred helper.
  */
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
 import { registerOpenAIErrorHandling, sendApiError } from '../api/openai.js';
 import type { ApiError } from './errors.js';
@@ -22,7 +22,7 @@ export interface WorkerAppOptions {
 
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
-  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, disableRequestLogging: true });
+  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
   app.get('/health', async () => ({ status: 'ok', ...o.health() }));
   app.get('/metrics', async (_req, reply) => {

@@ -30,7 +30,7 @@ export class WorkerMetrics {
 
   constructor(readonly role: Role | 'colocated', sources: WorkerMetricSources) {
     const registers = [this.registry];
-    client.collectDefaultMetrics({ register: this.registry, prefix: 'pdserve_process_' });
+    client.collectDefaultMetrics({ register: this.registry, prefix: 'pdserve_' });
     const queueNames = Object.keys(sources.queues());
     for (const q of queueNames) {
       new client.Gauge({
@@ -63,13 +63,15 @@ export class WorkerMetrics {
     this.roomsTerminal = new client.Counter({ name: 'pdserve_rooms_terminal_total', help: 'Rooms that reached a terminal state', labelNames: ['state'], registers });
     if (sources.channel) {
       const read = sources.channel;
-      new client.Gauge({
+      // Monotonic counters kept by the KV channel, mirrored at scrape time.
+      new client.Counter({
         name: 'pdserve_kv_channel_events_total',
         help: 'KV channel counters since start: frames and bytes in/out, auth failures, bad frames, stale-epoch messages, peers lost',
         labelNames: ['event'],
         registers,
         collect() {
-          for (const [k, v] of Object.entries(read())) this.set({ event: k.replace(/[A-Z]/g, (m) => `_${m.toLowerCase()}`) }, v);
+          this.reset();
+          for (const [k, v] of Object.entries(read())) this.inc({ event: k.replace(/[A-Z]/g, (m) => `_${m.toLowerCase()}`) }, v);
         },
       });
     }

@@ -24,6 +24,13 @@ export function samplingFromWire(s: GenerateRequest['sampling_params']): Samplin
  * model's chat template. @throws ApiError 400 for an empty prompt or out-of-vocabulary ids.
  */
 export function tokenizeRequest(engine: Engine, body: Pick<GenerateRequest, 'text' | 'input_ids' | 'messages'>): number[] {
+  // A prompt that cannot fit is refused before tokenizing: tokenizing megabytes takes seconds
+  // of event loop, long enough for the KV channel's peers to declare this process lost.
+  const bytes = body.text !== undefined ? Buffer.byteLength(body.text) : (body.messages ?? []).reduce((n, m) => n + Buffer.byteLength(m.content), 0);
+  const atLeast = Math.floor(bytes / engine.info.maxTokenBytes);
+  if (atLeast > engine.info.compat.contextSize) {
+    throw new ApiError(400, 'context_length_exceeded', `the prompt (${bytes} bytes, at least ${atLeast} tokens) exceeds the context size (${engine.info.compat.contextSize} tokens)`, 'invalid_request_error', body.messages ? 'messages' : 'prompt');
+  }
   let tokens: number[];
   if (body.input_ids) {
     const n = engine.info.nVocab;

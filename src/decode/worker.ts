@@ -16,6 +16,7 @@ import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/co
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
+import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { samplingFromWire } from '../common/requests.js';
@@ -47,6 +48,8 @@ interface Job {
   /** Resolves with the envelope header when the room reaches Success. */
   ready: Deferred<EnvelopeHeader>;
   header?: EnvelopeHeader;
+  /** When KV_BEGIN arrived (ms), for pdserve_kv_transfer_seconds. */
+  tKvBegin?: number;
   /** What the worker is doing for the request right now (shown in /debug/rooms). */
   step: 'prealloc' | 'registering' | 'waiting_kv' | 'receiving' | 'loading' | 'decoding';
   t0: number;
@@ -91,6 +94,7 @@ export class DecodeWorker {
 
   async start(): Promise<void> {
     const c = this.config;
+    await sweepStaleStateFiles(c.stateDir, this.log);
     this.pool = new KvPeerPool({
       secret: c.secret,
       epoch: this.epoch,
@@ -191,6 +195,7 @@ export class DecodeWorker {
     this.metrics.roomsTerminal.inc({ state: KVPoll[state] });
     if (state === KVPoll.Success && job.header) {
       job.step = 'decoding';
+      if (job.tKvBegin) this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
       job.ready.resolve(job.header);
     } else {
       job.ac.abort();
@@ -274,6 +279,7 @@ export class DecodeWorker {
         }
         job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), got: 0 };
         job.step = 'receiving';
+        job.tKvBegin = Date.now();
         this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes });
         return;
       }

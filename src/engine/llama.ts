@@ -275,7 +275,7 @@ class Lease implements Slot {
       if (!Number.isInteger(t) || t < 0 || t >= nVocab) throw new EngineError('INVALID_TOKEN', `token ${t} is outside the vocabulary (${nVocab})`);
     }
     const seq = await this.ready();
-    if (seq.nextTokenIndex > 0) await seq.clearHistory();
+    if (seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
     const aborted = (): void => {
       if (signal.aborted) throw new EngineError('ABORTED', 'prefill aborted');
       this.check();
@@ -283,9 +283,11 @@ class Lease implements Slot {
     aborted();
     let i = 0;
     for (; i + batchSize < tokens.length; i += batchSize) {
+      await this.engine.gate();
       await seq.evaluateWithoutGeneratingNewTokens(tokens.slice(i, i + batchSize) as Token[]);
       aborted();
     }
+    await this.engine.gate();
     const last = tokens.slice(i) as Token[];
     let first: number | undefined;
     for await (const t of seq.evaluate(last, { ...samplerOptions(sampling), yieldEogToken: true })) {
@@ -320,12 +322,12 @@ class Lease implements Slot {
       }
       this.check();
       try {
-        await seq.loadStateFromFile(loadPath, { acceptRisk: true });
+        await this.engine.exclusive(() => seq.loadStateFromFile(loadPath, { acceptRisk: true }));
       } catch (err) {
         throw withLlamaLog(err, since);
       }
       if (!sameTokens(seq.contextTokens, promptTokens) || seq.nextTokenIndex !== promptTokens.length) {
-        await seq.clearHistory();
+        await this.engine.exclusive(() => seq.clearHistory());
         throw new KvError('BAD_STATE', 'bad sequence state: the loaded sequence does not hold the prompt');
       }
     } finally {
@@ -359,6 +361,8 @@ class Lease implements Slot {
     const it = seq.evaluate([firstToken as Token], { ...samplerOptions(sampling), yieldEogToken: true });
     try {
       for (;;) {
+        if (signal.aborted || this.released || this.engine.disposed) return 'abort';
+        await this.engine.gate();
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
         const n = await it.next();
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
@@ -445,13 +449,42 @@ class LlamaEngine implements Engine {
     return lease;
   }
 
+  /** Exclusive operations (state load, history clear) waiting for or holding the context lock. */
+  private exclusivePending = 0;
+  private gateWaiters: (() => void)[] = [];
+
+  /**
+   * Run `fn`, which needs node-llama-cpp's context lock (loadStateFromFile, clearHistory), while
+   * token generation and prompt chunks pause at their next boundary. node-llama-cpp's batch
+   * dispatcher keeps that lock for as long as any sequence has a decode queued, so without the
+   * pause a state load on a busy decode worker waits until every running stream has finished.
+   */
+  async exclusive<T>(fn: () => Promise<T>): Promise<T> {
+    this.exclusivePending++;
+    try {
+      return await fn();
+    } finally {
+      if (--this.exclusivePending === 0) {
+        const waiters = this.gateWaiters;
+        this.gateWaiters = [];
+        for (const w of waiters) w();
+      }
+    }
+  }
+
+  /** Resolves at once, or when no exclusive operation is pending any more. */
+  gate(): Promise<void> {
+    if (this.exclusivePending === 0) return Promise.resolve();
+    return new Promise((resolve) => this.gateWaiters.push(resolve));
+  }
+
   /** @internal called by Lease.release(): clear the history, then the slot is free again. */
   releaseHolder(holder: SeqHolder, lease: Lease): void {
     if (holder.lease !== lease) return;
     holder.lease = null;
     const prev = holder.pending;
     holder.pending = prev
-      .then(() => (this.disposed || holder.seq.disposed ? undefined : holder.seq.clearHistory()))
+      .then(() => (this.disposed || holder.seq.disposed ? undefined : this.exclusive(() => holder.seq.clearHistory())))
       .catch((err: unknown) => this.logSink?.('error', `clearHistory of slot ${holder.index} failed: ${String(err)}`));
     this.free.push(holder);
   }
@@ -464,6 +497,18 @@ class LlamaEngine implements Engine {
     await this.context.dispose();
     await this.model.dispose();
   }
+}
+
+/** Longest vocabulary piece in UTF-8 bytes (byte tokens "<0xNN>" count 1); 64 when unknown. */
+function maxPieceBytes(pieces: unknown[] | undefined): number {
+  if (!pieces?.length) return 64;
+  let max = 1;
+  for (const p of pieces) {
+    if (typeof p !== 'string' || /^<0x[0-9A-Fa-f]{2}>$/.test(p)) continue;
+    const n = Buffer.byteLength(p, 'utf8');
+    if (n > max) max = n;
+  }
+  return max;
 }
 
 /**
@@ -512,6 +557,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0) },
       sequences: opts.sequences,
       nVocab: tokensMeta?.length ?? 0,
+      maxTokenBytes: maxPieceBytes(tokensMeta),
       threads,
     };
     if (info.compat.contextSize !== opts.contextSize) {

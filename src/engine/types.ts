@@ -50,6 +50,12 @@ export interface EngineInfo {
   sequences: number;
   /** Vocabulary size. */
   nVocab: number;
+  /**
+   * Longest vocabulary piece in UTF-8 bytes (an over-estimate is safe): a text of B bytes has at
+   * least floor(B / maxTokenBytes) tokens, which lets a worker refuse a prompt that cannot fit
+   * the context without tokenizing it (tokenizing megabytes blocks the event loop).
+   */
+  maxTokenBytes: number;
   /** Threads used by llama.cpp. */
   threads: number;
 }

@@ -116,19 +116,19 @@ export class Cluster {
       const port = await freePort(h);
       const bootstrapPort = await freePort(h);
       const args = ['prefill', ...this.engineArgs(), '--host', h, '--port', String(port), '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h];
-      if (o.prefillSlots) args.push('--slots', String(o.prefillSlots));
+      if (o.prefillSlots !== undefined) args.push('--slots', String(o.prefillSlots));
       this.procs.push(this.proc('prefill', i, port, [...args, ...(o.extraArgs?.prefill ?? [])], bootstrapPort));
     }
     for (let i = 0; i < (o.decode ?? 1); i++) {
       const port = await freePort(h);
       const args = ['decode', ...this.engineArgs(), '--host', h, '--port', String(port)];
-      if (o.decodeSlots) args.push('--slots', String(o.decodeSlots));
+      if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
       this.procs.push(this.proc('decode', i, port, [...args, ...(o.extraArgs?.decode ?? [])]));
     }
     if (o.colocated) {
       const port = await freePort(h);
       const args = ['colocated', ...this.engineArgs(), '--host', h, '--port', String(port)];
-      if (o.decodeSlots) args.push('--slots', String(o.decodeSlots));
+      if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
       this.procs.push(this.proc('colocated', 0, port, [...args, ...(o.extraArgs?.colocated ?? [])]));
     }
     const workers = [...this.procs];

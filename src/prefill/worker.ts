@@ -17,6 +17,7 @@ import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
+import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
@@ -112,6 +113,7 @@ export class PrefillWorker {
 
   async start(): Promise<void> {
     const c = this.config;
+    await sweepStaleStateFiles(c.stateDir, this.log);
     this.kv = new KvServer({
       host: c.host === '0.0.0.0' ? '0.0.0.0' : c.host,
       port: c.bootstrapPort,
@@ -258,7 +260,7 @@ export class PrefillWorker {
     const sampling = samplingFromWire(body.sampling_params);
     const ctx = this.engine.info.compat.contextSize;
     if (tokens.length + sampling.maxTokens > ctx) {
-      return sendError(reply, new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', 'max_tokens'));
+      return sendError(reply, new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', tokens.length >= ctx ? 'prompt' : 'max_tokens'));
     }
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
