@@ -53,7 +53,8 @@ const engineOptions = (c: Command) =>
     .option('--model <file>', 'GGUF model file (default: the built-in tiny model, generated once into the cache)')
     .option('--threads <n>', 'llama.cpp threads of this process', int, 1)
     .option('--ctx-size <tokens>', 'context size per sequence, tokens', int, 2048)
-    .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512);
+    .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512)
+    .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false);
 
 const kvOptions = (c: Command) =>
   c
@@ -124,7 +125,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) return;
@@ -178,7 +179,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } },
           createLogger('prefill'),
         ),
       );
@@ -194,7 +195,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('decode', async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize } },
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } },
           createLogger('decode'),
         ),
       );
@@ -207,7 +208,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize } }, createLogger('colocated')));
+      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } }, createLogger('colocated')));
     });
 
   program
@@ -387,6 +388,8 @@ export async function runCli(argv: string[]): Promise<void> {
             threads: o.threads,
             ctxSize: o.ctxSize,
             batchSize: o.batchSize,
+            // The wrong-answer check needs batch-invariant engines to compare exactly.
+            deterministic: o.deterministic || o.verify > 0,
             decodeSlots: o.decodeSlots,
             abortRate: o.abortRate,
             killRate: o.killRate,

@@ -16,6 +16,8 @@ export const EngineConfigSchema = z.object({
   contextSize: z.number().int().min(16).max(1 << 20).default(2048),
   /** Prompt chunk size in tokens; abort is checked between chunks. */
   batchSize: z.number().int().min(1).max(1 << 16).default(512),
+  /** Batch-invariant inference: one sequence per llama.cpp decode call (see LoadEngineOptions.deterministic). */
+  deterministic: z.boolean().default(false),
 });
 
 export const TimeoutsSchema = z.object({

@@ -23,6 +23,7 @@ import {
   type LlamaContextSequence,
   type LlamaModel,
   type Token,
+  type CustomBatchingPrioritizationStrategy,
 } from 'node-llama-cpp';
 import { KvError } from '../kv/types.js';
 import { sha256File } from './gguf-writer.js';
@@ -44,8 +45,16 @@ export interface LoadEngineOptions {
   fingerprint?: string;
   /** Receives llama.cpp's log lines (level, message) — where the real failure reasons appear. */
   log?: (level: string, msg: string) => void;
-  /** Flash attention (changes numerics and the V layout: both PD sides must agree). Default false. */
+  /** Flash attention (changes numerics and the V layout: both PD sides must agree). Default true. */
   flashAttention?: boolean;
+  /**
+   * Deterministic (batch-invariant) inference, as SGLang's --enable-deterministic-inference and
+   * vLLM's batch-invariant mode: each llama.cpp decode call carries one sequence's tokens only,
+   * so a sequence's numbers never depend on what else is running. llama.cpp's CPU matmul sums
+   * in a different order for a batch of several rows than for one, which on a random-weight
+   * model flips greedy choices now and then. Costs the batching speed-up. Default false.
+   */
+  deterministic?: boolean;
   /** Folder for temporary re-framed state files (default /dev/shm, else the OS temp dir). */
   tmpDir?: string;
 }
@@ -499,6 +508,12 @@ class LlamaEngine implements Engine {
   }
 }
 
+/** Batch prioritization for deterministic mode: only the oldest queued item, up to the batch size. */
+const oneSequencePerBatch: CustomBatchingPrioritizationStrategy = ({ items, size }) => {
+  const first = items[0];
+  return first ? [{ item: first, processAmount: Math.min(first.tokens.length, size) }] : [];
+};
+
 /** Longest vocabulary piece in UTF-8 bytes (byte tokens "<0xNN>" count 1); 64 when unknown. */
 function maxPieceBytes(pieces: unknown[] | undefined): number {
   if (!pieces?.length) return 64;
@@ -544,6 +559,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
         threads,
         flashAttention: opts.flashAttention ?? true,
         failedCreationRemedy: false,
+        ...(opts.deterministic ? { batching: { itemPrioritizationStrategy: oneSequencePerBatch } } : {}),
       });
     } catch (err) {
       throw withLlamaLog(err, since);

@@ -26,6 +26,8 @@ export interface ClusterOptions {
   threads?: number;
   ctxSize?: number;
   batchSize?: number;
+  /** Batch-invariant inference in every engine (`--deterministic`). */
+  deterministic?: boolean;
   decodeSlots?: number;
   prefillSlots?: number;
   secret?: string;
@@ -106,6 +108,7 @@ export class Cluster {
     const a = ['--model', o.model, '--threads', String(o.threads ?? 1)];
     if (o.ctxSize) a.push('--ctx-size', String(o.ctxSize));
     if (o.batchSize) a.push('--batch-size', String(o.batchSize));
+    if (o.deterministic) a.push('--deterministic');
     return a;
   }
 

@@ -54,6 +54,11 @@ export interface StormOptions {
   threads: number;
   ctxSize: number;
   batchSize: number;
+  /**
+   * Self-hosted: batch-invariant engines (`--deterministic`), so the wrong-answer check compares
+   * exactly; without it llama.cpp's batched float sums can flip a greedy token now and then.
+   */
+  deterministic: boolean;
   decodeSlots: number;
   abortRate: number;
   killRate: number;
@@ -97,6 +102,7 @@ export const STORM_DEFAULTS: StormOptions = {
   threads: 1,
   ctxSize: 2048,
   batchSize: 512,
+  deterministic: true,
   decodeSlots: 8,
   abortRate: 0.3,
   killRate: 0.05,
@@ -225,6 +231,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       threads: o.threads,
       ctxSize: o.ctxSize,
       batchSize: o.batchSize,
+      deterministic: o.deterministic,
       decodeSlots: o.decodeSlots,
       logDir,
       colocated: o.verify > 0,

@@ -18,7 +18,9 @@ export async function tinyModel(): Promise<string> {
 /** Start a cluster with the colocated reference; logs go to a temp folder (printed on failure). */
 export async function startStack(over: Partial<ClusterOptions> = {}): Promise<Cluster> {
   const logDir = mkdtempSync(join(tmpdir(), 'pdserve-test-'));
-  const c = new Cluster({ model: await tinyModel(), prefill: 1, decode: 1, ctxSize: CTX, batchSize: 128, decodeSlots: 8, colocated: true, logDir, ...over });
+  // Deterministic (batch-invariant) engines: greedy PD output must equal colocated output
+  // token for token whatever else is running.
+  const c = new Cluster({ model: await tinyModel(), prefill: 1, decode: 1, ctxSize: CTX, batchSize: 128, decodeSlots: 8, colocated: true, deterministic: true, logDir, ...over });
   try {
     await c.start();
   } catch (err) {
