@@ -321,7 +321,7 @@ export class DecodeWorker {
   }
 
   private onPeerLost(conn: PeerConn, reason: string): void {
-    const rooms = [...this.jobs.values()].filter((j) => j.conn === conn || (!j.conn && false)).map((j) => j.room);
+    const rooms = [...this.jobs.values()].filter((j) => j.conn === conn).map((j) => j.room);
     for (const room of rooms) this.apply(room, { t: 'peer_lost', reason: `peer_lost: ${reason}` });
   }
 
