@@ -27,6 +27,13 @@ export const WorkerSamplingSchema = z.object({
   ignore_eos: z.boolean().default(false),
 });
 
+/** Canonical room id of an abort_request's `bootstrap_room` (string or number), or undefined when absent or invalid. */
+export function canonicalRoom(v: unknown): string | undefined {
+  if ((typeof v !== 'string' || !/^\d{1,20}$/.test(v)) && !(typeof v === 'number' && Number.isSafeInteger(v) && v >= 0)) return undefined;
+  const n = BigInt(v);
+  return n < 1n << 64n ? n.toString() : undefined;
+}
+
 /** Body of POST /generate (router → prefill and decode). Exactly one of text, input_ids, messages. */
 export const GenerateRequestSchema = z
   .object({

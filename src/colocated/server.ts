@@ -8,7 +8,7 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { ColocatedConfigSchema, parseConfig, type ColocatedConfig } from '../common/config.js';
-import { createWorkerApp, onClientGone } from '../common/http.js';
+import { createWorkerApp, listenUrl, onClientGone } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
@@ -34,11 +34,10 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   const app = createWorkerApp({
     log,
     registry: metrics.registry,
+    modelName: engine.info.modelName,
     health: () => ({ role: 'colocated', model: engine.info.modelName, fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
     debugRooms: () => ({ role: 'colocated', live: [], recent: [] }),
   });
-  const created = Math.floor(Date.now() / 1000);
-  app.get('/v1/models', async () => ({ object: 'list', data: [{ id: engine.info.modelName, object: 'model', owned_by: 'pdserve', created }] }));
 
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
@@ -85,9 +84,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
-  await app.listen({ host: config.host, port: config.port });
-  const addr = app.server.address();
-  const url = `http://${config.host}:${typeof addr === 'object' && addr ? addr.port : config.port}`;
+  const url = await listenUrl(app, config.host, config.port);
   log.info({ url }, 'colocated server ready');
   return {
     url,

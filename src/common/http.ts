@@ -16,6 +16,8 @@ export interface WorkerAppOptions {
   health(): Record<string, unknown>;
   /** Body of GET /debug/rooms. */
   debugRooms(): unknown;
+  /** Name listed by GET /v1/models. */
+  modelName: string;
   /** Largest request body, bytes. */
   bodyLimit?: number;
 }
@@ -30,8 +32,17 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
     return o.registry.metrics();
   });
   app.get('/debug/rooms', async () => o.debugRooms());
+  const created = Math.floor(Date.now() / 1000);
+  app.get('/v1/models', async () => ({ object: 'list', data: [{ id: o.modelName, object: 'model', owned_by: 'pdserve', created }] }));
   registerHoldRoute(app);
   return app;
+}
+
+/** Listen on host:port (0 = any free port); returns the base URL with the real port. */
+export async function listenUrl(app: FastifyInstance, host: string, port: number): Promise<string> {
+  await app.listen({ host, port });
+  const addr = app.server.address();
+  return `http://${host}:${typeof addr === 'object' && addr ? addr.port : port}`;
 }
 
 /** Send an OpenAI error body; if the response has already started, just end it. */

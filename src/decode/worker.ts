@@ -11,10 +11,10 @@
 import { rm, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
-import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
+import { canonicalRoom, GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
 import { ApiError, toApiError } from '../common/errors.js';
-import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
+import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
@@ -108,6 +108,7 @@ export class DecodeWorker {
     this.app = createWorkerApp({
       log: this.log,
       registry: this.metrics.registry,
+      modelName: this.engine.info.modelName,
       health: () => ({
         role: 'decode',
         model: this.engine.info.modelName,
@@ -127,14 +128,11 @@ export class DecodeWorker {
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
       const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      const id = b.bootstrap_room !== undefined ? String(b.bootstrap_room) : typeof b.rid === 'string' ? this.byRid.get(b.rid) : undefined;
+      const id = canonicalRoom(b.bootstrap_room) ?? (typeof b.rid === 'string' ? this.byRid.get(b.rid) : undefined);
       if (id) this.abort(id, 'router');
       return { ok: true };
     });
-    this.app.get('/v1/models', async () => ({ object: 'list', data: [{ id: this.engine.info.modelName, object: 'model', owned_by: 'pdserve', created: 0 }] }));
-    await this.app.listen({ host: c.host, port: c.port });
-    const addr = this.app.server.address();
-    this.url = `http://${c.host}:${typeof addr === 'object' && addr ? addr.port : c.port}`;
+    this.url = await listenUrl(this.app, c.host, c.port);
     this.watchdog = setInterval(() => this.run(this.rooms.tick(Date.now())), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');

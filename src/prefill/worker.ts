@@ -12,10 +12,10 @@
 import { readFile, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
-import { GenerateRequestSchema, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
+import { canonicalRoom, GenerateRequestSchema, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
 import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
 import { ApiError, toApiError } from '../common/errors.js';
-import { createWorkerApp, deferred, onClientGone, sendError, type Deferred } from '../common/http.js';
+import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
@@ -128,6 +128,7 @@ export class PrefillWorker {
     this.app = createWorkerApp({
       log: this.log,
       registry: this.metrics.registry,
+      modelName: this.engine.info.modelName,
       health: () => ({
         role: 'prefill',
         model: this.engine.info.modelName,
@@ -148,14 +149,10 @@ export class PrefillWorker {
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
       const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      this.abort(typeof b.rid === 'string' ? b.rid : undefined, b.bootstrap_room === undefined ? undefined : String(b.bootstrap_room), 'router');
+      this.abort(typeof b.rid === 'string' ? b.rid : undefined, canonicalRoom(b.bootstrap_room), 'router');
       return { ok: true };
     });
-    this.app.get('/v1/models', async () => ({ object: 'list', data: [{ id: this.engine.info.modelName, object: 'model', owned_by: 'pdserve', created: 0 }] }));
-    await this.app.listen({ host: c.host, port: c.port });
-    const addr = this.app.server.address();
-    const port = typeof addr === 'object' && addr ? addr.port : c.port;
-    this.url = `http://${c.host}:${port}`;
+    this.url = await listenUrl(this.app, c.host, c.port);
     this.watchdog = setInterval(() => this.tick(), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
