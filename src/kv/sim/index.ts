@@ -126,9 +126,20 @@ export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOpt
  * was found, 1 otherwise (for `--legacy`, 1 means the bug was reproduced), 2 on bad flags.
  */
 export function simMain(argv: string[], out: (line: string) => void = (l) => console.log(l)): number {
+  if (argv.includes('--help') || argv.includes('-h')) {
+    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--legacy [--all]] [--verbose]');
+    out('  runs the room lifecycle under a deterministic simulator (faulty network, crashes, aborts);');
+    out('  exit 0 = no violation, 1 = violations (with --legacy: the wedge was reproduced), 2 = bad flags');
+    return 0;
+  }
+  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'legacy', 'verbose', 'all']);
   const args = new Map<string, string | true>();
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i]!;
+    if (a.startsWith('--') && !known.has(a.slice(2).split('=', 1)[0]!)) {
+      out(`pdserve sim: unknown flag ${a} (see pdserve sim --help)`);
+      return 2;
+    }
     if (!a.startsWith('--')) {
       out(`pdserve sim: unexpected argument ${a}`);
       return 2;
