@@ -115,7 +115,7 @@ export class PrefillWorker {
     const c = this.config;
     await sweepStaleStateFiles(c.stateDir, this.log);
     this.kv = new KvServer({
-      host: c.host === '0.0.0.0' ? '0.0.0.0' : c.host,
+      host: c.host,
       port: c.bootstrapPort,
       secret: c.secret,
       epoch: this.epoch,
