@@ -10,7 +10,8 @@
  */
 import { z, ZodError, type ZodIssue } from 'zod';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import type { GenerateEvent, GenerateRequest } from './worker-protocol.js';
+import { checkRequestBounds, MAX_MESSAGES, type GenerateEvent, type GenerateRequest } from './worker-protocol.js';
+import type { RoomId } from '../common/room-id.js';
 import type { ChatMessage } from '../engine/types.js';
 import { ApiError, toApiError as commonToApiError, type ApiErrorType } from '../common/errors.js';
 
@@ -310,6 +311,8 @@ function flattenContent(c: ChatBody['messages'][number]['content']): string {
  * @throws ApiError 400 naming the offending field.
  */
 export function parseChatRequest(body: unknown): ParsedChatRequest {
+  const tooLarge = checkRequestBounds(body, { maxMessages: MAX_MESSAGES, maxPromptTokens: Infinity });
+  if (tooLarge) throw tooLarge;
   const r = ChatBodySchema.safeParse(body);
   if (!r.success) throw zodToApiError(r.error);
   const b = r.data;
@@ -323,8 +326,8 @@ export interface WorkerRouting {
   rid: string;
   bootstrapHost: string;
   bootstrapPort: number;
-  /** Random 63-bit room id, decimal string. */
-  bootstrapRoom: string;
+  /** Random 63-bit room id (common/room-id.ts newRoomId). */
+  bootstrapRoom: RoomId;
 }
 
 /**

@@ -9,6 +9,8 @@
  * `POST /abort_request {rid}` cancels on either worker (idempotent, 200 even when unknown).
  */
 import { z } from 'zod';
+import { ApiError } from '../common/errors.js';
+import { parseRoomId, type RoomId } from '../common/room-id.js';
 
 export const ChatMessageSchema = z.object({
   role: z.enum(['system', 'user', 'assistant', 'developer', 'tool']),
@@ -27,11 +29,28 @@ export const WorkerSamplingSchema = z.object({
   ignore_eos: z.boolean().default(false),
 });
 
-/** Canonical room id of an abort_request's `bootstrap_room` (string or number), or undefined when absent or invalid. */
-export function canonicalRoom(v: unknown): string | undefined {
-  if ((typeof v !== 'string' || !/^\d{1,20}$/.test(v)) && !(typeof v === 'number' && Number.isSafeInteger(v) && v >= 0)) return undefined;
-  const n = BigInt(v);
-  return n < 1n << 64n ? n.toString() : undefined;
+/**
+ * Bounds on request-controlled counts, checked on the raw JSON BEFORE any per-item work (zod
+ * parsing, chat templating, tokenizing): a 4 MB body of 250k empty messages must cost O(1), not
+ * seconds of event loop (long enough for KV peers to declare this process lost).
+ */
+export const MAX_MESSAGES = 4096;
+
+/**
+ * O(1) pre-check of a raw request body's array lengths against `limits` (messages, input_ids —
+ * input_ids longer than the context cannot fit anyway). Returns the 400 to answer, or undefined.
+ * Runs before zod: zod walks every element.
+ */
+export function checkRequestBounds(raw: unknown, limits: { maxMessages: number; maxPromptTokens: number }): ApiError | undefined {
+  if (!raw || typeof raw !== 'object') return undefined;
+  const b = raw as { messages?: unknown; input_ids?: unknown };
+  if (Array.isArray(b.messages) && b.messages.length > limits.maxMessages) {
+    return ApiError.of('request_too_large', `messages has ${b.messages.length} entries; at most ${limits.maxMessages} are accepted`, 'messages');
+  }
+  if (Array.isArray(b.input_ids) && b.input_ids.length > limits.maxPromptTokens) {
+    return ApiError.of('context_length_exceeded', `input_ids has ${b.input_ids.length} tokens; the context holds ${limits.maxPromptTokens}`, 'input_ids');
+  }
+  return undefined;
 }
 
 /** Body of POST /generate (router → prefill and decode). Exactly one of text, input_ids, messages. */
@@ -40,17 +59,20 @@ export const GenerateRequestSchema = z
     rid: z.string().min(1).max(128),
     text: z.string().optional(),
     input_ids: z.array(z.number().int().min(0)).optional(),
-    messages: z.array(ChatMessageSchema).optional(),
+    messages: z.array(ChatMessageSchema).max(MAX_MESSAGES).optional(),
     sampling_params: WorkerSamplingSchema.default({}),
     stream: z.boolean().default(true),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
-    /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised ("007" → "7"). */
-    bootstrap_room: z
-      .union([z.string().regex(/^\d{1,20}$/), z.number().int().min(0).max(Number.MAX_SAFE_INTEGER)])
-      .transform((v) => BigInt(v))
-      .refine((v) => v < 1n << 64n, 'bootstrap_room must fit in 64 bits')
-      .transform((v) => v.toString()),
+    /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */
+    bootstrap_room: z.union([z.string(), z.number()]).transform((v, ctx): RoomId => {
+      const id = parseRoomId(v);
+      if (id === undefined) {
+        ctx.addIssue({ code: z.ZodIssueCode.custom, message: 'bootstrap_room must be a decimal u64 (string or safe integer)' });
+        return z.NEVER;
+      }
+      return id;
+    }),
   })
   .refine((b) => [b.text, b.input_ids, b.messages].filter((x) => x !== undefined).length === 1, {
     message: 'exactly one of text, input_ids, messages is required',

@@ -54,7 +54,8 @@ const engineOptions = (c: Command) =>
     .option('--threads <n>', 'llama.cpp threads of this process', int, 1)
     .option('--ctx-size <tokens>', 'context size per sequence, tokens', int, 2048)
     .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512)
-    .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false);
+    .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false)
+    .option('--no-flash-attention', 'turn llama.cpp flash attention off (prefill and decode must agree)');
 
 const kvOptions = (c: Command) =>
   c
@@ -179,7 +180,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } },
           createLogger('prefill'),
         ),
       );
@@ -195,7 +196,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('decode', async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } },
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } },
           createLogger('decode'),
         ),
       );
@@ -208,7 +209,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } }, createLogger('colocated')));
+      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } }, createLogger('colocated')));
     });
 
   program

@@ -6,7 +6,7 @@
  */
 import type { GenerateEvent, GenerateRequest } from '../api/worker-protocol.js';
 import { ApiError } from '../common/errors.js';
-import { samplingFromWire, tokenizeRequest } from '../common/requests.js';
+import { samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
 
 export interface ColocatedLimits {

@@ -3,12 +3,13 @@
  * in one llama.cpp context — no disaggregation. Same request schemas, same response builders
  * and the same engine calls as PD, so greedy outputs can be compared token for token.
  */
+import { newRoomId } from '../common/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { ColocatedConfigSchema, parseConfig, type ColocatedConfig } from '../common/config.js';
-import { createWorkerApp, listenUrl, onClientGone } from '../common/http.js';
+import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
@@ -42,7 +43,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
     const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
-    const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: '0' });
+    const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });
     const ac = new AbortController();
     const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
     const off = onClientGone(reply, () => ac.abort());

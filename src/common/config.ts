@@ -18,6 +18,8 @@ export const EngineConfigSchema = z.object({
   batchSize: z.number().int().min(1).max(1 << 16).default(512),
   /** Batch-invariant inference: one sequence per llama.cpp decode call (see LoadEngineOptions.deterministic). */
   deterministic: z.boolean().default(false),
+  /** llama.cpp flash attention; prefill and decode must agree (checked in the KV handshake). */
+  flashAttention: z.boolean().default(true),
 });
 
 export const TimeoutsSchema = z.object({

@@ -1,9 +1,144 @@
 /**
- * Errors that cross the HTTP boundary: each has a stable `code` (matched by callers and tests),
- * the HTTP status it maps to, and an OpenAI error `type`.
+ * pdserve's one error model, in the style of undici's `lib/core/errors.js`: every failure has a
+ * stable string `code` that callers and tests switch on (never the message text), and ONE table
+ * maps each code to its HTTP status, its OpenAI error `type` and whether the client or the
+ * system caused it. This module is a leaf: it imports nothing from the project, so every layer
+ * (engine, kv, api, the workers, the router) can use it without an upward import.
+ *
+ * Three shapes carry a code:
+ *  - `PdError` — thrown inside a process (engine, KV channel, envelope, state parser);
+ *  - `RoomFailure` — `{code, detail}`, why a KV room failed (the lifecycle core keeps the first
+ *    one; it travels to the peer in the wire `fail` message);
+ *  - `ApiError` — what crosses HTTP, rendered as an OpenAI error body.
  */
+
 export type ApiErrorType = 'invalid_request_error' | 'server_error' | 'timeout_error' | 'overloaded_error' | 'not_found_error';
 
+/** Who caused a failure: the request/its client (4xx, a cancel) or the system (5xx, a fault). */
+export type ErrorCause = 'client' | 'system';
+
+/** One row of the code table. */
+export interface CodeSpec {
+  /** HTTP status the code is answered with. */
+  status: number;
+  type: ApiErrorType;
+  cause: ErrorCause;
+}
+
+const c = (status: number, type: ApiErrorType, cause: ErrorCause): CodeSpec => ({ status, type, cause });
+const CLIENT_400 = c(400, 'invalid_request_error', 'client');
+const BAD_GATEWAY = c(502, 'server_error', 'system');
+
+/**
+ * THE code → status table. Every code a pdserve process answers with over HTTP, or records as a
+ * room failure, is here; `test/unit/errors.test.ts` checks that every `new ApiError(status,
+ * 'code', …)` in the sources agrees with it. Codes are never reused for another meaning.
+ */
+export const ERROR_CODES = {
+  // -- client-caused: the request itself or its client --------------------------------------
+  invalid_request: CLIENT_400,
+  invalid_value: CLIENT_400,
+  invalid_type: CLIENT_400,
+  missing_required_parameter: CLIENT_400,
+  invalid_json: CLIENT_400,
+  unsupported_media_type: CLIENT_400,
+  invalid_content_length: CLIENT_400,
+  context_length_exceeded: CLIENT_400,
+  /** A request-controlled count (messages, input_ids) over its bound, refused before per-item work. */
+  request_too_large: CLIENT_400,
+  empty_prompt: CLIENT_400,
+  invalid_token: CLIENT_400,
+  /** A second live request with the same `rid` on one worker (vLLM answers 400 too). */
+  duplicate_rid: CLIENT_400,
+  /** A second live room with the same bootstrap_room on one worker. */
+  duplicate_room: c(409, 'invalid_request_error', 'client'),
+  body_too_large: c(413, 'invalid_request_error', 'client'),
+  not_found: c(404, 'not_found_error', 'client'),
+  /** The request was cancelled by its client, or by the router on the client's behalf. */
+  request_aborted: c(499, 'invalid_request_error', 'client'),
+  client_closed_request: c(499, 'invalid_request_error', 'client'),
+  // -- system faults ---------------------------------------------------------------------------
+  internal_error: c(500, 'server_error', 'system'),
+  /** The engine (llama.cpp) failed evaluating, saving or loading a sequence. */
+  engine_failed: c(500, 'server_error', 'system'),
+  generation_aborted: c(500, 'server_error', 'system'),
+  /** The KV transfer broke: connection gone mid-send, chunk out of place, bad announced size. */
+  kv_transfer_failed: BAD_GATEWAY,
+  /** The received KV state failed validation (envelope, checksum, ggsq walk). */
+  bad_state: BAD_GATEWAY,
+  /** The KV connection to the room's peer closed or went silent. */
+  peer_lost: BAD_GATEWAY,
+  /** Decode could not open (or authenticate) a KV connection to the room's prefill. */
+  peer_unreachable: BAD_GATEWAY,
+  /** The peer refused the room's registration (unknown room, registered elsewhere, too many pending). */
+  registration_refused: BAD_GATEWAY,
+  /** Prefill and decode were started with different model or context settings: they never pair. */
+  settings_mismatch: BAD_GATEWAY,
+  bad_worker_event: BAD_GATEWAY,
+  decode_stream_truncated: BAD_GATEWAY,
+  prefill_unreachable: BAD_GATEWAY,
+  decode_unreachable: BAD_GATEWAY,
+  prefill_failed: BAD_GATEWAY,
+  decode_failed: BAD_GATEWAY,
+  queue_full: c(503, 'overloaded_error', 'system'),
+  queue_timeout: c(503, 'overloaded_error', 'system'),
+  shutting_down: c(503, 'server_error', 'system'),
+  no_healthy_prefill: c(503, 'server_error', 'system'),
+  no_healthy_decode: c(503, 'server_error', 'system'),
+  /** Healthy prefill and decode workers exist, but no pair shares the same settings. */
+  no_compatible_pair: c(503, 'server_error', 'system'),
+  /** A room phase's deadline passed (watchdog). */
+  room_deadline_expired: c(504, 'timeout_error', 'system'),
+  timeout: c(504, 'timeout_error', 'system'),
+} as const satisfies Record<string, CodeSpec>;
+
+export type ErrorCode = keyof typeof ERROR_CODES;
+
+/** True when `code` is in the table. */
+export function isErrorCode(code: unknown): code is ErrorCode {
+  return typeof code === 'string' && Object.prototype.hasOwnProperty.call(ERROR_CODES, code);
+}
+
+/** The table row of `code`; unknown codes are system faults answered 500. */
+export function codeSpec(code: string): CodeSpec {
+  return isErrorCode(code) ? ERROR_CODES[code] : ERROR_CODES.internal_error;
+}
+
+/** Whether the client (4xx, cancel) or the system (5xx) caused a failure with this code. */
+export function causeOf(code: string): ErrorCause {
+  return codeSpec(code).cause;
+}
+
+/**
+ * Why a KV room failed: a stable code and a human detail. The lifecycle core keeps the first one
+ * (first failure wins); the wire `fail` message carries both to the peer.
+ */
+export interface RoomFailure {
+  code: ErrorCode;
+  detail: string;
+}
+
+/** Build a RoomFailure. */
+export const failure = (code: ErrorCode, detail: string): RoomFailure => ({ code, detail });
+
+/** "code: detail", for logs and timelines. */
+export const failureText = (f: RoomFailure): string => `${f.code}: ${f.detail}`;
+
+/**
+ * Base class of errors thrown inside pdserve processes (undici's `UndiciError`): `code` is the
+ * stable identity, `message` is for humans.
+ */
+export class PdError extends Error {
+  constructor(
+    public readonly code: string,
+    message: string,
+  ) {
+    super(message);
+    this.name = 'PdError';
+  }
+}
+
+/** Errors that cross the HTTP boundary: a code from the table, its status and OpenAI `type`. */
 export class ApiError extends Error {
   constructor(
     public readonly status: number,
@@ -16,30 +151,54 @@ export class ApiError extends Error {
     this.name = 'ApiError';
   }
 
+  /** An ApiError whose status and type come from the code table. */
+  static of(code: ErrorCode, message: string, param: string | null = null): ApiError {
+    const s = ERROR_CODES[code];
+    return new ApiError(s.status, code, message, s.type, param);
+  }
+
+  /** The room failure as the HTTP error the worker answers with. */
+  static fromFailure(f: RoomFailure): ApiError {
+    return ApiError.of(f.code, f.detail);
+  }
+
   /** OpenAI error body: {error: {message, type, param, code}}. */
   toBody(): { error: { message: string; type: string; param: string | null; code: string } } {
     return { error: { message: this.message, type: this.type, param: this.param, code: this.code } };
   }
 }
 
-/** Map any thrown value to an ApiError (unknown errors become 500 internal_error). */
+/**
+ * Codes thrown inside processes (PdError and its subclasses: the engine's, the KV channel's, the
+ * state parser's) → the table's code they are answered with.
+ */
+const INTERNAL_TO_API: Readonly<Record<string, ErrorCode>> = {
+  PROMPT_TOO_LONG: 'context_length_exceeded',
+  EMPTY_PROMPT: 'empty_prompt',
+  INVALID_TOKEN: 'invalid_token',
+  DUPLICATE_ROOM: 'duplicate_room',
+  ABORTED: 'request_aborted',
+  TIMEOUT: 'timeout',
+  QUEUE_FULL: 'queue_full',
+  BAD_STATE: 'bad_state',
+  BAD_ENVELOPE: 'bad_state',
+  PEER_LOST: 'peer_lost',
+  AUTH_FAILED: 'peer_unreachable',
+  SETTINGS_MISMATCH: 'settings_mismatch',
+};
+
+/** The table code of any thrown value (ApiError/PdError codes mapped; anything else internal_error). */
+export function errorCodeOf(err: unknown): ErrorCode {
+  const code = (err as { code?: unknown })?.code;
+  if (typeof code !== 'string') return 'internal_error';
+  if (isErrorCode(code)) return code;
+  return INTERNAL_TO_API[code] ?? 'internal_error';
+}
+
+/** Map any thrown value to an ApiError through the table (unknown errors become 500 internal_error). */
 export function toApiError(err: unknown): ApiError {
   if (err instanceof ApiError) return err;
-  const e = err as { code?: unknown; message?: unknown };
-  const code = typeof e?.code === 'string' ? e.code : 'internal_error';
-  const message = typeof e?.message === 'string' ? e.message : String(err);
-  switch (code) {
-    case 'PROMPT_TOO_LONG':
-      return new ApiError(400, 'context_length_exceeded', message, 'invalid_request_error', 'prompt');
-    case 'DUPLICATE_ROOM':
-      return new ApiError(409, 'duplicate_room', message);
-    case 'ABORTED':
-      return new ApiError(499, 'request_aborted', message, 'invalid_request_error');
-    case 'TIMEOUT':
-      return new ApiError(504, 'timeout', message, 'timeout_error');
-    case 'QUEUE_FULL':
-      return new ApiError(503, 'queue_full', message, 'overloaded_error');
-    default:
-      return new ApiError(500, code.toLowerCase(), message, 'server_error');
-  }
+  const message = typeof (err as { message?: unknown })?.message === 'string' ? (err as Error).message : String(err);
+  const param = (err as { code?: unknown })?.code === 'PROMPT_TOO_LONG' ? 'prompt' : null;
+  return ApiError.of(errorCodeOf(err), message, param);
 }

@@ -5,6 +5,7 @@
  */
 import client from 'prom-client';
 import type { RoomTable } from '../kv/lifecycle.js';
+import { causeOf, type RoomFailure } from './errors.js';
 import { KVPoll, type Effect, type Role } from '../kv/types.js';
 import type { Logger } from './log.js';
 
@@ -25,8 +26,10 @@ export class WorkerMetrics {
   readonly kvBytes: client.Counter;
   readonly kvSeconds: client.Histogram;
   readonly illegal: client.Counter<'from' | 'to'>;
+  readonly late: client.Counter<'event' | 'state'>;
+  readonly roomsCancelled: client.Counter<'code'>;
   readonly expired: client.Counter<'role' | 'state'>;
-  readonly roomsTerminal: client.Counter<'state'>;
+  readonly roomsTerminal: client.Counter<'state' | 'cause'>;
 
   constructor(readonly role: Role | 'colocated', sources: WorkerMetricSources) {
     const registers = [this.registry];
@@ -54,13 +57,15 @@ export class WorkerMetrics {
         }
       },
     });
-    this.kvTransferFailed = new client.Counter({ name: 'pdserve_kv_transfer_failed_total', help: 'Rooms that failed after registration, by reason', labelNames: ['reason'], registers });
-    this.bootstrapFailed = new client.Counter({ name: 'pdserve_bootstrap_failed_total', help: 'Rooms that failed before registration completed, by reason', labelNames: ['reason'], registers });
+    this.kvTransferFailed = new client.Counter({ name: 'pdserve_kv_transfer_failed_total', help: 'Rooms that failed after registration by a system fault, by error code (client cancels are in pdserve_rooms_cancelled_total)', labelNames: ['reason'], registers });
+    this.bootstrapFailed = new client.Counter({ name: 'pdserve_bootstrap_failed_total', help: 'Rooms that failed before registration completed by a system fault, by error code (client cancels are in pdserve_rooms_cancelled_total)', labelNames: ['reason'], registers });
+    this.roomsCancelled = new client.Counter({ name: 'pdserve_rooms_cancelled_total', help: 'Rooms failed by their client (abort, bad request such as a prompt over the context): not a worker fault, by error code', labelNames: ['code'], registers });
     this.kvBytes = new client.Counter({ name: 'pdserve_kv_transfer_bytes_total', help: 'KV state bytes sent (prefill) or received (decode)', registers });
     this.kvSeconds = new client.Histogram({ name: 'pdserve_kv_transfer_seconds', help: 'Time from kv_begin to the room reaching Success', buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], registers });
-    this.illegal = new client.Counter({ name: 'pdserve_illegal_transitions_total', help: 'Room state writes refused by the transition function', labelNames: ['from', 'to'], registers });
+    this.illegal = new client.Counter({ name: 'pdserve_illegal_transitions_total', help: 'Room state writes refused as protocol violations (0 in a healthy cluster)', labelNames: ['from', 'to'], registers });
+    this.late = new client.Counter({ name: 'pdserve_room_late_events_total', help: 'Benign races: events (an ack, a completion) that reached a room already Failed, refused without harm', labelNames: ['event', 'state'], registers });
     this.expired = new client.Counter({ name: 'pdserve_room_deadline_expired_total', help: 'Rooms failed by the watchdog', labelNames: ['role', 'state'], registers });
-    this.roomsTerminal = new client.Counter({ name: 'pdserve_rooms_terminal_total', help: 'Rooms that reached a terminal state', labelNames: ['state'], registers });
+    this.roomsTerminal = new client.Counter({ name: 'pdserve_rooms_terminal_total', help: 'Rooms that reached a terminal state, by state and cause (none | client | system)', labelNames: ['state', 'cause'], registers });
     if (sources.channel) {
       const read = sources.channel;
       // Monotonic counters kept by the KV channel, mirrored at scrape time.
@@ -77,20 +82,31 @@ export class WorkerMetrics {
     }
   }
 
-  /** Count and log the core's diagnostic effects (`illegal`, `expired`); other effects are ignored. */
+  /**
+   * Count a room's terminal outcome once: pdserve_rooms_terminal_total{state,cause}; a client-caused
+   * failure in pdserve_rooms_cancelled_total{code}; a system fault in kv_transfer_failed (after
+   * registration) or bootstrap_failed (before), labelled by its error code.
+   */
+  recordTerminal(state: KVPoll, f: RoomFailure | undefined, registered: boolean): void {
+    const cause = f ? causeOf(f.code) : 'none';
+    this.roomsTerminal.inc({ state: KVPoll[state], cause });
+    if (!f) return;
+    if (cause === 'client') this.roomsCancelled.inc({ code: f.code });
+    else (registered ? this.kvTransferFailed : this.bootstrapFailed).inc({ reason: f.code });
+  }
+
+  /** Count and log the core's diagnostic effects (`illegal`, `late`, `expired`); other effects are ignored. */
   recordDiagnostic(e: Effect, log: Logger): void {
-    if (e.t === 'illegal') {
+    if (e.t === 'late') {
+      this.late.inc({ event: e.event, state: KVPoll[e.state] });
+      log.debug({ room: e.room, event: e.event, state: KVPoll[e.state] }, 'late event on a failed room (benign race) refused');
+    } else if (e.t === 'illegal') {
       this.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
       log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');
     } else if (e.t === 'expired') {
       this.expired.inc({ role: this.role, state: KVPoll[e.state] });
       log.warn({ room: e.room, state: KVPoll[e.state], phase: e.phase, timeline: e.timeline }, 'room deadline expired');
     }
-  }
-
-  /** Reason label, bounded in cardinality: the part before the first ':' (e.g. 'deadline'). */
-  static reasonLabel(reason: string): string {
-    return reason.split(':')[0]!.slice(0, 40);
   }
 }
 

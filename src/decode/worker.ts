@@ -11,15 +11,18 @@
 import { rm, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
-import { canonicalRoom, GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
+import { zodToApiError } from '../api/openai.js';
+import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
-import { ApiError, toApiError } from '../common/errors.js';
-import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
+import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
+import { pairSettingsOf } from '../common/pair.js';
+import { parseRoomId } from '../common/room-id.js';
+import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
-import { samplingFromWire } from '../common/requests.js';
+import { samplingFromWire } from '../api/requests.js';
 import { loadEngine } from '../engine/index.js';
 import { parseStateFile } from '../engine/ggsq.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
@@ -27,9 +30,8 @@ import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { decodeEnvelope } from '../kv/envelope.js';
 import { RoomTable } from '../kv/lifecycle.js';
-import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
+import { failureFromWire, type ControlMsg, type EnvelopeHeader } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
-import { failureToApiError, zodToApiError } from '../prefill/worker.js';
 
 interface Job {
   room: RoomId;
@@ -98,6 +100,7 @@ export class DecodeWorker {
     this.pool = new KvPeerPool({
       secret: c.secret,
       epoch: this.epoch,
+      settings: pairSettingsOf(this.engine.info),
       heartbeatMs: c.heartbeatMs,
       connectTimeoutMs: c.connectTimeoutMs,
       log: this.log.child({ part: 'kv' }),
@@ -113,6 +116,7 @@ export class DecodeWorker {
         role: 'decode',
         model: this.engine.info.modelName,
         fingerprint: this.engine.info.fingerprint,
+        settings: pairSettingsOf(this.engine.info),
         epoch: this.epoch,
         slots: this.engine.info.sequences,
         slots_free: this.engine.slotsFree(),
@@ -128,7 +132,7 @@ export class DecodeWorker {
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
       const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      const id = canonicalRoom(b.bootstrap_room) ?? (typeof b.rid === 'string' ? this.byRid.get(b.rid) : undefined);
+      const id = parseRoomId(b.bootstrap_room) ?? (typeof b.rid === 'string' ? this.byRid.get(b.rid) : undefined);
       if (id) this.abort(id, 'router');
       return { ok: true };
     });
@@ -142,7 +146,7 @@ export class DecodeWorker {
   async close(): Promise<void> {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
-    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', reason: 'shutdown' });
+    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', failure: failure('shutting_down', 'decode worker shutting down') });
     for (const j of this.jobs.values()) j.ac.abort();
     await this.app?.close().catch(() => {});
     await this.pool?.close();
@@ -168,13 +172,14 @@ export class DecodeWorker {
         }
         case 'notify_peer': {
           const job = this.jobs.get(e.room);
-          job?.conn?.sendControl({ type: 'fail', room: e.room, reason: e.reason, epoch: this.epoch });
+          if (job) this.tellPrefill(job, e.room, e.failure);
           break;
         }
         case 'terminal':
-          this.finish(e.room, e.state, e.reason);
+          this.finish(e.room, e.state, e.failure);
           break;
         case 'illegal':
+        case 'late':
         case 'expired':
           this.metrics.recordDiagnostic(e, this.log);
           break;
@@ -185,28 +190,26 @@ export class DecodeWorker {
   }
 
   /** Room terminal: drop its queue entry and receive buffer, wake the request handler. */
-  private finish(room: RoomId, state: KVPoll, reason: string): void {
+  private finish(room: RoomId, state: KVPoll, f: RoomFailure | undefined): void {
     this.prealloc.delete(room);
     const job = this.jobs.get(room);
     if (!job) return;
     job.recv = undefined;
-    this.metrics.roomsTerminal.inc({ state: KVPoll[state] });
+    this.metrics.recordTerminal(state, f, job.step !== 'prealloc' && job.step !== 'registering');
     if (state === KVPoll.Success && job.header) {
       job.step = 'decoding';
       if (job.tKvBegin) this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
       job.ready.resolve(job.header);
     } else {
       job.ac.abort();
-      const registered = job.step !== 'prealloc' && job.step !== 'registering';
-      (registered ? this.metrics.kvTransferFailed : this.metrics.bootstrapFailed).inc({ reason: WorkerMetrics.reasonLabel(reason) });
-      job.ready.reject(failureToApiError(reason));
+      job.ready.reject(ApiError.fromFailure(f ?? failure('internal_error', 'room failed')));
     }
     this.admit();
   }
 
   abort(room: RoomId, from: 'router' | 'client' | 'local'): void {
     const job = this.jobs.get(room);
-    if (this.rooms.has(room)) this.apply(room, { t: 'abort', from, reason: `abort: ${from}` });
+    if (this.rooms.has(room)) this.apply(room, { t: 'abort', from, failure: from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', from === 'router' ? 'abort_request from the router' : 'the client closed the request') });
     job?.ac.abort();
   }
 
@@ -237,14 +240,37 @@ export class DecodeWorker {
     try {
       conn = await this.pool.get(job.host, job.port);
     } catch (err) {
-      this.apply(room, { t: 'fail', reason: `bootstrap: cannot reach prefill ${job.peerKey}: ${(err as Error).message}` });
+      const code = errorCodeOf(err) === 'settings_mismatch' ? 'settings_mismatch' : 'peer_unreachable';
+      this.apply(room, { t: 'fail', failure: failure(code, `cannot pair with prefill ${job.peerKey}: ${(err as Error).message}`) });
       return;
     }
     if (!this.jobs.has(room) || job.ac.signal.aborted) return;
     job.conn = conn;
     if (!conn.sendControl({ type: 'register', room, rid: job.rid, epoch: this.epoch })) {
-      this.apply(room, { t: 'peer_lost', reason: 'peer_lost: connection closed before register' });
+      this.apply(room, { t: 'peer_lost', failure: failure('peer_lost', 'connection closed before register') });
     }
+  }
+
+  /** Wire FAIL for `room` to its prefill, on the room's connection or a (new) pooled one. */
+  private tellPrefill(job: Job, room: RoomId, f: RoomFailure): void {
+    const msg = { type: 'fail', room, code: f.code, detail: f.detail, epoch: this.epoch } as const;
+    if (job.conn?.alive) {
+      job.conn.sendControl(msg);
+      return;
+    }
+    this.tellPrefillAt(job.host, job.port, room, f);
+  }
+
+  /**
+   * Wire FAIL for a room decode never registered (prealloc deadline, prealloc queue full,
+   * refused request): opens the pooled connection to that prefill if needed (bounded by the
+   * connect timeout), so prefill frees the room at once instead of at its bootstrap deadline.
+   */
+  private tellPrefillAt(host: string, port: number, room: RoomId, f: RoomFailure): void {
+    this.pool.get(host, port).then(
+      (conn) => void conn.sendControl({ type: 'fail', room, code: f.code, detail: f.detail, epoch: this.epoch }),
+      (err: Error) => this.log.debug({ room, prefill: `${host}:${port}`, err: err.message }, 'could not tell prefill about a failed room'),
+    );
   }
 
   // ---- KV channel -----------------------------------------------------------------------------
@@ -272,7 +298,7 @@ export class DecodeWorker {
         const job = this.jobOn(conn, msg.room);
         if (!job) return;
         if (msg.totalBytes <= 0 || msg.totalBytes > this.config.maxStateBytes) {
-          this.apply(msg.room, { t: 'fail', reason: `transfer: announced state of ${msg.totalBytes} bytes is outside (0, ${this.config.maxStateBytes}]` });
+          this.apply(msg.room, { t: 'fail', failure: failure('kv_transfer_failed', `announced state of ${msg.totalBytes} bytes is outside (0, ${this.config.maxStateBytes}]`) });
           return;
         }
         job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), got: 0 };
@@ -285,7 +311,7 @@ export class DecodeWorker {
         const job = this.jobOn(conn, msg.room);
         if (!job) return;
         if (!job.recv || job.recv.got !== job.recv.buf.length) {
-          this.apply(msg.room, { t: 'fail', reason: `transfer: kv_end after ${job.recv?.got ?? 0} of ${job.recv?.buf.length ?? 0} bytes` });
+          this.apply(msg.room, { t: 'fail', failure: failure('kv_transfer_failed', `kv_end after ${job.recv?.got ?? 0} of ${job.recv?.buf.length ?? 0} bytes`) });
           return;
         }
         job.step = 'loading';
@@ -293,7 +319,7 @@ export class DecodeWorker {
         return;
       }
       case 'fail':
-        if (this.jobOn(conn, msg.room)) this.apply(msg.room, { t: 'abort', from: 'peer', reason: `prefill: ${msg.reason}` });
+        if (this.jobOn(conn, msg.room)) this.apply(msg.room, { t: 'abort', from: 'peer', failure: failureFromWire(msg, 'prefill') });
         return;
       default:
         this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on decode');
@@ -305,11 +331,11 @@ export class DecodeWorker {
     if (!job) return;
     const r = job.recv;
     if (!r) {
-      this.apply(room, { t: 'fail', reason: 'transfer: chunk before kv_begin' });
+      this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', 'chunk before kv_begin') });
       return;
     }
     if (offset !== r.got || r.got + data.length > r.buf.length) {
-      this.apply(room, { t: 'fail', reason: `transfer: chunk at offset ${offset} (+${data.length}) does not follow ${r.got} of ${r.buf.length}` });
+      this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', `chunk at offset ${offset} (+${data.length}) does not follow ${r.got} of ${r.buf.length}`) });
       return;
     }
     data.copy(r.buf, r.got);
@@ -320,7 +346,7 @@ export class DecodeWorker {
 
   private onPeerLost(conn: PeerConn, reason: string): void {
     const rooms = [...this.jobs.values()].filter((j) => j.conn === conn).map((j) => j.room);
-    for (const room of rooms) this.apply(room, { t: 'peer_lost', reason: `peer_lost: ${reason}` });
+    for (const room of rooms) this.apply(room, { t: 'peer_lost', failure: failure('peer_lost', reason) });
   }
 
   /** Validate the received blob completely, then load it into the room's slot. */
@@ -346,7 +372,7 @@ export class DecodeWorker {
       this.apply(room, { t: 'kv_done' });
     } catch (err) {
       const e = err as { code?: string; message?: string };
-      this.apply(room, { t: 'fail', reason: `${e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'load'}: ${e.message ?? String(err)}` });
+      this.apply(room, { t: 'fail', failure: failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)) });
     } finally {
       await rm(path, { force: true }).catch(() => {});
     }
@@ -358,8 +384,17 @@ export class DecodeWorker {
     const parsed = GenerateRequestSchema.safeParse(raw);
     if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
     const body: GenerateRequest = parsed.data;
-    if (this.prealloc.size >= this.config.maxPrealloc) return sendError(reply, new ApiError(503, 'queue_full', `decode prealloc queue is full (${this.config.maxPrealloc})`, 'overloaded_error'));
     const room = body.bootstrap_room;
+    // Refusals before the room exists still reach prefill (it would otherwise hold the room in
+    // its bootstrap queue until its deadline): opening the KV connection if needed.
+    const refuse = (err: ApiError): void => {
+      if (!this.rooms.has(room)) this.tellPrefillAt(body.bootstrap_host, body.bootstrap_port, room, failure(err.code as RoomFailure['code'], `decode refused the request: ${err.message}`));
+      sendError(reply, err);
+    };
+    if (this.prealloc.size >= this.config.maxPrealloc) return refuse(ApiError.of('queue_full', `decode prealloc queue is full (${this.config.maxPrealloc})`));
+    // One live request per rid (as vLLM): a second one could never be aborted by rid.
+    const other = this.byRid.get(body.rid);
+    if (other !== undefined && this.jobs.has(other)) return refuse(ApiError.of('duplicate_rid', `request id ${body.rid} is already running on this worker (room ${other})`, 'rid'));
     const job: Job = {
       room,
       rid: body.rid,

@@ -26,7 +26,7 @@
  * Not supported (rejected as BAD_STATE): models whose cells carry the extra "ext" record (M-RoPE,
  * PLE) or whose layers lack a V tensor; neither occurs for the llama architecture.
  */
-import { KvError } from '../kv/types.js';
+import { PdError } from '../common/errors.js';
 
 export const GGSQ_MAGIC = 0x67677371;
 export const GGSQ_VERSION = 3;
@@ -93,7 +93,7 @@ export interface ParsedState {
 }
 
 function bad(reason: string): never {
-  throw new KvError('BAD_STATE', `bad sequence state: ${reason}`);
+  throw new PdError('BAD_STATE', `bad sequence state: ${reason}`);
 }
 
 /** Bounds-checked little-endian reader; every read checks the remaining bytes first. */
@@ -143,7 +143,7 @@ class Reader {
  *
  * @param buf whole file contents.
  * @returns the decoded header, tokens and per-stream layout (offsets into `buf`).
- * @throws KvError('BAD_STATE', reason) on anything inconsistent, including truncation anywhere.
+ * @throws PdError('BAD_STATE', reason) on anything inconsistent, including truncation anywhere.
  */
 export function parseStateFile(buf: Buffer, expect: StateExpect): ParsedState {
   if (!Buffer.isBuffer(buf)) bad('not a Buffer');
@@ -253,7 +253,7 @@ export function parseStateFile(buf: Buffer, expect: StateExpect): ParsedState {
  * @param buf a file accepted by `parseStateFile` (it is parsed again here, with `expect`
  *   defaulting to limits derived from the buffer itself).
  * @returns a new Buffer (or `buf` itself when n_stream already equals targetStreams).
- * @throws KvError('BAD_STATE') when the file is malformed or has more non-empty streams than
+ * @throws PdError('BAD_STATE') when the file is malformed or has more non-empty streams than
  *   `targetStreams`; RangeError when targetStreams is outside [1, 256].
  */
 export function rewriteNStream(buf: Buffer, targetStreams: number, expect?: StateExpect): Buffer {

@@ -25,7 +25,7 @@ import {
   type Token,
   type CustomBatchingPrioritizationStrategy,
 } from 'node-llama-cpp';
-import { KvError } from '../kv/types.js';
+import { PdError } from '../common/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot } from './types.js';
@@ -60,12 +60,9 @@ export interface LoadEngineOptions {
 }
 
 /** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
-export class EngineError extends Error {
-  constructor(
-    public readonly code: string,
-    message: string,
-  ) {
-    super(message);
+export class EngineError extends PdError {
+  constructor(code: string, message: string) {
+    super(code, message);
     this.name = 'EngineError';
   }
 }
@@ -319,7 +316,7 @@ class Lease implements Slot {
     const buf = await fsp.readFile(filePath);
     // Re-validated here too: a malformed file can abort the process inside llama.cpp.
     const st = parseStateFile(buf, { contextSize, nLayer, maxBytes: buf.length, nVocab: this.engine.info.nVocab });
-    if (!sameTokens(st.tokens, promptTokens)) throw new KvError('BAD_STATE', 'bad sequence state: the tokens in the state differ from the prompt');
+    if (!sameTokens(st.tokens, promptTokens)) throw new PdError('BAD_STATE', 'bad sequence state: the tokens in the state differ from the prompt');
     let loadPath = filePath;
     let tmp: string | null = null;
     const since = markProblems();
@@ -337,7 +334,7 @@ class Lease implements Slot {
       }
       if (!sameTokens(seq.contextTokens, promptTokens) || seq.nextTokenIndex !== promptTokens.length) {
         await this.engine.exclusive(() => seq.clearHistory());
-        throw new KvError('BAD_STATE', 'bad sequence state: the loaded sequence does not hold the prompt');
+        throw new PdError('BAD_STATE', 'bad sequence state: the loaded sequence does not hold the prompt');
       }
     } finally {
       if (tmp) await fsp.rm(tmp, { force: true }).catch(() => {});
@@ -570,7 +567,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       modelPath,
       modelName: path.basename(modelPath).replace(/\.gguf$/i, ''),
       fingerprint,
-      compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0) },
+      compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0), flashAttention: opts.flashAttention ?? true },
       sequences: opts.sequences,
       nVocab: tokensMeta?.length ?? 0,
       maxTokenBytes: maxPieceBytes(tokensMeta),

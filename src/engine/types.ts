@@ -45,6 +45,8 @@ export interface EngineInfo {
     batchSize: number;
     /** Number of KV layers and the per-token state size, for sanity checks. */
     nLayer: number;
+    /** llama.cpp flash attention (changes the V-cache layout of a saved state). */
+    flashAttention: boolean;
   };
   /** Number of sequences (slots) of this engine's context. */
   sequences: number;
@@ -102,7 +104,7 @@ export interface Slot {
    * The file is parsed again here before llama.cpp sees it (a bad file can abort the process
    * inside llama.cpp); a state saved from a context with another sequence count is re-framed
    * (n_stream rewritten) through a temporary file.
-   * @throws KvError('BAD_STATE') when the file is malformed or its tokens differ from `promptTokens`.
+   * @throws PdError('BAD_STATE') when the file is malformed or its tokens differ from `promptTokens`.
    */
   loadState(path: string, promptTokens: number[]): Promise<void>;
   /**

@@ -13,6 +13,9 @@
  * These are the calls the prefill and decode workers make on their data path (without the room
  * state machine around them). Messages with the parent go over the IPC channel.
  */
+import { pairSettingsOf } from '../common/pair.js';
+import type { RoomId } from '../common/room-id.js';
+import { normalizeRoomId } from '../kv/frame.js';
 import { createHash, randomFillSync } from 'node:crypto';
 import { readFile, rm, writeFile } from 'node:fs/promises';
 import net from 'node:net';
@@ -67,6 +70,7 @@ async function sender(engine: Engine): Promise<void> {
     port: 0,
     secret: init.secret,
     epoch: init.epoch,
+    settings: pairSettingsOf(engine.info),
     onConnect: (c) => void (conn = c),
     onMessage: (_c, msg) => {
       if (msg.type === 'kv_ack') acks.get(msg.room)?.();
@@ -111,7 +115,7 @@ async function sender(engine: Engine): Promise<void> {
         send({ type: 'made', states: states.map((s) => ({ n: s.n, bytes: s.bytes })) });
       } else if (m.cmd === 'kv') {
         const st = states[m.idx!]!;
-        const room = m.room!;
+        const room = normalizeRoomId(m.room!);
         if (!conn?.alive) throw new Error('no kv connection');
         const acked = new Promise<void>((r) => acks.set(room, r));
         const t0 = now();
@@ -183,9 +187,10 @@ async function sender(engine: Engine): Promise<void> {
 async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
   const maxBytes = 512 * 1024 * 1024;
-  let recv: { room: string; buf: Buffer; got: number; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number } | undefined;
+  let recv: { room: RoomId; buf: Buffer; got: number; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number } | undefined;
   const pool = new KvPeerPool({
     secret: init.secret,
+    settings: pairSettingsOf(engine.info),
     epoch: init.epoch,
     onMessage: (conn, msg) => {
       if (msg.type === 'kv_begin') {
@@ -210,7 +215,7 @@ async function receiver(engine: Engine): Promise<void> {
       r.lastAbs = abs();
     },
   });
-  const load = async (conn: PeerConn, r: { room: string; buf: Buffer; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number }) => {
+  const load = async (conn: PeerConn, r: { room: RoomId; buf: Buffer; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number }) => {
     const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${r.room}.ggsq`);
     const slot = engine.tryAcquireSlot();
     try {

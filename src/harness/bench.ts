@@ -15,6 +15,7 @@
  * A second backend, `pd-direct`, drives a prefill and a decode worker with SGLang's
  * `/generate` protocol directly (what the router does), to measure the workers without it.
  */
+import { newRoomId } from '../common/room-id.js';
 import { readFileSync, writeFileSync, mkdirSync } from 'node:fs';
 import { dirname, join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -366,10 +367,6 @@ async function sendOpenAI(target: Extract<BenchTarget, { kind: 'openai' }>, prom
   }
 }
 
-function randomRoomId(): string {
-  return (randomBytes(8).readBigUInt64BE(0) & 0x7fff_ffff_ffff_ffffn).toString();
-}
-
 async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>, prompt: PromptSpec, o: SendOptions): Promise<RequestRecord> {
   const rid = `bench-${randomBytes(8).toString('hex')}`;
   const body = JSON.stringify({
@@ -379,7 +376,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
     stream: true,
     bootstrap_host: target.bootstrapHost,
     bootstrap_port: target.bootstrapPort,
-    bootstrap_room: randomRoomId(),
+    bootstrap_room: newRoomId(),
   });
   const signal = signalOf(o);
   const start = performance.now();

@@ -240,6 +240,11 @@ export interface LeakReport {
   rooms: { worker: string; room: RoomView }[];
   /** Workers that did not answer (a leak cannot be ruled out). */
   unreachable: { where: string; error: string }[];
+  /**
+   * Non-zero `pdserve_illegal_transitions_total` series (since each worker's last start): real
+   * protocol violations. Benign races are counted apart (`pdserve_room_late_events_total`).
+   */
+  illegal: LeakItem[];
 }
 
 /** Parse Prometheus text: `name{labels} value` → [{name, labels, value}]. */
@@ -260,7 +265,7 @@ export function parseProm(text: string): { name: string; labels: string; value: 
  * per-worker load, acquired − released leases.
  */
 export async function collectLeaks(workers: WatchedWorker[], routerUrl?: string, timeoutMs = 3000): Promise<LeakReport> {
-  const rep: LeakReport = { items: [], rooms: [], unreachable: [] };
+  const rep: LeakReport = { items: [], rooms: [], unreachable: [], illegal: [] };
   await Promise.all(
     workers.map(async (w) => {
       try {
@@ -271,6 +276,7 @@ export async function collectLeaks(workers: WatchedWorker[], routerUrl?: string,
         ]);
         for (const s of parseProm(metrics)) {
           if ((/^pdserve_.*_reqs$/.test(s.name) || s.name === 'pdserve_rooms') && s.value !== 0) rep.items.push({ where: w.name, what: `${s.name}${s.labels}`, value: s.value });
+          if (s.name === 'pdserve_illegal_transitions_total' && s.value !== 0) rep.illegal.push({ where: w.name, what: `${s.name}${s.labels}`, value: s.value });
         }
         const slots = Number(health.slots);
         const free = Number(health.slots_free);

@@ -17,7 +17,8 @@
  * Checks: wedge (a live room past its deadline, from /debug/rooms), leak (a queue/room gauge, a
  * slot or a router lease not back to zero after the settle period), hang (a request with
  * neither answer nor error within its deadline), crash (a worker that died without being killed
- * by the storm), wrong answer (a completed round whose text differs from the reference's).
+ * by the storm), wrong answer (a completed round whose text differs from the reference's),
+ * illegal (pdserve_illegal_transitions_total not 0 on a worker: a real protocol violation).
  */
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -137,7 +138,7 @@ export interface FaultRecord {
   error?: string;
 }
 
-export type CheckName = 'wedge' | 'leak' | 'hang' | 'crash' | 'wrong_answer';
+export type CheckName = 'wedge' | 'leak' | 'hang' | 'crash' | 'wrong_answer' | 'illegal';
 
 /** The verdict of one check; `details` names the offending rooms/requests/processes. */
 export interface CheckResult {
@@ -635,6 +636,20 @@ function buildReport(b: BuildInput): StormReport {
             ? `after a ${(o.settleMs / 1000).toFixed(0)} s settle: ${L.items.length} gauge(s) not zero, ${L.rooms.length} live room(s)${L.unreachable.length ? `, ${L.unreachable.length} process(es) unreachable` : ''}`
             : `every queue/room gauge, slot and router lease back to 0 (${(b.settledMs / 1000).toFixed(1)} s after the drain)`,
           details: [...L.items, ...L.rooms.map((r) => ({ where: r.worker, room: r.room.room, rid: r.room.rid, state: r.room.state, phase: r.room.phase, step: r.room.step ?? null })), ...L.unreachable],
+        },
+  );
+
+  // illegal: refused room writes that are real protocol violations (benign races are not counted here)
+  checks.push(
+    noWorkers
+      ? { name: 'illegal', status: 'skipped', summary: 'no worker to watch (pass --worker URL)', details: [] }
+      : {
+          name: 'illegal',
+          status: L.illegal.length ? 'fail' : 'pass',
+          summary: L.illegal.length
+            ? `${L.illegal.reduce((n, i) => n + i.value, 0)} illegal room transition(s) (pdserve_illegal_transitions_total)`
+            : 'pdserve_illegal_transitions_total is 0 on every worker (benign races are counted as late events)',
+          details: L.illegal,
         },
   );
 

@@ -12,6 +12,7 @@
  */
 import { z } from 'zod';
 import { FRAME_CHUNK, FRAME_CONTROL, MAX_CHUNK_BYTES, MAX_CONTROL_BYTES, type ControlMsg } from './messages.js';
+import { isRoomId, parseRoomId, type RoomId } from '../common/room-id.js';
 import { KvError } from './types.js';
 
 /** Bytes of the frame header: u32 length + u8 type. */
@@ -21,30 +22,20 @@ export const CHUNK_PREFIX_BYTES = 16;
 /** Longest `reason` carried by fail / auth_fail, characters. encodeControl truncates longer ones. */
 export const MAX_REASON_CHARS = 4096;
 
-const U64_MAX = (1n << 64n) - 1n;
-const ROOM_RE = /^(0|[1-9][0-9]{0,19})$/;
-
-/** True when `s` is a canonical room id: decimal, no leading zeros, at most 2^64-1. */
-export function isRoomId(s: unknown): s is string {
-  return typeof s === 'string' && ROOM_RE.test(s) && BigInt(s) <= U64_MAX;
-}
+export { isRoomId };
 
 /**
- * Canonical form of a room id given as a decimal string or a non-negative integer
- * ("007" → "7"). Chunk frames carry the room as a u64, so only canonical ids survive a round trip:
- * use this on every room id that enters the KV layer. Throws KvError('BAD_FRAME') if not a u64.
+ * Canonical form of a room id given as a decimal string or a non-negative integer ("007" → "7"),
+ * through the one canonicaliser (`parseRoomId`). Chunk frames carry the room as a u64, so only
+ * canonical ids survive a round trip. Throws KvError('BAD_FRAME') if not a u64.
  */
-export function normalizeRoomId(id: string | number | bigint): string {
-  let v: bigint;
-  try {
-    if (typeof id === 'string' && !/^[0-9]{1,20}$/.test(id)) throw new Error();
-    if (typeof id === 'number' && !Number.isSafeInteger(id)) throw new Error();
-    v = BigInt(id);
-  } catch {
-    throw new KvError('BAD_FRAME', `room id ${JSON.stringify(String(id)).slice(0, 40)} is not a decimal u64`);
+export function normalizeRoomId(id: string | number | bigint): RoomId {
+  const r = parseRoomId(id);
+  if (r === undefined) {
+    const outOfRange = (typeof id === 'number' && Number.isSafeInteger(id)) || (typeof id === 'string' && /^[0-9]{1,20}$/.test(id)) || typeof id === 'bigint';
+    throw new KvError('BAD_FRAME', `room id ${JSON.stringify(String(id)).slice(0, 40)} ${outOfRange ? 'is out of u64 range' : 'is not a decimal u64'}`);
   }
-  if (v < 0n || v > U64_MAX) throw new KvError('BAD_FRAME', `room id ${String(id)} is out of u64 range`);
-  return v.toString();
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -55,22 +46,23 @@ const hex = (min: number, max: number) => z.string().min(min).max(max).regex(/^[
 const nonce = hex(32, 128);
 const epoch = hex(8, 64);
 const mac = hex(64, 64);
-const room = z.string().refine(isRoomId, 'must be a canonical decimal u64 room id');
+const room = z.string().refine(isRoomId, 'must be a canonical decimal u64 room id').transform((r) => r as RoomId);
 const reason = z.string().max(MAX_REASON_CHARS);
 const count = z.number().int().min(0).max(Number.MAX_SAFE_INTEGER);
+const settings = z.object({ fingerprint: hex(1, 128), contextSize: count, batchSize: count, flashAttention: z.boolean() });
 
 /** zod schema of every ControlMsg variant, discriminated on `type`. */
 export const ControlMsgSchema = z.discriminatedUnion('type', [
-  z.object({ type: z.literal('hello'), nonce, epoch, role: z.literal('prefill') }),
-  z.object({ type: z.literal('auth'), nonce, epoch, role: z.literal('decode'), mac }),
+  z.object({ type: z.literal('hello'), nonce, epoch, role: z.literal('prefill'), settings }),
+  z.object({ type: z.literal('auth'), nonce, epoch, role: z.literal('decode'), mac, settings }),
   z.object({ type: z.literal('auth_ok'), mac }),
-  z.object({ type: z.literal('auth_fail'), reason }),
+  z.object({ type: z.literal('auth_fail'), reason, code: z.enum(['settings_mismatch', 'auth_failed']).optional() }),
   z.object({ type: z.literal('register'), room, rid: z.string().min(1).max(128), epoch }),
   z.object({ type: z.literal('registered'), room }),
   z.object({ type: z.literal('kv_begin'), room, totalBytes: count }),
   z.object({ type: z.literal('kv_end'), room }),
   z.object({ type: z.literal('kv_ack'), room, epoch }),
-  z.object({ type: z.literal('fail'), room, reason, epoch }),
+  z.object({ type: z.literal('fail'), room, code: z.string().regex(/^[a-z_]{1,64}$/, 'must be an error code'), detail: reason, epoch }),
   z.object({ type: z.literal('ping'), seq: count }),
   z.object({ type: z.literal('pong'), seq: count }),
 ]);
@@ -106,13 +98,15 @@ export function parseControl(value: unknown): ControlMsg {
 // Encoding
 
 /**
- * Encodes one control frame. `fail`/`auth_fail` reasons longer than MAX_REASON_CHARS are
+ * Encodes one control frame. `fail` details / `auth_fail` reasons longer than MAX_REASON_CHARS are
  * truncated; anything else invalid (bad field, body over MAX_CONTROL_BYTES) throws
  * KvError('BAD_FRAME') — that is a bug at the caller.
  */
 export function encodeControl(msg: ControlMsg): Buffer {
   let m: ControlMsg = msg;
-  if ((m.type === 'fail' || m.type === 'auth_fail') && typeof m.reason === 'string' && m.reason.length > MAX_REASON_CHARS) {
+  if (m.type === 'fail' && typeof m.detail === 'string' && m.detail.length > MAX_REASON_CHARS) {
+    m = { ...m, detail: m.detail.slice(0, MAX_REASON_CHARS - 1) + '…' };
+  } else if (m.type === 'auth_fail' && typeof m.reason === 'string' && m.reason.length > MAX_REASON_CHARS) {
     m = { ...m, reason: m.reason.slice(0, MAX_REASON_CHARS - 1) + '…' };
   }
   const valid = parseControl(m);
@@ -156,7 +150,7 @@ export function encodeChunk(roomId: string, offset: number, data: Buffer): Buffe
  */
 export type Frame =
   | { kind: 'control'; msg: ControlMsg }
-  | { kind: 'chunk'; room: string; offset: number; data: Buffer; final: boolean };
+  | { kind: 'chunk'; room: RoomId; offset: number; data: Buffer; final: boolean };
 
 const utf8 = new TextDecoder('utf-8', { fatal: true });
 
@@ -180,7 +174,7 @@ export class FrameDecoder {
   private state: 'header' | 'body' | 'chunkPrefix' | 'chunkData' = 'header';
   private type = 0;
   private bodyLen = 0;
-  private room = '';
+  private room = '' as RoomId;
   private offset = 0;
   private dataLeft = 0;
   private error: KvError | undefined;
@@ -226,7 +220,7 @@ export class FrameDecoder {
             if (this.buffered < CHUNK_PREFIX_BYTES) return;
             const p = this.take(CHUNK_PREFIX_BYTES);
             this.dataLeft = this.bodyLen - CHUNK_PREFIX_BYTES;
-            this.room = p.readBigUInt64BE(0).toString();
+            this.room = p.readBigUInt64BE(0).toString() as RoomId;
             this.offset = chunkOffset(p.readBigUInt64BE(8), this.dataLeft);
             this.state = 'chunkData';
             break;
@@ -318,7 +312,7 @@ function chunkOffset(off: bigint, dataLen: number): number {
 }
 
 function decodeChunkBody(body: Buffer): Frame {
-  const room = body.readBigUInt64BE(0).toString();
+  const room = body.readBigUInt64BE(0).toString() as RoomId;
   const data = body.subarray(CHUNK_PREFIX_BYTES);
   return { kind: 'chunk', room, offset: chunkOffset(body.readBigUInt64BE(8), data.length), data, final: true };
 }

@@ -31,7 +31,14 @@
  * on Success. `registered` on a Failed room answers with `notify_peer` (the registration is told
  * the room failed; it is never revived). Duplicates that would double-acquire a resource
  * (`slot_reserved`, `kv_begin`) are refused with `illegal`, so the driver releases the extra one.
+ *
+ * Benign races vs violations: a forward event (`slot_reserved`, `kv_begin`, `kv_done`) reaching a
+ * room that already FAILED lost a race with that failure — decode's KV_ACK crossing a client
+ * abort, a compute finishing after an abort. It is refused (the room stays Failed) and reported
+ * as `{t:'late'}`, counted apart. `illegal` is kept for real protocol violations (an event out of
+ * order on a live room, a double-acquire on Success), so an alert on it fires only on bugs.
  */
+import { failure, failureText, type RoomFailure } from '../common/errors.js';
 import {
   KVPoll,
   KvError,
@@ -92,8 +99,8 @@ export interface RoomTableOptions {
 
 /** A cancellation that arrived for a room before (or after) its record. */
 export interface Tombstone {
-  /** Fail reason a late room gets. */
-  reason: string;
+  /** The failure a late room gets. */
+  failure: RoomFailure;
   /** When it was written (ms). Expires at `at + tombstoneTtlMs`. */
   at: number;
   /** The cancellation came from the peer itself (abort from 'peer', peer_lost): do not echo it back. */
@@ -105,8 +112,10 @@ export interface RoomTableStats {
   created: number;
   success: number;
   failed: number;
-  /** Refused writes (`illegal` effects). */
+  /** Refused writes that are real protocol violations (`illegal` effects). */
   illegal: number;
+  /** Forward events that reached an already Failed room: benign races (`late` effects). */
+  late: number;
   /** Rooms failed by their deadline (`expired` effects). */
   expired: number;
   /** Tombstones written for rooms not seen yet. */
@@ -134,7 +143,10 @@ export interface RoomView {
   peer_epoch: string | null;
   bytes: number;
   total_bytes: number | null;
+  /** "code: detail" of the room's failure. */
   fail_reason: string | null;
+  /** Stable error code of the room's failure (common/errors.ts). */
+  fail_code: string | null;
   timeline: { at: number; state: StateName; phase: Phase; why: string }[];
 }
 
@@ -153,39 +165,40 @@ export interface RoomsSnapshot {
 }
 
 /** Internal causes: the public events plus the watchdog and a tombstone replayed at create. */
-type Cause = RoomEvent | { t: 'deadline' } | { t: 'tombstone'; reason: string; fromPeer: boolean };
+type Cause = RoomEvent | { t: 'deadline' } | { t: 'tombstone'; failure: RoomFailure; fromPeer: boolean };
 
 type Plan =
   /** Nothing to do, nothing to report. */
   | { k: 'noop'; swallowed?: boolean }
-  /** Refused write. */
+  /** Refused write: a real protocol violation. */
   | { k: 'refuse'; to: KVPoll; why: string }
+  /** Refused write: a forward event that lost a benign race with the room's failure. */
+  | { k: 'late' }
   /** Transfer progress: add bytes, restart the transfer deadline. */
   | { k: 'progress'; bytes: number }
   /** Reply without writing (registration of a failed room). */
   | { k: 'answer'; effects: Effect[] }
   /** The one kind of state write. */
-  | { k: 'write'; to: KVPoll; phase: Phase; why: string; failReason?: string; fromPeer?: boolean };
+  | { k: 'write'; to: KVPoll; phase: Phase; why: string; failure?: RoomFailure; fromPeer?: boolean };
 
 const FAILURE_CAUSES = new Set(['abort', 'fail', 'peer_lost', 'deadline', 'tombstone']);
 
 /**
- * Reason a failure cause leaves in `failReason` (and in `terminal`/`notify_peer`): the event's own
- * `reason`, verbatim (the workers prefix it with its category, e.g. 'abort: router',
- * 'peer_lost: heartbeat', 'bootstrap: ...'); `deadline:<phase>` for the watchdog.
+ * The failure a cause leaves in `room.failure` (and in `terminal`/`notify_peer`): the event's own
+ * `{code, detail}`, verbatim; `room_deadline_expired` with detail `deadline:<phase>` for the
+ * watchdog. Codes come from the one table in common/errors.ts; nobody parses the detail.
  */
-function failureReason(c: Cause, phase: Phase): string {
+function failureOf(c: Cause, phase: Phase): RoomFailure {
   switch (c.t) {
     case 'abort':
-      return c.reason || `abort:${c.from}`;
     case 'fail':
     case 'peer_lost':
     case 'tombstone':
-      return c.reason || c.t;
+      return c.failure;
     case 'deadline':
-      return `deadline:${phase}`;
+      return failure('room_deadline_expired', `deadline:${phase}`);
     default:
-      return c.t;
+      return failure('internal_error', c.t);
   }
 }
 
@@ -230,6 +243,7 @@ export class RoomTable {
     success: 0,
     failed: 0,
     illegal: 0,
+    late: 0,
     expired: 0,
     tombstoned: 0,
     tombstonesEvicted: 0,
@@ -276,7 +290,7 @@ export class RoomTable {
     this.counters.created++;
     this.live.set(id, room);
     const prior = this.priorFailure(id);
-    if (prior) return this.transition(room, { t: 'tombstone', reason: prior.reason, fromPeer: prior.fromPeer }, now);
+    if (prior) return this.transition(room, { t: 'tombstone', failure: prior.failure, fromPeer: prior.fromPeer }, now);
     return [];
   }
 
@@ -294,13 +308,13 @@ export class RoomTable {
     if (event.t === 'abort' || event.t === 'fail' || event.t === 'peer_lost') {
       if (!this.tombstones.has(id)) {
         this.counters.tombstoned++;
-        this.addTombstone(id, failureReason(event, 'done'), fromPeer(event), now);
+        this.addTombstone(id, failureOf(event, 'done'), fromPeer(event), now);
       }
       return [];
     }
     const ts = this.tombstones.get(id);
     if (event.t === 'registered' && ts) {
-      return event.peer ? [{ t: 'notify_peer', room: id, peer: event.peer, reason: ts.reason }] : [];
+      return event.peer ? [{ t: 'notify_peer', room: id, peer: event.peer, failure: ts.failure }] : [];
     }
     this.counters.unknownEvents++;
     return [];
@@ -308,7 +322,7 @@ export class RoomTable {
 
   /**
    * The watchdog: fail every live room whose phase deadline is at or before `now`, with reason
-   * `deadline:<phase>`; effects per room `expired` (state/phase at expiry, timeline) then
+   * `room_deadline_expired` (`deadline:<phase>`); effects per room `expired` (state/phase at expiry, timeline) then
    * `notify_peer` (when it has a peer) then `terminal`. Also drops expired tombstones.
    * Call it periodically (the workers: every watchdog interval; the simulator: every tick).
    */
@@ -325,10 +339,10 @@ export class RoomTable {
   }
 
   /** `peer_lost` for every live room bound to `peer` (connection closed or silent). */
-  failPeer(peer: string, reason: string, now: number): Effect[] {
+  failPeer(peer: string, f: RoomFailure, now: number): Effect[] {
     const out: Effect[] = [];
     for (const room of [...this.live.values()]) {
-      if (room.peer === peer) out.push(...this.transition(room, { t: 'peer_lost', reason }, now));
+      if (room.peer === peer) out.push(...this.transition(room, { t: 'peer_lost', failure: f }, now));
     }
     return out;
   }
@@ -415,6 +429,9 @@ export class RoomTable {
       case 'refuse':
         this.counters.illegal++;
         return [{ t: 'illegal', room: room.id, from: room.state, to: plan.to, why: plan.why }];
+      case 'late':
+        this.counters.late++;
+        return [{ t: 'late', room: room.id, event: cause.t as RoomEvent['t'], state: room.state }];
       case 'progress':
         room.bytes += plan.bytes;
         room.deadlineAt = now + phaseTimeout(room.phase, this.timeouts);
@@ -430,21 +447,25 @@ export class RoomTable {
     const terminal = isTerminal(s);
     if (FAILURE_CAUSES.has(c.t)) {
       if (terminal) return { k: 'noop' };
-      return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failReason: failureReason(c, room.phase), fromPeer: fromPeer(c) };
+      return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failure: failureOf(c, room.phase), fromPeer: fromPeer(c) };
     }
+    // A forward event on a Failed room lost a race with the failure (an ack or a completion in
+    // flight when the abort landed): refused, but benign — counted as `late`, not `illegal`.
+    // (`registered` is answered below; `progress` is a no-op.)
+    if (s === KVPoll.Failed && (c.t === 'slot_reserved' || c.t === 'kv_begin' || c.t === 'kv_done')) return { k: 'late' };
     const refuse = (to: KVPoll): Plan => ({ k: 'refuse', to, why: `${c.t} refused in ${stateName(s)}/${room.phase}` });
     switch (c.t) {
       case 'slot_reserved':
         if (this.role !== 'decode') return { k: 'refuse', to: KVPoll.Bootstrapping, why: 'slot_reserved on a prefill room' };
         if (s === KVPoll.Bootstrapping && room.phase === 'prealloc') {
-          if (!room.peer) return { k: 'write', to: KVPoll.Failed, phase: 'done', why: 'no_peer', failReason: 'bootstrap: decode room has no peer to register with' };
+          if (!room.peer) return { k: 'write', to: KVPoll.Failed, phase: 'done', why: 'no_peer', failure: failure('peer_unreachable', 'decode room has no peer to register with') };
           return { k: 'write', to: KVPoll.Bootstrapping, phase: 'bootstrap', why: 'slot_reserved' };
         }
         return refuse(KVPoll.Bootstrapping);
       case 'registered': {
         if (s === KVPoll.Failed) {
           const peer = c.peer ?? room.peer;
-          return { k: 'answer', effects: peer ? [{ t: 'notify_peer', room: room.id, peer, reason: room.failReason ?? 'failed' }] : [] };
+          return { k: 'answer', effects: peer ? [{ t: 'notify_peer', room: room.id, peer, failure: room.failure ?? failure('internal_error', 'failed') }] : [] };
         }
         if (s === KVPoll.Success) return { k: 'noop' };
         if (s === KVPoll.Bootstrapping && room.phase !== 'bootstrap') return refuse(KVPoll.WaitingForInput); // decode prealloc: no slot, never registered
@@ -481,7 +502,7 @@ export class RoomTable {
     if (FAILURE_CAUSES.has(c.t)) {
       const lands = c.t !== 'deadline' && !isTerminal(s);
       if (!lands) return { k: 'noop', swallowed: c.t === 'deadline' && s !== KVPoll.Failed };
-      return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failReason: failureReason(c, room.phase), fromPeer: fromPeer(c) };
+      return { k: 'write', to: KVPoll.Failed, phase: 'done', why: why(c, room.phase), failure: failureOf(c, room.phase), fromPeer: fromPeer(c) };
     }
     let target: { to: KVPoll; phase: Phase };
     switch (c.t) {
@@ -519,7 +540,7 @@ export class RoomTable {
     room.state = p.to;
     room.phase = p.phase;
     room.deadlineAt = now + phaseTimeout(p.phase, this.timeouts);
-    if (p.to === KVPoll.Failed && room.failReason === undefined) room.failReason = p.failReason;
+    if (p.to === KVPoll.Failed && room.failure === undefined) room.failure = p.failure;
     this.pushTimeline(room, { at: now, state: p.to, phase: p.phase, why: p.why });
 
     const out: Effect[] = [];
@@ -528,7 +549,7 @@ export class RoomTable {
       out.push({ t: 'expired', room: room.id, state: from, phase: fromPhase, timeline: room.timeline.map((e) => ({ ...e })) });
     }
     if (p.to === KVPoll.Failed) {
-      if (room.peer && !p.fromPeer) out.push({ t: 'notify_peer', room: room.id, peer: room.peer, reason: room.failReason ?? p.why });
+      if (room.peer && !p.fromPeer) out.push({ t: 'notify_peer', room: room.id, peer: room.peer, failure: room.failure ?? failure('internal_error', p.why) });
     } else if (p.to === KVPoll.Bootstrapping && p.phase === 'bootstrap') {
       out.push({ t: 'send_register', room: room.id, peer: room.peer ?? '' });
     } else if (p.to === KVPoll.WaitingForInput && this.role === 'prefill') {
@@ -541,14 +562,18 @@ export class RoomTable {
     if (nowTerminal && (!wasTerminal || from !== p.to)) {
       if (p.to === KVPoll.Success) this.counters.success++;
       else this.counters.failed++;
-      out.push({ t: 'terminal', room: room.id, state: p.to as KVPoll.Success | KVPoll.Failed, reason: p.to === KVPoll.Success ? 'kv_done' : (room.failReason ?? p.why) });
+      out.push(
+        p.to === KVPoll.Success
+          ? { t: 'terminal', room: room.id, state: KVPoll.Success }
+          : { t: 'terminal', room: room.id, state: KVPoll.Failed, failure: room.failure ?? failure('internal_error', p.why) },
+      );
     }
     if (nowTerminal && this.live.get(room.id) === room) {
       this.live.delete(room.id);
       this.history.delete(room.id);
       this.history.set(room.id, room);
       while (this.history.size > this.historyMax) this.history.delete(this.history.keys().next().value as RoomId);
-      if (p.to === KVPoll.Failed && !this.tombstones.has(room.id)) this.addTombstone(room.id, room.failReason ?? p.why, !!p.fromPeer, now);
+      if (p.to === KVPoll.Failed && !this.tombstones.has(room.id)) this.addTombstone(room.id, room.failure ?? failure('internal_error', p.why), !!p.fromPeer, now);
     } else if (!nowTerminal && this.history.get(room.id) === room) {
       // Only reachable with legacyMaxRule: the revival the real rule forbids.
       this.history.delete(room.id);
@@ -564,16 +589,16 @@ export class RoomTable {
     const ts = this.tombstones.get(id);
     if (ts) return ts;
     const old = this.history.get(id);
-    if (old && old.state === KVPoll.Failed) return { reason: old.failReason ?? 'failed', at: old.createdAt, fromPeer: false };
+    if (old && old.state === KVPoll.Failed) return { failure: old.failure ?? failure('internal_error', 'failed'), at: old.createdAt, fromPeer: false };
     return undefined;
   }
 
-  private addTombstone(id: RoomId, reason: string, fromPeerFlag: boolean, now: number): void {
+  private addTombstone(id: RoomId, f: RoomFailure, fromPeerFlag: boolean, now: number): void {
     while (this.tombstones.size >= this.tombstoneMax) {
       this.tombstones.delete(this.tombstones.keys().next().value as RoomId);
       this.counters.tombstonesEvicted++;
     }
-    this.tombstones.set(id, { reason, at: now, fromPeer: fromPeerFlag });
+    this.tombstones.set(id, { failure: f, at: now, fromPeer: fromPeerFlag });
   }
 
   private pushTimeline(room: Room, e: TimelineEntry): void {
@@ -596,7 +621,8 @@ function view(r: Room, now: number): RoomView {
     peer_epoch: r.peerEpoch ?? null,
     bytes: r.bytes,
     total_bytes: r.totalBytes ?? null,
-    fail_reason: r.failReason ?? null,
+    fail_reason: r.failure ? failureText(r.failure) : null,
+    fail_code: r.failure?.code ?? null,
     timeline: r.timeline.map((e) => ({ at: e.at, state: stateName(e.state), phase: e.phase, why: e.why })),
   };
 }

@@ -6,10 +6,12 @@
  *   type 1 = control: body is UTF-8 JSON of a ControlMsg, at most MAX_CONTROL_BYTES.
  *   type 2 = KV chunk: body is u64 BE room id | u64 BE offset | data, data at most MAX_CHUNK_BYTES.
  *   Room ids travel as u64 in chunk frames, so every room id in the KV layer must be the canonical
- *   decimal form of a u64 (no leading zeros; see normalizeRoomId in frame.ts).
+ *   decimal form of a u64 (no leading zeros; the branded RoomId of common/room-id.ts).
  * Handshake (before anything else; any other frame first closes the connection):
- *   prefill → hello {nonce, epoch}; decode → auth {nonce, epoch, mac}; prefill → auth_ok {mac}
- *   (or auth_fail {reason} and close, so decode can tell a refused secret from a dead peer).
+ *   prefill → hello {nonce, epoch, settings}; decode → auth {nonce, epoch, mac, settings};
+ *   prefill → auth_ok {mac} (or auth_fail {reason, code} and close, so decode can tell a refused
+ *   secret or a settings mismatch from a dead peer). Both sides compare the PairSettings: a
+ *   mismatched pair is refused with one log line on each side and never carries a room.
  *   mac = HMAC-SHA256(secret, "pdserve/v1|<direction>|<server nonce>|<client nonce>|<sender epoch>"),
  *   lowercase hex; direction is "decode>prefill" in auth (sender epoch = decode's) and
  *   "prefill>decode" in auth_ok (sender epoch = prefill's, from hello). Nonces: >= 16 random bytes,
@@ -18,6 +20,9 @@
  * Heartbeat: after auth both sides send ping {seq} every heartbeat interval and answer pong {seq};
  *   any received byte counts as liveness; a peer silent for 2 intervals is lost.
  */
+
+import { isErrorCode, type RoomFailure } from '../common/errors.js';
+import type { RoomId } from '../common/room-id.js';
 
 export const FRAME_CONTROL = 1;
 export const FRAME_CHUNK = 2;
@@ -49,26 +54,58 @@ export interface EnvelopeHeader {
   checksum: string;
 }
 
+/**
+ * The settings a prefill–decode pair must share, exchanged in the handshake (hello / auth): a
+ * state saved under one set cannot be loaded under another, so a mismatched pair is refused at
+ * connect time instead of failing every request after prefill did all the work.
+ */
+export interface PairSettings {
+  /** sha256 of the GGUF, hex. */
+  fingerprint: string;
+  /** Tokens per sequence. */
+  contextSize: number;
+  /** Prompt chunk, tokens (llama.cpp batchSize). */
+  batchSize: number;
+  /** llama.cpp flash attention (changes the V-cache layout of the saved state). */
+  flashAttention: boolean;
+}
+
 export type ControlMsg =
-  | { type: 'hello'; nonce: string; epoch: string; role: 'prefill' }
-  | { type: 'auth'; nonce: string; epoch: string; role: 'decode'; mac: string }
+  | { type: 'hello'; nonce: string; epoch: string; role: 'prefill'; settings: PairSettings }
+  | { type: 'auth'; nonce: string; epoch: string; role: 'decode'; mac: string; settings: PairSettings }
   | { type: 'auth_ok'; mac: string }
-  /** prefill → decode, instead of auth_ok: authentication refused; prefill closes right after. */
-  | { type: 'auth_fail'; reason: string }
+  /**
+   * prefill → decode, instead of auth_ok: refused; prefill closes right after. `code`:
+   * 'settings_mismatch' (the pair's PairSettings differ) or 'auth_failed'.
+   */
+  | { type: 'auth_fail'; reason: string; code?: 'settings_mismatch' | 'auth_failed' }
   /** decode → prefill: a slot is reserved for this room; prefill may compute. */
-  | { type: 'register'; room: string; rid: string; epoch: string }
+  | { type: 'register'; room: RoomId; rid: string; epoch: string }
   /** prefill → decode: registration accepted. */
-  | { type: 'registered'; room: string }
+  | { type: 'registered'; room: RoomId }
   /** prefill → decode: the state follows in chunk frames. */
-  | { type: 'kv_begin'; room: string; totalBytes: number }
+  | { type: 'kv_begin'; room: RoomId; totalBytes: number }
   /** prefill → decode: all chunks sent. */
-  | { type: 'kv_end'; room: string }
+  | { type: 'kv_end'; room: RoomId }
   /** decode → prefill: state validated and loaded. */
-  | { type: 'kv_ack'; room: string; epoch: string }
-  /** either way: the room failed or was aborted on the sender's side. Idempotent. */
-  | { type: 'fail'; room: string; reason: string; epoch: string }
+  | { type: 'kv_ack'; room: RoomId; epoch: string }
+  /**
+   * either way: the room failed or was aborted on the sender's side (a RoomFailure: `code` from
+   * the error table, `detail` for humans). Idempotent. Decode sends it even for a room it never
+   * registered (refused at admission, prealloc deadline), opening the connection if needed.
+   */
+  | { type: 'fail'; room: RoomId; code: string; detail: string; epoch: string }
   | { type: 'ping'; seq: number }
   | { type: 'pong'; seq: number };
 
 /** The control messages about one room: the only ones handed to the channel's onMessage. */
-export type RoomMsg = Extract<ControlMsg, { room: string }>;
+export type RoomMsg = Extract<ControlMsg, { room: RoomId }>;
+
+/**
+ * The RoomFailure a received `fail` message stands for: the peer's own code (a client abort on
+ * decode stays `request_aborted`, client-caused, on prefill), its detail prefixed with the peer's
+ * role. An unknown code (a newer peer) becomes `internal_error`.
+ */
+export function failureFromWire(msg: Extract<ControlMsg, { type: 'fail' }>, peerRole: 'prefill' | 'decode'): RoomFailure {
+  return { code: isErrorCode(msg.code) ? msg.code : 'internal_error', detail: `${peerRole}: ${msg.detail}` };
+}

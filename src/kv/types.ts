@@ -3,6 +3,8 @@
  * lifecycle events and effects. The lifecycle core (lifecycle.ts) is sans-IO: it maps
  * (rooms, event, now) → effects; workers and the simulator turn effects into I/O.
  */
+import { PdError, type RoomFailure } from '../common/errors.js';
+import type { RoomId } from '../common/room-id.js';
 
 /** Room status, numbered as SGLang's `KVPoll`. Failed and Success are terminal. */
 export enum KVPoll {
@@ -17,8 +19,9 @@ export const isTerminal = (s: KVPoll): boolean => s === KVPoll.Failed || s === K
 
 export type Role = 'prefill' | 'decode';
 
-/** Bootstrap room id: a random 63-bit integer, carried as a decimal string (JSON-safe). */
-export type RoomId = string;
+/** Bootstrap room id: the one branded type (a canonical decimal u64; see common/room-id.ts). */
+export type { RoomId } from '../common/room-id.js';
+export type { RoomFailure } from '../common/errors.js';
 
 /**
  * Finer position of a room inside its KVPoll state; each phase has its own deadline.
@@ -77,8 +80,8 @@ export interface Room {
   bytes: number;
   /** Total KV bytes announced in KV_BEGIN, when known. */
   totalBytes?: number;
-  /** Why the room failed (first reason wins). */
-  failReason?: string;
+  /** Why the room failed: stable code + detail (the first failure wins). */
+  failure?: RoomFailure;
   timeline: TimelineEntry[];
 }
 
@@ -94,37 +97,53 @@ export type RoomEvent =
   | { t: 'progress'; bytes: number }
   /** prefill: decode's KV_ACK arrived; decode: state validated and loaded. → Success. */
   | { t: 'kv_done' }
-  /** Cancellation. `from`: who asked. 'peer' means the other worker told us (do not echo back). */
-  | { t: 'abort'; from: 'router' | 'client' | 'peer' | 'local'; reason: string }
+  /**
+   * Cancellation. `from`: who asked. 'peer' means the other worker told us (do not echo back);
+   * its `failure` is the peer's own (a client abort on decode stays `request_aborted` on prefill).
+   */
+  | { t: 'abort'; from: 'router' | 'client' | 'peer' | 'local'; failure: RoomFailure }
   /** A local error (engine, validation, socket write). */
-  | { t: 'fail'; reason: string }
+  | { t: 'fail'; failure: RoomFailure }
   /** The control connection to the room's peer is gone or silent. */
-  | { t: 'peer_lost'; reason: string };
+  | { t: 'peer_lost'; failure: RoomFailure };
 
 /** Outputs of the lifecycle core; the driver performs them in order. */
 export type Effect =
   /** Tell the peer this room is over (wire: FAIL). Never emitted for `abort` with from='peer'. */
-  | { t: 'notify_peer'; room: RoomId; peer: string; reason: string }
+  | { t: 'notify_peer'; room: RoomId; peer: string; failure: RoomFailure }
   /** decode: send REGISTER for this room (emitted on slot_reserved). */
   | { t: 'send_register'; room: RoomId; peer: string }
   /** prefill: decode registered, enqueue prompt evaluation. */
   | { t: 'start_prefill'; room: RoomId }
   /** decode: tell prefill the state is loaded (wire: KV_ACK). */
   | { t: 'send_ack'; room: RoomId; peer: string }
-  /** The room reached Success or Failed. Emitted exactly once per room: release its resources now. */
-  | { t: 'terminal'; room: RoomId; state: KVPoll.Success | KVPoll.Failed; reason: string }
-  /** A write the transition function refused (counted as pdserve_illegal_transitions_total). */
+  /**
+   * The room reached Success or Failed. Emitted exactly once per room: release its resources now.
+   * `failure` is set on Failed.
+   */
+  | { t: 'terminal'; room: RoomId; state: KVPoll.Success | KVPoll.Failed; failure?: RoomFailure }
+  /**
+   * A real protocol violation the transition function refused: an event out of order on a live
+   * room, or a resource double-acquire on Success (pdserve_illegal_transitions_total; 0 in a
+   * healthy cluster, so an alert on it is meaningful).
+   */
   | { t: 'illegal'; room: RoomId; from: KVPoll; to: KVPoll; why: string }
+  /**
+   * A benign race: a forward event (a completion, an ack in flight) reached a room that had
+   * already failed — e.g. decode's KV_ACK crossing a client abort. Refused like an illegal write
+   * (the room stays Failed) but counted apart (pdserve_room_late_events_total{event}).
+   */
+  | { t: 'late'; room: RoomId; event: RoomEvent['t']; state: KVPoll }
   /** A deadline expired (counted as pdserve_room_deadline_expired_total{role,state}). */
   | { t: 'expired'; room: RoomId; state: KVPoll; phase: Phase; timeline: TimelineEntry[] };
 
-/** Typed error with a stable string code, in the style of undici's errors. */
-export class KvError extends Error {
+/** The KV layer's errors (a PdError, see common/errors.ts): a stable code, mapped to HTTP there. */
+export class KvError extends PdError {
   constructor(
-    public readonly code: 'DUPLICATE_ROOM' | 'ROOM_FAILED' | 'UNKNOWN_ROOM' | 'BAD_ENVELOPE' | 'BAD_STATE' | 'PEER_LOST' | 'AUTH_FAILED' | 'BAD_FRAME' | 'TIMEOUT' | 'ABORTED',
+    public override readonly code: 'DUPLICATE_ROOM' | 'ROOM_FAILED' | 'UNKNOWN_ROOM' | 'BAD_ENVELOPE' | 'BAD_STATE' | 'PEER_LOST' | 'AUTH_FAILED' | 'SETTINGS_MISMATCH' | 'BAD_FRAME' | 'TIMEOUT' | 'ABORTED',
     message: string,
   ) {
-    super(message);
+    super(code, message);
     this.name = 'KvError';
   }
 }

@@ -12,10 +12,13 @@
 import { readFile, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
-import { canonicalRoom, GenerateRequestSchema, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
+import { zodToApiError } from '../api/openai.js';
+import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
 import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
-import { ApiError, toApiError } from '../common/errors.js';
-import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
+import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
+import { pairSettingsOf } from '../common/pair.js';
+import { parseRoomId } from '../common/room-id.js';
+import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
@@ -26,9 +29,9 @@ import { newEpoch } from '../kv/auth.js';
 import { KvServer, type PeerConn } from '../kv/channel.js';
 import { encodeEnvelope } from '../kv/envelope.js';
 import { RoomTable } from '../kv/lifecycle.js';
-import type { ControlMsg } from '../kv/messages.js';
+import { failureFromWire, type ControlMsg } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
-import { samplingFromWire, tokenizeRequest } from './../common/requests.js';
+import { samplingFromWire, tokenizeRequest } from '../api/requests.js';
 
 interface Job {
   room: RoomId;
@@ -119,6 +122,7 @@ export class PrefillWorker {
       port: c.bootstrapPort,
       secret: c.secret,
       epoch: this.epoch,
+      settings: pairSettingsOf(this.engine.info),
       heartbeatMs: c.heartbeatMs,
       log: this.log.child({ part: 'kv' }),
       onMessage: (conn, msg) => this.onControl(conn, msg),
@@ -133,6 +137,7 @@ export class PrefillWorker {
         role: 'prefill',
         model: this.engine.info.modelName,
         fingerprint: this.engine.info.fingerprint,
+        settings: pairSettingsOf(this.engine.info),
         bootstrap_host: c.bootstrapHost,
         bootstrap_port: this.bootstrapPort,
         epoch: this.epoch,
@@ -149,7 +154,7 @@ export class PrefillWorker {
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
       const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      this.abort(typeof b.rid === 'string' ? b.rid : undefined, canonicalRoom(b.bootstrap_room), 'router');
+      this.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), 'router');
       return { ok: true };
     });
     this.url = await listenUrl(this.app, c.host, c.port);
@@ -163,7 +168,7 @@ export class PrefillWorker {
   async close(): Promise<void> {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
-    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', reason: 'shutdown' });
+    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', failure: failure('shutting_down', 'prefill worker shutting down') });
     await this.app?.close().catch(() => {});
     await this.kv?.close();
     await this.engine.dispose();
@@ -181,8 +186,8 @@ export class PrefillWorker {
     for (const [room, p] of this.pendingRegs) {
       if (now - p.at > this.config.timeouts.bootstrapMs) {
         this.pendingRegs.delete(room);
-        p.conn.sendControl({ type: 'fail', room, reason: 'bootstrap: no request for this room reached prefill', epoch: this.epoch });
-        this.metrics.bootstrapFailed.inc({ reason: 'no_request' });
+        this.sendFail(p.conn, room, failure('registration_refused', `no request for this room reached prefill within ${this.config.timeouts.bootstrapMs} ms`));
+        this.metrics.bootstrapFailed.inc({ reason: 'registration_refused' });
       }
     }
     const leaked = this.faultLeak?.room; // TEST-ONLY fault (faultLeak): the zombie sender
@@ -196,7 +201,7 @@ export class PrefillWorker {
       switch (e.t) {
         case 'notify_peer': {
           const conn = this.conns.get(e.peer);
-          conn?.sendControl({ type: 'fail', room: e.room, reason: e.reason, epoch: this.epoch });
+          if (conn) this.sendFail(conn, e.room, e.failure);
           break;
         }
         case 'start_prefill': {
@@ -207,9 +212,10 @@ export class PrefillWorker {
           break;
         }
         case 'terminal':
-          this.finish(e.room, e.state, e.reason);
+          this.finish(e.room, e.state, e.failure);
           break;
         case 'illegal':
+        case 'late':
         case 'expired':
           this.metrics.recordDiagnostic(e, this.log);
           break;
@@ -220,7 +226,7 @@ export class PrefillWorker {
   }
 
   /** The one release path of a room's resources (runs once: on the room's terminal effect). */
-  private finish(room: RoomId, state: KVPoll, reason: string): void {
+  private finish(room: RoomId, state: KVPoll, f: RoomFailure | undefined): void {
     const job = this.jobs.get(room);
     this.waiting.delete(room);
     if (!job) return;
@@ -228,7 +234,7 @@ export class PrefillWorker {
     if (this.byRid.get(job.rid) === room) this.byRid.delete(job.rid);
     job.ac.abort();
     job.blob = undefined;
-    this.metrics.roomsTerminal.inc({ state: KVPoll[state] });
+    this.metrics.recordTerminal(state, f, job.conn !== undefined);
     if (state === KVPoll.Success) {
       this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
       job.done.resolve({
@@ -236,15 +242,18 @@ export class PrefillWorker {
         meta_info: { prompt_tokens: job.tokens.length, kv_bytes: this.rooms.get(room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
       });
     } else {
-      const registered = job.conn !== undefined;
-      (registered ? this.metrics.kvTransferFailed : this.metrics.bootstrapFailed).inc({ reason: WorkerMetrics.reasonLabel(reason) });
-      job.done.reject(failureToApiError(reason));
+      job.done.reject(ApiError.fromFailure(f ?? failure('internal_error', 'room failed')));
     }
   }
 
   // ---- HTTP -----------------------------------------------------------------------------------
 
   private async handleGenerate(raw: unknown, reply: import('fastify').FastifyReply): Promise<void> {
+    // Request-controlled counts are bounded before any per-item work (zod, templating): each
+    // message costs at least one token, so more messages than the context cannot fit.
+    const ctxTokens = this.engine.info.compat.contextSize;
+    const tooLarge = checkRequestBounds(raw, { maxMessages: Math.min(MAX_MESSAGES, ctxTokens), maxPromptTokens: ctxTokens });
+    if (tooLarge) return sendError(reply, tooLarge);
     const parsed = GenerateRequestSchema.safeParse(raw);
     if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
     const body: GenerateRequest = parsed.data;
@@ -257,8 +266,11 @@ export class PrefillWorker {
     const sampling = samplingFromWire(body.sampling_params);
     const ctx = this.engine.info.compat.contextSize;
     if (tokens.length + sampling.maxTokens > ctx) {
-      return sendError(reply, new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', tokens.length >= ctx ? 'prompt' : 'max_tokens'));
+      return sendError(reply, ApiError.of('context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, tokens.length >= ctx ? 'prompt' : 'max_tokens'));
     }
+    // One live request per rid (as vLLM): a second one could never be aborted by rid.
+    const other = this.byRid.get(body.rid);
+    if (other !== undefined && this.jobs.has(other)) return sendError(reply, ApiError.of('duplicate_rid', `request id ${body.rid} is already running on this worker (room ${other})`, 'rid'));
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
     const room = body.bootstrap_room;
@@ -279,7 +291,7 @@ export class PrefillWorker {
       this.pendingRegs.delete(room);
       this.register(pending.conn, room);
     }
-    const off = onClientGone(reply, () => this.apply(room, { t: 'abort', from: 'router', reason: 'abort: router closed the request' }));
+    const off = onClientGone(reply, () => this.apply(room, { t: 'abort', from: 'router', failure: failure('request_aborted', 'the router closed the request') }));
     try {
       const res = await job.done.promise;
       off();
@@ -294,7 +306,7 @@ export class PrefillWorker {
   abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'local'): void {
     const id = room ?? (rid ? this.byRid.get(rid) : undefined);
     if (!id) return;
-    if (this.rooms.has(id) || !this.rooms.get(id)) this.apply(id, { t: 'abort', from, reason: `abort: ${from}` });
+    if (this.rooms.has(id) || !this.rooms.get(id)) this.apply(id, { t: 'abort', from, failure: from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', `abort_request from the ${from}`) });
     this.pendingRegs.delete(id);
   }
 
@@ -307,12 +319,12 @@ export class PrefillWorker {
         const live = this.jobs.has(msg.room);
         if (live) return this.register(conn, msg.room);
         const known = this.rooms.get(msg.room);
-        if (known || this.rooms.isTombstoned?.(msg.room)) {
-          conn.sendControl({ type: 'fail', room: msg.room, reason: `bootstrap: room already ${known ? KVPoll[known.state] : 'aborted'}`, epoch: this.epoch });
+        if (known || this.rooms.isTombstoned(msg.room)) {
+          this.sendFail(conn, msg.room, known?.failure ?? this.rooms.tombstone(msg.room)?.failure ?? failure('registration_refused', `room already ${known ? KVPoll[known.state] : 'failed'}`));
           return;
         }
         if (this.pendingRegs.size >= this.config.maxRooms) {
-          conn.sendControl({ type: 'fail', room: msg.room, reason: 'bootstrap: too many pending registrations', epoch: this.epoch });
+          this.sendFail(conn, msg.room, failure('registration_refused', `too many pending registrations (${this.config.maxRooms})`));
           return;
         }
         this.pendingRegs.set(msg.room, { conn, rid: msg.rid, at: Date.now() });
@@ -327,7 +339,7 @@ export class PrefillWorker {
         return this.apply(msg.room, { t: 'kv_done' });
       case 'fail':
         this.pendingRegs.delete(msg.room);
-        return this.apply(msg.room, { t: 'abort', from: 'peer', reason: `decode: ${msg.reason}` });
+        return this.apply(msg.room, { t: 'abort', from: 'peer', failure: failureFromWire(msg, 'decode') });
       default:
         this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on prefill');
     }
@@ -337,7 +349,7 @@ export class PrefillWorker {
     const job = this.jobs.get(room);
     if (!job) return;
     if (job.conn && job.conn !== conn) {
-      conn.sendControl({ type: 'fail', room, reason: 'bootstrap: room already registered by another decode', epoch: this.epoch });
+      this.sendFail(conn, room, failure('registration_refused', 'room already registered by another decode worker'));
       return;
     }
     job.conn = conn;
@@ -351,7 +363,12 @@ export class PrefillWorker {
   private onPeerLost(conn: PeerConn, reason: string): void {
     this.conns.delete(conn.id);
     for (const [room, p] of this.pendingRegs) if (p.conn === conn) this.pendingRegs.delete(room);
-    this.run(this.rooms.failPeer(conn.id, `peer_lost: ${reason}`, Date.now()));
+    this.run(this.rooms.failPeer(conn.id, failure('peer_lost', reason), Date.now()));
+  }
+
+  /** Wire FAIL for a room: its RoomFailure, code and detail. */
+  private sendFail(conn: PeerConn, room: RoomId, f: RoomFailure): void {
+    conn.sendControl({ type: 'fail', room, code: f.code, detail: f.detail, epoch: this.epoch });
   }
 
   // ---- compute and send -----------------------------------------------------------------------
@@ -395,7 +412,10 @@ export class PrefillWorker {
       job.prefillMs = Date.now() - t0;
     } catch (err) {
       const e = err as { code?: string; message?: string };
-      if (e.code !== 'ABORTED') this.apply(room, { t: 'fail', reason: `prefill: ${e.message ?? String(err)}` });
+      if (e.code !== 'ABORTED') {
+        const code = errorCodeOf(err);
+        this.apply(room, { t: 'fail', failure: failure(code === 'internal_error' ? 'engine_failed' : code, `prefill: ${e.message ?? String(err)}`) });
+      }
       return;
     } finally {
       slot.release();
@@ -409,7 +429,7 @@ export class PrefillWorker {
     if (!this.jobs.has(room)) return;
     const conn = job.conn;
     if (!conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length })) {
-      this.apply(room, { t: 'fail', reason: 'transfer: connection to decode is gone' });
+      this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', 'connection to decode is gone') });
       return;
     }
     try {
@@ -428,24 +448,9 @@ export class PrefillWorker {
       conn.sendControl({ type: 'kv_end', room });
       job.step = 'awaiting_ack';
     } catch (err) {
-      if (!job.ac.signal.aborted) this.apply(room, { t: 'fail', reason: `transfer: ${(err as Error).message}` });
+      if (!job.ac.signal.aborted) this.apply(room, { t: 'fail', failure: failure(errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed', (err as Error).message) });
     }
   }
-}
-
-/** Map a room's failure reason to the HTTP error prefill answers with. */
-export function failureToApiError(reason: string): ApiError {
-  if (reason.startsWith('abort')) return new ApiError(499, 'request_aborted', `request aborted (${reason})`);
-  if (reason.startsWith('deadline')) return new ApiError(504, 'room_deadline_expired', `KV room deadline expired (${reason})`, 'timeout_error');
-  if (reason.startsWith('prefill: ') && reason.includes('PROMPT_TOO_LONG')) return new ApiError(400, 'context_length_exceeded', reason);
-  return new ApiError(502, 'kv_transfer_failed', `KV transfer failed: ${reason}`);
-}
-
-/** zod error → 400 naming the first bad field. */
-export function zodToApiError(err: import('zod').ZodError): ApiError {
-  const i = err.issues[0];
-  const param = i ? i.path.join('.') : null;
-  return new ApiError(400, 'invalid_request', i ? `${param || 'body'}: ${i.message}` : 'invalid request', 'invalid_request_error', param || null);
 }
 
 /** Load the engine, start the worker. */

@@ -21,6 +21,7 @@
  */
 import { hold } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
+import { newRoomId, type RoomId } from '../common/room-id.js';
 import { performance } from 'node:perf_hooks';
 import type { FastifyReply } from 'fastify';
 import type { Logger } from 'pino';
@@ -38,10 +39,8 @@ export const LINGER_MS = 2000;
 const MAX_ERROR_BODY = 64 * 1024;
 const JSON_HEADERS = { 'content-type': 'application/json' } as const;
 
-/** Random 63-bit bootstrap room id as a decimal string (crypto RNG). */
-export function randomRoom(): string {
-  return (randomBytes(8).readBigUInt64BE(0) & 0x7fff_ffff_ffff_ffffn).toString();
-}
+/** Random 63-bit bootstrap room id (the one generator, common/room-id.ts). */
+export const randomRoom = (): RoomId => newRoomId();
 
 /** Request id: `cmpl-<24 hex>` or `chatcmpl-<24 hex>`. */
 export function newRid(kind: 'completion' | 'chat'): string {

@@ -14,6 +14,7 @@
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid.
  */
+import { pickPair } from './pairing.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
 import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
@@ -122,13 +123,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         metrics.requests.labels('error').inc();
         throw err;
       }
-      const prefill = registry.pick('prefill');
-      const decode = registry.pick('decode');
-      if (!prefill || !decode) {
+      const pair = pickPair(registry);
+      if ('error' in pair) {
         metrics.requests.labels('error').inc();
-        const role = prefill ? 'decode' : 'prefill';
-        throw new ApiError(503, `no_healthy_${role}`, `no healthy ${role} worker`, 'server_error');
+        throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
       }
+      const { prefill, decode } = pair;
       const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
       const run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model);
       active.add(run);

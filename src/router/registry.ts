@@ -13,7 +13,9 @@
  */
 import { request, type Dispatcher } from 'undici';
 import type { Logger } from 'pino';
+import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
+import { mismatchOf, settingsFromHealth } from './pairing.js';
 
 export type WorkerRole = 'prefill' | 'decode';
 
@@ -33,6 +35,8 @@ export interface WorkerState {
   /** ms since epoch of the last completed probe, 0 = never. */
   lastCheckAt: number;
   consecutiveFailures: number;
+  /** The settings the worker must share with its pair (from /health), null when not reported. */
+  settings: PairSettings | null;
 }
 
 /** JSON row of GET /workers. */
@@ -47,6 +51,9 @@ export interface WorkerSnapshot {
   last_error: string | null;
   last_check_at: string | null;
   consecutive_failures: number;
+  settings: PairSettings | null;
+  /** Why no healthy worker of the other role can pair with this one (settings differ), else null. */
+  mismatch: string | null;
 }
 
 /** A held unit of load on one worker. `release()` is idempotent; true only on the first call. */
@@ -84,7 +91,7 @@ export class WorkerRegistry {
     config: Pick<RouterConfig, 'prefill' | 'decode'>,
     private readonly opts: RegistryOptions,
   ) {
-    const base = { healthy: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0 };
+    const base = { healthy: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0, settings: null };
     this.workers = [
       ...config.prefill.map((p): WorkerState => ({ role: 'prefill', url: p.url, bootstrapHost: p.bootstrapHost, bootstrapPort: p.bootstrapPort, ...base })),
       ...config.decode.map((d): WorkerState => ({ role: 'decode', url: d.url, bootstrapHost: null, bootstrapPort: null, ...base })),
@@ -138,6 +145,7 @@ export class WorkerRegistry {
         this.warnedBootstrap.add(w);
         this.opts.log.warn({ worker: w.url, configured: w.bootstrapPort, reported: j.bootstrap_port }, 'prefill reports a different bootstrap_port than configured; decode will dial the configured one');
       }
+      w.settings = settingsFromHealth(j.settings) ?? w.settings;
       this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
     } catch (err) {
       if (this.stopped) return;
@@ -184,12 +192,12 @@ export class WorkerRegistry {
     this.setUnhealthy(w, `unreachable: ${describeError(err)}`);
   }
 
-  /** Least-loaded healthy worker of `role` (ties round-robin), or null when none is healthy. */
-  pick(role: WorkerRole): WorkerState | null {
+  /** Least-loaded healthy worker of `role` accepted by `ok` (ties round-robin), or null when none. */
+  pick(role: WorkerRole, ok: (w: WorkerState) => boolean = () => true): WorkerState | null {
     let min = Infinity;
     let tied: WorkerState[] = [];
     for (const w of this.workers) {
-      if (w.role !== role || !w.healthy) continue;
+      if (w.role !== role || !w.healthy || !ok(w)) continue;
       if (w.load < min) {
         min = w.load;
         tied = [w];
@@ -251,6 +259,8 @@ export class WorkerRegistry {
       last_error: w.lastError,
       last_check_at: w.lastCheckAt ? new Date(w.lastCheckAt).toISOString() : null,
       consecutive_failures: w.consecutiveFailures,
+      settings: w.settings,
+      mismatch: mismatchOf(w, this.workers),
     }));
   }
 }

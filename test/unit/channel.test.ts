@@ -12,6 +12,8 @@ import { encodeChunk, encodeControl, FrameDecoder, type Frame } from '../../src/
 import type { ControlMsg, RoomMsg } from '../../src/kv/messages.js';
 import { KvError } from '../../src/kv/types.js';
 
+/** Pair settings both ends of these tests share (the handshake compares them). */
+const PAIR = { fingerprint: 'ab'.repeat(32), contextSize: 1024, batchSize: 128, flashAttention: true };
 const SECRET = 'test-secret';
 const CHILD = fileURLToPath(new URL('../fixtures/kv-peer-child.ts', import.meta.url));
 
@@ -43,6 +45,7 @@ async function startServer(o: Partial<KvChannelOptions> & { port?: number } = {}
     host: '127.0.0.1',
     port: 0,
     secret: SECRET,
+    settings: PAIR,
     log,
     onMessage: (conn, msg) => got.push({ conn, msg }),
     onPeerLost: (conn, reason) => lost.push({ conn, reason }),
@@ -61,6 +64,7 @@ function startPool(o: Partial<KvChannelOptions> & { connectTimeoutMs?: number } 
   const epoch = o.epoch ?? newEpoch();
   const pool = new KvPeerPool({
     secret: SECRET,
+    settings: PAIR,
     log,
     onMessage: (conn, msg) => got.push({ conn, msg }),
     onPeerLost: (conn, reason) => lost.push({ conn, reason }),
@@ -129,7 +133,7 @@ class RawPeer {
     const hello = await raw.next('hello');
     assert.ok(hello.type === 'hello');
     const cN = newNonce();
-    raw.send(encodeControl({ type: 'auth', nonce: cN, epoch, role: 'decode', mac: authMac(SECRET, 'decode>prefill', hello.nonce, cN, epoch) }));
+    raw.send(encodeControl({ type: 'auth', nonce: cN, epoch, role: 'decode', mac: authMac(SECRET, 'decode>prefill', hello.nonce, cN, epoch), settings: PAIR }));
     const ok = await raw.next('auth_ok');
     assert.ok(ok.type === 'auth_ok' && ok.mac === authMac(SECRET, 'prefill>decode', hello.nonce, cN, hello.epoch));
     return { raw, epoch, serverEpoch: hello.epoch };
@@ -213,13 +217,31 @@ describe('channel: authentication', () => {
     assert.equal(s.server.connections().length, 0);
   });
 
+  it('fault f: a pair whose settings differ is refused in the handshake, one log line on each side, and not redialed', async () => {
+    const s = await startServer();
+    const p = startPool({ settings: { ...PAIR, contextSize: 2048, flashAttention: false } });
+    await rejectsKv(p.pool.get('127.0.0.1', s.port), 'SETTINGS_MISMATCH', /settings mismatch .*contextSize 2048 ≠ 1024.*flashAttention false ≠ true/);
+    await until(() => s.server.stats.settingsMismatch === 1);
+    assert.equal(p.pool.stats.settingsMismatch, 1);
+    assert.equal(s.server.stats.authFailures + p.pool.stats.authFailures, 0, 'a mismatch is not an authentication failure');
+    const lines = (l: typeof s.log) => l.entries.filter((e) => /settings/.test(`${e.msg} ${JSON.stringify(e.obj)}`));
+    assert.equal(lines(s.log).length, 1, `one line on prefill: ${JSON.stringify(lines(s.log))}`);
+    assert.equal(lines(p.log).length, 1, `one line on decode: ${JSON.stringify(lines(p.log))}`);
+    assert.match(JSON.stringify(lines(s.log)[0]), /contextSize 1024 ≠ 2048/);
+    assert.equal(s.server.connections().length, 0);
+    // The pool remembers the refusal: the next get fails at once without dialing again.
+    await rejectsKv(p.pool.get('127.0.0.1', s.port), 'SETTINGS_MISMATCH', /settings mismatch/);
+    assert.equal(s.server.stats.settingsMismatch, 1, 'not redialed');
+    assert.equal(lines(p.log).length, 1);
+  });
+
   it('a prefill that cannot prove the secret is refused', async () => {
     // An impostor: says hello, accepts any auth, answers with a mac made from another secret.
     const srv = net.createServer((sock) => {
       const dec = new FrameDecoder();
       const sN = newNonce();
       sock.on('error', () => {});
-      sock.write(encodeControl({ type: 'hello', nonce: sN, epoch: 'deadbeefdeadbeef', role: 'prefill' }));
+      sock.write(encodeControl({ type: 'hello', nonce: sN, epoch: 'deadbeefdeadbeef', role: 'prefill', settings: PAIR }));
       sock.on('data', (b) => {
         for (const f of dec.feed(b)) {
           if (f.kind === 'control' && f.msg.type === 'auth') {
@@ -318,7 +340,7 @@ describe('channel: bad frames', () => {
       [Buffer.concat([Buffer.from([0, 0, 0, 17, 1]), Buffer.from('{"type":"nope"}X')]), /not valid JSON|unknown control message type/],
       [Buffer.concat([Buffer.from([0, 0, 0, 16, 1]), Buffer.from('{"type":"nope"}')]), /unknown control message type .*nope/],
       [Buffer.from([0, 0, 0, 2, 9, 0]), /unknown frame type 9/],
-      [encodeControl({ type: 'hello', nonce: newNonce(), epoch: newEpoch(), role: 'prefill' }), /handshake message 'hello' after authentication/],
+      [encodeControl({ type: 'hello', nonce: newNonce(), epoch: newEpoch(), role: 'prefill', settings: PAIR }), /handshake message 'hello' after authentication/],
     ];
     for (const [bytes, re] of cases) {
       const { raw } = await RawPeer.authed(s.port);
@@ -353,7 +375,7 @@ describe('channel: epochs', () => {
     const stale = newEpoch();
     conn.sendControl({ type: 'register', room: '1', rid: 'r', epoch: stale });
     conn.sendControl({ type: 'kv_ack', room: '1', epoch: stale });
-    conn.sendControl({ type: 'fail', room: '1', reason: 'x', epoch: stale });
+    conn.sendControl({ type: 'fail', room: '1', code: 'request_aborted', detail: 'x', epoch: stale });
     conn.sendControl({ type: 'register', room: '2', rid: 'r', epoch: p.epoch });
     await until(() => s.got.length === 1);
     assert.equal((s.got[0].msg as { room: string }).room, '2');
@@ -362,10 +384,10 @@ describe('channel: epochs', () => {
     assert.ok(conn.alive, 'a stale message does not close the connection');
 
     await until(() => sc !== undefined);
-    sc!.sendControl({ type: 'fail', room: '2', reason: 'old', epoch: stale });
-    sc!.sendControl({ type: 'fail', room: '2', reason: 'new', epoch: s.epoch });
+    sc!.sendControl({ type: 'fail', room: '2', code: 'request_aborted', detail: 'old', epoch: stale });
+    sc!.sendControl({ type: 'fail', room: '2', code: 'request_aborted', detail: 'new', epoch: s.epoch });
     await until(() => p.got.length === 1);
-    assert.equal((p.got[0].msg as { reason: string }).reason, 'new');
+    assert.equal((p.got[0].msg as { detail: string }).detail, 'new');
     assert.equal(p.pool.stats.staleEpoch, 1);
   });
 });
@@ -451,7 +473,7 @@ describe('channel: chunks', () => {
     await until(() => sc !== undefined);
     const reason = 'z'.repeat(4000);
     let sent = 0;
-    while (sc!.sendControl({ type: 'fail', room: '1', reason, epoch: s.epoch })) {
+    while (sc!.sendControl({ type: 'fail', room: '1', code: 'request_aborted', detail: reason, epoch: s.epoch })) {
       if (++sent > 100_000) assert.fail('cap never hit');
     }
     await until(() => s.lost.length === 1);

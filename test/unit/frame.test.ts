@@ -18,16 +18,17 @@ const N = 'a'.repeat(32);
 const E = '0123456789abcdef';
 const MAC = 'f'.repeat(64);
 const ALL: ControlMsg[] = [
-  { type: 'hello', nonce: N, epoch: E, role: 'prefill' },
-  { type: 'auth', nonce: N, epoch: E, role: 'decode', mac: MAC },
+  { type: 'hello', nonce: N, epoch: E, role: 'prefill', settings: { fingerprint: 'ab'.repeat(32), contextSize: 1024, batchSize: 128, flashAttention: true } },
+  { type: 'auth', nonce: N, epoch: E, role: 'decode', mac: MAC, settings: { fingerprint: 'cd'.repeat(32), contextSize: 2048, batchSize: 512, flashAttention: false } },
   { type: 'auth_ok', mac: MAC },
   { type: 'auth_fail', reason: 'bad mac' },
+  { type: 'auth_fail', reason: 'contextSize 1024 ≠ 2048', code: 'settings_mismatch' },
   { type: 'register', room: '18446744073709551615', rid: 'chatcmpl-1', epoch: E },
   { type: 'registered', room: '0' },
   { type: 'kv_begin', room: '42', totalBytes: 123456 },
   { type: 'kv_end', room: '42' },
   { type: 'kv_ack', room: '42', epoch: E },
-  { type: 'fail', room: '42', reason: 'abort: client', epoch: E },
+  { type: 'fail', room: '42', code: 'request_aborted', detail: 'abort: client', epoch: E },
   { type: 'ping', seq: 0 },
   { type: 'pong', seq: Number.MAX_SAFE_INTEGER },
 ];
@@ -82,7 +83,7 @@ describe('frame: round trips', () => {
   });
 
   it('max-size control and chunk frames', () => {
-    const big = { type: 'fail', room: '1', epoch: E, reason: 'x'.repeat(MAX_REASON_CHARS) } as const;
+    const big = { type: 'fail', room: '1', epoch: E, code: 'request_aborted', detail: 'x'.repeat(MAX_REASON_CHARS) } as const;
     assert.deepEqual(decodeAll([encodeControl(big)])[0], { kind: 'control', msg: big });
     const data = Buffer.alloc(MAX_CHUNK_BYTES, 7);
     const [f] = decodeAll([frameBytes(encodeChunk('5', 0, data))]);
@@ -247,9 +248,9 @@ describe('frame: encoding refuses invalid input', () => {
     expectBad(() => encodeControl({ type: 'kv_end', room: '01' }), /room/);
     expectBad(() => encodeControl({ type: 'bogus' } as unknown as ControlMsg), /unknown control message type/);
     expectBad(() => encodeControl({ type: 'register', room: '1', rid: 'x'.repeat(129), epoch: E }), /rid/);
-    const m = encodeControl({ type: 'fail', room: '1', epoch: E, reason: 'y'.repeat(100_000) });
+    const m = encodeControl({ type: 'fail', room: '1', epoch: E, code: 'request_aborted', detail: 'y'.repeat(100_000) });
     const [f] = decodeAll([m]);
-    assert.ok(f.kind === 'control' && f.msg.type === 'fail' && f.msg.reason.length === MAX_REASON_CHARS);
+    assert.ok(f.kind === 'control' && f.msg.type === 'fail' && f.msg.detail.length === MAX_REASON_CHARS);
   });
 
   it('chunk', () => {

@@ -12,7 +12,7 @@ import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { kvBytesPerCell, parseStateFile, rewriteNStream, type StateExpect } from '../../src/engine/ggsq.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
-import { KvError } from '../../src/kv/types.js';
+import { PdError } from '../../src/common/errors.js';
 
 const CTX = 256;
 const expect: StateExpect = { contextSize: CTX, nLayer: 2, maxBytes: 1 << 24 };
@@ -27,7 +27,7 @@ let prompt5: number[];
 let prompt40: number[];
 
 function isBadState(err: unknown): boolean {
-  return err instanceof KvError && err.code === 'BAD_STATE';
+  return err instanceof PdError && err.code === 'BAD_STATE';
 }
 
 async function saveFrom(engine: Engine, prompt: number[], holdFirst: boolean, file: string): Promise<Buffer> {

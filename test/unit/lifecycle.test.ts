@@ -7,7 +7,10 @@ import { test, describe } from 'node:test';
 import assert from 'node:assert/strict';
 import fc from 'fast-check';
 import { RoomTable, phaseTimeout, stateName } from '../../src/kv/lifecycle.js';
-import { KVPoll, KvError, isTerminal, type Effect, type Phase, type Role, type Room, type RoomEvent, type RoomTimeouts } from '../../src/kv/types.js';
+import { KVPoll, KvError, isTerminal, type Effect, type Phase, type Role, type Room, type RoomEvent, type RoomTimeouts, type RoomFailure } from '../../src/kv/types.js';
+
+/** A RoomFailure with a neutral code: the core keeps whatever the driver gives it. */
+const F = (detail: string): RoomFailure => ({ code: 'internal_error', detail });
 
 const T: RoomTimeouts = { preallocMs: 400, bootstrapMs: 100, waitingMs: 600, transferIdleMs: 50 };
 
@@ -17,10 +20,10 @@ const EV: Record<string, RoomEvent> = {
   kv_begin: { t: 'kv_begin', totalBytes: 100 },
   progress: { t: 'progress', bytes: 10 },
   kv_done: { t: 'kv_done' },
-  abort_router: { t: 'abort', from: 'router', reason: 'abort: router' },
-  abort_peer: { t: 'abort', from: 'peer', reason: 'decode: abort' },
-  fail: { t: 'fail', reason: 'engine: boom' },
-  peer_lost: { t: 'peer_lost', reason: 'peer_lost: heartbeat' },
+  abort_router: { t: 'abort', from: 'router', failure: F('abort: router') },
+  abort_peer: { t: 'abort', from: 'peer', failure: F('decode: abort') },
+  fail: { t: 'fail', failure: F('engine: boom') },
+  peer_lost: { t: 'peer_lost', failure: F('peer_lost: heartbeat') },
 };
 
 /** Events that bring a fresh room to a named position. */
@@ -46,6 +49,8 @@ const PATHS: Record<Role, Record<string, string[]>> = {
 type Exp = [after: string, effects: string];
 const ILL: Exp = ['=', 'illegal'];
 const NOOP: Exp = ['=', ''];
+/** A forward event on a Failed room: a benign race, refused and counted as `late`, not `illegal`. */
+const LATE: Exp = ['=', 'late'];
 const CANCEL_NO_PEER: Record<string, Exp> = {
   abort_router: ['Failed/done', 'terminal'],
   abort_peer: ['Failed/done', 'terminal'],
@@ -66,7 +71,7 @@ const TABLE: Record<Role, Record<string, Record<string, Exp>>> = {
     waiting: { slot_reserved: ILL, registered: NOOP, kv_begin: ['Transferring/inflight', ''], progress: ILL, kv_done: ILL, ...CANCEL_PEER },
     inflight: { slot_reserved: ILL, registered: NOOP, kv_begin: ILL, progress: NOOP, kv_done: ['Success/done', 'terminal'], ...CANCEL_PEER },
     success: { slot_reserved: ILL, registered: NOOP, kv_begin: ILL, progress: NOOP, kv_done: NOOP, ...CANCEL_NOOP },
-    failed: { slot_reserved: ILL, registered: ['=', 'notify_peer'], kv_begin: ILL, progress: NOOP, kv_done: ILL, ...CANCEL_NOOP },
+    failed: { slot_reserved: LATE, registered: ['=', 'notify_peer'], kv_begin: LATE, progress: NOOP, kv_done: LATE, ...CANCEL_NOOP },
   },
   decode: {
     prealloc: { slot_reserved: ['Bootstrapping/bootstrap', 'send_register'], registered: ILL, kv_begin: ILL, progress: ILL, kv_done: ILL, ...CANCEL_PEER },
@@ -74,7 +79,7 @@ const TABLE: Record<Role, Record<string, Record<string, Exp>>> = {
     waiting: { slot_reserved: ILL, registered: NOOP, kv_begin: ['Transferring/transfer', ''], progress: ILL, kv_done: ILL, ...CANCEL_PEER },
     transfer: { slot_reserved: ILL, registered: NOOP, kv_begin: ILL, progress: NOOP, kv_done: ['Success/done', 'send_ack,terminal'], ...CANCEL_PEER },
     success: { slot_reserved: ILL, registered: NOOP, kv_begin: ILL, progress: NOOP, kv_done: NOOP, ...CANCEL_NOOP },
-    failed: { slot_reserved: ILL, registered: ['=', 'notify_peer'], kv_begin: ILL, progress: NOOP, kv_done: ILL, ...CANCEL_NOOP },
+    failed: { slot_reserved: LATE, registered: ['=', 'notify_peer'], kv_begin: LATE, progress: NOOP, kv_done: LATE, ...CANCEL_NOOP },
   },
 };
 
@@ -135,7 +140,7 @@ describe('rules', () => {
     t.apply('7', { t: 'progress', bytes: 100 }, 3);
     t.apply('7', { t: 'progress', bytes: 200 }, 4);
     assert.equal(r.bytes, 300);
-    assert.deepEqual(t.apply('7', { t: 'kv_done' }, 5), [{ t: 'terminal', room: '7', state: KVPoll.Success, reason: 'kv_done' }]);
+    assert.deepEqual(t.apply('7', { t: 'kv_done' }, 5), [{ t: 'terminal', room: '7', state: KVPoll.Success }]);
     assert.equal(t.has('7'), false);
     assert.equal(t.rooms().length, 0);
     assert.equal(t.recent()[0], r);
@@ -153,7 +158,7 @@ describe('rules', () => {
     t.apply('8', { t: 'kv_begin', totalBytes: 5 }, 3);
     assert.deepEqual(t.apply('8', { t: 'kv_done' }, 4), [
       { t: 'send_ack', room: '8', peer: 'prefill:8998' },
-      { t: 'terminal', room: '8', state: KVPoll.Success, reason: 'kv_done' },
+      { t: 'terminal', room: '8', state: KVPoll.Success },
     ]);
   });
 
@@ -167,13 +172,13 @@ describe('rules', () => {
 
   test('failure reason: first reason wins, verbatim, and reaches notify_peer and terminal', () => {
     const t = at('decode', 'waiting');
-    const eff = t.apply('42', { t: 'fail', reason: 'bad envelope: checksum' }, 5);
+    const eff = t.apply('42', { t: 'fail', failure: F('bad envelope: checksum') }, 5);
     assert.deepEqual(eff, [
-      { t: 'notify_peer', room: '42', peer: 'p1', reason: 'bad envelope: checksum' },
-      { t: 'terminal', room: '42', state: KVPoll.Failed, reason: 'bad envelope: checksum' },
+      { t: 'notify_peer', room: '42', peer: 'p1', failure: F('bad envelope: checksum') },
+      { t: 'terminal', room: '42', state: KVPoll.Failed, failure: F('bad envelope: checksum') },
     ]);
-    t.apply('42', { t: 'abort', from: 'router', reason: 'abort: router' }, 6);
-    assert.equal(t.get('42')!.failReason, 'bad envelope: checksum');
+    t.apply('42', { t: 'abort', from: 'router', failure: F('abort: router') }, 6);
+    assert.deepEqual(t.get('42')!.failure, F('bad envelope: checksum'));
   });
 
   test('registered by another peer after registration is refused', () => {
@@ -195,9 +200,9 @@ describe('rules', () => {
   test('registration of a failed prefill room answers FAIL to the registering peer, never revives', () => {
     const t = new RoomTable('prefill', T);
     t.create('5', 'r5', 0);
-    t.apply('5', { t: 'abort', from: 'router', reason: 'abort: router' }, 1);
+    t.apply('5', { t: 'abort', from: 'router', failure: F('abort: router') }, 1);
     const eff = t.apply('5', { t: 'registered', peer: 'conn-3', peerEpoch: 'D1' }, 2);
-    assert.deepEqual(eff, [{ t: 'notify_peer', room: '5', peer: 'conn-3', reason: 'abort: router' }]);
+    assert.deepEqual(eff, [{ t: 'notify_peer', room: '5', peer: 'conn-3', failure: F('abort: router') }]);
     assert.equal(t.get('5')!.state, KVPoll.Failed);
     assert.equal(t.has('5'), false);
   });
@@ -216,22 +221,36 @@ describe('terminal stickiness', () => {
           assert.equal(eff.filter((x) => x.t === 'terminal').length, 0);
         }
         assert.deepEqual(t.tick(1e9), []);
-        assert.deepEqual(t.failPeer('p1', 'x', 1e9), []);
-        assert.deepEqual(t.failPeer('d1', 'x', 1e9), []);
+        assert.deepEqual(t.failPeer('p1', F('x'), 1e9), []);
+        assert.deepEqual(t.failPeer('d1', F('x'), 1e9), []);
         assert.equal(r.state, state);
         assert.equal(r.deadlineAt, Infinity);
       });
     }
   }
 
-  test('the incident ordering: abort, then the transfer continuation writes kv_begin → refused', () => {
+  test('the incident ordering: abort, then the transfer continuation writes kv_begin → refused as a late event, not illegal', () => {
     const t = at('prefill', 'waiting');
     const abort = t.apply('42', EV.abort_router!, 10);
     assert.equal(kinds(abort), 'notify_peer,terminal');
     const late = t.apply('42', { t: 'kv_begin', totalBytes: 100 }, 11);
-    assert.deepEqual(late, [{ t: 'illegal', room: '42', from: KVPoll.Failed, to: KVPoll.Transferring, why: 'kv_begin refused in Failed/done' }]);
+    assert.deepEqual(late, [{ t: 'late', room: '42', event: 'kv_begin', state: KVPoll.Failed }]);
     assert.equal(t.get('42')!.state, KVPoll.Failed);
-    assert.equal(t.stats.illegal, 1);
+    assert.equal(t.stats.illegal, 0);
+    assert.equal(t.stats.late, 1);
+  });
+
+  test('fault a: a client abort crossing decode\'s KV_ACK is a benign race (late), never an illegal transition', () => {
+    const t = at('prefill', 'inflight');
+    assert.equal(kinds(t.apply('42', EV.abort_router!, 10)), 'notify_peer,terminal');
+    assert.deepEqual(t.apply('42', EV.kv_done!, 11), [{ t: 'late', room: '42', event: 'kv_done', state: KVPoll.Failed }]);
+    assert.deepEqual(t.apply('42', EV.kv_done!, 12), [{ t: 'late', room: '42', event: 'kv_done', state: KVPoll.Failed }], 'a duplicate ack is late too');
+    assert.equal(t.stats.illegal, 0);
+    assert.equal(t.stats.late, 2);
+    // A real violation stays illegal: an ack for a room that never sent its state.
+    const u = at('prefill', 'waiting');
+    assert.equal(kinds(u.apply('42', EV.kv_done!, 1)), 'illegal');
+    assert.equal(u.stats.illegal, 1);
   });
 });
 
@@ -263,8 +282,8 @@ describe('deadlines', () => {
       assert.equal(exp.state, stateBefore, 'expired carries the state at expiry');
       assert.equal(r.state, KVPoll.Failed);
       assert.equal(exp.timeline.at(-1)!.why, `deadline:${phase}`);
-      assert.equal(r.failReason, `deadline:${phase}`);
-      assert.equal((eff.at(-1) as Extract<Effect, { t: 'terminal' }>).reason, `deadline:${phase}`);
+      assert.deepEqual(r.failure, { code: 'room_deadline_expired', detail: `deadline:${phase}` });
+      assert.equal((eff.at(-1) as Extract<Effect, { t: 'terminal' }>).failure?.detail, `deadline:${phase}`);
       assert.equal(t.stats.expired, 1);
       assert.deepEqual(t.tick(1e9), [], 'expired once');
       assert.equal(t.nextDeadline(), Infinity);
@@ -294,29 +313,29 @@ describe('deadlines', () => {
 describe('tombstones', () => {
   test('abort before the request: the late request is created Failed at once with the reason', () => {
     const t = new RoomTable('decode', T);
-    assert.deepEqual(t.apply('77', { t: 'abort', from: 'router', reason: 'abort: router' }, 0), []);
+    assert.deepEqual(t.apply('77', { t: 'abort', from: 'router', failure: F('abort: router') }, 0), []);
     assert.equal(t.isTombstoned('77'), true);
     assert.equal(t.stats.tombstoned, 1);
     const eff = t.create('77', 'r77', 5, 'p1');
     assert.deepEqual(eff, [
-      { t: 'notify_peer', room: '77', peer: 'p1', reason: 'abort: router' },
-      { t: 'terminal', room: '77', state: KVPoll.Failed, reason: 'abort: router' },
+      { t: 'notify_peer', room: '77', peer: 'p1', failure: F('abort: router') },
+      { t: 'terminal', room: '77', state: KVPoll.Failed, failure: F('abort: router') },
     ]);
     assert.equal(t.get('77')!.state, KVPoll.Failed);
     assert.equal(t.has('77'), false);
-    assert.deepEqual(t.apply('77', EV.slot_reserved!, 6).map((e) => e.t), ['illegal']);
+    assert.deepEqual(t.apply('77', EV.slot_reserved!, 6).map((e) => e.t), ['late']);
   });
 
   test('a tombstone from the peer is not echoed back to it', () => {
     const t = new RoomTable('decode', T);
-    t.apply('78', { t: 'abort', from: 'peer', reason: 'prefill: abort' }, 0);
+    t.apply('78', { t: 'abort', from: 'peer', failure: F('prefill: abort') }, 0);
     assert.equal(kinds(t.create('78', 'r', 1, 'p1')), 'terminal');
   });
 
   test('REGISTER for a tombstoned id answers FAIL; other unknown events return [] and are counted', () => {
     const t = new RoomTable('prefill', T);
     t.apply('79', EV.fail!, 0);
-    assert.deepEqual(t.apply('79', { t: 'registered', peer: 'c1' }, 1), [{ t: 'notify_peer', room: '79', peer: 'c1', reason: 'engine: boom' }]);
+    assert.deepEqual(t.apply('79', { t: 'registered', peer: 'c1' }, 1), [{ t: 'notify_peer', room: '79', peer: 'c1', failure: F('engine: boom') }]);
     assert.deepEqual(t.apply('80', { t: 'registered', peer: 'c1' }, 1), []);
     assert.deepEqual(t.apply('80', EV.kv_done!, 1), []);
     assert.equal(t.stats.unknownEvents, 2);
@@ -338,7 +357,7 @@ describe('tombstones', () => {
     const t = new RoomTable('prefill', T, { tombstoneMax: 3 });
     for (const id of ['1', '2', '3']) t.apply(id, EV.abort_router!, Number(id));
     t.apply('1', EV.fail!, 5);
-    assert.equal(t.tombstone('1')!.reason, 'abort: router');
+    assert.deepEqual(t.tombstone('1')!.failure, F('abort: router'));
     t.apply('4', EV.abort_router!, 6);
     assert.equal(t.isTombstoned('1'), false);
     assert.deepEqual(['2', '3', '4'].map((id) => t.isTombstoned(id)), [true, true, true]);
@@ -382,13 +401,13 @@ describe('duplicates, failPeer, history, snapshot', () => {
     t.apply('2', { t: 'registered', peer: 'A' }, 1);
     t.apply('3', { t: 'registered', peer: 'B' }, 1);
     t.apply('2', EV.kv_begin!, 2);
-    const eff = t.failPeer('A', 'peer_lost: closed', 3);
+    const eff = t.failPeer('A', F('peer_lost: closed'), 3);
     assert.deepEqual(eff, [
-      { t: 'terminal', room: '1', state: KVPoll.Failed, reason: 'peer_lost: closed' },
-      { t: 'terminal', room: '2', state: KVPoll.Failed, reason: 'peer_lost: closed' },
+      { t: 'terminal', room: '1', state: KVPoll.Failed, failure: F('peer_lost: closed') },
+      { t: 'terminal', room: '2', state: KVPoll.Failed, failure: F('peer_lost: closed') },
     ]);
     assert.deepEqual(t.rooms().map((r) => r.id), ['3', '4']);
-    assert.deepEqual(t.failPeer('A', 'again', 4), []);
+    assert.deepEqual(t.failPeer('A', F('again'), 4), []);
   });
 
   test('history is bounded and newest first; counts include live and recent', () => {
@@ -442,6 +461,7 @@ describe('duplicates, failPeer, history, snapshot', () => {
       bytes: 0,
       total_bytes: null,
       fail_reason: null,
+      fail_code: null,
       timeline: [
         { at: 100, state: 'Bootstrapping', phase: 'prealloc', why: 'create' },
         { at: 110, state: 'Bootstrapping', phase: 'bootstrap', why: 'slot_reserved' },
@@ -449,7 +469,8 @@ describe('duplicates, failPeer, history, snapshot', () => {
     });
     assert.equal(snap.recent[0].state, 'Failed');
     assert.equal(snap.recent[0].deadline_ms, null);
-    assert.equal(snap.recent[0].fail_reason, 'abort: router');
+    assert.equal(snap.recent[0].fail_reason, 'internal_error: abort: router');
+    assert.equal(snap.recent[0].fail_code, 'internal_error');
     assert.equal(snap.tombstones, 1);
     assert.equal(snap.stats.created, 2);
   });
@@ -476,7 +497,7 @@ describe('legacyMaxRule (test-only reproduction of the bug)', () => {
     t.create('1', 'r', 0);
     t.apply('1', EV.registered!, 1);
     t.apply('1', EV.abort_router!, 2);
-    assert.equal(kinds(t.apply('1', EV.kv_begin!, 3)), 'illegal');
+    assert.equal(kinds(t.apply('1', EV.kv_begin!, 3)), 'late');
     assert.equal(t.get('1')!.state, KVPoll.Failed);
   });
 });
@@ -489,9 +510,9 @@ describe('property: random event sequences', () => {
     fc.record({ t: fc.constant('kv_begin' as const), totalBytes: fc.nat(1000) }),
     fc.record({ t: fc.constant('progress' as const), bytes: fc.nat(100) }),
     fc.constant<RoomEvent>({ t: 'kv_done' }),
-    fc.record({ t: fc.constant('abort' as const), from: fc.constantFrom('router', 'client', 'peer', 'local') as fc.Arbitrary<'router' | 'client' | 'peer' | 'local'>, reason: fc.constant('x') }),
-    fc.constant<RoomEvent>({ t: 'fail', reason: 'f' }),
-    fc.constant<RoomEvent>({ t: 'peer_lost', reason: 'l' }),
+    fc.record({ t: fc.constant('abort' as const), from: fc.constantFrom('router', 'client', 'peer', 'local') as fc.Arbitrary<'router' | 'client' | 'peer' | 'local'>, failure: fc.constant(F('x')) }),
+    fc.constant<RoomEvent>({ t: 'fail', failure: F('f') }),
+    fc.constant<RoomEvent>({ t: 'peer_lost', failure: F('l') }),
   );
   type Cmd = { k: 'create'; id: string; peer: boolean } | { k: 'ev'; id: string; ev: RoomEvent } | { k: 'tick'; dt: number } | { k: 'failPeer'; peer: string };
   const cmdArb: fc.Arbitrary<Cmd> = fc.oneof(
@@ -539,7 +560,7 @@ describe('property: random event sequences', () => {
               now += c.dt;
               account(t.tick(now));
             } else {
-              account(t.failPeer(c.peer, 'gone', now));
+              account(t.failPeer(c.peer, F('gone'), now));
             }
             for (const s of seen) {
               const st = s.room.state;

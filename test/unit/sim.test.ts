@@ -5,6 +5,7 @@
  * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 10,000).
  * PDSERVE_SIM_FROM=<s> changes the first seed (default 1).
  */
+import { newRoomId } from '../../src/common/room-id.js';
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/kv/sim/index.js';
@@ -25,7 +26,7 @@ test('PRNG is deterministic and roughly uniform', () => {
   const buckets = [0, 0, 0, 0];
   for (let i = 0; i < 40_000; i++) buckets[r.int(0, 3)]!++;
   for (const c of buckets) assert.ok(c > 9_000 && c < 11_000, `bucket ${c}`);
-  assert.match(new Prng(3).roomId(), /^[1-9]\d{0,18}$/);
+  assert.match(newRoomId(() => new Prng(3).u64()), /^[1-9]\d{0,18}$/);
 });
 
 test('a seed replays exactly (same trace, same verdict, with or without tracing)', () => {

@@ -56,11 +56,11 @@ export class Prng {
     return xs[Math.floor(this.float() * xs.length)]!;
   }
 
-  /** A random 63-bit integer as a canonical decimal string (a bootstrap room id). */
-  roomId(): string {
-    const hi = BigInt(this.u32() & 0x7fffffff);
+  /** 64 random bits (high word first); feeds `newRoomId` so a seed replays its room ids. */
+  u64(): bigint {
+    const hi = BigInt(this.u32());
     const lo = BigInt(this.u32());
-    return ((hi << 32n) | lo).toString();
+    return (hi << 32n) | lo;
   }
 }
 

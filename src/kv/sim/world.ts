@@ -32,9 +32,11 @@
  * without a deadline; rooms of a crashed peer not failed within two heartbeat intervals of silence
  * (+ one check period + max network delay); non-terminal rooms at the end.
  */
+import { failure, failureText } from '../../common/errors.js';
+import { newRoomId } from '../../common/room-id.js';
 import { RoomTable, stateName } from '../lifecycle.js';
 import { KVPoll, isTerminal, type Effect, type Role, type RoomEvent, type RoomId, type RoomTimeouts } from '../types.js';
-import type { ControlMsg } from '../messages.js';
+import { failureFromWire, type ControlMsg } from '../messages.js';
 import { EventHeap } from './heap.js';
 import { Prng } from './prng.js';
 
@@ -127,6 +129,8 @@ export interface SimStats {
   duplicated: number;
   refusedStale: number;
   illegal: number;
+  /** Benign races (`late` effects): forward events that reached an already Failed room. */
+  late: number;
   expired: number;
   events: number;
   endAt: number;
@@ -159,7 +163,7 @@ interface Handle {
   released?: { at: number; why: string };
 }
 
-type ChunkBody = { type: 'chunk'; room: string; offset: number; len: number; tag: string };
+type ChunkBody = { type: 'chunk'; room: RoomId; offset: number; len: number; tag: string };
 type HelloBody = { type: 'hello' };
 type Body =
   | Extract<ControlMsg, { type: 'register' | 'registered' | 'kv_begin' | 'kv_end' | 'kv_ack' | 'fail' | 'ping' | 'pong' }>
@@ -242,7 +246,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly violations: Violation[] = [];
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, expired: 0, events: 0, endAt: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0 };
   private readonly handles = new Set<Handle>();
   private handleSeq = 0;
   private readonly crossAbort: boolean;
@@ -350,8 +354,8 @@ export class World {
     const ids = new Set<RoomId>();
     for (let i = 0; i < nReq; i++) {
       t += rng.int(0, 100);
-      let id = rng.roomId();
-      while (ids.has(id)) id = rng.roomId();
+      let id = newRoomId(() => rng.u64());
+      while (ids.has(id)) id = newRoomId(() => rng.u64());
       ids.add(id);
       const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, on: {}, outcome: {} };
       this.reqs.push(req);
@@ -541,7 +545,7 @@ export class World {
         const old = to.knownPeerEpoch;
         to.knownPeerEpoch = epoch;
         if (this.tracing) this.tr('sim', undefined, `${to.name} binds peer epoch ${epoch}${old ? ` (was ${old}: failing its rooms)` : ''}`);
-        if (old) this.lost(to, `peer_lost: ${from} restarted (epoch ${old} → ${epoch})`);
+        if (old) this.lost(to, `${from} restarted (epoch ${old} → ${epoch})`);
         this.send(to, { type: 'hello' });
       }
       to.connected = true;
@@ -562,15 +566,15 @@ export class World {
       if (this.tracing) this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
     }
     to.lastHeard = this.now;
-    if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.reason})` : ''}`);
+    if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
     if (to.role === 'prefill') this.prefillRecv(to, body);
     else this.decodeRecv(to, body);
   }
 
   /** The peer is gone (silent, or restarted): fail every room bound to it. */
-  private lost(n: Node, reason: string): void {
+  private lost(n: Node, detail: string): void {
     if (n.role === 'prefill') n.pendingRegs.clear();
-    this.perform(n, n.table.failPeer(n.peer, reason, this.now));
+    this.perform(n, n.table.failPeer(n.peer, failure('peer_lost', detail), this.now));
   }
 
   private heartbeat(n: Node): void {
@@ -578,7 +582,7 @@ export class World {
     if (n.connected && this.now - n.lastHeard > 2 * HB_MS) {
       n.connected = false;
       if (this.tracing) this.tr('sim', undefined, `${n.name}: ${n.peer} silent for ${this.now - n.lastHeard} ms > 2 heartbeats: peer lost`);
-      this.lost(n, `peer_lost: heartbeat: ${n.peer} silent for 2 intervals`);
+      this.lost(n, `heartbeat: ${n.peer} silent for 2 intervals`);
     }
     if (n.knownPeerEpoch) this.send(n, { type: 'ping', seq: 0 });
   }
@@ -619,23 +623,27 @@ export class World {
         case 'terminal': {
           const c = (n.terminals.get(e.room) ?? 0) + 1;
           n.terminals.set(e.room, c);
-          if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: e.room, detail: `terminal effect #${c} (${stateName(e.state)}: ${e.reason})` });
-          if (this.tracing) this.tr(n.name, e.room, `TERMINAL ${stateName(e.state)} (${e.reason})`);
+          const why = e.failure ? failureText(e.failure) : 'kv_done';
+          if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: e.room, detail: `terminal effect #${c} (${stateName(e.state)}: ${why})` });
+          if (this.tracing) this.tr(n.name, e.room, `TERMINAL ${stateName(e.state)} (${why})`);
           if (n.role === 'prefill') this.prefillFinish(n, e.room, e.state);
           else this.decodeFinish(n, e.room, e.state);
           const req = this.byId.get(e.room);
           if (req && req.on[n.name] === n.inc) {
             const side = n.name;
             const st = e.state === KVPoll.Success ? 'Success' : 'Failed';
-            this.at(this.now + 1, () => this.routerSide(req, side, st, e.reason));
+            this.at(this.now + 1, () => this.routerSide(req, side, st, why));
           }
           break;
         }
         case 'notify_peer':
-          this.send(n, { type: 'fail', room: e.room, reason: e.reason, epoch: n.epoch });
+          this.send(n, { type: 'fail', room: e.room, code: e.failure.code, detail: e.failure.detail, epoch: n.epoch });
           break;
         case 'illegal':
           this.stats.illegal++;
+          break;
+        case 'late':
+          this.stats.late++;
           break;
         case 'expired':
           this.stats.expired++;
@@ -654,7 +662,7 @@ export class World {
           const rec = n.recs.get(e.room);
           if (!rec) break;
           if (!this.send(n, { type: 'register', room: e.room, rid: rec.rid, epoch: n.epoch })) {
-            this.applyOn(n, e.room, { t: 'peer_lost', reason: 'peer_lost: connection closed before register' });
+            this.applyOn(n, e.room, { t: 'peer_lost', failure: failure('peer_lost', 'connection closed before register') });
           }
           break;
         }
@@ -672,7 +680,7 @@ export class World {
       for (const [id, p] of n.pendingRegs) {
         if (this.now - p.at > this.prefillTimeouts.bootstrapMs) {
           n.pendingRegs.delete(id);
-          this.send(n, { type: 'fail', room: id, reason: 'bootstrap: no request for this room reached prefill', epoch: n.epoch });
+          this.send(n, { type: 'fail', room: id, code: 'registration_refused', detail: 'no request for this room reached prefill', epoch: n.epoch });
         }
       }
     }
@@ -726,7 +734,7 @@ export class World {
         n.pendingRegs.delete(req.id);
       }
       n.aborted.add(req.id);
-      this.applyOn(n, req.id, { t: 'abort', from: 'router', reason });
+      this.applyOn(n, req.id, { t: 'abort', from: 'router', failure: failure('request_aborted', reason) });
     });
   }
 
@@ -771,7 +779,7 @@ export class World {
         return;
       case 'fail':
         n.pendingRegs.delete(body.room);
-        this.applyOn(n, body.room, { t: 'abort', from: 'peer', reason: `decode: ${body.reason}` });
+        this.applyOn(n, body.room, { t: 'abort', from: 'peer', failure: failureFromWire(body, 'decode') });
         return;
       case 'ping':
         this.send(n, { type: 'pong', seq: body.seq });
@@ -860,7 +868,7 @@ export class World {
     if (!room || room.state !== KVPoll.Transferring) return;
     const rec = n.recs.get(id)!;
     if (!this.send(n, { type: 'chunk', room: id, offset, len, tag: `${id}/${rec.rid}` })) {
-      this.applyOn(n, id, { t: 'fail', reason: 'socket write failed: connection closed' });
+      this.applyOn(n, id, { t: 'fail', failure: failure('kv_transfer_failed', 'socket write failed: connection closed') });
       return;
     }
     this.applyOn(n, id, { t: 'progress', bytes: len });
@@ -954,7 +962,7 @@ export class World {
           return;
         }
         if (body.tag !== `${body.room}/${rec.rid}`) {
-          this.applyOn(n, body.room, { t: 'fail', reason: `bad envelope: chunk tagged ${body.tag}` });
+          this.applyOn(n, body.room, { t: 'fail', failure: failure('bad_state', `chunk tagged ${body.tag}`) });
           return;
         }
         if (rec.recv.got.has(body.offset)) return; // duplicate frame
@@ -973,7 +981,7 @@ export class World {
         return;
       }
       case 'fail':
-        this.applyOn(n, body.room, { t: 'abort', from: 'peer', reason: `prefill: ${body.reason}` });
+        this.applyOn(n, body.room, { t: 'abort', from: 'peer', failure: failureFromWire(body, 'prefill') });
         return;
       case 'ping':
         this.send(n, { type: 'pong', seq: body.seq });
@@ -988,7 +996,7 @@ export class World {
     const recv = rec?.recv;
     if (!rec || !recv || !recv.endSeen || rec.loading || rec.loaded || !rec.slot) return;
     if (recv.bytes > recv.total) {
-      this.applyOn(n, id, { t: 'fail', reason: `bad envelope: ${recv.bytes} bytes > announced ${recv.total}` });
+      this.applyOn(n, id, { t: 'fail', failure: failure('bad_state', `${recv.bytes} bytes > announced ${recv.total}`) });
       return;
     }
     if (recv.bytes < recv.total) return; // wait for the missing chunks (or the transfer deadline)
@@ -1064,7 +1072,7 @@ function fx(eff: Effect[]): string {
         case 'illegal':
           return `illegal ${stateName(e.from)}→${stateName(e.to)}`;
         case 'notify_peer':
-          return `notify_peer(${e.reason})`;
+          return `notify_peer(${failureText(e.failure)})`;
         default:
           return e.t;
       }

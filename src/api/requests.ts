@@ -2,9 +2,9 @@
  * Turning a worker `/generate` body into engine inputs. Shared by prefill, decode and colocated
  * so every role tokenizes and samples identically (PD output must equal colocated output).
  */
-import type { GenerateRequest } from '../api/worker-protocol.js';
+import type { GenerateRequest } from './worker-protocol.js';
 import type { Engine, SamplingParams } from '../engine/types.js';
-import { ApiError } from './errors.js';
+import { ApiError } from '../common/errors.js';
 
 /** Worker sampling_params → engine SamplingParams. */
 export function samplingFromWire(s: GenerateRequest['sampling_params']): SamplingParams {

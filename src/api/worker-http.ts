@@ -4,10 +4,10 @@
  */
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
-import { registerOpenAIErrorHandling, sendApiError } from '../api/openai.js';
-import type { ApiError } from './errors.js';
-import { registerHoldRoute } from './testhooks.js';
-import type { Logger } from './log.js';
+import { registerOpenAIErrorHandling, sendApiError } from './openai.js';
+import type { ApiError } from '../common/errors.js';
+import { registerHoldRoute } from '../common/testhooks.js';
+import type { Logger } from '../common/log.js';
 
 export interface WorkerAppOptions {
   log: Logger;

@@ -1,0 +1,563 @@
+/**
+ * One KV channel connection (either side): a TCP socket, the frame decoder (frame.ts), the
+ * handshake (handshake.ts, sans-IO) and liveness (heartbeat.ts, injected clock) composed — the
+ * way nats.js composes transport, parser and heartbeats. The server and the pool that own
+ * connections are in channel.ts.
+ *
+ * Guarantees (see channel.ts for the whole list): nothing blocks the event loop; every wait has a
+ * deadline; anything unexpected closes this one connection with a logged reason; onPeerLost fires
+ * exactly once for every authenticated connection that ends.
+ */
+import type net from 'node:net';
+import { encodeChunk, encodeControl, FrameDecoder, type Frame } from './frame.js';
+import { Handshake } from './handshake.js';
+import { Heartbeat, systemClock, type Clock } from './heartbeat.js';
+import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type RoomMsg } from './messages.js';
+import { KvError, type RoomId } from './types.js';
+
+/** Pino-compatible logger subset. */
+export interface KvLog {
+  info(obj: object, msg?: string): void;
+  warn(obj: object, msg?: string): void;
+  error(obj: object, msg?: string): void;
+  debug(obj: object, msg?: string): void;
+}
+
+/** Counters of one KvServer or KvPeerPool (monotonic; export as Prometheus counters). */
+export interface KvStats {
+  framesIn: number;
+  framesOut: number;
+  bytesIn: number;
+  bytesOut: number;
+  /** Handshakes refused: bad mac, auth_fail received, timeout, wrong or unauthenticated frame. */
+  authFailures: number;
+  /** Connections closed for a malformed, oversized, unknown or out-of-place frame. */
+  badFrames: number;
+  /** register / kv_ack / fail messages refused because their epoch is not the connection's. */
+  staleEpoch: number;
+  /** Authenticated connections lost for a cause other than a local close()/destroy(). */
+  peersLost: number;
+  /** Handshakes refused because the pair's settings (model, context, batch, flash attention) differ. */
+  settingsMismatch: number;
+  /** Liveness checks that found THIS process's event loop had stalled (the peer was not blamed). */
+  ownStalls: number;
+}
+
+/** Callbacks of a KvServer / KvPeerPool. Exceptions thrown by them are logged and swallowed. */
+export interface KvHandlers {
+  /** A room message (register, registered, kv_begin, kv_end, kv_ack, fail) with a valid epoch. */
+  onMessage?: (conn: PeerConn, msg: RoomMsg) => void;
+  /**
+   * KV data: `data` goes at byte `offset` of the blob of `room`. Data is delivered as it arrives,
+   * without copies: a chunk frame may come out as several calls with contiguous offsets, each
+   * with 1..MAX_CHUNK_BYTES bytes. `data` is a view into a socket read buffer: copy it out, do
+   * not keep it. Without this handler a chunk frame is a protocol error that closes the connection.
+   */
+  onChunk?: (conn: PeerConn, room: RoomId, offset: number, data: Buffer) => void;
+  /** An authenticated connection ended (peer lost, bad frame, queue overflow or local close). Once per connection. */
+  onPeerLost?: (conn: PeerConn, reason: string) => void;
+  /** A connection finished authentication. */
+  onConnect?: (conn: PeerConn) => void;
+}
+
+/** Options of PeerConn.sendChunks. */
+export interface SendChunksOptions {
+  /** Data bytes per chunk frame, 1..MAX_CHUNK_BYTES (default MAX_CHUNK_BYTES). */
+  chunkBytes?: number;
+  /** Aborting rejects with KvError('ABORTED'). Chunks already queued are still delivered. */
+  signal?: AbortSignal;
+  /** Max time without progress (a chunk flushed to the kernel), ms (default 10000); then KvError('TIMEOUT'). */
+  stallMs?: number;
+  /** Called with the data bytes of each chunk once flushed to the kernel (a delta, not a total). */
+  onProgress?: (bytes: number) => void;
+}
+
+export const DEFAULT_HEARTBEAT_MS = 1000;
+export { HEARTBEAT_MISS_BUDGET } from './heartbeat.js';
+
+/** Fresh zeroed counters. */
+export function newKvStats(): KvStats {
+  return { framesIn: 0, framesOut: 0, bytesIn: 0, bytesOut: 0, authFailures: 0, badFrames: 0, staleEpoch: 0, peersLost: 0, settingsMismatch: 0, ownStalls: 0 };
+}
+
+export const noop = (): void => {};
+export const NOOP_LOG: KvLog = { info: noop, warn: noop, error: noop, debug: noop };
+
+/** @internal Validated options shared by every connection of one server/pool. */
+export interface Settings {
+  secret: string | Buffer;
+  epoch: string;
+  /** This process's pair settings, exchanged in the handshake. */
+  pair: PairSettings;
+  /** Time source of the heartbeat. */
+  clock: Clock;
+  heartbeatMs: number;
+  authTimeoutMs: number;
+  maxQueuedBytes: number;
+  sendWindowBytes: number;
+  closeTimeoutMs: number;
+  log: KvLog;
+}
+
+/** @internal What a PeerConn needs from its owner. */
+export interface Owner {
+  readonly s: Settings;
+  readonly stats: KvStats;
+  readonly handlers: KvHandlers;
+  authenticated(conn: PeerConn): void;
+  closed(conn: PeerConn): void;
+}
+
+export type ConnState = 'handshake' | 'open' | 'closing' | 'closed';
+export type Side = 'prefill' | 'decode';
+
+export const errText = (e: unknown): string => (e instanceof Error ? ((e as NodeJS.ErrnoException).code ?? e.message) : String(e));
+
+/**
+ * One authenticated channel connection, as seen from either side. Obtained from KvServer
+ * (onConnect / handlers / get(id)) or KvPeerPool.get(); never constructed directly.
+ */
+export class PeerConn {
+  /** Peer's session epoch, bound at authentication ('' before). */
+  peerEpoch = '';
+  /** Round-trip time of the last answered ping, ms (undefined until one is answered). */
+  rttMs: number | undefined;
+  /** "host:port": the dialed address (decode side) or the peer's socket address (prefill side). */
+  readonly address: string;
+  /** Settles when the connection is fully closed (never rejects). */
+  readonly closed: Promise<void>;
+  /** @internal Resolves at authentication; rejects (KvError) if the handshake fails. */
+  readonly ready: Promise<void>;
+
+  private state: ConnState = 'handshake';
+  private reason = '';
+  private lost = false;
+  private authed = false;
+  private readonly decoder = new FrameDecoder({ acceptChunks: false, streamChunks: true });
+  private readonly handshake: Handshake;
+  private heartbeat: Heartbeat | undefined;
+  /** Peer's pair settings, bound at authentication. */
+  peerSettings: PairSettings | undefined;
+  private pingSeq = 0;
+  private pingSentAt = new Map<number, number>();
+  private authTimer: NodeJS.Timeout | undefined;
+  private pingTimer: NodeJS.Timeout | undefined;
+  private liveTimer: NodeJS.Timeout | undefined;
+  private closeTimer: NodeJS.Timeout | undefined;
+  private readonly closeWaiters = new Set<(reason: string) => void>();
+  private readonly drainWaiters = new Set<() => void>();
+  private resolveReady!: () => void;
+  private rejectReady!: (e: KvError) => void;
+  private resolveClosed!: () => void;
+  private failure: KvError | undefined;
+
+  /** @internal */
+  constructor(
+    private readonly socket: net.Socket,
+    private readonly side: Side,
+    private readonly owner: Owner,
+    address: string,
+  ) {
+    this.address = address;
+    this.ready = new Promise<void>((res, rej) => {
+      this.resolveReady = res;
+      this.rejectReady = rej;
+    });
+    this.ready.catch(noop);
+    this.closed = new Promise<void>((res) => (this.resolveClosed = res));
+    socket.setNoDelay(true);
+    socket.on('data', (b: Buffer) => this.onData(b));
+    socket.on('drain', () => {
+      for (const w of [...this.drainWaiters]) w();
+    });
+    socket.on('error', (e) => this.terminate(`socket error: ${errText(e)}`, { lost: true }));
+    socket.on('end', () => this.terminate('connection closed by peer', { lost: true }));
+    socket.on('close', () => this.terminate(this.state === 'closing' ? this.reason : 'connection closed', { lost: true }));
+    this.authTimer = setTimeout(() => {
+      this.owner.stats.authFailures++;
+      this.refuse(`authentication timed out after ${this.owner.s.authTimeoutMs} ms`, 'TIMEOUT');
+    }, owner.s.authTimeoutMs);
+    this.authTimer.unref();
+    this.handshake = new Handshake({ side, secret: owner.s.secret, epoch: owner.s.epoch, settings: owner.s.pair });
+    for (const m of this.handshake.start()) this.write(encodeControl(m));
+  }
+
+  /** "decode@<addr>:<port>#<epoch prefix>" on prefill, "prefill@<host>:<port>#<epoch prefix>" on decode. */
+  get id(): string {
+    return `${this.side === 'prefill' ? 'decode' : 'prefill'}@${this.address}#${this.peerEpoch.slice(0, 8) || '?'}`;
+  }
+
+  /** True while authenticated and not closing. */
+  get alive(): boolean {
+    return this.state === 'open';
+  }
+
+  /** Bytes queued in user space, not yet handed to the kernel. */
+  get queuedBytes(): number {
+    return this.socket.writableLength;
+  }
+
+  /**
+   * Sends one control message. Returns false (and sends nothing) if the connection is not open.
+   * Throws KvError('BAD_FRAME') if `msg` is invalid (a bug at the caller).
+   */
+  sendControl(msg: ControlMsg): boolean {
+    if (this.state !== 'open') return false;
+    return this.write(encodeControl(msg));
+  }
+
+  /**
+   * Streams `blob` as chunk frames of room `roomId` (canonical decimal u64), offsets 0..length.
+   * Respects backpressure: writes while fewer than sendWindowBytes are queued, then waits for
+   * the socket to flush; never blocks the event loop. `blob` is not copied and must not change
+   * until the promise settles. Resolves once every chunk is flushed to the kernel. Rejects with
+   * KvError('PEER_LOST') if the connection ends, 'ABORTED' if `signal` aborts, 'TIMEOUT' after
+   * `stallMs` without progress, 'BAD_FRAME' for an invalid room id; RangeError for bad options.
+   */
+  sendChunks(roomId: RoomId, blob: Buffer, opts: SendChunksOptions = {}): Promise<void> {
+    const chunkBytes = opts.chunkBytes ?? MAX_CHUNK_BYTES;
+    const stallMs = opts.stallMs ?? 10_000;
+    if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1 || chunkBytes > MAX_CHUNK_BYTES) {
+      return Promise.reject(new RangeError(`chunkBytes must be an integer in 1..${MAX_CHUNK_BYTES}, got ${chunkBytes}`));
+    }
+    if (!Number.isSafeInteger(stallMs) || stallMs < 1) return Promise.reject(new RangeError(`stallMs must be a positive integer, got ${stallMs}`));
+    try {
+      encodeChunk(roomId, 0, Buffer.alloc(1)); // validates the room id up front
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    const signal = opts.signal;
+    if (signal?.aborted) return Promise.reject(new KvError('ABORTED', `transfer of room ${roomId} aborted before start: ${reasonText(signal.reason)}`));
+    if (this.state !== 'open') return Promise.reject(this.lostError(roomId));
+    if (blob.length === 0) return Promise.resolve();
+
+    return new Promise<void>((resolve, reject) => {
+      const window = this.owner.s.sendWindowBytes;
+      let next = 0;
+      let pending = 0;
+      let flushed = 0;
+      let done = false;
+      const settle = (err?: Error): void => {
+        if (done) return;
+        done = true;
+        clearTimeout(stall);
+        this.drainWaiters.delete(pump);
+        this.closeWaiters.delete(onClose);
+        signal?.removeEventListener('abort', onAbort);
+        if (err) reject(err);
+        else resolve();
+      };
+      const onAbort = (): void => settle(new KvError('ABORTED', `transfer of room ${roomId} aborted: ${reasonText(signal?.reason)}`));
+      const onClose = (): void => settle(this.lostError(roomId));
+      const stall = setTimeout(
+        () => settle(new KvError('TIMEOUT', `transfer of room ${roomId} stalled: no progress for ${stallMs} ms (${flushed}/${blob.length} bytes flushed)`)),
+        stallMs,
+      );
+      stall.unref();
+      const written = (n: number) => (err?: Error | null): void => {
+        pending--;
+        if (done) return;
+        if (err) return settle(this.lostError(roomId, err));
+        flushed += n;
+        stall.refresh();
+        if (opts.onProgress) {
+          try {
+            opts.onProgress(n);
+          } catch (e) {
+            this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendChunks onProgress threw');
+          }
+        }
+        if (next >= blob.length && pending === 0) return settle();
+        pump();
+      };
+      function pumpImpl(this: PeerConn): void {
+        while (!done && next < blob.length) {
+          if (this.state !== 'open') return settle(this.lostError(roomId));
+          if (this.socket.writableLength >= window) return; // resumed by a flush of ours or by 'drain'
+          const n = Math.min(chunkBytes, blob.length - next);
+          const frame = encodeChunk(roomId, next, blob.subarray(next, next + n));
+          next += n;
+          pending++;
+          if (!this.write(frame, written(n))) return settle(this.lostError(roomId));
+        }
+      }
+      const pump = (): void => {
+        if (!done) stall.refresh();
+        pumpImpl.call(this);
+      };
+      this.drainWaiters.add(pump);
+      this.closeWaiters.add(onClose);
+      signal?.addEventListener('abort', onAbort, { once: true });
+      pumpImpl.call(this);
+    });
+  }
+
+  /**
+   * Graceful close: stops sending and receiving, flushes queued bytes (up to closeTimeoutMs,
+   * then destroys). Idempotent; onPeerLost fires with `reason` once closed.
+   */
+  close(reason = 'closed locally'): Promise<void> {
+    this.terminate(reason, { lost: false, graceful: true });
+    return this.closed;
+  }
+
+  /** Immediate close: drops queued bytes. Idempotent. */
+  destroy(reason = 'destroyed locally'): void {
+    this.terminate(reason, { lost: false });
+  }
+
+  // ---- internals ---------------------------------------------------------------------------
+
+  private lostError(roomId: string, err?: Error): KvError {
+    const why = this.reason || (err ? `write failed: ${errText(err)}` : 'not open');
+    return new KvError('PEER_LOST', `connection ${this.id} is gone (${why}); transfer of room ${roomId} failed`);
+  }
+
+  /** Hands one frame to the socket; false if the socket is gone or the queue cap is exceeded. */
+  private write(frame: Buffer | Buffer[], cb?: (err?: Error | null) => void): boolean {
+    const s = this.socket;
+    if (this.state === 'closing' || this.state === 'closed' || s.destroyed || !s.writable) return false;
+    let len: number;
+    if (Array.isArray(frame)) {
+      s.cork();
+      for (let i = 0; i < frame.length - 1; i++) s.write(frame[i]);
+      s.write(frame[frame.length - 1], cb);
+      s.uncork();
+      len = frame.reduce((a, b) => a + b.length, 0);
+    } else {
+      s.write(frame, cb);
+      len = frame.length;
+    }
+    this.owner.stats.framesOut++;
+    this.owner.stats.bytesOut += len;
+    if (s.writableLength > this.owner.s.maxQueuedBytes) {
+      this.terminate(`send queue over cap: ${s.writableLength} bytes queued (max ${this.owner.s.maxQueuedBytes}); peer is not reading`, { lost: true });
+      return false;
+    }
+    return true;
+  }
+
+  private get ending(): boolean {
+    return this.state === 'closing' || this.state === 'closed';
+  }
+
+  private onData(buf: Buffer): void {
+    if (this.ending) return;
+    this.heartbeat?.received();
+    this.owner.stats.bytesIn += buf.length;
+    try {
+      for (const f of this.decoder.feed(buf)) {
+        if (f.kind === 'control' || f.final) this.owner.stats.framesIn++;
+        this.onFrame(f);
+        if (this.ending) return;
+      }
+    } catch (e) {
+      if (e instanceof KvError && e.code === 'BAD_FRAME') {
+        this.owner.stats.badFrames++;
+        this.refuse(`bad frame: ${e.message}`, 'AUTH_FAILED');
+      } else {
+        this.owner.s.log.error({ peer: this.id, err: errText(e) }, 'kv channel internal error');
+        this.terminate(`internal error: ${errText(e)}`, { lost: true });
+      }
+    }
+  }
+
+  private onFrame(f: Frame): void {
+    if (this.state === 'handshake') {
+      // The decoder refuses chunk frames until authenticated.
+      if (f.kind === 'control') this.onHandshake(f.msg);
+      return;
+    }
+    const h = this.owner.handlers;
+    if (f.kind === 'chunk') {
+      if (!h.onChunk) {
+        this.owner.stats.badFrames++;
+        this.refuse(`unexpected chunk frame (room ${f.room}) on the ${this.side} side`);
+        return;
+      }
+      this.call('onChunk', () => h.onChunk?.(this, f.room, f.offset, f.data));
+      return;
+    }
+    const msg = f.msg;
+    switch (msg.type) {
+      case 'ping':
+        this.write(encodeControl({ type: 'pong', seq: msg.seq }));
+        return;
+      case 'pong': {
+        const t = this.pingSentAt.get(msg.seq);
+        if (t !== undefined) {
+          this.rttMs = Date.now() - t;
+          this.pingSentAt.delete(msg.seq);
+        }
+        return;
+      }
+      case 'hello':
+      case 'auth':
+      case 'auth_ok':
+      case 'auth_fail':
+        this.owner.stats.badFrames++;
+        this.refuse(`handshake message '${msg.type}' after authentication`);
+        return;
+      default:
+        if ('epoch' in msg && msg.epoch !== this.peerEpoch) {
+          this.owner.stats.staleEpoch++;
+          this.owner.s.log.warn(
+            { peer: this.id, type: msg.type, room: msg.room, epoch: msg.epoch, boundEpoch: this.peerEpoch },
+            'kv message with a stale epoch refused',
+          );
+          return;
+        }
+        this.call('onMessage', () => h.onMessage?.(this, msg));
+    }
+  }
+
+  private onHandshake(msg: ControlMsg): void {
+    const step = this.handshake.onMessage(msg);
+    if (step.k === 'continue') {
+      for (const m of step.send) this.write(encodeControl(m));
+      return;
+    }
+    if (step.k === 'refuse') {
+      if (step.code === 'SETTINGS_MISMATCH') {
+        this.owner.stats.settingsMismatch++;
+        // The one log line of this refusal on this side (refuse() stays quiet for it).
+        this.owner.s.log.error({ peer: this.address, reason: step.reason }, 'kv pair refused: prefill and decode settings differ; no request will be dispatched over this pair');
+      } else {
+        this.owner.stats.authFailures++;
+      }
+      this.refuse(step.reason, step.code, step.send);
+      return;
+    }
+    for (const m of step.send) this.write(encodeControl(m));
+    this.peerEpoch = step.peerEpoch;
+    this.peerSettings = step.peerSettings;
+    this.open();
+  }
+
+  private open(): void {
+    clearTimeout(this.authTimer);
+    this.authTimer = undefined;
+    this.state = 'open';
+    this.authed = true;
+    this.decoder.acceptChunks = true;
+    this.heartbeat = new Heartbeat(this.owner.s.heartbeatMs, undefined, this.owner.s.clock);
+    const hb = this.owner.s.heartbeatMs;
+    this.pingTimer = setInterval(() => this.ping(), hb);
+    this.pingTimer.unref();
+    this.armLiveness();
+    this.owner.s.log.info({ peer: this.id }, 'kv peer authenticated');
+    this.resolveReady();
+    this.owner.authenticated(this);
+  }
+
+  private ping(): void {
+    if (this.state !== 'open') return;
+    const seq = this.pingSeq++;
+    this.pingSentAt.set(seq, Date.now());
+    if (this.pingSentAt.size > 16) this.pingSentAt.delete(this.pingSentAt.keys().next().value as number);
+    this.write(encodeControl({ type: 'ping', seq }));
+  }
+
+  private armLiveness(): void {
+    const hb = this.heartbeat!;
+    this.liveTimer = setTimeout(() => {
+      // Decide after the poll phase, so bytes that arrived while our loop was busy count first.
+      setImmediate(() => {
+        if (this.state !== 'open') return;
+        const v = hb.check();
+        if (v.k === 'lost') {
+          this.terminate(v.reason, { lost: true });
+          return;
+        }
+        if (v.k === 'stalled') {
+          this.owner.stats.ownStalls++;
+          this.owner.s.log.warn({ peer: this.id, lateMs: v.lateMs }, 'this process stalled: liveness check ran late, peer budget restarted (the peer is not blamed for our stall)');
+        }
+        this.armLiveness();
+      });
+    }, hb.nextCheckInMs());
+    this.liveTimer.unref();
+  }
+
+  /** Closes for a protocol/auth reason: logs, tells the peer during the handshake (prefill side), destroys. */
+  private refuse(reason: string, code: 'AUTH_FAILED' | 'SETTINGS_MISMATCH' | 'TIMEOUT' = 'AUTH_FAILED', send?: ControlMsg[]): void {
+    if (this.state === 'closing' || this.state === 'closed') return;
+    const wasHandshake = this.state === 'handshake';
+    if (code !== 'SETTINGS_MISMATCH') this.owner.s.log.warn({ peer: this.id, reason }, 'closing kv connection');
+    if (wasHandshake && this.side === 'prefill') {
+      // Best effort, so decode can report a refused secret (or a settings mismatch) rather than a dead peer.
+      for (const m of send ?? [{ type: 'auth_fail', reason, code: 'auth_failed' } as ControlMsg]) this.write(encodeControl(m));
+      this.socket.end();
+    }
+    this.failure = wasHandshake ? new KvError(code, `${this.side === 'decode' ? `prefill ${this.address}` : 'peer'}: ${reason}`) : undefined;
+    this.terminate(reason, { lost: true, graceful: wasHandshake && this.side === 'prefill' });
+  }
+
+  private terminate(reason: string, opts: { lost: boolean; graceful?: boolean }): void {
+    if (this.state === 'closed') return;
+    if (this.state === 'closing') {
+      if (opts.graceful) return;
+      this.finish();
+      return;
+    }
+    this.reason = reason;
+    this.lost = opts.lost;
+    if (opts.graceful && !this.socket.destroyed) {
+      this.state = 'closing';
+      this.stopTimers();
+      this.socket.end();
+      this.closeTimer = setTimeout(() => this.finish(), this.owner.s.closeTimeoutMs);
+      this.closeTimer.unref();
+      for (const w of [...this.closeWaiters]) w(reason);
+      return;
+    }
+    this.finish();
+  }
+
+  private finish(): void {
+    if (this.state === 'closed') return;
+    const wasOpen = this.authed;
+    this.state = 'closed';
+    this.stopTimers();
+    clearTimeout(this.closeTimer);
+    this.socket.destroy();
+    const reason = this.reason || 'connection closed';
+    this.rejectReady(this.failure ?? new KvError('PEER_LOST', `${this.side === 'decode' ? `prefill ${this.address}` : 'peer'}: ${reason}`));
+    for (const w of [...this.closeWaiters]) w(reason);
+    this.closeWaiters.clear();
+    this.drainWaiters.clear();
+    if (wasOpen) {
+      if (this.lost) {
+        this.owner.stats.peersLost++;
+        this.owner.s.log.warn({ peer: this.id, reason }, 'kv peer lost');
+      } else {
+        this.owner.s.log.info({ peer: this.id, reason }, 'kv connection closed');
+      }
+      const h = this.owner.handlers;
+      this.call('onPeerLost', () => h.onPeerLost?.(this, reason));
+    }
+    this.owner.closed(this);
+    this.resolveClosed();
+  }
+
+  private stopTimers(): void {
+    clearTimeout(this.authTimer);
+    clearInterval(this.pingTimer);
+    clearTimeout(this.liveTimer);
+    this.authTimer = this.pingTimer = this.liveTimer = undefined;
+  }
+
+  private call(name: string, fn: () => void): void {
+    try {
+      fn();
+    } catch (e) {
+      this.owner.s.log.error({ peer: this.id, err: errText(e), stack: (e as Error)?.stack }, `kv ${name} handler threw`);
+    }
+  }
+}
+
+function reasonText(r: unknown): string {
+  if (r instanceof Error) return r.message;
+  return r === undefined ? 'aborted' : String(r);
+}
+

@@ -1,0 +1,122 @@
+/**
+ * The one error model (src/common/errors.ts), the one room-id type (src/common/room-id.ts), the
+ * layering rules between src/ folders, and the request bounds checked before per-item work.
+ * Source-scanning tests: they fail when a new call site drifts from the single table / rule.
+ */
+import assert from 'node:assert/strict';
+import { readdirSync, readFileSync, statSync } from 'node:fs';
+import { join, relative, resolve, dirname } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { describe, test } from 'node:test';
+import { ApiError, causeOf, ERROR_CODES, isErrorCode, PdError, toApiError } from '../../src/common/errors.js';
+import { isRoomId, newRoomId, parseRoomId } from '../../src/common/room-id.js';
+import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES } from '../../src/api/worker-protocol.js';
+import { parseChatRequest } from '../../src/api/openai.js';
+
+const SRC = resolve(dirname(fileURLToPath(import.meta.url)), '../../src');
+function files(dir: string): string[] {
+  return readdirSync(dir).flatMap((n) => {
+    const p = join(dir, n);
+    return statSync(p).isDirectory() ? files(p) : p.endsWith('.ts') ? [p] : [];
+  });
+}
+const SOURCES = files(SRC).map((p) => ({ path: relative(SRC, p), text: readFileSync(p, 'utf8') }));
+
+describe('error model', () => {
+  test('every `new ApiError(status, code)` in src agrees with the one code → status table', () => {
+    let n = 0;
+    for (const f of SOURCES) {
+      for (const m of f.text.matchAll(/new ApiError\(\s*(\d{3}),\s*'([a-z_]+)'/g)) {
+        n++;
+        const [, status, code] = m;
+        assert.ok(isErrorCode(code), `${f.path}: code '${code}' is not in ERROR_CODES`);
+        assert.equal(ERROR_CODES[code as keyof typeof ERROR_CODES].status, Number(status), `${f.path}: '${code}' answered ${status}, the table says ${ERROR_CODES[code as keyof typeof ERROR_CODES].status}`);
+      }
+      for (const m of f.text.matchAll(/ApiError\.of\('([a-z_]+)'/g)) assert.ok(isErrorCode(m[1]), `${f.path}: ApiError.of('${m[1]}') is not in the table`);
+    }
+    assert.ok(n > 10, `scanned ${n} call sites`);
+  });
+
+  test('client-caused vs system faults: 4xx/499 are the client\'s, 5xx the system\'s', () => {
+    for (const [code, spec] of Object.entries(ERROR_CODES)) {
+      assert.equal(spec.cause, spec.status < 500 ? 'client' : 'system', code);
+    }
+    assert.equal(causeOf('request_aborted'), 'client');
+    assert.equal(causeOf('context_length_exceeded'), 'client');
+    assert.equal(causeOf('peer_lost'), 'system');
+    assert.equal(causeOf('some_unknown_code'), 'system');
+  });
+
+  test('errors thrown inside processes map through the table by code, never by message text', () => {
+    const cases: [PdError, string, number][] = [
+      [new PdError('PROMPT_TOO_LONG', 'x'), 'context_length_exceeded', 400],
+      [new PdError('BAD_STATE', 'x'), 'bad_state', 502],
+      [new PdError('SETTINGS_MISMATCH', 'x'), 'settings_mismatch', 502],
+      [new PdError('ABORTED', 'deadline exceeded'), 'request_aborted', 499],
+      [new PdError('SOMETHING_NEW', 'kv_transfer_failed'), 'internal_error', 500],
+    ];
+    for (const [e, code, status] of cases) {
+      const a = toApiError(e);
+      assert.equal(a.code, code);
+      assert.equal(a.status, status);
+    }
+    assert.equal(ApiError.fromFailure({ code: 'room_deadline_expired', detail: 'deadline:waiting' }).status, 504);
+  });
+});
+
+describe('room ids', () => {
+  test('one canonicaliser: strings, safe integers and bigints in u64 range, canonical form', () => {
+    assert.equal(parseRoomId('007'), '7');
+    assert.equal(parseRoomId(42), '42');
+    assert.equal(parseRoomId(18446744073709551615n), '18446744073709551615');
+    for (const bad of ['18446744073709551616', '1e3', '', ' 7', '-1', -1, 1.5, Number.MAX_SAFE_INTEGER + 2, null, undefined, {}]) assert.equal(parseRoomId(bad), undefined, String(bad));
+    assert.ok(isRoomId('0') && !isRoomId('00'));
+    const g = GenerateRequestSchema.safeParse({ rid: 'r', text: 'x', bootstrap_host: 'h', bootstrap_port: 1, bootstrap_room: '0042' });
+    assert.ok(g.success && g.data.bootstrap_room === '42', 'the /generate schema uses the same canonicaliser');
+  });
+
+  test('one generator: 63-bit ids, from a seeded source when given one', () => {
+    for (let i = 0; i < 100; i++) assert.ok(BigInt(newRoomId()) < 1n << 63n);
+    assert.equal(newRoomId(() => (1n << 64n) - 1n), String((1n << 63n) - 1n));
+    const generators = SOURCES.filter((f) => /0x7fff_?ffff_?ffff_?ffff|readBigUInt64BE\(0\)\s*&/.test(f.text)).map((f) => f.path);
+    assert.deepEqual(generators, ['common/room-id.ts'], 'room ids are drawn in one place');
+  });
+});
+
+describe('layering', () => {
+  const imports = SOURCES.map((f) => ({
+    path: f.path,
+    deps: [...f.text.matchAll(/^(?:import|export)\s[^'"]*?from\s+'(\.[^']+)'/gm)].map((m) => relative(SRC, resolve(SRC, dirname(f.path), m[1]!)).replace(/\.js$/, '.ts')),
+  }));
+  const top = (p: string) => p.split('/')[0]!;
+  const LEAF = new Set(['common/errors.ts', 'common/room-id.ts', 'common/log.ts']);
+  const rules: [string, (from: string, to: string) => boolean][] = [
+    ['leaf modules (errors, room-id, log) import nothing from src', (f) => !LEAF.has(f)],
+    ['engine imports only engine and leaf modules', (f, t) => top(f) !== 'engine' || top(t) === 'engine' || LEAF.has(t)],
+    ['kv imports only kv and leaf modules', (f, t) => top(f) !== 'kv' || top(t) === 'kv' || LEAF.has(t)],
+    ['common never imports api, roles, router, harness or cli', (f, t) => top(f) !== 'common' || ['common', 'kv', 'engine'].includes(top(t))],
+    ['api imports only api, common, engine types and kv types', (f, t) => top(f) !== 'api' || ['api', 'common', 'engine', 'kv'].includes(top(t))],
+    ['decode and prefill never import each other', (f, t) => !((top(f) === 'decode' && top(t) === 'prefill') || (top(f) === 'prefill' && top(t) === 'decode'))],
+  ];
+  for (const [name, ok] of rules) {
+    test(name, () => {
+      const bad = imports.flatMap((i) => i.deps.filter((d) => !ok(i.path, d)).map((d) => `${i.path} → ${d}`));
+      assert.deepEqual(bad, []);
+    });
+  }
+});
+
+describe('fault e: request-controlled counts are bounded before per-item work', () => {
+  test('250k empty messages are refused by an O(1) length check (worker and router)', () => {
+    const body = { rid: 'r', messages: Array.from({ length: 250_000 }, () => ({ role: 'user', content: '' })), bootstrap_host: 'h', bootstrap_port: 1, bootstrap_room: 1 };
+    const e = checkRequestBounds(body, { maxMessages: MAX_MESSAGES, maxPromptTokens: 2048 });
+    assert.ok(e instanceof ApiError);
+    assert.equal(e.status, 400);
+    assert.equal(e.code, 'request_too_large');
+    assert.equal(e.param, 'messages');
+    assert.throws(() => parseChatRequest({ model: 'm', messages: body.messages }), (err: ApiError) => err.code === 'request_too_large' && err.status === 400);
+    assert.equal(checkRequestBounds({ messages: body.messages.slice(0, 10) }, { maxMessages: MAX_MESSAGES, maxPromptTokens: 2048 }), undefined);
+    const ids = checkRequestBounds({ input_ids: new Array(5000).fill(1) }, { maxMessages: MAX_MESSAGES, maxPromptTokens: 2048 });
+    assert.equal(ids?.code, 'context_length_exceeded');
+  });
+});
