@@ -13,6 +13,7 @@ import type { Engine } from '../../src/engine/types.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope } from '../../src/kv/envelope.js';
+import { settingsFromHealth } from '../../src/router/pairing.js';
 import type { Cluster } from '../../src/harness/cluster.js';
 import { busy, client, CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 
@@ -47,6 +48,8 @@ before(async () => {
     port: 0,
     secret: c.secret,
     epoch: newEpoch(),
+    // The fake prefill claims the decode's own pair settings, so the handshake pairs them.
+    settings: settingsFromHealth((await getJson<any>(`${c.byRole('decode')[0]!.url}/health`)).settings)!,
     onMessage: (conn: PeerConn, msg) => {
       if (msg.type === 'register') {
         const blob = nextBlob!;
@@ -54,7 +57,7 @@ before(async () => {
         conn.sendControl({ type: 'kv_begin', room: msg.room, totalBytes: blob.length });
         void conn.sendChunks(msg.room, blob, { chunkBytes: 4096 }).then(() => conn.sendControl({ type: 'kv_end', room: msg.room }), () => {});
       } else if (msg.type === 'fail') {
-        fails.set(msg.room, msg.reason);
+        fails.set(msg.room, `${msg.code}: ${msg.detail}`);
       }
     },
   });
@@ -115,9 +118,11 @@ describe('corrupt KV state reaching a real decode worker', () => {
       nextBlob = make();
       const r = await generate();
       assert.ok(r.status >= 400, `status ${r.status}`);
-      const j = JSON.parse(r.body) as { error: { message: string } };
-      assert.match(j.error.message, re);
+      const j = JSON.parse(r.body) as { error: { message: string; code: string } };
+      assert.equal(j.error.code, 'bad_state', 'a stable code, not message text');
+      assert.match(`${j.error.code}: ${j.error.message}`, re);
       assert.ok(await waitFor(async () => fails.has(r.room), 1000), 'prefill side told at once');
+      assert.match(fails.get(r.room)!, /^bad_state: /, 'with the stable code');
     });
   }
 

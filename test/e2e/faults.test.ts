@@ -15,6 +15,7 @@ import { after, before, describe, test } from 'node:test';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool } from '../../src/kv/channel.js';
 import { encodeControl } from '../../src/kv/frame.js';
+import { settingsFromHealth } from '../../src/router/pairing.js';
 import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
 import { busy, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
@@ -33,6 +34,8 @@ async function completion(prompt: string, maxTokens = 8, timeoutMs = 15_000): Pr
 const ok = (r: { status: number; text: string }) => r.status === 200 && /\[DONE\]/.test(r.text) && !/"error"/.test(r.text);
 
 const metric = async (p: ClusterProc, re: RegExp) => Number(re.exec(await (await fetch(`${p.url}/metrics`)).text())?.[1] ?? 0);
+/** The pair settings a worker reports on /health (what the KV handshake compares). */
+const pairOf = async (p: ClusterProc) => settingsFromHealth((await getJson<any>(`${p.url}/health`)).settings)!;
 const healthyPrefills = async () => ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).filter((w) => w.role === 'prefill' && w.healthy).length;
 
 before(async () => {
@@ -137,7 +140,7 @@ describe('protocol abuse on the KV port', () => {
     huge[4] = 1;
     assert.equal(await rawSession(huge), 'closed');
     assert.equal(await rawSession(encodeControl({ type: 'register', room: '1', rid: 'x', epoch: 'deadbeefdeadbeef' })), 'closed');
-    const wrongSecret = new KvPeerPool({ secret: 'not-the-cluster-secret', epoch: newEpoch() });
+    const wrongSecret = new KvPeerPool({ secret: 'not-the-cluster-secret', epoch: newEpoch(), settings: await pairOf(bootstrap()) });
     await assert.rejects(wrongSecret.get('127.0.0.1', bootstrap().bootstrapPort!));
     await wrongSecret.close();
     const after = await metric(bootstrap(), /pdserve_kv_channel_events_total\{event="auth_failures"\} (\d+)/);
@@ -148,12 +151,12 @@ describe('protocol abuse on the KV port', () => {
   test('unknown room, stale epoch and duplicate room are refused; the next request is fine', async () => {
     const p = bootstrap();
     const epoch = newEpoch();
-    const pool = new KvPeerPool({ secret: c.secret, epoch });
+    const pool = new KvPeerPool({ secret: c.secret, epoch, settings: await pairOf(p) });
     try {
       const conn = await pool.get('127.0.0.1', p.bootstrapPort!);
       // Messages for rooms the prefill never saw: ignored (a FAIL leaves a tombstone), nothing breaks.
       assert.ok(conn.sendControl({ type: 'kv_ack', room: '12345', epoch }));
-      assert.ok(conn.sendControl({ type: 'fail', room: '12346', reason: 'test', epoch }));
+      assert.ok(conn.sendControl({ type: 'fail', room: '12346', code: 'request_aborted', detail: 'test', epoch }));
       const stale0 = await metric(p, /pdserve_kv_channel_events_total\{event="stale_epoch"\} (\d+)/);
       conn.sendControl({ type: 'register', room: '777', rid: 'stale', epoch: 'feedfacefeedface' });
       assert.ok(await waitFor(async () => (await metric(p, /pdserve_kv_channel_events_total\{event="stale_epoch"\} (\d+)/)) > stale0, 2000), 'stale epoch refused and counted');
