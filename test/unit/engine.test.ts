@@ -18,7 +18,7 @@ import { buildLlamaGguf, describeModel, ensureModel, f16BitsToF32, f32ToF16Bits,
 import { parseStateFile } from '../../src/engine/ggsq.js';
 import { loadEngine, TextStream } from '../../src/engine/llama.js';
 import type { Engine, FinishReason, SamplingParams, Slot } from '../../src/engine/types.js';
-import { KvError } from '../../src/kv/types.js';
+import { PdError } from '../../src/common/errors.js';
 
 const CTX = 512;
 const BATCH = 64;
@@ -187,7 +187,7 @@ describe('engine on the tiny model', () => {
 
   it('reports info; fingerprint is the GGUF sha256', async () => {
     assert.equal(A.info.fingerprint, await sha256File(modelPath));
-    assert.deepEqual(A.info.compat, { contextSize: CTX, batchSize: BATCH, nLayer: 2 });
+    assert.deepEqual(A.info.compat, { contextSize: CTX, batchSize: BATCH, nLayer: 2, flashAttention: true });
     assert.equal(A.info.sequences, 2);
     assert.equal(A.info.threads, 1);
     assert.equal(A.info.nVocab, describeModel({ preset: 'tiny', seed: 1 }).nVocab);
@@ -437,7 +437,7 @@ describe('engine on the tiny model', () => {
       ] as const) {
         const f = path.join(dir, 'bad.ggsq');
         writeFileSync(f, bad);
-        await assert.rejects(d.loadState(f, prompts.short), (e: unknown) => e instanceof KvError && e.code === 'BAD_STATE', why);
+        await assert.rejects(d.loadState(f, prompts.short), (e: unknown) => e instanceof PdError && e.code === 'BAD_STATE', why);
       }
       // tokens in the file must be the prompt the caller expects
       await assert.rejects(d.loadState(file, [1, 2, 3]), /differ from the prompt/);
