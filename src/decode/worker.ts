@@ -392,6 +392,7 @@ export class DecodeWorker {
       sendError(reply, err);
     };
     if (this.prealloc.size >= this.config.maxPrealloc) return refuse(ApiError.of('queue_full', `decode prealloc queue is full (${this.config.maxPrealloc})`));
+    if (this.rooms.has(room)) return sendError(reply, ApiError.of('duplicate_room', `room ${room} already exists`));
     // One live request per rid (as vLLM): a second one could never be aborted by rid.
     const other = this.byRid.get(body.rid);
     if (other !== undefined && this.jobs.has(other)) return refuse(ApiError.of('duplicate_rid', `request id ${body.rid} is already running on this worker (room ${other})`, 'rid'));

@@ -268,6 +268,7 @@ export class PrefillWorker {
     if (tokens.length + sampling.maxTokens > ctx) {
       return sendError(reply, ApiError.of('context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, tokens.length >= ctx ? 'prompt' : 'max_tokens'));
     }
+    if (this.rooms.has(body.bootstrap_room)) return sendError(reply, ApiError.of('duplicate_room', `room ${body.bootstrap_room} already exists`));
     // One live request per rid (as vLLM): a second one could never be aborted by rid.
     const other = this.byRid.get(body.rid);
     if (other !== undefined && this.jobs.has(other)) return sendError(reply, ApiError.of('duplicate_rid', `request id ${body.rid} is already running on this worker (room ${other})`, 'rid'));
