@@ -45,13 +45,13 @@ test(`real rule: ${SEEDS} seeds, no violation`, () => {
   const t = res.totals;
   console.log(
     `sim: ${res.ran} seeds in ${(res.elapsedMs / 1000).toFixed(1)} s (${res.seedsPerSec.toFixed(0)} seeds/s); ` +
-      `${t.requests} requests: ${t.success} ok, ${t.failed} failed; ${t.aborts} aborts, ${t.crashes} crashes, ${t.expired} deadlines, ${t.illegal} refused writes, ${t.events} events`,
+      `${t.requests} requests: ${t.success} ok, ${t.failed} failed; ${t.aborts} aborts, ${t.crashes} crashes, ${t.expired} deadlines, ${t.late} late events, ${t.illegal} refused writes, ${t.events} events`,
   );
   // The worlds must actually exercise the hard paths, or "no violation" means nothing.
   assert.ok(t.success > t.requests * 0.3, 'enough requests complete');
   assert.ok(t.aborts > SEEDS, 'aborts happen');
   assert.ok(t.crashes > SEEDS / 20, 'crashes happen');
-  assert.ok(t.illegal > 0, 'late writes are refused (the incident ordering occurs)');
+  assert.ok(t.late > 0, 'late writes are refused as benign races (the incident ordering occurs)');
   assert.ok(t.expired > 0, 'deadlines fire');
   assert.deepEqual(
     res.failures.map((f) => f.seed),

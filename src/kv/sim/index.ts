@@ -36,7 +36,7 @@ export interface RunSeedsResult {
   /** The result `until` matched, replayed with its trace. */
   matched?: SimResult;
   violationsByKind: Partial<Record<ViolationKind, number>>;
-  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; expired: number };
+  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number };
   elapsedMs: number;
   seedsPerSec: number;
 }
@@ -48,7 +48,7 @@ export function runSeeds(from: number, count: number, opts: RunSeedsOptions = {}
   const t0 = performance.now();
   const failures: SimResult[] = [];
   const byKind: Partial<Record<ViolationKind, number>> = {};
-  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, expired: 0 };
+  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
   const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, timeouts: opts.timeouts });
@@ -194,7 +194,7 @@ export function simMain(argv: string[], out: (line: string) => void = (l) => con
   const kinds = Object.entries(res.violationsByKind).map(([k, n]) => `${k}=${n}`).join(' ');
   out(
     `${res.failures.length === 0 ? 'ok' : 'FAILED'}: ${res.ran} seeds from ${from} (${rooms} requests each${legacy ? ', legacy max rule' : ''}) in ${(res.elapsedMs / 1000).toFixed(1)} s = ${res.seedsPerSec.toFixed(0)} seeds/s; ` +
-      `${res.totals.success} ok / ${res.totals.failed} failed requests, ${res.totals.aborts} aborts, ${res.totals.crashes} crashes, ${res.totals.illegal} refused writes, ${res.totals.expired} deadlines` +
+      `${res.totals.success} ok / ${res.totals.failed} failed requests, ${res.totals.aborts} aborts, ${res.totals.crashes} crashes, ${res.totals.late} late events (benign races), ${res.totals.illegal} refused writes (duplicated/reordered frames of the faulty network), ${res.totals.expired} deadlines` +
       (res.failures.length ? `; ${res.failures.length} failing seed(s): ${res.failures.slice(0, 10).map((f) => f.seed).join(', ')}; violations: ${kinds}` : ''),
   );
   return res.failures.length === 0 ? 0 : 1;
