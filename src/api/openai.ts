@@ -325,6 +325,8 @@ export interface WorkerRouting {
   bootstrapPort: number;
   /** Random 63-bit room id, decimal string. */
   bootstrapRoom: string;
+  /** Ask prefill to stream the first token before the KV handoff and decode to start at token 2. */
+  firstTokenFromPrefill?: boolean;
 }
 
 /**
@@ -336,6 +338,7 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
     rid: routing.rid,
     sampling_params: parsed.sampling,
     stream: true,
+    first_token_from_prefill: routing.firstTokenFromPrefill ?? false,
     bootstrap_host: routing.bootstrapHost,
     bootstrap_port: routing.bootstrapPort,
     bootstrap_room: routing.bootstrapRoom,

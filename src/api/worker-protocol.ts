@@ -3,7 +3,9 @@
  * The router sends the same body to the chosen prefill and decode workers at once.
  *
  * Prefill answers (non-streaming) when its room is terminal: 200 {rid, meta_info} on Success,
- * an OpenAI error body with 4xx/5xx otherwise.
+ * an OpenAI error body with 4xx/5xx otherwise. With `first_token_from_prefill` it streams instead:
+ * `data: GenerateEvent` (the first token, at once) … `data: {transfer: PrefillResponse}` or
+ * `data: {error}`, then `data: [DONE]`; an error before the first token is a plain error body.
  * Decode answers with an SSE stream of `GenerateEvent`s, then `data: [DONE]`; an error before the
  * stream starts is a plain OpenAI error body with 4xx/5xx; after it starts, an `{error}` event.
  * `POST /abort_request {rid}` cancels on either worker (idempotent, 200 even when unknown).
@@ -43,6 +45,14 @@ export const GenerateRequestSchema = z
     messages: z.array(ChatMessageSchema).optional(),
     sampling_params: WorkerSamplingSchema.default({}),
     stream: z.boolean().default(true),
+    /**
+     * First token before the KV handoff (pdserve's extension). On prefill: answer with an SSE
+     * stream whose first event is the first token (a GenerateEvent) as soon as it is sampled and
+     * whose last event is the transfer outcome (`PrefillStreamEnd` or an `{error}` event). On
+     * decode: do not emit the first token (the router already has it from prefill); continue
+     * from token 2 (a first token that ends generation gives only the finish event).
+     */
+    first_token_from_prefill: z.boolean().default(false),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
     /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised ("007" → "7"). */
@@ -80,4 +90,9 @@ export interface GenerateErrorEvent {
 export interface PrefillResponse {
   rid: string;
   meta_info: { prompt_tokens: number; kv_bytes: number; prefill_ms: number; transfer_ms: number };
+}
+
+/** Last event of prefill's stream (`first_token_from_prefill`): the KV handoff succeeded. */
+export interface PrefillStreamEnd {
+  transfer: PrefillResponse;
 }

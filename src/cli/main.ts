@@ -220,6 +220,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--decode <url>', 'a decode worker (repeatable)').argParser(collect))
     .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
+    .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
     .action(async (o) => {
       const { startRouter } = await import('../router/index.js');
       if (!o.prefill?.length || !o.decode?.length) {
@@ -233,7 +234,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = (o.decode as string[]).map((url) => ({ url }));
       await serve('router', async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, log: createLogger('router') });
         return r;
       });
     });

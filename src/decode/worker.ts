@@ -35,6 +35,8 @@ interface Job {
   room: RoomId;
   rid: string;
   sampling: SamplingParams;
+  /** The router has token 1 from prefill (`first_token_from_prefill`): stream from token 2. */
+  skipFirst: boolean;
   /** "host:port" of the prefill bootstrap listener; also the room's peer key. */
   peerKey: string;
   host: string;
@@ -364,6 +366,7 @@ export class DecodeWorker {
       room,
       rid: body.rid,
       sampling: samplingFromWire(body.sampling_params),
+      skipFirst: body.first_token_from_prefill,
       peerKey: `${body.bootstrap_host}:${body.bootstrap_port}`,
       host: body.bootstrap_host,
       port: body.bootstrap_port,
@@ -422,6 +425,7 @@ export class DecodeWorker {
           break;
         }
         n++;
+        if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         const ev: GenerateEvent = { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
         if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
           job.ac.abort();

@@ -344,14 +344,19 @@ class Lease implements Slot {
     }
   }
 
-  async *generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'> {
-    const seq = await this.ready();
+  /**
+   * Turns sampled tokens into their client output, one call per token, with the sequence's
+   * current tokens as detokenization context: text (stop strings held back and cut), and the
+   * finish reason when generation ends on that token (EOG unless ignoreEos, a stop string,
+   * maxTokens). generate() and firstOutput() share it, so the first token's output is the same
+   * whichever process computes it.
+   */
+  private stepper(seq: LlamaContextSequence, sampling: SamplingParams): (tok: number) => { out: GeneratedToken; end?: FinishReason } {
     const model = this.engine.model;
     const text = new TextStream((toks, last) => model.detokenize(toks as Token[], false, last as Token[]), sampling.stop, seq.contextTokens);
     const maxTokens = Math.max(1, sampling.maxTokens);
     let count = 0;
-    /** Turn one sampled token into its output and, when generation ends on it, the reason. */
-    const step = (tok: number): { out: GeneratedToken; end?: FinishReason } => {
+    return (tok: number) => {
       count++;
       const eog = model.isEogToken(tok as Token);
       if (eog && !sampling.ignoreEos) return { out: { token: tok, text: text.flush() }, end: 'stop' };
@@ -363,6 +368,17 @@ class Lease implements Slot {
       }
       return { out: { token: tok, text: t } };
     };
+  }
+
+  async firstOutput(firstToken: number, sampling: SamplingParams): Promise<GeneratedToken & { end?: FinishReason }> {
+    const seq = await this.ready();
+    const r = this.stepper(seq, sampling)(firstToken);
+    return r.end ? { ...r.out, end: r.end } : r.out;
+  }
+
+  async *generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'> {
+    const seq = await this.ready();
+    const step = this.stepper(seq, sampling);
     if (signal.aborted) return 'abort';
     let r = step(firstToken);
     yield r.out;

@@ -112,6 +112,14 @@ export interface Slot {
    * was held back), so token counts include it; its own text is never emitted.
    */
   generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'>;
+  /**
+   * The output `generate(firstToken, sampling, …)` yields first, computed without evaluating
+   * anything (no llama.cpp call, the sequence is unchanged): token, text, and `end` when
+   * generation ends on that token. Prefill uses it to stream the first token before the KV
+   * handoff; decode then runs `generate` as usual and drops its first output (same text state).
+   * @throws EngineError 'SLOT_RELEASED' / 'ENGINE_DISPOSED'.
+   */
+  firstOutput(firstToken: number, sampling: SamplingParams): Promise<GeneratedToken & { end?: FinishReason }>;
   /** Clear the sequence and return it to the pool. Idempotent. */
   release(): void;
 }

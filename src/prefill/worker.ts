@@ -12,7 +12,7 @@
 import { readFile, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
-import { canonicalRoom, GenerateRequestSchema, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
+import { canonicalRoom, GenerateRequestSchema, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
 import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
@@ -29,6 +29,7 @@ import { RoomTable } from '../kv/lifecycle.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
 import { samplingFromWire, tokenizeRequest } from './../common/requests.js';
+import { answerWithFirstToken, firstTokenEvent } from './first-token.js';
 
 interface Job {
   room: RoomId;
@@ -41,6 +42,8 @@ interface Job {
   /** The enveloped state while inflight (the KV buffer). Dropped on terminal. */
   blob?: Buffer;
   done: Deferred<PrefillResponse>;
+  /** Set when the router asked for the first token before the handoff (`first_token_from_prefill`). */
+  first?: Deferred<GenerateEvent>;
   /** What the worker is doing for the room right now (shown in /debug/rooms). */
   step: 'bootstrap' | 'queued' | 'computing' | 'sending' | 'awaiting_ack';
   t0: number;
@@ -262,7 +265,7 @@ export class PrefillWorker {
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
     const room = body.bootstrap_room;
-    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0 };
+    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0, first: body.first_token_from_prefill ? deferred() : undefined };
     const log = this.log.child({ rid: body.rid, room });
     let effects: Effect[];
     try {
@@ -280,6 +283,11 @@ export class PrefillWorker {
       this.register(pending.conn, room);
     }
     const off = onClientGone(reply, () => this.apply(room, { t: 'abort', from: 'router', reason: 'abort: router closed the request' }));
+    if (job.first) {
+      await answerWithFirstToken(reply, job.first.promise, job.done.promise, this.config.timeouts.transferIdleMs);
+      off();
+      return;
+    }
     try {
       const res = await job.done.promise;
       off();
@@ -384,6 +392,7 @@ export class PrefillWorker {
       await hold('prefill.compute', job.ac.signal);
       const t0 = Date.now();
       const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
+      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, await slot.firstOutput(r.firstToken, job.sampling)));
       await hold('prefill.save', job.ac.signal);
       if (job.ac.signal.aborted) return;
       await slot.saveState(path);

@@ -12,6 +12,8 @@
  *     abortTimeoutMs = 2000 (deadline of one POST /abort_request),
  *     writeTimeoutMs = 30000 (max wait for a slow client to drain one SSE write),
  *     bodyLimit = 4 MiB, maxEventBytes = 1 MiB (largest SSE event accepted from decode),
+ *     firstTokenFromPrefill = true (prefill streams token 1 before the KV handoff; false: decode
+ *       streams every token and prefill answers once with JSON),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
@@ -60,6 +62,7 @@ export const RouterConfigSchema = z
     writeTimeoutMs: z.number().int().min(10).default(30_000),
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
+    firstTokenFromPrefill: z.boolean().default(true),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -92,6 +95,8 @@ export interface RouterConfig {
   readonly writeTimeoutMs: number;
   readonly bodyLimit: number;
   readonly maxEventBytes: number;
+  /** Stream the first token from prefill before the KV handoff (default true). */
+  readonly firstTokenFromPrefill: boolean;
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

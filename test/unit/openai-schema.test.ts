@@ -118,11 +118,13 @@ describe('completion schema', () => {
       text: 'hello',
       sampling_params: { temperature: 1, top_p: 1, top_k: 0, seed: 7, max_new_tokens: 3, stop: [], ignore_eos: false },
       stream: true,
+      first_token_from_prefill: false,
       bootstrap_host: '127.0.0.1',
       bootstrap_port: 8998,
       bootstrap_room: '9223372036854775807',
     });
     assert.ok(GenerateRequestSchema.safeParse(w).success);
+    assert.equal(toWorkerRequest(parseCompletionRequest({ prompt: 'hello' }), { ...routing, firstTokenFromPrefill: true }).first_token_from_prefill, true);
     const ids = toWorkerRequest(parseCompletionRequest({ prompt: [1, 2] }), routing);
     assert.deepEqual(ids.input_ids, [1, 2]);
     assert.equal(ids.text, undefined);
