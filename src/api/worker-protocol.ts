@@ -17,16 +17,38 @@ export const ChatMessageSchema = z.object({
   content: z.string(),
 });
 
-/** sampling_params of /generate; defaults as SGLang's SamplingParams (max_new_tokens 128). */
+/** Most logit_bias entries and stop_token_ids accepted (OpenAI allows 300 logit_bias entries). */
+export const MAX_TOKEN_LIST = 1024;
+
+/** A grammar constraint: any JSON text, or JSON matching a schema (OpenAI response_format). */
+export const WorkerGrammarSchema = z.union([
+  z.object({ type: z.literal('json') }),
+  z.object({ type: z.literal('json_schema'), schema: z.record(z.unknown()) }),
+]);
+
+/**
+ * sampling_params of /generate; names and defaults as SGLang's SamplingParams, except
+ * `max_new_tokens`: absent = the rest of the context (vLLM's and OpenAI's chat default).
+ * Ranges as vLLM's SamplingParams validation.
+ */
 export const WorkerSamplingSchema = z.object({
   temperature: z.number().min(0).max(2).default(1),
   top_p: z.number().gt(0).max(1).default(1),
   /** 0 or -1 = off (SGLang uses -1). */
   top_k: z.number().int().min(-1).default(0).transform((k) => Math.max(0, k)),
+  min_p: z.number().min(0).max(1).default(0),
+  repetition_penalty: z.number().gt(0).max(1e6).default(1),
+  presence_penalty: z.number().min(-2).max(2).default(0),
+  frequency_penalty: z.number().min(-2).max(2).default(0),
+  /** Token id (decimal string) → value added to its logit, in [-100, 100]. */
+  logit_bias: z.record(z.string().regex(/^\d{1,10}$/), z.number().min(-100).max(100)).refine((r) => Object.keys(r).length <= MAX_TOKEN_LIST, `at most ${MAX_TOKEN_LIST} entries`).optional(),
+  stop_token_ids: z.array(z.number().int().min(0)).max(MAX_TOKEN_LIST).optional(),
+  min_tokens: z.number().int().min(0).default(0),
   seed: z.number().int().optional(),
-  max_new_tokens: z.number().int().min(1).default(128),
+  max_new_tokens: z.number().int().min(1).optional(),
   stop: z.union([z.string(), z.array(z.string()).max(16)]).default([]).transform((s) => (typeof s === 'string' ? [s] : s)),
   ignore_eos: z.boolean().default(false),
+  grammar: WorkerGrammarSchema.optional(),
 });
 
 /** Canonical room id of an abort_request's `bootstrap_room` (string or number), or undefined when absent or invalid. */

@@ -6,7 +6,7 @@
  */
 import type { GenerateEvent, GenerateRequest } from '../api/worker-protocol.js';
 import { ApiError } from '../common/errors.js';
-import { samplingFromWire, tokenizeRequest } from '../common/requests.js';
+import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../common/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
 
 export interface ColocatedLimits {
@@ -73,11 +73,8 @@ export class ColocatedBackend {
    */
   async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
     const tokens = tokenizeRequest(this.engine, body);
-    const sampling = samplingFromWire(body.sampling_params);
-    const ctx = this.engine.info.compat.contextSize;
-    if (tokens.length + sampling.maxTokens > ctx) {
-      throw new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', tokens.length >= ctx ? 'prompt' : 'max_tokens');
-    }
+    const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
+    await checkSampling(this.engine, sampling);
     const slot = await this.acquire(signal);
     this.running++;
     let gen: AsyncGenerator<unknown, unknown> | undefined;

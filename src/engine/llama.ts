@@ -7,7 +7,7 @@
  * samples on. A prefill → saveState → loadState (any process, any sequence count, any slot) →
  * generate run therefore does exactly what prefill → generate on one slot does.
  */
-import { randomInt, randomUUID } from 'node:crypto';
+import { randomUUID } from 'node:crypto';
 import { existsSync, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -28,6 +28,7 @@ import {
 import { KvError } from '../kv/types.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
+import { GrammarCache, RequestSampler } from './sampling.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot } from './types.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
@@ -135,6 +136,8 @@ export class TextStream {
   private readonly stops: string[];
   /** Set once a stop string was found; further pushes return ''. */
   stopped = false;
+  /** While false, stop strings are not looked for (min_tokens, as vLLM) and nothing is held. */
+  stopsArmed = true;
 
   /**
    * @param detok detokenizer: (tokens, lastTokens) → text of `tokens` as it reads after `lastTokens`.
@@ -186,7 +189,7 @@ export class TextStream {
   }
 
   private filter(fresh: string, final: boolean): string {
-    if (this.stops.length === 0) return fresh;
+    if (this.stops.length === 0 || (!this.stopsArmed && this.held === '')) return fresh;
     const text = this.held + fresh;
     let cut = -1;
     for (const st of this.stops) {
@@ -221,16 +224,6 @@ export class TextStream {
 
 function defaultTmpDir(): string {
   return existsSync('/dev/shm') ? '/dev/shm' : os.tmpdir();
-}
-
-function samplerOptions(s: SamplingParams): { temperature: number; topK: number; topP: number; seed: number } {
-  return {
-    temperature: s.temperature,
-    topK: s.topK,
-    topP: s.topP,
-    // node-llama-cpp would default to the current second: concurrent requests would share it.
-    seed: s.seed ?? randomInt(0, 0xffffffff),
-  };
 }
 
 function sameTokens(a: readonly number[], b: readonly number[]): boolean {
@@ -276,13 +269,14 @@ class Lease implements Slot {
   async prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult> {
     const { contextSize, batchSize } = this.engine.info.compat;
     if (tokens.length < 1) throw new EngineError('EMPTY_PROMPT', 'the prompt has no tokens');
-    if (tokens.length + sampling.maxTokens > contextSize) {
+    if (tokens.length >= contextSize || tokens.length + sampling.maxTokens > contextSize) {
       throw new EngineError('PROMPT_TOO_LONG', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size ${contextSize}`);
     }
     const nVocab = this.engine.info.nVocab;
     for (const t of tokens) {
       if (!Number.isInteger(t) || t < 0 || t >= nVocab) throw new EngineError('INVALID_TOKEN', `token ${t} is outside the vocabulary (${nVocab})`);
     }
+    const grammar = await this.engine.grammars.get(sampling.grammar);
     const seq = await this.ready();
     if (seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
     const aborted = (): void => {
@@ -299,7 +293,8 @@ class Lease implements Slot {
     await this.engine.gate();
     const last = tokens.slice(i) as Token[];
     let first: number | undefined;
-    for await (const t of seq.evaluate(last, { ...samplerOptions(sampling), yieldEogToken: true })) {
+    const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens);
+    for await (const t of seq.evaluate(last, sampler.options)) {
       first = t;
       break;
     }
@@ -347,19 +342,25 @@ class Lease implements Slot {
   /**
    * Turns sampled tokens into their client output, one call per token, with the sequence's
    * current tokens as detokenization context: text (stop strings held back and cut), and the
-   * finish reason when generation ends on that token (EOG unless ignoreEos, a stop string,
-   * maxTokens). generate() and firstOutput() share it, so the first token's output is the same
+   * finish reason when generation ends on that token (EOG unless ignoreEos, a stop token id or
+   * a stop string — both only after min_tokens — or maxTokens; maxTokens 0 = the rest of the
+   * context). generate() and firstOutput() share it, so the first token's output is the same
    * whichever process computes it.
    */
   private stepper(seq: LlamaContextSequence, sampling: SamplingParams): (tok: number) => { out: GeneratedToken; end?: FinishReason } {
     const model = this.engine.model;
     const text = new TextStream((toks, last) => model.detokenize(toks as Token[], false, last as Token[]), sampling.stop, seq.contextTokens);
-    const maxTokens = Math.max(1, sampling.maxTokens);
+    // 0 = the rest of the context (the sequence holds exactly the prompt here)
+    const maxTokens = Math.max(1, sampling.maxTokens || this.engine.info.compat.contextSize - seq.contextTokens.length);
+    const minTokens = sampling.minTokens ?? 0;
+    const stopIds = new Set(sampling.stopTokenIds ?? []);
     let count = 0;
     return (tok: number) => {
       count++;
       const eog = model.isEogToken(tok as Token);
       if (eog && !sampling.ignoreEos) return { out: { token: tok, text: text.flush() }, end: 'stop' };
+      if (stopIds.has(tok) && count > minTokens) return { out: { token: tok, text: text.flush() }, end: 'stop' };
+      text.stopsArmed = count > minTokens;
       let t = eog ? '' : text.push(tok);
       if (text.stopped) return { out: { token: tok, text: t }, end: 'stop' };
       if (count >= maxTokens) {
@@ -377,13 +378,18 @@ class Lease implements Slot {
   }
 
   async *generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'> {
+    const grammar = await this.engine.grammars.get(sampling.grammar);
     const seq = await this.ready();
     const step = this.stepper(seq, sampling);
+    // Rebuilt from the prompt (the sequence holds exactly the prompt here, colocated or after
+    // the state load) plus the first token: identical in PD and colocated runs.
+    const sampler = new RequestSampler(this.engine.model, sampling, seq.contextTokens, grammar, this.engine.eogTokens);
     if (signal.aborted) return 'abort';
     let r = step(firstToken);
     yield r.out;
     if (r.end) return r.end;
-    const it = seq.evaluate([firstToken as Token], { ...samplerOptions(sampling), yieldEogToken: true });
+    sampler.accept(firstToken, true);
+    const it = seq.evaluate([firstToken as Token], sampler.options);
     try {
       for (;;) {
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
@@ -393,6 +399,7 @@ class Lease implements Slot {
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
         // with yieldEogToken node-llama-cpp ends its generator only when sampling yields nothing
         if (n.done) throw new Error('llama.cpp stopped sampling unexpectedly');
+        sampler.accept(n.value);
         r = step(n.value);
         yield r.out;
         if (r.end) return r.end;
@@ -414,6 +421,10 @@ class LlamaEngine implements Engine {
   private readonly holders: SeqHolder[];
   private readonly free: SeqHolder[];
   private readonly chatWrapper: ChatWrapper;
+  /** Compiled grammars (response_format), shared by all slots. */
+  readonly grammars: GrammarCache;
+  /** Every end-of-generation token id of the vocabulary (min_tokens bans them). */
+  readonly eogTokens: number[];
 
   constructor(
     readonly info: EngineInfo,
@@ -425,6 +436,9 @@ class LlamaEngine implements Engine {
     this.holders = [];
     for (let i = 0; i < info.sequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
     this.free = [...this.holders];
+    this.grammars = new GrammarCache(model.llama);
+    this.eogTokens = [];
+    for (let t = 0; t < info.nVocab; t++) if (model.isEogToken(t as Token)) this.eogTokens.push(t);
     // The model's own template when it has one; the generic wrapper otherwise (resolveChatWrapper
     // would guess from the architecture, e.g. Llama-2 [INST] for any llama GGUF).
     const tmpl = (model.fileInfo.metadata as unknown as { tokenizer?: { chat_template?: unknown } }).tokenizer?.chat_template;
@@ -457,6 +471,10 @@ class LlamaEngine implements Engine {
     const bos = this.model.tokens.bos;
     const start = bos != null && tokens[0] === bos ? 1 : 0;
     return this.model.detokenize((start ? tokens.slice(start) : tokens) as Token[], false);
+  }
+
+  async prepareSampling(sampling: SamplingParams): Promise<void> {
+    await this.grammars.get(sampling.grammar);
   }
 
   slotsFree(): number {

@@ -15,13 +15,39 @@ export interface SamplingParams {
   topK: number;
   /** RNG seed for non-greedy sampling; undefined = random. */
   seed?: number;
-  /** Upper bound on generated tokens, including the first one (>= 1). */
+  /** Upper bound on generated tokens, including the first one (>= 1; 0 = the rest of the context). */
   maxTokens: number;
   /** Stop strings: generation ends before the first occurrence; the stop text is not returned. */
   stop: string[];
   /** When true, EOS tokens do not end generation. */
   ignoreEos: boolean;
+  /** Min-p sampling threshold in [0, 1]; 0 = off (llama.cpp min_p sampler). */
+  minP?: number;
+  /**
+   * Repetition penalty (> 0, 1 = off; as vLLM/HF: positive logits divided, negative multiplied).
+   * Its token window is the prompt plus the generated tokens when used alone, and the generated
+   * tokens only when combined with presence/frequency penalties (llama.cpp has one window).
+   */
+  repetitionPenalty?: number;
+  /** OpenAI presence penalty in [-2, 2] over the generated tokens; 0 = off. */
+  presencePenalty?: number;
+  /** OpenAI frequency penalty in [-2, 2] over the generated tokens; 0 = off. */
+  frequencyPenalty?: number;
+  /** Logit bias: [token id, value added to the logit]; -100 bans a token in practice. */
+  logitBias?: [number, number][];
+  /** Token ids that end generation like EOS (the stop token's text is not returned). */
+  stopTokenIds?: number[];
+  /** EOS, stop_token_ids and stop strings are not honoured before this many tokens (vLLM). */
+  minTokens?: number;
+  /**
+   * A GBNF grammar (JSON mode / JSON schema) constraining the output; both PD sides build the
+   * same grammar from it, decode advances it over the first token received from prefill.
+   */
+  grammar?: GrammarSpec;
 }
+
+/** A grammar request: JSON text of any shape, or JSON matching a JSON schema. */
+export type GrammarSpec = { type: 'json' } | { type: 'json_schema'; schema: Record<string, unknown> };
 
 /** One chat message as accepted by the OpenAI API (content already flattened to text). */
 export interface ChatMessage {
@@ -132,6 +158,11 @@ export interface Engine {
   /** Render messages with the model's chat template (generic one when the GGUF has none), add the assistant prefix, tokenize. */
   renderChat(messages: ChatMessage[]): number[];
   detokenize(tokens: number[]): string;
+  /**
+   * Prepare what `sampling` needs before a slot is taken (compiles and caches its grammar).
+   * @throws Error with code 'BAD_GRAMMAR' when the JSON schema cannot be turned into a grammar.
+   */
+  prepareSampling(sampling: SamplingParams): Promise<void>;
   /** Free slots right now. */
   slotsFree(): number;
   /** Reserve a free slot, or null when all are taken. */

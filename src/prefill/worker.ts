@@ -28,7 +28,7 @@ import { encodeEnvelope } from '../kv/envelope.js';
 import { RoomTable } from '../kv/lifecycle.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
-import { samplingFromWire, tokenizeRequest } from './../common/requests.js';
+import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from './../common/requests.js';
 import { answerWithFirstToken, firstTokenEvent } from './first-token.js';
 
 interface Job {
@@ -252,15 +252,13 @@ export class PrefillWorker {
     if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
     const body: GenerateRequest = parsed.data;
     let tokens: number[];
+    let sampling: SamplingParams;
     try {
       tokens = tokenizeRequest(this.engine, body);
+      sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
+      await checkSampling(this.engine, sampling);
     } catch (err) {
       return sendError(reply, toApiError(err));
-    }
-    const sampling = samplingFromWire(body.sampling_params);
-    const ctx = this.engine.info.compat.contextSize;
-    if (tokens.length + sampling.maxTokens > ctx) {
-      return sendError(reply, new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', tokens.length >= ctx ? 'prompt' : 'max_tokens'));
     }
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
