@@ -14,11 +14,16 @@
  *     bodyLimit = 4 MiB, maxEventBytes = 1 MiB (largest SSE event accepted from decode),
  *     firstTokenFromPrefill = true (prefill streams token 1 before the KV handoff; false: decode
  *       streams every token and prefill answers once with JSON),
+ *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
+ *       decodePolicy = 'least_load' (same choices), with cache_aware's
+ *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
+ *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
 import { z } from 'zod';
 import type { Logger } from 'pino';
+import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 
 const LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
 
@@ -63,6 +68,12 @@ export const RouterConfigSchema = z
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
     firstTokenFromPrefill: z.boolean().default(true),
+    policy: z.enum(POLICY_NAMES).default('cache_aware'),
+    decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
+    cacheThreshold: z.number().min(0).max(1).default(DEFAULT_CACHE_AWARE.cacheThreshold),
+    balanceAbsThreshold: z.number().int().min(0).default(DEFAULT_CACHE_AWARE.balanceAbsThreshold),
+    balanceRelThreshold: z.number().min(1).default(DEFAULT_CACHE_AWARE.balanceRelThreshold),
+    maxTreeChars: z.number().int().min(1).default(DEFAULT_CACHE_AWARE.maxTreeChars),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -97,6 +108,20 @@ export interface RouterConfig {
   readonly maxEventBytes: number;
   /** Stream the first token from prefill before the KV handoff (default true). */
   readonly firstTokenFromPrefill: boolean;
+  /** Load-balancing policy of prefill workers (policy/index.ts; they hold the prefix cache); cache_aware by default. */
+  readonly policy: PolicyName;
+  /**
+   * Policy of decode workers; least_load by default (as SGLang's PD router, which has separate
+   * prefill and decode policies). Decode holds no reusable prefix, so stickiness only costs balance.
+   */
+  readonly decodePolicy: PolicyName;
+  /** cache_aware: matched fraction above which the longest-match worker is taken. */
+  readonly cacheThreshold: number;
+  /** cache_aware: imbalance iff max−min load > this AND max > min × balanceRelThreshold. */
+  readonly balanceAbsThreshold: number;
+  readonly balanceRelThreshold: number;
+  /** cache_aware: routing-text characters remembered per worker. */
+  readonly maxTreeChars: number;
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

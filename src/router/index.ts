@@ -16,6 +16,7 @@
  */
 import { registerHoldRoute } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
+import { performance } from 'node:perf_hooks';
 import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
@@ -24,6 +25,7 @@ import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
 import { WorkerRegistry } from './registry.js';
+import { createPolicy, routingText } from './policy/index.js';
 
 export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
 export { LINGER_MS, newRid, randomRoom, workerError } from './dispatch.js';
@@ -82,6 +84,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const controlAgent = new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000 }, headersTimeout: 10_000, bodyTimeout: 10_000 });
   const registry = new WorkerRegistry(config, { dispatcher: controlAgent, log, intervalMs: config.healthIntervalMs, timeoutMs: config.healthTimeoutMs, unhealthyAfter: config.unhealthyAfter });
   const metrics = new RouterMetrics(registry);
+  const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
+  // One policy (and prefix tree) per role: prefill holds the prefix cache.
+  const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
   const pending = new Set<Promise<unknown>>();
   const active = new Set<PdRequest>();
   const ctx: DispatchContext = {
@@ -122,8 +127,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         metrics.requests.labels('error').inc();
         throw err;
       }
-      const prefill = registry.pick('prefill');
-      const decode = registry.pick('decode');
+      const text = routingText(parsed);
+      const now = performance.now();
+      const prefill = policies.prefill.pick(registry.candidates('prefill'), text, now)?.worker ?? null;
+      const decode = policies.decode.pick(registry.candidates('decode'), text, now)?.worker ?? null;
       if (!prefill || !decode) {
         metrics.requests.labels('error').inc();
         const role = prefill ? 'decode' : 'prefill';

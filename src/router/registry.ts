@@ -184,6 +184,11 @@ export class WorkerRegistry {
     this.setUnhealthy(w, `unreachable: ${describeError(err)}`);
   }
 
+  /** Healthy workers of `role`, in configuration order (the candidates of a load-balancing policy). */
+  candidates(role: WorkerRole): WorkerState[] {
+    return this.workers.filter((w) => w.role === role && w.healthy);
+  }
+
   /** Least-loaded healthy worker of `role` (ties round-robin), or null when none is healthy. */
   pick(role: WorkerRole): WorkerState | null {
     let min = Infinity;
