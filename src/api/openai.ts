@@ -375,12 +375,15 @@ export interface Usage {
   prompt_tokens: number;
   completion_tokens: number;
   total_tokens: number;
+  /** Always present: `cached_tokens` is the subset of prompt_tokens served from the prefix cache (0 when none). */
+  prompt_tokens_details: { cached_tokens: number };
 }
 
-export const usageOf = (promptTokens: number, completionTokens: number): Usage => ({
+export const usageOf = (promptTokens: number, completionTokens: number, cachedTokens = 0): Usage => ({
   prompt_tokens: promptTokens,
   completion_tokens: completionTokens,
   total_tokens: promptTokens + completionTokens,
+  prompt_tokens_details: { cached_tokens: cachedTokens },
 });
 
 /** Identity of one response: `id` is the rid, `created` unix seconds. */
@@ -473,12 +476,14 @@ export const SSE_DONE = '[DONE]';
  * - stream, completion: the same without the role chunk (`choices[0].text`).
  * - `tail()`: the usage chunk (`choices: []`) when stream_options.include_usage was set.
  * - non-stream: `response()` assembles text, finish_reason and usage.
- * Usage comes from the last event's meta_info (prompt_tokens, completion_tokens).
+ * Usage comes from the last event's meta_info (prompt_tokens, cached_tokens, completion_tokens).
  * finish_reason 'abort' is not a normal end: `push` throws ApiError 500 'generation_aborted'.
  */
 export class OpenAIResponseBuilder {
   text = '';
   promptTokens = 0;
+  /** Prompt tokens served from a prefix cache (meta_info.cached_tokens). */
+  cachedTokens = 0;
   completionTokens = 0;
   finishReason: OpenAIFinishReason | null = null;
   /** Events seen so far. */
@@ -508,6 +513,7 @@ export class OpenAIResponseBuilder {
     const mi = ev.meta_info;
     if (Number.isInteger(mi.prompt_tokens)) this.promptTokens = mi.prompt_tokens;
     if (Number.isInteger(mi.completion_tokens)) this.completionTokens = mi.completion_tokens;
+    if (Number.isInteger(mi.cached_tokens)) this.cachedTokens = mi.cached_tokens!;
     const fr = mi.finish_reason;
     if (fr && fr.type === 'abort') {
       throw new ApiError(500, 'generation_aborted', `generation aborted by the worker${fr.message ? `: ${fr.message}` : ''}`, 'server_error');
@@ -529,7 +535,7 @@ export class OpenAIResponseBuilder {
   }
 
   get usage(): Usage {
-    return usageOf(this.promptTokens, this.completionTokens);
+    return usageOf(this.promptTokens, this.completionTokens, this.cachedTokens);
   }
 
   /** Chunks after the finish event (the usage chunk when requested). `[DONE]` is the caller's. */

@@ -97,6 +97,8 @@ export interface GenerateEvent {
   meta_info: {
     id: string;
     prompt_tokens: number;
+    /** Prompt tokens not evaluated again thanks to a prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens); absent = 0. */
+    cached_tokens?: number;
     completion_tokens: number;
     /** Set on the last event. */
     finish_reason: null | { type: 'stop' | 'length' | 'abort'; message?: string };
@@ -111,7 +113,7 @@ export interface GenerateErrorEvent {
 /** Prefill's answer on success. */
 export interface PrefillResponse {
   rid: string;
-  meta_info: { prompt_tokens: number; kv_bytes: number; prefill_ms: number; transfer_ms: number };
+  meta_info: { prompt_tokens: number; cached_tokens: number; kv_bytes: number; prefill_ms: number; transfer_ms: number };
 }
 
 /** Last event of prefill's stream (`first_token_from_prefill`): the KV handoff succeeded. */

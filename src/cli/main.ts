@@ -54,7 +54,15 @@ const engineOptions = (c: Command) =>
     .option('--threads <n>', 'llama.cpp threads of this process', int, 1)
     .option('--ctx-size <tokens>', 'context size per sequence, tokens', int, 2048)
     .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512)
-    .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false);
+    .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false)
+    .option('--prefix-cache-slots <n>', 'prefill/colocated: extra sequences that keep finished requests\' KV for prefix reuse', int, 4)
+    .option('--prefix-cache-tokens <tokens>', 'prefill/colocated: most tokens the prefix cache holds (LRU beyond)', int, 65536)
+    .option('--no-prefix-cache', 'prefill/colocated: never reuse a cached prefix (every prompt evaluated in full)');
+
+/** The prefix-cache part of an engine config from the engine options. */
+function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number }) {
+  return { prefixCacheSlots: o.prefixCacheSlots, prefixCacheTokens: o.prefixCache === false ? 0 : o.prefixCacheTokens };
+}
 
 const kvOptions = (c: Command) =>
   c
@@ -179,7 +187,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -208,7 +216,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic } }, createLogger('colocated')));
+      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
   program
@@ -221,6 +229,11 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
+    .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('cache_aware'))
+    .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('least_load'))
+    .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
+    .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
+    .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)
     .action(async (o) => {
       const { startRouter } = await import('../router/index.js');
       if (!o.prefill?.length || !o.decode?.length) {
@@ -234,7 +247,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = (o.decode as string[]).map((url) => ({ url }));
       await serve('router', async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, log: createLogger('router') });
         return r;
       });
     });

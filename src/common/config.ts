@@ -18,7 +18,16 @@ export const EngineConfigSchema = z.object({
   batchSize: z.number().int().min(1).max(1 << 16).default(512),
   /** Batch-invariant inference: one sequence per llama.cpp decode call (see LoadEngineOptions.deterministic). */
   deterministic: z.boolean().default(false),
+  /** Prefix cache: extra context sequences that only hold cached prefixes (prefill, colocated). */
+  prefixCacheSlots: z.number().int().min(0).max(256).default(4),
+  /** Prefix cache: most tokens idle sequences hold together (LRU beyond); 0 = the cache is off. */
+  prefixCacheTokens: z.number().int().min(0).max(1 << 26).default(65536),
 });
+
+/** LoadEngineOptions.prefixCache for an engine config (undefined = off). */
+export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSequences: number; maxTokens: number } | undefined {
+  return e.prefixCacheTokens > 0 ? { cacheSequences: e.prefixCacheSlots, maxTokens: e.prefixCacheTokens } : undefined;
+}
 
 export const TimeoutsSchema = z.object({
   preallocMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.preallocMs),

@@ -19,6 +19,7 @@ import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
+import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { samplingFromWire } from '../common/requests.js';
 import { loadEngine } from '../engine/index.js';
 import { parseStateFile } from '../engine/ggsq.js';
@@ -61,6 +62,7 @@ interface Job {
 export class DecodeWorker {
   readonly rooms: RoomTable;
   readonly metrics: WorkerMetrics;
+  readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
   private readonly jobs = new Map<RoomId, Job>();
   private readonly byRid = new Map<string, RoomId>();
@@ -80,6 +82,7 @@ export class DecodeWorker {
   ) {
     this.rooms = new RoomTable('decode', config.timeouts);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry);
   }
 
   /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
@@ -123,8 +126,8 @@ export class DecodeWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0 }));
-        return { epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null })), decoding };
+        const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: 'pd', cached_tokens: j.header?.cachedTokens ?? 0 }));
+        return { epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding };
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -412,8 +415,9 @@ export class DecodeWorker {
     const res = reply.raw;
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
-    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, completion_tokens: n, finish_reason: finish });
+    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, cached_tokens: header.cachedTokens ?? 0, completion_tokens: n, finish_reason: finish });
     this.running++;
+    this.prefixMetrics.requestsByPath.inc({ path: 'pd' });
     let n = 0;
     const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
     try {

@@ -29,6 +29,7 @@ import { KvError } from '../kv/types.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
 import { GrammarCache, RequestSampler } from './sampling.js';
+import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot } from './types.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
@@ -58,6 +59,14 @@ export interface LoadEngineOptions {
   deterministic?: boolean;
   /** Folder for temporary re-framed state files (default /dev/shm, else the OS temp dir). */
   tmpDir?: string;
+  /**
+   * Prefix cache (prefix-cache.ts): finished sequences keep their KV, and a prompt sharing a
+   * prefix with one evaluates only the rest. `cacheSequences` extra sequences are added to the
+   * context so that idle cached prefixes survive while all `sequences` slots are busy;
+   * `maxTokens` bounds the tokens idle sequences hold together (LRU eviction). Absent = off:
+   * every released slot is cleared, as before.
+   */
+  prefixCache?: { cacheSequences: number; maxTokens: number };
 }
 
 /** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
@@ -237,6 +246,17 @@ class SeqHolder {
   /** Resolves when the previous owner's history is cleared. */
   pending: Promise<void> = Promise.resolve();
   lease: Lease | null = null;
+  /** While idle: the tokens whose KV the sequence holds for reuse (empty = none). */
+  tokens: readonly number[] = [];
+  /** Leading tokens of the held KV that a cold run would compute identically (prefix-cache.ts). */
+  exactPrefix = 0;
+  lastUsed = 0;
+  /**
+   * The sequence's KV is complete for its tokens: set only when a prefill finished (and kept
+   * through a generation that ended normally). An abort or error mid-way leaves it false, and
+   * release() then clears the sequence, so no later request can reuse a half-written entry.
+   */
+  valid = false;
   constructor(
     readonly index: number,
     readonly seq: LlamaContextSequence,
@@ -278,13 +298,23 @@ class Lease implements Slot {
     }
     const grammar = await this.engine.grammars.get(sampling.grammar);
     const seq = await this.ready();
-    if (seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
+    const holder = this.holder;
+    holder.valid = false;
+    const cache = this.engine.cache;
+    // Re-derived from the sequence itself under this lease: the choice made at acquisition is a hint.
+    let reuse = cache.enabled && seq.nextTokenIndex > 0 ? reusableTokens(seq.contextTokens, holder.exactPrefix, tokens, cache.align) : 0;
+    if (reuse > 0 && seq.nextTokenIndex > reuse) {
+      const end = seq.nextTokenIndex;
+      await this.engine.exclusive(() => seq.eraseContextTokenRanges([{ start: reuse, end }]));
+    }
+    if (reuse > 0 && seq.nextTokenIndex !== reuse) reuse = 0; // the library re-evaluated or dropped the cache: start cold
+    if (reuse === 0 && seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
     const aborted = (): void => {
       if (signal.aborted) throw new EngineError('ABORTED', 'prefill aborted');
       this.check();
     };
     aborted();
-    let i = 0;
+    let i = reuse;
     for (; i + batchSize < tokens.length; i += batchSize) {
       await this.engine.gate();
       await seq.evaluateWithoutGeneratingNewTokens(tokens.slice(i, i + batchSize) as Token[]);
@@ -299,7 +329,9 @@ class Lease implements Slot {
       break;
     }
     if (first === undefined) throw new Error('llama.cpp sampled no token');
-    return { promptTokens: tokens.length, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
+    holder.exactPrefix = exactPrefixAfterPrompt(tokens.length, cache.align);
+    holder.valid = true;
+    return { promptTokens: tokens.length, cachedTokens: reuse, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
   }
 
   async saveState(filePath: string): Promise<number> {
@@ -310,6 +342,7 @@ class Lease implements Slot {
 
   async loadState(filePath: string, promptTokens: number[]): Promise<void> {
     const seq = await this.ready();
+    this.holder.valid = false;
     const { contextSize, nLayer } = this.engine.info.compat;
     const buf = await fsp.readFile(filePath);
     // Re-validated here too: a malformed file can abort the process inside llama.cpp.
@@ -319,9 +352,10 @@ class Lease implements Slot {
     let tmp: string | null = null;
     const since = markProblems();
     try {
-      if (st.nStream !== this.engine.info.sequences) {
+      const nStream = this.engine.info.sequences + this.engine.info.cacheSequences;
+      if (st.nStream !== nStream) {
         tmp = path.join(this.engine.tmpDir, `pdserve-restream-${process.pid}-${randomUUID()}.ggsq`);
-        await fsp.writeFile(tmp, rewriteNStream(buf, this.engine.info.sequences, { contextSize, nLayer, maxBytes: buf.length }));
+        await fsp.writeFile(tmp, rewriteNStream(buf, nStream, { contextSize, nLayer, maxBytes: buf.length }));
         loadPath = tmp;
       }
       this.check();
@@ -390,6 +424,7 @@ class Lease implements Slot {
     if (r.end) return r.end;
     sampler.accept(firstToken, true);
     const it = seq.evaluate([firstToken as Token], sampler.options);
+    let ended = false;
     try {
       for (;;) {
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
@@ -402,9 +437,14 @@ class Lease implements Slot {
         sampler.accept(n.value);
         r = step(n.value);
         yield r.out;
-        if (r.end) return r.end;
+        if (r.end) {
+          ended = true;
+          return r.end;
+        }
       }
     } finally {
+      // A generation cut short (abort, error, consumer gone) does not leave a cache entry.
+      if (!ended) this.holder.valid = false;
       await it.return();
     }
   }
@@ -432,9 +472,10 @@ class LlamaEngine implements Engine {
     private readonly context: LlamaContext,
     readonly tmpDir: string,
     private readonly logSink: LogSink | null,
+    readonly cache: PrefixCacheSettings,
   ) {
     this.holders = [];
-    for (let i = 0; i < info.sequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
+    for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
     this.free = [...this.holders];
     this.grammars = new GrammarCache(model.llama);
     this.eogTokens = [];
@@ -478,18 +519,45 @@ class LlamaEngine implements Engine {
   }
 
   slotsFree(): number {
-    return this.disposed ? 0 : this.free.length;
+    if (this.disposed) return 0;
+    const busy = this.holders.length - this.free.length;
+    return Math.max(0, Math.min(this.free.length, this.info.sequences - busy));
   }
 
-  tryAcquireSlot(): Slot | null {
-    if (this.disposed || this.free.length === 0) return null;
-    // lowest free index first: predictable slot numbers
-    let best = 0;
-    for (let i = 1; i < this.free.length; i++) if (this.free[i].index < this.free[best].index) best = i;
-    const holder = this.free.splice(best, 1)[0];
+  tryAcquireSlot(prompt?: readonly number[]): Slot | null {
+    if (this.slotsFree() === 0) return null;
+    // The idle sequence with the longest reusable prefix; else an empty one (lowest index first:
+    // predictable slot numbers); else the least recently used cached one, whose cache is dropped.
+    const choice = chooseSequence(this.free, prompt, this.cache)!;
+    const holder = choice.seq;
+    this.free.splice(this.free.indexOf(holder), 1);
+    if (choice.reuse === 0 && holder.tokens.length > 0) this.clearHolder(holder);
+    holder.tokens = [];
     const lease = new Lease(this, holder);
     holder.lease = lease;
     return lease;
+  }
+
+  /** Tokens held by idle sequences for reuse, and how many sequences hold them. */
+  cachedStats(): { sequences: number; tokens: number } {
+    let sequences = 0;
+    let tokens = 0;
+    for (const h of this.free) {
+      if (h.tokens.length === 0) continue;
+      sequences++;
+      tokens += h.tokens.length;
+    }
+    return { sequences, tokens };
+  }
+
+  /** Drop a sequence's KV (queued behind its previous clear; ready() waits for it). */
+  private clearHolder(holder: SeqHolder): void {
+    holder.tokens = [];
+    holder.exactPrefix = 0;
+    holder.valid = false;
+    holder.pending = holder.pending
+      .then(() => (this.disposed || holder.seq.disposed ? undefined : this.exclusive(() => holder.seq.clearHistory())))
+      .catch((err: unknown) => this.logSink?.('error', `clearHistory of slot ${holder.index} failed: ${String(err)}`));
   }
 
   /** Exclusive operations (state load, history clear) waiting for or holding the context lock. */
@@ -525,11 +593,16 @@ class LlamaEngine implements Engine {
   releaseHolder(holder: SeqHolder, lease: Lease): void {
     if (holder.lease !== lease) return;
     holder.lease = null;
-    const prev = holder.pending;
-    holder.pending = prev
-      .then(() => (this.disposed || holder.seq.disposed ? undefined : this.exclusive(() => holder.seq.clearHistory())))
-      .catch((err: unknown) => this.logSink?.('error', `clearHistory of slot ${holder.index} failed: ${String(err)}`));
+    const keep = this.cache.enabled && holder.valid && !this.disposed && !holder.seq.disposed && holder.seq.nextTokenIndex > 0;
+    if (keep) {
+      holder.tokens = holder.seq.contextTokens;
+      holder.exactPrefix = Math.min(holder.exactPrefix, holder.tokens.length);
+      holder.lastUsed = performance.now();
+    } else {
+      this.clearHolder(holder);
+    }
     this.free.push(holder);
+    for (const h of evictionsForBudget(this.free, this.cache.maxTokens)) this.clearHolder(h);
   }
 
   async dispose(): Promise<void> {
@@ -587,7 +660,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     let context: LlamaContext;
     try {
       context = await model.createContext({
-        sequences: opts.sequences,
+        sequences: opts.sequences + (opts.prefixCache?.cacheSequences ?? 0),
         contextSize: opts.contextSize,
         batchSize: opts.batchSize,
         threads,
@@ -600,12 +673,14 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     }
     const meta = model.fileInfo.architectureMetadata as { block_count?: number };
     const tokensMeta = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
+    const cacheSequences = opts.prefixCache?.cacheSequences ?? 0;
     const info: EngineInfo = {
       modelPath,
       modelName: path.basename(modelPath).replace(/\.gguf$/i, ''),
       fingerprint,
       compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0) },
       sequences: opts.sequences,
+      cacheSequences,
       nVocab: tokensMeta?.length ?? 0,
       maxTokenBytes: maxPieceBytes(tokensMeta),
       threads,
@@ -614,7 +689,12 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       // llama.cpp may round the context size up; PD compat needs the real value, which info carries.
       sink?.('warn', `context size ${opts.contextSize} was rounded to ${info.compat.contextSize}`);
     }
-    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink);
+    const cache: PrefixCacheSettings = {
+      enabled: opts.prefixCache !== undefined,
+      align: opts.deterministic ? context.batchSize : null,
+      maxTokens: opts.prefixCache?.maxTokens ?? 0,
+    };
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache);
   } catch (err) {
     if (sink) logSinks.delete(sink);
     await model?.dispose().catch(() => {});

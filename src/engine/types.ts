@@ -72,8 +72,13 @@ export interface EngineInfo {
     /** Number of KV layers and the per-token state size, for sanity checks. */
     nLayer: number;
   };
-  /** Number of sequences (slots) of this engine's context. */
+  /** Number of slots: sequences of this engine's context that may be busy at once. */
   sequences: number;
+  /**
+   * Extra sequences of the context that only hold cached prefixes while idle (prefix cache; 0 =
+   * off). The context has `sequences + cacheSequences` sequences (the n_stream of its states).
+   */
+  cacheSequences: number;
   /** Vocabulary size. */
   nVocab: number;
   /**
@@ -90,6 +95,8 @@ export interface EngineInfo {
 export interface PrefillResult {
   /** Number of prompt tokens evaluated (also the n_tokens of the saved state). */
   promptTokens: number;
+  /** Leading prompt tokens whose KV came from the prefix cache and were not evaluated again. */
+  cachedTokens: number;
   /** First generated token (sampled after the last prompt chunk). */
   firstToken: number;
   /** True when the first token is an end-of-generation token (EOS/EOT). */
@@ -165,7 +172,14 @@ export interface Engine {
   prepareSampling(sampling: SamplingParams): Promise<void>;
   /** Free slots right now. */
   slotsFree(): number;
-  /** Reserve a free slot, or null when all are taken. */
-  tryAcquireSlot(): Slot | null;
+  /**
+   * Reserve a free slot, or null when all are taken. With the prefix cache on and `prompt` given,
+   * the idle sequence sharing the longest reusable prefix with it is chosen (its `prefill` then
+   * evaluates only the rest); a cached sequence is evicted rather than ever returning null while
+   * a slot is free.
+   */
+  tryAcquireSlot(prompt?: readonly number[]): Slot | null;
+  /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
+  cachedStats(): { sequences: number; tokens: number };
   dispose(): Promise<void>;
 }

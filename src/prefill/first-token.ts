@@ -23,11 +23,11 @@ import type { GeneratedToken, FinishReason } from '../engine/types.js';
 const NO_FIRST = Symbol('no first token');
 
 /** The first-token event prefill streams: token 1's output exactly as decode would have emitted it. */
-export function firstTokenEvent(rid: string, promptTokens: number, out: GeneratedToken & { end?: FinishReason }): GenerateEvent {
+export function firstTokenEvent(rid: string, promptTokens: number, out: GeneratedToken & { end?: FinishReason }, cachedTokens = 0): GenerateEvent {
   return {
     text: out.text,
     token_ids: [out.token],
-    meta_info: { id: rid, prompt_tokens: promptTokens, completion_tokens: 1, finish_reason: out.end ? { type: out.end } : null },
+    meta_info: { id: rid, prompt_tokens: promptTokens, cached_tokens: cachedTokens, completion_tokens: 1, finish_reason: out.end ? { type: out.end } : null },
   };
 }
 

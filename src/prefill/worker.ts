@@ -13,7 +13,8 @@ import { readFile, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
 import { canonicalRoom, GenerateRequestSchema, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
-import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
+import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
+import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
 import { createLogger, type Logger } from '../common/log.js';
@@ -49,6 +50,8 @@ interface Job {
   t0: number;
   prefillMs: number;
   tKvBegin: number;
+  /** Prompt tokens taken from the prefix cache (known once prompt evaluation finished). */
+  cachedTokens: number;
 }
 
 interface PendingRegistration {
@@ -61,6 +64,7 @@ interface PendingRegistration {
 export class PrefillWorker {
   readonly rooms: RoomTable;
   readonly metrics: WorkerMetrics;
+  readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
   private readonly jobs = new Map<RoomId, Job>();
   private readonly byRid = new Map<string, RoomId>();
@@ -98,6 +102,7 @@ export class PrefillWorker {
       roomsByState: () => roomsByState(this.rooms),
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
   }
 
   /** Queue name → entries, derived from room phases (cannot drift). */
@@ -146,7 +151,7 @@ export class PrefillWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        return { epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null })) };
+        return { epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.cachedTokens ?? 0 })) };
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -236,7 +241,7 @@ export class PrefillWorker {
       this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
       job.done.resolve({
         rid: job.rid,
-        meta_info: { prompt_tokens: job.tokens.length, kv_bytes: this.rooms.get(room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
+        meta_info: { prompt_tokens: job.tokens.length, cached_tokens: job.cachedTokens, kv_bytes: this.rooms.get(room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
       });
     } else {
       const registered = job.conn !== undefined;
@@ -263,7 +268,7 @@ export class PrefillWorker {
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
     const room = body.bootstrap_room;
-    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0, first: body.first_token_from_prefill ? deferred() : undefined };
+    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0, cachedTokens: 0, first: body.first_token_from_prefill ? deferred() : undefined };
     const log = this.log.child({ rid: body.rid, room });
     let effects: Effect[];
     try {
@@ -365,9 +370,10 @@ export class PrefillWorker {
   /** Start prompt evaluation for waiting rooms while slots are free. */
   private pump(): void {
     while (this.waiting.size > 0) {
-      const slot = this.engine.tryAcquireSlot();
-      if (!slot) return;
       const room = this.waiting.values().next().value as RoomId;
+      // The prompt picks the idle sequence sharing its longest prefix (prefix cache).
+      const slot = this.engine.tryAcquireSlot(this.jobs.get(room)?.tokens);
+      if (!slot) return;
       this.waiting.delete(room);
       this.computing++;
       void this.compute(room, slot).finally(() => {
@@ -390,13 +396,15 @@ export class PrefillWorker {
       await hold('prefill.compute', job.ac.signal);
       const t0 = Date.now();
       const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
-      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, await slot.firstOutput(r.firstToken, job.sampling)));
+      job.cachedTokens = r.cachedTokens;
+      this.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens);
+      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, await slot.firstOutput(r.firstToken, job.sampling), r.cachedTokens));
       await hold('prefill.save', job.ac.signal);
       if (job.ac.signal.aborted) return;
       await slot.saveState(path);
       const payload = await readFile(path);
       blob = encodeEnvelope(
-        { fingerprint: this.engine.info.fingerprint, contextSize: this.engine.info.compat.contextSize, batchSize: this.engine.info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, firstIsEog: r.firstIsEog },
+        { fingerprint: this.engine.info.fingerprint, contextSize: this.engine.info.compat.contextSize, batchSize: this.engine.info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, cachedTokens: r.cachedTokens, firstIsEog: r.firstIsEog },
         payload,
       );
       job.prefillMs = Date.now() - t0;
@@ -458,7 +466,7 @@ export function zodToApiError(err: import('zod').ZodError): ApiError {
 /** Load the engine, start the worker. */
 export async function startPrefillWorker(raw: unknown, log = createLogger('prefill')): Promise<PrefillWorker> {
   const config = parseConfig(PrefillConfigSchema, raw);
-  const engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new PrefillWorker(config, engine, log);
   await w.start();
   return w;

@@ -261,14 +261,14 @@ describe('OpenAIResponseBuilder', () => {
     assert.deepEqual(last.length, 1);
     assert.deepEqual((last[0] as any).choices[0], { index: 0, delta: {}, logprobs: null, finish_reason: 'length' });
     const tail = b.tail();
-    assert.deepEqual(tail, [{ id: 'chatcmpl-1', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [], usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9 } }]);
+    assert.deepEqual(tail, [{ id: 'chatcmpl-1', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [], usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9, prompt_tokens_details: { cached_tokens: 0 } } }]);
     assert.deepEqual(b.response(), {
       id: 'chatcmpl-1',
       object: 'chat.completion',
       created: 1,
       model: 'm',
       choices: [{ index: 0, message: { role: 'assistant', content: 'Hel' }, logprobs: null, finish_reason: 'length' }],
-      usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9 },
+      usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9, prompt_tokens_details: { cached_tokens: 0 } },
     });
   });
 

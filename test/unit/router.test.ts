@@ -206,7 +206,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin' } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -219,6 +219,7 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     abortTimeoutMs: 500,
     firstTokenFromPrefill: opts.firstTokenFromPrefill ?? false,
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
+    ...(opts.policy ? { policy: opts.policy } : {}),
     log: { level: 'silent' },
   });
   const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 10_000 });
@@ -293,7 +294,7 @@ describe('router: happy paths through the openai client', () => {
     assert.equal(r.model, 'fake-model');
     assert.equal(r.choices[0]!.text, 'Hello, world');
     assert.equal(r.choices[0]!.finish_reason, 'length');
-    assert.deepEqual(r.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 });
+    assert.deepEqual(r.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6, prompt_tokens_details: { cached_tokens: 0 } });
 
     const [pb] = s.prefill[0]!.generates;
     const [db] = s.decode[0]!.generates;
@@ -330,7 +331,7 @@ describe('router: happy paths through the openai client', () => {
     assert.equal(text, 'abcd');
     assert.equal(finishes.at(-1), 'stop');
     assert.ok(finishes.slice(0, -1).every((f) => f === null));
-    assert.deepEqual(usage, { prompt_tokens: 3, completion_tokens: 4, total_tokens: 7 });
+    assert.deepEqual(usage, { prompt_tokens: 3, completion_tokens: 4, total_tokens: 7, prompt_tokens_details: { cached_tokens: 0 } });
     assert.equal(ids.size, 1);
     assert.deepEqual(s.decode[0]!.generates[0]!.input_ids, [1, 2, 3]);
     await assertReleased(s);
@@ -366,7 +367,7 @@ describe('router: happy paths through the openai client', () => {
     assert.equal(withChoices.map((c) => c.choices[0]!.delta.content ?? '').join(''), 'I am fine');
     const last = chunks.at(-1)!;
     assert.deepEqual(last.choices, []);
-    assert.deepEqual(last.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 });
+    assert.deepEqual(last.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6, prompt_tokens_details: { cached_tokens: 0 } });
     await assertReleased(s);
   });
 
@@ -800,6 +801,22 @@ describe('router: scheduling and load accounting', () => {
       [2, 2],
     );
     await assertReleased(s);
+  });
+
+  test('cache_aware (default) keeps each conversation on one prefill worker; round_robin does not', async () => {
+    const conv = (who: string) => Array.from({ length: 4 }, (_, r) => `${who}: the shared system prompt and tools. ${Array.from({ length: r + 1 }, (_, k) => `round ${k} result`).join(' ')}`);
+    for (const policy of [undefined, 'round_robin'] as const) {
+      const s = await stack({ prefill: 2, ...(policy ? { policy } : {}) });
+      for (const prompt of [...conv('agent A'), ...conv('agent B')]) await s.client.completions.create({ model: 'x', prompt });
+      const seen = s.prefill.map((p) => p.generates.map((g) => String(g.text).slice(0, 7)));
+      if (policy === undefined) {
+        assert.deepEqual(seen.map((x) => new Set(x).size), [1, 1], `one conversation per worker: ${JSON.stringify(seen)}`);
+        assert.notEqual(seen[0]![0], seen[1]![0]);
+      } else {
+        assert.deepEqual(seen.map((x) => new Set(x).size), [2, 2], `round robin spreads each conversation: ${JSON.stringify(seen)}`);
+      }
+      await assertReleased(s);
+    }
   });
 
   test('many mixed outcomes: acquired == released and loads 0', async () => {
