@@ -7,6 +7,7 @@ import client from 'prom-client';
 import type { RoomTable } from '../kv/lifecycle.js';
 import { KVPoll, type Effect, type Role } from '../kv/types.js';
 import type { Logger } from './log.js';
+import { collectCleanDefaultMetrics } from './promclean.js';
 
 export interface WorkerMetricSources {
   /** Queue name (e.g. 'prefill_inflight_queue') → entries now. */
@@ -30,7 +31,7 @@ export class WorkerMetrics {
 
   constructor(readonly role: Role | 'colocated', sources: WorkerMetricSources) {
     const registers = [this.registry];
-    client.collectDefaultMetrics({ register: this.registry, prefix: 'pdserve_' });
+    collectCleanDefaultMetrics(this.registry);
     const queueNames = Object.keys(sources.queues());
     for (const q of queueNames) {
       new client.Gauge({
