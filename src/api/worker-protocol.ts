@@ -62,6 +62,8 @@ export function canonicalRoom(v: unknown): string | undefined {
 export const GenerateRequestSchema = z
   .object({
     rid: z.string().min(1).max(128),
+    /** Trace id of the request (router: client's traceparent/x-request-id or generated); shown in logs and /debug/rooms. */
+    trace_id: z.string().min(1).max(128).optional(),
     text: z.string().optional(),
     input_ids: z.array(z.number().int().min(0)).optional(),
     messages: z.array(ChatMessageSchema).optional(),

@@ -431,5 +431,8 @@ export async function runCli(argv: string[]): Promise<void> {
       });
   }
 
+  // ---- doctor (src/doctor/) ----
+  (await import('../doctor/cli.js')).addDoctorCommand(program);
+
   await program.parseAsync(argv);
 }

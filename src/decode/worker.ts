@@ -18,6 +18,7 @@ import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Def
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
+import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { samplingFromWire } from '../common/requests.js';
@@ -64,6 +65,8 @@ export class DecodeWorker {
   readonly metrics: WorkerMetrics;
   readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
+  /** Trace id per room, for /debug/rooms. */
+  readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
   private readonly byRid = new Map<string, RoomId>();
   /** FIFO of rooms waiting for a free slot. */
@@ -127,7 +130,7 @@ export class DecodeWorker {
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
         const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: 'pd', cached_tokens: j.header?.cachedTokens ?? 0 }));
-        return { epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding };
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -386,6 +389,8 @@ export class DecodeWorker {
     }
     this.jobs.set(room, job);
     this.byRid.set(job.rid, room);
+    this.traces.set(room, body.trace_id ?? body.rid);
+    this.log.debug({ rid: body.rid, room, trace: body.trace_id ?? body.rid }, 'room created');
     this.prealloc.add(room);
     const off = onClientGone(reply, () => this.abort(room, 'client'));
     try {

@@ -20,6 +20,7 @@ import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Def
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
+import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
@@ -66,6 +67,8 @@ export class PrefillWorker {
   readonly metrics: WorkerMetrics;
   readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
+  /** Trace id per room, for /debug/rooms. */
+  readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
   private readonly byRid = new Map<string, RoomId>();
   /** Rooms registered by decode before the router's request arrived here. Bounded, expires after bootstrapMs. */
@@ -151,7 +154,7 @@ export class PrefillWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        return { epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.cachedTokens ?? 0 })) };
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.cachedTokens ?? 0 })) });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -269,7 +272,9 @@ export class PrefillWorker {
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
     const room = body.bootstrap_room;
     const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0, cachedTokens: 0, first: body.first_token_from_prefill ? deferred() : undefined };
-    const log = this.log.child({ rid: body.rid, room });
+    const trace = body.trace_id ?? body.rid;
+    this.traces.set(room, trace);
+    const log = this.log.child({ rid: body.rid, room, trace });
     let effects: Effect[];
     try {
       effects = this.rooms.create(room, body.rid, Date.now());

@@ -36,6 +36,7 @@ import { readSse, SseError, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import type { Outcome, RouterMetrics } from './metrics.js';
+import type { RequestObserver } from './trace.js';
 import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
@@ -65,6 +66,8 @@ export interface DispatchContext {
   controlAgent: Dispatcher;
   /** Register a fire-and-forget promise so `close()` can wait for it. */
   track(p: Promise<unknown>): void;
+  /** Request traces (src/router/trace.ts): trace id per rid, and the request's events. */
+  observe?: RequestObserver;
 }
 
 type LegName = 'prefill' | 'decode';
@@ -158,9 +161,10 @@ export class PdRequest {
     this.legs = { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
     this.log = log.child({ room: this.room });
     this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage);
-    this.body = JSON.stringify(
-      toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill: ctx.config.firstTokenFromPrefill }),
-    );
+    this.body = JSON.stringify({
+      ...toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill: ctx.config.firstTokenFromPrefill }),
+      trace_id: ctx.observe?.traceOf(rid),
+    });
     if (!ctx.config.firstTokenFromPrefill) this.firstGateOpen();
   }
 
@@ -175,6 +179,7 @@ export class PdRequest {
       config.requestTimeoutMs,
     );
     await hold('router.dispatch');
+    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url });
     if (!this.over) {
       void this.runPrefill();
       void this.runDecode();
@@ -201,7 +206,9 @@ export class PdRequest {
       const text = await readText(res.body, MAX_ERROR_BODY);
       leg.reported = true;
       if (res.statusCode === 200) {
-        this.log.debug({ prefill: safeJson(text) }, 'prefill answered');
+        const answer = safeJson(text);
+        this.log.debug({ prefill: answer }, 'prefill answered');
+        this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: (answer as { meta_info?: unknown })?.meta_info ?? null });
         return;
       }
       this.legFailed(leg, workerError('prefill', res.statusCode, text));
@@ -242,6 +249,7 @@ export class PdRequest {
       if (ev?.transfer !== undefined) {
         leg.reported = true;
         this.log.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
+        this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: ev.transfer });
         continue;
       }
       if (!first || this.over) continue;
@@ -331,6 +339,7 @@ export class PdRequest {
       if (this.firstTokenAt === 0) {
         this.firstTokenAt = now;
         this.ctx.metrics.ttft.observe((now - this.t0) / 1000);
+        this.ctx.observe?.event(this.rid, 'first_token');
       } else {
         const per = (now - this.lastTokenAt) / 1000 / n;
         for (let i = 0; i < n; i++) this.ctx.metrics.itl.observe(per);
@@ -349,7 +358,7 @@ export class PdRequest {
 
   private openStream(): void {
     this.reply.hijack();
-    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid } });
+    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid } });
     this.writer.open(200);
     this.phase = 'streaming';
   }
@@ -476,9 +485,11 @@ export class PdRequest {
       completion_tokens: this.builder.completionTokens,
       finish_reason: this.builder.finishReason,
       ttft_ms: this.firstTokenAt ? Math.round(this.firstTokenAt - this.t0) : null,
+      itl_ms: this.builder.completionTokens > 1 ? Math.round(((this.lastTokenAt - this.firstTokenAt) / (this.builder.completionTokens - 1)) * 100) / 100 : null,
       e2e_ms: Math.round(e2eMs),
       ...(err && outcome !== 'ok' ? { err: err.message, code: err.code } : {}),
     };
+    this.ctx.observe?.event(this.rid, 'finished', line);
     if (outcome === 'ok' || outcome === 'client_abort' || this.status < 500) this.log.info(line, 'request finished');
     else this.log.warn(line, 'request failed');
     this.resolveDone();

@@ -11,8 +11,10 @@
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total}
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
+ *   GET /dashboard, /dashboard/data, /debug/traces[/:id] — see `./dashboard.ts`
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
- * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid.
+ * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
+ * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
 import { registerHoldRoute } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
@@ -26,6 +28,9 @@ import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
 import { WorkerRegistry } from './registry.js';
 import { createPolicy, routingText } from './policy/index.js';
+import { registerDiagnostics } from './dashboard.js';
+import { DashboardSeries } from './dashboard-series.js';
+import { TraceStore, traceIdOf } from './trace.js';
 
 export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
 export { LINGER_MS, newRid, randomRoom, workerError } from './dispatch.js';
@@ -44,6 +49,8 @@ export interface Router {
    * for the abort_request calls, close the HTTP server and the connection pools. Idempotent.
    */
   close(): Promise<void>;
+  /** Tell the router its own listening URL (used in the doctor's suggested commands). */
+  setUrl(url: string): void;
 }
 
 export interface RunningRouter extends Router {
@@ -87,6 +94,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
   // One policy (and prefix tree) per role: prefill holds the prefix cache.
   const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
+  const traces = new TraceStore();
+  const series = new DashboardSeries();
+  traces.onFinished = (_t, fields) => series.add(fields);
   const pending = new Set<Promise<unknown>>();
   const active = new Set<PdRequest>();
   const ctx: DispatchContext = {
@@ -95,12 +105,14 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     metrics,
     dataAgent,
     controlAgent,
+    observe: traces,
     track(p) {
       pending.add(p);
       void p.finally(() => pending.delete(p));
     },
   };
   const createdAt = Math.floor(Date.now() / 1000);
+  let selfUrl = `http://${config.host}:${config.port}`;
   let closing = false;
 
   const app = Fastify({
@@ -115,6 +127,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // Every response names its rid (errors included); hijacked streams set it themselves.
   app.addHook('onRequest', async (request, reply) => {
     reply.header('x-request-id', String(request.id));
+    if (request.method === 'POST' && (request.url.startsWith('/v1/completions') || request.url.startsWith('/v1/chat/completions'))) {
+      const trace = traceIdOf(request.headers);
+      traces.begin(String(request.id), trace);
+      reply.header('x-trace-id', trace);
+      request.log = request.log.child({ trace });
+    }
   });
 
   const generation = (kind: 'completion' | 'chat') =>
@@ -169,6 +187,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   });
 
   registerHoldRoute(app);
+  registerDiagnostics(app, { registry, metrics, traces, series, inflight: () => active.size, selfUrl: () => selfUrl });
 
   app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal }));
 
@@ -201,6 +220,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       return active.size;
     },
     close,
+    setUrl(url: string) {
+      selfUrl = url;
+    },
   };
 }
 
@@ -217,6 +239,7 @@ export async function startRouter(raw: RouterConfigInput | RouterConfig): Promis
   const port = typeof addr === 'object' && addr ? addr.port : r.config.port;
   const h = r.config.host === '0.0.0.0' ? '127.0.0.1' : r.config.host === '::' ? '[::1]' : r.config.host.includes(':') ? `[${r.config.host}]` : r.config.host;
   const url = `http://${h}:${port}`;
+  r.setUrl(url);
   r.app.log.info({ url, prefill: r.config.prefill.map((p) => p.url), decode: r.config.decode.map((d) => d.url) }, 'router listening');
   return Object.assign(r, { url, port });
 }
