@@ -9,6 +9,7 @@
  * (`routerSource`); a membership registry (etcd, issue #12) plugs in as another source.
  */
 import { request } from 'undici';
+import type { RoomView } from '../harness/storm-monitor.js';
 
 /** A worker to probe; `router` is the router's own row for it (GET /workers), when known. */
 export interface WorkerRef {
@@ -35,21 +36,11 @@ export interface Sample {
 }
 
 /** A live or recent room as a worker's GET /debug/rooms shows it (fields used by the doctor). */
-export interface RoomInfo {
-  room: string;
-  rid: string;
+export interface RoomInfo extends RoomView {
   trace?: string | null;
-  role: string;
-  state: string;
-  phase: string;
-  age_ms: number;
-  deadline_ms: number | null;
-  peer: string | null;
   bytes: number;
   total_bytes: number | null;
   fail_reason: string | null;
-  step?: string | null;
-  timeline: { at: number; state: string; phase: string; why: string }[];
 }
 
 /** Body of a worker's GET /debug/rooms (fields used by the doctor). */
