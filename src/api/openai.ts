@@ -106,11 +106,29 @@ export function openAIErrorHandler(error: unknown, request: FastifyRequest, repl
   void sendApiError(reply, apiErr);
 }
 
-/** Install the OpenAI error handler and a 404 handler with an OpenAI body on `app`. */
+/**
+ * Install the OpenAI error handler and a not-found handler with an OpenAI body on `app`: 405
+ * with an `Allow` header when the path is a route for other methods, else 404. Call it before
+ * adding routes (an onRoute hook records them; `:param` segments match any one segment).
+ */
 export function registerOpenAIErrorHandling(app: FastifyInstance): void {
   app.setErrorHandler(openAIErrorHandler);
+  const routes: { re: RegExp; methods: Set<string> }[] = [];
+  app.addHook('onRoute', (r) => {
+    if (r.url === '*' || r.url.includes('*')) return;
+    const re = new RegExp(`^${r.url.split('/').map((seg) => (seg.startsWith(':') ? '[^/]+' : seg.replace(/[.*+?^${}()|[\]\\]/g, '\\$&'))).join('/')}$`);
+    let entry = routes.find((x) => x.re.source === re.source);
+    if (!entry) routes.push((entry = { re, methods: new Set() }));
+    for (const m of Array.isArray(r.method) ? r.method : [r.method]) entry.methods.add(m);
+  });
   app.setNotFoundHandler((request, reply) => {
-    void sendApiError(reply, new ApiError(404, 'not_found', `Route ${request.method} ${request.url.split('?')[0]} not found`, 'not_found_error'));
+    const path = request.url.split('?')[0] ?? '';
+    const allowed = routes.filter((x) => x.re.test(path)).flatMap((x) => [...x.methods]);
+    if (allowed.length > 0) {
+      void sendApiError(reply.header('allow', [...new Set(allowed)].sort().join(', ')), new ApiError(405, 'method_not_allowed', `Method ${request.method} is not allowed on ${path} (allowed: ${[...new Set(allowed)].sort().join(', ')})`, 'invalid_request_error'));
+      return;
+    }
+    void sendApiError(reply, new ApiError(404, 'not_found', `Route ${request.method} ${path} not found`, 'not_found_error'));
   });
 }
 
@@ -190,8 +208,11 @@ const MessageSchema = z
   })
   .passthrough();
 
-/** Validate messages (see MESSAGE_FIELDS) and flatten content to text. */
-function parseMessages(raw: unknown): ChatMessage[] {
+/**
+ * Validate chat messages (see MESSAGE_FIELDS) and flatten their content to text.
+ * @throws ApiError 400 naming the offending message field.
+ */
+export function parseMessages(raw: unknown): ChatMessage[] {
   if (raw === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'messages'.", 'invalid_request_error', 'messages');
   const arr = z.array(z.unknown()).min(1).safeParse(raw);
   if (!arr.success) throw fieldError(['messages'], arr.error);

@@ -111,6 +111,11 @@ function timeoutsOf(o: Record<string, number>) {
   return { preallocMs: o.preallocTimeoutMs, bootstrapMs: o.bootstrapTimeoutMs, waitingMs: o.waitingTimeoutMs, transferIdleMs: o.transferTimeoutMs };
 }
 
+/** --cors-origin: repeatable, each value a comma-separated list of origins. */
+function corsList(v: string, prev: string[] | undefined): string[] {
+  return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
+}
+
 /** Parse argv and run. */
 export async function runCli(argv: string[]): Promise<void> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
@@ -123,6 +128,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
     .option('--cluster-secret <secret>', 'shared secret (default: a random one)')
     .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       try {
@@ -133,7 +139,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) return;
@@ -213,10 +219,11 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, ...prefixCacheConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
   program
@@ -234,6 +241,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
     .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
     .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { startRouter } = await import('../router/index.js');
       if (!o.prefill?.length || !o.decode?.length) {
@@ -247,7 +255,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = (o.decode as string[]).map((url) => ({ url }));
       await serve('router', async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
         return r;
       });
     });

@@ -23,7 +23,7 @@ export interface ColocatedServer {
   close(): Promise<void>;
 }
 
-/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. */
+/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
 export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
   const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
   const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
@@ -39,6 +39,8 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     modelName: engine.info.modelName,
     health: () => ({ role: 'colocated', model: engine.info.modelName, fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
     debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map((r) => ({ ...r, age_ms: Date.now() - r.t0 })), recent: [] }),
+    engine,
+    corsOrigins: config.corsOrigin,
   });
 
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {

@@ -87,6 +87,8 @@ export const ColocatedConfigSchema = z.object({
   slots: z.number().int().min(1).max(256).default(8),
   maxWaiting: z.number().int().min(1).default(256),
   requestTimeoutMs: z.number().int().positive().default(300_000),
+  /** CORS origins ('*' = any); empty = no CORS. */
+  corsOrigin: z.array(z.string().min(1)).max(64).default([]),
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 

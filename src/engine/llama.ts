@@ -486,11 +486,16 @@ class LlamaEngine implements Engine {
     this.chatWrapper = typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
   }
 
-  tokenize(text: string): number[] {
+  tokenize(text: string, addSpecial = true): number[] {
     const toks = this.model.tokenize(text, false) as number[];
     const bos = this.model.tokens.bos;
-    if (bos != null && this.model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
+    if (addSpecial && bos != null && this.model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
     return toks;
+  }
+
+  tokenPieces(tokens: number[]): string[] {
+    const pieces = (this.model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens ?? [];
+    return tokens.map((t) => (typeof pieces[t] === 'string' ? (pieces[t] as string) : this.detokenize([t])));
   }
 
   renderChat(messages: ChatMessage[]): number[] {

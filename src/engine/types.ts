@@ -160,8 +160,10 @@ export interface Slot {
 /** A loaded model with one multi-sequence context. */
 export interface Engine {
   readonly info: EngineInfo;
-  /** Tokenize plain text (special-token text is not parsed); prepends BOS when the model asks for it. */
-  tokenize(text: string): number[];
+  /** Tokenize plain text (special-token text is not parsed); prepends BOS when the model asks for it and `addSpecial` (default true). */
+  tokenize(text: string, addSpecial?: boolean): number[];
+  /** The vocabulary's raw piece of each token (as vLLM's token_strs: '<s>', byte tokens '<0x0A>'). */
+  tokenPieces(tokens: number[]): string[];
   /** Render messages with the model's chat template (generic one when the GGUF has none), add the assistant prefix, tokenize. */
   renderChat(messages: ChatMessage[]): number[];
   detokenize(tokens: number[]): string;

@@ -137,6 +137,7 @@ export class PrefillWorker {
     });
     this.bootstrapPort = await this.kv.listen();
     this.app = createWorkerApp({
+      engine: this.engine,
       log: this.log,
       registry: this.metrics.registry,
       modelName: this.engine.info.modelName,

@@ -18,6 +18,7 @@
  *       decodePolicy = 'least_load' (same choices), with cache_aware's
  *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
+ *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
@@ -74,6 +75,8 @@ export const RouterConfigSchema = z
     balanceAbsThreshold: z.number().int().min(0).default(DEFAULT_CACHE_AWARE.balanceAbsThreshold),
     balanceRelThreshold: z.number().min(1).default(DEFAULT_CACHE_AWARE.balanceRelThreshold),
     maxTreeChars: z.number().int().min(1).default(DEFAULT_CACHE_AWARE.maxTreeChars),
+    /** CORS origins ('*' = any); empty = no CORS headers. */
+    corsOrigin: z.array(z.string().min(1)).max(64).default([]),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -122,6 +125,8 @@ export interface RouterConfig {
   readonly balanceRelThreshold: number;
   /** cache_aware: routing-text characters remembered per worker. */
   readonly maxTreeChars: number;
+  /** CORS origins ('*' = any); empty = no CORS headers. */
+  readonly corsOrigin: readonly string[];
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

@@ -8,6 +8,9 @@
  *   POST /v1/completions, POST /v1/chat/completions — dual dispatch, see `./dispatch.ts`
  *   GET /v1/models  — {object:'list', data:[{id, object:'model', owned_by:'pdserve', created}]}
  *                      with the `model` names reported by the workers' /health
+ *   GET /v1/models/{id} — one of them, or 404 model_not_found
+ *   POST /tokenize, POST /detokenize — vLLM's shapes, forwarded to a healthy prefill worker
+ * CORS for `config.corsOrigin`; a wrong method on a known path is a 405 with `Allow`.
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total}
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
@@ -22,6 +25,7 @@ import { performance } from 'node:perf_hooks';
 import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
+import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
@@ -177,6 +181,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     object: 'list',
     data: registry.models().map((id) => ({ id, object: 'model', owned_by: 'pdserve', created: createdAt })),
   }));
+  registerModelRoute(app, () => registry.models(), createdAt);
+  registerTokenizeProxy(app, () => registry.pick('prefill')?.url ?? null, controlAgent, config.abortTimeoutMs * 5);
+  registerCors(app, config.corsOrigin);
 
   app.get('/health', async (_req, reply) => {
     const role = (r: 'prefill' | 'decode') => ({ healthy: registry.healthyCount(r), total: registry.workers.filter((w) => w.role === r).length });

@@ -1,8 +1,10 @@
 /**
- * Every honoured OpenAI / vLLM request field, driven through the real `openai` SDK against PD
+ * The OpenAI surface end to end, one stack for the file. (1) Every honoured OpenAI / vLLM request field, driven through the real `openai` SDK against PD
  * (router → prefill → KV → decode) and the colocated reference on one stack: each field has its
  * effect and PD output equals colocated output (greedy or seeded, deterministic mode). Refused
- * fields get a 400 naming them from both servers.
+ * fields get a 400 naming them from both servers. (2) The endpoints around generation on both
+ * servers: GET /v1/models/{id} (the SDK's models.retrieve), /tokenize and /detokenize (vLLM's
+ * shapes), CORS preflight with --cors-origin, 405 for a wrong method.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
@@ -13,7 +15,8 @@ import { CTX, promptOf, useStack } from '../helpers/stack.js';
 type Body = Record<string, unknown>;
 
 /** The file's stack: s.c (cluster), s.pd (router client), s.ref (colocated client); filled by a before hook. */
-const s = useStack();
+const ORIGIN = 'http://app.example';
+const s = useStack({ extraArgs: { router: ['--cors-origin', ORIGIN], colocated: ['--cors-origin', ORIGIN] } });
 
 interface Out {
   text: string;
@@ -139,5 +142,68 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     await refused('chat/completions', { messages, response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: 'x' } } } }, 'response_format.json_schema.schema.pattern');
     // the SDK surfaces the 400 as BadRequestError
     await assert.rejects(s.pd.completions.create({ model: 'pdserve', prompt, min_p: 2 } as never), (e: unknown) => e instanceof OpenAI.BadRequestError);
+  });
+});
+
+describe('endpoints around generation (router and colocated)', () => {
+  const both = () => [s.c.router.url, s.c.colocated!.url];
+  const post = (url: string, body: unknown) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(10_000) });
+
+  test('models.retrieve() returns the served model; another id is 404 model_not_found', async () => {
+    for (const api of [s.pd, s.ref]) {
+      const list = await api.models.list();
+      const id = list.data[0]!.id;
+      const m = await api.models.retrieve(id);
+      assert.deepEqual([m.id, m.object, m.owned_by], [id, 'model', 'pdserve']);
+      await assert.rejects(api.models.retrieve('no-such-model'), (e: unknown) => e instanceof OpenAI.NotFoundError && (e.error as { code?: string }).code === 'model_not_found');
+    }
+  });
+
+  test('/tokenize and /detokenize (vLLM shapes) agree with generation and with each other', async () => {
+    const text = 'the river ran past old mills';
+    const answers: unknown[] = [];
+    for (const url of both()) {
+      const t = (await (await post(`${url}/tokenize`, { prompt: text, return_token_strs: true })).json()) as { count: number; max_model_len: number; tokens: number[]; token_strs: string[] };
+      assert.equal(t.count, t.tokens.length);
+      assert.equal(t.max_model_len, CTX);
+      assert.equal(t.token_strs.length, t.count);
+      const noBos = (await (await post(`${url}/tokenize`, { prompt: text, add_special_tokens: false })).json()) as { tokens: number[]; token_strs: null };
+      assert.equal(noBos.token_strs, null);
+      assert.ok(noBos.tokens.length <= t.tokens.length);
+      const d = (await (await post(`${url}/detokenize`, { tokens: t.tokens })).json()) as { prompt: string };
+      assert.equal(d.prompt, text);
+      // usage.prompt_tokens of a completion equals the tokenize count
+      const r = await s.ref.completions.create({ model: 'pdserve', prompt: text, max_tokens: 1, temperature: 0 });
+      assert.equal(r.usage!.prompt_tokens, t.count);
+      const chat = (await (await post(`${url}/tokenize`, { messages: [{ role: 'user', content: text }] })).json()) as { count: number };
+      const cr = await s.ref.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: text }], max_tokens: 1, temperature: 0 });
+      assert.equal(cr.usage.prompt_tokens, chat.count);
+      answers.push([t, d]);
+      const bad = await post(`${url}/detokenize`, { tokens: [99999999] });
+      assert.equal(bad.status, 400);
+      const unk = await post(`${url}/tokenize`, { prompt: 'x', bogus: 1 });
+      assert.equal(((await unk.json()) as { error: { param: string } }).error.param, 'bogus');
+    }
+    assert.deepEqual(answers[0], answers[1], 'router (via prefill) and colocated tokenize alike');
+  });
+
+  test('CORS preflight and headers for the configured origin only; 405 for a wrong method', async () => {
+    for (const url of both()) {
+      const pre = await fetch(`${url}/v1/chat/completions`, { method: 'OPTIONS', headers: { origin: ORIGIN, 'access-control-request-method': 'POST', 'access-control-request-headers': 'content-type,authorization' } });
+      assert.equal(pre.status, 204);
+      assert.equal(pre.headers.get('access-control-allow-origin'), ORIGIN);
+      assert.match(pre.headers.get('access-control-allow-methods') ?? '', /POST/);
+      assert.match(pre.headers.get('access-control-allow-headers') ?? '', /authorization/);
+      const r = await fetch(`${url}/v1/models`, { headers: { origin: ORIGIN } });
+      assert.equal(r.headers.get('access-control-allow-origin'), ORIGIN);
+      const other = await fetch(`${url}/v1/models`, { headers: { origin: 'http://evil.example' } });
+      assert.equal(other.headers.get('access-control-allow-origin'), null, 'another origin gets no CORS header');
+      const wrong = await fetch(`${url}/v1/chat/completions`, { method: 'GET' });
+      assert.equal(wrong.status, 405);
+      assert.match(wrong.headers.get('allow') ?? '', /POST/);
+      assert.equal(((await wrong.json()) as { error: { code: string } }).error.code, 'method_not_allowed');
+      const nope = await fetch(`${url}/v1/nothing`);
+      assert.equal(nope.status, 404);
+    }
   });
 });
