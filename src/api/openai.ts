@@ -2,16 +2,17 @@
  * The OpenAI-compatible surface: request schemas (zod), normalisation to the worker protocol,
  * OpenAI error bodies plus a fastify error handler, and response / stream-chunk builders.
  *
- * Leniency rules (as vLLM): unknown fields are accepted and ignored; `null` means "not set" for
- * every optional field; wrong types and out-of-range values are rejected with 400 and a message
- * naming the field. Features pdserve cannot honour (n > 1, logprobs, echo, best_of > 1, suffix,
- * non-zero penalties, logit_bias, tools, non-text content, JSON mode) are rejected with 400
- * rather than silently ignored.
+ * Nothing is accepted and ignored: every field pdserve knows is listed in ./fields.ts as honoured
+ * or refused (the README's conformance table is generated from it); any other field is a 400
+ * "Unrecognized request argument supplied" (as OpenAI). `null` means "not set" for every optional
+ * field; wrong types and out-of-range values (vLLM's ranges) are 400s naming the field.
  */
 import { z, ZodError, type ZodIssue } from 'zod';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { checkRequestBounds, MAX_MESSAGES, type GenerateEvent, type GenerateRequest } from './worker-protocol.js';
+import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateEvent, type GenerateRequest } from './worker-protocol.js';
 import type { RoomId } from '../common/room-id.js';
+import { normaliseJsonSchema, SchemaError } from './json-schema.js';
+import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint } from './fields.js';
 import type { ChatMessage } from '../engine/types.js';
 import { ApiError, toApiError as commonToApiError, type ApiErrorType } from '../common/errors.js';
 
@@ -106,101 +107,82 @@ export function openAIErrorHandler(error: unknown, request: FastifyRequest, repl
   void sendApiError(reply, apiErr);
 }
 
-/** Install the OpenAI error handler and a 404 handler with an OpenAI body on `app`. */
+/**
+ * Install the OpenAI error handler and a not-found handler with an OpenAI body on `app`: 405
+ * with an `Allow` header when the path is a route for other methods, else 404. Call it before
+ * adding routes (an onRoute hook records them; `:param` segments match any one segment).
+ */
 export function registerOpenAIErrorHandling(app: FastifyInstance): void {
   app.setErrorHandler(openAIErrorHandler);
+  const routes: { re: RegExp; methods: Set<string> }[] = [];
+  app.addHook('onRoute', (r) => {
+    if (r.url === '*' || r.url.includes('*')) return;
+    const re = new RegExp(`^${r.url.split('/').map((seg) => (seg.startsWith(':') ? '[^/]+' : seg.replace(/[.*+?^${}()|[\]\\]/g, '\\$&'))).join('/')}$`);
+    let entry = routes.find((x) => x.re.source === re.source);
+    if (!entry) routes.push((entry = { re, methods: new Set() }));
+    for (const m of Array.isArray(r.method) ? r.method : [r.method]) entry.methods.add(m);
+  });
   app.setNotFoundHandler((request, reply) => {
-    void sendApiError(reply, new ApiError(404, 'not_found', `Route ${request.method} ${request.url.split('?')[0]} not found`, 'not_found_error'));
+    const path = request.url.split('?')[0] ?? '';
+    const allowed = routes.filter((x) => x.re.test(path)).flatMap((x) => [...x.methods]);
+    if (allowed.length > 0) {
+      void sendApiError(reply.header('allow', [...new Set(allowed)].sort().join(', ')), new ApiError(405, 'method_not_allowed', `Method ${request.method} is not allowed on ${path} (allowed: ${[...new Set(allowed)].sort().join(', ')})`, 'invalid_request_error'));
+      return;
+    }
+    void sendApiError(reply, new ApiError(404, 'not_found', `Route ${request.method} ${path} not found`, 'not_found_error'));
   });
 }
 
 // ---------------------------------------------------------------------------------------------
-// Request schemas
+// Request schemas (built from the field table in ./fields.ts)
 // ---------------------------------------------------------------------------------------------
 
-const MAX_INT32 = 2 ** 31 - 1;
-/** Default `max_tokens` of /v1/completions (as OpenAI). */
-export const DEFAULT_COMPLETION_MAX_TOKENS = 16;
-/** Default `max_tokens` of /v1/chat/completions when neither max_tokens nor max_completion_tokens is set. */
-export const DEFAULT_CHAT_MAX_TOKENS = 512;
-/** Most stop strings accepted (OpenAI allows 4; pdserve is lenient). */
-export const MAX_STOP = 16;
+export { DEFAULT_COMPLETION_MAX_TOKENS, MAX_STOP } from './fields.js';
 
-const StopSchema = z.unknown().transform((v, ctx): string[] | null => {
-  if (v === null || v === undefined) return null;
-  if (typeof v === 'string') return [v];
-  if (Array.isArray(v) && v.length <= MAX_STOP && v.every((x) => typeof x === 'string')) return v as string[];
-  ctx.addIssue({ code: z.ZodIssueCode.custom, message: `expected a string or an array of at most ${MAX_STOP} strings` });
-  return z.NEVER;
-});
+/** 400 naming `param`, for a valid value pdserve does not support. */
+const unsupported = (param: string, why: string): ApiError => new ApiError(400, 'unsupported_value', `Unsupported value for '${param}': ${why}`, 'invalid_request_error', param);
 
-/** Fields shared by both endpoints. All optional; `null` = unset. */
-const commonFields = {
-  model: z.string().max(512).nullish(),
-  max_tokens: z.number().int().min(1).max(MAX_INT32).nullish(),
-  temperature: z.number().min(0).max(2).nullish(),
-  top_p: z.number().gt(0).max(1).nullish(),
-  /** Extension (vLLM): -1 or 0 = off. */
-  top_k: z.number().int().min(-1).max(MAX_INT32).nullish(),
-  seed: z.number().int().min(Number.MIN_SAFE_INTEGER).max(Number.MAX_SAFE_INTEGER).nullish(),
-  stop: StopSchema,
-  stream: z.boolean().nullish(),
-  stream_options: z.object({ include_usage: z.boolean().nullish() }).nullish(),
-  n: z.number().int().nullish(),
-  /** Extension (vLLM): keep generating past EOS. */
-  ignore_eos: z.boolean().nullish(),
-  user: z.string().nullish(),
-  presence_penalty: z.number().min(-2).max(2).nullish(),
-  frequency_penalty: z.number().min(-2).max(2).nullish(),
-  logit_bias: z.record(z.number()).nullish(),
-};
+/** Re-root a zod error under `prefix` and convert it to a 400 naming the full path. */
+function fieldError(prefix: (string | number)[], err: ZodError): ApiError {
+  return zodToApiError(new ZodError(err.issues.map((i) => ({ ...i, path: [...prefix, ...i.path] }))));
+}
 
-type CommonBody = z.output<z.ZodObject<typeof commonFields>>;
-
-/** Cross-field checks and unsupported features shared by both endpoints. */
-function refineCommon(b: CommonBody, ctx: z.RefinementCtx): void {
-  const unsupported = (path: string, message: string) => ctx.addIssue({ code: z.ZodIssueCode.custom, path: [path], message });
-  if (b.n != null && b.n !== 1) unsupported('n', 'only n=1 is supported');
-  if (b.presence_penalty) unsupported('presence_penalty', 'presence_penalty is not supported (use 0 or omit it)');
-  if (b.frequency_penalty) unsupported('frequency_penalty', 'frequency_penalty is not supported (use 0 or omit it)');
-  if (b.logit_bias && Object.keys(b.logit_bias).length > 0) unsupported('logit_bias', 'logit_bias is not supported');
-  if (b.stream_options != null && b.stream !== true) unsupported('stream_options', 'stream_options is only allowed when stream is true');
+/**
+ * Validate the top-level fields of a request body against the field table: unknown names → 400
+ * "Unrecognized request argument supplied" (as OpenAI), nulls dropped, each value checked
+ * against its schema, refused values → 400 naming the field.
+ */
+function parseFields(endpoint: Endpoint, body: unknown): Record<string, unknown> {
+  if (body === null || typeof body !== 'object' || Array.isArray(body)) throw badRequest('Invalid request body: expected a JSON object', null, 'invalid_type');
+  const fields = fieldsOf(endpoint);
+  const out: Record<string, unknown> = {};
+  for (const [k, v] of Object.entries(body as Record<string, unknown>)) {
+    const f = fields.get(k);
+    if (!f) throw new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${k}`, 'invalid_request_error', k);
+    if (v === null || v === undefined) continue;
+    const r = f.schema.safeParse(v);
+    if (!r.success) throw fieldError([k], r.error);
+    const why = f.refuse?.(r.data as never);
+    if (why) throw unsupported(k, why);
+    out[k] = r.data;
+  }
+  return out;
 }
 
 const PROMPT_MESSAGE = 'expected a string, an array with exactly one string, or a non-empty array of token ids (batched prompts are not supported)';
-const isTokenId = (t: unknown): t is number => typeof t === 'number' && Number.isInteger(t) && t >= 0 && t <= MAX_INT32;
+const isTokenId = (t: unknown): t is number => typeof t === 'number' && Number.isInteger(t) && t >= 0 && t <= 2 ** 31 - 1;
 
 /** prompt: string | [string] | token ids | [token ids] → {text} | {input_ids}. */
-const PromptSchema = z.unknown().transform((p, ctx): { text: string } | { input_ids: number[] } => {
+function parsePrompt(p: unknown): { text: string } | { input_ids: number[] } {
+  if (p === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'prompt'.", 'invalid_request_error', 'prompt');
   if (typeof p === 'string') return { text: p };
   if (Array.isArray(p)) {
     if (p.length === 1 && typeof p[0] === 'string') return { text: p[0] };
     if (p.length > 0 && p.every(isTokenId)) return { input_ids: p };
     if (p.length === 1 && Array.isArray(p[0]) && p[0].length > 0 && p[0].every(isTokenId)) return { input_ids: p[0] as number[] };
   }
-  if (p === undefined) ctx.addIssue({ code: z.ZodIssueCode.invalid_type, expected: 'string', received: 'undefined' });
-  else ctx.addIssue({ code: z.ZodIssueCode.custom, message: PROMPT_MESSAGE });
-  return z.NEVER;
-});
-
-/** Raw body schema of POST /v1/completions (unknown keys stripped). */
-export const CompletionBodySchema = z
-  .object({
-    ...commonFields,
-    prompt: PromptSchema,
-    logprobs: z.number().int().nullish(),
-    echo: z.boolean().nullish(),
-    best_of: z.number().int().nullish(),
-    suffix: z.string().nullish(),
-  })
-  .superRefine((b, ctx) => {
-    refineCommon(b, ctx);
-    const unsupported = (path: string, message: string) => ctx.addIssue({ code: z.ZodIssueCode.custom, path: [path], message });
-    if (b.logprobs != null) unsupported('logprobs', 'logprobs are not supported by pdserve');
-    if (b.echo) unsupported('echo', 'echo is not supported');
-    if (b.best_of != null && b.best_of !== 1) unsupported('best_of', 'only best_of=1 is supported');
-    if (b.suffix) unsupported('suffix', 'suffix is not supported');
-  });
+  throw badRequest(`Invalid value for 'prompt': ${PROMPT_MESSAGE}`, 'prompt');
+}
 
 const ContentPartSchema = z
   .object({ type: z.string(), text: z.string().optional() })
@@ -213,34 +195,48 @@ const ContentPartSchema = z
     }
   });
 
-const MessageSchema = z.object({
-  role: z.enum(['system', 'user', 'assistant', 'developer', 'tool']),
-  content: z.union([z.string(), z.array(ContentPartSchema)]).nullish(),
-  name: z.string().nullish(),
-});
-
-/** Raw body schema of POST /v1/chat/completions (unknown keys stripped). */
-export const ChatBodySchema = z
+const MessageSchema = z
   .object({
-    ...commonFields,
-    messages: z.array(MessageSchema).min(1),
-    max_completion_tokens: z.number().int().min(1).max(MAX_INT32).nullish(),
-    logprobs: z.boolean().nullish(),
-    top_logprobs: z.number().int().nullish(),
-    tools: z.array(z.unknown()).nullish(),
-    response_format: z.object({ type: z.string() }).passthrough().nullish(),
+    role: z.enum(['system', 'user', 'assistant', 'developer', 'tool', 'function']),
+    content: z.union([z.string(), z.array(ContentPartSchema)]).nullish(),
+    name: z.string().nullish(),
+    tool_calls: z.array(z.unknown()).nullish(),
+    tool_call_id: z.string().nullish(),
+    function_call: z.unknown().nullish(),
+    refusal: z.string().nullish(),
+    audio: z.unknown().nullish(),
+    annotations: z.array(z.unknown()).nullish(),
   })
-  .superRefine((b, ctx) => {
-    refineCommon(b, ctx);
-    const unsupported = (path: string, message: string) => ctx.addIssue({ code: z.ZodIssueCode.custom, path: [path], message });
-    if (b.logprobs) unsupported('logprobs', 'logprobs are not supported by pdserve');
-    if (b.top_logprobs) unsupported('top_logprobs', 'logprobs are not supported by pdserve');
-    if (b.tools && b.tools.length > 0) unsupported('tools', 'tool calling is not supported');
-    if (b.response_format && b.response_format.type !== 'text') unsupported('response_format', `response_format '${b.response_format.type}' is not supported (only 'text')`);
-  });
+  .passthrough();
 
-export type CompletionBody = z.output<typeof CompletionBodySchema>;
-export type ChatBody = z.output<typeof ChatBodySchema>;
+/**
+ * Validate chat messages (see MESSAGE_FIELDS) and flatten their content to text.
+ * @throws ApiError 400 naming the offending message field.
+ */
+export function parseMessages(raw: unknown): ChatMessage[] {
+  if (raw === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'messages'.", 'invalid_request_error', 'messages');
+  const arr = z.array(z.unknown()).min(1).safeParse(raw);
+  if (!arr.success) throw fieldError(['messages'], arr.error);
+  const known = new Set(MESSAGE_FIELDS.map((f) => f.name));
+  return arr.data.map((m, i) => {
+    const r = MessageSchema.safeParse(m);
+    if (!r.success) throw fieldError(['messages', i], r.error);
+    const msg = r.data;
+    const at = (k: string) => `messages[${i}].${k}`;
+    for (const k of Object.keys(msg)) if (!known.has(k)) throw new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${at(k)}`, 'invalid_request_error', at(k));
+    if (msg.role === 'tool' || msg.role === 'function') throw unsupported(at('role'), TOOLS_REFUSAL);
+    if (msg.tool_calls && msg.tool_calls.length > 0) throw unsupported(at('tool_calls'), TOOLS_REFUSAL);
+    if (msg.tool_call_id != null) throw unsupported(at('tool_call_id'), TOOLS_REFUSAL);
+    if (msg.function_call != null) throw unsupported(at('function_call'), TOOLS_REFUSAL);
+    if (msg.name != null) throw unsupported(at('name'), 'participant names are not supported (they would be dropped from the prompt)');
+    if (msg.refusal) throw unsupported(at('refusal'), 'a non-empty refusal is not supported');
+    if (msg.audio != null) throw unsupported(at('audio'), 'audio is not supported');
+    if (msg.annotations && msg.annotations.length > 0) throw unsupported(at('annotations'), 'annotations are not supported');
+    const c = msg.content;
+    const content = c == null ? '' : typeof c === 'string' ? c : c.map((p) => p.text ?? '').join('\n');
+    return { role: msg.role as ChatMessage['role'], content };
+  });
+}
 
 /** Sampling as sent to workers (`sampling_params` of /generate), defaults applied. */
 export type WorkerSampling = GenerateRequest['sampling_params'];
@@ -270,54 +266,98 @@ export interface ParsedChatRequest extends ParsedCommon {
 
 export type ParsedRequest = ParsedCompletionRequest | ParsedChatRequest;
 
-function commonOf(b: CommonBody, maxTokens: number): ParsedCommon {
-  const stop = (b.stop ?? []).filter((s) => s.length > 0);
-  const sampling: WorkerSampling = {
-    temperature: b.temperature ?? 1,
-    top_p: b.top_p ?? 1,
-    top_k: b.top_k == null || b.top_k < 0 ? 0 : b.top_k,
-    max_new_tokens: maxTokens,
-    stop,
-    ignore_eos: b.ignore_eos ?? false,
+/** The grammar a request asks for (response_format json_object / json_schema, guided_json), if any. */
+function grammarOf(b: Record<string, unknown>): WorkerSampling['grammar'] {
+  const rf = b.response_format as { type: string; json_schema?: { schema?: Record<string, unknown> } } | undefined;
+  const checked = (schema: unknown, param: string): Record<string, unknown> => {
+    try {
+      return normaliseJsonSchema(schema);
+    } catch (err) {
+      if (!(err instanceof SchemaError)) throw err;
+      throw unsupported(`${param}${err.path}`, err.message);
+    }
   };
-  if (b.seed != null) sampling.seed = b.seed;
-  const out: ParsedCommon = { sampling, stream: b.stream ?? false, includeUsage: b.stream === true && b.stream_options?.include_usage === true };
-  if (b.model != null) out.model = b.model;
-  if (b.user != null) out.user = b.user;
+  let g: WorkerSampling['grammar'];
+  if (rf?.type === 'json_object') g = { type: 'json' };
+  if (rf?.type === 'json_schema') g = rf.json_schema?.schema ? { type: 'json_schema', schema: checked(rf.json_schema.schema, 'response_format.json_schema.schema') } : { type: 'json' };
+  if (b.guided_json !== undefined) {
+    if (g) throw unsupported('guided_json', 'guided_json cannot be combined with a JSON response_format');
+    let schema = b.guided_json;
+    if (typeof schema === 'string') {
+      try {
+        schema = JSON.parse(schema);
+      } catch {
+        throw badRequest("Invalid value for 'guided_json': not a JSON schema (the string is not valid JSON)", 'guided_json');
+      }
+      if (schema === null || typeof schema !== 'object' || Array.isArray(schema)) throw badRequest("Invalid value for 'guided_json': expected a JSON schema object", 'guided_json');
+    }
+    g = { type: 'json_schema', schema: checked(schema, 'guided_json') };
+  }
+  return g;
+}
+
+/**
+ * The parts shared by both endpoints. `maxTokens` undefined = the rest of the context (the
+ * worker resolves it once it knows the prompt length).
+ */
+function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): ParsedCommon {
+  const stop = (b.stop === undefined ? [] : typeof b.stop === 'string' ? [b.stop] : (b.stop as string[])).filter((s) => s.length > 0);
+  if (b.stream_options !== undefined && b.stream !== true) throw unsupported('stream_options', 'stream_options is only allowed when stream is true');
+  const minTokens = (b.min_tokens as number | undefined) ?? 0;
+  if (maxTokens !== undefined && minTokens > maxTokens) throw badRequest(`Invalid value for 'min_tokens': min_tokens (${minTokens}) must be <= max_tokens (${maxTokens})`, 'min_tokens');
+  const topK = b.top_k as number | undefined;
+  const sampling: WorkerSampling = {
+    temperature: (b.temperature as number | undefined) ?? 1,
+    top_p: (b.top_p as number | undefined) ?? 1,
+    top_k: topK == null || topK < 0 ? 0 : topK,
+    min_p: (b.min_p as number | undefined) ?? 0,
+    repetition_penalty: (b.repetition_penalty as number | undefined) ?? 1,
+    presence_penalty: (b.presence_penalty as number | undefined) ?? 0,
+    frequency_penalty: (b.frequency_penalty as number | undefined) ?? 0,
+    min_tokens: minTokens,
+    stop,
+    ignore_eos: (b.ignore_eos as boolean | undefined) ?? false,
+  };
+  if (maxTokens !== undefined) sampling.max_new_tokens = maxTokens;
+  if (b.seed !== undefined) sampling.seed = b.seed as number;
+  const bias = b.logit_bias as Record<string, number> | undefined;
+  if (bias && Object.keys(bias).length > 0) {
+    if (Object.keys(bias).length > MAX_TOKEN_LIST) throw badRequest(`Invalid value for 'logit_bias': at most ${MAX_TOKEN_LIST} entries`, 'logit_bias');
+    sampling.logit_bias = bias;
+  }
+  const stopIds = b.stop_token_ids as number[] | undefined;
+  if (stopIds && stopIds.length > 0) sampling.stop_token_ids = stopIds;
+  const grammar = grammarOf(b);
+  if (grammar) sampling.grammar = grammar;
+  const so = b.stream_options as { include_usage?: boolean | null } | undefined;
+  const out: ParsedCommon = { sampling, stream: b.stream === true, includeUsage: b.stream === true && so?.include_usage === true };
+  if (b.model !== undefined) out.model = b.model as string;
+  if (b.user !== undefined) out.user = b.user as string;
   return out;
 }
 
 /**
- * Validate and normalise a /v1/completions body.
+ * Validate and normalise a /v1/completions body (see ./fields.ts for every field).
  * @throws ApiError 400 naming the offending field.
  */
 export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
-  const r = CompletionBodySchema.safeParse(body);
-  if (!r.success) throw zodToApiError(r.error);
-  const b = r.data;
-  return { kind: 'completion', prompt: b.prompt, ...commonOf(b, b.max_tokens ?? DEFAULT_COMPLETION_MAX_TOKENS) };
-}
-
-/** Flatten message content: a string as is, text parts joined with '\n' (as vLLM), null → ''. */
-function flattenContent(c: ChatBody['messages'][number]['content']): string {
-  if (c == null) return '';
-  if (typeof c === 'string') return c;
-  return c.map((p) => p.text ?? '').join('\n');
+  const b = parseFields('completions', body);
+  const prompt = parsePrompt(b.prompt);
+  return { kind: 'completion', prompt, ...commonOf(b, (b.max_tokens as number | undefined) ?? DEFAULT_COMPLETION_MAX_TOKENS) };
 }
 
 /**
- * Validate and normalise a /v1/chat/completions body. `max_completion_tokens` wins over
- * `max_tokens`; default DEFAULT_CHAT_MAX_TOKENS.
+ * Validate and normalise a /v1/chat/completions body (see ./fields.ts for every field).
+ * `max_completion_tokens` wins over `max_tokens`; neither = the rest of the context.
  * @throws ApiError 400 naming the offending field.
  */
 export function parseChatRequest(body: unknown): ParsedChatRequest {
+  // Request-controlled counts first: an O(1) length check before any per-message work.
   const tooLarge = checkRequestBounds(body, { maxMessages: MAX_MESSAGES, maxPromptTokens: Infinity });
   if (tooLarge) throw tooLarge;
-  const r = ChatBodySchema.safeParse(body);
-  if (!r.success) throw zodToApiError(r.error);
-  const b = r.data;
-  const messages: ChatMessage[] = b.messages.map((m) => ({ role: m.role, content: flattenContent(m.content) }));
-  const maxTokens = b.max_completion_tokens ?? b.max_tokens ?? DEFAULT_CHAT_MAX_TOKENS;
+  const b = parseFields('chat', body);
+  const messages = parseMessages(b.messages);
+  const maxTokens = (b.max_completion_tokens as number | undefined) ?? (b.max_tokens as number | undefined);
   return { kind: 'chat', messages, ...commonOf(b, maxTokens) };
 }
 
@@ -328,6 +368,8 @@ export interface WorkerRouting {
   bootstrapPort: number;
   /** Random 63-bit room id (common/room-id.ts newRoomId). */
   bootstrapRoom: RoomId;
+  /** Ask prefill to stream the first token before the KV handoff and decode to start at token 2. */
+  firstTokenFromPrefill?: boolean;
 }
 
 /**
@@ -339,6 +381,7 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
     rid: routing.rid,
     sampling_params: parsed.sampling,
     stream: true,
+    first_token_from_prefill: routing.firstTokenFromPrefill ?? false,
     bootstrap_host: routing.bootstrapHost,
     bootstrap_port: routing.bootstrapPort,
     bootstrap_room: routing.bootstrapRoom,
@@ -357,12 +400,15 @@ export interface Usage {
   prompt_tokens: number;
   completion_tokens: number;
   total_tokens: number;
+  /** Always present: `cached_tokens` is the subset of prompt_tokens served from the prefix cache (0 when none). */
+  prompt_tokens_details: { cached_tokens: number };
 }
 
-export const usageOf = (promptTokens: number, completionTokens: number): Usage => ({
+export const usageOf = (promptTokens: number, completionTokens: number, cachedTokens = 0): Usage => ({
   prompt_tokens: promptTokens,
   completion_tokens: completionTokens,
   total_tokens: promptTokens + completionTokens,
+  prompt_tokens_details: { cached_tokens: cachedTokens },
 });
 
 /** Identity of one response: `id` is the rid, `created` unix seconds. */
@@ -455,12 +501,14 @@ export const SSE_DONE = '[DONE]';
  * - stream, completion: the same without the role chunk (`choices[0].text`).
  * - `tail()`: the usage chunk (`choices: []`) when stream_options.include_usage was set.
  * - non-stream: `response()` assembles text, finish_reason and usage.
- * Usage comes from the last event's meta_info (prompt_tokens, completion_tokens).
+ * Usage comes from the last event's meta_info (prompt_tokens, cached_tokens, completion_tokens).
  * finish_reason 'abort' is not a normal end: `push` throws ApiError 500 'generation_aborted'.
  */
 export class OpenAIResponseBuilder {
   text = '';
   promptTokens = 0;
+  /** Prompt tokens served from a prefix cache (meta_info.cached_tokens). */
+  cachedTokens = 0;
   completionTokens = 0;
   finishReason: OpenAIFinishReason | null = null;
   /** Events seen so far. */
@@ -490,6 +538,7 @@ export class OpenAIResponseBuilder {
     const mi = ev.meta_info;
     if (Number.isInteger(mi.prompt_tokens)) this.promptTokens = mi.prompt_tokens;
     if (Number.isInteger(mi.completion_tokens)) this.completionTokens = mi.completion_tokens;
+    if (Number.isInteger(mi.cached_tokens)) this.cachedTokens = mi.cached_tokens!;
     const fr = mi.finish_reason;
     if (fr && fr.type === 'abort') {
       throw new ApiError(500, 'generation_aborted', `generation aborted by the worker${fr.message ? `: ${fr.message}` : ''}`, 'server_error');
@@ -511,7 +560,7 @@ export class OpenAIResponseBuilder {
   }
 
   get usage(): Usage {
-    return usageOf(this.promptTokens, this.completionTokens);
+    return usageOf(this.promptTokens, this.completionTokens, this.cachedTokens);
   }
 
   /** Chunks after the finish event (the usage chunk when requested). `[DONE]` is the caller's. */

@@ -6,17 +6,69 @@ import type { GenerateRequest } from './worker-protocol.js';
 import type { Engine, SamplingParams } from '../engine/types.js';
 import { ApiError } from '../common/errors.js';
 
-/** Worker sampling_params → engine SamplingParams. */
+/**
+ * Worker sampling_params → engine SamplingParams. An absent max_new_tokens becomes 0, which the
+ * engine reads as "the rest of the context" (see `fitSampling`).
+ */
 export function samplingFromWire(s: GenerateRequest['sampling_params']): SamplingParams {
-  return {
+  const out: SamplingParams = {
     temperature: s.temperature,
     topP: s.top_p,
     topK: s.top_k,
     seed: s.seed,
-    maxTokens: s.max_new_tokens,
+    maxTokens: s.max_new_tokens ?? 0,
     stop: s.stop,
     ignoreEos: s.ignore_eos,
+    minP: s.min_p,
+    repetitionPenalty: s.repetition_penalty,
+    presencePenalty: s.presence_penalty,
+    frequencyPenalty: s.frequency_penalty,
+    minTokens: s.min_tokens,
   };
+  if (s.logit_bias) out.logitBias = Object.entries(s.logit_bias).map(([k, v]) => [Number(k), v]);
+  if (s.stop_token_ids) out.stopTokenIds = s.stop_token_ids;
+  if (s.grammar) out.grammar = s.grammar;
+  return out;
+}
+
+/**
+ * Check that a prompt of `promptTokens` plus the requested output fits the context, and resolve
+ * `maxTokens` 0 ("rest of the context") to contextSize - promptTokens. Mutates and returns
+ * `sampling`. @throws ApiError 400 context_length_exceeded naming `prompt` or `max_tokens`;
+ * 400 naming `min_tokens` when min_tokens exceeds the resolved max_tokens.
+ */
+export function fitSampling(engine: Engine, promptTokens: number, sampling: SamplingParams): SamplingParams {
+  const ctx = engine.info.compat.contextSize;
+  if (promptTokens >= ctx) {
+    throw new ApiError(400, 'context_length_exceeded', `the prompt (${promptTokens} tokens) leaves no room for output in the context (${ctx} tokens)`, 'invalid_request_error', 'prompt');
+  }
+  if (sampling.maxTokens === 0) sampling.maxTokens = ctx - promptTokens;
+  if (promptTokens + sampling.maxTokens > ctx) {
+    throw new ApiError(400, 'context_length_exceeded', `prompt (${promptTokens} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', 'max_tokens');
+  }
+  if ((sampling.minTokens ?? 0) > sampling.maxTokens) {
+    throw new ApiError(400, 'invalid_value', `min_tokens (${sampling.minTokens}) exceeds max_tokens (${sampling.maxTokens})`, 'invalid_request_error', 'min_tokens');
+  }
+  return sampling;
+}
+
+/**
+ * Check the token ids a request's sampling names (logit_bias keys, stop_token_ids) against the
+ * vocabulary and compile its grammar (cached). @throws ApiError 400 naming the field.
+ */
+export async function checkSampling(engine: Engine, sampling: SamplingParams): Promise<void> {
+  const n = engine.info.nVocab;
+  const badBias = sampling.logitBias?.find(([t]) => t >= n);
+  if (badBias) throw new ApiError(400, 'invalid_value', `logit_bias names token ${badBias[0]}, outside the vocabulary (size ${n})`, 'invalid_request_error', 'logit_bias');
+  const badStop = sampling.stopTokenIds?.find((t) => t >= n);
+  if (badStop !== undefined) throw new ApiError(400, 'invalid_value', `stop_token_ids names token ${badStop}, outside the vocabulary (size ${n})`, 'invalid_request_error', 'stop_token_ids');
+  try {
+    await engine.prepareSampling(sampling);
+  } catch (err) {
+    const e = err as { code?: string; message?: string };
+    if (e.code === 'BAD_GRAMMAR') throw new ApiError(400, 'invalid_value', e.message ?? 'bad grammar', 'invalid_request_error', 'response_format');
+    throw err;
+  }
 }
 
 /**

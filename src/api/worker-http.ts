@@ -4,7 +4,9 @@
  */
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
+import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endpoints.js';
 import { registerOpenAIErrorHandling, sendApiError } from './openai.js';
+import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../common/errors.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import type { Logger } from '../common/log.js';
@@ -20,6 +22,10 @@ export interface WorkerAppOptions {
   modelName: string;
   /** Largest request body, bytes. */
   bodyLimit?: number;
+  /** When given: POST /tokenize and /detokenize on this engine (vLLM's shapes). */
+  engine?: Engine;
+  /** CORS origins ('*' = any); none = no CORS headers. */
+  corsOrigins?: readonly string[];
 }
 
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
@@ -34,6 +40,9 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   app.get('/debug/rooms', async () => o.debugRooms());
   const created = Math.floor(Date.now() / 1000);
   app.get('/v1/models', async () => ({ object: 'list', data: [{ id: o.modelName, object: 'model', owned_by: 'pdserve', created }] }));
+  registerModelRoute(app, () => [o.modelName], created);
+  if (o.engine) registerTokenizeRoutes(app, o.engine);
+  registerCors(app, o.corsOrigins ?? []);
   registerHoldRoute(app);
   return app;
 }

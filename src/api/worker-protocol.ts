@@ -3,7 +3,9 @@
  * The router sends the same body to the chosen prefill and decode workers at once.
  *
  * Prefill answers (non-streaming) when its room is terminal: 200 {rid, meta_info} on Success,
- * an OpenAI error body with 4xx/5xx otherwise.
+ * an OpenAI error body with 4xx/5xx otherwise. With `first_token_from_prefill` it streams instead:
+ * `data: GenerateEvent` (the first token, at once) … `data: {transfer: PrefillResponse}` or
+ * `data: {error}`, then `data: [DONE]`; an error before the first token is a plain error body.
  * Decode answers with an SSE stream of `GenerateEvent`s, then `data: [DONE]`; an error before the
  * stream starts is a plain OpenAI error body with 4xx/5xx; after it starts, an `{error}` event.
  * `POST /abort_request {rid}` cancels on either worker (idempotent, 200 even when unknown).
@@ -17,16 +19,38 @@ export const ChatMessageSchema = z.object({
   content: z.string(),
 });
 
-/** sampling_params of /generate; defaults as SGLang's SamplingParams (max_new_tokens 128). */
+/** Most logit_bias entries and stop_token_ids accepted (OpenAI allows 300 logit_bias entries). */
+export const MAX_TOKEN_LIST = 1024;
+
+/** A grammar constraint: any JSON text, or JSON matching a schema (OpenAI response_format). */
+export const WorkerGrammarSchema = z.union([
+  z.object({ type: z.literal('json') }),
+  z.object({ type: z.literal('json_schema'), schema: z.record(z.unknown()) }),
+]);
+
+/**
+ * sampling_params of /generate; names and defaults as SGLang's SamplingParams, except
+ * `max_new_tokens`: absent = the rest of the context (vLLM's and OpenAI's chat default).
+ * Ranges as vLLM's SamplingParams validation.
+ */
 export const WorkerSamplingSchema = z.object({
   temperature: z.number().min(0).max(2).default(1),
   top_p: z.number().gt(0).max(1).default(1),
   /** 0 or -1 = off (SGLang uses -1). */
   top_k: z.number().int().min(-1).default(0).transform((k) => Math.max(0, k)),
+  min_p: z.number().min(0).max(1).default(0),
+  repetition_penalty: z.number().gt(0).max(1e6).default(1),
+  presence_penalty: z.number().min(-2).max(2).default(0),
+  frequency_penalty: z.number().min(-2).max(2).default(0),
+  /** Token id (decimal string) → value added to its logit, in [-100, 100]. */
+  logit_bias: z.record(z.string().regex(/^\d{1,10}$/), z.number().min(-100).max(100)).refine((r) => Object.keys(r).length <= MAX_TOKEN_LIST, `at most ${MAX_TOKEN_LIST} entries`).optional(),
+  stop_token_ids: z.array(z.number().int().min(0)).max(MAX_TOKEN_LIST).optional(),
+  min_tokens: z.number().int().min(0).default(0),
   seed: z.number().int().optional(),
-  max_new_tokens: z.number().int().min(1).default(128),
+  max_new_tokens: z.number().int().min(1).optional(),
   stop: z.union([z.string(), z.array(z.string()).max(16)]).default([]).transform((s) => (typeof s === 'string' ? [s] : s)),
   ignore_eos: z.boolean().default(false),
+  grammar: WorkerGrammarSchema.optional(),
 });
 
 /**
@@ -57,11 +81,21 @@ export function checkRequestBounds(raw: unknown, limits: { maxMessages: number; 
 export const GenerateRequestSchema = z
   .object({
     rid: z.string().min(1).max(128),
+    /** Trace id of the request (router: client's traceparent/x-request-id or generated); shown in logs and /debug/rooms. */
+    trace_id: z.string().min(1).max(128).optional(),
     text: z.string().optional(),
     input_ids: z.array(z.number().int().min(0)).optional(),
     messages: z.array(ChatMessageSchema).max(MAX_MESSAGES).optional(),
     sampling_params: WorkerSamplingSchema.default({}),
     stream: z.boolean().default(true),
+    /**
+     * First token before the KV handoff (pdserve's extension). On prefill: answer with an SSE
+     * stream whose first event is the first token (a GenerateEvent) as soon as it is sampled and
+     * whose last event is the transfer outcome (`PrefillStreamEnd` or an `{error}` event). On
+     * decode: do not emit the first token (the router already has it from prefill); continue
+     * from token 2 (a first token that ends generation gives only the finish event).
+     */
+    first_token_from_prefill: z.boolean().default(false),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
     /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */
@@ -87,6 +121,8 @@ export interface GenerateEvent {
   meta_info: {
     id: string;
     prompt_tokens: number;
+    /** Prompt tokens not evaluated again thanks to a prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens); absent = 0. */
+    cached_tokens?: number;
     completion_tokens: number;
     /** Set on the last event. */
     finish_reason: null | { type: 'stop' | 'length' | 'abort'; message?: string };
@@ -101,5 +137,10 @@ export interface GenerateErrorEvent {
 /** Prefill's answer on success. */
 export interface PrefillResponse {
   rid: string;
-  meta_info: { prompt_tokens: number; kv_bytes: number; prefill_ms: number; transfer_ms: number };
+  meta_info: { prompt_tokens: number; cached_tokens: number; kv_bytes: number; prefill_ms: number; transfer_ms: number };
+}
+
+/** Last event of prefill's stream (`first_token_from_prefill`): the KV handoff succeeded. */
+export interface PrefillStreamEnd {
+  transfer: PrefillResponse;
 }

@@ -55,7 +55,15 @@ const engineOptions = (c: Command) =>
     .option('--ctx-size <tokens>', 'context size per sequence, tokens', int, 2048)
     .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512)
     .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false)
-    .option('--no-flash-attention', 'turn llama.cpp flash attention off (prefill and decode must agree)');
+    .option('--no-flash-attention', 'turn llama.cpp flash attention off (prefill and decode must agree)')
+    .option('--prefix-cache-slots <n>', 'prefill/colocated: extra sequences that keep finished requests\' KV for prefix reuse', int, 4)
+    .option('--prefix-cache-tokens <tokens>', 'prefill/colocated: most tokens the prefix cache holds (LRU beyond)', int, 65536)
+    .option('--no-prefix-cache', 'prefill/colocated: never reuse a cached prefix (every prompt evaluated in full)');
+
+/** The prefix-cache part of an engine config from the engine options. */
+function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number }) {
+  return { prefixCacheSlots: o.prefixCacheSlots, prefixCacheTokens: o.prefixCache === false ? 0 : o.prefixCacheTokens };
+}
 
 const kvOptions = (c: Command) =>
   c
@@ -104,6 +112,11 @@ function timeoutsOf(o: Record<string, number>) {
   return { preallocMs: o.preallocTimeoutMs, bootstrapMs: o.bootstrapTimeoutMs, waitingMs: o.waitingTimeoutMs, transferIdleMs: o.transferTimeoutMs };
 }
 
+/** --cors-origin: repeatable, each value a comma-separated list of origins. */
+function corsList(v: string, prev: string[] | undefined): string[] {
+  return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
+}
+
 /** Parse argv and run. */
 export async function runCli(argv: string[]): Promise<void> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
@@ -116,6 +129,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
     .option('--cluster-secret <secret>', 'shared secret (default: a random one)')
     .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       try {
@@ -126,7 +140,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) return;
@@ -180,7 +194,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -206,10 +220,11 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } }, createLogger('colocated')));
+      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
   program
@@ -221,6 +236,13 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--decode <url>', 'a decode worker (repeatable)').argParser(collect))
     .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
+    .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
+    .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('cache_aware'))
+    .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('least_load'))
+    .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
+    .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
+    .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { startRouter } = await import('../router/index.js');
       if (!o.prefill?.length || !o.decode?.length) {
@@ -234,7 +256,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = (o.decode as string[]).map((url) => ({ url }));
       await serve('router', async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
         return r;
       });
     });
@@ -417,6 +439,9 @@ export async function runCli(argv: string[]): Promise<void> {
         }
       });
   }
+
+  // ---- doctor (src/doctor/) ----
+  (await import('../doctor/cli.js')).addDoctorCommand(program);
 
   await program.parseAsync(argv);
 }

@@ -6,8 +6,19 @@
  */
 import type { GenerateEvent, GenerateRequest } from '../api/worker-protocol.js';
 import { ApiError } from '../common/errors.js';
-import { samplingFromWire, tokenizeRequest } from '../api/requests.js';
+import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
+import type { PrefixCacheMetrics } from '../common/prefix-metrics.js';
+
+/** A request being served, as shown in /debug/rooms (colocated has no rooms: path 'colocated'). */
+export interface ColocatedRunning {
+  rid: string;
+  prompt_tokens: number;
+  /** Prompt tokens taken from the prefix cache (known once the prompt was evaluated). */
+  cached_tokens: number;
+  path: 'colocated';
+  t0: number;
+}
 
 export interface ColocatedLimits {
   /** Bound on requests waiting for a slot. */
@@ -20,18 +31,21 @@ export interface ColocatedLimits {
 export class ColocatedBackend {
   private readonly waiters: { resolve(s: Slot): void; reject(e: unknown): void }[] = [];
   running = 0;
+  /** Requests holding a slot, by rid. */
+  readonly live = new Map<string, ColocatedRunning>();
 
   constructor(
     readonly engine: Engine,
     readonly limits: ColocatedLimits,
+    private readonly prefixMetrics?: PrefixCacheMetrics,
   ) {}
 
   get waiting(): number {
     return this.waiters.length;
   }
 
-  private async acquire(signal: AbortSignal): Promise<Slot> {
-    const s = this.engine.tryAcquireSlot();
+  private async acquire(signal: AbortSignal, prompt: readonly number[]): Promise<Slot> {
+    const s = this.engine.tryAcquireSlot(prompt);
     if (s) return s;
     if (this.waiters.length >= this.limits.maxWaiting) throw new ApiError(503, 'queue_full', `colocated queue is full (${this.limits.maxWaiting})`, 'overloaded_error');
     return new Promise<Slot>((resolve, reject) => {
@@ -73,17 +87,19 @@ export class ColocatedBackend {
    */
   async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
     const tokens = tokenizeRequest(this.engine, body);
-    const sampling = samplingFromWire(body.sampling_params);
-    const ctx = this.engine.info.compat.contextSize;
-    if (tokens.length + sampling.maxTokens > ctx) {
-      throw new ApiError(400, 'context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', tokens.length >= ctx ? 'prompt' : 'max_tokens');
-    }
-    const slot = await this.acquire(signal);
+    const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
+    await checkSampling(this.engine, sampling);
+    const slot = await this.acquire(signal, tokens);
     this.running++;
+    const entry: ColocatedRunning = { rid: body.rid, prompt_tokens: tokens.length, cached_tokens: 0, path: 'colocated', t0: Date.now() };
+    this.live.set(body.rid, entry);
     let gen: AsyncGenerator<unknown, unknown> | undefined;
     try {
       const first = await slot.prefill(tokens, sampling, signal);
-      const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: first.promptTokens, completion_tokens: n, finish_reason: finish });
+      entry.cached_tokens = first.cachedTokens;
+      this.prefixMetrics?.recordLookup(first.promptTokens, first.cachedTokens);
+      this.prefixMetrics?.requestsByPath.inc({ path: 'colocated' });
+      const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: first.promptTokens, cached_tokens: first.cachedTokens, completion_tokens: n, finish_reason: finish });
       const g = slot.generate(first.firstToken, sampling, signal);
       gen = g;
       let n = 0;
@@ -99,6 +115,7 @@ export class ColocatedBackend {
     } finally {
       await gen?.return(undefined).catch(() => {});
       this.running--;
+      if (this.live.get(body.rid) === entry) this.live.delete(body.rid);
       this.release(slot);
     }
   }

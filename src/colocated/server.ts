@@ -8,7 +8,8 @@ import { randomBytes } from 'node:crypto';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
-import { ColocatedConfigSchema, parseConfig, type ColocatedConfig } from '../common/config.js';
+import { ColocatedConfigSchema, parseConfig, prefixCacheOf, type ColocatedConfig } from '../common/config.js';
+import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { WorkerMetrics } from '../common/metrics.js';
@@ -23,21 +24,24 @@ export interface ColocatedServer {
   close(): Promise<void>;
 }
 
-/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. */
+/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
 export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
   const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
-  const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
-  const backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs });
+  const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
+  let backend: ColocatedBackend | undefined;
   const metrics = new WorkerMetrics('colocated', {
-    queues: () => ({ colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
+    queues: () => ({ colocated_waiting_queue: backend?.waiting ?? 0, colocated_running: backend?.running ?? 0 }),
     roomsByState: () => new Map(),
   });
+  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats()));
   const app = createWorkerApp({
     log,
     registry: metrics.registry,
     modelName: engine.info.modelName,
     health: () => ({ role: 'colocated', model: engine.info.modelName, fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
-    debugRooms: () => ({ role: 'colocated', live: [], recent: [] }),
+    debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map((r) => ({ ...r, age_ms: Date.now() - r.t0 })), recent: [] }),
+    engine,
+    corsOrigins: config.corsOrigin,
   });
 
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {

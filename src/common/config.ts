@@ -20,7 +20,16 @@ export const EngineConfigSchema = z.object({
   deterministic: z.boolean().default(false),
   /** llama.cpp flash attention; prefill and decode must agree (checked in the KV handshake). */
   flashAttention: z.boolean().default(true),
+  /** Prefix cache: extra context sequences that only hold cached prefixes (prefill, colocated). */
+  prefixCacheSlots: z.number().int().min(0).max(256).default(4),
+  /** Prefix cache: most tokens idle sequences hold together (LRU beyond); 0 = the cache is off. */
+  prefixCacheTokens: z.number().int().min(0).max(1 << 26).default(65536),
 });
+
+/** LoadEngineOptions.prefixCache for an engine config (undefined = off). */
+export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSequences: number; maxTokens: number } | undefined {
+  return e.prefixCacheTokens > 0 ? { cacheSequences: e.prefixCacheSlots, maxTokens: e.prefixCacheTokens } : undefined;
+}
 
 export const TimeoutsSchema = z.object({
   preallocMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.preallocMs),
@@ -80,6 +89,8 @@ export const ColocatedConfigSchema = z.object({
   slots: z.number().int().min(1).max(256).default(8),
   maxWaiting: z.number().int().min(1).default(256),
   requestTimeoutMs: z.number().int().positive().default(300_000),
+  /** CORS origins ('*' = any); empty = no CORS. */
+  corsOrigin: z.array(z.string().min(1)).max(64).default([]),
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 

@@ -53,7 +53,14 @@ export const ERROR_CODES = {
   /** A second live room with the same bootstrap_room on one worker. */
   duplicate_room: c(409, 'invalid_request_error', 'client'),
   body_too_large: c(413, 'invalid_request_error', 'client'),
+  /** A request field pdserve does not know (refused by name, not ignored). */
+  unrecognized_argument: CLIENT_400,
+  /** A known field with a value pdserve does not support. */
+  unsupported_value: CLIENT_400,
   not_found: c(404, 'not_found_error', 'client'),
+  model_not_found: c(404, 'not_found_error', 'client'),
+  trace_not_found: c(404, 'not_found_error', 'client'),
+  method_not_allowed: c(405, 'invalid_request_error', 'client'),
   /** The request was cancelled by its client, or by the router on the client's behalf. */
   request_aborted: c(499, 'invalid_request_error', 'client'),
   client_closed_request: c(499, 'invalid_request_error', 'client'),
@@ -75,6 +82,8 @@ export const ERROR_CODES = {
   /** Prefill and decode were started with different model or context settings: they never pair. */
   settings_mismatch: BAD_GATEWAY,
   bad_worker_event: BAD_GATEWAY,
+  bad_worker_answer: BAD_GATEWAY,
+  prefill_stream_truncated: BAD_GATEWAY,
   decode_stream_truncated: BAD_GATEWAY,
   prefill_unreachable: BAD_GATEWAY,
   decode_unreachable: BAD_GATEWAY,

@@ -8,6 +8,7 @@ import type { RoomTable } from '../kv/lifecycle.js';
 import { causeOf, type RoomFailure } from './errors.js';
 import { KVPoll, type Effect, type Role } from '../kv/types.js';
 import type { Logger } from './log.js';
+import { collectCleanDefaultMetrics } from './promclean.js';
 
 export interface WorkerMetricSources {
   /** Queue name (e.g. 'prefill_inflight_queue') → entries now. */
@@ -33,7 +34,7 @@ export class WorkerMetrics {
 
   constructor(readonly role: Role | 'colocated', sources: WorkerMetricSources) {
     const registers = [this.registry];
-    client.collectDefaultMetrics({ register: this.registry, prefix: 'pdserve_' });
+    collectCleanDefaultMetrics(this.registry);
     const queueNames = Object.keys(sources.queues());
     for (const q of queueNames) {
       new client.Gauge({

@@ -21,7 +21,9 @@ import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Def
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
+import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
+import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { samplingFromWire } from '../api/requests.js';
 import { loadEngine } from '../engine/index.js';
 import { parseStateFile } from '../engine/ggsq.js';
@@ -37,6 +39,8 @@ interface Job {
   room: RoomId;
   rid: string;
   sampling: SamplingParams;
+  /** The router has token 1 from prefill (`first_token_from_prefill`): stream from token 2. */
+  skipFirst: boolean;
   /** "host:port" of the prefill bootstrap listener; also the room's peer key. */
   peerKey: string;
   host: string;
@@ -61,7 +65,10 @@ interface Job {
 export class DecodeWorker {
   readonly rooms: RoomTable;
   readonly metrics: WorkerMetrics;
+  readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
+  /** Trace id per room, for /debug/rooms. */
+  readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
   private readonly byRid = new Map<string, RoomId>();
   /** FIFO of rooms waiting for a free slot. */
@@ -80,6 +87,7 @@ export class DecodeWorker {
   ) {
     this.rooms = new RoomTable('decode', config.timeouts);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry);
   }
 
   /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
@@ -125,8 +133,8 @@ export class DecodeWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0 }));
-        return { epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null })), decoding };
+        const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: 'pd', cached_tokens: j.header?.cachedTokens ?? 0 }));
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -400,6 +408,7 @@ export class DecodeWorker {
       room,
       rid: body.rid,
       sampling: samplingFromWire(body.sampling_params),
+      skipFirst: body.first_token_from_prefill,
       peerKey: `${body.bootstrap_host}:${body.bootstrap_port}`,
       host: body.bootstrap_host,
       port: body.bootstrap_port,
@@ -416,6 +425,8 @@ export class DecodeWorker {
     }
     this.jobs.set(room, job);
     this.byRid.set(job.rid, room);
+    this.traces.set(room, body.trace_id ?? body.rid);
+    this.log.debug({ rid: body.rid, room, trace: body.trace_id ?? body.rid }, 'room created');
     this.prealloc.add(room);
     const off = onClientGone(reply, () => this.abort(room, 'client'));
     try {
@@ -445,8 +456,9 @@ export class DecodeWorker {
     const res = reply.raw;
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
-    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, completion_tokens: n, finish_reason: finish });
+    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, cached_tokens: header.cachedTokens ?? 0, completion_tokens: n, finish_reason: finish });
     this.running++;
+    this.prefixMetrics.requestsByPath.inc({ path: 'pd' });
     let n = 0;
     const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
     try {
@@ -458,6 +470,7 @@ export class DecodeWorker {
           break;
         }
         n++;
+        if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         const ev: GenerateEvent = { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
         if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
           job.ac.abort();

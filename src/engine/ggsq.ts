@@ -96,38 +96,130 @@ function bad(reason: string): never {
   throw new PdError('BAD_STATE', `bad sequence state: ${reason}`);
 }
 
-/** Bounds-checked little-endian reader; every read checks the remaining bytes first. */
-class Reader {
-  pos = 0;
-  constructor(private readonly buf: Buffer) {}
-  get remaining(): number {
-    return this.buf.length - this.pos;
+/**
+ * What the ggsq walker asks its driver for next: `n` bytes to read (always bounded: at most
+ * contextSize × 12), or `skip` bytes of KV data to pass over. `what` names the field for errors.
+ */
+export type GgsqNeed = { n: number; what: string } | { skip: bigint; what: string };
+
+/**
+ * The ggsq v3 structure walk as a generator, so the same checks run over a whole buffer
+ * (`parseStateFile`) and over bytes as they stream in (`GgsqStreamParser`). It yields what it
+ * needs next and receives the bytes for reads (nothing for skips); it returns the parsed state.
+ * Checks: see parseStateFile. Throws KvError('BAD_STATE') on any inconsistency it sees; the
+ * driver reports truncation and trailing bytes.
+ */
+export function* walkStateFile(expect: StateExpect): Generator<GgsqNeed, ParsedState, Buffer | undefined> {
+  if (!Number.isInteger(expect.contextSize) || expect.contextSize < 1) bad('expect.contextSize must be a positive integer');
+  let pos = 0;
+  const read = function* (n: number, what: string): Generator<GgsqNeed, Buffer, Buffer | undefined> {
+    if (pos + n > expect.maxBytes) bad(`truncated at byte ${pos}: ${what} needs ${n} bytes, ${expect.maxBytes - pos} left`);
+    const b = yield { n, what };
+    pos += n;
+    return b!;
+  };
+  const u32 = function* (what: string): Generator<GgsqNeed, number, Buffer | undefined> {
+    return (yield* read(4, what)).readUInt32LE(0);
+  };
+  const skip = function* (n: bigint, what: string): Generator<GgsqNeed, void, Buffer | undefined> {
+    if (pos + Number(n) > expect.maxBytes || n > BigInt(expect.maxBytes)) bad(`${what} of ${n} bytes at byte ${pos} goes past the limit of ${expect.maxBytes} bytes`);
+    if (n > 0n) yield { skip: n, what };
+    pos += Number(n);
+  };
+
+  const magic = yield* u32('magic');
+  if (magic !== GGSQ_MAGIC) bad(`magic 0x${magic.toString(16)} is not ggsq`);
+  const version = yield* u32('version');
+  if (version !== GGSQ_VERSION) bad(`version ${version}, expected ${GGSQ_VERSION}`);
+
+  const nTokens = yield* u32('n_tokens');
+  if (nTokens > expect.contextSize) bad(`n_tokens ${nTokens} exceeds the context size ${expect.contextSize}`);
+  const tokens = new Array<number>(nTokens);
+  if (nTokens > 0) {
+    const tb = yield* read(nTokens * 4, 'token ids');
+    for (let i = 0; i < nTokens; i++) {
+      const t = tb.readInt32LE(i * 4);
+      if (t < 0) bad(`token ${i} has negative id ${t}`);
+      if (expect.nVocab !== undefined && t >= expect.nVocab) bad(`token ${i} id ${t} outside the vocabulary (${expect.nVocab})`);
+      tokens[i] = t;
+    }
   }
-  need(n: number | bigint, what: string): void {
-    if (BigInt(n) > BigInt(this.remaining)) bad(`truncated at byte ${this.pos}: ${what} needs ${n} bytes, ${this.remaining} left`);
+
+  const nStreamOffset = pos;
+  const nStream = yield* u32('n_stream');
+  if (nStream < 1 || nStream > MAX_STREAMS) bad(`n_stream ${nStream} outside [1, ${MAX_STREAMS}]`);
+
+  const streams: StateStream[] = [];
+  let totalCells = 0;
+  const seenPos = new Uint8Array(nTokens);
+  for (let s = 0; s < nStream; s++) {
+    const start = pos;
+    const cellCount = yield* u32(`stream ${s} cell_count`);
+    if (cellCount > expect.contextSize) bad(`stream ${s} cell_count ${cellCount} exceeds the context size ${expect.contextSize}`);
+    if (cellCount === 0) {
+      streams.push({ start, end: pos, cellCount, positions: [] });
+      continue;
+    }
+    totalCells += cellCount;
+    if (totalCells > expect.contextSize) bad(`${totalCells} cells exceed the context size ${expect.contextSize}`);
+    // n_seq_id must be 1, so each cell's metadata is exactly pos + n_seq_id + seq_id (12 bytes)
+    const meta = yield* read(cellCount * 12, `stream ${s} cell metadata`);
+    const positions = new Array<number>(cellCount);
+    for (let i = 0; i < cellCount; i++) {
+      const p = meta.readInt32LE(i * 12);
+      const nSeq = meta.readUInt32LE(i * 12 + 4);
+      if (nSeq !== 1) bad(`stream ${s} cell ${i} has n_seq_id ${nSeq} (a sequence state has exactly 1)`);
+      const seqId = meta.readInt32LE(i * 12 + 8);
+      if (seqId < 0 || seqId >= MAX_STREAMS) bad(`stream ${s} cell ${i} seq_id ${seqId} out of range`);
+      if (p < 0 || p >= nTokens) bad(`stream ${s} cell ${i} pos ${p} outside [0, n_tokens=${nTokens})`);
+      if (seenPos[p]) bad(`stream ${s} cell ${i} repeats pos ${p}`);
+      seenPos[p] = 1;
+      positions[i] = p;
+    }
+    const vTransRaw = yield* u32(`stream ${s} v_trans`);
+    if (vTransRaw > 1) bad(`stream ${s} v_trans ${vTransRaw} is not 0 or 1`);
+    const nLayer = yield* u32(`stream ${s} n_layer`);
+    if (nLayer < 1 || nLayer > MAX_LAYERS) bad(`stream ${s} n_layer ${nLayer} out of range`);
+    if (expect.nLayer !== undefined && nLayer !== expect.nLayer) bad(`stream ${s} n_layer ${nLayer}, this model has ${expect.nLayer}`);
+    const cells = BigInt(cellCount);
+
+    const k: StateLayerSection[] = [];
+    for (let l = 0; l < nLayer; l++) {
+      const h = yield* read(12, `K type and row_size (layer ${l})`);
+      const type = h.readInt32LE(0);
+      if (type < 0 || type >= MAX_GGML_TYPE) bad(`K type ${type} of layer ${l} out of range`);
+      const row = h.readBigUInt64LE(4);
+      if (row === 0n || row > MAX_ROW_BYTES) bad(`K row_size ${row} of layer ${l} out of range`);
+      const dataOffset = pos;
+      yield* skip(row * cells, `K data (layer ${l})`);
+      k.push({ type, bytesPerCell: Number(row), dataOffset });
+    }
+    const v: StateLayerSection[] = [];
+    for (let l = 0; l < nLayer; l++) {
+      const h = yield* read(12, vTransRaw === 0 ? `V type and row_size (layer ${l})` : `V type, el_size and n_embd_v_gqa (layer ${l})`);
+      const type = h.readInt32LE(0);
+      if (type < 0 || type >= MAX_GGML_TYPE) bad(`V type ${type} of layer ${l} out of range`);
+      if (vTransRaw === 0) {
+        const row = h.readBigUInt64LE(4);
+        if (row === 0n || row > MAX_ROW_BYTES) bad(`V row_size ${row} of layer ${l} out of range`);
+        const dataOffset = pos;
+        yield* skip(row * cells, `V data (layer ${l})`);
+        v.push({ type, bytesPerCell: Number(row), dataOffset });
+      } else {
+        const elSize = h.readUInt32LE(4);
+        if (elSize < 1 || elSize > 64) bad(`V el_size ${elSize} of layer ${l} out of range`);
+        const nEmbd = h.readUInt32LE(8);
+        if (nEmbd < 1 || BigInt(nEmbd) * BigInt(elSize) > MAX_ROW_BYTES) bad(`V n_embd_v_gqa ${nEmbd} of layer ${l} out of range`);
+        const dataOffset = pos;
+        yield* skip(BigInt(nEmbd) * BigInt(elSize) * cells, `V data (layer ${l})`);
+        v.push({ type, bytesPerCell: nEmbd * elSize, elSize, nEmbd, dataOffset });
+      }
+    }
+    streams.push({ start, end: pos, cellCount, positions, vTrans: vTransRaw === 1, nLayer, k, v });
   }
-  u32(what: string): number {
-    this.need(4, what);
-    const v = this.buf.readUInt32LE(this.pos);
-    this.pos += 4;
-    return v;
-  }
-  i32(what: string): number {
-    this.need(4, what);
-    const v = this.buf.readInt32LE(this.pos);
-    this.pos += 4;
-    return v;
-  }
-  u64(what: string): bigint {
-    this.need(8, what);
-    const v = this.buf.readBigUInt64LE(this.pos);
-    this.pos += 8;
-    return v;
-  }
-  skip(n: bigint, what: string): void {
-    this.need(n, what);
-    this.pos += Number(n);
-  }
+
+  if (totalCells !== nTokens) bad(`the KV holds ${totalCells} cells but the state lists ${nTokens} tokens`);
+  return { version, nTokens, tokens, nStreamOffset, nStream, streams, totalCells, end: pos };
 }
 
 /**
@@ -147,101 +239,95 @@ class Reader {
  */
 export function parseStateFile(buf: Buffer, expect: StateExpect): ParsedState {
   if (!Buffer.isBuffer(buf)) bad('not a Buffer');
-  if (!Number.isInteger(expect.contextSize) || expect.contextSize < 1) bad('expect.contextSize must be a positive integer');
   if (buf.length > expect.maxBytes) bad(`${buf.length} bytes exceeds the limit of ${expect.maxBytes}`);
-  const r = new Reader(buf);
+  const p = new GgsqStreamParser({ ...expect, maxBytes: buf.length });
+  p.push(buf);
+  return p.end();
+}
 
-  const magic = r.u32('magic');
-  if (magic !== GGSQ_MAGIC) bad(`magic 0x${magic.toString(16)} is not ggsq`);
-  const version = r.u32('version');
-  if (version !== GGSQ_VERSION) bad(`version ${version}, expected ${GGSQ_VERSION}`);
+/**
+ * The ggsq walk over bytes as they arrive (decode validates a state while it streams in, before
+ * llama.cpp sees a byte). `push` each piece in order; `end()` returns the parsed state once the
+ * structure is complete. Reads are served straight from the pushed piece when it holds them,
+ * else gathered in a small buffer (bounded by contextSize × 12 bytes); KV data is only counted.
+ * @throws KvError('BAD_STATE') from `push` as soon as the bytes so far are inconsistent
+ *   (including bytes after the end of the structure: trailing bytes) and from `end` when the
+ *   structure is incomplete (truncation), or when more than `maxBytes` arrive.
+ */
+export class GgsqStreamParser {
+  private readonly walk: Generator<GgsqNeed, ParsedState, Buffer | undefined>;
+  private need: GgsqNeed | undefined;
+  private result: ParsedState | undefined;
+  private gather: Buffer | undefined;
+  private gathered = 0;
+  private skipLeft = 0;
+  /** Bytes consumed so far. */
+  pos = 0;
 
-  const nTokens = r.u32('n_tokens');
-  if (nTokens > expect.contextSize) bad(`n_tokens ${nTokens} exceeds the context size ${expect.contextSize}`);
-  r.need(nTokens * 4, 'token ids');
-  const tokens = new Array<number>(nTokens);
-  for (let i = 0; i < nTokens; i++) {
-    const t = r.i32('token');
-    if (t < 0) bad(`token ${i} has negative id ${t}`);
-    if (expect.nVocab !== undefined && t >= expect.nVocab) bad(`token ${i} id ${t} outside the vocabulary (${expect.nVocab})`);
-    tokens[i] = t;
+  constructor(private readonly expect: StateExpect) {
+    this.walk = walkStateFile(expect);
+    this.advance(undefined);
   }
 
-  const nStreamOffset = r.pos;
-  const nStream = r.u32('n_stream');
-  if (nStream < 1 || nStream > MAX_STREAMS) bad(`n_stream ${nStream} outside [1, ${MAX_STREAMS}]`);
-  r.need(nStream * 4, 'stream cell counts');
+  /** True once the whole structure has been seen. */
+  get done(): boolean {
+    return this.result !== undefined;
+  }
 
-  const streams: StateStream[] = [];
-  let totalCells = 0;
-  const seenPos = new Uint8Array(nTokens);
-  for (let s = 0; s < nStream; s++) {
-    const start = r.pos;
-    const cellCount = r.u32(`stream ${s} cell_count`);
-    if (cellCount > expect.contextSize) bad(`stream ${s} cell_count ${cellCount} exceeds the context size ${expect.contextSize}`);
-    if (cellCount === 0) {
-      streams.push({ start, end: r.pos, cellCount, positions: [] });
-      continue;
+  private advance(input: Buffer | undefined): void {
+    const r = this.walk.next(input);
+    if (r.done) {
+      this.result = r.value;
+      this.need = undefined;
+      return;
     }
-    totalCells += cellCount;
-    if (totalCells > expect.contextSize) bad(`${totalCells} cells exceed the context size ${expect.contextSize}`);
-    // minimum meta per cell: pos + n_seq_id + one seq_id
-    r.need(cellCount * 12, `stream ${s} cell metadata`);
-    const positions = new Array<number>(cellCount);
-    for (let i = 0; i < cellCount; i++) {
-      const pos = r.i32('cell pos');
-      const nSeq = r.u32('cell n_seq_id');
-      if (nSeq !== 1) bad(`stream ${s} cell ${i} has n_seq_id ${nSeq} (a sequence state has exactly 1)`);
-      const seqId = r.i32('cell seq_id');
-      if (seqId < 0 || seqId >= MAX_STREAMS) bad(`stream ${s} cell ${i} seq_id ${seqId} out of range`);
-      if (pos < 0 || pos >= nTokens) bad(`stream ${s} cell ${i} pos ${pos} outside [0, n_tokens=${nTokens})`);
-      if (seenPos[pos]) bad(`stream ${s} cell ${i} repeats pos ${pos}`);
-      seenPos[pos] = 1;
-      positions[i] = pos;
-    }
-    const vTransRaw = r.u32(`stream ${s} v_trans`);
-    if (vTransRaw > 1) bad(`stream ${s} v_trans ${vTransRaw} is not 0 or 1`);
-    const nLayer = r.u32(`stream ${s} n_layer`);
-    if (nLayer < 1 || nLayer > MAX_LAYERS) bad(`stream ${s} n_layer ${nLayer} out of range`);
-    if (expect.nLayer !== undefined && nLayer !== expect.nLayer) bad(`stream ${s} n_layer ${nLayer}, this model has ${expect.nLayer}`);
-    const cells = BigInt(cellCount);
+    this.need = r.value;
+    if ('skip' in r.value) this.skipLeft = Number(r.value.skip);
+  }
 
-    const k: StateLayerSection[] = [];
-    for (let l = 0; l < nLayer; l++) {
-      const type = r.i32(`K type (layer ${l})`);
-      if (type < 0 || type >= MAX_GGML_TYPE) bad(`K type ${type} of layer ${l} out of range`);
-      const row = r.u64(`K row_size (layer ${l})`);
-      if (row === 0n || row > MAX_ROW_BYTES) bad(`K row_size ${row} of layer ${l} out of range`);
-      const dataOffset = r.pos;
-      r.skip(row * cells, `K data (layer ${l})`);
-      k.push({ type, bytesPerCell: Number(row), dataOffset });
-    }
-    const v: StateLayerSection[] = [];
-    for (let l = 0; l < nLayer; l++) {
-      const type = r.i32(`V type (layer ${l})`);
-      if (type < 0 || type >= MAX_GGML_TYPE) bad(`V type ${type} of layer ${l} out of range`);
-      if (vTransRaw === 0) {
-        const row = r.u64(`V row_size (layer ${l})`);
-        if (row === 0n || row > MAX_ROW_BYTES) bad(`V row_size ${row} of layer ${l} out of range`);
-        const dataOffset = r.pos;
-        r.skip(row * cells, `V data (layer ${l})`);
-        v.push({ type, bytesPerCell: Number(row), dataOffset });
-      } else {
-        const elSize = r.u32(`V el_size (layer ${l})`);
-        if (elSize < 1 || elSize > 64) bad(`V el_size ${elSize} of layer ${l} out of range`);
-        const nEmbd = r.u32(`V n_embd_v_gqa (layer ${l})`);
-        if (nEmbd < 1 || BigInt(nEmbd) * BigInt(elSize) > MAX_ROW_BYTES) bad(`V n_embd_v_gqa ${nEmbd} of layer ${l} out of range`);
-        const dataOffset = r.pos;
-        r.skip(BigInt(nEmbd) * BigInt(elSize) * cells, `V data (layer ${l})`);
-        v.push({ type, bytesPerCell: nEmbd * elSize, elSize, nEmbd, dataOffset });
+  push(data: Buffer): void {
+    if (this.pos + data.length > this.expect.maxBytes) bad(`${this.pos + data.length} bytes exceeds the limit of ${this.expect.maxBytes}`);
+    let i = 0;
+    while (i < data.length) {
+      const need = this.need;
+      if (!need) bad(`${data.length - i} trailing bytes after the state`);
+      if ('skip' in need) {
+        const n = Math.min(this.skipLeft, data.length - i);
+        this.skipLeft -= n;
+        i += n;
+        this.pos += n;
+        if (this.skipLeft === 0) this.advance(undefined);
+        continue;
+      }
+      if (!this.gather && data.length - i >= need.n) {
+        const piece = data.subarray(i, i + need.n);
+        i += need.n;
+        this.pos += need.n;
+        this.advance(piece);
+        continue;
+      }
+      this.gather ??= Buffer.allocUnsafe(need.n);
+      const n = Math.min(need.n - this.gathered, data.length - i);
+      data.copy(this.gather, this.gathered, i, i + n);
+      this.gathered += n;
+      i += n;
+      this.pos += n;
+      if (this.gathered === need.n) {
+        const full = this.gather;
+        this.gather = undefined;
+        this.gathered = 0;
+        this.advance(full);
       }
     }
-    streams.push({ start, end: r.pos, cellCount, positions, vTrans: vTransRaw === 1, nLayer, k, v });
   }
 
-  if (totalCells !== nTokens) bad(`the KV holds ${totalCells} cells but the state lists ${nTokens} tokens`);
-  if (r.remaining !== 0) bad(`${r.remaining} trailing bytes after the state`);
-  return { version, nTokens, tokens, nStreamOffset, nStream, streams, totalCells, end: r.pos };
+  /** The parsed state. @throws KvError('BAD_STATE') when the structure is not complete. */
+  end(): ParsedState {
+    if (this.result) return this.result;
+    const need = this.need!;
+    const want = 'skip' in need ? BigInt(this.skipLeft) : BigInt(need.n - this.gathered);
+    bad(`truncated at byte ${this.pos}: ${need.what} needs ${want} more bytes`);
+  }
 }
 
 /**

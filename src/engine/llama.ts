@@ -7,7 +7,7 @@
  * samples on. A prefill → saveState → loadState (any process, any sequence count, any slot) →
  * generate run therefore does exactly what prefill → generate on one slot does.
  */
-import { randomInt, randomUUID } from 'node:crypto';
+import { randomUUID } from 'node:crypto';
 import { existsSync, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -28,6 +28,8 @@ import {
 import { PdError } from '../common/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
+import { GrammarCache, RequestSampler } from './sampling.js';
+import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot } from './types.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
@@ -57,6 +59,14 @@ export interface LoadEngineOptions {
   deterministic?: boolean;
   /** Folder for temporary re-framed state files (default /dev/shm, else the OS temp dir). */
   tmpDir?: string;
+  /**
+   * Prefix cache (prefix-cache.ts): finished sequences keep their KV, and a prompt sharing a
+   * prefix with one evaluates only the rest. `cacheSequences` extra sequences are added to the
+   * context so that idle cached prefixes survive while all `sequences` slots are busy;
+   * `maxTokens` bounds the tokens idle sequences hold together (LRU eviction). Absent = off:
+   * every released slot is cleared, as before.
+   */
+  prefixCache?: { cacheSequences: number; maxTokens: number };
 }
 
 /** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
@@ -132,6 +142,8 @@ export class TextStream {
   private readonly stops: string[];
   /** Set once a stop string was found; further pushes return ''. */
   stopped = false;
+  /** While false, stop strings are not looked for (min_tokens, as vLLM) and nothing is held. */
+  stopsArmed = true;
 
   /**
    * @param detok detokenizer: (tokens, lastTokens) → text of `tokens` as it reads after `lastTokens`.
@@ -183,7 +195,7 @@ export class TextStream {
   }
 
   private filter(fresh: string, final: boolean): string {
-    if (this.stops.length === 0) return fresh;
+    if (this.stops.length === 0 || (!this.stopsArmed && this.held === '')) return fresh;
     const text = this.held + fresh;
     let cut = -1;
     for (const st of this.stops) {
@@ -220,16 +232,6 @@ function defaultTmpDir(): string {
   return existsSync('/dev/shm') ? '/dev/shm' : os.tmpdir();
 }
 
-function samplerOptions(s: SamplingParams): { temperature: number; topK: number; topP: number; seed: number } {
-  return {
-    temperature: s.temperature,
-    topK: s.topK,
-    topP: s.topP,
-    // node-llama-cpp would default to the current second: concurrent requests would share it.
-    seed: s.seed ?? randomInt(0, 0xffffffff),
-  };
-}
-
 function sameTokens(a: readonly number[], b: readonly number[]): boolean {
   if (a.length !== b.length) return false;
   for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
@@ -241,6 +243,17 @@ class SeqHolder {
   /** Resolves when the previous owner's history is cleared. */
   pending: Promise<void> = Promise.resolve();
   lease: Lease | null = null;
+  /** While idle: the tokens whose KV the sequence holds for reuse (empty = none). */
+  tokens: readonly number[] = [];
+  /** Leading tokens of the held KV that a cold run would compute identically (prefix-cache.ts). */
+  exactPrefix = 0;
+  lastUsed = 0;
+  /**
+   * The sequence's KV is complete for its tokens: set only when a prefill finished (and kept
+   * through a generation that ended normally). An abort or error mid-way leaves it false, and
+   * release() then clears the sequence, so no later request can reuse a half-written entry.
+   */
+  valid = false;
   constructor(
     readonly index: number,
     readonly seq: LlamaContextSequence,
@@ -273,21 +286,32 @@ class Lease implements Slot {
   async prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult> {
     const { contextSize, batchSize } = this.engine.info.compat;
     if (tokens.length < 1) throw new EngineError('EMPTY_PROMPT', 'the prompt has no tokens');
-    if (tokens.length + sampling.maxTokens > contextSize) {
+    if (tokens.length >= contextSize || tokens.length + sampling.maxTokens > contextSize) {
       throw new EngineError('PROMPT_TOO_LONG', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size ${contextSize}`);
     }
     const nVocab = this.engine.info.nVocab;
     for (const t of tokens) {
       if (!Number.isInteger(t) || t < 0 || t >= nVocab) throw new EngineError('INVALID_TOKEN', `token ${t} is outside the vocabulary (${nVocab})`);
     }
+    const grammar = await this.engine.grammars.get(sampling.grammar);
     const seq = await this.ready();
-    if (seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
+    const holder = this.holder;
+    holder.valid = false;
+    const cache = this.engine.cache;
+    // Re-derived from the sequence itself under this lease: the choice made at acquisition is a hint.
+    let reuse = cache.enabled && seq.nextTokenIndex > 0 ? reusableTokens(seq.contextTokens, holder.exactPrefix, tokens, cache.align) : 0;
+    if (reuse > 0 && seq.nextTokenIndex > reuse) {
+      const end = seq.nextTokenIndex;
+      await this.engine.exclusive(() => seq.eraseContextTokenRanges([{ start: reuse, end }]));
+    }
+    if (reuse > 0 && seq.nextTokenIndex !== reuse) reuse = 0; // the library re-evaluated or dropped the cache: start cold
+    if (reuse === 0 && seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
     const aborted = (): void => {
       if (signal.aborted) throw new EngineError('ABORTED', 'prefill aborted');
       this.check();
     };
     aborted();
-    let i = 0;
+    let i = reuse;
     for (; i + batchSize < tokens.length; i += batchSize) {
       await this.engine.gate();
       await seq.evaluateWithoutGeneratingNewTokens(tokens.slice(i, i + batchSize) as Token[]);
@@ -296,12 +320,15 @@ class Lease implements Slot {
     await this.engine.gate();
     const last = tokens.slice(i) as Token[];
     let first: number | undefined;
-    for await (const t of seq.evaluate(last, { ...samplerOptions(sampling), yieldEogToken: true })) {
+    const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens);
+    for await (const t of seq.evaluate(last, sampler.options)) {
       first = t;
       break;
     }
     if (first === undefined) throw new Error('llama.cpp sampled no token');
-    return { promptTokens: tokens.length, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
+    holder.exactPrefix = exactPrefixAfterPrompt(tokens.length, cache.align);
+    holder.valid = true;
+    return { promptTokens: tokens.length, cachedTokens: reuse, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
   }
 
   async saveState(filePath: string): Promise<number> {
@@ -312,6 +339,7 @@ class Lease implements Slot {
 
   async loadState(filePath: string, promptTokens: number[]): Promise<void> {
     const seq = await this.ready();
+    this.holder.valid = false;
     const { contextSize, nLayer } = this.engine.info.compat;
     const buf = await fsp.readFile(filePath);
     // Re-validated here too: a malformed file can abort the process inside llama.cpp.
@@ -321,9 +349,10 @@ class Lease implements Slot {
     let tmp: string | null = null;
     const since = markProblems();
     try {
-      if (st.nStream !== this.engine.info.sequences) {
+      const nStream = this.engine.info.sequences + this.engine.info.cacheSequences;
+      if (st.nStream !== nStream) {
         tmp = path.join(this.engine.tmpDir, `pdserve-restream-${process.pid}-${randomUUID()}.ggsq`);
-        await fsp.writeFile(tmp, rewriteNStream(buf, this.engine.info.sequences, { contextSize, nLayer, maxBytes: buf.length }));
+        await fsp.writeFile(tmp, rewriteNStream(buf, nStream, { contextSize, nLayer, maxBytes: buf.length }));
         loadPath = tmp;
       }
       this.check();
@@ -341,17 +370,28 @@ class Lease implements Slot {
     }
   }
 
-  async *generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'> {
-    const seq = await this.ready();
+  /**
+   * Turns sampled tokens into their client output, one call per token, with the sequence's
+   * current tokens as detokenization context: text (stop strings held back and cut), and the
+   * finish reason when generation ends on that token (EOG unless ignoreEos, a stop token id or
+   * a stop string — both only after min_tokens — or maxTokens; maxTokens 0 = the rest of the
+   * context). generate() and firstOutput() share it, so the first token's output is the same
+   * whichever process computes it.
+   */
+  private stepper(seq: LlamaContextSequence, sampling: SamplingParams): (tok: number) => { out: GeneratedToken; end?: FinishReason } {
     const model = this.engine.model;
     const text = new TextStream((toks, last) => model.detokenize(toks as Token[], false, last as Token[]), sampling.stop, seq.contextTokens);
-    const maxTokens = Math.max(1, sampling.maxTokens);
+    // 0 = the rest of the context (the sequence holds exactly the prompt here)
+    const maxTokens = Math.max(1, sampling.maxTokens || this.engine.info.compat.contextSize - seq.contextTokens.length);
+    const minTokens = sampling.minTokens ?? 0;
+    const stopIds = new Set(sampling.stopTokenIds ?? []);
     let count = 0;
-    /** Turn one sampled token into its output and, when generation ends on it, the reason. */
-    const step = (tok: number): { out: GeneratedToken; end?: FinishReason } => {
+    return (tok: number) => {
       count++;
       const eog = model.isEogToken(tok as Token);
       if (eog && !sampling.ignoreEos) return { out: { token: tok, text: text.flush() }, end: 'stop' };
+      if (stopIds.has(tok) && count > minTokens) return { out: { token: tok, text: text.flush() }, end: 'stop' };
+      text.stopsArmed = count > minTokens;
       let t = eog ? '' : text.push(tok);
       if (text.stopped) return { out: { token: tok, text: t }, end: 'stop' };
       if (count >= maxTokens) {
@@ -360,11 +400,28 @@ class Lease implements Slot {
       }
       return { out: { token: tok, text: t } };
     };
+  }
+
+  async firstOutput(firstToken: number, sampling: SamplingParams): Promise<GeneratedToken & { end?: FinishReason }> {
+    const seq = await this.ready();
+    const r = this.stepper(seq, sampling)(firstToken);
+    return r.end ? { ...r.out, end: r.end } : r.out;
+  }
+
+  async *generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'> {
+    const grammar = await this.engine.grammars.get(sampling.grammar);
+    const seq = await this.ready();
+    const step = this.stepper(seq, sampling);
+    // Rebuilt from the prompt (the sequence holds exactly the prompt here, colocated or after
+    // the state load) plus the first token: identical in PD and colocated runs.
+    const sampler = new RequestSampler(this.engine.model, sampling, seq.contextTokens, grammar, this.engine.eogTokens);
     if (signal.aborted) return 'abort';
     let r = step(firstToken);
     yield r.out;
     if (r.end) return r.end;
-    const it = seq.evaluate([firstToken as Token], { ...samplerOptions(sampling), yieldEogToken: true });
+    sampler.accept(firstToken, true);
+    const it = seq.evaluate([firstToken as Token], sampler.options);
+    let ended = false;
     try {
       for (;;) {
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
@@ -374,11 +431,17 @@ class Lease implements Slot {
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
         // with yieldEogToken node-llama-cpp ends its generator only when sampling yields nothing
         if (n.done) throw new Error('llama.cpp stopped sampling unexpectedly');
+        sampler.accept(n.value);
         r = step(n.value);
         yield r.out;
-        if (r.end) return r.end;
+        if (r.end) {
+          ended = true;
+          return r.end;
+        }
       }
     } finally {
+      // A generation cut short (abort, error, consumer gone) does not leave a cache entry.
+      if (!ended) this.holder.valid = false;
       await it.return();
     }
   }
@@ -395,6 +458,10 @@ class LlamaEngine implements Engine {
   private readonly holders: SeqHolder[];
   private readonly free: SeqHolder[];
   private readonly chatWrapper: ChatWrapper;
+  /** Compiled grammars (response_format), shared by all slots. */
+  readonly grammars: GrammarCache;
+  /** Every end-of-generation token id of the vocabulary (min_tokens bans them). */
+  readonly eogTokens: number[];
 
   constructor(
     readonly info: EngineInfo,
@@ -402,21 +469,30 @@ class LlamaEngine implements Engine {
     private readonly context: LlamaContext,
     readonly tmpDir: string,
     private readonly logSink: LogSink | null,
+    readonly cache: PrefixCacheSettings,
   ) {
     this.holders = [];
-    for (let i = 0; i < info.sequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
+    for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
     this.free = [...this.holders];
+    this.grammars = new GrammarCache(model.llama);
+    this.eogTokens = [];
+    for (let t = 0; t < info.nVocab; t++) if (model.isEogToken(t as Token)) this.eogTokens.push(t);
     // The model's own template when it has one; the generic wrapper otherwise (resolveChatWrapper
     // would guess from the architecture, e.g. Llama-2 [INST] for any llama GGUF).
     const tmpl = (model.fileInfo.metadata as unknown as { tokenizer?: { chat_template?: unknown } }).tokenizer?.chat_template;
     this.chatWrapper = typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
   }
 
-  tokenize(text: string): number[] {
+  tokenize(text: string, addSpecial = true): number[] {
     const toks = this.model.tokenize(text, false) as number[];
     const bos = this.model.tokens.bos;
-    if (bos != null && this.model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
+    if (addSpecial && bos != null && this.model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
     return toks;
+  }
+
+  tokenPieces(tokens: number[]): string[] {
+    const pieces = (this.model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens ?? [];
+    return tokens.map((t) => (typeof pieces[t] === 'string' ? (pieces[t] as string) : this.detokenize([t])));
   }
 
   renderChat(messages: ChatMessage[]): number[] {
@@ -440,19 +516,50 @@ class LlamaEngine implements Engine {
     return this.model.detokenize((start ? tokens.slice(start) : tokens) as Token[], false);
   }
 
-  slotsFree(): number {
-    return this.disposed ? 0 : this.free.length;
+  async prepareSampling(sampling: SamplingParams): Promise<void> {
+    await this.grammars.get(sampling.grammar);
   }
 
-  tryAcquireSlot(): Slot | null {
-    if (this.disposed || this.free.length === 0) return null;
-    // lowest free index first: predictable slot numbers
-    let best = 0;
-    for (let i = 1; i < this.free.length; i++) if (this.free[i].index < this.free[best].index) best = i;
-    const holder = this.free.splice(best, 1)[0];
+  slotsFree(): number {
+    if (this.disposed) return 0;
+    const busy = this.holders.length - this.free.length;
+    return Math.max(0, Math.min(this.free.length, this.info.sequences - busy));
+  }
+
+  tryAcquireSlot(prompt?: readonly number[]): Slot | null {
+    if (this.slotsFree() === 0) return null;
+    // The idle sequence with the longest reusable prefix; else an empty one (lowest index first:
+    // predictable slot numbers); else the least recently used cached one, whose cache is dropped.
+    const choice = chooseSequence(this.free, prompt, this.cache)!;
+    const holder = choice.seq;
+    this.free.splice(this.free.indexOf(holder), 1);
+    if (choice.reuse === 0 && holder.tokens.length > 0) this.clearHolder(holder);
+    holder.tokens = [];
     const lease = new Lease(this, holder);
     holder.lease = lease;
     return lease;
+  }
+
+  /** Tokens held by idle sequences for reuse, and how many sequences hold them. */
+  cachedStats(): { sequences: number; tokens: number } {
+    let sequences = 0;
+    let tokens = 0;
+    for (const h of this.free) {
+      if (h.tokens.length === 0) continue;
+      sequences++;
+      tokens += h.tokens.length;
+    }
+    return { sequences, tokens };
+  }
+
+  /** Drop a sequence's KV (queued behind its previous clear; ready() waits for it). */
+  private clearHolder(holder: SeqHolder): void {
+    holder.tokens = [];
+    holder.exactPrefix = 0;
+    holder.valid = false;
+    holder.pending = holder.pending
+      .then(() => (this.disposed || holder.seq.disposed ? undefined : this.exclusive(() => holder.seq.clearHistory())))
+      .catch((err: unknown) => this.logSink?.('error', `clearHistory of slot ${holder.index} failed: ${String(err)}`));
   }
 
   /** Exclusive operations (state load, history clear) waiting for or holding the context lock. */
@@ -488,11 +595,16 @@ class LlamaEngine implements Engine {
   releaseHolder(holder: SeqHolder, lease: Lease): void {
     if (holder.lease !== lease) return;
     holder.lease = null;
-    const prev = holder.pending;
-    holder.pending = prev
-      .then(() => (this.disposed || holder.seq.disposed ? undefined : this.exclusive(() => holder.seq.clearHistory())))
-      .catch((err: unknown) => this.logSink?.('error', `clearHistory of slot ${holder.index} failed: ${String(err)}`));
+    const keep = this.cache.enabled && holder.valid && !this.disposed && !holder.seq.disposed && holder.seq.nextTokenIndex > 0;
+    if (keep) {
+      holder.tokens = holder.seq.contextTokens;
+      holder.exactPrefix = Math.min(holder.exactPrefix, holder.tokens.length);
+      holder.lastUsed = performance.now();
+    } else {
+      this.clearHolder(holder);
+    }
     this.free.push(holder);
+    for (const h of evictionsForBudget(this.free, this.cache.maxTokens)) this.clearHolder(h);
   }
 
   async dispose(): Promise<void> {
@@ -550,7 +662,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     let context: LlamaContext;
     try {
       context = await model.createContext({
-        sequences: opts.sequences,
+        sequences: opts.sequences + (opts.prefixCache?.cacheSequences ?? 0),
         contextSize: opts.contextSize,
         batchSize: opts.batchSize,
         threads,
@@ -563,12 +675,14 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     }
     const meta = model.fileInfo.architectureMetadata as { block_count?: number };
     const tokensMeta = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
+    const cacheSequences = opts.prefixCache?.cacheSequences ?? 0;
     const info: EngineInfo = {
       modelPath,
       modelName: path.basename(modelPath).replace(/\.gguf$/i, ''),
       fingerprint,
       compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0), flashAttention: opts.flashAttention ?? true },
       sequences: opts.sequences,
+      cacheSequences,
       nVocab: tokensMeta?.length ?? 0,
       maxTokenBytes: maxPieceBytes(tokensMeta),
       threads,
@@ -577,7 +691,12 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       // llama.cpp may round the context size up; PD compat needs the real value, which info carries.
       sink?.('warn', `context size ${opts.contextSize} was rounded to ${info.compat.contextSize}`);
     }
-    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink);
+    const cache: PrefixCacheSettings = {
+      enabled: opts.prefixCache !== undefined,
+      align: opts.deterministic ? context.batchSize : null,
+      maxTokens: opts.prefixCache?.maxTokens ?? 0,
+    };
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache);
   } catch (err) {
     if (sink) logSinks.delete(sink);
     await model?.dispose().catch(() => {});

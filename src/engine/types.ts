@@ -15,13 +15,39 @@ export interface SamplingParams {
   topK: number;
   /** RNG seed for non-greedy sampling; undefined = random. */
   seed?: number;
-  /** Upper bound on generated tokens, including the first one (>= 1). */
+  /** Upper bound on generated tokens, including the first one (>= 1; 0 = the rest of the context). */
   maxTokens: number;
   /** Stop strings: generation ends before the first occurrence; the stop text is not returned. */
   stop: string[];
   /** When true, EOS tokens do not end generation. */
   ignoreEos: boolean;
+  /** Min-p sampling threshold in [0, 1]; 0 = off (llama.cpp min_p sampler). */
+  minP?: number;
+  /**
+   * Repetition penalty (> 0, 1 = off; as vLLM/HF: positive logits divided, negative multiplied).
+   * Its token window is the prompt plus the generated tokens when used alone, and the generated
+   * tokens only when combined with presence/frequency penalties (llama.cpp has one window).
+   */
+  repetitionPenalty?: number;
+  /** OpenAI presence penalty in [-2, 2] over the generated tokens; 0 = off. */
+  presencePenalty?: number;
+  /** OpenAI frequency penalty in [-2, 2] over the generated tokens; 0 = off. */
+  frequencyPenalty?: number;
+  /** Logit bias: [token id, value added to the logit]; -100 bans a token in practice. */
+  logitBias?: [number, number][];
+  /** Token ids that end generation like EOS (the stop token's text is not returned). */
+  stopTokenIds?: number[];
+  /** EOS, stop_token_ids and stop strings are not honoured before this many tokens (vLLM). */
+  minTokens?: number;
+  /**
+   * A GBNF grammar (JSON mode / JSON schema) constraining the output; both PD sides build the
+   * same grammar from it, decode advances it over the first token received from prefill.
+   */
+  grammar?: GrammarSpec;
 }
+
+/** A grammar request: JSON text of any shape, or JSON matching a JSON schema. */
+export type GrammarSpec = { type: 'json' } | { type: 'json_schema'; schema: Record<string, unknown> };
 
 /** One chat message as accepted by the OpenAI API (content already flattened to text). */
 export interface ChatMessage {
@@ -48,8 +74,13 @@ export interface EngineInfo {
     /** llama.cpp flash attention (changes the V-cache layout of a saved state). */
     flashAttention: boolean;
   };
-  /** Number of sequences (slots) of this engine's context. */
+  /** Number of slots: sequences of this engine's context that may be busy at once. */
   sequences: number;
+  /**
+   * Extra sequences of the context that only hold cached prefixes while idle (prefix cache; 0 =
+   * off). The context has `sequences + cacheSequences` sequences (the n_stream of its states).
+   */
+  cacheSequences: number;
   /** Vocabulary size. */
   nVocab: number;
   /**
@@ -66,6 +97,8 @@ export interface EngineInfo {
 export interface PrefillResult {
   /** Number of prompt tokens evaluated (also the n_tokens of the saved state). */
   promptTokens: number;
+  /** Leading prompt tokens whose KV came from the prefix cache and were not evaluated again. */
+  cachedTokens: number;
   /** First generated token (sampled after the last prompt chunk). */
   firstToken: number;
   /** True when the first token is an end-of-generation token (EOS/EOT). */
@@ -114,6 +147,14 @@ export interface Slot {
    * was held back), so token counts include it; its own text is never emitted.
    */
   generate(firstToken: number, sampling: SamplingParams, signal: AbortSignal): AsyncGenerator<GeneratedToken, FinishReason | 'abort'>;
+  /**
+   * The output `generate(firstToken, sampling, …)` yields first, computed without evaluating
+   * anything (no llama.cpp call, the sequence is unchanged): token, text, and `end` when
+   * generation ends on that token. Prefill uses it to stream the first token before the KV
+   * handoff; decode then runs `generate` as usual and drops its first output (same text state).
+   * @throws EngineError 'SLOT_RELEASED' / 'ENGINE_DISPOSED'.
+   */
+  firstOutput(firstToken: number, sampling: SamplingParams): Promise<GeneratedToken & { end?: FinishReason }>;
   /** Clear the sequence and return it to the pool. Idempotent. */
   release(): void;
 }
@@ -121,14 +162,28 @@ export interface Slot {
 /** A loaded model with one multi-sequence context. */
 export interface Engine {
   readonly info: EngineInfo;
-  /** Tokenize plain text (special-token text is not parsed); prepends BOS when the model asks for it. */
-  tokenize(text: string): number[];
+  /** Tokenize plain text (special-token text is not parsed); prepends BOS when the model asks for it and `addSpecial` (default true). */
+  tokenize(text: string, addSpecial?: boolean): number[];
+  /** The vocabulary's raw piece of each token (as vLLM's token_strs: '<s>', byte tokens '<0x0A>'). */
+  tokenPieces(tokens: number[]): string[];
   /** Render messages with the model's chat template (generic one when the GGUF has none), add the assistant prefix, tokenize. */
   renderChat(messages: ChatMessage[]): number[];
   detokenize(tokens: number[]): string;
+  /**
+   * Prepare what `sampling` needs before a slot is taken (compiles and caches its grammar).
+   * @throws Error with code 'BAD_GRAMMAR' when the JSON schema cannot be turned into a grammar.
+   */
+  prepareSampling(sampling: SamplingParams): Promise<void>;
   /** Free slots right now. */
   slotsFree(): number;
-  /** Reserve a free slot, or null when all are taken. */
-  tryAcquireSlot(): Slot | null;
+  /**
+   * Reserve a free slot, or null when all are taken. With the prefix cache on and `prompt` given,
+   * the idle sequence sharing the longest reusable prefix with it is chosen (its `prefill` then
+   * evaluates only the rest); a cached sequence is evicted rather than ever returning null while
+   * a slot is free.
+   */
+  tryAcquireSlot(prompt?: readonly number[]): Slot | null;
+  /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
+  cachedStats(): { sequences: number; tokens: number };
   dispose(): Promise<void>;
 }

@@ -47,6 +47,8 @@ export interface EnvelopeHeader {
   nTokens: number;
   /** First generated token, sampled by prefill. */
   firstToken: number;
+  /** Leading prompt tokens prefill took from its prefix cache (reported as usage cached_tokens); absent = 0. */
+  cachedTokens?: number;
   firstIsEog: boolean;
   /** Bytes of the raw ggsq payload that follows. */
   payloadBytes: number;

@@ -13,8 +13,9 @@ import { readFile, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
-import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
-import { parseConfig, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
+import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
+import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
+import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
@@ -22,6 +23,7 @@ import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Def
 import { createLogger, type Logger } from '../common/log.js';
 import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
+import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
@@ -31,7 +33,8 @@ import { encodeEnvelope } from '../kv/envelope.js';
 import { RoomTable } from '../kv/lifecycle.js';
 import { failureFromWire, type ControlMsg } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
-import { samplingFromWire, tokenizeRequest } from '../api/requests.js';
+import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
+import { answerWithFirstToken, firstTokenEvent } from './first-token.js';
 
 interface Job {
   room: RoomId;
@@ -44,11 +47,15 @@ interface Job {
   /** The enveloped state while inflight (the KV buffer). Dropped on terminal. */
   blob?: Buffer;
   done: Deferred<PrefillResponse>;
+  /** Set when the router asked for the first token before the handoff (`first_token_from_prefill`). */
+  first?: Deferred<GenerateEvent>;
   /** What the worker is doing for the room right now (shown in /debug/rooms). */
   step: 'bootstrap' | 'queued' | 'computing' | 'sending' | 'awaiting_ack';
   t0: number;
   prefillMs: number;
   tKvBegin: number;
+  /** Prompt tokens taken from the prefix cache (known once prompt evaluation finished). */
+  cachedTokens: number;
 }
 
 interface PendingRegistration {
@@ -61,7 +68,10 @@ interface PendingRegistration {
 export class PrefillWorker {
   readonly rooms: RoomTable;
   readonly metrics: WorkerMetrics;
+  readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
+  /** Trace id per room, for /debug/rooms. */
+  readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
   private readonly byRid = new Map<string, RoomId>();
   /** Rooms registered by decode before the router's request arrived here. Bounded, expires after bootstrapMs. */
@@ -98,6 +108,7 @@ export class PrefillWorker {
       roomsByState: () => roomsByState(this.rooms),
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
   }
 
   /** Queue name → entries, derived from room phases (cannot drift). */
@@ -130,6 +141,7 @@ export class PrefillWorker {
     });
     this.bootstrapPort = await this.kv.listen();
     this.app = createWorkerApp({
+      engine: this.engine,
       log: this.log,
       registry: this.metrics.registry,
       modelName: this.engine.info.modelName,
@@ -148,7 +160,7 @@ export class PrefillWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        return { epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null })) };
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.pendingRegs.size, ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.cachedTokens ?? 0 })) });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -239,7 +251,7 @@ export class PrefillWorker {
       this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
       job.done.resolve({
         rid: job.rid,
-        meta_info: { prompt_tokens: job.tokens.length, kv_bytes: this.rooms.get(room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
+        meta_info: { prompt_tokens: job.tokens.length, cached_tokens: job.cachedTokens, kv_bytes: this.rooms.get(room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
       });
     } else {
       job.done.reject(ApiError.fromFailure(f ?? failure('internal_error', 'room failed')));
@@ -258,15 +270,13 @@ export class PrefillWorker {
     if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
     const body: GenerateRequest = parsed.data;
     let tokens: number[];
+    let sampling: SamplingParams;
     try {
       tokens = tokenizeRequest(this.engine, body);
+      sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
+      await checkSampling(this.engine, sampling);
     } catch (err) {
       return sendError(reply, toApiError(err));
-    }
-    const sampling = samplingFromWire(body.sampling_params);
-    const ctx = this.engine.info.compat.contextSize;
-    if (tokens.length + sampling.maxTokens > ctx) {
-      return sendError(reply, ApiError.of('context_length_exceeded', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, tokens.length >= ctx ? 'prompt' : 'max_tokens'));
     }
     if (this.rooms.has(body.bootstrap_room)) return sendError(reply, ApiError.of('duplicate_room', `room ${body.bootstrap_room} already exists`));
     // One live request per rid (as vLLM): a second one could never be aborted by rid.
@@ -275,8 +285,10 @@ export class PrefillWorker {
     if (this.jobs.size >= this.config.maxRooms) return sendError(reply, new ApiError(503, 'queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`, 'overloaded_error'));
     if (this.waiting.size >= this.config.maxWaiting) return sendError(reply, new ApiError(503, 'queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`, 'overloaded_error'));
     const room = body.bootstrap_room;
-    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0 };
-    const log = this.log.child({ rid: body.rid, room });
+    const job: Job = { room, rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), step: 'bootstrap', t0: Date.now(), prefillMs: 0, tKvBegin: 0, cachedTokens: 0, first: body.first_token_from_prefill ? deferred() : undefined };
+    const trace = body.trace_id ?? body.rid;
+    this.traces.set(room, trace);
+    const log = this.log.child({ rid: body.rid, room, trace });
     let effects: Effect[];
     try {
       effects = this.rooms.create(room, body.rid, Date.now());
@@ -293,6 +305,11 @@ export class PrefillWorker {
       this.register(pending.conn, room);
     }
     const off = onClientGone(reply, () => this.apply(room, { t: 'abort', from: 'router', failure: failure('request_aborted', 'the router closed the request') }));
+    if (job.first) {
+      await answerWithFirstToken(reply, job.first.promise, job.done.promise, this.config.timeouts.transferIdleMs);
+      off();
+      return;
+    }
     try {
       const res = await job.done.promise;
       off();
@@ -377,9 +394,10 @@ export class PrefillWorker {
   /** Start prompt evaluation for waiting rooms while slots are free. */
   private pump(): void {
     while (this.waiting.size > 0) {
-      const slot = this.engine.tryAcquireSlot();
-      if (!slot) return;
       const room = this.waiting.values().next().value as RoomId;
+      // The prompt picks the idle sequence sharing its longest prefix (prefix cache).
+      const slot = this.engine.tryAcquireSlot(this.jobs.get(room)?.tokens);
+      if (!slot) return;
       this.waiting.delete(room);
       this.computing++;
       void this.compute(room, slot).finally(() => {
@@ -402,12 +420,15 @@ export class PrefillWorker {
       await hold('prefill.compute', job.ac.signal);
       const t0 = Date.now();
       const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
+      job.cachedTokens = r.cachedTokens;
+      this.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens);
+      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, await slot.firstOutput(r.firstToken, job.sampling), r.cachedTokens));
       await hold('prefill.save', job.ac.signal);
       if (job.ac.signal.aborted) return;
       await slot.saveState(path);
       const payload = await readFile(path);
       blob = encodeEnvelope(
-        { fingerprint: this.engine.info.fingerprint, contextSize: this.engine.info.compat.contextSize, batchSize: this.engine.info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, firstIsEog: r.firstIsEog },
+        { fingerprint: this.engine.info.fingerprint, contextSize: this.engine.info.compat.contextSize, batchSize: this.engine.info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, cachedTokens: r.cachedTokens, firstIsEog: r.firstIsEog },
         payload,
       );
       job.prefillMs = Date.now() - t0;
@@ -457,7 +478,7 @@ export class PrefillWorker {
 /** Load the engine, start the worker. */
 export async function startPrefillWorker(raw: unknown, log = createLogger('prefill')): Promise<PrefillWorker> {
   const config = parseConfig(PrefillConfigSchema, raw);
-  const engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new PrefillWorker(config, engine, log);
   await w.start();
   return w;

@@ -12,11 +12,19 @@
  *     abortTimeoutMs = 2000 (deadline of one POST /abort_request),
  *     writeTimeoutMs = 30000 (max wait for a slow client to drain one SSE write),
  *     bodyLimit = 4 MiB, maxEventBytes = 1 MiB (largest SSE event accepted from decode),
+ *     firstTokenFromPrefill = true (prefill streams token 1 before the KV handoff; false: decode
+ *       streams every token and prefill answers once with JSON),
+ *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
+ *       decodePolicy = 'least_load' (same choices), with cache_aware's
+ *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
+ *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
+ *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
 import { z } from 'zod';
 import type { Logger } from 'pino';
+import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 
 const LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
 
@@ -60,6 +68,15 @@ export const RouterConfigSchema = z
     writeTimeoutMs: z.number().int().min(10).default(30_000),
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
+    firstTokenFromPrefill: z.boolean().default(true),
+    policy: z.enum(POLICY_NAMES).default('cache_aware'),
+    decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
+    cacheThreshold: z.number().min(0).max(1).default(DEFAULT_CACHE_AWARE.cacheThreshold),
+    balanceAbsThreshold: z.number().int().min(0).default(DEFAULT_CACHE_AWARE.balanceAbsThreshold),
+    balanceRelThreshold: z.number().min(1).default(DEFAULT_CACHE_AWARE.balanceRelThreshold),
+    maxTreeChars: z.number().int().min(1).default(DEFAULT_CACHE_AWARE.maxTreeChars),
+    /** CORS origins ('*' = any); empty = no CORS headers. */
+    corsOrigin: z.array(z.string().min(1)).max(64).default([]),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -92,6 +109,24 @@ export interface RouterConfig {
   readonly writeTimeoutMs: number;
   readonly bodyLimit: number;
   readonly maxEventBytes: number;
+  /** Stream the first token from prefill before the KV handoff (default true). */
+  readonly firstTokenFromPrefill: boolean;
+  /** Load-balancing policy of prefill workers (policy/index.ts; they hold the prefix cache); cache_aware by default. */
+  readonly policy: PolicyName;
+  /**
+   * Policy of decode workers; least_load by default (as SGLang's PD router, which has separate
+   * prefill and decode policies). Decode holds no reusable prefix, so stickiness only costs balance.
+   */
+  readonly decodePolicy: PolicyName;
+  /** cache_aware: matched fraction above which the longest-match worker is taken. */
+  readonly cacheThreshold: number;
+  /** cache_aware: imbalance iff max−min load > this AND max > min × balanceRelThreshold. */
+  readonly balanceAbsThreshold: number;
+  readonly balanceRelThreshold: number;
+  /** cache_aware: routing-text characters remembered per worker. */
+  readonly maxTreeChars: number;
+  /** CORS origins ('*' = any); empty = no CORS headers. */
+  readonly corsOrigin: readonly string[];
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

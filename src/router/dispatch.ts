@@ -18,6 +18,12 @@
  *    gets LINGER_MS to settle, then is aborted; its lease is released when it settles.
  * A prefill error after decode produced its first event is logged and ignored: the KV handoff
  * evidently succeeded and decode's output stands.
+ *
+ * First token before the handoff (`firstTokenFromPrefill`, default on): prefill's answer is an
+ * SSE stream whose first event is token 1, written to the client at once (TTFT no longer waits
+ * for the KV transfer and load); decode streams from token 2. Decode's events are held until
+ * prefill's first event has been written, so the order is always right. If the handoff fails after
+ * token 1, the client (already streaming) gets an SSE `{error}` event and no `[DONE]`.
  */
 import { hold } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
@@ -31,6 +37,7 @@ import { readSse, SseError, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import type { Outcome, RouterMetrics } from './metrics.js';
+import type { RequestObserver } from './trace.js';
 import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
@@ -58,6 +65,8 @@ export interface DispatchContext {
   controlAgent: Dispatcher;
   /** Register a fire-and-forget promise so `close()` can wait for it. */
   track(p: Promise<unknown>): void;
+  /** Request traces (src/router/trace.ts): trace id per rid, and the request's events. */
+  observe?: RequestObserver;
 }
 
 type LegName = 'prefill' | 'decode';
@@ -115,6 +124,11 @@ export class PdRequest {
   private deadline: NodeJS.Timeout | null = null;
   private readonly t0 = performance.now();
   private firstTokenAt = 0;
+  /** Events written from decode (a prefill error after one is ignored: the handoff succeeded). */
+  private decodeEvents = 0;
+  /** Opens once prefill's first-token event has been handled (or the request is over). */
+  private firstGateOpen!: () => void;
+  private readonly firstGate = new Promise<void>((r) => (this.firstGateOpen = r));
   private lastTokenAt = 0;
   private status = 200;
   private resolveDone!: () => void;
@@ -146,9 +160,11 @@ export class PdRequest {
     this.legs = { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
     this.log = log.child({ room: this.room });
     this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage);
-    this.body = JSON.stringify(
-      toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room }),
-    );
+    this.body = JSON.stringify({
+      ...toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill: ctx.config.firstTokenFromPrefill }),
+      trace_id: ctx.observe?.traceOf(rid),
+    });
+    if (!ctx.config.firstTokenFromPrefill) this.firstGateOpen();
   }
 
   /** Dispatch to both workers and serve the client; resolves when the request is finished. */
@@ -162,6 +178,7 @@ export class PdRequest {
       config.requestTimeoutMs,
     );
     await hold('router.dispatch');
+    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url });
     if (!this.over) {
       void this.runPrefill();
       void this.runDecode();
@@ -180,21 +197,69 @@ export class PdRequest {
 
   private async runPrefill(): Promise<void> {
     const leg = this.legs.prefill;
+    const streamed = this.ctx.config.firstTokenFromPrefill;
     try {
-      const res = await request(`${leg.worker.url}/generate`, { method: 'POST', headers: JSON_HEADERS, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
+      const headers = streamed ? { ...JSON_HEADERS, accept: 'text/event-stream' } : JSON_HEADERS;
+      const res = await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
+      if (res.statusCode === 200 && streamed) return await this.readPrefillStream(leg, res.body);
       const text = await readText(res.body, MAX_ERROR_BODY);
       leg.reported = true;
       if (res.statusCode === 200) {
-        this.log.debug({ prefill: safeJson(text) }, 'prefill answered');
+        const answer = safeJson(text);
+        this.log.debug({ prefill: answer }, 'prefill answered');
+        this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: (answer as { meta_info?: unknown })?.meta_info ?? null });
         return;
       }
       this.legFailed(leg, workerError('prefill', res.statusCode, text));
     } catch (err) {
       if (this.over || leg.ac.signal.aborted) return;
+      if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT')) {
+        this.finish('client_abort', new ApiError(499, 'client_closed_request', `client stream failed: ${err.message}`));
+        return;
+      }
+      if (err instanceof ApiError) return this.legFailed(leg, err);
       this.legFailed(leg, this.transportError(leg, err));
     } finally {
       this.settle(leg);
     }
+  }
+
+  /** Prefill's stream: the first-token event (to the client at once), then the handoff outcome. */
+  private async readPrefillStream(leg: Leg, body: AsyncIterable<Uint8Array>): Promise<void> {
+    let first = true;
+    for await (const data of readSse(body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
+      if (data === SSE_DONE) {
+        leg.reported = true;
+        continue;
+      }
+      let ev: { error?: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }; transfer?: unknown };
+      try {
+        ev = JSON.parse(data);
+      } catch {
+        throw new ApiError(502, 'bad_worker_event', 'prefill worker sent an event that is not JSON', 'server_error');
+      }
+      if (ev?.error && typeof ev.error === 'object') {
+        leg.reported = true;
+        const e = ev.error;
+        const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : 502;
+        this.legFailed(leg, workerError('prefill', status, JSON.stringify({ error: { message: e.message, code: e.code, type: e.type } })));
+        return;
+      }
+      if (ev?.transfer !== undefined) {
+        leg.reported = true;
+        this.log.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
+        this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: ev.transfer });
+        continue;
+      }
+      if (!first || this.over) continue;
+      first = false;
+      try {
+        await this.onEvent(ev as unknown as GenerateEvent);
+      } finally {
+        this.firstGateOpen();
+      }
+    }
+    if (first && !this.over) throw new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error');
   }
 
   private async runDecode(): Promise<void> {
@@ -220,6 +285,8 @@ export class PdRequest {
           continue;
         }
         if (this.over) continue; // ok: drain to the end of the body
+        await this.firstGate;
+        if (this.over) continue;
         let ev: unknown;
         try {
           ev = JSON.parse(data);
@@ -235,6 +302,7 @@ export class PdRequest {
           this.legFailed(leg, new ApiError(500, code, `decode worker error: ${msg}`, (typeof e.type === 'string' ? e.type : 'server_error') as ApiError['type']));
           return;
         }
+        this.decodeEvents++;
         await this.onEvent(ev as GenerateEvent);
       }
       if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
@@ -270,6 +338,7 @@ export class PdRequest {
       if (this.firstTokenAt === 0) {
         this.firstTokenAt = now;
         this.ctx.metrics.ttft.observe((now - this.t0) / 1000);
+        this.ctx.observe?.event(this.rid, 'first_token');
       } else {
         const per = (now - this.lastTokenAt) / 1000 / n;
         for (let i = 0; i < n; i++) this.ctx.metrics.itl.observe(per);
@@ -288,7 +357,7 @@ export class PdRequest {
 
   private openStream(): void {
     this.reply.hijack();
-    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid } });
+    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid } });
     this.writer.open(200);
     this.phase = 'streaming';
   }
@@ -312,7 +381,7 @@ export class PdRequest {
       this.log.warn({ leg: leg.name, worker: leg.worker.url, status: err.status, err: err.message }, 'worker error after the request finished');
       return;
     }
-    if (leg.name === 'prefill' && this.builder.events > 0) {
+    if (leg.name === 'prefill' && this.decodeEvents > 0) {
       this.log.warn({ worker: leg.worker.url, status: err.status, err: err.message }, 'prefill reported an error after decode started generating; keeping decode output');
       return;
     }
@@ -375,6 +444,7 @@ export class PdRequest {
     const wasStreaming = this.phase === 'streaming';
     this.phase = 'finished';
     this.outcome = outcome;
+    this.firstGateOpen();
     if (this.deadline) clearTimeout(this.deadline);
     this.reply.raw.off('close', this.onClientClose);
     if (err && outcome !== 'client_abort') this.sendError(err, wasStreaming);
@@ -414,9 +484,11 @@ export class PdRequest {
       completion_tokens: this.builder.completionTokens,
       finish_reason: this.builder.finishReason,
       ttft_ms: this.firstTokenAt ? Math.round(this.firstTokenAt - this.t0) : null,
+      itl_ms: this.builder.completionTokens > 1 ? Math.round(((this.lastTokenAt - this.firstTokenAt) / (this.builder.completionTokens - 1)) * 100) / 100 : null,
       e2e_ms: Math.round(e2eMs),
       ...(err && outcome !== 'ok' ? { err: err.message, code: err.code } : {}),
     };
+    this.ctx.observe?.event(this.rid, 'finished', line);
     if (outcome === 'ok' || outcome === 'client_abort' || this.status < 500) this.log.info(line, 'request finished');
     else this.log.warn(line, 'request failed');
     this.resolveDone();

@@ -8,23 +8,34 @@
  *   POST /v1/completions, POST /v1/chat/completions — dual dispatch, see `./dispatch.ts`
  *   GET /v1/models  — {object:'list', data:[{id, object:'model', owned_by:'pdserve', created}]}
  *                      with the `model` names reported by the workers' /health
+ *   GET /v1/models/{id} — one of them, or 404 model_not_found
+ *   POST /tokenize, POST /detokenize — vLLM's shapes, forwarded to a healthy prefill worker
+ * CORS for `config.corsOrigin`; a wrong method on a known path is a 405 with `Allow`.
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total}
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
+ *   GET /dashboard, /dashboard/data, /debug/traces[/:id] — see `./dashboard.ts`
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
- * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid.
+ * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
+ * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
 import { pickPair } from './pairing.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
+import { performance } from 'node:perf_hooks';
 import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
+import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
 import { WorkerRegistry } from './registry.js';
+import { createPolicy, routingText } from './policy/index.js';
+import { registerDiagnostics } from './dashboard.js';
+import { DashboardSeries } from './dashboard-series.js';
+import { TraceStore, traceIdOf } from './trace.js';
 
 export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
 export { LINGER_MS, newRid, randomRoom, workerError } from './dispatch.js';
@@ -43,6 +54,8 @@ export interface Router {
    * for the abort_request calls, close the HTTP server and the connection pools. Idempotent.
    */
   close(): Promise<void>;
+  /** Tell the router its own listening URL (used in the doctor's suggested commands). */
+  setUrl(url: string): void;
 }
 
 export interface RunningRouter extends Router {
@@ -83,6 +96,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const controlAgent = new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000 }, headersTimeout: 10_000, bodyTimeout: 10_000 });
   const registry = new WorkerRegistry(config, { dispatcher: controlAgent, log, intervalMs: config.healthIntervalMs, timeoutMs: config.healthTimeoutMs, unhealthyAfter: config.unhealthyAfter });
   const metrics = new RouterMetrics(registry);
+  const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
+  // One policy (and prefix tree) per role: prefill holds the prefix cache.
+  const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
+  const traces = new TraceStore();
+  const series = new DashboardSeries();
+  traces.onFinished = (_t, fields) => series.add(fields);
   const pending = new Set<Promise<unknown>>();
   const active = new Set<PdRequest>();
   const ctx: DispatchContext = {
@@ -91,12 +110,14 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     metrics,
     dataAgent,
     controlAgent,
+    observe: traces,
     track(p) {
       pending.add(p);
       void p.finally(() => pending.delete(p));
     },
   };
   const createdAt = Math.floor(Date.now() / 1000);
+  let selfUrl = `http://${config.host}:${config.port}`;
   let closing = false;
 
   const app = Fastify({
@@ -111,6 +132,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // Every response names its rid (errors included); hijacked streams set it themselves.
   app.addHook('onRequest', async (request, reply) => {
     reply.header('x-request-id', String(request.id));
+    if (request.method === 'POST' && (request.url.startsWith('/v1/completions') || request.url.startsWith('/v1/chat/completions'))) {
+      const trace = traceIdOf(request.headers);
+      traces.begin(String(request.id), trace);
+      reply.header('x-trace-id', trace);
+      request.log = request.log.child({ trace });
+    }
   });
 
   const generation = (kind: 'completion' | 'chat') =>
@@ -123,7 +150,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         metrics.requests.labels('error').inc();
         throw err;
       }
-      const pair = pickPair(registry);
+      const text = routingText(parsed);
+      const now = performance.now();
+      // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
+      const pair = pickPair(registry, (c) => policies.prefill.pick(c, text, now)?.worker ?? null, (c) => policies.decode.pick(c, text, now)?.worker ?? null);
       if ('error' in pair) {
         metrics.requests.labels('error').inc();
         throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
@@ -152,6 +182,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     object: 'list',
     data: registry.models().map((id) => ({ id, object: 'model', owned_by: 'pdserve', created: createdAt })),
   }));
+  registerModelRoute(app, () => registry.models(), createdAt);
+  registerTokenizeProxy(app, () => registry.pick('prefill')?.url ?? null, controlAgent, config.abortTimeoutMs * 5);
+  registerCors(app, config.corsOrigin);
 
   app.get('/health', async (_req, reply) => {
     const role = (r: 'prefill' | 'decode') => ({ healthy: registry.healthyCount(r), total: registry.workers.filter((w) => w.role === r).length });
@@ -162,6 +195,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   });
 
   registerHoldRoute(app);
+  registerDiagnostics(app, { registry, metrics, traces, series, inflight: () => active.size, selfUrl: () => selfUrl });
 
   app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal }));
 
@@ -194,6 +228,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       return active.size;
     },
     close,
+    setUrl(url: string) {
+      selfUrl = url;
+    },
   };
 }
 
@@ -210,6 +247,7 @@ export async function startRouter(raw: RouterConfigInput | RouterConfig): Promis
   const port = typeof addr === 'object' && addr ? addr.port : r.config.port;
   const h = r.config.host === '0.0.0.0' ? '127.0.0.1' : r.config.host === '::' ? '[::1]' : r.config.host.includes(':') ? `[${r.config.host}]` : r.config.host;
   const url = `http://${h}:${port}`;
+  r.setUrl(url);
   r.app.log.info({ url, prefill: r.config.prefill.map((p) => p.url), decode: r.config.decode.map((d) => d.url) }, 'router listening');
   return Object.assign(r, { url, port });
 }

@@ -37,17 +37,24 @@ export function mismatchOf(w: WorkerState, workers: readonly WorkerState[]): str
 }
 
 /**
- * Least-loaded healthy prefill that has a compatible healthy decode, then the least-loaded
- * compatible decode. `{error}` names what is missing: no healthy prefill / decode, or no pair
- * with matching settings.
+ * A prefill and a decode that can pair: the prefill is chosen (by `pickPrefill`, the router's
+ * load-balancing policy) among healthy prefills that have at least one healthy decode with the
+ * same settings, then the decode (by `pickDecode`) among that prefill's compatible decodes.
+ * `{error}` names what is missing: no healthy prefill / decode, or no pair with matching settings.
  */
-export function pickPair(reg: WorkerRegistry): { prefill: WorkerState; decode: WorkerState } | { error: 'no_healthy_prefill' | 'no_healthy_decode' | 'no_compatible_pair' } {
-  const decodes = reg.workers.filter((w) => w.role === 'decode' && w.healthy);
-  if (reg.healthyCount('prefill') === 0) return { error: 'no_healthy_prefill' };
+export function pickPair(
+  reg: WorkerRegistry,
+  pickPrefill: (candidates: WorkerState[]) => WorkerState | null,
+  pickDecode: (candidates: WorkerState[]) => WorkerState | null,
+): { prefill: WorkerState; decode: WorkerState } | { error: 'no_healthy_prefill' | 'no_healthy_decode' | 'no_compatible_pair' } {
+  const prefills = reg.candidates('prefill');
+  const decodes = reg.candidates('decode');
+  if (prefills.length === 0) return { error: 'no_healthy_prefill' };
   if (decodes.length === 0) return { error: 'no_healthy_decode' };
-  const prefill = reg.pick('prefill', (p) => decodes.some((d) => pairMismatch(p, d) === undefined));
+  const pairable = prefills.filter((p) => decodes.some((d) => pairMismatch(p, d) === undefined));
+  const prefill = pairable.length ? pickPrefill(pairable) : null;
   if (!prefill) return { error: 'no_compatible_pair' };
-  const decode = reg.pick('decode', (d) => pairMismatch(prefill, d) === undefined);
+  const decode = pickDecode(decodes.filter((d) => pairMismatch(prefill, d) === undefined));
   if (!decode) return { error: 'no_compatible_pair' };
   return { prefill, decode };
 }

@@ -192,12 +192,17 @@ export class WorkerRegistry {
     this.setUnhealthy(w, `unreachable: ${describeError(err)}`);
   }
 
-  /** Least-loaded healthy worker of `role` accepted by `ok` (ties round-robin), or null when none. */
-  pick(role: WorkerRole, ok: (w: WorkerState) => boolean = () => true): WorkerState | null {
+  /** Healthy workers of `role`, in configuration order (the candidates of a load-balancing policy). */
+  candidates(role: WorkerRole): WorkerState[] {
+    return this.workers.filter((w) => w.role === role && w.healthy);
+  }
+
+  /** Least-loaded healthy worker of `role` (ties round-robin), or null when none is healthy. */
+  pick(role: WorkerRole): WorkerState | null {
     let min = Infinity;
     let tied: WorkerState[] = [];
     for (const w of this.workers) {
-      if (w.role !== role || !w.healthy || !ok(w)) continue;
+      if (w.role !== role || !w.healthy) continue;
       if (w.load < min) {
         min = w.load;
         tied = [w];

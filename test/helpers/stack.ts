@@ -6,6 +6,7 @@ import { mkdtempSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import OpenAI from 'openai';
+import { after, before } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { Cluster, type ClusterOptions } from '../../src/harness/cluster.js';
 
@@ -28,6 +29,23 @@ export async function startStack(over: Partial<ClusterOptions> = {}): Promise<Cl
     throw err;
   }
   return c;
+}
+
+/**
+ * One stack for the whole test file: started in a `before` hook, stopped in an `after` hook.
+ * The returned holder is filled when `before` has run (c, the router client pd, the colocated client ref).
+ */
+export function useStack(over: Partial<ClusterOptions> = {}): { c: Cluster; pd: OpenAI; ref: OpenAI } {
+  const h = {} as { c: Cluster; pd: OpenAI; ref: OpenAI };
+  before(async () => {
+    h.c = await startStack(over);
+    h.pd = client(h.c.router.url);
+    h.ref = client(h.c.colocated!.url);
+  });
+  after(async () => {
+    await h.c?.stop();
+  });
+  return h;
 }
 
 export function client(baseUrl: string, timeoutMs = 30_000): OpenAI {

@@ -18,6 +18,7 @@ import { buildLlamaGguf, describeModel, ensureModel, f16BitsToF32, f32ToF16Bits,
 import { parseStateFile } from '../../src/engine/ggsq.js';
 import { loadEngine, TextStream } from '../../src/engine/llama.js';
 import type { Engine, FinishReason, SamplingParams, Slot } from '../../src/engine/types.js';
+import { drain, type Run } from '../helpers/engine.js';
 import { PdError } from '../../src/common/errors.js';
 
 const CTX = 512;
@@ -26,26 +27,6 @@ const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-engine-test-'));
 const never = new AbortController().signal;
 const greedy = (over: Partial<SamplingParams> = {}): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 24, stop: [], ignoreEos: true, ...over });
 
-interface Run {
-  tokens: number[];
-  text: string;
-  chunks: string[];
-  finish: FinishReason | 'abort';
-}
-async function drain(slot: Slot, first: number, sp: SamplingParams, signal = never): Promise<Run> {
-  const g = slot.generate(first, sp, signal);
-  const run: Run = { tokens: [], text: '', chunks: [], finish: 'stop' };
-  for (;;) {
-    const n = await g.next();
-    if (n.done) {
-      run.finish = n.value;
-      return run;
-    }
-    run.tokens.push(n.value.token);
-    run.chunks.push(n.value.text);
-    run.text += n.value.text;
-  }
-}
 /** Colocated path: prefill then generate on one slot, no save/load. */
 async function colocated(e: Engine, prompt: number[], sp: SamplingParams): Promise<Run & { first: number }> {
   const s = e.tryAcquireSlot()!;

@@ -63,7 +63,7 @@ class Harness {
     for (const e of eff) {
       if (e.t !== 'terminal') continue;
       this.terminals++;
-      this.log.push(`terminal ${KVPoll[e.state]} (${e.reason})`);
+      this.log.push(`terminal ${KVPoll[e.state]} (${e.failure ? `${e.failure.code}: ${e.failure.detail}` : 'kv_done'})`);
       assert.equal(this.terminals, 1, `second terminal effect\n${this.log.join('\n')}`);
       this.terminalState = e.state;
       this.onTerminal(e.state);
@@ -147,7 +147,7 @@ function abortVsSend(legacy: boolean) {
     const abort = async (): Promise<void> => {
       await step(s, 'client abort');
       transferInfo.delete(ROOM); // the incident's abort handler drops the transfer info first
-      h.apply({ t: 'abort', from: 'router', reason: 'abort: router' }, 'abort');
+      h.apply({ t: 'abort', from: 'router', failure: { code: 'request_aborted', detail: 'abort: router' } }, 'abort');
     };
     const watchdog = async (): Promise<void> => {
       await step(s, 'watchdog');
@@ -213,7 +213,7 @@ function abortVsRegistration(legacy: boolean) {
       await step(s, 'router abort reaches prefill');
       pendingReg = undefined;
       abortedAt = ++order;
-      h.apply({ t: 'abort', from: 'router', reason: 'abort: router' }, 'abort');
+      h.apply({ t: 'abort', from: 'router', failure: { code: 'request_aborted', detail: 'abort: router' } }, 'abort');
     };
     const all = Promise.all([request(), registration(), abort()]);
     await s.waitIdle();
@@ -269,7 +269,7 @@ function deadlineVsSuccess(legacy: boolean) {
     };
     const fail = async (): Promise<void> => {
       await step(s, 'prefill FAIL');
-      h.apply({ t: 'abort', from: 'peer', reason: 'prefill: deadline' }, 'FAIL from prefill');
+      h.apply({ t: 'abort', from: 'peer', failure: { code: 'room_deadline_expired', detail: 'prefill: deadline' } }, 'FAIL from prefill');
     };
     const all = Promise.all([load(), watchdog(), ...(peerFail ? [fail()] : [])]);
     await s.waitIdle();

@@ -4,7 +4,6 @@ import Fastify, { type FastifyInstance } from 'fastify';
 import { GenerateRequestSchema, type GenerateEvent } from '../../src/api/worker-protocol.js';
 import {
   ApiError,
-  DEFAULT_CHAT_MAX_TOKENS,
   OpenAIResponseBuilder,
   parseChatRequest,
   parseCompletionRequest,
@@ -34,7 +33,7 @@ describe('completion schema', () => {
     assert.deepEqual(p.prompt, { text: 'hello' });
     assert.equal(p.stream, false);
     assert.equal(p.includeUsage, false);
-    assert.deepEqual(p.sampling, { temperature: 1, top_p: 1, top_k: 0, max_new_tokens: 16, stop: [], ignore_eos: false });
+    assert.deepEqual(p.sampling, { temperature: 1, top_p: 1, top_k: 0, min_p: 0, repetition_penalty: 1, presence_penalty: 0, frequency_penalty: 0, min_tokens: 0, max_new_tokens: 16, stop: [], ignore_eos: false });
   });
 
   test('prompt forms: string, [string], token ids, [[token ids]]', () => {
@@ -48,7 +47,7 @@ describe('completion schema', () => {
     rejects400(() => parseCompletionRequest({ model: 'm' }), 'prompt', /Missing required parameter: 'prompt'/);
   });
 
-  test('sampling fields, nulls and unknown fields', () => {
+  test('sampling fields, nulls; unknown fields are refused by name', () => {
     const p = parseCompletionRequest({
       prompt: 'x',
       max_tokens: 5,
@@ -62,11 +61,33 @@ describe('completion schema', () => {
       n: 1,
       ignore_eos: true,
       user: 'u',
-      presence_penalty: 0,
-      some_vllm_extension: { anything: true },
+      presence_penalty: 0.5,
+      frequency_penalty: -0.5,
+      repetition_penalty: 1.2,
+      min_p: 0.1,
+      min_tokens: 2,
+      logit_bias: { '5': -100, '7': 2.5 },
+      stop_token_ids: [3],
       logprobs: null,
     });
-    assert.deepEqual(p.sampling, { temperature: 0, top_p: 0.5, top_k: 0, seed: 42, max_new_tokens: 5, stop: ['END'], ignore_eos: true });
+    assert.deepEqual(p.sampling, {
+      temperature: 0,
+      top_p: 0.5,
+      top_k: 0,
+      min_p: 0.1,
+      repetition_penalty: 1.2,
+      presence_penalty: 0.5,
+      frequency_penalty: -0.5,
+      min_tokens: 2,
+      seed: 42,
+      max_new_tokens: 5,
+      stop: ['END'],
+      ignore_eos: true,
+      logit_bias: { '5': -100, '7': 2.5 },
+      stop_token_ids: [3],
+    });
+    const unk = rejects400(() => parseCompletionRequest({ prompt: 'x', some_vllm_extension: { anything: true } }), 'some_vllm_extension', /Unrecognized request argument supplied: some_vllm_extension/);
+    assert.equal(unk.code, 'unrecognized_argument');
     assert.equal(p.stream, true);
     assert.equal(p.includeUsage, true);
     const q = parseCompletionRequest({ prompt: 'x', max_tokens: null, temperature: null, stop: ['a', '', 'b'], top_k: 40 });
@@ -95,6 +116,19 @@ describe('completion schema', () => {
     rejects400(() => parseCompletionRequest(null), null, /expected a JSON object/);
     rejects400(() => parseCompletionRequest([1, 2]), null, /expected a JSON object/);
     rejects400(() => parseCompletionRequest('prompt'), null);
+    // vLLM's ranges
+    rejects400(() => parseCompletionRequest({ prompt: 'x', min_p: 2 }), 'min_p');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', min_p: -0.1 }), 'min_p');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', repetition_penalty: -3 }), 'repetition_penalty');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', repetition_penalty: 0 }), 'repetition_penalty');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', presence_penalty: 2.1 }), 'presence_penalty');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', frequency_penalty: -2.1 }), 'frequency_penalty');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', min_tokens: -1 }), 'min_tokens');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 4, min_tokens: 5 }), 'min_tokens', /must be <= max_tokens/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', stop_token_ids: [-1] }), 'stop_token_ids[0]');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logit_bias: { '5': 101 } }), 'logit_bias.5');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logit_bias: { abc: 1 } }), 'logit_bias.abc');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', n: 0 }), 'n');
   });
 
   test('unsupported features are 400 with a clear message', () => {
@@ -104,11 +138,12 @@ describe('completion schema', () => {
     rejects400(() => parseCompletionRequest({ prompt: 'x', echo: true }), 'echo');
     rejects400(() => parseCompletionRequest({ prompt: 'x', best_of: 3 }), 'best_of');
     rejects400(() => parseCompletionRequest({ prompt: 'x', suffix: 'tail' }), 'suffix');
-    rejects400(() => parseCompletionRequest({ prompt: 'x', frequency_penalty: 0.5 }), 'frequency_penalty');
-    rejects400(() => parseCompletionRequest({ prompt: 'x', logit_bias: { '5': 1 } }), 'logit_bias');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', guided_regex: 'a+' }), 'guided_regex');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', skip_special_tokens: false }), 'skip_special_tokens');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', include_stop_str_in_output: true }), 'include_stop_str_in_output');
     rejects400(() => parseCompletionRequest({ prompt: 'x', stream_options: { include_usage: true } }), 'stream_options', /only allowed when stream is true/);
     // Explicit "off" values are fine.
-    parseCompletionRequest({ prompt: 'x', n: 1, echo: false, best_of: 1, suffix: '', logit_bias: {}, frequency_penalty: 0 });
+    parseCompletionRequest({ prompt: 'x', n: 1, echo: false, best_of: 1, suffix: '', logit_bias: {}, frequency_penalty: 0, skip_special_tokens: true, logprobs: false });
   });
 
   test('toWorkerRequest produces a valid worker body', () => {
@@ -116,13 +151,15 @@ describe('completion schema', () => {
     assert.deepEqual(w, {
       rid: 'cmpl-abc',
       text: 'hello',
-      sampling_params: { temperature: 1, top_p: 1, top_k: 0, seed: 7, max_new_tokens: 3, stop: [], ignore_eos: false },
+      sampling_params: { temperature: 1, top_p: 1, top_k: 0, min_p: 0, repetition_penalty: 1, presence_penalty: 0, frequency_penalty: 0, min_tokens: 0, seed: 7, max_new_tokens: 3, stop: [], ignore_eos: false },
       stream: true,
+      first_token_from_prefill: false,
       bootstrap_host: '127.0.0.1',
       bootstrap_port: 8998,
       bootstrap_room: '9223372036854775807',
     });
     assert.ok(GenerateRequestSchema.safeParse(w).success);
+    assert.equal(toWorkerRequest(parseCompletionRequest({ prompt: 'hello' }), { ...routing, firstTokenFromPrefill: true }).first_token_from_prefill, true);
     const ids = toWorkerRequest(parseCompletionRequest({ prompt: [1, 2] }), routing);
     assert.deepEqual(ids.input_ids, [1, 2]);
     assert.equal(ids.text, undefined);
@@ -131,13 +168,13 @@ describe('completion schema', () => {
 });
 
 describe('chat schema', () => {
-  test('messages: string and text parts flattened, null content, name ignored', () => {
+  test('messages: string and text parts flattened, null content; default max_tokens = rest of the context', () => {
     const p = parseChatRequest({
       model: 'm',
       messages: [
         { role: 'system', content: 'be brief' },
-        { role: 'user', name: 'bob', content: [{ type: 'text', text: 'hello' }, { type: 'text', text: 'world' }] },
-        { role: 'assistant', content: null },
+        { role: 'user', content: [{ type: 'text', text: 'hello' }, { type: 'text', text: 'world' }] },
+        { role: 'assistant', content: null, refusal: null, annotations: [], tool_calls: [] },
       ],
     });
     assert.deepEqual(p.messages, [
@@ -145,7 +182,7 @@ describe('chat schema', () => {
       { role: 'user', content: 'hello\nworld' },
       { role: 'assistant', content: '' },
     ]);
-    assert.equal(p.sampling.max_new_tokens, DEFAULT_CHAT_MAX_TOKENS);
+    assert.equal(p.sampling.max_new_tokens, undefined, 'absent: the worker uses the rest of the context');
     const w = toWorkerRequest(p, { ...routing, rid: 'chatcmpl-x' });
     assert.ok(GenerateRequestSchema.safeParse(w).success);
     assert.deepEqual(w.messages, p.messages);
@@ -171,9 +208,36 @@ describe('chat schema', () => {
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: [{ type: 'text' }] }] }), 'messages[0].content[0].text');
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], logprobs: true }), 'logprobs');
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], n: 3 }), 'n');
-    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function' }] }), 'tools');
-    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], response_format: { type: 'json_object' } }), 'response_format');
-    parseChatRequest({ messages: [{ role: 'user', content: 'x' }], logprobs: false, tools: [], response_format: { type: 'text' }, tool_choice: 'none' });
+    const u = [{ role: 'user', content: 'x' }];
+    // tools, functions and everything tool-shaped get the same refusal
+    const t = rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function' }] }), 'tools', /tool calling is not supported/);
+    const f = rejects400(() => parseChatRequest({ messages: u, functions: [{ name: 'f' }] }), 'functions');
+    assert.equal(f.message.replace("'functions'", "'tools'"), t.message);
+    rejects400(() => parseChatRequest({ messages: u, tool_choice: 'required' }), 'tool_choice', /tool calling is not supported/);
+    rejects400(() => parseChatRequest({ messages: u, parallel_tool_calls: true }), 'parallel_tool_calls');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'tool', content: '4', tool_call_id: 'c1' }] }), 'messages[0].role', /tool calling/);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] }] }), 'messages[0].tool_calls');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', name: 'bob' }] }), 'messages[0].name');
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', extra: 1 }] }), 'messages[0].extra', /Unrecognized/);
+    rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'xml' } }), 'response_format');
+    rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'json_object' }, guided_json: {} }), 'guided_json');
+    rejects400(() => parseChatRequest({ messages: u, guided_json: '{nope' }), 'guided_json');
+    rejects400(() => parseChatRequest({ messages: u, store: true }), 'store');
+    parseChatRequest({ messages: u, logprobs: false, tools: [], functions: [], response_format: { type: 'text' }, tool_choice: 'none', store: false, metadata: {}, n: 1 });
+  });
+
+  test('JSON mode, JSON schema and guided_json become a worker grammar', () => {
+    const u = [{ role: 'user', content: 'x' }];
+    assert.deepEqual(parseChatRequest({ messages: u, response_format: { type: 'json_object' } }).sampling.grammar, { type: 'json' });
+    const schema = { type: 'object', properties: { a: { type: 'number' } } };
+    assert.deepEqual(parseChatRequest({ messages: u, response_format: { type: 'json_schema', json_schema: { name: 's', schema } } }).sampling.grammar, { type: 'json_schema', schema });
+    assert.deepEqual(parseCompletionRequest({ prompt: 'x', guided_json: JSON.stringify(schema) }).sampling.grammar, { type: 'json_schema', schema });
+    assert.equal(parseChatRequest({ messages: u, response_format: { type: 'text' } }).sampling.grammar, undefined);
+    // outside node-llama-cpp's exact subset: a 400 naming the keyword, not a silently looser grammar
+    rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'json_schema', json_schema: { name: 's', schema: { type: 'string', pattern: 'a+' } } } }), 'response_format.json_schema.schema.pattern', /keyword 'pattern'/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', guided_json: { type: 'nonsense' } }), 'guided_json.type');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', guided_json: { $ref: '#/$defs/missing' } }), 'guided_json.$ref');
+    assert.deepEqual(parseCompletionRequest({ prompt: 'x', guided_json: { anyOf: [{ type: 'null' }, { type: 'integer' }], title: 'T' } }).sampling.grammar, { type: 'json_schema', schema: { oneOf: [{ type: 'null' }, { type: 'integer' }] } });
   });
 });
 
@@ -197,14 +261,14 @@ describe('OpenAIResponseBuilder', () => {
     assert.deepEqual(last.length, 1);
     assert.deepEqual((last[0] as any).choices[0], { index: 0, delta: {}, logprobs: null, finish_reason: 'length' });
     const tail = b.tail();
-    assert.deepEqual(tail, [{ id: 'chatcmpl-1', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [], usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9 } }]);
+    assert.deepEqual(tail, [{ id: 'chatcmpl-1', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [], usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9, prompt_tokens_details: { cached_tokens: 0 } } }]);
     assert.deepEqual(b.response(), {
       id: 'chatcmpl-1',
       object: 'chat.completion',
       created: 1,
       model: 'm',
       choices: [{ index: 0, message: { role: 'assistant', content: 'Hel' }, logprobs: null, finish_reason: 'length' }],
-      usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9 },
+      usage: { prompt_tokens: 7, completion_tokens: 2, total_tokens: 9, prompt_tokens_details: { cached_tokens: 0 } },
     });
   });
 

@@ -23,6 +23,10 @@ interface PrefillBehaviour {
   status?: number;
   message?: string;
   code?: string;
+  /** With first_token_from_prefill: the first token's text (streamed at once). */
+  first?: string;
+  /** With first_token_from_prefill: wait this long after the first token, then end with an `{error}` event instead of `{transfer}`. */
+  failAfterFirstMs?: number;
 }
 
 interface DecodeBehaviour {
@@ -112,6 +116,21 @@ class FakeWorker {
     if (b.status && b.status !== 200) {
       return reply.code(b.status).send({ error: { message: b.message ?? 'prefill failed', type: b.status < 500 ? 'invalid_request_error' : 'server_error', param: null, code: b.code ?? 'prefill_failed' } });
     }
+    if (body.first_token_from_prefill) {
+      reply.hijack();
+      const res = reply.raw;
+      res.writeHead(200, { 'content-type': 'text/event-stream' });
+      const ev: GenerateEvent = { text: b.first ?? 'Hello', token_ids: [99], meta_info: { id: body.rid, prompt_tokens: 3, completion_tokens: 1, finish_reason: null } };
+      res.write(`data: ${JSON.stringify(ev)}\n\n`);
+      try {
+        await sleep(b.failAfterFirstMs ?? 1, undefined, { signal });
+      } catch {
+        return res.end();
+      }
+      const end = b.failAfterFirstMs !== undefined ? { error: { message: 'KV transfer failed: peer lost', type: 'server_error', code: 'kv_transfer_failed', status: 502 } } : { transfer: { rid: body.rid, meta_info: { prompt_tokens: 3, kv_bytes: 1000, prefill_ms: 1, transfer_ms: 1 } } };
+      res.write(`data: ${JSON.stringify(end)}\n\ndata: [DONE]\n\n`);
+      return res.end();
+    }
     return { rid: body.rid, meta_info: { prompt_tokens: 3, kv_bytes: 1000, prefill_ms: 1, transfer_ms: 1 } };
   }
 
@@ -127,6 +146,8 @@ class FakeWorker {
     const res = reply.raw;
     res.writeHead(200, { 'content-type': 'text/event-stream' });
     const tokens = b.tokens ?? [];
+    // first_token_from_prefill: the router has token 1 from prefill; the fake decode's script starts at token 2.
+    const skip = body.first_token_from_prefill ? 1 : 0;
     const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: b.promptTokens ?? 3, completion_tokens: n, finish_reason: finish });
     try {
       for (let i = 0; i < tokens.length; i++) {
@@ -141,7 +162,7 @@ class FakeWorker {
         }
         if (i > 0) await sleep(b.intervalMs ?? 0, undefined, { signal });
         const ev: GenerateEvent = { text: tokens[i]!, token_ids: [100 + i], meta_info: meta(i + 1, null) };
-        res.write(`data: ${JSON.stringify(ev)}\n\n`);
+        if (i >= skip) res.write(`data: ${JSON.stringify(ev)}\n\n`);
       }
       res.write(`data: ${JSON.stringify({ text: '', token_ids: [], meta_info: meta(tokens.length, { type: b.finish ?? 'length' }) })}\n\n`);
       res.write('data: [DONE]\n\n');
@@ -181,7 +202,11 @@ interface Stack {
 
 const open: Stack[] = [];
 
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number } = {}): Promise<Stack> {
+/**
+ * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
+ * one-shot prefill answer); the streamed first token has its own tests below.
+ */
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin' } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -192,7 +217,9 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     healthIntervalMs: opts.healthIntervalMs ?? 100,
     requestTimeoutMs: opts.requestTimeoutMs ?? 10_000,
     abortTimeoutMs: 500,
+    firstTokenFromPrefill: opts.firstTokenFromPrefill ?? false,
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
+    ...(opts.policy ? { policy: opts.policy } : {}),
     log: { level: 'silent' },
   });
   const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 10_000 });
@@ -267,7 +294,7 @@ describe('router: happy paths through the openai client', () => {
     assert.equal(r.model, 'fake-model');
     assert.equal(r.choices[0]!.text, 'Hello, world');
     assert.equal(r.choices[0]!.finish_reason, 'length');
-    assert.deepEqual(r.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 });
+    assert.deepEqual(r.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6, prompt_tokens_details: { cached_tokens: 0 } });
 
     const [pb] = s.prefill[0]!.generates;
     const [db] = s.decode[0]!.generates;
@@ -304,7 +331,7 @@ describe('router: happy paths through the openai client', () => {
     assert.equal(text, 'abcd');
     assert.equal(finishes.at(-1), 'stop');
     assert.ok(finishes.slice(0, -1).every((f) => f === null));
-    assert.deepEqual(usage, { prompt_tokens: 3, completion_tokens: 4, total_tokens: 7 });
+    assert.deepEqual(usage, { prompt_tokens: 3, completion_tokens: 4, total_tokens: 7, prompt_tokens_details: { cached_tokens: 0 } });
     assert.equal(ids.size, 1);
     assert.deepEqual(s.decode[0]!.generates[0]!.input_ids, [1, 2, 3]);
     await assertReleased(s);
@@ -340,7 +367,7 @@ describe('router: happy paths through the openai client', () => {
     assert.equal(withChoices.map((c) => c.choices[0]!.delta.content ?? '').join(''), 'I am fine');
     const last = chunks.at(-1)!;
     assert.deepEqual(last.choices, []);
-    assert.deepEqual(last.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 });
+    assert.deepEqual(last.usage, { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6, prompt_tokens_details: { cached_tokens: 0 } });
     await assertReleased(s);
   });
 
@@ -665,6 +692,53 @@ describe('router: failures', () => {
   });
 });
 
+describe('router: first token from prefill (before the KV handoff)', () => {
+  async function rawStream(s: Stack): Promise<string[]> {
+    const r = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'hi', stream: true }) });
+    assert.equal(r.status, 200);
+    return (await r.text()).split('\n\n').filter((e) => e.startsWith('data: ')).map((e) => e.slice(6));
+  }
+  const texts = (events: string[]) => events.filter((e) => e !== '[DONE]').map((e) => (JSON.parse(e) as { choices?: { text: string }[] }).choices?.[0]?.text ?? '');
+
+  test('token 1 comes from prefill, decode streams from token 2; decode events wait for prefill\'s first', async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    s.prefill[0]!.prefill = () => ({ delayMs: 80, first: 'Hello' });
+    s.decode[0]!.decode = () => ({ tokens: ['Hello', ',', ' world'], intervalMs: 1, finish: 'stop' });
+    const events = await rawStream(s);
+    assert.deepEqual(texts(events), ['Hello', ',', ' world', '']);
+    assert.equal(events.at(-1), '[DONE]');
+    assert.equal(s.prefill[0]!.generates[0]!.first_token_from_prefill, true);
+    assert.equal(s.decode[0]!.generates[0]!.first_token_from_prefill, true);
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'hi' });
+    assert.equal(r.choices[0]!.text, 'Hello, world');
+    assert.equal(r.usage?.completion_tokens, 3);
+    await assertReleased(s);
+  });
+
+  test('handoff fails after token 1: SSE error after the first token (no [DONE]); non-stream 502; decode aborted', async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    s.prefill[0]!.prefill = () => ({ delayMs: 1, first: 'Hello', failAfterFirstMs: 30 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 30_000, tokens: ['never'] });
+    const events = await rawStream(s);
+    assert.equal(texts(events)[0], 'Hello');
+    const last = JSON.parse(events.at(-1)!) as { error?: { code: string } };
+    assert.equal(last.error?.code, 'kv_transfer_failed');
+    assert.ok(!events.includes('[DONE]'));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'hi' }), isApiError(502, /KV transfer failed/));
+    assert.ok(await waitFor(() => s.decode[0]!.aborts.length === 2, 1000), 'abort_request reached decode for both requests');
+    await assertReleased(s);
+  });
+
+  test('a prefill error after decode\'s first event is ignored (the handoff evidently succeeded)', async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    s.prefill[0]!.prefill = () => ({ delayMs: 1, first: 'a', failAfterFirstMs: 150 });
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd'], intervalMs: 60, finish: 'length' });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'hi' });
+    assert.equal(r.choices[0]!.text, 'abcd');
+    await assertReleased(s, 2000);
+  });
+});
+
 describe('router: scheduling and load accounting', () => {
   test('lease release is guarded: exactly once', () => {
     const reg = new WorkerRegistry(parseRouterConfig({ prefill: [{ url: 'http://127.0.0.1:1', bootstrapPort: 2 }], decode: [{ url: 'http://127.0.0.1:3' }], log: { level: 'silent' } }), {
@@ -727,6 +801,22 @@ describe('router: scheduling and load accounting', () => {
       [2, 2],
     );
     await assertReleased(s);
+  });
+
+  test('cache_aware (default) keeps each conversation on one prefill worker; round_robin does not', async () => {
+    const conv = (who: string) => Array.from({ length: 4 }, (_, r) => `${who}: the shared system prompt and tools. ${Array.from({ length: r + 1 }, (_, k) => `round ${k} result`).join(' ')}`);
+    for (const policy of [undefined, 'round_robin'] as const) {
+      const s = await stack({ prefill: 2, ...(policy ? { policy } : {}) });
+      for (const prompt of [...conv('agent A'), ...conv('agent B')]) await s.client.completions.create({ model: 'x', prompt });
+      const seen = s.prefill.map((p) => p.generates.map((g) => String(g.text).slice(0, 7)));
+      if (policy === undefined) {
+        assert.deepEqual(seen.map((x) => new Set(x).size), [1, 1], `one conversation per worker: ${JSON.stringify(seen)}`);
+        assert.notEqual(seen[0]![0], seen[1]![0]);
+      } else {
+        assert.deepEqual(seen.map((x) => new Set(x).size), [2, 2], `round robin spreads each conversation: ${JSON.stringify(seen)}`);
+      }
+      await assertReleased(s);
+    }
   });
 
   test('many mixed outcomes: acquired == released and loads 0', async () => {

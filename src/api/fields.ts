@@ -1,0 +1,211 @@
+/**
+ * Every request field pdserve knows, per endpoint: its zod schema, whether it is honoured or
+ * refused, and a note. The request schemas of ./openai.ts are BUILT from this table (a field
+ * missing here is an unrecognised argument and gets a 400), and the README's conformance table
+ * is GENERATED from it (`conformanceMarkdown`, written by `src/api/conformance.ts --write`;
+ * a unit test fails when the README is stale). So nothing can be accepted and ignored without
+ * the table saying so.
+ *
+ * Field lists: OpenAI's completions and chat-completions request schemas plus the common vLLM and
+ * SGLang extensions (vLLM's protocol.py CompletionRequest / ChatCompletionRequest). Ranges follow
+ * vLLM's SamplingParams validation (presence/frequency in [-2, 2], repetition_penalty > 0,
+ * min_p in [0, 1], top_p in (0, 1], temperature in [0, 2], top_k -1/0 = off, min_tokens <=
+ * max_tokens, logprobs <= 20).
+ */
+import { z } from 'zod';
+import { MAX_TOKEN_LIST, WorkerGrammarSchema } from './worker-protocol.js';
+
+export type Endpoint = 'completions' | 'chat';
+/** honoured: used as specified; partial: some values honoured, the others refused with a 400 naming the field; refused: any non-default value is a 400. */
+export type FieldStatus = 'honoured' | 'partial' | 'refused';
+
+export interface FieldSpec {
+  name: string;
+  endpoints: readonly Endpoint[];
+  status: FieldStatus;
+  /** One line for the README table. */
+  notes: string;
+  /** Schema of a non-null value (null always means "not set"). */
+  schema: z.ZodTypeAny;
+  /**
+   * For partial/refused fields: returns why the (non-null, valid) value is refused, or null when
+   * it is the default / an honoured value.
+   */
+  refuse?: (value: never) => string | null;
+}
+
+const MAX_INT32 = 2 ** 31 - 1;
+/** Most stop strings accepted (OpenAI allows 4; pdserve is lenient). */
+export const MAX_STOP = 16;
+/** Largest logprobs / top_logprobs (vLLM's default max_logprobs and OpenAI's top_logprobs bound). */
+export const MAX_LOGPROBS = 20;
+/** Default `max_tokens` of /v1/completions (OpenAI and vLLM). */
+export const DEFAULT_COMPLETION_MAX_TOKENS = 16;
+
+const BOTH: readonly Endpoint[] = ['completions', 'chat'];
+const CMPL: readonly Endpoint[] = ['completions'];
+const CHAT: readonly Endpoint[] = ['chat'];
+
+export const TOOLS_REFUSAL =
+  'tool calling is not supported: the served model has no chat template with a tool-call syntax node-llama-cpp can parse, so tools/functions cannot be honoured (send the request without tools and functions)';
+
+const StopSchema = z.union([z.string(), z.array(z.string()).max(MAX_STOP, `expected at most ${MAX_STOP} stop strings`)]);
+const tokenIdKey = z.string().regex(/^\d{1,10}$/, 'logit_bias keys must be token ids');
+
+const notDefault = (dflt: unknown, why: string) => (v: never) => ((v as unknown) === dflt ? null : why);
+const refusedAny = (why: string) => () => why;
+const emptyOk = (why: string) => (v: never) => {
+  const x = v as unknown;
+  if (x === '' || x === false || (Array.isArray(x) && x.length === 0) || (typeof x === 'object' && x !== null && !Array.isArray(x) && Object.keys(x).length === 0)) return null;
+  return why;
+};
+
+/** All known request fields. Order = README order. */
+export const REQUEST_FIELDS: readonly FieldSpec[] = [
+  // ---- prompt
+  { name: 'prompt', endpoints: CMPL, status: 'partial', notes: 'string, [string], token ids, or [token ids]; several prompts (batch) are refused', schema: z.unknown() },
+  { name: 'messages', endpoints: CHAT, status: 'partial', notes: 'rendered with the model\'s chat template; see the message table below', schema: z.unknown() },
+  { name: 'model', endpoints: BOTH, status: 'honoured', notes: 'single-model server: any name is answered by the served model, whose name the response carries', schema: z.string().max(512) },
+  // ---- length and stopping
+  { name: 'max_tokens', endpoints: BOTH, status: 'honoured', notes: `default ${DEFAULT_COMPLETION_MAX_TOKENS} for completions, the rest of the context for chat (as vLLM)`, schema: z.number().int().min(1).max(MAX_INT32) },
+  { name: 'max_completion_tokens', endpoints: CHAT, status: 'honoured', notes: 'wins over max_tokens', schema: z.number().int().min(1).max(MAX_INT32) },
+  { name: 'min_tokens', endpoints: BOTH, status: 'honoured', notes: 'vLLM: EOS, stop_token_ids and stop strings are not honoured before it; <= max_tokens', schema: z.number().int().min(0).max(MAX_INT32) },
+  { name: 'stop', endpoints: BOTH, status: 'honoured', notes: `string or up to ${MAX_STOP} strings; the stop string is not returned`, schema: StopSchema },
+  { name: 'stop_token_ids', endpoints: BOTH, status: 'honoured', notes: 'vLLM: these token ids end generation like EOS (their text is not returned)', schema: z.array(z.number().int().min(0).max(MAX_INT32)).max(MAX_TOKEN_LIST) },
+  { name: 'ignore_eos', endpoints: BOTH, status: 'honoured', notes: 'vLLM: keep generating past EOS', schema: z.boolean() },
+  { name: 'include_stop_str_in_output', endpoints: BOTH, status: 'refused', notes: 'vLLM; only false', schema: z.boolean(), refuse: notDefault(false, 'include_stop_str_in_output=true is not supported') },
+  // ---- sampling
+  { name: 'temperature', endpoints: BOTH, status: 'honoured', notes: '[0, 2]; 0 = greedy', schema: z.number().min(0).max(2) },
+  { name: 'top_p', endpoints: BOTH, status: 'honoured', notes: '(0, 1]', schema: z.number().gt(0).max(1) },
+  { name: 'top_k', endpoints: BOTH, status: 'honoured', notes: 'vLLM/SGLang: -1 or 0 = off', schema: z.number().int().min(-1).max(MAX_INT32) },
+  { name: 'min_p', endpoints: BOTH, status: 'honoured', notes: 'vLLM: [0, 1]; 0 = off', schema: z.number().min(0).max(1) },
+  { name: 'seed', endpoints: BOTH, status: 'honoured', notes: 'same seed, same settings, same output (in --deterministic mode also under load)', schema: z.number().int().min(Number.MIN_SAFE_INTEGER).max(Number.MAX_SAFE_INTEGER) },
+  { name: 'presence_penalty', endpoints: BOTH, status: 'honoured', notes: '[-2, 2], over the generated tokens', schema: z.number().min(-2).max(2) },
+  { name: 'frequency_penalty', endpoints: BOTH, status: 'honoured', notes: '[-2, 2], over the generated tokens', schema: z.number().min(-2).max(2) },
+  {
+    name: 'repetition_penalty',
+    endpoints: BOTH,
+    status: 'honoured',
+    notes: 'vLLM: > 0, 1 = off; over prompt + generated tokens, or generated only when combined with presence/frequency_penalty (llama.cpp has one penalty window)',
+    schema: z.number().gt(0).max(1e6),
+  },
+  { name: 'logit_bias', endpoints: BOTH, status: 'honoured', notes: 'token id → [-100, 100] added to the logit; ids outside the vocabulary are a 400', schema: z.record(tokenIdKey, z.number().min(-100).max(100)) },
+  { name: 'allowed_token_ids', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.number().int()), refuse: emptyOk('allowed_token_ids is not supported') },
+  { name: 'bad_words', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.string()), refuse: emptyOk('bad_words is not supported') },
+  { name: 'n', endpoints: BOTH, status: 'partial', notes: 'only 1', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only n=1 is supported') },
+  { name: 'best_of', endpoints: CMPL, status: 'partial', notes: 'only 1', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only best_of=1 is supported') },
+  { name: 'use_beam_search', endpoints: BOTH, status: 'refused', notes: 'vLLM; only false', schema: z.boolean(), refuse: notDefault(false, 'beam search is not supported') },
+  { name: 'length_penalty', endpoints: BOTH, status: 'refused', notes: 'vLLM beam search; only 1', schema: z.number(), refuse: notDefault(1, 'length_penalty (beam search) is not supported') },
+  // ---- structured output
+  {
+    name: 'response_format',
+    endpoints: BOTH,
+    status: 'honoured',
+    notes: "text; json_object (any JSON); json_schema (node-llama-cpp's JSON-schema grammar: a schema it cannot compile is a 400)",
+    schema: z.union([
+      z.object({ type: z.literal('text') }).strict(),
+      z.object({ type: z.literal('json_object') }).strict(),
+      z.object({ type: z.literal('json_schema'), json_schema: z.object({ name: z.string().max(64), description: z.string().optional(), schema: z.record(z.unknown()).optional(), strict: z.boolean().nullish() }).strict() }).strict(),
+    ]),
+  },
+  { name: 'guided_json', endpoints: BOTH, status: 'honoured', notes: 'vLLM: a JSON schema (object or JSON string), same grammar as response_format json_schema', schema: z.union([z.record(z.unknown()), z.string()]) },
+  { name: 'guided_regex', endpoints: BOTH, status: 'refused', notes: 'vLLM; regex grammars are not supported', schema: z.string(), refuse: refusedAny('guided_regex is not supported') },
+  { name: 'guided_choice', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.string()), refuse: refusedAny('guided_choice is not supported') },
+  { name: 'guided_grammar', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.string(), refuse: refusedAny('guided_grammar is not supported') },
+  { name: 'guided_decoding_backend', endpoints: BOTH, status: 'refused', notes: 'vLLM; the grammar backend is llama.cpp', schema: z.string(), refuse: refusedAny('guided_decoding_backend is not supported (the grammar backend is llama.cpp)') },
+  { name: 'guided_whitespace_pattern', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.string(), refuse: refusedAny('guided_whitespace_pattern is not supported') },
+  { name: 'structured_outputs', endpoints: BOTH, status: 'refused', notes: 'vLLM; use response_format or guided_json', schema: z.record(z.unknown()), refuse: refusedAny('structured_outputs is not supported (use response_format or guided_json)') },
+  // ---- output shape
+  { name: 'stream', endpoints: BOTH, status: 'honoured', notes: 'SSE chunks, then data: [DONE]', schema: z.boolean() },
+  {
+    name: 'stream_options',
+    endpoints: BOTH,
+    status: 'partial',
+    notes: 'include_usage honoured (final usage chunk); continuous_usage_stats refused; only with stream=true',
+    schema: z.object({ include_usage: z.boolean().nullish(), continuous_usage_stats: z.boolean().nullish() }).strict(),
+    refuse: (v: never) => ((v as { continuous_usage_stats?: boolean | null }).continuous_usage_stats ? 'continuous_usage_stats is not supported' : null),
+  },
+  { name: 'logprobs', endpoints: BOTH, status: 'refused', notes: 'not yet: the first token\'s distribution would have to travel with the KV handoff', schema: z.union([z.boolean(), z.number().int().min(0).max(MAX_LOGPROBS)]), refuse: notDefault(false, 'logprobs are not supported by pdserve yet') },
+  { name: 'top_logprobs', endpoints: CHAT, status: 'refused', notes: 'see logprobs', schema: z.number().int().min(0).max(MAX_LOGPROBS), refuse: notDefault(0, 'top_logprobs are not supported by pdserve yet') },
+  { name: 'prompt_logprobs', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.number().int().min(0), refuse: refusedAny('prompt_logprobs are not supported') },
+  { name: 'echo', endpoints: BOTH, status: 'refused', notes: 'only false', schema: z.boolean(), refuse: notDefault(false, 'echo is not supported') },
+  { name: 'suffix', endpoints: CMPL, status: 'refused', notes: 'insertion is not supported', schema: z.string(), refuse: emptyOk('suffix is not supported') },
+  { name: 'skip_special_tokens', endpoints: BOTH, status: 'partial', notes: 'vLLM; true (the default) only: special tokens are never rendered', schema: z.boolean(), refuse: notDefault(true, 'skip_special_tokens=false is not supported') },
+  { name: 'spaces_between_special_tokens', endpoints: BOTH, status: 'partial', notes: 'vLLM; true only (no special tokens are rendered)', schema: z.boolean(), refuse: notDefault(true, 'spaces_between_special_tokens=false is not supported') },
+  { name: 'return_tokens_as_token_ids', endpoints: BOTH, status: 'refused', notes: 'vLLM; only false', schema: z.boolean(), refuse: notDefault(false, 'return_tokens_as_token_ids is not supported') },
+  // ---- prompt handling
+  { name: 'add_special_tokens', endpoints: BOTH, status: 'refused', notes: 'vLLM; BOS follows the model (completions) / the chat template (chat)', schema: z.boolean(), refuse: refusedAny('add_special_tokens is not supported (BOS follows the model and its chat template)') },
+  { name: 'truncate_prompt_tokens', endpoints: BOTH, status: 'refused', notes: 'vLLM; a prompt that does not fit is a 400', schema: z.number().int(), refuse: refusedAny('truncate_prompt_tokens is not supported') },
+  { name: 'add_generation_prompt', endpoints: CHAT, status: 'partial', notes: 'vLLM; true only', schema: z.boolean(), refuse: notDefault(true, 'add_generation_prompt=false is not supported') },
+  { name: 'continue_final_message', endpoints: CHAT, status: 'refused', notes: 'vLLM; only false', schema: z.boolean(), refuse: notDefault(false, 'continue_final_message is not supported') },
+  { name: 'chat_template', endpoints: CHAT, status: 'refused', notes: "vLLM; the model's own template is used", schema: z.string(), refuse: refusedAny("chat_template is not supported (the model's own template is used)") },
+  { name: 'chat_template_kwargs', endpoints: CHAT, status: 'refused', notes: 'vLLM; not supported', schema: z.record(z.unknown()), refuse: emptyOk('chat_template_kwargs is not supported') },
+  { name: 'documents', endpoints: CHAT, status: 'refused', notes: 'vLLM RAG documents; not supported', schema: z.array(z.unknown()), refuse: emptyOk('documents are not supported') },
+  { name: 'mm_processor_kwargs', endpoints: CHAT, status: 'refused', notes: 'vLLM; text-only server', schema: z.record(z.unknown()), refuse: emptyOk('mm_processor_kwargs is not supported (text-only server)') },
+  // ---- tools (one refusal for all of them)
+  { name: 'tools', endpoints: CHAT, status: 'refused', notes: 'see "Tool calls" below; an empty list is accepted', schema: z.array(z.unknown()), refuse: emptyOk(TOOLS_REFUSAL) },
+  { name: 'functions', endpoints: CHAT, status: 'refused', notes: 'legacy tools: same 400 as tools', schema: z.array(z.unknown()), refuse: emptyOk(TOOLS_REFUSAL) },
+  { name: 'tool_choice', endpoints: CHAT, status: 'partial', notes: '"none" only (no tools can be given)', schema: z.union([z.string(), z.record(z.unknown())]), refuse: notDefault('none', TOOLS_REFUSAL) },
+  { name: 'function_call', endpoints: CHAT, status: 'partial', notes: 'legacy tool_choice: "none" only', schema: z.union([z.string(), z.record(z.unknown())]), refuse: notDefault('none', TOOLS_REFUSAL) },
+  { name: 'parallel_tool_calls', endpoints: CHAT, status: 'refused', notes: 'only with tools', schema: z.boolean(), refuse: refusedAny(TOOLS_REFUSAL) },
+  // ---- OpenAI platform features
+  { name: 'user', endpoints: BOTH, status: 'honoured', notes: 'an end-user id: it has no effect on generation (as in OpenAI and vLLM)', schema: z.string().max(256) },
+  { name: 'safety_identifier', endpoints: BOTH, status: 'honoured', notes: 'like user: no effect on generation', schema: z.string().max(256) },
+  { name: 'prompt_cache_key', endpoints: BOTH, status: 'refused', notes: 'OpenAI prompt caching hint; not supported', schema: z.string(), refuse: refusedAny('prompt_cache_key is not supported') },
+  { name: 'service_tier', endpoints: BOTH, status: 'partial', notes: '"auto" or "default" only', schema: z.string(), refuse: (v: never) => ((v as string) === 'auto' || (v as string) === 'default' ? null : `service_tier '${v as string}' is not supported (only 'auto' or 'default')`) },
+  { name: 'store', endpoints: CHAT, status: 'refused', notes: 'nothing is stored; only false', schema: z.boolean(), refuse: notDefault(false, 'store=true is not supported: pdserve stores nothing') },
+  { name: 'metadata', endpoints: CHAT, status: 'refused', notes: 'only with store; an empty object is accepted', schema: z.record(z.string()), refuse: emptyOk('metadata is not supported: pdserve stores nothing') },
+  { name: 'reasoning_effort', endpoints: CHAT, status: 'refused', notes: 'not a reasoning model', schema: z.string(), refuse: refusedAny('reasoning_effort is not supported') },
+  { name: 'verbosity', endpoints: CHAT, status: 'refused', notes: 'not supported', schema: z.string(), refuse: refusedAny('verbosity is not supported') },
+  { name: 'modalities', endpoints: CHAT, status: 'partial', notes: '["text"] only', schema: z.array(z.string()), refuse: (v: never) => ((v as string[]).every((m) => m === 'text') ? null : 'only the text modality is supported') },
+  { name: 'audio', endpoints: CHAT, status: 'refused', notes: 'text-only server', schema: z.record(z.unknown()), refuse: refusedAny('audio output is not supported') },
+  { name: 'prediction', endpoints: CHAT, status: 'refused', notes: 'predicted outputs are not supported', schema: z.record(z.unknown()), refuse: refusedAny('prediction is not supported') },
+  { name: 'web_search_options', endpoints: CHAT, status: 'refused', notes: 'not supported', schema: z.record(z.unknown()), refuse: refusedAny('web_search_options is not supported') },
+  { name: 'priority', endpoints: BOTH, status: 'partial', notes: 'vLLM; 0 only (FIFO scheduling)', schema: z.number().int(), refuse: notDefault(0, 'priority scheduling is not supported (only 0)') },
+  { name: 'request_id', endpoints: BOTH, status: 'refused', notes: 'vLLM; pdserve assigns the id (x-request-id)', schema: z.string(), refuse: refusedAny('request_id is not supported: pdserve assigns the id (see the x-request-id header)') },
+  { name: 'logits_processors', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.unknown()), refuse: emptyOk('logits_processors are not supported') },
+  { name: 'vllm_xargs', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.record(z.unknown()), refuse: emptyOk('vllm_xargs is not supported') },
+  { name: 'cache_salt', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.string(), refuse: refusedAny('cache_salt is not supported') },
+  { name: 'kv_transfer_params', endpoints: BOTH, status: 'refused', notes: 'vLLM; the router owns the KV handoff', schema: z.record(z.unknown()), refuse: refusedAny('kv_transfer_params is not supported: the router owns the KV handoff') },
+];
+
+/** Fields of one chat message (`messages[]`), documented the same way. */
+export const MESSAGE_FIELDS: readonly { name: string; status: FieldStatus; notes: string }[] = [
+  { name: 'role', status: 'partial', notes: 'system, developer (as system), user, assistant; tool and function are refused with the tools 400' },
+  { name: 'content', status: 'partial', notes: 'string, null, or text parts (joined with newlines); image/audio/file parts are refused' },
+  { name: 'name', status: 'refused', notes: 'participant names are not rendered by the chat templates pdserve uses; a 400 rather than dropped' },
+  { name: 'tool_calls', status: 'refused', notes: 'tools 400 (an empty list is accepted)' },
+  { name: 'tool_call_id', status: 'refused', notes: 'tools 400' },
+  { name: 'function_call', status: 'refused', notes: 'tools 400' },
+  { name: 'refusal', status: 'partial', notes: 'null or "" only (an echoed assistant message)' },
+  { name: 'audio', status: 'refused', notes: 'null only' },
+  { name: 'annotations', status: 'partial', notes: 'null or [] only (an echoed assistant message)' },
+];
+
+/** The fields of one endpoint, by name. */
+export function fieldsOf(endpoint: Endpoint): Map<string, FieldSpec> {
+  return new Map(REQUEST_FIELDS.filter((f) => f.endpoints.includes(endpoint)).map((f) => [f.name, f]));
+}
+
+const mark: Record<FieldStatus, string> = { honoured: 'honoured', partial: 'partly (rest: 400)', refused: 'refused (400)' };
+
+/** The README's conformance section (markdown), generated from REQUEST_FIELDS and MESSAGE_FIELDS. */
+export function conformanceMarkdown(): string {
+  const cell = (f: FieldSpec, e: Endpoint) => (f.endpoints.includes(e) ? mark[f.status] : '—');
+  const esc = (s: string) => s.replace(/\|/g, '\\|');
+  const lines = [
+    '| field | /v1/completions | /v1/chat/completions | notes |',
+    '|---|---|---|---|',
+    ...REQUEST_FIELDS.map((f) => `| \`${f.name}\` | ${cell(f, 'completions')} | ${cell(f, 'chat')} | ${esc(f.notes)} |`),
+    '',
+    '| `messages[]` field | status | notes |',
+    '|---|---|---|',
+    ...MESSAGE_FIELDS.map((f) => `| \`${f.name}\` | ${mark[f.status]} | ${esc(f.notes)} |`),
+    '',
+    'Any other field is refused with 400 "Unrecognized request argument supplied: <name>" (as OpenAI). `null` always means "not set".',
+  ];
+  return lines.join('\n');
+}
+
+/** Re-exported for the schema builder. */
+export { WorkerGrammarSchema };

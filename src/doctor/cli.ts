@@ -1,0 +1,122 @@
+/**
+ * `pdserve doctor`: one command that reads the whole cluster and says what is wrong.
+ *
+ *   pdserve doctor --url ROUTER            diagnosis, worst first; exit 0 ok, 1 warnings, 2 critical
+ *   pdserve doctor --url ROUTER --json     the same as JSON ({exit_code, summary, findings, ...})
+ *   pdserve doctor --url ROUTER --watch 2  repeat every 2 s, reporting counters that moved
+ *   pdserve doctor --url ROUTER --request ID   one request's timeline across processes
+ *
+ * Every GET has a deadline (`--timeout`, default 3 s) and a whole round is bounded by 9 s, so an
+ * answer comes within 10 s even when workers hang. `--discovery` (membership registry) is the
+ * seam for issue #12: the worker list then comes from the registry instead of the router.
+ */
+import { Command, InvalidArgumentError } from 'commander';
+import { diagnose, type Diagnosis } from './diagnose.js';
+import { gather, routerSource, type ClusterSnapshot, type WorkerSource } from './gather.js';
+import { renderRequestReport, requestReport } from './request.js';
+
+export interface DoctorOptions {
+  url?: string;
+  discovery?: string;
+  json?: boolean;
+  watch?: number;
+  count?: number;
+  request?: string;
+  timeout: number;
+  slowMs: number;
+  windowMs: number;
+}
+
+/** Bound on one round (gather + diagnose), ms: the answer comes within 10 s. */
+const ROUND_MS = 9000;
+
+/** The worker source for the options, or an error message. */
+export function sourceOf(o: Pick<DoctorOptions, 'url' | 'discovery'>): WorkerSource | string {
+  if (o.discovery) return `--discovery ${o.discovery}: membership discovery is not available in this build; use --url ROUTER`;
+  if (!o.url) return 'give --url ROUTER (e.g. --url http://127.0.0.1:8000)';
+  return routerSource(o.url);
+}
+
+/** Render a diagnosis for a terminal. */
+export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
+  const out = [`pdserve doctor · ${snap.source} · ${new Date(snap.at).toISOString()}`, `  ${d.summary}`, ''];
+  if (d.findings.length === 0) out.push('OK: nothing wrong found.');
+  for (const f of d.findings) {
+    out.push(`[${f.severity.toUpperCase()}] ${f.title}`);
+    for (const l of f.details) out.push(`    ${l}`);
+    out.push(`    likely cause: ${f.cause}`);
+    for (const n of f.next) out.push(`    next: ${n}`);
+    out.push('');
+  }
+  return out.join('\n');
+}
+
+async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSnapshot | null): Promise<{ snap: ClusterSnapshot; d: Diagnosis }> {
+  let timer: NodeJS.Timeout | undefined;
+  const limit = new Promise<never>((_, rej) => {
+    timer = setTimeout(() => rej(new Error(`gathering took longer than ${ROUND_MS} ms`)), ROUND_MS);
+  });
+  try {
+    const snap = await Promise.race([gather(source, o.timeout), limit]);
+    return { snap, d: diagnose(snap, { slowMs: o.slowMs, windowMs: o.windowMs, previous, routerUrl: source.routerUrl ?? undefined }) };
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** Run the doctor; resolves with the exit code (0 ok, 1 warnings, 2 critical, 3 usage/gather error). */
+export async function runDoctor(o: DoctorOptions, write: (s: string) => void = (s) => process.stdout.write(s)): Promise<number> {
+  const source = sourceOf(o);
+  if (typeof source === 'string') {
+    process.stderr.write(`pdserve doctor: ${source}\n`);
+    return 3;
+  }
+  if (o.request) {
+    const r = await requestReport(source.routerUrl!, o.request, o.timeout);
+    write(o.json ? `${JSON.stringify(r, null, 2)}\n` : `${renderRequestReport(r)}\n`);
+    return r.found ? 0 : 1;
+  }
+  let previous: ClusterSnapshot | null = null;
+  let code = 0;
+  const rounds = o.watch ? (o.count ?? Infinity) : 1;
+  for (let i = 0; i < rounds; i++) {
+    if (i > 0) await new Promise((r) => setTimeout(r, o.watch! * 1000));
+    try {
+      const { snap, d } = await round(source, o, previous);
+      previous = snap;
+      code = d.exitCode;
+      if (o.json) write(`${JSON.stringify({ exit_code: d.exitCode, summary: d.summary, at: new Date(snap.at).toISOString(), source: snap.source, gather_ms: snap.gatherMs, findings: d.findings })}\n`);
+      else write(`${o.watch && process.stdout.isTTY ? '\x1b[2J\x1b[H' : ''}${renderDiagnosis(d, snap)}\n`);
+    } catch (err) {
+      code = 3;
+      write(o.json ? `${JSON.stringify({ exit_code: 3, error: (err as Error).message })}\n` : `pdserve doctor: ${(err as Error).message}\n`);
+    }
+  }
+  return code;
+}
+
+function num(v: string): number {
+  const n = Number(v);
+  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`not a positive number: ${v}`);
+  return n;
+}
+
+/** Add the `doctor` command to the CLI. */
+export function addDoctorCommand(program: Command): void {
+  program
+    .command('doctor')
+    .description('diagnose a running cluster: stuck or slow rooms, requests waiting while engines idle, lost or mismatched workers, recent failures; exit 0 ok, 1 warnings, 2 critical')
+    .option('--url <router>', 'router URL (its GET /workers lists the workers)')
+    .option('--discovery <endpoints>', 'read the worker list from the membership registry instead of the router (not available yet)')
+    .option('--request <id>', "print one request's timeline across router, prefill and decode (trace id, rid or room id)")
+    .option('--json', 'machine-readable output', false)
+    .option('--watch [seconds]', 'repeat every N seconds (default 2) and report counters that moved', (v: string) => num(v))
+    .option('--count <n>', 'with --watch: stop after N rounds', (v: string) => Math.floor(num(v)))
+    .option('--timeout <ms>', 'deadline of each HTTP GET, ms', (v: string) => num(v), 3000)
+    .option('--slow-ms <ms>', 'a room this long in one phase is slow', (v: string) => num(v), 2000)
+    .option('--window <minutes>', 'report room failures of the last N minutes', (v: string) => num(v), 5)
+    .action(async (opts: Omit<DoctorOptions, 'windowMs' | 'watch'> & { window: number; watch?: number | true }) => {
+      const code = await runDoctor({ ...opts, watch: opts.watch === true ? 2 : opts.watch, windowMs: opts.window * 60_000 });
+      process.exitCode = code;
+    });
+}

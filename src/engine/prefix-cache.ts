@@ -1,0 +1,122 @@
+/**
+ * Prefix cache policy of one engine context: which idle sequence a new prompt should reuse, how
+ * many of its tokens may be kept, and which idle sequences to evict. Pure functions over token
+ * arrays (no node-llama-cpp), so the policy is unit-tested without a model; `llama.ts` applies
+ * the decisions to LlamaContextSequences.
+ *
+ * The scheme is llama.cpp server's `cache_prompt` with slot selection by longest common prefix
+ * (`--slot-prompt-similarity`, LRU otherwise), plus vLLM's rule that the last prompt token is
+ * always recomputed (a saved KV state holds no logits, and the first token must be sampled).
+ *
+ * Exactness. llama.cpp's CPU kernels sum a batch of rows in another order than a smaller batch,
+ * so KV computed in a different chunking differs in the last bits from a cold run's (llama.cpp's
+ * README says as much of its own prompt cache). In deterministic mode (`align` = the prompt
+ * chunk size) reuse is therefore limited to whole chunks that were evaluated as full, aligned
+ * chunks (`exactPrefix`): the suffix is then evaluated in exactly the chunks a cold run uses and
+ * the output is bit-identical. Without deterministic mode the whole common prefix is reused
+ * (greedy tokens usually, not always, match a cold run — as with llama.cpp's server).
+ */
+
+/** What the engine knows about one idle (free) sequence of its context. */
+export interface CachedSequence {
+  /** Sequence index in the context. */
+  readonly index: number;
+  /** Tokens whose KV the sequence holds (positions 0..n-1); empty = nothing cached. */
+  readonly tokens: readonly number[];
+  /** Leading tokens whose KV was computed in full chunks aligned to 0 (see the module doc). */
+  readonly exactPrefix: number;
+  /** Last time the sequence finished a request (any monotonic clock, ms). */
+  readonly lastUsed: number;
+}
+
+/** Prefix-cache settings of an engine. */
+export interface PrefixCacheSettings {
+  /** Keep finished sequences' KV for reuse. */
+  enabled: boolean;
+  /** Chunk size reuse is aligned to (deterministic mode), or null for whole-prefix reuse. */
+  align: number | null;
+  /** Most tokens held by idle sequences together; the least recently used are evicted beyond it. */
+  maxTokens: number;
+}
+
+/** Length of the longest common prefix of two token arrays. */
+export function commonPrefix(a: readonly number[], b: readonly number[]): number {
+  const n = Math.min(a.length, b.length);
+  let i = 0;
+  while (i < n && a[i] === b[i]) i++;
+  return i;
+}
+
+/**
+ * Tokens of `prompt` whose KV may be taken from a sequence holding `cached`: the common prefix,
+ * at most prompt.length − 1 (the last prompt token is always evaluated, so the first token can
+ * be sampled), and with `align` rounded down to whole chunks and capped at `exactPrefix`.
+ */
+export function reusableTokens(cached: readonly number[], exactPrefix: number, prompt: readonly number[], align: number | null): number {
+  let n = Math.min(commonPrefix(cached, prompt), prompt.length - 1);
+  if (align !== null) n = Math.min(Math.floor(n / align) * align, exactPrefix);
+  return Math.max(0, n);
+}
+
+/**
+ * Tokens of a just-evaluated prompt of `promptLength` tokens that a later request can reuse
+ * exactly: with `align`, the whole chunks (the last, partial chunk was evaluated in a smaller
+ * batch than a longer cold prompt would use); without, all of them.
+ */
+export function exactPrefixAfterPrompt(promptLength: number, align: number | null): number {
+  return align === null ? promptLength : Math.floor(promptLength / align) * align;
+}
+
+/** The sequence chosen for a prompt and how many of its cached tokens are kept. */
+export interface SequenceChoice<S extends CachedSequence> {
+  seq: S;
+  /** Tokens reused (0 = the sequence is cleared). */
+  reuse: number;
+}
+
+/**
+ * Pick the idle sequence for `prompt` (undefined = plain allocation, no reuse): the one with the
+ * longest reusable prefix; with no reuse anywhere, an empty sequence (lowest index), else the
+ * least recently used one (its cache is dropped). Ties: the more recently used, then lower index.
+ * Never returns undefined when `free` is non-empty: eviction never fails an allocation.
+ */
+export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings): SequenceChoice<S> | undefined {
+  if (free.length === 0) return undefined;
+  let best: SequenceChoice<S> | undefined;
+  if (settings.enabled && prompt && prompt.length > 0) {
+    for (const s of free) {
+      if (s.tokens.length === 0) continue;
+      const reuse = reusableTokens(s.tokens, s.exactPrefix, prompt, settings.align);
+      if (reuse === 0) continue;
+      if (!best || reuse > best.reuse || (reuse === best.reuse && (s.lastUsed > best.seq.lastUsed || (s.lastUsed === best.seq.lastUsed && s.index < best.seq.index)))) best = { seq: s, reuse };
+    }
+  }
+  if (best) return best;
+  let pick: S | undefined;
+  for (const s of free) {
+    if (s.tokens.length !== 0) continue;
+    if (!pick || s.index < pick.index) pick = s;
+  }
+  if (!pick) {
+    for (const s of free) if (!pick || s.lastUsed < pick.lastUsed || (s.lastUsed === pick.lastUsed && s.index < pick.index)) pick = s;
+  }
+  return { seq: pick!, reuse: 0 };
+}
+
+/**
+ * Idle sequences to clear so that the cached tokens fit `maxTokens`, least recently used first.
+ * Sequences holding nothing are never returned.
+ */
+export function evictionsForBudget<S extends CachedSequence>(idle: readonly S[], maxTokens: number): S[] {
+  let total = 0;
+  for (const s of idle) total += s.tokens.length;
+  if (total <= maxTokens) return [];
+  const order = idle.filter((s) => s.tokens.length > 0).sort((a, b) => a.lastUsed - b.lastUsed || a.index - b.index);
+  const out: S[] = [];
+  for (const s of order) {
+    if (total <= maxTokens) break;
+    out.push(s);
+    total -= s.tokens.length;
+  }
+  return out;
+}

@@ -1,0 +1,146 @@
+/**
+ * Per-request sampler state on top of node-llama-cpp's sampler options: min-p, repetition /
+ * presence / frequency penalties with their token history, logit bias, min_tokens (EOG and
+ * stop-token bans), and grammars (JSON mode, JSON schema).
+ *
+ * PD exactness: a sampler is rebuilt for every engine call from (prompt, tokens generated so
+ * far), never carried in memory. Prefill builds it from the prompt and samples the first token;
+ * `generate` (colocated or on decode after the state load) builds it from the prompt plus the
+ * first token — the penalty history gets the first token appended, a fresh grammar state is
+ * advanced over it — so a PD run and a colocated run sample from identical sampler states.
+ * (The same split as vLLM's disaggregated prefill, where decode re-derives its logits
+ * processors' state from the prompt and the first token.)
+ */
+import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, type LlamaModel, type SequenceEvaluateOptions, type Token } from 'node-llama-cpp';
+import { randomInt } from 'node:crypto';
+import type { GrammarSpec, SamplingParams } from './types.js';
+
+/** Error code thrown when a grammar cannot be built (bad JSON schema): the API maps it to 400. */
+export const BAD_GRAMMAR = 'BAD_GRAMMAR';
+
+/** Most distinct grammars kept compiled per engine (LRU). */
+const GRAMMAR_CACHE = 32;
+
+/**
+ * Compiles and caches grammars of one llama instance. `get` resolves to null when the spec is
+ * undefined. @throws Error with code BAD_GRAMMAR when node-llama-cpp rejects the schema.
+ */
+export class GrammarCache {
+  private readonly cache = new Map<string, Promise<LlamaGrammar>>();
+  constructor(private readonly llama: Llama) {}
+
+  async get(spec: GrammarSpec | undefined): Promise<LlamaGrammar | null> {
+    if (!spec) return null;
+    const key = JSON.stringify(spec);
+    let p = this.cache.get(key);
+    if (p) {
+      this.cache.delete(key);
+      this.cache.set(key, p);
+      return p;
+    }
+    p = (spec.type === 'json' ? this.llama.getGrammarFor('json') : this.llama.createGrammarForJsonSchema(spec.schema as never)).catch((err: unknown) => {
+      this.cache.delete(key);
+      throw Object.assign(new Error(`response_format: the JSON schema cannot be turned into a grammar: ${(err as Error).message ?? String(err)}`), { code: BAD_GRAMMAR });
+    });
+    this.cache.set(key, p);
+    while (this.cache.size > GRAMMAR_CACHE) this.cache.delete(this.cache.keys().next().value as string);
+    return p;
+  }
+}
+
+/** Advance a grammar state over a token sampled elsewhere (node-llama-cpp 3.21.1 binding; no public API). */
+function acceptGrammarToken(llama: Llama, state: LlamaGrammarEvaluationState, token: number): void {
+  const addon = (llama as unknown as { _bindings?: { AddonSampler?: { acceptGrammarEvaluationStateToken?: (s: unknown, t: number) => void } } })._bindings?.AddonSampler;
+  const native = (state as unknown as { _state?: unknown })._state;
+  if (!addon?.acceptGrammarEvaluationStateToken || native === undefined) throw new Error('node-llama-cpp has no grammar accept binding (expected 3.21.1)');
+  addon.acceptGrammarEvaluationStateToken(native, token);
+}
+
+/**
+ * A TokenBias holding exact logit offsets, EOG tokens included (TokenBias.set skips EOG tokens,
+ * which min_tokens and logit_bias on EOS need): writes node-llama-cpp 3.21.1's `_biases` map.
+ */
+function biasOf(model: LlamaModel, entries: Iterable<[number, number]>): TokenBias {
+  const b = new TokenBias(model.tokenizer);
+  const map = (b as unknown as { _biases?: Map<number, number> })._biases;
+  if (!(map instanceof Map)) throw new Error('node-llama-cpp TokenBias has no _biases map (expected 3.21.1)');
+  for (const [t, v] of entries) map.set(t, (map.get(t) ?? 0) + v);
+  return b;
+}
+
+/**
+ * The sampler of one engine call. `options` are passed to `LlamaContextSequence.evaluate`; its
+ * functions read this object, so `accept(token)` after each sampled token keeps the penalty
+ * history and the min_tokens count current.
+ */
+export class RequestSampler {
+  /** Tokens generated so far (the first token included once accepted). */
+  generated = 0;
+  private readonly history: number[];
+  private readonly penalizePrompt: boolean;
+  private readonly bias: TokenBias | undefined;
+  /** logit_bias plus -inf on EOG and stop_token_ids, while fewer than min_tokens were generated. */
+  private readonly banBias: TokenBias | undefined;
+  readonly grammarState: LlamaGrammarEvaluationState | undefined;
+  readonly options: SequenceEvaluateOptions;
+
+  /**
+   * @param model the engine's model.
+   * @param s the request's sampling settings.
+   * @param prompt prompt tokens (the penalty window starts with them for repetition_penalty alone).
+   * @param grammar compiled grammar of `s.grammar` (from GrammarCache), or null.
+   * @param eogTokens every end-of-generation token id of the vocabulary.
+   */
+  constructor(
+    private readonly model: LlamaModel,
+    private readonly s: SamplingParams,
+    prompt: readonly number[],
+    grammar: LlamaGrammar | null,
+    eogTokens: readonly number[],
+  ) {
+    const rep = s.repetitionPenalty ?? 1;
+    const pres = s.presencePenalty ?? 0;
+    const freq = s.frequencyPenalty ?? 0;
+    this.penalizePrompt = pres === 0 && freq === 0;
+    this.history = this.penalizePrompt ? [...prompt] : [];
+    const logit = s.logitBias ?? [];
+    this.bias = logit.length > 0 ? biasOf(model, logit) : undefined;
+    const minTokens = s.minTokens ?? 0;
+    if (minTokens > 0) {
+      const bans: [number, number][] = [...logit];
+      if (!s.ignoreEos) for (const t of eogTokens) bans.push([t, -Infinity]);
+      for (const t of s.stopTokenIds ?? []) bans.push([t, -Infinity]);
+      this.banBias = biasOf(model, bans);
+    }
+    this.grammarState = grammar ? new LlamaGrammarEvaluationState({ model, grammar }) : undefined;
+    const opts: SequenceEvaluateOptions = {
+      temperature: s.temperature,
+      topK: s.topK,
+      topP: s.topP,
+      // node-llama-cpp would default to the current second: concurrent requests would share it.
+      seed: s.seed ?? randomInt(0, 0xffffffff),
+      yieldEogToken: true,
+    };
+    if ((s.minP ?? 0) > 0) opts.minP = s.minP;
+    if (rep !== 1 || pres !== 0 || freq !== 0) {
+      opts.repeatPenalty = { punishTokens: () => this.history as Token[], penalty: rep, presencePenalty: pres, frequencyPenalty: freq };
+    }
+    if (this.bias || this.banBias) {
+      const after = this.bias ?? biasOf(model, []);
+      opts.tokenBias = () => (this.banBias && this.generated < minTokens ? this.banBias : after);
+    }
+    if (this.grammarState) opts.grammarEvaluationState = this.grammarState;
+    this.options = opts;
+  }
+
+  /**
+   * Record a generated token. With `external` (a token this sampler did not sample itself, i.e.
+   * the first token handed over by prefill) the grammar state is advanced too; tokens sampled
+   * through `options` were already accepted by llama.cpp's sampler.
+   */
+  accept(token: number, external = false): void {
+    this.generated++;
+    this.history.push(token);
+    if (external && this.grammarState && !this.model.isEogToken(token as Token)) acceptGrammarToken(this.model.llama, this.grammarState, token);
+  }
+}

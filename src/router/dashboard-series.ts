@@ -1,0 +1,105 @@
+/**
+ * The dashboard's time series: finished requests at the router, in fixed buckets
+ * (`bucketMs`, default 5 s) over a sliding window (`buckets`, default 60 = the last 5 minutes).
+ * Per bucket: requests by outcome, completion tokens (throughput), TTFT and mean-ITL samples
+ * (bounded per bucket) for p50/p95, and failures by code. Memory is bounded: at most
+ * `buckets × maxSamples` numbers.
+ */
+
+interface Bucket {
+  /** Bucket start, ms since epoch. */
+  t: number;
+  ok: number;
+  failed: number;
+  tokens: number;
+  ttft: number[];
+  itl: number[];
+  failures: Map<string, number>;
+}
+
+/** JSON of the series for the dashboard (arrays aligned on `t`, seconds since epoch). */
+export interface SeriesView {
+  bucket_s: number;
+  t: number[];
+  ttft_p50_ms: (number | null)[];
+  ttft_p95_ms: (number | null)[];
+  itl_p50_ms: (number | null)[];
+  itl_p95_ms: (number | null)[];
+  tokens_per_s: number[];
+  requests_per_s: number[];
+  failed_per_s: number[];
+  /** Failures by code over the whole window, most frequent first. */
+  failures: { code: string; count: number }[];
+}
+
+/** Nearest-rank percentile of `xs` (q in [0, 1]); null when empty. */
+export function percentile(xs: number[], q: number): number | null {
+  if (xs.length === 0) return null;
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.max(0, Math.ceil(q * s.length) - 1))]!;
+}
+
+export class DashboardSeries {
+  private readonly ring: Bucket[] = [];
+
+  constructor(
+    readonly bucketMs = 5000,
+    readonly buckets = 60,
+    readonly maxSamples = 512,
+  ) {}
+
+  private bucket(now: number): Bucket {
+    const t = now - (now % this.bucketMs);
+    let b = this.ring[this.ring.length - 1];
+    if (!b || b.t !== t) {
+      b = { t, ok: 0, failed: 0, tokens: 0, ttft: [], itl: [], failures: new Map() };
+      this.ring.push(b);
+      while (this.ring.length > this.buckets) this.ring.shift();
+    }
+    return b;
+  }
+
+  /**
+   * Record one finished request (the dispatch 'finished' fields: outcome, code, ttft_ms, itl_ms,
+   * completion_tokens). Client aborts count neither as ok nor as failed.
+   */
+  add(f: Record<string, unknown>, now = Date.now()): void {
+    const b = this.bucket(now);
+    const n = (v: unknown) => (typeof v === 'number' && Number.isFinite(v) ? v : null);
+    if (f.outcome === 'ok') b.ok++;
+    else if (f.outcome !== 'client_abort') {
+      b.failed++;
+      const code = typeof f.code === 'string' ? f.code : String(f.outcome ?? 'error');
+      b.failures.set(code, (b.failures.get(code) ?? 0) + 1);
+    }
+    b.tokens += n(f.completion_tokens) ?? 0;
+    const ttft = n(f.ttft_ms);
+    const itl = n(f.itl_ms);
+    if (ttft !== null && b.ttft.length < this.maxSamples) b.ttft.push(ttft);
+    if (itl !== null && b.itl.length < this.maxSamples) b.itl.push(itl);
+  }
+
+  /** The window as aligned arrays, one entry per bucket (empty buckets included), oldest first. */
+  view(now = Date.now()): SeriesView {
+    const last = now - (now % this.bucketMs);
+    const first = last - (this.buckets - 1) * this.bucketMs;
+    const byT = new Map(this.ring.map((b) => [b.t, b]));
+    const v: SeriesView = { bucket_s: this.bucketMs / 1000, t: [], ttft_p50_ms: [], ttft_p95_ms: [], itl_p50_ms: [], itl_p95_ms: [], tokens_per_s: [], requests_per_s: [], failed_per_s: [], failures: [] };
+    const failures = new Map<string, number>();
+    const sec = this.bucketMs / 1000;
+    for (let t = first; t <= last; t += this.bucketMs) {
+      const b = byT.get(t);
+      v.t.push(t / 1000);
+      v.ttft_p50_ms.push(b ? percentile(b.ttft, 0.5) : null);
+      v.ttft_p95_ms.push(b ? percentile(b.ttft, 0.95) : null);
+      v.itl_p50_ms.push(b ? percentile(b.itl, 0.5) : null);
+      v.itl_p95_ms.push(b ? percentile(b.itl, 0.95) : null);
+      v.tokens_per_s.push(b ? b.tokens / sec : 0);
+      v.requests_per_s.push(b ? b.ok / sec : 0);
+      v.failed_per_s.push(b ? b.failed / sec : 0);
+      for (const [k, c] of b?.failures ?? []) failures.set(k, (failures.get(k) ?? 0) + c);
+    }
+    v.failures = [...failures.entries()].map(([code, count]) => ({ code, count })).sort((a, b) => b.count - a.count);
+    return v;
+  }
+}

@@ -1,0 +1,152 @@
+/**
+ * The router's diagnostic endpoints:
+ *
+ *   GET /dashboard              live dashboard (assets/dashboard/index.html; charts by uPlot,
+ *                               served from node_modules — no CDN)
+ *   GET /dashboard/assets/:f    the page's script and styles (a fixed list)
+ *   GET /dashboard/data         JSON the page polls every 2 s: workers and their state, queues,
+ *                               rooms by phase, the time series (src/router/dashboard-series.ts),
+ *                               recent failures by reason, and the doctor's findings
+ *   GET /debug/traces           recent request traces, newest first (?active=1: in flight only;
+ *                               ?limit=N, default 50, at most 500)
+ *   GET /debug/traces/:id       one trace by trace id or rid (404 when unknown)
+ *
+ * /dashboard/data gathers the workers' /health, /metrics and /debug/rooms with the doctor's code
+ * (src/doctor/gather.ts, 1.5 s deadline per GET) at most once a second, however many pages poll.
+ */
+import { readFile } from 'node:fs/promises';
+import { createRequire } from 'node:module';
+import type { FastifyInstance } from 'fastify';
+import { ApiError } from '../api/openai.js';
+import { diagnose } from '../doctor/diagnose.js';
+import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../doctor/gather.js';
+import type { DashboardSeries } from './dashboard-series.js';
+import type { RouterMetrics } from './metrics.js';
+import type { WorkerRegistry } from './registry.js';
+import type { TraceStore } from './trace.js';
+
+export interface DiagnosticsDeps {
+  registry: WorkerRegistry;
+  metrics: RouterMetrics;
+  traces: TraceStore;
+  series: DashboardSeries;
+  /** Requests being served now. */
+  inflight(): number;
+  /** This router's base URL as a client reaches it (for the doctor's suggested commands). */
+  selfUrl(): string;
+}
+
+const ASSET_DIR = new URL('../../assets/dashboard/', import.meta.url);
+const require = createRequire(import.meta.url);
+const ASSETS: Record<string, { path: () => string | URL; type: string }> = {
+  'app.js': { path: () => new URL('app.js', ASSET_DIR), type: 'text/javascript; charset=utf-8' },
+  'app.css': { path: () => new URL('app.css', ASSET_DIR), type: 'text/css; charset=utf-8' },
+  'uPlot.iife.min.js': { path: () => require.resolve('uplot/dist/uPlot.iife.min.js'), type: 'text/javascript; charset=utf-8' },
+  'uPlot.min.css': { path: () => require.resolve('uplot/dist/uPlot.min.css'), type: 'text/css; charset=utf-8' },
+};
+
+const ok = <T>(body: T): Fetched<T> => ({ ok: true, status: 200, ms: 0, error: null, body });
+
+/** Register the dashboard and trace routes on the router's fastify app. */
+export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): void {
+  const cache = new Map<string, Buffer>();
+  const asset = async (name: string): Promise<Buffer> => {
+    let b = cache.get(name);
+    if (!b) {
+      b = await readFile(ASSETS[name]!.path());
+      cache.set(name, b);
+    }
+    return b;
+  };
+
+  app.get('/dashboard', async (_req, reply) => {
+    const html = await readFile(new URL('index.html', ASSET_DIR));
+    return reply.header('content-type', 'text/html; charset=utf-8').header('cache-control', 'no-store').send(html);
+  });
+  app.get<{ Params: { file: string } }>('/dashboard/assets/:file', async (req, reply) => {
+    const a = ASSETS[req.params.file];
+    if (!a) throw new ApiError(404, 'not_found', `no dashboard asset ${req.params.file}`);
+    return reply.header('content-type', a.type).header('cache-control', 'max-age=300').send(await asset(req.params.file));
+  });
+
+  app.get<{ Querystring: { active?: string; limit?: string } }>('/debug/traces', async (req) => {
+    const limit = Math.min(500, Math.max(1, Number(req.query.limit ?? 50) || 50));
+    const all = d.traces.recent(d.traces.max);
+    const rows = req.query.active === '1' || req.query.active === 'true' ? all.filter((t) => t.outcome === null) : all;
+    return { traces: rows.slice(0, limit) };
+  });
+  app.get<{ Params: { id: string } }>('/debug/traces/:id', async (req) => {
+    const t = d.traces.get(req.params.id);
+    if (!t) throw new ApiError(404, 'trace_not_found', `no recent request with trace id or rid ${req.params.id}`, 'invalid_request_error');
+    return t;
+  });
+
+  let last: { at: number; body: unknown } | null = null;
+  let running: Promise<unknown> | null = null;
+  const build = async (): Promise<unknown> => {
+    const at = Date.now();
+    const t0 = performance.now();
+    const rows = d.registry.snapshot() as unknown as Record<string, unknown>[];
+    const workers: WorkerProbe[] = await Promise.all(rows.map((r) => probeWorker({ role: r.role as 'prefill' | 'decode', url: r.url as string, router: r }, 1500)));
+    const router: RouterProbe = {
+      url: d.selfUrl(),
+      health: ok({ inflight: d.inflight() }),
+      workers: ok({ workers: rows }),
+      metrics: ok([]),
+      traces: ok({ traces: d.traces.recent(200).filter((t) => t.outcome === null) }),
+    };
+    const snap: ClusterSnapshot = { at, gatherMs: Math.round(performance.now() - t0), source: 'router', router, workers };
+    const diag = diagnose(snap, { routerUrl: d.selfUrl() });
+    const roomsByPhase: Record<string, number> = {};
+    const roomFailures = new Map<string, number>();
+    const view = workers.map((w) => {
+      const h = w.health.body ?? {};
+      const live = w.rooms.body?.live ?? [];
+      const phases: Record<string, number> = {};
+      for (const r of live) {
+        phases[r.phase] = (phases[r.phase] ?? 0) + 1;
+        roomsByPhase[`${w.ref.role} ${r.phase}`] = (roomsByPhase[`${w.ref.role} ${r.phase}`] ?? 0) + 1;
+      }
+      const now = w.rooms.body?.now ?? at;
+      for (const r of w.rooms.body?.recent ?? []) {
+        const end = r.timeline?.[r.timeline.length - 1]?.at ?? 0;
+        if (r.state === 'Failed' && now - end <= 300_000) {
+          const k = `${w.ref.role}: ${(r.fail_reason ?? 'unknown').split(':')[0]}`;
+          roomFailures.set(k, (roomFailures.get(k) ?? 0) + 1);
+        }
+      }
+      return {
+        role: w.ref.role,
+        url: w.ref.url,
+        healthy: w.ref.router?.healthy === true,
+        reachable: w.health.body !== null,
+        state: typeof h.state === 'string' ? h.state : h.draining === true ? 'draining' : w.ref.router?.healthy === true ? 'healthy' : 'unhealthy',
+        last_error: (w.ref.router?.last_error as string | null) ?? w.health.error,
+        load: w.ref.router?.load ?? 0,
+        slots: h.slots ?? null,
+        slots_free: h.slots_free ?? null,
+        queues: Object.fromEntries(Object.entries(h).filter(([k]) => /_queue$|_running$/.test(k))),
+        rooms_by_phase: phases,
+        oldest_room_ms: live.reduce((m, r) => Math.max(m, r.age_ms), 0),
+      };
+    });
+    return {
+      at,
+      gather_ms: snap.gatherMs,
+      router: { inflight: d.inflight(), requests: Object.fromEntries((await d.metrics.requests.get()).values.map((v) => [String(v.labels.outcome), v.value])) },
+      workers: view,
+      rooms_by_phase: roomsByPhase,
+      series: d.series.view(at),
+      room_failures: [...roomFailures.entries()].map(([reason, count]) => ({ reason, count })).sort((a, b) => b.count - a.count),
+      findings: diag.findings.slice(0, 8).map((f) => ({ severity: f.severity, title: f.title, cause: f.cause, next: f.next[0] ?? null })),
+      status: diag.exitCode === 0 ? 'ok' : diag.exitCode === 1 ? 'warning' : 'critical',
+    };
+  };
+  app.get('/dashboard/data', async (_req, reply) => {
+    if (!last || Date.now() - last.at >= 1000) {
+      running ??= build().finally(() => (running = null));
+      last = { at: Date.now(), body: await running };
+    }
+    return reply.header('cache-control', 'no-store').send(last.body);
+  });
+}

@@ -1,0 +1,190 @@
+/**
+ * Load-balancing policies of the router (`--policy`), one instance per worker role. Each picks
+ * one worker among the healthy candidates for a request, given the request's routing text.
+ *
+ * - `round_robin`: in turn.
+ * - `least_load`: fewest in-flight requests (the router's own count); ties in turn.
+ * - `power_of_two`: two distinct random candidates, the less loaded (Mitzenmacher's "power of
+ *   two choices"; SGLang's `power_of_two`).
+ * - `cache_aware` (default): SGLang's cache-aware policy (sgl-router `policies/cache_aware.rs`).
+ *   The system is imbalanced iff max load − min load > `balanceAbsThreshold` AND max load >
+ *   min load × `balanceRelThreshold`; then the least-loaded worker is taken. Otherwise the worker
+ *   whose recent requests share the longest prefix with this one (PrefixTree) is taken when the
+ *   match covers more than `cacheThreshold` of the text; else the worker with the smallest tree
+ *   (most spare cache). Either way the text is recorded for the chosen worker.
+ */
+import { PrefixTree } from './radix-tree.js';
+
+/** What a policy needs of a worker. */
+export interface PolicyWorker {
+  readonly url: string;
+  /** In-flight requests. */
+  readonly load: number;
+}
+
+export const POLICY_NAMES = ['cache_aware', 'least_load', 'round_robin', 'power_of_two'] as const;
+export type PolicyName = (typeof POLICY_NAMES)[number];
+
+/** Settings of the cache-aware policy (defaults: SGLang router's CLI defaults, tree bounded lower). */
+export interface CacheAwareOptions {
+  /** Matched fraction of the text above which the longest-match worker is taken (0..1). Default 0.3. */
+  cacheThreshold: number;
+  /** Absolute in-flight difference that may count as imbalance. Default 64. */
+  balanceAbsThreshold: number;
+  /** Relative factor max > min × this that may count as imbalance. Default 1.5. */
+  balanceRelThreshold: number;
+  /** Characters of routing text remembered per worker (LRU beyond). Default 4 Mi. */
+  maxTreeChars: number;
+}
+
+export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20 };
+
+/** Why a policy chose its worker (for logs and metrics). */
+export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss';
+
+export interface Pick<W extends PolicyWorker> {
+  worker: W;
+  reason: PickReason;
+  /** cache_aware: characters of the text the chosen worker's tree matched. */
+  matchedChars?: number;
+}
+
+/** A load-balancing policy for one role. */
+export interface Policy {
+  readonly name: PolicyName;
+  /** Choose among `candidates` (the healthy workers; may be empty → null). `now` in ms. */
+  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number): Pick<W> | null;
+  /** Forget a worker (removed from the cluster). */
+  forget?(url: string): void;
+}
+
+class RoundRobin implements Policy {
+  readonly name = 'round_robin';
+  private next = 0;
+  pick<W extends PolicyWorker>(c: readonly W[]): Pick<W> | null {
+    if (c.length === 0) return null;
+    const w = c[this.next % c.length]!;
+    this.next = (this.next + 1) % 1_000_000_007;
+    return { worker: w, reason: 'round_robin' };
+  }
+}
+
+/** Least-loaded candidate, ties in turn (`rr` advances per call). */
+function leastLoaded<W extends PolicyWorker>(c: readonly W[], rr: number): W {
+  let min = Infinity;
+  let tied: W[] = [];
+  for (const w of c) {
+    if (w.load < min) {
+      min = w.load;
+      tied = [w];
+    } else if (w.load === min) tied.push(w);
+  }
+  return tied[rr % tied.length]!;
+}
+
+class LeastLoad implements Policy {
+  readonly name = 'least_load';
+  private rr = 0;
+  pick<W extends PolicyWorker>(c: readonly W[]): Pick<W> | null {
+    if (c.length === 0) return null;
+    const w = leastLoaded(c, this.rr);
+    this.rr = (this.rr + 1) % 1_000_000_007;
+    return { worker: w, reason: 'least_load' };
+  }
+}
+
+class PowerOfTwo implements Policy {
+  readonly name = 'power_of_two';
+  constructor(private readonly random: () => number) {}
+  pick<W extends PolicyWorker>(c: readonly W[]): Pick<W> | null {
+    if (c.length === 0) return null;
+    if (c.length === 1) return { worker: c[0]!, reason: 'power_of_two' };
+    const i = Math.floor(this.random() * c.length);
+    let j = Math.floor(this.random() * (c.length - 1));
+    if (j >= i) j++;
+    const a = c[i]!;
+    const b = c[j]!;
+    return { worker: b.load < a.load ? b : a, reason: 'power_of_two' };
+  }
+}
+
+class CacheAware implements Policy {
+  readonly name = 'cache_aware';
+  private readonly tree: PrefixTree;
+  private rr = 0;
+  constructor(private readonly o: CacheAwareOptions) {
+    this.tree = new PrefixTree(o.maxTreeChars);
+  }
+
+  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number): Pick<W> | null {
+    if (c.length === 0) return null;
+    let min = Infinity;
+    let max = -Infinity;
+    for (const w of c) {
+      min = Math.min(min, w.load);
+      max = Math.max(max, w.load);
+    }
+    let pick: Pick<W>;
+    if (max - min > this.o.balanceAbsThreshold && max > min * this.o.balanceRelThreshold) {
+      pick = { worker: leastLoaded(c, this.rr++), reason: 'imbalanced' };
+    } else {
+      const m = this.tree.match(text);
+      let best: W | undefined;
+      let bestChars = 0;
+      for (const w of c) {
+        const n = m.byTenant.get(w.url) ?? 0;
+        if (n > bestChars || (n === bestChars && best && n > 0 && w.load < best.load)) {
+          best = w;
+          bestChars = n;
+        }
+      }
+      if (best && text.length > 0 && bestChars / text.length > this.o.cacheThreshold) {
+        pick = { worker: best, reason: 'cache_hit', matchedChars: bestChars };
+      } else {
+        // Smallest tree = most room for new prefixes; ties: lower load, then in turn.
+        let smallest = Infinity;
+        let tied: W[] = [];
+        for (const w of c) {
+          const s = this.tree.tenantChars(w.url);
+          if (s < smallest) {
+            smallest = s;
+            tied = [w];
+          } else if (s === smallest) tied.push(w);
+        }
+        const w = leastLoaded(tied, this.rr++);
+        pick = { worker: w, reason: 'cache_miss', matchedChars: m.byTenant.get(w.url) ?? 0 };
+      }
+    }
+    this.rr %= 1_000_000_007;
+    this.tree.insert(text, pick.worker.url, now);
+    return pick;
+  }
+
+  forget(url: string): void {
+    this.tree.removeTenant(url);
+  }
+}
+
+/** Create a policy by name. `random` (power_of_two) defaults to Math.random. */
+export function createPolicy(name: PolicyName, cacheAware: Partial<CacheAwareOptions> = {}, random: () => number = Math.random): Policy {
+  switch (name) {
+    case 'round_robin':
+      return new RoundRobin();
+    case 'least_load':
+      return new LeastLoad();
+    case 'power_of_two':
+      return new PowerOfTwo(random);
+    case 'cache_aware':
+      return new CacheAware({ ...DEFAULT_CACHE_AWARE, ...cacheAware });
+  }
+}
+
+/**
+ * Routing text of a request for the prefix tree: what the worker will render and tokenize, in
+ * the same order (chat: role and content of each message; completion: the prompt text, or the
+ * token ids as text). Two requests whose texts share a prefix share a tokenized prefix, roughly.
+ */
+export function routingText(r: { kind: 'chat'; messages: readonly { role: string; content: string }[] } | { kind: 'completion'; prompt: { text: string } | { input_ids: number[] } }): string {
+  if (r.kind === 'chat') return r.messages.map((m) => `<|${m.role}|>${m.content}`).join('');
+  return 'text' in r.prompt ? r.prompt.text : r.prompt.input_ids.join(',') + ',';
+}

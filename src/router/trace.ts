@@ -1,0 +1,118 @@
+/**
+ * Request traces at the router: one trace id per request, carried to prefill and decode.
+ *
+ * - `traceIdOf(headers)`: the client's W3C `traceparent` trace-id (32 lowercase hex), else its
+ *   `x-request-id` (1–128 of `[A-Za-z0-9._:/-]`), else a fresh 32-hex id (W3C format, so it can be
+ *   passed on to a tracing system as is). The router sends it to the workers as the `trace_id`
+ *   field of `/generate`; every log line of the request carries `trace`, the workers' GET
+ *   /debug/rooms shows it per room, and the response header `x-trace-id` returns it.
+ * - `TraceStore`: the router's side of each recent request (bounded ring, `max` entries): rid,
+ *   trace, room, the two workers, and timestamped events (received, dispatched, prefill_done,
+ *   first_token, finished). Read by GET /debug/traces/:id (id = trace id or rid) and by
+ *   `pdserve doctor --request`, which joins it with the workers' room timelines. `onFinished`
+ *   feeds the dashboard's time series.
+ *
+ * Ids follow the W3C Trace Context recommendation (traceparent = version-traceid-parentid-flags).
+ */
+import { randomBytes } from 'node:crypto';
+
+const TRACEPARENT = /^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$/;
+const REQUEST_ID = /^[A-Za-z0-9._:/-]{1,128}$/;
+
+/** A fresh W3C trace id: 32 lowercase hex digits, never all zero. */
+export function newTraceId(): string {
+  return randomBytes(16).toString('hex');
+}
+
+/**
+ * Trace id of a request from its headers (see the module doc). Invalid values are ignored, never
+ * an error: a bad header must not fail the request.
+ */
+export function traceIdOf(headers: Record<string, string | string[] | undefined>): string {
+  const one = (v: string | string[] | undefined) => (Array.isArray(v) ? v[0] : v)?.trim();
+  const tp = one(headers.traceparent)?.toLowerCase();
+  const m = tp ? TRACEPARENT.exec(tp) : null;
+  if (m && !/^0+$/.test(m[1]!) && !tp!.startsWith('ff')) return m[1]!;
+  const rid = one(headers['x-request-id']);
+  if (rid && REQUEST_ID.test(rid)) return rid;
+  return newTraceId();
+}
+
+/** One event of a request at the router. `at`: ms since epoch. */
+export interface TraceEvent {
+  at: number;
+  what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'finished';
+  [field: string]: unknown;
+}
+
+/** The router's record of one request (JSON of GET /debug/traces/:id). */
+export interface RequestTrace {
+  trace: string;
+  rid: string;
+  room: string | null;
+  prefill: string | null;
+  decode: string | null;
+  events: TraceEvent[];
+  /** Set by the 'finished' event. */
+  outcome: string | null;
+}
+
+/** What the dispatch code reports about a request (DispatchContext.observe). */
+export interface RequestObserver {
+  /** The trace id `begin` recorded for `rid` (sent to the workers), if any. */
+  traceOf(rid: string): string | undefined;
+  /** Record an event of `rid`; unknown rids are ignored. */
+  event(rid: string, what: TraceEvent['what'], fields?: Record<string, unknown>): void;
+}
+
+/** Bounded store of recent request traces (oldest evicted first). */
+export class TraceStore implements RequestObserver {
+  private readonly byRid = new Map<string, RequestTrace>();
+  private readonly byTrace = new Map<string, RequestTrace>();
+  /** Called with each request's trace when its 'finished' event is recorded. */
+  onFinished: ((t: RequestTrace, fields: Record<string, unknown>) => void) | null = null;
+
+  constructor(readonly max = 2000) {}
+
+  /** Start the trace of request `rid` (received now). */
+  begin(rid: string, trace: string, at = Date.now()): RequestTrace {
+    const t: RequestTrace = { trace, rid, room: null, prefill: null, decode: null, events: [{ at, what: 'received' }], outcome: null };
+    this.byRid.set(rid, t);
+    this.byTrace.set(trace, t);
+    while (this.byRid.size > this.max) {
+      const [oldRid, old] = this.byRid.entries().next().value as [string, RequestTrace];
+      this.byRid.delete(oldRid);
+      if (this.byTrace.get(old.trace) === old) this.byTrace.delete(old.trace);
+    }
+    return t;
+  }
+
+  traceOf(rid: string): string | undefined {
+    return this.byRid.get(rid)?.trace;
+  }
+
+  event(rid: string, what: TraceEvent['what'], fields: Record<string, unknown> = {}): void {
+    const t = this.byRid.get(rid);
+    if (!t) return;
+    if (what === 'dispatched') {
+      t.room = typeof fields.room === 'string' ? fields.room : t.room;
+      t.prefill = typeof fields.prefill === 'string' ? fields.prefill : t.prefill;
+      t.decode = typeof fields.decode === 'string' ? fields.decode : t.decode;
+    }
+    if (t.events.length < 16) t.events.push({ at: Date.now(), what, ...fields });
+    if (what === 'finished') {
+      t.outcome = typeof fields.outcome === 'string' ? fields.outcome : 'unknown';
+      this.onFinished?.(t, fields);
+    }
+  }
+
+  /** A trace by trace id or rid (a client's x-request-id reused by several requests: the latest). */
+  get(id: string): RequestTrace | undefined {
+    return this.byTrace.get(id) ?? this.byRid.get(id);
+  }
+
+  /** The newest `n` traces, newest first. */
+  recent(n = 50): RequestTrace[] {
+    return [...this.byRid.values()].slice(-n).reverse();
+  }
+}

@@ -1,0 +1,229 @@
+/**
+ * Diagnosability on a real cluster (router + prefill + decode + colocated reference, tiny model):
+ *  - request traces: the client's traceparent / x-request-id becomes the trace id, returned in
+ *    `x-trace-id`, recorded by the router (/debug/traces) and by both workers (/debug/rooms);
+ *    `pdserve doctor --request` prints the timeline across the three processes;
+ *  - every /metrics passes `promtool check metrics` (where promtool is installed; said loudly where not);
+ *  - `pdserve doctor` on a healthy cluster exits 0;
+ *  - the incident: a room held in prefill's inflight phase (PDSERVE_TEST_HOLDS) is named by
+ *    `pdserve doctor` with its state, phase, step and age, and the exit code is non-zero;
+ *  - the /dashboard in headless Debian chromium shows live data (screenshot kept in test-artifacts/).
+ */
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import type { Cluster } from '../../src/harness/cluster.js';
+import { getJson, startStack, waitFor } from '../helpers/stack.js';
+import { assertTotalsAreCounters, checkMetrics, reportMissingPromtool } from '../helpers/promtool.js';
+
+let c: Cluster;
+const url = (role: 'prefill' | 'decode') => c.byRole(role)[0]!.url;
+
+async function complete(headers: Record<string, string>, body: Record<string, unknown> = {}, signal?: AbortSignal): Promise<Response> {
+  return fetch(`${c.router.url}/v1/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...headers },
+    body: JSON.stringify({ model: 'x', prompt: 'the river ran', max_tokens: 6, temperature: 0, ...body }),
+    signal: signal ?? AbortSignal.timeout(20_000),
+  });
+}
+
+/** Run the real CLI; resolves with exit code and output. */
+function cli(args: string[], timeoutMs = 20_000): Promise<{ code: number | null; out: string; err: string; ms: number }> {
+  return new Promise((resolve) => {
+    const t0 = Date.now();
+    const p = spawn(process.execPath, ['bin/pdserve.js', ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let out = '';
+    let err = '';
+    p.stdout.on('data', (d) => (out += d));
+    p.stderr.on('data', (d) => (err += d));
+    const t = setTimeout(() => p.kill('SIGKILL'), timeoutMs);
+    p.on('close', (code) => {
+      clearTimeout(t);
+      resolve({ code, out, err, ms: Date.now() - t0 });
+    });
+  });
+}
+
+before(async () => {
+  c = await startStack({ colocated: true, decodeSlots: 2, env: { PDSERVE_TEST_HOLDS: 'on' } });
+});
+after(async () => {
+  await c?.stop();
+});
+
+describe('request traces', () => {
+  test('a traceparent trace id follows the request through router, prefill and decode', async () => {
+    const traceId = '4bf92f3577b34da6a3ce929d0e0e4736';
+    const r = await complete({ traceparent: `00-${traceId}-00f067aa0ba902b7-01` }, { stream: true });
+    assert.equal(r.status, 200);
+    assert.equal(r.headers.get('x-trace-id'), traceId);
+    assert.match(await r.text(), /\[DONE\]/);
+    const t = await getJson(`${c.router.url}/debug/traces/${traceId}`);
+    assert.equal(t.trace, traceId);
+    const whats = t.events.map((e: { what: string }) => e.what);
+    assert.deepEqual(whats.slice(0, 2), ['received', 'dispatched'], JSON.stringify(t));
+    assert.deepEqual([...whats].sort(), ['dispatched', 'finished', 'first_token', 'prefill_done', 'received']);
+    assert.equal(t.outcome, 'ok');
+    for (const role of ['prefill', 'decode'] as const) {
+      let row: { room: string; trace: string } | undefined;
+      const ok = await waitFor(async () => {
+        const d = await getJson(`${url(role)}/debug/rooms`);
+        row = [...d.live, ...d.recent].find((x: { trace: string }) => x.trace === traceId);
+        return row !== undefined;
+      }, 3000);
+      assert.ok(ok, `${role} /debug/rooms shows the trace id`);
+      assert.equal(row!.room, t.room);
+    }
+  });
+
+  test('x-request-id is the trace id when there is no traceparent; otherwise one is generated', async () => {
+    const r1 = await complete({ 'x-request-id': 'client-req-42' });
+    assert.equal(r1.status, 200);
+    assert.equal(r1.headers.get('x-trace-id'), 'client-req-42');
+    const body = (await r1.json()) as { id: string };
+    assert.equal(r1.headers.get('x-request-id'), body.id, 'x-request-id still names the response id');
+    const r2 = await complete({ traceparent: 'garbage' });
+    assert.equal(r2.status, 200);
+    assert.match(r2.headers.get('x-trace-id') ?? '', /^[0-9a-f]{32}$/);
+    await r2.text();
+  });
+
+  test('pdserve doctor --request prints the timeline across processes with time per phase', async () => {
+    const r = await complete({ 'x-request-id': 'timeline-probe' });
+    assert.equal(r.status, 200);
+    await r.text();
+    const out = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe']);
+    assert.equal(out.code, 0, out.out + out.err);
+    assert.match(out.out, /request timeline-probe/);
+    for (const re of [/router\s+received/, /router\s+finished outcome=ok/, /prefill \S+\s+create → Bootstrapping\/bootstrap/, /decode \S+\s+create → Bootstrapping\/prealloc/, /kv_done → Success\/done/, /time per phase:/, /prefill \S+\s+bootstrap \d/, /decode \S+\s+prealloc \d/]) {
+      assert.match(out.out, re);
+    }
+    const j = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe', '--json']);
+    const rep = JSON.parse(j.out) as { rows: { process: string }[]; phases: { phase: string; ms: number }[] };
+    assert.deepEqual(new Set(rep.rows.map((x) => x.process.split(' ')[0])), new Set(['router', 'prefill', 'decode']));
+    assert.ok(rep.phases.every((p) => p.ms >= 0));
+    const missing = await cli(['doctor', '--url', c.router.url, '--request', 'no-such-request']);
+    assert.equal(missing.code, 1);
+    assert.match(missing.out, /no process knows no-such-request/);
+  });
+});
+
+test('every /metrics passes promtool check metrics', async (t) => {
+  const targets = { router: c.router.url, prefill: url('prefill'), decode: url('decode'), colocated: c.colocated!.url };
+  for (const [name, base] of Object.entries(targets)) {
+    const text = await (await fetch(`${base}/metrics`)).text();
+    assert.match(text, /^# TYPE pdserve_/m, `${name} serves pdserve metrics`);
+    assertTotalsAreCounters(text);
+    const res = checkMetrics(text);
+    if (!res) return reportMissingPromtool(t);
+    assert.ok(res.ok, `promtool rejects ${name} /metrics:\n${res.output}`);
+  }
+});
+
+test('pdserve doctor on a healthy cluster exits 0 within 10 s', async () => {
+  const out = await cli(['doctor', '--url', c.router.url, '--json']);
+  const j = JSON.parse(out.out) as { exit_code: number; findings: { severity: string; title: string }[] };
+  assert.equal(out.code, 0, out.out);
+  assert.ok(!j.findings.some((f) => f.severity !== 'info'), JSON.stringify(j.findings));
+  assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
+  const text = await cli(['doctor', '--url', c.router.url]);
+  assert.equal(text.code, 0);
+  const watch = await cli(['doctor', '--url', c.router.url, '--json', '--watch', '0.2', '--count', '2']);
+  assert.equal(watch.code, 0, watch.out + watch.err);
+  assert.equal(watch.out.trim().split('\n').map((l) => JSON.parse(l).exit_code).join(), '0,0', 'two rounds');
+  assert.match(text.out, /OK: nothing wrong found|\[INFO\]/);
+});
+
+test('the incident: a room held in prefill inflight is named by pdserve doctor, exit non-zero', async () => {
+  const hold = (spec: string) => fetch(`${url('prefill')}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
+  assert.equal((await hold('prefill.send=15000')).status, 200);
+  const ac = new AbortController();
+  const victim = complete({ 'x-request-id': 'held-victim' }, { stream: true }, ac.signal).then((r) => r.text()).catch(() => '');
+  try {
+    let room: { room: string; phase: string; step: string } | undefined;
+    const found = await waitFor(async () => {
+      const d = await getJson(`${url('prefill')}/debug/rooms`);
+      room = d.live.find((r: { phase: string; step: string }) => r.phase === 'inflight' && r.step === 'sending');
+      return room !== undefined;
+    }, 10_000);
+    assert.ok(found && room, 'the victim reached prefill inflight');
+    await new Promise((r) => setTimeout(r, 1300));
+    const out = await cli(['doctor', '--url', c.router.url, '--json', '--slow-ms', '1000']);
+    assert.equal(out.code, 2, out.out + out.err);
+    assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
+    const j = JSON.parse(out.out) as { findings: { kind: string; severity: string; title: string; data?: Record<string, unknown> }[] };
+    const sig = j.findings.find((f) => f.kind === 'incident_signature');
+    assert.ok(sig, `incident signature reported: ${JSON.stringify(j.findings)}`);
+    assert.equal(sig.severity, 'critical');
+    const rf = j.findings.find((f) => f.data?.room === room!.room && f.data?.role === 'prefill');
+    assert.ok(rf, `a finding names room ${room.room}: ${JSON.stringify(j.findings)}`);
+    assert.equal(rf.data!.state, 'Transferring');
+    assert.equal(rf.data!.phase, 'inflight');
+    assert.equal(rf.data!.step, 'sending');
+    assert.equal(rf.data!.trace, 'held-victim');
+    assert.ok(Number(rf.data!.in_phase_ms) >= 1000 && Number(rf.data!.age_ms) >= 1000, JSON.stringify(rf.data));
+    assert.equal(j.findings[0]!.severity, 'critical', 'worst first');
+    const text = await cli(['doctor', '--url', c.router.url, '--slow-ms', '1000']);
+    assert.equal(text.code, 2);
+    assert.match(text.out, new RegExp(`room ${room.room} .*Transferring/inflight step sending`));
+    assert.match(text.out, /requests are waiting while every engine is idle/);
+    assert.match(text.out, /likely cause: .*\n\s+next: pdserve doctor --url \S+ --request held-victim/);
+  } finally {
+    await hold('');
+    ac.abort();
+    await victim;
+  }
+  assert.ok(await waitFor(async () => (await getJson(`${url('prefill')}/debug/rooms`)).live.length === 0, 5000), 'the held room ends once the client aborts');
+});
+
+describe('dashboard in headless chromium', () => {
+  const CHROMIUM = '/usr/bin/chromium';
+  test('shows workers, queues, rooms, charts and live updates', async (t) => {
+    if (!existsSync(CHROMIUM)) {
+      const msg = `chromium is NOT installed at ${CHROMIUM}: the dashboard browser test did NOT run (apt-get install chromium)`;
+      process.stderr.write(`\n!!!!! ${msg} !!!!!\n\n`);
+      t.diagnostic(msg);
+      assert.ok(!process.env.CI, msg);
+      return;
+    }
+    for (let i = 0; i < 3; i++) await (await complete({}, { max_tokens: 8 })).text();
+    const { chromium } = await import('playwright-core');
+    const profile = mkdtempSync(join(tmpdir(), 'pdserve-chromium-'));
+    const ctx = await chromium.launchPersistentContext(profile, {
+      executablePath: CHROMIUM,
+      headless: true,
+      viewport: { width: 1400, height: 1000 },
+      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    });
+    try {
+      const page = ctx.pages()[0] ?? (await ctx.newPage());
+      const failed: string[] = [];
+      page.on('requestfailed', (r) => failed.push(r.url()));
+      page.on('pageerror', (e) => failed.push(`page error: ${e.message}`));
+      await page.goto(`${c.router.url}/dashboard`, { timeout: 15_000 });
+      await page.waitForFunction(() => Number(document.body.dataset.updates ?? 0) >= 1, null, { timeout: 15_000 });
+      const rows = await page.locator('#workers tbody tr').allInnerTexts();
+      assert.equal(rows.length, 2, rows.join('\n'));
+      assert.ok(rows.some((r) => /prefill/.test(r) && /healthy/.test(r)) && rows.some((r) => /decode/.test(r) && /healthy/.test(r)), rows.join('\n'));
+      assert.equal(await page.locator('.uplot canvas').count(), 3, 'three uPlot charts');
+      const before = await page.locator('#requests').innerText();
+      const okBefore = Number(before.split('/')[0]);
+      assert.ok(okBefore >= 3, `requests ok shown: ${before}`);
+      await (await complete({}, { max_tokens: 8 })).text();
+      await page.waitForFunction((n) => Number(document.getElementById('requests')!.textContent!.split('/')[0]) > n, okBefore, { timeout: 10_000 });
+      const tps = await page.evaluate(() => document.getElementById('tps')!.textContent);
+      assert.match(tps ?? '', /^\d+\.\d$/);
+      assert.deepEqual(failed, [], 'every asset loads from the router (no CDN)');
+      mkdirSync('test-artifacts', { recursive: true });
+      await page.screenshot({ path: join('test-artifacts', 'dashboard.png'), fullPage: true });
+      t.diagnostic('screenshot: test-artifacts/dashboard.png');
+    } finally {
+      await ctx.close();
+      rmSync(profile, { recursive: true, force: true });
+    }
+  });
+});

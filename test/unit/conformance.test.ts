@@ -1,0 +1,37 @@
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import { describe, test } from 'node:test';
+import { withConformanceTable } from '../../src/api/conformance.js';
+import { conformanceMarkdown, fieldsOf, REQUEST_FIELDS } from '../../src/api/fields.js';
+import { ApiError, parseChatRequest, parseCompletionRequest } from '../../src/api/openai.js';
+
+describe('OpenAI conformance table', () => {
+  test('README.md holds the table generated from the schema (run: node --import tsx src/api/conformance.ts --write)', () => {
+    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+    assert.equal(readme, withConformanceTable(readme), 'README conformance table is stale');
+    assert.ok(readme.includes(conformanceMarkdown()));
+  });
+
+  test('every listed field is parsed by its endpoints, every other name is refused', () => {
+    const names = new Set(REQUEST_FIELDS.map((f) => f.name));
+    assert.equal(names.size, REQUEST_FIELDS.length, 'field names are unique');
+    for (const [endpoint, parse, base] of [
+      ['completions', parseCompletionRequest, { prompt: 'x' }],
+      ['chat', parseChatRequest, { messages: [{ role: 'user', content: 'x' }] }],
+    ] as const) {
+      const fields = fieldsOf(endpoint);
+      for (const f of REQUEST_FIELDS) {
+        if (f.name in base) continue; // the required prompt / messages
+        // null = not set: accepted by the endpoints that know the field, refused by the others
+        let err: unknown = null;
+        try {
+          (parse as (b: unknown) => unknown)({ ...base, [f.name]: null });
+        } catch (e) {
+          err = e;
+        }
+        if (fields.has(f.name)) assert.equal(err, null, `${endpoint}: ${f.name}: null must mean "not set"`);
+        else assert.ok(err instanceof ApiError && err.param === f.name && /Unrecognized request argument/.test(err.message), `${endpoint}: ${f.name} must be unrecognized`);
+      }
+    }
+  });
+});

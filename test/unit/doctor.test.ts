@@ -1,0 +1,163 @@
+/**
+ * The doctor's pure parts on fabricated snapshots: diagnosis rules (stuck/slow/orphan/overdue
+ * rooms, the incident's signature, lost and mismatched workers, recent failures, counters that
+ * moved), trace id parsing, the trace store's bounds, the dashboard series, the Prometheus parser.
+ */
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+import { diagnose } from '../../src/doctor/diagnose.js';
+import { parsePrometheus, sumOf, type ClusterSnapshot, type Fetched, type RoomInfo, type WorkerProbe } from '../../src/doctor/gather.js';
+import { DashboardSeries, percentile } from '../../src/router/dashboard-series.js';
+import { TraceStore, traceIdOf } from '../../src/router/trace.js';
+
+const NOW = 1_800_000_000_000;
+const ok = <T>(body: T): Fetched<T> => ({ ok: true, status: 200, ms: 1, error: null, body });
+const down: Fetched<never> = { ok: false, status: null, ms: 3000, error: 'ECONNREFUSED', body: null };
+
+function room(over: Partial<RoomInfo> & { inPhase: number; phase: string; state: string }): RoomInfo {
+  const at = NOW - over.inPhase;
+  return {
+    room: '42',
+    rid: 'cmpl-1',
+    trace: 't-1',
+    role: 'prefill',
+    age_ms: over.inPhase + 5,
+    deadline_ms: 10_000 - over.inPhase,
+    peer: 'peer',
+    bytes: 0,
+    total_bytes: null,
+    fail_reason: null,
+    step: null,
+    timeline: [{ at: at - 5, state: 'Bootstrapping', phase: 'bootstrap', why: 'create' }, { at, state: over.state, phase: over.phase, why: 'x' }],
+    ...over,
+  };
+}
+
+function worker(role: 'prefill' | 'decode', o: { live?: RoomInfo[]; recent?: RoomInfo[]; health?: Record<string, unknown>; metrics?: string; router?: Record<string, unknown>; reachable?: boolean } = {}): WorkerProbe {
+  const url = `http://w-${role}:1`;
+  const idle = role === 'prefill' ? { slots: 1, slots_free: 1, prefill_inflight_queue: 0 } : { slots: 2, slots_free: 2, decode_running: 0 };
+  if (o.reachable === false) return { ref: { role, url, router: { healthy: false, last_error: 'unreachable' } }, health: down, metrics: down, rooms: down };
+  return {
+    ref: { role, url, router: { healthy: true, ...o.router } },
+    health: ok({ status: 'ok', role, model: 'm', fingerprint: 'fp', ...idle, ...o.health }),
+    metrics: ok(parsePrometheus(o.metrics ?? '')),
+    rooms: ok({ role, now: NOW, live: o.live ?? [], recent: o.recent ?? [] }),
+  };
+}
+
+function snap(workers: WorkerProbe[], inflight = 0): ClusterSnapshot {
+  return {
+    at: NOW,
+    gatherMs: 5,
+    source: 'router http://r',
+    router: { url: 'http://r', health: ok({ status: 'ok', inflight }), workers: ok({ workers: [] }), metrics: ok([]), traces: ok({ traces: [] }) },
+    workers,
+  };
+}
+
+describe('diagnose', () => {
+  test('a healthy idle cluster: exit 0, no findings', () => {
+    const d = diagnose(snap([worker('prefill'), worker('decode')]));
+    assert.equal(d.exitCode, 0);
+    assert.deepEqual(d.findings, []);
+  });
+
+  test('the incident: a room held in prefill inflight while engines idle is critical and named', () => {
+    const p = room({ role: 'prefill', state: 'Transferring', phase: 'inflight', step: 'sending', inPhase: 3000, bytes: 10, total_bytes: 10 });
+    const dr = room({ role: 'decode', state: 'Transferring', phase: 'transfer', step: 'receiving', inPhase: 3000 });
+    const d = diagnose(snap([worker('prefill', { live: [p] }), worker('decode', { live: [dr] })], 1));
+    assert.equal(d.exitCode, 2);
+    assert.equal(d.findings[0]!.kind, 'incident_signature');
+    const rf = d.findings.find((f) => f.kind === 'slow_room')!;
+    assert.equal(rf.data!.role, 'prefill', 'the acting side (prefill) is named, not the waiting one');
+    assert.equal(rf.data!.step, 'sending');
+    assert.match(rf.cause, /KV_END/);
+    assert.match(rf.next[0]!, /--request t-1/);
+  });
+
+  test('a busy cluster with young rooms is fine; the same rooms with an engine busy are no incident', () => {
+    const young = room({ state: 'WaitingForInput', phase: 'waiting', inPhase: 100 });
+    assert.equal(diagnose(snap([worker('prefill', { live: [young] }), worker('decode', { live: [{ ...young, role: 'decode' }] })], 1)).exitCode, 0);
+    const old = room({ state: 'WaitingForInput', phase: 'waiting', step: 'computing', inPhase: 2500 });
+    const d = diagnose(snap([worker('prefill', { live: [old], health: { slots_free: 0 } }), worker('decode', { live: [{ ...old, role: 'decode', step: 'waiting_kv' }] })], 1));
+    assert.ok(!d.findings.some((f) => f.kind === 'incident_signature'));
+    assert.equal(d.findings[0]!.kind, 'slow_room');
+    assert.equal(d.exitCode, 1);
+  });
+
+  test('stuck (half the budget), overdue (past the deadline) and orphan rooms are critical', () => {
+    const stuck = room({ state: 'WaitingForInput', phase: 'waiting', inPhase: 6000 });
+    assert.ok(diagnose(snap([worker('prefill', { live: [stuck] }), worker('decode', { live: [{ ...stuck, role: 'decode' }] })])).findings.some((f) => f.kind === 'stuck_room' && f.severity === 'critical'));
+    const overdue = room({ state: 'Transferring', phase: 'inflight', inPhase: 15_000, deadline_ms: -5000 });
+    assert.ok(diagnose(snap([worker('prefill', { live: [overdue] }), worker('decode', { live: [{ ...overdue, role: 'decode' }] })])).findings.some((f) => f.kind === 'overdue_room'));
+    const orphan = room({ state: 'Transferring', phase: 'inflight', step: 'awaiting_ack', inPhase: 1500 });
+    const failed = { ...orphan, role: 'decode', state: 'Failed', phase: 'done', fail_reason: 'transfer: bad state' };
+    const d = diagnose(snap([worker('prefill', { live: [orphan] }), worker('decode', { recent: [failed] })]));
+    const f = d.findings.find((x) => x.kind === 'orphan_room')!;
+    assert.ok(f, JSON.stringify(d.findings));
+    assert.match(f.title, /Failed on decode \(transfer: bad state\)/);
+  });
+
+  test('lost and mismatched workers, recent failures, moved counters', () => {
+    const d = diagnose(snap([worker('prefill', { health: { fingerprint: 'a', bootstrap_port: 9 }, router: { bootstrap_port: 8 } }), worker('decode', { health: { fingerprint: 'b' } }), { ...worker('decode', { reachable: false }), ref: { role: 'decode', url: 'http://gone:1', router: { healthy: false } } }]));
+    const kinds = d.findings.map((f) => f.kind);
+    assert.ok(kinds.includes('worker_unreachable') && kinds.filter((k) => k === 'mismatch').length === 2, kinds.join());
+    assert.equal(d.exitCode, 2);
+    const failedAt = NOW - 60_000;
+    const recent = [{ ...room({ state: 'Failed', phase: 'done', inPhase: 0 }), fail_reason: 'deadline: inflight', timeline: [{ at: failedAt, state: 'Failed', phase: 'done', why: 'deadline' }] }];
+    const old = { ...recent[0]!, room: '7', fail_reason: 'transfer: x', timeline: [{ at: NOW - 3_600_000, state: 'Failed', phase: 'done', why: 'x' }] };
+    const prev = snap([worker('prefill', { metrics: 'pdserve_illegal_transitions_total{from="Failed",to="Transferring"} 1\n' }), worker('decode')]);
+    const cur = snap([worker('prefill', { recent: [...recent, old], metrics: 'pdserve_illegal_transitions_total{from="Failed",to="Transferring"} 3\n' }), worker('decode')]);
+    const d2 = diagnose(cur, { previous: { ...prev, at: NOW - 2000 } });
+    assert.ok(d2.findings.some((f) => f.kind === 'recent_failures' && /'deadline'/.test(f.title) && f.severity === 'warning'));
+    assert.ok(!d2.findings.some((f) => /'transfer'/.test(f.title)), 'failures older than the window are not reported');
+    const moved = d2.findings.find((f) => f.kind === 'counter_moved')!;
+    assert.match(moved.details[0]!, /\+2/);
+  });
+});
+
+test('traceIdOf: traceparent, then x-request-id, else a fresh W3C id', () => {
+  assert.equal(traceIdOf({ traceparent: '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01' }), '4bf92f3577b34da6a3ce929d0e0e4736');
+  assert.equal(traceIdOf({ traceparent: '00-00000000000000000000000000000000-00f067aa0ba902b7-01', 'x-request-id': 'abc' }), 'abc');
+  assert.equal(traceIdOf({ 'x-request-id': 'has space' }).length, 32);
+  assert.match(traceIdOf({}), /^[0-9a-f]{32}$/);
+  assert.notEqual(traceIdOf({}), traceIdOf({}));
+});
+
+test('TraceStore: lookup by trace or rid, bounded, finished callback', () => {
+  const s = new TraceStore(2);
+  const done: string[] = [];
+  s.onFinished = (t) => done.push(t.rid);
+  s.begin('r1', 't1');
+  s.event('r1', 'dispatched', { room: '9', prefill: 'p', decode: 'd' });
+  s.event('r1', 'finished', { outcome: 'ok' });
+  assert.equal(s.get('t1')!.room, '9');
+  assert.equal(s.get('r1')!.outcome, 'ok');
+  assert.deepEqual(done, ['r1']);
+  s.begin('r2', 't2');
+  s.begin('r3', 't3');
+  assert.equal(s.get('t1'), undefined, 'oldest evicted');
+  assert.deepEqual(s.recent().map((t) => t.rid), ['r3', 'r2']);
+});
+
+test('DashboardSeries: buckets, percentiles, failures by code', () => {
+  const s = new DashboardSeries(1000, 5);
+  const t = 1_000_000;
+  s.add({ outcome: 'ok', ttft_ms: 10, itl_ms: 2, completion_tokens: 4 }, t);
+  s.add({ outcome: 'ok', ttft_ms: 30, itl_ms: 4, completion_tokens: 6 }, t + 100);
+  s.add({ outcome: 'error', code: 'kv_transfer_failed' }, t + 2000);
+  const v = s.view(t + 2500);
+  assert.equal(v.t.length, 5);
+  assert.equal(v.tokens_per_s[2], 10);
+  assert.equal(v.ttft_p50_ms[2], 10);
+  assert.equal(v.ttft_p95_ms[2], 30);
+  assert.deepEqual(v.failures, [{ code: 'kv_transfer_failed', count: 1 }]);
+  assert.equal(percentile([], 0.5), null);
+});
+
+test('parsePrometheus reads labels, escapes and special values', () => {
+  const x = parsePrometheus('# HELP a b\na_total{k="v\\"q",e="x"} 3\nb 1.5\nc +Inf\n');
+  assert.deepEqual(x[0], { name: 'a_total', labels: { k: 'v"q', e: 'x' }, value: 3 });
+  assert.equal(sumOf(x, 'b'), 1.5);
+  assert.equal(x[2]!.value, Infinity);
+});

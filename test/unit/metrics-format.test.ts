@@ -1,0 +1,45 @@
+/**
+ * The metrics registries' text passes `promtool check metrics` (where promtool is installed; said
+ * loudly where not) and names no gauge `*_total` (prom-client's default process gauges are renamed).
+ */
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { Registry } from 'prom-client';
+import { WorkerMetrics } from '../../src/common/metrics.js';
+import { collectCleanDefaultMetrics } from '../../src/common/promclean.js';
+import { KVPoll } from '../../src/kv/types.js';
+import { RouterMetrics, WorkerRegistry } from '../../src/router/index.js';
+import pino from 'pino';
+import { assertTotalsAreCounters, checkMetrics, reportMissingPromtool } from '../helpers/promtool.js';
+
+test('default process gauges named *_total are dropped or renamed', async () => {
+  const reg = new Registry();
+  const renamed = collectCleanDefaultMetrics(reg, 'x_');
+  assert.ok(Object.keys(renamed).length >= 1, 'prom-client still exports *_total gauges (else this module is obsolete)');
+  const text = await reg.metrics();
+  assertTotalsAreCounters(text);
+  for (const [old, clean] of Object.entries(renamed)) {
+    assert.doesNotMatch(text, new RegExp(`^# TYPE ${old} `, 'm'));
+    assert.match(text, new RegExp(`^# TYPE ${clean} gauge`, 'm'));
+  }
+});
+
+test('worker and router /metrics text passes promtool check metrics', async (t) => {
+  const w = new WorkerMetrics('decode', {
+    queues: () => ({ decode_prealloc_queue: 1, decode_running: 2 }),
+    roomsByState: () => new Map([[KVPoll.Transferring, 1]]),
+    channel: () => ({ framesIn: 3, peersLost: 1 }),
+  });
+  w.kvTransferFailed.inc({ reason: 'deadline' });
+  w.kvSeconds.observe(0.01);
+  w.expired.inc({ role: 'decode', state: 'Transferring' });
+  const registry = new WorkerRegistry({ prefill: [], decode: [] }, { dispatcher: undefined as never, log: pino({ level: 'silent' }), intervalMs: 1000, timeoutMs: 1000 });
+  const r = new RouterMetrics(registry);
+  r.ttft.observe(0.1);
+  for (const [name, text] of [['worker', await w.registry.metrics()], ['router', await r.registry.metrics()]] as const) {
+    assertTotalsAreCounters(text);
+    const res = checkMetrics(text);
+    if (!res) return reportMissingPromtool(t);
+    assert.ok(res.ok, `promtool rejects the ${name} metrics:\n${res.output}`);
+  }
+});

@@ -1,0 +1,206 @@
+/**
+ * Prefix cache: the pure policy (prefix-cache.ts) and the engine on the tiny model — reuse
+ * gives the same greedy output as a cold run (deterministic mode, chunk-aligned reuse), across
+ * a PD save/load too; an abort mid-prefill or mid-generation leaves no entry a later request
+ * can read; eviction under pressure never fails an allocation.
+ * Run: node --import tsx --test test/unit/prefix-cache.test.ts
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { loadEngine } from '../../src/engine/llama.js';
+import { chooseSequence, commonPrefix, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type CachedSequence } from '../../src/engine/prefix-cache.js';
+import type { Engine, SamplingParams, Slot } from '../../src/engine/types.js';
+
+const never = new AbortController().signal;
+const greedy = (over: Partial<SamplingParams> = {}): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 12, stop: [], ignoreEos: true, ...over });
+const seq = (index: number, tokens: number[], lastUsed: number, exactPrefix = tokens.length): CachedSequence => ({ index, tokens, exactPrefix, lastUsed });
+const on = { enabled: true, align: null, maxTokens: 1000 };
+
+describe('prefix cache policy', () => {
+  it('common prefix and reusable tokens (last prompt token always evaluated; aligned to exact whole chunks)', () => {
+    assert.equal(commonPrefix([1, 2, 3], [1, 2, 4]), 2);
+    assert.equal(commonPrefix([], [1]), 0);
+    assert.equal(reusableTokens([1, 2, 3, 4], 4, [1, 2, 3, 4], null), 3, 'full match keeps one token to evaluate');
+    assert.equal(reusableTokens([1, 2, 3, 4, 5, 6, 7], 7, [1, 2, 3, 4, 5, 6, 9, 9], null), 6);
+    assert.equal(reusableTokens([1, 2, 3, 4, 5, 6, 7], 4, [1, 2, 3, 4, 5, 6, 9, 9], 2), 4, 'capped at the exact prefix');
+    assert.equal(reusableTokens([1, 2, 3, 4, 5, 6, 7], 6, [1, 2, 3, 4, 5, 9], 4), 4, 'rounded down to a chunk');
+    assert.equal(reusableTokens([1, 2, 3], 3, [1, 2, 3, 4], 4), 0);
+    assert.equal(reusableTokens([5], 1, [1], null), 0);
+    assert.equal(exactPrefixAfterPrompt(37, 16), 32);
+    assert.equal(exactPrefixAfterPrompt(32, 16), 32);
+    assert.equal(exactPrefixAfterPrompt(37, null), 37);
+  });
+
+  it('chooses the longest reusable prefix, else an empty sequence, else the least recently used', () => {
+    const free = [seq(0, [1, 2, 3, 4], 10), seq(1, [1, 2, 9], 20), seq(2, [], 0), seq(3, [7, 7], 5)];
+    assert.deepEqual(pick(free, [1, 2, 3, 4, 5]), [0, 4]);
+    assert.deepEqual(pick(free, [1, 2, 9, 9]), [1, 3]);
+    assert.deepEqual(pick(free, [8, 8]), [2, 0], 'no match: the empty sequence');
+    assert.deepEqual(pick(free.filter((s) => s.index !== 2), [8, 8]), [3, 0], 'no empty one: LRU is evicted');
+    assert.deepEqual(pick(free, undefined), [2, 0], 'no prompt (a state load): never a cached one while an empty one exists');
+    assert.deepEqual(pick(free, [1, 2, 3, 4, 5], { ...on, enabled: false }), [2, 0], 'cache off: no reuse');
+    assert.equal(chooseSequence([], [1], on), undefined);
+    // ties: the more recently used wins
+    assert.deepEqual(pick([seq(0, [1, 2, 3], 1), seq(1, [1, 2, 4], 2)], [1, 2, 5]), [1, 2]);
+  });
+
+  it('evicts least recently used sequences beyond the token budget', () => {
+    const idle = [seq(0, [1, 2, 3], 30), seq(1, [1, 2, 3, 4], 10), seq(2, [], 0), seq(3, [5, 6], 20)];
+    assert.deepEqual(evictionsForBudget(idle, 9).map((s) => s.index), []);
+    assert.deepEqual(evictionsForBudget(idle, 8).map((s) => s.index), [1]);
+    assert.deepEqual(evictionsForBudget(idle, 2).map((s) => s.index), [1, 3, 0]);
+    assert.deepEqual(evictionsForBudget(idle, 0).map((s) => s.index), [1, 3, 0]);
+  });
+});
+
+function pick(free: CachedSequence[], prompt: number[] | undefined, settings = on): [number, number] {
+  const c = chooseSequence(free, prompt, settings)!;
+  return [c.seq.index, c.reuse];
+}
+
+describe('prefix cache on the tiny model', () => {
+  const BATCH = 16;
+  const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-prefix-test-'));
+  let cached: Engine; // deterministic, prefix cache on (1 slot + 1 cache sequence)
+  let cold: Engine; // deterministic, no cache: the reference
+  let loose: Engine; // prefix cache on, not deterministic: whole-prefix reuse
+  let model: string;
+
+  before(async () => {
+    model = await ensureModel('tiny', 1, path.join(dir, 'cache'));
+    const base = { modelPath: model, contextSize: 1024, batchSize: BATCH, deterministic: true };
+    cached = await loadEngine({ ...base, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 4096 } });
+    cold = await loadEngine({ ...base, sequences: 1 });
+    loose = await loadEngine({ ...base, deterministic: false, sequences: 1, prefixCache: { cacheSequences: 0, maxTokens: 4096 } });
+  });
+  after(async () => {
+    await cached?.dispose();
+    await cold?.dispose();
+    await loose?.dispose();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  async function run(e: Engine, prompt: number[], sp = greedy(), signal = never): Promise<{ tokens: number[]; cached: number; slot: number }> {
+    const s = e.tryAcquireSlot(prompt)!;
+    try {
+      const r = await s.prefill(prompt, sp, signal);
+      const out = [r.firstToken];
+      for await (const t of s.generate(r.firstToken, sp, signal)) if (out.length < sp.maxTokens) out.push(t.token);
+      return { tokens: out.slice(0, sp.maxTokens), cached: r.cachedTokens, slot: s.index };
+    } finally {
+      s.release();
+    }
+  }
+
+  it('multi-round conversation: output with reuse equals output without; reuse is whole chunks', async () => {
+    const messages = [{ role: 'system' as const, content: 'You are a careful agent. Answer in short sentences about the state of the data.' }];
+    let cachedTotal = 0;
+    for (let round = 1; round <= 5; round++) {
+      messages.push({ role: 'user', content: `Round ${round}: the tool returned ${'value '.repeat(round * 2)}done.` } as never);
+      const prompt = cached.renderChat(messages);
+      const a = await run(cached, prompt);
+      const b = await run(cold, prompt);
+      assert.deepEqual(a.tokens, b.tokens, `round ${round}: reuse changed the output`);
+      assert.equal(b.cached, 0);
+      assert.equal(a.cached % BATCH, 0, 'deterministic reuse is chunk-aligned');
+      if (round > 1) assert.ok(a.cached > 0, `round ${round}: nothing reused`);
+      cachedTotal += a.cached;
+      messages.push({ role: 'assistant', content: cached.detokenize(a.tokens) } as never);
+    }
+    assert.ok(cachedTotal > 0);
+    assert.ok(cached.cachedStats().tokens > 0);
+  });
+
+  it('non-deterministic mode reuses the whole common prefix (all but the last prompt token)', async () => {
+    const p = loose.tokenize('the state stream of the model is data. '.repeat(6));
+    const first = await run(loose, p);
+    assert.equal(first.cached, 0);
+    const again = await run(loose, p);
+    assert.equal(again.cached, p.length - 1);
+    assert.deepEqual(again.tokens, first.tokens);
+    const longer = [...p, ...loose.tokenize(' and more')];
+    const third = await run(loose, longer);
+    assert.ok(third.cached >= p.length, `reused ${third.cached} of ${longer.length}`);
+  });
+
+  it('PD with reuse: a state saved after a cached prefill loads elsewhere and generates what a cold run does', async () => {
+    const p1 = cached.tokenize('alpha beta gamma delta '.repeat(8));
+    const p2 = [...p1, ...cached.tokenize(' epsilon zeta eta theta iota kappa')];
+    await run(cached, p1);
+    const s = cached.tryAcquireSlot(p2)!;
+    const r = await s.prefill(p2, greedy(), never);
+    assert.ok(r.cachedTokens > 0);
+    const file = path.join(dir, 'reuse.ggsq');
+    await s.saveState(file);
+    s.release();
+    const d = cold.tryAcquireSlot()!;
+    await d.loadState(file, p2);
+    const got = [r.firstToken];
+    for await (const t of d.generate(r.firstToken, greedy(), never)) if (got.length < 12) got.push(t.token);
+    d.release();
+    const ref = await run(cold, p2);
+    assert.deepEqual(got.slice(0, 12), ref.tokens);
+  });
+
+  it('an abort mid-prefill leaves no cache entry; a later round evaluates in full and matches the cold run', async () => {
+    const e = await loadEngine({ modelPath: model, contextSize: 512, batchSize: BATCH, deterministic: true, sequences: 1, prefixCache: { cacheSequences: 0, maxTokens: 4096 } });
+    try {
+      const p = e.tokenize('one two three four five six seven eight nine ten '.repeat(8));
+      assert.ok(p.length > BATCH * 6);
+      const ac = new AbortController();
+      const s = e.tryAcquireSlot(p)!;
+      const pr = s.prefill(p, greedy(), ac.signal);
+      setImmediate(() => ac.abort());
+      await assert.rejects(pr, { code: 'ABORTED' });
+      s.release();
+      assert.deepEqual(e.cachedStats(), { sequences: 0, tokens: 0 }, 'the half-written sequence was dropped');
+      const after1 = await run(e, p);
+      assert.equal(after1.cached, 0);
+      assert.deepEqual(after1.tokens, (await run(cold, p)).tokens);
+
+      // an aborted generation does not leave an entry either
+      const ac2 = new AbortController();
+      const s2 = e.tryAcquireSlot(p)!;
+      const r2 = await s2.prefill(p, greedy({ maxTokens: 100 }), never);
+      assert.ok(r2.cachedTokens > 0, 'the completed round above was cached');
+      let n = 0;
+      for await (const _t of s2.generate(r2.firstToken, greedy({ maxTokens: 100 }), ac2.signal)) if (++n === 3) ac2.abort();
+      s2.release();
+      assert.equal(e.cachedStats().tokens, 0);
+      assert.equal((await run(e, p)).cached, 0);
+    } finally {
+      await e.dispose();
+    }
+  });
+
+  it('eviction under pressure never fails an allocation and keeps the token budget', async () => {
+    const e = await loadEngine({ modelPath: model, contextSize: 256, batchSize: BATCH, sequences: 2, prefixCache: { cacheSequences: 2, maxTokens: 150 } });
+    try {
+      const runs: Promise<unknown>[] = [];
+      for (let i = 0; i < 12; i++) {
+        const p = e.tokenize(`request ${i} `.repeat(5 + (i % 7)));
+        const go = async (): Promise<void> => {
+          let s: Slot | null = null;
+          while (!(s = e.tryAcquireSlot(p))) await new Promise((r) => setTimeout(r, 2));
+          try {
+            const r = await s.prefill(p, greedy({ maxTokens: 4 }), never);
+            for await (const _t of s.generate(r.firstToken, greedy({ maxTokens: 4 }), never));
+          } finally {
+            s.release();
+          }
+        };
+        runs.push(go());
+      }
+      await Promise.all(runs);
+      assert.ok(e.cachedStats().tokens <= 150, `budget exceeded: ${e.cachedStats().tokens}`);
+      assert.ok(e.cachedStats().sequences >= 1);
+      assert.equal(e.slotsFree(), 2, 'two slots at most are busy; the cache sequences never count as free slots');
+    } finally {
+      await e.dispose();
+    }
+  });
+});

@@ -1,0 +1,133 @@
+/**
+ * Router load-balancing policies (src/router/policy): the approximate prefix tree and the four
+ * policies, on plain worker objects (no sockets: this is pure selection logic).
+ * Run: node --import tsx --test test/unit/router-policy.test.ts
+ */
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import fc from 'fast-check';
+import { createPolicy, routingText, type PolicyWorker } from '../../src/router/policy/index.js';
+import { PrefixTree } from '../../src/router/policy/radix-tree.js';
+
+const workers = (...loads: number[]): PolicyWorker[] => loads.map((load, i) => ({ url: `http://w${i}`, load }));
+
+describe('prefix tree', () => {
+  it('matches the longest prefix per tenant and splits edges', () => {
+    const t = new PrefixTree(1000);
+    t.insert('hello world', 'a', 1);
+    t.insert('hello there', 'b', 2);
+    t.insert('help', 'a', 3);
+    const m = t.match('hello world again');
+    assert.equal(m.matchedChars, 11);
+    assert.equal(m.byTenant.get('a'), 11);
+    assert.equal(m.byTenant.get('b'), 6, 'b shares "hello "');
+    assert.equal(t.match('xyz').matchedChars, 0);
+    assert.equal(t.match('hel').byTenant.get('b'), 3);
+    assert.equal(t.tenantChars('a'), 'hello world'.length + 1, 'a holds "hel" + "lo world"/"lo " split + "p"');
+    assert.equal(t.tenantChars('b'), 'hello there'.length);
+  });
+
+  it('evicts a tenant\'s least recently used leaves down to its bound, leaving other tenants intact', () => {
+    const t = new PrefixTree(1_000_000);
+    t.insert('aaaa1111', 'x', 1);
+    t.insert('aaaa2222', 'x', 2);
+    t.insert('bbbb3333', 'x', 3);
+    t.insert('aaaa1111', 'y', 4);
+    t.evict('x', 16);
+    assert.equal(t.match('aaaa1111').byTenant.get('x'), 4, 'the oldest leaf "1111" went first');
+    assert.equal(t.match('aaaa2222').byTenant.get('x'), 8);
+    assert.equal(t.match('aaaa1111').byTenant.get('y'), 8, 'y keeps its path');
+    assert.equal(t.tenantChars('x'), 16);
+    t.removeTenant('x');
+    assert.equal(t.tenantChars('x'), 0);
+    assert.equal(t.match('bbbb3333').matchedChars, 0, 'nodes nobody holds are gone');
+    assert.equal(t.match('aaaa1111').byTenant.get('y'), 8);
+  });
+
+  it('keeps each tenant within ~its bound on insert, and sizes stay exact (property)', () => {
+    fc.assert(
+      fc.property(fc.array(fc.tuple(fc.string({ unit: fc.constantFrom('a', 'b', 'c'), maxLength: 12 }), fc.constantFrom('p', 'q')), { maxLength: 60 }), (ops) => {
+        const t = new PrefixTree(20);
+        ops.forEach(([s, who], i) => t.insert(s, who, i));
+        for (const who of ['p', 'q']) assert.ok(t.tenantChars(who) <= 22 + 12, `${who}: ${t.tenantChars(who)}`);
+        // every inserted text of the last op is fully matched for its tenant
+        const last = ops[ops.length - 1];
+        if (last) assert.equal(t.match(last[0]).byTenant.get(last[1]) ?? 0, last[0].length);
+      }),
+    );
+  });
+});
+
+describe('policies', () => {
+  it('round_robin takes turns; least_load takes the least loaded (ties in turn)', () => {
+    const rr = createPolicy('round_robin');
+    const w = workers(5, 0, 9);
+    assert.deepEqual([0, 1, 2, 3].map(() => rr.pick(w, 'x', 0)!.worker.url), ['http://w0', 'http://w1', 'http://w2', 'http://w0']);
+    const ll = createPolicy('least_load');
+    assert.equal(ll.pick(w, 'x', 0)!.worker.url, 'http://w1');
+    const tie = workers(1, 1);
+    assert.deepEqual([ll.pick(tie, '', 0)!.worker.url, ll.pick(tie, '', 0)!.worker.url].sort(), ['http://w0', 'http://w1']);
+    assert.equal(rr.pick([], 'x', 0), null);
+    assert.equal(ll.pick([], 'x', 0), null);
+  });
+
+  it('power_of_two takes the less loaded of two distinct random workers', () => {
+    const seq = [0.0, 0.99, 0.5, 0.0];
+    let i = 0;
+    const p = createPolicy('power_of_two', {}, () => seq[i++ % seq.length]!);
+    const w = workers(3, 7, 1);
+    // draws 0.0 → w0 and 0.99 → w2 (of the other two): w2 has the lower load
+    assert.equal(p.pick(w, '', 0)!.worker.url, 'http://w2');
+    // draws 0.5 → w1 and 0.0 → w0: w0 (3) beats w1 (7)
+    assert.equal(p.pick(w, '', 0)!.worker.url, 'http://w0');
+    for (let k = 0; k < 50; k++) assert.notEqual(createPolicy('power_of_two').pick(w, '', 0)!.worker.url, 'http://w1', 'the most loaded of three can never win two-choice');
+  });
+
+  it('cache_aware routes a conversation\'s rounds to the worker holding its prefix', () => {
+    const p = createPolicy('cache_aware', { cacheThreshold: 0.3 });
+    const w = workers(0, 0, 0);
+    const a1 = 'agent A: system prompt, tools, round 1';
+    const b1 = 'agent B: a different system prompt, round 1';
+    const wa = p.pick(w, a1, 1)!;
+    assert.equal(wa.reason, 'cache_miss');
+    const wb = p.pick(w, b1, 2)!;
+    assert.notEqual(wb.worker.url, wa.worker.url, 'a miss goes to the worker with the smallest tree');
+    for (let r = 2; r <= 6; r++) {
+      const ra = p.pick(w, `${a1} … round ${r}`, 2 + r)!;
+      assert.equal(ra.worker.url, wa.worker.url, `A round ${r}`);
+      assert.equal(ra.reason, 'cache_hit');
+      assert.equal(p.pick(w, `${b1} … round ${r}`, 3 + r)!.worker.url, wb.worker.url, `B round ${r}`);
+    }
+  });
+
+  it('cache_aware falls back to the least loaded worker when the load is imbalanced (both thresholds)', () => {
+    const p = createPolicy('cache_aware', { balanceAbsThreshold: 4, balanceRelThreshold: 1.5 });
+    const text = 'hot prefix shared by everyone';
+    const w0 = { url: 'http://w0', load: 0 };
+    const w1 = { url: 'http://w1', load: 0 };
+    assert.equal(p.pick([w0, w1], text, 1)!.worker, w0);
+    // hot prefix piles on w0 until max − min > 4 and max > 1.5 × min
+    w0.load = 4;
+    assert.equal(p.pick([w0, w1], text, 2)!.reason, 'cache_hit', 'diff 4 is not > 4');
+    w0.load = 5;
+    const r = p.pick([w0, w1], text, 3)!;
+    assert.equal(r.reason, 'imbalanced');
+    assert.equal(r.worker, w1);
+    // abs exceeded but not rel: 20 vs 14 (20 < 21)
+    w0.load = 20;
+    w1.load = 14;
+    assert.equal(p.pick([w0, w1], text, 4)!.reason, 'cache_hit');
+  });
+
+  it('cache_aware below the threshold goes to the smallest tree; routing text follows the message order', () => {
+    const p = createPolicy('cache_aware', { cacheThreshold: 0.9 });
+    const w = workers(0, 0);
+    const first = p.pick(w, 'abcdefghij', 1)!.worker.url;
+    const r = p.pick(w, 'abcdeXXXXX', 2)!;
+    assert.equal(r.reason, 'cache_miss');
+    assert.notEqual(r.worker.url, first);
+    assert.equal(routingText({ kind: 'chat', messages: [{ role: 'system', content: 's' }, { role: 'user', content: 'u' }] }), '<|system|>s<|user|>u');
+    assert.equal(routingText({ kind: 'completion', prompt: { input_ids: [1, 2] } }), '1,2,');
+    assert.equal(routingText({ kind: 'completion', prompt: { text: 'hi' } }), 'hi');
+  });
+});
