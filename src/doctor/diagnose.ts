@@ -161,6 +161,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       weight: 1e12,
     });
   }
+  const drainingOf = (w: WorkerProbe) => w.ref.router?.draining === true || w.health.body?.status === 'draining' || w.health.body?.draining === true || w.health.body?.state === 'draining';
   for (const w of snap.workers) {
     const rr = w.ref.router ?? {};
     if (!w.health.ok && !(w.health.status === 503 && w.health.body)) {
@@ -174,7 +175,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
         weight: 1e11,
         data: { url: w.ref.url, role: w.ref.role },
       });
-    } else if (rr.healthy === false) {
+    } else if (rr.healthy === false && !drainingOf(w)) {
       add({
         severity: 'critical',
         kind: 'worker_unhealthy',
@@ -295,11 +296,11 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
         weight: 1e8,
       });
     }
-    const why = [rr.reason, rr.state, rr.last_error].filter((x): x is string => typeof x === 'string' && /mismatch/i.test(x));
+    const why = [rr.mismatch, rr.reason, rr.state, rr.last_error].filter((x): x is string => typeof x === 'string' && /mismatch/i.test(x));
     if (why.length) {
       add({ severity: 'critical', kind: 'mismatch', title: `router reports a settings mismatch for ${w.ref.role} ${w.ref.url}: ${why[0]}`, details: [], cause: 'the worker runs with settings the rest of the cluster cannot work with (model, context size, secret)', next: [`curl -sS ${routerUrl}/workers`, `curl -sS ${w.ref.url}/health`], weight: 1e8 });
     }
-    if (w.health.body?.draining === true || w.health.body?.state === 'draining') {
+    if (drainingOf(w)) {
       add({ severity: 'info', kind: 'draining', title: `${w.ref.role} ${w.ref.url} is draining`, details: [], cause: 'a graceful shutdown is under way: it takes no new requests', next: [`curl -sS ${w.ref.url}/health`] });
     }
   }

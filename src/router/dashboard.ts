@@ -120,7 +120,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
         url: w.ref.url,
         healthy: w.ref.router?.healthy === true,
         reachable: w.health.body !== null,
-        state: typeof h.state === 'string' ? h.state : h.draining === true ? 'draining' : w.ref.router?.healthy === true ? 'healthy' : 'unhealthy',
+        state: w.ref.router?.draining === true || h.status === 'draining' ? 'draining' : typeof w.ref.router?.mismatch === 'string' ? 'mismatch' : w.ref.router?.healthy === true ? 'healthy' : 'unhealthy',
         last_error: (w.ref.router?.last_error as string | null) ?? w.health.error,
         load: w.ref.router?.load ?? 0,
         slots: h.slots ?? null,

@@ -11,7 +11,7 @@
  */
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -68,6 +68,9 @@ describe('request traces', () => {
     assert.deepEqual(whats.slice(0, 2), ['received', 'dispatched'], JSON.stringify(t));
     assert.deepEqual([...whats].sort(), ['dispatched', 'finished', 'first_token', 'prefill_done', 'received']);
     assert.equal(t.outcome, 'ok');
+    const logFile = c.router.logFile!;
+    const logged = await waitFor(async () => readFileSync(logFile, 'utf8').split('\n').some((l) => l.includes(`"trace":"${traceId}"`) && l.includes('request finished') && l.includes(`"room":"${t.room}"`)), 3000);
+    assert.ok(logged, `the router's 'request finished' line carries the trace id and room (${logFile})`);
     for (const role of ['prefill', 'decode'] as const) {
       let row: { room: string; trace: string } | undefined;
       const ok = await waitFor(async () => {
@@ -218,9 +221,24 @@ describe('dashboard in headless chromium', () => {
       const tps = await page.evaluate(() => document.getElementById('tps')!.textContent);
       assert.match(tps ?? '', /^\d+\.\d$/);
       assert.deepEqual(failed, [], 'every asset loads from the router (no CDN)');
-      mkdirSync('test-artifacts', { recursive: true });
-      await page.screenshot({ path: join('test-artifacts', 'dashboard.png'), fullPage: true });
-      t.diagnostic('screenshot: test-artifacts/dashboard.png');
+      // A held room shows up live: rooms by phase, and the doctor's finding on the page.
+      const holdSpec = (spec: string) => fetch(`${url('prefill')}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
+      await holdSpec('prefill.send=15000');
+      const ac = new AbortController();
+      const victim = complete({ 'x-request-id': 'dashboard-held' }, { stream: true }, ac.signal).then((r) => r.text()).catch(() => '');
+      try {
+        await page.waitForFunction(() => /prefill inflight: 1/.test(document.getElementById('phases')!.textContent ?? ''), null, { timeout: 10_000 });
+        await page.waitForFunction(() => document.getElementById('status')!.textContent === 'critical', null, { timeout: 10_000 });
+        const findings = await page.locator('#findings li').allInnerTexts();
+        assert.ok(findings.some((f) => /requests are waiting while every engine is idle/.test(f)), findings.join('\n'));
+        mkdirSync('test-artifacts', { recursive: true });
+        await page.screenshot({ path: join('test-artifacts', 'dashboard.png'), fullPage: true });
+        t.diagnostic('screenshot: test-artifacts/dashboard.png');
+      } finally {
+        await holdSpec('');
+        ac.abort();
+        await victim;
+      }
     } finally {
       await ctx.close();
       rmSync(profile, { recursive: true, force: true });

@@ -103,6 +103,10 @@ describe('diagnose', () => {
     const kinds = d.findings.map((f) => f.kind);
     assert.ok(kinds.includes('worker_unreachable') && kinds.filter((k) => k === 'mismatch').length === 2, kinds.join());
     assert.equal(d.exitCode, 2);
+    const m = diagnose(snap([worker('prefill', { router: { mismatch: 'settings mismatch with decode http://d: context size 1024 vs 2048' } }), worker('decode', { health: { status: 'draining' }, router: { healthy: false, draining: true } })]));
+    assert.ok(m.findings.some((f) => f.kind === 'mismatch' && /context size/.test(f.title)), JSON.stringify(m.findings));
+    assert.ok(m.findings.some((f) => f.kind === 'draining' && f.severity === 'info'));
+    assert.ok(!m.findings.some((f) => f.kind === 'worker_unhealthy'), 'a draining worker is not reported as unhealthy');
     const failedAt = NOW - 60_000;
     const recent = [{ ...room({ state: 'Failed', phase: 'done', inPhase: 0 }), fail_reason: 'deadline: inflight', timeline: [{ at: failedAt, state: 'Failed', phase: 'done', why: 'deadline' }] }];
     const old = { ...recent[0]!, room: '7', fail_reason: 'transfer: x', timeline: [{ at: NOW - 3_600_000, state: 'Failed', phase: 'done', why: 'x' }] };
@@ -160,4 +164,13 @@ test('parsePrometheus reads labels, escapes and special values', () => {
   assert.deepEqual(x[0], { name: 'a_total', labels: { k: 'v"q', e: 'x' }, value: 3 });
   assert.equal(sumOf(x, 'b'), 1.5);
   assert.equal(x[2]!.value, Infinity);
+});
+
+test('DashboardSeries: a fresh series shows one minute, not the whole empty window', () => {
+  const s = new DashboardSeries(5000, 60);
+  const t = 1_000_000_000;
+  s.add({ outcome: 'ok', completion_tokens: 5 }, t);
+  assert.equal(s.view(t).t.length, 12);
+  assert.equal(s.view(t + 120_000).t.length, 25);
+  assert.equal(s.view(t + 3_600_000).t.length, 60);
 });
