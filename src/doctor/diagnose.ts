@@ -327,7 +327,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       if (r.state !== 'Failed') continue;
       const end = r.timeline?.[r.timeline.length - 1]?.at ?? 0;
       if (d.now - end > windowMs) continue;
-      const reason = (r.fail_reason ?? 'unknown').split(':')[0]!;
+      const reason = failureLabel(w.ref.role, r.fail_reason);
       const key = `${w.ref.role}|${reason}`;
       const cur = failures.get(key) ?? { n: 0, last: 0, example: '' };
       cur.n++;
@@ -340,13 +340,14 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   }
   for (const [key, v] of failures) {
     const [role, reason] = key.split('|') as [string, string];
-    const benign = reason === 'abort' || reason === 'shutdown';
+    const inner = reason.split('→').pop()!;
+    const benign = inner === 'abort' || inner === 'shutdown';
     add({
       severity: benign ? 'info' : 'warning',
       kind: 'recent_failures',
       title: `${v.n} ${role} room(s) failed with '${reason}' in the last ${fmtMs(windowMs)}`,
       details: [`latest: ${v.example}`],
-      cause: FAILURE_CAUSES[reason] ?? 'see the fail reason',
+      cause: reason.includes('→') ? `the ${reason.split('→')[0]} side ended the room and told this one: ${FAILURE_CAUSES[inner] ?? 'see the fail reason'}` : (FAILURE_CAUSES[reason] ?? 'see the fail reason'),
       next: [doctorReq(/trace ([^)\s,]+)/.exec(v.example)?.[1] ?? /rid ([^),]+)/.exec(v.example)?.[1] ?? 'ID')],
       weight: v.n,
     });
@@ -398,6 +399,17 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     `gathered in ${snap.gatherMs} ms`,
   ].join(' · ');
   return { exitCode, findings: f, summary };
+}
+
+/**
+ * Reason label of a failed room: the part before the first ':' ('deadline', 'transfer', …); a
+ * failure the peer reported ('prefill: abort: router' on decode) is 'prefill→abort'.
+ */
+export function failureLabel(role: string, reason: string | null): string {
+  const parts = (reason ?? 'unknown').split(':').map((x) => x.trim());
+  const peer = role === 'decode' ? 'prefill' : 'decode';
+  if (parts[0] === peer && parts.length > 1) return `${peer}→${parts[1]}`;
+  return parts[0]!;
 }
 
 const FAILURE_CAUSES: Record<string, string> = {

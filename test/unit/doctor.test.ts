@@ -115,6 +115,10 @@ describe('diagnose', () => {
     const d2 = diagnose(cur, { previous: { ...prev, at: NOW - 2000 } });
     assert.ok(d2.findings.some((f) => f.kind === 'recent_failures' && /'deadline'/.test(f.title) && f.severity === 'warning'));
     assert.ok(!d2.findings.some((f) => /'transfer'/.test(f.title)), 'failures older than the window are not reported');
+    const peerAbort = [{ ...recent[0]!, role: 'decode', fail_reason: 'prefill: abort: router' }];
+    const d3 = diagnose(snap([worker('prefill'), worker('decode', { recent: peerAbort })]));
+    assert.equal(d3.exitCode, 0, 'an abort relayed by the peer is no warning');
+    assert.match(d3.findings[0]!.title, /'prefill→abort'/);
     const moved = d2.findings.find((f) => f.kind === 'counter_moved')!;
     assert.match(moved.details[0]!, /\+2/);
   });
