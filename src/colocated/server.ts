@@ -4,7 +4,7 @@
  * and the same engine calls as PD, so greedy outputs can be compared token for token.
  */
 import { randomBytes } from 'node:crypto';
-import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, type ColocatedConfig } from '../common/config.js';
@@ -19,6 +19,8 @@ import { ColocatedBackend } from './backend.js';
 /** A running colocated server. */
 export interface ColocatedServer {
   url: string;
+  /** The HTTP app (its drain gate: `drainGateOf(app)`). */
+  app: FastifyInstance;
   backend: ColocatedBackend;
   close(): Promise<void>;
 }
@@ -92,6 +94,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   log.info({ url }, 'colocated server ready');
   return {
     url,
+    app,
     backend,
     async close() {
       await app.close().catch(() => {});
