@@ -169,7 +169,7 @@ export async function runCli(argv: string[]): Promise<void> {
       console.log(`  logs      ${logDir}`);
       console.log('\nTry:');
       console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
-      console.log('\nCtrl-C stops everything.');
+      console.log('\nCtrl-C drains and stops everything (a second Ctrl-C stops waiting).');
       // Supervise: a worker that dies on its own is restarted on the same ports (peers and the
       // router find it again); `up` itself keeps serving with the others meanwhile.
       const restarting = new Set<string>();
