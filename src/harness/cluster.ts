@@ -244,22 +244,8 @@ export class Cluster {
    */
   async drain(graceMs: number): Promise<void> {
     this.stopping = true;
-    const term = async (ps: ClusterProc[]) =>
-      Promise.all(
-        ps.map(async (p) => {
-          const c = p.child;
-          if (!c) return;
-          p.expectedDown = true;
-          const exited = new Promise<void>((r) => c.once('exit', () => r()));
-          c.kill('SIGCONT');
-          c.kill('SIGTERM');
-          const t = setTimeout(() => c.kill('SIGKILL'), graceMs);
-          await exited;
-          clearTimeout(t);
-        }),
-      );
-    await term(this.procs.filter((p) => p.role === 'router'));
-    await term(this.procs.filter((p) => p.role !== 'router'));
+    await Promise.all(this.procs.filter((p) => p.role === 'router').map((p) => this.terminate(p, graceMs)));
+    await Promise.all(this.procs.filter((p) => p.role !== 'router').map((p) => this.terminate(p, graceMs)));
   }
 
   /** During `drain()`: signal every live process again (they stop waiting and fail what is left). */
@@ -267,22 +253,22 @@ export class Cluster {
     for (const p of this.procs) p.child?.kill('SIGTERM');
   }
 
-  /** SIGTERM everything (router first), SIGKILL after `graceMs`. Idempotent. */
+  /** SIGTERM everything at once (processes drain what they have), SIGKILL after `graceMs`. Idempotent. */
   async stop(graceMs = 3000): Promise<void> {
     this.stopping = true;
-    const order = [...this.procs].sort((a, b) => (a.role === 'router' ? -1 : b.role === 'router' ? 1 : 0));
-    await Promise.all(
-      order.map(async (p) => {
-        const c = p.child;
-        if (!c) return;
-        p.expectedDown = true;
-        const exited = new Promise<void>((r) => c.once('exit', () => r()));
-        c.kill('SIGCONT');
-        c.kill('SIGTERM');
-        const t = setTimeout(() => c.kill('SIGKILL'), graceMs);
-        await exited;
-        clearTimeout(t);
-      }),
-    );
+    await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
+  }
+
+  /** SIGCONT + SIGTERM one process; SIGKILL if it is still alive after `graceMs`. Resolves on exit. */
+  private async terminate(p: ClusterProc, graceMs: number): Promise<void> {
+    const c = p.child;
+    if (!c) return;
+    p.expectedDown = true;
+    const exited = new Promise<void>((r) => c.once('exit', () => r()));
+    c.kill('SIGCONT');
+    c.kill('SIGTERM');
+    const t = setTimeout(() => c.kill('SIGKILL'), graceMs);
+    await exited;
+    clearTimeout(t);
   }
 }
