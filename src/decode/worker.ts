@@ -11,7 +11,7 @@
 import { rm, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
-import { canonicalRoom, GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
+import { canonicalRoom, GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
 import { ApiError, toApiError } from '../common/errors.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../common/http.js';
@@ -435,7 +435,7 @@ export class DecodeWorker {
         }
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
-        const ev: GenerateEvent = { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
+        const ev: GenerateEvent = tokenEvent(r.value, meta(n, null));
         if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
           job.ac.abort();
         }

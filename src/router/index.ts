@@ -154,6 +154,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       try {
         parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+        // Token 1's logprob exists only where it was sampled: prefill's first-token event.
+        if (parsed.sampling.logprobs !== undefined && !config.firstTokenFromPrefill) {
+          throw new ApiError(400, 'unsupported_value', "Unsupported value for 'logprobs': logprobs need the first token from prefill (this router runs with --no-first-token-from-prefill)", 'invalid_request_error', 'logprobs');
+        }
       } catch (err) {
         metrics.requests.labels('error').inc();
         throw err;
