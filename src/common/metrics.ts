@@ -78,8 +78,12 @@ export class WorkerMetrics {
     }
   }
 
-  /** Count and log the core's diagnostic effects (`illegal`, `expired`); other effects are ignored. */
-  recordDiagnostic(e: Effect, log: Logger): void {
+  /**
+   * Count and log the core's diagnostic effects (`illegal`, `expired`); other effects are ignored.
+   * `trace`: the room's trace id (TraceTags), put on the log line when known.
+   */
+  recordDiagnostic(e: Effect, log: Logger, trace?: string | null): void {
+    if (trace && (e.t === 'illegal' || e.t === 'expired')) log = log.child({ trace });
     if (e.t === 'illegal') {
       this.illegal.inc({ from: KVPoll[e.from], to: KVPoll[e.to] });
       log.warn({ room: e.room, from: KVPoll[e.from], to: KVPoll[e.to], why: e.why }, 'illegal room transition refused');

@@ -184,7 +184,7 @@ export class DecodeWorker {
           break;
         case 'illegal':
         case 'expired':
-          this.metrics.recordDiagnostic(e, this.log);
+          this.metrics.recordDiagnostic(e, this.log, this.traces.get(e.room));
           break;
         default:
           break;

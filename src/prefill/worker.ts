@@ -223,7 +223,7 @@ export class PrefillWorker {
           break;
         case 'illegal':
         case 'expired':
-          this.metrics.recordDiagnostic(e, this.log);
+          this.metrics.recordDiagnostic(e, this.log, this.traces.get(e.room));
           break;
         default:
           break;

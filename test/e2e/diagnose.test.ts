@@ -245,3 +245,22 @@ describe('dashboard in headless chromium', () => {
     }
   });
 });
+
+test('a hung worker (SIGSTOP) is named by pdserve doctor within 10 s', async () => {
+  const decode = c.byRole('decode')[0]!;
+  const pid = decode.child?.pid;
+  assert.ok(pid, 'decode child pid');
+  process.kill(pid, 'SIGSTOP');
+  try {
+    const out = await cli(['doctor', '--url', c.router.url, '--json']);
+    assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
+    assert.equal(out.code, 2, out.out + out.err);
+    const j = JSON.parse(out.out) as { findings: { kind: string; title: string; data?: Record<string, unknown> }[] };
+    const f = j.findings.find((x) => x.kind === 'worker_unreachable' && x.data?.url === decode.url);
+    assert.ok(f, JSON.stringify(j.findings));
+    assert.match(f.title, /timed out after 3000 ms/);
+  } finally {
+    process.kill(pid, 'SIGCONT');
+  }
+  assert.ok(await waitFor(async () => (await fetch(`${c.router.url}/health`)).status === 200, 10_000), 'the router sees decode again');
+});
