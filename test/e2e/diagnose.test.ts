@@ -127,8 +127,9 @@ test('every /metrics passes promtool check metrics', async (t) => {
   }
 });
 
-test('pdserve doctor on a healthy cluster exits 0 within 10 s', async () => {
+test('pdserve doctor on a healthy cluster exits 0 within 10 s', async (t) => {
   const out = await cli(['doctor', '--url', c.router.url, '--json']);
+  t.diagnostic(`doctor (healthy cluster, process start included): ${out.ms} ms`);
   const j = JSON.parse(out.out) as { exit_code: number; findings: { severity: string; title: string }[] };
   assert.equal(out.code, 0, out.out);
   assert.ok(!j.findings.some((f) => f.severity !== 'info'), JSON.stringify(j.findings));
@@ -141,7 +142,7 @@ test('pdserve doctor on a healthy cluster exits 0 within 10 s', async () => {
   assert.match(text.out, /OK: nothing wrong found|\[INFO\]/);
 });
 
-test('the incident: a room held in prefill inflight is named by pdserve doctor, exit non-zero', async () => {
+test('the incident: a room held in prefill inflight is named by pdserve doctor, exit non-zero', async (t) => {
   const hold = (spec: string) => fetch(`${url('prefill')}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
   assert.equal((await hold('prefill.send=15000')).status, 200);
   const ac = new AbortController();
@@ -156,6 +157,7 @@ test('the incident: a room held in prefill inflight is named by pdserve doctor, 
     assert.ok(found && room, 'the victim reached prefill inflight');
     await new Promise((r) => setTimeout(r, 1300));
     const out = await cli(['doctor', '--url', c.router.url, '--json', '--slow-ms', '1000']);
+    t.diagnostic(`doctor (held room): ${out.ms} ms`);
     assert.equal(out.code, 2, out.out + out.err);
     assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
     const j = JSON.parse(out.out) as { findings: { kind: string; severity: string; title: string; data?: Record<string, unknown> }[] };
@@ -246,13 +248,14 @@ describe('dashboard in headless chromium', () => {
   });
 });
 
-test('a hung worker (SIGSTOP) is named by pdserve doctor within 10 s', async () => {
+test('a hung worker (SIGSTOP) is named by pdserve doctor within 10 s', async (t) => {
   const decode = c.byRole('decode')[0]!;
   const pid = decode.child?.pid;
   assert.ok(pid, 'decode child pid');
   process.kill(pid, 'SIGSTOP');
   try {
     const out = await cli(['doctor', '--url', c.router.url, '--json']);
+    t.diagnostic(`doctor (one worker hung): ${out.ms} ms`);
     assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
     assert.equal(out.code, 2, out.out + out.err);
     const j = JSON.parse(out.out) as { findings: { kind: string; title: string; data?: Record<string, unknown> }[] };
