@@ -9,7 +9,7 @@
  */
 import { z, ZodError, type ZodIssue } from 'zod';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateEvent, type GenerateRequest } from './worker-protocol.js';
+import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateEvent, type GenerateRequest, type WireLogprob } from './worker-protocol.js';
 import type { RoomId } from '../common/room-id.js';
 import { normaliseJsonSchema, SchemaError } from './json-schema.js';
 import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint } from './fields.js';
@@ -297,6 +297,23 @@ function grammarOf(b: Record<string, unknown>): WorkerSampling['grammar'] {
 }
 
 /**
+ * The logprobs a request asks for: completions `logprobs: N` (0..20), chat `logprobs: true` with
+ * `top_logprobs: N` (default 0); undefined = none. The endpoint is told by `messages` presence.
+ * @throws ApiError 400 for the other endpoint's type, or top_logprobs without logprobs (as OpenAI).
+ */
+function logprobsOf(b: Record<string, unknown>): number | undefined {
+  const chat = 'messages' in b;
+  const lp = b.logprobs;
+  if (chat) {
+    if (lp !== undefined && typeof lp !== 'boolean') throw new ApiError(400, 'invalid_type', "Invalid type for 'logprobs': expected boolean", 'invalid_request_error', 'logprobs');
+    if (b.top_logprobs !== undefined && lp !== true) throw badRequest("Invalid value for 'top_logprobs': top_logprobs requires logprobs to be true", 'top_logprobs');
+    return lp === true ? ((b.top_logprobs as number | undefined) ?? 0) : undefined;
+  }
+  if (lp !== undefined && typeof lp !== 'number') throw new ApiError(400, 'invalid_type', "Invalid type for 'logprobs': expected an integer in [0, 20]", 'invalid_request_error', 'logprobs');
+  return lp as number | undefined;
+}
+
+/**
  * The parts shared by both endpoints. `maxTokens` undefined = the rest of the context (the
  * worker resolves it once it knows the prompt length).
  */
@@ -329,6 +346,8 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): Pa
   if (stopIds && stopIds.length > 0) sampling.stop_token_ids = stopIds;
   const grammar = grammarOf(b);
   if (grammar) sampling.grammar = grammar;
+  const lp = logprobsOf(b);
+  if (lp !== undefined) sampling.logprobs = lp;
   const so = b.stream_options as { include_usage?: boolean | null } | undefined;
   const out: ParsedCommon = { sampling, stream: b.stream === true, includeUsage: b.stream === true && so?.include_usage === true };
   if (b.model !== undefined) out.model = b.model as string;
@@ -418,12 +437,54 @@ export interface ResponseMeta {
   created: number;
 }
 
+/** Completions `logprobs` of one choice (OpenAI legacy shape; text_offset counts UTF-16 units of the token texts). */
+export interface CompletionLogprobs {
+  tokens: string[];
+  token_logprobs: number[];
+  top_logprobs: Record<string, number>[];
+  text_offset: number[];
+}
+
+/** One token of a chat choice's `logprobs.content` (OpenAI shape; bytes = UTF-8 of the token text). */
+export interface ChatTokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs: { token: string; logprob: number; bytes: number[] }[];
+}
+
+/** Chat `logprobs` of one choice. */
+export interface ChatLogprobs {
+  content: ChatTokenLogprob[];
+  refusal: null;
+}
+
+/** Completions logprobs of `lps`, the first token starting at text offset `offset0`. */
+export function completionLogprobs(lps: readonly WireLogprob[], offset0 = 0): CompletionLogprobs {
+  const out: CompletionLogprobs = { tokens: [], token_logprobs: [], top_logprobs: [], text_offset: [] };
+  let off = offset0;
+  for (const lp of lps) {
+    out.tokens.push(lp.token);
+    out.token_logprobs.push(lp.logprob);
+    out.top_logprobs.push(Object.fromEntries(lp.top.map((t) => [t.token, t.logprob])));
+    out.text_offset.push(off);
+    off += lp.token.length;
+  }
+  return out;
+}
+
+/** Chat logprobs of `lps`. */
+export function chatLogprobs(lps: readonly WireLogprob[]): ChatLogprobs {
+  const bytes = (t: string) => [...Buffer.from(t, 'utf8')];
+  return { content: lps.map((lp) => ({ token: lp.token, logprob: lp.logprob, bytes: bytes(lp.token), top_logprobs: lp.top.map((t) => ({ token: t.token, logprob: t.logprob, bytes: bytes(t.token) })) })), refusal: null };
+}
+
 export interface TextCompletion {
   id: string;
   object: 'text_completion';
   created: number;
   model: string;
-  choices: { index: 0; text: string; logprobs: null; finish_reason: OpenAIFinishReason | null }[];
+  choices: { index: 0; text: string; logprobs: CompletionLogprobs | null; finish_reason: OpenAIFinishReason | null }[];
   usage?: Usage | null;
 }
 
@@ -432,7 +493,7 @@ export interface ChatCompletion {
   object: 'chat.completion';
   created: number;
   model: string;
-  choices: { index: 0; message: { role: 'assistant'; content: string }; logprobs: null; finish_reason: OpenAIFinishReason }[];
+  choices: { index: 0; message: { role: 'assistant'; content: string }; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason }[];
   usage: Usage;
 }
 
@@ -441,30 +502,30 @@ export interface ChatCompletionChunk {
   object: 'chat.completion.chunk';
   created: number;
   model: string;
-  choices: { index: 0; delta: { role?: 'assistant'; content?: string }; logprobs: null; finish_reason: OpenAIFinishReason | null }[];
+  choices: { index: 0; delta: { role?: 'assistant'; content?: string }; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason | null }[];
   usage?: Usage | null;
 }
 
 /** Non-stream /v1/completions response. */
-export function completionResponse(m: ResponseMeta, text: string, finishReason: OpenAIFinishReason, usage: Usage): TextCompletion {
-  return { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [{ index: 0, text, logprobs: null, finish_reason: finishReason }], usage };
+export function completionResponse(m: ResponseMeta, text: string, finishReason: OpenAIFinishReason, usage: Usage, logprobs: CompletionLogprobs | null = null): TextCompletion {
+  return { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [{ index: 0, text, logprobs, finish_reason: finishReason }], usage };
 }
 
 /** Non-stream /v1/chat/completions response. */
-export function chatCompletionResponse(m: ResponseMeta, content: string, finishReason: OpenAIFinishReason, usage: Usage): ChatCompletion {
+export function chatCompletionResponse(m: ResponseMeta, content: string, finishReason: OpenAIFinishReason, usage: Usage, logprobs: ChatLogprobs | null = null): ChatCompletion {
   return {
     id: m.id,
     object: 'chat.completion',
     created: m.created,
     model: m.model,
-    choices: [{ index: 0, message: { role: 'assistant', content }, logprobs: null, finish_reason: finishReason }],
+    choices: [{ index: 0, message: { role: 'assistant', content }, logprobs, finish_reason: finishReason }],
     usage,
   };
 }
 
 /** One /v1/completions stream chunk. With `includeUsage`, carries `usage: null` (as OpenAI). */
-export function completionChunk(m: ResponseMeta, text: string, finishReason: OpenAIFinishReason | null, includeUsage = false): TextCompletion {
-  const c: TextCompletion = { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [{ index: 0, text, logprobs: null, finish_reason: finishReason }] };
+export function completionChunk(m: ResponseMeta, text: string, finishReason: OpenAIFinishReason | null, includeUsage = false, logprobs: CompletionLogprobs | null = null): TextCompletion {
+  const c: TextCompletion = { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [{ index: 0, text, logprobs, finish_reason: finishReason }] };
   if (includeUsage) c.usage = null;
   return c;
 }
@@ -475,8 +536,9 @@ export function chatCompletionChunk(
   delta: { role?: 'assistant'; content?: string },
   finishReason: OpenAIFinishReason | null,
   includeUsage = false,
+  logprobs: ChatLogprobs | null = null,
 ): ChatCompletionChunk {
-  const c: ChatCompletionChunk = { id: m.id, object: 'chat.completion.chunk', created: m.created, model: m.model, choices: [{ index: 0, delta, logprobs: null, finish_reason: finishReason }] };
+  const c: ChatCompletionChunk = { id: m.id, object: 'chat.completion.chunk', created: m.created, model: m.model, choices: [{ index: 0, delta, logprobs, finish_reason: finishReason }] };
   if (includeUsage) c.usage = null;
   return c;
 }
@@ -502,6 +564,9 @@ export const SSE_DONE = '[DONE]';
  * - `tail()`: the usage chunk (`choices: []`) when stream_options.include_usage was set.
  * - non-stream: `response()` assembles text, finish_reason and usage.
  * Usage comes from the last event's meta_info (prompt_tokens, cached_tokens, completion_tokens).
+ * Events carrying `logprobs` (the request asked for them) add them to their chunk — a chunk is
+ * then sent even when the event's text is empty — and to the response, in OpenAI's completions
+ * or chat shape.
  * finish_reason 'abort' is not a normal end: `push` throws ApiError 500 'generation_aborted'.
  */
 export class OpenAIResponseBuilder {
@@ -513,6 +578,9 @@ export class OpenAIResponseBuilder {
   finishReason: OpenAIFinishReason | null = null;
   /** Events seen so far. */
   events = 0;
+  /** Logprobs of every token so far; null until an event carries some. */
+  logprobs: WireLogprob[] | null = null;
+  private lpOffset = 0;
 
   constructor(
     readonly kind: 'completion' | 'chat',
@@ -552,10 +620,15 @@ export class OpenAIResponseBuilder {
     this.events++;
     this.text += ev.text;
     this.finishReason = finish;
-    if (ev.text !== '' || finish) {
-      if (this.kind === 'chat') out.push(chatCompletionChunk(this.meta, ev.text !== '' ? { content: ev.text } : {}, finish, this.includeUsage));
-      else out.push(completionChunk(this.meta, ev.text, finish, this.includeUsage));
+    const lps = Array.isArray(ev.logprobs) && ev.logprobs.length > 0 ? ev.logprobs : null;
+    if (lps) (this.logprobs ??= []).push(...lps);
+    if (ev.text !== '' || finish || lps) {
+      if (this.kind === 'chat') out.push(chatCompletionChunk(this.meta, ev.text !== '' ? { content: ev.text } : {}, finish, this.includeUsage, lps ? chatLogprobs(lps) : null));
+      else {
+        out.push(completionChunk(this.meta, ev.text, finish, this.includeUsage, lps ? completionLogprobs(lps, this.lpOffset) : null));
+      }
     }
+    if (lps) for (const lp of lps) this.lpOffset += lp.token.length;
     return out;
   }
 
@@ -572,7 +645,7 @@ export class OpenAIResponseBuilder {
   response(): TextCompletion | ChatCompletion {
     if (!this.finishReason) throw new Error('response() before the finish event');
     return this.kind === 'chat'
-      ? chatCompletionResponse(this.meta, this.text, this.finishReason, this.usage)
-      : completionResponse(this.meta, this.text, this.finishReason, this.usage);
+      ? chatCompletionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? chatLogprobs(this.logprobs) : null)
+      : completionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? completionLogprobs(this.logprobs) : null);
   }
 }

@@ -28,6 +28,7 @@ export function samplingFromWire(s: GenerateRequest['sampling_params']): Samplin
   if (s.logit_bias) out.logitBias = Object.entries(s.logit_bias).map(([k, v]) => [Number(k), v]);
   if (s.stop_token_ids) out.stopTokenIds = s.stop_token_ids;
   if (s.grammar) out.grammar = s.grammar;
+  if (s.logprobs !== undefined) out.logprobs = s.logprobs;
   return out;
 }
 

@@ -1,6 +1,8 @@
 /**
  * Pieces every worker's HTTP server shares: a fastify instance whose errors are OpenAI error
- * bodies, GET /health, GET /metrics and GET /debug/rooms, and a deferred helper.
+ * bodies, GET /health (503 `status: 'draining'` once draining), GET /metrics and GET
+ * /debug/rooms, a drain gate on the work routes (`drainGateOf`, see ./drain.ts), and a deferred
+ * helper.
  */
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
@@ -8,6 +10,7 @@ import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endp
 import { registerOpenAIErrorHandling, sendApiError } from './openai.js';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../common/errors.js';
+import { DrainGate } from '../common/drain.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import type { Logger } from '../common/log.js';
 
@@ -28,11 +31,25 @@ export interface WorkerAppOptions {
   corsOrigins?: readonly string[];
 }
 
+const gates = new WeakMap<FastifyInstance, DrainGate>();
+
+/** The drain gate `createWorkerApp` installed on `app` (see ../common/drain.ts). */
+export function drainGateOf(app: FastifyInstance): DrainGate | undefined {
+  return gates.get(app);
+}
+
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
-  app.get('/health', async () => ({ status: 'ok', ...o.health() }));
+  const gate = new DrainGate('worker');
+  gates.set(app, gate);
+  gate.install(app);
+  app.get('/health', async (_req, reply) => {
+    const body = o.health();
+    if (!gate.draining) return { status: 'ok', ...body };
+    return reply.code(503).send({ status: 'draining', ...body, inflight: gate.inflight });
+  });
   app.get('/metrics', async (_req, reply) => {
     reply.header('content-type', o.registry.contentType);
     return o.registry.metrics();

@@ -51,6 +51,8 @@ export const WorkerSamplingSchema = z.object({
   stop: z.union([z.string(), z.array(z.string()).max(16)]).default([]).transform((s) => (typeof s === 'string' ? [s] : s)),
   ignore_eos: z.boolean().default(false),
   grammar: WorkerGrammarSchema.optional(),
+  /** Report each token's logprob and this many top alternatives (0..20); absent = no logprobs. */
+  logprobs: z.number().int().min(0).max(20).optional(),
 });
 
 /**
@@ -113,11 +115,27 @@ export const GenerateRequestSchema = z
   });
 export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
 
+/** Logprob of one generated token and its top alternatives (natural log; token = its text). */
+export interface WireLogprob {
+  token: string;
+  logprob: number;
+  top: { token: string; logprob: number }[];
+}
+
+/** The event of one generated token (`logprobs` when the token carries one). */
+export function tokenEvent(out: { token: number; text: string; logprob?: WireLogprob }, meta: GenerateEvent['meta_info']): GenerateEvent {
+  const ev: GenerateEvent = { text: out.text, token_ids: [out.token], meta_info: meta };
+  if (out.logprob) ev.logprobs = [out.logprob];
+  return ev;
+}
+
 /** One SSE event of decode's stream. */
 export interface GenerateEvent {
   /** New text since the previous event. */
   text: string;
   token_ids: number[];
+  /** Aligned with token_ids, when the request asked for logprobs. */
+  logprobs?: WireLogprob[];
   meta_info: {
     id: string;
     prompt_tokens: number;

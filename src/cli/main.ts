@@ -7,6 +7,7 @@ import { randomBytes } from 'node:crypto';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
+import { serveRole, type Served } from './serve.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -27,11 +28,11 @@ function positive(v: string): number {
 }
 
 /** Resolve when host:port can be bound; reject with a clear message when it cannot. */
-async function assertPortFree(host: string, p: number): Promise<void> {
+async function assertPortFree(host: string, p: number, flag = '--port'): Promise<void> {
   const { createServer } = await import('node:net');
   await new Promise<void>((resolve, reject) => {
     const s = createServer();
-    s.once('error', (err: NodeJS.ErrnoException) => reject(new Error(`cannot listen on ${host}:${p}: ${err.code === 'EADDRINUSE' ? 'the port is in use (pick another with --port)' : err.message}`)));
+    s.once('error', (err: NodeJS.ErrnoException) => reject(new Error(`cannot listen on ${host}:${p}: ${err.code === 'EADDRINUSE' ? `the port is in use (pick another with ${flag})` : err.message}`)));
     s.listen(p, host, () => s.close(() => resolve()));
   });
 }
@@ -90,22 +91,12 @@ function secretOf(o: { clusterSecret?: string }): string {
   return s;
 }
 
-/** Run a server role until SIGINT/SIGTERM or until the parent's IPC channel closes. */
-async function serve(role: string, start: () => Promise<{ close(): Promise<void>; url: string; bootstrapPort?: number }>): Promise<void> {
-  const s = await start();
-  process.send?.({ type: 'ready', role, url: s.url, bootstrapPort: s.bootstrapPort });
-  let closing = false;
-  const stop = async () => {
-    if (closing) return;
-    closing = true;
-    const t = setTimeout(() => process.exit(0), 3000);
-    t.unref();
-    await s.close().catch(() => {});
-    process.exit(0);
-  };
-  process.on('SIGINT', stop);
-  process.on('SIGTERM', stop);
-  process.on('disconnect', stop);
+/** Options every server role takes: graceful drain (see ./serve.ts). */
+const lifecycleOptions = (c: Command) => c.option('--drain-timeout-ms <ms>', 'on SIGTERM: longest wait for requests in flight before failing them (a 2nd signal stops waiting)', int, 30_000);
+
+/** Run a server role until a signal (graceful drain) or until the parent's IPC channel closes. */
+async function serve(role: string, o: { drainTimeoutMs: number }, start: () => Promise<Served>): Promise<void> {
+  await serveRole(role, start, { drainTimeoutMs: o.drainTimeoutMs });
 }
 
 function timeoutsOf(o: Record<string, number>) {
@@ -130,23 +121,37 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--cluster-secret <secret>', 'shared secret (default: a random one)')
     .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
+    .option('--worker-port-base <port>', 'fixed worker ports from here: prefill i → HTTP base+2i, bootstrap base+2i+1; decode j → base+2·prefill+j (default: random free ports)', port)
+    .option('--drain-timeout-ms <ms>', 'on SIGTERM/Ctrl-C: longest wait for requests in flight (router first, then workers); a 2nd signal stops waiting', int, 30_000)
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       try {
         await assertPortFree(o.host, o.port);
+        if (o.workerPortBase !== undefined) {
+          const last = o.workerPortBase + 2 * o.prefill + o.decode - 1;
+          if (last > 65535) throw new Error(`--worker-port-base ${o.workerPortBase} leaves no room for ${2 * o.prefill + o.decode} worker ports (last would be ${last})`);
+          for (let p = o.workerPortBase; p <= last; p++) {
+            if (p === o.port) throw new Error(`--worker-port-base ${o.workerPortBase}: worker port ${p} is the router's --port`);
+            await assertPortFree(o.host, p, '--worker-port-base');
+          }
+        }
       } catch (err) {
         console.error(`pdserve: ${(err as Error).message}`);
         process.exit(2);
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
       let stopping = false;
       const stop = async (code = 0) => {
-        if (stopping) return;
+        if (stopping) {
+          console.log('\npdserve: second signal: the processes stop waiting for requests in flight');
+          c.force();
+          return;
+        }
         stopping = true;
-        console.log('\npdserve: stopping the cluster…');
-        await c.stop();
+        console.log(`\npdserve: draining the cluster (router first; at most ${o.drainTimeoutMs} ms; Ctrl-C again to stop waiting)…`);
+        await c.drain(o.drainTimeoutMs + 10_000);
         process.exit(code);
       };
       process.on('SIGINT', () => void stop());
@@ -165,7 +170,7 @@ export async function runCli(argv: string[]): Promise<void> {
       console.log(`  logs      ${logDir}`);
       console.log('\nTry:');
       console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
-      console.log('\nCtrl-C stops everything.');
+      console.log('\nCtrl-C drains and stops everything (a second Ctrl-C stops waiting).');
       // Supervise: a worker that dies on its own is restarted on the same ports (peers and the
       // router find it again); `up` itself keeps serving with the others meanwhile.
       const restarting = new Set<string>();
@@ -182,17 +187,17 @@ export async function runCli(argv: string[]): Promise<void> {
       }, 1000);
     });
 
-  kvOptions(engineOptions(program.command('prefill').description('run a prefill worker')))
+  lifecycleOptions(kvOptions(engineOptions(program.command('prefill').description('run a prefill worker')))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 30000)
     .option('--bootstrap-port <port>', 'KV bootstrap/control listener port', int, 8998)
     .option('--bootstrap-host <host>', 'address decode workers use to reach the bootstrap listener', '127.0.0.1')
     .option('--slots <n>', 'sequences of the prefill context', int, 1)
-    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)
+    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256))
     .action(async (o) => {
       const { startPrefillWorker } = await import('../prefill/worker.js');
       const model = await modelPath(o.model);
-      await serve('prefill', async () =>
+      await serve('prefill', o, async () =>
         startPrefillWorker(
           { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } },
           createLogger('prefill'),
@@ -200,15 +205,15 @@ export async function runCli(argv: string[]): Promise<void> {
       );
     });
 
-  kvOptions(engineOptions(program.command('decode').description('run a decode worker')))
+  lifecycleOptions(kvOptions(engineOptions(program.command('decode').description('run a decode worker')))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 30001)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
-    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256)
+    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256))
     .action(async (o) => {
       const { startDecodeWorker } = await import('../decode/worker.js');
       const model = await modelPath(o.model);
-      await serve('decode', async () =>
+      await serve('decode', o, async () =>
         startDecodeWorker(
           { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } },
           createLogger('decode'),
@@ -216,19 +221,19 @@ export async function runCli(argv: string[]): Promise<void> {
       );
     });
 
-  engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
+  lifecycleOptions(engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
-    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
-  program
-    .command('router')
+  lifecycleOptions(program
+    .command('router'))
     .description('run the router (OpenAI API) in front of prefill and decode workers')
     .option('--host <host>', 'bind address', '127.0.0.1')
     .option('--port <port>', 'port', int, 8000)
@@ -255,7 +260,7 @@ export async function runCli(argv: string[]): Promise<void> {
         return { url: url!, bootstrapHost: u.hostname, bootstrapPort: bp ? int(bp) : 8998 };
       });
       const decode = (o.decode as string[]).map((url) => ({ url }));
-      await serve('router', async () => {
+      await serve('router', o, async () => {
         const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
         return r;
       });

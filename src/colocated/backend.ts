@@ -4,7 +4,7 @@
  * runs exactly the engine calls PD runs (chunked prefill, first token sampled after the prompt,
  * then `generate` from that token) minus save/transfer/load.
  */
-import type { GenerateEvent, GenerateRequest } from '../api/worker-protocol.js';
+import { tokenEvent, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
 import { ApiError } from '../common/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
@@ -110,7 +110,8 @@ export class ColocatedBackend {
           return;
         }
         n++;
-        yield { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
+        // generate() knows no logprob for the first token: prefill sampled it
+        yield tokenEvent(n === 1 && first.firstLogprob ? { ...r.value, logprob: first.firstLogprob } : r.value, meta(n, null));
       }
     } finally {
       await gen?.return(undefined).catch(() => {});

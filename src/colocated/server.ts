@@ -5,7 +5,7 @@
  */
 import { newRoomId } from '../common/room-id.js';
 import { randomBytes } from 'node:crypto';
-import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, type ColocatedConfig } from '../common/config.js';
@@ -20,6 +20,8 @@ import { ColocatedBackend } from './backend.js';
 /** A running colocated server. */
 export interface ColocatedServer {
   url: string;
+  /** The HTTP app (its drain gate: `drainGateOf(app)`). */
+  app: FastifyInstance;
   backend: ColocatedBackend;
   close(): Promise<void>;
 }
@@ -93,6 +95,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   log.info({ url }, 'colocated server ready');
   return {
     url,
+    app,
     backend,
     async close() {
       await app.close().catch(() => {});

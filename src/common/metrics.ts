@@ -96,8 +96,12 @@ export class WorkerMetrics {
     else (registered ? this.kvTransferFailed : this.bootstrapFailed).inc({ reason: f.code });
   }
 
-  /** Count and log the core's diagnostic effects (`illegal`, `late`, `expired`); other effects are ignored. */
-  recordDiagnostic(e: Effect, log: Logger): void {
+  /**
+   * Count and log the core's diagnostic effects (`illegal`, `late`, `expired`); other effects are ignored.
+   * `trace`: the room's trace id (TraceTags), put on the log line when known.
+   */
+  recordDiagnostic(e: Effect, log: Logger, trace?: string | null): void {
+    if (trace && (e.t === 'illegal' || e.t === 'expired')) log = log.child({ trace });
     if (e.t === 'late') {
       this.late.inc({ event: e.event, state: KVPoll[e.state] });
       log.debug({ room: e.room, event: e.event, state: KVPoll[e.state] }, 'late event on a failed room (benign race) refused');

@@ -12,7 +12,7 @@ import { rm, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
-import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
+import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
@@ -189,7 +189,7 @@ export class DecodeWorker {
         case 'illegal':
         case 'late':
         case 'expired':
-          this.metrics.recordDiagnostic(e, this.log);
+          this.metrics.recordDiagnostic(e, this.log, this.traces.get(e.room));
           break;
         default:
           break;
@@ -471,7 +471,7 @@ export class DecodeWorker {
         }
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
-        const ev: GenerateEvent = { text: r.value.text, token_ids: [r.value.token], meta_info: meta(n, null) };
+        const ev: GenerateEvent = tokenEvent(r.value, meta(n, null));
         if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
           job.ac.abort();
         }

@@ -161,6 +161,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       weight: 1e12,
     });
   }
+  const drainingOf = (w: WorkerProbe) => w.ref.router?.draining === true || w.health.body?.status === 'draining' || w.health.body?.draining === true || w.health.body?.state === 'draining';
   for (const w of snap.workers) {
     const rr = w.ref.router ?? {};
     if (!w.health.ok && !(w.health.status === 503 && w.health.body)) {
@@ -174,7 +175,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
         weight: 1e11,
         data: { url: w.ref.url, role: w.ref.role },
       });
-    } else if (rr.healthy === false) {
+    } else if (rr.healthy === false && !drainingOf(w)) {
       add({
         severity: 'critical',
         kind: 'worker_unhealthy',
@@ -295,11 +296,11 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
         weight: 1e8,
       });
     }
-    const why = [rr.reason, rr.state, rr.last_error].filter((x): x is string => typeof x === 'string' && /mismatch/i.test(x));
+    const why = [rr.mismatch, rr.reason, rr.state, rr.last_error].filter((x): x is string => typeof x === 'string' && /mismatch/i.test(x));
     if (why.length) {
       add({ severity: 'critical', kind: 'mismatch', title: `router reports a settings mismatch for ${w.ref.role} ${w.ref.url}: ${why[0]}`, details: [], cause: 'the worker runs with settings the rest of the cluster cannot work with (model, context size, secret)', next: [`curl -sS ${routerUrl}/workers`, `curl -sS ${w.ref.url}/health`], weight: 1e8 });
     }
-    if (w.health.body?.draining === true || w.health.body?.state === 'draining') {
+    if (drainingOf(w)) {
       add({ severity: 'info', kind: 'draining', title: `${w.ref.role} ${w.ref.url} is draining`, details: [], cause: 'a graceful shutdown is under way: it takes no new requests', next: [`curl -sS ${w.ref.url}/health`] });
     }
   }
@@ -326,7 +327,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       if (r.state !== 'Failed') continue;
       const end = r.timeline?.[r.timeline.length - 1]?.at ?? 0;
       if (d.now - end > windowMs) continue;
-      const reason = (r.fail_reason ?? 'unknown').split(':')[0]!;
+      const reason = failureLabel(w.ref.role, r.fail_reason);
       const key = `${w.ref.role}|${reason}`;
       const cur = failures.get(key) ?? { n: 0, last: 0, example: '' };
       cur.n++;
@@ -339,13 +340,14 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   }
   for (const [key, v] of failures) {
     const [role, reason] = key.split('|') as [string, string];
-    const benign = reason === 'abort' || reason === 'shutdown';
+    const inner = reason.split('→').pop()!;
+    const benign = inner === 'abort' || inner === 'shutdown';
     add({
       severity: benign ? 'info' : 'warning',
       kind: 'recent_failures',
       title: `${v.n} ${role} room(s) failed with '${reason}' in the last ${fmtMs(windowMs)}`,
       details: [`latest: ${v.example}`],
-      cause: FAILURE_CAUSES[reason] ?? 'see the fail reason',
+      cause: reason.includes('→') ? `the ${reason.split('→')[0]} side ended the room and told this one: ${FAILURE_CAUSES[inner] ?? 'see the fail reason'}` : (FAILURE_CAUSES[reason] ?? 'see the fail reason'),
       next: [doctorReq(/trace ([^)\s,]+)/.exec(v.example)?.[1] ?? /rid ([^),]+)/.exec(v.example)?.[1] ?? 'ID')],
       weight: v.n,
     });
@@ -397,6 +399,17 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     `gathered in ${snap.gatherMs} ms`,
   ].join(' · ');
   return { exitCode, findings: f, summary };
+}
+
+/**
+ * Reason label of a failed room: the part before the first ':' ('deadline', 'transfer', …); a
+ * failure the peer reported ('prefill: abort: router' on decode) is 'prefill→abort'.
+ */
+export function failureLabel(role: string, reason: string | null): string {
+  const parts = (reason ?? 'unknown').split(':').map((x) => x.trim());
+  const peer = role === 'decode' ? 'prefill' : 'decode';
+  if (parts[0] === peer && parts.length > 1) return `${peer}→${parts[1]}`;
+  return parts[0]!;
 }
 
 const FAILURE_CAUSES: Record<string, string> = {

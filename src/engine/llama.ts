@@ -28,9 +28,9 @@ import {
 import { PdError } from '../common/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
-import { GrammarCache, RequestSampler } from './sampling.js';
+import { GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
-import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot } from './types.js';
+import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob } from './types.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
 export interface LoadEngineOptions {
@@ -320,15 +320,20 @@ class Lease implements Slot {
     await this.engine.gate();
     const last = tokens.slice(i) as Token[];
     let first: number | undefined;
+    let firstLogprob: TokenLogprob | undefined;
     const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens);
-    for await (const t of seq.evaluate(last, sampler.options)) {
-      first = t;
+    const wantLogprobs = sampling.logprobs !== undefined;
+    for await (const out of seq.evaluateWithMetadata(last, { probabilities: wantLogprobs }, sampler.options)) {
+      first = out.token;
+      if (wantLogprobs) firstLogprob = logprobOf(this.engine.model, out.token, (out as unknown as { probabilities: Map<Token, number> }).probabilities, sampling.logprobs!);
       break;
     }
     if (first === undefined) throw new Error('llama.cpp sampled no token');
     holder.exactPrefix = exactPrefixAfterPrompt(tokens.length, cache.align);
     holder.valid = true;
-    return { promptTokens: tokens.length, cachedTokens: reuse, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
+    const res: PrefillResult = { promptTokens: tokens.length, cachedTokens: reuse, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
+    if (firstLogprob) res.firstLogprob = firstLogprob;
+    return res;
   }
 
   async saveState(filePath: string): Promise<number> {
@@ -420,7 +425,8 @@ class Lease implements Slot {
     yield r.out;
     if (r.end) return r.end;
     sampler.accept(firstToken, true);
-    const it = seq.evaluate([firstToken as Token], sampler.options);
+    const wantLogprobs = sampling.logprobs !== undefined;
+    const it = seq.evaluateWithMetadata([firstToken as Token], { probabilities: wantLogprobs }, sampler.options);
     let ended = false;
     try {
       for (;;) {
@@ -431,8 +437,10 @@ class Lease implements Slot {
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
         // with yieldEogToken node-llama-cpp ends its generator only when sampling yields nothing
         if (n.done) throw new Error('llama.cpp stopped sampling unexpectedly');
-        sampler.accept(n.value);
-        r = step(n.value);
+        const tok = n.value.token;
+        sampler.accept(tok);
+        r = step(tok);
+        if (wantLogprobs) r.out.logprob = logprobOf(this.engine.model, tok, (n.value as unknown as { probabilities: Map<Token, number> }).probabilities, sampling.logprobs!);
         yield r.out;
         if (r.end) {
           ended = true;

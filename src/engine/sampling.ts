@@ -13,7 +13,7 @@
  */
 import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, type LlamaModel, type SequenceEvaluateOptions, type Token } from 'node-llama-cpp';
 import { randomInt } from 'node:crypto';
-import type { GrammarSpec, SamplingParams } from './types.js';
+import type { GrammarSpec, SamplingParams, TokenLogprob } from './types.js';
 
 /** Error code thrown when a grammar cannot be built (bad JSON schema): the API maps it to 400. */
 export const BAD_GRAMMAR = 'BAD_GRAMMAR';
@@ -143,4 +143,20 @@ export class RequestSampler {
     this.history.push(token);
     if (external && this.grammarState && !this.model.isEogToken(token as Token)) acceptGrammarToken(this.model.llama, this.grammarState, token);
   }
+}
+
+/**
+ * The logprob of `token` and of the `top` most likely tokens of `probabilities` (node-llama-cpp's
+ * sorted next-token distribution, as returned by evaluateWithMetadata({probabilities: true})).
+ * A probability of 0 gives -Infinity, sent as -9999 (as vLLM clamps) to stay valid JSON.
+ */
+export function logprobOf(model: LlamaModel, token: number, probabilities: Map<Token, number>, top: number): TokenLogprob {
+  const text = (t: number) => model.detokenize([t as Token], false);
+  const lp = (p: number | undefined) => (p && p > 0 ? Math.max(-9999, Math.log(p)) : -9999);
+  const alts: { token: string; logprob: number }[] = [];
+  for (const [t, p] of probabilities) {
+    if (alts.length >= top) break;
+    alts.push({ token: text(t), logprob: lp(p) });
+  }
+  return { token: text(token), logprob: lp(probabilities.get(token as Token)), top: alts };
 }

@@ -39,6 +39,8 @@ export interface SamplingParams {
   stopTokenIds?: number[];
   /** EOS, stop_token_ids and stop strings are not honoured before this many tokens (vLLM). */
   minTokens?: number;
+  /** Top alternatives reported per token (0..20) with its logprob; undefined = no logprobs. */
+  logprobs?: number;
   /**
    * A GBNF grammar (JSON mode / JSON schema) constraining the output; both PD sides build the
    * same grammar from it, decode advances it over the first token received from prefill.
@@ -103,6 +105,19 @@ export interface PrefillResult {
   firstToken: number;
   /** True when the first token is an end-of-generation token (EOS/EOT). */
   firstIsEog: boolean;
+  /** The first token's logprob, when the request asked for logprobs. */
+  firstLogprob?: TokenLogprob;
+}
+
+/**
+ * Log-probability of one sampled token and of the `SamplingParams.logprobs` most likely
+ * alternatives, from the distribution it was sampled from (after penalties, bias, grammar,
+ * temperature, top-k/top-p/min-p; natural log). `token` strings are the tokens' own text.
+ */
+export interface TokenLogprob {
+  token: string;
+  logprob: number;
+  top: { token: string; logprob: number }[];
 }
 
 /** One generated token as streamed to a client. */
@@ -110,6 +125,8 @@ export interface GeneratedToken {
   token: number;
   /** Text newly decodable at this step (may be '' while a multi-byte char is incomplete, or while held back as a possible stop-string prefix). */
   text: string;
+  /** Present when the request asked for logprobs (never for the first token of `generate`: see PrefillResult.firstLogprob). */
+  logprob?: TokenLogprob;
 }
 
 /** Why generation ended. `stop`: EOS or a stop string; `length`: maxTokens reached. */

@@ -22,6 +22,13 @@ export interface ClusterOptions {
   decode?: number;
   /** Router port (0 = any free port). */
   port?: number;
+  /**
+   * Fixed worker ports instead of random free ones: prefill i gets HTTP `base + 2i` and bootstrap
+   * `base + 2i + 1`; decode j gets `base + 2·prefill + j`; the colocated server the next one.
+   */
+  workerPortBase?: number;
+  /** `--drain-timeout-ms` of every process (their default: 30000). */
+  drainTimeoutMs?: number;
   host?: string;
   threads?: number;
   ctxSize?: number;
@@ -112,24 +119,33 @@ export class Cluster {
     return a;
   }
 
+  /** Ports of the workers in start order (see `workerPortBase`). */
+  workerPorts(): number[] {
+    const o = this.opts;
+    const n = 2 * (o.prefill ?? 1) + (o.decode ?? 1) + (o.colocated ? 1 : 0);
+    return o.workerPortBase === undefined ? [] : Array.from({ length: n }, (_, i) => o.workerPortBase! + i);
+  }
+
   async start(): Promise<void> {
     const o = this.opts;
     const h = this.host;
+    const fixed = this.workerPorts();
+    const nextPort = async () => fixed.shift() ?? freePort(h);
     for (let i = 0; i < (o.prefill ?? 1); i++) {
-      const port = await freePort(h);
-      const bootstrapPort = await freePort(h);
+      const port = await nextPort();
+      const bootstrapPort = await nextPort();
       const args = ['prefill', ...this.engineArgs(), '--host', h, '--port', String(port), '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h];
       if (o.prefillSlots !== undefined) args.push('--slots', String(o.prefillSlots));
       this.procs.push(this.proc('prefill', i, port, [...args, ...(o.extraArgs?.prefill ?? [])], bootstrapPort));
     }
     for (let i = 0; i < (o.decode ?? 1); i++) {
-      const port = await freePort(h);
+      const port = await nextPort();
       const args = ['decode', ...this.engineArgs(), '--host', h, '--port', String(port)];
       if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
       this.procs.push(this.proc('decode', i, port, [...args, ...(o.extraArgs?.decode ?? [])]));
     }
     if (o.colocated) {
-      const port = await freePort(h);
+      const port = await nextPort();
       const args = ['colocated', ...this.engineArgs(), '--host', h, '--port', String(port)];
       if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
       this.procs.push(this.proc('colocated', 0, port, [...args, ...(o.extraArgs?.colocated ?? [])]));
@@ -146,6 +162,7 @@ export class Cluster {
   }
 
   private proc(role: ProcRole, index: number, port: number, args: string[], bootstrapPort?: number): ClusterProc {
+    if (this.opts.drainTimeoutMs !== undefined) args = [...args, '--drain-timeout-ms', String(this.opts.drainTimeoutMs)];
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
     return { role, index, name, port, bootstrapPort, url: `http://${this.host}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
@@ -220,22 +237,38 @@ export class Cluster {
     await this.spawn(p);
   }
 
-  /** SIGTERM everything (router first), SIGKILL after `graceMs`. Idempotent. */
+  /**
+   * Graceful stop: SIGTERM the router and wait for it to drain and exit, then the workers (which
+   * by then have nothing in flight). A process still alive `graceMs` after its SIGTERM is killed.
+   * `force()` (e.g. on a 2nd Ctrl-C) SIGTERMs every process again, which makes them stop waiting.
+   */
+  async drain(graceMs: number): Promise<void> {
+    this.stopping = true;
+    await Promise.all(this.procs.filter((p) => p.role === 'router').map((p) => this.terminate(p, graceMs)));
+    await Promise.all(this.procs.filter((p) => p.role !== 'router').map((p) => this.terminate(p, graceMs)));
+  }
+
+  /** During `drain()`: signal every live process again (they stop waiting and fail what is left). */
+  force(): void {
+    for (const p of this.procs) p.child?.kill('SIGTERM');
+  }
+
+  /** SIGTERM everything at once (processes drain what they have), SIGKILL after `graceMs`. Idempotent. */
   async stop(graceMs = 3000): Promise<void> {
     this.stopping = true;
-    const order = [...this.procs].sort((a, b) => (a.role === 'router' ? -1 : b.role === 'router' ? 1 : 0));
-    await Promise.all(
-      order.map(async (p) => {
-        const c = p.child;
-        if (!c) return;
-        p.expectedDown = true;
-        const exited = new Promise<void>((r) => c.once('exit', () => r()));
-        c.kill('SIGCONT');
-        c.kill('SIGTERM');
-        const t = setTimeout(() => c.kill('SIGKILL'), graceMs);
-        await exited;
-        clearTimeout(t);
-      }),
-    );
+    await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
+  }
+
+  /** SIGCONT + SIGTERM one process; SIGKILL if it is still alive after `graceMs`. Resolves on exit. */
+  private async terminate(p: ClusterProc, graceMs: number): Promise<void> {
+    const c = p.child;
+    if (!c) return;
+    p.expectedDown = true;
+    const exited = new Promise<void>((r) => c.once('exit', () => r()));
+    c.kill('SIGCONT');
+    c.kill('SIGTERM');
+    const t = setTimeout(() => c.kill('SIGKILL'), graceMs);
+    await exited;
+    clearTimeout(t);
   }
 }

@@ -14,7 +14,7 @@
  * HTTP status, exactly as without the flag.
  */
 import type { FastifyReply } from 'fastify';
-import type { GenerateEvent, PrefillResponse, PrefillStreamEnd } from '../api/worker-protocol.js';
+import { tokenEvent, type GenerateEvent, type PrefillResponse, type PrefillStreamEnd } from '../api/worker-protocol.js';
 import { SseWriter } from '../api/sse.js';
 import { toApiError } from '../common/errors.js';
 import { sendError } from '../api/worker-http.js';
@@ -24,11 +24,7 @@ const NO_FIRST = Symbol('no first token');
 
 /** The first-token event prefill streams: token 1's output exactly as decode would have emitted it. */
 export function firstTokenEvent(rid: string, promptTokens: number, out: GeneratedToken & { end?: FinishReason }, cachedTokens = 0): GenerateEvent {
-  return {
-    text: out.text,
-    token_ids: [out.token],
-    meta_info: { id: rid, prompt_tokens: promptTokens, cached_tokens: cachedTokens, completion_tokens: 1, finish_reason: out.end ? { type: out.end } : null },
-  };
+  return tokenEvent(out, { id: rid, prompt_tokens: promptTokens, cached_tokens: cachedTokens, completion_tokens: 1, finish_reason: out.end ? { type: out.end } : null });
 }
 
 /**

@@ -229,7 +229,7 @@ export class PrefillWorker {
         case 'illegal':
         case 'late':
         case 'expired':
-          this.metrics.recordDiagnostic(e, this.log);
+          this.metrics.recordDiagnostic(e, this.log, this.traces.get(e.room));
           break;
         default:
           break;
@@ -422,7 +422,7 @@ export class PrefillWorker {
       const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
       job.cachedTokens = r.cachedTokens;
       this.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens);
-      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, await slot.firstOutput(r.firstToken, job.sampling), r.cachedTokens));
+      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, { ...(await slot.firstOutput(r.firstToken, job.sampling)), logprob: r.firstLogprob }, r.cachedTokens));
       await hold('prefill.save', job.ac.signal);
       if (job.ac.signal.aborted) return;
       await slot.saveState(path);

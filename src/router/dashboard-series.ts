@@ -79,10 +79,13 @@ export class DashboardSeries {
     if (itl !== null && b.itl.length < this.maxSamples) b.itl.push(itl);
   }
 
-  /** The window as aligned arrays, one entry per bucket (empty buckets included), oldest first. */
+  /** The window as aligned arrays, one entry per bucket (empty buckets included), oldest first; it starts at the oldest bucket with data, showing at least one minute. */
   view(now = Date.now()): SeriesView {
     const last = now - (now % this.bucketMs);
-    const first = last - (this.buckets - 1) * this.bucketMs;
+    // From the oldest bucket with data (a fresh router shows its first minutes, not 5 empty
+    // ones), but at least one minute and at most the whole window.
+    const oldest = this.ring[0]?.t ?? last;
+    const first = Math.max(last - (this.buckets - 1) * this.bucketMs, Math.min(oldest, last - Math.max(0, Math.ceil(60_000 / this.bucketMs) - 1) * this.bucketMs));
     const byT = new Map(this.ring.map((b) => [b.t, b]));
     const v: SeriesView = { bucket_s: this.bucketMs / 1000, t: [], ttft_p50_ms: [], ttft_p95_ms: [], itl_p50_ms: [], itl_p95_ms: [], tokens_per_s: [], requests_per_s: [], failed_per_s: [], failures: [] };
     const failures = new Map<string, number>();

@@ -18,7 +18,7 @@ import { readFile } from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import type { FastifyInstance } from 'fastify';
 import { ApiError } from '../api/openai.js';
-import { diagnose } from '../doctor/diagnose.js';
+import { diagnose, failureLabel } from '../doctor/diagnose.js';
 import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../doctor/gather.js';
 import type { DashboardSeries } from './dashboard-series.js';
 import type { RouterMetrics } from './metrics.js';
@@ -111,7 +111,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
       for (const r of w.rooms.body?.recent ?? []) {
         const end = r.timeline?.[r.timeline.length - 1]?.at ?? 0;
         if (r.state === 'Failed' && now - end <= 300_000) {
-          const k = `${w.ref.role}: ${(r.fail_reason ?? 'unknown').split(':')[0]}`;
+          const k = `${w.ref.role}: ${failureLabel(w.ref.role, r.fail_reason)}`;
           roomFailures.set(k, (roomFailures.get(k) ?? 0) + 1);
         }
       }
@@ -120,7 +120,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
         url: w.ref.url,
         healthy: w.ref.router?.healthy === true,
         reachable: w.health.body !== null,
-        state: typeof h.state === 'string' ? h.state : h.draining === true ? 'draining' : w.ref.router?.healthy === true ? 'healthy' : 'unhealthy',
+        state: w.ref.router?.draining === true || h.status === 'draining' ? 'draining' : typeof w.ref.router?.mismatch === 'string' ? 'mismatch' : w.ref.router?.healthy === true ? 'healthy' : 'unhealthy',
         last_error: (w.ref.router?.last_error as string | null) ?? w.health.error,
         load: w.ref.router?.load ?? 0,
         slots: h.slots ?? null,

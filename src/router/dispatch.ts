@@ -24,7 +24,13 @@
  * for the KV transfer and load); decode streams from token 2. Decode's events are held until
  * prefill's first event has been written, so the order is always right. If the handoff fails after
  * token 1, the client (already streaming) gets an SSE `{error}` event and no `[DONE]`.
+ *
+ * Drain: a worker that answers 503 `draining` (../common/drain.ts) before decode produced any
+ * event makes the request end with `redispatch = true` instead of an error (when the caller
+ * allowed it): nothing is sent to the client, the other leg is aborted, the worker is marked
+ * draining, and the caller runs a new `PdRequest` on another pair.
  */
+import { DRAINING_CODE } from '../common/drain.js';
 import { hold } from '../common/testhooks.js';
 import { randomBytes } from 'node:crypto';
 import { newRoomId, type RoomId } from '../common/room-id.js';
@@ -115,6 +121,8 @@ export function workerError(role: LegName, status: number, text: string): ApiErr
 export class PdRequest {
   readonly room = randomRoom();
   outcome: Outcome | null = null;
+  /** A worker refused with `draining` before any output: run the request again on another pair. */
+  redispatch = false;
   private phase: 'waiting' | 'streaming' | 'finished' = 'waiting';
   private readonly log: Logger;
   private readonly builder: OpenAIResponseBuilder;
@@ -146,6 +154,8 @@ export class PdRequest {
     decode: WorkerState,
     log: Logger,
     model: string,
+    /** May this attempt end with `redispatch` (see the module doc)? False on the last attempt. */
+    private readonly mayRedispatch = false,
   ) {
     const leg = (name: LegName, worker: WorkerState): Leg => ({
       name,
@@ -377,6 +387,12 @@ export class PdRequest {
 
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
+    if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
+    if (err.code === DRAINING_CODE && this.mayRedispatch && this.phase === 'waiting' && this.builder.events === 0) {
+      this.redispatch = true;
+      this.finish('error');
+      return;
+    }
     if (this.over) {
       this.log.warn({ leg: leg.name, worker: leg.worker.url, status: err.status, err: err.message }, 'worker error after the request finished');
       return;
@@ -471,8 +487,13 @@ export class PdRequest {
 
     const { metrics } = this.ctx;
     const e2eMs = performance.now() - this.t0;
-    metrics.requests.labels(outcome).inc();
     metrics.inflight.dec();
+    if (this.redispatch) {
+      this.log.info({ prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url }, 'a worker is draining: dispatching the request again');
+      this.resolveDone();
+      return;
+    }
+    metrics.requests.labels(outcome).inc();
     if (outcome === 'ok') metrics.e2e.observe(e2eMs / 1000);
     const line = {
       outcome,

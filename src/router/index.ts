@@ -12,6 +12,7 @@
  *   POST /tokenize, POST /detokenize — vLLM's shapes, forwarded to a healthy prefill worker
  * CORS for `config.corsOrigin`; a wrong method on a known path is a 405 with `Allow`.
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
+ *                      ({status:'draining'} while draining: see ../common/drain.ts)
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total}
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
  *   GET /dashboard, /dashboard/data, /debug/traces[/:id] — see `./dashboard.ts`
@@ -21,6 +22,7 @@
  */
 import { pickPair } from './pairing.js';
 import { registerHoldRoute } from '../common/testhooks.js';
+import { DrainGate } from '../common/drain.js';
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
@@ -49,6 +51,8 @@ export interface Router {
   metrics: RouterMetrics;
   /** Requests being served right now. */
   readonly inflight: number;
+  /** Graceful drain: `drain.startDraining()` refuses new requests (503 `draining`), /health says draining. */
+  drain: DrainGate;
   /**
    * Stop polling, fail in-flight requests with 503 (aborting them on the workers), wait briefly
    * for the abort_request calls, close the HTTP server and the connection pools. Idempotent.
@@ -65,6 +69,9 @@ export interface RunningRouter extends Router {
 }
 
 /** Request id by route: generation routes get the OpenAI-style id that becomes the rid. */
+/** Most worker pairs one request is dispatched to when workers refuse it as draining. */
+const MAX_DISPATCHES = 4;
+
 function genReqId(req: { url?: string }): string {
   const url = req.url ?? '';
   if (url.startsWith('/v1/chat/completions')) return newRid('chat');
@@ -129,6 +136,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     logController: new LogController({ requestIdLogLabel: 'rid', disableRequestLogging: (req) => req.method === 'GET' }),
   }) as unknown as FastifyInstance;
   registerOpenAIErrorHandling(app);
+  const drain = new DrainGate('router');
+  drain.install(app);
   // Every response names its rid (errors included); hijacked streams set it themselves.
   app.addHook('onRequest', async (request, reply) => {
     reply.header('x-request-id', String(request.id));
@@ -146,26 +155,39 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       try {
         parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+        // Token 1's logprob exists only where it was sampled: prefill's first-token event.
+        if (parsed.sampling.logprobs !== undefined && !config.firstTokenFromPrefill) {
+          throw new ApiError(400, 'unsupported_value', "Unsupported value for 'logprobs': logprobs need the first token from prefill (this router runs with --no-first-token-from-prefill)", 'invalid_request_error', 'logprobs');
+        }
       } catch (err) {
         metrics.requests.labels('error').inc();
         throw err;
       }
+      // A worker that refuses with `draining` before any output is skipped and the request
+      // dispatched again (at most MAX_DISPATCHES pairs).
       const text = routingText(parsed);
-      const now = performance.now();
-      // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
-      const pair = pickPair(registry, (c) => policies.prefill.pick(c, text, now)?.worker ?? null, (c) => policies.decode.pick(c, text, now)?.worker ?? null);
-      if ('error' in pair) {
-        metrics.requests.labels('error').inc();
-        throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
-      }
-      const { prefill, decode } = pair;
-      const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
-      const run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model);
-      active.add(run);
-      try {
-        await run.run();
-      } finally {
-        active.delete(run);
+      for (let attempt = 1; ; attempt++) {
+        const now = performance.now();
+        // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
+        const pair = pickPair(registry, (c) => policies.prefill.pick(c, text, now)?.worker ?? null, (c) => policies.decode.pick(c, text, now)?.worker ?? null);
+        if ('error' in pair) {
+          metrics.requests.labels('error').inc();
+          throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
+        }
+        const { prefill, decode } = pair;
+        const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
+        const run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES);
+        active.add(run);
+        try {
+          await run.run();
+        } finally {
+          active.delete(run);
+        }
+        if (!run.redispatch || reply.raw.destroyed) break;
+        if (closing) {
+          metrics.requests.labels('error').inc();
+          throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+        }
       }
       if (!reply.sent) {
         // Client gone before any response: nothing to send.
@@ -190,8 +212,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     const role = (r: 'prefill' | 'decode') => ({ healthy: registry.healthyCount(r), total: registry.workers.filter((w) => w.role === r).length });
     const prefill = role('prefill');
     const decode = role('decode');
-    const ok = prefill.healthy > 0 && decode.healthy > 0 && !closing;
-    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : 'unavailable', role: 'router', models: registry.models(), prefill, decode, inflight: active.size });
+    const ok = prefill.healthy > 0 && decode.healthy > 0 && !closing && !drain.draining;
+    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : drain.draining ? 'draining' : 'unavailable', role: 'router', models: registry.models(), prefill, decode, inflight: active.size });
   });
 
   registerHoldRoute(app);
@@ -227,6 +249,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     get inflight() {
       return active.size;
     },
+    drain,
     close,
     setUrl(url: string) {
       selfUrl = url;

@@ -9,7 +9,11 @@
  *   while dispatching: `markUnreachable`); the next successful probe restores it.
  * - Load: the router's own count of in-flight requests per worker. `acquire()` returns a
  *   `Lease` whose `release()` decrements exactly once (later calls are no-ops returning false).
- * - Selection: least-loaded healthy worker of a role; ties broken round-robin.
+ * - Draining: a worker whose /health says `status: 'draining'` (or that refused a request with
+ *   the `draining` error, see ../common/drain.ts) is never picked again until it reports 'ok'.
+ * - Membership: the pool starts from the configured workers; `upsert()` / `remove()` change it at
+ *   run time (the etcd watcher in ./discovery/ calls them), and an upsert is probed at once.
+ * - Selection: least-loaded healthy, non-draining worker of a role; ties broken round-robin.
  */
 import { request, type Dispatcher } from 'undici';
 import type { Logger } from 'pino';
@@ -28,6 +32,8 @@ export interface WorkerState {
   readonly bootstrapHost: string | null;
   readonly bootstrapPort: number | null;
   healthy: boolean;
+  /** Shutting down gracefully: finishes what it has, takes nothing new. */
+  draining: boolean;
   model: string | null;
   /** In-flight requests routed to this worker by this router. */
   load: number;
@@ -46,6 +52,7 @@ export interface WorkerSnapshot {
   bootstrap_host: string | null;
   bootstrap_port: number | null;
   healthy: boolean;
+  draining: boolean;
   model: string | null;
   load: number;
   last_error: string | null;
@@ -75,8 +82,16 @@ export interface RegistryOptions {
 
 const MAX_HEALTH_BODY = 64 * 1024;
 
+/** A worker to add to the pool (the discovery record's routing part). */
+export interface WorkerSpec {
+  role: WorkerRole;
+  url: string;
+  bootstrapHost?: string | null;
+  bootstrapPort?: number | null;
+}
+
 export class WorkerRegistry {
-  readonly workers: readonly WorkerState[];
+  private pool: WorkerState[];
   /** Totals over the registry's life; acquired − released = Σ load. For tests and /workers. */
   acquiredTotal = 0;
   releasedTotal = 0;
@@ -91,11 +106,59 @@ export class WorkerRegistry {
     config: Pick<RouterConfig, 'prefill' | 'decode'>,
     private readonly opts: RegistryOptions,
   ) {
-    const base = { healthy: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0, settings: null };
-    this.workers = [
+    const base = { healthy: false, draining: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0, settings: null };
+    this.pool = [
       ...config.prefill.map((p): WorkerState => ({ role: 'prefill', url: p.url, bootstrapHost: p.bootstrapHost, bootstrapPort: p.bootstrapPort, ...base })),
       ...config.decode.map((d): WorkerState => ({ role: 'decode', url: d.url, bootstrapHost: null, bootstrapPort: null, ...base })),
     ];
+  }
+
+  /** The pool now (a copy-on-write array: safe to iterate while workers come and go). */
+  get workers(): readonly WorkerState[] {
+    return this.pool;
+  }
+
+  /**
+   * Add a worker, or update its bootstrap address if its URL is known, then probe it at once
+   * (so a registered worker is routable within one probe round trip, not the next poll).
+   * Returns the worker's state.
+   */
+  upsert(spec: WorkerSpec): WorkerState {
+    let w = this.pool.find((x) => x.url === spec.url);
+    if (w && w.role !== spec.role) {
+      this.remove(spec.url, `re-registered as ${spec.role}`);
+      w = undefined;
+    }
+    if (!w) {
+      w = { role: spec.role, url: spec.url, bootstrapHost: spec.bootstrapHost ?? null, bootstrapPort: spec.bootstrapPort ?? null, healthy: false, draining: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0, settings: null };
+      this.pool = [...this.pool, w];
+      this.opts.log.info({ worker: w.url, role: w.role }, 'worker joined');
+    } else if (spec.bootstrapPort != null && (w.bootstrapPort !== spec.bootstrapPort || w.bootstrapHost !== (spec.bootstrapHost ?? null))) {
+      (w as { bootstrapHost: string | null }).bootstrapHost = spec.bootstrapHost ?? null;
+      (w as { bootstrapPort: number | null }).bootstrapPort = spec.bootstrapPort;
+    }
+    void this.check(w);
+    return w;
+  }
+
+  /**
+   * Drop a worker from the pool (membership says it is gone). Requests in flight on it keep
+   * their `WorkerState` and finish or fail on their own. False when the URL was not in the pool.
+   */
+  remove(url: string, reason: string): boolean {
+    const w = this.pool.find((x) => x.url === url);
+    if (!w) return false;
+    this.pool = this.pool.filter((x) => x !== w);
+    w.healthy = false;
+    w.lastError = `removed: ${reason}`;
+    this.opts.log.info({ worker: url, role: w.role, reason }, 'worker left');
+    return true;
+  }
+
+  /** Mark `w` draining (or not): a draining worker is never picked. */
+  setDraining(w: WorkerState, draining: boolean): void {
+    if (w.draining !== draining) this.opts.log.info({ worker: w.url, role: w.role }, draining ? 'worker draining: no new requests go to it' : 'worker no longer draining');
+    w.draining = draining;
   }
 
   /** Probe every worker once (awaited), then keep polling every intervalMs until `stop()`. */
@@ -132,13 +195,20 @@ export class WorkerRegistry {
       const signal = AbortSignal.any([AbortSignal.timeout(this.opts.timeoutMs), this.probeAc.signal]);
       const res = await request(`${w.url}/health`, { method: 'GET', dispatcher: this.opts.dispatcher, signal, headersTimeout: this.opts.timeoutMs, bodyTimeout: this.opts.timeoutMs });
       const text = await readText(res.body, MAX_HEALTH_BODY);
-      if (res.statusCode !== 200) return this.probeFailed(w, `GET /health: HTTP ${res.statusCode}`);
-      let j: Record<string, unknown>;
+      let j: Record<string, unknown> | null = null;
       try {
         j = JSON.parse(text) as Record<string, unknown>;
       } catch {
-        return this.probeFailed(w, 'GET /health: body is not JSON');
+        // judged below
       }
+      if (j?.status === 'draining' && (j.role === undefined || j.role === w.role)) {
+        // Alive and finishing its work: not a failure, but no new requests.
+        this.setDraining(w, true);
+        w.lastCheckAt = Date.now();
+        return;
+      }
+      if (res.statusCode !== 200) return this.probeFailed(w, `GET /health: HTTP ${res.statusCode}`);
+      if (j === null) return this.probeFailed(w, 'GET /health: body is not JSON');
       if (j?.status !== 'ok') return this.probeFailed(w, `GET /health: status ${JSON.stringify(j?.status)}`);
       if (j.role !== undefined && j.role !== w.role) return this.probeFailed(w, `GET /health: role is ${JSON.stringify(j.role)}, expected '${w.role}'`);
       if (w.role === 'prefill' && typeof j.bootstrap_port === 'number' && j.bootstrap_port !== w.bootstrapPort && !this.warnedBootstrap.has(w)) {
@@ -146,6 +216,7 @@ export class WorkerRegistry {
         this.opts.log.warn({ worker: w.url, configured: w.bootstrapPort, reported: j.bootstrap_port }, 'prefill reports a different bootstrap_port than configured; decode will dial the configured one');
       }
       w.settings = settingsFromHealth(j.settings) ?? w.settings;
+      this.setDraining(w, false);
       this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
     } catch (err) {
       if (this.stopped) return;
@@ -192,17 +263,17 @@ export class WorkerRegistry {
     this.setUnhealthy(w, `unreachable: ${describeError(err)}`);
   }
 
-  /** Healthy workers of `role`, in configuration order (the candidates of a load-balancing policy). */
+  /** Healthy, non-draining workers of `role`, in pool order (the candidates of a load-balancing policy). */
   candidates(role: WorkerRole): WorkerState[] {
-    return this.workers.filter((w) => w.role === role && w.healthy);
+    return this.workers.filter((w) => w.role === role && w.healthy && !w.draining);
   }
 
-  /** Least-loaded healthy worker of `role` (ties round-robin), or null when none is healthy. */
+  /** Least-loaded healthy, non-draining worker of `role` (ties round-robin), or null when there is none. */
   pick(role: WorkerRole): WorkerState | null {
     let min = Infinity;
     let tied: WorkerState[] = [];
     for (const w of this.workers) {
-      if (w.role !== role || !w.healthy) continue;
+      if (w.role !== role || !w.healthy || w.draining) continue;
       if (w.load < min) {
         min = w.load;
         tied = [w];
@@ -249,7 +320,7 @@ export class WorkerRegistry {
   }
 
   healthyCount(role: WorkerRole): number {
-    return this.workers.filter((w) => w.role === role && w.healthy).length;
+    return this.workers.filter((w) => w.role === role && w.healthy && !w.draining).length;
   }
 
   snapshot(): WorkerSnapshot[] {
@@ -259,6 +330,7 @@ export class WorkerRegistry {
       bootstrap_host: w.bootstrapHost,
       bootstrap_port: w.bootstrapPort,
       healthy: w.healthy,
+      draining: w.draining,
       model: w.model,
       load: w.load,
       last_error: w.lastError,

@@ -23,18 +23,29 @@ interface Out {
   finish: string | null;
   completionTokens: number;
   promptTokens: number;
+  /** choices[0].logprobs; for streams the chunks' logprobs concatenated into the same shape. */
+  logprobs: Record<string, unknown[]> | null;
 }
 
-type AnyChunk = { choices: { text?: string; delta?: { content?: string | null }; finish_reason: string | null }[]; usage?: OpenAI.CompletionUsage | null };
+type AnyChunk = { choices: { text?: string; delta?: { content?: string | null }; finish_reason: string | null; logprobs?: Record<string, unknown> | null }[]; usage?: OpenAI.CompletionUsage | null };
+
+/** Concatenate the array fields of a chunk's logprobs onto `acc` (refusal: null stays). */
+function addLogprobs(acc: Record<string, unknown[]> | null, lp: Record<string, unknown> | null | undefined): Record<string, unknown[]> | null {
+  if (!lp) return acc;
+  const out = acc ?? {};
+  for (const [k, v] of Object.entries(lp)) if (Array.isArray(v)) out[k] = [...(out[k] ?? []), ...v];
+  return out;
+}
 
 /** Text, finish reason and usage of a completion or chat stream. */
 async function collect(s: AsyncIterable<AnyChunk>): Promise<Out> {
-  const o: Out = { text: '', finish: null, completionTokens: 0, promptTokens: 0 };
+  const o: Out = { text: '', finish: null, completionTokens: 0, promptTokens: 0, logprobs: null };
   for await (const ch of s) {
     const c = ch.choices[0];
     if (c) {
       o.text += c.text ?? c.delta?.content ?? '';
       o.finish = c.finish_reason ?? o.finish;
+      o.logprobs = addLogprobs(o.logprobs, c.logprobs);
     }
     if (ch.usage) [o.completionTokens, o.promptTokens] = [ch.usage.completion_tokens, ch.usage.prompt_tokens];
   }
@@ -50,13 +61,13 @@ async function same(kind: 'completion' | 'chat', body: Body): Promise<Out> {
       const r = (await api.completions.create({ ...req, prompt, ...rest } as never)) as unknown;
       if (stream) return collect(r as AsyncIterable<AnyChunk>);
       const c = r as OpenAI.Completion;
-      return { text: c.choices[0]!.text, finish: c.choices[0]!.finish_reason, completionTokens: c.usage!.completion_tokens, promptTokens: c.usage!.prompt_tokens };
+      return { text: c.choices[0]!.text, finish: c.choices[0]!.finish_reason, completionTokens: c.usage!.completion_tokens, promptTokens: c.usage!.prompt_tokens, logprobs: addLogprobs(null, c.choices[0]!.logprobs as never) };
     }
     const messages = [{ role: 'user', content: String(prompt ?? promptOf(60, 4)) }];
     const r = (await api.chat.completions.create({ ...req, messages, ...rest } as never)) as unknown;
     if (stream) return collect(r as AsyncIterable<AnyChunk>);
     const c = r as OpenAI.ChatCompletion;
-    return { text: c.choices[0]!.message.content ?? '', finish: c.choices[0]!.finish_reason, completionTokens: c.usage!.completion_tokens, promptTokens: c.usage!.prompt_tokens };
+    return { text: c.choices[0]!.message.content ?? '', finish: c.choices[0]!.finish_reason, completionTokens: c.usage!.completion_tokens, promptTokens: c.usage!.prompt_tokens, logprobs: addLogprobs(null, c.choices[0]!.logprobs as never) };
   };
   const want = await one(s.ref, false);
   for (const [api, stream, name] of [[s.ref, true, 'colocated stream'], [s.pd, false, 'PD'], [s.pd, true, 'PD stream']] as const) {
@@ -116,6 +127,24 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     assert.equal(typeof v.ok, 'boolean');
     const g = await same('completion', { prompt, max_tokens: 300, guided_json: schema });
     assert.equal(typeof (JSON.parse(g.text) as { n: unknown }).n, 'number');
+  });
+
+  test('logprobs (completions: top N; chat: logprobs + top_logprobs): one per token, PD equals colocated', async () => {
+    const c = await same('completion', { prompt, max_tokens: 10, ignore_eos: true, logprobs: 3 });
+    const lp = c.logprobs as { tokens: string[]; token_logprobs: number[]; top_logprobs: Record<string, number>[]; text_offset: number[] };
+    assert.equal(lp.tokens.length, 10);
+    assert.equal(lp.tokens.join(''), c.text, 'token texts spell the text');
+    assert.ok(lp.token_logprobs.every((x) => x <= 0));
+    assert.ok(lp.top_logprobs.every((t) => Object.keys(t).length >= 1 && Object.keys(t).length <= 3));
+    // greedy: the sampled token is the most likely one
+    lp.top_logprobs.forEach((t, i) => assert.equal(Math.max(...Object.values(t)), lp.token_logprobs[i]));
+    assert.equal(lp.text_offset[0], 0);
+    const ch = await same('chat', { prompt, max_tokens: 8, ignore_eos: true, logprobs: true, top_logprobs: 2 });
+    const content = (ch.logprobs as { content: { token: string; logprob: number; bytes: number[]; top_logprobs: unknown[] }[] }).content;
+    assert.equal(content.length, 8);
+    assert.ok(content.every((t) => t.top_logprobs.length === 2 && Buffer.from(t.bytes).toString('utf8') === t.token));
+    const none = await same('chat', { prompt, max_tokens: 4 });
+    assert.equal(none.logprobs, null, 'no logprobs unless asked');
   });
 
   test('chat without max_tokens gets the rest of the context (a prompt over 1536 tokens of 2048 used to fail)', async () => {

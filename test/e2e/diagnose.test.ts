@@ -11,7 +11,7 @@
  */
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -68,6 +68,9 @@ describe('request traces', () => {
     assert.deepEqual(whats.slice(0, 2), ['received', 'dispatched'], JSON.stringify(t));
     assert.deepEqual([...whats].sort(), ['dispatched', 'finished', 'first_token', 'prefill_done', 'received']);
     assert.equal(t.outcome, 'ok');
+    const logFile = c.router.logFile!;
+    const logged = await waitFor(async () => readFileSync(logFile, 'utf8').split('\n').some((l) => l.includes(`"trace":"${traceId}"`) && l.includes('request finished') && l.includes(`"room":"${t.room}"`)), 3000);
+    assert.ok(logged, `the router's 'request finished' line carries the trace id and room (${logFile})`);
     for (const role of ['prefill', 'decode'] as const) {
       let row: { room: string; trace: string } | undefined;
       const ok = await waitFor(async () => {
@@ -124,8 +127,9 @@ test('every /metrics passes promtool check metrics', async (t) => {
   }
 });
 
-test('pdserve doctor on a healthy cluster exits 0 within 10 s', async () => {
+test('pdserve doctor on a healthy cluster exits 0 within 10 s', async (t) => {
   const out = await cli(['doctor', '--url', c.router.url, '--json']);
+  t.diagnostic(`doctor (healthy cluster, process start included): ${out.ms} ms`);
   const j = JSON.parse(out.out) as { exit_code: number; findings: { severity: string; title: string }[] };
   assert.equal(out.code, 0, out.out);
   assert.ok(!j.findings.some((f) => f.severity !== 'info'), JSON.stringify(j.findings));
@@ -138,7 +142,7 @@ test('pdserve doctor on a healthy cluster exits 0 within 10 s', async () => {
   assert.match(text.out, /OK: nothing wrong found|\[INFO\]/);
 });
 
-test('the incident: a room held in prefill inflight is named by pdserve doctor, exit non-zero', async () => {
+test('the incident: a room held in prefill inflight is named by pdserve doctor, exit non-zero', async (t) => {
   const hold = (spec: string) => fetch(`${url('prefill')}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
   assert.equal((await hold('prefill.send=15000')).status, 200);
   const ac = new AbortController();
@@ -153,6 +157,7 @@ test('the incident: a room held in prefill inflight is named by pdserve doctor, 
     assert.ok(found && room, 'the victim reached prefill inflight');
     await new Promise((r) => setTimeout(r, 1300));
     const out = await cli(['doctor', '--url', c.router.url, '--json', '--slow-ms', '1000']);
+    t.diagnostic(`doctor (held room): ${out.ms} ms`);
     assert.equal(out.code, 2, out.out + out.err);
     assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
     const j = JSON.parse(out.out) as { findings: { kind: string; severity: string; title: string; data?: Record<string, unknown> }[] };
@@ -218,12 +223,47 @@ describe('dashboard in headless chromium', () => {
       const tps = await page.evaluate(() => document.getElementById('tps')!.textContent);
       assert.match(tps ?? '', /^\d+\.\d$/);
       assert.deepEqual(failed, [], 'every asset loads from the router (no CDN)');
-      mkdirSync('test-artifacts', { recursive: true });
-      await page.screenshot({ path: join('test-artifacts', 'dashboard.png'), fullPage: true });
-      t.diagnostic('screenshot: test-artifacts/dashboard.png');
+      // A held room shows up live: rooms by phase, and the doctor's finding on the page.
+      const holdSpec = (spec: string) => fetch(`${url('prefill')}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
+      await holdSpec('prefill.send=15000');
+      const ac = new AbortController();
+      const victim = complete({ 'x-request-id': 'dashboard-held' }, { stream: true }, ac.signal).then((r) => r.text()).catch(() => '');
+      try {
+        await page.waitForFunction(() => /prefill inflight: 1/.test(document.getElementById('phases')!.textContent ?? ''), null, { timeout: 10_000 });
+        await page.waitForFunction(() => document.getElementById('status')!.textContent === 'critical', null, { timeout: 10_000 });
+        const findings = await page.locator('#findings li').allInnerTexts();
+        assert.ok(findings.some((f) => /requests are waiting while every engine is idle/.test(f)), findings.join('\n'));
+        mkdirSync('test-artifacts', { recursive: true });
+        await page.screenshot({ path: join('test-artifacts', 'dashboard.png'), fullPage: true });
+        t.diagnostic('screenshot: test-artifacts/dashboard.png');
+      } finally {
+        await holdSpec('');
+        ac.abort();
+        await victim;
+      }
     } finally {
       await ctx.close();
       rmSync(profile, { recursive: true, force: true });
     }
   });
+});
+
+test('a hung worker (SIGSTOP) is named by pdserve doctor within 10 s', async (t) => {
+  const decode = c.byRole('decode')[0]!;
+  const pid = decode.child?.pid;
+  assert.ok(pid, 'decode child pid');
+  process.kill(pid, 'SIGSTOP');
+  try {
+    const out = await cli(['doctor', '--url', c.router.url, '--json']);
+    t.diagnostic(`doctor (one worker hung): ${out.ms} ms`);
+    assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
+    assert.equal(out.code, 2, out.out + out.err);
+    const j = JSON.parse(out.out) as { findings: { kind: string; title: string; data?: Record<string, unknown> }[] };
+    const f = j.findings.find((x) => x.kind === 'worker_unreachable' && x.data?.url === decode.url);
+    assert.ok(f, JSON.stringify(j.findings));
+    assert.match(f.title, /timed out after 3000 ms/);
+  } finally {
+    process.kill(pid, 'SIGCONT');
+  }
+  assert.ok(await waitFor(async () => (await fetch(`${c.router.url}/health`)).status === 200, 10_000), 'the router sees decode again');
 });

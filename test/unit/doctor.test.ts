@@ -103,6 +103,10 @@ describe('diagnose', () => {
     const kinds = d.findings.map((f) => f.kind);
     assert.ok(kinds.includes('worker_unreachable') && kinds.filter((k) => k === 'mismatch').length === 2, kinds.join());
     assert.equal(d.exitCode, 2);
+    const m = diagnose(snap([worker('prefill', { router: { mismatch: 'settings mismatch with decode http://d: context size 1024 vs 2048' } }), worker('decode', { health: { status: 'draining' }, router: { healthy: false, draining: true } })]));
+    assert.ok(m.findings.some((f) => f.kind === 'mismatch' && /context size/.test(f.title)), JSON.stringify(m.findings));
+    assert.ok(m.findings.some((f) => f.kind === 'draining' && f.severity === 'info'));
+    assert.ok(!m.findings.some((f) => f.kind === 'worker_unhealthy'), 'a draining worker is not reported as unhealthy');
     const failedAt = NOW - 60_000;
     const recent = [{ ...room({ state: 'Failed', phase: 'done', inPhase: 0 }), fail_reason: 'deadline: inflight', timeline: [{ at: failedAt, state: 'Failed', phase: 'done', why: 'deadline' }] }];
     const old = { ...recent[0]!, room: '7', fail_reason: 'transfer: x', timeline: [{ at: NOW - 3_600_000, state: 'Failed', phase: 'done', why: 'x' }] };
@@ -111,6 +115,10 @@ describe('diagnose', () => {
     const d2 = diagnose(cur, { previous: { ...prev, at: NOW - 2000 } });
     assert.ok(d2.findings.some((f) => f.kind === 'recent_failures' && /'deadline'/.test(f.title) && f.severity === 'warning'));
     assert.ok(!d2.findings.some((f) => /'transfer'/.test(f.title)), 'failures older than the window are not reported');
+    const peerAbort = [{ ...recent[0]!, role: 'decode', fail_reason: 'prefill: abort: router' }];
+    const d3 = diagnose(snap([worker('prefill'), worker('decode', { recent: peerAbort })]));
+    assert.equal(d3.exitCode, 0, 'an abort relayed by the peer is no warning');
+    assert.match(d3.findings[0]!.title, /'prefill→abort'/);
     const moved = d2.findings.find((f) => f.kind === 'counter_moved')!;
     assert.match(moved.details[0]!, /\+2/);
   });
@@ -160,4 +168,13 @@ test('parsePrometheus reads labels, escapes and special values', () => {
   assert.deepEqual(x[0], { name: 'a_total', labels: { k: 'v"q', e: 'x' }, value: 3 });
   assert.equal(sumOf(x, 'b'), 1.5);
   assert.equal(x[2]!.value, Infinity);
+});
+
+test('DashboardSeries: a fresh series shows one minute, not the whole empty window', () => {
+  const s = new DashboardSeries(5000, 60);
+  const t = 1_000_000_000;
+  s.add({ outcome: 'ok', completion_tokens: 5 }, t);
+  assert.equal(s.view(t).t.length, 12);
+  assert.equal(s.view(t + 120_000).t.length, 25);
+  assert.equal(s.view(t + 3_600_000).t.length, 60);
 });

@@ -133,8 +133,17 @@ describe('completion schema', () => {
 
   test('unsupported features are 400 with a clear message', () => {
     rejects400(() => parseCompletionRequest({ prompt: 'x', n: 2 }), 'n', /only n=1/);
-    rejects400(() => parseCompletionRequest({ prompt: 'x', logprobs: 1 }), 'logprobs', /logprobs are not supported/);
-    rejects400(() => parseCompletionRequest({ prompt: 'x', logprobs: 0 }), 'logprobs', /logprobs are not supported/);
+    // logprobs: an integer for completions, a boolean (+ top_logprobs) for chat, as OpenAI
+    assert.equal(parseCompletionRequest({ prompt: 'x', logprobs: 3 }).sampling.logprobs, 3);
+    assert.equal(parseCompletionRequest({ prompt: 'x', logprobs: 0 }).sampling.logprobs, 0);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logprobs: true }), 'logprobs');
+    rejects400(() => parseCompletionRequest({ prompt: 'x', logprobs: 21 }), 'logprobs');
+    const u = [{ role: 'user', content: 'x' }];
+    assert.equal(parseChatRequest({ messages: u, logprobs: true, top_logprobs: 5 }).sampling.logprobs, 5);
+    assert.equal(parseChatRequest({ messages: u, logprobs: true }).sampling.logprobs, 0);
+    assert.equal(parseChatRequest({ messages: u, logprobs: false }).sampling.logprobs, undefined);
+    rejects400(() => parseChatRequest({ messages: u, top_logprobs: 2 }), 'top_logprobs', /requires logprobs/);
+    rejects400(() => parseChatRequest({ messages: u, logprobs: 2 }), 'logprobs');
     rejects400(() => parseCompletionRequest({ prompt: 'x', echo: true }), 'echo');
     rejects400(() => parseCompletionRequest({ prompt: 'x', best_of: 3 }), 'best_of');
     rejects400(() => parseCompletionRequest({ prompt: 'x', suffix: 'tail' }), 'suffix');
@@ -143,7 +152,7 @@ describe('completion schema', () => {
     rejects400(() => parseCompletionRequest({ prompt: 'x', include_stop_str_in_output: true }), 'include_stop_str_in_output');
     rejects400(() => parseCompletionRequest({ prompt: 'x', stream_options: { include_usage: true } }), 'stream_options', /only allowed when stream is true/);
     // Explicit "off" values are fine.
-    parseCompletionRequest({ prompt: 'x', n: 1, echo: false, best_of: 1, suffix: '', logit_bias: {}, frequency_penalty: 0, skip_special_tokens: true, logprobs: false });
+    parseCompletionRequest({ prompt: 'x', n: 1, echo: false, best_of: 1, suffix: '', logit_bias: {}, frequency_penalty: 0, skip_special_tokens: true });
   });
 
   test('toWorkerRequest produces a valid worker body', () => {
@@ -206,7 +215,6 @@ describe('chat schema', () => {
       /unsupported content part type 'image_url'/,
     );
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: [{ type: 'text' }] }] }), 'messages[0].content[0].text');
-    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], logprobs: true }), 'logprobs');
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], n: 3 }), 'n');
     const u = [{ role: 'user', content: 'x' }];
     // tools, functions and everything tool-shaped get the same refusal
