@@ -1,0 +1,335 @@
+/**
+ * The prefill driver, sans-IO: every decision the prefill worker makes about a room — admission,
+ * pending registrations, when to answer REGISTERED or FAIL, the waiting queue and its compute
+ * slots, what happens when a compute finishes after the room failed, the inflight queue — and
+ * nothing else. No sockets, no timers, no engine, no `Date.now()`: inputs are method calls with
+ * `now` (ms), outputs are `PrefillAction`s the caller performs in order.
+ *
+ * Two callers run this same code, as TigerBeetle runs its real replica under its simulator:
+ * the worker (`src/prefill/worker.ts`, a thin shell over HTTP, the KV channel and llama.cpp) and
+ * the deterministic simulator (`src/sim/`), over simulated network, engine and time.
+ *
+ * Ports: the engine is reached through `compute` actions answered by `computeDone`; the channel
+ * through `send` / `transfer` actions answered by `progress`, `transferSent`, `transferFailed`;
+ * the clock through the `now` argument. Peers are opaque ids (the worker: a connection id).
+ */
+import { ApiError, failure, type RoomFailure } from '../common/errors.js';
+import type { RoomId } from '../common/room-id.js';
+import { RoomTable } from '../kv/lifecycle.js';
+import { failureFromWire, type ControlMsg, type RoomMsg } from '../kv/messages.js';
+import { KVPoll, type Effect, type RoomEvent, type RoomTimeouts } from '../kv/types.js';
+
+/** An opaque peer (decode connection) id. */
+export type PeerId = string;
+
+/** What the prefill worker is doing for a room (shown in /debug/rooms). */
+export type PrefillStep = 'bootstrap' | 'queued' | 'computing' | 'sending' | 'awaiting_ack';
+
+export interface PrefillDriverConfig {
+  /** Decode-side deadlines; prefill's bootstrap deadline is `preallocMs + bootstrapMs` (decode registers only once it holds a slot). */
+  timeouts: RoomTimeouts;
+  /** Bound on live rooms (and on pending registrations). */
+  maxRooms: number;
+  /** Bound on rooms waiting for a compute slot. */
+  maxWaiting: number;
+  /** Prompts evaluated at once (the engine's sequences). */
+  slots: number;
+  /** TEST-ONLY: SGLang's max(old, new) status rule (simulator proof of the wedge). */
+  legacyMaxRule?: boolean;
+  /**
+   * TEST-ONLY fault injection (PDSERVE_FAULT_LEAK_ROOM=1): the first room to get decode's
+   * kv_ack is leaked — that ack and every later event for it except `progress` are dropped, and
+   * each tick feeds it a zero-byte `progress` (a zombie sender), so it stays in the inflight queue
+   * without passing its deadline. Lets the storm test prove its leak check fails. Never in production.
+   */
+  faultLeakFirstAck?: boolean;
+}
+
+/** Outputs, performed in order by the caller. */
+export type PrefillAction =
+  /** Send a control message to a decode peer. */
+  | { a: 'send'; peer: PeerId; msg: ControlMsg }
+  /** Start prompt evaluation of `room` (a compute slot is reserved for it); answer with `computeDone`. */
+  | { a: 'compute'; room: RoomId }
+  /** The room's state is ready and accepted (Transferring): send kv_begin, the chunks, kv_end to `peer`. */
+  | { a: 'transfer'; room: RoomId; peer: PeerId }
+  /** The computed state is not wanted (the room is over): drop it. */
+  | { a: 'discard'; room: RoomId }
+  /** The room is terminal: stop its compute/transfer, answer its request, release its resources. Once per room. */
+  | { a: 'finish'; room: RoomId; rid: string; state: KVPoll.Success | KVPoll.Failed; failure?: RoomFailure; registered: boolean }
+  /** A diagnostic effect of the core (illegal, late, expired): count and log. */
+  | { a: 'diag'; effect: Effect }
+  /** A pending registration expired without a request: count it. */
+  | { a: 'registration_expired'; room: RoomId }
+  /** TEST-ONLY fault injection happened (see faultLeakFirstAck). */
+  | { a: 'fault_leak'; room: RoomId };
+
+interface Job {
+  rid: string;
+  peer?: PeerId;
+  step: PrefillStep;
+}
+
+/** Outcome of a compute (prompt evaluated, state saved and enveloped), from the engine port. */
+export type ComputeOutcome = { ok: true; totalBytes: number } | { ok: false; aborted: true } | { ok: false; aborted?: false; failure: RoomFailure };
+
+export class PrefillDriver {
+  readonly rooms: RoomTable;
+  private readonly jobs = new Map<RoomId, Job>();
+  private readonly byRid = new Map<string, RoomId>();
+  /** Rooms registered by decode before the request arrived here. Bounded (maxRooms), expire after the decode bootstrap deadline. */
+  private readonly pendingRegs = new Map<RoomId, { peer: PeerId; peerEpoch: string; at: number }>();
+  /** FIFO of rooms waiting for a compute slot. */
+  private readonly waiting = new Set<RoomId>();
+  private computing = 0;
+  private leaked: RoomId | undefined;
+  private leakArmed: boolean;
+
+  constructor(
+    readonly config: PrefillDriverConfig,
+    /** This worker's epoch, stamped on every `fail` it sends. */
+    readonly epoch: string,
+  ) {
+    const t = config.timeouts;
+    this.rooms = new RoomTable('prefill', { ...t, bootstrapMs: t.preallocMs + t.bootstrapMs }, { legacyMaxRule: config.legacyMaxRule });
+    this.leakArmed = config.faultLeakFirstAck ?? false;
+  }
+
+  // ---- queries ---------------------------------------------------------------------------------
+
+  /** Queue name → entries, derived from room phases (cannot drift). */
+  queueSizes(): Record<string, number> {
+    let bootstrap = 0;
+    let inflight = 0;
+    let waiting = 0;
+    for (const r of this.rooms.rooms()) {
+      if (r.phase === 'bootstrap') bootstrap++;
+      else if (r.phase === 'waiting') waiting++;
+      else if (r.phase === 'inflight') inflight++;
+    }
+    return { prefill_bootstrap_queue: bootstrap, prefill_waiting_queue: waiting, prefill_inflight_queue: inflight };
+  }
+
+  step(room: RoomId): PrefillStep | null {
+    return this.jobs.get(room)?.step ?? null;
+  }
+
+  get pendingRegistrations(): number {
+    return this.pendingRegs.size;
+  }
+
+  /** Live requests (rooms with a job). */
+  get live(): number {
+    return this.jobs.size;
+  }
+
+  // ---- inputs ----------------------------------------------------------------------------------
+
+  /**
+   * A request (POST /generate) for `room`, already parsed and tokenized. Refuses (400
+   * duplicate_rid, 409 duplicate_room, 503 queue_full) without creating anything, else creates
+   * the room and consumes an early registration.
+   */
+  request(room: RoomId, rid: string, now: number): { refused: ApiError } | { refused?: undefined; actions: PrefillAction[] } {
+    if (this.rooms.has(room)) return { refused: ApiError.of('duplicate_room', `room ${room} already exists (rid ${this.rooms.get(room)!.rid})`) };
+    const other = this.byRid.get(rid);
+    if (other !== undefined && this.jobs.has(other)) return { refused: ApiError.of('duplicate_rid', `request id ${rid} is already running on this worker (room ${other})`, 'rid') };
+    if (this.jobs.size >= this.config.maxRooms) return { refused: ApiError.of('queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`) };
+    if (this.waiting.size >= this.config.maxWaiting) return { refused: ApiError.of('queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`) };
+    const effects = this.rooms.create(room, rid, now);
+    this.jobs.set(room, { rid, step: 'bootstrap' });
+    this.byRid.set(rid, room);
+    const out = this.run(effects, now);
+    const pending = this.pendingRegs.get(room);
+    if (pending) {
+      this.pendingRegs.delete(room);
+      out.push(...this.register(pending.peer, pending.peerEpoch, room, now));
+    }
+    return { actions: out };
+  }
+
+  /** Abort by room id and/or rid (router's /abort_request, client gone). Unknown ids leave a tombstone. */
+  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'local', now: number): PrefillAction[] {
+    const id = room ?? (rid !== undefined ? this.byRid.get(rid) : undefined);
+    if (id === undefined) return [];
+    this.pendingRegs.delete(id);
+    if (!this.rooms.has(id) && this.rooms.get(id)) return [];
+    const f = from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', `abort_request from the ${from}`);
+    return this.apply(id, { t: 'abort', from, failure: f }, now);
+  }
+
+  /** A room message from decode `peer` (epoch already checked by the channel). */
+  message(peer: PeerId, peerEpoch: string, msg: RoomMsg, now: number): PrefillAction[] {
+    switch (msg.type) {
+      case 'register': {
+        if (this.jobs.has(msg.room)) return this.register(peer, peerEpoch, msg.room, now);
+        const known = this.rooms.get(msg.room);
+        if (known || this.rooms.isTombstoned(msg.room)) {
+          const f = known?.failure ?? this.rooms.tombstone(msg.room)?.failure ?? failure('registration_refused', `room already ${known ? KVPoll[known.state] : 'failed'}`);
+          return [this.fail(peer, msg.room, f)];
+        }
+        if (this.pendingRegs.size >= this.config.maxRooms) return [this.fail(peer, msg.room, failure('registration_refused', `too many pending registrations (${this.config.maxRooms})`))];
+        this.pendingRegs.set(msg.room, { peer, peerEpoch, at: now });
+        return [];
+      }
+      case 'kv_ack':
+        if (this.leakArmed && this.rooms.has(msg.room)) {
+          this.leakArmed = false;
+          this.leaked = msg.room;
+          return [{ a: 'fault_leak', room: msg.room }];
+        }
+        return this.apply(msg.room, { t: 'kv_done' }, now);
+      case 'fail':
+        this.pendingRegs.delete(msg.room);
+        return this.apply(msg.room, { t: 'abort', from: 'peer', failure: failureFromWire(msg, 'decode') }, now);
+      default:
+        return [];
+    }
+  }
+
+  /** The connection to decode `peer` ended: its pending registrations go, its rooms fail. */
+  peerLost(peer: PeerId, reason: string, now: number): PrefillAction[] {
+    for (const [room, p] of this.pendingRegs) if (p.peer === peer) this.pendingRegs.delete(room);
+    return this.run(this.rooms.failPeer(peer, failure('peer_lost', reason), now), now);
+  }
+
+  /** The watchdog: pending registrations past the bootstrap deadline are refused; room deadlines. */
+  tick(now: number): PrefillAction[] {
+    const out: PrefillAction[] = [];
+    for (const [room, p] of this.pendingRegs) {
+      if (now - p.at > this.config.timeouts.bootstrapMs) {
+        this.pendingRegs.delete(room);
+        out.push(this.fail(p.peer, room, failure('registration_refused', `no request for this room reached prefill within ${this.config.timeouts.bootstrapMs} ms`)));
+        out.push({ a: 'registration_expired', room });
+      }
+    }
+    if (this.leaked !== undefined && this.rooms.has(this.leaked)) out.push(...this.apply(this.leaked, { t: 'progress', bytes: 0 }, now));
+    out.push(...this.run(this.rooms.tick(now), now));
+    return out;
+  }
+
+  /**
+   * The engine finished `room`'s compute. The compute slot is free again. On success the state
+   * is offered to the room with `kv_begin` — written whatever happened meanwhile, the table being
+   * the only judge (a refused or late kv_begin → `discard`) — then `transfer` to its peer.
+   */
+  computeDone(room: RoomId, outcome: ComputeOutcome, now: number): PrefillAction[] {
+    this.computing--;
+    const out: PrefillAction[] = [];
+    if (!outcome.ok) {
+      if (!outcome.aborted) out.push(...this.apply(room, { t: 'fail', failure: outcome.failure }, now));
+      out.push(...this.pump());
+      return out;
+    }
+    const eff = this.apply(room, { t: 'kv_begin', totalBytes: outcome.totalBytes }, now);
+    out.push(...eff);
+    const r = this.rooms.get(room);
+    const job = this.jobs.get(room);
+    const accepted = r !== undefined && r.state === KVPoll.Transferring && !eff.some((e) => e.a === 'diag' && (e.effect.t === 'illegal' || e.effect.t === 'late'));
+    if (!accepted) out.push({ a: 'discard', room });
+    else if (job?.peer !== undefined) {
+      job.step = 'sending';
+      out.push({ a: 'transfer', room, peer: job.peer });
+    }
+    // (Legacy rule only: a revived room whose job is gone has nobody to send it — the incident's wedge.)
+    out.push(...this.pump());
+    return out;
+  }
+
+  /** `bytes` of the room's state reached the socket. Restarts its transfer deadline. */
+  progress(room: RoomId, bytes: number, now: number): PrefillAction[] {
+    return this.apply(room, { t: 'progress', bytes }, now);
+  }
+
+  /** Every chunk and kv_end of the room were written: waiting for decode's kv_ack. */
+  transferSent(room: RoomId): void {
+    const job = this.jobs.get(room);
+    if (job && this.rooms.has(room)) job.step = 'awaiting_ack';
+  }
+
+  /** The send failed (connection gone, stalled). */
+  transferFailed(room: RoomId, f: RoomFailure, now: number): PrefillAction[] {
+    return this.apply(room, { t: 'fail', failure: f }, now);
+  }
+
+  /** Fail every live room (shutdown). */
+  shutdown(now: number): PrefillAction[] {
+    const out: PrefillAction[] = [];
+    for (const r of this.rooms.rooms()) out.push(...this.apply(r.id, { t: 'abort', from: 'local', failure: failure('shutting_down', 'prefill worker shutting down') }, now));
+    return out;
+  }
+
+  // ---- internals -------------------------------------------------------------------------------
+
+  private fail(peer: PeerId, room: RoomId, f: RoomFailure): PrefillAction {
+    return { a: 'send', peer, msg: { type: 'fail', room, code: f.code, detail: f.detail, epoch: this.epoch } };
+  }
+
+  private apply(room: RoomId, ev: RoomEvent, now: number): PrefillAction[] {
+    if (this.leaked === room && ev.t !== 'progress') return []; // TEST-ONLY fault (faultLeakFirstAck)
+    return this.run(this.rooms.apply(room, ev, now), now);
+  }
+
+  /** Decode `peer` registered `room` (live job): bind, answer REGISTERED on the first one. */
+  private register(peer: PeerId, peerEpoch: string, room: RoomId, now: number): PrefillAction[] {
+    const job = this.jobs.get(room);
+    if (!job) return [];
+    if (job.peer !== undefined && job.peer !== peer) return [this.fail(peer, room, failure('registration_refused', 'room already registered by another decode worker'))];
+    job.peer = peer;
+    const before = this.rooms.get(room)?.state;
+    const out = this.apply(room, { t: 'registered', peer, peerEpoch }, now);
+    if (before === KVPoll.Bootstrapping && this.rooms.get(room)?.state === KVPoll.WaitingForInput) out.unshift({ a: 'send', peer, msg: { type: 'registered', room } });
+    return out;
+  }
+
+  /** The core's effects → actions. */
+  private run(effects: Effect[], _now: number): PrefillAction[] {
+    const out: PrefillAction[] = [];
+    for (const e of effects) {
+      switch (e.t) {
+        case 'notify_peer':
+          out.push(this.fail(e.peer, e.room, e.failure));
+          break;
+        case 'start_prefill': {
+          const job = this.jobs.get(e.room);
+          if (job) job.step = 'queued';
+          this.waiting.add(e.room);
+          out.push(...this.pump());
+          break;
+        }
+        case 'terminal': {
+          this.waiting.delete(e.room);
+          const job = this.jobs.get(e.room);
+          if (!job) break;
+          this.jobs.delete(e.room);
+          if (this.byRid.get(job.rid) === e.room) this.byRid.delete(job.rid);
+          out.push({ a: 'finish', room: e.room, rid: job.rid, state: e.state, failure: e.failure, registered: job.peer !== undefined });
+          break;
+        }
+        case 'illegal':
+        case 'late':
+        case 'expired':
+          out.push({ a: 'diag', effect: e });
+          break;
+        default:
+          break;
+      }
+    }
+    return out;
+  }
+
+  /** Start computes for waiting rooms while compute slots are free. */
+  private pump(): PrefillAction[] {
+    const out: PrefillAction[] = [];
+    while (this.waiting.size > 0 && this.computing < this.config.slots) {
+      const room = this.waiting.values().next().value as RoomId;
+      this.waiting.delete(room);
+      const job = this.jobs.get(room);
+      if (!job) continue;
+      job.step = 'computing';
+      this.computing++;
+      out.push({ a: 'compute', room });
+    }
+    return out;
+  }
+}
