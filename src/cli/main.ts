@@ -343,7 +343,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .allowExcessArguments(true)
     .helpOption(false)
     .action(async () => {
-      const { simMain } = await import('../kv/sim/index.js');
+      const { simMain } = await import('../sim/index.js');
       const i = argv.indexOf('sim');
       process.exitCode = await simMain(argv.slice(i + 1));
     });

@@ -12,7 +12,7 @@
  * Every request has a deadline; a request with neither answer nor error by then is `hung`.
  */
 import http from 'node:http';
-import { Prng } from '../kv/sim/prng.js';
+import { Prng } from '../sim/prng.js';
 import { ChatCall, type CallResult, type CancelKind, type ChatMessage } from './storm-client.js';
 import type { Corpus } from './storm-corpus.js';
 

@@ -6,7 +6,7 @@
 import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import type { Prng } from '../kv/sim/prng.js';
+import type { Prng } from '../sim/prng.js';
 
 const here = dirname(fileURLToPath(import.meta.url));
 /** Repository root, from src/harness or dist/harness. */

@@ -4,7 +4,7 @@
  * `(rooms, event, now) → effects`. No timers, no sockets, no `Date.now()`: time is passed in
  * (ms; wall-clock in the workers, virtual in the simulator), and every side effect is returned as
  * an `Effect` for the driver to perform in order. The workers (src/prefill, src/decode) and the
- * deterministic simulator (src/kv/sim) drive this same code.
+ * deterministic simulator (src/sim) drive this same code.
  *
  * States are SGLang's `KVPoll` (Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3,
  * Success=4). The incident this core exists to prevent: SGLang's `update_status` took

@@ -1,5 +1,5 @@
 /**
- * The deterministic simulator (src/kv/sim) over many seeds: the real lifecycle rule must survive
+ * The deterministic simulator (src/sim) over many seeds: the real lifecycle rule must survive
  * every interleaving with no violation; the legacy max(old, new) rule must be caught wedging.
  *
  * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 10,000).
@@ -8,8 +8,8 @@
 import { newRoomId } from '../../src/common/room-id.js';
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/kv/sim/index.js';
-import { Prng } from '../../src/kv/sim/prng.js';
+import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/sim/index.js';
+import { Prng } from '../../src/sim/prng.js';
 
 const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 10_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);

@@ -1,23 +1,26 @@
 /**
  * One simulated world (TigerBeetle VOPR style): a router, one prefill node (P) and one decode node
- * (D), each holding a real `RoomTable`, driven by small but faithful models of the workers'
- * drivers, over a network that drops, duplicates, reorders and delays — all on virtual time from a
+ * (D) over a network that drops, duplicates, reorders and delays — all on virtual time from a
  * seeded PRNG, so a seed replays exactly.
  *
- * What is modelled (mirrors src/prefill/worker.ts and src/decode/worker.ts):
+ * P runs the SHIPPED prefill driver (`src/prefill/driver.ts`, the same object the prefill worker
+ * wraps), as TigerBeetle runs its real replica under its simulator: this file only plays the
+ * driver's ports — the network for `send`/`transfer`, an engine that takes a random time per
+ * `compute` and cannot be cancelled, the clock. D holds a real `RoomTable` driven by a model of
+ * the decode worker (not yet the shipped decode driver).
+ *
  *  - router: dispatches each request to both nodes in random order with random gaps (sometimes
  *    large, so an abort can beat the request: tombstones), aborts at random points to P, D or
  *    both, and (per seed) aborts the other side when one side fails or its connection resets.
- *  - decode: prealloc queue → limited slots → REGISTER → REGISTERED → KV_BEGIN → chunks (by
- *    offset, duplicates ignored, any order) → KV_END → async "load" into the slot → kv_done →
+ *  - decode (model): prealloc queue → limited slots → REGISTER → REGISTERED → KV_BEGIN → chunks
+ *    (by offset, duplicates ignored, any order) → KV_END → async "load" into the slot → kv_done →
  *    KV_ACK → generation holds the slot, then frees it. A slot whose room fails mid-load is
  *    released only when the load returns (llama.cpp cannot cancel it) — otherwise the state would
  *    land in the next owner's slot.
- *  - prefill: REGISTER buffered when it beats the router's request (pending registrations, TTL);
- *    registered → compute queue (one engine) → compute → state file saved → a *separate* transfer
- *    continuation (after a random hop) writes kv_begin, sends KV_BEGIN + chunks + KV_END, waits
- *    for KV_ACK. The abort handler drops the room's transfer info first — the incident's driver
- *    ordering, kept in BOTH modes: only the table's rule differs between real and legacy runs.
+ *  - prefill (shipped driver): the engine's state file is saved whatever happened to the room
+ *    meanwhile; after a random hop the driver's `computeDone` writes kv_begin — the incident's
+ *    ordering — and the table alone decides (under the legacy rule the revived room has no job
+ *    left, so nobody sends it: the incident's wedge).
  *  - channel: every frame is stamped with the sender's epoch; frames from another epoch are refused;
  *    `hello` (re)binds the peer epoch and fails all rooms of a previous epoch; pings every
  *    heartbeat; a peer silent for 2 intervals is lost (failPeer).
@@ -32,11 +35,12 @@
  * without a deadline; rooms of a crashed peer not failed within two heartbeat intervals of silence
  * (+ one check period + max network delay); non-terminal rooms at the end.
  */
-import { failure, failureText } from '../../common/errors.js';
-import { newRoomId } from '../../common/room-id.js';
-import { RoomTable, stateName } from '../lifecycle.js';
-import { KVPoll, isTerminal, type Effect, type Role, type RoomEvent, type RoomId, type RoomTimeouts } from '../types.js';
-import { failureFromWire, type ControlMsg } from '../messages.js';
+import { failure, failureText } from '../common/errors.js';
+import { newRoomId } from '../common/room-id.js';
+import { RoomTable, stateName } from '../kv/lifecycle.js';
+import { KVPoll, isTerminal, type Effect, type Role, type RoomEvent, type RoomId, type RoomTimeouts } from '../kv/types.js';
+import { failureFromWire, type ControlMsg } from '../kv/messages.js';
+import { PrefillDriver, type PrefillAction } from '../prefill/driver.js';
 import { EventHeap } from './heap.js';
 import { Prng } from './prng.js';
 
@@ -184,6 +188,8 @@ interface Rec {
   deferSlotRelease?: boolean;
   // prefill
   file?: Handle;
+  /** Chunk lengths of the saved state (drawn when the compute finishes). */
+  lens?: number[];
 }
 
 interface Slot {
@@ -212,10 +218,10 @@ interface Node {
   waitQ: RoomId[];
   slots: Slot[];
   // prefill
-  computeQ: RoomId[];
-  busy: boolean;
-  transferInfo: Map<RoomId, { epoch: string }>;
-  pendingRegs: Map<RoomId, { epoch: string; at: number }>;
+  /** prefill: the shipped driver (src/prefill/driver.ts); `table` is its room table. */
+  driver?: PrefillDriver;
+  /** prefill: rooms whose transfer is running (cleared by the driver's `finish`, like the worker's abort signal). */
+  sending: Set<RoomId>;
 }
 
 interface Req {
@@ -255,8 +261,6 @@ export class World {
   private readonly maxNetDelay: number;
   /** Delivery time of the last FIFO frame per sending node (the link's tail). */
   private readonly linkTail: Record<NodeName, number> = { P: 0, D: 0 };
-  /** Prefill's table: its bootstrap deadline covers decode's slot wait plus registration. */
-  private readonly prefillTimeouts: RoomTimeouts;
 
   constructor(opts: SimOptions) {
     this.seed = opts.seed;
@@ -266,7 +270,6 @@ export class World {
     const r = this.rng.float();
     this.profile = FAULT_PROFILES[opts.faults ?? (r < 0.3 ? 'calm' : r < 0.8 ? 'mild' : 'harsh')];
     this.timeouts = { ...SIM_TIMEOUTS, ...opts.timeouts };
-    this.prefillTimeouts = { ...this.timeouts, bootstrapMs: this.timeouts.preallocMs + this.timeouts.bootstrapMs };
     this.nSlots = opts.slots ?? this.rng.int(2, 4);
     this.crossAbort = this.rng.chance(0.5);
     this.maxNetDelay = 1 + this.profile.jitterMs;
@@ -293,10 +296,7 @@ export class World {
       aborted: new Set(),
       waitQ: [],
       slots: [],
-      computeQ: [],
-      busy: false,
-      transferInfo: new Map(),
-      pendingRegs: new Map(),
+      sending: new Set(),
     };
   }
 
@@ -456,7 +456,13 @@ export class World {
     n.inc++;
     n.epoch = `${n.name}${n.inc}`;
     n.up = true;
-    n.table = new RoomTable(n.role, n.role === 'prefill' ? this.prefillTimeouts : this.timeouts, { legacyMaxRule: this.legacy });
+    if (n.role === 'prefill') {
+      // The shipped prefill driver, with the worker's default bounds and one compute slot.
+      n.driver = new PrefillDriver({ timeouts: this.timeouts, maxRooms: 1024, maxWaiting: 256, slots: 1, legacyMaxRule: this.legacy }, `${n.name}${n.inc + 1}`);
+      n.table = n.driver.rooms;
+    } else {
+      n.table = new RoomTable(n.role, this.timeouts, { legacyMaxRule: this.legacy });
+    }
     n.recs = new Map();
     n.knownPeerEpoch = undefined;
     n.connected = false;
@@ -466,10 +472,7 @@ export class World {
     n.aborted = new Set();
     n.waitQ = [];
     n.slots = Array.from({ length: n.role === 'decode' ? this.nSlots : 0 }, () => ({}));
-    n.computeQ = [];
-    n.busy = false;
-    n.transferInfo = new Map();
-    n.pendingRegs = new Map();
+    n.sending = new Set();
     // Startup sweep: state files of previous incarnations are deleted.
     for (const h of [...this.handles]) {
       if (h.node === n.name && h.kind === 'statefile' && h.inc < n.inc) this.release(h, 'startup sweep');
@@ -567,14 +570,14 @@ export class World {
     }
     to.lastHeard = this.now;
     if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
-    if (to.role === 'prefill') this.prefillRecv(to, body);
+    if (to.role === 'prefill') this.prefillRecv(to, epoch, body);
     else this.decodeRecv(to, body);
   }
 
   /** The peer is gone (silent, or restarted): fail every room bound to it. */
   private lost(n: Node, detail: string): void {
-    if (n.role === 'prefill') n.pendingRegs.clear();
-    this.perform(n, n.table.failPeer(n.peer, failure('peer_lost', detail), this.now));
+    if (n.driver) this.performP(n, n.driver.peerLost(n.peer, detail, this.now));
+    else this.perform(n, n.table.failPeer(n.peer, failure('peer_lost', detail), this.now));
   }
 
   private heartbeat(n: Node): void {
@@ -626,8 +629,7 @@ export class World {
           const why = e.failure ? failureText(e.failure) : 'kv_done';
           if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: e.room, detail: `terminal effect #${c} (${stateName(e.state)}: ${why})` });
           if (this.tracing) this.tr(n.name, e.room, `TERMINAL ${stateName(e.state)} (${why})`);
-          if (n.role === 'prefill') this.prefillFinish(n, e.room, e.state);
-          else this.decodeFinish(n, e.room, e.state);
+          this.decodeFinish(n, e.room, e.state);
           const req = this.byId.get(e.room);
           if (req && req.on[n.name] === n.inc) {
             const side = n.name;
@@ -649,15 +651,6 @@ export class World {
           this.stats.expired++;
           if (this.tracing) this.tr(n.name, e.room, `watchdog: ${stateName(e.state)}/${e.phase} expired`);
           break;
-        case 'start_prefill': {
-          const rec = n.recs.get(e.room);
-          if (rec && !rec.queue) {
-            rec.queue = this.acquire(n, 'queue', e.room);
-            n.computeQ.push(e.room);
-          }
-          this.pumpCompute(n);
-          break;
-        }
         case 'send_register': {
           const rec = n.recs.get(e.room);
           if (!rec) break;
@@ -676,15 +669,8 @@ export class World {
   /** The watchdog timer of a node. */
   private tick(n: Node): void {
     if (!n.up) return;
-    if (n.role === 'prefill') {
-      for (const [id, p] of n.pendingRegs) {
-        if (this.now - p.at > this.prefillTimeouts.bootstrapMs) {
-          n.pendingRegs.delete(id);
-          this.send(n, { type: 'fail', room: id, code: 'registration_refused', detail: 'no request for this room reached prefill', epoch: n.epoch });
-        }
-      }
-    }
-    this.perform(n, n.table.tick(this.now));
+    if (n.driver) this.performP(n, n.driver.tick(this.now));
+    else this.perform(n, n.table.tick(this.now));
     for (const room of n.table.rooms()) {
       if (!Number.isFinite(room.deadlineAt)) {
         this.violate({ kind: 'no_deadline', node: n.name, room: room.id, detail: `live room ${stateName(room.state)}/${room.phase} has no deadline` });
@@ -728,13 +714,9 @@ export class World {
   private routerAbort(req: Req, side: NodeName, reason: string): void {
     this.http(this.nodes[side], (n) => {
       if (this.tracing) this.tr(n.name, req.id, `← router abort`);
-      if (n.role === 'prefill') {
-        // The incident's abort handler: drop the room's transfer info, then mark it Failed.
-        n.transferInfo.delete(req.id);
-        n.pendingRegs.delete(req.id);
-      }
       n.aborted.add(req.id);
-      this.applyOn(n, req.id, { t: 'abort', from: 'router', failure: failure('request_aborted', reason) });
+      if (n.driver) this.viaDriver(n, req.id, `abort:router (${reason})`, (d) => d.abort(undefined, req.id, 'router', this.now));
+      else this.applyOn(n, req.id, { t: 'abort', from: 'router', failure: failure('request_aborted', reason) });
     });
   }
 
@@ -750,36 +732,52 @@ export class World {
     if (outcome === 'Failed' && this.crossAbort && req.outcome[other] === undefined) this.routerAbort(req, other, `abort: router: ${side} failed`);
   }
 
-  // ---- prefill driver -------------------------------------------------------------------------------
+  // ---- prefill: the shipped driver over simulated I/O ---------------------------------------
 
-  private prefillCreate(n: Node, req: Req): void {
-    const eff = n.table.create(req.id, req.rid, this.now);
-    req.on.P = n.inc;
-    n.recs.set(req.id, { id: req.id, rid: req.rid });
-    if (this.tracing) this.tr('P', req.id, `create → ${stateName(n.table.get(req.id)!.state)}${fx(eff)}`);
-    this.perform(n, eff);
-    this.checkAborted(n, req.id, 'create');
-    const pending = n.pendingRegs.get(req.id);
-    if (pending && n.table.has(req.id)) {
-      n.pendingRegs.delete(req.id);
-      this.prefillRegister(n, req.id, pending.epoch);
+  /**
+   * Feed one input for room `id` to the prefill driver and perform its actions; trace the
+   * position change (with REVIVED when a terminal room came back), check revival and aborts.
+   */
+  private viaDriver(n: Node, id: RoomId, label: string, input: (d: PrefillDriver) => PrefillAction[]): PrefillAction[] {
+    const before = n.table.get(id);
+    const b = before ? `${stateName(before.state)}/${before.phase}` : 'unknown';
+    const actions = input(n.driver!);
+    const after = n.table.get(id);
+    if (this.tracing && label !== 'progress') {
+      const a = after ? `${stateName(after.state)}/${after.phase}` : 'unknown';
+      const revived = (n.terminals.get(id) ?? 0) > 0 && after && !isTerminal(after.state) ? '  [REVIVED a terminal room]' : '';
+      const swallowed = this.legacy && before && a === b && label !== 'registered' ? '  (legacy: write swallowed by max)' : '';
+      this.tr(n.name, id, `driver ${label}: ${b} → ${a}${fxA(actions)}${revived}${swallowed}`);
     }
+    this.performP(n, actions);
+    this.checkAborted(n, id, label);
+    if (after && !isTerminal(after.state) && (n.terminals.get(id) ?? 0) > 0) {
+      this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after.state)}/${after.phase} on ${label}` });
+    }
+    return actions;
   }
 
-  private prefillRecv(n: Node, body: Body): void {
-    switch (body.type) {
-      case 'register': {
-        if (n.table.get(body.room) || n.table.isTombstoned(body.room)) return this.prefillRegister(n, body.room, body.epoch);
-        if (n.pendingRegs.size < 64) n.pendingRegs.set(body.room, { epoch: body.epoch, at: this.now });
-        if (this.tracing) this.tr('P', body.room, 'REGISTER before the request: buffered');
-        return;
+  private prefillCreate(n: Node, req: Req): void {
+    let refused: string | undefined;
+    this.viaDriver(n, req.id, 'request', (d) => {
+      const r = d.request(req.id, req.rid, this.now);
+      if (r.refused) {
+        refused = r.refused.code;
+        return [];
       }
+      req.on.P = n.inc;
+      n.recs.set(req.id, { id: req.id, rid: req.rid });
+      return r.actions;
+    });
+    if (refused) this.routerSide(req, 'P', 'Failed', `refused: ${refused}`);
+  }
+
+  private prefillRecv(n: Node, epoch: string, body: Body): void {
+    switch (body.type) {
+      case 'register':
       case 'kv_ack':
-        this.applyOn(n, body.room, { t: 'kv_done' });
-        return;
       case 'fail':
-        n.pendingRegs.delete(body.room);
-        this.applyOn(n, body.room, { t: 'abort', from: 'peer', failure: failureFromWire(body, 'decode') });
+        this.viaDriver(n, body.room, body.type, (d) => d.message(n.peer, epoch, body, this.now));
         return;
       case 'ping':
         this.send(n, { type: 'pong', seq: body.seq });
@@ -789,69 +787,83 @@ export class World {
     }
   }
 
-  private prefillRegister(n: Node, id: RoomId, epoch: string): void {
-    const before = n.table.get(id)?.state;
-    const eff = n.table.apply(id, { t: 'registered', peer: 'D', peerEpoch: epoch }, this.now);
-    const after = n.table.get(id)?.state;
-    if (this.tracing) this.tr('P', id, `apply registered(D ${epoch}): ${before === undefined ? 'unknown' : stateName(before)} → ${after === undefined ? 'unknown' : stateName(after)}${fx(eff)}`);
-    if (before === KVPoll.Bootstrapping && after === KVPoll.WaitingForInput) {
-      n.transferInfo.set(id, { epoch });
-      this.send(n, { type: 'registered', room: id });
-    }
-    this.perform(n, eff);
-    this.checkAborted(n, id, 'registered');
-    if (after !== undefined && !isTerminal(after) && (n.terminals.get(id) ?? 0) > 0) {
-      this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after)} on registered` });
-    }
-  }
-
-  private pumpCompute(n: Node): void {
-    if (n.busy) return;
-    while (n.computeQ.length > 0) {
-      const id = n.computeQ.shift()!;
-      const rec = n.recs.get(id);
-      if (rec?.queue) {
-        this.release(rec.queue, 'dequeued');
-        rec.queue = undefined;
+  /** Perform the prefill driver's actions, in order (the simulated counterpart of the worker's `perform`). */
+  private performP(n: Node, actions: PrefillAction[]): void {
+    for (const a of actions) {
+      switch (a.a) {
+        case 'send':
+          this.send(n, a.msg as Body);
+          break;
+        case 'compute': {
+          const dur = this.rng.int(20, 150);
+          if (this.tracing) this.tr('P', a.room, `compute starts (${dur} ms)`);
+          this.atNode(n, this.now + dur, () => this.computeDone(n, a.room));
+          break;
+        }
+        case 'transfer':
+          this.startTransfer(n, a.room);
+          break;
+        case 'discard': {
+          const rec = n.recs.get(a.room);
+          if (rec?.file) {
+            this.release(rec.file, 'kv_begin refused: room is over');
+            rec.file = undefined;
+          }
+          break;
+        }
+        case 'finish':
+          this.prefillFinish(n, a.room, a.state, a.failure ? failureText(a.failure) : 'kv_done');
+          break;
+        case 'diag':
+          this.diag(n, a.effect);
+          break;
+        case 'registration_expired':
+          if (this.tracing) this.tr('P', a.room, 'pending registration expired: FAIL sent');
+          break;
+        case 'fault_leak':
+          break;
       }
-      const room = n.table.get(id);
-      if (!rec || !room || room.state !== KVPoll.WaitingForInput) continue;
-      n.busy = true;
-      const dur = this.rng.int(20, 150);
-      if (this.tracing) this.tr('P', id, `compute starts (${dur} ms)`);
-      this.atNode(n, this.now + dur, () => this.computeDone(n, id));
-      return;
     }
   }
 
+  private diag(n: Node, e: Effect): void {
+    if (e.t === 'illegal') this.stats.illegal++;
+    else if (e.t === 'late') this.stats.late++;
+    else if (e.t === 'expired') {
+      this.stats.expired++;
+      if (this.tracing) this.tr(n.name, e.room, `watchdog: ${stateName(e.state)}/${e.phase} expired`);
+    }
+  }
+
+  /**
+   * The engine finished (it cannot be cancelled in this model): the state is saved whatever
+   * happened to the room meanwhile; after a random hop the driver decides (`computeDone`).
+   */
   private computeDone(n: Node, id: RoomId): void {
-    n.busy = false;
-    // The engine finished: the state is saved to a file whatever happened to the room meanwhile.
     const file = this.acquire(n, 'statefile', id);
     const hop = this.rng.int(0, 25);
-    if (this.tracing) this.tr('P', id, `compute done, state file saved; transfer continuation in ${hop} ms`);
-    this.atNode(n, this.now + hop, () => this.transferContinuation(n, id, file));
-    this.pumpCompute(n);
+    if (this.tracing) this.tr('P', id, `compute done, state file saved; driver told in ${hop} ms`);
+    this.atNode(n, this.now + hop, () => {
+      const nChunks = this.rng.int(1, 4);
+      const lens = Array.from({ length: nChunks }, () => this.rng.int(64, 512));
+      const total = lens.reduce((x, y) => x + y, 0);
+      let rec = n.recs.get(id);
+      if (!rec) n.recs.set(id, (rec = { id, rid: '?' }));
+      rec.file = file;
+      rec.lens = lens;
+      const actions = this.viaDriver(n, id, 'computeDone', (d) => d.computeDone(id, { ok: true, totalBytes: total }, this.now));
+      if (this.tracing && rec.file && !actions.some((x) => x.a === 'transfer' || x.a === 'discard')) {
+        this.tr('P', id, 'the driver has no job for the room any more: nobody will send it');
+      }
+    });
   }
 
-  /** The transfer worker picking the room up (the incident's window is between compute and here). */
-  private transferContinuation(n: Node, id: RoomId, file: Handle): void {
+  /** The driver's `transfer`: KV_BEGIN, the chunks (each a `progress`), KV_END. */
+  private startTransfer(n: Node, id: RoomId): void {
     const rec = n.recs.get(id);
-    const nChunks = this.rng.int(1, 4);
-    const lens = Array.from({ length: nChunks }, () => this.rng.int(64, 512));
-    const total = lens.reduce((a, b) => a + b, 0);
-    const eff = this.applyOn(n, id, { t: 'kv_begin', totalBytes: total });
-    const room = n.table.get(id);
-    if (!rec || !room || room.state !== KVPoll.Transferring || eff.some((e) => e.t === 'illegal')) {
-      this.release(file, 'kv_begin refused: room is over');
-      return;
-    }
-    rec.file = file;
-    const info = n.transferInfo.get(id);
-    if (!info) {
-      if (this.tracing) this.tr('P', id, 'transfer info gone (dropped by the abort handler): transfer worker skips the room');
-      return;
-    }
+    const lens = rec?.lens ?? [];
+    const total = lens.reduce((x, y) => x + y, 0);
+    n.sending.add(id);
     this.send(n, { type: 'kv_begin', room: id, totalBytes: total });
     let t = this.now;
     let offset = 0;
@@ -864,28 +876,36 @@ export class World {
   }
 
   private sendChunk(n: Node, id: RoomId, offset: number, len: number, last: boolean): void {
-    const room = n.table.get(id);
-    if (!room || room.state !== KVPoll.Transferring) return;
+    if (!n.sending.has(id)) return; // the worker's abort signal stopped the send
     const rec = n.recs.get(id)!;
     if (!this.send(n, { type: 'chunk', room: id, offset, len, tag: `${id}/${rec.rid}` })) {
-      this.applyOn(n, id, { t: 'fail', failure: failure('kv_transfer_failed', 'socket write failed: connection closed') });
+      n.sending.delete(id);
+      this.viaDriver(n, id, 'transferFailed', (d) => d.transferFailed(id, failure('kv_transfer_failed', 'socket write failed: connection closed'), this.now));
       return;
     }
-    this.applyOn(n, id, { t: 'progress', bytes: len });
-    if (last) this.send(n, { type: 'kv_end', room: id });
+    this.viaDriver(n, id, 'progress', (d) => d.progress(id, len, this.now));
+    if (last && n.sending.has(id)) {
+      this.send(n, { type: 'kv_end', room: id });
+      n.driver!.transferSent(id);
+    }
   }
 
-  private prefillFinish(n: Node, id: RoomId, _state: KVPoll): void {
+  /** The driver's `finish`: release the room's state file, tell the router. */
+  private prefillFinish(n: Node, id: RoomId, state: KVPoll, why: string): void {
+    const c = (n.terminals.get(id) ?? 0) + 1;
+    n.terminals.set(id, c);
+    if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: id, detail: `finish #${c} (${stateName(state)}: ${why})` });
+    if (this.tracing) this.tr(n.name, id, `TERMINAL ${stateName(state)} (${why})`);
+    n.sending.delete(id);
     const rec = n.recs.get(id);
-    n.transferInfo.delete(id);
-    if (!rec) return;
-    if (rec.queue) {
-      this.release(rec.queue, 'terminal');
-      rec.queue = undefined;
-    }
-    if (rec.file) {
+    if (rec?.file) {
       this.release(rec.file, 'terminal');
       rec.file = undefined;
+    }
+    const req = this.byId.get(id);
+    if (req && req.on[n.name] === n.inc) {
+      const st = state === KVPoll.Success ? 'Success' : 'Failed';
+      this.at(this.now + 1, () => this.routerSide(req, 'P', st, why));
     }
   }
 
@@ -1060,6 +1080,25 @@ export class World {
 }
 
 const ms = (x: number): string => (Math.round(x * 10) / 10).toString();
+
+/** ' [action, action]' for traces of the prefill driver. */
+function fxA(actions: PrefillAction[]): string {
+  if (actions.length === 0) return '';
+  return ` [${actions
+    .map((a) => {
+      switch (a.a) {
+        case 'finish':
+          return `terminal ${stateName(a.state)}`;
+        case 'diag':
+          return a.effect.t === 'illegal' ? `illegal ${stateName(a.effect.from)}→${stateName(a.effect.to)}` : a.effect.t === 'late' ? `late ${a.effect.event}` : a.effect.t;
+        case 'send':
+          return a.msg.type === 'fail' ? `notify_peer(${a.msg.code}: ${a.msg.detail})` : `send ${a.msg.type}`;
+        default:
+          return a.a;
+      }
+    })
+    .join(', ')}]`;
+}
 
 /** ' [effect, effect]' for traces. */
 function fx(eff: Effect[]): string {
