@@ -570,7 +570,8 @@ export class World {
     }
     to.lastHeard = this.now;
     if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
-    if (to.role === 'prefill') this.prefillRecv(to, epoch, body);
+    if (body.type === 'ping') this.send(to, { type: 'pong', seq: body.seq });
+    else if (to.role === 'prefill') this.prefillRecv(to, epoch, body);
     else this.decodeRecv(to, body);
   }
 
@@ -773,18 +774,7 @@ export class World {
   }
 
   private prefillRecv(n: Node, epoch: string, body: Body): void {
-    switch (body.type) {
-      case 'register':
-      case 'kv_ack':
-      case 'fail':
-        this.viaDriver(n, body.room, body.type, (d) => d.message(n.peer, epoch, body, this.now));
-        return;
-      case 'ping':
-        this.send(n, { type: 'pong', seq: body.seq });
-        return;
-      default:
-        return;
-    }
+    if (body.type === 'register' || body.type === 'kv_ack' || body.type === 'fail') this.viaDriver(n, body.room, body.type, (d) => d.message(n.peer, epoch, body, this.now));
   }
 
   /** Perform the prefill driver's actions, in order (the simulated counterpart of the worker's `perform`). */
@@ -1003,9 +993,6 @@ export class World {
       case 'fail':
         this.applyOn(n, body.room, { t: 'abort', from: 'peer', failure: failureFromWire(body, 'prefill') });
         return;
-      case 'ping':
-        this.send(n, { type: 'pong', seq: body.seq });
-        return;
       default:
         return;
     }
@@ -1081,40 +1068,34 @@ export class World {
 
 const ms = (x: number): string => (Math.round(x * 10) / 10).toString();
 
-/** ' [action, action]' for traces of the prefill driver. */
-function fxA(actions: PrefillAction[]): string {
-  if (actions.length === 0) return '';
-  return ` [${actions
-    .map((a) => {
-      switch (a.a) {
-        case 'finish':
-          return `terminal ${stateName(a.state)}`;
-        case 'diag':
-          return a.effect.t === 'illegal' ? `illegal ${stateName(a.effect.from)}→${stateName(a.effect.to)}` : a.effect.t === 'late' ? `late ${a.effect.event}` : a.effect.t;
-        case 'send':
-          return a.msg.type === 'fail' ? `notify_peer(${a.msg.code}: ${a.msg.detail})` : `send ${a.msg.type}`;
-        default:
-          return a.a;
-      }
-    })
-    .join(', ')}]`;
+/** Trace label of one core effect. */
+function effectLabel(e: Effect): string {
+  switch (e.t) {
+    case 'terminal':
+      return `terminal ${stateName(e.state)}`;
+    case 'illegal':
+      return `illegal ${stateName(e.from)}→${stateName(e.to)}`;
+    case 'late':
+      return `late ${e.event}`;
+    case 'notify_peer':
+      return `notify_peer(${failureText(e.failure)})`;
+    default:
+      return e.t;
+  }
 }
 
+const bracket = (labels: string[]): string => (labels.length ? ` [${labels.join(', ')}]` : '');
+
 /** ' [effect, effect]' for traces. */
-function fx(eff: Effect[]): string {
-  if (eff.length === 0) return '';
-  return ` [${eff
-    .map((e) => {
-      switch (e.t) {
-        case 'terminal':
-          return `terminal ${stateName(e.state)}`;
-        case 'illegal':
-          return `illegal ${stateName(e.from)}→${stateName(e.to)}`;
-        case 'notify_peer':
-          return `notify_peer(${failureText(e.failure)})`;
-        default:
-          return e.t;
-      }
-    })
-    .join(', ')}]`;
-}
+const fx = (eff: Effect[]): string => bracket(eff.map(effectLabel));
+
+/** ' [action, action]' for traces of the prefill driver. */
+const fxA = (actions: PrefillAction[]): string =>
+  bracket(
+    actions.map((a) => {
+      if (a.a === 'finish') return `terminal ${stateName(a.state)}`;
+      if (a.a === 'diag') return effectLabel(a.effect);
+      if (a.a === 'send') return a.msg.type === 'fail' ? `notify_peer(${a.msg.code}: ${a.msg.detail})` : `send ${a.msg.type}`;
+      return a.a;
+    }),
+  );
