@@ -218,6 +218,11 @@ export async function runAgentsSection(o: AgentsOptions): Promise<AgentsResult> 
     await noreuse.start();
     const urls: Record<AgentSetup, string> = { pd: reuse.router.url, colo: reuse.colocated!.url, pd_noreuse: noreuse.router.url };
     const model = await discoverModel(urls.pd, dispatcher);
+    // Warm-up: every path once (first llama.cpp evaluation, connection pools, KV channels).
+    for (const s of AGENT_SETUPS) {
+      const w = await chatRound(urls[s], model, [{ role: 'user', content: 'Warm up: say hello.' }], 4, dispatcher, timeoutMs);
+      if (!w.ok) throw new Error(`warm-up request failed (${SETUP_NAMES[s]}): ${w.error}`);
+    }
     const runs: AgentRun[] = [];
     for (const [li, c] of concurrencies.entries()) {
       const order = AGENT_SETUPS.map((_, i) => AGENT_SETUPS[(i + li) % AGENT_SETUPS.length]!);
@@ -274,10 +279,11 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
     return L;
   }
   L.push(
-    `Each agent holds a ${r.rounds}-round conversation (chat API, temperature 0, ${r.outputTokens} output tokens per round, \`ignore_eos\`): a system prompt of ~${r.systemTokens} tokens, then every round one more user turn with a ${r.toolTokens}-token tool result cut from the storm corpus (corpus/), after the model's previous reply — the whole conversation is resent each round, as agents do. N agents run at once (N = the concurrency). Three setups, interleaved per concurrency (the order rotates): **PD + prefix cache** (router with \`--policy cache_aware\` → prefill with its prefix cache → decode; the first token streams from prefill), **colocated + prefix cache** (one process, same cache: the fair baseline), **PD, no reuse** (same PD stack, prefill with \`--no-prefix-cache\`). Each run uses fresh conversations, so no run reuses another's cache. Agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms. Cached share = usage.prompt_tokens_details.cached_tokens / prompt_tokens over rounds 2+.`,
+    `Each agent holds a ${r.rounds}-round conversation (chat API, temperature 0, ${r.outputTokens} output tokens per round, \`ignore_eos\`): a system prompt of ~${r.systemTokens} tokens, then every round one more user turn with a ${r.toolTokens}-token tool result cut from the storm corpus (corpus/), after the model's previous reply — the whole conversation is resent each round, as agents do. N agents run at once (N = the concurrency). Three setups, interleaved per concurrency (the order rotates): **PD + prefix cache** (router with \`--policy cache_aware\` → prefill with its prefix cache → decode; the first token streams from prefill), **colocated + prefix cache** (one process, same cache: the fair baseline), **PD, no reuse** (same PD stack, prefill with \`--no-prefix-cache\`). Each run uses fresh conversations, so no run reuses another's cache; each stack gets one warm-up request first. Per-round TTFT is the median over the agents of that run (a single sample at 1 agent), so on a loaded machine single rounds are noisy: read the r8/r1 column together with the plot. Agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms. Cached share = usage.prompt_tokens_details.cached_tokens / prompt_tokens over rounds 2+.`,
     '',
   );
-  const rows = r.runs.map((x) => [
+  const byLevel = [...r.runs].sort((a, b) => a.concurrency - b.concurrency || AGENT_SETUPS.indexOf(a.setup) - AGENT_SETUPS.indexOf(b.setup));
+  const rows = byLevel.map((x) => [
     `${SETUP_NAMES[x.setup]}`,
     x.concurrency,
     fmt(x.ttftByRound[0], 0),
@@ -294,6 +300,21 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
   L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((x) => `| ${x.join(' | ')} |`));
   L.push('', '**Goals (issue #10):**', '');
   for (const g of agentGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
+  const loads = r.runs.map((x) => x.load);
+  const top = Math.max(...r.concurrencies);
+  const noneMeet = r.runs.filter((x) => x.concurrency === top && x.setup !== 'pd_noreuse').every((x) => x.goodput === 0);
+  const thr = r.concurrencies.map((c) => {
+    const p = r.runs.find((x) => x.setup === 'pd' && x.concurrency === c);
+    const q = r.runs.find((x) => x.setup === 'colo' && x.concurrency === c);
+    return `${c}: ${fmt(p?.throughput, 2)} vs ${fmt(q?.throughput, 2)}`;
+  });
+  L.push(
+    '',
+    `Reading it. Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
+      .filter((x) => x.setup === 'pd_noreuse')
+      .map((x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!))
+      .join(' / ')} its round-1 TTFT (1 / 2 / 4 agents), with it the prompt work per round is the new tool result and reply. Goodput is where PD does not win here: all rounds per second, PD vs colocated, by agents: ${thr.join('; ')} — but at the SLO, PD's TTFT is higher. Why: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) PD still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; decode-local continuation (issue #10 part 3, not built yet) is the part that removes it; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${os.cpus().length} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value${noneMeet ? ` (at ${top} agents neither side meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
+  );
   if (plot) L.push('', `![TTFT per round](${plot})`, '');
   return L;
 }

@@ -454,7 +454,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   L.push(...losses.map((x) => `- ${x}`));
 
   L.push('', '## Reproduce', '');
-  L.push('```sh', 'npm install', 'npm run bench                       # all six sections (builds first), < 20 min on a 2-core VM', 'npm run bench -- --sections 1,5     # some sections; the others are kept from bench/results/', 'npm run bench -- --quick            # smoke run (seconds per section)', '```', '');
+  L.push('```sh', 'npm install', 'npm run bench                       # all seven sections (builds first), < 25 min on a 2-core VM', 'npm run bench -- --sections 1,5     # some sections; the others are kept from bench/results/', 'npm run bench -- --quick            # smoke run (seconds per section)', '```', '');
   L.push('The client alone works against any OpenAI-compatible server:', '');
   L.push('```sh', 'node bin/pdserve.js bench --url http://127.0.0.1:8000 --dataset corpus --num-prompts 200 --request-rate 4 \\', '  --input-len 512 --output-len 64 --slo-ttft-ms 2000 --slo-tpot-ms 50 --json out.json', '```', '');
   L.push('Raw numbers: `bench/results/*.json` (one file per section, plus `suite.json`); plots: `bench/plots/*.svg`.', '');
