@@ -29,6 +29,10 @@ export interface ClusterOptions {
   workerPortBase?: number;
   /** `--drain-timeout-ms` of every process (their default: 30000). */
   drainTimeoutMs?: number;
+  /** `--discovery etcd://HOST:PORT` of every process: workers register, the router watches. */
+  discovery?: string;
+  /** With `discovery`: false = the router gets no --prefill/--decode flags (etcd is its only source). */
+  staticWorkers?: boolean;
   host?: string;
   threads?: number;
   ctxSize?: number;
@@ -154,8 +158,9 @@ export class Cluster {
     await Promise.all(workers.map((p) => this.spawn(p)));
     const rport = o.port === undefined || o.port === 0 ? await freePort(h) : o.port;
     const rargs = ['router', '--host', h, '--port', String(rport)];
-    for (const p of this.byRole('prefill')) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
-    for (const p of this.byRole('decode')) rargs.push('--decode', p.url);
+    const statics = !o.discovery || o.staticWorkers !== false;
+    for (const p of statics ? this.byRole('prefill') : []) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
+    for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
     const router = this.proc('router', 0, rport, [...rargs, ...(o.extraArgs?.router ?? [])]);
     this.procs.push(router);
     await this.spawn(router);
@@ -163,6 +168,7 @@ export class Cluster {
 
   private proc(role: ProcRole, index: number, port: number, args: string[], bootstrapPort?: number): ClusterProc {
     if (this.opts.drainTimeoutMs !== undefined) args = [...args, '--drain-timeout-ms', String(this.opts.drainTimeoutMs)];
+    if (this.opts.discovery) args = [...args, '--discovery', this.opts.discovery];
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
     return { role, index, name, port, bootstrapPort, url: `http://${this.host}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
