@@ -76,7 +76,8 @@ export function parseDiscoveryUrl(uri: string): string[] {
 
 /** An etcd client with short deadlines (a dead etcd must not stall a worker or the router). */
 export function etcdClient(uri: string): Etcd3 {
-  return new Etcd3({ hosts: parseDiscoveryUrl(uri), dialTimeout: 2000, defaultCallOptions: () => ({ deadline: Date.now() + 3000 }) });
+  // Deadlines on unary calls only: a deadline on the watch or keepalive stream would end it.
+  return new Etcd3({ hosts: parseDiscoveryUrl(uri), dialTimeout: 2000, defaultCallOptions: (ctx) => (ctx.isStream ? {} : { deadline: Date.now() + 3000 }) });
 }
 
 interface Log {
@@ -107,9 +108,11 @@ export class Membership {
   private left = false;
   private writing: Promise<void> = Promise.resolve();
   private regrant: NodeJS.Timeout | null = null;
+  /** When the lease was last confirmed alive (grant or keepalive answer), ms. */
+  private aliveAt = 0;
 
   private constructor(
-    private readonly client: Etcd3,
+    private client: Etcd3,
     private readonly o: JoinOptions,
     private key: string,
   ) {}
@@ -137,8 +140,12 @@ export class Membership {
   private async grantAndWrite(rec: MemberRecord): Promise<void> {
     const lease = this.client.lease(this.o.ttlS ?? 5, { autoKeepAlive: true });
     lease.on('lost', (err) => this.onLost(lease, err));
+    lease.on('keepaliveSucceeded', () => {
+      if (lease === this.lease) this.aliveAt = Date.now();
+    });
     await lease.grant();
     this.lease = lease;
+    this.aliveAt = Date.now();
     await this.write(rec, true);
   }
 
@@ -146,9 +153,13 @@ export class Membership {
     if (this.left || lease !== this.lease) return;
     this.o.log.warn({ key: this.key, err: err?.message }, 'etcd lease lost: registering again');
     this.lease = null;
+    lease.release();
     const retry = async () => {
       this.regrant = null;
       if (this.left || this.lease) return;
+      // A fresh client: the old channel may sit in gRPC's reconnect backoff after a partition.
+      this.client.close();
+      this.client = etcdClient(this.o.discovery);
       try {
         await this.grantAndWrite(await this.recordNow());
         this.o.log.info({ key: this.key }, 'registered in etcd again');
@@ -182,6 +193,10 @@ export class Membership {
 
   private async refresh(): Promise<void> {
     if (this.left || !this.lease) return;
+    // No keepalive answer for 2 TTLs: the lease is gone server-side whatever the client thinks
+    // (a keepalive stream can hang silently through a partition).
+    const ttlMs = 1000 * (this.o.ttlS ?? 5);
+    if (Date.now() - this.aliveAt > 2 * ttlMs) return this.onLost(this.lease, new Error(`no keepalive answer for ${Date.now() - this.aliveAt} ms`));
     try {
       await this.write(await this.recordNow());
     } catch (err) {
