@@ -19,7 +19,7 @@ import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
 import { memberKey } from '../../src/common/discovery.js';
 import { etcdBinary, startEtcd, type TestEtcd } from '../helpers/etcd.js';
 import { NetLab, netnsUnavailable } from '../helpers/netns.js';
-import { client, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
+import { client, getJson, promptOf, rawCompletion, startStack, waitFor, type RawResult } from '../helpers/stack.js';
 
 const why = netnsUnavailable() ?? (etcdBinary() ? null : 'etcd is not installed (apt-get install etcd-server)');
 if (why) console.error(`\n*** SKIPPED: multi-host tests in network namespaces cannot run here: ${why}. They did NOT run. ***\n`);
@@ -31,20 +31,8 @@ let etcd: TestEtcd;
 let c: Cluster;
 let kv: Etcd3;
 
-interface Result {
-  status: number;
-  text: string;
-  ms: number;
-}
-async function completion(prompt: string, maxTokens = 8, timeoutMs = 20_000): Promise<Result> {
-  const t0 = Date.now();
-  try {
-    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
-    return { status: r.status, text: await r.text(), ms: Date.now() - t0 };
-  } catch (err) {
-    return { status: 0, text: String(err), ms: Date.now() - t0 };
-  }
-}
+type Result = RawResult;
+const completion = (prompt: string, maxTokens = 8, timeoutMs = 20_000) => rawCompletion(c.router.url, prompt, maxTokens, timeoutMs);
 const ok = (r: Result) => r.status === 200 && /data: \[DONE\]/.test(r.text) && !/"error"/.test(r.text);
 const workers = async () => (await getJson<any>(`${c.router.url}/workers`)).workers as any[];
 const routable = async (p: ClusterProc) => (await workers()).some((w) => w.url === p.url && w.healthy && !w.draining);
