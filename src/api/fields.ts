@@ -63,7 +63,7 @@ const emptyOk = (why: string) => (v: never) => {
 /** All known request fields. Order = README order. */
 export const REQUEST_FIELDS: readonly FieldSpec[] = [
   // ---- prompt
-  { name: 'prompt', endpoints: CMPL, status: 'partial', notes: 'string, [string], token ids, or [token ids]; several prompts (batch) are refused', schema: z.unknown() },
+  { name: 'prompt', endpoints: CMPL, status: 'partial', notes: 'string, [string], token ids, or [token ids]; several prompts (a batch) are a 400: each would be its own PD request with its own choice index, not built yet', schema: z.unknown() },
   { name: 'messages', endpoints: CHAT, status: 'partial', notes: 'rendered with the model\'s chat template; see the message table below', schema: z.unknown() },
   { name: 'model', endpoints: BOTH, status: 'honoured', notes: 'single-model server: any name is answered by the served model, whose name the response carries', schema: z.string().max(512) },
   // ---- length and stopping
@@ -92,7 +92,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'logit_bias', endpoints: BOTH, status: 'honoured', notes: 'token id → [-100, 100] added to the logit; ids outside the vocabulary are a 400', schema: z.record(tokenIdKey, z.number().min(-100).max(100)) },
   { name: 'allowed_token_ids', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.number().int()), refuse: emptyOk('allowed_token_ids is not supported') },
   { name: 'bad_words', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.string()), refuse: emptyOk('bad_words is not supported') },
-  { name: 'n', endpoints: BOTH, status: 'partial', notes: 'only 1', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only n=1 is supported') },
+  { name: 'n', endpoints: BOTH, status: 'partial', notes: 'only 1: n > 1 needs one prefill feeding n decode sequences (n first tokens, n slots, choice indexes), not built yet', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only n=1 is supported') },
   { name: 'best_of', endpoints: CMPL, status: 'partial', notes: 'only 1', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only best_of=1 is supported') },
   { name: 'use_beam_search', endpoints: BOTH, status: 'refused', notes: 'vLLM; only false', schema: z.boolean(), refuse: notDefault(false, 'beam search is not supported') },
   { name: 'length_penalty', endpoints: BOTH, status: 'refused', notes: 'vLLM beam search; only 1', schema: z.number(), refuse: notDefault(1, 'length_penalty (beam search) is not supported') },
@@ -134,7 +134,8 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   },
   { name: 'top_logprobs', endpoints: CHAT, status: 'honoured', notes: `0..${MAX_LOGPROBS}, requires logprobs: true`, schema: z.number().int().min(0).max(MAX_LOGPROBS) },
   { name: 'prompt_logprobs', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.number().int().min(0), refuse: refusedAny('prompt_logprobs are not supported') },
-  { name: 'echo', endpoints: BOTH, status: 'refused', notes: 'only false', schema: z.boolean(), refuse: notDefault(false, 'echo is not supported') },
+  { name: 'echo', endpoints: CMPL, status: 'partial', notes: 'the prompt text before the output (token-id prompts: their detokenized text); not with logprobs (no prompt logprobs)', schema: z.boolean() },
+  { name: 'echo', endpoints: CHAT, status: 'refused', notes: 'vLLM chat echo; only false', schema: z.boolean(), refuse: notDefault(false, 'echo is not supported on chat completions') },
   { name: 'suffix', endpoints: CMPL, status: 'refused', notes: 'insertion is not supported', schema: z.string(), refuse: emptyOk('suffix is not supported') },
   { name: 'skip_special_tokens', endpoints: BOTH, status: 'partial', notes: 'vLLM; true (the default) only: special tokens are never rendered', schema: z.boolean(), refuse: notDefault(true, 'skip_special_tokens=false is not supported') },
   { name: 'spaces_between_special_tokens', endpoints: BOTH, status: 'partial', notes: 'vLLM; true only (no special tokens are rendered)', schema: z.boolean(), refuse: notDefault(true, 'spaces_between_special_tokens=false is not supported') },

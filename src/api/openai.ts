@@ -348,6 +348,10 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): Pa
   if (grammar) sampling.grammar = grammar;
   const lp = logprobsOf(b);
   if (lp !== undefined) sampling.logprobs = lp;
+  if (b.echo === true) {
+    if (lp !== undefined) throw unsupported('echo', 'echo together with logprobs is not supported (prompt logprobs are not computed)');
+    sampling.echo = true;
+  }
   const so = b.stream_options as { include_usage?: boolean | null } | undefined;
   const out: ParsedCommon = { sampling, stream: b.stream === true, includeUsage: b.stream === true && so?.include_usage === true };
   if (b.model !== undefined) out.model = b.model as string;

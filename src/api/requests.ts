@@ -29,6 +29,7 @@ export function samplingFromWire(s: GenerateRequest['sampling_params']): Samplin
   if (s.stop_token_ids) out.stopTokenIds = s.stop_token_ids;
   if (s.grammar) out.grammar = s.grammar;
   if (s.logprobs !== undefined) out.logprobs = s.logprobs;
+  if (s.echo) out.echo = true;
   return out;
 }
 

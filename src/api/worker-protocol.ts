@@ -53,6 +53,8 @@ export const WorkerSamplingSchema = z.object({
   grammar: WorkerGrammarSchema.optional(),
   /** Report each token's logprob and this many top alternatives (0..20); absent = no logprobs. */
   logprobs: z.number().int().min(0).max(20).optional(),
+  /** Prefix the first token's text with the prompt's text (OpenAI completions `echo`). */
+  echo: z.boolean().optional(),
 });
 
 /**

@@ -92,11 +92,30 @@ function secretOf(o: { clusterSecret?: string }): string {
 }
 
 /** Options every server role takes: graceful drain (see ./serve.ts). */
-const lifecycleOptions = (c: Command) => c.option('--drain-timeout-ms <ms>', 'on SIGTERM: longest wait for requests in flight before failing them (a 2nd signal stops waiting)', int, 30_000);
+const lifecycleOptions = (c: Command) =>
+  c
+    .option('--drain-timeout-ms <ms>', 'on SIGTERM: longest wait for requests in flight before failing them (a 2nd signal stops waiting)', int, 30_000)
+    .option('--discovery <etcd://HOST:PORT>', 'membership on etcd: workers register under a lease, the router watches (default: static --prefill/--decode flags only)');
+
+/** Worker flags of etcd membership (see ./membership.ts). */
+const memberOptions = (c: Command) =>
+  c
+    .option('--advertise-host <host>', 'with --discovery: the address the router and peers dial (default: --host)')
+    .option('--discovery-ttl-s <s>', 'with --discovery: lease TTL, seconds (a dead worker disappears after it)', positive, 5);
 
 /** Run a server role until a signal (graceful drain) or until the parent's IPC channel closes. */
-async function serve(role: string, o: { drainTimeoutMs: number }, start: () => Promise<Served>): Promise<void> {
-  await serveRole(role, start, { drainTimeoutMs: o.drainTimeoutMs });
+async function serve(role: string, o: { drainTimeoutMs: number; host?: string; discovery?: string; advertiseHost?: string; discoveryTtlS?: number; [k: string]: unknown }, start: () => Promise<Served>): Promise<void> {
+  let hooks;
+  if (role !== 'router' && o.discovery) {
+    const { membershipHooks } = await import('./membership.js');
+    try {
+      hooks = membershipHooks(role as 'prefill' | 'decode' | 'colocated', { ...o, host: o.host ?? '127.0.0.1' }, { model_file: typeof o.model === 'string' ? o.model : null, ctx_size: o.ctxSize as number, batch_size: o.batchSize as number, deterministic: !!o.deterministic, threads: o.threads as number, slots: (o.slots as number | undefined) ?? null });
+    } catch (err) {
+      console.error(`pdserve ${role}: ${(err as Error).message}`);
+      process.exit(2);
+    }
+  }
+  await serveRole(role, start, { drainTimeoutMs: o.drainTimeoutMs, hooks });
 }
 
 function timeoutsOf(o: Record<string, number>) {
@@ -123,6 +142,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .option('--worker-port-base <port>', 'fixed worker ports from here: prefill i → HTTP base+2i, bootstrap base+2i+1; decode j → base+2·prefill+j (default: random free ports)', port)
     .option('--drain-timeout-ms <ms>', 'on SIGTERM/Ctrl-C: longest wait for requests in flight (router first, then workers); a 2nd signal stops waiting', int, 30_000)
+    .option('--discovery <etcd://HOST:PORT>', 'every process uses etcd membership: workers register under a lease, the router watches')
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       try {
@@ -141,7 +161,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) {
@@ -187,13 +207,13 @@ export async function runCli(argv: string[]): Promise<void> {
       }, 1000);
     });
 
-  lifecycleOptions(kvOptions(engineOptions(program.command('prefill').description('run a prefill worker')))
+  memberOptions(lifecycleOptions(kvOptions(engineOptions(program.command('prefill').description('run a prefill worker')))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 30000)
     .option('--bootstrap-port <port>', 'KV bootstrap/control listener port', int, 8998)
     .option('--bootstrap-host <host>', 'address decode workers use to reach the bootstrap listener', '127.0.0.1')
     .option('--slots <n>', 'sequences of the prefill context', int, 1)
-    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256))
+    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)))
     .action(async (o) => {
       const { startPrefillWorker } = await import('../prefill/worker.js');
       const model = await modelPath(o.model);
@@ -205,11 +225,11 @@ export async function runCli(argv: string[]): Promise<void> {
       );
     });
 
-  lifecycleOptions(kvOptions(engineOptions(program.command('decode').description('run a decode worker')))
+  memberOptions(lifecycleOptions(kvOptions(engineOptions(program.command('decode').description('run a decode worker')))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 30001)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
-    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256))
+    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256)))
     .action(async (o) => {
       const { startDecodeWorker } = await import('../decode/worker.js');
       const model = await modelPath(o.model);
@@ -221,11 +241,11 @@ export async function runCli(argv: string[]): Promise<void> {
       );
     });
 
-  lifecycleOptions(engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
+  memberOptions(lifecycleOptions(engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
-    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
@@ -250,18 +270,18 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .action(async (o) => {
       const { startRouter } = await import('../router/index.js');
-      if (!o.prefill?.length || !o.decode?.length) {
-        console.error('pdserve router: at least one --prefill and one --decode are required');
+      if (!o.discovery && (!o.prefill?.length || !o.decode?.length)) {
+        console.error('pdserve router: at least one --prefill and one --decode are required (or --discovery etcd://HOST:PORT)');
         process.exit(2);
       }
-      const prefill = (o.prefill as string[]).map((s) => {
+      const prefill = ((o.prefill ?? []) as string[]).map((s) => {
         const [url, bp] = s.split(',');
         const u = new URL(url!);
         return { url: url!, bootstrapHost: u.hostname, bootstrapPort: bp ? int(bp) : 8998 };
       });
-      const decode = (o.decode as string[]).map((url) => ({ url }));
+      const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
         return r;
       });
     });
@@ -325,7 +345,7 @@ export async function runCli(argv: string[]): Promise<void> {
     program
       .command('bench-suite')
       .description('the benchmark suite behind `npm run bench`: writes BENCHMARKS.md, bench/results/*.json, bench/plots/*.svg')
-      .option('--sections <list>', 'comma-separated section numbers to run (1-6)', '1,2,3,4,5,6')
+      .option('--sections <list>', 'comma-separated section numbers to run (1-7)', '1,2,3,4,5,6,7')
       .option('--quick', 'tiny repetitions and durations (a smoke run, numbers meaningless)')
       .option('--out <dir>', 'repository root to write into (default: this checkout)')
       .option('--no-pin', 'do not pin prefill/decode to separate cores with taskset')

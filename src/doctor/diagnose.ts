@@ -161,6 +161,11 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       weight: 1e12,
     });
   }
+  if (router?.health.body?.status === 'draining') {
+    add({ severity: 'warning', kind: 'draining', title: `router ${router.url} is draining: it refuses new requests`, details: [], cause: 'a graceful shutdown (SIGTERM) is under way', next: [`curl -sS ${router.url}/health`] });
+  } else if (router?.health.body && router.health.status === 503) {
+    add({ severity: 'critical', kind: 'router_unavailable', title: `router ${router.url} answers 503: no healthy prefill or decode worker`, details: [`prefill ${JSON.stringify(router.health.body.prefill ?? null)}, decode ${JSON.stringify(router.health.body.decode ?? null)}`], cause: 'every worker of a role is down, unhealthy, draining or mismatched; the findings below name them', next: [`curl -sS ${router.url}/workers`], weight: 1e12 });
+  }
   const drainingOf = (w: WorkerProbe) => w.ref.router?.draining === true || w.health.body?.status === 'draining' || w.health.body?.draining === true || w.health.body?.state === 'draining';
   for (const w of snap.workers) {
     const rr = w.ref.router ?? {};

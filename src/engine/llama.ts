@@ -390,8 +390,10 @@ class Lease implements Slot {
     const maxTokens = Math.max(1, sampling.maxTokens || this.engine.info.compat.contextSize - seq.contextTokens.length);
     const minTokens = sampling.minTokens ?? 0;
     const stopIds = new Set(sampling.stopTokenIds ?? []);
+    // echo: the prompt's text (the sequence holds exactly the prompt here) before token 1's text
+    let echo = sampling.echo ? this.engine.detokenize(seq.contextTokens) : '';
     let count = 0;
-    return (tok: number) => {
+    const step = (tok: number): { out: GeneratedToken; end?: FinishReason } => {
       count++;
       const eog = model.isEogToken(tok as Token);
       if (eog && !sampling.ignoreEos) return { out: { token: tok, text: text.flush() }, end: 'stop' };
@@ -404,6 +406,14 @@ class Lease implements Slot {
         return { out: { token: tok, text: t }, end: text.stopped ? 'stop' : 'length' };
       }
       return { out: { token: tok, text: t } };
+    };
+    return (tok: number) => {
+      const r = step(tok);
+      if (echo) {
+        r.out.text = echo + r.out.text;
+        echo = '';
+      }
+      return r;
     };
   }
 

@@ -75,10 +75,19 @@ export interface SequenceChoice<S extends CachedSequence> {
 }
 
 /**
+ * A cached sequence is reused only when the reused prefix is at least this fraction of what it
+ * holds: taking it erases the rest, and a short shared prefix (a common system-prompt opening)
+ * must not destroy another conversation's long entry while an empty or stale sequence would do.
+ * The same 0.5 as llama.cpp server's rule for keeping a slot's cache (f_keep).
+ */
+export const MIN_KEEP_FRACTION = 0.5;
+
+/**
  * Pick the idle sequence for `prompt` (undefined = plain allocation, no reuse): the one with the
- * longest reusable prefix; with no reuse anywhere, an empty sequence (lowest index), else the
- * least recently used one (its cache is dropped). Ties: the more recently used, then lower index.
- * Never returns undefined when `free` is non-empty: eviction never fails an allocation.
+ * longest reusable prefix that keeps ≥ MIN_KEEP_FRACTION of its tokens; else an empty sequence
+ * (lowest index), else the least recently used one (its cache is dropped). Ties: the more
+ * recently used, then lower index. Never returns undefined when `free` is non-empty: eviction
+ * never fails an allocation.
  */
 export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings): SequenceChoice<S> | undefined {
   if (free.length === 0) return undefined;
@@ -87,7 +96,7 @@ export function chooseSequence<S extends CachedSequence>(free: readonly S[], pro
     for (const s of free) {
       if (s.tokens.length === 0) continue;
       const reuse = reusableTokens(s.tokens, s.exactPrefix, prompt, settings.align);
-      if (reuse === 0) continue;
+      if (reuse === 0 || reuse < MIN_KEEP_FRACTION * s.tokens.length) continue;
       if (!best || reuse > best.reuse || (reuse === best.reuse && (s.lastUsed > best.seq.lastUsed || (s.lastUsed === best.seq.lastUsed && s.index < best.seq.index)))) best = { seq: s, reuse };
     }
   }

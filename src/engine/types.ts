@@ -41,6 +41,8 @@ export interface SamplingParams {
   minTokens?: number;
   /** Top alternatives reported per token (0..20) with its logprob; undefined = no logprobs. */
   logprobs?: number;
+  /** Prefix the first token's text with the prompt's text (completions `echo`). */
+  echo?: boolean;
   /**
    * A GBNF grammar (JSON mode / JSON schema) constraining the output; both PD sides build the
    * same grammar from it, decode advances it over the first token received from prefill.

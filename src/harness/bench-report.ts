@@ -5,6 +5,7 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { KvSectionResult } from './bench-kv.js';
+import { agentGoals, agentsPlot, agentsReport, type AgentsResult } from './bench-agents.js';
 import type { BatchingResult, BatchingRow, InterferenceResult, LowLoadRow, RouterOverheadResult, ScalingResult } from './bench-sections.js';
 import { barChart, lineChart } from './bench-svg.js';
 import { fmt, fmtRatio } from './bench-util.js';
@@ -155,6 +156,8 @@ export function writePlots(files: Map<number, SectionFile>, dir: string): Plots 
       }),
     );
   }
+  const s7 = files.get(7)?.result as AgentsResult | undefined;
+  if (s7?.runs?.length) put('s7-agents-ttft.svg', agentsPlot(s7));
   return out;
 }
 
@@ -180,6 +183,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   const s4: BatchingRow[] | undefined = s4r?.rows;
   const s5 = files.get(5)?.result as RouterOverheadResult | undefined;
   const s6 = files.get(6)?.result as ScalingResult | undefined;
+  const s7 = files.get(7)?.result as AgentsResult | undefined;
   const L: string[] = [];
   const isFresh = (n: number) => fresh.includes(n);
   L.push('# pdserve benchmarks', '');
@@ -232,6 +236,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     const g = s6.rows.map((r) => `${r.rate} req/s: ${fmt(r.pd.goodput, 2)} vs ${fmt(r.colo.goodput, 2)}`).join('; ');
     bullets.push(`**Scaling (§6):** goodput (TTFT ≤ ${s6.slo.ttftMs} ms and TPOT ≤ ${s6.slo.tpotMs} ms), PD vs colocated, req/s: ${g}.`);
   }
+  if (s7?.runs?.length) bullets.push(`**Multi-round agents (§7):** ${agentGoals(s7).map((g) => `${g.goal} — ${g.met ? 'met' : 'missed'} (${g.detail})`).join('; ')}.`);
   L.push(...bullets.map((b) => `- ${b}`));
 
   // ---------------------------------------------------------------- 1
@@ -430,6 +435,9 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     L.push(img(plots, 's6-latency.svg', 'P99 TPOT vs request rate'));
   } else L.push('_Not run yet._');
 
+  // ---------------------------------------------------------------- 7
+  L.push(...agentsReport(s7, provenance(files.get(7), isFresh(7)), plots['s7-agents-ttft.svg']));
+
   // ---------------------------------------------------------------- losses
   L.push('', '## Where PD loses', '');
   const losses: string[] = [];
@@ -441,11 +449,12 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   if (s4?.length) for (const r of s4) if (r.ratio < 0.95) losses.push(`Decode throughput with ${r.streams} stream(s): pdserve reaches ${fmtRatio(r.ratio)} of node-llama-cpp driven directly.`);
   if (s5?.router && s5.addedMs.e2eP50 > 0) losses.push(`The router hop: +${fmt(s5.addedMs.ttftP50)} ms TTFT, +${fmt(s5.addedMs.e2eP50)} ms E2E at p50.`);
   if (s6?.rows?.length) for (const r of s6.rows) if (clearlyBelow(r.pd.goodput, r.colo.goodput)) losses.push(`Goodput at ${r.rate} req/s: ${fmt(r.pd.goodput, 2)} vs ${fmt(r.colo.goodput, 2)} req/s.`);
+  if (s7?.runs?.length) for (const g of agentGoals(s7)) if (!g.met) losses.push(`Multi-round agents: ${g.goal} missed (${g.detail}).`);
   losses.push('Resources: PD needs two model copies (prefill and decode each load the GGUF) and, here, two cores where the colocated server used one.');
   L.push(...losses.map((x) => `- ${x}`));
 
   L.push('', '## Reproduce', '');
-  L.push('```sh', 'npm install', 'npm run bench                       # all six sections (builds first), < 20 min on a 2-core VM', 'npm run bench -- --sections 1,5     # some sections; the others are kept from bench/results/', 'npm run bench -- --quick            # smoke run (seconds per section)', '```', '');
+  L.push('```sh', 'npm install', 'npm run bench                       # all seven sections (builds first), < 25 min on a 2-core VM', 'npm run bench -- --sections 1,5     # some sections; the others are kept from bench/results/', 'npm run bench -- --quick            # smoke run (seconds per section)', '```', '');
   L.push('The client alone works against any OpenAI-compatible server:', '');
   L.push('```sh', 'node bin/pdserve.js bench --url http://127.0.0.1:8000 --dataset corpus --num-prompts 200 --request-rate 4 \\', '  --input-len 512 --output-len 64 --slo-ttft-ms 2000 --slo-tpot-ms 50 --json out.json', '```', '');
   L.push('Raw numbers: `bench/results/*.json` (one file per section, plus `suite.json`); plots: `bench/plots/*.svg`.', '');

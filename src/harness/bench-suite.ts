@@ -9,6 +9,7 @@
  *   4. Decode batching: 1/4/8 streams through pdserve vs node-llama-cpp driven directly
  *   5. Router overhead: the same requests through the router vs to the workers directly
  *   6. Scaling: Poisson rate sweep, goodput under an SLO
+ *   7. Multi-round agents: prefix reuse (PD + cache vs colocated + cache vs PD without), own stacks
  *
  * Writes bench/results/sN-*.json, bench/plots/*.svg and BENCHMARKS.md (sections not run this time
  * are taken from their previous JSON, when present). Model: the generated `small` GGUF.
@@ -25,6 +26,7 @@ import { runKvSection, type KvSectionResult } from './bench-kv.js';
 import { runBatching, runInterference, runLowLoad, runRouterOverhead, runScaling, type SectionCtx } from './bench-sections.js';
 import { renderReport, writePlots, type SectionFile, type SuiteMeta } from './bench-report.js';
 import { canPin, say } from './bench-util.js';
+import { runAgentsSection } from './bench-agents.js';
 
 /** Options of `pdserve bench-suite`. */
 export interface SuiteOptions {
@@ -47,6 +49,7 @@ export const SECTION_FILES: Record<number, string> = {
   4: 's4-batching.json',
   5: 's5-router-overhead.json',
   6: 's6-scaling.json',
+  7: 's7-agents.json',
 };
 
 const CTX = 2048;
@@ -96,7 +99,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     o.sections
       .split(',')
       .map((s) => Number(s.trim()))
-      .filter((n) => n >= 1 && n <= 6),
+      .filter((n) => n >= 1 && n <= 7),
   );
   const modelPath = await ensureModel('small', 1);
   const desc = describeModel({ preset: 'small', seed: 1 });
@@ -207,6 +210,17 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     }
   }
 
+  if (want.has(7)) {
+    const ts = performance.now();
+    say('section 7: multi-round agents (prefix reuse)');
+    try {
+      save(7, await runAgentsSection({ model: modelPath, quick: o.quick, contextSize: CTX, batchSize: BATCH, decodeSlots: DECODE_SLOTS }), (performance.now() - ts) / 1000);
+    } catch (err) {
+      failed = true;
+      say(`section 7 failed: ${(err as Error).stack ?? err}`);
+    }
+  }
+
   meta.totalSeconds = Math.round((performance.now() - t0) / 1000);
   meta.machine.loadavgEnd = os.loadavg().map((x) => Math.round(x * 100) / 100);
   writeFileSync(join(resultsDir, 'suite.json'), JSON.stringify({ meta, sectionsRun: [...fresh.keys()] }, null, 1) + '\n');
@@ -218,7 +232,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
 /** Sections' files: this run's, else the previous JSON when present. */
 function render(resultsDir: string, plotsDir: string, root: string, meta: SuiteMeta, sectionsRun: number[], fresh: Map<number, SectionFile>): void {
   const files = new Map<number, SectionFile>();
-  for (let n = 1; n <= 6; n++) {
+  for (let n = 1; n <= 7; n++) {
     const f = fresh.get(n);
     if (f) files.set(n, f);
     else if (existsSync(join(resultsDir, SECTION_FILES[n]!))) {

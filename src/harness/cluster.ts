@@ -29,6 +29,17 @@ export interface ClusterOptions {
   workerPortBase?: number;
   /** `--drain-timeout-ms` of every process (their default: 30000). */
   drainTimeoutMs?: number;
+  /** `--discovery etcd://HOST:PORT` of every process: workers register, the router watches. */
+  discovery?: string;
+  /** With `discovery`: false = the router gets no --prefill/--decode flags (etcd is its only source). */
+  staticWorkers?: boolean;
+  /**
+   * Per-process address and Linux network namespace, by process name (`prefill-0`, `decode-1`,
+   * `colocated`, `router`): the process binds `host` and runs under `ip netns exec <netns>`
+   * (the multi-host tests). Needs fixed ports (`workerPortBase`, `port`): free ports cannot be
+   * probed from here in another namespace.
+   */
+  placement?: Record<string, { host: string; netns?: string }>;
   host?: string;
   threads?: number;
   ctxSize?: number;
@@ -128,10 +139,10 @@ export class Cluster {
 
   async start(): Promise<void> {
     const o = this.opts;
-    const h = this.host;
     const fixed = this.workerPorts();
-    const nextPort = async () => fixed.shift() ?? freePort(h);
+    const nextPort = async () => fixed.shift() ?? freePort(this.host);
     for (let i = 0; i < (o.prefill ?? 1); i++) {
+      const h = this.hostOf(`prefill-${i}`);
       const port = await nextPort();
       const bootstrapPort = await nextPort();
       const args = ['prefill', ...this.engineArgs(), '--host', h, '--port', String(port), '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h];
@@ -140,22 +151,23 @@ export class Cluster {
     }
     for (let i = 0; i < (o.decode ?? 1); i++) {
       const port = await nextPort();
-      const args = ['decode', ...this.engineArgs(), '--host', h, '--port', String(port)];
+      const args = ['decode', ...this.engineArgs(), '--host', this.hostOf(`decode-${i}`), '--port', String(port)];
       if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
       this.procs.push(this.proc('decode', i, port, [...args, ...(o.extraArgs?.decode ?? [])]));
     }
     if (o.colocated) {
       const port = await nextPort();
-      const args = ['colocated', ...this.engineArgs(), '--host', h, '--port', String(port)];
+      const args = ['colocated', ...this.engineArgs(), '--host', this.hostOf('colocated'), '--port', String(port)];
       if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
       this.procs.push(this.proc('colocated', 0, port, [...args, ...(o.extraArgs?.colocated ?? [])]));
     }
     const workers = [...this.procs];
     await Promise.all(workers.map((p) => this.spawn(p)));
-    const rport = o.port === undefined || o.port === 0 ? await freePort(h) : o.port;
-    const rargs = ['router', '--host', h, '--port', String(rport)];
-    for (const p of this.byRole('prefill')) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
-    for (const p of this.byRole('decode')) rargs.push('--decode', p.url);
+    const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port;
+    const rargs = ['router', '--host', this.hostOf('router'), '--port', String(rport)];
+    const statics = !o.discovery || o.staticWorkers !== false;
+    for (const p of statics ? this.byRole('prefill') : []) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
+    for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
     const router = this.proc('router', 0, rport, [...rargs, ...(o.extraArgs?.router ?? [])]);
     this.procs.push(router);
     await this.spawn(router);
@@ -163,8 +175,14 @@ export class Cluster {
 
   private proc(role: ProcRole, index: number, port: number, args: string[], bootstrapPort?: number): ClusterProc {
     if (this.opts.drainTimeoutMs !== undefined) args = [...args, '--drain-timeout-ms', String(this.opts.drainTimeoutMs)];
+    if (this.opts.discovery) args = [...args, '--discovery', this.opts.discovery];
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
-    return { role, index, name, port, bootstrapPort, url: `http://${this.host}:${port}`, args, expectedDown: false, unexpectedExits: [] };
+    return { role, index, name, port, bootstrapPort, url: `http://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
+  }
+
+  /** The address process `name` binds (its placement, else the cluster's host). */
+  hostOf(name: string): string {
+    return this.opts.placement?.[name]?.host ?? this.host;
   }
 
   /** Spawn (or respawn) one process and wait for its ready message. */
@@ -177,7 +195,10 @@ export class Cluster {
       out = openSync(p.logFile, 'a');
     }
     const cpus = o.cpuAffinity?.[p.role];
-    const [cmd, argv]: [string, string[]] = cpus ? ['taskset', ['-c', cpus, process.execPath, BIN, ...p.args]] : [process.execPath, [BIN, ...p.args]];
+    const ns = o.placement?.[p.name]?.netns;
+    const node = [process.execPath, BIN, ...p.args];
+    const full = [...(ns ? ['ip', 'netns', 'exec', ns] : []), ...(cpus ? ['taskset', '-c', cpus] : []), ...node];
+    const [cmd, argv]: [string, string[]] = [full[0]!, full.slice(1)];
     const child = spawn(cmd, argv, {
       stdio: ['ignore', out, out, 'ipc'],
       env: { ...process.env, PDSERVE_CLUSTER_SECRET: this.secret, ...(o.env ?? {}) },

@@ -42,6 +42,8 @@ export interface SampledRound {
   maxTokens: number;
   text: string;
   rid?: string;
+  /** Prompt tokens the server took from a prefix cache for this round (undefined: not reported). */
+  cachedTokens?: number;
 }
 
 export interface AgentsOptions {
@@ -112,8 +114,8 @@ class Estimate {
 
 /** A population of agents; `run()` resolves when every agent has stopped after `stop()`. */
 export class Agents {
-  readonly sample: SampledRound[] = [];
-  private seenOk = 0;
+  /** Two reservoirs: rounds served with cached prefix tokens, and the others. */
+  private readonly sampled = { cached: [] as SampledRound[], plain: [] as SampledRound[], seenCached: 0, seenPlain: 0 };
   private stopping = false;
   private wake = new Set<() => void>();
   private readonly agent: http.Agent;
@@ -282,16 +284,29 @@ export class Agents {
     }
   }
 
-  /** Reservoir-sample a completed round for the wrong-answer check. */
+  /**
+   * Completed rounds for the wrong-answer check (at most sampleSize): up to half of them from the
+   * rounds the server answered with cached prefix tokens (the prefix cache's path must be
+   * checked even when it is rare), the rest from the other rounds; each a uniform reservoir sample.
+   */
+  get sample(): SampledRound[] {
+    const k = this.o.sampleSize;
+    const c = this.sampled.cached.slice(0, Math.max(Math.ceil(k / 2), k - this.sampled.plain.length));
+    return [...c, ...this.sampled.plain.slice(0, k - c.length)];
+  }
+
+  /** Reservoir-sample a completed round for the wrong-answer check (cached and plain rounds apart). */
   private keep(s: AgentState, messages: ChatMessage[], maxTokens: number, res: CallResult): void {
     const k = this.o.sampleSize;
     if (k <= 0) return;
-    this.seenOk++;
-    const item: SampledRound = { agent: s.id, conv: s.conv, round: s.round, messages, maxTokens, text: res.text, rid: res.rid };
-    if (this.sample.length < k) this.sample.push(item);
+    const item: SampledRound = { agent: s.id, conv: s.conv, round: s.round, messages, maxTokens, text: res.text, rid: res.rid, cachedTokens: res.cachedTokens };
+    const cached = (res.cachedTokens ?? 0) > 0;
+    const pool = cached ? this.sampled.cached : this.sampled.plain;
+    const seen = cached ? ++this.sampled.seenCached : ++this.sampled.seenPlain;
+    if (pool.length < k) pool.push(item);
     else {
-      const j = Math.floor(this.sampleRng.float() * this.seenOk);
-      if (j < k) this.sample[j] = item;
+      const j = Math.floor(this.sampleRng.float() * seen);
+      if (j < k) pool[j] = item;
     }
   }
 }

@@ -43,6 +43,8 @@ export interface CallResult {
   tEnd: number;
   /** Gaps between consecutive content chunks, ms. */
   itl: number[];
+  /** usage.prompt_tokens_details.cached_tokens, when the server reported usage. */
+  cachedTokens?: number;
 }
 
 export interface ChatMessage {
@@ -151,7 +153,7 @@ export class ChatCall {
       if (status !== 200 || !this.o.stream) {
         const text = await readBody(res, MAX_BODY);
         if (this.settled) return;
-        let j: { error?: { code?: unknown; message?: unknown }; choices?: { message?: { content?: unknown }; finish_reason?: unknown }[] } | undefined;
+        let j: { error?: { code?: unknown; message?: unknown }; choices?: { message?: { content?: unknown }; finish_reason?: unknown }[]; usage?: UsageBody } | undefined;
         try {
           j = JSON.parse(text);
         } catch {
@@ -164,6 +166,7 @@ export class ChatCall {
         const c = j?.choices?.[0];
         if (!c || typeof c.message?.content !== 'string') return this.fail('bad_response', `unexpected body: ${text.slice(0, 200)}`, status);
         this.r.text = c.message.content;
+        this.r.cachedTokens = cachedOf(j?.usage);
         this.r.tFirst = performance.now();
         this.r.finishReason = typeof c.finish_reason === 'string' ? c.finish_reason : undefined;
         this.phase = 'done';
@@ -182,7 +185,7 @@ export class ChatCall {
           this.phase = 'done';
           return this.end('ok', { status });
         }
-        let ev: { error?: { code?: unknown; message?: unknown }; choices?: { delta?: { content?: unknown }; finish_reason?: unknown }[] };
+        let ev: { error?: { code?: unknown; message?: unknown }; choices?: { delta?: { content?: unknown }; finish_reason?: unknown }[]; usage?: UsageBody };
         try {
           ev = JSON.parse(data);
         } catch {
@@ -192,7 +195,10 @@ export class ChatCall {
           return this.fail(typeof ev.error.code === 'string' ? ev.error.code : 'stream_error', typeof ev.error.message === 'string' ? ev.error.message : 'error event', status);
         }
         const ch = ev.choices?.[0];
-        if (!ch) continue; // usage chunk
+        if (!ch) {
+          this.r.cachedTokens = cachedOf(ev.usage) ?? this.r.cachedTokens; // usage chunk
+          continue;
+        }
         const content = ch.delta?.content;
         if (typeof content === 'string' && content.length > 0) {
           const now = performance.now();
@@ -215,6 +221,14 @@ export class ChatCall {
       this.fail(e.code ?? 'transport_error', e.message ?? String(err), status);
     }
   }
+}
+
+type UsageBody = { prompt_tokens_details?: { cached_tokens?: unknown } } | null;
+
+/** usage.prompt_tokens_details.cached_tokens as a number, or undefined. */
+function cachedOf(u: UsageBody | undefined): number | undefined {
+  const c = u?.prompt_tokens_details?.cached_tokens;
+  return typeof c === 'number' ? c : undefined;
 }
 
 /** Read a response body as text, at most `max` bytes (the rest is dropped). */

@@ -237,7 +237,10 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       logDir,
       colocated: o.verify > 0,
       env: o.env,
-      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout)] },
+      // The reference evaluates every prompt in full: the check compares reuse against no reuse.
+      // Prefill keeps more cached prefixes than by default (tiny model: ≈1 MB a sequence), so
+      // the storm's many concurrent conversations get cache hits to check.
+      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout)], prefill: ['--prefix-cache-slots', '16'], colocated: ['--no-prefix-cache'] },
     });
     write.progress(`pdserve storm: starting ${o.prefill} prefill + ${o.decode} decode + router${o.verify > 0 ? ' + colocated reference' : ''} (logs: ${logDir})\n`);
     try {
@@ -510,7 +513,9 @@ interface Verification {
   reference?: string;
   sampled: number;
   equal: number;
-  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; got: string; want: string }[];
+  /** Checked rounds that were served with cached prefix tokens (the prefix cache's path). */
+  cached: number;
+  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; cached_tokens?: number; got: string; want: string }[];
   errors: { agent: number; round: number; error: string }[];
 }
 
@@ -520,7 +525,7 @@ interface Verification {
  * when the budget runs out are reported as not checked.
  */
 async function verify(sample: SampledRound[], reference: string | undefined, timeoutMs: number): Promise<Verification> {
-  const v: Verification = { reference, sampled: sample.length, equal: 0, mismatches: [], errors: [] };
+  const v: Verification = { reference, sampled: sample.length, equal: 0, cached: 0, mismatches: [], errors: [] };
   if (!reference || sample.length === 0) return v;
   const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
   const end = performance.now() + Math.max(60_000, 2 * timeoutMs);
@@ -536,8 +541,9 @@ async function verify(sample: SampledRound[], reference: string | undefined, tim
         v.errors.push({ agent: s.agent, round: s.round, error: `${r.outcome}: ${r.code ?? ''} ${r.message ?? ''}`.trim() });
       } else if (r.text === s.text) {
         v.equal++;
+        if ((s.cachedTokens ?? 0) > 0) v.cached++;
       } else {
-        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), got: s.text, want: r.text });
+        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), cached_tokens: s.cachedTokens, got: s.text, want: r.text });
       }
     }
   } finally {
@@ -681,7 +687,7 @@ function buildReport(b: BuildInput): StormReport {
         : {
             name: 'wrong_answer',
             status: v.mismatches.length ? 'fail' : 'pass',
-            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
+            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference (no prefix cache; ${v.cached} of the equal rounds were served with cached prefix tokens)${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
             details: [...v.mismatches, ...v.errors],
           },
   );

@@ -3,8 +3,9 @@
  *
  * Shape (all times in ms, sizes in bytes):
  *   { host = '127.0.0.1', port = 8000 (0 = any free port),
- *     prefill: [{ url, bootstrapHost? (default: the url's hostname), bootstrapPort }] (≥ 1),
- *     decode: [{ url }] (≥ 1),
+ *     prefill: [{ url, bootstrapHost? (default: the url's hostname), bootstrapPort }] (≥ 1 unless discovery),
+ *     decode: [{ url }] (≥ 1 unless discovery),
+ *     discovery? = 'etcd://HOST:PORT[,…]' (workers also join and leave through etcd),
  *     healthIntervalMs = 2000, healthTimeoutMs = 1000 (probes never overlap),
  *     unhealthyAfter = 2 (consecutive failed probes before a worker is skipped; a refused
  *       connection counts at once),
@@ -56,10 +57,12 @@ export const RouterConfigSchema = z
           })
           .strict(),
       )
-      .min(1, 'at least one prefill worker is required'),
+      .default([]),
     decode: z
       .array(z.object({ url: WorkerUrl }).strict())
-      .min(1, 'at least one decode worker is required'),
+      .default([]),
+    /** `etcd://HOST:PORT[,…]`: workers also come from etcd membership (../common/discovery.ts). */
+    discovery: z.string().min(1).optional(),
     healthIntervalMs: z.number().int().min(20).default(2000),
     healthTimeoutMs: z.number().int().min(10).default(1000),
     unhealthyAfter: z.number().int().min(1).default(2),
@@ -81,6 +84,10 @@ export const RouterConfigSchema = z
   })
   .strict()
   .superRefine((c, ctx) => {
+    if (!c.discovery) {
+      if (c.prefill.length === 0) ctx.addIssue({ code: z.ZodIssueCode.custom, path: ['prefill'], message: 'at least one prefill worker is required (or discovery)' });
+      if (c.decode.length === 0) ctx.addIssue({ code: z.ZodIssueCode.custom, path: ['decode'], message: 'at least one decode worker is required (or discovery)' });
+    }
     const seen = new Set<string>();
     for (const [i, w] of [...c.prefill.map((w) => w.url), ...c.decode.map((w) => w.url)].entries()) {
       if (seen.has(w)) ctx.addIssue({ code: z.ZodIssueCode.custom, path: [i < c.prefill.length ? 'prefill' : 'decode'], message: `duplicate worker url ${w}` });
@@ -101,6 +108,8 @@ export interface RouterConfig {
   readonly port: number;
   readonly prefill: readonly PrefillWorkerConfig[];
   readonly decode: readonly { readonly url: string }[];
+  /** etcd membership source, when set. */
+  readonly discovery?: string;
   readonly healthIntervalMs: number;
   readonly healthTimeoutMs: number;
   readonly unhealthyAfter: number;

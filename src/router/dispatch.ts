@@ -25,10 +25,11 @@
  * prefill's first event has been written, so the order is always right. If the handoff fails after
  * token 1, the client (already streaming) gets an SSE `{error}` event and no `[DONE]`.
  *
- * Drain: a worker that answers 503 `draining` (../common/drain.ts) before decode produced any
- * event makes the request end with `redispatch = true` instead of an error (when the caller
- * allowed it): nothing is sent to the client, the other leg is aborted, the worker is marked
- * draining, and the caller runs a new `PdRequest` on another pair.
+ * Drain: a worker that answers 503 `draining` (../common/drain.ts), or cannot be connected to at
+ * all (a worker that just died: marked unreachable), before anything was sent to the client makes
+ * the request end with `redispatch = true` instead of an error (when the caller allowed it):
+ * nothing is sent to the client, the other leg is aborted, and the caller runs a new `PdRequest`
+ * on another pair.
  */
 import { DRAINING_CODE } from '../common/drain.js';
 import { hold } from '../common/testhooks.js';
@@ -388,7 +389,10 @@ export class PdRequest {
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
-    if (err.code === DRAINING_CODE && this.mayRedispatch && this.phase === 'waiting' && this.builder.events === 0) {
+    // Safe to run again elsewhere: the worker refused as draining, or was never connected to
+    // (connection refused / unreachable: it has not seen the request), and nothing was sent yet.
+    const neverStarted = err.code === DRAINING_CODE || err.code === `${leg.name}_unreachable`;
+    if (neverStarted && this.mayRedispatch && this.phase === 'waiting' && this.builder.events === 0) {
       this.redispatch = true;
       this.finish('error');
       return;

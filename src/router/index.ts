@@ -226,13 +226,32 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     return reply.header('content-type', metrics.registry.contentType).send(text);
   });
 
+  registry.onRemoved = (w) => {
+    policies.prefill.forget?.(w.url);
+    policies.decode.forget?.(w.url);
+  };
   await registry.start();
+  // Membership on etcd (optional): the pool follows registrations, drains and lease expiries.
+  let discovery: { stop(): Promise<void> } | null = null;
+  if (config.discovery) {
+    const { EtcdDiscovery } = await import('./discovery/etcd.js');
+    const d = new EtcdDiscovery({ discovery: config.discovery, registry, log });
+    try {
+      await d.start();
+    } catch (err) {
+      registry.stop();
+      await Promise.allSettled([dataAgent.destroy(), controlAgent.destroy()]);
+      throw err;
+    }
+    discovery = d;
+  }
   await app.ready();
 
   let closed: Promise<void> | null = null;
   const close = (): Promise<void> =>
     (closed ??= (async () => {
       closing = true;
+      await discovery?.stop();
       registry.stop();
       for (const r of [...active]) r.cancel();
       const settle = Promise.allSettled([...pending]);

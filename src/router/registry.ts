@@ -97,9 +97,13 @@ export class WorkerRegistry {
   releasedTotal = 0;
   private readonly rr: Record<WorkerRole, number> = { prefill: 0, decode: 0 };
   private readonly probing = new Set<WorkerState>();
+  /** Probes asked for while one was in flight: run again when it settles (a restart must not wait a poll). */
+  private readonly recheck = new Set<WorkerState>();
   private readonly warnedBootstrap = new Set<WorkerState>();
   private timer: NodeJS.Timeout | null = null;
   private stopped = false;
+  /** Called when `remove()` drops a worker (e.g. to forget it in a routing policy's state). */
+  onRemoved: ((w: WorkerState) => void) | null = null;
   private readonly probeAc = new AbortController();
 
   constructor(
@@ -137,7 +141,7 @@ export class WorkerRegistry {
       (w as { bootstrapHost: string | null }).bootstrapHost = spec.bootstrapHost ?? null;
       (w as { bootstrapPort: number | null }).bootstrapPort = spec.bootstrapPort;
     }
-    void this.check(w);
+    void this.check(w, true);
     return w;
   }
 
@@ -152,6 +156,7 @@ export class WorkerRegistry {
     w.healthy = false;
     w.lastError = `removed: ${reason}`;
     this.opts.log.info({ worker: url, role: w.role, reason }, 'worker left');
+    this.onRemoved?.(w);
     return true;
   }
 
@@ -187,9 +192,13 @@ export class WorkerRegistry {
     await Promise.all(this.workers.map((w) => this.check(w)));
   }
 
-  /** Probe one worker (skipped when a probe of it is already in flight). Never rejects. */
-  async check(w: WorkerState): Promise<void> {
-    if (this.probing.has(w) || this.stopped) return;
+  /** Probe one worker. A probe already in flight is not doubled; with `again` one more runs when it settles. Never rejects. */
+  async check(w: WorkerState, again = false): Promise<void> {
+    if (this.stopped) return;
+    if (this.probing.has(w)) {
+      if (again) this.recheck.add(w);
+      return;
+    }
     this.probing.add(w);
     try {
       const signal = AbortSignal.any([AbortSignal.timeout(this.opts.timeoutMs), this.probeAc.signal]);
@@ -224,6 +233,7 @@ export class WorkerRegistry {
       else this.probeFailed(w, `GET /health: ${describeError(err)}`);
     } finally {
       this.probing.delete(w);
+      if (this.recheck.delete(w)) void this.check(w);
     }
   }
 

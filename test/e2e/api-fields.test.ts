@@ -147,6 +147,16 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     assert.equal(none.logprobs, null, 'no logprobs unless asked');
   });
 
+  test('echo puts the prompt text before the output (text and token-id prompts), PD equals colocated', async () => {
+    const plain = await same('completion', { prompt, max_tokens: 6, ignore_eos: true });
+    const e = await same('completion', { prompt, max_tokens: 6, ignore_eos: true, echo: true });
+    assert.equal(e.text, prompt + plain.text);
+    assert.equal(e.completionTokens, plain.completionTokens);
+    const ids = (await (await fetch(`${s.c.colocated!.url}/tokenize`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt }) })).json()) as { tokens: number[] };
+    const byIds = await same('completion', { prompt: ids.tokens, max_tokens: 6, ignore_eos: true, echo: true });
+    assert.equal(byIds.text, e.text);
+  });
+
   test('chat without max_tokens gets the rest of the context (a prompt over 1536 tokens of 2048 used to fail)', async () => {
     const long = promptOf(CTX - 100, 1);
     const r = await same('chat', { prompt: long, ignore_eos: true });

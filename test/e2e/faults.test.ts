@@ -17,20 +17,12 @@ import { KvPeerPool } from '../../src/kv/channel.js';
 import { encodeControl } from '../../src/kv/frame.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
 import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
-import { busy, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
+import { busy, getJson, promptOf, rawCompletion, startStack, waitFor } from '../helpers/stack.js';
 
 const HB = 250;
 let c: Cluster;
 
-async function completion(prompt: string, maxTokens = 8, timeoutMs = 15_000): Promise<{ status: number; text: string; ms: number }> {
-  const t0 = Date.now();
-  try {
-    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
-    return { status: r.status, text: await r.text(), ms: Date.now() - t0 };
-  } catch (err) {
-    return { status: 0, text: String(err), ms: Date.now() - t0 };
-  }
-}
+const completion = (prompt: string, maxTokens = 8, timeoutMs = 15_000) => rawCompletion(c.router.url, prompt, maxTokens, timeoutMs);
 const ok = (r: { status: number; text: string }) => r.status === 200 && /\[DONE\]/.test(r.text) && !/"error"/.test(r.text);
 
 const metric = async (p: ClusterProc, re: RegExp) => Number(re.exec(await (await fetch(`${p.url}/metrics`)).text())?.[1] ?? 0);

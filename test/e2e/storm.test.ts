@@ -180,6 +180,9 @@ describe('pdserve storm', () => {
     const wa = rep.checks.find((c) => c.name === 'wrong_answer')!;
     assert.match(wa.summary, /^(\d+) of \1 sampled rounds/, 'wrong-answer check compared every sampled round');
     assert.ok(Number(/^(\d+)/.exec(wa.summary)![1]) >= 20, 'at least 20 rounds compared');
+    // Prefill runs with its prefix cache and the reference without: cached rounds were compared.
+    const cachedRounds = Number(/(\d+) of the equal rounds were served with cached prefix tokens/.exec(wa.summary)?.[1] ?? 0);
+    assert.ok(cachedRounds >= 1, `the wrong-answer check compared rounds served from the prefix cache: ${wa.summary}`);
     assert.equal(rep.requests.hung, 0);
     console.log(`storm test wall time ${(r.ms / 1000).toFixed(1)} s`);
   });

@@ -85,3 +85,21 @@ export function promptOf(n: number, seed = 0): string {
   while (s.length < n) s += (s ? ' ' : '') + words[(i++ * 7 + seed) % words.length];
   return s.slice(0, Math.max(1, n));
 }
+
+/** Outcome of one raw streamed completion: HTTP status (0 = transport error), body text, duration. */
+export interface RawResult {
+  status: number;
+  text: string;
+  ms: number;
+}
+
+/** POST a streamed /v1/completions (greedy) with a deadline; never rejects. */
+export async function rawCompletion(baseUrl: string, prompt: string, maxTokens = 8, timeoutMs = 15_000): Promise<RawResult> {
+  const t0 = Date.now();
+  try {
+    const r = await fetch(`${baseUrl}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
+    return { status: r.status, text: await r.text(), ms: Date.now() - t0 };
+  } catch (err) {
+    return { status: 0, text: String(err), ms: Date.now() - t0 };
+  }
+}

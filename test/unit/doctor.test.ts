@@ -107,6 +107,9 @@ describe('diagnose', () => {
     assert.ok(m.findings.some((f) => f.kind === 'mismatch' && /context size/.test(f.title)), JSON.stringify(m.findings));
     assert.ok(m.findings.some((f) => f.kind === 'draining' && f.severity === 'info'));
     assert.ok(!m.findings.some((f) => f.kind === 'worker_unhealthy'), 'a draining worker is not reported as unhealthy');
+    const unavailable = snap([worker('prefill')]);
+    unavailable.router!.health = { ok: false, status: 503, ms: 1, error: 'HTTP 503', body: { status: 'unavailable', prefill: { healthy: 1, total: 1 }, decode: { healthy: 0, total: 0 } } };
+    assert.equal(diagnose(unavailable).findings[0]!.kind, 'router_unavailable');
     const failedAt = NOW - 60_000;
     const recent = [{ ...room({ state: 'Failed', phase: 'done', inPhase: 0 }), fail_reason: 'deadline: inflight', timeline: [{ at: failedAt, state: 'Failed', phase: 'done', why: 'deadline' }] }];
     const old = { ...recent[0]!, room: '7', fail_reason: 'transfer: x', timeline: [{ at: NOW - 3_600_000, state: 'Failed', phase: 'done', why: 'x' }] };

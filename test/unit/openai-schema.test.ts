@@ -144,7 +144,9 @@ describe('completion schema', () => {
     assert.equal(parseChatRequest({ messages: u, logprobs: false }).sampling.logprobs, undefined);
     rejects400(() => parseChatRequest({ messages: u, top_logprobs: 2 }), 'top_logprobs', /requires logprobs/);
     rejects400(() => parseChatRequest({ messages: u, logprobs: 2 }), 'logprobs');
-    rejects400(() => parseCompletionRequest({ prompt: 'x', echo: true }), 'echo');
+    assert.equal(parseCompletionRequest({ prompt: 'x', echo: true }).sampling.echo, true);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', echo: true, logprobs: 1 }), 'echo', /prompt logprobs/);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], echo: true }), 'echo');
     rejects400(() => parseCompletionRequest({ prompt: 'x', best_of: 3 }), 'best_of');
     rejects400(() => parseCompletionRequest({ prompt: 'x', suffix: 'tail' }), 'suffix');
     rejects400(() => parseCompletionRequest({ prompt: 'x', guided_regex: 'a+' }), 'guided_regex');

@@ -40,6 +40,8 @@ describe('prefix cache policy', () => {
     assert.deepEqual(pick(free, [1, 2, 3, 4, 5]), [0, 4]);
     assert.deepEqual(pick(free, [1, 2, 9, 9]), [1, 3]);
     assert.deepEqual(pick(free, [8, 8]), [2, 0], 'no match: the empty sequence');
+    assert.deepEqual(pick(free, [1, 8, 8]), [2, 0], 'a short shared opening does not destroy a longer entry (1 of 4 tokens kept < 50 %)');
+    assert.deepEqual(pick(free, [1, 2, 8, 8]), [1, 2], '2 of 3 kept: reused');
     assert.deepEqual(pick(free.filter((s) => s.index !== 2), [8, 8]), [3, 0], 'no empty one: LRU is evicted');
     assert.deepEqual(pick(free, undefined), [2, 0], 'no prompt (a state load): never a cached one while an empty one exists');
     assert.deepEqual(pick(free, [1, 2, 3, 4, 5], { ...on, enabled: false }), [2, 0], 'cache off: no reuse');

@@ -461,7 +461,8 @@ describe('router: failures', () => {
         if (++n === 3) ac.abort();
       }
     })().catch(() => {});
-    assert.equal(n, 3);
+    // Node 22+'s fetch may hand over a chunk already buffered when the abort fired.
+    assert.ok(n >= 3 && n <= 5, `iteration stopped right after the abort (${n} chunks)`);
     const t0 = Date.now();
     assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1 && s.decode[0]!.abortsFor(rid).length === 1, 1000), 'both workers got abort_request');
     assert.ok(Date.now() - t0 < 1000);
@@ -649,13 +650,13 @@ describe('router: failures', () => {
     await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503));
   });
 
-  test('prefill unreachable at dispatch → 502, worker marked unhealthy at once', async () => {
+  test('prefill unreachable at dispatch → marked unhealthy at once, decode aborted; no other prefill → 503', async () => {
     const s = await stack({ healthIntervalMs: 60_000 });
     s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
     await s.prefill[0]!.close();
     let rid = '';
     await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), (e: unknown) => {
-      isApiError(502, /prefill worker .* is unreachable/)(e);
+      isApiError(503, /no healthy prefill/)(e);
       rid = String((e as InstanceType<typeof OpenAI.APIError>).requestID);
       return true;
     });
@@ -664,7 +665,19 @@ describe('router: failures', () => {
     // decode may or may not have seen /generate before the cancel; it gets abort_request either way.
     assert.ok(await waitFor(() => s.decode[0]!.abortsFor(rid).length === 1, 1000));
     await assertReleased(s);
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503, /no healthy prefill/));
+  });
+
+  test('a worker that cannot be connected to never saw the request: it is dispatched again to another pair', async () => {
+    const s = await stack({ prefill: 2, decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    await s.prefill[0]!.close();
+    await s.decode[1]!.close();
+    for (let i = 0; i < 4; i++) {
+      const r = await s.client.completions.create({ model: 'x', prompt: `p${i}` });
+      assert.equal(r.choices.length, 1, 'served by the live pair');
+    }
+    assert.equal(s.router.registry.workers.filter((w) => w.healthy).length, 2, 'both dead workers marked unhealthy');
+    assert.equal(await outcomeCount(s, 'error'), 0);
+    await assertReleased(s);
   });
 
   test('bad HTTP input → 400/413 OpenAI bodies through the router, nothing dispatched', async () => {

@@ -1,0 +1,320 @@
+/**
+ * Bench section 7, "multi-round agents": N agents hold R-round conversations whose context
+ * grows every round (each round resends the whole conversation plus a ~150-token tool result
+ * taken from the storm corpus, and the model's previous reply). Three setups, interleaved at
+ * each concurrency (the order rotates per level):
+ *
+ *   - `pd`: router (cache_aware) → prefill with its prefix cache → decode;
+ *   - `colo`: the colocated server with its prefix cache (the fair baseline, as llama.cpp's
+ *     server with cache_prompt);
+ *   - `pd_noreuse`: the same PD stack with `--no-prefix-cache` on prefill.
+ *
+ * Per round: TTFT (first content chunk at the client), E2E, prompt and cached tokens (from
+ * usage.prompt_tokens_details.cached_tokens). Agent goodput = rounds per second meeting the SLO
+ * (TTFT and TPOT). The goals of issue #10 are evaluated in the report: PD round-R TTFT ≤ 1.5 ×
+ * round-1; cached ≥ 60 % of prompt tokens over rounds 2+; PD goodput ≥ colocated's at every
+ * concurrency.
+ */
+import { mkdtempSync, readdirSync, readFileSync } from 'node:fs';
+import os from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { request, type Dispatcher } from 'undici';
+import { readSse } from '../api/sse.js';
+import { foldAscii, ROOT } from './storm-corpus.js';
+import { benchAgent, discoverModel, exactText, loadTokenizer, type BenchTokenizer } from './bench.js';
+import { lineChart } from './bench-svg.js';
+import { fmt, fmtRatio, median, say } from './bench-util.js';
+import { Cluster } from './cluster.js';
+
+export type AgentSetup = 'pd' | 'colo' | 'pd_noreuse';
+export const AGENT_SETUPS: readonly AgentSetup[] = ['pd', 'colo', 'pd_noreuse'];
+const SETUP_NAMES: Record<AgentSetup, string> = { pd: 'PD + prefix cache', colo: 'colocated + prefix cache', pd_noreuse: 'PD, no reuse' };
+
+/** One round of one agent as the client saw it. Times in ms. */
+export interface AgentRound {
+  agent: number;
+  round: number;
+  ok: boolean;
+  error?: string;
+  ttftMs: number;
+  e2eMs: number;
+  /** (E2E − TTFT) / (output tokens − 1). */
+  tpotMs: number;
+  promptTokens: number;
+  cachedTokens: number;
+  outputTokens: number;
+}
+
+/** One setup at one concurrency. */
+export interface AgentRun {
+  setup: AgentSetup;
+  concurrency: number;
+  wallMs: number;
+  rounds: AgentRound[];
+  /** Median TTFT per round (index 0 = round 1), ms. */
+  ttftByRound: number[];
+  /** Cached / prompt tokens over rounds 2+. */
+  cachedShare: number;
+  /** Rounds per second meeting the SLO; and all completed rounds per second. */
+  goodput: number;
+  throughput: number;
+  failed: number;
+  /** 1-min load average when the run ended. */
+  load: number;
+}
+
+export interface AgentsResult {
+  rounds: number;
+  toolTokens: number;
+  outputTokens: number;
+  systemTokens: number;
+  concurrencies: number[];
+  slo: { ttftMs: number; tpotMs: number };
+  runs: AgentRun[];
+}
+
+export interface AgentsOptions {
+  model: string;
+  quick: boolean;
+  contextSize: number;
+  batchSize: number;
+  decodeSlots: number;
+  timeoutMs?: number;
+}
+
+/** The agent corpus: corpus/*.txt (the storm's prose), folded to ASCII, in file-name order. */
+function loadAgentCorpus(): string {
+  const dir = join(ROOT, 'corpus');
+  return readdirSync(dir)
+    .filter((f) => f.endsWith('.txt'))
+    .sort()
+    .map((f) => foldAscii(readFileSync(join(dir, f), 'utf8')))
+    .join('\n\n');
+}
+
+interface Conversation {
+  system: string;
+  tools: string[];
+}
+
+/** Agent conversations: a system prompt and one tool result per round, cut from the storm corpus at exact token counts. */
+function conversations(tok: BenchTokenizer, n: number, rounds: number, tag: string, systemTokens: number, toolTokens: number): Conversation[] {
+  const ids = tok.encode(loadAgentCorpus());
+  const out: Conversation[] = [];
+  for (let a = 0; a < n; a++) {
+    const base = (a * 7919 + tag.length * 104729) % ids.length;
+    const system = `You are agent ${a} of run ${tag}. Read each tool result and decide the next step in one short sentence. Background: ${exactText(tok, ids, base, systemTokens).text}`;
+    const tools: string[] = [];
+    for (let r = 0; r < rounds; r++) tools.push(exactText(tok, ids, base + 997 * (r + 1), toolTokens).text);
+    out.push({ system, tools });
+  }
+  return out;
+}
+
+/** One streamed chat round. Never rejects. */
+async function chatRound(url: string, model: string, messages: { role: string; content: string }[], maxTokens: number, dispatcher: Dispatcher, timeoutMs: number): Promise<Omit<AgentRound, 'agent' | 'round'> & { text: string }> {
+  const start = performance.now();
+  const r = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, text: '' } as Omit<AgentRound, 'agent' | 'round'> & { text: string };
+  try {
+    const res = await request(`${url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model, messages, max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream: true, stream_options: { include_usage: true } }),
+      dispatcher,
+      signal: AbortSignal.timeout(timeoutMs),
+    });
+    if (res.statusCode !== 200) {
+      r.error = `HTTP ${res.statusCode}: ${(await res.body.text()).slice(0, 200)}`;
+      return r;
+    }
+    let done = false;
+    for await (const data of readSse(res.body)) {
+      if (data === '[DONE]') {
+        done = true;
+        continue;
+      }
+      const j = JSON.parse(data) as { choices?: { delta?: { content?: string | null } }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } } | null; error?: { message?: string } };
+      if (j.error) {
+        r.error = `stream error: ${j.error.message}`;
+        return r;
+      }
+      const c = j.choices?.[0]?.delta?.content ?? '';
+      if (c !== '' && Number.isNaN(r.ttftMs)) r.ttftMs = performance.now() - start;
+      r.text += c;
+      if (j.usage) {
+        r.promptTokens = j.usage.prompt_tokens;
+        r.outputTokens = j.usage.completion_tokens;
+        r.cachedTokens = j.usage.prompt_tokens_details?.cached_tokens ?? 0;
+      }
+    }
+    r.e2eMs = performance.now() - start;
+    if (Number.isNaN(r.ttftMs)) r.ttftMs = r.e2eMs;
+    r.tpotMs = r.outputTokens > 1 ? (r.e2eMs - r.ttftMs) / (r.outputTokens - 1) : 0;
+    r.ok = done;
+    if (!done) r.error = 'stream ended without [DONE]';
+  } catch (err) {
+    r.error = `transport: ${(err as Error).message}`;
+  }
+  return r;
+}
+
+/** Run `convs` concurrently against one endpoint, R rounds each; summarise. */
+async function runSetup(setup: AgentSetup, url: string, model: string, convs: Conversation[], o: { rounds: number; outputTokens: number; slo: AgentsResult['slo']; dispatcher: Dispatcher; timeoutMs: number }): Promise<AgentRun> {
+  const t0 = performance.now();
+  const rounds: AgentRound[] = [];
+  await Promise.all(
+    convs.map(async (c, agent) => {
+      const messages: { role: string; content: string }[] = [{ role: 'system', content: c.system }];
+      for (let round = 1; round <= o.rounds; round++) {
+        messages.push({ role: 'user', content: `Tool result ${round}:\n${c.tools[round - 1]}` });
+        const r = await chatRound(url, model, messages, o.outputTokens, o.dispatcher, o.timeoutMs);
+        rounds.push({ agent, round, ok: r.ok, error: r.error, ttftMs: r.ttftMs, e2eMs: r.e2eMs, tpotMs: r.tpotMs, promptTokens: r.promptTokens, cachedTokens: r.cachedTokens, outputTokens: r.outputTokens });
+        if (!r.ok) return;
+        messages.push({ role: 'assistant', content: r.text });
+      }
+    }),
+  );
+  const wallMs = performance.now() - t0;
+  const ok = rounds.filter((r) => r.ok);
+  const later = ok.filter((r) => r.round >= 2);
+  const prompt = later.reduce((a, r) => a + r.promptTokens, 0);
+  const good = ok.filter((r) => r.ttftMs <= o.slo.ttftMs && r.tpotMs <= o.slo.tpotMs).length;
+  const ttftByRound: number[] = [];
+  for (let k = 1; k <= o.rounds; k++) ttftByRound.push(median(ok.filter((r) => r.round === k).map((r) => r.ttftMs)));
+  return {
+    setup,
+    concurrency: convs.length,
+    wallMs,
+    rounds,
+    ttftByRound,
+    cachedShare: prompt > 0 ? later.reduce((a, r) => a + r.cachedTokens, 0) / prompt : 0,
+    goodput: good / (wallMs / 1000),
+    throughput: ok.length / (wallMs / 1000),
+    failed: convs.length * o.rounds - ok.length, // rounds after a failure never ran: they count too
+    load: Math.round(os.loadavg()[0]! * 100) / 100,
+  };
+}
+
+/**
+ * Section 7. Starts its own two stacks (PD with reuse + the colocated server; PD without
+ * reuse), runs every concurrency level with the three setups interleaved, stops them.
+ * @throws when a stack cannot start.
+ */
+export async function runAgentsSection(o: AgentsOptions): Promise<AgentsResult> {
+  const rounds = o.quick ? 3 : 8;
+  const concurrencies = o.quick ? [1, 2] : [1, 2, 4];
+  const cfg = { systemTokens: 120, toolTokens: 150, outputTokens: 24 };
+  const slo = { ttftMs: 1500, tpotMs: 100 };
+  const timeoutMs = o.timeoutMs ?? 180_000;
+  const common = { model: o.model, prefill: 1, decode: 1, threads: 1, ctxSize: o.contextSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, prefillSlots: 1, startTimeoutMs: 120_000 };
+  const reuse = new Cluster({ ...common, colocated: true, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-agents-')) });
+  const noreuse = new Cluster({ ...common, colocated: false, extraArgs: { prefill: ['--no-prefix-cache'] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-agents-nr-')) });
+  const dispatcher = benchAgent(64);
+  const tok = await loadTokenizer(o.model);
+  try {
+    say('section 7: starting the stacks (PD + colocated with prefix cache; PD without)');
+    await reuse.start();
+    await noreuse.start();
+    const urls: Record<AgentSetup, string> = { pd: reuse.router.url, colo: reuse.colocated!.url, pd_noreuse: noreuse.router.url };
+    const model = await discoverModel(urls.pd, dispatcher);
+    // Warm-up: every path once (first llama.cpp evaluation, connection pools, KV channels).
+    for (const s of AGENT_SETUPS) {
+      const w = await chatRound(urls[s], model, [{ role: 'user', content: 'Warm up: say hello.' }], 4, dispatcher, timeoutMs);
+      if (!w.ok) throw new Error(`warm-up request failed (${SETUP_NAMES[s]}): ${w.error}`);
+    }
+    const runs: AgentRun[] = [];
+    for (const [li, c] of concurrencies.entries()) {
+      const order = AGENT_SETUPS.map((_, i) => AGENT_SETUPS[(i + li) % AGENT_SETUPS.length]!);
+      for (const setup of order) {
+        // Fresh conversations per run: nothing cached by an earlier level can be reused.
+        const convs = conversations(tok, c, rounds, `${setup}-c${c}`, cfg.systemTokens, cfg.toolTokens);
+        const run = await runSetup(setup, urls[setup], model, convs, { rounds, outputTokens: cfg.outputTokens, slo, dispatcher, timeoutMs });
+        say(`  ${SETUP_NAMES[setup]}, ${c} agent(s): TTFT round 1 ${fmt(run.ttftByRound[0], 0)} ms, round ${rounds} ${fmt(run.ttftByRound[rounds - 1], 0)} ms; cached ${fmt(run.cachedShare * 100, 0)} %; goodput ${fmt(run.goodput, 2)} rounds/s; load ${run.load}`);
+        runs.push(run);
+      }
+    }
+    return { rounds, ...cfg, concurrencies, slo, runs };
+  } finally {
+    await reuse.stop();
+    await noreuse.stop();
+    await tok.dispose().catch(() => {});
+    await dispatcher.close().catch(() => {});
+  }
+}
+
+/** The TTFT-per-round plot (one line per setup and concurrency). Returns the SVG text. */
+export function agentsPlot(r: AgentsResult): string {
+  return lineChart({
+    title: `Multi-round agents: median TTFT per round (${r.toolTokens}-token tool result per round)`,
+    xLabel: 'round',
+    yLabel: 'TTFT ms (log)',
+    logY: true,
+    xMin: 1,
+    series: r.runs.map((run) => ({ name: `${SETUP_NAMES[run.setup]}, ${run.concurrency} agent${run.concurrency > 1 ? 's' : ''}`, points: run.ttftByRound.map((v, i) => [i + 1, v] as [number, number]) })),
+  });
+}
+
+/** Goals of issue #10, each met/missed with the figures behind it. */
+export function agentGoals(r: AgentsResult): { goal: string; met: boolean; detail: string }[] {
+  const of = (s: AgentSetup) => r.runs.filter((x) => x.setup === s);
+  const pd = of('pd');
+  const colo = of('colo');
+  const last = r.rounds - 1;
+  const ratio = pd.map((x) => ({ c: x.concurrency, v: x.ttftByRound[last]! / x.ttftByRound[0]! }));
+  const share = pd.map((x) => ({ c: x.concurrency, v: x.cachedShare }));
+  const gp = pd.map((x) => ({ c: x.concurrency, pd: x.goodput, colo: colo.find((y) => y.concurrency === x.concurrency)?.goodput ?? NaN }));
+  return [
+    { goal: `PD round-${r.rounds} TTFT ≤ 1.5 × round-1 TTFT`, met: ratio.every((x) => x.v <= 1.5), detail: ratio.map((x) => `${x.c} agent(s): ${fmtRatio(x.v)}`).join(', ') },
+    { goal: 'cached tokens ≥ 60 % of prompt tokens over rounds 2+ (PD)', met: share.every((x) => x.v >= 0.6), detail: share.map((x) => `${x.c} agent(s): ${fmt(x.v * 100, 0)} %`).join(', ') },
+    { goal: 'PD agent goodput ≥ colocated at every concurrency', met: gp.every((x) => x.pd >= x.colo), detail: gp.map((x) => `${x.c} agent(s): ${fmt(x.pd, 2)} vs ${fmt(x.colo, 2)} rounds/s`).join(', ') },
+  ];
+}
+
+/** Markdown lines of section 7 (heading included). `prov` is the provenance line; `plot` the SVG's path when written. */
+export function agentsReport(r: AgentsResult | undefined, prov: string, plot: string | undefined): string[] {
+  const L = ['', '## 7. Multi-round agents: prefix reuse', '', prov, ''];
+  if (!r?.runs?.length) {
+    L.push('_Not run yet._');
+    return L;
+  }
+  L.push(
+    `Each agent holds a ${r.rounds}-round conversation (chat API, temperature 0, ${r.outputTokens} output tokens per round, \`ignore_eos\`): a system prompt of ~${r.systemTokens} tokens, then every round one more user turn with a ${r.toolTokens}-token tool result cut from the storm corpus (corpus/), after the model's previous reply — the whole conversation is resent each round, as agents do. N agents run at once (N = the concurrency). Three setups, interleaved per concurrency (the order rotates): **PD + prefix cache** (router with \`--policy cache_aware\` → prefill with its prefix cache → decode; the first token streams from prefill), **colocated + prefix cache** (one process, same cache: the fair baseline), **PD, no reuse** (same PD stack, prefill with \`--no-prefix-cache\`). Each run uses fresh conversations, so no run reuses another's cache; each stack gets one warm-up request first. Per-round TTFT is the median over the agents of that run (a single sample at 1 agent), so on a loaded machine single rounds are noisy: read the r8/r1 column together with the plot. Agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms. Cached share = usage.prompt_tokens_details.cached_tokens / prompt_tokens over rounds 2+.`,
+    '',
+  );
+  const byLevel = [...r.runs].sort((a, b) => a.concurrency - b.concurrency || AGENT_SETUPS.indexOf(a.setup) - AGENT_SETUPS.indexOf(b.setup));
+  const rows = byLevel.map((x) => [
+    `${SETUP_NAMES[x.setup]}`,
+    x.concurrency,
+    fmt(x.ttftByRound[0], 0),
+    fmt(x.ttftByRound[Math.min(3, r.rounds - 1)], 0),
+    fmt(x.ttftByRound[r.rounds - 1], 0),
+    fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!),
+    `${fmt(x.cachedShare * 100, 0)} %`,
+    fmt(x.goodput, 2),
+    fmt(x.throughput, 2),
+    x.failed,
+    x.load,
+  ]);
+  const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'rounds/s', 'failed', 'load (1 min)'];
+  L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((x) => `| ${x.join(' | ')} |`));
+  L.push('', '**Goals (issue #10):**', '');
+  for (const g of agentGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
+  const loads = r.runs.map((x) => x.load);
+  const top = Math.max(...r.concurrencies);
+  const noneMeet = r.runs.filter((x) => x.concurrency === top && x.setup !== 'pd_noreuse').every((x) => x.goodput === 0);
+  const thr = r.concurrencies.map((c) => {
+    const p = r.runs.find((x) => x.setup === 'pd' && x.concurrency === c);
+    const q = r.runs.find((x) => x.setup === 'colo' && x.concurrency === c);
+    return `${c}: ${fmt(p?.throughput, 2)} vs ${fmt(q?.throughput, 2)}`;
+  });
+  L.push(
+    '',
+    `Reading it. Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
+      .filter((x) => x.setup === 'pd_noreuse')
+      .map((x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!))
+      .join(' / ')} its round-1 TTFT (1 / 2 / 4 agents), with it the prompt work per round is the new tool result and reply. Goodput is where PD does not win here: all rounds per second, PD vs colocated, by agents: ${thr.join('; ')} — but at the SLO, PD's TTFT is higher. Why: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) PD still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; decode-local continuation (issue #10 part 3, not built yet) is the part that removes it; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${os.cpus().length} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value${noneMeet ? ` (at ${top} agents neither side meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
+  );
+  if (plot) L.push('', `![TTFT per round](${plot})`, '');
+  return L;
+}

@@ -1,0 +1,133 @@
+/**
+ * The router's side of etcd membership (see ../../common/discovery.ts for the records).
+ *
+ * List-then-watch: a prefix GET gives every record and the store revision; a prefix watch from
+ * revision + 1 then streams each PUT (a worker joined, changed load, or started draining) and
+ * DELETE (it left, or its lease expired). Every change is applied to the `WorkerRegistry` at
+ * once: a new or re-registered worker is probed immediately (so it is routable within one probe
+ * round trip of registering), a draining one is never picked again, a deleted one leaves the pool.
+ * After the watch reconnects (etcd restarted, network cut) the prefix is listed again and diffed
+ * with what the router knows, so a DELETE missed meanwhile still removes the worker (Dynamo's
+ * resync). Workers given by flags are never removed by etcd.
+ *
+ * Seam for other consumers (`pdserve doctor --discovery`, a dashboard): `listMembers()` below
+ * reads the same records without a registry.
+ */
+import type { Etcd3, Watcher } from 'etcd3';
+import type { Logger } from 'pino';
+import { etcdClient, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from '../../common/discovery.js';
+import type { WorkerRegistry } from '../registry.js';
+
+/** Every valid record under the prefix, with the store revision they were read at. */
+export async function listMembers(client: Etcd3): Promise<{ revision: string; members: Map<string, MemberRecord> }> {
+  const res = await client.getAll().prefix(MEMBER_PREFIX).exec();
+  const members = new Map<string, MemberRecord>();
+  for (const kv of res.kvs) {
+    const rec = parseMemberRecord(kv.value.toString());
+    if (rec) members.set(kv.key.toString(), rec);
+  }
+  return { revision: String(res.header.revision), members };
+}
+
+export interface EtcdDiscoveryOptions {
+  /** `etcd://HOST:PORT[,…]`. */
+  discovery: string;
+  registry: WorkerRegistry;
+  log: Logger;
+}
+
+/** Keeps a WorkerRegistry in step with the etcd records. `start()` resolves after the first list. */
+export class EtcdDiscovery {
+  private readonly client: Etcd3;
+  private watcher: Watcher | null = null;
+  /** key → URL and process signature of workers this source added (only these are removed on DELETE). */
+  private readonly known = new Map<string, { url: string; sig: string }>();
+  private readonly staticUrls: Set<string>;
+  private stopped = false;
+  private resyncing: Promise<void> | null = null;
+
+  constructor(private readonly o: EtcdDiscoveryOptions) {
+    this.client = etcdClient(o.discovery);
+    this.staticUrls = new Set(o.registry.workers.map((w) => w.url));
+  }
+
+  /**
+   * List, apply, then watch from the listed revision.
+   * @throws Error when etcd cannot be reached (the router refuses to start half-configured).
+   */
+  async start(): Promise<void> {
+    let revision: string;
+    try {
+      revision = await this.resync();
+    } catch (err) {
+      this.client.close();
+      throw new Error(`cannot read worker membership from etcd at ${this.o.discovery}: ${(err as Error).message}`);
+    }
+    const w = await this.client.watch().prefix(MEMBER_PREFIX).startRevision(String(BigInt(revision) + 1n)).create();
+    this.watcher = w;
+    let disconnected = false;
+    w.on('put', (kv) => this.onPut(kv.key.toString(), kv.value.toString()));
+    w.on('delete', (kv) => this.onDelete(kv.key.toString(), 'deregistered or lease expired'));
+    w.on('disconnected', (err) => {
+      disconnected = true;
+      this.o.log.warn({ err: err?.message }, 'etcd watch disconnected; reconnecting');
+    });
+    w.on('connected', () => {
+      if (!disconnected || this.stopped) return;
+      disconnected = false;
+      this.o.log.info('etcd watch reconnected; listing members again');
+      void this.resync().catch((err: unknown) => this.o.log.warn({ err: (err as Error).message }, 'etcd resync failed'));
+    });
+    w.on('error', (err) => this.o.log.warn({ err: err?.message }, 'etcd watch error'));
+  }
+
+  /** List the prefix and make the registry match it. Returns the revision. Concurrent calls share one. */
+  private async resync(): Promise<string> {
+    const { revision, members } = await listMembers(this.client);
+    for (const [key, rec] of members) this.apply(key, rec);
+    for (const key of [...this.known.keys()]) if (!members.has(key)) this.onDelete(key, 'missing after resync');
+    return revision;
+  }
+
+  private onPut(key: string, value: string): void {
+    const rec = parseMemberRecord(value);
+    if (!rec) {
+      this.o.log.warn({ key }, 'etcd: ignoring a worker record that does not parse');
+      return;
+    }
+    this.apply(key, rec);
+  }
+
+  private apply(key: string, rec: MemberRecord): void {
+    if (this.stopped || (rec.role !== 'prefill' && rec.role !== 'decode')) return;
+    const url = new URL(rec.url).origin;
+    const sig = `${rec.host}/${rec.pid}/${rec.started_at}/${rec.epoch ?? ''}`;
+    const prev = this.known.get(key);
+    const existing = this.o.registry.workers.find((x) => x.url === url);
+    // Probe (inside upsert) when the worker is new to the pool, is another process than before
+    // (a restart on the same URL), or stopped draining; load refreshes need no probe.
+    if (!existing || prev?.sig !== sig || (existing.draining && !rec.draining) || (rec.role === 'prefill' && existing.bootstrapPort !== rec.bootstrap_port)) {
+      const w = this.o.registry.upsert({ role: rec.role, url, bootstrapHost: rec.bootstrap_host ?? new URL(url).hostname, bootstrapPort: rec.bootstrap_port });
+      if (rec.draining) this.o.registry.setDraining(w, true);
+    } else if (rec.draining) {
+      this.o.registry.setDraining(existing, true);
+    }
+    this.known.set(key, { url, sig });
+  }
+
+  private onDelete(key: string, reason: string): void {
+    const url = this.known.get(key)?.url;
+    if (!url) return;
+    this.known.delete(key);
+    if (this.staticUrls.has(url)) return;
+    this.o.registry.remove(url, `etcd: ${reason}`);
+  }
+
+  /** Stop watching and close the client. Idempotent. */
+  async stop(): Promise<void> {
+    if (this.stopped) return;
+    this.stopped = true;
+    await this.watcher?.cancel().catch(() => {});
+    this.client.close();
+  }
+}

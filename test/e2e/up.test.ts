@@ -1,0 +1,108 @@
+/**
+ * Graceful drain through the real CLI for the two roles drain.test.ts does not cover:
+ * - `pdserve colocated`: SIGTERM mid-stream → /health 503 draining, new requests 503 `draining`,
+ *   the stream in flight still ends with [DONE], exit 0;
+ * - `pdserve up --worker-port-base P`: the workers listen on P, P+1 (bootstrap), P+2; SIGTERM to
+ *   `up` drains the router first (its streams end with [DONE]), then the workers; exit 0 and
+ *   every port is closed.
+ */
+import assert from 'node:assert/strict';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { createServer } from 'node:net';
+import { test } from 'node:test';
+import { BIN, freePort } from '../../src/harness/cluster.js';
+import { rawCompletion, tinyModel, waitFor, type RawResult } from '../helpers/stack.js';
+
+const ok = (r: RawResult) => r.status === 200 && /data: \[DONE\]/.test(r.text) && !/"error"/.test(r.text);
+
+async function portFree(p: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const s = createServer();
+    s.once('error', () => resolve(false));
+    s.listen(p, '127.0.0.1', () => s.close(() => resolve(true)));
+  });
+}
+
+/** A base port with `n` free ports after it. */
+async function freeRun(n: number): Promise<number> {
+  for (let tries = 0; tries < 50; tries++) {
+    const base = 40_000 + Math.floor(Math.random() * 20_000);
+    let all = true;
+    for (let i = 0; i < n && all; i++) all = await portFree(base + i);
+    if (all) return base;
+  }
+  throw new Error('no run of free ports found');
+}
+
+function exitOf(child: ChildProcess): Promise<number | null> {
+  return new Promise((r) => child.once('exit', (code) => r(code)));
+}
+
+async function health(url: string): Promise<{ status: number; body: any }> {
+  const r = await fetch(`${url}/health`, { signal: AbortSignal.timeout(2000) });
+  return { status: r.status, body: await r.json() };
+}
+
+test('colocated: SIGTERM mid-stream drains: health and new requests say draining, the stream ends with [DONE], exit 0', async () => {
+  const port = await freePort();
+  const url = `http://127.0.0.1:${port}`;
+  const child = spawn(process.execPath, [BIN, 'colocated', '--model', await tinyModel(), '--port', String(port), '--ctx-size', '1024'], { stdio: 'ignore' });
+  const exited = exitOf(child);
+  try {
+    assert.ok(await waitFor(async () => (await health(url)).status === 200, 30_000, 50), 'colocated is up');
+    // A long generation (ignore_eos) so the drain has something to wait for.
+    const long = fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt: 'once', max_tokens: 1000, ignore_eos: true, temperature: 0, stream: true }) });
+    const res = await long;
+    assert.equal(res.status, 200);
+    const reader = res.body!.getReader();
+    await reader.read(); // the stream has started
+    child.kill('SIGTERM');
+    await new Promise((r) => setTimeout(r, 50));
+    const h = await health(url);
+    assert.equal(h.status, 503);
+    assert.equal(h.body.status, 'draining');
+    const refused = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt: 'hi', max_tokens: 2 }) });
+    assert.equal(refused.status, 503);
+    assert.equal(((await refused.json()) as any).error.code, 'draining');
+    let text = '';
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      text += Buffer.from(value).toString('utf8');
+    }
+    assert.match(text, /data: \[DONE\]/, 'the stream in flight completed');
+    assert.doesNotMatch(text, /"error"/);
+    assert.equal(await exited, 0);
+  } finally {
+    child.kill('SIGKILL');
+  }
+});
+
+test('up --worker-port-base: fixed worker ports; SIGTERM drains the router first, streams end with [DONE], exit 0, ports closed', async () => {
+  const base = await freeRun(3);
+  const rport = await freePort();
+  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024'], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, PDSERVE_TEST_HOLDS: 'decode.load=1500' },
+  });
+  let out = '';
+  child.stdout!.on('data', (d) => (out += d));
+  child.stderr!.on('data', (d) => (out += d));
+  const exited = exitOf(child);
+  try {
+    assert.ok(await waitFor(async () => out.includes('pdserve is up'), 60_000, 50), `up started:\n${out}`);
+    assert.match(out, new RegExp(`prefill-0 http://127\\.0\\.0\\.1:${base}\\s+bootstrap port ${base + 1}`));
+    assert.match(out, new RegExp(`decode-0  http://127\\.0\\.0\\.1:${base + 2}`));
+    for (const p of [base, base + 2]) assert.equal((await health(`http://127.0.0.1:${p}`)).status, 200);
+    const router = `http://127.0.0.1:${rport}`;
+    const reqs = [0, 1].map((i) => rawCompletion(router, `the river ${i}`, 8, 30_000));
+    assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
+    child.kill('SIGTERM');
+    const results = await Promise.all(reqs);
+    for (const r of results) assert.ok(ok(r), `stream completed through the drain: ${r.status} ${r.text.slice(-200)}`);
+    assert.equal(await exited, 0);
+    for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
+  } finally {
+    child.kill('SIGKILL');
+  }
+});

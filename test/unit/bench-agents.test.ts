@@ -1,0 +1,53 @@
+/**
+ * Bench §7 report logic (src/harness/bench-agents.ts): goals met/missed from the figures, the
+ * table and plot render. Pure functions on a hand-made result; the section itself needs a
+ * cluster and runs in `pdserve bench-suite --sections 7`.
+ * Run: node --import tsx --test test/unit/bench-agents.test.ts
+ */
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import { agentGoals, agentsPlot, agentsReport, type AgentRun, type AgentsResult, type AgentSetup } from '../../src/harness/bench-agents.js';
+
+const run = (setup: AgentSetup, concurrency: number, ttftByRound: number[], cachedShare: number, goodput: number): AgentRun => ({
+  setup,
+  concurrency,
+  wallMs: 1000,
+  rounds: [],
+  ttftByRound,
+  cachedShare,
+  goodput,
+  throughput: goodput + 0.1,
+  failed: 0,
+  load: 1,
+});
+
+const result = (pdR8: number, share: number, pdGoodput: number): AgentsResult => ({
+  rounds: 3,
+  toolTokens: 150,
+  outputTokens: 24,
+  systemTokens: 120,
+  concurrencies: [1],
+  slo: { ttftMs: 1500, tpotMs: 100 },
+  runs: [run('pd', 1, [100, 110, pdR8], share, pdGoodput), run('colo', 1, [90, 95, 100], 0.8, 1), run('pd_noreuse', 1, [100, 300, 600], 0, 0.2)],
+});
+
+describe('bench §7 goals', () => {
+  it('are met or missed from the figures', () => {
+    assert.deepEqual(agentGoals(result(150, 0.6, 1)).map((g) => g.met), [true, true, true]);
+    assert.deepEqual(agentGoals(result(151, 0.59, 0.99)).map((g) => g.met), [false, false, false]);
+    assert.match(agentGoals(result(151, 0.59, 0.99))[0]!.detail, /1 agent\(s\): 1\.51×/);
+  });
+
+  it('render a table with every run, the goals, the reading and the plot', () => {
+    const md = agentsReport(result(150, 0.6, 1), '_prov_', 'bench/plots/x.svg').join('\n');
+    assert.match(md, /## 7\. Multi-round agents/);
+    assert.equal((md.match(/^\| (PD|colocated)/gm) ?? []).length, 3);
+    assert.match(md, /\*\*met\*\* — PD round-3 TTFT/);
+    assert.match(md, /without it PD's round-3 TTFT is 6\.00×/);
+    assert.match(md, /!\[TTFT per round\]\(bench\/plots\/x\.svg\)/);
+    assert.match(agentsReport(undefined, '', undefined).join('\n'), /Not run yet/);
+    const svg = agentsPlot(result(150, 0.6, 1));
+    assert.match(svg, /^<svg/);
+    assert.equal((svg.match(/<polyline/g) ?? []).length, 3);
+  });
+});
