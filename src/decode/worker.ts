@@ -16,6 +16,7 @@ import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenE
 import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
+import { checkAnnounced, KvReception } from './receive.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
@@ -48,7 +49,7 @@ interface Job {
   ac: AbortController;
   slot?: Slot;
   conn?: PeerConn;
-  recv?: { buf: Buffer; got: number };
+  recv?: { buf: Buffer; rx: KvReception };
   /** In-flight engine load, awaited before the slot is released. */
   loading?: Promise<void>;
   /** Resolves with the envelope header when the room reaches Success. */
@@ -305,11 +306,12 @@ export class DecodeWorker {
       case 'kv_begin': {
         const job = this.jobOn(conn, msg.room);
         if (!job) return;
-        if (msg.totalBytes <= 0 || msg.totalBytes > this.config.maxStateBytes) {
-          this.apply(msg.room, { t: 'fail', failure: failure('kv_transfer_failed', `announced state of ${msg.totalBytes} bytes is outside (0, ${this.config.maxStateBytes}]`) });
+        const bad = checkAnnounced(msg.totalBytes, this.config.maxStateBytes);
+        if (bad) {
+          this.apply(msg.room, { t: 'fail', failure: bad });
           return;
         }
-        job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), got: 0 };
+        job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), rx: new KvReception(msg.totalBytes) };
         job.step = 'receiving';
         job.tKvBegin = Date.now();
         this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes });
@@ -318,8 +320,9 @@ export class DecodeWorker {
       case 'kv_end': {
         const job = this.jobOn(conn, msg.room);
         if (!job) return;
-        if (!job.recv || job.recv.got !== job.recv.buf.length) {
-          this.apply(msg.room, { t: 'fail', failure: failure('kv_transfer_failed', `kv_end after ${job.recv?.got ?? 0} of ${job.recv?.buf.length ?? 0} bytes`) });
+        const incomplete = job.recv ? job.recv.rx.end() : failure('kv_transfer_failed', 'kv_end before kv_begin');
+        if (incomplete) {
+          this.apply(msg.room, { t: 'fail', failure: incomplete });
           return;
         }
         job.step = 'loading';
@@ -342,12 +345,12 @@ export class DecodeWorker {
       this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', 'chunk before kv_begin') });
       return;
     }
-    if (offset !== r.got || r.got + data.length > r.buf.length) {
-      this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', `chunk at offset ${offset} (+${data.length}) does not follow ${r.got} of ${r.buf.length}`) });
+    const out = r.rx.accept(offset, data.length);
+    if (out) {
+      this.apply(room, { t: 'fail', failure: out });
       return;
     }
-    data.copy(r.buf, r.got);
-    r.got += data.length;
+    data.copy(r.buf, offset);
     this.metrics.kvBytes.inc(data.length);
     this.apply(room, { t: 'progress', bytes: data.length });
   }

@@ -13,7 +13,9 @@
  *    large, so an abort can beat the request: tombstones), aborts at random points to P, D or
  *    both, and (per seed) aborts the other side when one side fails or its connection resets.
  *  - decode (model): prealloc queue → limited slots → REGISTER → REGISTERED → KV_BEGIN → chunks
- *    (by offset, duplicates ignored, any order) → KV_END → async "load" into the slot → kv_done →
+ *    (the shipped reception rule, src/decode/receive.ts: in order and inside the announced size,
+ *    so a duplicated or reordered chunk fails the room as in the worker) → KV_END → async "load"
+ *    into the slot → kv_done →
  *    KV_ACK → generation holds the slot, then frees it. A slot whose room fails mid-load is
  *    released only when the load returns (llama.cpp cannot cancel it) — otherwise the state would
  *    land in the next owner's slot.
@@ -40,6 +42,7 @@ import { newRoomId } from '../common/room-id.js';
 import { RoomTable, stateName } from '../kv/lifecycle.js';
 import { KVPoll, isTerminal, type Effect, type Role, type RoomEvent, type RoomId, type RoomTimeouts } from '../kv/types.js';
 import { failureFromWire, type ControlMsg } from '../kv/messages.js';
+import { checkAnnounced, KvReception } from '../decode/receive.js';
 import { PrefillDriver, type PrefillAction } from '../prefill/driver.js';
 import { EventHeap } from './heap.js';
 import { Prng } from './prng.js';
@@ -180,7 +183,8 @@ interface Rec {
   queue?: Handle;
   // decode
   slot?: { h: Handle; idx: number };
-  recv?: { h: Handle; total: number; got: Map<number, { len: number; tag: string }>; bytes: number; endSeen: boolean };
+  /** decode: the shipped reception rule (src/decode/receive.ts) plus the receive-buffer handle. */
+  recv?: { h: Handle; rx: KvReception; endSeen: boolean };
   loading?: boolean;
   /** Slot index the in-flight load writes into (captured when the load starts). */
   loadSlot?: number;
@@ -236,6 +240,8 @@ interface Req {
 }
 
 const TICK_MS = 10;
+/** Decode's maxStateBytes in the simulated worlds (states are 64..2048 bytes). */
+const SIM_MAX_STATE_BYTES = 1 << 20;
 const HB_MS = 40;
 
 export class World {
@@ -957,10 +963,15 @@ export class World {
         return;
       case 'kv_begin': {
         const rec = n.recs.get(body.room);
+        const bad = n.table.has(body.room) ? checkAnnounced(body.totalBytes, SIM_MAX_STATE_BYTES) : undefined;
+        if (bad) {
+          this.applyOn(n, body.room, { t: 'fail', failure: bad });
+          return;
+        }
         this.applyOn(n, body.room, { t: 'kv_begin', totalBytes: body.totalBytes });
         const room = n.table.get(body.room);
         if (rec && room && n.table.has(body.room) && room.state === KVPoll.Transferring && !rec.recv) {
-          rec.recv = { h: this.acquire(n, 'recvbuf', body.room), total: body.totalBytes, got: new Map(), bytes: 0, endSeen: false };
+          rec.recv = { h: this.acquire(n, 'recvbuf', body.room), rx: new KvReception(body.totalBytes), endSeen: false };
         }
         return;
       }
@@ -975,16 +986,24 @@ export class World {
           this.applyOn(n, body.room, { t: 'fail', failure: failure('bad_state', `chunk tagged ${body.tag}`) });
           return;
         }
-        if (rec.recv.got.has(body.offset)) return; // duplicate frame
-        rec.recv.got.set(body.offset, { len: body.len, tag: body.tag });
-        rec.recv.bytes += body.len;
+        // The worker's rule: in order, inside the announced size; a duplicated or reordered chunk fails the room.
+        const out = rec.recv.rx.accept(body.offset, body.len);
+        if (out) {
+          this.applyOn(n, body.room, { t: 'fail', failure: out });
+          return;
+        }
         this.applyOn(n, body.room, { t: 'progress', bytes: body.len });
         this.maybeLoad(n, body.room);
         return;
       }
       case 'kv_end': {
         const rec = n.recs.get(body.room);
-        if (rec?.recv) {
+        if (rec?.recv && n.table.has(body.room)) {
+          const incomplete = rec.recv.rx.end();
+          if (incomplete) {
+            this.applyOn(n, body.room, { t: 'fail', failure: incomplete });
+            return;
+          }
           rec.recv.endSeen = true;
           this.maybeLoad(n, body.room);
         }
@@ -1002,15 +1021,11 @@ export class World {
     const rec = n.recs.get(id);
     const recv = rec?.recv;
     if (!rec || !recv || !recv.endSeen || rec.loading || rec.loaded || !rec.slot) return;
-    if (recv.bytes > recv.total) {
-      this.applyOn(n, id, { t: 'fail', failure: failure('bad_state', `${recv.bytes} bytes > announced ${recv.total}`) });
-      return;
-    }
-    if (recv.bytes < recv.total) return; // wait for the missing chunks (or the transfer deadline)
+    if (recv.rx.got !== recv.rx.total) return;
     rec.loading = true;
     rec.loadSlot = rec.slot.idx;
     const dur = this.rng.int(3, 60);
-    if (this.tracing) this.tr('D', id, `all ${recv.total} bytes in: loading into slot ${rec.slot.idx} (${dur} ms)`);
+    if (this.tracing) this.tr('D', id, `all ${recv.rx.total} bytes in: loading into slot ${rec.slot.idx} (${dur} ms)`);
     this.atNode(n, this.now + dur, () => this.loadDone(n, id));
   }
 

@@ -5,7 +5,8 @@
  * progress, decode's KV_ACK and FAIL, peer loss and the watchdog. Properties: one `finish` per
  * accepted request (decode behaving as the protocol says: it acks only a state it received); no `transfer` after `finish`; every computed state is transferred, discarded or released
  * by `finish`; the illegal-transition counter stays 0 (benign races are `late`); compute slots
- * never exceed the configured count. Plus the specific decisions the old copies drifted on.
+ * never exceed the configured count. Plus the specific decisions the old copies drifted on, and
+ * decode's KV reception rule (src/decode/receive.ts), which the worker and the simulator share.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
@@ -171,5 +172,21 @@ describe('prefill driver', () => {
     assert.equal(d.request(ROOMS[0]!, 'same', 0).refused?.code, 'duplicate_room');
     assert.equal(d.request(ROOMS[1]!, 'same', 0).refused?.code, 'duplicate_rid');
     assert.equal(d.rooms.get(ROOMS[0]!)?.state, KVPoll.Bootstrapping);
+  });
+});
+
+describe('decode reception rule (shared by the decode worker and the simulator)', () => {
+  test('in order and inside the announced size; duplicated, reordered, overflowing chunks and an early KV_END fail the room', async () => {
+    const { KvReception, checkAnnounced } = await import('../../src/decode/receive.js');
+    assert.equal(checkAnnounced(10, 100), undefined);
+    for (const bad of [0, -1, 101]) assert.equal(checkAnnounced(bad, 100)?.code, 'kv_transfer_failed');
+    const r = new KvReception(10);
+    assert.equal(r.accept(0, 4), undefined);
+    assert.equal(r.end()?.code, 'kv_transfer_failed', 'kv_end before every byte');
+    assert.match(r.accept(0, 4)!.detail, /offset 0 \(\+4\) does not follow 4 of 10/, 'a duplicated chunk');
+    assert.ok(r.accept(8, 2), 'a reordered chunk');
+    assert.ok(r.accept(4, 7), 'past the announced size');
+    assert.equal(r.accept(4, 6), undefined);
+    assert.equal(r.end(), undefined);
   });
 });

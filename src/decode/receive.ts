@@ -1,0 +1,40 @@
+/**
+ * Decode's rules for receiving one room's KV state, sans-IO and shared by the decode worker and
+ * the simulator (so the simulator checks the shipped rule, not a copy of it): the announced size
+ * must be in (0, maxStateBytes]; the KV channel is one TCP connection (FIFO), so each chunk must
+ * start exactly where the received bytes end and stay inside the announced size — a duplicated,
+ * reordered or overflowing chunk fails the room; KV_END must come after exactly the announced
+ * bytes. Byte storage stays with the caller (the worker copies into a buffer, the simulator
+ * keeps tags).
+ */
+import { failure, type RoomFailure } from '../common/errors.js';
+
+/** The failure for an announced state size outside (0, maxStateBytes], or undefined. */
+export function checkAnnounced(totalBytes: number, maxStateBytes: number): RoomFailure | undefined {
+  if (totalBytes > 0 && totalBytes <= maxStateBytes) return undefined;
+  return failure('kv_transfer_failed', `announced state of ${totalBytes} bytes is outside (0, ${maxStateBytes}]`);
+}
+
+/** Progress of one room's KV reception: `got` of `total` bytes, in order. */
+export class KvReception {
+  got = 0;
+
+  constructor(readonly total: number) {}
+
+  /**
+   * A chunk of `len` bytes at `offset`. Undefined when it is the next piece (the caller stores the
+   * bytes; `got` has advanced); else the failure of the room.
+   */
+  accept(offset: number, len: number): RoomFailure | undefined {
+    if (offset !== this.got || this.got + len > this.total) {
+      return failure('kv_transfer_failed', `chunk at offset ${offset} (+${len}) does not follow ${this.got} of ${this.total}`);
+    }
+    this.got += len;
+    return undefined;
+  }
+
+  /** KV_END arrived: undefined when every announced byte is in; else the failure of the room. */
+  end(): RoomFailure | undefined {
+    return this.got === this.total ? undefined : failure('kv_transfer_failed', `kv_end after ${this.got} of ${this.total} bytes`);
+  }
+}
