@@ -4,13 +4,18 @@
  * destination state file as it arrives — so when the last chunk lands the file is already on
  * disk and checked, and only llama.cpp's load remains. A head from another model, a ggsq field
  * that does not add up, or bytes beyond the announced size fail the room at that chunk, before
- * the rest is even sent. Payload bytes are gathered into pooled buffers (one file write per
- * buffer; at most the pool's bound, reused across transfers; past it pieces are written as they
- * came). `push` may keep a reference to its data until written: callers must not reuse it.
+ * the rest is even sent. Payload bytes are gathered into a pooled buffer (one file write per
+ * 1 MiB, the buffer reused across transfers).
+ *
+ * File calls are synchronous: the state directory is tmpfs (/dev/shm), where writing 1 MiB is a
+ * memory copy well under a millisecond, while every asynchronous fs call is a round trip through
+ * libuv's thread pool that cost several ms each on this loaded 2-core machine, on the handoff's
+ * critical path. (A state directory on a real disk would block the event loop for its writes.)
  *
  * Byte stream (envelope.ts): head | payload | u32 BE CRC-32 trailer.
  */
-import { open, rm, type FileHandle } from 'node:fs/promises';
+import { closeSync, openSync, writeSync } from 'node:fs';
+import { rm } from 'node:fs/promises';
 import { GgsqStreamParser, type ParsedState } from '../../engine/ggsq.js';
 import { ENVELOPE_TRAILER_BYTES, parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
 import type { EnvelopeHeader } from '../messages.js';
@@ -59,12 +64,11 @@ export class StateReceiver {
   private trailer = Buffer.alloc(ENVELOPE_TRAILER_BYTES);
   private failed: Error | undefined;
   /** Opened once the head is accepted (a state refused at its head never creates a file). */
-  private file: Promise<FileHandle> | undefined;
-  private writes: Promise<void> = Promise.resolve();
-  private writeError: Error | undefined;
+  private fd: number | undefined;
   private buf: Buffer | undefined;
   private bufUsed = 0;
   private discarded = false;
+  private headerSeen = false;
 
   constructor(private readonly o: StateReceiverOptions) {}
 
@@ -100,8 +104,8 @@ export class StateReceiver {
       if (need !== this.o.totalBytes) throw bad(`kv_begin announced ${this.o.totalBytes} bytes, the envelope needs ${need}`);
       this.header = h.header;
       this.headBytes = h.headBytes;
-      this.file = open(this.o.path, 'w');
-      this.file.catch((e: Error) => (this.writeError ??= e));
+      this.headerSeen = true;
+      this.fd = openSync(this.o.path, 'w');
       this.parser = new GgsqStreamParser({ contextSize: this.o.expect.contextSize, nLayer: this.o.nLayer, maxBytes: h.header.payloadBytes });
       this.head = [];
       d = all.subarray(h.headBytes);
@@ -124,18 +128,11 @@ export class StateReceiver {
     }
   }
 
-  /**
-   * Copy payload bytes into the current pooled buffer; a full buffer goes to the file. When the
-   * pool has no buffer left (the disk is behind the wire), the piece is written as it is instead
-   * (no copy, no allocation: it is the socket's own read buffer, which nobody reuses).
-   */
+  /** Copy payload bytes into the pooled buffer; a full buffer goes to the file. */
   private write(p: Buffer): void {
     let i = 0;
     while (i < p.length) {
-      if (!this.buf) {
-        this.buf = this.o.pool.tryAcquire();
-        if (!this.buf) return this.enqueue(p.subarray(i), p.length - i, false);
-      }
+      this.buf ??= this.o.pool.acquire();
       const n = Math.min(this.buf.length - this.bufUsed, p.length - i);
       p.copy(this.buf, this.bufUsed, i, i + n);
       this.bufUsed += n;
@@ -144,29 +141,11 @@ export class StateReceiver {
     }
   }
 
+  /** Write the buffered bytes to the file (the buffer stays for the next ones). */
   private flush(): void {
-    const b = this.buf;
-    const n = this.bufUsed;
-    this.buf = undefined;
+    let off = 0;
+    while (off < this.bufUsed) off += writeSync(this.fd!, this.buf!, off, this.bufUsed - off);
     this.bufUsed = 0;
-    if (b) this.enqueue(b, n, true);
-  }
-
-  /** Append `n` bytes of `b` to the file, in order; a pooled buffer goes back once written. */
-  private enqueue(b: Buffer, n: number, pooled: boolean): void {
-    this.writes = this.writes.then(async () => {
-      try {
-        if (!this.writeError && !this.discarded && n > 0) {
-          const fh = await this.file!;
-          let off = 0;
-          while (off < n) off += (await fh.write(b, off, n - off)).bytesWritten;
-        }
-      } catch (e) {
-        this.writeError ??= e as Error;
-      } finally {
-        if (pooled) this.o.pool.release(b);
-      }
-    });
   }
 
   /**
@@ -181,10 +160,7 @@ export class StateReceiver {
       const state = this.parser!.end();
       if (this.crc.value >>> 0 !== this.trailer.readUInt32BE(0)) throw bad('payload checksum mismatch: state is corrupted');
       this.flush();
-      await this.writes;
-      const fh = await this.file!;
-      if (this.writeError) throw this.writeError;
-      await fh.close();
+      this.release();
       return { header: this.header, state, path: this.o.path };
     } catch (e) {
       this.failed = e as Error;
@@ -192,16 +168,25 @@ export class StateReceiver {
     }
   }
 
-  /** Drop everything: buffers back to the pool, file closed and deleted. Idempotent; never throws. */
+  /** Buffer back to the pool, file closed (idempotent). */
+  private release(): void {
+    if (this.buf) this.o.pool.release(this.buf);
+    this.buf = undefined;
+    if (this.fd !== undefined) closeSync(this.fd);
+    this.fd = undefined;
+  }
+
+  /** Drop everything: buffer back to the pool, file closed and deleted. Idempotent; never throws. */
   async discard(): Promise<void> {
     if (this.discarded) return;
     this.discarded = true;
     this.failed ??= new KvError('ABORTED', 'receive discarded');
-    if (this.buf) this.o.pool.release(this.buf);
-    this.buf = undefined;
-    await this.writes;
-    if (!this.file) return;
-    await this.file.then((fh) => fh.close()).catch(() => {});
-    await rm(this.o.path, { force: true }).catch(() => {});
+    const opened = this.fd !== undefined || this.headerSeen;
+    try {
+      this.release();
+    } catch {
+      // closing a file we wrote cannot fail in a way that matters here
+    }
+    if (opened) await rm(this.o.path, { force: true }).catch(() => {});
   }
 }
