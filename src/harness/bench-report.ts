@@ -302,6 +302,16 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
         ),
       );
     }
+    const s2u = files.get(21)?.result as LowLoadRow[] | undefined;
+    if (s2u?.length) {
+      L.push('', `**Unpinned run** (\`--no-pin\`: no taskset, every process free to run on any core, as in an ordinary deployment and in the independent measurement quoted in issue #9) — ${provenance(files.get(21), isFresh(21)).replace(/^_|_$/g, '')}:`, '');
+      L.push(
+        table(
+          ['prompt tokens', 'reps', 'TTFT PD / colo (ms)', 'TPOT PD / colo (ms)', 'E2E PD / colo (ms)', 'TTFT ratio', 'TPOT ratio', 'E2E ratio'],
+          s2u.map((r) => [r.promptTokens, r.reps, `${fmt(r.pd.ttftMs.median)} / ${fmt(r.colo.ttftMs.median)}`, `${fmt(r.pd.tpotMs.median, 2)} / ${fmt(r.colo.tpotMs.median, 2)}`, `${fmt(r.pd.e2eMs.median)} / ${fmt(r.colo.e2eMs.median)}`, `**${fmtRatio(r.ratio.ttft)}**`, fmtRatio(r.ratio.tpot), fmtRatio(r.ratio.e2e)]),
+        ),
+      );
+    }
     const worst = s2.reduce((a, b) => (b.ratio.ttft > a.ratio.ttft ? b : a));
     L.push('', `Ratios are PD / colocated (> 1: PD slower). ${worst.ratio.ttft > 1 ? `**PD loses at low load**: TTFT is ${pct(worst.ratio.ttft)} at ${worst.promptTokens} prompt tokens. PD's TTFT includes the router hop, the state save, transfer (≈${((worst.promptTokens * 16_401) / MiB).toFixed(1)} MiB at ${worst.promptTokens} tokens) and load; the colocated server samples the first token right after the prompt.` : 'PD was not slower on TTFT in this run.'}`);
     const errs = s2.flatMap((r) => r.errors);
