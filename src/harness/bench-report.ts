@@ -239,6 +239,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   }
   if (s7?.runs?.length) bullets.push(`**Multi-round agents (§7):** ${agentGoals(s7).map((g) => `${g.goal} — ${g.met ? 'met' : 'missed'} (${g.detail})`).join('; ')}.`);
   L.push(...bullets.map((b) => `- ${b}`));
+  L.push('', ...issue9Goals(s1, s2, files.get(7)?.result as LowLoadRow[] | undefined, s3, s4, s5));
 
   // ---------------------------------------------------------------- 1
   L.push('', '## 1. KV handoff vs raw TCP', '', provenance(files.get(1), isFresh(1)), '');
@@ -470,4 +471,33 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   L.push('```sh', 'node bin/pdserve.js bench --url http://127.0.0.1:8000 --dataset corpus --num-prompts 200 --request-rate 4 \\', '  --input-len 512 --output-len 64 --slo-ttft-ms 2000 --slo-tpot-ms 50 --json out.json', '```', '');
   L.push('Raw numbers: `bench/results/*.json` (one file per section, plus `suite.json`); plots: `bench/plots/*.svg`.', '');
   return L.join('\n');
+}
+
+/**
+ * Issue #9's goals as a pass/fail table from this report's sections (each measured side by side
+ * in one run). A goal whose section has no figures says so instead of passing.
+ */
+function issue9Goals(
+  s1: KvSectionResult | undefined,
+  s2: LowLoadRow[] | undefined,
+  s2u: LowLoadRow[] | undefined,
+  s3: InterferenceResult | undefined,
+  s4: BatchingRow[] | undefined,
+  s5: RouterOverheadResult | undefined,
+): string[] {
+  const rows: string[][] = [];
+  const verdict = (ok: boolean | undefined) => (ok === undefined ? 'not measured' : ok ? '**pass**' : '**miss**');
+  const g1 = s1?.sizes?.filter((s) => s.goalRatio !== undefined) ?? [];
+  rows.push(['KV handoff over TCP ≤ 1.3 × (save + raw TCP + load), 1–64 MiB (§1)', g1.map((s) => `${(s.blobBytes / MiB).toFixed(0)} MiB ${fmtRatio(s.goalRatio)}`).join(', ') || 'n/a', verdict(g1.length ? g1.every((s) => s.goalRatio <= 1.3) : undefined)]);
+  rows.push(['same-host handoff ≤ 1.1 × (save + load)', 'no same-host path built (issue #9 deliverable 3 not done)', 'not measured']);
+  for (const [name, rs] of [['pinned', s2], ['unpinned', s2u]] as const) {
+    if (!rs?.length) continue;
+    rows.push([`PD TTFT ≤ 1.10 × colocated at 64 / 512 / 1500 prompt tokens, low load (§2, ${name})`, rs.map((r) => `${r.promptTokens}: ${fmtRatio(r.ratio.ttft)}`).join(', '), verdict(rs.every((r) => r.ratio.ttft <= 1.1))]);
+    rows.push([`PD E2E (32 output tokens) ≤ 1.15 × colocated (§2, ${name})`, rs.map((r) => `${r.promptTokens}: ${fmtRatio(r.ratio.e2e)}`).join(', '), verdict(rs.every((r) => r.ratio.e2e <= 1.15))]);
+  }
+  if (s5?.addedMs) rows.push(['router adds ≤ 1 ms to TTFT p50 and ≤ 3 ms to p99 (§5)', `p50 ${fmt(s5.addedMs.ttftP50)} ms, p99 ${fmt(s5.addedMs.ttftP99)} ms`, verdict(s5.addedMs.ttftP50 <= 1 && s5.addedMs.ttftP99 <= 3)]);
+  else rows.push(['router adds ≤ 1 ms to TTFT p50 and ≤ 3 ms to p99 (§5)', 'n/a', 'not measured']);
+  if (s4?.length) rows.push(['decode ≥ 0.9 × direct node-llama-cpp at 1, 4, 8 streams (§4)', s4.map((r) => `${r.streams}: ${fmtRatio(r.ratio)}`).join(', '), verdict(s4.every((r) => r.ratio >= 0.9))]);
+  if (s3?.ratio) rows.push(['under prefill interference, PD ITL p99 ≤ 0.2 × colocated (§3)', `PD / colocated ${fmtRatio(1 / s3.ratio.itlP99)}`, verdict(1 / s3.ratio.itlP99 <= 0.2)]);
+  return ['### Issue #9 goals', '', 'Each goal from the figures below (ratios within one run; where a section comes from an earlier run, its provenance line says so).', '', table(['goal', 'measured', 'verdict'], rows)];
 }
