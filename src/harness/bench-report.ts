@@ -239,7 +239,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   }
   if (s7?.runs?.length) bullets.push(`**Multi-round agents (§7):** ${agentGoals(s7).map((g) => `${g.goal} — ${g.met ? 'met' : 'missed'} (${g.detail})`).join('; ')}.`);
   L.push(...bullets.map((b) => `- ${b}`));
-  L.push('', ...issue9Goals(s1, s2, files.get(7)?.result as LowLoadRow[] | undefined, s3, s4, s5));
+  L.push('', ...issue9Goals(s1, s2, files.get(21)?.result as LowLoadRow[] | undefined, s3, s4, s5));
 
   // ---------------------------------------------------------------- 1
   L.push('', '## 1. KV handoff vs raw TCP', '', provenance(files.get(1), isFresh(1)), '');
