@@ -29,6 +29,7 @@ import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { RoomTable } from '../kv/lifecycle.js';
 import { failureFromWire, type ControlMsg, type EnvelopeHeader } from '../kv/messages.js';
@@ -48,7 +49,7 @@ interface Job {
   slot?: Slot;
   conn?: PeerConn;
   /** The incoming state: validated and written to its file as the chunks arrive. */
-  recv?: StateReceiver;
+  recv?: StateReceiver<ParsedState>;
   /** In-flight engine load, awaited before the slot is released. */
   loading?: Promise<void>;
   /** Resolves with the envelope header when the room reaches Success. */
@@ -315,7 +316,7 @@ export class DecodeWorker {
         job.recv = new StateReceiver({
           totalBytes: msg.totalBytes,
           expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
-          nLayer: info.compat.nLayer,
+          walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
           path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${msg.room}.ggsq`),
           pool: this.kvPool,
         });

@@ -28,6 +28,7 @@ import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
 import { encodeEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { loadCorpus } from './bench.js';
@@ -201,7 +202,7 @@ async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
   const maxBytes = 512 * 1024 * 1024;
   const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
-  type Recv = { room: RoomId; rx: StateReceiver; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
+  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
   let recv: Recv | undefined;
   const pool = new KvPeerPool({
     secret: init.secret,
@@ -210,7 +211,7 @@ async function receiver(engine: Engine): Promise<void> {
     onMessage: (conn, msg) => {
       if (msg.type === 'kv_begin') {
         const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${msg.room}.ggsq`);
-        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, nLayer: info.compat.nLayer, path, pool: kvPool });
+        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }), path, pool: kvPool });
         recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
       } else if (msg.type === 'kv_end') {
         const r = recv;

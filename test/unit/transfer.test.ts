@@ -10,7 +10,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
-import { parseStateFile } from '../../src/engine/ggsq.js';
+import { GgsqStreamParser, parseStateFile } from '../../src/engine/ggsq.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
@@ -19,9 +19,11 @@ import { Crc32, crc32 } from '../../src/kv/transfer/checksum.js';
 import { BufferPool } from '../../src/kv/transfer/pool.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
-import { KvError } from '../../src/kv/types.js';
+import { PdError } from '../../src/common/errors.js';
 
 const CTX = 256;
+/** Pair settings both channel ends exchange in the handshake. */
+const PAIR = { fingerprint: 'ab'.repeat(32), contextSize: CTX, batchSize: 64, flashAttention: true };
 const FP = 'f'.repeat(64);
 const EXPECT: EnvelopeExpect = { fingerprint: FP, contextSize: CTX, batchSize: 64, maxPayloadBytes: 1 << 24 };
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-transfer-test-'));
@@ -47,9 +49,9 @@ after(() => rmSync(dir, { recursive: true, force: true }));
 
 const head = (payloadBytes = state.length, fingerprint = FP) => encodeEnvelopeHead({ fingerprint, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false, payloadBytes });
 const receiver = (totalBytes: number, pool = new BufferPool(4096, 4)) =>
-  new StateReceiver({ totalBytes, expect: EXPECT, nLayer: 2, path: path.join(dir, `recv-${seq++}.ggsq`), pool });
+  new StateReceiver({ totalBytes, expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), path: path.join(dir, `recv-${seq++}.ggsq`), pool });
 const isBad = (re: RegExp) => (e: unknown) => {
-  assert.ok(e instanceof KvError && (e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE'), `KvError BAD_*, got ${String(e)}`);
+  assert.ok(e instanceof PdError && (e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE'), `BAD_ENVELOPE / BAD_STATE, got ${String(e)}`);
   assert.match((e as Error).message, re);
   return true;
 };
@@ -136,12 +138,13 @@ describe('sendStateFile → StateReceiver over a real KV connection', () => {
     const recvPool = new BufferPool(4096, 4);
     const receivers = new Map<string, StateReceiver>();
     const ends = new Map<string, () => void>();
-    const server = new KvServer({ host: '127.0.0.1', port: 0, secret, epoch: newEpoch(), onMessage: (conn, msg) => conns.push({ conn, msg }) });
+    const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn, msg) => conns.push({ conn, msg }) });
     const conns: { conn: PeerConn; msg: unknown }[] = [];
     const port = await server.listen();
     const decodeEpoch = newEpoch();
     const pool = new KvPeerPool({
       secret,
+      settings: PAIR,
       epoch: decodeEpoch,
       onMessage: (_c, msg) => {
         if (msg.type === 'kv_end') ends.get(msg.room)?.();

@@ -16,21 +16,30 @@
  */
 import { closeSync, openSync, writeSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
-import { GgsqStreamParser, type ParsedState } from '../../engine/ggsq.js';
 import { ENVELOPE_TRAILER_BYTES, parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
 import type { EnvelopeHeader } from '../messages.js';
 import { KvError } from '../types.js';
 import { Crc32 } from './checksum.js';
 import type { BufferPool } from './pool.js';
 
+/** An incremental parser of the payload's structure (see StateReceiverOptions.walker). */
+export interface StructureWalker<S> {
+  push(data: Buffer): void;
+  end(): S;
+}
+
 /** Options of a StateReceiver. */
-export interface StateReceiverOptions {
+export interface StateReceiverOptions<S> {
   /** Bytes kv_begin announced (head + payload + trailer). */
   totalBytes: number;
   /** What the envelope head must say (fingerprint, context settings, payload limit). */
   expect: EnvelopeExpect;
-  /** KV layers of the local model (the ggsq walk checks it). */
-  nLayer: number;
+  /**
+   * The incremental structure walk for a payload of `payloadBytes` (decode passes the ggsq one,
+   * `GgsqStreamParser` in src/engine/ggsq.ts; kv does not import engine): `push` throws at the
+   * first inconsistent byte, `end` returns the parsed state or throws when it is incomplete.
+   */
+  walker: (payloadBytes: number) => StructureWalker<S>;
   /** Where the payload is written (created; the receiver deletes it on `discard`). */
   path: string;
   /** Write buffers. */
@@ -38,9 +47,9 @@ export interface StateReceiverOptions {
 }
 
 /** What a completed receive yields: the envelope header and the walked ggsq structure. */
-export interface ReceivedState {
+export interface ReceivedState<S> {
   header: EnvelopeHeader;
-  state: ParsedState;
+  state: S;
   /** The file holding exactly the payload. */
   path: string;
 }
@@ -52,14 +61,14 @@ const bad = (reason: string): KvError => new KvError('BAD_ENVELOPE', reason);
  * inconsistency), `finish` once kv_end arrives, `discard` on any failure (idempotent). After a
  * throw the receiver refuses further input.
  */
-export class StateReceiver {
+export class StateReceiver<S> {
   /** Bytes pushed so far. */
   received = 0;
   private head: Buffer[] = [];
   private headLen = 0;
   private header: EnvelopeHeader | undefined;
   private headBytes = 0;
-  private parser: GgsqStreamParser | undefined;
+  private parser: StructureWalker<S> | undefined;
   private readonly crc = new Crc32();
   private trailer = Buffer.alloc(ENVELOPE_TRAILER_BYTES);
   private failed: Error | undefined;
@@ -70,7 +79,7 @@ export class StateReceiver {
   private discarded = false;
   private headerSeen = false;
 
-  constructor(private readonly o: StateReceiverOptions) {}
+  constructor(private readonly o: StateReceiverOptions<S>) {}
 
   /**
    * Consume the next piece of the room's byte stream.
@@ -106,7 +115,7 @@ export class StateReceiver {
       this.headBytes = h.headBytes;
       this.headerSeen = true;
       this.fd = openSync(this.o.path, 'w');
-      this.parser = new GgsqStreamParser({ contextSize: this.o.expect.contextSize, nLayer: this.o.nLayer, maxBytes: h.header.payloadBytes });
+      this.parser = this.o.walker(h.header.payloadBytes);
       this.head = [];
       d = all.subarray(h.headBytes);
       this.received -= d.length; // counted again below
@@ -153,7 +162,7 @@ export class StateReceiver {
    * @throws KvError('BAD_ENVELOPE') on truncation or checksum mismatch, KvError('BAD_STATE') on
    *   an incomplete ggsq structure, fs errors from writing the file.
    */
-  async finish(): Promise<ReceivedState> {
+  async finish(): Promise<ReceivedState<S>> {
     if (this.failed) throw this.failed;
     try {
       if (!this.header || this.received !== this.o.totalBytes) throw bad(`truncated: kv_end after ${this.received} of ${this.o.totalBytes} bytes`);
