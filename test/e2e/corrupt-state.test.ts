@@ -140,7 +140,9 @@ describe('corrupt KV state reaching a real decode worker', () => {
     nextBlob = b;
     const r = await generate();
     assert.ok(r.status >= 400, `status ${r.status}`);
-    assert.match((JSON.parse(r.body) as { error: { message: string } }).error.message, /bad_state: .*n_stream 999/);
+    const e = (JSON.parse(r.body) as { error: { message: string; code: string } }).error;
+    assert.match(e.message, /n_stream 999/);
+    assert.equal(e.code, 'bad_state');
     assert.ok(await waitFor(async () => fails.has(r.room), 1000), 'prefill side told at once');
   });
 
