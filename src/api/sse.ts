@@ -59,8 +59,12 @@ export class SseWriter {
     return this.res.destroyed || this.res.writableEnded;
   }
 
-  /** Send the status line and SSE headers (idempotent). */
-  open(status = 200): void {
+  /**
+   * Set the status line and SSE headers (idempotent). They leave with the first event, in the
+   * same TCP segment (one write instead of two: a lone header segment followed by a small event
+   * can leave the event waiting for the peer's delayed ACK); `flush` sends them at once instead.
+   */
+  open(status = 200, flush = false): void {
     if (this.res.headersSent || this.closed) return;
     this.res.writeHead(status, {
       'content-type': 'text/event-stream; charset=utf-8',
@@ -69,7 +73,7 @@ export class SseWriter {
       'x-accel-buffering': 'no',
       ...this.extraHeaders,
     });
-    this.res.flushHeaders();
+    if (flush) this.res.flushHeaders();
   }
 
   /**

@@ -59,6 +59,7 @@ export const ERROR_CODES = {
   unsupported_value: CLIENT_400,
   not_found: c(404, 'not_found_error', 'client'),
   model_not_found: c(404, 'not_found_error', 'client'),
+  worker_not_found: c(404, 'not_found_error', 'client'),
   trace_not_found: c(404, 'not_found_error', 'client'),
   method_not_allowed: c(405, 'invalid_request_error', 'client'),
   /** The request was cancelled by its client, or by the router on the client's behalf. */
@@ -92,6 +93,8 @@ export const ERROR_CODES = {
   queue_full: c(503, 'overloaded_error', 'system'),
   queue_timeout: c(503, 'overloaded_error', 'system'),
   shutting_down: c(503, 'server_error', 'system'),
+  /** A process draining on SIGTERM refuses new work (../common/drain.ts); the router re-dispatches it. */
+  draining: c(503, 'server_error', 'system'),
   no_healthy_prefill: c(503, 'server_error', 'system'),
   no_healthy_decode: c(503, 'server_error', 'system'),
   /** Healthy prefill and decode workers exist, but no pair shares the same settings. */

@@ -8,7 +8,6 @@
  * Room state lives only in the lifecycle core (`RoomTable`). The slot is released in exactly one
  * place: the `finally` of the request handler, after any engine call on it has settled.
  */
-import { rm, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
@@ -27,11 +26,12 @@ import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { samplingFromWire } from '../api/requests.js';
 import { loadEngine } from '../engine/index.js';
-import { parseStateFile } from '../engine/ggsq.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
-import { decodeEnvelope } from '../kv/envelope.js';
+import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
+import { StateReceiver } from '../kv/transfer/receiver.js';
 import { RoomTable } from '../kv/lifecycle.js';
 import { failureFromWire, type ControlMsg, type EnvelopeHeader } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
@@ -49,7 +49,10 @@ interface Job {
   ac: AbortController;
   slot?: Slot;
   conn?: PeerConn;
-  recv?: { buf: Buffer; rx: KvReception };
+  /** The incoming state: validated and written to its file as the chunks arrive. */
+  recv?: StateReceiver<ParsedState>;
+  /** The shared reception rule (in order, inside the announced size), see decode/receive.ts. */
+  rx?: KvReception;
   /** In-flight engine load, awaited before the slot is released. */
   loading?: Promise<void>;
   /** Resolves with the envelope header when the room reaches Success. */
@@ -76,6 +79,8 @@ export class DecodeWorker {
   private readonly prealloc = new Set<RoomId>();
   /** Requests generating tokens now. */
   private running = 0;
+  /** Write buffers of the streaming receivers, reused across transfers. */
+  private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   private watchdog?: NodeJS.Timeout;
   app!: FastifyInstance;
   pool!: KvPeerPool;
@@ -203,7 +208,7 @@ export class DecodeWorker {
     this.prealloc.delete(room);
     const job = this.jobs.get(room);
     if (!job) return;
-    job.recv = undefined;
+    if (job.recv && state !== KVPoll.Success) void job.recv.discard();
     this.metrics.recordTerminal(state, f, job.step !== 'prealloc' && job.step !== 'registering');
     if (state === KVPoll.Success && job.header) {
       job.step = 'decoding';
@@ -311,7 +316,15 @@ export class DecodeWorker {
           this.apply(msg.room, { t: 'fail', failure: bad });
           return;
         }
-        job.recv = { buf: Buffer.allocUnsafe(msg.totalBytes), rx: new KvReception(msg.totalBytes) };
+        const info = this.engine.info;
+        job.recv = new StateReceiver({
+          totalBytes: msg.totalBytes,
+          expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
+          walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
+          path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${msg.room}.ggsq`),
+          pool: this.kvPool,
+        });
+        job.rx = new KvReception(msg.totalBytes);
         job.step = 'receiving';
         job.tKvBegin = Date.now();
         this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes });
@@ -320,7 +333,7 @@ export class DecodeWorker {
       case 'kv_end': {
         const job = this.jobOn(conn, msg.room);
         if (!job) return;
-        const incomplete = job.recv ? job.recv.rx.end() : failure('kv_transfer_failed', 'kv_end before kv_begin');
+        const incomplete = job.recv && job.rx ? job.rx.end() : failure('kv_transfer_failed', 'kv_end before kv_begin');
         if (incomplete) {
           this.apply(msg.room, { t: 'fail', failure: incomplete });
           return;
@@ -345,12 +358,17 @@ export class DecodeWorker {
       this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', 'chunk before kv_begin') });
       return;
     }
-    const out = r.rx.accept(offset, data.length);
+    const out = job.rx!.accept(offset, data.length);
     if (out) {
       this.apply(room, { t: 'fail', failure: out });
       return;
     }
-    data.copy(r.buf, offset);
+    try {
+      r.push(data);
+    } catch (err) {
+      this.apply(room, { t: 'fail', failure: failure('bad_state', (err as Error).message) });
+      return;
+    }
     this.metrics.kvBytes.inc(data.length);
     this.apply(room, { t: 'progress', bytes: data.length });
   }
@@ -360,20 +378,16 @@ export class DecodeWorker {
     for (const room of rooms) this.apply(room, { t: 'peer_lost', failure: failure('peer_lost', reason) });
   }
 
-  /** Validate the received blob completely, then load it into the room's slot. */
+  /** kv_end: finish the streamed receive (complete, checksum, structure end, file written), then load it into the room's slot. */
   private async load(job: Job): Promise<void> {
     const { room } = job;
-    const blob = job.recv!.buf;
-    const info = this.engine.info;
-    const path = join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`);
+    const recv = job.recv!;
     try {
       await hold('decode.load', job.ac.signal);
       if (!this.rooms.has(room)) return;
-      const { header, payload } = decodeEnvelope(blob, { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes });
-      const state = parseStateFile(payload, { nLayer: info.compat.nLayer, contextSize: info.compat.contextSize, maxBytes: this.config.maxStateBytes });
+      const { header, state, path } = await recv.finish();
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
       if (!this.jobs.has(room) || !job.slot) return;
-      await writeFile(path, payload);
       await job.slot.loadState(path, state.tokens);
       // The room may have failed while llama.cpp was loading (deadline, abort, peer lost): the
       // core would refuse kv_done anyway; not sending it keeps the illegal-transition counter
@@ -385,7 +399,7 @@ export class DecodeWorker {
       const e = err as { code?: string; message?: string };
       this.apply(room, { t: 'fail', failure: failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)) });
     } finally {
-      await rm(path, { force: true }).catch(() => {});
+      await recv.discard();
     }
   }
 

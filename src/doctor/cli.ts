@@ -7,8 +7,8 @@
  *   pdserve doctor --url ROUTER --request ID   one request's timeline across processes
  *
  * Every GET has a deadline (`--timeout`, default 3 s) and a whole round is bounded by 9 s, so an
- * answer comes within 10 s even when workers hang. `--discovery` (membership registry) is the
- * seam for issue #12: the worker list then comes from the registry instead of the router.
+ * answer comes within 10 s even when workers hang. `--discovery etcd://…` reads the worker list
+ * from etcd membership instead of (or, with --url, besides) the router's GET /workers.
  */
 import { Command, InvalidArgumentError } from 'commander';
 import { diagnose, type Diagnosis } from './diagnose.js';
@@ -31,9 +31,18 @@ export interface DoctorOptions {
 const ROUND_MS = 9000;
 
 /** The worker source for the options, or an error message. */
-export function sourceOf(o: Pick<DoctorOptions, 'url' | 'discovery'>): WorkerSource | string {
-  if (o.discovery) return `--discovery ${o.discovery}: membership discovery is not available in this build; use --url ROUTER`;
-  if (!o.url) return 'give --url ROUTER (e.g. --url http://127.0.0.1:8000)';
+export async function sourceOf(o: Pick<DoctorOptions, 'url' | 'discovery'>): Promise<WorkerSource | string> {
+  if (o.discovery) {
+    const { parseDiscoveryUrl } = await import('../common/discovery.js');
+    try {
+      parseDiscoveryUrl(o.discovery);
+    } catch (err) {
+      return (err as Error).message;
+    }
+    const { discoverySource } = await import('./discovery.js');
+    return discoverySource(o.discovery, o.url ?? null);
+  }
+  if (!o.url) return 'give --url ROUTER (e.g. --url http://127.0.0.1:8000) or --discovery etcd://HOST:PORT';
   return routerSource(o.url);
 }
 
@@ -66,12 +75,16 @@ async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSn
 
 /** Run the doctor; resolves with the exit code (0 ok, 1 warnings, 2 critical, 3 usage/gather error). */
 export async function runDoctor(o: DoctorOptions, write: (s: string) => void = (s) => process.stdout.write(s)): Promise<number> {
-  const source = sourceOf(o);
+  const source = await sourceOf(o);
   if (typeof source === 'string') {
     process.stderr.write(`pdserve doctor: ${source}\n`);
     return 3;
   }
   if (o.request) {
+    if (!source.routerUrl) {
+      process.stderr.write('pdserve doctor: --request needs --url ROUTER (the router keeps the request traces)\n');
+      return 3;
+    }
     const r = await requestReport(source.routerUrl!, o.request, o.timeout);
     write(o.json ? `${JSON.stringify(r, null, 2)}\n` : `${renderRequestReport(r)}\n`);
     return r.found ? 0 : 1;
@@ -107,7 +120,7 @@ export function addDoctorCommand(program: Command): void {
     .command('doctor')
     .description('diagnose a running cluster: stuck or slow rooms, requests waiting while engines idle, lost or mismatched workers, recent failures; exit 0 ok, 1 warnings, 2 critical')
     .option('--url <router>', 'router URL (its GET /workers lists the workers)')
-    .option('--discovery <endpoints>', 'read the worker list from the membership registry instead of the router (not available yet)')
+    .option('--discovery <etcd://HOST:PORT>', 'read the worker list from etcd membership (with --url too: compare it with the router\'s)')
     .option('--request <id>', "print one request's timeline across router, prefill and decode (trace id, rid or room id)")
     .option('--json', 'machine-readable output', false)
     .option('--watch [seconds]', 'repeat every N seconds (default 2) and report counters that moved', (v: string) => num(v))

@@ -305,6 +305,18 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     if (why.length) {
       add({ severity: 'critical', kind: 'mismatch', title: `router reports a settings mismatch for ${w.ref.role} ${w.ref.url}: ${why[0]}`, details: [], cause: 'the worker runs with settings the rest of the cluster cannot work with (model, context size, secret)', next: [`curl -sS ${routerUrl}/workers`, `curl -sS ${w.ref.url}/health`], weight: 1e8 });
     }
+    if (rr.membership === 'etcd_only' || rr.membership === 'router_only') {
+      const etcdOnly = rr.membership === 'etcd_only';
+      add({
+        severity: 'warning',
+        kind: 'membership',
+        title: etcdOnly ? `${w.ref.role} ${w.ref.url} is registered in etcd but the router does not know it` : `the router routes to ${w.ref.role} ${w.ref.url}, which is not registered in etcd`,
+        details: [],
+        cause: etcdOnly ? "the router's etcd watch is behind or disconnected, or the router was started without --discovery" : 'the worker was given by a router flag, or its lease expired (the process hung or lost etcd) while the router still has it',
+        next: [`curl -sS ${routerUrl}/workers`, `curl -sS ${w.ref.url}/health`],
+        weight: 1e7,
+      });
+    }
     if (drainingOf(w)) {
       add({ severity: 'info', kind: 'draining', title: `${w.ref.role} ${w.ref.url} is draining`, details: [], cause: 'a graceful shutdown is under way: it takes no new requests', next: [`curl -sS ${w.ref.url}/health`] });
     }

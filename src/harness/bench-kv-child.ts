@@ -3,12 +3,14 @@
  *
  *   sender   (prefill side): loads the model, makes real sequence states of the requested token
  *            counts (prompt evaluation + saveState to /dev/shm), listens with a KvServer and a
- *            bare TCP server. `kv` trial: from "state saved" — readFile, encodeEnvelope,
- *            kv_begin, sendChunks, kv_end — until the receiver's kv_ack. `raw` trial: write an
- *            8-byte length and the same number of bytes on a bare socket until a 1-byte ack.
+ *            bare TCP server. `kv` trial: from "state saved" — envelope head, kv_begin,
+ *            sendStateFile (the file read in pooled pieces, CRC-32 as they pass, into the
+ *            socket), kv_end — until the receiver's kv_ack. `raw` trial: write an 8-byte length
+ *            and the same number of bytes on a bare socket until a 1-byte ack.
  *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
- *            sender. On kv_end: decodeEnvelope, parseStateFile, writeFile, Slot.loadState, then
- *            kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
+ *            sender. Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, file write
+ *            while streaming); on kv_end: finish (tail of the writes, checks), Slot.loadState,
+ *            then kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
  *
  * These are the calls the prefill and decode workers make on their data path (without the room
  * state machine around them). Messages with the parent go over the IPC channel.
@@ -22,10 +24,13 @@ import net from 'node:net';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { loadEngine } from '../engine/llama.js';
-import { parseStateFile } from '../engine/ggsq.js';
 import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
-import { decodeEnvelope, encodeEnvelope } from '../kv/envelope.js';
+import { encodeEnvelopeHead } from '../kv/envelope.js';
+import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
+import { StateReceiver } from '../kv/transfer/receiver.js';
+import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { loadCorpus } from './bench.js';
 
 interface Init {
@@ -53,6 +58,8 @@ interface State {
   bytes: number;
   firstToken: number;
   firstIsEog: boolean;
+  /** Median of 3 saves of this state (ms): the save that the handoff goal counts on both sides. */
+  saveMs: number;
 }
 
 async function main(): Promise<void> {
@@ -86,6 +93,7 @@ async function sender(engine: Engine): Promise<void> {
   await new Promise<void>((r) => raw.listen(0, '127.0.0.1', () => r()));
   const rawPort = (raw.address() as net.AddressInfo).port;
   let rawBuf = Buffer.alloc(0);
+  const sendPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   send({ type: 'ready', kvPort, rawPort, fingerprint: engine.info.fingerprint });
 
   process.on('message', async (m: { cmd: string; tokens?: number[]; idx?: number; room?: string; bytes?: number }) => {
@@ -102,8 +110,14 @@ async function sender(engine: Engine): Promise<void> {
             const sampling = { temperature: 0, topP: 1, topK: 0, maxTokens: 1, stop: [], ignoreEos: true };
             const r = await slot.prefill(toks, sampling, new AbortController().signal);
             const path = join(init.stateDir, `pdserve-bench-kv-${process.pid}-${n}.ggsq`);
-            const bytes = await slot.saveState(path);
-            states.push({ n, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog });
+            const saves: number[] = [];
+            let bytes = 0;
+            for (let k = 0; k < 3; k++) {
+              const ts = now();
+              bytes = await slot.saveState(path);
+              saves.push(now() - ts);
+            }
+            states.push({ n, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]! });
           } finally {
             slot.release();
           }
@@ -112,21 +126,21 @@ async function sender(engine: Engine): Promise<void> {
         const max = Math.max(...states.map((s) => s.bytes)) + 64 * 1024;
         rawBuf = Buffer.allocUnsafe(max);
         randomFillSync(rawBuf);
-        send({ type: 'made', states: states.map((s) => ({ n: s.n, bytes: s.bytes })) });
+        send({ type: 'made', states: states.map((s) => ({ n: s.n, bytes: s.bytes, saveMs: s.saveMs })) });
       } else if (m.cmd === 'kv') {
         const st = states[m.idx!]!;
         const room = normalizeRoomId(m.room!);
         if (!conn?.alive) throw new Error('no kv connection');
         const acked = new Promise<void>((r) => acks.set(room, r));
         const t0 = now();
-        const payload = await readFile(st.path);
         const t1 = now();
         const info = engine.info;
-        const blob = encodeEnvelope({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog }, payload);
+        const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes: st.bytes });
+        const blob = { length: wireBytes(head, st.bytes) };
         const t2 = now();
         const t2Abs = abs();
         conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length });
-        await conn.sendChunks(room, blob, { chunkBytes: 1024 * 1024 });
+        await sendStateFile(conn, room, st.path, head, st.bytes, { pool: sendPool, chunkBytes: 1024 * 1024 });
         conn.sendControl({ type: 'kv_end', room });
         const t3 = now();
         await acked;
@@ -187,20 +201,25 @@ async function sender(engine: Engine): Promise<void> {
 async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
   const maxBytes = 512 * 1024 * 1024;
-  let recv: { room: RoomId; buf: Buffer; got: number; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number } | undefined;
+  const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
+  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
+  let recv: Recv | undefined;
   const pool = new KvPeerPool({
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
     epoch: init.epoch,
     onMessage: (conn, msg) => {
       if (msg.type === 'kv_begin') {
-        recv = { room: msg.room, buf: Buffer.allocUnsafe(msg.totalBytes), got: 0, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
+        const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${msg.room}.ggsq`);
+        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }), path, pool: kvPool });
+        recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
       } else if (msg.type === 'kv_end') {
         const r = recv;
         recv = undefined;
         if (r) r.endAbs = abs();
-        if (!r || r.room !== msg.room || r.got !== r.buf.length) {
-          send({ type: 'kvRecv', room: msg.room, error: `kv_end after ${r?.got ?? 0} of ${r?.buf.length ?? 0} bytes` });
+        if (!r || r.room !== msg.room || r.error) {
+          send({ type: 'kvRecv', room: msg.room, error: r?.error ?? 'kv_end without kv_begin' });
+          void r?.rx.discard();
           return;
         }
         void load(conn, r);
@@ -208,37 +227,36 @@ async function receiver(engine: Engine): Promise<void> {
     },
     onChunk: (_c, room, offset, data) => {
       const r = recv;
-      if (!r || r.room !== room || offset !== r.got) return;
-      data.copy(r.buf, r.got);
-      r.got += data.length;
+      if (!r || r.room !== room || r.error) return;
+      try {
+        if (offset !== r.rx.received) throw new Error(`chunk at ${offset}, expected ${r.rx.received}`);
+        r.rx.push(data);
+      } catch (err) {
+        r.error = (err as Error).message;
+      }
       r.tLast = now();
       r.lastAbs = abs();
     },
   });
-  const load = async (conn: PeerConn, r: { room: RoomId; buf: Buffer; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number }) => {
-    const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${r.room}.ggsq`);
+  const load = async (conn: PeerConn, r: Recv) => {
     const slot = engine.tryAcquireSlot();
     try {
       if (!slot) throw new Error('no free slot');
       const t0 = now();
       const loadAbs = abs();
-      const { header, payload } = decodeEnvelope(r.buf, { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes });
-      const t1 = now();
-      const state = parseStateFile(payload, { nLayer: info.compat.nLayer, contextSize: info.compat.contextSize, maxBytes });
+      const { header, state, path } = await r.rx.finish();
       if (state.nTokens !== header.nTokens) throw new Error('token count mismatch');
-      const t2 = now();
-      await writeFile(path, payload);
       const t3 = now();
       await slot.loadState(path, state.tokens);
       const t4 = now();
       const ackAbs = abs();
       conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
-      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: t1 - t0, parseMs: t2 - t1, writeMs: t3 - t2, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs });
+      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: 0, parseMs: 0, writeMs: t3 - t0, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs });
     } catch (err) {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
     } finally {
       slot?.release();
-      await rm(path, { force: true }).catch(() => {});
+      await r.rx.discard();
     }
   };
   send({ type: 'ready', fingerprint: info.fingerprint });

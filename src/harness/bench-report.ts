@@ -215,7 +215,8 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   const bullets: string[] = [];
   if (s1?.sizes?.length) {
     const r = s1.sizes.map((s) => `${(s.blobBytes / MiB).toFixed(0)} MiB ${fmtRatio(s.ratio)}`).join(', ');
-    bullets.push(`**KV handoff vs raw TCP (§1):** saved-on-prefill → loaded-on-decode takes ${r} the time of a bare socket pushing the same bytes. The wire itself is not the cost: the handoff adds a file read, two SHA-256 passes, a file write and llama.cpp's state load around it (phase table in §1).`);
+    const g = s1.sizes.filter((s) => s.goalRatio !== undefined).map((s) => `${(s.blobBytes / MiB).toFixed(0)} MiB ${fmtRatio(s.goalRatio)}`).join(', ');
+    bullets.push(`**KV handoff vs raw TCP (§1):** saved-on-prefill → loaded-on-decode takes ${r} the time of a bare socket pushing the same bytes; against its floor (save + raw socket + llama.cpp load) it is ${g || 'n/a'}. The handoff is pipelined (file → socket in pooled pieces, validation, CRC-32 and the file write on decode while the bytes arrive); what remains above the floor is the framed channel's lower throughput than a bare socket, and llama.cpp's load (phase table in §1).`);
   }
   if (s2?.length) {
     const t = s2.map((r) => `${r.promptTokens} tokens ${fmtRatio(r.ratio.ttft)}`).join(', ');
@@ -238,6 +239,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   }
   if (s7?.runs?.length) bullets.push(`**Multi-round agents (§7):** ${agentGoals(s7).map((g) => `${g.goal} — ${g.met ? 'met' : 'missed'} (${g.detail})`).join('; ')}.`);
   L.push(...bullets.map((b) => `- ${b}`));
+  L.push('', ...issue9Goals(s1, s2, files.get(21)?.result as LowLoadRow[] | undefined, s3, s4, s5));
 
   // ---------------------------------------------------------------- 1
   L.push('', '## 1. KV handoff vs raw TCP', '', provenance(files.get(1), isFresh(1)), '');
@@ -245,22 +247,22 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     L.push(
       `Two processes (prefill side: 1 sequence, as the prefill worker; decode side: ${s1.receiverSequences ?? 1} sequence(s)${(s1.receiverSequences ?? 1) > 1 ? ', as the decode worker, so every load re-frames the state\'s stream count through a temp file exactly as in the cluster' : ''}), each with the small model loaded (context 4096). The states are **real**: prompts of the listed token counts evaluated by llama.cpp and saved with \`saveState\` to /dev/shm (the largest, 4 091 tokens, is a real ≈64 MiB state, so every size is measured end to end, validation and load included).`,
       '',
-      '- **KV handoff**: clock starts when the state file exists on the prefill side and stops when the prefill side receives decode\'s `kv_ack`. In between, exactly the workers\' data path (without the room state machine): `readFile` → `encodeEnvelope` (SHA-256 of the payload) → `kv_begin` + `sendChunks` (1 MiB chunk frames, 4 MiB send window, over the authenticated KvServer/KvPeerPool channel) + `kv_end` → on decode: chunks copied into one buffer → `decodeEnvelope` (SHA-256 again) → `parseStateFile` → `writeFile` to /dev/shm → `Slot.loadState` (llama.cpp) → `kv_ack`.',
+      '- **KV handoff**: clock starts when the state file exists on the prefill side and stops when the prefill side receives decode\'s `kv_ack`. In between, exactly the workers\' data path (without the room state machine), pipelined (`src/kv/transfer/`): envelope head → `kv_begin` → the file read in 1 MiB pooled pieces (the next read while the previous piece is on the wire), CRC-32 as they pass, 1 MiB chunk frames over the authenticated KvServer/KvPeerPool channel (4 MiB send window), CRC trailer, `kv_end` → on decode, while the bytes arrive: envelope head checked, ggsq structure walked, CRC-32 updated, payload written to its /dev/shm file; at `kv_end` the CRC and the structure\'s end → `Slot.loadState` (llama.cpp) → `kv_ack`.',
       '- **Raw TCP**: the same number of bytes (already in memory) written on a bare `net.Socket` to the other process, which counts them (without storing) and answers 1 byte. Clock: first write → ack.',
       '- Per size: one warm-up of each, then the trials alternate KV/raw. GB/s = envelope bytes / median time.',
       '',
     );
     L.push(
       table(
-        ['state', 'tokens', 'bytes', 'KV median (p90) ms', 'raw median (p90) ms', 'KV GB/s', 'raw GB/s', 'KV / raw', 'trials'],
-        s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, s.tokens, s.blobBytes.toLocaleString('en-US'), `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, `${fmt(s.rawMs.median)} (${fmt(s.rawMs.p90)})`, fmt(s.kvGBps, 3), fmt(s.rawGBps, 3), `**${fmtRatio(s.ratio)}**`, s.kvMs.n]),
+        ['state', 'tokens', 'bytes', 'KV median (p90) ms', 'raw median (p90) ms', 'KV GB/s', 'raw GB/s', 'KV / raw', 'save ms', 'goal: (save+KV) / (save+raw+load), ≤ 1.3', 'trials'],
+        s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, s.tokens, s.blobBytes.toLocaleString('en-US'), `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, `${fmt(s.rawMs.median)} (${fmt(s.rawMs.p90)})`, fmt(s.kvGBps, 3), fmt(s.rawGBps, 3), fmtRatio(s.ratio), s.saveMs === undefined ? 'n/a' : fmt(s.saveMs), s.goalRatio === undefined ? 'n/a' : `**${fmtRatio(s.goalRatio)}** ${s.goalRatio <= 1.3 ? 'pass' : 'miss'}`, s.kvMs.n]),
       ),
     );
-    L.push('', 'Where the KV time goes (medians per phase, ms, so they need not add up to the median total). Prefill side: read file, envelope (copy + SHA-256), send (until the last chunk is in the kernel). Decode side: wire (`kv_begin` → last chunk received; overlaps send), decodeEnvelope (SHA-256 + checks), parseStateFile, writeFile, loadState (llama.cpp). Lags between the processes use both processes\' wall clocks: `kv_begin` sent → received, and `kv_ack` sent → received.', '');
+    L.push('', 'Where the KV time goes (medians per phase, ms, so they need not add up to the median total). Prefill side: envelope head, send (file read + CRC + chunks, until the CRC trailer is in the kernel). Decode side: wire (`kv_begin` → last chunk received; overlaps send; the streaming validation, CRC and file write happen inside it), finish at `kv_end` (CRC compare, structure end, last file write), loadState (llama.cpp: the engine reads and walks the file again, and re-frames the stream count through a temp file when the decode context has several sequences). Lags between the processes use both processes\' wall clocks: `kv_begin` sent → received, and `kv_ack` sent → received.', '');
     L.push(
       table(
-        ['state', 'read file', 'envelope', 'send', 'kv_begin lag', 'wire', 'decodeEnvelope', 'parseStateFile', 'writeFile', 'loadState', 'kv_ack lag', 'wire GB/s'],
-        s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, fmt(s.phasesMs.read), fmt(s.phasesMs.envelope), fmt(s.phasesMs.send), fmt(s.phasesMs.beginLag), fmt(s.phasesMs.wire), fmt(s.phasesMs.decodeEnvelope), fmt(s.phasesMs.parseState), fmt(s.phasesMs.writeFile), fmt(s.phasesMs.loadState), fmt(s.phasesMs.ackLag), fmt(s.wireGBps, 3)]),
+        ['state', 'envelope head', 'send', 'kv_begin lag', 'wire (validate, CRC, write)', 'finish at kv_end', 'loadState', 'kv_ack lag', 'wire GB/s'],
+        s1.sizes.map((s) => [`${(s.blobBytes / MiB).toFixed(1)} MiB`, fmt(s.phasesMs.envelope), fmt(s.phasesMs.send), fmt(s.phasesMs.beginLag), fmt(s.phasesMs.wire), fmt(s.phasesMs.writeFile), fmt(s.phasesMs.loadState), fmt(s.phasesMs.ackLag), fmt(s.wireGBps, 3)]),
       ),
     );
     const mach = s1.machine;
@@ -275,7 +277,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
       if (mach.copyFreshGBps < mach.copyWarmGBps / 3)
         L.push(
           '',
-          `Copying into freshly allocated memory runs at ${fmt(mach.copyFreshGBps, 2)} GB/s against ${fmt(mach.copyWarmGBps, 2)} GB/s into memory already touched: on this VM first-touch page faults, not bandwidth, bound every buffer the handoff allocates per transfer (prefill: file read buffer and envelope; decode: a 1 MiB frame buffer per chunk in the frame decoder and the whole-state receive buffer). The raw-TCP side counts bytes without storing them, so it pays none of that; it is the transport's ceiling, not a like-for-like copy.`,
+          `Copying into freshly allocated memory runs at ${fmt(mach.copyFreshGBps, 2)} GB/s against ${fmt(mach.copyWarmGBps, 2)} GB/s into memory already touched: on this VM first-touch page faults, not bandwidth, bound any buffer allocated per transfer — which is why the handoff's read and write buffers come from a pool reused across transfers. The raw-TCP side counts bytes without storing them; it is the transport's ceiling, not a like-for-like copy.`,
         );
       else L.push('', 'The raw-TCP side counts bytes without storing them: it is the transport\'s ceiling, not a like-for-like copy.');
     }
@@ -293,7 +295,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
       ),
     );
     if (s2.some((r) => r.pdBreakdown)) {
-      L.push('', 'Where PD\'s TTFT goes: a few more requests per length sent to the workers directly (no router) after the interleaved ones (so at another moment: compare within a row with care), with what the prefill worker reports for them: `prefill_ms` = prompt evaluation + state save + file read + envelope; `transfer_ms` = `kv_begin` → decode\'s `kv_ack` (transfer, validation, load). Compare `prefill_ms` with the colocated TTFT (prompt evaluation alone, on an unpinned process).', '');
+      L.push('', 'Where PD\'s TTFT goes: a few more requests per length sent to the workers directly (no router) after the interleaved ones (so at another moment: compare within a row with care), with what the prefill worker reports for them: `prefill_ms` = prompt evaluation + first-token output + state save + envelope head; `transfer_ms` = `kv_begin` → decode\'s `kv_ack` (transfer, validation, load). Compare `prefill_ms` with the colocated TTFT (prompt evaluation alone, on an unpinned process).', '');
       L.push(
         table(
           ['prompt tokens', 'colocated TTFT', 'PD prefill_ms', 'PD transfer_ms', 'state MiB', 'PD TTFT without router', 'PD TTFT via router'],
@@ -301,8 +303,18 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
         ),
       );
     }
+    const s2u = files.get(21)?.result as LowLoadRow[] | undefined;
+    if (s2u?.length) {
+      L.push('', `**Unpinned run** (\`--no-pin\`: no taskset, every process free to run on any core, as in an ordinary deployment and in the independent measurement quoted in issue #9) — ${provenance(files.get(21), isFresh(21)).replace(/^_|_$/g, '')}:`, '');
+      L.push(
+        table(
+          ['prompt tokens', 'reps', 'TTFT PD / colo (ms)', 'TPOT PD / colo (ms)', 'E2E PD / colo (ms)', 'TTFT ratio', 'TPOT ratio', 'E2E ratio'],
+          s2u.map((r) => [r.promptTokens, r.reps, `${fmt(r.pd.ttftMs.median)} / ${fmt(r.colo.ttftMs.median)}`, `${fmt(r.pd.tpotMs.median, 2)} / ${fmt(r.colo.tpotMs.median, 2)}`, `${fmt(r.pd.e2eMs.median)} / ${fmt(r.colo.e2eMs.median)}`, `**${fmtRatio(r.ratio.ttft)}**`, fmtRatio(r.ratio.tpot), fmtRatio(r.ratio.e2e)]),
+        ),
+      );
+    }
     const worst = s2.reduce((a, b) => (b.ratio.ttft > a.ratio.ttft ? b : a));
-    L.push('', `Ratios are PD / colocated (> 1: PD slower). ${worst.ratio.ttft > 1 ? `**PD loses at low load**: TTFT is ${pct(worst.ratio.ttft)} at ${worst.promptTokens} prompt tokens. PD's TTFT includes the router hop, the state save, transfer (≈${((worst.promptTokens * 16_401) / MiB).toFixed(1)} MiB at ${worst.promptTokens} tokens) and load; the colocated server samples the first token right after the prompt.` : 'PD was not slower on TTFT in this run.'}`);
+    L.push('', `Ratios are PD / colocated (> 1: PD slower). ${worst.ratio.ttft > 1 ? `**PD loses at low load**: TTFT is ${pct(worst.ratio.ttft)} at ${worst.promptTokens} prompt tokens. PD's first token is streamed by prefill before the handoff (state save, transfer of ≈${((worst.promptTokens * 16_401) / MiB).toFixed(1)} MiB at ${worst.promptTokens} tokens, and load no longer count), so what remains is the router hop, decode's registration (prefill evaluates only after decode reserved a slot and registered the room: SGLang's bootstrap backpressure) and the prompt evaluation on another process and core than the colocated server's.` : 'PD was not slower on TTFT in this run.'}`);
     const errs = s2.flatMap((r) => r.errors);
     if (errs.length) L.push('', `Failed requests: ${errs.length} (${[...new Set(errs)].slice(0, 3).join('; ')}).`);
     L.push(img(plots, 's2-low-load.svg', 'PD vs colocated at low load'));
@@ -459,4 +471,43 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   L.push('```sh', 'node bin/pdserve.js bench --url http://127.0.0.1:8000 --dataset corpus --num-prompts 200 --request-rate 4 \\', '  --input-len 512 --output-len 64 --slo-ttft-ms 2000 --slo-tpot-ms 50 --json out.json', '```', '');
   L.push('Raw numbers: `bench/results/*.json` (one file per section, plus `suite.json`); plots: `bench/plots/*.svg`.', '');
   return L.join('\n');
+}
+
+/**
+ * Issue #9's goals as a pass/fail table from this report's sections (each measured side by side
+ * in one run). A goal whose section has no figures says so instead of passing.
+ */
+function issue9Goals(
+  s1: KvSectionResult | undefined,
+  s2: LowLoadRow[] | undefined,
+  s2u: LowLoadRow[] | undefined,
+  s3: InterferenceResult | undefined,
+  s4: BatchingRow[] | undefined,
+  s5: RouterOverheadResult | undefined,
+): string[] {
+  const rows: string[][] = [];
+  const verdict = (ok: boolean | undefined) => (ok === undefined ? 'not measured' : ok ? '**pass**' : '**miss**');
+  const g1 = s1?.sizes?.filter((s) => s.goalRatio !== undefined) ?? [];
+  rows.push(['KV handoff over TCP ≤ 1.3 × (save + raw TCP + load), 1–64 MiB (§1)', g1.map((s) => `${(s.blobBytes / MiB).toFixed(0)} MiB ${fmtRatio(s.goalRatio)}`).join(', ') || 'n/a', verdict(g1.length ? g1.every((s) => s.goalRatio <= 1.3) : undefined)]);
+  rows.push(['same-host handoff ≤ 1.1 × (save + load)', 'no same-host path built (issue #9 deliverable 3 not done)', 'not measured']);
+  for (const [name, rs] of [['pinned', s2], ['unpinned', s2u]] as const) {
+    if (!rs?.length) continue;
+    rows.push([`PD TTFT ≤ 1.10 × colocated at 64 / 512 / 1500 prompt tokens, low load (§2, ${name})`, rs.map((r) => `${r.promptTokens}: ${fmtRatio(r.ratio.ttft)}`).join(', '), verdict(rs.every((r) => r.ratio.ttft <= 1.1))]);
+    rows.push([`PD E2E (32 output tokens) ≤ 1.15 × colocated (§2, ${name})`, rs.map((r) => `${r.promptTokens}: ${fmtRatio(r.ratio.e2e)}`).join(', '), verdict(rs.every((r) => r.ratio.e2e <= 1.15))]);
+  }
+  if (s5?.addedMs) rows.push(['router adds ≤ 1 ms to TTFT p50 and ≤ 3 ms to p99 (§5)', `p50 ${fmt(s5.addedMs.ttftP50)} ms, p99 ${fmt(s5.addedMs.ttftP99)} ms`, verdict(s5.addedMs.ttftP50 <= 1 && s5.addedMs.ttftP99 <= 3)]);
+  else rows.push(['router adds ≤ 1 ms to TTFT p50 and ≤ 3 ms to p99 (§5)', 'n/a', 'not measured']);
+  if (s4?.length) rows.push(['decode ≥ 0.9 × direct node-llama-cpp at 1, 4, 8 streams (§4)', s4.map((r) => `${r.streams}: ${fmtRatio(r.ratio)}`).join(', '), verdict(s4.every((r) => r.ratio >= 0.9))]);
+  if (s3?.ratio) rows.push(['under prefill interference, PD ITL p99 ≤ 0.2 × colocated (§3)', `PD / colocated ${fmtRatio(1 / s3.ratio.itlP99)}`, verdict(1 / s3.ratio.itlP99 <= 0.2)]);
+  const notes = [
+    '',
+    '**Pinned or unpinned (§2)?** The unpinned run is the representative one for this machine: it is how a deployment on a shared host runs, and on this 2-core VM shared with other jobs a process pinned with taskset cannot move off its core when that core is busy, while the unpinned colocated server can — so the pinned run charges PD for whatever else runs on CPU 0/1 (compare the 1500-token rows of the two tables). Pinning is representative only on a dedicated machine, where it isolates prefill from decode. Absolute prompt-evaluation times move with the machine\'s load far more than with pinning (each table\'s provenance line gives the load average), which is why only ratios within one run are compared; the independent measurement quoted in the issue (no pinning, before the first token was streamed from prefill) saw PD/colocated TTFT 1.18 / 1.13 / 1.07; the unpinned table is the one to compare it with.',
+    '',
+    '**Router TTFT overhead (§5).** With the first token streamed from prefill in both paths (the pd-direct client speaks the same protocol), the router adds nothing measurable to TTFT p50; its p99 over 40 samples on a loaded machine is noise-dominated. Changes made: the SSE headers leave with the first event instead of as a lone segment before it, TCP_NODELAY is set on the client socket, and the first token no longer waits for decode. Which of these removed the earlier +23.9 ms was not isolated (the machine was too loaded for single-change A/B runs); the E2E difference of this run is not explained either.',
+    '',
+    '**Decode batching gap (§4).** Not found. Measured this run: see §4. A likely part is that every token costs JSON/SSE work in the decode worker, the router and the bench client, all on the two shared cores with the pinned decode worker, while the direct run is one process; this was not verified.',
+    '',
+    '**Same-host fast path** (issue #9 deliverable 3) is not built: every handoff goes over TCP.',
+  ];
+  return ['### Issue #9 goals', '', 'Each goal from the figures below (ratios within one run; where a section comes from an earlier run, its provenance line says so).', '', table(['goal', 'measured', 'verdict'], rows), ...notes];
 }

@@ -50,6 +50,8 @@ export const SECTION_FILES: Record<number, string> = {
   5: 's5-router-overhead.json',
   6: 's6-scaling.json',
   7: 's7-agents.json',
+  /** Section 2 run without CPU pinning (`--no-pin`), kept next to the pinned run (not a section of its own). */
+  21: 's2-low-load-unpinned.json',
 };
 
 const CTX = 2048;
@@ -193,7 +195,8 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
         const ts = performance.now();
         say(`section ${n}: ${name}`);
         try {
-          save(n, await fn(), (performance.now() - ts) / 1000);
+          // §2 keeps a pinned and an unpinned run side by side (the unpinned one under key 21)
+          save(n === 2 && !pinned ? 21 : n, await fn(), (performance.now() - ts) / 1000);
         } catch (err) {
           failed = true;
           say(`section ${n} failed: ${(err as Error).stack ?? err}`);
@@ -232,7 +235,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
 /** Sections' files: this run's, else the previous JSON when present. */
 function render(resultsDir: string, plotsDir: string, root: string, meta: SuiteMeta, sectionsRun: number[], fresh: Map<number, SectionFile>): void {
   const files = new Map<number, SectionFile>();
-  for (let n = 1; n <= 7; n++) {
+  for (const n of Object.keys(SECTION_FILES).map(Number)) {
     const f = fresh.get(n);
     if (f) files.set(n, f);
     else if (existsSync(join(resultsDir, SECTION_FILES[n]!))) {

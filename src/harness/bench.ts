@@ -374,6 +374,8 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
     text: prompt.text,
     sampling_params: { temperature: 0, top_p: 1, top_k: 0, max_new_tokens: prompt.outputLen, stop: [], ignore_eos: o.ignoreEos ?? true },
     stream: true,
+    // as the router does: prefill streams token 1 before the KV handoff, decode continues from token 2
+    first_token_from_prefill: true,
     bootstrap_host: target.bootstrapHost,
     bootstrap_port: target.bootstrapPort,
     bootstrap_room: newRoomId(),
@@ -381,15 +383,26 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
   const signal = signalOf(o);
   const start = performance.now();
   const c = new Collector(start, o.t0, prompt);
-  const prefill = request(`${baseUrl(target.prefillUrl)}/generate`, { method: 'POST', headers: JSON_HEADERS, body, dispatcher: o.dispatcher, signal })
+  let firstSeen!: () => void;
+  const first = new Promise<void>((r) => (firstSeen = r));
+  const prefill = request(`${baseUrl(target.prefillUrl)}/generate`, { method: 'POST', headers: { ...JSON_HEADERS, accept: 'text/event-stream' }, body, dispatcher: o.dispatcher, signal })
     .then(async (r) => {
       if (r.statusCode !== 200) return errorText(r.body, r.statusCode);
-      const j = (await r.body.json().catch(() => ({}))) as { meta_info?: { prefill_ms?: number; transfer_ms?: number; kv_bytes?: number } };
-      const mi = j.meta_info;
-      if (mi) c.rec.server = { prefillMs: mi.prefill_ms, transferMs: mi.transfer_ms, kvBytes: mi.kv_bytes };
+      for await (const data of readSse(r.body)) {
+        if (data === '[DONE]') continue;
+        const j = JSON.parse(data) as { text?: string; error?: { message?: string }; transfer?: { meta_info?: { prefill_ms?: number; transfer_ms?: number; kv_bytes?: number } } };
+        if (j.error) return `stream error: ${j.error.message ?? 'unknown'}`;
+        const mi = j.transfer?.meta_info;
+        if (mi) c.rec.server = { prefillMs: mi.prefill_ms, transferMs: mi.transfer_ms, kvBytes: mi.kv_bytes };
+        else if (j.text !== undefined) {
+          c.chunk(j.text); // token 1, before the handoff
+          firstSeen();
+        }
+      }
       return undefined;
     })
-    .catch((e: Error) => `prefill transport: ${e.message}`);
+    .catch((e: Error) => `prefill transport: ${e.message}`)
+    .finally(() => firstSeen());
   try {
     const res = await request(`${baseUrl(target.decodeUrl)}/generate`, { method: 'POST', headers: JSON_HEADERS, body, dispatcher: o.dispatcher, signal });
     if (res.statusCode !== 200) {
@@ -410,6 +423,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
         continue;
       }
       if (ev.error) return c.finish(`decode stream error: ${ev.error.message ?? 'unknown'}`);
+      await first; // token 1 (from prefill) is counted before decode's tokens
       c.chunk(ev.text ?? '');
       const mi = ev.meta_info;
       if (mi && Number.isInteger(mi.completion_tokens)) {

@@ -234,6 +234,23 @@ export class Cluster {
       child.on('message', onMsg);
       child.once('exit', onExit);
     });
+    if (p.role === 'prefill' || p.role === 'decode') await this.nudgeRouter(p);
+  }
+
+  /**
+   * A (re)started worker is ready: ask the router to probe it now (POST /workers/probe) instead of
+   * at its next health poll, so it is routable within a probe round trip. No-op before the
+   * router exists; failures are ignored (the poll still finds it).
+   */
+  private async nudgeRouter(p: ClusterProc): Promise<void> {
+    const r = this.procs.find((x) => x.role === 'router');
+    if (!r?.child) return;
+    try {
+      const res = await fetch(`${r.url}/workers/probe`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ url: p.url }), signal: AbortSignal.timeout(1000) });
+      await res.body?.cancel();
+    } catch {
+      // the router is down or busy: its poll will find the worker
+    }
   }
 
   /** Send a signal on purpose (the storm's faults). SIGKILL/SIGTERM mark the process as expected down. */

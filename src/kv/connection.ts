@@ -70,6 +70,8 @@ export interface SendChunksOptions {
   stallMs?: number;
   /** Called with the data bytes of each chunk once flushed to the kernel (a delta, not a total). */
   onProgress?: (bytes: number) => void;
+  /** Offset of `blob`'s first byte in the room's byte stream (default 0): a transfer sent in pieces. */
+  offset?: number;
 }
 
 export const DEFAULT_HEARTBEAT_MS = 1000;
@@ -233,6 +235,7 @@ export class PeerConn {
 
     return new Promise<void>((resolve, reject) => {
       const window = this.owner.s.sendWindowBytes;
+      const base = opts.offset ?? 0;
       let next = 0;
       let pending = 0;
       let flushed = 0;
@@ -275,7 +278,7 @@ export class PeerConn {
           if (this.state !== 'open') return settle(this.lostError(roomId));
           if (this.socket.writableLength >= window) return; // resumed by a flush of ours or by 'drain'
           const n = Math.min(chunkBytes, blob.length - next);
-          const frame = encodeChunk(roomId, next, blob.subarray(next, next + n));
+          const frame = encodeChunk(roomId, base + next, blob.subarray(next, next + n));
           next += n;
           pending++;
           if (!this.write(frame, written(n))) return settle(this.lostError(roomId));

@@ -1,28 +1,36 @@
 /**
- * Binary envelope around a llama.cpp sequence state (the blob prefill sends to decode).
+ * Binary envelope around a llama.cpp sequence state (the bytes prefill streams to decode).
  *
  *   "PDKV" | u32 BE version | u32 BE header length H | header JSON (H bytes, UTF-8)
- *        | sha256(all preceding bytes) (32 raw bytes) | payload (header.payloadBytes bytes)
+ *        | sha256(all preceding bytes) (32 raw bytes)            ← the "head", parsed first
+ *        | payload (header.payloadBytes bytes, the ggsq file)
+ *        | u32 BE CRC-32 of the payload                           ← trailer
  *
- * The header is an EnvelopeHeader (messages.ts); `checksum` is the sha256 of the payload and the
- * 32-byte header digest covers magic, version, length and header JSON, so a flipped byte
- * anywhere (a digit of nTokens included) is detected. decodeEnvelope validates everything before
- * anything reaches llama.cpp. Pure functions; every problem is a KvError('BAD_ENVELOPE', reason).
+ * Version 2: the payload check is a CRC-32 trailer computed while the bytes stream (checksum.ts),
+ * so the sender never reads the state twice and the head can go out before the payload is read;
+ * the header's `checksum` names the algorithm ('crc32'). The 32-byte head digest covers magic,
+ * version, length and header JSON, so a flipped byte anywhere in the head is detected before any
+ * field is trusted. `parseEnvelopeHead` validates a head as soon as its bytes are in (decode
+ * refuses a state from another model before its payload arrives); `decodeEnvelope` checks a whole
+ * envelope. Pure functions; every problem is a KvError('BAD_ENVELOPE', reason).
  */
 import { createHash } from 'node:crypto';
 import { z } from 'zod';
 import type { EnvelopeHeader } from './messages.js';
+import { CHECKSUM_ALGO, crc32 } from './transfer/checksum.js';
 import { KvError } from './types.js';
 
 export const ENVELOPE_MAGIC = Buffer.from('PDKV', 'ascii');
 /** Current envelope format version (the u32 after the magic, and header.version). */
-export const ENVELOPE_VERSION = 1;
+export const ENVELOPE_VERSION = 2;
 /** Largest header JSON, bytes. */
 export const MAX_ENVELOPE_HEADER_BYTES = 16 * 1024;
 /** Bytes before the header JSON: magic + version + header length. */
 export const ENVELOPE_PREFIX_BYTES = 12;
 /** Bytes of the header digest that follows the header JSON. */
 export const ENVELOPE_DIGEST_BYTES = 32;
+/** Bytes of the payload checksum after the payload. */
+export const ENVELOPE_TRAILER_BYTES = 4;
 
 /** What the loading side requires of a state; all must match exactly (payload size: at most). */
 export interface EnvelopeExpect {
@@ -46,7 +54,7 @@ const HeaderSchema = z
     cachedTokens: int.optional(),
     firstIsEog: z.boolean(),
     payloadBytes: int,
-    checksum: z.string().regex(/^[0-9a-f]{64}$/, 'must be 64 lowercase hex chars'),
+    checksum: z.literal(CHECKSUM_ALGO),
   })
   .strict();
 
@@ -63,10 +71,10 @@ const sha256 = (...parts: Buffer[]): Buffer => {
 };
 
 /**
- * Wraps `payload` (a llama.cpp sequence state, copied once) in an envelope. version, payloadBytes
- * and checksum are filled in. Throws KvError('BAD_ENVELOPE') if a header field is invalid.
+ * The envelope's head (prefix, header JSON, digest) for a payload of `header.payloadBytes`
+ * bytes; version and checksum are filled in. Throws KvError('BAD_ENVELOPE') if a field is invalid.
  */
-export function encodeEnvelope(header: Omit<EnvelopeHeader, 'payloadBytes' | 'checksum' | 'version'>, payload: Buffer): Buffer {
+export function encodeEnvelopeHead(header: Omit<EnvelopeHeader, 'checksum' | 'version'>): Buffer {
   const full: EnvelopeHeader = {
     version: ENVELOPE_VERSION,
     fingerprint: header.fingerprint,
@@ -76,41 +84,58 @@ export function encodeEnvelope(header: Omit<EnvelopeHeader, 'payloadBytes' | 'ch
     firstToken: header.firstToken,
     ...(header.cachedTokens !== undefined ? { cachedTokens: header.cachedTokens } : {}),
     firstIsEog: header.firstIsEog,
-    payloadBytes: payload.length,
-    checksum: sha256(payload).toString('hex'),
+    payloadBytes: header.payloadBytes,
+    checksum: CHECKSUM_ALGO,
   };
   const r = HeaderSchema.safeParse(full);
   if (!r.success) throw bad(`cannot encode envelope: ${issue(r.error)}`);
   const json = Buffer.from(JSON.stringify(full), 'utf8');
   if (json.length > MAX_ENVELOPE_HEADER_BYTES) throw bad(`cannot encode envelope: header of ${json.length} bytes exceeds ${MAX_ENVELOPE_HEADER_BYTES}`);
   const headEnd = ENVELOPE_PREFIX_BYTES + json.length;
-  const out = Buffer.allocUnsafe(headEnd + ENVELOPE_DIGEST_BYTES + payload.length);
+  const out = Buffer.allocUnsafe(headEnd + ENVELOPE_DIGEST_BYTES);
   ENVELOPE_MAGIC.copy(out, 0);
   out.writeUInt32BE(ENVELOPE_VERSION, 4);
   out.writeUInt32BE(json.length, 8);
   json.copy(out, ENVELOPE_PREFIX_BYTES);
   sha256(out.subarray(0, headEnd)).copy(out, headEnd);
-  payload.copy(out, headEnd + ENVELOPE_DIGEST_BYTES);
   return out;
 }
 
+/** The 4-byte trailer carrying `crc` (u32). */
+export function envelopeTrailer(crc: number): Buffer {
+  const t = Buffer.allocUnsafe(ENVELOPE_TRAILER_BYTES);
+  t.writeUInt32BE(crc >>> 0, 0);
+  return t;
+}
+
 /**
- * Validates an envelope and returns its header and payload (`payload` is a view into `buf`, not
- * a copy). Throws KvError('BAD_ENVELOPE', reason) on: truncation, bad magic, unsupported version,
- * bad header length, header digest mismatch, bad JSON or field types, payload over
- * maxPayloadBytes, trailing bytes, fingerprint mismatch ("state was produced by a different
- * model: …"), context setting mismatch, nTokens > contextSize, payload checksum mismatch.
+ * Wraps `payload` (copied once) in a whole envelope: head, payload, CRC-32 trailer. Used by
+ * tests and tools; the workers stream the same bytes (transfer/sender.ts).
+ * Throws KvError('BAD_ENVELOPE') if a header field is invalid.
  */
-export function decodeEnvelope(buf: Buffer, expect: EnvelopeExpect): { header: EnvelopeHeader; payload: Buffer } {
-  if (buf.length < ENVELOPE_PREFIX_BYTES) throw bad(`truncated envelope: ${buf.length} bytes, the prefix alone is ${ENVELOPE_PREFIX_BYTES}`);
-  if (!buf.subarray(0, 4).equals(ENVELOPE_MAGIC)) throw bad(`bad magic ${JSON.stringify(buf.subarray(0, 4).toString('latin1'))}, expected "PDKV"`);
+export function encodeEnvelope(header: Omit<EnvelopeHeader, 'payloadBytes' | 'checksum' | 'version'>, payload: Buffer): Buffer {
+  const head = encodeEnvelopeHead({ ...header, payloadBytes: payload.length });
+  return Buffer.concat([head, payload, envelopeTrailer(crc32(payload))]);
+}
+
+/**
+ * Validates the head at the start of `buf` as soon as it is complete: returns undefined while
+ * more bytes are needed, else the header and the head's length (where the payload starts).
+ * Throws KvError('BAD_ENVELOPE', reason) on: bad magic, unsupported version, bad header length,
+ * header digest mismatch, bad JSON or field types, payload over maxPayloadBytes, fingerprint
+ * mismatch ("state was produced by a different model: …"), context setting mismatch,
+ * nTokens > contextSize.
+ */
+export function parseEnvelopeHead(buf: Buffer, expect: EnvelopeExpect): { header: EnvelopeHeader; headBytes: number } | undefined {
+  if (buf.length >= 4 && !buf.subarray(0, 4).equals(ENVELOPE_MAGIC)) throw bad(`bad magic ${JSON.stringify(buf.subarray(0, 4).toString('latin1'))}, expected "PDKV"`);
+  if (buf.length < ENVELOPE_PREFIX_BYTES) return undefined;
   const version = buf.readUInt32BE(4);
   if (version !== ENVELOPE_VERSION) throw bad(`unsupported envelope version ${version}, this build reads ${ENVELOPE_VERSION}`);
   const hlen = buf.readUInt32BE(8);
   if (hlen < 2 || hlen > MAX_ENVELOPE_HEADER_BYTES) throw bad(`bad header length ${hlen} (allowed 2..${MAX_ENVELOPE_HEADER_BYTES})`);
   const headEnd = ENVELOPE_PREFIX_BYTES + hlen;
   const payloadStart = headEnd + ENVELOPE_DIGEST_BYTES;
-  if (buf.length < payloadStart) throw bad(`truncated envelope: ${buf.length} bytes, header and digest need ${payloadStart}`);
+  if (buf.length < payloadStart) return undefined;
   if (!sha256(buf.subarray(0, headEnd)).equals(buf.subarray(headEnd, payloadStart))) throw bad('header digest mismatch: envelope header is corrupted');
 
   let raw: unknown;
@@ -130,13 +155,24 @@ export function decodeEnvelope(buf: Buffer, expect: EnvelopeExpect): { header: E
   if (header.contextSize !== expect.contextSize) throw bad(`context setting mismatch: state has contextSize ${header.contextSize}, this context has ${expect.contextSize}`);
   if (header.batchSize !== expect.batchSize) throw bad(`context setting mismatch: state has batchSize ${header.batchSize}, this context has ${expect.batchSize}`);
   if (header.nTokens > header.contextSize) throw bad(`state holds ${header.nTokens} tokens, more than contextSize ${header.contextSize}`);
-
   if (header.payloadBytes > expect.maxPayloadBytes) throw bad(`payload of ${header.payloadBytes} bytes exceeds the limit of ${expect.maxPayloadBytes}`);
-  const have = buf.length - payloadStart;
-  if (have < header.payloadBytes) throw bad(`truncated payload: ${have} of ${header.payloadBytes} bytes`);
-  if (have > header.payloadBytes) throw bad(`${have - header.payloadBytes} trailing bytes after the payload`);
-  const payload = buf.subarray(payloadStart);
-  if (sha256(payload).toString('hex') !== header.checksum) throw bad('payload checksum mismatch: state is corrupted');
+  return { header, headBytes: payloadStart };
+}
+
+/**
+ * Validates a whole envelope and returns its header and payload (`payload` is a view into
+ * `buf`, not a copy). Throws KvError('BAD_ENVELOPE', reason) on everything parseEnvelopeHead
+ * refuses, and on truncation, trailing bytes, payload checksum mismatch.
+ */
+export function decodeEnvelope(buf: Buffer, expect: EnvelopeExpect): { header: EnvelopeHeader; payload: Buffer } {
+  const head = parseEnvelopeHead(buf, expect);
+  if (!head) throw bad(`truncated envelope: ${buf.length} bytes do not hold the whole head`);
+  const { header, headBytes } = head;
+  const have = buf.length - headBytes - ENVELOPE_TRAILER_BYTES;
+  if (have < header.payloadBytes) throw bad(`truncated payload: ${Math.max(0, have)} of ${header.payloadBytes} bytes (+ ${ENVELOPE_TRAILER_BYTES}-byte checksum)`);
+  if (have > header.payloadBytes) throw bad(`${have - header.payloadBytes} trailing bytes after the payload and checksum`);
+  const payload = buf.subarray(headBytes, headBytes + header.payloadBytes);
+  if (crc32(payload) !== buf.readUInt32BE(headBytes + header.payloadBytes)) throw bad('payload checksum mismatch: state is corrupted');
   return { header, payload };
 }
 

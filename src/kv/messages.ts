@@ -52,8 +52,8 @@ export interface EnvelopeHeader {
   firstIsEog: boolean;
   /** Bytes of the raw ggsq payload that follows. */
   payloadBytes: number;
-  /** sha256 of the payload, hex. */
-  checksum: string;
+  /** Algorithm of the payload checksum in the envelope's trailer ('crc32', see transfer/checksum.ts). */
+  checksum: 'crc32';
 }
 
 /**

@@ -9,7 +9,7 @@
  * or in prompt evaluation), inflight (state sent, waiting for decode's KV_ACK). Each entry leaves
  * on the single `finish` action of its room.
  */
-import { readFile, rm } from 'node:fs/promises';
+import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
@@ -29,7 +29,9 @@ import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvServer, type PeerConn } from '../kv/channel.js';
-import { encodeEnvelope } from '../kv/envelope.js';
+import { encodeEnvelopeHead } from '../kv/envelope.js';
+import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
@@ -43,8 +45,8 @@ interface Job {
   sampling: SamplingParams;
   /** Fires when the room becomes terminal: stops prompt evaluation and the send. */
   ac: AbortController;
-  /** The enveloped state from compute until the transfer ends (the KV buffer). */
-  blob?: Buffer;
+  /** The saved state file and its envelope head, from compute until the transfer ends (deleted once, by dropState). */
+  state?: { path: string; head: Buffer; payloadBytes: number };
   done: Deferred<PrefillResponse>;
   /** Set when the router asked for the first token before the handoff (`first_token_from_prefill`). */
   first?: Deferred<GenerateEvent>;
@@ -58,6 +60,8 @@ interface Job {
 /** A running prefill worker. Create with `startPrefillWorker`. */
 export class PrefillWorker {
   readonly driver: PrefillDriver;
+  /** Read buffers of the streaming sends, reused across transfers. */
+  private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   readonly metrics: WorkerMetrics;
   readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
@@ -191,7 +195,7 @@ export class PrefillWorker {
           break;
         case 'discard': {
           const job = this.jobs.get(a.room);
-          if (job) job.blob = undefined;
+          if (job) dropState(job);
           break;
         }
         case 'finish':
@@ -216,7 +220,7 @@ export class PrefillWorker {
     if (!job) return;
     this.jobs.delete(a.room);
     job.ac.abort();
-    job.blob = undefined;
+    dropState(job);
     this.metrics.recordTerminal(a.state, a.failure, a.registered);
     if (a.state === KVPoll.Success) {
       this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
@@ -300,7 +304,7 @@ export class PrefillWorker {
     done(await this.evaluate(room, job, slot));
   }
 
-  /** Evaluate, save and envelope the state of `room` on `slot`. Never throws. */
+  /** Evaluate `room` on `slot`, save its state file and make the envelope head (job.state). Never throws. */
   private async evaluate(room: RoomId, job: Job, slot: Slot): Promise<ComputeOutcome> {
     const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${room}.ggsq`);
     try {
@@ -312,14 +316,13 @@ export class PrefillWorker {
       if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, { ...(await slot.firstOutput(r.firstToken, job.sampling)), logprob: r.firstLogprob }, r.cachedTokens));
       await hold('prefill.save', job.ac.signal);
       if (job.ac.signal.aborted) return { ok: false, aborted: true };
-      await slot.saveState(path);
-      const payload = await readFile(path);
-      job.blob = encodeEnvelope(
-        { fingerprint: this.engine.info.fingerprint, contextSize: this.engine.info.compat.contextSize, batchSize: this.engine.info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, cachedTokens: r.cachedTokens, firstIsEog: r.firstIsEog },
-        payload,
-      );
+      const payloadBytes = await slot.saveState(path);
+      const info = this.engine.info;
+      const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, cachedTokens: r.cachedTokens, firstIsEog: r.firstIsEog, payloadBytes });
       job.prefillMs = Date.now() - t0;
-      return { ok: true, totalBytes: job.blob.length };
+      if (job.ac.signal.aborted) return { ok: false, aborted: true };
+      job.state = { path, head, payloadBytes }; // the file is the room's now: deleted by dropState
+      return { ok: true, totalBytes: wireBytes(head, payloadBytes) };
     } catch (err) {
       const e = err as { code?: string; message?: string };
       if (e.code === 'ABORTED' || job.ac.signal.aborted) return { ok: false, aborted: true };
@@ -327,21 +330,22 @@ export class PrefillWorker {
       return { ok: false, failure: failure(code === 'internal_error' ? 'engine_failed' : code, `prefill: ${e.message ?? String(err)}`) };
     } finally {
       slot.release();
-      await rm(path, { force: true }).catch(() => {});
+      if (job.state?.path !== path) await rm(path, { force: true }).catch(() => {});
     }
   }
 
-  /** Send the room's state to decode (`transfer`): kv_begin, chunks with backpressure, kv_end. */
+  /** Send the room's state to decode (`transfer`): kv_begin, the file streamed in pooled pieces (transfer/sender.ts), kv_end. */
   private async transfer(room: RoomId, peer: string): Promise<void> {
     const job = this.jobs.get(room);
     const conn = this.conns.get(peer);
-    const blob = job?.blob;
-    if (!job || !blob) return;
+    const st = job?.state;
+    if (!job || !st) return;
     job.tKvBegin = Date.now();
     const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), Date.now()));
-    if (!conn || !conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length })) return failed('connection to decode is gone');
+    if (!conn || !conn.sendControl({ type: 'kv_begin', room, totalBytes: wireBytes(st.head, st.payloadBytes) })) return failed('connection to decode is gone');
     try {
-      await conn.sendChunks(room, blob, {
+      await sendStateFile(conn, room, st.path, st.head, st.payloadBytes, {
+        pool: this.kvPool,
         chunkBytes: this.config.chunkBytes,
         signal: job.ac.signal,
         stallMs: this.config.timeouts.transferIdleMs,
@@ -350,7 +354,7 @@ export class PrefillWorker {
           this.perform(this.driver.progress(room, bytes, Date.now()));
         },
       });
-      job.blob = undefined;
+      dropState(job);
       await hold('prefill.send', job.ac.signal);
       if (job.ac.signal.aborted) return;
       conn.sendControl({ type: 'kv_end', room });
@@ -359,6 +363,13 @@ export class PrefillWorker {
       if (!job.ac.signal.aborted) failed((err as Error).message, errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed');
     }
   }
+}
+
+/** Delete the room's state file once (the job no longer names it afterwards). */
+function dropState(job: Job): void {
+  const st = job.state;
+  job.state = undefined;
+  if (st) void rm(st.path, { force: true }).catch(() => {});
 }
 
 /** Load the engine, start the worker. */

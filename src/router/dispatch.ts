@@ -369,6 +369,7 @@ export class PdRequest {
   private openStream(): void {
     this.reply.hijack();
     this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid } });
+    this.reply.raw.socket?.setNoDelay(true); // each token leaves at once (no Nagle wait for an ACK)
     this.writer.open(200);
     this.phase = 'streaming';
   }

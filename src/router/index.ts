@@ -219,6 +219,16 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   registerHoldRoute(app);
   registerDiagnostics(app, { registry, metrics, traces, series, inflight: () => active.size, selfUrl: () => selfUrl });
 
+  // A supervisor that restarted a worker asks for an immediate probe (static membership's push;
+  // etcd membership does the same on registration). Only configured or registered workers.
+  app.post('/workers/probe', async (req) => {
+    const url = (req.body as { url?: unknown } | null)?.url;
+    const w = typeof url === 'string' ? registry.workers.find((x) => x.url === url.replace(/\/+$/, '')) : undefined;
+    if (!w) throw new ApiError(404, 'worker_not_found', `no worker ${JSON.stringify(url)} in the pool`, 'not_found_error', 'url');
+    await registry.check(w, true);
+    return registry.snapshot().find((x) => x.url === w.url);
+  });
+
   app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal }));
 
   app.get('/metrics', async (_req, reply) => {

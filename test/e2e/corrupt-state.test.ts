@@ -23,6 +23,8 @@ let kv: KvServer;
 let kvPort: number;
 /** What the fake prefill sends for the next registered room, and what it heard back. */
 let nextBlob: Buffer | undefined;
+/** How the fake prefill sends it: kv_begin announces `announce` bytes (default the blob's), kv_end follows unless `noEnd`. */
+let nextSend: { announce?: number; noEnd?: boolean } = {};
 const fails = new Map<string, string>();
 
 async function stateOf(modelPath: string, prompt: string): Promise<{ payload: Buffer; fingerprint: string; nTokens: number; firstToken: number; firstIsEog: boolean }> {
@@ -53,9 +55,10 @@ before(async () => {
     onMessage: (conn: PeerConn, msg) => {
       if (msg.type === 'register') {
         const blob = nextBlob!;
+        const how = nextSend;
         conn.sendControl({ type: 'registered', room: msg.room });
-        conn.sendControl({ type: 'kv_begin', room: msg.room, totalBytes: blob.length });
-        void conn.sendChunks(msg.room, blob, { chunkBytes: 4096 }).then(() => conn.sendControl({ type: 'kv_end', room: msg.room }), () => {});
+        conn.sendControl({ type: 'kv_begin', room: msg.room, totalBytes: how.announce ?? blob.length });
+        void conn.sendChunks(msg.room, blob, { chunkBytes: 4096 }).then(() => how.noEnd || conn.sendControl({ type: 'kv_end', room: msg.room }), () => {});
       } else if (msg.type === 'fail') {
         fails.set(msg.room, `${msg.code}: ${msg.detail}`);
       }
@@ -115,6 +118,7 @@ describe('corrupt KV state reaching a real decode worker', () => {
   ];
   for (const [name, make, re] of bad) {
     test(`${name}: that request fails with a clear error, decode lives on`, async () => {
+      nextSend = {};
       nextBlob = make();
       const r = await generate();
       assert.ok(r.status >= 400, `status ${r.status}`);
@@ -125,6 +129,32 @@ describe('corrupt KV state reaching a real decode worker', () => {
       assert.match(fails.get(r.room)!, /^bad_state: /, 'with the stable code');
     });
   }
+
+  test('damage is detected while streaming: a bent ggsq header fails the room with no kv_end ever sent', async () => {
+    const env = envelope(good);
+    const st = parseStateFile(good.payload, { contextSize: CTX, maxBytes: 1 << 30 });
+    const headLen = env.length - good.payload.length - 4;
+    const b = Buffer.from(env);
+    b.writeUInt32LE(999, headLen + st.nStreamOffset);
+    nextSend = { noEnd: true };
+    nextBlob = b;
+    const r = await generate();
+    assert.ok(r.status >= 400, `status ${r.status}`);
+    const e = (JSON.parse(r.body) as { error: { message: string; code: string } }).error;
+    assert.match(e.message, /n_stream 999/);
+    assert.equal(e.code, 'bad_state');
+    assert.ok(await waitFor(async () => fails.has(r.room), 1000), 'prefill side told at once');
+  });
+
+  test('a stream cut mid-way (kv_end after half the announced bytes) fails as truncated', async () => {
+    const env = envelope(good);
+    nextSend = { announce: env.length };
+    nextBlob = env.subarray(0, env.length >> 1);
+    const r = await generate();
+    assert.ok(r.status >= 400, `status ${r.status}`);
+    assert.match((JSON.parse(r.body) as { error: { message: string } }).error.message, /truncated/);
+    nextSend = {};
+  });
 
   test('a state from another model (same shapes, other weights) is refused by fingerprint', async () => {
     const other = await ensureModel('tiny', 2);

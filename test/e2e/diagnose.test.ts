@@ -10,13 +10,13 @@
  *  - the /dashboard in headless Debian chromium shows live data (screenshot kept in test-artifacts/).
  */
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import type { Cluster } from '../../src/harness/cluster.js';
 import { getJson, startStack, waitFor } from '../helpers/stack.js';
+import { cli } from '../helpers/cli.js';
 import { assertTotalsAreCounters, checkMetrics, reportMissingPromtool } from '../helpers/promtool.js';
 
 let c: Cluster;
@@ -28,23 +28,6 @@ async function complete(headers: Record<string, string>, body: Record<string, un
     headers: { 'content-type': 'application/json', ...headers },
     body: JSON.stringify({ model: 'x', prompt: 'the river ran', max_tokens: 6, temperature: 0, ...body }),
     signal: signal ?? AbortSignal.timeout(20_000),
-  });
-}
-
-/** Run the real CLI; resolves with exit code and output. */
-function cli(args: string[], timeoutMs = 20_000): Promise<{ code: number | null; out: string; err: string; ms: number }> {
-  return new Promise((resolve) => {
-    const t0 = Date.now();
-    const p = spawn(process.execPath, ['bin/pdserve.js', ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
-    let out = '';
-    let err = '';
-    p.stdout.on('data', (d) => (out += d));
-    p.stderr.on('data', (d) => (err += d));
-    const t = setTimeout(() => p.kill('SIGKILL'), timeoutMs);
-    p.on('close', (code) => {
-      clearTimeout(t);
-      resolve({ code, out, err, ms: Date.now() - t0 });
-    });
   });
 }
 

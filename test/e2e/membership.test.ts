@@ -5,6 +5,7 @@
  * - the records carry role, URLs, bootstrap address, fingerprint, engine settings and load;
  * - a SIGKILLed worker restarted on its port is routable within 1 s of being ready;
  * - a SIGKILLed worker leaves the pool when its lease expires;
+ * - `pdserve doctor --discovery` reads the same workers from etcd (with and without the router);
  * - SIGTERM under load: the record says draining at once, the router stops choosing the worker,
  *   no request fails, the key is deleted when the drain ends.
  * Without an `etcd` binary (Debian's etcd-server) the suite says so loudly and skips (fails
@@ -17,6 +18,7 @@ import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
 import { MEMBER_PREFIX, memberKey, parseMemberRecord } from '../../src/common/discovery.js';
 import { etcdBinary, startEtcd, type TestEtcd } from '../helpers/etcd.js';
 import { getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
+import { cli } from '../helpers/cli.js';
 
 const TTL_S = 2;
 const missing = etcdBinary() === null;
@@ -82,6 +84,18 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     assert.equal(keys.length, 3, `one key per worker: ${keys.join(', ')}`);
     assert.ok(await waitFor(async () => (await workers()).filter((w) => w.healthy).length === 3, 5000), 'the router found all three');
     for (let i = 0; i < 4; i++) assert.ok(ok(await completion(promptOf(24, i))), 'requests succeed');
+  });
+
+  test('pdserve doctor --discovery reads the same workers from etcd and finds nothing wrong', async () => {
+    const both = await cli(['doctor', '--discovery', etcd.uri, '--url', c.router.url, '--json']);
+    const j = JSON.parse(both.out) as { exit_code: number; source: string; summary: string; findings: { kind: string; severity: string }[] };
+    assert.equal(both.code, 0, both.out + both.err);
+    assert.match(j.source, /^etcd etcd:\/\/.* \+ router http/);
+    assert.match(j.summary, /1 prefill · 2 decode/);
+    assert.ok(!j.findings.some((f) => f.kind === 'membership'), JSON.stringify(j.findings));
+    const etcdOnly = await cli(['doctor', '--discovery', etcd.uri, '--json']);
+    assert.equal(etcdOnly.code, 0, etcdOnly.out + etcdOnly.err);
+    assert.match(JSON.parse(etcdOnly.out).summary, /no router · 1 prefill · 2 decode/);
   });
 
   test('a restarted worker is routable within 1 s of being ready (push, not the 10 s poll)', async (t) => {

@@ -107,6 +107,9 @@ describe('diagnose', () => {
     assert.ok(m.findings.some((f) => f.kind === 'mismatch' && /context size/.test(f.title)), JSON.stringify(m.findings));
     assert.ok(m.findings.some((f) => f.kind === 'draining' && f.severity === 'info'));
     assert.ok(!m.findings.some((f) => f.kind === 'worker_unhealthy'), 'a draining worker is not reported as unhealthy');
+    const mem = diagnose(snap([worker('prefill', { router: { membership: 'etcd_only' } }), worker('decode', { router: { membership: 'router_only' } })]));
+    assert.deepEqual(mem.findings.map((f) => f.kind), ['membership', 'membership']);
+    assert.equal(mem.exitCode, 1);
     const unavailable = snap([worker('prefill')]);
     unavailable.router!.health = { ok: false, status: 503, ms: 1, error: 'HTTP 503', body: { status: 'unavailable', prefill: { healthy: 1, total: 1 }, decode: { healthy: 0, total: 0 } } };
     assert.equal(diagnose(unavailable).findings[0]!.kind, 'router_unavailable');

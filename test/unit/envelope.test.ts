@@ -8,8 +8,10 @@ import {
   ENVELOPE_DIGEST_BYTES,
   ENVELOPE_PREFIX_BYTES,
   ENVELOPE_VERSION,
+  envelopeTrailer,
   type EnvelopeExpect,
 } from '../../src/kv/envelope.js';
+import { crc32 } from '../../src/kv/transfer/checksum.js';
 import { KvError } from '../../src/kv/types.js';
 
 const FP = createHash('sha256').update('model-a').digest('hex');
@@ -27,7 +29,7 @@ function bad(fn: () => unknown, re: RegExp): void {
   });
 }
 
-/** Builds an envelope with an arbitrary header JSON and a valid header digest. */
+/** Builds an envelope with an arbitrary header JSON, a valid header digest and a valid payload CRC trailer. */
 function forge(header: unknown, payload: Buffer, version = ENVELOPE_VERSION): Buffer {
   const json = Buffer.from(JSON.stringify(header));
   const pre = Buffer.alloc(ENVELOPE_PREFIX_BYTES);
@@ -35,7 +37,7 @@ function forge(header: unknown, payload: Buffer, version = ENVELOPE_VERSION): Bu
   pre.writeUInt32BE(version, 4);
   pre.writeUInt32BE(json.length, 8);
   const head = Buffer.concat([pre, json]);
-  return Buffer.concat([head, createHash('sha256').update(head).digest(), payload]);
+  return Buffer.concat([head, createHash('sha256').update(head).digest(), payload, envelopeTrailer(crc32(payload))]);
 }
 
 function headerOf(env: Buffer): Record<string, unknown> {
@@ -52,7 +54,7 @@ describe('envelope', () => {
       version: ENVELOPE_VERSION,
       ...HDR,
       payloadBytes: PAYLOAD.length,
-      checksum: createHash('sha256').update(PAYLOAD).digest('hex'),
+      checksum: 'crc32',
     });
     assert.ok(payload.equals(PAYLOAD));
     assert.equal(payload.buffer, env.buffer, 'payload shares memory with the envelope');
@@ -112,7 +114,7 @@ describe('envelope', () => {
     const m = Buffer.from(env);
     m.write('GGUF', 0, 'ascii');
     bad(() => decodeEnvelope(m, EXPECT), /bad magic "GGUF"/);
-    bad(() => decodeEnvelope(forge(headerOf(env), PAYLOAD, 2), EXPECT), /unsupported envelope version 2/);
+    bad(() => decodeEnvelope(forge(headerOf(env), PAYLOAD, 1), EXPECT), /unsupported envelope version 1/);
     const l = Buffer.from(env);
     l.writeUInt32BE(0xffffffff, 8);
     bad(() => decodeEnvelope(l, EXPECT), /bad header length 4294967295/);
@@ -131,7 +133,7 @@ describe('envelope', () => {
     const json = Buffer.from('{not json');
     const pre = Buffer.alloc(12);
     pre.write('PDKV');
-    pre.writeUInt32BE(1, 4);
+    pre.writeUInt32BE(ENVELOPE_VERSION, 4);
     pre.writeUInt32BE(json.length, 8);
     const head = Buffer.concat([pre, json]);
     bad(() => decodeEnvelope(Buffer.concat([head, createHash('sha256').update(head).digest()]), EXPECT), /not valid UTF-8 JSON/);
@@ -143,7 +145,7 @@ describe('envelope', () => {
     bad(() => decodeEnvelope(forge({ ...good, extra: 1 }, PAYLOAD), EXPECT), /bad header/);
     const { payloadBytes: _omit, ...noBytes } = good;
     bad(() => decodeEnvelope(forge(noBytes, PAYLOAD), EXPECT), /bad header: payloadBytes/);
-    bad(() => decodeEnvelope(forge({ ...good, version: 2 }, PAYLOAD), EXPECT), /header version 2 differs/);
+    bad(() => decodeEnvelope(forge({ ...good, version: 3 }, PAYLOAD), EXPECT), /header version 3 differs/);
     bad(() => decodeEnvelope(forge({ ...good, payloadBytes: PAYLOAD.length + 1 }, PAYLOAD), EXPECT), /truncated payload: 1000 of 1001/);
     bad(() => decodeEnvelope(forge({ ...good, payloadBytes: PAYLOAD.length - 1 }, PAYLOAD), EXPECT), /1 trailing bytes/);
   });
@@ -168,11 +170,13 @@ describe('envelope', () => {
     bad(() => encodeEnvelope({ ...HDR, fingerprint: '' }, PAYLOAD), /cannot encode envelope: fingerprint/);
   });
 
-  it('layout: prefix, header, digest, payload', () => {
+  it('layout: prefix, header, digest, payload, CRC-32 trailer (zlib polynomial: crc32("123456789") = 0xcbf43926)', () => {
     const env = encodeEnvelope(HDR, PAYLOAD);
     const n = env.readUInt32BE(8);
     assert.equal(env.readUInt32BE(4), ENVELOPE_VERSION);
-    assert.equal(env.length, ENVELOPE_PREFIX_BYTES + n + ENVELOPE_DIGEST_BYTES + PAYLOAD.length);
-    assert.ok(env.subarray(env.length - PAYLOAD.length).equals(PAYLOAD));
+    assert.equal(env.length, ENVELOPE_PREFIX_BYTES + n + ENVELOPE_DIGEST_BYTES + PAYLOAD.length + 4);
+    assert.ok(env.subarray(env.length - 4 - PAYLOAD.length, env.length - 4).equals(PAYLOAD));
+    assert.equal(env.readUInt32BE(env.length - 4), crc32(PAYLOAD));
+    assert.equal(crc32(Buffer.from('123456789')), 0xcbf43926);
   });
 });

@@ -613,6 +613,22 @@ describe('router: failures', () => {
     assert.equal(await outcomeCount(s, 'timeout'), 2);
   });
 
+  test('POST /workers/probe probes a worker now (a supervisor push after a restart); unknown url → 404', async () => {
+    const s = await stack({ healthIntervalMs: 60_000 });
+    s.decode[0]!.health = () => ({ code: 200, body: { status: 'loading', role: 'decode' } });
+    await s.router.registry.checkAll();
+    await s.router.registry.checkAll();
+    assert.equal(s.router.registry.healthyCount('decode'), 0);
+    s.decode[0]!.health = () => ({ code: 200, body: { status: 'ok', role: 'decode' } });
+    const r = await fetch(`${s.router.url}/workers/probe`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ url: s.decode[0]!.url }) });
+    assert.equal(r.status, 200);
+    assert.equal(((await r.json()) as any).healthy, true, 'healthy right after the push, with a 60 s poll');
+    assert.equal(s.router.registry.healthyCount('decode'), 1);
+    const bad = await fetch(`${s.router.url}/workers/probe`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ url: 'http://127.0.0.1:1' }) });
+    assert.equal(bad.status, 404);
+    assert.equal(((await bad.json()) as any).error.code, 'worker_not_found');
+  });
+
   test('no healthy worker → 503 (prefill down; decode reporting not ok)', async () => {
     const s = await stack();
     await s.prefill[0]!.close();

@@ -1,0 +1,44 @@
+/**
+ * `pdserve doctor --discovery etcd://HOST:PORT[,…]`: the worker list from etcd membership (the
+ * records workers publish under `pdserve/v1/workers/`, see ../common/discovery.ts), read once per
+ * round with the router's own `listMembers`. With `--url` as well, the router is probed too and
+ * its GET /workers rows are joined by URL; workers only one side knows are flagged
+ * (`membership: 'etcd_only' | 'router_only'`) for the diagnosis.
+ */
+import { etcdClient } from '../common/discovery.js';
+import { listMembers } from '../router/discovery/etcd.js';
+import type { WorkerRef, WorkerSource } from './gather.js';
+
+/** A WorkerSource reading etcd membership (and the router's rows when `routerUrl` is given). */
+export function discoverySource(uri: string, routerUrl: string | null): WorkerSource {
+  const base = routerUrl?.replace(/\/+$/, '') ?? null;
+  return {
+    describe: `etcd ${uri}${base ? ` + router ${base}` : ''}`,
+    routerUrl: base,
+    async list(router) {
+      const client = etcdClient(uri);
+      try {
+        let members: Awaited<ReturnType<typeof listMembers>>['members'];
+        try {
+          members = (await listMembers(client)).members;
+        } catch (err) {
+          throw new Error(`cannot read worker membership from etcd at ${uri}: ${(err as Error).message}`);
+        }
+        const rows = base ? (router?.workers.body?.workers ?? []) : [];
+        const refs: WorkerRef[] = [];
+        for (const rec of members.values()) {
+          if (rec.role !== 'prefill' && rec.role !== 'decode') continue;
+          const url = new URL(rec.url).origin;
+          const row = rows.find((r) => r.url === url);
+          refs.push({ role: rec.role, url, router: row ?? { draining: rec.draining, bootstrap_port: rec.bootstrap_port, ...(base && router?.workers.ok ? { membership: 'etcd_only' } : {}) } });
+        }
+        for (const r of rows) {
+          if ((r.role === 'prefill' || r.role === 'decode') && typeof r.url === 'string' && !refs.some((x) => x.url === r.url)) refs.push({ role: r.role, url: r.url, router: { ...r, membership: 'router_only' } });
+        }
+        return refs;
+      } finally {
+        client.close();
+      }
+    },
+  };
+}

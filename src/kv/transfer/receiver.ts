@@ -1,0 +1,201 @@
+/**
+ * Decode's side of the pipelined KV handoff: validates the envelope and the ggsq structure while
+ * the bytes stream in, computes the CRC-32 as they pass, and writes the payload into the
+ * destination state file as it arrives — so when the last chunk lands the file is already on
+ * disk and checked, and only llama.cpp's load remains. A head from another model, a ggsq field
+ * that does not add up, or bytes beyond the announced size fail the room at that chunk, before
+ * the rest is even sent. Payload bytes are gathered into a pooled buffer (one file write per
+ * 1 MiB, the buffer reused across transfers).
+ *
+ * File calls are synchronous: the state directory is tmpfs (/dev/shm), where writing 1 MiB is a
+ * memory copy well under a millisecond, while every asynchronous fs call is a round trip through
+ * libuv's thread pool that cost several ms each on this loaded 2-core machine, on the handoff's
+ * critical path. (A state directory on a real disk would block the event loop for its writes.)
+ *
+ * Byte stream (envelope.ts): head | payload | u32 BE CRC-32 trailer.
+ */
+import { closeSync, openSync, writeSync } from 'node:fs';
+import { rm } from 'node:fs/promises';
+import { ENVELOPE_TRAILER_BYTES, parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
+import type { EnvelopeHeader } from '../messages.js';
+import { KvError } from '../types.js';
+import { Crc32 } from './checksum.js';
+import type { BufferPool } from './pool.js';
+
+/** An incremental parser of the payload's structure (see StateReceiverOptions.walker). */
+export interface StructureWalker<S> {
+  push(data: Buffer): void;
+  end(): S;
+}
+
+/** Options of a StateReceiver. */
+export interface StateReceiverOptions<S> {
+  /** Bytes kv_begin announced (head + payload + trailer). */
+  totalBytes: number;
+  /** What the envelope head must say (fingerprint, context settings, payload limit). */
+  expect: EnvelopeExpect;
+  /**
+   * The incremental structure walk for a payload of `payloadBytes` (decode passes the ggsq one,
+   * `GgsqStreamParser` in src/engine/ggsq.ts; kv does not import engine): `push` throws at the
+   * first inconsistent byte, `end` returns the parsed state or throws when it is incomplete.
+   */
+  walker: (payloadBytes: number) => StructureWalker<S>;
+  /** Where the payload is written (created; the receiver deletes it on `discard`). */
+  path: string;
+  /** Write buffers. */
+  pool: BufferPool;
+}
+
+/** What a completed receive yields: the envelope header and the walked ggsq structure. */
+export interface ReceivedState<S> {
+  header: EnvelopeHeader;
+  state: S;
+  /** The file holding exactly the payload. */
+  path: string;
+}
+
+const bad = (reason: string): KvError => new KvError('BAD_ENVELOPE', reason);
+
+/**
+ * One room's incoming state. `push` the chunk data in order (synchronous; throws on the first
+ * inconsistency), `finish` once kv_end arrives, `discard` on any failure (idempotent). After a
+ * throw the receiver refuses further input.
+ */
+export class StateReceiver<S> {
+  /** Bytes pushed so far. */
+  received = 0;
+  private head: Buffer[] = [];
+  private headLen = 0;
+  private header: EnvelopeHeader | undefined;
+  private headBytes = 0;
+  private parser: StructureWalker<S> | undefined;
+  private readonly crc = new Crc32();
+  private trailer = Buffer.alloc(ENVELOPE_TRAILER_BYTES);
+  private failed: Error | undefined;
+  /** Opened once the head is accepted (a state refused at its head never creates a file). */
+  private fd: number | undefined;
+  private buf: Buffer | undefined;
+  private bufUsed = 0;
+  private discarded = false;
+  private headerSeen = false;
+
+  constructor(private readonly o: StateReceiverOptions<S>) {}
+
+  /**
+   * Consume the next piece of the room's byte stream.
+   * @throws KvError('BAD_ENVELOPE' | 'BAD_STATE') at the first byte that proves the state bad
+   *   (head fields, structure, more bytes than announced).
+   */
+  push(data: Buffer): void {
+    if (this.failed) throw this.failed;
+    try {
+      this.consume(data);
+    } catch (e) {
+      this.failed = e as Error;
+      throw e;
+    }
+  }
+
+  private consume(data: Buffer): void {
+    if (this.received + data.length > this.o.totalBytes) throw bad(`${this.received + data.length} bytes received, kv_begin announced ${this.o.totalBytes}`);
+    let d = data;
+    if (!this.header) {
+      this.head.push(d);
+      this.headLen += d.length;
+      this.received += d.length;
+      const all = this.head.length === 1 ? this.head[0]! : Buffer.concat(this.head, this.headLen);
+      const h = parseEnvelopeHead(all, this.o.expect);
+      if (!h) {
+        this.head = [all];
+        return;
+      }
+      const need = h.headBytes + h.header.payloadBytes + ENVELOPE_TRAILER_BYTES;
+      if (need !== this.o.totalBytes) throw bad(`kv_begin announced ${this.o.totalBytes} bytes, the envelope needs ${need}`);
+      this.header = h.header;
+      this.headBytes = h.headBytes;
+      this.headerSeen = true;
+      this.fd = openSync(this.o.path, 'w');
+      this.parser = this.o.walker(h.header.payloadBytes);
+      this.head = [];
+      d = all.subarray(h.headBytes);
+      this.received -= d.length; // counted again below
+      if (d.length === 0) return;
+    }
+    const payloadEnd = this.headBytes + this.header.payloadBytes;
+    const inPayload = Math.max(0, Math.min(d.length, payloadEnd - this.received));
+    if (inPayload > 0) {
+      const p = d.subarray(0, inPayload);
+      this.crc.update(p);
+      this.parser!.push(p);
+      this.write(p);
+      this.received += inPayload;
+    }
+    const rest = d.subarray(inPayload);
+    if (rest.length > 0) {
+      rest.copy(this.trailer, this.received - payloadEnd);
+      this.received += rest.length;
+    }
+  }
+
+  /** Copy payload bytes into the pooled buffer; a full buffer goes to the file. */
+  private write(p: Buffer): void {
+    let i = 0;
+    while (i < p.length) {
+      this.buf ??= this.o.pool.acquire();
+      const n = Math.min(this.buf.length - this.bufUsed, p.length - i);
+      p.copy(this.buf, this.bufUsed, i, i + n);
+      this.bufUsed += n;
+      i += n;
+      if (this.bufUsed === this.buf.length) this.flush();
+    }
+  }
+
+  /** Write the buffered bytes to the file (the buffer stays for the next ones). */
+  private flush(): void {
+    let off = 0;
+    while (off < this.bufUsed) off += writeSync(this.fd!, this.buf!, off, this.bufUsed - off);
+    this.bufUsed = 0;
+  }
+
+  /**
+   * kv_end arrived: check completeness, the structure's end and the CRC, wait for the file.
+   * @throws KvError('BAD_ENVELOPE') on truncation or checksum mismatch, KvError('BAD_STATE') on
+   *   an incomplete ggsq structure, fs errors from writing the file.
+   */
+  async finish(): Promise<ReceivedState<S>> {
+    if (this.failed) throw this.failed;
+    try {
+      if (!this.header || this.received !== this.o.totalBytes) throw bad(`truncated: kv_end after ${this.received} of ${this.o.totalBytes} bytes`);
+      const state = this.parser!.end();
+      if (this.crc.value >>> 0 !== this.trailer.readUInt32BE(0)) throw bad('payload checksum mismatch: state is corrupted');
+      this.flush();
+      this.release();
+      return { header: this.header, state, path: this.o.path };
+    } catch (e) {
+      this.failed = e as Error;
+      throw e;
+    }
+  }
+
+  /** Buffer back to the pool, file closed (idempotent). */
+  private release(): void {
+    if (this.buf) this.o.pool.release(this.buf);
+    this.buf = undefined;
+    if (this.fd !== undefined) closeSync(this.fd);
+    this.fd = undefined;
+  }
+
+  /** Drop everything: buffer back to the pool, file closed and deleted. Idempotent; never throws. */
+  async discard(): Promise<void> {
+    if (this.discarded) return;
+    this.discarded = true;
+    this.failed ??= new KvError('ABORTED', 'receive discarded');
+    const opened = this.fd !== undefined || this.headerSeen;
+    try {
+      this.release();
+    } catch {
+      // closing a file we wrote cannot fail in a way that matters here
+    }
+    if (opened) await rm(this.o.path, { force: true }).catch(() => {});
+  }
+}

@@ -1,0 +1,20 @@
+/** Run the real `pdserve` CLI (bin/pdserve.js, built dist/) as a child process, with a deadline. */
+import { spawn } from 'node:child_process';
+
+/** Run the real CLI; resolves with exit code and output. */
+export function cli(args: string[], timeoutMs = 20_000): Promise<{ code: number | null; out: string; err: string; ms: number }> {
+  return new Promise((resolve) => {
+    const t0 = Date.now();
+    const p = spawn(process.execPath, ['bin/pdserve.js', ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let out = '';
+    let err = '';
+    p.stdout.on('data', (d) => (out += d));
+    p.stderr.on('data', (d) => (err += d));
+    const t = setTimeout(() => p.kill('SIGKILL'), timeoutMs);
+    p.on('close', (code) => {
+      clearTimeout(t);
+      resolve({ code, out, err, ms: Date.now() - t0 });
+    });
+  });
+}
+

@@ -1,0 +1,189 @@
+/**
+ * The pipelined KV handoff's parts on real loopback sockets with a real state saved by the real
+ * engine (tiny model): prefill's file sender (head, file in pooled pieces, CRC trailer) into
+ * decode's streaming receiver (envelope head, ggsq walk and CRC while the bytes arrive, payload
+ * written to its file as it comes). Damage is caught while streaming; cut streams at kv_end.
+ */
+import assert from 'node:assert/strict';
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { GgsqStreamParser, parseStateFile } from '../../src/engine/ggsq.js';
+import { loadEngine } from '../../src/engine/llama.js';
+import { newEpoch } from '../../src/kv/auth.js';
+import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
+import { encodeEnvelope, encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
+import { Crc32, crc32 } from '../../src/kv/transfer/checksum.js';
+import { BufferPool } from '../../src/kv/transfer/pool.js';
+import { StateReceiver } from '../../src/kv/transfer/receiver.js';
+import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
+import { PdError } from '../../src/common/errors.js';
+
+const CTX = 256;
+/** Pair settings both channel ends exchange in the handshake. */
+const PAIR = { fingerprint: 'ab'.repeat(32), contextSize: CTX, batchSize: 64, flashAttention: true };
+const FP = 'f'.repeat(64);
+const EXPECT: EnvelopeExpect = { fingerprint: FP, contextSize: CTX, batchSize: 64, maxPayloadBytes: 1 << 24 };
+const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-transfer-test-'));
+let state: Buffer;
+let nTokens = 0;
+let seq = 0;
+
+before(async () => {
+  const engine = await loadEngine({ modelPath: await ensureModel('tiny', 1, dir), sequences: 1, contextSize: CTX, batchSize: 64 });
+  try {
+    const tokens = engine.tokenize('the river ran past old mills and quiet farms '.repeat(4));
+    nTokens = tokens.length;
+    const slot = engine.tryAcquireSlot()!;
+    await slot.prefill(tokens, { temperature: 0, topP: 1, topK: 0, maxTokens: 4, stop: [], ignoreEos: false }, new AbortController().signal);
+    await slot.saveState(path.join(dir, 'state.ggsq'));
+    slot.release();
+    state = readFileSync(path.join(dir, 'state.ggsq'));
+  } finally {
+    await engine.dispose();
+  }
+});
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+const head = (payloadBytes = state.length, fingerprint = FP) => encodeEnvelopeHead({ fingerprint, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false, payloadBytes });
+const receiver = (totalBytes: number, pool = new BufferPool(4096, 4)) =>
+  new StateReceiver({ totalBytes, expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), path: path.join(dir, `recv-${seq++}.ggsq`), pool });
+const isBad = (re: RegExp) => (e: unknown) => {
+  assert.ok(e instanceof PdError && (e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE'), `BAD_ENVELOPE / BAD_STATE, got ${String(e)}`);
+  assert.match((e as Error).message, re);
+  return true;
+};
+
+describe('checksum and pool', () => {
+  it('streaming CRC-32 over pieces equals the one-shot value', () => {
+    const b = Buffer.from(Array.from({ length: 10_000 }, (_, i) => (i * 131) & 0xff));
+    for (const cut of [1, 7, 4096, 9999]) assert.equal(new Crc32().update(b.subarray(0, cut)).update(b.subarray(cut)).value, crc32(b));
+  });
+
+  it('the pool reuses released buffers and keeps at most maxBuffers', () => {
+    const p = new BufferPool(1024, 2);
+    const a = [p.acquire(), p.acquire(), p.acquire()];
+    assert.equal(p.allocated, 3);
+    for (const b of a) p.release(b);
+    assert.equal(p.inUse, 0);
+    const again = [p.acquire(), p.acquire()];
+    assert.equal(p.reused, 2);
+    assert.ok(again.every((b) => a.includes(b)));
+    p.acquire();
+    assert.equal(p.allocated, 4, 'the third buffer was not kept');
+    const q = new BufferPool(16, 2);
+    const [x, y] = [q.tryAcquire(), q.tryAcquire()];
+    assert.ok(x && y);
+    assert.equal(q.tryAcquire(), undefined, 'tryAcquire never allocates past the bound');
+    q.release(x);
+    assert.equal(q.tryAcquire(), x);
+  });
+});
+
+describe('StateReceiver (in memory pieces)', () => {
+  it('any split of the stream gives the same file, header and structure', async () => {
+    const env = encodeEnvelope({ fingerprint: FP, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false }, state);
+    for (const piece of [1, 13, 997, 65_536, env.length]) {
+      const r = receiver(env.length);
+      for (let i = 0; i < env.length; i += piece) r.push(env.subarray(i, i + piece));
+      const got = await r.finish();
+      assert.equal(got.header.nTokens, nTokens);
+      assert.equal(got.state.nTokens, nTokens);
+      assert.ok(readFileSync(got.path).equals(state), `piece ${piece}: the file holds exactly the payload`);
+      await r.discard();
+      assert.ok(!existsSync(got.path), 'discard deletes the file');
+    }
+  });
+
+  it('damage is caught while streaming, at the chunk that carries it', async () => {
+    const env = encodeEnvelope({ fingerprint: FP, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false }, state);
+    const headLen = head().length;
+    // another model: refused as soon as the head is in
+    const other = encodeEnvelope({ fingerprint: 'e'.repeat(64), contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false }, state);
+    assert.throws(() => receiver(other.length).push(other.subarray(0, headLen)), isBad(/different model/));
+    // a flipped n_stream in the ggsq header: refused with the first 4 KiB, long before the end
+    const st = parseStateFile(state, { contextSize: CTX, maxBytes: state.length });
+    const bent = Buffer.from(env);
+    bent.writeUInt32LE(999, headLen + st.nStreamOffset);
+    const r = receiver(bent.length);
+    assert.throws(() => r.push(bent.subarray(0, headLen + 4096)), isBad(/n_stream 999/));
+    assert.throws(() => r.push(bent.subarray(headLen + 4096)), isBad(/n_stream 999/), 'no input after an error');
+    await r.discard();
+    // more bytes than announced
+    assert.throws(() => receiver(env.length - 1).push(env), isBad(/announced|needs/));
+  });
+
+  it('a flipped KV byte fails the CRC at kv_end; a cut stream fails as truncated', async () => {
+    const env = encodeEnvelope({ fingerprint: FP, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false }, state);
+    const flip = Buffer.from(env);
+    flip[flip.length - 100] ^= 0x10;
+    const a = receiver(flip.length);
+    a.push(flip);
+    await assert.rejects(a.finish(), isBad(/checksum mismatch/));
+    await a.discard();
+    const b = receiver(env.length);
+    b.push(env.subarray(0, env.length - 1000));
+    await assert.rejects(b.finish(), isBad(/truncated/));
+    await b.discard();
+  });
+});
+
+describe('sendStateFile → StateReceiver over a real KV connection', () => {
+  it('the file arrives intact through pooled pieces, in order; buffers are reused across transfers', async () => {
+    const secret = 'transfer-test-secret';
+    const file = path.join(dir, 'send.ggsq');
+    writeFileSync(file, state);
+    const recvPool = new BufferPool(4096, 4);
+    const receivers = new Map<string, StateReceiver>();
+    const ends = new Map<string, () => void>();
+    const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn, msg) => conns.push({ conn, msg }) });
+    const conns: { conn: PeerConn; msg: unknown }[] = [];
+    const port = await server.listen();
+    const decodeEpoch = newEpoch();
+    const pool = new KvPeerPool({
+      secret,
+      settings: PAIR,
+      epoch: decodeEpoch,
+      onMessage: (_c, msg) => {
+        if (msg.type === 'kv_end') ends.get(msg.room)?.();
+      },
+      onChunk: (_c, room, offset, data) => {
+        const r = receivers.get(room)!;
+        assert.equal(offset, r.received);
+        r.push(data);
+      },
+    });
+    try {
+      const d = await pool.get('127.0.0.1', port);
+      const sendPool = new BufferPool(8192, 4);
+      for (const room of ['1', '2', '3']) {
+        const h = head();
+        receivers.set(room, receiver(wireBytes(h, state.length), recvPool));
+        const ended = new Promise<void>((r) => ends.set(room, r));
+        d.sendControl({ type: 'register', room, rid: `r${room}`, epoch: decodeEpoch });
+        for (let i = 0; conns.length === 0; i++) {
+          assert.ok(i < 400, 'register reached the server within 2 s');
+          await new Promise((r) => setTimeout(r, 5));
+        }
+        const p = conns[0]!.conn;
+        await sendStateFile(p, room, file, h, state.length, { pool: sendPool, chunkBytes: 3000 });
+        p.sendControl({ type: 'kv_end', room });
+        await ended;
+        const got = await receivers.get(room)!.finish();
+        assert.ok(readFileSync(got.path).equals(state), `room ${room}: intact`);
+        await receivers.get(room)!.discard();
+      }
+      assert.equal(sendPool.allocated, 2, 'two read buffers for three transfers');
+      assert.equal(sendPool.inUse, 0);
+      assert.ok(recvPool.allocated <= 4, `receive buffers: never more than the pool's bound (allocated ${recvPool.allocated})`);
+      assert.equal(recvPool.inUse, 0);
+      await assert.rejects(sendStateFile(conns[0]!.conn, '9', file, head(state.length + 1), state.length + 1, { pool: sendPool }), isBad(/ended at byte/));
+      assert.equal(sendPool.inUse, 0, 'buffers back after a failed send');
+    } finally {
+      await pool.close();
+      await server.close();
+    }
+  });
+});
