@@ -35,6 +35,6 @@ export class KvReception {
 
   /** KV_END arrived: undefined when every announced byte is in; else the failure of the room. */
   end(): RoomFailure | undefined {
-    return this.got === this.total ? undefined : failure('kv_transfer_failed', `kv_end after ${this.got} of ${this.total} bytes`);
+    return this.got === this.total ? undefined : failure('kv_transfer_failed', `truncated: kv_end after ${this.got} of ${this.total} bytes`);
   }
 }
