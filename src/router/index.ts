@@ -33,7 +33,8 @@ import { ApiError, parseChatRequest, parseCompletionRequest, registerOpenAIError
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
-import { WorkerRegistry } from './registry.js';
+import { WorkerRegistry, type WorkerState } from './registry.js';
+import { Counter } from 'prom-client';
 import { createPolicy, routingText } from './policy/index.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
@@ -106,6 +107,13 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
   // One policy (and prefix tree) per role: prefill holds the prefix cache.
   const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
+  // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
+  const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
+  const pickWith = (role: 'prefill' | 'decode', text: string, now: number) => (c: WorkerState[]) => {
+    const p = policies[role].pick(c, text, now);
+    if (p) picks.inc({ role, policy: policies[role].name, reason: p.reason });
+    return p?.worker ?? null;
+  };
   const traces = new TraceStore();
   const series = new DashboardSeries();
   traces.onFinished = (_t, fields) => series.add(fields);
@@ -169,7 +177,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       for (let attempt = 1; ; attempt++) {
         const now = performance.now();
         // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
-        const pair = pickPair(registry, (c) => policies.prefill.pick(c, text, now)?.worker ?? null, (c) => policies.decode.pick(c, text, now)?.worker ?? null);
+        const pair = pickPair(registry, pickWith('prefill', text, now), pickWith('decode', text, now));
         if ('error' in pair) {
           metrics.requests.labels('error').inc();
           throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);

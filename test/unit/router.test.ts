@@ -841,6 +841,9 @@ describe('router: scheduling and load accounting', () => {
       if (policy === undefined) {
         assert.deepEqual(seen.map((x) => new Set(x).size), [1, 1], `one conversation per worker: ${JSON.stringify(seen)}`);
         assert.notEqual(seen[0]![0], seen[1]![0]);
+        const m = await (await fetch(`${s.router.url}/metrics`)).text();
+        assert.match(m, /pdserve_router_policy_picks_total\{role="prefill",policy="cache_aware",reason="cache_hit"\} 6/, 'rounds 2–4 of both conversations were cache hits');
+        assert.match(m, /pdserve_router_policy_picks_total\{role="prefill",policy="cache_aware",reason="cache_miss"\} 2/);
       } else {
         assert.deepEqual(seen.map((x) => new Set(x).size), [2, 2], `round robin spreads each conversation: ${JSON.stringify(seen)}`);
       }
