@@ -41,6 +41,8 @@ export const MAX_STOP = 16;
 export const MAX_LOGPROBS = 20;
 /** Default `max_tokens` of /v1/completions (OpenAI and vLLM). */
 export const DEFAULT_COMPLETION_MAX_TOKENS = 16;
+/** Most choices one request may ask for (n × number of prompts); see api/fanout.ts. */
+export const MAX_CHOICES = 16;
 
 const BOTH: readonly Endpoint[] = ['completions', 'chat'];
 const CMPL: readonly Endpoint[] = ['completions'];
@@ -63,7 +65,7 @@ const emptyOk = (why: string) => (v: never) => {
 /** All known request fields. Order = README order. */
 export const REQUEST_FIELDS: readonly FieldSpec[] = [
   // ---- prompt
-  { name: 'prompt', endpoints: CMPL, status: 'partial', notes: 'string, [string], token ids, or [token ids]; several prompts (a batch) are a 400: each would be its own PD request with its own choice index, not built yet', schema: z.unknown() },
+  { name: 'prompt', endpoints: CMPL, status: 'partial', notes: `string, [string], token ids, or [token ids]; a batch (several strings or token-id arrays) gives one choice per prompt and n, index = prompt_index × n + i; n × prompts ≤ ${MAX_CHOICES}. In PD each choice is its own room (see n)`, schema: z.unknown() },
   { name: 'messages', endpoints: CHAT, status: 'partial', notes: 'rendered with the model\'s chat template; see the message table below', schema: z.unknown() },
   { name: 'model', endpoints: BOTH, status: 'honoured', notes: 'single-model server: any name is answered by the served model, whose name the response carries', schema: z.string().max(512) },
   // ---- length and stopping
@@ -92,7 +94,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'logit_bias', endpoints: BOTH, status: 'honoured', notes: 'token id → [-100, 100] added to the logit; ids outside the vocabulary are a 400', schema: z.record(tokenIdKey, z.number().min(-100).max(100)) },
   { name: 'allowed_token_ids', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.number().int()), refuse: emptyOk('allowed_token_ids is not supported') },
   { name: 'bad_words', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.string()), refuse: emptyOk('bad_words is not supported') },
-  { name: 'n', endpoints: BOTH, status: 'partial', notes: 'only 1: n > 1 needs one prefill feeding n decode sequences (n first tokens, n slots, choice indexes), not built yet', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only n=1 is supported') },
+  { name: 'n', endpoints: BOTH, status: 'honoured', notes: `n × prompts ≤ ${MAX_CHOICES}; with seed, choice i uses seed + i. In PD each choice is its own room: the prompt's KV is reused through prefill's prefix cache (cache-aware routing sends identical prompts to the same prefill) rather than one state fanned out to n decode sequences; one failed choice fails the request and aborts the others`, schema: z.number().int().min(1).max(MAX_CHOICES), refuse: notDefault(1, 'n > 1 is served by splitting the request into choices (planFanOut) before this parser') },
   { name: 'best_of', endpoints: CMPL, status: 'partial', notes: 'only 1', schema: z.number().int().min(1).max(128), refuse: notDefault(1, 'only best_of=1 is supported') },
   { name: 'use_beam_search', endpoints: BOTH, status: 'refused', notes: 'vLLM; only false', schema: z.boolean(), refuse: notDefault(false, 'beam search is not supported') },
   { name: 'length_penalty', endpoints: BOTH, status: 'refused', notes: 'vLLM beam search; only 1', schema: z.number(), refuse: notDefault(1, 'length_penalty (beam search) is not supported') },

@@ -169,7 +169,7 @@ function parseFields(endpoint: Endpoint, body: unknown): Record<string, unknown>
   return out;
 }
 
-const PROMPT_MESSAGE = 'expected a string, an array with exactly one string, or a non-empty array of token ids (batched prompts are not supported)';
+const PROMPT_MESSAGE = 'expected a string, an array of strings, a non-empty array of token ids, or an array of non-empty token-id arrays';
 const isTokenId = (t: unknown): t is number => typeof t === 'number' && Number.isInteger(t) && t >= 0 && t <= 2 ** 31 - 1;
 
 /** prompt: string | [string] | token ids | [token ids] → {text} | {input_ids}. */
@@ -178,6 +178,8 @@ function parsePrompt(p: unknown): { text: string } | { input_ids: number[] } {
   if (typeof p === 'string') return { text: p };
   if (Array.isArray(p)) {
     if (p.length === 1 && typeof p[0] === 'string') return { text: p[0] };
+    // A batch is split into one request per prompt before this parser (api/fanout.ts planFanOut).
+    if (p.length > 1 && (p.every((x) => typeof x === 'string') || p.every((x) => Array.isArray(x)))) throw badRequest("Invalid value for 'prompt': a batch of prompts must be split into one request per prompt (planFanOut) before this parser", 'prompt');
     if (p.length > 0 && p.every(isTokenId)) return { input_ids: p };
     if (p.length === 1 && Array.isArray(p[0]) && p[0].length > 0 && p[0].every(isTokenId)) return { input_ids: p[0] as number[] };
   }

@@ -8,6 +8,7 @@ import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
+import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, type ColocatedConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
@@ -47,6 +48,9 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   });
 
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
+    // n > 1 / batched prompts: one local sub-request per choice, merged (api/fanout.ts).
+    const subs = planFanOut(kind, req.body);
+    if (subs) return serveFanOut(req, reply, kind, subs);
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
     const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
     const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });

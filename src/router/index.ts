@@ -30,6 +30,7 @@ import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
+import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
@@ -159,6 +160,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   const generation = (kind: 'completion' | 'chat') =>
     async function handler(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
+      // n > 1 / batched prompts: one sub-request (one PD room) per choice, merged (api/fanout.ts).
+      const subs = planFanOut(kind, request.body);
+      if (subs) return serveFanOut(request, reply, kind, subs);
       let parsed: ParsedRequest;
       try {
         parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);

@@ -9,7 +9,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import OpenAI from 'openai';
-import { CTX, promptOf, useStack } from '../helpers/stack.js';
+import { busy, CTX, promptOf, useStack, waitFor } from '../helpers/stack.js';
 
 
 type Body = Record<string, unknown>;
@@ -181,6 +181,125 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     await refused('chat/completions', { messages, response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: 'x' } } } }, 'response_format.json_schema.schema.pattern');
     // the SDK surfaces the 400 as BadRequestError
     await assert.rejects(s.pd.completions.create({ model: 'pdserve', prompt, min_p: 2 } as never), (e: unknown) => e instanceof OpenAI.BadRequestError);
+  });
+});
+
+/** Texts, finish reasons (by choice index) and usage of an n > 1 / batched request, stream or not. */
+interface Multi {
+  texts: string[];
+  finishes: (string | null)[];
+  usage: { prompt_tokens: number; completion_tokens: number } | null;
+}
+
+async function multi(api: OpenAI, kind: 'completion' | 'chat', body: Body, stream: boolean): Promise<Multi> {
+  const req = { model: 'pdserve', ...body, ...(stream ? { stream: true, stream_options: { include_usage: true } } : {}) };
+  const r = (kind === 'completion' ? await api.completions.create(req as never) : await api.chat.completions.create(req as never)) as unknown;
+  const o: Multi = { texts: [], finishes: [], usage: null };
+  if (!stream) {
+    const c = r as { choices: { index: number; text?: string; message?: { content: string }; finish_reason: string }[]; usage: Multi['usage'] };
+    c.choices.forEach((ch, k) => assert.equal(ch.index, k, 'choices in index order'));
+    for (const ch of c.choices) [o.texts[ch.index], o.finishes[ch.index]] = [ch.text ?? ch.message?.content ?? '', ch.finish_reason];
+    o.usage = { prompt_tokens: c.usage!.prompt_tokens, completion_tokens: c.usage!.completion_tokens };
+    return o;
+  }
+  let usageChunks = 0;
+  for await (const ch of r as AsyncIterable<AnyChunk & { choices: { index: number }[] }>) {
+    for (const c of ch.choices) {
+      o.texts[c.index] = (o.texts[c.index] ?? '') + (c.text ?? c.delta?.content ?? '');
+      o.finishes[c.index] = c.finish_reason ?? o.finishes[c.index] ?? null;
+    }
+    if (ch.usage) {
+      usageChunks++;
+      o.usage = { prompt_tokens: ch.usage.prompt_tokens, completion_tokens: ch.usage.completion_tokens };
+    }
+  }
+  assert.equal(usageChunks, 1, 'one usage chunk');
+  return o;
+}
+
+/** One request's text (n = 1, one prompt), non-stream, colocated. */
+async function single(kind: 'completion' | 'chat', body: Body): Promise<{ text: string; usage: OpenAI.CompletionUsage }> {
+  if (kind === 'completion') {
+    const c = await s.ref.completions.create({ model: 'pdserve', ...body } as never) as OpenAI.Completion;
+    return { text: c.choices[0]!.text, usage: c.usage! };
+  }
+  const c = await s.ref.chat.completions.create({ model: 'pdserve', ...body } as never) as OpenAI.ChatCompletion;
+  return { text: c.choices[0]!.message.content ?? '', usage: c.usage! };
+}
+
+/** `multi` on PD and colocated, stream and non-stream: all four equal; returns one. */
+async function sameMulti(kind: 'completion' | 'chat', body: Body): Promise<Multi> {
+  const want = await multi(s.ref, kind, body, false);
+  for (const [api, stream, name] of [[s.ref, true, 'colocated stream'], [s.pd, false, 'PD'], [s.pd, true, 'PD stream']] as const) {
+    assert.deepEqual(await multi(api, kind, body, stream), want, `${name} equals colocated for ${JSON.stringify(body).slice(0, 200)}`);
+  }
+  return want;
+}
+
+describe('n > 1 and prompt arrays (one sub-request per choice, merged)', () => {
+  const p1 = promptOf(50, 3);
+  const p2 = promptOf(70, 9);
+
+  test('n=3 (completions and chat, greedy): three choices equal to a single request, usage summed, PD equals colocated', async () => {
+    const one = await single('completion', { prompt: p1, max_tokens: 10, temperature: 0 });
+    const r = await sameMulti('completion', { prompt: p1, max_tokens: 10, temperature: 0, n: 3 });
+    assert.deepEqual(r.texts, [one.text, one.text, one.text]);
+    assert.deepEqual(r.usage, { prompt_tokens: one.usage.prompt_tokens, completion_tokens: 3 * one.usage.completion_tokens });
+    const messages = [{ role: 'user', content: p2 }];
+    const chatOne = await single('chat', { messages, max_tokens: 8, temperature: 0 });
+    const chat = await sameMulti('chat', { messages, max_tokens: 8, temperature: 0, n: 3 });
+    assert.deepEqual(chat.texts, [chatOne.text, chatOne.text, chatOne.text]);
+    assert.equal(chat.usage!.completion_tokens, 3 * chatOne.usage.completion_tokens);
+  });
+
+  test('seeded n=2 at temperature 1.2: choice i is the single request with seed + i', async () => {
+    const messages = [{ role: 'user', content: p1 }];
+    const base = { messages, max_tokens: 12, temperature: 1.2, seed: 11 };
+    const r = await sameMulti('chat', { ...base, n: 2 });
+    assert.deepEqual(r.texts, [(await single('chat', base)).text, (await single('chat', { ...base, seed: 12 })).text]);
+  });
+
+  test('prompt arrays (strings and token-id arrays) with n=2: index = prompt_index × n + i, each equal to its single request', async () => {
+    const a = await single('completion', { prompt: p1, max_tokens: 6, temperature: 0 });
+    const b = await single('completion', { prompt: p2, max_tokens: 6, temperature: 0 });
+    const r = await sameMulti('completion', { prompt: [p1, p2], max_tokens: 6, temperature: 0, n: 2 });
+    assert.deepEqual(r.texts, [a.text, a.text, b.text, b.text]);
+    assert.deepEqual(r.usage, { prompt_tokens: a.usage.prompt_tokens + b.usage.prompt_tokens, completion_tokens: 2 * (a.usage.completion_tokens + b.usage.completion_tokens) });
+    const ids = (await (await fetch(`${s.c.colocated!.url}/tokenize`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: p2 }) })).json()) as { tokens: number[] };
+    const byIds = await sameMulti('completion', { prompt: [ids.tokens.slice(0, 20), ids.tokens], max_tokens: 6, temperature: 0 });
+    assert.equal(byIds.texts[1], b.text);
+    assert.equal(byIds.texts[0], (await single('completion', { prompt: ids.tokens.slice(0, 20), max_tokens: 6, temperature: 0 })).text);
+  });
+
+  test(`more than 16 choices is a 400 naming n / prompt; a failing choice fails the request`, async () => {
+    await refused('completions', { prompt: p1, n: 17 }, 'n', /exceeds the limit/);
+    await refused('completions', { prompt: Array(9).fill(p1), n: 2 }, 'n', /exceeds the limit/);
+    await refused('completions', { prompt: [p1, 'x'.repeat(CTX * 8)], max_tokens: 4 }, 'prompt');
+    await refused('chat/completions', { messages: [{ role: 'user', content: p1 }], n: 2, best_of: 2 }, 'best_of');
+  });
+
+  test('aborting an n=3 stream leaves prefill and decode idle', async () => {
+    const ac = new AbortController();
+    const stream = await s.pd.completions.create({ model: 'pdserve', prompt: p2, max_tokens: 900, ignore_eos: true, temperature: 0, n: 3, stream: true }, { signal: ac.signal });
+    const prefill = s.c.byRole('prefill')[0]!.url;
+    const decode = s.c.byRole('decode')[0]!.url;
+    let chunks = 0;
+    let busyAtAbort = 0;
+    // The SDK ends the iteration (or throws APIUserAbortError, depending on timing) after abort().
+    try {
+      for await (const _ of stream) {
+        if (++chunks === 6) {
+          busyAtAbort = await busy(decode);
+          ac.abort();
+        }
+      }
+    } catch (err) {
+      assert.ok(err instanceof OpenAI.APIUserAbortError, String(err));
+    }
+    assert.ok(chunks >= 6);
+    assert.ok(busyAtAbort > 0, 'decode was generating the choices when the client aborted');
+    const idle = await waitFor(async () => (await busy(prefill)) === 0 && (await busy(decode)) === 0, 1500);
+    assert.ok(idle, `workers idle after the abort: prefill ${await busy(prefill)}, decode ${await busy(decode)}`);
   });
 });
 

@@ -40,7 +40,7 @@ describe('completion schema', () => {
     assert.deepEqual(parseCompletionRequest({ prompt: ['hi'] }).prompt, { text: 'hi' });
     assert.deepEqual(parseCompletionRequest({ prompt: [1, 2, 3] }).prompt, { input_ids: [1, 2, 3] });
     assert.deepEqual(parseCompletionRequest({ prompt: [[4, 5]] }).prompt, { input_ids: [4, 5] });
-    rejects400(() => parseCompletionRequest({ prompt: ['a', 'b'] }), 'prompt', /batched prompts are not supported/);
+    rejects400(() => parseCompletionRequest({ prompt: ['a', 'b'] }), 'prompt', /split into one request per prompt/);
     rejects400(() => parseCompletionRequest({ prompt: [] }), 'prompt');
     rejects400(() => parseCompletionRequest({ prompt: [1.5] }), 'prompt');
     rejects400(() => parseCompletionRequest({ prompt: 42 }), 'prompt');
@@ -132,7 +132,7 @@ describe('completion schema', () => {
   });
 
   test('unsupported features are 400 with a clear message', () => {
-    rejects400(() => parseCompletionRequest({ prompt: 'x', n: 2 }), 'n', /only n=1/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', n: 2 }), 'n', /planFanOut/);
     // logprobs: an integer for completions, a boolean (+ top_logprobs) for chat, as OpenAI
     assert.equal(parseCompletionRequest({ prompt: 'x', logprobs: 3 }).sampling.logprobs, 3);
     assert.equal(parseCompletionRequest({ prompt: 'x', logprobs: 0 }).sampling.logprobs, 0);

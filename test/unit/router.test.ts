@@ -704,7 +704,7 @@ describe('router: failures', () => {
       [JSON.stringify({ model: 'x' }), 400, /prompt/],
       [JSON.stringify({ prompt: 'x', max_tokens: -1 }), 400, /max_tokens/],
       [JSON.stringify({ prompt: 'x', max_tokens: 'ten' }), 400, /max_tokens/],
-      [JSON.stringify({ prompt: 'x', n: 2 }), 400, /n=1/],
+      [JSON.stringify({ prompt: 'x', n: 17 }), 400, /exceeds the limit of 16/],
       [JSON.stringify({ prompt: 'x'.repeat(100 * 1024) }), 413, /too large/],
     ] as const) {
       const r = await post(body);

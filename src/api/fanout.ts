@@ -1,0 +1,268 @@
+/**
+ * n > 1 and batched prompts (a /v1/completions `prompt` that is an array of strings or of
+ * token-id arrays): the request is fanned out into n × prompts single-choice sub-requests, each
+ * sent back to this same server over loopback HTTP, so each sub-request is an ordinary request
+ * with its own PD room (router) or its own sequence (colocated): dispatch, load accounting,
+ * deadlines, aborts and error handling are the ones of a single request, unchanged. The results
+ * are merged into one OpenAI response or one SSE stream.
+ *
+ * Choice index = prompt_index × n + i (OpenAI's order). With `seed` set, choice i of a prompt
+ * uses seed + i, so seeded choices differ at temperature > 0 and are reproducible. The prompt's
+ * KV is not shared through one state fanned out to n decode sequences (vLLM's parallel
+ * sampling); identical prompts are routed to the same prefill by the cache-aware policy and its
+ * prefix cache evaluates the prompt once (each choice's usage then reports cached_tokens).
+ *
+ * Usage: prompt_tokens counts each prompt once (from its first choice), completion_tokens sums
+ * every choice (as vLLM and OpenAI). Streams: every chunk carries its choice index; one usage
+ * chunk at the end when stream_options.include_usage; one [DONE]. A failed sub-request fails the
+ * whole request (its OpenAI error as the response, or as an error event in a started stream) and
+ * the others are aborted by closing their connections, which each server handles as a client
+ * abort (rooms released).
+ */
+import { Agent, request as httpRequest, type Dispatcher } from 'undici';
+import type { FastifyReply, FastifyRequest } from 'fastify';
+import { readSse, SseWriter } from './sse.js';
+import { randomBytes } from 'node:crypto';
+import { MAX_CHOICES } from './fields.js';
+import { ApiError, badRequest, sendApiError, SSE_DONE, usageOf, type Usage } from './openai.js';
+
+export { MAX_CHOICES };
+
+/** One planned sub-request: its body (n = 1, one prompt) and its choice index. */
+export interface SubRequest {
+  index: number;
+  promptIndex: number;
+  body: Record<string, unknown>;
+}
+
+const isTokenArray = (p: unknown): boolean => Array.isArray(p) && p.length > 0 && p.every((t) => typeof t === 'number');
+
+/**
+ * The prompts of a completions `prompt` field when it is a batch (≥ 2 strings or ≥ 2 token-id
+ * arrays), else null (a single prompt, or an invalid value left to the normal parser).
+ */
+export function batchedPrompts(prompt: unknown): unknown[] | null {
+  if (!Array.isArray(prompt) || prompt.length < 2) return null;
+  if (prompt.every((p) => typeof p === 'string') || prompt.every(isTokenArray)) return prompt;
+  return null;
+}
+
+/**
+ * Split a request body that asks for several choices into single-choice sub-request bodies, or
+ * return null when it asks for one (n absent/1 and a single prompt). Sub-bodies always stream
+ * with include_usage (the merge needs each choice's usage); `n`, the batch and `stream_options`
+ * are replaced, every other field is passed as is (the sub-request validates it).
+ * @throws ApiError 400 naming `n` when n × prompts exceeds MAX_CHOICES.
+ */
+export function planFanOut(kind: 'completion' | 'chat', body: unknown): SubRequest[] | null {
+  if (body === null || typeof body !== 'object' || Array.isArray(body)) return null;
+  const b = body as Record<string, unknown>;
+  const n = b.n;
+  const prompts = kind === 'completion' ? batchedPrompts(b.prompt) : null;
+  const nChoices = typeof n === 'number' && Number.isInteger(n) && n > 1 ? n : 1;
+  if (nChoices === 1 && !prompts) return null;
+  const total = nChoices * (prompts?.length ?? 1);
+  if (total > MAX_CHOICES) {
+    throw badRequest(`Invalid value for 'n': n (${nChoices}) × prompts (${prompts?.length ?? 1}) = ${total} choices exceeds the limit of ${MAX_CHOICES}`, prompts && nChoices === 1 ? 'prompt' : 'n', 'too_many_choices');
+  }
+  const out: SubRequest[] = [];
+  const list = prompts ?? [b.prompt];
+  for (let p = 0; p < list.length; p++) {
+    for (let i = 0; i < nChoices; i++) {
+      const sub: Record<string, unknown> = { ...b, n: 1, stream: true, stream_options: { include_usage: true } };
+      if (kind === 'completion') sub.prompt = list[p];
+      if (typeof b.seed === 'number') sub.seed = b.seed + i;
+      out.push({ index: p * nChoices + i, promptIndex: p, body: sub });
+    }
+  }
+  return out;
+}
+
+type Chunk = { id?: string; created?: number; model?: string; choices?: { index?: number }[]; usage?: Usage | null; error?: unknown };
+
+/**
+ * Merges the single-choice streams of a fanned-out request: chunk rewriting (index, id,
+ * created, model, usage: null only when the client asked for usage), usage summing, and the
+ * non-stream response (choices in index order). Pure; unit-tested.
+ */
+export class FanOutMerger {
+  private readonly usages = new Map<number, Usage>();
+  private readonly promptOf = new Map<number, number>();
+  private readonly parts = new Map<number, { text: string; finish: string | null; logprobs: Record<string, unknown[]> | null; content: string }>();
+  model: string | null = null;
+
+  constructor(
+    readonly kind: 'completion' | 'chat',
+    readonly id: string,
+    readonly created: number,
+    readonly includeUsage: boolean,
+    subs: readonly SubRequest[],
+  ) {
+    for (const s of subs) {
+      this.promptOf.set(s.index, s.promptIndex);
+      this.parts.set(s.index, { text: '', finish: null, logprobs: null, content: '' });
+    }
+  }
+
+  /**
+   * One chunk of choice `index`'s stream → the chunk to forward (null for its usage-only chunk,
+   * which is kept for the final sum).
+   * @throws ApiError 502 for a chunk that is not an OpenAI chunk.
+   */
+  push(index: number, raw: Chunk): Chunk | null {
+    if (!raw || typeof raw !== 'object' || !Array.isArray(raw.choices)) throw new ApiError(502, 'bad_worker_event', `malformed chunk in choice ${index}'s stream`, 'server_error');
+    this.model ??= typeof raw.model === 'string' ? raw.model : null;
+    if (raw.usage) this.usages.set(index, raw.usage);
+    if (raw.choices.length === 0) return null;
+    const part = this.parts.get(index)!;
+    const choices = raw.choices.map((c) => {
+      const x = c as { text?: string; delta?: { content?: string }; finish_reason?: string | null; logprobs?: Record<string, unknown> | null };
+      part.text += x.text ?? '';
+      part.content += x.delta?.content ?? '';
+      if (x.finish_reason) part.finish = x.finish_reason;
+      if (x.logprobs) {
+        part.logprobs ??= {};
+        for (const [k, v] of Object.entries(x.logprobs)) if (Array.isArray(v)) part.logprobs[k] = [...(part.logprobs[k] ?? []), ...v];
+      }
+      return { ...c, index };
+    });
+    const out: Chunk = { ...raw, id: this.id, created: this.created, choices };
+    if (this.includeUsage) out.usage = null;
+    else delete out.usage;
+    return out;
+  }
+
+  /** Summed usage: each prompt's prompt/cached tokens once (its lowest choice index), completion tokens of every choice. */
+  usage(): Usage {
+    let prompt = 0;
+    let cached = 0;
+    let completion = 0;
+    const seen = new Set<number>();
+    for (const [index, u] of [...this.usages].sort((a, b) => a[0] - b[0])) {
+      completion += u.completion_tokens;
+      const p = this.promptOf.get(index)!;
+      if (seen.has(p)) continue;
+      seen.add(p);
+      prompt += u.prompt_tokens;
+      cached += u.prompt_tokens_details?.cached_tokens ?? 0;
+    }
+    return usageOf(prompt, completion, cached);
+  }
+
+  /** The final usage-only chunk. */
+  usageChunk(): Chunk {
+    return { id: this.id, object: this.kind === 'chat' ? 'chat.completion.chunk' : 'text_completion', created: this.created, model: this.model ?? 'pdserve', choices: [], usage: this.usage() } as Chunk;
+  }
+
+  /** The non-stream response, choices in index order. Completion logprobs' text_offset restarts at 0 per choice (each choice is its own text). */
+  response(): Record<string, unknown> {
+    const choices = [...this.parts].sort((a, b) => a[0] - b[0]).map(([index, p]) =>
+      this.kind === 'chat'
+        ? { index, message: { role: 'assistant', content: p.content }, logprobs: p.logprobs ? { ...p.logprobs, refusal: null } : null, finish_reason: p.finish }
+        : { index, text: p.text, logprobs: p.logprobs, finish_reason: p.finish },
+    );
+    return { id: this.id, object: this.kind === 'chat' ? 'chat.completion' : 'text_completion', created: this.created, model: this.model ?? 'pdserve', choices, usage: this.usage() };
+  }
+}
+
+/** Loopback connections for sub-requests (one per choice, so MAX_CHOICES per request). */
+const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout: 600_000, bodyTimeout: 600_000 });
+
+/** http://host:port this fastify server can reach itself at (wildcard addresses → loopback). */
+function selfUrl(request: FastifyRequest): string {
+  const a = request.server.server.address();
+  if (!a || typeof a === 'string') throw new ApiError(500, 'internal_error', 'server address unknown', 'server_error');
+  const host = a.address === '0.0.0.0' ? '127.0.0.1' : a.address === '::' ? '::1' : a.address;
+  return `http://${host.includes(':') ? `[${host}]` : host}:${a.port}`;
+}
+
+/**
+ * Serve a fanned-out request (see the module doc): send every sub-request, wait for all their
+ * response heads (so an invalid request or an early failure is one plain HTTP error), then merge.
+ * Resolves when the reply is sent or the client is gone; every sub-request is finished or
+ * aborted by then.
+ */
+export async function serveFanOut(request: FastifyRequest, reply: FastifyReply, kind: 'completion' | 'chat', subs: SubRequest[]): Promise<FastifyReply> {
+  const body = request.body as Record<string, unknown>;
+  const stream = body.stream === true;
+  const so = body.stream_options as { include_usage?: boolean } | null | undefined;
+  const prefix = kind === 'chat' ? 'chatcmpl' : 'cmpl';
+  const rid = String(request.id).startsWith(`${prefix}-`) ? String(request.id) : `${prefix}-${randomBytes(12).toString('hex')}`;
+  const merger = new FanOutMerger(kind, rid, Math.floor(Date.now() / 1000), stream && so?.include_usage === true, subs);
+  const ac = new AbortController();
+  const onClose = () => ac.abort();
+  reply.raw.on('close', onClose);
+  const path = kind === 'chat' ? '/v1/chat/completions' : '/v1/completions';
+  const base = selfUrl(request);
+  const headers: Record<string, string> = { 'content-type': 'application/json' };
+  for (const h of ['authorization', 'x-trace-id']) if (typeof request.headers[h] === 'string') headers[h] = request.headers[h] as string;
+  const pending = subs.map((s) => httpRequest(`${base}${path}`, { method: 'POST', headers, body: JSON.stringify(s.body), signal: ac.signal, dispatcher: loopback }));
+  try {
+    const settled = await Promise.allSettled(pending);
+    const failed = settled.find((r) => r.status === 'rejected' || r.value.statusCode !== 200);
+    if (failed) {
+      // The failed choice's error body first (aborting would cut it), then abort the others.
+      const text = failed.status === 'fulfilled' ? await failed.value.body.text().catch(() => '') : '';
+      ac.abort();
+      if (reply.raw.destroyed) return reply;
+      if (failed.status === 'rejected') throw new ApiError(500, 'internal_error', `a choice's sub-request failed: ${String((failed.reason as Error)?.message ?? failed.reason)}`, 'server_error');
+      let err: ApiError;
+      try {
+        const e = (JSON.parse(text) as { error: { message: string; type: string; param: string | null; code: string | null } }).error;
+        err = new ApiError(failed.value.statusCode, e.code ?? 'internal_error', e.message, e.type as never, e.param);
+      } catch {
+        err = new ApiError(500, 'internal_error', `a choice's sub-request failed with status ${failed.value.statusCode}: ${text.slice(0, 300)}`, 'server_error');
+      }
+      return sendApiError(reply, err);
+    }
+    const responses = settled.map((r) => (r as PromiseFulfilledResult<Dispatcher.ResponseData>).value);
+    let writer: SseWriter | null = null;
+    if (stream) {
+      reply.hijack();
+      writer = new SseWriter(reply.raw, { headers: { 'x-request-id': rid } });
+    }
+    let chain: Promise<void> = Promise.resolve();
+    const emit = (c: unknown) => (chain = chain.then(() => writer!.write(c)));
+    const pump = async (s: SubRequest, res: Dispatcher.ResponseData) => {
+      let done = false;
+      for await (const data of readSse(res.body)) {
+        if (data === SSE_DONE) {
+          done = true;
+          break;
+        }
+        const chunk = JSON.parse(data) as Chunk;
+        if (chunk.error) throw Object.assign(new ApiError(500, 'internal_error', `choice ${s.index} failed: ${(chunk.error as { message?: string }).message ?? 'error'}`, 'server_error'), { body: chunk });
+        const out = merger.push(s.index, chunk);
+        if (out && writer) await emit(out);
+      }
+      if (!done) throw new ApiError(500, 'internal_error', `choice ${s.index}'s stream ended without [DONE]`, 'server_error');
+    };
+    try {
+      await Promise.all(subs.map((s, i) => pump(s, responses[i]!).catch((err: unknown) => {
+        ac.abort();
+        throw err;
+      })));
+      if (writer) {
+        if (merger.includeUsage) await emit(merger.usageChunk());
+        await emit(SSE_DONE);
+        writer.end();
+        return reply;
+      }
+      return reply.code(200).send(merger.response());
+    } catch (err) {
+      if (reply.raw.destroyed) return reply;
+      const e = err instanceof ApiError ? err : new ApiError(500, 'internal_error', `a choice failed: ${(err as Error)?.message ?? String(err)}`, 'server_error');
+      if (writer) {
+        await chain.catch(() => {});
+        if (!writer.closed) await writer.write(e.toBody()).catch(() => {});
+        writer.end();
+        return reply;
+      }
+      return sendApiError(reply, e);
+    }
+  } finally {
+    reply.raw.off('close', onClose);
+    ac.abort();
+    await Promise.allSettled(pending.map((p) => p.then((r) => r.body.dump().catch(() => {}))));
+  }
+}

@@ -1,0 +1,91 @@
+/** n > 1 and batched prompts: the split into single-choice sub-requests and the merge of their streams (api/fanout.ts). */
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+import { FanOutMerger, MAX_CHOICES, planFanOut } from '../../src/api/fanout.js';
+import { ApiError } from '../../src/api/openai.js';
+
+const usage = (p: number, c: number, cached = 0) => ({ prompt_tokens: p, completion_tokens: c, total_tokens: p + c, prompt_tokens_details: { cached_tokens: cached } });
+
+describe('planFanOut', () => {
+  test('a single choice is not split', () => {
+    assert.equal(planFanOut('completion', { prompt: 'x' }), null);
+    assert.equal(planFanOut('completion', { prompt: ['x'], n: 1 }), null);
+    assert.equal(planFanOut('completion', { prompt: [[1, 2]] }), null);
+    assert.equal(planFanOut('chat', { messages: [], n: null }), null);
+    assert.equal(planFanOut('completion', { prompt: ['a', 1] }), null, 'an invalid batch is left to the parser');
+  });
+
+  test('n × prompts sub-requests, index = prompt_index × n + i, seed + i, always streamed with usage', () => {
+    const subs = planFanOut('completion', { prompt: ['a', 'b'], n: 2, seed: 7, stream: false, max_tokens: 3 })!;
+    assert.deepEqual(subs.map((s) => [s.index, s.promptIndex, s.body.prompt, s.body.seed, s.body.n]), [
+      [0, 0, 'a', 7, 1],
+      [1, 0, 'a', 8, 1],
+      [2, 1, 'b', 7, 1],
+      [3, 1, 'b', 8, 1],
+    ]);
+    for (const s of subs) assert.deepEqual([s.body.stream, s.body.stream_options, s.body.max_tokens], [true, { include_usage: true }, 3]);
+    const ids = planFanOut('completion', { prompt: [[1, 2], [3]] })!;
+    assert.deepEqual(ids.map((s) => s.body.prompt), [[1, 2], [3]]);
+    const chat = planFanOut('chat', { messages: [{ role: 'user', content: 'q' }], n: 3 })!;
+    assert.equal(chat.length, 3);
+    assert.ok(chat.every((s) => s.body.seed === undefined && !('prompt' in s.body)));
+  });
+
+  test(`more than ${MAX_CHOICES} choices is a 400`, () => {
+    assert.throws(() => planFanOut('chat', { messages: [], n: MAX_CHOICES + 1 }), (e: ApiError) => e.status === 400 && e.param === 'n');
+    assert.throws(() => planFanOut('completion', { prompt: Array(MAX_CHOICES + 1).fill('p') }), (e: ApiError) => e.status === 400 && e.param === 'prompt');
+    assert.equal(planFanOut('completion', { prompt: Array(MAX_CHOICES / 2).fill('p'), n: 2 })!.length, MAX_CHOICES);
+  });
+});
+
+describe('FanOutMerger', () => {
+  test('stream chunks get their choice index and the parent id; usage summed once per prompt', () => {
+    const subs = planFanOut('completion', { prompt: ['a', 'b'], n: 2 })!;
+    const m = new FanOutMerger('completion', 'cmpl-P', 5, true, subs);
+    const ch = (text: string, finish: string | null = null) => ({ id: 'cmpl-sub', object: 'text_completion', created: 1, model: 'm', choices: [{ index: 0, text, logprobs: null, finish_reason: finish }], usage: null });
+    const c = m.push(3, ch('x'))!;
+    assert.deepEqual([c.id, c.created, c.choices![0]!.index, c.usage], ['cmpl-P', 5, 3, null]);
+    m.push(3, ch('y', 'length'));
+    m.push(0, ch('z', 'stop'));
+    m.push(1, ch('', 'stop'));
+    m.push(2, ch('w', 'length'));
+    assert.equal(m.push(0, { choices: [], usage: usage(4, 1) }), null, 'usage-only chunks are held back');
+    m.push(1, { choices: [], usage: usage(4, 0, 3) });
+    m.push(2, { choices: [], usage: usage(6, 1) });
+    m.push(3, { choices: [], usage: usage(6, 2, 5) });
+    assert.deepEqual(m.usage(), usage(10, 4, 0));
+    const u = m.usageChunk() as { choices: unknown[]; usage: unknown; id: string };
+    assert.deepEqual([u.id, u.choices, u.usage], ['cmpl-P', [], usage(10, 4)]);
+    const r = m.response() as { choices: { index: number; text: string; finish_reason: string }[]; usage: unknown };
+    assert.deepEqual(r.choices.map((x) => [x.index, x.text, x.finish_reason]), [
+      [0, 'z', 'stop'],
+      [1, '', 'stop'],
+      [2, 'w', 'length'],
+      [3, 'xy', 'length'],
+    ]);
+  });
+
+  test('chat: content and logprobs assembled per choice; no usage field when the client did not ask', () => {
+    const subs = planFanOut('chat', { messages: [], n: 2 })!;
+    const m = new FanOutMerger('chat', 'chatcmpl-P', 5, false, subs);
+    const ch = (delta: object, finish: string | null = null, lp: object | null = null) => ({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta, logprobs: lp, finish_reason: finish }], usage: null });
+    const first = m.push(1, ch({ role: 'assistant', content: '' }))!;
+    assert.ok(!('usage' in first));
+    m.push(1, ch({ content: 'hi' }, null, { content: [{ token: 'hi', logprob: -1 }], refusal: null }));
+    m.push(1, ch({}, 'stop'));
+    m.push(0, ch({ content: 'yo' }, 'length'));
+    const r = m.response() as { object: string; choices: { index: number; message: { content: string }; logprobs: unknown; finish_reason: string }[] };
+    assert.equal(r.object, 'chat.completion');
+    assert.deepEqual(r.choices.map((x) => [x.index, x.message.content, x.finish_reason]), [
+      [0, 'yo', 'length'],
+      [1, 'hi', 'stop'],
+    ]);
+    assert.deepEqual(r.choices[1]!.logprobs, { content: [{ token: 'hi', logprob: -1 }], refusal: null });
+    assert.equal(r.choices[0]!.logprobs, null);
+  });
+
+  test('a malformed chunk is a 502', () => {
+    const m = new FanOutMerger('chat', 'c', 1, false, planFanOut('chat', { messages: [], n: 2 })!);
+    assert.throws(() => m.push(0, { nope: 1 } as never), (e: ApiError) => e.status === 502);
+  });
+});
