@@ -70,7 +70,14 @@ export async function serveRole(role: string, start: () => Promise<Served>, o: S
       log,
     }).then(() => process.exit(0));
   };
-  process.on('SIGINT', () => stop('SIGINT'));
+  // A terminal's Ctrl-C reaches the whole foreground process group. A process supervised over IPC
+  // (`pdserve up`, the test clusters) leaves SIGINT to its supervisor, which drains the router first
+  // and then the workers with SIGTERM; taking SIGINT here too would make the supervisor's SIGTERM
+  // look like a second signal and cut in-flight streams. Run alone, SIGINT drains like SIGTERM.
+  process.on('SIGINT', () => {
+    if (process.connected) log.info('SIGINT ignored: the supervisor orders the drain');
+    else stop('SIGINT');
+  });
   process.on('SIGTERM', () => stop('SIGTERM'));
   process.on('disconnect', () => stop('disconnect'));
 }

@@ -2,7 +2,7 @@
  * Graceful drain through the real CLI for the two roles drain.test.ts does not cover:
  * - `pdserve colocated`: SIGTERM mid-stream → /health 503 draining, new requests 503 `draining`,
  *   the stream in flight still ends with [DONE], exit 0;
- * - `pdserve up --worker-port-base P`: the workers listen on P, P+1 (bootstrap), P+2; SIGTERM to
+ * - `pdserve up --worker-port-base P`: the workers listen on P, P+1 (bootstrap), P+2; Ctrl-C to
  *   `up` drains the router first (its streams end with [DONE]), then the workers; exit 0 and
  *   every port is closed.
  */
@@ -78,12 +78,15 @@ test('colocated: SIGTERM mid-stream drains: health and new requests say draining
   }
 });
 
-test('up --worker-port-base: fixed worker ports; SIGTERM drains the router first, streams end with [DONE], exit 0, ports closed', async () => {
+test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole process group) drains the router first, streams end with [DONE], exit 0, ports closed', async () => {
   const base = await freeRun(3);
   const rport = await freePort();
   const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024'], {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, PDSERVE_TEST_HOLDS: 'decode.load=1500' },
+    // Its own process group, as a shell gives a foreground job: a terminal's Ctrl-C reaches up AND
+    // its workers. The workers must leave the order to up (router first), not drain on their own.
+    detached: true,
   });
   let out = '';
   child.stdout!.on('data', (d) => (out += d));
@@ -97,12 +100,16 @@ test('up --worker-port-base: fixed worker ports; SIGTERM drains the router first
     const router = `http://127.0.0.1:${rport}`;
     const reqs = [0, 1].map((i) => rawCompletion(router, `the river ${i}`, 8, 30_000));
     assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
-    child.kill('SIGTERM');
+    process.kill(-child.pid!, 'SIGINT');
     const results = await Promise.all(reqs);
     for (const r of results) assert.ok(ok(r), `stream completed through the drain: ${r.status} ${r.text.slice(-200)}`);
     assert.equal(await exited, 0);
     for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
   } finally {
-    child.kill('SIGKILL');
+    try {
+      process.kill(-child.pid!, 'SIGKILL');
+    } catch {
+      // the group is gone already
+    }
   }
 });
