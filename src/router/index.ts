@@ -152,7 +152,11 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     reply.header('x-request-id', String(request.id));
     if (request.method === 'POST' && (request.url.startsWith('/v1/completions') || request.url.startsWith('/v1/chat/completions'))) {
       const trace = traceIdOf(request.headers);
-      traces.begin(String(request.id), trace);
+      const rid = String(request.id);
+      traces.begin(rid, trace);
+      // Whatever ends the response ends the trace: dispatch records its own 'finished' as the
+      // response ends; a refusal before dispatch or a fan-out parent is settled from the status.
+      reply.raw.once('close', () => setTimeout(() => traces.settle(rid, reply.raw.statusCode), 1000).unref());
       reply.header('x-trace-id', trace);
       request.log = request.log.child({ trace });
     }

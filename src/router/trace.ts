@@ -106,6 +106,19 @@ export class TraceStore implements RequestObserver {
     }
   }
 
+  /**
+   * Close the trace of `rid` if nothing recorded its end: a request refused before dispatch (bad
+   * body, no healthy pair) or a fan-out parent, whose choices carry traces of their own. The
+   * outcome comes from the HTTP status (`status` < 400 ok, < 500 rejected, else error). Not passed
+   * to `onFinished`: the dashboard's series hold dispatched requests only. Idempotent.
+   */
+  settle(rid: string, status: number): void {
+    const t = this.byRid.get(rid);
+    if (!t || t.outcome !== null) return;
+    t.outcome = status < 400 ? 'ok' : status < 500 ? 'rejected' : 'error';
+    if (t.events.length < 16) t.events.push({ at: Date.now(), what: 'finished', outcome: t.outcome, status });
+  }
+
   /** A trace by trace id or rid (a client's x-request-id reused by several requests: the latest). */
   get(id: string): RequestTrace | undefined {
     return this.byTrace.get(id) ?? this.byRid.get(id);

@@ -154,6 +154,24 @@ test('TraceStore: lookup by trace or rid, bounded, finished callback', () => {
   assert.deepEqual(s.recent().map((t) => t.rid), ['r3', 'r2']);
 });
 
+test('TraceStore.settle closes only a trace nothing finished, from the HTTP status, without onFinished', () => {
+  const s = new TraceStore();
+  const done: string[] = [];
+  s.onFinished = (t) => done.push(t.rid);
+  s.begin('bad', 't-bad');
+  s.settle('bad', 400);
+  assert.equal(s.get('bad')!.outcome, 'rejected');
+  s.begin('fan', 't-fan');
+  s.settle('fan', 200);
+  assert.equal(s.get('fan')!.outcome, 'ok');
+  s.begin('pd', 't-pd');
+  s.event('pd', 'finished', { outcome: 'client_abort' });
+  s.settle('pd', 200);
+  assert.equal(s.get('pd')!.outcome, 'client_abort', 'a recorded finish wins');
+  s.settle('unknown', 500);
+  assert.deepEqual(done, ['pd'], 'settled traces are not fed to the dashboard series');
+});
+
 test('DashboardSeries: buckets, percentiles, failures by code', () => {
   const s = new DashboardSeries(1000, 5);
   const t = 1_000_000;

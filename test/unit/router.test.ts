@@ -447,6 +447,18 @@ describe('router: happy paths through the openai client', () => {
 });
 
 describe('router: failures', () => {
+  test('a request refused before dispatch (400, malformed JSON) does not stay in flight in /debug/traces', async () => {
+    const s = await stack();
+    const post = (body: string) => fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+    assert.equal((await post(JSON.stringify({ model: 'x', prompt: 'p', foo_bar: 1 }))).status, 400);
+    assert.equal((await post('{"model":')).status, 400);
+    const active = async () => ((await (await fetch(`${s.router.url}/debug/traces?active=1`)).json()) as { traces: unknown[] }).traces.length;
+    const all = ((await (await fetch(`${s.router.url}/debug/traces`)).json()) as { traces: { outcome: string | null }[] }).traces;
+    assert.equal(all.length, 2, 'both requests were traced');
+    let n = -1;
+    assert.ok(await (async () => { const end = Date.now() + 3000; while (Date.now() < end) { if ((n = await active()) === 0) return true; await sleep(100); } return false; })(), `traces still in flight: ${n}`);
+  });
+
   test('client abort mid-stream → abort_request to BOTH workers within 1 s, loads back to 0', async () => {
     const s = await stack();
     s.decode[0]!.decode = () => ({ tokens: Array.from({ length: 2000 }, (_, i) => `t${i} `), intervalMs: 10 });
