@@ -16,7 +16,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { request, type Dispatcher } from 'undici';
 import { z, ZodError } from 'zod';
 import type { Engine } from '../engine/types.js';
-import { ApiError, parseMessages, zodToApiError } from './openai.js';
+import { ApiError, checkModelName, parseMessages, zodToApiError } from './openai.js';
 
 /** The OpenAI model object. */
 export interface ModelObject {
@@ -33,7 +33,8 @@ export interface ModelObject {
 export function registerModelRoute(app: FastifyInstance, models: () => string[], created: number): void {
   app.get<{ Params: { id: string } }>('/v1/models/:id', async (req) => {
     const id = req.params.id;
-    if (!models().includes(id)) throw new ApiError(404, 'model_not_found', `The model '${id}' does not exist`, 'invalid_request_error', 'model');
+    checkModelName(id, models());
+    if (models().length === 0) throw new ApiError(404, 'model_not_found', `The model '${id}' does not exist`, 'invalid_request_error', 'model');
     const m: ModelObject = { id, object: 'model', owned_by: 'pdserve', created };
     return m;
   });

@@ -107,6 +107,63 @@ export function openAIErrorHandler(error: unknown, request: FastifyRequest, repl
   void sendApiError(reply, apiErr);
 }
 
+/** Keys refused in a JSON body (prototype poisoning, as fastify's secure-json-parse refuses them). */
+const POISON_KEYS = /"(?:__proto__|constructor)"/;
+
+/**
+ * Parse a JSON request body, saying precisely what is wrong: JSON.parse's own syntax message
+ * (e.g. "Unexpected end of JSON input"), an empty body, or a `__proto__` key / a
+ * `constructor.prototype` object (refused like fastify's default parser does, but named).
+ * @throws ApiError 400 invalid_json.
+ */
+export function parseJsonBody(text: string): unknown {
+  if (text.trim() === '') throw badRequest("Request body is empty but content-type is 'application/json'.", null, 'invalid_json');
+  try {
+    if (!POISON_KEYS.test(text)) return JSON.parse(text);
+    return JSON.parse(text, (key, value: unknown) => {
+      if (key === '__proto__') throw badRequest("Invalid JSON body: the key '__proto__' is not allowed (prototype-poisoning protection).", null, 'invalid_json');
+      if (key === 'constructor' && value !== null && typeof value === 'object' && Object.hasOwn(value, 'prototype')) {
+        throw badRequest("Invalid JSON body: a 'constructor' object with a 'prototype' key is not allowed (prototype-poisoning protection).", null, 'invalid_json');
+      }
+      return value;
+    });
+  } catch (err) {
+    if (err instanceof ApiError) throw err;
+    throw badRequest(`We could not parse the JSON body of your request: ${(err as Error).message}.`, null, 'invalid_json');
+  }
+}
+
+/** Replace fastify's application/json parser with `parseJsonBody` (same body limit). */
+function registerJsonBodyParser(app: FastifyInstance): void {
+  app.removeContentTypeParser('application/json');
+  app.addContentTypeParser('application/json', { parseAs: 'string' }, (_req, body, done) => {
+    try {
+      done(null, parseJsonBody(body as string));
+    } catch (err) {
+      done(err as Error, undefined);
+    }
+  });
+}
+
+/**
+ * Answer errors node's HTTP parser raises before fastify sees a request (fastify's
+ * `clientErrorHandler` option) with OpenAI error bodies: 431 request_header_fields_too_large,
+ * 408 request_timeout, 400 bad_request. Same behaviour as fastify's default otherwise (nothing on
+ * a reset or destroyed socket; the socket is closed after the answer).
+ */
+export function openAIClientErrorHandler(err: NodeJS.ErrnoException, socket: import('node:net').Socket): void {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+  const [status, reason, code, message] =
+    err.code === 'HPE_HEADER_OVERFLOW'
+      ? [431, 'Request Header Fields Too Large', 'request_header_fields_too_large', 'Request header fields are too large (the total size of the headers exceeds the server limit).']
+      : err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+        ? [408, 'Request Timeout', 'request_timeout', 'The request was not received in time.']
+        : [400, 'Bad Request', 'bad_request', `Malformed HTTP request${err.code ? ` (${err.code})` : ''}.`];
+  const body = JSON.stringify(errorBody(message, 'invalid_request_error', null, code));
+  if (socket.writable) socket.write(`HTTP/1.1 ${status} ${reason}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: application/json; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
+  socket.destroy(err);
+}
+
 /**
  * Install the OpenAI error handler and a not-found handler with an OpenAI body on `app`: 405
  * with an `Allow` header when the path is a route for other methods, else 404. Call it before
@@ -114,6 +171,7 @@ export function openAIErrorHandler(error: unknown, request: FastifyRequest, repl
  */
 export function registerOpenAIErrorHandling(app: FastifyInstance): void {
   app.setErrorHandler(openAIErrorHandler);
+  registerJsonBodyParser(app);
   const routes: { re: RegExp; methods: Set<string> }[] = [];
   app.addHook('onRoute', (r) => {
     if (r.url === '*' || r.url.includes('*')) return;
@@ -131,6 +189,17 @@ export function registerOpenAIErrorHandling(app: FastifyInstance): void {
     }
     void sendApiError(reply, new ApiError(404, 'not_found', `Route ${request.method} ${path} not found`, 'not_found_error'));
   });
+}
+
+/**
+ * The served-model check of vLLM (--served-model-name) and OpenAI: a request naming a model the
+ * server does not serve is a 404 `model_not_found` naming `model`. An absent `model` is accepted
+ * (the server has one model). `served` empty = nothing known yet (no worker probed): no check.
+ * @throws ApiError 404 model_not_found.
+ */
+export function checkModelName(model: string | undefined, served: readonly string[]): void {
+  if (model === undefined || served.length === 0 || served.includes(model)) return;
+  throw new ApiError(404, 'model_not_found', `The model '${model}' does not exist (this server serves: ${served.map((m) => `'${m}'`).join(', ')})`, 'invalid_request_error', 'model');
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -153,7 +222,10 @@ function fieldError(prefix: (string | number)[], err: ZodError): ApiError {
  * against its schema, refused values → 400 naming the field.
  */
 function parseFields(endpoint: Endpoint, body: unknown): Record<string, unknown> {
-  if (body === null || typeof body !== 'object' || Array.isArray(body)) throw badRequest('Invalid request body: expected a JSON object', null, 'invalid_type');
+  if (typeof body === 'string' || Buffer.isBuffer(body)) {
+    throw new ApiError(400, 'unsupported_media_type', "The request body was not sent as JSON: send it with 'Content-Type: application/json' (a text/plain body is not parsed).", 'invalid_request_error');
+  }
+  if (body === null || typeof body !== 'object' || Array.isArray(body)) throw badRequest(`Invalid request body: expected a JSON object, got ${body === null ? 'null' : Array.isArray(body) ? 'an array' : typeof body}`, null, 'invalid_type');
   const fields = fieldsOf(endpoint);
   const out: Record<string, unknown> = {};
   for (const [k, v] of Object.entries(body as Record<string, unknown>)) {

@@ -7,7 +7,7 @@
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endpoints.js';
-import { registerOpenAIErrorHandling, sendApiError } from './openai.js';
+import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from './openai.js';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../common/errors.js';
 import { DrainGate } from '../common/drain.js';
@@ -21,8 +21,8 @@ export interface WorkerAppOptions {
   health(): Record<string, unknown>;
   /** Body of GET /debug/rooms. */
   debugRooms(): unknown;
-  /** Name listed by GET /v1/models. */
-  modelName: string;
+  /** Served model names (first = responses' `model`), listed by GET /v1/models and reported in /health as `served_model_names`. */
+  modelNames: readonly string[];
   /** Largest request body, bytes. */
   bodyLimit?: number;
   /** When given: POST /tokenize and /detokenize on this engine (vLLM's shapes). */
@@ -40,13 +40,13 @@ export function drainGateOf(app: FastifyInstance): DrainGate | undefined {
 
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
-  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, logController: new LogController({ disableRequestLogging: true }) });
+  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
   const gate = new DrainGate('worker');
   gates.set(app, gate);
   gate.install(app);
   app.get('/health', async (_req, reply) => {
-    const body = o.health();
+    const body = { ...o.health(), served_model_names: o.modelNames };
     if (!gate.draining) return { status: 'ok', ...body };
     return reply.code(503).send({ status: 'draining', ...body, inflight: gate.inflight });
   });
@@ -56,8 +56,8 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   });
   app.get('/debug/rooms', async () => o.debugRooms());
   const created = Math.floor(Date.now() / 1000);
-  app.get('/v1/models', async () => ({ object: 'list', data: [{ id: o.modelName, object: 'model', owned_by: 'pdserve', created }] }));
-  registerModelRoute(app, () => [o.modelName], created);
+  app.get('/v1/models', async () => ({ object: 'list', data: o.modelNames.map((id) => ({ id, object: 'model', owned_by: 'pdserve', created })) }));
+  registerModelRoute(app, () => [...o.modelNames], created);
   if (o.engine) registerTokenizeRoutes(app, o.engine);
   registerCors(app, o.corsOrigins ?? []);
   registerHoldRoute(app);

@@ -59,7 +59,8 @@ const engineOptions = (c: Command) =>
     .option('--no-flash-attention', 'turn llama.cpp flash attention off (prefill and decode must agree)')
     .option('--prefix-cache-slots <n>', 'prefill/colocated: extra sequences that keep finished requests\' KV for prefix reuse', int, 4)
     .option('--prefix-cache-tokens <tokens>', 'prefill/colocated: most tokens the prefix cache holds (LRU beyond)', int, 65536)
-    .option('--no-prefix-cache', 'prefill/colocated: never reuse a cached prefix (every prompt evaluated in full)');
+    .option('--no-prefix-cache', 'prefill/colocated: never reuse a cached prefix (every prompt evaluated in full)')
+    .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name and 'pdserve')");
 
 /** The prefix-cache part of an engine config from the engine options. */
 function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number }) {
@@ -127,6 +128,12 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
+/** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name to the workers. */
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[] }): { router?: string[]; prefill?: string[]; decode?: string[] } {
+  const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
+  return { ...(o.corsOrigin ? { router: ['--cors-origin', o.corsOrigin.join(',')] } : {}), prefill: names, decode: names };
+}
+
 /** Parse argv and run. */
 export async function runCli(argv: string[]): Promise<void> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
@@ -161,7 +168,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, ...(o.corsOrigin ? { extraArgs: { router: ['--cors-origin', (o.corsOrigin as string[]).join(',')] } } : {}) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) {
@@ -219,7 +226,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -235,7 +242,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention } },
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [] } },
           createLogger('decode'),
         ),
       );
@@ -249,7 +256,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, ...prefixCacheConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
   lifecycleOptions(program

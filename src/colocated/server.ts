@@ -6,10 +6,10 @@
 import { newRoomId } from '../common/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { ApiError, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
+import { ApiError, checkModelName, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
-import { ColocatedConfigSchema, parseConfig, prefixCacheOf, type ColocatedConfig } from '../common/config.js';
+import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
@@ -37,11 +37,12 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     roomsByState: () => new Map(),
   });
   backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats()));
+  const names = servedModelNamesOf(config.engine, engine.info.modelName);
   const app = createWorkerApp({
     log,
     registry: metrics.registry,
-    modelName: engine.info.modelName,
-    health: () => ({ role: 'colocated', model: engine.info.modelName, fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
+    modelNames: names,
+    health: () => ({ role: 'colocated', model: names[0], fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
     debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map((r) => ({ ...r, age_ms: Date.now() - r.t0 })), recent: [] }),
     engine,
     corsOrigins: config.corsOrigin,
@@ -52,12 +53,13 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     const subs = planFanOut(kind, req.body);
     if (subs) return serveFanOut(req, reply, kind, subs);
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
+    checkModelName(parsed.model, names);
     const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
     const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });
     const ac = new AbortController();
     const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
     const off = onClientGone(reply, () => ac.abort());
-    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(Date.now() / 1000), model: engine.info.modelName }, parsed.includeUsage);
+    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(Date.now() / 1000), model: names[0]! }, parsed.includeUsage);
     const events = backend.generate(body, ac.signal);
     try {
       if (!parsed.stream) {

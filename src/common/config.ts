@@ -24,7 +24,21 @@ export const EngineConfigSchema = z.object({
   prefixCacheSlots: z.number().int().min(0).max(256).default(4),
   /** Prefix cache: most tokens idle sequences hold together (LRU beyond); 0 = the cache is off. */
   prefixCacheTokens: z.number().int().min(0).max(1 << 26).default(65536),
+  /**
+   * Names the OpenAI API answers to (vLLM's --served-model-name): a request naming another model
+   * is a 404 model_not_found. The first is the `model` of responses. Empty = the GGUF's file name
+   * and 'pdserve' (what the README's examples send).
+   */
+  servedModelName: z.array(z.string().min(1).max(512)).max(16).default([]),
 });
+
+/** The name a request may use when --served-model-name is not given, besides the file name. */
+export const DEFAULT_SERVED_NAME = 'pdserve';
+
+/** Served model names (first = the responses' `model`): the configured ones, else [file name, 'pdserve']. */
+export function servedModelNamesOf(e: { servedModelName?: readonly string[] }, modelName: string): string[] {
+  return e.servedModelName && e.servedModelName.length > 0 ? [...new Set(e.servedModelName)] : [...new Set([modelName, DEFAULT_SERVED_NAME])];
+}
 
 /** LoadEngineOptions.prefixCache for an engine config (undefined = off). */
 export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSequences: number; maxTokens: number } | undefined {

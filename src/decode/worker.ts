@@ -12,7 +12,7 @@ import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
-import { DecodeConfigSchema, parseConfig, type DecodeConfig } from '../common/config.js';
+import { DecodeConfigSchema, parseConfig, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { checkAnnounced, KvReception } from './receive.js';
@@ -125,10 +125,10 @@ export class DecodeWorker {
     this.app = createWorkerApp({
       log: this.log,
       registry: this.metrics.registry,
-      modelName: this.engine.info.modelName,
+      modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
       health: () => ({
         role: 'decode',
-        model: this.engine.info.modelName,
+        model: servedModelNamesOf(c.engine, this.engine.info.modelName)[0],
         fingerprint: this.engine.info.fingerprint,
         settings: pairSettingsOf(this.engine.info),
         epoch: this.epoch,

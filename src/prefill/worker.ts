@@ -14,7 +14,7 @@ import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
-import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
+import { parseConfig, prefixCacheOf, PrefillConfigSchema, servedModelNamesOf, type PrefillConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
@@ -131,10 +131,10 @@ export class PrefillWorker {
       engine: this.engine,
       log: this.log,
       registry: this.metrics.registry,
-      modelName: this.engine.info.modelName,
+      modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
       health: () => ({
         role: 'prefill',
-        model: this.engine.info.modelName,
+        model: servedModelNamesOf(c.engine, this.engine.info.modelName)[0],
         fingerprint: this.engine.info.fingerprint,
         settings: pairSettingsOf(this.engine.info),
         bootstrap_host: c.bootstrapHost,

@@ -29,7 +29,7 @@ import Fastify, { LogController, type FastifyInstance, type FastifyReply, type F
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
-import { ApiError, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
+import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
@@ -139,6 +139,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const app = Fastify({
     loggerInstance: log,
     bodyLimit: config.bodyLimit,
+    clientErrorHandler: openAIClientErrorHandler,
     genReqId,
     requestIdHeader: false,
     // Probes (GET) are not worth two log lines each; generation requests are.
@@ -170,6 +171,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       let parsed: ParsedRequest;
       try {
         parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);
+        checkModelName(parsed.model, registry.models());
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
         // Token 1's logprob exists only where it was sampled: prefill's first-token event.
         if (parsed.sampling.logprobs !== undefined && !config.firstTokenFromPrefill) {

@@ -35,6 +35,8 @@ export interface WorkerState {
   /** Shutting down gracefully: finishes what it has, takes nothing new. */
   draining: boolean;
   model: string | null;
+  /** All names the worker serves (/health `served_model_names`; its `model` when absent). */
+  servedNames?: string[];
   /** In-flight requests routed to this worker by this router. */
   load: number;
   lastError: string | null;
@@ -226,6 +228,7 @@ export class WorkerRegistry {
       }
       w.settings = settingsFromHealth(j.settings) ?? w.settings;
       this.setDraining(w, false);
+      if (Array.isArray(j.served_model_names)) w.servedNames = j.served_model_names.filter((n: unknown): n is string => typeof n === 'string').slice(0, 16);
       this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
     } catch (err) {
       if (this.stopped) return;
@@ -326,7 +329,7 @@ export class WorkerRegistry {
   /** Distinct model names reported by workers (healthy ones first). */
   models(): string[] {
     const sorted = [...this.workers].sort((a, b) => Number(b.healthy) - Number(a.healthy));
-    return [...new Set(sorted.map((w) => w.model).filter((m): m is string => m !== null))];
+    return [...new Set(sorted.flatMap((w) => w.servedNames ?? (w.model !== null ? [w.model] : [])))];
   }
 
   healthyCount(role: WorkerRole): number {

@@ -16,7 +16,8 @@ type Body = Record<string, unknown>;
 
 /** The file's stack: s.c (cluster), s.pd (router client), s.ref (colocated client); filled by a before hook. */
 const ORIGIN = 'http://app.example';
-const s = useStack({ extraArgs: { router: ['--cors-origin', ORIGIN], colocated: ['--cors-origin', ORIGIN] } });
+// The colocated reference serves two names given with --served-model-name (PD: the defaults, file name + 'pdserve').
+const s = useStack({ extraArgs: { router: ['--cors-origin', ORIGIN], colocated: ['--cors-origin', ORIGIN, '--served-model-name', 'pdserve', 'alias-b'] } });
 
 interface Out {
   text: string;
@@ -314,6 +315,46 @@ describe('endpoints around generation (router and colocated)', () => {
       const m = await api.models.retrieve(id);
       assert.deepEqual([m.id, m.object, m.owned_by], [id, 'model', 'pdserve']);
       await assert.rejects(api.models.retrieve('no-such-model'), (e: unknown) => e instanceof OpenAI.NotFoundError && (e.error as { code?: string }).code === 'model_not_found');
+    }
+  });
+
+  test("served model names: 'pdserve' everywhere, --served-model-name aliases, another name is 404 model_not_found", async () => {
+    for (const api of [s.pd, s.ref]) {
+      const m = await api.models.retrieve('pdserve');
+      assert.equal(m.id, 'pdserve');
+      const bad = (e: unknown) => e instanceof OpenAI.NotFoundError && (e.error as { code?: string; param?: string }).code === 'model_not_found' && (e.error as { param?: string }).param === 'model';
+      await assert.rejects(api.completions.create({ model: 'gpt-4o', prompt: 'hi', max_tokens: 2 }), bad);
+      await assert.rejects(api.chat.completions.create({ model: 'gpt-4o', messages: [{ role: 'user', content: 'hi' }], max_tokens: 2, stream: true }), bad);
+    }
+    // PD: the GGUF's file name first (responses' model), then 'pdserve'
+    const pdNames = (await s.pd.models.list()).data.map((m) => m.id);
+    assert.equal(pdNames.length, 2);
+    assert.equal(pdNames[1], 'pdserve');
+    const r = await s.pd.completions.create({ model: pdNames[0]!, prompt: 'hi', max_tokens: 2 });
+    assert.equal(r.model, pdNames[0]);
+    // colocated with --served-model-name pdserve alias-b: exactly those, the first in responses
+    assert.deepEqual((await s.ref.models.list()).data.map((m) => m.id), ['pdserve', 'alias-b']);
+    const a = await s.ref.chat.completions.create({ model: 'alias-b', messages: [{ role: 'user', content: 'hi' }], max_tokens: 2 });
+    assert.equal(a.model, 'pdserve');
+    await assert.rejects(s.ref.completions.create({ model: pdNames[0]!, prompt: 'hi', max_tokens: 2 }), (e: unknown) => e instanceof OpenAI.NotFoundError);
+  });
+
+  test('precise 400s and OpenAI bodies for a __proto__ key, a text/plain body, broken JSON and oversized headers (431)', async () => {
+    const raw = (url: string, body: string, headers: Record<string, string> = { 'content-type': 'application/json' }) =>
+      fetch(`${url}/v1/completions`, { method: 'POST', headers, body, signal: AbortSignal.timeout(10_000) });
+    for (const url of both()) {
+      const cases: [Response, number, RegExp][] = [
+        [await raw(url, '{"model":"pdserve","prompt":"hi","__proto__":{"x":1}}'), 400, /'__proto__' is not allowed/],
+        [await raw(url, '{"model":"pdserve","prompt":"hi"}', { 'content-type': 'text/plain' }), 400, /not sent as JSON.*application\/json/],
+        [await raw(url, '{"model":"pdserve","prompt":'), 400, /could not parse the JSON body.*Unexpected end of JSON input/],
+        [await raw(url, '{"prompt":"hi"}', { 'content-type': 'application/json', 'x-filler': 'a'.repeat(20_000) }), 431, /header fields are too large/],
+      ];
+      for (const [r, status, re] of cases) {
+        assert.equal(r.status, status);
+        const e = ((await r.json()) as { error: { message: string; type: string } }).error;
+        assert.match(e.message, re);
+        assert.equal(e.type, 'invalid_request_error');
+      }
     }
   });
 

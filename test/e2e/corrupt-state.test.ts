@@ -168,7 +168,7 @@ describe('corrupt KV state reaching a real decode worker', () => {
   test('after all that, decode is idle, alive, and serves a normal request through the router', async () => {
     const d = c.byRole('decode')[0]!;
     assert.ok(await waitFor(async () => (await busy(d.url)) === 0, 1000), JSON.stringify(await getJson(`${d.url}/health`)));
-    const r = await client(c.router.url).completions.create({ model: 'x', prompt: 'hello there', max_tokens: 8, temperature: 0 });
+    const r = await client(c.router.url).completions.create({ model: 'pdserve', prompt: 'hello there', max_tokens: 8, temperature: 0 });
     assert.ok(r.usage!.completion_tokens >= 1);
     for (const p of c.procs) assert.equal(p.unexpectedExits.length, 0, `${p.name} did not crash`);
   });

@@ -26,7 +26,7 @@ async function complete(headers: Record<string, string>, body: Record<string, un
   return fetch(`${c.router.url}/v1/completions`, {
     method: 'POST',
     headers: { 'content-type': 'application/json', ...headers },
-    body: JSON.stringify({ model: 'x', prompt: 'the river ran', max_tokens: 6, temperature: 0, ...body }),
+    body: JSON.stringify({ model: 'pdserve', prompt: 'the river ran', max_tokens: 6, temperature: 0, ...body }),
     signal: signal ?? AbortSignal.timeout(20_000),
   });
 }

@@ -24,7 +24,7 @@ interface Result {
 
 async function completion(base: string, prompt: string, maxTokens = 8, timeoutMs = 20_000): Promise<Result> {
   try {
-    const r = await fetch(`${base}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
+    const r = await fetch(`${base}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
     return { status: r.status, text: await r.text() };
   } catch (err) {
     return { status: 0, text: String(err) };
@@ -151,7 +151,7 @@ describe('graceful drain on SIGTERM', () => {
     const exited = exitOf(c.router);
     c.signal(c.router, 'SIGTERM');
     await new Promise((r) => setTimeout(r, 100));
-    const refused = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt: 'hi', max_tokens: 2 }) });
+    const refused = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'hi', max_tokens: 2 }) });
     assert.equal(refused.status, 503);
     assert.equal(((await refused.json()) as any).error.code, 'draining');
     const h = await fetch(`${c.router.url}/health`);

@@ -34,7 +34,7 @@ const debug = (role: 'prefill' | 'decode') => getJson<Debug>(`${url(role)}/debug
 /** POST a streamed completion and read it to the end; resolves with the HTTP status (0 when aborted). */
 async function completion(body: Record<string, unknown>, signal?: AbortSignal): Promise<{ status: number; text: string }> {
   try {
-    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', temperature: 0, ...body }), signal: signal ?? AbortSignal.timeout(15_000) });
+    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', temperature: 0, ...body }), signal: signal ?? AbortSignal.timeout(15_000) });
     return { status: r.status, text: await r.text() };
   } catch {
     return { status: 0, text: '' };

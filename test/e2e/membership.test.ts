@@ -33,7 +33,7 @@ let kv: Etcd3;
 
 async function completion(prompt: string, maxTokens = 8): Promise<{ status: number; text: string }> {
   try {
-    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(20_000) });
+    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(20_000) });
     return { status: r.status, text: await r.text() };
   } catch (err) {
     return { status: 0, text: String(err) };

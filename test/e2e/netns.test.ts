@@ -78,8 +78,8 @@ describe('several hosts in network namespaces', { skip: why ? `cannot run here: 
     const ref = client(c.colocated!.url);
     for (let i = 0; i < 3; i++) {
       const prompt = promptOf(40 + 10 * i, i);
-      const a = await pd.completions.create({ model: 'x', prompt, max_tokens: 16, temperature: 0 });
-      const b = await ref.completions.create({ model: 'x', prompt, max_tokens: 16, temperature: 0 });
+      const a = await pd.completions.create({ model: 'pdserve', prompt, max_tokens: 16, temperature: 0 });
+      const b = await ref.completions.create({ model: 'pdserve', prompt, max_tokens: 16, temperature: 0 });
       assert.equal(a.choices[0]!.text, b.choices[0]!.text, `prompt ${i}`);
     }
   });

@@ -156,10 +156,10 @@ describe('PD end to end', () => {
     const url = `${c.router.url}/v1/completions`;
     const bodies: [string, string][] = [
       ['invalid JSON', '{"model": "x", "prompt": '],
-      ['missing prompt', JSON.stringify({ model: 'x' })],
-      ['wrong type', JSON.stringify({ model: 'x', prompt: 'hi', max_tokens: 'ten' })],
-      ['negative max_tokens', JSON.stringify({ model: 'x', prompt: 'hi', max_tokens: -1 })],
-      ['temperature out of range', JSON.stringify({ model: 'x', prompt: 'hi', temperature: 9 })],
+      ['missing prompt', JSON.stringify({ model: 'pdserve' })],
+      ['wrong type', JSON.stringify({ model: 'pdserve', prompt: 'hi', max_tokens: 'ten' })],
+      ['negative max_tokens', JSON.stringify({ model: 'pdserve', prompt: 'hi', max_tokens: -1 })],
+      ['temperature out of range', JSON.stringify({ model: 'pdserve', prompt: 'hi', temperature: 9 })],
     ];
     for (const [name, body] of bodies) {
       const r = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body, signal: AbortSignal.timeout(5000) });
@@ -168,9 +168,9 @@ describe('PD end to end', () => {
       assert.equal(typeof j.error?.message, 'string', name);
       assert.equal(j.error?.type, 'invalid_request_error', name);
     }
-    const chat = await fetch(`${c.router.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x' }), signal: AbortSignal.timeout(5000) });
+    const chat = await fetch(`${c.router.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve' }), signal: AbortSignal.timeout(5000) });
     assert.equal(chat.status, 400);
-    const tooLong = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt: promptOf(CTX * 2), max_tokens: 10 }), signal: AbortSignal.timeout(5000) });
+    const tooLong = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: promptOf(CTX * 2), max_tokens: 10 }), signal: AbortSignal.timeout(5000) });
     assert.equal(tooLong.status, 400, 'prompt longer than the context');
     const ok = await run(pd, { name: 'after bad input', kind: 'chat', stream: true, prompt: 'still there?', maxTokens: 8 });
     assert.ok(ok.completionTokens! >= 1);

@@ -51,7 +51,7 @@ test('colocated: SIGTERM mid-stream drains: health and new requests say draining
   try {
     assert.ok(await waitFor(async () => (await health(url)).status === 200, 30_000, 50), 'colocated is up');
     // A long generation (ignore_eos) so the drain has something to wait for.
-    const long = fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt: 'once', max_tokens: 1000, ignore_eos: true, temperature: 0, stream: true }) });
+    const long = fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'once', max_tokens: 1000, ignore_eos: true, temperature: 0, stream: true }) });
     const res = await long;
     assert.equal(res.status, 200);
     const reader = res.body!.getReader();
@@ -61,7 +61,7 @@ test('colocated: SIGTERM mid-stream drains: health and new requests say draining
     const h = await health(url);
     assert.equal(h.status, 503);
     assert.equal(h.body.status, 'draining');
-    const refused = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt: 'hi', max_tokens: 2 }) });
+    const refused = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'hi', max_tokens: 2 }) });
     assert.equal(refused.status, 503);
     assert.equal(((await refused.json()) as any).error.code, 'draining');
     let text = '';

@@ -89,7 +89,7 @@ describe('worker faults b–f', () => {
     assert.equal(atPrefill.status, 400);
     assert.equal((await atPrefill.json()).error.code, 'request_too_large');
     // The router's body limit is 4 MiB: 120k empty messages fit under it.
-    const atRouter = await post(`${c.router.url}/v1/chat/completions`, { model: 'x', messages: messages.slice(0, 120_000), max_tokens: 4 });
+    const atRouter = await post(`${c.router.url}/v1/chat/completions`, { model: 'pdserve', messages: messages.slice(0, 120_000), max_tokens: 4 });
     assert.equal(atRouter.status, 400);
     assert.equal((await atRouter.json()).error.code, 'request_too_large');
     assert.equal((await getJson<any>(`${prefill().url}/health`)).status, 'ok');
@@ -108,7 +108,7 @@ describe('worker faults b–f', () => {
       return n;
     };
     const [sys0, can0] = [await sys(), await cancelled()];
-    const r = await post(`${c.router.url}/v1/completions`, { model: 'x', prompt: 'Once upon a time', max_tokens: CTX + 10 });
+    const r = await post(`${c.router.url}/v1/completions`, { model: 'pdserve', prompt: 'Once upon a time', max_tokens: CTX + 10 });
     assert.equal(r.status, 400);
     assert.equal((await r.json()).error.code, 'context_length_exceeded');
     // The router cancels the decode leg: decode counts a client cancel, not a bootstrap failure.
@@ -174,7 +174,7 @@ describe('worker faults b–f', () => {
     // Every request goes to the matching pair.
     const before = await metricSum(d1, 'pdserve_rooms_terminal_total');
     for (let i = 0; i < 6; i++) {
-      const r = await post(`${c.router.url}/v1/completions`, { model: 'x', prompt: `pair ${i}`, max_tokens: 4, temperature: 0 });
+      const r = await post(`${c.router.url}/v1/completions`, { model: 'pdserve', prompt: `pair ${i}`, max_tokens: 4, temperature: 0 });
       assert.equal(r.status, 200, `request ${i}`);
     }
     assert.equal(await metricSum(d1, 'pdserve_rooms_terminal_total'), before, 'the mismatched decode got no room');

@@ -97,7 +97,7 @@ export interface RawResult {
 export async function rawCompletion(baseUrl: string, prompt: string, maxTokens = 8, timeoutMs = 15_000): Promise<RawResult> {
   const t0 = Date.now();
   try {
-    const r = await fetch(`${baseUrl}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
+    const r = await fetch(`${baseUrl}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(timeoutMs) });
     return { status: r.status, text: await r.text(), ms: Date.now() - t0 };
   } catch (err) {
     return { status: 0, text: String(err), ms: Date.now() - t0 };

@@ -22,13 +22,13 @@ test(`PD equals colocated on Node ${process.versions.node}`, async () => {
   const ref = client(c.colocated!.url);
   const prompt = 'the river ran past old mills and quiet farms';
   let streamed = '';
-  for await (const ch of await pd.completions.create({ model: 'x', prompt, max_tokens: 12, temperature: 0, stream: true })) streamed += ch.choices[0]?.text ?? '';
-  const want = await ref.completions.create({ model: 'x', prompt, max_tokens: 12, temperature: 0 });
+  for await (const ch of await pd.completions.create({ model: 'pdserve', prompt, max_tokens: 12, temperature: 0, stream: true })) streamed += ch.choices[0]?.text ?? '';
+  const want = await ref.completions.create({ model: 'pdserve', prompt, max_tokens: 12, temperature: 0 });
   assert.ok(streamed.length > 0);
   assert.equal(streamed, want.choices[0]!.text);
   const messages = [{ role: 'user' as const, content: 'hello there' }];
-  const a = await pd.chat.completions.create({ model: 'x', messages, max_tokens: 10, temperature: 0 });
-  const b = await ref.chat.completions.create({ model: 'x', messages, max_tokens: 10, temperature: 0 });
+  const a = await pd.chat.completions.create({ model: 'pdserve', messages, max_tokens: 10, temperature: 0 });
+  const b = await ref.chat.completions.create({ model: 'pdserve', messages, max_tokens: 10, temperature: 0 });
   assert.equal(a.choices[0]!.message.content, b.choices[0]!.message.content);
   assert.equal(a.usage?.completion_tokens, b.usage?.completion_tokens);
 });

@@ -315,7 +315,7 @@ describe('router: happy paths through the openai client', () => {
   test('stream completion with include_usage', async () => {
     const s = await stack();
     s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd'], intervalMs: 1, finish: 'stop' });
-    const stream = await s.client.completions.create({ model: 'x', prompt: [1, 2, 3], max_tokens: 10, stream: true, stream_options: { include_usage: true } });
+    const stream = await s.client.completions.create({ model: 'fake-model', prompt: [1, 2, 3], max_tokens: 10, stream: true, stream_options: { include_usage: true } });
     let text = '';
     const finishes: (string | null)[] = [];
     let usage: OpenAI.CompletionUsage | undefined;
@@ -344,7 +344,7 @@ describe('router: happy paths through the openai client', () => {
       { role: 'system' as const, content: 'be brief' },
       { role: 'user' as const, content: [{ type: 'text' as const, text: 'how' }, { type: 'text' as const, text: 'are you' }] },
     ];
-    const r = await s.client.chat.completions.create({ model: 'x', messages, max_completion_tokens: 8 });
+    const r = await s.client.chat.completions.create({ model: 'fake-model', messages, max_completion_tokens: 8 });
     assert.match(r.id, /^chatcmpl-/);
     assert.equal(r.object, 'chat.completion');
     assert.deepEqual(r.choices[0]!.message.role, 'assistant');
@@ -357,7 +357,7 @@ describe('router: happy paths through the openai client', () => {
     ]);
     assert.equal(s.decode[0]!.generates[0]!.sampling_params.max_new_tokens, 8);
 
-    const stream = await s.client.chat.completions.create({ model: 'x', messages, stream: true, stream_options: { include_usage: true } });
+    const stream = await s.client.chat.completions.create({ model: 'fake-model', messages, stream: true, stream_options: { include_usage: true } });
     const chunks: OpenAI.ChatCompletionChunk[] = [];
     for await (const ch of stream) chunks.push(ch);
     assert.equal(chunks[0]!.object, 'chat.completion.chunk');
@@ -389,7 +389,7 @@ describe('router: happy paths through the openai client', () => {
     const prompts = ['alpha', 'bravo', 'charlie', 'delta', 'echo', 'foxtrot', 'golf', 'hotel'];
     const results = await Promise.all(
       prompts.map(async (p) => {
-        const st = await s.client.completions.create({ model: 'x', prompt: p, stream: true, max_tokens: 50 });
+        const st = await s.client.completions.create({ model: 'fake-model', prompt: p, stream: true, max_tokens: 50 });
         let text = '';
         const ids = new Set<string>();
         for await (const ch of st) {
@@ -426,7 +426,7 @@ describe('router: happy paths through the openai client', () => {
       { url: p.url, bootstrap_host: p.bootstrap_host, bootstrap_port: p.bootstrap_port, healthy: p.healthy, model: p.model, load: p.load, last_error: p.last_error },
       { url: s.prefill[0]!.url, bootstrap_host: '127.0.0.1', bootstrap_port: 9000, healthy: true, model: 'fake-model', load: 0, last_error: null },
     );
-    await s.client.completions.create({ model: 'x', prompt: 'hi', stream: true }).then(async (st) => {
+    await s.client.completions.create({ model: 'fake-model', prompt: 'hi', stream: true }).then(async (st) => {
       for await (const _ of st);
     });
     const m = await (await fetch(`${s.router.url}/metrics`)).text();
@@ -450,7 +450,7 @@ describe('router: failures', () => {
   test('a request refused before dispatch (400, malformed JSON) does not stay in flight in /debug/traces', async () => {
     const s = await stack();
     const post = (body: string) => fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
-    assert.equal((await post(JSON.stringify({ model: 'x', prompt: 'p', foo_bar: 1 }))).status, 400);
+    assert.equal((await post(JSON.stringify({ model: 'fake-model', prompt: 'p', foo_bar: 1 }))).status, 400);
     assert.equal((await post('{"model":')).status, 400);
     const active = async () => ((await (await fetch(`${s.router.url}/debug/traces?active=1`)).json()) as { traces: unknown[] }).traces.length;
     const all = ((await (await fetch(`${s.router.url}/debug/traces`)).json()) as { traces: { outcome: string | null }[] }).traces;
@@ -463,7 +463,7 @@ describe('router: failures', () => {
     const s = await stack();
     s.decode[0]!.decode = () => ({ tokens: Array.from({ length: 2000 }, (_, i) => `t${i} `), intervalMs: 10 });
     const ac = new AbortController();
-    const st = await s.client.completions.create({ model: 'x', prompt: 'long', stream: true, max_tokens: 2000 }, { signal: ac.signal });
+    const st = await s.client.completions.create({ model: 'fake-model', prompt: 'long', stream: true, max_tokens: 2000 }, { signal: ac.signal });
     let rid = '';
     let n = 0;
     // openai v6 ends the iteration quietly on abort (it swallows the AbortError).
@@ -490,7 +490,7 @@ describe('router: failures', () => {
     s.prefill[0]!.prefill = () => ({ delayMs: 5000 });
     s.decode[0]!.decode = () => ({ startDelayMs: 5000, tokens: ['x'] });
     const ac = new AbortController();
-    const p = s.client.completions.create({ model: 'x', prompt: 'slow', max_tokens: 5 }, { signal: ac.signal });
+    const p = s.client.completions.create({ model: 'fake-model', prompt: 'slow', max_tokens: 5 }, { signal: ac.signal });
     assert.ok(await waitFor(() => s.decode[0]!.generates.length === 1 && s.prefill[0]!.generates.length === 1, 1000));
     ac.abort();
     await assert.rejects(p);
@@ -508,7 +508,7 @@ describe('router: failures', () => {
       s.decode[0]!.decode = () => ({ startDelayMs: 30_000, tokens: ['never'] });
       const t0 = Date.now();
       await assert.rejects(async () => {
-        const r = await s.client.completions.create({ model: 'x', prompt: 'p', stream });
+        const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p', stream });
         if (stream) for await (const _ of r as AsyncIterable<unknown>);
       }, isApiError(500, /prefill worker error: KV transfer failed: peer lost/));
       assert.ok(Date.now() - t0 < 1000, `error after ${Date.now() - t0} ms`);
@@ -525,7 +525,7 @@ describe('router: failures', () => {
     const s = await stack();
     s.prefill[0]!.prefill = () => ({ delayMs: 1, status: 400, message: 'prompt (2000 tokens) + max_tokens (10) exceeds the context size (1024 tokens)', code: 'context_length_exceeded' });
     s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), (e: unknown) => {
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), (e: unknown) => {
       isApiError(400, /exceeds the context size/)(e);
       assert.equal((e as InstanceType<typeof OpenAI.APIError>).code, 'context_length_exceeded');
       return true;
@@ -538,7 +538,7 @@ describe('router: failures', () => {
     s.prefill[0]!.prefill = () => ({ delayMs: 30_000 });
     s.decode[0]!.decode = () => ({ startDelayMs: 10, status: 503, message: 'decode prealloc queue is full' });
     const t0 = Date.now();
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p', stream: true }), isApiError(503, /decode prealloc queue is full/));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true }), isApiError(503, /decode prealloc queue is full/));
     assert.ok(Date.now() - t0 < 1000);
     const rid = s.prefill[0]!.generates[0]!.rid;
     assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1, 1000));
@@ -552,14 +552,14 @@ describe('router: failures', () => {
     s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd'], intervalMs: 1, errorAfter: 2 });
     let got = '';
     await assert.rejects(async () => {
-      const st = await s.client.completions.create({ model: 'x', prompt: 'p', stream: true });
+      const st = await s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true });
       for await (const ch of st) got += ch.choices[0]?.text ?? '';
     }, isApiError(undefined, /decode worker error: slot exploded/));
     assert.equal(got, 'ab');
     const raw = await (await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'x', stream: true }) })).text();
     assert.match(raw, /data: \{"error":\{"message":"decode worker error: slot exploded"/);
     assert.ok(!raw.includes('[DONE]'));
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(500, /slot exploded/));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(500, /slot exploded/));
     await assertReleased(s);
     assert.equal(await outcomeCount(s, 'error'), 3);
   });
@@ -567,14 +567,14 @@ describe('router: failures', () => {
   test('decode stream that ends without a finish event → 502', async () => {
     const s = await stack();
     s.decode[0]!.decode = () => ({ tokens: ['a', 'b'], truncateAfter: 1 });
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(502, /ended its stream before the finish event/));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(502, /ended its stream before the finish event/));
     await assertReleased(s);
   });
 
   test('decode finish_reason abort → 500 error, not a normal end', async () => {
     const s = await stack();
     s.decode[0]!.decode = () => ({ tokens: ['a'], finish: 'abort' });
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(500, /generation aborted/));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(500, /generation aborted/));
     await assertReleased(s);
   });
 
@@ -582,7 +582,7 @@ describe('router: failures', () => {
     const s = await stack();
     s.prefill[0]!.prefill = () => ({ delayMs: 40, status: 500, message: 'late ack timeout' });
     s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c', 'd', 'e'], intervalMs: 20, finish: 'stop' });
-    const r = await s.client.completions.create({ model: 'x', prompt: 'p' });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
     assert.equal(r.choices[0]!.text, 'abcde');
     await assertReleased(s);
   });
@@ -591,7 +591,7 @@ describe('router: failures', () => {
     const s = await stack();
     s.prefill[0]!.prefill = () => ({ delayMs: 300 });
     const t0 = Date.now();
-    const r = await s.client.completions.create({ model: 'x', prompt: 'p' });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
     assert.ok(Date.now() - t0 < 250, 'response does not wait for prefill');
     assert.equal(r.choices[0]!.text, 'Hello, world');
     assert.equal(s.router.registry.workers[0]!.load, 1, 'prefill lease still held while its answer is pending');
@@ -605,7 +605,7 @@ describe('router: failures', () => {
     s.prefill[0]!.prefill = () => ({ delayMs: 30_000 });
     s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
     const t0 = Date.now();
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(504, /timed out after 300 ms/));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(504, /timed out after 300 ms/));
     assert.ok(Date.now() - t0 < 1000);
     const rid = s.decode[0]!.generates[0]!.rid;
     assert.ok(await waitFor(() => s.prefill[0]!.abortsFor(rid).length === 1 && s.decode[0]!.abortsFor(rid).length === 1, 1000));
@@ -615,7 +615,7 @@ describe('router: failures', () => {
     s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c'], hangAfter: 2 });
     let got = '';
     await assert.rejects(async () => {
-      const st = await s.client.completions.create({ model: 'x', prompt: 'p', stream: true });
+      const st = await s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true });
       for await (const ch of st) got += ch.choices[0]?.text ?? '';
     }, isApiError(undefined, /timed out/));
     assert.equal(got, 'ab');
@@ -645,7 +645,7 @@ describe('router: failures', () => {
     const s = await stack();
     await s.prefill[0]!.close();
     await s.router.registry.checkAll();
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503, /no healthy prefill worker/));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(503, /no healthy prefill worker/));
     const h = await fetch(`${s.router.url}/health`);
     assert.equal(h.status, 503);
     const w = await (await fetch(`${s.router.url}/workers`)).json();
@@ -660,11 +660,11 @@ describe('router: failures', () => {
     assert.equal(s2.router.registry.healthyCount('decode'), 1, 'one failed probe is not enough (no flapping)');
     await s2.router.registry.checkAll();
     assert.equal(s2.router.registry.healthyCount('decode'), 0, 'two in a row are');
-    await assert.rejects(s2.client.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: 'hi' }] }), isApiError(503, /no healthy decode worker/));
+    await assert.rejects(s2.client.chat.completions.create({ model: 'fake-model', messages: [{ role: 'user', content: 'hi' }] }), isApiError(503, /no healthy decode worker/));
     // Recovers on the next probe.
     s2.decode[0]!.health = () => ({ code: 200, body: { status: 'ok', role: 'decode', model: 'fake-model' } });
     assert.ok(await waitFor(() => s2.router.registry.healthyCount('decode') === 1, 1000));
-    const ok = await s2.client.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: 'hi' }] });
+    const ok = await s2.client.chat.completions.create({ model: 'fake-model', messages: [{ role: 'user', content: 'hi' }] });
     assert.equal(ok.choices[0]!.message.content, 'Hello, world');
     await assertReleased(s2);
   });
@@ -675,7 +675,7 @@ describe('router: failures', () => {
     await s.router.registry.checkAll();
     await s.router.registry.checkAll();
     assert.match(String(s.router.registry.workers[0]!.lastError), /role is "decode", expected 'prefill'/);
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), isApiError(503));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(503));
   });
 
   test('prefill unreachable at dispatch → marked unhealthy at once, decode aborted; no other prefill → 503', async () => {
@@ -683,7 +683,7 @@ describe('router: failures', () => {
     s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
     await s.prefill[0]!.close();
     let rid = '';
-    await assert.rejects(s.client.completions.create({ model: 'x', prompt: 'p' }), (e: unknown) => {
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), (e: unknown) => {
       isApiError(503, /no healthy prefill/)(e);
       rid = String((e as InstanceType<typeof OpenAI.APIError>).requestID);
       return true;
@@ -700,7 +700,7 @@ describe('router: failures', () => {
     await s.prefill[0]!.close();
     await s.decode[1]!.close();
     for (let i = 0; i < 4; i++) {
-      const r = await s.client.completions.create({ model: 'x', prompt: `p${i}` });
+      const r = await s.client.completions.create({ model: 'fake-model', prompt: `p${i}` });
       assert.equal(r.choices.length, 1, 'served by the live pair');
     }
     assert.equal(s.router.registry.workers.filter((w) => w.healthy).length, 2, 'both dead workers marked unhealthy');
@@ -713,7 +713,7 @@ describe('router: failures', () => {
     const post = (body: string, url = '/v1/completions') => fetch(`${s.router.url}${url}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
     for (const [body, status, re] of [
       ['{"model": "x", "prompt": ', 400, /JSON/],
-      [JSON.stringify({ model: 'x' }), 400, /prompt/],
+      [JSON.stringify({ model: 'fake-model' }), 400, /prompt/],
       [JSON.stringify({ prompt: 'x', max_tokens: -1 }), 400, /max_tokens/],
       [JSON.stringify({ prompt: 'x', max_tokens: 'ten' }), 400, /max_tokens/],
       [JSON.stringify({ prompt: 'x', n: 17 }), 400, /exceeds the limit of 16/],
@@ -725,7 +725,7 @@ describe('router: failures', () => {
       assert.match(j.error.message, re);
       assert.equal(j.error.type, 'invalid_request_error');
     }
-    const chat = await post(JSON.stringify({ model: 'x' }), '/v1/chat/completions');
+    const chat = await post(JSON.stringify({ model: 'fake-model' }), '/v1/chat/completions');
     assert.equal(chat.status, 400);
     assert.match(((await chat.json()) as any).error.message, /messages/);
     assert.equal(s.prefill[0]!.generates.length + s.decode[0]!.generates.length, 0);
@@ -829,7 +829,7 @@ describe('router: scheduling and load accounting', () => {
   test('concurrent requests spread over two decode workers; all released after', async () => {
     const s = await stack({ decode: 2 });
     for (const d of s.decode) d.decode = () => ({ tokens: ['a', 'b', 'c'], intervalMs: 100 });
-    const runs = Array.from({ length: 4 }, () => s.client.completions.create({ model: 'x', prompt: 'p' }));
+    const runs = Array.from({ length: 4 }, () => s.client.completions.create({ model: 'fake-model', prompt: 'p' }));
     assert.ok(await waitFor(() => s.decode[0]!.generates.length + s.decode[1]!.generates.length === 4, 1000));
     assert.deepEqual(
       s.router.registry.workers.filter((w) => w.role === 'decode').map((w) => w.load),
@@ -848,7 +848,7 @@ describe('router: scheduling and load accounting', () => {
     const conv = (who: string) => Array.from({ length: 4 }, (_, r) => `${who}: the shared system prompt and tools. ${Array.from({ length: r + 1 }, (_, k) => `round ${k} result`).join(' ')}`);
     for (const policy of [undefined, 'round_robin'] as const) {
       const s = await stack({ prefill: 2, ...(policy ? { policy } : {}) });
-      for (const prompt of [...conv('agent A'), ...conv('agent B')]) await s.client.completions.create({ model: 'x', prompt });
+      for (const prompt of [...conv('agent A'), ...conv('agent B')]) await s.client.completions.create({ model: 'fake-model', prompt });
       const seen = s.prefill.map((p) => p.generates.map((g) => String(g.text).slice(0, 7)));
       if (policy === undefined) {
         assert.deepEqual(seen.map((x) => new Set(x).size), [1, 1], `one conversation per worker: ${JSON.stringify(seen)}`);
@@ -881,7 +881,7 @@ describe('router: scheduling and load accounting', () => {
         const ac = new AbortController();
         // Abort once the router dispatched it (a request aborted before it is sent never reaches the router).
         if (n % 5 === 4) void waitFor(() => s.prefill[0]!.generates.some((g) => g.text === String(n)), 3000).then(() => setTimeout(() => ac.abort(), 5));
-        const st = await s.client.completions.create({ model: 'x', prompt: String(n), stream: n % 2 === 0 }, { signal: ac.signal });
+        const st = await s.client.completions.create({ model: 'fake-model', prompt: String(n), stream: n % 2 === 0 }, { signal: ac.signal });
         if (n % 2 === 0) for await (const _ of st as AsyncIterable<unknown>);
       }),
     );
