@@ -1,21 +1,24 @@
 /**
- * Decode worker: accepts `POST /generate` with bootstrap fields, reserves a sequence slot
- * (prealloc queue), registers the room with the prefill worker over the KV channel, receives the
- * enveloped state (transfer queue), validates it completely (envelope + ggsq walk) before
- * llama.cpp sees a byte, loads it into the slot and streams tokens (running batch: all slots of
- * one llama.cpp context, batched by node-llama-cpp).
+ * Decode worker: the I/O shell around the sans-IO `DecodeDriver` (driver.ts). It accepts
+ * `POST /generate` with bootstrap fields, dials prefill's bootstrap listener over the KV peer pool,
+ * receives the enveloped state (validated completely — envelope + ggsq walk — before llama.cpp
+ * sees a byte), loads it into a sequence slot and streams tokens (running batch: all slots of one
+ * llama.cpp context, batched by node-llama-cpp). It makes no room decision itself: every input
+ * goes to the driver, every `DecodeAction` it returns is performed here, in order. The simulator
+ * runs the same driver over simulated I/O.
  *
- * Room state lives only in the lifecycle core (`RoomTable`). The slot is released in exactly one
- * place: the `finally` of the request handler, after any engine call on it has settled.
+ * Queues (SGLang's names): prealloc (waiting for a slot), transfer (slot held: registering,
+ * waiting for or receiving KV, loading), running (generating). The engine slot is taken on the
+ * driver's `assign_slot` and given back on its `release` — the one place, after any engine
+ * call on it has settled.
  */
 import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
-import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
+import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
-import { checkAnnounced, KvReception } from './receive.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
@@ -32,53 +35,45 @@ import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
-import { RoomTable } from '../kv/lifecycle.js';
-import { failureFromWire, type ControlMsg, type EnvelopeHeader } from '../kv/messages.js';
-import { KVPoll, type Effect, type RoomEvent, type RoomId } from '../kv/types.js';
+import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
+import { KVPoll, type RoomId } from '../kv/types.js';
+import { DecodeDriver, type ConnId, type DecodeAction, type PrefillAddr } from './driver.js';
 
+/** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {
   room: RoomId;
   rid: string;
   sampling: SamplingParams;
   /** The router has token 1 from prefill (`first_token_from_prefill`): stream from token 2. */
   skipFirst: boolean;
-  /** "host:port" of the prefill bootstrap listener; also the room's peer key. */
-  peerKey: string;
   host: string;
   port: number;
+  /** Fires when the room fails or the client goes: stops the register hold, the load hold, generation. */
   ac: AbortController;
   slot?: Slot;
-  conn?: PeerConn;
   /** The incoming state: validated and written to its file as the chunks arrive. */
   recv?: StateReceiver<ParsedState>;
-  /** The shared reception rule (in order, inside the announced size), see decode/receive.ts. */
-  rx?: KvReception;
-  /** In-flight engine load, awaited before the slot is released. */
-  loading?: Promise<void>;
-  /** Resolves with the envelope header when the room reaches Success. */
+  /** Resolves with the envelope header when generation may start (`generate`); rejects on `finish` Failed. */
   ready: Deferred<EnvelopeHeader>;
   header?: EnvelopeHeader;
   /** When KV_BEGIN arrived (ms), for pdserve_kv_transfer_seconds. */
   tKvBegin?: number;
-  /** What the worker is doing for the request right now (shown in /debug/rooms). */
-  step: 'prealloc' | 'registering' | 'waiting_kv' | 'receiving' | 'loading' | 'decoding';
   t0: number;
 }
 
 /** A running decode worker. Create with `startDecodeWorker`. */
 export class DecodeWorker {
-  readonly rooms: RoomTable;
+  readonly driver: DecodeDriver;
   readonly metrics: WorkerMetrics;
   readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
   /** Trace id per room, for /debug/rooms. */
   readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
-  private readonly byRid = new Map<string, RoomId>();
-  /** FIFO of rooms waiting for a free slot. */
-  private readonly prealloc = new Set<RoomId>();
-  /** Requests generating tokens now. */
-  private running = 0;
+  /** Live connections by the id the driver knows them by (one id per connection object). */
+  private readonly conns = new Map<ConnId, PeerConn>();
+  private readonly connIds = new WeakMap<PeerConn, ConnId>();
+  private connSeq = 0;
   /** Write buffers of the streaming receivers, reused across transfers. */
   private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   private watchdog?: NodeJS.Timeout;
@@ -91,22 +86,20 @@ export class DecodeWorker {
     readonly engine: Engine,
     readonly log: Logger,
   ) {
-    this.rooms = new RoomTable('decode', config.timeouts);
+    this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry);
   }
 
-  /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
-  queueSizes(): Record<string, number> {
-    let prealloc = 0;
-    let transfer = 0;
-    for (const r of this.rooms.rooms()) {
-      if (r.phase === 'prealloc') prealloc++;
-      else transfer++;
-    }
-    return { decode_prealloc_queue: prealloc, decode_transfer_queue: transfer, decode_running: this.running, decode_slots_used: this.engine.info.sequences - this.engine.slotsFree() };
+  /** The driver's room table (the lifecycle core). */
+  get rooms() {
+    return this.driver.rooms;
   }
 
+  /** Queue name → entries. prealloc and transfer derive from room phases; running is the batch. */
+  queueSizes(): Record<string, number> {
+    return this.driver.queueSizes();
+  }
 
   async start(): Promise<void> {
     const c = this.config;
@@ -120,7 +113,12 @@ export class DecodeWorker {
       log: this.log.child({ part: 'kv' }),
       onMessage: (conn, msg) => this.onControl(conn, msg),
       onChunk: (conn, room, offset, data) => this.onChunk(conn, room, offset, data),
-      onPeerLost: (conn, reason) => this.onPeerLost(conn, reason),
+      onPeerLost: (conn, reason) => {
+        const id = this.connIds.get(conn);
+        if (id === undefined) return;
+        this.conns.delete(id);
+        this.perform(this.driver.peerLost(id, reason, Date.now()));
+      },
     });
     this.app = createWorkerApp({
       log: this.log,
@@ -139,19 +137,18 @@ export class DecodeWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        const decoding = [...this.jobs.values()].filter((j) => j.step === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: 'pd', cached_tokens: j.header?.cachedTokens ?? 0 }));
-        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.jobs.get(r.room)?.step ?? null, path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding });
+        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: 'pd', cached_tokens: j.header?.cachedTokens ?? 0 }));
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
     this.app.post('/abort_request', async (req) => {
       const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      const id = parseRoomId(b.bootstrap_room) ?? (typeof b.rid === 'string' ? this.byRid.get(b.rid) : undefined);
-      if (id) this.abort(id, 'router');
+      this.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), 'router');
       return { ok: true };
     });
     this.url = await listenUrl(this.app, c.host, c.port);
-    this.watchdog = setInterval(() => this.run(this.rooms.tick(Date.now())), c.watchdogMs);
+    this.watchdog = setInterval(() => this.perform(this.driver.tick(Date.now())), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
     if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
@@ -160,244 +157,199 @@ export class DecodeWorker {
   async close(): Promise<void> {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
-    for (const r of this.rooms.rooms()) this.apply(r.id, { t: 'abort', from: 'local', failure: failure('shutting_down', 'decode worker shutting down') });
+    this.perform(this.driver.shutdown(Date.now()));
     for (const j of this.jobs.values()) j.ac.abort();
     await this.app?.close().catch(() => {});
     await this.pool?.close();
     await this.engine.dispose();
   }
 
-  // ---- lifecycle plumbing ---------------------------------------------------------------------
-
-  private apply(room: RoomId, ev: RoomEvent): void {
-    this.run(this.rooms.apply(room, ev, Date.now()));
+  /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. */
+  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local'): void {
+    const id = room ?? (rid !== undefined ? this.driver.roomOfRid(rid) : undefined);
+    this.perform(this.driver.abort(rid, room, from, Date.now()));
+    if (id !== undefined) this.jobs.get(id)?.ac.abort();
   }
 
-  private run(effects: Effect[]): void {
-    for (const e of effects) {
-      switch (e.t) {
-        case 'send_register':
-          void this.register(e.room);
-          break;
-        case 'send_ack': {
-          const job = this.jobs.get(e.room);
-          job?.conn?.sendControl({ type: 'kv_ack', room: e.room, epoch: this.epoch });
+  // ---- the driver's actions ------------------------------------------------------------------
+
+  /** Perform the driver's actions, in order. */
+  private perform(actions: DecodeAction[]): void {
+    for (const a of actions) {
+      switch (a.a) {
+        case 'assign_slot': {
+          const job = this.jobs.get(a.room);
+          const slot = this.engine.tryAcquireSlot();
+          if (job && slot) job.slot = slot;
+          else {
+            slot?.release();
+            this.log.error({ room: a.room }, 'the engine had no free sequence for a slot the driver handed out');
+            this.perform(this.driver.fail(a.room, failure('engine_failed', 'no free decode sequence'), Date.now()));
+          }
           break;
         }
-        case 'notify_peer': {
-          const job = this.jobs.get(e.room);
-          if (job) this.tellPrefill(job, e.room, e.failure);
+        case 'release': {
+          const job = this.jobs.get(a.room);
+          if (a.slot) job?.slot?.release();
+          this.jobs.delete(a.room);
           break;
         }
-        case 'terminal':
-          this.finish(e.room, e.state, e.failure);
+        case 'dial':
+          void this.dial(a.room, a.addr);
           break;
-        case 'illegal':
-        case 'late':
-        case 'expired':
-          this.metrics.recordDiagnostic(e, this.log, this.traces.get(e.room));
+        case 'register':
+          if (!this.conns.get(a.conn)?.sendControl(a.msg)) this.perform(this.driver.registerFailed(a.room, failure('peer_lost', 'connection closed before register'), Date.now()));
           break;
-        default:
+        case 'send':
+          this.send(a);
+          break;
+        case 'recv_begin':
+          this.recvBegin(a.room, a.totalBytes);
+          break;
+        case 'load':
+          void this.load(a.room);
+          break;
+        case 'generate': {
+          const job = this.jobs.get(a.room);
+          if (job?.header) job.ready.resolve(job.header);
+          else this.perform(this.driver.generationDone(a.room, Date.now()));
+          break;
+        }
+        case 'finish':
+          this.finish(a);
+          break;
+        case 'diag':
+          this.metrics.recordDiagnostic(a.effect, this.log, this.traces.get(a.effect.room));
+          break;
+        case 'stray':
+          this.log.debug({ room: a.room, peer: a.conn, type: a.what }, 'message for a room not registered on this connection: ignored');
           break;
       }
     }
   }
 
-  /** Room terminal: drop its queue entry and receive buffer, wake the request handler. */
-  private finish(room: RoomId, state: KVPoll, f: RoomFailure | undefined): void {
-    this.prealloc.delete(room);
-    const job = this.jobs.get(room);
+  /** The one answer per room (the driver's `finish`): metrics, receive buffer, the request's promise. */
+  private finish(a: Extract<DecodeAction, { a: 'finish' }>): void {
+    const job = this.jobs.get(a.room);
+    this.metrics.recordTerminal(a.state, a.failure, a.registered);
     if (!job) return;
-    if (job.recv && state !== KVPoll.Success) void job.recv.discard();
-    this.metrics.recordTerminal(state, f, job.step !== 'prealloc' && job.step !== 'registering');
-    if (state === KVPoll.Success && job.header) {
-      job.step = 'decoding';
+    if (job.recv && a.state !== KVPoll.Success) void job.recv.discard();
+    if (a.state === KVPoll.Success) {
       if (job.tKvBegin) this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
-      job.ready.resolve(job.header);
-    } else {
-      job.ac.abort();
-      job.ready.reject(ApiError.fromFailure(f ?? failure('internal_error', 'room failed')));
+      return; // the stream starts on `generate`
     }
-    this.admit();
+    job.ac.abort();
+    job.ready.reject(ApiError.fromFailure(a.failure ?? failure('internal_error', 'room failed')));
   }
 
-  abort(room: RoomId, from: 'router' | 'client' | 'local'): void {
-    const job = this.jobs.get(room);
-    if (this.rooms.has(room)) this.apply(room, { t: 'abort', from, failure: from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', from === 'router' ? 'abort_request from the router' : 'the client closed the request') });
-    job?.ac.abort();
-  }
-
-  /** Hand free slots to the oldest prealloc rooms. */
-  private admit(): void {
-    while (this.prealloc.size > 0) {
-      const room = this.prealloc.values().next().value as RoomId;
-      const job = this.jobs.get(room);
-      if (!job) {
-        this.prealloc.delete(room);
-        continue;
-      }
-      const slot = this.engine.tryAcquireSlot();
-      if (!slot) return;
-      this.prealloc.delete(room);
-      job.slot = slot;
-      job.step = 'registering';
-      this.apply(room, { t: 'slot_reserved' });
+  /** A control message to prefill: on its connection if alive, else (with `addr`) on a pooled one — opened if needed. */
+  private send(a: Extract<DecodeAction, { a: 'send' }>): void {
+    const conn = a.conn !== undefined ? this.conns.get(a.conn) : undefined;
+    if (conn?.alive) {
+      conn.sendControl(a.msg);
+      return;
     }
+    if (a.addr === undefined) return;
+    const { host, port } = splitAddr(a.addr);
+    this.pool.get(host, port).then(
+      (c) => void c.sendControl(a.msg),
+      (err: Error) => this.log.debug({ room: a.room, prefill: a.addr, err: err.message }, 'could not tell prefill about a failed room'),
+    );
   }
 
-  private async register(room: RoomId): Promise<void> {
+  // ---- the channel port -----------------------------------------------------------------------
+
+  /** The id the driver knows `conn` by (a new id per connection object). */
+  private idOf(conn: PeerConn): ConnId {
+    let id = this.connIds.get(conn);
+    if (id === undefined) {
+      id = `${conn.id}/${++this.connSeq}`;
+      this.connIds.set(conn, id);
+      this.conns.set(id, conn);
+    }
+    return id;
+  }
+
+  /** The driver's `dial`: open (or reuse) the pooled connection to the room's prefill; answer `dialed` / `registerFailed`. */
+  private async dial(room: RoomId, addr: PrefillAddr): Promise<void> {
     const job = this.jobs.get(room);
     if (!job) return;
     await hold('decode.register', job.ac.signal);
-    if (!this.jobs.has(room) || job.ac.signal.aborted) return;
     let conn: PeerConn;
     try {
       conn = await this.pool.get(job.host, job.port);
     } catch (err) {
       const code = errorCodeOf(err) === 'settings_mismatch' ? 'settings_mismatch' : 'peer_unreachable';
-      this.apply(room, { t: 'fail', failure: failure(code, `cannot pair with prefill ${job.peerKey}: ${(err as Error).message}`) });
+      this.perform(this.driver.registerFailed(room, failure(code, `cannot pair with prefill ${addr}: ${(err as Error).message}`), Date.now()));
       return;
     }
-    if (!this.jobs.has(room) || job.ac.signal.aborted) return;
-    job.conn = conn;
-    if (!conn.sendControl({ type: 'register', room, rid: job.rid, epoch: this.epoch })) {
-      this.apply(room, { t: 'peer_lost', failure: failure('peer_lost', 'connection closed before register') });
-    }
-  }
-
-  /** Wire FAIL for `room` to its prefill, on the room's connection or a (new) pooled one. */
-  private tellPrefill(job: Job, room: RoomId, f: RoomFailure): void {
-    const msg = { type: 'fail', room, code: f.code, detail: f.detail, epoch: this.epoch } as const;
-    if (job.conn?.alive) {
-      job.conn.sendControl(msg);
-      return;
-    }
-    this.tellPrefillAt(job.host, job.port, room, f);
-  }
-
-  /**
-   * Wire FAIL for a room decode never registered (prealloc deadline, prealloc queue full,
-   * refused request): opens the pooled connection to that prefill if needed (bounded by the
-   * connect timeout), so prefill frees the room at once instead of at its bootstrap deadline.
-   */
-  private tellPrefillAt(host: string, port: number, room: RoomId, f: RoomFailure): void {
-    this.pool.get(host, port).then(
-      (conn) => void conn.sendControl({ type: 'fail', room, code: f.code, detail: f.detail, epoch: this.epoch }),
-      (err: Error) => this.log.debug({ room, prefill: `${host}:${port}`, err: err.message }, 'could not tell prefill about a failed room'),
-    );
-  }
-
-  // ---- KV channel -----------------------------------------------------------------------------
-
-  /** The job for a room, only when `conn` is the connection that room registered on. */
-  private jobOn(conn: PeerConn, room: RoomId): Job | undefined {
-    const job = this.jobs.get(room);
-    if (!job || job.conn !== conn) {
-      this.log.debug({ room, peer: conn.id }, 'message for a room not registered on this connection: ignored');
-      return undefined;
-    }
-    return job;
+    this.perform(this.driver.dialed(room, this.idOf(conn), Date.now()));
   }
 
   private onControl(conn: PeerConn, msg: ControlMsg): void {
     switch (msg.type) {
-      case 'registered': {
-        const job = this.jobOn(conn, msg.room);
-        if (!job) return;
-        job.step = 'waiting_kv';
-        this.apply(msg.room, { t: 'registered' });
-        return;
-      }
-      case 'kv_begin': {
-        const job = this.jobOn(conn, msg.room);
-        if (!job) return;
-        const bad = checkAnnounced(msg.totalBytes, this.config.maxStateBytes);
-        if (bad) {
-          this.apply(msg.room, { t: 'fail', failure: bad });
-          return;
-        }
-        const info = this.engine.info;
-        job.recv = new StateReceiver({
-          totalBytes: msg.totalBytes,
-          expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
-          walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
-          path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${msg.room}.ggsq`),
-          pool: this.kvPool,
-        });
-        job.rx = new KvReception(msg.totalBytes);
-        job.step = 'receiving';
-        job.tKvBegin = Date.now();
-        this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes });
-        return;
-      }
-      case 'kv_end': {
-        const job = this.jobOn(conn, msg.room);
-        if (!job) return;
-        const incomplete = job.recv && job.rx ? job.rx.end() : failure('kv_transfer_failed', 'kv_end before kv_begin');
-        if (incomplete) {
-          this.apply(msg.room, { t: 'fail', failure: incomplete });
-          return;
-        }
-        job.step = 'loading';
-        job.loading = this.load(job);
-        return;
-      }
+      case 'registered':
+      case 'kv_begin':
+      case 'kv_end':
       case 'fail':
-        if (this.jobOn(conn, msg.room)) this.apply(msg.room, { t: 'abort', from: 'peer', failure: failureFromWire(msg, 'prefill') });
+        this.perform(this.driver.message(this.idOf(conn), conn.peerEpoch, msg, Date.now()));
         return;
       default:
         this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on decode');
     }
   }
 
-  private onChunk(conn: PeerConn, room: RoomId, offset: number, data: Buffer): void {
-    const job = this.jobOn(conn, room);
+  /** The driver's `recv_begin`: a streamed receiver that validates and writes the state as it comes. */
+  private recvBegin(room: RoomId, totalBytes: number): void {
+    const job = this.jobs.get(room);
     if (!job) return;
-    const r = job.recv;
-    if (!r) {
-      this.apply(room, { t: 'fail', failure: failure('kv_transfer_failed', 'chunk before kv_begin') });
-      return;
-    }
-    const out = job.rx!.accept(offset, data.length);
-    if (out) {
-      this.apply(room, { t: 'fail', failure: out });
-      return;
-    }
-    try {
-      r.push(data);
-    } catch (err) {
-      this.apply(room, { t: 'fail', failure: failure('bad_state', (err as Error).message) });
-      return;
-    }
-    this.metrics.kvBytes.inc(data.length);
-    this.apply(room, { t: 'progress', bytes: data.length });
+    const info = this.engine.info;
+    job.recv = new StateReceiver({
+      totalBytes,
+      expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
+      walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
+      path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`),
+      pool: this.kvPool,
+    });
+    job.tKvBegin = Date.now();
   }
 
-  private onPeerLost(conn: PeerConn, reason: string): void {
-    const rooms = [...this.jobs.values()].filter((j) => j.conn === conn).map((j) => j.room);
-    for (const room of rooms) this.apply(room, { t: 'peer_lost', failure: failure('peer_lost', reason) });
+  private onChunk(conn: PeerConn, room: RoomId, offset: number, data: Buffer): void {
+    const { store, actions } = this.driver.chunk(this.idOf(conn), room, offset, data.length, Date.now());
+    if (store) {
+      const recv = this.jobs.get(room)?.recv;
+      try {
+        if (!recv) throw new Error('no receiver for an accepted chunk');
+        recv.push(data);
+        this.metrics.kvBytes.inc(data.length);
+      } catch (err) {
+        this.perform(actions);
+        this.perform(this.driver.fail(room, failure('bad_state', (err as Error).message), Date.now()));
+        return;
+      }
+    }
+    this.perform(actions);
   }
 
-  /** kv_end: finish the streamed receive (complete, checksum, structure end, file written), then load it into the room's slot. */
-  private async load(job: Job): Promise<void> {
-    const { room } = job;
-    const recv = job.recv!;
+  // ---- the engine port ------------------------------------------------------------------------
+
+  /** The driver's `load`: finish the streamed receive (complete, checksum, structure end, file written), load it into the slot; answer `loadDone` / `loadFailed`. */
+  private async load(room: RoomId): Promise<void> {
+    const job = this.jobs.get(room);
+    const recv = job?.recv;
+    if (!job || !recv) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'load without a receiver'), Date.now()));
     try {
       await hold('decode.load', job.ac.signal);
-      if (!this.rooms.has(room)) return;
+      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
       const { header, state, path } = await recv.finish();
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
-      if (!this.jobs.has(room) || !job.slot) return;
+      if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
       await job.slot.loadState(path, state.tokens);
-      // The room may have failed while llama.cpp was loading (deadline, abort, peer lost): the
-      // core would refuse kv_done anyway; not sending it keeps the illegal-transition counter
-      // for real bugs.
-      if (!this.rooms.has(room)) return;
       job.header = header;
-      this.apply(room, { t: 'kv_done' });
+      this.perform(this.driver.loadDone(room, Date.now()));
     } catch (err) {
       const e = err as { code?: string; message?: string };
-      this.apply(room, { t: 'fail', failure: failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)) });
+      this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)), Date.now()));
     } finally {
       await recv.discard();
     }
@@ -410,61 +362,42 @@ export class DecodeWorker {
     if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
     const body: GenerateRequest = parsed.data;
     const room = body.bootstrap_room;
-    // Refusals before the room exists still reach prefill (it would otherwise hold the room in
-    // its bootstrap queue until its deadline): opening the KV connection if needed.
-    const refuse = (err: ApiError): void => {
-      if (!this.rooms.has(room)) this.tellPrefillAt(body.bootstrap_host, body.bootstrap_port, room, failure(err.code as RoomFailure['code'], `decode refused the request: ${err.message}`));
-      sendError(reply, err);
-    };
-    if (this.prealloc.size >= this.config.maxPrealloc) return refuse(ApiError.of('queue_full', `decode prealloc queue is full (${this.config.maxPrealloc})`));
-    if (this.rooms.has(room)) return sendError(reply, ApiError.of('duplicate_room', `room ${room} already exists`));
-    // One live request per rid (as vLLM): a second one could never be aborted by rid.
-    const other = this.byRid.get(body.rid);
-    if (other !== undefined && this.jobs.has(other)) return refuse(ApiError.of('duplicate_rid', `request id ${body.rid} is already running on this worker (room ${other})`, 'rid'));
     const job: Job = {
       room,
       rid: body.rid,
       sampling: samplingFromWire(body.sampling_params),
       skipFirst: body.first_token_from_prefill,
-      peerKey: `${body.bootstrap_host}:${body.bootstrap_port}`,
       host: body.bootstrap_host,
       port: body.bootstrap_port,
       ac: new AbortController(),
       ready: deferred(),
-      step: 'prealloc',
       t0: Date.now(),
     };
-    let effects: Effect[];
-    try {
-      effects = this.rooms.create(room, body.rid, Date.now(), job.peerKey);
-    } catch (err) {
-      return sendError(reply, toApiError(err));
+    const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, Date.now());
+    if (admitted.refused) {
+      // Refusals before the room exists still reach prefill (fault c): the driver's `send`.
+      this.perform(admitted.actions);
+      return sendError(reply, admitted.refused);
     }
     this.jobs.set(room, job);
-    this.byRid.set(job.rid, room);
     this.traces.set(room, body.trace_id ?? body.rid);
     this.log.debug({ rid: body.rid, room, trace: body.trace_id ?? body.rid }, 'room created');
-    this.prealloc.add(room);
-    const off = onClientGone(reply, () => this.abort(room, 'client'));
+    const off = onClientGone(reply, () => this.abort(undefined, room, 'client'));
     try {
-      this.run(effects);
-      this.admit();
+      this.perform(admitted.actions);
       let header: EnvelopeHeader;
       try {
         header = await job.ready.promise;
       } catch (err) {
         return sendError(reply, toApiError(err));
       }
-      await this.stream(job, header, reply);
+      try {
+        await this.stream(job, header, reply);
+      } finally {
+        this.perform(this.driver.generationDone(room, Date.now()));
+      }
     } finally {
       off();
-      if (job.loading) await job.loading.catch(() => {});
-      job.slot?.release();
-      job.slot = undefined;
-      this.jobs.delete(room);
-      if (this.byRid.get(job.rid) === room) this.byRid.delete(job.rid);
-      this.prealloc.delete(room);
-      this.admit();
     }
   }
 
@@ -474,7 +407,6 @@ export class DecodeWorker {
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
     const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, cached_tokens: header.cachedTokens ?? 0, completion_tokens: n, finish_reason: finish });
-    this.running++;
     this.prefixMetrics.requestsByPath.inc({ path: 'pd' });
     let n = 0;
     const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
@@ -502,7 +434,6 @@ export class DecodeWorker {
       if (!res.destroyed) res.write(`data: ${JSON.stringify({ error: { message: e.message, type: e.type, code: e.code } })}\n\n`);
     } finally {
       await gen.return('abort').catch(() => {});
-      this.running--;
       if (!res.writableEnded) res.end();
     }
   }
@@ -525,6 +456,12 @@ async function writeEvent(res: import('node:http').ServerResponse, ev: unknown, 
     res.once('drain', onDrain);
     res.once('close', onClose);
   });
+}
+
+/** "host:port" (the host may be an IPv6 literal) → its parts. */
+function splitAddr(addr: PrefillAddr): { host: string; port: number } {
+  const i = addr.lastIndexOf(':');
+  return { host: addr.slice(0, i), port: Number(addr.slice(i + 1)) };
 }
 
 /** Load the engine, start the worker. */
