@@ -3,22 +3,22 @@
  * (D) over a network that drops, duplicates, reorders and delays — all on virtual time from a
  * seeded PRNG, so a seed replays exactly.
  *
- * P runs the SHIPPED prefill driver (`src/prefill/driver.ts`, the same object the prefill worker
- * wraps), as TigerBeetle runs its real replica under its simulator: this file only plays the
- * driver's ports — the network for `send`/`transfer`, an engine that takes a random time per
- * `compute` and cannot be cancelled, the clock. D holds a real `RoomTable` driven by a model of
- * the decode worker (not yet the shipped decode driver).
+ * Both nodes run the SHIPPED drivers — P the prefill driver (`src/prefill/driver.ts`), D the
+ * decode driver (`src/decode/driver.ts`), the same objects the workers wrap — as TigerBeetle runs
+ * its real replica under its simulator: this file only plays the drivers' ports — the network
+ * for their sends, dials and transfers, an engine (prefill compute, decode load and generation)
+ * that takes a random time and cannot be cancelled, sequence slots, the clock.
  *
  *  - router: dispatches each request to both nodes in random order with random gaps (sometimes
  *    large, so an abort can beat the request: tombstones), aborts at random points to P, D or
  *    both, and (per seed) aborts the other side when one side fails or its connection resets.
- *  - decode (model): prealloc queue → limited slots → REGISTER → REGISTERED → KV_BEGIN → chunks
- *    (the shipped reception rule, src/decode/receive.ts: in order and inside the announced size,
- *    so a duplicated or reordered chunk fails the room as in the worker) → KV_END → async "load"
- *    into the slot → kv_done →
- *    KV_ACK → generation holds the slot, then frees it. A slot whose room fails mid-load is
- *    released only when the load returns (llama.cpp cannot cancel it) — otherwise the state would
- *    land in the next owner's slot.
+ *  - decode (shipped driver): prealloc queue → `assign_slot` (a slot of this node) → `dial` (the
+ *    current connection, after a short hop; none → the dial fails) → REGISTER → REGISTERED →
+ *    KV_BEGIN → chunks (the shipped reception rule: a duplicated or reordered chunk fails the
+ *    room) → KV_END → `load` into the slot (3% fail) → kv_done → KV_ACK → `generate` holds the
+ *    slot, then `generationDone`. The driver's `release` gives the slot back; the checks below
+ *    catch a slot released while a load still writes into it (the state would land in the next
+ *    owner's slot) or a generation on a slot holding another room's state.
  *  - prefill (shipped driver): the engine's state file is saved whatever happened to the room
  *    meanwhile; after a random hop the driver's `computeDone` writes kv_begin — the incident's
  *    ordering — and the table alone decides (under the legacy rule the revived room has no job
@@ -34,15 +34,16 @@
  * a room live on a node after a router abort for it reached that node (an abort that beat the
  * request must leave a tombstone that fails the request at once);
  * more than one `terminal` per room; a live room past its deadline by more than one tick (wedge) or
- * without a deadline; rooms of a crashed peer not failed within two heartbeat intervals of silence
- * (+ one check period + max network delay); non-terminal rooms at the end.
+ * without a deadline; rooms of a crashed peer (on decode: the rooms registered on the lost
+ * connection) not failed within two heartbeat intervals of silence (+ one check period + max
+ * network delay); non-terminal rooms at the end.
  */
 import { failure, failureText } from '../common/errors.js';
 import { newRoomId } from '../common/room-id.js';
 import { RoomTable, stateName } from '../kv/lifecycle.js';
-import { KVPoll, isTerminal, type Effect, type Role, type RoomEvent, type RoomId, type RoomTimeouts } from '../kv/types.js';
-import { failureFromWire, type ControlMsg } from '../kv/messages.js';
-import { checkAnnounced, KvReception } from '../decode/receive.js';
+import { KVPoll, isTerminal, type Effect, type Role, type RoomId, type RoomTimeouts } from '../kv/types.js';
+import type { ControlMsg } from '../kv/messages.js';
+import { DecodeDriver, type DecodeAction } from '../decode/driver.js';
 import { PrefillDriver, type PrefillAction } from '../prefill/driver.js';
 import { EventHeap } from './heap.js';
 import { Prng } from './prng.js';
@@ -183,13 +184,10 @@ interface Rec {
   queue?: Handle;
   // decode
   slot?: { h: Handle; idx: number };
-  /** decode: the shipped reception rule (src/decode/receive.ts) plus the receive-buffer handle. */
-  recv?: { h: Handle; rx: KvReception; endSeen: boolean };
-  loading?: boolean;
-  /** Slot index the in-flight load writes into (captured when the load starts). */
-  loadSlot?: number;
-  loaded?: boolean;
-  deferSlotRelease?: boolean;
+  /** decode: the receive buffer (from the driver's recv_begin to finish). */
+  recv?: Handle;
+  /** decode: slot index an in-flight load writes into (llama.cpp cannot be cancelled). */
+  loading?: number;
   // prefill
   file?: Handle;
   /** Chunk lengths of the saved state (drawn when the compute finishes). */
@@ -219,7 +217,11 @@ interface Node {
   /** Rooms a router abort was delivered for (this incarnation): they must never be live again. */
   aborted: Set<RoomId>;
   // decode
-  waitQ: RoomId[];
+  /** decode: the shipped driver (src/decode/driver.ts); `table` is its room table. */
+  dd?: DecodeDriver;
+  /** decode: id of the current connection to P (a new id per (re)connection), as the worker's pool gives. */
+  conn?: string;
+  connSeq: number;
   slots: Slot[];
   // prefill
   /** prefill: the shipped driver (src/prefill/driver.ts); `table` is its room table. */
@@ -300,7 +302,7 @@ export class World {
       terminals: new Map(),
       reported: new Set(),
       aborted: new Set(),
-      waitQ: [],
+      connSeq: 0,
       slots: [],
       sending: new Set(),
     };
@@ -467,16 +469,18 @@ export class World {
       n.driver = new PrefillDriver({ timeouts: this.timeouts, maxRooms: 1024, maxWaiting: 256, slots: 1, legacyMaxRule: this.legacy }, `${n.name}${n.inc + 1}`);
       n.table = n.driver.rooms;
     } else {
-      n.table = new RoomTable(n.role, this.timeouts, { legacyMaxRule: this.legacy });
+      // The shipped decode driver, with the worker's default prealloc bound.
+      n.dd = new DecodeDriver({ timeouts: this.timeouts, slots: this.nSlots, maxPrealloc: 256, maxStateBytes: SIM_MAX_STATE_BYTES, legacyMaxRule: this.legacy }, `${n.name}${n.inc + 1}`);
+      n.table = n.dd.rooms;
     }
     n.recs = new Map();
     n.knownPeerEpoch = undefined;
     n.connected = false;
+    n.conn = undefined;
     n.lastHeard = this.now;
     n.terminals = new Map();
     n.reported = new Set();
     n.aborted = new Set();
-    n.waitQ = [];
     n.slots = Array.from({ length: n.role === 'decode' ? this.nSlots : 0 }, () => ({}));
     n.sending = new Set();
     // Startup sweep: state files of previous incarnations are deleted.
@@ -499,7 +503,7 @@ export class World {
     if (s.up && s.connected) {
       const inc = s.inc;
       const bound = this.now + this.maxNetDelay + 3 * HB_MS + 1;
-      const ids = s.table.rooms().filter((r) => r.peer === n.name).map((r) => r.id);
+      const ids = s.dd ? (s.conn ? s.dd.roomsOn(s.conn) : []) : s.table.rooms().filter((r) => r.peer === n.name).map((r) => r.id);
       this.at(bound, () => {
         if (!s.up || s.inc !== inc) return;
         for (const id of ids) {
@@ -557,7 +561,7 @@ export class World {
         if (old) this.lost(to, `${from} restarted (epoch ${old} → ${epoch})`);
         this.send(to, { type: 'hello' });
       }
-      to.connected = true;
+      this.connect(to);
       to.lastHeard = this.now;
       return;
     }
@@ -571,20 +575,30 @@ export class World {
         if (this.tracing && room) this.tr(to.name, room, `refused ${body.type}: connection to ${from} closed`);
         return;
       }
-      to.connected = true;
+      this.connect(to);
       if (this.tracing) this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
     }
     to.lastHeard = this.now;
     if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
     if (body.type === 'ping') this.send(to, { type: 'pong', seq: body.seq });
     else if (to.role === 'prefill') this.prefillRecv(to, epoch, body);
-    else this.decodeRecv(to, body);
+    else this.decodeRecv(to, epoch, body);
   }
 
-  /** The peer is gone (silent, or restarted): fail every room bound to it. */
+  /** The connection to the peer is up; decode gets a new connection id unless it already has one. */
+  private connect(n: Node): void {
+    n.connected = true;
+    if (n.dd && n.conn === undefined) n.conn = `${n.knownPeerEpoch}#${++n.connSeq}`;
+  }
+
+  /** The peer is gone (silent, or restarted): fail every room bound to it (decode: to the connection). */
   private lost(n: Node, detail: string): void {
     if (n.driver) this.performP(n, n.driver.peerLost(n.peer, detail, this.now));
-    else this.perform(n, n.table.failPeer(n.peer, failure('peer_lost', detail), this.now));
+    if (n.dd && n.conn !== undefined) {
+      const conn = n.conn;
+      n.conn = undefined;
+      this.performD(n, n.dd.peerLost(conn, detail, this.now));
+    }
   }
 
   private heartbeat(n: Node): void {
@@ -607,77 +621,11 @@ export class World {
     }
   }
 
-  private applyOn(n: Node, id: RoomId, ev: RoomEvent): Effect[] {
-    const before = n.table.get(id);
-    const b = before ? `${stateName(before.state)}/${before.phase}` : 'unknown';
-    const eff = n.table.apply(id, ev, this.now);
-    const after = n.table.get(id);
-    if (this.tracing && ev.t !== 'progress') {
-      const a = after ? `${stateName(after.state)}/${after.phase}` : 'unknown';
-      const revived = (n.terminals.get(id) ?? 0) > 0 && after && !isTerminal(after.state) ? '  [REVIVED a terminal room]' : '';
-      const swallowed = this.legacy && before && a === b && ev.t !== 'registered' ? '  (legacy: write swallowed by max)' : '';
-      this.tr(n.name, id, `apply ${ev.t}${'from' in ev ? `:${ev.from}` : ''}: ${b} → ${a}${fx(eff)}${revived}${swallowed}`);
-    }
-    this.perform(n, eff);
-    this.checkAborted(n, id, ev.t);
-    if (after && !isTerminal(after.state) && (n.terminals.get(id) ?? 0) > 0) {
-      this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after.state)}/${after.phase} on ${ev.t}` });
-    }
-    return eff;
-  }
-
-  /** Perform effects, in order. */
-  private perform(n: Node, effects: Effect[]): void {
-    for (const e of effects) {
-      switch (e.t) {
-        case 'terminal': {
-          const c = (n.terminals.get(e.room) ?? 0) + 1;
-          n.terminals.set(e.room, c);
-          const why = e.failure ? failureText(e.failure) : 'kv_done';
-          if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: e.room, detail: `terminal effect #${c} (${stateName(e.state)}: ${why})` });
-          if (this.tracing) this.tr(n.name, e.room, `TERMINAL ${stateName(e.state)} (${why})`);
-          this.decodeFinish(n, e.room, e.state);
-          const req = this.byId.get(e.room);
-          if (req && req.on[n.name] === n.inc) {
-            const side = n.name;
-            const st = e.state === KVPoll.Success ? 'Success' : 'Failed';
-            this.at(this.now + 1, () => this.routerSide(req, side, st, why));
-          }
-          break;
-        }
-        case 'notify_peer':
-          this.send(n, { type: 'fail', room: e.room, code: e.failure.code, detail: e.failure.detail, epoch: n.epoch });
-          break;
-        case 'illegal':
-          this.stats.illegal++;
-          break;
-        case 'late':
-          this.stats.late++;
-          break;
-        case 'expired':
-          this.stats.expired++;
-          if (this.tracing) this.tr(n.name, e.room, `watchdog: ${stateName(e.state)}/${e.phase} expired`);
-          break;
-        case 'send_register': {
-          const rec = n.recs.get(e.room);
-          if (!rec) break;
-          if (!this.send(n, { type: 'register', room: e.room, rid: rec.rid, epoch: n.epoch })) {
-            this.applyOn(n, e.room, { t: 'peer_lost', failure: failure('peer_lost', 'connection closed before register') });
-          }
-          break;
-        }
-        case 'send_ack':
-          this.send(n, { type: 'kv_ack', room: e.room, epoch: n.epoch });
-          break;
-      }
-    }
-  }
-
   /** The watchdog timer of a node. */
   private tick(n: Node): void {
     if (!n.up) return;
     if (n.driver) this.performP(n, n.driver.tick(this.now));
-    else this.perform(n, n.table.tick(this.now));
+    if (n.dd) this.performD(n, n.dd.tick(this.now));
     for (const room of n.table.rooms()) {
       if (!Number.isFinite(room.deadlineAt)) {
         this.violate({ kind: 'no_deadline', node: n.name, room: room.id, detail: `live room ${stateName(room.state)}/${room.phase} has no deadline` });
@@ -722,8 +670,8 @@ export class World {
     this.http(this.nodes[side], (n) => {
       if (this.tracing) this.tr(n.name, req.id, `← router abort`);
       n.aborted.add(req.id);
-      if (n.driver) this.viaDriver(n, req.id, `abort:router (${reason})`, (d) => d.abort(undefined, req.id, 'router', this.now));
-      else this.applyOn(n, req.id, { t: 'abort', from: 'router', failure: failure('request_aborted', reason) });
+      if (n.driver) this.viaP(n, req.id, `abort:router (${reason})`, (d) => d.abort(undefined, req.id, 'router', this.now));
+      if (n.dd) this.viaD(n, req.id, `abort:router (${reason})`, (d) => d.abort(undefined, req.id, 'router', this.now));
     });
   }
 
@@ -742,21 +690,21 @@ export class World {
   // ---- prefill: the shipped driver over simulated I/O ---------------------------------------
 
   /**
-   * Feed one input for room `id` to the prefill driver and perform its actions; trace the
-   * position change (with REVIVED when a terminal room came back), check revival and aborts.
+   * Feed one input for room `id` to a driver and perform its actions; trace the position change
+   * (with REVIVED when a terminal room came back), check revival and aborts.
    */
-  private viaDriver(n: Node, id: RoomId, label: string, input: (d: PrefillDriver) => PrefillAction[]): PrefillAction[] {
+  private viaDriver<A>(n: Node, id: RoomId, label: string, input: () => A[], perform: (actions: A[]) => void, show: (actions: A[]) => string): A[] {
     const before = n.table.get(id);
     const b = before ? `${stateName(before.state)}/${before.phase}` : 'unknown';
-    const actions = input(n.driver!);
+    const actions = input();
     const after = n.table.get(id);
     if (this.tracing && label !== 'progress') {
       const a = after ? `${stateName(after.state)}/${after.phase}` : 'unknown';
       const revived = (n.terminals.get(id) ?? 0) > 0 && after && !isTerminal(after.state) ? '  [REVIVED a terminal room]' : '';
-      const swallowed = this.legacy && before && a === b && label !== 'registered' ? '  (legacy: write swallowed by max)' : '';
-      this.tr(n.name, id, `driver ${label}: ${b} → ${a}${fxA(actions)}${revived}${swallowed}`);
+      const swallowed = this.legacy && before && a === b && label !== 'registered' && actions.length === 0 ? '  (legacy: write swallowed by max)' : '';
+      this.tr(n.name, id, `driver ${label}: ${b} → ${a}${show(actions)}${revived}${swallowed}`);
     }
-    this.performP(n, actions);
+    perform(actions);
     this.checkAborted(n, id, label);
     if (after && !isTerminal(after.state) && (n.terminals.get(id) ?? 0) > 0) {
       this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after.state)}/${after.phase} on ${label}` });
@@ -764,9 +712,19 @@ export class World {
     return actions;
   }
 
+  /** `viaDriver` for the prefill node. */
+  private viaP(n: Node, id: RoomId, label: string, input: (d: PrefillDriver) => PrefillAction[]): PrefillAction[] {
+    return this.viaDriver(n, id, label, () => input(n.driver!), (a) => this.performP(n, a), fxA);
+  }
+
+  /** `viaDriver` for the decode node. */
+  private viaD(n: Node, id: RoomId, label: string, input: (d: DecodeDriver) => DecodeAction[]): DecodeAction[] {
+    return this.viaDriver(n, id, label, () => input(n.dd!), (a) => this.performD(n, a), fxD);
+  }
+
   private prefillCreate(n: Node, req: Req): void {
     let refused: string | undefined;
-    this.viaDriver(n, req.id, 'request', (d) => {
+    this.viaP(n, req.id, 'request', (d) => {
       const r = d.request(req.id, req.rid, this.now);
       if (r.refused) {
         refused = r.refused.code;
@@ -780,7 +738,7 @@ export class World {
   }
 
   private prefillRecv(n: Node, epoch: string, body: Body): void {
-    if (body.type === 'register' || body.type === 'kv_ack' || body.type === 'fail') this.viaDriver(n, body.room, body.type, (d) => d.message(n.peer, epoch, body, this.now));
+    if (body.type === 'register' || body.type === 'kv_ack' || body.type === 'fail') this.viaP(n, body.room, body.type, (d) => d.message(n.peer, epoch, body, this.now));
   }
 
   /** Perform the prefill driver's actions, in order (the simulated counterpart of the worker's `perform`). */
@@ -847,7 +805,7 @@ export class World {
       if (!rec) n.recs.set(id, (rec = { id, rid: '?' }));
       rec.file = file;
       rec.lens = lens;
-      const actions = this.viaDriver(n, id, 'computeDone', (d) => d.computeDone(id, { ok: true, totalBytes: total }, this.now));
+      const actions = this.viaP(n, id, 'computeDone', (d) => d.computeDone(id, { ok: true, totalBytes: total }, this.now));
       if (this.tracing && rec.file && !actions.some((x) => x.a === 'transfer' || x.a === 'discard')) {
         this.tr('P', id, 'the driver has no job for the room any more: nobody will send it');
       }
@@ -876,10 +834,10 @@ export class World {
     const rec = n.recs.get(id)!;
     if (!this.send(n, { type: 'chunk', room: id, offset, len, tag: `${id}/${rec.rid}` })) {
       n.sending.delete(id);
-      this.viaDriver(n, id, 'transferFailed', (d) => d.transferFailed(id, failure('kv_transfer_failed', 'socket write failed: connection closed'), this.now));
+      this.viaP(n, id, 'transferFailed', (d) => d.transferFailed(id, failure('kv_transfer_failed', 'socket write failed: connection closed'), this.now));
       return;
     }
-    this.viaDriver(n, id, 'progress', (d) => d.progress(id, len, this.now));
+    this.viaP(n, id, 'progress', (d) => d.progress(id, len, this.now));
     if (last && n.sending.has(id)) {
       this.send(n, { type: 'kv_end', room: id });
       n.driver!.transferSent(id);
@@ -888,60 +846,146 @@ export class World {
 
   /** The driver's `finish`: release the room's state file, tell the router. */
   private prefillFinish(n: Node, id: RoomId, state: KVPoll, why: string): void {
-    const c = (n.terminals.get(id) ?? 0) + 1;
-    n.terminals.set(id, c);
-    if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: id, detail: `finish #${c} (${stateName(state)}: ${why})` });
-    if (this.tracing) this.tr(n.name, id, `TERMINAL ${stateName(state)} (${why})`);
+    this.finished(n, id, state, why);
     n.sending.delete(id);
     const rec = n.recs.get(id);
     if (rec?.file) {
       this.release(rec.file, 'terminal');
       rec.file = undefined;
     }
+  }
+
+  /** A driver's `finish` on either node: once per room and incarnation; the router hears the answer. */
+  private finished(n: Node, id: RoomId, state: KVPoll, why: string): void {
+    const c = (n.terminals.get(id) ?? 0) + 1;
+    n.terminals.set(id, c);
+    if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: id, detail: `finish #${c} (${stateName(state)}: ${why})` });
+    if (this.tracing) this.tr(n.name, id, `TERMINAL ${stateName(state)} (${why})`);
     const req = this.byId.get(id);
     if (req && req.on[n.name] === n.inc) {
       const st = state === KVPoll.Success ? 'Success' : 'Failed';
-      this.at(this.now + 1, () => this.routerSide(req, 'P', st, why));
+      this.at(this.now + 1, () => this.routerSide(req, n.name, st, why));
     }
   }
 
-  // ---- decode driver --------------------------------------------------------------------------------
+  // ---- decode: the shipped driver over simulated I/O -----------------------------------------
 
   private decodeCreate(n: Node, req: Req): void {
-    const eff = n.table.create(req.id, req.rid, this.now, 'P');
-    req.on.D = n.inc;
-    n.recs.set(req.id, { id: req.id, rid: req.rid });
-    if (this.tracing) this.tr('D', req.id, `create → ${stateName(n.table.get(req.id)!.state)}/${n.table.get(req.id)!.phase}${fx(eff)}`);
-    this.perform(n, eff);
-    this.checkAborted(n, req.id, 'create');
-    if (n.table.has(req.id)) {
-      n.recs.get(req.id)!.queue = this.acquire(n, 'queue', req.id);
-      n.waitQ.push(req.id);
-      this.admit(n);
+    let refused: string | undefined;
+    this.viaD(n, req.id, 'request', (d) => {
+      const r = d.request(req.id, req.rid, 'P', this.now);
+      if (r.refused) {
+        refused = r.refused.code;
+        return r.actions;
+      }
+      req.on.D = n.inc;
+      // The prealloc queue entry: released when the driver hands the room a slot or finishes it.
+      n.recs.set(req.id, { id: req.id, rid: req.rid, queue: this.acquire(n, 'queue', req.id) });
+      return r.actions;
+    });
+    if (refused) this.routerSide(req, 'D', 'Failed', `refused: ${refused}`);
+  }
+
+  private decodeRecv(n: Node, epoch: string, body: Body): void {
+    const conn = n.conn!;
+    if (body.type === 'chunk') {
+      this.viaD(n, body.room, 'progress', (d) => {
+        const r = d.chunk(conn, body.room, body.offset, body.len, this.now);
+        // The worker's receiver validates the stored bytes: a piece of another room's state is bad_state.
+        if (r.store && body.tag !== `${body.room}/${n.recs.get(body.room)?.rid}`) return [...r.actions, ...d.fail(body.room, failure('bad_state', `chunk tagged ${body.tag}`), this.now)];
+        return r.actions;
+      });
+      return;
+    }
+    if (body.type === 'registered' || body.type === 'kv_begin' || body.type === 'kv_end' || body.type === 'fail') this.viaD(n, body.room, body.type, (d) => d.message(conn, epoch, body, this.now));
+  }
+
+  /** Perform the decode driver's actions, in order (the simulated counterpart of the worker's `perform`). */
+  private performD(n: Node, actions: DecodeAction[]): void {
+    for (const a of actions) {
+      const rec = 'room' in a ? n.recs.get(a.room) : undefined;
+      switch (a.a) {
+        case 'assign_slot': {
+          const idx = n.slots.findIndex((s) => s.owner === undefined);
+          if (idx < 0 || !rec) {
+            this.violate({ kind: 'double_release', node: n.name, room: a.room, detail: `the driver handed out a slot with none free (or no request): ${n.slots.length} slots` });
+            break;
+          }
+          if (rec.queue) this.release(rec.queue, 'admitted');
+          rec.queue = undefined;
+          n.slots[idx] = { owner: a.room };
+          rec.slot = { h: this.acquire(n, 'slot', a.room), idx };
+          break;
+        }
+        case 'release':
+          if (rec?.loading !== undefined) this.violate({ kind: 'wrong_room', node: n.name, room: a.room, detail: `slot ${rec.loading} released while a load still writes into it` });
+          if (rec?.queue) this.release(rec.queue, 'released');
+          if (a.slot && rec?.slot) this.releaseSlot(n, rec, 'released');
+          n.recs.delete(a.room);
+          break;
+        case 'dial': {
+          const hop = this.rng.int(0, 3);
+          this.atNode(n, this.now + hop, () => {
+            if (n.connected && n.conn !== undefined) {
+              const conn = n.conn;
+              this.viaD(n, a.room, 'dialed', (d) => d.dialed(a.room, conn, this.now));
+            } else this.viaD(n, a.room, 'dial failed', (d) => d.registerFailed(a.room, failure('peer_unreachable', 'no connection to P'), this.now));
+          });
+          break;
+        }
+        case 'register':
+          if (a.conn !== n.conn || !this.send(n, a.msg)) this.viaD(n, a.room, 'register failed', (d) => d.registerFailed(a.room, failure('peer_lost', 'connection closed before register'), this.now));
+          break;
+        case 'send':
+          // On the room's connection; else (addr) on the current one, as the pool would open.
+          if ((a.conn !== undefined && a.conn === n.conn) || a.addr !== undefined) this.send(n, a.msg as Body);
+          break;
+        case 'recv_begin':
+          if (rec) rec.recv = this.acquire(n, 'recvbuf', a.room);
+          break;
+        case 'load':
+          if (rec?.slot) this.startLoad(n, rec, rec.slot.idx);
+          break;
+        case 'generate': {
+          const slot = rec?.slot ? n.slots[rec.slot.idx]! : undefined;
+          if (!rec || !slot || slot.owner !== a.room || slot.content?.rid !== rec.rid) {
+            this.violate({ kind: 'wrong_room', node: n.name, room: a.room, detail: `generation for ${this.label(a.room)} would run on a slot holding ${slot?.content ? this.label(slot.content.room) : 'nothing'}` });
+          }
+          this.atNode(n, this.now + this.rng.int(10, 100), () => this.viaD(n, a.room, 'generationDone', (d) => d.generationDone(a.room, this.now)));
+          break;
+        }
+        case 'finish':
+          this.finished(n, a.room, a.state, a.failure ? failureText(a.failure) : 'kv_done');
+          if (rec?.queue) this.release(rec.queue, 'terminal');
+          if (rec?.recv) this.release(rec.recv, 'terminal');
+          if (rec) rec.queue = rec.recv = undefined;
+          break;
+        case 'diag':
+          this.diag(n, a.effect);
+          break;
+        case 'stray':
+          if (this.tracing) this.tr(n.name, a.room, `${a.what} on ${a.conn} ignored: the room is not registered on it`);
+          break;
+      }
     }
   }
 
-  /** Hand free slots to the oldest prealloc rooms. */
-  private admit(n: Node): void {
-    while (n.waitQ.length > 0) {
-      const idx = n.slots.findIndex((s) => s.owner === undefined);
-      if (idx < 0) return;
-      const id = n.waitQ.shift()!;
-      const rec = n.recs.get(id);
-      if (rec?.queue) {
-        this.release(rec.queue, 'admitted');
-        rec.queue = undefined;
-      }
-      const room = n.table.get(id);
-      if (!rec || !room || !n.table.has(id) || room.phase !== 'prealloc') continue;
+  /** The driver's `load`: llama.cpp writes the state into slot `idx` whatever happens meanwhile (3% fail). */
+  private startLoad(n: Node, rec: Rec, idx: number): void {
+    const id = rec.id;
+    rec.loading = idx;
+    const dur = this.rng.int(3, 60);
+    const fails = this.rng.chance(0.03);
+    if (this.tracing) this.tr('D', id, `loading into slot ${idx} (${dur} ms${fails ? ', will fail' : ''})`);
+    this.atNode(n, this.now + dur, () => {
+      rec.loading = undefined;
       const slot = n.slots[idx]!;
-      slot.owner = id;
-      slot.content = undefined;
-      rec.slot = { h: this.acquire(n, 'slot', id), idx };
-      this.applyOn(n, id, { t: 'slot_reserved' });
-      const now = n.table.get(id);
-      if (rec.slot && (!now || now.phase === 'prealloc')) this.releaseSlot(n, rec, 'slot_reserved refused');
-    }
+      if (slot.owner !== id) {
+        this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `state of ${this.label(id)} loaded into slot ${idx}, now ${slot.owner ? `owned by ${this.label(slot.owner)}` : 'free'}` });
+      } else if (!fails) slot.content = { room: id, rid: rec.rid };
+      if (fails) this.viaD(n, id, 'loadFailed', (d) => d.loadFailed(id, failure('engine_failed', 'simulated load failure'), this.now));
+      else this.viaD(n, id, 'loadDone', (d) => d.loadDone(id, this.now));
+    });
   }
 
   private releaseSlot(n: Node, rec: Rec, why: string): void {
@@ -954,130 +998,6 @@ export class World {
     }
     rec.slot = undefined;
     this.release(s.h, why);
-  }
-
-  private decodeRecv(n: Node, body: Body): void {
-    switch (body.type) {
-      case 'registered':
-        this.applyOn(n, body.room, { t: 'registered', peerEpoch: n.knownPeerEpoch });
-        return;
-      case 'kv_begin': {
-        const rec = n.recs.get(body.room);
-        const bad = n.table.has(body.room) ? checkAnnounced(body.totalBytes, SIM_MAX_STATE_BYTES) : undefined;
-        if (bad) {
-          this.applyOn(n, body.room, { t: 'fail', failure: bad });
-          return;
-        }
-        this.applyOn(n, body.room, { t: 'kv_begin', totalBytes: body.totalBytes });
-        const room = n.table.get(body.room);
-        if (rec && room && n.table.has(body.room) && room.state === KVPoll.Transferring && !rec.recv) {
-          rec.recv = { h: this.acquire(n, 'recvbuf', body.room), rx: new KvReception(body.totalBytes), endSeen: false };
-        }
-        return;
-      }
-      case 'chunk': {
-        const rec = n.recs.get(body.room);
-        const room = n.table.get(body.room);
-        if (!rec?.recv || !room || room.state !== KVPoll.Transferring) {
-          if (this.tracing) this.tr('D', body.room, `chunk @${body.offset} dropped: room ${room ? stateName(room.state) : 'unknown'}`);
-          return;
-        }
-        if (body.tag !== `${body.room}/${rec.rid}`) {
-          this.applyOn(n, body.room, { t: 'fail', failure: failure('bad_state', `chunk tagged ${body.tag}`) });
-          return;
-        }
-        // The worker's rule: in order, inside the announced size; a duplicated or reordered chunk fails the room.
-        const out = rec.recv.rx.accept(body.offset, body.len);
-        if (out) {
-          this.applyOn(n, body.room, { t: 'fail', failure: out });
-          return;
-        }
-        this.applyOn(n, body.room, { t: 'progress', bytes: body.len });
-        this.maybeLoad(n, body.room);
-        return;
-      }
-      case 'kv_end': {
-        const rec = n.recs.get(body.room);
-        if (rec?.recv && n.table.has(body.room)) {
-          const incomplete = rec.recv.rx.end();
-          if (incomplete) {
-            this.applyOn(n, body.room, { t: 'fail', failure: incomplete });
-            return;
-          }
-          rec.recv.endSeen = true;
-          this.maybeLoad(n, body.room);
-        }
-        return;
-      }
-      case 'fail':
-        this.applyOn(n, body.room, { t: 'abort', from: 'peer', failure: failureFromWire(body, 'prefill') });
-        return;
-      default:
-        return;
-    }
-  }
-
-  private maybeLoad(n: Node, id: RoomId): void {
-    const rec = n.recs.get(id);
-    const recv = rec?.recv;
-    if (!rec || !recv || !recv.endSeen || rec.loading || rec.loaded || !rec.slot) return;
-    if (recv.rx.got !== recv.rx.total) return;
-    rec.loading = true;
-    rec.loadSlot = rec.slot.idx;
-    const dur = this.rng.int(3, 60);
-    if (this.tracing) this.tr('D', id, `all ${recv.rx.total} bytes in: loading into slot ${rec.slot.idx} (${dur} ms)`);
-    this.atNode(n, this.now + dur, () => this.loadDone(n, id));
-  }
-
-  private loadDone(n: Node, id: RoomId): void {
-    const rec = n.recs.get(id);
-    if (!rec) return;
-    rec.loading = false;
-    rec.loaded = true;
-    // llama.cpp writes the state into the slot the load started on, whatever happened meanwhile.
-    const idx = rec.loadSlot!;
-    const slot = n.slots[idx]!;
-    if (slot.owner !== id) {
-      this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `state of ${this.label(id)} loaded into slot ${idx}, now ${slot.owner ? `owned by ${this.label(slot.owner)}` : 'free'}` });
-    } else {
-      slot.content = { room: id, rid: rec.rid };
-    }
-    const room = n.table.get(id);
-    if (room && n.table.has(id) && room.state === KVPoll.Transferring) {
-      this.applyOn(n, id, { t: 'kv_done' });
-    } else if (rec.deferSlotRelease) {
-      rec.deferSlotRelease = false;
-      this.releaseSlot(n, rec, 'load returned after the room failed');
-      this.admit(n);
-    }
-  }
-
-  private decodeFinish(n: Node, id: RoomId, state: KVPoll): void {
-    const rec = n.recs.get(id);
-    if (!rec) return;
-    if (rec.queue) {
-      this.release(rec.queue, 'terminal');
-      rec.queue = undefined;
-    }
-    if (rec.recv) {
-      this.release(rec.recv.h, 'terminal');
-      rec.recv = undefined;
-    }
-    if (state === KVPoll.Success && rec.slot) {
-      const slot = n.slots[rec.slot.idx]!;
-      if (slot.owner !== id || slot.content?.rid !== rec.rid) {
-        this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `generation for ${this.label(id)} would run on slot ${rec.slot.idx} holding ${slot.content ? this.label(slot.content.room) : 'nothing'}` });
-      }
-      const gen = this.rng.int(10, 100);
-      this.atNode(n, this.now + gen, () => {
-        this.releaseSlot(n, rec, 'generation done');
-        this.admit(n);
-      });
-    } else if (rec.slot) {
-      if (rec.loading) rec.deferSlotRelease = true;
-      else this.releaseSlot(n, rec, 'terminal');
-    }
-    this.admit(n);
   }
 }
 
@@ -1101,16 +1021,16 @@ function effectLabel(e: Effect): string {
 
 const bracket = (labels: string[]): string => (labels.length ? ` [${labels.join(', ')}]` : '');
 
-/** ' [effect, effect]' for traces. */
-const fx = (eff: Effect[]): string => bracket(eff.map(effectLabel));
 
-/** ' [action, action]' for traces of the prefill driver. */
-const fxA = (actions: PrefillAction[]): string =>
-  bracket(
-    actions.map((a) => {
-      if (a.a === 'finish') return `terminal ${stateName(a.state)}`;
-      if (a.a === 'diag') return effectLabel(a.effect);
-      if (a.a === 'send') return a.msg.type === 'fail' ? `notify_peer(${a.msg.code}: ${a.msg.detail})` : `send ${a.msg.type}`;
-      return a.a;
-    }),
-  );
+/** Trace label of one driver action. */
+function actionLabel(a: PrefillAction | DecodeAction): string {
+  if (a.a === 'finish') return `terminal ${stateName(a.state)}`;
+  if (a.a === 'diag') return effectLabel(a.effect);
+  if (a.a === 'send') return a.msg.type === 'fail' ? `notify_peer(${a.msg.code}: ${a.msg.detail})` : `send ${a.msg.type}`;
+  if (a.a === 'release') return a.slot ? 'release slot' : 'release';
+  return a.a;
+}
+
+/** ' [action, action]' for traces of a driver. */
+const fxA = (actions: (PrefillAction | DecodeAction)[]): string => bracket(actions.map(actionLabel));
+const fxD = fxA;
