@@ -49,7 +49,9 @@ const CMPL: readonly Endpoint[] = ['completions'];
 const CHAT: readonly Endpoint[] = ['chat'];
 
 export const TOOLS_REFUSAL =
-  'tool calling is not supported: the served model has no chat template with a tool-call syntax node-llama-cpp can parse, so tools/functions cannot be honoured (send the request without tools and functions)';
+  "tool calling is not supported by the served model: its chat wrapper (node-llama-cpp) has no function-call syntax, so calls could neither be prompted nor parsed (send the request without tools and functions)";
+/** The legacy `functions` / `function_call` fields (and role "function" messages). */
+export const LEGACY_FUNCTIONS_REFUSAL = "the legacy 'functions' / 'function_call' fields are not supported: send 'tools' / 'tool_choice' (and role 'tool' messages) instead";
 
 const StopSchema = z.union([z.string(), z.array(z.string()).max(MAX_STOP, `expected at most ${MAX_STOP} stop strings`)]);
 const tokenIdKey = z.string().regex(/^\d{1,10}$/, 'logit_bias keys must be token ids');
@@ -151,12 +153,12 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'chat_template_kwargs', endpoints: CHAT, status: 'refused', notes: 'vLLM; not supported', schema: z.record(z.unknown()), refuse: emptyOk('chat_template_kwargs is not supported') },
   { name: 'documents', endpoints: CHAT, status: 'refused', notes: 'vLLM RAG documents; not supported', schema: z.array(z.unknown()), refuse: emptyOk('documents are not supported') },
   { name: 'mm_processor_kwargs', endpoints: CHAT, status: 'refused', notes: 'vLLM; text-only server', schema: z.record(z.unknown()), refuse: emptyOk('mm_processor_kwargs is not supported (text-only server)') },
-  // ---- tools (one refusal for all of them)
-  { name: 'tools', endpoints: CHAT, status: 'refused', notes: 'see "Tool calls" below; an empty list is accepted', schema: z.array(z.unknown()), refuse: emptyOk(TOOLS_REFUSAL) },
-  { name: 'functions', endpoints: CHAT, status: 'refused', notes: 'legacy tools: same 400 as tools', schema: z.array(z.unknown()), refuse: emptyOk(TOOLS_REFUSAL) },
-  { name: 'tool_choice', endpoints: CHAT, status: 'partial', notes: '"none" only (no tools can be given)', schema: z.union([z.string(), z.record(z.unknown())]), refuse: notDefault('none', TOOLS_REFUSAL) },
-  { name: 'function_call', endpoints: CHAT, status: 'partial', notes: 'legacy tool_choice: "none" only', schema: z.union([z.string(), z.record(z.unknown())]), refuse: notDefault('none', TOOLS_REFUSAL) },
-  { name: 'parallel_tool_calls', endpoints: CHAT, status: 'refused', notes: 'only with tools', schema: z.boolean(), refuse: refusedAny(TOOLS_REFUSAL) },
+  // ---- tools (through the model's chat wrapper: src/api/tool-calls.ts, src/engine/tools.ts)
+  { name: 'tools', endpoints: CHAT, status: 'honoured', notes: `type "function" only, ≤ 128; parameters: a JSON schema in the grammar engine's subset (else 400 naming the keyword). Rendered into the prompt and parsed from the output in the chat wrapper's own call syntax (node-llama-cpp's: the generic wrapper's \`||call: name({...})\` for a GGUF without a template); a model whose wrapper has no call syntax gets a 400`, schema: z.array(z.unknown()) },
+  { name: 'tool_choice', endpoints: CHAT, status: 'honoured', notes: '"auto" (default with tools): free text, a grammar completes a call once the model starts one; "required" / a named function: the grammar forces one call; "none": tools shown, no call parsed. "required" / a name without tools is a 400', schema: z.union([z.string(), z.record(z.unknown())]) },
+  { name: 'parallel_tool_calls', endpoints: CHAT, status: 'honoured', notes: 'at most one call per turn is made either way (a call ends the turn), which both values allow', schema: z.boolean() },
+  { name: 'functions', endpoints: CHAT, status: 'refused', notes: `legacy (deprecated) form of tools: a 400 asking for tools`, schema: z.array(z.unknown()), refuse: emptyOk(LEGACY_FUNCTIONS_REFUSAL) },
+  { name: 'function_call', endpoints: CHAT, status: 'refused', notes: 'legacy tool_choice: a 400 asking for tool_choice ("none" accepted)', schema: z.union([z.string(), z.record(z.unknown())]), refuse: notDefault('none', LEGACY_FUNCTIONS_REFUSAL) },
   // ---- OpenAI platform features
   { name: 'user', endpoints: BOTH, status: 'honoured', notes: 'an end-user id: it has no effect on generation (as in OpenAI and vLLM)', schema: z.string().max(256) },
   { name: 'safety_identifier', endpoints: BOTH, status: 'honoured', notes: 'like user: no effect on generation', schema: z.string().max(256) },
@@ -180,12 +182,12 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
 
 /** Fields of one chat message (`messages[]`), documented the same way. */
 export const MESSAGE_FIELDS: readonly { name: string; status: FieldStatus; notes: string }[] = [
-  { name: 'role', status: 'partial', notes: 'system, developer (as system), user, assistant; tool and function are refused with the tools 400' },
+  { name: 'role', status: 'partial', notes: 'system, developer (as system), user, assistant, tool; function (legacy) is refused' },
   { name: 'content', status: 'partial', notes: 'string, null, or text parts (joined with newlines); image/audio/file parts are refused' },
   { name: 'name', status: 'refused', notes: 'participant names are not rendered by the chat templates pdserve uses; a 400 rather than dropped' },
-  { name: 'tool_calls', status: 'refused', notes: 'tools 400 (an empty list is accepted)' },
-  { name: 'tool_call_id', status: 'refused', notes: 'tools 400' },
-  { name: 'function_call', status: 'refused', notes: 'tools 400' },
+  { name: 'tool_calls', status: 'honoured', notes: 'assistant: rendered as calls in the wrapper\'s syntax, each with the result of the tool message answering its id (every call needs one)' },
+  { name: 'tool_call_id', status: 'honoured', notes: 'tool: the id of an earlier assistant tool call (else 400)' },
+  { name: 'function_call', status: 'refused', notes: 'legacy; use tool_calls' },
   { name: 'refusal', status: 'partial', notes: 'null or "" only (an echoed assistant message)' },
   { name: 'audio', status: 'refused', notes: 'null only' },
   { name: 'annotations', status: 'partial', notes: 'null or [] only (an echoed assistant message)' },

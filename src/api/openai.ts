@@ -12,8 +12,9 @@ import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from
 import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateEvent, type GenerateRequest, type WireLogprob } from './worker-protocol.js';
 import type { RoomId } from '../common/room-id.js';
 import { normaliseJsonSchema, SchemaError } from './json-schema.js';
-import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint } from './fields.js';
-import type { ChatMessage } from '../engine/types.js';
+import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint } from './fields.js';
+import { parseTools, toolGrammarOf, ToolCallParser, type ParsedTools, type ToolCall, type ToolCallDelta } from './tool-calls.js';
+import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
 import { ApiError, toApiError as commonToApiError, type ApiErrorType } from '../common/errors.js';
 
 // ---------------------------------------------------------------------------------------------
@@ -292,24 +293,66 @@ export function parseMessages(raw: unknown): ChatMessage[] {
   const arr = z.array(z.unknown()).min(1).safeParse(raw);
   if (!arr.success) throw fieldError(['messages'], arr.error);
   const known = new Set(MESSAGE_FIELDS.map((f) => f.name));
-  return arr.data.map((m, i) => {
+  const messages = arr.data.map((m, i) => {
     const r = MessageSchema.safeParse(m);
     if (!r.success) throw fieldError(['messages', i], r.error);
     const msg = r.data;
     const at = (k: string) => `messages[${i}].${k}`;
     for (const k of Object.keys(msg)) if (!known.has(k)) throw new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${at(k)}`, 'invalid_request_error', at(k));
-    if (msg.role === 'tool' || msg.role === 'function') throw unsupported(at('role'), TOOLS_REFUSAL);
-    if (msg.tool_calls && msg.tool_calls.length > 0) throw unsupported(at('tool_calls'), TOOLS_REFUSAL);
-    if (msg.tool_call_id != null) throw unsupported(at('tool_call_id'), TOOLS_REFUSAL);
-    if (msg.function_call != null) throw unsupported(at('function_call'), TOOLS_REFUSAL);
+    if (msg.role === 'function') throw unsupported(at('role'), LEGACY_FUNCTIONS_REFUSAL);
+    if (msg.function_call != null) throw unsupported(at('function_call'), LEGACY_FUNCTIONS_REFUSAL);
+    if (msg.tool_calls && msg.tool_calls.length > 0 && msg.role !== 'assistant') throw unsupported(at('tool_calls'), 'only assistant messages carry tool_calls');
+    if (msg.tool_call_id != null && msg.role !== 'tool') throw unsupported(at('tool_call_id'), 'only tool messages carry a tool_call_id');
+    if (msg.role === 'tool' && msg.tool_call_id == null) throw new ApiError(400, 'missing_required_parameter', `Missing required parameter: '${at('tool_call_id')}'.`, 'invalid_request_error', at('tool_call_id'));
     if (msg.name != null) throw unsupported(at('name'), 'participant names are not supported (they would be dropped from the prompt)');
     if (msg.refusal) throw unsupported(at('refusal'), 'a non-empty refusal is not supported');
     if (msg.audio != null) throw unsupported(at('audio'), 'audio is not supported');
     if (msg.annotations && msg.annotations.length > 0) throw unsupported(at('annotations'), 'annotations are not supported');
     const c = msg.content;
     const content = c == null ? '' : typeof c === 'string' ? c : c.map((p) => p.text ?? '').join('\n');
-    return { role: msg.role as ChatMessage['role'], content };
+    const out: ChatMessage = { role: msg.role as ChatMessage['role'], content };
+    if (msg.tool_calls && msg.tool_calls.length > 0) {
+      out.toolCalls = msg.tool_calls.map((tc, j) => {
+        const r = ToolCallSchema.safeParse(tc);
+        if (!r.success) throw fieldError(['messages', i, 'tool_calls', j], r.error);
+        return { id: r.data.id, name: r.data.function.name, arguments: r.data.function.arguments };
+      });
+    }
+    if (msg.tool_call_id != null) out.toolCallId = msg.tool_call_id;
+    return out;
   });
+  checkToolHistory(messages);
+  return messages;
+}
+
+const ToolCallSchema = z
+  .object({
+    id: z.string().min(1).max(256),
+    type: z.literal('function'),
+    function: z.object({ name: z.string().regex(/^[a-zA-Z0-9_-]{1,64}$/, 'a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -'), arguments: z.string().max(1 << 20) }).strict(),
+  })
+  .strict();
+
+/**
+ * Every tool message answers an earlier assistant tool call (by id, once), and every call is
+ * answered (the chat wrapper renders each call with its result). @throws ApiError 400 naming the message field.
+ */
+function checkToolHistory(messages: ChatMessage[]): void {
+  const open = new Map<string, string>();
+  const answered = new Set<string>();
+  messages.forEach((m, i) => {
+    m.toolCalls?.forEach((c, j) => {
+      if (open.has(c.id) || answered.has(c.id)) throw badRequest(`Invalid value for 'messages[${i}].tool_calls[${j}].id': the id '${c.id}' is used twice`, `messages[${i}].tool_calls[${j}].id`);
+      open.set(c.id, `messages[${i}].tool_calls[${j}]`);
+    });
+    if (m.role === 'tool') {
+      const id = m.toolCallId!;
+      if (!open.has(id)) throw badRequest(`Invalid value for 'messages[${i}].tool_call_id': no earlier assistant tool call has the id '${id}'${answered.has(id) ? ' left unanswered (it was answered already)' : ''}`, `messages[${i}].tool_call_id`);
+      open.delete(id);
+      answered.add(id);
+    }
+  });
+  for (const where of open.values()) throw badRequest(`Invalid value for '${where}': no tool message answers this call (add a message with role 'tool' and its tool_call_id)`, where);
 }
 
 /** Sampling as sent to workers (`sampling_params` of /generate), defaults applied. */
@@ -336,6 +379,21 @@ export interface ParsedCompletionRequest extends ParsedCommon {
 export interface ParsedChatRequest extends ParsedCommon {
   kind: 'chat';
   messages: ChatMessage[];
+  /** tools / tool_choice, when the request has tools (see ./tool-calls.ts). */
+  tools?: ParsedTools;
+  /** The served model's call syntax, set by the server before the response is built (router: from prefill's /health). */
+  toolSyntax?: ToolCallSyntax | null;
+}
+
+/**
+ * The call syntax the response builder parses tool calls with: the model's, for a chat request
+ * with tools and tool_choice other than "none"; else null (plain text).
+ * @throws ApiError 400 naming `tools` when the request has tools and the model has no call syntax.
+ */
+export function responseToolSyntax(parsed: ParsedRequest): ToolCallSyntax | null {
+  if (parsed.kind !== 'chat' || !parsed.tools) return null;
+  if (!parsed.toolSyntax) throw unsupported('tools', TOOLS_REFUSAL);
+  return parsed.tools.choice === 'none' ? null : parsed.toolSyntax;
 }
 
 export type ParsedRequest = ParsedCompletionRequest | ParsedChatRequest;
@@ -455,7 +513,15 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   const b = parseFields('chat', body);
   const messages = parseMessages(b.messages);
   const maxTokens = (b.max_completion_tokens as number | undefined) ?? (b.max_tokens as number | undefined);
-  return { kind: 'chat', messages, ...commonOf(b, maxTokens) };
+  const out: ParsedChatRequest = { kind: 'chat', messages, ...commonOf(b, maxTokens) };
+  const tools = parseTools(b);
+  if (tools) {
+    out.tools = tools;
+    const g = toolGrammarOf(tools);
+    if (g && out.sampling.grammar) throw unsupported('tool_choice', 'tools cannot be combined with response_format / guided_json (one grammar per request); send tool_choice "none" or drop the JSON format');
+    if (g) out.sampling.grammar = g;
+  }
+  return out;
 }
 
 /** Routing facts the router adds to a request. */
@@ -483,7 +549,15 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
     bootstrap_port: routing.bootstrapPort,
     bootstrap_room: routing.bootstrapRoom,
   };
-  if (parsed.kind === 'chat') return { ...base, messages: parsed.messages };
+  if (parsed.kind === 'chat') {
+    const messages = parsed.messages.map((m) => {
+      const w: NonNullable<GenerateRequest['messages']>[number] = { role: m.role, content: m.content };
+      if (m.toolCalls) w.tool_calls = m.toolCalls;
+      if (m.toolCallId !== undefined) w.tool_call_id = m.toolCallId;
+      return w;
+    });
+    return parsed.tools ? { ...base, messages, tools: parsed.tools.functions } : { ...base, messages };
+  }
   return 'text' in parsed.prompt ? { ...base, text: parsed.prompt.text } : { ...base, input_ids: parsed.prompt.input_ids };
 }
 
@@ -491,7 +565,7 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
 // Responses
 // ---------------------------------------------------------------------------------------------
 
-export type OpenAIFinishReason = 'stop' | 'length';
+export type OpenAIFinishReason = 'stop' | 'length' | 'tool_calls';
 
 export interface Usage {
   prompt_tokens: number;
@@ -571,8 +645,22 @@ export interface ChatCompletion {
   object: 'chat.completion';
   created: number;
   model: string;
-  choices: { index: 0; message: { role: 'assistant'; content: string }; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason }[];
+  choices: { index: 0; message: ChatMessageOut; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason }[];
   usage: Usage;
+}
+
+/** The assistant message of a chat response: `content` null when the model only called tools. */
+export interface ChatMessageOut {
+  role: 'assistant';
+  content: string | null;
+  tool_calls?: ToolCall[];
+}
+
+/** The delta of a chat stream chunk. */
+export interface ChatDelta {
+  role?: 'assistant';
+  content?: string;
+  tool_calls?: ToolCallDelta[];
 }
 
 export interface ChatCompletionChunk {
@@ -580,7 +668,7 @@ export interface ChatCompletionChunk {
   object: 'chat.completion.chunk';
   created: number;
   model: string;
-  choices: { index: 0; delta: { role?: 'assistant'; content?: string }; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason | null }[];
+  choices: { index: 0; delta: ChatDelta; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason | null }[];
   usage?: Usage | null;
 }
 
@@ -590,13 +678,14 @@ export function completionResponse(m: ResponseMeta, text: string, finishReason: 
 }
 
 /** Non-stream /v1/chat/completions response. */
-export function chatCompletionResponse(m: ResponseMeta, content: string, finishReason: OpenAIFinishReason, usage: Usage, logprobs: ChatLogprobs | null = null): ChatCompletion {
+export function chatCompletionResponse(m: ResponseMeta, content: string, finishReason: OpenAIFinishReason, usage: Usage, logprobs: ChatLogprobs | null = null, toolCalls: ToolCall[] = []): ChatCompletion {
+  const message: ChatMessageOut = toolCalls.length > 0 ? { role: 'assistant', content: content === '' ? null : content, tool_calls: toolCalls } : { role: 'assistant', content };
   return {
     id: m.id,
     object: 'chat.completion',
     created: m.created,
     model: m.model,
-    choices: [{ index: 0, message: { role: 'assistant', content }, logprobs, finish_reason: finishReason }],
+    choices: [{ index: 0, message, logprobs, finish_reason: finishReason }],
     usage,
   };
 }
@@ -611,7 +700,7 @@ export function completionChunk(m: ResponseMeta, text: string, finishReason: Ope
 /** One /v1/chat/completions stream chunk. With `includeUsage`, carries `usage: null` (as OpenAI). */
 export function chatCompletionChunk(
   m: ResponseMeta,
-  delta: { role?: 'assistant'; content?: string },
+  delta: ChatDelta,
   finishReason: OpenAIFinishReason | null,
   includeUsage = false,
   logprobs: ChatLogprobs | null = null,
@@ -660,11 +749,22 @@ export class OpenAIResponseBuilder {
   logprobs: WireLogprob[] | null = null;
   private lpOffset = 0;
 
+  /** Parses tool calls out of the text (chat requests with tools and tool_choice other than "none"). */
+  private readonly tools: ToolCallParser | null;
+
+  /**
+   * @param toolSyntax with it, the chat text is parsed for tool calls in this syntax (see
+   *   ./tool-calls.ts): calls become `tool_calls` (deltas in streams), the text around them
+   *   `content`, and a generation that made a call finishes with 'tool_calls'.
+   */
   constructor(
     readonly kind: 'completion' | 'chat',
     readonly meta: ResponseMeta,
     readonly includeUsage = false,
-  ) {}
+    toolSyntax: ToolCallSyntax | null = null,
+  ) {
+    this.tools = kind === 'chat' && toolSyntax ? new ToolCallParser(toolSyntax) : null;
+  }
 
   get finished(): boolean {
     return this.finishReason !== null;
@@ -692,17 +792,34 @@ export class OpenAIResponseBuilder {
     if (fr && fr.type !== 'stop' && fr.type !== 'length') {
       throw new ApiError(502, 'bad_worker_event', `unknown finish_reason from the worker: ${String((fr as { type?: unknown }).type)}`, 'server_error');
     }
-    const finish: OpenAIFinishReason | null = fr ? (fr.type as OpenAIFinishReason) : null;
+    let finish: OpenAIFinishReason | null = fr ? (fr.type as OpenAIFinishReason) : null;
     const out: (TextCompletion | ChatCompletionChunk)[] = [];
     if (this.kind === 'chat' && this.events === 0) out.push(chatCompletionChunk(this.meta, { role: 'assistant', content: '' }, null, this.includeUsage));
     this.events++;
-    this.text += ev.text;
+    // With tools, the text is content only where it is not a tool call.
+    let text = ev.text;
+    let deltas: ToolCallDelta[] = [];
+    if (this.tools) {
+      const r = this.tools.feed(ev.text);
+      if (finish) {
+        const e = this.tools.end();
+        r.content += e.content;
+        r.deltas.push(...e.deltas);
+        if (finish === 'stop' && this.tools.called) finish = 'tool_calls';
+      }
+      [text, deltas] = [r.content, r.deltas];
+    }
+    this.text += text;
     this.finishReason = finish;
     const lps = Array.isArray(ev.logprobs) && ev.logprobs.length > 0 ? ev.logprobs : null;
     if (lps) (this.logprobs ??= []).push(...lps);
-    if (ev.text !== '' || finish || lps) {
-      if (this.kind === 'chat') out.push(chatCompletionChunk(this.meta, ev.text !== '' ? { content: ev.text } : {}, finish, this.includeUsage, lps ? chatLogprobs(lps) : null));
-      else {
+    if (text !== '' || deltas.length > 0 || finish || lps) {
+      if (this.kind === 'chat') {
+        const delta: ChatDelta = {};
+        if (text !== '') delta.content = text;
+        if (deltas.length > 0) delta.tool_calls = deltas;
+        out.push(chatCompletionChunk(this.meta, delta, finish, this.includeUsage, lps ? chatLogprobs(lps) : null));
+      } else {
         out.push(completionChunk(this.meta, ev.text, finish, this.includeUsage, lps ? completionLogprobs(lps, this.lpOffset) : null));
       }
     }
@@ -723,7 +840,7 @@ export class OpenAIResponseBuilder {
   response(): TextCompletion | ChatCompletion {
     if (!this.finishReason) throw new Error('response() before the finish event');
     return this.kind === 'chat'
-      ? chatCompletionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? chatLogprobs(this.logprobs) : null)
+      ? chatCompletionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? chatLogprobs(this.logprobs) : null, this.tools?.calls ?? [])
       : completionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? completionLogprobs(this.logprobs) : null);
   }
 }

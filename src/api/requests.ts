@@ -3,8 +3,17 @@
  * so every role tokenizes and samples identically (PD output must equal colocated output).
  */
 import type { GenerateRequest } from './worker-protocol.js';
-import type { Engine, SamplingParams } from '../engine/types.js';
+import type { ChatMessage, Engine, SamplingParams } from '../engine/types.js';
 import { ApiError } from '../common/errors.js';
+import { TOOLS_REFUSAL } from './fields.js';
+
+/** A wire chat message as the engine's ChatMessage. */
+function chatMessageOf(m: NonNullable<GenerateRequest['messages']>[number]): ChatMessage {
+  const out: ChatMessage = { role: m.role, content: m.content };
+  if (m.tool_calls) out.toolCalls = m.tool_calls;
+  if (m.tool_call_id !== undefined) out.toolCallId = m.tool_call_id;
+  return out;
+}
 
 /**
  * Worker sampling_params → engine SamplingParams. An absent max_new_tokens becomes 0, which the
@@ -68,7 +77,7 @@ export async function checkSampling(engine: Engine, sampling: SamplingParams): P
     await engine.prepareSampling(sampling);
   } catch (err) {
     const e = err as { code?: string; message?: string };
-    if (e.code === 'BAD_GRAMMAR') throw new ApiError(400, 'invalid_value', e.message ?? 'bad grammar', 'invalid_request_error', 'response_format');
+    if (e.code === 'BAD_GRAMMAR') throw new ApiError(400, 'invalid_value', e.message ?? 'bad grammar', 'invalid_request_error', sampling.grammar?.type === 'tool_call' ? 'tools' : 'response_format');
     throw err;
   }
 }
@@ -77,7 +86,7 @@ export async function checkSampling(engine: Engine, sampling: SamplingParams): P
  * Prompt tokens of a request: input_ids as given, text tokenized, messages rendered with the
  * model's chat template. @throws ApiError 400 for an empty prompt or out-of-vocabulary ids.
  */
-export function tokenizeRequest(engine: Engine, body: Pick<GenerateRequest, 'text' | 'input_ids' | 'messages'>): number[] {
+export function tokenizeRequest(engine: Engine, body: Pick<GenerateRequest, 'text' | 'input_ids' | 'messages' | 'tools'>): number[] {
   // A prompt that cannot fit is refused before tokenizing: tokenizing megabytes takes seconds
   // of event loop, long enough for the KV channel's peers to declare this process lost.
   const bytes = body.text !== undefined ? Buffer.byteLength(body.text) : (body.messages ?? []).reduce((n, m) => n + Buffer.byteLength(m.content), 0);
@@ -93,7 +102,8 @@ export function tokenizeRequest(engine: Engine, body: Pick<GenerateRequest, 'tex
     tokens = body.input_ids;
   } else if (body.messages) {
     if (body.messages.length === 0) throw new ApiError(400, 'invalid_request', 'messages must not be empty', 'invalid_request_error', 'messages');
-    tokens = engine.renderChat(body.messages);
+    if (body.tools?.length && !engine.toolSyntax) throw new ApiError(400, 'unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'invalid_request_error', 'tools');
+    tokens = engine.renderChat(body.messages.map(chatMessageOf), body.tools);
   } else {
     tokens = engine.tokenize(body.text ?? '');
   }

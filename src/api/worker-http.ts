@@ -46,7 +46,8 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   gates.set(app, gate);
   gate.install(app);
   app.get('/health', async (_req, reply) => {
-    const body = { ...o.health(), served_model_names: o.modelNames };
+    // tool_call_syntax: the router parses tool calls in the model's syntax (null = no tool calls).
+    const body = { ...o.health(), served_model_names: o.modelNames, ...(o.engine ? { tool_call_syntax: o.engine.toolSyntax } : {}) };
     if (!gate.draining) return { status: 'ok', ...body };
     return reply.code(503).send({ status: 'draining', ...body, inflight: gate.inflight });
   });

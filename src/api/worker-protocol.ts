@@ -14,10 +14,22 @@ import { z } from 'zod';
 import { ApiError } from '../common/errors.js';
 import { parseRoomId, type RoomId } from '../common/room-id.js';
 
+/** Most tools (functions) one request may declare, and most calls one assistant message may carry. */
+export const MAX_TOOLS = 128;
+
+const ToolNameSchema = z.string().regex(/^[a-zA-Z0-9_-]{1,64}$/, 'a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -');
+
 export const ChatMessageSchema = z.object({
   role: z.enum(['system', 'user', 'assistant', 'developer', 'tool']),
   content: z.string(),
+  /** Assistant: the calls it made (arguments = JSON text). */
+  tool_calls: z.array(z.object({ id: z.string().max(256), name: ToolNameSchema, arguments: z.string() })).max(MAX_TOOLS).optional(),
+  /** Tool: the call this message answers. */
+  tool_call_id: z.string().max(256).optional(),
 });
+
+/** A function the model may call (rendered into the prompt by the chat wrapper). */
+export const WorkerToolSchema = z.object({ name: ToolNameSchema, description: z.string().max(65_536).optional(), parameters: z.record(z.unknown()).optional() });
 
 /** Most logit_bias entries and stop_token_ids accepted (OpenAI allows 300 logit_bias entries). */
 export const MAX_TOKEN_LIST = 1024;
@@ -26,6 +38,8 @@ export const MAX_TOKEN_LIST = 1024;
 export const WorkerGrammarSchema = z.union([
   z.object({ type: z.literal('json') }),
   z.object({ type: z.literal('json_schema'), schema: z.record(z.unknown()) }),
+  /** One call of one of `functions` in the model's call syntax; lazy = only after the call prefix (tool_choice auto). */
+  z.object({ type: z.literal('tool_call'), functions: z.array(z.object({ name: ToolNameSchema, parameters: z.record(z.unknown()).optional() })).min(1).max(MAX_TOOLS), lazy: z.boolean() }),
 ]);
 
 /**
@@ -90,6 +104,8 @@ export const GenerateRequestSchema = z
     text: z.string().optional(),
     input_ids: z.array(z.number().int().min(0)).optional(),
     messages: z.array(ChatMessageSchema).max(MAX_MESSAGES).optional(),
+    /** Functions documented in the chat prompt (OpenAI `tools`; chat only). */
+    tools: z.array(WorkerToolSchema).max(MAX_TOOLS).optional(),
     sampling_params: WorkerSamplingSchema.default({}),
     stream: z.boolean().default(true),
     /**

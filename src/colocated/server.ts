@@ -6,7 +6,7 @@
 import { newRoomId } from '../common/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { ApiError, checkModelName, OpenAIResponseBuilder, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
+import { ApiError, checkModelName, OpenAIResponseBuilder, responseToolSyntax, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../common/config.js';
@@ -54,12 +54,14 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     if (subs) return serveFanOut(req, reply, kind, subs);
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
     checkModelName(parsed.model, names);
+    if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;
+    const toolSyntax = responseToolSyntax(parsed);
     const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
     const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });
     const ac = new AbortController();
     const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
     const off = onClientGone(reply, () => ac.abort());
-    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(Date.now() / 1000), model: names[0]! }, parsed.includeUsage);
+    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(Date.now() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax);
     const events = backend.generate(body, ac.signal);
     try {
       if (!parsed.stream) {

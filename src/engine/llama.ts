@@ -16,7 +16,6 @@ import {
   getLlama,
   LlamaLogLevel,
   resolveChatWrapper,
-  type ChatHistoryItem,
   type ChatWrapper,
   type Llama,
   type LlamaContext,
@@ -30,7 +29,8 @@ import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
 import { GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
-import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob } from './types.js';
+import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
+import { chatFunctionsOf, chatHistoryOf, toolSyntaxOf } from './tools.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
 export interface LoadEngineOptions {
@@ -321,7 +321,7 @@ class Lease implements Slot {
     const last = tokens.slice(i) as Token[];
     let first: number | undefined;
     let firstLogprob: TokenLogprob | undefined;
-    const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens);
+    const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens, this.engine.toolSyntax);
     const wantLogprobs = sampling.logprobs !== undefined;
     for await (const out of seq.evaluateWithMetadata(last, { probabilities: wantLogprobs }, sampler.options)) {
       first = out.token;
@@ -429,7 +429,7 @@ class Lease implements Slot {
     const step = this.stepper(seq, sampling);
     // Rebuilt from the prompt (the sequence holds exactly the prompt here, colocated or after
     // the state load) plus the first token: identical in PD and colocated runs.
-    const sampler = new RequestSampler(this.engine.model, sampling, seq.contextTokens, grammar, this.engine.eogTokens);
+    const sampler = new RequestSampler(this.engine.model, sampling, seq.contextTokens, grammar, this.engine.eogTokens, this.engine.toolSyntax);
     if (signal.aborted) return 'abort';
     let r = step(firstToken);
     yield r.out;
@@ -476,6 +476,8 @@ class LlamaEngine implements Engine {
   private readonly holders: SeqHolder[];
   private readonly free: SeqHolder[];
   private readonly chatWrapper: ChatWrapper;
+  /** The chat wrapper's function-call syntax (null: no tool calls). */
+  readonly toolSyntax: ToolCallSyntax | null;
   /** Compiled grammars (response_format), shared by all slots. */
   readonly grammars: GrammarCache;
   /** Every end-of-generation token id of the vocabulary (min_tokens bans them). */
@@ -492,13 +494,14 @@ class LlamaEngine implements Engine {
     this.holders = [];
     for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
     this.free = [...this.holders];
-    this.grammars = new GrammarCache(model.llama);
     this.eogTokens = [];
     for (let t = 0; t < info.nVocab; t++) if (model.isEogToken(t as Token)) this.eogTokens.push(t);
     // The model's own template when it has one; the generic wrapper otherwise (resolveChatWrapper
     // would guess from the architecture, e.g. Llama-2 [INST] for any llama GGUF).
     const tmpl = (model.fileInfo.metadata as unknown as { tokenizer?: { chat_template?: unknown } }).tokenizer?.chat_template;
     this.chatWrapper = typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
+    this.toolSyntax = toolSyntaxOf(this.chatWrapper);
+    this.grammars = new GrammarCache(model.llama, this.toolSyntax);
   }
 
   tokenize(text: string, addSpecial = true): number[] {
@@ -513,16 +516,11 @@ class LlamaEngine implements Engine {
     return tokens.map((t) => (typeof pieces[t] === 'string' ? (pieces[t] as string) : this.detokenize([t])));
   }
 
-  renderChat(messages: ChatMessage[]): number[] {
-    const history: ChatHistoryItem[] = [];
-    for (const m of messages) {
-      if (m.role === 'system' || m.role === 'developer') history.push({ type: 'system', text: m.content });
-      else if (m.role === 'assistant') history.push({ type: 'model', response: [m.content] });
-      else if (m.role === 'tool') history.push({ type: 'user', text: `Tool result:\n${m.content}` });
-      else history.push({ type: 'user', text: m.content });
-    }
-    history.push({ type: 'model', response: [] });
-    const { contextText } = this.chatWrapper.generateContextState({ chatHistory: history });
+  renderChat(messages: ChatMessage[], tools?: readonly ToolFunction[]): number[] {
+    // Tool calls and results in the history, and the functions' documentation, in the wrapper's own format (engine/tools.ts).
+    const history = chatHistoryOf(messages);
+    const functions = tools && tools.length > 0 ? chatFunctionsOf(tools) : undefined;
+    const { contextText } = this.chatWrapper.generateContextState({ chatHistory: history, ...(functions ? { availableFunctions: functions, documentFunctionParams: true } : {}) });
     return contextText.tokenize(this.model.tokenizer) as number[];
   }
 

@@ -13,7 +13,8 @@
  */
 import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, type LlamaModel, type SequenceEvaluateOptions, type Token } from 'node-llama-cpp';
 import { randomInt } from 'node:crypto';
-import type { GrammarSpec, SamplingParams, TokenLogprob } from './types.js';
+import type { GrammarSpec, SamplingParams, TokenLogprob, ToolCallSyntax } from './types.js';
+import { toolCallGrammarText, triggerTexts } from './tools.js';
 
 /** Error code thrown when a grammar cannot be built (bad JSON schema): the API maps it to 400. */
 export const BAD_GRAMMAR = 'BAD_GRAMMAR';
@@ -27,7 +28,11 @@ const GRAMMAR_CACHE = 32;
  */
 export class GrammarCache {
   private readonly cache = new Map<string, Promise<LlamaGrammar>>();
-  constructor(private readonly llama: Llama) {}
+  /** @param toolSyntax the chat wrapper's call syntax (tool_call grammars need it; null = refused). */
+  constructor(
+    private readonly llama: Llama,
+    private readonly toolSyntax: ToolCallSyntax | null = null,
+  ) {}
 
   async get(spec: GrammarSpec | undefined): Promise<LlamaGrammar | null> {
     if (!spec) return null;
@@ -38,13 +43,21 @@ export class GrammarCache {
       this.cache.set(key, p);
       return p;
     }
-    p = (spec.type === 'json' ? this.llama.getGrammarFor('json') : this.llama.createGrammarForJsonSchema(spec.schema as never)).catch((err: unknown) => {
+    p = this.compile(spec).catch((err: unknown) => {
       this.cache.delete(key);
-      throw Object.assign(new Error(`response_format: the JSON schema cannot be turned into a grammar: ${(err as Error).message ?? String(err)}`), { code: BAD_GRAMMAR });
+      const what = spec.type === 'tool_call' ? 'tools: a function\'s parameters schema' : 'response_format: the JSON schema';
+      throw Object.assign(new Error(`${what} cannot be turned into a grammar: ${(err as Error).message ?? String(err)}`), { code: BAD_GRAMMAR });
     });
     this.cache.set(key, p);
     while (this.cache.size > GRAMMAR_CACHE) this.cache.delete(this.cache.keys().next().value as string);
     return p;
+  }
+
+  private async compile(spec: GrammarSpec): Promise<LlamaGrammar> {
+    if (spec.type === 'json') return this.llama.getGrammarFor('json');
+    if (spec.type === 'json_schema') return this.llama.createGrammarForJsonSchema(spec.schema as never);
+    if (!this.toolSyntax) throw new Error("the model's chat wrapper has no function-call syntax");
+    return this.llama.createGrammar({ grammar: await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, spec.lazy) });
   }
 }
 
@@ -81,8 +94,10 @@ export class RequestSampler {
   private readonly bias: TokenBias | undefined;
   /** logit_bias plus -inf on EOG and stop_token_ids, while fewer than min_tokens were generated. */
   private readonly banBias: TokenBias | undefined;
-  readonly grammarState: LlamaGrammarEvaluationState | undefined;
+  grammarState: LlamaGrammarEvaluationState | undefined;
   readonly options: SequenceEvaluateOptions;
+  /** Lazy tool-call grammar: switched on when the generated text ends with one of `triggers`. */
+  private readonly lazy: { grammar: LlamaGrammar; triggers: string[]; longest: number; tail: string } | undefined;
 
   /**
    * @param model the engine's model.
@@ -90,6 +105,7 @@ export class RequestSampler {
    * @param prompt prompt tokens (the penalty window starts with them for repetition_penalty alone).
    * @param grammar compiled grammar of `s.grammar` (from GrammarCache), or null.
    * @param eogTokens every end-of-generation token id of the vocabulary.
+   * @param toolSyntax the chat wrapper's call syntax (a lazy tool_call grammar's triggers).
    */
   constructor(
     private readonly model: LlamaModel,
@@ -97,6 +113,7 @@ export class RequestSampler {
     prompt: readonly number[],
     grammar: LlamaGrammar | null,
     eogTokens: readonly number[],
+    toolSyntax: ToolCallSyntax | null = null,
   ) {
     const rep = s.repetitionPenalty ?? 1;
     const pres = s.presencePenalty ?? 0;
@@ -112,7 +129,13 @@ export class RequestSampler {
       for (const t of s.stopTokenIds ?? []) bans.push([t, -Infinity]);
       this.banBias = biasOf(model, bans);
     }
-    this.grammarState = grammar ? new LlamaGrammarEvaluationState({ model, grammar }) : undefined;
+    if (grammar && s.grammar?.type === 'tool_call' && s.grammar.lazy) {
+      if (!toolSyntax) throw new Error('a lazy tool-call grammar needs the chat wrapper\'s call syntax');
+      const triggers = triggerTexts(toolSyntax);
+      this.lazy = { grammar, triggers, longest: Math.max(...triggers.map((t) => t.length)), tail: '' };
+    } else {
+      this.grammarState = grammar ? new LlamaGrammarEvaluationState({ model, grammar }) : undefined;
+    }
     const opts: SequenceEvaluateOptions = {
       temperature: s.temperature,
       topK: s.topK,
@@ -129,7 +152,8 @@ export class RequestSampler {
       const after = this.bias ?? biasOf(model, []);
       opts.tokenBias = () => (this.banBias && this.generated < minTokens ? this.banBias : after);
     }
-    if (this.grammarState) opts.grammarEvaluationState = this.grammarState;
+    if (this.lazy) opts.grammarEvaluationState = () => this.grammarState;
+    else if (this.grammarState) opts.grammarEvaluationState = this.grammarState;
     this.options = opts;
   }
 
@@ -141,6 +165,14 @@ export class RequestSampler {
   accept(token: number, external = false): void {
     this.generated++;
     this.history.push(token);
+    if (this.lazy && !this.grammarState) {
+      // Before the trigger the token was sampled freely; the grammar starts after the call prefix,
+      // matched at a token boundary on the text so far (a pure function of the tokens: PD = colocated).
+      const l = this.lazy;
+      l.tail = (l.tail + this.model.detokenize([token as Token], true)).slice(-(l.longest + 1));
+      if (l.triggers.some((t) => l.tail.endsWith(t))) this.grammarState = new LlamaGrammarEvaluationState({ model: this.model, grammar: l.grammar });
+      return;
+    }
     if (external && this.grammarState && !this.model.isEogToken(token as Token)) acceptGrammarToken(this.model.llama, this.grammarState, token);
   }
 }

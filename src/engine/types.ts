@@ -50,13 +50,52 @@ export interface SamplingParams {
   grammar?: GrammarSpec;
 }
 
-/** A grammar request: JSON text of any shape, or JSON matching a JSON schema. */
-export type GrammarSpec = { type: 'json' } | { type: 'json_schema'; schema: Record<string, unknown> };
+/**
+ * A grammar request: JSON text of any shape, JSON matching a JSON schema, or one tool call of
+ * one of `functions` in the model's call syntax (`lazy`: only once the text ends with the call
+ * prefix — tool_choice "auto"; else the whole output is the call — "required" / a named function).
+ */
+export type GrammarSpec =
+  | { type: 'json' }
+  | { type: 'json_schema'; schema: Record<string, unknown> }
+  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean };
 
-/** One chat message as accepted by the OpenAI API (content already flattened to text). */
+/** A function the model may call (OpenAI `tools[].function`; parameters = a JSON schema). */
+export interface ToolFunction {
+  name: string;
+  description?: string;
+  parameters?: Record<string, unknown>;
+}
+
+/** One call in an assistant message of the history (`arguments`: JSON text). */
+export interface ToolCallRecord {
+  id: string;
+  name: string;
+  arguments: string;
+}
+
+/**
+ * A chat wrapper's function-call syntax as text: a call is `prefix name paramsPrefix <JSON
+ * arguments> suffix` (`{{functionName}}` in suffix = the name). `emptyParams`: the JSON text a
+ * call without arguments uses ('' = nothing). From node-llama-cpp's ChatWrapper.settings.functions.
+ */
+export interface ToolCallSyntax {
+  prefix: string;
+  prefixAlternates: string[];
+  paramsPrefix: string;
+  suffix: string;
+  emptyParams: string;
+}
+
+/**
+ * One chat message as accepted by the OpenAI API (content already flattened to text).
+ * Assistant messages may carry the calls they made; `tool` messages answer one call by id.
+ */
 export interface ChatMessage {
   role: 'system' | 'user' | 'assistant' | 'developer' | 'tool';
   content: string;
+  toolCalls?: ToolCallRecord[];
+  toolCallId?: string;
 }
 
 /** Static facts about the loaded model and context; both PD sides must agree on `compat`. */
@@ -186,7 +225,9 @@ export interface Engine {
   /** The vocabulary's raw piece of each token (as vLLM's token_strs: '<s>', byte tokens '<0x0A>'). */
   tokenPieces(tokens: number[]): string[];
   /** Render messages with the model's chat template (generic one when the GGUF has none), add the assistant prefix, tokenize. */
-  renderChat(messages: ChatMessage[]): number[];
+  renderChat(messages: ChatMessage[], tools?: readonly ToolFunction[]): number[];
+  /** The chat wrapper's function-call syntax; null = tools cannot be honoured with this model. */
+  readonly toolSyntax: ToolCallSyntax | null;
   detokenize(tokens: number[]): string;
   /**
    * Prepare what `sampling` needs before a slot is taken (compiles and caches its grammar).

@@ -39,7 +39,7 @@ import { performance } from 'node:perf_hooks';
 import type { FastifyReply } from 'fastify';
 import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
-import { ApiError, OpenAIResponseBuilder, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
+import { ApiError, OpenAIResponseBuilder, responseToolSyntax, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
 import { readSse, SseError, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
@@ -170,7 +170,7 @@ export class PdRequest {
     });
     this.legs = { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
     this.log = log.child({ room: this.room });
-    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage);
+    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
     this.body = JSON.stringify({
       ...toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill: ctx.config.firstTokenFromPrefill }),
       trace_id: ctx.observe?.traceOf(rid),

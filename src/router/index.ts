@@ -193,6 +193,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
           throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
         }
         const { prefill, decode } = pair;
+        if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = prefill.toolSyntax ?? null;
         const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
         const run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES);
         active.add(run);

@@ -20,6 +20,8 @@ import type { Logger } from 'pino';
 import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
 import { mismatchOf, settingsFromHealth } from './pairing.js';
+import { toolSyntaxFromHealth } from '../api/tool-calls.js';
+import type { ToolCallSyntax } from '../engine/types.js';
 
 export type WorkerRole = 'prefill' | 'decode';
 
@@ -37,6 +39,8 @@ export interface WorkerState {
   model: string | null;
   /** All names the worker serves (/health `served_model_names`; its `model` when absent). */
   servedNames?: string[];
+  /** Prefill: the model's tool-call syntax (/health `tool_call_syntax`; null/absent = no tool calls). */
+  toolSyntax?: ToolCallSyntax | null;
   /** In-flight requests routed to this worker by this router. */
   load: number;
   lastError: string | null;
@@ -228,6 +232,7 @@ export class WorkerRegistry {
       }
       w.settings = settingsFromHealth(j.settings) ?? w.settings;
       this.setDraining(w, false);
+      if (w.role === 'prefill') w.toolSyntax = toolSyntaxFromHealth(j.tool_call_syntax);
       if (Array.isArray(j.served_model_names)) w.servedNames = j.served_model_names.filter((n: unknown): n is string => typeof n === 'string').slice(0, 16);
       this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
     } catch (err) {

@@ -166,7 +166,7 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     assert.equal(r.completionTokens + r.promptTokens, CTX, 'prompt + output fill the context exactly');
   });
 
-  test('refused fields name themselves; tools and functions get the same 400', async () => {
+  test('refused fields name themselves (tools: see tools.test.ts)', async () => {
     await refused('completions', { prompt, min_p: 2 }, 'min_p');
     await refused('completions', { prompt, repetition_penalty: -3 }, 'repetition_penalty');
     await refused('completions', { prompt, logit_bias: { '999999': 1 } }, 'logit_bias', /outside the vocabulary/);
@@ -174,11 +174,9 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     await refused('completions', { prompt, guided_regex: 'a+' }, 'guided_regex');
     await refused('completions', { prompt, bogus_field: 1 }, 'bogus_field', /Unrecognized request argument/);
     const messages = [{ role: 'user', content: 'hi' }];
-    const tools = await refused('chat/completions', { messages, tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }, 'tools');
-    const functions = await refused('chat/completions', { messages, functions: [{ name: 'f', parameters: {} }] }, 'functions');
-    assert.equal(functions.replace("'functions'", "'tools'"), tools);
-    await refused('chat/completions', { messages, tool_choice: 'required' }, 'tool_choice');
-    await refused('chat/completions', { messages: [...messages, { role: 'tool', content: '4', tool_call_id: 'c' }] }, 'messages[1].role');
+    await refused('chat/completions', { messages, functions: [{ name: 'f', parameters: {} }] }, 'functions', /legacy/);
+    await refused('chat/completions', { messages, tool_choice: 'required' }, 'tool_choice', /needs tools/);
+    await refused('chat/completions', { messages: [...messages, { role: 'tool', content: '4', tool_call_id: 'c' }] }, 'messages[1].tool_call_id');
     await refused('chat/completions', { messages, response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: 'x' } } } }, 'response_format.json_schema.schema.pattern');
     // the SDK surfaces the 400 as BadRequestError
     await assert.rejects(s.pd.completions.create({ model: 'pdserve', prompt, min_p: 2 } as never), (e: unknown) => e instanceof OpenAI.BadRequestError);

@@ -219,14 +219,37 @@ describe('chat schema', () => {
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: [{ type: 'text' }] }] }), 'messages[0].content[0].text');
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x' }], n: 3 }), 'n');
     const u = [{ role: 'user', content: 'x' }];
-    // tools, functions and everything tool-shaped get the same refusal
-    const t = rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function' }] }), 'tools', /tool calling is not supported/);
-    const f = rejects400(() => parseChatRequest({ messages: u, functions: [{ name: 'f' }] }), 'functions');
-    assert.equal(f.message.replace("'functions'", "'tools'"), t.message);
-    rejects400(() => parseChatRequest({ messages: u, tool_choice: 'required' }), 'tool_choice', /tool calling is not supported/);
-    rejects400(() => parseChatRequest({ messages: u, parallel_tool_calls: true }), 'parallel_tool_calls');
-    rejects400(() => parseChatRequest({ messages: [{ role: 'tool', content: '4', tool_call_id: 'c1' }] }), 'messages[0].role', /tool calling/);
-    rejects400(() => parseChatRequest({ messages: [{ role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] }] }), 'messages[0].tool_calls');
+    // tools: checked field by field; the legacy functions fields get one refusal asking for tools
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function' }] }), 'tools[0].function', /Required/);
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'code_interpreter' }] }), 'tools[0].type');
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'bad name' } }] }), 'tools[0].function.name');
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f' } }, { type: 'function', function: { name: 'f' } }] }), 'tools[1].function.name', /used twice/);
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string', pattern: 'x' } } } } }] }), 'tools[0].function.parameters.properties.a.pattern', /not supported/);
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'string' } } }] }), 'tools[0].function.parameters.type');
+    const f = rejects400(() => parseChatRequest({ messages: u, functions: [{ name: 'f' }] }), 'functions', /legacy.*send 'tools'/);
+    rejects400(() => parseChatRequest({ messages: u, function_call: 'auto' }), 'function_call', /legacy/);
+    assert.ok(f.message.length > 0);
+    rejects400(() => parseChatRequest({ messages: u, tool_choice: 'required' }), 'tool_choice', /needs tools/);
+    rejects400(() => parseChatRequest({ messages: u, tool_choice: { type: 'function', function: { name: 'g' } }, tools: [{ type: 'function', function: { name: 'f' } }] }), 'tool_choice', /not one of the tools/);
+    rejects400(() => parseChatRequest({ messages: u, tool_choice: 'sometimes', tools: [{ type: 'function', function: { name: 'f' } }] }), 'tool_choice');
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f' } }], response_format: { type: 'json_object' } }), 'tool_choice', /one grammar/);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'function', content: '4', name: 'f' }] }), 'messages[0].role', /legacy/);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'tool', content: '4' }] }), 'messages[0].tool_call_id');
+    rejects400(() => parseChatRequest({ messages: [...u, { role: 'tool', content: '4', tool_call_id: 'c1' }] }), 'messages[1].tool_call_id', /no earlier assistant tool call/);
+    const call = { id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } };
+    rejects400(() => parseChatRequest({ messages: [...u, { role: 'assistant', content: null, tool_calls: [call] }] }), 'messages[1].tool_calls[0]', /no tool message answers/);
+    rejects400(() => parseChatRequest({ messages: [...u, { role: 'assistant', content: null, tool_calls: [{ ...call, type: 'x' }] }] }), 'messages[1].tool_calls[0].type');
+    rejects400(() => parseChatRequest({ messages: [...u, { role: 'user', content: 'x', tool_calls: [call] }] }), 'messages[1].tool_calls');
+    // accepted: tools with every tool_choice, and a history with calls and their results
+    const tools = [{ type: 'function', function: { name: 'get', description: 'd', parameters: { type: 'object', properties: { q: { type: 'string' } }, required: ['q'] }, strict: true } }, { type: 'function', function: { name: 'now' } }];
+    const ok = parseChatRequest({ messages: [...u, { role: 'assistant', content: null, tool_calls: [call] }, { role: 'tool', content: '{"r":1}', tool_call_id: 'c1' }], tools, parallel_tool_calls: false });
+    assert.deepEqual(ok.tools?.choice, 'auto');
+    assert.deepEqual(ok.sampling.grammar, { type: 'tool_call', functions: [{ name: 'get', parameters: { type: 'object', properties: { q: { type: 'string' } }, required: ['q'] } }, { name: 'now' }], lazy: true });
+    assert.deepEqual(ok.messages[1], { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'f', arguments: '{}' }] });
+    assert.deepEqual(ok.messages[2], { role: 'tool', content: '{"r":1}', toolCallId: 'c1' });
+    assert.equal(parseChatRequest({ messages: u, tools, tool_choice: 'none' }).sampling.grammar, undefined);
+    assert.deepEqual(parseChatRequest({ messages: u, tools, tool_choice: 'required' }).sampling.grammar?.type, 'tool_call');
+    assert.deepEqual(parseChatRequest({ messages: u, tools, tool_choice: { type: 'function', function: { name: 'now' } } }).sampling.grammar, { type: 'tool_call', functions: [{ name: 'now' }], lazy: false });
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', name: 'bob' }] }), 'messages[0].name');
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', extra: 1 }] }), 'messages[0].extra', /Unrecognized/);
     rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'xml' } }), 'response_format');

@@ -1,0 +1,125 @@
+/**
+ * Tool calls end to end through the real `openai` SDK, PD (router → prefill → KV → decode) and
+ * the colocated reference on one stack (tiny generated model: no chat template, so
+ * node-llama-cpp's generic wrapper and its `||call: name({...})` syntax). Random weights never
+ * call a tool on their own, so "required" and a named tool_choice (the grammar forces one
+ * well-formed call) carry the call tests; "auto" and "none" give text. Covers: non-stream and
+ * stream (the SDK's stream accumulator), a follow-up round with the assistant tool_calls and the
+ * tool result in the history, PD equal to colocated, and the 400s (bad schema, legacy functions,
+ * unanswered calls, tool_choice without tools).
+ * The context is 4096 tokens: the wrapper's function documentation alone is ≈ 1000 characters,
+ * a token each on the tiny byte-level vocabulary.
+ */
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+import OpenAI from 'openai';
+import { useStack } from '../helpers/stack.js';
+
+const s = useStack({ ctxSize: 4096 });
+
+const WEATHER: OpenAI.ChatCompletionTool = {
+  type: 'function',
+  function: { name: 'get_weather', description: 'Current weather of a city', parameters: { type: 'object', properties: { city: { type: 'string' }, unit: { type: 'string', enum: ['c', 'f'] } }, required: ['city', 'unit'] } },
+};
+const NOW: OpenAI.ChatCompletionTool = { type: 'function', function: { name: 'now', description: 'The current time' } };
+const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'What is the weather in Paris?' }];
+const base = { model: 'pdserve', temperature: 0, max_tokens: 120, tools: [WEATHER, NOW] };
+
+/** The call a response made, without its random id. */
+interface Shape {
+  content: string | null;
+  finish: string | null;
+  calls: { name: string; arguments: string }[];
+}
+const shapeOf = (r: OpenAI.ChatCompletion): Shape => ({
+  content: r.choices[0]!.message.content,
+  finish: r.choices[0]!.finish_reason,
+  calls: (r.choices[0]!.message.tool_calls ?? []).map((c) => {
+    assert.equal(c.type, 'function');
+    assert.match(c.id, /^call_/);
+    return { name: (c as OpenAI.ChatCompletionMessageFunctionToolCall).function.name, arguments: (c as OpenAI.ChatCompletionMessageFunctionToolCall).function.arguments };
+  }),
+});
+
+/** Non-stream and stream (through the SDK's ChatCompletionStream accumulator) on PD and colocated: all four equal. */
+async function same(body: Partial<OpenAI.ChatCompletionCreateParamsNonStreaming>): Promise<Shape> {
+  const req = { ...base, messages, ...body } as OpenAI.ChatCompletionCreateParamsNonStreaming;
+  const want = shapeOf(await s.ref.chat.completions.create(req));
+  for (const [api, name] of [[s.ref, 'colocated'], [s.pd, 'PD']] as const) {
+    if (api !== s.ref) assert.deepEqual(shapeOf(await api.chat.completions.create(req)), want, `${name} non-stream equals colocated`);
+    const st = api.chat.completions.stream({ ...req, stream: true });
+    const fin = await st.finalChatCompletion();
+    const got = shapeOf(fin as OpenAI.ChatCompletion);
+    // the accumulator turns an absent content into null; compare calls, finish and text
+    assert.deepEqual({ ...got, content: got.content ?? null }, { ...want, content: want.content === '' ? null : want.content }, `${name} stream equals colocated`);
+  }
+  return want;
+}
+
+describe('tool calls through the chat wrapper (PD = colocated)', () => {
+  test('tool_choice "required": one well-formed call whose arguments follow the schema, finish_reason tool_calls', async () => {
+    const r = await same({ tool_choice: 'required' });
+    assert.equal(r.finish, 'tool_calls');
+    assert.equal(r.calls.length, 1);
+    assert.ok(['get_weather', 'now'].includes(r.calls[0]!.name));
+    const args = JSON.parse(r.calls[0]!.arguments) as { city?: unknown; unit?: unknown };
+    if (r.calls[0]!.name === 'get_weather') {
+      assert.equal(typeof args.city, 'string');
+      assert.ok(args.unit === 'c' || args.unit === 'f', `enum honoured: ${r.calls[0]!.arguments}`);
+    } else assert.deepEqual(args, {});
+    assert.equal(r.content, null, 'only a call: content null');
+  });
+
+  test('a named tool_choice calls that function; seeded sampling too', async () => {
+    const w = await same({ tool_choice: { type: 'function', function: { name: 'get_weather' } }, temperature: 0.8, seed: 3, max_tokens: 400 });
+    assert.deepEqual([w.finish, w.calls.map((c) => c.name)], ['tool_calls', ['get_weather']]);
+    assert.equal(typeof (JSON.parse(w.calls[0]!.arguments) as { city: unknown }).city, 'string');
+    const n = await same({ tool_choice: { type: 'function', function: { name: 'now' } } });
+    assert.deepEqual(n.calls, [{ name: 'now', arguments: '{}' }]);
+  });
+
+  test('"auto" and "none": the tools are in the prompt, the random model answers in text', async () => {
+    const plain = await s.ref.chat.completions.create({ model: 'pdserve', messages, max_tokens: 1 });
+    for (const tool_choice of ['auto', 'none'] as const) {
+      const r = await same({ tool_choice, max_tokens: 24 });
+      assert.equal(r.calls.length, 0);
+      assert.ok(r.finish === 'stop' || r.finish === 'length');
+      assert.equal(typeof r.content, 'string');
+      const u = await s.pd.chat.completions.create({ ...base, messages, tool_choice, max_tokens: 1 });
+      assert.ok(u.usage!.prompt_tokens > plain.usage!.prompt_tokens + 500, `functions documented in the prompt (${u.usage!.prompt_tokens} vs ${plain.usage!.prompt_tokens} tokens)`);
+    }
+  });
+
+  test('a follow-up round with the assistant tool_calls and the tool result in the history', async () => {
+    const first = await s.pd.chat.completions.create({ ...base, messages, tool_choice: { type: 'function', function: { name: 'get_weather' } } });
+    const msg = first.choices[0]!.message;
+    const call = msg.tool_calls![0]!;
+    const history: OpenAI.ChatCompletionMessageParam[] = [...messages, msg as OpenAI.ChatCompletionAssistantMessageParam, { role: 'tool', tool_call_id: call.id, content: '{"temperature": 21, "sky": "clear"}' }];
+    const r = await same({ messages: history, tool_choice: 'auto', max_tokens: 24 } as never);
+    assert.equal(r.calls.length, 0);
+    const u = await s.pd.chat.completions.create({ ...base, messages: history, max_tokens: 1 });
+    assert.ok(u.usage!.prompt_tokens > first.usage!.prompt_tokens + 20, 'the call and its result are rendered into the prompt');
+    // and a second forced call in the same turn
+    const again = await same({ messages: history, tool_choice: 'required' } as never);
+    assert.equal(again.finish, 'tool_calls');
+  });
+
+  test('bad tools and tool histories are 400s naming the field, on both servers', async () => {
+    for (const api of [s.pd, s.ref]) {
+      const bad = async (body: Record<string, unknown>, param: string, re: RegExp) => {
+        await assert.rejects(api.chat.completions.create({ model: 'pdserve', messages, ...body } as never), (e: unknown) => {
+          assert.ok(e instanceof OpenAI.BadRequestError, String(e));
+          assert.equal((e.error as { param?: string }).param, param);
+          assert.match(e.message, re);
+          return true;
+        });
+      };
+      await bad({ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string', pattern: '^x' } } } } }] }, 'tools[0].function.parameters.properties.a.pattern', /not supported/);
+      await bad({ tools: [{ type: 'function', function: { name: 'f', parameters: 'nope' } }] }, 'tools[0].function.parameters', /object/i);
+      await bad({ functions: [{ name: 'f', parameters: {} }] }, 'functions', /legacy.*tools/);
+      await bad({ tool_choice: 'required' }, 'tool_choice', /needs tools/);
+      await bad({ messages: [...messages, { role: 'tool', tool_call_id: 'nope', content: '1' }] }, 'messages[1].tool_call_id', /no earlier assistant tool call/);
+      await bad({ messages: [...messages, { role: 'assistant', content: null, tool_calls: [{ id: 'c', type: 'function', function: { name: 'f', arguments: '{}' } }] }] }, 'messages[1].tool_calls[0]', /no tool message answers/);
+    }
+  });
+});

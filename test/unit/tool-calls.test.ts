@@ -1,0 +1,127 @@
+/**
+ * The tool-call parser (router and colocated side) and the response builder's tool_calls: text
+ * in node-llama-cpp's call syntaxes split into content and OpenAI tool_call deltas whatever the
+ * chunking, held-back text released when it is not a call, finish_reason 'tool_calls'.
+ * Run: node --import tsx --test test/unit/tool-calls.test.ts
+ */
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import { ApiError, OpenAIResponseBuilder, parseChatRequest, responseToolSyntax, type ChatCompletion, type ChatCompletionChunk } from '../../src/api/openai.js';
+import { ToolCallParser, toolSyntaxFromHealth, type ToolCallDelta } from '../../src/api/tool-calls.js';
+import type { GenerateEvent } from '../../src/api/worker-protocol.js';
+import type { ToolCallSyntax } from '../../src/engine/types.js';
+
+const GENERIC: ToolCallSyntax = { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '' };
+const QWEN: ToolCallSyntax = { prefix: '<tool_call>\n{"name": "', prefixAlternates: [], paramsPrefix: '", "arguments": ', suffix: '}\n</tool_call>', emptyParams: '{}' };
+
+/** Parse `text` fed in pieces of `size` characters: content, and the calls assembled from the deltas. */
+function parse(syntax: ToolCallSyntax, text: string, size: number): { content: string; calls: { id: string; name: string; args: string }[]; deltas: ToolCallDelta[] } {
+  const p = new ToolCallParser(syntax);
+  let content = '';
+  const deltas: ToolCallDelta[] = [];
+  for (let i = 0; i < text.length; i += size) {
+    const r = p.feed(text.slice(i, i + size));
+    content += r.content;
+    deltas.push(...r.deltas);
+  }
+  const e = p.end();
+  content += e.content;
+  deltas.push(...e.deltas);
+  const calls: { id: string; name: string; args: string }[] = [];
+  for (const d of deltas) {
+    if (d.id) calls[d.index] = { id: d.id, name: d.function.name!, args: '' };
+    calls[d.index]!.args += d.function.arguments;
+  }
+  return { content, calls, deltas };
+}
+
+describe('ToolCallParser', () => {
+  it('generic syntax: content before the call, name and JSON arguments, at any chunking', () => {
+    const text = 'Let me check. ||call: get_weather({"city": "Paris (FR)", "q": "a)b\\"}"})';
+    for (const size of [1, 2, 3, 7, 1000]) {
+      const r = parse(GENERIC, text, size);
+      assert.equal(r.content, 'Let me check. ', `size ${size}`);
+      assert.equal(r.calls.length, 1);
+      assert.equal(r.calls[0]!.name, 'get_weather');
+      assert.deepEqual(JSON.parse(r.calls[0]!.args), { city: 'Paris (FR)', q: 'a)b"}' });
+      assert.match(r.calls[0]!.id, /^call_[0-9a-f]{24}$/);
+      assert.deepEqual(r.deltas[0], { index: 0, id: r.calls[0]!.id, type: 'function', function: { name: 'get_weather', arguments: '' } });
+    }
+  });
+
+  it('a call without arguments, the alternate prefix, and two calls', () => {
+    assert.deepEqual(parse(GENERIC, '||call: now()', 1).calls.map((c) => [c.name, c.args]), [['now', '{}']]);
+    assert.deepEqual(parse(GENERIC, '||call:now({})', 2).calls.map((c) => [c.name, c.args]), [['now', '{}']]);
+    const two = parse(GENERIC, '||call: a({"x":1})\n||call: b({"y":[2]})', 3);
+    assert.deepEqual(two.calls.map((c) => [c.name, c.args]), [['a', '{"x":1}'], ['b', '{"y":[2]}']]);
+    assert.equal(two.content, '\n');
+  });
+
+  it('Qwen syntax (JSON around the call, suffix after the arguments)', () => {
+    const r = parse(QWEN, 'ok<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>', 4);
+    assert.equal(r.content, 'ok');
+    assert.deepEqual(r.calls.map((c) => [c.name, c.args]), [['search', '{"q": "x"}']]);
+  });
+
+  it('text that only looks like the start of a call is released as content', () => {
+    for (const text of ['a | b || c', 'ends with ||cal', 'x ||call: but never a paren' + ' y'.repeat(200)]) {
+      const r = parse(GENERIC, text, 1);
+      assert.equal(r.content, text);
+      assert.equal(r.calls.length, 0);
+    }
+    const p = new ToolCallParser(GENERIC);
+    assert.equal(p.feed('abc |').content, 'abc ', 'a possible prefix start is held back');
+    assert.equal(p.feed('x').content, '|x', 'and released once it cannot be one');
+  });
+
+  it('a model without a call syntax: tools are one 400 naming tools and saying why; no tools or tool_choice none parse nothing', () => {
+    const req = parseChatRequest({ messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'f' } }] });
+    req.toolSyntax = null;
+    assert.throws(() => responseToolSyntax(req), (e: unknown) => e instanceof ApiError && e.status === 400 && e.param === 'tools' && /chat wrapper \(node-llama-cpp\) has no function-call syntax/.test(e.message));
+    req.toolSyntax = GENERIC;
+    assert.deepEqual(responseToolSyntax(req), GENERIC);
+    const none = parseChatRequest({ messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'f' } }], tool_choice: 'none' });
+    none.toolSyntax = GENERIC;
+    assert.equal(responseToolSyntax(none), null);
+    assert.equal(responseToolSyntax(parseChatRequest({ messages: [{ role: 'user', content: 'x' }] })), null);
+  });
+
+  it('/health syntax: well-formed accepted, anything else null', () => {
+    assert.deepEqual(toolSyntaxFromHealth(GENERIC), GENERIC);
+    assert.equal(toolSyntaxFromHealth(null), null);
+    assert.equal(toolSyntaxFromHealth({ prefix: '' }), null);
+  });
+});
+
+describe('OpenAIResponseBuilder with tools', () => {
+  const ev = (text: string, finish: 'stop' | 'length' | null = null): GenerateEvent => ({ text, token_ids: [1], meta_info: { id: 'r', prompt_tokens: 5, completion_tokens: 1, finish_reason: finish ? { type: finish } : null } });
+  const meta = { id: 'chatcmpl-1', model: 'm', created: 1 };
+
+  it('stream: role chunk, content, tool_call deltas, finish_reason tool_calls; non-stream: message.tool_calls and content null', () => {
+    const b = new OpenAIResponseBuilder('chat', meta, false, GENERIC);
+    const chunks = [ev('||call'), ev(': f({"a"'), ev(': 1})'), ev('', 'stop')].flatMap((e) => b.push(e)) as ChatCompletionChunk[];
+    const deltas = chunks.map((c) => c.choices[0]!.delta);
+    assert.deepEqual(deltas[0], { role: 'assistant', content: '' });
+    assert.ok(deltas.every((d) => d.content === undefined || d.content === ''), 'no call text leaks into content');
+    const calls = deltas.flatMap((d) => d.tool_calls ?? []);
+    assert.equal(calls[0]!.function.name, 'f');
+    assert.equal(calls.map((c) => c.function.arguments).join(''), '{"a": 1}');
+    assert.equal(chunks.at(-1)!.choices[0]!.finish_reason, 'tool_calls');
+    const r = b.response() as ChatCompletion;
+    assert.equal(r.choices[0]!.finish_reason, 'tool_calls');
+    assert.equal(r.choices[0]!.message.content, null);
+    assert.deepEqual(r.choices[0]!.message.tool_calls, [{ id: calls[0]!.id, type: 'function', function: { name: 'f', arguments: '{"a": 1}' } }]);
+  });
+
+  it('plain text with tools stays content (finish stop); a call cut by max_tokens keeps finish length', () => {
+    const b = new OpenAIResponseBuilder('chat', meta, false, GENERIC);
+    for (const e of [ev('hello |'), ev('| there', 'stop')]) b.push(e);
+    const r = b.response() as ChatCompletion;
+    assert.deepEqual([r.choices[0]!.message, r.choices[0]!.finish_reason], [{ role: 'assistant', content: 'hello || there' }, 'stop']);
+    const cut = new OpenAIResponseBuilder('chat', meta, false, GENERIC);
+    for (const e of [ev('||call: f({"a": '), ev('1', 'length')]) cut.push(e);
+    const c = cut.response() as ChatCompletion;
+    assert.equal(c.choices[0]!.finish_reason, 'length');
+    assert.equal(c.choices[0]!.message.tool_calls![0]!.function.arguments, '{"a": 1');
+  });
+});

@@ -1,0 +1,120 @@
+/**
+ * Tool calls on the real engine (tiny generated model, node-llama-cpp's generic chat wrapper
+ * `||call: name({...})`): the chat prompt renders the functions and past calls/results in the
+ * wrapper's format; the tool-call grammar forces one well-formed call (arguments valid against
+ * the schema) even from random weights; the lazy grammar ("auto") switches on after the call
+ * prefix; PD (state saved, loaded into another slot, sampler rebuilt from prompt + first token)
+ * equals colocated. Pure helpers (GBNF literal escaping, rule renaming) too.
+ * Run: node --import tsx --test test/unit/tools-engine.test.ts
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { GeneralChatWrapper } from 'node-llama-cpp';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { loadEngine } from '../../src/engine/llama.js';
+import { gbnfLiteral, prefixGbnfRules, toolSyntaxOf } from '../../src/engine/tools.js';
+import type { ChatMessage, Engine, SamplingParams, ToolFunction } from '../../src/engine/types.js';
+import { drain, type Run } from '../helpers/engine.js';
+import { RequestSampler } from '../../src/engine/sampling.js';
+
+const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-tools-test-'));
+const never = new AbortController().signal;
+const base = (over: Partial<SamplingParams> = {}): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 120, stop: [], ignoreEos: false, ...over });
+const WEATHER: ToolFunction = { name: 'get_weather', description: 'Weather of a city', parameters: { type: 'object', properties: { city: { type: 'string' }, days: { type: 'integer' } }, required: ['city', 'days'] } };
+const CLOCK: ToolFunction = { name: 'now', description: 'The time' };
+
+let engine: Engine;
+
+async function run(prompt: number[], sp: SamplingParams, mode: 'colocated' | 'pd'): Promise<Run> {
+  const a = engine.tryAcquireSlot()!;
+  const b = mode === 'pd' ? engine.tryAcquireSlot()! : a;
+  const file = path.join(dir, `s-${Math.random().toString(36).slice(2)}.ggsq`);
+  try {
+    await engine.prepareSampling(sp);
+    const r = await a.prefill(prompt, sp, never);
+    if (mode === 'pd') {
+      await a.saveState(file);
+      await b.loadState(file, prompt);
+    }
+    return await drain(b, r.firstToken, sp);
+  } finally {
+    a.release();
+    b.release();
+    rmSync(file, { force: true });
+  }
+}
+
+async function both(prompt: number[], sp: SamplingParams): Promise<Run> {
+  const c = await run(prompt, sp, 'colocated');
+  const d = await run(prompt, sp, 'pd');
+  assert.deepEqual(d.tokens, c.tokens, 'PD tokens equal colocated tokens');
+  return c;
+}
+
+describe('tool calls on the engine', () => {
+  before(async () => {
+    engine = await loadEngine({ modelPath: await ensureModel('tiny', 1), sequences: 2, contextSize: 4096, batchSize: 256, deterministic: true });
+  });
+  after(async () => {
+    await engine?.dispose();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("the generic wrapper's syntax; functions and past calls/results rendered into the prompt", () => {
+    assert.deepEqual(engine.toolSyntax, { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '' });
+    const msgs: ChatMessage[] = [
+      { role: 'user', content: 'Weather in Paris?' },
+      { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'get_weather', arguments: '{"city":"Paris","days":1}' }] },
+      { role: 'tool', content: '{"temp":21}', toolCallId: 'c1' },
+    ];
+    const text = engine.detokenize(engine.renderChat(msgs, [WEATHER, CLOCK]));
+    assert.match(text, /\/\/ Weather of a city\nfunction get_weather\(params: \{city: string, days: /);
+    assert.match(text, /function now\(\);/);
+    // (the tiny vocabulary's detokenizer puts spaces around the separately tokenized '(' and ')')
+    assert.ok(text.replace(/ /g, '').endsWith('###Assistant\n||call:get_weather({"city":"Paris","days":1})\n||result:{"temp":21}\n'), `the history ends inside the model turn, after the result: ${JSON.stringify(text.slice(-120))}`);
+    const plain = engine.detokenize(engine.renderChat([{ role: 'user', content: 'hi' }]));
+    assert.doesNotMatch(plain, /function|\|\|call/, 'no tools, no function documentation');
+  });
+
+  it('"required": the grammar forces one well-formed call whose arguments follow the schema; PD equals colocated', async () => {
+    const prompt = engine.renderChat([{ role: 'user', content: 'Weather in Paris?' }], [WEATHER, CLOCK]);
+    for (const sp of [base({ grammar: { type: 'tool_call', functions: [WEATHER, CLOCK], lazy: false } }), base({ temperature: 1, seed: 7, grammar: { type: 'tool_call', functions: [WEATHER], lazy: false } })]) {
+      const r = await both(prompt, sp);
+      assert.equal(r.finish, 'stop', `the call ends generation: ${JSON.stringify(r.text)}`);
+      const m = /^\|\|call: (get_weather|now)\((.*)\)$/s.exec(r.text);
+      assert.ok(m, `a call in the wrapper's syntax: ${JSON.stringify(r.text)}`);
+      if (m[1] === 'get_weather') {
+        const args = JSON.parse(m[2]!) as { city: unknown; days: unknown };
+        assert.equal(typeof args.city, 'string');
+        assert.ok(Number.isInteger(args.days));
+      } else assert.ok(m[2] === '' || m[2] === '{}');
+    }
+  });
+
+  it('"auto": free text (PD equals colocated); the lazy grammar switches on exactly when the text ends with the call prefix', async () => {
+    const prompt = engine.renderChat([{ role: 'user', content: 'Weather in Paris?' }], [WEATHER]);
+    const grammar = { type: 'tool_call' as const, functions: [WEATHER], lazy: true };
+    const free = await both(prompt, base({ grammar, maxTokens: 40, ignoreEos: true }));
+    assert.doesNotMatch(free.text, /\|\|call:/, 'random weights do not write the prefix: the output is free text');
+    assert.equal(free.tokens.length, 40, 'not constrained: runs to max_tokens');
+    // The trigger on the sampler itself (tokens handed over as prefill's first token would be).
+    const e = engine as unknown as { model: never; grammars: { get(g: unknown): Promise<never> }; eogTokens: number[] };
+    const sp = base({ grammar });
+    const sampler = new RequestSampler(e.model, sp, prompt, await e.grammars.get(grammar), e.eogTokens, engine.toolSyntax);
+    const toks = engine.tokenize('Sure ||call:', false);
+    toks.forEach((t, i) => {
+      assert.equal(sampler.grammarState, undefined, `no grammar before the whole prefix (token ${i})`);
+      sampler.accept(t, true);
+    });
+    assert.ok(sampler.grammarState, 'the grammar is on once the text ends with the prefix');
+  });
+
+  it('GBNF helpers: literals escape quotes, backslashes and control characters; rule renaming skips literals and classes', () => {
+    assert.equal(gbnfLiteral('a"b\\c\n\x01'), '"a\\"b\\\\c\\n\\x01"');
+    assert.equal(prefixGbnfRules('root ::= "root" [a-z] rule0 # rule1\nrule0 ::= "x"', 'f0-'), 'f0-root ::= "root" [a-z] f0-rule0 # rule1\nf0-rule0 ::= "x"');
+    assert.equal(toolSyntaxOf(Object.assign(new GeneralChatWrapper(), { settings: { ...new GeneralChatWrapper().settings, functions: undefined } }) as never), null, 'a wrapper without function settings: no tool calls');
+  });
+});
