@@ -17,6 +17,8 @@ import { request, type Dispatcher } from 'undici';
 import { z, ZodError } from 'zod';
 import type { Engine } from '../engine/types.js';
 import { ApiError, checkModelName, parseMessages, zodToApiError } from './openai.js';
+import { parseTools } from './tool-calls.js';
+import { TOOLS_REFUSAL } from './fields.js';
 
 /** The OpenAI model object. */
 export interface ModelObject {
@@ -71,6 +73,8 @@ const TokenizeChatSchema = z
   .object({
     model: z.string().max(512).nullish(),
     messages: z.unknown(),
+    /** vLLM: the tools the chat template documents (counted as the generation request would). */
+    tools: z.array(z.unknown()).nullish(),
     add_generation_prompt: z.literal(true, { errorMap: () => ({ message: 'only true is supported' }) }).nullish(),
     add_special_tokens: z.literal(false, { errorMap: () => ({ message: "only false is supported (BOS comes from the model's chat template)" }) }).nullish(),
     return_token_strs: z.boolean().nullish(),
@@ -101,7 +105,7 @@ export interface TokenizeResponse {
  * POST /tokenize and POST /detokenize on `engine` (see the file comment for the shapes).
  * @throws (as HTTP 400) for bad bodies, token ids outside the vocabulary, refused message fields.
  */
-export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine): void {
+export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine, models: readonly string[] = []): void {
   app.post('/tokenize', async (req) => {
     const body = req.body as Record<string, unknown> | null;
     const isChat = body !== null && typeof body === 'object' && 'messages' in body;
@@ -110,11 +114,15 @@ export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine): vo
     if (isChat) {
       const r = TokenizeChatSchema.safeParse(body);
       if (!r.success) throw toBadRequest(r.error);
-      tokens = engine.renderChat(parseMessages(r.data.messages));
+      checkModelName(r.data.model ?? undefined, models);
+      const tools = parseTools({ tools: r.data.tools ?? undefined });
+      if (tools && !engine.toolSyntax) throw new ApiError(400, 'unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'invalid_request_error', 'tools');
+      tokens = engine.renderChat(parseMessages(r.data.messages), tools?.functions);
       strs = r.data.return_token_strs === true;
     } else {
       const r = TokenizeCompletionSchema.safeParse(body);
       if (!r.success) throw toBadRequest(r.error);
+      checkModelName(r.data.model ?? undefined, models);
       const maxBytes = engine.info.compat.contextSize * engine.info.maxTokenBytes * 4;
       if (Buffer.byteLength(r.data.prompt) > maxBytes) throw new ApiError(400, 'invalid_value', `prompt is longer than ${maxBytes} bytes`, 'invalid_request_error', 'prompt');
       tokens = engine.tokenize(r.data.prompt, r.data.add_special_tokens !== false);
@@ -126,6 +134,7 @@ export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine): vo
   app.post('/detokenize', async (req) => {
     const r = DetokenizeSchema.safeParse(req.body);
     if (!r.success) throw toBadRequest(r.error);
+    checkModelName(r.data.model ?? undefined, models);
     const bad = r.data.tokens.find((t) => t >= engine.info.nVocab);
     if (bad !== undefined) throw new ApiError(400, 'invalid_value', `token id ${bad} is outside the vocabulary (size ${engine.info.nVocab})`, 'invalid_request_error', 'tokens');
     return { prompt: engine.detokenize(r.data.tokens) };

@@ -25,6 +25,7 @@ import { readSse, SseWriter } from './sse.js';
 import { randomBytes } from 'node:crypto';
 import { MAX_CHOICES } from './fields.js';
 import { ApiError, badRequest, sendApiError, SSE_DONE, usageOf, type Usage } from './openai.js';
+import type { ToolCall, ToolCallDelta } from './tool-calls.js';
 
 export { MAX_CHOICES };
 
@@ -88,7 +89,7 @@ type Chunk = { id?: string; created?: number; model?: string; choices?: { index?
 export class FanOutMerger {
   private readonly usages = new Map<number, Usage>();
   private readonly promptOf = new Map<number, number>();
-  private readonly parts = new Map<number, { text: string; finish: string | null; logprobs: Record<string, unknown[]> | null; content: string }>();
+  private readonly parts = new Map<number, { text: string; finish: string | null; logprobs: Record<string, unknown[]> | null; content: string; calls: ToolCall[] }>();
   model: string | null = null;
 
   constructor(
@@ -100,7 +101,7 @@ export class FanOutMerger {
   ) {
     for (const s of subs) {
       this.promptOf.set(s.index, s.promptIndex);
-      this.parts.set(s.index, { text: '', finish: null, logprobs: null, content: '' });
+      this.parts.set(s.index, { text: '', finish: null, logprobs: null, content: '', calls: [] });
     }
   }
 
@@ -116,9 +117,14 @@ export class FanOutMerger {
     if (raw.choices.length === 0) return null;
     const part = this.parts.get(index)!;
     const choices = raw.choices.map((c) => {
-      const x = c as { text?: string; delta?: { content?: string }; finish_reason?: string | null; logprobs?: Record<string, unknown> | null };
+      const x = c as { text?: string; delta?: { content?: string; tool_calls?: ToolCallDelta[] }; finish_reason?: string | null; logprobs?: Record<string, unknown> | null };
       part.text += x.text ?? '';
       part.content += x.delta?.content ?? '';
+      for (const d of x.delta?.tool_calls ?? []) {
+        if (d.id) part.calls[d.index] = { id: d.id, type: 'function', function: { name: d.function.name ?? '', arguments: '' } };
+        const call = part.calls[d.index];
+        if (call) call.function.arguments += d.function.arguments ?? '';
+      }
       if (x.finish_reason) part.finish = x.finish_reason;
       if (x.logprobs) {
         part.logprobs ??= {};
@@ -158,7 +164,7 @@ export class FanOutMerger {
   response(): Record<string, unknown> {
     const choices = [...this.parts].sort((a, b) => a[0] - b[0]).map(([index, p]) =>
       this.kind === 'chat'
-        ? { index, message: { role: 'assistant', content: p.content }, logprobs: p.logprobs ? { ...p.logprobs, refusal: null } : null, finish_reason: p.finish }
+        ? { index, message: p.calls.length > 0 ? { role: 'assistant', content: p.content === '' ? null : p.content, tool_calls: p.calls } : { role: 'assistant', content: p.content }, logprobs: p.logprobs ? { ...p.logprobs, refusal: null } : null, finish_reason: p.finish }
         : { index, text: p.text, logprobs: p.logprobs, finish_reason: p.finish },
     );
     return { id: this.id, object: this.kind === 'chat' ? 'chat.completion' : 'text_completion', created: this.created, model: this.model ?? 'pdserve', choices, usage: this.usage() };

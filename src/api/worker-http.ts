@@ -59,7 +59,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   const created = Math.floor(Date.now() / 1000);
   app.get('/v1/models', async () => ({ object: 'list', data: o.modelNames.map((id) => ({ id, object: 'model', owned_by: 'pdserve', created })) }));
   registerModelRoute(app, () => [...o.modelNames], created);
-  if (o.engine) registerTokenizeRoutes(app, o.engine);
+  if (o.engine) registerTokenizeRoutes(app, o.engine, o.modelNames);
   registerCors(app, o.corsOrigins ?? []);
   registerHoldRoute(app);
   return app;

@@ -30,7 +30,7 @@ import { parseStateFile, rewriteNStream } from './ggsq.js';
 import { GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
-import { chatFunctionsOf, chatHistoryOf, toolSyntaxOf } from './tools.js';
+import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
 export interface LoadEngineOptions {
@@ -500,7 +500,9 @@ class LlamaEngine implements Engine {
     // would guess from the architecture, e.g. Llama-2 [INST] for any llama GGUF).
     const tmpl = (model.fileInfo.metadata as unknown as { tokenizer?: { chat_template?: unknown } }).tokenizer?.chat_template;
     this.chatWrapper = typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
-    this.toolSyntax = toolSyntaxOf(this.chatWrapper);
+    const syntax = toolSyntaxOf(this.chatWrapper);
+    this.toolSyntax = syntax && syntaxIsVisible(model, syntax) ? syntax : null;
+    if (syntax && !this.toolSyntax) logSink?.('warn', `tool calls are off: the chat wrapper's call syntax ${JSON.stringify(syntax.prefix)} contains tokens that are not rendered as text`);
     this.grammars = new GrammarCache(model.llama, this.toolSyntax);
   }
 

@@ -17,7 +17,7 @@
  *   well formed. Not lazy: the whole output is a call (tool_choice "required" or a named function).
  * A complete call ends the grammar, so llama.cpp only allows an end-of-generation token after it.
  */
-import { LlamaText, type ChatHistoryItem, type ChatModelFunctions, type ChatModelResponse, type ChatWrapper, type Llama } from 'node-llama-cpp';
+import { LlamaText, type ChatHistoryItem, type ChatModelFunctions, type ChatModelResponse, type ChatWrapper, type Llama, type LlamaModel } from 'node-llama-cpp';
 import type { ChatMessage, ToolCallSyntax, ToolFunction } from './types.js';
 
 /** Text of a LlamaText-ish value (string, LlamaText, special-token text) as the model would print it. */
@@ -38,6 +38,22 @@ export function toolSyntaxOf(wrapper: ChatWrapper): ToolCallSyntax | null {
   const alternates = Array.isArray(call.prefixAlternateMatches) ? (call.prefixAlternateMatches as unknown[]).map(textOf).filter((s) => s !== '') : [];
   const empty = call.emptyCallParamsPlaceholder;
   return { prefix, prefixAlternates: alternates, paramsPrefix, suffix, emptyParams: empty === undefined || empty === '' ? '' : JSON.stringify(empty) };
+}
+
+/**
+ * Whether the syntax's texts survive tokenizing (special-token text parsed) and detokenizing
+ * without special tokens, as generated text reaches the parser: a call prefix that is a control
+ * token (e.g. a model whose template calls tools with a `<|python_tag|>`-like control token)
+ * would vanish from the output, so its calls could not be parsed — such a model gets no tools.
+ * Whitespace is ignored (SentencePiece detokenizers move leading spaces).
+ */
+export function syntaxIsVisible(model: LlamaModel, syntax: ToolCallSyntax): boolean {
+  const norm = (x: string) => x.replace(/\s+/g, '');
+  return [syntax.prefix, syntax.paramsPrefix, syntax.suffix.split('{{functionName}}').join('')].every((t) => {
+    if (norm(t) === '') return true;
+    const toks = model.tokenize(t, true);
+    return norm(model.detokenize(toks, false)) === norm(t);
+  });
 }
 
 /** The suffix of a call of `name` (`{{functionName}}` placeholders of Jinja-derived wrappers filled in). */

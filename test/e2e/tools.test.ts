@@ -104,6 +104,30 @@ describe('tool calls through the chat wrapper (PD = colocated)', () => {
     assert.equal(again.finish, 'tool_calls');
   });
 
+  test('/tokenize with tools counts the prompt as the generation request does; another model name is 404', async () => {
+    const u = await s.ref.chat.completions.create({ ...base, messages, max_tokens: 1 });
+    for (const url of [s.c.router.url, s.c.colocated!.url]) {
+      const post = (body: unknown) => fetch(`${url}/tokenize`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(10_000) });
+      const t = (await (await post({ model: 'pdserve', messages, tools: base.tools })).json()) as { count: number };
+      assert.equal(t.count, u.usage!.prompt_tokens);
+      const other = await post({ model: 'gpt-4o', messages });
+      assert.equal(other.status, 404);
+      assert.equal(((await other.json()) as { error: { code: string } }).error.code, 'model_not_found');
+    }
+  });
+
+  test('n = 2 with a forced call: each choice carries its call (stream and non-stream), seeded choices as single requests', async () => {
+    const req = { ...base, messages, tool_choice: 'required' as const, temperature: 0.8, seed: 11, max_tokens: 400 };
+    const single = (seed: number) => s.ref.chat.completions.create({ ...req, seed }).then(shapeOf);
+    const want = [await single(11), await single(12)];
+    for (const api of [s.pd, s.ref]) {
+      const r = await api.chat.completions.create({ ...req, n: 2 });
+      assert.deepEqual(r.choices.map((c) => shapeOf({ ...r, choices: [c] })), want, 'non-stream: choice i = the single request with seed + i');
+      const fin = await api.chat.completions.stream({ ...req, n: 2, stream: true }).finalChatCompletion();
+      assert.deepEqual(fin.choices.map((c) => shapeOf({ ...fin, choices: [c] } as OpenAI.ChatCompletion)), want, 'stream: the same calls');
+    }
+  });
+
   test('bad tools and tool histories are 400s naming the field, on both servers', async () => {
     for (const api of [s.pd, s.ref]) {
       const bad = async (body: Record<string, unknown>, param: string, re: RegExp) => {

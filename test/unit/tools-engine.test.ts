@@ -15,7 +15,7 @@ import { after, before, describe, it } from 'node:test';
 import { GeneralChatWrapper } from 'node-llama-cpp';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
-import { gbnfLiteral, prefixGbnfRules, toolSyntaxOf } from '../../src/engine/tools.js';
+import { gbnfLiteral, prefixGbnfRules, syntaxIsVisible, toolSyntaxOf } from '../../src/engine/tools.js';
 import type { ChatMessage, Engine, SamplingParams, ToolFunction } from '../../src/engine/types.js';
 import { drain, type Run } from '../helpers/engine.js';
 import { RequestSampler } from '../../src/engine/sampling.js';
@@ -110,6 +110,12 @@ describe('tool calls on the engine', () => {
       sampler.accept(t, true);
     });
     assert.ok(sampler.grammarState, 'the grammar is on once the text ends with the prefix');
+  });
+
+  it('a call syntax made of control tokens (hidden from the output text) turns tool calls off', () => {
+    const model = (engine as unknown as { model: never }).model;
+    assert.equal(syntaxIsVisible(model, engine.toolSyntax!), true);
+    assert.equal(syntaxIsVisible(model, { ...engine.toolSyntax!, prefix: '</s>' }), false, 'EOS text is a control token: not rendered');
   });
 
   it('GBNF helpers: literals escape quotes, backslashes and control characters; rule renaming skips literals and classes', () => {
