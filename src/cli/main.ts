@@ -4,6 +4,7 @@
  */
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { randomBytes } from 'node:crypto';
+import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
@@ -299,10 +300,12 @@ export async function runCli(argv: string[]): Promise<void> {
     .requiredOption('--out <file>', 'output path')
     .addOption(new Option('--preset <name>', 'model size').choices(['tiny', 'small']).default('tiny'))
     .option('--seed <n>', 'PRNG seed', int, 1)
+    .option('--chat-template <file>', 'embed this Jinja chat template (tokenizer.chat_template); default: none (node-llama-cpp\'s generic chat wrapper)')
     .action(async (o) => {
       const { writeLlamaGguf } = await import('../engine/gguf-writer.js');
-      await writeLlamaGguf(resolve(o.out), { preset: o.preset, seed: o.seed });
-      console.log(`wrote ${resolve(o.out)} (${o.preset}, seed ${o.seed})`);
+      const chatTemplate = o.chatTemplate ? readFileSync(resolve(o.chatTemplate), 'utf8') : undefined;
+      await writeLlamaGguf(resolve(o.out), { preset: o.preset, seed: o.seed, ...(chatTemplate !== undefined ? { chatTemplate } : {}) });
+      console.log(`wrote ${resolve(o.out)} (${o.preset}, seed ${o.seed}${chatTemplate !== undefined ? ', with a chat template' : ''})`);
     });
 
   // ---- bench (src/harness/bench.ts) and the benchmark suite (src/harness/bench-suite.ts) ----

@@ -44,6 +44,12 @@ export interface WriteGgufOptions {
   seed: number;
   /** Override preset dimensions (tests use odd sizes to exercise alignment padding). */
   dims?: Partial<ModelDims>;
+  /**
+   * A Jinja chat template (`tokenizer.chat_template`); absent = none, so node-llama-cpp uses its
+   * generic wrapper. A template that renders `tools` and `tool_calls` gives a model whose call
+   * syntax node-llama-cpp reads from the template (tool-call tests).
+   */
+  chatTemplate?: string;
 }
 
 const GGUF_ALIGNMENT = 32;
@@ -437,6 +443,7 @@ export function buildLlamaGguf(opts: WriteGgufOptions): Buffer {
     ['tokenizer.ggml.add_bos_token', { t: 'bool', v: true }],
     ['tokenizer.ggml.add_eos_token', { t: 'bool', v: false }],
   ];
+  if (opts.chatTemplate !== undefined) kvs.push(['tokenizer.chat_template', { t: 'str', v: opts.chatTemplate }]);
 
   const w = new ByteWriter();
   w.raw(Buffer.from('GGUF', 'latin1'));

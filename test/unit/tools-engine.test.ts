@@ -13,7 +13,9 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { GeneralChatWrapper } from 'node-llama-cpp';
-import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { readFileSync } from 'node:fs';
+import { ensureModel, writeLlamaGguf } from '../../src/engine/gguf-writer.js';
+import { ToolCallParser } from '../../src/api/tool-calls.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import { gbnfLiteral, prefixGbnfRules, syntaxIsVisible, toolSyntaxOf } from '../../src/engine/tools.js';
 import type { ChatMessage, Engine, SamplingParams, ToolFunction } from '../../src/engine/types.js';
@@ -28,12 +30,12 @@ const CLOCK: ToolFunction = { name: 'now', description: 'The time' };
 
 let engine: Engine;
 
-async function run(prompt: number[], sp: SamplingParams, mode: 'colocated' | 'pd'): Promise<Run> {
-  const a = engine.tryAcquireSlot()!;
-  const b = mode === 'pd' ? engine.tryAcquireSlot()! : a;
+async function run(prompt: number[], sp: SamplingParams, mode: 'colocated' | 'pd', e: Engine): Promise<Run> {
+  const a = e.tryAcquireSlot()!;
+  const b = mode === 'pd' ? e.tryAcquireSlot()! : a;
   const file = path.join(dir, `s-${Math.random().toString(36).slice(2)}.ggsq`);
   try {
-    await engine.prepareSampling(sp);
+    await e.prepareSampling(sp);
     const r = await a.prefill(prompt, sp, never);
     if (mode === 'pd') {
       await a.saveState(file);
@@ -47,9 +49,9 @@ async function run(prompt: number[], sp: SamplingParams, mode: 'colocated' | 'pd
   }
 }
 
-async function both(prompt: number[], sp: SamplingParams): Promise<Run> {
-  const c = await run(prompt, sp, 'colocated');
-  const d = await run(prompt, sp, 'pd');
+async function both(prompt: number[], sp: SamplingParams, e: Engine = engine): Promise<Run> {
+  const c = await run(prompt, sp, 'colocated', e);
+  const d = await run(prompt, sp, 'pd', e);
   assert.deepEqual(d.tokens, c.tokens, 'PD tokens equal colocated tokens');
   return c;
 }
@@ -60,7 +62,6 @@ describe('tool calls on the engine', () => {
   });
   after(async () => {
     await engine?.dispose();
-    rmSync(dir, { recursive: true, force: true });
   });
 
   it("the generic wrapper's syntax; functions and past calls/results rendered into the prompt", () => {
@@ -122,5 +123,44 @@ describe('tool calls on the engine', () => {
     assert.equal(gbnfLiteral('a"b\\c\n\x01'), '"a\\"b\\\\c\\n\\x01"');
     assert.equal(prefixGbnfRules('root ::= "root" [a-z] rule0 # rule1\nrule0 ::= "x"', 'f0-'), 'f0-root ::= "root" [a-z] f0-rule0 # rule1\nf0-rule0 ::= "x"');
     assert.equal(toolSyntaxOf(Object.assign(new GeneralChatWrapper(), { settings: { ...new GeneralChatWrapper().settings, functions: undefined } }) as never), null, 'a wrapper without function settings: no tool calls');
+  });
+});
+
+describe('tool calls with a chat template that defines the call syntax (tiny model + a Jinja template)', () => {
+  let tmpl: Engine;
+  before(async () => {
+    const file = path.join(dir, 'tiny-tagged.gguf');
+    await writeLlamaGguf(file, { preset: 'tiny', seed: 1, chatTemplate: readFileSync(new URL('../fixtures/tagged-tools.jinja', import.meta.url), 'utf8') });
+    tmpl = await loadEngine({ modelPath: file, sequences: 2, contextSize: 2048, batchSize: 256, deterministic: true });
+  });
+  after(async () => {
+    await tmpl?.dispose();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("node-llama-cpp reads the syntax from the template; history and the forced call use it; the parser reads the call back; PD equals colocated", async () => {
+    assert.deepEqual(tmpl.toolSyntax, { prefix: '<tool_call>\n{"name": "', prefixAlternates: [], paramsPrefix: '", "arguments": ', suffix: '}\n</tool_call>', emptyParams: '{}' });
+    const history: ChatMessage[] = [
+      { role: 'user', content: 'Weather in Paris?' },
+      { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'get_weather', arguments: '{"city":"Paris","days":1}' }] },
+      { role: 'tool', content: '{"temp":21}', toolCallId: 'c1' },
+    ];
+    const text = tmpl.detokenize(tmpl.renderChat(history, [WEATHER]));
+    assert.ok(text.replace(/\s/g, '').includes('<tool_call>{"name":"get_weather","arguments":{"city":"Paris","days":1}}</tool_call>'), JSON.stringify(text));
+    // bounded arguments (an enum and an integer): a random model's free strings can run past max_tokens
+    const bounded: ToolFunction = { name: 'get_weather', parameters: { type: 'object', properties: { unit: { type: 'string', enum: ['c', 'f'] }, days: { type: 'integer' } }, required: ['unit', 'days'] } };
+    const prompt = tmpl.renderChat([{ role: 'user', content: 'Weather in Paris?' }], [bounded]);
+    const sp = base({ grammar: { type: 'tool_call', functions: [bounded], lazy: false } });
+    const c = await both(prompt, sp, tmpl);
+    const p = new ToolCallParser(tmpl.toolSyntax!);
+    const r = p.feed(c.text);
+    p.end();
+    assert.equal(r.content, '');
+    assert.equal(p.calls.length, 1, JSON.stringify(c.text));
+    assert.equal(p.calls[0]!.function.name, 'get_weather');
+    const args = JSON.parse(p.calls[0]!.function.arguments) as { unit: unknown; days: unknown };
+    assert.ok(args.unit === 'c' || args.unit === 'f');
+    assert.ok(Number.isInteger(args.days));
+    assert.equal(c.finish, 'stop', 'the complete call ends generation');
   });
 });
