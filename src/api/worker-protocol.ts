@@ -116,6 +116,15 @@ export const GenerateRequestSchema = z
      * from token 2 (a first token that ends generation gives only the finish event).
      */
     first_token_from_prefill: z.boolean().default(false),
+    /**
+     * Decode-local continuation (pdserve's extension; decode only): the router sent this request
+     * to decode ALONE (prefill never sees it). Decode evaluates the prompt's uncached suffix
+     * itself when it is at most `max_tokens` (and its own limit), reusing a sequence it kept
+     * from an earlier round, and streams every token (first included); otherwise it answers at
+     * once 409 `needs_prefill` without creating a room, and the router runs the PD path.
+     * The bootstrap fields are those of the prefill the fallback would use; decode ignores them.
+     */
+    local_prefill: z.object({ max_tokens: z.number().int().min(1).max(1 << 20) }).strict().optional(),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
     /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */

@@ -58,9 +58,9 @@ const engineOptions = (c: Command) =>
     .option('--batch-size <tokens>', 'prompt evaluation chunk, tokens', int, 512)
     .option('--deterministic', 'batch-invariant inference: one sequence per llama.cpp decode call, so greedy output never depends on concurrent requests (slower; as SGLang --enable-deterministic-inference)', false)
     .option('--no-flash-attention', 'turn llama.cpp flash attention off (prefill and decode must agree)')
-    .option('--prefix-cache-slots <n>', 'prefill/colocated: extra sequences that keep finished requests\' KV for prefix reuse', int, 4)
-    .option('--prefix-cache-tokens <tokens>', 'prefill/colocated: most tokens the prefix cache holds (LRU beyond)', int, 65536)
-    .option('--no-prefix-cache', 'prefill/colocated: never reuse a cached prefix (every prompt evaluated in full)')
+    .option('--prefix-cache-slots <n>', 'extra sequences that keep finished requests\' KV for prefix reuse (decode: for decode-local continuation)', int, 4)
+    .option('--prefix-cache-tokens <tokens>', 'most tokens the prefix cache holds (LRU beyond)', int, 65536)
+    .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
     .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name and 'pdserve')");
 
 /** The prefix-cache part of an engine config from the engine options. */
@@ -237,13 +237,14 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 30001)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
-    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256)))
+    .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256)
+    .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation: longest uncached prompt suffix decode evaluates itself for a request the router sends it alone (0 = off; needs the prefix cache)', int, 256)))
     .action(async (o) => {
       const { startDecodeWorker } = await import('../decode/worker.js');
       const model = await modelPath(o.model);
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [] } },
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('decode'),
         ),
       );
@@ -271,7 +272,8 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
     .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('cache_aware'))
-    .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('least_load'))
+    .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('least_load'))
+    .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
     .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
     .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
     .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)
@@ -289,7 +291,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
         return r;
       });
     });

@@ -93,6 +93,14 @@ export const DecodeConfigSchema = z.object({
   maxPrealloc: z.number().int().min(1).default(256),
   /** Connect timeout to a prefill bootstrap port, ms. */
   connectTimeoutMs: z.number().int().positive().default(2000),
+  /**
+   * Decode-local continuation (src/decode/local.ts): the longest uncached prompt suffix, tokens,
+   * decode evaluates itself for a request the router marked `local_prefill`. > 0 also makes
+   * decode keep finished sequences' KV in the engine's prefix cache (`prefixCacheSlots` spare
+   * sequences, `prefixCacheTokens` budget, LRU). 0 = off: nothing kept, every local request
+   * answered `needs_prefill`.
+   */
+  localPrefillMaxTokens: z.number().int().min(0).max(1 << 20).default(256),
 });
 export type DecodeConfig = Readonly<z.infer<typeof DecodeConfigSchema>>;
 

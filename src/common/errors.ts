@@ -65,6 +65,12 @@ export const ERROR_CODES = {
   /** The request was cancelled by its client, or by the router on the client's behalf. */
   request_aborted: c(499, 'invalid_request_error', 'client'),
   client_closed_request: c(499, 'invalid_request_error', 'client'),
+  /**
+   * Router ↔ decode only, never sent to a client: decode was asked for a decode-local
+   * continuation but the prompt's uncached suffix is over its `local_prefill` limit; nothing was
+   * created, and the router runs the request on the normal PD path.
+   */
+  needs_prefill: c(409, 'invalid_request_error', 'client'),
   // -- system faults ---------------------------------------------------------------------------
   internal_error: c(500, 'server_error', 'system'),
   /** The engine (llama.cpp) failed evaluating, saving or loading a sequence. */

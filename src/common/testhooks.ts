@@ -13,6 +13,8 @@ export type HoldPoint =
   | 'decode.register'
   /** decode: all KV bytes received, before validation and load. */
   | 'decode.load'
+  /** decode: decode-local room holds its slot, before the suffix is evaluated. */
+  | 'decode.local_prefill'
   /** prefill: registered, before prompt evaluation starts. */
   | 'prefill.compute'
   /** prefill: prompt evaluated, before the state is saved. */

@@ -25,6 +25,14 @@
  * Step of a request (shown in /debug/rooms): prealloc (waiting for a slot) → registering (slot
  * held, dialing / REGISTER sent) → waiting_kv (REGISTERED) → receiving (KV_BEGIN) → loading
  * (KV_END, llama.cpp loading the state) → decoding (Success: generating) → gone (slot released).
+ *
+ * Decode-local continuation (`request(…, {local: true})`, see ./local.ts): the router sent the
+ * request to decode alone. Its room has no peer; once it holds a slot the core's `local_prefill`
+ * event (→ WaitingForInput/local) yields the `local_prefill` action — evaluate the uncached
+ * suffix on the slot, answered by `loadDone` / `loadFailed` exactly as a load is (the evaluation
+ * cannot be cancelled either: a failed room keeps its slot until it returns) — and `kv_done`
+ * makes the room Success and starts generation. Steps: prealloc → local_prefill → decoding →
+ * gone. Nothing is ever sent to a prefill for it (refusals included: prefill never saw it).
  */
 import { ApiError, failure, type RoomFailure } from '../common/errors.js';
 import type { RoomId } from '../common/room-id.js';
@@ -39,7 +47,7 @@ export type PrefillAddr = string;
 export type ConnId = string;
 
 /** What the decode worker is doing for a request (shown in /debug/rooms). */
-export type DecodeStep = 'prealloc' | 'registering' | 'waiting_kv' | 'receiving' | 'loading' | 'decoding';
+export type DecodeStep = 'prealloc' | 'registering' | 'waiting_kv' | 'receiving' | 'loading' | 'local_prefill' | 'decoding';
 
 export interface DecodeDriverConfig {
   timeouts: RoomTimeouts;
@@ -76,6 +84,8 @@ export type DecodeAction =
   | { a: 'recv_begin'; room: RoomId; totalBytes: number }
   /** Every byte is in and KV_END arrived: finish the receive and load it into the room's slot; answer `loadDone` / `loadFailed`. */
   | { a: 'load'; room: RoomId }
+  /** Decode-local room holding its slot: evaluate the prompt's uncached suffix on it; answer `loadDone` / `loadFailed`. */
+  | { a: 'local_prefill'; room: RoomId }
   /** The state is loaded (room Success): generate tokens on the slot; answer `generationDone`. */
   | { a: 'generate'; room: RoomId }
   /**
@@ -92,6 +102,8 @@ export type DecodeAction =
 interface Job {
   rid: string;
   addr: PrefillAddr;
+  /** Decode-local continuation: no prefill peer; decode evaluates the suffix itself. */
+  local: boolean;
   step: DecodeStep;
   /** The connection the room registered on; control messages and chunks count only from it. */
   conn?: ConnId;
@@ -183,18 +195,21 @@ export class DecodeDriver {
    * creating anything — telling prefill, except for a duplicate live room (that room is running
    * here) — else creates the room (a tombstone fails it at once), queues it and hands out slots.
    */
-  request(room: RoomId, rid: string, addr: PrefillAddr, now: number): DecodeAdmission {
+  request(room: RoomId, rid: string, addr: PrefillAddr, now: number, opts: { local?: boolean } = {}): DecodeAdmission {
+    const local = opts.local === true;
     const refuse = (err: ApiError, tell: boolean): DecodeAdmission => ({
       refused: err,
-      actions: tell ? [this.tell(room, undefined, addr, failure(err.code as RoomFailure['code'], `decode refused the request: ${err.message}`))] : [],
+      // A decode-local request never reached a prefill: nobody to tell.
+      actions: tell && !local ? [this.tell(room, undefined, addr, failure(err.code as RoomFailure['code'], `decode refused the request: ${err.message}`))] : [],
     });
     if (this.prealloc.size >= this.config.maxPrealloc) return refuse(ApiError.of('queue_full', `decode prealloc queue is full (${this.config.maxPrealloc})`), !this.rooms.has(room));
     if (this.rooms.has(room) || this.jobs.has(room)) return refuse(ApiError.of('duplicate_room', `room ${room} already exists`), false);
     // One live request per rid (as vLLM): a second one could never be aborted by rid.
     const other = this.roomOfRid(rid);
     if (other !== undefined) return refuse(ApiError.of('duplicate_rid', `request id ${rid} is already running on this worker (room ${other})`, 'rid'), true);
-    const effects = this.rooms.create(room, rid, now, addr);
-    this.jobs.set(room, { rid, addr, step: 'prealloc', slot: false, loading: false, generating: false, done: false });
+    // A local room has no peer: the core then allows only the local path for it.
+    const effects = this.rooms.create(room, rid, now, local ? undefined : addr);
+    this.jobs.set(room, { rid, addr, local, step: 'prealloc', slot: false, loading: false, generating: false, done: false });
     this.byRid.set(rid, room);
     this.prealloc.add(room);
     const out = this.run(effects, now);
@@ -299,7 +314,8 @@ export class DecodeDriver {
     const job = this.jobs.get(room);
     if (!job || !job.loading) return [];
     job.loading = false;
-    const out = this.rooms.has(room) && this.rooms.get(room)!.state === KVPoll.Transferring ? this.apply(room, { t: 'kv_done' }, now) : [];
+    const r = this.rooms.has(room) ? this.rooms.get(room)! : undefined;
+    const out = r && (r.state === KVPoll.Transferring || r.phase === 'local') ? this.apply(room, { t: 'kv_done' }, now) : [];
     out.push(...this.settle(room, now));
     return out;
   }
@@ -378,6 +394,15 @@ export class DecodeDriver {
           out.push(this.tell(e.room, job?.conn, job?.addr ?? e.peer, e.failure));
           break;
         }
+        case 'start_local_prefill': {
+          const job = this.jobs.get(e.room);
+          if (job?.slot && !job.loading) {
+            job.step = 'local_prefill';
+            job.loading = true;
+            out.push({ a: 'local_prefill', room: e.room });
+          }
+          break;
+        }
         case 'terminal':
           out.push(...this.terminal(e.room, e.state, e.failure, now));
           break;
@@ -435,9 +460,9 @@ export class DecodeDriver {
       if (!job || job.done || !this.rooms.has(room) || this.rooms.get(room)!.phase !== 'prealloc') continue;
       this.slotsFree--;
       job.slot = true;
-      job.step = 'registering';
+      job.step = job.local ? 'local_prefill' : 'registering';
       out.push({ a: 'assign_slot', room });
-      out.push(...this.apply(room, { t: 'slot_reserved' }, now));
+      out.push(...this.apply(room, { t: job.local ? 'local_prefill' : 'slot_reserved' }, now));
       // A refused reservation (never on the real rule) must not keep the slot: the room fails.
       if (!job.done && this.rooms.get(room)?.phase === 'prealloc') out.push(...this.fail(room, failure('internal_error', 'slot reservation refused'), now));
     }

@@ -16,8 +16,8 @@ import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
-import { DecodeConfigSchema, parseConfig, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
-import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
+import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
@@ -38,6 +38,7 @@ import { StateReceiver } from '../kv/transfer/receiver.js';
 import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
 import { DecodeDriver, type ConnId, type DecodeAction, type PrefillAddr } from './driver.js';
+import { localPrefill, planLocal, type DecodeStart, type LocalPlan } from './local.js';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {
@@ -53,9 +54,13 @@ interface Job {
   slot?: Slot;
   /** The incoming state: validated and written to its file as the chunks arrive. */
   recv?: StateReceiver<ParsedState>;
-  /** Resolves with the envelope header when generation may start (`generate`); rejects on `finish` Failed. */
-  ready: Deferred<EnvelopeHeader>;
+  /** Decode-local continuation (./local.ts): the plan decode accepted; the room has no peer. */
+  local?: LocalPlan;
+  /** Resolves with the first token and prompt counts when generation may start (`generate`); rejects on `finish` Failed. */
+  ready: Deferred<DecodeStart>;
   header?: EnvelopeHeader;
+  /** Set when the KV is in the slot (PD: loaded from the envelope; local: evaluated here). */
+  start?: DecodeStart;
   /** When KV_BEGIN arrived (ms), for pdserve_kv_transfer_seconds. */
   tKvBegin?: number;
   t0: number;
@@ -88,7 +93,7 @@ export class DecodeWorker {
   ) {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
-    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry);
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
   }
 
   /** The driver's room table (the lifecycle core). */
@@ -137,8 +142,10 @@ export class DecodeWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: 'pd', cached_tokens: j.header?.cachedTokens ?? 0 }));
-        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', cached_tokens: this.jobs.get(r.room)?.header?.cachedTokens ?? 0 })), decoding });
+        const pathOf = (j: Job | undefined) => (j?.local ? 'decode_local' : 'pd');
+        const cachedOf = (j: Job | undefined) => j?.start?.cachedTokens ?? j?.local?.reusable ?? 0;
+        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: pathOf(j), cached_tokens: cachedOf(j) }));
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.jobs.get(r.room)), cached_tokens: cachedOf(this.jobs.get(r.room)) })), decoding });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -179,7 +186,8 @@ export class DecodeWorker {
       switch (a.a) {
         case 'assign_slot': {
           const job = this.jobs.get(a.room);
-          const slot = this.engine.tryAcquireSlot();
+          // A local room's prompt picks the kept sequence holding its prefix.
+          const slot = this.engine.tryAcquireSlot(job?.local?.tokens);
           if (job && slot) job.slot = slot;
           else {
             slot?.release();
@@ -209,9 +217,12 @@ export class DecodeWorker {
         case 'load':
           void this.load(a.room);
           break;
+        case 'local_prefill':
+          void this.runLocal(a.room);
+          break;
         case 'generate': {
           const job = this.jobs.get(a.room);
-          if (job?.header) job.ready.resolve(job.header);
+          if (job?.start) job.ready.resolve(job.start);
           else this.perform(this.driver.generationDone(a.room, Date.now()));
           break;
         }
@@ -346,12 +357,30 @@ export class DecodeWorker {
       if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
       await job.slot.loadState(path, state.tokens);
       job.header = header;
+      job.start = { promptTokens: header.nTokens, cachedTokens: header.cachedTokens ?? 0, firstToken: header.firstToken };
       this.perform(this.driver.loadDone(room, Date.now()));
     } catch (err) {
       const e = err as { code?: string; message?: string };
       this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)), Date.now()));
     } finally {
       await recv.discard();
+    }
+  }
+
+  /** The driver's `local_prefill`: evaluate the uncached suffix on the room's slot (./local.ts); answer `loadDone` / `loadFailed`. */
+  private async runLocal(room: RoomId): Promise<void> {
+    const job = this.jobs.get(room);
+    if (!job?.local || !job.slot) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'local prefill without a plan or slot'), Date.now()));
+    try {
+      await hold('decode.local_prefill', job.ac.signal);
+      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the local prefill'), Date.now()));
+      const start = await localPrefill(job.slot, job.local, job.ac.signal);
+      job.start = start;
+      this.prefixMetrics.recordLookup(start.promptTokens, start.cachedTokens);
+      this.perform(this.driver.loadDone(room, Date.now()));
+    } catch (err) {
+      const e = toApiError(err);
+      this.perform(this.driver.loadFailed(room, failure(e.status < 500 ? (e.code as RoomFailure['code']) : 'engine_failed', e.message), Date.now()));
     }
   }
 
@@ -362,18 +391,29 @@ export class DecodeWorker {
     if (!parsed.success) return sendError(reply, zodToApiError(parsed.error));
     const body: GenerateRequest = parsed.data;
     const room = body.bootstrap_room;
+    // Decode-local continuation: decided before any room exists (409 needs_prefill → the router
+    // runs the PD path on the same pair; prefill never saw the request).
+    let local: LocalPlan | undefined;
+    if (body.local_prefill) {
+      try {
+        local = await planLocal(this.engine, body, this.config.localPrefillMaxTokens, this.engine.info.cacheSequences > 0);
+      } catch (err) {
+        return sendError(reply, toApiError(err));
+      }
+    }
     const job: Job = {
       room,
       rid: body.rid,
-      sampling: samplingFromWire(body.sampling_params),
-      skipFirst: body.first_token_from_prefill,
+      sampling: local?.sampling ?? samplingFromWire(body.sampling_params),
+      skipFirst: !local && body.first_token_from_prefill,
       host: body.bootstrap_host,
       port: body.bootstrap_port,
       ac: new AbortController(),
       ready: deferred(),
       t0: Date.now(),
     };
-    const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, Date.now());
+    if (local) job.local = local;
+    const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, Date.now(), { local: local !== undefined });
     if (admitted.refused) {
       // Refusals before the room exists still reach prefill (fault c): the driver's `send`.
       this.perform(admitted.actions);
@@ -385,14 +425,14 @@ export class DecodeWorker {
     const off = onClientGone(reply, () => this.abort(undefined, room, 'client'));
     try {
       this.perform(admitted.actions);
-      let header: EnvelopeHeader;
+      let start: DecodeStart;
       try {
-        header = await job.ready.promise;
+        start = await job.ready.promise;
       } catch (err) {
         return sendError(reply, toApiError(err));
       }
       try {
-        await this.stream(job, header, reply);
+        await this.stream(job, start, reply);
       } finally {
         this.perform(this.driver.generationDone(room, Date.now()));
       }
@@ -402,14 +442,14 @@ export class DecodeWorker {
   }
 
   /** Generate from the loaded slot and write SSE events until finish, abort or client loss. */
-  private async stream(job: Job, header: EnvelopeHeader, reply: FastifyReply): Promise<void> {
+  private async stream(job: Job, start: DecodeStart, reply: FastifyReply): Promise<void> {
     const res = reply.raw;
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
-    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: header.nTokens, cached_tokens: header.cachedTokens ?? 0, completion_tokens: n, finish_reason: finish });
-    this.prefixMetrics.requestsByPath.inc({ path: 'pd' });
+    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: start.promptTokens, cached_tokens: start.cachedTokens, completion_tokens: n, finish_reason: finish });
+    this.prefixMetrics.requestsByPath.inc({ path: job.local ? 'decode_local' : 'pd' });
     let n = 0;
-    const gen = job.slot!.generate(header.firstToken, job.sampling, job.ac.signal);
+    const gen = job.slot!.generate(start.firstToken, job.sampling, job.ac.signal);
     try {
       let finish: 'stop' | 'length' | 'abort' = 'abort';
       for (;;) {
@@ -420,7 +460,8 @@ export class DecodeWorker {
         }
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
-        const ev: GenerateEvent = tokenEvent(r.value, meta(n, null));
+        // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
+        const ev: GenerateEvent = tokenEvent(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, meta(n, null));
         if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
           job.ac.abort();
         }
@@ -467,7 +508,9 @@ function splitAddr(addr: PrefillAddr): { host: string; port: number } {
 /** Load the engine, start the worker. */
 export async function startDecodeWorker(raw: unknown, log = createLogger('decode')): Promise<DecodeWorker> {
   const config = parseConfig(DecodeConfigSchema, raw);
-  const engine = await loadEngine({ ...config.engine, sequences: config.slots, log: (level: string, msg: string) => log.debug({ level }, msg) });
+  // Decode keeps finished sequences (prompt + reply KV) for decode-local continuation when on.
+  const prefixCache = config.localPrefillMaxTokens > 0 ? prefixCacheOf(config.engine) : undefined;
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, ...(prefixCache ? { prefixCache } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new DecodeWorker(config, engine, log);
   await w.start();
   return w;

@@ -370,6 +370,11 @@ class Lease implements Slot {
         await this.engine.exclusive(() => seq.clearHistory());
         throw new PdError('BAD_STATE', 'bad sequence state: the loaded sequence does not hold the prompt');
       }
+      // A complete, validated state: with the prefix cache on (decode keeping finished
+      // sequences for decode-local continuation) it may be reused once the generation ends
+      // normally. Prefill evaluated it in aligned chunks, as a cold run does.
+      this.holder.exactPrefix = exactPrefixAfterPrompt(promptTokens.length, this.engine.cache.align);
+      this.holder.valid = true;
     } finally {
       if (tmp) await fsp.rm(tmp, { force: true }).catch(() => {});
     }
@@ -556,6 +561,11 @@ class LlamaEngine implements Engine {
     const lease = new Lease(this, holder);
     holder.lease = lease;
     return lease;
+  }
+
+  reusableFor(prompt: readonly number[]): number {
+    if (this.disposed || !this.cache.enabled || prompt.length === 0) return 0;
+    return chooseSequence(this.free, prompt, this.cache)?.reuse ?? 0;
   }
 
   /** Tokens held by idle sequences for reuse, and how many sequences hold them. */

@@ -243,6 +243,13 @@ export interface Engine {
    * a slot is free.
    */
   tryAcquireSlot(prompt?: readonly number[]): Slot | null;
+  /**
+   * Tokens of `prompt` the slot `tryAcquireSlot(prompt)` would reuse right now (0 with the prefix
+   * cache off). A hint: another acquisition may evict that sequence before this one takes it;
+   * `Slot.prefill` re-derives the reuse under its lease. Decode uses it to decide whether a
+   * request's uncached suffix is short enough to evaluate locally (decode-local continuation).
+   */
+  reusableFor(prompt: readonly number[]): number;
   /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
   cachedStats(): { sequences: number; tokens: number };
   dispose(): Promise<void>;

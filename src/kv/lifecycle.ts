@@ -66,6 +66,7 @@ export function phaseTimeout(phase: Phase, t: RoomTimeouts): number {
     case 'bootstrap':
       return t.bootstrapMs;
     case 'waiting':
+    case 'local':
       return t.waitingMs;
     case 'inflight':
     case 'transfer':
@@ -452,7 +453,10 @@ export class RoomTable {
     // A forward event on a Failed room lost a race with the failure (an ack or a completion in
     // flight when the abort landed): refused, but benign — counted as `late`, not `illegal`.
     // (`registered` is answered below; `progress` is a no-op.)
-    if (s === KVPoll.Failed && (c.t === 'slot_reserved' || c.t === 'kv_begin' || c.t === 'kv_done')) return { k: 'late' };
+    if (s === KVPoll.Failed && (c.t === 'slot_reserved' || c.t === 'local_prefill' || c.t === 'kv_begin' || c.t === 'kv_done')) return { k: 'late' };
+    // A decode-local room (no peer) never registers and never receives KV: only its own
+    // `kv_done` (suffix evaluated) moves it on; anything of the PD path is refused.
+    if (room.phase === 'local' && c.t !== 'kv_done') return { k: 'refuse', to: s, why: `${c.t} refused on a decode-local room` };
     const refuse = (to: KVPoll): Plan => ({ k: 'refuse', to, why: `${c.t} refused in ${stateName(s)}/${room.phase}` });
     switch (c.t) {
       case 'slot_reserved':
@@ -462,6 +466,11 @@ export class RoomTable {
           return { k: 'write', to: KVPoll.Bootstrapping, phase: 'bootstrap', why: 'slot_reserved' };
         }
         return refuse(KVPoll.Bootstrapping);
+      case 'local_prefill':
+        if (this.role !== 'decode') return { k: 'refuse', to: KVPoll.WaitingForInput, why: 'local_prefill on a prefill room' };
+        if (room.peer) return { k: 'refuse', to: KVPoll.WaitingForInput, why: 'local_prefill on a room with a prefill peer' };
+        if (s === KVPoll.Bootstrapping && room.phase === 'prealloc') return { k: 'write', to: KVPoll.WaitingForInput, phase: 'local', why: 'local_prefill' };
+        return refuse(KVPoll.WaitingForInput);
       case 'registered': {
         if (s === KVPoll.Failed) {
           const peer = c.peer ?? room.peer;
@@ -485,6 +494,7 @@ export class RoomTable {
       case 'kv_done':
         if (s === KVPoll.Success) return { k: 'noop' };
         if (s === KVPoll.Transferring) return { k: 'write', to: KVPoll.Success, phase: 'done', why: 'kv_done' };
+        if (s === KVPoll.WaitingForInput && room.phase === 'local') return { k: 'write', to: KVPoll.Success, phase: 'done', why: 'kv_done (local)' };
         return refuse(KVPoll.Success);
       default:
         return refuse(s);
@@ -508,6 +518,9 @@ export class RoomTable {
     switch (c.t) {
       case 'slot_reserved':
         target = { to: KVPoll.Bootstrapping, phase: 'bootstrap' };
+        break;
+      case 'local_prefill':
+        target = { to: KVPoll.WaitingForInput, phase: 'local' };
         break;
       case 'registered':
         target = { to: KVPoll.WaitingForInput, phase: 'waiting' };
@@ -554,6 +567,8 @@ export class RoomTable {
       out.push({ t: 'send_register', room: room.id, peer: room.peer ?? '' });
     } else if (p.to === KVPoll.WaitingForInput && this.role === 'prefill') {
       out.push({ t: 'start_prefill', room: room.id });
+    } else if (p.to === KVPoll.WaitingForInput && p.phase === 'local') {
+      out.push({ t: 'start_local_prefill', room: room.id });
     } else if (p.to === KVPoll.Success && this.role === 'decode' && room.peer) {
       out.push({ t: 'send_ack', room: room.id, peer: room.peer });
     }

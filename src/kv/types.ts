@@ -30,8 +30,10 @@ export type { RoomFailure } from '../common/errors.js';
  * decode: prealloc (Bootstrapping: waiting for a free sequence slot) → bootstrap (Bootstrapping:
  *   slot held, REGISTER sent, waiting for prefill's REGISTERED) → waiting (WaitingForInput:
  *   registered, waiting for KV_BEGIN) → transfer (Transferring: receiving, validating, loading) → done.
+ * decode-local continuation (a room without a peer): prealloc → local (WaitingForInput: decode
+ *   evaluates the uncached suffix itself on a kept sequence; deadline waitingMs) → done.
  */
-export type Phase = 'prealloc' | 'bootstrap' | 'waiting' | 'inflight' | 'transfer' | 'done';
+export type Phase = 'prealloc' | 'bootstrap' | 'waiting' | 'inflight' | 'transfer' | 'local' | 'done';
 
 /** Deadlines per phase, in ms. Transfer deadlines restart on every progress event. */
 export interface RoomTimeouts {
@@ -89,6 +91,13 @@ export interface Room {
 export type RoomEvent =
   /** decode: a sequence slot is reserved for the room (prealloc → bootstrap). */
   | { t: 'slot_reserved' }
+  /**
+   * decode-local continuation: a sequence slot is reserved for a room created WITHOUT a peer
+   * (the router sent the request to decode alone); decode evaluates the prompt's uncached suffix
+   * itself (prealloc → WaitingForInput/local, effect `start_local_prefill`). Its `kv_done` (the
+   * suffix evaluated, first token sampled) → Success. As Dynamo's conditional disaggregation.
+   */
+  | { t: 'local_prefill' }
   /** prefill: decode's REGISTER arrived; decode: prefill's REGISTERED arrived. → WaitingForInput. */
   | { t: 'registered'; peer?: string; peerEpoch?: string }
   /** prefill: prompt evaluated and state saved; decode: KV_BEGIN received. → Transferring. */
@@ -113,6 +122,8 @@ export type Effect =
   | { t: 'notify_peer'; room: RoomId; peer: string; failure: RoomFailure }
   /** decode: send REGISTER for this room (emitted on slot_reserved). */
   | { t: 'send_register'; room: RoomId; peer: string }
+  /** decode: a local room holds its slot: evaluate the prompt's uncached suffix on it. */
+  | { t: 'start_local_prefill'; room: RoomId }
   /** prefill: decode registered, enqueue prompt evaluation. */
   | { t: 'start_prefill'; room: RoomId }
   /** decode: tell prefill the state is loaded (wire: KV_ACK). */

@@ -16,7 +16,8 @@
  *     firstTokenFromPrefill = true (prefill streams token 1 before the KV handoff; false: decode
  *       streams every token and prefill answers once with JSON),
  *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
- *       decodePolicy = 'least_load' (same choices), with cache_aware's
+ *       decodePolicy = 'least_load' (same choices; cache_aware enables decode-local
+ *       continuation up to localPrefillMaxTokens = 256 uncached tokens, 0 = off), with cache_aware's
  *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
@@ -74,6 +75,14 @@ export const RouterConfigSchema = z
     firstTokenFromPrefill: z.boolean().default(true),
     policy: z.enum(POLICY_NAMES).default('cache_aware'),
     decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
+    /**
+     * Decode-local continuation (dispatch.ts, decode/local.ts): with decodePolicy cache_aware, a
+     * request whose prefix the chosen decode worker holds (a tree hit) and whose unmatched text
+     * is short is sent to that decode alone with `local_prefill: {max_tokens}`; decode checks in
+     * tokens and answers `needs_prefill` when over, and the request then takes the PD path.
+     * 0 = off.
+     */
+    localPrefillMaxTokens: z.number().int().min(0).max(1 << 20).default(256),
     cacheThreshold: z.number().min(0).max(1).default(DEFAULT_CACHE_AWARE.cacheThreshold),
     balanceAbsThreshold: z.number().int().min(0).default(DEFAULT_CACHE_AWARE.balanceAbsThreshold),
     balanceRelThreshold: z.number().min(1).default(DEFAULT_CACHE_AWARE.balanceRelThreshold),
@@ -124,9 +133,12 @@ export interface RouterConfig {
   readonly policy: PolicyName;
   /**
    * Policy of decode workers; least_load by default (as SGLang's PD router, which has separate
-   * prefill and decode policies). Decode holds no reusable prefix, so stickiness only costs balance.
+   * prefill and decode policies). cache_aware keeps a prefix tree per decode worker (the
+   * conversations whose KV it kept) and turns decode-local continuation on.
    */
   readonly decodePolicy: PolicyName;
+  /** Decode-local continuation: longest uncached suffix (tokens) a decode worker is asked to evaluate itself; 0 = off. */
+  readonly localPrefillMaxTokens: number;
   /** cache_aware: matched fraction above which the longest-match worker is taken. */
   readonly cacheThreshold: number;
   /** cache_aware: imbalance iff max−min load > this AND max > min × balanceRelThreshold. */

@@ -25,6 +25,12 @@
  * prefill's first event has been written, so the order is always right. If the handoff fails after
  * token 1, the client (already streaming) gets an SSE `{error}` event and no `[DONE]`.
  *
+ * Decode-local continuation (`local`, ../decode/local.ts): the request goes to decode ALONE with
+ * `local_prefill: {max_tokens}` (no prefill leg, no KV handoff; decode streams every token). If
+ * decode answers 409 `needs_prefill` before anything was sent to the client, the request ends
+ * with `fallback = true` instead of an error, and the caller runs a normal PD request on the
+ * same pair. Everything else (deadline, aborts, leases, finish) is the same code.
+ *
  * Drain: a worker that answers 503 `draining` (../common/drain.ts), or cannot be connected to at
  * all (a worker that just died: marked unreachable), before anything was sent to the client makes
  * the request end with `redispatch = true` instead of an error (when the caller allowed it):
@@ -124,10 +130,15 @@ export class PdRequest {
   outcome: Outcome | null = null;
   /** A worker refused with `draining` before any output: run the request again on another pair. */
   redispatch = false;
+  /** Decode-local attempt answered `needs_prefill` before any output: run it on the PD path. */
+  fallback = false;
+  /** Serving path, for metrics and logs. */
+  readonly path: 'pd' | 'decode_local';
   private phase: 'waiting' | 'streaming' | 'finished' = 'waiting';
   private readonly log: Logger;
   private readonly builder: OpenAIResponseBuilder;
-  private readonly legs: Record<LegName, Leg>;
+  /** The prefill leg is absent on the decode-local path. */
+  private readonly legs: { prefill?: Leg; decode: Leg };
   private readonly body: string;
   private writer: SseWriter | null = null;
   private deadline: NodeJS.Timeout | null = null;
@@ -157,6 +168,8 @@ export class PdRequest {
     model: string,
     /** May this attempt end with `redispatch` (see the module doc)? False on the last attempt. */
     private readonly mayRedispatch = false,
+    /** Decode-local continuation: send to decode alone, decode evaluates ≤ maxTokens uncached tokens. */
+    local?: { maxTokens: number },
   ) {
     const leg = (name: LegName, worker: WorkerState): Leg => ({
       name,
@@ -168,30 +181,33 @@ export class PdRequest {
       abortSent: false,
       linger: null,
     });
-    this.legs = { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
+    this.path = local ? 'decode_local' : 'pd';
+    this.legs = local ? { decode: leg('decode', decode) } : { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
     this.log = log.child({ room: this.room });
     this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
+    const firstTokenFromPrefill = !local && ctx.config.firstTokenFromPrefill;
     this.body = JSON.stringify({
-      ...toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill: ctx.config.firstTokenFromPrefill }),
+      ...toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill }),
+      ...(local ? { local_prefill: { max_tokens: local.maxTokens } } : {}),
       trace_id: ctx.observe?.traceOf(rid),
     });
-    if (!ctx.config.firstTokenFromPrefill) this.firstGateOpen();
+    if (!firstTokenFromPrefill) this.firstGateOpen();
   }
 
   /** Dispatch to both workers and serve the client; resolves when the request is finished. */
   async run(): Promise<void> {
     const { metrics, config } = this.ctx;
     metrics.inflight.inc();
-    this.log.debug({ prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url, stream: this.parsed.stream }, 'dispatching');
+    this.log.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
     this.reply.raw.on('close', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
       config.requestTimeoutMs,
     );
     await hold('router.dispatch');
-    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url });
+    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path });
     if (!this.over) {
-      void this.runPrefill();
+      if (this.legs.prefill) void this.runPrefill(this.legs.prefill);
       void this.runDecode();
     }
     await this.done;
@@ -202,12 +218,16 @@ export class PdRequest {
     this.finish('error', new ApiError(503, 'shutting_down', reason, 'server_error'));
   }
 
+  /** The generated text so far (the whole reply once the request finished ok). */
+  get generatedText(): string {
+    return this.builder.text;
+  }
+
   private get over(): boolean {
     return this.phase === 'finished';
   }
 
-  private async runPrefill(): Promise<void> {
-    const leg = this.legs.prefill;
+  private async runPrefill(leg: Leg): Promise<void> {
     const streamed = this.ctx.config.firstTokenFromPrefill;
     try {
       const headers = streamed ? { ...JSON_HEADERS, accept: 'text/event-stream' } : JSON_HEADERS;
@@ -390,6 +410,11 @@ export class PdRequest {
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
+    if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.phase === 'waiting' && this.builder.events === 0) {
+      this.fallback = true;
+      this.finish('error');
+      return;
+    }
     // Safe to run again elsewhere: the worker refused as draining, or was never connected to
     // (connection refused / unreachable: it has not seen the request), and nothing was sent yet.
     const neverStarted = err.code === DRAINING_CODE || err.code === `${leg.name}_unreachable`;
@@ -471,7 +496,7 @@ export class PdRequest {
     if (err && outcome !== 'client_abort') this.sendError(err, wasStreaming);
     else if (outcome === 'client_abort') this.status = 499;
 
-    for (const leg of [this.legs.prefill, this.legs.decode]) {
+    for (const leg of this.legs.prefill ? [this.legs.prefill, this.legs.decode] : [this.legs.decode]) {
       if (outcome === 'ok') {
         if (!leg.settled) {
           leg.linger = setTimeout(() => {
@@ -494,17 +519,27 @@ export class PdRequest {
     const e2eMs = performance.now() - this.t0;
     metrics.inflight.dec();
     if (this.redispatch) {
-      this.log.info({ prefill: this.legs.prefill.worker.url, decode: this.legs.decode.worker.url }, 'a worker is draining: dispatching the request again');
+      this.log.info({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url }, 'a worker is draining: dispatching the request again');
+      this.resolveDone();
+      return;
+    }
+    if (this.fallback) {
+      metrics.byPath.labels('fallback').inc();
+      this.log.debug({ decode: this.legs.decode.worker.url }, 'decode-local attempt needs prefill: running the PD path');
       this.resolveDone();
       return;
     }
     metrics.requests.labels(outcome).inc();
-    if (outcome === 'ok') metrics.e2e.observe(e2eMs / 1000);
+    if (outcome === 'ok') {
+      metrics.e2e.observe(e2eMs / 1000);
+      metrics.byPath.labels(this.path).inc();
+    }
     const line = {
       outcome,
       status: this.status,
-      prefill: this.legs.prefill.worker.url,
+      prefill: this.legs.prefill?.worker.url ?? null,
       decode: this.legs.decode.worker.url,
+      path: this.path,
       stream: this.parsed.stream,
       prompt_tokens: this.builder.promptTokens,
       completion_tokens: this.builder.completionTokens,

@@ -36,7 +36,7 @@ import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
 import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
-import { createPolicy, routingText } from './policy/index.js';
+import { createPolicy, localPrefillFor, routingText, routingTextAfter, type Pick } from './policy/index.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
@@ -110,9 +110,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
   // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
-  const pickWith = (role: 'prefill' | 'decode', text: string, now: number) => (c: WorkerState[]) => {
+  const pickWith = (role: 'prefill' | 'decode', text: string, now: number, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
     const p = policies[role].pick(c, text, now);
     if (p) picks.inc({ role, policy: policies[role].name, reason: p.reason });
+    seen?.(p);
     return p?.worker ?? null;
   };
   const traces = new TraceStore();
@@ -187,7 +188,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       for (let attempt = 1; ; attempt++) {
         const now = performance.now();
         // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
-        const pair = pickPair(registry, pickWith('prefill', text, now), pickWith('decode', text, now));
+        let decodePick: Pick<WorkerState> | null = null;
+        const pair = pickPair(registry, pickWith('prefill', text, now), pickWith('decode', text, now, (p) => (decodePick = p)));
         if ('error' in pair) {
           metrics.requests.labels('error').inc();
           throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
@@ -195,13 +197,24 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         const { prefill, decode } = pair;
         if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = prefill.toolSyntax ?? null;
         const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
-        const run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES);
+        // Decode-local continuation first when the decode worker holds this conversation; its
+        // `needs_prefill` answer (before any output) falls back to the PD path on the same pair.
+        const localMax = localPrefillFor(config.localPrefillMaxTokens, policies.decode.name, decodePick, text.length);
+        let run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES, localMax ? { maxTokens: localMax } : undefined);
         active.add(run);
         try {
           await run.run();
+          if (run.fallback && !reply.raw.destroyed && !closing) {
+            active.delete(run);
+            run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES);
+            active.add(run);
+            await run.run();
+          }
         } finally {
           active.delete(run);
         }
+        // The decode worker now keeps this round (prompt + reply): the next round's prefix.
+        if (run.outcome === 'ok' && !run.redispatch) policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, performance.now());
         if (!run.redispatch || reply.raw.destroyed) break;
         if (closing) {
           metrics.requests.labels('error').inc();

@@ -7,6 +7,9 @@
  * - pdserve_e2e_request_latency_seconds: request received → response finished, ok requests only.
  * - pdserve_router_requests_total{outcome}: finished generation requests by outcome
  *   (ok | client_abort | error | timeout); requests rejected before dispatch (400, 503) count as error.
+ * - pdserve_router_requests_by_path_total{path}: ok requests by serving path — pd (prefill +
+ *   decode, KV handoff) or decode_local (decode alone continued a kept sequence) — and
+ *   path="fallback": decode-local attempts decode answered `needs_prefill` (then served as pd).
  * - pdserve_router_inflight_requests: generation requests being served right now.
  * - pdserve_router_worker_load{worker}: the router's in-flight count per worker URL.
  */
@@ -22,6 +25,7 @@ export class RouterMetrics {
   readonly itl: Histogram;
   readonly e2e: Histogram;
   readonly requests: Counter<'outcome'>;
+  readonly byPath: Counter<'path'>;
   readonly inflight: Gauge;
   readonly workerLoad: Gauge<'worker'>;
 
@@ -47,6 +51,8 @@ export class RouterMetrics {
     });
     this.requests = new Counter({ name: 'pdserve_router_requests_total', help: 'Finished generation requests by outcome.', labelNames: ['outcome'], registers });
     for (const o of OUTCOMES) this.requests.labels(o).inc(0);
+    this.byPath = new Counter({ name: 'pdserve_router_requests_by_path_total', help: 'Successful generation requests by serving path (pd, decode_local), and decode-local attempts that fell back to pd (fallback).', labelNames: ['path'], registers });
+    for (const p of ['pd', 'decode_local', 'fallback']) this.byPath.labels(p).inc(0);
     this.inflight = new Gauge({ name: 'pdserve_router_inflight_requests', help: 'Generation requests in flight at the router.', registers });
     this.workerLoad = new Gauge({
       name: 'pdserve_router_worker_load',

@@ -56,6 +56,11 @@ export interface Policy {
   pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number): Pick<W> | null;
   /** Forget a worker (removed from the cluster). */
   forget?(url: string): void;
+  /**
+   * Remember that worker `url` now holds `text` as a prefix (cache_aware only): the router
+   * records a finished conversation round (prompt + reply) for the decode worker that kept it.
+   */
+  record?(text: string, url: string, now: number): void;
 }
 
 class RoundRobin implements Policy {
@@ -163,6 +168,10 @@ class CacheAware implements Policy {
   forget(url: string): void {
     this.tree.removeTenant(url);
   }
+
+  record(text: string, url: string, now: number): void {
+    this.tree.insert(text, url, now);
+  }
 }
 
 /** Create a policy by name. `random` (power_of_two) defaults to Math.random. */
@@ -177,6 +186,36 @@ export function createPolicy(name: PolicyName, cacheAware: Partial<CacheAwareOpt
     case 'cache_aware':
       return new CacheAware({ ...DEFAULT_CACHE_AWARE, ...cacheAware });
   }
+}
+
+/**
+ * Most characters per token assumed when the router guesses whether a decode-local suffix can
+ * be short (a routing hint only: decode counts tokens exactly and answers `needs_prefill`).
+ */
+export const MAX_CHARS_PER_TOKEN = 8;
+
+/**
+ * Decode-local continuation at the router (Dynamo's conditional disaggregation; decode makes the
+ * exact decision in tokens, ../../decode/local.ts): try the local path iff it is on
+ * (`maxTokens` > 0), the decode policy is cache_aware and its pick was a tree hit (the worker
+ * served this conversation's earlier round and kept it), and the unmatched part of the routing
+ * text could be at most `maxTokens` tokens. The imbalance guard applies first: an imbalanced pick
+ * is never a hit, so a hot conversation cannot pile onto one decode worker.
+ * @returns the `local_prefill.max_tokens` to send, or undefined for the PD path.
+ */
+export function localPrefillFor(maxTokens: number, policy: PolicyName, pick: Pick<PolicyWorker> | null, textLength: number): number | undefined {
+  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || pick.reason !== 'cache_hit') return undefined;
+  const unmatched = textLength - (pick.matchedChars ?? 0);
+  return unmatched <= maxTokens * MAX_CHARS_PER_TOKEN ? maxTokens : undefined;
+}
+
+/**
+ * Routing text of a conversation round once answered: the request's text followed by the reply,
+ * as the next round will send it (chat: an assistant message; completion: the text continued).
+ */
+export function routingTextAfter(r: Parameters<typeof routingText>[0], reply: string): string {
+  if (r.kind === 'chat') return routingText({ kind: 'chat', messages: [...r.messages, { role: 'assistant', content: reply }] });
+  return routingText(r) + reply;
 }
 
 /**
