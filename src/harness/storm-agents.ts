@@ -44,6 +44,8 @@ export interface SampledRound {
   rid?: string;
   /** Prompt tokens the server took from a prefix cache for this round (undefined: not reported). */
   cachedTokens?: number;
+  /** Serving path the router reported (x-pdserve-path: pd | decode_local), when it did. */
+  path?: string;
 }
 
 export interface AgentsOptions {
@@ -115,7 +117,7 @@ class Estimate {
 /** A population of agents; `run()` resolves when every agent has stopped after `stop()`. */
 export class Agents {
   /** Two reservoirs: rounds served with cached prefix tokens, and the others. */
-  private readonly sampled = { cached: [] as SampledRound[], plain: [] as SampledRound[], seenCached: 0, seenPlain: 0 };
+  private readonly sampled = { local: [] as SampledRound[], cached: [] as SampledRound[], plain: [] as SampledRound[], seenLocal: 0, seenCached: 0, seenPlain: 0 };
   private stopping = false;
   private wake = new Set<() => void>();
   private readonly agent: http.Agent;
@@ -285,24 +287,28 @@ export class Agents {
   }
 
   /**
-   * Completed rounds for the wrong-answer check (at most sampleSize): up to half of them from the
-   * rounds the server answered with cached prefix tokens (the prefix cache's path must be
-   * checked even when it is rare), the rest from the other rounds; each a uniform reservoir sample.
+   * Completed rounds for the wrong-answer check (at most sampleSize): up to a third of them from
+   * the rounds served on the decode-local path, up to half of the rest from the other rounds
+   * answered with cached prefix tokens (the reuse paths must be checked even when they are
+   * rare), the rest from the plain rounds; each pool a uniform reservoir sample. A pool with too
+   * few rounds leaves its share to the next.
    */
   get sample(): SampledRound[] {
     const k = this.o.sampleSize;
-    const c = this.sampled.cached.slice(0, Math.max(Math.ceil(k / 2), k - this.sampled.plain.length));
-    return [...c, ...this.sampled.plain.slice(0, k - c.length)];
+    const { local, cached, plain } = this.sampled;
+    const l = local.slice(0, Math.max(Math.ceil(k / 3), k - cached.length - plain.length));
+    const c = cached.slice(0, Math.max(Math.ceil((k - l.length) / 2), k - l.length - plain.length));
+    return [...l, ...c, ...plain.slice(0, k - l.length - c.length)];
   }
 
   /** Reservoir-sample a completed round for the wrong-answer check (cached and plain rounds apart). */
   private keep(s: AgentState, messages: ChatMessage[], maxTokens: number, res: CallResult): void {
     const k = this.o.sampleSize;
     if (k <= 0) return;
-    const item: SampledRound = { agent: s.id, conv: s.conv, round: s.round, messages, maxTokens, text: res.text, rid: res.rid, cachedTokens: res.cachedTokens };
-    const cached = (res.cachedTokens ?? 0) > 0;
-    const pool = cached ? this.sampled.cached : this.sampled.plain;
-    const seen = cached ? ++this.sampled.seenCached : ++this.sampled.seenPlain;
+    const item: SampledRound = { agent: s.id, conv: s.conv, round: s.round, messages, maxTokens, text: res.text, rid: res.rid, cachedTokens: res.cachedTokens, path: res.path };
+    const kind = res.path === 'decode_local' ? 'local' : (res.cachedTokens ?? 0) > 0 ? 'cached' : 'plain';
+    const pool = this.sampled[kind];
+    const seen = kind === 'local' ? ++this.sampled.seenLocal : kind === 'cached' ? ++this.sampled.seenCached : ++this.sampled.seenPlain;
     if (pool.length < k) pool.push(item);
     else {
       const j = Math.floor(this.sampleRng.float() * seen);

@@ -45,6 +45,8 @@ export interface CallResult {
   itl: number[];
   /** usage.prompt_tokens_details.cached_tokens, when the server reported usage. */
   cachedTokens?: number;
+  /** The router's serving path (x-pdserve-path: pd | decode_local), when it said. */
+  path?: string;
 }
 
 export interface ChatMessage {
@@ -148,6 +150,8 @@ export class ChatCall {
   private async onResponse(res: http.IncomingMessage): Promise<void> {
     const rid = res.headers['x-request-id'];
     if (typeof rid === 'string') this.r.rid = rid;
+    const path = res.headers['x-pdserve-path'];
+    if (typeof path === 'string') this.r.path = path;
     const status = res.statusCode ?? 0;
     try {
       if (status !== 200 || !this.o.stream) {

@@ -239,8 +239,10 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       env: o.env,
       // The reference evaluates every prompt in full: the check compares reuse against no reuse.
       // Prefill keeps more cached prefixes than by default (tiny model: ≈1 MB a sequence), so
-      // the storm's many concurrent conversations get cache hits to check.
-      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout)], prefill: ['--prefix-cache-slots', '16'], colocated: ['--no-prefix-cache'] },
+      // the storm's many concurrent conversations get cache hits to check. Decode-local
+      // continuation is on (decode policy cache_aware; decode keeps 8 finished sequences), so
+      // rounds also run on decode alone, under the same faults.
+      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout), '--decode-policy', 'cache_aware'], prefill: ['--prefix-cache-slots', '16'], decode: ['--prefix-cache-slots', '8'], colocated: ['--no-prefix-cache'] },
     });
     write.progress(`pdserve storm: starting ${o.prefill} prefill + ${o.decode} decode + router${o.verify > 0 ? ' + colocated reference' : ''} (logs: ${logDir})\n`);
     try {
@@ -515,7 +517,9 @@ interface Verification {
   equal: number;
   /** Checked rounds that were served with cached prefix tokens (the prefix cache's path). */
   cached: number;
-  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; cached_tokens?: number; got: string; want: string }[];
+  /** Checked rounds the router served on the decode-local path (decode alone, no KV handoff). */
+  local: number;
+  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; cached_tokens?: number; path?: string; got: string; want: string }[];
   errors: { agent: number; round: number; error: string }[];
 }
 
@@ -525,7 +529,7 @@ interface Verification {
  * when the budget runs out are reported as not checked.
  */
 async function verify(sample: SampledRound[], reference: string | undefined, timeoutMs: number): Promise<Verification> {
-  const v: Verification = { reference, sampled: sample.length, equal: 0, cached: 0, mismatches: [], errors: [] };
+  const v: Verification = { reference, sampled: sample.length, equal: 0, cached: 0, local: 0, mismatches: [], errors: [] };
   if (!reference || sample.length === 0) return v;
   const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
   const end = performance.now() + Math.max(60_000, 2 * timeoutMs);
@@ -542,8 +546,9 @@ async function verify(sample: SampledRound[], reference: string | undefined, tim
       } else if (r.text === s.text) {
         v.equal++;
         if ((s.cachedTokens ?? 0) > 0) v.cached++;
+        if (s.path === 'decode_local') v.local++;
       } else {
-        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), cached_tokens: s.cachedTokens, got: s.text, want: r.text });
+        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), cached_tokens: s.cachedTokens, path: s.path, got: s.text, want: r.text });
       }
     }
   } finally {
@@ -687,7 +692,7 @@ function buildReport(b: BuildInput): StormReport {
         : {
             name: 'wrong_answer',
             status: v.mismatches.length ? 'fail' : 'pass',
-            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference (no prefix cache; ${v.cached} of the equal rounds were served with cached prefix tokens)${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
+            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference (no prefix cache; ${v.cached} of the equal rounds were served with cached prefix tokens, ${v.local} on the decode-local path)${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
             details: [...v.mismatches, ...v.errors],
           },
   );

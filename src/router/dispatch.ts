@@ -29,7 +29,8 @@
  * `local_prefill: {max_tokens}` (no prefill leg, no KV handoff; decode streams every token). If
  * decode answers 409 `needs_prefill` before anything was sent to the client, the request ends
  * with `fallback = true` instead of an error, and the caller runs a normal PD request on the
- * same pair. Everything else (deadline, aborts, leases, finish) is the same code.
+ * same pair. Everything else (deadline, aborts, leases, finish) is the same code. A successful
+ * response names its path in the `x-pdserve-path` header (pd | decode_local).
  *
  * Drain: a worker that answers 503 `draining` (../common/drain.ts), or cannot be connected to at
  * all (a worker that just died: marked unreachable), before anything was sent to the client makes
@@ -388,7 +389,7 @@ export class PdRequest {
 
   private openStream(): void {
     this.reply.hijack();
-    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid } });
+    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path } });
     this.reply.raw.socket?.setNoDelay(true); // each token leaves at once (no Nagle wait for an ACK)
     this.writer.open(200);
     this.phase = 'streaming';
@@ -402,7 +403,7 @@ export class PdRequest {
       if (this.over) return;
       this.writer!.end();
     } else {
-      void this.reply.code(200).header('x-request-id', this.rid).send(this.builder.response());
+      void this.reply.code(200).header('x-request-id', this.rid).header('x-pdserve-path', this.path).send(this.builder.response());
     }
     this.finish('ok');
   }

@@ -183,6 +183,9 @@ describe('pdserve storm', () => {
     // Prefill runs with its prefix cache and the reference without: cached rounds were compared.
     const cachedRounds = Number(/(\d+) of the equal rounds were served with cached prefix tokens/.exec(wa.summary)?.[1] ?? 0);
     assert.ok(cachedRounds >= 1, `the wrong-answer check compared rounds served from the prefix cache: ${wa.summary}`);
+    // Decode-local continuation is on: rounds decode served alone (no KV handoff) were compared.
+    const localRounds = Number(/(\d+) on the decode-local path/.exec(wa.summary)?.[1] ?? 0);
+    assert.ok(localRounds >= 1, `the wrong-answer check compared rounds served on the decode-local path: ${wa.summary}`);
     assert.equal(rep.requests.hung, 0);
     console.log(`storm test wall time ${(r.ms / 1000).toFixed(1)} s`);
   });
