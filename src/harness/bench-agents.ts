@@ -1,9 +1,12 @@
 /**
  * Bench section 7, "multi-round agents": N agents hold R-round conversations whose context
  * grows every round (each round resends the whole conversation plus a ~150-token tool result
- * taken from the storm corpus, and the model's previous reply). Three setups, interleaved at
+ * taken from the storm corpus, and the model's previous reply). Four setups, interleaved at
  * each concurrency (the order rotates per level):
  *
+ *   - `pd_local`: PD with decode-local continuation (router `--decode-policy cache_aware`):
+ *     rounds whose prefix the decode worker kept and whose new suffix is short run on decode
+ *     alone (no prefill, no KV handoff); the rest as `pd`;
  *   - `pd`: router (cache_aware) → prefill with its prefix cache → decode;
  *   - `colo`: the colocated server with its prefix cache (the fair baseline, as llama.cpp's
  *     server with cache_prompt);
@@ -27,9 +30,9 @@ import { lineChart } from './bench-svg.js';
 import { fmt, fmtRatio, median, say } from './bench-util.js';
 import { Cluster } from './cluster.js';
 
-export type AgentSetup = 'pd' | 'colo' | 'pd_noreuse';
-export const AGENT_SETUPS: readonly AgentSetup[] = ['pd', 'colo', 'pd_noreuse'];
-const SETUP_NAMES: Record<AgentSetup, string> = { pd: 'PD + prefix cache', colo: 'colocated + prefix cache', pd_noreuse: 'PD, no reuse' };
+export type AgentSetup = 'pd_local' | 'pd' | 'colo' | 'pd_noreuse';
+export const AGENT_SETUPS: readonly AgentSetup[] = ['pd_local', 'pd', 'colo', 'pd_noreuse'];
+const SETUP_NAMES: Record<AgentSetup, string> = { pd_local: 'PD + decode-local', pd: 'PD + prefix cache', colo: 'colocated + prefix cache', pd_noreuse: 'PD, no reuse' };
 
 /** One round of one agent as the client saw it. Times in ms. */
 export interface AgentRound {
@@ -44,6 +47,8 @@ export interface AgentRound {
   promptTokens: number;
   cachedTokens: number;
   outputTokens: number;
+  /** Serving path the router reported (x-pdserve-path: pd | decode_local); '' for colocated. */
+  path: string;
 }
 
 /** One setup at one concurrency. */
@@ -62,6 +67,8 @@ export interface AgentRun {
   failed: number;
   /** 1-min load average when the run ended. */
   load: number;
+  /** Completed rounds by serving path (x-pdserve-path; colocated reports none). */
+  paths: { pd: number; decode_local: number };
 }
 
 export interface AgentsResult {
@@ -115,7 +122,7 @@ function conversations(tok: BenchTokenizer, n: number, rounds: number, tag: stri
 /** One streamed chat round. Never rejects. */
 async function chatRound(url: string, model: string, messages: { role: string; content: string }[], maxTokens: number, dispatcher: Dispatcher, timeoutMs: number): Promise<Omit<AgentRound, 'agent' | 'round'> & { text: string }> {
   const start = performance.now();
-  const r = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, text: '' } as Omit<AgentRound, 'agent' | 'round'> & { text: string };
+  const r = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, path: '', text: '' } as Omit<AgentRound, 'agent' | 'round'> & { text: string };
   try {
     const res = await request(`${url}/v1/chat/completions`, {
       method: 'POST',
@@ -128,6 +135,8 @@ async function chatRound(url: string, model: string, messages: { role: string; c
       r.error = `HTTP ${res.statusCode}: ${(await res.body.text()).slice(0, 200)}`;
       return r;
     }
+    const path = res.headers['x-pdserve-path'];
+    if (typeof path === 'string') r.path = path;
     let done = false;
     for await (const data of readSse(res.body)) {
       if (data === '[DONE]') {
@@ -169,7 +178,7 @@ async function runSetup(setup: AgentSetup, url: string, model: string, convs: Co
       for (let round = 1; round <= o.rounds; round++) {
         messages.push({ role: 'user', content: `Tool result ${round}:\n${c.tools[round - 1]}` });
         const r = await chatRound(url, model, messages, o.outputTokens, o.dispatcher, o.timeoutMs);
-        rounds.push({ agent, round, ok: r.ok, error: r.error, ttftMs: r.ttftMs, e2eMs: r.e2eMs, tpotMs: r.tpotMs, promptTokens: r.promptTokens, cachedTokens: r.cachedTokens, outputTokens: r.outputTokens });
+        rounds.push({ agent, round, ok: r.ok, error: r.error, ttftMs: r.ttftMs, e2eMs: r.e2eMs, tpotMs: r.tpotMs, promptTokens: r.promptTokens, cachedTokens: r.cachedTokens, outputTokens: r.outputTokens, path: r.path });
         if (!r.ok) return;
         messages.push({ role: 'assistant', content: r.text });
       }
@@ -193,12 +202,14 @@ async function runSetup(setup: AgentSetup, url: string, model: string, convs: Co
     throughput: ok.length / (wallMs / 1000),
     failed: convs.length * o.rounds - ok.length, // rounds after a failure never ran: they count too
     load: Math.round(os.loadavg()[0]! * 100) / 100,
+    paths: { pd: ok.filter((r) => r.path === 'pd').length, decode_local: ok.filter((r) => r.path === 'decode_local').length },
   };
 }
 
 /**
- * Section 7. Starts its own two stacks (PD with reuse + the colocated server; PD without
- * reuse), runs every concurrency level with the three setups interleaved, stops them.
+ * Section 7. Starts its own three stacks (PD with reuse + the colocated server; PD with
+ * decode-local continuation; PD without reuse), runs every concurrency level with the four
+ * setups interleaved, stops them.
  * @throws when a stack cannot start.
  */
 export async function runAgentsSection(o: AgentsOptions): Promise<AgentsResult> {
@@ -210,13 +221,16 @@ export async function runAgentsSection(o: AgentsOptions): Promise<AgentsResult> 
   const common = { model: o.model, prefill: 1, decode: 1, threads: 1, ctxSize: o.contextSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, prefillSlots: 1, startTimeoutMs: 120_000 };
   const reuse = new Cluster({ ...common, colocated: true, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-agents-')) });
   const noreuse = new Cluster({ ...common, colocated: false, extraArgs: { prefill: ['--no-prefix-cache'] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-agents-nr-')) });
+  // The same PD stack with decode-local continuation on (decode keeps finished sequences by default).
+  const local = new Cluster({ ...common, colocated: false, extraArgs: { router: ['--decode-policy', 'cache_aware'] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-agents-local-')) });
   const dispatcher = benchAgent(64);
   const tok = await loadTokenizer(o.model);
   try {
-    say('section 7: starting the stacks (PD + colocated with prefix cache; PD without)');
+    say('section 7: starting the stacks (PD + colocated with prefix cache; PD with decode-local; PD without reuse)');
     await reuse.start();
     await noreuse.start();
-    const urls: Record<AgentSetup, string> = { pd: reuse.router.url, colo: reuse.colocated!.url, pd_noreuse: noreuse.router.url };
+    await local.start();
+    const urls: Record<AgentSetup, string> = { pd_local: local.router.url, pd: reuse.router.url, colo: reuse.colocated!.url, pd_noreuse: noreuse.router.url };
     const model = await discoverModel(urls.pd, dispatcher);
     // Warm-up: every path once (first llama.cpp evaluation, connection pools, KV channels).
     for (const s of AGENT_SETUPS) {
@@ -230,7 +244,7 @@ export async function runAgentsSection(o: AgentsOptions): Promise<AgentsResult> 
         // Fresh conversations per run: nothing cached by an earlier level can be reused.
         const convs = conversations(tok, c, rounds, `${setup}-c${c}`, cfg.systemTokens, cfg.toolTokens);
         const run = await runSetup(setup, urls[setup], model, convs, { rounds, outputTokens: cfg.outputTokens, slo, dispatcher, timeoutMs });
-        say(`  ${SETUP_NAMES[setup]}, ${c} agent(s): TTFT round 1 ${fmt(run.ttftByRound[0], 0)} ms, round ${rounds} ${fmt(run.ttftByRound[rounds - 1], 0)} ms; cached ${fmt(run.cachedShare * 100, 0)} %; goodput ${fmt(run.goodput, 2)} rounds/s; load ${run.load}`);
+        say(`  ${SETUP_NAMES[setup]}, ${c} agent(s): TTFT round 1 ${fmt(run.ttftByRound[0], 0)} ms, round ${rounds} ${fmt(run.ttftByRound[rounds - 1], 0)} ms; cached ${fmt(run.cachedShare * 100, 0)} %; goodput ${fmt(run.goodput, 2)} rounds/s; paths pd ${run.paths.pd} / decode_local ${run.paths.decode_local}; load ${run.load}`);
         runs.push(run);
       }
     }
@@ -238,6 +252,7 @@ export async function runAgentsSection(o: AgentsOptions): Promise<AgentsResult> 
   } finally {
     await reuse.stop();
     await noreuse.stop();
+    await local.stop();
     await tok.dispose().catch(() => {});
     await dispatcher.close().catch(() => {});
   }
@@ -258,17 +273,35 @@ export function agentsPlot(r: AgentsResult): string {
 /** Goals of issue #10, each met/missed with the figures behind it. */
 export function agentGoals(r: AgentsResult): { goal: string; met: boolean; detail: string }[] {
   const of = (s: AgentSetup) => r.runs.filter((x) => x.setup === s);
-  const pd = of('pd');
+  // PD as shipped with every part on (decode-local continuation); results from before it existed: PD + prefix cache.
+  const full: AgentSetup = of('pd_local').length > 0 ? 'pd_local' : 'pd';
+  const pd = of(full);
+  const plain = of('pd');
   const colo = of('colo');
   const last = r.rounds - 1;
+  const name = SETUP_NAMES[full];
   const ratio = pd.map((x) => ({ c: x.concurrency, v: x.ttftByRound[last]! / x.ttftByRound[0]! }));
   const share = pd.map((x) => ({ c: x.concurrency, v: x.cachedShare }));
-  const gp = pd.map((x) => ({ c: x.concurrency, pd: x.goodput, colo: colo.find((y) => y.concurrency === x.concurrency)?.goodput ?? NaN }));
+  const at = (xs: AgentRun[], c: number) => xs.find((y) => y.concurrency === c)?.goodput ?? NaN;
+  const gp = pd.map((x) => ({ c: x.concurrency, pd: x.goodput, colo: at(colo, x.concurrency), plain: at(plain, x.concurrency) }));
+  const also = full === 'pd_local' ? ' (PD + prefix cache alone: ' : '';
   return [
-    { goal: `PD round-${r.rounds} TTFT ≤ 1.5 × round-1 TTFT`, met: ratio.every((x) => x.v <= 1.5), detail: ratio.map((x) => `${x.c} agent(s): ${fmtRatio(x.v)}`).join(', ') },
-    { goal: 'cached tokens ≥ 60 % of prompt tokens over rounds 2+ (PD)', met: share.every((x) => x.v >= 0.6), detail: share.map((x) => `${x.c} agent(s): ${fmt(x.v * 100, 0)} %`).join(', ') },
-    { goal: 'PD agent goodput ≥ colocated at every concurrency', met: gp.every((x) => x.pd >= x.colo), detail: gp.map((x) => `${x.c} agent(s): ${fmt(x.pd, 2)} vs ${fmt(x.colo, 2)} rounds/s`).join(', ') },
+    { goal: `PD round-${r.rounds} TTFT ≤ 1.5 × round-1 TTFT (${name})`, met: pd.length > 0 && ratio.every((x) => x.v <= 1.5), detail: ratio.map((x) => `${x.c} agent(s): ${fmtRatio(x.v)}`).join(', ') },
+    { goal: `cached tokens ≥ 60 % of prompt tokens over rounds 2+ (${name})`, met: pd.length > 0 && share.every((x) => x.v >= 0.6), detail: share.map((x) => `${x.c} agent(s): ${fmt(x.v * 100, 0)} %`).join(', ') },
+    {
+      goal: `PD agent goodput ≥ colocated at every concurrency (${name})`,
+      met: pd.length > 0 && gp.every((x) => x.pd >= x.colo),
+      detail: gp.map((x) => `${x.c} agent(s): ${fmt(x.pd, 2)} vs ${fmt(x.colo, 2)} rounds/s`).join(', ') + (also ? `${also}${gp.map((x) => fmt(x.plain, 2)).join(' / ')})` : ''),
+    },
   ];
+}
+
+/** What decode-local continuation did in these runs (rounds by path), for the reading paragraph. */
+function localSentence(r: AgentsResult): string {
+  const runs = r.runs.filter((x) => x.setup === 'pd_local' && x.paths);
+  if (runs.length === 0) return 'decode-local continuation was not part of this run';
+  const per = runs.map((x) => `${x.paths.decode_local} of ${x.paths.pd + x.paths.decode_local}`).join(' / ');
+  return `decode-local continuation removes the handoff for the rounds it serves: ${per} rounds (${runs.map((x) => x.concurrency).join(' / ')} agents) ran on decode alone, which evaluated the new tool result and kept the reply's KV from the round before (no prefill, no KV on the wire; round 1 and any round whose suffix exceeds \`--local-prefill-max-tokens\` take the PD path)`;
 }
 
 /** Markdown lines of section 7 (heading included). `prov` is the provenance line; `plot` the SVG's path when written. */
@@ -279,7 +312,7 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
     return L;
   }
   L.push(
-    `Each agent holds a ${r.rounds}-round conversation (chat API, temperature 0, ${r.outputTokens} output tokens per round, \`ignore_eos\`): a system prompt of ~${r.systemTokens} tokens, then every round one more user turn with a ${r.toolTokens}-token tool result cut from the storm corpus (corpus/), after the model's previous reply — the whole conversation is resent each round, as agents do. N agents run at once (N = the concurrency). Three setups, interleaved per concurrency (the order rotates): **PD + prefix cache** (router with \`--policy cache_aware\` → prefill with its prefix cache → decode; the first token streams from prefill), **colocated + prefix cache** (one process, same cache: the fair baseline), **PD, no reuse** (same PD stack, prefill with \`--no-prefix-cache\`). Each run uses fresh conversations, so no run reuses another's cache; each stack gets one warm-up request first. Per-round TTFT is the median over the agents of that run (a single sample at 1 agent), so on a loaded machine single rounds are noisy: read the r8/r1 column together with the plot. Agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms. Cached share = usage.prompt_tokens_details.cached_tokens / prompt_tokens over rounds 2+.`,
+    `Each agent holds a ${r.rounds}-round conversation (chat API, temperature 0, ${r.outputTokens} output tokens per round, \`ignore_eos\`): a system prompt of ~${r.systemTokens} tokens, then every round one more user turn with a ${r.toolTokens}-token tool result cut from the storm corpus (corpus/), after the model's previous reply — the whole conversation is resent each round, as agents do. N agents run at once (N = the concurrency). Four setups, interleaved per concurrency (the order rotates): **PD + decode-local** (the PD stack with router \`--decode-policy cache_aware\`: a round whose conversation the decode worker kept and whose new suffix is at most \`--local-prefill-max-tokens\` (256) tokens runs on decode alone — decode evaluates the suffix on its kept sequence, no prefill, no KV handoff; other rounds take the PD path below), **PD + prefix cache** (router with \`--policy cache_aware\` → prefill with its prefix cache → decode; the first token streams from prefill), **colocated + prefix cache** (one process, same cache: the fair baseline), **PD, no reuse** (same PD stack, prefill with \`--no-prefix-cache\`). Each run uses fresh conversations, so no run reuses another's cache; each stack gets one warm-up request first. Per-round TTFT is the median over the agents of that run (a single sample at 1 agent), so on a loaded machine single rounds are noisy: read the r8/r1 column together with the plot. Agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms. Cached share = usage.prompt_tokens_details.cached_tokens / prompt_tokens over rounds 2+.`,
     '',
   );
   const byLevel = [...r.runs].sort((a, b) => a.concurrency - b.concurrency || AGENT_SETUPS.indexOf(a.setup) - AGENT_SETUPS.indexOf(b.setup));
@@ -294,9 +327,10 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
     fmt(x.goodput, 2),
     fmt(x.throughput, 2),
     x.failed,
+    x.setup === 'colo' || !x.paths ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`,
     x.load,
   ]);
-  const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'rounds/s', 'failed', 'load (1 min)'];
+  const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'rounds/s', 'failed', 'rounds pd / decode-local', 'load (1 min)'];
   L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((x) => `| ${x.join(' | ')} |`));
   L.push('', '**Goals (issue #10):**', '');
   for (const g of agentGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
@@ -313,7 +347,7 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
     `Reading it. Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
       .filter((x) => x.setup === 'pd_noreuse')
       .map((x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!))
-      .join(' / ')} its round-1 TTFT (1 / 2 / 4 agents), with it the prompt work per round is the new tool result and reply. Goodput is where PD does not win here: all rounds per second, PD vs colocated, by agents: ${thr.join('; ')} — but at the SLO, PD's TTFT is higher. Why: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) PD still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; decode-local continuation (issue #10 part 3, not built yet) is the part that removes it; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${os.cpus().length} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value${noneMeet ? ` (at ${top} agents neither side meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
+      .join(' / ')} its round-1 TTFT (1 / 2 / 4 agents), with it the prompt work per round is the new tool result and reply. Goodput is where PD does not win here: all rounds per second, PD vs colocated, by agents: ${thr.join('; ')} — but at the SLO, PD's TTFT is higher. Why: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) PD + prefix cache still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; ${localSentence(r)}; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${os.cpus().length} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value${noneMeet ? ` (at ${top} agents neither side meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
   );
   if (plot) L.push('', `![TTFT per round](${plot})`, '');
   return L;

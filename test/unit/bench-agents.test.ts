@@ -19,6 +19,7 @@ const run = (setup: AgentSetup, concurrency: number, ttftByRound: number[], cach
   throughput: goodput + 0.1,
   failed: 0,
   load: 1,
+  paths: { pd: setup === 'pd_local' ? 1 : 3, decode_local: setup === 'pd_local' ? 2 : 0 },
 });
 
 const result = (pdR8: number, share: number, pdGoodput: number): AgentsResult => ({
@@ -36,6 +37,18 @@ describe('bench §7 goals', () => {
     assert.deepEqual(agentGoals(result(150, 0.6, 1)).map((g) => g.met), [true, true, true]);
     assert.deepEqual(agentGoals(result(151, 0.59, 0.99)).map((g) => g.met), [false, false, false]);
     assert.match(agentGoals(result(151, 0.59, 0.99))[0]!.detail, /1 agent\(s\): 1\.51×/);
+  });
+
+  it('with decode-local runs, the goals are judged on PD + decode-local and the rounds by path are shown', () => {
+    const r = result(150, 0.6, 1);
+    r.runs.push(run('pd_local', 1, [100, 110, 200], 0.9, 0.5));
+    const g = agentGoals(r);
+    assert.deepEqual(g.map((x) => x.met), [false, true, false]);
+    assert.match(g[2]!.goal, /PD \+ decode-local/);
+    assert.match(g[2]!.detail, /0\.50 vs 1\.00 rounds\/s \(PD \+ prefix cache alone: 1\.00\)/);
+    const md = agentsReport(r, '_prov_', undefined).join('\n');
+    assert.match(md, /\| PD \+ decode-local \| 1 \|.*\| 1 \/ 2 \|/);
+    assert.match(md, /2 of 3 rounds \(1 agents\) ran on decode alone/);
   });
 
   it('render a table with every run, the goals, the reading and the plot', () => {
