@@ -11,6 +11,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import type OpenAI from 'openai';
+import { chatRound as round, type Msg } from '../helpers/chat.js';
 import { getJson, useStack } from '../helpers/stack.js';
 
 const BATCH = 32;
@@ -26,24 +27,6 @@ const h = useStack({
   },
 });
 
-type Msg = OpenAI.Chat.Completions.ChatCompletionMessageParam;
-
-async function round(api: OpenAI, messages: Msg[], stream: boolean, maxTokens = 10): Promise<{ text: string; prompt: number; cached: number }> {
-  const common = { model: 'pdserve', messages, max_tokens: maxTokens, temperature: 0 } as const;
-  if (stream) {
-    const s = await api.chat.completions.create({ ...common, stream: true, stream_options: { include_usage: true } });
-    let text = '';
-    let usage: OpenAI.CompletionUsage | undefined;
-    for await (const ch of s) {
-      text += ch.choices[0]?.delta?.content ?? '';
-      if (ch.usage) usage = ch.usage;
-    }
-    assert.ok(usage, 'usage chunk');
-    return { text, prompt: usage.prompt_tokens, cached: usage.prompt_tokens_details!.cached_tokens! };
-  }
-  const r = await api.chat.completions.create(common);
-  return { text: r.choices[0]!.message.content ?? '', prompt: r.usage!.prompt_tokens, cached: r.usage!.prompt_tokens_details!.cached_tokens! };
-}
 
 /** Sum of a counter over the label sets matching `labels` (e.g. 'path="decode_local"'). */
 const metric = (text: string, name: string, labels = ''): number => {

@@ -8,6 +8,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import type OpenAI from 'openai';
+import { chatRound as round, type Msg } from '../helpers/chat.js';
 import { startColocated, type ColocatedServer } from '../../src/colocated/server.js';
 import { createLogger } from '../../src/common/log.js';
 import type { Cluster } from '../../src/harness/cluster.js';
@@ -20,24 +21,6 @@ let pd: OpenAI;
 let colo: OpenAI;
 let cold: OpenAI;
 
-type Msg = OpenAI.Chat.Completions.ChatCompletionMessageParam;
-
-async function round(api: OpenAI, messages: Msg[], stream: boolean): Promise<{ text: string; prompt: number; cached: number }> {
-  const common = { model: 'pdserve', messages, max_tokens: 10, temperature: 0 } as const;
-  if (stream) {
-    const s = await api.chat.completions.create({ ...common, stream: true, stream_options: { include_usage: true } });
-    let text = '';
-    let usage: OpenAI.CompletionUsage | undefined;
-    for await (const ch of s) {
-      text += ch.choices[0]?.delta?.content ?? '';
-      if (ch.usage) usage = ch.usage;
-    }
-    assert.ok(usage, 'usage chunk');
-    return { text, prompt: usage.prompt_tokens, cached: usage.prompt_tokens_details!.cached_tokens! };
-  }
-  const r = await api.chat.completions.create(common);
-  return { text: r.choices[0]!.message.content ?? '', prompt: r.usage!.prompt_tokens, cached: r.usage!.prompt_tokens_details!.cached_tokens! };
-}
 
 const metricValue = (text: string, name: string): number => {
   const m = new RegExp(`^${name}(?:\\{[^}]*\\})? (\\S+)$`, 'm').exec(text);
