@@ -142,6 +142,9 @@ export interface SimStats {
   expired: number;
   events: number;
   endAt: number;
+  /** Requests sent on the decode-local path (decode alone, no prefill leg), and those that succeeded. */
+  local: number;
+  localSuccess: number;
 }
 
 export interface SimResult {
@@ -239,6 +242,8 @@ interface Req {
   /** Dispatched to (and accepted by) the node incarnation. */
   on: Partial<Record<NodeName, number>>;
   outcome: Partial<Record<NodeName, 'Success' | 'Failed'>>;
+  /** Decode-local continuation: sent to decode alone (`local: true`); prefill never sees it. */
+  local: boolean;
 }
 
 const TICK_MS = 10;
@@ -260,7 +265,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly violations: Violation[] = [];
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0 };
   private readonly handles = new Set<Handle>();
   private handleSeq = 0;
   private readonly crossAbort: boolean;
@@ -358,6 +363,9 @@ export class World {
 
   private setup(nReq: number): void {
     const rng = this.rng;
+    // Which requests take the decode-local path: its own stream, so the PD worlds of a seed are
+    // drawn as before (real rule only: the legacy rule's proof is about the PD handoff).
+    const localRng = new Prng((this.seed * 2654435761 + 0x9e37) >>> 0);
     let t = 5;
     const ids = new Set<RoomId>();
     for (let i = 0; i < nReq; i++) {
@@ -365,7 +373,8 @@ export class World {
       let id = newRoomId(() => rng.u64());
       while (ids.has(id)) id = newRoomId(() => rng.u64());
       ids.add(id);
-      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, on: {}, outcome: {} };
+      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, on: {}, outcome: {}, local: !this.legacy && localRng.chance(0.2) };
+      if (req.local) this.stats.local++;
       this.reqs.push(req);
       this.byId.set(id, req);
     }
@@ -378,6 +387,11 @@ export class World {
       const first: NodeName = rng.chance(0.5) ? 'P' : 'D';
       const second: NodeName = first === 'P' ? 'D' : 'P';
       const gap = rng.chance(0.15) ? rng.int(20, 250) : rng.int(0, 5);
+      if (req.local) {
+        // The router sends a decode-local round to decode alone.
+        this.at(req.arrival, () => this.dispatch(req, 'D'));
+        continue;
+      }
       this.at(req.arrival, () => this.dispatch(req, first));
       this.at(req.arrival + gap, () => this.dispatch(req, second));
       if (rng.chance(0.3)) {
@@ -681,8 +695,10 @@ export class World {
     if (side === 'D') {
       if (outcome === 'Success') this.stats.success++;
       else this.stats.failed++;
+      if (req.local && outcome === 'Success') this.stats.localSuccess++;
     }
     if (this.tracing) this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
+    if (req.local) return; // no prefill leg to abort
     const other: NodeName = side === 'P' ? 'D' : 'P';
     if (outcome === 'Failed' && this.crossAbort && req.outcome[other] === undefined) this.routerAbort(req, other, `abort: router: ${side} failed`);
   }
@@ -873,7 +889,7 @@ export class World {
   private decodeCreate(n: Node, req: Req): void {
     let refused: string | undefined;
     this.viaD(n, req.id, 'request', (d) => {
-      const r = d.request(req.id, req.rid, 'P', this.now);
+      const r = d.request(req.id, req.rid, 'P', this.now, { local: req.local });
       if (r.refused) {
         refused = r.refused.code;
         return r.actions;
@@ -944,6 +960,7 @@ export class World {
           if (rec) rec.recv = this.acquire(n, 'recvbuf', a.room);
           break;
         case 'load':
+        case 'local_prefill': // decode evaluates the suffix into the slot: uncancellable, may fail, like a load
           if (rec?.slot) this.startLoad(n, rec, rec.slot.idx);
           break;
         case 'generate': {

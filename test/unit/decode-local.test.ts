@@ -18,6 +18,7 @@ import type { ChatMessage, Engine, SamplingParams, Slot } from '../../src/engine
 import { RoomTable } from '../../src/kv/lifecycle.js';
 import { KVPoll, type Effect, type RoomFailure, type RoomId } from '../../src/kv/types.js';
 import { localPrefill, planLocal } from '../../src/decode/local.js';
+import { DecodeDriver, type DecodeAction } from '../../src/decode/driver.js';
 import { GenerateRequestSchema } from '../../src/api/worker-protocol.js';
 import { localPrefillFor, routingText, routingTextAfter } from '../../src/router/policy/index.js';
 
@@ -270,5 +271,48 @@ describe('decode-local on the tiny model', () => {
     // A cyclic access pattern over more conversations than sequences is LRU's worst case: most
     // plans find their prefix evicted by the time they hold a slot. They are still served.
     assert.ok(evictedServed > 0, `no request exercised the evicted-while-waiting path (hits ${localHits})`);
+  });
+});
+
+describe('decode driver: the decode-local path (src/decode/driver.ts)', () => {
+  const cfg = { timeouts: T, slots: 1, maxPrealloc: 1, maxStateBytes: 1000 };
+  const P = '127.0.0.1:8998';
+  const acts = (a: DecodeAction[]) => a.map((x) => (x.a === 'send' ? `send:${x.msg.type}` : x.a === 'finish' ? `finish:${KVPoll[x.state]}` : x.a === 'diag' ? `diag:${x.effect.t}` : x.a));
+
+  it('slot → local_prefill → loadDone → Success, generation, one release; nothing ever goes to a prefill', () => {
+    const d = new DecodeDriver(cfg, 'd0');
+    const a = d.request(id(1), 'r1', P, 0, { local: true });
+    assert.deepEqual(acts(a.actions), ['assign_slot', 'local_prefill']);
+    assert.equal(d.step(id(1)), 'local_prefill');
+    assert.equal(d.rooms.get(id(1))!.peer, undefined);
+    assert.deepEqual(acts(d.loadDone(id(1), 5)), ['finish:Success', 'generate']);
+    assert.deepEqual(acts(d.generationDone(id(1), 9)), ['release']);
+    assert.equal(d.freeSlots, 1);
+  });
+
+  it('an abort while the suffix is evaluated: Failed at once, the slot kept until the evaluation returns, released once', () => {
+    const d = new DecodeDriver(cfg, 'd0');
+    d.request(id(1), 'r1', P, 0, { local: true });
+    const b = d.request(id(2), 'r2', P, 0, { local: true });
+    assert.deepEqual(acts(b.actions), [], 'waits for the only slot');
+    assert.deepEqual(acts(d.abort(undefined, id(1), 'client', 1)), ['finish:Failed'], 'no FAIL to any prefill: the room has no peer');
+    assert.equal(d.freeSlots, 0, 'llama.cpp still evaluates into the slot');
+    assert.deepEqual(acts(d.loadDone(id(1), 2)), ['release', 'assign_slot', 'local_prefill'], 'released when it returns; the next local room gets the slot');
+    assert.deepEqual(acts(d.loadFailed(id(2), { code: 'engine_failed', detail: 'x' }, 3)), ['finish:Failed', 'release']);
+    const full = d.request(id(3), 'r3', P, 3, { local: true });
+    assert.deepEqual(acts(full.actions), ['assign_slot', 'local_prefill']);
+    const refused = d.request(id(4), 'r4', P, 3, { local: true });
+    assert.deepEqual(acts(refused.actions), []);
+    const q = d.request(id(5), 'r5', P, 3, { local: true });
+    assert.equal(q.refused?.code, 'queue_full');
+    assert.deepEqual(q.actions, [], 'a refused local request is not reported to a prefill that never saw it');
+    assert.equal(d.rooms.stats.illegal, 0);
+  });
+
+  it('the watchdog fails a local evaluation that overran waitingMs; the slot waits for the evaluation', () => {
+    const d = new DecodeDriver(cfg, 'd0');
+    d.request(id(1), 'r1', P, 0, { local: true });
+    assert.deepEqual(acts(d.tick(T.waitingMs)), ['diag:expired', 'finish:Failed']);
+    assert.deepEqual(acts(d.loadDone(id(1), T.waitingMs + 1)), ['release']);
   });
 });

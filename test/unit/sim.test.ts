@@ -53,6 +53,8 @@ test(`real rule: ${SEEDS} seeds, no violation`, () => {
   assert.ok(t.crashes > SEEDS / 20, 'crashes happen');
   assert.ok(t.late > 0, 'late writes are refused as benign races (the incident ordering occurs)');
   assert.ok(t.expired > 0, 'deadlines fire');
+  // Decode-local rooms (decode alone, the core's local_prefill) run under the same faults.
+  assert.ok(t.local > SEEDS && t.localSuccess > 0 && t.localSuccess < t.local, `decode-local requests exercised: ${t.localSuccess} of ${t.local} ok`);
   assert.deepEqual(
     res.failures.map((f) => f.seed),
     [],
