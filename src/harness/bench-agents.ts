@@ -336,18 +336,17 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
   for (const g of agentGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
   const loads = r.runs.map((x) => x.load);
   const top = Math.max(...r.concurrencies);
-  const noneMeet = r.runs.filter((x) => x.concurrency === top && x.setup !== 'pd_noreuse').every((x) => x.goodput === 0);
-  const thr = r.concurrencies.map((c) => {
-    const p = r.runs.find((x) => x.setup === 'pd' && x.concurrency === c);
-    const q = r.runs.find((x) => x.setup === 'colo' && x.concurrency === c);
-    return `${c}: ${fmt(p?.throughput, 2)} vs ${fmt(q?.throughput, 2)}`;
-  });
+  const noneMeet = r.runs.filter((x) => x.concurrency === top && (x.setup === 'pd' || x.setup === 'colo')).every((x) => x.goodput === 0);
+  const at = (setup: AgentSetup, c: number) => r.runs.find((x) => x.setup === setup && x.concurrency === c);
+  const hasLocal = r.runs.some((x) => x.setup === 'pd_local');
+  const gp = r.concurrencies.map((c) => `${c}: ${hasLocal ? `${fmt(at('pd_local', c)?.goodput, 2)} / ` : ''}${fmt(at('pd', c)?.goodput, 2)} / ${fmt(at('colo', c)?.goodput, 2)}`);
+  const thr = r.concurrencies.map((c) => `${c}: ${hasLocal ? `${fmt(at('pd_local', c)?.throughput, 2)} / ` : ''}${fmt(at('pd', c)?.throughput, 2)} / ${fmt(at('colo', c)?.throughput, 2)}`);
   L.push(
     '',
     `Reading it. Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
       .filter((x) => x.setup === 'pd_noreuse')
       .map((x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!))
-      .join(' / ')} its round-1 TTFT (1 / 2 / 4 agents), with it the prompt work per round is the new tool result and reply. Goodput is where PD does not win here: all rounds per second, PD vs colocated, by agents: ${thr.join('; ')} — but at the SLO, PD's TTFT is higher. Why: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) PD + prefix cache still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; ${localSentence(r)}; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${os.cpus().length} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value${noneMeet ? ` (at ${top} agents neither side meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
+      .join(' / ')} its round-1 TTFT (${r.concurrencies.join(' / ')} agents), with it the prompt work per round is the new tool result and reply. Goodput at the SLO, ${hasLocal ? 'PD + decode-local / ' : ''}PD + prefix cache / colocated, by agents: ${gp.join('; ')} rounds/s (all rounds per second: ${thr.join('; ')}). Where PD + prefix cache loses to colocated: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) it still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; ${localSentence(r)}; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${os.cpus().length} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value; single rounds at 1 agent are single samples${noneMeet ? ` (at ${top} agents neither PD + prefix cache nor colocated meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
   );
   if (plot) L.push('', `![TTFT per round](${plot})`, '');
   return L;
