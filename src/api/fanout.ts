@@ -188,7 +188,14 @@ function selfUrl(request: FastifyRequest): string {
  * Resolves when the reply is sent or the client is gone; every sub-request is finished or
  * aborted by then.
  */
-export async function serveFanOut(request: FastifyRequest, reply: FastifyReply, kind: 'completion' | 'chat', subs: SubRequest[]): Promise<FastifyReply> {
+export async function serveFanOut(
+  request: FastifyRequest,
+  reply: FastifyReply,
+  kind: 'completion' | 'chat',
+  subs: SubRequest[],
+  /** Extra headers of one sub-request (the router's choice-group header, src/router/choices.ts). */
+  headersOf?: (s: SubRequest) => Record<string, string>,
+): Promise<FastifyReply> {
   const body = request.body as Record<string, unknown>;
   const stream = body.stream === true;
   const so = body.stream_options as { include_usage?: boolean } | null | undefined;
@@ -202,7 +209,7 @@ export async function serveFanOut(request: FastifyRequest, reply: FastifyReply, 
   const base = selfUrl(request);
   const headers: Record<string, string> = { 'content-type': 'application/json' };
   for (const h of ['authorization', 'x-trace-id']) if (typeof request.headers[h] === 'string') headers[h] = request.headers[h] as string;
-  const pending = subs.map((s) => httpRequest(`${base}${path}`, { method: 'POST', headers, body: JSON.stringify(s.body), signal: ac.signal, dispatcher: loopback }));
+  const pending = subs.map((s) => httpRequest(`${base}${path}`, { method: 'POST', headers: { ...headers, ...headersOf?.(s) }, body: JSON.stringify(s.body), signal: ac.signal, dispatcher: loopback }));
   try {
     const settled = await Promise.allSettled(pending);
     const failed = settled.find((r) => r.status === 'rejected' || r.value.statusCode !== 200);

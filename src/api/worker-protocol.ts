@@ -95,6 +95,19 @@ export function checkRequestBounds(raw: unknown, limits: { maxMessages: number; 
   return undefined;
 }
 
+/** Most rooms one prefill request may feed (n > 1); the API's own limit on choices is lower. */
+export const MAX_ROOMS_PER_REQUEST = 64;
+
+/** A room id on the wire: decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */
+const RoomIdSchema = z.union([z.string(), z.number()]).transform((v, ctx): RoomId => {
+  const id = parseRoomId(v);
+  if (id === undefined) {
+    ctx.addIssue({ code: z.ZodIssueCode.custom, message: 'bootstrap_room must be a decimal u64 (string or safe integer)' });
+    return z.NEVER;
+  }
+  return id;
+});
+
 /** Body of POST /generate (router → prefill and decode). Exactly one of text, input_ids, messages. */
 export const GenerateRequestSchema = z
   .object({
@@ -128,17 +141,20 @@ export const GenerateRequestSchema = z
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
     /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */
-    bootstrap_room: z.union([z.string(), z.number()]).transform((v, ctx): RoomId => {
-      const id = parseRoomId(v);
-      if (id === undefined) {
-        ctx.addIssue({ code: z.ZodIssueCode.custom, message: 'bootstrap_room must be a decimal u64 (string or safe integer)' });
-        return z.NEVER;
-      }
-      return id;
-    }),
+    bootstrap_room: RoomIdSchema,
+    /**
+     * n > 1 (pdserve's extension; prefill only): the rooms fed by this request's ONE prompt
+     * computation, one per choice, the first equal to `bootstrap_room` (SGLang's single-room
+     * field, kept). Room i samples its first token with seed + i. Needs
+     * `first_token_from_prefill`; the answer is a multiplexed stream (prefill/computation.ts).
+     */
+    bootstrap_rooms: z.array(RoomIdSchema).min(2).max(MAX_ROOMS_PER_REQUEST).optional(),
   })
   .refine((b) => [b.text, b.input_ids, b.messages].filter((x) => x !== undefined).length === 1, {
     message: 'exactly one of text, input_ids, messages is required',
+  })
+  .refine((b) => b.bootstrap_rooms === undefined || (b.bootstrap_rooms[0] === b.bootstrap_room && new Set(b.bootstrap_rooms).size === b.bootstrap_rooms.length), {
+    message: 'bootstrap_rooms must be distinct and start with bootstrap_room',
   });
 export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
 

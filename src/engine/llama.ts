@@ -27,9 +27,9 @@ import {
 import { PdError } from '../common/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
-import { GrammarCache, logprobOf, RequestSampler } from './sampling.js';
+import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
-import type { ChatMessage, Engine, EngineInfo, FinishReason, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
+import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
@@ -283,7 +283,7 @@ class Lease implements Slot {
     if (this.engine.disposed) throw new EngineError('ENGINE_DISPOSED', 'the engine is disposed');
   }
 
-  async prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult> {
+  async prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal, choices = 1): Promise<PrefillResult> {
     const { contextSize, batchSize } = this.engine.info.compat;
     if (tokens.length < 1) throw new EngineError('EMPTY_PROMPT', 'the prompt has no tokens');
     if (tokens.length >= contextSize || tokens.length + sampling.maxTokens > contextSize) {
@@ -320,19 +320,28 @@ class Lease implements Slot {
     await this.engine.gate();
     const last = tokens.slice(i) as Token[];
     let first: number | undefined;
-    let firstLogprob: TokenLogprob | undefined;
+    let probabilities: Map<Token, number> | undefined;
     const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens, this.engine.toolSyntax);
     const wantLogprobs = sampling.logprobs !== undefined;
-    for await (const out of seq.evaluateWithMetadata(last, { probabilities: wantLogprobs }, sampler.options)) {
+    // Sampled requests draw their first token(s) themselves from llama.cpp's final distribution
+    // (drawToken): one evaluation then gives n first tokens (n > 1), each with its own seed.
+    const draw = sampling.temperature > 0;
+    for await (const out of seq.evaluateWithMetadata(last, { probabilities: wantLogprobs || draw }, sampler.options)) {
       first = out.token;
-      if (wantLogprobs) firstLogprob = logprobOf(this.engine.model, out.token, (out as unknown as { probabilities: Map<Token, number> }).probabilities, sampling.logprobs!);
+      probabilities = (out as unknown as { probabilities?: Map<Token, number> }).probabilities;
       break;
     }
     if (first === undefined) throw new Error('llama.cpp sampled no token');
     holder.exactPrefix = exactPrefixAfterPrompt(tokens.length, cache.align);
     holder.valid = true;
-    const res: PrefillResult = { promptTokens: tokens.length, cachedTokens: reuse, firstToken: first, firstIsEog: this.engine.model.isEogToken(first as Token) };
-    if (firstLogprob) res.firstLogprob = firstLogprob;
+    const picks: FirstToken[] = [];
+    for (let c = 0; c < Math.max(1, choices); c++) {
+      const tok = draw && probabilities ? drawToken(probabilities, choiceSeed(sampling.seed, c)) : first;
+      const pick: FirstToken = { firstToken: tok, firstIsEog: this.engine.model.isEogToken(tok as Token) };
+      if (wantLogprobs && probabilities) pick.firstLogprob = logprobOf(this.engine.model, tok, probabilities, sampling.logprobs!);
+      picks.push(pick);
+    }
+    const res: PrefillResult = { promptTokens: tokens.length, cachedTokens: reuse, ...picks[0]!, choices: picks };
     return res;
   }
 

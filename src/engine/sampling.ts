@@ -192,3 +192,39 @@ export function logprobOf(model: LlamaModel, token: number, probabilities: Map<T
   }
   return { token: text(token), logprob: lp(probabilities.get(token as Token)), top: alts };
 }
+
+/**
+ * Seed of choice `index` of a request with `seed` (n > 1: choice i uses seed + i, as a single
+ * request with seed + i; OpenAI/vLLM give no rule, this one makes each choice reproducible on
+ * its own). No seed → a random one per choice. Kept in u32 (llama.cpp's seed type).
+ */
+export function choiceSeed(seed: number | undefined, index: number): number {
+  return seed === undefined ? randomInt(0, 0xffffffff) : (seed + index) >>> 0;
+}
+
+/**
+ * Draw one token from `probabilities` (node-llama-cpp's final next-token distribution, after
+ * every sampler option) with a uniform number from `seed` (mulberry32, one step): the same seed
+ * and distribution always give the same token. Used for the first token of every sampled
+ * request, so that prefill can draw n first tokens from one prompt evaluation (vLLM's parallel
+ * sampling also draws its n sequences' first tokens from one set of prompt logits).
+ * @throws Error when the distribution is empty.
+ */
+export function drawToken(probabilities: Map<Token, number>, seed: number): number {
+  let t = (seed + 0x6d2b79f5) >>> 0;
+  t = Math.imul(t ^ (t >>> 15), t | 1);
+  t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+  const u = ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  let total = 0;
+  for (const p of probabilities.values()) total += p > 0 ? p : 0;
+  if (!(total > 0)) throw new Error('empty next-token distribution');
+  let acc = 0;
+  let last: number | undefined;
+  for (const [tok, p] of probabilities) {
+    if (!(p > 0)) continue;
+    last = tok;
+    acc += p;
+    if (acc > u * total) return tok;
+  }
+  return last!;
+}

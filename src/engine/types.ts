@@ -148,6 +148,18 @@ export interface PrefillResult {
   firstIsEog: boolean;
   /** The first token's logprob, when the request asked for logprobs. */
   firstLogprob?: TokenLogprob;
+  /**
+   * One first token per choice when `prefill` was asked for several (`choices` > 1): choice i
+   * drawn from the same final distribution with seed + i. `choices[0]` equals the fields above.
+   */
+  choices: FirstToken[];
+}
+
+/** A first token sampled by prefill for one choice. */
+export interface FirstToken {
+  firstToken: number;
+  firstIsEog: boolean;
+  firstLogprob?: TokenLogprob;
 }
 
 /**
@@ -182,12 +194,17 @@ export interface Slot {
   /**
    * Evaluate `tokens` in chunks of `compat.batchSize`, checking `signal` between chunks, then
    * sample the first token with `sampling`. The sampled token is NOT evaluated (the state holds
-   * the prompt only), exactly as the decode side expects.
+   * the prompt only), exactly as the decode side expects. With `choices` > 1 (n > 1 in PD: one
+   * prefill for n decode sequences), `choices` first tokens are sampled from the one final
+   * distribution, choice i with seed `sampling.seed + i` (random each when no seed), so choice i
+   * equals a single request with seed + i. Greedy (temperature 0): every choice is the argmax;
+   * otherwise each first token is drawn by pdserve (`drawToken`, sampling.ts) from llama.cpp's
+   * final distribution, for every request, so n = 1 and n > 1 draw alike.
    * @throws AbortError-like Error with code 'ABORTED' when the signal fires between chunks.
    * @throws Error with code 'PROMPT_TOO_LONG' when tokens.length + maxTokens > contextSize,
    *   'EMPTY_PROMPT' for no tokens, 'INVALID_TOKEN' for an id outside the vocabulary.
    */
-  prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal): Promise<PrefillResult>;
+  prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal, choices?: number): Promise<PrefillResult>;
   /** Save this sequence's state (llama.cpp "ggsq" file) to `path`; returns its size in bytes. */
   saveState(path: string): Promise<number>;
   /**

@@ -12,6 +12,18 @@
  * Ports: the engine is reached through `compute` actions answered by `computeDone`; the channel
  * through `send` / `transfer` actions answered by `progress`, `transferSent`, `transferFailed`;
  * the clock through the `now` argument. Peers are opaque ids (the worker: a connection id).
+ *
+ * Computations (n > 1: one prefill, n decode sequences from the same state): one request may
+ * name several rooms (`request([r0, r1, …])`). Each room keeps its own lifecycle (registration,
+ * deadlines, transfer, ack, abort) and its own `finish`; the prompt is computed ONCE for all of
+ * them — when the first room is registered (decode backpressure: at least one decode holds a
+ * slot) — and its one saved state is offered to each room as soon as that room is registered and
+ * the state exists. The state is reference-counted: every live room holds a reference until its
+ * send is over (`transferSent`) or it is terminal; `discard` is emitted exactly once, when the
+ * last reference goes (or when the compute finishes with no reference left), and `cancel` stops a
+ * running compute whose rooms are all terminal. A computation is named by its first room (the
+ * lead). A request with one room is a computation of one room: the behaviour of a single request
+ * is unchanged.
  */
 import { ApiError, failure, type RoomFailure } from '../common/errors.js';
 import type { RoomId } from '../common/room-id.js';
@@ -49,12 +61,14 @@ export interface PrefillDriverConfig {
 export type PrefillAction =
   /** Send a control message to a decode peer. */
   | { a: 'send'; peer: PeerId; msg: ControlMsg }
-  /** Start prompt evaluation of `room` (a compute slot is reserved for it); answer with `computeDone`. */
+  /** Start prompt evaluation of the computation led by `room` (a compute slot is reserved for it); answer with `computeDone(room, …)`. */
   | { a: 'compute'; room: RoomId }
   /** The room's state is ready and accepted (Transferring): send kv_begin, the chunks, kv_end to `peer`. */
   | { a: 'transfer'; room: RoomId; peer: PeerId }
-  /** The computed state is not wanted (the room is over): drop it. */
+  /** The computed state of the computation led by `room` is wanted by no room any more: drop it. Once per computed state. */
   | { a: 'discard'; room: RoomId }
+  /** Every room of the computation led by `room` is terminal while its compute runs: stop it (it still answers `computeDone`). */
+  | { a: 'cancel'; room: RoomId }
   /** The room is terminal: stop its compute/transfer, answer its request, release its resources. Once per room. */
   | { a: 'finish'; room: RoomId; rid: string; state: KVPoll.Success | KVPoll.Failed; failure?: RoomFailure; registered: boolean }
   /** A diagnostic effect of the core (illegal, late, expired): count and log. */
@@ -68,18 +82,42 @@ interface Job {
   rid: string;
   peer?: PeerId;
   step: PrefillStep;
+  /** The computation's lead room. */
+  comp: RoomId;
 }
 
-/** Outcome of a compute (prompt evaluated, state saved and enveloped), from the engine port. */
-export type ComputeOutcome = { ok: true; totalBytes: number } | { ok: false; aborted: true } | { ok: false; aborted?: false; failure: RoomFailure };
+/** One prompt computation shared by the rooms of one request (see the module doc). */
+interface Comp {
+  lead: RoomId;
+  rooms: RoomId[];
+  rid: string;
+  phase: 'idle' | 'queued' | 'computing' | 'ready';
+  /** Rooms that still need the state: live and not done sending. */
+  refs: Set<RoomId>;
+  /** Rooms registered while the compute was queued or running: offered the state at computeDone. */
+  offered: Set<RoomId>;
+  /** Wire bytes of each room's transfer (its envelope head differs: its own first token). */
+  bytes?: Map<RoomId, number>;
+  cancelled: boolean;
+}
+
+/**
+ * Outcome of a compute (prompt evaluated, state saved and enveloped), from the engine port.
+ * `totalBytes`: wire bytes of each room's transfer; `roomBytes` overrides it per room (rooms of
+ * one computation have their own envelope head).
+ */
+export type ComputeOutcome = { ok: true; totalBytes: number; roomBytes?: ReadonlyMap<RoomId, number> } | { ok: false; aborted: true } | { ok: false; aborted?: false; failure: RoomFailure };
 
 export class PrefillDriver {
   readonly rooms: RoomTable;
   private readonly jobs = new Map<RoomId, Job>();
+  /** rid → lead room of its computation. */
   private readonly byRid = new Map<string, RoomId>();
+  /** Computations by lead room, from the request until their state is released. */
+  private readonly comps = new Map<RoomId, Comp>();
   /** Rooms registered by decode before the request arrived here. Bounded (maxRooms), expire after the decode bootstrap deadline. */
   private readonly pendingRegs = new Map<RoomId, { peer: PeerId; peerEpoch: string; at: number }>();
-  /** FIFO of rooms waiting for a compute slot. */
+  /** FIFO of computations (lead rooms) waiting for a compute slot. */
   private readonly waiting = new Set<RoomId>();
   private computing = 0;
   private leaked: RoomId | undefined;
@@ -114,6 +152,16 @@ export class PrefillDriver {
     return this.jobs.get(room)?.step ?? null;
   }
 
+  /** The lead room of `room`'s computation (itself for a single-room request), while the room is live. */
+  leadOf(room: RoomId): RoomId | undefined {
+    return this.jobs.get(room)?.comp;
+  }
+
+  /** Computations whose state is not released yet (for tests and /debug). */
+  get computations(): number {
+    return this.comps.size;
+  }
+
   get pendingRegistrations(): number {
     return this.pendingRegs.size;
   }
@@ -126,35 +174,53 @@ export class PrefillDriver {
   // ---- inputs ----------------------------------------------------------------------------------
 
   /**
-   * A request (POST /generate) for `room`, already parsed and tokenized. Refuses (400
-   * duplicate_rid, 409 duplicate_room, 503 queue_full) without creating anything, else creates
-   * the room and consumes an early registration.
+   * A request (POST /generate) for `room` — or for several rooms sharing one computation (n > 1;
+   * the first is the lead) — already parsed and tokenized. Refuses (400 duplicate_rid, 409
+   * duplicate_room, 503 queue_full) without creating anything, else creates the rooms and
+   * consumes their early registrations.
    */
-  request(room: RoomId, rid: string, now: number): { refused: ApiError } | { refused?: undefined; actions: PrefillAction[] } {
-    if (this.rooms.has(room)) return { refused: ApiError.of('duplicate_room', `room ${room} already exists (rid ${this.rooms.get(room)!.rid})`) };
+  request(room: RoomId | readonly RoomId[], rid: string, now: number): { refused: ApiError } | { refused?: undefined; actions: PrefillAction[] } {
+    const rooms = typeof room === 'string' ? [room] : [...room];
+    if (rooms.length === 0 || new Set(rooms).size !== rooms.length) return { refused: ApiError.of('invalid_request', 'bootstrap_rooms must name distinct rooms', 'bootstrap_rooms') };
+    for (const r of rooms) if (this.rooms.has(r)) return { refused: ApiError.of('duplicate_room', `room ${r} already exists (rid ${this.rooms.get(r)!.rid})`) };
     const other = this.byRid.get(rid);
-    if (other !== undefined && this.jobs.has(other)) return { refused: ApiError.of('duplicate_rid', `request id ${rid} is already running on this worker (room ${other})`, 'rid') };
-    if (this.jobs.size >= this.config.maxRooms) return { refused: ApiError.of('queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`) };
+    if (other !== undefined && this.comps.get(other)?.rooms.some((r) => this.jobs.has(r))) return { refused: ApiError.of('duplicate_rid', `request id ${rid} is already running on this worker (room ${other})`, 'rid') };
+    if (this.jobs.size + rooms.length > this.config.maxRooms) return { refused: ApiError.of('queue_full', `prefill worker has ${this.jobs.size} live rooms (limit ${this.config.maxRooms})`) };
     if (this.waiting.size >= this.config.maxWaiting) return { refused: ApiError.of('queue_full', `prefill waiting queue is full (${this.config.maxWaiting})`) };
-    const effects = this.rooms.create(room, rid, now);
-    this.jobs.set(room, { rid, step: 'bootstrap' });
-    this.byRid.set(rid, room);
-    const out = this.run(effects, now);
-    const pending = this.pendingRegs.get(room);
-    if (pending) {
-      this.pendingRegs.delete(room);
-      out.push(...this.register(pending.peer, pending.peerEpoch, room, now));
+    const lead = rooms[0]!;
+    const comp: Comp = { lead, rooms, rid, phase: 'idle', refs: new Set(), offered: new Set(), cancelled: false };
+    this.comps.set(lead, comp);
+    this.byRid.set(rid, lead);
+    const out: PrefillAction[] = [];
+    for (const r of rooms) {
+      const effects = this.rooms.create(r, rid, now);
+      this.jobs.set(r, { rid, step: 'bootstrap', comp: lead });
+      comp.refs.add(r);
+      out.push(...this.run(effects, now));
+    }
+    for (const r of rooms) {
+      const pending = this.pendingRegs.get(r);
+      if (pending) {
+        this.pendingRegs.delete(r);
+        out.push(...this.register(pending.peer, pending.peerEpoch, r, now));
+      }
     }
     return { actions: out };
   }
 
   /** Abort by room id and/or rid (router's /abort_request, client gone). Unknown ids leave a tombstone. */
   abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'local', now: number): PrefillAction[] {
-    const id = room ?? (rid !== undefined ? this.byRid.get(rid) : undefined);
+    const f = from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', `abort_request from the ${from}`);
+    if (room === undefined && rid !== undefined) {
+      // By rid alone: every room of its computation.
+      const lead = this.byRid.get(rid);
+      const rooms = lead !== undefined ? (this.comps.get(lead)?.rooms ?? [lead]) : [];
+      return rooms.flatMap((r) => (this.rooms.has(r) ? this.apply(r, { t: 'abort', from, failure: f }, now) : []));
+    }
+    const id = room;
     if (id === undefined) return [];
     this.pendingRegs.delete(id);
     if (!this.rooms.has(id) && this.rooms.get(id)) return [];
-    const f = from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', `abort_request from the ${from}`);
     return this.apply(id, { t: 'abort', from, failure: f }, now);
   }
 
@@ -209,29 +275,37 @@ export class PrefillDriver {
   }
 
   /**
-   * The engine finished `room`'s compute. The compute slot is free again. On success the state
-   * is offered to the room with `kv_begin` — written whatever happened meanwhile, the table being
-   * the only judge (a refused or late kv_begin → `discard`) — then `transfer` to its peer.
+   * The engine finished the compute of the computation led by `lead`. The compute slot is free
+   * again. On success the state is offered with `kv_begin` to every room that was registered
+   * while it ran — written whatever happened to the room meanwhile, the table being the only
+   * judge (a refused or late kv_begin → no transfer) — then `transfer` to each accepting room's
+   * peer. Rooms not registered yet get the state when they register. `discard` when no room
+   * needs the state; a failed compute fails every live room of the computation.
    */
-  computeDone(room: RoomId, outcome: ComputeOutcome, now: number): PrefillAction[] {
+  computeDone(lead: RoomId, outcome: ComputeOutcome, now: number): PrefillAction[] {
     this.computing--;
     const out: PrefillAction[] = [];
+    const comp = this.comps.get(lead);
     if (!outcome.ok) {
-      if (!outcome.aborted) out.push(...this.apply(room, { t: 'fail', failure: outcome.failure }, now));
+      if (comp) {
+        this.comps.delete(lead);
+        if (!outcome.aborted) for (const r of comp.rooms) if (this.jobs.has(r)) out.push(...this.apply(r, { t: 'fail', failure: outcome.failure }, now));
+      }
       out.push(...this.pump());
       return out;
     }
-    const eff = this.apply(room, { t: 'kv_begin', totalBytes: outcome.totalBytes }, now);
-    out.push(...eff);
-    const r = this.rooms.get(room);
-    const job = this.jobs.get(room);
-    const accepted = r !== undefined && r.state === KVPoll.Transferring && !eff.some((e) => e.a === 'diag' && (e.effect.t === 'illegal' || e.effect.t === 'late'));
-    if (!accepted) out.push({ a: 'discard', room });
-    else if (job?.peer !== undefined) {
-      job.step = 'sending';
-      out.push({ a: 'transfer', room, peer: job.peer });
+    if (!comp) {
+      out.push({ a: 'discard', room: lead });
+      out.push(...this.pump());
+      return out;
     }
+    comp.phase = 'ready';
+    comp.bytes = new Map(comp.rooms.map((r) => [r, outcome.roomBytes?.get(r) ?? outcome.totalBytes]));
+    const offered = [...comp.offered];
+    comp.offered.clear();
+    for (const r of offered) out.push(...this.offer(comp, r, now));
     // (Legacy rule only: a revived room whose job is gone has nobody to send it — the incident's wedge.)
+    out.push(...this.release(comp));
     out.push(...this.pump());
     return out;
   }
@@ -241,10 +315,18 @@ export class PrefillDriver {
     return this.apply(room, { t: 'progress', bytes }, now);
   }
 
-  /** Every chunk and kv_end of the room were written: waiting for decode's kv_ack. */
-  transferSent(room: RoomId): void {
+  /**
+   * Every chunk of the room's state was written (kv_end next): waiting for decode's kv_ack. The
+   * room no longer needs the state: `discard` when it was the computation's last reference.
+   */
+  transferSent(room: RoomId): PrefillAction[] {
     const job = this.jobs.get(room);
-    if (job && this.rooms.has(room)) job.step = 'awaiting_ack';
+    if (!job || !this.rooms.has(room)) return [];
+    job.step = 'awaiting_ack';
+    const comp = this.comps.get(job.comp);
+    if (!comp) return [];
+    comp.refs.delete(room);
+    return this.release(comp);
   }
 
   /** The send failed (connection gone, stalled). */
@@ -278,7 +360,9 @@ export class PrefillDriver {
     job.peer = peer;
     const before = this.rooms.get(room)?.state;
     const out = this.apply(room, { t: 'registered', peer, peerEpoch }, now);
-    if (before === KVPoll.Bootstrapping && this.rooms.get(room)?.state === KVPoll.WaitingForInput) out.unshift({ a: 'send', peer, msg: { type: 'registered', room } });
+    // WaitingForInput, or already Transferring when the computation's state was ready (n > 1).
+    const after = this.rooms.get(room)?.state;
+    if (before === KVPoll.Bootstrapping && (after === KVPoll.WaitingForInput || after === KVPoll.Transferring)) out.unshift({ a: 'send', peer, msg: { type: 'registered', room } });
     return out;
   }
 
@@ -292,18 +376,33 @@ export class PrefillDriver {
           break;
         case 'start_prefill': {
           const job = this.jobs.get(e.room);
-          if (job) job.step = 'queued';
-          this.waiting.add(e.room);
-          out.push(...this.pump());
+          const comp = job ? this.comps.get(job.comp) : undefined;
+          if (!job || !comp) break;
+          if (comp.phase === 'ready') {
+            out.push(...this.offer(comp, e.room, _now));
+            out.push(...this.release(comp));
+            break;
+          }
+          job.step = comp.phase === 'computing' ? 'computing' : 'queued';
+          comp.offered.add(e.room);
+          if (comp.phase === 'idle') {
+            comp.phase = 'queued';
+            this.waiting.add(comp.lead);
+            out.push(...this.pump());
+          }
           break;
         }
         case 'terminal': {
-          this.waiting.delete(e.room);
           const job = this.jobs.get(e.room);
           if (!job) break;
           this.jobs.delete(e.room);
-          if (this.byRid.get(job.rid) === e.room) this.byRid.delete(job.rid);
+          const comp = this.comps.get(job.comp);
+          if (this.byRid.get(job.rid) === job.comp && !(comp?.rooms.some((r) => this.jobs.has(r)) ?? false)) this.byRid.delete(job.rid);
           out.push({ a: 'finish', room: e.room, rid: job.rid, state: e.state, failure: e.failure, registered: job.peer !== undefined });
+          if (comp) {
+            comp.refs.delete(e.room);
+            out.push(...this.release(comp));
+          }
           break;
         }
         case 'illegal':
@@ -318,17 +417,56 @@ export class PrefillDriver {
     return out;
   }
 
-  /** Start computes for waiting rooms while compute slots are free. */
+  /** Offer the computed state to registered room `room` with kv_begin; `transfer` when the table accepts it. */
+  private offer(comp: Comp, room: RoomId, now: number): PrefillAction[] {
+    const eff = this.apply(room, { t: 'kv_begin', totalBytes: comp.bytes?.get(room) ?? 0 }, now);
+    const r = this.rooms.get(room);
+    const job = this.jobs.get(room);
+    const accepted = r !== undefined && r.state === KVPoll.Transferring && !eff.some((e) => e.a === 'diag' && (e.effect.t === 'illegal' || e.effect.t === 'late'));
+    if (!accepted) comp.refs.delete(room);
+    else if (job?.peer !== undefined) {
+      job.step = 'sending';
+      eff.push({ a: 'transfer', room, peer: job.peer });
+    }
+    return eff;
+  }
+
+  /**
+   * The computation lost a reference: with none left, a computed state is discarded (once), a
+   * queued compute leaves the queue, a running one is cancelled (its computeDone discards).
+   */
+  private release(comp: Comp): PrefillAction[] {
+    if (comp.refs.size > 0 || this.comps.get(comp.lead) !== comp) return [];
+    switch (comp.phase) {
+      case 'ready':
+        this.comps.delete(comp.lead);
+        return [{ a: 'discard', room: comp.lead }];
+      case 'computing':
+        if (comp.cancelled) return [];
+        comp.cancelled = true;
+        return [{ a: 'cancel', room: comp.lead }];
+      default:
+        this.waiting.delete(comp.lead);
+        this.comps.delete(comp.lead);
+        return [];
+    }
+  }
+
+  /** Start computes for waiting computations while compute slots are free. */
   private pump(): PrefillAction[] {
     const out: PrefillAction[] = [];
     while (this.waiting.size > 0 && this.computing < this.config.slots) {
-      const room = this.waiting.values().next().value as RoomId;
-      this.waiting.delete(room);
-      const job = this.jobs.get(room);
-      if (!job) continue;
-      job.step = 'computing';
+      const lead = this.waiting.values().next().value as RoomId;
+      this.waiting.delete(lead);
+      const comp = this.comps.get(lead);
+      if (!comp || comp.refs.size === 0) continue;
+      comp.phase = 'computing';
+      for (const r of comp.offered) {
+        const job = this.jobs.get(r);
+        if (job) job.step = 'computing';
+      }
       this.computing++;
-      out.push({ a: 'compute', room });
+      out.push({ a: 'compute', room: lead });
     }
     return out;
   }

@@ -37,24 +37,20 @@ import { KVPoll, type RoomId } from '../kv/types.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import { PrefillDriver, type ComputeOutcome, type PrefillAction } from './driver.js';
 import { answerWithFirstToken, firstTokenEvent } from './first-token.js';
+import { answerRooms, ComputationMetrics, type Computation } from './computation.js';
 
 /** The shell's own per-room state: what the driver does not need (I/O handles, timings). */
 interface Job {
   rid: string;
-  tokens: number[];
-  sampling: SamplingParams;
-  /** Fires when the room becomes terminal: stops prompt evaluation and the send. */
+  /** The computation this room takes its state from (shared by the rooms of one request). */
+  comp: Computation;
+  /** Fires when the room becomes terminal: stops its send. */
   ac: AbortController;
-  /** The saved state file and its envelope head, from compute until the transfer ends (deleted once, by dropState). */
-  state?: { path: string; head: Buffer; payloadBytes: number };
   done: Deferred<PrefillResponse>;
   /** Set when the router asked for the first token before the handoff (`first_token_from_prefill`). */
   first?: Deferred<GenerateEvent>;
   t0: number;
-  prefillMs: number;
   tKvBegin: number;
-  /** Prompt tokens taken from the prefix cache (known once prompt evaluation finished). */
-  cachedTokens: number;
 }
 
 /** A running prefill worker. Create with `startPrefillWorker`. */
@@ -68,6 +64,9 @@ export class PrefillWorker {
   /** Trace id per room, for /debug/rooms. */
   readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
+  /** Computations by lead room, until the driver's `discard` (or a compute that ended without a state). */
+  private readonly comps = new Map<RoomId, Computation>();
+  readonly computeMetrics: ComputationMetrics;
   private readonly conns = new Map<string, PeerConn>();
   private watchdog?: NodeJS.Timeout;
   app!: FastifyInstance;
@@ -97,6 +96,7 @@ export class PrefillWorker {
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.computeMetrics = new ComputationMetrics(this.metrics.registry);
   }
 
   /** The driver's room table (the lifecycle core). */
@@ -147,7 +147,7 @@ export class PrefillWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', cached_tokens: this.jobs.get(r.room)?.cachedTokens ?? 0 })) });
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', cached_tokens: this.jobs.get(r.room)?.comp.cachedTokens ?? 0, computation: this.driver.leadOf(r.room) ?? null })) });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -194,10 +194,14 @@ export class PrefillWorker {
           void this.transfer(a.room, a.peer);
           break;
         case 'discard': {
-          const job = this.jobs.get(a.room);
-          if (job) dropState(job);
+          const comp = this.comps.get(a.room);
+          this.comps.delete(a.room);
+          if (comp) dropState(comp);
           break;
         }
+        case 'cancel':
+          this.comps.get(a.room)?.ac.abort();
+          break;
         case 'finish':
           this.finish(a);
           break;
@@ -219,14 +223,13 @@ export class PrefillWorker {
     const job = this.jobs.get(a.room);
     if (!job) return;
     this.jobs.delete(a.room);
-    job.ac.abort();
-    dropState(job);
+    job.ac.abort(); // the state file is the computation's: released by the driver's `discard`
     this.metrics.recordTerminal(a.state, a.failure, a.registered);
     if (a.state === KVPoll.Success) {
       this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
       job.done.resolve({
         rid: job.rid,
-        meta_info: { prompt_tokens: job.tokens.length, cached_tokens: job.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
+        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
       });
     } else {
       job.done.reject(ApiError.fromFailure(a.failure ?? failure('internal_error', 'room failed')));
@@ -253,16 +256,30 @@ export class PrefillWorker {
     } catch (err) {
       return sendError(reply, toApiError(err));
     }
-    const room = body.bootstrap_room;
-    const admitted = this.driver.request(room, body.rid, Date.now());
+    // n > 1: one computation for every room named (the first is the lead, = bootstrap_room).
+    const rooms = body.bootstrap_rooms ?? [body.bootstrap_room];
+    const room = rooms[0]!;
+    if (rooms.length > 1 && !body.first_token_from_prefill) return sendError(reply, ApiError.of('invalid_request', 'bootstrap_rooms needs first_token_from_prefill (each room gets its own first token)', 'bootstrap_rooms'));
+    const admitted = this.driver.request(rooms, body.rid, Date.now());
     if (admitted.refused) return sendError(reply, admitted.refused);
-    const job: Job = { rid: body.rid, tokens, sampling, ac: new AbortController(), done: deferred(), t0: Date.now(), prefillMs: 0, tKvBegin: 0, cachedTokens: 0, first: body.first_token_from_prefill ? deferred() : undefined };
+    const comp: Computation = { lead: room, rooms, tokens, sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0 };
+    this.comps.set(room, comp);
     const trace = body.trace_id ?? body.rid;
-    this.traces.set(room, trace);
-    this.jobs.set(room, job);
-    this.log.child({ rid: body.rid, room, trace }).debug({ tokens: tokens.length }, 'room created');
+    const jobs = rooms.map((r) => {
+      const job: Job = { rid: body.rid, comp, ac: new AbortController(), done: deferred(), t0: Date.now(), tKvBegin: 0, first: body.first_token_from_prefill ? deferred() : undefined };
+      this.traces.set(r, trace);
+      this.jobs.set(r, job);
+      return job;
+    });
+    this.log.child({ rid: body.rid, room, trace }).debug({ tokens: tokens.length, rooms: rooms.length }, 'room created');
     this.perform(admitted.actions);
-    const off = onClientGone(reply, () => this.perform(this.driver.abort(undefined, room, 'router', Date.now())));
+    const off = onClientGone(reply, () => this.perform(rooms.flatMap((r) => this.driver.abort(undefined, r, 'router', Date.now()))));
+    if (rooms.length > 1) {
+      await answerRooms(reply, rooms.map((r, i) => ({ room: r, first: jobs[i]!.first!.promise, done: jobs[i]!.done.promise })), this.config.timeouts.transferIdleMs);
+      off();
+      return;
+    }
+    const job = jobs[0]!;
     if (job.first) {
       await answerWithFirstToken(reply, job.first.promise, job.done.promise, this.config.timeouts.transferIdleMs);
       off();
@@ -291,46 +308,67 @@ export class PrefillWorker {
 
   // ---- the engine and channel ports -----------------------------------------------------------
 
-  /** Prompt evaluation of a room the driver started (`compute`); ends in `driver.computeDone`. */
-  private async compute(room: RoomId): Promise<void> {
-    const job = this.jobs.get(room);
+  /** Prompt evaluation of a computation the driver started (`compute`, by its lead room); ends in `driver.computeDone`. */
+  private async compute(lead: RoomId): Promise<void> {
+    const comp = this.comps.get(lead);
     // The prompt picks the idle sequence sharing its longest prefix (prefix cache).
-    const slot = job ? this.engine.tryAcquireSlot(job.tokens) : null;
-    const done = (o: ComputeOutcome): void => this.perform(this.driver.computeDone(room, o, Date.now()));
-    if (!job || !slot) {
+    const slot = comp && !comp.ac.signal.aborted ? this.engine.tryAcquireSlot(comp.tokens) : null;
+    const done = (o: ComputeOutcome): void => {
+      if (!o.ok) this.comps.delete(lead);
+      this.perform(this.driver.computeDone(lead, o, Date.now()));
+    };
+    if (!comp || !slot) {
       slot?.release();
-      return done(job ? { ok: false, failure: failure('engine_failed', 'no free prefill sequence') } : { ok: false, aborted: true });
+      return done(comp && !comp.ac.signal.aborted ? { ok: false, failure: failure('engine_failed', 'no free prefill sequence') } : { ok: false, aborted: true });
     }
-    done(await this.evaluate(room, job, slot));
+    done(await this.evaluate(comp, slot));
   }
 
-  /** Evaluate `room` on `slot`, save its state file and make the envelope head (job.state). Never throws. */
-  private async evaluate(room: RoomId, job: Job, slot: Slot): Promise<ComputeOutcome> {
-    const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${room}.ggsq`);
+  /**
+   * Evaluate the computation's prompt on `slot` ONCE, sample one first token per room (room i
+   * with seed + i), save the state file once and make each room's envelope head. Never throws.
+   */
+  private async evaluate(comp: Computation, slot: Slot): Promise<ComputeOutcome> {
+    const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${comp.lead}.ggsq`);
+    const signal = comp.ac.signal;
     try {
-      await hold('prefill.compute', job.ac.signal);
+      await hold('prefill.compute', signal);
       const t0 = Date.now();
-      const r = await slot.prefill(job.tokens, job.sampling, job.ac.signal);
-      job.cachedTokens = r.cachedTokens;
+      this.computeMetrics.computations.inc();
+      this.computeMetrics.roomsPerComputation.observe(comp.rooms.length);
+      const r = await slot.prefill(comp.tokens, comp.sampling, signal, comp.rooms.length);
+      comp.cachedTokens = r.cachedTokens;
+      this.computeMetrics.evaluatedTokens.inc(r.promptTokens - r.cachedTokens);
       this.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens);
-      if (job.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, { ...(await slot.firstOutput(r.firstToken, job.sampling)), logprob: r.firstLogprob }, r.cachedTokens));
-      await hold('prefill.save', job.ac.signal);
-      if (job.ac.signal.aborted) return { ok: false, aborted: true };
+      for (let i = 0; i < comp.rooms.length; i++) {
+        const job = this.jobs.get(comp.rooms[i]!);
+        const pick = r.choices[i]!;
+        if (job?.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, { ...(await slot.firstOutput(pick.firstToken, comp.sampling)), logprob: pick.firstLogprob }, r.cachedTokens));
+      }
+      await hold('prefill.save', signal);
+      if (signal.aborted) return { ok: false, aborted: true };
       const payloadBytes = await slot.saveState(path);
+      this.computeMetrics.statesSaved.inc();
       const info = this.engine.info;
-      const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: r.promptTokens, firstToken: r.firstToken, cachedTokens: r.cachedTokens, firstIsEog: r.firstIsEog, payloadBytes });
-      job.prefillMs = Date.now() - t0;
-      if (job.ac.signal.aborted) return { ok: false, aborted: true };
-      job.state = { path, head, payloadBytes }; // the file is the room's now: deleted by dropState
-      return { ok: true, totalBytes: wireBytes(head, payloadBytes) };
+      const roomBytes = new Map<RoomId, number>();
+      comp.rooms.forEach((room, i) => {
+        const pick = r.choices[i]!;
+        const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: r.promptTokens, firstToken: pick.firstToken, cachedTokens: r.cachedTokens, firstIsEog: pick.firstIsEog, payloadBytes });
+        comp.heads.set(room, head);
+        roomBytes.set(room, wireBytes(head, payloadBytes));
+      });
+      comp.prefillMs = Date.now() - t0;
+      if (signal.aborted) return { ok: false, aborted: true };
+      comp.state = { path, payloadBytes }; // the file is the computation's now: deleted by the driver's `discard`
+      return { ok: true, totalBytes: roomBytes.get(comp.lead)!, roomBytes };
     } catch (err) {
       const e = err as { code?: string; message?: string };
-      if (e.code === 'ABORTED' || job.ac.signal.aborted) return { ok: false, aborted: true };
+      if (e.code === 'ABORTED' || signal.aborted) return { ok: false, aborted: true };
       const code = errorCodeOf(err);
       return { ok: false, failure: failure(code === 'internal_error' ? 'engine_failed' : code, `prefill: ${e.message ?? String(err)}`) };
     } finally {
       slot.release();
-      if (job.state?.path !== path) await rm(path, { force: true }).catch(() => {});
+      if (comp.state?.path !== path) await rm(path, { force: true }).catch(() => {});
     }
   }
 
@@ -338,13 +376,14 @@ export class PrefillWorker {
   private async transfer(room: RoomId, peer: string): Promise<void> {
     const job = this.jobs.get(room);
     const conn = this.conns.get(peer);
-    const st = job?.state;
-    if (!job || !st) return;
+    const st = job?.comp.state;
+    const head = job?.comp.heads.get(room);
+    if (!job || !st || !head) return;
     job.tKvBegin = Date.now();
     const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), Date.now()));
-    if (!conn || !conn.sendControl({ type: 'kv_begin', room, totalBytes: wireBytes(st.head, st.payloadBytes) })) return failed('connection to decode is gone');
+    if (!conn || !conn.sendControl({ type: 'kv_begin', room, totalBytes: wireBytes(head, st.payloadBytes) })) return failed('connection to decode is gone');
     try {
-      await sendStateFile(conn, room, st.path, st.head, st.payloadBytes, {
+      await sendStateFile(conn, room, st.path, head, st.payloadBytes, {
         pool: this.kvPool,
         chunkBytes: this.config.chunkBytes,
         signal: job.ac.signal,
@@ -354,21 +393,21 @@ export class PrefillWorker {
           this.perform(this.driver.progress(room, bytes, Date.now()));
         },
       });
-      dropState(job);
+      // The room no longer needs the state: the last room to get here releases it (`discard`).
+      this.perform(this.driver.transferSent(room));
       await hold('prefill.send', job.ac.signal);
       if (job.ac.signal.aborted) return;
       conn.sendControl({ type: 'kv_end', room });
-      this.driver.transferSent(room);
     } catch (err) {
       if (!job.ac.signal.aborted) failed((err as Error).message, errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed');
     }
   }
 }
 
-/** Delete the room's state file once (the job no longer names it afterwards). */
-function dropState(job: Job): void {
-  const st = job.state;
-  job.state = undefined;
+/** Delete the computation's state file once (it no longer names it afterwards). */
+function dropState(comp: Computation): void {
+  const st = comp.state;
+  comp.state = undefined;
   if (st) void rm(st.path, { force: true }).catch(() => {});
 }
 

@@ -52,6 +52,7 @@ import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import type { Outcome, RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
+import type { ChoiceGroup } from './choices.js';
 import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
@@ -171,11 +172,15 @@ export class PdRequest {
     private readonly mayRedispatch = false,
     /** Decode-local continuation: send to decode alone, decode evaluates ≤ maxTokens uncached tokens. */
     local?: { maxTokens: number },
+    /** n > 1: this request is choice `index` of a group sharing one prefill computation (choices.ts). */
+    private readonly member?: { group: ChoiceGroup; index: number },
   ) {
+    // A group's prefill computation is one load on its worker: only its first choice holds the lease.
+    const shared = (name: LegName) => name === 'prefill' && member !== undefined && member.index > 0;
     const leg = (name: LegName, worker: WorkerState): Leg => ({
       name,
       worker,
-      lease: ctx.registry.acquire(worker),
+      lease: shared(name) ? noLease(worker) : ctx.registry.acquire(worker),
       ac: new AbortController(),
       reported: false,
       settled: false,
@@ -232,7 +237,9 @@ export class PdRequest {
     const streamed = this.ctx.config.firstTokenFromPrefill;
     try {
       const headers = streamed ? { ...JSON_HEADERS, accept: 'text/event-stream' } : JSON_HEADERS;
-      const res = await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
+      const res = this.member
+        ? await this.member.group.join(this.member.index, this.room, this.body, leg.ac.signal)
+        : await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
       if (res.statusCode === 200 && streamed) return await this.readPrefillStream(leg, res.body);
       const text = await readText(res.body, MAX_ERROR_BODY);
       leg.reported = true;
@@ -555,6 +562,11 @@ export class PdRequest {
     else this.log.warn(line, 'request failed');
     this.resolveDone();
   }
+}
+
+/** The lease of a leg whose worker load is held by another request (a choice group's prefill). */
+function noLease(worker: WorkerState): Lease {
+  return { worker, released: false, release: () => false };
 }
 
 function safeJson(text: string): unknown {

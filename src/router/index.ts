@@ -31,6 +31,7 @@ import { Agent } from 'undici';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
+import { CHOICE_HEADER, ChoiceGroups, groupHeaders } from './choices.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
 import { RouterMetrics } from './metrics.js';
@@ -133,6 +134,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       void p.finally(() => pending.delete(p));
     },
   };
+  // n > 1: the choices of one prompt share one prefill computation (choices.ts).
+  const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(Date.now() / 1000);
   let selfUrl = `http://${config.host}:${config.port}`;
   let closing = false;
@@ -166,9 +169,24 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   const generation = (kind: 'completion' | 'chat') =>
     async function handler(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
-      // n > 1 / batched prompts: one sub-request (one PD room) per choice, merged (api/fanout.ts).
+      // n > 1 / batched prompts: one sub-request (one PD room) per choice, merged (api/fanout.ts);
+      // the n choices of one prompt share one prefill computation (choice groups, choices.ts).
       const subs = planFanOut(kind, request.body);
-      if (subs) return serveFanOut(request, reply, kind, subs);
+      if (subs) return serveFanOut(request, reply, kind, subs, config.firstTokenFromPrefill ? groupHeaders(choiceGroups, subs) : undefined);
+      let member: ReturnType<ChoiceGroups['member']>;
+      try {
+        member = choiceGroups.member(request.headers[CHOICE_HEADER]);
+      } catch (err) {
+        throw new ApiError(400, 'invalid_request', (err as Error).message, 'invalid_request_error');
+      }
+      try {
+        return await dispatch(kind, request, reply, member);
+      } finally {
+        member?.group.leave(member.index);
+      }
+    };
+
+  const dispatch = async (kind: 'completion' | 'chat', request: FastifyRequest, reply: FastifyReply, member: ReturnType<ChoiceGroups['member']>): Promise<FastifyReply> => {
       let parsed: ParsedRequest;
       try {
         parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);
@@ -189,18 +207,23 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         const now = performance.now();
         // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
         let decodePick: Pick<WorkerState> | null = null;
-        const pair = pickPair(registry, pickWith('prefill', text, now), pickWith('decode', text, now, (p) => (decodePick = p)));
+        // A choice group's prefill is picked once, by its first member; the others take it.
+        const fixed = member?.group.prefill;
+        const pair = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : pickWith('prefill', text, now), pickWith('decode', text, now, (p) => (decodePick = p)));
         if ('error' in pair) {
           metrics.requests.labels('error').inc();
           throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
         }
         const { prefill, decode } = pair;
         if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = prefill.toolSyntax ?? null;
+        if (member) member.group.prefill ??= prefill;
         const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
         // Decode-local continuation first when the decode worker holds this conversation; its
         // `needs_prefill` answer (before any output) falls back to the PD path on the same pair.
-        const localMax = localPrefillFor(config.localPrefillMaxTokens, policies.decode.name, decodePick, text.length);
-        let run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES, localMax ? { maxTokens: localMax } : undefined);
+        // A choice of a group never goes local, nor is dispatched again: its group's prefill
+        // request names every choice's room.
+        const localMax = member ? 0 : localPrefillFor(config.localPrefillMaxTokens, policies.decode.name, decodePick, text.length);
+        let run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, !member && attempt < MAX_DISPATCHES, localMax ? { maxTokens: localMax } : undefined, member);
         active.add(run);
         try {
           await run.run();

@@ -776,7 +776,7 @@ export class World {
         case 'discard': {
           const rec = n.recs.get(a.room);
           if (rec?.file) {
-            this.release(rec.file, 'kv_begin refused: room is over');
+            this.release(rec.file, 'no room needs the state any more');
             rec.file = undefined;
           }
           break;
@@ -789,6 +789,10 @@ export class World {
           break;
         case 'registration_expired':
           if (this.tracing) this.tr('P', a.room, 'pending registration expired: FAIL sent');
+          break;
+        case 'cancel':
+          // The simulated engine cannot be cancelled: the compute still ends in computeDone.
+          if (this.tracing) this.tr('P', a.room, 'compute cancelled (no live room); it still finishes');
           break;
         case 'fault_leak':
           break;
@@ -856,7 +860,7 @@ export class World {
     this.viaP(n, id, 'progress', (d) => d.progress(id, len, this.now));
     if (last && n.sending.has(id)) {
       this.send(n, { type: 'kv_end', room: id });
-      n.driver!.transferSent(id);
+      this.viaP(n, id, 'transferSent', (d) => d.transferSent(id));
     }
   }
 
@@ -864,11 +868,8 @@ export class World {
   private prefillFinish(n: Node, id: RoomId, state: KVPoll, why: string): void {
     this.finished(n, id, state, why);
     n.sending.delete(id);
-    const rec = n.recs.get(id);
-    if (rec?.file) {
-      this.release(rec.file, 'terminal');
-      rec.file = undefined;
-    }
+    // The state file is not released here: the driver's `discard` is its one release path
+    // (reference-counted over the rooms of a computation), so the leak check covers it.
   }
 
   /** A driver's `finish` on either node: once per room and incarnation; the router hears the answer. */

@@ -17,7 +17,28 @@ type Body = Record<string, unknown>;
 /** The file's stack: s.c (cluster), s.pd (router client), s.ref (colocated client); filled by a before hook. */
 const ORIGIN = 'http://app.example';
 // The colocated reference serves two names given with --served-model-name (PD: the defaults, file name + 'pdserve').
-const s = useStack({ extraArgs: { router: ['--cors-origin', ORIGIN], colocated: ['--cors-origin', ORIGIN, '--served-model-name', 'pdserve', 'alias-b'] } });
+// Two prefills without a prefix cache, round-robin routing: n > 1 must still evaluate a prompt once
+// (one prefill computation for n decode sequences), which only the choice groups can give.
+const s = useStack({ prefill: 2, extraArgs: { router: ['--cors-origin', ORIGIN, '--policy', 'round_robin'], colocated: ['--cors-origin', ORIGIN, '--served-model-name', 'pdserve', 'alias-b'], prefill: ['--no-prefix-cache'] } });
+
+/** Sum of a counter (all its series) over every prefill's /metrics. */
+async function prefillCounter(name: string, labels = ''): Promise<number> {
+  let sum = 0;
+  for (const w of s.c.byRole('prefill')) {
+    const text = await (await fetch(`${w.url}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
+    for (const line of text.split('\n')) {
+      if (line.startsWith(`${name}{${labels}`) || (labels === '' && line.startsWith(`${name} `))) sum += Number(line.slice(line.lastIndexOf(' ') + 1));
+    }
+  }
+  return sum;
+}
+
+/** Total of busy() over every worker of the PD stack. */
+async function pdBusy(): Promise<number> {
+  let n = 0;
+  for (const w of [...s.c.byRole('prefill'), ...s.c.byRole('decode')]) n += await busy(w.url);
+  return n;
+}
 
 interface Out {
   text: string;
@@ -235,7 +256,7 @@ async function sameMulti(kind: 'completion' | 'chat', body: Body): Promise<Multi
   return want;
 }
 
-describe('n > 1 and prompt arrays (one sub-request per choice, merged)', () => {
+describe('n > 1 and prompt arrays (one sub-request per choice, merged; in PD one prefill computation per prompt)', () => {
   const p1 = promptOf(50, 3);
   const p2 = promptOf(70, 9);
 
@@ -277,10 +298,25 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged)', () => {
     await refused('chat/completions', { messages: [{ role: 'user', content: p1 }], n: 2, best_of: 2 }, 'best_of');
   });
 
-  test('aborting an n=3 stream leaves prefill and decode idle', async () => {
+  test('n=3 in PD is one prefill: the prompt evaluated and saved once for three rooms (no prefix cache, round-robin over two prefills)', async () => {
+    const prompt = promptOf(90, 21);
+    const before = { comp: await prefillCounter('pdserve_prefill_computations_total'), tokens: await prefillCounter('pdserve_prefill_prompt_tokens_evaluated_total'), saved: await prefillCounter('pdserve_prefill_states_saved_total'), ok: await prefillCounter('pdserve_rooms_terminal_total', 'state="Success"') };
+    const r = await s.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 5, temperature: 0, n: 3 });
+    assert.equal(r.choices.length, 3);
+    const P = r.usage!.prompt_tokens;
+    // Prefill's rooms reach Success on decode's kv_ack, which may trail the response a little.
+    assert.ok(await waitFor(async () => (await prefillCounter('pdserve_rooms_terminal_total', 'state="Success"')) - before.ok === 3, 2000), 'three rooms handed off');
+    assert.equal((await prefillCounter('pdserve_prefill_computations_total')) - before.comp, 1, 'one prompt computation');
+    assert.equal((await prefillCounter('pdserve_prefill_states_saved_total')) - before.saved, 1, 'one state saved');
+    assert.equal((await prefillCounter('pdserve_prefill_prompt_tokens_evaluated_total')) - before.tokens, P, 'the prompt tokens evaluated once');
+    // Control: three single requests cost three computations (this stack has no prefix cache).
+    for (let i = 0; i < 3; i++) await s.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 5, temperature: 0 });
+    assert.equal((await prefillCounter('pdserve_prefill_computations_total')) - before.comp, 4);
+  });
+
+  test('aborting an n=3 stream frees every room on both workers', async () => {
     const ac = new AbortController();
     const stream = await s.pd.completions.create({ model: 'pdserve', prompt: p2, max_tokens: 900, ignore_eos: true, temperature: 0, n: 3, stream: true }, { signal: ac.signal });
-    const prefill = s.c.byRole('prefill')[0]!.url;
     const decode = s.c.byRole('decode')[0]!.url;
     let chunks = 0;
     let busyAtAbort = 0;
@@ -297,8 +333,37 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged)', () => {
     }
     assert.ok(chunks >= 6);
     assert.ok(busyAtAbort > 0, 'decode was generating the choices when the client aborted');
-    const idle = await waitFor(async () => (await busy(prefill)) === 0 && (await busy(decode)) === 0, 1500);
-    assert.ok(idle, `workers idle after the abort: prefill ${await busy(prefill)}, decode ${await busy(decode)}`);
+    const idle = await waitFor(async () => (await pdBusy()) === 0, 1500);
+    assert.ok(idle, `workers idle after the abort: ${await pdBusy()}`);
+  });
+
+  test('one choice failing on decode mid-way fails the whole request with a clear error and frees every room', async () => {
+    const stream = await s.pd.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: p1 }], max_tokens: 900, ignore_eos: true, temperature: 0, n: 3, stream: true } as never) as unknown as AsyncIterable<AnyChunk>;
+    const decode = s.c.byRole('decode')[0]!.url;
+    let chunks = 0;
+    let killed = '';
+    let error: unknown;
+    try {
+      for await (const _ of stream) {
+        if (++chunks === 6) {
+          // Decode stops one choice's sequence (as a decode-side failure would): its stream ends early.
+          // (The first chunks may all come from prefill's first tokens: wait for decode to be generating.)
+          await waitFor(async () => {
+            const dbg = (await (await fetch(`${decode}/debug/rooms`)).json()) as { decoding: { room: string }[] };
+            killed = dbg.decoding.at(-1)?.room ?? '';
+            return killed !== '';
+          }, 2000);
+          await fetch(`${decode}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ bootstrap_room: killed }) });
+        }
+      }
+    } catch (err) {
+      error = err;
+    }
+    assert.ok(killed, 'a choice was decoding');
+    assert.ok(error instanceof OpenAI.APIError, `the stream ends with an error event, not [DONE]: ${String(error)}`);
+    assert.match((error as Error).message, /choice \d+ failed/);
+    const idle = await waitFor(async () => (await pdBusy()) === 0, 1500);
+    assert.ok(idle, `every room of the other choices released too: ${await pdBusy()}`);
   });
 });
 

@@ -58,7 +58,6 @@ describe('prefill driver', () => {
             } else if (a.a === 'finish') {
               finished.set(a.room, (finished.get(a.room) ?? 0) + 1);
               assert.ok(finished.get(a.room)! <= (accepted.get(a.room) ?? 0), `room ${a.room}: more finishes than accepted requests`);
-              state.delete(a.room); // the shell drops the blob on finish
             } else if (a.a === 'diag') {
               assert.notEqual(a.effect.t, 'illegal', `illegal transition: ${JSON.stringify(a.effect)}`);
             }
@@ -100,7 +99,7 @@ describe('prefill driver', () => {
               break;
             case 'sent':
               if (state.get(room) === 'sending') {
-                d.transferSent(room);
+                perform(d.transferSent(room));
                 sent.add(room);
               }
               break;
@@ -125,7 +124,7 @@ describe('prefill driver', () => {
         assert.equal(d.rooms.rooms().length, 0, 'no live room');
         assert.equal(d.live, 0, 'no job left');
         for (const [room, n] of accepted) assert.equal(finished.get(room) ?? 0, n, `room ${room}: one finish per accepted request`);
-        for (const [room, st] of state) assert.ok(finished.has(room) || st === undefined, `state of ${room} still ${st}`);
+        assert.deepEqual([...state], [], 'every computed state released (discard is its one release path)');
       }),
       { numRuns: 400 },
     );
@@ -137,7 +136,7 @@ describe('prefill driver', () => {
     d.message('D', E, { type: 'register', room: ROOMS[0]!, rid: 'r', epoch: E }, 1);
     d.computeDone(ROOMS[0]!, { ok: true, totalBytes: 10 }, 2);
     const abort = d.abort(undefined, ROOMS[0]!, 'router', 3);
-    assert.deepEqual(abort.map((a) => a.a), ['send', 'finish']);
+    assert.deepEqual(abort.map((a) => a.a), ['send', 'finish', 'discard']);
     const ack = d.message('D', E, { type: 'kv_ack', room: ROOMS[0]!, epoch: E }, 4);
     assert.deepEqual(ack.map((a) => (a.a === 'diag' ? a.effect.t : a.a)), ['late']);
     assert.equal(d.rooms.stats.illegal, 0);
@@ -172,6 +171,190 @@ describe('prefill driver', () => {
     assert.equal(d.request(ROOMS[0]!, 'same', 0).refused?.code, 'duplicate_room');
     assert.equal(d.request(ROOMS[1]!, 'same', 0).refused?.code, 'duplicate_rid');
     assert.equal(d.rooms.get(ROOMS[0]!)?.state, KVPoll.Bootstrapping);
+  });
+});
+
+/** Rooms of one multi-room computation (n = 3) and one single-room request, on two decode peers. */
+const GROUPS: RoomId[][] = [['31', '32', '33'] as RoomId[], ['41'] as RoomId[]];
+const ALL = GROUPS.flat();
+type MEv =
+  | { k: 'request' | 'computeDone'; g: number; ok: boolean }
+  | { k: 'register' | 'abort' | 'progress' | 'sent' | 'ack' | 'fail'; room: number; peer: number }
+  | { k: 'tick'; dt: number }
+  | { k: 'lost'; peer: number };
+const mevArb: fc.Arbitrary<MEv> = fc.oneof(
+  { weight: 2, arbitrary: fc.record({ k: fc.constantFrom('request', 'computeDone' as const), g: fc.integer({ min: 0, max: GROUPS.length - 1 }), ok: fc.boolean() }) as fc.Arbitrary<MEv> },
+  { weight: 6, arbitrary: fc.record({ k: fc.constantFrom('register', 'abort', 'progress', 'sent', 'ack', 'fail' as const), room: fc.integer({ min: 0, max: ALL.length - 1 }), peer: fc.integer({ min: 0, max: 1 }) }) as fc.Arbitrary<MEv> },
+  { weight: 1, arbitrary: fc.record({ k: fc.constant('tick' as const), dt: fc.integer({ min: 1, max: 400 }) }) },
+  { weight: 1, arbitrary: fc.record({ k: fc.constant('lost' as const), peer: fc.integer({ min: 0, max: 1 }) }) },
+);
+
+describe('prefill driver: one computation for several rooms (n > 1)', () => {
+  test('under any interleaving: one compute per request, every room finishes once, the state file is released exactly once after its last room, no transfer without it', () => {
+    fc.assert(
+      fc.property(fc.array(mevArb, { maxLength: 80 }), (evs) => {
+        const d = new PrefillDriver({ ...cfg, maxRooms: 8, slots: 1 }, 'p0p0p0p0');
+        let now = 0;
+        const leadOf = (room: RoomId): RoomId => GROUPS.find((g) => g.includes(room))![0]!;
+        const requested = new Set<number>();
+        const computes = new Map<RoomId, number>();
+        const computing = new Set<RoomId>();
+        const cancelled = new Set<RoomId>();
+        /** The state file of a computation (by lead): present from computeDone(ok) to its discard. */
+        const files = new Set<RoomId>();
+        const finished = new Map<RoomId, number>();
+        const transfers = new Map<RoomId, number>();
+        const sending = new Set<RoomId>();
+        const sentAll = new Set<RoomId>();
+        const registeredSent = new Set<RoomId>();
+        const perform = (acts: PrefillAction[]): void => {
+          for (const a of acts) {
+            switch (a.a) {
+              case 'compute':
+                computes.set(a.room, (computes.get(a.room) ?? 0) + 1);
+                assert.equal(computes.get(a.room), 1, `computation ${a.room}: computed once`);
+                computing.add(a.room);
+                assert.ok(computing.size <= 1, 'compute slots bounded');
+                break;
+              case 'cancel':
+                assert.ok(computing.has(a.room), 'cancel only a running compute');
+                assert.ok(!cancelled.has(a.room), 'cancelled once');
+                for (const r of GROUPS.find((g) => g[0] === a.room)!) assert.ok(finished.has(r), `cancel while room ${r} is live`);
+                cancelled.add(a.room);
+                break;
+              case 'send':
+                if (a.msg.type === 'registered') registeredSent.add(a.msg.room);
+                break;
+              case 'transfer':
+                assert.ok(!finished.has(a.room), 'no transfer after finish');
+                assert.ok(registeredSent.has(a.room), `transfer of ${a.room} before its REGISTERED`);
+                assert.ok(files.has(leadOf(a.room)), `transfer of ${a.room} without its computation's state`);
+                transfers.set(a.room, (transfers.get(a.room) ?? 0) + 1);
+                assert.equal(transfers.get(a.room), 1, 'one transfer per room');
+                sending.add(a.room);
+                break;
+              case 'discard': {
+                assert.ok(files.delete(a.room), `discard of ${a.room}: no state held (double release)`);
+                for (const r of GROUPS.find((g) => g[0] === a.room)!) assert.ok(finished.has(r) || sentAll.has(r) || !transfers.has(r) && d.rooms.get(r)?.state !== KVPoll.Bootstrapping, `state of ${a.room} released while room ${r} may still need it`);
+                break;
+              }
+              case 'finish':
+                finished.set(a.room, (finished.get(a.room) ?? 0) + 1);
+                assert.equal(finished.get(a.room), 1, `room ${a.room}: one finish`);
+                sending.delete(a.room);
+                break;
+              case 'diag':
+                assert.notEqual(a.effect.t, 'illegal', `illegal transition: ${JSON.stringify(a.effect)}`);
+                break;
+            }
+          }
+        };
+        const done = (lead: RoomId, ok: boolean): void => {
+          computing.delete(lead);
+          if (ok) files.add(lead);
+          perform(d.computeDone(lead, ok ? { ok: true, totalBytes: 100 } : cancelled.has(lead) ? { ok: false, aborted: true } : { ok: false, failure: { code: 'engine_failed', detail: 'x' } }, now));
+        };
+        for (const ev of evs) {
+          if (ev.k === 'tick') {
+            now += ev.dt;
+            perform(d.tick(now));
+            continue;
+          }
+          if (ev.k === 'lost') {
+            perform(d.peerLost(`D${ev.peer}`, 'gone', now));
+            continue;
+          }
+          if (ev.k === 'request') {
+            if (requested.has(ev.g)) continue;
+            const r = d.request(GROUPS[ev.g]!, `rid-g${ev.g}`, now);
+            assert.ok(!r.refused, r.refused?.message);
+            requested.add(ev.g);
+            perform(r.actions);
+            continue;
+          }
+          if (ev.k === 'computeDone') {
+            const lead = GROUPS[ev.g]![0]!;
+            if (computing.has(lead)) done(lead, ev.ok);
+            continue;
+          }
+          const room = ALL[ev.room]!;
+          const E2 = `e${ev.peer}e${ev.peer}`;
+          switch (ev.k) {
+            case 'register':
+              perform(d.message(`D${ev.peer}`, E2, { type: 'register', room, rid: 'x', epoch: E2 }, now));
+              break;
+            case 'abort':
+              perform(d.abort(undefined, room, 'router', now));
+              break;
+            case 'progress':
+              if (sending.has(room)) perform(d.progress(room, 10, now));
+              break;
+            case 'sent':
+              if (sending.delete(room)) {
+                sentAll.add(room);
+                perform(d.transferSent(room));
+              }
+              break;
+            case 'ack':
+              if (sentAll.has(room)) perform(d.message(`D${ev.peer}`, E2, { type: 'kv_ack', room, epoch: E2 }, now));
+              break;
+            case 'fail':
+              perform(d.message(`D${ev.peer}`, E2, { type: 'fail', room, code: 'request_aborted', detail: 'client', epoch: E2 }, now));
+              break;
+          }
+        }
+        assert.equal(d.rooms.stats.illegal, 0);
+        // Drain: every compute (including ones the drain itself starts) returns.
+        while (computing.size > 0) done(computing.values().next().value!, true);
+        now += 10_000;
+        perform(d.tick(now));
+        perform(d.tick(now + 10_000));
+        assert.equal(d.live, 0, 'no job left');
+        assert.equal(d.computations, 0, 'no computation left');
+        for (const g of requested) for (const r of GROUPS[g]!) assert.equal(finished.get(r), 1, `room ${r}: one finish`);
+        assert.deepEqual([...files], [], 'every state file released');
+      }),
+      { numRuns: 600 },
+    );
+  });
+
+  test('one compute, one state: each room transfers when registered (even after the compute), an aborted room does not hurt the others, the state goes after the last send', () => {
+    const d = new PrefillDriver({ ...cfg, maxRooms: 8 }, 'p0p0p0p0');
+    const [a, b, c] = ['51', '52', '53'] as RoomId[];
+    const kinds = (acts: PrefillAction[]) => acts.map((x) => (x.a === 'send' ? x.msg.type : x.a === 'diag' ? x.effect.t : x.a));
+    assert.deepEqual(kinds((d.request([a!, b!, c!], 'g', 0) as { actions: PrefillAction[] }).actions), []);
+    assert.equal(d.request(['54' as RoomId], 'g', 0).refused?.code, 'duplicate_rid');
+    assert.deepEqual(kinds(d.message('D0', E, { type: 'register', room: b!, rid: 'g', epoch: E }, 1)), ['registered', 'compute'], 'the first registration starts the one compute');
+    assert.deepEqual(kinds(d.message('D1', E, { type: 'register', room: a!, rid: 'g', epoch: E }, 2)), ['registered'], 'no second compute');
+    assert.deepEqual(kinds(d.abort(undefined, c!, 'router', 3)), ['finish'], 'room c fails alone (not registered: no peer to tell)');
+    const cd = d.computeDone(a!, { ok: true, totalBytes: 100, roomBytes: new Map([[a!, 101], [b!, 102]]) }, 4);
+    assert.deepEqual(cd.filter((x) => x.a === 'transfer').map((x) => (x as { room: RoomId }).room).sort(), [a, b]);
+    assert.equal(d.rooms.get(a!)?.totalBytes, 101, 'each room its own wire size');
+    assert.deepEqual(kinds(d.transferSent(a!)), [], 'b still needs the state');
+    assert.deepEqual(kinds(d.abort(undefined, b!, 'router', 5)), ['fail', 'finish', 'discard'], 'the last reference goes: one discard');
+    assert.deepEqual(kinds(d.message('D1', E, { type: 'kv_ack', room: a!, epoch: E }, 6)), ['finish']);
+    assert.equal(d.rooms.get(a!)?.state, KVPoll.Success);
+    assert.equal(d.computations, 0);
+    assert.equal(d.live, 0);
+  });
+
+  test('a room registered after the compute gets the state at once; all rooms aborted mid-compute cancel it; abort by rid reaches every room', () => {
+    const d = new PrefillDriver({ ...cfg, maxRooms: 8 }, 'p0p0p0p0');
+    const [a, b] = ['61', '62'] as RoomId[];
+    const kinds = (acts: PrefillAction[]) => acts.map((x) => (x.a === 'send' ? x.msg.type : x.a === 'diag' ? x.effect.t : x.a));
+    d.request([a!, b!], 'g', 0);
+    d.message('D0', E, { type: 'register', room: a!, rid: 'g', epoch: E }, 1);
+    assert.deepEqual(kinds(d.computeDone(a!, { ok: true, totalBytes: 10 }, 2)), ['transfer']);
+    assert.deepEqual(kinds(d.transferSent(a!)), [], 'b (not registered yet) holds the state');
+    assert.deepEqual(kinds(d.message('D1', E, { type: 'register', room: b!, rid: 'g', epoch: E }, 3)), ['registered', 'transfer']);
+    assert.deepEqual(kinds(d.transferSent(b!)), ['discard']);
+    const e = new PrefillDriver({ ...cfg, maxRooms: 8 }, 'p0p0p0p0');
+    e.request([a!, b!], 'h', 0);
+    e.message('D0', E, { type: 'register', room: a!, rid: 'h', epoch: E }, 1);
+    assert.deepEqual(kinds(e.abort(undefined, a!, 'router', 2)), ['fail', 'finish'], 'b still live: the compute goes on');
+    assert.deepEqual(kinds(e.abort('h', undefined, 'router', 3)), ['finish', 'cancel']);
+    assert.deepEqual(kinds(e.computeDone(a!, { ok: false, aborted: true }, 4)), []);
+    assert.equal(e.computations, 0);
   });
 });
 
