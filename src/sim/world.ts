@@ -244,6 +244,11 @@ interface Req {
   outcome: Partial<Record<NodeName, 'Success' | 'Failed'>>;
   /** Decode-local continuation: sent to decode alone (`local: true`); prefill never sees it. */
   local: boolean;
+  /**
+   * n > 1: the requests (rooms) of one prefill computation, lead first — the router sends P ONE
+   * request naming every room (sent by the lead), and D one request per room, as choices.ts.
+   */
+  group?: Req[];
 }
 
 const TICK_MS = 10;
@@ -377,6 +382,19 @@ export class World {
       if (req.local) this.stats.local++;
       this.reqs.push(req);
       this.byId.set(id, req);
+    }
+    // Some requests are n > 1 choice groups: 2–3 rooms fed by one prefill computation.
+    for (let i = 0; i < this.reqs.length - 1; ) {
+      let k = rng.chance(0.25) ? Math.min(rng.int(2, 3), this.reqs.length - i) : 1;
+      if (this.reqs.slice(i, i + k).some((m) => m.local)) k = 1; // decode-local requests have no prefill leg
+      if (k > 1) {
+        const group = this.reqs.slice(i, i + k);
+        for (const m of group) {
+          m.group = group;
+          m.arrival = group[0]!.arrival;
+        }
+      }
+      i += k;
     }
     this.stats.requests = nReq;
     const window = t;
@@ -672,11 +690,16 @@ export class World {
   }
 
   private dispatch(req: Req, side: NodeName): void {
-    if (this.tracing) this.tr('R', req.id, `dispatch → ${side}`);
+    // A choice group's prefill request is one, sent by its lead for every room.
+    if (side === 'P' && req.group && req.group[0] !== req) return;
+    const members = side === 'P' && req.group ? req.group : [req];
+    if (this.tracing) this.tr('R', req.id, `dispatch → ${side}${members.length > 1 ? ` (rooms ${members.map((m) => m.label).join(' ')})` : ''}`);
     this.http(
       this.nodes[side],
-      (n) => (n.role === 'prefill' ? this.prefillCreate(n, req) : this.decodeCreate(n, req)),
-      () => this.routerSide(req, side, 'Failed', 'connection refused'),
+      (n) => (n.role === 'prefill' ? this.prefillCreate(n, members) : this.decodeCreate(n, req)),
+      () => {
+        for (const m of members) this.routerSide(m, side, 'Failed', 'connection refused');
+      },
     );
   }
 
@@ -738,19 +761,23 @@ export class World {
     return this.viaDriver(n, id, label, () => input(n.dd!), (a) => this.performD(n, a), fxD);
   }
 
-  private prefillCreate(n: Node, req: Req): void {
+  /** The router's request to P for `members` (one room, or every room of a choice group: one computation). */
+  private prefillCreate(n: Node, members: Req[]): void {
+    const lead = members[0]!;
     let refused: string | undefined;
-    this.viaP(n, req.id, 'request', (d) => {
-      const r = d.request(req.id, req.rid, this.now);
+    this.viaP(n, lead.id, 'request', (d) => {
+      const r = d.request(members.map((m) => m.id), lead.rid, this.now);
       if (r.refused) {
         refused = r.refused.code;
         return [];
       }
-      req.on.P = n.inc;
-      n.recs.set(req.id, { id: req.id, rid: req.rid });
+      for (const m of members) {
+        m.on.P = n.inc;
+        n.recs.set(m.id, { id: m.id, rid: lead.rid });
+      }
       return r.actions;
     });
-    if (refused) this.routerSide(req, 'P', 'Failed', `refused: ${refused}`);
+    if (refused) for (const m of members) this.routerSide(m, 'P', 'Failed', `refused: ${refused}`);
   }
 
   private prefillRecv(n: Node, epoch: string, body: Body): void {
@@ -823,7 +850,12 @@ export class World {
       const total = lens.reduce((x, y) => x + y, 0);
       let rec = n.recs.get(id);
       if (!rec) n.recs.set(id, (rec = { id, rid: '?' }));
-      rec.file = file;
+      rec.file = file; // the computation's one state file, on its lead's record
+      // Every room of the computation sends the same state (each with its own head in the worker).
+      for (const m of this.byId.get(id)?.group ?? []) {
+        const mr = n.recs.get(m.id);
+        if (mr) mr.lens = lens;
+      }
       rec.lens = lens;
       const actions = this.viaP(n, id, 'computeDone', (d) => d.computeDone(id, { ok: true, totalBytes: total }, this.now));
       if (this.tracing && rec.file && !actions.some((x) => x.a === 'transfer' || x.a === 'discard')) {
