@@ -773,7 +773,8 @@ export class World {
       }
       for (const m of members) {
         m.on.P = n.inc;
-        n.recs.set(m.id, { id: m.id, rid: lead.rid });
+        // (The room's own rid on its record: the chunk tag D checks names the room's request.)
+        n.recs.set(m.id, { id: m.id, rid: m.rid });
       }
       return r.actions;
     });
