@@ -31,6 +31,17 @@ const evArb: fc.Arbitrary<Ev> = fc.oneof(
   fc.constant<Ev>({ k: 'lost' }),
 );
 
+/** The watchdog and peer-loss events of the property tests: the new clock, or undefined for any other event. */
+function clockOrLoss(d: PrefillDriver, ev: { k: string; dt?: number }, now: number, perform: (acts: PrefillAction[]) => void, peer: string): number | undefined {
+  if (ev.k === 'tick') {
+    perform(d.tick(now + ev.dt!));
+    return now + ev.dt!;
+  }
+  if (ev.k !== 'lost') return undefined;
+  perform(d.peerLost(peer, 'gone', now));
+  return now;
+}
+
 describe('prefill driver', () => {
   test('under any interleaving: one finish per room, no transfer after finish, states released, illegal stays 0', () => {
     fc.assert(
@@ -64,13 +75,9 @@ describe('prefill driver', () => {
           }
         };
         for (const ev of evs) {
-          if (ev.k === 'tick') {
-            now += ev.dt;
-            perform(d.tick(now));
-            continue;
-          }
-          if (ev.k === 'lost') {
-            perform(d.peerLost('D', 'gone', now));
+          const t = clockOrLoss(d, ev, now, perform, 'D');
+          if (t !== undefined) {
+            now = t;
             continue;
           }
           const room = ROOMS[ev.room]!;
@@ -255,13 +262,9 @@ describe('prefill driver: one computation for several rooms (n > 1)', () => {
           perform(d.computeDone(lead, ok ? { ok: true, totalBytes: 100 } : cancelled.has(lead) ? { ok: false, aborted: true } : { ok: false, failure: { code: 'engine_failed', detail: 'x' } }, now));
         };
         for (const ev of evs) {
-          if (ev.k === 'tick') {
-            now += ev.dt;
-            perform(d.tick(now));
-            continue;
-          }
-          if (ev.k === 'lost') {
-            perform(d.peerLost(`D${ev.peer}`, 'gone', now));
+          const t = clockOrLoss(d, ev, now, perform, ev.k === 'lost' ? `D${ev.peer}` : '');
+          if (t !== undefined) {
+            now = t;
             continue;
           }
           if (ev.k === 'request') {
