@@ -269,7 +269,7 @@ class World {
         } else {
           this.toD.push({ msg: { type: 'kv_end', room } });
           this.sending.delete(room);
-          this.p.transferSent(room);
+          this.performP(this.p.transferSent(room));
         }
       });
     }
