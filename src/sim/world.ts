@@ -730,30 +730,42 @@ export class World {
 
   /**
    * Feed one input for room `id` to a driver and perform its actions; trace the position change
-   * (with REVIVED when a terminal room came back), check revival and aborts.
+   * (with REVIVED when a terminal room came back), check revival and aborts — for `id` and for
+   * the `also` rooms the same input concerns (the other rooms of a prefill computation).
    */
-  private viaDriver<A>(n: Node, id: RoomId, label: string, input: () => A[], perform: (actions: A[]) => void, show: (actions: A[]) => string): A[] {
-    const before = n.table.get(id);
-    const b = before ? `${stateName(before.state)}/${before.phase}` : 'unknown';
+  private viaDriver<A>(n: Node, id: RoomId, label: string, input: () => A[], perform: (actions: A[]) => void, show: (actions: A[]) => string, also: readonly RoomId[] = []): A[] {
+    const ids = [id, ...also.filter((x) => x !== id)];
+    // Positions as strings now: the table's room objects change in place.
+    const before = ids.map((x) => {
+      const r = n.table.get(x);
+      return r ? `${stateName(r.state)}/${r.phase}` : 'unknown';
+    });
     const actions = input();
-    const after = n.table.get(id);
+    const after = ids.map((x) => n.table.get(x));
     if (this.tracing && label !== 'progress') {
-      const a = after ? `${stateName(after.state)}/${after.phase}` : 'unknown';
-      const revived = (n.terminals.get(id) ?? 0) > 0 && after && !isTerminal(after.state) ? '  [REVIVED a terminal room]' : '';
-      const swallowed = this.legacy && before && a === b && label !== 'registered' && actions.length === 0 ? '  (legacy: write swallowed by max)' : '';
-      this.tr(n.name, id, `driver ${label}: ${b} → ${a}${show(actions)}${revived}${swallowed}`);
+      ids.forEach((x, k) => {
+        const b = before[k]!;
+        const a = after[k] ? `${stateName(after[k].state)}/${after[k].phase}` : 'unknown';
+        const revived = (n.terminals.get(x) ?? 0) > 0 && after[k] && !isTerminal(after[k].state) ? '  [REVIVED a terminal room]' : '';
+        const swallowed = this.legacy && b !== 'unknown' && a === b && label !== 'registered' && actions.length === 0 ? '  (legacy: write swallowed by max)' : '';
+        this.tr(n.name, x, `driver ${label}${k > 0 ? ` (of ${this.label(id)}'s computation)` : ''}: ${b} → ${a}${show(actions)}${revived}${swallowed}`);
+      });
     }
     perform(actions);
-    this.checkAborted(n, id, label);
-    if (after && !isTerminal(after.state) && (n.terminals.get(id) ?? 0) > 0) {
-      this.violate({ kind: 'revival', node: n.name, room: id, detail: `terminal room moved back to ${stateName(after.state)}/${after.phase} on ${label}` });
-    }
+    ids.forEach((x, k) => {
+      this.checkAborted(n, x, label);
+      const r = after[k];
+      if (r && !isTerminal(r.state) && (n.terminals.get(x) ?? 0) > 0) {
+        this.violate({ kind: 'revival', node: n.name, room: x, detail: `terminal room moved back to ${stateName(r.state)}/${r.phase} on ${label}` });
+      }
+    });
     return actions;
   }
 
-  /** `viaDriver` for the prefill node. */
+  /** `viaDriver` for the prefill node (a computation's input concerns each of its rooms). */
   private viaP(n: Node, id: RoomId, label: string, input: (d: PrefillDriver) => PrefillAction[]): PrefillAction[] {
-    return this.viaDriver(n, id, label, () => input(n.driver!), (a) => this.performP(n, a), fxA);
+    const group = label === 'computeDone' || label === 'request' ? (this.byId.get(id)?.group ?? []).map((m) => m.id) : [];
+    return this.viaDriver(n, id, label, () => input(n.driver!), (a) => this.performP(n, a), fxA, group);
   }
 
   /** `viaDriver` for the decode node. */
