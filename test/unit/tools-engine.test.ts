@@ -27,6 +27,8 @@ const never = new AbortController().signal;
 const base = (over: Partial<SamplingParams> = {}): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 120, stop: [], ignoreEos: false, ...over });
 const WEATHER: ToolFunction = { name: 'get_weather', description: 'Weather of a city', parameters: { type: 'object', properties: { city: { type: 'string' }, days: { type: 'integer' } }, required: ['city', 'days'] } };
 const CLOCK: ToolFunction = { name: 'now', description: 'The time' };
+/** Bounded arguments (an enum and an integer): a random model's free strings can run past max_tokens. */
+const BOUNDED: ToolFunction = { name: 'get_weather', parameters: { type: 'object', properties: { unit: { type: 'string', enum: ['c', 'f'] }, days: { type: 'integer' } }, required: ['unit', 'days'] } };
 
 let engine: Engine;
 
@@ -103,14 +105,32 @@ describe('tool calls on the engine', () => {
     assert.equal(free.tokens.length, 40, 'not constrained: runs to max_tokens');
     // The trigger on the sampler itself (tokens handed over as prefill's first token would be).
     const e = engine as unknown as { model: never; grammars: { get(g: unknown): Promise<never> }; eogTokens: number[] };
-    const sp = base({ grammar });
-    const sampler = new RequestSampler(e.model, sp, prompt, await e.grammars.get(grammar), e.eogTokens, engine.toolSyntax);
+    const bounded = { type: 'tool_call' as const, functions: [BOUNDED], lazy: true };
+    const sp = base({ grammar: bounded });
+    const sampler = new RequestSampler(e.model, sp, prompt, await e.grammars.get(bounded), e.eogTokens, engine.toolSyntax);
     const toks = engine.tokenize('Sure ||call:', false);
     toks.forEach((t, i) => {
       assert.equal(sampler.grammarState, undefined, `no grammar before the whole prefix (token ${i})`);
       sampler.accept(t, true);
     });
     assert.ok(sampler.grammarState, 'the grammar is on once the text ends with the prefix');
+    // Sampling through node-llama-cpp with the switched-on state (the options' grammar is a
+    // function read per token): the rest is a well-formed call, then the model can only stop.
+    const ctx = await (e.model as unknown as { createContext(o: object): Promise<{ getSequence(): { evaluate(t: number[], o: object): AsyncGenerator<number> }; dispose(): Promise<void> }> }).createContext({ sequences: 1, contextSize: 2048, threads: 1 });
+    try {
+      const out: number[] = [];
+      for await (const t of ctx.getSequence().evaluate([...prompt, ...toks], sampler.options)) {
+        sampler.accept(t);
+        if (e.eogTokens.includes(t) || out.length > 200) break;
+        out.push(t);
+      }
+      const m = /^ ?get_weather\((.*)\)$/s.exec(engine.detokenize(out));
+      assert.ok(m, `a call after the prefix: ${JSON.stringify(engine.detokenize(out))}`);
+      const args = JSON.parse(m[1]!) as { unit: unknown; days: unknown };
+      assert.ok((args.unit === 'c' || args.unit === 'f') && Number.isInteger(args.days), m[1]);
+    } finally {
+      await ctx.dispose();
+    }
   });
 
   it('a call syntax made of control tokens (hidden from the output text) turns tool calls off', () => {
@@ -147,10 +167,8 @@ describe('tool calls with a chat template that defines the call syntax (tiny mod
     ];
     const text = tmpl.detokenize(tmpl.renderChat(history, [WEATHER]));
     assert.ok(text.replace(/\s/g, '').includes('<tool_call>{"name":"get_weather","arguments":{"city":"Paris","days":1}}</tool_call>'), JSON.stringify(text));
-    // bounded arguments (an enum and an integer): a random model's free strings can run past max_tokens
-    const bounded: ToolFunction = { name: 'get_weather', parameters: { type: 'object', properties: { unit: { type: 'string', enum: ['c', 'f'] }, days: { type: 'integer' } }, required: ['unit', 'days'] } };
-    const prompt = tmpl.renderChat([{ role: 'user', content: 'Weather in Paris?' }], [bounded]);
-    const sp = base({ grammar: { type: 'tool_call', functions: [bounded], lazy: false } });
+    const prompt = tmpl.renderChat([{ role: 'user', content: 'Weather in Paris?' }], [BOUNDED]);
+    const sp = base({ grammar: { type: 'tool_call', functions: [BOUNDED], lazy: false } });
     const c = await both(prompt, sp, tmpl);
     const p = new ToolCallParser(tmpl.toolSyntax!);
     const r = p.feed(c.text);
