@@ -36,7 +36,7 @@ export interface RunSeedsResult {
   /** The result `until` matched, replayed with its trace. */
   matched?: SimResult;
   violationsByKind: Partial<Record<ViolationKind, number>>;
-  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number };
+  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number };
   elapsedMs: number;
   seedsPerSec: number;
 }
@@ -48,7 +48,7 @@ export function runSeeds(from: number, count: number, opts: RunSeedsOptions = {}
   const t0 = performance.now();
   const failures: SimResult[] = [];
   const byKind: Partial<Record<ViolationKind, number>> = {};
-  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0 };
+  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
   const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, timeouts: opts.timeouts });

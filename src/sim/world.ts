@@ -145,6 +145,9 @@ export interface SimStats {
   /** Requests sent on the decode-local path (decode alone, no prefill leg), and those that succeeded. */
   local: number;
   localSuccess: number;
+  /** Rooms of choice groups (n > 1: one prefill computation for 2–3 rooms), and those that succeeded on decode. */
+  grouped: number;
+  groupedSuccess: number;
 }
 
 export interface SimResult {
@@ -270,7 +273,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly violations: Violation[] = [];
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0 };
   private readonly handles = new Set<Handle>();
   private handleSeq = 0;
   private readonly crossAbort: boolean;
@@ -389,6 +392,7 @@ export class World {
       if (this.reqs.slice(i, i + k).some((m) => m.local)) k = 1; // decode-local requests have no prefill leg
       if (k > 1) {
         const group = this.reqs.slice(i, i + k);
+        this.stats.grouped += k;
         for (const m of group) {
           m.group = group;
           m.arrival = group[0]!.arrival;
@@ -719,6 +723,7 @@ export class World {
       if (outcome === 'Success') this.stats.success++;
       else this.stats.failed++;
       if (req.local && outcome === 'Success') this.stats.localSuccess++;
+      if (req.group && outcome === 'Success') this.stats.groupedSuccess++;
     }
     if (this.tracing) this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
     if (req.local) return; // no prefill leg to abort

@@ -55,6 +55,8 @@ test(`real rule: ${SEEDS} seeds, no violation`, () => {
   assert.ok(t.expired > 0, 'deadlines fire');
   // Decode-local rooms (decode alone, the core's local_prefill) run under the same faults.
   assert.ok(t.local > SEEDS && t.localSuccess > 0 && t.localSuccess < t.local, `decode-local requests exercised: ${t.localSuccess} of ${t.local} ok`);
+  // Choice groups (n > 1: one prefill computation, 2–3 rooms) ran, and most of their rooms got the shared state.
+  assert.ok(t.grouped > SEEDS && t.groupedSuccess > t.grouped / 3, `choice-group rooms exercised: ${t.groupedSuccess} of ${t.grouped} ok`);
   assert.deepEqual(
     res.failures.map((f) => f.seed),
     [],
