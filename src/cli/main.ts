@@ -76,7 +76,8 @@ const kvOptions = (c: Command) =>
     .option('--bootstrap-timeout-ms <ms>', 'max wait for the peer to register the room', int, 10_000)
     .option('--waiting-timeout-ms <ms>', 'prefill: max queue + prompt evaluation time; decode: max wait for the KV to start', int, 60_000)
     .option('--transfer-timeout-ms <ms>', 'max time without KV transfer progress', int, 10_000)
-    .option('--state-dir <dir>', 'folder for sequence-state files (tmpfs)', '/dev/shm');
+    .option('--state-dir <dir>', 'folder for sequence-state files (tmpfs)', '/dev/shm')
+    .option('--no-kv-same-host', 'never hand the saved state file over on one host (kv_file): every KV handoff goes over TCP');
 
 async function modelPath(model: string | undefined): Promise<string> {
   if (model) return resolve(model);
@@ -227,7 +228,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -244,7 +245,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('decode'),
         ),
       );

@@ -67,6 +67,12 @@ const common = {
   stateDir: z.string().default('/dev/shm'),
   /** Largest accepted KV state, bytes. */
   maxStateBytes: z.number().int().positive().default(512 * 1024 * 1024),
+  /**
+   * Same-host handoff (kv/transfer/same-host.ts): when the peer proves it shares this host and
+   * state directory, the saved state file is handed over instead of sent over TCP. False =
+   * `--no-kv-same-host` (every handoff over TCP).
+   */
+  kvSameHost: z.boolean().default(true),
 };
 
 export const PrefillConfigSchema = z.object({

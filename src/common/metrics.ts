@@ -26,6 +26,10 @@ export class WorkerMetrics {
   readonly bootstrapFailed: client.Counter<'reason'>;
   readonly kvBytes: client.Counter;
   readonly kvSeconds: client.Histogram;
+  /** Rooms whose KV handoff succeeded, by path ('tcp' | 'same_host', kv/transfer/same-host.ts). */
+  readonly kvHandoffs: client.Counter<'path'>;
+  /** Same-host handoffs decode refused (the room went over TCP instead). */
+  readonly kvFileRefused: client.Counter;
   readonly illegal: client.Counter<'from' | 'to'>;
   readonly late: client.Counter<'event' | 'state'>;
   readonly roomsCancelled: client.Counter<'code'>;
@@ -63,6 +67,8 @@ export class WorkerMetrics {
     this.roomsCancelled = new client.Counter({ name: 'pdserve_rooms_cancelled_total', help: 'Rooms failed by their client (abort, bad request such as a prompt over the context): not a worker fault, by error code', labelNames: ['code'], registers });
     this.kvBytes = new client.Counter({ name: 'pdserve_kv_transfer_bytes_total', help: 'KV state bytes sent (prefill) or received (decode)', registers });
     this.kvSeconds = new client.Histogram({ name: 'pdserve_kv_transfer_seconds', help: 'Time from kv_begin to the room reaching Success', buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], registers });
+    this.kvHandoffs = new client.Counter({ name: 'pdserve_kv_handoffs_total', help: 'Rooms whose KV handoff succeeded, by path: tcp (streamed over the KV channel) or same_host (the state file handed over, kv_file)', labelNames: ['path'], registers });
+    this.kvFileRefused = new client.Counter({ name: 'pdserve_kv_file_refused_total', help: 'Same-host handoffs (kv_file) refused by decode (file missing, other size, …): the room went over TCP instead', registers });
     this.illegal = new client.Counter({ name: 'pdserve_illegal_transitions_total', help: 'Room state writes refused as protocol violations (0 in a healthy cluster)', labelNames: ['from', 'to'], registers });
     this.late = new client.Counter({ name: 'pdserve_room_late_events_total', help: 'Benign races: events (an ack, a completion) that reached a room already Failed, refused without harm', labelNames: ['event', 'state'], registers });
     this.expired = new client.Counter({ name: 'pdserve_room_deadline_expired_total', help: 'Rooms failed by the watchdog', labelNames: ['role', 'state'], registers });

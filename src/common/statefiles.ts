@@ -1,21 +1,35 @@
 /**
- * Sequence-state files live in a tmpfs folder (/dev/shm) named `pdserve-<kind>-<pid>-<room>.ggsq`.
- * Every path deletes its file in a `finally`, but a process killed mid-load cannot: at start-up a
- * worker removes the files of processes that no longer exist, so /dev/shm cannot fill up over
- * restarts.
+ * Sequence-state files live in a tmpfs folder (/dev/shm) named `pdserve-<kind>-<pid>-<room>.ggsq`:
+ * the pid is the file's owner (the one process that deletes it; a same-host handoff moves
+ * ownership by renaming, see kv/transfer/same-host.ts). Same-host probe files are
+ * `pdserve-probe-<pid>-<hex>.nonce`. Every path deletes its file in a `finally`, but a process
+ * killed meanwhile cannot: workers remove the files of processes that no longer exist at start-up
+ * and every `STATE_SWEEP_MS` (decode also when it loses a prefill connection), so /dev/shm cannot
+ * fill up over restarts and a file handed over by a prefill that was then killed goes too.
+ * (A dead owner's pid reused by a new process delays its sweep until that process is gone.)
  */
+import { readFileSync } from 'node:fs';
 import { readdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { Logger } from './log.js';
 
-const STATE_FILE = /^pdserve-[a-z]+-(\d+)-[^/]*\.ggsq$/;
+const STATE_FILE = /^pdserve-[a-z]+-(\d+)-[^/]*\.(?:ggsq|nonce)$/;
 
+/** Period of the stale-file sweep of a running worker, ms. */
+export const STATE_SWEEP_MS = 30_000;
+
+/** The process exists and is not a zombie (a killed child its parent has not reaped yet is dead). */
 function alive(pid: number): boolean {
   try {
     process.kill(pid, 0);
-    return true;
   } catch (err) {
     return (err as NodeJS.ErrnoException).code === 'EPERM';
+  }
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
+  } catch {
+    return true; // no /proc: trust kill(0)
   }
 }
 
@@ -35,4 +49,14 @@ export async function sweepStaleStateFiles(dir: string, log?: Logger): Promise<n
   }
   if (removed > 0) log?.info({ dir, removed }, 'removed state files left by dead processes');
   return removed;
+}
+
+/**
+ * Sweep `dir` every `everyMs` (default STATE_SWEEP_MS) until the returned function is
+ * called. The timer does not keep the process alive. Never throws.
+ */
+export function startStateSweeper(dir: string, log?: Logger, everyMs = STATE_SWEEP_MS): () => void {
+  const t = setInterval(() => void sweepStaleStateFiles(dir, log), everyMs);
+  t.unref();
+  return () => clearInterval(t);
 }

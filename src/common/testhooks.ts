@@ -15,6 +15,8 @@ export type HoldPoint =
   | 'decode.load'
   /** decode: decode-local room holds its slot, before the suffix is evaluated. */
   | 'decode.local_prefill'
+  /** decode: a same-host kv_file arrived, before decode takes the file over (renames it). */
+  | 'decode.take'
   /** prefill: registered, before prompt evaluation starts. */
   | 'prefill.compute'
   /** prefill: prompt evaluated, before the state is saved. */

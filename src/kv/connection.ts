@@ -12,7 +12,7 @@ import type net from 'node:net';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from './frame.js';
 import { Handshake } from './handshake.js';
 import { Heartbeat, systemClock, type Clock } from './heartbeat.js';
-import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type RoomMsg } from './messages.js';
+import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type PeerMsg } from './messages.js';
 import { KvError, type RoomId } from './types.js';
 
 /** Pino-compatible logger subset. */
@@ -45,8 +45,8 @@ export interface KvStats {
 
 /** Callbacks of a KvServer / KvPeerPool. Exceptions thrown by them are logged and swallowed. */
 export interface KvHandlers {
-  /** A room message (register, registered, kv_begin, kv_end, kv_ack, fail) with a valid epoch. */
-  onMessage?: (conn: PeerConn, msg: RoomMsg) => void;
+  /** A room message (register, registered, kv_begin, kv_end, kv_file, kv_ack, fail, …) with a valid epoch, or a same-host probe message. */
+  onMessage?: (conn: PeerConn, msg: PeerMsg) => void;
   /**
    * KV data: `data` goes at byte `offset` of the blob of `room`. Data is delivered as it arrives,
    * without copies: a chunk frame may come out as several calls with contiguous offsets, each

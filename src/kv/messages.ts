@@ -92,6 +92,25 @@ export type ControlMsg =
   /** decode → prefill: state validated and loaded. */
   | { type: 'kv_ack'; room: RoomId; epoch: string }
   /**
+   * decode → prefill, once per connection (transfer/same-host.ts): "are we on one host and one
+   * state directory?" `boot` = this host's boot id, `pidns` = this process's pid namespace, `file`
+   * = the basename of a probe file decode wrote into its state directory holding a random nonce.
+   */
+  | { type: 'same_host_probe'; boot: string; pidns: string; file: string }
+  /** prefill → decode: the nonce prefill read from `file` in its own state directory (ok), or why not. */
+  | { type: 'same_host_reply'; ok: boolean; nonce?: string; reason?: string }
+  /** decode → prefill: the nonce matched; prefill may hand this connection's rooms over as kv_file. */
+  | { type: 'same_host_ok' }
+  /**
+   * prefill → decode, instead of kv_begin/chunks/kv_end on a same-host connection: the saved state
+   * is the file `file` (a basename in the shared state directory, see same-host.ts for the name and
+   * its ownership), `payloadBytes` long with CRC-32 `crc`; `head` is the envelope head (base64),
+   * validated as on the TCP path.
+   */
+  | { type: 'kv_file'; room: RoomId; file: string; payloadBytes: number; crc: number; head: string }
+  /** decode → prefill: the kv_file was not taken (missing, wrong size, …): send this room over TCP. */
+  | { type: 'kv_file_refused'; room: RoomId; reason: string; epoch: string }
+  /**
    * either way: the room failed or was aborted on the sender's side (a RoomFailure: `code` from
    * the error table, `detail` for humans). Idempotent. Decode sends it even for a room it never
    * registered (refused at admission, prealloc deadline), opening the connection if needed.
@@ -100,8 +119,14 @@ export type ControlMsg =
   | { type: 'ping'; seq: number }
   | { type: 'pong'; seq: number };
 
-/** The control messages about one room: the only ones handed to the channel's onMessage. */
+/** The control messages about one room. */
 export type RoomMsg = Extract<ControlMsg, { room: RoomId }>;
+
+/** The per-connection same-host messages (transfer/same-host.ts). */
+export type SameHostMsg = Extract<ControlMsg, { type: 'same_host_probe' | 'same_host_reply' | 'same_host_ok' }>;
+
+/** What the channel hands to onMessage: room messages and the same-host probe. */
+export type PeerMsg = RoomMsg | SameHostMsg;
 
 /**
  * The RoomFailure a received `fail` message stands for: the peer's own code (a client abort on

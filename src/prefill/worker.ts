@@ -9,6 +9,7 @@
  * or in prompt evaluation), inflight (state sent, waiting for decode's KV_ACK). Each entry leaves
  * on the single `finish` action of its room.
  */
+import { linkSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
@@ -21,7 +22,7 @@ import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
-import { sweepStaleStateFiles } from '../common/statefiles.js';
+import { startStateSweeper, sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
@@ -32,6 +33,7 @@ import { KvServer, type PeerConn } from '../kv/channel.js';
 import { encodeEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
+import { prefillStateName, SameHostPrefill, type KvPath } from '../kv/transfer/same-host.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
@@ -51,6 +53,14 @@ interface Job {
   first?: Deferred<GenerateEvent>;
   t0: number;
   tKvBegin: number;
+  /** How the state went to decode (set when the transfer starts). */
+  kvPath?: KvPath;
+  /**
+   * Same host: this room's hard link to the computation's state file (`prefillStateName`), handed
+   * over by kv_file. The room owns it until decode renames it; deleted (a no-op once taken) at the
+   * room's finish.
+   */
+  handed?: { path: string; payloadBytes: number };
 }
 
 /** A running prefill worker. Create with `startPrefillWorker`. */
@@ -69,6 +79,9 @@ export class PrefillWorker {
   readonly computeMetrics: ComputationMetrics;
   private readonly conns = new Map<string, PeerConn>();
   private watchdog?: NodeJS.Timeout;
+  private stopSweep?: () => void;
+  /** The same-host handoff (kv_file): probe answers and which decode connections may use it. */
+  readonly sameHost: SameHostPrefill;
   app!: FastifyInstance;
   kv!: KvServer;
   url = '';
@@ -97,6 +110,7 @@ export class PrefillWorker {
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
+    this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, stateDir: config.stateDir });
   }
 
   /** The driver's room table (the lifecycle core). */
@@ -112,6 +126,7 @@ export class PrefillWorker {
   async start(): Promise<void> {
     const c = this.config;
     await sweepStaleStateFiles(c.stateDir, this.log);
+    this.stopSweep = startStateSweeper(c.stateDir, this.log);
     this.kv = new KvServer({
       host: c.host,
       port: c.bootstrapPort,
@@ -123,6 +138,7 @@ export class PrefillWorker {
       onMessage: (conn, msg) => this.onControl(conn, msg),
       onPeerLost: (conn, reason) => {
         this.conns.delete(conn.id);
+        this.sameHost.forget(conn.id);
         this.perform(this.driver.peerLost(conn.id, reason, Date.now()));
       },
     });
@@ -147,7 +163,7 @@ export class PrefillWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', cached_tokens: this.jobs.get(r.room)?.comp.cachedTokens ?? 0, computation: this.driver.leadOf(r.room) ?? null })) });
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: this.jobs.get(r.room)?.comp.cachedTokens ?? 0, computation: this.driver.leadOf(r.room) ?? null })) });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -167,6 +183,7 @@ export class PrefillWorker {
   async close(): Promise<void> {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
+    this.stopSweep?.();
     this.perform(this.driver.shutdown(Date.now()));
     await this.app?.close().catch(() => {});
     await this.kv?.close();
@@ -224,9 +241,12 @@ export class PrefillWorker {
     if (!job) return;
     this.jobs.delete(a.room);
     job.ac.abort(); // the state file is the computation's: released by the driver's `discard`
+    // Same host: the room's own link, unless decode took it over (renamed it) already.
+    if (job.handed) void rm(job.handed.path, { force: true }).catch(() => {});
     this.metrics.recordTerminal(a.state, a.failure, a.registered);
     if (a.state === KVPoll.Success) {
       this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
+      this.metrics.kvHandoffs.inc({ path: job.kvPath ?? 'tcp' });
       job.done.resolve({
         rid: job.rid,
         meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
@@ -299,6 +319,21 @@ export class PrefillWorker {
 
   private onControl(conn: PeerConn, msg: ControlMsg): void {
     this.conns.set(conn.id, conn);
+    if (msg.type === 'same_host_probe' || msg.type === 'same_host_ok') {
+      const reply = this.sameHost.onMessage(conn.id, msg);
+      if (reply) conn.sendControl(reply);
+      return;
+    }
+    if (msg.type === 'kv_file_refused') {
+      // decode could not take the handed file: this room goes over TCP (from its link)
+      const job = this.jobs.get(msg.room);
+      if (job?.kvPath === 'same_host' && job.handed) {
+        this.metrics.kvFileRefused.inc();
+        this.log.warn({ room: msg.room, reason: msg.reason }, 'decode refused the state file (kv_file): sending it over TCP');
+        void this.transfer(msg.room, conn.id, 'tcp');
+      }
+      return;
+    }
     if (msg.type === 'register' || msg.type === 'kv_ack' || msg.type === 'fail') {
       this.perform(this.driver.message(conn.id, conn.peerEpoch, msg, Date.now()));
       return;
@@ -329,7 +364,8 @@ export class PrefillWorker {
    * with seed + i), save the state file once and make each room's envelope head. Never throws.
    */
   private async evaluate(comp: Computation, slot: Slot): Promise<ComputeOutcome> {
-    const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${comp.lead}.ggsq`);
+    // Not a room's name (`prefillStateName`): on the same-host path each room gets its own link.
+    const path = join(this.config.stateDir, `pdserve-prefill-${process.pid}-${comp.lead}-saved.ggsq`);
     const signal = comp.ac.signal;
     try {
       await hold('prefill.compute', signal);
@@ -372,15 +408,37 @@ export class PrefillWorker {
     }
   }
 
-  /** Send the room's state to decode (`transfer`): kv_begin, the file streamed in pooled pieces (transfer/sender.ts), kv_end. */
-  private async transfer(room: RoomId, peer: string): Promise<void> {
+  /**
+   * Send the room's state to decode (`transfer`). On a same-host connection: the room's own hard
+   * link to the state file (`prefillStateName`), CRC-32'd and named in one kv_file message
+   * (transfer/same-host.ts) — decode takes it over by renaming it; the link is deleted at the
+   * room's finish if it is still ours. Else (or `path` 'tcp': decode refused the file, sent from
+   * the link): kv_begin, the file streamed in pooled pieces (transfer/sender.ts), kv_end.
+   */
+  private async transfer(room: RoomId, peer: string, path?: KvPath): Promise<void> {
     const job = this.jobs.get(room);
     const conn = this.conns.get(peer);
-    const st = job?.comp.state;
+    const st = job?.handed ?? job?.comp.state;
     const head = job?.comp.heads.get(room);
     if (!job || !st || !head) return;
     job.tKvBegin = Date.now();
     const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), Date.now()));
+    job.kvPath = path ?? (this.sameHost.usable(peer) ? 'same_host' : 'tcp');
+    if (job.kvPath === 'same_host') {
+      await hold('prefill.send', job.ac.signal);
+      if (job.ac.signal.aborted) return;
+      try {
+        const link = join(this.config.stateDir, prefillStateName(process.pid, room));
+        linkSync(st.path, link);
+        job.handed = { path: link, payloadBytes: st.payloadBytes };
+        if (!conn || !conn.sendControl(this.sameHost.offer(room, link, head, st.payloadBytes, this.kvPool))) return failed('connection to decode is gone');
+      } catch (err) {
+        return failed((err as Error).message);
+      }
+      // The computation's file is no longer needed by this room (its link holds the data).
+      this.perform(this.driver.transferSent(room));
+      return;
+    }
     if (!conn || !conn.sendControl({ type: 'kv_begin', room, totalBytes: wireBytes(head, st.payloadBytes) })) return failed('connection to decode is gone');
     try {
       await sendStateFile(conn, room, st.path, head, st.payloadBytes, {

@@ -1,0 +1,328 @@
+/**
+ * The same-host KV handoff: when prefill and decode run on one host and share one state
+ * directory, prefill hands decode the saved state file itself (a `kv_file` message naming it)
+ * and no state byte crosses TCP. (The same idea as a shared-memory/local-file KV connector —
+ * vLLM's and LMCache's local connectors, SGLang's same-node transfer through a shared tmpfs —
+ * applied here to one llama.cpp state file.)
+ *
+ * Proof, once per connection, over the authenticated KV channel (messages.ts):
+ *   decode → same_host_probe {boot, pidns, file}: decode's boot id
+ *            (/proc/sys/kernel/random/boot_id), its pid namespace (/proc/self/ns/pid) and the
+ *            name of a probe file it wrote into ITS state directory holding a random nonce;
+ *   prefill → same_host_reply {ok, nonce}: prefill compares boot id and pid namespace with its
+ *            own and reads the file of that name from ITS state directory, echoing its content;
+ *   decode → same_host_ok: the nonce matched — both sides see the same directory, on the same
+ *            boot, with the same pids. Only then does prefill send this connection's rooms as
+ *            kv_file. Any doubt (path off on either side, another boot id or pid namespace, the
+ *            file missing, another nonce, no answer within the probe deadline) leaves the
+ *            connection on TCP. The probe file is deleted when the probe settles.
+ *
+ * Ownership of a handed file (deleted exactly once):
+ *   - A state file's name records its owner: `pdserve-<kind>-<pid>-<room>.ggsq` (statefiles.ts).
+ *     Prefill saves `pdserve-prefill-<prefill pid>-<room>.ggsq` and owns it.
+ *   - Ownership moves when decode RENAMES it to `pdserve-decode-<decode pid>-<room>.ggsq`
+ *     (`takeStateFile`). rename(2) in one directory is atomic: the inode has exactly one name at
+ *     any moment, and that name's owner is the one that deletes it.
+ *   - Prefill deletes its name when the room ends — at kv_ack, on failure, or when decode never
+ *     answers and the room's transfer deadline fails it. If decode took the file first that
+ *     delete finds nothing; if prefill's delete comes first, decode's rename finds nothing and
+ *     decode refuses the handoff (kv_file_refused). Either way the inode is unlinked once.
+ *   - Decode deletes its name after llama.cpp loaded it (or on any failure), as the TCP path.
+ *   - A process killed while it owns a name leaves a file whose pid is dead: every worker
+ *     sweeps such files at start-up and on a timer, and decode also right after losing a
+ *     prefill connection (statefiles.ts). A killed prefill's file is swept once no live
+ *     process has that pid.
+ *   - n > 1 (one state → several decode rooms): one hard link per room, each named for its room;
+ *     each link is owned, renamed and deleted by the rule above, so each is deleted once.
+ *
+ * Validation before llama.cpp: the envelope head (carried base64 in kv_file) goes through the
+ * same `parseEnvelopeHead` as on TCP, and the taken file is read once in pooled pieces through
+ * the same incremental structure walk (`GgsqStreamParser`) and CRC-32 as the streamed bytes —
+ * a truncated or damaged file fails its room, never the process.
+ */
+import { randomBytes } from 'node:crypto';
+import { closeSync, fstatSync, lstatSync, openSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import type { PeerConn } from '../channel.js';
+import { parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
+import type { ControlMsg, SameHostMsg } from '../messages.js';
+import { KvError, type RoomId } from '../types.js';
+import { Crc32 } from './checksum.js';
+import type { BufferPool } from './pool.js';
+import type { ReceivedState, StructureWalker } from './receiver.js';
+
+/** How a room's state went from prefill to decode (shown in /debug/rooms and counted by path). */
+export type KvPath = 'tcp' | 'same_host';
+
+/** What proves two processes share a host: boot id and pid namespace. */
+export interface HostIdentity {
+  /** /proc/sys/kernel/random/boot_id. */
+  boot: string;
+  /** /proc/self/ns/pid link ("pid:[4026531836]"): state-file owners are pids, so both must see the same pids. */
+  pidns: string;
+}
+
+/** Default deadline of one connection's probe, ms. */
+export const SAME_HOST_PROBE_MS = 2000;
+const PROBE_FILE = /^pdserve-probe-\d+-[0-9a-f]{16}\.nonce$/;
+const NONCE = /^[0-9a-f]{32}$/;
+
+/**
+ * This process's host identity, or undefined where it cannot be read (not Linux): the path is
+ * then off. TEST-ONLY: PDSERVE_TEST_BOOT_ID replaces the boot id (to prove a mismatch falls back).
+ */
+export function hostIdentity(): HostIdentity | undefined {
+  try {
+    const boot = process.env.PDSERVE_TEST_BOOT_ID || readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim();
+    return { boot, pidns: readlinkSync('/proc/self/ns/pid') };
+  } catch {
+    return undefined;
+  }
+}
+
+/** The name prefill saves (and hands over) room `room`'s state under: owned by `pid`. */
+export function prefillStateName(pid: number, room: RoomId): string {
+  return `pdserve-prefill-${pid}-${room}.ggsq`;
+}
+
+/** The name decode takes room `room`'s handed file over to: owned by `pid`. */
+export function decodeStateName(pid: number, room: RoomId): string {
+  return `pdserve-decode-${pid}-${room}.ggsq`;
+}
+
+/** Options of both sides. */
+export interface SameHostOptions {
+  /** The path is on (false: `--no-kv-same-host`; the side then refuses/never probes). */
+  enabled: boolean;
+  /** This process's state directory. */
+  stateDir: string;
+  /** This host's identity (default hostIdentity()); undefined = path off. */
+  identity?: HostIdentity | null;
+  /** Probe deadline, ms (decode side; default SAME_HOST_PROBE_MS). */
+  probeMs?: number;
+  log?: { info(o: object, m: string): void; warn(o: object, m: string): void };
+}
+
+function identityOf(o: SameHostOptions): HostIdentity | undefined {
+  return o.identity === null ? undefined : (o.identity ?? hostIdentity());
+}
+
+// ---- prefill side ------------------------------------------------------------------------------
+
+/**
+ * Prefill's half: answers probes, remembers which connections decode confirmed, and turns a
+ * saved state file into a kv_file message.
+ */
+export class SameHostPrefill {
+  private readonly confirmed = new Set<string>();
+  private readonly id: HostIdentity | undefined;
+
+  constructor(private readonly o: SameHostOptions) {
+    this.id = identityOf(o);
+  }
+
+  /** Whether the path is on here at all. */
+  get enabled(): boolean {
+    return this.o.enabled && this.id !== undefined;
+  }
+
+  /**
+   * A same-host message from connection `connId`. Returns the answer to send (a probe's reply)
+   * or undefined. Never throws.
+   */
+  onMessage(connId: string, msg: SameHostMsg): ControlMsg | undefined {
+    if (msg.type === 'same_host_ok') {
+      if (this.enabled) this.confirmed.add(connId);
+      return undefined;
+    }
+    if (msg.type !== 'same_host_probe') return undefined;
+    const no = (reason: string): ControlMsg => ({ type: 'same_host_reply', ok: false, reason });
+    if (!this.o.enabled) return no('the same-host path is off on prefill (--no-kv-same-host)');
+    if (!this.id) return no('prefill cannot read its boot id');
+    if (msg.boot !== this.id.boot) return no('another boot id: not the same host');
+    if (msg.pidns !== this.id.pidns) return no('another pid namespace');
+    if (!PROBE_FILE.test(msg.file)) return no('bad probe file name');
+    try {
+      const p = join(this.o.stateDir, msg.file);
+      const st = lstatSync(p);
+      if (!st.isFile() || st.size > 64) return no('probe file is not a small regular file');
+      return { type: 'same_host_reply', ok: true, nonce: readFileSync(p, 'utf8') };
+    } catch (err) {
+      return no(`probe file not found in prefill's state directory (${(err as NodeJS.ErrnoException).code ?? 'error'}): another directory`);
+    }
+  }
+
+  /** True when rooms of connection `connId` may be handed over as kv_file. */
+  usable(connId: string): boolean {
+    return this.enabled && this.confirmed.has(connId);
+  }
+
+  /** The connection ended. */
+  forget(connId: string): void {
+    this.confirmed.delete(connId);
+  }
+
+  /**
+   * The kv_file message handing over room `room`'s saved state at `path` (a file in the state
+   * directory named `prefillStateName`): the file is read once to compute its CRC-32.
+   * @throws KvError('BAD_STATE') when the file's size is not `payloadBytes`; fs errors.
+   */
+  offer(room: RoomId, path: string, head: Buffer, payloadBytes: number, pool: BufferPool): Extract<ControlMsg, { type: 'kv_file' }> {
+    const crc = new Crc32();
+    readPieces(path, payloadBytes, pool, (piece) => crc.update(piece));
+    return { type: 'kv_file', room, file: path.slice(path.lastIndexOf('/') + 1), payloadBytes, crc: crc.value >>> 0, head: head.toString('base64') };
+  }
+}
+
+/** Read exactly `bytes` bytes of `path` in pooled pieces, in order. @throws KvError('BAD_STATE') on another size. */
+function readPieces(path: string, bytes: number, pool: BufferPool, each: (piece: Buffer) => void): void {
+  const fd = openSync(path, 'r');
+  const buf = pool.acquire();
+  try {
+    const size = fstatSync(fd).size;
+    if (size !== bytes) throw new KvError('BAD_STATE', `state file is ${size} bytes, expected ${bytes}`);
+    let pos = 0;
+    while (pos < bytes) {
+      const n = readSync(fd, buf, 0, Math.min(buf.length, bytes - pos), pos);
+      if (n === 0) throw new KvError('BAD_STATE', `state file ended at byte ${pos}, expected ${bytes}`);
+      each(buf.subarray(0, n));
+      pos += n;
+    }
+  } finally {
+    pool.release(buf);
+    closeSync(fd);
+  }
+}
+
+// ---- decode side -------------------------------------------------------------------------------
+
+interface Probe {
+  ready: Promise<boolean>;
+}
+
+/** Outcome of `takeStateFile`: taken (the file is decode's now) or refused (still prefill's: use TCP). */
+export type TakeOutcome<S> = { taken: ReceivedState<S> } | { refused: string };
+
+/**
+ * Decode's half: probes each new connection once, says whether a connection carries kv_file,
+ * and takes a handed file over (`take`).
+ */
+export class SameHostDecode {
+  private readonly probes = new WeakMap<PeerConn, Probe>();
+  private readonly answers = new WeakMap<PeerConn, (msg: Extract<ControlMsg, { type: 'same_host_reply' }>) => void>();
+  private readonly id: HostIdentity | undefined;
+
+  constructor(private readonly o: SameHostOptions) {
+    this.id = identityOf(o);
+  }
+
+  /** Whether the path is on here at all. */
+  get enabled(): boolean {
+    return this.o.enabled && this.id !== undefined;
+  }
+
+  /**
+   * Start the probe of a freshly authenticated connection (call from onConnect). Writes the probe
+   * file, sends same_host_probe; settles on the reply, on the deadline or when the connection
+   * closes, then deletes the file. Never throws.
+   */
+  probe(conn: PeerConn): void {
+    if (!this.enabled || this.probes.has(conn)) return;
+    const file = `pdserve-probe-${process.pid}-${randomBytes(8).toString('hex')}.nonce`;
+    const path = join(this.o.stateDir, file);
+    const nonce = randomBytes(16).toString('hex');
+    let settle!: (ok: boolean, why: string) => void;
+    const ready = new Promise<boolean>((resolve) => {
+      let done = false;
+      const timer = setTimeout(() => settle(false, `no answer within ${this.o.probeMs ?? SAME_HOST_PROBE_MS} ms`), this.o.probeMs ?? SAME_HOST_PROBE_MS);
+      timer.unref();
+      settle = (ok, why) => {
+        if (done) return;
+        done = true;
+        clearTimeout(timer);
+        this.answers.delete(conn);
+        try {
+          rmSync(path, { force: true });
+        } catch {
+          // the sweep removes it once this process is gone
+        }
+        this.o.log?.info({ peer: conn.id, sameHost: ok, why }, ok ? 'kv peer is on this host: state files are handed over (kv_file)' : 'kv peer stays on TCP');
+        resolve(ok);
+      };
+    });
+    this.probes.set(conn, { ready });
+    try {
+      writeFileSync(path, nonce, { flag: 'wx' });
+    } catch (err) {
+      settle(false, `cannot write the probe file: ${(err as Error).message}`);
+      return;
+    }
+    this.answers.set(conn, (msg) => {
+      if (!msg.ok) return settle(false, msg.reason ?? 'prefill refused');
+      if (msg.nonce !== nonce || !NONCE.test(nonce)) return settle(false, 'prefill read another nonce: another state directory');
+      if (!conn.sendControl({ type: 'same_host_ok' })) return settle(false, 'connection closed');
+      settle(true, 'boot id, pid namespace and state directory match');
+    });
+    void conn.closed.then(() => settle(false, 'connection closed'));
+    if (!conn.sendControl({ type: 'same_host_probe', boot: this.id!.boot, pidns: this.id!.pidns, file })) settle(false, 'connection closed');
+  }
+
+  /** A same_host_reply arrived on `conn`. */
+  onReply(conn: PeerConn, msg: Extract<ControlMsg, { type: 'same_host_reply' }>): void {
+    this.answers.get(conn)?.(msg);
+  }
+
+  /**
+   * True when `conn` carries kv_file: waits for its probe (at most the probe deadline). A
+   * connection never probed (path off) resolves false at once.
+   */
+  ready(conn: PeerConn): Promise<boolean> {
+    return this.probes.get(conn)?.ready ?? Promise.resolve(false);
+  }
+
+  /**
+   * Take over the file a kv_file names, then validate it completely before llama.cpp sees it.
+   * Refused (the file stays prefill's; send kv_file_refused, prefill sends over TCP): a name that
+   * is not prefill's name for this room, the file missing or of another size, the rename failing.
+   * Taken: the file now has decode's name (`decodeStateName`) — the caller deletes it after the
+   * load, as a received one.
+   * @throws KvError('BAD_ENVELOPE' | 'BAD_STATE') when the head or the file is bad (the taken
+   *   file is deleted before the throw).
+   */
+  take<S>(msg: Extract<ControlMsg, { type: 'kv_file' }>, o: { expect: EnvelopeExpect; walker: (payloadBytes: number) => StructureWalker<S>; pool: BufferPool }): TakeOutcome<S> {
+    const head = Buffer.from(msg.head, 'base64');
+    const h = parseEnvelopeHead(head, o.expect);
+    if (!h || h.headBytes !== head.length) throw new KvError('BAD_ENVELOPE', 'kv_file: the envelope head is incomplete or has trailing bytes');
+    if (h.header.payloadBytes !== msg.payloadBytes) throw new KvError('BAD_ENVELOPE', `kv_file names ${msg.payloadBytes} bytes, the envelope says ${h.header.payloadBytes}`);
+    const m = /^pdserve-prefill-\d+-(\d+)\.ggsq$/.exec(msg.file);
+    if (!m || m[1] !== msg.room) return { refused: `kv_file name ${JSON.stringify(msg.file.slice(0, 80))} is not a prefill state file of room ${msg.room}` };
+    const src = join(this.o.stateDir, msg.file);
+    try {
+      const st = lstatSync(src);
+      if (!st.isFile()) return { refused: 'the named state file is not a regular file' };
+      if (st.size !== msg.payloadBytes) return { refused: `the state file is ${st.size} bytes, kv_file says ${msg.payloadBytes}` };
+    } catch (err) {
+      return { refused: `the state file is not in decode's state directory (${(err as NodeJS.ErrnoException).code ?? 'error'})` };
+    }
+    const dst = join(this.o.stateDir, decodeStateName(process.pid, msg.room));
+    try {
+      renameSync(src, dst); // ownership moves here, atomically
+    } catch (err) {
+      return { refused: `could not take the state file over (${(err as NodeJS.ErrnoException).code ?? 'error'}): prefill may have dropped it` };
+    }
+    try {
+      const walker = o.walker(msg.payloadBytes);
+      const crc = new Crc32();
+      readPieces(dst, msg.payloadBytes, o.pool, (piece) => {
+        crc.update(piece);
+        walker.push(piece);
+      });
+      const state = walker.end();
+      if (crc.value >>> 0 !== msg.crc) throw new KvError('BAD_ENVELOPE', 'payload checksum mismatch: the handed state file is corrupted');
+      return { taken: { header: h.header, state, path: dst } };
+    } catch (err) {
+      rmSync(dst, { force: true });
+      throw err;
+    }
+  }
+}
