@@ -407,6 +407,7 @@ export async function runCli(argv: string[]): Promise<void> {
       .option('--decode <n>', 'decode workers (self-hosted)', int, 2)
       .addOption(new Option('--preset <name>', 'built-in model when --model is not given').choices(['tiny', 'small']).default('tiny'))
       .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
+      .addOption(new Option('--kv-same-host <mode>', 'same-host KV handoff (kv_file): on everywhere, off everywhere, or mixed (decode-1 runs --no-kv-same-host, so both paths carry rooms)').choices(['on', 'off', 'mixed']).default('mixed'))
       .option('--abort-rate <p>', 'share of requests the agent aborts (after sending, before the first token, mid-stream)', rate, 0.3)
       .option('--kill-rate <p>', 'share of requests whose agent is killed (TCP reset) and restarts its conversation', rate, 0.05)
       .option('--non-stream-rate <p>', 'share of requests sent without streaming', rate, 0.2)
@@ -452,6 +453,7 @@ export async function runCli(argv: string[]): Promise<void> {
             // The wrong-answer check needs batch-invariant engines to compare exactly.
             deterministic: o.deterministic || o.verify > 0,
             decodeSlots: o.decodeSlots,
+            kvSameHost: o.kvSameHost,
             abortRate: o.abortRate,
             killRate: o.killRate,
             nonStreamRate: o.nonStreamRate,

@@ -53,6 +53,8 @@ export interface ClusterOptions {
   logDir?: string;
   /** Extra flags per role, e.g. {decode: ['--heartbeat-ms', '200']}. */
   extraArgs?: Partial<Record<ProcRole, string[]>>;
+  /** Extra flags of one process by name ('prefill-0', 'decode-1', …), after its role's. */
+  extraArgsOf?: Record<string, string[]>;
   /** Extra environment for all children. */
   env?: Record<string, string>;
   /** Per-process start deadline, ms. */
@@ -177,6 +179,7 @@ export class Cluster {
     if (this.opts.drainTimeoutMs !== undefined) args = [...args, '--drain-timeout-ms', String(this.opts.drainTimeoutMs)];
     if (this.opts.discovery) args = [...args, '--discovery', this.opts.discovery];
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
+    args = [...args, ...(this.opts.extraArgsOf?.[name] ?? [])];
     return { role, index, name, port, bootstrapPort, url: `http://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
 

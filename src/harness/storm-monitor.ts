@@ -245,6 +245,8 @@ export interface LeakReport {
    * protocol violations. Benign races are counted apart (`pdserve_room_late_events_total`).
    */
   illegal: LeakItem[];
+  /** `pdserve_kv_handoffs_total` by worker and path (since each worker's last start). */
+  handoffs: Record<string, Record<string, number>>;
 }
 
 /** Parse Prometheus text: `name{labels} value` → [{name, labels, value}]. */
@@ -265,7 +267,7 @@ export function parseProm(text: string): { name: string; labels: string; value: 
  * per-worker load, acquired − released leases.
  */
 export async function collectLeaks(workers: WatchedWorker[], routerUrl?: string, timeoutMs = 3000): Promise<LeakReport> {
-  const rep: LeakReport = { items: [], rooms: [], unreachable: [], illegal: [] };
+  const rep: LeakReport = { items: [], rooms: [], unreachable: [], illegal: [], handoffs: {} };
   await Promise.all(
     workers.map(async (w) => {
       try {
@@ -277,6 +279,8 @@ export async function collectLeaks(workers: WatchedWorker[], routerUrl?: string,
         for (const s of parseProm(metrics)) {
           if ((/^pdserve_.*_reqs$/.test(s.name) || s.name === 'pdserve_rooms') && s.value !== 0) rep.items.push({ where: w.name, what: `${s.name}${s.labels}`, value: s.value });
           if (s.name === 'pdserve_illegal_transitions_total' && s.value !== 0) rep.illegal.push({ where: w.name, what: `${s.name}${s.labels}`, value: s.value });
+          const path = s.name === 'pdserve_kv_handoffs_total' ? /path="([a-z_]+)"/.exec(s.labels)?.[1] : undefined;
+          if (path) (rep.handoffs[w.name] ??= {})[path] = s.value;
         }
         const slots = Number(health.slots);
         const free = Number(health.slots_free);

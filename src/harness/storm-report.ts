@@ -91,6 +91,11 @@ export function formatReport(r: StormReport): string {
     out.push('  no worker faults injected');
     out.push('');
   }
+  const hand = Object.entries(r.kv_handoffs ?? {});
+  if (hand.length) {
+    out.push(`KV handoffs by path (since each worker's last start): ${hand.map(([w, p]) => `${w} ${kv(p)}`).join('; ')}`);
+    out.push('');
+  }
   out.push('checks');
   for (const ch of r.checks) out.push(`  ${ch.name.padEnd(13)} ${ch.status.toUpperCase().padEnd(7)} ${ch.summary}`);
   const fails = r.checks.filter((x) => x.status === 'fail');

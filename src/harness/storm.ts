@@ -61,6 +61,12 @@ export interface StormOptions {
    */
   deterministic: boolean;
   decodeSlots: number;
+  /**
+   * Self-hosted: the same-host KV handoff (kv_file) on every worker ('on'), off everywhere
+   * ('off', `--no-kv-same-host`), or 'mixed': decode-1 runs with it off, so one storm carries
+   * rooms on both paths (the report lists handoffs by worker and path).
+   */
+  kvSameHost: 'on' | 'off' | 'mixed';
   abortRate: number;
   killRate: number;
   nonStreamRate: number;
@@ -105,6 +111,7 @@ export const STORM_DEFAULTS: StormOptions = {
   batchSize: 512,
   deterministic: true,
   decodeSlots: 8,
+  kvSameHost: 'mixed',
   abortRate: 0.3,
   killRate: 0.05,
   nonStreamRate: 0.2,
@@ -190,6 +197,8 @@ export interface StormReport {
   prompt_bytes: Summary;
   faults: FaultRecord[];
   checks: CheckResult[];
+  /** Successful KV handoffs by worker and path ('tcp' | 'same_host'), since each worker's last start. */
+  kv_handoffs: Record<string, Record<string, number>>;
   offending_rooms: OffendingRoom[];
   log_dir?: string;
   model?: string;
@@ -242,7 +251,8 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       // the storm's many concurrent conversations get cache hits to check. Decode-local
       // continuation is on (decode policy cache_aware; decode keeps 8 finished sequences), so
       // rounds also run on decode alone, under the same faults.
-      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout), '--decode-policy', 'cache_aware'], prefill: ['--prefix-cache-slots', '16'], decode: ['--prefix-cache-slots', '8'], colocated: ['--no-prefix-cache'] },
+      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout), '--decode-policy', 'cache_aware'], prefill: ['--prefix-cache-slots', '16', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : [])], decode: ['--prefix-cache-slots', '8', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : [])], colocated: ['--no-prefix-cache'] },
+      extraArgsOf: o.kvSameHost === 'mixed' ? { 'decode-1': ['--no-kv-same-host'] } : {},
     });
     write.progress(`pdserve storm: starting ${o.prefill} prefill + ${o.decode} decode + router${o.verify > 0 ? ' + colocated reference' : ''} (logs: ${logDir})\n`);
     try {
@@ -732,6 +742,7 @@ function buildReport(b: BuildInput): StormReport {
     prompt_bytes: sum(records.map((r) => r.promptBytes)),
     faults,
     checks,
+    kv_handoffs: b.leaks.handoffs,
     offending_rooms: offending,
     log_dir: b.logDir,
     model: b.model,

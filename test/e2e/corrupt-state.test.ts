@@ -2,17 +2,21 @@
  * A decode worker must never hand a bad state to llama.cpp, and a bad state fails one request,
  * never the process. The test plays the prefill side itself with the real parts — the real KV
  * channel (KvServer), the real envelope, and a real state saved by the real engine — and then
- * damages what it sends: a truncated payload, a flipped byte, a state from another model.
+ * damages what it sends: a truncated payload, a flipped byte, a state from another model — over TCP
+ * and, on the same-host path, as a handed state file (kv_file) it damaged in the state directory.
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
-import { readFile, rm } from 'node:fs/promises';
+import { existsSync } from 'node:fs';
+import { readFile, rm, writeFile } from 'node:fs/promises';
 import { after, before, describe, test } from 'node:test';
 import { ensureModel, loadEngine, parseStateFile, sha256File } from '../../src/engine/index.js';
 import type { Engine } from '../../src/engine/types.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer, type PeerConn } from '../../src/kv/channel.js';
-import { encodeEnvelope } from '../../src/kv/envelope.js';
+import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
+import { crc32 } from '../../src/kv/transfer/checksum.js';
+import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
 import type { Cluster } from '../../src/harness/cluster.js';
 import { busy, client, CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
@@ -23,8 +27,15 @@ let kv: KvServer;
 let kvPort: number;
 /** What the fake prefill sends for the next registered room, and what it heard back. */
 let nextBlob: Buffer | undefined;
-/** How the fake prefill sends it: kv_begin announces `announce` bytes (default the blob's), kv_end follows unless `noEnd`. */
-let nextSend: { announce?: number; noEnd?: boolean } = {};
+/**
+ * How the fake prefill sends it: kv_begin announces `announce` bytes (default the blob's), kv_end
+ * follows unless `noEnd`; with `file`, the same-host path instead: `file.payload` is written to
+ * the shared state directory under prefill's name and handed over (kv_file) with the envelope
+ * head of `file.head` and the CRC-32 of `file.crcOf` (default the payload).
+ */
+let nextSend: { announce?: number; noEnd?: boolean; file?: { payload: Buffer; head: Buffer; crcOf?: Buffer } } = {};
+/** The fake prefill answers decode's same-host probe as a real one (the stack's state dir is /dev/shm). */
+const sameHost = new SameHostPrefill({ enabled: true, stateDir: '/dev/shm' });
 const fails = new Map<string, string>();
 
 async function stateOf(modelPath: string, prompt: string): Promise<{ payload: Buffer; fingerprint: string; nTokens: number; firstToken: number; firstIsEog: boolean }> {
@@ -53,10 +64,22 @@ before(async () => {
     // The fake prefill claims the decode's own pair settings, so the handshake pairs them.
     settings: settingsFromHealth((await getJson<any>(`${c.byRole('decode')[0]!.url}/health`)).settings)!,
     onMessage: (conn: PeerConn, msg) => {
-      if (msg.type === 'register') {
+      if (msg.type === 'same_host_probe' || msg.type === 'same_host_ok') {
+        const reply = sameHost.onMessage(conn.id, msg);
+        if (reply) conn.sendControl(reply);
+      } else if (msg.type === 'register') {
         const blob = nextBlob!;
         const how = nextSend;
         conn.sendControl({ type: 'registered', room: msg.room });
+        if (how.file) {
+          const f = how.file;
+          assert.ok(sameHost.usable(conn.id), 'decode confirmed the same-host probe before registering');
+          const name = prefillStateName(process.pid, msg.room);
+          void writeFile(`/dev/shm/${name}`, f.payload).then(() =>
+            conn.sendControl({ type: 'kv_file', room: msg.room, file: name, payloadBytes: f.payload.length, crc: crc32(f.crcOf ?? f.payload), head: f.head.toString('base64') }),
+          );
+          return;
+        }
         conn.sendControl({ type: 'kv_begin', room: msg.room, totalBytes: how.announce ?? blob.length });
         void conn.sendChunks(msg.room, blob, { chunkBytes: 4096 }).then(() => how.noEnd || conn.sendControl({ type: 'kv_end', room: msg.room }), () => {});
       } else if (msg.type === 'fail') {
@@ -155,6 +178,43 @@ describe('corrupt KV state reaching a real decode worker', () => {
     assert.match((JSON.parse(r.body) as { error: { message: string } }).error.message, /truncated/);
     nextSend = {};
   });
+
+  const handed = (payload: Buffer, crcOf?: Buffer) => ({
+    payload,
+    crcOf,
+    head: encodeEnvelopeHead({ fingerprint: good.fingerprint, contextSize: CTX, batchSize: BATCH, nTokens: good.nTokens, firstToken: good.firstToken, firstIsEog: good.firstIsEog, payloadBytes: payload.length }),
+  });
+  const gone = (room: string) => !existsSync(`/dev/shm/${prefillStateName(process.pid, room as never)}`) && !existsSync(`/dev/shm/${decodeStateName(c.byRole('decode')[0]!.child!.pid!, room as never)}`);
+
+  test('same host: the untouched handed file is taken over and served; no file stays behind', async () => {
+    nextSend = { file: handed(good.payload) };
+    const r = await generate();
+    assert.equal(r.status, 200, r.body);
+    assert.match(r.body, /\[DONE\]/);
+    assert.ok(await waitFor(async () => gone(r.room), 2000), 'the handed file was deleted once loaded');
+  });
+
+  const badFiles: [string, () => ReturnType<typeof handed>, RegExp][] = [
+    ['one flipped byte in the handed file (after prefill computed its CRC)', () => {
+      const p = Buffer.from(good.payload);
+      p[p.length - 500] ^= 0x40;
+      return handed(p, good.payload);
+    }, /checksum/],
+    ['a handed file cut short (named at its cut size, so only the ggsq walk can catch it)', () => handed(good.payload.subarray(0, good.payload.length - 100)), /truncated|past the limit/],
+  ];
+  for (const [name, make, re] of badFiles) {
+    test(`same host: ${name}: that request fails with bad_state, decode lives, the file is deleted`, async () => {
+      nextSend = { file: make() };
+      const r = await generate();
+      assert.ok(r.status >= 400, `status ${r.status}`);
+      const e = (JSON.parse(r.body) as { error: { message: string; code: string } }).error;
+      assert.equal(e.code, 'bad_state');
+      assert.match(e.message, re);
+      assert.ok(await waitFor(async () => fails.has(r.room), 1000), 'prefill side told at once');
+      assert.ok(await waitFor(async () => gone(r.room), 2000), 'the taken file was deleted by decode');
+      nextSend = {};
+    });
+  }
 
   test('a state from another model (same shapes, other weights) is refused by fingerprint', async () => {
     const other = await ensureModel('tiny', 2);

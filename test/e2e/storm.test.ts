@@ -2,7 +2,8 @@
  * `pdserve storm` end to end, through the real CLI (bin/pdserve.js → dist/):
  *  1. the CI storm: 60 s, self-hosted, tiny model, 30 agents, ≥ 30 % aborts, bursts, and at
  *     least one decode SIGKILL, one prefill SIGKILL and one prefill SIGSTOP/SIGCONT — it must
- *     pass every check (wedge, leak, hang, crash, wrong answer);
+ *     pass every check (wedge, leak, hang, crash, wrong answer) with both KV handoff paths
+ *     carrying rooms (decode-0 same host, decode-1 TCP);
  *  2. the storm can fail: a prefill started with the test-only fault switch
  *     PDSERVE_FAULT_LEAK_ROOM=1 leaks one room; the storm must exit 1 and name that room.
  */
@@ -187,6 +188,11 @@ describe('pdserve storm', () => {
     const localRounds = Number(/(\d+) on the decode-local path/.exec(wa.summary)?.[1] ?? 0);
     assert.ok(localRounds >= 1, `the wrong-answer check compared rounds served on the decode-local path: ${wa.summary}`);
     assert.equal(rep.requests.hung, 0);
+    // --kv-same-host mixed (the default): decode-0 takes state files over on this host, decode-1
+    // runs --no-kv-same-host; both paths carried rooms through the faults.
+    const hand = rep.kv_handoffs;
+    assert.ok((hand['decode-0']?.same_host ?? 0) >= 1 && (hand['decode-0']?.tcp ?? 0) === 0, `decode-0 used the same-host path: ${JSON.stringify(hand)}`);
+    assert.ok((hand['decode-1']?.tcp ?? 0) >= 1 && (hand['decode-1']?.same_host ?? 0) === 0, `decode-1 used TCP: ${JSON.stringify(hand)}`);
     console.log(`storm test wall time ${(r.ms / 1000).toFixed(1)} s`);
   });
 

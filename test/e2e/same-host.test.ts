@@ -1,0 +1,118 @@
+/**
+ * The same-host KV handoff (kv_file) with real processes, the real engine (tiny model) and the
+ * real openai client: one router, one prefill and two decode workers sharing a private state
+ * directory; decode-0 takes state files over (same host), decode-1 runs --no-kv-same-host (TCP).
+ *  - greedy PD output equals the colocated reference on both paths, and each path carried rooms
+ *    (pdserve_kv_handoffs_total by path; the path of a live room in /debug/rooms);
+ *  - prefill SIGKILLed right after handing a file over, before decode took it: the request fails,
+ *    decode lives, the file is removed (swept: its owner is dead) and nothing stays behind;
+ *  - prefill SIGKILLed after decode took the file over (ownership moved, the load held): decode
+ *    fails the room cleanly and deletes its file; nothing stays behind; the next request works.
+ * Damaged or cut handed files: test/e2e/corrupt-state.test.ts; the probe's fallbacks (another
+ * boot id, pid namespace or directory, the flag on either side): test/unit/same-host.test.ts.
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { after, describe, test } from 'node:test';
+import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
+
+const dir = mkdtempSync('/dev/shm/pdserve-samehost-e2e-');
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+const h = useStack({
+  decode: 2,
+  env: { PDSERVE_TEST_HOLDS: 'on' },
+  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir], router: ['--decode-policy', 'round_robin'] },
+  extraArgsOf: { 'decode-1': ['--no-kv-same-host'] },
+});
+
+const proc = (name: string) => h.c.procs.find((p) => p.name === name)!;
+const setHolds = (name: string, spec: string) => fetch(`${proc(name).url}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
+const stateFiles = () => readdirSync(dir).filter((n) => n.endsWith('.ggsq') || n.endsWith('.nonce'));
+
+/** pdserve_kv_handoffs_total by path of one worker. */
+async function handoffs(name: string): Promise<Record<string, number>> {
+  const text = await (await fetch(`${proc(name).url}/metrics`)).text();
+  const out: Record<string, number> = {};
+  for (const m of text.matchAll(/^pdserve_kv_handoffs_total\{path="([a-z_]+)"\} (\d+)/gm)) out[m[1]!] = Number(m[2]);
+  return out;
+}
+
+/**
+ * Send a greedy streamed request through the router until one lands on decode-0 and is seen there
+ * as a live same-host room in `step` (decode-0 holds it there); returns the room and the request.
+ */
+async function heldOnDecode0(step: string): Promise<{ room: string; done: Promise<unknown> }> {
+  for (let attempt = 0; attempt < 4; attempt++) {
+    const done = h.pd.completions.create({ model: 'x', prompt: promptOf(120, 50 + attempt), max_tokens: 6, temperature: 0 }).then(
+      (r) => ({ ok: true, r }),
+      (err: unknown) => ({ ok: false, err }),
+    );
+    let room: string | undefined;
+    await waitFor(async () => {
+      const rooms = await getJson<{ live: { room: string; kv_path: string | null; step: string | null }[] }>(`${proc('decode-0').url}/debug/rooms`);
+      room = rooms.live.find((r) => r.kv_path === 'same_host' && r.step === step)?.room;
+      return room !== undefined;
+    }, 6000);
+    if (room) return { room, done };
+    await done; // it went to decode-1 (TCP): try again
+  }
+  throw new Error(`no request was held on decode-0 in step ${step}`);
+}
+
+describe('same-host KV handoff (kv_file)', () => {
+  test('PD == colocated on both paths (same host on decode-0, TCP on decode-1), and each path carried rooms', async () => {
+    for (let i = 0; i < 6; i++) {
+      const prompt = promptOf(60 + i * 40, i);
+      const req = { model: 'x', prompt, max_tokens: 9, temperature: 0 } as const;
+      const [pd, ref] = await Promise.all([h.pd.completions.create(req), h.ref.completions.create(req)]);
+      assert.equal(pd.choices[0]!.text, ref.choices[0]!.text, `request ${i}: PD text equals colocated`);
+      const chat = { model: 'x', messages: [{ role: 'user' as const, content: prompt }], max_tokens: 7, temperature: 0 };
+      const [a, b] = await Promise.all([h.pd.chat.completions.create(chat), h.ref.chat.completions.create(chat)]);
+      assert.equal(a.choices[0]!.message.content, b.choices[0]!.message.content, `chat ${i}: PD equals colocated`);
+    }
+    const d0 = await handoffs('decode-0');
+    const d1 = await handoffs('decode-1');
+    const p0 = await handoffs('prefill-0');
+    assert.ok((d0.same_host ?? 0) >= 3 && (d0.tcp ?? 0) === 0, `decode-0 took every state over on the same host: ${JSON.stringify(d0)}`);
+    assert.ok((d1.tcp ?? 0) >= 3 && (d1.same_host ?? 0) === 0, `decode-1 (--no-kv-same-host) received every state over TCP: ${JSON.stringify(d1)}`);
+    assert.equal((p0.same_host ?? 0) + (p0.tcp ?? 0), 12, `prefill counted each handoff once by path: ${JSON.stringify(p0)}`);
+    assert.ok(await waitFor(async () => stateFiles().length === 0, 3000), `no state file left behind: ${stateFiles().join(', ')}`);
+  });
+
+  test('prefill killed right after handing a file over, before decode took it: the request fails, decode lives, the file is swept', async () => {
+    await setHolds('decode-0', 'decode.take=4000');
+    try {
+      const { room, done } = await heldOnDecode0('waiting_kv');
+      const handed = stateFiles().filter((n) => n.startsWith('pdserve-prefill-') && n.endsWith(`-${room}.ggsq`));
+      assert.equal(handed.length, 1, `the handed file is still prefill's: ${stateFiles().join(', ')}`);
+      await h.c.kill(proc('prefill-0'));
+      const r = (await done) as { ok: boolean };
+      assert.equal(r.ok, false, 'the request fails: its prefill died');
+      assert.ok(await waitFor(async () => stateFiles().length === 0, 6000, 100), `the dead prefill's file was removed: ${stateFiles().join(', ')}`);
+      assert.equal((await getJson(`${proc('decode-0').url}/health`)).role, 'decode', 'decode lives');
+    } finally {
+      await setHolds('decode-0', '');
+      if (!proc('prefill-0').child || proc('prefill-0').child!.exitCode !== null) await h.c.spawn(proc('prefill-0'));
+    }
+  });
+
+  test('prefill killed after decode took the file over: decode fails the room cleanly, deletes its file; the next request works', async () => {
+    await setHolds('decode-0', 'decode.load=3000');
+    try {
+      // the restarted prefill must be back in the router's pool
+      assert.ok(await waitFor(async () => (await h.pd.completions.create({ model: 'x', prompt: 'warm', max_tokens: 1, temperature: 0 }).then(() => true, () => false)), 15_000, 300), 'service back after the restart');
+      const { room, done } = await heldOnDecode0('loading');
+      const files = stateFiles();
+      assert.deepEqual(files.filter((n) => n.endsWith(`-${room}.ggsq`)).map((n) => n.split('-')[1]), ['decode'], `ownership moved to decode (renamed): ${files.join(', ')}`);
+      await h.c.kill(proc('prefill-0'));
+      await done;
+      assert.ok(await waitFor(async () => stateFiles().length === 0, 6000, 100), `decode deleted the file it owned: ${stateFiles().join(', ')}`);
+    } finally {
+      await setHolds('decode-0', '');
+      if (!proc('prefill-0').child || proc('prefill-0').child!.exitCode !== null) await h.c.spawn(proc('prefill-0'));
+    }
+    const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'x', prompt: promptOf(80, 9), max_tokens: 4, temperature: 0 }).then(() => true, () => false)), 15_000, 300);
+    assert.ok(ok, 'a request succeeds after the prefill restart');
+  });
+});
