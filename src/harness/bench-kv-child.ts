@@ -7,8 +7,13 @@
  *            sendStateFile (the file read in pooled pieces, CRC-32 as they pass, into the
  *            socket), kv_end — until the receiver's kv_ack. `raw` trial: write an 8-byte length
  *            and the same number of bytes on a bare socket until a 1-byte ack.
+ *            `kvfile` trial (same host, transfer/same-host.ts): hard-link the state file under
+ *            prefill's name for the room (one link per room, as n > 1 would), CRC-32 it, send
+ *            kv_file — until the receiver's kv_ack.
  *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
- *            sender. Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, file write
+ *            sender (running the same-host probe on the KV connection). kv_file: take the file
+ *            over (rename), validate it (envelope head, ggsq walk, CRC-32), Slot.loadState,
+ *            delete it, kv_ack. Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, file write
  *            while streaming); on kv_end: finish (tail of the writes, checks), Slot.loadState,
  *            then kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
  *
@@ -26,11 +31,14 @@ import { performance } from 'node:perf_hooks';
 import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
+import type { ControlMsg } from '../kv/messages.js';
 import { encodeEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
+import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
+import { linkSync } from 'node:fs';
 import { loadCorpus } from './bench.js';
 
 interface Init {
@@ -72,6 +80,7 @@ async function sender(engine: Engine): Promise<void> {
   const states: State[] = [];
   const acks = new Map<string, () => void>();
   let conn: PeerConn | undefined;
+  const sameHost = new SameHostPrefill({ enabled: true, stateDir: init.stateDir });
   const kv = new KvServer({
     host: '127.0.0.1',
     port: 0,
@@ -79,8 +88,13 @@ async function sender(engine: Engine): Promise<void> {
     epoch: init.epoch,
     settings: pairSettingsOf(engine.info),
     onConnect: (c) => void (conn = c),
-    onMessage: (_c, msg) => {
+    onMessage: (c, msg) => {
       if (msg.type === 'kv_ack') acks.get(msg.room)?.();
+      else if (msg.type === 'kv_file_refused') send({ type: 'progress', msg: `kv_file refused: ${msg.reason}` });
+      else if (msg.type === 'same_host_probe' || msg.type === 'same_host_ok') {
+        const r = sameHost.onMessage(c.id, msg);
+        if (r) c.sendControl(r);
+      }
     },
   });
   const kvPort = await kv.listen();
@@ -148,6 +162,27 @@ async function sender(engine: Engine): Promise<void> {
         const t4Abs = abs();
         acks.delete(room);
         send({ type: 'kvDone', room, blobBytes: blob.length, totalMs: t4 - t0, readMs: t1 - t0, encodeMs: t2 - t1, sendMs: t3 - t2, t2Abs, t4Abs });
+      } else if (m.cmd === 'kvfile') {
+        const st = states[m.idx!]!;
+        const room = normalizeRoomId(m.room!);
+        if (!conn?.alive || !sameHost.usable(conn.id)) throw new Error('no same-host kv connection');
+        const acked = new Promise<void>((r) => acks.set(room, r));
+        const t0 = now();
+        const info = engine.info;
+        const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes: st.bytes });
+        const name = join(init.stateDir, prefillStateName(process.pid, room));
+        linkSync(st.path, name);
+        const t1 = now();
+        const msg = sameHost.offer(room, name, head, st.bytes, sendPool);
+        const t2 = now();
+        const t2Abs = abs();
+        conn.sendControl(msg);
+        await acked;
+        const t4 = now();
+        const t4Abs = abs();
+        acks.delete(room);
+        await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left
+        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, crcMs: t2 - t1, t2Abs, t4Abs });
       } else if (m.cmd === 'raw') {
         const n = m.bytes!;
         if (!rawSock) throw new Error('no raw connection');
@@ -193,7 +228,7 @@ async function sender(engine: Engine): Promise<void> {
         send({ type: 'cleaned' });
       }
     } catch (err) {
-      send({ type: ({ make: 'made', kv: 'kvDone', raw: 'rawDone', probe: 'probed' } as Record<string, string>)[m.cmd] ?? 'cleaned', error: (err as Error).message });
+      send({ type: ({ make: 'made', kv: 'kvDone', kvfile: 'kvFileDone', raw: 'rawDone', probe: 'probed' } as Record<string, string>)[m.cmd] ?? 'cleaned', error: (err as Error).message });
     }
   });
 }
@@ -204,12 +239,18 @@ async function receiver(engine: Engine): Promise<void> {
   const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
   let recv: Recv | undefined;
+  const sameHost = new SameHostDecode({ enabled: true, stateDir: init.stateDir });
+  const expect = { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes };
+  const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n });
   const pool = new KvPeerPool({
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
     epoch: init.epoch,
+    onConnect: (c) => sameHost.probe(c),
     onMessage: (conn, msg) => {
-      if (msg.type === 'kv_begin') {
+      if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
+      else if (msg.type === 'kv_file') void loadFile(conn, msg);
+      else if (msg.type === 'kv_begin') {
         const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${msg.room}.ggsq`);
         const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }), path, pool: kvPool });
         recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
@@ -259,11 +300,38 @@ async function receiver(engine: Engine): Promise<void> {
       await r.rx.discard();
     }
   };
+  /** Same host: the kv_file path of the decode worker (take over + validate, load, delete, ack). */
+  const loadFile = async (conn: PeerConn, msg: Extract<ControlMsg, { type: 'kv_file' }>) => {
+    const slot = engine.tryAcquireSlot();
+    let path: string | undefined;
+    try {
+      if (!slot) throw new Error('no free slot');
+      const beginAbs = abs();
+      const t0 = now();
+      const out = sameHost.take(msg, { expect, walker, pool: kvPool });
+      if ('refused' in out) throw new Error(`refused: ${out.refused}`);
+      path = out.taken.path;
+      const t1 = now();
+      await slot.loadState(path, out.taken.state.tokens);
+      const t2 = now();
+      await rm(path, { force: true });
+      const t3 = now();
+      const ackAbs = abs();
+      conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
+      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, loadMs: t2 - t1, rmMs: t3 - t2, beginAbs, ackAbs });
+    } catch (err) {
+      if (path) await rm(path, { force: true });
+      send({ type: 'kvFileRecv', room: msg.room, error: (err as Error).message });
+    } finally {
+      slot?.release();
+    }
+  };
   send({ type: 'ready', fingerprint: info.fingerprint });
   process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number }) => {
     if (m.cmd !== 'connect') return;
     try {
-      await pool.get('127.0.0.1', m.kvPort!);
+      const kvConn = await pool.get('127.0.0.1', m.kvPort!);
+      const sameHostOk = await sameHost.ready(kvConn);
       const s = net.connect({ host: '127.0.0.1', port: m.rawPort!, noDelay: true });
       await new Promise<void>((res, rej) => {
         s.once('connect', () => res());
@@ -295,7 +363,7 @@ async function receiver(engine: Engine): Promise<void> {
           }
         }
       });
-      send({ type: 'connected' });
+      send({ type: 'connected', sameHost: sameHostOk });
     } catch (err) {
       send({ type: 'connected', error: (err as Error).message });
     }

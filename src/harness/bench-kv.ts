@@ -7,8 +7,13 @@
  * sides and envelope + ggsq validation and the file write on decode all while the bytes stream,
  * then llama.cpp's state load. Raw: the same number of bytes written on a bare net.Socket and
  * counted (not stored) by the other process, until its 1-byte ack. Both round trips include one
- * small ack message. Trials alternate KV/raw, sizes interleaved. The issue #9 goal compares
- * save + KV with save + raw + load (`goalRatio`, ≤ 1.3).
+ * small ack message. Same host (when the two processes pass the same-host probe over their KV
+ * connection, kv/transfer/same-host.ts): the state file hard-linked under prefill's name for the
+ * room, CRC-32'd and named in a kv_file message; decode takes it over (rename), validates it
+ * (envelope head, ggsq walk, CRC-32), loads it, deletes it and acks. Trials rotate KV/raw/same-host,
+ * sizes interleaved. The issue #9 goals compare save + KV with save + raw + load (`goalRatio`,
+ * ≤ 1.3) and save + same-host with save + load (`sameHostGoalRatio`, ≤ 1.1; the load of the
+ * same-host trials).
  */
 import { randomBytes } from 'node:crypto';
 import { newEpoch } from '../kv/auth.js';
@@ -68,6 +73,12 @@ export interface KvSizeResult {
   };
   /** Raw-socket GB/s vs the KV channel's wire phase alone. */
   wireGBps: number;
+  /** Same-host handoff (kv_file), state saved → kv_ack received (absent when the probe failed). */
+  sameHostMs?: Summary;
+  /** (save + same-host) / (save + loadState): issue #9 goal ≤ 1.1. */
+  sameHostGoalRatio?: number;
+  /** Medians of the same-host phases: link (hard link under prefill's name), crc (prefill reads the file once), take (decode: rename + read once for ggsq walk and CRC), load (llama.cpp), rm, beginLag (kv_file sent → received), ackLag. */
+  sameHostPhasesMs?: { link: number; crc: number; take: number; load: number; rm: number; beginLag: number; ackLag: number };
 }
 
 /** The machine's speed at the handoff's building blocks (one process, 16 MiB, GB/s). */
@@ -110,7 +121,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   try {
     const [sr, rr] = await Promise.all([sender.wait('ready', 120_000), receiver.wait('ready', 120_000)]);
     if (sr.error || rr.error) throw new Error(`kv child failed to start: ${sr.error ?? rr.error}`);
-    await receiver.call({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort }, 'connected', 30_000);
+    const conn = await receiver.call<Msg>({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort }, 'connected', 30_000);
+    const sameHost = conn.sameHost === true;
+    if (!sameHost) say('  NOTE: the same-host probe failed between the two processes: no same-host trials');
     const bpt = o.bytesPerToken ?? 16_401;
     const maxTok = o.contextSize - 2;
     const tokens = o.sizesMiB.map((mib) => Math.min(maxTok, Math.max(1, Math.round((mib * 1024 * 1024) / bpt))));
@@ -119,6 +132,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     const states = made.states;
     const kv: { total: number[]; blob: number; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], blob: 0, ph: {} }));
     const raw: number[][] = states.map(() => []);
+    const sh: { total: number[]; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], ph: {} }));
     const push = (ph: Record<string, number[]>, k: string, v: unknown) => {
       if (typeof v === 'number') (ph[k] ??= []).push(v);
     };
@@ -148,6 +162,25 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       push(k.ph, 'loadLag', n(rv.loadAbs) - n(rv.endAbs));
       push(k.ph, 'ackLag', n(d.t4Abs) - n(rv.ackAbs));
     };
+    const shTrial = async (i: number, record: boolean) => {
+      if (!sameHost) return;
+      const r = String(room++);
+      const recvP = receiver.wait('kvFileRecv', 120_000, (m) => m.room === r);
+      const d = await sender.call<Msg>({ cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 120_000);
+      const rv = await recvP;
+      if (d.error || rv.error) throw new Error(`same-host handoff failed: ${d.error ?? rv.error}`);
+      if (!record) return;
+      const k = sh[i]!;
+      k.total.push(d.totalMs as number);
+      const n = (x: unknown) => (typeof x === 'number' ? x : NaN);
+      push(k.ph, 'link', d.linkMs);
+      push(k.ph, 'crc', d.crcMs);
+      push(k.ph, 'take', rv.takeMs);
+      push(k.ph, 'load', rv.loadMs);
+      push(k.ph, 'rm', rv.rmMs);
+      push(k.ph, 'beginLag', n(rv.beginAbs) - n(d.t2Abs));
+      push(k.ph, 'ackLag', n(d.t4Abs) - n(rv.ackAbs));
+    };
     const rawTrial = async (i: number, record: boolean) => {
       const bytes = kv[i]!.blob || states[i]!.bytes;
       const d = await sender.call<Msg>({ cmd: 'raw', bytes }, 'rawDone', 120_000);
@@ -157,18 +190,15 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     for (let i = 0; i < states.length; i++) {
       await kvTrial(i, false);
       await rawTrial(i, false);
+      await shTrial(i, false);
     }
     const rounds = Math.max(...o.reps);
     for (let round = 0; round < rounds; round++) {
       for (let i = 0; i < states.length; i++) {
         if (round >= (o.reps[i] ?? 0)) continue;
-        if ((round + i) % 2 === 0) {
-          await kvTrial(i, true);
-          await rawTrial(i, true);
-        } else {
-          await rawTrial(i, true);
-          await kvTrial(i, true);
-        }
+        // rotate the order of the three kinds, so none always runs first or after the same one
+        const order = [kvTrial, rawTrial, shTrial];
+        for (let k = 0; k < 3; k++) await order[(round + i + k) % 3]!(i, true);
       }
       say(`  round ${round + 1}/${rounds} done`);
     }
@@ -209,6 +239,18 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
           ackLag: ph('ackLag'),
         },
         wireGBps: gbps(k.blob, ph('wire')),
+        ...(sameHost && sh[i]!.total.length
+          ? (() => {
+              const q = sh[i]!;
+              const sp = (name: string) => median(q.ph[name] ?? []);
+              const shMs = summarize(q.total);
+              return {
+                sameHostMs: shMs,
+                sameHostGoalRatio: (s.saveMs + shMs.median) / (s.saveMs + sp('load')),
+                sameHostPhasesMs: { link: sp('link'), crc: sp('crc'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag') },
+              };
+            })()
+          : {}),
       };
     });
     return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })), machine, receiverSequences: o.receiverSequences ?? 1 };
