@@ -21,7 +21,7 @@ export type HoldPoint =
   | 'prefill.compute'
   /** prefill: prompt evaluated, before the state is saved. */
   | 'prefill.save'
-  /** prefill: chunks sent, before KV_END. */
+  /** prefill: chunks sent, before KV_END (same host: before KV_FILE is sent). */
   | 'prefill.send';
 
 function parseHolds(spec: string | undefined): Map<string, number> {
