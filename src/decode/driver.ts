@@ -33,6 +33,10 @@
  * cannot be cancelled either: a failed room keeps its slot until it returns) — and `kv_done`
  * makes the room Success and starts generation. Steps: prealloc → local_prefill → decoding →
  * gone. Nothing is ever sent to a prefill for it (refusals included: prefill never saw it).
+ *
+ * Same host (src/kv/transfer/same-host.ts): waiting_kv → loading on KV_FILE (`take_file`: the
+ * shell takes the file over; `fileTaken` is the room's kv_begin) — or, when the shell refuses the
+ * file (`fileRefused`), back to waiting_kv with KV_FILE_REFUSED sent, and prefill sends over TCP.
  */
 import { ApiError, failure, type RoomFailure } from '../common/errors.js';
 import type { RoomId } from '../common/room-id.js';
@@ -86,6 +90,12 @@ export type DecodeAction =
   | { a: 'load'; room: RoomId }
   /** Decode-local room holding its slot: evaluate the prompt's uncached suffix on it; answer `loadDone` / `loadFailed`. */
   | { a: 'local_prefill'; room: RoomId }
+  /**
+   * Same host: KV_FILE accepted (the slot is kept as for a load): take the named file over and
+   * validate it; answer `fileRefused` (not taken: TCP instead), or `fileTaken` then load it and
+   * answer `loadDone` / `loadFailed` (a bad file, or the room over meanwhile, is `loadFailed`).
+   */
+  | { a: 'take_file'; room: RoomId; msg: Extract<ControlMsg, { type: 'kv_file' }> }
   /** The state is loaded (room Success): generate tokens on the slot; answer `generationDone`. */
   | { a: 'generate'; room: RoomId }
   /**
@@ -268,6 +278,16 @@ export class DecodeDriver {
         }
         return out;
       }
+      case 'kv_file': {
+        if (!this.rooms.has(msg.room)) return [];
+        if (job.loading || job.rx || job.step !== 'waiting_kv') return this.apply(msg.room, { t: 'fail', failure: failure('kv_transfer_failed', `kv_file in step ${job.step}`) }, now);
+        const bad = checkAnnounced(msg.payloadBytes, this.config.maxStateBytes);
+        if (bad) return this.apply(msg.room, { t: 'fail', failure: bad }, now);
+        if (!job.slot) return this.apply(msg.room, { t: 'fail', failure: failure('internal_error', 'kv_file for a room without a slot') }, now);
+        job.step = 'loading';
+        job.loading = true;
+        return [{ a: 'take_file', room: msg.room, msg }];
+      }
       case 'kv_end': {
         if (!this.rooms.has(msg.room)) return [];
         if (job.loading || job.step === 'loading') return []; // a repeated KV_END: the load already runs
@@ -298,6 +318,33 @@ export class DecodeDriver {
     const out = job.rx.accept(offset, len);
     if (out) return { store: false, actions: this.apply(room, { t: 'fail', failure: out }, now) };
     return { store: true, actions: this.apply(room, { t: 'progress', bytes: len }, now) };
+  }
+
+  /**
+   * Same host: the shell took the KV_FILE's file over (renamed, validated): the room's kv_begin.
+   * The shell then loads it (`loadDone` / `loadFailed`).
+   */
+  fileTaken(room: RoomId, payloadBytes: number, now: number): DecodeAction[] {
+    const job = this.jobs.get(room);
+    if (!job || !job.loading || !this.rooms.has(room)) return [];
+    return this.apply(room, { t: 'kv_begin', totalBytes: payloadBytes }, now);
+  }
+
+  /**
+   * Same host: the shell could not take the KV_FILE's file over (missing, another size, …): the
+   * file is still prefill's; KV_FILE_REFUSED asks prefill to send the room over TCP.
+   */
+  fileRefused(room: RoomId, reason: string, now: number): DecodeAction[] {
+    const job = this.jobs.get(room);
+    if (!job || !job.loading) return [];
+    job.loading = false;
+    const out: DecodeAction[] = [];
+    if (this.rooms.has(room)) {
+      job.step = 'waiting_kv';
+      out.push({ a: 'send', room, conn: job.conn, msg: { type: 'kv_file_refused', room, reason, epoch: this.epoch } });
+    }
+    out.push(...this.settle(room, now));
+    return out;
   }
 
   /** A local failure of the room (the caller's validation of stored bytes, a slot the engine refused). */

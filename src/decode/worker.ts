@@ -22,7 +22,7 @@ import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
-import { sweepStaleStateFiles } from '../common/statefiles.js';
+import { startStateSweeper, sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
@@ -34,7 +34,9 @@ import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
-import { StateReceiver } from '../kv/transfer/receiver.js';
+import { StateReceiver, type ReceivedState } from '../kv/transfer/receiver.js';
+import { SameHostDecode, type KvPath } from '../kv/transfer/same-host.js';
+import { rm } from 'node:fs/promises';
 import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
 import { DecodeDriver, type ConnId, type DecodeAction, type PrefillAddr } from './driver.js';
@@ -63,6 +65,8 @@ interface Job {
   start?: DecodeStart;
   /** When KV_BEGIN arrived (ms), for pdserve_kv_transfer_seconds. */
   tKvBegin?: number;
+  /** How the state came: 'tcp' (recv_begin) or 'same_host' (take_file); shown in /debug/rooms, counted at Success. */
+  kvPath?: KvPath;
   t0: number;
 }
 
@@ -82,6 +86,9 @@ export class DecodeWorker {
   /** Write buffers of the streaming receivers, reused across transfers. */
   private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   private watchdog?: NodeJS.Timeout;
+  private stopSweep?: () => void;
+  /** The same-host handoff (kv_file): per-connection probe, taking handed files over. */
+  readonly sameHost: SameHostDecode;
   app!: FastifyInstance;
   pool!: KvPeerPool;
   url = '';
@@ -94,6 +101,7 @@ export class DecodeWorker {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.sameHost = new SameHostDecode({ enabled: config.kvSameHost, stateDir: config.stateDir, log: this.log.child({ part: 'kv' }) });
   }
 
   /** The driver's room table (the lifecycle core). */
@@ -109,6 +117,7 @@ export class DecodeWorker {
   async start(): Promise<void> {
     const c = this.config;
     await sweepStaleStateFiles(c.stateDir, this.log);
+    this.stopSweep = startStateSweeper(c.stateDir, this.log);
     this.pool = new KvPeerPool({
       secret: c.secret,
       epoch: this.epoch,
@@ -123,7 +132,12 @@ export class DecodeWorker {
         if (id === undefined) return;
         this.conns.delete(id);
         this.perform(this.driver.peerLost(id, reason, Date.now()));
+        // A prefill killed after handing a file over leaves it under its dead pid: sweep now and
+        // once more shortly (its exit may not be complete yet).
+        void sweepStaleStateFiles(c.stateDir, this.log);
+        setTimeout(() => void sweepStaleStateFiles(c.stateDir, this.log), 1000).unref();
       },
+      onConnect: (conn) => this.sameHost.probe(conn),
     });
     this.app = createWorkerApp({
       log: this.log,
@@ -144,8 +158,8 @@ export class DecodeWorker {
         const snap = this.rooms.snapshot(Date.now());
         const pathOf = (j: Job | undefined) => (j?.local ? 'decode_local' : 'pd');
         const cachedOf = (j: Job | undefined) => j?.start?.cachedTokens ?? j?.local?.reusable ?? 0;
-        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: pathOf(j), cached_tokens: cachedOf(j) }));
-        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.jobs.get(r.room)), cached_tokens: cachedOf(this.jobs.get(r.room)) })), decoding });
+        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: pathOf(j), kv_path: j.kvPath ?? null, cached_tokens: cachedOf(j) }));
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.jobs.get(r.room)), kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: cachedOf(this.jobs.get(r.room)) })), decoding });
       },
     });
     this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
@@ -164,6 +178,7 @@ export class DecodeWorker {
   async close(): Promise<void> {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
+    this.stopSweep?.();
     this.perform(this.driver.shutdown(Date.now()));
     for (const j of this.jobs.values()) j.ac.abort();
     await this.app?.close().catch(() => {});
@@ -220,6 +235,9 @@ export class DecodeWorker {
         case 'local_prefill':
           void this.runLocal(a.room);
           break;
+        case 'take_file':
+          void this.takeFile(a.room, a.msg);
+          break;
         case 'generate': {
           const job = this.jobs.get(a.room);
           if (job?.start) job.ready.resolve(job.start);
@@ -247,6 +265,7 @@ export class DecodeWorker {
     if (job.recv && a.state !== KVPoll.Success) void job.recv.discard();
     if (a.state === KVPoll.Success) {
       if (job.tKvBegin) this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
+      this.metrics.kvHandoffs.inc({ path: job.kvPath ?? 'tcp' });
       return; // the stream starts on `generate`
     }
     job.ac.abort();
@@ -294,6 +313,8 @@ export class DecodeWorker {
       this.perform(this.driver.registerFailed(room, failure(code, `cannot pair with prefill ${addr}: ${(err as Error).message}`), Date.now()));
       return;
     }
+    // A new connection's same-host probe settles first (bounded), so its first room can use it.
+    await this.sameHost.ready(conn);
     this.perform(this.driver.dialed(room, this.idOf(conn), Date.now()));
   }
 
@@ -302,8 +323,12 @@ export class DecodeWorker {
       case 'registered':
       case 'kv_begin':
       case 'kv_end':
+      case 'kv_file':
       case 'fail':
         this.perform(this.driver.message(this.idOf(conn), conn.peerEpoch, msg, Date.now()));
+        return;
+      case 'same_host_reply':
+        this.sameHost.onReply(conn, msg);
         return;
       default:
         this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on decode');
@@ -322,6 +347,7 @@ export class DecodeWorker {
       path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`),
       pool: this.kvPool,
     });
+    job.kvPath = 'tcp';
     job.tKvBegin = Date.now();
   }
 
@@ -344,15 +370,55 @@ export class DecodeWorker {
 
   // ---- the engine port ------------------------------------------------------------------------
 
-  /** The driver's `load`: finish the streamed receive (complete, checksum, structure end, file written), load it into the slot; answer `loadDone` / `loadFailed`. */
+  /** The driver's `load`: finish the streamed receive (complete, checksum, structure end, file written), load it into the slot. */
   private async load(room: RoomId): Promise<void> {
     const job = this.jobs.get(room);
     const recv = job?.recv;
     if (!job || !recv) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'load without a receiver'), Date.now()));
+    await this.loadInto(job, () => recv.finish(), () => recv.discard());
+  }
+
+  /**
+   * The driver's `take_file` (same host): take the handed file over and validate it
+   * (transfer/same-host.ts), then load it as a received one. Refused (still prefill's) →
+   * `fileRefused` (prefill sends over TCP); a bad file → `loadFailed`.
+   */
+  private async takeFile(room: RoomId, msg: Extract<ControlMsg, { type: 'kv_file' }>): Promise<void> {
+    const job = this.jobs.get(room);
+    if (!job) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'kv_file without a request'), Date.now()));
+    job.kvPath = 'same_host';
+    await hold('decode.take', job.ac.signal);
+    // The room over: the file stays prefill's (it deletes it, or the sweep once it is gone).
+    if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the state file was taken'), Date.now()));
+    const info = this.engine.info;
+    let taken: ReceivedState<ParsedState>;
+    try {
+      const out = this.sameHost.take(msg, {
+        expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
+        walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
+        pool: this.kvPool,
+      });
+      if ('refused' in out) {
+        this.metrics.kvFileRefused.inc();
+        this.log.warn({ room, reason: out.refused }, 'state file (kv_file) refused: asking prefill for TCP');
+        return this.perform(this.driver.fileRefused(room, out.refused, Date.now()));
+      }
+      taken = out.taken;
+    } catch (err) {
+      return this.perform(this.driver.loadFailed(room, failure('bad_state', (err as Error).message), Date.now()));
+    }
+    job.tKvBegin = Date.now();
+    this.perform(this.driver.fileTaken(room, msg.payloadBytes, Date.now()));
+    await this.loadInto(job, async () => taken, () => rm(taken.path, { force: true }).catch(() => {}));
+  }
+
+  /** Load the validated state `get` yields into the slot; answer `loadDone` / `loadFailed`; `cleanup` deletes its file, whatever happened. */
+  private async loadInto(job: Job, get: () => Promise<ReceivedState<ParsedState>>, cleanup: () => Promise<void>): Promise<void> {
+    const { room } = job;
     try {
       await hold('decode.load', job.ac.signal);
       if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
-      const { header, state, path } = await recv.finish();
+      const { header, state, path } = await get();
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
       if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
       await job.slot.loadState(path, state.tokens);
@@ -363,7 +429,7 @@ export class DecodeWorker {
       const e = err as { code?: string; message?: string };
       this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)), Date.now()));
     } finally {
-      await recv.discard();
+      await cleanup();
     }
   }
 

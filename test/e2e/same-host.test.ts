@@ -44,7 +44,7 @@ async function handoffs(name: string): Promise<Record<string, number>> {
  */
 async function heldOnDecode0(step: string): Promise<{ room: string; done: Promise<unknown> }> {
   for (let attempt = 0; attempt < 4; attempt++) {
-    const done = h.pd.completions.create({ model: 'x', prompt: promptOf(120, 50 + attempt), max_tokens: 6, temperature: 0 }).then(
+    const done = h.pd.completions.create({ model: 'pdserve', prompt: promptOf(120, 50 + attempt), max_tokens: 6, temperature: 0 }).then(
       (r) => ({ ok: true, r }),
       (err: unknown) => ({ ok: false, err }),
     );
@@ -64,10 +64,10 @@ describe('same-host KV handoff (kv_file)', () => {
   test('PD == colocated on both paths (same host on decode-0, TCP on decode-1), and each path carried rooms', async () => {
     for (let i = 0; i < 6; i++) {
       const prompt = promptOf(60 + i * 40, i);
-      const req = { model: 'x', prompt, max_tokens: 9, temperature: 0 } as const;
+      const req = { model: 'pdserve', prompt, max_tokens: 9, temperature: 0 } as const;
       const [pd, ref] = await Promise.all([h.pd.completions.create(req), h.ref.completions.create(req)]);
       assert.equal(pd.choices[0]!.text, ref.choices[0]!.text, `request ${i}: PD text equals colocated`);
-      const chat = { model: 'x', messages: [{ role: 'user' as const, content: prompt }], max_tokens: 7, temperature: 0 };
+      const chat = { model: 'pdserve', messages: [{ role: 'user' as const, content: prompt }], max_tokens: 7, temperature: 0 };
       const [a, b] = await Promise.all([h.pd.chat.completions.create(chat), h.ref.chat.completions.create(chat)]);
       assert.equal(a.choices[0]!.message.content, b.choices[0]!.message.content, `chat ${i}: PD equals colocated`);
     }
@@ -83,7 +83,7 @@ describe('same-host KV handoff (kv_file)', () => {
   test('prefill killed right after handing a file over, before decode took it: the request fails, decode lives, the file is swept', async () => {
     await setHolds('decode-0', 'decode.take=4000');
     try {
-      const { room, done } = await heldOnDecode0('waiting_kv');
+      const { room, done } = await heldOnDecode0('loading');
       const handed = stateFiles().filter((n) => n.startsWith('pdserve-prefill-') && n.endsWith(`-${room}.ggsq`));
       assert.equal(handed.length, 1, `the handed file is still prefill's: ${stateFiles().join(', ')}`);
       await h.c.kill(proc('prefill-0'));
@@ -101,7 +101,7 @@ describe('same-host KV handoff (kv_file)', () => {
     await setHolds('decode-0', 'decode.load=3000');
     try {
       // the restarted prefill must be back in the router's pool
-      assert.ok(await waitFor(async () => (await h.pd.completions.create({ model: 'x', prompt: 'warm', max_tokens: 1, temperature: 0 }).then(() => true, () => false)), 15_000, 300), 'service back after the restart');
+      assert.ok(await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: 'warm', max_tokens: 1, temperature: 0 }).then(() => true, () => false)), 15_000, 300), 'service back after the restart');
       const { room, done } = await heldOnDecode0('loading');
       const files = stateFiles();
       assert.deepEqual(files.filter((n) => n.endsWith(`-${room}.ggsq`)).map((n) => n.split('-')[1]), ['decode'], `ownership moved to decode (renamed): ${files.join(', ')}`);
@@ -112,7 +112,7 @@ describe('same-host KV handoff (kv_file)', () => {
       await setHolds('decode-0', '');
       if (!proc('prefill-0').child || proc('prefill-0').child!.exitCode !== null) await h.c.spawn(proc('prefill-0'));
     }
-    const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'x', prompt: promptOf(80, 9), max_tokens: 4, temperature: 0 }).then(() => true, () => false)), 15_000, 300);
+    const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: promptOf(80, 9), max_tokens: 4, temperature: 0 }).then(() => true, () => false)), 15_000, 300);
     assert.ok(ok, 'a request succeeds after the prefill restart');
   });
 });

@@ -129,6 +129,45 @@ describe('decode driver: decisions', () => {
     assert.equal(d.step(B), 'registering');
   });
 
+  test('same host: KV_FILE → take_file (slot kept); refused → KV_FILE_REFUSED and TCP still works; taken → kv_begin, load, kv_ack', () => {
+    const kvFile = (r: RoomId) => ({ type: 'kv_file' as const, room: r, file: `pdserve-prefill-1-${r}.ggsq`, payloadBytes: 10, crc: 0, head: 'AA==' });
+    const d = new DecodeDriver(cfg, 'd0d0d0d0');
+    d.request(A, 'ra', P, 0);
+    d.request(B, 'rb', P, 0);
+    d.dialed(A, C, 1);
+    d.message(C, EP, { type: 'registered', room: A }, 1);
+    assert.deepEqual(kinds(d.message(C, EP, kvFile(A), 2)), ['take_file']);
+    assert.equal(d.step(A), 'loading');
+    const refused = d.fileRefused(A, 'file missing', 3);
+    assert.deepEqual(kinds(refused), ['send:kv_file_refused']);
+    assert.ok(refused[0]!.a === 'send' && refused[0]!.conn === C);
+    assert.equal(d.step(A), 'waiting_kv', 'back to waiting: prefill sends the room over TCP');
+    assert.deepEqual(kinds([...d.message(C, EP, { type: 'kv_begin', room: A, totalBytes: 10 }, 4), ...d.chunk(C, A, 0, 10, 4).actions, ...d.message(C, EP, { type: 'kv_end', room: A }, 4)]), ['recv_begin', 'load']);
+    assert.deepEqual(kinds(d.loadDone(A, 5)), ['send:kv_ack', 'finish', 'generate']);
+    d.generationDone(A, 6);
+    // B got the slot: same host, taken this time
+    d.dialed(B, C, 7);
+    d.message(C, EP, { type: 'registered', room: B }, 7);
+    assert.deepEqual(kinds(d.message(C, EP, kvFile(B), 8)), ['take_file']);
+    assert.deepEqual(d.fileTaken(B, 10, 9), [], 'the take is the room\'s kv_begin (no action)');
+    assert.equal(d.rooms.get(B)!.state, KVPoll.Transferring);
+    assert.deepEqual(kinds(d.loadDone(B, 10)), ['send:kv_ack', 'finish', 'generate']);
+    // a KV_FILE after the room is over is ignored
+    assert.deepEqual(d.message(C, EP, kvFile(B), 11), [], 'a terminal room ignores a late KV_FILE');
+  });
+
+  test('same host: a room that fails while its file is being taken keeps its slot until the take answers', () => {
+    const d = new DecodeDriver(cfg, 'd0d0d0d0');
+    d.request(A, 'ra', P, 0);
+    d.dialed(A, C, 1);
+    d.message(C, EP, { type: 'registered', room: A }, 1);
+    d.message(C, EP, { type: 'kv_file', room: A, file: 'x', payloadBytes: 10, crc: 0, head: 'AA==' }, 2);
+    assert.deepEqual(kinds(d.peerLost(C, 'gone', 3)), ['finish']);
+    assert.equal(d.freeSlots, 0, 'slot kept while the shell may be renaming/validating');
+    assert.deepEqual(kinds(d.fileRefused(A, 'room over', 4)), ['release']);
+    assert.equal(d.freeSlots, 1);
+  });
+
   test('deferred slot release: a room that fails while llama.cpp loads keeps its slot until the load returns', () => {
     const d = new DecodeDriver(cfg, 'd0d0d0d0');
     d.request(A, 'ra', P, 0);
