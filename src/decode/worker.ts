@@ -265,7 +265,7 @@ export class DecodeWorker {
     if (job.recv && a.state !== KVPoll.Success) void job.recv.discard();
     if (a.state === KVPoll.Success) {
       if (job.tKvBegin) this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
-      this.metrics.kvHandoffs.inc({ path: job.kvPath ?? 'tcp' });
+      if (job.kvPath) this.metrics.kvHandoffs.inc({ path: job.kvPath }); // decode-local rooms had no handoff
       return; // the stream starts on `generate`
     }
     job.ac.abort();
