@@ -31,6 +31,8 @@ export type ToolChoice = 'none' | 'auto' | 'required' | { name: string };
 export interface ParsedTools {
   functions: ToolFunction[];
   choice: ToolChoice;
+  /** parallel_tool_calls (default true): several calls in one turn when the wrapper has a syntax for it. */
+  parallel: boolean;
 }
 
 const NAME = /^[a-zA-Z0-9_-]{1,64}$/;
@@ -100,10 +102,10 @@ export function parseTools(b: Record<string, unknown>): ParsedTools | undefined 
     throw bad('tool_choice', `${typeof choice === 'string' ? `"${choice}"` : `the function '${choice.name}'`} needs tools (none were given)`);
   }
   if (typeof choice === 'object' && !seen.has(choice.name)) throw bad('tool_choice', `the function '${choice.name}' is not one of the tools (${[...seen].join(', ')})`);
-  return { functions, choice };
+  return { functions, choice, parallel: b.parallel_tool_calls !== false };
 }
 
-const SyntaxSchema = z.object({ prefix: z.string().min(1).max(256), prefixAlternates: z.array(z.string().max(256)).max(8), paramsPrefix: z.string().min(1).max(256), suffix: z.string().max(256), emptyParams: z.string().max(256) });
+const SyntaxSchema = z.object({ prefix: z.string().min(1).max(256), prefixAlternates: z.array(z.string().max(256)).max(8), paramsPrefix: z.string().min(1).max(256), suffix: z.string().max(256), emptyParams: z.string().max(256), betweenCalls: z.string().max(256).nullable().default(null) });
 
 /** A worker's /health `tool_call_syntax`, or null when absent or malformed. */
 export function toolSyntaxFromHealth(v: unknown): ToolCallSyntax | null {
@@ -112,10 +114,13 @@ export function toolSyntaxFromHealth(v: unknown): ToolCallSyntax | null {
 }
 
 /** The worker grammar for `tools` (see the module doc), or undefined for tool_choice "none". */
-export function toolGrammarOf(tools: ParsedTools): { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean } | undefined {
+export function toolGrammarOf(tools: ParsedTools): { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean } | undefined {
   if (tools.choice === 'none') return undefined;
-  const pick = typeof tools.choice === 'object' ? tools.functions.filter((f) => f.name === (tools.choice as { name: string }).name) : tools.functions;
-  return { type: 'tool_call', functions: pick.map((f) => (f.parameters ? { name: f.name, parameters: f.parameters } : { name: f.name })), lazy: tools.choice === 'auto' };
+  const named = typeof tools.choice === 'object';
+  const pick = named ? tools.functions.filter((f) => f.name === (tools.choice as { name: string }).name) : tools.functions;
+  const g = { type: 'tool_call' as const, functions: pick.map((f) => (f.parameters ? { name: f.name, parameters: f.parameters } : { name: f.name })), lazy: tools.choice === 'auto' };
+  // A named tool_choice is one call of that function (OpenAI); otherwise parallel_tool_calls decides.
+  return tools.parallel && !named ? { ...g, parallel: true } : g;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -177,7 +182,7 @@ export class ToolCallParser {
 
   end(): { content: string; deltas: ToolCallDelta[] } {
     const out = { content: '', deltas: [] as ToolCallDelta[] };
-    if (this.state === 'text') out.content = this.buf;
+    if (this.state === 'text') out.content = this.calls.length > 0 && this.buf.trim() === '' ? '' : this.buf;
     else if (this.state === 'name') out.content = this.raw + this.buf;
     this.buf = '';
     return out;
@@ -196,11 +201,14 @@ export class ToolCallParser {
         }
         if (at < 0) {
           const hold = this.heldBack();
+          // Whitespace after a call is held (between-calls text, or trailing): never content on its own.
+          if (this.calls.length > 0 && this.buf.slice(0, this.buf.length - hold).trim() === '') return false;
           out.content += this.buf.slice(0, this.buf.length - hold);
           this.buf = this.buf.slice(this.buf.length - hold);
           return false;
         }
-        out.content += this.buf.slice(0, at);
+        const before = this.buf.slice(0, at);
+        if (!(this.calls.length > 0 && before.trim() === '')) out.content += before;
         this.raw = trig;
         this.buf = this.buf.slice(at + trig.length);
         this.state = 'name';

@@ -57,7 +57,7 @@ export class GrammarCache {
     if (spec.type === 'json') return this.llama.getGrammarFor('json');
     if (spec.type === 'json_schema') return this.llama.createGrammarForJsonSchema(spec.schema as never);
     if (!this.toolSyntax) throw new Error("the model's chat wrapper has no function-call syntax");
-    return this.llama.createGrammar({ grammar: await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, spec.lazy) });
+    return this.llama.createGrammar({ grammar: await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, spec.lazy, spec.parallel === true) });
   }
 }
 

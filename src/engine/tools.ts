@@ -37,7 +37,8 @@ export function toolSyntaxOf(wrapper: ChatWrapper): ToolCallSyntax | null {
   if (prefix === '' || paramsPrefix === '') return null;
   const alternates = Array.isArray(call.prefixAlternateMatches) ? (call.prefixAlternateMatches as unknown[]).map(textOf).filter((s) => s !== '') : [];
   const empty = call.emptyCallParamsPlaceholder;
-  return { prefix, prefixAlternates: alternates, paramsPrefix, suffix, emptyParams: empty === undefined || empty === '' ? '' : JSON.stringify(empty) };
+  const parallel = (wrapper.settings as { functions?: { parallelism?: { call?: { betweenCalls?: unknown } } } }).functions?.parallelism?.call;
+  return { prefix, prefixAlternates: alternates, paramsPrefix, suffix, emptyParams: empty === undefined || empty === '' ? '' : JSON.stringify(empty), betweenCalls: parallel ? textOf(parallel.betweenCalls) : null };
 }
 
 /**
@@ -172,9 +173,9 @@ export function prefixGbnfRules(g: string, prefix: string): string {
  * JSON schema (through node-llama-cpp's JSON-schema grammar, whose trailing newlines are
  * dropped); a function without parameters takes `{}` (or the wrapper's empty placeholder).
  * `lazy`: starts after the call prefix (an optional space first, for prefixes matched without
- * their trailing space). @throws what llama.createGrammarForJsonSchema throws for a bad schema.
+ * their trailing space). `parallel`: further calls may follow (see ToolCallSyntax.betweenCalls). @throws what llama.createGrammarForJsonSchema throws for a bad schema.
  */
-export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, functions: readonly { name: string; parameters?: Record<string, unknown> }[], lazy: boolean): Promise<string> {
+export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, functions: readonly { name: string; parameters?: Record<string, unknown> }[], lazy: boolean, parallel = false): Promise<string> {
   const rules: string[] = [];
   const alts: string[] = [];
   for (let i = 0; i < functions.length; i++) {
@@ -192,7 +193,10 @@ export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, 
     alts.push(`${gbnfLiteral(f.name)} ${gbnfLiteral(syntax.paramsPrefix)} ${params} ${callSuffix(syntax, f.name) === '' ? '' : gbnfLiteral(callSuffix(syntax, f.name))}`.trim());
   }
   const call = `call ::= ${alts.map((a) => `(${a})`).join(' | ')}`;
-  const root = lazy ? 'root ::= " "? call' : `root ::= ${gbnfLiteral(syntax.prefix)} call`;
+  // Several calls in one turn (parallel tool calls, when the wrapper has a between-calls text):
+  // after a call either the end or the between text, optional whitespace, the prefix, a call.
+  const more = parallel && syntax.betweenCalls !== null ? ` (${syntax.betweenCalls === '' ? '' : `${gbnfLiteral(syntax.betweenCalls)} `}[ \\t\\n]* ${gbnfLiteral(syntax.prefix)} call)*` : '';
+  const root = lazy ? `root ::= " "? call${more}` : `root ::= ${gbnfLiteral(syntax.prefix)} call${more}`;
   return [root, call, ...rules].join('\n');
 }
 

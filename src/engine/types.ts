@@ -58,7 +58,7 @@ export interface SamplingParams {
 export type GrammarSpec =
   | { type: 'json' }
   | { type: 'json_schema'; schema: Record<string, unknown> }
-  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean };
+  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean };
 
 /** A function the model may call (OpenAI `tools[].function`; parameters = a JSON schema). */
 export interface ToolFunction {
@@ -85,6 +85,8 @@ export interface ToolCallSyntax {
   paramsPrefix: string;
   suffix: string;
   emptyParams: string;
+  /** Text between two calls of one turn (node-llama-cpp's `parallelism.call.betweenCalls`); null = one call per turn. */
+  betweenCalls: string | null;
 }
 
 /**

@@ -248,6 +248,7 @@ describe('chat schema', () => {
     assert.deepEqual(ok.messages[1], { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'f', arguments: '{}' }] });
     assert.deepEqual(ok.messages[2], { role: 'tool', content: '{"r":1}', toolCallId: 'c1' });
     assert.equal(parseChatRequest({ messages: u, tools, tool_choice: 'none' }).sampling.grammar, undefined);
+    assert.equal((parseChatRequest({ messages: u, tools, tool_choice: 'required' }).sampling.grammar as { parallel?: boolean }).parallel, true, 'parallel_tool_calls defaults to true');
     assert.deepEqual(parseChatRequest({ messages: u, tools, tool_choice: 'required' }).sampling.grammar?.type, 'tool_call');
     assert.deepEqual(parseChatRequest({ messages: u, tools, tool_choice: { type: 'function', function: { name: 'now' } } }).sampling.grammar, { type: 'tool_call', functions: [{ name: 'now' }], lazy: false });
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', name: 'bob' }] }), 'messages[0].name');

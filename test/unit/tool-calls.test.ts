@@ -11,8 +11,8 @@ import { ToolCallParser, toolSyntaxFromHealth, type ToolCallDelta } from '../../
 import type { GenerateEvent } from '../../src/api/worker-protocol.js';
 import type { ToolCallSyntax } from '../../src/engine/types.js';
 
-const GENERIC: ToolCallSyntax = { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '' };
-const QWEN: ToolCallSyntax = { prefix: '<tool_call>\n{"name": "', prefixAlternates: [], paramsPrefix: '", "arguments": ', suffix: '}\n</tool_call>', emptyParams: '{}' };
+const GENERIC: ToolCallSyntax = { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '', betweenCalls: null };
+const QWEN: ToolCallSyntax = { prefix: '<tool_call>\n{"name": "', prefixAlternates: [], paramsPrefix: '", "arguments": ', suffix: '}\n</tool_call>', emptyParams: '{}', betweenCalls: '\n' };
 
 /** Parse `text` fed in pieces of `size` characters: content, and the calls assembled from the deltas. */
 function parse(syntax: ToolCallSyntax, text: string, size: number): { content: string; calls: { id: string; name: string; args: string }[]; deltas: ToolCallDelta[] } {
@@ -54,7 +54,8 @@ describe('ToolCallParser', () => {
     assert.deepEqual(parse(GENERIC, '||call:now({})', 2).calls.map((c) => [c.name, c.args]), [['now', '{}']]);
     const two = parse(GENERIC, '||call: a({"x":1})\n||call: b({"y":[2]})', 3);
     assert.deepEqual(two.calls.map((c) => [c.name, c.args]), [['a', '{"x":1}'], ['b', '{"y":[2]}']]);
-    assert.equal(two.content, '\n');
+    assert.equal(two.content, '', 'whitespace between and after calls is not content');
+    assert.equal(parse(GENERIC, 'x ||call: a({})\n then text', 1).content, 'x \n then text', 'text after a call is content');
   });
 
   it('Qwen syntax (JSON around the call, suffix after the arguments)', () => {
@@ -90,6 +91,8 @@ describe('ToolCallParser', () => {
     assert.deepEqual(toolSyntaxFromHealth(GENERIC), GENERIC);
     assert.equal(toolSyntaxFromHealth(null), null);
     assert.equal(toolSyntaxFromHealth({ prefix: '' }), null);
+    const { betweenCalls: _, ...old } = GENERIC;
+    assert.deepEqual(toolSyntaxFromHealth(old), GENERIC, 'betweenCalls absent = null (one call per turn)');
   });
 });
 

@@ -67,7 +67,7 @@ describe('tool calls on the engine', () => {
   });
 
   it("the generic wrapper's syntax; functions and past calls/results rendered into the prompt", () => {
-    assert.deepEqual(engine.toolSyntax, { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '' });
+    assert.deepEqual(engine.toolSyntax, { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '', betweenCalls: null });
     const msgs: ChatMessage[] = [
       { role: 'user', content: 'Weather in Paris?' },
       { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'get_weather', arguments: '{"city":"Paris","days":1}' }] },
@@ -159,7 +159,7 @@ describe('tool calls with a chat template that defines the call syntax (tiny mod
   });
 
   it("node-llama-cpp reads the syntax from the template; history and the forced call use it; the parser reads the call back; PD equals colocated", async () => {
-    assert.deepEqual(tmpl.toolSyntax, { prefix: '<tool_call>\n{"name": "', prefixAlternates: [], paramsPrefix: '", "arguments": ', suffix: '}\n</tool_call>', emptyParams: '{}' });
+    assert.deepEqual(tmpl.toolSyntax, { prefix: '<tool_call>\n{"name": "', prefixAlternates: [], paramsPrefix: '", "arguments": ', suffix: '}\n</tool_call>', emptyParams: '{}', betweenCalls: '' });
     const history: ChatMessage[] = [
       { role: 'user', content: 'Weather in Paris?' },
       { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'get_weather', arguments: '{"city":"Paris","days":1}' }] },
@@ -180,5 +180,26 @@ describe('tool calls with a chat template that defines the call syntax (tiny mod
     assert.ok(args.unit === 'c' || args.unit === 'f');
     assert.ok(Number.isInteger(args.days));
     assert.equal(c.finish, 'stop', 'the complete call ends generation');
+  });
+
+  it('parallel calls: the grammar lets further calls follow (between-calls text + prefix); each parsed back; PD equals colocated', async () => {
+    const prompt = tmpl.renderChat([{ role: 'user', content: 'Weather in Paris and Rome?' }], [BOUNDED, CLOCK]);
+    const counts: number[] = [];
+    for (const seed of [1, 2, 3, 4, 5, 6]) {
+      const sp = base({ temperature: 1, seed, maxTokens: 300, grammar: { type: 'tool_call', functions: [BOUNDED, CLOCK], lazy: false, parallel: true } });
+      const c = await both(prompt, sp, tmpl);
+      const p = new ToolCallParser(tmpl.toolSyntax!);
+      const r = p.feed(c.text);
+      const e = p.end();
+      if (c.finish !== 'stop') continue; // cut by max_tokens
+      assert.equal(r.content + e.content, '', `only calls: ${JSON.stringify(c.text)}`);
+      for (const call of p.calls) {
+        assert.ok(['get_weather', 'now'].includes(call.function.name));
+        JSON.parse(call.function.arguments);
+      }
+      counts.push(p.calls.length);
+    }
+    assert.ok(counts.length >= 2, `seeded runs that end (the others run into max_tokens, call after call): ${counts}`);
+    assert.ok(counts.some((n) => n >= 2), `some run makes several calls: ${counts}`);
   });
 });
