@@ -120,6 +120,7 @@ function roomCause(role: string, phase: string, step: string | null | undefined,
     if (phase === 'bootstrap') return 'prefill has not confirmed the registration: prefill unreachable on its bootstrap port, or the router request never reached prefill';
     if (phase === 'waiting') return "prefill has not started sending the KV: the room is queued or evaluating on prefill (see prefill's room)";
     if (phase === 'transfer') return step === 'loading' ? 'loading the received state into the engine is slow' : 'KV bytes are not arriving: prefill stalled mid-send or the connection is wedged';
+    if (phase === 'local') return 'decode-local continuation: decode is evaluating the uncached prompt suffix itself (no prefill involved); the engine is slow or busy';
   }
   return 'the room is not moving on';
 }
@@ -211,7 +212,9 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     const otherRole = roles.has('prefill') ? 'decode' : 'prefill';
     const otherGone = roles.size === 1 && snap.workers.some((w) => w.ref.role === otherRole && w.rooms.ok);
     const otherTerminal = otherGone ? [...recentById.values()].find((v) => v.w.ref.role === otherRole && v.r.room === room) : undefined;
-    const orphan = otherGone && worst.inPhase >= 1000 && !(worst.r.role === 'decode' && worst.r.phase === 'prealloc');
+    // A decode-local room (decode alone, no prefill peer: phase local, or prealloc without a peer) has no other side.
+    const localRoom = worst.r.role === 'decode' && (worst.r.phase === 'local' || worst.r.peer === null);
+    const orphan = otherGone && worst.inPhase >= 1000 && !(worst.r.role === 'decode' && worst.r.phase === 'prealloc') && !localRoom;
     if (!overdue && !stuck && !slow && !orphan) continue;
     const severity: Severity = overdue || stuck || orphan ? 'critical' : 'warning';
     const kind = overdue ? 'overdue_room' : orphan ? 'orphan_room' : stuck ? 'stuck_room' : 'slow_room';

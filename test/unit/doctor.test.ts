@@ -98,6 +98,16 @@ describe('diagnose', () => {
     assert.match(f.title, /Failed on decode \(transfer: bad state\)/);
   });
 
+  test('a decode-local room (decode alone, no prefill peer) is never an orphan; a slow one names the local evaluation', () => {
+    const local = room({ role: 'decode', state: 'WaitingForInput', phase: 'local', step: 'local_prefill', peer: null, inPhase: 1500 });
+    const d = diagnose(snap([worker('prefill'), worker('decode', { live: [local] })], 1));
+    assert.ok(!d.findings.some((f) => f.kind === 'orphan_room'), JSON.stringify(d.findings));
+    const slow = diagnose(snap([worker('prefill'), worker('decode', { live: [{ ...local, ...room({ role: 'decode', state: 'WaitingForInput', phase: 'local', step: 'local_prefill', peer: null, inPhase: 6000 }) }] })], 1));
+    const f = slow.findings.find((x) => x.kind === 'stuck_room')!;
+    assert.ok(f, JSON.stringify(slow.findings));
+    assert.match(f.cause, /decode-local continuation/);
+  });
+
   test('lost and mismatched workers, recent failures, moved counters', () => {
     const d = diagnose(snap([worker('prefill', { health: { fingerprint: 'a', bootstrap_port: 9 }, router: { bootstrap_port: 8 } }), worker('decode', { health: { fingerprint: 'b' } }), { ...worker('decode', { reachable: false }), ref: { role: 'decode', url: 'http://gone:1', router: { healthy: false } } }]));
     const kinds = d.findings.map((f) => f.kind);
