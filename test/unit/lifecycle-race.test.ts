@@ -13,6 +13,9 @@
  * prefill's finish; prefill told (a FAIL sent) of every failure decode decided itself; the
  * illegal-transition counter stays 0 on both sides (benign races are counted as `late`); queues
  * bounded. The same properties are shown to FAIL with the legacy max(old, new) status rule.
+ * Decode-local continuation: fast-check may add a request sent to decode alone (`{local: true}`:
+ * no prefill leg; its `local_prefill` evaluation is an uncancellable engine call like a load) —
+ * the same properties hold, and nothing about it is ever sent to prefill.
  */
 import { test, describe } from 'node:test';
 import assert from 'node:assert/strict';
@@ -74,6 +77,8 @@ class World {
     readonly rooms: RoomId[],
     readonly slots: number,
     legacy: boolean,
+    /** Rooms the router sends to decode alone (decode-local continuation). */
+    readonly localRooms: RoomId[] = [],
   ) {
     this.p = new PrefillDriver({ timeouts: T, maxRooms: 4, maxWaiting: 4, slots: 1, legacyMaxRule: legacy }, 'p0p0p0p0');
     this.d = new DecodeDriver({ timeouts: T, slots, maxPrealloc: 2, maxStateBytes: 1000, legacyMaxRule: legacy }, 'd0d0d0d0');
@@ -142,6 +147,7 @@ class World {
           else this.performD(this.d.registerFailed(a.room, { code: 'peer_lost', detail: 'connection closed before register' }, this.now));
           break;
         case 'send':
+          if (this.localRooms.includes(a.room)) this.fail(`decode sent ${a.msg.type} to prefill for the decode-local room ${a.room}`);
           if (a.msg.type === 'fail') this.toldPrefill.add(a.room);
           if (a.conn === this.conn && this.up) this.toP.push({ msg: a.msg });
           else if (a.addr !== undefined) {
@@ -150,7 +156,8 @@ class World {
           }
           break;
         case 'load':
-          if (this.dFailed.has(a.room)) this.fail(`load of ${a.room} after decode failed it`);
+        case 'local_prefill':
+          if (this.dFailed.has(a.room)) this.fail(`${a.a} of ${a.room} after decode failed it`);
           this.loading.add(a.room);
           break;
         case 'generate':
@@ -162,7 +169,7 @@ class World {
           if (a.state === KVPoll.Failed) {
             this.dFailed.add(a.room);
             const byPeer = a.failure?.code === 'peer_lost' || (a.failure?.detail ?? '').startsWith('prefill:');
-            if (!byPeer) this.mustTell.add(a.room);
+            if (!byPeer && !this.localRooms.includes(a.room)) this.mustTell.add(a.room);
           }
           break;
         default: // diag
@@ -234,6 +241,17 @@ class World {
         });
         once('router→P abort', () => this.performP(this.p.abort(undefined, room, 'router', this.now)));
         once('router→D abort', () => this.performD(this.d.abort(undefined, room, 'router', this.now)));
+      }
+      for (const room of this.localRooms) {
+        const once = (what: string, run: () => void): void => {
+          if (!this.routerDone.has(`${what}${room}`)) s(`${what} ${room}`, () => (this.routerDone.add(`${what}${room}`), run()), what.endsWith('abort') ? 'interfere' : 'request');
+        };
+        once('router→D local request', () => {
+          const r = this.d.request(room, `rid-${room}`, ADDR, this.now, { local: true });
+          if (!r.refused) this.dAccepted.set(room, (this.dAccepted.get(room) ?? 0) + 1);
+          this.performD(r.actions);
+        });
+        once('router→D local abort', () => this.performD(this.d.abort(undefined, room, 'router', this.now)));
       }
       if (!this.routerDone.has('lose') && this.up) s('connection lost', () => (this.routerDone.add('lose'), this.lose()), 'interfere');
     }
@@ -332,14 +350,23 @@ class World {
 const ROOMS = ['31', '32', '33'] as RoomId[];
 
 function interleavings(legacy: boolean) {
-  return fc.property(fc.array(fc.nat(), { minLength: 10, maxLength: 150, size: 'max' }), fc.integer({ min: 1, max: 3 }), fc.integer({ min: 1, max: 2 }), (choices, nRooms, slots) => {
-    new World(ROOMS.slice(0, nRooms), slots, legacy).play(choices);
+  return fc.property(fc.array(fc.nat(), { minLength: 10, maxLength: 150, size: 'max' }), fc.integer({ min: 1, max: 3 }), fc.integer({ min: 1, max: 2 }), fc.boolean(), (choices, nRooms, slots, local) => {
+    // The legacy rule's proof is about the PD handoff: no decode-local room there.
+    new World(ROOMS.slice(0, nRooms), slots, legacy, local && !legacy ? (['39'] as RoomId[]) : []).play(choices);
   });
 }
 
 describe('the shipped prefill and decode drivers under every interleaving fast-check finds', () => {
   test('terminal by the deadline, one finish per request per side, slots released once, prefill told, illegal 0, queues bounded', () => {
     fc.assert(interleavings(false), { numRuns: 1500 });
+  });
+
+  test('a decode-local request alone succeeds, and sends nothing to prefill', () => {
+    const w = new World([], 1, false, ['42' as RoomId]);
+    w.play([0, 0]);
+    assert.equal(w.d.rooms.get('42' as RoomId)?.state, KVPoll.Success);
+    assert.equal(w.d.rooms.get('42' as RoomId)?.timeline.some((e) => e.phase === 'local'), true);
+    assert.equal(w.p.rooms.get('42' as RoomId), undefined);
   });
 
   test('a full handoff succeeds on both sides when nothing interferes', () => {
