@@ -298,7 +298,7 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged; in PD one
     await refused('chat/completions', { messages: [{ role: 'user', content: p1 }], n: 2, best_of: 2 }, 'best_of');
   });
 
-  test('n=3 in PD is one prefill: the prompt evaluated and saved once for three rooms (no prefix cache, round-robin over two prefills)', async () => {
+  test('n=3 in PD is one prefill: the prompt evaluated and saved once for three rooms (no prefix cache, round-robin over two prefills); a batch: one computation per prompt', async () => {
     const prompt = promptOf(90, 21);
     const before = { comp: await prefillCounter('pdserve_prefill_computations_total'), tokens: await prefillCounter('pdserve_prefill_prompt_tokens_evaluated_total'), saved: await prefillCounter('pdserve_prefill_states_saved_total'), ok: await prefillCounter('pdserve_rooms_terminal_total', 'state="Success"') };
     const r = await s.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 5, temperature: 0, n: 3 });
@@ -312,6 +312,11 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged; in PD one
     // Control: three single requests cost three computations (this stack has no prefix cache).
     for (let i = 0; i < 3; i++) await s.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 5, temperature: 0 });
     assert.equal((await prefillCounter('pdserve_prefill_computations_total')) - before.comp, 4);
+    // A batch of two prompts with n = 2: one computation per prompt, each feeding its two rooms.
+    const batch = await s.pd.completions.create({ model: 'pdserve', prompt: [prompt, promptOf(60, 22)], max_tokens: 5, temperature: 0, n: 2 });
+    assert.equal(batch.choices.length, 4);
+    assert.equal((await prefillCounter('pdserve_prefill_computations_total')) - before.comp, 6);
+    assert.equal((await prefillCounter('pdserve_prefill_states_saved_total')) - before.saved, 6);
   });
 
   test('aborting an n=3 stream frees every room on both workers', async () => {
