@@ -3,7 +3,8 @@
  * so every role tokenizes and samples identically (PD output must equal colocated output).
  */
 import type { GenerateRequest } from './worker-protocol.js';
-import type { ChatMessage, Engine, SamplingParams } from '../engine/types.js';
+import type { ChatMessage, Engine, SamplingParams, ToolFunction } from '../engine/types.js';
+import type { TokenizerThread } from '../engine/tokenizer-thread.js';
 import { ApiError } from '../common/errors.js';
 import { TOOLS_REFUSAL } from './fields.js';
 
@@ -82,11 +83,22 @@ export async function checkSampling(engine: Engine, sampling: SamplingParams): P
   }
 }
 
+type PromptBody = Pick<GenerateRequest, 'text' | 'input_ids' | 'messages' | 'tools'>;
+
+/** What a request's prompt needs to become tokens (after the checks that need no tokenizing). */
+type PromptWork = { kind: 'ids'; ids: number[] } | { kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { kind: 'text'; text: string };
+
+/** Prompt bytes (text or message contents) above which `tokenizeRequestOffLoop` uses the tokenizer thread. */
+export const OFF_LOOP_PROMPT_BYTES = 4 * 1024;
+/** Messages above which `tokenizeRequestOffLoop` uses the tokenizer thread (templating is per message). */
+export const OFF_LOOP_MESSAGES = 32;
+
 /**
- * Prompt tokens of a request: input_ids as given, text tokenized, messages rendered with the
- * model's chat template. @throws ApiError 400 for an empty prompt or out-of-vocabulary ids.
+ * The checks before tokenizing. @throws ApiError 400 when the prompt cannot fit (its bytes alone
+ * prove more tokens than the context), is empty, names out-of-vocabulary ids, or asks for tools
+ * the model's chat wrapper cannot express.
  */
-export function tokenizeRequest(engine: Engine, body: Pick<GenerateRequest, 'text' | 'input_ids' | 'messages' | 'tools'>): number[] {
+function promptWork(engine: Engine, body: PromptBody): PromptWork & { bytes: number } {
   // A prompt that cannot fit is refused before tokenizing: tokenizing megabytes takes seconds
   // of event loop, long enough for the KV channel's peers to declare this process lost.
   const bytes = body.text !== undefined ? Buffer.byteLength(body.text) : (body.messages ?? []).reduce((n, m) => n + Buffer.byteLength(m.content), 0);
@@ -94,19 +106,47 @@ export function tokenizeRequest(engine: Engine, body: Pick<GenerateRequest, 'tex
   if (atLeast > engine.info.compat.contextSize) {
     throw new ApiError(400, 'context_length_exceeded', `the prompt (${bytes} bytes, at least ${atLeast} tokens) exceeds the context size (${engine.info.compat.contextSize} tokens)`, 'invalid_request_error', body.messages ? 'messages' : 'prompt');
   }
-  let tokens: number[];
   if (body.input_ids) {
     const n = engine.info.nVocab;
     const bad = body.input_ids.find((t) => t >= n);
     if (bad !== undefined) throw new ApiError(400, 'invalid_token', `token id ${bad} is outside the vocabulary (size ${n})`, 'invalid_request_error', 'prompt');
-    tokens = body.input_ids;
-  } else if (body.messages) {
+    return { kind: 'ids', ids: body.input_ids, bytes };
+  }
+  if (body.messages) {
     if (body.messages.length === 0) throw new ApiError(400, 'invalid_request', 'messages must not be empty', 'invalid_request_error', 'messages');
     if (body.tools?.length && !engine.toolSyntax) throw new ApiError(400, 'unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'invalid_request_error', 'tools');
-    tokens = engine.renderChat(body.messages.map(chatMessageOf), body.tools);
-  } else {
-    tokens = engine.tokenize(body.text ?? '');
+    return { kind: 'chat', messages: body.messages.map(chatMessageOf), tools: body.tools, bytes };
   }
+  return { kind: 'text', text: body.text ?? '', bytes };
+}
+
+function nonEmpty(tokens: number[]): number[] {
   if (tokens.length === 0) throw new ApiError(400, 'empty_prompt', 'the prompt is empty (0 tokens)', 'invalid_request_error', 'prompt');
   return tokens;
+}
+
+/**
+ * Prompt tokens of a request: input_ids as given, text tokenized, messages rendered with the
+ * model's chat template (and tools) — on the event loop. @throws ApiError 400 for an empty prompt,
+ * one that cannot fit, out-of-vocabulary ids, or tools the model cannot express.
+ */
+export function tokenizeRequest(engine: Engine, body: PromptBody): number[] {
+  const w = promptWork(engine, body);
+  return nonEmpty(w.kind === 'ids' ? w.ids : w.kind === 'chat' ? engine.renderChat(w.messages, w.tools) : engine.tokenize(w.text));
+}
+
+/**
+ * As `tokenizeRequest`, but a large prompt (over OFF_LOOP_PROMPT_BYTES bytes or OFF_LOOP_MESSAGES
+ * messages: up to ~0.5 s of templating and tokenizing with a real vocabulary) is rendered and
+ * tokenized on the tokenizer thread, same functions and same tokens, so the event loop keeps
+ * serving heartbeats and streams. Small prompts stay on the loop (a few ms at most), and so does
+ * everything when the thread is not available (closed, or out of restarts).
+ * @throws ApiError 400 as tokenizeRequest; PdError QUEUE_FULL / TIMEOUT / engine_failed from the thread.
+ */
+export async function tokenizeRequestOffLoop(engine: Engine, thread: TokenizerThread, body: PromptBody): Promise<number[]> {
+  const w = promptWork(engine, body);
+  if (w.kind === 'ids') return nonEmpty(w.ids);
+  const large = w.bytes > OFF_LOOP_PROMPT_BYTES || (w.kind === 'chat' && w.messages.length > OFF_LOOP_MESSAGES);
+  if (!large || !thread.available) return nonEmpty(w.kind === 'chat' ? engine.renderChat(w.messages, w.tools) : engine.tokenize(w.text));
+  return nonEmpty(w.kind === 'chat' ? await thread.renderChat(w.messages, w.tools) : await thread.tokenize(w.text));
 }

@@ -12,10 +12,8 @@ import { existsSync, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import {
-  GeneralChatWrapper,
   getLlama,
   LlamaLogLevel,
-  resolveChatWrapper,
   type ChatWrapper,
   type Llama,
   type LlamaContext,
@@ -28,6 +26,7 @@ import { PdError } from '../common/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { parseStateFile, rewriteNStream } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
+import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
@@ -510,10 +509,7 @@ class LlamaEngine implements Engine {
     this.free = [...this.holders];
     this.eogTokens = [];
     for (let t = 0; t < info.nVocab; t++) if (model.isEogToken(t as Token)) this.eogTokens.push(t);
-    // The model's own template when it has one; the generic wrapper otherwise (resolveChatWrapper
-    // would guess from the architecture, e.g. Llama-2 [INST] for any llama GGUF).
-    const tmpl = (model.fileInfo.metadata as unknown as { tokenizer?: { chat_template?: unknown } }).tokenizer?.chat_template;
-    this.chatWrapper = typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
+    this.chatWrapper = chatWrapperOf(model);
     const syntax = toolSyntaxOf(this.chatWrapper);
     this.toolSyntax = syntax && syntaxIsVisible(model, syntax) ? syntax : null;
     if (syntax && !this.toolSyntax) logSink?.('warn', `tool calls are off: the chat wrapper's call syntax ${JSON.stringify(syntax.prefix)} contains tokens that are not rendered as text`);
@@ -521,10 +517,7 @@ class LlamaEngine implements Engine {
   }
 
   tokenize(text: string, addSpecial = true): number[] {
-    const toks = this.model.tokenize(text, false) as number[];
-    const bos = this.model.tokens.bos;
-    if (addSpecial && bos != null && this.model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
-    return toks;
+    return tokenizeText(this.model, text, addSpecial);
   }
 
   tokenPieces(tokens: number[]): string[] {
@@ -533,11 +526,7 @@ class LlamaEngine implements Engine {
   }
 
   renderChat(messages: ChatMessage[], tools?: readonly ToolFunction[]): number[] {
-    // Tool calls and results in the history, and the functions' documentation, in the wrapper's own format (engine/tools.ts).
-    const history = chatHistoryOf(messages);
-    const functions = tools && tools.length > 0 ? chatFunctionsOf(tools) : undefined;
-    const { contextText } = this.chatWrapper.generateContextState({ chatHistory: history, ...(functions ? { availableFunctions: functions, documentFunctionParams: true } : {}) });
-    return contextText.tokenize(this.model.tokenizer) as number[];
+    return renderChatTokens(this.model, this.chatWrapper, messages, tools);
   }
 
   detokenize(tokens: number[]): string {

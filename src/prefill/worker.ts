@@ -36,7 +36,8 @@ import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostPrefill, type KvPath } from '../kv/transfer/same-host.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
-import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
+import { checkSampling, fitSampling, samplingFromWire, tokenizeRequestOffLoop } from '../api/requests.js';
+import { TokenizerThread } from '../engine/tokenizer-thread.js';
 import { PrefillDriver, type ComputeOutcome, type PrefillAction } from './driver.js';
 import { answerWithFirstToken, firstTokenEvent } from './first-token.js';
 import { answerRooms, ComputationMetrics, type Computation } from './computation.js';
@@ -91,6 +92,8 @@ export class PrefillWorker {
     readonly config: PrefillConfig,
     readonly engine: Engine,
     readonly log: Logger,
+    /** Large prompts are templated and tokenized here, off the event loop (fault e). */
+    readonly tokenizer: TokenizerThread = new TokenizerThread(engine.info.modelPath),
   ) {
     this.driver = new PrefillDriver(
       {
@@ -127,6 +130,7 @@ export class PrefillWorker {
     const c = this.config;
     await sweepStaleStateFiles(c.stateDir, this.log);
     this.stopSweep = startStateSweeper(c.stateDir, this.log);
+    await this.tokenizer.start();
     this.kv = new KvServer({
       host: c.host,
       port: c.bootstrapPort,
@@ -187,6 +191,7 @@ export class PrefillWorker {
     this.perform(this.driver.shutdown(Date.now()));
     await this.app?.close().catch(() => {});
     await this.kv?.close();
+    await this.tokenizer.close();
     await this.engine.dispose();
   }
 
@@ -270,7 +275,7 @@ export class PrefillWorker {
     let tokens: number[];
     let sampling: SamplingParams;
     try {
-      tokens = tokenizeRequest(this.engine, body);
+      tokens = await tokenizeRequestOffLoop(this.engine, this.tokenizer, body);
       sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
       await checkSampling(this.engine, sampling);
     } catch (err) {

@@ -2,7 +2,8 @@
  * Faults b–f of issue #8 on real processes (one stack: router + 1 prefill + 2 decode, tiny model,
  * one slot per decode), each checked by its whole kind:
  *  - d: a second live request with the same rid is refused with 400 on prefill and on decode;
- *  - e: 250k empty chat messages are refused before any per-message work;
+ *  - e: 250k empty chat messages are refused before any per-message work; a large accepted chat
+ *       is tokenized off prefill's event loop (its tokenizer thread) and served;
  *  - b: a client error (prompt over the context) is not booked as a worker failure;
  *  - c: decode fails a room it never registered (prealloc deadline, prealloc queue full) and
  *       prefill hears within 1 s — decode opens the KV connection to tell it;
@@ -93,6 +94,14 @@ describe('worker faults b–f', () => {
     assert.equal(atRouter.status, 400);
     assert.equal((await atRouter.json()).error.code, 'request_too_large');
     assert.equal((await getJson<any>(`${prefill().url}/health`)).status, 'ok');
+    // An accepted chat of many messages is templated and tokenized on prefill's tokenizer thread
+    // (off its event loop) and served like any other.
+    const many = Array.from({ length: 40 }, (_, i) => ({ role: i % 2 ? 'assistant' : 'user', content: `turn ${i}` }));
+    const ok = await post(`${c.router.url}/v1/chat/completions`, { model: 'pdserve', messages: many, max_tokens: 4, temperature: 0 });
+    assert.equal(ok.status, 200, await ok.clone().text());
+    const body = await ok.json();
+    assert.ok(body.usage.prompt_tokens > 40, `prompt tokens ${body.usage.prompt_tokens}`);
+    assert.equal(typeof body.choices[0].message.content, 'string');
   });
 
   test('b: a prompt over the context is a client error: 400, and no worker books a failure for it', async () => {

@@ -1,0 +1,187 @@
+/**
+ * Prompt tokenization off the event loop (issue #8, fault e): rendering a chat template and
+ * tokenizing are synchronous in node-llama-cpp, and an accepted prompt may be as large as
+ * context × longest vocabulary piece bytes (about 1 MiB for an 8k context and a real vocabulary:
+ * 0.4–0.6 s of blocked loop, measured). A worker thread holding the model's vocabulary only
+ * (`vocabOnly`) does that work with the engine's own functions (./prompt.ts), so the tokens are
+ * the same and the worker's loop keeps serving heartbeats and streams meanwhile.
+ *
+ * Bounded: at most `maxPending` prompts queued (more → PdError QUEUE_FULL, 503), each answered
+ * within `timeoutMs` (else PdError TIMEOUT for that caller). A thread that dies fails what it held
+ * (engine_failed) and is started again on the next call, at most `maxStarts` times per process
+ * (each start is a new llama.cpp instance); after that `available` is false and callers tokenize
+ * on their own loop. Closing never cuts the thread inside node-llama-cpp: `close` raises a shared
+ * stop flag (queued prompts are skipped), the thread disposes its model and llama.cpp instance
+ * and says so, and only then is it terminated — terminating threads whose instance was not
+ * disposed aborted the process after 10–18 cycles ("terminate called after throwing an instance
+ * of 'Napi::Error'", reproduced; 30 cycles clean with the dispose).
+ */
+import { Worker } from 'node:worker_threads';
+import { PdError } from '../common/errors.js';
+import type { ChatMessage, ToolFunction } from './types.js';
+
+/** One request to the thread; `stop` asks it to answer `{stopped: true}` once idle. */
+export type TokenizeJob = { id: number; kind: 'text'; text: string; addSpecial: boolean } | { id: number; kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { id: number; kind: 'stop' };
+
+type Reply = { ready: true } | { stopped: true } | { id: number; tokens: Uint32Array } | { id: number; error: string };
+
+export interface TokenizerThreadOptions {
+  /** Most prompts queued or in work at once. Default 64. */
+  maxPending?: number;
+  /** Longest wait for one prompt's tokens, ms (queue included). Default 30_000. */
+  timeoutMs?: number;
+  /** Longest wait for the thread to load the vocabulary, ms. Default 60_000. */
+  startTimeoutMs?: number;
+  /** Most thread starts in this process (restarts after a thread died included). Default 3. */
+  maxStarts?: number;
+}
+
+interface Pending {
+  resolve: (tokens: number[]) => void;
+  reject: (err: Error) => void;
+  timer: NodeJS.Timeout;
+}
+
+export class TokenizerThread {
+  private worker: Worker | undefined;
+  /** Shared with the thread: 1 = skip queued prompts (closing). */
+  private stopFlag = new Int32Array(new SharedArrayBuffer(4));
+  private onStopped: (() => void) | undefined;
+  private ready: Promise<void> | undefined;
+  private readonly pending = new Map<number, Pending>();
+  private seq = 0;
+  private closed = false;
+  private readonly maxPending: number;
+  private readonly timeoutMs: number;
+  private readonly startTimeoutMs: number;
+  private readonly maxStarts: number;
+  private starts = 0;
+
+  constructor(
+    /** The GGUF whose vocabulary is loaded (the engine's model file). */
+    readonly modelPath: string,
+    opts: TokenizerThreadOptions = {},
+  ) {
+    this.maxPending = opts.maxPending ?? 64;
+    this.timeoutMs = opts.timeoutMs ?? 30_000;
+    this.startTimeoutMs = opts.startTimeoutMs ?? 60_000;
+    this.maxStarts = opts.maxStarts ?? 3;
+  }
+
+  /** False once closed or out of starts: tokenize on the caller's loop instead. */
+  get available(): boolean {
+    return !this.closed && (this.worker !== undefined || this.starts < this.maxStarts);
+  }
+
+  /** Start the thread and wait until its vocabulary is loaded. @throws Error when it cannot start. */
+  start(): Promise<void> {
+    if (this.closed) return Promise.reject(new PdError('engine_failed', 'tokenizer thread closed'));
+    if (this.ready) return this.ready;
+    if (this.starts >= this.maxStarts) return Promise.reject(new PdError('engine_failed', `tokenizer thread unavailable (started ${this.starts} times)`));
+    this.starts++;
+    // The entry next to this file (.ts when run from source under tsx, .js when built).
+    // The entry next to this file; from source (tests under tsx) through tsx's loader, registered in the thread.
+    const entry = new URL(`./tokenizer-worker${import.meta.url.endsWith('.ts') ? '.ts' : '.js'}`, import.meta.url);
+    const workerData = { modelPath: this.modelPath, stop: this.stopFlag };
+    const w = entry.pathname.endsWith('.ts')
+      ? new Worker(`import('tsx/esm/api').then((t) => { t.register(); return import(${JSON.stringify(entry.href)}); })`, { eval: true, workerData })
+      : new Worker(entry, { workerData });
+    this.worker = w;
+    w.unref();
+    const ready = new Promise<void>((resolve, reject) => {
+      const t = setTimeout(() => reject(new PdError('engine_failed', `tokenizer thread did not start within ${this.startTimeoutMs} ms`)), this.startTimeoutMs);
+      t.unref();
+      w.on('message', (m: Reply) => {
+        if ('ready' in m) {
+          clearTimeout(t);
+          resolve();
+          return;
+        }
+        if ('stopped' in m) {
+          this.onStopped?.();
+          return;
+        }
+        const p = this.pending.get(m.id);
+        if (!p) return;
+        this.pending.delete(m.id);
+        clearTimeout(p.timer);
+        if ('error' in m) p.reject(new PdError('engine_failed', `tokenizer: ${m.error}`));
+        else p.resolve(Array.from(m.tokens));
+      });
+      const gone = (why: string): void => {
+        clearTimeout(t);
+        reject(new PdError('engine_failed', why));
+        this.lost(w, why);
+      };
+      w.on('error', (err) => gone(`tokenizer thread failed: ${err.message}`));
+      w.on('exit', (code) => gone(`tokenizer thread exited (${code})`));
+    });
+    ready.catch(() => {});
+    this.ready = ready;
+    return ready;
+  }
+
+  /** Plain text → tokens, as `Engine.tokenize`. @throws PdError QUEUE_FULL, TIMEOUT, engine_failed. */
+  tokenize(text: string, addSpecial = true): Promise<number[]> {
+    return this.call({ id: 0, kind: 'text', text, addSpecial });
+  }
+
+  /** Messages (and tools) → tokens, as `Engine.renderChat`. @throws PdError QUEUE_FULL, TIMEOUT, engine_failed. */
+  renderChat(messages: ChatMessage[], tools?: readonly ToolFunction[]): Promise<number[]> {
+    return this.call({ id: 0, kind: 'chat', messages, ...(tools ? { tools: [...tools] } : {}) });
+  }
+
+  /**
+   * Stop the thread; what it held fails at once. It is terminated once it is idle (queued prompts
+   * skipped; at most `timeoutMs` for the one in work — after that it is left to the process
+   * exit rather than terminated inside native code). Idempotent.
+   */
+  async close(): Promise<void> {
+    this.closed = true;
+    const w = this.worker;
+    this.lost(w, 'tokenizer thread closed');
+    if (!w) return;
+    Atomics.store(this.stopFlag, 0, 1);
+    const idle = new Promise<boolean>((resolve) => {
+      const t = setTimeout(() => resolve(false), this.timeoutMs);
+      t.unref();
+      this.onStopped = () => {
+        clearTimeout(t);
+        resolve(true);
+      };
+      w.once('exit', () => resolve(false));
+    });
+    w.postMessage({ id: 0, kind: 'stop' } satisfies TokenizeJob);
+    if (await idle) await w.terminate().catch(() => 0);
+  }
+
+  private async call(job: TokenizeJob): Promise<number[]> {
+    if (this.pending.size >= this.maxPending) throw new PdError('QUEUE_FULL', `tokenizer queue is full (${this.maxPending} prompts)`);
+    await this.start();
+    const w = this.worker;
+    if (!w) throw new PdError('engine_failed', 'tokenizer thread is gone');
+    if (this.pending.size >= this.maxPending) throw new PdError('QUEUE_FULL', `tokenizer queue is full (${this.maxPending} prompts)`);
+    const id = ++this.seq;
+    return new Promise<number[]>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.pending.delete(id);
+        reject(new PdError('TIMEOUT', `tokenizing took more than ${this.timeoutMs} ms`));
+      }, this.timeoutMs);
+      timer.unref();
+      this.pending.set(id, { resolve, reject, timer });
+      w.postMessage({ ...job, id });
+    });
+  }
+
+  /** Thread `w` is gone: fail what it held; the next call starts a new one. */
+  private lost(w: Worker | undefined, why: string): void {
+    if (!w || this.worker !== w) return;
+    this.worker = undefined;
+    this.ready = undefined;
+    for (const [id, p] of this.pending) {
+      clearTimeout(p.timer);
+      p.reject(new PdError('engine_failed', why));
+      this.pending.delete(id);
+    }
+  }
+}
