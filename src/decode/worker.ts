@@ -343,7 +343,7 @@ export class DecodeWorker {
     job.recv = new StateReceiver({
       totalBytes,
       expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
-      walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
+      walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }),
       path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`),
       pool: this.kvPool,
     });
@@ -395,7 +395,7 @@ export class DecodeWorker {
     try {
       const out = this.sameHost.take(msg, {
         expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
-        walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }),
+        walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }),
         pool: this.kvPool,
       });
       if ('refused' in out) {
@@ -421,7 +421,8 @@ export class DecodeWorker {
       const { header, state, path } = await get();
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
       if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
-      await job.slot.loadState(path, state.tokens);
+      // the walk above covered this file (ours): llama.cpp loads it as it is, re-framed in place
+      await job.slot.loadState(path, state.tokens, state);
       job.header = header;
       job.start = { promptTokens: header.nTokens, cachedTokens: header.cachedTokens ?? 0, firstToken: header.firstToken };
       this.perform(this.driver.loadDone(room, Date.now()));

@@ -359,6 +359,25 @@ export function rewriteNStream(buf: Buffer, targetStreams: number, expect?: Stat
   return Buffer.concat(parts);
 }
 
+/**
+ * How to re-frame a state file for a context with `targetStreams` sequences IN PLACE, without
+ * copying its KV data: llama.cpp restores a single sequence's non-empty stream into the
+ * destination sequence's own stream whatever its index, and skips empty streams
+ * (llama-kv-cache.cpp `state_read`: `strm = seq_id == -1 ? s : seq_to_stream[seq_id]`, `continue`
+ * on cell_count 0), so only the n_stream field must equal the loading context's. More streams:
+ * write n_stream and grow the file by 4 zero bytes per added (empty) stream. Fewer: possible when
+ * the streams to drop are all trailing and empty — write n_stream and cut the file there.
+ * @returns the u32 to write at `nStreamOffset` and the file's new size, or undefined when only a
+ *   copy can do it (`rewriteNStream`), or when nothing is to change.
+ */
+export function inPlaceReframe(st: ParsedState, targetStreams: number): { nStreamOffset: number; nStream: number; size: number } | undefined {
+  if (!Number.isInteger(targetStreams) || targetStreams < 1 || targetStreams > MAX_STREAMS || targetStreams === st.nStream) return undefined;
+  if (targetStreams > st.nStream) return { nStreamOffset: st.nStreamOffset, nStream: targetStreams, size: st.end + 4 * (targetStreams - st.nStream) };
+  const dropped = st.streams.slice(targetStreams);
+  if (dropped.some((x) => x.cellCount !== 0)) return undefined;
+  return { nStreamOffset: st.nStreamOffset, nStream: targetStreams, size: st.streams[targetStreams]!.start };
+}
+
 /** Bytes of one stream per cell (K + V over all layers) — the KV cost of one token. */
 export function kvBytesPerCell(stream: StateStream): number {
   let n = 0;

@@ -8,7 +8,7 @@
  * generate run therefore does exactly what prefill → generate on one slot does.
  */
 import { randomUUID } from 'node:crypto';
-import { existsSync, promises as fsp } from 'node:fs';
+import { closeSync, existsSync, ftruncateSync, openSync, promises as fsp, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import {
@@ -24,7 +24,7 @@ import {
 } from 'node-llama-cpp';
 import { PdError } from '../common/errors.js';
 import { sha256File } from './gguf-writer.js';
-import { parseStateFile, rewriteNStream } from './ggsq.js';
+import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
@@ -350,20 +350,37 @@ class Lease implements Slot {
     return fileSize;
   }
 
-  async loadState(filePath: string, promptTokens: number[]): Promise<void> {
+  async loadState(filePath: string, promptTokens: number[], parsed?: ParsedState): Promise<void> {
     const seq = await this.ready();
     this.holder.valid = false;
     const { contextSize, nLayer } = this.engine.info.compat;
-    const buf = await fsp.readFile(filePath);
-    // Re-validated here too: a malformed file can abort the process inside llama.cpp.
-    const st = parseStateFile(buf, { contextSize, nLayer, maxBytes: buf.length, nVocab: this.engine.info.nVocab });
+    // Without the caller's walk, re-validated here: a malformed file can abort the process inside llama.cpp.
+    let buf: Buffer | undefined;
+    let st = parsed;
+    if (!st) {
+      buf = await fsp.readFile(filePath);
+      st = parseStateFile(buf, { contextSize, nLayer, maxBytes: buf.length, nVocab: this.engine.info.nVocab });
+    }
     if (!sameTokens(st.tokens, promptTokens)) throw new PdError('BAD_STATE', 'bad sequence state: the tokens in the state differ from the prompt');
     let loadPath = filePath;
     let tmp: string | null = null;
     const since = markProblems();
     try {
       const nStream = this.engine.info.sequences + this.engine.info.cacheSequences;
-      if (st.nStream !== nStream) {
+      const inPlace = parsed ? inPlaceReframe(st, nStream) : undefined;
+      if (inPlace) {
+        // the caller's file, already walked: n_stream rewritten and empty streams added/cut where they are
+        const fd = openSync(filePath, 'r+');
+        try {
+          const b = Buffer.alloc(4);
+          b.writeUInt32LE(inPlace.nStream, 0);
+          writeSync(fd, b, 0, 4, inPlace.nStreamOffset);
+          ftruncateSync(fd, inPlace.size);
+        } finally {
+          closeSync(fd);
+        }
+      } else if (st.nStream !== nStream) {
+        buf ??= await fsp.readFile(filePath);
         tmp = path.join(this.engine.tmpDir, `pdserve-restream-${process.pid}-${randomUUID()}.ggsq`);
         await fsp.writeFile(tmp, rewriteNStream(buf, nStream, { contextSize, nLayer, maxBytes: buf.length }));
         loadPath = tmp;

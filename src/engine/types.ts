@@ -4,6 +4,7 @@
  *
  * Units: token ids are llama.cpp vocabulary ids (int32); sizes in bytes; times in ms.
  */
+import type { ParsedState } from './ggsq.js';
 
 /** Sampling settings of one request, already validated and defaulted by the API layer. */
 export interface SamplingParams {
@@ -211,12 +212,16 @@ export interface Slot {
   saveState(path: string): Promise<number>;
   /**
    * Load a state previously validated with `parseStateFile` (ggsq.ts) into this sequence.
-   * The file is parsed again here before llama.cpp sees it (a bad file can abort the process
-   * inside llama.cpp); a state saved from a context with another sequence count is re-framed
-   * (n_stream rewritten) through a temporary file.
+   * Without `parsed`, the file is read and parsed again here before llama.cpp sees it (a bad file
+   * can abort the process inside llama.cpp), and a state saved from a context with another
+   * sequence count is re-framed (n_stream rewritten) through a temporary file. With `parsed` —
+   * the caller's full walk of exactly this file (`GgsqStreamParser` with this engine's
+   * contextSize, nLayer and nVocab), and the file is the caller's to modify — the file is not read
+   * again and is re-framed in place (`inPlaceReframe`: a 4-byte write and a size change), falling
+   * back to the temporary file only when that is impossible.
    * @throws PdError('BAD_STATE') when the file is malformed or its tokens differ from `promptTokens`.
    */
-  loadState(path: string, promptTokens: number[]): Promise<void>;
+  loadState(path: string, promptTokens: number[], parsed?: ParsedState): Promise<void>;
   /**
    * Continue generation from `firstToken` (emitted first, then evaluated, then more sampled),
    * honouring maxTokens, stop strings and EOS. Ends on `signal` or `release()` (finish reason

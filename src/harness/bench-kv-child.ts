@@ -241,7 +241,7 @@ async function receiver(engine: Engine): Promise<void> {
   let recv: Recv | undefined;
   const sameHost = new SameHostDecode({ enabled: true, stateDir: init.stateDir });
   const expect = { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes };
-  const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n });
+  const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab });
   const pool = new KvPeerPool({
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
@@ -252,7 +252,7 @@ async function receiver(engine: Engine): Promise<void> {
       else if (msg.type === 'kv_file') void loadFile(conn, msg);
       else if (msg.type === 'kv_begin') {
         const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${msg.room}.ggsq`);
-        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n }), path, pool: kvPool });
+        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), path, pool: kvPool });
         recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
       } else if (msg.type === 'kv_end') {
         const r = recv;
@@ -288,7 +288,7 @@ async function receiver(engine: Engine): Promise<void> {
       const { header, state, path } = await r.rx.finish();
       if (state.nTokens !== header.nTokens) throw new Error('token count mismatch');
       const t3 = now();
-      await slot.loadState(path, state.tokens);
+      await slot.loadState(path, state.tokens, state);
       const t4 = now();
       const ackAbs = abs();
       conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
@@ -312,7 +312,7 @@ async function receiver(engine: Engine): Promise<void> {
       if ('refused' in out) throw new Error(`refused: ${out.refused}`);
       path = out.taken.path;
       const t1 = now();
-      await slot.loadState(path, out.taken.state.tokens);
+      await slot.loadState(path, out.taken.state.tokens, out.taken.state);
       const t2 = now();
       await rm(path, { force: true });
       const t3 = now();

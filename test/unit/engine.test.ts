@@ -8,14 +8,14 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { copyFileSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { buildLlamaGguf, describeModel, ensureModel, f16BitsToF32, f32ToF16Bits, sha256File, writeLlamaGguf } from '../../src/engine/gguf-writer.js';
-import { parseStateFile } from '../../src/engine/ggsq.js';
+import { inPlaceReframe, parseStateFile } from '../../src/engine/ggsq.js';
 import { loadEngine, TextStream } from '../../src/engine/llama.js';
 import type { Engine, FinishReason, SamplingParams, Slot } from '../../src/engine/types.js';
 import { drain, type Run } from '../helpers/engine.js';
@@ -233,6 +233,22 @@ describe('engine on the tiny model', () => {
       const gotC = await drain(c, r.firstToken, sp);
       c.release();
       assert.deepEqual(gotC.tokens, ref.tokens, `${name}: C differs`);
+
+      // in place, as decode loads a file it received and walked: into B the file grows by one
+      // empty stream (4 bytes, n_stream patched), no copy; into C only a copy works (the
+      // non-empty stream is not first)
+      const own = path.join(dir, `pd-${name}-own.ggsq`);
+      copyFileSync(file, own);
+      const walked = parseStateFile(readFileSync(own), { contextSize: CTX, nLayer: 2, maxBytes: 1 << 24, nVocab: B.info.nVocab });
+      assert.deepEqual(inPlaceReframe(walked, 3), { nStreamOffset: walked.nStreamOffset, nStream: 3, size: size + 4 });
+      assert.equal(inPlaceReframe(walked, 1), undefined);
+      const e = B.tryAcquireSlot()!;
+      await e.loadState(own, prompt, walked);
+      const gotE = await drain(e, r.firstToken, sp);
+      e.release();
+      assert.deepEqual(gotE.tokens, ref.tokens, `${name}: B (in place) differs`);
+      assert.equal(statSync(own).size, size + 4, 'the file was re-framed in place');
+      assert.equal(parseStateFile(readFileSync(own), { contextSize: CTX, maxBytes: 1 << 24 }).nStream, 3);
 
       await bgRun;
       await bgRunB;
