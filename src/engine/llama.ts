@@ -8,7 +8,7 @@
  * generate run therefore does exactly what prefill → generate on one slot does.
  */
 import { randomUUID } from 'node:crypto';
-import { closeSync, existsSync, ftruncateSync, openSync, promises as fsp, writeSync } from 'node:fs';
+import { closeSync, existsSync, fstatSync, ftruncateSync, openSync, promises as fsp, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import {
@@ -368,18 +368,25 @@ class Lease implements Slot {
     try {
       const nStream = this.engine.info.sequences + this.engine.info.cacheSequences;
       const inPlace = parsed ? inPlaceReframe(st, nStream) : undefined;
+      let reframed = false;
       if (inPlace) {
-        // the caller's file, already walked: n_stream rewritten and empty streams added/cut where they are
+        // The caller's file, already walked: n_stream rewritten and empty streams added/cut where
+        // they are — unless another name shares the inode (a hard link, e.g. one state handed to
+        // several rooms), whose reader must see the bytes it validated: then copy.
         const fd = openSync(filePath, 'r+');
         try {
-          const b = Buffer.alloc(4);
-          b.writeUInt32LE(inPlace.nStream, 0);
-          writeSync(fd, b, 0, 4, inPlace.nStreamOffset);
-          ftruncateSync(fd, inPlace.size);
+          if (fstatSync(fd).nlink === 1) {
+            const b = Buffer.alloc(4);
+            b.writeUInt32LE(inPlace.nStream, 0);
+            writeSync(fd, b, 0, 4, inPlace.nStreamOffset);
+            ftruncateSync(fd, inPlace.size);
+            reframed = true;
+          }
         } finally {
           closeSync(fd);
         }
-      } else if (st.nStream !== nStream) {
+      }
+      if (!reframed && st.nStream !== nStream) {
         buf ??= await fsp.readFile(filePath);
         tmp = path.join(this.engine.tmpDir, `pdserve-restream-${process.pid}-${randomUUID()}.ggsq`);
         await fsp.writeFile(tmp, rewriteNStream(buf, nStream, { contextSize, nLayer, maxBytes: buf.length }));

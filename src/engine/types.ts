@@ -218,7 +218,8 @@ export interface Slot {
    * the caller's full walk of exactly this file (`GgsqStreamParser` with this engine's
    * contextSize, nLayer and nVocab), and the file is the caller's to modify — the file is not read
    * again and is re-framed in place (`inPlaceReframe`: a 4-byte write and a size change), falling
-   * back to the temporary file only when that is impossible.
+   * back to the temporary file when that is impossible or another name (a hard link) shares the
+   * file's data.
    * @throws PdError('BAD_STATE') when the file is malformed or its tokens differ from `promptTokens`.
    */
   loadState(path: string, promptTokens: number[], parsed?: ParsedState): Promise<void>;

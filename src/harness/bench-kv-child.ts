@@ -7,9 +7,9 @@
  *            sendStateFile (the file read in pooled pieces, CRC-32 as they pass, into the
  *            socket), kv_end — until the receiver's kv_ack. `raw` trial: write an 8-byte length
  *            and the same number of bytes on a bare socket until a 1-byte ack.
- *            `kvfile` trial (same host, transfer/same-host.ts): hard-link the state file under
- *            prefill's name for the room (one link per room, as n > 1 would), CRC-32 it, send
- *            kv_file — until the receiver's kv_ack.
+ *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved under the
+ *            room's name" (a copy made before the clock starts), CRC-32 it, send kv_file —
+ *            until the receiver's kv_ack.
  *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
  *            sender (running the same-host probe on the KV connection). kv_file: take the file
  *            over (rename), validate it (envelope head, ggsq walk, CRC-32), Slot.loadState,
@@ -38,7 +38,7 @@ import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
-import { linkSync } from 'node:fs';
+import { copyFileSync } from 'node:fs';
 import { loadCorpus } from './bench.js';
 
 interface Init {
@@ -167,11 +167,13 @@ async function sender(engine: Engine): Promise<void> {
         const room = normalizeRoomId(m.room!);
         if (!conn?.alive || !sameHost.usable(conn.id)) throw new Error('no same-host kv connection');
         const acked = new Promise<void>((r) => acks.set(room, r));
-        const t0 = now();
         const info = engine.info;
         const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes: st.bytes });
+        // The saved state under the room's name, its only name (as a one-room request hands it
+        // over): a copy made before the clock starts, standing for the save the goal counts apart.
         const name = join(init.stateDir, prefillStateName(process.pid, room));
-        linkSync(st.path, name);
+        copyFileSync(st.path, name);
+        const t0 = now();
         const t1 = now();
         const msg = sameHost.offer(room, name, head, st.bytes, sendPool);
         const t2 = now();
@@ -314,10 +316,11 @@ async function receiver(engine: Engine): Promise<void> {
       const t1 = now();
       await slot.loadState(path, out.taken.state.tokens, out.taken.state);
       const t2 = now();
+      const ackAbs = abs();
+      // as the decode worker: kv_ack (loadDone) first, the file deleted after
+      conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       await rm(path, { force: true });
       const t3 = now();
-      const ackAbs = abs();
-      conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, loadMs: t2 - t1, rmMs: t3 - t2, beginAbs, ackAbs });
     } catch (err) {
       if (path) await rm(path, { force: true });

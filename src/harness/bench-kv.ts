@@ -8,8 +8,8 @@
  * then llama.cpp's state load. Raw: the same number of bytes written on a bare net.Socket and
  * counted (not stored) by the other process, until its 1-byte ack. Both round trips include one
  * small ack message. Same host (when the two processes pass the same-host probe over their KV
- * connection, kv/transfer/same-host.ts): the state file hard-linked under prefill's name for the
- * room, CRC-32'd and named in a kv_file message; decode takes it over (rename), validates it
+ * connection, kv/transfer/same-host.ts): from the state saved under prefill's name for the room
+ * (its only name, as for a one-room request), CRC-32'd and named in a kv_file message; decode takes it over (rename), validates it
  * (envelope head, ggsq walk, CRC-32), loads it, deletes it and acks. Trials rotate KV/raw/same-host,
  * sizes interleaved. The issue #9 goals compare save + KV with save + raw + load (`goalRatio`,
  * ≤ 1.3) and save + same-host with save + load (`sameHostGoalRatio`, ≤ 1.1; the load of the
@@ -77,7 +77,7 @@ export interface KvSizeResult {
   sameHostMs?: Summary;
   /** (save + same-host) / (save + loadState): issue #9 goal ≤ 1.1. */
   sameHostGoalRatio?: number;
-  /** Medians of the same-host phases: link (hard link under prefill's name), crc (prefill reads the file once), take (decode: rename + read once for ggsq walk and CRC), load (llama.cpp), rm, beginLag (kv_file sent → received), ackLag. */
+  /** Medians of the same-host phases: link (unused, ~0: the file is placed before the clock starts), crc (prefill reads the file once), take (decode: rename + read once for ggsq walk and CRC), load (llama.cpp), rm, beginLag (kv_file sent → received), ackLag. */
   sameHostPhasesMs?: { link: number; crc: number; take: number; load: number; rm: number; beginLag: number; ackLag: number };
 }
 

@@ -9,7 +9,7 @@
  * or in prompt evaluation), inflight (state sent, waiting for decode's KV_ACK). Each entry leaves
  * on the single `finish` action of its room.
  */
-import { linkSync } from 'node:fs';
+import { linkSync, unlinkSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
@@ -436,6 +436,12 @@ export class PrefillWorker {
         const link = join(this.config.stateDir, prefillStateName(process.pid, room));
         linkSync(st.path, link);
         job.handed = { path: link, payloadBytes: st.payloadBytes };
+        if (job.comp.rooms.length === 1 && job.comp.state) {
+          // One room: its link is the data's only name, so decode may re-frame it in place (it
+          // copies a file whose data another name shares). The driver's later `discard` finds nothing.
+          unlinkSync(job.comp.state.path);
+          job.comp.state = undefined;
+        }
         if (!conn || !conn.sendControl(this.sameHost.offer(room, link, head, st.payloadBytes, this.kvPool))) return failed('connection to decode is gone');
       } catch (err) {
         return failed((err as Error).message);
