@@ -48,24 +48,25 @@ describe('decode-local continuation (PD, decode alone for short suffixes) vs col
       const stream = r % 2 === 0;
       const ref = await round(h.ref, messages, stream);
       const routerBefore = await text(`${h.c.router.url}/metrics`);
-      const kvBefore = metric(await text(`${decodeUrl}/metrics`), 'pdserve_kv_transfer_bytes_total');
+      // KV handoffs into decode, either path (TCP bytes or a same-host state file: kv/transfer/same-host.ts)
+      const kvBefore = metric(await text(`${decodeUrl}/metrics`), 'pdserve_kv_handoffs_total');
       const a = await round(h.pd, messages, stream);
       const routerAfter = await text(`${h.c.router.url}/metrics`);
-      const kvBytes = metric(await text(`${decodeUrl}/metrics`), 'pdserve_kv_transfer_bytes_total') - kvBefore;
+      const handoffs = metric(await text(`${decodeUrl}/metrics`), 'pdserve_kv_handoffs_total') - kvBefore;
       assert.equal(a.text, ref.text, `round ${r}: output differs from colocated without cache`);
       assert.equal(a.prompt, ref.prompt);
       const wasLocal = metric(routerAfter, 'pdserve_router_requests_by_path_total', 'path="decode_local"') - metric(routerBefore, 'pdserve_router_requests_by_path_total', 'path="decode_local"');
       const fellBack = metric(routerAfter, 'pdserve_router_requests_by_path_total', 'path="fallback"') - metric(routerBefore, 'pdserve_router_requests_by_path_total', 'path="fallback"');
       if (r === 1) {
         assert.equal(wasLocal, 0, 'round 1: nobody holds the conversation yet: PD');
-        assert.ok(kvBytes > 0);
+        assert.equal(handoffs, 1, 'round 1: one KV handoff from prefill');
       }
       else if (r === 5) {
         assert.equal(wasLocal, 0, 'round 5: the long suffix is not evaluated on decode');
         assert.equal(fellBack, 1, 'round 5: decode answered needs_prefill and the router ran PD');
       } else {
         assert.equal(wasLocal, 1, `round ${r}: served by decode alone`);
-        assert.equal(kvBytes, 0, `round ${r}: no KV crossed the wire`);
+        assert.equal(handoffs, 0, `round ${r}: no KV handoff from prefill`);
         assert.ok(a.cached > 0 && a.cached % BATCH === 0, `round ${r}: cached ${a.cached} (whole chunks in deterministic mode)`);
         localRounds++;
       }
