@@ -25,6 +25,7 @@ import { readSse, SseWriter } from './sse.js';
 import { randomBytes } from 'node:crypto';
 import { MAX_CHOICES } from './fields.js';
 import { ApiError, badRequest, sendApiError, SSE_DONE, usageOf, type Usage } from './openai.js';
+import { codeSpec, type ApiErrorType } from '../common/errors.js';
 import type { ToolCall, ToolCallDelta } from './tool-calls.js';
 
 export { MAX_CHOICES };
@@ -171,6 +172,19 @@ export class FanOutMerger {
   }
 }
 
+/**
+ * The error of choice `index` whose stream ended in an OpenAI error event: its own code, the
+ * code's HTTP status and type from the error table (common/errors.ts; e.g. decode_failed → 502),
+ * its param; the message names the choice. A body without a string code is an internal_error.
+ */
+export function choiceError(index: number, error: unknown): ApiError {
+  const e = (error !== null && typeof error === 'object' ? error : {}) as { message?: unknown; code?: unknown; type?: unknown; param?: unknown };
+  const code = typeof e.code === 'string' ? e.code : 'internal_error';
+  const spec = codeSpec(code);
+  const type = typeof e.type === 'string' ? (e.type as ApiErrorType) : spec.type;
+  return new ApiError(spec.status, code, `choice ${index} failed: ${typeof e.message === 'string' ? e.message : 'error'}`, type, typeof e.param === 'string' ? e.param : null);
+}
+
 /** Loopback connections for sub-requests (one per choice, so MAX_CHOICES per request). */
 const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout: 600_000, bodyTimeout: 600_000 });
 
@@ -244,7 +258,7 @@ export async function serveFanOut(
           break;
         }
         const chunk = JSON.parse(data) as Chunk;
-        if (chunk.error) throw Object.assign(new ApiError(500, 'internal_error', `choice ${s.index} failed: ${(chunk.error as { message?: string }).message ?? 'error'}`, 'server_error'), { body: chunk });
+        if (chunk.error) throw choiceError(s.index, chunk.error);
         const out = merger.push(s.index, chunk);
         if (out && writer) await emit(out);
       }

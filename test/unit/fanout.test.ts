@@ -1,8 +1,10 @@
 /** n > 1 and batched prompts: the split into single-choice sub-requests and the merge of their streams (api/fanout.ts). */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { FanOutMerger, MAX_CHOICES, planFanOut } from '../../src/api/fanout.js';
-import { ApiError } from '../../src/api/openai.js';
+import Fastify from 'fastify';
+import { choiceError, FanOutMerger, MAX_CHOICES, planFanOut, serveFanOut } from '../../src/api/fanout.js';
+import { ApiError, SSE_DONE } from '../../src/api/openai.js';
+import { SseWriter } from '../../src/api/sse.js';
 
 const usage = (p: number, c: number, cached = 0) => ({ prompt_tokens: p, completion_tokens: c, total_tokens: p + c, prompt_tokens_details: { cached_tokens: cached } });
 
@@ -87,5 +89,67 @@ describe('FanOutMerger', () => {
   test('a malformed chunk is a 502', () => {
     const m = new FanOutMerger('chat', 'c', 1, false, planFanOut('chat', { messages: [], n: 2 })!);
     assert.throws(() => m.push(0, { nope: 1 } as never), (e: ApiError) => e.status === 502);
+  });
+});
+
+/**
+ * serveFanOut on a real loopback Fastify server whose single-choice requests stream one chunk and
+ * then, for choice 1, an OpenAI error event (what the router sends when decode dies mid-stream).
+ */
+describe('serveFanOut: a failed choice keeps its own error', () => {
+  const start = async () => {
+    const app = Fastify({ logger: false });
+    app.post('/v1/chat/completions', async (req, reply) => {
+      const subs = planFanOut('chat', req.body);
+      if (subs) return serveFanOut(req, reply, 'chat', subs);
+      const seed = (req.body as { seed?: number }).seed ?? 0;
+      reply.hijack();
+      const w = new SseWriter(reply.raw);
+      await w.write({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta: { content: 'a' }, finish_reason: null }] });
+      if (seed === 1) await w.write(ApiError.of('decode_failed', 'decode worker x failed: other side closed').toBody());
+      else {
+        await w.write({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta: {}, finish_reason: 'stop' }] });
+        await w.write(SSE_DONE);
+      }
+      w.end();
+    });
+    await app.listen({ port: 0, host: '127.0.0.1' });
+    const a = app.server.address() as { port: number };
+    return { app, url: `http://127.0.0.1:${a.port}/v1/chat/completions` };
+  };
+
+  test('non-stream: the choice\'s status and code (decode_failed 502), the message names the choice', async () => {
+    const { app, url } = await start();
+    try {
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0 }) });
+      const body = (await res.json()) as { error: { code: string; type: string; message: string } };
+      assert.equal(res.status, 502);
+      assert.equal(body.error.code, 'decode_failed');
+      assert.equal(body.error.type, 'server_error');
+      assert.match(body.error.message, /^choice 1 failed: decode worker x failed/);
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('stream: the error event carries the choice\'s code', async () => {
+    const { app, url } = await start();
+    try {
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0, stream: true }) });
+      assert.equal(res.status, 200);
+      const events = (await res.text()).split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6));
+      assert.ok(!events.includes(SSE_DONE), 'no [DONE] after a failed choice');
+      const err = JSON.parse(events.at(-1)!) as { error: { code: string; message: string } };
+      assert.equal(err.error.code, 'decode_failed');
+      assert.match(err.error.message, /^choice 1 failed/);
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('choiceError: unknown or missing codes are internal_error 500, table codes keep their status', () => {
+    assert.deepEqual([choiceError(2, { message: 'm', code: 'queue_full' }).status, choiceError(2, { code: 'queue_full' }).code], [503, 'queue_full']);
+    const e = choiceError(0, 'garbage');
+    assert.deepEqual([e.status, e.code, e.message], [500, 'internal_error', 'choice 0 failed: error']);
   });
 });
