@@ -16,6 +16,7 @@ import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESS
 import { parseTools, toolGrammarOf, ToolCallParser, type ParsedTools, type ToolCall, type ToolCallDelta } from './tool-calls.js';
 import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
 import { ApiError, toApiError as commonToApiError, type ApiErrorType } from '../common/errors.js';
+import { RepeatLimiter } from '../common/log-limit.js';
 
 // ---------------------------------------------------------------------------------------------
 // Errors
@@ -97,13 +98,22 @@ export function sendApiError(reply: FastifyReply, err: ApiError): FastifyReply {
   return reply.code(err.status).type('application/json; charset=utf-8').send(err.toBody());
 }
 
+/** One warn line per 503 refusal code per second in this process (see openAIErrorHandler). */
+const refusalLog = new RepeatLimiter(1000);
+
 /**
- * Fastify error handler producing OpenAI error bodies (see `apiErrorOf`). 5xx are logged at
- * error level with the original error, 4xx at debug.
+ * Fastify error handler producing OpenAI error bodies (see `apiErrorOf`). Logging follows the
+ * error table (../common/errors.ts): a 503 refusal (no_healthy_decode, queue_full, draining, …)
+ * is expected under load or restarts, so it is logged at warn without a stack, at most once per
+ * code per second with `suppressed` = the refusals of that code not logged since the previous
+ * line; other 5xx (faults) at error with the original error; 4xx at debug.
  */
 export function openAIErrorHandler(error: unknown, request: FastifyRequest, reply: FastifyReply): void {
   const apiErr = apiErrorOf(error);
-  if (apiErr.status >= 500) request.log.error({ err: error }, 'request failed');
+  if (apiErr.status === 503) {
+    const suppressed = refusalLog.hit(apiErr.code);
+    if (suppressed !== null) request.log.warn({ status: apiErr.status, code: apiErr.code, message: apiErr.message, suppressed }, 'request refused');
+  } else if (apiErr.status >= 500) request.log.error({ err: error }, 'request failed');
   else request.log.debug({ status: apiErr.status, message: apiErr.message }, 'request rejected');
   void sendApiError(reply, apiErr);
 }
