@@ -185,6 +185,16 @@ export function choiceError(index: number, error: unknown): ApiError {
   return new ApiError(spec.status, code, `choice ${index} failed: ${typeof e.message === 'string' ? e.message : 'error'}`, type, typeof e.param === 'string' ? e.param : null);
 }
 
+/**
+ * The `x-pdserve-path` of a fanned-out response from its choices' headers (router: pd |
+ * decode_local; each choice is its own request and may take its own path): the distinct values
+ * in choice order, comma-separated (an HTTP list); null when no choice has one (colocated).
+ */
+export function mergedPath(values: readonly unknown[]): string | null {
+  const distinct = [...new Set(values.filter((v): v is string => typeof v === 'string' && v !== ''))];
+  return distinct.length > 0 ? distinct.join(', ') : null;
+}
+
 /** Loopback connections for sub-requests (one per choice, so MAX_CHOICES per request). */
 const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout: 600_000, bodyTimeout: 600_000 });
 
@@ -243,10 +253,11 @@ export async function serveFanOut(
       return sendApiError(reply, err);
     }
     const responses = settled.map((r) => (r as PromiseFulfilledResult<Dispatcher.ResponseData>).value);
+    const servedBy = mergedPath(responses.map((r) => r.headers['x-pdserve-path']));
     let writer: SseWriter | null = null;
     if (stream) {
       reply.hijack();
-      writer = new SseWriter(reply.raw, { headers: { 'x-request-id': rid } });
+      writer = new SseWriter(reply.raw, { headers: { 'x-request-id': rid, ...(servedBy ? { 'x-pdserve-path': servedBy } : {}) } });
     }
     let chain: Promise<void> = Promise.resolve();
     const emit = (c: unknown) => (chain = chain.then(() => writer!.write(c)));
@@ -275,6 +286,7 @@ export async function serveFanOut(
         writer.end();
         return reply;
       }
+      if (servedBy) void reply.header('x-pdserve-path', servedBy);
       return reply.code(200).send(merger.response());
     } catch (err) {
       if (reply.raw.destroyed) return reply;

@@ -7,9 +7,11 @@
  * - pdserve_e2e_request_latency_seconds: request received → response finished, ok requests only.
  * - pdserve_router_requests_total{outcome}: finished generation requests by outcome
  *   (ok | client_abort | error | timeout); requests rejected before dispatch (400, 503) count as error.
- * - pdserve_router_requests_by_path_total{path}: ok requests by serving path — pd (prefill +
- *   decode, KV handoff) or decode_local (decode alone continued a kept sequence) — and
- *   path="fallback": decode-local attempts decode answered `needs_prefill` (then served as pd).
+ *   An n > 1 request or a prompt batch counts once per choice (api/fanout.ts: each choice is a
+ *   sub-request of its own), the parent request is not counted.
+ * - pdserve_router_requests_by_path_total{path}: ok requests (choices, as above) by serving path —
+ *   pd (prefill + decode, KV handoff) or decode_local (decode alone continued a kept sequence) —
+ *   and path="fallback": decode-local attempts decode answered `needs_prefill` (then served as pd).
  * - pdserve_router_inflight_requests: generation requests being served right now.
  * - pdserve_router_worker_load{worker}: the router's in-flight count per worker URL.
  */
@@ -49,9 +51,9 @@ export class RouterMetrics {
       buckets: [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1200],
       registers,
     });
-    this.requests = new Counter({ name: 'pdserve_router_requests_total', help: 'Finished generation requests by outcome.', labelNames: ['outcome'], registers });
+    this.requests = new Counter({ name: 'pdserve_router_requests_total', help: 'Finished generation requests by outcome, one per choice (each choice of an n > 1 request or of a prompt batch is a request of its own).', labelNames: ['outcome'], registers });
     for (const o of OUTCOMES) this.requests.labels(o).inc(0);
-    this.byPath = new Counter({ name: 'pdserve_router_requests_by_path_total', help: 'Successful generation requests by serving path (pd, decode_local), and decode-local attempts that fell back to pd (fallback).', labelNames: ['path'], registers });
+    this.byPath = new Counter({ name: 'pdserve_router_requests_by_path_total', help: 'Successful generations by serving path (pd, decode_local), one per choice (each choice of an n > 1 request or of a prompt batch is served, and counted, as a request of its own), and decode-local attempts that fell back to pd (fallback).', labelNames: ['path'], registers });
     for (const p of ['pd', 'decode_local', 'fallback']) this.byPath.labels(p).inc(0);
     this.inflight = new Gauge({ name: 'pdserve_router_inflight_requests', help: 'Generation requests in flight at the router.', registers });
     this.workerLoad = new Gauge({

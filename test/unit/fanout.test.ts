@@ -2,7 +2,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import Fastify from 'fastify';
-import { choiceError, FanOutMerger, MAX_CHOICES, planFanOut, serveFanOut } from '../../src/api/fanout.js';
+import { choiceError, FanOutMerger, MAX_CHOICES, mergedPath, planFanOut, serveFanOut } from '../../src/api/fanout.js';
 import { ApiError, SSE_DONE } from '../../src/api/openai.js';
 import { SseWriter } from '../../src/api/sse.js';
 
@@ -93,10 +93,11 @@ describe('FanOutMerger', () => {
 });
 
 /**
- * serveFanOut on a real loopback Fastify server whose single-choice requests stream one chunk and
- * then, for choice 1, an OpenAI error event (what the router sends when decode dies mid-stream).
+ * serveFanOut on a real loopback Fastify server whose single-choice requests stream one chunk
+ * (header x-pdserve-path: `paths[seed]`, default pd) and then [DONE], or, for choice 1 when
+ * `fail`, an OpenAI error event (what the router sends when decode dies mid-stream).
  */
-describe('serveFanOut: a failed choice keeps its own error', () => {
+describe('serveFanOut on a loopback server', () => {
   const start = async () => {
     const app = Fastify({ logger: false });
     app.post('/v1/chat/completions', async (req, reply) => {
@@ -104,9 +105,9 @@ describe('serveFanOut: a failed choice keeps its own error', () => {
       if (subs) return serveFanOut(req, reply, 'chat', subs);
       const seed = (req.body as { seed?: number }).seed ?? 0;
       reply.hijack();
-      const w = new SseWriter(reply.raw);
+      const w = new SseWriter(reply.raw, { headers: { 'x-pdserve-path': (req.body as { paths?: string[] }).paths?.[seed] ?? 'pd' } });
       await w.write({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta: { content: 'a' }, finish_reason: null }] });
-      if (seed === 1) await w.write(ApiError.of('decode_failed', 'decode worker x failed: other side closed').toBody());
+      if (seed === 1 && (req.body as { fail?: boolean }).fail) await w.write(ApiError.of('decode_failed', 'decode worker x failed: other side closed').toBody());
       else {
         await w.write({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta: {}, finish_reason: 'stop' }] });
         await w.write(SSE_DONE);
@@ -121,7 +122,7 @@ describe('serveFanOut: a failed choice keeps its own error', () => {
   test('non-stream: the choice\'s status and code (decode_failed 502), the message names the choice', async () => {
     const { app, url } = await start();
     try {
-      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0 }) });
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0, fail: true }) });
       const body = (await res.json()) as { error: { code: string; type: string; message: string } };
       assert.equal(res.status, 502);
       assert.equal(body.error.code, 'decode_failed');
@@ -135,13 +136,33 @@ describe('serveFanOut: a failed choice keeps its own error', () => {
   test('stream: the error event carries the choice\'s code', async () => {
     const { app, url } = await start();
     try {
-      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0, stream: true }) });
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0, stream: true, fail: true }) });
       assert.equal(res.status, 200);
       const events = (await res.text()).split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6));
       assert.ok(!events.includes(SSE_DONE), 'no [DONE] after a failed choice');
       const err = JSON.parse(events.at(-1)!) as { error: { code: string; message: string } };
       assert.equal(err.error.code, 'decode_failed');
       assert.match(err.error.message, /^choice 1 failed/);
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('x-pdserve-path: the choices\' path, stream and non-stream; distinct paths listed in choice order', async () => {
+    const { app, url } = await start();
+    try {
+      const post = (body: object) => fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], seed: 0, ...body }) });
+      const plain = await post({ n: 3 });
+      assert.equal(plain.status, 200);
+      assert.equal(plain.headers.get('x-pdserve-path'), 'pd');
+      assert.equal(((await plain.json()) as { choices: unknown[] }).choices.length, 3);
+      const streamed = await post({ n: 2, stream: true, paths: ['decode_local', 'decode_local'] });
+      assert.equal(streamed.headers.get('x-pdserve-path'), 'decode_local');
+      assert.ok((await streamed.text()).includes('[DONE]'));
+      const mixed = await post({ n: 3, paths: ['pd', 'decode_local', 'pd'] });
+      assert.equal(mixed.headers.get('x-pdserve-path'), 'pd, decode_local');
+      await mixed.text();
+      assert.equal(mergedPath([undefined, undefined]), null);
     } finally {
       await app.close();
     }
