@@ -23,6 +23,7 @@
  */
 import type { ClusterSnapshot, RoomInfo, WorkerProbe } from './gather.js';
 import { sumOf } from './gather.js';
+import { causeOf, isErrorCode } from '../common/errors.js';
 
 export type Severity = 'critical' | 'warning' | 'info';
 
@@ -361,7 +362,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   for (const [key, v] of failures) {
     const [role, reason] = key.split('|') as [string, string];
     const inner = reason.split('→').pop()!;
-    const benign = inner === 'abort' || inner === 'shutdown';
+    const benign = benignFailure(inner);
     add({
       severity: benign ? 'info' : 'warning',
       kind: 'recent_failures',
@@ -397,7 +398,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     if (moved.length) {
       add({ severity: 'warning', kind: 'counter_moved', title: `${label}: moved since the previous round (${fmtMs(snap.at - o.previous!.at)} ago)`, details: moved, cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: ['curl -sS WORKER/debug/rooms   # recent rooms and their fail reasons'], weight: moved.length });
     } else if (total.length) {
-      add({ severity: sev, kind: 'counter_total', title: `${label} since start: ${total.join('; ')}`, details: [], cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: ['pdserve doctor --watch   # shows when it moves'] });
+      add({ severity: sev, kind: 'counter_total', title: `${label} since start: ${total.join('; ')}`, details: [], cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: [`pdserve doctor --url ${routerUrl} --watch   # shows when it moves`] });
     }
   }
   const prevRouter = o.previous?.router?.metrics.body;
@@ -432,6 +433,17 @@ export function failureLabel(role: string, reason: string | null): string {
   return parts[0]!;
 }
 
+/**
+ * A room failure that is no fault of the cluster, so an info finding (exit 0), not a warning:
+ * one the error table (../common/errors.ts) says the client caused (request_aborted,
+ * client_closed_request, a 4xx), or a shutdown; the legacy labels 'abort' / 'shutdown' too.
+ */
+export function benignFailure(reason: string): boolean {
+  return reason === 'abort' || reason === 'shutdown' || reason === 'shutting_down' || (isErrorCode(reason) && causeOf(reason) === 'client');
+}
+
+const ABORT_CAUSE = 'the client or router cancelled the request (normal under client timeouts)';
+
 const FAILURE_CAUSES: Record<string, string> = {
   deadline: 'a phase ran out of time: a stuck peer, an overloaded engine, or timeouts too short for the load',
   peer_lost: 'the KV channel to the peer dropped (peer process died or heartbeats were missed: a blocked event loop)',
@@ -439,7 +451,9 @@ const FAILURE_CAUSES: Record<string, string> = {
   bootstrap: "the decode and prefill could not agree on the room (no request for it on prefill, a duplicate, a refused registration)",
   prefill: 'prompt evaluation failed in the engine',
   decode: 'the decode worker failed the room (invalid state, load failure) and told prefill',
-  abort: 'the client or router cancelled the request (normal under client timeouts)',
+  abort: ABORT_CAUSE,
+  request_aborted: ABORT_CAUSE,
+  client_closed_request: ABORT_CAUSE,
   shutdown: 'a worker was shutting down',
 };
 

@@ -135,6 +135,17 @@ describe('diagnose', () => {
     const d3 = diagnose(snap([worker('prefill'), worker('decode', { recent: peerAbort })]));
     assert.equal(d3.exitCode, 0, 'an abort relayed by the peer is no warning');
     assert.match(d3.findings[0]!.title, /'prefill→abort'/);
+    const clientAbort = [{ ...recent[0]!, fail_reason: 'request_aborted: client went away' }];
+    const relayed = [{ ...recent[0]!, room: '8', role: 'decode', fail_reason: 'prefill: request_aborted: router' }];
+    const d4 = diagnose(snap([worker('prefill', { recent: clientAbort }), worker('decode', { recent: relayed })]));
+    assert.equal(d4.findings.length, 2);
+    assert.equal(d4.exitCode, 0, 'client aborts (error table cause: client) are no warning');
+    assert.ok(d4.findings.every((f) => f.severity === 'info'), JSON.stringify(d4.findings));
+    assert.match(d4.findings[0]!.cause, /cancelled/);
+    const fault = [{ ...recent[0]!, fail_reason: 'peer_lost: heartbeat' }];
+    assert.equal(diagnose(snap([worker('prefill', { recent: fault }), worker('decode')])).exitCode, 1, 'a system fault stays a warning');
+    const totals = diagnose(snap([worker('prefill', { metrics: 'pdserve_room_deadline_expired_total{role="prefill"} 2\n' }), worker('decode')]), { routerUrl: 'http://r:9' });
+    assert.ok(totals.findings.some((f) => f.next.some((n) => n.startsWith('pdserve doctor --url http://r:9 --watch'))), JSON.stringify(totals.findings));
     const moved = d2.findings.find((f) => f.kind === 'counter_moved')!;
     assert.match(moved.details[0]!, /\+2/);
   });
