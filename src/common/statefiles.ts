@@ -13,7 +13,8 @@ import { readdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { Logger } from './log.js';
 
-const STATE_FILE = /^pdserve-[a-z]+-(\d+)-[^/]*\.(?:ggsq|nonce)$/;
+/** `pdserve-<kind>-<pid>[-<rest>].<ggsq|nonce|bin>`; the kind may have dashes (the bench's `bench-kv`, `bench-probe`). */
+const STATE_FILE = /^pdserve-[a-z]+(?:-[a-z]+)*-(\d+)(?:-[^/]*)?\.(?:ggsq|nonce|bin)$/;
 
 /** Period of the stale-file sweep of a running worker, ms. */
 export const STATE_SWEEP_MS = 30_000;
