@@ -69,7 +69,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   // ---- prompt
   { name: 'prompt', endpoints: CMPL, status: 'partial', notes: `string, [string], token ids, or [token ids]; a batch (several strings or token-id arrays) gives one choice per prompt and n, index = prompt_index × n + i; n × prompts ≤ ${MAX_CHOICES}. In PD each choice is its own room (see n)`, schema: z.unknown() },
   { name: 'messages', endpoints: CHAT, status: 'partial', notes: 'rendered with the model\'s chat template; see the message table below', schema: z.unknown() },
-  { name: 'model', endpoints: BOTH, status: 'honoured', notes: "one of the served names (--served-model-name, as vLLM; default: the GGUF's file name and 'pdserve'), else 404 model_not_found; may be omitted. Responses carry the first served name", schema: z.string().max(512) },
+  { name: 'model', endpoints: BOTH, status: 'honoured', notes: "one of the served names (--served-model-name, as vLLM; default: the GGUF's file name without .gguf and 'pdserve'), else 404 model_not_found; may be omitted. Responses carry the first served name", schema: z.string().max(512) },
   // ---- length and stopping
   { name: 'max_tokens', endpoints: BOTH, status: 'honoured', notes: `default ${DEFAULT_COMPLETION_MAX_TOKENS} for completions, the rest of the context for chat (as vLLM)`, schema: z.number().int().min(1).max(MAX_INT32) },
   { name: 'max_completion_tokens', endpoints: CHAT, status: 'honoured', notes: 'wins over max_tokens', schema: z.number().int().min(1).max(MAX_INT32) },
@@ -105,7 +105,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
     name: 'response_format',
     endpoints: BOTH,
     status: 'honoured',
-    notes: "text; json_object (any JSON); json_schema (node-llama-cpp's JSON-schema grammar: a schema it cannot compile is a 400)",
+    notes: "text; json_object (any JSON); json_schema (node-llama-cpp's JSON-schema grammar: a schema it cannot compile is a 400). Output cut by max_tokens is returned as is, not well-formed JSON, with finish_reason length (as OpenAI)",
     schema: z.union([
       z.object({ type: z.literal('text') }).strict(),
       z.object({ type: z.literal('json_object') }).strict(),

@@ -61,7 +61,7 @@ const engineOptions = (c: Command) =>
     .option('--prefix-cache-slots <n>', 'extra sequences that keep finished requests\' KV for prefix reuse (decode: for decode-local continuation)', int, 4)
     .option('--prefix-cache-tokens <tokens>', 'most tokens the prefix cache holds (LRU beyond)', int, 65536)
     .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
-    .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name and 'pdserve')");
+    .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name without .gguf, and 'pdserve')");
 
 /** The prefix-cache part of an engine config from the engine options. */
 function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number }) {

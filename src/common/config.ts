@@ -27,7 +27,7 @@ export const EngineConfigSchema = z.object({
   /**
    * Names the OpenAI API answers to (vLLM's --served-model-name): a request naming another model
    * is a 404 model_not_found. The first is the `model` of responses. Empty = the GGUF's file name
-   * and 'pdserve' (what the README's examples send).
+   * without `.gguf` and 'pdserve' (what the README's examples send).
    */
   servedModelName: z.array(z.string().min(1).max(512)).max(16).default([]),
 });
