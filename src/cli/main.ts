@@ -154,6 +154,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--discovery <etcd://HOST:PORT>', 'every process uses etcd membership: workers register under a lease, the router watches')
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
+      const { superviseAction } = await import('../harness/supervise.js');
       try {
         await assertPortFree(o.host, o.port);
         if (o.workerPortBase !== undefined) {
@@ -181,6 +182,7 @@ export async function runCli(argv: string[]): Promise<void> {
         stopping = true;
         console.log(`\npdserve: draining the cluster (router first; at most ${o.drainTimeoutMs} ms; Ctrl-C again to stop waiting)…`);
         await c.drain(o.drainTimeoutMs + 10_000);
+        console.log('pdserve: stopped (every process has exited)');
         process.exit(code);
       };
       process.on('SIGINT', () => void stop());
@@ -200,12 +202,19 @@ export async function runCli(argv: string[]): Promise<void> {
       console.log('\nTry:');
       console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
       console.log('\nCtrl-C drains and stops everything (a second Ctrl-C stops waiting).');
-      // Supervise: a worker that dies on its own is restarted on the same ports (peers and the
-      // router find it again); `up` itself keeps serving with the others meanwhile.
+      // Supervise (harness/supervise.ts): a worker that dies on its own is restarted on the same
+      // ports (peers and the router find it again); one that drained on request (exit 0) stays
+      // stopped; `up` itself keeps serving with the others meanwhile.
       const restarting = new Set<string>();
       setInterval(() => {
         for (const p of c.procs) {
-          if (p.child || p.expectedDown || stopping || restarting.has(p.name)) continue;
+          if (restarting.has(p.name)) continue;
+          const action = superviseAction(p, stopping);
+          if (action === 'stopped') {
+            p.expectedDown = true;
+            console.error(`pdserve: ${p.name} drained and stopped on request (exit 0); not restarting it`);
+          }
+          if (action !== 'restart') continue;
           restarting.add(p.name);
           console.error(`pdserve: ${p.name} exited unexpectedly${p.logFile ? ` (log: ${p.logFile})` : ''}; restarting it`);
           c.spawn(p).then(

@@ -81,6 +81,8 @@ export interface ClusterProc {
   expectedDown: boolean;
   /** Exits nobody asked for: {code, signal, at}. */
   unexpectedExits: { code: number | null; signal: NodeJS.Signals | null; at: number }[];
+  /** The latest exit of the process, asked for or not (undefined while it never exited). */
+  lastExit?: { code: number | null; signal: NodeJS.Signals | null; at: number };
   logFile?: string;
 }
 
@@ -211,6 +213,7 @@ export class Cluster {
     p.expectedDown = false;
     child.on('exit', (code, signal) => {
       if (p.child === child) p.child = undefined;
+      p.lastExit = { code, signal, at: Date.now() };
       if (!p.expectedDown && !this.stopping) p.unexpectedExits.push({ code, signal, at: Date.now() });
     });
     const deadline = o.startTimeoutMs ?? 60_000;

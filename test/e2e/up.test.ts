@@ -93,7 +93,8 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
   child.stderr!.on('data', (d) => (out += d));
   const exited = exitOf(child);
   try {
-    assert.ok(await waitFor(async () => out.includes('pdserve is up'), 60_000, 50), `up started:\n${out}`);
+    // The banner's last line: its earlier lines may arrive in separate chunks.
+    assert.ok(await waitFor(async () => out.includes('Ctrl-C drains'), 60_000, 50), `up started:\n${out}`);
     assert.match(out, new RegExp(`prefill-0 http://127\\.0\\.0\\.1:${base}\\s+bootstrap port ${base + 1}`));
     assert.match(out, new RegExp(`decode-0  http://127\\.0\\.0\\.1:${base + 2}`));
     for (const p of [base, base + 2]) assert.equal((await health(`http://127.0.0.1:${p}`)).status, 200);
@@ -104,6 +105,7 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     const results = await Promise.all(reqs);
     for (const r of results) assert.ok(ok(r), `stream completed through the drain: ${r.status} ${r.text.slice(-200)}`);
     assert.equal(await exited, 0);
+    assert.match(out, /pdserve: stopped/, `up says it stopped:\n${out}`);
     for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
   } finally {
     try {

@@ -1,0 +1,16 @@
+/**
+ * The decision of `pdserve up`'s supervisor (src/cli/main.ts) for one cluster process, each
+ * second: a live process, one the cluster stopped on purpose, or any process while `up` drains
+ * is left alone; a process that exited 0 had been asked to drain (a SIGTERM/SIGINT from outside
+ * `up`: workers exit 0 only after a drain, ../cli/serve.ts) and stays stopped; any other exit
+ * (a crash, a non-zero code, SIGKILL) is restarted on the same ports.
+ */
+import type { ClusterProc } from './cluster.js';
+
+export type SuperviseAction = 'none' | 'stopped' | 'restart';
+
+/** What to do with `p` now; `stopping`: `up` itself is draining. */
+export function superviseAction(p: Pick<ClusterProc, 'child' | 'expectedDown' | 'lastExit'>, stopping: boolean): SuperviseAction {
+  if (p.child || p.expectedDown || stopping) return 'none';
+  return p.lastExit?.code === 0 ? 'stopped' : 'restart';
+}
