@@ -9,6 +9,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
 import { serveRole, type Served } from './serve.js';
+import { POLICY_NAMES } from '../router/policy/index.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -131,9 +132,11 @@ function corsList(v: string, prev: string[] | undefined): string[] {
 }
 
 /** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name to the workers. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[] }): { router?: string[]; prefill?: string[]; decode?: string[] } {
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number }): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
-  return { ...(o.corsOrigin ? { router: ['--cors-origin', o.corsOrigin.join(',')] } : {}), prefill: names, decode: names };
+  const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
+  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local];
+  return { router, prefill: names, decode: [...names, ...local] };
 }
 
 /** Parse argv and run. */
@@ -152,6 +155,8 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--worker-port-base <port>', 'fixed worker ports from here: prefill i → HTTP base+2i, bootstrap base+2i+1; decode j → base+2·prefill+j (default: random free ports)', port)
     .option('--drain-timeout-ms <ms>', 'on SIGTERM/Ctrl-C: longest wait for requests in flight (router first, then workers); a 2nd signal stops waiting', int, 30_000)
     .option('--discovery <etcd://HOST:PORT>', 'every process uses etcd membership: workers register under a lease, the router watches')
+    .addOption(new Option('--decode-policy <name>', "the router's load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)").choices([...POLICY_NAMES]).default('least_load'))
+    .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       const { superviseAction } = await import('../harness/supervise.js');
@@ -281,8 +286,8 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
-    .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('cache_aware'))
-    .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices(['cache_aware', 'least_load', 'round_robin', 'power_of_two']).default('least_load'))
+    .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices([...POLICY_NAMES]).default('cache_aware'))
+    .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
     .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
     .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)

@@ -70,6 +70,11 @@ interface Job {
   t0: number;
 }
 
+/** A room's path for /debug/rooms: served by decode alone, or prefill → KV handoff → decode. */
+const pathOf = (j: Job | undefined) => (j?.local ? 'decode_local' : 'pd');
+/** Prompt tokens a room did not evaluate: loaded from prefill's cache, or reused locally. */
+const cachedOf = (j: Job | undefined) => j?.start?.cachedTokens ?? j?.local?.reusable ?? 0;
+
 /** A running decode worker. Create with `startDecodeWorker`. */
 export class DecodeWorker {
   readonly driver: DecodeDriver;
@@ -156,8 +161,6 @@ export class DecodeWorker {
       }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(Date.now());
-        const pathOf = (j: Job | undefined) => (j?.local ? 'decode_local' : 'pd');
-        const cachedOf = (j: Job | undefined) => j?.start?.cachedTokens ?? j?.local?.reusable ?? 0;
         const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: pathOf(j), kv_path: j.kvPath ?? null, cached_tokens: cachedOf(j) }));
         return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.jobs.get(r.room)), kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: cachedOf(this.jobs.get(r.room)) })), decoding });
       },
@@ -214,6 +217,7 @@ export class DecodeWorker {
         case 'release': {
           const job = this.jobs.get(a.room);
           if (a.slot) job?.slot?.release();
+          if (job) this.traces.note(a.room, { path: pathOf(job), kv_path: job.kvPath ?? null, cached_tokens: cachedOf(job) }); // kept for its `recent` row
           this.jobs.delete(a.room);
           break;
         }

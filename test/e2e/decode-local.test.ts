@@ -84,7 +84,14 @@ describe('decode-local continuation (PD, decode alone for short suffixes) vs col
     for (const r of local) {
       assert.equal(r.state, 'Success');
       assert.equal(r.peer, null);
+      // after the request ended its row still says which path it took (and what it reused)
+      assert.equal(r.path, 'decode_local');
+      assert.equal(r.kv_path, null);
+      assert.ok(r.cached_tokens >= 0);
     }
+    assert.ok(local.some((r: any) => r.cached_tokens > 0), 'a finished local room shows its cached tokens');
+    const pd = dbg.recent.filter((r: any) => r.state === 'Success' && r.peer !== null);
+    assert.ok(pd.length >= 1 && pd.every((r: any) => r.path === 'pd' && (r.kv_path === 'same_host' || r.kv_path === 'tcp')), 'finished PD rooms keep path and kv_path');
     assert.equal(dbg.stats.illegal, 0);
   });
 

@@ -4,7 +4,8 @@
  *   the stream in flight still ends with [DONE], exit 0;
  * - `pdserve up --worker-port-base P`: the workers listen on P, P+1 (bootstrap), P+2; Ctrl-C to
  *   `up` drains the router first (its streams end with [DONE]), then the workers; exit 0 and
- *   every port is closed.
+ *   every port is closed. `up --decode-policy cache_aware --local-prefill-max-tokens N` reaches
+ *   the router and decode: a repeated short prompt is served `x-pdserve-path: decode_local`.
  */
 import assert from 'node:assert/strict';
 import { spawn, type ChildProcess } from 'node:child_process';
@@ -81,7 +82,7 @@ test('colocated: SIGTERM mid-stream drains: health and new requests say draining
 test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole process group) drains the router first, streams end with [DONE], exit 0, ports closed', async () => {
   const base = await freeRun(3);
   const rport = await freePort();
-  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024'], {
+  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024', '--decode-policy', 'cache_aware', '--local-prefill-max-tokens', '128'], {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, PDSERVE_TEST_HOLDS: 'decode.load=1500' },
     // Its own process group, as a shell gives a foreground job: a terminal's Ctrl-C reaches up AND
@@ -99,7 +100,18 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     assert.match(out, new RegExp(`decode-0  http://127\\.0\\.0\\.1:${base + 2}`));
     for (const p of [base, base + 2]) assert.equal((await health(`http://127.0.0.1:${p}`)).status, 200);
     const router = `http://127.0.0.1:${rport}`;
-    const reqs = [0, 1].map((i) => rawCompletion(router, `the river ${i}`, 8, 30_000));
+    // decode-local through up's flags: the first request takes the PD path, the same prompt again
+    // hits the decode worker's prefix tree and is served by decode alone
+    const paths: (string | null)[] = [];
+    for (let i = 0; i < 2; i++) {
+      const r = await fetch(`${router}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'Zebras quietly graze', max_tokens: 4, temperature: 0 }), signal: AbortSignal.timeout(30_000) });
+      assert.equal(r.status, 200, await r.clone().text());
+      await r.json();
+      paths.push(r.headers.get('x-pdserve-path'));
+    }
+    assert.deepEqual(paths, ['pd', 'decode_local']);
+    // prompts unlike the one above and each other (no tree hit): the PD path, held in decode's load
+    const reqs = ['the river', 'my garden'].map((p) => rawCompletion(router, p, 8, 30_000));
     assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
     process.kill(-child.pid!, 'SIGINT');
     const results = await Promise.all(reqs);
