@@ -11,6 +11,7 @@
  *   (`SSE_EVENT_TOO_LARGE`). Fields other than `data` (`event`, `id`, `retry`) are ignored.
  */
 import type { ServerResponse } from 'node:http';
+import { connectionHeader } from '../common/drain.js';
 
 export type SseErrorCode = 'SSE_CLOSED' | 'SSE_WRITE_TIMEOUT' | 'SSE_EVENT_TOO_LARGE';
 
@@ -69,7 +70,7 @@ export class SseWriter {
     this.res.writeHead(status, {
       'content-type': 'text/event-stream; charset=utf-8',
       'cache-control': 'no-cache, no-transform',
-      connection: 'keep-alive',
+      connection: connectionHeader(this.res),
       'x-accel-buffering': 'no',
       ...this.extraHeaders,
     });

@@ -9,7 +9,11 @@
  *    the client), and marks the worker draining at once;
  *  - GET /health answers 503 `{status: 'draining', ...}` so pollers and load balancers stop at once;
  *  - everything else (/abort_request, /metrics, the KV channel) keeps working, so the requests in
- *    flight can finish.
+ *    flight can finish;
+ *  - every response from then on says `connection: close` (also the streams of requests accepted
+ *    before the drain whose headers had not left yet), and idle keep-alive sockets are closed when
+ *    the drain starts: a client pool stops reusing sockets into a process that will close them
+ *    (a request written into a socket the server closes at exit dies with "other side closed").
  *
  * `gracefulShutdown` is the sequence a process runs on SIGTERM: drain → wait until idle (at most
  * `timeoutMs`, or until a second signal) → deregister → close (which fails whatever is left
@@ -20,6 +24,7 @@
  * usual load-balancer drain (Envoy's drain_listeners).
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import type { ServerResponse } from 'node:http';
 
 /** Routes that carry work (only these are counted and refused while draining). */
 export const WORK_ROUTES: ReadonlySet<string> = new Set(['/generate', '/v1/completions', '/v1/chat/completions']);
@@ -30,6 +35,15 @@ export const DRAINING_CODE = 'draining';
 /** Body of that 503 (OpenAI error shape). */
 export function drainingBody(role: string): { error: { message: string; type: string; param: null; code: string } } {
   return { error: { message: `${role} is draining (shutting down gracefully); retry on another instance`, type: 'server_error', param: null, code: DRAINING_CODE } };
+}
+
+/**
+ * The `connection` header value for code that writes its own headers with `writeHead` (whose
+ * headers override those set before): `close` once a draining `DrainGate` set it on `res`, else
+ * `keep-alive`.
+ */
+export function connectionHeader(res: ServerResponse): string {
+  return res.getHeader('connection') === 'close' ? 'close' : 'keep-alive';
 }
 
 /** In-flight counter + draining flag of one process. */
@@ -101,13 +115,25 @@ export class DrainGate {
    * draining. The hook runs before body parsing, so a refused request costs nothing.
    */
   install(app: FastifyInstance): void {
+    // Work responses whose headers have not left yet: told `connection: close` when the drain starts.
+    const open = new Set<ServerResponse>();
+    this.onDraining(() => {
+      for (const res of open) if (!res.headersSent) res.setHeader('connection', 'close');
+      app.server.closeIdleConnections?.();
+    });
     app.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
+      if (this._draining) reply.raw.setHeader('connection', 'close');
       if (req.method !== 'POST' || !WORK_ROUTES.has(req.routeOptions.url ?? '')) return;
       if (this._draining) {
         return reply.code(503).header('retry-after', '1').type('application/json; charset=utf-8').send(drainingBody(this.role));
       }
       const release = this.enter();
-      reply.raw.once('close', release);
+      const res = reply.raw;
+      open.add(res);
+      res.once('close', () => {
+        open.delete(res);
+        release();
+      });
     });
   }
 }

@@ -19,6 +19,7 @@ import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenE
 import { DecodeConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
+import { connectionHeader } from '../common/drain.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
@@ -516,7 +517,7 @@ export class DecodeWorker {
   private async stream(job: Job, start: DecodeStart, reply: FastifyReply): Promise<void> {
     const res = reply.raw;
     reply.hijack();
-    res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
+    res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: connectionHeader(res) });
     const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: start.promptTokens, cached_tokens: start.cachedTokens, completion_tokens: n, finish_reason: finish });
     this.prefixMetrics.requestsByPath.inc({ path: job.local ? 'decode_local' : 'pd' });
     let n = 0;

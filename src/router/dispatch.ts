@@ -32,11 +32,15 @@
  * same pair. Everything else (deadline, aborts, leases, finish) is the same code. A successful
  * response names its path in the `x-pdserve-path` header (pd | decode_local).
  *
- * Drain: a worker that answers 503 `draining` (../common/drain.ts), or cannot be connected to at
- * all (a worker that just died: marked unreachable), before anything was sent to the client makes
- * the request end with `redispatch = true` instead of an error (when the caller allowed it):
- * nothing is sent to the client, the other leg is aborted, and the caller runs a new `PdRequest`
- * on another pair.
+ * Drain: a worker that answers 503 `draining` (../common/drain.ts), cannot be connected to at
+ * all (a worker that just died: marked unreachable), or closes/resets the connection before its
+ * response headers (a pooled keep-alive socket the worker closed as it finished draining: undici's
+ * "other side closed"; or a worker that died holding the request), before anything was sent to the
+ * client makes the request end with `redispatch = true` instead of an error (when the caller
+ * allowed it): nothing is sent to the client, the other leg is aborted (its room ends by
+ * /abort_request, the new attempt has a new room), and the caller runs a new `PdRequest` on
+ * another pair (at most MAX_DISPATCHES in all, so a request that kills workers is not retried
+ * without end). Like Envoy's `retry_on: reset` (before the response headers only).
  */
 import { DRAINING_CODE } from '../common/drain.js';
 import { hold } from '../common/testhooks.js';
@@ -53,7 +57,7 @@ import type { RouterConfig } from './config.js';
 import type { Outcome, RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
-import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
+import { describeError, isConnectionClosed, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
 export const LINGER_MS = 2000;
@@ -93,6 +97,8 @@ interface Leg {
   ac: AbortController;
   /** The worker gave a terminal answer (200, error status, error event, [DONE]): no abort_request needed on error. */
   reported: boolean;
+  /** The worker's response headers arrived (before that, a closed connection means it never answered). */
+  answered: boolean;
   /** The HTTP exchange is over. */
   settled: boolean;
   abortSent: boolean;
@@ -183,6 +189,7 @@ export class PdRequest {
       lease: shared(name) ? noLease(worker) : ctx.registry.acquire(worker),
       ac: new AbortController(),
       reported: false,
+      answered: false,
       settled: false,
       abortSent: false,
       linger: null,
@@ -240,6 +247,7 @@ export class PdRequest {
       const res = this.member
         ? await this.member.group.join(this.member.index, this.room, this.body, leg.ac.signal)
         : await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
+      leg.answered = true;
       if (res.statusCode === 200 && streamed) return await this.readPrefillStream(leg, res.body);
       const text = await readText(res.body, MAX_ERROR_BODY);
       leg.reported = true;
@@ -257,7 +265,7 @@ export class PdRequest {
         return;
       }
       if (err instanceof ApiError) return this.legFailed(leg, err);
-      this.legFailed(leg, this.transportError(leg, err));
+      this.legFailed(leg, this.transportError(leg, err), !leg.answered && isConnectionClosed(err));
     } finally {
       this.settle(leg);
     }
@@ -311,6 +319,7 @@ export class PdRequest {
         signal: leg.ac.signal,
         dispatcher: this.ctx.dataAgent,
       });
+      leg.answered = true;
       if (res.statusCode !== 200) {
         const text = await readText(res.body, MAX_ERROR_BODY);
         leg.reported = true;
@@ -362,7 +371,7 @@ export class PdRequest {
         return;
       }
       if (leg.ac.signal.aborted) return;
-      this.legFailed(leg, this.transportError(leg, err));
+      this.legFailed(leg, this.transportError(leg, err), !leg.answered && isConnectionClosed(err));
     } finally {
       this.settle(leg);
     }
@@ -416,16 +425,17 @@ export class PdRequest {
   }
 
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
-  private legFailed(leg: Leg, err: ApiError): void {
+  private legFailed(leg: Leg, err: ApiError, closedBeforeAnswer = false): void {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
     if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.phase === 'waiting' && this.builder.events === 0) {
       this.fallback = true;
       this.finish('error');
       return;
     }
-    // Safe to run again elsewhere: the worker refused as draining, or was never connected to
-    // (connection refused / unreachable: it has not seen the request), and nothing was sent yet.
-    const neverStarted = err.code === DRAINING_CODE || err.code === `${leg.name}_unreachable`;
+    // Safe to run again elsewhere: the worker refused as draining, was never connected to
+    // (connection refused / unreachable: it has not seen the request), or closed the connection
+    // before answering; nothing was sent yet, and finish() aborts the other leg.
+    const neverStarted = closedBeforeAnswer || err.code === DRAINING_CODE || err.code === `${leg.name}_unreachable`;
     if (neverStarted && this.mayRedispatch && this.phase === 'waiting' && this.builder.events === 0) {
       this.redispatch = true;
       this.finish('error');
@@ -527,7 +537,7 @@ export class PdRequest {
     const e2eMs = performance.now() - this.t0;
     metrics.inflight.dec();
     if (this.redispatch) {
-      this.log.info({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url }, 'a worker is draining: dispatching the request again');
+      this.log.info({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url }, 'a worker is draining, gone or closed the connection before answering: dispatching the request again');
       this.resolveDone();
       return;
     }

@@ -385,8 +385,23 @@ export function describeError(err: unknown): string {
 
 const UNREACHABLE = new Set(['ECONNREFUSED', 'ENOTFOUND', 'EHOSTUNREACH', 'ENETUNREACH', 'EAI_AGAIN', 'UND_ERR_CONNECT_TIMEOUT']);
 
+const CLOSED = new Set(['UND_ERR_SOCKET', 'ECONNRESET', 'EPIPE']);
+
+/**
+ * True when `err` means an open connection was closed or reset by the other side (undici's
+ * `UND_ERR_SOCKET` "other side closed", ECONNRESET, EPIPE). Raised before the response headers,
+ * the worker never answered the request.
+ */
+export function isConnectionClosed(err: unknown): boolean {
+  return hasCode(err, CLOSED);
+}
+
 /** True when `err` means the worker could not be connected to at all. */
 export function isUnreachable(err: unknown): boolean {
+  return hasCode(err, UNREACHABLE);
+}
+
+function hasCode(err: unknown, codes: ReadonlySet<string>): boolean {
   const e = err as { code?: unknown; cause?: { code?: unknown } };
-  return UNREACHABLE.has(String(e?.code)) || UNREACHABLE.has(String(e?.cause?.code));
+  return codes.has(String(e?.code)) || codes.has(String(e?.cause?.code));
 }

@@ -45,6 +45,10 @@ interface DecodeBehaviour {
   /** Stop sending after this many tokens but keep the stream open. */
   hangAfter?: number;
   promptTokens?: number;
+  /** Destroy the connection without any response byte (a worker closing as it exits). */
+  destroy?: boolean;
+  /** Destroy the connection after this many tokens (50 ms after the headers and those tokens left). */
+  destroyAfter?: number;
 }
 
 interface AbortRecord {
@@ -79,14 +83,15 @@ class FakeWorker {
     this.app.post('/abort_request', async (req) => {
       const b = req.body as { rid: string; bootstrap_room?: string };
       this.aborts.push({ ...b, at: Date.now() });
-      this.cancels.get(b.rid)?.abort();
+      this.cancels.get(String(b.bootstrap_room ?? b.rid))?.abort(); // by room when given, as the real workers do
       return { ok: true };
     });
     this.app.post('/generate', async (req, reply) => {
       const body = req.body as GenerateRequest;
       this.generates.push(body);
       const ac = new AbortController();
-      this.cancels.set(body.rid, ac);
+      const key = String(body.bootstrap_room ?? body.rid);
+      this.cancels.set(key, ac);
       let finished = false;
       reply.raw.on('close', () => {
         if (!finished) {
@@ -101,7 +106,7 @@ class FakeWorker {
       } finally {
         finished = true;
         this.active--;
-        this.cancels.delete(body.rid);
+        this.cancels.delete(key);
       }
     });
   }
@@ -143,6 +148,7 @@ class FakeWorker {
     }
     if (b.status) return reply.code(b.status).send({ error: { message: b.message ?? 'decode failed', type: 'server_error', param: null, code: 'decode_failed' } });
     reply.hijack();
+    if (b.destroy) return void reply.raw.socket?.destroy();
     const res = reply.raw;
     res.writeHead(200, { 'content-type': 'text/event-stream' });
     const tokens = b.tokens ?? [];
@@ -156,6 +162,10 @@ class FakeWorker {
           return res.end();
         }
         if (b.truncateAfter === i) return res.end();
+        if (b.destroyAfter === i) {
+          await sleep(50); // the headers and the tokens so far reach the router first
+          return void res.socket?.destroy();
+        }
         if (b.hangAfter === i) {
           await new Promise((r) => signal.addEventListener('abort', r, { once: true }));
           return res.end();
@@ -705,6 +715,27 @@ describe('router: failures', () => {
     }
     assert.equal(s.router.registry.workers.filter((w) => w.healthy).length, 2, 'both dead workers marked unhealthy');
     assert.equal(await outcomeCount(s, 'error'), 0);
+    await assertReleased(s);
+  });
+
+  test('a worker closing the connection before any response byte: dispatched again to another pair, the first prefill leg aborted; after the headers it is an error', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    let first = true;
+    for (const d of s.decode) d.decode = () => (first ? ((first = false), { startDelayMs: 20, destroy: true }) : { tokens: ['a', 'b'] });
+    // The first attempt's prefill leg is still open when decode's connection closes.
+    s.prefill[0]!.prefill = () => (s.prefill[0]!.generates.length === 1 ? { delayMs: 30_000 } : { delayMs: 5 });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    assert.equal(r.choices[0]!.text, 'ab', 'served by the second attempt');
+    assert.equal(s.decode.reduce((n, d) => n + d.generates.length, 0), 2, 'two attempts reached decode');
+    const gens = s.prefill[0]!.generates;
+    assert.equal(gens.length, 2);
+    assert.notEqual(gens[0]!.bootstrap_room, gens[1]!.bootstrap_room, 'the new attempt has a new room');
+    assert.ok(await waitFor(() => s.prefill[0]!.aborts.some((a) => a.bootstrap_room === gens[0]!.bootstrap_room), 1000), "the first attempt's prefill leg got abort_request");
+    assert.equal(await outcomeCount(s, 'error'), 0);
+    // A connection lost after decode's headers is not dispatched again: the client gets an error.
+    s.decode[0]!.decode = s.decode[1]!.decode = () => ({ tokens: ['a', 'b'], destroyAfter: 1 });
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'q' }), isApiError(502, /decode worker .* failed/));
+    assert.equal(s.prefill[0]!.generates.length, 3, 'not dispatched again');
     await assertReleased(s);
   });
 
