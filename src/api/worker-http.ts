@@ -40,7 +40,8 @@ export function drainGateOf(app: FastifyInstance): DrainGate | undefined {
 
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
-  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
+  // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
+  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
   const gate = new DrainGate('worker');
   gates.set(app, gate);

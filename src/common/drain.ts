@@ -112,19 +112,32 @@ export class DrainGate {
 
   /**
    * Install on a fastify app (before it listens): counts work routes and refuses them while
-   * draining. The hook runs before body parsing, so a refused request costs nothing.
+   * draining or closing (create the app with `return503OnClosing: false` so requests reaching a
+   * closing app get here). The hook runs before body parsing, so a refused request costs nothing.
    */
   install(app: FastifyInstance): void {
     // Work responses whose headers have not left yet: told `connection: close` when the drain starts.
     const open = new Set<ServerResponse>();
+    // Closing (app.close(): after the drain, or without one): work is refused the same way. With
+    // fastify's `return503OnClosing: false` a request arriving on a still-open socket then gets
+    // this `draining` 503 (the router re-dispatches it) instead of fastify's bare 503.
+    let closing = false;
+    app.addHook('preClose', async () => {
+      closing = true;
+    });
     this.onDraining(() => {
       for (const res of open) if (!res.headersSent) res.setHeader('connection', 'close');
       app.server.closeIdleConnections?.();
     });
     app.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
-      if (this._draining) reply.raw.setHeader('connection', 'close');
-      if (req.method !== 'POST' || !WORK_ROUTES.has(req.routeOptions.url ?? '')) return;
-      if (this._draining) {
+      const refusing = this._draining || closing;
+      if (refusing) reply.raw.setHeader('connection', 'close');
+      if (req.method !== 'POST' || !WORK_ROUTES.has(req.routeOptions.url ?? '')) {
+        // Other routes of a closing app: fastify's own answer (its return503OnClosing).
+        if (closing) return reply.code(503).send({ error: 'Service Unavailable', message: 'Service Unavailable', statusCode: 503 });
+        return;
+      }
+      if (refusing) {
         return reply.code(503).header('retry-after', '1').type('application/json; charset=utf-8').send(drainingBody(this.role));
       }
       const release = this.enter();
