@@ -125,13 +125,14 @@ describe('worker faults b–f', () => {
     const r = await post(`${c.router.url}/v1/completions`, { model: 'pdserve', prompt: 'Once upon a time', max_tokens: CTX + 10 });
     assert.equal(r.status, 400);
     assert.equal((await r.json()).error.code, 'context_length_exceeded');
-    // The router cancels the decode leg. Whether decode sees that leg at all is timing: its
-    // /generate may be cancelled before it is sent, or meet the abort's tombstone. If decode
-    // created a room, the room ends (the router's abort) and must be booked as client-caused.
+    // Whether decode creates a room for it depends on timing and routing: the router cancels the
+    // decode leg once prefill answers 400 (its /generate may be cancelled before it is sent, or
+    // meet the abort's tombstone), and a decode-local attempt is refused by decode itself before
+    // any room exists. If decode created a room, it ends and must be booked as client-caused.
     const saw = await waitFor(async () => (await onDecode()) > ended0, 1500);
     for (const d of decodes) assert.ok(await waitFor(async () => (await liveRooms(d)).length === 0, 2000), `${d.name} holds no room`);
     const [ended, client] = [(await onDecode()) - ended0, (await onDecode('cause="client"')) - client0];
-    t.diagnostic(saw ? `decode ended ${ended} room(s) for it, ${client} client-caused` : 'decode never saw the cancelled request');
+    t.diagnostic(saw ? `decode ended ${ended} room(s) for it, ${client} client-caused` : 'decode created no room for it (leg cancelled before it arrived, or refused before a room)');
     assert.equal(client, ended, 'every decode room that ended for it was booked as client-caused');
     assert.equal(await sys(), sys0, 'no system-fault counter moved on any worker');
   });
