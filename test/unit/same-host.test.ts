@@ -12,14 +12,13 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { PdError } from '../../src/common/errors.js';
 import { normalizeRoomId } from '../../src/kv/frame.js';
-import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { GgsqStreamParser } from '../../src/engine/ggsq.js';
-import { loadEngine } from '../../src/engine/llama.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
 import { BufferPool } from '../../src/kv/transfer/pool.js';
 import { decodeStateName, hostIdentity, prefillStateName, SameHostDecode, SameHostPrefill, type HostIdentity } from '../../src/kv/transfer/same-host.js';
+import { saveTinyState } from '../helpers/engine.js';
 
 const CTX = 256;
 const PAIR = { fingerprint: 'ab'.repeat(32), contextSize: CTX, batchSize: 64, flashAttention: true };
@@ -35,18 +34,7 @@ const ID = hostIdentity();
 before(async () => {
   for (const d of [shared, other]) rmSync(d, { recursive: true, force: true });
   await import('node:fs/promises').then((f) => Promise.all([f.mkdir(shared), f.mkdir(other)]));
-  const engine = await loadEngine({ modelPath: await ensureModel('tiny', 1, root), sequences: 1, contextSize: CTX, batchSize: 64 });
-  try {
-    const tokens = engine.tokenize('the river ran past old mills and quiet farms '.repeat(4));
-    nTokens = tokens.length;
-    const slot = engine.tryAcquireSlot()!;
-    await slot.prefill(tokens, { temperature: 0, topP: 1, topK: 0, maxTokens: 4, stop: [], ignoreEos: false }, new AbortController().signal);
-    await slot.saveState(path.join(root, 'state.ggsq'));
-    slot.release();
-    state = readFileSync(path.join(root, 'state.ggsq'));
-  } finally {
-    await engine.dispose();
-  }
+  ({ state, nTokens } = await saveTinyState(root, CTX));
 });
 after(() => rmSync(root, { recursive: true, force: true }));
 

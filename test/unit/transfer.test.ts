@@ -9,9 +9,7 @@ import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'no
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { GgsqStreamParser, parseStateFile } from '../../src/engine/ggsq.js';
-import { loadEngine } from '../../src/engine/llama.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
@@ -20,6 +18,7 @@ import { BufferPool } from '../../src/kv/transfer/pool.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
 import { PdError } from '../../src/common/errors.js';
+import { saveTinyState } from '../helpers/engine.js';
 
 const CTX = 256;
 /** Pair settings both channel ends exchange in the handshake. */
@@ -32,18 +31,7 @@ let nTokens = 0;
 let seq = 0;
 
 before(async () => {
-  const engine = await loadEngine({ modelPath: await ensureModel('tiny', 1, dir), sequences: 1, contextSize: CTX, batchSize: 64 });
-  try {
-    const tokens = engine.tokenize('the river ran past old mills and quiet farms '.repeat(4));
-    nTokens = tokens.length;
-    const slot = engine.tryAcquireSlot()!;
-    await slot.prefill(tokens, { temperature: 0, topP: 1, topK: 0, maxTokens: 4, stop: [], ignoreEos: false }, new AbortController().signal);
-    await slot.saveState(path.join(dir, 'state.ggsq'));
-    slot.release();
-    state = readFileSync(path.join(dir, 'state.ggsq'));
-  } finally {
-    await engine.dispose();
-  }
+  ({ state, nTokens } = await saveTinyState(dir, CTX));
 });
 after(() => rmSync(dir, { recursive: true, force: true }));
 
