@@ -1,6 +1,7 @@
 /**
  * Child process of bench section 4: node-llama-cpp driven directly through src/engine (no HTTP,
- * no PD), with the decode worker's context settings. `run`: N prompts are evaluated at once
+ * no PD), with the decode worker's context settings (its sequence count includes the decode
+ * worker's prefix-cache sequences: see `decodeContextSequences`). `run`: N prompts are evaluated at once
  * (one slot each), then all N sequences generate concurrently (node-llama-cpp batches them into
  * one llama_decode per step, as the decode worker does); the arrival time of every token is
  * reported, relative to the run's start.

@@ -5,6 +5,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import type { Dispatcher } from 'undici';
+import { DecodeConfigSchema, EngineConfigSchema, prefixCacheOf } from '../common/config.js';
 import { computeMetrics, type BenchMetrics, type RequestRecord, type Slo } from './bench-metrics.js';
 import { buildPrompts, runBench, sendRequest, type BenchTarget, type BenchTokenizer, type PromptSpec } from './bench.js';
 import { alternate, BenchChild, median, say, sleep } from './bench-util.js';
@@ -350,7 +351,23 @@ export interface EngineContention {
 /** Section 4 result. */
 export interface BatchingResult {
   rows: BatchingRow[];
+  /** Sequences (KV streams) of the direct engine's context: the decode worker's slots + its prefix-cache sequences. */
+  directSequences?: number;
   contention?: EngineContention;
+}
+
+/**
+ * Sequences of the bench cluster's decode context: `slots` plus the prefix-cache sequences the
+ * decode worker adds with its default flags (decode-local continuation keeps finished sequences
+ * there). Every sequence is one KV stream in llama.cpp, and each step of a 14-stream context
+ * cost ≈ 4–6 % more than a 10-stream one in an interleaved A/B (issue #9 §4 gap), so section 4's
+ * direct baseline is created with the same count.
+ */
+export function decodeContextSequences(slots: number): number {
+  // as startDecodeWorker: the prefix cache is on when decode-local continuation is (default flags)
+  const local = DecodeConfigSchema.shape.localPrefillMaxTokens.parse(undefined);
+  const cache = local > 0 ? prefixCacheOf(EngineConfigSchema.parse({ modelPath: '-' })) : undefined;
+  return slots + (cache?.cacheSequences ?? 0);
 }
 
 /** Section 4: decode batching through pdserve vs node-llama-cpp driven directly. */
@@ -358,9 +375,10 @@ export async function runBatching(ctx: SectionCtx, levels = [1, 4, 8]): Promise<
   const outputLen = ctx.quick ? 64 : 192;
   const promptLen = 16;
   const reps = ctx.quick ? 1 : 3;
+  const sequences = decodeContextSequences(ctx.decodeSlots);
   const child = new BenchChild<{ type: string; error?: string }>(
     'bench-engine-child',
-    [JSON.stringify({ model: ctx.model, contextSize: ctx.contextSize, batchSize: ctx.batchSize, sequences: ctx.decodeSlots, threads: 1 })],
+    [JSON.stringify({ model: ctx.model, contextSize: ctx.contextSize, batchSize: ctx.batchSize, sequences, threads: 1 })],
     ctx.decodeCpus,
   );
   try {
@@ -418,7 +436,7 @@ export async function runBatching(ctx: SectionCtx, levels = [1, 4, 8]): Promise<
     } catch (err) {
       say(`  engine contention probe failed: ${(err as Error).message}`);
     }
-    return { rows, contention };
+    return { rows, contention, directSequences: sequences };
   } finally {
     await child.stop();
   }

@@ -7,7 +7,8 @@ import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { computeMetrics, goodput, meetsSlo, peakConcurrency, tpotMs, type RequestRecord } from '../../src/harness/bench-metrics.js';
 import { buildPrompts, exactText, Rng, type BenchTokenizer } from '../../src/harness/bench.js';
-import { windowRate } from '../../src/harness/bench-sections.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/common/config.js';
+import { decodeContextSequences, windowRate } from '../../src/harness/bench-sections.js';
 import { percentile, summarize } from '../../src/harness/stats.js';
 
 const close = (a: number, b: number, eps = 1e-9) => assert.ok(Math.abs(a - b) <= eps, `${a} ≉ ${b}`);
@@ -177,5 +178,15 @@ describe('prompts', () => {
     const e = exactText(tok, ids, 6, 10);
     assert.equal(e.tokens, 10);
     assert.equal(e.text, 'world, th');
+  });
+});
+
+describe('section 4 baseline', () => {
+  test('the direct engine has as many sequences (KV streams) as the decode worker creates with default flags', () => {
+    const config = parseConfig(DecodeConfigSchema, { secret: 'bench-secret', slots: 10, engine: { modelPath: 'model.gguf' } });
+    // startDecodeWorker's context: slots + the prefix cache's sequences when decode-local continuation is on
+    const cache = config.localPrefillMaxTokens > 0 ? prefixCacheOf(config.engine) : undefined;
+    assert.equal(decodeContextSequences(config.slots), config.slots + (cache?.cacheSequences ?? 0));
+    assert.ok(decodeContextSequences(10) > 10, 'decode keeps a prefix cache by default, so the baseline has more sequences than slots');
   });
 });
