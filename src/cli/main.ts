@@ -78,7 +78,8 @@ const kvOptions = (c: Command) =>
     .option('--waiting-timeout-ms <ms>', 'prefill: max queue + prompt evaluation time; decode: max wait for the KV to start', int, 60_000)
     .option('--transfer-timeout-ms <ms>', 'max time without KV transfer progress', int, 10_000)
     .option('--state-dir <dir>', 'folder for sequence-state files (tmpfs)', '/dev/shm')
-    .option('--no-kv-same-host', 'never hand the saved state file over on one host (kv_file): every KV handoff goes over TCP');
+    .option('--no-kv-same-host', 'never hand the saved state file over on one host (kv_file): every KV handoff goes over TCP')
+    .option('--kv-same-host-verify', 'same-host handoff: also check the state\'s data bytes (CRC-32, one full read of the file on each side, on the critical path); by default size, envelope head and the ggsq structure are checked, not the data (no wire to damage it); either side turns it on for the pair', false);
 
 async function modelPath(model: string | undefined): Promise<string> {
   if (model) return resolve(model);
@@ -131,12 +132,13 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
-/** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name to the workers. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number }): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name and --kv-same-host-verify to the workers. */
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean }): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
+  const verify = o.kvSameHostVerify ? ['--kv-same-host-verify'] : [];
   const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local];
-  return { router, prefill: names, decode: [...names, ...local] };
+  return { router, prefill: [...names, ...verify], decode: [...names, ...local, ...verify] };
 }
 
 /** Parse argv and run. */
@@ -157,6 +159,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--discovery <etcd://HOST:PORT>', 'every process uses etcd membership: workers register under a lease, the router watches')
     .addOption(new Option('--decode-policy <name>', "the router's load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)").choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
+    .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       const { superviseAction } = await import('../harness/supervise.js');
@@ -242,7 +245,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -259,7 +262,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('decode'),
         ),
       );

@@ -73,6 +73,13 @@ const common = {
    * `--no-kv-same-host` (every handoff over TCP).
    */
   kvSameHost: z.boolean().default(true),
+  /**
+   * `--kv-same-host-verify`: the same-host handoff also checks the KV data bytes (CRC-32: one
+   * full read of the file on each side, on the handoff's critical path). Off: size, envelope head
+   * and the ggsq structure (headers only) are checked, the data bytes are not
+   * (kv/transfer/same-host.ts says why). Either side turning it on turns it on for the pair.
+   */
+  kvSameHostVerify: z.boolean().default(false),
 };
 
 export const PrefillConfigSchema = z.object({

@@ -34,7 +34,7 @@ import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
-import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
+import { GgsqStreamParser, parseStateHeaders, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver, type ReceivedState } from '../kv/transfer/receiver.js';
 import { SameHostDecode, type KvPath } from '../kv/transfer/same-host.js';
 import { rm } from 'node:fs/promises';
@@ -107,7 +107,7 @@ export class DecodeWorker {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
-    this.sameHost = new SameHostDecode({ enabled: config.kvSameHost, stateDir: config.stateDir, log: this.log.child({ part: 'kv' }) });
+    this.sameHost = new SameHostDecode({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir, log: this.log.child({ part: 'kv' }) });
   }
 
   /** The driver's room table (the lifecycle core). */
@@ -385,7 +385,8 @@ export class DecodeWorker {
 
   /**
    * The driver's `take_file` (same host): take the handed file over and validate it
-   * (transfer/same-host.ts), then load it as a received one. Refused (still prefill's) →
+   * (transfer/same-host.ts: size, envelope head, ggsq headers; the data bytes' CRC-32 too with
+   * --kv-same-host-verify), then load it as a received one. Refused (still prefill's) →
    * `fileRefused` (prefill sends over TCP); a bad file → `loadFailed`.
    */
   private async takeFile(room: RoomId, msg: Extract<ControlMsg, { type: 'kv_file' }>): Promise<void> {
@@ -400,6 +401,7 @@ export class DecodeWorker {
     try {
       const out = this.sameHost.take(msg, {
         expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
+        headers: (file) => parseStateHeaders(file, { contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, nVocab: info.nVocab, maxBytes: this.config.maxStateBytes }),
         walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }),
         pool: this.kvPool,
       });

@@ -331,6 +331,50 @@ export class GgsqStreamParser {
 }
 
 /**
+ * A state file read at positions (decode's taken same-host file): `size` bytes; `read(pos, n)`
+ * returns exactly `n` bytes starting at byte `pos` (it is only asked within [0, size)), or throws.
+ * The returned buffer need only stay valid until the next `read`.
+ */
+export interface PositionalSource {
+  readonly size: number;
+  read(pos: number, n: number): Buffer;
+}
+
+/**
+ * The ggsq v3 structure walk of a whole file WITHOUT reading its KV data: the same
+ * `walkStateFile` checks as `parseStateFile` (every count and size against the file's size),
+ * but driven by positional reads of the headers — magic … token ids … cell metadata, then per
+ * layer only the 12-byte type / row-size header — and seeking over each layer's data. What it
+ * reads is independent of the KV size (n_tokens × 16 bytes + 24 bytes per layer and stream + a
+ * few fields). It proves the file is a structurally complete state of exactly `src.size` bytes
+ * (what llama.cpp needs in order not to abort); it says nothing about the data bytes.
+ * @param expect as for parseStateFile; `maxBytes` (optional) bounds `src.size`.
+ * @throws PdError('BAD_STATE') on any inconsistency, a file cut short of its structure, or
+ *   bytes after the structure's end.
+ */
+export function parseStateHeaders(src: PositionalSource, expect: Omit<StateExpect, 'maxBytes'> & { maxBytes?: number }): ParsedState {
+  if (!Number.isSafeInteger(src.size) || src.size < 0) bad(`file size ${src.size} is not a byte count`);
+  if (expect.maxBytes !== undefined && src.size > expect.maxBytes) bad(`${src.size} bytes exceeds the limit of ${expect.maxBytes}`);
+  const walk = walkStateFile({ ...expect, maxBytes: src.size });
+  let pos = 0;
+  let r = walk.next(undefined);
+  while (!r.done) {
+    const need = r.value;
+    if ('skip' in need) {
+      pos += Number(need.skip); // the walk checked it stays within src.size
+      r = walk.next(undefined);
+    } else {
+      const b = src.read(pos, need.n);
+      if (b.length !== need.n) bad(`truncated at byte ${pos}: ${need.what} needs ${need.n} bytes, ${b.length} read`);
+      pos += need.n;
+      r = walk.next(b);
+    }
+  }
+  if (r.value.end !== src.size) bad(`${src.size - r.value.end} trailing bytes after the state`);
+  return r.value;
+}
+
+/**
  * Re-frame a state for a context with `targetStreams` sequences: llama.cpp refuses a state whose
  * n_stream differs from the loading context's ("n_stream mismatch"), but it restores a non-empty
  * stream into the destination sequence's own stream whatever its index, so empty streams

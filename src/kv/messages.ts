@@ -99,15 +99,19 @@ export type ControlMsg =
   | { type: 'same_host_probe'; boot: string; pidns: string; file: string }
   /** prefill → decode: the nonce prefill read from `file` in its own state directory (ok), or why not. */
   | { type: 'same_host_reply'; ok: boolean; nonce?: string; reason?: string }
-  /** decode → prefill: the nonce matched; prefill may hand this connection's rooms over as kv_file. */
-  | { type: 'same_host_ok' }
+  /**
+   * decode → prefill: the nonce matched; prefill may hand this connection's rooms over as kv_file.
+   * `verify`: decode runs --kv-same-host-verify, so every kv_file must carry the payload's CRC-32.
+   */
+  | { type: 'same_host_ok'; verify?: boolean }
   /**
    * prefill → decode, instead of kv_begin/chunks/kv_end on a same-host connection: the saved state
    * is the file `file` (a basename in the shared state directory, see same-host.ts for the name and
-   * its ownership), `payloadBytes` long with CRC-32 `crc`; `head` is the envelope head (base64),
-   * validated as on the TCP path.
+   * its ownership), `payloadBytes` long; `head` is the envelope head (base64), validated as on the
+   * TCP path. `crc` (the payload's CRC-32) only with --kv-same-host-verify on either side; without
+   * it decode checks size, head and the ggsq structure but not the data bytes (same-host.ts).
    */
-  | { type: 'kv_file'; room: RoomId; file: string; payloadBytes: number; crc: number; head: string }
+  | { type: 'kv_file'; room: RoomId; file: string; payloadBytes: number; crc?: number; head: string }
   /** decode → prefill: the kv_file was not taken (missing, wrong size, …): send this room over TCP. */
   | { type: 'kv_file_refused'; room: RoomId; reason: string; epoch: string }
   /**

@@ -113,7 +113,7 @@ export class PrefillWorker {
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
-    this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, stateDir: config.stateDir });
+    this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir });
   }
 
   /** The driver's room table (the lifecycle core). */
@@ -415,7 +415,8 @@ export class PrefillWorker {
 
   /**
    * Send the room's state to decode (`transfer`). On a same-host connection: the room's own hard
-   * link to the state file (`prefillStateName`), CRC-32'd and named in one kv_file message
+   * link to the state file (`prefillStateName`), named in one kv_file message (not read; CRC-32'd
+   * only with --kv-same-host-verify on either side)
    * (transfer/same-host.ts) — decode takes it over by renaming it; the link is deleted at the
    * room's finish if it is still ours. Else (or `path` 'tcp': decode refused the file, sent from
    * the link): kv_begin, the file streamed in pooled pieces (transfer/sender.ts), kv_end.
@@ -442,7 +443,7 @@ export class PrefillWorker {
           unlinkSync(job.comp.state.path);
           job.comp.state = undefined;
         }
-        if (!conn || !conn.sendControl(this.sameHost.offer(room, link, head, st.payloadBytes, this.kvPool))) return failed('connection to decode is gone');
+        if (!conn || !conn.sendControl(this.sameHost.offer(peer, room, link, head, st.payloadBytes, this.kvPool))) return failed('connection to decode is gone');
       } catch (err) {
         return failed((err as Error).message);
       }

@@ -3,19 +3,22 @@
  * never the process. The test plays the prefill side itself with the real parts — the real KV
  * channel (KvServer), the real envelope, and a real state saved by the real engine — and then
  * damages what it sends: a truncated payload, a flipped byte, a state from another model — over TCP
- * and, on the same-host path, as a handed state file (kv_file) it damaged in the state directory.
+ * and, on the same-host path, as a handed state file (kv_file) it damaged in the state directory:
+ * cut, a damaged envelope head, a damaged ggsq structure header (caught by the header walk on
+ * every decode), and a damaged data byte (caught only by decode-1, which runs
+ * --kv-same-host-verify; decode-0 loads it: the documented trade of the default path).
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
 import { readFile, rm, writeFile } from 'node:fs/promises';
+import { BufferPool } from '../../src/kv/transfer/pool.js';
 import { after, before, describe, test } from 'node:test';
 import { ensureModel, loadEngine, parseStateFile, sha256File } from '../../src/engine/index.js';
 import type { Engine } from '../../src/engine/types.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
-import { crc32 } from '../../src/kv/transfer/checksum.js';
 import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
 import type { Cluster } from '../../src/harness/cluster.js';
@@ -29,13 +32,15 @@ let kvPort: number;
 let nextBlob: Buffer | undefined;
 /**
  * How the fake prefill sends it: kv_begin announces `announce` bytes (default the blob's), kv_end
- * follows unless `noEnd`; with `file`, the same-host path instead: `file.payload` is written to
- * the shared state directory under prefill's name and handed over (kv_file) with the envelope
- * head of `file.head` and the CRC-32 of `file.crcOf` (default the payload).
+ * follows unless `noEnd`; with `file`, the same-host path instead, as the real prefill does it:
+ * `file.crcOf` (default the payload) is written to the shared state directory under prefill's
+ * name and offered (`SameHostPrefill.offer`: a CRC-32 only when that decode asked for verify),
+ * then overwritten with `file.payload` (the damage) and handed over (kv_file) with `file.head`.
  */
 let nextSend: { announce?: number; noEnd?: boolean; file?: { payload: Buffer; head: Buffer; crcOf?: Buffer } } = {};
 /** The fake prefill answers decode's same-host probe as a real one (the stack's state dir is /dev/shm). */
 const sameHost = new SameHostPrefill({ enabled: true, stateDir: '/dev/shm' });
+const pool = new BufferPool(1 << 16, 2);
 const fails = new Map<string, string>();
 
 async function stateOf(modelPath: string, prompt: string): Promise<{ payload: Buffer; fingerprint: string; nTokens: number; firstToken: number; firstIsEog: boolean }> {
@@ -55,7 +60,8 @@ async function stateOf(modelPath: string, prompt: string): Promise<{ payload: Bu
 }
 
 before(async () => {
-  c = await startStack({ colocated: false });
+  // decode-1 runs --kv-same-host-verify: it asks for (and checks) the handed file's CRC-32
+  c = await startStack({ colocated: false, decode: 2, extraArgsOf: { 'decode-1': ['--kv-same-host-verify'] } });
   kv = new KvServer({
     host: '127.0.0.1',
     port: 0,
@@ -75,15 +81,21 @@ before(async () => {
           const f = how.file;
           assert.ok(sameHost.usable(conn.id), 'decode confirmed the same-host probe before registering');
           const name = prefillStateName(process.pid, msg.room);
-          void writeFile(`/dev/shm/${name}`, f.payload).then(() =>
-            conn.sendControl({ type: 'kv_file', room: msg.room, file: name, payloadBytes: f.payload.length, crc: crc32(f.crcOf ?? f.payload), head: f.head.toString('base64') }),
-          );
+          const seen = f.crcOf ?? f.payload;
+          void (async () => {
+            await writeFile(`/dev/shm/${name}`, seen);
+            const offer = sameHost.offer(conn.id, msg.room, `/dev/shm/${name}`, f.head, seen.length, pool);
+            if (f.crcOf) await writeFile(`/dev/shm/${name}`, f.payload);
+            conn.sendControl({ ...offer, payloadBytes: f.payload.length });
+          })();
           return;
         }
         conn.sendControl({ type: 'kv_begin', room: msg.room, totalBytes: how.announce ?? blob.length });
         void conn.sendChunks(msg.room, blob, { chunkBytes: 4096 }).then(() => how.noEnd || conn.sendControl({ type: 'kv_end', room: msg.room }), () => {});
       } else if (msg.type === 'fail') {
         fails.set(msg.room, `${msg.code}: ${msg.detail}`);
+        // as the real prefill at the room's end: delete its name of a handed file (a no-op once taken)
+        void rm(`/dev/shm/${prefillStateName(process.pid, msg.room)}`, { force: true });
       }
     },
   });
@@ -95,10 +107,10 @@ after(async () => {
   await c?.stop();
 });
 
-/** Send one request straight to the decode worker, bootstrapping from the fake prefill. */
-async function generate(): Promise<{ status: number; body: string; room: string }> {
+/** Send one request straight to decode worker `d` (decode-1 runs --kv-same-host-verify), bootstrapping from the fake prefill. */
+async function generate(d = 0): Promise<{ status: number; body: string; room: string }> {
   const room = BigInt.asUintN(63, randomBytes(8).readBigUInt64BE()).toString();
-  const decode = c.byRole('decode')[0]!;
+  const decode = c.byRole('decode')[d]!;
   const r = await fetch(`${decode.url}/generate`, {
     method: 'POST',
     headers: { 'content-type': 'application/json' },
@@ -184,26 +196,45 @@ describe('corrupt KV state reaching a real decode worker', () => {
     crcOf,
     head: encodeEnvelopeHead({ fingerprint: good.fingerprint, contextSize: CTX, batchSize: BATCH, nTokens: good.nTokens, firstToken: good.firstToken, firstIsEog: good.firstIsEog, payloadBytes: payload.length }),
   });
-  const gone = (room: string) => !existsSync(`/dev/shm/${prefillStateName(process.pid, room as never)}`) && !existsSync(`/dev/shm/${decodeStateName(c.byRole('decode')[0]!.child!.pid!, room as never)}`);
+  const gone = (room: string, d = 0) => !existsSync(`/dev/shm/${prefillStateName(process.pid, room as never)}`) && !existsSync(`/dev/shm/${decodeStateName(c.byRole('decode')[d]!.child!.pid!, room as never)}`);
 
-  test('same host: the untouched handed file is taken over and served; no file stays behind', async () => {
-    nextSend = { file: handed(good.payload) };
-    const r = await generate();
-    assert.equal(r.status, 200, r.body);
-    assert.match(r.body, /\[DONE\]/);
-    assert.ok(await waitFor(async () => gone(r.room), 2000), 'the handed file was deleted once loaded');
-  });
+  for (const d of [0, 1]) {
+    test(`same host${d ? ' with --kv-same-host-verify' : ''}: the untouched handed file is taken over and served; no file stays behind`, async () => {
+      nextSend = { file: handed(good.payload) };
+      const r = await generate(d);
+      assert.equal(r.status, 200, r.body);
+      assert.match(r.body, /\[DONE\]/);
+      assert.ok(await waitFor(async () => gone(r.room, d), 2000), 'the handed file was deleted once loaded');
+    });
+  }
 
+  const structure = () => {
+    const st = parseStateFile(good.payload, { contextSize: CTX, maxBytes: 1 << 30 });
+    return { st, s0: st.streams.find((x) => x.cellCount > 0)! };
+  };
   const badFiles: [string, () => ReturnType<typeof handed>, RegExp][] = [
-    ['one flipped byte in the handed file (after prefill computed its CRC)', () => {
+    ['a handed file cut short (named at its cut size, so only the structure walk can catch it)', () => handed(good.payload.subarray(0, good.payload.length - 100)), /truncated|past the limit/],
+    ['a damaged structure header: the last layer\'s V row size (reached by seeking over the data)', () => {
+      const { s0 } = structure();
       const p = Buffer.from(good.payload);
-      p[p.length - 500] ^= 0x40;
-      return handed(p, good.payload);
-    }, /checksum/],
-    ['a handed file cut short (named at its cut size, so only the ggsq walk can catch it)', () => handed(good.payload.subarray(0, good.payload.length - 100)), /truncated|past the limit/],
+      const lastV = s0.v![s0.v!.length - 1]!;
+      p.writeBigUInt64LE(BigInt(lastV.bytesPerCell * 3), lastV.dataOffset - 8);
+      return handed(p);
+    }, /past the limit|truncated|trailing/],
+    ['a damaged structure header: n_stream', () => {
+      const p = Buffer.from(good.payload);
+      p.writeUInt32LE(999, structure().st.nStreamOffset);
+      return handed(p);
+    }, /n_stream 999/],
+    ['a damaged envelope head (one flipped byte)', () => {
+      const h = handed(good.payload);
+      h.head = Buffer.from(h.head);
+      h.head[h.head.length - 5] ^= 0x08;
+      return h;
+    }, /digest|envelope/],
   ];
   for (const [name, make, re] of badFiles) {
-    test(`same host: ${name}: that request fails with bad_state, decode lives, the file is deleted`, async () => {
+    test(`same host: ${name}: that request fails with bad_state, decode lives, no file stays behind`, async () => {
       nextSend = { file: make() };
       const r = await generate();
       assert.ok(r.status >= 400, `status ${r.status}`);
@@ -211,10 +242,34 @@ describe('corrupt KV state reaching a real decode worker', () => {
       assert.equal(e.code, 'bad_state');
       assert.match(e.message, re);
       assert.ok(await waitFor(async () => fails.has(r.room), 1000), 'prefill side told at once');
-      assert.ok(await waitFor(async () => gone(r.room), 2000), 'the taken file was deleted by decode');
+      assert.ok(await waitFor(async () => gone(r.room), 2000), 'the handed file was deleted (by decode once taken, else by prefill at the fail)');
       nextSend = {};
     });
   }
+
+  const flipped = () => {
+    const p = Buffer.from(good.payload);
+    p[p.length - 500] ^= 0x40;
+    return handed(p, good.payload);
+  };
+  test('same host, --kv-same-host-verify (decode-1 asks for the CRC-32): one flipped data byte fails that request with bad_state', async () => {
+    nextSend = { file: flipped() };
+    const r = await generate(1);
+    assert.ok(r.status >= 400, `status ${r.status}`);
+    const e = (JSON.parse(r.body) as { error: { message: string; code: string } }).error;
+    assert.equal(e.code, 'bad_state');
+    assert.match(e.message, /checksum/);
+    assert.ok(await waitFor(async () => gone(r.room, 1), 2000), 'the taken file was deleted by decode');
+    nextSend = {};
+  });
+
+  test('same host, default: one flipped data byte is NOT read (no CRC-32 on this path): the request is served', async () => {
+    nextSend = { file: flipped() };
+    const r = await generate(0);
+    assert.equal(r.status, 200, r.body);
+    assert.ok(await waitFor(async () => gone(r.room), 2000));
+    nextSend = {};
+  });
 
   test('a state from another model (same shapes, other weights) is refused by fingerprint', async () => {
     const other = await ensureModel('tiny', 2);
@@ -226,8 +281,7 @@ describe('corrupt KV state reaching a real decode worker', () => {
   });
 
   test('after all that, decode is idle, alive, and serves a normal request through the router', async () => {
-    const d = c.byRole('decode')[0]!;
-    assert.ok(await waitFor(async () => (await busy(d.url)) === 0, 1000), JSON.stringify(await getJson(`${d.url}/health`)));
+    for (const d of c.byRole('decode')) assert.ok(await waitFor(async () => (await busy(d.url)) === 0, 1000), JSON.stringify(await getJson(`${d.url}/health`)));
     const r = await client(c.router.url).completions.create({ model: 'pdserve', prompt: 'hello there', max_tokens: 8, temperature: 0 });
     assert.ok(r.usage!.completion_tokens >= 1);
     for (const p of c.procs) assert.equal(p.unexpectedExits.length, 0, `${p.name} did not crash`);

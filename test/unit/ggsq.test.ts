@@ -9,7 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
-import { kvBytesPerCell, parseStateFile, rewriteNStream, type StateExpect } from '../../src/engine/ggsq.js';
+import { kvBytesPerCell, parseStateFile, parseStateHeaders, rewriteNStream, type PositionalSource, type StateExpect } from '../../src/engine/ggsq.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 import { PdError } from '../../src/common/errors.js';
@@ -184,6 +184,95 @@ describe('parseStateFile rejects damaged files', () => {
       }
     }
     assert.ok(accepted < 3000);
+  });
+});
+
+describe('parseStateHeaders: the structure walk without reading the KV data (same-host path)', () => {
+  /** A PositionalSource over `buf` that records every byte it hands out. */
+  const source = (buf: Buffer) => {
+    const seen = new Uint8Array(buf.length);
+    let bytes = 0;
+    const src: PositionalSource = {
+      size: buf.length,
+      read(pos, n) {
+        assert.ok(pos >= 0 && pos + n <= buf.length, `read ${n} at ${pos} stays inside the ${buf.length}-byte file`);
+        seen.fill(1, pos, pos + n);
+        bytes += n;
+        return buf.subarray(pos, pos + n);
+      },
+    };
+    return { src, seen, bytes: () => bytes };
+  };
+  /** Both walks on `b`: the same state, or both BAD_STATE. */
+  const agree = (b: Buffer, what: string) => {
+    let full: unknown;
+    let head: unknown;
+    try {
+      full = parseStateFile(b, expect);
+    } catch (err) {
+      assert.ok(isBadState(err), `${what}: ${String(err)}`);
+      full = 'bad';
+    }
+    try {
+      head = parseStateHeaders(source(b).src, expect);
+    } catch (err) {
+      assert.ok(isBadState(err), `${what}: ${String(err)}`);
+      head = 'bad';
+    }
+    assert.deepEqual(head, full, what);
+    return full !== 'bad';
+  };
+
+  it('gives the full parse\'s result on real files, reading only the headers', () => {
+    for (const buf of [trans, plain, transLong]) {
+      const s = source(buf);
+      assert.deepEqual(parseStateHeaders(s.src, expect), parseStateFile(buf, expect));
+      const st = parseStateFile(buf, expect);
+      // nothing inside any layer's K or V data was read
+      for (const stream of st.streams) {
+        for (const sec of [...(stream.k ?? []), ...(stream.v ?? [])]) {
+          const end = sec.dataOffset + sec.bytesPerCell * stream.cellCount;
+          assert.equal(s.seen.subarray(sec.dataOffset, end).indexOf(1), -1, `data at ${sec.dataOffset}..${end} not read`);
+        }
+      }
+      assert.ok(s.bytes() < buf.length / 4, `read ${s.bytes()} of ${buf.length} bytes`);
+    }
+  });
+
+  it('rejects every truncation, and trailing bytes, as the full parse does', () => {
+    for (const buf of [trans, plain]) {
+      for (let len = 0; len < buf.length; len++) {
+        assert.throws(() => parseStateHeaders(source(buf.subarray(0, len)).src, expect), isBadState, `truncated to ${len} of ${buf.length}`);
+      }
+    }
+    assert.throws(() => parseStateHeaders(source(Buffer.concat([trans, Buffer.from([0])])).src, expect), /trailing/);
+    assert.throws(() => parseStateHeaders(source(plain).src, { ...expect, maxBytes: plain.length - 1 }), /exceeds the limit/);
+  });
+
+  it('agrees with the full parse on every damaged header byte (3 ways each), and a damaged data byte passes both', () => {
+    for (const buf of [trans, plain]) {
+      const { src, seen } = source(buf);
+      parseStateHeaders(src, expect);
+      let headerBytes = 0;
+      let rejected = 0;
+      for (let i = 0; i < buf.length; i++) {
+        if (!seen[i]) continue;
+        headerBytes++;
+        for (const f of [(v: number) => v ^ 0xff, (v: number) => v ^ 0x01, () => 0x7f]) {
+          const b = Buffer.from(buf);
+          b[i] = f(b[i]!);
+          if (b[i] === buf[i]) continue;
+          if (!agree(b, `byte ${i}`)) rejected++;
+        }
+      }
+      assert.ok(headerBytes > 50 && rejected > headerBytes, `${rejected} rejections over ${headerBytes} header bytes`);
+      const st = parseStateFile(buf, expect);
+      const data = st.streams.find((x) => x.cellCount > 0)!.k![1]!.dataOffset + 3;
+      assert.equal(seen[data], 0);
+      const b = Buffer.from(buf);
+      b[data] ^= 0xff;
+      assert.ok(agree(b, 'data byte'), 'a data byte is not structure: neither walk sees it (the CRC does, --kv-same-host-verify)');
+    }
   });
 });
 

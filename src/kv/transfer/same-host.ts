@@ -35,13 +35,31 @@
  *   - n > 1 (one state → several decode rooms): one hard link per room, each named for its room;
  *     each link is owned, renamed and deleted by the rule above, so each is deleted once.
  *
- * Validation before llama.cpp: the envelope head (carried base64 in kv_file) goes through the
- * same `parseEnvelopeHead` as on TCP, and the taken file is read once in pooled pieces through
- * the same incremental structure walk (`GgsqStreamParser`) and CRC-32 as the streamed bytes —
- * a truncated or damaged file fails its room, never the process.
+ * Validation before llama.cpp — what protects the PROCESS (llama.cpp aborts it on a truncated
+ * state and allocates without bound on a huge count, see engine/ggsq.ts), without reading the
+ * payload: the envelope head (carried base64 in kv_file) goes through the same
+ * `parseEnvelopeHead` as on TCP (model fingerprint, context settings, payload size); the taken
+ * file's size must be the announced one (fstat after the rename: ours now); and its ggsq
+ * STRUCTURE is walked with positional reads of the headers only (`parseStateHeaders` of
+ * engine/ggsq.ts, injected by the caller: token ids,
+ * cell metadata, per-layer type / row size), seeking over the KV data — every count and size
+ * checked against the file's size, as the streamed walk does. A cut file, a damaged head or a
+ * damaged structure header fails its room, never the process. Cost: a few KiB read, ~20
+ * preads, whatever the state's size.
+ *
+ * What is NOT checked by default, and why: the KV data bytes (no CRC-32). No wire exists on this
+ * path — the bytes decode loads are the very pages prefill's llama.cpp wrote into the shared
+ * tmpfs — so a checksum would guard no transport; it would cost two full passes over the file on
+ * the critical path (prefill's CRC before kv_file, decode's read), each about as long as
+ * llama.cpp's load itself. Damaged data bytes (a bug or a third process writing into the state
+ * directory) would load silently and give wrong tokens, as they would inside one process.
+ * `--kv-same-host-verify` (on either side; decode asks for it in same_host_ok) restores the full
+ * check: prefill computes the CRC-32 (one read) and names it in kv_file, decode reads the whole
+ * file once through the streamed walk (`GgsqStreamParser`) and the CRC-32 and refuses a mismatch.
+ * The TCP path always keeps its CRC-32 (transfer/sender.ts, receiver.ts).
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, fstatSync, lstatSync, openSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, fstatSync, lstatSync, openSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { PeerConn } from '../channel.js';
 import { parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
@@ -100,6 +118,12 @@ export interface SameHostOptions {
   identity?: HostIdentity | null;
   /** Probe deadline, ms (decode side; default SAME_HOST_PROBE_MS). */
   probeMs?: number;
+  /**
+   * `--kv-same-host-verify`: also check the KV data bytes (CRC-32) — prefill computes it for every
+   * kv_file, decode asks for it in same_host_ok and reads the whole taken file to check it. Off
+   * (default): no full read of the payload on the handoff's critical path (see the module doc).
+   */
+  verify?: boolean;
   log?: { info(o: object, m: string): void; warn(o: object, m: string): void };
 }
 
@@ -115,6 +139,8 @@ function identityOf(o: SameHostOptions): HostIdentity | undefined {
  */
 export class SameHostPrefill {
   private readonly confirmed = new Set<string>();
+  /** Connections whose decode asked for the data check (same_host_ok {verify}). */
+  private readonly verifyFor = new Set<string>();
   private readonly id: HostIdentity | undefined;
 
   constructor(private readonly o: SameHostOptions) {
@@ -133,6 +159,7 @@ export class SameHostPrefill {
   onMessage(connId: string, msg: SameHostMsg): ControlMsg | undefined {
     if (msg.type === 'same_host_ok') {
       if (this.enabled) this.confirmed.add(connId);
+      if (this.enabled && msg.verify) this.verifyFor.add(connId);
       return undefined;
     }
     if (msg.type !== 'same_host_probe') return undefined;
@@ -160,23 +187,42 @@ export class SameHostPrefill {
   /** The connection ended. */
   forget(connId: string): void {
     this.confirmed.delete(connId);
+    this.verifyFor.delete(connId);
   }
 
   /**
-   * The kv_file message handing over room `room`'s saved state at `path` (a file in the state
-   * directory named `prefillStateName`): the file is read once to compute its CRC-32.
+   * The kv_file message handing room `room`'s saved state at `path` (a file in the state
+   * directory named `prefillStateName`) to decode over connection `connId`. By default nothing
+   * is read: one fstat checks the size, and the message carries no CRC-32 (the module doc says
+   * why). With `verify` on this side, or asked for by that connection's decode, the file is read
+   * once to compute its CRC-32, which the message then carries.
    * @throws KvError('BAD_STATE') when the file's size is not `payloadBytes`; fs errors.
    */
-  offer(room: RoomId, path: string, head: Buffer, payloadBytes: number, pool: BufferPool): Extract<ControlMsg, { type: 'kv_file' }> {
-    const crc = new Crc32();
-    readPieces(path, payloadBytes, pool, (piece) => crc.update(piece));
-    return { type: 'kv_file', room, file: path.slice(path.lastIndexOf('/') + 1), payloadBytes, crc: crc.value >>> 0, head: head.toString('base64') };
+  offer(connId: string, room: RoomId, path: string, head: Buffer, payloadBytes: number, pool: BufferPool): Extract<ControlMsg, { type: 'kv_file' }> {
+    const file = path.slice(path.lastIndexOf('/') + 1);
+    if (this.o.verify || this.verifyFor.has(connId)) {
+      const crc = new Crc32();
+      readPieces(path, payloadBytes, pool, (piece) => crc.update(piece));
+      return { type: 'kv_file', room, file, payloadBytes, crc: crc.value >>> 0, head: head.toString('base64') };
+    }
+    const size = statSync(path).size;
+    if (size !== payloadBytes) throw new KvError('BAD_STATE', `state file is ${size} bytes, expected ${payloadBytes}`);
+    return { type: 'kv_file', room, file, payloadBytes, head: head.toString('base64') };
   }
 }
 
 /** Read exactly `bytes` bytes of `path` in pooled pieces, in order. @throws KvError('BAD_STATE') on another size. */
 function readPieces(path: string, bytes: number, pool: BufferPool, each: (piece: Buffer) => void): void {
   const fd = openSync(path, 'r');
+  try {
+    readPiecesOf(fd, bytes, pool, each);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** `readPieces` over an open file. */
+function readPiecesOf(fd: number, bytes: number, pool: BufferPool, each: (piece: Buffer) => void): void {
   const buf = pool.acquire();
   try {
     const size = fstatSync(fd).size;
@@ -190,7 +236,45 @@ function readPieces(path: string, bytes: number, pool: BufferPool, each: (piece:
     }
   } finally {
     pool.release(buf);
-    closeSync(fd);
+  }
+}
+
+/** Bytes read past what the header walk asks for (one page): the next small fields often follow. */
+const READ_AHEAD_BYTES = 4096;
+
+/**
+ * `PositionalSource` over an open file: each read that the current window does not hold is one
+ * pread of the asked bytes plus READ_AHEAD_BYTES, into `scratch` when it fits. Counts what it read.
+ * A returned buffer is valid until the next `read` (the walk consumes each before asking again).
+ */
+class PreadSource {
+  private win: Buffer = Buffer.alloc(0);
+  private winPos = 0;
+  /** Bytes read from the file so far, and preads made. */
+  bytesRead = 0;
+  reads = 0;
+
+  constructor(
+    private readonly fd: number,
+    readonly size: number,
+    private readonly scratch: Buffer,
+  ) {}
+
+  read(pos: number, n: number): Buffer {
+    if (pos >= this.winPos && pos + n <= this.winPos + this.win.length) return this.win.subarray(pos - this.winPos, pos - this.winPos + n);
+    const len = Math.min(this.size - pos, n + READ_AHEAD_BYTES);
+    const buf = len <= this.scratch.length ? this.scratch.subarray(0, len) : Buffer.allocUnsafe(len);
+    let got = 0;
+    while (got < len) {
+      const k = readSync(this.fd, buf, got, len - got, pos + got);
+      this.reads++;
+      if (k === 0) break;
+      got += k;
+    }
+    this.bytesRead += got;
+    this.win = buf.subarray(0, got);
+    this.winPos = pos;
+    return this.win.subarray(0, Math.min(n, got));
   }
 }
 
@@ -200,8 +284,31 @@ interface Probe {
   ready: Promise<boolean>;
 }
 
-/** Outcome of `takeStateFile`: taken (the file is decode's now) or refused (still prefill's: use TCP). */
-export type TakeOutcome<S> = { taken: ReceivedState<S> } | { refused: string };
+/**
+ * Outcome of `SameHostDecode.take`: taken (the file is decode's now; `verified` = its data bytes
+ * were CRC-checked too, `bytesRead` = what validation read of the file) or refused (still
+ * prefill's: use TCP).
+ */
+export type TakeOutcome<S> = { taken: ReceivedState<S>; verified: boolean; bytesRead: number } | { refused: string };
+
+/** A taken file as the header walk reads it (structurally `PositionalSource` of engine/ggsq.ts; kv does not import engine). */
+export interface HeaderSource {
+  readonly size: number;
+  /** Exactly `n` bytes at `pos` (fewer only at the end of the file); valid until the next read. */
+  read(pos: number, n: number): Buffer;
+}
+
+/** What `take` validates a taken file with (decode passes the ggsq walks of engine/ggsq.ts). */
+export interface TakeOptions<S> {
+  /** What the envelope head must say (fingerprint, context settings, payload limit). */
+  expect: EnvelopeExpect;
+  /** The structure walk over the file's headers only (default path): `parseStateHeaders`. */
+  headers: (file: HeaderSource) => S;
+  /** The streamed structure walk over every byte (verify path): `GgsqStreamParser`. */
+  walker: (payloadBytes: number) => StructureWalker<S>;
+  /** Read buffers. */
+  pool: BufferPool;
+}
 
 /**
  * Decode's half: probes each new connection once, says whether a connection carries kv_file,
@@ -260,7 +367,7 @@ export class SameHostDecode {
     this.answers.set(conn, (msg) => {
       if (!msg.ok) return settle(false, msg.reason ?? 'prefill refused');
       if (msg.nonce !== nonce || !NONCE.test(nonce)) return settle(false, 'prefill read another nonce: another state directory');
-      if (!conn.sendControl({ type: 'same_host_ok' })) return settle(false, 'connection closed');
+      if (!conn.sendControl(this.o.verify ? { type: 'same_host_ok', verify: true } : { type: 'same_host_ok' })) return settle(false, 'connection closed');
       settle(true, 'boot id, pid namespace and state directory match');
     });
     void conn.closed.then(() => settle(false, 'connection closed'));
@@ -281,21 +388,26 @@ export class SameHostDecode {
   }
 
   /**
-   * Take over the file a kv_file names, then validate it completely before llama.cpp sees it.
+   * Take over the file a kv_file names, then validate it before llama.cpp sees it.
    * Refused (the file stays prefill's; send kv_file_refused, prefill sends over TCP): a name that
-   * is not prefill's name for this room, the file missing or of another size, the rename failing.
+   * is not prefill's name for this room, the file missing or of another size, the rename failing,
+   * or this side running `verify` while the kv_file carries no CRC-32.
    * Taken: the file now has decode's name (`decodeStateName`) — the caller deletes it after the
-   * load, as a received one.
-   * @throws KvError('BAD_ENVELOPE' | 'BAD_STATE') when the head or the file is bad (the taken
-   *   file is deleted before the throw).
+   * load, as a received one. Validation: the envelope head (`parseEnvelopeHead`, before taking);
+   * the size again (fstat, ours now); then either the header walk (`o.headers`, positional
+   * reads of the ggsq headers, seeking over the KV data — the default) or, with verify on here
+   * or a CRC-32 in the message, one read of the whole file through `o.walker` and the CRC-32.
+   * @throws KvError('BAD_ENVELOPE' | 'BAD_STATE') (or the walk's PdError('BAD_STATE')) when the
+   *   head or the file is bad (the taken file is deleted before the throw).
    */
-  take<S>(msg: Extract<ControlMsg, { type: 'kv_file' }>, o: { expect: EnvelopeExpect; walker: (payloadBytes: number) => StructureWalker<S>; pool: BufferPool }): TakeOutcome<S> {
+  take<S>(msg: Extract<ControlMsg, { type: 'kv_file' }>, o: TakeOptions<S>): TakeOutcome<S> {
     const head = Buffer.from(msg.head, 'base64');
     const h = parseEnvelopeHead(head, o.expect);
     if (!h || h.headBytes !== head.length) throw new KvError('BAD_ENVELOPE', 'kv_file: the envelope head is incomplete or has trailing bytes');
     if (h.header.payloadBytes !== msg.payloadBytes) throw new KvError('BAD_ENVELOPE', `kv_file names ${msg.payloadBytes} bytes, the envelope says ${h.header.payloadBytes}`);
     const m = /^pdserve-prefill-\d+-(\d+)\.ggsq$/.exec(msg.file);
     if (!m || m[1] !== msg.room) return { refused: `kv_file name ${JSON.stringify(msg.file.slice(0, 80))} is not a prefill state file of room ${msg.room}` };
+    if (this.o.verify && msg.crc === undefined) return { refused: 'decode runs --kv-same-host-verify and the kv_file carries no CRC-32' };
     const src = join(this.o.stateDir, msg.file);
     try {
       const st = lstatSync(src);
@@ -311,15 +423,32 @@ export class SameHostDecode {
       return { refused: `could not take the state file over (${(err as NodeJS.ErrnoException).code ?? 'error'}): prefill may have dropped it` };
     }
     try {
-      const walker = o.walker(msg.payloadBytes);
-      const crc = new Crc32();
-      readPieces(dst, msg.payloadBytes, o.pool, (piece) => {
-        crc.update(piece);
-        walker.push(piece);
-      });
-      const state = walker.end();
-      if (crc.value >>> 0 !== msg.crc) throw new KvError('BAD_ENVELOPE', 'payload checksum mismatch: the handed state file is corrupted');
-      return { taken: { header: h.header, state, path: dst } };
+      const fd = openSync(dst, 'r');
+      try {
+        const size = fstatSync(fd).size;
+        if (size !== msg.payloadBytes) throw new KvError('BAD_STATE', `the taken state file is ${size} bytes, kv_file says ${msg.payloadBytes}`);
+        if (msg.crc !== undefined) {
+          const walker = o.walker(msg.payloadBytes);
+          const crc = new Crc32();
+          readPiecesOf(fd, msg.payloadBytes, o.pool, (piece) => {
+            crc.update(piece);
+            walker.push(piece);
+          });
+          const state = walker.end();
+          if (crc.value >>> 0 !== msg.crc) throw new KvError('BAD_ENVELOPE', 'payload checksum mismatch: the handed state file is corrupted');
+          return { taken: { header: h.header, state, path: dst }, verified: true, bytesRead: size };
+        }
+        const scratch = o.pool.acquire();
+        try {
+          const file = new PreadSource(fd, size, scratch);
+          const state = o.headers(file);
+          return { taken: { header: h.header, state, path: dst }, verified: false, bytesRead: file.bytesRead };
+        } finally {
+          o.pool.release(scratch);
+        }
+      } finally {
+        closeSync(fd);
+      }
     } catch (err) {
       rmSync(dst, { force: true });
       throw err;
