@@ -8,12 +8,13 @@
  *            socket), kv_end — until the receiver's kv_ack. `raw` trial: write an 8-byte length
  *            and the same number of bytes on a bare socket until a 1-byte ack.
  *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved under the
- *            room's name" (a copy made before the clock starts), CRC-32 it, send kv_file —
- *            until the receiver's kv_ack.
+ *            room's name" (a copy made before the clock starts), offer it (an fstat: no read,
+ *            no CRC-32 — the default, without --kv-same-host-verify), send kv_file — until the
+ *            receiver's kv_ack.
  *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
  *            sender (running the same-host probe on the KV connection). kv_file: take the file
- *            over (rename), validate it (envelope head, ggsq walk, CRC-32), Slot.loadState,
- *            delete it, kv_ack. Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, file write
+ *            over (rename), validate it (envelope head, size, ggsq header walk by pread — the
+ *            KV data is not read), Slot.loadState, kv_ack, then delete it (off the clock). Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, file write
  *            while streaming); on kv_end: finish (tail of the writes, checks), Slot.loadState,
  *            then kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
  *
@@ -34,7 +35,7 @@ import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { encodeEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
-import { GgsqStreamParser, type ParsedState } from '../engine/ggsq.js';
+import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalSource } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
@@ -175,7 +176,7 @@ async function sender(engine: Engine): Promise<void> {
         copyFileSync(st.path, name);
         const t0 = now();
         const t1 = now();
-        const msg = sameHost.offer(room, name, head, st.bytes, sendPool);
+        const msg = sameHost.offer(conn.id, room, name, head, st.bytes, sendPool);
         const t2 = now();
         const t2Abs = abs();
         conn.sendControl(msg);
@@ -184,7 +185,7 @@ async function sender(engine: Engine): Promise<void> {
         const t4Abs = abs();
         acks.delete(room);
         await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left
-        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, crcMs: t2 - t1, t2Abs, t4Abs });
+        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc: msg.crc !== undefined, t2Abs, t4Abs });
       } else if (m.cmd === 'raw') {
         const n = m.bytes!;
         if (!rawSock) throw new Error('no raw connection');
@@ -244,6 +245,7 @@ async function receiver(engine: Engine): Promise<void> {
   const sameHost = new SameHostDecode({ enabled: true, stateDir: init.stateDir });
   const expect = { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes };
   const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab });
+  const headers = (file: PositionalSource) => parseStateHeaders(file, { contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, nVocab: info.nVocab, maxBytes });
   const pool = new KvPeerPool({
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
@@ -302,7 +304,7 @@ async function receiver(engine: Engine): Promise<void> {
       await r.rx.discard();
     }
   };
-  /** Same host: the kv_file path of the decode worker (take over + validate, load, delete, ack). */
+  /** Same host: the kv_file path of the decode worker (take over + validate, load, ack, then delete). */
   const loadFile = async (conn: PeerConn, msg: Extract<ControlMsg, { type: 'kv_file' }>) => {
     const slot = engine.tryAcquireSlot();
     let path: string | undefined;
@@ -310,8 +312,9 @@ async function receiver(engine: Engine): Promise<void> {
       if (!slot) throw new Error('no free slot');
       const beginAbs = abs();
       const t0 = now();
-      const out = sameHost.take(msg, { expect, walker, pool: kvPool });
+      const out = sameHost.take(msg, { expect, headers, walker, pool: kvPool });
       if ('refused' in out) throw new Error(`refused: ${out.refused}`);
+      const readBytes = out.bytesRead;
       path = out.taken.path;
       const t1 = now();
       await slot.loadState(path, out.taken.state.tokens, out.taken.state);
@@ -321,7 +324,7 @@ async function receiver(engine: Engine): Promise<void> {
       conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       await rm(path, { force: true });
       const t3 = now();
-      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, loadMs: t2 - t1, rmMs: t3 - t2, beginAbs, ackAbs });
+      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, beginAbs, ackAbs });
     } catch (err) {
       if (path) await rm(path, { force: true });
       send({ type: 'kvFileRecv', room: msg.room, error: (err as Error).message });

@@ -9,8 +9,9 @@
  * counted (not stored) by the other process, until its 1-byte ack. Both round trips include one
  * small ack message. Same host (when the two processes pass the same-host probe over their KV
  * connection, kv/transfer/same-host.ts): from the state saved under prefill's name for the room
- * (its only name, as for a one-room request), CRC-32'd and named in a kv_file message; decode takes it over (rename), validates it
- * (envelope head, ggsq walk, CRC-32), loads it, deletes it and acks. Trials rotate KV/raw/same-host,
+ * (its only name, as for a one-room request), named in a kv_file message (not read: no CRC-32
+ * without --kv-same-host-verify); decode takes it over (rename), validates it (envelope head,
+ * size, ggsq header walk by pread — the KV data is not read), loads it, acks, then deletes it. Trials rotate KV/raw/same-host,
  * sizes interleaved. The issue #9 goals compare save + KV with save + raw + load (`goalRatio`,
  * ≤ 1.3) and save + same-host with save + load (`sameHostGoalRatio`, ≤ 1.1; the load of the
  * same-host trials).
@@ -77,8 +78,17 @@ export interface KvSizeResult {
   sameHostMs?: Summary;
   /** (save + same-host) / (save + loadState): issue #9 goal ≤ 1.1. */
   sameHostGoalRatio?: number;
-  /** Medians of the same-host phases: link (unused, ~0: the file is placed before the clock starts), crc (prefill reads the file once), take (decode: rename + read once for ggsq walk and CRC), load (llama.cpp), rm, beginLag (kv_file sent → received), ackLag. */
-  sameHostPhasesMs?: { link: number; crc: number; take: number; load: number; rm: number; beginLag: number; ackLag: number };
+  /**
+   * Medians of the same-host phases: link (unused, ~0: the file is placed before the clock
+   * starts), offer (prefill makes kv_file: an fstat; the CRC-32 read only with verify), take
+   * (decode: rename + envelope head + ggsq header walk), load (llama.cpp), rm (decode's delete,
+   * after the ack: off the clock), beginLag (kv_file sent → received), ackLag.
+   */
+  sameHostPhasesMs?: { link: number; offer: number; take: number; load: number; rm: number; beginLag: number; ackLag: number };
+  /** Bytes of the file decode's validation read (median; the header walk's preads). */
+  sameHostReadBytes?: number;
+  /** The same-host trials carried a CRC-32 (verify on): false for the default path. */
+  sameHostVerified?: boolean;
 }
 
 /** The machine's speed at the handoff's building blocks (one process, 16 MiB, GB/s). */
@@ -132,7 +142,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     const states = made.states;
     const kv: { total: number[]; blob: number; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], blob: 0, ph: {} }));
     const raw: number[][] = states.map(() => []);
-    const sh: { total: number[]; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], ph: {} }));
+    const sh: { total: number[]; ph: Record<string, number[]>; verified?: boolean }[] = states.map(() => ({ total: [], ph: {} }));
     const push = (ph: Record<string, number[]>, k: string, v: unknown) => {
       if (typeof v === 'number') (ph[k] ??= []).push(v);
     };
@@ -174,8 +184,10 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       k.total.push(d.totalMs as number);
       const n = (x: unknown) => (typeof x === 'number' ? x : NaN);
       push(k.ph, 'link', d.linkMs);
-      push(k.ph, 'crc', d.crcMs);
+      push(k.ph, 'offer', d.offerMs);
       push(k.ph, 'take', rv.takeMs);
+      push(k.ph, 'readBytes', rv.readBytes);
+      if (d.crc === true) k.verified = true;
       push(k.ph, 'load', rv.loadMs);
       push(k.ph, 'rm', rv.rmMs);
       push(k.ph, 'beginLag', n(rv.beginAbs) - n(d.t2Abs));
@@ -247,7 +259,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
               return {
                 sameHostMs: shMs,
                 sameHostGoalRatio: (s.saveMs + shMs.median) / (s.saveMs + sp('load')),
-                sameHostPhasesMs: { link: sp('link'), crc: sp('crc'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag') },
+                sameHostPhasesMs: { link: sp('link'), offer: sp('offer'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag') },
+                sameHostReadBytes: sp('readBytes'),
+                sameHostVerified: q.verified === true,
               };
             })()
           : {}),
