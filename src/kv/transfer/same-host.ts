@@ -239,8 +239,8 @@ function readPiecesOf(fd: number, bytes: number, pool: BufferPool, each: (piece:
   }
 }
 
-/** Bytes read past what the header walk asks for (one page): the next small fields often follow. */
-const READ_AHEAD_BYTES = 4096;
+/** Bytes read past what the header walk asks for: the next small header fields often follow (fewer preads). */
+const READ_AHEAD_BYTES = 512;
 
 /**
  * `PositionalSource` over an open file: each read that the current window does not hold is one
