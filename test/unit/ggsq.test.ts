@@ -239,6 +239,28 @@ describe('parseStateHeaders: the structure walk without reading the KV data (sam
     }
   });
 
+  it('the same result and the same rejections from a buffer that is not 4-byte aligned (the readInt32LE path)', () => {
+    const unaligned = (b: Buffer) => {
+      const u = Buffer.alloc(b.length + 1).subarray(1);
+      b.copy(u);
+      assert.equal(u.byteOffset % 4, 1);
+      return u;
+    };
+    for (const buf of [trans, plain, transLong]) assert.deepEqual(parseStateFile(unaligned(buf), expect), parseStateFile(buf, expect));
+    const off = parseStateFile(trans, expect).streams.find((x) => x.cellCount > 0)!.start;
+    for (const [f, re] of [
+      [(b: Buffer) => b.writeInt32LE(0, off + 4 + 12), /repeats pos 0/],
+      [(b: Buffer) => b.writeUInt32LE(2, off + 8), /n_seq_id 2/],
+      [(b: Buffer) => b.writeInt32LE(-5, off + 12), /seq_id -5/],
+      [(b: Buffer) => b.writeInt32LE(-1, 12), /negative id -1/],
+    ] as [(b: Buffer) => void, RegExp][]) {
+      const b = Buffer.from(trans);
+      f(b);
+      assert.throws(() => parseStateFile(b, expect), re);
+      assert.throws(() => parseStateFile(unaligned(b), expect), re);
+    }
+  });
+
   it('rejects every truncation, and trailing bytes, as the full parse does', () => {
     for (const buf of [trans, plain]) {
       for (let len = 0; len < buf.length; len++) {
