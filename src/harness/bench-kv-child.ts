@@ -301,8 +301,14 @@ async function receiver(engine: Engine): Promise<void> {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
     } finally {
       slot?.release();
-      await r.rx.discard();
+      await track(r.rx.discard());
     }
+  };
+  /** Work a trial leaves running after its report (the received file's delete): `settle` waits for it. */
+  const pending = new Set<Promise<unknown>>();
+  const track = <T>(p: Promise<T>): Promise<T> => {
+    pending.add(p);
+    return p.finally(() => pending.delete(p));
   };
   /** Same host: the kv_file path of the decode worker (take over + validate, load, ack, then delete). */
   const loadFile = async (conn: PeerConn, msg: Extract<ControlMsg, { type: 'kv_file' }>) => {
@@ -334,6 +340,11 @@ async function receiver(engine: Engine): Promise<void> {
   };
   send({ type: 'ready', fingerprint: info.fingerprint });
   process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number }) => {
+    if (m.cmd === 'settle') {
+      await Promise.allSettled([...pending]);
+      send({ type: 'settled' });
+      return;
+    }
     if (m.cmd !== 'connect') return;
     try {
       const kvConn = await pool.get('127.0.0.1', m.kvPort!);

@@ -174,6 +174,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     };
     const shTrial = async (i: number, record: boolean) => {
       if (!sameHost) return;
+      // the receiver may still be deleting the previous KV trial's received file (it reports
+      // before that delete ends): let it finish, so this trial's clock measures only the handoff
+      await receiver.call<Msg>({ cmd: 'settle' }, 'settled', 30_000);
       const r = String(room++);
       const recvP = receiver.wait('kvFileRecv', 120_000, (m) => m.room === r);
       const d = await sender.call<Msg>({ cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 120_000);
