@@ -12,7 +12,6 @@
  * driver's `assign_slot` and given back on its `release` — the one place, after any engine
  * call on it has settled.
  */
-import { join } from 'node:path';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
@@ -33,7 +32,7 @@ import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
-import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver, type ReceivedState } from '../kv/transfer/receiver.js';
 import { SameHostDecode, type KvPath } from '../kv/transfer/same-host.js';
@@ -91,6 +90,8 @@ export class DecodeWorker {
   private connSeq = 0;
   /** Write buffers of the streaming receivers, reused across transfers. */
   private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
+  /** Destination files of the streaming receivers, recycled after their load (tmpfs pages stay allocated). */
+  private readonly recvFiles: FilePool;
   private watchdog?: NodeJS.Timeout;
   private stopSweep?: () => void;
   /** The same-host handoff (kv_file): per-connection probe, taking handed files over. */
@@ -107,6 +108,7 @@ export class DecodeWorker {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.recvFiles = new FilePool({ dir: config.stateDir, prefix: `pdserve-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
     this.sameHost = new SameHostDecode({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir, log: this.log.child({ part: 'kv' }) });
   }
 
@@ -188,6 +190,7 @@ export class DecodeWorker {
     await this.app?.close().catch(() => {});
     await this.pool?.close();
     await this.engine.dispose();
+    this.recvFiles.close(); // spares deleted; a receiver still holding a file deletes it when it lets go
   }
 
   /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. */
@@ -349,7 +352,7 @@ export class DecodeWorker {
       totalBytes,
       expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
       walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }),
-      path: join(this.config.stateDir, `pdserve-decode-${process.pid}-${room}.ggsq`),
+      files: this.recvFiles,
       pool: this.kvPool,
     });
     job.kvPath = 'tcp';
@@ -380,7 +383,9 @@ export class DecodeWorker {
     const job = this.jobs.get(room);
     const recv = job?.recv;
     if (!job || !recv) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'load without a receiver'), Date.now()));
-    await this.loadInto(job, () => recv.finish(), () => recv.discard());
+    // after the load settled nothing reads the file: it goes back to the spare files (a failure
+    // meanwhile — finish Failed — discards it, deleting a file a running load may still read)
+    await this.loadInto(job, () => recv.finish(), () => recv.done());
   }
 
   /**

@@ -14,8 +14,8 @@
  *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
  *            sender (running the same-host probe on the KV connection). kv_file: take the file
  *            over (rename), validate it (envelope head, size, ggsq header walk by pread — the
- *            KV data is not read), Slot.loadState, kv_ack, then delete it (off the clock). Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, file write
- *            while streaming); on kv_end: finish (tail of the writes, checks), Slot.loadState,
+ *            KV data is not read), Slot.loadState, kv_ack, then delete it (off the clock). Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, write into a
+ *            recycled state file while streaming, as the decode worker); on kv_end: finish (tail of the writes, checks), Slot.loadState,
  *            then kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
  *
  * These are the calls the prefill and decode workers make on their data path (without the room
@@ -34,7 +34,7 @@ import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { encodeEnvelopeHead } from '../kv/envelope.js';
-import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
+import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalSource } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
@@ -240,6 +240,9 @@ async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
   const maxBytes = 512 * 1024 * 1024;
   const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
+  // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
+  const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
+  process.on('exit', () => recvFiles.close());
   type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
   let recv: Recv | undefined;
   const sameHost = new SameHostDecode({ enabled: true, stateDir: init.stateDir });
@@ -255,8 +258,7 @@ async function receiver(engine: Engine): Promise<void> {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
       else if (msg.type === 'kv_file') void loadFile(conn, msg);
       else if (msg.type === 'kv_begin') {
-        const path = join(init.stateDir, `pdserve-bench-kvrecv-${process.pid}-${msg.room}.ggsq`);
-        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), path, pool: kvPool });
+        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: recvFiles, pool: kvPool });
         recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
       } else if (msg.type === 'kv_end') {
         const r = recv;
@@ -301,7 +303,7 @@ async function receiver(engine: Engine): Promise<void> {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
     } finally {
       slot?.release();
-      await track(r.rx.discard());
+      await track(r.rx.done()); // the load settled: the file goes back to the spares
     }
   };
   /** Work a trial leaves running after its report (the received file's delete): `settle` waits for it. */

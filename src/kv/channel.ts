@@ -73,6 +73,8 @@ export interface KvPeerPoolOptions extends KvChannelOptions {
 }
 
 export const DEFAULT_BOOTSTRAP_PORT = 8998;
+/** Size of decode's one reused socket read buffer per KV connection, bytes. */
+export const KV_READ_BUFFER_BYTES = 64 * 1024;
 /** How long the pool refuses, without reconnecting, a prefill that refused its settings, ms. */
 export const MISMATCH_RETRY_MS = 10_000;
 const EPOCH_RE = /^[0-9a-f]{8,64}$/;
@@ -299,7 +301,25 @@ export class KvPeerPool implements KvHandlers {
 
   private connect(host: string, port: number, key: string): Promise<PeerConn> {
     return new Promise<PeerConn>((resolve, reject) => {
-      const sock = net.connect({ host, port, noDelay: true });
+      // Reads go into one reused buffer (no fresh allocation, hence no first-touch page faults, per
+      // read; the chunk data lands in cache for the receiver's CRC, walk and file write);
+      // PeerConn consumes each read before the next one (frame.ts copies partial frames).
+      let conn: PeerConn | undefined;
+      const early: Buffer[] = [];
+      const sock = net.connect({
+        host,
+        port,
+        noDelay: true,
+        onread: {
+          buffer: Buffer.allocUnsafeSlow(KV_READ_BUFFER_BYTES),
+          callback: (n: number, buf: Uint8Array): boolean => {
+            const b = Buffer.from(buf.buffer, buf.byteOffset, n);
+            if (conn) conn.received(b);
+            else early.push(Buffer.from(b));
+            return true;
+          },
+        },
+      });
       this.dialing.add(sock);
       let done = false;
       const fail = (e: KvError): void => {
@@ -345,10 +365,12 @@ export class KvPeerPool implements KvHandlers {
             if (this.live.get(key) === c) this.live.delete(key);
           },
         };
-        const conn = new PeerConn(sock, 'decode', owner, key);
-        this.all.add(conn);
-        conn.ready.then(
-          () => resolve(conn),
+        const c = new PeerConn(sock, 'decode', owner, key);
+        conn = c;
+        this.all.add(c);
+        for (const b of early.splice(0)) c.received(b);
+        c.ready.then(
+          () => resolve(c),
           (e: KvError) => {
             // A mismatched pair stays refused for a while: no reconnect (and log line) per room.
             if (e.code === 'SETTINGS_MISMATCH') this.mismatched.set(key, { until: this.s.clock.now() + MISMATCH_RETRY_MS, reason: e.message });

@@ -50,8 +50,9 @@ export interface KvHandlers {
   /**
    * KV data: `data` goes at byte `offset` of the blob of `room`. Data is delivered as it arrives,
    * without copies: a chunk frame may come out as several calls with contiguous offsets, each
-   * with 1..MAX_CHUNK_BYTES bytes. `data` is a view into a socket read buffer: copy it out, do
-   * not keep it. Without this handler a chunk frame is a protocol error that closes the connection.
+   * with 1..MAX_CHUNK_BYTES bytes. `data` is a view into a socket read buffer that the next read
+   * overwrites (decode reads into one reused buffer): copy it out before returning, do not keep
+   * it. Without this handler a chunk frame is a protocol error that closes the connection.
    */
   onChunk?: (conn: PeerConn, room: RoomId, offset: number, data: Buffer) => void;
   /** An authenticated connection ended (peer lost, bad frame, queue overflow or local close). Once per connection. */
@@ -218,10 +219,40 @@ export class PeerConn {
    */
   sendChunks(roomId: RoomId, blob: Buffer, opts: SendChunksOptions = {}): Promise<void> {
     const chunkBytes = opts.chunkBytes ?? MAX_CHUNK_BYTES;
-    const stallMs = opts.stallMs ?? 10_000;
     if (!Number.isSafeInteger(chunkBytes) || chunkBytes < 1 || chunkBytes > MAX_CHUNK_BYTES) {
       return Promise.reject(new RangeError(`chunkBytes must be an integer in 1..${MAX_CHUNK_BYTES}, got ${chunkBytes}`));
     }
+    let next = 0;
+    return this.sendFrom(
+      roomId,
+      {
+        next: () => {
+          if (next >= blob.length) return undefined;
+          const n = Math.min(chunkBytes, blob.length - next);
+          next += n;
+          return blob.subarray(next - n, next);
+        },
+      },
+      opts,
+    );
+  }
+
+  /**
+   * Streams the pieces `source.next()` yields as chunk frames of room `roomId`, one frame per
+   * piece, at contiguous offsets from `opts.offset` — the pull form of `sendChunks`, for a sender
+   * that produces the bytes as they go (reads a file into a few reused buffers). `next()` is
+   * called whenever the send window has room and returns a piece (1..MAX_CHUNK_BYTES bytes, not
+   * copied: unchanged until `source.flushed(piece)`), `null` when it has none ready until one of
+   * its pieces in flight is flushed, or `undefined` at the end; an exception from it rejects.
+   * `flushed(piece)` is called once for every piece written, when the socket is done with it —
+   * also after the promise has settled (a failed or aborted transfer's queued pieces), so a
+   * buffer goes back to its owner only when no I/O uses it.
+   * Resolves once every piece is flushed to the kernel; rejects as `sendChunks` ('PEER_LOST',
+   * 'ABORTED', 'TIMEOUT' after `stallMs` without a flushed piece, 'BAD_FRAME', RangeError).
+   * (`chunkBytes` is not used: the source sizes its pieces.)
+   */
+  sendFrom(roomId: RoomId, source: { next(): Buffer | null | undefined; flushed?(piece: Buffer): void }, opts: SendChunksOptions = {}): Promise<void> {
+    const stallMs = opts.stallMs ?? 10_000;
     if (!Number.isSafeInteger(stallMs) || stallMs < 1) return Promise.reject(new RangeError(`stallMs must be a positive integer, got ${stallMs}`));
     try {
       encodeChunk(roomId, 0, Buffer.alloc(1)); // validates the room id up front
@@ -231,14 +262,13 @@ export class PeerConn {
     const signal = opts.signal;
     if (signal?.aborted) return Promise.reject(new KvError('ABORTED', `transfer of room ${roomId} aborted before start: ${reasonText(signal.reason)}`));
     if (this.state !== 'open') return Promise.reject(this.lostError(roomId));
-    if (blob.length === 0) return Promise.resolve();
 
     return new Promise<void>((resolve, reject) => {
       const window = this.owner.s.sendWindowBytes;
-      const base = opts.offset ?? 0;
-      let next = 0;
+      let offset = opts.offset ?? 0;
       let pending = 0;
       let flushed = 0;
+      let ended = false;
       let done = false;
       const settle = (err?: Error): void => {
         if (done) return;
@@ -252,36 +282,65 @@ export class PeerConn {
       };
       const onAbort = (): void => settle(new KvError('ABORTED', `transfer of room ${roomId} aborted: ${reasonText(signal?.reason)}`));
       const onClose = (): void => settle(this.lostError(roomId));
-      const stall = setTimeout(
-        () => settle(new KvError('TIMEOUT', `transfer of room ${roomId} stalled: no progress for ${stallMs} ms (${flushed}/${blob.length} bytes flushed)`)),
-        stallMs,
-      );
+      const stall = setTimeout(() => settle(new KvError('TIMEOUT', `transfer of room ${roomId} stalled: no progress for ${stallMs} ms (${flushed} bytes flushed)`)), stallMs);
       stall.unref();
-      const written = (n: number) => (err?: Error | null): void => {
+      const giveBack = (piece: Buffer): void => {
+        if (!source.flushed) return;
+        try {
+          source.flushed(piece);
+        } catch (e) {
+          this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendFrom flushed() threw');
+        }
+      };
+      const written = (piece: Buffer) => (err?: Error | null): void => {
         pending--;
+        giveBack(piece);
         if (done) return;
         if (err) return settle(this.lostError(roomId, err));
-        flushed += n;
+        flushed += piece.length;
         stall.refresh();
         if (opts.onProgress) {
           try {
-            opts.onProgress(n);
+            opts.onProgress(piece.length);
           } catch (e) {
             this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendChunks onProgress threw');
           }
         }
-        if (next >= blob.length && pending === 0) return settle();
+        if (ended && pending === 0) return settle();
         pump();
       };
       function pumpImpl(this: PeerConn): void {
-        while (!done && next < blob.length) {
+        while (!done && !ended) {
           if (this.state !== 'open') return settle(this.lostError(roomId));
           if (this.socket.writableLength >= window) return; // resumed by a flush of ours or by 'drain'
-          const n = Math.min(chunkBytes, blob.length - next);
-          const frame = encodeChunk(roomId, base + next, blob.subarray(next, next + n));
-          next += n;
-          pending++;
-          if (!this.write(frame, written(n))) return settle(this.lostError(roomId));
+          let piece: Buffer | null | undefined;
+          try {
+            piece = source.next();
+          } catch (e) {
+            return settle(e as Error);
+          }
+          if (piece === undefined) {
+            ended = true;
+            if (pending === 0) settle();
+            return;
+          }
+          if (piece === null) {
+            if (pending === 0) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
+            return; // resumed by a flush of ours
+          }
+          let frame: Buffer[];
+          try {
+            frame = encodeChunk(roomId, offset, piece);
+          } catch (e) {
+            return settle(e as Error);
+          }
+          if (this.socket.destroyed || !this.socket.writable) {
+            giveBack(piece);
+            return settle(this.lostError(roomId));
+          }
+          offset += piece.length;
+          pending++; // from here the socket owns the piece until written() (called on destroy too)
+          if (!this.write(frame, written(piece))) return settle(this.lostError(roomId));
         }
       }
       const pump = (): void => {
@@ -342,6 +401,14 @@ export class PeerConn {
 
   private get ending(): boolean {
     return this.state === 'closing' || this.state === 'closed';
+  }
+
+  /**
+   * @internal Bytes read from the socket by its owner (a socket created with `onread`, whose
+   * reads go into one reused buffer instead of 'data' events): consumed before returning.
+   */
+  received(buf: Buffer): void {
+    this.onData(buf);
   }
 
   private onData(buf: Buffer): void {

@@ -160,7 +160,9 @@ export type Frame =
 const utf8 = new TextDecoder('utf-8', { fatal: true });
 
 /**
- * Incremental frame decoder: feed it socket buffers as they come, in order.
+ * Incremental frame decoder: feed it socket buffers as they come, in order. A buffer fed in is
+ * not kept after `feed` returns (what a partial frame needs is copied), so the caller may reuse
+ * it for the next read; frames yielded may be views of it, valid until then.
  *
  * State machine: `header` (needs 5 bytes; length and type are checked against the caps here) →
  * `body` (needs exactly length-1 bytes) → frame emitted → `header`. Holds at most one partial
@@ -249,6 +251,12 @@ export class FrameDecoder {
       this.bufs.length = 0;
       this.buffered = 0;
       throw this.error;
+    } finally {
+      // Bytes kept for the next feed must not be a view of `chunk`: the caller may reuse its
+      // buffer for the next socket read (net.Socket `onread`). Only the last kept buffer can
+      // be (earlier ones were copied by earlier feeds); it is at most one partial frame.
+      const n = this.bufs.length;
+      if (n > 0 && this.bufs[n - 1]!.buffer === chunk.buffer) this.bufs[n - 1] = Buffer.from(this.bufs[n - 1]!);
     }
   }
 

@@ -161,6 +161,20 @@ describe('frame: streamed chunks', () => {
     }
   });
 
+  it('a fed buffer is not kept: one read buffer reused for every read gives the same frames', () => {
+    for (const size of [1, 5, 21, 37, 200, stream.length]) {
+      const rb = Buffer.alloc(size);
+      const d = new FrameDecoder({ streamChunks: true });
+      const got: Frame[] = [];
+      for (let i = 0; i < stream.length; i += size) {
+        const n = stream.copy(rb, 0, i, i + size);
+        for (const f of d.feed(rb.subarray(0, n))) got.push(f.kind === 'chunk' ? { ...f, data: Buffer.from(f.data) } : f); // consumers copy chunk data out
+        rb.fill(0xaa); // the next read overwrites it
+      }
+      assert.deepEqual(mergePieces(got), want, `reads of ${size} bytes`);
+    }
+  });
+
   it('a whole chunk inside one buffer comes out as one final piece', () => {
     const f = decodeAll([stream], true);
     assert.equal(f.length, want.length);

@@ -5,7 +5,7 @@
  * written to its file as it comes). Damage is caught while streaming; cut streams at kv_end.
  */
 import assert from 'node:assert/strict';
-import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, existsSync, fstatSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -14,7 +14,7 @@ import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
 import { Crc32, crc32 } from '../../src/kv/transfer/checksum.js';
-import { BufferPool } from '../../src/kv/transfer/pool.js';
+import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
 import { PdError } from '../../src/common/errors.js';
@@ -118,6 +118,107 @@ describe('StateReceiver (in memory pieces)', () => {
   });
 });
 
+describe('FilePool (recycled destination files)', () => {
+  const filesIn = (d: string) => readdirSync(d).filter((n) => n.endsWith('.ggsq')).sort();
+
+  it('reuses a released file, sized exactly as asked; keeps at most maxFiles / maxBytes; close deletes the spares', () => {
+    const d = mkdtempSync(path.join(dir, 'fp-'));
+    const fp = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-1', maxFiles: 2, maxBytes: 10_000 });
+    const a = fp.acquire(3000);
+    assert.equal(a.reused, false);
+    assert.equal(fstatSync(a.fd).size, 3000);
+    writeSync(a.fd, Buffer.alloc(3000, 7));
+    closeSync(a.fd);
+    fp.release(a.path);
+    assert.deepEqual(fp.spare, { files: 1, bytes: 3000 });
+    const b = fp.acquire(2000); // the spare holds it and is at most twice the size: reused, cut to 2000
+    assert.equal(b.path, a.path);
+    assert.equal(b.reused, true);
+    assert.equal(fstatSync(b.fd).size, 2000);
+    assert.deepEqual(fp.spare, { files: 0, bytes: 0 }, 'a handed-out file is not a spare');
+    const c = fp.acquire(5000); // nothing spare: a new file
+    assert.notEqual(c.path, b.path);
+    for (const f of [b, c]) closeSync(f.fd);
+    const e = fp.acquire(6000);
+    closeSync(e.fd);
+    fp.release(b.path);
+    fp.release(c.path);
+    assert.deepEqual(fp.spare, { files: 2, bytes: 7000 });
+    fp.release(e.path); // a third spare is over maxFiles (and maxBytes): deleted
+    assert.ok(!existsSync(e.path));
+    assert.deepEqual(fp.spare, { files: 2, bytes: 7000 });
+    // a much larger spare is not cut down for a small state: a new file instead
+    const small = fp.acquire(100);
+    assert.ok(small.path !== b.path && small.path !== c.path);
+    closeSync(small.fd);
+    rmSync(small.path);
+    fp.close();
+    assert.deepEqual(filesIn(d), [], 'close deleted every spare');
+    const late = fp.acquire(10);
+    closeSync(late.fd);
+    fp.release(late.path);
+    assert.ok(!existsSync(late.path), 'after close a released file is deleted');
+    assert.throws(() => new FilePool({ dir: d, prefix: 'x', maxFiles: -1, maxBytes: 0 }), RangeError);
+  });
+
+  it('a receiver takes its file from the pool; done recycles it, a failed transfer gives it back once, discard after finish deletes it', async () => {
+    const d = mkdtempSync(path.join(dir, 'fpr-'));
+    const fp = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-1', maxFiles: 4, maxBytes: 1 << 24 });
+    const env = encodeEnvelope({ fingerprint: FP, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false }, state);
+    const rx = () => new StateReceiver({ totalBytes: env.length, expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), files: fp, pool: new BufferPool(4096, 2) });
+    // 1: received, loaded (done): back as a spare
+    const r1 = rx();
+    r1.push(env);
+    const got1 = await r1.finish();
+    assert.ok(readFileSync(got1.path).equals(state));
+    await r1.done();
+    await r1.done();
+    await r1.discard(); // after done: nothing more
+    assert.deepEqual(fp.spare, { files: 1, bytes: state.length });
+    assert.ok(existsSync(got1.path));
+    fp.close();
+    assert.ok(!existsSync(got1.path), 'close deleted the spare');
+    // 2: a spare overwritten; one that grew during its load is cut to the exact payload
+    const fp2 = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-2', maxFiles: 4, maxBytes: 1 << 24 });
+    const rx2 = () => new StateReceiver({ totalBytes: env.length, expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), files: fp2, pool: new BufferPool(4096, 2) });
+    const a = rx2();
+    a.push(env);
+    const ga = await a.finish();
+    writeFileSync(ga.path, Buffer.alloc(state.length + 100, 0xee)); // the load grew it (as an in-place re-frame does)
+    await a.done();
+    fp2.release(fp2.acquire(1).path); // (a tiny one: not chosen below)
+    const b = rx2();
+    b.push(env);
+    const gb = await b.finish();
+    assert.equal(gb.path, ga.path, 'the spare was reused');
+    assert.equal(statSync(gb.path).size, state.length, 'exactly the payload');
+    assert.ok(readFileSync(gb.path).equals(state), 'overwritten with the new payload');
+    await b.done();
+    const spares = fp2.spare.files;
+    // 3: a corrupted transfer: its file goes back to the pool exactly once
+    const flip = Buffer.from(env);
+    flip[flip.length - 100] ^= 0x10;
+    const c = rx2();
+    c.push(flip);
+    assert.equal(fp2.spare.files, spares - 1, 'the receiver holds a spare');
+    await assert.rejects(c.finish(), isBad(/checksum mismatch/));
+    await c.discard();
+    await c.discard();
+    await c.done();
+    assert.equal(fp2.spare.files, spares, 'given back once');
+    // 4: a failure while the finished file may still be read (a running load): deleted, not recycled
+    const e = rx2();
+    e.push(env);
+    const ge = await e.finish();
+    await e.discard();
+    await e.done();
+    assert.ok(!existsSync(ge.path), 'deleted: a load may hold it open');
+    assert.equal(fp2.spare.files, spares - 1);
+    fp2.close();
+    assert.deepEqual(filesIn(d), [], 'nothing left behind');
+  });
+});
+
 describe('sendStateFile → StateReceiver over a real KV connection', () => {
   it('the file arrives intact through pooled pieces, in order; buffers are reused across transfers', async () => {
     const secret = 'transfer-test-secret';
@@ -156,19 +257,20 @@ describe('sendStateFile → StateReceiver over a real KV connection', () => {
           await new Promise((r) => setTimeout(r, 5));
         }
         const p = conns[0]!.conn;
-        await sendStateFile(p, room, file, h, state.length, { pool: sendPool, chunkBytes: 3000 });
+        await sendStateFile(p, room, file, h, state.length, { pool: sendPool, pieceBytes: 3000 });
         p.sendControl({ type: 'kv_end', room });
         await ended;
         const got = await receivers.get(room)!.finish();
         assert.ok(readFileSync(got.path).equals(state), `room ${room}: intact`);
         await receivers.get(room)!.discard();
       }
-      assert.equal(sendPool.allocated, 2, 'two read buffers for three transfers');
+      assert.equal(sendPool.allocated, 1, 'one read buffer (cut into pieces) for three transfers');
       assert.equal(sendPool.inUse, 0);
       assert.ok(recvPool.allocated <= 4, `receive buffers: never more than the pool's bound (allocated ${recvPool.allocated})`);
       assert.equal(recvPool.inUse, 0);
-      await assert.rejects(sendStateFile(conns[0]!.conn, '9', file, head(state.length + 1), state.length + 1, { pool: sendPool }), isBad(/ended at byte/));
-      assert.equal(sendPool.inUse, 0, 'buffers back after a failed send');
+      await assert.rejects(sendStateFile(conns[0]!.conn, '9', file, head(state.length + 1), state.length + 1, { pool: sendPool, pieceBytes: 3000 }), isBad(/ended at byte/));
+      await new Promise((r) => setTimeout(r, 50)); // pieces already queued are flushed first
+      assert.equal(sendPool.inUse, 0, 'buffer back after a failed send, once the socket is done with its pieces');
     } finally {
       await pool.close();
       await server.close();

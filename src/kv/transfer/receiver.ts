@@ -5,7 +5,9 @@
  * disk and checked, and only llama.cpp's load remains. A head from another model, a ggsq field
  * that does not add up, or bytes beyond the announced size fail the room at that chunk, before
  * the rest is even sent. Payload bytes are gathered into a pooled buffer (one file write per
- * 1 MiB, the buffer reused across transfers).
+ * 1 MiB, the buffer reused across transfers) and written into a recycled destination file from
+ * a FilePool (pool.ts: a tmpfs file whose pages exist takes writes ~3× faster than a new one),
+ * sized to the payload exactly, as llama.cpp's load wants.
  *
  * File calls are synchronous: the state directory is tmpfs (/dev/shm), where writing 1 MiB is a
  * memory copy well under a millisecond, while every asynchronous fs call is a round trip through
@@ -14,13 +16,12 @@
  *
  * Byte stream (envelope.ts): head | payload | u32 BE CRC-32 trailer.
  */
-import { closeSync, openSync, writeSync } from 'node:fs';
-import { rm } from 'node:fs/promises';
+import { closeSync, ftruncateSync, openSync, rmSync, writeSync } from 'node:fs';
 import { ENVELOPE_TRAILER_BYTES, parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
 import type { EnvelopeHeader } from '../messages.js';
 import { KvError } from '../types.js';
 import { Crc32 } from './checksum.js';
-import type { BufferPool } from './pool.js';
+import type { BufferPool, FilePool } from './pool.js';
 
 /** An incremental parser of the payload's structure (see StateReceiverOptions.walker). */
 export interface StructureWalker<S> {
@@ -40,8 +41,13 @@ export interface StateReceiverOptions<S> {
    * first inconsistent byte, `end` returns the parsed state or throws when it is incomplete.
    */
   walker: (payloadBytes: number) => StructureWalker<S>;
-  /** Where the payload is written (created; the receiver deletes it on `discard`). */
-  path: string;
+  /** Where the payload is written (created; the receiver deletes it on `discard`), when `files` is not given. */
+  path?: string;
+  /**
+   * Recycled destination files: the payload goes into one from here (its path is in the
+   * ReceivedState), given back by `done`/`discard`.
+   */
+  files?: FilePool;
   /** Write buffers. */
   pool: BufferPool;
 }
@@ -58,8 +64,13 @@ const bad = (reason: string): KvError => new KvError('BAD_ENVELOPE', reason);
 
 /**
  * One room's incoming state. `push` the chunk data in order (synchronous; throws on the first
- * inconsistency), `finish` once kv_end arrives, `discard` on any failure (idempotent). After a
- * throw the receiver refuses further input.
+ * inconsistency), `finish` once kv_end arrives; then `done` once the caller no longer uses the
+ * file `finish` returned (its load settled), or `discard` on any failure, at any time — also
+ * while the caller may still be reading the file. After a throw the receiver refuses further
+ * input. The file is given up exactly once: `done` gives it back to the file pool (or deletes
+ * it); `discard` gives back a file nobody else has seen, and deletes one `finish` handed out
+ * (a load may still be reading it: the unlinked inode lives until it closes; a recycled file
+ * could be overwritten under it).
  */
 export class StateReceiver<S> {
   /** Bytes pushed so far. */
@@ -74,10 +85,13 @@ export class StateReceiver<S> {
   private failed: Error | undefined;
   /** Opened once the head is accepted (a state refused at its head never creates a file). */
   private fd: number | undefined;
+  /** The destination file, once opened. */
+  private path: string | undefined;
+  /** `finish` handed the file out. */
+  private lent = false;
   private buf: Buffer | undefined;
   private bufUsed = 0;
   private discarded = false;
-  private headerSeen = false;
 
   constructor(private readonly o: StateReceiverOptions<S>) {}
 
@@ -106,15 +120,14 @@ export class StateReceiver<S> {
       const all = this.head.length === 1 ? this.head[0]! : Buffer.concat(this.head, this.headLen);
       const h = parseEnvelopeHead(all, this.o.expect);
       if (!h) {
-        this.head = [all];
+        this.head = [Buffer.from(all)]; // a copy: `data` may be a reused socket read buffer
         return;
       }
       const need = h.headBytes + h.header.payloadBytes + ENVELOPE_TRAILER_BYTES;
       if (need !== this.o.totalBytes) throw bad(`kv_begin announced ${this.o.totalBytes} bytes, the envelope needs ${need}`);
       this.header = h.header;
       this.headBytes = h.headBytes;
-      this.headerSeen = true;
-      this.fd = openSync(this.o.path, 'w');
+      this.open(h.header.payloadBytes);
       this.parser = this.o.walker(h.header.payloadBytes);
       this.head = [];
       d = all.subarray(h.headBytes);
@@ -135,6 +148,20 @@ export class StateReceiver<S> {
       rest.copy(this.trailer, this.received - payloadEnd);
       this.received += rest.length;
     }
+  }
+
+  /** Open the destination: a recycled file of exactly `payloadBytes`, or a new file at `path`. */
+  private open(payloadBytes: number): void {
+    if (this.o.files) {
+      const f = this.o.files.acquire(payloadBytes);
+      this.fd = f.fd;
+      this.path = f.path;
+      return;
+    }
+    if (this.o.path === undefined) throw new KvError('BAD_STATE', 'StateReceiver: neither path nor files given');
+    this.path = this.o.path;
+    this.fd = openSync(this.o.path, 'w');
+    ftruncateSync(this.fd, payloadBytes);
   }
 
   /** Copy payload bytes into the pooled buffer; a full buffer goes to the file. */
@@ -170,7 +197,8 @@ export class StateReceiver<S> {
       if (this.crc.value >>> 0 !== this.trailer.readUInt32BE(0)) throw bad('payload checksum mismatch: state is corrupted');
       this.flush();
       this.release();
-      return { header: this.header, state, path: this.o.path };
+      this.lent = true;
+      return { header: this.header, state, path: this.path! };
     } catch (e) {
       this.failed = e as Error;
       throw e;
@@ -185,17 +213,43 @@ export class StateReceiver<S> {
     this.fd = undefined;
   }
 
-  /** Drop everything: buffer back to the pool, file closed and deleted. Idempotent; never throws. */
+  /**
+   * The caller is done with the file `finish` returned (its load settled, whatever the outcome):
+   * the file goes back to the file pool (deleted when there is none, or it is full). Also fine
+   * instead of `discard` when no one else can be reading the file. Idempotent, a no-op after
+   * `discard`; never throws.
+   */
+  async done(): Promise<void> {
+    this.giveUp(false);
+  }
+
+  /**
+   * Drop everything (any failure, at any time): buffer back to the pool, file closed; the file
+   * is recycled if `finish` never handed it out, else deleted. Idempotent, a no-op after `done`;
+   * never throws.
+   */
   async discard(): Promise<void> {
+    this.failed ??= new KvError('ABORTED', 'receive discarded');
+    this.giveUp(this.lent);
+  }
+
+  private giveUp(remove: boolean): void {
     if (this.discarded) return;
     this.discarded = true;
-    this.failed ??= new KvError('ABORTED', 'receive discarded');
-    const opened = this.fd !== undefined || this.headerSeen;
     try {
       this.release();
     } catch {
       // closing a file we wrote cannot fail in a way that matters here
     }
-    if (opened) await rm(this.o.path, { force: true }).catch(() => {});
+    const path = this.path;
+    if (path === undefined) return;
+    if (!remove && this.o.files) this.o.files.release(path);
+    else {
+      try {
+        rmSync(path, { force: true });
+      } catch {
+        // tmpfs unlink of our own file
+      }
+    }
   }
 }
