@@ -39,7 +39,7 @@ import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalS
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
-import { copyFileSync } from 'node:fs';
+import { copyFileSync, rmSync } from 'node:fs';
 import { loadCorpus } from './bench.js';
 
 interface Init {
@@ -57,6 +57,20 @@ interface Init {
 const init = JSON.parse(process.argv[2] ?? '{}') as Init;
 const send = (m: object): void => void process.send?.(m);
 process.on('disconnect', () => process.exit(0));
+/** Files to delete however this child ends (normal exit, or the parent's SIGTERM in BenchChild.stop). */
+const exitCleanups: (() => void)[] = [];
+const atExit = (fn: () => void): void => void exitCleanups.push(fn);
+const runExitCleanups = (): void => {
+  for (const fn of exitCleanups.splice(0)) {
+    try {
+      fn();
+    } catch {
+      // best effort: the state-file sweep removes what is left
+    }
+  }
+};
+process.on('exit', runExitCleanups);
+process.on('SIGTERM', () => process.exit(0));
 const now = () => performance.now();
 /** Wall clock with sub-ms resolution, comparable across processes of this machine. */
 const abs = () => performance.timeOrigin + performance.now();
@@ -133,6 +147,7 @@ async function sender(engine: Engine): Promise<void> {
               saves.push(now() - ts);
             }
             states.push({ n, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]! });
+            atExit(() => rmSync(path, { force: true }));
           } finally {
             slot.release();
           }
@@ -242,7 +257,7 @@ async function receiver(engine: Engine): Promise<void> {
   const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
   const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
-  process.on('exit', () => recvFiles.close());
+  atExit(() => recvFiles.close());
   type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
   let recv: Recv | undefined;
   const sameHost = new SameHostDecode({ enabled: true, stateDir: init.stateDir });
