@@ -185,12 +185,12 @@ export class DecodeWorker {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
     this.stopSweep?.();
+    this.recvFiles.close(); // spares deleted now (a hung close is cut short); a receiver still holding a file deletes it when it lets go
     this.perform(this.driver.shutdown(Date.now()));
     for (const j of this.jobs.values()) j.ac.abort();
     await this.app?.close().catch(() => {});
     await this.pool?.close();
     await this.engine.dispose();
-    this.recvFiles.close(); // spares deleted; a receiver still holding a file deletes it when it lets go
   }
 
   /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. */

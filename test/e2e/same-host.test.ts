@@ -28,7 +28,8 @@ const h = useStack({
 
 const proc = (name: string) => h.c.procs.find((p) => p.name === name)!;
 const setHolds = (name: string, spec: string) => fetch(`${proc(name).url}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
-const stateFiles = () => readdirSync(dir).filter((n) => n.endsWith('.ggsq') || n.endsWith('.nonce'));
+/** State files of rooms (not decode's spare received-state files, `pdserve-kvrecv-*`, kept by a live decode for the next TCP handoff). */
+const stateFiles = () => readdirSync(dir).filter((n) => (n.endsWith('.ggsq') || n.endsWith('.nonce')) && !n.startsWith('pdserve-kvrecv-'));
 
 /** pdserve_kv_handoffs_total by path of one worker. */
 async function handoffs(name: string): Promise<Record<string, number>> {

@@ -21,11 +21,11 @@ import { KvError, type RoomId } from '../types.js';
 import { Crc32 } from './checksum.js';
 import type { BufferPool } from './pool.js';
 
-/** Options of `sendStateFile`; signal, stallMs, onProgress as PeerConn.sendChunks. */
+/** Options of `sendStateFile`; signal, stallMs, onProgress as PeerConn.sendChunks; `chunkBytes` caps the piece size. */
 export interface SendStateFileOptions extends Omit<SendChunksOptions, 'offset'> {
   /** Read buffers: one per transfer, cut into `pieceBytes` pieces, given back once no write uses it. */
   pool: BufferPool;
-  /** Bytes per read piece and chunk frame (default SEND_PIECE_BYTES; at most the pool's buffer size). */
+  /** Bytes per read piece and chunk frame (default SEND_PIECE_BYTES; at most chunkBytes and the pool's buffer size). */
   pieceBytes?: number;
 }
 
@@ -56,7 +56,7 @@ export function wireBytes(head: Buffer, payloadBytes: number): number {
 export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, opts: SendStateFileOptions): Promise<void> {
   const fd = openSync(path, 'r');
   const big = opts.pool.acquire();
-  const pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, big.length, MAX_CHUNK_BYTES));
+  const pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, opts.chunkBytes ?? MAX_CHUNK_BYTES, big.length, MAX_CHUNK_BYTES));
   const slots = Math.floor(big.length / pieceBytes);
   const free: number[] = [];
   for (let i = slots - 1; i >= 0; i--) free.push(i);
