@@ -179,6 +179,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       await receiver.call<Msg>({ cmd: 'settle' }, 'settled', 30_000);
       const r = String(room++);
       const recvP = receiver.wait('kvFileRecv', 120_000, (m) => m.room === r);
+      recvP.catch(() => {}); // awaited below; a failed sender call must not leave it unhandled (that would end the whole suite)
       const d = await sender.call<Msg>({ cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 120_000);
       const rv = await recvP;
       if (d.error || rv.error) throw new Error(`same-host handoff failed: ${d.error ?? rv.error}`);
