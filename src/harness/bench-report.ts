@@ -490,6 +490,22 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   return L.join('\n');
 }
 
+/** The TCP goal's note: each size's KV time against its budget, by phase (§1's figures); what a miss is made of. */
+function tcpGoalNote(g1: KvSectionResult['sizes']): string[] {
+  if (!g1.length) return [];
+  const mib = (s: KvSectionResult['sizes'][number]) => `${(s.blobBytes / MiB).toFixed(0)} MiB`;
+  const budget = (s: KvSectionResult['sizes'][number]) => 1.3 * (s.saveMs + s.rawMs.median + s.phasesMs.loadState) - s.saveMs;
+  const parts = g1.map((s) => {
+    const p = s.phasesMs;
+    return `${mib(s)}: ${fmt(s.kvMs.median, 1)} ms against a budget of ${fmt(budget(s), 1)} ms (prefill send ${fmt(p.send, 1)}, decode wire ${fmt(p.wire, 1)} — a bare socket ${fmt(s.rawMs.median, 1)} — loadState ${fmt(p.loadState, 1)}, message lags ${fmt(p.beginLag + p.ackLag, 1)})`;
+  });
+  const missed = g1.filter((s) => s.goalRatio > 1.3);
+  return [
+    '',
+    `**KV handoff over TCP (§1).** ${parts.join('; ')}. The bytes cross at the pace of the slower side, which does what a bare socket does not: prefill reads the saved file (256 KiB pieces, still in cache for the next step) and CRC-32s it before the socket copies it; decode, reading into one reused buffer, CRC-32s and walks each piece and writes it into a recycled state file (pages already allocated). When send ≈ wire, prefill's read + CRC-32 + socket writes on one thread set the pace.${missed.length ? ` Missed at ${missed.map((s) => `${mib(s)} by ${fmt(s.kvMs.median - budget(s), 1)} ms`).join(', ')}.` : ''}`,
+  ];
+}
+
 /** The same-host goal's note: what the handoff costs above save + load, by phase (§1's figures). */
 function sameHostNote(gs: KvSectionResult['sizes']): string[] {
   if (!gs.length) return ['', '**Same-host fast path:** no same-host figures in this report\'s §1.'];
@@ -544,6 +560,7 @@ function issue9Goals(
     '**Router TTFT overhead (§5).** With the first token streamed from prefill in both paths (the pd-direct client speaks the same protocol), the router adds nothing measurable to TTFT p50; its p99 over 40 samples on a loaded machine is noise-dominated. Changes made: the SSE headers leave with the first event instead of as a lone segment before it, TCP_NODELAY is set on the client socket, and the first token no longer waits for decode. Which of these removed the earlier +23.9 ms was not isolated (the machine was too loaded for single-change A/B runs); the E2E difference of this run is not explained either.',
     '',
     '**Decode batching gap (§4).** Analysed with interleaved A/B runs that change one thing (8 streams unless said, 4–6 repetitions each, load average 1.6–7; the figures are medians). (1) Sequence count, fixed in the harness: the decode worker\'s context has 14 sequences (10 slots + the 4 prefix-cache sequences of decode-local continuation), but the direct baseline had 10. Each sequence is a KV stream in llama.cpp, and the direct engine with 14 sequences ran at 0.94× and 0.96× of the same engine with 10 (slower in 10 of 11 pairs; ≈ 5 % more CPU per token). The baseline now has the decode worker\'s sequence count. (2) What is left is in the decode process, not the router. Against the corrected baseline (6 repetitions, load 1.6–3.8), the client through the router reached 0.98 / 1.01 / 0.91× at 1 / 4 / 8 streams, and the client sending to the workers directly (no router) 0.98 / 0.97 / 0.87×; a second run at 8 streams gave 0.94× without the router. Moving the router and the client to the other core changed nothing (0.92× against 0.90×). At 8 streams the decode worker spends ≈ 5–11 % more CPU per token than the direct run. Its main thread does ≈ 0.1 ms more work per token (JSON and the SSE write), and this work shares the one pinned core with llama.cpp\'s compute thread, so its 8-token llama_decode steps take ≈ 5 % longer (24 against 23 ms). (3) Batch fragmentation: node-llama-cpp dispatches a batch on setImmediate, so a sequence that comes back late waits for the next step. Even the direct run never batches all 8 sequences (7.5 tokens per llama_decode). The decode worker makes ≈ 11 % more calls (6.2 tokens per call): batches of 1–6 tokens cost ≈ 3.5–4.3 ms per token against ≈ 3.4 ms in a batch of 7, so this costs about 1–3 %. (4) Ruled out: thread count, batch size and engine code, which are the same on both sides. The 0.72× at 1 stream of the previous run did not come back (0.92–1.04× in five runs at load 1.6–7): it was load noise. The next step would be one SSE write per decode step instead of one per token.',
+    ...tcpGoalNote(g1),
     '',
     ...sameHostNote(gs),
   ];
