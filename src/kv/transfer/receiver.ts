@@ -4,10 +4,10 @@
  * destination state file as it arrives — so when the last chunk lands the file is already on
  * disk and checked, and only llama.cpp's load remains. A head from another model, a ggsq field
  * that does not add up, or bytes beyond the announced size fail the room at that chunk, before
- * the rest is even sent. Payload bytes are gathered into a pooled buffer (one file write per
- * 1 MiB, the buffer reused across transfers) and written into a recycled destination file from
- * a FilePool (pool.ts: a tmpfs file whose pages exist takes writes ~3× faster than a new one),
- * sized to the payload exactly, as llama.cpp's load wants.
+ * the rest is even sent. Payload bytes go to the file as they arrive (a socket read's worth
+ * straight from the read buffer, small pieces gathered in a pooled buffer first) — into a
+ * recycled destination file from a FilePool (pool.ts: a tmpfs file whose pages exist takes
+ * writes ~3× faster than a new one), sized to the payload exactly, as llama.cpp's load wants.
  *
  * File calls are synchronous: the state directory is tmpfs (/dev/shm), where writing 1 MiB is a
  * memory copy well under a millisecond, while every asynchronous fs call is a round trip through
@@ -61,6 +61,10 @@ export interface ReceivedState<S> {
 }
 
 const bad = (reason: string): KvError => new KvError('BAD_ENVELOPE', reason);
+/** A payload piece at least this large is written to the file without a copy, bytes. */
+const DIRECT_WRITE_BYTES = 32 * 1024;
+/** Gathered small pieces are written once this many bytes are buffered, bytes. */
+const GATHER_FLUSH_BYTES = 256 * 1024;
 
 /**
  * One room's incoming state. `push` the chunk data in order (synchronous; throws on the first
@@ -164,8 +168,17 @@ export class StateReceiver<S> {
     ftruncateSync(this.fd, payloadBytes);
   }
 
-  /** Copy payload bytes into the pooled buffer; a full buffer goes to the file. */
+  /**
+   * Payload bytes to the file as they come: a large piece (a socket read's worth) is written
+   * straight from the read buffer, small ones are gathered in the pooled buffer first (flushed
+   * at GATHER_FLUSH_BYTES), so the file is nearly complete when the last byte arrives.
+   */
   private write(p: Buffer): void {
+    if (this.bufUsed === 0 && p.length >= DIRECT_WRITE_BYTES) {
+      let off = 0;
+      while (off < p.length) off += writeSync(this.fd!, p, off, p.length - off);
+      return;
+    }
     let i = 0;
     while (i < p.length) {
       this.buf ??= this.o.pool.acquire();
@@ -173,7 +186,7 @@ export class StateReceiver<S> {
       p.copy(this.buf, this.bufUsed, i, i + n);
       this.bufUsed += n;
       i += n;
-      if (this.bufUsed === this.buf.length) this.flush();
+      if (this.bufUsed >= Math.min(this.buf.length, GATHER_FLUSH_BYTES)) this.flush();
     }
   }
 
