@@ -44,8 +44,8 @@
  * engine/ggsq.ts, injected by the caller: token ids,
  * cell metadata, per-layer type / row size), seeking over the KV data — every count and size
  * checked against the file's size, as the streamed walk does. A cut file, a damaged head or a
- * damaged structure header fails its room, never the process. Cost: a few KiB read, ~20
- * preads, whatever the state's size.
+ * damaged structure header fails its room, never the process. Cost: ~20 preads reading 16
+ * bytes per token (ids, cell metadata) plus 12 per layer header — none of the KV data.
  *
  * What is NOT checked by default, and why: the KV data bytes (no CRC-32). No wire exists on this
  * path — the bytes decode loads are the very pages prefill's llama.cpp wrote into the shared
