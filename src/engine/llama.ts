@@ -27,6 +27,7 @@ import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
+import { installStepBarrier, StepBarrier } from './step-barrier.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
@@ -66,6 +67,12 @@ export interface LoadEngineOptions {
    * every released slot is cleared, as before.
    */
   prefixCache?: { cacheSequences: number; maxTokens: number };
+  /**
+   * Wait for every generating sequence before each llama_decode (step-barrier.ts): default on
+   * when batching (off in deterministic mode, which decodes one sequence per call). `false` only
+   * counts the steps (`stepStats`), to compare.
+   */
+  stepBarrier?: boolean;
 }
 
 /** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
@@ -519,6 +526,8 @@ class LlamaEngine implements Engine {
   readonly grammars: GrammarCache;
   /** Every end-of-generation token id of the vocabulary (min_tokens bans them). */
   readonly eogTokens: number[];
+  /** One llama_decode per step for all generating sequences (step-barrier.ts); null when not installed. */
+  private readonly barrier: StepBarrier | null;
 
   constructor(
     readonly info: EngineInfo,
@@ -527,9 +536,13 @@ class LlamaEngine implements Engine {
     readonly tmpDir: string,
     private readonly logSink: LogSink | null,
     readonly cache: PrefixCacheSettings,
+    stepBarrier: 'wait' | 'count' | 'off',
   ) {
     this.holders = [];
     for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
+    const barrier = stepBarrier === 'off' ? null : new StepBarrier(stepBarrier === 'wait');
+    this.barrier = barrier && this.holders.every((h) => installStepBarrier(h.seq, barrier)) ? barrier : null;
+    if (barrier && !this.barrier) logSink?.('warn', 'node-llama-cpp has no after-batch hook: decode steps are not aligned (step-barrier.ts)');
     this.free = [...this.holders];
     this.eogTokens = [];
     for (let t = 0; t < info.nVocab; t++) if (model.isEogToken(t as Token)) this.eogTokens.push(t);
@@ -588,6 +601,10 @@ class LlamaEngine implements Engine {
   reusableFor(prompt: readonly number[]): number {
     if (this.disposed || !this.cache.enabled || prompt.length === 0) return 0;
     return chooseSequence(this.free, prompt, this.cache)?.reuse ?? 0;
+  }
+
+  stepStats(): { steps: number; sequences: number } | null {
+    return this.barrier ? { steps: this.barrier.steps, sequences: this.barrier.sequences } : null;
   }
 
   /** Tokens held by idle sequences for reuse, and how many sequences hold them. */
@@ -746,7 +763,8 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       align: opts.deterministic ? context.batchSize : null,
       maxTokens: opts.prefixCache?.maxTokens ?? 0,
     };
-    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache);
+    const barrier = opts.deterministic ? 'off' : opts.stepBarrier === false ? 'count' : 'wait';
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier);
   } catch (err) {
     if (sink) logSinks.delete(sink);
     await model?.dispose().catch(() => {});

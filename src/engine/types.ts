@@ -277,5 +277,11 @@ export interface Engine {
   reusableFor(prompt: readonly number[]): number;
   /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
   cachedStats(): { sequences: number; tokens: number };
+  /**
+   * Decode steps of the context (batches node-llama-cpp sent to llama_decode with a generating or
+   * prefilling sequence in them) and the sequences in them, since load; null when not counted
+   * (deterministic mode, or a node-llama-cpp without the hook: src/engine/step-barrier.ts).
+   */
+  stepStats(): { steps: number; sequences: number } | null;
   dispose(): Promise<void>;
 }
