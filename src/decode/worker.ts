@@ -14,7 +14,7 @@
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
-import { GenerateRequestSchema, type GenerateEvent, type GenerateRequest, tokenEvent } from '../api/worker-protocol.js';
+import { GenerateRequestSchema, type GenerateRequest } from '../api/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
@@ -41,6 +41,7 @@ import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
 import { DecodeDriver, type ConnId, type DecodeAction, type PrefillAddr } from './driver.js';
 import { localPrefill, planLocal, type DecodeStart, type LocalPlan } from './local.js';
+import { DecodeSseWriter } from './sse-out.js';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {
@@ -520,12 +521,16 @@ export class DecodeWorker {
     }
   }
 
-  /** Generate from the loaded slot and write SSE events until finish, abort or client loss. */
+  /**
+   * Generate from the loaded slot and write SSE events until finish, abort or client loss. The
+   * events of one event-loop turn leave in one write (./sse-out.ts); a token is never held past
+   * the turn it was generated in.
+   */
   private async stream(job: Job, start: DecodeStart, reply: FastifyReply): Promise<void> {
     const res = reply.raw;
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: connectionHeader(res) });
-    const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']): GenerateEvent['meta_info'] => ({ id: job.rid, prompt_tokens: start.promptTokens, cached_tokens: start.cachedTokens, completion_tokens: n, finish_reason: finish });
+    const out = new DecodeSseWriter(res, { rid: job.rid, promptTokens: start.promptTokens, cachedTokens: start.cachedTokens }, this.config.timeouts.transferIdleMs);
     this.prefixMetrics.requestsByPath.inc({ path: job.local ? 'decode_local' : 'pd' });
     let n = 0;
     const gen = job.slot!.generate(start.firstToken, job.sampling, job.ac.signal);
@@ -540,42 +545,18 @@ export class DecodeWorker {
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
-        const ev: GenerateEvent = tokenEvent(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, meta(n, null));
-        if (!(await writeEvent(res, ev, this.config.timeouts.transferIdleMs))) {
-          job.ac.abort();
-        }
+        out.token(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, n);
+        const ok = out.writable();
+        if (ok !== true && !(await ok)) job.ac.abort();
       }
-      if (!res.destroyed) {
-        await writeEvent(res, { text: '', token_ids: [], meta_info: meta(n, { type: finish }) }, this.config.timeouts.transferIdleMs);
-        res.write('data: [DONE]\n\n');
-      }
+      out.finish(n, finish);
     } catch (err) {
-      const e = toApiError(err);
-      if (!res.destroyed) res.write(`data: ${JSON.stringify({ error: { message: e.message, type: e.type, code: e.code } })}\n\n`);
+      out.error(toApiError(err));
     } finally {
       await gen.return('abort').catch(() => {});
-      if (!res.writableEnded) res.end();
+      out.end();
     }
   }
-}
-
-/** Write one SSE event; waits for 'drain' at most `deadlineMs`. False when the client is gone or stuck. */
-async function writeEvent(res: import('node:http').ServerResponse, ev: unknown, deadlineMs: number): Promise<boolean> {
-  if (res.destroyed || res.writableEnded) return false;
-  if (res.write(`data: ${JSON.stringify(ev)}\n\n`)) return true;
-  return new Promise<boolean>((resolve) => {
-    const t = setTimeout(() => done(false), deadlineMs);
-    const done = (ok: boolean) => {
-      clearTimeout(t);
-      res.off('drain', onDrain);
-      res.off('close', onClose);
-      resolve(ok);
-    };
-    const onDrain = () => done(true);
-    const onClose = () => done(false);
-    res.once('drain', onDrain);
-    res.once('close', onClose);
-  });
 }
 
 /** "host:port" (the host may be an IPv6 literal) → its parts. */
