@@ -27,7 +27,7 @@ import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
-import { installStepBarrier, StepBarrier } from './step-barrier.js';
+import { installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
@@ -540,7 +540,7 @@ class LlamaEngine implements Engine {
   ) {
     this.holders = [];
     for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
-    const barrier = stepBarrier === 'off' ? null : new StepBarrier(stepBarrier === 'wait');
+    const barrier = stepBarrier === 'off' ? null : new StepBarrier(stepBarrier === 'wait', stepBarrier === 'wait' ? () => sortQueuedDecodes(context) : undefined);
     this.barrier = barrier && this.holders.every((h) => installStepBarrier(h.seq, barrier)) ? barrier : null;
     if (barrier && !this.barrier) logSink?.('warn', 'node-llama-cpp has no after-batch hook: decode steps are not aligned (step-barrier.ts)');
     this.free = [...this.holders];
@@ -727,6 +727,16 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       throw withLlamaLog(err, since);
     }
     let context: LlamaContext;
+    // node-llama-cpp's default dispatch schedule ("nextCycle": setImmediate), with the queue put in
+    // sequence order first, so the first dispatch after an idle spell is sorted as well (the
+    // dispatcher's own loop sorts at the step barrier: step-barrier.ts)
+    const created: { context?: LlamaContext } = {};
+    const sortedNextCycle = (dispatch: () => void): void => {
+      setImmediate(() => {
+        if (created.context) sortQueuedDecodes(created.context);
+        dispatch();
+      });
+    };
     try {
       context = await model.createContext({
         sequences: opts.sequences + (opts.prefixCache?.cacheSequences ?? 0),
@@ -735,11 +745,12 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
         threads,
         flashAttention: opts.flashAttention ?? true,
         failedCreationRemedy: false,
-        ...(opts.deterministic ? { batching: { itemPrioritizationStrategy: oneSequencePerBatch } } : {}),
+        batching: opts.deterministic ? { itemPrioritizationStrategy: oneSequencePerBatch } : opts.stepBarrier === false ? {} : { dispatchSchedule: sortedNextCycle },
       });
     } catch (err) {
       throw withLlamaLog(err, since);
     }
+    created.context = context;
     const meta = model.fileInfo.architectureMetadata as { block_count?: number };
     const tokensMeta = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
     const cacheSequences = opts.prefixCache?.cacheSequences ?? 0;

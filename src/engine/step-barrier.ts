@@ -10,10 +10,11 @@
  * the previous one: node-llama-cpp's own generator, the engine's `generate()`, the consumer (the
  * decode worker's SSE write) and back — some 20–30 promise hops, against about 5 in the
  * dispatcher between the last sample and its look at the queue. So the sequence sampled last
- * missed almost every step, and once llama.cpp's compute thread was running on the same core its
- * continuation finished 1–6 ms later and it waited for the next step. Measured with 8 streams on
- * one pinned core: 6.2 tokens per llama_decode behind the decode worker's HTTP streams, 7.5 in a
- * bare engine loop (issue #9, BENCHMARKS.md §4).
+ * missed every step, and once llama.cpp's compute thread was running on the same core its
+ * continuation finished 1–6 ms later and it joined the next step. Measured with 8 (4) streams on
+ * one pinned core, steady state: 7 of 8 (3 of 4) sequences per llama_decode, in the decode worker
+ * and in a bare engine loop alike; a llama_decode of 8 tokens costs about what one of 7 does
+ * (issue #9, BENCHMARKS.md §4).
  *
  * The dispatcher awaits, after sampling, the `afterBatchAction` each queued decode carries:
  * `LlamaContextSequence._takeIntervalCheckpointIfNeededAfterBatch`, an own, bound function of
@@ -45,8 +46,15 @@ export class StepBarrier {
   /** Hook calls: queued decodes (sequences) over all those batches. */
   sequences = 0;
 
-  /** @param waiting false: only count (the dispatcher does not wait; for comparisons). */
-  constructor(readonly waiting = true) {}
+  /**
+   * @param waiting false: only count (the dispatcher does not wait; for comparisons).
+   * @param beforeDispatch runs when the barrier passes, right before the dispatcher looks at its
+   *   queue (the engine puts the queue in sequence order there: `sortQueuedDecodes`).
+   */
+  constructor(
+    readonly waiting = true,
+    private readonly beforeDispatch?: () => void,
+  ) {}
 
   /**
    * A promise resolved on the next `setImmediate` (the check phase of this loop turn, after all
@@ -60,6 +68,7 @@ export class StepBarrier {
     this.steps++;
     const p = new Promise<void>((resolve) =>
       setImmediate(() => {
+        this.beforeDispatch?.();
         resolve();
         // Forget it in the next turn's check phase: the rest of this batch's hooks run in the
         // promise continuations right after `resolve`, the next batch's only after a llama_decode
@@ -92,5 +101,24 @@ export function installStepBarrier(seq: object, barrier: StepBarrier): boolean {
     return r instanceof Promise ? Promise.all([r, b]).then(() => undefined) : b;
   };
   s[HOOK] = wrapped;
+  return true;
+}
+
+/**
+ * Put node-llama-cpp's queue of pending decodes (`LlamaContext._queuedDecodes`, internal in
+ * 3.21.1: objects with a numeric `sequenceId`) in sequence-id order, in place; stable, so one
+ * sequence's items keep their order. Why: with one KV stream per sequence llama.cpp splits a
+ * batch into ubatches of consecutive, increasing sequence ids in batch order
+ * (`llama_batch_allocr::split_equal(…, sequential = true)` from `llama_kv_cache::init_batch`),
+ * and node-llama-cpp builds the batch in queue order, which is the order the sequences' tokens
+ * came back from sampling. 8 sequences 0–7 queued as 5,0,2,3,6,7,1,4 were three ubatches — three
+ * passes over the weights — for one llama_decode; sorted, one. Sequences that are not consecutive
+ * (0–2 and 9–13) still make one ubatch per run. Nothing happens when the queue is not there.
+ * @returns whether the queue was found.
+ */
+export function sortQueuedDecodes(context: object): boolean {
+  const q = (context as { _queuedDecodes?: unknown })._queuedDecodes;
+  if (!Array.isArray(q)) return false;
+  if (q.length > 1 && q.every((d) => typeof (d as { sequenceId?: unknown }).sequenceId === 'number')) q.sort((a: { sequenceId: number }, b: { sequenceId: number }) => a.sequenceId - b.sequenceId);
   return true;
 }

@@ -13,7 +13,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
-import { installStepBarrier, StepBarrier } from '../../src/engine/step-barrier.js';
+import { installStepBarrier, sortQueuedDecodes, StepBarrier } from '../../src/engine/step-barrier.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 
 const turn = () => new Promise<void>((r) => setImmediate(r));
@@ -61,6 +61,21 @@ describe('StepBarrier', () => {
     await turn();
     await seq._takeIntervalCheckpointIfNeededAfterBatch(3);
     assert.equal(checkpointDone, true, 'the original hook is still awaited');
+  });
+});
+
+describe('sortQueuedDecodes', () => {
+  it('puts the pending decodes in sequence order, stably, in place; tolerates a missing queue', () => {
+    const q = [5, 0, 2, 3, 6, 7, 1, 4, 2].map((sequenceId, i) => ({ sequenceId, i }));
+    const ctx = { _queuedDecodes: q };
+    assert.equal(sortQueuedDecodes(ctx), true);
+    assert.equal(ctx._queuedDecodes, q, 'the same array (node-llama-cpp holds it)');
+    assert.deepEqual(q.map((d) => d.sequenceId), [0, 1, 2, 2, 3, 4, 5, 6, 7]);
+    assert.deepEqual(q.filter((d) => d.sequenceId === 2).map((d) => d.i), [2, 8], 'items of one sequence keep their order');
+    assert.equal(sortQueuedDecodes({}), false);
+    const odd = [{ sequenceId: 2 }, { other: 1 }, { sequenceId: 1 }];
+    sortQueuedDecodes({ _queuedDecodes: odd });
+    assert.deepEqual(odd, [{ sequenceId: 2 }, { other: 1 }, { sequenceId: 1 }], 'left alone when an item has no sequence id');
   });
 });
 
