@@ -458,16 +458,32 @@ export interface RouterOverheadResult {
   errors: string[];
 }
 
-/** Section 5: the same streamed requests to the workers directly vs through the router. */
+/**
+ * Section 5's prompts of round `round` from a list of 2 × rounds: [through the router, direct].
+ * Each request gets a prompt of its own, because both ways reach the same prefill worker, whose
+ * prefix cache would give the second request of a pair sent with one prompt a hit (≈ 10 ms to the
+ * first token instead of ≈ 120 ms): each side's samples were then half cold, half cached, and the
+ * p50 of 40 fell between the two modes. The round's two prompts swap sides every round.
+ * @throws RangeError when the list has no prompts for this round.
+ */
+export function ownPromptPair<T>(prompts: readonly T[], round: number): [T, T] {
+  const a = prompts[2 * round];
+  const b = prompts[2 * round + 1];
+  if (a === undefined || b === undefined) throw new RangeError(`no prompts for round ${round} (${prompts.length} prompts)`);
+  return round % 2 === 0 ? [a, b] : [b, a];
+}
+
+/** Section 5: streamed requests to the workers directly vs through the router (a prompt of its own each, see `ownPromptPair`). */
 export async function runRouterOverhead(ctx: SectionCtx): Promise<RouterOverheadResult> {
   const reps = ctx.quick ? 4 : 40;
   const promptLen = 64;
   const outputLen = 32;
-  const prompts = corpusPrompts(ctx, reps, promptLen, outputLen, 500);
+  const prompts = corpusPrompts(ctx, 2 * reps, promptLen, outputLen, 500);
   const viaRouter: RequestRecord[] = [];
   const direct: RequestRecord[] = [];
   for (let i = 0; i < reps; i++) {
-    const [a, b] = await alternate(i, () => send(ctx, ctx.pd, prompts[i]!), () => send(ctx, ctx.direct, prompts[i]!));
+    const [pr, pd] = ownPromptPair(prompts, i);
+    const [a, b] = await alternate(i, () => send(ctx, ctx.pd, pr), () => send(ctx, ctx.direct, pd));
     viaRouter.push(a);
     direct.push(b);
   }

@@ -7,7 +7,7 @@
  *   2. PD vs colocated at low load (prompts of 64/512/1500 tokens, one at a time)
  *   3. Interference: 8 decoding streams + long prompts every few seconds
  *   4. Decode batching: 1/4/8 streams through pdserve vs node-llama-cpp driven directly
- *   5. Router overhead: the same requests through the router vs to the workers directly
+ *   5. Router overhead: requests of one shape (each with a prompt of its own) through the router vs to the workers directly
  *   6. Scaling: Poisson rate sweep, goodput under an SLO
  *   7. Multi-round agents: prefix reuse (PD + cache vs colocated + cache vs PD without), own stacks
  *

@@ -1,14 +1,14 @@
 /**
  * Statistics of `pdserve bench` on hand-computed inputs: percentiles (linear interpolation),
  * summaries, TPOT, SLO checks, goodput, peak concurrency, the aggregate metrics, the steady-state
- * decode rate of section 4, and the seeded prompt generator.
+ * decode rate of section 4, section 5's prompt pairing, and the seeded prompt generator.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { computeMetrics, goodput, meetsSlo, peakConcurrency, tpotMs, type RequestRecord } from '../../src/harness/bench-metrics.js';
 import { buildPrompts, exactText, Rng, type BenchTokenizer } from '../../src/harness/bench.js';
 import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/common/config.js';
-import { decodeContextSequences, windowRate } from '../../src/harness/bench-sections.js';
+import { decodeContextSequences, ownPromptPair, windowRate } from '../../src/harness/bench-sections.js';
 import { percentile, summarize } from '../../src/harness/stats.js';
 
 const close = (a: number, b: number, eps = 1e-9) => assert.ok(Math.abs(a - b) <= eps, `${a} ≉ ${b}`);
@@ -188,5 +188,17 @@ describe('section 4 baseline', () => {
     const cache = config.localPrefillMaxTokens > 0 ? prefixCacheOf(config.engine) : undefined;
     assert.equal(decodeContextSequences(config.slots), config.slots + (cache?.cacheSequences ?? 0));
     assert.ok(decodeContextSequences(10) > 10, 'decode keeps a prefix cache by default, so the baseline has more sequences than slots');
+  });
+});
+
+describe('section 5 prompts (ownPromptPair)', () => {
+  test('every request of the section gets a prompt no other request had, and the sides swap every round', () => {
+    const prompts = Array.from({ length: 8 }, (_, i) => `p${i}`);
+    const pairs = [0, 1, 2, 3].map((r) => ownPromptPair(prompts, r));
+    assert.deepEqual(pairs, [['p0', 'p1'], ['p3', 'p2'], ['p4', 'p5'], ['p7', 'p6']]);
+    assert.equal(new Set(pairs.flat()).size, 8);
+  });
+  test('a list too short for the round is an error, not a reused prompt', () => {
+    assert.throws(() => ownPromptPair(['a', 'b', 'c'], 1), RangeError);
   });
 });
