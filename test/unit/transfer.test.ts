@@ -5,7 +5,7 @@
  * written to its file as it comes). Damage is caught while streaming; cut streams at kv_end.
  */
 import assert from 'node:assert/strict';
-import { closeSync, existsSync, fstatSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync, writeSync } from 'node:fs';
+import { closeSync, existsSync, fstatSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -271,6 +271,97 @@ describe('sendStateFile → StateReceiver over a real KV connection', () => {
       await assert.rejects(sendStateFile(conns[0]!.conn, '9', file, head(state.length + 1), state.length + 1, { pool: sendPool, pieceBytes: 3000 }), isBad(/ended at byte/));
       await new Promise((r) => setTimeout(r, 50)); // pieces already queued are flushed first
       assert.equal(sendPool.inUse, 0, 'buffer back after a failed send, once the socket is done with its pieces');
+    } finally {
+      await pool.close();
+      await server.close();
+    }
+  });
+
+  it('a state file cut or deleted mid-send fails only that room: its buffer goes back, the connection carries the next room', async () => {
+    const secret = 'transfer-test-secret';
+    const piece = Math.floor(state.length / 8);
+    assert.ok(piece >= 64, `the tiny state (${state.length} bytes) makes 8 pieces`);
+    const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn) => void (prefill ??= conn) });
+    let prefill: PeerConn | undefined;
+    const port = await server.listen();
+    const decodeEpoch = newEpoch();
+    const recvPool = new BufferPool(4096, 4);
+    const receivers = new Map<string, StateReceiver>();
+    const ends = new Map<string, () => void>();
+    const pool = new KvPeerPool({
+      secret,
+      settings: PAIR,
+      epoch: decodeEpoch,
+      onMessage: (_c, msg) => {
+        if (msg.type === 'kv_end') ends.get(msg.room)?.();
+      },
+      onChunk: (_c, room, offset, data) => {
+        const r = receivers.get(room)!;
+        assert.equal(offset, r.received);
+        r.push(data);
+      },
+    });
+    // two slots of `piece` bytes: while one piece is on the wire the next is read
+    const sendPool = new BufferPool(2 * piece, 2);
+    const backWithin2s = async (what: string) => {
+      for (let i = 0; sendPool.inUse > 0; i++) {
+        assert.ok(i < 200, `${what}: the send's buffer is back once the socket is done with its pieces (inUse ${sendPool.inUse})`);
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    };
+    /** Send `file` as `room`; `meddle` runs at the first flushed piece (the head), when pieces are already read. */
+    const send = (room: string, file: string, meddle?: () => void) => {
+      const h = head();
+      receivers.set(room, receiver(wireBytes(h, state.length), recvPool));
+      let first = true;
+      return sendStateFile(prefill!, room, file, h, state.length, {
+        pool: sendPool,
+        pieceBytes: piece,
+        onProgress: () => {
+          if (first) meddle?.();
+          first = false;
+        },
+      });
+    };
+    const sendWhole = async (room: string, file: string, meddle?: () => void) => {
+      const ended = new Promise<void>((r) => ends.set(room, r));
+      await send(room, file, meddle);
+      prefill!.sendControl({ type: 'kv_end', room });
+      await ended;
+      const got = await receivers.get(room)!.finish();
+      assert.ok(readFileSync(got.path).equals(state), `room ${room}: intact`);
+      await receivers.get(room)!.discard();
+    };
+    try {
+      const d = await pool.get('127.0.0.1', port);
+      d.sendControl({ type: 'register', room: '20', rid: 'r20', epoch: decodeEpoch });
+      for (let i = 0; !prefill; i++) {
+        assert.ok(i < 400, 'register reached the server within 2 s');
+        await new Promise((r) => setTimeout(r, 5));
+      }
+      // cut to one piece while the first pieces are in flight: the next read comes up short
+      const cut = path.join(dir, 'cut.ggsq');
+      writeFileSync(cut, state);
+      await assert.rejects(send('20', cut, () => truncateSync(cut, piece)), isBad(/ended at byte/));
+      await backWithin2s('cut');
+      await receivers.get('20')!.discard();
+      // deleted mid-send: the open descriptor still reads the whole inode, so the room completes intact
+      const gone = path.join(dir, 'gone.ggsq');
+      writeFileSync(gone, state);
+      await sendWhole('21', gone, () => rmSync(gone));
+      assert.ok(!existsSync(gone));
+      await backWithin2s('deleted');
+      // deleted before the send: that room fails with the fs error, nothing is held
+      await assert.rejects(send('22', gone), (e: NodeJS.ErrnoException) => e.code === 'ENOENT');
+      await receivers.get('22')!.discard();
+      assert.equal(sendPool.inUse, 0, 'no buffer held by a send whose file was missing');
+      // the same connection still carries the next room
+      assert.ok(prefill!.alive, 'the connection outlives the failed rooms');
+      const ok = path.join(dir, 'ok.ggsq');
+      writeFileSync(ok, state);
+      await sendWhole('23', ok);
+      await backWithin2s('next room');
+      assert.equal(recvPool.inUse, 0);
     } finally {
       await pool.close();
       await server.close();
