@@ -74,6 +74,20 @@ process.on('SIGTERM', () => process.exit(0));
 const now = () => performance.now();
 /** Wall clock with sub-ms resolution, comparable across processes of this machine. */
 const abs = () => performance.timeOrigin + performance.now();
+/**
+ * Deadline of every wait inside one trial (an ack, kv_end after kv_begin, the receiver's
+ * `settle`), ms: below the parent's 120 s per call, so a lost message comes back as this
+ * child's error naming what it waited for, not as the parent's bare timeout.
+ */
+const TRIAL_WAIT_MS = 60_000;
+/** `p`, or a rejection "<what>: nothing within <ms> ms" once `ms` pass first. */
+function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: nothing within ${ms} ms`)), ms);
+  });
+  return Promise.race([p, late]).finally(() => clearTimeout(timer));
+}
 
 interface State {
   n: number;
@@ -170,13 +184,17 @@ async function sender(engine: Engine): Promise<void> {
         const t2 = now();
         const t2Abs = abs();
         conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length });
+        // a failed send leaves the receiver without kv_end: it reports on its own deadline
         await sendStateFile(conn, room, st.path, head, st.bytes, { pool: sendPool, chunkBytes: 1024 * 1024 });
         conn.sendControl({ type: 'kv_end', room });
         const t3 = now();
-        await acked;
+        try {
+          await within(acked, TRIAL_WAIT_MS, `kv_ack of room ${room}`);
+        } finally {
+          acks.delete(room);
+        }
         const t4 = now();
         const t4Abs = abs();
-        acks.delete(room);
         send({ type: 'kvDone', room, blobBytes: blob.length, totalMs: t4 - t0, readMs: t1 - t0, encodeMs: t2 - t1, sendMs: t3 - t2, t2Abs, t4Abs });
       } else if (m.cmd === 'kvfile') {
         const st = states[m.idx!]!;
@@ -189,18 +207,23 @@ async function sender(engine: Engine): Promise<void> {
         // over): a copy made before the clock starts, standing for the save the goal counts apart.
         const name = join(init.stateDir, prefillStateName(process.pid, room));
         copyFileSync(st.path, name);
+        let [t2, t2Abs, t4, t4Abs, crc] = [0, 0, 0, 0, false];
         const t0 = now();
         const t1 = now();
-        const msg = sameHost.offer(conn.id, room, name, head, st.bytes, sendPool);
-        const t2 = now();
-        const t2Abs = abs();
-        conn.sendControl(msg);
-        await acked;
-        const t4 = now();
-        const t4Abs = abs();
-        acks.delete(room);
-        await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left
-        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc: msg.crc !== undefined, t2Abs, t4Abs });
+        try {
+          const msg = sameHost.offer(conn.id, room, name, head, st.bytes, sendPool);
+          crc = msg.crc !== undefined;
+          t2 = now();
+          t2Abs = abs();
+          conn.sendControl(msg);
+          await within(acked, TRIAL_WAIT_MS, `kv_ack of room ${room} (kv_file)`);
+          t4 = now();
+          t4Abs = abs();
+        } finally {
+          acks.delete(room);
+          await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left (a failed trial's copy too)
+        }
+        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc, t2Abs, t4Abs });
       } else if (m.cmd === 'raw') {
         const n = m.bytes!;
         if (!rawSock) throw new Error('no raw connection');
@@ -210,9 +233,12 @@ async function sender(engine: Engine): Promise<void> {
         head.writeBigUInt64BE(BigInt(n));
         rawSock.write(head);
         rawSock.write(rawBuf.subarray(0, n));
-        await acked;
+        try {
+          await within(acked, TRIAL_WAIT_MS, `raw ack of ${n} bytes`);
+        } finally {
+          rawAck = undefined;
+        }
         const t1 = now();
-        rawAck = undefined;
         send({ type: 'rawDone', totalMs: t1 - t0 });
       } else if (m.cmd === 'probe') {
         // What this machine allows for the handoff's building blocks, on `bytes` of data (median of 5).
@@ -258,8 +284,16 @@ async function receiver(engine: Engine): Promise<void> {
   // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
   const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
   atExit(() => recvFiles.close());
-  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string };
+  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string; deadline?: NodeJS.Timeout };
   let recv: Recv | undefined;
+  /** A receive that ends without a load (failed, replaced, timed out): its file back to the pool (or deleted), its timer off. */
+  const drop = (r: Recv): void => {
+    clearTimeout(r.deadline);
+    void r.rx.discard();
+  };
+  atExit(() => {
+    if (recv) drop(recv); // discard's file work is synchronous: done before the exit
+  });
   const sameHost = new SameHostDecode({ enabled: true, stateDir: init.stateDir });
   const expect = { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes };
   const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab });
@@ -273,15 +307,30 @@ async function receiver(engine: Engine): Promise<void> {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
       else if (msg.type === 'kv_file') void loadFile(conn, msg);
       else if (msg.type === 'kv_begin') {
+        if (recv) {
+          send({ type: 'kvRecv', room: recv.room, error: `kv_begin of room ${msg.room} before kv_end of room ${recv.room}` });
+          drop(recv);
+        }
         const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: recvFiles, pool: kvPool });
-        recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
+        const r: Recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
+        // the sender may fail after kv_begin (its state file gone or cut): no kv_end ever comes
+        r.deadline = setTimeout(() => {
+          if (recv !== r) return;
+          recv = undefined;
+          send({ type: 'kvRecv', room: r.room, error: `no kv_end within ${TRIAL_WAIT_MS} ms of kv_begin (${r.rx.received} bytes received)` });
+          drop(r);
+        }, TRIAL_WAIT_MS);
+        recv = r;
       } else if (msg.type === 'kv_end') {
         const r = recv;
         recv = undefined;
-        if (r) r.endAbs = abs();
+        if (r) {
+          r.endAbs = abs();
+          clearTimeout(r.deadline);
+        }
         if (!r || r.room !== msg.room || r.error) {
           send({ type: 'kvRecv', room: msg.room, error: r?.error ?? 'kv_end without kv_begin' });
-          void r?.rx.discard();
+          if (r) drop(r);
           return;
         }
         void load(conn, r);
@@ -321,7 +370,7 @@ async function receiver(engine: Engine): Promise<void> {
       await track(r.rx.done()); // the load settled: the file goes back to the spares
     }
   };
-  /** Work a trial leaves running after its report (the received file's delete): `settle` waits for it. */
+  /** Work a trial leaves running after its report (the received file given back to the spares, or deleted past their bounds): `settle` waits for it. */
   const pending = new Set<Promise<unknown>>();
   const track = <T>(p: Promise<T>): Promise<T> => {
     pending.add(p);
@@ -358,8 +407,12 @@ async function receiver(engine: Engine): Promise<void> {
   send({ type: 'ready', fingerprint: info.fingerprint });
   process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number }) => {
     if (m.cmd === 'settle') {
-      await Promise.allSettled([...pending]);
-      send({ type: 'settled' });
+      try {
+        await within(Promise.allSettled([...pending]), TRIAL_WAIT_MS, 'the previous trial\'s file work');
+        send({ type: 'settled' });
+      } catch (err) {
+        send({ type: 'settled', error: (err as Error).message });
+      }
       return;
     }
     if (m.cmd !== 'connect') return;

@@ -147,12 +147,33 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       if (typeof v === 'number') (ph[k] ??= []).push(v);
     };
     let room = 1000;
+    /**
+     * One trial's two reports: the sender's answer to `cmd` and the receiver's `recvType` for
+     * room `r`, each within 120 s (the children bound their own waits at 60 s and answer with an
+     * error). A failure of either side throws an error naming the trial and both sides' outcomes
+     * (§1 fails; the suite goes on); the receiver's wait never stays unhandled (a rejection
+     * nobody awaits would end the whole suite).
+     */
+    const trial = async (what: string, i: number, r: string, cmd: object, doneType: string, recvType: string): Promise<[Msg, Msg]> => {
+      const recvP = receiver.wait<Msg>(recvType, 120_000, (m) => m.room === r);
+      recvP.catch(() => {});
+      const fail = (side: string, e: unknown) => new Error(`§1 ${what} trial (room ${r}, state ${states[i]!.bytes} bytes) failed on the ${side}: ${(e as Error).message ?? e}`);
+      let d: Msg;
+      try {
+        d = await sender.call<Msg>(cmd, doneType, 120_000);
+      } catch (e) {
+        // the receiver reports on its own deadline; a few seconds for its side of the story
+        const late = new Promise<Msg>((res) => setTimeout(() => res({ type: recvType, error: 'no report within 5 s' }), 5000).unref());
+        const rv = await Promise.race([recvP.catch((x: Error) => ({ type: recvType, error: x.message }) as Msg), late]);
+        throw fail(`sender (receiver: ${typeof rv.error === 'string' ? rv.error : 'ok'})`, e);
+      }
+      const rv = await recvP.catch((e: Error) => ({ type: recvType, error: e.message }) as Msg);
+      if (rv.error) throw fail('receiver', new Error(String(rv.error)));
+      return [d, rv];
+    };
     const kvTrial = async (i: number, record: boolean) => {
       const r = String(room++);
-      const recvP = receiver.wait('kvRecv', 120_000, (m) => m.room === r);
-      const d = await sender.call<Msg>({ cmd: 'kv', idx: i, room: r }, 'kvDone', 120_000);
-      const rv = await recvP;
-      if (rv.error) throw new Error(`kv receive failed: ${rv.error}`);
+      const [d, rv] = await trial('kv', i, r, { cmd: 'kv', idx: i, room: r }, 'kvDone', 'kvRecv');
       if (!record) return;
       const k = kv[i]!;
       k.total.push(d.totalMs as number);
@@ -174,15 +195,12 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     };
     const shTrial = async (i: number, record: boolean) => {
       if (!sameHost) return;
-      // the receiver may still be deleting the previous KV trial's received file (it reports
-      // before that delete ends): let it finish, so this trial's clock measures only the handoff
-      await receiver.call<Msg>({ cmd: 'settle' }, 'settled', 30_000);
+      // the receiver may still be giving the previous KV trial's received file back to its
+      // FilePool (it reports before that; a release past the pool's bounds deletes the file):
+      // let it finish, so this trial's clock measures only the handoff
+      await receiver.call<Msg>({ cmd: 'settle' }, 'settled', 90_000);
       const r = String(room++);
-      const recvP = receiver.wait('kvFileRecv', 120_000, (m) => m.room === r);
-      recvP.catch(() => {}); // awaited below; a failed sender call must not leave it unhandled (that would end the whole suite)
-      const d = await sender.call<Msg>({ cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 120_000);
-      const rv = await recvP;
-      if (d.error || rv.error) throw new Error(`same-host handoff failed: ${d.error ?? rv.error}`);
+      const [d, rv] = await trial('same-host', i, r, { cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 'kvFileRecv');
       if (!record) return;
       const k = sh[i]!;
       k.total.push(d.totalMs as number);
