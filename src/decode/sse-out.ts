@@ -15,9 +15,14 @@
  *   syscalls were one per turn before; what the batching saves is the chunked-encoding framing
  *   and the write path per event.
  *
- * Backpressure as before: `writable()` is true at once unless the last write was refused by the
- * socket buffer, else it waits for 'drain' at most `drainTimeoutMs` (false: the client is gone or
- * stuck). One writer per response; not for other routes.
+ * Backpressure: `writable()` is true at once unless the response still needs a 'drain' at the
+ * moment it is called (`res.writableNeedDrain`: a write was refused and the socket has not
+ * drained since), else it waits for 'drain' at most `drainTimeoutMs` (false: the client is gone
+ * or stuck). The state is read at call time, not remembered from the write: the refused write is
+ * the end-of-turn flush, and the worker asks only after its next token, a decode step later — a
+ * 'drain' emitted in between must count (a flag set by the write and cleared only by a 'drain'
+ * heard in `writable()` missed it and aborted a healthy stream). One writer per response; not
+ * for other routes.
  */
 import type { ServerResponse } from 'node:http';
 import { tokenEvent, type GenerateEvent, type WireLogprob } from '../api/worker-protocol.js';
@@ -46,8 +51,6 @@ const isCount = (x: number) => Number.isSafeInteger(x);
 export class DecodeSseWriter {
   private queued = '';
   private flushScheduled = false;
-  /** The last `res.write` returned false: wait for 'drain' before asking for more tokens. */
-  private blocked = false;
   /** Frames written by `res.write` calls (one per turn with anything queued), for tests and stats. */
   writes = 0;
   /** `"text":` … `,"meta_info":{"id":…,"prompt_tokens":…,"cached_tokens":…,"completion_tokens":` — null when a field would not encode as a plain number. */
@@ -119,32 +122,34 @@ export class DecodeSseWriter {
     if (this.closed) return false;
     if (data === '') return true;
     this.writes++;
-    if (!this.res.write(data)) this.blocked = true;
+    this.res.write(data); // a refusal shows as res.writableNeedDrain until the socket drains
     return true;
   }
 
   /**
-   * True (synchronously) when more tokens may be produced: not closed and the socket took the
-   * last write. Otherwise a promise: true on 'drain', false when the response closes or after
-   * `drainTimeoutMs`.
+   * True (synchronously) when more tokens may be produced: not closed and no 'drain' pending
+   * (`res.writableNeedDrain` false now — also when the socket drained after a refused write and
+   * before this call). Otherwise a promise: true on 'drain', false when the response closes or
+   * errors, or after `drainTimeoutMs`.
    */
   writable(): boolean | Promise<boolean> {
     if (this.closed) return false;
-    if (!this.blocked) return true;
     const res = this.res;
+    if (!res.writableNeedDrain) return true;
     return new Promise<boolean>((resolve) => {
       const t = setTimeout(() => done(false), this.drainTimeoutMs);
       const done = (ok: boolean) => {
         clearTimeout(t);
         res.off('drain', onDrain);
-        res.off('close', onClose);
-        if (ok) this.blocked = false;
+        res.off('close', onFail);
+        res.off('error', onFail);
         resolve(ok && !this.closed);
       };
       const onDrain = () => done(true);
-      const onClose = () => done(false);
-      res.once('drain', onDrain);
-      res.once('close', onClose);
+      const onFail = () => done(false);
+      res.on('drain', onDrain);
+      res.on('close', onFail);
+      res.on('error', onFail);
     });
   }
 

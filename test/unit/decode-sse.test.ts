@@ -2,11 +2,12 @@
  * The decode worker's SSE writer (src/decode/sse-out.ts): frames byte-identical to
  * `data: ${JSON.stringify(event)}\n\n`; the frames of one event-loop turn in one write, in order,
  * written before the turn's setImmediate (where node-llama-cpp starts the next decode step);
- * frames of later turns not held back; backpressure and closing as before.
+ * frames of later turns not held back; backpressure (a drain that came before `writable()` was
+ * asked counts) and closing.
  * Run: node --import tsx --test test/unit/decode-sse.test.ts
  */
 import assert from 'node:assert/strict';
-import { EventEmitter } from 'node:events';
+import { EventEmitter, once } from 'node:events';
 import { createServer, type ServerResponse } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { describe, test } from 'node:test';
@@ -16,19 +17,31 @@ import { readSse } from '../../src/api/sse.js';
 import { tokenEvent, type GenerateEvent } from '../../src/api/worker-protocol.js';
 import { DecodeSseWriter, type TokenEventMeta, type TokenOut } from '../../src/decode/sse-out.js';
 
-/** A ServerResponse stand-in that records writes; `accept` decides what write() returns. */
+/**
+ * A ServerResponse stand-in that records writes; `accept` decides what write() returns. As Node's
+ * http: a refused write sets `writableNeedDrain` until the socket drains (`drain()`).
+ */
 class FakeRes extends EventEmitter {
   writes: string[] = [];
   destroyed = false;
   writableEnded = false;
+  writableNeedDrain = false;
   accept = true;
   write(data: string): boolean {
     if (this.writableEnded) throw new Error('write after end');
     this.writes.push(data);
+    if (!this.accept) this.writableNeedDrain = true;
     return this.accept;
   }
   end(): void {
     this.writableEnded = true;
+  }
+  /** The socket drained: 'drain' is emitted once, as Node does after a refused write. */
+  drain(): void {
+    this.accept = true;
+    if (!this.writableNeedDrain) return;
+    this.writableNeedDrain = false;
+    this.emit('drain');
   }
 }
 
@@ -134,9 +147,22 @@ describe('DecodeSseWriter backpressure and closing', () => {
     void p.then(() => (settled = true));
     await turn();
     assert.equal(settled, false, 'still waiting for drain');
-    res.accept = true;
-    res.emit('drain');
+    res.drain();
     assert.equal(await p, true);
+    assert.equal(w.writable(), true);
+  });
+
+  test('a drain between the refused write and writable() counts: true at once, no wait for another drain', async () => {
+    // the worker asks writable() only after its next token, one decode step after the flush:
+    // the socket may have drained (and emitted its one 'drain') in between
+    const res = new FakeRes();
+    const w = writer(res, 1000);
+    res.accept = false;
+    w.token({ token: 1, text: 'a' }, 1);
+    await turn(); // the end-of-turn flush: refused
+    assert.equal(res.writableNeedDrain, true);
+    res.drain();
+    await turn(); // the decode step
     assert.equal(w.writable(), true);
   });
 
@@ -160,6 +186,56 @@ describe('DecodeSseWriter backpressure and closing', () => {
     w2.token({ token: 2, text: 'b' }, 2);
     await turn();
     assert.equal(res2.writes.length, 1, 'frames for a closed response are dropped');
+    const res3 = new FakeRes();
+    const w3 = writer(res3);
+    res3.accept = false;
+    w3.token({ token: 1, text: 'a' }, 1);
+    await turn();
+    const q = w3.writable();
+    res3.emit('error', new Error('socket hang up'));
+    assert.equal(await q, false, 'an error while waiting for drain: false');
+    assert.equal(res3.listenerCount('drain') + res3.listenerCount('close') + res3.listenerCount('error'), 0, 'no listener left behind');
+  });
+
+  test('over a real socket: the socket drains a decode step before writable() is asked — true at once', async () => {
+    // the reviewer's case (review F1): a 4 MiB token overfills the socket buffer, the client reads
+    // it all, and only then (a decode step later) does the worker ask whether it may go on
+    const big = 'x'.repeat(4 * 1024 * 1024);
+    let refused: boolean | undefined;
+    let verdict: boolean | Promise<boolean> | undefined;
+    let serverError: unknown;
+    const server = createServer(async (_req, res) => {
+      try {
+        res.writeHead(200, { 'content-type': 'text/event-stream' });
+        const w = new DecodeSseWriter(res, meta, 1000);
+        w.token({ token: 1, text: big }, 1);
+        w.flush(); // what the end-of-turn flush does
+        refused = res.writableNeedDrain;
+        if (refused) await once(res, 'drain', { signal: AbortSignal.timeout(5000) });
+        await turn(); // the decode step before the worker asks
+        verdict = w.writable();
+        w.finish(1, 'stop');
+        w.end();
+      } catch (e) {
+        serverError = e;
+        res.destroy();
+      }
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    try {
+      const { port } = server.address() as AddressInfo;
+      const { body } = await request(`http://127.0.0.1:${port}/`);
+      const text = await body.text(); // (readSse caps an event at 1 MiB; this one is 4 MiB)
+      assert.equal(serverError, undefined);
+      assert.equal(refused, true, 'the 4 MiB write was refused by the socket buffer (else this test shows nothing)');
+      assert.equal(verdict, true, 'writable() after the drain: true at once (not a wait for a drain that already happened)');
+      const events = text.split('\n\n').filter((e) => e !== '');
+      assert.equal(events.length, 3);
+      assert.equal((JSON.parse(events[0]!.slice('data: '.length)) as GenerateEvent).text.length, big.length);
+      assert.equal(events[2], 'data: [DONE]');
+    } finally {
+      await new Promise<void>((r) => server.close(() => r()));
+    }
   });
 
   test('over a real socket: the client reads every event, in order', async () => {
