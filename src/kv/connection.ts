@@ -244,9 +244,11 @@ export class PeerConn {
    * called whenever the send window has room and returns a piece (1..MAX_CHUNK_BYTES bytes, not
    * copied: unchanged until `source.flushed(piece)`), `null` when it has none ready until one of
    * its pieces in flight is flushed, or `undefined` at the end; an exception from it rejects.
-   * `flushed(piece)` is called once for every piece written, when the socket is done with it —
-   * also after the promise has settled (a failed or aborted transfer's queued pieces), so a
-   * buffer goes back to its owner only when no I/O uses it.
+   * `flushed(piece)` is called once for every piece `next()` returned: for a piece written, when
+   * the socket is done with it — also after the promise has settled (a failed or aborted
+   * transfer's queued pieces), so a buffer goes back to its owner only when no I/O uses it; for
+   * a piece never written (the socket already gone, or a piece the frame encoder refuses: empty
+   * or over MAX_CHUNK_BYTES → 'BAD_FRAME'), at once, before the promise settles.
    * Resolves once every piece is flushed to the kernel; rejects as `sendChunks` ('PEER_LOST',
    * 'ABORTED', 'TIMEOUT' after `stallMs` without a flushed piece, 'BAD_FRAME', RangeError).
    * (`chunkBytes` is not used: the source sizes its pieces.)
@@ -332,6 +334,7 @@ export class PeerConn {
           try {
             frame = encodeChunk(roomId, offset, piece);
           } catch (e) {
+            giveBack(piece); // never handed to the socket: back to its owner now (a pooled buffer)
             return settle(e as Error);
           }
           if (this.socket.destroyed || !this.socket.writable) {

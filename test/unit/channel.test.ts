@@ -9,7 +9,7 @@ import { fileURLToPath } from 'node:url';
 import { authMac, newEpoch, newNonce } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type KvChannelOptions, type KvLog, type PeerConn } from '../../src/kv/channel.js';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from '../../src/kv/frame.js';
-import type { ControlMsg, RoomMsg } from '../../src/kv/messages.js';
+import { MAX_CHUNK_BYTES, type ControlMsg, type RoomMsg } from '../../src/kv/messages.js';
 import { KvError } from '../../src/kv/types.js';
 
 /** Pair settings both ends of these tests share (the handshake compares them). */
@@ -492,6 +492,25 @@ describe('channel: chunks', () => {
     await assert.rejects(sc!.sendChunks('7', Buffer.alloc(10), { chunkBytes: 2 * 1024 * 1024 }), RangeError);
     await sc!.sendChunks('7', Buffer.alloc(0));
     assert.throws(() => sc!.sendControl({ type: 'kv_end', room: 'x' }), KvError);
+  });
+
+  it('sendFrom: a piece the frame encoder refuses fails the transfer (BAD_FRAME) and still goes back to the source', async () => {
+    const s = await startServer();
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    await RawPeer.authed(s.port);
+    await until(() => sc !== undefined);
+    for (const bad of [Buffer.alloc(0), Buffer.alloc(MAX_CHUNK_BYTES + 1)]) {
+      const good = Buffer.alloc(1024, 7);
+      const pieces = [good, bad];
+      const back: Buffer[] = [];
+      const source = { next: () => pieces.shift() ?? null, flushed: (piece: Buffer) => void back.push(piece) };
+      await rejectsKv(sc!.sendFrom('8', source), 'BAD_FRAME');
+      assert.ok(back.includes(bad), `the refused ${bad.length}-byte piece was given back before the promise settled`);
+      await until(() => back.length === 2, 3000, 'the written piece given back once flushed');
+      assert.equal(back.filter((b) => b === good).length, 1);
+      assert.equal(back.filter((b) => b === bad).length, 1);
+    }
   });
 });
 
