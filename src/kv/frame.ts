@@ -65,7 +65,7 @@ export const ControlMsgSchema = z.discriminatedUnion('type', [
   z.object({ type: z.literal('fail'), room, code: z.string().regex(/^[a-z_]{1,64}$/, 'must be an error code'), detail: reason, epoch }),
   z.object({ type: z.literal('same_host_probe'), boot: z.string().min(1).max(128), pidns: z.string().min(1).max(128), file: z.string().min(1).max(255) }),
   z.object({ type: z.literal('same_host_reply'), ok: z.boolean(), nonce: z.string().max(128).optional(), reason: reason.optional() }),
-  z.object({ type: z.literal('same_host_ok'), verify: z.boolean().optional() }),
+  z.object({ type: z.literal('same_host_ok'), verify: z.boolean().optional(), headerWalk: z.boolean().optional() }),
   z.object({ type: z.literal('kv_file'), room, file: z.string().min(1).max(255), payloadBytes: count, crc: z.number().int().min(0).max(0xffffffff).optional(), head: z.string().min(1).max(32 * 1024) }),
   z.object({ type: z.literal('kv_file_refused'), room, reason, epoch }),
   z.object({ type: z.literal('ping'), seq: count }),

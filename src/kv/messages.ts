@@ -102,14 +102,18 @@ export type ControlMsg =
   /**
    * decode → prefill: the nonce matched; prefill may hand this connection's rooms over as kv_file.
    * `verify`: decode runs --kv-same-host-verify, so every kv_file must carry the payload's CRC-32.
+   * `headerWalk`: decode takes a kv_file without `crc` (it validates such a file by the header
+   * walk; every decode since that default sends it). Absent (a decode of an earlier version,
+   * whose kv_file schema requires `crc`): prefill sends the CRC-32 in every kv_file to it.
    */
-  | { type: 'same_host_ok'; verify?: boolean }
+  | { type: 'same_host_ok'; verify?: boolean; headerWalk?: boolean }
   /**
    * prefill → decode, instead of kv_begin/chunks/kv_end on a same-host connection: the saved state
    * is the file `file` (a basename in the shared state directory, see same-host.ts for the name and
    * its ownership), `payloadBytes` long; `head` is the envelope head (base64), validated as on the
-   * TCP path. `crc` (the payload's CRC-32) only with --kv-same-host-verify on either side; without
-   * it decode checks size, head and the ggsq structure but not the data bytes (same-host.ts).
+   * TCP path. `crc` (the payload's CRC-32) only with --kv-same-host-verify on either side or for a
+   * decode whose same_host_ok lacks `headerWalk`; without it decode checks size, head and the ggsq
+   * structure but not the data bytes (same-host.ts).
    */
   | { type: 'kv_file'; room: RoomId; file: string; payloadBytes: number; crc?: number; head: string }
   /** decode → prefill: the kv_file was not taken (missing, wrong size, …): send this room over TCP. */

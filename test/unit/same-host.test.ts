@@ -5,7 +5,8 @@
  * to TCP, and how it carries --kv-same-host-verify; taking a handed file over (rename =
  * ownership), refusing it while it is still prefill's, and validating it before anything could
  * load it — size, envelope head and ggsq structure (headers only) by default, the data's CRC-32
- * too with verify.
+ * too with verify; a decode of the previous version (no `headerWalk` in same_host_ok) gets the
+ * CRC-32 it requires.
  */
 import assert from 'node:assert/strict';
 import { existsSync, linkSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
@@ -41,7 +42,7 @@ before(async () => {
 after(() => rmSync(root, { recursive: true, force: true }));
 
 /** A real channel pair whose two ends run the same-host probe with these options; resolves with decode's verdict. */
-async function probePair(p: { enabled?: boolean; dir?: string; identity?: HostIdentity | null; verify?: boolean }, d: { enabled?: boolean; dir?: string; identity?: HostIdentity | null; verify?: boolean }) {
+async function probePair(p: { enabled?: boolean; dir?: string; identity?: HostIdentity | null; verify?: boolean }, d: { enabled?: boolean; dir?: string; identity?: HostIdentity | null; verify?: boolean; legacy?: boolean }) {
   const secret = 'same-host-test-secret';
   const pre = new SameHostPrefill({ enabled: p.enabled ?? true, stateDir: p.dir ?? shared, identity: p.identity, verify: p.verify });
   const dec = new SameHostDecode({ enabled: d.enabled ?? true, stateDir: d.dir ?? shared, identity: d.identity, probeMs: 2000, verify: d.verify });
@@ -61,7 +62,12 @@ async function probePair(p: { enabled?: boolean; dir?: string; identity?: HostId
     },
   });
   const port = await server.listen();
-  const pool = new KvPeerPool({ secret, epoch: newEpoch(), settings: PAIR, onConnect: (c) => dec.probe(c), onMessage: (c, msg) => msg.type === 'same_host_reply' && dec.onReply(c, msg) });
+  /** legacy: decode of the version before `headerWalk` — its same_host_ok says only {verify?}. */
+  const legacy = (c: PeerConn) => {
+    const send = c.sendControl.bind(c);
+    c.sendControl = (m) => send(m.type === 'same_host_ok' ? { type: 'same_host_ok', ...(m.verify ? { verify: true } : {}) } : m);
+  };
+  const pool = new KvPeerPool({ secret, epoch: newEpoch(), settings: PAIR, onConnect: (c) => (d.legacy && legacy(c), dec.probe(c)), onMessage: (c, msg) => msg.type === 'same_host_reply' && dec.onReply(c, msg) });
   try {
     const conn = await pool.get('127.0.0.1', port);
     const ok = await dec.ready(conn);
@@ -94,6 +100,13 @@ describe('same-host probe (real channel, real files)', { skip: ID === undefined 
   it('--kv-same-host-verify on decode (asked for in same_host_ok) or on prefill: kv_file carries the CRC-32', async () => {
     assert.equal((await probePair({}, { verify: true })).offersCrc, true);
     assert.equal((await probePair({ verify: true }, {})).offersCrc, true);
+  });
+
+  it('a decode of the previous version (same_host_ok without headerWalk; its kv_file schema requires crc): kv_file carries the CRC-32', async () => {
+    const r = await probePair({}, { legacy: true });
+    assert.deepEqual([r.ok, r.prefillUsable], [true, true], 'the path stays on for it');
+    assert.equal(r.offersCrc, true);
+    assert.equal((await probePair({}, { legacy: true, verify: true })).offersCrc, true);
   });
 
   it('another state directory: the nonce is not found, both stay on TCP', async () => {

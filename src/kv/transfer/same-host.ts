@@ -11,11 +11,13 @@
  *            name of a probe file it wrote into ITS state directory holding a random nonce;
  *   prefill → same_host_reply {ok, nonce}: prefill compares boot id and pid namespace with its
  *            own and reads the file of that name from ITS state directory, echoing its content;
- *   decode → same_host_ok: the nonce matched — both sides see the same directory, on the same
- *            boot, with the same pids. Only then does prefill send this connection's rooms as
- *            kv_file. Any doubt (path off on either side, another boot id or pid namespace, the
- *            file missing, another nonce, no answer within the probe deadline) leaves the
- *            connection on TCP. The probe file is deleted when the probe settles.
+ *   decode → same_host_ok {headerWalk: true}: the nonce matched — both sides see the same
+ *            directory, on the same boot, with the same pids. Only then does prefill send this
+ *            connection's rooms as kv_file. (`headerWalk`: this decode takes a kv_file without a
+ *            CRC-32, see below; a decode of an earlier version does not say so and gets one.)
+ *            Any doubt (path off on either side, another boot id or pid namespace, the file
+ *            missing, another nonce, no answer within the probe deadline) leaves the connection
+ *            on TCP. The probe file is deleted when the probe settles.
  *
  * Ownership of a handed file (deleted exactly once):
  *   - A state file's name records its owner: `pdserve-<kind>-<pid>-<room>.ggsq` (statefiles.ts).
@@ -56,6 +58,10 @@
  * `--kv-same-host-verify` (on either side; decode asks for it in same_host_ok) restores the full
  * check: prefill computes the CRC-32 (one read) and names it in kv_file, decode reads the whole
  * file once through the streamed walk (`GgsqStreamParser`) and the CRC-32 and refuses a mismatch.
+ * A decode of an earlier version required `crc` in kv_file (its parser closed the connection on a
+ * kv_file without one): prefill leaves the CRC out only for a decode whose same_host_ok says
+ * `headerWalk` (every decode since sends it), so a rolling upgrade (new prefill, old decode)
+ * keeps working, at the old path's cost.
  * The TCP path always keeps its CRC-32 (transfer/sender.ts, receiver.ts).
  */
 import { randomBytes } from 'node:crypto';
@@ -139,8 +145,12 @@ function identityOf(o: SameHostOptions): HostIdentity | undefined {
  */
 export class SameHostPrefill {
   private readonly confirmed = new Set<string>();
-  /** Connections whose decode asked for the data check (same_host_ok {verify}). */
-  private readonly verifyFor = new Set<string>();
+  /**
+   * Connections whose kv_file must carry the CRC-32: decode asked for the data check
+   * (same_host_ok {verify}), or did not say it takes a kv_file without one (no `headerWalk`:
+   * a decode of an earlier version, whose kv_file schema requires `crc`).
+   */
+  private readonly crcFor = new Set<string>();
   private readonly id: HostIdentity | undefined;
 
   constructor(private readonly o: SameHostOptions) {
@@ -159,7 +169,7 @@ export class SameHostPrefill {
   onMessage(connId: string, msg: SameHostMsg): ControlMsg | undefined {
     if (msg.type === 'same_host_ok') {
       if (this.enabled) this.confirmed.add(connId);
-      if (this.enabled && msg.verify) this.verifyFor.add(connId);
+      if (this.enabled && (msg.verify || !msg.headerWalk)) this.crcFor.add(connId);
       return undefined;
     }
     if (msg.type !== 'same_host_probe') return undefined;
@@ -187,20 +197,21 @@ export class SameHostPrefill {
   /** The connection ended. */
   forget(connId: string): void {
     this.confirmed.delete(connId);
-    this.verifyFor.delete(connId);
+    this.crcFor.delete(connId);
   }
 
   /**
    * The kv_file message handing room `room`'s saved state at `path` (a file in the state
    * directory named `prefillStateName`) to decode over connection `connId`. By default nothing
    * is read: one fstat checks the size, and the message carries no CRC-32 (the module doc says
-   * why). With `verify` on this side, or asked for by that connection's decode, the file is read
-   * once to compute its CRC-32, which the message then carries.
+   * why). With `verify` on this side, or asked for by that connection's decode, or when that
+   * decode's same_host_ok did not say `headerWalk` (an earlier version, which requires `crc`),
+   * the file is read once to compute its CRC-32, which the message then carries.
    * @throws KvError('BAD_STATE') when the file's size is not `payloadBytes`; fs errors.
    */
   offer(connId: string, room: RoomId, path: string, head: Buffer, payloadBytes: number, pool: BufferPool): Extract<ControlMsg, { type: 'kv_file' }> {
     const file = path.slice(path.lastIndexOf('/') + 1);
-    if (this.o.verify || this.verifyFor.has(connId)) {
+    if (this.o.verify || this.crcFor.has(connId)) {
       const crc = new Crc32();
       readPieces(path, payloadBytes, pool, (piece) => crc.update(piece));
       return { type: 'kv_file', room, file, payloadBytes, crc: crc.value >>> 0, head: head.toString('base64') };
@@ -367,7 +378,8 @@ export class SameHostDecode {
     this.answers.set(conn, (msg) => {
       if (!msg.ok) return settle(false, msg.reason ?? 'prefill refused');
       if (msg.nonce !== nonce || !NONCE.test(nonce)) return settle(false, 'prefill read another nonce: another state directory');
-      if (!conn.sendControl(this.o.verify ? { type: 'same_host_ok', verify: true } : { type: 'same_host_ok' })) return settle(false, 'connection closed');
+      // headerWalk: this decode takes a kv_file without a CRC-32 (prefill sends one to a decode that does not say so)
+      if (!conn.sendControl(this.o.verify ? { type: 'same_host_ok', verify: true, headerWalk: true } : { type: 'same_host_ok', headerWalk: true })) return settle(false, 'connection closed');
       settle(true, 'boot id, pid namespace and state directory match');
     });
     void conn.closed.then(() => settle(false, 'connection closed'));
