@@ -219,31 +219,40 @@ describe('FilePool (recycled destination files)', () => {
   });
 });
 
+/**
+ * The decode side of a real KV connection for these tests: a KvPeerPool that feeds each room's
+ * chunks to `receivers.get(room)` (checking offsets) and resolves `ends.get(room)` at its kv_end.
+ */
+function decodeSide(secret: string) {
+  const decodeEpoch = newEpoch();
+  const receivers = new Map<string, StateReceiver>();
+  const ends = new Map<string, () => void>();
+  const pool = new KvPeerPool({
+    secret,
+    settings: PAIR,
+    epoch: decodeEpoch,
+    onMessage: (_c, msg) => {
+      if (msg.type === 'kv_end') ends.get(msg.room)?.();
+    },
+    onChunk: (_c, room, offset, data) => {
+      const r = receivers.get(room)!;
+      assert.equal(offset, r.received);
+      r.push(data);
+    },
+  });
+  return { pool, decodeEpoch, receivers, ends };
+}
+
 describe('sendStateFile → StateReceiver over a real KV connection', () => {
   it('the file arrives intact through pooled pieces, in order; buffers are reused across transfers', async () => {
     const secret = 'transfer-test-secret';
     const file = path.join(dir, 'send.ggsq');
     writeFileSync(file, state);
     const recvPool = new BufferPool(4096, 4);
-    const receivers = new Map<string, StateReceiver>();
-    const ends = new Map<string, () => void>();
     const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn, msg) => conns.push({ conn, msg }) });
     const conns: { conn: PeerConn; msg: unknown }[] = [];
     const port = await server.listen();
-    const decodeEpoch = newEpoch();
-    const pool = new KvPeerPool({
-      secret,
-      settings: PAIR,
-      epoch: decodeEpoch,
-      onMessage: (_c, msg) => {
-        if (msg.type === 'kv_end') ends.get(msg.room)?.();
-      },
-      onChunk: (_c, room, offset, data) => {
-        const r = receivers.get(room)!;
-        assert.equal(offset, r.received);
-        r.push(data);
-      },
-    });
+    const { pool, decodeEpoch, receivers, ends } = decodeSide(secret);
     try {
       const d = await pool.get('127.0.0.1', port);
       const sendPool = new BufferPool(8192, 4);
@@ -284,23 +293,8 @@ describe('sendStateFile → StateReceiver over a real KV connection', () => {
     const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn) => void (prefill ??= conn) });
     let prefill: PeerConn | undefined;
     const port = await server.listen();
-    const decodeEpoch = newEpoch();
     const recvPool = new BufferPool(4096, 4);
-    const receivers = new Map<string, StateReceiver>();
-    const ends = new Map<string, () => void>();
-    const pool = new KvPeerPool({
-      secret,
-      settings: PAIR,
-      epoch: decodeEpoch,
-      onMessage: (_c, msg) => {
-        if (msg.type === 'kv_end') ends.get(msg.room)?.();
-      },
-      onChunk: (_c, room, offset, data) => {
-        const r = receivers.get(room)!;
-        assert.equal(offset, r.received);
-        r.push(data);
-      },
-    });
+    const { pool, decodeEpoch, receivers, ends } = decodeSide(secret);
     // two slots of `piece` bytes: while one piece is on the wire the next is read
     const sendPool = new BufferPool(2 * piece, 2);
     const backWithin2s = async (what: string) => {
