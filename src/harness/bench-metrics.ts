@@ -33,6 +33,8 @@ export interface RequestRecord {
   itlMs: number[];
   /** Arrival of each non-empty chunk, ms since the run's start (for time plots). */
   chunkAtMs: number[];
+  /** Prompt tokens the server served from its prefix cache (usage.prompt_tokens_details.cached_tokens / meta_info.cached_tokens), when reported. */
+  cachedTokens?: number;
   /** pd-direct only: what the prefill worker reported (meta_info) once its room succeeded. */
   server?: { prefillMs?: number; transferMs?: number; kvBytes?: number };
 }

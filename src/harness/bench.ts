@@ -344,7 +344,7 @@ async function sendOpenAI(target: Extract<BenchTarget, { kind: 'openai' }>, prom
       }
       let j: {
         choices?: { text?: string | null; delta?: { content?: string | null } }[];
-        usage?: { prompt_tokens?: number; completion_tokens?: number } | null;
+        usage?: { prompt_tokens?: number; completion_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } | null } | null;
         error?: { message?: string };
       };
       try {
@@ -358,6 +358,8 @@ async function sendOpenAI(target: Extract<BenchTarget, { kind: 'openai' }>, prom
       if (j.usage && Number.isInteger(j.usage.completion_tokens)) {
         c.rec.outputTokens = j.usage.completion_tokens!;
         if (Number.isInteger(j.usage.prompt_tokens)) c.rec.promptTokens = j.usage.prompt_tokens!;
+        const cached = j.usage.prompt_tokens_details?.cached_tokens;
+        if (Number.isInteger(cached)) c.rec.cachedTokens = cached;
         c.rec.usageReported = true;
       }
     }
@@ -416,7 +418,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
         done = true;
         continue;
       }
-      let ev: { text?: string; error?: { message?: string }; meta_info?: { prompt_tokens?: number; completion_tokens?: number; finish_reason?: { type?: string; message?: string } | null } };
+      let ev: { text?: string; error?: { message?: string }; meta_info?: { prompt_tokens?: number; cached_tokens?: number; completion_tokens?: number; finish_reason?: { type?: string; message?: string } | null } };
       try {
         ev = JSON.parse(data);
       } catch {
@@ -429,6 +431,7 @@ async function sendPdDirect(target: Extract<BenchTarget, { kind: 'pd-direct' }>,
       if (mi && Number.isInteger(mi.completion_tokens)) {
         c.rec.outputTokens = mi.completion_tokens!;
         if (Number.isInteger(mi.prompt_tokens)) c.rec.promptTokens = mi.prompt_tokens!;
+        if (Number.isInteger(mi.cached_tokens)) c.rec.cachedTokens = mi.cached_tokens!;
         c.rec.usageReported = true;
       }
       if (mi?.finish_reason?.type === 'abort') return c.finish(`aborted: ${mi.finish_reason.message ?? ''}`);

@@ -1,14 +1,15 @@
 /**
  * Statistics of `pdserve bench` on hand-computed inputs: percentiles (linear interpolation),
  * summaries, TPOT, SLO checks, goodput, peak concurrency, the aggregate metrics, the steady-state
- * decode rate of section 4, section 5's prompt pairing, and the seeded prompt generator.
+ * decode rate of section 4, section 5's prompt pairing, router − direct figures and cache-hit
+ * count, and the seeded prompt generator.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { computeMetrics, goodput, meetsSlo, peakConcurrency, tpotMs, type RequestRecord } from '../../src/harness/bench-metrics.js';
 import { buildPrompts, exactText, Rng, type BenchTokenizer } from '../../src/harness/bench.js';
 import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/common/config.js';
-import { decodeContextSequences, ownPromptPair, windowRate } from '../../src/harness/bench-sections.js';
+import { decodeContextSequences, ownPromptPair, promptCacheHits, routerOverhead, windowRate } from '../../src/harness/bench-sections.js';
 import { percentile, summarize } from '../../src/harness/stats.js';
 
 const close = (a: number, b: number, eps = 1e-9) => assert.ok(Math.abs(a - b) <= eps, `${a} ≉ ${b}`);
@@ -200,5 +201,37 @@ describe('section 5 prompts (ownPromptPair)', () => {
   });
   test('a list too short for the round is an error, not a reused prompt', () => {
     assert.throws(() => ownPromptPair(['a', 'b', 'c'], 1), RangeError);
+  });
+});
+
+describe('section 5 figures (routerOverhead, promptCacheHits)', () => {
+  test('router − direct of p50/p99 TTFT and E2E and p50 ITL; ratios of the p50s; failures listed, not measured', () => {
+    // TTFT router 11..15 (p50 13, p99 14.96), direct 10..14 (p50 12, p99 13.96); E2E +5 each
+    const router = [11, 12, 13, 14, 15].map((t) => rec({ ttftMs: t, e2eMs: t + 105, itlMs: [3, 3] }));
+    const direct = [14, 10, 12, 13, 11].map((t) => rec({ ttftMs: t, e2eMs: t + 100, itlMs: [2, 2] }));
+    direct.push(rec({ ok: false, error: 'boom', ttftMs: 9999, e2eMs: 9999 }));
+    const o = routerOverhead(router, direct);
+    assert.equal(o.reps, 6);
+    close(o.addedMs.ttftP50, 1);
+    close(o.addedMs.ttftP99, 1);
+    close(o.addedMs.e2eP50, 6);
+    close(o.addedMs.e2eP99, 6);
+    close(o.addedMs.itlP50, 1);
+    close(o.ratio.ttftP50, 13 / 12);
+    close(o.ratio.e2eP50, 118 / 112);
+    assert.deepEqual(o.errors, ['boom']);
+  });
+  test('a hit is a successful request with cached tokens ≥ 90 % of its prompt; no figure or a failure is a miss', () => {
+    const rs = [
+      rec({ promptTokens: 64, cachedTokens: 63 }), // full hit (last token evaluated again)
+      rec({ promptTokens: 64, cachedTokens: 58 }), // 90.6 %
+      rec({ promptTokens: 64, cachedTokens: 57 }), // 89 %
+      rec({ promptTokens: 64, cachedTokens: 0 }),
+      rec({ promptTokens: 64 }), // not reported
+      rec({ ok: false, promptTokens: 64, cachedTokens: 63 }),
+      rec({ promptTokens: 0, cachedTokens: 0 }),
+    ];
+    assert.equal(promptCacheHits(rs), 2);
+    assert.equal(promptCacheHits(rs, 0.5), 3);
   });
 });
