@@ -1,7 +1,8 @@
 /**
  * Smoke test of `pdserve bench` against a running tiny-model stack (router + prefill + decode +
  * colocated on loopback): the command completes and its JSON has every field, through the
- * router (OpenAI API) and with the pd-direct backend. No timing thresholds.
+ * router (OpenAI API) and with the pd-direct backend; both backends record the server's
+ * prefix-cache hits (bench §5's warm prompts rely on it). No timing thresholds.
  */
 import assert from 'node:assert/strict';
 import { mkdtempSync, readFileSync } from 'node:fs';
@@ -9,8 +10,9 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { runCli } from '../../src/cli/main.js';
+import { sendRequest, type BenchTarget, type PromptSpec } from '../../src/harness/bench.js';
 import type { Cluster } from '../../src/harness/cluster.js';
-import { startStack, tinyModel } from '../helpers/stack.js';
+import { promptOf, startStack, tinyModel } from '../helpers/stack.js';
 
 let c: Cluster;
 const dir = mkdtempSync(join(tmpdir(), 'pdserve-bench-test-'));
@@ -87,5 +89,24 @@ describe('pdserve bench', () => {
     assert.equal(j.config.slo, null);
     assert.equal(j.metrics.goodput, null);
     assert.equal(j.config.target.kind, 'pd-direct');
+  });
+
+  test('both backends record cached_tokens: a prompt sent again is served from the prefill worker\'s prefix cache', async () => {
+    const p = c.byRole('prefill')[0]!;
+    const d = c.byRole('decode')[0]!;
+    const direct: BenchTarget = { kind: 'pd-direct', prefillUrl: p.url, bootstrapHost: '127.0.0.1', bootstrapPort: p.bootstrapPort!, decodeUrl: d.url };
+    const router: BenchTarget = { kind: 'openai', url: c.router.url, endpoint: 'completions', model: 'pdserve' };
+    // ≈ 300 tokens (byte-level vocab): the stack is deterministic, so reuse comes in whole 128-token chunks
+    const prompt: PromptSpec = { text: promptOf(300, 11), promptTokens: 300, outputLen: 4 };
+    const o = { t0: performance.now(), timeoutMs: 30_000 };
+    const cold = await sendRequest(direct, { ...prompt, outputLen: 1 }, o);
+    const viaDirect = await sendRequest(direct, prompt, o);
+    const viaRouter = await sendRequest(router, prompt, o);
+    for (const r of [cold, viaDirect, viaRouter]) assert.ok(r.ok, r.error);
+    assert.equal(cold.cachedTokens, 0);
+    for (const r of [viaDirect, viaRouter]) {
+      assert.ok(r.cachedTokens! >= 128 && r.cachedTokens! < r.promptTokens, `cached ${r.cachedTokens} of ${r.promptTokens}`);
+      assert.equal(r.outputTokens, 4);
+    }
   });
 });
