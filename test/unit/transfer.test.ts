@@ -13,7 +13,8 @@ import { GgsqStreamParser, parseStateFile } from '../../src/engine/ggsq.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
-import { Crc32, crc32 } from '../../src/kv/transfer/checksum.js';
+import { Crc32, crc32, crc32Impl } from '../../src/kv/transfer/checksum.js';
+import zlib from 'node:zlib';
 import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
@@ -48,6 +49,23 @@ describe('checksum and pool', () => {
   it('streaming CRC-32 over pieces equals the one-shot value', () => {
     const b = Buffer.from(Array.from({ length: 10_000 }, (_, i) => (i * 131) & 0xff));
     for (const cut of [1, 7, 4096, 9999]) assert.equal(new Crc32().update(b.subarray(0, cut)).update(b.subarray(cut)).value, crc32(b));
+  });
+
+  it('uses @node-rs/crc32 here, and its CRC-32 equals node:zlib\'s (so either side of a connection may use either)', () => {
+    assert.equal(crc32Impl, 'node-rs', 'the native CRC-32 should load on linux-x64 (npm ci installs its prebuilt binary)');
+    const zcrc = (zlib as unknown as { crc32: (d: Uint8Array, v?: number) => number }).crc32;
+    const b = Buffer.from(Array.from({ length: 300_001 }, (_, i) => (i * 2654435761) >>> 24));
+    assert.equal(crc32(b), zcrc(b));
+    assert.equal(crc32(Buffer.alloc(0)), 0);
+    // chained through the running value, pieces of odd sizes, in both directions
+    let z = 0;
+    const c = new Crc32();
+    for (let o = 0; o < b.length; o += 65_537) {
+      c.update(b.subarray(o, o + 65_537));
+      z = zcrc(b.subarray(o, o + 65_537), z);
+    }
+    assert.equal(c.value, z);
+    assert.equal(c.value, crc32(b));
   });
 
   it('the pool reuses released buffers and keeps at most maxBuffers', () => {
