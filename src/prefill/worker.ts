@@ -9,7 +9,7 @@
  * or in prompt evaluation), inflight (state sent, waiting for decode's KV_ACK). Each entry leaves
  * on the single `finish` action of its room.
  */
-import { linkSync, unlinkSync } from 'node:fs';
+import { linkSync, renameSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
@@ -435,14 +435,15 @@ export class PrefillWorker {
       if (job.ac.signal.aborted) return;
       try {
         const link = join(this.config.stateDir, prefillStateName(process.pid, room));
-        linkSync(st.path, link);
-        job.handed = { path: link, payloadBytes: st.payloadBytes };
-        if (job.comp.rooms.length === 1 && job.comp.state) {
-          // One room: its link is the data's only name, so decode may re-frame it in place (it
-          // copies a file whose data another name shares). The driver's later `discard` finds nothing.
-          unlinkSync(job.comp.state.path);
+        if (job.comp.rooms.length === 1 && job.comp.state?.path === st.path) {
+          // One room: the computation's file becomes the room's (one rename instead of link +
+          // unlink, on the handoff's critical path): the data's only name, so decode may re-frame
+          // it in place (it copies a file whose data another name shares). The driver's later
+          // `discard` finds nothing.
+          renameSync(st.path, link);
           job.comp.state = undefined;
-        }
+        } else linkSync(st.path, link);
+        job.handed = { path: link, payloadBytes: st.payloadBytes };
         if (!conn || !conn.sendControl(this.sameHost.offer(peer, room, link, head, st.payloadBytes, this.kvPool))) return failed('connection to decode is gone');
       } catch (err) {
         return failed((err as Error).message);
