@@ -10,7 +10,11 @@
  *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved under the
  *            room's name" (a copy made before the clock starts), offer it (an fstat: no read,
  *            no CRC-32 — the default, without --kv-same-host-verify), send kv_file — until the
- *            receiver's kv_ack.
+ *            receiver's kv_ack; stamped with process.hrtime.bigint() (CLOCK_MONOTONIC, one
+ *            clock for both processes), so the parent also ends the clock at the receiver's
+ *            "state loaded" stamp. `floor` (same-host figures): the one-way lag of an 8-byte
+ *            message on a bare loopback socket, each way, after an idle pause (the floor under
+ *            kv_file's lag).
  *   receiver (decode side): loads the model, connects a KvPeerPool and a bare socket to the
  *            sender (running the same-host probe on the KV connection). kv_file: take the file
  *            over (rename), validate it (envelope head, size, ggsq header walk by pread — the
@@ -72,6 +76,8 @@ const runExitCleanups = (): void => {
 process.on('exit', runExitCleanups);
 process.on('SIGTERM', () => process.exit(0));
 const now = () => performance.now();
+/** CLOCK_MONOTONIC in ns as a decimal string (IPC is JSON: no bigint): comparable across processes of this machine. */
+const mono = (): string => process.hrtime.bigint().toString();
 /** Wall clock with sub-ms resolution, comparable across processes of this machine. */
 const abs = () => performance.timeOrigin + performance.now();
 /**
@@ -136,10 +142,19 @@ async function sender(engine: Engine): Promise<void> {
   await new Promise<void>((r) => raw.listen(0, '127.0.0.1', () => r()));
   const rawPort = (raw.address() as net.AddressInfo).port;
   let rawBuf = Buffer.alloc(0);
+  // the floor under a message's lag: a bare loopback socket carrying 8 bytes each way (`floor`)
+  let floorSock: net.Socket | undefined;
+  let floorReply: ((b: Buffer, at: bigint) => void) | undefined;
+  const floor = net.createServer({ noDelay: true }, (s) => {
+    floorSock = s;
+    s.on('data', (b: Buffer) => floorReply?.(b, process.hrtime.bigint()));
+  });
+  await new Promise<void>((r) => floor.listen(0, '127.0.0.1', () => r()));
+  const floorPort = (floor.address() as net.AddressInfo).port;
   const sendPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
-  send({ type: 'ready', kvPort, rawPort, fingerprint: engine.info.fingerprint });
+  send({ type: 'ready', kvPort, rawPort, floorPort, fingerprint: engine.info.fingerprint });
 
-  process.on('message', async (m: { cmd: string; tokens?: number[]; idx?: number; room?: string; bytes?: number }) => {
+  process.on('message', async (m: { cmd: string; tokens?: number[]; idx?: number; room?: string; bytes?: number; rounds?: number; gapMs?: number }) => {
     try {
       if (m.cmd === 'make') {
         const ids = engine.tokenize(loadCorpus());
@@ -207,23 +222,44 @@ async function sender(engine: Engine): Promise<void> {
         // over): a copy made before the clock starts, standing for the save the goal counts apart.
         const name = join(init.stateDir, prefillStateName(process.pid, room));
         copyFileSync(st.path, name);
-        let [t2, t2Abs, t4, t4Abs, crc] = [0, 0, 0, 0, false];
+        let [t2, t4, crc, sentNs, ackNs] = [0, 0, false, '', ''];
+        const t0Ns = mono();
         const t0 = now();
         const t1 = now();
         try {
           const msg = sameHost.offer(conn.id, room, name, head, st.bytes, sendPool);
           crc = msg.crc !== undefined;
           t2 = now();
-          t2Abs = abs();
+          sentNs = mono();
           conn.sendControl(msg);
           await within(acked, TRIAL_WAIT_MS, `kv_ack of room ${room} (kv_file)`);
           t4 = now();
-          t4Abs = abs();
+          ackNs = mono();
         } finally {
           acks.delete(room);
           await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left (a failed trial's copy too)
         }
-        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc, t2Abs, t4Abs });
+        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc, t0Ns, sentNs, ackNs });
+      } else if (m.cmd === 'floor') {
+        // one-way lags of an 8-byte message on a bare loopback socket, after `gapMs` idle (as before a kv_file)
+        const s = floorSock;
+        if (!s) throw new Error('no floor connection');
+        const there: number[] = [];
+        const back: number[] = [];
+        for (let k = 0; k < (m.rounds ?? 20); k++) {
+          await new Promise((r) => setTimeout(r, m.gapMs ?? 20));
+          const got = new Promise<[Buffer, bigint]>((r) => (floorReply = (b, at) => r([b, at])));
+          const out = Buffer.alloc(8);
+          const t0 = process.hrtime.bigint();
+          out.writeBigUInt64BE(t0);
+          s.write(out);
+          const [b, at] = await within(got, TRIAL_WAIT_MS, 'floor reply');
+          if (b.length < 16) throw new Error(`floor reply of ${b.length} bytes`);
+          there.push(Number(b.readBigUInt64BE(0) - t0) / 1e6);
+          back.push(Number(at - b.readBigUInt64BE(8)) / 1e6);
+        }
+        floorReply = undefined;
+        send({ type: 'floored', there, back });
       } else if (m.cmd === 'raw') {
         const n = m.bytes!;
         if (!rawSock) throw new Error('no raw connection');
@@ -272,7 +308,7 @@ async function sender(engine: Engine): Promise<void> {
         send({ type: 'cleaned' });
       }
     } catch (err) {
-      send({ type: ({ make: 'made', kv: 'kvDone', kvfile: 'kvFileDone', raw: 'rawDone', probe: 'probed' } as Record<string, string>)[m.cmd] ?? 'cleaned', error: (err as Error).message });
+      send({ type: ({ make: 'made', kv: 'kvDone', kvfile: 'kvFileDone', floor: 'floored', raw: 'rawDone', probe: 'probed' } as Record<string, string>)[m.cmd] ?? 'cleaned', error: (err as Error).message });
     }
   });
 }
@@ -305,7 +341,7 @@ async function receiver(engine: Engine): Promise<void> {
     onConnect: (c) => sameHost.probe(c),
     onMessage: (conn, msg) => {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
-      else if (msg.type === 'kv_file') void loadFile(conn, msg);
+      else if (msg.type === 'kv_file') void loadFile(conn, msg, mono());
       else if (msg.type === 'kv_begin') {
         if (recv) {
           send({ type: 'kvRecv', room: recv.room, error: `kv_begin of room ${msg.room} before kv_end of room ${recv.room}` });
@@ -377,12 +413,11 @@ async function receiver(engine: Engine): Promise<void> {
     return p.finally(() => pending.delete(p));
   };
   /** Same host: the kv_file path of the decode worker (take over + validate, load, ack, then delete). */
-  const loadFile = async (conn: PeerConn, msg: Extract<ControlMsg, { type: 'kv_file' }>) => {
+  const loadFile = async (conn: PeerConn, msg: Extract<ControlMsg, { type: 'kv_file' }>, arriveNs: string) => {
     const slot = engine.tryAcquireSlot();
     let path: string | undefined;
     try {
       if (!slot) throw new Error('no free slot');
-      const beginAbs = abs();
       const t0 = now();
       const out = sameHost.take(msg, { expect, headers, walker, pool: kvPool });
       if ('refused' in out) throw new Error(`refused: ${out.refused}`);
@@ -391,12 +426,12 @@ async function receiver(engine: Engine): Promise<void> {
       const t1 = now();
       await slot.loadState(path, out.taken.state.tokens, out.taken.state);
       const t2 = now();
-      const ackAbs = abs();
+      const loadedNs = mono(); // the state is in the slot: the request could generate from here
       // as the decode worker: kv_ack (loadDone) first, the file deleted after
       conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       await rm(path, { force: true });
       const t3 = now();
-      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, beginAbs, ackAbs });
+      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, loadedNs });
     } catch (err) {
       if (path) await rm(path, { force: true });
       send({ type: 'kvFileRecv', room: msg.room, error: (err as Error).message });
@@ -405,7 +440,7 @@ async function receiver(engine: Engine): Promise<void> {
     }
   };
   send({ type: 'ready', fingerprint: info.fingerprint });
-  process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number }) => {
+  process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number; floorPort?: number }) => {
     if (m.cmd === 'settle') {
       try {
         await within(Promise.allSettled([...pending]), TRIAL_WAIT_MS, 'the previous trial\'s file work');
@@ -450,6 +485,20 @@ async function receiver(engine: Engine): Promise<void> {
           }
         }
       });
+      if (m.floorPort) {
+        // the floor socket (same-host figures): stamp each 8-byte message on arrival, answer at once
+        const f = net.connect({ host: '127.0.0.1', port: m.floorPort, noDelay: true });
+        await new Promise<void>((res, rej) => {
+          f.once('connect', () => res());
+          f.once('error', rej);
+        });
+        f.on('data', () => {
+          const out = Buffer.alloc(16);
+          out.writeBigUInt64BE(process.hrtime.bigint(), 0);
+          out.writeBigUInt64BE(process.hrtime.bigint(), 8);
+          f.write(out);
+        });
+      }
       send({ type: 'connected', sameHost: sameHostOk });
     } catch (err) {
       send({ type: 'connected', error: (err as Error).message });

@@ -11,7 +11,12 @@
  * connection, kv/transfer/same-host.ts): from the state saved under prefill's name for the room
  * (its only name, as for a one-room request), named in a kv_file message (not read: no CRC-32
  * without --kv-same-host-verify); decode takes it over (rename), validates it (envelope head,
- * size, ggsq header walk by pread — the KV data is not read), loads it, acks, then deletes it. Trials rotate KV/raw/same-host,
+ * size, ggsq header walk by pread — the KV data is not read), loads it, acks, then deletes it.
+ * The same-host clock ends when decode's loadState returns ("prefill-saved → decode-loaded", as
+ * issue #9 defines the handoff: the request generates from there; kv_ack only lets prefill
+ * release its file): both children stamp process.hrtime.bigint(), CLOCK_MONOTONIC, one clock for
+ * every process of the machine. The figure up to prefill's receipt of kv_ack is kept beside it
+ * (`sameHostAckMs`). Trials rotate KV/raw/same-host,
  * sizes interleaved. The issue #9 goals compare save + KV with save + raw + load (`goalRatio`,
  * ≤ 1.3) and save + same-host with save + load (`sameHostGoalRatio`, ≤ 1.1; the load of the
  * same-host trials).
@@ -74,15 +79,21 @@ export interface KvSizeResult {
   };
   /** Raw-socket GB/s vs the KV channel's wire phase alone. */
   wireGBps: number;
-  /** Same-host handoff (kv_file), state saved → kv_ack received (absent when the probe failed). */
+  /**
+   * Same-host handoff (kv_file), state saved on prefill → state loaded on decode (loadState
+   * returned; CLOCK_MONOTONIC stamps of both processes); absent when the probe failed.
+   */
   sameHostMs?: Summary;
+  /** The same trials up to prefill's receipt of kv_ack (one more loopback message). */
+  sameHostAckMs?: Summary;
   /** (save + same-host) / (save + loadState): issue #9 goal ≤ 1.1. */
   sameHostGoalRatio?: number;
   /**
    * Medians of the same-host phases: link (unused, ~0: the file is placed before the clock
    * starts), offer (prefill makes kv_file: an fstat; the CRC-32 read only with verify), take
    * (decode: rename + envelope head + ggsq header walk), load (llama.cpp), rm (decode's delete,
-   * after the ack: off the clock), beginLag (kv_file sent → received), ackLag.
+   * after the ack: off the clock), beginLag (kv_file sent → received: decode's KV message
+   * handler; CLOCK_MONOTONIC), ackLag (decode's load done → kv_ack received: after the clock).
    */
   sameHostPhasesMs?: { link: number; offer: number; take: number; load: number; rm: number; beginLag: number; ackLag: number };
   /** Bytes of the file decode's validation read (median; the header walk's preads). */
@@ -111,6 +122,13 @@ export interface KvSectionResult {
   machine?: MachineLimits;
   /** Sequences of the receiving (decode-side) context. */
   receiverSequences?: number;
+  /**
+   * The floor under the same-host path's message lag on this machine, same run and processes:
+   * one-way ms of an 8-byte message on a bare loopback socket (CLOCK_MONOTONIC stamps), each
+   * after 20 ms idle (as a kv_file finds decode), prefill → decode (`there`) and back; medians
+   * and p90 of `rounds`. Absent when the same-host probe failed.
+   */
+  sameHostFloorMs?: { there: number; thereP90: number; back: number; rounds: number };
 }
 
 interface Msg {
@@ -131,7 +149,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   try {
     const [sr, rr] = await Promise.all([sender.wait('ready', 120_000), receiver.wait('ready', 120_000)]);
     if (sr.error || rr.error) throw new Error(`kv child failed to start: ${sr.error ?? rr.error}`);
-    const conn = await receiver.call<Msg>({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort }, 'connected', 30_000);
+    const conn = await receiver.call<Msg>({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort, floorPort: sr.floorPort }, 'connected', 30_000);
     const sameHost = conn.sameHost === true;
     if (!sameHost) say('  NOTE: the same-host probe failed between the two processes: no same-host trials');
     const bpt = o.bytesPerToken ?? 16_401;
@@ -142,7 +160,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     const states = made.states;
     const kv: { total: number[]; blob: number; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], blob: 0, ph: {} }));
     const raw: number[][] = states.map(() => []);
-    const sh: { total: number[]; ph: Record<string, number[]>; verified?: boolean }[] = states.map(() => ({ total: [], ph: {} }));
+    const sh: { total: number[]; toAck: number[]; ph: Record<string, number[]>; verified?: boolean }[] = states.map(() => ({ total: [], toAck: [], ph: {} }));
     const push = (ph: Record<string, number[]>, k: string, v: unknown) => {
       if (typeof v === 'number') (ph[k] ??= []).push(v);
     };
@@ -203,8 +221,10 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       const [d, rv] = await trial('same-host', i, r, { cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 'kvFileRecv');
       if (!record) return;
       const k = sh[i]!;
-      k.total.push(d.totalMs as number);
-      const n = (x: unknown) => (typeof x === 'number' ? x : NaN);
+      // CLOCK_MONOTONIC ns (decimal strings) of both children → ms
+      const ms = (a: unknown, b: unknown) => (typeof a === 'string' && typeof b === 'string' && a && b ? Number(BigInt(b) - BigInt(a)) / 1e6 : NaN);
+      k.total.push(ms(d.t0Ns, rv.loadedNs));
+      k.toAck.push(d.totalMs as number);
       push(k.ph, 'link', d.linkMs);
       push(k.ph, 'offer', d.offerMs);
       push(k.ph, 'take', rv.takeMs);
@@ -212,8 +232,8 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       if (d.crc === true) k.verified = true;
       push(k.ph, 'load', rv.loadMs);
       push(k.ph, 'rm', rv.rmMs);
-      push(k.ph, 'beginLag', n(rv.beginAbs) - n(d.t2Abs));
-      push(k.ph, 'ackLag', n(d.t4Abs) - n(rv.ackAbs));
+      push(k.ph, 'beginLag', ms(d.sentNs, rv.arriveNs));
+      push(k.ph, 'ackLag', ms(rv.loadedNs, d.ackNs));
     };
     const rawTrial = async (i: number, record: boolean) => {
       const bytes = kv[i]!.blob || states[i]!.bytes;
@@ -236,6 +256,8 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       }
       say(`  round ${round + 1}/${rounds} done`);
     }
+    // the floor under the same-host path's message lag (a bare loopback socket, same processes)
+    const fl = sameHost ? await sender.call<Msg & { there: number[]; back: number[] }>({ cmd: 'floor', rounds: 20, gapMs: 20 }, 'floored', 60_000) : undefined;
     const pr = await sender.call<Msg>({ cmd: 'probe', bytes: 16 * 1024 * 1024 }, 'probed', 120_000);
     const g = (ms: unknown) => (pr.bytes as number) / ((ms as number) / 1000) / 1e9;
     const machine: MachineLimits = { bytes: pr.bytes as number, sha256GBps: g(pr.sha256Ms), copyWarmGBps: g(pr.copyWarmMs), copyFreshGBps: g(pr.copyFreshMs), writeFileGBps: g(pr.writeFileMs), readFileGBps: g(pr.readFileMs) };
@@ -280,6 +302,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
               const shMs = summarize(q.total);
               return {
                 sameHostMs: shMs,
+                sameHostAckMs: summarize(q.toAck),
                 sameHostGoalRatio: (s.saveMs + shMs.median) / (s.saveMs + sp('load')),
                 sameHostPhasesMs: { link: sp('link'), offer: sp('offer'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag') },
                 sameHostReadBytes: sp('readBytes'),
@@ -289,7 +312,13 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
           : {}),
       };
     });
-    return { sizes, stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })), machine, receiverSequences: o.receiverSequences ?? 1 };
+    return {
+      sizes,
+      stateMaking: states.map((s) => ({ tokens: s.n, bytes: s.bytes })),
+      machine,
+      receiverSequences: o.receiverSequences ?? 1,
+      ...(fl?.there?.length ? { sameHostFloorMs: { there: median(fl.there), thereP90: summarize(fl.there).p90, back: median(fl.back), rounds: fl.there.length } } : {}),
+    };
   } finally {
     await Promise.all([sender.stop(), receiver.stop()]);
   }
