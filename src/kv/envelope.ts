@@ -43,7 +43,8 @@ export interface EnvelopeExpect {
 }
 
 const int = z.number().int().min(0).max(Number.MAX_SAFE_INTEGER);
-const HeaderSchema = z
+/** zod schema of the envelope header (strict). Exported for the fast check's test; parseEnvelopeHead is the API. @internal */
+export const HeaderSchema = z
   .object({
     version: int,
     fingerprint: z.string().min(1).max(256),
@@ -68,9 +69,10 @@ const safeCount = (v: unknown, min = 0): v is number => Number.isSafeInteger(v) 
  * accepted here that zod would refuse; test/unit/envelope.test.ts compares both). Why: zod's
  * safeParse of this header took ~50–100 µs in a process that had been idle for a few ms (cold
  * caches; far less when hot) on the handoff's critical path (every TCP receive and every
- * same-host take); this check takes a few µs.
+ * same-host take); this check takes a few µs. Exported for that test only.
+ * @internal
  */
-function checkHeader(v: unknown): EnvelopeHeader | undefined {
+export function checkHeader(v: unknown): EnvelopeHeader | undefined {
   if (typeof v !== 'object' || v === null || Array.isArray(v)) return undefined;
   const o = v as Record<string, unknown>;
   for (const k of Object.keys(o)) if (!HEADER_KEYS.has(k)) return undefined;

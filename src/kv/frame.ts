@@ -115,9 +115,10 @@ const str = (v: unknown, min: number, max: number): v is string => typeof v === 
  * broken messages). Why: zod's safeParse of a kv_file took 50–150 µs in a process that had been
  * idle for a few ms (cold caches, 2-core VM; 10–20 µs when hot), once when prefill encodes the
  * message and once when decode reads it, on the same-host handoff's critical path — as much as
- * the loopback wake-up itself. This check takes ~2 µs.
+ * the loopback wake-up itself. This check takes ~2 µs. Exported for that test only.
+ * @internal
  */
-function checkHot(v: Record<string, unknown>): ControlMsg | undefined {
+export function checkHot(v: Record<string, unknown>): ControlMsg | undefined {
   if (v.type === 'kv_file') {
     const { room, file, payloadBytes, crc, head } = v;
     if (!isRoomId(room) || !str(file, 1, 255) || !safeCount(payloadBytes) || !str(head, 1, 32 * 1024)) return undefined;
