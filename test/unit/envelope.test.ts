@@ -3,12 +3,15 @@ import { createHash } from 'node:crypto';
 import { describe, it } from 'node:test';
 import fc from 'fast-check';
 import {
+  checkHeader,
   decodeEnvelope,
   encodeEnvelope,
   ENVELOPE_DIGEST_BYTES,
   ENVELOPE_PREFIX_BYTES,
   ENVELOPE_VERSION,
   envelopeTrailer,
+  HeaderSchema,
+  parseEnvelopeHead,
   type EnvelopeExpect,
 } from '../../src/kv/envelope.js';
 import { crc32 } from '../../src/kv/transfer/checksum.js';
@@ -178,5 +181,66 @@ describe('envelope', () => {
     assert.ok(env.subarray(env.length - 4 - PAYLOAD.length, env.length - 4).equals(PAYLOAD));
     assert.equal(env.readUInt32BE(env.length - 4), crc32(PAYLOAD));
     assert.equal(crc32(Buffer.from('123456789')), 0xcbf43926);
+  });
+});
+
+describe('the hand check of the envelope header (before zod)', () => {
+  const anyVal = fc.oneof(
+    fc.constantFrom(0, -0, 1, -1, 1.5, 2, Number.MAX_SAFE_INTEGER, Number.MAX_SAFE_INTEGER + 1, NaN, Infinity, null, true, false, '', 'crc32', 'CRC32', 'a'.repeat(256), 'a'.repeat(257), '12'),
+    fc.string({ maxLength: 6 }),
+    fc.integer(),
+    fc.constant({}),
+    fc.constant([]),
+  );
+  const ok = { version: ENVELOPE_VERSION, fingerprint: FP, contextSize: 4096, batchSize: 512, nTokens: 37, firstToken: 1234, cachedTokens: 16, firstIsEog: false, payloadBytes: 1000, checksum: 'crc32' };
+  const field = <K extends keyof typeof ok>(k: K) => fc.oneof({ weight: 3, arbitrary: fc.constant(ok[k]) }, { weight: 1, arbitrary: anyVal });
+  const hdrArb = (requiredKeys: (keyof typeof ok | 'extra')[]) => fc.record(
+    {
+      version: field('version'),
+      fingerprint: field('fingerprint'),
+      contextSize: field('contextSize'),
+      batchSize: field('batchSize'),
+      nTokens: field('nTokens'),
+      firstToken: field('firstToken'),
+      cachedTokens: field('cachedTokens'),
+      firstIsEog: field('firstIsEog'),
+      payloadBytes: field('payloadBytes'),
+      checksum: field('checksum'),
+      extra: anyVal,
+    },
+    { requiredKeys },
+  );
+  // the valid header with ONE key changed, deleted or added (every rule is met alone), or any mix
+  const oneOff = fc.tuple(fc.constantFrom(...Object.keys(ok), 'extra', '__proto__'), anyVal, fc.boolean()).map(([k, v, del]) => {
+    const h: Record<string, unknown> = { ...ok };
+    if (del) delete h[k];
+    else Object.defineProperty(h, k, { value: v, enumerable: true, writable: true, configurable: true });
+    return h;
+  });
+
+  it('accepts exactly what the strict zod schema accepts, with the same result', () => {
+    let fast = 0;
+    fc.assert(
+      fc.property(fc.oneof({ weight: 4, arbitrary: oneOff }, { weight: 1, arbitrary: hdrArb([]) }, { weight: 1, arbitrary: anyVal }), (h) => {
+        const z = HeaderSchema.safeParse(h);
+        const c = checkHeader(h);
+        if (c) fast++;
+        assert.equal(c !== undefined, z.success, `hand check ${c ? 'accepts' : 'refuses'}, zod ${z.success ? 'accepts' : 'refuses'}: ${JSON.stringify(h)}`);
+        if (c) assert.deepEqual(c, z.data);
+      }),
+      { numRuns: 3000 },
+    );
+    assert.ok(fast > 20, `only ${fast} of 3000 headers were valid`);
+  });
+
+  it('a refused header still gets zod\'s wording from parseEnvelopeHead', () => {
+    const json = Buffer.from(JSON.stringify({ ...ok, nTokens: -1 }));
+    const pre = Buffer.alloc(ENVELOPE_PREFIX_BYTES);
+    Buffer.from('PDKV').copy(pre, 0);
+    pre.writeUInt32BE(ENVELOPE_VERSION, 4);
+    pre.writeUInt32BE(json.length, 8);
+    const body = Buffer.concat([pre, json]);
+    const head = Buffer.concat([body, createHash('sha256').update(body).digest()]);
+    assert.throws(() => parseEnvelopeHead(head, EXPECT), (e: unknown) => e instanceof KvError && e.code === 'BAD_ENVELOPE' && /bad header: nTokens/.test(e.message));
   });
 });

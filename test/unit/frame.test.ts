@@ -2,6 +2,8 @@ import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import fc from 'fast-check';
 import {
+  checkHot,
+  ControlMsgSchema,
   encodeChunk,
   encodeControl,
   FrameDecoder,
@@ -354,5 +356,57 @@ describe('frame: fuzz', () => {
       }),
       { numRuns: 1000 },
     );
+  });
+});
+
+describe('the hand check of kv_file / kv_ack (before zod)', () => {
+  // values around every rule of the two schemas: valid ones and each way to break them
+  const anyVal = fc.oneof(
+    fc.constantFrom('7', '0', '007', '18446744073709551615', '18446744073709551616', '-1', '1.5', '', 'x', 'a'.repeat(255), 'a'.repeat(256), '0123456789abcdef', '0123456', 'ABCDEF0123456789', 'f'.repeat(64), 'f'.repeat(65)),
+    fc.constantFrom(0, -0, 1, -1, 1.5, 0xffffffff, 0x100000000, Number.MAX_SAFE_INTEGER, Number.MAX_SAFE_INTEGER + 1, NaN, Infinity, null, true, false),
+    fc.string({ maxLength: 8 }),
+    fc.integer(),
+    fc.constant({}),
+    fc.constant([]),
+  );
+  const msgArb = fc.record(
+    {
+      type: fc.constantFrom('kv_file', 'kv_ack'),
+      room: fc.oneof(fc.constantFrom('42', '18446744073709551615'), anyVal),
+      file: fc.oneof(fc.constant('pdserve-prefill-1-42.ggsq'), anyVal),
+      payloadBytes: fc.oneof(fc.constant(1050089), anyVal),
+      crc: fc.oneof(fc.constant(123), anyVal),
+      head: fc.oneof(fc.constant('UERLVg=='), fc.constant('a'.repeat(32 * 1024)), fc.constant('a'.repeat(32 * 1024 + 1)), anyVal),
+      epoch: fc.oneof(fc.constant(E), anyVal),
+      extra: anyVal,
+    },
+    { requiredKeys: ['type'] },
+  );
+
+  it('accepts exactly what the zod schema accepts, with the same result (unknown keys stripped)', () => {
+    let fast = 0;
+    fc.assert(
+      fc.property(msgArb, (m) => {
+        const z = ControlMsgSchema.safeParse(m);
+        const h = checkHot(m as Record<string, unknown>);
+        if (h) {
+          fast++;
+          assert.ok(z.success, `the hand check accepted what zod refuses: ${JSON.stringify(m)}`);
+          assert.deepEqual(h, z.data);
+        }
+        // parseControl: the hand check, else zod (which words the refusal)
+        if (z.success) assert.deepEqual(parseControl(m), z.data);
+        else assert.throws(() => parseControl(m), (e: unknown) => e instanceof KvError && e.code === 'BAD_FRAME');
+      }),
+      { numRuns: 3000 },
+    );
+    assert.ok(fast > 50, `the hand check took only ${fast} of 3000 messages`);
+  });
+
+  it('takes every valid kv_file and kv_ack (so zod is not on their path), and nothing else', () => {
+    for (const m of ALL.filter((x) => x.type === 'kv_file' || x.type === 'kv_ack')) assert.deepEqual(checkHot(JSON.parse(JSON.stringify(m))), ControlMsgSchema.parse(m));
+    assert.deepEqual(checkHot({ type: 'kv_file', room: '9', file: 'f', payloadBytes: 0, crc: 0xffffffff, head: 'h' }), { type: 'kv_file', room: '9', file: 'f', payloadBytes: 0, crc: 0xffffffff, head: 'h' });
+    assert.equal(checkHot({ type: 'kv_begin', room: '9', totalBytes: 5 }), undefined);
+    assert.equal(checkHot({ type: 'kv_file', room: '09', file: 'f', payloadBytes: 0, head: 'h' }), undefined);
   });
 });
