@@ -9,7 +9,7 @@
  * CRC-32 it requires.
  */
 import assert from 'node:assert/strict';
-import { existsSync, linkSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, linkSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -274,6 +274,34 @@ describe('taking a handed file over', () => {
     writeFileSync(p, state.subarray(0, 10));
     assert.throws(() => pre.offer('conn', room, p, Buffer.from('h'), state.length, pool), isBad(/10 bytes/));
     rmSync(p);
+  });
+
+  it('a name prefill does not own (decode\'s own files, another directory, a symlink or a directory under prefill\'s name): refused, nothing renamed or deleted', () => {
+    const { msg, p, room } = handed(state);
+    // decode's own names, and names that leave the state directory
+    const mine = path.join(shared, decodeStateName(process.pid, normalizeRoomId(5)));
+    const recv = path.join(shared, `pdserve-kvrecv-${process.pid}-0.ggsq`);
+    const outside = path.join(other, prefillStateName(4242, room));
+    for (const f of [mine, recv, outside]) writeFileSync(f, state);
+    for (const file of [path.basename(mine), path.basename(recv), `../other/${prefillStateName(4242, room)}`, `pdserve-prefill-4242-${room}.ggsq/`, `x/${path.basename(p)}`]) {
+      const r = dec.take({ ...msg, file }, opts);
+      assert.ok('refused' in r && /is not a prefill state file of room/.test(r.refused), file);
+    }
+    for (const f of [mine, recv, outside, p]) assert.deepEqual(readFileSync(f), state, `${f} untouched`);
+    rmSync(p);
+    // prefill's name for the room, but a symlink to a file prefill does not own (decode's): not a regular file
+    symlinkSync(mine, p);
+    const rs = dec.take(msg, opts);
+    assert.ok('refused' in rs && /not a regular file/.test(rs.refused));
+    assert.ok(lstatSync(p).isSymbolicLink() && existsSync(mine), 'neither the link nor its target was taken');
+    rmSync(p);
+    // a directory under prefill's name
+    mkdirSync(p);
+    const rd = dec.take(msg, opts);
+    assert.ok('refused' in rd && /not a regular file/.test(rd.refused));
+    rmSync(p, { recursive: true });
+    for (const f of [mine, recv, outside]) rmSync(f);
+    assert.equal(existsSync(decodeName(room)), false, 'nothing was taken for the room');
   });
 
   it('n > 1: one hard link per room, each taken and deleted once, the data shared', () => {
