@@ -418,6 +418,7 @@ async function receiver(engine: Engine): Promise<void> {
     let path: string | undefined;
     try {
       if (!slot) throw new Error('no free slot');
+      const takeNs = mono();
       const t0 = now();
       const out = sameHost.take(msg, { expect, headers, walker, pool: kvPool });
       if ('refused' in out) throw new Error(`refused: ${out.refused}`);
@@ -431,7 +432,7 @@ async function receiver(engine: Engine): Promise<void> {
       conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       await rm(path, { force: true });
       const t3 = now();
-      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, loadedNs });
+      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, takeNs, loadedNs });
     } catch (err) {
       if (path) await rm(path, { force: true });
       send({ type: 'kvFileRecv', room: msg.room, error: (err as Error).message });

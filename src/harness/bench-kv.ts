@@ -93,9 +93,11 @@ export interface KvSizeResult {
    * starts), offer (prefill makes kv_file: an fstat; the CRC-32 read only with verify), take
    * (decode: rename + envelope head + ggsq header walk), load (llama.cpp), rm (decode's delete,
    * after the ack: off the clock), beginLag (kv_file sent → received: decode's KV message
-   * handler; CLOCK_MONOTONIC), ackLag (decode's load done → kv_ack received: after the clock).
+   * handler; CLOCK_MONOTONIC), ackLag (decode's load done → kv_ack received: after the clock),
+   * handle (decode: kv_file handler → take starts: the slot), over (per trial: the clock minus
+   * that trial's own load, i.e. what the handoff adds to save + load; median over trials).
    */
-  sameHostPhasesMs?: { link: number; offer: number; take: number; load: number; rm: number; beginLag: number; ackLag: number };
+  sameHostPhasesMs?: { link: number; offer: number; take: number; load: number; rm: number; beginLag: number; ackLag: number; handle?: number; over?: number };
   /** Bytes of the file decode's validation read (median; the header walk's preads). */
   sameHostReadBytes?: number;
   /** The same-host trials carried a CRC-32 (verify on): false for the default path. */
@@ -233,6 +235,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       push(k.ph, 'load', rv.loadMs);
       push(k.ph, 'rm', rv.rmMs);
       push(k.ph, 'beginLag', ms(d.sentNs, rv.arriveNs));
+      push(k.ph, 'handle', ms(rv.arriveNs, rv.takeNs));
+      // this trial's cost above its own load (the goal's budget is 10 % of save + load)
+      if (typeof rv.loadMs === 'number') push(k.ph, 'over', ms(d.t0Ns, rv.loadedNs) - rv.loadMs);
       push(k.ph, 'ackLag', ms(rv.loadedNs, d.ackNs));
     };
     const rawTrial = async (i: number, record: boolean) => {
@@ -304,7 +309,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
                 sameHostMs: shMs,
                 sameHostAckMs: summarize(q.toAck),
                 sameHostGoalRatio: (s.saveMs + shMs.median) / (s.saveMs + sp('load')),
-                sameHostPhasesMs: { link: sp('link'), offer: sp('offer'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag') },
+                sameHostPhasesMs: { link: sp('link'), offer: sp('offer'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag'), ...(q.ph.over ? { handle: sp('handle'), over: sp('over') } : {}) },
                 sameHostReadBytes: sp('readBytes'),
                 sameHostVerified: q.verified === true,
               };

@@ -526,8 +526,8 @@ function sameHostNote(gs: KvSectionResult['sizes'], floor?: KvSectionResult['sam
   const loaded = gs.every((s) => s.sameHostAckMs);
   const parts = gs.map((s) => {
     const p = s.sameHostPhasesMs!;
-    const over = s.sameHostMs!.median - p.load;
-    return `${mib(s)}: ${fmt(over, 2)} ms above the load against a budget of ${fmt(budget(s), 2)} ms (prefill offer ${fmt(p.offer ?? NaN, 2)}, ${loaded ? `\`kv_file\` lag ${fmt(p.beginLag, 2)}` : `message lags ${fmt(p.beginLag + p.ackLag, 2)}`}, decode take = rename + header walk ${fmt(p.take, 2)})`;
+    const over = p.over ?? s.sameHostMs!.median - p.load;
+    return `${mib(s)}: ${fmt(over, 2)} ms above the load against a budget of ${fmt(budget(s), 2)} ms (${p.over !== undefined ? 'median over trials of the clock minus the trial\'s own load; ' : ''}prefill offer ${fmt(p.offer ?? NaN, 2)}, ${loaded ? `\`kv_file\` lag ${fmt(p.beginLag, 2)}` : `message lags ${fmt(p.beginLag + p.ackLag, 2)}`}, ${p.handle !== undefined ? `decode's handler → take ${fmt(p.handle, 2)}, ` : ''}decode take = rename + header walk ${fmt(p.take, 2)})`;
   });
   const missed = gs.filter((s) => s.sameHostGoalRatio! > 1.1);
   const lagOver = missed.filter((s) => {
