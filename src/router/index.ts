@@ -25,7 +25,7 @@ import { registerHoldRoute } from '../common/testhooks.js';
 import { DrainGate } from '../common/drain.js';
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
-import Fastify, { LogController, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
+import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
@@ -41,6 +41,7 @@ import { createPolicy, localPrefillFor, routingText, routingTextAfter, type Pick
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
+import { isGenerationRequest, RouterLogController } from './request-log.js';
 
 export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
 export { LINGER_MS, newRid, randomRoom, workerError } from './dispatch.js';
@@ -146,8 +147,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     clientErrorHandler: openAIClientErrorHandler,
     genReqId,
     requestIdHeader: false,
-    // Probes (GET) are not worth two log lines each; generation requests are.
-    logController: new LogController({ requestIdLogLabel: 'rid', disableRequestLogging: (req) => req.method === 'GET' }),
+    // Probes (GET) are not worth two log lines each; a generation request's 'incoming request'
+    // line is at debug (its info line comes after the response: ./request-log.ts).
+    logController: new RouterLogController({ requestIdLogLabel: 'rid' }),
   }) as unknown as FastifyInstance;
   registerOpenAIErrorHandling(app);
   const drain = new DrainGate('router');
@@ -155,7 +157,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // Every response names its rid (errors included); hijacked streams set it themselves.
   app.addHook('onRequest', async (request, reply) => {
     reply.header('x-request-id', String(request.id));
-    if (request.method === 'POST' && (request.url.startsWith('/v1/completions') || request.url.startsWith('/v1/chat/completions'))) {
+    if (isGenerationRequest(request)) {
       const trace = traceIdOf(request.headers);
       const rid = String(request.id);
       traces.begin(rid, trace);
