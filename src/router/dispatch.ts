@@ -44,7 +44,6 @@
  */
 import { DRAINING_CODE } from '../common/drain.js';
 import { hold } from '../common/testhooks.js';
-import { randomBytes } from 'node:crypto';
 import { newRoomId, type RoomId } from '../common/room-id.js';
 import { performance } from 'node:perf_hooks';
 import type { FastifyReply } from 'fastify';
@@ -57,6 +56,7 @@ import type { RouterConfig } from './config.js';
 import type { Outcome, RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
+import { randomHex, randomU64 } from './random-pool.js';
 import { describeError, isConnectionClosed, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
@@ -65,12 +65,12 @@ export const LINGER_MS = 2000;
 const MAX_ERROR_BODY = 64 * 1024;
 const JSON_HEADERS = { 'content-type': 'application/json' } as const;
 
-/** Random 63-bit bootstrap room id (the one generator, common/room-id.ts). */
-export const randomRoom = (): RoomId => newRoomId();
+/** Random 63-bit bootstrap room id (the one generator, common/room-id.ts; bytes from ./random-pool.ts). */
+export const randomRoom = (): RoomId => newRoomId(randomU64);
 
 /** Request id: `cmpl-<24 hex>` or `chatcmpl-<24 hex>`. */
 export function newRid(kind: 'completion' | 'chat'): string {
-  return `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
+  return `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomHex(12)}`;
 }
 
 /** Everything a request needs from its router. */
@@ -143,7 +143,8 @@ export class PdRequest {
   /** Serving path, for metrics and logs. */
   readonly path: 'pd' | 'decode_local';
   private phase: 'waiting' | 'streaming' | 'finished' = 'waiting';
-  private readonly log: Logger;
+  private readonly parentLog: Logger;
+  private roomLog: Logger | null = null;
   private readonly builder: OpenAIResponseBuilder;
   /** The prefill leg is absent on the decode-local path. */
   private readonly legs: { prefill?: Leg; decode: Leg };
@@ -196,7 +197,7 @@ export class PdRequest {
     });
     this.path = local ? 'decode_local' : 'pd';
     this.legs = local ? { decode: leg('decode', decode) } : { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
-    this.log = log.child({ room: this.room });
+    this.parentLog = log;
     this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
     const firstTokenFromPrefill = !local && ctx.config.firstTokenFromPrefill;
     this.body = JSON.stringify({
@@ -207,11 +208,19 @@ export class PdRequest {
     if (!firstTokenFromPrefill) this.firstGateOpen();
   }
 
+  /**
+   * The request's logger (its room bound), made on first use: a pino child costs a bindings
+   * serialization, and at the default level the first line is 'request finished', after the response.
+   */
+  private get log(): Logger {
+    return (this.roomLog ??= this.parentLog.child({ room: this.room }));
+  }
+
   /** Dispatch to both workers and serve the client; resolves when the request is finished. */
   async run(): Promise<void> {
     const { metrics, config } = this.ctx;
     metrics.inflight.inc();
-    this.log.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
+    if (this.parentLog.isLevelEnabled('debug')) this.log.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
     this.reply.raw.on('close', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),

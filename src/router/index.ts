@@ -23,7 +23,6 @@
 import { pickPair } from './pairing.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import { DrainGate } from '../common/drain.js';
-import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
@@ -41,6 +40,7 @@ import { createPolicy, localPrefillFor, routingText, routingTextAfter, type Pick
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
+import { randomHex } from './random-pool.js';
 import { isGenerationRequest, RouterLogController } from './request-log.js';
 
 export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
@@ -80,7 +80,7 @@ function genReqId(req: { url?: string }): string {
   const url = req.url ?? '';
   if (url.startsWith('/v1/chat/completions')) return newRid('chat');
   if (url.startsWith('/v1/completions')) return newRid('completion');
-  return `req-${randomBytes(8).toString('hex')}`;
+  return `req-${randomHex(8)}`;
 }
 
 function makeLogger(config: RouterConfig): Logger {

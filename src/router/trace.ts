@@ -14,14 +14,14 @@
  *
  * Ids follow the W3C Trace Context recommendation (traceparent = version-traceid-parentid-flags).
  */
-import { randomBytes } from 'node:crypto';
+import { randomHex } from './random-pool.js';
 
 const TRACEPARENT = /^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$/;
 const REQUEST_ID = /^[A-Za-z0-9._:/-]{1,128}$/;
 
 /** A fresh W3C trace id: 32 lowercase hex digits, never all zero. */
 export function newTraceId(): string {
-  return randomBytes(16).toString('hex');
+  return randomHex(16);
 }
 
 /**
