@@ -229,8 +229,10 @@ export class PdRequest {
     await hold('router.dispatch');
     this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path });
     if (!this.over) {
-      if (this.legs.prefill) void this.runPrefill(this.legs.prefill);
+      // Decode's request first: prefill waits for decode's `register` (which comes after decode has
+      // read its request) before it evaluates, so decode's socket write is the one on the TTFT path.
       void this.runDecode();
+      if (this.legs.prefill) void this.runPrefill(this.legs.prefill);
     }
     await this.done;
   }
