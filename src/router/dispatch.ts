@@ -216,11 +216,16 @@ export class PdRequest {
     return (this.roomLog ??= this.parentLog.child({ room: this.room }));
   }
 
+  /** A debug line; below debug level not even the room-bound child logger is made. */
+  private debug(fields: Record<string, unknown>, msg: string): void {
+    if (this.parentLog.isLevelEnabled('debug')) this.log.debug(fields, msg);
+  }
+
   /** Dispatch to both workers and serve the client; resolves when the request is finished. */
   async run(): Promise<void> {
     const { metrics, config } = this.ctx;
     metrics.inflight.inc();
-    if (this.parentLog.isLevelEnabled('debug')) this.log.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
+    this.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
     this.reply.raw.on('close', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
@@ -264,7 +269,7 @@ export class PdRequest {
       leg.reported = true;
       if (res.statusCode === 200) {
         const answer = safeJson(text);
-        this.log.debug({ prefill: answer }, 'prefill answered');
+        this.debug({ prefill: answer }, 'prefill answered');
         this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: (answer as { meta_info?: unknown })?.meta_info ?? null });
         return;
       }
@@ -305,7 +310,7 @@ export class PdRequest {
       }
       if (ev?.transfer !== undefined) {
         leg.reported = true;
-        this.log.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
+        this.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
         this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: ev.transfer });
         continue;
       }
@@ -554,7 +559,7 @@ export class PdRequest {
     }
     if (this.fallback) {
       metrics.byPath.labels('fallback').inc();
-      this.log.debug({ decode: this.legs.decode.worker.url }, 'decode-local attempt needs prefill: running the PD path');
+      this.debug({ decode: this.legs.decode.worker.url }, 'decode-local attempt needs prefill: running the PD path');
       this.resolveDone();
       return;
     }
