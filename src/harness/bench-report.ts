@@ -537,23 +537,21 @@ function sameHostNote(gs: KvSectionResult['sizes'], floor?: KvSectionResult['sam
     return (loaded ? p.beginLag : p.beginLag + p.ackLag) > budget(s);
   });
   const floorOver = floor ? lagOver.filter((s) => floor.there > budget(s)) : [];
-  let why = '';
-  if (floorOver.length) {
-    why = `: at ${floorOver.map(mib).join(', ')} the one message this path needs before the load (\`kv_file\`, which has to wake decode) costs more than the whole budget (10 % of save + load) — and so does its floor on this machine, an 8-byte message on a bare loopback socket after an idle pause, ${fmt(floor!.there, 2)} ms one way (p90 ${fmt(floor!.thereP90, 2)}) in the same run — so no validation or message scheme with one wake-up of decode can meet it there`;
-  } else if (lagOver.length) {
-    why = `: at ${lagOver.map(mib).join(', ')} the ${loaded ? 'one message this path needs before the load (`kv_file`, a wake-up of decode)' : 'two loopback messages (`kv_file` and `kv_ack`, each a wake-up of the other process)'} alone cost more than the whole budget (10 % of save + load)${floor ? ` (a bare loopback socket's one-way floor in the same run: ${fmt(floor.there, 2)} ms, p90 ${fmt(floor.thereP90, 2)})` : ''}`;
-  } else if (loaded) {
-    // the message fits the budget alone, but not with the rest: say what is left for the rest
-    why = `: ${missed
-      .map((s) => {
-        const p = s.sameHostPhasesMs!;
-        const over = p.over ?? s.sameHostMs!.median - p.load;
-        if (over <= budget(s))
-          return `at ${mib(s)} the handoff's own cost per trial (${fmt(over, 2)} ms above that trial's load) is within the ${fmt(budget(s), 2)} ms budget: the ratio (median of the totals against the median of the loads, from different trials) misses by how much the trials' times spread in this run (the same-host total: median ${fmt(s.sameHostMs!.median, 2)} ms, p90 ${fmt(s.sameHostMs!.p90, 2)} ms; loadState's median ${fmt(p.load, 2)} ms), not by the handoff`;
-        return `at ${mib(s)}, of ${fmt(over, 2)} ms above the load (budget ${fmt(budget(s), 2)}), \`kv_file\`'s lag is ${fmt(p.beginLag, 2)} ms${floor ? ` (a bare loopback socket's one-way floor in the same run: ${fmt(floor.there, 2)} ms)` : ''}, prefill's offer and decode's take ${fmt((p.offer ?? 0) + p.take, 2)} ms (the take's rename, ~20 small preads, the envelope and ggsq checks), the rest between the steps (per-phase medians need not add up)`;
-      })
-      .join('; ')}`;
-  }
+  // why each missed size missed: the one message's floor alone over budget; else the message over
+  // budget; else (clock to decode-loaded) what the cost above the load is made of
+  const reasons: string[] = [];
+  if (floorOver.length) reasons.push(`at ${floorOver.map(mib).join(', ')} the one message this path needs before the load (\`kv_file\`, which has to wake decode) costs more than the whole budget (10 % of save + load) — and so does its floor on this machine, an 8-byte message on a bare loopback socket after an idle pause, ${fmt(floor!.there, 2)} ms one way (p90 ${fmt(floor!.thereP90, 2)}) in the same run — so no validation or message scheme with one wake-up of decode can meet it there`);
+  const lagOnly = lagOver.filter((s) => !floorOver.includes(s));
+  if (lagOnly.length) reasons.push(`at ${lagOnly.map(mib).join(', ')} the ${loaded ? 'one message this path needs before the load (`kv_file`, a wake-up of decode)' : 'two loopback messages (`kv_file` and `kv_ack`, each a wake-up of the other process)'} alone cost more than the whole budget (10 % of save + load)${floor ? ` (a bare loopback socket's one-way floor in the same run: ${fmt(floor.there, 2)} ms, p90 ${fmt(floor.thereP90, 2)})` : ''}`);
+  if (loaded)
+    for (const s of missed.filter((x) => !lagOver.includes(x))) {
+      const p = s.sameHostPhasesMs!;
+      const over = p.over ?? s.sameHostMs!.median - p.load;
+      if (over <= budget(s))
+        reasons.push(`at ${mib(s)} the handoff's own cost per trial (${fmt(over, 2)} ms above that trial's load) is within the ${fmt(budget(s), 2)} ms budget: the ratio (median of the totals against the median of the loads, from different trials) misses by how much the trials' times spread in this run (the same-host total: median ${fmt(s.sameHostMs!.median, 2)} ms, p90 ${fmt(s.sameHostMs!.p90, 2)} ms; loadState's median ${fmt(p.load, 2)} ms), not by the handoff`);
+      else reasons.push(`at ${mib(s)}, of ${fmt(over, 2)} ms above the load (budget ${fmt(budget(s), 2)}), \`kv_file\`'s lag is ${fmt(p.beginLag, 2)} ms${floor ? ` (a bare loopback socket's one-way floor in the same run: ${fmt(floor.there, 2)} ms)` : ''}, prefill's offer and decode's take ${fmt((p.offer ?? 0) + p.take, 2)} ms (the take's rename, ~20 small preads, the envelope and ggsq checks), the rest between the steps (per-phase medians need not add up)`);
+    }
+  const why = reasons.length ? `: ${reasons.join('; ')}` : '';
   return [
     '',
     `**Same-host fast path (§1).** No state byte crosses TCP and none is read on the critical path: prefill names the saved file in \`kv_file\`, decode takes it over by rename and checks size, envelope head and the ggsq structure (headers only, by pread) before llama.cpp loads it; the data bytes' CRC-32 is opt-in (\`--kv-same-host-verify\`: one full read on each side, what this path cost before). ${loaded ? 'Clock: prefill-saved → decode-loaded (issue #9\'s definition; `kv_ack`, which only releases prefill\'s file, comes after it: the "to kv_ack" column). ' : ''}Its cost above save + load: ${parts.join('; ')}.${missed.length ? ` Missed at ${missed.map(mib).join(', ')}${why}.` : ''}`,
