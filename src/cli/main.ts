@@ -239,13 +239,14 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--bootstrap-port <port>', 'KV bootstrap/control listener port', int, 8998)
     .option('--bootstrap-host <host>', 'address decode workers use to reach the bootstrap listener', '127.0.0.1')
     .option('--slots <n>', 'sequences of the prefill context', int, 1)
-    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)))
+    .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)
+    .option('--kv-stream', 'over TCP, send the state while llama.cpp still saves it (one-room requests, to a decode that supports it); off: save, then send', false)))
     .action(async (o) => {
       const { startPrefillWorker } = await import('../prefill/worker.js');
       const model = await modelPath(o.model);
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );

@@ -95,6 +95,13 @@ export const PrefillConfigSchema = z.object({
   maxRooms: z.number().int().min(1).default(1024),
   /** KV chunk size on the wire, bytes. */
   chunkBytes: z.number().int().min(1024).max(1024 * 1024).default(1024 * 1024),
+  /**
+   * `--kv-stream`: over TCP, send the state while llama.cpp is still saving it (one-room
+   * requests, to a decode that said `kvStream`; transfer/sender.ts sendGrowingStateFile). Off by
+   * default: on this 2-core machine under load the save's thread competes with both event loops
+   * and the save ran 2–5× slower, so the overlap lost to save-then-send (notes/kvstream.md).
+   */
+  kvStream: z.boolean().default(false),
 });
 export type PrefillConfig = Readonly<z.infer<typeof PrefillConfigSchema>>;
 

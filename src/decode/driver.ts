@@ -85,9 +85,12 @@ export type DecodeAction =
    */
   | { a: 'send'; room: RoomId; conn?: ConnId; addr?: PrefillAddr; msg: ControlMsg }
   /** KV_BEGIN accepted: start receiving a state of `totalBytes` (the caller's buffer/validator). */
-  | { a: 'recv_begin'; room: RoomId; totalBytes: number }
-  /** Every byte is in and KV_END arrived: finish the receive and load it into the room's slot; answer `loadDone` / `loadFailed`. */
-  | { a: 'load'; room: RoomId }
+  | { a: 'recv_begin'; room: RoomId; totalBytes: number; hintBytes?: number }
+  /**
+   * Every byte is in and KV_END arrived: finish the receive and load it into the room's slot;
+   * answer `loadDone` / `loadFailed`. `end`: a streamed kv_end's byte count and CRC-32.
+   */
+  | { a: 'load'; room: RoomId; end?: { totalBytes: number; crc: number } }
   /** Decode-local room holding its slot: evaluate the prompt's uncached suffix on it; answer `loadDone` / `loadFailed`. */
   | { a: 'local_prefill'; room: RoomId }
   /**
@@ -244,7 +247,7 @@ export class DecodeDriver {
     const job = this.jobs.get(room);
     if (!job || job.done || job.step !== 'registering' || job.conn !== undefined || !this.rooms.has(room)) return [];
     job.conn = conn;
-    return [{ a: 'register', room, conn, msg: { type: 'register', room, rid: job.rid, epoch: this.epoch } }];
+    return [{ a: 'register', room, conn, msg: { type: 'register', room, rid: job.rid, epoch: this.epoch, kvStream: true } }];
   }
 
   /** The dial or the REGISTER write failed (`f`: peer_unreachable, settings_mismatch, peer_lost). */
@@ -268,13 +271,16 @@ export class DecodeDriver {
         return out;
       }
       case 'kv_begin': {
-        const bad = this.rooms.has(msg.room) ? checkAnnounced(msg.totalBytes, this.config.maxStateBytes) : undefined;
+        // streamed: totalBytes is prefill's estimate; what is accepted is capped at maxStateBytes
+        const streamed = msg.streamed === true;
+        const limit = streamed ? this.config.maxStateBytes : msg.totalBytes;
+        const bad = this.rooms.has(msg.room) ? checkAnnounced(streamed ? Math.min(msg.totalBytes, limit) : msg.totalBytes, this.config.maxStateBytes) : undefined;
         if (bad) return this.apply(msg.room, { t: 'fail', failure: bad }, now);
         const out = this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes }, now);
         if (!job.rx && this.rooms.get(msg.room)?.state === KVPoll.Transferring && this.rooms.has(msg.room)) {
-          job.rx = new KvReception(msg.totalBytes);
+          job.rx = new KvReception(limit, streamed);
           job.step = 'receiving';
-          out.unshift({ a: 'recv_begin', room: msg.room, totalBytes: msg.totalBytes });
+          out.unshift({ a: 'recv_begin', room: msg.room, totalBytes: limit, ...(streamed ? { hintBytes: msg.totalBytes } : {}) });
         }
         return out;
       }
@@ -291,12 +297,12 @@ export class DecodeDriver {
       case 'kv_end': {
         if (!this.rooms.has(msg.room)) return [];
         if (job.loading || job.step === 'loading') return []; // a repeated KV_END: the load already runs
-        const incomplete = job.rx ? job.rx.end() : failure('kv_transfer_failed', 'kv_end before kv_begin');
+        const incomplete = job.rx ? job.rx.end(msg.totalBytes) : failure('kv_transfer_failed', 'kv_end before kv_begin');
         if (incomplete) return this.apply(msg.room, { t: 'fail', failure: incomplete }, now);
         if (!job.slot) return this.apply(msg.room, { t: 'fail', failure: failure('internal_error', 'kv_end for a room without a slot') }, now);
         job.step = 'loading';
         job.loading = true;
-        return [{ a: 'load', room: msg.room }];
+        return [{ a: 'load', room: msg.room, ...(msg.totalBytes !== undefined && msg.crc !== undefined ? { end: { totalBytes: msg.totalBytes, crc: msg.crc } } : {}) }];
       }
       case 'fail':
         return this.apply(msg.room, { t: 'abort', from: 'peer', failure: failureFromWire(msg, 'prefill') }, now);

@@ -15,11 +15,17 @@ export function checkAnnounced(totalBytes: number, maxStateBytes: number): RoomF
   return failure('kv_transfer_failed', `announced state of ${totalBytes} bytes is outside (0, ${maxStateBytes}]`);
 }
 
-/** Progress of one room's KV reception: `got` of `total` bytes, in order. */
+/**
+ * Progress of one room's KV reception: `got` of `total` bytes, in order. `streamed` (a streamed
+ * kv_begin: the size comes with kv_end): `total` is only the limit, and `end` takes the count.
+ */
 export class KvReception {
   got = 0;
 
-  constructor(readonly total: number) {}
+  constructor(
+    readonly total: number,
+    readonly streamed = false,
+  ) {}
 
   /**
    * A chunk of `len` bytes at `offset`. Undefined when it is the next piece (the caller stores the
@@ -33,8 +39,15 @@ export class KvReception {
     return undefined;
   }
 
-  /** KV_END arrived: undefined when every announced byte is in; else the failure of the room. */
-  end(): RoomFailure | undefined {
+  /**
+   * KV_END arrived: undefined when every announced byte is in; else the failure of the room.
+   * `sent`: the byte count a streamed kv_end carries (required when `streamed`, else ignored).
+   */
+  end(sent?: number): RoomFailure | undefined {
+    if (this.streamed) {
+      if (sent === undefined) return failure('kv_transfer_failed', 'streamed state: kv_end without its byte count');
+      return this.got === sent ? undefined : failure('kv_transfer_failed', `truncated: kv_end says ${sent} bytes, ${this.got} received`);
+    }
     return this.got === this.total ? undefined : failure('kv_transfer_failed', `truncated: kv_end after ${this.got} of ${this.total} bytes`);
   }
 }

@@ -34,7 +34,7 @@ import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState } from '../engine/ggsq.js';
-import { StateReceiver, type ReceivedState } from '../kv/transfer/receiver.js';
+import { StateReceiver, type ReceivedState, type StreamEnd } from '../kv/transfer/receiver.js';
 import { SameHostDecode, type KvPath } from '../kv/transfer/same-host.js';
 import { rm } from 'node:fs/promises';
 import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
@@ -236,10 +236,10 @@ export class DecodeWorker {
           this.send(a);
           break;
         case 'recv_begin':
-          this.recvBegin(a.room, a.totalBytes);
+          this.recvBegin(a.room, a.totalBytes, a.hintBytes);
           break;
         case 'load':
-          void this.load(a.room);
+          void this.load(a.room, a.end);
           break;
         case 'local_prefill':
           void this.runLocal(a.room);
@@ -345,12 +345,13 @@ export class DecodeWorker {
   }
 
   /** The driver's `recv_begin`: a streamed receiver that validates and writes the state as it comes. */
-  private recvBegin(room: RoomId, totalBytes: number): void {
+  private recvBegin(room: RoomId, totalBytes: number, hintBytes?: number): void {
     const job = this.jobs.get(room);
     if (!job) return;
     const info = this.engine.info;
     job.recv = new StateReceiver({
       totalBytes,
+      ...(hintBytes !== undefined ? { streamed: { hintBytes } } : {}),
       expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: this.config.maxStateBytes },
       walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }),
       files: this.recvFiles,
@@ -380,13 +381,13 @@ export class DecodeWorker {
   // ---- the engine port ------------------------------------------------------------------------
 
   /** The driver's `load`: finish the streamed receive (complete, checksum, structure end, file written), load it into the slot. */
-  private async load(room: RoomId): Promise<void> {
+  private async load(room: RoomId, end?: StreamEnd): Promise<void> {
     const job = this.jobs.get(room);
     const recv = job?.recv;
     if (!job || !recv) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'load without a receiver'), Date.now()));
     // after the load settled nothing reads the file: it goes back to the spare files (a failure
     // meanwhile — finish Failed — discards it, deleting a file a running load may still read)
-    await this.loadInto(job, () => recv.finish(), () => recv.done());
+    await this.loadInto(job, () => recv.finish(end), () => recv.done());
   }
 
   /**

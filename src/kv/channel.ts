@@ -30,7 +30,7 @@ import { systemClock, type Clock } from './heartbeat.js';
 import type { PairSettings } from './messages.js';
 import { KvError } from './types.js';
 
-export { DEFAULT_HEARTBEAT_MS, HEARTBEAT_MISS_BUDGET, newKvStats, PeerConn, type KvHandlers, type KvLog, type KvStats, type SendChunksOptions } from './connection.js';
+export { DEFAULT_HEARTBEAT_MS, HEARTBEAT_MISS_BUDGET, newKvStats, PeerConn, type KvHandlers, type KvLog, type KvStats, type SendChunksOptions, type ChunkSource } from './connection.js';
 
 /** Options shared by both ends. */
 export interface KvChannelOptions extends KvHandlers {

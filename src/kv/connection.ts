@@ -75,6 +75,20 @@ export interface SendChunksOptions {
   offset?: number;
 }
 
+/**
+ * What `PeerConn.sendFrom` pulls pieces from. `next()`: a piece, `null` (none ready now),
+ * `undefined` (the end). `flushed(piece)`: the socket is done with a piece. `attach(resume)`:
+ * called once at the start by a source that can have nothing ready with nothing in flight (a
+ * file still being written): it calls `resume()` when it may have bytes again, and bounds its
+ * own waits (sendFrom's stall timer restarts on every resume). Without `attach`, `null` with
+ * nothing in flight is an error.
+ */
+export interface ChunkSource {
+  next(): Buffer | null | undefined;
+  flushed?(piece: Buffer): void;
+  attach?(resume: () => void): void;
+}
+
 export const DEFAULT_HEARTBEAT_MS = 1000;
 export { HEARTBEAT_MISS_BUDGET } from './heartbeat.js';
 
@@ -253,7 +267,7 @@ export class PeerConn {
    * 'ABORTED', 'TIMEOUT' after `stallMs` without a flushed piece, 'BAD_FRAME', RangeError).
    * (`chunkBytes` is not used: the source sizes its pieces.)
    */
-  sendFrom(roomId: RoomId, source: { next(): Buffer | null | undefined; flushed?(piece: Buffer): void }, opts: SendChunksOptions = {}): Promise<void> {
+  sendFrom(roomId: RoomId, source: ChunkSource, opts: SendChunksOptions = {}): Promise<void> {
     const stallMs = opts.stallMs ?? 10_000;
     if (!Number.isSafeInteger(stallMs) || stallMs < 1) return Promise.reject(new RangeError(`stallMs must be a positive integer, got ${stallMs}`));
     try {
@@ -327,8 +341,8 @@ export class PeerConn {
             return;
           }
           if (piece === null) {
-            if (pending === 0) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
-            return; // resumed by a flush of ours
+            if (pending === 0 && !source.attach) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
+            return; // resumed by a flush of ours (or by the source, through attach's resume)
           }
           let frame: Buffer[];
           try {
@@ -353,6 +367,7 @@ export class PeerConn {
       this.drainWaiters.add(pump);
       this.closeWaiters.add(onClose);
       signal?.addEventListener('abort', onAbort, { once: true });
+      source.attach?.(pump);
       pumpImpl.call(this);
     });
   }

@@ -81,14 +81,29 @@ export type ControlMsg =
    * 'settings_mismatch' (the pair's PairSettings differ) or 'auth_failed'.
    */
   | { type: 'auth_fail'; reason: string; code?: 'settings_mismatch' | 'auth_failed' }
-  /** decode → prefill: a slot is reserved for this room; prefill may compute. */
-  | { type: 'register'; room: RoomId; rid: string; epoch: string }
+  /**
+   * decode → prefill: a slot is reserved for this room; prefill may compute. `kvStream`: this
+   * decode takes a streamed kv_begin (the state sent while prefill's llama.cpp still saves it,
+   * its size and CRC-32 in kv_end; transfer/sender.ts `sendGrowingStateFile`). Absent (a decode
+   * of an earlier version): prefill sends the saved file with the size in kv_begin, as before.
+   */
+  | { type: 'register'; room: RoomId; rid: string; epoch: string; kvStream?: boolean }
   /** prefill → decode: registration accepted. */
   | { type: 'registered'; room: RoomId }
-  /** prefill → decode: the state follows in chunk frames. */
-  | { type: 'kv_begin'; room: RoomId; totalBytes: number }
-  /** prefill → decode: all chunks sent. */
-  | { type: 'kv_end'; room: RoomId }
+  /**
+   * prefill → decode: the state follows in chunk frames. `totalBytes`: the bytes that follow
+   * (head + payload + CRC-32 trailer). `streamed` (only to a decode whose `register` said
+   * `kvStream`): the state is sent while it is being saved, so its size is not known yet:
+   * `totalBytes` is then prefill's estimate of head + payload (a hint for the destination file;
+   * decode's own limit caps what it accepts), the envelope head says `payloadBytes: 0`, no
+   * trailer follows the payload, and kv_end carries the real byte count and the CRC-32.
+   */
+  | { type: 'kv_begin'; room: RoomId; totalBytes: number; streamed?: boolean }
+  /**
+   * prefill → decode: all chunks sent. After a streamed kv_begin: `totalBytes` = the bytes sent
+   * (head + payload) and `crc` = the payload's CRC-32 (both required then).
+   */
+  | { type: 'kv_end'; room: RoomId; totalBytes?: number; crc?: number }
   /** decode → prefill: state validated and loaded. */
   | { type: 'kv_ack'; room: RoomId; epoch: string }
   /**

@@ -152,6 +152,11 @@ export class PrefillDriver {
     return this.jobs.get(room)?.step ?? null;
   }
 
+  /** The decode connection that registered `room`, while the room is live (undefined before its `register`). */
+  peerOf(room: RoomId): PeerId | undefined {
+    return this.jobs.get(room)?.peer;
+  }
+
   /** The lead room of `room`'s computation (itself for a single-room request), while the room is live. */
   leadOf(room: RoomId): RoomId | undefined {
     return this.jobs.get(room)?.comp;

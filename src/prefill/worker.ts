@@ -9,7 +9,7 @@
  * or in prompt evaluation), inflight (state sent, waiting for decode's KV_ACK). Each entry leaves
  * on the single `finish` action of its room.
  */
-import { linkSync, renameSync } from 'node:fs';
+import { linkSync, renameSync, rmSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
@@ -32,7 +32,7 @@ import { newEpoch } from '../kv/auth.js';
 import { KvServer, type PeerConn } from '../kv/channel.js';
 import { encodeEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
-import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
+import { sendGrowingStateFile, sendStateFile, wireBytes, type StreamedSend } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostPrefill, type KvPath } from '../kv/transfer/same-host.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
@@ -62,6 +62,14 @@ interface Job {
    * room's finish.
    */
   handed?: { path: string; payloadBytes: number };
+  /**
+   * TCP, streamed (`startStream`): the send that began while llama.cpp was still saving the
+   * state; settles with what kv_end must say, or undefined once the room was failed for it.
+   * `transfer` waits for it instead of reading the saved file again.
+   */
+  stream?: Promise<StreamedSend | undefined>;
+  /** Bytes the streamed send flushed before the driver's `transfer` (reported to it then). */
+  earlyBytes?: number;
 }
 
 /** A running prefill worker. Create with `startPrefillWorker`. */
@@ -79,6 +87,10 @@ export class PrefillWorker {
   private readonly comps = new Map<RoomId, Computation>();
   readonly computeMetrics: ComputationMetrics;
   private readonly conns = new Map<string, PeerConn>();
+  /** Decode connections whose `register` said `kvStream` (they take a streamed kv_begin). */
+  private readonly streamPeers = new Set<string>();
+  /** The last saved state: prompt tokens and payload bytes (a streamed kv_begin's size estimate). */
+  private lastSave: { nTokens: number; payloadBytes: number } | undefined;
   private watchdog?: NodeJS.Timeout;
   private stopSweep?: () => void;
   /** The same-host handoff (kv_file): probe answers and which decode connections may use it. */
@@ -142,6 +154,7 @@ export class PrefillWorker {
       onMessage: (conn, msg) => this.onControl(conn, msg),
       onPeerLost: (conn, reason) => {
         this.conns.delete(conn.id);
+        this.streamPeers.delete(conn.id);
         this.sameHost.forget(conn.id);
         this.perform(this.driver.peerLost(conn.id, reason, Date.now()));
       },
@@ -339,6 +352,7 @@ export class PrefillWorker {
       }
       return;
     }
+    if (msg.type === 'register' && msg.kvStream === true) this.streamPeers.add(conn.id);
     if (msg.type === 'register' || msg.type === 'kv_ack' || msg.type === 'fail') {
       this.perform(this.driver.message(conn.id, conn.peerEpoch, msg, Date.now()));
       return;
@@ -388,15 +402,19 @@ export class PrefillWorker {
       }
       await hold('prefill.save', signal);
       if (signal.aborted) return { ok: false, aborted: true };
-      const payloadBytes = await slot.saveState(path);
+      rmSync(path, { force: true }); // a streamed send reads the file as it grows: no stale bytes
+      const saving = slot.saveState(path);
+      const streamedBytes = this.startStream(comp, r.promptTokens, r.cachedTokens, r.choices[0]!, path, saving);
+      const payloadBytes = await saving;
       this.computeMetrics.statesSaved.inc();
+      this.lastSave = { nTokens: r.promptTokens, payloadBytes };
       const info = this.engine.info;
       const roomBytes = new Map<RoomId, number>();
       comp.rooms.forEach((room, i) => {
         const pick = r.choices[i]!;
         const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: r.promptTokens, firstToken: pick.firstToken, cachedTokens: r.cachedTokens, firstIsEog: pick.firstIsEog, payloadBytes });
         comp.heads.set(room, head);
-        roomBytes.set(room, wireBytes(head, payloadBytes));
+        roomBytes.set(room, streamedBytes !== undefined && i === 0 ? streamedBytes + payloadBytes : wireBytes(head, payloadBytes));
       });
       comp.prefillMs = Date.now() - t0;
       if (signal.aborted) return { ok: false, aborted: true };
@@ -411,6 +429,51 @@ export class PrefillWorker {
       slot.release();
       if (comp.state?.path !== path) await rm(path, { force: true }).catch(() => {});
     }
+  }
+
+  /**
+   * Start sending the state while llama.cpp saves it (transfer/sender.ts `sendGrowingStateFile`),
+   * with `--kv-stream` and when it fits: one room (n > 1 gives each room its own head: save, then send), registered by
+   * a decode whose `register` said `kvStream`, on a TCP connection (same host hands over the
+   * finished file instead). Sends the streamed kv_begin (size: an estimate from the last save)
+   * and records the send in the room's job; the driver's `transfer` later finishes it with kv_end.
+   * A send that fails before the room is done (the save failed or stopped growing, the socket)
+   * fails the room here; the room's end (its `ac`) stops it. Returns the streamed envelope head's
+   * length (the room's wire bytes are head + payload), or undefined when nothing was started.
+   */
+  private startStream(comp: Computation, nTokens: number, cachedTokens: number, pick: { firstToken: number; firstIsEog: boolean }, path: string, saved: Promise<number>): number | undefined {
+    if (!this.config.kvStream || comp.rooms.length !== 1) return undefined;
+    const room = comp.lead;
+    const job = this.jobs.get(room);
+    const peer = this.driver.peerOf(room);
+    if (!job || peer === undefined || job.ac.signal.aborted || !this.streamPeers.has(peer) || this.sameHost.usable(peer)) return undefined;
+    const conn = this.conns.get(peer);
+    if (!conn?.alive) return undefined;
+    const info = this.engine.info;
+    const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens, firstToken: pick.firstToken, cachedTokens, firstIsEog: pick.firstIsEog, payloadBytes: 0 });
+    // A state's size is affine in its token count with a small constant: the last save predicts it within a few hundred bytes.
+    const last = this.lastSave;
+    const estimate = last && last.nTokens > 0 ? Math.ceil((last.payloadBytes / last.nTokens) * Math.max(1, nTokens)) : 16 * 1024 * Math.max(1, nTokens);
+    if (!conn.sendControl({ type: 'kv_begin', room, totalBytes: head.length + estimate, streamed: true })) return undefined;
+    job.kvPath = 'tcp';
+    job.earlyBytes = 0;
+    job.stream = sendGrowingStateFile(conn, room, path, head, {
+      saved,
+      pool: this.kvPool,
+      chunkBytes: this.config.chunkBytes,
+      signal: job.ac.signal,
+      stallMs: this.config.timeouts.transferIdleMs,
+      growStallMs: this.config.timeouts.transferIdleMs,
+      onProgress: (bytes: number) => {
+        this.metrics.kvBytes.inc(bytes);
+        if (job.tKvBegin > 0) this.perform(this.driver.progress(room, bytes, Date.now()));
+        else job.earlyBytes = (job.earlyBytes ?? 0) + bytes;
+      },
+    }).catch((err: unknown) => {
+      if (!job.ac.signal.aborted) this.perform(this.driver.transferFailed(room, failure(errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed', (err as Error).message), Date.now()));
+      return undefined;
+    });
+    return head.length;
   }
 
   /**
@@ -429,6 +492,20 @@ export class PrefillWorker {
     if (!job || !st || !head) return;
     job.tKvBegin = Date.now();
     const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), Date.now()));
+    if (job.stream && path === undefined) {
+      job.kvPath = 'tcp';
+      // Streamed while the state was saved (startStream): report what went out meanwhile, wait
+      // for the rest, then kv_end with the byte count and CRC-32. A failure was reported by it.
+      if (job.earlyBytes) this.perform(this.driver.progress(room, job.earlyBytes, Date.now()));
+      job.earlyBytes = 0;
+      const sent = await job.stream;
+      if (!sent || job.ac.signal.aborted) return;
+      this.perform(this.driver.transferSent(room));
+      await hold('prefill.send', job.ac.signal);
+      if (job.ac.signal.aborted) return;
+      if (!conn || !conn.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc })) failed('connection to decode is gone');
+      return;
+    }
     job.kvPath = path ?? (this.sameHost.usable(peer) ? 'same_host' : 'tcp');
     if (job.kvPath === 'same_host') {
       await hold('prefill.send', job.ac.signal);

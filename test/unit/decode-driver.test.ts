@@ -112,6 +112,33 @@ describe('decode driver: decisions', () => {
     assert.ok(!early.some((a) => a.a === 'load'));
   });
 
+  test('streamed kv_begin (size at kv_end): the limit is decode\'s own; kv_end\'s count must match what came; register says kvStream', () => {
+    const d = new DecodeDriver({ ...cfg, slots: 3 }, 'd0d0d0d0');
+    const regs: DecodeAction[] = [];
+    for (const r of [A, B, D3]) {
+      d.request(r, `r${r}`, P, 0);
+      regs.push(...d.dialed(r, C, 0));
+      d.message(C, EP, { type: 'registered', room: r }, 0);
+    }
+    assert.ok(regs.every((a) => a.a !== 'register' || a.msg.kvStream === true), 'every register offers the streamed handoff');
+    // A: an estimate under the real size is fine; kv_end gives the count and CRC → load with them
+    const begin = d.message(C, EP, { type: 'kv_begin', room: A, totalBytes: 8, streamed: true }, 1);
+    const rb = begin.find((a) => a.a === 'recv_begin');
+    assert.ok(rb && rb.a === 'recv_begin' && rb.totalBytes === cfg.maxStateBytes && rb.hintBytes === 8, 'the receiver is capped by maxStateBytes and sized from the hint');
+    assert.deepEqual(d.chunk(C, A, 0, 12, 1).actions, []);
+    const load = d.message(C, EP, { type: 'kv_end', room: A, totalBytes: 12, crc: 77 }, 2);
+    assert.deepEqual(load, [{ a: 'load', room: A, end: { totalBytes: 12, crc: 77 } }]);
+    // B: kv_end says more than came → truncated, no load
+    d.message(C, EP, { type: 'kv_begin', room: B, totalBytes: 10, streamed: true }, 1);
+    d.chunk(C, B, 0, 5, 1);
+    const cut = d.message(C, EP, { type: 'kv_end', room: B, totalBytes: 10, crc: 1 }, 2);
+    assert.ok(cut.some((a) => a.a === 'finish' && /truncated/.test(a.failure?.detail ?? '')) && !cut.some((a) => a.a === 'load'));
+    // D3: bytes past decode's own limit fail at the chunk
+    d.message(C, EP, { type: 'kv_begin', room: D3, totalBytes: 10, streamed: true }, 1);
+    const over = d.chunk(C, D3, 0, cfg.maxStateBytes + 1, 1);
+    assert.ok(over.actions.some((a) => a.a === 'finish' && a.failure?.code === 'kv_transfer_failed'));
+  });
+
   test('success: load, kv_ack on the room\'s connection, finish, generate; the slot goes back after generation, to the oldest waiter', () => {
     const d = new DecodeDriver(cfg, 'd0d0d0d0');
     d.request(A, 'ra', P, 0);

@@ -5,7 +5,7 @@
  * written to its file as it comes). Damage is caught while streaming; cut streams at kv_end.
  */
 import assert from 'node:assert/strict';
-import { closeSync, existsSync, fstatSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
+import { closeSync, existsSync, fstatSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -17,7 +17,7 @@ import { Crc32, crc32, crc32Impl } from '../../src/kv/transfer/checksum.js';
 import zlib from 'node:zlib';
 import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
-import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
+import { sendGrowingStateFile, sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
 import { PdError } from '../../src/common/errors.js';
 import { saveTinyState } from '../helpers/engine.js';
 
@@ -378,5 +378,188 @@ describe('sendStateFile → StateReceiver over a real KV connection', () => {
       await pool.close();
       await server.close();
     }
+  });
+});
+
+describe('sendGrowingStateFile (streamed while the state is saved) → streamed StateReceiver', () => {
+  /** A real KV connection, a decode side that records kv_end and feeds the room's receiver. */
+  const link = async () => {
+    const secret = 'transfer-test-secret';
+    let prefill: PeerConn | undefined;
+    const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn) => void (prefill ??= conn) });
+    const port = await server.listen();
+    const receivers = new Map<string, StateReceiver>();
+    const ends = new Map<string, (m: { totalBytes?: number; crc?: number }) => void>();
+    const decodeEpoch = newEpoch();
+    const pool = new KvPeerPool({
+      secret,
+      settings: PAIR,
+      epoch: decodeEpoch,
+      onMessage: (_c, msg) => {
+        if (msg.type === 'kv_end') ends.get(msg.room)?.(msg);
+      },
+      onChunk: (_c, room, offset, data) => {
+        const r = receivers.get(room)!;
+        assert.equal(offset, r.received);
+        r.push(data);
+      },
+    });
+    const d = await pool.get('127.0.0.1', port);
+    d.sendControl({ type: 'register', room: '40', rid: 'r40', epoch: decodeEpoch, kvStream: true });
+    for (let i = 0; !prefill; i++) {
+      assert.ok(i < 400, 'register reached the server within 2 s');
+      await new Promise((r) => setTimeout(r, 5));
+    }
+    const close = async () => {
+      await pool.close();
+      await server.close();
+    };
+    return { prefill: prefill!, receivers, ends, close };
+  };
+  const streamedReceiver = (hintBytes: number, file: string, recvPool: BufferPool) =>
+    new StateReceiver({ totalBytes: 1 << 24, streamed: { hintBytes }, expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), path: file, pool: recvPool });
+  /** Appends `data` to `file` in `pieces` writes, `gapMs` apart (as llama.cpp's fwrite does, front to back); resolves with the size. */
+  const slowWriter = async (file: string, data: Buffer, pieces: number, gapMs: number, failAfter?: number): Promise<number> => {
+    await new Promise((r) => setTimeout(r, gapMs)); // the file does not exist yet at first
+    const fd = openSync(file, 'w');
+    try {
+      const step = Math.ceil(data.length / pieces);
+      for (let i = 0, k = 0; i < data.length; i += step, k++) {
+        if (failAfter !== undefined && k === failAfter) throw new Error('disk full (test)');
+        writeSync(fd, data, i, Math.min(step, data.length - i), i);
+        await new Promise((r) => setTimeout(r, gapMs));
+      }
+    } finally {
+      closeSync(fd);
+    }
+    return data.length;
+  };
+  const sendBuffersBack = async (pool: BufferPool, what: string) => {
+    for (let i = 0; pool.inUse > 0; i++) {
+      assert.ok(i < 200, `${what}: the send's buffer is back (inUse ${pool.inUse})`);
+      await new Promise((r) => setTimeout(r, 10));
+    }
+  };
+
+  it('a file written in pieces with pauses arrives exactly, with the CRC-32 and size kv_end carries; estimates above and below the size both end in a file of the exact size', async () => {
+    const l = await link();
+    const recvPool = new BufferPool(4096, 4);
+    const sendPool = new BufferPool(8192, 2);
+    try {
+      for (const [room, hint] of [['40', state.length - 999], ['41', state.length + 5000]] as const) {
+        const file = path.join(dir, `grow-${room}.ggsq`);
+        rmSync(file, { force: true });
+        const h = head(0);
+        const dest = path.join(dir, `grow-recv-${room}.ggsq`);
+        l.receivers.set(room, streamedReceiver(h.length + hint, dest, recvPool));
+        const ended = new Promise<{ totalBytes?: number; crc?: number }>((r) => l.ends.set(room, r));
+        const saved = slowWriter(file, state, 9, 4);
+        const sent = await sendGrowingStateFile(l.prefill, room, file, h, { saved, pool: sendPool, pieceBytes: 2048, growStallMs: 5000 });
+        assert.equal(sent.payloadBytes, state.length);
+        assert.equal(sent.totalBytes, h.length + state.length);
+        assert.equal(sent.crc, crc32(state));
+        l.prefill.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc });
+        const end = await ended;
+        const got = await l.receivers.get(room)!.finish({ totalBytes: end.totalBytes!, crc: end.crc! });
+        assert.equal(got.header.payloadBytes, state.length, 'the header reports the real size');
+        assert.equal(got.state.nTokens, nTokens);
+        assert.ok(readFileSync(got.path).equals(state), `room ${room}: the received file is exactly the state`);
+        await l.receivers.get(room)!.discard();
+        assert.ok(!existsSync(dest), 'discard after finish deletes the file once');
+        await sendBuffersBack(sendPool, `room ${room}`);
+      }
+      assert.equal(recvPool.inUse, 0);
+    } finally {
+      await l.close();
+    }
+  });
+
+  it('a save that fails midway fails that send (buffer back once), the receiver fails at kv_end and its file goes once; the connection carries the next room', async () => {
+    const l = await link();
+    const recvPool = new BufferPool(4096, 4);
+    const sendPool = new BufferPool(4096, 2);
+    try {
+      const file = path.join(dir, 'grow-fail.ggsq');
+      rmSync(file, { force: true });
+      const h = head(0);
+      const dest = path.join(dir, 'grow-fail-recv.ggsq');
+      const rx = streamedReceiver(h.length + state.length, dest, recvPool);
+      l.receivers.set('42', rx);
+      const saved = slowWriter(file, state, 8, 3, 4);
+      saved.catch(() => {});
+      await assert.rejects(sendGrowingStateFile(l.prefill, '42', file, h, { saved, pool: sendPool, pieceBytes: 1024 }), (e: unknown) => e instanceof PdError && e.code === 'BAD_STATE' && /saving the state failed: disk full/.test((e as Error).message));
+      await sendBuffersBack(sendPool, 'failed save');
+      // what decode sees: bytes stopped short; kv_end never comes (prefill fails the room), or a cut one is refused
+      await assert.rejects(rx.finish({ totalBytes: h.length + state.length, crc: crc32(state) }), isBad(/truncated/));
+      await rx.discard();
+      await rx.discard();
+      assert.ok(!existsSync(dest), 'the receiver\'s file is removed');
+      assert.equal(recvPool.inUse, 0, 'the receiver\'s buffer back exactly once');
+      assert.equal(sendPool.inUse, 0);
+      // the next room on the same connection is intact
+      const file2 = path.join(dir, 'grow-next.ggsq');
+      rmSync(file2, { force: true });
+      l.receivers.set('43', streamedReceiver(h.length + state.length, path.join(dir, 'grow-next-recv.ggsq'), recvPool));
+      const ended = new Promise<{ totalBytes?: number; crc?: number }>((r) => l.ends.set('43', r));
+      const sent = await sendGrowingStateFile(l.prefill, '43', file2, h, { saved: slowWriter(file2, state, 3, 2), pool: sendPool, pieceBytes: 1024 });
+      l.prefill.sendControl({ type: 'kv_end', room: '43', totalBytes: sent.totalBytes, crc: sent.crc });
+      const end = await ended;
+      const got = await l.receivers.get('43')!.finish({ totalBytes: end.totalBytes!, crc: end.crc! });
+      assert.ok(readFileSync(got.path).equals(state));
+      await l.receivers.get('43')!.done();
+    } finally {
+      await l.close();
+    }
+  });
+
+  it('a save that stops writing fails the send at its deadline instead of waiting for it; a file that never appears too', async () => {
+    const l = await link();
+    const sendPool = new BufferPool(4096, 2);
+    try {
+      const file = path.join(dir, 'grow-stall.ggsq');
+      writeFileSync(file, state.subarray(0, 100)); // the save wrote a little, then hangs
+      const t0 = Date.now();
+      const never = new Promise<number>(() => {});
+      l.receivers.set('44', streamedReceiver(state.length, path.join(dir, 'grow-stall-recv.ggsq'), new BufferPool(4096, 2)));
+      await assert.rejects(sendGrowingStateFile(l.prefill, '44', file, head(0), { saved: never, pool: sendPool, pieceBytes: 1024, growStallMs: 150 }), (e: unknown) => e instanceof PdError && e.code === 'TIMEOUT' && /did not grow for 150 ms/.test((e as Error).message));
+      const took = Date.now() - t0;
+      assert.ok(took >= 140 && took < 3000, `failed at the deadline (${took} ms)`);
+      await sendBuffersBack(sendPool, 'stalled save');
+      await l.receivers.get('44')!.discard();
+      const missing = path.join(dir, 'grow-never.ggsq');
+      rmSync(missing, { force: true });
+      l.receivers.set('45', streamedReceiver(state.length, path.join(dir, 'grow-never-recv.ggsq'), new BufferPool(4096, 2)));
+      await assert.rejects(sendGrowingStateFile(l.prefill, '45', missing, head(0), { saved: never, pool: sendPool, pieceBytes: 1024, growStallMs: 100 }), (e: unknown) => e instanceof PdError && e.code === 'TIMEOUT');
+      await sendBuffersBack(sendPool, 'missing file');
+      await l.receivers.get('45')!.discard();
+      assert.ok(l.prefill.alive, 'the connection outlives the failed sends');
+    } finally {
+      await l.close();
+    }
+  });
+
+  it('a streamed receiver refuses a head with a size, a kv_end with another count or CRC, and a kv_end without them', async () => {
+    const pool = new BufferPool(4096, 4);
+    const mk = () => streamedReceiver(state.length, path.join(dir, `sr-${seq++}.ggsq`), pool);
+    const sized = mk();
+    assert.throws(() => sized.push(head()), isBad(/payloadBytes 0/));
+    await sized.discard();
+    const h = head(0);
+    const stream = Buffer.concat([h, state]);
+    for (const [end, re] of [
+      [{ totalBytes: stream.length + 1, crc: crc32(state) }, /truncated/],
+      [{ totalBytes: stream.length, crc: (crc32(state) + 1) >>> 0 }, /checksum mismatch/],
+      [undefined, /without its byte count/],
+    ] as const) {
+      const rx = mk();
+      rx.push(stream);
+      await assert.rejects(rx.finish(end), isBad(re));
+      await rx.discard();
+    }
+    // bytes after the ggsq structure's end are refused as they arrive
+    const rx = mk();
+    assert.throws(() => rx.push(Buffer.concat([stream, Buffer.alloc(3)])), isBad(/trailing/));
+    await rx.discard();
+    assert.equal(pool.inUse, 0);
   });
 });

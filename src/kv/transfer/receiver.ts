@@ -31,8 +31,18 @@ export interface StructureWalker<S> {
 
 /** Options of a StateReceiver. */
 export interface StateReceiverOptions<S> {
-  /** Bytes kv_begin announced (head + payload + trailer). */
+  /**
+   * Bytes kv_begin announced (head + payload + trailer); with `streamed`, the most bytes
+   * accepted (the receiver's own limit: the real count comes with kv_end).
+   */
   totalBytes: number;
+  /**
+   * A streamed kv_begin (the state sent while prefill still saves it): the head says
+   * `payloadBytes: 0`, no trailer follows the payload, the ggsq structure's end is the payload's
+   * end, and `finish` gets the byte count and the CRC-32 from kv_end. `hintBytes`: the sender's
+   * estimate of head + payload, used only to pick and size the destination file.
+   */
+  streamed?: { hintBytes: number };
   /** What the envelope head must say (fingerprint, context settings, payload limit). */
   expect: EnvelopeExpect;
   /**
@@ -50,6 +60,12 @@ export interface StateReceiverOptions<S> {
   files?: FilePool;
   /** Write buffers. */
   pool: BufferPool;
+}
+
+/** What kv_end says after a streamed kv_begin: bytes sent (head + payload) and the payload's CRC-32. */
+export interface StreamEnd {
+  totalBytes: number;
+  crc: number;
 }
 
 /** What a completed receive yields: the envelope header and the walked ggsq structure. */
@@ -96,6 +112,10 @@ export class StateReceiver<S> {
   private buf: Buffer | undefined;
   private bufUsed = 0;
   private discarded = false;
+  /** Payload bytes accepted: the head's payloadBytes, or (streamed) the limit. */
+  private payloadCap = 0;
+  /** Size the destination file was given at open (streamed: cut or grown to the real size at finish). */
+  private fileBytes = 0;
 
   constructor(private readonly o: StateReceiverOptions<S>) {}
 
@@ -127,18 +147,26 @@ export class StateReceiver<S> {
         this.head = [Buffer.from(all)]; // a copy: `data` may be a reused socket read buffer
         return;
       }
-      const need = h.headBytes + h.header.payloadBytes + ENVELOPE_TRAILER_BYTES;
-      if (need !== this.o.totalBytes) throw bad(`kv_begin announced ${this.o.totalBytes} bytes, the envelope needs ${need}`);
+      let payloadCap = h.header.payloadBytes;
+      if (this.o.streamed) {
+        if (h.header.payloadBytes !== 0) throw bad(`a streamed state's envelope head must say payloadBytes 0 (size at kv_end), it says ${h.header.payloadBytes}`);
+        payloadCap = this.o.totalBytes - h.headBytes;
+        if (payloadCap <= 0) throw bad(`envelope head of ${h.headBytes} bytes leaves no room under the limit of ${this.o.totalBytes}`);
+      } else {
+        const need = h.headBytes + h.header.payloadBytes + ENVELOPE_TRAILER_BYTES;
+        if (need !== this.o.totalBytes) throw bad(`kv_begin announced ${this.o.totalBytes} bytes, the envelope needs ${need}`);
+      }
       this.header = h.header;
       this.headBytes = h.headBytes;
-      this.open(h.header.payloadBytes);
-      this.parser = this.o.walker(h.header.payloadBytes);
+      this.payloadCap = payloadCap;
+      this.open(this.o.streamed ? Math.max(1, Math.min(payloadCap, this.o.streamed.hintBytes - h.headBytes)) : payloadCap);
+      this.parser = this.o.walker(payloadCap);
       this.head = [];
       d = all.subarray(h.headBytes);
       this.received -= d.length; // counted again below
       if (d.length === 0) return;
     }
-    const payloadEnd = this.headBytes + this.header.payloadBytes;
+    const payloadEnd = this.headBytes + this.payloadCap;
     const inPayload = Math.max(0, Math.min(d.length, payloadEnd - this.received));
     if (inPayload > 0) {
       const p = d.subarray(0, inPayload);
@@ -160,12 +188,14 @@ export class StateReceiver<S> {
       const f = this.o.files.acquire(payloadBytes);
       this.fd = f.fd;
       this.path = f.path;
+      this.fileBytes = payloadBytes;
       return;
     }
     if (this.o.path === undefined) throw new KvError('BAD_STATE', 'StateReceiver: neither path nor files given');
     this.path = this.o.path;
     this.fd = openSync(this.o.path, 'w');
     ftruncateSync(this.fd, payloadBytes);
+    this.fileBytes = payloadBytes;
   }
 
   /**
@@ -199,19 +229,37 @@ export class StateReceiver<S> {
 
   /**
    * kv_end arrived: check completeness, the structure's end and the CRC, wait for the file.
+   * `end`: what a streamed kv_end says (required after a streamed kv_begin, ignored otherwise):
+   * the bytes must be exactly `end.totalBytes`, the CRC-32 `end.crc`; the file is cut (or
+   * grown) to the payload's real size and the returned header's payloadBytes is that size.
    * @throws KvError('BAD_ENVELOPE') on truncation or checksum mismatch, KvError('BAD_STATE') on
    *   an incomplete ggsq structure, fs errors from writing the file.
    */
-  async finish(): Promise<ReceivedState<S>> {
+  async finish(end?: StreamEnd): Promise<ReceivedState<S>> {
     if (this.failed) throw this.failed;
     try {
-      if (!this.header || this.received !== this.o.totalBytes) throw bad(`truncated: kv_end after ${this.received} of ${this.o.totalBytes} bytes`);
+      let header = this.header;
+      let crc: number;
+      if (this.o.streamed) {
+        if (!end) throw bad('streamed state: kv_end without its byte count and CRC-32');
+        if (!header || this.received !== end.totalBytes) throw bad(`truncated: kv_end says ${end.totalBytes} bytes, ${this.received} received`);
+        crc = end.crc;
+      } else {
+        if (!header || this.received !== this.o.totalBytes) throw bad(`truncated: kv_end after ${this.received} of ${this.o.totalBytes} bytes`);
+        crc = this.trailer.readUInt32BE(0);
+      }
       const state = this.parser!.end();
-      if (this.crc.value >>> 0 !== this.trailer.readUInt32BE(0)) throw bad('payload checksum mismatch: state is corrupted');
+      if (this.crc.value >>> 0 !== crc >>> 0) throw bad('payload checksum mismatch: state is corrupted');
       this.flush();
+      if (this.o.streamed) {
+        const payloadBytes = this.received - this.headBytes;
+        if (payloadBytes !== this.fileBytes) ftruncateSync(this.fd!, payloadBytes);
+        this.fileBytes = payloadBytes;
+        header = { ...header, payloadBytes };
+      }
       this.release();
       this.lent = true;
-      return { header: this.header, state, path: this.path! };
+      return { header, state, path: this.path! };
     } catch (e) {
       this.failed = e as Error;
       throw e;

@@ -124,3 +124,176 @@ export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, 
     closeSync(fd);
   }
 }
+
+/** What `sendGrowingStateFile` adds to SendStateFileOptions: the save it streams behind. */
+export interface GrowingStateFileOptions extends SendStateFileOptions {
+  /**
+   * Settles when llama.cpp's save of the file settles: its size in bytes, or the save's error
+   * (then the send fails with KvError('BAD_STATE')).
+   */
+  saved: Promise<number>;
+  /**
+   * Longest time the file may stay without growing while the save runs, ms (default
+   * GROW_STALL_MS): then the send fails with KvError('TIMEOUT') (a stuck save cannot be
+   * cancelled; its room must not wait for it).
+   */
+  growStallMs?: number;
+  /** Wait before reading again when the bytes are not written yet, ms (default 1). */
+  pollMs?: number;
+}
+
+/** What a streamed send put on the wire: bytes (head + payload, no trailer), the payload's size and CRC-32 (for kv_end). */
+export interface StreamedSend {
+  totalBytes: number;
+  payloadBytes: number;
+  crc: number;
+}
+
+/** Default `growStallMs` of sendGrowingStateFile, ms. */
+export const GROW_STALL_MS = 10_000;
+/** A piece shorter than this is not sent while the save runs (wait for more), bytes. */
+const GROW_MIN_PIECE_BYTES = 64 * 1024;
+
+/**
+ * Stream `head` and the state file at `path` WHILE llama.cpp is still saving it (the streamed
+ * kv_begin; decode must have said `kvStream` in `register`): llama.cpp writes a sequence state
+ * strictly front to back through stdio (`llama_state_seq_save_file` → `llama_io_write_file`:
+ * fwrite only, no seek, no back-patching; checked in llama.cpp's src/llama-context.cpp), so every
+ * byte below the file's current end is final. Pieces are read at the send position into one
+ * pooled buffer as in `sendStateFile`; a short read while the save runs means "not written yet":
+ * a piece of ≥ 64 KiB goes out as it is, less waits `pollMs` and reads again. Once `saved`
+ * resolves with the size, the rest is read and the send ends — no trailer: the caller sends the
+ * returned byte count and CRC-32 in kv_end. The file must not exist before the save starts (a
+ * stale file's bytes would be read as the new state); the caller deletes it. Resolves once
+ * every piece is flushed to the kernel.
+ * @throws KvError('BAD_STATE') when the save fails, or the file ends before the size the save
+ *   reported or differs from it; KvError('TIMEOUT') when the file stays without growing for
+ *   `growStallMs` while the save runs; as sendStateFile otherwise ('PEER_LOST', 'ABORTED', …).
+ *   The pooled buffer goes back once no write uses it, whatever happens.
+ */
+export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, opts: GrowingStateFileOptions): Promise<StreamedSend> {
+  const big = opts.pool.acquire();
+  const pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, opts.chunkBytes ?? MAX_CHUNK_BYTES, big.length, MAX_CHUNK_BYTES));
+  const minPiece = Math.min(pieceBytes, GROW_MIN_PIECE_BYTES);
+  const growStallMs = opts.growStallMs ?? GROW_STALL_MS;
+  const pollMs = opts.pollMs ?? 1;
+  const slots = Math.floor(big.length / pieceBytes);
+  const free: number[] = [];
+  for (let i = slots - 1; i >= 0; i--) free.push(i);
+  let inFlight = 0;
+  let over = false;
+  const giveBack = (): void => {
+    if (over && inFlight === 0) opts.pool.release(big);
+  };
+  let fd: number | undefined;
+  let savedBytes: number | undefined;
+  let saveError: unknown;
+  let resume: (() => void) | undefined;
+  let timer: NodeJS.Timeout | undefined;
+  let lastGrowth = Date.now();
+  /** The file's end as last seen (growth = this moving forward). */
+  let seenEnd = 0;
+  const wake = (): void => {
+    if (timer) clearTimeout(timer);
+    timer = undefined;
+    resume?.();
+  };
+  opts.saved.then(
+    (n) => {
+      savedBytes = n;
+      wake();
+    },
+    (e: unknown) => {
+      saveError = e ?? new Error('save failed');
+      wake();
+    },
+  );
+  /** Nothing to read yet: read again in pollMs, unless the file has not grown for growStallMs. */
+  const later = (): null => {
+    if (Date.now() - lastGrowth > growStallMs) throw new KvError('TIMEOUT', `state file ${path} did not grow for ${growStallMs} ms while llama.cpp saved it (${pos} bytes)`);
+    timer ??= setTimeout(wake, pollMs);
+    return null;
+  };
+  const crc = new Crc32();
+  let pos = 0;
+  let headSent = false;
+  let ended = false;
+  const source = {
+    attach: (r: () => void): void => {
+      resume = r;
+    },
+    next: (): Buffer | null | undefined => {
+      if (!headSent) {
+        headSent = true;
+        if (head.length > 0) return head;
+      }
+      if (ended) return undefined;
+      if (saveError !== undefined) throw new KvError('BAD_STATE', `saving the state failed: ${(saveError as Error).message ?? String(saveError)}`);
+      const size = savedBytes;
+      if (fd === undefined) {
+        try {
+          fd = openSync(path, 'r');
+        } catch (e) {
+          if ((e as NodeJS.ErrnoException).code !== 'ENOENT' || size !== undefined) throw e;
+          return later(); // llama.cpp has not created it yet
+        }
+      }
+      if (size !== undefined && pos === size) {
+        const st = fstatSync(fd).size;
+        if (st !== size) throw new KvError('BAD_STATE', `state file ${path} is ${st} bytes, the save reported ${size}`);
+        ended = true;
+        return undefined;
+      }
+      const slot = free.pop();
+      if (slot === undefined) return null; // resumed by a flush
+      const at = slot * pieceBytes;
+      const want = size === undefined ? pieceBytes : Math.min(pieceBytes, size - pos);
+      let got = 0;
+      try {
+        while (got < want) {
+          const n = readSync(fd, big, at + got, want - got, pos + got);
+          if (n === 0) break;
+          got += n;
+        }
+      } catch (e) {
+        free.push(slot);
+        throw e;
+      }
+      if (got < want && (size !== undefined || got < minPiece)) {
+        free.push(slot);
+        if (size !== undefined) throw new KvError('BAD_STATE', `state file ${path} ended at byte ${pos + got}, the save reported ${size}`);
+        if (pos + got > seenEnd) {
+          seenEnd = pos + got;
+          lastGrowth = Date.now();
+        }
+        return later(); // not written yet (or too little to be worth a frame)
+      }
+      const piece = big.subarray(at, at + got);
+      crc.update(piece);
+      pos += got;
+      if (pos > seenEnd) {
+        seenEnd = pos;
+        lastGrowth = Date.now();
+      }
+      inFlight++;
+      return piece;
+    },
+    flushed: (piece: Buffer): void => {
+      if (piece.buffer !== big.buffer || piece.byteOffset < big.byteOffset || piece.byteOffset >= big.byteOffset + big.length) return; // the head
+      inFlight--;
+      free.push((piece.byteOffset - big.byteOffset) / pieceBytes);
+      giveBack();
+    },
+  };
+  try {
+    await conn.sendFrom(room, source, { signal: opts.signal, stallMs: opts.stallMs, onProgress: opts.onProgress, offset: 0 });
+    return { totalBytes: head.length + pos, payloadBytes: pos, crc: crc.value >>> 0 };
+  } finally {
+    over = true;
+    resume = undefined;
+    if (timer) clearTimeout(timer);
+    timer = undefined;
+    giveBack(); // else when the socket is done with the last piece in flight
+    if (fd !== undefined) closeSync(fd);
+  }
+}
