@@ -3,10 +3,16 @@
  *
  *   sender   (prefill side): loads the model, makes real sequence states of the requested token
  *            counts (prompt evaluation + saveState to /dev/shm), listens with a KvServer and a
- *            bare TCP server. `kv` trial: from "state saved" — envelope head, kv_begin,
- *            sendStateFile (the file read in pooled pieces, CRC-32 as they pass, into the
- *            socket), kv_end — until the receiver's kv_ack. `raw` trial: write an 8-byte length
- *            and the same number of bytes on a bare socket until a 1-byte ack.
+ *            bare TCP server. `kv` trial (the prefill worker's TCP path): the state is first
+ *            loaded back into the sequence (off the clock); from the save's start — saveState
+ *            into a fresh file, then envelope head, kv_begin, sendStateFile (the file read in
+ *            pooled pieces, CRC-32 as they pass, into the socket), kv_end; or, with
+ *            `streamed` (the worker's --kv-stream), during the save: streamed kv_begin,
+ *            sendGrowingStateFile (the growing file read behind llama.cpp's writes), kv_end with
+ *            the byte count and CRC — until the receiver's kv_ack (the receiver stamps "loaded"
+ *            itself: the goal's end). `raw` trial: write an 8-byte
+ *            length and the same number of bytes on a bare socket until a 1-byte ack (the
+ *            receiver stamps its last byte).
  *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved under the
  *            room's name" (a copy made before the clock starts), offer it (an fstat: no read,
  *            no CRC-32 — the default, without --kv-same-host-verify), send kv_file — until the
@@ -20,7 +26,10 @@
  *            over (rename), validate it (envelope head, size, ggsq header walk by pread — the
  *            KV data is not read), Slot.loadState, kv_ack, then delete it (off the clock). Chunks go into a StateReceiver (envelope head, ggsq walk, CRC, write into a
  *            recycled state file while streaming, as the decode worker); on kv_end: finish (tail of the writes, checks), Slot.loadState,
- *            then kv_ack; reports its own phase times to the parent. Raw: counts bytes, acks.
+ *            then kv_ack; reports its own phase times and the loaded stamp to the parent. Raw: counts bytes, acks, reports its last byte's stamp.
+ *
+ * Cross-process stamps (`hr`) are process.hrtime.bigint() in ms: CLOCK_MONOTONIC, one clock for
+ * every process of this host.
  *
  * These are the calls the prefill and decode workers make on their data path (without the room
  * state machine around them). Messages with the parent go over the IPC channel.
@@ -41,7 +50,7 @@ import { encodeEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalSource } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
-import { sendStateFile, wireBytes } from '../kv/transfer/sender.js';
+import { sendGrowingStateFile, sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
 import { copyFileSync, rmSync } from 'node:fs';
 import { loadCorpus } from './bench.js';
@@ -56,6 +65,8 @@ interface Init {
   stateDir: string;
   /** Sequences of this process's context (decode: the decode worker's slot count, so loads are re-framed as in the cluster). */
   sequences?: number;
+  /** Sender: kv trials stream the state while it is saved (the prefill worker's --kv-stream); else save, then send. */
+  streamed?: boolean;
 }
 
 const init = JSON.parse(process.argv[2] ?? '{}') as Init;
@@ -80,6 +91,8 @@ const now = () => performance.now();
 const mono = (): string => process.hrtime.bigint().toString();
 /** Wall clock with sub-ms resolution, comparable across processes of this machine. */
 const abs = () => performance.timeOrigin + performance.now();
+/** CLOCK_MONOTONIC in ms (process.hrtime.bigint): the same clock in every process of this host. */
+const hr = () => Number(process.hrtime.bigint()) / 1e6;
 /**
  * Deadline of every wait inside one trial (an ack, kv_end after kv_begin, the receiver's
  * `settle`), ms: below the parent's 120 s per call, so a lost message comes back as this
@@ -97,6 +110,8 @@ function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
 
 interface State {
   n: number;
+  /** The prompt's tokens (to load the state back into the sequence before a kv trial). */
+  tokens: number[];
   path: string;
   bytes: number;
   firstToken: number;
@@ -175,7 +190,7 @@ async function sender(engine: Engine): Promise<void> {
               bytes = await slot.saveState(path);
               saves.push(now() - ts);
             }
-            states.push({ n, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]! });
+            states.push({ n, tokens: toks, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]! });
             atExit(() => rmSync(path, { force: true }));
           } finally {
             slot.release();
@@ -190,27 +205,60 @@ async function sender(engine: Engine): Promise<void> {
         const st = states[m.idx!]!;
         const room = normalizeRoomId(m.room!);
         if (!conn?.alive) throw new Error('no kv connection');
+        const c = conn;
         const acked = new Promise<void>((r) => acks.set(room, r));
-        const t0 = now();
-        const t1 = now();
-        const info = engine.info;
-        const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes: st.bytes });
-        const blob = { length: wireBytes(head, st.bytes) };
-        const t2 = now();
-        const t2Abs = abs();
-        conn.sendControl({ type: 'kv_begin', room, totalBytes: blob.length });
-        // a failed send leaves the receiver without kv_end: it reports on its own deadline
-        await sendStateFile(conn, room, st.path, head, st.bytes, { pool: sendPool, chunkBytes: 1024 * 1024 });
-        conn.sendControl({ type: 'kv_end', room });
-        const t3 = now();
+        // off the clock: the sequence holds this state again, and the file the save writes does not exist
+        const slot = engine.tryAcquireSlot();
+        if (!slot) throw new Error('no free slot');
+        const path = join(init.stateDir, `pdserve-bench-kvs-${process.pid}-${room}.ggsq`);
         try {
-          await within(acked, TRIAL_WAIT_MS, `kv_ack of room ${room}`);
+          await slot.loadState(st.path, st.tokens);
+          rmSync(path, { force: true });
+          const t0 = now();
+          const t0Hr = hr();
+          const saving = slot.saveState(path);
+          let tSaved = NaN;
+          saving.then(() => void (tSaved = now()), () => {});
+          const info = engine.info;
+          const headOf = (payloadBytes: number) => encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes });
+          let t2 = 0;
+          let t2Abs = 0;
+          let streamedBytes = 0;
+          if (init.streamed) {
+            const head = headOf(0);
+            t2 = now();
+            t2Abs = abs();
+            // as the prefill worker: the size estimate from an earlier save of this many tokens
+            c.sendControl({ type: 'kv_begin', room, totalBytes: head.length + st.bytes, streamed: true });
+            // a failed send leaves the receiver without kv_end: it reports on its own deadline
+            const sent = await sendGrowingStateFile(c, room, path, head, { saved: saving, pool: sendPool, chunkBytes: 1024 * 1024, growStallMs: TRIAL_WAIT_MS });
+            c.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc });
+            streamedBytes = sent.totalBytes;
+          } else {
+            const bytes = await saving;
+            const head = headOf(bytes);
+            t2 = now();
+            t2Abs = abs();
+            c.sendControl({ type: 'kv_begin', room, totalBytes: wireBytes(head, bytes) });
+            await sendStateFile(c, room, path, head, bytes, { pool: sendPool, chunkBytes: 1024 * 1024 });
+            c.sendControl({ type: 'kv_end', room });
+          }
+          const t3 = now();
+          const saved = await saving;
+          if (saved !== st.bytes) throw new Error(`the trial's save wrote ${saved} bytes, the state has ${st.bytes}`);
+          try {
+            await within(acked, TRIAL_WAIT_MS, `kv_ack of room ${room}`);
+          } finally {
+            acks.delete(room);
+          }
+          const t4 = now();
+          const t4Abs = abs();
+          send({ type: 'kvDone', room, blobBytes: wireBytes(headOf(st.bytes), st.bytes), streamedBytes, totalMs: t4 - t0, t0Hr, saveMs: tSaved - t0, readMs: 0, encodeMs: 0, sendMs: t3 - t2, t2Abs, t4Abs });
         } finally {
           acks.delete(room);
+          slot.release();
+          rmSync(path, { force: true });
         }
-        const t4 = now();
-        const t4Abs = abs();
-        send({ type: 'kvDone', room, blobBytes: blob.length, totalMs: t4 - t0, readMs: t1 - t0, encodeMs: t2 - t1, sendMs: t3 - t2, t2Abs, t4Abs });
       } else if (m.cmd === 'kvfile') {
         const st = states[m.idx!]!;
         const room = normalizeRoomId(m.room!);
@@ -265,6 +313,7 @@ async function sender(engine: Engine): Promise<void> {
         if (!rawSock) throw new Error('no raw connection');
         const acked = new Promise<void>((r) => (rawAck = r));
         const t0 = now();
+        const t0Hr = hr();
         const head = Buffer.alloc(8);
         head.writeBigUInt64BE(BigInt(n));
         rawSock.write(head);
@@ -275,7 +324,7 @@ async function sender(engine: Engine): Promise<void> {
           rawAck = undefined;
         }
         const t1 = now();
-        send({ type: 'rawDone', totalMs: t1 - t0 });
+        send({ type: 'rawDone', totalMs: t1 - t0, t0Hr });
       } else if (m.cmd === 'probe') {
         // What this machine allows for the handoff's building blocks, on `bytes` of data (median of 5).
         const n = m.bytes!;
@@ -320,7 +369,7 @@ async function receiver(engine: Engine): Promise<void> {
   // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
   const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
   atExit(() => recvFiles.close());
-  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; error?: string; deadline?: NodeJS.Timeout };
+  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; end?: { totalBytes: number; crc: number }; error?: string; deadline?: NodeJS.Timeout };
   let recv: Recv | undefined;
   /** A receive that ends without a load (failed, replaced, timed out): its file back to the pool (or deleted), its timer off. */
   const drop = (r: Recv): void => {
@@ -347,7 +396,8 @@ async function receiver(engine: Engine): Promise<void> {
           send({ type: 'kvRecv', room: recv.room, error: `kv_begin of room ${msg.room} before kv_end of room ${recv.room}` });
           drop(recv);
         }
-        const rx = new StateReceiver({ totalBytes: msg.totalBytes, expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: recvFiles, pool: kvPool });
+        const streamed = msg.streamed === true;
+        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: recvFiles, pool: kvPool });
         const r: Recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
         // the sender may fail after kv_begin (its state file gone or cut): no kv_end ever comes
         r.deadline = setTimeout(() => {
@@ -363,6 +413,7 @@ async function receiver(engine: Engine): Promise<void> {
         if (r) {
           r.endAbs = abs();
           clearTimeout(r.deadline);
+          if (msg.totalBytes !== undefined && msg.crc !== undefined) r.end = { totalBytes: msg.totalBytes, crc: msg.crc };
         }
         if (!r || r.room !== msg.room || r.error) {
           send({ type: 'kvRecv', room: msg.room, error: r?.error ?? 'kv_end without kv_begin' });
@@ -391,14 +442,15 @@ async function receiver(engine: Engine): Promise<void> {
       if (!slot) throw new Error('no free slot');
       const t0 = now();
       const loadAbs = abs();
-      const { header, state, path } = await r.rx.finish();
+      const { header, state, path } = await r.rx.finish(r.end);
       if (state.nTokens !== header.nTokens) throw new Error('token count mismatch');
       const t3 = now();
       await slot.loadState(path, state.tokens, state);
+      const loadedHr = hr();
       const t4 = now();
       const ackAbs = abs();
       conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
-      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: 0, parseMs: 0, writeMs: t3 - t0, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs });
+      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: 0, parseMs: 0, writeMs: t3 - t0, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs, loadedHr });
     } catch (err) {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
     } finally {
@@ -481,8 +533,10 @@ async function receiver(engine: Engine): Promise<void> {
           got += take;
           off += take;
           if (got === need) {
+            const lastHr = hr();
             need = -1;
             s.write(Buffer.from([1]));
+            send({ type: 'rawRecv', bytes: got, lastHr });
           }
         }
       });
