@@ -98,8 +98,9 @@ export const PrefillConfigSchema = z.object({
   /**
    * `--kv-stream`: over TCP, send the state while llama.cpp is still saving it (one-room
    * requests, to a decode that said `kvStream`; transfer/sender.ts sendGrowingStateFile). Off by
-   * default: on this 2-core machine under load the save's thread competes with both event loops
-   * and the save ran 2–5× slower, so the overlap lost to save-then-send (notes/kvstream.md).
+   * default: on this 2-core machine the save's thread competes with both event loops and the
+   * save ran 2–5× slower; against save-then-send it gained ~6–12 % at 64 MiB and lost ~20 % at
+   * 16 MiB at load ≈ 1.3, and lost or tied at load 5–9 (docs/ARCHITECTURE.md, step 5).
    */
   kvStream: z.boolean().default(false),
 });
