@@ -162,7 +162,16 @@ async function sender(engine: Engine): Promise<void> {
   let floorReply: ((b: Buffer, at: bigint) => void) | undefined;
   const floor = net.createServer({ noDelay: true }, (s) => {
     floorSock = s;
-    s.on('data', (b: Buffer) => floorReply?.(b, process.hrtime.bigint()));
+    // a 16-byte reply may arrive in pieces (TCP keeps no message boundaries): the last piece's arrival is the stamp
+    let part: Buffer = Buffer.alloc(0);
+    s.on('data', (b: Buffer) => {
+      const at = process.hrtime.bigint();
+      part = part.length > 0 ? Buffer.concat([part, b]) : b;
+      if (part.length < 16) return;
+      const whole = part;
+      part = Buffer.alloc(0);
+      floorReply?.(whole, at);
+    });
   });
   await new Promise<void>((r) => floor.listen(0, '127.0.0.1', () => r()));
   const floorPort = (floor.address() as net.AddressInfo).port;
@@ -228,10 +237,17 @@ async function sender(engine: Engine): Promise<void> {
             const head = headOf(0);
             t2 = now();
             t2Abs = abs();
-            // as the prefill worker: the size estimate from an earlier save of this many tokens
-            c.sendControl({ type: 'kv_begin', room, totalBytes: head.length + st.bytes, streamed: true });
-            // a failed send leaves the receiver without kv_end: it reports on its own deadline
-            const sent = await sendGrowingStateFile(c, room, path, head, { saved: saving, pool: sendPool, chunkBytes: 1024 * 1024, growStallMs: TRIAL_WAIT_MS });
+            // as the prefill worker: kv_begin (the size estimate from an earlier save of this many
+            // tokens) once llama.cpp has created the file; a failed send leaves the receiver
+            // without kv_end: it reports on its own deadline
+            const begin = () => c.sendControl({ type: 'kv_begin', room, totalBytes: head.length + st.bytes, streamed: true });
+            let sent;
+            try {
+              sent = await sendGrowingStateFile(c, room, path, head, { saved: saving, pool: sendPool, chunkBytes: 1024 * 1024, growStallMs: TRIAL_WAIT_MS, onFileStart: begin });
+            } catch (e) {
+              await saving.catch(() => {}); // llama.cpp may still be writing this sequence's file: release the slot after it
+              throw e;
+            }
             c.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc });
             streamedBytes = sent.totalBytes;
           } else {

@@ -53,7 +53,10 @@ interface Job {
   /** Set when the router asked for the first token before the handoff (`first_token_from_prefill`). */
   first?: Deferred<GenerateEvent>;
   t0: number;
+  /** When the driver's `transfer` began (ms epoch; 0 before): progress is reported from then. */
   tKvBegin: number;
+  /** Streamed handoff (`--kv-stream`): when its kv_begin went out, during the save (ms epoch); the transfer's metrics count from here. */
+  tStreamStart?: number;
   /** How the state went to decode (set when the transfer starts). */
   kvPath?: KvPath;
   /**
@@ -263,11 +266,12 @@ export class PrefillWorker {
     if (job.handed) void rm(job.handed.path, { force: true }).catch(() => {});
     this.metrics.recordTerminal(a.state, a.failure, a.registered);
     if (a.state === KVPoll.Success) {
-      this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
+      this.metrics.kvSeconds.observe((Date.now() - (job.tStreamStart ?? job.tKvBegin)) / 1000);
       this.metrics.kvHandoffs.inc({ path: job.kvPath ?? 'tcp' });
+      if (job.tStreamStart !== undefined && job.kvPath === 'tcp') this.metrics.kvStreamed.inc();
       job.done.resolve({
         rid: job.rid,
-        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Date.now() - job.tKvBegin },
+        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Date.now() - (job.tStreamStart ?? job.tKvBegin) },
       });
     } else {
       job.done.reject(ApiError.fromFailure(a.failure ?? failure('internal_error', 'room failed')));
@@ -435,8 +439,8 @@ export class PrefillWorker {
    * Start sending the state while llama.cpp saves it (transfer/sender.ts `sendGrowingStateFile`),
    * with `--kv-stream` and when it fits: one room (n > 1 gives each room its own head: save, then send), registered by
    * a decode whose `register` said `kvStream`, on a TCP connection (same host hands over the
-   * finished file instead). Sends the streamed kv_begin (size: an estimate from the last save)
-   * and records the send in the room's job; the driver's `transfer` later finishes it with kv_end.
+   * finished file instead). The streamed kv_begin (size: an estimate from the last save) goes
+   * out once llama.cpp has created the file; records the send in the room's job; the driver's `transfer` later finishes it with kv_end.
    * A send that fails before the room is done (the save failed or stopped growing, the socket)
    * fails the room here; the room's end (its `ac`) stops it. Returns the streamed envelope head's
    * length (the room's wire bytes are head + payload), or undefined when nothing was started.
@@ -454,7 +458,6 @@ export class PrefillWorker {
     // A state's size is affine in its token count with a small constant: the last save predicts it within a few hundred bytes.
     const last = this.lastSave;
     const estimate = last && last.nTokens > 0 ? Math.ceil((last.payloadBytes / last.nTokens) * Math.max(1, nTokens)) : 16 * 1024 * Math.max(1, nTokens);
-    if (!conn.sendControl({ type: 'kv_begin', room, totalBytes: head.length + estimate, streamed: true })) return undefined;
     job.kvPath = 'tcp';
     job.earlyBytes = 0;
     job.stream = sendGrowingStateFile(conn, room, path, head, {
@@ -464,6 +467,14 @@ export class PrefillWorker {
       signal: job.ac.signal,
       stallMs: this.config.timeouts.transferIdleMs,
       growStallMs: this.config.timeouts.transferIdleMs,
+      // The save may first queue for the context's lock behind another sequence's evaluation:
+      // that wait is bounded like any wait for input, and decode hears kv_begin only once
+      // llama.cpp has created the file (its transfer-idle clock starts with the bytes).
+      createWaitMs: this.config.timeouts.waitingMs,
+      onFileStart: () => {
+        job.tStreamStart = Date.now();
+        return conn.sendControl({ type: 'kv_begin', room, totalBytes: head.length + estimate, streamed: true });
+      },
       onProgress: (bytes: number) => {
         this.metrics.kvBytes.inc(bytes);
         if (job.tKvBegin > 0) this.perform(this.driver.progress(room, bytes, Date.now()));

@@ -512,6 +512,51 @@ describe('sendGrowingStateFile (streamed while the state is saved) → streamed 
     }
   });
 
+  it('a save queued behind the context lock (no file yet) waits up to createWaitMs, not growStallMs; kv_begin (onFileStart) goes out only once the file exists, before any byte; a refused kv_begin fails the send', async () => {
+    const l = await link();
+    const recvPool = new BufferPool(4096, 4);
+    const sendPool = new BufferPool(8192, 2);
+    try {
+      const file = path.join(dir, 'grow-locked.ggsq');
+      rmSync(file, { force: true });
+      const h = head(0);
+      l.receivers.set('46', streamedReceiver(h.length + state.length, path.join(dir, 'grow-locked-recv.ggsq'), recvPool));
+      const ended = new Promise<{ totalBytes?: number; crc?: number }>((r) => l.ends.set('46', r));
+      const t0 = Date.now();
+      // llama.cpp's save waits 300 ms for the lock (file absent), then writes in pieces
+      const saved = new Promise((r) => setTimeout(r, 300)).then(() => slowWriter(file, state, 4, 2));
+      const starts: Array<{ at: number; received: number; exists: boolean }> = [];
+      const onFileStart = () => {
+        starts.push({ at: Date.now() - t0, received: l.receivers.get('46')!.received, exists: existsSync(file) });
+        return true;
+      };
+      const sent = await sendGrowingStateFile(l.prefill, '46', file, h, { saved, pool: sendPool, pieceBytes: 2048, growStallMs: 150, createWaitMs: 5000, onFileStart });
+      assert.equal(starts.length, 1, 'onFileStart once');
+      assert.ok(starts[0]!.at >= 290, `kv_begin only after the save created the file (${starts[0]!.at} ms)`);
+      assert.equal(starts[0]!.exists, true);
+      assert.equal(starts[0]!.received, 0, 'no byte of the room before kv_begin');
+      assert.equal(sent.crc, crc32(state));
+      l.prefill.sendControl({ type: 'kv_end', room: '46', totalBytes: sent.totalBytes, crc: sent.crc });
+      const end = await ended;
+      const got = await l.receivers.get('46')!.finish({ totalBytes: end.totalBytes!, crc: end.crc! });
+      assert.ok(readFileSync(got.path).equals(state));
+      await l.receivers.get('46')!.discard();
+      await sendBuffersBack(sendPool, 'locked save');
+
+      // the connection cannot take kv_begin: the send fails at once with PEER_LOST, its buffer back, nothing sent
+      const file2 = path.join(dir, 'grow-refused.ggsq');
+      rmSync(file2, { force: true });
+      writeFileSync(file2, state);
+      l.receivers.set('47', streamedReceiver(h.length + state.length, path.join(dir, 'grow-refused-recv.ggsq'), recvPool));
+      await assert.rejects(sendGrowingStateFile(l.prefill, '47', file2, h, { saved: Promise.resolve(state.length), pool: sendPool, pieceBytes: 2048, onFileStart: () => false }), (e: unknown) => e instanceof PdError && e.code === 'PEER_LOST');
+      await sendBuffersBack(sendPool, 'refused kv_begin');
+      assert.equal(l.receivers.get('47')!.received, 0, 'no byte of the refused room went out');
+      await l.receivers.get('47')!.discard();
+    } finally {
+      await l.close();
+    }
+  });
+
   it('a save that stops writing fails the send at its deadline instead of waiting for it; a file that never appears too', async () => {
     const l = await link();
     const sendPool = new BufferPool(4096, 2);

@@ -138,7 +138,26 @@ export interface GrowingStateFileOptions extends SendStateFileOptions {
    * cancelled; its room must not wait for it).
    */
   growStallMs?: number;
-  /** Wait before reading again when the bytes are not written yet, ms (default 1). */
+  /**
+   * Longest wait for llama.cpp to create the file, ms (default `growStallMs`). The save may
+   * first wait for the context's lock while another sequence evaluates (node-llama-cpp's batch
+   * dispatcher holds it for a whole decode loop), which is queueing, not a stall: the caller
+   * passes the room's waiting deadline here, and the growth clock starts only once the file
+   * exists. Then KvError('TIMEOUT').
+   */
+  createWaitMs?: number;
+  /**
+   * Called once, when the file first exists, before any byte of the room is handed to the
+   * socket: the streamed kv_begin goes out here, so decode's transfer-idle clock does not run
+   * while the save waits for its lock. `false` (the control message could not be sent) fails
+   * the send with KvError('PEER_LOST').
+   */
+  onFileStart?: () => boolean;
+  /**
+   * Wait before reading again when the bytes are not written yet, ms (default 1); doubled on
+   * every read that finds nothing new, up to 16 ms, back to `pollMs` when the file grows (a save
+   * waiting for its lock costs ~60 syscalls a second, not 1000).
+   */
   pollMs?: number;
 }
 
@@ -161,14 +180,18 @@ const GROW_MIN_PIECE_BYTES = 64 * 1024;
  * fwrite only, no seek, no back-patching; checked in llama.cpp's src/llama-context.cpp), so every
  * byte below the file's current end is final. Pieces are read at the send position into one
  * pooled buffer as in `sendStateFile`; a short read while the save runs means "not written yet":
- * a piece of ≥ 64 KiB goes out as it is, less waits `pollMs` and reads again. Once `saved`
+ * a piece of ≥ 64 KiB goes out as it is, less waits (`pollMs`, backing off) and reads again.
+ * Nothing of the room is sent before llama.cpp has created the file: then `onFileStart` (the
+ * caller's kv_begin), the head, the pieces. Once `saved`
  * resolves with the size, the rest is read and the send ends — no trailer: the caller sends the
  * returned byte count and CRC-32 in kv_end. The file must not exist before the save starts (a
  * stale file's bytes would be read as the new state); the caller deletes it. Resolves once
  * every piece is flushed to the kernel.
  * @throws KvError('BAD_STATE') when the save fails, or the file ends before the size the save
- *   reported or differs from it; KvError('TIMEOUT') when the file stays without growing for
- *   `growStallMs` while the save runs; as sendStateFile otherwise ('PEER_LOST', 'ABORTED', …).
+ *   reported or differs from it; KvError('TIMEOUT') when the file is not created within
+ *   `createWaitMs` or stays without growing for `growStallMs` while the save runs;
+ *   KvError('PEER_LOST') when `onFileStart` returns false; as sendStateFile otherwise
+ *   ('PEER_LOST', 'ABORTED', …).
  *   The pooled buffer goes back once no write uses it, whatever happens.
  */
 export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, opts: GrowingStateFileOptions): Promise<StreamedSend> {
@@ -176,7 +199,10 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
   const pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, opts.chunkBytes ?? MAX_CHUNK_BYTES, big.length, MAX_CHUNK_BYTES));
   const minPiece = Math.min(pieceBytes, GROW_MIN_PIECE_BYTES);
   const growStallMs = opts.growStallMs ?? GROW_STALL_MS;
+  const createWaitMs = opts.createWaitMs ?? growStallMs;
   const pollMs = opts.pollMs ?? 1;
+  const startedAt = Date.now();
+  let delayMs = pollMs;
   const slots = Math.floor(big.length / pieceBytes);
   const free: number[] = [];
   for (let i = slots - 1; i >= 0; i--) free.push(i);
@@ -208,11 +234,24 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
       wake();
     },
   );
-  /** Nothing to read yet: read again in pollMs, unless the file has not grown for growStallMs. */
+  /**
+   * Nothing to read yet: read again after the current back-off delay, unless llama.cpp has not
+   * created the file within createWaitMs, or the file has not grown for growStallMs.
+   */
   const later = (): null => {
-    if (Date.now() - lastGrowth > growStallMs) throw new KvError('TIMEOUT', `state file ${path} did not grow for ${growStallMs} ms while llama.cpp saved it (${pos} bytes)`);
-    timer ??= setTimeout(wake, pollMs);
+    if (fd === undefined) {
+      if (Date.now() - startedAt > createWaitMs) throw new KvError('TIMEOUT', `llama.cpp did not create state file ${path} within ${createWaitMs} ms`);
+    } else if (Date.now() - lastGrowth > growStallMs) {
+      throw new KvError('TIMEOUT', `state file ${path} did not grow for ${growStallMs} ms while llama.cpp saved it (${pos} bytes)`);
+    }
+    timer ??= setTimeout(wake, delayMs);
+    delayMs = Math.min(delayMs * 2, Math.max(pollMs, 16));
     return null;
+  };
+  const grew = (end: number): void => {
+    seenEnd = end;
+    lastGrowth = Date.now();
+    delayMs = pollMs;
   };
   const crc = new Crc32();
   let pos = 0;
@@ -223,10 +262,6 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
       resume = r;
     },
     next: (): Buffer | null | undefined => {
-      if (!headSent) {
-        headSent = true;
-        if (head.length > 0) return head;
-      }
       if (ended) return undefined;
       if (saveError !== undefined) throw new KvError('BAD_STATE', `saving the state failed: ${(saveError as Error).message ?? String(saveError)}`);
       const size = savedBytes;
@@ -235,8 +270,15 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
           fd = openSync(path, 'r');
         } catch (e) {
           if ((e as NodeJS.ErrnoException).code !== 'ENOENT' || size !== undefined) throw e;
-          return later(); // llama.cpp has not created it yet
+          return later(); // llama.cpp has not created it yet (its save may wait for the context's lock)
         }
+        lastGrowth = Date.now(); // the growth clock starts with the file
+        delayMs = pollMs;
+        if (opts.onFileStart && !opts.onFileStart()) throw new KvError('PEER_LOST', `room ${room}: the streamed kv_begin could not be sent (connection closing)`);
+      }
+      if (!headSent) {
+        headSent = true;
+        if (head.length > 0) return head;
       }
       if (size !== undefined && pos === size) {
         const st = fstatSync(fd).size;
@@ -262,19 +304,13 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
       if (got < want && (size !== undefined || got < minPiece)) {
         free.push(slot);
         if (size !== undefined) throw new KvError('BAD_STATE', `state file ${path} ended at byte ${pos + got}, the save reported ${size}`);
-        if (pos + got > seenEnd) {
-          seenEnd = pos + got;
-          lastGrowth = Date.now();
-        }
+        if (pos + got > seenEnd) grew(pos + got);
         return later(); // not written yet (or too little to be worth a frame)
       }
       const piece = big.subarray(at, at + got);
       crc.update(piece);
       pos += got;
-      if (pos > seenEnd) {
-        seenEnd = pos;
-        lastGrowth = Date.now();
-      }
+      if (pos > seenEnd) grew(pos);
       inFlight++;
       return piece;
     },
