@@ -7,7 +7,8 @@
  *   CRC-32 match, and the payload is the ggsq state of the prompt.
  * - A decode that does not say it (an older version) gets the old sequence: kv_begin with the
  *   exact size, head + payload + CRC trailer, a bare kv_end — whatever `--kv-stream` says.
- * - Through the router (the real decode says kvStream), greedy PD output equals colocated.
+ * - Through the router (the real decode says kvStream), greedy PD output equals colocated, and
+ *   prefill's counters show each of those handoffs went over TCP, streamed.
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
@@ -91,14 +92,21 @@ describe('streamed KV handoff over TCP (--kv-stream), real processes', () => {
   });
 
   test('through the router (its decode takes streamed states), greedy PD output equals colocated', async () => {
+    const p = h.c.byRole('prefill')[0]!;
+    const counters = async () => {
+      const m = await (await fetch(`${p.url}/metrics`)).text();
+      const num = (re: RegExp) => Number(re.exec(m)?.[1] ?? 0);
+      return { tcp: num(/^pdserve_kv_handoffs_total\{path="tcp"\} (\d+)/m), streamed: num(/^pdserve_kv_streamed_handoffs_total (\d+)/m) };
+    };
+    const before = await counters();
     for (const [i, n] of [40, 200, 700].entries()) {
       const prompt = promptOf(n, 10 + i);
       const a = await h.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 12, temperature: 0 });
       const b = await h.ref.completions.create({ model: 'pdserve', prompt, max_tokens: 12, temperature: 0 });
       assert.equal(a.choices[0]!.text, b.choices[0]!.text, `${n} tokens: PD == colocated`);
     }
-    const p = h.c.byRole('prefill')[0]!;
-    const m = await (await fetch(`${p.url}/metrics`)).text();
-    assert.match(m, /pdserve_kv_handoffs_total\{path="tcp"\} [1-9]/, 'the handoffs went over TCP');
+    const after = await counters();
+    assert.equal(after.tcp - before.tcp, 3, 'the three handoffs went over TCP');
+    assert.equal(after.streamed - before.streamed, 3, 'and each was streamed while llama.cpp saved the state');
   });
 });
