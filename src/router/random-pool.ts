@@ -16,6 +16,7 @@ const pool = Buffer.allocUnsafe(POOL_BYTES);
 let offset = POOL_BYTES;
 
 function take(n: number): number {
+  if (!Number.isInteger(n) || n < 1 || n > 256) throw new RangeError(`random-pool: 1..256 bytes at a time, asked for ${n}`);
   if (offset + n > POOL_BYTES) {
     randomFillSync(pool);
     offset = 0;
@@ -28,6 +29,7 @@ function take(n: number): number {
 /**
  * `n` random bytes as 2n lowercase hex characters.
  * @param n 1 … 256 bytes
+ * @throws RangeError for any other n (a longer id would come back short)
  */
 export function randomHex(n: number): string {
   const at = take(n);

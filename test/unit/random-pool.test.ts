@@ -21,6 +21,11 @@ describe('random pool', () => {
     assert.equal(seen.size, 3000);
   });
 
+  test('randomHex refuses a size the pool cannot serve whole (0, over 256, fractions) instead of a short id; 256 works', () => {
+    for (const n of [0, -1, 257, 5000, 1.5]) assert.throws(() => randomHex(n), RangeError, `n = ${n}`);
+    assert.equal(randomHex(256).length, 512);
+  });
+
   test('randomU64 spans 64 bits and repeats nothing over refills', () => {
     const seen = new Set<bigint>();
     let high = 0;
