@@ -586,9 +586,12 @@ class LlamaEngine implements Engine {
 
   tryAcquireSlot(prompt?: readonly number[]): Slot | null {
     if (this.slotsFree() === 0) return null;
-    // The idle sequence with the longest reusable prefix; else an empty one (lowest index first:
-    // predictable slot numbers); else the least recently used cached one, whose cache is dropped.
-    const choice = chooseSequence(this.free, prompt, this.cache)!;
+    // The idle sequence with the longest reusable prefix; else an empty one, else a cached one
+    // (its cache is dropped) — next to the busy ones where possible (one ubatch per run of
+    // consecutive sequence ids), then lowest index / least recently used.
+    const busy = new Set<number>();
+    for (const h of this.holders) if (h.lease) busy.add(h.index);
+    const choice = chooseSequence(this.free, prompt, this.cache, busy)!;
     const holder = choice.seq;
     this.free.splice(this.free.indexOf(holder), 1);
     if (choice.reuse === 0 && holder.tokens.length > 0) this.clearHolder(holder);

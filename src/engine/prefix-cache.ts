@@ -83,13 +83,27 @@ export interface SequenceChoice<S extends CachedSequence> {
 export const MIN_KEEP_FRACTION = 0.5;
 
 /**
- * Pick the idle sequence for `prompt` (undefined = plain allocation, no reuse): the one with the
- * longest reusable prefix that keeps ≥ MIN_KEEP_FRACTION of its tokens; else an empty sequence
- * (lowest index), else the least recently used one (its cache is dropped). Ties: the more
- * recently used, then lower index. Never returns undefined when `free` is non-empty: eviction
- * never fails an allocation.
+ * How many more runs of consecutive ids the busy sequences form once `index` joins them: +1 (a
+ * new run), 0 (extends one), −1 (joins two).
  */
-export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings): SequenceChoice<S> | undefined {
+export function runDelta(busy: ReadonlySet<number>, index: number): number {
+  return 1 - (busy.has(index - 1) ? 1 : 0) - (busy.has(index + 1) ? 1 : 0);
+}
+
+/**
+ * Pick the idle sequence for `prompt` (undefined = plain allocation, no reuse): the one with the
+ * longest reusable prefix that keeps ≥ MIN_KEEP_FRACTION of its tokens (ties: the more recently
+ * used, then lower index); else an empty sequence, else (all idle ones hold a cache) any idle one,
+ * whose cache is dropped. Among those, the one that keeps the busy sequences (`busy`: their
+ * indices) in the fewest runs of consecutive ids (`runDelta`), then the lowest index (empty) or
+ * the least recently used (cached). Why: llama.cpp splits a batch into ubatches of consecutive,
+ * increasing sequence ids (one KV stream each; the engine sorts its queue by id), each a full
+ * pass over the weights, so 4 decoding sequences 2, 5, 9, 13 cost 4 passes per step where 3–6
+ * cost 1 — in a long-lived decode worker every sequence holds a cache and plain LRU scatters new
+ * rooms over the context (BENCHMARKS.md §4). Without `busy`, as before: lowest index / LRU.
+ * Never returns undefined when `free` is non-empty: eviction never fails an allocation.
+ */
+export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings, busy?: ReadonlySet<number>): SequenceChoice<S> | undefined {
   if (free.length === 0) return undefined;
   let best: SequenceChoice<S> | undefined;
   if (settings.enabled && prompt && prompt.length > 0) {
@@ -101,13 +115,25 @@ export function chooseSequence<S extends CachedSequence>(free: readonly S[], pro
     }
   }
   if (best) return best;
+  const delta = (s: S): number => (busy && busy.size > 0 ? runDelta(busy, s.index) : 0);
   let pick: S | undefined;
+  let pickDelta = 0;
   for (const s of free) {
     if (s.tokens.length !== 0) continue;
-    if (!pick || s.index < pick.index) pick = s;
+    const d = delta(s);
+    if (!pick || d < pickDelta || (d === pickDelta && s.index < pick.index)) {
+      pick = s;
+      pickDelta = d;
+    }
   }
   if (!pick) {
-    for (const s of free) if (!pick || s.lastUsed < pick.lastUsed || (s.lastUsed === pick.lastUsed && s.index < pick.index)) pick = s;
+    for (const s of free) {
+      const d = delta(s);
+      if (!pick || d < pickDelta || (d === pickDelta && (s.lastUsed < pick.lastUsed || (s.lastUsed === pick.lastUsed && s.index < pick.index)))) {
+        pick = s;
+        pickDelta = d;
+      }
+    }
   }
   return { seq: pick!, reuse: 0 };
 }

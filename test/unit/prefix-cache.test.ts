@@ -12,7 +12,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
-import { chooseSequence, commonPrefix, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type CachedSequence } from '../../src/engine/prefix-cache.js';
+import { chooseSequence, commonPrefix, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, runDelta, type CachedSequence } from '../../src/engine/prefix-cache.js';
 import type { Engine, SamplingParams, Slot } from '../../src/engine/types.js';
 
 const never = new AbortController().signal;
@@ -48,6 +48,25 @@ describe('prefix cache policy', () => {
     assert.equal(chooseSequence([], [1], on), undefined);
     // ties: the more recently used wins
     assert.deepEqual(pick([seq(0, [1, 2, 3], 1), seq(1, [1, 2, 4], 2)], [1, 2, 5]), [1, 2]);
+  });
+
+  it('without a reusable prefix, keeps the busy sequences in as few runs of consecutive ids as it can (one ubatch per run)', () => {
+    assert.equal(runDelta(new Set([2, 3]), 4), 0);
+    assert.equal(runDelta(new Set([2, 4]), 3), -1);
+    assert.equal(runDelta(new Set([2]), 7), 1);
+    const busyPick = (free: CachedSequence[], busy: number[], prompt?: number[]) => chooseSequence(free, prompt, on, new Set(busy))!.seq.index;
+    // a long-lived decode: every idle sequence holds a cache; LRU alone would take 9 (oldest)
+    const allCached = [seq(0, [7], 50), seq(4, [7], 40), seq(9, [7], 10), seq(13, [7], 20)];
+    assert.equal(busyPick(allCached, [1, 2, 3]), 4, 'next to the busy run 1–3, although 9 and 13 are older');
+    assert.equal(busyPick(allCached, [1, 2, 3, 5]), 4, 'joining two runs beats extending one');
+    assert.equal(busyPick(allCached, [6]), 9, 'no neighbour free: least recently used, as before');
+    assert.equal(busyPick(allCached, []), 9, 'nothing busy: least recently used, as before');
+    // empty sequences still come before cached ones; among them the neighbour of the busy run
+    const mixed = [seq(0, [], 0), seq(5, [], 0), seq(3, [7], 10)];
+    assert.equal(busyPick(mixed, [4]), 5, 'empty 5 next to busy 4, not the lowest empty index 0');
+    assert.equal(busyPick(mixed, [8]), 0, 'no empty neighbour: lowest empty index');
+    // a reusable prefix still wins over adjacency
+    assert.equal(busyPick([seq(0, [1, 2, 3], 10), seq(4, [9], 5)], [3], [1, 2, 3, 4]), 0);
   });
 
   it('evicts least recently used sequences beyond the token budget', () => {
