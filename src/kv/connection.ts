@@ -263,6 +263,8 @@ export class PeerConn {
    * transfer's queued pieces), so a buffer goes back to its owner only when no I/O uses it; for
    * a piece never written (the socket already gone, or a piece the frame encoder refuses: empty
    * or over MAX_CHUNK_BYTES → 'BAD_FRAME'), at once, before the promise settles.
+   * At most one send window is handed to the socket per event-loop turn (the rest after
+   * setImmediate), so a peer that reads as fast as we write cannot keep the loop in one send.
    * Resolves once every piece is flushed to the kernel; rejects as `sendChunks` ('PEER_LOST',
    * 'ABORTED', 'TIMEOUT' after `stallMs` without a flushed piece, 'BAD_FRAME', RangeError).
    * (`chunkBytes` is not used: the source sizes its pieces.)
@@ -325,10 +327,28 @@ export class PeerConn {
         if (ended && pending === 0) return settle();
         pump();
       };
+      // Bytes handed to the socket in this turn of the event loop. When the peer reads as fast as
+      // we write, the kernel takes every write at once, writableLength stays near 0 and nothing
+      // would ever make this loop yield: one window per turn, then the rest after setImmediate,
+      // so write callbacks (progress, pooled buffers back), heartbeats and other rooms run between.
+      let turnBytes = 0;
+      let yielded = false;
+      const nextTurn = (): void => {
+        yielded = false;
+        turnBytes = 0;
+        pump();
+      };
       function pumpImpl(this: PeerConn): void {
         while (!done && !ended) {
           if (this.state !== 'open') return settle(this.lostError(roomId));
           if (this.socket.writableLength >= window) return; // resumed by a flush of ours or by 'drain'
+          if (turnBytes >= window) {
+            if (!yielded) {
+              yielded = true;
+              setImmediate(nextTurn);
+            }
+            return;
+          }
           let piece: Buffer | null | undefined;
           try {
             piece = source.next();
@@ -356,6 +376,7 @@ export class PeerConn {
             return settle(this.lostError(roomId));
           }
           offset += piece.length;
+          turnBytes += piece.length;
           pending++; // from here the socket owns the piece until written() (called on destroy too)
           if (!this.write(frame, written(piece))) return settle(this.lostError(roomId));
         }
