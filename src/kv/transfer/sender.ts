@@ -79,13 +79,9 @@ export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, 
         if (slot === undefined) return null;
         const at = slot * pieceBytes;
         const want = Math.min(pieceBytes, payloadBytes - pos);
-        let got = 0;
+        let got: number;
         try {
-          while (got < want) {
-            const n = readSync(fd, big, at + got, want - got, pos + got);
-            if (n === 0) break;
-            got += n;
-          }
+          got = readFull(fd, big, at, want, pos);
         } catch (e) {
           free.push(slot);
           throw e;
@@ -166,6 +162,21 @@ export interface StreamedSend {
   totalBytes: number;
   payloadBytes: number;
   crc: number;
+}
+
+/**
+ * Reads `want` bytes of `fd` at file offset `pos` into `buf` at `at`, looping over short reads
+ * until `want` bytes or the end of the file: returns the count read (< want only at the end).
+ * Throws what readSync throws.
+ */
+function readFull(fd: number, buf: Buffer, at: number, want: number, pos: number): number {
+  let got = 0;
+  while (got < want) {
+    const n = readSync(fd, buf, at + got, want - got, pos + got);
+    if (n === 0) break;
+    got += n;
+  }
+  return got;
 }
 
 /** Default `growStallMs` of sendGrowingStateFile, ms. */
@@ -290,13 +301,9 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
       if (slot === undefined) return null; // resumed by a flush
       const at = slot * pieceBytes;
       const want = size === undefined ? pieceBytes : Math.min(pieceBytes, size - pos);
-      let got = 0;
+      let got: number;
       try {
-        while (got < want) {
-          const n = readSync(fd, big, at + got, want - got, pos + got);
-          if (n === 0) break;
-          got += n;
-        }
+        got = readFull(fd, big, at, want, pos);
       } catch (e) {
         free.push(slot);
         throw e;
