@@ -38,6 +38,66 @@ export interface SendStateFileOptions extends Omit<SendChunksOptions, 'offset'> 
  */
 export const SEND_PIECE_BYTES = 256 * 1024;
 
+/**
+ * One pooled buffer of a send, cut into `pieceBytes` slots (pieceBytes: opts.pieceBytes, else
+ * SEND_PIECE_BYTES, at most chunkBytes, MAX_CHUNK_BYTES and the buffer's size). `take()` a free
+ * slot (undefined: all in flight), `put(slot)` one back unused, `piece(slot, bytes)` when a read
+ * piece goes to the socket, `flushed(piece)` when the socket is done with it (other buffers'
+ * pieces — head, trailer — are ignored), `end()` once the send settled: the buffer goes back to
+ * its pool exactly once, when the send has settled and no piece is in flight.
+ */
+class PieceSlots {
+  readonly big: Buffer;
+  readonly pieceBytes: number;
+  private readonly free: number[] = [];
+  private inFlight = 0;
+  private over = false;
+  private released = false;
+
+  constructor(private readonly pool: BufferPool, opts: SendStateFileOptions) {
+    this.big = pool.acquire();
+    this.pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, opts.chunkBytes ?? MAX_CHUNK_BYTES, this.big.length, MAX_CHUNK_BYTES));
+    for (let i = Math.floor(this.big.length / this.pieceBytes) - 1; i >= 0; i--) this.free.push(i);
+  }
+
+  take(): number | undefined {
+    return this.free.pop();
+  }
+
+  put(slot: number): void {
+    this.free.push(slot);
+  }
+
+  /** The first `bytes` of `slot`, now owned by the socket until `flushed`. */
+  piece(slot: number, bytes: number): Buffer {
+    this.inFlight++;
+    const at = slot * this.pieceBytes;
+    return this.big.subarray(at, at + bytes);
+  }
+
+  flushed(piece: Buffer): void {
+    const big = this.big;
+    if (piece.buffer !== big.buffer || piece.byteOffset < big.byteOffset || piece.byteOffset >= big.byteOffset + big.length) return;
+    this.inFlight--;
+    this.free.push((piece.byteOffset - big.byteOffset) / this.pieceBytes);
+    this.giveBack();
+  }
+
+  /** The send settled: the buffer goes back now, or when the socket is done with the last piece in flight. */
+  end(): void {
+    this.over = true;
+    this.giveBack();
+  }
+
+  private giveBack(): void {
+    if (this.over && this.inFlight === 0 && !this.released) {
+      this.released = true;
+      this.pool.release(this.big);
+    }
+  }
+}
+
+
 /** Bytes on the wire for a payload of `payloadBytes` behind `head` (what kv_begin announces). */
 export function wireBytes(head: Buffer, payloadBytes: number): number {
   return head.length + payloadBytes + ENVELOPE_TRAILER_BYTES;
@@ -55,16 +115,8 @@ export function wireBytes(head: Buffer, payloadBytes: number): number {
  */
 export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, opts: SendStateFileOptions): Promise<void> {
   const fd = openSync(path, 'r');
-  const big = opts.pool.acquire();
-  const pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, opts.chunkBytes ?? MAX_CHUNK_BYTES, big.length, MAX_CHUNK_BYTES));
-  const slots = Math.floor(big.length / pieceBytes);
-  const free: number[] = [];
-  for (let i = slots - 1; i >= 0; i--) free.push(i);
-  let inFlight = 0;
-  let over = false;
-  const giveBack = (): void => {
-    if (over && inFlight === 0) opts.pool.release(big);
-  };
+  const slots = new PieceSlots(opts.pool, opts);
+  const { big, pieceBytes } = slots;
   const crc = new Crc32();
   let pos = 0;
   let stage: 'head' | 'payload' | 'trailer' | 'end' = 'head';
@@ -75,26 +127,24 @@ export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, 
         if (head.length > 0) return head;
       }
       if (stage === 'payload') {
-        const slot = free.pop();
+        const slot = slots.take();
         if (slot === undefined) return null;
-        const at = slot * pieceBytes;
         const want = Math.min(pieceBytes, payloadBytes - pos);
         let got: number;
         try {
-          got = readFull(fd, big, at, want, pos);
+          got = readFull(fd, big, slot * pieceBytes, want, pos);
         } catch (e) {
-          free.push(slot);
+          slots.put(slot);
           throw e;
         }
         if (got !== want) {
-          free.push(slot);
+          slots.put(slot);
           throw new KvError('BAD_STATE', `state file ${path} ended at byte ${pos + got}, expected ${payloadBytes}`);
         }
-        const piece = big.subarray(at, at + want);
+        const piece = slots.piece(slot, want);
         crc.update(piece);
         pos += want;
         if (pos === payloadBytes) stage = 'trailer';
-        inFlight++;
         return piece;
       }
       if (stage === 'trailer') {
@@ -105,18 +155,12 @@ export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, 
       }
       return undefined;
     },
-    flushed: (piece: Buffer): void => {
-      if (piece.buffer !== big.buffer || piece.byteOffset < big.byteOffset || piece.byteOffset >= big.byteOffset + big.length) return; // head or trailer
-      inFlight--;
-      free.push((piece.byteOffset - big.byteOffset) / pieceBytes);
-      giveBack();
-    },
+    flushed: (piece: Buffer): void => slots.flushed(piece), // head and trailer are not the pool's
   };
   try {
     await conn.sendFrom(room, source, { signal: opts.signal, stallMs: opts.stallMs, onProgress: opts.onProgress, offset: 0 });
   } finally {
-    over = true;
-    giveBack(); // else when the socket is done with the last piece in flight
+    slots.end();
     closeSync(fd);
   }
 }
@@ -206,22 +250,14 @@ const GROW_MIN_PIECE_BYTES = 64 * 1024;
  *   The pooled buffer goes back once no write uses it, whatever happens.
  */
 export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, opts: GrowingStateFileOptions): Promise<StreamedSend> {
-  const big = opts.pool.acquire();
-  const pieceBytes = Math.max(1, Math.min(opts.pieceBytes ?? SEND_PIECE_BYTES, opts.chunkBytes ?? MAX_CHUNK_BYTES, big.length, MAX_CHUNK_BYTES));
+  const slots = new PieceSlots(opts.pool, opts);
+  const { big, pieceBytes } = slots;
   const minPiece = Math.min(pieceBytes, GROW_MIN_PIECE_BYTES);
   const growStallMs = opts.growStallMs ?? GROW_STALL_MS;
   const createWaitMs = opts.createWaitMs ?? growStallMs;
   const pollMs = opts.pollMs ?? 1;
   const startedAt = Date.now();
   let delayMs = pollMs;
-  const slots = Math.floor(big.length / pieceBytes);
-  const free: number[] = [];
-  for (let i = slots - 1; i >= 0; i--) free.push(i);
-  let inFlight = 0;
-  let over = false;
-  const giveBack = (): void => {
-    if (over && inFlight === 0) opts.pool.release(big);
-  };
   let fd: number | undefined;
   let savedBytes: number | undefined;
   let saveError: unknown;
@@ -297,46 +333,38 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
         ended = true;
         return undefined;
       }
-      const slot = free.pop();
+      const slot = slots.take();
       if (slot === undefined) return null; // resumed by a flush
-      const at = slot * pieceBytes;
       const want = size === undefined ? pieceBytes : Math.min(pieceBytes, size - pos);
       let got: number;
       try {
-        got = readFull(fd, big, at, want, pos);
+        got = readFull(fd, big, slot * pieceBytes, want, pos);
       } catch (e) {
-        free.push(slot);
+        slots.put(slot);
         throw e;
       }
       if (got < want && (size !== undefined || got < minPiece)) {
-        free.push(slot);
+        slots.put(slot);
         if (size !== undefined) throw new KvError('BAD_STATE', `state file ${path} ended at byte ${pos + got}, the save reported ${size}`);
         if (pos + got > seenEnd) grew(pos + got);
         return later(); // not written yet (or too little to be worth a frame)
       }
-      const piece = big.subarray(at, at + got);
+      const piece = slots.piece(slot, got);
       crc.update(piece);
       pos += got;
       if (pos > seenEnd) grew(pos);
-      inFlight++;
       return piece;
     },
-    flushed: (piece: Buffer): void => {
-      if (piece.buffer !== big.buffer || piece.byteOffset < big.byteOffset || piece.byteOffset >= big.byteOffset + big.length) return; // the head
-      inFlight--;
-      free.push((piece.byteOffset - big.byteOffset) / pieceBytes);
-      giveBack();
-    },
+    flushed: (piece: Buffer): void => slots.flushed(piece), // the head is not the pool's
   };
   try {
     await conn.sendFrom(room, source, { signal: opts.signal, stallMs: opts.stallMs, onProgress: opts.onProgress, offset: 0 });
     return { totalBytes: head.length + pos, payloadBytes: pos, crc: crc.value >>> 0 };
   } finally {
-    over = true;
     resume = undefined;
     if (timer) clearTimeout(timer);
     timer = undefined;
-    giveBack(); // else when the socket is done with the last piece in flight
+    slots.end();
     if (fd !== undefined) closeSync(fd);
   }
 }
