@@ -68,6 +68,16 @@ class PieceSlots {
     this.free.push(slot);
   }
 
+  /** Reads up to `want` bytes of `fd` at `pos` into `slot` (readFull); the slot goes back if the read throws. */
+  read(slot: number, fd: number, want: number, pos: number): number {
+    try {
+      return readFull(fd, this.big, slot * this.pieceBytes, want, pos);
+    } catch (e) {
+      this.put(slot);
+      throw e;
+    }
+  }
+
   /** The first `bytes` of `slot`, now owned by the socket until `flushed`. */
   piece(slot: number, bytes: number): Buffer {
     this.inFlight++;
@@ -116,7 +126,7 @@ export function wireBytes(head: Buffer, payloadBytes: number): number {
 export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, opts: SendStateFileOptions): Promise<void> {
   const fd = openSync(path, 'r');
   const slots = new PieceSlots(opts.pool, opts);
-  const { big, pieceBytes } = slots;
+  const { pieceBytes } = slots;
   const crc = new Crc32();
   let pos = 0;
   let stage: 'head' | 'payload' | 'trailer' | 'end' = 'head';
@@ -130,13 +140,7 @@ export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, 
         const slot = slots.take();
         if (slot === undefined) return null;
         const want = Math.min(pieceBytes, payloadBytes - pos);
-        let got: number;
-        try {
-          got = readFull(fd, big, slot * pieceBytes, want, pos);
-        } catch (e) {
-          slots.put(slot);
-          throw e;
-        }
+        const got = slots.read(slot, fd, want, pos);
         if (got !== want) {
           slots.put(slot);
           throw new KvError('BAD_STATE', `state file ${path} ended at byte ${pos + got}, expected ${payloadBytes}`);
@@ -251,7 +255,7 @@ const GROW_MIN_PIECE_BYTES = 64 * 1024;
  */
 export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, opts: GrowingStateFileOptions): Promise<StreamedSend> {
   const slots = new PieceSlots(opts.pool, opts);
-  const { big, pieceBytes } = slots;
+  const { pieceBytes } = slots;
   const minPiece = Math.min(pieceBytes, GROW_MIN_PIECE_BYTES);
   const growStallMs = opts.growStallMs ?? GROW_STALL_MS;
   const createWaitMs = opts.createWaitMs ?? growStallMs;
@@ -336,13 +340,7 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
       const slot = slots.take();
       if (slot === undefined) return null; // resumed by a flush
       const want = size === undefined ? pieceBytes : Math.min(pieceBytes, size - pos);
-      let got: number;
-      try {
-        got = readFull(fd, big, slot * pieceBytes, want, pos);
-      } catch (e) {
-        slots.put(slot);
-        throw e;
-      }
+      const got = slots.read(slot, fd, want, pos);
       if (got < want && (size !== undefined || got < minPiece)) {
         slots.put(slot);
         if (size !== undefined) throw new KvError('BAD_STATE', `state file ${path} ended at byte ${pos + got}, the save reported ${size}`);
