@@ -27,7 +27,7 @@ import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
-import { installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
+import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
@@ -541,8 +541,9 @@ class LlamaEngine implements Engine {
     this.holders = [];
     for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
     const barrier = stepBarrier === 'off' ? null : new StepBarrier(stepBarrier === 'wait', stepBarrier === 'wait' ? () => sortQueuedDecodes(context) : undefined);
-    this.barrier = barrier && this.holders.every((h) => installStepBarrier(h.seq, barrier)) ? barrier : null;
-    if (barrier && !this.barrier) logSink?.('warn', 'node-llama-cpp has no after-batch hook: decode steps are not aligned (step-barrier.ts)');
+    // the batch counter first: without it the barrier would never make a new promise (no step would wait)
+    this.barrier = barrier && installBatchCounter(context, barrier) && this.holders.every((h) => installStepBarrier(h.seq, barrier)) ? barrier : null;
+    if (barrier && !this.barrier) logSink?.('warn', 'node-llama-cpp has no after-batch hook or batch call: decode steps are not aligned (step-barrier.ts)');
     this.free = [...this.holders];
     this.eogTokens = [];
     for (let t = 0; t < info.nVocab; t++) if (model.isEogToken(t as Token)) this.eogTokens.push(t);

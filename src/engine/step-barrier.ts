@@ -19,13 +19,14 @@
  * The dispatcher awaits, after sampling, the `afterBatchAction` each queued decode carries:
  * `LlamaContextSequence._takeIntervalCheckpointIfNeededAfterBatch`, an own, bound function of
  * every sequence (node-llama-cpp takes SWA checkpoints there; it returns undefined for models
- * without SWA). `installStepBarrier` wraps it: the first call after a batch returns a promise
- * resolved by `setImmediate`, so the dispatcher looks at its queue only after every promise
- * continuation of the current event-loop turn has run — every sequence whose next token needs
- * no I/O is queued by then. Cost: one event-loop turn per llama_decode (microseconds). A
- * sequence still late (its consumer waits for a socket to drain) is not waited for: it joins the
- * next step, as before. If a later node-llama-cpp no longer has the hook, nothing is installed
- * (`installStepBarrier` returns false) and batching works as it did without it.
+ * without SWA). `installStepBarrier` wraps it: the first call of a batch (batches counted by
+ * `installBatchCounter`) returns a promise resolved by `setImmediate`, so the dispatcher looks
+ * at its queue only after every promise continuation of the current event-loop turn has run —
+ * every sequence whose next token needs no I/O is queued by then. Cost: one event-loop turn per
+ * llama_decode (microseconds). A sequence still late (its consumer waits for a socket to drain)
+ * is not waited for: it joins the next step, as before. If a later node-llama-cpp no longer has
+ * the hook or the batch call, nothing is installed (`installStepBarrier` / `installBatchCounter`
+ * return false) and batching works as it did without it.
  */
 
 /** The per-sequence hook node-llama-cpp's dispatcher awaits after each batch (internal API of 3.21.1). */
@@ -34,13 +35,21 @@ const HOOK = '_takeIntervalCheckpointIfNeededAfterBatch';
 type AfterBatch = (sequenceStateLength: number) => Promise<void> | void;
 
 /**
- * The shared barrier of one context: `wait()` returns the same promise to every caller until the
- * event loop has moved on, so one batch waits one `setImmediate`, not one per sequence. Counts
- * the batches (`steps`) and the queued decodes in them (`sequences`): `sequences / steps` is the
- * mean number of sequences per llama_decode while generating.
+ * The shared barrier of one context: `wait()` returns the same promise to every caller of one
+ * batch, so one batch waits one `setImmediate`, not one per sequence. A batch is one
+ * `batchStarted()` (the context's llama_decode call: `installBatchCounter`): the first hook call
+ * after it makes a new promise, whatever the time — the hooks of the next batch can come within
+ * the same event-loop turn as the last ones of this batch (a small model's llama_decode and
+ * sampling finishing in one poll phase), and they must wait too. Counts the batches (`steps`)
+ * and the queued decodes in them (`sequences`): `sequences / steps` is the mean number of
+ * sequences per llama_decode while generating.
  */
 export class StepBarrier {
   private pending: Promise<void> | null = null;
+  /** The batch `pending` belongs to (a value of `batches`). */
+  private pendingBatch = -1;
+  /** llama_decode calls seen (`batchStarted`), with or without a hooked sequence. */
+  batches = 0;
   /** Batches seen (llama_decode calls that carried a hooked sequence). */
   steps = 0;
   /** Hook calls: queued decodes (sequences) over all those batches. */
@@ -56,31 +65,59 @@ export class StepBarrier {
     private readonly beforeDispatch?: () => void,
   ) {}
 
+  /** A new batch (llama_decode call) begins: the next `wait()` belongs to it. */
+  batchStarted(): void {
+    this.batches++;
+  }
+
   /**
-   * A promise resolved on the next `setImmediate` (the check phase of this loop turn, after all
-   * pending promise continuations and I/O callbacks of the poll phase). Calls until the turn after
-   * that get the same promise (already resolved once the barrier passed): the dispatcher calls the
-   * hook once per sequence of a batch, one after another. Undefined when not `waiting`.
+   * The current batch's promise, resolved on the `setImmediate` after its first hook call (the
+   * check phase of that loop turn, after all pending promise continuations and I/O callbacks of
+   * the poll phase). Later calls of the same batch get the same promise (already resolved once
+   * the barrier passed): the dispatcher calls the hook once per sequence of a batch, one after
+   * another. Undefined when not `waiting`.
    */
   wait(): Promise<void> | undefined {
     this.sequences++;
-    if (this.pending) return this.waiting ? this.pending : undefined;
+    if (this.pending && this.pendingBatch === this.batches) return this.waiting ? this.pending : undefined;
     this.steps++;
+    this.pendingBatch = this.batches;
     const p = new Promise<void>((resolve) =>
       setImmediate(() => {
         this.beforeDispatch?.();
         resolve();
-        // Forget it in the next turn's check phase: the rest of this batch's hooks run in the
-        // promise continuations right after `resolve`, the next batch's only after a llama_decode
-        // and a round of sampling (native async calls, so at least one poll phase later).
-        setImmediate(() => {
-          if (this.pending === p) this.pending = null;
-        });
       }),
     );
     this.pending = p;
     return this.waiting ? p : undefined;
   }
+}
+
+/**
+ * Make `barrier` count `context`'s batches: wraps the native context's `decodeBatch` (internal
+ * API of 3.21.1: `LlamaContext._ctx.decodeBatch()`, called once per batch by the dispatcher,
+ * before the batch's after-batch hooks) so that each call is `barrier.batchStarted()`; the
+ * addon's method is shadowed by an own property of that one native object.
+ * @returns false when `context` has no such call (another node-llama-cpp version) or it cannot
+ *   be shadowed: nothing changed.
+ */
+export function installBatchCounter(context: object, barrier: StepBarrier): boolean {
+  const ctx = (context as { _ctx?: unknown })._ctx;
+  if (typeof ctx !== 'object' || ctx === null) return false;
+  const c = ctx as Record<string, unknown>;
+  const orig = c.decodeBatch;
+  if (typeof orig !== 'function') return false;
+  const counted = function (this: unknown, ...args: unknown[]): unknown {
+    barrier.batchStarted();
+    return (orig as (...a: unknown[]) => unknown).apply(this, args);
+  };
+  try {
+    // an own property over the addon's read-only prototype method (assignment would throw)
+    Object.defineProperty(c, 'decodeBatch', { value: counted, writable: true, configurable: true, enumerable: false });
+  } catch {
+    return false; // a non-extensible object
+  }
+  return c.decodeBatch === counted;
 }
 
 /**

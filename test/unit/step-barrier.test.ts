@@ -3,7 +3,7 @@
  * llama_decode, instead of node-llama-cpp starting the next step before the sequence sampled
  * last has queued its token. The barrier itself (one promise per event-loop turn), then the real
  * engine on the tiny model: N concurrent generations make one llama_decode per step (and more
- * without it).
+ * without it). The barrier is keyed on the batch (the context's decodeBatch calls), not on time.
  * Run: node --import tsx --test test/unit/step-barrier.test.ts
  */
 import assert from 'node:assert/strict';
@@ -13,14 +13,15 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
-import { installStepBarrier, sortQueuedDecodes, StepBarrier } from '../../src/engine/step-barrier.js';
+import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from '../../src/engine/step-barrier.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 
 const turn = () => new Promise<void>((r) => setImmediate(r));
 
 describe('StepBarrier', () => {
-  it('gives every call of one turn the same promise, resolved at setImmediate; a new one a turn later', async () => {
+  it('gives every call of one batch the same promise, resolved at setImmediate; a new one for the next batch', async () => {
     const b = new StepBarrier();
+    b.batchStarted();
     const p1 = b.wait()!;
     const p2 = b.wait()!;
     assert.equal(p1, p2);
@@ -33,17 +34,52 @@ describe('StepBarrier', () => {
     assert.equal(b.wait(), p1, 'the rest of the batch right after it passes: same (resolved) promise');
     await turn();
     await turn();
+    assert.equal(b.wait(), p1, 'still the same batch, however late its hook (an SWA checkpoint before it)');
+    b.batchStarted();
     const p3 = b.wait()!;
     assert.notEqual(p3, p1);
     await p3;
-    assert.deepEqual({ steps: b.steps, sequences: b.sequences }, { steps: 2, sequences: 4 });
+    assert.deepEqual({ steps: b.steps, sequences: b.sequences, batches: b.batches }, { steps: 2, sequences: 5, batches: 2 });
   });
 
   it('counting mode never makes the caller wait', () => {
     const b = new StepBarrier(false);
+    b.batchStarted();
     assert.equal(b.wait(), undefined);
     assert.equal(b.wait(), undefined);
-    assert.deepEqual({ steps: b.steps, sequences: b.sequences }, { steps: 1, sequences: 2 });
+    b.batchStarted();
+    assert.equal(b.wait(), undefined);
+    assert.deepEqual({ steps: b.steps, sequences: b.sequences }, { steps: 2, sequences: 3 });
+  });
+
+  it('a batch whose decode and sampling finish in the turn the last barrier passed still waits, and its queue is sorted (review F4)', async () => {
+    let sorted = 0;
+    const b = new StepBarrier(true, () => sorted++);
+    // llama_decode and sampling that finish at once (a small model, few tokens): the next batch's
+    // hooks come in the same event-loop turn as the previous batch's barrier passing
+    const ctx = { _ctx: { decodeBatch: async (): Promise<void> => {} } };
+    assert.equal(installBatchCounter({}, b), false);
+    assert.equal(installBatchCounter({ _ctx: {} }, b), false);
+    assert.equal(installBatchCounter(ctx, b), true);
+    const seqs = [0, 1, 2].map(() => ({ _takeIntervalCheckpointIfNeededAfterBatch: (_len: number): Promise<void> | void => undefined }));
+    for (const seq of seqs) assert.equal(installStepBarrier(seq, b), true);
+    // node-llama-cpp 3.21.1's dispatcher loop: decode, sample, then await each sequence's hook in turn
+    const waits: boolean[] = [];
+    for (let step = 0; step < 5; step++) {
+      await ctx._ctx.decodeBatch();
+      for (const seq of seqs) {
+        const r = seq._takeIntervalCheckpointIfNeededAfterBatch(step + 1);
+        if (seq === seqs[0]) {
+          let passed = false;
+          if (r instanceof Promise) void r.then(() => (passed = true));
+          await Promise.resolve();
+          waits.push(r instanceof Promise && !passed);
+        }
+        if (r instanceof Promise) await r;
+      }
+    }
+    assert.deepEqual(waits, [true, true, true, true, true], 'every batch waited for the check phase');
+    assert.deepEqual({ steps: b.steps, sequences: b.sequences, sorted }, { steps: 5, sequences: 15, sorted: 5 });
   });
 
   it('wraps the per-sequence hook only where it is an own function, and keeps what it returned', async () => {
