@@ -106,19 +106,37 @@ const safeCount = (v: unknown): v is number => Number.isSafeInteger(v) && (v as 
 const str = (v: unknown, min: number, max: number): v is string => typeof v === 'string' && v.length >= min && v.length <= max;
 
 /**
- * The same-host handoff's messages (`kv_file`, and `kv_ack`, which every handoff ends with)
- * checked by hand, by exactly the rules of their ControlMsgSchema variants (unknown keys
- * stripped: the result is a new object of the known keys, in schema order). Returns undefined
- * when `v` is not such a message or breaks any rule: parseControl then runs the zod schema,
- * which refuses it with its usual wording (so nothing is accepted here that zod would refuse,
- * and every refusal still comes from zod; test/unit/frame.test.ts compares both on valid and
- * broken messages). Why: zod's safeParse of a kv_file took 50–150 µs in a process that had been
- * idle for a few ms (cold caches, 2-core VM; 10–20 µs when hot), once when prefill encodes the
- * message and once when decode reads it, on the same-host handoff's critical path — as much as
- * the loopback wake-up itself. This check takes ~2 µs. Exported for that test only.
+ * The handoff's messages (`kv_begin`, `kv_end` and `kv_file`, and `kv_ack`, which every handoff
+ * ends with) checked by hand, by exactly the rules of their ControlMsgSchema variants (unknown
+ * keys stripped: the result is a new object of the known keys, in schema order). Returns
+ * undefined when `v` is not such a message or breaks any rule: parseControl then runs the zod
+ * schema, which refuses it with its usual wording (so nothing is accepted here that zod would
+ * refuse, and every refusal still comes from zod; test/unit/frame.test.ts compares both on valid
+ * and broken messages). Why: zod's safeParse of a kv_file took 50–150 µs in a process that had
+ * been idle for a few ms (cold caches, 2-core VM; 10–20 µs when hot), once when prefill encodes
+ * the message and once when decode reads it, on the handoff's critical path — as much as the
+ * loopback wake-up itself; kv_begin and kv_end likewise (session 6 stamps: prefill's encode of
+ * kv_begin 0.14–0.25 ms, of kv_end 0.09–0.15 ms after the save). This check takes ~2 µs.
+ * Exported for that test only.
  * @internal
  */
 export function checkHot(v: Record<string, unknown>): ControlMsg | undefined {
+  if (v.type === 'kv_begin') {
+    const { room, totalBytes, streamed } = v;
+    if (!isRoomId(room) || !safeCount(totalBytes)) return undefined;
+    if (streamed !== undefined && typeof streamed !== 'boolean') return undefined;
+    return streamed === undefined ? { type: 'kv_begin', room, totalBytes } : { type: 'kv_begin', room, totalBytes, streamed };
+  }
+  if (v.type === 'kv_end') {
+    const { room, totalBytes, crc } = v;
+    if (!isRoomId(room)) return undefined;
+    if (totalBytes !== undefined && !safeCount(totalBytes)) return undefined;
+    if (crc !== undefined && (!Number.isSafeInteger(crc) || (crc as number) < 0 || (crc as number) > 0xffffffff)) return undefined;
+    const m: ControlMsg = { type: 'kv_end', room };
+    if (totalBytes !== undefined) m.totalBytes = totalBytes;
+    if (crc !== undefined) m.crc = crc as number;
+    return m;
+  }
   if (v.type === 'kv_file') {
     const { room, file, payloadBytes, crc, head } = v;
     if (!isRoomId(room) || !str(file, 1, 255) || !safeCount(payloadBytes) || !str(head, 1, 32 * 1024)) return undefined;

@@ -359,7 +359,7 @@ describe('frame: fuzz', () => {
   });
 });
 
-describe('the hand check of kv_file / kv_ack (before zod)', () => {
+describe('the hand check of kv_begin / kv_end / kv_file / kv_ack (before zod)', () => {
   // values around every rule of the two schemas: valid ones and each way to break them
   const anyVal = fc.oneof(
     fc.constantFrom('7', '0', '007', '18446744073709551615', '18446744073709551616', '-1', '1.5', '', 'x', 'a'.repeat(255), 'a'.repeat(256), '0123456789abcdef', '0123456', 'ABCDEF0123456789', 'f'.repeat(64), 'f'.repeat(65)),
@@ -371,10 +371,12 @@ describe('the hand check of kv_file / kv_ack (before zod)', () => {
   );
   const msgArb = fc.record(
     {
-      type: fc.constantFrom('kv_file', 'kv_ack'),
+      type: fc.constantFrom('kv_file', 'kv_ack', 'kv_begin', 'kv_end'),
       room: fc.oneof(fc.constantFrom('42', '18446744073709551615'), anyVal),
       file: fc.oneof(fc.constant('pdserve-prefill-1-42.ggsq'), anyVal),
       payloadBytes: fc.oneof(fc.constant(1050089), anyVal),
+      totalBytes: fc.oneof(fc.constant(1050389), anyVal),
+      streamed: fc.oneof(fc.constant(true), anyVal),
       crc: fc.oneof(fc.constant(123), anyVal),
       head: fc.oneof(fc.constant('UERLVg=='), fc.constant('a'.repeat(32 * 1024)), fc.constant('a'.repeat(32 * 1024 + 1)), anyVal),
       epoch: fc.oneof(fc.constant(E), anyVal),
@@ -400,13 +402,22 @@ describe('the hand check of kv_file / kv_ack (before zod)', () => {
       }),
       { numRuns: 3000 },
     );
-    assert.ok(fast > 50, `the hand check took only ${fast} of 3000 messages`);
+    assert.ok(fast > 100, `the hand check took only ${fast} of 3000 messages`);
   });
 
-  it('takes every valid kv_file and kv_ack (so zod is not on their path), and nothing else', () => {
-    for (const m of ALL.filter((x) => x.type === 'kv_file' || x.type === 'kv_ack')) assert.deepEqual(checkHot(JSON.parse(JSON.stringify(m))), ControlMsgSchema.parse(m));
+  it('takes every valid kv_begin, kv_end, kv_file and kv_ack (so zod is not on their path), and nothing else', () => {
+    const hot = new Set(['kv_begin', 'kv_end', 'kv_file', 'kv_ack']);
+    const msgs = [
+      ...ALL,
+      { type: 'kv_begin', room: '9', totalBytes: 5, streamed: true },
+      { type: 'kv_end', room: '9', totalBytes: 7, crc: 0xffffffff },
+    ] as ControlMsg[];
+    for (const m of msgs.filter((x) => hot.has(x.type))) assert.deepStrictEqual(checkHot(JSON.parse(JSON.stringify(m))), ControlMsgSchema.parse(m));
+    for (const m of ALL.filter((x) => !hot.has(x.type))) assert.equal(checkHot(JSON.parse(JSON.stringify(m))), undefined);
     assert.deepEqual(checkHot({ type: 'kv_file', room: '9', file: 'f', payloadBytes: 0, crc: 0xffffffff, head: 'h' }), { type: 'kv_file', room: '9', file: 'f', payloadBytes: 0, crc: 0xffffffff, head: 'h' });
-    assert.equal(checkHot({ type: 'kv_begin', room: '9', totalBytes: 5 }), undefined);
+    assert.deepStrictEqual(checkHot({ type: 'kv_begin', room: '9', totalBytes: 5, extra: 1 }), { type: 'kv_begin', room: '9', totalBytes: 5 });
+    assert.equal(checkHot({ type: 'kv_begin', room: '9', totalBytes: 5, streamed: 1 }), undefined);
+    assert.equal(checkHot({ type: 'kv_end', room: '9', crc: 0x100000000 }), undefined);
     assert.equal(checkHot({ type: 'kv_file', room: '09', file: 'f', payloadBytes: 0, head: 'h' }), undefined);
   });
 });
