@@ -30,7 +30,7 @@ import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvServer, type PeerConn } from '../kv/channel.js';
-import { encodeEnvelopeHead } from '../kv/envelope.js';
+import { encodeEnvelopeHead, prepareEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes, type StreamedSend } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostPrefill, type KvPath } from '../kv/transfer/same-host.js';
@@ -408,15 +408,30 @@ export class PrefillWorker {
       if (signal.aborted) return { ok: false, aborted: true };
       rmSync(path, { force: true }); // a streamed send reads the file as it grows: no stale bytes
       const saving = slot.saveState(path);
+      saving.catch(() => {}); // awaited below; not unhandled while the heads are prepared
       const streamedBytes = this.startStream(comp, r.promptTokens, r.cachedTokens, r.choices[0]!, path, saving);
+      // Each room's envelope head, all but the size, while llama.cpp saves (saveState first
+      // reaches the native save through a few promise steps: one event-loop turn lets it start,
+      // then this runs beside it instead of after it on the handoff's critical path).
+      await new Promise<void>((resolve) => setImmediate(resolve));
+      const info = this.engine.info;
+      let heads: ((payloadBytes: number) => Buffer)[] = [];
+      let headError: unknown;
+      try {
+        heads = comp.rooms.map((_, i) => {
+          const pick = r.choices[i]!;
+          return prepareEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: r.promptTokens, firstToken: pick.firstToken, cachedTokens: r.cachedTokens, firstIsEog: pick.firstIsEog });
+        });
+      } catch (e) {
+        headError = e; // thrown once the save is over (the slot is released after it)
+      }
       const payloadBytes = await saving;
+      if (headError !== undefined) throw headError;
       this.computeMetrics.statesSaved.inc();
       this.lastSave = { nTokens: r.promptTokens, payloadBytes };
-      const info = this.engine.info;
       const roomBytes = new Map<RoomId, number>();
       comp.rooms.forEach((room, i) => {
-        const pick = r.choices[i]!;
-        const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: r.promptTokens, firstToken: pick.firstToken, cachedTokens: r.cachedTokens, firstIsEog: pick.firstIsEog, payloadBytes });
+        const head = heads[i]!(payloadBytes);
         comp.heads.set(room, head);
         roomBytes.set(room, streamedBytes !== undefined && i === 0 ? streamedBytes + payloadBytes : wireBytes(head, payloadBytes));
       });

@@ -12,6 +12,8 @@ import {
   envelopeTrailer,
   HeaderSchema,
   parseEnvelopeHead,
+  prepareEnvelopeHead,
+  encodeEnvelopeHead,
   type EnvelopeExpect,
 } from '../../src/kv/envelope.js';
 import { crc32 } from '../../src/kv/transfer/checksum.js';
@@ -181,6 +183,45 @@ describe('envelope', () => {
     assert.ok(env.subarray(env.length - 4 - PAYLOAD.length, env.length - 4).equals(PAYLOAD));
     assert.equal(env.readUInt32BE(env.length - 4), crc32(PAYLOAD));
     assert.equal(crc32(Buffer.from('123456789')), 0xcbf43926);
+  });
+});
+
+describe('prepareEnvelopeHead (the head made before the payload size is known)', () => {
+  /** The head as the format defines it, built independently: prefix, JSON.stringify of the full header, sha256. */
+  const reference = (h: Record<string, unknown>, payloadBytes: number): Buffer => {
+    const { cachedTokens, ...rest } = h;
+    const full = { version: ENVELOPE_VERSION, fingerprint: rest.fingerprint, contextSize: rest.contextSize, batchSize: rest.batchSize, nTokens: rest.nTokens, firstToken: rest.firstToken, ...(cachedTokens !== undefined ? { cachedTokens } : {}), firstIsEog: rest.firstIsEog, payloadBytes, checksum: 'crc32' };
+    const json = Buffer.from(JSON.stringify(full));
+    const pre = Buffer.alloc(ENVELOPE_PREFIX_BYTES);
+    pre.write('PDKV', 0, 'ascii');
+    pre.writeUInt32BE(ENVELOPE_VERSION, 4);
+    pre.writeUInt32BE(json.length, 8);
+    const body = Buffer.concat([pre, json]);
+    return Buffer.concat([body, createHash('sha256').update(body).digest()]);
+  };
+
+  it('gives the bytes of the format for any size, and parses back (with and without cachedTokens, odd fingerprints)', () => {
+    const heads = [HDR, { ...HDR, cachedTokens: 12 }, { ...HDR, fingerprint: 'x","payloadBytes":0,"y' }, { ...HDR, fingerprint: 'ü"payloadBytes":0' }];
+    for (const h of heads) {
+      const make = prepareEnvelopeHead(h);
+      for (const n of [0, 1, 9, 10, 1050089, 67109020, Number.MAX_SAFE_INTEGER]) {
+        const head = make(n);
+        assert.deepEqual(head, reference(h, n), `${JSON.stringify(h)} ${n}`);
+        assert.deepEqual(head, encodeEnvelopeHead({ ...h, payloadBytes: n }));
+        const parsed = parseEnvelopeHead(head, { ...EXPECT, fingerprint: h.fingerprint, maxPayloadBytes: Number.MAX_SAFE_INTEGER });
+        assert.equal(parsed?.headBytes, head.length);
+        assert.equal(parsed?.header.payloadBytes, n);
+        assert.equal(parsed?.header.cachedTokens, (h as { cachedTokens?: number }).cachedTokens);
+      }
+    }
+  });
+
+  it('refuses invalid fields when prepared, an invalid size when called', () => {
+    bad(() => prepareEnvelopeHead({ ...HDR, nTokens: -1 }), /cannot encode envelope: nTokens/);
+    bad(() => prepareEnvelopeHead({ ...HDR, fingerprint: '' }), /cannot encode envelope: fingerprint/);
+    const make = prepareEnvelopeHead(HDR);
+    for (const n of [-1, 1.5, NaN, Number.MAX_SAFE_INTEGER + 1]) bad(() => make(n), /cannot encode envelope: payloadBytes/);
+    bad(() => encodeEnvelopeHead({ ...HDR, payloadBytes: -3 }), /cannot encode envelope: payloadBytes/);
   });
 });
 
