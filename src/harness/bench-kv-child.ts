@@ -5,7 +5,8 @@
  *            counts (prompt evaluation + saveState to /dev/shm), listens with a KvServer and a
  *            bare TCP server. `kv` trial (the prefill worker's TCP path): the state is first
  *            loaded back into the sequence (off the clock); from the save's start — saveState
- *            into a fresh file, then envelope head, kv_begin, sendStateFile (the file read in
+ *            into a fresh file (its envelope head prepared, all but the size, while llama.cpp
+ *            saves), then the head's size filled in, kv_begin, sendStateFile (the file read in
  *            pooled pieces, CRC-32 as they pass, into the socket), kv_end; or, with
  *            `streamed` (the worker's --kv-stream), during the save: streamed kv_begin,
  *            sendGrowingStateFile (the growing file read behind llama.cpp's writes), kv_end with
@@ -46,13 +47,14 @@ import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
 import type { ControlMsg } from '../kv/messages.js';
-import { encodeEnvelopeHead } from '../kv/envelope.js';
+import { encodeEnvelopeHead, envelopeTrailer, prepareEnvelopeHead } from '../kv/envelope.js';
+import { crc32 } from '../kv/transfer/checksum.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalSource } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
-import { sendGrowingStateFile, sendStateFile, wireBytes } from '../kv/transfer/sender.js';
+import { SEND_PIECE_BYTES, sendGrowingStateFile, sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
-import { copyFileSync, rmSync } from 'node:fs';
+import { appendFileSync, copyFileSync, ftruncateSync, openSync, readFileSync, rmSync } from 'node:fs';
 import { loadCorpus } from './bench.js';
 
 interface Init {
@@ -94,6 +96,38 @@ const abs = () => performance.timeOrigin + performance.now();
 /** CLOCK_MONOTONIC in ms (process.hrtime.bigint): the same clock in every process of this host. */
 const hr = () => Number(process.hrtime.bigint()) / 1e6;
 /**
+ * Bench-only step stamps of KV trials (PDSERVE_BENCH_KV_TRACE=<file>): lines
+ * "<CLOCK_MONOTONIC ms> <role> <step>" appended to the file once a trial is over (off the
+ * clock); a push of a few µs per step on the clock. Unset: no stamps. Read with
+ * scripts/kv-trace.py.
+ */
+const TRACE_FILE = process.env.PDSERVE_BENCH_KV_TRACE;
+/**
+ * Bench-only bound experiment (PDSERVE_BENCH_KV_BOUND; not the workers' path, not for the
+ * report's figures): what a native addon could at best buy on the TCP handoff.
+ *   mem     — prefill sends the state from memory with its CRC-32 computed in advance (read
+ *             once when the state is made; each trial still saves it with llama.cpp, the clock
+ *             is unchanged): the upper bound of sendfile(2) from the state file with the CRC
+ *             from a mapping. The first trial per state checks that the trial's save wrote
+ *             exactly these bytes.
+ *   nowrite — decode validates (envelope head, ggsq walk, CRC-32) but writes nothing: its
+ *             destination file is /dev/null and the load reads a file staged by the first
+ *             (warm-up, unrecorded) trial of the same size, re-framed in place by its load
+ *             (idempotent): the upper bound of reading the socket straight into a mapped
+ *             destination file.
+ *   both    — both.
+ */
+// (save-then-send trials only; the streamed ones ignore it)
+const BOUND = process.env.PDSERVE_BENCH_KV_BOUND ?? '';
+if (BOUND !== '' && BOUND !== 'mem' && BOUND !== 'nowrite' && BOUND !== 'both') throw new Error(`PDSERVE_BENCH_KV_BOUND must be mem, nowrite or both, not ${BOUND}`);
+const BOUND_MEM = BOUND === 'mem' || BOUND === 'both';
+const BOUND_NOWRITE = BOUND === 'nowrite' || BOUND === 'both';
+const traced: string[] = [];
+const tr = TRACE_FILE ? (step: string): void => void traced.push(`${hr().toFixed(4)} ${init.role} ${step}`) : (): void => {};
+const trFlush = (): void => {
+  if (TRACE_FILE && traced.length > 0) appendFileSync(TRACE_FILE, traced.splice(0).join('\n') + '\n');
+};
+/**
  * Deadline of every wait inside one trial (an ack, kv_end after kv_begin, the receiver's
  * `settle`), ms: below the parent's 120 s per call, so a lost message comes back as this
  * child's error naming what it waited for, not as the parent's bare timeout.
@@ -118,6 +152,8 @@ interface State {
   firstIsEog: boolean;
   /** Median of 3 saves of this state (ms): the save that the handoff goal counts on both sides. */
   saveMs: number;
+  /** PDSERVE_BENCH_KV_BOUND mem: the state's bytes and CRC-32; `checked` once a trial's save was compared with them. */
+  mem?: { bytes: Buffer; crc: number; checked: boolean };
 }
 
 async function main(): Promise<void> {
@@ -199,7 +235,8 @@ async function sender(engine: Engine): Promise<void> {
               bytes = await slot.saveState(path);
               saves.push(now() - ts);
             }
-            states.push({ n, tokens: toks, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]! });
+            const mem = BOUND_MEM ? readFileSync(path) : undefined;
+            states.push({ n, tokens: toks, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]!, ...(mem ? { mem: { bytes: mem, crc: crc32(mem), checked: false } } : {}) });
             atExit(() => rmSync(path, { force: true }));
           } finally {
             slot.release();
@@ -225,9 +262,13 @@ async function sender(engine: Engine): Promise<void> {
           rmSync(path, { force: true });
           const t0 = now();
           const t0Hr = hr();
+          tr(`save-start bytes=${st.bytes}`);
           const saving = slot.saveState(path);
           let tSaved = NaN;
-          saving.then(() => void (tSaved = now()), () => {});
+          saving.then(() => {
+            tSaved = now();
+            tr('save-resolved');
+          }, () => {});
           const info = engine.info;
           const headOf = (payloadBytes: number) => encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes });
           let t2 = 0;
@@ -251,13 +292,28 @@ async function sender(engine: Engine): Promise<void> {
             c.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc });
             streamedBytes = sent.totalBytes;
           } else {
+            // as the prefill worker: the head, all but its size, while llama.cpp saves (one
+            // event-loop turn lets the save start first)
+            await new Promise<void>((resolve) => setImmediate(resolve));
+            const makeHead = prepareEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog });
+            tr('head-prepared');
             const bytes = await saving;
-            const head = headOf(bytes);
+            tr('saved-awaited');
+            const head = makeHead(bytes);
+            tr('head-encoded');
             t2 = now();
             t2Abs = abs();
             c.sendControl({ type: 'kv_begin', room, totalBytes: wireBytes(head, bytes) });
-            await sendStateFile(c, room, path, head, bytes, { pool: sendPool, chunkBytes: 1024 * 1024 });
+            tr('kv_begin-sent');
+            let flushed = 0;
+            const onProgress = TRACE_FILE ? (n: number) => tr(`flushed ${(flushed += n)}`) : undefined;
+            if (st.mem) {
+              if (bytes !== st.mem.bytes.length) throw new Error(`bound mem: the trial's save wrote ${bytes} bytes, the state in memory has ${st.mem.bytes.length}`);
+              await sendFromMemory(c, room, head, st.mem.bytes, st.mem.crc, onProgress);
+            } else await sendStateFile(c, room, path, head, bytes, { pool: sendPool, chunkBytes: 1024 * 1024, onProgress });
+            tr('send-resolved');
             c.sendControl({ type: 'kv_end', room });
+            tr('kv_end-sent');
           }
           const t3 = now();
           const saved = await saving;
@@ -269,6 +325,12 @@ async function sender(engine: Engine): Promise<void> {
           }
           const t4 = now();
           const t4Abs = abs();
+          tr('ack-received');
+          trFlush();
+          if (st.mem && !st.mem.checked) {
+            if (!readFileSync(path).equals(st.mem.bytes)) throw new Error('bound mem: the trial\'s save wrote other bytes than the state in memory');
+            st.mem.checked = true;
+          }
           send({ type: 'kvDone', room, blobBytes: wireBytes(headOf(st.bytes), st.bytes), streamedBytes, totalMs: t4 - t0, t0Hr, saveMs: tSaved - t0, readMs: 0, encodeMs: 0, sendMs: t3 - t2, t2Abs, t4Abs });
         } finally {
           acks.delete(room);
@@ -378,6 +440,34 @@ async function sender(engine: Engine): Promise<void> {
   });
 }
 
+/**
+ * PDSERVE_BENCH_KV_BOUND mem: `head`, `payload` (already in memory) in SEND_PIECE_BYTES pieces
+ * and the trailer carrying `crc`, as room `room`'s chunk frames — sendStateFile's bytes without
+ * the file read and the CRC pass.
+ */
+function sendFromMemory(c: PeerConn, room: RoomId, head: Buffer, payload: Buffer, crc: number, onProgress?: (n: number) => void): Promise<void> {
+  let pos = -1;
+  let ended = false;
+  return c.sendFrom(room, {
+    next: () => {
+      if (pos < 0) {
+        pos = 0;
+        return head;
+      }
+      if (pos < payload.length) {
+        const n = Math.min(SEND_PIECE_BYTES, payload.length - pos);
+        pos += n;
+        return payload.subarray(pos - n, pos);
+      }
+      if (!ended) {
+        ended = true;
+        return envelopeTrailer(crc);
+      }
+      return undefined;
+    },
+  }, { offset: 0, onProgress });
+}
+
 async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
   const maxBytes = 512 * 1024 * 1024;
@@ -385,6 +475,28 @@ async function receiver(engine: Engine): Promise<void> {
   // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
   const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
   atExit(() => recvFiles.close());
+  // PDSERVE_BENCH_KV_BOUND nowrite: per payload size, the file the first trial wrote and loaded
+  // (re-framed in place by that load; the next loads re-frame it again to the same bytes)
+  const staged = new Map<number, string>();
+  const staging = new Map<string, number>();
+  const stagePool = {
+    acquire(bytes: number) {
+      const path = staged.get(bytes);
+      if (path !== undefined) return { path, fd: openSync('/dev/null', 'w'), reused: true };
+      const fresh = join(init.stateDir, `pdserve-bench-kvstage-${process.pid}-${bytes}.ggsq`);
+      const fd = openSync(fresh, 'w+');
+      ftruncateSync(fd, bytes);
+      atExit(() => rmSync(fresh, { force: true }));
+      staging.set(fresh, bytes);
+      return { path: fresh, fd, reused: false };
+    },
+    release(path: string) {
+      const bytes = staging.get(path);
+      if (bytes === undefined) return;
+      staging.delete(path);
+      staged.set(bytes, path);
+    },
+  } as unknown as FilePool;
   type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; end?: { totalBytes: number; crc: number }; error?: string; deadline?: NodeJS.Timeout };
   let recv: Recv | undefined;
   /** A receive that ends without a load (failed, replaced, timed out): its file back to the pool (or deleted), its timer off. */
@@ -408,12 +520,14 @@ async function receiver(engine: Engine): Promise<void> {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
       else if (msg.type === 'kv_file') void loadFile(conn, msg, mono());
       else if (msg.type === 'kv_begin') {
+        tr('kv_begin-recv');
         if (recv) {
           send({ type: 'kvRecv', room: recv.room, error: `kv_begin of room ${msg.room} before kv_end of room ${recv.room}` });
           drop(recv);
         }
         const streamed = msg.streamed === true;
-        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: recvFiles, pool: kvPool });
+        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: BOUND_NOWRITE ? stagePool : recvFiles, pool: kvPool });
+        tr('rx-made');
         const r: Recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
         // the sender may fail after kv_begin (its state file gone or cut): no kv_end ever comes
         r.deadline = setTimeout(() => {
@@ -424,6 +538,7 @@ async function receiver(engine: Engine): Promise<void> {
         }, TRIAL_WAIT_MS);
         recv = r;
       } else if (msg.type === 'kv_end') {
+        tr('kv_end-recv');
         const r = recv;
         recv = undefined;
         if (r) {
@@ -444,7 +559,9 @@ async function receiver(engine: Engine): Promise<void> {
       if (!r || r.room !== room || r.error) return;
       try {
         if (offset !== r.rx.received) throw new Error(`chunk at ${offset}, expected ${r.rx.received}`);
+        tr(`chunk ${offset} +${data.length}`);
         r.rx.push(data);
+        tr('pushed');
       } catch (err) {
         r.error = (err as Error).message;
       }
@@ -458,14 +575,18 @@ async function receiver(engine: Engine): Promise<void> {
       if (!slot) throw new Error('no free slot');
       const t0 = now();
       const loadAbs = abs();
+      tr('finish-start');
       const { header, state, path } = await r.rx.finish(r.end);
       if (state.nTokens !== header.nTokens) throw new Error('token count mismatch');
+      tr('finished');
       const t3 = now();
       await slot.loadState(path, state.tokens, state);
       const loadedHr = hr();
+      tr('loaded');
       const t4 = now();
       const ackAbs = abs();
       conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
+      trFlush();
       send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: 0, parseMs: 0, writeMs: t3 - t0, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs, loadedHr });
     } catch (err) {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });

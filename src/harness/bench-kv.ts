@@ -164,6 +164,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   const secret = randomBytes(16).toString('hex');
   const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm' };
   const streamed = o.kvStream ?? process.env.PDSERVE_BENCH_KV_STREAM === '1';
+  if (process.env.PDSERVE_BENCH_KV_BOUND) say(`  NOTE: PDSERVE_BENCH_KV_BOUND=${process.env.PDSERVE_BENCH_KV_BOUND}: a bound experiment (bench-kv-child.ts), not the workers' path — these §1 figures are not the handoff's`);
   const sender = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'sender', epoch: newEpoch(), streamed })]);
   const receiver = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'receiver', epoch: newEpoch(), sequences: o.receiverSequences ?? 1 })]);
   sender.on((m) => {

@@ -134,7 +134,8 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
       const r: KvSectionResult = await runKvSection({
         model: modelPath,
         sizesMiB: [1, 4, 16, 64],
-        reps: o.quick ? [2, 2, 1, 1] : [12, 10, 8, 6],
+        // PDSERVE_BENCH_KV_REPS="30,30,8,6": more trials per size for an engineer's A/B (bench-only; the suite's default otherwise)
+        reps: o.quick ? [2, 2, 1, 1] : (process.env.PDSERVE_BENCH_KV_REPS?.split(',').map(Number).filter((n) => Number.isSafeInteger(n) && n > 0) ?? [12, 10, 8, 6]),
         contextSize: 4096,
         batchSize: BATCH,
         receiverSequences: DECODE_SLOTS,
