@@ -89,6 +89,26 @@ export interface ChunkSource {
   attach?(resume: () => void): void;
 }
 
+/**
+ * Bytes a transfer hands the socket in one turn of its connection's send rotation (whole pieces:
+ * it keeps the turn while it has written less than this): MAX_CHUNK_BYTES, so pieces of any size
+ * get about the same bytes per turn, and a room of up to 1 MiB, once its turn comes, goes out
+ * without another room's bytes between its first and its last.
+ */
+export const SEND_QUANTUM_BYTES = MAX_CHUNK_BYTES;
+
+/** One running sendFrom as its connection's send rotation sees it. */
+interface Outgoing {
+  /** False after its source returned null: skipped until a flush of its own or the source's resume. */
+  ready: boolean;
+  /** Hands the socket the source's next piece: its bytes, or 0 (nothing ready, the end, or the transfer settled). */
+  step(): number;
+  /** The connection made progress: restart the stall timer. */
+  alive(): void;
+  /** The connection is gone: settle with PEER_LOST. */
+  lost(): void;
+}
+
 export const DEFAULT_HEARTBEAT_MS = 1000;
 export { HEARTBEAT_MISS_BUDGET } from './heartbeat.js';
 
@@ -162,7 +182,16 @@ export class PeerConn {
   private liveTimer: NodeJS.Timeout | undefined;
   private closeTimer: NodeJS.Timeout | undefined;
   private readonly closeWaiters = new Set<(reason: string) => void>();
-  private readonly drainWaiters = new Set<() => void>();
+  /** Running sendFrom transfers in rotation order (see serveSends). */
+  private readonly sending: Outgoing[] = [];
+  /** Index in `sending` of the transfer whose turn it is, and the bytes it has written in this turn. */
+  private sendCursor = 0;
+  private sendServed = 0;
+  /** Chunk bytes handed to the socket since the last per-turn yield, and whether one is scheduled. */
+  private turnBytes = 0;
+  private turnYield = false;
+  private serving = false;
+  private serveAgain = false;
   private resolveReady!: () => void;
   private rejectReady!: (e: KvError) => void;
   private resolveClosed!: () => void;
@@ -185,7 +214,8 @@ export class PeerConn {
     socket.setNoDelay(true);
     socket.on('data', (b: Buffer) => this.onData(b));
     socket.on('drain', () => {
-      for (const w of [...this.drainWaiters]) w();
+      for (const o of this.sending) o.alive();
+      this.serveSends();
     });
     socket.on('error', (e) => this.terminate(`socket error: ${errText(e)}`, { lost: true }));
     socket.on('end', () => this.terminate('connection closed by peer', { lost: true }));
@@ -263,11 +293,15 @@ export class PeerConn {
    * transfer's queued pieces), so a buffer goes back to its owner only when no I/O uses it; for
    * a piece never written (the socket already gone, or a piece the frame encoder refuses: empty
    * or over MAX_CHUNK_BYTES → 'BAD_FRAME'), at once, before the promise settles.
-   * At most one send window is handed to the socket per event-loop turn (the rest after
-   * setImmediate), so a peer that reads as fast as we write cannot keep the loop in one send.
-   * Resolves once every piece is flushed to the kernel; rejects as `sendChunks` ('PEER_LOST',
-   * 'ABORTED', 'TIMEOUT' after `stallMs` without a flushed piece, 'BAD_FRAME', RangeError).
-   * (`chunkBytes` is not used: the source sizes its pieces.)
+   * Transfers sharing the connection take turns (serveSends): each in turn writes about
+   * SEND_QUANTUM_BYTES (1 MiB) while the window has room, so a small room started behind a long
+   * one waits for a turn, not for the long one's end. At most one send window is handed to the
+   * socket per event-loop turn over all of them (the rest after setImmediate), so a peer that
+   * reads as fast as we write cannot keep the loop in one send. The stall timer restarts on
+   * every flushed piece of this room, on 'drain', on each per-turn yield and on the source's
+   * resume. Resolves once every piece is flushed to the kernel; rejects as `sendChunks`
+   * ('PEER_LOST', 'ABORTED', 'TIMEOUT' after `stallMs` without progress, 'BAD_FRAME',
+   * RangeError). (`chunkBytes` is not used: the source sizes its pieces.)
    */
   sendFrom(roomId: RoomId, source: ChunkSource, opts: SendChunksOptions = {}): Promise<void> {
     const stallMs = opts.stallMs ?? 10_000;
@@ -282,7 +316,6 @@ export class PeerConn {
     if (this.state !== 'open') return Promise.reject(this.lostError(roomId));
 
     return new Promise<void>((resolve, reject) => {
-      const window = this.owner.s.sendWindowBytes;
       let offset = opts.offset ?? 0;
       let pending = 0;
       let flushed = 0;
@@ -292,7 +325,7 @@ export class PeerConn {
         if (done) return;
         done = true;
         clearTimeout(stall);
-        this.drainWaiters.delete(pump);
+        this.dropSend(out);
         this.closeWaiters.delete(onClose);
         signal?.removeEventListener('abort', onAbort);
         if (err) reject(err);
@@ -313,83 +346,83 @@ export class PeerConn {
       const written = (piece: Buffer) => (err?: Error | null): void => {
         pending--;
         giveBack(piece);
-        if (done) return;
-        if (err) return settle(this.lostError(roomId, err));
-        flushed += piece.length;
-        stall.refresh();
-        if (opts.onProgress) {
-          try {
-            opts.onProgress(piece.length);
-          } catch (e) {
-            this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendChunks onProgress threw');
-          }
-        }
-        if (ended && pending === 0) return settle();
-        pump();
-      };
-      // Bytes handed to the socket in this turn of the event loop. When the peer reads as fast as
-      // we write, the kernel takes every write at once, writableLength stays near 0 and nothing
-      // would ever make this loop yield: one window per turn, then the rest after setImmediate,
-      // so write callbacks (progress, pooled buffers back), heartbeats and other rooms run between.
-      let turnBytes = 0;
-      let yielded = false;
-      const nextTurn = (): void => {
-        yielded = false;
-        turnBytes = 0;
-        pump();
-      };
-      function pumpImpl(this: PeerConn): void {
-        while (!done && !ended) {
-          if (this.state !== 'open') return settle(this.lostError(roomId));
-          if (this.socket.writableLength >= window) return; // resumed by a flush of ours or by 'drain'
-          if (turnBytes >= window) {
-            if (!yielded) {
-              yielded = true;
-              setImmediate(nextTurn);
+        if (!done) {
+          if (err) settle(this.lostError(roomId, err));
+          else {
+            flushed += piece.length;
+            stall.refresh();
+            if (opts.onProgress) {
+              try {
+                opts.onProgress(piece.length);
+              } catch (e) {
+                this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendChunks onProgress threw');
+              }
             }
-            return;
+            if (ended && pending === 0) settle();
+            else out.ready = true; // a piece back: the source may have one again
           }
-          let piece: Buffer | null | undefined;
-          try {
-            piece = source.next();
-          } catch (e) {
-            return settle(e as Error);
-          }
-          if (piece === undefined) {
-            ended = true;
-            if (pending === 0) settle();
-            return;
-          }
-          if (piece === null) {
-            if (pending === 0 && !source.attach) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
-            return; // resumed by a flush of ours (or by the source, through attach's resume)
-          }
-          let frame: Buffer[];
-          try {
-            frame = encodeChunk(roomId, offset, piece);
-          } catch (e) {
-            giveBack(piece); // never handed to the socket: back to its owner now (a pooled buffer)
-            return settle(e as Error);
-          }
-          if (this.socket.destroyed || !this.socket.writable) {
-            giveBack(piece);
-            return settle(this.lostError(roomId));
-          }
-          offset += piece.length;
-          turnBytes += piece.length;
-          pending++; // from here the socket owns the piece until written() (called on destroy too)
-          if (!this.write(frame, written(piece))) return settle(this.lostError(roomId));
         }
-      }
-      const pump = (): void => {
-        if (!done) stall.refresh();
-        pumpImpl.call(this);
+        this.serveSends(); // room in the window: whoever's turn it is (not necessarily this room)
       };
-      this.drainWaiters.add(pump);
+      const step = (): number => {
+        if (done || ended) return 0;
+        let piece: Buffer | null | undefined;
+        try {
+          piece = source.next();
+        } catch (e) {
+          settle(e as Error);
+          return 0;
+        }
+        if (piece === undefined) {
+          ended = true;
+          this.dropSend(out); // nothing more to write; settles when the last piece is flushed
+          if (pending === 0) settle();
+          return 0;
+        }
+        if (piece === null) {
+          out.ready = false; // until a flush of ours (or the source's resume, through attach)
+          if (pending === 0 && !source.attach) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
+          return 0;
+        }
+        let frame: Buffer[];
+        try {
+          frame = encodeChunk(roomId, offset, piece);
+        } catch (e) {
+          giveBack(piece); // never handed to the socket: back to its owner now (a pooled buffer)
+          settle(e as Error);
+          return 0;
+        }
+        if (this.socket.destroyed || !this.socket.writable) {
+          giveBack(piece);
+          settle(this.lostError(roomId));
+          return 0;
+        }
+        offset += piece.length;
+        pending++; // from here the socket owns the piece until written() (called on destroy too)
+        if (!this.write(frame, written(piece))) {
+          settle(this.lostError(roomId));
+          return 0;
+        }
+        return piece.length;
+      };
+      const out: Outgoing = {
+        ready: true,
+        step,
+        alive: () => {
+          if (!done) stall.refresh();
+        },
+        lost: onClose,
+      };
+      this.sending.push(out);
       this.closeWaiters.add(onClose);
       signal?.addEventListener('abort', onAbort, { once: true });
-      source.attach?.(pump);
-      pumpImpl.call(this);
+      source.attach?.(() => {
+        if (done) return;
+        stall.refresh();
+        out.ready = true;
+        this.serveSends();
+      });
+      this.serveSends();
     });
   }
 
@@ -412,6 +445,85 @@ export class PeerConn {
   private lostError(roomId: string, err?: Error): KvError {
     const why = this.reason || (err ? `write failed: ${errText(err)}` : 'not open');
     return new KvError('PEER_LOST', `connection ${this.id} is gone (${why}); transfer of room ${roomId} failed`);
+  }
+
+  /**
+   * Fills the send window from the running transfers, in turns: the transfer whose turn it is
+   * writes pieces until it has written SEND_QUANTUM_BYTES (or has nothing ready), then the next
+   * one in the rotation. Called whenever the window may have room (a flush of any room's piece,
+   * 'drain', a new transfer, a source's resume, the next event-loop turn), so a room that starts
+   * behind a long transfer waits for one turn of each other room, not for their ends; a transfer
+   * alone on the connection is served as fast as before. At most one send window is handed to
+   * the socket per event-loop turn (the rest after setImmediate): when the peer reads as fast as
+   * we write, the kernel takes every write at once, writableLength stays near 0 and nothing would
+   * make this loop yield; write callbacks (progress, pooled buffers back), heartbeats and other
+   * work run between.
+   */
+  private serveSends(): void {
+    if (this.serving) {
+      this.serveAgain = true; // re-entered (from a source or a settle): loop once more when back
+      return;
+    }
+    this.serving = true;
+    try {
+      do {
+        this.serveAgain = false;
+        this.serveRound();
+      } while (this.serveAgain);
+    } finally {
+      this.serving = false;
+    }
+  }
+
+  private serveRound(): void {
+    const list = this.sending;
+    const window = this.owner.s.sendWindowBytes;
+    let idle = 0; // transfers in a row that had nothing to write
+    while (list.length > 0) {
+      if (this.state !== 'open') {
+        for (const o of [...list]) o.lost();
+        return;
+      }
+      if (this.socket.writableLength >= window) return; // served again by a flush or 'drain'
+      if (this.turnBytes >= window) {
+        if (!this.turnYield) {
+          this.turnYield = true;
+          setImmediate(this.nextSendTurn);
+        }
+        return;
+      }
+      if (this.sendCursor >= list.length) this.sendCursor = 0;
+      const o = list[this.sendCursor];
+      const n = o.ready ? o.step() : 0;
+      if (list[this.sendCursor] !== o) {
+        idle = 0; // it ended or settled (dropSend moved the cursor to the next one)
+        continue;
+      }
+      if (n > 0) {
+        idle = 0;
+        this.turnBytes += n;
+        this.sendServed += n;
+        if (this.sendServed < SEND_QUANTUM_BYTES) continue;
+      } else if (++idle >= list.length) return; // nobody has a piece ready
+      this.sendCursor++; // the next one's turn
+      this.sendServed = 0;
+    }
+  }
+
+  private readonly nextSendTurn = (): void => {
+    this.turnYield = false;
+    this.turnBytes = 0;
+    for (const o of this.sending) o.alive();
+    this.serveSends();
+  };
+
+  /** Takes a transfer out of the rotation (ended or settled); the turn stays with the next one. */
+  private dropSend(o: Outgoing): void {
+    const i = this.sending.indexOf(o);
+    if (i < 0) return;
+    this.sending.splice(i, 1);
+    if (i < this.sendCursor) this.sendCursor--;
+    else if (i === this.sendCursor) this.sendServed = 0;
   }
 
   /** Hands one frame to the socket; false if the socket is gone or the queue cap is exceeded. */
@@ -634,7 +746,6 @@ export class PeerConn {
     this.rejectReady(this.failure ?? new KvError('PEER_LOST', `${this.side === 'decode' ? `prefill ${this.address}` : 'peer'}: ${reason}`));
     for (const w of [...this.closeWaiters]) w(reason);
     this.closeWaiters.clear();
-    this.drainWaiters.clear();
     if (wasOpen) {
       if (this.lost) {
         this.owner.stats.peersLost++;

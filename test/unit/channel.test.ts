@@ -7,7 +7,8 @@ import { createInterface } from 'node:readline';
 import { afterEach, describe, it } from 'node:test';
 import { fileURLToPath } from 'node:url';
 import { authMac, newEpoch, newNonce } from '../../src/kv/auth.js';
-import { KvPeerPool, KvServer, type KvChannelOptions, type KvLog, type PeerConn } from '../../src/kv/channel.js';
+import { KvPeerPool, KvServer, type ChunkSource, type KvChannelOptions, type KvLog, type PeerConn } from '../../src/kv/channel.js';
+import { SEND_QUANTUM_BYTES } from '../../src/kv/connection.js';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from '../../src/kv/frame.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type RoomMsg } from '../../src/kv/messages.js';
 import { KvError } from '../../src/kv/types.js';
@@ -432,6 +433,122 @@ describe('channel: chunks', () => {
     assert.ok(maxQueued <= 2 * 1024 * 1024 + 256 * 1024 + 64, `queued ${maxQueued}`);
     assert.ok(gap < 500, `event loop gap ${gap} ms`);
     console.log(`# 16 MiB in ${ms.toFixed(0)} ms (${(blob.length / 1e6 / (ms / 1000)).toFixed(0)} MB/s), max queued ${maxQueued}, loop gap ${gap} ms`);
+  });
+
+  /**
+   * The rooms of `before` start on one connection to a decode pool that reads slowly (it spins
+   * 0.2 ms in every read's chunk callback), so our queue stays at the window; room 99 (`after`)
+   * starts while it is full. The order on the wire is then decided by which room gets the space
+   * each flush frees, not by timing. Returns each room's first and last byte as positions in the
+   * stream of chunk bytes received.
+   */
+  async function sharedConnection(window: number, before: Record<string, Sized>, after: Sized) {
+    const s = await startServer({ heartbeatMs: 10_000, sendWindowBytes: window });
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const p = startPool({ heartbeatMs: 10_000 });
+    const at: Record<string, { first: number; last: number }> = {};
+    let total = 0;
+    p.pool.onChunk = (_c, room, _offset, data) => {
+      at[room] ??= { first: total, last: 0 };
+      total += data.length;
+      at[room].last = total;
+      for (const end = performance.now() + 0.2; performance.now() < end; );
+    };
+    await p.pool.get('127.0.0.1', s.port);
+    await until(() => sc !== undefined);
+    const sends = Object.entries(before).map(([room, x]) => sc!.sendFrom(room, x.source));
+    await until(() => total >= window && sc!.queuedBytes >= window, 3000, 'the send window full while the peer reads');
+    sends.push(sc!.sendFrom('99', after.source));
+    const expected = Object.values(before).reduce((n, x) => n + x.bytes, after.bytes);
+    await Promise.all(sends);
+    await until(() => total === expected, 10_000, 'every byte received');
+    return at;
+  }
+  type Sized = { bytes: number; source: ChunkSource };
+  const MiB = 1024 * 1024;
+  /**
+   * The shape of sendStateFile's source: one 1 MiB buffer in four 256 KiB slots, null while all
+   * are in flight. `free` holds the slots not in flight (a slot given back twice shows twice).
+   */
+  function slotted(bytes: number): Sized & { free: number[] } {
+    const buf = Buffer.alloc(MiB, 3);
+    const piece = MiB / 4;
+    const free = [3, 2, 1, 0];
+    let pos = 0;
+    return {
+      bytes,
+      free,
+      source: {
+        next: () => {
+          if (pos >= bytes) return undefined;
+          const slot = free.pop();
+          if (slot === undefined) return null;
+          const n = Math.min(piece, bytes - pos);
+          pos += n;
+          return buf.subarray(slot * piece, slot * piece + n);
+        },
+        flushed: (p) => void free.push((p.byteOffset - buf.byteOffset) / piece),
+      },
+    };
+  }
+  /** A whole blob in 256 KiB pieces, never waiting for a flush (sendChunks). */
+  function blob(bytes: number): Sized {
+    const buf = Buffer.alloc(bytes, 4);
+    let pos = 0;
+    return { bytes, source: { next: () => (pos >= bytes ? undefined : buf.subarray(pos, (pos = Math.min(bytes, pos + MiB / 4)))) } };
+  }
+
+  it('rooms on one connection take turns: a 1 MiB room started behind eight 8 MiB ones (the file sender\'s shape) is not sent after them', async () => {
+    const before: Record<string, ReturnType<typeof slotted>> = {};
+    for (let r = 1; r <= 8; r++) before[String(r)] = slotted(8 * MiB);
+    const small = slotted(MiB);
+    const at = await sharedConnection(4 * MiB, before, small);
+    for (const x of [...Object.values(before), small] as ReturnType<typeof slotted>[]) assert.deepEqual([...x.free].sort(), [0, 1, 2, 3], 'every slot back once');
+    const firstBigEnd = Math.min(...Object.keys(before).map((r) => at[r].last));
+    const where = `room 99 at ${at['99'].first / MiB}..${at['99'].last / MiB} MiB, the first 8 MiB room ended at ${firstBigEnd / MiB} of 65 MiB`;
+    // (Before the rotation its four pieces went out one per drain, between the others' refills: 16..40 MiB.)
+    assert.ok(at['99'].last - at['99'].first - MiB <= SEND_QUANTUM_BYTES, `more than one turn of the others between room 99's first and last byte: ${where}`);
+    assert.ok(at['99'].last < firstBigEnd, where);
+    console.log(`# ${where}`);
+  });
+
+  it('rooms on one connection take turns: a 1 MiB room started behind a 32 MiB blob ends first, its bytes in one turn', async () => {
+    // (review F2: before the per-turn yield, room 99 waited for all of room 1.)
+    const at = await sharedConnection(4 * MiB, { '1': blob(32 * MiB) }, blob(MiB));
+    const where = `room 99 at ${at['99'].first / MiB}..${at['99'].last / MiB} MiB, room 1 ended at ${at['1'].last / MiB} of 33 MiB`;
+    assert.ok(at['99'].last < at['1'].last, where);
+    assert.ok(at['99'].last - at['99'].first - MiB <= SEND_QUANTUM_BYTES, `more than one turn of room 1 between room 99's first and last byte: ${where}`);
+    console.log(`# ${where}`);
+  });
+
+  it('rooms on one connection take turns: one aborted mid-send gives every slot back once and the others go on', async () => {
+    const s = await startServer({ heartbeatMs: 10_000, sendWindowBytes: 1 * MiB });
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const p = startPool({ heartbeatMs: 10_000 });
+    const got: Record<string, number> = {};
+    p.pool.onChunk = (_c, room, _offset, data) => {
+      got[room] = (got[room] ?? 0) + data.length;
+      for (const end = performance.now() + 0.2; performance.now() < end; );
+    };
+    await p.pool.get('127.0.0.1', s.port);
+    await until(() => sc !== undefined);
+    const rooms = ['1', '2', '3'].map(() => slotted(16 * MiB));
+    const ac = new AbortController();
+    let progress2 = 0;
+    const sends = rooms.map((x, i) =>
+      sc!.sendFrom(String(i + 1), x.source, {
+        signal: i === 1 ? ac.signal : undefined,
+        onProgress: i === 1 ? (n) => void ((progress2 += n) >= 2 * MiB && ac.abort(new Error('client gone'))) : undefined,
+      }),
+    );
+    await rejectsKv(sends[1], 'ABORTED', /client gone/);
+    await Promise.all([sends[0], sends[2]]);
+    await until(() => got['1'] === 16 * MiB && got['3'] === 16 * MiB, 10_000, 'rooms 1 and 3 received');
+    assert.ok(got['2'] < 16 * MiB, `room 2 stopped (${got['2']} bytes)`);
+    await until(() => rooms[1].free.length === 4, 3000, "room 2's pieces in flight back");
+    for (const x of rooms) assert.deepEqual([...x.free].sort(), [0, 1, 2, 3], 'every slot back once');
   });
 
   it('a peer that does not read: sends stop at the window and time out; abort and close reject', async () => {
