@@ -116,12 +116,18 @@ const TRACE_FILE = process.env.PDSERVE_BENCH_KV_TRACE;
  *             (idempotent): the upper bound of reading the socket straight into a mapped
  *             destination file.
  *   both    — both.
+ *   bare    — both, and decode does not even validate: the chunks are only counted (no head
+ *             check, walk or CRC-32) and the staged file is loaded with the warm-up trial's
+ *             walk — the channel alone (chunk frames from memory through PeerConn.sendFrom and
+ *             decode's frame reader). NOT a legal handoff: it says what is left once no file
+ *             is copied and nothing is checked.
  */
 // (save-then-send trials only; the streamed ones ignore it)
 const BOUND = process.env.PDSERVE_BENCH_KV_BOUND ?? '';
-if (BOUND !== '' && BOUND !== 'mem' && BOUND !== 'nowrite' && BOUND !== 'both') throw new Error(`PDSERVE_BENCH_KV_BOUND must be mem, nowrite or both, not ${BOUND}`);
-const BOUND_MEM = BOUND === 'mem' || BOUND === 'both';
-const BOUND_NOWRITE = BOUND === 'nowrite' || BOUND === 'both';
+if (BOUND !== '' && BOUND !== 'mem' && BOUND !== 'nowrite' && BOUND !== 'both' && BOUND !== 'bare') throw new Error(`PDSERVE_BENCH_KV_BOUND must be mem, nowrite, both or bare, not ${BOUND}`);
+const BOUND_MEM = BOUND === 'mem' || BOUND === 'both' || BOUND === 'bare';
+const BOUND_NOWRITE = BOUND === 'nowrite' || BOUND === 'both' || BOUND === 'bare';
+const BOUND_BARE = BOUND === 'bare';
 const traced: string[] = [];
 const tr = TRACE_FILE ? (step: string): void => void traced.push(`${hr().toFixed(4)} ${init.role} ${step}`) : (): void => {};
 const trFlush = (): void => {
@@ -497,7 +503,9 @@ async function receiver(engine: Engine): Promise<void> {
       staged.set(bytes, path);
     },
   } as unknown as FilePool;
-  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; end?: { totalBytes: number; crc: number }; error?: string; deadline?: NodeJS.Timeout };
+  type Recv = { room: RoomId; rx: StateReceiver<ParsedState>; tBegin: number; tLast: number; beginAbs: number; lastAbs: number; endAbs: number; end?: { totalBytes: number; crc: number }; error?: string; deadline?: NodeJS.Timeout; total: number; bare?: { path: string; state: ParsedState }; counted: number };
+  /** PDSERVE_BENCH_KV_BOUND bare: per kv_begin size, the staged file and the warm-up trial's walk of it. */
+  const bareOf = new Map<number, { path: string; state: ParsedState }>();
   let recv: Recv | undefined;
   /** A receive that ends without a load (failed, replaced, timed out): its file back to the pool (or deleted), its timer off. */
   const drop = (r: Recv): void => {
@@ -528,7 +536,8 @@ async function receiver(engine: Engine): Promise<void> {
         const streamed = msg.streamed === true;
         const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: BOUND_NOWRITE ? stagePool : recvFiles, pool: kvPool });
         tr('rx-made');
-        const r: Recv = { room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
+        const bare = BOUND_BARE && !streamed ? bareOf.get(msg.totalBytes) : undefined;
+        const r: Recv = { total: msg.totalBytes, counted: 0, ...(bare ? { bare } : {}), room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
         // the sender may fail after kv_begin (its state file gone or cut): no kv_end ever comes
         r.deadline = setTimeout(() => {
           if (recv !== r) return;
@@ -558,6 +567,15 @@ async function receiver(engine: Engine): Promise<void> {
       const r = recv;
       if (!r || r.room !== room || r.error) return;
       try {
+        if (r.bare) {
+          if (offset !== r.counted) throw new Error(`chunk at ${offset}, expected ${r.counted}`);
+          tr(`chunk ${offset} +${data.length}`);
+          r.counted += data.length;
+          tr('pushed');
+          r.tLast = now();
+          r.lastAbs = abs();
+          return;
+        }
         if (offset !== r.rx.received) throw new Error(`chunk at ${offset}, expected ${r.rx.received}`);
         tr(`chunk ${offset} +${data.length}`);
         r.rx.push(data);
@@ -576,7 +594,9 @@ async function receiver(engine: Engine): Promise<void> {
       const t0 = now();
       const loadAbs = abs();
       tr('finish-start');
-      const { header, state, path } = await r.rx.finish(r.end);
+      if (r.bare && r.counted !== r.total) throw new Error(`bound bare: ${r.counted} bytes came, kv_begin announced ${r.total}`);
+      const { header, state, path } = r.bare ? { header: { nTokens: r.bare.state.nTokens }, state: r.bare.state, path: r.bare.path } : await r.rx.finish(r.end);
+      if (BOUND_BARE && !r.bare) bareOf.set(r.total, { path, state });
       if (state.nTokens !== header.nTokens) throw new Error('token count mismatch');
       tr('finished');
       const t3 = now();
