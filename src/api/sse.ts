@@ -137,8 +137,110 @@ const LF = 0x0a;
 const CR = 0x0d;
 
 /**
- * Yield the `data` payload of every complete event of an SSE byte stream.
- * An unterminated event at end of stream is discarded (as the WHATWG parser does).
+ * Synchronous SSE parser: `push(chunk)` returns the `data` payload of every event the chunk
+ * completes (multi-line data joined with '\n'), in order. Same rules as `readSse` (which is this
+ * parser behind an async iterator): events split across chunks, LF / CRLF / CR line endings,
+ * comments, a leading BOM, fields other than `data` ignored, one event capped at `maxEventBytes`.
+ * For callers that must act on an event inside the socket's read callback (the router's prefill
+ * leg, src/router/dispatch.ts), without the async iterator's extra turns.
+ * @throws SseError SSE_EVENT_TOO_LARGE (from `push`) when one event exceeds `maxEventBytes`.
+ */
+export class SseParser {
+  private readonly max: number;
+  private readonly decoder = new TextDecoder('utf-8');
+  private partial: Uint8Array[] = [];
+  private partialBytes = 0;
+  private data: string[] | null = null;
+  private eventBytes = 0;
+  private skipLf = false;
+  private firstLine = true;
+
+  constructor(opts: ReadSseOptions = {}) {
+    this.max = opts.maxEventBytes ?? 1024 * 1024;
+  }
+
+  /**
+   * Feed one chunk; returns the payloads of the events it completed (often none or one), appended
+   * to `out` as they are found (when `push` throws, `out` holds the events before the error).
+   */
+  push(chunk: Uint8Array, out: string[] = []): string[] {
+    const n = chunk.length;
+    let i = 0;
+    if (this.skipLf && n > 0) {
+      if (chunk[0] === LF) i = 1;
+      this.skipLf = false;
+    }
+    let start = i;
+    for (; i < n; i++) {
+      const b = chunk[i];
+      if (b !== LF && b !== CR) continue;
+      const payload = this.line(this.take(chunk, start, i));
+      if (b === CR) {
+        if (i + 1 < n) {
+          if (chunk[i + 1] === LF) i++;
+        } else {
+          this.skipLf = true;
+        }
+      }
+      start = i + 1;
+      if (payload !== undefined) out.push(payload);
+    }
+    if (start < n) {
+      // Copy: the producer may reuse its buffer after we return control.
+      this.partial.push(Uint8Array.prototype.slice.call(chunk, start));
+      this.partialBytes += n - start;
+      if (this.eventBytes + this.partialBytes > this.max) throw this.tooLarge();
+    }
+    return out;
+  }
+
+  private tooLarge(): SseError {
+    return new SseError('SSE_EVENT_TOO_LARGE', `SSE event larger than ${this.max} bytes`);
+  }
+
+  /** Process one complete line; returns the payload when it dispatches an event. */
+  private line(bytes: Uint8Array): string | undefined {
+    if (this.firstLine) {
+      this.firstLine = false;
+      if (bytes.length >= 3 && bytes[0] === 0xef && bytes[1] === 0xbb && bytes[2] === 0xbf) bytes = bytes.subarray(3);
+    }
+    if (bytes.length === 0) {
+      const out = this.data === null ? undefined : this.data.join('\n');
+      this.data = null;
+      this.eventBytes = 0;
+      return out;
+    }
+    if (bytes[0] === 0x3a /* ':' comment */) return undefined;
+    const text = this.decoder.decode(bytes);
+    const colon = text.indexOf(':');
+    const field = colon < 0 ? text : text.slice(0, colon);
+    if (field !== 'data') return undefined;
+    let value = colon < 0 ? '' : text.slice(colon + 1);
+    if (value.startsWith(' ')) value = value.slice(1);
+    this.eventBytes += bytes.length + 1;
+    if (this.eventBytes > this.max) throw this.tooLarge();
+    (this.data ??= []).push(value);
+    return undefined;
+  }
+
+  private take(chunk: Uint8Array, start: number, end: number): Uint8Array {
+    if (this.partial.length === 0) return chunk.subarray(start, end);
+    this.partial.push(chunk.subarray(start, end));
+    const out = new Uint8Array(this.partialBytes + end - start);
+    let o = 0;
+    for (const p of this.partial) {
+      out.set(p, o);
+      o += p.length;
+    }
+    this.partial = [];
+    this.partialBytes = 0;
+    return out;
+  }
+}
+
+/**
+ * Yield the `data` payload of every complete event of an SSE byte stream (`SseParser` over an
+ * async iterable). An unterminated event at end of stream is discarded (as the WHATWG parser does).
  * Breaking out of the loop returns the underlying iterator (an undici body is destroyed).
  * @throws SseError SSE_EVENT_TOO_LARGE when one event exceeds `maxEventBytes`.
  */
@@ -146,83 +248,16 @@ export async function* readSse(
   body: AsyncIterable<Uint8Array>,
   opts: ReadSseOptions = {},
 ): AsyncGenerator<string, void, undefined> {
-  const max = opts.maxEventBytes ?? 1024 * 1024;
-  const decoder = new TextDecoder('utf-8');
-  let partial: Uint8Array[] = [];
-  let partialBytes = 0;
-  let data: string[] | null = null;
-  let eventBytes = 0;
-  let skipLf = false;
-  let firstLine = true;
-
-  const tooLarge = () => new SseError('SSE_EVENT_TOO_LARGE', `SSE event larger than ${max} bytes`);
-
-  /** Process one complete line; returns the payload when it dispatches an event. */
-  const line = (bytes: Uint8Array): string | undefined => {
-    if (firstLine) {
-      firstLine = false;
-      if (bytes.length >= 3 && bytes[0] === 0xef && bytes[1] === 0xbb && bytes[2] === 0xbf) bytes = bytes.subarray(3);
-    }
-    if (bytes.length === 0) {
-      const out = data === null ? undefined : data.join('\n');
-      data = null;
-      eventBytes = 0;
-      return out;
-    }
-    if (bytes[0] === 0x3a /* ':' comment */) return undefined;
-    const text = decoder.decode(bytes);
-    const colon = text.indexOf(':');
-    const field = colon < 0 ? text : text.slice(0, colon);
-    if (field !== 'data') return undefined;
-    let value = colon < 0 ? '' : text.slice(colon + 1);
-    if (value.startsWith(' ')) value = value.slice(1);
-    eventBytes += bytes.length + 1;
-    if (eventBytes > max) throw tooLarge();
-    (data ??= []).push(value);
-    return undefined;
-  };
-
-  const take = (chunk: Uint8Array, start: number, end: number): Uint8Array => {
-    if (partial.length === 0) return chunk.subarray(start, end);
-    partial.push(chunk.subarray(start, end));
-    const out = new Uint8Array(partialBytes + end - start);
-    let o = 0;
-    for (const p of partial) {
-      out.set(p, o);
-      o += p.length;
-    }
-    partial = [];
-    partialBytes = 0;
-    return out;
-  };
-
+  const parser = new SseParser(opts);
   for await (const chunk of body) {
-    const n = chunk.length;
-    let i = 0;
-    if (skipLf && n > 0) {
-      if (chunk[0] === LF) i = 1;
-      skipLf = false;
+    const events: string[] = [];
+    let failure: unknown = null;
+    try {
+      parser.push(chunk, events);
+    } catch (err) {
+      failure = err; // the chunk's events before the oversized one are still delivered first
     }
-    let start = i;
-    for (; i < n; i++) {
-      const b = chunk[i];
-      if (b !== LF && b !== CR) continue;
-      const payload = line(take(chunk, start, i));
-      if (b === CR) {
-        if (i + 1 < n) {
-          if (chunk[i + 1] === LF) i++;
-        } else {
-          skipLf = true;
-        }
-      }
-      start = i + 1;
-      if (payload !== undefined) yield payload;
-    }
-    if (start < n) {
-      // Copy: the producer may reuse its buffer after we return control.
-      partial.push(Uint8Array.prototype.slice.call(chunk, start));
-      partialBytes += n - start;
-      if (eventBytes + partialBytes > max) throw tooLarge();
-    }
+    for (const payload of events) yield payload;
+    if (failure) throw failure;
   }
 }

@@ -43,14 +43,15 @@
  * without end). Like Envoy's `retry_on: reset` (before the response headers only).
  */
 import { DRAINING_CODE } from '../common/drain.js';
-import { hold } from '../common/testhooks.js';
+import { hold, holdsEnabled } from '../common/testhooks.js';
 import { newRoomId, type RoomId } from '../common/room-id.js';
 import { performance } from 'node:perf_hooks';
+import { Writable } from 'node:stream';
 import type { FastifyReply } from 'fastify';
 import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
 import { ApiError, OpenAIResponseBuilder, responseToolSyntax, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
-import { readSse, SseError, SseWriter } from '../api/sse.js';
+import { readSse, SseError, SseParser, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import type { Outcome, RouterMetrics } from './metrics.js';
@@ -64,6 +65,9 @@ export const LINGER_MS = 2000;
 /** Largest worker error body read, bytes. */
 const MAX_ERROR_BODY = 64 * 1024;
 const JSON_HEADERS = { 'content-type': 'application/json' } as const;
+const PREFILL_SSE_HEADERS = { ...JSON_HEADERS, accept: 'text/event-stream' } as const;
+/** Ends prefill's stream after an error event (the leg has already failed): not an error of its own. */
+const STOP_PREFILL_STREAM = new Error('prefill stream stopped after its error event');
 
 /** Random 63-bit bootstrap room id (the one generator, common/room-id.ts; bytes from ./random-pool.ts). */
 export const randomRoom = (): RoomId => newRoomId(randomU64);
@@ -225,20 +229,24 @@ export class PdRequest {
   async run(): Promise<void> {
     const { metrics, config } = this.ctx;
     metrics.inflight.inc();
-    this.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
     this.reply.raw.on('close', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
       config.requestTimeoutMs,
     );
-    await hold('router.dispatch');
-    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path });
+    if (holdsEnabled) await hold('router.dispatch');
     if (!this.over) {
       // Decode's request first: prefill waits for decode's `register` (which comes after decode has
       // read its request) before it evaluates, so decode's socket write is the one on the TTFT path.
+      // (Prefill first, as a direct client sends them, was measured and lost: see BENCHMARKS.md §5.
+      // undici writes both in the same check phase, after its idle-socket check; writing the first
+      // wakes its worker, which can preempt the router before the second write: ≈ 1 ms, 3 times in
+      // 6 at load ≈ 3.) What only records (the trace event, the debug line) comes after both.
       void this.runDecode();
       if (this.legs.prefill) void this.runPrefill(this.legs.prefill);
     }
+    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path });
+    this.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
     await this.done;
   }
 
@@ -259,7 +267,10 @@ export class PdRequest {
   private async runPrefill(leg: Leg): Promise<void> {
     const streamed = this.ctx.config.firstTokenFromPrefill;
     try {
-      const headers = streamed ? { ...JSON_HEADERS, accept: 'text/event-stream' } : JSON_HEADERS;
+      // The common case (a request of its own, first token from prefill) reads the stream inside
+      // the socket's read callback: see `streamPrefill`.
+      if (streamed && !this.member) return await this.streamPrefill(leg);
+      const headers = streamed ? PREFILL_SSE_HEADERS : JSON_HEADERS;
       const res = this.member
         ? await this.member.group.join(this.member.index, this.room, this.body, leg.ac.signal)
         : await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
@@ -275,6 +286,7 @@ export class PdRequest {
       }
       this.legFailed(leg, workerError('prefill', res.statusCode, text));
     } catch (err) {
+      if (err === STOP_PREFILL_STREAM) return;
       if (this.over || leg.ac.signal.aborted) return;
       if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT')) {
         this.finish('client_abort', new ApiError(499, 'client_closed_request', `client stream failed: ${err.message}`));
@@ -287,42 +299,119 @@ export class PdRequest {
     }
   }
 
-  /** Prefill's stream: the first-token event (to the client at once), then the handoff outcome. */
+  /**
+   * Prefill's streamed answer through undici's `stream()` API: its events are parsed (SseParser)
+   * and handled inside undici's data callback, i.e. in the socket's read callback, so the first
+   * token reaches the client's socket in the turn its bytes arrived. A `request()` body read with
+   * `for await` (still used for a choice group's shared stream, `readPrefillStream`) takes several
+   * more turns (the response promise, the Readable's buffering, the async iterators): ≈ 0.2 ms
+   * per request on the TTFT path, measured with stamps (BENCHMARKS.md §5). Same outcomes as
+   * `readPrefillStream`: resolves when the stream ended (or stopped after an error event, the leg
+   * then failed); rejects with the transport error, an ApiError (bad event, truncated stream) or
+   * the SseError of a failed client write. A status other than 200: its body (≤ MAX_ERROR_BODY
+   * bytes kept) fails the leg, as before.
+   */
+  private streamPrefill(leg: Leg): Promise<void> {
+    const url = new URL(`${leg.worker.url}/generate`);
+    const st = { first: true };
+    let status = 0;
+    let errorBody: TextSink | null = null;
+    return new Promise<void>((resolve, reject) => {
+      this.ctx.dataAgent.stream(
+        { origin: url.origin, path: url.pathname + url.search, method: 'POST', headers: PREFILL_SSE_HEADERS, body: this.body, signal: leg.ac.signal },
+        ({ statusCode }) => {
+          leg.answered = true;
+          status = statusCode;
+          if (statusCode !== 200) return (errorBody = new TextSink(MAX_ERROR_BODY));
+          const parser = new SseParser({ maxEventBytes: this.ctx.config.maxEventBytes });
+          return new Writable({
+            write: (chunk: Buffer, _enc, cb) => {
+              const events: string[] = [];
+              let failure: unknown = null;
+              try {
+                parser.push(chunk, events);
+              } catch (err) {
+                failure = err; // the events before the oversized one first, as readSse does
+              }
+              const next = (i: number): void => {
+                for (; i < events.length; i++) {
+                  let r: ReturnType<PdRequest['prefillEvent']>;
+                  try {
+                    r = this.prefillEvent(leg, events[i]!, st);
+                  } catch (err) {
+                    return cb(err as Error);
+                  }
+                  if (r === 'stop') return cb(STOP_PREFILL_STREAM);
+                  if (r) {
+                    const at = i + 1;
+                    r.then(() => next(at), (err: Error) => cb(err));
+                    return;
+                  }
+                }
+                cb(failure as Error | null);
+              };
+              next(0);
+            },
+            final: (cb) => cb(st.first && !this.over ? new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error') : null),
+          });
+        },
+        (err) => {
+          if (err) return reject(err);
+          if (errorBody) {
+            leg.reported = true;
+            this.legFailed(leg, workerError('prefill', status, errorBody.text()));
+          }
+          resolve();
+        },
+      );
+    });
+  }
+
+  /** Prefill's stream read from a response body (a choice group's member): the same events as `streamPrefill`. */
   private async readPrefillStream(leg: Leg, body: AsyncIterable<Uint8Array>): Promise<void> {
-    let first = true;
+    const st = { first: true };
     for await (const data of readSse(body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
-      if (data === SSE_DONE) {
-        leg.reported = true;
-        continue;
-      }
-      let ev: { error?: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }; transfer?: unknown };
-      try {
-        ev = JSON.parse(data);
-      } catch {
-        throw new ApiError(502, 'bad_worker_event', 'prefill worker sent an event that is not JSON', 'server_error');
-      }
-      if (ev?.error && typeof ev.error === 'object') {
-        leg.reported = true;
-        const e = ev.error;
-        const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : 502;
-        this.legFailed(leg, workerError('prefill', status, JSON.stringify({ error: { message: e.message, code: e.code, type: e.type } })));
-        return;
-      }
-      if (ev?.transfer !== undefined) {
-        leg.reported = true;
-        this.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
-        this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: ev.transfer });
-        continue;
-      }
-      if (!first || this.over) continue;
-      first = false;
-      try {
-        await this.onEvent(ev as unknown as GenerateEvent);
-      } finally {
-        this.firstGateOpen();
-      }
+      const r = this.prefillEvent(leg, data, st);
+      if (r === 'stop') return;
+      if (r) await r;
     }
-    if (first && !this.over) throw new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error');
+    if (st.first && !this.over) throw new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error');
+  }
+
+  /**
+   * One event of prefill's stream: the first-token event (to the client at once), then the
+   * handoff outcome. Returns 'stop' after an error event (the leg has failed: read no further),
+   * the promise of the first token's handling (the write to the client; decode's events are held
+   * until it settles), or undefined.
+   * @throws ApiError 502 bad_worker_event when the event is not JSON.
+   */
+  private prefillEvent(leg: Leg, data: string, st: { first: boolean }): 'stop' | Promise<void> | undefined {
+    if (data === SSE_DONE) {
+      leg.reported = true;
+      return undefined;
+    }
+    let ev: { error?: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }; transfer?: unknown };
+    try {
+      ev = JSON.parse(data);
+    } catch {
+      throw new ApiError(502, 'bad_worker_event', 'prefill worker sent an event that is not JSON', 'server_error');
+    }
+    if (ev?.error && typeof ev.error === 'object') {
+      leg.reported = true;
+      const e = ev.error;
+      const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : 502;
+      this.legFailed(leg, workerError('prefill', status, JSON.stringify({ error: { message: e.message, code: e.code, type: e.type } })));
+      return 'stop';
+    }
+    if (ev?.transfer !== undefined) {
+      leg.reported = true;
+      this.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
+      this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: ev.transfer });
+      return undefined;
+    }
+    if (!st.first || this.over) return undefined;
+    st.first = false;
+    return this.onEvent(ev as unknown as GenerateEvent).finally(() => this.firstGateOpen());
   }
 
   private async runDecode(): Promise<void> {
@@ -593,6 +682,26 @@ export class PdRequest {
 /** The lease of a leg whose worker load is held by another request (a choice group's prefill). */
 function noLease(worker: WorkerState): Lease {
   return { worker, released: false, release: () => false };
+}
+
+/** A response body kept as text, at most `max` bytes (the rest is read and dropped, as `readText` does). */
+class TextSink extends Writable {
+  private readonly parts: Buffer[] = [];
+  private n = 0;
+  constructor(private readonly max: number) {
+    super();
+  }
+  override _write(chunk: Buffer, _enc: BufferEncoding, cb: (err?: Error | null) => void): void {
+    if (this.n < this.max) {
+      const c = chunk.subarray(0, this.max - this.n);
+      this.parts.push(Buffer.from(c));
+      this.n += c.length;
+    }
+    cb();
+  }
+  text(): string {
+    return Buffer.concat(this.parts).toString('utf8');
+  }
 }
 
 function safeJson(text: string): unknown {

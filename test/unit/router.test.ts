@@ -4,6 +4,7 @@
  * behaviour. The client is the real `openai` npm package pointed at the router.
  */
 import assert from 'node:assert/strict';
+import diagnostics from 'node:diagnostics_channel';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, afterEach, describe, test } from 'node:test';
 import Fastify, { type FastifyInstance } from 'fastify';
@@ -27,6 +28,8 @@ interface PrefillBehaviour {
   first?: string;
   /** With first_token_from_prefill: wait this long after the first token, then end with an `{error}` event instead of `{transfer}`. */
   failAfterFirstMs?: number;
+  /** With first_token_from_prefill: the body of the 200 stream instead of the script above, in these pieces (5 ms apart), then the end. */
+  rawPieces?: string[];
 }
 
 interface DecodeBehaviour {
@@ -120,6 +123,17 @@ class FakeWorker {
     }
     if (b.status && b.status !== 200) {
       return reply.code(b.status).send({ error: { message: b.message ?? 'prefill failed', type: b.status < 500 ? 'invalid_request_error' : 'server_error', param: null, code: b.code ?? 'prefill_failed' } });
+    }
+    if (body.first_token_from_prefill && b.rawPieces) {
+      reply.hijack();
+      const res = reply.raw;
+      res.writeHead(200, { 'content-type': 'text/event-stream' });
+      for (const piece of b.rawPieces) {
+        if (res.destroyed) return;
+        res.write(piece);
+        await sleep(5);
+      }
+      return res.end();
     }
     if (body.first_token_from_prefill) {
       reply.hijack();
@@ -216,7 +230,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin' } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -230,6 +244,7 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     firstTokenFromPrefill: opts.firstTokenFromPrefill ?? false,
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
     ...(opts.policy ? { policy: opts.policy } : {}),
+    ...(opts.maxEventBytes ? { maxEventBytes: opts.maxEventBytes } : {}),
     log: { level: 'silent' },
   });
   const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 10_000 });
@@ -798,6 +813,58 @@ describe('router: first token from prefill (before the KV handoff)', () => {
     assert.ok(!events.includes('[DONE]'));
     await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'hi' }), isApiError(502, /KV transfer failed/));
     assert.ok(await waitFor(() => s.decode[0]!.aborts.length === 2, 1000), 'abort_request reached decode for both requests');
+    await assertReleased(s);
+  });
+
+  test('decode\'s /generate is written before prefill\'s (prefill evaluates only once decode has registered)', async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    const sent: string[] = [];
+    const onSend = (m: unknown) => {
+      const { request } = m as { request: { origin: string; path: string } };
+      if (request.path === '/generate') sent.push(request.origin);
+    };
+    diagnostics.subscribe('undici:client:sendHeaders', onSend);
+    try {
+      for (let i = 0; i < 3; i++) await s.client.completions.create({ model: 'fake-model', prompt: `hi ${i}` });
+    } finally {
+      diagnostics.unsubscribe('undici:client:sendHeaders', onSend);
+    }
+    const p = new URL(s.prefill[0]!.url).origin;
+    const d = new URL(s.decode[0]!.url).origin;
+    assert.deepEqual(sent, [d, p, d, p, d, p]);
+    await assertReleased(s);
+  });
+
+  test('prefill\'s stream read in pieces: an event split across writes, two events in one write', async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    const ev = (rid: string) => JSON.stringify({ text: 'Hel', token_ids: [99], meta_info: { id: rid, prompt_tokens: 3, completion_tokens: 1, finish_reason: null } });
+    s.prefill[0]!.prefill = (b) => {
+      const first = `data: ${ev(b.rid)}\r\n\r\n`;
+      return { rawPieces: [': comment\n', first.slice(0, 9), first.slice(9, 30), first.slice(30) + 'data: {"transfer":{"meta_info":{}}}\n\ndata: [DONE]\n\n'] };
+    };
+    s.decode[0]!.decode = () => ({ tokens: ['Hel', 'lo'], intervalMs: 1, finish: 'stop' });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'hi' });
+    assert.equal(r.choices[0]!.text, 'Hello');
+    const stream = await s.client.completions.create({ model: 'fake-model', prompt: 'hi', stream: true });
+    let text = '';
+    for await (const c of stream) text += c.choices[0]?.text ?? '';
+    assert.equal(text, 'Hello');
+    await assertReleased(s);
+  });
+
+  test('prefill\'s stream: ended before the first token, an event that is not JSON, an event over maxEventBytes → 502 each; decode aborted', async () => {
+    const s = await stack({ firstTokenFromPrefill: true, maxEventBytes: 1024 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 30_000, tokens: ['never'] });
+    const cases: [string[], RegExp][] = [
+      [[': nothing yet\n\n'], /ended its stream before the first token/],
+      [['data: {not json\n\n'], /not JSON/],
+      [[`data: "${'x'.repeat(2000)}"\n\n`], /SSE event larger than 1024 bytes/],
+    ];
+    for (const [pieces, re] of cases) {
+      s.prefill[0]!.prefill = () => ({ rawPieces: pieces });
+      await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'hi' }), isApiError(502, re));
+    }
+    assert.ok(await waitFor(() => s.decode[0]!.aborts.length === 3, 1000), 'abort_request reached decode for each request');
     await assertReleased(s);
   });
 

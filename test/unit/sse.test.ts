@@ -3,7 +3,7 @@ import { createServer, request as httpRequest, type IncomingMessage, type Server
 import type { AddressInfo } from 'node:net';
 import { describe, test } from 'node:test';
 import fc from 'fast-check';
-import { formatSseEvent, readSse, SseError, SseWriter } from '../../src/api/sse.js';
+import { formatSseEvent, readSse, SseError, SseParser, SseWriter } from '../../src/api/sse.js';
 
 const enc = new TextEncoder();
 
@@ -86,6 +86,40 @@ describe('readSse', () => {
     // Many small events in one chunk are fine: the cap is per event.
     const small = Array.from({ length: 200 }, (_, i) => `data: ${i}\n\n`).join('');
     assert.equal((await collect([small], 1024)).length, 200);
+  });
+
+  test('the events of a chunk before an oversized one are delivered first, then the error', async () => {
+    const got: string[] = [];
+    await assert.rejects(
+      (async () => {
+        for await (const d of readSse(chunks(['data: a\n\ndata: b\n\ndata: ' + 'x'.repeat(2000)]), { maxEventBytes: 1024 })) got.push(d);
+      })(),
+      (e: unknown) => e instanceof SseError && e.code === 'SSE_EVENT_TOO_LARGE',
+    );
+    assert.deepEqual(got, ['a', 'b']);
+    const p = new SseParser({ maxEventBytes: 1024 });
+    const out: string[] = [];
+    assert.throws(() => p.push(enc.encode('data: c\n\ndata: ' + 'x'.repeat(2000)), out), (e: unknown) => e instanceof SseError && e.code === 'SSE_EVENT_TOO_LARGE');
+    assert.deepEqual(out, ['c']);
+  });
+
+  test('property: SseParser.push over any chunking gives the events readSse gives, each as soon as its chunk completes it', async () => {
+    const eventArb = fc.array(fc.string({ unit: 'grapheme', maxLength: 20 }).filter((x) => !/[\r\n]/.test(x)), { minLength: 1, maxLength: 3 });
+    await fc.assert(
+      fc.asyncProperty(fc.array(eventArb, { minLength: 1, maxLength: 6 }), fc.constantFrom('\n', '\r\n', '\r'), fc.array(fc.nat(), { maxLength: 8 }), async (events, nl, rawCuts) => {
+        const text = events.map((lines) => lines.map((l) => `data: ${l}${nl}`).join('') + nl).join('');
+        const bytes = enc.encode(text);
+        const cuts = [...new Set(rawCuts.map((c) => c % (bytes.length + 1)))].sort((a, b) => a - b);
+        const parts = splitAt(bytes, cuts);
+        const p = new SseParser();
+        const sync: string[] = [];
+        for (const part of parts) sync.push(...p.push(part));
+        assert.deepEqual(sync, await collect(parts));
+        // every event is out once the chunk holding its blank line has been pushed (a trailing CR waits for a possible LF only for the line, not the event)
+        assert.equal(sync.length, events.length);
+      }),
+      { numRuns: 200 },
+    );
   });
 });
 
