@@ -94,9 +94,11 @@ describe('envelope', () => {
   it('random corruption never throws anything but BAD_ENVELOPE', () => {
     const env = encodeEnvelope(HDR, PAYLOAD.subarray(0, 64));
     fc.assert(
-      fc.property(fc.array(fc.tuple(fc.nat(), fc.integer({ min: 1, max: 255 })), { minLength: 1, maxLength: 4 }), fc.nat(), (flips, cut) => {
+      // distinct positions: two flips of one byte by the same mask would cancel out and leave the
+      // envelope intact (fast-check found [[111589494,7],[1460364526,7]])
+      fc.property(fc.uniqueArray(fc.tuple(fc.nat({ max: env.length - 1 }), fc.integer({ min: 1, max: 255 })), { minLength: 1, maxLength: 4, selector: (f) => f[0] }), fc.nat(), (flips, cut) => {
         const c = Buffer.from(env);
-        for (const [p, x] of flips) c[p % c.length] ^= x;
+        for (const [p, x] of flips) c[p] ^= x;
         for (const b of [c, c.subarray(0, cut % (c.length + 1))]) {
           assert.throws(() => decodeEnvelope(b, EXPECT), (e: unknown) => e instanceof KvError && e.code === 'BAD_ENVELOPE');
         }
