@@ -72,6 +72,10 @@ export interface RunningRouter extends Router {
   port: number;
 }
 
+/** The trace id of a generation request, kept on its raw request by the child logger factory. */
+const TRACE = Symbol('pdserve.trace');
+type TracedRaw = { [TRACE]?: string };
+
 /** Request id by route: generation routes get the OpenAI-style id that becomes the rid. */
 /** Most worker pairs one request is dispatched to when workers refuse it as draining. */
 const MAX_DISPATCHES = 4;
@@ -150,23 +154,33 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     // Probes (GET) are not worth two log lines each; a generation request's 'incoming request'
     // line is at debug (its info line comes after the response: ./request-log.ts).
     logController: new RouterLogController({ requestIdLogLabel: 'rid' }),
+    // A generation request's logger carries its trace id from the start: one pino child with
+    // {rid, trace} instead of fastify's {rid} child and a {trace} child of it in the hook below.
+    childLoggerFactory(logger, bindings, opts, raw) {
+      if (!isGenerationRequest(raw)) return logger.child(bindings, opts);
+      const trace = traceIdOf(raw.headers);
+      (raw as TracedRaw)[TRACE] = trace;
+      return logger.child({ ...bindings, trace }, opts);
+    },
   }) as unknown as FastifyInstance;
   registerOpenAIErrorHandling(app);
   const drain = new DrainGate('router');
   drain.install(app);
   // Every response names its rid (errors included); hijacked streams set it themselves.
-  app.addHook('onRequest', async (request, reply) => {
+  // Callback style (no promise per request); on every route, so it runs after the drain gate's.
+  app.addHook('onRequest', (request, reply, done) => {
     reply.header('x-request-id', String(request.id));
     if (isGenerationRequest(request)) {
-      const trace = traceIdOf(request.headers);
+      // Set by childLoggerFactory, which bound it to request.log.
+      const trace = (request.raw as TracedRaw)[TRACE] ?? traceIdOf(request.headers);
       const rid = String(request.id);
       traces.begin(rid, trace);
       // Whatever ends the response ends the trace: dispatch records its own 'finished' as the
       // response ends; a refusal before dispatch or a fan-out parent is settled from the status.
       reply.raw.once('close', () => setTimeout(() => traces.settle(rid, reply.raw.statusCode), 1000).unref());
       reply.header('x-trace-id', trace);
-      request.log = request.log.child({ trace });
     }
+    done();
   });
 
   const generation = (kind: 'completion' | 'chat') =>

@@ -1010,6 +1010,40 @@ describe('router: config and lifecycle', () => {
     assert.ok(!Object.isFrozen(log));
   });
 
+  test('a generation request\'s log lines carry its rid and trace id (the x-request-id and x-trace-id headers); other requests\' lines no trace', async () => {
+    const prefill = await new FakeWorker('prefill').start();
+    const decode = await new FakeWorker('decode').start();
+    const lines: Record<string, unknown>[] = [];
+    const log = pino({ level: 'info' }, { write: (s: string) => void lines.push(JSON.parse(s) as Record<string, unknown>) });
+    const r = await startRouter({ host: '127.0.0.1', port: 0, prefill: [{ url: prefill.url, bootstrapPort: 9000 }], decode: [{ url: decode.url }], log, healthIntervalMs: 100, firstTokenFromPrefill: true });
+    try {
+      const post = (headers: Record<string, string>) => fetch(`${r.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify({ prompt: 'x', stream: true }) });
+      const traceId = '4bf92f3577b34da6a3ce929d0e0e4736';
+      const responses = [await post({}), await post({ traceparent: `00-${traceId}-00f067aa0ba902b7-01` })];
+      for (const res of responses) await res.text();
+      const probe = await fetch(`${r.url}/workers/probe`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ url: prefill.url }) });
+      assert.equal(probe.status, 200);
+      assert.equal(responses[1]!.headers.get('x-trace-id'), traceId);
+      for (const res of responses) {
+        const rid = res.headers.get('x-request-id')!;
+        const trace = res.headers.get('x-trace-id')!;
+        assert.match(rid, /^cmpl-/);
+        assert.match(trace, /^[0-9a-f]{32}$|^[\w.:-]+$/);
+        assert.ok(await waitFor(() => lines.some((l) => l.rid === rid && l.msg === 'request completed'), 1000), 'request completed line');
+        const mine = lines.filter((l) => l.rid === rid);
+        assert.ok(mine.some((l) => l.msg === 'request finished'), 'request finished line');
+        for (const l of mine) assert.equal(l.trace, trace, `${String(l.msg)}: trace`);
+      }
+      const other = lines.filter((l) => (l.req as { url?: string } | undefined)?.url === '/workers/probe');
+      assert.ok(other.length > 0, 'the probe request is logged');
+      for (const l of other) assert.equal(l.trace, undefined);
+    } finally {
+      await r.close();
+      await prefill.close();
+      await decode.close();
+    }
+  });
+
   test('close() fails in-flight requests with 503 and aborts them on both workers', async () => {
     const prefill = await new FakeWorker('prefill').start();
     const decode = await new FakeWorker('decode').start();
