@@ -90,17 +90,24 @@ export interface ChunkSource {
 }
 
 /**
- * Bytes a transfer hands the socket in one turn of its connection's send rotation (whole pieces:
- * it keeps the turn while it has written less than this): MAX_CHUNK_BYTES, so pieces of any size
- * get about the same bytes per turn, and a room of up to 1 MiB, once its turn comes, goes out
- * without another room's bytes between its first and its last.
+ * Bytes a transfer may hand the socket per turn of its connection's send rotation (its credit,
+ * spent in whole pieces: it writes while credit is left), 2 × MAX_CHUNK_BYTES = 2 MiB. A
+ * transfer that runs dry in its turn (all its pooled pieces in flight: the file sender has at
+ * most 1 MiB out) keeps the credit it has left and is served first as soon as it has a piece
+ * again, before the rotation goes on — deficit round robin (Shreedhar & Varghese, "Efficient
+ * fair queuing using deficit round robin", SIGCOMM 1995), with the credit reset rather than
+ * accumulated at each turn. So a state of up to about 2 MiB (envelope head, payload pieces,
+ * trailer), once its turn comes, goes out without a whole rotation of other rooms' bytes between
+ * its first and its last.
  */
-export const SEND_QUANTUM_BYTES = MAX_CHUNK_BYTES;
+export const SEND_QUANTUM_BYTES = 2 * MAX_CHUNK_BYTES;
 
 /** One running sendFrom as its connection's send rotation sees it. */
 interface Outgoing {
   /** False after its source returned null: skipped until a flush of its own or the source's resume. */
   ready: boolean;
+  /** Bytes it may still write in its current turn (SEND_QUANTUM_BYTES when the turn starts; kept when it runs dry). */
+  credit: number;
   /** Hands the socket the source's next piece: its bytes, or 0 (nothing ready, the end, or the transfer settled). */
   step(): number;
   /** The connection made progress: restart the stall timer. */
@@ -186,7 +193,7 @@ export class PeerConn {
   private readonly sending: Outgoing[] = [];
   /** Index in `sending` of the transfer whose turn it is, and the bytes it has written in this turn. */
   private sendCursor = 0;
-  private sendServed = 0;
+  private turnOwner: Outgoing | undefined;
   /** Chunk bytes handed to the socket since the last per-turn yield, and whether one is scheduled. */
   private turnBytes = 0;
   private turnYield = false;
@@ -293,13 +300,15 @@ export class PeerConn {
    * transfer's queued pieces), so a buffer goes back to its owner only when no I/O uses it; for
    * a piece never written (the socket already gone, or a piece the frame encoder refuses: empty
    * or over MAX_CHUNK_BYTES → 'BAD_FRAME'), at once, before the promise settles.
-   * Transfers sharing the connection take turns (serveSends): each in turn writes about
-   * SEND_QUANTUM_BYTES (1 MiB) while the window has room, so a small room started behind a long
-   * one waits for a turn, not for the long one's end. At most one send window is handed to the
+   * Transfers sharing the connection take turns (serveSends): each in turn writes up to
+   * SEND_QUANTUM_BYTES (2 MiB) while the window has room, and one that ran dry in its turn is
+   * served first with what it has left once it has a piece again, so a small room started behind
+   * a long one waits for a turn, not for the long one's end. At most one send window is handed to the
    * socket per event-loop turn over all of them (the rest after setImmediate), so a peer that
    * reads as fast as we write cannot keep the loop in one send. The stall timer restarts on
-   * every flushed piece of this room, on 'drain', on each per-turn yield and on the source's
-   * resume. Resolves once every piece is flushed to the kernel; rejects as `sendChunks`
+   * every flushed piece of this room, on every flushed piece of another room while this one has
+   * a piece ready (it is waiting for its turn), on 'drain', on each per-turn yield and on the
+   * source's resume. Resolves once every piece is flushed to the kernel; rejects as `sendChunks`
    * ('PEER_LOST', 'ABORTED', 'TIMEOUT' after `stallMs` without progress, 'BAD_FRAME',
    * RangeError). (`chunkBytes` is not used: the source sizes its pieces.)
    */
@@ -362,11 +371,13 @@ export class PeerConn {
             else out.ready = true; // a piece back: the source may have one again
           }
         }
-        this.serveSends(); // room in the window: whoever's turn it is (not necessarily this room)
+        if (!err) for (const o of this.sending) if (o.ready) o.alive(); // the connection moves: rooms waiting for their turn are not stalled
+        this.serveSends(); // room in the window: a room with credit left first, then whoever's turn it is
       };
       const step = (): number => {
         if (done || ended) return 0;
         let piece: Buffer | null | undefined;
+        out.ready = false; // before next(): a resume called from inside next() sets it again (no lost wake-up)
         try {
           piece = source.next();
         } catch (e) {
@@ -380,7 +391,7 @@ export class PeerConn {
           return 0;
         }
         if (piece === null) {
-          out.ready = false; // until a flush of ours (or the source's resume, through attach)
+          // not ready until a flush of ours (or the source's resume, through attach)
           if (pending === 0 && !source.attach) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
           return 0;
         }
@@ -397,6 +408,7 @@ export class PeerConn {
           settle(this.lostError(roomId));
           return 0;
         }
+        out.ready = true;
         offset += piece.length;
         pending++; // from here the socket owns the piece until written() (called on destroy too)
         if (!this.write(frame, written(piece))) {
@@ -407,6 +419,7 @@ export class PeerConn {
       };
       const out: Outgoing = {
         ready: true,
+        credit: 0,
         step,
         alive: () => {
           if (!done) stall.refresh();
@@ -448,9 +461,11 @@ export class PeerConn {
   }
 
   /**
-   * Fills the send window from the running transfers, in turns: the transfer whose turn it is
-   * writes pieces until it has written SEND_QUANTUM_BYTES (or has nothing ready), then the next
-   * one in the rotation. Called whenever the window may have room (a flush of any room's piece,
+   * Fills the send window from the running transfers, in turns (deficit round robin, see
+   * SEND_QUANTUM_BYTES): first any transfer that ran dry in its turn with credit left and has a
+   * piece again, up to that credit; then the transfer whose turn it is writes pieces until it has
+   * spent its credit (SEND_QUANTUM_BYTES a turn) or has nothing ready, then the next one in the
+   * rotation. Called whenever the window may have room (a flush of any room's piece,
    * 'drain', a new transfer, a source's resume, the next event-loop turn), so a room that starts
    * behind a long transfer waits for one turn of each other room, not for their ends; a transfer
    * alone on the connection is served as fast as before. At most one send window is handed to
@@ -477,23 +492,31 @@ export class PeerConn {
 
   private serveRound(): void {
     const list = this.sending;
-    const window = this.owner.s.sendWindowBytes;
+    // 1. transfers that ran dry in their turn with credit left go first, up to that credit
+    for (let i = 0; i < list.length; ) {
+      if (!this.windowOpen()) return;
+      const o = list[i];
+      if (o.ready && o.credit > 0 && i !== this.sendCursor) {
+        const n = o.step();
+        if (list[i] !== o) continue; // it ended or settled: list[i] is the next one now
+        if (n > 0) {
+          o.credit -= n;
+          this.turnBytes += n;
+          continue;
+        }
+      }
+      i++;
+    }
+    // 2. the rotation
     let idle = 0; // transfers in a row that had nothing to write
     while (list.length > 0) {
-      if (this.state !== 'open') {
-        for (const o of [...list]) o.lost();
-        return;
-      }
-      if (this.socket.writableLength >= window) return; // served again by a flush or 'drain'
-      if (this.turnBytes >= window) {
-        if (!this.turnYield) {
-          this.turnYield = true;
-          setImmediate(this.nextSendTurn);
-        }
-        return;
-      }
+      if (!this.windowOpen()) return;
       if (this.sendCursor >= list.length) this.sendCursor = 0;
       const o = list[this.sendCursor];
+      if (this.turnOwner !== o) {
+        this.turnOwner = o; // its turn starts
+        o.credit = SEND_QUANTUM_BYTES;
+      }
       const n = o.ready ? o.step() : 0;
       if (list[this.sendCursor] !== o) {
         idle = 0; // it ended or settled (dropSend moved the cursor to the next one)
@@ -502,12 +525,35 @@ export class PeerConn {
       if (n > 0) {
         idle = 0;
         this.turnBytes += n;
-        this.sendServed += n;
-        if (this.sendServed < SEND_QUANTUM_BYTES) continue;
+        o.credit -= n;
+        if (o.credit > 0) continue;
+        o.credit = 0;
       } else if (++idle >= list.length) return; // nobody has a piece ready
-      this.sendCursor++; // the next one's turn
-      this.sendServed = 0;
+      this.sendCursor++; // the next one's turn (a dry one keeps its credit: step 1 serves it)
+      this.turnOwner = undefined; // a new turn starts there, even when the rotation is back at the same transfer
     }
+  }
+
+  /**
+   * Whether serveRound may hand the socket more: the connection is open (else every transfer is
+   * settled as lost), the queue is under the send window (a flush or 'drain' serves again) and
+   * this event-loop turn has not handed over a whole window yet (else the rest after setImmediate).
+   */
+  private windowOpen(): boolean {
+    if (this.state !== 'open') {
+      for (const o of [...this.sending]) o.lost();
+      return false;
+    }
+    const window = this.owner.s.sendWindowBytes;
+    if (this.socket.writableLength >= window) return false;
+    if (this.turnBytes >= window) {
+      if (!this.turnYield) {
+        this.turnYield = true;
+        setImmediate(this.nextSendTurn);
+      }
+      return false;
+    }
+    return true;
   }
 
   private readonly nextSendTurn = (): void => {
@@ -523,7 +569,7 @@ export class PeerConn {
     if (i < 0) return;
     this.sending.splice(i, 1);
     if (i < this.sendCursor) this.sendCursor--;
-    else if (i === this.sendCursor) this.sendServed = 0;
+    if (this.turnOwner === o) this.turnOwner = undefined;
   }
 
   /** Hands one frame to the socket; false if the socket is gone or the queue cap is exceeded. */
