@@ -103,20 +103,30 @@ describe('readSse', () => {
     assert.deepEqual(out, ['c']);
   });
 
-  test('property: SseParser.push over any chunking gives the events readSse gives, each as soon as its chunk completes it', async () => {
+  test('property: SseParser.push over any chunking gives the events sent, each as soon as its chunk completes it', async () => {
     const eventArb = fc.array(fc.string({ unit: 'grapheme', maxLength: 20 }).filter((x) => !/[\r\n]/.test(x)), { minLength: 1, maxLength: 3 });
     await fc.assert(
       fc.asyncProperty(fc.array(eventArb, { minLength: 1, maxLength: 6 }), fc.constantFrom('\n', '\r\n', '\r'), fc.array(fc.nat(), { maxLength: 8 }), async (events, nl, rawCuts) => {
-        const text = events.map((lines) => lines.map((l) => `data: ${l}${nl}`).join('') + nl).join('');
-        const bytes = enc.encode(text);
+        const texts = events.map((lines) => lines.map((l) => `data: ${l}${nl}`).join('') + nl);
+        const bytes = enc.encode(texts.join(''));
+        // event k is complete once the first byte of its blank line's terminator has been pushed
+        // (a CR dispatches at once; the LF of a CRLF only finishes the line)
+        const completesAt: number[] = [];
+        let end = 0;
+        for (const t of texts) completesAt.push((end += enc.encode(t).length) - nl.length);
+        const expected = events.map((lines) => lines.join('\n'));
         const cuts = [...new Set(rawCuts.map((c) => c % (bytes.length + 1)))].sort((a, b) => a - b);
         const parts = splitAt(bytes, cuts);
         const p = new SseParser();
         const sync: string[] = [];
-        for (const part of parts) sync.push(...p.push(part));
-        assert.deepEqual(sync, await collect(parts));
-        // every event is out once the chunk holding its blank line has been pushed (a trailing CR waits for a possible LF only for the line, not the event)
-        assert.equal(sync.length, events.length);
+        let pushed = 0;
+        for (const part of parts) {
+          p.push(part, sync);
+          pushed += part.length;
+          assert.equal(sync.length, completesAt.filter((at) => at < pushed).length, `events out after ${pushed} of ${bytes.length} bytes`);
+        }
+        assert.deepEqual(sync, expected);
+        assert.deepEqual(await collect(parts), expected, 'readSse (the async form) gives the same');
       }),
       { numRuns: 200 },
     );
