@@ -88,10 +88,29 @@ function machine(): SuiteMeta['machine'] {
   };
 }
 
+/**
+ * PDSERVE_BENCH_KV_REPS="30,30,8,6": §1 trials per size (1, 4, 16, 64 MiB) for an engineer's A/B
+ * (bench-only). Unset or empty: undefined (the suite's default).
+ * @throws Error unless it is exactly 4 comma-separated integers in 1..500.
+ */
+export function parseKvReps(v: string | undefined): number[] | undefined {
+  if (v === undefined || v.trim() === '') return undefined;
+  const reps = v.split(',').map((x) => Number(x.trim()));
+  if (reps.length !== 4 || !reps.every((n) => Number.isSafeInteger(n) && n >= 1 && n <= 500)) {
+    throw new Error(`PDSERVE_BENCH_KV_REPS=${JSON.stringify(v)}: give 4 trial counts (1, 4, 16, 64 MiB), each an integer in 1..500, e.g. "30,30,8,6"`);
+  }
+  return reps;
+}
+
 /** Run the suite; returns the process exit code. */
 export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
   const t0 = performance.now();
   const root = o.out ?? REPO_ROOT;
+  if (process.env.PDSERVE_BENCH_KV_BOUND && root === REPO_ROOT && !o.renderOnly) {
+    // its §1 figures are not the handoff's: they must not land in the checkout's BENCHMARKS.md
+    throw new Error(`PDSERVE_BENCH_KV_BOUND=${process.env.PDSERVE_BENCH_KV_BOUND} is a bound experiment, not the workers' path: run it with --out <scratch dir>`);
+  }
+  const kvReps = o.quick ? [2, 2, 1, 1] : parseKvReps(process.env.PDSERVE_BENCH_KV_REPS) ?? [12, 10, 8, 6];
   const resultsDir = join(root, 'bench', 'results');
   const plotsDir = join(root, 'bench', 'plots');
   mkdirSync(resultsDir, { recursive: true });
@@ -134,8 +153,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
       const r: KvSectionResult = await runKvSection({
         model: modelPath,
         sizesMiB: [1, 4, 16, 64],
-        // PDSERVE_BENCH_KV_REPS="30,30,8,6": more trials per size for an engineer's A/B (bench-only; the suite's default otherwise)
-        reps: o.quick ? [2, 2, 1, 1] : (process.env.PDSERVE_BENCH_KV_REPS?.split(',').map(Number).filter((n) => Number.isSafeInteger(n) && n > 0) ?? [12, 10, 8, 6]),
+        reps: kvReps,
         contextSize: 4096,
         batchSize: BATCH,
         receiverSequences: DECODE_SLOTS,

@@ -1,0 +1,22 @@
+/** The bench suite's engineer switches: PDSERVE_BENCH_KV_REPS is taken whole or refused, never shifted. */
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import { parseKvReps } from '../../src/harness/bench-suite.js';
+
+describe('bench-suite: PDSERVE_BENCH_KV_REPS', () => {
+  it('unset or empty: the suite default', () => {
+    assert.equal(parseKvReps(undefined), undefined);
+    assert.equal(parseKvReps(''), undefined);
+    assert.equal(parseKvReps('  '), undefined);
+  });
+  it('four trial counts, one per size, in order', () => {
+    assert.deepEqual(parseKvReps('30,30,8,6'), [30, 30, 8, 6]);
+    assert.deepEqual(parseKvReps(' 1, 2 ,3,500'), [1, 2, 3, 500]);
+  });
+  it('anything else is refused instead of shifting the sizes', () => {
+    // before: bad entries were dropped, so "30,0,8,6" ran 4 MiB 8 times and 64 MiB not at all
+    for (const bad of ['30,0,8,6', '30,30,8', '30,30,8,6,6', '30,x,8,6', '1.5,2,3,4', '30,30,8,501', '-1,2,3,4', ',,,']) {
+      assert.throws(() => parseKvReps(bad), /PDSERVE_BENCH_KV_REPS=.*give 4 trial counts/, bad);
+    }
+  });
+});
