@@ -37,30 +37,23 @@ for (const e of events) {
   } else if (cur) cur.push(e);
 }
 
+/** Steps stamped once per piece (chunk frames received, pieces pushed into the receiver, pieces flushed on prefill). */
+const REPEATED = new Set(['chunk', 'pushed', 'flushed']);
+
 /** state bytes → per-trial maps of step name → first stamp (chunk/pushed/flushed: head, first payload, last). */
 const bySize = new Map();
 for (const trial of trials) {
   const bytes = Number(trial[0].what.split('bytes=')[1]);
   const d = {};
-  const count = (k) => d[k] ?? 0;
   for (const x of trial) {
     const k = x.what.split(' ')[0];
-    if (k === 'chunk') {
-      const n = count('nchunks');
-      if (n === 0) d['chunk-head'] = x.t;
-      if (n === 1) d['chunk-payload0'] = x.t;
-      d['chunk-last'] = x.t;
-      d.nchunks = n + 1;
-    } else if (k === 'pushed') {
-      const n = count('npushed');
-      if (n === 0) d['pushed-head'] = x.t;
-      if (n === 1) d['pushed-payload0'] = x.t;
-      d['pushed-last'] = x.t;
-      d.npushed = n + 1;
-    } else if (k === 'flushed') {
-      const n = count('nflushed');
-      if (n === 1) d['flushed-payload0'] = x.t;
-      d.nflushed = n + 1;
+    if (REPEATED.has(k)) {
+      // one stamp per piece: keep the first (the envelope head's), the second (the first payload piece's) and the last
+      const n = (d[`n${k}`] ?? 0) + 1;
+      d[`n${k}`] = n;
+      if (n === 1) d[`${k}-head`] = x.t;
+      if (n === 2) d[`${k}-payload0`] = x.t;
+      d[`${k}-last`] = x.t;
     } else if (!(k in d)) d[k] = x.t;
   }
   if (!bySize.has(bytes)) bySize.set(bytes, []);
@@ -107,7 +100,7 @@ const line = (name, v) => console.log(`  ${name.padEnd(42)} med ${f3(median(v))}
 
 for (const bytes of [...bySize.keys()].sort((a, b) => a - b)) {
   const ts = bySize.get(bytes);
-  console.log(`== ${bytes} bytes, n=${ts.length}, chunks=${median(ts.map((t) => t.nchunks ?? 0))}`);
+  console.log(`== ${bytes} bytes, n=${ts.length}, chunks=${median(ts.map((t) => t.nchunk ?? 0))}`);
   for (const [name, a, z] of SPANS) {
     const v = ts.filter((t) => a in t && z in t).map((t) => t[z] - t[a]);
     if (v.length) line(name, v);

@@ -34,15 +34,19 @@ function bad(fn: () => unknown, re: RegExp): void {
   });
 }
 
-/** Builds an envelope with an arbitrary header JSON, a valid header digest and a valid payload CRC trailer. */
-function forge(header: unknown, payload: Buffer, version = ENVELOPE_VERSION): Buffer {
-  const json = Buffer.from(JSON.stringify(header));
+/** An envelope head as the format defines it, built independently of the code under test: prefix, header JSON, sha256 of both. */
+function formatHead(json: Buffer, version = ENVELOPE_VERSION): Buffer {
   const pre = Buffer.alloc(ENVELOPE_PREFIX_BYTES);
   pre.write('PDKV', 0, 'ascii');
   pre.writeUInt32BE(version, 4);
   pre.writeUInt32BE(json.length, 8);
-  const head = Buffer.concat([pre, json]);
-  return Buffer.concat([head, createHash('sha256').update(head).digest(), payload, envelopeTrailer(crc32(payload))]);
+  const body = Buffer.concat([pre, json]);
+  return Buffer.concat([body, createHash('sha256').update(body).digest()]);
+}
+
+/** Builds an envelope with an arbitrary header JSON, a valid header digest and a valid payload CRC trailer. */
+function forge(header: unknown, payload: Buffer, version = ENVELOPE_VERSION): Buffer {
+  return Buffer.concat([formatHead(Buffer.from(JSON.stringify(header)), version), payload, envelopeTrailer(crc32(payload))]);
 }
 
 function headerOf(env: Buffer): Record<string, unknown> {
@@ -193,13 +197,7 @@ describe('prepareEnvelopeHead (the head made before the payload size is known)',
   const reference = (h: Record<string, unknown>, payloadBytes: number): Buffer => {
     const { cachedTokens, ...rest } = h;
     const full = { version: ENVELOPE_VERSION, fingerprint: rest.fingerprint, contextSize: rest.contextSize, batchSize: rest.batchSize, nTokens: rest.nTokens, firstToken: rest.firstToken, ...(cachedTokens !== undefined ? { cachedTokens } : {}), firstIsEog: rest.firstIsEog, payloadBytes, checksum: 'crc32' };
-    const json = Buffer.from(JSON.stringify(full));
-    const pre = Buffer.alloc(ENVELOPE_PREFIX_BYTES);
-    pre.write('PDKV', 0, 'ascii');
-    pre.writeUInt32BE(ENVELOPE_VERSION, 4);
-    pre.writeUInt32BE(json.length, 8);
-    const body = Buffer.concat([pre, json]);
-    return Buffer.concat([body, createHash('sha256').update(body).digest()]);
+    return formatHead(Buffer.from(JSON.stringify(full)));
   };
 
   it('gives the bytes of the format for any size, and parses back (with and without cachedTokens, odd fingerprints)', () => {
