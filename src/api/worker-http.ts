@@ -29,6 +29,8 @@ export interface WorkerAppOptions {
   engine?: Engine;
   /** CORS origins ('*' = any); none = no CORS headers. */
   corsOrigins?: readonly string[];
+  /** Installs the app's request guard (authentication hooks) before any other hook. */
+  guard?: (app: FastifyInstance) => void;
 }
 
 const gates = new WeakMap<FastifyInstance, DrainGate>();
@@ -43,6 +45,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
   const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
+  o.guard?.(app);
   const gate = new DrainGate('worker');
   gates.set(app, gate);
   gate.install(app);

@@ -9,6 +9,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
 import { serveRole, type Served } from './serve.js';
+import { accessFlags, accessOf } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 
 function int(v: string): number {
@@ -141,11 +142,17 @@ function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; dec
   return { router, prefill: [...names, ...verify], decode: [...names, ...local, ...verify] };
 }
 
+/** `up`'s access flags, for the router: keys go to it by environment, the file and the metrics flag as flags (no secret in them). */
+function upAccess(o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean }) {
+  const a = accessOf('up', o);
+  return { apiKeys: a.apiKeys, adminApiKeys: a.adminApiKeys, routerArgs: [...(a.apiKeyFile ? ['--api-key-file', resolve(a.apiKeyFile)] : []), ...(a.privateMetrics ? ['--private-metrics'] : [])] };
+}
+
 /** Parse argv and run. */
 export async function runCli(argv: string[]): Promise<void> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
 
-  engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback'))
+  accessFlags(engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback')))
     .option('--prefill <n>', 'prefill workers', positive, 1)
     .option('--decode <n>', 'decode workers', positive, 1)
     .option('--port <port>', 'router port', port, 8000)
@@ -179,7 +186,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) {
@@ -207,6 +214,7 @@ export async function runCli(argv: string[]): Promise<void> {
       console.log(`  router    ${r}   (OpenAI API: ${r}/v1)`);
       for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(9)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
       console.log(`  logs      ${logDir}`);
+      console.log(`  access    ${c.access.apiKeys.length || o.apiKeyFile ? 'API key required (Authorization: Bearer KEY)' : 'OPEN: no API key, anyone who reaches the router can use it (--api-key-file or PDSERVE_API_KEY)'}`);
       console.log('\nTry:');
       console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
       console.log('\nCtrl-C drains and stops everything (a second Ctrl-C stops waiting).');
@@ -269,19 +277,19 @@ export async function runCli(argv: string[]): Promise<void> {
       );
     });
 
-  memberOptions(lifecycleOptions(engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
+  accessFlags(memberOptions(lifecycleOptions(engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
-    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))))
+    .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
-  lifecycleOptions(program
-    .command('router'))
+  accessFlags(lifecycleOptions(program
+    .command('router')))
     .description('run the router (OpenAI API) in front of prefill and decode workers')
     .option('--host <host>', 'bind address', '127.0.0.1')
     .option('--port <port>', 'port', int, 8000)
@@ -310,7 +318,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), log: createLogger('router') });
         return r;
       });
     });

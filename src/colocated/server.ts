@@ -17,6 +17,7 @@ import { WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine } from '../engine/types.js';
 import { ColocatedBackend } from './backend.js';
+import { registerAccess, type Access } from '../api/access.js';
 
 /** A running colocated server. */
 export interface ColocatedServer {
@@ -38,6 +39,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   });
   backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats()));
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
+  let access: Access | undefined;
   const app = createWorkerApp({
     log,
     registry: metrics.registry,
@@ -46,6 +48,9 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map((r) => ({ ...r, age_ms: Date.now() - r.t0 })), recent: [] }),
     engine,
     corsOrigins: config.corsOrigin,
+    guard: (a) => {
+      access = registerAccess(a, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);
+    },
   });
 
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
@@ -100,7 +105,8 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
   const url = await listenUrl(app, config.host, config.port);
-  log.info({ url }, 'colocated server ready');
+  log.info({ url, access: access?.describe() }, 'colocated server ready');
+  if (access?.apiOpen) log.warn('the colocated server is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');
   return {
     url,
     app,

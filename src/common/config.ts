@@ -134,6 +134,11 @@ export const ColocatedConfigSchema = z.object({
   requestTimeoutMs: z.number().int().positive().default(300_000),
   /** CORS origins ('*' = any); empty = no CORS. */
   corsOrigin: z.array(z.string().min(1)).max(64).default([]),
+  /** Client access (src/api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */
+  apiKeys: z.array(z.string().min(1).max(4096)).max(1024).default([]),
+  apiKeyFile: z.string().min(1).optional(),
+  adminApiKeys: z.array(z.string().min(1).max(4096)).max(64).default([]),
+  privateMetrics: z.boolean().default(false),
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 

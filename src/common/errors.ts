@@ -12,7 +12,7 @@
  *  - `ApiError` — what crosses HTTP, rendered as an OpenAI error body.
  */
 
-export type ApiErrorType = 'invalid_request_error' | 'server_error' | 'timeout_error' | 'overloaded_error' | 'not_found_error';
+export type ApiErrorType = 'invalid_request_error' | 'server_error' | 'timeout_error' | 'overloaded_error' | 'not_found_error' | 'authentication_error' | 'rate_limit_error';
 
 /** Who caused a failure: the request/its client (4xx, a cancel) or the system (5xx, a fault). */
 export type ErrorCause = 'client' | 'system';
@@ -62,6 +62,14 @@ export const ERROR_CODES = {
   worker_not_found: c(404, 'not_found_error', 'client'),
   trace_not_found: c(404, 'not_found_error', 'client'),
   method_not_allowed: c(405, 'invalid_request_error', 'client'),
+  /** No API key, or not one of the configured keys (OpenAI's code and type). */
+  invalid_api_key: c(401, 'authentication_error', 'client'),
+  /** A worker endpoint called without a valid, fresh, unused request signature (src/common/request-auth.ts). */
+  unauthenticated: c(401, 'authentication_error', 'client'),
+  /** A /generate naming a bootstrap address that is not one of the prefill workers decode knows. */
+  unknown_bootstrap_address: CLIENT_400,
+  /** The edge's admission refused the request (concurrency queue full or timed out, or the key's rate): retry after `retry-after`. */
+  rate_limited: c(429, 'rate_limit_error', 'client'),
   /** The request was cancelled by its client, or by the router on the client's behalf. */
   request_aborted: c(499, 'invalid_request_error', 'client'),
   client_closed_request: c(499, 'invalid_request_error', 'client'),

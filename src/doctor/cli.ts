@@ -14,6 +14,8 @@ import { Command, InvalidArgumentError } from 'commander';
 import { diagnose, type Diagnosis } from './diagnose.js';
 import { gather, routerSource, type ClusterSnapshot, type WorkerSource } from './gather.js';
 import { renderRequestReport, requestReport } from './request.js';
+import type { Dispatcher } from 'undici';
+import { withCredentials } from '../common/http-auth.js';
 
 export interface DoctorOptions {
   url?: string;
@@ -25,6 +27,8 @@ export interface DoctorOptions {
   timeout: number;
   slowMs: number;
   windowMs: number;
+  /** The router's admin key (--admin-api-key / PDSERVE_ADMIN_API_KEY), sent to the router only. */
+  adminApiKey?: string;
 }
 
 /** Bound on one round (gather + diagnose), ms: the answer comes within 10 s. */
@@ -60,13 +64,19 @@ export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
   return out.join('\n');
 }
 
-async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSnapshot | null): Promise<{ snap: ClusterSnapshot; d: Diagnosis }> {
+/** The dispatcher of the doctor's GETs: the admin key on the router's requests (../common/http-auth.ts). */
+function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher | undefined {
+  const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY?.split(',')[0]?.trim();
+  return source.routerUrl && key ? withCredentials({ bearer: { key, origins: [source.routerUrl] } }) : undefined;
+}
+
+async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSnapshot | null, dispatcher?: Dispatcher): Promise<{ snap: ClusterSnapshot; d: Diagnosis }> {
   let timer: NodeJS.Timeout | undefined;
   const limit = new Promise<never>((_, rej) => {
     timer = setTimeout(() => rej(new Error(`gathering took longer than ${ROUND_MS} ms`)), ROUND_MS);
   });
   try {
-    const snap = await Promise.race([gather(source, o.timeout), limit]);
+    const snap = await Promise.race([gather(source, o.timeout, dispatcher), limit]);
     return { snap, d: diagnose(snap, { slowMs: o.slowMs, windowMs: o.windowMs, previous, routerUrl: source.routerUrl ?? undefined }) };
   } finally {
     clearTimeout(timer);
@@ -80,12 +90,21 @@ export async function runDoctor(o: DoctorOptions, write: (s: string) => void = (
     process.stderr.write(`pdserve doctor: ${source}\n`);
     return 3;
   }
+  const dispatcher = doctorDispatcher(source, o);
+  try {
+    return await doctorRounds(source, o, write, dispatcher);
+  } finally {
+    await dispatcher?.close().catch(() => {});
+  }
+}
+
+async function doctorRounds(source: WorkerSource, o: DoctorOptions, write: (s: string) => void, dispatcher: Dispatcher | undefined): Promise<number> {
   if (o.request) {
     if (!source.routerUrl) {
       process.stderr.write('pdserve doctor: --request needs --url ROUTER (the router keeps the request traces)\n');
       return 3;
     }
-    const r = await requestReport(source.routerUrl!, o.request, o.timeout);
+    const r = await requestReport(source.routerUrl!, o.request, o.timeout, dispatcher);
     write(o.json ? `${JSON.stringify(r, null, 2)}\n` : `${renderRequestReport(r)}\n`);
     return r.found ? 0 : 1;
   }
@@ -95,7 +114,7 @@ export async function runDoctor(o: DoctorOptions, write: (s: string) => void = (
   for (let i = 0; i < rounds; i++) {
     if (i > 0) await new Promise((r) => setTimeout(r, o.watch! * 1000));
     try {
-      const { snap, d } = await round(source, o, previous);
+      const { snap, d } = await round(source, o, previous, dispatcher);
       previous = snap;
       code = d.exitCode;
       if (o.json) write(`${JSON.stringify({ exit_code: d.exitCode, summary: d.summary, at: new Date(snap.at).toISOString(), source: snap.source, gather_ms: snap.gatherMs, findings: d.findings })}\n`);
@@ -128,6 +147,7 @@ export function addDoctorCommand(program: Command): void {
     .option('--timeout <ms>', 'deadline of each HTTP GET, ms', (v: string) => num(v), 3000)
     .option('--slow-ms <ms>', 'a room this long in one phase is slow', (v: string) => num(v), 2000)
     .option('--window <minutes>', 'report room failures of the last N minutes', (v: string) => num(v), 5)
+    .option('--admin-api-key <key>', "the router's admin key, when it has one (better: PDSERVE_ADMIN_API_KEY, which ps does not show)")
     .action(async (opts: Omit<DoctorOptions, 'windowMs' | 'watch'> & { window: number; watch?: number | true }) => {
       const code = await runDoctor({ ...opts, watch: opts.watch === true ? 2 : opts.watch, windowMs: opts.window * 60_000 });
       process.exitCode = code;

@@ -8,7 +8,7 @@
  * Where the worker list comes from is a `WorkerSource`: today the router's GET /workers
  * (`routerSource`); a membership registry (etcd, issue #12) plugs in as another source.
  */
-import { request } from 'undici';
+import { request, type Dispatcher } from 'undici';
 import type { RoomView } from '../harness/storm-monitor.js';
 
 /** A worker to probe; `router` is the router's own row for it (GET /workers), when known. */
@@ -95,12 +95,12 @@ export interface WorkerSource {
 /** Largest body read per endpoint, bytes. */
 const MAX_BODY = 8 * 1024 * 1024;
 
-/** GET `url` with a deadline; `parse` turns the text into the body. Never throws. */
-export async function fetchText<T>(url: string, timeoutMs: number, parse: (text: string) => T): Promise<Fetched<T>> {
+/** GET `url` with a deadline through `dispatcher` (credentials: ../common/http-auth.ts; default: undici's global one); `parse` turns the text into the body. Never throws. */
+export async function fetchText<T>(url: string, timeoutMs: number, parse: (text: string) => T, dispatcher?: Dispatcher): Promise<Fetched<T>> {
   const t0 = performance.now();
   const ms = () => Math.round(performance.now() - t0);
   try {
-    const res = await request(url, { method: 'GET', signal: AbortSignal.timeout(timeoutMs), headersTimeout: timeoutMs, bodyTimeout: timeoutMs });
+    const res = await request(url, { method: 'GET', signal: AbortSignal.timeout(timeoutMs), headersTimeout: timeoutMs, bodyTimeout: timeoutMs, ...(dispatcher ? { dispatcher } : {}) });
     let text = '';
     let n = 0;
     for await (const chunk of res.body) {
@@ -155,22 +155,22 @@ export function sumOf(samples: Sample[] | null | undefined, name: string, where:
 const json = (t: string) => JSON.parse(t) as never;
 
 /** Probe one worker's /health, /metrics and /debug/rooms concurrently. */
-export async function probeWorker(ref: WorkerRef, timeoutMs: number): Promise<WorkerProbe> {
+export async function probeWorker(ref: WorkerRef, timeoutMs: number, dispatcher?: Dispatcher): Promise<WorkerProbe> {
   const [health, metrics, rooms] = await Promise.all([
-    fetchText<Record<string, unknown>>(`${ref.url}/health`, timeoutMs, json),
-    fetchText(`${ref.url}/metrics`, timeoutMs, parsePrometheus),
-    fetchText<DebugRooms>(`${ref.url}/debug/rooms`, timeoutMs, json),
+    fetchText<Record<string, unknown>>(`${ref.url}/health`, timeoutMs, json, dispatcher),
+    fetchText(`${ref.url}/metrics`, timeoutMs, parsePrometheus, dispatcher),
+    fetchText<DebugRooms>(`${ref.url}/debug/rooms`, timeoutMs, json, dispatcher),
   ]);
   return { ref, health, metrics, rooms };
 }
 
 /** Probe the router's /health, /workers, /metrics and /debug/traces concurrently. */
-export async function probeRouter(url: string, timeoutMs: number): Promise<RouterProbe> {
+export async function probeRouter(url: string, timeoutMs: number, dispatcher?: Dispatcher): Promise<RouterProbe> {
   const [health, workers, metrics, traces] = await Promise.all([
-    fetchText<Record<string, unknown>>(`${url}/health`, timeoutMs, json),
-    fetchText<{ workers: Record<string, unknown>[] }>(`${url}/workers`, timeoutMs, json),
-    fetchText(`${url}/metrics`, timeoutMs, parsePrometheus),
-    fetchText<{ traces: import('../router/trace.js').RequestTrace[] }>(`${url}/debug/traces?active=1`, timeoutMs, json),
+    fetchText<Record<string, unknown>>(`${url}/health`, timeoutMs, json, dispatcher),
+    fetchText<{ workers: Record<string, unknown>[] }>(`${url}/workers`, timeoutMs, json, dispatcher),
+    fetchText(`${url}/metrics`, timeoutMs, parsePrometheus, dispatcher),
+    fetchText<{ traces: import('../router/trace.js').RequestTrace[] }>(`${url}/debug/traces?active=1`, timeoutMs, json, dispatcher),
   ]);
   return { url, health, workers, metrics, traces };
 }
@@ -192,11 +192,11 @@ export function routerSource(url: string): WorkerSource {
 }
 
 /** Gather a snapshot: the router (if the source has one), then every worker, each GET bounded by `timeoutMs`. */
-export async function gather(source: WorkerSource, timeoutMs = 3000): Promise<ClusterSnapshot> {
+export async function gather(source: WorkerSource, timeoutMs = 3000, dispatcher?: Dispatcher): Promise<ClusterSnapshot> {
   const at = Date.now();
   const t0 = performance.now();
-  const router = source.routerUrl ? await probeRouter(source.routerUrl, timeoutMs) : null;
+  const router = source.routerUrl ? await probeRouter(source.routerUrl, timeoutMs, dispatcher) : null;
   const refs = await source.list(router);
-  const workers = await Promise.all(refs.map((r) => probeWorker(r, timeoutMs)));
+  const workers = await Promise.all(refs.map((r) => probeWorker(r, timeoutMs, dispatcher)));
   return { at, gatherMs: Math.round(performance.now() - t0), source: source.describe, router, workers };
 }

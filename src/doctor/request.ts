@@ -7,6 +7,7 @@
  * process's own clock: exact on one host, off by the clock skew across hosts) and each phase's
  * duration is the time to the next event of the same process.
  */
+import type { Dispatcher } from 'undici';
 import { fetchText, type DebugRooms, type RoomInfo } from './gather.js';
 import { fmtMs } from './diagnose.js';
 import type { RequestTrace } from '../router/trace.js';
@@ -39,12 +40,12 @@ export interface RequestReport {
 }
 
 /** Gather and join the timeline of request `id` (trace id, rid or room id). Never throws. */
-export async function requestReport(routerUrl: string, id: string, timeoutMs = 3000): Promise<RequestReport> {
+export async function requestReport(routerUrl: string, id: string, timeoutMs = 3000, dispatcher?: Dispatcher): Promise<RequestReport> {
   const base = routerUrl.replace(/\/+$/, '');
   const notes: string[] = [];
   const [tr, workers] = await Promise.all([
-    fetchText<RequestTrace>(`${base}/debug/traces/${encodeURIComponent(id)}`, timeoutMs, (t) => JSON.parse(t) as RequestTrace),
-    fetchText<{ workers: { role: string; url: string }[] }>(`${base}/workers`, timeoutMs, (t) => JSON.parse(t) as never),
+    fetchText<RequestTrace>(`${base}/debug/traces/${encodeURIComponent(id)}`, timeoutMs, (t) => JSON.parse(t) as RequestTrace, dispatcher),
+    fetchText<{ workers: { role: string; url: string }[] }>(`${base}/workers`, timeoutMs, (t) => JSON.parse(t) as never, dispatcher),
   ]);
   const trace = tr.ok ? tr.body : null;
   if (!trace) notes.push(tr.status === 404 ? `the router has no trace for ${id} (it keeps the most recent requests only); searching the workers' rooms` : `router: GET /debug/traces: ${tr.error}`);
@@ -54,7 +55,7 @@ export async function requestReport(routerUrl: string, id: string, timeoutMs = 3
   let clock: number = Date.now();
   await Promise.all(
     (workers.body?.workers ?? []).map(async (w) => {
-      const d = await fetchText<DebugRooms>(`${w.url}/debug/rooms`, timeoutMs, (t) => JSON.parse(t) as DebugRooms);
+      const d = await fetchText<DebugRooms>(`${w.url}/debug/rooms`, timeoutMs, (t) => JSON.parse(t) as DebugRooms, dispatcher);
       if (!d.body) {
         notes.push(`${w.role} ${w.url}: GET /debug/rooms: ${d.error}`);
         return;

@@ -57,6 +57,12 @@ export interface ClusterOptions {
   extraArgsOf?: Record<string, string[]>;
   /** Extra environment for all children. */
   env?: Record<string, string>;
+  /**
+   * Client access of the router: keys go to it by environment
+   * (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never argv; `routerArgs` are extra router flags
+   * (--api-key-file, --private-metrics). The harness's own admin calls use the admin key (else an API key).
+   */
+  access?: { apiKeys?: string[]; adminApiKeys?: string[]; routerArgs?: string[] };
   /** Per-process start deadline, ms. */
   startTimeoutMs?: number;
   /** Also start a colocated reference server. */
@@ -108,11 +114,29 @@ export class Cluster {
   readonly procs: ClusterProc[] = [];
   readonly secret: string;
   readonly host: string;
+  /** Client keys of the router (`ClusterOptions.access`). */
+  readonly access: { apiKeys: string[]; adminApiKeys: string[] };
   private stopping = false;
 
   constructor(readonly opts: ClusterOptions) {
     this.secret = opts.secret ?? randomBytes(24).toString('hex');
     this.host = opts.host ?? '127.0.0.1';
+    this.access = { apiKeys: [...(opts.access?.apiKeys ?? [])], adminApiKeys: [...(opts.access?.adminApiKeys ?? [])] };
+  }
+
+  /** The key the harness's own admin calls (/workers/probe) send: the admin key, else an API key, else none. */
+  get adminKey(): string | undefined {
+    return this.access.adminApiKeys[0] ?? this.access.apiKeys[0];
+  }
+
+  /** Environment of one child: the cluster secret, and the client keys for the router. */
+  private envOf(p: ClusterProc): Record<string, string> {
+    const env: Record<string, string> = { PDSERVE_CLUSTER_SECRET: this.secret };
+    if (p.role === 'router') {
+      if (this.access.apiKeys.length) env.PDSERVE_API_KEY = this.access.apiKeys.join(',');
+      if (this.access.adminApiKeys.length) env.PDSERVE_ADMIN_API_KEY = this.access.adminApiKeys.join(',');
+    }
+    return env;
   }
 
   get router(): ClusterProc {
@@ -172,7 +196,7 @@ export class Cluster {
     const statics = !o.discovery || o.staticWorkers !== false;
     for (const p of statics ? this.byRole('prefill') : []) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
     for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
-    const router = this.proc('router', 0, rport, [...rargs, ...(o.extraArgs?.router ?? [])]);
+    const router = this.proc('router', 0, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);
     this.procs.push(router);
     await this.spawn(router);
   }
@@ -206,7 +230,7 @@ export class Cluster {
     const [cmd, argv]: [string, string[]] = [full[0]!, full.slice(1)];
     const child = spawn(cmd, argv, {
       stdio: ['ignore', out, out, 'ipc'],
-      env: { ...process.env, PDSERVE_CLUSTER_SECRET: this.secret, ...(o.env ?? {}) },
+      env: { ...process.env, ...this.envOf(p), ...(o.env ?? {}) },
     });
     if (typeof out === 'number') closeSync(out);
     p.child = child;
@@ -252,7 +276,8 @@ export class Cluster {
     const r = this.procs.find((x) => x.role === 'router');
     if (!r?.child) return;
     try {
-      const res = await fetch(`${r.url}/workers/probe`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ url: p.url }), signal: AbortSignal.timeout(1000) });
+      const key = this.adminKey;
+      const res = await fetch(`${r.url}/workers/probe`, { method: 'POST', headers: { 'content-type': 'application/json', ...(key ? { authorization: `Bearer ${key}` } : {}) }, body: JSON.stringify({ url: p.url }), signal: AbortSignal.timeout(1000) });
       await res.body?.cancel();
     } catch {
       // the router is down or busy: its poll will find the worker

@@ -21,6 +21,8 @@
  *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
+ *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
+ *       ../api/access.ts),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
@@ -89,6 +91,11 @@ export const RouterConfigSchema = z
     maxTreeChars: z.number().int().min(1).default(DEFAULT_CACHE_AWARE.maxTreeChars),
     /** CORS origins ('*' = any); empty = no CORS headers. */
     corsOrigin: z.array(z.string().min(1)).max(64).default([]),
+    /** Client access (../api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */
+    apiKeys: z.array(z.string().min(1).max(4096)).max(1024).default([]),
+    apiKeyFile: z.string().min(1).optional(),
+    adminApiKeys: z.array(z.string().min(1).max(4096)).max(64).default([]),
+    privateMetrics: z.boolean().default(false),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -148,6 +155,11 @@ export interface RouterConfig {
   readonly maxTreeChars: number;
   /** CORS origins ('*' = any); empty = no CORS headers. */
   readonly corsOrigin: readonly string[];
+  /** Client access (../api/access.ts). Never logged. */
+  readonly apiKeys: readonly string[];
+  readonly apiKeyFile?: string;
+  readonly adminApiKeys: readonly string[];
+  readonly privateMetrics: boolean;
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

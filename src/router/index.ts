@@ -27,6 +27,7 @@ import { performance } from 'node:perf_hooks';
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
+import { registerAccess, type Access } from '../api/access.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
@@ -64,6 +65,8 @@ export interface Router {
   close(): Promise<void>;
   /** Tell the router its own listening URL (used in the doctor's suggested commands). */
   setUrl(url: string): void;
+  /** Client access (API and admin keys): `describe()` for the banner. */
+  access: Access;
 }
 
 export interface RunningRouter extends Router {
@@ -164,6 +167,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     },
   }) as unknown as FastifyInstance;
   registerOpenAIErrorHandling(app);
+  // Keys first: an unauthenticated caller learns nothing, not even that the router drains.
+  const access = registerAccess(app, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);
   const drain = new DrainGate('router');
   drain.install(app);
   // Every response names its rid (errors included); hijacked streams set it themselves.
@@ -350,6 +355,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       return active.size;
     },
     drain,
+    access,
     close,
     setUrl(url: string) {
       selfUrl = url;
@@ -371,6 +377,7 @@ export async function startRouter(raw: RouterConfigInput | RouterConfig): Promis
   const h = r.config.host === '0.0.0.0' ? '127.0.0.1' : r.config.host === '::' ? '[::1]' : r.config.host.includes(':') ? `[${r.config.host}]` : r.config.host;
   const url = `http://${h}:${port}`;
   r.setUrl(url);
-  r.app.log.info({ url, prefill: r.config.prefill.map((p) => p.url), decode: r.config.decode.map((d) => d.url) }, 'router listening');
+  r.app.log.info({ url, prefill: r.config.prefill.map((p) => p.url), decode: r.config.decode.map((d) => d.url), access: r.access.describe() }, 'router listening');
+  if (r.access.apiOpen) r.app.log.warn('the router is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');
   return Object.assign(r, { url, port });
 }

@@ -1,11 +1,11 @@
 /** Run the real `pdserve` CLI (bin/pdserve.js, built dist/) as a child process, with a deadline. */
 import { spawn } from 'node:child_process';
 
-/** Run the real CLI; resolves with exit code and output. */
-export function cli(args: string[], timeoutMs = 20_000): Promise<{ code: number | null; out: string; err: string; ms: number }> {
+/** Run the real CLI (with `env` added to this process's environment); resolves with exit code and output. */
+export function cli(args: string[], timeoutMs = 20_000, env: Record<string, string> = {}): Promise<{ code: number | null; out: string; err: string; ms: number }> {
   return new Promise((resolve) => {
     const t0 = Date.now();
-    const p = spawn(process.execPath, ['bin/pdserve.js', ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const p = spawn(process.execPath, ['bin/pdserve.js', ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } });
     let out = '';
     let err = '';
     p.stdout.on('data', (d) => (out += d));

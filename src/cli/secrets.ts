@@ -1,0 +1,41 @@
+/**
+ * Where the CLI takes keys and secrets from: environment variables and files first, because a
+ * process's command line is readable by every local user (`ps`); a flag still works and warns.
+ *
+ *   PDSERVE_API_KEY        API keys of the router / colocated (comma-separated)
+ *   PDSERVE_ADMIN_API_KEY  admin keys (comma-separated)
+ */
+import type { Command } from 'commander';
+
+/** Split a comma-separated env value into its non-empty, trimmed entries. */
+export function listEnv(v: string | undefined): string[] {
+  return (v ?? '')
+    .split(',')
+    .map((x) => x.trim())
+    .filter((x) => x.length > 0);
+}
+
+/** Flags of the client access of an OpenAI edge (src/api/access.ts). */
+export const accessFlags = (c: Command) =>
+  c
+    .option('--api-key <keys...>', 'API key(s) clients send as Authorization: Bearer (better: PDSERVE_API_KEY, comma-separated, or --api-key-file: ps shows flags)')
+    .option('--api-key-file <file>', 'API keys, one a line (# comments); re-read when the file changes: keys rotate without a restart')
+    .option('--admin-api-key <keys...>', 'key(s) of /workers, /debug/*, /dashboard (better: PDSERVE_ADMIN_API_KEY)')
+    .option('--private-metrics', '/metrics needs the admin key too (default: open, for scrapers)', false);
+
+/** Warn (stderr) that a secret came on the command line. */
+export function warnArgv(role: string, flag: string, env: string): void {
+  console.error(`pdserve ${role}: warning: ${flag} on the command line is visible to every local user (ps); use ${env} or a file instead`);
+}
+
+/** The access config of `accessFlags`' options and the environment. */
+export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean }): { apiKeys: string[]; apiKeyFile?: string; adminApiKeys: string[]; privateMetrics: boolean } {
+  if (o.apiKey?.length) warnArgv(role, '--api-key', 'PDSERVE_API_KEY or --api-key-file');
+  if (o.adminApiKey?.length) warnArgv(role, '--admin-api-key', 'PDSERVE_ADMIN_API_KEY');
+  return {
+    apiKeys: [...(o.apiKey ?? []), ...listEnv(process.env.PDSERVE_API_KEY)],
+    ...(o.apiKeyFile ? { apiKeyFile: o.apiKeyFile } : {}),
+    adminApiKeys: [...(o.adminApiKey ?? []), ...listEnv(process.env.PDSERVE_ADMIN_API_KEY)],
+    privateMetrics: o.privateMetrics === true,
+  };
+}
