@@ -19,7 +19,7 @@
  * the others are aborted by closing their connections, which each server handles as a client
  * abort (rooms released).
  */
-import { Agent, request as httpRequest, type Dispatcher } from 'undici';
+import { request as httpRequest, type Dispatcher } from 'undici';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { readSse, SseWriter } from './sse.js';
 import { randomBytes } from 'node:crypto';
@@ -27,6 +27,7 @@ import { MAX_CHOICES } from './fields.js';
 import { ApiError, badRequest, sendApiError, SSE_DONE, usageOf, type Usage } from './openai.js';
 import { codeSpec, type ApiErrorType } from '../common/errors.js';
 import type { ToolCall, ToolCallDelta } from './tool-calls.js';
+import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 
 export { MAX_CHOICES };
 
@@ -195,17 +196,6 @@ export function mergedPath(values: readonly unknown[]): string | null {
   return distinct.length > 0 ? distinct.join(', ') : null;
 }
 
-/** Loopback connections for sub-requests (one per choice, so MAX_CHOICES per request). */
-const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout: 600_000, bodyTimeout: 600_000 });
-
-/** http://host:port this fastify server can reach itself at (wildcard addresses → loopback). */
-function selfUrl(request: FastifyRequest): string {
-  const a = request.server.server.address();
-  if (!a || typeof a === 'string') throw new ApiError(500, 'internal_error', 'server address unknown', 'server_error');
-  const host = a.address === '0.0.0.0' ? '127.0.0.1' : a.address === '::' ? '::1' : a.address;
-  return `http://${host.includes(':') ? `[${host}]` : host}:${a.port}`;
-}
-
 /**
  * Serve a fanned-out request (see the module doc): send every sub-request, wait for all their
  * response heads (so an invalid request or an early failure is one plain HTTP error), then merge.
@@ -231,8 +221,7 @@ export async function serveFanOut(
   reply.raw.on('close', onClose);
   const path = kind === 'chat' ? '/v1/chat/completions' : '/v1/completions';
   const base = selfUrl(request);
-  const headers: Record<string, string> = { 'content-type': 'application/json' };
-  for (const h of ['authorization', 'x-trace-id']) if (typeof request.headers[h] === 'string') headers[h] = request.headers[h] as string;
+  const headers: Record<string, string> = { 'content-type': 'application/json', ...forwardedHeaders(request) };
   const pending = subs.map((s) => httpRequest(`${base}${path}`, { method: 'POST', headers: { ...headers, ...headersOf?.(s) }, body: JSON.stringify(s.body), signal: ac.signal, dispatcher: loopback }));
   try {
     const settled = await Promise.allSettled(pending);

@@ -15,7 +15,8 @@
 import { z } from 'zod';
 import { MAX_TOKEN_LIST, WorkerGrammarSchema } from './worker-protocol.js';
 
-export type Endpoint = 'completions' | 'chat';
+/** 'responses' fields live in ./responses-fields.ts (their own table, docs/RESPONSES.md). */
+export type Endpoint = 'completions' | 'chat' | 'responses';
 /** honoured: used as specified; partial: some values honoured, the others refused with a 400 naming the field; refused: any non-default value is a 400. */
 export type FieldStatus = 'honoured' | 'partial' | 'refused';
 
@@ -56,9 +57,12 @@ export const LEGACY_FUNCTIONS_REFUSAL = "the legacy 'functions' / 'function_call
 const StopSchema = z.union([z.string(), z.array(z.string()).max(MAX_STOP, `expected at most ${MAX_STOP} stop strings`)]);
 const tokenIdKey = z.string().regex(/^\d{1,10}$/, 'logit_bias keys must be token ids');
 
-const notDefault = (dflt: unknown, why: string) => (v: never) => ((v as unknown) === dflt ? null : why);
-const refusedAny = (why: string) => () => why;
-const emptyOk = (why: string) => (v: never) => {
+/** Refuse any value but `dflt`. */
+export const notDefault = (dflt: unknown, why: string) => (v: never) => ((v as unknown) === dflt ? null : why);
+/** Refuse every non-null value. */
+export const refusedAny = (why: string) => () => why;
+/** Refuse every value but an empty one ('', false, [], {}). */
+export const emptyOk = (why: string) => (v: never) => {
   const x = v as unknown;
   if (x === '' || x === false || (Array.isArray(x) && x.length === 0) || (typeof x === 'object' && x !== null && !Array.isArray(x) && Object.keys(x).length === 0)) return null;
   return why;

@@ -12,7 +12,7 @@ import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from
 import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateEvent, type GenerateRequest, type WireLogprob } from './worker-protocol.js';
 import type { RoomId } from '../common/room-id.js';
 import { normaliseJsonSchema, SchemaError } from './json-schema.js';
-import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint } from './fields.js';
+import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint, type FieldSpec } from './fields.js';
 import { parseTools, toolGrammarOf, ToolCallParser, type ParsedTools, type ToolCall, type ToolCallDelta } from './tool-calls.js';
 import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
 import { ApiError, toApiError as commonToApiError, type ApiErrorType } from '../common/errors.js';
@@ -233,11 +233,18 @@ function fieldError(prefix: (string | number)[], err: ZodError): ApiError {
  * against its schema, refused values → 400 naming the field.
  */
 function parseFields(endpoint: Endpoint, body: unknown): Record<string, unknown> {
+  return parseFieldTable(fieldsOf(endpoint), body);
+}
+
+/**
+ * `parseFields` over any field table (name → spec), e.g. /v1/responses' (./responses-fields.ts).
+ * @throws ApiError 400 for a body that is not a JSON object, an unknown field, a bad or refused value.
+ */
+export function parseFieldTable(fields: ReadonlyMap<string, FieldSpec>, body: unknown): Record<string, unknown> {
   if (typeof body === 'string' || Buffer.isBuffer(body)) {
     throw new ApiError(400, 'unsupported_media_type', "The request body was not sent as JSON: send it with 'Content-Type: application/json' (a text/plain body is not parsed).", 'invalid_request_error');
   }
   if (body === null || typeof body !== 'object' || Array.isArray(body)) throw badRequest(`Invalid request body: expected a JSON object, got ${body === null ? 'null' : Array.isArray(body) ? 'an array' : typeof body}`, null, 'invalid_type');
-  const fields = fieldsOf(endpoint);
   const out: Record<string, unknown> = {};
   for (const [k, v] of Object.entries(body as Record<string, unknown>)) {
     const f = fields.get(k);

@@ -26,10 +26,14 @@ export class SseError extends Error {
   }
 }
 
-/** Format one SSE event carrying `data` (newlines inside become several `data:` lines). */
-export function formatSseEvent(data: string): string {
-  if (!/[\r\n]/.test(data)) return `data: ${data}\n\n`;
-  return data.split(/\r\n|\r|\n/).map((l) => `data: ${l}\n`).join('') + '\n';
+/**
+ * Format one SSE event carrying `data` (newlines inside become several `data:` lines), with an
+ * `event:` line first when `event` is given (the Responses API names its events).
+ */
+export function formatSseEvent(data: string, event?: string): string {
+  const head = event === undefined ? '' : `event: ${event.replace(/[\r\n]+/g, ' ')}\n`;
+  if (!/[\r\n]/.test(data)) return `${head}data: ${data}\n\n`;
+  return head + data.split(/\r\n|\r|\n/).map((l) => `data: ${l}\n`).join('') + '\n';
 }
 
 export interface SseWriterOptions {
@@ -79,12 +83,12 @@ export class SseWriter {
 
   /**
    * Write one event. Strings are sent verbatim as the data payload (e.g. `'[DONE]'`); anything
-   * else is JSON-encoded.
+   * else is JSON-encoded. `event` names the event (an `event:` line).
    * @throws SseError SSE_CLOSED when the response is closed (before or while waiting for drain);
    *   SSE_WRITE_TIMEOUT when the socket does not drain within `writeTimeoutMs`.
    */
-  write(data: unknown): Promise<void> {
-    return this.writeRaw(formatSseEvent(typeof data === 'string' ? data : JSON.stringify(data)));
+  write(data: unknown, event?: string): Promise<void> {
+    return this.writeRaw(formatSseEvent(typeof data === 'string' ? data : JSON.stringify(data), event));
   }
 
   /** Write an SSE comment line (keep-alive); same errors as `write`. */

@@ -9,6 +9,8 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, checkModelName, OpenAIResponseBuilder, responseToolSyntax, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
 import { SseWriter } from '../api/sse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
+import { registerResponsesRoutes } from '../api/responses-http.js';
+import { ResponseStore } from '../api/responses-store.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
@@ -28,7 +30,7 @@ export interface ColocatedServer {
   close(): Promise<void>;
 }
 
-/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
+/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/responses(/{id}), /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
 export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
   const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
   const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
@@ -104,6 +106,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
+  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs });
   const url = await listenUrl(app, config.host, config.port);
   log.info({ url, access: access?.describe() }, 'colocated server ready');
   if (access?.apiOpen) log.warn('the colocated server is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');

@@ -104,6 +104,8 @@ export const ERROR_CODES = {
   decode_unreachable: BAD_GATEWAY,
   prefill_failed: BAD_GATEWAY,
   decode_failed: BAD_GATEWAY,
+  /** /v1/responses: the server's own chat path (its loopback request) did not answer or broke its stream. */
+  chat_path_failed: BAD_GATEWAY,
   queue_full: c(503, 'overloaded_error', 'system'),
   queue_timeout: c(503, 'overloaded_error', 'system'),
   shutting_down: c(503, 'server_error', 'system'),

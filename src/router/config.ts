@@ -23,12 +23,14 @@
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
  *       ../api/access.ts),
+ *     responsesStore = { maxCount = 10000, maxBytes = 64 MiB, maxAgeMs = 1 h } (stored /v1/responses),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
 import { z } from 'zod';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
+import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
 
 const LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
 
@@ -96,6 +98,10 @@ export const RouterConfigSchema = z
     apiKeyFile: z.string().min(1).optional(),
     adminApiKeys: z.array(z.string().min(1).max(4096)).max(64).default([]),
     privateMetrics: z.boolean().default(false),
+    responsesStore: z
+      .object({ maxCount: z.number().int().min(0), maxBytes: z.number().int().min(0), maxAgeMs: z.number().int().min(0) })
+      .strict()
+      .default(DEFAULT_RESPONSE_STORE_LIMITS),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -160,6 +166,8 @@ export interface RouterConfig {
   readonly apiKeyFile?: string;
   readonly adminApiKeys: readonly string[];
   readonly privateMetrics: boolean;
+  /** Bounds of the stored /v1/responses (../api/responses-store.ts). */
+  readonly responsesStore: Readonly<ResponseStoreLimits>;
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

@@ -6,6 +6,7 @@
  *
  * Config: see `./config.ts` (validated with zod, frozen). Endpoints:
  *   POST /v1/completions, POST /v1/chat/completions — dual dispatch, see `./dispatch.ts`
+ *   POST /v1/responses, GET|DELETE /v1/responses/{id} — over the chat path, see ../api/responses-http.ts
  *   GET /v1/models  — {object:'list', data:[{id, object:'model', owned_by:'pdserve', created}]}
  *                      with the `model` names reported by the workers' /health
  *   GET /v1/models/{id} — one of them, or 404 model_not_found
@@ -31,6 +32,8 @@ import { registerAccess, type Access } from '../api/access.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
+import { registerResponsesRoutes } from '../api/responses-http.js';
+import { ResponseStore } from '../api/responses-store.js';
 import { CHOICE_HEADER, ChoiceGroups, groupHeaders } from './choices.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
@@ -275,6 +278,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   app.post('/v1/completions', generation('completion'));
   app.post('/v1/chat/completions', generation('chat'));
+  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, requestTimeoutMs: config.requestTimeoutMs, writeTimeoutMs: config.writeTimeoutMs, maxEventBytes: config.maxEventBytes });
 
   app.get('/v1/models', async () => ({
     object: 'list',

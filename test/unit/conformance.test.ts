@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { describe, test } from 'node:test';
-import { withConformanceTable } from '../../src/api/conformance.js';
+import { GENERATED, withConformanceTable } from '../../src/api/conformance.js';
 import { conformanceMarkdown, fieldsOf, REQUEST_FIELDS } from '../../src/api/fields.js';
 import { ApiError, parseChatRequest, parseCompletionRequest } from '../../src/api/openai.js';
 
@@ -10,6 +10,10 @@ describe('OpenAI conformance table', () => {
     const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
     assert.equal(readme, withConformanceTable(readme), 'README conformance table is stale');
     assert.ok(readme.includes(conformanceMarkdown()));
+    for (const g of GENERATED) {
+      const text = readFileSync(new URL(`../../${g.path}`, import.meta.url), 'utf8');
+      assert.equal(text, withConformanceTable(text, g.table()), `${g.path}: generated table is stale`);
+    }
   });
 
   test('every listed field is parsed by its endpoints, every other name is refused', () => {

@@ -1,0 +1,126 @@
+/**
+ * The stored responses of /v1/responses (`store: true`, OpenAI's default): what GET / DELETE
+ * /v1/responses/{id}, `previous_response_id` and `item_reference` input items read. In memory,
+ * per server process, bounded three ways — entries, bytes, age — with the oldest dropped first
+ * (insertion order = creation order, so the oldest is the first entry of the Map).
+ *
+ * A record keeps the conversation up to and including its own output as chat messages (the
+ * wire shape the chat path takes), so a continuation is `instructions + history + new input`:
+ * the prompt the previous response was generated from, followed by its reply, byte for byte.
+ * The history arrays of a chain share their message objects; `bytes` counts the whole history
+ * of each record (an upper bound of what it holds alive, so the byte bound always holds).
+ */
+
+/** A chat message as the chat path takes it (OpenAI wire shape). */
+export interface WireChatMessage {
+  role: 'system' | 'user' | 'assistant' | 'tool';
+  content: string | null;
+  tool_calls?: { id: string; type: 'function'; function: { name: string; arguments: string } }[];
+  tool_call_id?: string;
+}
+
+/** One stored response. */
+export interface StoredResponse {
+  id: string;
+  /** The public Response object (what GET returns). */
+  response: Record<string, unknown>;
+  /** The conversation without `instructions`: earlier history, this input, this output. */
+  history: WireChatMessage[];
+  /** Output items by id (for `item_reference`), with the chat message each one became. */
+  items: Map<string, Record<string, unknown>>;
+  /** Bytes accounted to this record (JSON of response + history). */
+  bytes: number;
+  /** Monotonic ms when stored. */
+  at: number;
+}
+
+export interface ResponseStoreLimits {
+  /** Most stored responses. */
+  maxCount: number;
+  /** Most bytes over all records (see the module doc). */
+  maxBytes: number;
+  /** A record older than this (ms) is gone. */
+  maxAgeMs: number;
+}
+
+/** Defaults: 10 000 responses, 64 MiB, 1 hour. */
+export const DEFAULT_RESPONSE_STORE_LIMITS: ResponseStoreLimits = { maxCount: 10_000, maxBytes: 64 << 20, maxAgeMs: 3_600_000 };
+
+/** Bounded store of responses (see the module doc). `now` is a monotonic ms clock. */
+export class ResponseStore {
+  private readonly records = new Map<string, StoredResponse>();
+  /** item id → the response that holds it. */
+  private readonly itemOwner = new Map<string, string>();
+  private total = 0;
+  /** Records dropped by a bound (count, bytes or age), for metrics. */
+  evicted = 0;
+
+  constructor(
+    readonly limits: ResponseStoreLimits = DEFAULT_RESPONSE_STORE_LIMITS,
+    private readonly now: () => number = () => performance.now(),
+  ) {}
+
+  /** Stored responses now. */
+  get size(): number {
+    this.expire();
+    return this.records.size;
+  }
+
+  /** Bytes accounted now. */
+  get bytes(): number {
+    this.expire();
+    return this.total;
+  }
+
+  /**
+   * Store a record (replacing one of the same id), then drop the oldest until every bound holds.
+   * A record larger than `maxBytes` by itself is not stored. Returns whether it was stored.
+   */
+  put(rec: Omit<StoredResponse, 'at'>): boolean {
+    this.delete(rec.id);
+    if (rec.bytes > this.limits.maxBytes) return false;
+    const r: StoredResponse = { ...rec, at: this.now() };
+    this.records.set(r.id, r);
+    for (const id of r.items.keys()) this.itemOwner.set(id, r.id);
+    this.total += r.bytes;
+    this.expire();
+    while (this.records.size > this.limits.maxCount || this.total > this.limits.maxBytes) {
+      const oldest = this.records.keys().next().value as string;
+      this.delete(oldest);
+      this.evicted++;
+    }
+    return this.records.has(r.id);
+  }
+
+  /** The record of `id`, or undefined when unknown, deleted or expired. */
+  get(id: string): StoredResponse | undefined {
+    this.expire();
+    return this.records.get(id);
+  }
+
+  /** The stored item `itemId` (an output item of a stored response), or undefined. */
+  item(itemId: string): Record<string, unknown> | undefined {
+    const owner = this.itemOwner.get(itemId);
+    return owner === undefined ? undefined : this.get(owner)?.items.get(itemId);
+  }
+
+  /** Remove `id`; returns whether it was there. */
+  delete(id: string): boolean {
+    const r = this.records.get(id);
+    if (!r) return false;
+    this.records.delete(id);
+    for (const item of r.items.keys()) if (this.itemOwner.get(item) === id) this.itemOwner.delete(item);
+    this.total -= r.bytes;
+    return true;
+  }
+
+  /** Drop the records older than maxAgeMs (the oldest come first). */
+  private expire(): void {
+    const cutoff = this.now() - this.limits.maxAgeMs;
+    for (const r of this.records.values()) {
+      if (r.at > cutoff) break;
+      this.delete(r.id);
+      this.evicted++;
+    }
+  }
+}

@@ -1,0 +1,199 @@
+/**
+ * The Responses API end to end (one stack: router → prefill → KV → decode, and the colocated
+ * reference; deterministic engines, tiny generated model), through the real `openai` SDK
+ * (`client.responses.create`, `stream: true`, `previous_response_id`, function tools, retrieve,
+ * delete) and the Vercel AI SDK's default OpenAI provider (`generateText({ model: openai(id) })`
+ * calls /v1/responses). Greedy output through /v1/responses equals /v1/chat/completions for the
+ * same conversation, on PD and colocated; a continuation by previous_response_id is the stored
+ * conversation exactly (its output equals the chat path's for the explicit history, and the
+ * prefix cache serves the earlier rounds: cached_tokens > 0).
+ */
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+import OpenAI from 'openai';
+import { createOpenAI } from '@ai-sdk/openai';
+import { generateText, jsonSchema, streamText, tool } from 'ai';
+import { useStack } from '../helpers/stack.js';
+
+const s = useStack({ ctxSize: 4096 });
+const base = { model: 'pdserve', temperature: 0, max_output_tokens: 24 } as const;
+
+/** The chat path's greedy reply for `messages` (the reference of every Responses result). */
+async function chatText(api: OpenAI, messages: OpenAI.ChatCompletionMessageParam[], max = 24): Promise<string> {
+  const r = await api.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: max, messages });
+  return r.choices[0]!.message.content ?? '';
+}
+
+describe('/v1/responses through the openai SDK (PD and colocated)', () => {
+  test('non-stream: a string input with instructions equals the chat path; usage and the Response shape', async () => {
+    for (const [api, name] of [[s.pd, 'PD'], [s.ref, 'colocated']] as const) {
+      const r = await api.responses.create({ ...base, instructions: 'Answer briefly.', input: 'Name a colour.' });
+      assert.match(r.id, /^resp_[0-9a-f]+$/);
+      assert.equal(r.object, 'response');
+      assert.ok(r.status === 'completed' || r.status === 'incomplete', name);
+      assert.equal(r.output.length, 1);
+      const msg = r.output[0] as OpenAI.Responses.ResponseOutputMessage;
+      assert.equal(msg.type, 'message');
+      assert.equal(msg.role, 'assistant');
+      assert.match(msg.id, /^msg_/);
+      const want = await chatText(api, [{ role: 'system', content: 'Answer briefly.' }, { role: 'user', content: 'Name a colour.' }]);
+      assert.equal(r.output_text, want, `${name}: Responses output equals chat output`);
+      assert.ok(r.usage!.input_tokens > 0 && r.usage!.output_tokens > 0);
+      assert.equal(r.usage!.total_tokens, r.usage!.input_tokens + r.usage!.output_tokens);
+      assert.equal(r.instructions, 'Answer briefly.');
+      assert.equal(r.max_output_tokens, 24);
+      if (r.usage!.output_tokens === 24) assert.deepEqual([r.status, r.incomplete_details], ['incomplete', { reason: 'max_output_tokens' }]);
+    }
+  });
+
+  test('stream: the event sequence, deltas that add up to the non-stream text, then GET and DELETE', async () => {
+    const input = [{ role: 'user' as const, content: [{ type: 'input_text' as const, text: 'Say something.' }] }];
+    const plain = await s.pd.responses.create({ ...base, input });
+    const stream = await s.pd.responses.create({ ...base, input, stream: true });
+    const types: string[] = [];
+    const seqs: number[] = [];
+    let text = '';
+    let done: OpenAI.Responses.Response | null = null;
+    for await (const ev of stream) {
+      types.push(ev.type);
+      seqs.push(ev.sequence_number);
+      if (ev.type === 'response.output_text.delta') text += ev.delta;
+      if (ev.type === 'response.completed' || ev.type === 'response.incomplete') done = ev.response;
+    }
+    assert.deepEqual(seqs, seqs.map((_, i) => i), 'sequence numbers count from 0');
+    const end = types.at(-1);
+    assert.ok(end === 'response.completed' || end === 'response.incomplete');
+    assert.deepEqual(types.slice(0, 4), ['response.created', 'response.in_progress', 'response.output_item.added', 'response.content_part.added']);
+    assert.deepEqual(types.slice(-4), ['response.output_text.done', 'response.content_part.done', 'response.output_item.done', end]);
+    assert.equal(text, plain.output_text, 'stream deltas = non-stream text');
+    assert.ok(done);
+    const got = await s.pd.responses.retrieve(done.id);
+    assert.equal(got.id, done.id);
+    assert.equal(got.output_text, text);
+    // an item_reference input item is the stored item itself
+    const msgId = (done.output[0] as OpenAI.Responses.ResponseOutputMessage).id;
+    const ref = await s.pd.responses.create({ ...base, input: [...input, { type: 'item_reference', id: msgId }, { role: 'user', content: 'More.' }] });
+    assert.equal(ref.output_text, await chatText(s.pd, [{ role: 'user', content: 'Say something.' }, { role: 'assistant', content: text }, { role: 'user', content: 'More.' }]));
+    const del = (await s.pd.responses.delete(done.id)) as unknown;
+    assert.deepEqual(del, { id: done.id, object: 'response', deleted: true });
+    await assert.rejects(s.pd.responses.retrieve(done.id), (e: unknown) => e instanceof OpenAI.NotFoundError);
+    await assert.rejects(s.pd.responses.delete(done.id), (e: unknown) => e instanceof OpenAI.NotFoundError);
+    await assert.rejects(s.pd.responses.create({ ...base, input: [{ type: 'item_reference', id: msgId }] }), (e: unknown) => e instanceof OpenAI.NotFoundError, 'a deleted response takes its items with it');
+  });
+
+  test('previous_response_id continues the stored conversation exactly, and the prefix cache serves it', async () => {
+    const history: OpenAI.ChatCompletionMessageParam[] = [{ role: 'system', content: 'You are terse.' }];
+    let prev: string | undefined;
+    let cached = 0;
+    for (let round = 1; round <= 3; round++) {
+      const user = `round ${round}: ${'tell me more '.repeat(3)}`;
+      history.push({ role: 'user', content: user });
+      const r = await s.pd.responses.create({ ...base, instructions: 'You are terse.', input: user, ...(prev ? { previous_response_id: prev } : {}) });
+      assert.equal(r.previous_response_id, prev ?? null);
+      const want = await chatText(s.ref, history);
+      assert.equal(r.output_text, want, `round ${round}: equals the chat path on the explicit history`);
+      history.push({ role: 'assistant', content: r.output_text });
+      if (round > 1) cached += r.usage!.input_tokens_details.cached_tokens;
+      prev = r.id;
+    }
+    assert.ok(cached > 0, 'rounds 2 and 3 reuse the stored prefix');
+    await assert.rejects(s.pd.responses.create({ ...base, input: 'x', previous_response_id: 'resp_unknown' }), (e: unknown) => e instanceof OpenAI.NotFoundError && e.param === 'previous_response_id');
+    // store: false keeps nothing to continue from
+    const unstored = await s.pd.responses.create({ ...base, input: 'x', store: false });
+    await assert.rejects(s.pd.responses.retrieve(unstored.id), (e: unknown) => e instanceof OpenAI.NotFoundError);
+  });
+
+  test('function tools: a forced call, its output sent back by previous_response_id, the same as chat tool calls', async () => {
+    const tools: OpenAI.Responses.FunctionTool[] = [{ type: 'function', name: 'get_weather', description: 'Weather of a city', parameters: { type: 'object', properties: { city: { type: 'string', enum: ['oslo', 'paris'] } }, required: ['city'] }, strict: true }];
+    const r = await s.pd.responses.create({ ...base, max_output_tokens: 300, input: 'Weather in Oslo?', tools, tool_choice: 'required' });
+    const call = r.output.find((o) => o.type === 'function_call') as OpenAI.Responses.ResponseFunctionToolCall;
+    assert.ok(call, `a function_call item: ${JSON.stringify(r.output)}`);
+    assert.equal(call.name, 'get_weather');
+    assert.equal(typeof (JSON.parse(call.arguments) as { city: unknown }).city, 'string');
+    assert.match(call.call_id, /^call_/);
+    // the chat path makes the same call for the same request
+    const chatTools = [{ type: 'function' as const, function: { name: 'get_weather', description: 'Weather of a city', parameters: tools[0]!.parameters!, strict: true } }];
+    const chat = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 300, messages: [{ role: 'user', content: 'Weather in Oslo?' }], tools: chatTools, tool_choice: 'required' });
+    const cc = chat.choices[0]!.message.tool_calls![0] as OpenAI.ChatCompletionMessageFunctionToolCall;
+    assert.equal(call.arguments, cc.function.arguments);
+    // the stream names the call's arguments piece by piece
+    const stream = await s.pd.responses.create({ ...base, max_output_tokens: 300, input: 'Weather in Oslo?', tools, tool_choice: 'required', stream: true });
+    let args = '';
+    let doneArgs: string | null = null;
+    for await (const ev of stream) {
+      if (ev.type === 'response.function_call_arguments.delta') args += ev.delta;
+      if (ev.type === 'response.function_call_arguments.done') doneArgs = ev.arguments;
+    }
+    assert.equal(args, call.arguments);
+    assert.equal(doneArgs, call.arguments);
+    // round two: the call's output, by previous_response_id
+    const r2 = await s.pd.responses.create({ ...base, previous_response_id: r.id, input: [{ type: 'function_call_output', call_id: call.call_id, output: '{"temp": 3}' }], tools, tool_choice: 'none' });
+    const c2 = await s.ref.chat.completions.create({
+      model: 'pdserve',
+      temperature: 0,
+      max_completion_tokens: 24,
+      tools: chatTools,
+      tool_choice: 'none',
+      messages: [
+        { role: 'user', content: 'Weather in Oslo?' },
+        { role: 'assistant', content: null, tool_calls: [{ id: call.call_id, type: 'function', function: { name: call.name, arguments: call.arguments } }] },
+        { role: 'tool', tool_call_id: call.call_id, content: '{"temp": 3}' },
+      ],
+    });
+    assert.equal(r2.output_text, c2.choices[0]!.message.content, 'round two equals the chat path on the explicit history');
+    // an unanswered call is a 400 naming the input
+    await assert.rejects(
+      s.pd.responses.create({ ...base, input: [{ role: 'user', content: 'hi' }, { type: 'function_call', call_id: 'call_x', name: 'get_weather', arguments: '{}' }], tools }),
+      (e: unknown) => e instanceof OpenAI.BadRequestError && /^input\[1\]/.test(String(e.param)),
+    );
+  });
+
+  test('refusals: unknown fields, unsupported items and tools are 400s naming the field', async () => {
+    const bad = async (body: Record<string, unknown>, param: string) =>
+      assert.rejects(s.pd.responses.create({ model: 'pdserve', input: 'x', ...body } as never), (e: unknown) => e instanceof OpenAI.BadRequestError && e.param === param, param);
+    await bad({ frobnicate: 1 }, 'frobnicate');
+    await bad({ tools: [{ type: 'web_search' }] }, 'tools[0].type');
+    await bad({ input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'http://x' }] }] }, 'input[0].content[0].type');
+    await bad({ input: [{ type: 'reasoning', summary: [] }] }, 'input[0].type');
+    await bad({ truncation: 'auto' }, 'truncation');
+    await bad({ max_output_tokens: 0 }, 'max_output_tokens');
+    await bad({ background: true }, 'background');
+  });
+});
+
+describe('/v1/responses through the Vercel AI SDK default provider', () => {
+  test('generateText and streamText with openai(model) call /v1/responses; a tool round trip with the SDK loop', async () => {
+    const openai = createOpenAI({ baseURL: `${s.c.router.url}/v1`, apiKey: 'none' });
+    const messages = [{ role: 'user' as const, content: 'Name a colour.' }];
+    const g = await generateText({ model: openai('pdserve'), messages, temperature: 0, maxOutputTokens: 24 });
+    assert.equal(g.text, await chatText(s.pd, messages));
+    assert.match(String(g.response.id), /^resp_/);
+    const st = streamText({ model: openai('pdserve'), messages, temperature: 0, maxOutputTokens: 24 });
+    assert.equal(await st.text, g.text);
+    // a forced tool call, executed by the SDK, then its result sent back (store: true → item references)
+    let called = 0;
+    const t = await generateText({
+      model: openai('pdserve'),
+      messages: [{ role: 'user', content: 'Weather in Oslo?' }],
+      temperature: 0,
+      maxOutputTokens: 300,
+      toolChoice: 'required',
+      tools: {
+        get_weather: tool({
+          description: 'Weather of a city',
+          inputSchema: jsonSchema<{ city: string }>({ type: 'object', properties: { city: { type: 'string', enum: ['oslo', 'paris'] } }, required: ['city'], additionalProperties: false }),
+          execute: async ({ city }) => {
+            called++;
+            return { city, temp: 3 };
+          },
+        }),
+      },
+      prepareStep: ({ stepNumber }) => (stepNumber > 0 ? { toolChoice: 'none' } : {}),
+      stopWhen: ({ steps }) => steps.length >= 2,
+    });
+    assert.equal(called, 1, JSON.stringify(t.steps.map((x) => x.content)));
+    assert.equal(t.steps.length, 2);
+    assert.equal(t.steps[0]!.toolCalls[0]!.toolName, 'get_weather');
+    assert.equal(t.steps[1]!.finishReason === 'stop' || t.steps[1]!.finishReason === 'length', true);
+  });
+});
