@@ -63,11 +63,18 @@ const engineOptions = (c: Command) =>
     .option('--prefix-cache-slots <n>', 'extra sequences that keep finished requests\' KV for prefix reuse (decode: for decode-local continuation)', int, 4)
     .option('--prefix-cache-tokens <tokens>', 'most tokens the prefix cache holds (LRU beyond)', int, 65536)
     .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
+    .option('--prefix-store-bytes <bytes>', "byte budget of the host-wide prefix store, shared by the host's workers (LRU beyond; 0 = off; default: 1/4 of the state directory's filesystem, at most 1/8 of RAM)", int)
+    .option('--prefix-store-dir <dir>', "folder of the prefix store (default: the state directory; colocated: /dev/shm)")
     .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name without .gguf, and 'pdserve')");
 
 /** The prefix-cache part of an engine config from the engine options. */
-function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number }) {
-  return { prefixCacheSlots: o.prefixCacheSlots, prefixCacheTokens: o.prefixCache === false ? 0 : o.prefixCacheTokens };
+function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number; prefixStoreBytes?: number; prefixStoreDir?: string }) {
+  return {
+    prefixCacheSlots: o.prefixCacheSlots,
+    prefixCacheTokens: o.prefixCache === false ? 0 : o.prefixCacheTokens,
+    ...(o.prefixStoreBytes !== undefined ? { prefixStoreBytes: o.prefixStoreBytes } : {}),
+    ...(o.prefixStoreDir !== undefined ? { prefixStoreDir: o.prefixStoreDir } : {}),
+  };
 }
 
 const kvOptions = (c: Command) =>

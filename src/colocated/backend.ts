@@ -97,7 +97,7 @@ export class ColocatedBackend {
     try {
       const first = await slot.prefill(tokens, sampling, signal);
       entry.cached_tokens = first.cachedTokens;
-      this.prefixMetrics?.recordLookup(first.promptTokens, first.cachedTokens);
+      this.prefixMetrics?.recordLookup(first.promptTokens, first.cachedTokens, first.cacheTier);
       this.prefixMetrics?.requestsByPath.inc({ path: 'colocated' });
       const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: first.promptTokens, cached_tokens: first.cachedTokens, completion_tokens: n, finish_reason: finish });
       const g = slot.generate(first.firstToken, sampling, signal);

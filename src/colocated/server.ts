@@ -13,6 +13,7 @@ import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
+import { openPrefixStore } from '../common/prefix-store.js';
 import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { WorkerMetrics } from '../common/metrics.js';
@@ -33,13 +34,16 @@ export interface ColocatedServer {
 /** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/responses(/{id}), /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
 export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
   const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
-  const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const store = openPrefixStore(config.engine, '/dev/shm', { write: true, log });
+  const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   let backend: ColocatedBackend | undefined;
   const metrics = new WorkerMetrics('colocated', {
     queues: () => ({ colocated_waiting_queue: backend?.waiting ?? 0, colocated_running: backend?.running ?? 0 }),
     roomsByState: () => new Map(),
   });
-  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats()));
+  const prefixMetrics = new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats());
+  store?.registerMetrics(metrics.registry, (hit) => prefixMetrics.recordTier('store', hit));
+  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics);
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
   let access: Access | undefined;
   const app = createWorkerApp({
@@ -116,6 +120,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     backend,
     async close() {
       await app.close().catch(() => {});
+      store?.close();
       await engine.dispose();
     },
   };

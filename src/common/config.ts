@@ -25,6 +25,14 @@ export const EngineConfigSchema = z.object({
   /** Prefix cache: most tokens idle sequences hold together (LRU beyond); 0 = the cache is off. */
   prefixCacheTokens: z.number().int().min(0).max(1 << 26).default(65536),
   /**
+   * Host-wide prefix store (common/prefix-store.ts), the prefix cache's second tier: byte budget
+   * of its files (LRU beyond); 0 = off; absent = defaultPrefixStoreBytes of its folder. Only
+   * with the prefix cache on.
+   */
+  prefixStoreBytes: z.number().int().min(0).max(Number.MAX_SAFE_INTEGER).optional(),
+  /** Folder of the prefix store (default: the worker's state directory; colocated: /dev/shm). */
+  prefixStoreDir: z.string().min(1).optional(),
+  /**
    * Names the OpenAI API answers to (vLLM's --served-model-name): a request naming another model
    * is a 404 model_not_found. The first is the `model` of responses. Empty = the GGUF's file name
    * without `.gguf` and 'pdserve' (what the README's examples send).

@@ -37,6 +37,8 @@ export interface DecodeStart {
   promptTokens: number;
   /** Leading prompt tokens not evaluated for this request (usage cached_tokens). */
   cachedTokens: number;
+  /** Which prefix-cache tier served `cachedTokens` (absent: none). */
+  cacheTier?: 'sequence' | 'store';
   /** First generated token. */
   firstToken: number;
   /** Its logprob (local path only: the PD path's first logprob travels from prefill to the router). */
@@ -65,7 +67,9 @@ export async function planLocal(engine: Engine, body: GenerateRequest, ownLimit:
   const tokens = tokenizeRequest(engine, body);
   const sampling = fitSampling(engine, tokens.length, samplingFromWire(body.sampling_params));
   await checkSampling(engine, sampling);
-  const reusable = engine.reusableFor(tokens);
+  let reusable = engine.reusableFor(tokens);
+  // the host's prefix store (second tier) may hold it when no kept sequence does
+  if (tokens.length - reusable > limit && engine.storedReusableFor) reusable = Math.max(reusable, await engine.storedReusableFor(tokens));
   const uncached = tokens.length - reusable;
   if (uncached > limit) throw ApiError.of('needs_prefill', `uncached suffix of ${uncached} tokens (prompt ${tokens.length}, kept ${reusable}) exceeds the local prefill limit ${limit}`);
   return { tokens, sampling, reusable };
@@ -82,5 +86,6 @@ export async function localPrefill(slot: Slot, plan: LocalPlan, signal: AbortSig
   const r = await slot.prefill(plan.tokens, plan.sampling, signal);
   const start: DecodeStart = { promptTokens: r.promptTokens, cachedTokens: r.cachedTokens, firstToken: r.firstToken };
   if (r.firstLogprob) start.firstLogprob = r.firstLogprob;
+  if (r.cacheTier) start.cacheTier = r.cacheTier;
   return start;
 }

@@ -27,6 +27,7 @@ import { hold, holdsEnabled } from '../common/testhooks.js';
 import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
+import { openPrefixStore } from '../common/prefix-store.js';
 import { samplingFromWire } from '../api/requests.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
@@ -457,7 +458,7 @@ export class DecodeWorker {
       if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the local prefill'), Date.now()));
       const start = await localPrefill(job.slot, job.local, job.ac.signal);
       job.start = start;
-      this.prefixMetrics.recordLookup(start.promptTokens, start.cachedTokens);
+      this.prefixMetrics.recordLookup(start.promptTokens, start.cachedTokens, start.cacheTier);
       this.perform(this.driver.loadDone(room, Date.now()));
     } catch (err) {
       const e = toApiError(err);
@@ -571,8 +572,10 @@ export async function startDecodeWorker(raw: unknown, log = createLogger('decode
   const config = parseConfig(DecodeConfigSchema, raw);
   // Decode keeps finished sequences (prompt + reply KV) for decode-local continuation when on.
   const prefixCache = config.localPrefillMaxTokens > 0 ? prefixCacheOf(config.engine) : undefined;
-  const engine = await loadEngine({ ...config.engine, sequences: config.slots, ...(prefixCache ? { prefixCache } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
+  const store = prefixCache ? openPrefixStore(config.engine, config.stateDir, { write: true, maxFileBytes: config.maxStateBytes, log }) : undefined;
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, ...(prefixCache ? { prefixCache } : {}), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new DecodeWorker(config, engine, log);
+  store?.registerMetrics(w.metrics.registry, (hit) => w.prefixMetrics.recordTier('store', hit));
   await w.start();
   return w;
 }

@@ -413,6 +413,18 @@ export function rewriteNStream(buf: Buffer, targetStreams: number, expect?: Stat
   }
   const st = parseStateFile(buf, expect ?? { contextSize: 0x7fffffff, maxBytes: buf.length });
   if (st.nStream === targetStreams) return buf;
+  return Buffer.concat(reframedParts(buf, st, targetStreams));
+}
+
+/**
+ * `rewriteNStream`'s output as pieces, without copying the KV data: a new head (up to and
+ * including n_stream), views of `buf`'s non-empty streams, zero cell counts for the added empty
+ * streams. Write them in order (writev) to get the re-framed file.
+ * @param st `parseStateFile(buf, …)`'s result.
+ * @throws PdError('BAD_STATE') when more than `targetStreams` streams are non-empty.
+ */
+export function reframedParts(buf: Buffer, st: ParsedState, targetStreams: number): Buffer[] {
+  if (st.nStream === targetStreams) return [buf];
   const full = st.streams.filter((s) => s.cellCount > 0);
   if (full.length > targetStreams) bad(`${full.length} non-empty streams cannot fit ${targetStreams}`);
   const head = Buffer.from(buf.subarray(0, st.nStreamOffset + 4));
@@ -421,7 +433,7 @@ export function rewriteNStream(buf: Buffer, targetStreams: number, expect?: Stat
   for (const s of full) parts.push(buf.subarray(s.start, s.end));
   const empties = targetStreams - full.length;
   if (empties > 0) parts.push(Buffer.alloc(4 * empties));
-  return Buffer.concat(parts);
+  return parts;
 }
 
 /**

@@ -29,6 +29,7 @@ import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from '
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
+import type { PrefixStore } from './prefix-store.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
 
@@ -67,6 +68,11 @@ export interface LoadEngineOptions {
    * every released slot is cleared, as before.
    */
   prefixCache?: { cacheSequences: number; maxTokens: number };
+  /**
+   * Second prefix-cache tier (prefix-store.ts; with `prefixCache` only): finished sequences are
+   * stored there, and a prompt it serves better than any idle sequence loads its state.
+   */
+  prefixStore?: PrefixStore;
   /**
    * Wait for every generating sequence before each llama_decode (step-barrier.ts): default on
    * when batching (off in deterministic mode, which decodes one sequence per call). `false` only
@@ -306,11 +312,19 @@ class Lease implements Slot {
     const cache = this.engine.cache;
     // Re-derived from the sequence itself under this lease: the choice made at acquisition is a hint.
     let reuse = cache.enabled && seq.nextTokenIndex > 0 ? reusableTokens(seq.contextTokens, holder.exactPrefix, tokens, cache.align) : 0;
+    let tier: PrefillResult['cacheTier'] = reuse > 0 ? 'sequence' : undefined;
+    const stored = await this.engine.loadStored(seq, holder, tokens, reuse);
+    this.check();
+    if (stored !== undefined) {
+      reuse = stored;
+      tier = stored > 0 ? 'store' : undefined;
+    }
     if (reuse > 0 && seq.nextTokenIndex > reuse) {
       const end = seq.nextTokenIndex;
       await this.engine.exclusive(() => seq.eraseContextTokenRanges([{ start: reuse, end }]));
     }
     if (reuse > 0 && seq.nextTokenIndex !== reuse) reuse = 0; // the library re-evaluated or dropped the cache: start cold
+    if (reuse === 0) tier = undefined;
     if (reuse === 0 && seq.nextTokenIndex > 0) await this.engine.exclusive(() => seq.clearHistory());
     const aborted = (): void => {
       if (signal.aborted) throw new EngineError('ABORTED', 'prefill aborted');
@@ -347,7 +361,7 @@ class Lease implements Slot {
       if (wantLogprobs && probabilities) pick.firstLogprob = logprobOf(this.engine.model, tok, probabilities, sampling.logprobs!);
       picks.push(pick);
     }
-    const res: PrefillResult = { promptTokens: tokens.length, cachedTokens: reuse, ...picks[0]!, choices: picks };
+    const res: PrefillResult = { promptTokens: tokens.length, cachedTokens: reuse, ...(tier ? { cacheTier: tier } : {}), ...picks[0]!, choices: picks };
     return res;
   }
 
@@ -537,6 +551,7 @@ class LlamaEngine implements Engine {
     private readonly logSink: LogSink | null,
     readonly cache: PrefixCacheSettings,
     stepBarrier: 'wait' | 'count' | 'off',
+    private readonly store: PrefixStore | null = null,
   ) {
     this.holders = [];
     for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
@@ -607,6 +622,62 @@ class LlamaEngine implements Engine {
     return chooseSequence(this.free, prompt, this.cache)?.reuse ?? 0;
   }
 
+  async storedReusableFor(prompt: readonly number[]): Promise<number> {
+    if (this.disposed || !this.store || !this.cache.enabled || prompt.length === 0) return 0;
+    return this.store.reusable(prompt);
+  }
+
+  /**
+   * The prefix store's turn (second tier) for a prompt the leased sequence serves `minReuse`
+   * tokens of: when a stored state serves more, it is loaded into `seq` (which then holds it
+   * whole; prefill erases past the reuse). @returns the reuse it gives, 0 when the load failed
+   * (the sequence is cleared: start cold), undefined when the store had nothing better (the
+   * sequence is untouched).
+   */
+  async loadStored(seq: LlamaContextSequence, holder: SeqHolder, prompt: readonly number[], minReuse: number): Promise<number | undefined> {
+    if (!this.store || !this.cache.enabled || this.disposed) return undefined;
+    const hit = await this.store.take(prompt, minReuse);
+    if (!hit) return undefined;
+    const since = markProblems();
+    try {
+      if (this.disposed || seq.disposed) return 0;
+      await this.exclusive(() => seq.loadStateFromFile(hit.path, { acceptRisk: true }));
+      if (!sameTokens(seq.contextTokens, hit.tokens)) throw new Error('the loaded sequence does not hold the stored tokens');
+      holder.exactPrefix = hit.exactPrefix;
+      return hit.reuse;
+    } catch (err) {
+      this.logSink?.('warn', `prefix store: loading a validated entry failed, evaluating cold: ${withLlamaLog(err, since).message}`);
+      if (!this.disposed && !seq.disposed) await this.exclusive(() => seq.clearHistory()).catch(() => {});
+      return 0;
+    } finally {
+      await hit.done();
+    }
+  }
+
+  /** Store a kept sequence's state (queued on the sequence: its next user waits for the save, not for the file's publication). */
+  private storeSave(holder: SeqHolder): void {
+    const store = this.store;
+    if (!store) return;
+    const tokens = holder.tokens;
+    const exactPrefix = holder.exactPrefix;
+    holder.pending = holder.pending
+      .then(async () => {
+        if (this.disposed || holder.seq.disposed || !sameTokens(holder.seq.contextTokens, tokens)) return;
+        const w = await store.begin(tokens, exactPrefix);
+        if (!w) return;
+        try {
+          if (this.disposed || holder.seq.disposed) throw new EngineError('ENGINE_DISPOSED', 'the engine is disposed');
+          await this.exclusive(() => holder.seq.saveStateToFile(w.path));
+        } catch (err) {
+          await w.abort();
+          this.logSink?.('warn', `prefix store: saving slot ${holder.index} failed: ${String(err)}`);
+          return;
+        }
+        void w.commit();
+      })
+      .catch((err: unknown) => this.logSink?.('error', `prefix store: slot ${holder.index}: ${String(err)}`));
+  }
+
   stepStats(): { steps: number; sequences: number } | null {
     return this.barrier ? { steps: this.barrier.steps, sequences: this.barrier.sequences } : null;
   }
@@ -671,6 +742,7 @@ class LlamaEngine implements Engine {
       holder.tokens = holder.seq.contextTokens;
       holder.exactPrefix = Math.min(holder.exactPrefix, holder.tokens.length);
       holder.lastUsed = performance.now();
+      this.storeSave(holder);
     } else {
       this.clearHolder(holder);
     }
@@ -779,7 +851,9 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       maxTokens: opts.prefixCache?.maxTokens ?? 0,
     };
     const barrier = opts.deterministic ? 'off' : opts.stepBarrier === false ? 'count' : 'wait';
-    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier);
+    const store = cache.enabled ? (opts.prefixStore ?? null) : null;
+    store?.bind({ fingerprint, compat: info.compat, nVocab: info.nVocab, nStream: opts.sequences + cacheSequences, align: cache.align });
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier, store);
   } catch (err) {
     if (sink) logSinks.delete(sink);
     await model?.dispose().catch(() => {});

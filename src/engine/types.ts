@@ -145,6 +145,8 @@ export interface PrefillResult {
   promptTokens: number;
   /** Leading prompt tokens whose KV came from the prefix cache and were not evaluated again. */
   cachedTokens: number;
+  /** Which prefix-cache tier they came from: an idle sequence, or the host's prefix store (absent: none). */
+  cacheTier?: 'sequence' | 'store';
   /** First generated token (sampled after the last prompt chunk). */
   firstToken: number;
   /** True when the first token is an end-of-generation token (EOS/EOT). */
@@ -275,6 +277,11 @@ export interface Engine {
    * request's uncached suffix is short enough to evaluate locally (decode-local continuation).
    */
   reusableFor(prompt: readonly number[]): number;
+  /**
+   * Tokens of `prompt` the prefix store (second tier) would serve (0 without one): a hint from
+   * the store's file names and one entry's head; `Slot.prefill` loads and validates the state.
+   */
+  storedReusableFor?(prompt: readonly number[]): Promise<number>;
   /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
   cachedStats(): { sequences: number; tokens: number };
   /**

@@ -9,8 +9,9 @@
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, openSync, closeSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, mkdtempSync, openSync, rmSync } from 'node:fs';
 import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -72,6 +73,12 @@ export interface ClusterOptions {
    * {prefill: '0', decode: '1'}). Roles not listed run unpinned.
    */
   cpuAffinity?: Partial<Record<ProcRole, string>>;
+  /**
+   * `--prefix-store-dir` of every worker (the host-wide prefix store). Default: a fresh folder
+   * under /dev/shm, removed by stop(), so two clusters (tests, benchmark runs) never see each
+   * other's entries.
+   */
+  prefixStoreDir?: string;
 }
 
 export interface ClusterProc {
@@ -117,6 +124,9 @@ export class Cluster {
   /** Client keys of the router (`ClusterOptions.access`). */
   readonly access: { apiKeys: string[]; adminApiKeys: string[] };
   private stopping = false;
+  /** The workers' prefix store folder; `ownStoreDir`: made here, removed by stop(). */
+  private storeDir: string | undefined;
+  private ownStoreDir = false;
 
   constructor(readonly opts: ClusterOptions) {
     this.secret = opts.secret ?? randomBytes(24).toString('hex');
@@ -155,6 +165,7 @@ export class Cluster {
     if (o.ctxSize) a.push('--ctx-size', String(o.ctxSize));
     if (o.batchSize) a.push('--batch-size', String(o.batchSize));
     if (o.deterministic) a.push('--deterministic');
+    if (this.storeDir) a.push('--prefix-store-dir', this.storeDir);
     return a;
   }
 
@@ -167,6 +178,10 @@ export class Cluster {
 
   async start(): Promise<void> {
     const o = this.opts;
+    if (!this.storeDir) {
+      this.storeDir = o.prefixStoreDir ?? mkdtempSync(join(existsSync('/dev/shm') ? '/dev/shm' : tmpdir(), 'pdserve-cluster-store-'));
+      this.ownStoreDir = o.prefixStoreDir === undefined;
+    }
     const fixed = this.workerPorts();
     const nextPort = async () => fixed.shift() ?? freePort(this.host);
     for (let i = 0; i < (o.prefill ?? 1); i++) {
@@ -326,6 +341,7 @@ export class Cluster {
   async stop(graceMs = 3000): Promise<void> {
     this.stopping = true;
     await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
+    if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
   }
 
   /** SIGCONT + SIGTERM one process; SIGKILL if it is still alive after `graceMs`. Resolves on exit. */

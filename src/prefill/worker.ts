@@ -17,6 +17,7 @@ import { zodToApiError } from '../api/openai.js';
 import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
 import { parseConfig, prefixCacheOf, PrefillConfigSchema, servedModelNamesOf, type PrefillConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
+import { openPrefixStore } from '../common/prefix-store.js';
 import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
@@ -398,7 +399,7 @@ export class PrefillWorker {
       const r = await slot.prefill(comp.tokens, comp.sampling, signal, comp.rooms.length);
       comp.cachedTokens = r.cachedTokens;
       this.computeMetrics.evaluatedTokens.inc(r.promptTokens - r.cachedTokens);
-      this.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens);
+      this.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens, r.cacheTier);
       for (let i = 0; i < comp.rooms.length; i++) {
         const job = this.jobs.get(comp.rooms[i]!);
         const pick = r.choices[i]!;
@@ -588,8 +589,11 @@ function dropState(comp: Computation): void {
 /** Load the engine, start the worker. */
 export async function startPrefillWorker(raw: unknown, log = createLogger('prefill')): Promise<PrefillWorker> {
   const config = parseConfig(PrefillConfigSchema, raw);
-  const engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), log: (level: string, msg: string) => log.debug({ level }, msg) });
+  // prefill only reads the store: decode's finished prompt + reply states supersede its prompt-only ones
+  const store = openPrefixStore(config.engine, config.stateDir, { write: false, maxFileBytes: config.maxStateBytes, log });
+  const engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new PrefillWorker(config, engine, log);
+  store?.registerMetrics(w.metrics.registry, (hit) => w.prefixMetrics.recordTier('store', hit));
   await w.start();
   return w;
 }

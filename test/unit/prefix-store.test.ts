@@ -1,0 +1,384 @@
+/**
+ * The host-wide prefix store (src/common/prefix-store.ts, keys in src/engine/prefix-store.ts) on
+ * real files, with synthetic but complete ggsq states: the key chain finds a shorter ancestor;
+ * entries are validated as handed-over states (torn, corrupt, foreign entries refused, removed,
+ * counted — never thrown); the byte budget holds with LRU over 30 growing conversations; two
+ * real processes storing the same prefix at once leave one complete entry and no temp file;
+ * a dead writer's temp files are swept; the store's metrics pass promtool. On the tiny model:
+ * an engine whose prompt the store serves (the state another engine with another sequence count
+ * stored) generates exactly what an engine without any cache does (deterministic mode).
+ */
+import assert from 'node:assert/strict';
+import { spawn, spawnSync } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, utimesSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { after, describe, test } from 'node:test';
+import { Registry } from 'prom-client';
+import { FilePrefixStore } from '../../src/common/prefix-store.js';
+import { parseStateFile } from '../../src/engine/ggsq.js';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
+import { loadEngine } from '../../src/engine/llama.js';
+import type { ChatMessage, Engine, SamplingParams } from '../../src/engine/types.js';
+import { keyChain, storeKeyTokens, storeNamespace, type KvCacheEvent, type StoreIdentity } from '../../src/engine/prefix-store.js';
+import { synthState } from '../helpers/ggsq-synth.js';
+import { assertTotalsAreCounters, checkMetrics, reportMissingPromtool } from '../helpers/promtool.js';
+
+const root = mkdtempSync(path.join(existsShm() ? '/dev/shm' : os.tmpdir(), 'pdserve-store-test-'));
+after(() => rmSync(root, { recursive: true, force: true }));
+let dirs = 0;
+const freshDir = (): string => mkdtempSync(path.join(root, `d${dirs++}-`));
+
+function existsShm(): boolean {
+  try {
+    return statSync('/dev/shm').isDirectory();
+  } catch {
+    return false;
+  }
+}
+
+const ID: StoreIdentity = { fingerprint: 'ab'.repeat(32), compat: { contextSize: 1024, batchSize: 32, nLayer: 2, flashAttention: true }, nVocab: 300, nStream: 3, align: null };
+const toks = (n: number, seed = 1): number[] => Array.from({ length: n }, (_, i) => (i * 7 + seed * 13) % 300);
+
+/** Store `tokens` (a synthetic state in a 2-sequence context) the way the engine does: begin, "save", commit. */
+async function put(store: FilePrefixStore, tokens: number[], exactPrefix = tokens.length): Promise<boolean> {
+  const w = await store.begin(tokens, exactPrefix);
+  if (!w) return false;
+  writeFileSync(w.path, synthState(tokens, { nStream: 2, seq: 1 }));
+  await w.commit();
+  return true;
+}
+
+const entries = (dir: string): string[] => readdirSync(dir).filter((n) => n.endsWith('.pdkv'));
+
+describe('key chain', () => {
+  test('a prefix has the leading keys of every longer token list; a change in block i changes keys i..', () => {
+    const ns = storeNamespace(ID);
+    const a = keyChain(ns, toks(300), 100, 64);
+    assert.equal(a.length, 4, 'whole blocks only');
+    assert.deepEqual(keyChain(ns, toks(130), 100, 64), a.slice(0, 2));
+    const b = toks(300);
+    b[150] = (b[150]! + 1) % 300;
+    const kb = keyChain(ns, b, 100, 64);
+    assert.deepEqual(kb.slice(0, 2), a.slice(0, 2));
+    assert.notEqual(kb[2], a[2]);
+    assert.notEqual(kb[3], a[3]);
+    assert.equal(keyChain(ns, toks(300), 2, 64).length, 2, 'maxBlocks bounds the chain');
+  });
+
+  test('the namespace separates models and settings (fingerprint, context, deterministic chunk)', () => {
+    const k = (id: StoreIdentity) => keyChain(storeNamespace(id), toks(64), 1, 64)[0];
+    const base = k(ID);
+    assert.notEqual(k({ ...ID, fingerprint: 'cd'.repeat(32) }), base);
+    assert.notEqual(k({ ...ID, compat: { ...ID.compat, batchSize: 64 } }), base);
+    assert.notEqual(k({ ...ID, compat: { ...ID.compat, flashAttention: false } }), base);
+    assert.notEqual(k({ ...ID, align: 32 }), base);
+    assert.equal(k({ ...ID, nStream: 9 }), base, 'the loader re-frames: any sequence count shares entries');
+  });
+
+  test('key length: whole blocks of the usable prefix (deterministic: the exact prefix only)', () => {
+    assert.equal(storeKeyTokens(200, 0, null, 64), 192);
+    assert.equal(storeKeyTokens(200, 128, 32, 64), 128);
+    assert.equal(storeKeyTokens(200, 96, 32, 64), 64);
+    assert.equal(storeKeyTokens(63, 63, null, 64), 0);
+  });
+});
+
+describe('FilePrefixStore', () => {
+  test('a stored conversation serves a longer prompt (its ancestor), re-framed for the loader; nothing for another prompt', async () => {
+    const dir = freshDir();
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    const events: KvCacheEvent[] = [];
+    store.onEvent((e) => events.push(e));
+    store.bind(ID);
+    const conv = toks(200);
+    assert.ok(await put(store, conv));
+    assert.equal(entries(dir).length, 1);
+    assert.deepEqual(events, [{ kind: 'stored', tier: 'store', key: keyChain(storeNamespace(ID), conv, 3, 64)[2], tokens: 192, bytes: statSync(path.join(dir, entries(dir)[0]!)).size }]);
+    assert.equal(await put(store, conv), false, 'the same prefix is stored once');
+
+    const next = [...conv, ...toks(90, 5)];
+    assert.equal(await store.reusable(next), 200, "the entry's length (its head), not only its key");
+    const hit = await store.take(next, 0);
+    assert.ok(hit, 'the longer prompt finds its ancestor');
+    assert.equal(hit.reuse, 200, 'the whole stored sequence is reused (common prefix, < prompt length)');
+    assert.deepEqual([...hit.tokens], conv);
+    const st = parseStateFile(readFileSync(hit.path), { contextSize: 1024, maxBytes: 1 << 24 });
+    assert.equal(st.nStream, ID.nStream, 'the load copy has the loading context n_stream');
+    assert.deepEqual(st.tokens, conv);
+    await hit.done();
+    assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp or load file left');
+
+    assert.equal(await store.take(next, 200), undefined, 'nothing better than what the first tier gives');
+    assert.equal(await store.take(toks(300, 9), 0), undefined, 'another conversation misses');
+    const shortCut = [...conv.slice(0, 100), 1, 2, 3];
+    assert.equal(await store.take(shortCut, 0), undefined, 'an entry is found by its whole key only: a prompt that leaves it after 100 tokens does not');
+    assert.equal(store.stats.hits, 1);
+    assert.equal(store.stats.misses, 3);
+    store.close();
+  });
+
+  test('deterministic mode: keyed and reused by the exact prefix only', async () => {
+    const dir = freshDir();
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    store.bind({ ...ID, align: 32 });
+    const conv = toks(200);
+    assert.ok(await put(store, conv, 160));
+    const hit = await store.take([...conv, 5, 6, 7], 0);
+    assert.ok(hit);
+    assert.equal(hit.reuse, 128, 'the key covers 128 exact tokens (2 blocks); whole chunks only');
+    assert.equal(hit.exactPrefix, 128);
+    await hit.done();
+    store.close();
+  });
+
+  test('torn, corrupt and foreign entries are refused, removed and counted; the lookup goes on to a shorter key', async () => {
+    const dir = freshDir();
+    const reg = new Registry();
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64, registry: reg });
+    store.bind(ID);
+    const long = toks(260);
+    const short = long.slice(0, 140);
+    assert.ok(await put(store, short));
+    const shortEntry = entries(dir)[0]!;
+    const prompt = [...long, 9];
+    const longEntry = () => entries(dir).find((n) => n !== shortEntry)!;
+    const damage: [string, (p: string) => void, keyof FilePrefixStore['stats']['refused']][] = [
+      ['truncated inside the KV data', (p) => truncateSync(p, statSync(p).size - 100), 'bad_envelope'],
+      ['a flipped payload byte', (p) => {
+        const b = readFileSync(p);
+        b[b.length - 200] ^= 0x40;
+        writeFileSync(p, b);
+      }, 'bad_envelope'],
+      ['empty', (p) => writeFileSync(p, ''), 'bad_envelope'],
+    ];
+    for (const [what, f, reason] of damage) {
+      assert.ok(await put(store, long), what);
+      f(path.join(dir, longEntry()));
+      const before = store.stats.refused[reason];
+      const hit = await store.take(prompt, 0);
+      assert.equal(store.stats.refused[reason], before + 1, `${what}: refused as ${reason}`);
+      assert.deepEqual(entries(dir), [shortEntry], `${what}: the bad entry is removed, the good one stays`);
+      assert.ok(hit, `${what}: the shorter ancestor serves instead`);
+      assert.equal(hit.reuse, 140);
+      await hit.done();
+    }
+    // another model's entry under this model's name (a wrong fingerprint): refused before any state byte is used
+    const other = new FilePrefixStore({ dir: freshDir(), maxBytes: 1 << 24, blockTokens: 64 });
+    other.bind({ ...ID, fingerprint: 'ee'.repeat(32) });
+    assert.ok(await put(other, long));
+    const otherDir = path.dirname(other.entryPath('x'));
+    const name = keyChain(storeNamespace(ID), long, 4, 64)[3]!;
+    writeFileSync(store.entryPath(name), readFileSync(path.join(otherDir, entries(otherDir)[0]!)));
+    const refusedBefore = store.stats.refused.bad_envelope;
+    const hit = await store.take(prompt, 0);
+    assert.equal(store.stats.refused.bad_envelope, refusedBefore + 1, 'fingerprint mismatch refused');
+    assert.equal(hit?.reuse, 140);
+    await hit?.done();
+    // a valid entry of other tokens under this prompt's name (a collision or a misnamed file)
+    assert.ok(await put(store, toks(260, 4)));
+    const misnamed = entries(dir).find((n) => n !== shortEntry)!;
+    writeFileSync(store.entryPath(name), readFileSync(path.join(dir, misnamed)));
+    rmSync(path.join(dir, misnamed));
+    const h2 = await store.take(prompt, 0);
+    assert.equal(store.stats.refused.key_mismatch, 1);
+    assert.equal(h2?.reuse, 140);
+    await h2?.done();
+    const text = await reg.metrics();
+    assert.match(text, /pdserve_prefix_store_refused_total\{reason="bad_envelope"\} 4/);
+    assert.match(text, /pdserve_prefix_store_refused_total\{reason="key_mismatch"\} 1/);
+    store.close();
+    other.close();
+  });
+
+  test('the byte budget holds over 30 eight-round conversations; the least recently used go first, a hit keeps an entry', async () => {
+    const dir = freshDir();
+    const one = synthState(toks(64), { nStream: 2, seq: 1 }).length;
+    const budget = 40 * (one + 4 * 64 * 2 * 2 * 8); // room for a few dozen mid-sized entries
+    const store = new FilePrefixStore({ dir, maxBytes: budget, blockTokens: 64 });
+    const evicted: KvCacheEvent[] = [];
+    store.onEvent((e) => e.kind === 'evicted' && evicted.push(e));
+    store.bind(ID);
+    const convs = Array.from({ length: 30 }, (_, c) => toks(70, c + 1));
+    let t = 1_000_000;
+    let kept: string | undefined;
+    for (let round = 1; round <= 8; round++) {
+      for (let c = 0; c < 30; c++) {
+        convs[c] = [...convs[c]!, ...toks(40, c * 8 + round)];
+        assert.ok(await put(store, convs[c]!));
+        // fix the write order in mtime (one second apart), whatever the clock's resolution
+        const newest = entries(dir).map((n) => path.join(dir, n)).sort((a, b) => statSync(b).mtimeMs - statSync(a).mtimeMs || 0)[0]!;
+        utimesSync(newest, t, t++);
+        if (round === 1 && c === 0) kept = newest;
+        if (kept && round > 1) utimesSync(kept, t, t++); // conversation 0's first round is hit again and again
+        await store.scheduleScan();
+        const bytes = entries(dir).reduce((a, n) => a + statSync(path.join(dir, n)).size, 0);
+        assert.ok(bytes <= budget, `round ${round} conversation ${c}: ${bytes} bytes over the budget ${budget}`);
+        assert.equal(store.stats.bytes, bytes);
+      }
+    }
+    assert.ok(evicted.length > 100, `LRU evicted ${evicted.length} entries`);
+    assert.ok(entries(dir).includes(path.basename(kept!)), 'the entry hit all along survives');
+    const last = await store.take([...convs[29]!, 1], 0);
+    assert.ok(last, 'the newest round of the last conversation is held');
+    assert.equal(last.reuse, convs[29]!.length);
+    await last.done();
+    assert.equal(await store.take([...toks(70, 2), ...toks(40, 9), 7], 0), undefined, 'an old round-1 entry was evicted');
+    store.close();
+  });
+
+  test('two processes storing the same prefix at once, with evictions and a reader: never a torn entry, no temp files left', async () => {
+    const dir = freshDir();
+    const script = `
+      import { writeFileSync, rmSync } from 'node:fs';
+      import { FilePrefixStore } from ${JSON.stringify(path.resolve('src/common/prefix-store.ts'))};
+      import { synthState } from ${JSON.stringify(path.resolve('test/helpers/ggsq-synth.ts'))};
+      const [dir, id] = [process.argv[1], JSON.parse(process.argv[2])];
+      const tokens = Array.from({ length: 300 }, (_, i) => (i * 7 + 13) % 300);
+      const store = new FilePrefixStore({ dir, maxBytes: 1 << 26, blockTokens: 64 });
+      store.bind(id);
+      let writes = 0;
+      for (let i = 0; i < 150; i++) {
+        const w = await store.begin(tokens, tokens.length);
+        if (w) { writeFileSync(w.path, synthState(tokens, { nStream: 2, seq: 1, rowBytes: 256, fill: 0x11 })); await w.commit(); writes++; }
+        if (i % 3 === 0) rmSync(store.entryPath(process.argv[3]), { force: true });
+      }
+      store.close();
+      console.log(JSON.stringify({ writes, dropped: store.stats.dropped }));
+    `;
+    const key = keyChain(storeNamespace(ID), toks(300), 4, 64)[3]!;
+    const run = () =>
+      new Promise<{ writes: number; dropped: number }>((resolve, reject) => {
+        const p = spawn(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script, dir, JSON.stringify(ID), key], { stdio: ['ignore', 'pipe', 'inherit'] });
+        let out = '';
+        p.stdout.on('data', (d) => (out += d));
+        const t = setTimeout(() => p.kill('SIGKILL'), 60_000);
+        p.on('exit', (code) => {
+          clearTimeout(t);
+          code === 0 ? resolve(JSON.parse(out)) : reject(new Error(`writer exited ${code}`));
+        });
+      });
+    const reader = new FilePrefixStore({ dir, maxBytes: 1 << 26, blockTokens: 64 });
+    reader.bind(ID);
+    const both = Promise.all([run(), run()]);
+    let done = false;
+    void both.finally(() => (done = true));
+    let hits = 0;
+    while (!done) {
+      const h = await reader.take([...toks(300), 1], 0);
+      if (h) {
+        hits++;
+        assert.equal(h.reuse, 300);
+        await h.done();
+      }
+    }
+    const [a, b] = await both;
+    assert.ok(a.writes + b.writes >= 50, `the writers stored ${a.writes} + ${b.writes} times`);
+    assert.deepEqual(reader.stats.refused, { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0, read_error: 0 }, 'no torn or mixed entry was ever read');
+    assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp files left');
+    // leave one entry and check it whole
+    if (entries(dir).length > 0) {
+      const h = await reader.take([...toks(300), 1], 0);
+      assert.ok(h);
+      await h.done();
+    }
+    assert.ok(hits >= 0);
+    reader.close();
+  });
+
+  test("a dead writer's temp files are swept when a store binds; a live one's stay", async () => {
+    const dir = freshDir();
+    const dead = spawnSync(process.execPath, ['-e', '0']).pid!;
+    const names = [`pdserve-storetmp-${dead}-0011223344556677.ggsq`, `pdserve-storetmp-${dead}-0011223344556677-env.ggsq`, `pdserve-storeload-${dead}-8899aabbccddeeff.ggsq`];
+    const live = `pdserve-storetmp-${process.pid}-0011223344556677.ggsq`;
+    for (const n of [...names, live]) writeFileSync(path.join(dir, n), 'x');
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 20 });
+    store.bind(ID);
+    await store.scheduleScan();
+    for (let i = 0; i < 50 && readdirSync(dir).length > 1; i++) await new Promise((r) => setTimeout(r, 10));
+    assert.deepEqual(readdirSync(dir), [live]);
+    store.close();
+  });
+
+  test('store metrics pass promtool', async (t) => {
+    const reg = new Registry();
+    const store = new FilePrefixStore({ dir: freshDir(), maxBytes: 1 << 20, registry: reg, blockTokens: 64 });
+    store.bind(ID);
+    await put(store, toks(100));
+    await store.take([...toks(100), 1], 0);
+    await store.take(toks(100, 3), 0);
+    await store.scheduleScan();
+    const text = await reg.metrics();
+    assert.match(text, /pdserve_prefix_store_files 1/);
+    assert.match(text, /pdserve_prefix_store_lookups_total\{result="hit"\} 1/);
+    assert.match(text, /pdserve_prefix_store_lookups_total\{result="miss"\} 1/);
+    assertTotalsAreCounters(text);
+    const res = checkMetrics(text);
+    store.close();
+    if (!res) return reportMissingPromtool(t);
+    assert.ok(res.ok, res.output);
+  });
+});
+
+describe('the store between two engines on the tiny model', () => {
+  const BATCH = 16;
+  const greedy: SamplingParams = { temperature: 0, topP: 1, topK: 0, maxTokens: 12, stop: [], ignoreEos: true };
+  const never = new AbortController().signal;
+  let writer: Engine; // 1 slot + 1 cache sequence: stores every finished round
+  let reader: Engine; // 2 slots, no useful in-sequence cache (its budget is 1 token): only the store serves it
+  let cold: Engine; // no cache at all: the reference
+  let ws: FilePrefixStore;
+  let rs: FilePrefixStore;
+
+  async function run(e: Engine, prompt: number[]): Promise<{ tokens: number[]; cached: number; tier?: string }> {
+    const slot = e.tryAcquireSlot(prompt)!;
+    try {
+      const r = await slot.prefill(prompt, greedy, never);
+      const out = [r.firstToken];
+      for await (const t of slot.generate(r.firstToken, greedy, never)) if (out.length < greedy.maxTokens) out.push(t.token);
+      return { tokens: out, cached: r.cachedTokens, ...(r.cacheTier ? { tier: r.cacheTier } : {}) };
+    } finally {
+      slot.release();
+    }
+  }
+
+  after(async () => {
+    await writer?.dispose();
+    await reader?.dispose();
+    await cold?.dispose();
+    ws?.close();
+    rs?.close();
+  });
+
+  test('deterministic: every round the store serves gives the no-cache output; cached tokens are whole chunks', async () => {
+    const model = await ensureModel('tiny', 1);
+    const dir = freshDir();
+    ws = new FilePrefixStore({ dir, maxBytes: 1 << 26 });
+    rs = new FilePrefixStore({ dir, maxBytes: 1 << 26, write: false });
+    const base = { modelPath: model, contextSize: 1024, batchSize: BATCH, deterministic: true };
+    writer = await loadEngine({ ...base, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 4096 }, prefixStore: ws });
+    reader = await loadEngine({ ...base, sequences: 2, prefixCache: { cacheSequences: 0, maxTokens: 1 }, prefixStore: rs });
+    cold = await loadEngine({ ...base, sequences: 1 });
+    const messages: ChatMessage[] = [{ role: 'system', content: 'You are a careful agent. Answer in short sentences about the state of the data and the tools.' }];
+    let served = 0;
+    for (let round = 1; round <= 5; round++) {
+      messages.push({ role: 'user', content: `Round ${round}: the tool returned ${'value '.repeat(10 + round * 4)}done.` });
+      const prompt = cold.renderChat(messages);
+      const ref = await run(cold, prompt);
+      const got = await run(reader, prompt);
+      assert.deepEqual(got.tokens, ref.tokens, `round ${round}: a store hit changed the output`);
+      assert.equal(got.cached % BATCH, 0, 'whole chunks only');
+      if (got.tier === 'store') served++;
+      if (round > 1) assert.equal(got.tier, 'store', `round ${round}: the store did not serve (cached ${got.cached} of ${prompt.length})`);
+      const w = await run(writer, prompt);
+      assert.deepEqual(w.tokens, ref.tokens);
+      const writes = ws.stats.writes;
+      for (let i = 0; i < 200 && ws.stats.writes === writes; i++) await new Promise((r) => setTimeout(r, 10));
+      assert.equal(ws.stats.writes, writes + 1, `round ${round}: the writer stored the finished round`);
+      messages.push({ role: 'assistant', content: cold.detokenize(ref.tokens) });
+    }
+    assert.equal(served, 4);
+    assert.equal(rs.stats.hits, 4);
+    assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp or load file left');
+  });
+});
