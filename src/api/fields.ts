@@ -166,7 +166,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   // ---- OpenAI platform features
   { name: 'user', endpoints: BOTH, status: 'honoured', notes: 'an end-user id: it has no effect on generation (as in OpenAI and vLLM)', schema: z.string().max(256) },
   { name: 'safety_identifier', endpoints: BOTH, status: 'honoured', notes: 'like user: no effect on generation', schema: z.string().max(256) },
-  { name: 'prompt_cache_key', endpoints: BOTH, status: 'refused', notes: 'OpenAI prompt caching hint; not supported', schema: z.string(), refuse: refusedAny('prompt_cache_key is not supported') },
+  { name: 'prompt_cache_key', endpoints: BOTH, status: 'honoured', notes: 'the conversation key of session affinity (then user, the x-session-id header, the first non-system message): the router keeps a key on the worker that served it unless that worker is overloaded (docs/ARCHITECTURE.md, prefix reuse)', schema: z.string().min(1).max(1024) },
   { name: 'service_tier', endpoints: BOTH, status: 'partial', notes: '"auto" or "default" only', schema: z.string(), refuse: (v: never) => ((v as string) === 'auto' || (v as string) === 'default' ? null : `service_tier '${v as string}' is not supported (only 'auto' or 'default')`) },
   { name: 'store', endpoints: CHAT, status: 'refused', notes: 'nothing is stored; only false', schema: z.boolean(), refuse: notDefault(false, 'store=true is not supported: pdserve stores nothing') },
   { name: 'metadata', endpoints: CHAT, status: 'refused', notes: 'only with store; an empty object is accepted', schema: z.record(z.string()), refuse: emptyOk('metadata is not supported: pdserve stores nothing') },

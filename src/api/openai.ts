@@ -383,6 +383,8 @@ interface ParsedCommon {
   /** stream_options.include_usage: send a final usage chunk. */
   includeUsage: boolean;
   user?: string;
+  /** prompt_cache_key: the conversation key of session affinity (router/policy/affinity.ts). */
+  promptCacheKey?: string;
 }
 
 /** A validated, defaulted POST /v1/completions request. */
@@ -505,6 +507,7 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): Pa
   const out: ParsedCommon = { sampling, stream: b.stream === true, includeUsage: b.stream === true && so?.include_usage === true };
   if (b.model !== undefined) out.model = b.model as string;
   if (b.user !== undefined) out.user = b.user as string;
+  if (b.prompt_cache_key !== undefined) out.promptCacheKey = b.prompt_cache_key as string;
   return out;
 }
 

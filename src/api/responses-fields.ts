@@ -54,7 +54,7 @@ export const RESPONSES_FIELDS: readonly FieldSpec[] = [
   { name: 'metadata', endpoints: R, status: 'honoured', notes: `≤ ${MAX_METADATA_KEYS} string pairs (keys ≤ 64, values ≤ 512 characters), returned with the response`, schema: MetadataSchema },
   { name: 'user', endpoints: R, status: 'honoured', notes: 'as chat: no effect on generation', schema: chatSchema('user') },
   { name: 'safety_identifier', endpoints: R, status: 'honoured', notes: 'as chat: no effect on generation', schema: chatSchema('safety_identifier') },
-  { name: 'prompt_cache_key', endpoints: R, status: 'refused', notes: 'as chat', schema: chatSchema('prompt_cache_key'), refuse: chat.get('prompt_cache_key')!.refuse },
+  { name: 'prompt_cache_key', endpoints: R, status: 'honoured', notes: 'as chat: the conversation key of session affinity', schema: chatSchema('prompt_cache_key') },
   { name: 'prompt_cache_retention', endpoints: R, status: 'partial', notes: '"in_memory" only', schema: z.string(), refuse: notDefault('in_memory', "only 'in_memory' prompt cache retention is supported") },
   { name: 'service_tier', endpoints: R, status: 'partial', notes: 'as chat: "auto" or "default" only', schema: chatSchema('service_tier'), refuse: chat.get('service_tier')!.refuse },
   { name: 'truncation', endpoints: R, status: 'partial', notes: '"disabled" only: an input that does not fit the context is a 400', schema: z.string(), refuse: notDefault('disabled', "only truncation 'disabled' is supported (an input that does not fit is a 400)") },

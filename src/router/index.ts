@@ -41,6 +41,7 @@ import { RouterMetrics } from './metrics.js';
 import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
 import { createPolicy, localPrefillFor, routingText, routingTextAfter, type Pick } from './policy/index.js';
+import { conversationKey } from './policy/affinity.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
@@ -122,8 +123,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
   // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
-  const pickWith = (role: 'prefill' | 'decode', text: string, now: number, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
-    const p = policies[role].pick(c, text, now);
+  const pickWith = (role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
+    const p = policies[role].pick(c, text, now, key);
     if (p) picks.inc({ role, policy: policies[role].name, reason: p.reason });
     seen?.(p);
     return p?.worker ?? null;
@@ -227,13 +228,14 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       // A worker that refuses with `draining` before any output is skipped and the request
       // dispatched again (at most MAX_DISPATCHES pairs).
       const text = routingText(parsed);
+      const key = conversationKey(parsed, request.headers['x-session-id']);
       for (let attempt = 1; ; attempt++) {
         const now = performance.now();
         // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
         let decodePick: Pick<WorkerState> | null = null;
         // A choice group's prefill is picked once, by its first member; the others take it.
         const fixed = member?.group.prefill;
-        const pair = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : pickWith('prefill', text, now), pickWith('decode', text, now, (p) => (decodePick = p)));
+        const pair = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : pickWith('prefill', text, now, key), pickWith('decode', text, now, key, (p) => (decodePick = p)));
         if ('error' in pair) {
           metrics.requests.labels('error').inc();
           throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);

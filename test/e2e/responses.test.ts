@@ -6,16 +6,18 @@
  * calls /v1/responses). Greedy output through /v1/responses equals /v1/chat/completions for the
  * same conversation, on PD and colocated; a continuation by previous_response_id is the stored
  * conversation exactly (its output equals the chat path's for the explicit history, and the
- * prefix cache serves the earlier rounds: cached_tokens > 0).
+ * prefix cache serves the earlier rounds: cached_tokens > 0). Session affinity: one
+ * prompt_cache_key stays on one decode worker whatever its text.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import OpenAI from 'openai';
 import { createOpenAI } from '@ai-sdk/openai';
 import { generateText, jsonSchema, streamText, tool } from 'ai';
-import { useStack } from '../helpers/stack.js';
+import { getJson, useStack } from '../helpers/stack.js';
 
-const s = useStack({ ctxSize: 4096 });
+// Two decode workers with the cache-aware decode policy: session affinity has a choice to make.
+const s = useStack({ ctxSize: 4096, decode: 2, extraArgs: { router: ['--decode-policy', 'cache_aware'] } });
 const base = { model: 'pdserve', temperature: 0, max_output_tokens: 24 } as const;
 
 /** The chat path's greedy reply for `messages` (the reference of every Responses result). */
@@ -195,5 +197,19 @@ describe('/v1/responses through the Vercel AI SDK default provider', () => {
     assert.equal(t.steps.length, 2);
     assert.equal(t.steps[0]!.toolCalls[0]!.toolName, 'get_weather');
     assert.equal(t.steps[1]!.finishReason === 'stop' || t.steps[1]!.finishReason === 'length', true);
+  });
+});
+
+describe('session affinity', () => {
+  test('one prompt_cache_key stays on one decode worker across unrelated prompts', async () => {
+    const decodeOf = async (key: string, text: string): Promise<string> => {
+      const { response } = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 4, prompt_cache_key: key, messages: [{ role: 'user', content: text }] }).withResponse();
+      const t = await getJson<{ decode: string | null }>(`${s.c.router.url}/debug/traces/${response.headers.get('x-request-id')}`);
+      assert.ok(t.decode);
+      return t.decode;
+    };
+    // without a key the second, unrelated prompt would go to the decode worker with the smaller tree (the other one)
+    const first = await decodeOf('agent-a', 'first task: list three fruits');
+    for (const text of ['unrelated: count to five', 'another topic entirely, the weather', 'zzz']) assert.equal(await decodeOf('agent-a', text), first, text);
   });
 });

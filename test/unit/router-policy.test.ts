@@ -6,7 +6,8 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import fc from 'fast-check';
-import { createPolicy, routingText, type PolicyWorker } from '../../src/router/policy/index.js';
+import { createPolicy, localPrefillFor, routingText, type PolicyWorker } from '../../src/router/policy/index.js';
+import { conversationKey, SessionTable } from '../../src/router/policy/affinity.js';
 import { PrefixTree } from '../../src/router/policy/radix-tree.js';
 
 const workers = (...loads: number[]): PolicyWorker[] => loads.map((load, i) => ({ url: `http://w${i}`, load }));
@@ -129,5 +130,67 @@ describe('policies', () => {
     assert.equal(routingText({ kind: 'chat', messages: [{ role: 'system', content: 's' }, { role: 'user', content: 'u' }] }), '<|system|>s<|user|>u');
     assert.equal(routingText({ kind: 'completion', prompt: { input_ids: [1, 2] } }), '1,2,');
     assert.equal(routingText({ kind: 'completion', prompt: { text: 'hi' } }), 'hi');
+  });
+});
+
+describe('session affinity', () => {
+  it('the conversation key: prompt_cache_key, then user, then x-session-id, then the first non-system message', () => {
+    const messages = [{ role: 'system', content: 'shared agent prompt' }, { role: 'user', content: 'task 1' }];
+    assert.equal(conversationKey({ kind: 'chat', promptCacheKey: 'k', user: 'u', messages }, 's'), 'k:k');
+    assert.equal(conversationKey({ kind: 'chat', user: 'u', messages }, 's'), 'u:u');
+    assert.equal(conversationKey({ kind: 'chat', messages }, 's'), 's:s');
+    const a = conversationKey({ kind: 'chat', messages }, undefined);
+    assert.match(String(a), /^m:/);
+    assert.equal(conversationKey({ kind: 'chat', messages: [...messages, { role: 'assistant', content: 'reply' }, { role: 'user', content: 'more' }] }, undefined), a, 'later rounds keep the key');
+    assert.notEqual(conversationKey({ kind: 'chat', messages: [messages[0]!, { role: 'user', content: 'task 2' }] }, undefined), a, 'a shared system prompt does not merge conversations');
+    assert.equal(conversationKey({ kind: 'completion' }, undefined), undefined);
+    assert.equal(conversationKey({ kind: 'chat', messages: [messages[0]!] }, ''), undefined);
+  });
+
+  it('cache_aware keeps a key on its worker whatever the text, until the load guard says it is overloaded', () => {
+    const p = createPolicy('cache_aware', { balanceAbsThreshold: 4, balanceRelThreshold: 1.5 });
+    const w = workers(0, 0, 0);
+    const first = p.pick(w, 'conversation A round 1', 0, 'k:a')!;
+    // unrelated texts (no tree match) under the same key: the same worker, reason affinity
+    for (let i = 0; i < 5; i++) {
+      const again = p.pick(w, `something else entirely ${i} ${'x'.repeat(i * 7)}`, i + 1, 'k:a')!;
+      assert.deepEqual([again.worker.url, again.reason], [first.worker.url, 'affinity']);
+    }
+    // without the key the smallest-tree rule sends the text elsewhere
+    assert.notEqual(p.pick(w, 'another conversation', 9)!.worker.url, first.worker.url);
+    // the key's worker 5 ahead of the least loaded (> 4 and > 1.5×): moved to the least loaded, and the key follows
+    const i = w.findIndex((x) => x.url === first.worker.url);
+    const loaded = w.map((x, j) => ({ ...x, load: j === i ? 6 : 1 }));
+    const moved = p.pick(loaded, 'conversation A round 2', 10, 'k:a')!;
+    assert.equal(moved.reason, 'imbalanced');
+    assert.notEqual(moved.worker.url, first.worker.url);
+    assert.equal(p.pick(w, 'conversation A round 3', 11, 'k:a')!.worker.url, moved.worker.url, 'the key now lives on its new worker');
+    // a busy but not overloaded worker keeps the key (6 vs 3: > 1.5× but not > 4 ahead)
+    const busy = w.map((x) => ({ ...x, load: x.url === moved.worker.url ? 6 : 3 }));
+    assert.equal(p.pick(busy, 'round 4', 12, 'k:a')!.reason, 'affinity');
+    // a removed worker's keys are forgotten; a key whose worker is not a candidate is picked afresh
+    p.forget!(moved.worker.url);
+    assert.notEqual(p.pick(w, 'round 5', 13, 'k:a')!.reason, 'affinity');
+    const others = w.filter((x) => x.url !== first.worker.url);
+    p.pick(w.filter((x) => x.url === first.worker.url), 'pin', 14, 'k:b');
+    assert.notEqual(p.pick(others, 'pin', 15, 'k:b')!.reason, 'affinity');
+  });
+
+  it('an affinity pick allows decode-local continuation, as a tree hit does', () => {
+    const p = createPolicy('cache_aware');
+    const w = workers(0, 0);
+    p.pick(w, 'abc', 0, 'k:x');
+    const pick = p.pick(w, 'zzz unrelated', 1, 'k:x')!;
+    assert.equal(pick.reason, 'affinity');
+    assert.equal(localPrefillFor(256, 'cache_aware', pick, 13), 256);
+  });
+
+  it('the session table is LRU-bounded', () => {
+    const t = new SessionTable(2);
+    t.set('a', 'w1');
+    t.set('b', 'w2');
+    t.get('a');
+    t.set('c', 'w3');
+    assert.deepEqual([t.get('a'), t.get('b'), t.get('c'), t.size], ['w1', undefined, 'w3', 2]);
   });
 });

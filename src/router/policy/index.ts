@@ -12,8 +12,13 @@
  *   whose recent requests share the longest prefix with this one (PrefixTree) is taken when the
  *   match covers more than `cacheThreshold` of the text; else the worker with the smallest tree
  *   (most spare cache). Either way the text is recorded for the chosen worker.
+ *   Session affinity first (./affinity.ts): a request with a conversation key goes to the worker
+ *   that served the key last when it is a candidate and not overloaded — its load exceeds the
+ *   least loaded candidate's by more than `balanceAbsThreshold` AND is more than
+ *   `balanceRelThreshold` times it (the imbalance rule, applied to that one worker).
  */
 import { PrefixTree } from './radix-tree.js';
+import { SessionTable } from './affinity.js';
 
 /** What a policy needs of a worker. */
 export interface PolicyWorker {
@@ -35,12 +40,14 @@ export interface CacheAwareOptions {
   balanceRelThreshold: number;
   /** Characters of routing text remembered per worker (LRU beyond). Default 4 Mi. */
   maxTreeChars: number;
+  /** Conversation keys remembered (LRU beyond). Default 65 536. */
+  maxSessions: number;
 }
 
-export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20 };
+export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20, maxSessions: 65_536 };
 
 /** Why a policy chose its worker (for logs and metrics). */
-export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss';
+export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity';
 
 export interface Pick<W extends PolicyWorker> {
   worker: W;
@@ -52,8 +59,11 @@ export interface Pick<W extends PolicyWorker> {
 /** A load-balancing policy for one role. */
 export interface Policy {
   readonly name: PolicyName;
-  /** Choose among `candidates` (the healthy workers; may be empty → null). `now` in ms. */
-  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number): Pick<W> | null;
+  /**
+   * Choose among `candidates` (the healthy workers; may be empty → null). `now` in ms. `key`:
+   * the request's conversation key (./affinity.ts), used by cache_aware.
+   */
+  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number, key?: string): Pick<W> | null;
   /** Forget a worker (removed from the cluster). */
   forget?(url: string): void;
   /**
@@ -116,12 +126,19 @@ class PowerOfTwo implements Policy {
 class CacheAware implements Policy {
   readonly name = 'cache_aware';
   private readonly tree: PrefixTree;
+  private readonly sessions: SessionTable;
   private rr = 0;
   constructor(private readonly o: CacheAwareOptions) {
     this.tree = new PrefixTree(o.maxTreeChars);
+    this.sessions = new SessionTable(o.maxSessions);
   }
 
-  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number): Pick<W> | null {
+  /** The imbalance rule between two loads (SGLang's cache_aware): `hi` is overloaded against `lo`. */
+  private overloaded(hi: number, lo: number): boolean {
+    return hi - lo > this.o.balanceAbsThreshold && hi > lo * this.o.balanceRelThreshold;
+  }
+
+  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number, key?: string): Pick<W> | null {
     if (c.length === 0) return null;
     let min = Infinity;
     let max = -Infinity;
@@ -130,7 +147,11 @@ class CacheAware implements Policy {
       max = Math.max(max, w.load);
     }
     let pick: Pick<W>;
-    if (max - min > this.o.balanceAbsThreshold && max > min * this.o.balanceRelThreshold) {
+    const stickyUrl = key === undefined ? undefined : this.sessions.get(key);
+    const sticky = stickyUrl === undefined ? undefined : c.find((w) => w.url === stickyUrl);
+    if (sticky && !this.overloaded(sticky.load, min)) {
+      pick = { worker: sticky, reason: 'affinity', matchedChars: this.tree.match(text).byTenant.get(sticky.url) ?? 0 };
+    } else if (this.overloaded(max, min)) {
       pick = { worker: leastLoaded(c, this.rr++), reason: 'imbalanced' };
     } else {
       const m = this.tree.match(text);
@@ -162,11 +183,13 @@ class CacheAware implements Policy {
     }
     this.rr %= 1_000_000_007;
     this.tree.insert(text, pick.worker.url, now);
+    if (key !== undefined) this.sessions.set(key, pick.worker.url);
     return pick;
   }
 
   forget(url: string): void {
     this.tree.removeTenant(url);
+    this.sessions.forget(url);
   }
 
   record(text: string, url: string, now: number): void {
@@ -197,14 +220,14 @@ export const MAX_CHARS_PER_TOKEN = 8;
 /**
  * Decode-local continuation at the router (Dynamo's conditional disaggregation; decode makes the
  * exact decision in tokens, ../../decode/local.ts): try the local path iff it is on
- * (`maxTokens` > 0), the decode policy is cache_aware and its pick was a tree hit (the worker
- * served this conversation's earlier round and kept it), and the unmatched part of the routing
- * text could be at most `maxTokens` tokens. The imbalance guard applies first: an imbalanced pick
+ * (`maxTokens` > 0), the decode policy is cache_aware and its pick was a tree hit or the
+ * conversation's sticky worker (the worker served this conversation's earlier round and kept
+ * it), and the unmatched part of the routing text could be at most `maxTokens` tokens. The imbalance guard applies first: an imbalanced pick
  * is never a hit, so a hot conversation cannot pile onto one decode worker.
  * @returns the `local_prefill.max_tokens` to send, or undefined for the PD path.
  */
 export function localPrefillFor(maxTokens: number, policy: PolicyName, pick: Pick<PolicyWorker> | null, textLength: number): number | undefined {
-  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || pick.reason !== 'cache_hit') return undefined;
+  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || (pick.reason !== 'cache_hit' && pick.reason !== 'affinity')) return undefined;
   const unmatched = textLength - (pick.matchedChars ?? 0);
   return unmatched <= maxTokens * MAX_CHARS_PER_TOKEN ? maxTokens : undefined;
 }
