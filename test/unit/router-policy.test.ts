@@ -8,7 +8,9 @@ import { describe, it } from 'node:test';
 import fc from 'fast-check';
 import { createPolicy, localPrefillFor, routingText, type PolicyWorker } from '../../src/router/policy/index.js';
 import { conversationKey, SessionTable } from '../../src/router/policy/affinity.js';
-import { PrefixTree } from '../../src/router/policy/radix-tree.js';
+import { ownedSlice, PrefixTree } from '../../src/router/policy/radix-tree.js';
+import v8 from 'node:v8';
+import vm from 'node:vm';
 
 const workers = (...loads: number[]): PolicyWorker[] => loads.map((load, i) => ({ url: `http://w${i}`, load }));
 
@@ -56,6 +58,30 @@ describe('prefix tree', () => {
         if (last) assert.equal(t.match(last[0]).byTenant.get(last[1]) ?? 0, last[0].length);
       }),
     );
+  });
+});
+
+describe('prefix tree memory', () => {
+  it('follows the characters it holds, not the prompts routed: 20 000 prompts sharing a 1.6 KB prefix', () => {
+    v8.setFlagsFromString('--expose-gc');
+    const gc = vm.runInNewContext('gc') as () => void;
+    const shared = 'You are a helpful agent. '.repeat(64);
+    gc();
+    const before = process.memoryUsage().heapUsed;
+    const t = new PrefixTree(4 << 20);
+    for (let i = 0; i < 20_000; i++) t.insert(`${shared}task ${i}: ${'step '.repeat(18)}${i}`, `http://w${i % 2}`, i);
+    gc();
+    const grown = process.memoryUsage().heapUsed - before;
+    const chars = t.tenantChars('http://w0') + t.tenantChars('http://w1');
+    // ≈ 2 M characters and 20 k nodes: 13 MB measured; edges that were views of their prompts kept 46 MB
+    assert.ok(chars < 2.1e6, `${chars} characters`);
+    assert.ok(grown < 24e6, `the tree grew the heap by ${(grown / 1e6).toFixed(1)} MB for ${chars} characters`);
+    assert.equal(t.match(`${shared}task 7: `).matchedChars, shared.length + 8);
+  });
+
+  it('ownedSlice is slice', () => {
+    fc.assert(fc.property(fc.string({ unit: 'binary' }), fc.nat(), fc.nat(), (s, a, b) => ownedSlice(s, a % (s.length + 1), b % (s.length + 1)) === s.slice(a % (s.length + 1), b % (s.length + 1))));
+    assert.equal(ownedSlice('\ud800'.repeat(20), 3), '\ud800'.repeat(17), 'lone surrogates survive');
   });
 });
 

@@ -8,6 +8,7 @@
  * Bounds: each tenant's share of the tree (the characters of the nodes it is on) is capped at
  * `maxCharsPerTenant`; beyond it the tenant's least recently used leaves are dropped
  * (SGLang trims per tenant on a timer; here it happens on insert, amortised by 10 % slack).
+ * Every edge owns its characters (`ownedSlice`), so memory follows the characters counted.
  */
 
 class Node {
@@ -26,6 +27,18 @@ export interface PrefixMatch {
   matchedChars: number;
   /** Tenant → characters of the text that tenant's recent requests share with it (absent = 0). */
   byTenant: Map<string, number>;
+}
+
+/**
+ * A copy of `s[start, end)` that holds only its own characters. V8 makes `slice` of 13+
+ * characters a view that keeps the whole parent string alive: an edge cut from a prompt would
+ * keep the whole prompt, and the tree's memory would grow with the prompts routed, not with the
+ * characters it counts (20 000 prompts sharing a 1.6 KB prefix: 46 MB of heap for 2 M characters
+ * held). A UTF-16 round trip through a Buffer copies (lone surrogates included).
+ */
+export function ownedSlice(s: string, start: number, end = s.length): string {
+  const part = s.slice(start, end);
+  return part.length < 13 ? part : Buffer.from(part, 'utf16le').toString('utf16le');
 }
 
 const commonLen = (a: string, ai: number, b: string): number => {
@@ -57,7 +70,7 @@ export class PrefixTree {
     while (i < text.length) {
       const child = node.children.get(text[i]!);
       if (!child) {
-        const leaf = new Node(text.slice(i), node);
+        const leaf = new Node(ownedSlice(text, i), node);
         node.children.set(text[i]!, leaf);
         this.touch(leaf, tenant, now);
         break;
@@ -138,7 +151,7 @@ export class PrefixTree {
 
   /** Split `n`'s edge after `k` characters: n keeps the head, a new child gets the tail. */
   private split(n: Node, k: number): void {
-    const tail = new Node(n.edge.slice(k), n);
+    const tail = new Node(ownedSlice(n.edge, k), n);
     for (const [t, at] of n.tenants) tail.tenants.set(t, at);
     for (const [ch, c] of n.children) {
       tail.children.set(ch, c);
@@ -146,6 +159,6 @@ export class PrefixTree {
     }
     n.children.clear();
     n.children.set(tail.edge[0]!, tail);
-    n.edge = n.edge.slice(0, k);
+    n.edge = ownedSlice(n.edge, 0, k);
   }
 }
