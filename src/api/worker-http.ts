@@ -1,12 +1,13 @@
 /**
  * Pieces every worker's HTTP server shares: a fastify instance whose errors are OpenAI error
- * bodies, GET /health (503 `status: 'draining'` once draining), GET /metrics and GET
+ * bodies, signed-request checking from the cluster secret (./worker-auth.ts), GET /health (503 `status: 'draining'` once draining), GET /metrics and GET
  * /debug/rooms, a drain gate on the work routes (`drainGateOf`, see ./drain.ts), and a deferred
  * helper.
  */
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
 import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endpoints.js';
+import { isSigned, registerWorkerAuth } from './worker-auth.js';
 import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from './openai.js';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../common/errors.js';
@@ -31,6 +32,12 @@ export interface WorkerAppOptions {
   corsOrigins?: readonly string[];
   /** Installs the app's request guard (authentication hooks) before any other hook. */
   guard?: (app: FastifyInstance) => void;
+  /** The cluster secret: every route but GET /health (and /metrics) needs a signed request (./worker-auth.ts). */
+  clusterSecret?: string;
+  /** With `clusterSecret`: /metrics needs a signature too. */
+  privateMetrics?: boolean;
+  /** Called with the query of every GET /health that carried a valid signature (the router's probe). */
+  onSignedProbe?: (query: Record<string, unknown>) => void;
 }
 
 const gates = new WeakMap<FastifyInstance, DrainGate>();
@@ -45,11 +52,13 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
   const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
+  if (o.clusterSecret !== undefined) registerWorkerAuth(app, { secret: o.clusterSecret, privateMetrics: o.privateMetrics }, o.registry);
   o.guard?.(app);
   const gate = new DrainGate('worker');
   gates.set(app, gate);
   gate.install(app);
-  app.get('/health', async (_req, reply) => {
+  app.get('/health', async (req, reply) => {
+    if (o.onSignedProbe && isSigned(req)) o.onSignedProbe((req.query ?? {}) as Record<string, unknown>);
     // tool_call_syntax: the router parses tool calls in the model's syntax (null = no tool calls).
     const body = { ...o.health(), served_model_names: o.modelNames, ...(o.engine ? { tool_call_syntax: o.engine.toolSyntax } : {}) };
     if (!gate.draining) return { status: 'ok', ...body };

@@ -9,7 +9,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
 import { serveRole, type Served } from './serve.js';
-import { accessFlags, accessOf } from './secrets.js';
+import { accessFlags, accessOf, clusterSecretOf, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 
 function int(v: string): number {
@@ -78,8 +78,8 @@ function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number;
 }
 
 const kvOptions = (c: Command) =>
-  c
-    .option('--cluster-secret <secret>', 'shared secret of the KV channels (or PDSERVE_CLUSTER_SECRET)')
+  secretFlags(c)
+    .option('--private-metrics', '/metrics needs a signed request too (default: open, for Prometheus)', false)
     .option('--heartbeat-ms <ms>', 'KV channel heartbeat interval; a peer is lost after 2 silent intervals', int, 1000)
     .option('--prealloc-timeout-ms <ms>', 'decode: max wait for a free sequence slot', int, 30_000)
     .option('--bootstrap-timeout-ms <ms>', 'max wait for the peer to register the room', int, 10_000)
@@ -95,10 +95,16 @@ async function modelPath(model: string | undefined): Promise<string> {
   return ensureModel('tiny', 1);
 }
 
-function secretOf(o: { clusterSecret?: string }): string {
-  const s = o.clusterSecret ?? process.env.PDSERVE_CLUSTER_SECRET;
+function secretOf(role: string, o: { clusterSecret?: string; clusterSecretFile?: string }): string {
+  let s: string | undefined;
+  try {
+    s = clusterSecretOf(role, o);
+  } catch (err) {
+    console.error(`pdserve ${role}: ${(err as Error).message}`);
+    process.exit(2);
+  }
   if (!s) {
-    console.error('pdserve: a cluster secret is required: pass --cluster-secret or set PDSERVE_CLUSTER_SECRET (the same on every prefill and decode worker)');
+    console.error(`pdserve ${role}: a cluster secret is required: set PDSERVE_CLUSTER_SECRET or pass --cluster-secret-file (the same on the router and every prefill and decode worker)`);
     process.exit(2);
   }
   return s;
@@ -149,6 +155,16 @@ function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; dec
   return { router, prefill: [...names, ...verify], decode: [...names, ...local, ...verify] };
 }
 
+/** `up`'s cluster secret: given (file, env, flag) or a random one; its children get it by environment. */
+function upSecret(o: { clusterSecret?: string; clusterSecretFile?: string }): string {
+  try {
+    return clusterSecretOf('up', o) ?? randomBytes(24).toString('hex');
+  } catch (err) {
+    console.error(`pdserve up: ${(err as Error).message}`);
+    process.exit(2);
+  }
+}
+
 /** `up`'s access flags, for the router: keys go to it by environment, the file and the metrics flag as flags (no secret in them). */
 function upAccess(o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean }) {
   const a = accessOf('up', o);
@@ -165,7 +181,8 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--port <port>', 'router port', port, 8000)
     .option('--host <host>', 'bind address of every process', '127.0.0.1')
     .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
-    .option('--cluster-secret <secret>', 'shared secret (default: a random one)')
+    .option('--cluster-secret-file <file>', 'file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET, else a random one); children get it by environment')
+    .option('--cluster-secret <secret>', 'the cluster secret on the command line (visible in ps: warns)')
     .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
     .option('--worker-port-base <port>', 'fixed worker ports from here: prefill i → HTTP base+2i, bootstrap base+2i+1; decode j → base+2·prefill+j (default: random free ports)', port)
@@ -193,7 +210,7 @@ export async function runCli(argv: string[]): Promise<void> {
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: o.clusterSecret ?? randomBytes(24).toString('hex'), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) {
@@ -261,7 +278,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf(o), slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -272,13 +289,14 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--port <port>', 'HTTP port', int, 30001)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
     .option('--max-prealloc <n>', 'bound on requests waiting for a slot', int, 256)
-    .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation: longest uncached prompt suffix decode evaluates itself for a request the router sends it alone (0 = off; needs the prefix cache)', int, 256)))
+    .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation: longest uncached prompt suffix decode evaluates itself for a request the router sends it alone (0 = off; needs the prefix cache)', int, 256)
+    .addOption(new Option('--allow-prefill <host:port>', "a prefill bootstrap address decode may dial besides the router's pool (repeatable); any other is refused with 400").argParser(collect))))
     .action(async (o) => {
       const { startDecodeWorker } = await import('../decode/worker.js');
       const model = await modelPath(o.model);
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf(o), slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
           createLogger('decode'),
         ),
       );
@@ -295,8 +313,8 @@ export async function runCli(argv: string[]): Promise<void> {
       await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } }, createLogger('colocated')));
     });
 
-  accessFlags(lifecycleOptions(program
-    .command('router')))
+  secretFlags(accessFlags(lifecycleOptions(program
+    .command('router'))))
     .description('run the router (OpenAI API) in front of prefill and decode workers')
     .option('--host <host>', 'bind address', '127.0.0.1')
     .option('--port <port>', 'port', int, 8000)
@@ -325,7 +343,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

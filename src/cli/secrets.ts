@@ -2,9 +2,12 @@
  * Where the CLI takes keys and secrets from: environment variables and files first, because a
  * process's command line is readable by every local user (`ps`); a flag still works and warns.
  *
- *   PDSERVE_API_KEY        API keys of the router / colocated (comma-separated)
- *   PDSERVE_ADMIN_API_KEY  admin keys (comma-separated)
+ *   PDSERVE_API_KEY              API keys of the router / colocated (comma-separated)
+ *   PDSERVE_ADMIN_API_KEY        admin keys (comma-separated)
+ *   PDSERVE_CLUSTER_SECRET       the cluster secret (KV channel, worker request signatures)
+ *   --cluster-secret-file FILE   the same from a file (its first line; PDSERVE_CLUSTER_SECRET_FILE)
  */
+import { readFileSync } from 'node:fs';
 import type { Command } from 'commander';
 
 /** Split a comma-separated env value into its non-empty, trimmed entries. */
@@ -38,4 +41,35 @@ export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: stri
     adminApiKeys: [...(o.adminApiKey ?? []), ...listEnv(process.env.PDSERVE_ADMIN_API_KEY)],
     privateMetrics: o.privateMetrics === true,
   };
+}
+
+/** Flags of the cluster secret (every role but colocated). */
+export const secretFlags = (c: Command) =>
+  c
+    .option('--cluster-secret-file <file>', 'file holding the cluster secret (its first line; or PDSERVE_CLUSTER_SECRET_FILE, or PDSERVE_CLUSTER_SECRET)')
+    .option('--cluster-secret <secret>', 'the cluster secret on the command line (visible in ps: warns; prefer PDSERVE_CLUSTER_SECRET or --cluster-secret-file)');
+
+/**
+ * The cluster secret: --cluster-secret-file, PDSERVE_CLUSTER_SECRET, PDSERVE_CLUSTER_SECRET_FILE,
+ * then --cluster-secret (with a warning). Undefined when none is given.
+ * @throws Error when a named file cannot be read or is empty.
+ */
+export function clusterSecretOf(role: string, o: { clusterSecret?: string; clusterSecretFile?: string }): string | undefined {
+  const file = o.clusterSecretFile ?? process.env.PDSERVE_CLUSTER_SECRET_FILE;
+  if (o.clusterSecretFile || (!process.env.PDSERVE_CLUSTER_SECRET && file)) {
+    let s: string;
+    try {
+      s = (readFileSync(file!, 'utf8').split(/\r?\n/)[0] ?? '').trim();
+    } catch (err) {
+      throw new Error(`cannot read the cluster secret file ${file}: ${(err as Error).message}`);
+    }
+    if (!s) throw new Error(`the cluster secret file ${file} is empty`);
+    return s;
+  }
+  if (process.env.PDSERVE_CLUSTER_SECRET) return process.env.PDSERVE_CLUSTER_SECRET;
+  if (o.clusterSecret) {
+    warnArgv(role, '--cluster-secret', 'PDSERVE_CLUSTER_SECRET or --cluster-secret-file');
+    return o.clusterSecret;
+  }
+  return undefined;
 }

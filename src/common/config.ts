@@ -63,8 +63,10 @@ export const TimeoutsSchema = z.object({
 const common = {
   host: z.string().default('127.0.0.1'),
   port: port.default(0),
-  /** Shared secret of the cluster's KV channels (HMAC challenge). */
+  /** Shared secret of the cluster: the KV channels' HMAC challenge and the HTTP request signatures (request-auth.ts). */
   secret: z.string().min(8, 'cluster secret must be at least 8 characters'),
+  /** /metrics needs a signed request too (default: open, for Prometheus). */
+  privateMetrics: z.boolean().default(false),
   engine: EngineConfigSchema,
   timeouts: TimeoutsSchema.default({}),
   /** Heartbeat interval of the KV control channel, ms; a peer is lost after 2 silent intervals. */
@@ -130,6 +132,8 @@ export const DecodeConfigSchema = z.object({
    * answered `needs_prefill`.
    */
   localPrefillMaxTokens: z.number().int().min(0).max(1 << 20).default(256),
+  /** `--allow-prefill HOST:PORT`: bootstrap addresses decode may dial besides the router's pool (src/decode/known-prefills.ts). */
+  allowPrefill: z.array(z.string().min(3).max(300)).max(1024).default([]),
 });
 export type DecodeConfig = Readonly<z.infer<typeof DecodeConfigSchema>>;
 

@@ -5,15 +5,25 @@
  *
  *   bearerFor(origins, key)  `Authorization: Bearer KEY` on requests to those origins only (the
  *                            doctor's admin key goes to the router, never to a worker)
+ *   signWith(secret, skip)   `x-pdserve-signature` (./request-auth.ts) on every request, except
+ *                            to the origins `skip` lists (the router itself)
  *
- * `withCredentials(base, c)` composes what `c` names onto `base`.
+ * `withCredentials(c, base)` composes what `c` names onto `base`. A signed request's body must
+ * be a string or bytes (what pdserve's own calls send) or an async iterable of bytes (what
+ * fetch() hands a dispatcher), which is read into memory (at most 64 MiB) to be hashed.
+ *
+ * `signGlobally(origins, secret)`: fetch() and undici calls without a dispatcher of this process
+ * sign their requests to these origins (the harness's clusters, the storm, bench's pd-direct).
  */
-import { Agent, type Dispatcher } from 'undici';
+import { Agent, getGlobalDispatcher, setGlobalDispatcher, type Dispatcher } from 'undici';
+import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from './request-auth.js';
 
-/** What a client sends: an admin/API key for some origins. */
+/** What a client sends: an admin/API key for some origins; request signatures from the cluster secret. */
 export interface ClientCredentials {
   /** Bearer key and the origins (scheme://host:port) it is sent to. */
   bearer?: { key: string; origins: readonly string[] };
+  /** Sign every request with this cluster secret, except those to `skipOrigins`. */
+  sign?: { secret: string; skipOrigins?: readonly string[] };
 }
 
 type Headers = Record<string, string | string[] | undefined>;
@@ -52,9 +62,106 @@ export function bearerFor(origins: readonly string[], key: string): Dispatcher.D
   };
 }
 
+/** Largest body a signing interceptor reads into memory from an async iterable, bytes. */
+const MAX_SIGNED_STREAM = 64 * 1024 * 1024;
+
+type Body = Dispatcher.DispatchOptions['body'];
+
+/** A body the signer can hash as it is. */
+const isBytes = (b: Body): b is string | Uint8Array | null | undefined => b === null || b === undefined || typeof b === 'string' || b instanceof Uint8Array;
+
+async function collect(body: AsyncIterable<unknown>): Promise<Buffer> {
+  const parts: Buffer[] = [];
+  let n = 0;
+  for await (const c of body) {
+    const b = typeof c === 'string' ? Buffer.from(c) : Buffer.from(c as Uint8Array);
+    n += b.length;
+    if (n > MAX_SIGNED_STREAM) throw new Error(`signed request body larger than ${MAX_SIGNED_STREAM} bytes`);
+    parts.push(b);
+  }
+  return Buffer.concat(parts);
+}
+
+/** Report an error to an undici handler of either API (undici 7's onResponseError, or the older onError). */
+function fail(handler: Dispatcher.DispatchHandler, err: Error): void {
+  const h = handler as { onResponseError?: (c: unknown, e: Error) => void; onError?: (e: Error) => void };
+  if (h.onResponseError) h.onResponseError(null, err);
+  else h.onError?.(err);
+}
+
+/**
+ * Interceptor: sign every request (method, path with query, now, a fresh nonce, the body's
+ * SHA-256) with the cluster secret's HTTP key, except to `skip` origins (a request to them passes
+ * unchanged). An unsupported body (a stream that is not async-iterable) fails the request.
+ */
+export function signWith(secret: string, skip: () => ReadonlySet<string> = () => new Set()): Dispatcher.DispatcherComposeInterceptor {
+  const key = httpKeyOf(secret);
+  return (dispatch) => (opts, handler) => {
+    if (skip().has(originOf(opts.origin))) return dispatch(opts, handler);
+    const send = (body: string | Uint8Array | null | undefined): boolean => {
+      const headers = headersObject(opts.headers);
+      headers[SIGNATURE_HEADER] = signRequest(key, opts.method, opts.path, bodyDigest(body));
+      return dispatch({ ...opts, headers, body: body ?? null }, handler);
+    };
+    if (isBytes(opts.body)) return send(opts.body);
+    const it = opts.body as unknown as Partial<AsyncIterable<unknown>>;
+    if (typeof it[Symbol.asyncIterator] !== 'function') {
+      fail(handler, new TypeError('a signed request body must be a string, bytes or an async iterable'));
+      return true;
+    }
+    collect(it as AsyncIterable<unknown>).then(send, (err: Error) => fail(handler, err));
+    return true;
+  };
+}
+
 /** `base` (default: a new Agent) with the interceptors `c` asks for; `base` itself when none. */
 export function withCredentials(c: ClientCredentials, base: Dispatcher = new Agent()): Dispatcher {
   const ics: Dispatcher.DispatcherComposeInterceptor[] = [];
   if (c.bearer) ics.push(bearerFor(c.bearer.origins, c.bearer.key));
+  if (c.sign) {
+    const skip = new Set((c.sign.skipOrigins ?? []).map((o) => new URL(o).origin));
+    ics.push(signWith(c.sign.secret, () => skip));
+  }
   return ics.length ? base.compose(...ics) : base;
+}
+
+/** origin → signer, for the process-wide dispatcher (`signGlobally`). */
+const globalSigners = new Map<string, Dispatcher.DispatcherComposeInterceptor>();
+let globalInstalled = false;
+
+/**
+ * Interceptor: requests to an origin registered with `signGlobally` are signed with its secret;
+ * others pass unchanged. The global dispatcher has it; compose it onto a dispatcher of your own
+ * (bench's pool) to get the same.
+ */
+export function registeredSigners(): Dispatcher.DispatcherComposeInterceptor {
+  return (dispatch) => {
+    const bound = new Map<Dispatcher.DispatcherComposeInterceptor, Dispatcher['dispatch']>();
+    return (opts, handler) => {
+      const s = globalSigners.get(originOf(opts.origin));
+      if (!s) return dispatch(opts, handler);
+      let d = bound.get(s);
+      if (!d) bound.set(s, (d = s(dispatch)));
+      return d(opts, handler);
+    };
+  };
+}
+
+/**
+ * Make this process's global undici dispatcher (fetch(), undici's request() without a
+ * dispatcher) and every dispatcher composed with `registeredSigners()` sign requests to
+ * `origins` with `secret`; other origins pass unchanged. Returns the undo (the origins
+ * forgotten). Several clusters with different secrets may be registered.
+ */
+export function signGlobally(origins: readonly string[], secret: string): () => void {
+  const signer = signWith(secret);
+  const list = origins.map((o) => new URL(o).origin);
+  for (const o of list) globalSigners.set(o, signer);
+  if (!globalInstalled) {
+    globalInstalled = true;
+    setGlobalDispatcher(getGlobalDispatcher().compose(registeredSigners()));
+  }
+  return () => {
+    for (const o of list) if (globalSigners.get(o) === signer) globalSigners.delete(o);
+  };
 }

@@ -43,6 +43,8 @@ import { KVPoll, type RoomId } from '../kv/types.js';
 import { DecodeDriver, type ConnId, type DecodeAction, type PrefillAddr } from './driver.js';
 import { localPrefill, planLocal, type DecodeStart, type LocalPlan } from './local.js';
 import { DecodeSseWriter } from './sse-out.js';
+import { KnownPrefills } from './known-prefills.js';
+import { Counter } from 'prom-client';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {
@@ -98,6 +100,9 @@ export class DecodeWorker {
   private stopSweep?: () => void;
   /** The same-host handoff (kv_file): per-connection probe, taking handed files over. */
   readonly sameHost: SameHostDecode;
+  /** Prefill bootstrap addresses this worker may dial (--allow-prefill and the router's pool). */
+  readonly knownPrefills: KnownPrefills;
+  private readonly bootstrapRefused: Counter;
   app!: FastifyInstance;
   pool!: KvPeerPool;
   url = '';
@@ -111,6 +116,8 @@ export class DecodeWorker {
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
     this.recvFiles = new FilePool({ dir: config.stateDir, prefix: `pdserve-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
+    this.knownPrefills = new KnownPrefills(config.allowPrefill);
+    this.bootstrapRefused = new Counter({ name: 'pdserve_bootstrap_refused_total', help: 'Requests refused because their bootstrap address is not a prefill this decode worker knows', registers: [this.metrics.registry] });
     this.sameHost = new SameHostDecode({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir, log: this.log.child({ part: 'kv' }) });
   }
 
@@ -152,6 +159,11 @@ export class DecodeWorker {
     this.app = createWorkerApp({
       log: this.log,
       registry: this.metrics.registry,
+      clusterSecret: c.secret,
+      privateMetrics: c.privateMetrics,
+      onSignedProbe: (q) => {
+        if (typeof q.prefill_pool === 'string') this.knownPrefills.learn(q.prefill_pool.split(','), Date.now());
+      },
       modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
       health: () => ({
         role: 'decode',
@@ -495,6 +507,12 @@ export class DecodeWorker {
       t0: Date.now(),
     };
     if (local) job.local = local;
+    // Never dial an address the router's pool (or --allow-prefill) does not name: a forged
+    // bootstrap address is refused here, before any room or connection exists.
+    if (!local && !this.knownPrefills.allows(body.bootstrap_host, body.bootstrap_port, Date.now())) {
+      this.bootstrapRefused.inc();
+      return sendError(reply, ApiError.of('unknown_bootstrap_address', 'bootstrap_host:bootstrap_port is not a prefill worker this decode worker knows (the router\'s pool or --allow-prefill)', 'bootstrap_host'));
+    }
     const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, Date.now(), { local: local !== undefined });
     if (admitted.refused) {
       // Refusals before the room exists still reach prefill (fault c): the driver's `send`.

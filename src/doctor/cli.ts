@@ -9,6 +9,8 @@
  * Every GET has a deadline (`--timeout`, default 3 s) and a whole round is bounded by 9 s, so an
  * answer comes within 10 s even when workers hang. `--discovery etcd://…` reads the worker list
  * from etcd membership instead of (or, with --url, besides) the router's GET /workers.
+ * Credentials from the environment: PDSERVE_ADMIN_API_KEY (to the router only) and
+ * PDSERVE_CLUSTER_SECRET (the workers' requests are signed with it).
  */
 import { Command, InvalidArgumentError } from 'commander';
 import { diagnose, type Diagnosis } from './diagnose.js';
@@ -64,10 +66,16 @@ export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
   return out.join('\n');
 }
 
-/** The dispatcher of the doctor's GETs: the admin key on the router's requests (../common/http-auth.ts). */
+/**
+ * The dispatcher of the doctor's GETs (../common/http-auth.ts): the admin key on the router's
+ * requests, and the workers' requests signed with the cluster secret (PDSERVE_CLUSTER_SECRET).
+ */
 function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher | undefined {
   const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY?.split(',')[0]?.trim();
-  return source.routerUrl && key ? withCredentials({ bearer: { key, origins: [source.routerUrl] } }) : undefined;
+  const secret = process.env.PDSERVE_CLUSTER_SECRET;
+  const router = source.routerUrl ? [source.routerUrl] : [];
+  if (!key && !secret) return undefined;
+  return withCredentials({ ...(key && router.length ? { bearer: { key, origins: router } } : {}), ...(secret ? { sign: { secret, skipOrigins: router } } : {}) });
 }
 
 async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSnapshot | null, dispatcher?: Dispatcher): Promise<{ snap: ClusterSnapshot; d: Diagnosis }> {

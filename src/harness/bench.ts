@@ -22,6 +22,7 @@ import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { randomBytes } from 'node:crypto';
 import { Agent, request, type Dispatcher } from 'undici';
+import { registeredSigners, signGlobally } from '../common/http-auth.js';
 import { readSse } from '../api/sse.js';
 import { computeMetrics, hasSlo, type BenchMetrics, type RequestRecord, type Slo } from './bench-metrics.js';
 import type { Summary } from './stats.js';
@@ -252,9 +253,9 @@ function baseUrl(u: string): string {
   return u.replace(/\/+$/, '').replace(/\/v1$/, '');
 }
 
-/** A keep-alive connection pool sized for `connections` parallel streams. */
-export function benchAgent(connections = 256): Agent {
-  return new Agent({ connections, pipelining: 1, keepAliveTimeout: 30_000, headersTimeout: 0, bodyTimeout: 0, connect: { timeout: 10_000 } });
+/** A keep-alive connection pool sized for `connections` parallel streams; requests to workers registered with `signGlobally` (a harness cluster, pd-direct) are signed. */
+export function benchAgent(connections = 256): Dispatcher {
+  return new Agent({ connections, pipelining: 1, keepAliveTimeout: 30_000, headersTimeout: 0, bodyTimeout: 0, connect: { timeout: 10_000 } }).compose(registeredSigners());
 }
 
 /** The model name an OpenAI endpoint serves (first of GET /v1/models), or 'default'. */
@@ -736,6 +737,9 @@ export async function benchCli(o: BenchCliOptions): Promise<number> {
     }
     const [pu, bp] = o.prefill.split(',');
     target = { kind: 'pd-direct', prefillUrl: pu!, bootstrapHost: new URL(pu!).hostname, bootstrapPort: Number(bp ?? 8998), decodeUrl: o.decode };
+    // The workers take only signed requests: the cluster secret from the environment (SECURITY.md).
+    const secret = process.env.PDSERVE_CLUSTER_SECRET;
+    if (secret) signGlobally([pu!, o.decode], secret);
   } else {
     if (!o.url) {
       console.error('pdserve bench: --url is required');

@@ -4,6 +4,10 @@
  * suite and the end-to-end tests. Ports are chosen up front so a killed worker restarts on the
  * same address (peers and the router find it again with no manual step).
  *
+ * The cluster secret reaches the children by environment (never argv), and from `start()` on
+ * this process's fetch() and undici calls sign their requests to the workers with it
+ * (../common/http-auth.ts `signGlobally`), so tools and tests reach them as the router does.
+ *
  * Children report readiness over an IPC channel ({type:'ready', url, bootstrapPort}) and exit
  * when that channel closes, so a dead parent leaves no orphans.
  */
@@ -14,6 +18,7 @@ import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { signGlobally } from '../common/http-auth.js';
 
 export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';
 
@@ -127,6 +132,7 @@ export class Cluster {
   /** The workers' prefix store folder; `ownStoreDir`: made here, removed by stop(). */
   private storeDir: string | undefined;
   private ownStoreDir = false;
+  private unsign?: () => void;
 
   constructor(readonly opts: ClusterOptions) {
     this.secret = opts.secret ?? randomBytes(24).toString('hex');
@@ -205,6 +211,8 @@ export class Cluster {
       this.procs.push(this.proc('colocated', 0, port, [...args, ...(o.extraArgs?.colocated ?? [])]));
     }
     const workers = [...this.procs];
+    // This process's fetch() and undici calls sign their requests to the workers (SECURITY.md).
+    this.unsign = signGlobally(workers.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url), this.secret);
     await Promise.all(workers.map((p) => this.spawn(p)));
     const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port;
     const rargs = ['router', '--host', this.hostOf('router'), '--port', String(rport)];
@@ -342,6 +350,7 @@ export class Cluster {
     this.stopping = true;
     await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
     if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
+    this.unsign?.();
   }
 
   /** SIGCONT + SIGTERM one process; SIGKILL if it is still alive after `graceMs`. Resolves on exit. */

@@ -26,6 +26,7 @@ import { join, resolve } from 'node:path';
 import http from 'node:http';
 import { performance } from 'node:perf_hooks';
 import { Cluster, type ClusterProc } from './cluster.js';
+import { signGlobally } from '../common/http-auth.js';
 import { Agents, type RequestRecord, type SampledRound } from './storm-agents.js';
 import { ChatCall, getJson } from './storm-client.js';
 import { loadCorpus } from './storm-corpus.js';
@@ -267,6 +268,8 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
   } else {
     routerUrl = o.url!.replace(/\/+$/, '').replace(/\/v1$/, '');
     watched = (o.workers ?? []).map((u, i) => ({ name: `worker-${i}(${new URL(u).host})`, url: u.replace(/\/+$/, '') }));
+    // Watched workers answer signed requests only: the cluster secret from the environment.
+    if (process.env.PDSERVE_CLUSTER_SECRET && watched.length) signGlobally(watched.map((w) => w.url), process.env.PDSERVE_CLUSTER_SECRET);
     await getJson(`${routerUrl}/health`, 5000).catch((err) => {
       throw new Error(`router ${routerUrl} does not answer /health: ${(err as Error).message}`);
     });

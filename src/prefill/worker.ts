@@ -168,6 +168,8 @@ export class PrefillWorker {
       engine: this.engine,
       log: this.log,
       registry: this.metrics.registry,
+      clusterSecret: c.secret,
+      privateMetrics: c.privateMetrics,
       modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
       health: () => ({
         role: 'prefill',

@@ -22,7 +22,7 @@
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
- *       ../api/access.ts),
+ *       ../api/access.ts), clusterSecret? (signs every request to a worker),
  *     responsesStore = { maxCount = 10000, maxBytes = 64 MiB, maxAgeMs = 1 h } (stored /v1/responses),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
@@ -102,6 +102,8 @@ export const RouterConfigSchema = z
       .object({ maxCount: z.number().int().min(0), maxBytes: z.number().int().min(0), maxAgeMs: z.number().int().min(0) })
       .strict()
       .default(DEFAULT_RESPONSE_STORE_LIMITS),
+    /** The cluster secret: every request to a worker is signed with it (../common/request-auth.ts). Never logged. */
+    clusterSecret: z.string().min(8, 'cluster secret must be at least 8 characters').optional(),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -168,6 +170,8 @@ export interface RouterConfig {
   readonly privateMetrics: boolean;
   /** Bounds of the stored /v1/responses (../api/responses-store.ts). */
   readonly responsesStore: Readonly<ResponseStoreLimits>;
+  /** The cluster secret (worker request signatures); undefined = requests go unsigned. Never logged. */
+  readonly clusterSecret?: string;
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

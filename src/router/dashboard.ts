@@ -17,6 +17,7 @@
 import { readFile } from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import type { FastifyInstance } from 'fastify';
+import type { Dispatcher } from 'undici';
 import { ApiError } from '../api/openai.js';
 import { diagnose, failureLabel } from '../doctor/diagnose.js';
 import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../doctor/gather.js';
@@ -34,6 +35,8 @@ export interface DiagnosticsDeps {
   inflight(): number;
   /** This router's base URL as a client reaches it (for the doctor's suggested commands). */
   selfUrl(): string;
+  /** Dispatcher of the workers' GETs (signed with the cluster secret). */
+  dispatcher?: Dispatcher;
 }
 
 const ASSET_DIR = new URL('../../assets/dashboard/', import.meta.url);
@@ -87,7 +90,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
     const at = Date.now();
     const t0 = performance.now();
     const rows = d.registry.snapshot() as unknown as Record<string, unknown>[];
-    const workers: WorkerProbe[] = await Promise.all(rows.map((r) => probeWorker({ role: r.role as 'prefill' | 'decode', url: r.url as string, router: r }, 1500)));
+    const workers: WorkerProbe[] = await Promise.all(rows.map((r) => probeWorker({ role: r.role as 'prefill' | 'decode', url: r.url as string, router: r }, 1500, d.dispatcher)));
     const router: RouterProbe = {
       url: d.selfUrl(),
       health: ok({ inflight: d.inflight() }),

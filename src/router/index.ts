@@ -29,6 +29,7 @@ import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest }
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerAccess, type Access } from '../api/access.js';
+import { withCredentials } from '../common/http-auth.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
@@ -106,7 +107,9 @@ function makeLogger(config: RouterConfig): Logger {
 export async function createRouter(raw: RouterConfigInput | RouterConfig): Promise<Router> {
   const config = parseRouterConfig(raw);
   const log = makeLogger(config);
-  const dataAgent = new Agent({
+  // Every router → worker request is signed with the cluster secret (../common/http-auth.ts).
+  const credentials = config.clusterSecret ? { sign: { secret: config.clusterSecret } } : {};
+  const dataAgent = withCredentials(credentials, new Agent({
     connections: 256,
     pipelining: 1,
     keepAliveTimeout: 30_000,
@@ -114,8 +117,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     // Safety nets only: the request deadline (requestTimeoutMs) fires first.
     headersTimeout: config.requestTimeoutMs + 5_000,
     bodyTimeout: config.requestTimeoutMs + 5_000,
-  });
-  const controlAgent = new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000 }, headersTimeout: 10_000, bodyTimeout: 10_000 });
+  }));
+  const controlAgent = withCredentials(credentials, new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000 }, headersTimeout: 10_000, bodyTimeout: 10_000 }));
   const registry = new WorkerRegistry(config, { dispatcher: controlAgent, log, intervalMs: config.healthIntervalMs, timeoutMs: config.healthTimeoutMs, unhealthyAfter: config.unhealthyAfter });
   const metrics = new RouterMetrics(registry);
   const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
@@ -299,7 +302,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   });
 
   registerHoldRoute(app);
-  registerDiagnostics(app, { registry, metrics, traces, series, inflight: () => active.size, selfUrl: () => selfUrl });
+  registerDiagnostics(app, { registry, metrics, traces, series, inflight: () => active.size, selfUrl: () => selfUrl, dispatcher: controlAgent });
 
   // A supervisor that restarted a worker asks for an immediate probe (static membership's push;
   // etcd membership does the same on registration). Only configured or registered workers.

@@ -139,15 +139,22 @@ export class WorkerRegistry {
       this.remove(spec.url, `re-registered as ${spec.role}`);
       w = undefined;
     }
+    let newAddress = false;
     if (!w) {
       w = { role: spec.role, url: spec.url, bootstrapHost: spec.bootstrapHost ?? null, bootstrapPort: spec.bootstrapPort ?? null, healthy: false, draining: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0, settings: null };
       this.pool = [...this.pool, w];
       this.opts.log.info({ worker: w.url, role: w.role }, 'worker joined');
+      newAddress = w.role === 'prefill';
     } else if (spec.bootstrapPort != null && (w.bootstrapPort !== spec.bootstrapPort || w.bootstrapHost !== (spec.bootstrapHost ?? null))) {
       (w as { bootstrapHost: string | null }).bootstrapHost = spec.bootstrapHost ?? null;
       (w as { bootstrapPort: number | null }).bootstrapPort = spec.bootstrapPort;
+      newAddress = true;
     }
-    void this.check(w, true);
+    // A new prefill address: the decodes' probes name it (the pool they may dial) before the
+    // prefill's own probe makes it routable.
+    const target = w;
+    if (newAddress) void Promise.all(this.pool.filter((d) => d.role === 'decode').map((d) => this.check(d, true))).then(() => this.check(target, true));
+    else void this.check(w, true);
     return w;
   }
 
@@ -193,6 +200,16 @@ export class WorkerRegistry {
     this.timer.unref();
   }
 
+  /**
+   * The query of a decode worker's health probe: `?prefill_pool=host:port,…`, the bootstrap
+   * addresses of every prefill in the pool (at most 256), which decode alone may dial
+   * (src/decode/known-prefills.ts; the probe is signed, so the pool is the router's).
+   */
+  private poolQuery(): string {
+    const addrs = this.workers.filter((x) => x.role === 'prefill' && x.bootstrapHost && x.bootstrapPort).slice(0, 256).map((x) => `${x.bootstrapHost!.includes(':') ? `[${x.bootstrapHost}]` : x.bootstrapHost}:${x.bootstrapPort}`);
+    return addrs.length ? `?prefill_pool=${encodeURIComponent(addrs.join(','))}` : '';
+  }
+
   /** Probe all workers concurrently; resolves when every probe settled. Never rejects. */
   async checkAll(): Promise<void> {
     await Promise.all(this.workers.map((w) => this.check(w)));
@@ -208,7 +225,7 @@ export class WorkerRegistry {
     this.probing.add(w);
     try {
       const signal = AbortSignal.any([AbortSignal.timeout(this.opts.timeoutMs), this.probeAc.signal]);
-      const res = await request(`${w.url}/health`, { method: 'GET', dispatcher: this.opts.dispatcher, signal, headersTimeout: this.opts.timeoutMs, bodyTimeout: this.opts.timeoutMs });
+      const res = await request(`${w.url}/health${w.role === 'decode' ? this.poolQuery() : ''}`, { method: 'GET', dispatcher: this.opts.dispatcher, signal, headersTimeout: this.opts.timeoutMs, bodyTimeout: this.opts.timeoutMs });
       const text = await readText(res.body, MAX_HEALTH_BODY);
       let j: Record<string, unknown> | null = null;
       try {

@@ -21,7 +21,7 @@ import { KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
 import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
-import type { Cluster } from '../../src/harness/cluster.js';
+import { freePort, type Cluster } from '../../src/harness/cluster.js';
 import { busy, client, CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 
 const BATCH = 128;
@@ -61,10 +61,13 @@ async function stateOf(modelPath: string, prompt: string): Promise<{ payload: Bu
 
 before(async () => {
   // decode-1 runs --kv-same-host-verify: it asks for (and checks) the handed file's CRC-32
-  c = await startStack({ colocated: false, decode: 2, extraArgsOf: { 'decode-1': ['--kv-same-host-verify'] } });
+  // The fake prefill's port is fixed up front: decode dials only bootstrap addresses it knows.
+  const fakePort = await freePort();
+  const allow = ['--allow-prefill', `127.0.0.1:${fakePort}`];
+  c = await startStack({ colocated: false, decode: 2, extraArgs: { decode: allow }, extraArgsOf: { 'decode-1': ['--kv-same-host-verify'] } });
   kv = new KvServer({
     host: '127.0.0.1',
-    port: 0,
+    port: fakePort,
     secret: c.secret,
     epoch: newEpoch(),
     // The fake prefill claims the decode's own pair settings, so the handshake pairs them.

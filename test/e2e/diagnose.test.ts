@@ -82,17 +82,17 @@ describe('request traces', () => {
     const r = await complete({ 'x-request-id': 'timeline-probe' });
     assert.equal(r.status, 200);
     await r.text();
-    const out = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe']);
+    const out = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     assert.equal(out.code, 0, out.out + out.err);
     assert.match(out.out, /request timeline-probe/);
     for (const re of [/router\s+received/, /router\s+finished outcome=ok/, /prefill \S+\s+create → Bootstrapping\/bootstrap/, /decode \S+\s+create → Bootstrapping\/prealloc/, /kv_done → Success\/done/, /time per phase:/, /prefill \S+\s+bootstrap \d/, /decode \S+\s+prealloc \d/]) {
       assert.match(out.out, re);
     }
-    const j = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe', '--json']);
+    const j = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe', '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     const rep = JSON.parse(j.out) as { rows: { process: string }[]; phases: { phase: string; ms: number }[] };
     assert.deepEqual(new Set(rep.rows.map((x) => x.process.split(' ')[0])), new Set(['router', 'prefill', 'decode']));
     assert.ok(rep.phases.every((p) => p.ms >= 0));
-    const missing = await cli(['doctor', '--url', c.router.url, '--request', 'no-such-request']);
+    const missing = await cli(['doctor', '--url', c.router.url, '--request', 'no-such-request'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     assert.equal(missing.code, 1);
     assert.match(missing.out, /no process knows no-such-request/);
   });
@@ -111,15 +111,15 @@ test('every /metrics passes promtool check metrics', async (t) => {
 });
 
 test('pdserve doctor on a healthy cluster exits 0 within 10 s', async (t) => {
-  const out = await cli(['doctor', '--url', c.router.url, '--json']);
+  const out = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
   t.diagnostic(`doctor (healthy cluster, process start included): ${out.ms} ms`);
   const j = JSON.parse(out.out) as { exit_code: number; findings: { severity: string; title: string }[] };
   assert.equal(out.code, 0, out.out);
   assert.ok(!j.findings.some((f) => f.severity !== 'info'), JSON.stringify(j.findings));
   assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
-  const text = await cli(['doctor', '--url', c.router.url]);
+  const text = await cli(['doctor', '--url', c.router.url], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
   assert.equal(text.code, 0);
-  const watch = await cli(['doctor', '--url', c.router.url, '--json', '--watch', '0.2', '--count', '2']);
+  const watch = await cli(['doctor', '--url', c.router.url, '--json', '--watch', '0.2', '--count', '2'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
   assert.equal(watch.code, 0, watch.out + watch.err);
   assert.equal(watch.out.trim().split('\n').map((l) => JSON.parse(l).exit_code).join(), '0,0', 'two rounds');
   assert.match(text.out, /OK: nothing wrong found|\[INFO\]/);
@@ -139,7 +139,7 @@ test('the incident: a room held in prefill inflight is named by pdserve doctor, 
     }, 10_000);
     assert.ok(found && room, 'the victim reached prefill inflight');
     await new Promise((r) => setTimeout(r, 1300));
-    const out = await cli(['doctor', '--url', c.router.url, '--json', '--slow-ms', '1000']);
+    const out = await cli(['doctor', '--url', c.router.url, '--json', '--slow-ms', '1000'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     t.diagnostic(`doctor (held room): ${out.ms} ms`);
     assert.equal(out.code, 2, out.out + out.err);
     assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
@@ -155,7 +155,7 @@ test('the incident: a room held in prefill inflight is named by pdserve doctor, 
     assert.equal(rf.data!.trace, 'held-victim');
     assert.ok(Number(rf.data!.in_phase_ms) >= 1000 && Number(rf.data!.age_ms) >= 1000, JSON.stringify(rf.data));
     assert.equal(j.findings[0]!.severity, 'critical', 'worst first');
-    const text = await cli(['doctor', '--url', c.router.url, '--slow-ms', '1000']);
+    const text = await cli(['doctor', '--url', c.router.url, '--slow-ms', '1000'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     assert.equal(text.code, 2);
     assert.match(text.out, new RegExp(`room ${room.room} .*Transferring/inflight step sending`));
     assert.match(text.out, /requests are waiting while every engine is idle/);
@@ -237,7 +237,7 @@ test('a hung worker (SIGSTOP) is named by pdserve doctor within 10 s', async (t)
   assert.ok(pid, 'decode child pid');
   process.kill(pid, 'SIGSTOP');
   try {
-    const out = await cli(['doctor', '--url', c.router.url, '--json']);
+    const out = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     t.diagnostic(`doctor (one worker hung): ${out.ms} ms`);
     assert.ok(out.ms < 10_000, `doctor took ${out.ms} ms`);
     assert.equal(out.code, 2, out.out + out.err);

@@ -80,20 +80,22 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     assert.equal(rec.engine.ctx_size, 1024);
     assert.equal(rec.draining, false);
     assert.equal(typeof rec.load.slots_free, 'number');
-    const keys = Object.keys(await kv.getAll().prefix(MEMBER_PREFIX).strings());
+    const all = await kv.getAll().prefix(MEMBER_PREFIX).strings();
+    const keys = Object.keys(all);
     assert.equal(keys.length, 3, `one key per worker: ${keys.join(', ')}`);
+    assert.ok(!JSON.stringify(all).includes(c.secret), 'no etcd record holds the cluster secret');
     assert.ok(await waitFor(async () => (await workers()).filter((w) => w.healthy).length === 3, 5000), 'the router found all three');
     for (let i = 0; i < 4; i++) assert.ok(ok(await completion(promptOf(24, i))), 'requests succeed');
   });
 
   test('pdserve doctor --discovery reads the same workers from etcd and finds nothing wrong', async () => {
-    const both = await cli(['doctor', '--discovery', etcd.uri, '--url', c.router.url, '--json']);
+    const both = await cli(['doctor', '--discovery', etcd.uri, '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     const j = JSON.parse(both.out) as { exit_code: number; source: string; summary: string; findings: { kind: string; severity: string }[] };
     assert.equal(both.code, 0, both.out + both.err);
     assert.match(j.source, /^etcd etcd:\/\/.* \+ router http/);
     assert.match(j.summary, /1 prefill · 2 decode/);
     assert.ok(!j.findings.some((f) => f.kind === 'membership'), JSON.stringify(j.findings));
-    const etcdOnly = await cli(['doctor', '--discovery', etcd.uri, '--json']);
+    const etcdOnly = await cli(['doctor', '--discovery', etcd.uri, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     assert.equal(etcdOnly.code, 0, etcdOnly.out + etcdOnly.err);
     assert.match(JSON.parse(etcdOnly.out).summary, /no router · 1 prefill · 2 decode/);
   });

@@ -5,16 +5,24 @@
  *    re-read when it changes) works, fanned-out n > 1 too; /health stays open;
  *  - the admin key guards /workers, /debug/*, /dashboard (Basic for a browser) and is what
  *    `pdserve doctor` sends (PDSERVE_ADMIN_API_KEY);
+ *  - every worker endpoint but /health and /metrics needs a request signed with the cluster
+ *    secret: a direct call without one, a replayed one, an old one, one over another body or
+ *    with another secret is a 401 `unauthenticated`, counted by reason;
+ *  - decode dials only the prefills it knows: a signed /generate naming another bootstrap address
+ *    is a 400 `unknown_bootstrap_address` and that address never sees a connection;
  *  - no key or secret in any log file or in `ps` output.
  */
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import OpenAI from 'openai';
+import { Agent, request } from 'undici';
 import { Cluster } from '../../src/harness/cluster.js';
+import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/common/request-auth.js';
 import { cli } from '../helpers/cli.js';
 import { tinyModel, waitFor } from '../helpers/stack.js';
 
@@ -122,14 +130,95 @@ describe('the admin key', () => {
   });
 });
 
+describe('signed worker requests', () => {
+  /** A dispatcher that adds no signature (this process's global one signs requests to the cluster's workers). */
+  const plain = new Agent();
+  after(() => plain.close());
+  const call = async (url: string, method: 'GET' | 'POST', path: string, body?: string, signature?: string) => {
+    const res = await request(`${url}${path}`, { method, dispatcher: plain, headers: { 'content-type': 'application/json', ...(signature ? { [SIGNATURE_HEADER]: signature } : {}) }, body, signal: AbortSignal.timeout(5000) });
+    const text = await res.body.text();
+    return { status: res.statusCode, text };
+  };
+  const refusals = async (url: string) => {
+    const m = await call(url, 'GET', '/metrics');
+    return Object.fromEntries([...m.text.matchAll(/^pdserve_http_auth_refused_total\{reason="(\w+)"\} (\d+)/gm)].map((x) => [x[1]!, Number(x[2])]));
+  };
+
+  test('a worker reached directly without a signature refuses everything but /health and /metrics, and counts it', async () => {
+    for (const w of [c.byRole('prefill')[0]!, c.byRole('decode')[0]!]) {
+      const gen = await call(w.url, 'POST', '/generate', JSON.stringify({ rid: 'x', text: 'hi', bootstrap_host: '127.0.0.1', bootstrap_port: 1, bootstrap_room: 1 }));
+      assert.equal(gen.status, 401, `${w.name} /generate`);
+      assert.equal(JSON.parse(gen.text).error.code, 'unauthenticated');
+      assert.equal((await call(w.url, 'POST', '/abort_request', '{"rid":"x"}')).status, 401, `${w.name} /abort_request`);
+      assert.equal((await call(w.url, 'GET', '/debug/rooms')).status, 401, `${w.name} /debug/rooms`);
+      assert.equal((await call(w.url, 'GET', '/v1/models')).status, 401, `${w.name} /v1/models`);
+      assert.equal((await call(w.url, 'GET', '/health')).status, 200);
+      assert.ok(((await refusals(w.url)).missing ?? 0) >= 4, `${w.name} counts the refusals`);
+    }
+  });
+
+  test('a replayed, an old, a changed or a wrongly keyed signature is refused; a fresh one is accepted once', async () => {
+    const w = c.byRole('decode')[0]!;
+    const key = httpKeyOf(c.secret);
+    const body = JSON.stringify({ rid: 'no-such-rid' });
+    const sig = signRequest(key, 'POST', '/abort_request', bodyDigest(body));
+    assert.equal((await call(w.url, 'POST', '/abort_request', body, sig)).status, 200, 'fresh');
+    const replay = await call(w.url, 'POST', '/abort_request', body, sig);
+    assert.equal(replay.status, 401, 'replayed');
+    assert.match(JSON.parse(replay.text).error.message, /already used/);
+    assert.equal((await call(w.url, 'POST', '/abort_request', body, signRequest(key, 'POST', '/abort_request', bodyDigest(body), Date.now() - 120_000))).status, 401, 'old');
+    assert.equal((await call(w.url, 'POST', '/abort_request', '{"rid":"other"}', signRequest(key, 'POST', '/abort_request', bodyDigest(body)))).status, 401, 'another body');
+    assert.equal((await call(w.url, 'GET', '/debug/rooms', undefined, signRequest(key, 'GET', '/debug/rooms?x=1', bodyDigest('')))).status, 401, 'another path');
+    assert.equal((await call(w.url, 'POST', '/abort_request', body, signRequest(httpKeyOf('another-secret'), 'POST', '/abort_request', bodyDigest(body)))).status, 401, 'another secret');
+    const r = await refusals(w.url);
+    assert.equal(r.replayed, 1);
+    assert.equal(r.expired, 1);
+    assert.equal(r.bad_signature, 3);
+    // The router's own calls (signed by its dispatcher) still go through.
+    assert.equal((await sdk(API_KEY).completions.create({ model: 'pdserve', prompt: 'signed', max_tokens: 2 })).choices.length, 1);
+  });
+});
+
+describe('decode dials only prefills it knows', () => {
+  test('a /generate naming a forged bootstrap address is a 400 and the address is never dialed', async () => {
+    const dialed: string[] = [];
+    const trap = createServer((sock) => {
+      dialed.push(String(sock.remoteAddress));
+      sock.destroy();
+    });
+    await new Promise<void>((r) => trap.listen(0, '127.0.0.1', r));
+    const port = (trap.address() as AddressInfo).port;
+    try {
+      const d = c.byRole('decode')[0]!;
+      // Signed by this process's dispatcher (the harness's cluster): only the address is wrong.
+      const res = await fetch(`${d.url}/generate`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ rid: 'forged-1', text: 'hi', sampling_params: { max_new_tokens: 2 }, bootstrap_host: '127.0.0.1', bootstrap_port: port, bootstrap_room: 12345 }), signal: AbortSignal.timeout(5000) });
+      assert.equal(res.status, 400);
+      const e = ((await res.json()) as { error: { code: string; param: string } }).error;
+      assert.equal(e.code, 'unknown_bootstrap_address');
+      assert.equal(e.param, 'bootstrap_host');
+      await new Promise((r) => setTimeout(r, 300));
+      assert.deepEqual(dialed, [], 'the forged address saw no connection');
+      const m = await (await fetch(`${d.url}/metrics`)).text();
+      assert.match(m, /^pdserve_bootstrap_refused_total 1$/m);
+      // The prefill the router's probes named is dialable: the PD path still works.
+      assert.equal((await sdk(API_KEY).completions.create({ model: 'pdserve', prompt: 'known', max_tokens: 2 })).choices.length, 1);
+    } finally {
+      trap.close();
+    }
+  });
+});
+
 describe('secrets stay secret', () => {
-  test('no key or cluster secret in the logs or in ps output', async () => {
+  test('no key or cluster secret in the logs, /workers, /debug/traces, doctor output or ps output', async () => {
     const ps = execFileSync('ps', ['-eo', 'args'], { encoding: 'utf8' });
+    const views = [await (await get('/workers', bearer(ADMIN_KEY))).text(), await (await get('/debug/traces', bearer(ADMIN_KEY))).text(), (await cli(['doctor', '--url', c.router.url], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY, PDSERVE_CLUSTER_SECRET: c.secret })).out].join('\n');
+    assert.match(views, /prefill/);
     const logs = readdirSync(logDir).filter((f) => f.endsWith('.log')).map((f) => readFileSync(join(logDir, f), 'utf8')).join('\n');
     assert.ok(logs.includes('router listening'), 'the logs were read');
     for (const s of [API_KEY, ADMIN_KEY, FILE_KEY_1, FILE_KEY_2, c.secret]) {
       assert.ok(!ps.includes(s), 'ps shows no key or secret');
       assert.ok(!logs.includes(s), 'the logs hold no key or secret');
+      assert.ok(!views.includes(s), '/workers, traces and doctor show no key or secret');
     }
   });
 });

@@ -15,7 +15,7 @@ import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { after, before, describe, test } from 'node:test';
 import { newRoomId } from '../../src/common/room-id.js';
-import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
+import { freePort, type Cluster, type ClusterProc } from '../../src/harness/cluster.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer } from '../../src/kv/channel.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
@@ -47,17 +47,19 @@ const prefill = () => c.byRole('prefill')[0]!;
 const liveRooms = async (p: ClusterProc): Promise<{ room: string; phase: string }[]> => (await getJson<any>(`${p.url}/debug/rooms`)).live;
 
 before(async () => {
+  // The stand-in's port is fixed up front: decode dials only bootstrap addresses it knows.
+  standPort = await freePort();
   c = await startStack({
     colocated: false,
     prefill: 1,
     decode: 2,
     decodeSlots: 1,
-    extraArgs: { decode: ['--prealloc-timeout-ms', String(PREALLOC_MS), '--max-prealloc', '1'], router: ['--health-interval-ms', '200'] },
+    extraArgs: { decode: ['--prealloc-timeout-ms', String(PREALLOC_MS), '--max-prealloc', '1', '--allow-prefill', `127.0.0.1:${standPort}`], router: ['--health-interval-ms', '200'] },
   });
   // A prefill stand-in that accepts decode's REGISTER and never answers: it holds a decode slot.
   const d0 = c.byRole('decode')[0]!;
-  stand = new KvServer({ host: '127.0.0.1', port: 0, secret: c.secret, epoch: newEpoch(), settings: settingsFromHealth((await getJson<any>(`${d0.url}/health`)).settings)! });
-  standPort = await stand.listen();
+  stand = new KvServer({ host: '127.0.0.1', port: standPort, secret: c.secret, epoch: newEpoch(), settings: settingsFromHealth((await getJson<any>(`${d0.url}/health`)).settings)! });
+  await stand.listen();
 });
 after(async () => {
   await stand?.close();
