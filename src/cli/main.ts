@@ -407,6 +407,26 @@ export async function runCli(argv: string[]): Promise<void> {
         process.exitCode = await benchCli(o);
       });
     program
+      .command('bench-agents')
+      .description('agents at scale: N concurrent R-round conversations on 1 prefill + D decode (cache_aware), with and without the prefix store, and colocated; prints the table')
+      .option('--model <file>', "GGUF model, or 'tiny' / 'small' (generated)", 'small')
+      .option('--agents <list>', 'comma-separated concurrencies', '8,30')
+      .option('--rounds <n>', 'rounds per conversation', int, 8)
+      .option('--decode <n>', 'decode workers', int, 2)
+      .option('--decode-slots <n>', 'slots per decode worker', int, 10)
+      .option('--ctx-size <tokens>', 'context size per sequence', int, 2048)
+      .option('--batch-size <tokens>', 'prompt chunk', int, 512)
+      .option('--json <file>', 'write the runs as JSON')
+      .action(async (o) => {
+        const { runAgentsScale, agentsScaleTable } = await import('../harness/bench-agents.js');
+        const { ensureModel } = await import('../engine/gguf-writer.js');
+        const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
+        const agents = String(o.agents).split(',').map((x: string) => int(x.trim()));
+        const r = await runAgentsScale({ model, agents, rounds: o.rounds, decode: o.decode, decodeSlots: o.decodeSlots, contextSize: o.ctxSize, batchSize: o.batchSize });
+        console.log(agentsScaleTable(r.runs, o.rounds).join('\n'));
+        if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, null, 1) + '\n');
+      });
+    program
       .command('bench-suite')
       .description('the benchmark suite behind `npm run bench`: writes BENCHMARKS.md, bench/results/*.json, bench/plots/*.svg')
       .option('--sections <list>', 'comma-separated section numbers to run (1-7)', '1,2,3,4,5,6,7')

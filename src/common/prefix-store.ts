@@ -53,8 +53,16 @@ import { STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles.js';
 const ENTRY = /^pdserve-store-([0-9a-f]{32})\.pdkv$/;
 /** Period of the budget scan (also refreshes the bytes/files gauges), ms. */
 export const SCAN_MS = 5000;
-/** Most store writes in flight per process; a finished sequence beyond it is not stored (a cache may drop). */
-export const MAX_PENDING_WRITES = 4;
+/**
+ * Most store writes in flight per process (begun, saving or publishing); a finished sequence
+ * beyond it is not stored (a cache may drop). Agents finish rounds in bursts: at 4, 30 agents on
+ * two decode workers dropped 29 of 240 writes (tiny model), hence 32.
+ */
+export const MAX_PENDING_WRITES = 32;
+/** Most publications (a state read into memory, enveloped, written) at once per process: bounds the memory they hold. */
+export const MAX_PUBLISHING = 2;
+/** Longest a lookup waits for this process's own write of a candidate key, ms. */
+export const PENDING_WAIT_MS = 2000;
 
 /**
  * Default `--prefix-store-bytes`: ¼ of the state directory's filesystem, at most ⅛ of RAM. On
@@ -72,8 +80,25 @@ export function defaultPrefixStoreBytes(dir: string): number {
   }
 }
 
+/**
+ * `size` bytes of an open file into one new buffer, in as few reads as the kernel allows (one on
+ * tmpfs): FileHandle#readFile reads 512 KiB per libuv round trip, which took 2–3× as long for a
+ * 32 MiB state on this machine under load.
+ * @throws Error when the file ends before `size` bytes.
+ */
+async function readWhole(fh: fsp.FileHandle, size: number): Promise<Buffer> {
+  const buf = Buffer.allocUnsafe(size);
+  let off = 0;
+  while (off < size) {
+    const { bytesRead } = await fh.read(buf, off, size - off, off);
+    if (bytesRead === 0) throw new Error(`file ended at byte ${off} of ${size}`);
+    off += bytesRead;
+  }
+  return buf;
+}
+
 /** Why a stored file was refused (the `reason` label). */
-export type RefusedReason = 'bad_envelope' | 'bad_state' | 'key_mismatch' | 'too_large' | 'read_error';
+export type RefusedReason = 'bad_envelope' | 'bad_state' | 'key_mismatch' | 'too_large';
 
 export interface FilePrefixStoreOptions {
   /** The state directory (shared by the host's workers). */
@@ -118,10 +143,15 @@ export interface PrefixStoreStats {
 export class FilePrefixStore implements PrefixStore {
   /** Tokens per key block (set by bind unless given). */
   blockTokens: number;
-  readonly stats: PrefixStoreStats = { files: 0, bytes: 0, hits: 0, misses: 0, hitTokens: 0, writes: 0, dropped: 0, evictions: 0, refused: { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0, read_error: 0 } };
+  readonly stats: PrefixStoreStats = { files: 0, bytes: 0, hits: 0, misses: 0, hitTokens: 0, writes: 0, dropped: 0, evictions: 0, refused: { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0 } };
   private id: StoreIdentity | undefined;
   private ns = '';
   private pendingWrites = 0;
+  /** Publications running, and those waiting for a turn (MAX_PUBLISHING). */
+  private publishing = 0;
+  private readonly publishQueue: (() => void)[] = [];
+  /** Keys being written by this process → settles when the write is published or given up. */
+  private readonly writing = new Map<string, Promise<void>>();
   private scanning: Promise<void> | null = null;
   private rescan = false;
   private timer: NodeJS.Timeout | null = null;
@@ -199,10 +229,17 @@ export class FilePrefixStore implements PrefixStore {
 
   /**
    * The candidates whose entry exists, longest first (all probed at once: one access(2) each on
-   * libuv's pool), or undefined when there were no candidates at all (no lookup to count).
+   * libuv's pool) — after this process's own writes of any of them settled (PENDING_WAIT_MS at
+   * most) — or undefined when there were no candidates at all (no lookup to count).
    */
   private async present(cands: { key: string; tokens: number }[]): Promise<{ key: string; tokens: number }[] | undefined> {
     if (cands.length === 0) return undefined;
+    const waits = cands.map((c) => this.writing.get(c.key)).filter((p) => p !== undefined);
+    if (waits.length > 0) {
+      let t: NodeJS.Timeout | undefined;
+      await Promise.race([Promise.all(waits), new Promise<void>((r) => (t = setTimeout(r, PENDING_WAIT_MS)))]);
+      clearTimeout(t);
+    }
     const here = await Promise.all(cands.map((c) => fsp.access(this.entryPath(c.key)).then(() => true, () => false)));
     return cands.filter((_, i) => here[i]);
   }
@@ -237,7 +274,7 @@ export class FilePrefixStore implements PrefixStore {
             await this.refuse(path, c, ino, 'too_large', `${st.size} bytes`);
             continue;
           }
-          buf = await fh.readFile();
+          buf = await readWhole(fh, st.size);
         } finally {
           await fh.close();
         }
@@ -326,20 +363,29 @@ export class FilePrefixStore implements PrefixStore {
     const key = keyChain(this.ns, tokens, keyTokens / this.blockTokens, this.blockTokens).at(-1)!;
     const final = this.entryPath(key);
     this.pendingWrites++;
+    // Registered before the first await: a lookup of this key in this process waits for it
+    // (the next round of a conversation often arrives while its previous round is being stored).
+    let settled = false;
+    let wake!: () => void;
+    const written = new Promise<void>((r) => (wake = r));
+    this.writing.set(key, written);
+    const settle = (): void => {
+      if (!settled) {
+        this.pendingWrites--;
+        if (this.writing.get(key) === written) this.writing.delete(key);
+        wake();
+      }
+      settled = true;
+    };
     const held = await this.entryTokens(final);
     if (held !== undefined && held >= tokens.length) {
-      this.pendingWrites--;
+      settle();
       return undefined; // stored already (by this or another process), as long or longer
     }
     const raw = this.tmpPath('storetmp');
-    let settled = false;
-    const settle = (): void => {
-      if (!settled) this.pendingWrites--;
-      settled = true;
-    };
     return {
       path: raw,
-      commit: () => this.publish(raw, final, key, keyTokens, tokens.length).finally(settle),
+      commit: () => this.publishInTurn(raw, final, key, keyTokens, tokens.length).finally(settle),
       abort: async () => {
         settle();
         this.drop();
@@ -370,12 +416,32 @@ export class FilePrefixStore implements PrefixStore {
     this.counters.dropped?.inc();
   }
 
+  /** `publish` in turn: at most MAX_PUBLISHING at once. Never throws. */
+  private async publishInTurn(raw: string, final: string, key: string, keyTokens: number, nTokens: number): Promise<void> {
+    // a waiter inherits the turn of the publication that wakes it
+    if (this.publishing >= MAX_PUBLISHING) await new Promise<void>((r) => this.publishQueue.push(r));
+    else this.publishing++;
+    try {
+      await this.publish(raw, final, key, keyTokens, nTokens);
+    } finally {
+      const next = this.publishQueue.shift();
+      if (next) next();
+      else this.publishing--;
+    }
+  }
+
   /** Wrap the saved state in an envelope and rename it onto its name. Never throws. */
   private async publish(raw: string, final: string, key: string, keyTokens: number, nTokens: number): Promise<void> {
     const id = this.id!;
     const env = raw.replace(/\.ggsq$/, '-env.ggsq');
     try {
-      const payload = await fsp.readFile(raw);
+      const rf = await fsp.open(raw, 'r');
+      let payload: Buffer;
+      try {
+        payload = await readWhole(rf, (await rf.stat()).size);
+      } finally {
+        await rf.close();
+      }
       await fsp.rm(raw, { force: true });
       // our own bytes too: a state this engine could not load is never published
       const st = parseStateFile(payload, { contextSize: id.compat.contextSize, nLayer: id.compat.nLayer, nVocab: id.nVocab, maxBytes: payload.length });

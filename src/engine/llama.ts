@@ -659,14 +659,15 @@ class LlamaEngine implements Engine {
     const store = this.store;
     if (!store) return;
     const tokens = holder.tokens;
-    const exactPrefix = holder.exactPrefix;
+    // begun now, so that a lookup of this prefix (the conversation's next round) waits for it
+    const started = store.begin(tokens, holder.exactPrefix);
     holder.pending = holder.pending
       .then(async () => {
-        if (this.disposed || holder.seq.disposed || !sameTokens(holder.seq.contextTokens, tokens)) return;
-        const w = await store.begin(tokens, exactPrefix);
+        const w = await started;
         if (!w) return;
         try {
           if (this.disposed || holder.seq.disposed) throw new EngineError('ENGINE_DISPOSED', 'the engine is disposed');
+          if (!sameTokens(holder.seq.contextTokens, tokens)) throw new Error('the sequence changed before its save');
           await this.exclusive(() => holder.seq.saveStateToFile(w.path));
         } catch (err) {
           await w.abort();

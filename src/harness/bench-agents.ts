@@ -351,3 +351,126 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
   if (plot) L.push('', `![TTFT per round](${plot})`, '');
   return L;
 }
+
+/** A setup of the agents-at-scale run: PD + decode-local with the host's prefix store, without it, and the colocated server (with it). */
+export type ScaleSetup = 'pd_store' | 'pd_nostore' | 'colo';
+const SCALE_NAMES: Record<ScaleSetup, string> = { pd_store: 'PD + decode-local + prefix store', pd_nostore: 'PD + decode-local, no prefix store', colo: 'colocated + prefix store' };
+
+export interface ScaleOptions {
+  model: string;
+  contextSize: number;
+  batchSize: number;
+  /** Slots per decode worker. */
+  decodeSlots: number;
+  /** Decode workers of the PD stacks (one prefill). */
+  decode: number;
+  /** Concurrencies (agents at once). */
+  agents: number[];
+  rounds: number;
+  timeoutMs?: number;
+}
+
+/** One setup at one concurrency, with the router's decode-local fallbacks. */
+export interface ScaleRun extends AgentRun {
+  scale: ScaleSetup;
+  /** Requests the router sent down the decode-local path that came back needs_prefill (router metric delta). */
+  fallbacks: number;
+  /** Round-R / round-1 median TTFT. */
+  ttftRatio: number;
+  /** The setup's workers' prefix store counts over the run (metric deltas; zeros without a store). */
+  store: StoreCounts;
+}
+
+interface StoreCounts {
+  hits: number;
+  misses: number;
+  writes: number;
+  dropped: number;
+}
+
+/** Sum of one counter of a /metrics text over label sets containing `labels`. */
+function counterSum(text: string, name: string, labels: string): number {
+  let sum = 0;
+  for (const m of text.matchAll(new RegExp(`^${name}\\{([^}]*)\\} (\\S+)$`, 'gm'))) if (m[1]!.includes(labels)) sum += Number(m[2]);
+  return sum;
+}
+
+async function metricsText(url: string, dispatcher: Dispatcher): Promise<string> {
+  const res = await request(`${url}/metrics`, { dispatcher, signal: AbortSignal.timeout(10_000) });
+  return res.body.text();
+}
+
+/** Fallbacks counted by the router and the store counts of `workers`, now. */
+async function countsOf(router: string | undefined, workers: readonly string[], dispatcher: Dispatcher): Promise<{ fallbacks: number; store: StoreCounts }> {
+  const fallbacks = router ? counterSum(await metricsText(router, dispatcher), 'pdserve_router_requests_by_path_total', 'path="fallback"') : 0;
+  const store: StoreCounts = { hits: 0, misses: 0, writes: 0, dropped: 0 };
+  for (const w of workers) {
+    const t = await metricsText(w, dispatcher);
+    const one = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(t)?.[1] ?? 0);
+    store.hits += counterSum(t, 'pdserve_prefix_store_lookups_total', 'result="hit"');
+    store.misses += counterSum(t, 'pdserve_prefix_store_lookups_total', 'result="miss"');
+    store.writes += one('pdserve_prefix_store_writes_total');
+    store.dropped += one('pdserve_prefix_store_dropped_total');
+  }
+  return { fallbacks, store };
+}
+
+/**
+ * Agents at scale (the many-agents goal of the prefix store): N agents × R growing rounds at
+ * once on 1 prefill + `decode` decode workers (router `--decode-policy cache_aware`), with the
+ * host's prefix store and without it, and the colocated server; fresh conversations per run.
+ * Per run: cached share of prompt tokens over rounds 2+, round-R / round-1 median TTFT,
+ * decode-local fallbacks (needs_prefill) from the router's metrics, goodput.
+ * @throws when a stack cannot start.
+ */
+export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTokens: number; toolTokens: number; outputTokens: number }; slo: AgentsResult['slo']; runs: ScaleRun[] }> {
+  const cfg = { systemTokens: 120, toolTokens: 150, outputTokens: 24 };
+  const slo = { ttftMs: 1500, tpotMs: 100 };
+  const timeoutMs = o.timeoutMs ?? 300_000;
+  const common = { model: o.model, prefill: 1, decode: o.decode, threads: 1, ctxSize: o.contextSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, prefillSlots: 1, startTimeoutMs: 120_000 };
+  const router = ['--decode-policy', 'cache_aware'];
+  const off = ['--prefix-store-bytes', '0'];
+  const store = new Cluster({ ...common, colocated: true, extraArgs: { router }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-')) });
+  const nostore = new Cluster({ ...common, colocated: false, extraArgs: { router, prefill: off, decode: off }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-ns-')) });
+  const dispatcher = benchAgent(256);
+  const tok = await loadTokenizer(o.model);
+  const setups: ScaleSetup[] = ['pd_store', 'pd_nostore', 'colo'];
+  try {
+    await store.start();
+    await nostore.start();
+    const urls: Record<ScaleSetup, string> = { pd_store: store.router.url, pd_nostore: nostore.router.url, colo: store.colocated!.url };
+    const model = await discoverModel(urls.pd_store, dispatcher);
+    for (const s of setups) {
+      const w = await chatRound(urls[s], model, [{ role: 'user', content: 'Warm up: say hello.' }], 4, dispatcher, timeoutMs);
+      if (!w.ok) throw new Error(`warm-up request failed (${SCALE_NAMES[s]}): ${w.error}`);
+    }
+    const runs: ScaleRun[] = [];
+    for (const [li, c] of o.agents.entries()) {
+      for (const s of setups.map((_, i) => setups[(i + li) % setups.length]!)) {
+        const convs = conversations(tok, c, o.rounds, `scale-${s}-c${c}`, cfg.systemTokens, cfg.toolTokens);
+        const router = s === 'colo' ? undefined : urls[s];
+        const workers = s === 'colo' ? [store.colocated!.url] : (s === 'pd_store' ? store : nostore).procs.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url);
+        const before = await countsOf(router, workers, dispatcher);
+        const run = await runSetup(s === 'colo' ? 'colo' : 'pd_local', urls[s], model, convs, { rounds: o.rounds, outputTokens: cfg.outputTokens, slo, dispatcher, timeoutMs });
+        const after = await countsOf(router, workers, dispatcher);
+        const st: StoreCounts = { hits: after.store.hits - before.store.hits, misses: after.store.misses - before.store.misses, writes: after.store.writes - before.store.writes, dropped: after.store.dropped - before.store.dropped };
+        const r: ScaleRun = { ...run, scale: s, fallbacks: after.fallbacks - before.fallbacks, ttftRatio: run.ttftByRound[o.rounds - 1]! / run.ttftByRound[0]!, store: st };
+        say(`  ${SCALE_NAMES[s]}, ${c} agents: cached ${fmt(r.cachedShare * 100, 0)} %, TTFT r1 ${fmt(r.ttftByRound[0], 0)} ms r${o.rounds} ${fmt(r.ttftByRound[o.rounds - 1], 0)} ms (${fmtRatio(r.ttftRatio)}), fallbacks ${r.fallbacks} of ${r.rounds.length} requests, paths pd ${r.paths.pd} / local ${r.paths.decode_local}, store hits ${st.hits} / misses ${st.misses} / writes ${st.writes} / dropped ${st.dropped}, goodput ${fmt(r.goodput, 2)} rounds/s, failed ${r.failed}, load ${r.load}`);
+        runs.push(r);
+      }
+    }
+    return { cfg, slo, runs };
+  } finally {
+    await store.stop();
+    await nostore.stop();
+    await tok.dispose().catch(() => {});
+    await dispatcher.close().catch(() => {});
+  }
+}
+
+/** The agents-at-scale table (markdown lines). */
+export function agentsScaleTable(runs: readonly ScaleRun[], rounds: number): string[] {
+  const head = ['setup', 'agents', 'cached (r2+)', `TTFT r1 ms`, `TTFT r${rounds} ms`, `r${rounds}/r1`, 'fallbacks / requests', 'rounds pd / decode-local', 'store hits / misses / writes / dropped', 'goodput rounds/s', 'failed', 'load'];
+  const rows = runs.map((x) => [SCALE_NAMES[x.scale], x.concurrency, `${fmt(x.cachedShare * 100, 0)} %`, fmt(x.ttftByRound[0], 0), fmt(x.ttftByRound[rounds - 1], 0), fmtRatio(x.ttftRatio), x.scale === 'colo' ? '—' : `${x.fallbacks} / ${x.rounds.length}`, x.scale === 'colo' ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`, `${x.store.hits} / ${x.store.misses} / ${x.store.writes} / ${x.store.dropped}`, fmt(x.goodput, 2), x.failed, x.load]);
+  return [`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)];
+}
