@@ -43,7 +43,7 @@ import { join } from 'node:path';
 import client from 'prom-client';
 import { parseStateFile, reframedParts } from '../engine/ggsq.js';
 import { reusableTokens } from '../engine/prefix-cache.js';
-import { keyChain, STORE_BLOCK_TOKENS, storeKeyTokens, storeNamespace, type KvCacheEvent, type PrefixStore, type StoredPrefix, type StoreIdentity, type StoreWrite } from '../engine/prefix-store.js';
+import { cacheKeyOf, keyChain, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore, type StoredPrefix, type StoreIdentity, type StoreWrite } from '../engine/prefix-store.js';
 import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PREFIX_BYTES, envelopeTrailer, MAX_ENVELOPE_HEADER_BYTES, parseEnvelopeHead } from '../kv/envelope.js';
 import { crc32 } from '../kv/transfer/checksum.js';
 import type { Logger } from './log.js';
@@ -354,13 +354,13 @@ export class FilePrefixStore implements PrefixStore {
     if (!id || this.closed || this.o.write === false) return undefined;
     // The same key (whole blocks) may be reached again by a longer state of the same
     // conversation: that one replaces the entry (its reply serves the next round).
-    const keyTokens = storeKeyTokens(tokens.length, exactPrefix, id.align, this.blockTokens);
-    if (keyTokens < this.blockTokens) return undefined;
+    const named = cacheKeyOf(this.ns, tokens, exactPrefix, id.align, this.blockTokens);
+    if (!named) return undefined;
     if (this.pendingWrites >= MAX_PENDING_WRITES) {
       this.drop();
       return undefined;
     }
-    const key = keyChain(this.ns, tokens, keyTokens / this.blockTokens, this.blockTokens).at(-1)!;
+    const { key, tokens: keyTokens } = named;
     const final = this.entryPath(key);
     this.pendingWrites++;
     // Registered before the first await: a lookup of this key in this process waits for it

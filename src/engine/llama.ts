@@ -29,7 +29,7 @@ import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from '
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
-import type { PrefixStore } from './prefix-store.js';
+import { cacheKeyOf, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore } from './prefix-store.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
 
@@ -73,6 +73,12 @@ export interface LoadEngineOptions {
    * stored there, and a prompt it serves better than any idle sequence loads its state.
    */
   prefixStore?: PrefixStore;
+  /**
+   * KV events of the first tier: `stored` when a finished sequence is kept for reuse, `evicted`
+   * when a kept one is cleared — keyed as the prefix store keys its entries (prefix-store.ts
+   * cacheKeyOf), so one key names a prefix in both tiers. Called synchronously; must not throw.
+   */
+  onCacheEvent?: (e: KvCacheEvent) => void;
   /**
    * Wait for every generating sequence before each llama_decode (step-barrier.ts): default on
    * when batching (off in deterministic mode, which decodes one sequence per call). `false` only
@@ -260,6 +266,8 @@ class SeqHolder {
   /** Leading tokens of the held KV that a cold run would compute identically (prefix-cache.ts). */
   exactPrefix = 0;
   lastUsed = 0;
+  /** The key of the entry a `stored` KV event announced for this sequence (prefix-store.ts), until its `evicted`. */
+  eventKey: { key: string; tokens: number } | undefined;
   /**
    * The sequence's KV is complete for its tokens: set only when a prefill finished (and kept
    * through a generation that ended normally). An abort or error mid-way leaves it false, and
@@ -542,6 +550,8 @@ class LlamaEngine implements Engine {
   readonly eogTokens: number[];
   /** One llama_decode per step for all generating sequences (step-barrier.ts); null when not installed. */
   private readonly barrier: StepBarrier | null;
+  /** Namespace of the KV events' keys (prefix-store.ts storeNamespace). */
+  private readonly eventNamespace: string;
 
   constructor(
     readonly info: EngineInfo,
@@ -552,7 +562,9 @@ class LlamaEngine implements Engine {
     readonly cache: PrefixCacheSettings,
     stepBarrier: 'wait' | 'count' | 'off',
     private readonly store: PrefixStore | null = null,
+    private readonly onCacheEvent: ((e: KvCacheEvent) => void) | null = null,
   ) {
+    this.eventNamespace = onCacheEvent ? storeNamespace({ fingerprint: info.fingerprint, compat: info.compat, align: cache.align }) : '';
     this.holders = [];
     for (let i = 0; i < info.sequences + info.cacheSequences; i++) this.holders.push(new SeqHolder(i, context.getSequence()));
     const barrier = stepBarrier === 'off' ? null : new StepBarrier(stepBarrier === 'wait', stepBarrier === 'wait' ? () => sortQueuedDecodes(context) : undefined);
@@ -654,6 +666,23 @@ class LlamaEngine implements Engine {
     }
   }
 
+  /** The first tier's `stored` event for a kept sequence (and `evicted` for what it held before under another key). */
+  private announceStored(holder: SeqHolder): void {
+    if (!this.onCacheEvent) return;
+    const named = cacheKeyOf(this.eventNamespace, holder.tokens, holder.exactPrefix, this.cache.align, this.cache.align ?? STORE_BLOCK_TOKENS);
+    if (holder.eventKey && holder.eventKey.key !== named?.key) this.announceEvicted(holder);
+    if (!named || holder.eventKey?.key === named.key) return;
+    holder.eventKey = named;
+    this.onCacheEvent({ kind: 'stored', tier: 'sequence', key: named.key, tokens: named.tokens, bytes: 0 });
+  }
+
+  private announceEvicted(holder: SeqHolder): void {
+    const k = holder.eventKey;
+    if (!k || !this.onCacheEvent) return;
+    holder.eventKey = undefined;
+    this.onCacheEvent({ kind: 'evicted', tier: 'sequence', key: k.key, tokens: k.tokens, bytes: 0 });
+  }
+
   /** Store a kept sequence's state (queued on the sequence: its next user waits for the save, not for the file's publication). */
   private storeSave(holder: SeqHolder): void {
     const store = this.store;
@@ -697,6 +726,7 @@ class LlamaEngine implements Engine {
 
   /** Drop a sequence's KV (queued behind its previous clear; ready() waits for it). */
   private clearHolder(holder: SeqHolder): void {
+    this.announceEvicted(holder);
     holder.tokens = [];
     holder.exactPrefix = 0;
     holder.valid = false;
@@ -743,6 +773,7 @@ class LlamaEngine implements Engine {
       holder.tokens = holder.seq.contextTokens;
       holder.exactPrefix = Math.min(holder.exactPrefix, holder.tokens.length);
       holder.lastUsed = performance.now();
+      this.announceStored(holder);
       this.storeSave(holder);
     } else {
       this.clearHolder(holder);
@@ -854,7 +885,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     const barrier = opts.deterministic ? 'off' : opts.stepBarrier === false ? 'count' : 'wait';
     const store = cache.enabled ? (opts.prefixStore ?? null) : null;
     store?.bind({ fingerprint, compat: info.compat, nVocab: info.nVocab, nStream: opts.sequences + cacheSequences, align: cache.align });
-    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier, store);
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier, store, cache.enabled ? (opts.onCacheEvent ?? null) : null);
   } catch (err) {
     if (sink) logSinks.delete(sink);
     await model?.dispose().catch(() => {});

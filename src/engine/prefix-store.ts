@@ -76,6 +76,16 @@ export function storeKeyTokens(nTokens: number, exactPrefix: number, align: numb
   return Math.floor(usable / blockTokens) * blockTokens;
 }
 
+/**
+ * The key an entry of `tokens` is found by, and the tokens it covers (storeKeyTokens), or
+ * undefined when it is shorter than one block. Both tiers name their entries so (KV events).
+ */
+export function cacheKeyOf(namespace: string, tokens: readonly number[], exactPrefix: number, align: number | null, blockTokens: number): { key: string; tokens: number } | undefined {
+  const keyTokens = storeKeyTokens(tokens.length, exactPrefix, align, blockTokens);
+  if (keyTokens < blockTokens) return undefined;
+  return { key: keyChain(namespace, tokens, keyTokens / blockTokens, blockTokens).at(-1)!, tokens: keyTokens };
+}
+
 /** A stored state found for a prompt, validated and ready for llama.cpp in a private file. */
 export interface StoredPrefix {
   /** A file only this process reads: the state re-framed for the engine's n_stream. */

@@ -404,4 +404,29 @@ describe('the store between two engines on the tiny model', () => {
     assert.equal(rs.stats.hits, 4);
     assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp or load file left');
   });
+
+  test('KV events: a kept sequence and its store entry are announced under one key; clearing the sequence evicts it', async () => {
+    const model = await ensureModel('tiny', 1);
+    const dir = freshDir();
+    const events: KvCacheEvent[] = [];
+    const st = new FilePrefixStore({ dir, maxBytes: 1 << 26 });
+    st.onEvent((e) => events.push(e));
+    const e = await loadEngine({ modelPath: model, contextSize: 1024, batchSize: BATCH, deterministic: true, sequences: 1, prefixCache: { cacheSequences: 0, maxTokens: 4096 }, prefixStore: st, onCacheEvent: (x) => events.push(x) });
+    try {
+      const a = e.tokenize('the first conversation talks about rivers and mills. '.repeat(4));
+      await run(e, a);
+      for (let i = 0; i < 200 && !events.some((x) => x.tier === 'store'); i++) await new Promise((r) => setTimeout(r, 10));
+      const seqStored = events.find((x) => x.tier === 'sequence' && x.kind === 'stored');
+      const storeStored = events.find((x) => x.tier === 'store' && x.kind === 'stored');
+      assert.ok(seqStored && storeStored, JSON.stringify(events));
+      assert.equal(seqStored.key, storeStored.key, 'one key names the prefix in both tiers');
+      assert.equal(seqStored.tokens, storeStored.tokens);
+      assert.equal(seqStored.tokens % BATCH, 0);
+      await run(e, e.tokenize('an unrelated prompt that shares nothing with the other one at all. '.repeat(3)));
+      assert.ok(events.some((x) => x.tier === 'sequence' && x.kind === 'evicted' && x.key === seqStored.key), 'the cleared sequence evicted its key');
+    } finally {
+      await e.dispose();
+      st.close();
+    }
+  });
 });
