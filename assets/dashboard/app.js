@@ -25,6 +25,7 @@
       if (c && typeof c === 'object') {
         td.textContent = c.text;
         if (c.cls) td.className = c.cls;
+        if (c.title) td.title = c.title;
       } else td.textContent = text(c);
       tr.appendChild(td);
     }
@@ -83,7 +84,8 @@
     for (const w of d.workers) {
       const queues = Object.entries(w.queues).map(([k, v]) => `${k.replace(/^(prefill|decode)_/, '')}=${v}`).join(' ');
       const rooms = Object.entries(w.rooms_by_phase).map(([k, v]) => `${k}=${v}`).join(' ') || '–';
-      wb.appendChild(row([w.role, w.url, { text: w.reachable ? w.state : `unreachable: ${w.last_error}`, cls: w.reachable ? w.state : 'unhealthy' }, w.load, w.slots === null ? '–' : `${w.slots_free}/${w.slots}`, queues || '–', rooms, w.oldest_room_ms ? ms(w.oldest_room_ms) : '–']));
+      const engine = w.gpu ? (w.gpu.gpu ? `${w.gpu.gpu} ${w.gpu.gpu_layers}` : 'cpu') : '–';
+      wb.appendChild(row([w.role, w.url, { text: w.reachable ? w.state : `unreachable: ${w.last_error}`, cls: w.reachable ? w.state : 'unhealthy' }, { text: engine, title: w.gpu?.gpu_devices.join(', ') ?? '' }, w.load, w.slots === null ? '–' : `${w.slots_free}/${w.slots}`, queues || '–', rooms, w.oldest_room_ms ? ms(w.oldest_room_ms) : '–']));
     }
     const fb = document.querySelector('#failures tbody');
     fb.innerHTML = '';

@@ -14,6 +14,8 @@ import type { ApiError } from '../common/errors.js';
 import { DrainGate } from '../common/drain.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import type { Logger } from '../common/log.js';
+import { registerGpuMetrics } from '../common/gpu-metrics.js';
+import { describeGpu, gpuHealthOf } from '../engine/gpu.js';
 
 export interface WorkerAppOptions {
   log: Logger;
@@ -38,6 +40,8 @@ export interface WorkerAppOptions {
   privateMetrics?: boolean;
   /** Called with the query of every GET /health that carried a valid signature (the router's probe). */
   onSignedProbe?: (query: Record<string, unknown>) => void;
+  /** The engine whose GPU offload is logged at start, reported in /health (`gpu`) and /metrics; default `engine`. */
+  offload?: Engine;
 }
 
 const gates = new WeakMap<FastifyInstance, DrainGate>();
@@ -54,13 +58,19 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   registerOpenAIErrorHandling(app);
   if (o.clusterSecret !== undefined) registerWorkerAuth(app, { secret: o.clusterSecret, privateMetrics: o.privateMetrics }, o.registry);
   o.guard?.(app);
+  const offload = o.offload ?? o.engine;
+  if (offload) {
+    const g = offload.info.gpu;
+    o.log.info({ gpu: gpuHealthOf(g), kv_cache_type: offload.info.compat.kvCacheType }, `engine: ${describeGpu(g)}`);
+    registerGpuMetrics(o.registry, offload);
+  }
   const gate = new DrainGate('worker');
   gates.set(app, gate);
   gate.install(app);
   app.get('/health', async (req, reply) => {
     if (o.onSignedProbe && isSigned(req)) o.onSignedProbe((req.query ?? {}) as Record<string, unknown>);
     // tool_call_syntax: the router parses tool calls in the model's syntax (null = no tool calls).
-    const body = { ...o.health(), served_model_names: o.modelNames, ...(o.engine ? { tool_call_syntax: o.engine.toolSyntax } : {}) };
+    const body = { ...o.health(), served_model_names: o.modelNames, ...(o.engine ? { tool_call_syntax: o.engine.toolSyntax } : {}), ...(offload ? { gpu: gpuHealthOf(offload.info.gpu) } : {}) };
     if (!gate.draining) return { status: 'ok', ...body };
     return reply.code(503).send({ status: 'draining', ...body, inflight: gate.inflight });
   });

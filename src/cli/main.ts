@@ -11,6 +11,7 @@ import { createLogger } from '../common/log.js';
 import { serveRole, type Served } from './serve.js';
 import { accessFlags, accessOf, clusterSecretOf, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
+import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -65,7 +66,27 @@ const engineOptions = (c: Command) =>
     .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
     .option('--prefix-store-bytes <bytes>', "byte budget of the host-wide prefix store, shared by the host's workers (LRU beyond; 0 = off; default: 1/4 of the state directory's filesystem, at most 1/8 of RAM)", int)
     .option('--prefix-store-dir <dir>', "folder of the prefix store (default: the state directory; colocated: /dev/shm)")
-    .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name without .gguf, and 'pdserve')");
+    .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name without .gguf, and 'pdserve')")
+    .addOption(new Option('--gpu <backend>', 'GPU backend (auto: CUDA, then Vulkan / Metal, else the CPU)').choices([...GPU_BACKENDS]).default('auto'))
+    .option('--gpu-layers <n>', "layers offloaded to the GPU: auto (as many as fit), max, or a number (llama.cpp's -ngl)", cliParser(parseGpuLayers), 'auto')
+    .option('--gpu-device <list>', 'GPU device indices this process may use, e.g. 0 or 0,1 (sets GGML_VK_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES; a software Vulkan device such as lavapipe is used only when named here)', cliParser(parseDeviceList))
+    .addOption(new Option('--kv-cache-type <type>', 'K and V cache type (llama.cpp -ctk/-ctv; quantized needs flash attention and a head size that is a multiple of 32; prefill and decode must agree)').choices([...KV_CACHE_TYPES]).default('f16'));
+
+/** A commander argument parser from one that throws RangeError. */
+function cliParser<T>(parse: (v: string) => T): (v: string) => T {
+  return (v) => {
+    try {
+      return parse(v);
+    } catch (err) {
+      throw new InvalidArgumentError((err as Error).message);
+    }
+  };
+}
+
+/** The GPU part of an engine config from the engine options (engine/gpu.ts). */
+function gpuConfig(o: { gpu: string; gpuLayers: string | number; gpuDevice?: number[]; kvCacheType: string }) {
+  return { gpu: o.gpu, gpuLayers: o.gpuLayers, kvCacheType: o.kvCacheType, ...(o.gpuDevice ? { gpuDevices: o.gpuDevice } : {}) };
+}
 
 /** The prefix-cache part of an engine config from the engine options. */
 function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number; prefixStoreBytes?: number; prefixStoreDir?: string }) {
@@ -146,13 +167,19 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
-/** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name and --kv-same-host-verify to the workers. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean }): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name, --kv-same-host-verify and the GPU flags to the workers. */
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean } & Parameters<typeof gpuArgs>[0]): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = o.kvSameHostVerify ? ['--kv-same-host-verify'] : [];
   const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local];
-  return { router, prefill: [...names, ...verify], decode: [...names, ...local, ...verify] };
+  return { router, prefill: [...names, ...verify, ...gpuArgs(o, 'prefill')], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode')] };
+}
+
+/** The GPU flags of one role's workers under `up` (per-role --prefill-gpu-device / --decode-gpu-device over --gpu-device). */
+function gpuArgs(o: { gpu: string; gpuLayers: string | number; kvCacheType: string; gpuDevice?: number[]; prefillGpuDevice?: number[]; decodeGpuDevice?: number[] }, role: 'prefill' | 'decode'): string[] {
+  const devices = (role === 'prefill' ? o.prefillGpuDevice : o.decodeGpuDevice) ?? o.gpuDevice;
+  return ['--gpu', o.gpu, '--gpu-layers', String(o.gpuLayers), '--kv-cache-type', o.kvCacheType, ...(devices ? ['--gpu-device', devices.join(',')] : [])];
 }
 
 /** `up`'s cluster secret: given (file, env, flag) or a random one; its children get it by environment. */
@@ -191,6 +218,8 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--decode-policy <name>', "the router's load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)").choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
+    .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
+    .option('--decode-gpu-device <list>', 'GPU devices of the decode workers (default: --gpu-device)', cliParser(parseDeviceList))
     .action(async (o) => {
       const { Cluster } = await import('../harness/cluster.js');
       const { superviseAction } = await import('../harness/supervise.js');
@@ -278,7 +307,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -296,7 +325,7 @@ export async function runCli(argv: string[]): Promise<void> {
       const model = await modelPath(o.model);
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } },
+          { host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('decode'),
         ),
       );
@@ -310,7 +339,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model);
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
   secretFlags(accessFlags(lifecycleOptions(program

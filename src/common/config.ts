@@ -4,6 +4,7 @@
  */
 import { z } from 'zod';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
+import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 
 const port = z.number().int().min(0).max(65535);
 
@@ -38,7 +39,20 @@ export const EngineConfigSchema = z.object({
    * without `.gguf` and 'pdserve' (what the README's examples send).
    */
   servedModelName: z.array(z.string().min(1).max(512)).max(16).default([]),
-});
+  /** `--gpu`: GPU backend; 'auto' falls back to the CPU when no device is found (engine/gpu.ts). */
+  gpu: z.enum(GPU_BACKENDS).default('auto'),
+  /** `--gpu-layers`: layers offloaded when a device is found ('auto' = as many as fit, 'max' = all). */
+  gpuLayers: z.union([z.enum(['auto', 'max']), z.number().int().min(0).max(1 << 16)]).default('auto'),
+  /** `--gpu-device`: device indices this process may use (absent = what the environment allows). */
+  gpuDevices: z
+    .array(z.number().int().min(0).max(255))
+    .min(1)
+    .max(64)
+    .refine((d) => new Set(d).size === d.length, 'a device appears twice')
+    .optional(),
+  /** `--kv-cache-type`: K and V cache type; prefill and decode must agree (checked in the KV handshake). */
+  kvCacheType: z.enum(KV_CACHE_TYPES).default('f16'),
+}).refine((e) => e.kvCacheType === 'f16' || e.flashAttention, { message: 'a quantized --kv-cache-type needs flash attention (drop --no-flash-attention)', path: ['kvCacheType'] });
 
 /** The name a request may use when --served-model-name is not given, besides the file name. */
 export const DEFAULT_SERVED_NAME = 'pdserve';

@@ -157,6 +157,7 @@ export class DecodeWorker {
       onConnect: (conn) => this.sameHost.probe(conn),
     });
     this.app = createWorkerApp({
+      offload: this.engine,
       log: this.log,
       registry: this.metrics.registry,
       clusterSecret: c.secret,

@@ -24,6 +24,7 @@
 import type { ClusterSnapshot, RoomInfo, WorkerProbe } from './gather.js';
 import { sumOf } from './gather.js';
 import { causeOf, isErrorCode } from '../common/errors.js';
+import { offloadFinding, offloadSummary } from './gpu.js';
 
 export type Severity = 'critical' | 'warning' | 'info';
 
@@ -409,6 +410,9 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     }
   }
 
+  const offload = offloadFinding(snap.workers);
+  if (offload) add(offload);
+
   f.sort((a, b) => SEVERITY_RANK[a.severity] - SEVERITY_RANK[b.severity] || b.weight - a.weight);
   const exitCode = f.some((x) => x.severity === 'critical') ? 2 : f.some((x) => x.severity === 'warning') ? 1 : 0;
   const summary = [
@@ -417,8 +421,9 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     `${snap.workers.filter((w) => w.ref.role === 'decode').length} decode`,
     `${all.length} live room(s)`,
     `${routerInflight} in flight`,
+    offloadSummary(snap.workers),
     `gathered in ${snap.gatherMs} ms`,
-  ].join(' · ');
+  ].filter((x) => x !== null).join(' · ');
   return { exitCode, findings: f, summary };
 }
 

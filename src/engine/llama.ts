@@ -13,7 +13,10 @@ import os from 'node:os';
 import path from 'node:path';
 import {
   getLlama,
+  GgmlType,
+  GgufInsights,
   LlamaLogLevel,
+  readGgufFileInfo,
   type ChatWrapper,
   type Llama,
   type LlamaContext,
@@ -32,6 +35,7 @@ import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTok
 import { cacheKeyOf, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore } from './prefix-store.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
+import { applyDeviceEnv, checkDeviceMemory, ggmlTypeName, llamaGpuOption, type GpuBackend, type GpuInfo, type GpuLayers, type KvCacheType } from './gpu.js';
 
 /** Options of `loadEngine`. Sizes in tokens. */
 export interface LoadEngineOptions {
@@ -85,6 +89,14 @@ export interface LoadEngineOptions {
    * counts the steps (`stepStats`), to compare.
    */
   stepBarrier?: boolean;
+  /** GPU backend (gpu.ts): 'off' (default here; the CLI's default is 'auto') = CPU only. */
+  gpu?: GpuBackend;
+  /** Layers to offload when a device is found (default 'auto': as many as fit). */
+  gpuLayers?: GpuLayers;
+  /** Device indices this process may use (sets GGML_VK_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES first). */
+  gpuDevices?: readonly number[];
+  /** K and V cache type (default 'f16'); a quantized V cache needs flash attention. */
+  kvCacheType?: KvCacheType;
 }
 
 /** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
@@ -102,11 +114,22 @@ const logSinks = new Set<LogSink>();
 /** Recent llama.cpp warnings/errors, appended to load errors (the JS error text is generic). */
 const recentProblems: Array<{ n: number; msg: string }> = [];
 let problemCounter = 0;
-let llamaPromise: Promise<Llama> | null = null;
+/** One llama per backend asked for (a process normally asks for one). */
+const llamaPromises = new Map<GpuBackend, Promise<Llama>>();
 
-function getSharedLlama(): Promise<Llama> {
-  llamaPromise ??= getLlama({
-    gpu: false,
+/**
+ * The process's llama for `backend`. One backend per process: node-llama-cpp loads one native
+ * binary per backend, and two of them in one process abort inside ggml (measured: a CPU engine,
+ * then a Vulkan one — "pre-allocated tensor in a buffer (Vulkan0) that cannot run the operation").
+ * @throws Error when another backend was loaded in this process before.
+ */
+function getSharedLlama(backend: GpuBackend): Promise<Llama> {
+  const existing = llamaPromises.get(backend);
+  if (existing) return existing;
+  const other = [...llamaPromises.keys()][0];
+  if (other !== undefined) return Promise.reject(new Error(`--gpu ${backend}: this process already runs --gpu ${other} (one GPU backend per process)`));
+  const p = getLlama({
+    gpu: llamaGpuOption(backend),
     build: 'never',
     // 0 = no thread budget: each context's `threads` is used exactly.
     maxThreads: 0,
@@ -126,10 +149,13 @@ function getSharedLlama(): Promise<Llama> {
       }
     },
   }).catch((err: unknown) => {
-    llamaPromise = null;
+    llamaPromises.delete(backend);
+    const name = (err as Error)?.name;
+    if (name === 'NoBinaryFoundError') throw new Error(`--gpu ${backend}: node-llama-cpp has no ${backend} build that works on this machine (no driver or device?); use --gpu auto or --gpu off`);
     throw err;
   });
-  return llamaPromise;
+  llamaPromises.set(backend, p);
+  return p;
 }
 
 /** Append the llama.cpp warnings/errors logged since `since` (a `markProblems()` value) to err. */
@@ -712,6 +738,12 @@ class LlamaEngine implements Engine {
     return this.barrier ? { steps: this.barrier.steps, sequences: this.barrier.sequences } : null;
   }
 
+  async gpuMemory(): Promise<{ totalBytes: number; usedBytes: number }> {
+    if (this.info.gpu.devices.length === 0 || this.disposed) return { totalBytes: 0, usedBytes: 0 };
+    const v = await this.model.llama.getVramState();
+    return { totalBytes: v.total, usedBytes: v.used };
+  }
+
   /** Tokens held by idle sequences for reuse, and how many sequences hold them. */
   cachedStats(): { sequences: number; tokens: number } {
     let sequences = 0;
@@ -827,10 +859,24 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
   const since = markProblems();
   let model: LlamaModel | null = null;
   try {
-    const llama = await getSharedLlama();
+    const backend = opts.gpu ?? 'off';
+    const flashAttention = opts.flashAttention ?? true;
+    const kvCacheType = opts.kvCacheType ?? 'f16';
+    // llama.cpp refuses a quantized V cache without flash attention (llama_init_from_model).
+    if (kvCacheType !== 'f16' && !flashAttention) throw new RangeError(`--kv-cache-type ${kvCacheType} needs flash attention (drop --no-flash-attention)`);
+    applyDeviceEnv(backend, opts.gpuDevices);
+    const llama = await getSharedLlama(backend);
     const fingerprint = opts.fingerprint ?? (await sha256File(modelPath));
+    const devices = llama.supportsGpuOffloading ? await llama.getGpuDeviceNames() : [];
+    if (devices.length === 0 && backend !== 'auto' && backend !== 'off' && opts.gpuLayers !== 0) {
+      const hint = backend === 'vulkan' ? ' (a CPU-type Vulkan device such as lavapipe is used only when named: --gpu-device 0)' : '';
+      throw new Error(`--gpu ${backend}: the ${llama.gpu || backend} backend found no device${hint}; use --gpu auto (CPU fallback) or --gpu off`);
+    }
+    const kvType = GgmlType[ggmlTypeName(kvCacheType)];
+    const cacheSequences = devices.length > 0 ? await fitOnDevice(llama, modelPath, opts, kvType) : (opts.prefixCache?.cacheSequences ?? 0);
+    if (cacheSequences < (opts.prefixCache?.cacheSequences ?? 0)) sink?.('warn', `prefix cache: ${cacheSequences} of ${opts.prefixCache!.cacheSequences} cache sequences fit the device memory`);
     try {
-      model = await llama.loadModel({ modelPath, gpuLayers: 0 });
+      model = await llama.loadModel({ modelPath, gpuLayers: devices.length > 0 ? (opts.gpuLayers ?? 'auto') : 0 });
     } catch (err) {
       throw withLlamaLog(err, since);
     }
@@ -847,11 +893,14 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     };
     try {
       context = await model.createContext({
-        sequences: opts.sequences + (opts.prefixCache?.cacheSequences ?? 0),
+        sequences: opts.sequences + cacheSequences,
         contextSize: opts.contextSize,
         batchSize: opts.batchSize,
         threads,
-        flashAttention: opts.flashAttention ?? true,
+        flashAttention,
+        // 3.21.1 passes these to llama.cpp only as GgmlType values or enum keys ('Q8_0').
+        experimentalKvCacheKeyType: kvType,
+        experimentalKvCacheValueType: kvType,
         failedCreationRemedy: false,
         batching: opts.deterministic ? { itemPrioritizationStrategy: oneSequencePerBatch } : opts.stepBarrier === false ? {} : { dispatchSchedule: sortedNextCycle },
       });
@@ -861,17 +910,19 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     created.context = context;
     const meta = model.fileInfo.architectureMetadata as { block_count?: number };
     const tokensMeta = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
-    const cacheSequences = opts.prefixCache?.cacheSequences ?? 0;
+    const vram = devices.length > 0 ? await llama.getVramState() : null;
+    const gpu: GpuInfo = { requested: backend, backend: llama.gpu || null, devices, offloadedLayers: model.gpuLayers, totalLayers: model.fileInsights.totalLayers, vramTotalBytes: vram?.total ?? 0 };
     const info: EngineInfo = {
       modelPath,
       modelName: path.basename(modelPath).replace(/\.gguf$/i, ''),
       fingerprint,
-      compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0), flashAttention: opts.flashAttention ?? true },
+      compat: { contextSize: context.contextSize, batchSize: context.batchSize, nLayer: Number(meta.block_count ?? 0), flashAttention, kvCacheType },
       sequences: opts.sequences,
       cacheSequences,
       nVocab: tokensMeta?.length ?? 0,
       maxTokenBytes: maxPieceBytes(tokensMeta),
       threads,
+      gpu,
     };
     if (info.compat.contextSize !== opts.contextSize) {
       // llama.cpp may round the context size up; PD compat needs the real value, which info carries.
@@ -891,4 +942,41 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     await model?.dispose().catch(() => {});
     throw err;
   }
+}
+
+/**
+ * Before loading on a device: resolve the layers to offload (node-llama-cpp's fit for 'auto'),
+ * estimate the device bytes of the model and of the context (node-llama-cpp's estimators) and
+ * check they fit the free device memory (gpu.ts checkDeviceMemory).
+ * @returns the prefix-cache sequences that fit (≤ opts.prefixCache.cacheSequences).
+ * @throws Error (code 'GPU_MEMORY') naming the sizes and the flags to change.
+ */
+async function fitOnDevice(llama: Llama, modelPath: string, opts: LoadEngineOptions, kvType: GgmlType): Promise<number> {
+  const insights = await GgufInsights.from(await readGgufFileInfo(modelPath), llama);
+  const flashAttention = opts.flashAttention ?? true;
+  const asked = opts.gpuLayers ?? 'auto';
+  // The formula estimators (not the *V2 ones): V2 simulates by creating the context on the
+  // device, and llama.cpp aborted the process (GGML_ASSERT) for a context that did not fit.
+  let layers: number;
+  try {
+    layers = await insights.configurationResolver.resolveModelGpuLayers(asked, { defaultContextFlashAttention: flashAttention, defaultContextKvCacheKeyType: kvType, defaultContextKvCacheValueType: kvType });
+  } catch {
+    // 'max' or N that node-llama-cpp finds too big: checkDeviceMemory below names the sizes.
+    layers = typeof asked === 'number' ? Math.min(asked, insights.totalLayers) : insights.totalLayers;
+  }
+  const cache = opts.prefixCache?.cacheSequences ?? 0;
+  const ctxBytes = (sequences: number): number =>
+    insights.estimateContextResourceRequirements({ contextSize: opts.contextSize, modelGpuLayers: layers, batchSize: opts.batchSize, sequences, flashAttention, kvCacheKeyType: kvType, kvCacheValueType: kvType }).gpuVram;
+  const slotsContextBytes = ctxBytes(opts.sequences);
+  const vram = await llama.getVramState();
+  return checkDeviceMemory({
+    modelBytes: insights.estimateModelResourceRequirements({ gpuLayers: layers }).gpuVram,
+    slotsContextBytes,
+    perCacheSequenceBytes: cache > 0 ? (ctxBytes(opts.sequences + cache) - slotsContextBytes) / cache : 0,
+    slots: opts.sequences,
+    cacheSequences: cache,
+    freeBytes: Math.max(0, vram.free - llama.vramPaddingSize),
+    totalBytes: vram.total,
+    contextSize: opts.contextSize,
+  });
 }

@@ -5,6 +5,7 @@
  * Units: token ids are llama.cpp vocabulary ids (int32); sizes in bytes; times in ms.
  */
 import type { ParsedState } from './ggsq.js';
+import type { GpuInfo, KvCacheType } from './gpu.js';
 
 /** Sampling settings of one request, already validated and defaulted by the API layer. */
 export interface SamplingParams {
@@ -119,6 +120,8 @@ export interface EngineInfo {
     nLayer: number;
     /** llama.cpp flash attention (changes the V-cache layout of a saved state). */
     flashAttention: boolean;
+    /** K and V cache element type (a saved state holds the cache in this type). */
+    kvCacheType: KvCacheType;
   };
   /** Number of slots: sequences of this engine's context that may be busy at once. */
   sequences: number;
@@ -137,6 +140,8 @@ export interface EngineInfo {
   maxTokenBytes: number;
   /** Threads used by llama.cpp. */
   threads: number;
+  /** Backend, devices and offloaded layers (gpu.ts); not part of `compat`: a state does not depend on them. */
+  gpu: GpuInfo;
 }
 
 /** Outcome of a prefill: the first token and the saved sequence state. */
@@ -290,5 +295,7 @@ export interface Engine {
    * (deterministic mode, or a node-llama-cpp without the hook: src/engine/step-barrier.ts).
    */
   stepStats(): { steps: number; sequences: number } | null;
+  /** The GPU backend's device memory now, bytes (zeros on CPU). */
+  gpuMemory(): Promise<{ totalBytes: number; usedBytes: number }>;
   dispose(): Promise<void>;
 }

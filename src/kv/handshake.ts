@@ -8,7 +8,7 @@
  *   prefill → auth_ok {mac}  |  auth_fail {reason, code}
  *
  * Besides mutual authentication, both sides compare the pair's `PairSettings` (model
- * fingerprint, context size, batch size, flash attention): a state saved under one set cannot be
+ * fingerprint, context size, batch size, flash attention, KV cache type): a state saved under one set cannot be
  * loaded under another, so a mismatched pair is refused here — before any room uses it — with
  * code 'settings_mismatch', instead of failing every request after prefill did all the work.
  */
@@ -25,6 +25,7 @@ export function settingsMismatch(a: PairSettings, b: PairSettings): string | und
   if (a.contextSize !== b.contextSize) diffs.push(`contextSize ${a.contextSize} ≠ ${b.contextSize}`);
   if (a.batchSize !== b.batchSize) diffs.push(`batchSize ${a.batchSize} ≠ ${b.batchSize}`);
   if (a.flashAttention !== b.flashAttention) diffs.push(`flashAttention ${a.flashAttention} ≠ ${b.flashAttention}`);
+  if ((a.kvCacheType ?? 'f16') !== (b.kvCacheType ?? 'f16')) diffs.push(`kvCacheType ${a.kvCacheType ?? 'f16'} ≠ ${b.kvCacheType ?? 'f16'}`);
   return diffs.length ? diffs.join('; ') : undefined;
 }
 

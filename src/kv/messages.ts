@@ -70,6 +70,8 @@ export interface PairSettings {
   batchSize: number;
   /** llama.cpp flash attention (changes the V-cache layout of the saved state). */
   flashAttention: boolean;
+  /** K and V cache type ('f16', 'q8_0', 'q4_0'); absent = 'f16' (a worker that does not report it). */
+  kvCacheType?: string;
 }
 
 export type ControlMsg =

@@ -21,6 +21,7 @@ import type { Dispatcher } from 'undici';
 import { ApiError } from '../api/openai.js';
 import { diagnose, failureLabel } from '../doctor/diagnose.js';
 import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../doctor/gather.js';
+import { gpuFromHealth } from '../engine/gpu.js';
 import type { DashboardSeries } from './dashboard-series.js';
 import type { RouterMetrics } from './metrics.js';
 import type { WorkerRegistry } from './registry.js';
@@ -128,6 +129,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
         load: w.ref.router?.load ?? 0,
         slots: h.slots ?? null,
         slots_free: h.slots_free ?? null,
+        gpu: gpuFromHealth(h.gpu),
         queues: Object.fromEntries(Object.entries(h).filter(([k]) => /_queue$|_running$/.test(k))),
         rooms_by_phase: phases,
         oldest_room_ms: live.reduce((m, r) => Math.max(m, r.age_ms), 0),

@@ -1,6 +1,6 @@
 /**
  * Pairing: which prefill may be sent with which decode. A pair whose `PairSettings` differ (model
- * fingerprint, context size, batch size, flash attention — read from each worker's GET /health)
+ * fingerprint, context size, batch size, flash attention, KV cache type — read from each worker's GET /health)
  * would fail every request after prefill did all the work, so the router never dispatches to it
  * and shows the reason on GET /workers (`mismatch`). The workers refuse such a pair in the KV
  * handshake as well (kv/handshake.ts); this is the router's half of the same rule.
@@ -14,7 +14,7 @@ export function settingsFromHealth(v: unknown): PairSettings | null {
   const s = v as Partial<PairSettings> | null;
   if (!s || typeof s !== 'object') return null;
   if (typeof s.fingerprint !== 'string' || typeof s.contextSize !== 'number' || typeof s.batchSize !== 'number' || typeof s.flashAttention !== 'boolean') return null;
-  return { fingerprint: s.fingerprint, contextSize: s.contextSize, batchSize: s.batchSize, flashAttention: s.flashAttention };
+  return { fingerprint: s.fingerprint, contextSize: s.contextSize, batchSize: s.batchSize, flashAttention: s.flashAttention, ...(typeof s.kvCacheType === 'string' ? { kvCacheType: s.kvCacheType } : {}) };
 }
 
 /** Why `a` and `b` cannot pair ("contextSize 1024 ≠ 2048"), or undefined. Unknown settings pair (older workers). */

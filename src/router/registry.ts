@@ -20,6 +20,7 @@ import type { Logger } from 'pino';
 import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
 import { mismatchOf, settingsFromHealth } from './pairing.js';
+import { gpuFromHealth, UNKNOWN_GPU, type WorkerGpu } from '../engine/gpu.js';
 import { toolSyntaxFromHealth } from '../api/tool-calls.js';
 import type { ToolCallSyntax } from '../engine/types.js';
 
@@ -49,6 +50,8 @@ export interface WorkerState {
   consecutiveFailures: number;
   /** The settings the worker must share with its pair (from /health), null when not reported. */
   settings: PairSettings | null;
+  /** GPU offload (from /health `gpu`; display only). */
+  gpu?: WorkerGpu;
 }
 
 /** JSON row of GET /workers. */
@@ -67,6 +70,10 @@ export interface WorkerSnapshot {
   settings: PairSettings | null;
   /** Why no healthy worker of the other role can pair with this one (settings differ), else null. */
   mismatch: string | null;
+  /** GPU backend (null = CPU only or not reported), device names and offloaded layers ("3/3"). */
+  gpu: string | null;
+  gpu_devices: string[];
+  gpu_layers: string | null;
 }
 
 /** A held unit of load on one worker. `release()` is idempotent; true only on the first call. */
@@ -248,6 +255,7 @@ export class WorkerRegistry {
         this.opts.log.warn({ worker: w.url, configured: w.bootstrapPort, reported: j.bootstrap_port }, 'prefill reports a different bootstrap_port than configured; decode will dial the configured one');
       }
       w.settings = settingsFromHealth(j.settings) ?? w.settings;
+      w.gpu = gpuFromHealth(j.gpu) ?? w.gpu;
       this.setDraining(w, false);
       if (w.role === 'prefill') w.toolSyntax = toolSyntaxFromHealth(j.tool_call_syntax);
       if (Array.isArray(j.served_model_names)) w.servedNames = j.served_model_names.filter((n: unknown): n is string => typeof n === 'string').slice(0, 16);
@@ -373,6 +381,7 @@ export class WorkerRegistry {
       consecutive_failures: w.consecutiveFailures,
       settings: w.settings,
       mismatch: mismatchOf(w, this.workers),
+      ...(w.gpu ?? UNKNOWN_GPU),
     }));
   }
 }

@@ -56,6 +56,23 @@ function snap(workers: WorkerProbe[], inflight = 0): ClusterSnapshot {
 }
 
 describe('diagnose', () => {
+  test('GPU offload: the summary counts engines per backend; an info finding names each worker\'s devices and layers, partial offload called out', () => {
+    const vk = { backend: 'vulkan', devices: ['llvmpipe'], layers: 3, total_layers: 3 };
+    const cpu = worker('decode', { health: { gpu: { backend: null, devices: [], layers: 0, total_layers: 3 } } });
+    const d = diagnose(snap([worker('prefill', { health: { gpu: vk } }), cpu]));
+    assert.equal(d.exitCode, 0, 'information, not a problem');
+    assert.match(d.summary, /1 on GPU \(vulkan\), 1 on CPU/);
+    const f = d.findings.find((x) => x.kind === 'gpu_offload')!;
+    assert.equal(f.severity, 'info');
+    assert.deepEqual(f.details, ['prefill http://w-prefill:1: vulkan [llvmpipe], 3/3 layers offloaded', 'decode http://w-decode:1: CPU only']);
+    const partial = diagnose(snap([worker('prefill', { health: { gpu: { ...vk, layers: 2 } } }), cpu])).findings.find((x) => x.kind === 'gpu_offload')!;
+    assert.match(partial.title, /1 worker\(s\) offload only part of the model/);
+    assert.match(partial.next[0]!, /--gpu-layers/);
+    const allCpu = diagnose(snap([worker('prefill', { health: { gpu: { backend: null, devices: [], layers: 0, total_layers: 3 } } }), cpu]));
+    assert.equal(allCpu.findings.length, 0, 'CPU-only clusters: summary only');
+    assert.match(allCpu.summary, /2 on CPU/);
+  });
+
   test('a healthy idle cluster: exit 0, no findings', () => {
     const d = diagnose(snap([worker('prefill'), worker('decode')]));
     assert.equal(d.exitCode, 0);

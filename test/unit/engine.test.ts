@@ -168,7 +168,7 @@ describe('engine on the tiny model', () => {
 
   it('reports info; fingerprint is the GGUF sha256', async () => {
     assert.equal(A.info.fingerprint, await sha256File(modelPath));
-    assert.deepEqual(A.info.compat, { contextSize: CTX, batchSize: BATCH, nLayer: 2, flashAttention: true });
+    assert.deepEqual(A.info.compat, { contextSize: CTX, batchSize: BATCH, nLayer: 2, flashAttention: true, kvCacheType: 'f16' });
     assert.equal(A.info.sequences, 2);
     assert.equal(A.info.threads, 1);
     assert.equal(A.info.nVocab, describeModel({ preset: 'tiny', seed: 1 }).nVocab);

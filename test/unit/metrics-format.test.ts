@@ -6,6 +6,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { Registry } from 'prom-client';
 import { WorkerMetrics } from '../../src/common/metrics.js';
+import { registerGpuMetrics } from '../../src/common/gpu-metrics.js';
 import { collectCleanDefaultMetrics } from '../../src/common/promclean.js';
 import { KVPoll } from '../../src/kv/types.js';
 import { RouterMetrics, WorkerRegistry } from '../../src/router/index.js';
@@ -33,10 +34,15 @@ test('worker and router /metrics text passes promtool check metrics', async (t) 
   w.kvTransferFailed.inc({ reason: 'deadline' });
   w.kvSeconds.observe(0.01);
   w.expired.inc({ role: 'decode', state: 'Transferring' });
+  // The GPU gauges of an engine on a device (values as a Vulkan engine reports them).
+  const gpu = { requested: 'vulkan', backend: 'vulkan', devices: ['llvmpipe (LLVM 15.0.6, 256 bits)', 'GPU "1"'], offloadedLayers: 3, totalLayers: 3, vramTotalBytes: 2 ** 31 };
+  registerGpuMetrics(w.registry, { info: { gpu }, gpuMemory: async () => ({ totalBytes: 2 ** 31, usedBytes: 12345 }) } as never);
   const registry = new WorkerRegistry({ prefill: [], decode: [] }, { dispatcher: undefined as never, log: pino({ level: 'silent' }), intervalMs: 1000, timeoutMs: 1000 });
   const r = new RouterMetrics(registry);
   r.ttft.observe(0.1);
-  for (const [name, text] of [['worker', await w.registry.metrics()], ['router', await r.registry.metrics()]] as const) {
+  const workerText = await w.registry.metrics();
+  for (const line of ['pdserve_engine_offloaded_layers 3', 'pdserve_engine_vram_total_bytes 2147483648', 'pdserve_engine_vram_used_bytes 12345', 'pdserve_engine_gpu_info{backend="vulkan",devices="llvmpipe (LLVM 15.0.6, 256 bits), GPU \\"1\\""} 1']) assert.ok(workerText.includes(line), line);
+  for (const [name, text] of [['worker', workerText], ['router', await r.registry.metrics()]] as const) {
     assertTotalsAreCounters(text);
     const res = checkMetrics(text);
     if (!res) return reportMissingPromtool(t);
