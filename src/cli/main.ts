@@ -548,6 +548,7 @@ export async function runCli(argv: string[]): Promise<void> {
             model: o.model,
             preset: o.preset,
             threads: o.threads,
+            workerArgs: gpuArgs(o, 'prefill'),
             ctxSize: o.ctxSize,
             batchSize: o.batchSize,
             // The wrong-answer check needs batch-invariant engines to compare exactly.

@@ -54,6 +54,8 @@ export interface StormOptions {
   model?: string;
   preset: 'tiny' | 'small';
   threads: number;
+  /** Extra engine flags of every worker and of the colocated reference (the GPU flags: `--gpu vulkan --gpu-device 0`). */
+  workerArgs?: string[];
   ctxSize: number;
   batchSize: number;
   /**
@@ -252,7 +254,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       // the storm's many concurrent conversations get cache hits to check. Decode-local
       // continuation is on (decode policy cache_aware; decode keeps 8 finished sequences), so
       // rounds also run on decode alone, under the same faults.
-      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout), '--decode-policy', 'cache_aware'], prefill: ['--prefix-cache-slots', '16', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : [])], decode: ['--prefix-cache-slots', '8', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : [])], colocated: ['--no-prefix-cache'] },
+      extraArgs: { router: ['--request-timeout-ms', String(routerTimeout), '--decode-policy', 'cache_aware'], prefill: ['--prefix-cache-slots', '16', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : []), ...(o.workerArgs ?? [])], decode: ['--prefix-cache-slots', '8', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : []), ...(o.workerArgs ?? [])], colocated: ['--no-prefix-cache', ...(o.workerArgs ?? [])] },
       extraArgsOf: o.kvSameHost === 'mixed' ? { 'decode-1': ['--no-kv-same-host'] } : {},
     });
     write.progress(`pdserve storm: starting ${o.prefill} prefill + ${o.decode} decode + router${o.verify > 0 ? ' + colocated reference' : ''} (logs: ${logDir})\n`);

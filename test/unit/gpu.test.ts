@@ -23,6 +23,7 @@ import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { SamplingParams } from '../../src/engine/types.js';
 import { cli } from '../helpers/cli.js';
+import { drain } from '../helpers/engine.js';
 
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-gpu-test-'));
 after(() => rmSync(dir, { recursive: true, force: true }));
@@ -192,8 +193,11 @@ describe('engine', () => {
     await assert.rejects(loadEngine({ modelPath: await ensureModel('tiny', 1), sequences: 1, contextSize: 256, batchSize: 64, gpu: 'off', kvCacheType: 'q8_0' }), /does not divide n_embd_head_k/);
   });
 
-  test('lavapipe (GGML_VK_VISIBLE_DEVICES via --gpu-device 0): every layer offloaded, cache sequences sized, a context too big refused by name', { skip: !existsSync(LAVAPIPE) && 'mesa-vulkan-drivers (lavapipe) is not installed' }, async () => {
-    const { stdout } = await run(process.execPath, ['--import', 'tsx', CHILD], { timeout: 120_000, env: { ...process.env, GGML_VK_VISIBLE_DEVICES: '' } });
+  test('lavapipe (--gpu-device 0): every layer offloaded, cache sequences sized, a device-memory state walks as ggsq, --gpu-layers 0 equals the CPU build, a context too big refused by name', { skip: !existsSync(LAVAPIPE) && 'mesa-vulkan-drivers (lavapipe) is not installed' }, async (t) => {
+    // 70+ tokens: two prompt chunks of 64, and batches big enough for llama.cpp's op offload.
+    const text = 'Once upon a time there was a little model that lived in a software GPU and computed every layer of every token it was given, slowly but surely, until the end of the story.';
+    const state = path.join(dir, 'vulkan.ggsq');
+    const { stdout } = await run(process.execPath, ['--import', 'tsx', CHILD, text, state], { timeout: 180_000, env: { ...process.env, GGML_VK_VISIBLE_DEVICES: '' } });
     const o = JSON.parse(stdout.trim().split('\n').pop()!);
     assert.equal(o.env, '0', '--gpu-device 0 set GGML_VK_VISIBLE_DEVICES');
     assert.equal(o.gpu.backend, 'vulkan');
@@ -201,8 +205,24 @@ describe('engine', () => {
     assert.deepEqual([o.gpu.offloadedLayers, o.gpu.totalLayers], [3, 3]);
     assert.equal(o.cacheSequences, 2, 'the cache sequences fit the 2 GiB device');
     assert.ok(o.memory.totalBytes > 0);
-    assert.ok(Number.isInteger(o.firstToken));
+    assert.ok(o.walkedTokens > 64, 'the state saved from device memory is a well-formed ggsq file');
+    assert.equal(o.zeroGpu.offloadedLayers, 0);
     assert.match(o.tooBig, /not enough device memory: model .* \+ context .* \(64 slots × 1048576 tokens\).*--ctx-size/);
     assert.match(o.otherBackend, /one GPU backend per process/);
+    // The CPU build here (this process runs --gpu off only).
+    const e = await loadEngine({ modelPath: await ensureModel('tiny', 1), sequences: 1, contextSize: 256, batchSize: 64, gpu: 'off' });
+    try {
+      const s = e.tryAcquireSlot()!;
+      const sp = { ...greedy, maxTokens: 16 };
+      const r = await s.prefill(e.tokenize(text), sp, never);
+      const cpu = (await drain(s, r.firstToken, sp)).tokens;
+      s.release();
+      assert.deepEqual(o.zeroLayers, cpu, '--gpu vulkan --gpu-layers 0 computes what the CPU build does');
+      const same = cpu.findIndex((tok: number, i: number) => tok !== o.offloaded[i]);
+      t.diagnostic(`every layer on lavapipe vs CPU: ${same === -1 ? 'all 16 greedy tokens equal' : `first difference at token ${same}`}`);
+    } finally {
+      await e.dispose();
+    }
   });
+
 });
