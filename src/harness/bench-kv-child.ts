@@ -35,6 +35,7 @@
  * These are the calls the prefill and decode workers make on their data path (without the room
  * state machine around them). Messages with the parent go over the IPC channel.
  */
+import { benchGpuOptions } from './bench-gpu.js';
 import { pairSettingsOf } from '../common/pair.js';
 import type { RoomId } from '../common/room-id.js';
 import { normalizeRoomId } from '../kv/frame.js';
@@ -163,7 +164,7 @@ interface State {
 }
 
 async function main(): Promise<void> {
-  const engine = await loadEngine({ modelPath: init.model, threads: 1, sequences: init.sequences ?? 1, contextSize: init.contextSize, batchSize: init.batchSize });
+  const engine = await loadEngine({ modelPath: init.model, threads: 1, sequences: init.sequences ?? 1, contextSize: init.contextSize, batchSize: init.batchSize, ...benchGpuOptions() });
   if (init.role === 'sender') await sender(engine);
   else await receiver(engine);
 }

@@ -174,7 +174,7 @@ function provenance(f: SectionFile | undefined, fresh: boolean): string {
 const img = (plots: Plots, name: string, alt: string) => (plots[name] ? `\n![${alt}](${plots[name]})\n` : '');
 
 /** The whole BENCHMARKS.md. */
-export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, plots: Plots, fresh: number[]): string {
+export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, plots: Plots, fresh: number[], extra: readonly string[] = []): string {
   const m = meta.machine;
   const s1 = files.get(1)?.result as KvSectionResult | undefined;
   const s2 = files.get(2)?.result as LowLoadRow[] | undefined;
@@ -501,6 +501,9 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
 
   // ---------------------------------------------------------------- 7
   L.push(...agentsReport(s7, provenance(files.get(7), isFresh(7)), plots['s7-agents-ttft.svg']));
+
+  // ---------------------------------------------------------------- extra sections (GPU offload: bench-gpu.ts)
+  L.push(...extra);
 
   // ---------------------------------------------------------------- losses
   L.push('', '## Where PD loses', '');

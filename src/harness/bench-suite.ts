@@ -25,6 +25,7 @@ import { benchAgent, discoverModel, loadTokenizer, REPO_ROOT, sendRequest, type 
 import { runKvSection, type KvSectionResult } from './bench-kv.js';
 import { runBatching, runInterference, runLowLoad, runRouterOverhead, runScaling, type SectionCtx } from './bench-sections.js';
 import { renderReport, writePlots, type SectionFile, type SuiteMeta } from './bench-report.js';
+import { gpuReport } from './bench-gpu.js';
 import { canPin, say } from './bench-util.js';
 import { runAgentsSection } from './bench-agents.js';
 
@@ -266,7 +267,7 @@ function render(resultsDir: string, plotsDir: string, root: string, meta: SuiteM
     }
   }
   const plots = writePlots(files, plotsDir);
-  writeFileSync(join(root, 'BENCHMARKS.md'), renderReport(meta, files, plots, sectionsRun));
+  writeFileSync(join(root, 'BENCHMARKS.md'), renderReport(meta, files, plots, sectionsRun, gpuReport(resultsDir)));
 }
 
 /** `--render-only`: BENCHMARKS.md and plots again from bench/results (after a change to the report's wording). */
