@@ -11,6 +11,7 @@
  *                         configured = no CORS headers (browsers refuse cross-origin calls).
  * Wrong methods on a known path get 405 with an `Allow` header (see openai.ts's error handling).
  */
+import { redactAddresses } from '../common/redact.js';
 import cors from '@fastify/cors';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { request, type Dispatcher } from 'undici';
@@ -156,7 +157,8 @@ export function registerTokenizeProxy(app: FastifyInstance, pickUrl: () => strin
     try {
       res = await request(`${url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(req.body ?? null), dispatcher, signal: AbortSignal.timeout(timeoutMs) });
     } catch (err) {
-      throw new ApiError(502, 'prefill_unreachable', `prefill worker ${url}: ${(err as Error).message}`, 'server_error');
+      req.log.warn({ worker: url, err: (err as Error).message }, 'tokenize proxy: prefill unreachable');
+      throw new ApiError(502, 'prefill_unreachable', `prefill worker: ${redactAddresses((err as Error).message)}`, 'server_error');
     }
     const chunks: Buffer[] = [];
     let n = 0;

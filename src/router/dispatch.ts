@@ -42,6 +42,7 @@
  * another pair (at most MAX_DISPATCHES in all, so a request that kills workers is not retried
  * without end). Like Envoy's `retry_on: reset` (before the response headers only).
  */
+import { redactedForClient } from '../common/redact.js';
 import { DRAINING_CODE } from '../common/drain.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { newRoomId, type RoomId } from '../common/room-id.js';
@@ -594,8 +595,9 @@ export class PdRequest {
     this.ctx.track(p);
   }
 
-  /** Send the client an error in the form its phase allows. */
-  private sendError(err: ApiError, wasStreaming: boolean): void {
+  /** Send the client an error in the form its phase allows (naming the failed role, not its address). */
+  private sendError(raw: ApiError, wasStreaming: boolean): void {
+    const err = redactedForClient(raw);
     this.status = err.status;
     if (!wasStreaming) {
       if (!this.reply.sent && !this.reply.raw.headersSent && !this.reply.raw.destroyed) void sendApiError(this.reply, err);

@@ -98,3 +98,21 @@ describe('registerAccess', () => {
     await assert.rejects(app({ apiKeyFile: '/nonexistent/keys' }), /cannot read the API key file/);
   });
 });
+
+describe('client-facing errors name the role, not the address', () => {
+  test('URLs, IPv4/IPv6 literals and host:port are redacted; the rest of the message stays', async () => {
+    const { redactAddresses, redactedForClient } = await import('../../src/common/redact.js');
+    const { ApiError } = await import('../../src/common/errors.js');
+    assert.equal(redactAddresses('decode worker http://10.0.0.3:30001 is unreachable: connect ECONNREFUSED 10.0.0.3:30001'), 'decode worker <address> is unreachable: connect ECONNREFUSED <address>');
+    assert.equal(redactAddresses('cannot pair with prefill [fd00::2]:8998: timeout'), 'cannot pair with prefill <address>: timeout');
+    assert.equal(redactAddresses('dial prefill-a.internal.example:8998 failed'), 'dial <address> failed');
+    assert.equal(redactAddresses('prompt is 4096 tokens, the context is 2048'), 'prompt is 4096 tokens, the context is 2048');
+    const e = new ApiError(502, 'peer_unreachable', 'cannot pair with prefill 127.0.0.1:8998', 'server_error');
+    const r = redactedForClient(e);
+    assert.equal(r.message, 'cannot pair with prefill <address>');
+    assert.equal(r.code, 'peer_unreachable');
+    assert.equal(r.status, 502);
+    const clean = new ApiError(400, 'invalid_value', 'nothing to hide');
+    assert.equal(redactedForClient(clean), clean);
+  });
+});
