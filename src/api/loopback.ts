@@ -7,8 +7,12 @@ import { Agent, type Dispatcher } from 'undici';
 import type { FastifyRequest } from 'fastify';
 import { ApiError } from './openai.js';
 
-/** Loopback connections (one per sub-request in flight); safety timeouts only, the callee's deadline fires first. */
-export const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout: 600_000, bodyTimeout: 600_000 });
+/**
+ * Loopback connections (one per sub-request in flight); safety timeouts only, the callee's
+ * deadline fires first. Over HTTPS the certificate is not checked: the connection goes to this
+ * process's own listening address.
+ */
+export const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout: 600_000, bodyTimeout: 600_000, connect: { rejectUnauthorized: false } });
 
 /** Request headers a loopback request carries over: credentials and trace / session identity. */
 export const FORWARDED_HEADERS = ['authorization', 'x-api-key', 'x-trace-id', 'x-session-id'] as const;
@@ -21,12 +25,12 @@ export function forwardedHeaders(request: FastifyRequest): Record<string, string
 }
 
 /**
- * http://host:port this fastify server can reach itself at (wildcard addresses → loopback).
+ * http(s)://host:port this fastify server can reach itself at (wildcard addresses → loopback).
  * @throws ApiError 500 when the server is not listening.
  */
 export function selfUrl(request: FastifyRequest): string {
   const a = request.server.server.address();
   if (!a || typeof a === 'string') throw new ApiError(500, 'internal_error', 'server address unknown', 'server_error');
   const host = a.address === '0.0.0.0' ? '127.0.0.1' : a.address === '::' ? '::1' : a.address;
-  return `http://${host.includes(':') ? `[${host}]` : host}:${a.port}`;
+  return `${request.protocol}://${host.includes(':') ? `[${host}]` : host}:${a.port}`;
 }

@@ -8,6 +8,7 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, t
 import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endpoints.js';
 import { isSigned, registerWorkerAuth } from './worker-auth.js';
+import { tlsServerOptions, type TlsFiles } from '../common/tls.js';
 import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from './openai.js';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../common/errors.js';
@@ -38,6 +39,8 @@ export interface WorkerAppOptions {
   clusterSecret?: string;
   /** With `clusterSecret`: /metrics needs a signature too. */
   privateMetrics?: boolean;
+  /** HTTPS: PEM certificate and key files (../common/tls.ts). */
+  tls?: TlsFiles;
   /** Called with the query of every GET /health that carried a valid signature (the router's probe). */
   onSignedProbe?: (query: Record<string, unknown>) => void;
   /** The engine whose GPU offload is logged at start, reported in /health (`gpu`) and /metrics; default `engine`. */
@@ -54,7 +57,7 @@ export function drainGateOf(app: FastifyInstance): DrainGate | undefined {
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
-  const app: FastifyInstance = Fastify({ loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
+  const app: FastifyInstance = Fastify({ ...(o.tls ? { https: tlsServerOptions(o.tls) } : {}), loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
   if (o.clusterSecret !== undefined) registerWorkerAuth(app, { secret: o.clusterSecret, privateMetrics: o.privateMetrics }, o.registry);
   o.guard?.(app);
@@ -92,7 +95,8 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
 export async function listenUrl(app: FastifyInstance, host: string, port: number): Promise<string> {
   await app.listen({ host, port });
   const addr = app.server.address();
-  return `http://${host}:${typeof addr === 'object' && addr ? addr.port : port}`;
+  const scheme = (app.initialConfig as { https?: unknown }).https ? 'https' : 'http';
+  return `${scheme}://${host}:${typeof addr === 'object' && addr ? addr.port : port}`;
 }
 
 /** Send an OpenAI error body; if the response has already started, just end it. */

@@ -193,9 +193,10 @@ function upSecret(o: { clusterSecret?: string; clusterSecretFile?: string }): st
 }
 
 /** `up`'s access flags, for the router: keys go to it by environment, the file and the metrics flag as flags (no secret in them). */
-function upAccess(o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean }) {
+function upAccess(o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean; tlsCert?: string; tlsKey?: string }) {
   const a = accessOf('up', o);
-  return { apiKeys: a.apiKeys, adminApiKeys: a.adminApiKeys, routerArgs: [...(a.apiKeyFile ? ['--api-key-file', resolve(a.apiKeyFile)] : []), ...(a.privateMetrics ? ['--private-metrics'] : [])] };
+  const tls = a.tls ? ['--tls-cert', resolve(a.tls.cert), '--tls-key', resolve(a.tls.key)] : [];
+  return { apiKeys: a.apiKeys, adminApiKeys: a.adminApiKeys, routerArgs: [...(a.apiKeyFile ? ['--api-key-file', resolve(a.apiKeyFile)] : []), ...(a.privateMetrics ? ['--private-metrics'] : []), ...tls], tls: !!a.tls };
 }
 
 /** Parse argv and run. */

@@ -24,15 +24,21 @@ export const accessFlags = (c: Command) =>
     .option('--api-key <keys...>', 'API key(s) clients send as Authorization: Bearer (better: PDSERVE_API_KEY, comma-separated, or --api-key-file: ps shows flags)')
     .option('--api-key-file <file>', 'API keys, one a line (# comments); re-read when the file changes: keys rotate without a restart')
     .option('--admin-api-key <keys...>', 'key(s) of /workers, /debug/*, /dashboard (better: PDSERVE_ADMIN_API_KEY)')
-    .option('--private-metrics', '/metrics needs the admin key too (default: open, for scrapers)', false);
+    .option('--private-metrics', '/metrics needs the admin key too (default: open, for scrapers)', false)
+    .option('--tls-cert <file>', 'HTTPS for clients: PEM certificate (chain) file (with --tls-key)')
+    .option('--tls-key <file>', 'HTTPS for clients: PEM private key file (with --tls-cert)');
 
 /** Warn (stderr) that a secret came on the command line. */
 export function warnArgv(role: string, flag: string, env: string): void {
   console.error(`pdserve ${role}: warning: ${flag} on the command line is visible to every local user (ps); use ${env} or a file instead`);
 }
 
-/** The access config of `accessFlags`' options and the environment. */
-export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean }): { apiKeys: string[]; apiKeyFile?: string; adminApiKeys: string[]; privateMetrics: boolean } {
+/** The access config of `accessFlags`' options and the environment (exits 2 on a lone --tls-cert / --tls-key). */
+export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean; tlsCert?: string; tlsKey?: string }): { apiKeys: string[]; apiKeyFile?: string; adminApiKeys: string[]; privateMetrics: boolean; tls?: { cert: string; key: string } } {
+  if (!o.tlsCert !== !o.tlsKey) {
+    console.error(`pdserve ${role}: --tls-cert and --tls-key go together`);
+    process.exit(2);
+  }
   if (o.apiKey?.length) warnArgv(role, '--api-key', 'PDSERVE_API_KEY or --api-key-file');
   if (o.adminApiKey?.length) warnArgv(role, '--admin-api-key', 'PDSERVE_ADMIN_API_KEY');
   return {
@@ -40,6 +46,7 @@ export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: stri
     ...(o.apiKeyFile ? { apiKeyFile: o.apiKeyFile } : {}),
     adminApiKeys: [...(o.adminApiKey ?? []), ...listEnv(process.env.PDSERVE_ADMIN_API_KEY)],
     privateMetrics: o.privateMetrics === true,
+    ...(o.tlsCert && o.tlsKey ? { tls: { cert: o.tlsCert, key: o.tlsKey } } : {}),
   };
 }
 

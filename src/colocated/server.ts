@@ -54,6 +54,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map((r) => ({ ...r, age_ms: Date.now() - r.t0 })), recent: [] }),
     engine,
     corsOrigins: config.corsOrigin,
+    ...(config.tls ? { tls: config.tls } : {}),
     guard: (a) => {
       access = registerAccess(a, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);
     },

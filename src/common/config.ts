@@ -165,6 +165,8 @@ export const ColocatedConfigSchema = z.object({
   apiKeyFile: z.string().min(1).optional(),
   adminApiKeys: z.array(z.string().min(1).max(4096)).max(64).default([]),
   privateMetrics: z.boolean().default(false),
+  /** HTTPS for clients: PEM certificate and key files (tls.ts). */
+  tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 

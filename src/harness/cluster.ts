@@ -68,7 +68,7 @@ export interface ClusterOptions {
    * (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never argv; `routerArgs` are extra router flags
    * (--api-key-file, --private-metrics). The harness's own admin calls use the admin key (else an API key).
    */
-  access?: { apiKeys?: string[]; adminApiKeys?: string[]; routerArgs?: string[] };
+  access?: { apiKeys?: string[]; adminApiKeys?: string[]; routerArgs?: string[]; /** The router serves HTTPS (its url is https://). */ tls?: boolean };
   /** Per-process start deadline, ms. */
   startTimeoutMs?: number;
   /** Also start a colocated reference server. */
@@ -229,7 +229,8 @@ export class Cluster {
     if (this.opts.discovery) args = [...args, '--discovery', this.opts.discovery];
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
     args = [...args, ...(this.opts.extraArgsOf?.[name] ?? [])];
-    return { role, index, name, port, bootstrapPort, url: `http://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
+    const scheme = role === 'router' && this.opts.access?.tls ? 'https' : 'http';
+    return { role, index, name, port, bootstrapPort, url: `${scheme}://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
 
   /** The address process `name` binds (its placement, else the cluster's host). */

@@ -22,7 +22,8 @@
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
- *       ../api/access.ts), clusterSecret? (signs every request to a worker),
+ *       ../api/access.ts), clusterSecret? (signs every request to a worker), tls? = { cert, key }
+ *       (PEM files: HTTPS for clients),
  *     responsesStore = { maxCount = 10000, maxBytes = 64 MiB, maxAgeMs = 1 h } (stored /v1/responses),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
@@ -104,6 +105,8 @@ export const RouterConfigSchema = z
       .default(DEFAULT_RESPONSE_STORE_LIMITS),
     /** The cluster secret: every request to a worker is signed with it (../common/request-auth.ts). Never logged. */
     clusterSecret: z.string().min(8, 'cluster secret must be at least 8 characters').optional(),
+    /** HTTPS for clients: PEM certificate and key files (../common/tls.ts). */
+    tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -172,6 +175,8 @@ export interface RouterConfig {
   readonly responsesStore: Readonly<ResponseStoreLimits>;
   /** The cluster secret (worker request signatures); undefined = requests go unsigned. Never logged. */
   readonly clusterSecret?: string;
+  /** HTTPS for clients: PEM certificate and key files. */
+  readonly tls?: { readonly cert: string; readonly key: string };
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

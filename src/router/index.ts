@@ -30,6 +30,7 @@ import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerAccess, type Access } from '../api/access.js';
 import { withCredentials } from '../common/http-auth.js';
+import { tlsServerOptions } from '../common/tls.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
@@ -152,10 +153,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(Date.now() / 1000);
-  let selfUrl = `http://${config.host}:${config.port}`;
+  let selfUrl = `${config.tls ? 'https' : 'http'}://${config.host}:${config.port}`;
   let closing = false;
 
   const app = Fastify({
+    // --tls-cert/--tls-key: HTTPS for clients (../common/tls.ts).
+    ...(config.tls ? { https: tlsServerOptions(config.tls) } : {}),
     loggerInstance: log,
     bodyLimit: config.bodyLimit,
     clientErrorHandler: openAIClientErrorHandler,
@@ -384,7 +387,7 @@ export async function startRouter(raw: RouterConfigInput | RouterConfig): Promis
   const addr = r.app.server.address();
   const port = typeof addr === 'object' && addr ? addr.port : r.config.port;
   const h = r.config.host === '0.0.0.0' ? '127.0.0.1' : r.config.host === '::' ? '[::1]' : r.config.host.includes(':') ? `[${r.config.host}]` : r.config.host;
-  const url = `http://${h}:${port}`;
+  const url = `${r.config.tls ? 'https' : 'http'}://${h}:${port}`;
   r.setUrl(url);
   r.app.log.info({ url, prefill: r.config.prefill.map((p) => p.url), decode: r.config.decode.map((d) => d.url), access: r.access.describe() }, 'router listening');
   if (r.access.apiOpen) r.app.log.warn('the router is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');

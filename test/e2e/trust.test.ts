@@ -10,10 +10,12 @@
  *    with another secret is a 401 `unauthenticated`, counted by reason;
  *  - decode dials only the prefills it knows: a signed /generate naming another bootstrap address
  *    is a 400 `unknown_bootstrap_address` and that address never sees a connection;
+ *  - TLS for clients: a router started with --tls-cert/--tls-key (a throwaway CA made with
+ *    openssl here) serves the openai SDK over HTTPS with that CA; a client without it is refused;
  *  - no key or secret in any log file or in `ps` output.
  */
 import assert from 'node:assert/strict';
-import { execFileSync } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
@@ -21,7 +23,7 @@ import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import OpenAI from 'openai';
 import { Agent, request } from 'undici';
-import { Cluster } from '../../src/harness/cluster.js';
+import { BIN, Cluster, freePort } from '../../src/harness/cluster.js';
 import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/common/request-auth.js';
 import { cli } from '../helpers/cli.js';
 import { tinyModel, waitFor } from '../helpers/stack.js';
@@ -205,6 +207,36 @@ describe('decode dials only prefills it knows', () => {
     } finally {
       trap.close();
     }
+  });
+});
+
+describe('TLS for clients', () => {
+  test('the openai SDK talks to a router over HTTPS with the test CA; without the CA the handshake fails', async (t) => {
+    const dir = mkdtempSync(join(tmpdir(), 'pdserve-tls-'));
+    const ssl = (...args: string[]) => execFileSync('openssl', args, { cwd: dir, stdio: 'pipe' });
+    ssl('req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:prime256v1', '-nodes', '-keyout', 'ca.key', '-out', 'ca.crt', '-days', '1', '-subj', '/CN=pdserve test CA');
+    ssl('req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:prime256v1', '-nodes', '-keyout', 'srv.key', '-out', 'srv.csr', '-subj', '/CN=127.0.0.1');
+    writeFileSync(join(dir, 'san.ext'), 'subjectAltName=IP:127.0.0.1,DNS:localhost\n');
+    ssl('x509', '-req', '-in', 'srv.csr', '-CA', 'ca.crt', '-CAkey', 'ca.key', '-CAcreateserial', '-out', 'srv.crt', '-days', '1', '-extfile', 'san.ext');
+    const port = await freePort();
+    const p = c.byRole('prefill')[0]!;
+    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key')];
+    const child = spawn(process.execPath, args, { stdio: 'ignore', env: { ...process.env, PDSERVE_CLUSTER_SECRET: c.secret, PDSERVE_API_KEY: API_KEY } });
+    t.after(() => void child.kill('SIGKILL'));
+    const trusted = new Agent({ connect: { ca: readFileSync(join(dir, 'ca.crt')) } });
+    t.after(() => trusted.close());
+    const url = `https://127.0.0.1:${port}`;
+    assert.ok(await waitFor(async () => (await request(`${url}/health`, { dispatcher: trusted })).statusCode === 200, 20_000, 100), 'the HTTPS router is up');
+    const secure = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 30_000, fetchOptions: { dispatcher: trusted } as never });
+    const r = await secure.completions.create({ model: 'pdserve', prompt: 'over tls', max_tokens: 3, temperature: 0 });
+    assert.equal(r.choices.length, 1);
+    const streamed = await secure.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: 'hi' }], max_tokens: 3, n: 2, stream: true });
+    let chunks = 0;
+    for await (const _ of streamed) chunks++;
+    assert.ok(chunks > 0, 'a fanned-out stream over HTTPS (loopback sub-requests over HTTPS too)');
+    const untrusted = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 10_000 });
+    await assert.rejects(untrusted.models.list(), (e: unknown) => e instanceof OpenAI.APIConnectionError);
+    await assert.rejects(fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(3000) }), 'plain HTTP is not served');
   });
 });
 
