@@ -40,6 +40,8 @@
     $('inflight').textContent = text(d.router.inflight);
     const q = d.router.requests || {};
     $('requests').textContent = `${q.ok || 0} / ${q.error || 0} / ${q.timeout || 0}`;
+    const kv = d.router.kv_events || {};
+    $('kvevents').textContent = `${kv.consumed || 0} / ${kv.gaps || 0} · ${kv.held || 0}`;
     const phases = Object.entries(d.rooms_by_phase);
     $('phases').innerHTML = '';
     if (phases.length === 0) $('phases').textContent = 'none';

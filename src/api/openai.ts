@@ -385,6 +385,8 @@ interface ParsedCommon {
   user?: string;
   /** prompt_cache_key: the conversation key of session affinity (router/policy/affinity.ts). */
   promptCacheKey?: string;
+  /** Set by the router: the conversation key it routes on, sent to the workers as `conversation_key`. */
+  conversationKey?: string;
 }
 
 /** A validated, defaulted POST /v1/completions request. */
@@ -568,6 +570,7 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
     bootstrap_host: routing.bootstrapHost,
     bootstrap_port: routing.bootstrapPort,
     bootstrap_room: routing.bootstrapRoom,
+    ...(parsed.conversationKey ? { conversation_key: parsed.conversationKey } : {}),
   };
   if (parsed.kind === 'chat') {
     const messages = parsed.messages.map((m) => {

@@ -138,6 +138,8 @@ export const GenerateRequestSchema = z
      * The bootstrap fields are those of the prefill the fallback would use; decode ignores them.
      */
     local_prefill: z.object({ max_tokens: z.number().int().min(1).max(1 << 20) }).strict().optional(),
+    /** The router's conversation key (router/policy/affinity.ts): decode's KV events name kept sequences by it. */
+    conversation_key: z.string().min(1).max(300).optional(),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
     /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */

@@ -45,6 +45,9 @@ import { localPrefill, planLocal, type DecodeStart, type LocalPlan } from './loc
 import { DecodeSseWriter } from './sse-out.js';
 import { KnownPrefills } from './known-prefills.js';
 import { Counter } from 'prom-client';
+import { KvEventLog } from '../common/kv-events.js';
+import { registerKvEventsRoute } from '../api/kv-events-route.js';
+import { SequenceKvTracker } from './kv-tracker.js';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {
@@ -67,6 +70,10 @@ interface Job {
   header?: EnvelopeHeader;
   /** Set when the KV is in the slot (PD: loaded from the envelope; local: evaluated here). */
   start?: DecodeStart;
+  /** The router's conversation key (KV events name the kept sequence by it). */
+  conversationKey?: string;
+  /** The prompt's token ids (PD: the loaded state's; local: the plan's), for the kept sequence's KV event. */
+  promptIds?: readonly number[];
   /** When KV_BEGIN arrived (ms), for pdserve_kv_transfer_seconds. */
   tKvBegin?: number;
   /** How the state came: 'tcp' (recv_begin) or 'same_host' (take_file); shown in /debug/rooms, counted at Success. */
@@ -85,6 +92,9 @@ export class DecodeWorker {
   readonly metrics: WorkerMetrics;
   readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
+  /** What this worker's cache tiers store and evict (GET /kv_events), same epoch as /health. */
+  readonly kvEvents: KvEventLog;
+  private readonly kvTracker: SequenceKvTracker | null;
   /** Trace id per room, for /debug/rooms. */
   readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
@@ -115,6 +125,8 @@ export class DecodeWorker {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
+    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
     this.recvFiles = new FilePool({ dir: config.stateDir, prefix: `pdserve-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
     this.knownPrefills = new KnownPrefills(config.allowPrefill);
     this.bootstrapRefused = new Counter({ name: 'pdserve_bootstrap_refused_total', help: 'Requests refused because their bootstrap address is not a prefill this decode worker knows', registers: [this.metrics.registry] });
@@ -189,6 +201,7 @@ export class DecodeWorker {
       this.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), 'router');
       return { ok: true };
     });
+    registerKvEventsRoute(this.app, this.kvEvents);
     this.url = await listenUrl(this.app, c.host, c.port);
     this.watchdog = setInterval(() => this.perform(this.driver.tick(Date.now())), c.watchdogMs);
     this.watchdog.unref();
@@ -199,6 +212,7 @@ export class DecodeWorker {
   async close(): Promise<void> {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
+    this.kvTracker?.close();
     this.stopSweep?.();
     this.recvFiles.close(); // spares deleted now (a hung close is cut short); a receiver still holding a file deletes it when it lets go
     this.perform(this.driver.shutdown(Date.now()));
@@ -451,6 +465,7 @@ export class DecodeWorker {
       if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
       // the walk above covered this file (ours): llama.cpp loads it as it is, re-framed in place
       await job.slot.loadState(path, state.tokens, state);
+      job.promptIds = state.tokens;
       job.header = header;
       job.start = { promptTokens: header.nTokens, cachedTokens: header.cachedTokens ?? 0, firstToken: header.firstToken };
       this.perform(this.driver.loadDone(room, Date.now()));
@@ -514,6 +529,7 @@ export class DecodeWorker {
       this.bootstrapRefused.inc();
       return sendError(reply, ApiError.of('unknown_bootstrap_address', 'bootstrap_host:bootstrap_port is not a prefill worker this decode worker knows (the router\'s pool or --allow-prefill)', 'bootstrap_host'));
     }
+    if (body.conversation_key !== undefined) job.conversationKey = body.conversation_key;
     const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, Date.now(), { local: local !== undefined });
     if (admitted.refused) {
       // Refusals before the room exists still reach prefill (fault c): the driver's `send`.
@@ -555,6 +571,8 @@ export class DecodeWorker {
     this.prefixMetrics.requestsByPath.inc({ path: job.local ? 'decode_local' : 'pd' });
     let n = 0;
     const gen = job.slot!.generate(start.firstToken, job.sampling, job.ac.signal);
+    const prompt = job.local?.tokens ?? job.promptIds;
+    const ids: number[] = [];
     try {
       let finish: 'stop' | 'length' | 'abort' = 'abort';
       for (;;) {
@@ -563,6 +581,7 @@ export class DecodeWorker {
           finish = r.value;
           break;
         }
+        if (prompt && job.conversationKey) ids.push(r.value.token);
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
@@ -571,6 +590,7 @@ export class DecodeWorker {
         if (ok !== true && !(await ok)) job.ac.abort();
       }
       out.finish(n, finish);
+      if (finish !== 'abort' && prompt && job.conversationKey) this.kvTracker?.noteFinished(job.conversationKey, [...prompt, ...ids], prompt.length);
     } catch (err) {
       out.error(toApiError(err));
     } finally {
@@ -595,6 +615,7 @@ export async function startDecodeWorker(raw: unknown, log = createLogger('decode
   const engine = await loadEngine({ ...config.engine, sequences: config.slots, ...(prefixCache ? { prefixCache } : {}), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new DecodeWorker(config, engine, log);
   store?.registerMetrics(w.metrics.registry, (hit) => w.prefixMetrics.recordTier('store', hit));
+  store?.onEvent((e) => w.kvEvents.publish(e));
   await w.start();
   return w;
 }

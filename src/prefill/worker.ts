@@ -18,6 +18,8 @@ import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateE
 import { parseConfig, prefixCacheOf, PrefillConfigSchema, servedModelNamesOf, type PrefillConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { openPrefixStore } from '../common/prefix-store.js';
+import { KvEventLog } from '../common/kv-events.js';
+import { registerKvEventsRoute } from '../api/kv-events-route.js';
 import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
@@ -84,6 +86,8 @@ export class PrefillWorker {
   readonly metrics: WorkerMetrics;
   readonly prefixMetrics: PrefixCacheMetrics;
   readonly epoch = newEpoch();
+  /** What this worker's cache tiers store and evict (GET /kv_events): the host store's events, same epoch as /health. */
+  readonly kvEvents: KvEventLog;
   /** Trace id per room, for /debug/rooms. */
   readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
@@ -128,6 +132,7 @@ export class PrefillWorker {
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
     this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir });
   }
@@ -195,6 +200,7 @@ export class PrefillWorker {
       this.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), 'router');
       return { ok: true };
     });
+    registerKvEventsRoute(this.app, this.kvEvents);
     this.url = await listenUrl(this.app, c.host, c.port);
     this.watchdog = setInterval(() => this.perform(this.driver.tick(Date.now())), c.watchdogMs);
     this.watchdog.unref();
@@ -596,6 +602,7 @@ export async function startPrefillWorker(raw: unknown, log = createLogger('prefi
   const engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   const w = new PrefillWorker(config, engine, log);
   store?.registerMetrics(w.metrics.registry, (hit) => w.prefixMetrics.recordTier('store', hit));
+  store?.onEvent((e) => w.kvEvents.publish(e));
   await w.start();
   return w;
 }

@@ -15,6 +15,7 @@
  * (src/doctor/gather.ts, 1.5 s deadline per GET) at most once a second, however many pages poll.
  */
 import { readFile } from 'node:fs/promises';
+import { kvEventSummary } from './kv-events.js';
 import { createRequire } from 'node:module';
 import type { FastifyInstance } from 'fastify';
 import type { Dispatcher } from 'undici';
@@ -138,7 +139,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
     return {
       at,
       gather_ms: snap.gatherMs,
-      router: { inflight: d.inflight(), requests: Object.fromEntries((await d.metrics.requests.get()).values.map((v) => [String(v.labels.outcome), v.value])) },
+      router: { inflight: d.inflight(), requests: Object.fromEntries((await d.metrics.requests.get()).values.map((v) => [String(v.labels.outcome), v.value])), kv_events: await kvEventSummary(d.metrics.registry) },
       workers: view,
       rooms_by_phase: roomsByPhase,
       series: d.series.view(at),

@@ -44,6 +44,7 @@ import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
 import { createPolicy, localPrefillFor, routingText, routingTextAfter, type Pick } from './policy/index.js';
 import { conversationKey } from './policy/affinity.js';
+import { heldKey, KvEventConsumer } from './kv-events.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
@@ -127,8 +128,14 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
   // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
+  // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.
+  const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base));
+  const holdsFor = (key: string | undefined) => (key === undefined ? undefined : (url: string) => {
+    kv.follow({ url });
+    return kv.held(url)?.has(heldKey('sequence', key));
+  });
   const pickWith = (role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
-    const p = policies[role].pick(c, text, now, key);
+    const p = policies[role].pick(c, text, now, key, role === 'decode' ? holdsFor(key) : undefined);
     if (p) picks.inc({ role, policy: policies[role].name, reason: p.reason });
     seen?.(p);
     return p?.worker ?? null;
@@ -235,6 +242,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       // dispatched again (at most MAX_DISPATCHES pairs).
       const text = routingText(parsed);
       const key = conversationKey(parsed, request.headers['x-session-id']);
+      if (key !== undefined) parsed.conversationKey = key;
       for (let attempt = 1; ; attempt++) {
         const now = performance.now();
         // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
@@ -254,7 +262,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         // `needs_prefill` answer (before any output) falls back to the PD path on the same pair.
         // A choice of a group never goes local, nor is dispatched again: its group's prefill
         // request names every choice's room.
-        const localMax = member ? 0 : localPrefillFor(config.localPrefillMaxTokens, policies.decode.name, decodePick, text.length);
+        const localMax = member ? 0 : localPrefillFor(config.localPrefillMaxTokens, policies.decode.name, decodePick, text.length, decodePick ? holdsFor(key)?.(decode.url) : undefined);
         let run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, !member && attempt < MAX_DISPATCHES, localMax ? { maxTokens: localMax } : undefined, member);
         active.add(run);
         try {
@@ -325,10 +333,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   });
 
   registry.onRemoved = (w) => {
+    kv.forget(w.url);
     policies.prefill.forget?.(w.url);
     policies.decode.forget?.(w.url);
   };
   await registry.start();
+  for (const w of registry.workers) kv.follow(w);
   // Membership on etcd (optional): the pool follows registrations, drains and lease expiries.
   let discovery: { stop(): Promise<void> } | null = null;
   if (config.discovery) {
@@ -351,6 +361,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       closing = true;
       await discovery?.stop();
       registry.stop();
+      await kv.close();
       for (const r of [...active]) r.cancel();
       const settle = Promise.allSettled([...pending]);
       await Promise.race([settle, new Promise((r) => setTimeout(r, config.abortTimeoutMs + 100).unref())]);

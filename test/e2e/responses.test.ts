@@ -7,14 +7,16 @@
  * same conversation, on PD and colocated; a continuation by previous_response_id is the stored
  * conversation exactly (its output equals the chat path's for the explicit history, and the
  * prefix cache serves the earlier rounds: cached_tokens > 0). Session affinity: one
- * prompt_cache_key stays on one decode worker whatever its text.
+ * prompt_cache_key stays on one decode worker whatever its text. KV events: decode claims the
+ * conversations it keeps, the router follows, a restarted worker's claims vanish and its
+ * conversations go the PD way without a needs_prefill fallback.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import OpenAI from 'openai';
 import { createOpenAI } from '@ai-sdk/openai';
 import { generateText, jsonSchema, streamText, tool } from 'ai';
-import { getJson, useStack } from '../helpers/stack.js';
+import { getJson, useStack, waitFor } from '../helpers/stack.js';
 
 // Two decode workers with the cache-aware decode policy: session affinity has a choice to make.
 const s = useStack({ ctxSize: 4096, decode: 2, extraArgs: { router: ['--decode-policy', 'cache_aware'] } });
@@ -211,5 +213,35 @@ describe('session affinity', () => {
     // without a key the second, unrelated prompt would go to the decode worker with the smaller tree (the other one)
     const first = await decodeOf('agent-a', 'first task: list three fruits');
     for (const text of ['unrelated: count to five', 'another topic entirely, the weather', 'zzz']) assert.equal(await decodeOf('agent-a', text), first, text);
+  });
+});
+
+describe('KV events', () => {
+  const metric = async (name: string): Promise<number> => {
+    const text = await (await fetch(`${s.c.router.url}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
+    const m = new RegExp(`^${name.replace(/[{}"]/g, (c) => `\\${c}`)} (\\S+)$`, 'm').exec(text);
+    return m ? Number(m[1]) : 0;
+  };
+  const sequences = async (url: string) => ((await getJson<{ snapshot: { tier: string; key: string }[] }>(`${url}/kv_events`)).snapshot ?? []).filter((e) => e.tier === 'sequence');
+
+  test('decode claims what it keeps, the router follows; a restarted decode worker: its claims vanish, no fallback', async () => {
+    // longer than one prompt chunk (128): deterministic engines reuse whole chunks only
+    const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `kv events round 1: ${'some context '.repeat(30)}` }];
+    const { data, response } = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 8, prompt_cache_key: 'agent-kv', messages }).withResponse();
+    const decode = (await getJson<{ decode: string }>(`${s.c.router.url}/debug/traces/${response.headers.get('x-request-id')}`)).decode;
+    assert.ok(await waitFor(async () => (await sequences(decode)).some((e) => e.key === 'k:agent-kv'), 5000), 'decode publishes the kept conversation');
+    const mine = (await sequences(decode)).length;
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_held_entries{tier="sequence"}')) >= mine, 5000), 'the router holds its claims');
+    const before = await metric('pdserve_router_kv_held_entries{tier="sequence"}');
+    const fallbacks = await metric('pdserve_router_requests_by_path_total{path="fallback"}');
+    const proc = s.c.byRole('decode').find((p) => p.url === decode)!;
+    await s.c.restart(proc);
+    assert.equal(await metric('pdserve_router_kv_held_entries{tier="sequence"}'), before - mine, "the old process's claims are gone");
+    assert.ok(await waitFor(async () => (await getJson<{ status: string }>(`${decode}/health`).catch(() => ({ status: 'down' }))).status === 'ok', 20_000));
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_resyncs_total{reason="restart"}')) >= 1, 5000), 'the router follows the new process (new epoch)');
+    // the next round of that conversation: no decode-local attempt on the stale claim
+    messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });
+    await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 8, prompt_cache_key: 'agent-kv', messages });
+    assert.equal(await metric('pdserve_router_requests_by_path_total{path="fallback"}'), fallbacks, 'no needs_prefill fallback');
   });
 });

@@ -220,3 +220,22 @@ describe('session affinity', () => {
     assert.deepEqual([t.get('a'), t.get('b'), t.get('c'), t.size], ['w1', undefined, 'w3', 2]);
   });
 });
+
+describe('routing on KV events', () => {
+  it('a worker whose events say it holds the conversation wins; a contradicted claim never goes decode-local', () => {
+    const p = createPolicy('cache_aware');
+    const w = workers(0, 0);
+    p.pick(w, 'conversation text', 0, 'k:c');
+    const sticky = p.pick(w, 'conversation text more', 1, 'k:c')!.worker.url;
+    const other = w.find((x) => x.url !== sticky)!.url;
+    const held = p.pick(w, 'conversation text more still', 2, 'k:c', (url) => url === other)!;
+    assert.deepEqual([held.worker.url, held.reason], [other, 'held']);
+    assert.equal(localPrefillFor(256, 'cache_aware', held, 30, true), 256);
+    const hit = p.pick(w, 'conversation text more still', 3, 'k:c')!;
+    assert.equal(localPrefillFor(256, 'cache_aware', hit, 30, false), undefined, 'the live events say it is gone: PD, no needs_prefill fallback');
+    assert.equal(localPrefillFor(256, 'cache_aware', hit, 30, undefined), 256, 'no live events: the tree decides');
+    // an overloaded holder is not taken
+    const loaded = w.map((x) => ({ ...x, load: x.url === other ? 100 : 0 }));
+    assert.notEqual(p.pick(loaded, 'conversation text', 4, 'k:c', (url) => url === other)!.reason, 'held');
+  });
+});

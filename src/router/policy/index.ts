@@ -47,7 +47,7 @@ export interface CacheAwareOptions {
 export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20, maxSessions: 65_536 };
 
 /** Why a policy chose its worker (for logs and metrics). */
-export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity';
+export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity' | 'held';
 
 export interface Pick<W extends PolicyWorker> {
   worker: W;
@@ -61,9 +61,10 @@ export interface Policy {
   readonly name: PolicyName;
   /**
    * Choose among `candidates` (the healthy workers; may be empty → null). `now` in ms. `key`:
-   * the request's conversation key (./affinity.ts), used by cache_aware.
+   * the request's conversation key (./affinity.ts), used by cache_aware; `holds(url)`: whether
+   * that worker's KV events say it holds the key's conversation (undefined: no live events).
    */
-  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number, key?: string): Pick<W> | null;
+  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number, key?: string, holds?: (url: string) => boolean | undefined): Pick<W> | null;
   /** Forget a worker (removed from the cluster). */
   forget?(url: string): void;
   /**
@@ -138,7 +139,7 @@ class CacheAware implements Policy {
     return hi - lo > this.o.balanceAbsThreshold && hi > lo * this.o.balanceRelThreshold;
   }
 
-  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number, key?: string): Pick<W> | null {
+  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number, key?: string, holds?: (url: string) => boolean | undefined): Pick<W> | null {
     if (c.length === 0) return null;
     let min = Infinity;
     let max = -Infinity;
@@ -149,7 +150,12 @@ class CacheAware implements Policy {
     let pick: Pick<W>;
     const stickyUrl = key === undefined ? undefined : this.sessions.get(key);
     const sticky = stickyUrl === undefined ? undefined : c.find((w) => w.url === stickyUrl);
-    if (sticky && !this.overloaded(sticky.load, min)) {
+    // A worker whose events say it holds the conversation, least loaded first, unless overloaded.
+    let holder: W | undefined;
+    if (key !== undefined && holds) for (const w of c) if (holds(w.url) === true && !this.overloaded(w.load, min) && (!holder || w.load < holder.load)) holder = w;
+    if (holder) {
+      pick = { worker: holder, reason: 'held', matchedChars: this.tree.match(text).byTenant.get(holder.url) ?? 0 };
+    } else if (sticky && !this.overloaded(sticky.load, min)) {
       pick = { worker: sticky, reason: 'affinity', matchedChars: this.tree.match(text).byTenant.get(sticky.url) ?? 0 };
     } else if (this.overloaded(max, min)) {
       pick = { worker: leastLoaded(c, this.rr++), reason: 'imbalanced' };
@@ -222,12 +228,17 @@ export const MAX_CHARS_PER_TOKEN = 8;
  * exact decision in tokens, ../../decode/local.ts): try the local path iff it is on
  * (`maxTokens` > 0), the decode policy is cache_aware and its pick was a tree hit or the
  * conversation's sticky worker (the worker served this conversation's earlier round and kept
- * it), and the unmatched part of the routing text could be at most `maxTokens` tokens. The imbalance guard applies first: an imbalanced pick
+ * it), and the unmatched part of the routing text could be at most `maxTokens` tokens. A pick
+ * the worker's live KV events contradict (`held` false: it no longer holds the conversation)
+ * never goes local: that claim is stale and would only come back `needs_prefill`; a 'held' pick
+ * (the events say it does) goes local. The imbalance guard applies first: an imbalanced pick
  * is never a hit, so a hot conversation cannot pile onto one decode worker.
  * @returns the `local_prefill.max_tokens` to send, or undefined for the PD path.
  */
-export function localPrefillFor(maxTokens: number, policy: PolicyName, pick: Pick<PolicyWorker> | null, textLength: number): number | undefined {
-  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || (pick.reason !== 'cache_hit' && pick.reason !== 'affinity')) return undefined;
+export function localPrefillFor(maxTokens: number, policy: PolicyName, pick: Pick<PolicyWorker> | null, textLength: number, held?: boolean): number | undefined {
+  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || held === false) return undefined;
+  if (pick.reason === 'held') return maxTokens;
+  if (pick.reason !== 'cache_hit' && pick.reason !== 'affinity') return undefined;
   const unmatched = textLength - (pick.matchedChars ?? 0);
   return unmatched <= maxTokens * MAX_CHARS_PER_TOKEN ? maxTokens : undefined;
 }

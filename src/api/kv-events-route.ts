@@ -1,0 +1,28 @@
+/**
+ * `GET /kv_events?epoch=E&after=N&wait_ms=W` on a worker: its KV events for the routers
+ * (../common/kv-events.ts). With the worker's current epoch and an `after` it has issued, the
+ * answer waits up to `wait_ms` (≤ 30 s) for an event after N, then carries the events after N;
+ * otherwise (no epoch, another epoch, an id it cannot continue from) it is the snapshot at once.
+ * A client that goes away ends the wait.
+ */
+import type { FastifyInstance } from 'fastify';
+import { MAX_KV_WAIT_MS, type KvEventLog } from '../common/kv-events.js';
+
+/** Register the route on a worker app. */
+export function registerKvEventsRoute(app: FastifyInstance, log: KvEventLog): void {
+  app.get<{ Querystring: { epoch?: string; after?: string; wait_ms?: string } }>('/kv_events', async (req, reply) => {
+    const after = Number(req.query.after ?? -1);
+    const waitMs = Math.max(0, Math.min(MAX_KV_WAIT_MS, Number(req.query.wait_ms ?? 0) || 0));
+    if (req.query.epoch === log.epoch && Number.isSafeInteger(after) && after >= 0 && waitMs > 0) {
+      const ac = new AbortController();
+      const gone = () => ac.abort();
+      reply.raw.once('close', gone);
+      try {
+        await log.wait(after, waitMs, ac.signal);
+      } finally {
+        reply.raw.off('close', gone);
+      }
+    }
+    return log.read(req.query.epoch, after);
+  });
+}
