@@ -9,8 +9,8 @@
  * its listening address (./loopback.ts, as fan-out sub-requests are): every property of the chat
  * path — pair choice, prefix-cache routing, decode-local continuation, redispatch on drain,
  * deadlines, aborts, tool calling, metrics, traces — holds for Responses without a second copy,
- * in PD and colocated mode. The cost is one loopback hop per request and per event (see
- * BENCHMARKS). The chat request always streams (with the usage chunk); a non-stream Responses
+ * in PD and colocated mode. The cost is one loopback HTTP exchange per request (a local socket
+ * and one more SSE parse per event). The chat request always streams (with the usage chunk); a non-stream Responses
  * request is assembled from it. The chat path's error answers (status and OpenAI body) pass
  * through unchanged before the stream; a chat error event after it is `response.failed`.
  * A client that goes away aborts the chat request, which aborts the room on the workers.
@@ -23,6 +23,7 @@ import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 import { readSse, SseError, SseWriter } from './sse.js';
 import { newItemId, parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponsesEvent } from './responses.js';
 import { ResponseStore } from './responses-store.js';
+import { Gauge, type Registry } from 'prom-client';
 
 export interface ResponsesRouteOptions {
   store: ResponseStore;
@@ -36,6 +37,8 @@ export interface ResponsesRouteOptions {
   writeTimeoutMs?: number;
   /** Largest chat event read, bytes. */
   maxEventBytes?: number;
+  /** Registry for pdserve_responses_stored{unit} (the store's entries and bytes, and its evictions). */
+  registry?: Registry;
 }
 
 /** Largest chat error body passed through, bytes. */
@@ -65,6 +68,20 @@ function responseIdOf(rid: string | undefined): string {
  * the Responses field, 404 for an unknown id).
  */
 export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteOptions): void {
+  if (o.registry) {
+    const store = o.store;
+    new Gauge({
+      name: 'pdserve_responses_stored',
+      help: 'Stored /v1/responses now (unit=responses), their bytes (unit=bytes), and the responses dropped by a bound since start (unit=evicted)',
+      labelNames: ['unit'],
+      registers: [o.registry],
+      collect() {
+        this.set({ unit: 'responses' }, store.size);
+        this.set({ unit: 'bytes' }, store.bytes);
+        this.set({ unit: 'evicted' }, store.evicted);
+      },
+    });
+  }
   const notFound = (id: string) => new ApiError(404, 'not_found', `Response with id '${id}' not found.`, 'invalid_request_error', 'id');
   app.get<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
     const r = o.store.get(req.params.id);

@@ -111,7 +111,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
-  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs });
+  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs, registry: metrics.registry });
   const url = await listenUrl(app, config.host, config.port);
   log.info({ url, access: access?.describe() }, 'colocated server ready');
   if (access?.apiOpen) log.warn('the colocated server is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');

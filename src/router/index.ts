@@ -294,7 +294,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   app.post('/v1/completions', generation('completion'));
   app.post('/v1/chat/completions', generation('chat'));
-  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, requestTimeoutMs: config.requestTimeoutMs, writeTimeoutMs: config.writeTimeoutMs, maxEventBytes: config.maxEventBytes });
+  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, requestTimeoutMs: config.requestTimeoutMs, writeTimeoutMs: config.writeTimeoutMs, maxEventBytes: config.maxEventBytes, registry: metrics.registry });
 
   app.get('/v1/models', async () => ({
     object: 'list',

@@ -105,6 +105,8 @@ describe('/v1/responses through the openai SDK (PD and colocated)', () => {
     // store: false keeps nothing to continue from
     const unstored = await s.pd.responses.create({ ...base, input: 'x', store: false });
     await assert.rejects(s.pd.responses.retrieve(unstored.id), (e: unknown) => e instanceof OpenAI.NotFoundError);
+    const m = await (await fetch(`${s.c.router.url}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
+    assert.ok(Number(/^pdserve_responses_stored\{unit="responses"\} (\d+)$/m.exec(m)?.[1]) >= 3, 'the stored responses are on /metrics');
   });
 
   test('function tools: a forced call, its output sent back by previous_response_id, the same as chat tool calls', async () => {
