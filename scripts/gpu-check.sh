@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     --no-kv) kv=0; shift ;;
     --concurrency) conc=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n "2,22p" "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -80,16 +80,17 @@ esac
 
 out=$(mktemp -d /tmp/pdserve-gpu-check-XXXX)
 pids=()
-cleanup() { for p in "${pids[@]:-}"; do [ -n "$p" ] && kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() { for p in "${pids[@]:-}"; do [ -n "$p" ] && kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-serve() { # log file, command…: a server in the background
+serve() { # log file, pdserve arguments…: a server in the background (node itself, so signals reach it)
   local log=$1; shift
-  if [ "$dry" = 1 ]; then echo "  would run: $* >$log &" >&2; return; fi
-  "$@" >"$log" 2>&1 &
+  if [ "$dry" = 1 ]; then echo "  would run: pdserve $* >$log &" >&2; return; fi
+  node bin/pdserve.js "$@" >"$log" 2>&1 &
   pids+=($!)
 }
-stop_last() { [ "$dry" = 1 ] || { kill -INT "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" || true; }; }
+# SIGTERM: a drain (an asynchronous command of a script ignores SIGINT)
+stop_last() { [ "$dry" = 1 ] || { kill -TERM "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" || true; }; }
 
 wait_up() { # url, deadline s
   local t=0
@@ -109,13 +110,13 @@ bench() { # name url
 echo "gpu-check: backend $backend, $ngpu GPU(s) (prefill on $pdev, decode on $ddev), model $file, lengths $lens, results in $out"
 
 # colocated on GPU 0
-serve "$out/colocated.log" pdserve colocated --model "$file" --port "$base" --ctx-size "$ctx" --threads "$threads" "${gpu[@]}" --gpu-device 0
+serve "$out/colocated.log" colocated --model "$file" --port "$base" --ctx-size "$ctx" --threads "$threads" "${gpu[@]}" --gpu-device 0
 [ "$dry" = 1 ] || wait_up "http://127.0.0.1:$base" 600
 bench colo "http://127.0.0.1:$base"
 stop_last
 
 # PD: prefill on GPU pdev, decode on GPU ddev (same-host handoff through /dev/shm)
-serve "$out/up.log" pdserve up --model "$file" --port $((base + 1)) --worker-port-base $((base + 2)) --ctx-size "$ctx" --threads "$threads" "${gpu[@]}" \
+serve "$out/up.log" up --model "$file" --port $((base + 1)) --worker-port-base $((base + 2)) --ctx-size "$ctx" --threads "$threads" "${gpu[@]}" \
   --prefill-gpu-device "$pdev" --decode-gpu-device "$ddev" --log-dir "$out/up"
 [ "$dry" = 1 ] || wait_up "http://127.0.0.1:$((base + 1))" 600
 bench pd "http://127.0.0.1:$((base + 1))"

@@ -6,7 +6,7 @@
  * Run: node --import tsx --test test/unit/gpu.test.ts
  */
 import assert from 'node:assert/strict';
-import { existsSync, mkdtempSync, rmSync, statSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { execFile } from 'node:child_process';
@@ -23,6 +23,7 @@ import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { SamplingParams } from '../../src/engine/types.js';
 import { cli } from '../helpers/cli.js';
+import { benchGpuOptions, gpuReport } from '../../src/harness/bench-gpu.js';
 import { drain } from '../helpers/engine.js';
 
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-gpu-test-'));
@@ -79,6 +80,28 @@ describe('flags', () => {
     const raw = { secret: 'long enough secret', engine: { modelPath: 'm', gpu: 'opencl', gpuLayers: -1, gpuDevices: [0, 0] } };
     assert.throws(() => parseConfig(PrefillConfigSchema, raw), (err: Error) => /engine\.gpu:/.test(err.message) && /engine\.gpuLayers/.test(err.message) && /a device appears twice/.test(err.message));
     assert.throws(() => parseConfig(PrefillConfigSchema, { secret: 'long enough secret', engine: { modelPath: 'm', kvCacheType: 'q4_0', flashAttention: false } }), /needs flash attention/);
+  });
+});
+
+describe('benchmarks', () => {
+  test('BENCHMARKS.md GPU section: the goal always; scripts/gpu-check.sh figures when present, lavapipe labelled a functional check', () => {
+    const results = path.join(dir, 'results');
+    mkdirSync(results, { recursive: true });
+    const none = gpuReport(results).join('\n');
+    assert.match(none, /PD TTFT ≤ 1\.10 × colocated at 512–8192 prompt tokens/);
+    assert.match(none, /ITL p99 ≤ 0\.2 × colocated/);
+    assert.match(none, /has not run yet/);
+    const row = { ttftP50: 100, itlP50: 2, itlP99: 4, e2eP50: 140 };
+    writeFileSync(path.join(results, 'gpu.json'), JSON.stringify({ date: 'd', backend: 'lavapipe', gpus: 1, rows: [{ promptTokens: 64, colo: row, pd: { ...row, ttftP50: 110 } }], kv: null }));
+    const lv = gpuReport(results).join('\n');
+    assert.match(lv, /functional check of the offload path.*not a performance figure/);
+    assert.match(lv, /\| 64 \| 100\.0 \/ 110\.0 \| 1\.10 \|/);
+  });
+
+  test('PDSERVE_BENCH_GPU puts the KV benchmark\'s engines on a device; absent = CPU; a bad value is refused', () => {
+    assert.deepEqual(benchGpuOptions({}), {});
+    assert.deepEqual(benchGpuOptions({ PDSERVE_BENCH_GPU: 'cuda', PDSERVE_BENCH_GPU_DEVICE: '1' }), { gpu: 'cuda', gpuLayers: 'max', gpuDevices: [1] });
+    assert.throws(() => benchGpuOptions({ PDSERVE_BENCH_GPU: 'tpu' }), RangeError);
   });
 });
 
