@@ -1,5 +1,6 @@
 /**
- * The host-wide prefix store: finished sequences' states as files in the state directory, shared
+ * The host-wide prefix store: the states of finished sequences that the engines' first tier
+ * evicts (engine/llama.ts: write-back), as files in the state directory, shared
  * by every worker process on the host (prefill, decode, colocated) with no channel between them
  * — the directory is the index. The engine's second prefix-cache tier (engine/prefix-store.ts
  * has the keys and the engine's seam). The idea is llama.cpp server's `--cache-ram` (finished

@@ -1,7 +1,7 @@
 /**
  * The prefix store's seam on the engine side: the second tier of the prefix cache, behind the
- * in-sequence cache (prefix-cache.ts). Finished sequences' states (prompt + reply) are kept as
- * files keyed by their token prefix; a prompt that starts with a stored prefix loads that state
+ * in-sequence cache (prefix-cache.ts). Finished sequences' states (prompt + reply) that the
+ * first tier evicts are kept as files keyed by their token prefix; a prompt that starts with a stored prefix loads that state
  * into its sequence and evaluates only the rest. The engine only sees `PrefixStore`; the file
  * store that every worker process on a host shares is common/prefix-store.ts.
  *

@@ -347,7 +347,7 @@ describe('the store between two engines on the tiny model', () => {
   const BATCH = 16;
   const greedy: SamplingParams = { temperature: 0, topP: 1, topK: 0, maxTokens: 12, stop: [], ignoreEos: true };
   const never = new AbortController().signal;
-  let writer: Engine; // 1 slot + 1 cache sequence: stores every finished round
+  let writer: Engine; // 1 slot + 1 cache sequence holding 1 token at most: every finished round is evicted at once, so stored
   let reader: Engine; // 2 slots, no useful in-sequence cache (its budget is 1 token): only the store serves it
   let cold: Engine; // no cache at all: the reference
   let ws: FilePrefixStore;
@@ -379,7 +379,7 @@ describe('the store between two engines on the tiny model', () => {
     ws = new FilePrefixStore({ dir, maxBytes: 1 << 26 });
     rs = new FilePrefixStore({ dir, maxBytes: 1 << 26, write: false });
     const base = { modelPath: model, contextSize: 1024, batchSize: BATCH, deterministic: true };
-    writer = await loadEngine({ ...base, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 4096 }, prefixStore: ws });
+    writer = await loadEngine({ ...base, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 1 }, prefixStore: ws });
     reader = await loadEngine({ ...base, sequences: 2, prefixCache: { cacheSequences: 0, maxTokens: 1 }, prefixStore: rs });
     cold = await loadEngine({ ...base, sequences: 1 });
     const messages: ChatMessage[] = [{ role: 'system', content: 'You are a careful agent. Answer in short sentences about the state of the data and the tools.' }];
@@ -405,7 +405,7 @@ describe('the store between two engines on the tiny model', () => {
     assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp or load file left');
   });
 
-  test('KV events: a kept sequence and its store entry are announced under one key; clearing the sequence evicts it', async () => {
+  test('KV events and write-back: a kept sequence is announced; evicted, it is stored under the same key', async () => {
     const model = await ensureModel('tiny', 1);
     const dir = freshDir();
     const events: KvCacheEvent[] = [];
@@ -415,15 +415,21 @@ describe('the store between two engines on the tiny model', () => {
     try {
       const a = e.tokenize('the first conversation talks about rivers and mills. '.repeat(4));
       await run(e, a);
-      for (let i = 0; i < 200 && !events.some((x) => x.tier === 'store'); i++) await new Promise((r) => setTimeout(r, 10));
       const seqStored = events.find((x) => x.tier === 'sequence' && x.kind === 'stored');
-      const storeStored = events.find((x) => x.tier === 'store' && x.kind === 'stored');
-      assert.ok(seqStored && storeStored, JSON.stringify(events));
-      assert.equal(seqStored.key, storeStored.key, 'one key names the prefix in both tiers');
-      assert.equal(seqStored.tokens, storeStored.tokens);
+      assert.ok(seqStored, JSON.stringify(events));
       assert.equal(seqStored.tokens % BATCH, 0);
+      await new Promise((r) => setTimeout(r, 100));
+      assert.equal(st.stats.writes, 0, 'nothing is written while the sequence tier holds it');
       await run(e, e.tokenize('an unrelated prompt that shares nothing with the other one at all. '.repeat(3)));
       assert.ok(events.some((x) => x.tier === 'sequence' && x.kind === 'evicted' && x.key === seqStored.key), 'the cleared sequence evicted its key');
+      for (let i = 0; i < 200 && !events.some((x) => x.tier === 'store'); i++) await new Promise((r) => setTimeout(r, 10));
+      const storeStored = events.find((x) => x.tier === 'store' && x.kind === 'stored');
+      assert.ok(storeStored, 'the evicted sequence was written back');
+      assert.equal(storeStored.key, seqStored.key, 'one key names the prefix in both tiers');
+      assert.equal(storeStored.tokens, seqStored.tokens);
+      const hit = await st.take([...a, 5, 6], 0);
+      assert.ok(hit && hit.reuse >= seqStored.tokens, 'the written-back state serves the conversation');
+      await hit.done();
     } finally {
       await e.dispose();
       st.close();
