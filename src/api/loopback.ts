@@ -3,6 +3,7 @@
  * over the chat path: ./responses-http.ts): the connection pool and the address to use, so each
  * such request is an ordinary request of that server (its dispatch, deadlines, aborts, metrics).
  */
+import { randomBytes, timingSafeEqual } from 'node:crypto';
 import { Agent, type Dispatcher } from 'undici';
 import type { FastifyRequest } from 'fastify';
 import { ApiError } from './openai.js';
@@ -17,9 +18,19 @@ export const loopback: Dispatcher = new Agent({ connections: 256, headersTimeout
 /** Request headers a loopback request carries over: credentials and trace / session identity. */
 export const FORWARDED_HEADERS = ['authorization', 'x-api-key', 'x-trace-id', 'x-session-id'] as const;
 
-/** The FORWARDED_HEADERS `request` has, as a plain header object. */
+/** Marks a request this process sent itself (a random token of this process; never forwarded from a client). */
+const LOOPBACK_HEADER = 'x-pdserve-loopback';
+const LOOPBACK_TOKEN = randomBytes(16).toString('hex');
+
+/** True when `request` is one of this process's own loopback sub-requests (./admission.ts does not admit it twice). */
+export function isLoopback(request: { headers: Record<string, unknown> }): boolean {
+  const v = request.headers[LOOPBACK_HEADER];
+  return typeof v === 'string' && v.length === LOOPBACK_TOKEN.length && timingSafeEqual(Buffer.from(v), Buffer.from(LOOPBACK_TOKEN));
+}
+
+/** The FORWARDED_HEADERS `request` has, as a plain header object, plus this process's loopback mark. */
 export function forwardedHeaders(request: FastifyRequest): Record<string, string> {
-  const out: Record<string, string> = {};
+  const out: Record<string, string> = { [LOOPBACK_HEADER]: LOOPBACK_TOKEN };
   for (const h of FORWARDED_HEADERS) if (typeof request.headers[h] === 'string') out[h] = request.headers[h] as string;
   return out;
 }

@@ -196,7 +196,9 @@ function upSecret(o: { clusterSecret?: string; clusterSecretFile?: string }): st
 function upAccess(o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean; tlsCert?: string; tlsKey?: string }) {
   const a = accessOf('up', o);
   const tls = a.tls ? ['--tls-cert', resolve(a.tls.cert), '--tls-key', resolve(a.tls.key)] : [];
-  return { apiKeys: a.apiKeys, adminApiKeys: a.adminApiKeys, routerArgs: [...(a.apiKeyFile ? ['--api-key-file', resolve(a.apiKeyFile)] : []), ...(a.privateMetrics ? ['--private-metrics'] : []), ...tls], tls: !!a.tls };
+  const m = a.admission;
+  const admission = ['--max-concurrent-requests', String(m.maxConcurrent), '--max-queued-requests', String(m.maxQueued), '--queue-timeout-ms', String(m.queueTimeoutMs), '--key-rps', String(m.keyRps), '--key-burst', String(m.keyBurst), '--key-max-concurrent', String(m.keyMaxConcurrent)];
+  return { apiKeys: a.apiKeys, adminApiKeys: a.adminApiKeys, routerArgs: [...(a.apiKeyFile ? ['--api-key-file', resolve(a.apiKeyFile)] : []), ...(a.privateMetrics ? ['--private-metrics'] : []), ...tls, ...admission], tls: !!a.tls };
 }
 
 /** Parse argv and run. */

@@ -26,7 +26,13 @@ export const accessFlags = (c: Command) =>
     .option('--admin-api-key <keys...>', 'key(s) of /workers, /debug/*, /dashboard (better: PDSERVE_ADMIN_API_KEY)')
     .option('--private-metrics', '/metrics needs the admin key too (default: open, for scrapers)', false)
     .option('--tls-cert <file>', 'HTTPS for clients: PEM certificate (chain) file (with --tls-key)')
-    .option('--tls-key <file>', 'HTTPS for clients: PEM private key file (with --tls-cert)');
+    .option('--tls-key <file>', 'HTTPS for clients: PEM private key file (with --tls-cert)')
+    .option('--max-concurrent-requests <n>', 'admission: generation requests served at once (0 = no cap)', (v: string) => Number(v), 1024)
+    .option('--max-queued-requests <n>', 'admission: requests waiting beyond the cap (then 429)', (v: string) => Number(v), 4096)
+    .option('--queue-timeout-ms <ms>', 'admission: longest wait in the queue (then 429)', (v: string) => Number(v), 30_000)
+    .option('--key-rps <r>', 'admission: requests per second per API key, a token bucket (0 = no limit)', (v: string) => Number(v), 0)
+    .option('--key-burst <n>', 'admission: the bucket size of --key-rps (default: the rate)', (v: string) => Number(v), 0)
+    .option('--key-max-concurrent <n>', 'admission: requests at once per API key (0 = no limit)', (v: string) => Number(v), 0);
 
 /** Warn (stderr) that a secret came on the command line. */
 export function warnArgv(role: string, flag: string, env: string): void {
@@ -34,7 +40,7 @@ export function warnArgv(role: string, flag: string, env: string): void {
 }
 
 /** The access config of `accessFlags`' options and the environment (exits 2 on a lone --tls-cert / --tls-key). */
-export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean; tlsCert?: string; tlsKey?: string }): { apiKeys: string[]; apiKeyFile?: string; adminApiKeys: string[]; privateMetrics: boolean; tls?: { cert: string; key: string } } {
+export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: string[]; privateMetrics?: boolean; tlsCert?: string; tlsKey?: string; maxConcurrentRequests?: number; maxQueuedRequests?: number; queueTimeoutMs?: number; keyRps?: number; keyBurst?: number; keyMaxConcurrent?: number }): { apiKeys: string[]; apiKeyFile?: string; adminApiKeys: string[]; privateMetrics: boolean; tls?: { cert: string; key: string }; admission: Record<string, number> } {
   if (!o.tlsCert !== !o.tlsKey) {
     console.error(`pdserve ${role}: --tls-cert and --tls-key go together`);
     process.exit(2);
@@ -47,6 +53,7 @@ export function accessOf(role: string, o: { apiKey?: string[]; apiKeyFile?: stri
     adminApiKeys: [...(o.adminApiKey ?? []), ...listEnv(process.env.PDSERVE_ADMIN_API_KEY)],
     privateMetrics: o.privateMetrics === true,
     ...(o.tlsCert && o.tlsKey ? { tls: { cert: o.tlsCert, key: o.tlsKey } } : {}),
+    admission: { maxConcurrent: o.maxConcurrentRequests ?? 1024, maxQueued: o.maxQueuedRequests ?? 4096, queueTimeoutMs: o.queueTimeoutMs ?? 30_000, keyRps: o.keyRps ?? 0, keyBurst: o.keyBurst ?? 0, keyMaxConcurrent: o.keyMaxConcurrent ?? 0 },
   };
 }
 

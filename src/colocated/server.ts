@@ -21,6 +21,7 @@ import { loadEngine } from '../engine/index.js';
 import type { Engine } from '../engine/types.js';
 import { ColocatedBackend } from './backend.js';
 import { registerAccess, type Access } from '../api/access.js';
+import { registerAdmission } from '../api/admission.js';
 
 /** A running colocated server. */
 export interface ColocatedServer {
@@ -57,6 +58,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     ...(config.tls ? { tls: config.tls } : {}),
     guard: (a) => {
       access = registerAccess(a, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);
+      registerAdmission(a, config.admission, metrics.registry);
     },
   });
 

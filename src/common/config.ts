@@ -151,6 +151,12 @@ export const DecodeConfigSchema = z.object({
 });
 export type DecodeConfig = Readonly<z.infer<typeof DecodeConfigSchema>>;
 
+/** Admission at the edge (src/api/admission.ts): unset fields take its defaults. */
+export const AdmissionSchema = z
+  .object({ maxConcurrent: z.number().int().min(0).optional(), maxQueued: z.number().int().min(0).optional(), queueTimeoutMs: z.number().int().min(1).optional(), keyRps: z.number().min(0).optional(), keyBurst: z.number().min(0).optional(), keyMaxConcurrent: z.number().int().min(0).optional() })
+  .strict()
+  .default({});
+
 export const ColocatedConfigSchema = z.object({
   host: z.string().default('127.0.0.1'),
   port: port.default(0),
@@ -167,6 +173,8 @@ export const ColocatedConfigSchema = z.object({
   privateMetrics: z.boolean().default(false),
   /** HTTPS for clients: PEM certificate and key files (tls.ts). */
   tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
+  /** Admission at the edge (src/api/admission.ts). */
+  admission: AdmissionSchema,
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 

@@ -29,6 +29,7 @@
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
 import { z } from 'zod';
+import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
@@ -107,6 +108,8 @@ export const RouterConfigSchema = z
     clusterSecret: z.string().min(8, 'cluster secret must be at least 8 characters').optional(),
     /** HTTPS for clients: PEM certificate and key files (../common/tls.ts). */
     tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
+    /** Admission at the edge (../api/admission.ts): concurrency cap, queue, per-key limits. */
+    admission: AdmissionSchema,
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
   })
   .strict()
@@ -177,6 +180,8 @@ export interface RouterConfig {
   readonly clusterSecret?: string;
   /** HTTPS for clients: PEM certificate and key files. */
   readonly tls?: { readonly cert: string; readonly key: string };
+  /** Admission at the edge (../api/admission.ts). */
+  readonly admission: Readonly<AdmissionOptions>;
   /** A ready logger, or the level of one the router creates. */
   readonly log: Logger | { readonly level: (typeof LEVELS)[number] };
 }

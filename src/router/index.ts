@@ -29,6 +29,7 @@ import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest }
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerAccess, type Access } from '../api/access.js';
+import { registerAdmission } from '../api/admission.js';
 import { withCredentials } from '../common/http-auth.js';
 import { tlsServerOptions } from '../common/tls.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
@@ -186,6 +187,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   registerOpenAIErrorHandling(app);
   // Keys first: an unauthenticated caller learns nothing, not even that the router drains.
   const access = registerAccess(app, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);
+  registerAdmission(app, config.admission, metrics.registry);
   const drain = new DrainGate('router');
   drain.install(app);
   // Every response names its rid (errors included); hijacked streams set it themselves.

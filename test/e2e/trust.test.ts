@@ -12,6 +12,7 @@
  *    is a 400 `unknown_bootstrap_address` and that address never sees a connection;
  *  - TLS for clients: a router started with --tls-cert/--tls-key (a throwaway CA made with
  *    openssl here) serves the openai SDK over HTTPS with that CA; a client without it is refused;
+ *  - admission: past its key's token bucket a request is a 429 `rate_limited` with retry-after;
  *  - no key or secret in any log file or in `ps` output.
  */
 import assert from 'node:assert/strict';
@@ -220,7 +221,7 @@ describe('TLS for clients', () => {
     ssl('x509', '-req', '-in', 'srv.csr', '-CA', 'ca.crt', '-CAkey', 'ca.key', '-CAcreateserial', '-out', 'srv.crt', '-days', '1', '-extfile', 'san.ext');
     const port = await freePort();
     const p = c.byRole('prefill')[0]!;
-    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key')];
+    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key'), '--key-rps', '0.01', '--key-burst', '2'];
     const child = spawn(process.execPath, args, { stdio: 'ignore', env: { ...process.env, PDSERVE_CLUSTER_SECRET: c.secret, PDSERVE_API_KEY: API_KEY } });
     t.after(() => void child.kill('SIGKILL'));
     const trusted = new Agent({ connect: { ca: readFileSync(join(dir, 'ca.crt')) } });
@@ -233,7 +234,15 @@ describe('TLS for clients', () => {
     const streamed = await secure.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: 'hi' }], max_tokens: 3, n: 2, stream: true });
     let chunks = 0;
     for await (const _ of streamed) chunks++;
-    assert.ok(chunks > 0, 'a fanned-out stream over HTTPS (loopback sub-requests over HTTPS too)');
+    assert.ok(chunks > 0, 'a fanned-out stream over HTTPS (loopback sub-requests over HTTPS too, not admitted twice)');
+    // Admission: the key's bucket (burst 2) is empty: the third generation request is a 429 with retry-after.
+    const limited = await secure.completions.create({ model: 'pdserve', prompt: 'one more', max_tokens: 2 }).then(
+      () => null,
+      (e: unknown) => e,
+    );
+    assert.ok(limited instanceof OpenAI.RateLimitError, `rate limited: ${String(limited)}`);
+    assert.equal(limited.code, 'rate_limited');
+    assert.ok(Number(limited.headers?.get('retry-after')) >= 1);
     const untrusted = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 10_000 });
     await assert.rejects(untrusted.models.list(), (e: unknown) => e instanceof OpenAI.APIConnectionError);
     await assert.rejects(fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(3000) }), 'plain HTTP is not served');
