@@ -87,7 +87,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'top_p', endpoints: BOTH, status: 'honoured', notes: '(0, 1]', schema: z.number().gt(0).max(1) },
   { name: 'top_k', endpoints: BOTH, status: 'honoured', notes: 'vLLM/SGLang: -1 or 0 = off', schema: z.number().int().min(-1).max(MAX_INT32) },
   { name: 'min_p', endpoints: BOTH, status: 'honoured', notes: 'vLLM: [0, 1]; 0 = off', schema: z.number().min(0).max(1) },
-  { name: 'seed', endpoints: BOTH, status: 'honoured', notes: 'same seed, same settings, same output (in --deterministic mode also under load)', schema: z.number().int().min(Number.MIN_SAFE_INTEGER).max(Number.MAX_SAFE_INTEGER) },
+  { name: 'seed', endpoints: BOTH, status: 'honoured', notes: 'same seed, same settings, same output (in --deterministic mode also under load); any safe integer, reduced modulo 2^32 − 1 on every path, so 4294967295 (llama.cpp\'s "random seed" value) ≡ 0. A request migrated after a worker failure (docs/MIGRATION.md) at temperature > 0 restarts its random stream at the migration point', schema: z.number().int().min(Number.MIN_SAFE_INTEGER).max(Number.MAX_SAFE_INTEGER) },
   { name: 'presence_penalty', endpoints: BOTH, status: 'honoured', notes: '[-2, 2], over the generated tokens', schema: z.number().min(-2).max(2) },
   { name: 'frequency_penalty', endpoints: BOTH, status: 'honoured', notes: '[-2, 2], over the generated tokens', schema: z.number().min(-2).max(2) },
   {
@@ -177,7 +177,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'prediction', endpoints: CHAT, status: 'refused', notes: 'predicted outputs are not supported', schema: z.record(z.unknown()), refuse: refusedAny('prediction is not supported') },
   { name: 'web_search_options', endpoints: CHAT, status: 'refused', notes: 'not supported', schema: z.record(z.unknown()), refuse: refusedAny('web_search_options is not supported') },
   { name: 'priority', endpoints: BOTH, status: 'partial', notes: 'vLLM; 0 only (FIFO scheduling)', schema: z.number().int(), refuse: notDefault(0, 'priority scheduling is not supported (only 0)') },
-  { name: 'request_id', endpoints: BOTH, status: 'refused', notes: 'vLLM; pdserve assigns the id (x-request-id)', schema: z.string(), refuse: refusedAny('request_id is not supported: pdserve assigns the id (see the x-request-id header)') },
+  { name: 'request_id', endpoints: BOTH, status: 'honoured', notes: "vLLM; the client's label for the request (≤ 128 characters): kept in its router trace (`GET /debug/traces/<id>`, `doctor --request`); the response id and the workers' rids stay pdserve's own, so reused ids never collide", schema: z.string().max(128) },
   { name: 'logits_processors', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.unknown()), refuse: emptyOk('logits_processors are not supported') },
   { name: 'vllm_xargs', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.record(z.unknown()), refuse: emptyOk('vllm_xargs is not supported') },
   { name: 'cache_salt', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.string(), refuse: refusedAny('cache_salt is not supported') },

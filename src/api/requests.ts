@@ -20,7 +20,7 @@ function chatMessageOf(m: NonNullable<GenerateRequest['messages']>[number]): Cha
  * Worker sampling_params → engine SamplingParams. An absent max_new_tokens becomes 0, which the
  * engine reads as "the rest of the context" (see `fitSampling`).
  */
-export function samplingFromWire(s: GenerateRequest['sampling_params']): SamplingParams {
+export function samplingFromWire(s: GenerateRequest['sampling_params'], resumed?: readonly number[]): SamplingParams {
   const out: SamplingParams = {
     temperature: s.temperature,
     topP: s.top_p,
@@ -40,6 +40,7 @@ export function samplingFromWire(s: GenerateRequest['sampling_params']): Samplin
   if (s.grammar) out.grammar = s.grammar;
   if (s.logprobs !== undefined) out.logprobs = s.logprobs;
   if (s.echo) out.echo = true;
+  if (resumed && resumed.length > 0) out.resumed = resumed;
   return out;
 }
 

@@ -140,6 +140,14 @@ export const GenerateRequestSchema = z
     local_prefill: z.object({ max_tokens: z.number().int().min(1).max(1 << 20) }).strict().optional(),
     /** The router's conversation key (router/policy/affinity.ts): decode's KV events name kept sequences by it. */
     conversation_key: z.string().min(1).max(300).optional(),
+    /**
+     * Migration (pdserve's extension; prefill and decode): the tokens an earlier attempt of this
+     * request generated and the client already has. Prefill evaluates them after the prompt and
+     * samples the next token; both sides count them as generated in every sampler state
+     * (penalties, grammar, min_tokens, max_new_tokens, stop strings) and in `completion_tokens`,
+     * and `prompt_tokens` stays the prompt's; they are never streamed again.
+     */
+    resume_token_ids: z.array(z.number().int().min(0)).min(1).max(1 << 20).optional(),
     bootstrap_host: z.string().min(1).max(255),
     bootstrap_port: z.number().int().min(1).max(65535),
     /** Decimal string or number (63-bit from the router; any u64 accepted), canonicalised by parseRoomId ("007" → "7"). */
@@ -157,6 +165,9 @@ export const GenerateRequestSchema = z
   })
   .refine((b) => b.bootstrap_rooms === undefined || (b.bootstrap_rooms[0] === b.bootstrap_room && new Set(b.bootstrap_rooms).size === b.bootstrap_rooms.length), {
     message: 'bootstrap_rooms must be distinct and start with bootstrap_room',
+  })
+  .refine((b) => b.resume_token_ids === undefined || (b.bootstrap_rooms === undefined && b.local_prefill === undefined), {
+    message: 'resume_token_ids is for a single-room PD request (not with bootstrap_rooms or local_prefill)',
   });
 export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
 

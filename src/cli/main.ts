@@ -355,6 +355,8 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
+    .option('--migration-limit <n>', 'most re-dispatches of one request after a worker failure, before output (retry) or after (migration: prompt + tokens sent go to another pair); see docs/MIGRATION.md', int, 3)
+    .option('--worker-wait-ms <ms>', 'a request finding no healthy worker of a role waits this long for one (inside its deadline; 0 = 503 at once)', int, 20_000)
     .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices([...POLICY_NAMES]).default('cache_aware'))
     .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
@@ -375,7 +377,7 @@ export async function runCli(argv: string[]): Promise<void> {
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

@@ -514,7 +514,7 @@ export class DecodeWorker {
     const job: Job = {
       room,
       rid: body.rid,
-      sampling: local?.sampling ?? samplingFromWire(body.sampling_params),
+      sampling: local?.sampling ?? samplingFromWire(body.sampling_params, body.resume_token_ids),
       skipFirst: !local && body.first_token_from_prefill,
       host: body.bootstrap_host,
       port: body.bootstrap_port,
@@ -567,7 +567,9 @@ export class DecodeWorker {
     const res = reply.raw;
     reply.hijack();
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: connectionHeader(res) });
-    const out = new DecodeSseWriter(res, { rid: job.rid, promptTokens: start.promptTokens, cachedTokens: start.cachedTokens }, this.config.timeouts.transferIdleMs);
+    // A migrated request's loaded state also holds its resumed tokens: completion tokens, counted on.
+    const resumed = job.sampling.resumed?.length ?? 0;
+    const out = new DecodeSseWriter(res, { rid: job.rid, promptTokens: start.promptTokens - resumed, cachedTokens: start.cachedTokens }, this.config.timeouts.transferIdleMs);
     this.prefixMetrics.requestsByPath.inc({ path: job.local ? 'decode_local' : 'pd' });
     let n = 0;
     const gen = job.slot!.generate(start.firstToken, job.sampling, job.ac.signal);
@@ -576,6 +578,7 @@ export class DecodeWorker {
     try {
       let finish: 'stop' | 'length' | 'abort' = 'abort';
       for (;;) {
+        if (holdsEnabled) await hold('decode.step', job.ac.signal);
         const r = await gen.next();
         if (r.done) {
           finish = r.value;
@@ -585,11 +588,11 @@ export class DecodeWorker {
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
-        out.token(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, n);
+        out.token(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, resumed + n);
         const ok = out.writable();
         if (ok !== true && !(await ok)) job.ac.abort();
       }
-      out.finish(n, finish);
+      out.finish(resumed + n, finish);
       if (finish !== 'abort' && prompt && job.conversationKey) this.kvTracker?.noteFinished(job.conversationKey, [...prompt, ...ids], prompt.length);
     } catch (err) {
       out.error(toApiError(err));

@@ -50,7 +50,9 @@ export async function requestReport(routerUrl: string, id: string, timeoutMs = 3
   const trace = tr.ok ? tr.body : null;
   if (!trace) notes.push(tr.status === 404 ? `the router has no trace for ${id} (it keeps the most recent requests only); searching the workers' rooms` : `router: GET /debug/traces: ${tr.error}`);
   if (!workers.ok) notes.push(`router: GET /workers: ${workers.error}`);
-  const matches = (r: RoomInfo) => r.room === id || r.rid === id || r.trace === id || (trace !== null && (r.room === trace.room || r.rid === trace.rid));
+  // Every attempt of the request: its rooms, and the workers' rids `<rid>` / `<rid>-a<n>`.
+  const ofTrace = (r: RoomInfo) => trace !== null && (r.room === trace.room || (trace.rooms ?? []).includes(r.room) || r.rid === trace.rid || (typeof r.rid === 'string' && r.rid.startsWith(`${trace.rid}-a`)));
+  const matches = (r: RoomInfo) => r.room === id || r.rid === id || r.trace === id || ofTrace(r);
   const rooms: RequestReport['rooms'] = [];
   let clock: number = Date.now();
   await Promise.all(

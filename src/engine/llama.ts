@@ -332,11 +332,12 @@ class Lease implements Slot {
   async prefill(tokens: number[], sampling: SamplingParams, signal: AbortSignal, choices = 1): Promise<PrefillResult> {
     const { contextSize, batchSize } = this.engine.info.compat;
     if (tokens.length < 1) throw new EngineError('EMPTY_PROMPT', 'the prompt has no tokens');
-    if (tokens.length >= contextSize || tokens.length + sampling.maxTokens > contextSize) {
+    const resumed = sampling.resumed ?? [];
+    if (tokens.length >= contextSize || tokens.length + sampling.maxTokens > contextSize || resumed.length >= Math.max(1, sampling.maxTokens || contextSize - tokens.length)) {
       throw new EngineError('PROMPT_TOO_LONG', `prompt (${tokens.length} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size ${contextSize}`);
     }
     const nVocab = this.engine.info.nVocab;
-    for (const t of tokens) {
+    for (const t of resumed.length ? [...tokens, ...resumed] : tokens) {
       if (!Number.isInteger(t) || t < 0 || t >= nVocab) throw new EngineError('INVALID_TOKEN', `token ${t} is outside the vocabulary (${nVocab})`);
     }
     const grammar = await this.engine.grammars.get(sampling.grammar);
@@ -372,10 +373,26 @@ class Lease implements Slot {
       aborted();
     }
     await this.engine.gate();
-    const last = tokens.slice(i) as Token[];
+    let last = tokens.slice(i) as Token[];
     let first: number | undefined;
     let probabilities: Map<Token, number> | undefined;
     const sampler = new RequestSampler(this.engine.model, sampling, tokens, grammar, this.engine.eogTokens, this.engine.toolSyntax);
+    if (resumed.length > 0) {
+      // A migrated request: the prompt's last chunk, then the tokens generated before, one per
+      // call as generation evaluated them (batch shapes change llama.cpp's sums); the sampler
+      // accepts each as generated. The next token is sampled after the last of them.
+      await seq.evaluateWithoutGeneratingNewTokens(last);
+      aborted();
+      for (const t of resumed.slice(0, -1)) {
+        await this.engine.gate();
+        await seq.evaluateWithoutGeneratingNewTokens([t as Token]);
+        aborted();
+        sampler.accept(t, true);
+      }
+      await this.engine.gate();
+      last = [resumed[resumed.length - 1]! as Token];
+      sampler.accept(last[0]!, true);
+    }
     const wantLogprobs = sampling.logprobs !== undefined;
     // Sampled requests draw their first token(s) themselves from llama.cpp's final distribution
     // (drawToken): one evaluation then gives n first tokens (n > 1), each with its own seed.
@@ -387,7 +404,8 @@ class Lease implements Slot {
     }
     if (first === undefined) throw new Error('llama.cpp sampled no token');
     holder.exactPrefix = exactPrefixAfterPrompt(tokens.length, cache.align);
-    holder.valid = true;
+    // The resumed tokens were evaluated one per call, not as a cold prompt's chunks: not a cache entry.
+    holder.valid = resumed.length === 0;
     const picks: FirstToken[] = [];
     for (let c = 0; c < Math.max(1, choices); c++) {
       const tok = draw && probabilities ? drawToken(probabilities, choiceSeed(sampling.seed, c)) : first;
@@ -395,7 +413,7 @@ class Lease implements Slot {
       if (wantLogprobs && probabilities) pick.firstLogprob = logprobOf(this.engine.model, tok, probabilities, sampling.logprobs!);
       picks.push(pick);
     }
-    const res: PrefillResult = { promptTokens: tokens.length, cachedTokens: reuse, ...(tier ? { cacheTier: tier } : {}), ...picks[0]!, choices: picks };
+    const res: PrefillResult = { promptTokens: tokens.length + resumed.length, cachedTokens: reuse, ...(tier ? { cacheTier: tier } : {}), ...picks[0]!, choices: picks };
     return res;
   }
 
@@ -477,13 +495,16 @@ class Lease implements Slot {
    */
   private stepper(seq: LlamaContextSequence, sampling: SamplingParams): (tok: number) => { out: GeneratedToken; end?: FinishReason } {
     const model = this.engine.model;
-    const text = new TextStream((toks, last) => model.detokenize(toks as Token[], false, last as Token[]), sampling.stop, seq.contextTokens);
-    // 0 = the rest of the context (the sequence holds exactly the prompt here)
-    const maxTokens = Math.max(1, sampling.maxTokens || this.engine.info.compat.contextSize - seq.contextTokens.length);
+    // The sequence holds the prompt here, plus the resumed tokens of a migrated request.
+    const resumed = sampling.resumed ?? [];
+    const prompt = resumed.length ? seq.contextTokens.slice(0, seq.contextTokens.length - resumed.length) : seq.contextTokens;
+    const text = new TextStream((toks, last) => model.detokenize(toks as Token[], false, last as Token[]), sampling.stop, prompt);
+    // 0 = the rest of the context
+    const maxTokens = Math.max(1, sampling.maxTokens || this.engine.info.compat.contextSize - prompt.length);
     const minTokens = sampling.minTokens ?? 0;
     const stopIds = new Set(sampling.stopTokenIds ?? []);
-    // echo: the prompt's text (the sequence holds exactly the prompt here) before token 1's text
-    let echo = sampling.echo ? this.engine.detokenize(seq.contextTokens) : '';
+    // echo: the prompt's text before token 1's text
+    let echo = sampling.echo ? this.engine.detokenize(prompt) : '';
     let count = 0;
     const step = (tok: number): { out: GeneratedToken; end?: FinishReason } => {
       count++;
@@ -499,7 +520,7 @@ class Lease implements Slot {
       }
       return { out: { token: tok, text: t } };
     };
-    return (tok: number) => {
+    const emit = (tok: number) => {
       const r = step(tok);
       if (echo) {
         r.out.text = echo + r.out.text;
@@ -507,6 +528,10 @@ class Lease implements Slot {
       }
       return r;
     };
+    // A migrated request's earlier tokens: the client has their text; replayed for the text state
+    // (held-back stop-string prefixes, SentencePiece context), the count and echo, not emitted.
+    for (const t of resumed) if (emit(t).end) throw new EngineError('INVALID_TOKEN', 'the resumed tokens already end the generation');
+    return emit;
   }
 
   async firstOutput(firstToken: number, sampling: SamplingParams): Promise<GeneratedToken & { end?: FinishReason }> {
@@ -520,8 +545,12 @@ class Lease implements Slot {
     const seq = await this.ready();
     const step = this.stepper(seq, sampling);
     // Rebuilt from the prompt (the sequence holds exactly the prompt here, colocated or after
-    // the state load) plus the first token: identical in PD and colocated runs.
-    const sampler = new RequestSampler(this.engine.model, sampling, seq.contextTokens, grammar, this.engine.eogTokens, this.engine.toolSyntax);
+    // the state load; plus the resumed tokens of a migrated request, accepted as generated) plus
+    // the first token: identical in PD and colocated runs.
+    const resumed = sampling.resumed ?? [];
+    const prompt = resumed.length ? seq.contextTokens.slice(0, seq.contextTokens.length - resumed.length) : seq.contextTokens;
+    const sampler = new RequestSampler(this.engine.model, sampling, prompt, grammar, this.engine.eogTokens, this.engine.toolSyntax);
+    for (const t of resumed) sampler.accept(t, true);
     if (signal.aborted) return 'abort';
     let r = step(firstToken);
     yield r.out;
@@ -550,8 +579,9 @@ class Lease implements Slot {
         }
       }
     } finally {
-      // A generation cut short (abort, error, consumer gone) does not leave a cache entry.
-      if (!ended) this.holder.valid = false;
+      // A generation cut short (abort, error, consumer gone) does not leave a cache entry, nor
+      // does a resumed one (its earlier tokens were evaluated as a prompt's, by prefill).
+      if (!ended || resumed.length > 0) this.holder.valid = false;
       await it.return();
     }
   }

@@ -141,7 +141,7 @@ export class RequestSampler {
       topK: s.topK,
       topP: s.topP,
       // node-llama-cpp would default to the current second: concurrent requests would share it.
-      seed: s.seed ?? randomInt(0, 0xffffffff),
+      seed: s.seed !== undefined ? seedOf(s.seed) : randomInt(0, 0xffffffff),
       yieldEogToken: true,
     };
     if ((s.minP ?? 0) > 0) opts.minP = s.minP;
@@ -193,13 +193,28 @@ export function logprobOf(model: LlamaModel, token: number, probabilities: Map<T
   return { token: text(token), logprob: lp(probabilities.get(token as Token)), top: alts };
 }
 
+/** llama.cpp's LLAMA_DEFAULT_SEED: a sampler given this u32 seed draws a random one instead. */
+const LLAMA_RANDOM_SEED = 0xffffffff;
+
+/**
+ * The one seed rule of every path (prefill's first-token draw, llama.cpp's sampler on decode and
+ * colocated): a request's integer `seed` (any safe integer) becomes its residue modulo
+ * 2^32 − 1, in [0, 2^32 − 2] — a u32 (llama.cpp's seed type) that is never 4294967295
+ * (LLAMA_DEFAULT_SEED, which llama.cpp reads as "pick a random seed"). So 4294967295 ≡ 0, and
+ * consecutive seeds (n > 1: seed + i) stay distinct across the wrap.
+ */
+export function seedOf(seed: number): number {
+  const m = LLAMA_RANDOM_SEED;
+  return ((seed % m) + m) % m;
+}
+
 /**
  * Seed of choice `index` of a request with `seed` (n > 1: choice i uses seed + i, as a single
  * request with seed + i; OpenAI/vLLM give no rule, this one makes each choice reproducible on
- * its own). No seed → a random one per choice. Kept in u32 (llama.cpp's seed type).
+ * its own). No seed → a random one per choice. Through `seedOf`, as every seed.
  */
 export function choiceSeed(seed: number | undefined, index: number): number {
-  return seed === undefined ? randomInt(0, 0xffffffff) : (seed + index) >>> 0;
+  return seed === undefined ? randomInt(0, 0xffffffff) : seedOf(seed + index);
 }
 
 /**

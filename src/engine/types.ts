@@ -50,6 +50,15 @@ export interface SamplingParams {
    * same grammar from it, decode advances it over the first token received from prefill.
    */
   grammar?: GrammarSpec;
+  /**
+   * Tokens this request already generated in an earlier attempt whose client has them (the
+   * router migrated it after a worker failed). `prefill` evaluates them after the prompt, one per
+   * llama.cpp call as generation did, and samples the next token; every sampler state counts
+   * them as generated (penalties, grammar, min_tokens, maxTokens, stop strings' text, echo), so
+   * the continuation is the one an uninterrupted run gives. Never emitted again. The sequence
+   * then holds prompt + these tokens.
+   */
+  resumed?: readonly number[];
 }
 
 /**

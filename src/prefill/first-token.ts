@@ -22,9 +22,12 @@ import type { GeneratedToken, FinishReason } from '../engine/types.js';
 
 const NO_FIRST = Symbol('no first token');
 
-/** The first-token event prefill streams: token 1's output exactly as decode would have emitted it. */
-export function firstTokenEvent(rid: string, promptTokens: number, out: GeneratedToken & { end?: FinishReason }, cachedTokens = 0): GenerateEvent {
-  return tokenEvent(out, { id: rid, prompt_tokens: promptTokens, cached_tokens: cachedTokens, completion_tokens: 1, finish_reason: out.end ? { type: out.end } : null });
+/**
+ * The first-token event prefill streams: token 1's output exactly as decode would have emitted it
+ * (token `resumed` + 1 of a migrated request, whose `resumed` earlier tokens the client has).
+ */
+export function firstTokenEvent(rid: string, promptTokens: number, out: GeneratedToken & { end?: FinishReason }, cachedTokens = 0, resumed = 0): GenerateEvent {
+  return tokenEvent(out, { id: rid, prompt_tokens: promptTokens, cached_tokens: cachedTokens, completion_tokens: resumed + 1, finish_reason: out.end ? { type: out.end } : null });
 }
 
 /**

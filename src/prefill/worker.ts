@@ -302,7 +302,7 @@ export class PrefillWorker {
     let sampling: SamplingParams;
     try {
       tokens = await tokenizeRequestOffLoop(this.engine, this.tokenizer, body);
-      sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
+      sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params, body.resume_token_ids));
       await checkSampling(this.engine, sampling);
     } catch (err) {
       return sendError(reply, toApiError(err));
@@ -411,7 +411,9 @@ export class PrefillWorker {
       for (let i = 0; i < comp.rooms.length; i++) {
         const job = this.jobs.get(comp.rooms[i]!);
         const pick = r.choices[i]!;
-        if (job?.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens, { ...(await slot.firstOutput(pick.firstToken, comp.sampling)), logprob: pick.firstLogprob }, r.cachedTokens));
+        // A migrated request's state also holds its resumed tokens: they count as completion tokens.
+        const resumed = comp.sampling.resumed?.length ?? 0;
+        if (job?.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens - resumed, { ...(await slot.firstOutput(pick.firstToken, comp.sampling)), logprob: pick.firstLogprob }, r.cachedTokens, resumed));
       }
       await hold('prefill.save', signal);
       if (signal.aborted) return { ok: false, aborted: true };

@@ -15,6 +15,9 @@
  *     bodyLimit = 4 MiB, maxEventBytes = 1 MiB (largest SSE event accepted from decode),
  *     firstTokenFromPrefill = true (prefill streams token 1 before the KV handoff; false: decode
  *       streams every token and prefill answers once with JSON),
+ *     migrationLimit = 3 (re-dispatches of one request after retryable failures, before or
+ *       after output: ./attempts.ts), workerWaitMs = 20000 (wait for a healthy worker of a role
+ *       that has none, inside the deadline; 0 = 503 at once),
  *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
  *       decodePolicy = 'least_load' (same choices; cache_aware enables decode-local
  *       continuation up to localPrefillMaxTokens = 256 uncached tokens, 0 = off), with cache_aware's
@@ -79,6 +82,8 @@ export const RouterConfigSchema = z
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
     firstTokenFromPrefill: z.boolean().default(true),
+    migrationLimit: z.number().int().min(0).max(16).default(3),
+    workerWaitMs: z.number().int().min(0).default(20_000),
     policy: z.enum(POLICY_NAMES).default('cache_aware'),
     decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
     /**
@@ -150,6 +155,10 @@ export interface RouterConfig {
   readonly maxEventBytes: number;
   /** Stream the first token from prefill before the KV handoff (default true). */
   readonly firstTokenFromPrefill: boolean;
+  /** Most times one request is dispatched again after a retryable failure, before or after output (./attempts.ts). */
+  readonly migrationLimit: number;
+  /** Longest wait (ms, inside the request's deadline) for a healthy worker of a role that has none; 0 = answer 503 at once. */
+  readonly workerWaitMs: number;
   /** Load-balancing policy of prefill workers (policy/index.ts; they hold the prefix cache); cache_aware by default. */
   readonly policy: PolicyName;
   /**

@@ -32,15 +32,15 @@
  * same pair. Everything else (deadline, aborts, leases, finish) is the same code. A successful
  * response names its path in the `x-pdserve-path` header (pd | decode_local).
  *
- * Drain: a worker that answers 503 `draining` (../common/drain.ts), cannot be connected to at
- * all (a worker that just died: marked unreachable), or closes/resets the connection before its
- * response headers (a pooled keep-alive socket the worker closed as it finished draining: undici's
- * "other side closed"; or a worker that died holding the request), before anything was sent to the
- * client makes the request end with `redispatch = true` instead of an error (when the caller
- * allowed it): nothing is sent to the client, the other leg is aborted (its room ends by
- * /abort_request, the new attempt has a new room), and the caller runs a new `PdRequest` on
- * another pair (at most MAX_DISPATCHES in all, so a request that kills workers is not retried
- * without end). Like Envoy's `retry_on: reset` (before the response headers only).
+ * Attempts (./attempts.ts): this class is one attempt. A leg that fails with an error the
+ * attempt's `decide` function (./attempts.ts `nextStep`) says may run again — a 5xx or transport
+ * failure of either worker, `draining` (the worker is marked draining), a refused or reset
+ * connection (a worker that just died: marked unreachable) — ends the attempt with `next` =
+ * 'retry' (no output yet) or 'migrate' (the client has output) and `cause` set instead of an
+ * error: nothing is sent to the client, the other leg is aborted (its room ends by
+ * /abort_request) and the caller runs a new attempt on another pair, through the same
+ * `ClientReply` (response builder, SSE stream, tokens sent, deadline). The workers' rid of attempt
+ * n > 1 is `<rid>-a<n>`; the response id stays `<rid>`.
  */
 import { redactedForClient } from '../common/redact.js';
 import { DRAINING_CODE } from '../common/drain.js';
@@ -59,7 +59,7 @@ import type { Outcome, RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
 import { randomHex, randomU64 } from './random-pool.js';
-import { describeError, isConnectionClosed, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
+import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
 export const LINGER_MS = 2000;
@@ -77,6 +77,9 @@ export const randomRoom = (): RoomId => newRoomId(randomU64);
 export function newRid(kind: 'completion' | 'chat'): string {
   return `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomHex(12)}`;
 }
+
+/** The attempt decision for a failed leg: `err`, and whether the client already has output. */
+export type Decide = (err: ApiError, output: boolean) => 'retry' | 'migrate' | 'fail';
 
 /** Everything a request needs from its router. */
 export interface DispatchContext {
@@ -135,14 +138,58 @@ export function workerError(role: LegName, status: number, text: string): ApiErr
 }
 
 /**
- * One generation request from dispatch to its last byte. Construct, then `await run()`;
- * `run()` never rejects.
+ * What one client request keeps across its attempts (./attempts.ts): the response being built,
+ * the client's SSE stream once open, the token ids the client has (or will get with the
+ * response), the end-to-end deadline and the latency stamps. One per client request; each
+ * `PdRequest` (one attempt) writes through it, so a retried or migrated attempt continues the
+ * same response.
+ */
+export class ClientReply {
+  readonly builder: OpenAIResponseBuilder;
+  /** The client's SSE stream, once the first chunk was written (stream requests). */
+  writer: SseWriter | null = null;
+  /** Token ids of every event applied to `builder`, in order: what a migrated attempt resumes after. */
+  readonly tokenIds: number[] = [];
+  readonly t0 = performance.now();
+  /** performance.now() at which the request's deadline (requestTimeoutMs) expires. */
+  readonly deadlineAt: number;
+  firstTokenAt = 0;
+  lastTokenAt = 0;
+  /** Attempts started so far (1 for the first); attempt n > 1 sends the workers rid `<rid>-a<n>`. */
+  attempt = 0;
+
+  constructor(
+    readonly rid: string,
+    parsed: ParsedRequest,
+    model: string,
+    timeoutMs: number,
+  ) {
+    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
+    this.deadlineAt = this.t0 + timeoutMs;
+  }
+
+  /** The workers' rid of the current attempt: unique per attempt, so a worker still holding an earlier attempt's room never sees a duplicate. */
+  get workerRid(): string {
+    return this.attempt > 1 ? `${this.rid}-a${this.attempt}` : this.rid;
+  }
+}
+
+/**
+ * One attempt of a generation request, from dispatch to its last byte or its failure. Construct,
+ * then `await run()`; `run()` never rejects. A failure that ./attempts.ts may retry or migrate
+ * ends the attempt with `next` set and nothing sent to the client.
  */
 export class PdRequest {
   readonly room = randomRoom();
+  /** The response id (the client's rid, the same for every attempt). */
+  readonly rid: string;
   outcome: Outcome | null = null;
-  /** A worker refused with `draining` before any output: run the request again on another pair. */
-  redispatch = false;
+  /** The attempt failed and may be run again (see ./attempts.ts `nextStep`): retry (no output yet) or migrate (the client has output). */
+  next: 'retry' | 'migrate' | null = null;
+  /** The error the attempt failed with (why `next` is set, or what the client got). */
+  cause: ApiError | null = null;
+  /** The workers' rid of this attempt. */
+  readonly workerRid: string;
   /** Decode-local attempt answered `needs_prefill` before any output: run it on the PD path. */
   fallback = false;
   /** Serving path, for metrics and logs. */
@@ -150,20 +197,15 @@ export class PdRequest {
   private phase: 'waiting' | 'streaming' | 'finished' = 'waiting';
   private readonly parentLog: Logger;
   private roomLog: Logger | null = null;
-  private readonly builder: OpenAIResponseBuilder;
   /** The prefill leg is absent on the decode-local path. */
   private readonly legs: { prefill?: Leg; decode: Leg };
   private readonly body: string;
-  private writer: SseWriter | null = null;
   private deadline: NodeJS.Timeout | null = null;
-  private readonly t0 = performance.now();
-  private firstTokenAt = 0;
   /** Events written from decode (a prefill error after one is ignored: the handoff succeeded). */
   private decodeEvents = 0;
   /** Opens once prefill's first-token event has been handled (or the request is over). */
   private firstGateOpen!: () => void;
   private readonly firstGate = new Promise<void>((r) => (this.firstGateOpen = r));
-  private lastTokenAt = 0;
   private status = 200;
   private resolveDone!: () => void;
   private readonly done = new Promise<void>((r) => (this.resolveDone = r));
@@ -173,15 +215,15 @@ export class PdRequest {
 
   constructor(
     private readonly ctx: DispatchContext,
-    readonly rid: string,
+    /** The request's state across attempts; its rid is the response id. */
+    private readonly client: ClientReply,
     private readonly parsed: ParsedRequest,
     private readonly reply: FastifyReply,
     prefill: WorkerState,
     decode: WorkerState,
     log: Logger,
-    model: string,
-    /** May this attempt end with `redispatch` (see the module doc)? False on the last attempt. */
-    private readonly mayRedispatch = false,
+    /** What a failed leg leads to (./attempts.ts `nextStep` with the request's budget); null = always fail (the last attempt). */
+    private readonly decide: Decide | null = null,
     /** Decode-local continuation: send to decode alone, decode evaluates ≤ maxTokens uncached tokens. */
     local?: { maxTokens: number },
     /** n > 1: this request is choice `index` of a group sharing one prefill computation (choices.ts). */
@@ -203,12 +245,16 @@ export class PdRequest {
     this.path = local ? 'decode_local' : 'pd';
     this.legs = local ? { decode: leg('decode', decode) } : { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
     this.parentLog = log;
-    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
+    this.rid = client.rid;
+    this.workerRid = client.workerRid;
+    if (client.writer) this.phase = 'streaming';
     const firstTokenFromPrefill = !local && ctx.config.firstTokenFromPrefill;
     this.body = JSON.stringify({
-      ...toWorkerRequest(parsed, { rid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill }),
+      ...toWorkerRequest(parsed, { rid: this.workerRid, bootstrapHost: prefill.bootstrapHost!, bootstrapPort: prefill.bootstrapPort!, bootstrapRoom: this.room, firstTokenFromPrefill }),
       ...(local ? { local_prefill: { max_tokens: local.maxTokens } } : {}),
-      trace_id: ctx.observe?.traceOf(rid),
+      // A migrated attempt: the tokens the client already has (./attempts.ts).
+      ...(client.tokenIds.length > 0 ? { resume_token_ids: client.tokenIds } : {}),
+      trace_id: ctx.observe?.traceOf(this.rid),
     });
     if (!firstTokenFromPrefill) this.firstGateOpen();
   }
@@ -233,7 +279,7 @@ export class PdRequest {
     this.reply.raw.on('close', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
-      config.requestTimeoutMs,
+      Math.max(0, this.client.deadlineAt - performance.now()),
     );
     if (holdsEnabled) await hold('router.dispatch');
     if (!this.over) {
@@ -246,7 +292,7 @@ export class PdRequest {
       void this.runDecode();
       if (this.legs.prefill) void this.runPrefill(this.legs.prefill);
     }
-    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path });
+    this.ctx.observe?.event(this.rid, 'dispatched', { room: this.room, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, attempt: this.client.attempt, worker_rid: this.workerRid, resumed_tokens: this.client.tokenIds.length });
     this.debug({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, path: this.path, stream: this.parsed.stream }, 'dispatching');
     await this.done;
   }
@@ -258,7 +304,7 @@ export class PdRequest {
 
   /** The generated text so far (the whole reply once the request finished ok). */
   get generatedText(): string {
-    return this.builder.text;
+    return this.client.builder.text;
   }
 
   private get over(): boolean {
@@ -294,7 +340,7 @@ export class PdRequest {
         return;
       }
       if (err instanceof ApiError) return this.legFailed(leg, err);
-      this.legFailed(leg, this.transportError(leg, err), !leg.answered && isConnectionClosed(err));
+      this.legFailed(leg, this.transportError(leg, err));
     } finally {
       this.settle(leg);
     }
@@ -478,7 +524,7 @@ export class PdRequest {
         return;
       }
       if (leg.ac.signal.aborted) return;
-      this.legFailed(leg, this.transportError(leg, err), !leg.answered && isConnectionClosed(err));
+      this.legFailed(leg, this.transportError(leg, err));
     } finally {
       this.settle(leg);
     }
@@ -486,65 +532,59 @@ export class PdRequest {
 
   /** A decode event: metrics, translation, write to the client; completes on the finish event. */
   private async onEvent(ev: GenerateEvent): Promise<void> {
-    const chunks = this.builder.push(ev); // throws ApiError on malformed / aborted events
+    const client = this.client;
+    const chunks = client.builder.push(ev); // throws ApiError on malformed / aborted events
     const now = performance.now();
     const n = Array.isArray(ev.token_ids) ? ev.token_ids.length : 0;
     if (n > 0) {
-      if (this.firstTokenAt === 0) {
-        this.firstTokenAt = now;
-        this.ctx.metrics.ttft.observe((now - this.t0) / 1000);
+      for (const t of ev.token_ids) client.tokenIds.push(t);
+      if (client.firstTokenAt === 0) {
+        client.firstTokenAt = now;
+        this.ctx.metrics.ttft.observe((now - client.t0) / 1000);
         this.ctx.observe?.event(this.rid, 'first_token');
       } else {
-        const per = (now - this.lastTokenAt) / 1000 / n;
+        const per = (now - client.lastTokenAt) / 1000 / n;
         for (let i = 0; i < n; i++) this.ctx.metrics.itl.observe(per);
       }
-      this.lastTokenAt = now;
+      client.lastTokenAt = now;
     }
     if (this.parsed.stream) {
       if (this.phase === 'waiting') this.openStream();
       for (const c of chunks) {
-        await this.writer!.write(c);
+        await client.writer!.write(c);
         if (this.over) return;
       }
     }
-    if (this.builder.finished) await this.complete();
+    if (client.builder.finished) await this.complete();
   }
 
   private openStream(): void {
     this.reply.hijack();
-    this.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path } });
+    this.client.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path } });
     this.reply.raw.socket?.setNoDelay(true); // each token leaves at once (no Nagle wait for an ACK)
-    this.writer.open(200);
+    this.client.writer.open(200);
     this.phase = 'streaming';
   }
 
   /** The finish event arrived: end the client response. */
   private async complete(): Promise<void> {
+    const { builder, writer } = this.client;
     if (this.parsed.stream) {
-      for (const c of this.builder.tail()) await this.writer!.write(c);
-      await this.writer!.write(SSE_DONE);
+      for (const c of builder.tail()) await writer!.write(c);
+      await writer!.write(SSE_DONE);
       if (this.over) return;
-      this.writer!.end();
+      writer!.end();
     } else {
-      void this.reply.code(200).header('x-request-id', this.rid).header('x-pdserve-path', this.path).send(this.builder.response());
+      void this.reply.code(200).header('x-request-id', this.rid).header('x-pdserve-path', this.path).send(builder.response());
     }
     this.finish('ok');
   }
 
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
-  private legFailed(leg: Leg, err: ApiError, closedBeforeAnswer = false): void {
+  private legFailed(leg: Leg, err: ApiError): void {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
-    if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.phase === 'waiting' && this.builder.events === 0) {
+    if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.phase === 'waiting' && this.client.builder.events === 0) {
       this.fallback = true;
-      this.finish('error');
-      return;
-    }
-    // Safe to run again elsewhere: the worker refused as draining, was never connected to
-    // (connection refused / unreachable: it has not seen the request), or closed the connection
-    // before answering; nothing was sent yet, and finish() aborts the other leg.
-    const neverStarted = closedBeforeAnswer || err.code === DRAINING_CODE || err.code === `${leg.name}_unreachable`;
-    if (neverStarted && this.mayRedispatch && this.phase === 'waiting' && this.builder.events === 0) {
-      this.redispatch = true;
       this.finish('error');
       return;
     }
@@ -554,6 +594,14 @@ export class PdRequest {
     }
     if (leg.name === 'prefill' && this.decodeEvents > 0) {
       this.log.warn({ worker: leg.worker.url, status: err.status, err: err.message }, 'prefill reported an error after decode started generating; keeping decode output');
+      return;
+    }
+    // Run again elsewhere (./attempts.ts decides): finish() aborts the other leg; nothing is sent.
+    const next = this.decide ? this.decide(err, this.client.builder.events > 0) : 'fail';
+    this.cause = err;
+    if (next !== 'fail') {
+      this.next = next;
+      this.finish('error');
       return;
     }
     this.finish('error', err);
@@ -583,7 +631,7 @@ export class PdRequest {
     const p = request(`${leg.worker.url}/abort_request`, {
       method: 'POST',
       headers: JSON_HEADERS,
-      body: JSON.stringify({ rid: this.rid, bootstrap_room: this.room }),
+      body: JSON.stringify({ rid: this.workerRid, bootstrap_room: this.room }),
       dispatcher: controlAgent,
       signal: AbortSignal.timeout(config.abortTimeoutMs),
     })
@@ -603,7 +651,7 @@ export class PdRequest {
       if (!this.reply.sent && !this.reply.raw.headersSent && !this.reply.raw.destroyed) void sendApiError(this.reply, err);
       return;
     }
-    const w = this.writer;
+    const w = this.client.writer;
     if (w && !w.closed) {
       w.write({ error: err.toBody().error }).catch(() => {});
       w.end();
@@ -642,10 +690,13 @@ export class PdRequest {
     }
 
     const { metrics } = this.ctx;
-    const e2eMs = performance.now() - this.t0;
+    const client = this.client;
+    const e2eMs = performance.now() - client.t0;
     metrics.inflight.dec();
-    if (this.redispatch) {
-      this.log.info({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url }, 'a worker is draining, gone or closed the connection before answering: dispatching the request again');
+    if (this.next) {
+      const cause = this.cause!;
+      this.ctx.observe?.event(this.rid, 'attempt_failed', { attempt: client.attempt, next: this.next, code: cause.code, err: cause.message, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, tokens_sent: client.tokenIds.length });
+      this.log.info({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, attempt: client.attempt, code: cause.code, err: cause.message, tokens: client.tokenIds.length }, this.next === 'retry' ? 'attempt failed before any output: dispatching the request again' : 'attempt failed after output: migrating the request');
       this.resolveDone();
       return;
     }
@@ -667,12 +718,13 @@ export class PdRequest {
       decode: this.legs.decode.worker.url,
       path: this.path,
       stream: this.parsed.stream,
-      prompt_tokens: this.builder.promptTokens,
-      completion_tokens: this.builder.completionTokens,
-      finish_reason: this.builder.finishReason,
-      ttft_ms: this.firstTokenAt ? Math.round(this.firstTokenAt - this.t0) : null,
-      itl_ms: this.builder.completionTokens > 1 ? Math.round(((this.lastTokenAt - this.firstTokenAt) / (this.builder.completionTokens - 1)) * 100) / 100 : null,
+      prompt_tokens: client.builder.promptTokens,
+      completion_tokens: client.builder.completionTokens,
+      finish_reason: client.builder.finishReason,
+      ttft_ms: client.firstTokenAt ? Math.round(client.firstTokenAt - client.t0) : null,
+      itl_ms: client.builder.completionTokens > 1 ? Math.round(((client.lastTokenAt - client.firstTokenAt) / (client.builder.completionTokens - 1)) * 100) / 100 : null,
       e2e_ms: Math.round(e2eMs),
+      attempts: client.attempt,
       ...(err && outcome !== 'ok' ? { err: err.message, code: err.code } : {}),
     };
     this.ctx.observe?.event(this.rid, 'finished', line);

@@ -14,14 +14,14 @@
  * CORS for `config.corsOrigin`; a wrong method on a known path is a 405 with `Allow`.
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
  *                      ({status:'draining'} while draining: see ../common/drain.ts)
- *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total}
+ *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total, blocked_pairs}
+ *                      (blocked_pairs: pairs out of the rotation after a failed KV handshake, ./pair-blocks.ts)
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
  *   GET /dashboard, /dashboard/data, /debug/traces[/:id] — see `./dashboard.ts`
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
-import { pickPair } from './pairing.js';
 import { registerHoldRoute } from '../common/testhooks.js';
 import { DrainGate } from '../common/drain.js';
 import { performance } from 'node:perf_hooks';
@@ -39,12 +39,13 @@ import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
 import { CHOICE_HEADER, ChoiceGroups, groupHeaders } from './choices.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
-import { newRid, PdRequest, type DispatchContext } from './dispatch.js';
+import { newRid, type DispatchContext, type PdRequest } from './dispatch.js';
+import { serveAttempts, type AttemptDeps } from './attempts.js';
+import { PairBlocks } from './pair-blocks.js';
 import { RouterMetrics } from './metrics.js';
 import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
-import { createPolicy, localPrefillFor, routingText, routingTextAfter, type Pick } from './policy/index.js';
-import { conversationKey } from './policy/affinity.js';
+import { createPolicy, type Pick } from './policy/index.js';
 import { heldKey, KvEventConsumer } from './kv-events.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
@@ -88,9 +89,6 @@ const TRACE = Symbol('pdserve.trace');
 type TracedRaw = { [TRACE]?: string };
 
 /** Request id by route: generation routes get the OpenAI-style id that becomes the rid. */
-/** Most worker pairs one request is dispatched to when workers refuse it as draining. */
-const MAX_DISPATCHES = 4;
-
 function genReqId(req: { url?: string }): string {
   const url = req.url ?? '';
   if (url.startsWith('/v1/chat/completions')) return newRid('chat');
@@ -158,6 +156,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       void p.finally(() => pending.delete(p));
     },
   };
+  const pairs = new PairBlocks();
+  const attemptDeps: AttemptDeps = { ctx, policies, pickWith, holdsFor, active, closing: () => closing, waiting: { n: 0 }, pairs };
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(Date.now() / 1000);
@@ -240,52 +240,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         metrics.requests.labels('error').inc();
         throw err;
       }
-      // A worker that refuses with `draining` before any output is skipped and the request
-      // dispatched again (at most MAX_DISPATCHES pairs).
-      const text = routingText(parsed);
-      const key = conversationKey(parsed, request.headers['x-session-id']);
-      if (key !== undefined) parsed.conversationKey = key;
-      for (let attempt = 1; ; attempt++) {
-        const now = performance.now();
-        // Only pairs with the same settings are candidates; the load-balancing policies choose among them.
-        let decodePick: Pick<WorkerState> | null = null;
-        // A choice group's prefill is picked once, by its first member; the others take it.
-        const fixed = member?.group.prefill;
-        const pair = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : pickWith('prefill', text, now, key), pickWith('decode', text, now, key, (p) => (decodePick = p)));
-        if ('error' in pair) {
-          metrics.requests.labels('error').inc();
-          throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
-        }
-        const { prefill, decode } = pair;
-        if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = prefill.toolSyntax ?? null;
-        if (member) member.group.prefill ??= prefill;
-        const model = decode.model ?? prefill.model ?? parsed.model ?? 'pdserve';
-        // Decode-local continuation first when the decode worker holds this conversation; its
-        // `needs_prefill` answer (before any output) falls back to the PD path on the same pair.
-        // A choice of a group never goes local, nor is dispatched again: its group's prefill
-        // request names every choice's room.
-        const localMax = member ? 0 : localPrefillFor(config.localPrefillMaxTokens, policies.decode.name, decodePick, text.length, decodePick ? holdsFor(key)?.(decode.url) : undefined);
-        let run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, !member && attempt < MAX_DISPATCHES, localMax ? { maxTokens: localMax } : undefined, member);
-        active.add(run);
-        try {
-          await run.run();
-          if (run.fallback && !reply.raw.destroyed && !closing) {
-            active.delete(run);
-            run = new PdRequest(ctx, String(request.id), parsed, reply, prefill, decode, request.log as unknown as Logger, model, attempt < MAX_DISPATCHES);
-            active.add(run);
-            await run.run();
-          }
-        } finally {
-          active.delete(run);
-        }
-        // The decode worker now keeps this round (prompt + reply): the next round's prefix.
-        if (run.outcome === 'ok' && !run.redispatch) policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, performance.now());
-        if (!run.redispatch || reply.raw.destroyed) break;
-        if (closing) {
-          metrics.requests.labels('error').inc();
-          throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
-        }
-      }
+      // The client's own id (vLLM's body field): a label of the trace, never the workers' rid.
+      const label = (request.body as { request_id?: unknown }).request_id;
+      if (typeof label === 'string') traces.label(String(request.id), label);
+      await serveAttempts(attemptDeps, request, reply, parsed, member);
       if (!reply.sent) {
         // Client gone before any response: nothing to send.
         reply.hijack();
@@ -327,7 +285,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     return registry.snapshot().find((x) => x.url === w.url);
   });
 
-  app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal }));
+  app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal, blocked_pairs: pairs.snapshot() }));
 
   app.get('/metrics', async (_req, reply) => {
     const text = await metrics.registry.metrics();

@@ -12,6 +12,9 @@
  * - pdserve_router_requests_by_path_total{path}: ok requests (choices, as above) by serving path —
  *   pd (prefill + decode, KV handoff) or decode_local (decode alone continued a kept sequence) —
  *   and path="fallback": decode-local attempts decode answered `needs_prefill` (then served as pd).
+ * - pdserve_router_retries_total{reason,outcome} / pdserve_router_migrations_total{reason,outcome}:
+ *   attempts that failed and were dispatched again (./attempts.ts), before any output (retry) or
+ *   after it (migration); reason = the failure's code, outcome = how the request then ended.
  * - pdserve_router_inflight_requests: generation requests being served right now.
  * - pdserve_router_worker_load{worker}: the router's in-flight count per worker URL.
  */
@@ -28,6 +31,8 @@ export class RouterMetrics {
   readonly e2e: Histogram;
   readonly requests: Counter<'outcome'>;
   readonly byPath: Counter<'path'>;
+  readonly retries: Counter<'reason' | 'outcome'>;
+  readonly migrations: Counter<'reason' | 'outcome'>;
   readonly inflight: Gauge;
   readonly workerLoad: Gauge<'worker'>;
 
@@ -55,6 +60,8 @@ export class RouterMetrics {
     for (const o of OUTCOMES) this.requests.labels(o).inc(0);
     this.byPath = new Counter({ name: 'pdserve_router_requests_by_path_total', help: 'Successful generations by serving path (pd, decode_local), one per choice (each choice of an n > 1 request or of a prompt batch is served, and counted, as a request of its own), and decode-local attempts that fell back to pd (fallback).', labelNames: ['path'], registers });
     for (const p of ['pd', 'decode_local', 'fallback']) this.byPath.labels(p).inc(0);
+    this.retries = new Counter({ name: 'pdserve_router_retries_total', help: 'Attempts that failed before any output and were dispatched again, by the failure code and how the request then ended.', labelNames: ['reason', 'outcome'], registers });
+    this.migrations = new Counter({ name: 'pdserve_router_migrations_total', help: 'Attempts that failed after the client had output and were migrated to another pair (prompt + tokens sent), by the failure code and how the request then ended.', labelNames: ['reason', 'outcome'], registers });
     this.inflight = new Gauge({ name: 'pdserve_router_inflight_requests', help: 'Generation requests in flight at the router.', registers });
     this.workerLoad = new Gauge({
       name: 'pdserve_router_worker_load',

@@ -18,6 +18,8 @@ import { randomHex } from './random-pool.js';
 
 const TRACEPARENT = /^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$/;
 const REQUEST_ID = /^[A-Za-z0-9._:/-]{1,128}$/;
+/** Most events (and rooms) one trace keeps: a request with several attempts records a few per attempt. */
+const MAX_EVENTS = 32;
 
 /** A fresh W3C trace id: 32 lowercase hex digits, never all zero. */
 export function newTraceId(): string {
@@ -41,7 +43,7 @@ export function traceIdOf(headers: Record<string, string | string[] | undefined>
 /** One event of a request at the router. `at`: ms since epoch. */
 export interface TraceEvent {
   at: number;
-  what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'finished';
+  what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'attempt_failed' | 'finished';
   [field: string]: unknown;
 }
 
@@ -49,7 +51,12 @@ export interface TraceEvent {
 export interface RequestTrace {
   trace: string;
   rid: string;
+  /** The room of the latest attempt. */
   room: string | null;
+  /** Every attempt's room, in order (a retried or migrated request has several). */
+  rooms: string[];
+  /** The client's own id for the request (the body's `request_id`), when it sent one. */
+  label: string | null;
   prefill: string | null;
   decode: string | null;
   events: TraceEvent[];
@@ -69,6 +76,7 @@ export interface RequestObserver {
 export class TraceStore implements RequestObserver {
   private readonly byRid = new Map<string, RequestTrace>();
   private readonly byTrace = new Map<string, RequestTrace>();
+  private readonly byLabel = new Map<string, RequestTrace>();
   /** Called with each request's trace when its 'finished' event is recorded. */
   onFinished: ((t: RequestTrace, fields: Record<string, unknown>) => void) | null = null;
 
@@ -76,13 +84,14 @@ export class TraceStore implements RequestObserver {
 
   /** Start the trace of request `rid` (received now). */
   begin(rid: string, trace: string, at = Date.now()): RequestTrace {
-    const t: RequestTrace = { trace, rid, room: null, prefill: null, decode: null, events: [{ at, what: 'received' }], outcome: null };
+    const t: RequestTrace = { trace, rid, room: null, rooms: [], label: null, prefill: null, decode: null, events: [{ at, what: 'received' }], outcome: null };
     this.byRid.set(rid, t);
     this.byTrace.set(trace, t);
     while (this.byRid.size > this.max) {
       const [oldRid, old] = this.byRid.entries().next().value as [string, RequestTrace];
       this.byRid.delete(oldRid);
       if (this.byTrace.get(old.trace) === old) this.byTrace.delete(old.trace);
+      if (old.label !== null && this.byLabel.get(old.label) === old) this.byLabel.delete(old.label);
     }
     return t;
   }
@@ -96,10 +105,11 @@ export class TraceStore implements RequestObserver {
     if (!t) return;
     if (what === 'dispatched') {
       t.room = typeof fields.room === 'string' ? fields.room : t.room;
+      if (typeof fields.room === 'string' && t.rooms.length < MAX_EVENTS) t.rooms.push(fields.room);
       t.prefill = typeof fields.prefill === 'string' ? fields.prefill : t.prefill;
       t.decode = typeof fields.decode === 'string' ? fields.decode : t.decode;
     }
-    if (t.events.length < 16) t.events.push({ at: Date.now(), what, ...fields });
+    if (t.events.length < MAX_EVENTS) t.events.push({ at: Date.now(), what, ...fields });
     if (what === 'finished') {
       t.outcome = typeof fields.outcome === 'string' ? fields.outcome : 'unknown';
       this.onFinished?.(t, fields);
@@ -116,12 +126,23 @@ export class TraceStore implements RequestObserver {
     const t = this.byRid.get(rid);
     if (!t || t.outcome !== null) return;
     t.outcome = status < 400 ? 'ok' : status < 500 ? 'rejected' : 'error';
-    if (t.events.length < 16) t.events.push({ at: Date.now(), what: 'finished', outcome: t.outcome, status });
+    if (t.events.length < MAX_EVENTS) t.events.push({ at: Date.now(), what: 'finished', outcome: t.outcome, status });
   }
 
-  /** A trace by trace id or rid (a client's x-request-id reused by several requests: the latest). */
+  /**
+   * Record the client's own id of request `rid` (the body's `request_id`): a label, findable by
+   * `get`, never a key the workers see. Unknown rids are ignored.
+   */
+  label(rid: string, label: string): void {
+    const t = this.byRid.get(rid);
+    if (!t) return;
+    t.label = label;
+    if (!this.byTrace.has(label)) this.byLabel.set(label, t);
+  }
+
+  /** A trace by trace id, rid or label (an id reused by several requests: the latest). */
   get(id: string): RequestTrace | undefined {
-    return this.byTrace.get(id) ?? this.byRid.get(id);
+    return this.byTrace.get(id) ?? this.byRid.get(id) ?? this.byLabel.get(id);
   }
 
   /** The newest `n` traces, newest first. */

@@ -43,7 +43,7 @@ after(async () => {
 });
 
 describe('peer faults on real processes', () => {
-  test('SIGKILL prefill with transfers in flight: decode fails them at once, frees slots, stays healthy', async () => {
+  test('SIGKILL prefill with transfers in flight: decode fails its rooms at once, frees slots, stays healthy; the router migrates the requests', async () => {
     const [p0] = c.byRole('prefill');
     const decode = c.byRole('decode')[0]!;
     const inflight = Array.from({ length: 6 }, (_, i) => completion(promptOf(40 + i, i), 16));
@@ -52,9 +52,11 @@ describe('peer faults on real processes', () => {
     const killedAt = Date.now();
     await c.kill(p0!);
     const results = await Promise.all(inflight);
-    const failed = results.filter((r) => !ok(r));
-    assert.ok(failed.length >= 1, 'the requests on the killed prefill failed');
-    for (const r of failed) assert.ok(Date.now() - killedAt < 3000 && r.ms < 5000, `failed promptly (${r.ms} ms)`);
+    // The requests on the killed prefill had token 1 (the transfer was held): their rooms failed
+    // on decode at once and the router moved them, with that token, to the other prefill.
+    assert.ok(results.every(ok), `every request is answered: ${results.filter((r) => !ok(r)).map((r) => r.text.slice(0, 200)).join(' | ')}`);
+    assert.ok(Date.now() - killedAt < 8000, `answered within 8 s of the kill (${Date.now() - killedAt} ms)`);
+    assert.ok((await metric(c.router, /^pdserve_router_migrations_total\{reason="[^"]+",outcome="ok"\} (\d+)/m)) >= 1, 'migrated');
     assert.ok(await waitFor(async () => (await busy(decode.url)) === 0, 1000), 'decode released every slot within 1 s');
     const h = await getJson<any>(`${decode.url}/health`);
     assert.equal(h.status, 'ok');

@@ -36,6 +36,8 @@ interface DecodeBehaviour {
   /** Error status before the stream starts (after startDelayMs). */
   status?: number;
   message?: string;
+  /** The error's code (default decode_failed). */
+  code?: string;
   /** Wait before the first event (the "KV transfer"), abortable. */
   startDelayMs?: number;
   tokens?: string[];
@@ -160,14 +162,15 @@ class FakeWorker {
     } catch {
       return reply.code(500).send({ error: { message: 'aborted', type: 'server_error', param: null, code: 'aborted' } });
     }
-    if (b.status) return reply.code(b.status).send({ error: { message: b.message ?? 'decode failed', type: 'server_error', param: null, code: 'decode_failed' } });
+    if (b.status) return reply.code(b.status).send({ error: { message: b.message ?? 'decode failed', type: 'server_error', param: null, code: b.code ?? 'decode_failed' } });
     reply.hijack();
     if (b.destroy) return void reply.raw.socket?.destroy();
     const res = reply.raw;
     res.writeHead(200, { 'content-type': 'text/event-stream' });
     const tokens = b.tokens ?? [];
     // first_token_from_prefill: the router has token 1 from prefill; the fake decode's script starts at token 2.
-    const skip = body.first_token_from_prefill ? 1 : 0;
+    // A migrated attempt (resume_token_ids): the client has the script's first k tokens already.
+    const skip = (body.first_token_from_prefill ? 1 : 0) + (body.resume_token_ids?.length ?? 0);
     const meta = (n: number, finish: GenerateEvent['meta_info']['finish_reason']) => ({ id: body.rid, prompt_tokens: b.promptTokens ?? 3, completion_tokens: n, finish_reason: finish });
     try {
       for (let i = 0; i < tokens.length; i++) {
@@ -230,7 +233,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -242,6 +245,9 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     requestTimeoutMs: opts.requestTimeoutMs ?? 10_000,
     abortTimeoutMs: 500,
     firstTokenFromPrefill: opts.firstTokenFromPrefill ?? false,
+    // 0: a request finding no healthy worker is answered 503 at once (the wait has its own test)
+    workerWaitMs: opts.workerWaitMs ?? 0,
+    ...(opts.migrationLimit !== undefined ? { migrationLimit: opts.migrationLimit } : {}),
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
     ...(opts.policy ? { policy: opts.policy } : {}),
     ...(opts.maxEventBytes ? { maxEventBytes: opts.maxEventBytes } : {}),
@@ -747,10 +753,10 @@ describe('router: failures', () => {
     assert.notEqual(gens[0]!.bootstrap_room, gens[1]!.bootstrap_room, 'the new attempt has a new room');
     assert.ok(await waitFor(() => s.prefill[0]!.aborts.some((a) => a.bootstrap_room === gens[0]!.bootstrap_room), 1000), "the first attempt's prefill leg got abort_request");
     assert.equal(await outcomeCount(s, 'error'), 0);
-    // A connection lost after decode's headers is not dispatched again: the client gets an error.
+    // A connection lost after decode's output, every time: migrated until the limit, then the client gets the error.
     s.decode[0]!.decode = s.decode[1]!.decode = () => ({ tokens: ['a', 'b'], destroyAfter: 1 });
     await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'q' }), isApiError(502, /decode worker .* failed/));
-    assert.equal(s.prefill[0]!.generates.length, 3, 'not dispatched again');
+    assert.equal(s.prefill[0]!.generates.length, 2 + 4, '1 + migrationLimit attempts');
     await assertReleased(s);
   });
 
@@ -779,13 +785,15 @@ describe('router: failures', () => {
   });
 });
 
+/** A raw streamed completion's SSE data payloads. */
+async function rawStream(s: Stack): Promise<string[]> {
+  const r = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'hi', stream: true }) });
+  assert.equal(r.status, 200);
+  return (await r.text()).split('\n\n').filter((e) => e.startsWith('data: ')).map((e) => e.slice(6));
+}
+const texts = (events: string[]) => events.filter((e) => e !== '[DONE]').map((e) => (JSON.parse(e) as { choices?: { text: string }[] }).choices?.[0]?.text ?? '');
+
 describe('router: first token from prefill (before the KV handoff)', () => {
-  async function rawStream(s: Stack): Promise<string[]> {
-    const r = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'hi', stream: true }) });
-    assert.equal(r.status, 200);
-    return (await r.text()).split('\n\n').filter((e) => e.startsWith('data: ')).map((e) => e.slice(6));
-  }
-  const texts = (events: string[]) => events.filter((e) => e !== '[DONE]').map((e) => (JSON.parse(e) as { choices?: { text: string }[] }).choices?.[0]?.text ?? '');
 
   test('token 1 comes from prefill, decode streams from token 2; decode events wait for prefill\'s first', async () => {
     const s = await stack({ firstTokenFromPrefill: true });
@@ -802,8 +810,8 @@ describe('router: first token from prefill (before the KV handoff)', () => {
     await assertReleased(s);
   });
 
-  test('handoff fails after token 1: SSE error after the first token (no [DONE]); non-stream 502; decode aborted', async () => {
-    const s = await stack({ firstTokenFromPrefill: true });
+  test('handoff fails after token 1 with no migration left (migrationLimit 0): SSE error after the first token (no [DONE]); non-stream 502; decode aborted', async () => {
+    const s = await stack({ firstTokenFromPrefill: true, migrationLimit: 0 });
     s.prefill[0]!.prefill = () => ({ delayMs: 1, first: 'Hello', failAfterFirstMs: 30 });
     s.decode[0]!.decode = () => ({ startDelayMs: 30_000, tokens: ['never'] });
     const events = await rawStream(s);
@@ -864,7 +872,9 @@ describe('router: first token from prefill (before the KV handoff)', () => {
       s.prefill[0]!.prefill = () => ({ rawPieces: pieces });
       await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'hi' }), isApiError(502, re));
     }
-    assert.ok(await waitFor(() => s.decode[0]!.aborts.length === 3, 1000), 'abort_request reached decode for each request');
+    // Each request's every attempt (a 502 is retried on the only pair, 1 + migrationLimit in all) ends with an abort_request to decode.
+    assert.equal(s.decode[0]!.generates.length, 3 * 4);
+    assert.ok(await waitFor(() => s.decode[0]!.generates.every((g) => s.decode[0]!.aborts.some((a) => a.bootstrap_room === g.bootstrap_room && a.rid === g.rid)), 1000), "abort_request reached decode for each attempt's room");
     await assertReleased(s);
   });
 
@@ -1064,5 +1074,155 @@ describe('router: config and lifecycle', () => {
     await r.close();
     await prefill.close();
     await decode.close();
+  });
+});
+
+describe('router: attempts (retry before output, request ids)', () => {
+  test('two concurrent requests with the same x-request-id and request_id both succeed; the workers see distinct rids; the trace is found by the label', async () => {
+    const s = await stack();
+    s.decode[0]!.decode = () => ({ tokens: ['a', 'b', 'c'], intervalMs: 20, finish: 'length' });
+    const post = () =>
+      fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-request-id': 'gateway-7' }, body: JSON.stringify({ model: 'fake-model', prompt: 'p', request_id: 'client-label-7' }) });
+    const [a, b] = await Promise.all([post(), post()]);
+    assert.equal(a.status, 200);
+    assert.equal(b.status, 200);
+    const ids = [((await a.json()) as any).id, ((await b.json()) as any).id];
+    assert.notEqual(ids[0], ids[1]);
+    const rids = s.decode[0]!.generates.map((g) => g.rid);
+    assert.deepEqual(new Set(rids), new Set(ids), "each request's own rid reached the workers, never the client's id");
+    const t = (await (await fetch(`${s.router.url}/debug/traces/client-label-7`)).json()) as any;
+    assert.equal(t.label, 'client-label-7');
+    assert.ok(ids.includes(t.rid));
+    await assertReleased(s);
+  });
+
+  test('a 5xx before output is retried on the other pair with a new rid and room; a 4xx is not retried', async () => {
+    const s = await stack({ prefill: 2, decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    s.decode[0]!.decode = () => ({ startDelayMs: 5, status: 503, message: 'decode prealloc queue is full' });
+    s.decode[1]!.decode = () => ({ startDelayMs: 5, status: 503, message: 'decode prealloc queue is full' });
+    let failed = false;
+    for (const d of s.decode) {
+      const fail = d.decode;
+      d.decode = (b) => (failed ? { tokens: ['o', 'k'] } : ((failed = true), fail(b)));
+    }
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    assert.equal(r.choices[0]!.text, 'ok');
+    const gens = [...s.decode[0]!.generates, ...s.decode[1]!.generates];
+    assert.equal(gens.length, 2);
+    assert.deepEqual(gens.map((g) => g.rid).sort(), [r.id, `${r.id}-a2`].sort(), 'attempt 2 has its own rid');
+    assert.notEqual(gens[0]!.bootstrap_room, gens[1]!.bootstrap_room);
+    assert.equal(s.decode[0]!.generates.length, 1, 'the second attempt avoided the failed decode');
+    assert.match(await metric(s, 'pdserve_router_retries_total'), /reason="decode_failed",outcome="ok"} 1/);
+    const t = (await (await fetch(`${s.router.url}/debug/traces/${r.id}`)).json()) as any;
+    assert.deepEqual(t.events.filter((e: any) => e.what === 'attempt_failed').map((e: any) => [e.attempt, e.next, e.code]), [[1, 'retry', 'decode_failed']]);
+    assert.equal(t.rooms.length, 2);
+    // A client error is final.
+    s.decode[0]!.decode = s.decode[1]!.decode = () => ({ status: 400, message: 'prompt too long' });
+    const before = s.decode[0]!.generates.length + s.decode[1]!.generates.length;
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'q' }), isApiError(400, /prompt too long/));
+    assert.equal(s.decode[0]!.generates.length + s.decode[1]!.generates.length, before + 1, 'not retried');
+    await assertReleased(s);
+  });
+
+  test('retries run out: the client gets the last cause; every attempt released', async () => {
+    const s = await stack({ migrationLimit: 2 });
+    s.decode[0]!.decode = () => ({ status: 500, message: 'decode exploded' });
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(500, /decode exploded/));
+    assert.equal(s.decode[0]!.generates.length, 3, '1 + migrationLimit attempts');
+    assert.match(await metric(s, 'pdserve_router_retries_total'), /outcome="error"} 2/);
+    await assertReleased(s);
+  });
+
+  test('a failed KV handshake (decode cannot authenticate to prefill) takes the pair out of the rotation at once; the request is served by the other pair', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    s.decode[0]!.decode = () => ({ status: 502, code: 'peer_unreachable', message: 'KV connection to prefill refused: authentication failed' });
+    for (let i = 0; i < 4; i++) {
+      const r = await s.client.completions.create({ model: 'fake-model', prompt: `p${i}` });
+      assert.equal(r.choices[0]!.text, 'Hello, world');
+    }
+    assert.equal(s.decode[0]!.generates.length, 1, 'tried once, then out of the rotation');
+    const w = (await (await fetch(`${s.router.url}/workers`)).json()) as any;
+    assert.deepEqual(w.blocked_pairs.map((b: any) => [b.decode, b.code]), [[s.decode[0]!.url, 'peer_unreachable']]);
+    assert.ok(w.blocked_pairs[0].retry_in_ms > 0 && w.blocked_pairs[0].retry_in_ms <= 1000);
+    await assertReleased(s);
+  });
+
+  test('no healthy prefill: the request waits for one (workerWaitMs) instead of a 503', async () => {
+    const s = await stack({ workerWaitMs: 5000, healthIntervalMs: 60_000 });
+    const w = s.router.registry.workers.find((x) => x.role === 'prefill')!;
+    s.router.registry.setUnhealthy(w, 'test: down');
+    const pending = s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    await sleep(300);
+    assert.equal(s.decode[0]!.generates.length, 0, 'nothing dispatched while no prefill is healthy');
+    await s.router.registry.check(w, true);
+    const r = await pending;
+    assert.equal(r.choices[0]!.text, 'Hello, world');
+    await assertReleased(s);
+  });
+});
+
+describe('router: migration (after output)', () => {
+  const script = ['The', ' quick', ' brown', ' fox', ' jumps'];
+
+  test('decode dies mid-stream: the stream continues on the other decode with prompt + the tokens sent; no token repeated or missing; usage once', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    let first = true;
+    for (const d of s.decode) d.decode = () => (first ? ((first = false), { tokens: script, intervalMs: 2, destroyAfter: 2 }) : { tokens: script, intervalMs: 2, finish: 'length' });
+    const stream = await s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true, stream_options: { include_usage: true } });
+    let text = '';
+    let usage: any = null;
+    const ids = new Set<string>();
+    for await (const c of stream) {
+      text += c.choices[0]?.text ?? '';
+      ids.add(c.id);
+      if (c.usage) usage = c.usage;
+    }
+    assert.equal(text, script.join(''), 'every token once, in order');
+    assert.equal(ids.size, 1, 'one response id');
+    assert.equal(usage.completion_tokens, script.length);
+    assert.equal(usage.prompt_tokens, 3);
+    const gens = [...s.decode[0]!.generates, ...s.decode[1]!.generates];
+    const resumed = gens.find((g) => g.resume_token_ids)!;
+    assert.deepEqual(resumed.resume_token_ids, [100, 101], 'the tokens the client had');
+    assert.equal(s.prefill[0]!.generates.at(-1)!.resume_token_ids?.length, 2, 'prefill evaluates them too');
+    assert.match(await metric(s, 'pdserve_router_migrations_total'), /reason="decode_failed",outcome="ok"} 1/);
+    assert.equal(await outcomeCount(s, 'ok'), 1);
+    assert.equal(await outcomeCount(s, 'error'), 0);
+    await assertReleased(s);
+  });
+
+  test('non-stream: a decode error event after output is migrated; the response is whole', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    s.decode[0]!.decode = s.decode[1]!.decode = (b) => (b.resume_token_ids ? { tokens: script, finish: 'stop' } : { tokens: script, errorAfter: 3 });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    assert.equal(r.choices[0]!.text, script.join(''));
+    assert.equal(r.choices[0]!.finish_reason, 'stop');
+    assert.equal(r.usage?.completion_tokens, script.length);
+    await assertReleased(s);
+  });
+
+  test('handoff fails after token 1 (first token from prefill): migrated with that token; the client sees it once', async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    s.prefill[0]!.prefill = (b) => (b.resume_token_ids ? { delayMs: 1, first: ' quick' } : { delayMs: 1, first: 'The', failAfterFirstMs: 20 });
+    s.decode[0]!.decode = (b) => (b.resume_token_ids ? { tokens: script, finish: 'length' } : { startDelayMs: 30_000, tokens: ['never'] });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    assert.equal(r.choices[0]!.text, 'The quick brown fox jumps');
+    assert.deepEqual(s.prefill[0]!.generates[1]!.resume_token_ids, [99]);
+    const t = (await (await fetch(`${s.router.url}/debug/traces/${r.id}`)).json()) as any;
+    assert.deepEqual(t.events.filter((e: any) => e.what === 'attempt_failed').map((e: any) => [e.next, e.code, e.tokens_sent]), [['migrate', 'kv_transfer_failed', 1]]);
+    await assertReleased(s);
+  });
+
+  test('migration limit reached: the stream ends with the last cause (no [DONE]); every attempt released', async () => {
+    const s = await stack({ migrationLimit: 2 });
+    s.decode[0]!.decode = (b) => ({ tokens: script, errorAfter: (b.resume_token_ids?.length ?? 0) + 1 });
+    const events = await rawStream(s);
+    assert.equal(texts(events).join(''), 'The quick brown', 'one more token per attempt, none repeated');
+    const last = JSON.parse(events.at(-1)!) as { error?: { code: string; message: string } };
+    assert.equal(last.error?.code, 'engine_error');
+    assert.ok(!events.includes('[DONE]'));
+    assert.equal(s.decode[0]!.generates.length, 3);
+    assert.match(await metric(s, 'pdserve_router_migrations_total'), /reason="other",outcome="error"} 2/);
+    await assertReleased(s);
   });
 });

@@ -12,6 +12,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
+import { choiceSeed, seedOf } from '../../src/engine/sampling.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 import { drain, type Run } from '../helpers/engine.js';
 
@@ -126,6 +127,59 @@ describe('sampling options, PD equals colocated', () => {
     const v = JSON.parse(js.text) as { n: unknown; ok: unknown };
     assert.equal(typeof v.n, 'number');
     assert.equal(typeof v.ok, 'boolean');
+  });
+
+  it('a migrated request (prompt + k tokens the client has) continues exactly: penalties, logit bias, min_tokens, stop strings, grammars, max_tokens 0', async () => {
+    const schema = { type: 'object', properties: { n: { type: 'integer' }, ok: { type: 'boolean' } }, required: ['n', 'ok'] };
+    const plain = await colocated(base());
+    const cases: [string, SamplingParams][] = [
+      ['greedy', base()],
+      ['repetition', base({ repetitionPenalty: 1.8 })],
+      ['presence+frequency', base({ presencePenalty: 1.5, frequencyPenalty: 1 })],
+      ['logit_bias + min_tokens + stop token', base({ ignoreEos: false, logitBias: [[plain.tokens[2]!, -100]], minTokens: 8, stopTokenIds: [plain.tokens[4]!] })],
+      // a stop string whose first characters the earlier attempt's text already held back
+      ['stop string', base({ stop: [plain.text.slice(plain.chunks.slice(0, 6).join('').length - 1, plain.chunks.slice(0, 8).join('').length)] })],
+      ['json schema', base({ ignoreEos: false, maxTokens: 200, grammar: { type: 'json_schema', schema } })],
+      ['rest of the context', base({ maxTokens: 0 })],
+    ];
+    for (const [name, sp] of cases) {
+      const ref = await colocated(sp.maxTokens === 0 ? { ...sp, maxTokens: 512 - prompt.length } : sp);
+      for (const k of [1, 5]) {
+        assert.ok(ref.tokens.length > k, `${name}: the uninterrupted run is longer than ${k} tokens`);
+        const resumed = ref.tokens.slice(0, k);
+        const msp = { ...sp, resumed };
+        const a = engine.tryAcquireSlot()!;
+        const b = engine.tryAcquireSlot()!;
+        const file = path.join(dir, `m-${k}.ggsq`);
+        try {
+          const r = await a.prefill(prompt, msp, never);
+          assert.equal(r.promptTokens, prompt.length + k, `${name} k=${k}: the state holds prompt + resumed`);
+          assert.equal(r.firstToken, ref.tokens[k], `${name} k=${k}: prefill samples token k+1`);
+          assert.equal((await a.firstOutput(r.firstToken, msp)).text, ref.chunks[k], `${name} k=${k}: its text as the uninterrupted run emitted it`);
+          await a.saveState(file);
+          await b.loadState(file, [...prompt, ...resumed]);
+          const got = await drain(b, r.firstToken, msp);
+          assert.deepEqual([...resumed, ...got.tokens], ref.tokens, `${name} k=${k}: tokens`);
+          assert.equal(ref.chunks.slice(0, k).join('') + got.text, ref.text, `${name} k=${k}: text`);
+          assert.equal(got.finish, ref.finish, `${name} k=${k}: finish`);
+        } finally {
+          a.release();
+          b.release();
+          rmSync(file, { force: true });
+        }
+      }
+      if (name === 'json schema') assert.doesNotThrow(() => JSON.parse(ref.text), ref.text);
+    }
+  });
+
+  it("one seed rule: 4294967295 (llama.cpp's random-seed value) is a seed like any other, ≡ 0; PD equals colocated; consecutive seeds stay distinct across the wrap", async () => {
+    assert.deepEqual([4294967294, 4294967295, 4294967296, -1, 0].map(seedOf), [4294967294, 0, 1, 4294967294, 0]);
+    assert.deepEqual([0, 1, 2].map((i) => choiceSeed(4294967294, i)), [4294967294, 0, 1], 'n: 3 with seed 4294967294: three distinct seeds, none the random value');
+    const sp = base({ temperature: 1.5, seed: 4294967295 });
+    const a = await both(sp);
+    const b = await both(sp);
+    assert.deepEqual(b.tokens, a.tokens, 'reproducible (llama.cpp did not pick a random seed)');
+    assert.deepEqual((await both(base({ temperature: 1.5, seed: 0 }))).tokens, a.tokens, 'the same residue, the same sample');
   });
 
   it('maxTokens 0 = the rest of the context', async () => {

@@ -1,0 +1,210 @@
+/**
+ * The attempts of one generation request: the one place that decides what a failure leads to.
+ *
+ *   serveAttempts(deps, request, reply, parsed, member) — pick a pair → run the attempt (its two
+ *   legs, ./dispatch.ts `PdRequest`) → done | retry | migrate, until the request is answered.
+ *
+ * An attempt whose leg fails with a retryable error (`retryable`: a 5xx of any worker or of the
+ * transport — connection refused or reset, `peer_lost`, `decode_failed`, a KV failure, `draining`,
+ * a full queue — never a 4xx, never the router's own deadline or shutdown) ends without a word to
+ * the client, and the request runs again on another pair (the failed attempt's workers are
+ * avoided while others are healthy):
+ *  - **retry**: the client has nothing yet — the same request again;
+ *  - **migrate**: the client already has output — prompt + the tokens it has (`resume_token_ids`)
+ *    go to the new pair, whose prefill evaluates them after the prompt and samples the next token,
+ *    and whose decode rebuilds every sampler state (penalties, grammar, min_tokens, stop strings'
+ *    text) from prompt + those tokens, so the same response continues: no token repeated or
+ *    missing, usage counted once (the workers count the resumed tokens as completion tokens).
+ * At most `migrationLimit` re-dispatches per request (Dynamo's `--migration-limit`), every one
+ * inside the request's deadline; when they run out the client gets the last cause's error.
+ * When no worker of a role is healthy, a request waits for one (`workerWaitMs`, inside its
+ * deadline, at most MAX_WAITING requests) instead of failing at once.
+ * Each attempt sends the workers its own rid (`<rid>`, then `<rid>-a<n>`): a worker that still
+ * holds an earlier attempt's room never answers `duplicate_rid`.
+ * Counted in pdserve_router_retries_total / pdserve_router_migrations_total {reason, outcome}
+ * (reason: the failure's code; outcome: how the request ended), and each failed attempt is an
+ * `attempt_failed` event of the request's trace.
+ */
+import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { Logger } from 'pino';
+import { performance } from 'node:perf_hooks';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { ApiError, sendApiError, type ParsedRequest } from '../api/openai.js';
+import { isErrorCode } from '../common/errors.js';
+import type { ChoiceGroup } from './choices.js';
+import { ClientReply, PdRequest, type DispatchContext } from './dispatch.js';
+import type { Outcome } from './metrics.js';
+import { pickPair } from './pairing.js';
+import { localPrefillFor, routingText, routingTextAfter, type Pick, type Policy } from './policy/index.js';
+import { conversationKey } from './policy/affinity.js';
+import type { WorkerState } from './registry.js';
+import { PAIR_FAILURE_CODES, type PairBlocks } from './pair-blocks.js';
+
+/** Most requests waiting for a healthy worker at once; beyond it a request gets the 503 at once. */
+export const MAX_WAITING = 1024;
+/** How often a waiting request looks for a healthy worker again (ms). */
+const WAIT_POLL_MS = 50;
+/** A failure with less time than this left before the deadline is not retried (ms). */
+const MIN_ATTEMPT_MS = 50;
+/** Codes never retried although 5xx: the router's own deadline and shutdown. */
+const NEVER = new Set(['timeout', 'shutting_down', 'client_closed_request']);
+
+/** May a leg's failure `err` be retried on another pair? Any 5xx but the router's own (see the module doc); never a 4xx. */
+export function retryable(err: ApiError): boolean {
+  return err.status >= 500 && !NEVER.has(err.code);
+}
+
+/**
+ * The decision for a failed leg. `output`: the client already has output (events applied to the
+ * response); `leftMs`: time left before the request's deadline.
+ */
+export function nextStep(err: ApiError, output: boolean, leftMs: number): 'retry' | 'migrate' | 'fail' {
+  if (!retryable(err) || leftMs < MIN_ATTEMPT_MS) return 'fail';
+  return output ? 'migrate' : 'retry';
+}
+
+/** What `serveAttempts` needs from its router. */
+export interface AttemptDeps {
+  ctx: DispatchContext;
+  policies: { prefill: Policy; decode: Policy };
+  /** A policy pick function over candidates (counts the pick; `key`: the conversation's affinity key; `seen` gets the decode pick). */
+  pickWith(role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void): (c: WorkerState[]) => WorkerState | null;
+  /** Whether a decode worker's KV events say it holds the conversation `key` (undefined: unknown). */
+  holdsFor(key: string | undefined): ((url: string) => boolean | undefined) | undefined;
+  /** The attempts running now (the router cancels them on close). */
+  active: Set<PdRequest>;
+  closing(): boolean;
+  /** Requests waiting for a healthy worker now (bounded by MAX_WAITING). */
+  waiting: { n: number };
+  /** Pairs out of the rotation after a failed KV handshake. */
+  pairs: PairBlocks;
+}
+
+/**
+ * Serve one generation request (validated: `parsed`) through as many attempts as it takes; see
+ * the module doc. Resolves when the client was answered (or is gone).
+ * @throws ApiError before any response was started (no healthy pair, shutting down): the route's
+ *   error handler answers it.
+ */
+export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, reply: FastifyReply, parsed: ParsedRequest, member: { group: ChoiceGroup; index: number } | undefined): Promise<void> {
+  const { config, registry, metrics } = d.ctx;
+  const log = request.log as unknown as Logger;
+  const rid = String(request.id);
+  const text = routingText(parsed);
+  const key = conversationKey(parsed, request.headers['x-session-id']);
+  if (key !== undefined) parsed.conversationKey = key;
+  const avoid = new Set<WorkerState>();
+  /** Skip the failed attempts' workers while others are candidates. */
+  const avoiding = (f: (c: WorkerState[]) => WorkerState | null) => (c: WorkerState[]) => {
+    const rest = avoid.size ? c.filter((w) => !avoid.has(w)) : c;
+    return f(rest.length ? rest : c);
+  };
+  const causes: { next: 'retry' | 'migrate'; code: string }[] = [];
+  let client: ClientReply | null = null;
+  let left = config.migrationLimit;
+  let outcome: Outcome = 'error';
+  try {
+    for (;;) {
+      if (d.closing()) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+      const first: boolean = client === null;
+      // A choice group's prefill is picked once, by its first member; the others take it. A
+      // choice runs again on its own (the group's prefill request is over).
+      const m: { group: ChoiceGroup; index: number } | undefined = first ? member : undefined;
+      let decodePick: Pick<WorkerState> | null = null;
+      type Pair = ReturnType<typeof pickPair>;
+      const pick = (): Pair => {
+        const now = performance.now();
+        const fixed: WorkerState | null | undefined = m?.group.prefill;
+        return pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
+      };
+      const until = Math.min(client?.deadlineAt ?? performance.now() + config.requestTimeoutMs, performance.now() + config.workerWaitMs);
+      const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing());
+      if ('error' in pair) {
+        throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
+      }
+      const { prefill, decode } = pair;
+      if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = prefill.toolSyntax ?? null;
+      if (m) m.group.prefill ??= prefill;
+      client ??= new ClientReply(rid, parsed, decode.model ?? prefill.model ?? parsed.model ?? 'pdserve', config.requestTimeoutMs);
+      const c = client;
+      const decide = left > 0 ? (err: ApiError, output: boolean) => nextStep(err, output, c.deadlineAt - performance.now()) : null;
+      // Decode-local continuation first when the decode worker holds this conversation (never for
+      // a choice of a group, nor with resumed tokens); its `needs_prefill` answer (before any
+      // output) falls back to the PD path on the same pair.
+      const localMax = m || c.tokenIds.length > 0 ? 0 : localPrefillFor(config.localPrefillMaxTokens, d.policies.decode.name, decodePick, text.length, decodePick ? d.holdsFor(key)?.(decode.url) : undefined);
+      c.attempt++;
+      let run = new PdRequest(d.ctx, c, parsed, reply, prefill, decode, log, decide, localMax ? { maxTokens: localMax } : undefined, m);
+      d.active.add(run);
+      try {
+        await run.run();
+        if (run.fallback && !reply.raw.destroyed && !d.closing()) {
+          d.active.delete(run);
+          c.attempt++;
+          run = new PdRequest(d.ctx, c, parsed, reply, prefill, decode, log, decide);
+          d.active.add(run);
+          await run.run();
+        }
+      } finally {
+        d.active.delete(run);
+      }
+      outcome = run.outcome ?? 'error';
+      // A failed KV handshake takes the pair out of the rotation (./pair-blocks.ts); service clears it.
+      if (run.cause && PAIR_FAILURE_CODES.has(run.cause.code)) {
+        const ms = d.pairs.block(prefill.url, decode.url, run.cause.code);
+        log.warn({ prefill: prefill.url, decode: decode.url, code: run.cause.code, retry_in_ms: ms }, 'KV handshake failed: the pair leaves the rotation');
+      } else if (run.outcome === 'ok') d.pairs.ok(prefill.url, decode.url);
+      // The decode worker now keeps this round (prompt + reply): the next round's prefix.
+      if (run.outcome === 'ok' && !run.next) d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, performance.now());
+      if (!run.next || reply.raw.destroyed) {
+        if (run.next) outcome = 'client_abort';
+        break;
+      }
+      causes.push({ next: run.next, code: run.cause!.code });
+      left--;
+      avoid.add(prefill);
+      avoid.add(decode);
+    }
+  } catch (err) {
+    metrics.requests.labels('error').inc();
+    if (!(err instanceof ApiError) || !client || client.builder.events === 0) {
+      if (client && err instanceof ApiError) d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: err.status, code: err.code, err: err.message, attempts: client.attempt });
+      throw err;
+    }
+    // The client has output (a migration found no pair): end its response with the error.
+    failAfterOutput(client, reply, err, log);
+    d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: err.status, code: err.code, err: err.message, attempts: client.attempt });
+  } finally {
+    for (const c of causes) (c.next === 'retry' ? metrics.retries : metrics.migrations).labels(isErrorCode(c.code) ? c.code : 'other', outcome).inc();
+  }
+}
+
+/** The pair `pick` gives, or — when a role has no healthy worker — the first one it gives before `until` (see MAX_WAITING). */
+async function pickOrWait<P extends object | { error: string }>(pick: () => P, until: number, d: AttemptDeps, gone: () => boolean): Promise<P> {
+  let pair = pick();
+  if (!('error' in pair) || pair.error === 'no_compatible_pair' || d.waiting.n >= MAX_WAITING) return pair;
+  d.waiting.n++;
+  try {
+    while (performance.now() + WAIT_POLL_MS <= until && !gone()) {
+      await sleep(WAIT_POLL_MS);
+      pair = pick();
+      if (!('error' in pair)) return pair;
+    }
+  } finally {
+    d.waiting.n--;
+  }
+  return pair;
+}
+
+/** End a response that already has output with `err`: an SSE error event (no [DONE]) or, not streamed yet, the error body. */
+function failAfterOutput(client: ClientReply, reply: FastifyReply, err: ApiError, log: Logger): void {
+  log.warn({ code: err.code, err: err.message, attempts: client.attempt, tokens: client.tokenIds.length }, 'request failed');
+  const w = client.writer;
+  if (w) {
+    if (!w.closed) {
+      w.write({ error: err.toBody().error }).catch(() => {});
+      w.end();
+    }
+    return;
+  }
+  if (!reply.sent && !reply.raw.headersSent && !reply.raw.destroyed) void sendApiError(reply, err);
+}
