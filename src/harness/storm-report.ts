@@ -72,6 +72,7 @@ export function formatReport(r: StormReport): string {
   out.push(`  aborted at: ${kv(q.aborted_at)}`);
   out.push(`  killed at:  ${kv(q.killed_at)}`);
   out.push(`  failed by code: ${kv(q.failed_by_code)}`);
+  out.push(`  router dispatched again after a worker failure: retried ${kv(q.retried_by_code ?? {})}; migrated mid-answer ${kv(q.migrated_by_code ?? {})}`);
   out.push(`  rounds completed ${r.rounds.completed}; conversations started ${r.rounds.conversations_started}, finished ${r.rounds.conversations_finished}, restarted after a kill ${r.rounds.restarted_after_kill}; prompt bytes p50 ${ms(r.prompt_bytes.p50)} max ${ms(r.prompt_bytes.max)}`);
   out.push('');
   const L = r.latency_ms;

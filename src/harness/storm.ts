@@ -191,6 +191,14 @@ export interface StormReport {
     failed_by_code: Record<string, number>;
     /** The first error message seen for each code. */
     failed_examples: Record<string, string>;
+    /**
+     * Attempts the router dispatched again after a worker failure (its
+     * pdserve_router_retries_total / pdserve_router_migrations_total), by the failure's code:
+     * before any output (retried) and after it (migrated). A request that did not exhaust its
+     * attempts is not `failed`.
+     */
+    retried_by_code: Record<string, number>;
+    migrated_by_code: Record<string, number>;
     stream: number;
     non_stream: number;
   };
@@ -480,6 +488,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
     // Verify: sampled rounds against the colocated reference, one at a time.
     const verification = await verify(agents.sample, referenceUrl, o.requestTimeoutMs);
     const hangs = await Promise.all(hangNotes);
+    const redispatched = await routerRedispatches(routerUrl);
 
     // Crashes.
     const crashes: { process: string; detail: string }[] = [];
@@ -512,6 +521,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       crashes,
       verification,
       watchedCount: watched.length,
+      redispatched,
     });
   } finally {
     clearInterval(progress);
@@ -595,6 +605,25 @@ interface BuildInput {
   crashes: { process: string; detail: string }[];
   verification: Verification;
   watchedCount: number;
+  redispatched: { retried: Record<string, number>; migrated: Record<string, number> };
+}
+
+/**
+ * The router's re-dispatched attempts by failure code, summed over outcomes (its /metrics:
+ * pdserve_router_retries_total, pdserve_router_migrations_total); empty when unreadable.
+ */
+async function routerRedispatches(routerUrl: string): Promise<{ retried: Record<string, number>; migrated: Record<string, number> }> {
+  const out = { retried: {} as Record<string, number>, migrated: {} as Record<string, number> };
+  try {
+    const res = await fetch(`${routerUrl}/metrics`, { signal: AbortSignal.timeout(5000) });
+    for (const m of (await res.text()).matchAll(/^pdserve_router_(retries|migrations)_total\{reason="([^"]*)",outcome="[^"]*"\} (\d+)/gm)) {
+      const into = m[1] === 'retries' ? out.retried : out.migrated;
+      if (Number(m[3]) > 0) into[m[2]!] = (into[m[2]!] ?? 0) + Number(m[3]);
+    }
+  } catch {
+    // the router is gone: nothing to report
+  }
+  return out;
 }
 
 function buildReport(b: BuildInput): StormReport {
@@ -738,6 +767,8 @@ function buildReport(b: BuildInput): StormReport {
       killed_at: killedAt,
       failed_by_code: failedBy,
       failed_examples: failedExamples,
+      retried_by_code: b.redispatched.retried,
+      migrated_by_code: b.redispatched.migrated,
       stream,
       non_stream: total - stream,
     },
