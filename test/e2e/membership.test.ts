@@ -6,6 +6,9 @@
  * - a SIGKILLed worker restarted on its port is routable within 1 s of being ready;
  * - a SIGKILLed worker leaves the pool when its lease expires;
  * - `pdserve doctor --discovery` reads the same workers from etcd (with and without the router);
+ * - etcd wiped and down past the lease TTL: the pool keeps the workers that answer, then converges
+ *   to exactly the live registered workers within one TTL of etcd's return (a worker killed
+ *   meanwhile leaves it);
  * - SIGTERM under load: the record says draining at once, the router stops choosing the worker,
  *   no request fails, the key is deleted when the drain ends.
  * Without an `etcd` binary (Debian's etcd-server) the suite says so loudly and skips (fails
@@ -124,6 +127,34 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     for (let i = 0; i < 3; i++) assert.ok(ok(await completion(promptOf(20, 10 + i))), 'the rest serves');
     await c.spawn(d);
     assert.ok(await waitFor(() => routable(d.url), 1000, 10), 'back within 1 s of ready');
+  });
+
+  test('etcd wiped and down past the lease TTL: the serving workers stay in the pool; after its return the pool is exactly the live registered workers within one TTL', async (t) => {
+    const [p] = c.byRole('prefill');
+    const [d0, d1] = c.byRole('decode');
+    const urls = async () => (await workers()).map((w) => w.url).sort();
+    assert.deepEqual(await urls(), [p!.url, d0!.url, d1!.url].sort());
+    await etcd.stop(); // and its data: it comes back empty
+    await c.kill(d1!); // dies while etcd is away: it must leave the pool once etcd answers again
+    const outage = Date.now();
+    while (Date.now() - outage < TTL_S * 1000 + 1500) {
+      assert.ok((await urls()).includes(p!.url) && (await urls()).includes(d0!.url), 'the workers that answer stay in the pool while etcd is away');
+      assert.ok(ok(await completion(promptOf(20, 40))), 'and serve');
+      await new Promise((r) => setTimeout(r, 300));
+    }
+    etcd = await startEtcd({ ports: etcd.ports });
+    const back = Date.now();
+    const healed = await waitFor(async () => {
+      const ws = await workers();
+      return JSON.stringify(ws.map((w) => w.url).sort()) === JSON.stringify([p!.url, d0!.url].sort()) && ws.every((w) => w.healthy) && Object.keys(await kv.getAll().prefix(MEMBER_PREFIX).strings()).length === 2;
+    }, TTL_S * 1000 + 4000, 50);
+    const ms = Date.now() - back;
+    t.diagnostic(`pool = the live registered workers ${ms} ms after etcd returned (TTL ${TTL_S} s)`);
+    assert.ok(healed, `healed: ${JSON.stringify(await workers())}`);
+    assert.ok(ms <= TTL_S * 1000 + 2000, `within one TTL (+ the 2 s re-list): ${ms} ms`);
+    for (let i = 0; i < 3; i++) assert.ok(ok(await completion(promptOf(20, 50 + i))), 'requests succeed');
+    await c.spawn(d1!);
+    assert.ok(await waitFor(() => routable(d1!.url), 3000, 10), 'the restarted worker registers and is routable');
   });
 
   test('SIGTERM under load: draining is pushed at once, no request fails, the key is deleted', async (t) => {

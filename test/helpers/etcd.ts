@@ -18,18 +18,21 @@ export interface TestEtcd {
   /** etcd://host:port, the form --discovery takes. */
   uri: string;
   clientUrl: string;
+  /** The client and peer ports (pass them back to start it again, empty, on the same address). */
+  ports: { client: number; peer: number };
   child: ChildProcess;
+  /** Stop it and delete its data (a restart with the same ports is an etcd wiped). */
   stop(): Promise<void>;
 }
 
 /** Start etcd and wait until GET /health answers (deadline `timeoutMs`). */
-export async function startEtcd(o: { host?: string; bin?: string; timeoutMs?: number; wrap?: string[] } = {}): Promise<TestEtcd> {
+export async function startEtcd(o: { host?: string; bin?: string; timeoutMs?: number; wrap?: string[]; ports?: { client: number; peer: number } } = {}): Promise<TestEtcd> {
   const host = o.host ?? '127.0.0.1';
   const bin = o.bin ?? etcdBinary();
   if (!bin) throw new Error('etcd is not installed (apt-get install etcd-server)');
   const dir = mkdtempSync(join(tmpdir(), 'pdserve-etcd-'));
-  const cport = o.wrap ? 2379 : await freePort(host);
-  const pport = o.wrap ? 2380 : await freePort(host);
+  const cport = o.ports?.client ?? (o.wrap ? 2379 : await freePort(host));
+  const pport = o.ports?.peer ?? (o.wrap ? 2380 : await freePort(host));
   const clientUrl = `http://${host}:${cport}`;
   const peerUrl = `http://${host}:${pport}`;
   const args = ['--name', 't', '--data-dir', dir, '--listen-client-urls', clientUrl, '--advertise-client-urls', clientUrl, '--listen-peer-urls', peerUrl, '--initial-advertise-peer-urls', peerUrl, '--initial-cluster', `t=${peerUrl}`, '--log-level', 'error'];
@@ -59,5 +62,5 @@ export async function startEtcd(o: { host?: string; bin?: string; timeoutMs?: nu
     }
     await new Promise((r) => setTimeout(r, 100));
   }
-  return { uri: `etcd://${host}:${cport}`, clientUrl, child, stop };
+  return { uri: `etcd://${host}:${cport}`, clientUrl, ports: { client: cport, peer: pport }, child, stop };
 }

@@ -6,9 +6,17 @@
  * DELETE (it left, or its lease expired). Every change is applied to the `WorkerRegistry` at
  * once: a new or re-registered worker is probed immediately (so it is routable within one probe
  * round trip of registering), a draining one is never picked again, a deleted one leaves the pool.
- * After the watch reconnects (etcd restarted, network cut) the prefix is listed again and diffed
- * with what the router knows, so a DELETE missed meanwhile still removes the worker (Dynamo's
- * resync). Workers given by flags are never removed by etcd.
+ * After the watch reconnects (etcd restarted, network cut) the prefix is listed again, diffed
+ * with what the router knows (Dynamo's resync), and the watch is made again from the new
+ * revision (an etcd restarted empty counts revisions from 1 again: a watch resumed at the old
+ * revision would miss every re-registration). The prefix is also listed every `resyncMs`, so
+ * the pool converges to the registered workers within one lease TTL whatever the watch missed.
+ * Healing, not trusting: a worker etcd no longer lists (a DELETE, or missing from a list) is
+ * probed first and stays in the pool while it answers healthy and not draining — etcd restarted,
+ * wiped or stalled past the lease TTL must not empty the pool of workers that are serving; it is
+ * removed once the probe fails or says draining (a drained worker's revoke, a dead worker's
+ * lease expiry). While etcd cannot be read the pool is left as it is. Workers given by flags
+ * are never removed by etcd.
  *
  * Seam for other consumers (`pdserve doctor --discovery`, a dashboard): `listMembers()` below
  * reads the same records without a registry.
@@ -34,6 +42,8 @@ export interface EtcdDiscoveryOptions {
   discovery: string;
   registry: WorkerRegistry;
   log: Logger;
+  /** Period of the safety-net re-list (ms); default 2000 (etcd's shortest lease TTL is about 2 s). */
+  resyncMs?: number;
 }
 
 /** Keeps a WorkerRegistry in step with the etcd records. `start()` resolves after the first list. */
@@ -44,7 +54,13 @@ export class EtcdDiscovery {
   private readonly known = new Map<string, { url: string; sig: string }>();
   private readonly staticUrls: Set<string>;
   private stopped = false;
-  private resyncing: Promise<void> | null = null;
+  private timer: NodeJS.Timeout | null = null;
+  /** Keys being verified after etcd stopped listing them (a probe in flight). */
+  private readonly verifying = new Set<string>();
+  /** Keys of workers kept although etcd does not list them (they answer healthy). */
+  private readonly unlisted = new Set<string>();
+  /** The last list failed (logged once per outage). */
+  private etcdDown = false;
 
   constructor(private readonly o: EtcdDiscoveryOptions) {
     this.client = etcdClient(o.discovery);
@@ -63,7 +79,37 @@ export class EtcdDiscovery {
       this.client.close();
       throw new Error(`cannot read worker membership from etcd at ${this.o.discovery}: ${(err as Error).message}`);
     }
+    await this.watchFrom(revision);
+    const every = this.o.resyncMs ?? 2000;
+    const tick = () => {
+      this.timer = setTimeout(() => {
+        void this.resync()
+          .then(() => {
+            if (this.etcdDown) this.o.log.info('etcd answers again: membership re-listed');
+            this.etcdDown = false;
+          })
+          .catch((err: unknown) => {
+            if (!this.etcdDown) this.o.log.warn({ err: (err as Error).message }, 'etcd cannot be read: keeping the pool as it is');
+            this.etcdDown = true;
+          })
+          .finally(() => !this.stopped && tick());
+      }, every);
+      this.timer.unref();
+    };
+    tick();
+  }
+
+  /** (Re)make the prefix watch from `revision` + 1. */
+  private async watchFrom(revision: string): Promise<void> {
+    const old = this.watcher;
+    this.watcher = null;
+    await old?.cancel().catch(() => {});
+    if (this.stopped) return;
     const w = await this.client.watch().prefix(MEMBER_PREFIX).startRevision(String(BigInt(revision) + 1n)).create();
+    if (this.stopped) {
+      await w.cancel().catch(() => {});
+      return;
+    }
     this.watcher = w;
     let disconnected = false;
     w.on('put', (kv) => this.onPut(kv.key.toString(), kv.value.toString()));
@@ -73,19 +119,22 @@ export class EtcdDiscovery {
       this.o.log.warn({ err: err?.message }, 'etcd watch disconnected; reconnecting');
     });
     w.on('connected', () => {
-      if (!disconnected || this.stopped) return;
+      if (!disconnected || this.stopped || this.watcher !== w) return;
       disconnected = false;
-      this.o.log.info('etcd watch reconnected; listing members again');
-      void this.resync().catch((err: unknown) => this.o.log.warn({ err: (err as Error).message }, 'etcd resync failed'));
+      this.o.log.info('etcd watch reconnected; listing members again and watching from the new revision');
+      void this.resync()
+        .then((rev) => this.watchFrom(rev))
+        .catch((err: unknown) => this.o.log.warn({ err: (err as Error).message }, 'etcd resync failed'));
     });
     w.on('error', (err) => this.o.log.warn({ err: err?.message }, 'etcd watch error'));
   }
 
-  /** List the prefix and make the registry match it. Returns the revision. Concurrent calls share one. */
+  /** List the prefix and make the registry match it (see the module doc). Returns the revision. */
   private async resync(): Promise<string> {
     const { revision, members } = await listMembers(this.client);
+    if (this.stopped) return revision;
     for (const [key, rec] of members) this.apply(key, rec);
-    for (const key of [...this.known.keys()]) if (!members.has(key)) this.onDelete(key, 'missing after resync');
+    for (const key of [...this.known.keys()]) if (!members.has(key)) this.onDelete(key, 'missing from the list');
     return revision;
   }
 
@@ -113,20 +162,45 @@ export class EtcdDiscovery {
       this.o.registry.setDraining(existing, true);
     }
     this.known.set(key, { url, sig });
+    if (this.unlisted.delete(key)) this.o.log.info({ worker: url }, 'etcd lists the worker again');
   }
 
+  /** etcd no longer lists `key`: probe its worker and remove it unless it answers healthy and not draining. */
   private onDelete(key: string, reason: string): void {
-    const url = this.known.get(key)?.url;
-    if (!url) return;
-    this.known.delete(key);
-    if (this.staticUrls.has(url)) return;
-    this.o.registry.remove(url, `etcd: ${reason}`);
+    const known = this.known.get(key);
+    if (!known || this.verifying.has(key)) return;
+    if (this.staticUrls.has(known.url)) {
+      this.known.delete(key);
+      return;
+    }
+    const w = this.o.registry.workers.find((x) => x.url === known.url);
+    if (!w) {
+      this.known.delete(key);
+      return;
+    }
+    this.verifying.add(key);
+    void this.o.registry
+      .check(w, true)
+      .catch(() => {})
+      .then(() => {
+        this.verifying.delete(key);
+        if (this.stopped || this.known.get(key) !== known) return; // re-registered meanwhile
+        if (w.healthy && !w.draining) {
+          if (!this.unlisted.has(key)) this.o.log.warn({ worker: known.url, reason }, 'etcd no longer lists the worker, but it answers healthy: kept until it stops answering');
+          this.unlisted.add(key);
+          return;
+        }
+        this.known.delete(key);
+        this.unlisted.delete(key);
+        this.o.registry.remove(known.url, `etcd: ${reason}`);
+      });
   }
 
   /** Stop watching and close the client. Idempotent. */
   async stop(): Promise<void> {
     if (this.stopped) return;
     this.stopped = true;
+    if (this.timer) clearTimeout(this.timer);
     await this.watcher?.cancel().catch(() => {});
     this.client.close();
   }
