@@ -113,7 +113,11 @@ interface Leg {
   linger: NodeJS.Timeout | null;
 }
 
-/** Parse a worker's error body (OpenAI shape or anything) into an ApiError for the client. */
+/**
+ * THE mapping of a worker's error to the client's: its error body (OpenAI shape or anything) →
+ * an ApiError (4xx passed through untouched, 5xx prefixed with the worker's role; a status
+ * outside 400–599 → 502). Error events inside a worker's stream come here too (`eventError`).
+ */
 export function workerError(role: LegName, status: number, text: string): ApiError {
   let message = text.trim().slice(0, 500) || `HTTP ${status}`;
   let code = `${role}_error`;
@@ -172,6 +176,16 @@ export class ClientReply {
   get workerRid(): string {
     return this.attempt > 1 ? `${this.rid}-a${this.attempt}` : this.rid;
   }
+}
+
+/**
+ * An `{error}` event inside a worker's stream (prefill: the handoff failed after token 1; decode:
+ * generation failed) through `workerError`: its `status` when valid (prefill sends one), else
+ * `fallbackStatus`.
+ */
+function eventError(role: LegName, e: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }, fallbackStatus: number): ApiError {
+  const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : fallbackStatus;
+  return workerError(role, status, JSON.stringify({ error: { message: typeof e.message === 'string' ? e.message : `${role} failed`, code: e.code, type: e.type } }));
 }
 
 /**
@@ -446,9 +460,7 @@ export class PdRequest {
     }
     if (ev?.error && typeof ev.error === 'object') {
       leg.reported = true;
-      const e = ev.error;
-      const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : 502;
-      this.legFailed(leg, workerError('prefill', status, JSON.stringify({ error: { message: e.message, code: e.code, type: e.type } })));
+      this.legFailed(leg, eventError('prefill', ev.error, 502));
       return 'stop';
     }
     if (ev?.transfer !== undefined) {
@@ -497,10 +509,7 @@ export class PdRequest {
         const errEv = (ev as { error?: unknown } | null)?.error;
         if (errEv && typeof errEv === 'object') {
           leg.reported = true;
-          const e = errEv as { message?: unknown; code?: unknown; type?: unknown };
-          const msg = typeof e.message === 'string' ? e.message : 'decode failed';
-          const code = typeof e.code === 'string' ? e.code : 'decode_error';
-          this.legFailed(leg, new ApiError(500, code, `decode worker error: ${msg}`, (typeof e.type === 'string' ? e.type : 'server_error') as ApiError['type']));
+          this.legFailed(leg, eventError('decode', errEv as Record<string, unknown>, 500));
           return;
         }
         this.decodeEvents++;

@@ -30,9 +30,10 @@ const migrations = async () => {
   return n;
 };
 
-/** Kill `p`, start it again, and wait until the router routes to it. */
+/** Kill `p`, clear the holds of the others (the next attempt runs unheld), start `p` again and wait until the router routes to it. */
 async function killAndRestart(p: ClusterProc): Promise<void> {
   await s.c.kill(p);
+  await clearHolds();
   await s.c.spawn(p);
   assert.ok(await waitFor(async () => ((await getJson<any>(`${s.c.router.url}/workers`)).workers as any[]).filter((w) => w.healthy).length === 4, 15_000), 'the restarted worker is routable');
 }
@@ -90,7 +91,7 @@ describe('a worker killed mid-request costs the client nothing', () => {
     for (const d of s.c.byRole('decode')) await setHold(d, 'decode.load=4000');
     let killing: Promise<void> | null = null;
     const got = await streamed(prompt, 16, async (i, rid) => {
-      if (i === 0) killing = killAndRestart(procOf((await trace(rid)).decode)).then(clearHolds).then(() => {});
+      if (i === 0) killing = killAndRestart(procOf((await trace(rid)).decode));
     });
     await killing;
     assert.equal(got.text, ref.text);
@@ -118,8 +119,8 @@ describe('a worker killed mid-request costs the client nothing', () => {
         'a room waits for evaluation',
       );
       await s.c.kill(victim!);
-      const { data, response } = await pending;
       await clearHolds();
+      const { data, response } = await pending;
       assert.equal(data.choices[0]!.text, ref.text);
       const failed = (await trace(response.headers.get('x-request-id')!)).events.filter((e: any) => e.what === 'attempt_failed');
       assert.deepEqual(failed.map((e: any) => e.next), ['retry']);
