@@ -122,6 +122,13 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       if ('error' in pair) {
         throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
       }
+      // The client left while the request waited for a pair (or between attempts): no attempt for nobody.
+      if (reply.raw.destroyed) {
+        outcome = 'client_abort';
+        metrics.requests.labels('client_abort').inc();
+        d.ctx.observe?.event(rid, 'finished', { outcome, status: 499, attempts: client?.attempt ?? 0 });
+        break;
+      }
       const { prefill, decode } = pair;
       if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = prefill.toolSyntax ?? null;
       if (m) m.group.prefill ??= prefill;
@@ -155,8 +162,12 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       } else if (run.outcome === 'ok') d.pairs.ok(prefill.url, decode.url);
       // The decode worker now keeps this round (prompt + reply): the next round's prefix.
       if (run.outcome === 'ok' && !run.next) d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, performance.now());
-      if (!run.next || reply.raw.destroyed) {
-        if (run.next) outcome = 'client_abort';
+      if (!run.next) break;
+      if (reply.raw.destroyed) {
+        // The attempt failed as its client left: the request ends as the client's abort.
+        outcome = 'client_abort';
+        metrics.requests.labels('client_abort').inc();
+        d.ctx.observe?.event(rid, 'finished', { outcome, status: 499, attempts: c.attempt });
         break;
       }
       causes.push({ next: run.next, code: run.cause!.code });

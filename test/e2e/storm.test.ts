@@ -3,7 +3,8 @@
  *  1. the CI storm: 60 s, self-hosted, tiny model, 30 agents, ≥ 30 % aborts, bursts, and at
  *     least one decode SIGKILL, one prefill SIGKILL and one prefill SIGSTOP/SIGCONT — it must
  *     pass every check (wedge, leak, hang, crash, wrong answer) with both KV handoff paths
- *     carrying rooms (decode-0 same host, decode-1 TCP);
+ *     carrying rooms (decode-0 same host, decode-1 TCP), and no request may fail: the router
+ *     retries or migrates what the faults break;
  *  2. the storm can fail: a prefill started with the test-only fault switch
  *     PDSERVE_FAULT_LEAK_ROOM=1 leaks one room; the storm must exit 1 and name that room.
  */
@@ -188,6 +189,9 @@ describe('pdserve storm', () => {
     const localRounds = Number(/(\d+) on the decode-local path/.exec(wa.summary)?.[1] ?? 0);
     assert.ok(localRounds >= 1, `the wrong-answer check compared rounds served on the decode-local path: ${wa.summary}`);
     assert.equal(rep.requests.hung, 0);
+    // The router retries and migrates what the faults break: no request exhausts its attempts.
+    assert.equal(rep.requests.failed, 0, `failed by code: ${JSON.stringify(rep.requests.failed_by_code)}`);
+    assert.ok(Object.keys(rep.requests.migrated_by_code).length + Object.keys(rep.requests.retried_by_code).length > 0, 'the faults made the router dispatch requests again');
     // --kv-same-host mixed (the default): decode-0 takes state files over on this host, decode-1
     // runs --no-kv-same-host; both paths carried rooms through the faults.
     const hand = rep.kv_handoffs;
