@@ -873,7 +873,7 @@ describe('router: first token from prefill (before the KV handoff)', () => {
       await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'hi' }), isApiError(502, re));
     }
     // Each request's every attempt (a 502 is retried on the only pair, 1 + migrationLimit in all) ends with an abort_request to decode.
-    assert.equal(s.decode[0]!.generates.length, 3 * 4);
+    assert.equal(s.prefill[0]!.generates.length, 3 * 4);
     assert.ok(await waitFor(() => s.decode[0]!.generates.every((g) => s.decode[0]!.aborts.some((a) => a.bootstrap_room === g.bootstrap_room && a.rid === g.rid)), 1000), "abort_request reached decode for each attempt's room");
     await assertReleased(s);
   });
