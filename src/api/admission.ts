@@ -12,6 +12,7 @@
  * per-key limit.
  */
 import type { FastifyInstance, FastifyRequest } from 'fastify';
+import { systemClock } from '../common/clock.js';
 import { Counter, Gauge, type Registry } from 'prom-client';
 import { ApiError } from '../common/errors.js';
 import { keyIdOf } from './access.js';
@@ -88,7 +89,7 @@ export function registerAdmission(app: FastifyInstance, raw: AdmissionOptions, r
       keys.set(k, s);
       return s;
     }
-    s = { inflight: 0, ...(o.keyRps > 0 ? { bucket: new TokenBucket(o.keyRps, Math.max(1, o.keyBurst || Math.ceil(o.keyRps)), Date.now()) } : {}) };
+    s = { inflight: 0, ...(o.keyRps > 0 ? { bucket: new TokenBucket(o.keyRps, Math.max(1, o.keyBurst || Math.ceil(o.keyRps)), systemClock.nowMs()) } : {}) };
     keys.set(k, s);
     for (const [old, st] of keys) {
       if (keys.size <= MAX_KEYS) break;
@@ -112,7 +113,7 @@ export function registerAdmission(app: FastifyInstance, raw: AdmissionOptions, r
     const ks = stateOf(k);
     const fail = (e: ApiError & { retryAfterS?: number }): void => void sendApiError(reply.header('retry-after', String(e.retryAfterS ?? 1)), e);
     if (o.keyMaxConcurrent > 0 && ks.inflight >= o.keyMaxConcurrent) return fail(refuse('key_concurrency', 1000, `Too many requests in flight for this API key (limit ${o.keyMaxConcurrent})`));
-    const wait = ks.bucket?.take(Date.now()) ?? 0;
+    const wait = ks.bucket?.take(systemClock.nowMs()) ?? 0;
     if (wait > 0) return fail(refuse('key_rate', wait, `Rate limit reached for this API key (${o.keyRps} requests per second)`));
     ks.inflight++;
     let released = false;

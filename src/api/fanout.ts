@@ -20,6 +20,7 @@
  * abort (rooms released).
  */
 import { request as httpRequest, type Dispatcher } from 'undici';
+import { systemClock } from '../common/clock.js';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { readSse, SseWriter } from './sse.js';
 import { randomBytes } from 'node:crypto';
@@ -215,7 +216,7 @@ export async function serveFanOut(
   const so = body.stream_options as { include_usage?: boolean } | null | undefined;
   const prefix = kind === 'chat' ? 'chatcmpl' : 'cmpl';
   const rid = String(request.id).startsWith(`${prefix}-`) ? String(request.id) : `${prefix}-${randomBytes(12).toString('hex')}`;
-  const merger = new FanOutMerger(kind, rid, Math.floor(Date.now() / 1000), stream && so?.include_usage === true, subs);
+  const merger = new FanOutMerger(kind, rid, Math.floor(systemClock.wallMs() / 1000), stream && so?.include_usage === true, subs);
   const ac = new AbortController();
   const onClose = () => ac.abort();
   reply.raw.on('close', onClose);

@@ -16,6 +16,7 @@
  * A client that goes away aborts the chat request, which aborts the room on the workers.
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { systemClock } from '../common/clock.js';
 import { request, type Dispatcher } from 'undici';
 import { ApiError, checkModelName, SSE_DONE } from './openai.js';
 import { codeSpec } from '../common/errors.js';
@@ -124,7 +125,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
         return reply.code(res.statusCode).type('application/json; charset=utf-8').send(text);
       }
       const model = (parsed.chat.model as string | undefined) ?? o.models()[0] ?? 'pdserve';
-      const t = new ResponsesTranslator(responseIdOf(rid), model, Math.floor(Date.now() / 1000), parsed.echo);
+      const t = new ResponsesTranslator(responseIdOf(rid), model, Math.floor(systemClock.wallMs() / 1000), parsed.echo);
       let writer: SseWriter | null = null;
       const send = async (events: ResponsesEvent[]) => {
         if (!writer) return;

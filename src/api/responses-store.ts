@@ -10,6 +10,7 @@
  * The history arrays of a chain share their message objects; `bytes` counts the whole history
  * of each record (an upper bound of what it holds alive, so the byte bound always holds).
  */
+import { systemClock } from '../common/clock.js';
 
 /** A chat message as the chat path takes it (OpenAI wire shape). */
 export interface WireChatMessage {
@@ -57,7 +58,7 @@ export class ResponseStore {
 
   constructor(
     readonly limits: ResponseStoreLimits = DEFAULT_RESPONSE_STORE_LIMITS,
-    private readonly now: () => number = () => performance.now(),
+    private readonly now: () => number = () => systemClock.nowMs(),
   ) {}
 
   /** Stored responses now. */

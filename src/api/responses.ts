@@ -18,6 +18,7 @@
  * `ResponseInputItem`); vLLM's /v1/responses maps Responses onto its chat machinery the same way.
  */
 import { randomBytes } from 'node:crypto';
+import { systemClock } from '../common/clock.js';
 import { z, type ZodError } from 'zod';
 import { ApiError } from '../common/errors.js';
 import { parseChatRequest, parseFieldTable } from './openai.js';
@@ -428,7 +429,7 @@ export class ResponsesTranslator {
     const cut = this.finishReason === 'length';
     this.close(cut ? 'incomplete' : 'completed', out);
     this.status = cut ? 'incomplete' : 'completed';
-    this.completedAt = Math.floor(Date.now() / 1000);
+    this.completedAt = Math.floor(systemClock.wallMs() / 1000);
     out.push(this.ev(cut ? 'response.incomplete' : 'response.completed', { response: this.response() }));
     return out;
   }

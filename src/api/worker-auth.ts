@@ -14,6 +14,7 @@
  * names the reason, never the header.
  */
 import { createHash, type Hash } from 'node:crypto';
+import { systemClock } from '../common/clock.js';
 import { Transform } from 'node:stream';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Counter, type Registry } from 'prom-client';
@@ -77,7 +78,7 @@ export function registerWorkerAuth(app: FastifyInstance, o: WorkerAuthOptions, r
     const open = isOpen(request.method, request.url, o.privateMetrics === true);
     // An open path is answered anyway; a signature on it (the router's probe) is checked, not required.
     if (open && request.headers[SIGNATURE_HEADER] === undefined) return done();
-    const sig = verifier.precheck(request.headers[SIGNATURE_HEADER], Date.now());
+    const sig = verifier.precheck(request.headers[SIGNATURE_HEADER], systemClock.wallMs());
     if (typeof sig === 'string') return open ? done() : void deny(request, reply, sig);
     (request as unknown as Signed)[SIG] = sig;
     if (open) (request as unknown as Signed)[OPTIONAL] = true;
@@ -104,7 +105,7 @@ export function registerWorkerAuth(app: FastifyInstance, o: WorkerAuthOptions, r
     const sig = s[SIG];
     if (!sig) return done();
     const digest = s[DIGEST] ? s[DIGEST].digest('hex') : EMPTY_DIGEST;
-    const why = verifier.verify(sig, request.method, request.url, digest, Date.now());
+    const why = verifier.verify(sig, request.method, request.url, digest, systemClock.wallMs());
     if (why && !s[OPTIONAL]) return void deny(request, reply, why);
     if (!why) s[VERIFIED] = true;
     done();

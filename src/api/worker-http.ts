@@ -5,6 +5,7 @@
  * helper.
  */
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply } from 'fastify';
+import { systemClock } from '../common/clock.js';
 import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endpoints.js';
 import { isSigned, registerWorkerAuth } from './worker-auth.js';
@@ -82,7 +83,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
     return o.registry.metrics();
   });
   app.get('/debug/rooms', async () => o.debugRooms());
-  const created = Math.floor(Date.now() / 1000);
+  const created = Math.floor(systemClock.wallMs() / 1000);
   app.get('/v1/models', async () => ({ object: 'list', data: o.modelNames.map((id) => ({ id, object: 'model', owned_by: 'pdserve', created })) }));
   registerModelRoute(app, () => [...o.modelNames], created);
   if (o.engine) registerTokenizeRoutes(app, o.engine, o.modelNames);

@@ -9,6 +9,7 @@ import { ApiError } from '../common/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
 import type { PrefixCacheMetrics } from '../common/prefix-metrics.js';
+import { systemClock } from '../common/clock.js';
 
 /** A request being served, as shown in /debug/rooms (colocated has no rooms: path 'colocated'). */
 export interface ColocatedRunning {
@@ -17,6 +18,7 @@ export interface ColocatedRunning {
   /** Prompt tokens taken from the prefix cache (known once the prompt was evaluated). */
   cached_tokens: number;
   path: 'colocated';
+  /** When it got its slot, monotonic ms (src/common/clock.ts); not shown. */
   t0: number;
 }
 
@@ -91,7 +93,7 @@ export class ColocatedBackend {
     await checkSampling(this.engine, sampling);
     const slot = await this.acquire(signal, tokens);
     this.running++;
-    const entry: ColocatedRunning = { rid: body.rid, prompt_tokens: tokens.length, cached_tokens: 0, path: 'colocated', t0: Date.now() };
+    const entry: ColocatedRunning = { rid: body.rid, prompt_tokens: tokens.length, cached_tokens: 0, path: 'colocated', t0: systemClock.nowMs() };
     this.live.set(body.rid, entry);
     let gen: AsyncGenerator<unknown, unknown> | undefined;
     try {

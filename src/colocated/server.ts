@@ -15,6 +15,7 @@ import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, 
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { openPrefixStore } from '../common/prefix-store.js';
 import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
+import { systemClock } from '../common/clock.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
@@ -52,7 +53,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     registry: metrics.registry,
     modelNames: names,
     health: () => ({ role: 'colocated', model: names[0], fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
-    debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map((r) => ({ ...r, age_ms: Date.now() - r.t0 })), recent: [] }),
+    debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map(({ t0, ...r }) => ({ ...r, age_ms: Math.round(systemClock.nowMs() - t0) })), recent: [] }),
     engine,
     corsOrigins: config.corsOrigin,
     ...(config.tls ? { tls: config.tls } : {}),
@@ -75,7 +76,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     const ac = new AbortController();
     const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
     const off = onClientGone(reply, () => ac.abort());
-    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(Date.now() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax);
+    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(systemClock.wallMs() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax);
     const events = backend.generate(body, ac.signal);
     try {
       if (!parsed.stream) {

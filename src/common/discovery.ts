@@ -19,6 +19,7 @@
 import { hostname } from 'node:os';
 import { Etcd3, type Lease } from 'etcd3';
 import { z } from 'zod';
+import { systemClock, type Clock } from './clock.js';
 
 /** Prefix of every worker key. */
 export const MEMBER_PREFIX = 'pdserve/v1/workers/';
@@ -77,7 +78,8 @@ export function parseDiscoveryUrl(uri: string): string[] {
 /** An etcd client with short deadlines (a dead etcd must not stall a worker or the router). */
 export function etcdClient(uri: string): Etcd3 {
   // Deadlines on unary calls only: a deadline on the watch or keepalive stream would end it.
-  return new Etcd3({ hosts: parseDiscoveryUrl(uri), dialTimeout: 2000, defaultCallOptions: (ctx) => (ctx.isStream ? {} : { deadline: Date.now() + 3000 }) });
+  // gRPC takes a deadline as a wall-clock date and turns it back into a timeout at once.
+  return new Etcd3({ hosts: parseDiscoveryUrl(uri), dialTimeout: 2000, defaultCallOptions: (ctx) => (ctx.isStream ? {} : { deadline: systemClock.wallMs() + 3000 }) });
 }
 
 interface Log {
@@ -93,6 +95,8 @@ export interface JoinOptions {
   ttlS?: number;
   refreshMs?: number;
   log: Log;
+  /** Monotonic time of the keepalive watchdog (default: the system clock). */
+  clock?: Clock;
 }
 
 /**
@@ -108,14 +112,17 @@ export class Membership {
   private left = false;
   private writing: Promise<void> = Promise.resolve();
   private regrant: NodeJS.Timeout | null = null;
-  /** When the lease was last confirmed alive (grant or keepalive answer), ms. */
+  /** When the lease was last confirmed alive (grant or keepalive answer), monotonic ms. */
   private aliveAt = 0;
+  private readonly clock: Clock;
 
   private constructor(
     private client: Etcd3,
     private readonly o: JoinOptions,
     private key: string,
-  ) {}
+  ) {
+    this.clock = o.clock ?? systemClock;
+  }
 
   /**
    * Register (resolves once the key is written).
@@ -141,11 +148,11 @@ export class Membership {
     const lease = this.client.lease(this.o.ttlS ?? 5, { autoKeepAlive: true });
     lease.on('lost', (err) => this.onLost(lease, err));
     lease.on('keepaliveSucceeded', () => {
-      if (lease === this.lease) this.aliveAt = Date.now();
+      if (lease === this.lease) this.aliveAt = this.clock.nowMs();
     });
     await lease.grant();
     this.lease = lease;
-    this.aliveAt = Date.now();
+    this.aliveAt = this.clock.nowMs();
     await this.write(rec, true);
   }
 
@@ -196,7 +203,8 @@ export class Membership {
     // No keepalive answer for 2 TTLs: the lease is gone server-side whatever the client thinks
     // (a keepalive stream can hang silently through a partition).
     const ttlMs = 1000 * (this.o.ttlS ?? 5);
-    if (Date.now() - this.aliveAt > 2 * ttlMs) return this.onLost(this.lease, new Error(`no keepalive answer for ${Date.now() - this.aliveAt} ms`));
+    const silentMs = this.clock.nowMs() - this.aliveAt;
+    if (silentMs > 2 * ttlMs) return this.onLost(this.lease, new Error(`no keepalive answer for ${Math.round(silentMs)} ms`));
     try {
       await this.write(await this.recordNow());
     } catch (err) {
@@ -227,7 +235,11 @@ export class Membership {
   }
 }
 
-/** Fields every record carries about the process itself. */
+/**
+ * Fields every record carries about the process itself. `started_at` (wall ms) is the date the
+ * process started, read once by the runtime: a wall-clock step does not change it, so the router
+ * never takes the same process for a restarted one.
+ */
 export function processFields(): { host: string; pid: number; started_at: number } {
-  return { host: hostname(), pid: process.pid, started_at: Date.now() - Math.round(process.uptime() * 1000) };
+  return { host: hostname(), pid: process.pid, started_at: Math.round(performance.timeOrigin) };
 }

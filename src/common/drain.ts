@@ -25,6 +25,7 @@
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ServerResponse } from 'node:http';
+import { systemClock } from './clock.js';
 
 /** Routes that carry work (only these are counted and refused while draining). */
 export const WORK_ROUTES: ReadonlySet<string> = new Set(['/generate', '/v1/completions', '/v1/chat/completions']);
@@ -169,14 +170,14 @@ export interface ShutdownOptions {
  * Never rejects.
  */
 export async function gracefulShutdown(o: ShutdownOptions): Promise<{ drained: boolean; left: number; ms: number }> {
-  const t0 = Date.now();
+  const t0 = systemClock.nowMs();
   o.gate.startDraining();
   o.log.info({ inflight: o.gate.inflight, timeout_ms: o.timeoutMs }, 'draining: new work is refused, waiting for requests in flight');
   const drained = await o.gate.waitIdle(o.timeoutMs, o.force);
   const left = o.gate.inflight;
-  if (drained) o.log.info({ ms: Date.now() - t0 }, 'drained: no request in flight');
+  if (drained) o.log.info({ ms: Math.round(systemClock.nowMs() - t0) }, 'drained: no request in flight');
   else o.log.warn({ left, reason: o.force.aborted ? 'second signal' : 'drain timeout' }, 'drain cut short: failing the requests left');
   if (o.deregister) await o.deregister().catch((err: unknown) => o.log.warn({ err: (err as Error)?.message ?? String(err) }, 'deregistration failed'));
   await o.close().catch((err: unknown) => o.log.warn({ err: (err as Error)?.message ?? String(err) }, 'close failed'));
-  return { drained, left, ms: Date.now() - t0 };
+  return { drained, left, ms: Math.round(systemClock.nowMs() - t0) };
 }

@@ -1,3 +1,5 @@
+import { systemClock } from './clock.js';
+
 /**
  * Rate limit for repeated log lines: at most one line per key (e.g. an error code) per window,
  * with the count of the occurrences that were not logged. Used for expected refusals (a 503
@@ -15,11 +17,11 @@ export class RepeatLimiter {
   ) {}
 
   /**
-   * One occurrence of `key` at `now` (ms). Returns null when it must not be logged (another line
+   * One occurrence of `key` at `now` (monotonic ms). Returns null when it must not be logged (another line
    * of this key was logged less than windowMs ago), else the number of occurrences suppressed
    * since the previous logged line of this key (0 for the first).
    */
-  hit(key: string, now = Date.now()): number | null {
+  hit(key: string, now = systemClock.nowMs()): number | null {
     const w = this.windows.get(key);
     if (w && now - w.start < this.windowMs) {
       w.suppressed++;

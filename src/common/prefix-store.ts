@@ -38,6 +38,7 @@
  * remove a little more than needed, never an entry in use (loads read a private copy).
  */
 import { randomBytes } from 'node:crypto';
+import { systemClock } from './clock.js';
 import { promises as fsp, statfsSync } from 'node:fs';
 import os from 'node:os';
 import { join } from 'node:path';
@@ -177,7 +178,7 @@ export class FilePrefixStore implements PrefixStore {
     this.id = id;
     this.ns = storeNamespace(id);
     if (this.o.blockTokens === undefined) this.blockTokens = id.align ?? STORE_BLOCK_TOKENS;
-    this.lastSweep = performance.now();
+    this.lastSweep = systemClock.nowMs();
     void sweepStaleStateFiles(this.o.dir, this.o.log);
     this.scheduleScan();
     this.timer = setInterval(() => this.tick(), this.o.scanMs ?? SCAN_MS);
@@ -309,7 +310,7 @@ export class FilePrefixStore implements PrefixStore {
         this.o.log?.warn({ err: String(err) }, 'prefix store: cannot write the load copy');
         break;
       }
-      const now = new Date();
+      const now = new Date(systemClock.wallMs()); // a file's mtime is a wall-clock date
       void fsp.utimes(path, now, now).catch(() => {}); // LRU: a hit is a use
       this.stats.hits++;
       this.stats.hitTokens += reuse;
@@ -474,8 +475,8 @@ export class FilePrefixStore implements PrefixStore {
   }
 
   private tick(): void {
-    if (performance.now() - this.lastSweep >= STATE_SWEEP_MS) {
-      this.lastSweep = performance.now();
+    if (systemClock.nowMs() - this.lastSweep >= STATE_SWEEP_MS) {
+      this.lastSweep = systemClock.nowMs();
       void sweepStaleStateFiles(this.o.dir, this.o.log);
     }
     this.scheduleScan();

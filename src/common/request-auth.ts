@@ -17,6 +17,7 @@
  * ../api/worker-auth.ts (server).
  */
 import { createHash, createHmac, randomBytes, timingSafeEqual } from 'node:crypto';
+import { systemClock } from './clock.js';
 
 /** The request header carrying the signature. */
 export const SIGNATURE_HEADER = 'x-pdserve-signature';
@@ -51,7 +52,7 @@ export function signatureMac(key: Buffer, method: string, path: string, t: numbe
 }
 
 /** The header value signing one request at time `now` (ms) with a fresh random nonce. */
-export function signRequest(key: Buffer, method: string, path: string, digestHex: string, now = Date.now(), nonce = randomBytes(16).toString('hex')): string {
+export function signRequest(key: Buffer, method: string, path: string, digestHex: string, now = systemClock.wallMs(), nonce = randomBytes(16).toString('hex')): string {
   return `v1 t=${now} n=${nonce} s=${signatureMac(key, method, path, now, nonce, digestHex)}`;
 }
 

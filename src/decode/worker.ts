@@ -21,6 +21,7 @@ import { pairSettingsOf } from '../common/pair.js';
 import { connectionHeader } from '../common/drain.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
+import { systemClock, type Clock } from '../common/clock.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { startStateSweeper, sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
@@ -121,6 +122,8 @@ export class DecodeWorker {
     readonly config: DecodeConfig,
     readonly engine: Engine,
     readonly log: Logger,
+    /** Monotonic time of every deadline, watchdog tick and elapsed figure; wall time for /debug/rooms dates. */
+    readonly clock: Clock = systemClock,
   ) {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
@@ -148,6 +151,7 @@ export class DecodeWorker {
     await sweepStaleStateFiles(c.stateDir, this.log);
     this.stopSweep = startStateSweeper(c.stateDir, this.log);
     this.pool = new KvPeerPool({
+      clock: this.clock,
       secret: c.secret,
       epoch: this.epoch,
       settings: pairSettingsOf(this.engine.info),
@@ -160,7 +164,7 @@ export class DecodeWorker {
         const id = this.connIds.get(conn);
         if (id === undefined) return;
         this.conns.delete(id);
-        this.perform(this.driver.peerLost(id, reason, Date.now()));
+        this.perform(this.driver.peerLost(id, reason, this.clock.nowMs()));
         // A prefill killed after handing a file over leaves it under its dead pid: sweep now and
         // once more shortly (its exit may not be complete yet).
         void sweepStaleStateFiles(c.stateDir, this.log);
@@ -175,7 +179,7 @@ export class DecodeWorker {
       clusterSecret: c.secret,
       privateMetrics: c.privateMetrics,
       onSignedProbe: (q) => {
-        if (typeof q.prefill_pool === 'string') this.knownPrefills.learn(q.prefill_pool.split(','), Date.now());
+        if (typeof q.prefill_pool === 'string') this.knownPrefills.learn(q.prefill_pool.split(','), this.clock.nowMs());
       },
       modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
       health: () => ({
@@ -190,8 +194,8 @@ export class DecodeWorker {
         ...this.queueSizes(),
       }),
       debugRooms: () => {
-        const snap = this.rooms.snapshot(Date.now());
-        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Date.now() - j.t0, path: pathOf(j), kv_path: j.kvPath ?? null, cached_tokens: cachedOf(j) }));
+        const snap = this.rooms.snapshot(this.clock.nowMs(), this.clock.wallMs());
+        const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Math.round(this.clock.nowMs() - j.t0), path: pathOf(j), kv_path: j.kvPath ?? null, cached_tokens: cachedOf(j) }));
         return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.jobs.get(r.room)), kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: cachedOf(this.jobs.get(r.room)) })), decoding });
       },
     });
@@ -203,7 +207,7 @@ export class DecodeWorker {
     });
     registerKvEventsRoute(this.app, this.kvEvents);
     this.url = await listenUrl(this.app, c.host, c.port);
-    this.watchdog = setInterval(() => this.perform(this.driver.tick(Date.now())), c.watchdogMs);
+    this.watchdog = setInterval(() => this.perform(this.driver.tick(this.clock.nowMs())), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
     if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
@@ -215,7 +219,7 @@ export class DecodeWorker {
     this.kvTracker?.close();
     this.stopSweep?.();
     this.recvFiles.close(); // spares deleted now (a hung close is cut short); a receiver still holding a file deletes it when it lets go
-    this.perform(this.driver.shutdown(Date.now()));
+    this.perform(this.driver.shutdown(this.clock.nowMs()));
     for (const j of this.jobs.values()) j.ac.abort();
     await this.app?.close().catch(() => {});
     await this.pool?.close();
@@ -225,7 +229,7 @@ export class DecodeWorker {
   /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. */
   abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local'): void {
     const id = room ?? (rid !== undefined ? this.driver.roomOfRid(rid) : undefined);
-    this.perform(this.driver.abort(rid, room, from, Date.now()));
+    this.perform(this.driver.abort(rid, room, from, this.clock.nowMs()));
     if (id !== undefined) this.jobs.get(id)?.ac.abort();
   }
 
@@ -243,7 +247,7 @@ export class DecodeWorker {
           else {
             slot?.release();
             this.log.error({ room: a.room }, 'the engine had no free sequence for a slot the driver handed out');
-            this.perform(this.driver.fail(a.room, failure('engine_failed', 'no free decode sequence'), Date.now()));
+            this.perform(this.driver.fail(a.room, failure('engine_failed', 'no free decode sequence'), this.clock.nowMs()));
           }
           break;
         }
@@ -258,7 +262,7 @@ export class DecodeWorker {
           void this.dial(a.room, a.addr);
           break;
         case 'register':
-          if (!this.conns.get(a.conn)?.sendControl(a.msg)) this.perform(this.driver.registerFailed(a.room, failure('peer_lost', 'connection closed before register'), Date.now()));
+          if (!this.conns.get(a.conn)?.sendControl(a.msg)) this.perform(this.driver.registerFailed(a.room, failure('peer_lost', 'connection closed before register'), this.clock.nowMs()));
           break;
         case 'send':
           this.send(a);
@@ -278,7 +282,7 @@ export class DecodeWorker {
         case 'generate': {
           const job = this.jobs.get(a.room);
           if (job?.start) job.ready.resolve(job.start);
-          else this.perform(this.driver.generationDone(a.room, Date.now()));
+          else this.perform(this.driver.generationDone(a.room, this.clock.nowMs()));
           break;
         }
         case 'finish':
@@ -301,7 +305,7 @@ export class DecodeWorker {
     if (!job) return;
     if (job.recv && a.state !== KVPoll.Success) void job.recv.discard();
     if (a.state === KVPoll.Success) {
-      if (job.tKvBegin) this.metrics.kvSeconds.observe((Date.now() - job.tKvBegin) / 1000);
+      if (job.tKvBegin) this.metrics.kvSeconds.observe((this.clock.nowMs() - job.tKvBegin) / 1000);
       if (job.kvPath) this.metrics.kvHandoffs.inc({ path: job.kvPath }); // decode-local rooms had no handoff
       return; // the stream starts on `generate`
     }
@@ -347,12 +351,12 @@ export class DecodeWorker {
       conn = await this.pool.get(job.host, job.port);
     } catch (err) {
       const code = errorCodeOf(err) === 'settings_mismatch' ? 'settings_mismatch' : 'peer_unreachable';
-      this.perform(this.driver.registerFailed(room, failure(code, `cannot pair with prefill ${addr}: ${(err as Error).message}`), Date.now()));
+      this.perform(this.driver.registerFailed(room, failure(code, `cannot pair with prefill ${addr}: ${(err as Error).message}`), this.clock.nowMs()));
       return;
     }
     // A new connection's same-host probe settles first (bounded), so its first room can use it.
     await this.sameHost.ready(conn);
-    this.perform(this.driver.dialed(room, this.idOf(conn), Date.now()));
+    this.perform(this.driver.dialed(room, this.idOf(conn), this.clock.nowMs()));
   }
 
   private onControl(conn: PeerConn, msg: ControlMsg): void {
@@ -362,7 +366,7 @@ export class DecodeWorker {
       case 'kv_end':
       case 'kv_file':
       case 'fail':
-        this.perform(this.driver.message(this.idOf(conn), conn.peerEpoch, msg, Date.now()));
+        this.perform(this.driver.message(this.idOf(conn), conn.peerEpoch, msg, this.clock.nowMs()));
         return;
       case 'same_host_reply':
         this.sameHost.onReply(conn, msg);
@@ -386,11 +390,11 @@ export class DecodeWorker {
       pool: this.kvPool,
     });
     job.kvPath = 'tcp';
-    job.tKvBegin = Date.now();
+    job.tKvBegin = this.clock.nowMs();
   }
 
   private onChunk(conn: PeerConn, room: RoomId, offset: number, data: Buffer): void {
-    const { store, actions } = this.driver.chunk(this.idOf(conn), room, offset, data.length, Date.now());
+    const { store, actions } = this.driver.chunk(this.idOf(conn), room, offset, data.length, this.clock.nowMs());
     if (store) {
       const recv = this.jobs.get(room)?.recv;
       try {
@@ -399,7 +403,7 @@ export class DecodeWorker {
         this.metrics.kvBytes.inc(data.length);
       } catch (err) {
         this.perform(actions);
-        this.perform(this.driver.fail(room, failure('bad_state', (err as Error).message), Date.now()));
+        this.perform(this.driver.fail(room, failure('bad_state', (err as Error).message), this.clock.nowMs()));
         return;
       }
     }
@@ -412,7 +416,7 @@ export class DecodeWorker {
   private async load(room: RoomId, end?: StreamEnd): Promise<void> {
     const job = this.jobs.get(room);
     const recv = job?.recv;
-    if (!job || !recv) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'load without a receiver'), Date.now()));
+    if (!job || !recv) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'load without a receiver'), this.clock.nowMs()));
     // after the load settled nothing reads the file: it goes back to the spare files (a failure
     // meanwhile — finish Failed — discards it, deleting a file a running load may still read)
     await this.loadInto(job, () => recv.finish(end), () => recv.done());
@@ -426,11 +430,11 @@ export class DecodeWorker {
    */
   private async takeFile(room: RoomId, msg: Extract<ControlMsg, { type: 'kv_file' }>): Promise<void> {
     const job = this.jobs.get(room);
-    if (!job) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'kv_file without a request'), Date.now()));
+    if (!job) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'kv_file without a request'), this.clock.nowMs()));
     job.kvPath = 'same_host';
     await hold('decode.take', job.ac.signal);
     // The room over: the file stays prefill's (it deletes it, or the sweep once it is gone).
-    if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the state file was taken'), Date.now()));
+    if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the state file was taken'), this.clock.nowMs()));
     const info = this.engine.info;
     let taken: ReceivedState<ParsedState>;
     try {
@@ -443,14 +447,14 @@ export class DecodeWorker {
       if ('refused' in out) {
         this.metrics.kvFileRefused.inc();
         this.log.warn({ room, reason: out.refused }, 'state file (kv_file) refused: asking prefill for TCP');
-        return this.perform(this.driver.fileRefused(room, out.refused, Date.now()));
+        return this.perform(this.driver.fileRefused(room, out.refused, this.clock.nowMs()));
       }
       taken = out.taken;
     } catch (err) {
-      return this.perform(this.driver.loadFailed(room, failure('bad_state', (err as Error).message), Date.now()));
+      return this.perform(this.driver.loadFailed(room, failure('bad_state', (err as Error).message), this.clock.nowMs()));
     }
-    job.tKvBegin = Date.now();
-    this.perform(this.driver.fileTaken(room, msg.payloadBytes, Date.now()));
+    job.tKvBegin = this.clock.nowMs();
+    this.perform(this.driver.fileTaken(room, msg.payloadBytes, this.clock.nowMs()));
     await this.loadInto(job, async () => taken, () => rm(taken.path, { force: true }).catch(() => {}));
   }
 
@@ -459,19 +463,19 @@ export class DecodeWorker {
     const { room } = job;
     try {
       await hold('decode.load', job.ac.signal);
-      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
+      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), this.clock.nowMs()));
       const { header, state, path } = await get();
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
-      if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), Date.now()));
+      if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), this.clock.nowMs()));
       // the walk above covered this file (ours): llama.cpp loads it as it is, re-framed in place
       await job.slot.loadState(path, state.tokens, state);
       job.promptIds = state.tokens;
       job.header = header;
       job.start = { promptTokens: header.nTokens, cachedTokens: header.cachedTokens ?? 0, firstToken: header.firstToken };
-      this.perform(this.driver.loadDone(room, Date.now()));
+      this.perform(this.driver.loadDone(room, this.clock.nowMs()));
     } catch (err) {
       const e = err as { code?: string; message?: string };
-      this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)), Date.now()));
+      this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)), this.clock.nowMs()));
     } finally {
       await cleanup();
     }
@@ -480,17 +484,17 @@ export class DecodeWorker {
   /** The driver's `local_prefill`: evaluate the uncached suffix on the room's slot (./local.ts); answer `loadDone` / `loadFailed`. */
   private async runLocal(room: RoomId): Promise<void> {
     const job = this.jobs.get(room);
-    if (!job?.local || !job.slot) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'local prefill without a plan or slot'), Date.now()));
+    if (!job?.local || !job.slot) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'local prefill without a plan or slot'), this.clock.nowMs()));
     try {
       await hold('decode.local_prefill', job.ac.signal);
-      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the local prefill'), Date.now()));
+      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the local prefill'), this.clock.nowMs()));
       const start = await localPrefill(job.slot, job.local, job.ac.signal);
       job.start = start;
       this.prefixMetrics.recordLookup(start.promptTokens, start.cachedTokens, start.cacheTier);
-      this.perform(this.driver.loadDone(room, Date.now()));
+      this.perform(this.driver.loadDone(room, this.clock.nowMs()));
     } catch (err) {
       const e = toApiError(err);
-      this.perform(this.driver.loadFailed(room, failure(e.status < 500 ? (e.code as RoomFailure['code']) : 'engine_failed', e.message), Date.now()));
+      this.perform(this.driver.loadFailed(room, failure(e.status < 500 ? (e.code as RoomFailure['code']) : 'engine_failed', e.message), this.clock.nowMs()));
     }
   }
 
@@ -520,17 +524,17 @@ export class DecodeWorker {
       port: body.bootstrap_port,
       ac: new AbortController(),
       ready: deferred(),
-      t0: Date.now(),
+      t0: this.clock.nowMs(),
     };
     if (local) job.local = local;
     // Never dial an address the router's pool (or --allow-prefill) does not name: a forged
     // bootstrap address is refused here, before any room or connection exists.
-    if (!local && !this.knownPrefills.allows(body.bootstrap_host, body.bootstrap_port, Date.now())) {
+    if (!local && !this.knownPrefills.allows(body.bootstrap_host, body.bootstrap_port, this.clock.nowMs())) {
       this.bootstrapRefused.inc();
       return sendError(reply, ApiError.of('unknown_bootstrap_address', 'bootstrap_host:bootstrap_port is not a prefill worker this decode worker knows (the router\'s pool or --allow-prefill)', 'bootstrap_host'));
     }
     if (body.conversation_key !== undefined) job.conversationKey = body.conversation_key;
-    const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, Date.now(), { local: local !== undefined });
+    const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, this.clock.nowMs(), { local: local !== undefined });
     if (admitted.refused) {
       // Refusals before the room exists still reach prefill (fault c): the driver's `send`.
       this.perform(admitted.actions);
@@ -551,7 +555,7 @@ export class DecodeWorker {
       try {
         await this.stream(job, start, reply);
       } finally {
-        this.perform(this.driver.generationDone(room, Date.now()));
+        this.perform(this.driver.generationDone(room, this.clock.nowMs()));
       }
     } finally {
       off();

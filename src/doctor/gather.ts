@@ -9,6 +9,7 @@
  * (`routerSource`); a membership registry (etcd, issue #12) plugs in as another source.
  */
 import { request, type Dispatcher } from 'undici';
+import { systemClock } from '../common/clock.js';
 import type { RoomView } from '../harness/storm-monitor.js';
 
 /** A worker to probe; `router` is the router's own row for it (GET /workers), when known. */
@@ -97,8 +98,8 @@ const MAX_BODY = 8 * 1024 * 1024;
 
 /** GET `url` with a deadline through `dispatcher` (credentials: ../common/http-auth.ts; default: undici's global one); `parse` turns the text into the body. Never throws. */
 export async function fetchText<T>(url: string, timeoutMs: number, parse: (text: string) => T, dispatcher?: Dispatcher): Promise<Fetched<T>> {
-  const t0 = performance.now();
-  const ms = () => Math.round(performance.now() - t0);
+  const t0 = systemClock.nowMs();
+  const ms = () => Math.round(systemClock.nowMs() - t0);
   try {
     const res = await request(url, { method: 'GET', signal: AbortSignal.timeout(timeoutMs), headersTimeout: timeoutMs, bodyTimeout: timeoutMs, ...(dispatcher ? { dispatcher } : {}) });
     let text = '';
@@ -193,10 +194,10 @@ export function routerSource(url: string): WorkerSource {
 
 /** Gather a snapshot: the router (if the source has one), then every worker, each GET bounded by `timeoutMs`. */
 export async function gather(source: WorkerSource, timeoutMs = 3000, dispatcher?: Dispatcher): Promise<ClusterSnapshot> {
-  const at = Date.now();
-  const t0 = performance.now();
+  const at = systemClock.wallMs();
+  const t0 = systemClock.nowMs();
   const router = source.routerUrl ? await probeRouter(source.routerUrl, timeoutMs, dispatcher) : null;
   const refs = await source.list(router);
   const workers = await Promise.all(refs.map((r) => probeWorker(r, timeoutMs, dispatcher)));
-  return { at, gatherMs: Math.round(performance.now() - t0), source: source.describe, router, workers };
+  return { at, gatherMs: Math.round(systemClock.nowMs() - t0), source: source.describe, router, workers };
 }

@@ -9,6 +9,7 @@
  */
 import type { Dispatcher } from 'undici';
 import { fetchText, type DebugRooms, type RoomInfo } from './gather.js';
+import { systemClock } from '../common/clock.js';
 import { fmtMs } from './diagnose.js';
 import type { RequestTrace } from '../router/trace.js';
 
@@ -54,7 +55,7 @@ export async function requestReport(routerUrl: string, id: string, timeoutMs = 3
   const ofTrace = (r: RoomInfo) => trace !== null && (r.room === trace.room || (trace.rooms ?? []).includes(r.room) || r.rid === trace.rid || (typeof r.rid === 'string' && r.rid.startsWith(`${trace.rid}-a`)));
   const matches = (r: RoomInfo) => r.room === id || r.rid === id || r.trace === id || ofTrace(r);
   const rooms: RequestReport['rooms'] = [];
-  let clock: number = Date.now();
+  let clock: number = systemClock.wallMs();
   await Promise.all(
     (workers.body?.workers ?? []).map(async (w) => {
       const d = await fetchText<DebugRooms>(`${w.url}/debug/rooms`, timeoutMs, (t) => JSON.parse(t) as DebugRooms, dispatcher);

@@ -12,6 +12,7 @@
  * `general.alignment` (32).
  */
 import { createHash } from 'node:crypto';
+import { systemClock } from '../common/clock.js';
 import { createReadStream, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -507,7 +508,7 @@ export async function ensureModel(preset: GgufPreset, seed: number, cacheDir?: s
     /* write below */
   }
   await fsp.mkdir(dir, { recursive: true });
-  const tmp = `${file}.tmp-${process.pid}-${Date.now()}`;
+  const tmp = `${file}.tmp-${process.pid}-${Math.round(systemClock.wallMs())}`;
   try {
     await writeLlamaGguf(tmp, { preset, seed });
     await fsp.rename(tmp, file);

@@ -8,6 +8,7 @@
  * generate run therefore does exactly what prefill → generate on one slot does.
  */
 import { randomUUID } from 'node:crypto';
+import { systemClock } from '../common/clock.js';
 import { closeSync, existsSync, fstatSync, ftruncateSync, openSync, promises as fsp, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -842,7 +843,7 @@ class LlamaEngine implements Engine {
     if (keep) {
       holder.tokens = holder.seq.contextTokens;
       holder.exactPrefix = Math.min(holder.exactPrefix, holder.tokens.length);
-      holder.lastUsed = performance.now();
+      holder.lastUsed = systemClock.nowMs();
       this.announceStored(holder);
     } else {
       this.clearHolder(holder);

@@ -26,7 +26,7 @@
  */
 import net from 'node:net';
 import { DEFAULT_HEARTBEAT_MS, errText, newKvStats, noop, NOOP_LOG, PeerConn, type KvHandlers, type KvLog, type KvStats, type Owner, type Settings } from './connection.js';
-import { systemClock, type Clock } from './heartbeat.js';
+import { systemClock, type Clock } from '../common/clock.js';
 import type { PairSettings } from './messages.js';
 import { KvError } from './types.js';
 
@@ -272,7 +272,7 @@ export class KvPeerPool implements KvHandlers {
     const c = this.live.get(key);
     if (c?.alive) return Promise.resolve(c);
     const refused = this.mismatched.get(key);
-    if (refused && this.s.clock.now() < refused.until) return Promise.reject(new KvError('SETTINGS_MISMATCH', refused.reason));
+    if (refused && this.s.clock.nowMs() < refused.until) return Promise.reject(new KvError('SETTINGS_MISMATCH', refused.reason));
     if (c) this.live.delete(key);
     let p = this.pending.get(key);
     if (!p) {
@@ -383,7 +383,7 @@ export class KvPeerPool implements KvHandlers {
           () => resolve(c),
           (e: KvError) => {
             // A mismatched pair stays refused for a while: no reconnect (and log line) per room.
-            if (e.code === 'SETTINGS_MISMATCH') this.mismatched.set(key, { until: this.s.clock.now() + MISMATCH_RETRY_MS, reason: e.message });
+            if (e.code === 'SETTINGS_MISMATCH') this.mismatched.set(key, { until: this.s.clock.nowMs() + MISMATCH_RETRY_MS, reason: e.message });
             else this.mismatched.delete(key);
             reject(e);
           },

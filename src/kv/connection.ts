@@ -11,7 +11,8 @@
 import type net from 'node:net';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from './frame.js';
 import { Handshake } from './handshake.js';
-import { Heartbeat, systemClock, type Clock } from './heartbeat.js';
+import type { Clock } from '../common/clock.js';
+import { Heartbeat } from './heartbeat.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type PeerMsg } from './messages.js';
 import { KvError, type RoomId } from './types.js';
 
@@ -133,7 +134,7 @@ export interface Settings {
   epoch: string;
   /** This process's pair settings, exchanged in the handshake. */
   pair: PairSettings;
-  /** Time source of the heartbeat. */
+  /** Monotonic time source of the heartbeat and the ping round trip. */
   clock: Clock;
   heartbeatMs: number;
   authTimeoutMs: number;
@@ -653,7 +654,7 @@ export class PeerConn {
       case 'pong': {
         const t = this.pingSentAt.get(msg.seq);
         if (t !== undefined) {
-          this.rttMs = Date.now() - t;
+          this.rttMs = this.owner.s.clock.nowMs() - t;
           this.pingSentAt.delete(msg.seq);
         }
         return;
@@ -720,7 +721,7 @@ export class PeerConn {
   private ping(): void {
     if (this.state !== 'open') return;
     const seq = this.pingSeq++;
-    this.pingSentAt.set(seq, Date.now());
+    this.pingSentAt.set(seq, this.owner.s.clock.nowMs());
     if (this.pingSentAt.size > 16) this.pingSentAt.delete(this.pingSentAt.keys().next().value as number);
     this.write(encodeControl({ type: 'ping', seq }));
   }

@@ -10,19 +10,17 @@
  * the peer for that would fail every room on a healthy connection, so the budget restarts
  * instead (`{k:'stalled'}`); a really dead peer is still found one budget later.
  */
+import { systemClock, type Clock } from '../common/clock.js';
 
 /** Heartbeat intervals of silence after which a peer is lost. */
 export const HEARTBEAT_MISS_BUDGET = 2;
 
-/** The time source (ms). Date.now in the workers; virtual time in tests and the simulator. */
-export interface Clock {
-  now(): number;
-}
+/** The monotonic time source (ms): the system clock in the workers, virtual time in tests. */
+export type MonoClock = Pick<Clock, 'nowMs'>;
 
 /** A check late by less than this (ms) is ordinary timer jitter on a loaded machine, not a stall. */
 export const STALL_FLOOR_MS = 250;
 
-export const systemClock: Clock = { now: () => Date.now() };
 
 export type HeartbeatVerdict =
   /** The peer spoke recently enough; schedule the next check. */
@@ -43,9 +41,9 @@ export class Heartbeat {
   constructor(
     readonly intervalMs: number,
     readonly missBudget: number = HEARTBEAT_MISS_BUDGET,
-    private readonly clock: Clock = systemClock,
+    private readonly clock: MonoClock = systemClock,
   ) {
-    this.lastRx = clock.now();
+    this.lastRx = clock.nowMs();
     this.dueAt = this.lastRx + this.budgetMs;
   }
 
@@ -56,12 +54,12 @@ export class Heartbeat {
 
   /** Something (any byte) arrived from the peer. */
   received(): void {
-    this.lastRx = this.clock.now();
+    this.lastRx = this.clock.nowMs();
   }
 
   /** ms until the next check is due (≥ 1); remembers when, to detect our own stalls. */
   nextCheckInMs(): number {
-    const now = this.clock.now();
+    const now = this.clock.nowMs();
     const wait = Math.max(1, this.lastRx + this.budgetMs - now);
     this.dueAt = now + wait;
     return wait;
@@ -69,14 +67,14 @@ export class Heartbeat {
 
   /** The liveness decision at a check (call it once the check's timer fired). */
   check(): HeartbeatVerdict {
-    const now = this.clock.now();
+    const now = this.clock.nowMs();
     const lateMs = now - this.dueAt;
     if (lateMs > Math.max(this.intervalMs / 2, STALL_FLOOR_MS)) {
       this.lastRx = now;
-      return { k: 'stalled', lateMs };
+      return { k: 'stalled', lateMs: Math.round(lateMs) };
     }
-    const silentMs = now - this.lastRx;
-    if (silentMs >= this.budgetMs) {
+    const silentMs = Math.round(now - this.lastRx);
+    if (now - this.lastRx >= this.budgetMs) {
       return { k: 'lost', silentMs, reason: `peer silent for ${silentMs} ms (heartbeat ${this.intervalMs} ms, budget ${this.missBudget} intervals)` };
     }
     return { k: 'ok' };

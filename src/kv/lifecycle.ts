@@ -2,7 +2,7 @@
  * The room lifecycle core: a sans-IO state machine for the KV rooms of ONE worker role.
  *
  * `(rooms, event, now) → effects`. No timers, no sockets, no `Date.now()`: time is passed in
- * (ms; wall-clock in the workers, virtual in the simulator), and every side effect is returned as
+ * (ms; monotonic in the workers (src/common/clock.ts), virtual in the simulator), and every side effect is returned as
  * an `Effect` for the driver to perform in order. The workers (src/prefill, src/decode) and the
  * deterministic simulator (src/sim) drive this same code.
  *
@@ -399,17 +399,23 @@ export class RoomTable {
     return { ...this.counters };
   }
 
-  /** JSON-able state for GET /debug/rooms. */
-  snapshot(now: number): RoomsSnapshot {
+  /**
+   * JSON-able state for GET /debug/rooms at instant `now` (the table's clock). Ages and
+   * `deadline_ms` are differences on that clock; `wallNow`, the wall-clock date of `now` (ms since
+   * the epoch), turns `now` and every timeline `at` into dates for people and for joining the
+   * timelines of several processes (default: `now` itself, for a table already on wall time).
+   */
+  snapshot(now: number, wallNow: number = now): RoomsSnapshot {
+    const toWall = (t: number): number => Math.round(t - now + wallNow);
     return {
       role: this.role,
-      now,
+      now: toWall(now),
       legacy_max_rule: this.legacyMaxRule,
       counts: this.countsByState(),
       tombstones: this.tombstones.size,
       stats: this.stats,
-      live: this.rooms().map((r) => view(r, now)),
-      recent: this.recent().map((r) => view(r, now)),
+      live: this.rooms().map((r) => view(r, now, toWall)),
+      recent: this.recent().map((r) => view(r, now, toWall)),
     };
   }
 
@@ -622,7 +628,7 @@ export class RoomTable {
   }
 }
 
-function view(r: Room, now: number): RoomView {
+function view(r: Room, now: number, toWall: (t: number) => number): RoomView {
   return {
     room: r.id,
     rid: r.rid,
@@ -630,14 +636,14 @@ function view(r: Room, now: number): RoomView {
     state: stateName(r.state),
     state_code: r.state,
     phase: r.phase,
-    age_ms: now - r.createdAt,
-    deadline_ms: Number.isFinite(r.deadlineAt) ? r.deadlineAt - now : null,
+    age_ms: Math.round(now - r.createdAt),
+    deadline_ms: Number.isFinite(r.deadlineAt) ? Math.round(r.deadlineAt - now) : null,
     peer: r.peer ?? null,
     peer_epoch: r.peerEpoch ?? null,
     bytes: r.bytes,
     total_bytes: r.totalBytes ?? null,
     fail_reason: r.failure ? failureText(r.failure) : null,
     fail_code: r.failure?.code ?? null,
-    timeline: r.timeline.map((e) => ({ at: e.at, state: stateName(e.state), phase: e.phase, why: e.why })),
+    timeline: r.timeline.map((e) => ({ at: toWall(e.at), state: stateName(e.state), phase: e.phase, why: e.why })),
   };
 }

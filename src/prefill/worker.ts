@@ -24,6 +24,7 @@ import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js'
 import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
 import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
+import { systemClock, type Clock } from '../common/clock.js';
 import { createLogger, type Logger } from '../common/log.js';
 import { startStateSweeper, sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
@@ -114,6 +115,8 @@ export class PrefillWorker {
     readonly log: Logger,
     /** Large prompts are templated and tokenized here, off the event loop (fault e). */
     readonly tokenizer: TokenizerThread = new TokenizerThread(engine.info.modelPath),
+    /** Monotonic time of every deadline, watchdog tick and elapsed figure; wall time for /debug/rooms dates. */
+    readonly clock: Clock = systemClock,
   ) {
     this.driver = new PrefillDriver(
       {
@@ -153,6 +156,7 @@ export class PrefillWorker {
     this.stopSweep = startStateSweeper(c.stateDir, this.log);
     await this.tokenizer.start();
     this.kv = new KvServer({
+      clock: this.clock,
       host: c.host,
       port: c.bootstrapPort,
       secret: c.secret,
@@ -165,7 +169,7 @@ export class PrefillWorker {
         this.conns.delete(conn.id);
         this.streamPeers.delete(conn.id);
         this.sameHost.forget(conn.id);
-        this.perform(this.driver.peerLost(conn.id, reason, Date.now()));
+        this.perform(this.driver.peerLost(conn.id, reason, this.clock.nowMs()));
       },
     });
     this.bootstrapPort = await this.kv.listen();
@@ -190,7 +194,7 @@ export class PrefillWorker {
         ...this.queueSizes(),
       }),
       debugRooms: () => {
-        const snap = this.rooms.snapshot(Date.now());
+        const snap = this.rooms.snapshot(this.clock.nowMs(), this.clock.wallMs());
         return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: this.jobs.get(r.room)?.comp.cachedTokens ?? 0, computation: this.driver.leadOf(r.room) ?? null })) });
       },
     });
@@ -202,7 +206,7 @@ export class PrefillWorker {
     });
     registerKvEventsRoute(this.app, this.kvEvents);
     this.url = await listenUrl(this.app, c.host, c.port);
-    this.watchdog = setInterval(() => this.perform(this.driver.tick(Date.now())), c.watchdogMs);
+    this.watchdog = setInterval(() => this.perform(this.driver.tick(this.clock.nowMs())), c.watchdogMs);
     this.watchdog.unref();
     this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
     if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
@@ -213,7 +217,7 @@ export class PrefillWorker {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
     this.stopSweep?.();
-    this.perform(this.driver.shutdown(Date.now()));
+    this.perform(this.driver.shutdown(this.clock.nowMs()));
     await this.app?.close().catch(() => {});
     await this.kv?.close();
     await this.tokenizer.close();
@@ -222,7 +226,7 @@ export class PrefillWorker {
 
   /** Abort by rid and/or room id; unknown ids leave a tombstone (when the room id is known). */
   abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'local'): void {
-    this.perform(this.driver.abort(rid, room, from, Date.now()));
+    this.perform(this.driver.abort(rid, room, from, this.clock.nowMs()));
   }
 
   // ---- the driver's actions ----------------------------------------------------------------
@@ -275,12 +279,12 @@ export class PrefillWorker {
     if (job.handed) void rm(job.handed.path, { force: true }).catch(() => {});
     this.metrics.recordTerminal(a.state, a.failure, a.registered);
     if (a.state === KVPoll.Success) {
-      this.metrics.kvSeconds.observe((Date.now() - (job.tStreamStart ?? job.tKvBegin)) / 1000);
+      this.metrics.kvSeconds.observe((this.clock.nowMs() - (job.tStreamStart ?? job.tKvBegin)) / 1000);
       this.metrics.kvHandoffs.inc({ path: job.kvPath ?? 'tcp' });
       if (job.tStreamStart !== undefined && job.kvPath === 'tcp') this.metrics.kvStreamed.inc();
       job.done.resolve({
         rid: job.rid,
-        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Date.now() - (job.tStreamStart ?? job.tKvBegin) },
+        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Math.round(this.clock.nowMs() - (job.tStreamStart ?? job.tKvBegin)) },
       });
     } else {
       job.done.reject(ApiError.fromFailure(a.failure ?? failure('internal_error', 'room failed')));
@@ -311,20 +315,20 @@ export class PrefillWorker {
     const rooms = body.bootstrap_rooms ?? [body.bootstrap_room];
     const room = rooms[0]!;
     if (rooms.length > 1 && !body.first_token_from_prefill) return sendError(reply, ApiError.of('invalid_request', 'bootstrap_rooms needs first_token_from_prefill (each room gets its own first token)', 'bootstrap_rooms'));
-    const admitted = this.driver.request(rooms, body.rid, Date.now());
+    const admitted = this.driver.request(rooms, body.rid, this.clock.nowMs());
     if (admitted.refused) return sendError(reply, admitted.refused);
     const comp: Computation = { lead: room, rooms, tokens, sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0 };
     this.comps.set(room, comp);
     const trace = body.trace_id ?? body.rid;
     const jobs = rooms.map((r) => {
-      const job: Job = { rid: body.rid, comp, ac: new AbortController(), done: deferred(), t0: Date.now(), tKvBegin: 0, first: body.first_token_from_prefill ? deferred() : undefined };
+      const job: Job = { rid: body.rid, comp, ac: new AbortController(), done: deferred(), t0: this.clock.nowMs(), tKvBegin: 0, first: body.first_token_from_prefill ? deferred() : undefined };
       this.traces.set(r, trace);
       this.jobs.set(r, job);
       return job;
     });
     this.log.child({ rid: body.rid, room, trace }).debug({ tokens: tokens.length, rooms: rooms.length }, 'room created');
     this.perform(admitted.actions);
-    const off = onClientGone(reply, () => this.perform(rooms.flatMap((r) => this.driver.abort(undefined, r, 'router', Date.now()))));
+    const off = onClientGone(reply, () => this.perform(rooms.flatMap((r) => this.driver.abort(undefined, r, 'router', this.clock.nowMs()))));
     if (rooms.length > 1) {
       await answerRooms(reply, rooms.map((r, i) => ({ room: r, first: jobs[i]!.first!.promise, done: jobs[i]!.done.promise })), this.config.timeouts.transferIdleMs);
       off();
@@ -367,7 +371,7 @@ export class PrefillWorker {
     }
     if (msg.type === 'register' && msg.kvStream === true) this.streamPeers.add(conn.id);
     if (msg.type === 'register' || msg.type === 'kv_ack' || msg.type === 'fail') {
-      this.perform(this.driver.message(conn.id, conn.peerEpoch, msg, Date.now()));
+      this.perform(this.driver.message(conn.id, conn.peerEpoch, msg, this.clock.nowMs()));
       return;
     }
     this.log.warn({ type: msg.type, peer: conn.id }, 'unexpected control message on prefill');
@@ -382,7 +386,7 @@ export class PrefillWorker {
     const slot = comp && !comp.ac.signal.aborted ? this.engine.tryAcquireSlot(comp.tokens) : null;
     const done = (o: ComputeOutcome): void => {
       if (!o.ok) this.comps.delete(lead);
-      this.perform(this.driver.computeDone(lead, o, Date.now()));
+      this.perform(this.driver.computeDone(lead, o, this.clock.nowMs()));
     };
     if (!comp || !slot) {
       slot?.release();
@@ -401,7 +405,7 @@ export class PrefillWorker {
     const signal = comp.ac.signal;
     try {
       await hold('prefill.compute', signal);
-      const t0 = Date.now();
+      const t0 = this.clock.nowMs();
       this.computeMetrics.computations.inc();
       this.computeMetrics.roomsPerComputation.observe(comp.rooms.length);
       const r = await slot.prefill(comp.tokens, comp.sampling, signal, comp.rooms.length);
@@ -446,7 +450,7 @@ export class PrefillWorker {
         comp.heads.set(room, head);
         roomBytes.set(room, streamedBytes !== undefined && i === 0 ? streamedBytes + payloadBytes : wireBytes(head, payloadBytes));
       });
-      comp.prefillMs = Date.now() - t0;
+      comp.prefillMs = Math.round(this.clock.nowMs() - t0);
       if (signal.aborted) return { ok: false, aborted: true };
       comp.state = { path, payloadBytes }; // the file is the computation's now: deleted by the driver's `discard`
       return { ok: true, totalBytes: roomBytes.get(comp.lead)!, roomBytes };
@@ -487,6 +491,7 @@ export class PrefillWorker {
     job.kvPath = 'tcp';
     job.earlyBytes = 0;
     job.stream = sendGrowingStateFile(conn, room, path, head, {
+      clock: this.clock,
       saved,
       pool: this.kvPool,
       chunkBytes: this.config.chunkBytes,
@@ -498,16 +503,16 @@ export class PrefillWorker {
       // llama.cpp has created the file (its transfer-idle clock starts with the bytes).
       createWaitMs: this.config.timeouts.waitingMs,
       onFileStart: () => {
-        job.tStreamStart = Date.now();
+        job.tStreamStart = this.clock.nowMs();
         return conn.sendControl({ type: 'kv_begin', room, totalBytes: head.length + estimate, streamed: true });
       },
       onProgress: (bytes: number) => {
         this.metrics.kvBytes.inc(bytes);
-        if (job.tKvBegin > 0) this.perform(this.driver.progress(room, bytes, Date.now()));
+        if (job.tKvBegin > 0) this.perform(this.driver.progress(room, bytes, this.clock.nowMs()));
         else job.earlyBytes = (job.earlyBytes ?? 0) + bytes;
       },
     }).catch((err: unknown) => {
-      if (!job.ac.signal.aborted) this.perform(this.driver.transferFailed(room, failure(errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed', (err as Error).message), Date.now()));
+      if (!job.ac.signal.aborted) this.perform(this.driver.transferFailed(room, failure(errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed', (err as Error).message), this.clock.nowMs()));
       return undefined;
     });
     return head.length;
@@ -527,13 +532,13 @@ export class PrefillWorker {
     const st = job?.handed ?? job?.comp.state;
     const head = job?.comp.heads.get(room);
     if (!job || !st || !head) return;
-    job.tKvBegin = Date.now();
-    const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), Date.now()));
+    job.tKvBegin = this.clock.nowMs();
+    const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), this.clock.nowMs()));
     if (job.stream && path === undefined) {
       job.kvPath = 'tcp';
       // Streamed while the state was saved (startStream): report what went out meanwhile, wait
       // for the rest, then kv_end with the byte count and CRC-32. A failure was reported by it.
-      if (job.earlyBytes) this.perform(this.driver.progress(room, job.earlyBytes, Date.now()));
+      if (job.earlyBytes) this.perform(this.driver.progress(room, job.earlyBytes, this.clock.nowMs()));
       job.earlyBytes = 0;
       const sent = await job.stream;
       if (!sent || job.ac.signal.aborted) return;
@@ -575,7 +580,7 @@ export class PrefillWorker {
         stallMs: this.config.timeouts.transferIdleMs,
         onProgress: (bytes: number) => {
           this.metrics.kvBytes.inc(bytes);
-          this.perform(this.driver.progress(room, bytes, Date.now()));
+          this.perform(this.driver.progress(room, bytes, this.clock.nowMs()));
         },
       });
       // The room no longer needs the state: the last room to get here releases it (`discard`).

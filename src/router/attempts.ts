@@ -26,6 +26,7 @@
  * `attempt_failed` event of the request's trace.
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import { systemClock } from '../common/clock.js';
 import type { Logger } from 'pino';
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -113,11 +114,11 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       let decodePick: Pick<WorkerState> | null = null;
       type Pair = ReturnType<typeof pickPair>;
       const pick = (): Pair => {
-        const now = performance.now();
+        const now = systemClock.nowMs();
         const fixed: WorkerState | null | undefined = m?.group.prefill;
         return pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
       };
-      const until = Math.min(client?.deadlineAt ?? performance.now() + config.requestTimeoutMs, performance.now() + config.workerWaitMs);
+      const until = Math.min(client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs, systemClock.nowMs() + config.workerWaitMs);
       const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing());
       if ('error' in pair) {
         throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
@@ -134,7 +135,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       if (m) m.group.prefill ??= prefill;
       client ??= new ClientReply(rid, parsed, decode.model ?? prefill.model ?? parsed.model ?? 'pdserve', config.requestTimeoutMs);
       const c = client;
-      const decide = left > 0 ? (err: ApiError, output: boolean) => nextStep(err, output, c.deadlineAt - performance.now()) : null;
+      const decide = left > 0 ? (err: ApiError, output: boolean) => nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : null;
       // Decode-local continuation first when the decode worker holds this conversation (never for
       // a choice of a group, nor with resumed tokens); its `needs_prefill` answer (before any
       // output) falls back to the PD path on the same pair.
@@ -161,7 +162,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         log.warn({ prefill: prefill.url, decode: decode.url, code: run.cause.code, retry_in_ms: ms }, 'KV handshake failed: the pair leaves the rotation');
       } else if (run.outcome === 'ok') d.pairs.ok(prefill.url, decode.url);
       // The decode worker now keeps this round (prompt + reply): the next round's prefix.
-      if (run.outcome === 'ok' && !run.next) d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, performance.now());
+      if (run.outcome === 'ok' && !run.next) d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, systemClock.nowMs());
       if (!run.next) break;
       if (reply.raw.destroyed) {
         // The attempt failed as its client left: the request ends as the client's abort.
@@ -195,7 +196,7 @@ async function pickOrWait<P extends object | { error: string }>(pick: () => P, u
   if (!('error' in pair) || pair.error === 'no_compatible_pair' || d.waiting.n >= MAX_WAITING) return pair;
   d.waiting.n++;
   try {
-    while (performance.now() + WAIT_POLL_MS <= until && !gone()) {
+    while (systemClock.nowMs() + WAIT_POLL_MS <= until && !gone()) {
       await sleep(WAIT_POLL_MS);
       pair = pick();
       if (!('error' in pair)) return pair;

@@ -3,11 +3,13 @@
  * (`bucketMs`, default 5 s) over a sliding window (`buckets`, default 60 = the last 5 minutes).
  * Per bucket: requests by outcome, completion tokens (throughput), TTFT and mean-ITL samples
  * (bounded per bucket) for p50/p95, and failures by code. Memory is bounded: at most
- * `buckets × maxSamples` numbers.
+ * `buckets × maxSamples` numbers. Buckets follow the monotonic clock, so a wall-clock step
+ * neither empties the window nor piles requests into one bucket; only the labels are wall time.
  */
+import { systemClock } from '../common/clock.js';
 
 interface Bucket {
-  /** Bucket start, ms since epoch. */
+  /** Bucket start, monotonic ms (src/common/clock.ts). */
   t: number;
   ok: number;
   failed: number;
@@ -49,6 +51,7 @@ export class DashboardSeries {
   ) {}
 
   private bucket(now: number): Bucket {
+    now = Math.floor(now);
     const t = now - (now % this.bucketMs);
     let b = this.ring[this.ring.length - 1];
     if (!b || b.t !== t) {
@@ -63,7 +66,7 @@ export class DashboardSeries {
    * Record one finished request (the dispatch 'finished' fields: outcome, code, ttft_ms, itl_ms,
    * completion_tokens). Client aborts count neither as ok nor as failed.
    */
-  add(f: Record<string, unknown>, now = Date.now()): void {
+  add(f: Record<string, unknown>, now = systemClock.nowMs()): void {
     const b = this.bucket(now);
     const n = (v: unknown) => (typeof v === 'number' && Number.isFinite(v) ? v : null);
     if (f.outcome === 'ok') b.ok++;
@@ -79,8 +82,19 @@ export class DashboardSeries {
     if (itl !== null && b.itl.length < this.maxSamples) b.itl.push(itl);
   }
 
-  /** The window as aligned arrays, one entry per bucket (empty buckets included), oldest first; it starts at the oldest bucket with data, showing at least one minute. */
-  view(now = Date.now()): SeriesView {
+  /**
+   * The window as aligned arrays, one entry per bucket (empty buckets included), oldest first; it
+   * starts at the oldest bucket with data, showing at least one minute. `now` is on the clock of
+   * `add` (default: the monotonic clock); `wallNow` is the wall-clock date of `now`, for the `t`
+   * labels (default: the wall clock when `now` is defaulted, else `now`).
+   */
+  view(now?: number, wallNow?: number): SeriesView {
+    if (now === undefined) {
+      now = systemClock.nowMs();
+      wallNow ??= systemClock.wallMs();
+    }
+    const toWall = (wallNow ?? now) - now;
+    now = Math.floor(now);
     const last = now - (now % this.bucketMs);
     // From the oldest bucket with data (a fresh router shows its first minutes, not 5 empty
     // ones), but at least one minute and at most the whole window.
@@ -92,7 +106,7 @@ export class DashboardSeries {
     const sec = this.bucketMs / 1000;
     for (let t = first; t <= last; t += this.bucketMs) {
       const b = byT.get(t);
-      v.t.push(t / 1000);
+      v.t.push(Math.round(t + toWall) / 1000);
       v.ttft_p50_ms.push(b ? percentile(b.ttft, 0.5) : null);
       v.ttft_p95_ms.push(b ? percentile(b.ttft, 0.95) : null);
       v.itl_p50_ms.push(b ? percentile(b.itl, 0.5) : null);

@@ -16,6 +16,7 @@
  */
 import { readFile } from 'node:fs/promises';
 import { kvEventSummary } from './kv-events.js';
+import { systemClock } from '../common/clock.js';
 import { createRequire } from 'node:module';
 import type { FastifyInstance } from 'fastify';
 import type { Dispatcher } from 'undici';
@@ -89,8 +90,8 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
   let last: { at: number; body: unknown } | null = null;
   let running: Promise<unknown> | null = null;
   const build = async (): Promise<unknown> => {
-    const at = Date.now();
-    const t0 = performance.now();
+    const at = systemClock.wallMs();
+    const t0 = systemClock.nowMs();
     const rows = d.registry.snapshot() as unknown as Record<string, unknown>[];
     const workers: WorkerProbe[] = await Promise.all(rows.map((r) => probeWorker({ role: r.role as 'prefill' | 'decode', url: r.url as string, router: r }, 1500, d.dispatcher)));
     const router: RouterProbe = {
@@ -100,7 +101,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
       metrics: ok([]),
       traces: ok({ traces: d.traces.recent(200).filter((t) => t.outcome === null) }),
     };
-    const snap: ClusterSnapshot = { at, gatherMs: Math.round(performance.now() - t0), source: 'router', router, workers };
+    const snap: ClusterSnapshot = { at, gatherMs: Math.round(systemClock.nowMs() - t0), source: 'router', router, workers };
     const diag = diagnose(snap, { routerUrl: d.selfUrl() });
     const roomsByPhase: Record<string, number> = {};
     const roomFailures = new Map<string, number>();
@@ -142,16 +143,16 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
       router: { inflight: d.inflight(), requests: Object.fromEntries((await d.metrics.requests.get()).values.map((v) => [String(v.labels.outcome), v.value])), kv_events: await kvEventSummary(d.metrics.registry) },
       workers: view,
       rooms_by_phase: roomsByPhase,
-      series: d.series.view(at),
+      series: d.series.view(),
       room_failures: [...roomFailures.entries()].map(([reason, count]) => ({ reason, count })).sort((a, b) => b.count - a.count),
       findings: diag.findings.slice(0, 8).map((f) => ({ severity: f.severity, title: f.title, cause: f.cause, next: f.next[0] ?? null })),
       status: diag.exitCode === 0 ? 'ok' : diag.exitCode === 1 ? 'warning' : 'critical',
     };
   };
   app.get('/dashboard/data', async (_req, reply) => {
-    if (!last || Date.now() - last.at >= 1000) {
+    if (!last || systemClock.nowMs() - last.at >= 1000) {
       running ??= build().finally(() => (running = null));
-      last = { at: Date.now(), body: await running };
+      last = { at: systemClock.nowMs(), body: await running };
     }
     return reply.header('cache-control', 'no-store').send(last.body);
   });

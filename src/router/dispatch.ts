@@ -44,6 +44,7 @@
  */
 import { redactedForClient } from '../common/redact.js';
 import { DRAINING_CODE } from '../common/drain.js';
+import { systemClock } from '../common/clock.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { newRoomId, type RoomId } from '../common/room-id.js';
 import { performance } from 'node:perf_hooks';
@@ -154,8 +155,8 @@ export class ClientReply {
   writer: SseWriter | null = null;
   /** Token ids of every event applied to `builder`, in order: what a migrated attempt resumes after. */
   readonly tokenIds: number[] = [];
-  readonly t0 = performance.now();
-  /** performance.now() at which the request's deadline (requestTimeoutMs) expires. */
+  readonly t0 = systemClock.nowMs();
+  /** systemClock.nowMs() at which the request's deadline (requestTimeoutMs) expires. */
   readonly deadlineAt: number;
   firstTokenAt = 0;
   lastTokenAt = 0;
@@ -168,7 +169,7 @@ export class ClientReply {
     model: string,
     timeoutMs: number,
   ) {
-    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(Date.now() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
+    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(systemClock.wallMs() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
     this.deadlineAt = this.t0 + timeoutMs;
   }
 
@@ -293,7 +294,7 @@ export class PdRequest {
     this.reply.raw.on('close', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
-      Math.max(0, this.client.deadlineAt - performance.now()),
+      Math.max(0, this.client.deadlineAt - systemClock.nowMs()),
     );
     if (holdsEnabled) await hold('router.dispatch');
     if (!this.over) {
@@ -543,7 +544,7 @@ export class PdRequest {
   private async onEvent(ev: GenerateEvent): Promise<void> {
     const client = this.client;
     const chunks = client.builder.push(ev); // throws ApiError on malformed / aborted events
-    const now = performance.now();
+    const now = systemClock.nowMs();
     const n = Array.isArray(ev.token_ids) ? ev.token_ids.length : 0;
     if (n > 0) {
       for (const t of ev.token_ids) client.tokenIds.push(t);
@@ -700,7 +701,7 @@ export class PdRequest {
 
     const { metrics } = this.ctx;
     const client = this.client;
-    const e2eMs = performance.now() - client.t0;
+    const e2eMs = systemClock.nowMs() - client.t0;
     metrics.inflight.dec();
     if (this.next) {
       const cause = this.cause!;

@@ -23,6 +23,7 @@
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
 import { registerHoldRoute } from '../common/testhooks.js';
+import { systemClock } from '../common/clock.js';
 import { DrainGate } from '../common/drain.js';
 import { performance } from 'node:perf_hooks';
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
@@ -160,7 +161,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const attemptDeps: AttemptDeps = { ctx, policies, pickWith, holdsFor, active, closing: () => closing, waiting: { n: 0 }, pairs };
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
-  const createdAt = Math.floor(Date.now() / 1000);
+  const createdAt = Math.floor(systemClock.wallMs() / 1000);
   let selfUrl = `${config.tls ? 'https' : 'http'}://${config.host}:${config.port}`;
   let closing = false;
 

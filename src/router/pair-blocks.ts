@@ -6,9 +6,10 @@
  * again after a backoff (1 s, doubling to 30 s while it keeps failing, as a circuit breaker's
  * half-open state: the next request given to it is the probe); an attempt it serves clears it.
  * A decode whose every pair is blocked (the wrong secret) has left the rotation.
- * Times are performance.now() ms; at most MAX_PAIRS entries (the oldest dropped).
+ * Times are systemClock.nowMs() ms; at most MAX_PAIRS entries (the oldest dropped).
  */
 import { performance } from 'node:perf_hooks';
+import { systemClock } from '../common/clock.js';
 
 /** Failure codes of a pair's KV handshake: the pair, not the request, is at fault. */
 export const PAIR_FAILURE_CODES: ReadonlySet<string> = new Set(['peer_unreachable', 'settings_mismatch']);
@@ -28,7 +29,7 @@ interface Block {
 export class PairBlocks {
   private readonly m = new Map<string, Block>();
 
-  constructor(private readonly now: () => number = () => performance.now()) {}
+  constructor(private readonly now: () => number = () => systemClock.nowMs()) {}
 
   /** The pair (worker URLs) failed with `code`: block it for its next backoff. Returns that backoff (ms). */
   block(prefill: string, decode: string, code: string): number {

@@ -16,6 +16,7 @@
  * - Selection: least-loaded healthy, non-draining worker of a role; ties broken round-robin.
  */
 import { request, type Dispatcher } from 'undici';
+import { systemClock } from '../common/clock.js';
 import type { Logger } from 'pino';
 import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
@@ -45,7 +46,7 @@ export interface WorkerState {
   /** In-flight requests routed to this worker by this router. */
   load: number;
   lastError: string | null;
-  /** ms since epoch of the last completed probe, 0 = never. */
+  /** Wall-clock ms of the last completed probe, shown as a date (0 = never); never a duration. */
   lastCheckAt: number;
   consecutiveFailures: number;
   /** The settings the worker must share with its pair (from /health), null when not reported. */
@@ -243,7 +244,7 @@ export class WorkerRegistry {
       if (j?.status === 'draining' && (j.role === undefined || j.role === w.role)) {
         // Alive and finishing its work: not a failure, but no new requests.
         this.setDraining(w, true);
-        w.lastCheckAt = Date.now();
+        w.lastCheckAt = systemClock.wallMs();
         return;
       }
       if (res.statusCode !== 200) return this.probeFailed(w, `GET /health: HTTP ${res.statusCode}`);
@@ -276,7 +277,7 @@ export class WorkerRegistry {
     w.healthy = true;
     w.model = model ?? w.model;
     w.lastError = null;
-    w.lastCheckAt = Date.now();
+    w.lastCheckAt = systemClock.wallMs();
     w.consecutiveFailures = 0;
   }
 
@@ -285,7 +286,7 @@ export class WorkerRegistry {
     if (w.healthy && w.consecutiveFailures + 1 < (this.opts.unhealthyAfter ?? 2)) {
       w.consecutiveFailures++;
       w.lastError = reason;
-      w.lastCheckAt = Date.now();
+      w.lastCheckAt = systemClock.wallMs();
       this.opts.log.debug({ worker: w.url, role: w.role, reason, failures: w.consecutiveFailures }, 'health probe failed');
       return;
     }
@@ -297,7 +298,7 @@ export class WorkerRegistry {
     if (w.healthy || w.lastCheckAt === 0) this.opts.log.warn({ worker: w.url, role: w.role, reason }, 'worker unhealthy');
     w.healthy = false;
     w.lastError = reason;
-    w.lastCheckAt = Date.now();
+    w.lastCheckAt = systemClock.wallMs();
     w.consecutiveFailures++;
   }
 

@@ -14,6 +14,7 @@
  *
  * Ids follow the W3C Trace Context recommendation (traceparent = version-traceid-parentid-flags).
  */
+import { systemClock } from '../common/clock.js';
 import { randomHex } from './random-pool.js';
 
 const TRACEPARENT = /^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$/;
@@ -40,7 +41,7 @@ export function traceIdOf(headers: Record<string, string | string[] | undefined>
   return newTraceId();
 }
 
-/** One event of a request at the router. `at`: ms since epoch. */
+/** One event of a request at the router. `at`: wall-clock ms since the epoch, a date (never a duration). */
 export interface TraceEvent {
   at: number;
   what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'attempt_failed' | 'finished';
@@ -83,7 +84,7 @@ export class TraceStore implements RequestObserver {
   constructor(readonly max = 2000) {}
 
   /** Start the trace of request `rid` (received now). */
-  begin(rid: string, trace: string, at = Date.now()): RequestTrace {
+  begin(rid: string, trace: string, at = systemClock.wallMs()): RequestTrace {
     const t: RequestTrace = { trace, rid, room: null, rooms: [], label: null, prefill: null, decode: null, events: [{ at, what: 'received' }], outcome: null };
     this.byRid.set(rid, t);
     this.byTrace.set(trace, t);
@@ -109,7 +110,7 @@ export class TraceStore implements RequestObserver {
       t.prefill = typeof fields.prefill === 'string' ? fields.prefill : t.prefill;
       t.decode = typeof fields.decode === 'string' ? fields.decode : t.decode;
     }
-    if (t.events.length < MAX_EVENTS) t.events.push({ at: Date.now(), what, ...fields });
+    if (t.events.length < MAX_EVENTS) t.events.push({ at: systemClock.wallMs(), what, ...fields });
     if (what === 'finished') {
       t.outcome = typeof fields.outcome === 'string' ? fields.outcome : 'unknown';
       this.onFinished?.(t, fields);
@@ -126,7 +127,7 @@ export class TraceStore implements RequestObserver {
     const t = this.byRid.get(rid);
     if (!t || t.outcome !== null) return;
     t.outcome = status < 400 ? 'ok' : status < 500 ? 'rejected' : 'error';
-    if (t.events.length < MAX_EVENTS) t.events.push({ at: Date.now(), what: 'finished', outcome: t.outcome, status });
+    if (t.events.length < MAX_EVENTS) t.events.push({ at: systemClock.wallMs(), what: 'finished', outcome: t.outcome, status });
   }
 
   /**

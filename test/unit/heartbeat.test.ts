@@ -8,7 +8,7 @@ import { test } from 'node:test';
 import { Heartbeat, STALL_FLOOR_MS } from '../../src/kv/heartbeat.js';
 
 function clock(t = 1000) {
-  return { t, now() { return this.t; } };
+  return { t, nowMs() { return this.t; } };
 }
 
 test('a peer silent for the whole budget is lost; any byte restarts the budget', () => {

@@ -18,6 +18,8 @@ import type { PeerConn, SendChunksOptions } from '../channel.js';
 import { envelopeTrailer, ENVELOPE_TRAILER_BYTES } from '../envelope.js';
 import { MAX_CHUNK_BYTES } from '../messages.js';
 import { KvError, type RoomId } from '../types.js';
+import { systemClock } from '../../common/clock.js';
+import type { MonoClock } from '../heartbeat.js';
 import { Crc32 } from './checksum.js';
 import type { BufferPool } from './pool.js';
 
@@ -176,6 +178,8 @@ export interface GrowingStateFileOptions extends SendStateFileOptions {
    * (then the send fails with KvError('BAD_STATE')).
    */
   saved: Promise<number>;
+  /** Monotonic time source of the create and growth waits (default: the system clock). */
+  clock?: MonoClock;
   /**
    * Longest time the file may stay without growing while the save runs, ms (default
    * GROW_STALL_MS): then the send fails with KvError('TIMEOUT') (a stuck save cannot be
@@ -260,14 +264,15 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
   const growStallMs = opts.growStallMs ?? GROW_STALL_MS;
   const createWaitMs = opts.createWaitMs ?? growStallMs;
   const pollMs = opts.pollMs ?? 1;
-  const startedAt = Date.now();
+  const clock = opts.clock ?? systemClock;
+  const startedAt = clock.nowMs();
   let delayMs = pollMs;
   let fd: number | undefined;
   let savedBytes: number | undefined;
   let saveError: unknown;
   let resume: (() => void) | undefined;
   let timer: NodeJS.Timeout | undefined;
-  let lastGrowth = Date.now();
+  let lastGrowth = clock.nowMs();
   /** The file's end as last seen (growth = this moving forward). */
   let seenEnd = 0;
   const wake = (): void => {
@@ -291,8 +296,8 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
    */
   const later = (): null => {
     if (fd === undefined) {
-      if (Date.now() - startedAt > createWaitMs) throw new KvError('TIMEOUT', `llama.cpp did not create state file ${path} within ${createWaitMs} ms`);
-    } else if (Date.now() - lastGrowth > growStallMs) {
+      if (clock.nowMs() - startedAt > createWaitMs) throw new KvError('TIMEOUT', `llama.cpp did not create state file ${path} within ${createWaitMs} ms`);
+    } else if (clock.nowMs() - lastGrowth > growStallMs) {
       throw new KvError('TIMEOUT', `state file ${path} did not grow for ${growStallMs} ms while llama.cpp saved it (${pos} bytes)`);
     }
     timer ??= setTimeout(wake, delayMs);
@@ -301,7 +306,7 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
   };
   const grew = (end: number): void => {
     seenEnd = end;
-    lastGrowth = Date.now();
+    lastGrowth = clock.nowMs();
     delayMs = pollMs;
   };
   const crc = new Crc32();
@@ -323,7 +328,7 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
           if ((e as NodeJS.ErrnoException).code !== 'ENOENT' || size !== undefined) throw e;
           return later(); // llama.cpp has not created it yet (its save may wait for the context's lock)
         }
-        lastGrowth = Date.now(); // the growth clock starts with the file
+        lastGrowth = clock.nowMs(); // the growth clock starts with the file
         delayMs = pollMs;
         if (opts.onFileStart && !opts.onFileStart()) throw new KvError('PEER_LOST', `room ${room}: the streamed kv_begin could not be sent (connection closing)`);
       }
