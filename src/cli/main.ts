@@ -8,7 +8,7 @@ import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
-import { serveRole, type Served } from './serve.js';
+import { serveRole, startupProblem, type Served } from './serve.js';
 import { accessFlags, accessOf, clusterSecretOf, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
@@ -110,8 +110,18 @@ const kvOptions = (c: Command) =>
     .option('--no-kv-same-host', 'never hand the saved state file over on one host (kv_file): every KV handoff goes over TCP')
     .option('--kv-same-host-verify', 'same-host handoff: also check the state\'s data bytes (CRC-32, one full read of the file on each side, on the critical path); by default size, envelope head and the ggsq structure are checked, not the data (no wire to damage it); either side turns it on for the pair', false);
 
-async function modelPath(model: string | undefined): Promise<string> {
-  if (model) return resolve(model);
+/** The model file of `role` (default: the built-in tiny model); a path that is no GGUF file ends the process with one line. */
+async function modelPath(model: string | undefined, role?: string): Promise<string> {
+  if (model) {
+    const { checkModelFile } = await import('../engine/model-file.js');
+    try {
+      checkModelFile(resolve(model));
+    } catch (err) {
+      console.error(`pdserve${role ? ` ${role}` : ''}: ${(err as Error).message}`);
+      process.exit(2);
+    }
+    return resolve(model);
+  }
   const { ensureModel } = await import('../engine/gguf-writer.js');
   return ensureModel('tiny', 1);
 }
@@ -155,7 +165,16 @@ async function serve(role: string, o: { drainTimeoutMs: number; host?: string; d
       process.exit(2);
     }
   }
-  await serveRole(role, start, { drainTimeoutMs: o.drainTimeoutMs, hooks });
+  try {
+    // A busy port is named before the engine loads, with the message `up` gives.
+    for (const [flag, p] of [['--port', o.port], ['--bootstrap-port', o.bootstrapPort]] as const) if (typeof p === 'number' && p > 0) await assertPortFree(o.host ?? '127.0.0.1', p, flag);
+    await serveRole(role, start, { drainTimeoutMs: o.drainTimeoutMs, hooks });
+  } catch (err) {
+    const problem = startupProblem(err) ?? (/^cannot listen on /.test((err as Error)?.message ?? '') ? (err as Error).message : null);
+    if (problem === null) throw err;
+    console.error(`pdserve ${role}: ${problem}`);
+    process.exit(2);
+  }
 }
 
 function timeoutsOf(o: Record<string, number>) {
@@ -201,9 +220,15 @@ function upAccess(o: { apiKey?: string[]; apiKeyFile?: string; adminApiKey?: str
   return { apiKeys: a.apiKeys, adminApiKeys: a.adminApiKeys, routerArgs: [...(a.apiKeyFile ? ['--api-key-file', resolve(a.apiKeyFile)] : []), ...(a.privateMetrics ? ['--private-metrics'] : []), ...tls, ...admission], tls: !!a.tls };
 }
 
+/** The version in the package.json next to src/ and dist/. */
+function packageVersion(): string {
+  return (JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
+}
+
 /** Parse argv and run. */
 export async function runCli(argv: string[]): Promise<void> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
+  program.version(packageVersion(), '-V, --version', 'print the version');
 
   accessFlags(engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback')))
     .option('--prefill <n>', 'prefill workers', positive, 1)
@@ -307,7 +332,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .option('--kv-stream', 'over TCP, send the state while llama.cpp still saves it (one-room requests, to a decode that supports it); off: save, then send', false)))
     .action(async (o) => {
       const { startPrefillWorker } = await import('../prefill/worker.js');
-      const model = await modelPath(o.model);
+      const model = await modelPath(o.model, 'prefill');
       await serve('prefill', o, async () =>
         startPrefillWorker(
           { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
@@ -325,7 +350,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--allow-prefill <host:port>', "a prefill bootstrap address decode may dial besides the router's pool (repeatable); any other is refused with 400").argParser(collect))))
     .action(async (o) => {
       const { startDecodeWorker } = await import('../decode/worker.js');
-      const model = await modelPath(o.model);
+      const model = await modelPath(o.model, 'decode');
       await serve('decode', o, async () =>
         startDecodeWorker(
           { host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
@@ -341,7 +366,7 @@ export async function runCli(argv: string[]): Promise<void> {
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
-      const model = await modelPath(o.model);
+      const model = await modelPath(o.model, 'colocated');
       await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 

@@ -10,6 +10,7 @@ import type { FastifyInstance } from 'fastify';
 import { drainGateOf } from '../api/worker-http.js';
 import { DrainGate, gracefulShutdown } from '../common/drain.js';
 import { createLogger } from '../common/log.js';
+import { PdError } from '../common/errors.js';
 
 /** What a role's start function returns. */
 export interface Served {
@@ -20,6 +21,18 @@ export interface Served {
   app?: FastifyInstance;
   /** The router: its own gate. */
   drain?: DrainGate;
+}
+
+/**
+ * The message of a start-up failure a user fixes from its message alone — a busy port, an
+ * invalid configuration, a bad model file — printed as is, without a stack; null for any other
+ * error (a bug: its stack is wanted).
+ */
+export function startupProblem(err: unknown): string | null {
+  const e = err as NodeJS.ErrnoException & { address?: string; port?: number };
+  if (e?.code === 'EADDRINUSE') return `cannot listen on ${e.address ?? '?'}:${e.port ?? '?'}: the port is in use`;
+  if (err instanceof PdError && (err.code === 'invalid_config' || err.code === 'bad_model_file')) return err.message;
+  return null;
 }
 
 /** Hooks the membership layer plugs in (../discovery). */

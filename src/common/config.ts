@@ -3,6 +3,7 @@
  * and frozen, in the style of fastify's initial-config-validation.
  */
 import { z } from 'zod';
+import { PdError } from './errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 
@@ -178,12 +179,15 @@ export const ColocatedConfigSchema = z.object({
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 
-/** Parse and freeze; throws one Error listing every problem. */
+/**
+ * Parse and freeze.
+ * @throws PdError('invalid_config') listing every problem, one line each (printed without a stack)
+ */
 export function parseConfig<S extends z.ZodTypeAny>(schema: S, raw: unknown): Readonly<z.infer<S>> {
   const r = schema.safeParse(raw);
   if (!r.success) {
     const lines = r.error.issues.map((i) => `  ${i.path.join('.') || '(root)'}: ${i.message}`);
-    throw new Error(`invalid configuration:\n${lines.join('\n')}`);
+    throw new PdError('invalid_config', `invalid configuration:\n${lines.join('\n')}`);
   }
   return deepFreeze(r.data);
 }

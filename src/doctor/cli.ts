@@ -38,6 +38,7 @@ const ROUND_MS = 9000;
 
 /** The worker source for the options, or an error message. */
 export async function sourceOf(o: Pick<DoctorOptions, 'url' | 'discovery'>): Promise<WorkerSource | string> {
+  if (o.url !== undefined && !/^https?:\/\//i.test(o.url)) return `--url ${o.url} has no scheme: give http://${o.url} (or https://)`;
   if (o.discovery) {
     const { parseDiscoveryUrl } = await import('../common/discovery.js');
     try {

@@ -1,0 +1,77 @@
+/**
+ * What a new user meets first, through the real CLI: a model path that is missing, a directory
+ * or not a GGUF file, a busy port, an invalid configuration and a doctor URL without a scheme
+ * each end the command with one line on stderr (exit 2 or 3), no stack, before any engine loads;
+ * `--version` prints the package's version.
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { createServer, type Server } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, test } from 'node:test';
+import { cli } from '../helpers/cli.js';
+import { tinyModel } from '../helpers/stack.js';
+
+const dir = mkdtempSync(join(tmpdir(), 'pdserve-cli-'));
+const notGguf = join(dir, 'notes.gguf');
+writeFileSync(notGguf, 'these are notes, not weights\n');
+const SECRET = { PDSERVE_CLUSTER_SECRET: 'a-secret-of-some-length' };
+let busy: Server;
+let busyPort = 0;
+let model = '';
+
+before(async () => {
+  model = await tinyModel();
+  busy = createServer();
+  await new Promise<void>((r) => busy.listen(0, '127.0.0.1', () => r()));
+  busyPort = (busy.address() as { port: number }).port;
+});
+after(() => busy?.close());
+
+/** One line on stderr, no stack frame, the given exit code. */
+function oneLine(r: { code: number | null; err: string }, code: number, re: RegExp): void {
+  const lines = r.err.split('\n').filter((l) => l.trim() !== '');
+  assert.equal(r.code, code, r.err);
+  assert.ok(!/^\s+at /m.test(r.err), `no stack:\n${r.err}`);
+  assert.equal(lines.length, 1, `one line:\n${r.err}`);
+  assert.match(lines[0]!, re);
+}
+
+test('a model path that is missing, a directory or not GGUF: one line from every role and up', async () => {
+  const cases: [string[], RegExp][] = [
+    [['prefill', '--model', join(dir, 'missing.gguf')], /^pdserve prefill: model .*missing\.gguf: no such file$/],
+    [['decode', '--model', dir], /^pdserve decode: model .*: is a directory, not a GGUF file$/],
+    [['colocated', '--model', notGguf], /^pdserve colocated: model .*notes\.gguf: is not a GGUF file/],
+    [['up', '--model', join(dir, 'missing.gguf'), '--port', '0'], /^pdserve: model .*missing\.gguf: no such file$/],
+  ];
+  for (const [args, re] of cases) oneLine(await cli(args, 20_000, SECRET), 2, re);
+});
+
+test('a role alone on a busy port: the one line `up` gives, before the engine loads', async () => {
+  const want = new RegExp(`cannot listen on 127\\.0\\.0\\.1:${busyPort}: the port is in use \\(pick another with --(port|bootstrap-port)\\)$`);
+  oneLine(await cli(['prefill', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
+  oneLine(await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', String(busyPort)], 20_000, SECRET), 2, /--bootstrap-port\)$/);
+  oneLine(await cli(['decode', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
+  oneLine(await cli(['colocated', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
+  oneLine(await cli(['router', '--port', String(busyPort), '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, SECRET), 2, want);
+});
+
+test('an invalid configuration: its message, no stack', async () => {
+  const r = await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', '0'], 20_000, { PDSERVE_CLUSTER_SECRET: 'short' });
+  assert.equal(r.code, 2, r.err);
+  assert.ok(!/^\s+at /m.test(r.err), `no stack:\n${r.err}`);
+  assert.match(r.err, /^pdserve prefill: invalid configuration:\n\s+secret: cluster secret must be at least 8 characters\n$/);
+});
+
+test('--version prints the package version', async () => {
+  const r = await cli(['--version']);
+  assert.equal(r.code, 0, r.err);
+  assert.equal(r.out.trim(), (JSON.parse(readFileSync('package.json', 'utf8')) as { version: string }).version);
+});
+
+test('doctor --url host:port without a scheme says so', async () => {
+  const r = await cli(['doctor', '--url', '127.0.0.1:8000']);
+  assert.notEqual(r.code, 0);
+  assert.match(r.err + r.out, /--url 127\.0\.0\.1:8000 has no scheme: give http:\/\/127\.0\.0\.1:8000/);
+});
