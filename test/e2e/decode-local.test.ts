@@ -87,9 +87,9 @@ describe('decode-local continuation (PD, decode alone for short suffixes) vs col
       // after the request ended its row still says which path it took (and what it reused)
       assert.equal(r.path, 'decode_local');
       assert.equal(r.kv_path, null);
-      assert.ok(r.cached_tokens >= 0);
+      // a local round continues the sequence decode kept: it reused whole chunks of it
+      assert.ok(r.cached_tokens > 0 && r.cached_tokens % BATCH === 0, `local room ${r.room} shows the tokens it reused (${r.cached_tokens})`);
     }
-    assert.ok(local.some((r: any) => r.cached_tokens > 0), 'a finished local room shows its cached tokens');
     const pd = dbg.recent.filter((r: any) => r.state === 'Success' && r.peer !== null);
     assert.ok(pd.length >= 1 && pd.every((r: any) => r.path === 'pd' && (r.kv_path === 'same_host' || r.kv_path === 'tcp')), 'finished PD rooms keep path and kv_path');
     assert.equal(dbg.stats.illegal, 0);
