@@ -6,7 +6,9 @@
  * such a sequence among its idle ones, and evicts it later (LRU, budget, reuse by another
  * request) without telling anyone; so the tracker asks the engine itself: an entry is held while
  * `engine.reusableFor(tokens)` covers at least half its prompt (a next round would reuse that
- * much; in --deterministic mode reuse is cut to whole chunks, so not all of it).
+ * much; in --deterministic mode reuse is cut to whole chunks, so not all of it) — or, once the
+ * sequences dropped it, while the host's prefix store does (`engine.storedReusableFor`, asked
+ * asynchronously at most every STORE_RECHECK_MS: decode loads the state from there).
  * It checks after every noted finish and whenever the engine's cached counts change (a 100 ms
  * probe of `cachedStats()`, O(idle sequences)), and publishes `stored` / `evicted` on every
  * change (tier 'sequence', key = the conversation key). Bounded: at most `maxEntries` tracked
@@ -22,10 +24,18 @@ interface Tracked {
   held: boolean;
   /** Probes an entry not yet held has waited (its slot is released after the stream ends). */
   waited: number;
+  /** The host's prefix store serves at least half its prompt (last answer; undefined: not known yet). */
+  stored: boolean | undefined;
+  /** A store check is in flight; when the last one was asked (performance.now(), ms). */
+  checking: boolean;
+  checkedAt: number;
 }
 
 /** Probes a noted entry may wait to become held before it is dropped (≈ 2 s). */
 const MAX_WAIT_PROBES = 20;
+
+/** Least time between two prefix-store checks of a held entry the sequences dropped, ms (each is a few access(2) calls). */
+const STORE_RECHECK_MS = 1000;
 
 /** How often the engine's cached counts are probed, ms. */
 export const TRACK_PROBE_MS = 100;
@@ -37,7 +47,7 @@ export class SequenceKvTracker {
   private readonly timer: NodeJS.Timeout;
 
   constructor(
-    private readonly engine: Pick<Engine, 'reusableFor' | 'cachedStats'>,
+    private readonly engine: Pick<Engine, 'reusableFor' | 'cachedStats' | 'storedReusableFor'>,
     private readonly log: KvEventLog,
     private readonly maxEntries = 256,
   ) {
@@ -54,7 +64,7 @@ export class SequenceKvTracker {
   noteFinished(key: string, tokens: number[], promptTokens: number): void {
     const old = this.entries.get(key);
     this.entries.delete(key);
-    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, waited: 0 });
+    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, waited: 0, stored: undefined, checking: false, checkedAt: 0 });
     while (this.entries.size > this.maxEntries) {
       const [k, e] = this.entries.entries().next().value as [string, Tracked];
       this.entries.delete(k);
@@ -72,7 +82,31 @@ export class SequenceKvTracker {
     if (sig === this.sig && !waiting) return;
     this.sig = sig;
     for (const [key, e] of this.entries) {
-      const held = this.engine.reusableFor(e.tokens) >= Math.max(1, Math.ceil(e.promptTokens / 2));
+      const half = Math.max(1, Math.ceil(e.promptTokens / 2));
+      const inSequence = this.engine.reusableFor(e.tokens) >= half;
+      // dropped by the sequences: still served here if the host's prefix store holds it (asked
+      // asynchronously; the answer counts from the next probe)
+      if (!inSequence && this.engine.storedReusableFor) {
+        // not held yet (its write-back may be on its way): every probe; held: every STORE_RECHECK_MS
+        if (!e.checking && (!e.held || performance.now() - e.checkedAt >= STORE_RECHECK_MS)) {
+          e.checking = true;
+          e.checkedAt = performance.now();
+          void this.engine.storedReusableFor(e.tokens).then(
+            (n) => {
+              e.checking = false;
+              e.stored = n >= half;
+              this.sig = '';
+            },
+            () => {
+              e.checking = false;
+              e.stored = false;
+              this.sig = '';
+            },
+          );
+        }
+        if (e.stored === undefined) continue; // decided once the store answered
+      }
+      const held = inSequence || e.stored === true;
       if (held && !e.held) this.log.publish({ kind: 'stored', tier: 'sequence', key, tokens: e.tokens.length, bytes: 0 });
       if (held) {
         e.held = true;
