@@ -57,8 +57,8 @@ const ENTRY = /^pdserve-store-([0-9a-f]{32})\.pdkv$/;
 export const SCAN_MS = 5000;
 /**
  * Most store writes in flight per process (begun, saving or publishing); a finished sequence
- * beyond it is not stored (a cache may drop). Agents finish rounds in bursts: at 4, 30 agents on
- * two decode workers dropped 29 of 240 writes (tiny model), hence 32.
+ * beyond it is not stored (a cache may drop). Agents finish rounds in bursts (30 agents on two
+ * decode workers: a dozen evictions at once per worker), so the bound is well above that.
  */
 export const MAX_PENDING_WRITES = 32;
 /** Most publications (a state read into memory, enveloped, written) at once per process: bounds the memory they hold. */

@@ -743,9 +743,9 @@ class LlamaEngine implements Engine {
   /**
    * Store a kept sequence's state as it is evicted (queued on the sequence before its clear: the
    * next user waits for the save, not for the file's publication). Write-back, as llama.cpp
-   * server's `--cache-ram` saves a slot before overwriting it: writing every finished sequence
-   * at release cost the small model's 8-agent run its TTFT (round 8: 994 → 4,681 ms; each save
-   * of up to 27 MB pauses every stream of the context) while the sequence tier held them all.
+   * server's `--cache-ram` saves a slot before overwriting it: a save pauses every stream of the
+   * context (tens of MB for a long conversation on the small model), and while the sequence
+   * tier holds a conversation its file would serve nobody.
    */
   private storeSave(holder: SeqHolder): void {
     const store = this.store;
