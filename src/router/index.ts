@@ -309,6 +309,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       await d.start();
     } catch (err) {
       registry.stop();
+      await kv.close();
       await Promise.allSettled([dataAgent.destroy(), controlAgent.destroy()]);
       throw err;
     }
