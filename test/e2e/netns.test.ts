@@ -100,7 +100,9 @@ describe('several hosts in network namespaces', { skip: why ? `cannot run here: 
     const worst = Math.max(...results.map((r) => r.ms));
     t.diagnostic(`link cut: ${results.filter((r) => !ok(r)).length}/3 requests failed; the slowest took ${worst} ms from its start (before the cut) to its error`);
     for (const r of results) assert.ok(!ok(r), 'the request was cut with the link');
-    for (const r of results) assert.ok(r.ms < 8000, `ended within the deadlines (${r.ms} ms)`);
+    // The router retries a failed attempt and waits for a healthy prefill, both inside the request's
+    // deadline (--request-timeout-ms 10000): the client's error comes by then, never later.
+    for (const r of results) assert.ok(r.ms < 11_500, `ended within the request deadline (${r.ms} ms)`);
     await fetch(`${p.url}/debug/test-holds`, { method: 'POST', body: '' });
     // Decode failed the rooms itself (peer loss after 2 heartbeats): nothing is left live there.
     for (const d of c.byRole('decode')) assert.equal((await getJson<any>(`${d.url}/debug/rooms`)).live.length, 0, `${d.name} holds no room`);
@@ -132,13 +134,13 @@ describe('several hosts in network namespaces', { skip: why ? `cannot run here: 
       t.diagnostic(`re-registered decode routable ${Date.now() - t0} ms after ready`);
       const before = await served(d0);
       assert.ok(await waitFor(async () => (await served(d0)) > before, 5000, 50), 'd0 serves again');
-      // 3. Lease expiry: d1 cannot reach etcd; it keeps serving what it has while its lease runs
-      //    out, then the router drops it; with the route back it registers again.
+      // 3. Lease expiry: d1 cannot reach etcd and its lease runs out, but the router still reaches
+      //    it: a worker that answers its probes is not dropped on etcd's word alone, so it stays in
+      //    the pool and serves; with the route back it registers again.
       lab.blackhole('d1', lab.addr.etcd!);
-      const t1 = Date.now();
       try {
-        assert.ok(await waitFor(async () => !(await listed(d1)), TTL_S * 1000 + 5000, 50), 'd1 dropped when its lease expired');
-        t.diagnostic(`lease expiry: d1 dropped ${Date.now() - t1} ms after losing etcd (TTL ${TTL_S} s)`);
+        await new Promise((r) => setTimeout(r, TTL_S * 1000 + 3000));
+        assert.ok(await listed(d1), 'd1 stays in the pool past its lease while the router reaches it');
       } finally {
         lab.blackhole('d1', lab.addr.etcd!, false);
       }
