@@ -17,6 +17,7 @@
  */
 import type { Engine } from '../engine/types.js';
 import type { KvEventLog } from '../common/kv-events.js';
+import { systemClock } from '../common/clock.js';
 
 interface Tracked {
   tokens: number[];
@@ -26,7 +27,7 @@ interface Tracked {
   waited: number;
   /** The host's prefix store serves at least half its prompt (last answer; undefined: not known yet). */
   stored: boolean | undefined;
-  /** A store check is in flight; when the last one was asked (performance.now(), ms). */
+  /** A store check is in flight; when the last one was asked (monotonic ms, systemClock). */
   checking: boolean;
   checkedAt: number;
 }
@@ -88,9 +89,9 @@ export class SequenceKvTracker {
       // asynchronously; the answer counts from the next probe)
       if (!inSequence && this.engine.storedReusableFor) {
         // not held yet (its write-back may be on its way): every probe; held: every STORE_RECHECK_MS
-        if (!e.checking && (!e.held || performance.now() - e.checkedAt >= STORE_RECHECK_MS)) {
+        if (!e.checking && (!e.held || systemClock.nowMs() - e.checkedAt >= STORE_RECHECK_MS)) {
           e.checking = true;
-          e.checkedAt = performance.now();
+          e.checkedAt = systemClock.nowMs();
           void this.engine.storedReusableFor(e.tokens).then(
             (n) => {
               e.checking = false;
