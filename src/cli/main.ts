@@ -225,8 +225,11 @@ function packageVersion(): string {
   return (JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
 }
 
-/** Parse argv and run. */
-export async function runCli(argv: string[]): Promise<void> {
+/**
+ * The whole command tree, nothing run: `argv` is what the actions of `sim` and `bench-suite` read
+ * their own flags from. `src/cli/cli-docs.ts` writes docs/CLI.md from it.
+ */
+export async function cliProgram(argv: string[] = process.argv): Promise<Command> {
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
   program.version(packageVersion(), '-V, --version', 'print the version');
 
@@ -613,6 +616,10 @@ export async function runCli(argv: string[]): Promise<void> {
 
   // ---- doctor (src/doctor/) ----
   (await import('../doctor/cli.js')).addDoctorCommand(program);
+  return program;
+}
 
-  await program.parseAsync(argv);
+/** Parse argv and run. */
+export async function runCli(argv: string[]): Promise<void> {
+  await (await cliProgram(argv)).parseAsync(argv);
 }
