@@ -1,11 +1,11 @@
 /**
- * Writes the generated field tables of the docs from the field tables of the code: the README's
+ * Writes the generated field tables of the docs from the field tables of the code: docs/API.md's
  * OpenAI conformance table (./fields.ts) and docs/RESPONSES.md's /v1/responses table
  * (./responses-fields.ts), each between the markers `<!-- conformance:begin … -->` and
  * `<!-- conformance:end -->`.
  *
  *   node --import tsx src/api/conformance.ts          print the tables
- *   node --import tsx src/api/conformance.ts --write  rewrite README.md and docs/RESPONSES.md in place
+ *   node --import tsx src/api/conformance.ts --write  rewrite docs/API.md and docs/RESPONSES.md in place
  *
  * test/unit/conformance.test.ts fails when a file differs from `withConformanceTable(text, table)`.
  */
@@ -19,12 +19,12 @@ export const END = '<!-- conformance:end -->';
 
 /** The generated files: path (from the repository root) → its table. */
 export const GENERATED: readonly { path: string; table: () => string }[] = [
-  { path: 'README.md', table: conformanceMarkdown },
+  { path: 'docs/API.md', table: conformanceMarkdown },
   { path: 'docs/RESPONSES.md', table: responsesConformanceMarkdown },
 ];
 
 /**
- * `text` with the text between the markers replaced by `table` (default: the README's).
+ * `text` with the text between the markers replaced by `table` (default: the OpenAI one).
  * @throws Error when a marker is missing.
  */
 export function withConformanceTable(text: string, table: string = conformanceMarkdown()): string {

@@ -1,9 +1,9 @@
 /**
  * Every request field pdserve knows, per endpoint: its zod schema, whether it is honoured or
  * refused, and a note. The request schemas of ./openai.ts are BUILT from this table (a field
- * missing here is an unrecognised argument and gets a 400), and the README's conformance table
+ * missing here is an unrecognised argument and gets a 400), and the conformance table of docs/API.md
  * is GENERATED from it (`conformanceMarkdown`, written by `src/api/conformance.ts --write`;
- * a unit test fails when the README is stale). So nothing can be accepted and ignored without
+ * a unit test fails when docs/API.md is stale). So nothing can be accepted and ignored without
  * the table saying so.
  *
  * Field lists: OpenAI's completions and chat-completions request schemas plus the common vLLM and
@@ -24,7 +24,7 @@ export interface FieldSpec {
   name: string;
   endpoints: readonly Endpoint[];
   status: FieldStatus;
-  /** One line for the README table. */
+  /** One line for the docs/API.md table. */
   notes: string;
   /** Schema of a non-null value (null always means "not set"). */
   schema: z.ZodTypeAny;
@@ -68,7 +68,7 @@ export const emptyOk = (why: string) => (v: never) => {
   return why;
 };
 
-/** All known request fields. Order = README order. */
+/** All known request fields. Order = the table's order. */
 export const REQUEST_FIELDS: readonly FieldSpec[] = [
   // ---- prompt
   { name: 'prompt', endpoints: CMPL, status: 'partial', notes: `string, [string], token ids, or [token ids]; a batch (several strings or token-id arrays) gives one choice per prompt and n, index = prompt_index × n + i; n × prompts ≤ ${MAX_CHOICES}. In PD each choice is its own room (see n)`, schema: z.unknown() },
@@ -204,7 +204,7 @@ export function fieldsOf(endpoint: Endpoint): Map<string, FieldSpec> {
 
 const mark: Record<FieldStatus, string> = { honoured: 'honoured', partial: 'partly (rest: 400)', refused: 'refused (400)' };
 
-/** The README's conformance section (markdown), generated from REQUEST_FIELDS and MESSAGE_FIELDS. */
+/** docs/API.md's conformance section (markdown), generated from REQUEST_FIELDS and MESSAGE_FIELDS. */
 export function conformanceMarkdown(): string {
   const cell = (f: FieldSpec, e: Endpoint) => (f.endpoints.includes(e) ? mark[f.status] : '—');
   const esc = (s: string) => s.replace(/\|/g, '\\|');

@@ -3,7 +3,7 @@
  * OpenAI error bodies plus a fastify error handler, and response / stream-chunk builders.
  *
  * Nothing is accepted and ignored: every field pdserve knows is listed in ./fields.ts as honoured
- * or refused (the README's conformance table is generated from it); any other field is a 400
+ * or refused (docs/API.md's conformance table is generated from it); any other field is a 400
  * "Unrecognized request argument supplied" (as OpenAI). `null` means "not set" for every optional
  * field; wrong types and out-of-range values (vLLM's ranges) are 400s naming the field.
  */

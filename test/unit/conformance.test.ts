@@ -6,10 +6,10 @@ import { conformanceMarkdown, fieldsOf, REQUEST_FIELDS } from '../../src/api/fie
 import { ApiError, parseChatRequest, parseCompletionRequest } from '../../src/api/openai.js';
 
 describe('OpenAI conformance table', () => {
-  test('README.md holds the table generated from the schema (run: node --import tsx src/api/conformance.ts --write)', () => {
-    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
-    assert.equal(readme, withConformanceTable(readme), 'README conformance table is stale');
-    assert.ok(readme.includes(conformanceMarkdown()));
+  test('docs/API.md holds the table generated from the schema (run: node --import tsx src/api/conformance.ts --write)', () => {
+    const api = readFileSync(new URL('../../docs/API.md', import.meta.url), 'utf8');
+    assert.equal(api, withConformanceTable(api), 'docs/API.md conformance table is stale');
+    assert.ok(api.includes(conformanceMarkdown()));
     for (const g of GENERATED) {
       const text = readFileSync(new URL(`../../${g.path}`, import.meta.url), 'utf8');
       assert.equal(text, withConformanceTable(text, g.table()), `${g.path}: generated table is stale`);
