@@ -9,7 +9,7 @@ import { systemClock } from '../common/clock.js';
 import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from './endpoints.js';
 import { isSigned, registerWorkerAuth } from './worker-auth.js';
-import { tlsServerOptions, type TlsFiles } from '../common/tls.js';
+import { internalServerOptions, tlsServerOptions, type InternalTls, type TlsFiles } from '../common/tls.js';
 import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from './openai.js';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../common/errors.js';
@@ -42,6 +42,8 @@ export interface WorkerAppOptions {
   privateMetrics?: boolean;
   /** HTTPS: PEM certificate and key files (../common/tls.ts). */
   tls?: TlsFiles;
+  /** HTTPS for the cluster's own calls (../common/tls.ts `internalServerOptions`: mutual when it has a CA); ignored with `tls`. */
+  internalTls?: InternalTls;
   /** Called with the query of every GET /health that carried a valid signature (the router's probe). */
   onSignedProbe?: (query: Record<string, unknown>) => void;
   /** The engine whose GPU offload is logged at start, reported in /health (`gpu`) and /metrics; default `engine`. */
@@ -58,7 +60,8 @@ export function drainGateOf(app: FastifyInstance): DrainGate | undefined {
 /** Create a fastify app with the shared endpoints; the caller adds role routes, then listens. */
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
-  const app: FastifyInstance = Fastify({ ...(o.tls ? { https: tlsServerOptions(o.tls) } : {}), loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
+  const https = o.tls ? tlsServerOptions(o.tls) : o.internalTls ? internalServerOptions(o.internalTls) : undefined;
+  const app: FastifyInstance = Fastify({ ...(https ? { https } : {}), loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
   registerOpenAIErrorHandling(app);
   if (o.clusterSecret !== undefined) registerWorkerAuth(app, { secret: o.clusterSecret, privateMetrics: o.privateMetrics }, o.registry);
   o.guard?.(app);

@@ -9,7 +9,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
-import { accessFlags, accessOf, clusterSecretOf, secretFlags } from './secrets.js';
+import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
 
@@ -99,7 +99,7 @@ function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number;
 }
 
 const kvOptions = (c: Command) =>
-  secretFlags(c)
+  internalTlsFlags(secretFlags(c))
     .option('--private-metrics', '/metrics needs a signed request too (default: open, for Prometheus)', false)
     .option('--heartbeat-ms <ms>', 'KV channel heartbeat interval; a peer is lost after 2 silent intervals', int, 1000)
     .option('--prealloc-timeout-ms <ms>', 'decode: max wait for a free sequence slot', int, 30_000)
@@ -233,7 +233,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
   program.version(packageVersion(), '-V, --version', 'print the version');
 
-  accessFlags(engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback')))
+  internalTlsFlags(accessFlags(engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback'))))
     .option('--prefill <n>', 'prefill workers', positive, 1)
     .option('--decode <n>', 'decode workers', positive, 1)
     .option('--port <port>', 'router port', port, 8000)
@@ -270,7 +270,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
       let stopping = false;
       const stop = async (code = 0) => {
         if (stopping) {
@@ -338,7 +338,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'prefill');
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -356,7 +356,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'decode');
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('decode'),
         ),
       );
@@ -373,8 +373,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
-  secretFlags(accessFlags(lifecycleOptions(program
-    .command('router'))))
+  internalTlsFlags(secretFlags(accessFlags(lifecycleOptions(program
+    .command('router')))))
     .description('run the router (OpenAI API) in front of prefill and decode workers')
     .option('--host <host>', 'bind address', '127.0.0.1')
     .option('--port <port>', 'port', int, 8000)
@@ -405,7 +405,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

@@ -28,8 +28,8 @@ export function membershipHooks(role: 'prefill' | 'decode' | 'colocated', o: Mem
   const log = createLogger(`${role}-membership`);
   return {
     async register(s: Served) {
-      const port = new URL(s.url).port;
-      const url = `http://${adv.includes(':') ? `[${adv}]` : adv}:${port}`;
+      const { port, protocol } = new URL(s.url);
+      const url = `${protocol}//${adv.includes(':') ? `[${adv}]` : adv}:${port}`;
       const proc = processFields();
       const record = async (): Promise<MemberRecord> => {
         const h = s.app ? ((await s.app.inject({ method: 'GET', url: '/health' })).json() as Record<string, unknown>) : {};

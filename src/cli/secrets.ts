@@ -6,9 +6,13 @@
  *   PDSERVE_ADMIN_API_KEY        admin keys (comma-separated)
  *   PDSERVE_CLUSTER_SECRET       the cluster secret (KV channel, worker request signatures)
  *   --cluster-secret-file FILE   the same from a file (its first line; PDSERVE_CLUSTER_SECRET_FILE)
+ *
+ * TLS files are paths, not secrets: they may go on a command line (`internalTlsArgs`).
  */
 import { readFileSync } from 'node:fs';
+import { resolve } from 'node:path';
 import type { Command } from 'commander';
+import { loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 
 /** Split a comma-separated env value into its non-empty, trimmed entries. */
 export function listEnv(v: string | undefined): string[] {
@@ -86,4 +90,30 @@ export function clusterSecretOf(role: string, o: { clusterSecret?: string; clust
     return o.clusterSecret;
   }
   return undefined;
+}
+
+/** Flags of internal TLS (router ↔ workers HTTP, the KV channel): ../common/tls.ts `InternalTlsFiles`. */
+export const internalTlsFlags = (c: Command) =>
+  c
+    .option('--internal-tls-cert <file>', 'internal TLS: this process\'s PEM certificate (its HTTPS / KV listener; the client certificate of its calls to other roles)')
+    .option('--internal-tls-key <file>', 'internal TLS: the PEM private key of --internal-tls-cert')
+    .option('--internal-tls-ca <file>', 'internal TLS: the PEM CA of the cluster\'s certificates: verifies the servers called; a server with it requires client certificates it signed (mutual TLS)');
+
+/**
+ * The internal TLS files of `internalTlsFlags`' options, as absolute paths, checked readable;
+ * undefined when none is given. `server`: the role listens (prefill, decode, up), so it needs a
+ * certificate and key. Exits 2 with one line on a lone cert or key, a missing server
+ * certificate or an unreadable file.
+ */
+export function internalTlsOf(role: string, o: { internalTlsCert?: string; internalTlsKey?: string; internalTlsCa?: string }, server: boolean): InternalTlsFiles | undefined {
+  const f: InternalTlsFiles = { ...(o.internalTlsCert ? { cert: resolve(o.internalTlsCert) } : {}), ...(o.internalTlsKey ? { key: resolve(o.internalTlsKey) } : {}), ...(o.internalTlsCa ? { ca: resolve(o.internalTlsCa) } : {}) };
+  try {
+    const t = loadInternalTls(f);
+    if (!t) return undefined;
+    if (server && !t.cert) throw new Error('internal TLS on a listening role needs --internal-tls-cert and --internal-tls-key');
+  } catch (err) {
+    console.error(`pdserve ${role}: ${(err as Error).message}`);
+    process.exit(2);
+  }
+  return f;
 }

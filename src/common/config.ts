@@ -9,6 +9,9 @@ import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 
 const port = z.number().int().min(0).max(65535);
 
+/** `--internal-tls-cert/-key/-ca` file paths (tls.ts `InternalTlsFiles`). */
+export const InternalTlsSchema = z.object({ cert: z.string().min(1).optional(), key: z.string().min(1).optional(), ca: z.string().min(1).optional() }).strict().optional();
+
 export const EngineConfigSchema = z.object({
   /** Path of the GGUF model. */
   modelPath: z.string().min(1),
@@ -82,6 +85,11 @@ const common = {
   secret: z.string().min(8, 'cluster secret must be at least 8 characters'),
   /** /metrics needs a signed request too (default: open, for Prometheus). */
   privateMetrics: z.boolean().default(false),
+  /**
+   * Internal TLS (tls.ts `InternalTlsFiles`): the HTTP server and the KV channel over TLS with
+   * this certificate and key; with `ca`, mutual (peers must present a certificate it signed).
+   */
+  internalTls: InternalTlsSchema,
   engine: EngineConfigSchema,
   timeouts: TimeoutsSchema.default({}),
   /** Heartbeat interval of the KV control channel, ms; a peer is lost after 2 silent intervals. */

@@ -12,8 +12,10 @@
  * be a string or bytes (what pdserve's own calls send) or an async iterable of bytes (what
  * fetch() hands a dispatcher), which is read into memory (at most 64 MiB) to be hashed.
  *
- * `signGlobally(origins, secret)`: fetch() and undici calls without a dispatcher of this process
- * sign their requests to these origins (the harness's clusters, the storm, bench's pd-direct).
+ * `signGlobally(origins, secret, tls?)`: fetch() and undici calls without a dispatcher of this
+ * process sign their requests to these origins (the harness's clusters, the storm, bench's
+ * pd-direct), and with `tls` reach them over connections with those node:tls client options
+ * (the internal CA and client certificate of https:// workers).
  */
 import { Agent, getGlobalDispatcher, setGlobalDispatcher, type Dispatcher } from 'undici';
 import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from './request-auth.js';
@@ -125,23 +127,23 @@ export function withCredentials(c: ClientCredentials, base: Dispatcher = new Age
   return ics.length ? base.compose(...ics) : base;
 }
 
-/** origin → signer, for the process-wide dispatcher (`signGlobally`). */
-const globalSigners = new Map<string, Dispatcher.DispatcherComposeInterceptor>();
+/** origin → signer (and the pool to reach it through, for TLS options), for the process-wide dispatcher (`signGlobally`). */
+const globalSigners = new Map<string, { sign: Dispatcher.DispatcherComposeInterceptor; via?: Dispatcher }>();
 let globalInstalled = false;
 
 /**
- * Interceptor: requests to an origin registered with `signGlobally` are signed with its secret;
- * others pass unchanged. The global dispatcher has it; compose it onto a dispatcher of your own
- * (bench's pool) to get the same.
+ * Interceptor: requests to an origin registered with `signGlobally` are signed with its secret
+ * (and sent through its TLS pool when it has one); others pass unchanged. The global dispatcher
+ * has it; compose it onto a dispatcher of your own (bench's pool) to get the same.
  */
 export function registeredSigners(): Dispatcher.DispatcherComposeInterceptor {
   return (dispatch) => {
-    const bound = new Map<Dispatcher.DispatcherComposeInterceptor, Dispatcher['dispatch']>();
+    const bound = new Map<object, Dispatcher['dispatch']>();
     return (opts, handler) => {
       const s = globalSigners.get(originOf(opts.origin));
       if (!s) return dispatch(opts, handler);
       let d = bound.get(s);
-      if (!d) bound.set(s, (d = s(dispatch)));
+      if (!d) bound.set(s, (d = s.sign(s.via ? s.via.dispatch.bind(s.via) : dispatch)));
       return d(opts, handler);
     };
   };
@@ -150,11 +152,13 @@ export function registeredSigners(): Dispatcher.DispatcherComposeInterceptor {
 /**
  * Make this process's global undici dispatcher (fetch(), undici's request() without a
  * dispatcher) and every dispatcher composed with `registeredSigners()` sign requests to
- * `origins` with `secret`; other origins pass unchanged. Returns the undo (the origins
- * forgotten). Several clusters with different secrets may be registered.
+ * `origins` with `secret`; other origins pass unchanged. `tls`: node:tls client options of the
+ * connections to them (../common/tls.ts `internalClientOptions`), through a pool of their own.
+ * Returns the undo (the origins forgotten, that pool closed). Several clusters with different
+ * secrets may be registered.
  */
-export function signGlobally(origins: readonly string[], secret: string): () => void {
-  const signer = signWith(secret);
+export function signGlobally(origins: readonly string[], secret: string, tls?: object): () => void {
+  const signer = { sign: signWith(secret), ...(tls ? { via: new Agent({ connect: tls }) } : {}) };
   const list = origins.map((o) => new URL(o).origin);
   for (const o of list) globalSigners.set(o, signer);
   if (!globalInstalled) {
@@ -163,5 +167,6 @@ export function signGlobally(origins: readonly string[], secret: string): () => 
   }
   return () => {
     for (const o of list) if (globalSigners.get(o) === signer) globalSigners.delete(o);
+    void signer.via?.close().catch(() => {});
   };
 }

@@ -34,6 +34,8 @@ import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
+import { kvTransportOf } from '../kv/transport.js';
+import { loadInternalTls } from '../common/tls.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver, type ReceivedState, type StreamEnd } from '../kv/transfer/receiver.js';
@@ -150,7 +152,9 @@ export class DecodeWorker {
     const c = this.config;
     await sweepStaleStateFiles(c.stateDir, this.log);
     this.stopSweep = startStateSweeper(c.stateDir, this.log);
+    const internalTls = loadInternalTls(c.internalTls);
     this.pool = new KvPeerPool({
+      transport: kvTransportOf(internalTls),
       clock: this.clock,
       secret: c.secret,
       epoch: this.epoch,
@@ -173,6 +177,7 @@ export class DecodeWorker {
       onConnect: (conn) => this.sameHost.probe(conn),
     });
     this.app = createWorkerApp({
+      internalTls,
       offload: this.engine,
       log: this.log,
       registry: this.metrics.registry,

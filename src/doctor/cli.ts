@@ -10,14 +10,17 @@
  * answer comes within 10 s even when workers hang. `--discovery etcd://…` reads the worker list
  * from etcd membership instead of (or, with --url, besides) the router's GET /workers.
  * Credentials from the environment: PDSERVE_ADMIN_API_KEY (to the router only) and
- * PDSERVE_CLUSTER_SECRET (the workers' requests are signed with it).
+ * PDSERVE_CLUSTER_SECRET (the workers' requests are signed with it). TLS: `--ca` (the router's
+ * HTTPS CA) and `--internal-tls-cert/-key/-ca` (https:// workers that ask for a client certificate).
  */
 import { Command, InvalidArgumentError } from 'commander';
 import { diagnose, type Diagnosis } from './diagnose.js';
 import { gather, routerSource, type ClusterSnapshot, type WorkerSource } from './gather.js';
 import { renderRequestReport, requestReport } from './request.js';
-import type { Dispatcher } from 'undici';
+import { readFileSync } from 'node:fs';
+import { Agent, type Dispatcher } from 'undici';
 import { withCredentials } from '../common/http-auth.js';
+import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 
 export interface DoctorOptions {
   url?: string;
@@ -31,6 +34,12 @@ export interface DoctorOptions {
   windowMs: number;
   /** The router's admin key (--admin-api-key / PDSERVE_ADMIN_API_KEY), sent to the router only. */
   adminApiKey?: string;
+  /** PEM file of the CA of the router's HTTPS certificate (default: the system store). */
+  ca?: string;
+  /** Internal TLS files: the CA of https:// workers and the client certificate they require. */
+  internalTlsCert?: string;
+  internalTlsKey?: string;
+  internalTlsCa?: string;
 }
 
 /** Bound on one round (gather + diagnose), ms: the answer comes within 10 s. */
@@ -75,8 +84,31 @@ function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher | 
   const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY?.split(',')[0]?.trim();
   const secret = process.env.PDSERVE_CLUSTER_SECRET;
   const router = source.routerUrl ? [source.routerUrl] : [];
-  if (!key && !secret) return undefined;
-  return withCredentials({ ...(key && router.length ? { bearer: { key, origins: router } } : {}), ...(secret ? { sign: { secret, skipOrigins: router } } : {}) });
+  const tls = doctorTls(o);
+  if (!key && !secret && !tls) return undefined;
+  return withCredentials({ ...(key && router.length ? { bearer: { key, origins: router } } : {}), ...(secret ? { sign: { secret, skipOrigins: router } } : {}) }, new Agent(tls ? { connect: tls } : {}));
+}
+
+/**
+ * node:tls client options of the doctor's connections: the CAs of `--ca` and
+ * `--internal-tls-ca` together (router and workers), the internal client certificate.
+ * @throws Error naming a file that cannot be read.
+ */
+function doctorTls(o: DoctorOptions): { ca?: Buffer[]; cert?: Buffer; key?: Buffer } | undefined {
+  const files: InternalTlsFiles = { ...(o.internalTlsCert ? { cert: o.internalTlsCert } : {}), ...(o.internalTlsKey ? { key: o.internalTlsKey } : {}), ...(o.internalTlsCa ? { ca: o.internalTlsCa } : {}) };
+  const internal = loadInternalTls(files);
+  let routerCa: Buffer | undefined;
+  if (o.ca) {
+    try {
+      routerCa = readFileSync(o.ca);
+    } catch (err) {
+      throw new Error(`cannot read the CA file ${o.ca}: ${(err as Error).message}`);
+    }
+  }
+  if (!internal && !routerCa) return undefined;
+  const { ca: internalCa, ...client } = internal ? internalClientOptions(internal) : {};
+  const ca = [...(routerCa ? [routerCa] : []), ...(internalCa ? [internalCa] : [])];
+  return { ...client, ...(ca.length ? { ca } : {}) };
 }
 
 async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSnapshot | null, dispatcher?: Dispatcher): Promise<{ snap: ClusterSnapshot; d: Diagnosis }> {
@@ -99,7 +131,13 @@ export async function runDoctor(o: DoctorOptions, write: (s: string) => void = (
     process.stderr.write(`pdserve doctor: ${source}\n`);
     return 3;
   }
-  const dispatcher = doctorDispatcher(source, o);
+  let dispatcher: Dispatcher | undefined;
+  try {
+    dispatcher = doctorDispatcher(source, o);
+  } catch (err) {
+    process.stderr.write(`pdserve doctor: ${(err as Error).message}\n`);
+    return 3;
+  }
   try {
     return await doctorRounds(source, o, write, dispatcher);
   } finally {
@@ -157,6 +195,10 @@ export function addDoctorCommand(program: Command): void {
     .option('--slow-ms <ms>', 'a room this long in one phase is slow', (v: string) => num(v), 2000)
     .option('--window <minutes>', 'report room failures of the last N minutes', (v: string) => num(v), 5)
     .option('--admin-api-key <key>', "the router's admin key, when it has one (better: PDSERVE_ADMIN_API_KEY, which ps does not show)")
+    .option('--ca <file>', "PEM CA of the router's HTTPS certificate (default: the system store)")
+    .option('--internal-tls-cert <file>', 'internal TLS: the client certificate (PEM) workers with --internal-tls-ca ask for')
+    .option('--internal-tls-key <file>', 'internal TLS: the key of --internal-tls-cert')
+    .option('--internal-tls-ca <file>', 'internal TLS: the PEM CA of the https:// workers')
     .action(async (opts: Omit<DoctorOptions, 'windowMs' | 'watch'> & { window: number; watch?: number | true }) => {
       const code = await runDoctor({ ...opts, watch: opts.watch === true ? 2 : opts.watch, windowMs: opts.window * 60_000 });
       process.exitCode = code;

@@ -19,6 +19,7 @@ import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { signGlobally } from '../common/http-auth.js';
+import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 
 export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';
 
@@ -69,6 +70,12 @@ export interface ClusterOptions {
    * (--api-key-file, --private-metrics). The harness's own admin calls use the admin key (else an API key).
    */
   access?: { apiKeys?: string[]; adminApiKeys?: string[]; routerArgs?: string[]; /** The router serves HTTPS (its url is https://). */ tls?: boolean };
+  /**
+   * Internal TLS of the prefill, decode and router processes (`--internal-tls-cert/-key/-ca`,
+   * absolute paths): the workers serve HTTPS (their urls are https://) and a KV channel over
+   * TLS, mutual with a CA. This process reaches the workers with the same CA and certificate.
+   */
+  internalTls?: InternalTlsFiles;
   /** Per-process start deadline, ms. */
   startTimeoutMs?: number;
   /** Also start a colocated reference server. */
@@ -212,7 +219,8 @@ export class Cluster {
     }
     const workers = [...this.procs];
     // This process's fetch() and undici calls sign their requests to the workers (SECURITY.md).
-    this.unsign = signGlobally(workers.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url), this.secret);
+    const itls = loadInternalTls(o.internalTls);
+    this.unsign = signGlobally(workers.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url), this.secret, itls ? internalClientOptions(itls) : undefined);
     await Promise.all(workers.map((p) => this.spawn(p)));
     const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port;
     const rargs = ['router', '--host', this.hostOf('router'), '--port', String(rport)];
@@ -228,8 +236,9 @@ export class Cluster {
     if (this.opts.drainTimeoutMs !== undefined) args = [...args, '--drain-timeout-ms', String(this.opts.drainTimeoutMs)];
     if (this.opts.discovery) args = [...args, '--discovery', this.opts.discovery];
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
-    args = [...args, ...(this.opts.extraArgsOf?.[name] ?? [])];
-    const scheme = role === 'router' && this.opts.access?.tls ? 'https' : 'http';
+    const itls = role !== 'colocated' ? this.opts.internalTls : undefined;
+    args = [...args, ...internalTlsArgs(itls), ...(this.opts.extraArgsOf?.[name] ?? [])];
+    const scheme = role === 'router' ? (this.opts.access?.tls ? 'https' : 'http') : itls ? 'https' : 'http';
     return { role, index, name, port, bootstrapPort, url: `${scheme}://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
 

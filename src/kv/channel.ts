@@ -1,6 +1,6 @@
 /**
- * The prefill↔decode KV channel: one persistent, mutually authenticated TCP connection per
- * prefill–decode pair, opened by decode (KvPeerPool) to prefill's bootstrap port (KvServer),
+ * The prefill↔decode KV channel: one persistent, mutually authenticated TCP (or TLS, see
+ * transport.ts) connection per prefill–decode pair, opened by decode (KvPeerPool) to prefill's bootstrap port (KvServer),
  * reused across rooms, carrying control frames and KV chunk frames (wire format: messages.ts,
  * framing: frame.ts, handshake: handshake.ts + auth.ts, liveness: heartbeat.ts, one connection:
  * connection.ts; this file: the server and the pool that own connections).
@@ -9,7 +9,7 @@
  * - Nothing blocks the event loop: all writes are async. Chunk sends keep at most
  *   `sendWindowBytes` queued in user space and wait for the socket to flush; any connection whose
  *   queue exceeds `maxQueuedBytes` is destroyed as lost instead of buffering without bound.
- * - Every wait has a deadline: TCP connect (connectTimeoutMs), handshake (authTimeoutMs),
+ * - Every wait has a deadline: TCP connect and TLS handshake (connectTimeoutMs), handshake (authTimeoutMs),
  *   liveness (2 heartbeat intervals without a received byte), chunk-send stall (stallMs),
  *   graceful close (closeTimeoutMs, then destroy).
  * - Anything unexpected (malformed, oversized or unknown frame; a frame before authentication; a
@@ -24,11 +24,12 @@
  * - onPeerLost fires exactly once for every authenticated connection that ends, whatever the
  *   cause (including a local close); the owner should fail every room bound to it.
  */
-import net from 'node:net';
+import type net from 'node:net';
 import { DEFAULT_HEARTBEAT_MS, errText, newKvStats, noop, NOOP_LOG, PeerConn, type KvHandlers, type KvLog, type KvStats, type Owner, type Settings } from './connection.js';
 import { systemClock, type Clock } from '../common/clock.js';
 import type { PairSettings } from './messages.js';
 import { KvError } from './types.js';
+import { tcpTransport, type KvTransport } from './transport.js';
 
 export { DEFAULT_HEARTBEAT_MS, HEARTBEAT_MISS_BUDGET, newKvStats, PeerConn, type KvHandlers, type KvLog, type KvStats, type SendChunksOptions, type ChunkSource } from './connection.js';
 
@@ -55,6 +56,8 @@ export interface KvChannelOptions extends KvHandlers {
   sendWindowBytes?: number;
   /** How long close() waits for queued bytes to flush before destroying, ms (default 2000). */
   closeTimeoutMs?: number;
+  /** How sockets are made: plain TCP (default) or TLS (./transport.ts). */
+  transport?: KvTransport;
   log?: KvLog;
 }
 
@@ -68,7 +71,7 @@ export interface KvServerOptions extends KvChannelOptions {
 }
 
 export interface KvPeerPoolOptions extends KvChannelOptions {
-  /** TCP connect deadline, ms (default 2000). */
+  /** Connect deadline (TCP, and the TLS handshake with a TLS transport), ms (default 2000). */
   connectTimeoutMs?: number;
 }
 
@@ -144,7 +147,13 @@ export class KvServer implements KvHandlers {
     this.onChunk = opts.onChunk;
     this.onPeerLost = opts.onPeerLost;
     this.onConnect = opts.onConnect;
-    this.server = net.createServer({ noDelay: true }, (sock) => this.accept(sock));
+    this.server = (opts.transport ?? tcpTransport).createServer(
+      (sock) => this.accept(sock),
+      (why, address) => {
+        this.stats.authFailures++;
+        this.s.log.warn({ address, err: why }, 'kv connection refused in the TLS handshake');
+      },
+    );
     this.server.maxConnections = opts.maxConnections ?? 1024;
     this.server.on('error', (e) => this.s.log.error({ err: errText(e) }, 'kv server error'));
   }
@@ -241,6 +250,7 @@ export class KvPeerPool implements KvHandlers {
 
   private readonly s: Settings;
   private readonly connectTimeoutMs: number;
+  private readonly transport: KvTransport;
   private readonly live = new Map<string, PeerConn>();
   private readonly pending = new Map<string, Promise<PeerConn>>();
   private readonly all = new Set<PeerConn>();
@@ -253,6 +263,7 @@ export class KvPeerPool implements KvHandlers {
   constructor(opts: KvPeerPoolOptions) {
     this.s = settings(opts);
     this.connectTimeoutMs = opts.connectTimeoutMs ?? 2000;
+    this.transport = opts.transport ?? tcpTransport;
     if (!Number.isSafeInteger(this.connectTimeoutMs) || this.connectTimeoutMs < 1) throw new TypeError('KV channel: connectTimeoutMs must be a positive integer');
     this.onMessage = opts.onMessage;
     this.onChunk = opts.onChunk;
@@ -316,10 +327,9 @@ export class KvPeerPool implements KvHandlers {
       // PeerConn consumes each read before the next one (frame.ts copies partial frames).
       let conn: PeerConn | undefined;
       const early: Buffer[] = [];
-      const sock = net.connect({
+      const { socket: sock, readyEvent } = this.transport.dial({
         host,
         port,
-        noDelay: true,
         onread: {
           buffer: Buffer.allocUnsafeSlow(KV_READ_BUFFER_BYTES),
           callback: (n: number, buf: Uint8Array): boolean => {
@@ -352,7 +362,7 @@ export class KvPeerPool implements KvHandlers {
       };
       sock.once('error', onError);
       sock.once('close', onClose);
-      sock.once('connect', () => {
+      sock.once(readyEvent, () => {
         if (done) return;
         done = true;
         cleanup();

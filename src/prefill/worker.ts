@@ -34,6 +34,8 @@ import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvServer, type PeerConn } from '../kv/channel.js';
+import { kvTransportOf } from '../kv/transport.js';
+import { loadInternalTls } from '../common/tls.js';
 import { encodeEnvelopeHead, prepareEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes, type StreamedSend } from '../kv/transfer/sender.js';
@@ -155,7 +157,9 @@ export class PrefillWorker {
     await sweepStaleStateFiles(c.stateDir, this.log);
     this.stopSweep = startStateSweeper(c.stateDir, this.log);
     await this.tokenizer.start();
+    const internalTls = loadInternalTls(c.internalTls);
     this.kv = new KvServer({
+      transport: kvTransportOf(internalTls),
       clock: this.clock,
       host: c.host,
       port: c.bootstrapPort,
@@ -174,6 +178,7 @@ export class PrefillWorker {
     });
     this.bootstrapPort = await this.kv.listen();
     this.app = createWorkerApp({
+      internalTls,
       engine: this.engine,
       log: this.log,
       registry: this.metrics.registry,

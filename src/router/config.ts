@@ -26,13 +26,15 @@
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
  *       ../api/access.ts), clusterSecret? (signs every request to a worker), tls? = { cert, key }
- *       (PEM files: HTTPS for clients),
+ *       (PEM files: HTTPS for clients), internalTls? = { cert?, key?, ca? } (PEM files: the CA
+ *       that verifies https:// workers and the client certificate presented to them),
  *     responsesStore = { maxCount = 10000, maxBytes = 64 MiB, maxAgeMs = 1 h } (stored /v1/responses),
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
+import { InternalTlsSchema } from '../common/config.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
@@ -113,6 +115,8 @@ export const RouterConfigSchema = z
     clusterSecret: z.string().min(8, 'cluster secret must be at least 8 characters').optional(),
     /** HTTPS for clients: PEM certificate and key files (../common/tls.ts). */
     tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
+    /** TLS to the workers (../common/tls.ts `InternalTlsFiles`): the CA of https:// workers, the client certificate they ask for. */
+    internalTls: InternalTlsSchema,
     /** Admission at the edge (../api/admission.ts): concurrency cap, queue, per-key limits. */
     admission: AdmissionSchema,
     log: z.union([LoggerSchema, z.object({ level: z.enum(LEVELS).default('info') }).strict()]).default({ level: 'info' }),
@@ -189,6 +193,8 @@ export interface RouterConfig {
   readonly clusterSecret?: string;
   /** HTTPS for clients: PEM certificate and key files. */
   readonly tls?: { readonly cert: string; readonly key: string };
+  /** TLS to the workers: PEM files of the CA and of the client certificate and key. */
+  readonly internalTls?: { readonly cert?: string; readonly key?: string; readonly ca?: string };
   /** Admission at the edge (../api/admission.ts). */
   readonly admission: Readonly<AdmissionOptions>;
   /** A ready logger, or the level of one the router creates. */

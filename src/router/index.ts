@@ -32,7 +32,7 @@ import { Agent } from 'undici';
 import { registerAccess, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
 import { withCredentials } from '../common/http-auth.js';
-import { tlsServerOptions } from '../common/tls.js';
+import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../common/tls.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
@@ -111,16 +111,19 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const log = makeLogger(config);
   // Every router → worker request is signed with the cluster secret (../common/http-auth.ts).
   const credentials = config.clusterSecret ? { sign: { secret: config.clusterSecret } } : {};
+  // --internal-tls-*: https:// workers are verified with the CA and shown the client certificate.
+  const internalTls = loadInternalTls(config.internalTls);
+  const workerTls = internalTls ? internalClientOptions(internalTls) : {};
   const dataAgent = withCredentials(credentials, new Agent({
     connections: 256,
     pipelining: 1,
     keepAliveTimeout: 30_000,
-    connect: { timeout: 5_000 },
+    connect: { timeout: 5_000, ...workerTls },
     // Safety nets only: the request deadline (requestTimeoutMs) fires first.
     headersTimeout: config.requestTimeoutMs + 5_000,
     bodyTimeout: config.requestTimeoutMs + 5_000,
   }));
-  const controlAgent = withCredentials(credentials, new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000 }, headersTimeout: 10_000, bodyTimeout: 10_000 }));
+  const controlAgent = withCredentials(credentials, new Agent({ connections: 32, pipelining: 1, keepAliveTimeout: 10_000, connect: { timeout: 2_000, ...workerTls }, headersTimeout: 10_000, bodyTimeout: 10_000 }));
   const registry = new WorkerRegistry(config, { dispatcher: controlAgent, log, intervalMs: config.healthIntervalMs, timeoutMs: config.healthTimeoutMs, unhealthyAfter: config.unhealthyAfter });
   const metrics = new RouterMetrics(registry);
   const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
@@ -129,7 +132,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
   // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.
-  const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base));
+  const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls);
   const holdsFor = (key: string | undefined) => (key === undefined ? undefined : (url: string) => {
     kv.follow({ url });
     return kv.held(url)?.has(heldKey('sequence', key));

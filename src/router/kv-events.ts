@@ -87,7 +87,7 @@ export function applyKvReply(c: WorkerClaims, r: KvEventsReply): { outcome: 'ok'
 export class KvEventConsumer {
   private readonly claims = new Map<string, WorkerClaims>();
   private readonly loops = new Map<string, AbortController>();
-  private readonly base = new Agent({ connections: 2, pipelining: 1, keepAliveTimeout: 30_000, connect: { timeout: 2_000 }, headersTimeout: KV_WAIT_MS + 5_000, bodyTimeout: KV_WAIT_MS + 5_000 });
+  private readonly base: Agent;
   private readonly agent: Dispatcher;
   private readonly consumed: Counter<'tier' | 'kind'>;
   private readonly gaps: Counter;
@@ -97,8 +97,10 @@ export class KvEventConsumer {
   /**
    * @param wrap composes the router's credentials onto the consumer's pool (worker requests are
    *   signed: ../common/http-auth.ts `withCredentials`).
+   * @param tls node:tls client options of its connections (the CA and client certificate of https:// workers).
    */
-  constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b) {
+  constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b, tls: object = {}) {
+    this.base = new Agent({ connections: 2, pipelining: 1, keepAliveTimeout: 30_000, connect: { timeout: 2_000, ...tls }, headersTimeout: KV_WAIT_MS + 5_000, bodyTimeout: KV_WAIT_MS + 5_000 });
     this.agent = wrap(this.base);
     this.consumed = new Counter({ name: 'pdserve_router_kv_events_consumed_total', help: 'KV events applied from the workers, by tier and kind', labelNames: ['tier', 'kind'], registers: [registry] });
     this.gaps = new Counter({ name: 'pdserve_router_kv_event_gaps_total', help: 'KV event streams found with a missing event id (claims dropped, then resynced)', registers: [registry] });

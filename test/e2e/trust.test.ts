@@ -12,13 +12,18 @@
  *    is a 400 `unknown_bootstrap_address` and that address never sees a connection;
  *  - TLS for clients: a router started with --tls-cert/--tls-key (a throwaway CA made with
  *    openssl here) serves the openai SDK over HTTPS with that CA; a client without it is refused;
+ *  - internal TLS: the whole stack runs with --internal-tls-cert/-key/-ca (mutual TLS on the
+ *    workers' HTTP and on the KV channel, every handoff over the channel: --no-kv-same-host);
+ *    a worker or bootstrap port reached without a client certificate the CA signed is refused
+ *    in the TLS handshake; doctor and the dashboard reach the workers with the CA;
  *  - admission: past its key's token bucket a request is a 429 `rate_limited` with retry-after;
  *  - no key or secret in any log file or in `ps` output.
  */
 import assert from 'node:assert/strict';
 import { execFileSync, spawn } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
-import { createServer, type AddressInfo } from 'node:net';
+import { createConnection, createServer, type AddressInfo } from 'node:net';
+import tls from 'node:tls';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -27,6 +32,7 @@ import { Agent, request } from 'undici';
 import { BIN, Cluster, freePort } from '../../src/harness/cluster.js';
 import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/common/request-auth.js';
 import { cli } from '../helpers/cli.js';
+import { makeTestPki, type TestPki } from '../helpers/tls.js';
 import { tinyModel, waitFor } from '../helpers/stack.js';
 
 const API_KEY = 'sk-test-api-key-0123456789';
@@ -37,7 +43,13 @@ const FILE_KEY_2 = 'sk-file-key-two-bbbbbbbb';
 let c: Cluster;
 let logDir: string;
 let keyFile: string;
+let pki: TestPki;
+/** The doctor's flags of internal TLS (the workers ask for a client certificate). */
+let doctorTls: string[];
 
+/** A pool with the cluster's CA and client certificate (no signatures: requests to /health only here). */
+let certified: Agent | undefined;
+const plain2 = () => (certified ??= new Agent({ connect: { ca: pki.pem.ca, cert: pki.pem.cert, key: pki.pem.key } }));
 const sdk = (apiKey: string, extra: Partial<ConstructorParameters<typeof OpenAI>[0]> = {}) => new OpenAI({ baseURL: `${c.router.url}/v1`, apiKey, timeout: 30_000, maxRetries: 0, ...extra });
 const get = (path: string, headers: Record<string, string> = {}) => fetch(`${c.router.url}${path}`, { headers, signal: AbortSignal.timeout(5000) });
 const bearer = (k: string) => ({ authorization: `Bearer ${k}` });
@@ -46,7 +58,21 @@ before(async () => {
   logDir = mkdtempSync(join(tmpdir(), 'pdserve-trust-'));
   keyFile = join(logDir, 'api-keys');
   writeFileSync(keyFile, `# rotated by the test\n${FILE_KEY_1}\n`);
-  c = new Cluster({ model: await tinyModel(), prefill: 1, decode: 1, ctxSize: 512, batchSize: 128, decodeSlots: 4, logDir, access: { apiKeys: [API_KEY], adminApiKeys: [ADMIN_KEY], routerArgs: ['--api-key-file', keyFile] } });
+  pki = makeTestPki();
+  doctorTls = ['--internal-tls-ca', pki.ca, '--internal-tls-cert', pki.cert, '--internal-tls-key', pki.key];
+  c = new Cluster({
+    model: await tinyModel(),
+    prefill: 1,
+    decode: 1,
+    ctxSize: 512,
+    batchSize: 128,
+    decodeSlots: 4,
+    logDir,
+    access: { apiKeys: [API_KEY], adminApiKeys: [ADMIN_KEY], routerArgs: ['--api-key-file', keyFile] },
+    internalTls: { cert: pki.cert, key: pki.key, ca: pki.ca },
+    // Every KV handoff crosses the (TLS) channel: no same-host file handoff.
+    extraArgs: { prefill: ['--no-kv-same-host'], decode: ['--no-kv-same-host'] },
+  });
   try {
     await c.start();
   } catch (err) {
@@ -55,6 +81,7 @@ before(async () => {
   }
 });
 after(async () => {
+  await certified?.close();
   await c?.stop();
 });
 
@@ -123,19 +150,20 @@ describe('the admin key', () => {
   });
 
   test('pdserve doctor sends the admin key from PDSERVE_ADMIN_API_KEY; without it the router refuses it', async () => {
-    const withKey = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY });
+    const withKey = await cli(['doctor', '--url', c.router.url, '--json', ...doctorTls], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY });
     const d = JSON.parse(withKey.out) as { exit_code: number; findings: { title: string }[] };
     assert.ok(d.exit_code <= 1, withKey.out);
     assert.ok(!d.findings.some((f) => /401/.test(f.title)), withKey.out);
-    const without = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_ADMIN_API_KEY: '' });
+    const without = await cli(['doctor', '--url', c.router.url, '--json', ...doctorTls], 20_000, { PDSERVE_ADMIN_API_KEY: '' });
     assert.match(without.out, /401/);
     assert.ok(!`${withKey.out}${withKey.err}`.includes(ADMIN_KEY), 'doctor output has no key');
   });
 });
 
 describe('signed worker requests', () => {
-  /** A dispatcher that adds no signature (this process's global one signs requests to the cluster's workers). */
-  const plain = new Agent();
+  /** A dispatcher that adds no signature (this process's global one signs requests to the cluster's workers), with the cluster's client certificate. */
+  let plain: Agent;
+  before(() => void (plain = new Agent({ connect: { ca: pki.pem.ca, cert: pki.pem.cert, key: pki.pem.key } })));
   after(() => plain.close());
   const call = async (url: string, method: 'GET' | 'POST', path: string, body?: string, signature?: string) => {
     const res = await request(`${url}${path}`, { method, dispatcher: plain, headers: { 'content-type': 'application/json', ...(signature ? { [SIGNATURE_HEADER]: signature } : {}) }, body, signal: AbortSignal.timeout(5000) });
@@ -201,13 +229,88 @@ describe('decode dials only prefills it knows', () => {
       assert.equal(e.param, 'bootstrap_host');
       await new Promise((r) => setTimeout(r, 300));
       assert.deepEqual(dialed, [], 'the forged address saw no connection');
-      const m = await (await fetch(`${d.url}/metrics`)).text();
+      const m = await (await fetch(`${d.url}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
       assert.match(m, /^pdserve_bootstrap_refused_total 1$/m);
       // The prefill the router's probes named is dialable: the PD path still works.
       assert.equal((await sdk(API_KEY).completions.create({ model: 'pdserve', prompt: 'known', max_tokens: 2 })).choices.length, 1);
     } finally {
       trap.close();
     }
+  });
+});
+
+describe('internal TLS (mutual, HTTP and the KV channel)', () => {
+  /** How a TLS connection to host:port with these client options ends: its first bytes, or the error that ended it. */
+  const tlsProbe = (port: number, opts: tls.ConnectionOptions) =>
+    new Promise<{ bytes: number; error?: string }>((resolve) => {
+      let bytes = 0;
+      const sock = tls.connect({ host: '127.0.0.1', port, ...opts });
+      const end = (error?: string) => {
+        clearTimeout(t);
+        sock.destroy();
+        resolve({ bytes, ...(error ? { error } : {}) });
+      };
+      const t = setTimeout(() => end(), 3000);
+      sock.on('data', (b: Buffer) => {
+        bytes += b.length;
+        end();
+      });
+      sock.on('error', (e: Error) => end(e.message));
+      sock.on('close', () => end('closed'));
+    });
+
+  test('a worker reached without a client certificate the CA signed is refused in the TLS handshake (HTTP and bootstrap port)', async () => {
+    const stranger = new Agent({ connect: { ca: pki.pem.ca, cert: pki.pem.strangerCert, key: pki.pem.strangerKey } });
+    const anonymous = new Agent({ connect: { ca: pki.pem.ca } });
+    try {
+      for (const w of [c.byRole('prefill')[0]!, c.byRole('decode')[0]!]) {
+        assert.match(w.url, /^https:/);
+        for (const [who, d] of [['no client certificate', anonymous], ["another CA's certificate", stranger]] as const) {
+          await assert.rejects(request(`${w.url}/health`, { dispatcher: d, signal: AbortSignal.timeout(5000) }).then((r) => r.body.text()), `${w.name} /health with ${who}`);
+        }
+        await assert.rejects(fetch(w.url.replace('https:', 'http:') + '/health', { signal: AbortSignal.timeout(3000) }), `${w.name}: plain HTTP is not served`);
+        // The cluster's certificate gets through TLS (and /health is open).
+        assert.equal((await request(`${w.url}/health`, { dispatcher: plain2(), signal: AbortSignal.timeout(5000) })).statusCode, 200);
+      }
+      // The KV channel: prefill says hello at once to a peer with the cluster's certificate, nothing to one without.
+      const bp = c.byRole('prefill')[0]!.bootstrapPort!;
+      const ok = await tlsProbe(bp, { ca: pki.pem.ca, cert: pki.pem.cert, key: pki.pem.key });
+      assert.ok(ok.bytes > 0, `a peer with the certificate gets the KV hello: ${JSON.stringify(ok)}`);
+      for (const opts of [{ ca: pki.pem.ca }, { ca: pki.pem.ca, cert: pki.pem.strangerCert, key: pki.pem.strangerKey }]) {
+        const refused = await tlsProbe(bp, opts);
+        assert.equal(refused.bytes, 0, `no KV byte without the right certificate: ${JSON.stringify(refused)}`);
+        assert.ok(refused.error, 'the connection is ended');
+      }
+      const raw = await new Promise<number>((resolve) => {
+        let n = 0;
+        const s = createConnection({ host: '127.0.0.1', port: bp }, () => s.write('{"type":"auth"}\n'));
+        s.on('data', (b) => (n += b.length));
+        s.on('error', () => {});
+        s.on('close', () => resolve(n));
+        setTimeout(() => s.destroy(), 3000);
+      });
+      // A TLS server answers bytes that are no TLS handshake with an alert at most (a few bytes), never a KV frame.
+      assert.ok(raw < 64, `plain TCP to the bootstrap port gets no KV hello (${raw} bytes)`);
+    } finally {
+      await Promise.all([stranger.close(), anonymous.close()]);
+    }
+  });
+
+  test('a request goes router → prefill → decode over mutual TLS, its KV through the TLS channel; doctor and the dashboard reach the workers', async () => {
+    const d = c.byRole('decode')[0]!;
+    const handoffs = async () => Number(/^pdserve_kv_handoffs_total\{path="tcp"\} (\d+)/m.exec(await (await fetch(`${d.url}/metrics`, { signal: AbortSignal.timeout(5000) })).text())?.[1] ?? 0);
+    const before = await handoffs();
+    const r = await sdk(API_KEY).chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: 'over mutual tls' }], max_tokens: 4, temperature: 0 });
+    assert.ok(r.choices[0]!.message.content !== null);
+    assert.equal(await handoffs(), before + 1, 'one KV handoff over the channel (tcp path, TLS transport)');
+    const dash = (await (await get('/dashboard/data', bearer(ADMIN_KEY))).json()) as { workers?: { url: string; reachable?: boolean; error?: string | null }[] };
+    assert.ok(JSON.stringify(dash).includes(d.url), 'the dashboard lists the https:// worker');
+    const doc = await cli(['doctor', '--url', c.router.url, '--json', ...doctorTls], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY, PDSERVE_CLUSTER_SECRET: c.secret });
+    const findings = (JSON.parse(doc.out) as { findings: { title: string }[] }).findings.map((f) => f.title).join('\n');
+    assert.doesNotMatch(findings, /unreachable|not answer|failed|certificate|ECONN/i, doc.out);
+    // Without the internal TLS flags the doctor cannot reach the workers, and says so.
+    const blind = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY, PDSERVE_CLUSTER_SECRET: c.secret });
+    assert.match((JSON.parse(blind.out) as { findings: { title: string }[] }).findings.map((f) => f.title).join('\n'), /unreachable/, blind.out);
   });
 });
 
@@ -221,7 +324,7 @@ describe('TLS for clients', () => {
     ssl('x509', '-req', '-in', 'srv.csr', '-CA', 'ca.crt', '-CAkey', 'ca.key', '-CAcreateserial', '-out', 'srv.crt', '-days', '1', '-extfile', 'san.ext');
     const port = await freePort();
     const p = c.byRole('prefill')[0]!;
-    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key'), '--key-rps', '0.01', '--key-burst', '2'];
+    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key'), '--key-rps', '0.01', '--key-burst', '2', ...doctorTls];
     const child = spawn(process.execPath, args, { stdio: 'ignore', env: { ...process.env, PDSERVE_CLUSTER_SECRET: c.secret, PDSERVE_API_KEY: API_KEY } });
     t.after(() => void child.kill('SIGKILL'));
     const trusted = new Agent({ connect: { ca: readFileSync(join(dir, 'ca.crt')) } });
@@ -252,11 +355,13 @@ describe('TLS for clients', () => {
 describe('secrets stay secret', () => {
   test('no key or cluster secret in the logs, /workers, /debug/traces, doctor output or ps output', async () => {
     const ps = execFileSync('ps', ['-eo', 'args'], { encoding: 'utf8' });
-    const views = [await (await get('/workers', bearer(ADMIN_KEY))).text(), await (await get('/debug/traces', bearer(ADMIN_KEY))).text(), (await cli(['doctor', '--url', c.router.url], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY, PDSERVE_CLUSTER_SECRET: c.secret })).out].join('\n');
+    const views = [await (await get('/workers', bearer(ADMIN_KEY))).text(), await (await get('/debug/traces', bearer(ADMIN_KEY))).text(), (await cli(['doctor', '--url', c.router.url, ...doctorTls], 20_000, { PDSERVE_ADMIN_API_KEY: ADMIN_KEY, PDSERVE_CLUSTER_SECRET: c.secret })).out].join('\n');
     assert.match(views, /prefill/);
     const logs = readdirSync(logDir).filter((f) => f.endsWith('.log')).map((f) => readFileSync(join(logDir, f), 'utf8')).join('\n');
     assert.ok(logs.includes('router listening'), 'the logs were read');
-    for (const s of [API_KEY, ADMIN_KEY, FILE_KEY_1, FILE_KEY_2, c.secret]) {
+    // The internal TLS private key (its base64 body) stays in its file.
+    const tlsKey = readFileSync(pki.key, 'utf8').split('\n').filter((l) => l && !l.startsWith('-----')).join('');
+    for (const s of [API_KEY, ADMIN_KEY, FILE_KEY_1, FILE_KEY_2, c.secret, tlsKey.slice(0, 40)]) {
       assert.ok(!ps.includes(s), 'ps shows no key or secret');
       assert.ok(!logs.includes(s), 'the logs hold no key or secret');
       assert.ok(!views.includes(s), '/workers, traces and doctor show no key or secret');

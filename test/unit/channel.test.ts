@@ -12,6 +12,8 @@ import { SEND_QUANTUM_BYTES } from '../../src/kv/connection.js';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from '../../src/kv/frame.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type RoomMsg } from '../../src/kv/messages.js';
 import { KvError } from '../../src/kv/types.js';
+import { tlsTransport } from '../../src/kv/transport.js';
+import { makeTestPki } from '../helpers/tls.js';
 
 /** Pair settings both ends of these tests share (the handshake compares them). */
 const PAIR = { fingerprint: 'ab'.repeat(32), contextSize: 1024, batchSize: 128, flashAttention: true };
@@ -781,5 +783,50 @@ describe('channel: close', () => {
     const g = p.pool.get('127.0.0.1', (srv.address() as net.AddressInfo).port);
     setTimeout(() => p.pool.destroy(), 30);
     await rejectsKv(g, 'PEER_LOST');
+  });
+});
+
+describe('channel: TLS (transport.ts)', () => {
+  const pki = makeTestPki();
+  const serverTls = tlsTransport({ cert: pki.pem.cert, key: pki.pem.key, ca: pki.pem.ca });
+
+  it('mutual TLS: a pool with a certificate the CA signed authenticates and moves a 4 MiB blob intact', async () => {
+    const s = await startServer({ transport: serverTls });
+    let sc: PeerConn | undefined;
+    s.server.onConnect = (c) => (sc = c);
+    const p = startPool({ transport: tlsTransport({ cert: pki.pem.cert, key: pki.pem.key, ca: pki.pem.ca }) });
+    const blob = randomBytes(4 * 1024 * 1024);
+    const recv = Buffer.alloc(blob.length);
+    let received = 0;
+    p.pool.onChunk = (_c, _room, offset, data) => {
+      data.copy(recv, offset);
+      received += data.length;
+    };
+    await p.pool.get('127.0.0.1', s.port);
+    await until(() => sc !== undefined);
+    await sc!.sendChunks('5', blob, { chunkBytes: 256 * 1024 });
+    await until(() => received === blob.length);
+    assert.ok(recv.equals(blob));
+    assert.equal(s.server.stats.authFailures + p.pool.stats.authFailures, 0);
+  });
+
+  it('a pool without a client certificate, or with one another CA signed, is refused in the TLS handshake and counted', async () => {
+    const s = await startServer({ transport: serverTls });
+    for (const t of [tlsTransport({ ca: pki.pem.ca }), tlsTransport({ ca: pki.pem.ca, cert: pki.pem.strangerCert, key: pki.pem.strangerKey })]) {
+      const p = startPool({ transport: t });
+      await assert.rejects(p.pool.get('127.0.0.1', s.port), (e: unknown) => e instanceof KvError && (e.code === 'PEER_LOST' || e.code === 'AUTH_FAILED'));
+    }
+    await until(() => s.server.stats.authFailures === 2, 3000, 'two TLS refusals counted');
+    assert.ok(s.log.has(/refused in the TLS handshake/));
+    assert.equal(s.server.connections().length, 0);
+  });
+
+  it('a pool that does not trust the server certificate refuses it; a plain TCP pool gets nowhere', async () => {
+    const s = await startServer({ transport: serverTls });
+    const untrusting = startPool({ transport: tlsTransport({ cert: pki.pem.cert, key: pki.pem.key, ca: pki.pem.strangerCert }) });
+    await rejectsKv(untrusting.pool.get('127.0.0.1', s.port), 'PEER_LOST', /CERT|certificate/);
+    const plain = startPool({ authTimeoutMs: 500 });
+    await assert.rejects(plain.pool.get('127.0.0.1', s.port), (e: unknown) => e instanceof KvError);
+    assert.equal(s.server.connections().length, 0);
   });
 });
