@@ -8,11 +8,20 @@
   const text = (v) => (v === null || v === undefined ? '–' : String(v));
   const ms = (v) => (v >= 60000 ? `${(v / 60000).toFixed(1)} min` : v >= 1000 ? `${(v / 1000).toFixed(1)} s` : `${Math.round(v)} ms`);
 
+  // Time axis: one-line 24-hour labels (HH:MM:SS, ~60 px) at least 90 px apart, so they never
+  // overlap on a narrow chart; uPlot picks the tick step (5 s, 10 s, 15 s, 30 s, 1 min, …) to fit.
+  const pad = (n) => String(n).padStart(2, '0');
+  const timeLabel = (t) => {
+    const d = new Date(t * 1000);
+    return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  };
+  const timeAxis = { space: 90, values: (u, ticks) => ticks.map(timeLabel) };
+
   function chart(id, series, data) {
     const el = $(id);
     const width = Math.max(280, el.clientWidth || 360);
     if (!charts[id]) {
-      charts[id] = new uPlot({ width, height: 180, series: [{}].concat(series.map((x) => Object.assign({ spanGaps: true, points: { show: true, size: 4 } }, x))), axes: [{}, { size: 50 }], legend: { live: false } }, data, el);
+      charts[id] = new uPlot({ width, height: 180, series: [{}].concat(series.map((x) => Object.assign({ spanGaps: true, points: { show: true, size: 4 } }, x))), axes: [timeAxis, { size: 50 }], legend: { live: false } }, data, el);
     } else {
       charts[id].setData(data);
     }
@@ -39,7 +48,7 @@
     $('updated').textContent = `updated ${new Date(d.at).toLocaleTimeString()} · gathered in ${d.gather_ms} ms`;
     $('inflight').textContent = text(d.router.inflight);
     const q = d.router.requests || {};
-    $('requests').textContent = `${q.ok || 0} / ${q.error || 0} / ${q.timeout || 0}`;
+    $('requests').textContent = `${q.ok || 0} / ${q.client_error || 0} / ${q.error || 0} / ${q.timeout || 0}`;
     const kv = d.router.kv_events || {};
     $('kvevents').textContent = `${kv.consumed || 0} / ${kv.gaps || 0} · ${kv.held || 0}`;
     const phases = Object.entries(d.rooms_by_phase);
@@ -97,7 +106,7 @@
 
     chart('chart-ttft', [{ label: 'p50', stroke: '#3b7dd8', width: 2 }, { label: 'p95', stroke: '#c0392b', width: 2 }], [s.t, s.ttft_p50_ms, s.ttft_p95_ms]);
     chart('chart-itl', [{ label: 'p50', stroke: '#3b7dd8', width: 2 }, { label: 'p95', stroke: '#c0392b', width: 2 }], [s.t, s.itl_p50_ms, s.itl_p95_ms]);
-    chart('chart-tput', [{ label: 'tokens/s', stroke: '#1f8b4c', width: 2 }, { label: 'req/s', stroke: '#3b7dd8', width: 2 }, { label: 'failed/s', stroke: '#c0392b', width: 2 }], [s.t, s.tokens_per_s, s.requests_per_s, s.failed_per_s]);
+    chart('chart-tput', [{ label: 'tokens/s', stroke: '#1f8b4c', width: 2 }, { label: 'req/s', stroke: '#3b7dd8', width: 2 }, { label: 'failed/s', stroke: '#c0392b', width: 2 }, { label: 'client err/s', stroke: '#d68910', width: 2 }], [s.t, s.tokens_per_s, s.requests_per_s, s.failed_per_s, s.rejected_per_s || s.t.map(() => 0)]);
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   }
 

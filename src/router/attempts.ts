@@ -34,7 +34,7 @@ import { ApiError, sendApiError, type ParsedRequest } from '../api/openai.js';
 import { isErrorCode } from '../common/errors.js';
 import type { ChoiceGroup } from './choices.js';
 import { ClientReply, PdRequest, type DispatchContext } from './dispatch.js';
-import type { Outcome } from './metrics.js';
+import { errorOutcome, type Outcome } from './metrics.js';
 import { pickPair } from './pairing.js';
 import { localPrefillFor, routingText, routingTextAfter, type Pick, type Policy } from './policy/index.js';
 import { conversationKey } from './policy/affinity.js';
@@ -177,7 +177,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       avoid.add(decode);
     }
   } catch (err) {
-    metrics.requests.labels('error').inc();
+    metrics.requests.labels(errorOutcome(err)).inc();
     if (!(err instanceof ApiError) || !client || client.builder.events === 0) {
       if (client && err instanceof ApiError) d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: err.status, code: err.code, err: err.message, attempts: client.attempt });
       throw err;

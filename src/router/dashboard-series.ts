@@ -1,7 +1,7 @@
 /**
  * The dashboard's time series: finished requests at the router, in fixed buckets
  * (`bucketMs`, default 5 s) over a sliding window (`buckets`, default 60 = the last 5 minutes).
- * Per bucket: requests by outcome, completion tokens (throughput), TTFT and mean-ITL samples
+ * Per bucket: requests by outcome (client errors, 4xx, apart from failures), completion tokens (throughput), TTFT and mean-ITL samples
  * (bounded per bucket) for p50/p95, and failures by code. Memory is bounded: at most
  * `buckets × maxSamples` numbers. Buckets follow the monotonic clock, so a wall-clock step
  * neither empties the window nor piles requests into one bucket; only the labels are wall time.
@@ -12,6 +12,8 @@ interface Bucket {
   /** Bucket start, monotonic ms (src/common/clock.ts). */
   t: number;
   ok: number;
+  /** Answered with a client error (HTTP 4xx): counted apart from failures. */
+  rejected: number;
   failed: number;
   tokens: number;
   ttft: number[];
@@ -30,6 +32,8 @@ export interface SeriesView {
   tokens_per_s: number[];
   requests_per_s: number[];
   failed_per_s: number[];
+  /** Requests answered with a client error (HTTP 4xx), per second. */
+  rejected_per_s: number[];
   /** Failures by code over the whole window, most frequent first. */
   failures: { code: string; count: number }[];
 }
@@ -55,7 +59,7 @@ export class DashboardSeries {
     const t = now - (now % this.bucketMs);
     let b = this.ring[this.ring.length - 1];
     if (!b || b.t !== t) {
-      b = { t, ok: 0, failed: 0, tokens: 0, ttft: [], itl: [], failures: new Map() };
+      b = { t, ok: 0, rejected: 0, failed: 0, tokens: 0, ttft: [], itl: [], failures: new Map() };
       this.ring.push(b);
       while (this.ring.length > this.buckets) this.ring.shift();
     }
@@ -64,12 +68,14 @@ export class DashboardSeries {
 
   /**
    * Record one finished request (the dispatch 'finished' fields: outcome, code, ttft_ms, itl_ms,
-   * completion_tokens). Client aborts count neither as ok nor as failed.
+   * completion_tokens, status). Client aborts count neither as ok nor as failed; a request
+   * answered with a 4xx status counts as rejected, not failed.
    */
   add(f: Record<string, unknown>, now = systemClock.nowMs()): void {
     const b = this.bucket(now);
     const n = (v: unknown) => (typeof v === 'number' && Number.isFinite(v) ? v : null);
     if (f.outcome === 'ok') b.ok++;
+    else if (f.outcome !== 'client_abort' && typeof f.status === 'number' && f.status >= 400 && f.status < 500) b.rejected++;
     else if (f.outcome !== 'client_abort') {
       b.failed++;
       const code = typeof f.code === 'string' ? f.code : String(f.outcome ?? 'error');
@@ -101,7 +107,7 @@ export class DashboardSeries {
     const oldest = this.ring[0]?.t ?? last;
     const first = Math.max(last - (this.buckets - 1) * this.bucketMs, Math.min(oldest, last - Math.max(0, Math.ceil(60_000 / this.bucketMs) - 1) * this.bucketMs));
     const byT = new Map(this.ring.map((b) => [b.t, b]));
-    const v: SeriesView = { bucket_s: this.bucketMs / 1000, t: [], ttft_p50_ms: [], ttft_p95_ms: [], itl_p50_ms: [], itl_p95_ms: [], tokens_per_s: [], requests_per_s: [], failed_per_s: [], failures: [] };
+    const v: SeriesView = { bucket_s: this.bucketMs / 1000, t: [], ttft_p50_ms: [], ttft_p95_ms: [], itl_p50_ms: [], itl_p95_ms: [], tokens_per_s: [], requests_per_s: [], failed_per_s: [], rejected_per_s: [], failures: [] };
     const failures = new Map<string, number>();
     const sec = this.bucketMs / 1000;
     for (let t = first; t <= last; t += this.bucketMs) {
@@ -114,6 +120,7 @@ export class DashboardSeries {
       v.tokens_per_s.push(b ? b.tokens / sec : 0);
       v.requests_per_s.push(b ? b.ok / sec : 0);
       v.failed_per_s.push(b ? b.failed / sec : 0);
+      v.rejected_per_s.push(b ? b.rejected / sec : 0);
       for (const [k, c] of b?.failures ?? []) failures.set(k, (failures.get(k) ?? 0) + c);
     }
     v.failures = [...failures.entries()].map(([code, count]) => ({ code, count })).sort((a, b) => b.count - a.count);

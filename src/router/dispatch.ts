@@ -56,7 +56,7 @@ import { ApiError, OpenAIResponseBuilder, responseToolSyntax, sendApiError, SSE_
 import { readSse, SseError, SseParser, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
-import type { Outcome, RouterMetrics } from './metrics.js';
+import { errorOutcome, type Outcome, type RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
 import { randomHex, randomU64 } from './random-pool.js';
@@ -716,7 +716,7 @@ export class PdRequest {
       this.resolveDone();
       return;
     }
-    metrics.requests.labels(outcome).inc();
+    metrics.requests.labels(outcome === 'error' ? errorOutcome(err) : outcome).inc();
     if (outcome === 'ok') {
       metrics.e2e.observe(e2eMs / 1000);
       metrics.byPath.labels(this.path).inc();

@@ -43,7 +43,7 @@ import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './
 import { newRid, type DispatchContext, type PdRequest } from './dispatch.js';
 import { serveAttempts, type AttemptDeps } from './attempts.js';
 import { PairBlocks } from './pair-blocks.js';
-import { RouterMetrics } from './metrics.js';
+import { errorOutcome, RouterMetrics } from './metrics.js';
 import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
 import { createPolicy, type Pick } from './policy/index.js';
@@ -241,7 +241,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
           throw new ApiError(400, 'unsupported_value', "Unsupported value for 'logprobs': logprobs need the first token from prefill (this router runs with --no-first-token-from-prefill)", 'invalid_request_error', 'logprobs');
         }
       } catch (err) {
-        metrics.requests.labels('error').inc();
+        metrics.requests.labels(errorOutcome(err)).inc();
         throw err;
       }
       // The client's own id (vLLM's body field): a label of the trace, never the workers' rid.

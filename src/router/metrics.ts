@@ -6,7 +6,9 @@
  * - pdserve_inter_token_latency_seconds: gap between decode events, per token (histogram).
  * - pdserve_e2e_request_latency_seconds: request received → response finished, ok requests only.
  * - pdserve_router_requests_total{outcome}: finished generation requests by outcome
- *   (ok | client_abort | error | timeout); requests rejected before dispatch (400, 503) count as error.
+ *   (ok | client_abort | client_error | error | timeout): client_error is a request answered with
+ *   a 4xx (a bad body, an unknown model, a prompt over the context), before or after dispatch;
+ *   error is a failure of the system (5xx: no healthy worker, a worker failure).
  *   An n > 1 request or a prompt batch counts once per choice (api/fanout.ts: each choice is a
  *   sub-request of its own), the parent request is not counted.
  * - pdserve_router_requests_by_path_total{path}: ok requests (choices, as above) by serving path —
@@ -21,8 +23,17 @@
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
 import type { WorkerRegistry } from './registry.js';
 
-export type Outcome = 'ok' | 'client_abort' | 'error' | 'timeout';
-export const OUTCOMES: readonly Outcome[] = ['ok', 'client_abort', 'error', 'timeout'];
+export type Outcome = 'ok' | 'client_abort' | 'client_error' | 'error' | 'timeout';
+export const OUTCOMES: readonly Outcome[] = ['ok', 'client_abort', 'client_error', 'error', 'timeout'];
+
+/**
+ * The `outcome` label of a request that ended with `err`: `client_error` when it carries a 4xx
+ * `status` (an ApiError), else `error` (the system's failure).
+ */
+export function errorOutcome(err: unknown): 'client_error' | 'error' {
+  const status = (err as { status?: unknown } | null | undefined)?.status;
+  return typeof status === 'number' && status >= 400 && status < 500 ? 'client_error' : 'error';
+}
 
 export class RouterMetrics {
   readonly registry = new Registry();

@@ -216,12 +216,15 @@ test('DashboardSeries: buckets, percentiles, failures by code', () => {
   s.add({ outcome: 'ok', ttft_ms: 10, itl_ms: 2, completion_tokens: 4 }, t);
   s.add({ outcome: 'ok', ttft_ms: 30, itl_ms: 4, completion_tokens: 6 }, t + 100);
   s.add({ outcome: 'error', code: 'kv_transfer_failed' }, t + 2000);
+  s.add({ outcome: 'error', status: 400, code: 'context_length_exceeded' }, t + 2100);
+  s.add({ outcome: 'client_abort', status: 499 }, t + 2200);
   const v = s.view(t + 2500);
   assert.equal(v.t.length, 5);
   assert.equal(v.tokens_per_s[2], 10);
   assert.equal(v.ttft_p50_ms[2], 10);
   assert.equal(v.ttft_p95_ms[2], 30);
-  assert.deepEqual(v.failures, [{ code: 'kv_transfer_failed', count: 1 }]);
+  assert.deepEqual(v.failures, [{ code: 'kv_transfer_failed', count: 1 }], 'a 4xx is not a failure');
+  assert.deepEqual([v.failed_per_s[4], v.rejected_per_s[4]], [1, 1]);
   assert.equal(percentile([], 0.5), null);
 });
 

@@ -562,6 +562,10 @@ describe('router: failures', () => {
       return true;
     });
     await assertReleased(s);
+    // a 4xx from a worker, and one the router gives before dispatch (an unknown field), are the client's errors, not failures
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p', no_such_field: 1 } as never), isApiError(400, /Unrecognized request argument/));
+    assert.equal(await outcomeCount(s, 'client_error'), 2);
+    assert.equal(await outcomeCount(s, 'error'), 0);
   });
 
   test('decode error before the stream → client error, prefill gets abort_request', async () => {
