@@ -454,7 +454,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--output-len <tokens>', 'max_tokens of each request', int, 128)
       .option('--random-range-ratio <r>', 'lengths uniform in [L(1-r), L(1+r)]', num, 0)
       .option('--corpus <file>', 'text file for --dataset corpus (and the random vocabulary)')
-      .option('--tokenizer <gguf>', "the served model's GGUF: makes prompt lengths exact in its tokens (else estimated at 4 chars/token)")
+      .option('--tokenizer <gguf>', "the served model's GGUF: makes prompt lengths exact in its tokens (default: the target's /tokenize; estimated at 4 chars/token when it has none)")
       .option('--seed <n>', 'seed of prompts and arrival times', int, 0)
       .option('--slo-ttft-ms <ms>', 'goodput SLO on TTFT', num)
       .option('--slo-tpot-ms <ms>', 'goodput SLO on TPOT', num)

@@ -9,8 +9,10 @@
  *
  * Prompts come from a seeded generator: `random` (words drawn at random from the corpus
  * vocabulary) or `corpus` (contiguous windows of the shipped text, bench/corpus/alice.txt).
- * With `--tokenizer <gguf>` prompt lengths are exact in that model's tokens; without it they
- * are estimated (4 characters per token) and the server's usage tells the real count.
+ * With `--tokenizer <gguf>` prompt lengths are exact in that model's tokens; without it they are
+ * made exact with the target's own `/tokenize` and `/detokenize` (./bench-tokenize.ts), and only
+ * a target without them gets lengths estimated at 4 characters per token (the server's usage
+ * then tells the real count).
  *
  * A second backend, `pd-direct`, drives a prefill and a decode worker with SGLang's
  * `/generate` protocol directly (what the router does), to measure the workers without it.
@@ -24,6 +26,7 @@ import { randomBytes } from 'node:crypto';
 import { Agent, request, type Dispatcher } from 'undici';
 import { registeredSigners, signGlobally } from '../common/http-auth.js';
 import { readSse } from '../api/sse.js';
+import { fitPrompts, RemoteTokenizer } from './bench-tokenize.js';
 import { computeMetrics, hasSlo, type BenchMetrics, type RequestRecord, type Slo } from './bench-metrics.js';
 import type { Summary } from './stats.js';
 
@@ -754,9 +757,20 @@ export async function benchCli(o: BenchCliOptions): Promise<number> {
   } finally {
     await tokenizer?.dispose();
   }
+  // Without a GGUF: the target's own tokenizer makes the lengths exact (else they stay estimates).
+  let lengthsBy: string | null = o.tokenizer ?? null;
+  if (!tokenizer) {
+    const tokenizeUrl = target.kind === 'openai' ? baseUrl(target.url) : target.prefillUrl;
+    try {
+      prompts = await fitPrompts(new RemoteTokenizer(tokenizeUrl), prompts);
+      lengthsBy = `${tokenizeUrl}/tokenize`;
+    } catch (err) {
+      console.error(`pdserve bench: no exact prompt lengths (${(err as Error).message}): estimated at ${CHARS_PER_TOKEN_ESTIMATE} characters per token`);
+    }
+  }
   const slo: Slo = { ttftMs: o.sloTtftMs, tpotMs: o.sloTpotMs, e2eMs: o.sloE2eMs };
   const where = target.kind === 'openai' ? target.url : `${target.prefillUrl} + ${target.decodeUrl}`;
-  console.error(`pdserve bench: ${o.numPrompts} prompts (${o.dataset}, input ${o.inputLen}, output ${o.outputLen}${o.tokenizer ? '' : ', lengths estimated'}) → ${where} at ${Number.isFinite(o.requestRate) ? `${o.requestRate} req/s` : 'inf'}${o.maxConcurrency ? `, max concurrency ${o.maxConcurrency}` : ''}`);
+  console.error(`pdserve bench: ${o.numPrompts} prompts (${o.dataset}, input ${o.inputLen}, output ${o.outputLen}${lengthsBy ? '' : ', lengths estimated'}) → ${where} at ${Number.isFinite(o.requestRate) ? `${o.requestRate} req/s` : 'inf'}${o.maxConcurrency ? `, max concurrency ${o.maxConcurrency}` : ''}`);
   let r: BenchResult;
   try {
     r = await runBench({ target, prompts, requestRate: o.requestRate, maxConcurrency: o.maxConcurrency, seed: o.seed, slo, warmup: o.warmup, ignoreEos: o.ignoreEos, timeoutMs: o.timeoutMs, progress: o.progress });
@@ -768,7 +782,7 @@ export async function benchCli(o: BenchCliOptions): Promise<number> {
   r.config.inputLen = o.inputLen;
   r.config.outputLen = o.outputLen;
   r.config.rangeRatio = o.randomRangeRatio;
-  r.config.tokenizer = o.tokenizer ?? null;
+  r.config.tokenizer = lengthsBy;
   console.log(formatResult(r));
   if (o.json) {
     mkdirSync(dirname(resolve(o.json)), { recursive: true });

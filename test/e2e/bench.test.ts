@@ -1,7 +1,8 @@
 /**
  * Smoke test of `pdserve bench` against a running tiny-model stack (router + prefill + decode +
  * colocated on loopback): the command completes and its JSON has every field, through the
- * router (OpenAI API) and with the pd-direct backend; both backends record the server's
+ * router (OpenAI API) and with the pd-direct backend; prompt lengths are exact with a GGUF
+ * tokenizer and with the target's /tokenize; both backends record the server's
  * prefix-cache hits (bench §5's warm prompts rely on it). No timing thresholds.
  */
 import assert from 'node:assert/strict';
@@ -89,6 +90,10 @@ describe('pdserve bench', () => {
     assert.equal(j.config.slo, null);
     assert.equal(j.metrics.goodput, null);
     assert.equal(j.config.target.kind, 'pd-direct');
+    // without --tokenizer the target's own /tokenize makes the lengths exact (the byte-level tiny
+    // vocabulary has ≈1.2 characters per token: a 4-characters-per-token estimate sent ≈ 3.4× too many)
+    assert.equal(j.config.tokenizer, `${p.url}/tokenize`);
+    assert.deepEqual(j.requests.inputLens, Array(6).fill(24));
   });
 
   test('both backends record cached_tokens: a prompt sent again is served from the prefill worker\'s prefix cache', async () => {
