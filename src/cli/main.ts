@@ -173,7 +173,10 @@ async function serve(role: string, o: { drainTimeoutMs: number; host?: string; d
     const problem = startupProblem(err) ?? (/^cannot listen on /.test((err as Error)?.message ?? '') ? (err as Error).message : null);
     if (problem === null) throw err;
     console.error(`pdserve ${role}: ${problem}`);
-    process.exit(2);
+    // A supervisor that picked the port (the test harness) may pick another and retry: told over
+    // IPC, flushed before the exit.
+    if (process.send && /the port is in use/.test(problem)) process.send({ type: 'start_failed', reason: 'port_in_use', message: problem }, () => process.exit(2));
+    else process.exit(2);
   }
 }
 

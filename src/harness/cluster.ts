@@ -115,18 +115,35 @@ const here = dirname(fileURLToPath(import.meta.url));
 /** Path of bin/pdserve.js, from src/harness or dist/harness. */
 export const BIN = join(here, '..', '..', 'bin', 'pdserve.js');
 
-/** A port that was free a moment ago (listen on 0, close). */
+/** Ports freePort handed out lately (never handed out twice in a row; bounded). */
+const handedOut = new Set<number>();
+const HANDED_OUT_MAX = 4096;
+
+/**
+ * A port that was free a moment ago (listen on 0, close), never one this process handed out
+ * lately. Another process may still take it before it is bound (the kernel hands the same range
+ * to outgoing connections): `Cluster.start` re-picks on a child's `port_in_use`.
+ */
 export async function freePort(host = '127.0.0.1'): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const s = createServer();
-    s.once('error', reject);
-    s.listen(0, host, () => {
-      const a = s.address();
-      const p = typeof a === 'object' && a ? a.port : 0;
-      s.close(() => resolve(p));
+  for (;;) {
+    const p = await new Promise<number>((resolve, reject) => {
+      const s = createServer();
+      s.once('error', reject);
+      s.listen(0, host, () => {
+        const a = s.address();
+        const port = typeof a === 'object' && a ? a.port : 0;
+        s.close(() => resolve(port));
+      });
     });
-  });
+    if (handedOut.has(p)) continue;
+    if (handedOut.size >= HANDED_OUT_MAX) handedOut.delete(handedOut.values().next().value as number);
+    handedOut.add(p);
+    return p;
+  }
 }
+
+/** A child that exited at start-up because its port was taken (it says so over IPC). */
+class PortInUseError extends Error {}
 
 /** Start and supervise a cluster. `start()` resolves when every process answered ready. */
 export class Cluster {
@@ -218,10 +235,11 @@ export class Cluster {
       this.procs.push(this.proc('colocated', 0, port, [...args, ...(o.extraArgs?.colocated ?? [])]));
     }
     const workers = [...this.procs];
-    // This process's fetch() and undici calls sign their requests to the workers (SECURITY.md).
+    await Promise.all(workers.map((p) => this.spawnFirst(p, this.workerPorts().length === 0)));
+    // This process's fetch() and undici calls sign their requests to the workers (SECURITY.md);
+    // after the start, which may have moved a worker to other ports.
     const itls = loadInternalTls(o.internalTls);
     this.unsign = signGlobally(workers.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url), this.secret, itls ? internalClientOptions(itls) : undefined);
-    await Promise.all(workers.map((p) => this.spawn(p)));
     const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port;
     const rargs = ['router', '--host', this.hostOf('router'), '--port', String(rport)];
     const statics = !o.discovery || o.staticWorkers !== false;
@@ -229,7 +247,34 @@ export class Cluster {
     for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
     const router = this.proc('router', 0, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);
     this.procs.push(router);
-    await this.spawn(router);
+    await this.spawnFirst(router, o.port === undefined || o.port === 0);
+  }
+
+  /**
+   * First start of `p`: when its ports were picked here (`auto`) and another process took one
+   * before the child bound it, pick new ones and start again (3 tries). Restarts (`spawn`) keep
+   * their ports: the router knows them.
+   */
+  private async spawnFirst(p: ClusterProc, auto: boolean): Promise<void> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await this.spawn(p);
+      } catch (err) {
+        if (!(err instanceof PortInUseError) || !auto || attempt >= 3) throw err;
+        const swap = async (flag: string) => {
+          const i = p.args.indexOf(flag);
+          if (i < 0) return undefined;
+          const port = await freePort(this.host);
+          p.args[i + 1] = String(port);
+          return port;
+        };
+        p.port = (await swap('--port')) ?? p.port;
+        if (p.bootstrapPort !== undefined) {
+          p.bootstrapPort = (await swap('--bootstrap-port')) ?? p.bootstrapPort;
+        }
+        p.url = p.url.replace(/:\d+$/, `:${p.port}`);
+      }
+    }
   }
 
   private proc(role: ProcRole, index: number, port: number, args: string[], bootstrapPort?: number): ClusterProc {
@@ -277,8 +322,9 @@ export class Cluster {
     await new Promise<void>((resolve, reject) => {
       const t = setTimeout(() => fail(new Error(`${p.name} did not become ready within ${deadline} ms${p.logFile ? ` (log: ${p.logFile})` : ''}`)), deadline);
       const onMsg = (m: unknown) => {
-        const msg = m as { type?: string };
+        const msg = m as { type?: string; reason?: string; message?: string };
         if (msg?.type === 'ready') done();
+        if (msg?.type === 'start_failed' && msg.reason === 'port_in_use') fail(new PortInUseError(`${p.name}: ${msg.message ?? 'port in use'}`));
       };
       const onExit = (code: number | null, signal: string | null) => fail(new Error(`${p.name} exited (${code ?? signal}) before it was ready${p.logFile ? ` (log: ${p.logFile})` : ''}`));
       const done = () => {

@@ -2,14 +2,16 @@
  * What a new user meets first, through the real CLI: a model path that is missing, a directory
  * or not a GGUF file, a busy port, an invalid configuration and a doctor URL without a scheme
  * each end the command with one line on stderr (exit 2 or 3), no stack, before any engine loads;
- * `--version` prints the package's version.
+ * `--version` prints the package's version; a busy port is also told to a supervisor over IPC.
  */
 import assert from 'node:assert/strict';
+import { fork } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { createServer, type Server } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
+import { BIN } from '../../src/harness/cluster.js';
 import { cli } from '../helpers/cli.js';
 import { tinyModel } from '../helpers/stack.js';
 
@@ -55,6 +57,15 @@ test('a role alone on a busy port: the one line `up` gives, before the engine lo
   oneLine(await cli(['decode', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
   oneLine(await cli(['colocated', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
   oneLine(await cli(['router', '--port', String(busyPort), '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, SECRET), 2, want);
+});
+
+test('a supervisor that picked the port is told over IPC that it was taken (the harness then picks another)', async () => {
+  const child = fork(BIN, ['router', '--port', String(busyPort), '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, ...SECRET } });
+  const msgs: unknown[] = [];
+  child.on('message', (m) => msgs.push(m));
+  const code = await new Promise<number | null>((r) => child.once('exit', (c) => r(c)));
+  assert.equal(code, 2);
+  assert.deepEqual(msgs, [{ type: 'start_failed', reason: 'port_in_use', message: `cannot listen on 127.0.0.1:${busyPort}: the port is in use (pick another with --port)` }]);
 });
 
 test('an invalid configuration: its message, no stack', async () => {
