@@ -72,6 +72,8 @@ export interface AttemptDeps {
   pickWith(role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void): (c: WorkerState[]) => WorkerState | null;
   /** Whether a decode worker's KV events say it holds the conversation `key` (undefined: unknown). */
   holdsFor(key: string | undefined): ((url: string) => boolean | undefined) | undefined;
+  /** A round of conversation `key` just ended well on decode `url`: its claim is on its way (./kv-events.ts `expect`). */
+  expectHeld?(url: string, key: string): void;
   /** The attempts running now (the router cancels them on close). */
   active: Set<PdRequest>;
   closing(): boolean;
@@ -162,7 +164,10 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         log.warn({ prefill: prefill.url, decode: decode.url, code: run.cause.code, retry_in_ms: ms }, 'KV handshake failed: the pair leaves the rotation');
       } else if (run.outcome === 'ok') d.pairs.ok(prefill.url, decode.url);
       // The decode worker now keeps this round (prompt + reply): the next round's prefix.
-      if (run.outcome === 'ok' && !run.next) d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, systemClock.nowMs());
+      if (run.outcome === 'ok' && !run.next) {
+        d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, systemClock.nowMs());
+        if (key !== undefined) d.expectHeld?.(decode.url, key);
+      }
       if (!run.next) break;
       if (reply.raw.destroyed) {
         // The attempt failed as its client left: the request ends as the client's abort.

@@ -47,7 +47,7 @@ import { errorOutcome, RouterMetrics } from './metrics.js';
 import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
 import { createPolicy, type Pick } from './policy/index.js';
-import { heldKey, KvEventConsumer } from './kv-events.js';
+import { KvEventConsumer } from './kv-events.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
@@ -135,7 +135,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls);
   const holdsFor = (key: string | undefined) => (key === undefined ? undefined : (url: string) => {
     kv.follow({ url });
-    return kv.held(url)?.has(heldKey('sequence', key));
+    return kv.holds(url, key, systemClock.nowMs());
   });
   const pickWith = (role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
     const p = policies[role].pick(c, text, now, key, role === 'decode' ? holdsFor(key) : undefined);
@@ -161,7 +161,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     },
   };
   const pairs = new PairBlocks();
-  const attemptDeps: AttemptDeps = { ctx, policies, pickWith, holdsFor, active, closing: () => closing, waiting: { n: 0 }, pairs };
+  const expectHeld = (url: string, key: string) => kv.expect(url, key, systemClock.nowMs());
+  const attemptDeps: AttemptDeps = { ctx, policies, pickWith, holdsFor, expectHeld, active, closing: () => closing, waiting: { n: 0 }, pairs };
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(systemClock.wallMs() / 1000);

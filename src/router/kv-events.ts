@@ -30,6 +30,15 @@ const NO_EVENTS_RETRY_MS = 30_000;
 /** Largest reply read, bytes. */
 const MAX_REPLY_BYTES = 16 << 20;
 
+/**
+ * How long a conversation the router just finished on a worker counts as "not known yet" rather
+ * than "not held" while the worker's events say nothing of it, ms: decode's tracker decides
+ * within its 2 s wait for a released sequence (../decode/kv-tracker.ts), plus a poll round trip.
+ */
+export const PENDING_CLAIM_MS = 3000;
+/** Most pending claims kept per worker (the oldest dropped beyond). */
+const MAX_PENDING_CLAIMS = 4096;
+
 /** The key of an entry in `WorkerClaims.held`: `tier:key` (the tiers' keys are different spaces). */
 export const heldKey = (tier: string, key: string): string => `${tier}:${key}`;
 
@@ -42,6 +51,8 @@ export interface WorkerClaims {
   held: Map<string, HeldEntry>;
   /** The stream is up to date (its last poll succeeded). */
   live: boolean;
+  /** Sequence-tier keys the router finished a round of here, the events silent on them since: key → monotonic ms (`KvEventConsumer.expect`). */
+  pending: Map<string, number>;
 }
 
 /**
@@ -125,12 +136,43 @@ export class KvEventConsumer {
     return c?.live ? c.held : undefined;
   }
 
+  /**
+   * The router just finished a round of conversation `key` (a sequence-tier key) on worker
+   * `url` at `nowMs` (monotonic): until the worker's events say something of `key`, or
+   * PENDING_CLAIM_MS pass, `holds` answers "unknown" instead of "not held" — the worker's
+   * `stored` event is on its way, and the conversation's next round may arrive before it.
+   */
+  expect(url: string, key: string, nowMs: number): void {
+    const c = this.claims.get(url);
+    if (!c) return;
+    c.pending.delete(key);
+    c.pending.set(key, nowMs);
+    for (const [k, at] of c.pending) {
+      if (c.pending.size <= MAX_PENDING_CLAIMS && nowMs - at < PENDING_CLAIM_MS) break;
+      c.pending.delete(k);
+    }
+  }
+
+  /**
+   * Does worker `url` hold conversation `key` in its sequence tier? true / false from its events;
+   * undefined when unknown: no live event stream (use the fallback), or a round of `key` the
+   * router finished there is newer than anything the events said of it (see `expect`).
+   */
+  holds(url: string, key: string, nowMs: number): boolean | undefined {
+    const c = this.claims.get(url);
+    if (!c?.live) return undefined;
+    if (c.held.has(heldKey('sequence', key))) return true;
+    const at = c.pending.get(key);
+    if (at !== undefined && nowMs - at < PENDING_CLAIM_MS) return undefined;
+    return false;
+  }
+
   /** Follow `w` (idempotent). */
   follow(w: Pick<WorkerState, 'url'>): void {
     if (this.stopped || this.loops.has(w.url)) return;
     const ac = new AbortController();
     this.loops.set(w.url, ac);
-    const c: WorkerClaims = { epoch: null, last: -1, held: new Map(), live: false };
+    const c: WorkerClaims = { epoch: null, last: -1, held: new Map(), live: false, pending: new Map() };
     this.claims.set(w.url, c);
     void this.loop(w.url, c, ac.signal);
   }
@@ -181,6 +223,9 @@ export class KvEventConsumer {
         continue;
       }
       const r = applyKvReply(c, reply);
+      // the worker spoke of these conversations (or restarted): their claims are its word now
+      if (r.outcome === 'restart') c.pending.clear();
+      for (const e of reply.events) if (e.tier === 'sequence') c.pending.delete(e.key);
       for (const a of r.applied) this.consumed.inc(a);
       if (r.outcome === 'gap') this.gaps.inc();
       if (r.outcome === 'restart' || r.outcome === 'resync') this.resyncs.inc({ reason: r.outcome === 'restart' ? 'restart' : firstSnapshot ? 'first' : 'resync' });

@@ -9,11 +9,11 @@ import Fastify from 'fastify';
 import { Registry } from 'prom-client';
 import { KvEventLog } from '../../src/common/kv-events.js';
 import { registerKvEventsRoute } from '../../src/api/kv-events-route.js';
-import { applyKvReply, KvEventConsumer, type WorkerClaims } from '../../src/router/kv-events.js';
+import { applyKvReply, KvEventConsumer, PENDING_CLAIM_MS, type WorkerClaims } from '../../src/router/kv-events.js';
 import { SequenceKvTracker } from '../../src/decode/kv-tracker.js';
 
 const ev = (kind: 'stored' | 'evicted', key: string, tier: 'sequence' | 'store' = 'store') => ({ kind, tier, key, tokens: 64, bytes: 100 });
-const claims = (): WorkerClaims => ({ epoch: null, last: -1, held: new Map(), live: false });
+const claims = (): WorkerClaims => ({ epoch: null, last: -1, held: new Map(), live: false, pending: new Map() });
 
 describe('worker KV event log', () => {
   test('ids count from 1; events after an id; the snapshot for another epoch, an unknown id or dropped events', () => {
@@ -96,6 +96,18 @@ describe('router: following a worker over HTTP', () => {
       const text = await reg.metrics();
       assert.match(text, /pdserve_router_kv_resyncs_total\{reason="restart"\} 1/);
       assert.match(text, /pdserve_router_kv_events_consumed_total\{tier="sequence",kind="stored"\} 1/);
+      // a round the router just finished there: unknown (not "not held") until the worker's
+      // events speak of it, or PENDING_CLAIM_MS pass
+      const now = 1_000_000;
+      assert.equal(consumer.holds(url, 'k', now), false);
+      consumer.expect(url, 'k', now);
+      assert.equal(consumer.holds(url, 'k', now + 10), undefined);
+      assert.equal(consumer.holds(url, 'k', now + PENDING_CLAIM_MS), false, 'a claim that never came is not assumed');
+      consumer.expect(url, 'k', now);
+      log.publish(ev('stored', 'k', 'sequence'));
+      await until(() => consumer.holds(url, 'k', now) === true);
+      log.publish(ev('evicted', 'k', 'sequence'));
+      await until(() => consumer.holds(url, 'k', now) === false);
       // a worker that stops answering holds nothing
       await app.close();
       await until(() => consumer.held(url) === undefined);
