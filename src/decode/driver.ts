@@ -5,7 +5,8 @@
  * the room (the connection it registered on), the KV reception rule (src/decode/receive.ts), when
  * to load, when a slot is released (after generation; on failure at once, or — when llama.cpp is
  * still loading into it — deferred until the load returns, since the load cannot be cancelled),
- * and telling prefill about every failure (fault c: opening a connection if the room has none).
+ * and telling prefill about every failure (opening a connection if the room has none, so no
+ * prefill room waits out its deadline for a decode that already gave up).
  * No sockets, no timers, no engine, no `Date.now()`: inputs are method calls with `now` (ms),
  * outputs are `DecodeAction`s the caller performs in order.
  *
@@ -81,7 +82,7 @@ export type DecodeAction =
   | { a: 'register'; room: RoomId; conn: ConnId; msg: Extract<ControlMsg, { type: 'register' }> }
   /**
    * Send a control message on `conn` if it is alive; when it is not (or absent) and `addr` is set,
-   * on a (new) pooled connection to `addr` — so prefill hears of every failure (fault c).
+   * on a (new) pooled connection to `addr` — so prefill hears of every failure.
    */
   | { a: 'send'; room: RoomId; conn?: ConnId; addr?: PrefillAddr; msg: ControlMsg }
   /** KV_BEGIN accepted: start receiving a state of `totalBytes` (the caller's buffer/validator). */

@@ -2,7 +2,7 @@
  * The decode worker's SSE output for one request (`POST /generate`): the events of
  * `worker-protocol.ts` (`tokenEvent`, the finish event, `[DONE]`, an error event), byte for byte
  * what `data: ${JSON.stringify(event)}\n\n` gives, with two savings on the per-token path, which
- * shares its core with llama.cpp's compute thread (issue #9, BENCHMARKS.md §4):
+ * shares its core with llama.cpp's compute thread (BENCHMARKS.md §4):
  *
  * - Token events are built from a per-request template (the id, prompt and cached token counts
  *   are encoded once); only the text (and a logprob, when asked for) goes through JSON.stringify.

@@ -541,7 +541,7 @@ export class DecodeWorker {
     if (body.conversation_key !== undefined) job.conversationKey = body.conversation_key;
     const admitted = this.driver.request(room, body.rid, `${body.bootstrap_host}:${body.bootstrap_port}`, this.clock.nowMs(), { local: local !== undefined });
     if (admitted.refused) {
-      // Refusals before the room exists still reach prefill (fault c): the driver's `send`.
+      // Refusals before the room exists still reach prefill, or its room waits out a deadline: the driver's `send`.
       this.perform(admitted.actions);
       return sendError(reply, admitted.refused);
     }

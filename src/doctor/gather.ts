@@ -6,7 +6,7 @@
  * thrown: it is itself a finding ("worker unreachable").
  *
  * Where the worker list comes from is a `WorkerSource`: today the router's GET /workers
- * (`routerSource`); a membership registry (etcd, issue #12) plugs in as another source.
+ * (`routerSource`); etcd membership (`--discovery`) plugs in as another source.
  */
 import { request, type Dispatcher } from 'undici';
 import { systemClock } from '../common/clock.js';

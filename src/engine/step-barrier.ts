@@ -14,7 +14,7 @@
  * continuation finished 1–6 ms later and it joined the next step. Measured with 8 (4) streams on
  * one pinned core, steady state: 7 of 8 (3 of 4) sequences per llama_decode, in the decode worker
  * and in a bare engine loop alike; a llama_decode of 8 tokens costs about what one of 7 does
- * (issue #9, BENCHMARKS.md §4).
+ * (BENCHMARKS.md §4).
  *
  * The dispatcher awaits, after sampling, the `afterBatchAction` each queued decode carries:
  * `LlamaContextSequence._takeIntervalCheckpointIfNeededAfterBatch`, an own, bound function of

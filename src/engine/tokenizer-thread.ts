@@ -1,5 +1,5 @@
 /**
- * Prompt tokenization off the event loop (issue #8, fault e): rendering a chat template and
+ * Prompt tokenization off the event loop, so a large prompt cannot stall heartbeats: rendering a chat template and
  * tokenizing are synchronous in node-llama-cpp, and an accepted prompt may be as large as
  * context × longest vocabulary piece bytes (about 1 MiB for an 8k context and a real vocabulary:
  * 0.4–0.6 s of blocked loop, measured). A worker thread holding the model's vocabulary only

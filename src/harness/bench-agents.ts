@@ -14,7 +14,7 @@
  *
  * Per round: TTFT (first content chunk at the client), E2E, prompt and cached tokens (from
  * usage.prompt_tokens_details.cached_tokens). Agent goodput = rounds per second meeting the SLO
- * (TTFT and TPOT). The goals of issue #10 are evaluated in the report: PD round-R TTFT ≤ 1.5 ×
+ * (TTFT and TPOT). The agents goals are evaluated in the report: PD round-R TTFT ≤ 1.5 ×
  * round-1; cached ≥ 60 % of prompt tokens over rounds 2+; PD goodput ≥ colocated's at every
  * concurrency.
  */
@@ -270,7 +270,7 @@ export function agentsPlot(r: AgentsResult): string {
   });
 }
 
-/** Goals of issue #10, each met/missed with the figures behind it. */
+/** The agents-at-scale goals, each met/missed with the figures behind it. */
 export function agentGoals(r: AgentsResult): { goal: string; met: boolean; detail: string }[] {
   const of = (s: AgentSetup) => r.runs.filter((x) => x.setup === s);
   // PD as shipped with every part on (decode-local continuation); results from before it existed: PD + prefix cache.
@@ -332,7 +332,7 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
   ]);
   const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'rounds/s', 'failed', 'rounds pd / decode-local', 'load (1 min)'];
   L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((x) => `| ${x.join(' | ')} |`));
-  L.push('', '**Goals (issue #10):**', '');
+  L.push('', '**Goals:**', '');
   for (const g of agentGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
   const loads = r.runs.map((x) => x.load);
   const top = Math.max(...r.concurrencies);

@@ -15,12 +15,12 @@
  * (its only name, as for a one-room request), named in a kv_file message (not read: no CRC-32
  * without --kv-same-host-verify); decode takes it over (rename), validates it (envelope head,
  * size, ggsq header walk by pread — the KV data is not read), loads it, acks, then deletes it.
- * The same-host clock ends when decode's loadState returns ("prefill-saved → decode-loaded", as
- * issue #9 defines the handoff: the request generates from there; kv_ack only lets prefill
+ * The same-host clock ends when decode's loadState returns ("prefill-saved → decode-loaded", the
+ * handoff's definition: the request generates from there; kv_ack only lets prefill
  * release its file): both children stamp process.hrtime.bigint(), CLOCK_MONOTONIC, one clock for
  * every process of the machine. The figure up to prefill's receipt of kv_ack is kept beside it
  * (`sameHostAckMs`). Trials rotate KV/raw/same-host,
- * sizes interleaved. The issue #9 goals compare KV (which contains the save) with save + raw +
+ * sizes interleaved. The handoff goals compare KV (which contains the save) with save + raw +
  * load (`goalRatio`, ≤ 1.3) and save + same-host with save + load (`sameHostGoalRatio`, ≤ 1.1; the load of the
  * same-host trials).
  */
@@ -70,7 +70,7 @@ export interface KvSizeResult {
   ratio: number;
   /** Median of 3 saveState calls of this state (ms). */
   saveMs: number;
-  /** KV / (save + raw + loadState): the handoff (save included) against its floor (issue #9 goal ≤ 1.3). */
+  /** KV / (save + raw + loadState): the handoff (save included) against its floor (goal ≤ 1.3). */
   goalRatio: number;
   /** The save in goalRatio's floor, ms: median of the KV trials' own saves (save, then send), or `saveMs` when they streamed. */
   goalSaveMs?: number;
@@ -104,7 +104,7 @@ export interface KvSizeResult {
   sameHostMs?: Summary;
   /** The same trials up to prefill's receipt of kv_ack (one more loopback message). */
   sameHostAckMs?: Summary;
-  /** (save + same-host) / (save + loadState): issue #9 goal ≤ 1.1. */
+  /** (save + same-host) / (save + loadState): goal ≤ 1.1. */
   sameHostGoalRatio?: number;
   /**
    * Medians of the same-host phases: link (unused, ~0: the file is placed before the clock

@@ -360,7 +360,7 @@ export interface BatchingResult {
  * Sequences of the bench cluster's decode context: `slots` plus the prefix-cache sequences the
  * decode worker adds with its default flags (decode-local continuation keeps finished sequences
  * there). Every sequence is one KV stream in llama.cpp, and each step of a 14-stream context
- * cost ≈ 4–6 % more than a 10-stream one in an interleaved A/B (issue #9 §4 gap), so section 4's
+ * cost ≈ 4–6 % more than a 10-stream one in an interleaved A/B (BENCHMARKS.md §4), so section 4's
  * direct baseline is created with the same count.
  */
 export function decodeContextSequences(slots: number): number {

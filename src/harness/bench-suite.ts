@@ -1,5 +1,5 @@
 /**
- * `npm run bench` (`pdserve bench-suite`): the benchmark suite of issue #5. Six sections, each a
+ * `npm run bench` (`pdserve bench-suite`): the benchmark suite. Seven sections, each a
  * comparison whose two sides run in the same invocation, interleaved, so the ratio holds on a
  * noisy machine even when absolute times move:
  *

@@ -115,7 +115,7 @@ const str = (v: unknown, min: number, max: number): v is string => typeof v === 
  * and broken messages). Why: zod's safeParse of a kv_file took 50–150 µs in a process that had
  * been idle for a few ms (cold caches, 2-core VM; 10–20 µs when hot), once when prefill encodes
  * the message and once when decode reads it, on the handoff's critical path — as much as the
- * loopback wake-up itself; kv_begin and kv_end likewise (session 6 stamps: prefill's encode of
+ * loopback wake-up itself; kv_begin and kv_end likewise (CLOCK_MONOTONIC stamps: prefill's encode of
  * kv_begin 0.14–0.25 ms, of kv_end 0.09–0.15 ms after the save). This check takes ~2 µs.
  * Exported for that test only.
  * @internal

@@ -115,7 +115,7 @@ export class PrefillWorker {
     readonly config: PrefillConfig,
     readonly engine: Engine,
     readonly log: Logger,
-    /** Large prompts are templated and tokenized here, off the event loop (fault e). */
+    /** Large prompts are templated and tokenized here, off the event loop (heartbeats and streams keep flowing). */
     readonly tokenizer: TokenizerThread = new TokenizerThread(engine.info.modelPath),
     /** Monotonic time of every deadline, watchdog tick and elapsed figure; wall time for /debug/rooms dates. */
     readonly clock: Clock = systemClock,

@@ -1,14 +1,14 @@
 /**
- * Faults b–f of issue #8 on real processes (one stack: router + 1 prefill + 2 decode, tiny model,
- * one slot per decode), each checked by its whole kind:
- *  - d: a second live request with the same rid is refused with 400 on prefill and on decode;
- *  - e: 250k empty chat messages are refused before any per-message work; a large accepted chat
- *       is tokenized off prefill's event loop (its tokenizer thread) and served;
- *  - b: a client error (prompt over the context) is not booked as a worker failure;
- *  - c: decode fails a room it never registered (prealloc deadline, prealloc queue full) and
- *       prefill hears within 1 s — decode opens the KV connection to tell it;
- *  - f: a decode with another context size is shown as `mismatch` on GET /workers, is never
- *       dispatched to, and a direct pairing is refused in the handshake with one log line per side.
+ * Worker faults on real processes (one stack: router + 1 prefill + 2 decode, tiny model, one
+ * slot per decode), each checked by its whole kind:
+ *  - a second live request with the same rid is refused with 400 on prefill and on decode;
+ *  - 250k empty chat messages are refused before any per-message work; a large accepted chat
+ *    is tokenized off prefill's event loop (its tokenizer thread) and served;
+ *  - a client error (prompt over the context) is not booked as a worker failure;
+ *  - decode fails a room it never registered (prealloc deadline, prealloc queue full) and
+ *    prefill hears within 1 s — decode opens the KV connection to tell it;
+ *  - a decode with another context size is shown as `mismatch` on GET /workers, is never
+ *    dispatched to, and a direct pairing is refused in the handshake with one log line per side.
  * The KV stand-in prefill used to hold decode's only slot is a real KvServer in this process.
  */
 import assert from 'node:assert/strict';
@@ -66,7 +66,7 @@ after(async () => {
   await c?.stop();
 });
 
-describe('worker faults b–f', () => {
+describe('worker faults', () => {
   test('d: a duplicate live rid is refused with 400 duplicate_rid on prefill and on decode; the first still aborts by rid', async () => {
     const p = prefill();
     const d1 = c.byRole('decode')[1]!;

@@ -220,7 +220,7 @@ describe('channel: authentication', () => {
     assert.equal(s.server.connections().length, 0);
   });
 
-  it('fault f: a pair whose settings differ is refused in the handshake, one log line on each side, and not redialed', async () => {
+  it('a pair whose settings differ is refused in the handshake, one log line on each side, and not redialed', async () => {
     const s = await startServer();
     const p = startPool({ settings: { ...PAIR, contextSize: 2048, flashAttention: false } });
     await rejectsKv(p.pool.get('127.0.0.1', s.port), 'SETTINGS_MISMATCH', /settings mismatch .*contextSize 2048 ≠ 1024.*flashAttention false ≠ true/);

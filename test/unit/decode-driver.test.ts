@@ -4,7 +4,7 @@
  * slot hand-out in arrival order, registering once on one connection, messages counted only from
  * that connection, the reception rule (an out-of-order chunk fails the room and tells prefill),
  * the deferred slot release while llama.cpp is loading, deadlines, and prefill told of every
- * failure decode itself decides (fault c). Then fast-check over arbitrary input orders: one
+ * failure decode itself decides. Then fast-check over arbitrary input orders: one
  * finish and one release per accepted request, slots bounded, no load or generation after a
  * failure, illegal counter 0.
  */
@@ -40,7 +40,7 @@ function toLoading(d: DecodeDriver, r: RoomId, now = 1): DecodeAction[] {
 }
 
 describe('decode driver: decisions', () => {
-  test('admission: slot to the first, prealloc bounded; a refusal tells prefill (fault c) except for a duplicate live room', () => {
+  test('admission: slot to the first, prealloc bounded; a refusal tells prefill except for a duplicate live room', () => {
     const d = new DecodeDriver(cfg, 'd0d0d0d0');
     const a = d.request(A, 'ra', P, 0);
     assert.ok(!a.refused);

@@ -137,7 +137,7 @@ describe('prefill driver', () => {
     );
   });
 
-  test('fault a at the driver: decode\'s KV_ACK crossing a router abort is late, not illegal', () => {
+  test('at the driver: decode\'s KV_ACK crossing a router abort is late, not illegal', () => {
     const d = new PrefillDriver(cfg, 'p0p0p0p0');
     d.request(ROOMS[0]!, 'r', 0);
     d.message('D', E, { type: 'register', room: ROOMS[0]!, rid: 'r', epoch: E }, 1);

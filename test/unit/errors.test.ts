@@ -106,7 +106,7 @@ describe('layering', () => {
   }
 });
 
-describe('fault e: request-controlled counts are bounded before per-item work', () => {
+describe('request-controlled counts are bounded before per-item work', () => {
   test('250k empty messages are refused by an O(1) length check (worker and router)', () => {
     const body = { rid: 'r', messages: Array.from({ length: 250_000 }, () => ({ role: 'user', content: '' })), bootstrap_host: 'h', bootstrap_port: 1, bootstrap_room: 1 };
     const e = checkRequestBounds(body, { maxMessages: MAX_MESSAGES, maxPromptTokens: 2048 });

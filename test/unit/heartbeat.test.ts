@@ -1,6 +1,6 @@
 /**
  * Heartbeat liveness (src/kv/heartbeat.ts) on an injected clock: a silent peer is lost after the
- * miss budget; a check that runs late because THIS process's event loop stalled (fault e: a
+ * miss budget; a check that runs late because THIS process's event loop stalled (e.g. a
  * 3–5 s synchronous task) restarts the budget instead of blaming the peer.
  */
 import assert from 'node:assert/strict';
@@ -26,7 +26,7 @@ test('a peer silent for the whole budget is lost; any byte restarts the budget',
   assert.match((v as { reason: string }).reason, /peer silent for 2000 ms \(heartbeat 1000 ms, budget 2 intervals\)/);
 });
 
-test('fault e: our own event-loop stall is not the peer\'s silence (budget restarts, peer lost only one budget later)', () => {
+test('our own event-loop stall is not the peer\'s silence (budget restarts, peer lost only one budget later)', () => {
   const c = clock();
   const hb = new Heartbeat(1000, 2, c);
   c.t += hb.nextCheckInMs() + 4000; // the check was due in 2 s; our loop was blocked 4 s longer

@@ -240,7 +240,7 @@ describe('terminal stickiness', () => {
     assert.equal(t.stats.late, 1);
   });
 
-  test('fault a: a client abort crossing decode\'s KV_ACK is a benign race (late), never an illegal transition', () => {
+  test('a client abort crossing decode\'s KV_ACK is a benign race (late), never an illegal transition', () => {
     const t = at('prefill', 'inflight');
     assert.equal(kinds(t.apply('42', EV.abort_router!, 10)), 'notify_peer,terminal');
     assert.deepEqual(t.apply('42', EV.kv_done!, 11), [{ t: 'late', room: '42', event: 'kv_done', state: KVPoll.Failed }]);

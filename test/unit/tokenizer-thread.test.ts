@@ -1,5 +1,5 @@
 /**
- * The tokenizer thread (src/engine/tokenizer-thread.ts, fault e of issue #8): large prompts are
+ * The tokenizer thread (src/engine/tokenizer-thread.ts): large prompts are
  * templated and tokenized off the event loop with the engine's own functions. Checked on the
  * real engine (tiny generated model): the thread's tokens equal the engine's for text and chat;
  * the event loop keeps running while a large chat renders there (and does not while the same
