@@ -70,7 +70,7 @@ export interface LoadEngineOptions {
    * prefix with one evaluates only the rest. `cacheSequences` extra sequences are added to the
    * context so that idle cached prefixes survive while all `sequences` slots are busy;
    * `maxTokens` bounds the tokens idle sequences hold together (LRU eviction). Absent = off:
-   * every released slot is cleared, as before.
+   * every released slot is cleared.
    */
   prefixCache?: { cacheSequences: number; maxTokens: number };
   /**

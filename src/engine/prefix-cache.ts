@@ -100,7 +100,7 @@ export function runDelta(busy: ReadonlySet<number>, index: number): number {
  * increasing sequence ids (one KV stream each; the engine sorts its queue by id), each a full
  * pass over the weights, so 4 decoding sequences 2, 5, 9, 13 cost 4 passes per step where 3–6
  * cost 1 — in a long-lived decode worker every sequence holds a cache and plain LRU scatters new
- * rooms over the context (BENCHMARKS.md §4). Without `busy`, as before: lowest index / LRU.
+ * rooms over the context (BENCHMARKS.md §4). Without `busy`: lowest index / LRU.
  * Never returns undefined when `free` is non-empty: eviction never fails an allocation.
  */
 export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings, busy?: ReadonlySet<number>): SequenceChoice<S> | undefined {

@@ -24,7 +24,7 @@
  * at its queue only after every promise continuation of the current event-loop turn has run —
  * every sequence whose next token needs no I/O is queued by then. Cost: one event-loop turn per
  * llama_decode (microseconds). A sequence still late (its consumer waits for a socket to drain)
- * is not waited for: it joins the next step, as before. If a later node-llama-cpp no longer has
+ * is not waited for: it joins the next step. If a later node-llama-cpp no longer has
  * the hook or the batch call, nothing is installed (`installStepBarrier` / `installBatchCounter`
  * return false) and batching works as it did without it.
  */
@@ -123,7 +123,7 @@ export function installBatchCounter(context: object, barrier: StepBarrier): bool
 /**
  * Make node-llama-cpp's dispatcher wait for `barrier` after every batch that included `seq`
  * (see the module comment). Composes with what the hook did (an SWA checkpoint promise is
- * awaited as before).
+ * still awaited).
  * @returns false when `seq` has no such hook (another node-llama-cpp version): nothing changed.
  */
 export function installStepBarrier(seq: object, barrier: StepBarrier): boolean {
