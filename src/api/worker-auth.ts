@@ -7,8 +7,10 @@
  *   preValidation  the mac over method, path, time, nonce and body digest; the nonce remembered
  *
  * Open: GET /health (supervisors, the router's probe before it knows anything) and, unless
- * `privateMetrics`, GET /metrics (Prometheus); a signature there is checked but not required
- * (`isSigned`: decode trusts the prefill pool in a signed probe's query only). Everything else — /generate, /abort_request,
+ * `privateMetrics`, GET /metrics (Prometheus); a signature there is not required, but one that is
+ * sent is checked and a wrong one refused — so a router's signed health probe fails on a worker
+ * with another cluster secret, which then never enters its rotation (`isSigned`: decode trusts
+ * the prefill pool in a signed probe's query only). Everything else — /generate, /abort_request,
  * /debug/*, /v1/models, /tokenize, 404s — needs a signature. A refusal is a 401 `unauthenticated`
  * OpenAI error body, counted in `pdserve_http_auth_refused_total{reason}`; its log line (debug)
  * names the reason, never the header.
@@ -35,9 +37,8 @@ export interface WorkerAuthOptions {
 
 const SIG = Symbol('pdserve.signature');
 const DIGEST = Symbol('pdserve.bodyDigest');
-const OPTIONAL = Symbol('pdserve.signatureOptional');
 const VERIFIED = Symbol('pdserve.signatureVerified');
-type Signed = { [SIG]?: Signature; [DIGEST]?: Hash; [OPTIONAL]?: boolean; [VERIFIED]?: boolean };
+type Signed = { [SIG]?: Signature; [DIGEST]?: Hash; [VERIFIED]?: boolean };
 
 /** True when `request` carried a valid signature (on an open path too: the router's health probe). */
 export function isSigned(request: FastifyRequest): boolean {
@@ -76,12 +77,11 @@ export function registerWorkerAuth(app: FastifyInstance, o: WorkerAuthOptions, r
   };
   app.addHook('onRequest', (request, reply, done) => {
     const open = isOpen(request.method, request.url, o.privateMetrics === true);
-    // An open path is answered anyway; a signature on it (the router's probe) is checked, not required.
+    // An open path is answered unsigned; a signature sent on it (the router's probe) must be right.
     if (open && request.headers[SIGNATURE_HEADER] === undefined) return done();
     const sig = verifier.precheck(request.headers[SIGNATURE_HEADER], systemClock.wallMs());
-    if (typeof sig === 'string') return open ? done() : void deny(request, reply, sig);
+    if (typeof sig === 'string') return void deny(request, reply, sig);
     (request as unknown as Signed)[SIG] = sig;
-    if (open) (request as unknown as Signed)[OPTIONAL] = true;
     done();
   });
   app.addHook('preParsing', (request, _reply, payload, done) => {
@@ -106,8 +106,8 @@ export function registerWorkerAuth(app: FastifyInstance, o: WorkerAuthOptions, r
     if (!sig) return done();
     const digest = s[DIGEST] ? s[DIGEST].digest('hex') : EMPTY_DIGEST;
     const why = verifier.verify(sig, request.method, request.url, digest, systemClock.wallMs());
-    if (why && !s[OPTIONAL]) return void deny(request, reply, why);
-    if (!why) s[VERIFIED] = true;
+    if (why) return void deny(request, reply, why);
+    s[VERIFIED] = true;
     done();
   });
   return verifier;

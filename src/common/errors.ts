@@ -102,6 +102,8 @@ export const ERROR_CODES = {
   decode_stream_truncated: BAD_GATEWAY,
   prefill_unreachable: BAD_GATEWAY,
   decode_unreachable: BAD_GATEWAY,
+  /** A worker refused the router's signed request (it runs with another cluster secret): it leaves the rotation, the request is retried elsewhere. */
+  worker_unauthenticated: BAD_GATEWAY,
   prefill_failed: BAD_GATEWAY,
   decode_failed: BAD_GATEWAY,
   /** /v1/responses: the server's own chat path (its loopback request) did not answer or broke its stream. */

@@ -135,6 +135,8 @@ export function workerError(role: LegName, status: number, text: string): ApiErr
   } catch {
     // not JSON: keep the text
   }
+  // The worker refused the router's own credential: a misconfigured worker, not the client's fault.
+  if (status === 401 && code === 'unauthenticated') return new ApiError(502, 'worker_unauthenticated', `${role} worker refused the router's signed request (does it run with another cluster secret?)`, 'server_error');
   const valid = status >= 400 && status <= 599;
   const out = valid ? status : 502;
   // 4xx: the client's fault (e.g. prompt too long): pass the message through untouched.
@@ -593,6 +595,8 @@ export class PdRequest {
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
+    // Out of the rotation until a signed probe passes (its /health refuses a wrong signature too).
+    if (err.code === 'worker_unauthenticated') this.ctx.registry.setUnhealthy(leg.worker, "refused the router's signed request: another cluster secret?");
     if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.phase === 'waiting' && this.client.builder.events === 0) {
       this.fallback = true;
       this.finish('error');

@@ -6,15 +6,18 @@
  *  - decode killed mid-stream, during the handoff (after token 1 from prefill), before token 1;
  *  - prefill killed before token 1 and after it (mid-transfer);
  *  - a JSON-schema chat request migrated mid-object: the same valid JSON;
- *  - n = 2 with a choice migrated.
+ *  - n = 2 with a choice migrated;
+ *  - a decode with the wrong cluster secret never enters the rotation, no request lost;
+ *  - the migration limit reached: a clear error naming the last cause, nothing left held.
  * The kill points are reached with test holds (src/common/testhooks.ts: `decode.step` slows
  * generation, `decode.load` / `prefill.compute` / `prefill.send` stop a room in its phase), not
  * with timing. Each killed worker is started again before the next test.
  */
 import assert from 'node:assert/strict';
+import { spawn, type ChildProcess } from 'node:child_process';
 import { describe, test } from 'node:test';
-import type { ClusterProc } from '../../src/harness/cluster.js';
-import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
+import { BIN, freePort, type ClusterProc } from '../../src/harness/cluster.js';
+import { client, CTX, getJson, promptOf, tinyModel, useStack, waitFor } from '../helpers/stack.js';
 
 const s = useStack({ prefill: 2, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--health-interval-ms', '200'] } });
 
@@ -188,5 +191,101 @@ describe('a worker killed mid-request costs the client nothing', () => {
     await clearHolds();
     assert.deepEqual(text, [ref.choices[0]!.text, ref.choices[1]!.text]);
     assert.ok((await migrations()) >= 1);
+  });
+});
+
+/** A second router over some of the stack's workers, with its own flags; resolves when it is ready. */
+async function extraRouter(prefills: ClusterProc[], decodes: string[], flags: string[]): Promise<{ url: string; child: ChildProcess; stop(): Promise<void> }> {
+  const port = await freePort();
+  const args = [BIN, 'router', '--host', '127.0.0.1', '--port', String(port), '--health-interval-ms', '200', ...flags];
+  for (const p of prefills) args.push('--prefill', `${p.url},${p.bootstrapPort}`);
+  for (const d of decodes) args.push('--decode', d);
+  const child = spawn(process.execPath, args, { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: s.c.secret } });
+  await new Promise<void>((resolve, reject) => {
+    child.on('message', (m: any) => m?.type === 'ready' && resolve());
+    child.once('exit', (code) => reject(new Error(`router exited (${code})`)));
+  });
+  const stop = async () => {
+    if (child.exitCode !== null) return;
+    const gone = new Promise((r) => child.once('exit', r));
+    child.kill('SIGKILL');
+    await gone;
+  };
+  return { url: `http://127.0.0.1:${port}`, child, stop };
+}
+
+/** Rooms and queue entries a worker reports on /health (0 when it holds nothing). */
+const held = async (p: ClusterProc) => Number((await getJson<any>(`${p.url}/health`)).rooms ?? 0);
+
+describe('when migration cannot save a request', () => {
+  test('a decode with the wrong cluster secret never enters the rotation: its signed probe is refused, every request succeeds on the others', async () => {
+    const port = await freePort();
+    const bad = spawn(process.execPath, [BIN, 'decode', '--model', await tinyModel(), '--threads', '1', '--ctx-size', String(CTX), '--batch-size', '128', '--deterministic', '--host', '127.0.0.1', '--port', String(port)], { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: 'another-secret-entirely' } });
+    await new Promise<void>((resolve, reject) => {
+      bad.on('message', (m: any) => m?.type === 'ready' && resolve());
+      bad.once('exit', (code) => reject(new Error(`decode exited (${code})`)));
+    });
+    const badUrl = `http://127.0.0.1:${port}`;
+    const r = await extraRouter(s.c.byRole('prefill'), [...s.c.byRole('decode').map((d) => d.url), badUrl], []);
+    try {
+      const api = client(r.url);
+      const view = async () => ((await getJson<any>(`${r.url}/workers`)).workers as any[]);
+      assert.ok(await waitFor(async () => (await view()).filter((w) => w.healthy).length === 4, 10_000), 'the four right workers are healthy');
+      const prompts = Array.from({ length: 8 }, (_, i) => promptOf(30, 40 + i));
+      const refs = await Promise.all(prompts.map((p) => reference(p, 6)));
+      const got = await Promise.all(prompts.map((prompt) => api.completions.create({ model: 'pdserve', prompt, max_tokens: 6, temperature: 0 })));
+      assert.deepEqual(got.map((g) => g.choices[0]!.text), refs.map((x) => x.text), 'every request answered, equal to colocated');
+      const w = (await view()).find((x) => x.url === badUrl);
+      assert.equal(w.healthy, false, 'the wrong-secret decode is out of the rotation');
+      assert.match(String(w.last_error), /401/, `its probe was refused: ${w.last_error}`);
+    } finally {
+      await r.stop();
+      bad.kill('SIGKILL');
+    }
+  });
+
+  test('the migration limit reached: the stream ends with an error naming the last cause, and nothing is left held', async () => {
+    const r = await extraRouter(s.c.byRole('prefill'), s.c.byRole('decode').map((d) => d.url), ['--migration-limit', '1']);
+    try {
+      const api = client(r.url);
+      assert.ok(await waitFor(async () => ((await getJson<any>(`${r.url}/workers`)).workers as any[]).filter((w) => w.healthy).length === 4, 10_000), 'four workers seen');
+      for (const d of s.c.byRole('decode')) await setHold(d, 'decode.step=40');
+      const killed = new Set<string>();
+      const tr = (rid: string) => getJson<any>(`${r.url}/debug/traces/${encodeURIComponent(rid)}`);
+      const { data, response } = await api.completions.create({ model: 'pdserve', prompt: promptOf(60, 50), max_tokens: 80, temperature: 0, stream: true }).withResponse();
+      const rid = response.headers.get('x-request-id')!;
+      let chunks = 0;
+      let error: any = null;
+      try {
+        for await (const c of data) {
+          if (!c.choices.length) continue;
+          chunks++;
+          const t = await tr(rid);
+          const failed = (t.events as any[]).filter((e) => e.what === 'attempt_failed').length;
+          // the first decode at chunk 3; the one it migrated to once the migration shows in the trace
+          if ((killed.size === 0 && chunks === 3) || (killed.size === 1 && failed === 1)) {
+            const victim = killed.size === 0 ? procOf(t.decode) : s.c.byRole('decode').find((d) => !killed.has(d.url))!;
+            killed.add(victim.url);
+            await s.c.kill(victim);
+          }
+        }
+      } catch (err) {
+        error = err;
+      }
+      assert.equal(killed.size, 2, 'both decodes were killed under the request');
+      assert.ok(error, `the stream ended with an error (chunks: ${chunks})`);
+      assert.match(String(error.message), /decode/, `the error names the last cause: ${error.message}`);
+      const t = await tr(rid);
+      assert.equal(t.outcome, 'error');
+      // one migration (an attempt_failed event), then the second attempt's failure is the request's
+      assert.deepEqual((t.events as any[]).filter((e) => e.what === 'attempt_failed').map((e) => e.next), ['migrate'], 'one migration, then the limit');
+      assert.equal(t.rooms.length, 2, 'two attempts');
+      assert.ok(await waitFor(async () => (await Promise.all(s.c.byRole('prefill').map(held))).every((n) => n === 0), 5000), 'prefill holds no room');
+      assert.ok(await waitFor(async () => { const w = await getJson<any>(`${r.url}/workers`); return w.acquired_total > 0 && w.acquired_total === w.released_total; }, 5000), 'every router lease released');
+    } finally {
+      await r.stop();
+      await clearHolds();
+      for (const d of s.c.byRole('decode')) if (!d.child) await s.c.spawn(d);
+    }
   });
 });
