@@ -553,7 +553,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .addOption(new Option('--stop-prefill-every <time>', 'SIGSTOP a prefill worker, this often (0 = never)').argParser(dur).default(25_000, '25s'))
       .addOption(new Option('--stop-duration <time>', 'how long a SIGSTOP lasts before SIGCONT').argParser(dur).default(3000, '3s'))
       .addOption(new Option('--request-timeout <time>', 'deadline of every request (the hang check); the router gets 80 % of it').argParser(dur).default(60_000, '1m'))
-      .addOption(new Option('--settle <time>', 'after the drain, max wait for every gauge to reach zero (the leak check)').argParser(dur).default(10_000, '10s'))
+      .addOption(new Option('--settle <time>', 'after the drain, max wait for every gauge to reach zero (the leak check); raised to the longest TTFT seen').argParser(dur).default(10_000, '10s'))
+      .addOption(new Option('--warmup <time>', 'workers on a GPU: rounds of decode slots × decode requests before the clock starts, until one is all ok, at most this long (first-use pipeline compilation; 0 = none)').argParser(dur).default(600_000, '10m'))
       .option('--max-tokens <n>', 'max_tokens of a round is drawn from [n/4, n]', int, 48)
       .addOption(new Option('--think <time>', 'max think time between rounds').argParser(dur).default(200, '200ms'))
       .option('--verify <n>', 'completed rounds compared with the colocated reference (0 = skip)', int, 24)
@@ -601,6 +602,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
             stopDurationMs: o.stopDuration,
             requestTimeoutMs: o.requestTimeout,
             settleMs: o.settle,
+            warmupMs: o.warmup,
             maxTokens: o.maxTokens,
             thinkMs: o.think,
             verify: o.verify,

@@ -73,6 +73,7 @@ export function formatReport(r: StormReport): string {
   out.push(`  killed at:  ${kv(q.killed_at)}`);
   out.push(`  failed by code: ${kv(q.failed_by_code)}`);
   out.push(`  router dispatched again after a worker failure: retried ${kv(q.retried_by_code ?? {})}; migrated mid-answer ${kv(q.migrated_by_code ?? {})}`);
+  if (r.warmup) out.push(`  warm-up before the clock (workers on a GPU): ${r.warmup.ok}/${r.warmup.requests} ok after ${r.warmup.rounds} round(s), ${(r.warmup.ms / 1000).toFixed(1)} s (not counted above)`);
   out.push(`  rounds completed ${r.rounds.completed}; conversations started ${r.rounds.conversations_started}, finished ${r.rounds.conversations_finished}, restarted after a kill ${r.rounds.restarted_after_kill}; prompt bytes p50 ${ms(r.prompt_bytes.p50)} max ${ms(r.prompt_bytes.max)}`);
   out.push('');
   const L = r.latency_ms;
@@ -94,7 +95,7 @@ export function formatReport(r: StormReport): string {
   }
   const hand = Object.entries(r.kv_handoffs ?? {});
   if (hand.length) {
-    out.push(`KV handoffs by path (since each worker's last start): ${hand.map(([w, p]) => `${w} ${kv(p)}`).join('; ')}`);
+    out.push(`KV handoffs by path (since each worker's last start${r.warmup ? ', warm-up included' : ''}): ${hand.map(([w, p]) => `${w} ${kv(p)}`).join('; ')}`);
     out.push('');
   }
   out.push('checks');

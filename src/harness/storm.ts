@@ -32,6 +32,7 @@ import { ChatCall, getJson } from './storm-client.js';
 import { loadCorpus } from './storm-corpus.js';
 import { collectLeaks, RoomMonitor, type LeakReport, type RoomView, type WatchedFault, type WatchedWorker } from './storm-monitor.js';
 import { formatProgress, formatReport } from './storm-report.js';
+import { warmUp, type WarmupResult } from './storm-warmup.js';
 import { summarize, type Summary } from './stats.js';
 
 export type FaultKind = 'kill_decode' | 'kill_prefill' | 'stop_prefill';
@@ -79,7 +80,20 @@ export interface StormOptions {
   stopPrefillEveryMs: number;
   stopDurationMs: number;
   requestTimeoutMs: number;
+  /**
+   * After the drain, the longest wait for every gauge to reach zero (the leak check); raised to
+   * the longest TTFT the storm saw (to `requestTimeoutMs` when it saw none), at most
+   * `requestTimeoutMs`: a prompt evaluation that started before the drain runs to its end before
+   * it frees its slot (llama.cpp cannot stop a running evaluation), which on a slow device takes
+   * longer than the default.
+   */
   settleMs: number;
+  /**
+   * Self-hosted: when a worker runs on a GPU backend, warm the engines up before the storm's
+   * clock starts (storm-warmup.ts: first-use pipeline compilation), for at most this long (ms;
+   * 0 = no warm-up).
+   */
+  warmupMs: number;
   maxTokens: number;
   thinkMs: number;
   /** Completed rounds checked against the reference (0 = skip the check). */
@@ -125,6 +139,7 @@ export const STORM_DEFAULTS: StormOptions = {
   stopDurationMs: 3000,
   requestTimeoutMs: 60_000,
   settleMs: 10_000,
+  warmupMs: 600_000,
   maxTokens: 48,
   thinkMs: 200,
   verify: 24,
@@ -211,6 +226,8 @@ export interface StormReport {
   /** Successful KV handoffs by worker and path ('tcp' | 'same_host'), since each worker's last start. */
   kv_handoffs: Record<string, Record<string, number>>;
   offending_rooms: OffendingRoom[];
+  /** The warm-up before the storm's clock (self-hosted, workers on a GPU backend), if one ran. */
+  warmup?: WarmupResult;
   log_dir?: string;
   model?: string;
 }
@@ -290,6 +307,13 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
         if (h.role) w.name = `${h.role}(${new URL(w.url).host})`;
       }),
     );
+  }
+
+  let warmup: WarmupResult | undefined;
+  if (selfHosted && o.warmupMs > 0 && (await onGpu(watched))) {
+    write.progress(`pdserve storm: warming up the engines on the GPU (rounds of ${o.decode * o.decodeSlots} requests, at most ${Math.round(o.warmupMs / 1000)} s)\n`);
+    warmup = await warmUp(routerUrl, { requests: o.decode * o.decodeSlots, width: o.decodeSlots, deadlineMs: o.requestTimeoutMs, budgetMs: o.warmupMs });
+    write.progress(`pdserve storm: warm-up ${warmup.ok}/${warmup.requests} ok after ${warmup.rounds} round(s), ${(warmup.ms / 1000).toFixed(1)} s${warmup.error ? ` (last error: ${warmup.error})` : ''}\n`);
   }
 
   const records: RequestRecord[] = [];
@@ -474,10 +498,13 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
     if (o.progress === 'tty') write.progress(`\r${progressLine()}\x1b[K\n`);
     else if (o.progress === 'lines') write.progress(`${progressLine()}\n`);
 
-    // Settle: wait (bounded) for every gauge to come back to zero.
+    // Settle: wait (bounded) for every gauge to come back to zero; at least the longest TTFT seen,
+    // the time one prompt evaluation took, or the request deadline when no first token came at
+    // all (see StormOptions.settleMs).
+    const settleLimitMs = Math.max(o.settleMs, Math.min(o.requestTimeoutMs, ttfts.length ? ttfts.reduce((a, t) => Math.max(a, t), 0) : o.requestTimeoutMs));
     const settle0 = performance.now();
     let leaks: LeakReport = await collectLeaks(watched, routerUrl);
-    while ((leaks.items.length > 0 || leaks.rooms.length > 0 || leaks.unreachable.length > 0) && performance.now() - settle0 < o.settleMs) {
+    while ((leaks.items.length > 0 || leaks.rooms.length > 0 || leaks.unreachable.length > 0) && performance.now() - settle0 < settleLimitMs) {
       await sleep(250);
       leaks = await collectLeaks(watched, routerUrl);
     }
@@ -517,6 +544,8 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       wedges: [...monitor.wedges.values()],
       leaks,
       settledMs,
+      settleLimitMs,
+      warmup,
       hangs,
       crashes,
       verification,
@@ -534,6 +563,12 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
   if (o.json) writeFileSync(o.json, `${JSON.stringify(report, null, 2)}\n`);
   write.out(formatReport(report));
   return report;
+}
+
+/** True when a watched worker's /health says it offloads layers to a GPU (`gpu.layers > 0`). */
+async function onGpu(watched: WatchedWorker[]): Promise<boolean> {
+  const layers = await Promise.all(watched.map((w) => getJson<{ gpu?: { layers?: number } }>(`${w.url}/health`, 3000).then((h) => h.gpu?.layers ?? 0, () => 0)));
+  return layers.some((n) => n > 0);
 }
 
 interface Verification {
@@ -601,6 +636,8 @@ interface BuildInput {
   wedges: { worker: string; room: RoomView; overdueMs: number; sightings: number }[];
   leaks: LeakReport;
   settledMs: number;
+  settleLimitMs: number;
+  warmup?: WarmupResult;
   hangs: HangNote[];
   crashes: { process: string; detail: string }[];
   verification: Verification;
@@ -688,7 +725,7 @@ function buildReport(b: BuildInput): StormReport {
           name: 'leak',
           status: leakFail ? 'fail' : 'pass',
           summary: leakFail
-            ? `after a ${(o.settleMs / 1000).toFixed(0)} s settle: ${L.items.length} gauge(s) not zero, ${L.rooms.length} live room(s)${L.unreachable.length ? `, ${L.unreachable.length} process(es) unreachable` : ''}`
+            ? `after a ${(b.settleLimitMs / 1000).toFixed(0)} s settle${b.settleLimitMs > o.settleMs ? (b.ttfts.length ? ' (the longest TTFT seen)' : ' (no first token seen: the request timeout)') : ''}: ${L.items.length} gauge(s) not zero, ${L.rooms.length} live room(s)${L.unreachable.length ? `, ${L.unreachable.length} process(es) unreachable` : ''}`
             : `every queue/room gauge, slot and router lease back to 0 (${(b.settledMs / 1000).toFixed(1)} s after the drain)`,
           details: [...L.items, ...L.rooms.map((r) => ({ where: r.worker, room: r.room.room, rid: r.room.rid, state: r.room.state, phase: r.room.phase, step: r.room.step ?? null })), ...L.unreachable],
         },
@@ -780,6 +817,7 @@ function buildReport(b: BuildInput): StormReport {
     checks,
     kv_handoffs: b.leaks.handoffs,
     offending_rooms: offending,
+    ...(b.warmup ? { warmup: b.warmup } : {}),
     log_dir: b.logDir,
     model: b.model,
   };
