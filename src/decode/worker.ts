@@ -39,6 +39,7 @@ import { loadInternalTls } from '../common/tls.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver, type ReceivedState, type StreamEnd } from '../kv/transfer/receiver.js';
+import { sharedKvIo } from '../kv/transfer/io-thread.js';
 import { SameHostDecode, type KvPath } from '../kv/transfer/same-host.js';
 import { rm } from 'node:fs/promises';
 import type { ControlMsg, EnvelopeHeader } from '../kv/messages.js';
@@ -393,6 +394,7 @@ export class DecodeWorker {
       walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }),
       files: this.recvFiles,
       pool: this.kvPool,
+      io: sharedKvIo(),
     });
     job.kvPath = 'tcp';
     job.tKvBegin = this.clock.nowMs();
@@ -404,7 +406,7 @@ export class DecodeWorker {
       const recv = this.jobs.get(room)?.recv;
       try {
         if (!recv) throw new Error('no receiver for an accepted chunk');
-        recv.push(data);
+        recv.push(data, conn);
         this.metrics.kvBytes.inc(data.length);
       } catch (err) {
         this.perform(actions);

@@ -17,7 +17,7 @@ import { createReadStream, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 
-export type GgufPreset = 'tiny' | 'small';
+export type GgufPreset = 'tiny' | 'small' | 'wide';
 
 /** Model shape. All sizes are element counts. */
 export interface ModelDims {
@@ -37,6 +37,12 @@ export interface ModelDims {
 export const PRESETS: Readonly<Record<GgufPreset, Readonly<ModelDims>>> = Object.freeze({
   tiny: Object.freeze({ nEmbd: 64, nLayer: 2, nHead: 4, nHeadKv: 4, nFf: 128, contextLength: 4096, weightType: 'f32', vocabTarget: 300 }),
   small: Object.freeze({ nEmbd: 512, nLayer: 8, nHead: 8, nHeadKv: 8, nFf: 1536, contextLength: 4096, weightType: 'f16', vocabTarget: 2000 }),
+  /**
+   * GPU-class KV at little compute (BENCHMARKS §1's large states): 128 layers × 512 KV dims × f16
+   * K and V = 256 KiB of state per token (an 8B GQA model keeps 128 KiB, a 70B one 320 KiB), so
+   * 1 GiB is a 4096-token prompt; a narrow feed-forward keeps the weights at ~150 M parameters.
+   */
+  wide: Object.freeze({ nEmbd: 512, nLayer: 128, nHead: 4, nHeadKv: 4, nFf: 64, contextLength: 8192, weightType: 'f16', vocabTarget: 300 }),
 });
 
 export interface WriteGgufOptions {

@@ -43,7 +43,8 @@ import { createHash, randomFillSync } from 'node:crypto';
 import { readFile, rm, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { join } from 'node:path';
-import { performance } from 'node:perf_hooks';
+import { monitorEventLoopDelay, performance } from 'node:perf_hooks';
+import { sharedKvIo } from '../kv/transfer/io-thread.js';
 import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
@@ -55,7 +56,7 @@ import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalS
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { SEND_PIECE_BYTES, sendGrowingStateFile, sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
-import { appendFileSync, copyFileSync, ftruncateSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { appendFileSync, copyFileSync, existsSync, ftruncateSync, openSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { loadCorpus } from './bench.js';
 
 interface Init {
@@ -70,6 +71,8 @@ interface Init {
   sequences?: number;
   /** Sender: kv trials stream the state while it is saved (the prefill worker's --kv-stream); else save, then send. */
   streamed?: boolean;
+  /** llama.cpp threads (default 1). */
+  threads?: number;
 }
 
 const init = JSON.parse(process.argv[2] ?? '{}') as Init;
@@ -149,6 +152,24 @@ function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
   return Promise.race([p, late]).finally(() => clearTimeout(timer));
 }
 
+/**
+ * The event loop's delay during a trial (perf_hooks histogram, 1 ms resolution): `start` at the
+ * trial's first step, `stop` at its last → p99 and max in ms. The KV data path runs on the I/O
+ * thread unless the parent's `io` command said 'inline' (the path before it, for comparison).
+ */
+const eld = monitorEventLoopDelay({ resolution: 1 });
+const eldStart = (): void => {
+  eld.disable();
+  eld.reset();
+  eld.enable();
+};
+const eldStop = (): { eldP99: number; eldMax: number } => {
+  eld.disable();
+  return eld.count > 0 ? { eldP99: eld.percentile(99) / 1e6, eldMax: eld.max / 1e6 } : { eldP99: 0, eldMax: 0 };
+};
+let ioMode: 'thread' | 'inline' = 'thread';
+const kvIo = () => (ioMode === 'thread' ? sharedKvIo() : undefined);
+
 interface State {
   n: number;
   /** The prompt's tokens (to load the state back into the sequence before a kv trial). */
@@ -164,7 +185,7 @@ interface State {
 }
 
 async function main(): Promise<void> {
-  const engine = await loadEngine({ modelPath: init.model, threads: 1, sequences: init.sequences ?? 1, contextSize: init.contextSize, batchSize: init.batchSize, ...benchGpuOptions() });
+  const engine = await loadEngine({ modelPath: init.model, threads: init.threads ?? 1, sequences: init.sequences ?? 1, contextSize: init.contextSize, batchSize: init.batchSize, ...benchGpuOptions() });
   if (init.role === 'sender') await sender(engine);
   else await receiver(engine);
 }
@@ -233,7 +254,21 @@ async function sender(engine: Engine): Promise<void> {
           const t0 = now();
           try {
             const sampling = { temperature: 0, topP: 1, topK: 0, maxTokens: 1, stop: [], ignoreEos: true };
-            const r = await slot.prefill(toks, sampling, new AbortController().signal);
+            // PDSERVE_BENCH_KV_STATE_CACHE=<dir>: a state evaluated by an earlier run of this model and
+            // prompt is loaded from there instead of evaluated again (the 1 GiB one takes minutes)
+            const cacheDir = process.env.PDSERVE_BENCH_KV_STATE_CACHE;
+            const cached = cacheDir ? join(cacheDir, `pdserve-bench-state-${engine.info.fingerprint.slice(0, 16)}-${n}`) : undefined;
+            let r: { firstToken: number; firstIsEog: boolean };
+            if (cached && existsSync(`${cached}.json`)) {
+              r = JSON.parse(readFileSync(`${cached}.json`, 'utf8')) as typeof r;
+              await slot.loadState(`${cached}.ggsq`, toks);
+            } else {
+              r = await slot.prefill(toks, sampling, new AbortController().signal);
+              if (cached) {
+                await slot.saveState(`${cached}.ggsq`);
+                writeFileSync(`${cached}.json`, JSON.stringify({ firstToken: r.firstToken, firstIsEog: r.firstIsEog }));
+              }
+            }
             const path = join(init.stateDir, `pdserve-bench-kv-${process.pid}-${n}.ggsq`);
             const saves: number[] = [];
             let bytes = 0;
@@ -267,6 +302,7 @@ async function sender(engine: Engine): Promise<void> {
         try {
           await slot.loadState(st.path, st.tokens);
           rmSync(path, { force: true });
+          eldStart();
           const t0 = now();
           const t0Hr = hr();
           tr(`save-start bytes=${st.bytes}`);
@@ -317,7 +353,7 @@ async function sender(engine: Engine): Promise<void> {
             if (st.mem) {
               if (bytes !== st.mem.bytes.length) throw new Error(`bound mem: the trial's save wrote ${bytes} bytes, the state in memory has ${st.mem.bytes.length}`);
               await sendFromMemory(c, room, head, st.mem.bytes, st.mem.crc, onProgress);
-            } else await sendStateFile(c, room, path, head, bytes, { pool: sendPool, chunkBytes: 1024 * 1024, onProgress });
+            } else await sendStateFile(c, room, path, head, bytes, { pool: sendPool, io: kvIo(), chunkBytes: 1024 * 1024, onProgress });
             tr('send-resolved');
             c.sendControl({ type: 'kv_end', room });
             tr('kv_end-sent');
@@ -332,13 +368,14 @@ async function sender(engine: Engine): Promise<void> {
           }
           const t4 = now();
           const t4Abs = abs();
+          const loop = eldStop();
           tr('ack-received');
           trFlush();
           if (st.mem && !st.mem.checked) {
             if (!readFileSync(path).equals(st.mem.bytes)) throw new Error('bound mem: the trial\'s save wrote other bytes than the state in memory');
             st.mem.checked = true;
           }
-          send({ type: 'kvDone', room, blobBytes: wireBytes(headOf(st.bytes), st.bytes), streamedBytes, totalMs: t4 - t0, t0Hr, saveMs: tSaved - t0, readMs: 0, encodeMs: 0, sendMs: t3 - t2, t2Abs, t4Abs });
+          send({ type: 'kvDone', room, blobBytes: wireBytes(headOf(st.bytes), st.bytes), streamedBytes, totalMs: t4 - t0, t0Hr, saveMs: tSaved - t0, readMs: 0, encodeMs: 0, sendMs: t3 - t2, t2Abs, t4Abs, io: ioMode, ...loop });
         } finally {
           acks.delete(room);
           slot.release();
@@ -356,6 +393,8 @@ async function sender(engine: Engine): Promise<void> {
         const name = join(init.stateDir, prefillStateName(process.pid, room));
         copyFileSync(st.path, name);
         let [t2, t4, crc, sentNs, ackNs] = [0, 0, false, '', ''];
+        let loop = { eldP99: NaN, eldMax: NaN };
+        eldStart();
         const t0Ns = mono();
         const t0 = now();
         const t1 = now();
@@ -368,11 +407,12 @@ async function sender(engine: Engine): Promise<void> {
           await within(acked, TRIAL_WAIT_MS, `kv_ack of room ${room} (kv_file)`);
           t4 = now();
           ackNs = mono();
+          loop = eldStop();
         } finally {
           acks.delete(room);
           await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left (a failed trial's copy too)
         }
-        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc, t0Ns, sentNs, ackNs });
+        send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc, t0Ns, sentNs, ackNs, ...loop });
       } else if (m.cmd === 'floor') {
         // one-way lags of an 8-byte message on a bare loopback socket, after `gapMs` idle (as before a kv_file)
         const s = floorSock;
@@ -437,6 +477,9 @@ async function sender(engine: Engine): Promise<void> {
         };
         await rm(path, { force: true });
         send({ type: 'probed', ...out });
+      } else if (m.cmd === 'io') {
+        ioMode = (m as { mode?: string }).mode === 'inline' ? 'inline' : 'thread';
+        send({ type: 'ioSet', mode: ioMode });
       } else if (m.cmd === 'cleanup') {
         await Promise.all(states.map((s) => rm(s.path, { force: true })));
         send({ type: 'cleaned' });
@@ -477,7 +520,7 @@ function sendFromMemory(c: PeerConn, room: RoomId, head: Buffer, payload: Buffer
 
 async function receiver(engine: Engine): Promise<void> {
   const info = engine.info;
-  const maxBytes = 512 * 1024 * 1024;
+  const maxBytes = 2 * 1024 * 1024 * 1024; // above the 1 GiB state of the large-state run
   const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
   const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
@@ -527,7 +570,10 @@ async function receiver(engine: Engine): Promise<void> {
     onConnect: (c) => sameHost.probe(c),
     onMessage: (conn, msg) => {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
-      else if (msg.type === 'kv_file') void loadFile(conn, msg, mono());
+      else if (msg.type === 'kv_file') {
+        eldStart();
+        void loadFile(conn, msg, mono());
+      }
       else if (msg.type === 'kv_begin') {
         tr('kv_begin-recv');
         if (recv) {
@@ -535,7 +581,8 @@ async function receiver(engine: Engine): Promise<void> {
           drop(recv);
         }
         const streamed = msg.streamed === true;
-        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: BOUND_NOWRITE ? stagePool : recvFiles, pool: kvPool });
+        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: BOUND_NOWRITE ? stagePool : recvFiles, pool: kvPool, io: kvIo() });
+        eldStart();
         tr('rx-made');
         const bare = BOUND_BARE && !streamed ? bareOf.get(msg.totalBytes) : undefined;
         const r: Recv = { total: msg.totalBytes, counted: 0, ...(bare ? { bare } : {}), room: msg.room, rx, tBegin: now(), tLast: now(), beginAbs: abs(), lastAbs: abs(), endAbs: 0 };
@@ -579,7 +626,7 @@ async function receiver(engine: Engine): Promise<void> {
         }
         if (offset !== r.rx.received) throw new Error(`chunk at ${offset}, expected ${r.rx.received}`);
         tr(`chunk ${offset} +${data.length}`);
-        r.rx.push(data);
+        r.rx.push(data, _c);
         tr('pushed');
       } catch (err) {
         r.error = (err as Error).message;
@@ -603,12 +650,13 @@ async function receiver(engine: Engine): Promise<void> {
       const t3 = now();
       await slot.loadState(path, state.tokens, state);
       const loadedHr = hr();
+      const loop = eldStop();
       tr('loaded');
       const t4 = now();
       const ackAbs = abs();
       conn.sendControl({ type: 'kv_ack', room: r.room, epoch: init.epoch });
       trFlush();
-      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: 0, parseMs: 0, writeMs: t3 - t0, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs, loadedHr });
+      send({ type: 'kvRecv', room: r.room, wireMs: r.tLast - r.tBegin, decodeMs: 0, parseMs: 0, writeMs: t3 - t0, loadMs: t4 - t3, beginAbs: r.beginAbs, lastAbs: r.lastAbs, endAbs: r.endAbs, loadAbs, ackAbs, loadedHr, io: ioMode, ...loop });
     } catch (err) {
       send({ type: 'kvRecv', room: r.room, error: (err as Error).message });
     } finally {
@@ -638,11 +686,12 @@ async function receiver(engine: Engine): Promise<void> {
       await slot.loadState(path, out.taken.state.tokens, out.taken.state);
       const t2 = now();
       const loadedNs = mono(); // the state is in the slot: the request could generate from here
+      const loop = eldStop();
       // as the decode worker: kv_ack (loadDone) first, the file deleted after
       conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       await rm(path, { force: true });
       const t3 = now();
-      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, takeNs, loadedNs });
+      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, takeNs, loadedNs, ...loop });
     } catch (err) {
       if (path) await rm(path, { force: true });
       send({ type: 'kvFileRecv', room: msg.room, error: (err as Error).message });
@@ -652,6 +701,11 @@ async function receiver(engine: Engine): Promise<void> {
   };
   send({ type: 'ready', fingerprint: info.fingerprint });
   process.on('message', async (m: { cmd: string; kvPort?: number; rawPort?: number; floorPort?: number }) => {
+    if (m.cmd === 'io') {
+      ioMode = (m as { mode?: string }).mode === 'inline' ? 'inline' : 'thread';
+      send({ type: 'ioSet', mode: ioMode });
+      return;
+    }
     if (m.cmd === 'settle') {
       try {
         await within(Promise.allSettled([...pending]), TRIAL_WAIT_MS, 'the previous trial\'s file work');

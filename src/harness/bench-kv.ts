@@ -48,6 +48,24 @@ export interface KvSectionOptions {
    * (default: the environment's PDSERVE_BENCH_KV_STREAM=1; else save, then send, as by default).
    */
   kvStream?: boolean;
+  /**
+   * Also run every KV trial with the data path inline on the event loop (file read, CRC-32 and
+   * file write on the main thread, as without the KV I/O thread), interleaved with the others,
+   * reported as `inline` and `loopDelayMs.kvInline`.
+   */
+  compareInline?: boolean;
+  /** llama.cpp threads of both processes (default 1). */
+  threads?: number;
+  /** Longest wait for the states to be made (prompt evaluation), ms (default 600 000). */
+  makeTimeoutMs?: number;
+}
+
+/** The event loop's delay on each side during one kind of trial, ms: median over trials of each trial's p99, and the largest max. */
+export interface LoopDelay {
+  senderP99: number;
+  receiverP99: number;
+  senderMax: number;
+  receiverMax: number;
 }
 
 /** One size's results. Times in ms, rates in GB/s (10^9 bytes/s). */
@@ -120,6 +138,10 @@ export interface KvSizeResult {
   sameHostReadBytes?: number;
   /** The same-host trials carried a CRC-32 (verify on): false for the default path. */
   sameHostVerified?: boolean;
+  /** Event-loop delay (perf_hooks.monitorEventLoopDelay, 1 ms resolution) during the KV, same-host and inline KV trials. */
+  loopDelayMs?: { kv: LoopDelay; sameHost?: LoopDelay; kvInline?: LoopDelay };
+  /** The KV trials with the data path inline on the event loop (compareInline): time and goal ratio, same floor. */
+  inline?: { kvMs: Summary; goalRatio: number };
 }
 
 /** The machine's speed at the handoff's building blocks (one process, 16 MiB, GB/s). */
@@ -162,7 +184,7 @@ interface Msg {
 /** Run section 1. */
 export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult> {
   const secret = randomBytes(16).toString('hex');
-  const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm' };
+  const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm', threads: o.threads ?? 1 };
   const streamed = o.kvStream ?? process.env.PDSERVE_BENCH_KV_STREAM === '1';
   if (process.env.PDSERVE_BENCH_KV_BOUND) say(`  NOTE: PDSERVE_BENCH_KV_BOUND=${process.env.PDSERVE_BENCH_KV_BOUND}: a bound experiment (bench-kv-child.ts), not the workers' path — these §1 figures are not the handoff's`);
   const sender = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'sender', epoch: newEpoch(), streamed })]);
@@ -173,16 +195,29 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   try {
     const [sr, rr] = await Promise.all([sender.wait('ready', 120_000), receiver.wait('ready', 120_000)]);
     if (sr.error || rr.error) throw new Error(`kv child failed to start: ${sr.error ?? rr.error}`);
-    const conn = await receiver.call<Msg>({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort, floorPort: sr.floorPort }, 'connected', 30_000);
-    const sameHost = conn.sameHost === true;
-    if (!sameHost) say('  NOTE: the same-host probe failed between the two processes: no same-host trials');
+    // the states first, then the KV connection: a long evaluation starves the sender's event loop,
+    // and an idle connection whose peer misses its heartbeats is closed
     const bpt = o.bytesPerToken ?? 16_401;
     const maxTok = o.contextSize - 2;
     const tokens = o.sizesMiB.map((mib) => Math.min(maxTok, Math.max(1, Math.round((mib * 1024 * 1024) / bpt))));
     say(`  making states of ${tokens.join(', ')} tokens (prompt evaluation; the largest takes a while)`);
-    const made = await sender.call<Msg & { states: { n: number; bytes: number; saveMs: number }[] }>({ cmd: 'make', tokens }, 'made', 600_000);
+    const made = await sender.call<Msg & { states: { n: number; bytes: number; saveMs: number }[] }>({ cmd: 'make', tokens }, 'made', o.makeTimeoutMs ?? 600_000);
+    const conn = await receiver.call<Msg>({ cmd: 'connect', kvPort: sr.kvPort, rawPort: sr.rawPort, floorPort: sr.floorPort }, 'connected', 30_000);
+    const sameHost = conn.sameHost === true;
+    if (!sameHost) say('  NOTE: the same-host probe failed between the two processes: no same-host trials');
     const states = made.states;
     const kv: { total: number[]; blob: number; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], blob: 0, ph: {} }));
+    const kvIn: { total: number[]; ph: Record<string, number[]> }[] = states.map(() => ({ total: [], ph: {} }));
+    const eldPush = (ph: Record<string, number[]>, d: Msg, rv: Msg) => {
+      push(ph, 'eldSendP99', d.eldP99);
+      push(ph, 'eldSendMax', d.eldMax);
+      push(ph, 'eldRecvP99', rv.eldP99);
+      push(ph, 'eldRecvMax', rv.eldMax);
+    };
+    const setIo = async (mode: 'thread' | 'inline') => {
+      if (!o.compareInline) return;
+      await Promise.all([sender.call<Msg>({ cmd: 'io', mode }, 'ioSet', 30_000), receiver.call<Msg>({ cmd: 'io', mode }, 'ioSet', 30_000)]);
+    };
     const raw: number[][] = states.map(() => []);
     const rawAck: number[][] = states.map(() => []);
     const sh: { total: number[]; toAck: number[]; ph: Record<string, number[]>; verified?: boolean }[] = states.map(() => ({ total: [], toAck: [], ph: {} }));
@@ -214,11 +249,19 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       if (rv.error) throw fail('receiver', new Error(String(rv.error)));
       return [d, rv];
     };
-    const kvTrial = async (i: number, record: boolean) => {
+    const kvTrial = async (i: number, record: boolean, mode: 'thread' | 'inline' = 'thread') => {
+      await setIo(mode);
       const r = String(room++);
-      const [d, rv] = await trial('kv', i, r, { cmd: 'kv', idx: i, room: r }, 'kvDone', 'kvRecv');
+      const [d, rv] = await trial(mode === 'inline' ? 'kv (inline)' : 'kv', i, r, { cmd: 'kv', idx: i, room: r }, 'kvDone', 'kvRecv');
       if (!record) return;
+      if (mode === 'inline') {
+        const k = kvIn[i]!;
+        k.total.push((rv.loadedHr as number) - (d.t0Hr as number));
+        eldPush(k.ph, d, rv);
+        return;
+      }
       const k = kv[i]!;
+      eldPush(k.ph, d, rv);
       k.total.push((rv.loadedHr as number) - (d.t0Hr as number));
       push(k.ph, 'ack', d.totalMs);
       push(k.ph, 'save', d.saveMs);
@@ -248,6 +291,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       const [d, rv] = await trial('same-host', i, r, { cmd: 'kvfile', idx: i, room: r }, 'kvFileDone', 'kvFileRecv');
       if (!record) return;
       const k = sh[i]!;
+      eldPush(k.ph, d, rv);
       // CLOCK_MONOTONIC ns (decimal strings) of both children → ms
       const ms = (a: unknown, b: unknown) => (typeof a === 'string' && typeof b === 'string' && a && b ? Number(BigInt(b) - BigInt(a)) / 1e6 : NaN);
       k.total.push(ms(d.t0Ns, rv.loadedNs));
@@ -279,6 +323,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
     // warm-up: one of each per size (page cache, socket buffers, llama.cpp first load)
     for (let i = 0; i < states.length; i++) {
       await kvTrial(i, false);
+      if (o.compareInline) await kvTrial(i, false, 'inline');
       await rawTrial(i, false);
       await shTrial(i, false);
     }
@@ -287,8 +332,8 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       for (let i = 0; i < states.length; i++) {
         if (round >= (o.reps[i] ?? 0)) continue;
         // rotate the order of the three kinds, so none always runs first or after the same one
-        const order = [kvTrial, rawTrial, shTrial];
-        for (let k = 0; k < 3; k++) await order[(round + i + k) % 3]!(i, true);
+        const order = [kvTrial, rawTrial, shTrial, ...(o.compareInline ? [(j: number, rec: boolean) => kvTrial(j, rec, 'inline')] : [])];
+        for (let k = 0; k < order.length; k++) await order[(round + i + k) % order.length]!(i, true);
       }
       say(`  round ${round + 1}/${rounds} done`);
     }
@@ -309,7 +354,12 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       const rawMs = summarize(raw[i]!);
       const gbps = (bytes: number, ms: number) => bytes / (ms / 1000) / 1e9;
       const ph = (name: string) => median(k.ph[name] ?? []);
+      const delay = (p: Record<string, number[]>): LoopDelay => ({ senderP99: median(p.eldSendP99 ?? []), receiverP99: median(p.eldRecvP99 ?? []), senderMax: Math.max(...(p.eldSendMax ?? [NaN])), receiverMax: Math.max(...(p.eldRecvMax ?? [NaN])) });
+      const floorMs = (streamed ? s.saveMs : ph('save')) + rawMs.median + ph('loadState');
+      const inl = kvIn[i]!;
       return {
+        loopDelayMs: { kv: delay(k.ph), ...(sh[i]!.total.length ? { sameHost: delay(sh[i]!.ph) } : {}), ...(inl.total.length ? { kvInline: delay(inl.ph) } : {}) },
+        ...(inl.total.length ? { inline: { kvMs: summarize(inl.total), goalRatio: summarize(inl.total).median / floorMs } } : {}),
         targetMiB: o.sizesMiB[i]!,
         tokens: s.n,
         stateBytes: s.bytes,

@@ -2,6 +2,7 @@
  * BENCHMARKS.md and the SVG plots of the suite, generated from the sections' JSON results.
  * Every sentence that judges PD is derived from the numbers of the run it describes.
  */
+import { handoffAtScaleGoals, largeStatesSection } from './bench-report-kv.js';
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { KvSectionResult } from './bench-kv.js';
@@ -192,7 +193,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   L.push('', 'Every comparison runs both sides in the same invocation, interleaved (A then B, then B then A, …), and reports their ratio: on a shared machine absolute times move from run to run, the ratios much less. Latencies are client-side (the bench process on the same machine), medians unless stated; percentiles interpolate linearly (numpy/vLLM convention).');
   const goals = servingGoals(s1, s2, files.get(21)?.result as LowLoadRow[] | undefined, s3, s4, s5);
   const agentRows = s7?.runs?.length ? agentGoals(s7).map((g) => [`${g.goal} (§7)`, g.detail, g.met ? '**pass**' : '**miss**']) : [];
-  L.push('', '## Goals at a glance', '', 'Each goal from the figures of its section (ratios within one run; where a section comes from an earlier run, its provenance line says so).', '', table(['goal', 'measured', 'met?'], [...goals.rows, ...agentRows]));
+  L.push('', '## Goals at a glance', '', 'Each goal from the figures of its section (ratios within one run; where a section comes from an earlier run, its provenance line says so).', '', table(['goal', 'measured', 'met?'], [...goals.rows, ...handoffAtScaleGoals(files.get(11), s2), ...agentRows]));
   L.push('', '## Machine and setup', '');
   L.push(
     table(
@@ -332,6 +333,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     }
     L.push(img(plots, 's1-kv-vs-raw.svg', 'KV handoff vs raw TCP, GB/s'));
   } else L.push('_Not run yet._');
+  L.push(...largeStatesSection(files.get(11), provenance(files.get(11), isFresh(11))));
 
   // ---------------------------------------------------------------- 2
   L.push(...goals.notes.handoff);
@@ -350,6 +352,15 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
         table(
           ['prompt tokens', 'colocated TTFT', 'PD prefill_ms', 'PD transfer_ms', 'state MiB', 'PD TTFT without router', 'PD TTFT via router'],
           s2.filter((r) => r.pdBreakdown).map((r) => [r.promptTokens, fmt(r.colo.ttftMs.median), fmt(r.pdBreakdown.prefillMs), fmt(r.pdBreakdown.transferMs), fmt(r.pdBreakdown.kvBytes / MiB, 1), fmt(r.pdBreakdown.directTtftMs), fmt(r.pd.ttftMs.median)]),
+        ),
+      );
+    }
+    if (s2.some((r) => r.secondToken)) {
+      L.push('', 'Second-token latency: PD streams token 1 from prefill and token 2 from decode, after the KV handoff, so the client\'s gap between them holds the handoff (medians over the same requests, ms). Goal: PD gap ≤ 3 × colocated ITL at 1500 prompt tokens.', '');
+      L.push(
+        table(
+          ['prompt tokens', 'PD token 1 → 2', 'colocated token 1 → 2', 'colocated ITL', 'PD gap / colocated ITL'],
+          s2.filter((r) => r.secondToken).map((r) => [r.promptTokens, fmt(r.secondToken!.pdGapMs), fmt(r.secondToken!.coloGapMs), fmt(r.secondToken!.coloItlMs, 2), `**${fmtRatio(r.secondToken!.ratio)}** ${r.promptTokens >= 1500 ? (r.secondToken!.ratio <= 3 ? 'pass' : 'miss') : ''}`]),
         ),
       );
     }

@@ -58,6 +58,12 @@ export interface LowLoadRow {
    * it), transfer_ms (kv_begin → decode's kv_ack), state bytes, and those requests' TTFT.
    */
   pdBreakdown: { prefillMs: number; transferMs: number; kvBytes: number; directTtftMs: number; probes: number };
+  /**
+   * The gap between the first and the second token the client received, ms (medians over the
+   * requests): with PD the first comes from prefill and the second from decode, so the gap holds
+   * the KV handoff. Against colocated ITL (median of all its gaps); `ratio` = PD gap / that.
+   */
+  secondToken?: { pdGapMs: number; coloGapMs: number; coloItlMs: number; ratio: number };
   errors: string[];
 }
 
@@ -89,6 +95,11 @@ export async function runLowLoad(ctx: SectionCtx, lens = [64, 512, 1500], output
       pd: mp,
       colo: mc,
       ratio: { ttft: mp.ttftMs.median / mc.ttftMs.median, tpot: mp.tpotMs.median / mc.tpotMs.median, e2e: mp.e2eMs.median / mc.e2eMs.median },
+      secondToken: (() => {
+        const first = (rs: RequestRecord[]) => median(rs.filter((r) => r.ok && r.itlMs.length > 0).map((r) => r.itlMs[0]!));
+        const pdGapMs = first(pd);
+        return { pdGapMs, coloGapMs: first(colo), coloItlMs: mc.itlMs.median, ratio: pdGapMs / mc.itlMs.median };
+      })(),
       errors: [...failures(pd), ...failures(colo), ...failures(probes)],
     });
     say(`  ${len} tokens: TTFT PD ${mp.ttftMs.median.toFixed(0)} ms vs colocated ${mc.ttftMs.median.toFixed(0)} ms; E2E ${mp.e2eMs.median.toFixed(0)} vs ${mc.e2eMs.median.toFixed(0)} ms`);

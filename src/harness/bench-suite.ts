@@ -53,6 +53,8 @@ export const SECTION_FILES: Record<number, string> = {
   7: 's7-agents.json',
   /** Section 2 run without CPU pinning (`--no-pin`), kept next to the pinned run (not a section of its own). */
   21: 's2-low-load-unpinned.json',
+  /** Section 1's large states (PDSERVE_BENCH_KV_BIG), kept next to the default run. */
+  11: 's1-kv-large.json',
 };
 
 const CTX = 2048;
@@ -103,6 +105,20 @@ export function parseKvReps(v: string | undefined): number[] | undefined {
   return reps;
 }
 
+/** Context of §1's large-state run: holds the 1 GiB state's 4096 tokens of the 'wide' model. */
+const LARGE_CTX = 4352;
+
+/**
+ * PDSERVE_BENCH_KV_BIG_REPS="3,3": trials per large size (256 MiB, 1 GiB). Unset or empty: [3, 3].
+ * @throws Error unless it is exactly 2 comma-separated integers in 1..50.
+ */
+export function parseKvBigReps(v: string | undefined): number[] {
+  if (v === undefined || v.trim() === '') return [3, 3];
+  const reps = v.split(',').map((x) => Number(x.trim()));
+  if (reps.length !== 2 || !reps.every((n) => Number.isSafeInteger(n) && n >= 1 && n <= 50)) throw new Error(`PDSERVE_BENCH_KV_BIG_REPS=${JSON.stringify(v)}: give 2 trial counts (256 MiB, 1 GiB), each an integer in 1..50, e.g. "3,3"`);
+  return reps;
+}
+
 /** Run the suite; returns the process exit code. */
 export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
   const t0 = performance.now();
@@ -147,7 +163,31 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
   };
   let failed = false;
 
-  if (want.has(1)) {
+  const big = process.env.PDSERVE_BENCH_KV_BIG ?? '';
+  if (want.has(1) && (big === '1' || big === 'only')) {
+    const ts = performance.now();
+    const reps = parseKvBigReps(process.env.PDSERVE_BENCH_KV_BIG_REPS);
+    say(`section 1, large states: 256 MiB and 1 GiB (the generated 'wide' model: 256 KiB of KV per token), ${reps.join('/')} trials, each KV trial also with the data path inline`);
+    try {
+      const r: KvSectionResult = await runKvSection({
+        model: await ensureModel('wide', 1),
+        sizesMiB: [256, 1024],
+        reps,
+        contextSize: LARGE_CTX,
+        batchSize: BATCH,
+        bytesPerToken: 262_161,
+        receiverSequences: 1,
+        compareInline: true,
+        threads: 2,
+        makeTimeoutMs: 1_800_000,
+      });
+      save(11, r, (performance.now() - ts) / 1000);
+    } catch (err) {
+      failed = true;
+      say(`section 1 (large states) failed: ${(err as Error).stack ?? err}`);
+    }
+  }
+  if (want.has(1) && big !== 'only') {
     const ts = performance.now();
     say('section 1: KV handoff vs raw TCP');
     try {

@@ -200,6 +200,8 @@ export class PeerConn {
   private turnYield = false;
   private serving = false;
   private serveAgain = false;
+  /** Outstanding pauseReads. */
+  private readPauses = 0;
   private resolveReady!: () => void;
   private rejectReady!: (e: KvError) => void;
   private resolveClosed!: () => void;
@@ -245,6 +247,22 @@ export class PeerConn {
   /** True while authenticated and not closing. */
   get alive(): boolean {
     return this.state === 'open';
+  }
+
+  /**
+   * Stop reading the socket until as many `resumeReads` (a receiver whose I/O-thread slots are all
+   * busy: TCP's window then holds the sender back). Counted: reads go on once every pause is
+   * resumed. Heartbeats are not read meanwhile, so a pause must be short: the receiver resumes as
+   * soon as a slot is written, or fails its room first (receiver.ts PAUSE_LIMIT_MS).
+   */
+  pauseReads(): void {
+    if (this.readPauses++ === 0) this.socket.pause();
+  }
+
+  /** Undo one `pauseReads`. */
+  resumeReads(): void {
+    if (this.readPauses === 0) return;
+    if (--this.readPauses === 0 && !this.socket.destroyed) this.socket.resume();
   }
 
   /** Bytes queued in user space, not yet handed to the kernel. */

@@ -39,6 +39,7 @@ import { loadInternalTls } from '../common/tls.js';
 import { encodeEnvelopeHead, prepareEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes, type StreamedSend } from '../kv/transfer/sender.js';
+import { sharedKvIo } from '../kv/transfer/io-thread.js';
 import { prefillStateName, SameHostPrefill, type KvPath } from '../kv/transfer/same-host.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
@@ -580,6 +581,7 @@ export class PrefillWorker {
     try {
       await sendStateFile(conn, room, st.path, head, st.payloadBytes, {
         pool: this.kvPool,
+        io: sharedKvIo(),
         chunkBytes: this.config.chunkBytes,
         signal: job.ac.signal,
         stallMs: this.config.timeouts.transferIdleMs,

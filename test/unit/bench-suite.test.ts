@@ -1,7 +1,7 @@
 /** The bench suite's engineer switches: PDSERVE_BENCH_KV_REPS is taken whole or refused, never shifted. */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { parseKvReps } from '../../src/harness/bench-suite.js';
+import { parseKvBigReps, parseKvReps } from '../../src/harness/bench-suite.js';
 
 describe('bench-suite: PDSERVE_BENCH_KV_REPS', () => {
   it('unset or empty: the suite default', () => {
@@ -18,5 +18,14 @@ describe('bench-suite: PDSERVE_BENCH_KV_REPS', () => {
     for (const bad of ['30,0,8,6', '30,30,8', '30,30,8,6,6', '30,x,8,6', '1.5,2,3,4', '30,30,8,501', '-1,2,3,4', ',,,']) {
       assert.throws(() => parseKvReps(bad), /PDSERVE_BENCH_KV_REPS=.*give 4 trial counts/, bad);
     }
+  });
+});
+
+describe('bench-suite: PDSERVE_BENCH_KV_BIG_REPS', () => {
+  it('unset or empty: 3 trials per large size; two counts in order; anything else refused', () => {
+    assert.deepEqual(parseKvBigReps(undefined), [3, 3]);
+    assert.deepEqual(parseKvBigReps(' '), [3, 3]);
+    assert.deepEqual(parseKvBigReps('5, 2'), [5, 2]);
+    for (const bad of ['3', '3,3,3', '0,3', '3,51', 'x,3', '2.5,3']) assert.throws(() => parseKvBigReps(bad), /PDSERVE_BENCH_KV_BIG_REPS=.*give 2 trial counts/, bad);
   });
 });

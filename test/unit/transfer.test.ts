@@ -16,6 +16,7 @@ import { encodeEnvelope, encodeEnvelopeHead, type EnvelopeExpect } from '../../s
 import { Crc32, crc32, crc32Impl } from '../../src/kv/transfer/checksum.js';
 import zlib from 'node:zlib';
 import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
+import { KvIo } from '../../src/kv/transfer/io-thread.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
 import { PdError } from '../../src/common/errors.js';
@@ -606,5 +607,139 @@ describe('sendGrowingStateFile (streamed while the state is saved) → streamed 
     assert.throws(() => rx.push(Buffer.concat([stream, Buffer.alloc(3)])), isBad(/trailing/));
     await rx.discard();
     assert.equal(pool.inUse, 0);
+  });
+});
+
+describe('the data path on the KV I/O thread (io-thread.ts)', () => {
+  const secret = 'transfer-test-secret';
+  /** A KV pair whose decode receivers use `io` and pause the socket through the connection. */
+  const pair = async (io: KvIo) => {
+    let prefill: PeerConn | undefined;
+    const server = new KvServer({ host: '127.0.0.1', port: 0, secret, settings: PAIR, epoch: newEpoch(), onMessage: (conn) => void (prefill ??= conn) });
+    const port = await server.listen();
+    const decodeEpoch = newEpoch();
+    const receivers = new Map<string, StateReceiver>();
+    const ends = new Map<string, () => void>();
+    const errors = new Map<string, Error>();
+    const lost: string[] = [];
+    const pool = new KvPeerPool({
+      secret,
+      settings: PAIR,
+      epoch: decodeEpoch,
+      onPeerLost: (_c, reason) => void lost.push(reason),
+      onMessage: (_c, msg) => {
+        if (msg.type === 'kv_end') ends.get(msg.room)?.();
+      },
+      onChunk: (c, room, offset, data) => {
+        const r = receivers.get(room)!;
+        if (errors.has(room)) return;
+        assert.equal(offset, r.received);
+        try {
+          r.push(data, c);
+        } catch (e) {
+          errors.set(room, e as Error);
+        }
+      },
+    });
+    const d = await pool.get('127.0.0.1', port);
+    d.sendControl({ type: 'register', room: '1', rid: 'r1', epoch: decodeEpoch });
+    for (let i = 0; !prefill; i++) {
+      assert.ok(i < 400, 'register reached the server within 2 s');
+      await new Promise((r) => setTimeout(r, 5));
+    }
+    const recvFiles = new FilePool({ dir, prefix: `pdserve-kvrecv-io-${seq++}`, maxFiles: 2, maxBytes: 1 << 24 });
+    const newReceiver = (room: string, h: Buffer, viaThread = true) => {
+      const r = new StateReceiver({ totalBytes: wireBytes(h, state.length), expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), files: recvFiles, pool: new BufferPool(4096, 2), ...(viaThread ? { io } : {}) });
+      receivers.set(room, r);
+      return r;
+    };
+    return { prefill: prefill!, server, pool, receivers, ends, errors, lost, recvFiles, newReceiver, close: async () => (await pool.close(), await server.close(), recvFiles.close()) };
+  };
+  const openFds = () => readdirSync('/proc/self/fd').length;
+
+  it('through the thread\'s slots, both ways, the file is byte-identical to the inline path\'s; every slot goes back', async () => {
+    // slots far smaller than the state: many jobs, the reservation reused, the socket paused and resumed
+    const io = new KvIo({ slotBytes: 4096, slots: 16 });
+    assert.equal(io.available, false, 'not available before the thread is ready (transfers go inline meanwhile)');
+    assert.ok(await io.start(), 'the thread starts');
+    assert.ok(io.available);
+    const p = await pair(io);
+    const file = path.join(dir, 'io-send.ggsq');
+    writeFileSync(file, state);
+    try {
+      const got: Buffer[] = [];
+      for (const [room, viaThread] of [['31', true], ['32', false], ['33', true]] as const) {
+        const h = head();
+        const rx = p.newReceiver(room, h, viaThread);
+        const ended = new Promise<void>((r) => p.ends.set(room, r));
+        await sendStateFile(p.prefill, room, file, h, state.length, { pool: new BufferPool(8192, 2), chunkBytes: 4096, ...(viaThread ? { io } : {}) });
+        p.prefill.sendControl({ type: 'kv_end', room });
+        await ended;
+        assert.equal(p.errors.get(room), undefined, `room ${room}: no receive error`);
+        const r = await rx.finish();
+        got.push(readFileSync(r.path));
+        await rx.done();
+      }
+      for (const b of got) assert.ok(b.equals(state), 'each received file equals the sent state, byte for byte');
+      assert.equal(io.freeSlots, 16, 'every reserved slot is back in the pool');
+      assert.equal(io.deaths, 0);
+      assert.ok(io.jobs >= 4 * Math.ceil(state.length / 4096), `both threaded rooms' reads and writes went through the thread (${io.jobs} jobs)`);
+    } finally {
+      await p.close();
+      await io.close();
+    }
+  });
+
+  it('a thread that dies mid-transfer fails that room on each side (slots and descriptors back once, the file given up once); the process and the connection live, and the next room goes through a restarted thread', async () => {
+    const io = new KvIo({ slotBytes: 4096, slots: 16 });
+    const p = await pair(io);
+    const file = path.join(dir, 'io-crash.ggsq');
+    writeFileSync(file, state);
+    assert.ok(state.length > 8 * 4096, `the tiny state (${state.length} bytes) spans more than one reservation of slots`);
+    try {
+      const fds = openFds();
+      // sending side: the reading thread dies at its 3rd read
+      io.crashAfterJobs = 3;
+      assert.ok(await io.start());
+      const h = head();
+      p.newReceiver('41', h, false);
+      await assert.rejects(sendStateFile(p.prefill, '41', file, h, state.length, { pool: new BufferPool(8192, 2), chunkBytes: 4096, io }), (e: unknown) => e instanceof PdError && e.code === 'ABORTED' && /I\/O thread died/.test((e as Error).message));
+      await p.receivers.get('41')!.discard();
+      // receiving side: the writing thread dies at its 3rd write; the sender, inline, completes
+      io.crashAfterJobs = 3;
+      assert.equal(io.available, false, 'no thread right after the death (a restart is under way)');
+      assert.ok(await io.start(), 'restarted');
+      const rx = p.newReceiver('42', h);
+      const ended = new Promise<void>((r) => p.ends.set('42', r));
+      await sendStateFile(p.prefill, '42', file, h, state.length, { pool: new BufferPool(8192, 2), chunkBytes: 4096 });
+      p.prefill.sendControl({ type: 'kv_end', room: '42' });
+      await ended;
+      const seen = p.errors.get('42') ?? (await rx.finish().then(() => undefined, (e: Error) => e));
+      assert.ok(seen instanceof PdError && seen.code === 'ABORTED' && /I\/O thread died/.test(seen.message), `the receive failed with the thread's death, got ${String(seen)}`);
+      await assert.rejects(rx.finish(), 'a failed receive stays failed');
+      await rx.discard();
+      await rx.discard();
+      assert.equal(io.deaths, 2, 'both threads died');
+      for (let i = 0; io.freeSlots < 16 || openFds() > fds; i++) {
+        assert.ok(i < 200, `slots (${io.freeSlots} of 16 free) and descriptors (${openFds()} open, ${fds} before) back within 2 s`);
+        await new Promise((r) => setTimeout(r, 10));
+      }
+      assert.equal(p.recvFiles.spare.files, 1, 'the failed receive\'s file went back to the file pool once');
+      assert.ok(p.prefill.alive, `the connection outlives the failed rooms (lost: ${p.lost.join('; ') || 'none'})`);
+      // a new thread for the next room, which arrives intact
+      assert.ok(await io.start(), 'restarted again');
+      const rx2 = p.newReceiver('43', h);
+      const ended2 = new Promise<void>((r) => p.ends.set('43', r));
+      await sendStateFile(p.prefill, '43', file, h, state.length, { pool: new BufferPool(8192, 2), chunkBytes: 4096, io });
+      p.prefill.sendControl({ type: 'kv_end', room: '43' });
+      await ended2;
+      const r = await rx2.finish();
+      assert.ok(readFileSync(r.path).equals(state), 'the next room is intact');
+      await rx2.done();
+      assert.equal(io.freeSlots, 16);
+    } finally {
+      await p.close();
+      await io.close();
+    }
   });
 });

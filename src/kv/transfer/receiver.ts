@@ -21,6 +21,7 @@ import { ENVELOPE_TRAILER_BYTES, parseEnvelopeHead, type EnvelopeExpect } from '
 import type { EnvelopeHeader } from '../messages.js';
 import { KvError } from '../types.js';
 import { Crc32 } from './checksum.js';
+import { IO_SLOTS_PER_TRANSFER, type IoStream, type KvIo } from './io-thread.js';
 import type { BufferPool, FilePool } from './pool.js';
 
 /** An incremental parser of the payload's structure (see StateReceiverOptions.walker). */
@@ -60,6 +61,48 @@ export interface StateReceiverOptions<S> {
   files?: FilePool;
   /** Write buffers. */
   pool: BufferPool;
+  /**
+   * The KV I/O thread (io-thread.ts): the payload's CRC-32 and file writes happen there; the
+   * main thread copies each piece into the transfer's reserved slots (and pauses the socket,
+   * through the `flow` given to `push`, while they are all in the thread). Absent, or when the
+   * thread is not available or the pool has no slot free: CRC-32 and writes inline.
+   */
+  io?: KvIo;
+}
+
+/** The socket a receiver's bytes come from, paused while the receiver's slots are all in the I/O thread (PeerConn). */
+export interface ReadFlow {
+  pauseReads(): void;
+  resumeReads(): void;
+}
+
+/** Bytes received ahead of the I/O thread beyond the reserved slots before the room fails (the socket is paused long before). */
+const MAX_OVERFLOW_BYTES = 4 * 1024 * 1024;
+/**
+ * Longest pause of the socket for one receive, ms: then the room fails (KvError('TIMEOUT')) and
+ * the socket reads on — half the KV heartbeat's budget (2 × 1 s), so a stuck disk fails its room,
+ * never the connection and every room on it.
+ */
+export const PAUSE_LIMIT_MS = 1000;
+
+/** One receive's share of the I/O thread: its slots, the one being filled, bytes waiting for a slot. */
+interface Threaded {
+  io: KvIo;
+  stream: IoStream;
+  slots: number[];
+  free: number[];
+  cur: { slot: number; used: number } | undefined;
+  /** Payload offset of the next slot written. */
+  filePos: number;
+  /** Copies of bytes that found no free slot (in order, before any later byte). */
+  overflow: Buffer[];
+  overflowBytes: number;
+  flow: ReadFlow | undefined;
+  paused: boolean;
+  /** Fails the receive when a pause lasts PAUSE_LIMIT_MS. */
+  pauseTimer: NodeJS.Timeout | undefined;
+  /** Called when nothing is left to write (no overflow, no job in the thread) or the stream failed. */
+  drained: (() => void)[];
 }
 
 /** What kv_end says after a streamed kv_begin: bytes sent (head + payload) and the payload's CRC-32. */
@@ -116,16 +159,25 @@ export class StateReceiver<S> {
   private payloadCap = 0;
   /** Size the destination file was given at open (streamed: cut or grown to the real size at finish). */
   private fileBytes = 0;
+  /** Set when the I/O thread does the CRC-32 and the writes. */
+  private t: Threaded | undefined;
+  /** The first `flow` given to `push`. */
+  private flow: ReadFlow | undefined;
 
   constructor(private readonly o: StateReceiverOptions<S>) {}
 
   /**
    * Consume the next piece of the room's byte stream.
+   * `flow`: the socket the bytes come from, paused while this receive's I/O-thread slots are all
+   * busy (with `io`; ignored otherwise).
    * @throws KvError('BAD_ENVELOPE' | 'BAD_STATE') at the first byte that proves the state bad
-   *   (head fields, structure, more bytes than announced).
+   *   (head fields, structure, more bytes than announced); the I/O thread's failure
+   *   (KvError('ABORTED') when it died, 'BAD_STATE' on a write error).
    */
-  push(data: Buffer): void {
+  push(data: Buffer, flow?: ReadFlow): void {
     if (this.failed) throw this.failed;
+    this.flow ??= flow;
+    if (this.t) this.t.flow ??= flow;
     try {
       this.consume(data);
     } catch (e) {
@@ -170,9 +222,12 @@ export class StateReceiver<S> {
     const inPayload = Math.max(0, Math.min(d.length, payloadEnd - this.received));
     if (inPayload > 0) {
       const p = d.subarray(0, inPayload);
-      this.crc.update(p);
       this.parser!.push(p);
-      this.write(p);
+      if (this.t) this.threadWrite(p, false);
+      else {
+        this.crc.update(p);
+        this.write(p);
+      }
       this.received += inPayload;
     }
     const rest = d.subarray(inPayload);
@@ -189,6 +244,7 @@ export class StateReceiver<S> {
       this.fd = f.fd;
       this.path = f.path;
       this.fileBytes = payloadBytes;
+      this.useThread();
       return;
     }
     if (this.o.path === undefined) throw new KvError('BAD_STATE', 'StateReceiver: neither path nor files given');
@@ -196,6 +252,123 @@ export class StateReceiver<S> {
     this.fd = openSync(this.o.path, 'w');
     ftruncateSync(this.fd, payloadBytes);
     this.fileBytes = payloadBytes;
+    this.useThread();
+  }
+
+  /** With `io`: reserve this receive's slots and a stream on the thread (none free, or no thread: inline). */
+  private useThread(): void {
+    const io = this.o.io;
+    if (!io?.available) return;
+    const slots = io.reserve(IO_SLOTS_PER_TRANSFER);
+    const stream = slots.length > 0 ? io.stream() : undefined;
+    if (!stream) {
+      io.unreserve(slots);
+      return;
+    }
+    const t: Threaded = { io, stream, slots, free: [...slots], cur: undefined, filePos: 0, overflow: [], overflowBytes: 0, flow: this.flow, paused: false, pauseTimer: undefined, drained: [] };
+    this.t = t;
+    stream.onReply = (slot) => {
+      t.free.push(slot);
+      t.pauseTimer?.refresh(); // progress: the pause limit counts from the last write
+      if (t.overflow.length > 0) {
+        const waiting = t.overflow.splice(0);
+        t.overflowBytes = 0;
+        try {
+          for (const b of waiting) this.threadWrite(b, true);
+        } catch (e) {
+          this.failed ??= e as Error;
+        }
+      }
+      this.flowCheck();
+      this.wakeDrained();
+    };
+    stream.onFail = (err) => {
+      this.failed ??= err;
+      this.flowCheck();
+      this.wakeDrained();
+    };
+  }
+
+  /**
+   * A payload piece into the thread's slots, in order: copied into the slot being filled, which
+   * goes to the thread (CRC-32, then the write at its file offset) once full; bytes that find no
+   * free slot wait, copied (`owned`: `p` is such a copy already), and the socket is paused.
+   */
+  private threadWrite(p: Buffer, owned: boolean): void {
+    const t = this.t!;
+    const slotBytes = t.io.slotBytes;
+    let i = 0;
+    while (i < p.length) {
+      if (t.overflow.length > 0 || (!t.cur && t.free.length === 0)) {
+        const rest = p.subarray(i);
+        if (t.overflowBytes + rest.length > MAX_OVERFLOW_BYTES) throw new KvError('BAD_STATE', `the KV I/O thread is ${t.overflowBytes + rest.length} bytes behind the socket`);
+        t.overflow.push(owned ? rest : Buffer.from(rest));
+        t.overflowBytes += rest.length;
+        break;
+      }
+      t.cur ??= { slot: t.free.pop()!, used: 0 };
+      const n = Math.min(slotBytes - t.cur.used, p.length - i);
+      p.copy(t.io.mem, t.cur.slot * slotBytes + t.cur.used, i, i + n);
+      t.cur.used += n;
+      i += n;
+      if (t.cur.used === slotBytes) this.submit();
+    }
+    this.flowCheck();
+  }
+
+  /** The slot being filled to the thread. @throws the stream's failure. */
+  private submit(): void {
+    const t = this.t!;
+    const c = t.cur;
+    if (!c) return;
+    t.cur = undefined;
+    t.stream.write(this.fd!, c.slot, c.used, t.filePos);
+    t.filePos += c.used;
+  }
+
+  /** Pause the socket below two free slots' worth of room, resume from four (or once the receive failed or ended). */
+  private flowCheck(): void {
+    const t = this.t;
+    if (!t?.flow) return;
+    const room = t.free.length * t.io.slotBytes + (t.cur ? t.io.slotBytes - t.cur.used : 0) - t.overflowBytes;
+    const over = this.failed !== undefined || this.discarded;
+    if (!t.paused && !over && room < 2 * t.io.slotBytes) {
+      t.paused = true;
+      t.flow.pauseReads();
+      t.pauseTimer = setTimeout(() => {
+        this.failed ??= new KvError('TIMEOUT', `the KV I/O thread wrote nothing for ${PAUSE_LIMIT_MS} ms (slow state directory?)`);
+        this.flowCheck();
+        this.wakeDrained();
+      }, PAUSE_LIMIT_MS);
+      t.pauseTimer.unref();
+    } else if (t.paused && (over || room >= 4 * t.io.slotBytes)) {
+      this.unpause();
+    }
+  }
+
+  private unpause(): void {
+    const t = this.t!;
+    if (!t.paused) return;
+    t.paused = false;
+    clearTimeout(t.pauseTimer);
+    t.pauseTimer = undefined;
+    t.flow?.resumeReads();
+  }
+
+  private wakeDrained(): void {
+    const t = this.t!;
+    if (this.failed || (t.overflow.length === 0 && t.stream.pending === 0)) for (const fn of t.drained.splice(0)) fn();
+  }
+
+  /** Everything pushed is written by the thread (its CRC-32 final). @throws the stream's failure. */
+  private async threadDrain(): Promise<void> {
+    const t = this.t!;
+    if (!this.failed) this.submit();
+    while (!this.failed && (t.overflow.length > 0 || t.stream.pending > 0 || t.cur)) {
+      await new Promise<void>((r) => t.drained.push(r));
+      if (!this.failed) this.submit();
+    }
+    if (this.failed) throw this.failed;
   }
 
   /**
@@ -249,7 +422,17 @@ export class StateReceiver<S> {
         crc = this.trailer.readUInt32BE(0);
       }
       const state = this.parser!.end();
-      if (this.crc.value >>> 0 !== crc >>> 0) throw bad('payload checksum mismatch: state is corrupted');
+      if (this.t) {
+        await this.threadDrain();
+        // all written: the slots go back now (the load may take a while), the socket reads on
+        const t = this.t;
+        t.stream.end();
+        t.io.unreserve(t.slots.splice(0));
+        t.free.length = 0;
+        this.unpause();
+      }
+      const got = this.t ? this.t.stream.crc : this.crc.value;
+      if (got >>> 0 !== crc >>> 0) throw bad('payload checksum mismatch: state is corrupted');
       this.flush();
       if (this.o.streamed) {
         const payloadBytes = this.received - this.headBytes;
@@ -297,6 +480,24 @@ export class StateReceiver<S> {
   private giveUp(remove: boolean): void {
     if (this.discarded) return;
     this.discarded = true;
+    const t = this.t;
+    if (t) {
+      // nothing may write through the descriptor, or into the file once it is recycled, after
+      // this: the file work waits until the thread holds no job of this receive
+      this.flowCheck();
+      t.overflow.length = 0;
+      t.overflowBytes = 0;
+      t.stream.end();
+      t.stream.whenIdle(() => {
+        t.io.unreserve(t.slots);
+        this.giveUpNow(remove);
+      });
+      return;
+    }
+    this.giveUpNow(remove);
+  }
+
+  private giveUpNow(remove: boolean): void {
     try {
       this.release();
     } catch {

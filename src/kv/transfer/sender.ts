@@ -21,6 +21,7 @@ import { KvError, type RoomId } from '../types.js';
 import { systemClock } from '../../common/clock.js';
 import type { MonoClock } from '../heartbeat.js';
 import { Crc32 } from './checksum.js';
+import { IO_SLOTS_PER_TRANSFER, type KvIo } from './io-thread.js';
 import type { BufferPool } from './pool.js';
 
 /** Options of `sendStateFile`; signal, stallMs, onProgress as PeerConn.sendChunks; `chunkBytes` caps the piece size. */
@@ -29,6 +30,12 @@ export interface SendStateFileOptions extends Omit<SendChunksOptions, 'offset'> 
   pool: BufferPool;
   /** Bytes per read piece and chunk frame (default SEND_PIECE_BYTES; at most chunkBytes and the pool's buffer size). */
   pieceBytes?: number;
+  /**
+   * The KV I/O thread (io-thread.ts): the file is read and CRC'd there, into its shared slots
+   * (one slot = one piece: `pieceBytes` is then the slot size, at most chunkBytes); `pool` is
+   * not used. Absent, or when the thread is not available or has no slot free: read inline.
+   */
+  io?: KvIo;
 }
 
 /**
@@ -126,6 +133,10 @@ export function wireBytes(head: Buffer, payloadBytes: number): number {
  *   when the file's size is not `payloadBytes`; fs errors from reading it.
  */
 export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, opts: SendStateFileOptions): Promise<void> {
+  if (opts.io?.available) {
+    const slots = opts.io.reserve(IO_SLOTS_PER_TRANSFER);
+    if (slots.length > 0) return sendThroughThread(conn, room, path, head, payloadBytes, opts.io, slots, opts);
+  }
   const fd = openSync(path, 'r');
   const slots = new PieceSlots(opts.pool, opts);
   const { pieceBytes } = slots;
@@ -168,6 +179,126 @@ export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, 
   } finally {
     slots.end();
     closeSync(fd);
+  }
+}
+
+/**
+ * sendStateFile with the file read and CRC'd on the KV I/O thread: up to `slots.length` pieces
+ * are read ahead into the reserved slots while earlier ones are on the wire; answers arrive in
+ * order and go to the socket as they come; a slot is read again once the socket flushed it. The
+ * main thread only hands slot views to the socket. The descriptor is closed, and the slots go
+ * back to the pool, once neither the thread nor the socket uses them — whatever happens.
+ * @throws as sendStateFile; KvError('ABORTED') when the thread dies, KvError('BAD_STATE') on a
+ *   read error there.
+ */
+async function sendThroughThread(conn: PeerConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, io: KvIo, slots: number[], opts: SendStateFileOptions): Promise<void> {
+  let fd: number;
+  try {
+    fd = openSync(path, 'r');
+  } catch (e) {
+    io.unreserve(slots);
+    throw e;
+  }
+  const stream = io.stream();
+  const pieceBytes = Math.max(1, Math.min(io.slotBytes, opts.chunkBytes ?? MAX_CHUNK_BYTES, MAX_CHUNK_BYTES));
+  const free = [...slots];
+  /** Pieces read, in file order, not yet handed to the socket. */
+  const ready: Buffer[] = [];
+  let issued = 0;
+  let handed = 0;
+  let inSocket = 0;
+  let failed: Error | undefined;
+  let resume: (() => void) | undefined;
+  let stage: 'head' | 'payload' | 'trailer' | 'end' = 'head';
+  let settled = false;
+  /** Per slot in the thread: the piece's file offset and length. */
+  const want = new Map<number, { pos: number; len: number }>();
+  const pump = (): void => {
+    if (!stream || failed || settled) return;
+    while (issued < payloadBytes && free.length > 0) {
+      const slot = free.pop()!;
+      const len = Math.min(pieceBytes, payloadBytes - issued);
+      want.set(slot, { pos: issued, len });
+      stream.read(fd, slot, len, issued);
+      issued += len;
+    }
+  };
+  if (stream) {
+    stream.onReply = (slot, got) => {
+      const w = want.get(slot)!;
+      if (got !== w.len) {
+        free.push(slot);
+        failed ??= new KvError('BAD_STATE', `state file ${path} ended at byte ${w.pos + got}, expected ${payloadBytes}`);
+      } else ready.push(io.view(slot, got));
+      resume?.();
+    };
+    stream.onFail = (err) => {
+      failed ??= err;
+      resume?.();
+    };
+  } else failed = new KvError('ABORTED', 'kv I/O thread unavailable');
+  let done = false;
+  const release = (): void => {
+    // the socket and the thread are done with every slot: back to the pool, the descriptor closed
+    if (done || inSocket > 0 || !settled) return;
+    done = true;
+    const finish = (): void => {
+      closeSync(fd);
+      // slots the thread still had are free now (answered or lost with it)
+      io.unreserve(slots);
+    };
+    if (stream) {
+      stream.end();
+      stream.whenIdle(finish);
+    } else finish();
+  };
+  const source = {
+    attach: (r: () => void): void => {
+      resume = r;
+      pump();
+    },
+    next: (): Buffer | null | undefined => {
+      if (failed) throw failed;
+      if (stage === 'head') {
+        stage = payloadBytes > 0 ? 'payload' : 'trailer';
+        if (head.length > 0) return head;
+      }
+      if (stage === 'payload') {
+        const piece = ready.shift();
+        if (!piece) {
+          pump();
+          return null;
+        }
+        inSocket++;
+        handed += piece.length;
+        if (handed === payloadBytes) stage = 'trailer';
+        return piece;
+      }
+      if (stage === 'trailer') {
+        const { size } = fstatSync(fd);
+        if (size !== payloadBytes) throw new KvError('BAD_STATE', `state file ${path} is ${size} bytes, expected ${payloadBytes}`);
+        stage = 'end';
+        return envelopeTrailer(stream!.crc);
+      }
+      return undefined;
+    },
+    flushed: (piece: Buffer): void => {
+      const slot = io.slotOf(piece);
+      if (slot < 0) return; // head and trailer are not the pool's
+      inSocket--;
+      if (settled) release();
+      else {
+        free.push(slot);
+        pump();
+      }
+    },
+  };
+  try {
+    await conn.sendFrom(room, source, { signal: opts.signal, stallMs: opts.stallMs, onProgress: opts.onProgress, offset: 0 });
+  } finally {
+    settled = true;
+    resume = undefined;
+    release();
   }
 }
 
