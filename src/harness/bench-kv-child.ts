@@ -196,6 +196,7 @@ async function sender(engine: Engine): Promise<void> {
   let conn: PeerConn | undefined;
   const sameHost = new SameHostPrefill({ enabled: true, stateDir: init.stateDir });
   const kv = new KvServer({
+    onPeerLost: (_c, why) => send({ type: 'progress', msg: `sender: kv connection lost: ${why}` }),
     host: '127.0.0.1',
     port: 0,
     secret: init.secret,
@@ -564,6 +565,7 @@ async function receiver(engine: Engine): Promise<void> {
   const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab });
   const headers = (file: PositionalSource) => parseStateHeaders(file, { contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, nVocab: info.nVocab, maxBytes });
   const pool = new KvPeerPool({
+    onPeerLost: (_c, why) => send({ type: 'progress', msg: `receiver: kv connection lost: ${why}` }),
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
     epoch: init.epoch,

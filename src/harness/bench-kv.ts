@@ -192,6 +192,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   sender.on((m) => {
     if (m.type === 'progress') say(`  ${String(m.msg)}`);
   });
+  receiver.on((m) => {
+    if (m.type === 'progress') say(`  ${String(m.msg)}`);
+  });
   try {
     const [sr, rr] = await Promise.all([sender.wait('ready', 120_000), receiver.wait('ready', 120_000)]);
     if (sr.error || rr.error) throw new Error(`kv child failed to start: ${sr.error ?? rr.error}`);

@@ -52,6 +52,8 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   L.push(
     `\`PDSERVE_BENCH_KV_BIG=1 npm run bench -- --sections 1\` (\`=only\`: these rows alone; trials per size \`PDSERVE_BENCH_KV_BIG_REPS\`, default 3,3). The same two processes and clocks as above, on the generated \`wide\` model (128 layers, 512 KV dimensions, f16: 256 KiB of KV per token, GPU-class; 2 llama.cpp threads, context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'}, decode side 1 sequence): each state is a real prompt evaluated once, loaded back into the sequence before each trial and saved by llama.cpp in the trial. Every KV trial runs twice, interleaved: with the KV I/O thread (the workers' path: file read + CRC-32 on prefill, CRC-32 + file write on decode in \`src/kv/transfer/io-thread.ts\`, the main thread only moving frames) and inline (the same work on the event loop).`,
     '',
+    'Smaller states instead of faster moves: `--kv-cache-type q8_0` / `q4_0` (llama.cpp\'s `-ctk`/`-ctv`, a pair setting the KV handshake compares) makes the saved state 0.53× / 0.28× of f16\'s (docs/GPU.md, "KV cache type"); the rows below are f16.',
+    '',
   );
   L.push(
     table(

@@ -80,8 +80,8 @@ export interface ReadFlow {
 const MAX_OVERFLOW_BYTES = 4 * 1024 * 1024;
 /**
  * Longest pause of the socket for one receive, ms: then the room fails (KvError('TIMEOUT')) and
- * the socket reads on — half the KV heartbeat's budget (2 × 1 s), so a stuck disk fails its room,
- * never the connection and every room on it.
+ * the socket reads on — half the KV heartbeat's budget (2 × 1 s; a paused socket reads no
+ * heartbeat), so a stuck or starved disk fails its room, never the connection and every room on it.
  */
 export const PAUSE_LIMIT_MS = 1000;
 
@@ -269,7 +269,6 @@ export class StateReceiver<S> {
     this.t = t;
     stream.onReply = (slot) => {
       t.free.push(slot);
-      t.pauseTimer?.refresh(); // progress: the pause limit counts from the last write
       if (t.overflow.length > 0) {
         const waiting = t.overflow.splice(0);
         t.overflowBytes = 0;
@@ -332,16 +331,20 @@ export class StateReceiver<S> {
     if (!t?.flow) return;
     const room = t.free.length * t.io.slotBytes + (t.cur ? t.io.slotBytes - t.cur.used : 0) - t.overflowBytes;
     const over = this.failed !== undefined || this.discarded;
-    if (!t.paused && !over && room < 2 * t.io.slotBytes) {
+    // thresholds within the reservation (a short pool may have given this receive fewer than 4)
+    const reserved = t.free.length + t.stream.pending + (t.cur ? 1 : 0);
+    const low = Math.min(2, reserved) * t.io.slotBytes;
+    const high = Math.min(4, reserved) * t.io.slotBytes;
+    if (!t.paused && !over && room < low) {
       t.paused = true;
       t.flow.pauseReads();
       t.pauseTimer = setTimeout(() => {
-        this.failed ??= new KvError('TIMEOUT', `the KV I/O thread wrote nothing for ${PAUSE_LIMIT_MS} ms (slow state directory?)`);
+        this.failed ??= new KvError('TIMEOUT', `the KV I/O thread kept up with the socket for none of ${PAUSE_LIMIT_MS} ms (${t.slots.length} slots reserved, ${t.stream.pending} writes in the thread, ${t.free.length} free, ${t.overflowBytes} bytes waiting): slow state directory or a starved thread`);
         this.flowCheck();
         this.wakeDrained();
       }, PAUSE_LIMIT_MS);
       t.pauseTimer.unref();
-    } else if (t.paused && (over || room >= 4 * t.io.slotBytes)) {
+    } else if (t.paused && (over || room >= high)) {
       this.unpause();
     }
   }
