@@ -34,8 +34,10 @@ function largeStateGoals(f: SectionFile | undefined): string[][] {
   const r = f?.result as KvSectionResult | undefined;
   if (!r?.sizes?.length) return [];
   const rows: string[][] = [];
-  const tcp = r.sizes.map((s) => `${size(s.blobBytes)} ${ratio(s.goalRatio)}`).join(', ');
-  rows.push(['KV handoff over TCP ≤ 1.1 × (save + raw TCP + load) at 256 MiB – 1 GiB (§1, large states)', tcp, r.sizes.every((s) => s.goalRatio <= 1.1) ? '**pass**' : r.sizes.every((s) => s.goalRatio <= 1.3) ? '**miss** (≤ 1.3 × met)' : '**miss**']);
+  const tcp = r.sizes.map((s) => `${size(s.blobBytes)} ${ratio(s.goalRatio)} (raw TCP ${fmt(s.rawGBps, 2)} GB/s, the channel's wire ${fmt(s.wireGBps, 2)} GB/s)`).join(', ');
+  // a bare socket slower than the whole handoff is no floor: no verdict from it
+  const floorOk = r.sizes.every((s) => s.rawMs.median < s.kvMs.median);
+  rows.push(['KV handoff over TCP ≤ 1.1 × (save + raw TCP + load) at 256 MiB – 1 GiB (§1, large states)', tcp, !floorOk ? 'not measured: raw TCP slower than the handoff (no floor)' : r.sizes.every((s) => s.goalRatio <= 1.1) ? '**pass**' : r.sizes.every((s) => s.goalRatio <= 1.3) ? '**miss** (≤ 1.3 × met)' : '**miss**']);
   const sh = r.sizes.filter((s) => s.sameHostGoalRatio !== undefined);
   if (sh.length) rows.push(['same-host handoff ≤ 1.1 × (save + load) at 256 MiB – 1 GiB', sh.map((s) => `${size(s.blobBytes)} ${ratio(s.sameHostGoalRatio)}`).join(', '), sh.every((s) => s.sameHostGoalRatio! <= 1.1) ? '**pass**' : '**miss**']);
   const gib = r.sizes[r.sizes.length - 1]!;
@@ -61,6 +63,8 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
       r.sizes.map((s) => [size(s.blobBytes), s.tokens, `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.inline?.kvMs.median), fmt(s.rawMs.median), fmt(s.goalSaveMs ?? s.saveMs), fmt(s.phasesMs.loadState), `**${ratio(s.goalRatio)}** ${s.goalRatio <= 1.1 ? 'pass' : s.goalRatio <= 1.3 ? '(≤ 1.3 only)' : 'miss'}`, ratio(s.inline?.goalRatio), fmt(s.wireGBps, 3), fmt(s.rawGBps, 3), s.kvMs.n]),
     ),
   );
+  if (r.sizes.some((s) => s.rawMs.median >= s.kvMs.median))
+    L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver takes a fresh buffer for every read (\`'data'\` events), which at these sizes costs more than the channel's one reused read buffer, so the floor is not a floor and its ratio is no verdict; the I/O thread against inline, same trials, is the comparison that holds.`);
   L.push('', 'Phases of the I/O-thread trials (medians, ms; as in the table above):', '');
   L.push(
     table(
