@@ -26,7 +26,7 @@ import { readSse, SseWriter } from './sse.js';
 import { randomBytes } from 'node:crypto';
 import { MAX_CHOICES } from './fields.js';
 import { ApiError, badRequest, sendApiError, SSE_DONE, usageOf, type Usage } from './openai.js';
-import { codeSpec, type ApiErrorType } from '../common/errors.js';
+import { asErrorCode, codeSpec, type ApiErrorType } from '../common/errors.js';
 import type { ToolCall, ToolCallDelta } from './tool-calls.js';
 import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 
@@ -181,7 +181,7 @@ export class FanOutMerger {
  */
 export function choiceError(index: number, error: unknown): ApiError {
   const e = (error !== null && typeof error === 'object' ? error : {}) as { message?: unknown; code?: unknown; type?: unknown; param?: unknown };
-  const code = typeof e.code === 'string' ? e.code : 'internal_error';
+  const code = asErrorCode(e.code, 'internal_error');
   const spec = codeSpec(code);
   const type = typeof e.type === 'string' ? (e.type as ApiErrorType) : spec.type;
   return new ApiError(spec.status, code, `choice ${index} failed: ${typeof e.message === 'string' ? e.message : 'error'}`, type, typeof e.param === 'string' ? e.param : null);
@@ -236,7 +236,7 @@ export async function serveFanOut(
       let err: ApiError;
       try {
         const e = (JSON.parse(text) as { error: { message: string; type: string; param: string | null; code: string | null } }).error;
-        err = new ApiError(failed.value.statusCode, e.code ?? 'internal_error', e.message, e.type as never, e.param);
+        err = new ApiError(failed.value.statusCode, asErrorCode(e.code, 'internal_error'), e.message, e.type as never, e.param);
       } catch {
         err = new ApiError(500, 'internal_error', `a choice's sub-request failed with status ${failed.value.statusCode}: ${text.slice(0, 300)}`, 'server_error');
       }

@@ -5,6 +5,8 @@
  * first and anything outside the subset is a 400 naming the keyword, instead of output that
  * silently ignores part of the schema.
  */
+import { PdError } from '../common/errors.js';
+
 const TYPES = new Set(['string', 'number', 'integer', 'boolean', 'null', 'object', 'array']);
 /** Keywords without effect on generation (annotations). */
 const ANNOTATIONS = new Set(['description', 'title', '$schema', '$id', '$comment', 'examples', 'default']);
@@ -12,12 +14,13 @@ const KEYWORDS = new Set(['type', 'const', 'enum', 'oneOf', 'anyOf', 'properties
 const FORMATS = new Set(['date-time', 'time', 'date']);
 
 /** A schema outside the supported subset: `path` is a JSON pointer-ish path of the offending keyword. */
-export class SchemaError extends Error {
+export class SchemaError extends PdError {
   constructor(
     readonly path: string,
     message: string,
   ) {
-    super(message);
+    super('UNSUPPORTED_SCHEMA', message);
+    this.name = 'SchemaError';
   }
 }
 

@@ -15,7 +15,7 @@ import { normaliseJsonSchema, SchemaError } from './json-schema.js';
 import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint, type FieldSpec } from './fields.js';
 import { parseTools, toolGrammarOf, ToolCallParser, type ParsedTools, type ToolCall, type ToolCallDelta } from './tool-calls.js';
 import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
-import { ApiError, toApiError as commonToApiError, type ApiErrorType } from '../common/errors.js';
+import { ApiError, asErrorCode, toApiError as commonToApiError, type ApiErrorType, type ErrorCode } from '../common/errors.js';
 import { RepeatLimiter } from '../common/log-limit.js';
 
 // ---------------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ export function errorBody(message: string, type: ApiErrorType | string = 'invali
 }
 
 /** 400 invalid_request_error with a stable `code`. */
-export const badRequest = (message: string, param: string | null = null, code = 'invalid_value'): ApiError =>
+export const badRequest = (message: string, param: string | null = null, code: ErrorCode = 'invalid_value'): ApiError =>
   new ApiError(400, code, message, 'invalid_request_error', param);
 
 /** Render a zod path as `messages[0].content`. */
@@ -88,7 +88,7 @@ export function apiErrorOf(err: unknown): ApiError {
   }
   if (err instanceof SyntaxError) return badRequest(`We could not parse the JSON body of your request: ${err.message}`, null, 'invalid_json');
   const status = typeof e?.statusCode === 'number' ? e.statusCode : 500;
-  if (status >= 400 && status < 500) return new ApiError(status, typeof e?.code === 'string' ? e.code : 'invalid_request', e?.message ?? 'Bad request', 'invalid_request_error');
+  if (status >= 400 && status < 500) return new ApiError(status, asErrorCode(e?.code, 'invalid_request'), e?.message ?? 'Bad request', 'invalid_request_error');
   if (typeof e?.code === 'string' && !e.code.startsWith('FST_')) return commonToApiError(err);
   return new ApiError(500, 'internal_error', 'Internal server error', 'server_error');
 }

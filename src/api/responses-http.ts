@@ -19,7 +19,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { systemClock } from '../common/clock.js';
 import { request, type Dispatcher } from 'undici';
 import { ApiError, checkModelName, SSE_DONE } from './openai.js';
-import { codeSpec } from '../common/errors.js';
+import { asErrorCode, codeSpec } from '../common/errors.js';
 import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 import { readSse, SseError, SseWriter } from './sse.js';
 import { newItemId, parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponsesEvent } from './responses.js';
@@ -171,7 +171,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
           writer.end();
           return reply;
         }
-        throw new ApiError(failure.status, failure.code, failure.message, failure.type as ApiError['type']);
+        throw new ApiError(failure.status, asErrorCode(failure.code, 'chat_path_failed'), failure.message, failure.type as ApiError['type']);
       }
       const finalEvents = t.finish();
       const response = t.response();

@@ -12,16 +12,17 @@
  */
 import type { ServerResponse } from 'node:http';
 import { connectionHeader } from '../common/drain.js';
+import { PdError } from '../common/errors.js';
 
 export type SseErrorCode = 'SSE_CLOSED' | 'SSE_WRITE_TIMEOUT' | 'SSE_EVENT_TOO_LARGE';
 
 /** Typed SSE error with a stable `code` (undici style). */
-export class SseError extends Error {
+export class SseError extends PdError {
   constructor(
-    public readonly code: SseErrorCode,
+    public override readonly code: SseErrorCode,
     message: string,
   ) {
-    super(message);
+    super(code, message);
     this.name = 'SseError';
   }
 }

@@ -9,7 +9,9 @@
  *  - `PdError` — thrown inside a process (engine, KV channel, envelope, state parser);
  *  - `RoomFailure` — `{code, detail}`, why a KV room failed (the lifecycle core keeps the first
  *    one; it travels to the peer in the wire `fail` message);
- *  - `ApiError` — what crosses HTTP, rendered as an OpenAI error body.
+ *  - `ApiError` — a PdError that crosses HTTP, rendered as an OpenAI error body; its `code` is
+ *    typed `ErrorCode`, so a code missing from the table fails the type check (a code read from
+ *    a peer's body goes through `asErrorCode`).
  */
 
 export type ApiErrorType = 'invalid_request_error' | 'server_error' | 'timeout_error' | 'overloaded_error' | 'not_found_error' | 'authentication_error' | 'rate_limit_error';
@@ -38,6 +40,8 @@ export const ERROR_CODES = {
   // -- client-caused: the request itself or its client --------------------------------------
   invalid_request: CLIENT_400,
   invalid_value: CLIENT_400,
+  /** n × prompts over the router's fan-out bound. */
+  too_many_choices: CLIENT_400,
   invalid_type: CLIENT_400,
   missing_required_parameter: CLIENT_400,
   invalid_json: CLIENT_400,
@@ -106,6 +110,11 @@ export const ERROR_CODES = {
   worker_unauthenticated: BAD_GATEWAY,
   prefill_failed: BAD_GATEWAY,
   decode_failed: BAD_GATEWAY,
+  /** A worker answered an error whose code is not in this table (a newer or foreign peer). */
+  prefill_error: BAD_GATEWAY,
+  decode_error: BAD_GATEWAY,
+  /** n > 1: a choice of the group failed or never joined, so the group's one prefill request could not be sent. */
+  choice_group_incomplete: c(503, 'server_error', 'system'),
   /** /v1/responses: the server's own chat path (its loopback request) did not answer or broke its stream. */
   chat_path_failed: BAD_GATEWAY,
   queue_full: c(503, 'overloaded_error', 'system'),
@@ -127,6 +136,11 @@ export type ErrorCode = keyof typeof ERROR_CODES;
 /** True when `code` is in the table. */
 export function isErrorCode(code: unknown): code is ErrorCode {
   return typeof code === 'string' && Object.prototype.hasOwnProperty.call(ERROR_CODES, code);
+}
+
+/** `code` when it is in the table, else `fallback`: for codes read from a peer's error body. */
+export function asErrorCode(code: unknown, fallback: ErrorCode): ErrorCode {
+  return isErrorCode(code) ? code : fallback;
 }
 
 /** The table row of `code`; unknown codes are system faults answered 500. */
@@ -155,8 +169,10 @@ export const failure = (code: ErrorCode, detail: string): RoomFailure => ({ code
 export const failureText = (f: RoomFailure): string => `${f.code}: ${f.detail}`;
 
 /**
- * Base class of errors thrown inside pdserve processes (undici's `UndiciError`): `code` is the
- * stable identity, `message` is for humans.
+ * The one base class of pdserve's errors (undici's `UndiciError`): `code` is the stable
+ * identity, `message` is for humans. Thrown inside processes with an internal code (the
+ * engine's, the KV channel's, the state parser's: `errorCodeOf` maps them to the table); its
+ * subclass `ApiError` carries a table code, checked by the type system.
  */
 export class PdError extends Error {
   constructor(
@@ -169,15 +185,15 @@ export class PdError extends Error {
 }
 
 /** Errors that cross the HTTP boundary: a code from the table, its status and OpenAI `type`. */
-export class ApiError extends Error {
+export class ApiError extends PdError {
   constructor(
     public readonly status: number,
-    public readonly code: string,
+    public override readonly code: ErrorCode,
     message: string,
     public readonly type: ApiErrorType = status < 500 ? 'invalid_request_error' : 'server_error',
     public readonly param: string | null = null,
   ) {
-    super(message);
+    super(code, message);
     this.name = 'ApiError';
   }
 

@@ -18,6 +18,7 @@ import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { PdError } from '../common/errors.js';
 import { signGlobally } from '../common/http-auth.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 
@@ -143,7 +144,11 @@ export async function freePort(host = '127.0.0.1'): Promise<number> {
 }
 
 /** A child that exited at start-up because its port was taken (it says so over IPC). */
-class PortInUseError extends Error {}
+class PortInUseError extends PdError {
+  constructor(message: string) {
+    super('PORT_IN_USE', message);
+  }
+}
 
 /** Start and supervise a cluster. `start()` resolves when every process answered ready. */
 export class Cluster {

@@ -22,6 +22,7 @@
  * refuses the request answers every member with its status and body. After the send, a member
  * leaving only stops reading its part; the prefill request is aborted when every member left.
  */
+import type { ErrorCode } from '../common/errors.js';
 import { randomBytes } from 'node:crypto';
 import { request, type Dispatcher } from 'undici';
 import type { SubRequest } from '../api/fanout.js';
@@ -164,7 +165,7 @@ export class ChoiceGroup {
   }
 
   /** Before the send: answer every joined member with this error, and later joiners too. */
-  private fail(status: number, code: string, message: string): void {
+  private fail(status: number, code: ErrorCode, message: string): void {
     if (this.sent || this.failed) return;
     clearTimeout(this.timer);
     this.failed = { status, body: JSON.stringify({ error: { message, type: 'server_error', param: null, code } }) };

@@ -35,6 +35,7 @@
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
 import { InternalTlsSchema } from '../common/config.js';
+import { PdError } from '../common/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
@@ -202,10 +203,9 @@ export interface RouterConfig {
 }
 
 /** Typed config error with a stable code. */
-export class RouterConfigError extends Error {
-  readonly code = 'INVALID_ROUTER_CONFIG';
+export class RouterConfigError extends PdError {
   constructor(message: string) {
-    super(message);
+    super('INVALID_ROUTER_CONFIG', message);
     this.name = 'RouterConfigError';
   }
 }

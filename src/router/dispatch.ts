@@ -54,6 +54,7 @@ import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
 import { ApiError, OpenAIResponseBuilder, responseToolSyntax, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
 import { readSse, SseError, SseParser, SseWriter } from '../api/sse.js';
+import { asErrorCode, type ErrorCode } from '../common/errors.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import { errorOutcome, type Outcome, type RouterMetrics } from './metrics.js';
@@ -121,14 +122,14 @@ interface Leg {
  */
 export function workerError(role: LegName, status: number, text: string): ApiError {
   let message = text.trim().slice(0, 500) || `HTTP ${status}`;
-  let code = `${role}_error`;
+  let code: ErrorCode = role === 'prefill' ? 'prefill_error' : 'decode_error';
   let type: string | undefined;
   let param: string | null = null;
   try {
     const j = JSON.parse(text) as { error?: { message?: unknown; code?: unknown; type?: unknown; param?: unknown } };
     if (j?.error && typeof j.error === 'object') {
       if (typeof j.error.message === 'string') message = j.error.message;
-      if (typeof j.error.code === 'string') code = j.error.code;
+      code = asErrorCode(j.error.code, code);
       if (typeof j.error.type === 'string') type = j.error.type;
       if (typeof j.error.param === 'string') param = j.error.param;
     }

@@ -37,6 +37,13 @@ describe('error model', () => {
     assert.ok(n > 10, `scanned ${n} call sites`);
   });
 
+  test('one base class: every error class in src derives from PdError (an ApiError carries a table code, typed)', () => {
+    const direct = SOURCES.flatMap((f) => [...f.text.matchAll(/class (\w+) extends Error\b/g)].map((m) => `${f.path}: ${m[1]}`));
+    assert.deepEqual(direct, ['common/errors.ts: PdError']);
+    const e = new ApiError(502, 'decode_failed', 'x');
+    assert.ok(e instanceof PdError && e.code === 'decode_failed');
+  });
+
   test('client-caused vs system faults: 4xx/499 are the client\'s, 5xx the system\'s', () => {
     for (const [code, spec] of Object.entries(ERROR_CODES)) {
       assert.equal(spec.cause, spec.status < 500 ? 'client' : 'system', code);

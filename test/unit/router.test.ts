@@ -175,7 +175,7 @@ class FakeWorker {
     try {
       for (let i = 0; i < tokens.length; i++) {
         if (b.errorAfter === i) {
-          res.write(`data: ${JSON.stringify({ error: { message: 'slot exploded', type: 'server_error', code: 'engine_error' } })}\n\n`);
+          res.write(`data: ${JSON.stringify({ error: { message: 'slot exploded', type: 'server_error', code: 'engine_failed' } })}\n\n`);
           return res.end();
         }
         if (b.truncateAfter === i) return res.end();
@@ -1223,10 +1223,10 @@ describe('router: migration (after output)', () => {
     const events = await rawStream(s);
     assert.equal(texts(events).join(''), 'The quick brown', 'one more token per attempt, none repeated');
     const last = JSON.parse(events.at(-1)!) as { error?: { code: string; message: string } };
-    assert.equal(last.error?.code, 'engine_error');
+    assert.equal(last.error?.code, 'engine_failed');
     assert.ok(!events.includes('[DONE]'));
     assert.equal(s.decode[0]!.generates.length, 3);
-    assert.match(await metric(s, 'pdserve_router_migrations_total'), /reason="other",outcome="error"} 2/);
+    assert.match(await metric(s, 'pdserve_router_migrations_total'), /reason="engine_failed",outcome="error"} 2/);
     await assertReleased(s);
   });
 });
