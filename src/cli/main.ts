@@ -9,7 +9,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createLogger } from '../common/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
-import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, secretFlags } from './secrets.js';
+import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
 
@@ -440,7 +440,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       if (!(n > 0)) throw new InvalidArgumentError(`not a positive rate or 'inf': ${v}`);
       return n;
     };
-    program
+    const bench = program
       .command('bench')
       .description('serving benchmark of an OpenAI-compatible endpoint (TTFT, TPOT, ITL, E2E, throughput, goodput), like vLLM bench serve')
       .option('--url <url>', 'base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000')
@@ -467,9 +467,11 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--timeout-ms <ms>', 'per-request deadline', int, 600_000)
       .option('--json <file>', 'write the result (config, metrics, per-request arrays) as JSON')
       .option('--no-progress', 'no progress bar on stderr')
+      .option('--ca <file>', "PEM CA of an https:// --url (the router's API key: PDSERVE_API_KEY)");
+    internalTlsFlags(bench)
       .action(async (o) => {
         const { benchCli } = await import('../harness/bench.js');
-        process.exitCode = await benchCli(o);
+        process.exitCode = await benchCli({ ...o, ...(o.ca ? { ca: resolve(o.ca) } : {}), internalTls: internalTlsOf('bench', o, false) });
       });
     program
       .command('bench-agents')
@@ -531,7 +533,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       if (!(n >= 0 && n <= 1)) throw new InvalidArgumentError(`not a rate in [0, 1]: ${v}`);
       return n;
     };
-    engineOptions(program.command('storm').description('many agents, client cancellations at every phase and worker faults; fails (exit 1) on any wedge, leak, hang, crash or wrong answer'))
+    const storm = engineOptions(program.command('storm').description('many agents, client cancellations at every phase and worker faults; fails (exit 1) on any wedge, leak, hang, crash or wrong answer'))
       .option('--url <url>', 'drive this router instead of starting a cluster (client-side chaos only)')
       .addOption(new Option('--worker <url>', 'with --url: a worker to watch (/metrics, /health, /debug/rooms); repeatable').argParser(collect))
       .option('--reference <url>', 'with --url: a colocated server for the wrong-answer check')
@@ -561,8 +563,20 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--json <file>', 'write the full report as JSON')
       .option('--log-dir <dir>', 'one log file per process (default: a temp folder)')
       .option('--no-progress', 'no progress line')
+      .option('--ca <file>', "PEM CA of an https:// router (the router's keys: PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY; self-hosted, the router is started with them)")
+      .option('--tls-cert <file>', 'self-hosted: the router serves HTTPS with this PEM certificate (with --tls-key; give --ca)')
+      .option('--tls-key <file>', 'self-hosted: the PEM key of --tls-cert');
+    internalTlsFlags(storm)
       .action(async (o) => {
         const { runStorm } = await import('../harness/storm.js');
+        if (!o.tlsCert !== !o.tlsKey) {
+          console.error('pdserve storm: --tls-cert and --tls-key go together');
+          process.exit(2);
+        }
+        const apiKey = listEnv(process.env.PDSERVE_API_KEY)[0];
+        const adminKey = listEnv(process.env.PDSERVE_ADMIN_API_KEY)[0];
+        const access = { ...(apiKey ? { apiKey } : {}), ...(adminKey ? { adminKey } : {}), ...(o.ca ? { ca: resolve(o.ca) } : {}) };
+        const internalTls = internalTlsOf('storm', o, !o.url);
         const ac = new AbortController();
         let interrupts = 0;
         process.on('SIGINT', () => {
@@ -610,6 +624,9 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
             logDir: o.logDir ? resolve(o.logDir) : undefined,
             progress: o.progress === false ? 'off' : process.stderr.isTTY ? 'tty' : 'lines',
             signal: ac.signal,
+            access,
+            ...(o.tlsCert ? { routerTls: { cert: resolve(o.tlsCert), key: resolve(o.tlsKey) } } : {}),
+            ...(internalTls ? { internalTls } : {}),
           });
           process.exit(report.ok ? 0 : 1);
         } catch (err) {

@@ -127,8 +127,12 @@ export function withCredentials(c: ClientCredentials, base: Dispatcher = new Age
   return ics.length ? base.compose(...ics) : base;
 }
 
-/** origin → signer (and the pool to reach it through, for TLS options), for the process-wide dispatcher (`signGlobally`). */
-const globalSigners = new Map<string, { sign: Dispatcher.DispatcherComposeInterceptor; via?: Dispatcher }>();
+/** origin → its interceptors (signer, bearer key) and the pool to reach it through (TLS options), for the process-wide dispatcher (`reachGlobally`). */
+interface GlobalRoute {
+  wrap: Dispatcher.DispatcherComposeInterceptor[];
+  via?: Dispatcher;
+}
+const globalSigners = new Map<string, GlobalRoute>();
 let globalInstalled = false;
 
 /**
@@ -143,7 +147,11 @@ export function registeredSigners(): Dispatcher.DispatcherComposeInterceptor {
       const s = globalSigners.get(originOf(opts.origin));
       if (!s) return dispatch(opts, handler);
       let d = bound.get(s);
-      if (!d) bound.set(s, (d = s.sign(s.via ? s.via.dispatch.bind(s.via) : dispatch)));
+      if (!d) {
+        d = s.via ? s.via.dispatch.bind(s.via) : dispatch;
+        for (const w of s.wrap) d = w(d);
+        bound.set(s, d);
+      }
       return d(opts, handler);
     };
   };
@@ -158,8 +166,19 @@ export function registeredSigners(): Dispatcher.DispatcherComposeInterceptor {
  * secrets may be registered.
  */
 export function signGlobally(origins: readonly string[], secret: string, tls?: object): () => void {
-  const signer = { sign: signWith(secret), ...(tls ? { via: new Agent({ connect: tls }) } : {}) };
+  return reachGlobally(origins, { secret, ...(tls ? { tls } : {}) });
+}
+
+/**
+ * `signGlobally` in general: requests of this process to `origins` are signed with `c.secret`,
+ * carry `Authorization: Bearer c.bearer` (a router's API or admin key: the storm, bench) and go
+ * over connections with the node:tls client options `c.tls` (a CA, a client certificate) —
+ * whatever of the three is given. Returns the undo.
+ */
+export function reachGlobally(origins: readonly string[], c: { secret?: string; bearer?: string; tls?: object }): () => void {
   const list = origins.map((o) => new URL(o).origin);
+  const wrap = [...(c.secret ? [signWith(c.secret)] : []), ...(c.bearer ? [bearerFor(list, c.bearer)] : [])];
+  const signer: GlobalRoute = { wrap, ...(c.tls ? { via: new Agent({ connect: c.tls }) } : {}) };
   for (const o of list) globalSigners.set(o, signer);
   if (!globalInstalled) {
     globalInstalled = true;

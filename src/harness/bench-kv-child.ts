@@ -48,6 +48,8 @@ import { sharedKvIo } from '../kv/transfer/io-thread.js';
 import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
+import { kvTransportOf } from '../kv/transport.js';
+import { loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { encodeEnvelopeHead, envelopeTrailer, prepareEnvelopeHead } from '../kv/envelope.js';
 import { crc32 } from '../kv/transfer/checksum.js';
@@ -73,6 +75,8 @@ interface Init {
   streamed?: boolean;
   /** llama.cpp threads (default 1). */
   threads?: number;
+  /** The KV channel over (mutual) TLS with these PEM files, as the workers' --internal-tls-*. */
+  tls?: InternalTlsFiles;
 }
 
 const init = JSON.parse(process.argv[2] ?? '{}') as Init;
@@ -197,6 +201,7 @@ async function sender(engine: Engine): Promise<void> {
   const sameHost = new SameHostPrefill({ enabled: true, stateDir: init.stateDir });
   const kv = new KvServer({
     onPeerLost: (_c, why) => send({ type: 'progress', msg: `sender: kv connection lost: ${why}` }),
+    transport: kvTransportOf(loadInternalTls(init.tls)),
     host: '127.0.0.1',
     port: 0,
     secret: init.secret,
@@ -566,6 +571,7 @@ async function receiver(engine: Engine): Promise<void> {
   const headers = (file: PositionalSource) => parseStateHeaders(file, { contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, nVocab: info.nVocab, maxBytes });
   const pool = new KvPeerPool({
     onPeerLost: (_c, why) => send({ type: 'progress', msg: `receiver: kv connection lost: ${why}` }),
+    transport: kvTransportOf(loadInternalTls(init.tls)),
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
     epoch: init.epoch,

@@ -25,6 +25,7 @@
  * same-host trials).
  */
 import { randomBytes } from 'node:crypto';
+import { join } from 'node:path';
 import { newEpoch } from '../kv/auth.js';
 import { summarize, type Summary } from './stats.js';
 import { BenchChild, median, say } from './bench-util.js';
@@ -173,6 +174,8 @@ export interface KvSectionResult {
   sameHostFloorMs?: { there: number; thereP90: number; back: number; rounds: number };
   /** The KV trials streamed the state while it was saved (--kv-stream); false: save, then send. */
   streamed?: boolean;
+  /** The KV channel ran over mutual TLS (PDSERVE_BENCH_KV_TLS_DIR); raw TCP stays plain. */
+  tls?: boolean;
 }
 
 interface Msg {
@@ -186,6 +189,9 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
   const secret = randomBytes(16).toString('hex');
   const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm', threads: o.threads ?? 1 };
   const streamed = o.kvStream ?? process.env.PDSERVE_BENCH_KV_STREAM === '1';
+  // PDSERVE_BENCH_KV_TLS_DIR=<dir with ca.crt, node.crt, node.key>: the channel over mutual TLS (the workers' --internal-tls-*).
+  const tlsDir = process.env.PDSERVE_BENCH_KV_TLS_DIR;
+  if (tlsDir) (base as Record<string, unknown>).tls = { ca: join(tlsDir, 'ca.crt'), cert: join(tlsDir, 'node.crt'), key: join(tlsDir, 'node.key') };
   if (process.env.PDSERVE_BENCH_KV_BOUND) say(`  NOTE: PDSERVE_BENCH_KV_BOUND=${process.env.PDSERVE_BENCH_KV_BOUND}: a bound experiment (bench-kv-child.ts), not the workers' path — these §1 figures are not the handoff's`);
   const sender = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'sender', epoch: newEpoch(), streamed })]);
   const receiver = new BenchChild<Msg>('bench-kv-child', [JSON.stringify({ ...base, role: 'receiver', epoch: newEpoch(), sequences: o.receiverSequences ?? 1 })]);
@@ -418,6 +424,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       machine,
       receiverSequences: o.receiverSequences ?? 1,
       streamed,
+      ...(tlsDir ? { tls: true } : {}),
       ...(fl?.there?.length ? { sameHostFloorMs: { there: median(fl.there), thereP90: summarize(fl.there).p90, back: median(fl.back), rounds: fl.there.length } } : {}),
     };
   } finally {

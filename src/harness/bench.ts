@@ -24,7 +24,8 @@ import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { randomBytes } from 'node:crypto';
 import { Agent, request, type Dispatcher } from 'undici';
-import { registeredSigners, signGlobally } from '../common/http-auth.js';
+import { reachGlobally, registeredSigners, signGlobally } from '../common/http-auth.js';
+import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 import { readSse } from '../api/sse.js';
 import { fitPrompts, RemoteTokenizer } from './bench-tokenize.js';
 import { computeMetrics, hasSlo, type BenchMetrics, type RequestRecord, type Slo } from './bench-metrics.js';
@@ -705,6 +706,10 @@ export function resultJson(r: BenchResult): string {
 /** Parsed `pdserve bench` options (commander). */
 export interface BenchCliOptions {
   url?: string;
+  /** PEM CA of an https:// --url (default: the system store). The API key comes from PDSERVE_API_KEY. */
+  ca?: string;
+  /** pd-direct: internal TLS files (https:// workers asking for a client certificate). */
+  internalTls?: InternalTlsFiles;
   backend: 'openai' | 'pd-direct';
   endpoint: 'completions' | 'chat';
   model?: string;
@@ -742,12 +747,16 @@ export async function benchCli(o: BenchCliOptions): Promise<number> {
     target = { kind: 'pd-direct', prefillUrl: pu!, bootstrapHost: new URL(pu!).hostname, bootstrapPort: Number(bp ?? 8998), decodeUrl: o.decode };
     // The workers take only signed requests: the cluster secret from the environment (SECURITY.md).
     const secret = process.env.PDSERVE_CLUSTER_SECRET;
-    if (secret) signGlobally([pu!, o.decode], secret);
+    const itls = loadInternalTls(o.internalTls);
+    if (secret) signGlobally([pu!, o.decode], secret, itls ? internalClientOptions(itls) : undefined);
   } else {
     if (!o.url) {
       console.error('pdserve bench: --url is required');
       return 2;
     }
+    // A router with API keys (PDSERVE_API_KEY: the first key) and/or HTTPS (--ca): every request of this process to it carries them.
+    const key = process.env.PDSERVE_API_KEY?.split(',')[0]?.trim();
+    if (key || o.ca) reachGlobally([o.url], { ...(key ? { bearer: key } : {}), ...(o.ca ? { tls: { ca: readFileSync(o.ca) } } : {}) });
     target = { kind: 'openai', url: o.url, endpoint: o.endpoint, model: o.model ?? (await discoverModel(o.url)) };
   }
   const tokenizer = o.tokenizer ? await loadTokenizer(o.tokenizer) : undefined;

@@ -174,9 +174,12 @@ export class Cluster {
     return this.access.adminApiKeys[0] ?? this.access.apiKeys[0];
   }
 
-  /** Environment of one child: the cluster secret, and the client keys for the router. */
+  /**
+   * Environment of one child: the cluster secret, and the client keys for the router (the keys
+   * of this process's own environment reach no other child: a colocated reference stays open).
+   */
   private envOf(p: ClusterProc): Record<string, string> {
-    const env: Record<string, string> = { PDSERVE_CLUSTER_SECRET: this.secret };
+    const env: Record<string, string> = { PDSERVE_CLUSTER_SECRET: this.secret, PDSERVE_API_KEY: '', PDSERVE_ADMIN_API_KEY: '' };
     if (p.role === 'router') {
       if (this.access.apiKeys.length) env.PDSERVE_API_KEY = this.access.apiKeys.join(',');
       if (this.access.adminApiKeys.length) env.PDSERVE_ADMIN_API_KEY = this.access.adminApiKeys.join(',');

@@ -13,7 +13,7 @@
  */
 import http from 'node:http';
 import { Prng } from '../sim/prng.js';
-import { ChatCall, type CallResult, type CancelKind, type ChatMessage } from './storm-client.js';
+import { ChatCall, clientAgent, type CallResult, type CancelKind, type ChatMessage } from './storm-client.js';
 import type { Corpus } from './storm-corpus.js';
 
 /** How an agent meant to end a request (decided before sending). */
@@ -50,6 +50,10 @@ export interface SampledRound {
 
 export interface AgentsOptions {
   baseUrl: string;
+  /** The router's API key (`Authorization: Bearer`), when it has keys. */
+  apiKey?: string;
+  /** PEM CA of an https:// router (default: the system store). */
+  ca?: Buffer;
   agents: number;
   rounds: number;
   seed: number;
@@ -129,7 +133,7 @@ export class Agents {
   readonly conversations = { started: 0, restarted: 0, finished: 0 };
 
   constructor(private readonly o: AgentsOptions) {
-    this.agent = new http.Agent({ keepAlive: true, maxSockets: Infinity, keepAliveMsecs: 1000 });
+    this.agent = clientAgent(o.baseUrl, { ...(o.ca ? { ca: o.ca } : {}) });
     this.sampleRng = new Prng(o.seed * 31 + 7);
     for (let i = 0; i < o.agents; i++) this.states.push({ id: i, rng: new Prng(o.seed * 7919 + i + 1), conv: 0, round: 0, messages: [], burst: false, failures: 0 });
   }
@@ -236,6 +240,7 @@ export class Agents {
       const call = new ChatCall({
         baseUrl: this.o.baseUrl,
         agent: this.agent,
+        ...(this.o.apiKey ? { apiKey: this.o.apiKey } : {}),
         messages,
         maxTokens,
         stream,

@@ -9,9 +9,13 @@
  *
  * `node:http` rather than the `openai` package: the socket must be reachable (RST), and the CLI
  * must not depend on a dev dependency. The SSE stream is read with the project's own reader.
+ * An https:// server is reached through `clientAgent`'s pool, whose TLS sockets keep their TCP
+ * socket at hand (a TLSSocket cannot be reset itself: the kill resets the one below).
  */
 import http from 'node:http';
-import type { Socket } from 'node:net';
+import https from 'node:https';
+import net, { type Socket } from 'node:net';
+import tls from 'node:tls';
 import { performance } from 'node:perf_hooks';
 import { readSse } from '../api/sse.js';
 
@@ -57,7 +61,10 @@ export interface ChatMessage {
 export interface CallOptions {
   /** Base URL of an OpenAI-compatible server (router or colocated), no trailing slash. */
   baseUrl: string;
+  /** The pool (`clientAgent`: an https.Agent for an https:// server). */
   agent: http.Agent;
+  /** Sent as `Authorization: Bearer KEY` (the router's API key). */
+  apiKey?: string;
   messages: ChatMessage[];
   maxTokens: number;
   stream: boolean;
@@ -70,6 +77,29 @@ export interface CallOptions {
 }
 
 const MAX_BODY = 4 * 1024 * 1024;
+
+/** The TCP socket under a TLS socket made by `clientAgent`'s pool. */
+const RAW = Symbol('pdserve.storm.rawSocket');
+type WithRaw = Socket & { [RAW]?: Socket; resetAndDestroy?: () => void };
+
+/** https.Agent whose TLS sockets ride on a TCP socket of their own (kept under RAW). */
+class ResettableTlsAgent extends https.Agent {
+  override createConnection(o: tls.ConnectionOptions): Socket {
+    const raw = net.connect({ host: o.host ?? 'localhost', port: Number(o.port) });
+    const t = tls.connect({ ...o, socket: raw }) as WithRaw;
+    t[RAW] = raw;
+    return t;
+  }
+}
+
+/**
+ * The keep-alive pool of the storm's calls to `baseUrl`: node:http's, or for an https:// server
+ * one with `ca` (PEM; default: the system store) whose sockets a kill can reset.
+ */
+export function clientAgent(baseUrl: string, o: { ca?: Buffer; maxSockets?: number } = {}): http.Agent {
+  const base = { keepAlive: true, maxSockets: o.maxSockets ?? Infinity, keepAliveMsecs: 1000 };
+  return new URL(baseUrl).protocol === 'https:' ? new ResettableTlsAgent({ ...base, ...(o.ca ? { ca: o.ca } : {}) }) : new http.Agent(base);
+}
 
 /** One chat completion request in flight. Construct it to send; await `done` (never rejects). */
 export class ChatCall {
@@ -94,13 +124,13 @@ export class ChatCall {
       ...(o.stream ? { stream_options: { include_usage: true } } : {}),
     });
     const u = new URL(`${o.baseUrl}/v1/chat/completions`);
-    this.req = http.request({
+    this.req = (u.protocol === 'https:' ? https : http).request({
       host: u.hostname,
       port: u.port,
       path: u.pathname,
       method: 'POST',
       agent: o.agent,
-      headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body), accept: o.stream ? 'text/event-stream' : 'application/json' },
+      headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body), accept: o.stream ? 'text/event-stream' : 'application/json', ...(o.apiKey ? { authorization: `Bearer ${o.apiKey}` } : {}) },
     });
     this.req.on('socket', (s) => (this.socket = s));
     this.req.on('finish', () => {
@@ -130,7 +160,7 @@ export class ChatCall {
     if (this.settled) return;
     this.end(kind === 'abort' ? 'aborted' : 'killed', {});
     if (kind === 'kill') {
-      const s = this.socket as (Socket & { resetAndDestroy?: () => void }) | undefined;
+      const s = ((this.socket as WithRaw | undefined)?.[RAW] ?? this.socket) as WithRaw | undefined;
       if (s && !s.destroyed && typeof s.resetAndDestroy === 'function' && s.readyState === 'open') s.resetAndDestroy();
     }
     this.req.destroy();

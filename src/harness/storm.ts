@@ -20,13 +20,14 @@
  * by the storm), wrong answer (a completed round whose text differs from the reference's),
  * illegal (pdserve_illegal_transitions_total not 0 on a worker: a real protocol violation).
  */
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import http from 'node:http';
 import { performance } from 'node:perf_hooks';
 import { Cluster, type ClusterProc } from './cluster.js';
-import { signGlobally } from '../common/http-auth.js';
+import { reachGlobally, signGlobally } from '../common/http-auth.js';
+import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 import { Agents, type RequestRecord, type SampledRound } from './storm-agents.js';
 import { ChatCall, getJson } from './storm-client.js';
 import { loadCorpus } from './storm-corpus.js';
@@ -106,6 +107,16 @@ export interface StormOptions {
   logDir?: string;
   /** Extra environment for the cluster's processes. */
   env?: Record<string, string>;
+  /**
+   * The router's client credentials (self-hosted: the router is started with them; env
+   * PDSERVE_API_KEY / PDSERVE_ADMIN_API_KEY in the CLI): `apiKey` on every generation request,
+   * `adminKey` (else `apiKey`) on /workers and /metrics; `ca`: PEM file of an https:// router's CA.
+   */
+  access?: { apiKey?: string; adminKey?: string; ca?: string };
+  /** Self-hosted: the router serves HTTPS with these PEM files (`--tls-cert`, `--tls-key`). */
+  routerTls?: { cert: string; key: string };
+  /** Internal TLS files (`--internal-tls-*`): self-hosted, every process; url mode, to reach the watched https:// workers. */
+  internalTls?: InternalTlsFiles;
   /** Progress output: a line refreshed in place ('tty'), a line every 10 s ('lines'), or none. */
   progress: 'tty' | 'lines' | 'off';
   /** Ends the storm early (drain, checks and report still run). */
@@ -244,6 +255,12 @@ interface HangNote {
 
 const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
 
+/** This process's fetch() calls to the router (/health, /metrics, /workers) carry its admin (else API) key and trust its CA. */
+function reachRouter(routerUrl: string, a: StormOptions['access']): void {
+  const bearer = a?.adminKey ?? a?.apiKey;
+  if (bearer || a?.ca) reachGlobally([routerUrl], { ...(bearer ? { bearer } : {}), ...(a?.ca ? { tls: { ca: readFileSync(a.ca) } } : {}) });
+}
+
 /** Run a storm; never throws for check failures (see `report.ok`), throws on setup errors. */
 export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport> {
   const o: StormOptions = { ...STORM_DEFAULTS, ...opts };
@@ -281,6 +298,8 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       // rounds also run on decode alone, under the same faults.
       extraArgs: { router: ['--request-timeout-ms', String(routerTimeout), '--decode-policy', 'cache_aware'], prefill: ['--prefix-cache-slots', '16', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : []), ...(o.workerArgs ?? [])], decode: ['--prefix-cache-slots', '8', ...(o.kvSameHost === 'off' ? ['--no-kv-same-host'] : []), ...(o.workerArgs ?? [])], colocated: ['--no-prefix-cache', ...(o.workerArgs ?? [])] },
       extraArgsOf: o.kvSameHost === 'mixed' ? { 'decode-1': ['--no-kv-same-host'] } : {},
+      access: { apiKeys: o.access?.apiKey ? [o.access.apiKey] : [], adminApiKeys: o.access?.adminKey ? [o.access.adminKey] : [], routerArgs: o.routerTls ? ['--tls-cert', o.routerTls.cert, '--tls-key', o.routerTls.key] : [], tls: !!o.routerTls },
+      ...(o.internalTls ? { internalTls: o.internalTls } : {}),
     });
     write.progress(`pdserve storm: starting ${o.prefill} prefill + ${o.decode} decode + router${o.verify > 0 ? ' + colocated reference' : ''} (logs: ${logDir})\n`);
     try {
@@ -291,12 +310,15 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
     }
     routerUrl = cluster.router.url;
     referenceUrl = cluster.colocated?.url;
+    reachRouter(routerUrl, o.access);
     watched = cluster.procs.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => ({ name: p.name, url: p.url }));
   } else {
     routerUrl = o.url!.replace(/\/+$/, '').replace(/\/v1$/, '');
     watched = (o.workers ?? []).map((u, i) => ({ name: `worker-${i}(${new URL(u).host})`, url: u.replace(/\/+$/, '') }));
     // Watched workers answer signed requests only: the cluster secret from the environment.
-    if (process.env.PDSERVE_CLUSTER_SECRET && watched.length) signGlobally(watched.map((w) => w.url), process.env.PDSERVE_CLUSTER_SECRET);
+    const itls = loadInternalTls(o.internalTls);
+    if (process.env.PDSERVE_CLUSTER_SECRET && watched.length) signGlobally(watched.map((w) => w.url), process.env.PDSERVE_CLUSTER_SECRET, itls ? internalClientOptions(itls) : undefined);
+    reachRouter(routerUrl, o.access);
     await getJson(`${routerUrl}/health`, 5000).catch((err) => {
       throw new Error(`router ${routerUrl} does not answer /health: ${(err as Error).message}`);
     });
@@ -342,6 +364,8 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
 
   const agents = new Agents({
     baseUrl: routerUrl,
+    ...(o.access?.apiKey ? { apiKey: o.access.apiKey } : {}),
+    ...(o.access?.ca ? { ca: readFileSync(o.access.ca) } : {}),
     agents: o.agents,
     rounds: o.rounds,
     seed: o.seed,

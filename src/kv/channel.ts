@@ -149,9 +149,9 @@ export class KvServer implements KvHandlers {
     this.onConnect = opts.onConnect;
     this.server = (opts.transport ?? tcpTransport).createServer(
       (sock) => this.accept(sock),
-      (why, address) => {
+      (why, address, hangUp) => {
         this.stats.authFailures++;
-        this.s.log.warn({ address, err: why }, 'kv connection refused in the TLS handshake');
+        this.s.log[hangUp ? 'debug' : 'warn']({ address, err: why }, 'kv connection refused in the TLS handshake');
       },
     );
     this.server.maxConnections = opts.maxConnections ?? 1024;

@@ -32,9 +32,10 @@ export interface KvTransport {
   /**
    * A server that calls `onSocket` with each accepted connection ready to carry frames (for TLS:
    * after the handshake); `onRefused` with why a TLS handshake failed (no or a wrong client
-   * certificate), the socket already destroyed.
+   * certificate, not TLS at all; `hangUp`: the peer reset the connection mid-handshake, as a
+   * killed peer does, or as OpenSSL reports some refusals), the socket already destroyed.
    */
-  createServer(onSocket: (sock: net.Socket) => void, onRefused: (why: string, address: string) => void): net.Server;
+  createServer(onSocket: (sock: net.Socket) => void, onRefused: (why: string, address: string, hangUp: boolean) => void): net.Server;
   /** Start a dial (the caller waits for `readyEvent`, 'error' or 'close', with its own deadline). */
   dial(o: KvDialOptions): KvDial;
 }
@@ -72,7 +73,7 @@ export function tlsTransport(t: KvTlsOptions): KvTransport {
         sock.setNoDelay(true);
         onSocket(sock);
       });
-      server.on('tlsClientError', (err, sock) => onRefused(err.message, `${sock.remoteAddress}:${sock.remotePort}`));
+      server.on('tlsClientError', (err: NodeJS.ErrnoException, sock) => onRefused(err.message, `${sock.remoteAddress ?? '?'}:${sock.remotePort ?? '?'}`, err.code === 'ECONNRESET'));
       return server;
     },
     dial(o) {
