@@ -121,7 +121,9 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         return pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
       };
       const until = Math.min(client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs, systemClock.nowMs() + config.workerWaitMs);
-      const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing());
+      // blocked pairs only: a pair exists once the blocks are ignored
+      const transient = () => !('error' in pickPair(registry, (c) => c[0] ?? null, (c) => c[0] ?? null, () => true));
+      const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing(), transient);
       if ('error' in pair) {
         throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
       }
@@ -195,10 +197,14 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
   }
 }
 
-/** The pair `pick` gives, or — when a role has no healthy worker — the first one it gives before `until` (see MAX_WAITING). */
-async function pickOrWait<P extends object | { error: string }>(pick: () => P, until: number, d: AttemptDeps, gone: () => boolean): Promise<P> {
+/**
+ * The pair `pick` gives, or — when a role has no healthy worker, or every compatible pair is
+ * blocked for a while (`transient`) — the first one it gives before `until` (see MAX_WAITING).
+ * A settings mismatch no pair can serve is answered at once.
+ */
+async function pickOrWait<P extends object | { error: string }>(pick: () => P, until: number, d: AttemptDeps, gone: () => boolean, transient: () => boolean): Promise<P> {
   let pair = pick();
-  if (!('error' in pair) || pair.error === 'no_compatible_pair' || d.waiting.n >= MAX_WAITING) return pair;
+  if (!('error' in pair) || (pair.error === 'no_compatible_pair' && !transient()) || d.waiting.n >= MAX_WAITING) return pair;
   d.waiting.n++;
   try {
     while (systemClock.nowMs() + WAIT_POLL_MS <= until && !gone()) {

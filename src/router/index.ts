@@ -297,6 +297,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     return reply.header('content-type', metrics.registry.contentType).send(text);
   });
 
+  // A restarted worker's old handshake failures say nothing of the new process.
+  registry.onRecovered = (w) => pairs.forget(w.url);
   registry.onRemoved = (w) => {
     kv.forget(w.url);
     policies.prefill.forget?.(w.url);

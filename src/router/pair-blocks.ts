@@ -47,6 +47,14 @@ export class PairBlocks {
     if (this.m.size > 0) this.m.delete(`${prefill} ${decode}`);
   }
 
+  /**
+   * Worker `url` came back after being unhealthy (a restart): its pairs' blocks go — a killed
+   * prefill fails its pairs' handshakes with peer_unreachable, which says nothing of the new process.
+   */
+  forget(url: string): void {
+    for (const [k, b] of this.m) if (b.prefill === url || b.decode === url) this.m.delete(k);
+  }
+
   /** May the pair be dispatched to now? (A block past its backoff lets one try through.) */
   usable(prefill: string, decode: string): boolean {
     if (this.m.size === 0) return true;

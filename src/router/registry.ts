@@ -118,6 +118,8 @@ export class WorkerRegistry {
   private stopped = false;
   /** Called when `remove()` drops a worker (e.g. to forget it in a routing policy's state). */
   onRemoved: ((w: WorkerState) => void) | null = null;
+  /** Called when a probe finds a worker healthy that was not (e.g. to clear what its failures left). */
+  onRecovered: ((w: WorkerState) => void) | null = null;
   private readonly probeAc = new AbortController();
 
   constructor(
@@ -273,12 +275,14 @@ export class WorkerRegistry {
 
   /** Record a successful probe. */
   setHealthy(w: WorkerState, model: string | null): void {
-    if (!w.healthy) this.opts.log.info({ worker: w.url, role: w.role, model }, 'worker healthy');
+    const recovered = !w.healthy;
+    if (recovered) this.opts.log.info({ worker: w.url, role: w.role, model }, 'worker healthy');
     w.healthy = true;
     w.model = model ?? w.model;
     w.lastError = null;
     w.lastCheckAt = systemClock.wallMs();
     w.consecutiveFailures = 0;
+    if (recovered) this.onRecovered?.(w);
   }
 
   /** A failed probe: the worker is skipped once `unhealthyAfter` probes failed in a row. */

@@ -19,3 +19,17 @@ test('a blocked pair is unusable for 1 s, doubling per failure to 30 s; other pa
   assert.ok(b.usable('p', 'd'));
   assert.equal(b.block('p', 'd', 'settings_mismatch'), 1000, 'after a success the backoff starts again');
 });
+
+test('forget(url): a worker back after a restart loses the blocks of its pairs, and only those', () => {
+  let now = 0;
+  const b = new PairBlocks(() => now);
+  b.block('p1', 'd1', 'peer_unreachable');
+  b.block('p1', 'd2', 'peer_unreachable');
+  b.block('p2', 'd1', 'settings_mismatch');
+  b.forget('p1');
+  assert.ok(b.usable('p1', 'd1') && b.usable('p1', 'd2'));
+  assert.equal(b.usable('p2', 'd1'), false, "another prefill's block stays");
+  b.forget('d1');
+  assert.ok(b.usable('p2', 'd1'));
+  assert.deepEqual(b.snapshot(), []);
+});
