@@ -28,7 +28,6 @@
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { systemClock } from '../common/clock.js';
 import type { Logger } from 'pino';
-import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { ApiError, sendApiError, type ParsedRequest } from '../api/openai.js';
 import { isErrorCode } from '../common/errors.js';

@@ -8,7 +8,6 @@
  * A decode whose every pair is blocked (the wrong secret) has left the rotation.
  * Times are systemClock.nowMs() ms; at most MAX_PAIRS entries (the oldest dropped).
  */
-import { performance } from 'node:perf_hooks';
 import { systemClock } from '../common/clock.js';
 
 /** Failure codes of a pair's KV handshake: the pair, not the request, is at fault. */
