@@ -71,6 +71,27 @@ export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSeq
   return e.prefixCacheTokens > 0 ? { cacheSequences: e.prefixCacheSlots, maxTokens: e.prefixCacheTokens } : undefined;
 }
 
+/** Default `--max-state-bytes`: 512 MiB (a 4k-token state of an 8B GQA model in f16 fits; a 1 GiB one needs the flag). */
+export const DEFAULT_MAX_STATE_BYTES = 512 * 1024 * 1024;
+/** Smallest `--max-state-bytes`: 1 MiB (the tiny model's states are ~0.1-1 MiB). */
+export const MIN_STATE_BYTES_LIMIT = 1024 * 1024;
+/** Largest `--max-state-bytes`: 16 GiB (a state passes through tmpfs, twice on one host). */
+export const MAX_STATE_BYTES_LIMIT = 16 * 1024 * 1024 * 1024;
+
+/**
+ * `--max-state-bytes`'s value: a byte count, or a number with a binary suffix (K, M, G: KiB,
+ * MiB, GiB; case-insensitive, an optional trailing `iB`/`B`), e.g. `1536M`, `1G`, `1073741824`.
+ * @throws RangeError when it is not such a size or lies outside
+ *   [MIN_STATE_BYTES_LIMIT, MAX_STATE_BYTES_LIMIT].
+ */
+export function parseStateBytes(v: string): number {
+  const m = /^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*$/i.exec(v);
+  if (!m) throw new RangeError(`not a byte size (e.g. 1073741824, 1536M, 1G): ${v}`);
+  const n = Math.round(Number(m[1]) * { '': 1, k: 1024, m: 1024 ** 2, g: 1024 ** 3 }[m[2]!.toLowerCase() as '' | 'k' | 'm' | 'g']);
+  if (n < MIN_STATE_BYTES_LIMIT || n > MAX_STATE_BYTES_LIMIT) throw new RangeError(`must be between 1M and 16G: ${v}`);
+  return n;
+}
+
 export const TimeoutsSchema = z.object({
   preallocMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.preallocMs),
   bootstrapMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.bootstrapMs),
@@ -98,8 +119,12 @@ const common = {
   watchdogMs: z.number().int().min(5).max(10_000).default(100),
   /** Folder for sequence-state files (tmpfs). */
   stateDir: z.string().default('/dev/shm'),
-  /** Largest accepted KV state, bytes. */
-  maxStateBytes: z.number().int().positive().default(512 * 1024 * 1024),
+  /**
+   * `--max-state-bytes`: largest KV state accepted (decode: announced and received bytes, the
+   * same-host file, the prefix store's entries; prefill: the prefix store's entries), bytes.
+   * Bounded by MAX_STATE_BYTES_LIMIT (the state directory is tmpfs: RAM).
+   */
+  maxStateBytes: z.number().int().min(MIN_STATE_BYTES_LIMIT).max(MAX_STATE_BYTES_LIMIT).default(DEFAULT_MAX_STATE_BYTES),
   /**
    * Same-host handoff (kv/transfer/same-host.ts): when the peer proves it shares this host and
    * state directory, the saved state file is handed over instead of sent over TCP. False =

@@ -6,12 +6,15 @@
  * socket paused while the receiver's slots are busy) and arrives byte-identical; on the same-host
  * path the same state is handed over by name and validated from its headers. Nothing is left:
  * slots, descriptors, files. (BENCHMARKS §1's large-state run does the same with real states
- * and llama.cpp's save and load, timed.)
+ * and llama.cpp's save and load, timed.) The decode side's limit is the one a worker started
+ * with `--max-state-bytes 1536M` has: the default (512 MiB) refuses a 1 GiB state.
  */
 import assert from 'node:assert/strict';
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { DecodeConfigSchema, DEFAULT_MAX_STATE_BYTES, parseConfig, parseStateBytes, PrefillConfigSchema } from '../../src/common/config.js';
+import { checkAnnounced } from '../../src/decode/receive.js';
 import { GgsqStreamParser, parseStateHeaders } from '../../src/engine/ggsq.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
@@ -34,8 +37,37 @@ const PAIR = { fingerprint: 'ab'.repeat(32), contextSize: CTX, batchSize: 512, f
 const dir = mkdtempSync(path.join('/dev/shm', 'pdserve-kv-large-test-'));
 after(() => rmSync(dir, { recursive: true, force: true }));
 
+/** A decode worker's config as `pdserve decode --max-state-bytes <flag>` builds it (no flag: the default). */
+const decodeConfig = (flag?: string) => parseConfig(DecodeConfigSchema, { secret: 'kv-large-test-secret', engine: { modelPath: 'm.gguf' }, ...(flag ? { maxStateBytes: parseStateBytes(flag) } : {}) });
+
+describe('--max-state-bytes', () => {
+  it('parses byte counts and binary suffixes, refuses the rest and anything outside 1M..16G', () => {
+    assert.equal(parseStateBytes('1073741824'), 2 ** 30);
+    assert.equal(parseStateBytes('1G'), 2 ** 30);
+    assert.equal(parseStateBytes('1536M'), 1.5 * 2 ** 30);
+    assert.equal(parseStateBytes('1.5GiB'), 1.5 * 2 ** 30);
+    assert.equal(parseStateBytes('2048k'), 2 ** 21);
+    for (const bad of ['', 'lots', '-1G', '1T', '1e9', '512K', '17G', '0']) assert.throws(() => parseStateBytes(bad), RangeError, bad);
+  });
+
+  it('the schema keeps the bound for configs not built from the flag, on both roles', () => {
+    for (const schema of [DecodeConfigSchema, PrefillConfigSchema]) {
+      assert.throws(() => parseConfig(schema, { secret: 'kv-large-test-secret', engine: { modelPath: 'm.gguf' }, maxStateBytes: 17 * 2 ** 30 }), /maxStateBytes/);
+      assert.throws(() => parseConfig(schema, { secret: 'kv-large-test-secret', engine: { modelPath: 'm.gguf' }, maxStateBytes: 1000 }), /maxStateBytes/);
+    }
+  });
+
+  it('a 1 GiB state is refused by default and accepted with --max-state-bytes 1536M (decode\'s announce rule)', () => {
+    const gib = 2 ** 30 + 4096;
+    assert.equal(decodeConfig().maxStateBytes, DEFAULT_MAX_STATE_BYTES);
+    assert.match(checkAnnounced(gib, decodeConfig().maxStateBytes)?.detail ?? '', /outside/);
+    assert.equal(checkAnnounced(gib, decodeConfig('1536M').maxStateBytes), undefined);
+  });
+});
+
 describe('a 1 GiB handoff', { skip: !LONG && 'long test: set PDSERVE_LONG_TESTS=1' }, () => {
-  const expect = { fingerprint: FP, contextSize: CTX, batchSize: 512, maxPayloadBytes: 2 ** 31 };
+  const maxStateBytes = decodeConfig('1536M').maxStateBytes;
+  const expect = { fingerprint: FP, contextSize: CTX, batchSize: 512, maxPayloadBytes: maxStateBytes };
   const walker = (n: number) => new GgsqStreamParser({ contextSize: CTX, nLayer: N_LAYER, maxBytes: n });
   let state: Buffer;
   let want = 0;
@@ -52,6 +84,7 @@ describe('a 1 GiB handoff', { skip: !LONG && 'long test: set PDSERVE_LONG_TESTS=
 
   it('over TCP through the KV I/O thread: byte-identical, slots, descriptors and the file pool clean afterwards', async () => {
     assert.ok(state.length >= 2 ** 30, `the state is ${state.length} bytes`);
+    assert.equal(checkAnnounced(wireBytes(head(state.length), state.length), maxStateBytes), undefined, 'decode accepts the announce');
     const file = path.join(dir, 'big.ggsq');
     writeFileSync(file, state);
     const io = new KvIo();
@@ -125,7 +158,7 @@ describe('a 1 GiB handoff', { skip: !LONG && 'long test: set PDSERVE_LONG_TESTS=
     const p = path.join(dir, prefillStateName(4242, room));
     writeFileSync(p, state);
     const msg = pre.offer('conn', room, p, head(state.length), state.length, new BufferPool(4096, 1));
-    const out = dec.take(msg, { expect, headers: (f) => parseStateHeaders(f, { contextSize: CTX, nLayer: N_LAYER }), walker, pool: new BufferPool(4096, 1) });
+    const out = dec.take(msg, { expect, headers: (f) => parseStateHeaders(f, { contextSize: CTX, nLayer: N_LAYER, maxBytes: maxStateBytes }), walker, pool: new BufferPool(4096, 1) });
     assert.ok('taken' in out, `taken (${'refused' in out ? out.refused : ''})`);
     assert.equal(out.taken.state.nTokens, TOKENS);
     assert.ok(out.bytesRead < 1 << 20, `read ${out.bytesRead} bytes of ${state.length}`);
