@@ -13,7 +13,8 @@
  *            the byte count and CRC — until the receiver's kv_ack (the receiver stamps "loaded"
  *            itself: the goal's end). `raw` trial: write an 8-byte
  *            length and the same number of bytes on a bare socket until a 1-byte ack (the
- *            receiver stamps its last byte).
+ *            receiver stamps its last byte; it reads into one reused buffer of the KV channel's
+ *            read size, as decode's KV connection does).
  *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved under the
  *            room's name" (a copy made before the clock starts), offer it (an fstat: no read,
  *            no CRC-32 — the default, without --kv-same-host-verify), send kv_file — until the
@@ -47,7 +48,7 @@ import { monitorEventLoopDelay, performance } from 'node:perf_hooks';
 import { sharedKvIo } from '../kv/transfer/io-thread.js';
 import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
-import { KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
+import { KV_READ_BUFFER_BYTES, KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
 import { kvTransportOf } from '../kv/transport.js';
 import { loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
 import type { ControlMsg } from '../kv/messages.js';
@@ -727,29 +728,29 @@ async function receiver(engine: Engine): Promise<void> {
     try {
       const kvConn = await pool.get('127.0.0.1', m.kvPort!);
       const sameHostOk = await sameHost.ready(kvConn);
-      const s = net.connect({ host: '127.0.0.1', port: m.rawPort!, noDelay: true });
-      await new Promise<void>((res, rej) => {
-        s.once('connect', () => res());
-        s.once('error', rej);
-      });
+      // the raw floor reads as the KV channel does: into one reused buffer of the channel's read
+      // size (net's `onread`), no allocation per read — a floor must not do more than the handoff
       let need = -1;
       let got = 0;
-      let head = Buffer.alloc(0);
-      s.on('data', (b: Buffer) => {
+      const head = Buffer.alloc(8);
+      let headGot = 0;
+      let s!: net.Socket;
+      const onRaw = (len: number, b: Buffer): boolean => {
         let off = 0;
-        while (off < b.length) {
+        while (off < len) {
           if (need < 0) {
-            const take = Math.min(8 - head.length, b.length - off);
-            head = Buffer.concat([head, b.subarray(off, off + take)]);
+            const take = Math.min(8 - headGot, len - off);
+            b.copy(head, headGot, off, off + take);
+            headGot += take;
             off += take;
-            if (head.length === 8) {
+            if (headGot === 8) {
               need = Number(head.readBigUInt64BE(0));
-              head = Buffer.alloc(0);
+              headGot = 0;
               got = 0;
             }
             continue;
           }
-          const take = Math.min(need - got, b.length - off);
+          const take = Math.min(need - got, len - off);
           got += take;
           off += take;
           if (got === need) {
@@ -759,6 +760,12 @@ async function receiver(engine: Engine): Promise<void> {
             send({ type: 'rawRecv', bytes: got, lastHr });
           }
         }
+        return true;
+      };
+      s = net.connect({ host: '127.0.0.1', port: m.rawPort!, noDelay: true, onread: { buffer: Buffer.allocUnsafeSlow(KV_READ_BUFFER_BYTES), callback: onRaw } });
+      await new Promise<void>((res, rej) => {
+        s.once('connect', () => res());
+        s.once('error', rej);
       });
       if (m.floorPort) {
         // the floor socket (same-host figures): stamp each 8-byte message on arrival, answer at once
