@@ -6,7 +6,7 @@
 // The newest KEEP builds are kept; older ones are removed. Used by `npm run build`, `prepare`
 // and `pretest`.
 import { spawnSync } from 'node:child_process';
-import { lstatSync, readdirSync, renameSync, rmSync, symlinkSync, statSync } from 'node:fs';
+import { cpSync, lstatSync, readdirSync, renameSync, rmSync, symlinkSync, statSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -22,6 +22,9 @@ if (r.status !== 0) {
   rmSync(out, { recursive: true, force: true });
   process.exit(r.status ?? 1);
 }
+// Non-TypeScript files of src/ (report templates: src/harness/bench-report.md) beside their
+// compiled modules, which read them by a URL relative to their own.
+cpSync(join(root, 'src'), out, { recursive: true, filter: (p) => statSync(p).isDirectory() || !p.endsWith('.ts') });
 const dist = join(root, 'dist');
 let st;
 try {

@@ -304,17 +304,14 @@ function localSentence(r: AgentsResult): string {
   return `decode-local continuation removes the handoff for the rounds it serves: ${per} rounds (${runs.map((x) => x.concurrency).join(' / ')} agents) ran on decode alone, which evaluated the new tool result and kept the reply's KV from the round before (no prefill, no KV on the wire; round 1 and any round whose suffix exceeds \`--local-prefill-max-tokens\` take the PD path)`;
 }
 
-/** Markdown lines of section 7 (heading included). `prov` is the provenance line; `plot` the SVG's path when written. */
+/** Markdown lines of section 7 (the heading and the setups' description are the report template's). `prov` is the provenance line; `plot` the SVG's path when written. */
 export function agentsReport(r: AgentsResult | undefined, prov: string, plot: string | undefined): string[] {
-  const L = ['', '## 7. Multi-round agents: prefix reuse', '', prov, ''];
+  const L = [prov, ''];
   if (!r?.runs?.length) {
     L.push('_Not run yet._');
     return L;
   }
-  L.push(
-    `Each agent holds a ${r.rounds}-round conversation (chat API, temperature 0, ${r.outputTokens} output tokens per round, \`ignore_eos\`): a system prompt of ~${r.systemTokens} tokens, then every round one more user turn with a ${r.toolTokens}-token tool result cut from the storm corpus (corpus/), after the model's previous reply — the whole conversation is resent each round, as agents do. N agents run at once (N = the concurrency). Four setups, interleaved per concurrency (the order rotates): **PD + decode-local** (the PD stack with router \`--decode-policy cache_aware\`: a round whose conversation the decode worker kept and whose new suffix is at most \`--local-prefill-max-tokens\` (256) tokens runs on decode alone — decode evaluates the suffix on its kept sequence, no prefill, no KV handoff; other rounds take the PD path below), **PD + prefix cache** (router with \`--policy cache_aware\` → prefill with its prefix cache → decode; the first token streams from prefill), **colocated + prefix cache** (one process, same cache: the fair baseline), **PD, no reuse** (same PD stack, prefill with \`--no-prefix-cache\`). Each run uses fresh conversations, so no run reuses another's cache; each stack gets one warm-up request first. Per-round TTFT is the median over the agents of that run (a single sample at 1 agent), so on a loaded machine single rounds are noisy: read the r8/r1 column together with the plot. Agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms. Cached share = usage.prompt_tokens_details.cached_tokens / prompt_tokens over rounds 2+.`,
-    '',
-  );
+  L.push(`${r.rounds} rounds, ${r.outputTokens} output tokens per round, a system prompt of ~${r.systemTokens} tokens and a ${r.toolTokens}-token tool result per round; each stack gets one warm-up request; per-round TTFT is the median over the run's agents; agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms.`, '');
   const byLevel = [...r.runs].sort((a, b) => a.concurrency - b.concurrency || AGENT_SETUPS.indexOf(a.setup) - AGENT_SETUPS.indexOf(b.setup));
   const rows = byLevel.map((x) => [
     `${SETUP_NAMES[x.setup]}`,

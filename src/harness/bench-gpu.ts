@@ -1,5 +1,5 @@
 /**
- * The GPU part of BENCHMARKS.md: the offload path, the goal for a machine with two GPUs, and the
+ * The GPU part of BENCHMARKS.md (its prose and goal are the report template's, bench-report.md): the
  * figures of `scripts/gpu-check.sh` (bench/results/gpu.json) when it has run — on CUDA, or on
  * lavapipe, whose figures are a functional check of the path and no performance claim.
  */
@@ -24,15 +24,9 @@ interface GpuRow {
 
 const f = (x: number | undefined, d = 1) => (typeof x === 'number' && Number.isFinite(x) ? x.toFixed(d) : '–');
 
-/** The section's lines, from `resultsDir`/gpu.json when present. */
+/** The section's figures from `resultsDir`/gpu.json when present (the goal and the prose are the report template's). */
 export function gpuReport(resultsDir: string): string[] {
-  const L = ['', '## GPU offload', ''];
-  L.push(
-    'Every worker runs llama.cpp on a GPU when one is there (`--gpu auto`, docs/GPU.md); the KV handoff is the same file on every backend: prefill saves the state from device memory into `/dev/shm`, decode loads it into its own device.',
-    '',
-    '**Goal on one box with two GPUs** (prefill on GPU 0, decode on GPU 1, same-host handoff; `scripts/gpu-check.sh` on an NVIDIA machine): PD TTFT ≤ 1.10 × colocated at 512–8192 prompt tokens, and PD ITL p99 ≤ 0.2 × colocated under prefill interference. No GPU machine was available: not measured yet.',
-    '',
-  );
+  const L: string[] = [];
   const file = join(resultsDir, 'gpu.json');
   let r: GpuCheckResult | null = null;
   if (existsSync(file)) {

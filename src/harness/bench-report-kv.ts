@@ -46,17 +46,11 @@ function largeStateGoals(f: SectionFile | undefined): string[][] {
   return rows;
 }
 
-/** The "Large states" subsection of §1 (empty when the run has not been made). */
+/** The tables of §1's "Large states" (the heading and prose are the report template's; empty when the run has not been made). */
 export function largeStatesSection(f: SectionFile | undefined, provenance: string): string[] {
   const r = f?.result as KvSectionResult | undefined;
   if (!r?.sizes?.length) return [];
-  const L: string[] = ['', '### Large states: 256 MiB and 1 GiB', '', provenance, ''];
-  L.push(
-    `\`PDSERVE_BENCH_KV_BIG=1 npm run bench -- --sections 1\` (\`=only\`: these rows alone; trials per size \`PDSERVE_BENCH_KV_BIG_REPS\`, default 3,3). The same two processes and clocks as above, on the generated \`wide\` model (128 layers, 512 KV dimensions, f16: 256 KiB of KV per token, GPU-class; 2 llama.cpp threads, context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'}, decode side 1 sequence): each state is a real prompt evaluated once, loaded back into the sequence before each trial and saved by llama.cpp in the trial. Every KV trial runs twice, interleaved: with the KV I/O thread (the workers' path: file read + CRC-32 on prefill, CRC-32 + file write on decode in \`src/kv/transfer/io-thread.ts\`, the main thread only moving frames) and inline (the same work on the event loop).`,
-    '',
-    'Smaller states instead of faster moves: `--kv-cache-type q8_0` / `q4_0` (llama.cpp\'s `-ctk`/`-ctv`, a pair setting the KV handshake compares) makes the saved state 0.53× / 0.28× of f16\'s (docs/GPU.md, "KV cache type"); the rows below are f16.',
-    '',
-  );
+  const L: string[] = [provenance, '', `Context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'} tokens, 2 llama.cpp threads, decode side 1 sequence; each state is a real prompt evaluated once and saved by llama.cpp in every trial.`, ''];
   L.push(
     table(
       ['state', 'tokens', 'KV, I/O thread: median (p90) ms', 'KV, inline: median ms', 'raw TCP ms', 'save ms', 'loadState ms', 'goal: KV / (save + raw + load)', 'inline: same ratio', 'wire GB/s', 'raw GB/s', 'trials'],
@@ -64,7 +58,7 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
     ),
   );
   if (r.sizes.some((s) => s.rawMs.median >= s.kvMs.median))
-    L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver takes a fresh buffer for every read (\`'data'\` events), which at these sizes costs more than the channel's one reused read buffer, so the floor is not a floor and its ratio is no verdict; the I/O thread against inline, same trials, is the comparison that holds.`);
+    L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver allocates a buffer per read where the channel reuses one, so that floor is no floor and its ratio no verdict; compare the I/O thread with inline, same trials.`);
   L.push('', 'Phases of the I/O-thread trials (medians, ms; as in the table above):', '');
   L.push(
     table(
@@ -85,7 +79,7 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   const row = (s: KvSectionResult['sizes'][number], kind: string, d: LoopDelay | undefined): (string | number)[] | undefined => (d ? [size(s.blobBytes), kind, fmt(d.senderP99), fmt(d.senderMax), fmt(d.receiverP99), fmt(d.receiverMax)] : undefined);
   L.push(
     '',
-    "The event loop's delay during the trials (`perf_hooks.monitorEventLoopDelay`, 1 ms resolution; each process from its first step of the trial — prefill: the save's start, decode: `kv_begin` or `kv_file` — to its last — prefill: `kv_ack` received, decode: the load returned; p99: median over trials of each trial's p99; max: the largest of any trial). This is how late a heartbeat, an HTTP request or another room's frame is served while the state moves.",
+    "The event loop's delay during the trials (1 ms resolution; prefill from the save's start to `kv_ack`, decode from `kv_begin` or `kv_file` to the load's return; p99: median over trials of each trial's p99; max: the largest of any trial):",
     '',
   );
   L.push(

@@ -292,8 +292,16 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
   return failed ? 1 : 0;
 }
 
-/** Sections' files: this run's, else the previous JSON when present. */
 function render(resultsDir: string, plotsDir: string, root: string, meta: SuiteMeta, sectionsRun: number[], fresh: Map<number, SectionFile>): void {
+  writeFileSync(join(root, 'BENCHMARKS.md'), reportFromResults(resultsDir, plotsDir, meta, sectionsRun, fresh));
+}
+
+/**
+ * BENCHMARKS.md's text from the sections' files: this run's (`fresh`), else the JSON stored in
+ * `resultsDir` when present (a section without either is shown as not run). Writes the plots into
+ * `plotsDir`. No measurement: this is what `--render-only` runs.
+ */
+export function reportFromResults(resultsDir: string, plotsDir: string, meta: SuiteMeta, sectionsRun: number[], fresh: Map<number, SectionFile> = new Map()): string {
   const files = new Map<number, SectionFile>();
   for (const n of Object.keys(SECTION_FILES).map(Number)) {
     const f = fresh.get(n);
@@ -306,8 +314,7 @@ function render(resultsDir: string, plotsDir: string, root: string, meta: SuiteM
       }
     }
   }
-  const plots = writePlots(files, plotsDir);
-  writeFileSync(join(root, 'BENCHMARKS.md'), renderReport(meta, files, plots, sectionsRun, gpuReport(resultsDir)));
+  return renderReport(meta, files, writePlots(files, plotsDir), sectionsRun, gpuReport(resultsDir));
 }
 
 /** `--render-only`: BENCHMARKS.md and plots again from bench/results (after a change to the report's wording). */

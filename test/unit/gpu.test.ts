@@ -84,12 +84,10 @@ describe('flags', () => {
 });
 
 describe('benchmarks', () => {
-  test('BENCHMARKS.md GPU section: the goal always; scripts/gpu-check.sh figures when present, lavapipe labelled a functional check', () => {
+  test('BENCHMARKS.md GPU section: scripts/gpu-check.sh figures when present, lavapipe labelled a functional check (the goal is the template\'s: bench-report.test.ts)', () => {
     const results = path.join(dir, 'results');
     mkdirSync(results, { recursive: true });
     const none = gpuReport(results).join('\n');
-    assert.match(none, /PD TTFT ≤ 1\.10 × colocated at 512–8192 prompt tokens/);
-    assert.match(none, /ITL p99 ≤ 0\.2 × colocated/);
     assert.match(none, /has not run yet/);
     const row = { ttftP50: 100, itlP50: 2, itlP99: 4, e2eP50: 140 };
     writeFileSync(path.join(results, 'gpu.json'), JSON.stringify({ date: 'd', backend: 'lavapipe', gpus: 1, rows: [{ promptTokens: 64, colo: row, pd: { ...row, ttftP50: 110 } }], kv: null }));

@@ -1,0 +1,65 @@
+/**
+ * BENCHMARKS.md is the report template (src/harness/bench-report.md) filled with tables rendered
+ * from bench/results/*.json. The template and the code must name the same placeholders, the
+ * committed file must be what `bench-suite --render-only` makes from the committed results, and a
+ * report without results still states every goal.
+ */
+import assert from 'node:assert/strict';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, describe, it } from 'node:test';
+import { fileURLToPath } from 'node:url';
+import { REPORT_TEMPLATE, renderReport, type SuiteMeta } from '../../src/harness/bench-report.js';
+import { reportFromResults } from '../../src/harness/bench-suite.js';
+import { fillTemplate, placeholders, readTemplate } from '../../src/harness/report-template.js';
+
+const ROOT = fileURLToPath(new URL('../../', import.meta.url));
+const RESULTS = join(ROOT, 'bench', 'results');
+const plots = mkdtempSync(join(tmpdir(), 'pdserve-report-'));
+after(() => rmSync(plots, { recursive: true, force: true }));
+
+const template = readTemplate(REPORT_TEMPLATE, new URL('../../src/harness/', import.meta.url));
+const suite = JSON.parse(readFileSync(join(RESULTS, 'suite.json'), 'utf8')) as { meta: SuiteMeta; sectionsRun: number[] };
+
+describe('report template', () => {
+  it('fills every placeholder; an empty block takes its line away', () => {
+    assert.equal(fillTemplate('# t\n\n{{a}}\n\n{{b}}\n\nend {{c}}.\n', { a: 'A', b: '', c: 'C' }), '# t\n\nA\n\nend C.\n');
+    assert.deepEqual(placeholders('{{x}} {{y_1}} {{x}}'), ['x', 'y_1']);
+  });
+
+  it('refuses a placeholder without a value and a value without a placeholder, naming them', () => {
+    assert.throws(() => fillTemplate('{{a}} {{b}}', { a: '1' }), /no value for \{\{b\}\}/);
+    assert.throws(() => fillTemplate('{{a}}', { a: '1', extra: '2' }), /no placeholder for extra/);
+    assert.throws(() => renderReport(suite.meta, new Map(), {}, [], [], `${template}\n{{not_a_figure}}\n`), /no value for \{\{not_a_figure\}\}/);
+    assert.throws(() => renderReport(suite.meta, new Map(), {}, [], [], template.replace('{{s3_body}}', '')), /no placeholder for s3_body/);
+  });
+});
+
+describe('BENCHMARKS.md', () => {
+  it('is what --render-only makes from bench/results (after editing the template or the report code: node bin/pdserve.js bench-suite --render-only)', () => {
+    const md = reportFromResults(RESULTS, plots, suite.meta, suite.sectionsRun);
+    assert.doesNotMatch(md, /\{\{/);
+    assert.equal(readFileSync(join(ROOT, 'BENCHMARKS.md'), 'utf8'), md, 'BENCHMARKS.md is stale: run node bin/pdserve.js bench-suite --render-only');
+  });
+
+  it('with stored results: a summary table first, each section its table and reading', () => {
+    const md = reportFromResults(RESULTS, plots, suite.meta, suite.sectionsRun);
+    const headings = [...md.matchAll(/^## (.+)$/gm)].map((m) => m[1]);
+    assert.equal(headings[0], 'Summary');
+    for (const n of [1, 2, 3, 4, 5, 6, 7]) assert.ok(headings.some((h) => h!.startsWith(`${n}. `)), `section ${n}`);
+    assert.match(md, /## Summary\n\n.*\n\n\| goal \| measured \| met\? \|/);
+    assert.match(md, /\| 1\.0 MiB \| 64 \| 1,050,089 \|/);
+    assert.match(md, /Over TCP the handoff takes 1 MiB \d\.\d\d×/);
+    assert.doesNotMatch(md, /Not run yet/);
+  });
+
+  it('without results: every section says so and every goal is still stated', () => {
+    const md = renderReport(suite.meta, new Map(), {}, [], ['_gpu figures_']);
+    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 8);
+    assert.match(md, /router adds ≤ 1 ms to TTFT p50 and ≤ 3 ms to p99 \(§5\) \| n\/a \| not measured/);
+    assert.match(md, /PD TTFT ≤ 1\.10 × colocated at 512–8192 prompt tokens/);
+    assert.match(md, /ITL p99 ≤ 0\.2 × colocated under prefill interference/);
+    assert.match(md, /## GPU offload[^#]*_gpu figures_/);
+  });
+});
