@@ -51,6 +51,22 @@
     $('requests').textContent = `${q.ok || 0} / ${q.client_error || 0} / ${q.error || 0} / ${q.timeout || 0}`;
     const kv = d.router.kv_events || {};
     $('kvevents').textContent = `${kv.consumed || 0} / ${kv.gaps || 0} · ${kv.held || 0}`;
+    const ps = d.prefix_store;
+    $('prefixstore').innerHTML = '';
+    if (ps) {
+      const mib = (b) => (b / 1048576).toFixed(1);
+      for (const t of [
+        `store ${mib(ps.store.bytes)} / ${mib(ps.store.budget_bytes)} MiB · ${ps.store.files} files`,
+        `sequence hits ${ps.lookups.sequence.hit} / misses ${ps.lookups.sequence.miss}`,
+        `store hits ${ps.lookups.store.hit} / misses ${ps.lookups.store.miss}`,
+        `evictions ${ps.evictions}`,
+        `events published ${ps.events.published} · consumed ${ps.events.consumed} · gaps ${ps.events.gaps}`,
+      ]) {
+        const c = document.createElement('span');
+        c.textContent = t;
+        $('prefixstore').appendChild(c);
+      }
+    }
     const phases = Object.entries(d.rooms_by_phase);
     $('phases').innerHTML = '';
     if (phases.length === 0) $('phases').textContent = 'none';

@@ -6,6 +6,7 @@
  *   GET /dashboard/assets/:f    the page's script and styles (a fixed list)
  *   GET /dashboard/data         JSON the page polls every 2 s: workers and their state, queues,
  *                               rooms by phase, the time series (src/router/dashboard-series.ts),
+ *                               the prefix-store card (src/router/dashboard-prefix.ts),
  *                               recent failures by reason, and the doctor's findings
  *   GET /debug/traces           recent request traces, newest first (?active=1: in flight only;
  *                               ?limit=N, default 50, at most 500)
@@ -16,6 +17,7 @@
  */
 import { readFile } from 'node:fs/promises';
 import { kvEventSummary } from './kv-events.js';
+import { prefixStoreCard } from './dashboard-prefix.js';
 import { systemClock } from '../common/clock.js';
 import { createRequire } from 'node:module';
 import type { FastifyInstance } from 'fastify';
@@ -137,10 +139,12 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
         oldest_room_ms: live.reduce((m, r) => Math.max(m, r.age_ms), 0),
       };
     });
+    const kvEvents = await kvEventSummary(d.metrics.registry);
     return {
       at,
       gather_ms: snap.gatherMs,
-      router: { inflight: d.inflight(), requests: Object.fromEntries((await d.metrics.requests.get()).values.map((v) => [String(v.labels.outcome), v.value])), kv_events: await kvEventSummary(d.metrics.registry) },
+      router: { inflight: d.inflight(), requests: Object.fromEntries((await d.metrics.requests.get()).values.map((v) => [String(v.labels.outcome), v.value])), kv_events: kvEvents },
+      prefix_store: prefixStoreCard(workers.map((w) => ({ url: w.ref.url, metrics: w.metrics.body })), kvEvents),
       workers: view,
       rooms_by_phase: roomsByPhase,
       series: d.series.view(),

@@ -205,6 +205,14 @@ describe('dashboard in headless chromium', () => {
       await page.waitForFunction((n) => Number(document.getElementById('requests')!.textContent!.split('/')[0]) > n, okBefore, { timeout: 10_000 });
       const tps = await page.evaluate(() => document.getElementById('tps')!.textContent);
       assert.match(tps ?? '', /^\d+\.\d$/);
+      // the prefix-store card: the store's size and budget, lookups by tier (every prompt looked up), events
+      const card = await page.locator('#prefixstore').innerText();
+      assert.match(card, /store \d+\.\d \/ \d+\.\d MiB · \d+ files/, card);
+      const seq = /sequence hits (\d+) \/ misses (\d+)/.exec(card);
+      assert.ok(seq && Number(seq[1]) + Number(seq[2]) >= 4, card);
+      assert.match(card, /store hits \d+ \/ misses \d+/, card);
+      assert.match(card, /evictions \d+/, card);
+      assert.match(card, /events published \d+ · consumed \d+ · gaps \d+/, card);
       assert.deepEqual(failed, [], 'every asset loads from the router (no CDN)');
       // A held room shows up live: rooms by phase, and the doctor's finding on the page.
       const holdSpec = (spec: string) => fetch(`${url('prefill')}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
