@@ -4,6 +4,7 @@
  *   POST   /v1/responses        create (stream or not), see ./responses.ts for the mapping
  *   GET    /v1/responses/{id}   a stored response, else 404
  *   DELETE /v1/responses/{id}   {id, object: 'response', deleted: true}, else 404
+ *   GET    /v1/responses/{id}/input_items   its context as items, paged (./responses-items.ts)
  *
  * A Responses request is served by the server's own /v1/chat/completions, called over HTTP on
  * its listening address (./loopback.ts, as fan-out sub-requests are): every property of the chat
@@ -24,6 +25,7 @@ import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 import { readSse, SseError, SseWriter } from './sse.js';
 import { newItemId, parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponsesEvent } from './responses.js';
 import { ResponseStore } from './responses-store.js';
+import { pageInputItems, type InputItemsQuery } from './responses-items.js';
 import { Gauge, type Registry } from 'prom-client';
 
 export interface ResponsesRouteOptions {
@@ -88,6 +90,11 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
     const r = o.store.get(req.params.id);
     if (!r) throw notFound(req.params.id);
     return r.response;
+  });
+  app.get<{ Params: { id: string }; Querystring: InputItemsQuery }>('/v1/responses/:id/input_items', async (req) => {
+    const r = o.store.get(req.params.id);
+    if (!r) throw notFound(req.params.id);
+    return pageInputItems(r.input, req.query ?? {});
   });
   app.delete<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
     if (!o.store.delete(req.params.id)) throw notFound(req.params.id);

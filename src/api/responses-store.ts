@@ -7,7 +7,7 @@
  * A record keeps the conversation up to and including its own output as chat messages (the
  * wire shape the chat path takes), so a continuation is `instructions + history + new input`:
  * the prompt the previous response was generated from, followed by its reply, byte for byte.
- * The history arrays of a chain share their message objects; `bytes` counts the whole history
+ * The history and input-item arrays of a chain share their objects; `bytes` counts the whole history and input items
  * of each record (an upper bound of what it holds alive, so the byte bound always holds).
  */
 import { systemClock } from '../common/clock.js';
@@ -29,6 +29,8 @@ export interface StoredResponse {
   history: WireChatMessage[];
   /** Output items by id (for `item_reference`), with the chat message each one became. */
   items: Map<string, Record<string, unknown>>;
+  /** The items of its context in order (GET /v1/responses/{id}/input_items; shared with the chain's later records). */
+  input: Record<string, unknown>[];
   /** Bytes accounted to this record (JSON of response + history). */
   bytes: number;
   /** Monotonic ms when stored. */

@@ -28,6 +28,12 @@ import type { ResponseStore, StoredResponse, WireChatMessage } from './responses
 /** A fresh item or response id: `prefix` + 48 hex digits (OpenAI's ids are as long). */
 export const newItemId = (prefix: string): string => `${prefix}_${randomBytes(24).toString('hex')}`;
 
+/** A message input item as input_items lists it: its id (or a new one), text content as parts (input_text; assistant: output_text). */
+function messageItem(id: string | undefined, role: string, content: string | unknown[]): Record<string, unknown> {
+  const parts = typeof content === 'string' ? [role === 'assistant' ? { type: 'output_text', text: content, annotations: [] } : { type: 'input_text', text: content }] : content;
+  return { id: id ?? newItemId('msg'), type: 'message', role, status: 'completed', content: parts };
+}
+
 /** A validated /v1/responses request, with the chat request it becomes. */
 export interface ParsedResponsesRequest {
   /** The /v1/chat/completions body (always `stream: true` with usage: see ./responses-http.ts). */
@@ -36,6 +42,8 @@ export interface ParsedResponsesRequest {
   store: boolean;
   /** The conversation (without instructions) up to this input: stored history + new input. */
   history: WireChatMessage[];
+  /** The context as Responses items, ids included (GET /v1/responses/{id}/input_items): the previous response's input items and output, then this input. */
+  inputItems: Record<string, unknown>[];
   /** Echoed request settings of the Response object. */
   echo: ResponseEcho;
 }
@@ -117,7 +125,7 @@ function partsText(parts: unknown[], at: string): string {
  * assistant message; a message appended to is copied first, never changed in place: stored
  * histories share their objects). `sources[k]` names the input item that made out[k].
  */
-function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessage[], sources: string[]): void {
+function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessage[], sources: string[], listed: Record<string, unknown>[]): void {
   const from = out.length;
   const add = (m: WireChatMessage, at: string) => {
     out.push(m);
@@ -132,6 +140,7 @@ function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessag
       const content = typeof r.data.content === 'string' ? r.data.content : partsText(r.data.content, `${at}.content`);
       const role = r.data.role === 'developer' ? 'system' : r.data.role;
       add({ role, content }, at);
+      if (!viaReference) listed.push(messageItem(r.data.id ?? undefined, r.data.role, r.data.content));
       return;
     }
     if (type === 'function_call') {
@@ -142,6 +151,7 @@ function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessag
       if (last && out.length > from && last.role === 'assistant') {
         out[out.length - 1] = { ...last, tool_calls: [...(last.tool_calls ?? []), call] };
       } else add({ role: 'assistant', content: null, tool_calls: [call] }, at);
+      if (!viaReference) listed.push({ id: r.data.id ?? newItemId('fc'), type: 'function_call', status: 'completed', call_id: r.data.call_id, name: r.data.name, arguments: r.data.arguments });
       return;
     }
     if (type === 'function_call_output') {
@@ -149,6 +159,7 @@ function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessag
       if (!r.success) throw zodError(at, r.error);
       const content = typeof r.data.output === 'string' ? r.data.output : partsText(r.data.output, `${at}.output`);
       add({ role: 'tool', tool_call_id: r.data.call_id, content }, at);
+      if (!viaReference) listed.push({ id: r.data.id ?? newItemId('fco'), type: 'function_call_output', status: 'completed', call_id: r.data.call_id, output: r.data.output });
       return;
     }
     if (type === 'item_reference' && !viaReference) {
@@ -157,6 +168,7 @@ function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessag
       const stored = store.item(r.data.id);
       if (!stored) throw new ApiError(404, 'not_found', `Item with id '${r.data.id}' not found (items of stored responses only; it may have expired or been deleted).`, 'invalid_request_error', `${at}.id`);
       item(stored, at, true);
+      listed.push(structuredClone(stored));
       return;
     }
     throw unsupported(`${at}.type`, `input item type '${String(type)}' is not supported (message, function_call, function_call_output and item_reference are)`);
@@ -192,17 +204,20 @@ export function parseResponsesRequest(body: unknown, store: ResponseStore): Pars
   if (b.input === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'input'.", 'invalid_request_error', 'input');
   const history: WireChatMessage[] = [];
   const sources: string[] = [];
+  const inputItems: Record<string, unknown>[] = [];
   const prevId = b.previous_response_id as string | undefined;
   if (prevId !== undefined) {
     const prev = store.get(prevId);
     if (!prev) throw new ApiError(404, 'not_found', `Previous response with id '${prevId}' not found.`, 'invalid_request_error', 'previous_response_id');
     history.push(...prev.history);
     for (let i = 0; i < prev.history.length; i++) sources.push('previous_response_id');
+    inputItems.push(...prev.input, ...((prev.response.output as Record<string, unknown>[] | undefined) ?? []));
   }
   if (typeof b.input === 'string') {
     history.push({ role: 'user', content: b.input });
     sources.push('input');
-  } else appendItems(b.input as unknown[], store, history, sources);
+    inputItems.push(messageItem(undefined, 'user', b.input));
+  } else appendItems(b.input as unknown[], store, history, sources, inputItems);
   if (history.length === 0) throw bad('input', 'the input is empty (and there is no previous response)');
 
   const instructions = (b.instructions as string | undefined) ?? null;
@@ -242,6 +257,7 @@ export function parseResponsesRequest(body: unknown, store: ResponseStore): Pars
     stream: b.stream === true,
     store: storeIt,
     history,
+    inputItems,
     echo: {
       instructions,
       previous_response_id: prevId ?? null,
@@ -458,6 +474,6 @@ export function storedRecordOf(parsed: ParsedResponsesRequest, response: Record<
   const reply: WireChatMessage = calls.length > 0 ? { role: 'assistant', content: text === '' ? null : text, tool_calls: calls } : { role: 'assistant', content: text };
   const history = [...parsed.history, reply];
   const items = new Map<string, Record<string, unknown>>(output.map((o) => [o.id, structuredClone(o) as Record<string, unknown>]));
-  const bytes = Buffer.byteLength(JSON.stringify(response)) + Buffer.byteLength(JSON.stringify(history));
-  return { id: response.id as string, response, history, items, bytes };
+  const bytes = Buffer.byteLength(JSON.stringify(response)) + Buffer.byteLength(JSON.stringify(history)) + Buffer.byteLength(JSON.stringify(parsed.inputItems));
+  return { id: response.id as string, response, history, items, input: parsed.inputItems, bytes };
 }

@@ -9,6 +9,7 @@ import { ApiError } from '../../src/api/openai.js';
 import { RESPONSES_FIELDS } from '../../src/api/responses-fields.js';
 import { parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponseEcho } from '../../src/api/responses.js';
 import { ResponseStore } from '../../src/api/responses-store.js';
+import { pageInputItems } from '../../src/api/responses-items.js';
 
 const store = () => new ResponseStore();
 const err = (fn: () => unknown): ApiError => {
@@ -92,6 +93,33 @@ describe('Responses request → chat request', () => {
     assert.equal(err(() => parseResponsesRequest({ input: [{ type: 'item_reference', id: 'msg_x' }] }, s)).status, 404);
     assert.ok(s.delete('resp_a'));
     assert.equal(err(() => parseResponsesRequest({ input: [{ type: 'item_reference', id: msgId }] }, s)).status, 404, 'a deleted response takes its items');
+  });
+
+  test('input items: the chain of earlier inputs and outputs then this input, with stable ids; pages by limit / order / after', () => {
+    const s = store();
+    const first = parseResponsesRequest({ instructions: 'not an item', input: 'q1' }, s);
+    const t = new ResponsesTranslator('resp_a', 'm', 1, first.echo);
+    t.start();
+    t.chunk({ choices: [{ delta: { content: 'a1' } }], usage: null });
+    t.chunk({ choices: [{ delta: {}, finish_reason: 'stop' }] });
+    t.finish();
+    s.put(storedRecordOf(first, t.response(), t.output));
+    const a = s.get('resp_a')!.input;
+    assert.equal(a.length, 1);
+    assert.deepEqual({ ...a[0], id: 'x' }, { id: 'x', type: 'message', role: 'user', status: 'completed', content: [{ type: 'input_text', text: 'q1' }] });
+    const next = parseResponsesRequest({ previous_response_id: 'resp_a', tools: [{ type: 'function', name: 'f' }], input: [{ role: 'user', content: 'q2', id: 'msg_mine' }, { type: 'function_call', call_id: 'c1', name: 'f', arguments: '{}' }, { type: 'function_call_output', call_id: 'c1', output: 'r' }] }, s);
+    assert.deepEqual(next.inputItems.map((i) => i.id).slice(0, 3), [a[0]!.id, t.output[0]!.id, 'msg_mine'], 'earlier items keep their ids');
+    assert.deepEqual(next.inputItems.map((i) => i.type), ['message', 'message', 'message', 'function_call', 'function_call_output']);
+    assert.match(String(next.inputItems[3]!.id), /^fc_/);
+    assert.match(String(next.inputItems[4]!.id), /^fco_/);
+    const items = next.inputItems;
+    const desc = pageInputItems(items, { limit: '3' });
+    assert.deepEqual([desc.data.map((i) => i.id), desc.first_id, desc.last_id, desc.has_more], [[items[4]!.id, items[3]!.id, items[2]!.id], items[4]!.id, items[2]!.id, true]);
+    const rest = pageInputItems(items, { limit: '3', after: desc.last_id! });
+    assert.deepEqual([rest.data.map((i) => i.id), rest.has_more], [[items[1]!.id, items[0]!.id], false]);
+    assert.deepEqual(pageInputItems(items, { order: 'asc' }).data, items);
+    assert.deepEqual(pageInputItems([], {}), { object: 'list', data: [], first_id: null, last_id: null, has_more: false });
+    for (const q of [{ limit: '0' }, { limit: '101' }, { limit: 'x' }, { order: 'up' }, { after: 'msg_nope' }]) assert.equal(err(() => pageInputItems(items, q)).status, 400, JSON.stringify(q));
   });
 
   test("the chat parser's errors name the Responses field", () => {
@@ -191,7 +219,7 @@ describe('chat chunks → Responses events', () => {
 });
 
 describe('stored responses: bounded by count, bytes and age', () => {
-  const rec = (id: string, bytes = 10) => ({ id, response: { id }, history: [], items: new Map([[`msg_${id}`, { type: 'message' }]]), bytes });
+  const rec = (id: string, bytes = 10) => ({ id, response: { id }, history: [], items: new Map([[`msg_${id}`, { type: 'message' }]]), input: [], bytes });
 
   test('count and bytes: the oldest go first; a record over the byte budget alone is not stored', () => {
     const s = new ResponseStore({ maxCount: 2, maxBytes: 100, maxAgeMs: 1e9 });
