@@ -10,6 +10,7 @@ import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '.
 import type { Engine, Slot } from '../engine/types.js';
 import type { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { systemClock } from '../common/clock.js';
+import type { SequenceKvTracker } from '../api/kv-tracker.js';
 
 /** A request being served, as shown in /debug/rooms (colocated has no rooms: path 'colocated'). */
 export interface ColocatedRunning {
@@ -40,6 +41,8 @@ export class ColocatedBackend {
     readonly engine: Engine,
     readonly limits: ColocatedLimits,
     private readonly prefixMetrics?: PrefixCacheMetrics,
+    /** The sequence tier of this server's KV events: a finished generation with a conversation key is noted (prompt + reply). */
+    private readonly kvTracker?: SequenceKvTracker | null,
   ) {}
 
   get waiting(): number {
@@ -87,7 +90,7 @@ export class ColocatedBackend {
    * Generate for one request: yields GenerateEvents (one per token, then a final one with
    * finish_reason). @throws ApiError for bad prompts, full queues; Error code 'ABORTED' on signal.
    */
-  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
+  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params' | 'conversation_key'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
     const tokens = tokenizeRequest(this.engine, body);
     const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
     await checkSampling(this.engine, sampling);
@@ -105,12 +108,16 @@ export class ColocatedBackend {
       const g = slot.generate(first.firstToken, sampling, signal);
       gen = g;
       let n = 0;
+      const key = this.kvTracker ? body.conversation_key : undefined;
+      const ids: number[] = [];
       for (;;) {
         const r = await g.next();
         if (r.done) {
+          if (key && r.value !== 'abort') this.kvTracker!.noteFinished(key, [...tokens, ...ids], tokens.length);
           yield { text: '', token_ids: [], meta_info: meta(n, { type: r.value }) };
           return;
         }
+        if (key) ids.push(r.value.token);
         n++;
         // generate() knows no logprob for the first token: prefill sampled it
         yield tokenEvent(n === 1 && first.firstLogprob ? { ...r.value, logprob: first.firstLogprob } : r.value, meta(n, null));

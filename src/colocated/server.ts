@@ -23,6 +23,10 @@ import type { Engine } from '../engine/types.js';
 import { ColocatedBackend } from './backend.js';
 import { registerAccess, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
+import { KvEventLog } from '../common/kv-events.js';
+import { registerKvEventsRoute } from '../api/kv-events-route.js';
+import { SequenceKvTracker } from '../api/kv-tracker.js';
+import { conversationKey } from '../api/conversation-key.js';
 
 /** A running colocated server. */
 export interface ColocatedServer {
@@ -45,7 +49,12 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   });
   const prefixMetrics = new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats());
   store?.registerMetrics(metrics.registry, (hit) => prefixMetrics.recordTier('store', hit));
-  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics);
+  // KV events as the workers publish them (GET /kv_events, pdserve_kv_events_published_total):
+  // the store's files by chain key, kept conversations by conversation key.
+  const kvEvents = new KvEventLog({ registry: metrics.registry });
+  store?.onEvent((e) => kvEvents.publish(e));
+  const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents) : null;
+  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics, kvTracker);
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
   let access: Access | undefined;
   const app = createWorkerApp({
@@ -70,6 +79,8 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
     checkModelName(parsed.model, names);
     if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;
+    const key = conversationKey(parsed, req.headers['x-session-id']);
+    if (key !== undefined) parsed.conversationKey = key;
     const toolSyntax = responseToolSyntax(parsed);
     const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
     const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });
@@ -114,6 +125,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
+  registerKvEventsRoute(app, kvEvents);
   registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs, registry: metrics.registry });
   const url = await listenUrl(app, config.host, config.port);
   log.info({ url, access: access?.describe() }, 'colocated server ready');
@@ -123,6 +135,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     app,
     backend,
     async close() {
+      kvTracker?.close();
       await app.close().catch(() => {});
       store?.close();
       await engine.dispose();

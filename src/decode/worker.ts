@@ -51,7 +51,7 @@ import { KnownPrefills } from './known-prefills.js';
 import { Counter } from 'prom-client';
 import { KvEventLog } from '../common/kv-events.js';
 import { registerKvEventsRoute } from '../api/kv-events-route.js';
-import { SequenceKvTracker } from './kv-tracker.js';
+import { SequenceKvTracker } from '../api/kv-tracker.js';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {

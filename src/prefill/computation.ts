@@ -40,6 +40,8 @@ export interface Computation {
   prefillMs: number;
   /** Prompt tokens taken from the prefix cache. */
   cachedTokens: number;
+  /** The router's conversation key (`conversation_key`): what the sequence tier's KV events name. */
+  key?: string;
 }
 
 /** Counters that show how many prompt evaluations and state saves the rooms cost (n > 1: one each for n rooms). */

@@ -20,6 +20,7 @@ import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { openPrefixStore } from '../common/prefix-store.js';
 import { KvEventLog } from '../common/kv-events.js';
 import { registerKvEventsRoute } from '../api/kv-events-route.js';
+import { SequenceKvTracker } from '../api/kv-tracker.js';
 import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { parseRoomId } from '../common/room-id.js';
@@ -92,6 +93,8 @@ export class PrefillWorker {
   readonly epoch = newEpoch();
   /** What this worker's cache tiers store and evict (GET /kv_events): the host store's events, same epoch as /health. */
   readonly kvEvents: KvEventLog;
+  /** Which conversations (router conversation keys) this worker's sequences keep: the sequence tier of its events. */
+  private readonly kvTracker: SequenceKvTracker | null;
   /** Trace id per room, for /debug/rooms. */
   readonly traces = new TraceTags();
   private readonly jobs = new Map<RoomId, Job>();
@@ -139,6 +142,7 @@ export class PrefillWorker {
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
     this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
+    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
     this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir });
   }
@@ -223,6 +227,7 @@ export class PrefillWorker {
     if (this.watchdog) clearInterval(this.watchdog);
     this.watchdog = undefined;
     this.stopSweep?.();
+    this.kvTracker?.close();
     this.perform(this.driver.shutdown(this.clock.nowMs()));
     await this.app?.close().catch(() => {});
     await this.kv?.close();
@@ -323,7 +328,7 @@ export class PrefillWorker {
     if (rooms.length > 1 && !body.first_token_from_prefill) return sendError(reply, ApiError.of('invalid_request', 'bootstrap_rooms needs first_token_from_prefill (each room gets its own first token)', 'bootstrap_rooms'));
     const admitted = this.driver.request(rooms, body.rid, this.clock.nowMs());
     if (admitted.refused) return sendError(reply, admitted.refused);
-    const comp: Computation = { lead: room, rooms, tokens, sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0 };
+    const comp: Computation = { lead: room, rooms, tokens, sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0, ...(body.conversation_key ? { key: body.conversation_key } : {}) };
     this.comps.set(room, comp);
     const trace = body.trace_id ?? body.rid;
     const jobs = rooms.map((r) => {
@@ -459,6 +464,8 @@ export class PrefillWorker {
       comp.prefillMs = Math.round(this.clock.nowMs() - t0);
       if (signal.aborted) return { ok: false, aborted: true };
       comp.state = { path, payloadBytes }; // the file is the computation's now: deleted by the driver's `discard`
+      // the sequence keeps this prompt once released: the conversation's next round finds it here
+      if (comp.key) this.kvTracker?.noteFinished(comp.key, comp.tokens, comp.tokens.length);
       return { ok: true, totalBytes: roomBytes.get(comp.lead)!, roomBytes };
     } catch (err) {
       const e = err as { code?: string; message?: string };

@@ -138,7 +138,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     return kv.holds(url, key, systemClock.nowMs());
   });
   const pickWith = (role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
-    const p = policies[role].pick(c, text, now, key, role === 'decode' ? holdsFor(key) : undefined);
+    const p = policies[role].pick(c, text, now, key, holdsFor(key));
     if (p) picks.inc({ role, policy: policies[role].name, reason: p.reason });
     seen?.(p);
     return p?.worker ?? null;
@@ -299,6 +299,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   // A restarted worker's old handshake failures say nothing of the new process.
   registry.onRecovered = (w) => pairs.forget(w.url);
+  // Workers that join later (etcd membership) are followed from their join; leaves are forgotten.
+  registry.onAdded = (w) => kv.follow(w);
   registry.onRemoved = (w) => {
     kv.forget(w.url);
     policies.prefill.forget?.(w.url);

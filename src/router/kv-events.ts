@@ -33,7 +33,7 @@ const MAX_REPLY_BYTES = 16 << 20;
 /**
  * How long a conversation the router just finished on a worker counts as "not known yet" rather
  * than "not held" while the worker's events say nothing of it, ms: decode's tracker decides
- * within its 2 s wait for a released sequence (../decode/kv-tracker.ts), plus a poll round trip.
+ * within its 2 s wait for a released sequence (../api/kv-tracker.ts), plus a poll round trip.
  */
 export const PENDING_CLAIM_MS = 3000;
 /** Most pending claims kept per worker (the oldest dropped beyond). */

@@ -116,6 +116,8 @@ export class WorkerRegistry {
   private readonly warnedBootstrap = new Set<WorkerState>();
   private timer: NodeJS.Timeout | null = null;
   private stopped = false;
+  /** Called when `upsert()` adds a worker that was not in the pool (membership: a join). */
+  onAdded: ((w: WorkerState) => void) | null = null;
   /** Called when `remove()` drops a worker (e.g. to forget it in a routing policy's state). */
   onRemoved: ((w: WorkerState) => void) | null = null;
   /** Called when a probe finds a worker healthy that was not (e.g. to clear what its failures left). */
@@ -154,6 +156,7 @@ export class WorkerRegistry {
       w = { role: spec.role, url: spec.url, bootstrapHost: spec.bootstrapHost ?? null, bootstrapPort: spec.bootstrapPort ?? null, healthy: false, draining: false, model: null, load: 0, lastError: 'not probed yet', lastCheckAt: 0, consecutiveFailures: 0, settings: null };
       this.pool = [...this.pool, w];
       this.opts.log.info({ worker: w.url, role: w.role }, 'worker joined');
+      this.onAdded?.(w);
       newAddress = w.role === 'prefill';
     } else if (spec.bootstrapPort != null && (w.bootstrapPort !== spec.bootstrapPort || w.bootstrapHost !== (spec.bootstrapHost ?? null))) {
       (w as { bootstrapHost: string | null }).bootstrapHost = spec.bootstrapHost ?? null;

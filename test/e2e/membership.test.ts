@@ -46,6 +46,11 @@ const ok = (r: { status: number; text: string }) => r.status === 200 && /data: \
 const workers = async () => (await getJson<any>(`${c.router.url}/workers`)).workers as any[];
 const routable = async (url: string) => (await workers()).some((w) => w.url === url && w.healthy && !w.draining);
 const listed = async (url: string) => (await workers()).some((w) => w.url === url);
+/** KV event streams the router opened on a worker for the first time (one per followed worker process it had no stream of). */
+const firstStreams = async (): Promise<number> => {
+  const text = await (await fetch(`${c.router.url}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
+  return Number(/^pdserve_router_kv_resyncs_total\{reason="first"\} (\S+)$/m.exec(text)?.[1] ?? 0);
+};
 const record = async (p: ClusterProc) => {
   const v = await kv.get(memberKey(p.role, p.url)).string();
   return v === null ? null : parseMemberRecord(v);
@@ -89,6 +94,8 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     assert.ok(!JSON.stringify(all).includes(c.secret), 'no etcd record holds the cluster secret');
     assert.ok(await waitFor(async () => (await workers()).filter((w) => w.healthy).length === 3, 5000), 'the router found all three');
     for (let i = 0; i < 4; i++) assert.ok(ok(await completion(promptOf(24, i))), 'requests succeed');
+    // every worker that joined through etcd has its KV event stream followed from the join
+    assert.ok(await waitFor(async () => (await firstStreams()) === 3, 5000), `KV event streams: ${await firstStreams()} of 3`);
   });
 
   test('pdserve doctor --discovery reads the same workers from etcd and finds nothing wrong', async () => {
@@ -125,8 +132,11 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     assert.ok(ms <= TTL_S * 1000 + 3000, `removed ${ms} ms after the kill (TTL ${TTL_S} s)`);
     assert.equal(await record(d), null, 'its key is gone');
     for (let i = 0; i < 3; i++) assert.ok(ok(await completion(promptOf(20, 10 + i))), 'the rest serves');
+    const streams = await firstStreams();
     await c.spawn(d);
     assert.ok(await waitFor(() => routable(d.url), 1000, 10), 'back within 1 s of ready');
+    // the leave dropped its stream; the join opens a new one
+    assert.ok(await waitFor(async () => (await firstStreams()) === streams + 1, 5000), 'the rejoined worker is followed again');
   });
 
   test('etcd wiped and down past the lease TTL: the serving workers stay in the pool; after its return the pool is exactly the live registered workers within one TTL', async (t) => {

@@ -101,6 +101,16 @@ describe('/v1/responses through the openai SDK (PD and colocated)', () => {
       prev = r.id;
     }
     assert.ok(cached > 0, 'rounds 2 and 3 reuse the stored prefix');
+    // input_items: the 3 user inputs and the 2 earlier replies (instructions are no item), newest first, paged by the SDK's cursor
+    const items: OpenAI.Responses.ResponseItem[] = [];
+    for await (const it of s.pd.responses.inputItems.list(prev!, { limit: 2 })) items.push(it);
+    const texts = items.map((it) => (it.type === 'message' ? `${it.role}: ${(it.content[0] as { text: string }).text}` : it.type));
+    assert.deepEqual(texts, history.slice(1, -1).reverse().map((m) => `${m.role}: ${m.content as string}`));
+    assert.equal(new Set(items.map((it) => it.id)).size, 5, 'every item has its own id');
+    const asc = await s.pd.responses.inputItems.list(prev!, { order: 'asc', limit: 100 });
+    assert.deepEqual(asc.data.map((it) => it.id), items.map((it) => it.id).reverse());
+    await assert.rejects(s.pd.responses.inputItems.list('resp_unknown'), (e: unknown) => e instanceof OpenAI.NotFoundError);
+    await assert.rejects(s.pd.responses.inputItems.list(prev!, { limit: 101 }), (e: unknown) => e instanceof OpenAI.BadRequestError && e.param === 'limit');
     await assert.rejects(s.pd.responses.create({ ...base, input: 'x', previous_response_id: 'resp_unknown' }), (e: unknown) => e instanceof OpenAI.NotFoundError && e.param === 'previous_response_id');
     // store: false keeps nothing to continue from
     const unstored = await s.pd.responses.create({ ...base, input: 'x', store: false });
@@ -245,5 +255,29 @@ describe('KV events', () => {
     messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });
     await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 8, prompt_cache_key: 'agent-kv', messages });
     assert.equal(await metric('pdserve_router_requests_by_path_total{path="fallback"}'), fallbacks, 'no needs_prefill fallback');
+  });
+
+  test('prefill claims the prompts it keeps, and the router picks prefill on them (reason held)', async () => {
+    const prefill = s.c.byRole('prefill')[0]!.url;
+    const held = 'pdserve_router_policy_picks_total{role="prefill",policy="cache_aware",reason="held"}';
+    const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `prefill events round 1: ${'other context '.repeat(30)}` }];
+    const entries = await metric('pdserve_router_kv_held_entries{tier="sequence"}');
+    const data = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, prompt_cache_key: 'agent-prefill', messages });
+    assert.ok(await waitFor(async () => (await sequences(prefill)).some((e) => e.key === 'k:agent-prefill'), 5000), 'prefill publishes the kept prompt');
+    // the router's long poll is answered at the event: one round trip
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_held_entries{tier="sequence"}')) > entries, 5000));
+    await new Promise((r) => setTimeout(r, 300));
+    const before = await metric(held);
+    messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });
+    await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, prompt_cache_key: 'agent-prefill', messages });
+    assert.equal(await metric(held), before + 1, 'the prefill pick came from its events');
+  });
+
+  test('colocated publishes what it keeps: GET /kv_events and pdserve_kv_events_published_total', async () => {
+    const colo = s.c.colocated!.url;
+    await s.ref.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 4, prompt_cache_key: 'agent-colo', messages: [{ role: 'user', content: `colocated events: ${'more context '.repeat(30)}` }] });
+    assert.ok(await waitFor(async () => (await sequences(colo)).some((e) => e.key === 'k:agent-colo'), 5000), 'colocated publishes the kept conversation');
+    const text = await (await fetch(`${colo}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
+    assert.match(text, /^pdserve_kv_events_published_total\{tier="sequence",kind="stored"\} [1-9]/m);
   });
 });

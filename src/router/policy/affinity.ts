@@ -1,7 +1,7 @@
 /**
  * Session affinity: a conversation's key, and the worker each key was last served by.
  *
- * Conversation key, first present of (SGLang's gateway routing keys and Dynamo's sticky sessions
+ * Conversation key (computed in ../../api/conversation-key.ts), first present of (SGLang's gateway routing keys and Dynamo's sticky sessions
  * do the same with one header):
  *   1. `prompt_cache_key` (OpenAI's own field for this),
  *   2. `user`,
@@ -14,30 +14,7 @@
  * key's worker when it is a candidate and the load guard does not call it overloaded, and
  * records its pick under the key either way.
  */
-import { createHash } from 'node:crypto';
-
-/** Most bytes of a first message hashed (a key, not a checksum: the start names the conversation). */
-const HASHED_BYTES = 4096;
-
-/** What the key is read from. */
-export interface KeyedRequest {
-  kind: 'chat' | 'completion';
-  promptCacheKey?: string;
-  user?: string;
-  messages?: readonly { role: string; content: string }[];
-}
-
-/** The conversation key of a request (see the module doc), or undefined. Keys of the four sources never collide. */
-export function conversationKey(r: KeyedRequest, sessionHeader: unknown): string | undefined {
-  if (r.promptCacheKey) return `k:${r.promptCacheKey}`;
-  if (r.user) return `u:${r.user}`;
-  if (typeof sessionHeader === 'string' && sessionHeader !== '') return `s:${sessionHeader.slice(0, 256)}`;
-  if (r.kind !== 'chat' || !r.messages) return undefined;
-  const first = r.messages.find((m) => m.role !== 'system');
-  if (!first) return undefined;
-  const h = createHash('sha256').update(first.role).update('\0').update(first.content.slice(0, HASHED_BYTES)).digest('base64url');
-  return `m:${h.slice(0, 22)}`;
-}
+export { conversationKey, type KeyedRequest } from '../../api/conversation-key.js';
 
 /** Default bound of a session table (keys). */
 export const DEFAULT_MAX_SESSIONS = 65_536;

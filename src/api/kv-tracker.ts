@@ -1,8 +1,9 @@
 /**
- * Decode's sequence-tier KV events: which conversations (by the router's conversation key,
- * `conversation_key` of /generate) this worker really keeps.
- *
- * A generation that ended normally is noted with its tokens (prompt + reply). The engine keeps
+ * A worker's sequence-tier KV events: which conversations (by the conversation key,
+ * `conversation_key` of /generate, ./conversation-key.ts) this process really keeps. Decode and
+ * colocated note a generation that ended normally with its tokens (prompt + reply); prefill notes
+ * a computed prompt (its sequence keeps the prompt once released).
+ * The engine keeps
  * such a sequence among its idle ones, and evicts it later (LRU, budget, reuse by another
  * request) without telling anyone; so the tracker asks the engine itself: an entry is held while
  * `engine.reusableFor(tokens)` covers at least half its prompt (a next round would reuse that
