@@ -191,12 +191,15 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
-/** Flags `up` forwards to its children: --cors-origin to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes and the GPU flags to the workers. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number } & Parameters<typeof gpuArgs>[0]): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
+const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
+
+/** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes and the GPU flags to the workers. */
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; workerWaitMs: number } & Parameters<typeof gpuArgs>[0]): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : [])];
-  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local];
+  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs)];
   return { router, prefill: [...names, ...verify, ...gpuArgs(o, 'prefill')], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode')] };
 }
 
@@ -253,6 +256,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--discovery <etcd://HOST:PORT>', 'every process uses etcd membership: workers register under a lease, the router watches')
     .addOption(new Option('--decode-policy <name>', "the router's load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)").choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
+    .option('--worker-wait-ms <ms>', `router: ${WORKER_WAIT_HELP}`, int, 20_000)
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
     .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M)', cliParser(parseStateBytes))
     .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
@@ -390,7 +394,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
     .option('--migration-limit <n>', 'most re-dispatches of one request after a worker failure, before output (retry) or after (migration: prompt + tokens sent go to another pair); see docs/MIGRATION.md', int, 3)
-    .option('--worker-wait-ms <ms>', 'a request finding no healthy worker of a role waits this long for one (inside its deadline; 0 = 503 at once)', int, 20_000)
+    .option('--worker-wait-ms <ms>', WORKER_WAIT_HELP, int, 20_000)
     .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices([...POLICY_NAMES]).default('cache_aware'))
     .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)

@@ -17,8 +17,10 @@
  *    missing, usage counted once (the workers count the resumed tokens as completion tokens).
  * At most `migrationLimit` re-dispatches per request (Dynamo's `--migration-limit`), every one
  * inside the request's deadline; when they run out the client gets the last cause's error.
- * When no worker of a role is healthy, a request waits for one (`workerWaitMs`, inside its
- * deadline, at most MAX_WAITING requests) instead of failing at once.
+ * When no worker of a role is healthy, a request waits for one (at most MAX_WAITING requests)
+ * instead of failing at once: until its deadline when the role is only temporarily empty (its
+ * workers served before and are down, restarting or draining now), at most `workerWaitMs` when
+ * no worker of the role ever served (a misconfigured or still-forming cluster): `waitUntil`.
  * Each attempt sends the workers its own rid (`<rid>`, then `<rid>-a<n>`): a worker that still
  * holds an earlier attempt's room never answers `duplicate_rid`.
  * Counted in pdserve_router_retries_total / pdserve_router_migrations_total {reason, outcome}
@@ -119,7 +121,9 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         const fixed: WorkerState | null | undefined = m?.group.prefill;
         return pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
       };
-      const until = Math.min(client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs, systemClock.nowMs() + config.workerWaitMs);
+      const deadlineAt: number = client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs;
+      const waitStart = systemClock.nowMs();
+      const until = (error: string): number => waitUntil(error, registry.workers, waitStart, deadlineAt, config.workerWaitMs);
       // blocked pairs only: a pair exists once the blocks are ignored
       const transient = () => !('error' in pickPair(registry, (c) => c[0] ?? null, (c) => c[0] ?? null, () => true));
       const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing(), transient);
@@ -197,19 +201,43 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
 }
 
 /**
+ * Until when (systemClock ms) a request that found no pair (`error`, a `pickPair` error code)
+ * since `now` may wait for one:
+ *  - `workerWaitMs` 0: not at all (`now`);
+ *  - the role is temporarily empty — a worker of it (in `workers`) served before
+ *    (`servedOnce`: it is down, restarting or draining now), or every compatible pair is blocked
+ *    for a while (`no_compatible_pair`): until the request's deadline `deadlineAt`, since a
+ *    restarted worker may take longer than any fixed wait to be ready (a tiny-model prefill needs
+ *    10–17 s under load);
+ *  - no worker of the role ever served (none configured or registered, or none ever answered its
+ *    probe: a wrong address, another cluster secret): at most `workerWaitMs`, so a misconfigured
+ *    cluster answers 503 soon.
+ * Never past `deadlineAt`.
+ */
+export function waitUntil(error: string, workers: readonly { role: WorkerState['role']; servedOnce?: boolean }[], now: number, deadlineAt: number, workerWaitMs: number): number {
+  if (workerWaitMs <= 0) return now;
+  const role = error === 'no_healthy_prefill' ? 'prefill' : error === 'no_healthy_decode' ? 'decode' : null;
+  const temporary = role === null || workers.some((w) => w.role === role && w.servedOnce === true);
+  return temporary ? deadlineAt : Math.min(deadlineAt, now + workerWaitMs);
+}
+
+/**
  * The pair `pick` gives, or — when a role has no healthy worker, or every compatible pair is
- * blocked for a while (`transient`) — the first one it gives before `until` (see MAX_WAITING).
+ * blocked for a while (`transient`) — the first one it gives before `until(error)` (`waitUntil`,
+ * asked again after every look: the missing role can change; see MAX_WAITING).
  * A settings mismatch no pair can serve is answered at once.
  */
-async function pickOrWait<P extends object | { error: string }>(pick: () => P, until: number, d: AttemptDeps, gone: () => boolean, transient: () => boolean): Promise<P> {
+async function pickOrWait<P extends object | { error: string }>(pick: () => P, until: (error: string) => number, d: AttemptDeps, gone: () => boolean, transient: () => boolean): Promise<P> {
+  const waitable = (error: string) => error !== 'no_compatible_pair' || transient();
   let pair = pick();
-  if (!('error' in pair) || (pair.error === 'no_compatible_pair' && !transient()) || d.waiting.n >= MAX_WAITING) return pair;
+  if (!('error' in pair) || !waitable(pair.error) || d.waiting.n >= MAX_WAITING) return pair;
   d.waiting.n++;
   try {
-    while (systemClock.nowMs() + WAIT_POLL_MS <= until && !gone()) {
+    for (let error = pair.error; waitable(error) && systemClock.nowMs() + WAIT_POLL_MS <= until(error) && !gone(); ) {
       await sleep(WAIT_POLL_MS);
       pair = pick();
       if (!('error' in pair)) return pair;
+      error = pair.error;
     }
   } finally {
     d.waiting.n--;

@@ -36,6 +36,8 @@ export interface WorkerState {
   readonly bootstrapHost: string | null;
   readonly bootstrapPort: number | null;
   healthy: boolean;
+  /** A probe found it healthy at least once since it joined the pool: when unhealthy now, it is down or restarting, not misconfigured. */
+  servedOnce?: boolean;
   /** Shutting down gracefully: finishes what it has, takes nothing new. */
   draining: boolean;
   model: string | null;
@@ -281,6 +283,7 @@ export class WorkerRegistry {
     const recovered = !w.healthy;
     if (recovered) this.opts.log.info({ worker: w.url, role: w.role, model }, 'worker healthy');
     w.healthy = true;
+    w.servedOnce = true;
     w.model = model ?? w.model;
     w.lastError = null;
     w.lastCheckAt = systemClock.wallMs();

@@ -12,6 +12,7 @@ import OpenAI from 'openai';
 import type { GenerateEvent, GenerateRequest } from '../../src/api/worker-protocol.js';
 import { createRouter, startRouter, WorkerRegistry, parseRouterConfig, RouterConfigError, type RunningRouter } from '../../src/router/index.js';
 import pino from 'pino';
+import { waitUntil } from '../../src/router/attempts.js';
 
 // ------------------------------------------------------------------------------------------
 // Fake workers
@@ -1149,6 +1150,52 @@ describe('router: attempts (retry before output, request ids)', () => {
     assert.deepEqual(w.blocked_pairs.map((b: any) => [b.decode, b.code]), [[s.decode[0]!.url, 'peer_unreachable']]);
     assert.ok(w.blocked_pairs[0].retry_in_ms > 0 && w.blocked_pairs[0].retry_in_ms <= 1000);
     await assertReleased(s);
+  });
+
+  test('waitUntil: a temporarily empty role waits until the deadline; a role none of whose workers ever served waits at most workerWaitMs; 0 = no wait', () => {
+    const served = [{ role: 'prefill' as const, servedOnce: true }, { role: 'decode' as const }];
+    assert.equal(waitUntil('no_healthy_prefill', served, 1000, 61_000, 5000), 61_000, 'a prefill served before: until the deadline');
+    assert.equal(waitUntil('no_healthy_decode', served, 1000, 61_000, 5000), 6000, 'no decode ever served: workerWaitMs');
+    assert.equal(waitUntil('no_healthy_decode', [], 1000, 61_000, 5000), 6000, 'no decode in the pool at all: workerWaitMs');
+    assert.equal(waitUntil('no_healthy_decode', [], 1000, 3000, 5000), 3000, 'never past the deadline');
+    assert.equal(waitUntil('no_compatible_pair', served, 1000, 61_000, 5000), 61_000, 'blocked pairs only: until the deadline');
+    assert.equal(waitUntil('no_healthy_prefill', served, 1000, 61_000, 0), 1000, 'workerWaitMs 0: 503 at once');
+  });
+
+  test('a prefill that served and is down now: the request waits past workerWaitMs (inside its deadline) and is served when it is back', async () => {
+    const s = await stack({ workerWaitMs: 200, healthIntervalMs: 60_000 });
+    const w = s.router.registry.workers.find((x) => x.role === 'prefill')!;
+    s.router.registry.setUnhealthy(w, 'test: restarting');
+    const t0 = Date.now();
+    const pending = s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    await sleep(700);
+    assert.equal(s.decode[0]!.generates.length, 0, 'nothing dispatched while no prefill is healthy');
+    await s.router.registry.check(w, true);
+    const r = await pending;
+    assert.equal(r.choices[0]!.text, 'Hello, world');
+    assert.ok(Date.now() - t0 >= 700, 'waited longer than workerWaitMs');
+    await assertReleased(s);
+  });
+
+  test('a prefill that never answered its probe (wrong address): 503 no_healthy_prefill after about workerWaitMs, not the deadline', async () => {
+    const dead = Fastify();
+    await dead.listen({ host: '127.0.0.1', port: 0 });
+    const a = dead.server.address();
+    const deadUrl = `http://127.0.0.1:${typeof a === 'object' && a ? a.port : 0}`;
+    await dead.close();
+    const decode = await new FakeWorker('decode').start();
+    const router = await startRouter({ host: '127.0.0.1', port: 0, prefill: [{ url: deadUrl, bootstrapPort: 9000 }], decode: [{ url: decode.url }], healthIntervalMs: 100, requestTimeoutMs: 10_000, workerWaitMs: 400, log: { level: 'silent' } });
+    try {
+      const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 10_000 });
+      const t0 = Date.now();
+      await assert.rejects(client.completions.create({ model: 'fake-model', prompt: 'p' }), isApiError(503, /no healthy prefill worker/));
+      const ms = Date.now() - t0;
+      assert.ok(ms >= 350 && ms < 3000, `answered after ${ms} ms`);
+      assert.equal(decode.generates.length, 0);
+    } finally {
+      await router.close();
+      await decode.close();
+    }
   });
 
   test('no healthy prefill: the request waits for one (workerWaitMs) instead of a 503', async () => {
