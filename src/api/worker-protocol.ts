@@ -142,8 +142,8 @@ export const GenerateRequestSchema = z
     conversation_key: z.string().min(1).max(300).optional(),
     /**
      * Migration (pdserve's extension; prefill and decode): the tokens an earlier attempt of this
-     * request generated and the client already has. Prefill evaluates them after the prompt and
-     * samples the next token; both sides count them as generated in every sampler state
+     * request generated and the client already has. Prefill (or decode itself, with
+     * `local_prefill`) evaluates them after the prompt and samples the next token; both sides count them as generated in every sampler state
      * (penalties, grammar, min_tokens, max_new_tokens, stop strings) and in `completion_tokens`,
      * and `prompt_tokens` stays the prompt's; they are never streamed again.
      */
@@ -166,8 +166,8 @@ export const GenerateRequestSchema = z
   .refine((b) => b.bootstrap_rooms === undefined || (b.bootstrap_rooms[0] === b.bootstrap_room && new Set(b.bootstrap_rooms).size === b.bootstrap_rooms.length), {
     message: 'bootstrap_rooms must be distinct and start with bootstrap_room',
   })
-  .refine((b) => b.resume_token_ids === undefined || (b.bootstrap_rooms === undefined && b.local_prefill === undefined), {
-    message: 'resume_token_ids is for a single-room PD request (not with bootstrap_rooms or local_prefill)',
+  .refine((b) => b.resume_token_ids === undefined || b.bootstrap_rooms === undefined, {
+    message: 'resume_token_ids is for a single-room request (not with bootstrap_rooms)',
   });
 export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
 

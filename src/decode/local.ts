@@ -20,6 +20,8 @@
  *     `localPrefill` below; its success is the room's `kv_done` (→ Success), and decode streams
  *     every token from the first. Deadlines, aborts and the single slot release are the room's,
  *     unchanged (see docs/LIFECYCLE.md).
+ * A migrated request (`resume_token_ids`, ../router/attempts.ts) may come here too: the uncached
+ * suffix then includes the resumed tokens, which `localPrefill` evaluates after the prompt.
  * The reuse counted at step 1 is a hint: a request that waited for a slot may find its prefix
  * evicted meanwhile; it is then evaluated locally in full (correct, slower), never failed.
  */
@@ -65,13 +67,16 @@ export async function planLocal(engine: Engine, body: GenerateRequest, ownLimit:
   const limit = Math.min(ownLimit, body.local_prefill?.max_tokens ?? 0);
   if (!keeps || limit <= 0) throw ApiError.of('needs_prefill', 'decode-local continuation is off on this decode worker');
   const tokens = tokenizeRequest(engine, body);
-  const sampling = fitSampling(engine, tokens.length, samplingFromWire(body.sampling_params));
+  // A migrated request (`resume_token_ids`): the tokens the client has are evaluated after the
+  // prompt, one per call, and every sampler state counts them as generated (as prefill does).
+  const sampling = fitSampling(engine, tokens.length, samplingFromWire(body.sampling_params, body.resume_token_ids));
   await checkSampling(engine, sampling);
+  const resumed = body.resume_token_ids?.length ?? 0;
   let reusable = engine.reusableFor(tokens);
   // the host's prefix store (second tier) may hold it when no kept sequence does
-  if (tokens.length - reusable > limit && engine.storedReusableFor) reusable = Math.max(reusable, await engine.storedReusableFor(tokens));
-  const uncached = tokens.length - reusable;
-  if (uncached > limit) throw ApiError.of('needs_prefill', `uncached suffix of ${uncached} tokens (prompt ${tokens.length}, kept ${reusable}) exceeds the local prefill limit ${limit}`);
+  if (tokens.length + resumed - reusable > limit && engine.storedReusableFor) reusable = Math.max(reusable, await engine.storedReusableFor(tokens));
+  const uncached = tokens.length + resumed - reusable;
+  if (uncached > limit) throw ApiError.of('needs_prefill', `uncached suffix of ${uncached} tokens (prompt ${tokens.length}${resumed ? ` + ${resumed} resumed` : ''}, kept ${reusable}) exceeds the local prefill limit ${limit}`);
   return { tokens, sampling, reusable };
 }
 

@@ -11,7 +11,8 @@
  * avoided while others are healthy):
  *  - **retry**: the client has nothing yet — the same request again;
  *  - **migrate**: the client already has output — prompt + the tokens it has (`resume_token_ids`)
- *    go to the new pair, whose prefill evaluates them after the prompt and samples the next token,
+ *    go to the new pair, whose prefill evaluates them after the prompt and samples the next token
+ *    (or, when the decode picked holds the conversation's prefix, to that decode alone: decode-local),
  *    and whose decode rebuilds every sampler state (penalties, grammar, min_tokens, stop strings'
  *    text) from prompt + those tokens, so the same response continues: no token repeated or
  *    missing, usage counted once (the workers count the resumed tokens as completion tokens).
@@ -144,9 +145,11 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       const c = client;
       const decide = left > 0 ? (err: ApiError, output: boolean) => nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : null;
       // Decode-local continuation first when the decode worker holds this conversation (never for
-      // a choice of a group, nor with resumed tokens); its `needs_prefill` answer (before any
-      // output) falls back to the PD path on the same pair.
-      const localMax = m || c.tokenIds.length > 0 ? 0 : localPrefillFor(config.localPrefillMaxTokens, d.policies.decode.name, decodePick, text.length, decodePick ? d.holdsFor(key)?.(decode.url) : undefined);
+      // a choice of a group). A migration too: prompt + the tokens the client has go to a decode
+      // that holds the prefix, which evaluates only what it lacks (no prefill leg, no KV
+      // handoff). Its `needs_prefill` answer (before this attempt's output) falls back to the PD
+      // path on the same pair.
+      const localMax = m ? 0 : localPrefillFor(config.localPrefillMaxTokens, d.policies.decode.name, decodePick, text.length, decodePick ? d.holdsFor(key)?.(decode.url) : undefined);
       c.attempt++;
       let run = new PdRequest(d.ctx, c, parsed, reply, prefill, decode, log, decide, localMax ? { maxTokens: localMax } : undefined, m);
       d.active.add(run);

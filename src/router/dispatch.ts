@@ -27,10 +27,11 @@
  *
  * Decode-local continuation (`local`, ../decode/local.ts): the request goes to decode ALONE with
  * `local_prefill: {max_tokens}` (no prefill leg, no KV handoff; decode streams every token). If
- * decode answers 409 `needs_prefill` before anything was sent to the client, the request ends
- * with `fallback = true` instead of an error, and the caller runs a normal PD request on the
- * same pair. Everything else (deadline, aborts, leases, finish) is the same code. A successful
- * response names its path in the `x-pdserve-path` header (pd | decode_local).
+ * decode answers 409 `needs_prefill` before this attempt sent anything to the client, the
+ * attempt ends with `fallback = true` instead of an error, and the caller runs a normal PD request
+ * on the same pair. A migrated attempt may take this path too (`resume_token_ids` with
+ * `local_prefill`). Everything else (deadline, aborts, leases, finish) is the same code. A
+ * successful response names its path in the `x-pdserve-path` header (pd | decode_local).
  *
  * Attempts (./attempts.ts): this class is one attempt. A leg that fails with an error the
  * attempt's `decide` function (./attempts.ts `nextStep`) says may run again — a 5xx or transport
@@ -598,7 +599,8 @@ export class PdRequest {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
     // Out of the rotation until a signed probe passes (its /health refuses a wrong signature too).
     if (err.code === 'worker_unauthenticated') this.ctx.registry.setUnhealthy(leg.worker, "refused the router's signed request: another cluster secret?");
-    if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.phase === 'waiting' && this.client.builder.events === 0) {
+    // Decode-local refused before this attempt wrote anything (a migrated attempt's client has earlier output).
+    if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.decodeEvents === 0 && !this.over) {
       this.fallback = true;
       this.finish('error');
       return;

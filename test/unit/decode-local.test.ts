@@ -192,6 +192,31 @@ describe('decode-local on the tiny model', () => {
     assert.equal(localRounds, 4);
   });
 
+  it('a migrated round (resume_token_ids) on the decode that keeps the conversation: evaluated from its kept sequence, the rest equals the uninterrupted run; the resumed tokens count against the limit', async () => {
+    const messages: ChatMessage[] = [{ role: 'user', content: 'Migration check: list the steps of the plan, one by one.' }];
+    const p1 = decode.renderChat(messages);
+    const r1 = await pd(p1, 200);
+    messages.push({ role: 'assistant', content: decode.detokenize(r1) }, { role: 'user', content: 'And the next steps?' });
+    const p2 = decode.renderChat(messages);
+    const want = await ref(p2);
+    const resumed = want.slice(0, 4);
+    const body = GenerateRequestSchema.parse({ rid: 'r', messages, sampling_params: { temperature: 0, max_new_tokens: 10, ignore_eos: true }, bootstrap_host: 'h', bootstrap_port: 1, bootstrap_room: 1, local_prefill: { max_tokens: 4096 }, resume_token_ids: resumed });
+    const uncached = p2.length - decode.reusableFor(p2);
+    assert.ok(uncached > 0 && decode.reusableFor(p2) > 0, 'decode holds the conversation prefix');
+    await assert.rejects(planLocal(decode, body, uncached + resumed.length - 1, true), { code: 'needs_prefill' }, 'the resumed tokens are part of the suffix decode evaluates');
+    const plan = await planLocal(decode, body, uncached + resumed.length, true);
+    assert.deepEqual(plan.sampling.resumed, resumed);
+    const d = decode.tryAcquireSlot(plan.tokens)!;
+    try {
+      const st = await localPrefill(d, plan, never);
+      assert.ok(st.cachedTokens > 0, 'the kept sequence served the prefix');
+      assert.equal(st.promptTokens, p2.length + resumed.length);
+      assert.deepEqual(await gen(d, st.firstToken, plan.sampling), want.slice(resumed.length), 'no token repeated or missing, none changed');
+    } finally {
+      d.release();
+    }
+  });
+
   it('decode answers needs_prefill when the uncached suffix is over the limit (or decode-local is off)', async () => {
     const messages: ChatMessage[] = [{ role: 'user', content: 'an unrelated conversation about '.repeat(20) }];
     const body = GenerateRequestSchema.parse({ rid: 'r', messages, bootstrap_host: 'h', bootstrap_port: 1, bootstrap_room: 1, local_prefill: { max_tokens: 8 } });

@@ -234,7 +234,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware' } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -251,6 +251,7 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     ...(opts.migrationLimit !== undefined ? { migrationLimit: opts.migrationLimit } : {}),
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
     ...(opts.policy ? { policy: opts.policy } : {}),
+    ...(opts.decodePolicy ? { decodePolicy: opts.decodePolicy } : {}),
     ...(opts.maxEventBytes ? { maxEventBytes: opts.maxEventBytes } : {}),
     log: { level: 'silent' },
   });
@@ -1263,6 +1264,50 @@ describe('router: migration (after output)', () => {
     assert.deepEqual(t.events.filter((e: any) => e.what === 'attempt_failed').map((e: any) => [e.next, e.code, e.tokens_sent]), [['migrate', 'kv_transfer_failed', 1]]);
     await assertReleased(s);
   });
+
+  for (const local of ['served', 'needs_prefill'] as const) {
+    test(`migration onto the decode that holds the prefix: prompt + the tokens sent go to it alone (decode-local)${local === 'needs_prefill' ? '; its needs_prefill falls back to PD on the same pair, with those tokens' : ''}`, async () => {
+      const s = await stack({ decode: 2, healthIntervalMs: 60_000, decodePolicy: 'cache_aware' });
+      const round1 = 'The plan has these steps: first read the file, then count the lines, then report.';
+      const r1 = await s.client.completions.create({ model: 'fake-model', prompt: round1 });
+      const holder = s.decode.find((d) => d.generates.length === 1)!;
+      const other = s.decode.find((d) => d !== holder)!;
+      const wHolder = s.router.registry.workers.find((w) => w.url === holder.url)!;
+      // The first attempt of round 2 goes to the other decode (the holder is out for its pick), which dies after 2 tokens.
+      s.router.registry.setUnhealthy(wHolder, 'test: out for one pick');
+      other.decode = () => ({ tokens: script, intervalMs: 30, destroyAfter: 2 });
+      holder.decode = (b) => (b.local_prefill && local === 'needs_prefill' ? { status: 409, code: 'needs_prefill', message: 'uncached suffix too long' } : { tokens: script, intervalMs: 2, finish: 'length' });
+      const prefillsBefore = s.prefill[0]!.generates.length;
+      const stream = await s.client.completions.create({ model: 'fake-model', prompt: `${round1}${r1.choices[0]!.text} Go on.`, stream: true, stream_options: { include_usage: true } });
+      let text = '';
+      let usage: any = null;
+      let id = '';
+      for await (const c of stream) {
+        if (text === '') await s.router.registry.check(wHolder, true); // back before the migration
+        id = c.id;
+        text += c.choices[0]?.text ?? '';
+        if (c.usage) usage = c.usage;
+      }
+      assert.equal(text, script.join(''), 'every token once, in order');
+      assert.equal(usage.completion_tokens, script.length);
+      const first = holder.generates[1]!;
+      assert.ok(first.local_prefill, 'the migrated attempt went to the holder alone');
+      assert.deepEqual(first.resume_token_ids, [100, 101], 'with the tokens the client had');
+      if (local === 'served') {
+        assert.equal(holder.generates.length, 2);
+        assert.equal(s.prefill[0]!.generates.length, prefillsBefore + 1, 'no prefill leg for the migrated attempt');
+      } else {
+        assert.equal(holder.generates.length, 3);
+        assert.equal(holder.generates[2]!.local_prefill, undefined, 'then PD on the same decode');
+        assert.deepEqual(holder.generates[2]!.resume_token_ids, [100, 101]);
+        assert.deepEqual(s.prefill[0]!.generates.at(-1)!.resume_token_ids, [100, 101], 'prefill evaluates them');
+      }
+      const t = (await (await fetch(`${s.router.url}/debug/traces/${id}`)).json()) as any;
+      assert.deepEqual(t.events.filter((e: any) => e.what === 'dispatched').map((e: any) => [e.path, e.resumed_tokens]), [['pd', 0], ['decode_local', 2], ...(local === 'needs_prefill' ? [['pd', 2]] : [])]);
+      assert.match(await metric(s, 'pdserve_router_migrations_total'), /reason="decode_failed",outcome="ok"} 1/);
+      await assertReleased(s);
+    });
+  }
 
   test('migration limit reached: the stream ends with the last cause (no [DONE]); every attempt released', async () => {
     const s = await stack({ migrationLimit: 2 });
