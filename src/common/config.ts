@@ -158,7 +158,7 @@ export const PrefillConfigSchema = z.object({
    * requests, to a decode that said `kvStream`; transfer/sender.ts sendGrowingStateFile). Off by
    * default: on this 2-core machine the save's thread competes with both event loops and the
    * save ran 2–5× slower; against save-then-send it gained ~6–12 % at 64 MiB and lost ~20 % at
-   * 16 MiB at load ≈ 1.3, and lost or tied at load 5–9 (docs/ARCHITECTURE.md, step 5).
+   * 16 MiB at load ≈ 1.3, and lost or tied at load 5–9 (docs/KV-HANDOFF.md).
    */
   kvStream: z.boolean().default(false),
 });
