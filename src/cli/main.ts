@@ -7,7 +7,7 @@ import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../common/config.js';
+import { ClusterSecretSchema, DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../common/config.js';
 import { createLogger } from '../common/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
@@ -209,14 +209,21 @@ function gpuArgs(o: { gpu: string; gpuLayers: string | number; kvCacheType: stri
   return ['--gpu', o.gpu, '--gpu-layers', String(o.gpuLayers), '--kv-cache-type', o.kvCacheType, ...(devices ? ['--gpu-device', devices.join(',')] : [])];
 }
 
-/** `up`'s cluster secret: given (file, env, flag) or a random one; its children get it by environment. */
+/** `up`'s cluster secret: given (file, env, flag) or a random one; its children get it by environment. A given one that breaks the workers' rule ends `up` with one line before any child starts. */
 function upSecret(o: { clusterSecret?: string; clusterSecretFile?: string }): string {
+  let s: string;
   try {
-    return clusterSecretOf('up', o) ?? randomBytes(24).toString('hex');
+    s = clusterSecretOf('up', o) ?? randomBytes(24).toString('hex');
   } catch (err) {
     console.error(`pdserve up: ${(err as Error).message}`);
     process.exit(2);
   }
+  const r = ClusterSecretSchema.safeParse(s);
+  if (!r.success) {
+    console.error(`pdserve up: invalid configuration: ${r.error.issues[0]!.message}`);
+    process.exit(2);
+  }
+  return s;
 }
 
 /** `up`'s access flags, for the router: keys go to it by environment, the file and the metrics flag as flags (no secret in them). */

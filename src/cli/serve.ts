@@ -31,7 +31,7 @@ export interface Served {
 export function startupProblem(err: unknown): string | null {
   const e = err as NodeJS.ErrnoException & { address?: string; port?: number };
   if (e?.code === 'EADDRINUSE') return `cannot listen on ${e.address ?? '?'}:${e.port ?? '?'}: the port is in use`;
-  if (err instanceof PdError && (err.code === 'invalid_config' || err.code === 'bad_model_file')) return err.message;
+  if (err instanceof PdError && (err.code === 'invalid_config' || err.code === 'INVALID_ROUTER_CONFIG' || err.code === 'bad_model_file')) return err.message;
   return null;
 }
 

@@ -99,11 +99,14 @@ export const TimeoutsSchema = z.object({
   transferIdleMs: z.number().int().positive().default(DEFAULT_TIMEOUTS.transferIdleMs),
 });
 
+/** The cluster secret's rule, one place for the workers' config and `up`'s own check. */
+export const ClusterSecretSchema = z.string().min(8, 'cluster secret must be at least 8 characters');
+
 const common = {
   host: z.string().default('127.0.0.1'),
   port: port.default(0),
   /** Shared secret of the cluster: the KV channels' HMAC challenge and the HTTP request signatures (request-auth.ts). */
-  secret: z.string().min(8, 'cluster secret must be at least 8 characters'),
+  secret: ClusterSecretSchema,
   /** /metrics needs a signed request too (default: open, for Prometheus). */
   privateMetrics: z.boolean().default(false),
   /**

@@ -11,7 +11,7 @@ import { createServer, type Server } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
-import { BIN } from '../../src/harness/cluster.js';
+import { BIN, freePort } from '../../src/harness/cluster.js';
 import { cli } from '../helpers/cli.js';
 import { tinyModel } from '../helpers/stack.js';
 
@@ -73,6 +73,13 @@ test('an invalid configuration: its message, no stack', async () => {
   assert.equal(r.code, 2, r.err);
   assert.ok(!/^\s+at /m.test(r.err), `no stack:\n${r.err}`);
   assert.match(r.err, /^pdserve prefill: invalid configuration:\n\s+secret: cluster secret must be at least 8 characters\n$/);
+});
+
+test('a cluster secret under 8 characters: one line from the router, and from up before any worker starts', async () => {
+  const short = { PDSERVE_CLUSTER_SECRET: 'short' };
+  oneLine(await cli(['router', '--port', '0', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, short), 2, /^pdserve router: invalid router config: clusterSecret: cluster secret must be at least 8 characters$/);
+  const up = await cli(['up', '--model', model, '--port', String(await freePort())], 20_000, short);
+  oneLine(up, 2, /^pdserve up: invalid configuration: cluster secret must be at least 8 characters$/);
 });
 
 test('--version prints the package version', async () => {

@@ -5,11 +5,15 @@
  * - `pdserve up --worker-port-base P`: the workers listen on P, P+1 (bootstrap), P+2; Ctrl-C to
  *   `up` drains the router first (its streams end with [DONE]), then the workers; exit 0 and
  *   every port is closed. `up --decode-policy cache_aware --local-prefill-max-tokens N` reaches
- *   the router and decode: a repeated short prompt is served `x-pdserve-path: decode_local`.
+ *   the router and decode: a repeated short prompt is served `x-pdserve-path: decode_local`;
+ *   the README's quick start (its curl line and its OpenAI client snippet) works against it.
  */
 import assert from 'node:assert/strict';
 import { spawn, type ChildProcess } from 'node:child_process';
+import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
+import { dirname } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { test } from 'node:test';
 import { BIN, freePort } from '../../src/harness/cluster.js';
 import { rawCompletion, tinyModel, waitFor, type RawResult } from '../helpers/stack.js';
@@ -42,6 +46,44 @@ function exitOf(child: ChildProcess): Promise<number | null> {
 async function health(url: string): Promise<{ status: number; body: any }> {
   const r = await fetch(`${url}/health`, { signal: AbortSignal.timeout(2000) });
   return { status: r.status, body: await r.json() };
+}
+
+/**
+ * The README's quick start as written, against `up`'s router (its port in place of 8000): the
+ * `curl` line answers a completion, and the OpenAI client snippet streams a chat reply.
+ */
+async function readmeQuickStart(port: number): Promise<void> {
+  const run = (cmd: string, args: string[]) =>
+    new Promise<{ status: number | null; stdout: string; stderr: string }>((resolve) => {
+      const p = spawn(cmd, args, { stdio: ['ignore', 'pipe', 'pipe'], timeout: 30_000 });
+      let stdout = '';
+      let stderr = '';
+      p.stdout!.on('data', (d) => (stdout += d));
+      p.stderr!.on('data', (d) => (stderr += d));
+      p.on('close', (status) => resolve({ status, stdout, stderr }));
+    });
+  const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+  const at = readme.indexOf('## Quick start');
+  const quick = readme.slice(at, readme.indexOf('\n## ', at + 1)).replaceAll('127.0.0.1:8000', `127.0.0.1:${port}`);
+  const curl = /```sh\n(curl [\s\S]*?)```/.exec(quick)?.[1];
+  assert.ok(curl, 'the quick start has a curl line');
+  const c = await run('sh', ['-c', curl]);
+  assert.equal(c.status, 0, c.stderr);
+  const body = JSON.parse(c.stdout) as { choices: { text: string }[]; usage: { completion_tokens: number } };
+  assert.ok(body.choices[0]!.text.length > 0 && body.usage.completion_tokens === 16, c.stdout);
+  const js = /```js\n([\s\S]*?)```/.exec(quick)?.[1];
+  assert.ok(js, 'the quick start has an OpenAI client snippet');
+  // inside the project, so that `import 'openai'` resolves as it does for a user's script there
+  const file = fileURLToPath(new URL(`../../test-artifacts/readme-client-${process.pid}.mjs`, import.meta.url));
+  mkdirSync(dirname(file), { recursive: true });
+  writeFileSync(file, js);
+  try {
+    const r = await run(process.execPath, [file]);
+    assert.equal(r.status, 0, r.stderr);
+    assert.ok(r.stdout.length > 0, 'the snippet printed the streamed reply');
+  } finally {
+    rmSync(file, { force: true });
+  }
 }
 
 test('colocated: SIGTERM mid-stream drains: health and new requests say draining, the stream ends with [DONE], exit 0', async () => {
@@ -110,6 +152,7 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
       paths.push(r.headers.get('x-pdserve-path'));
     }
     assert.deepEqual(paths, ['pd', 'decode_local']);
+    await readmeQuickStart(rport);
     // prompts unlike the one above and each other (no tree hit): the PD path, held in decode's load
     const reqs = ['the river', 'my garden'].map((p) => rawCompletion(router, p, 8, 30_000));
     assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
