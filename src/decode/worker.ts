@@ -15,15 +15,14 @@
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { GenerateRequestSchema, type GenerateRequest } from '../api/worker-protocol.js';
-import { DecodeConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type DecodeConfig } from '../common/config.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../common/config.js';
 import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
 import { connectionHeader } from '../common/drain.js';
-import { parseRoomId } from '../common/room-id.js';
-import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
+import { deferred, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { systemClock, type Clock } from '../common/clock.js';
 import { createLogger, type Logger } from '../common/log.js';
-import { startStateSweeper, sweepStaleStateFiles } from '../common/statefiles.js';
+import { sweepStaleStateFiles } from '../common/statefiles.js';
 import { hold, holdsEnabled } from '../common/testhooks.js';
 import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
@@ -50,7 +49,7 @@ import { DecodeSseWriter } from './sse-out.js';
 import { KnownPrefills } from './known-prefills.js';
 import { Counter } from 'prom-client';
 import { KvEventLog } from '../common/kv-events.js';
-import { registerKvEventsRoute } from '../api/kv-events-route.js';
+import { serveWorkerEdge, type WorkerEdge } from '../api/worker-shell.js';
 import { SequenceKvTracker } from '../api/kv-tracker.js';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
@@ -110,8 +109,8 @@ export class DecodeWorker {
   private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   /** Destination files of the streaming receivers, recycled after their load (tmpfs pages stay allocated). */
   private readonly recvFiles: FilePool;
-  private watchdog?: NodeJS.Timeout;
-  private stopSweep?: () => void;
+  /** The shared HTTP edge (../api/worker-shell.ts): app, watchdog, sweeper. */
+  private edge?: WorkerEdge;
   /** The same-host handoff (kv_file): per-connection probe, taking handed files over. */
   readonly sameHost: SameHostDecode;
   /** Prefill bootstrap addresses this worker may dial (--allow-prefill and the router's pool). */
@@ -151,8 +150,6 @@ export class DecodeWorker {
 
   async start(): Promise<void> {
     const c = this.config;
-    await sweepStaleStateFiles(c.stateDir, this.log);
-    this.stopSweep = startStateSweeper(c.stateDir, this.log);
     const internalTls = loadInternalTls(c.internalTls);
     this.pool = new KvPeerPool({
       transport: kvTransportOf(internalTls),
@@ -177,53 +174,37 @@ export class DecodeWorker {
       },
       onConnect: (conn) => this.sameHost.probe(conn),
     });
-    this.app = createWorkerApp({
+    this.edge = await serveWorkerEdge({
+      role: 'decode',
+      engine: this.engine,
+      epoch: this.epoch,
+      config: c,
       internalTls,
-      offload: this.engine,
       log: this.log,
       registry: this.metrics.registry,
-      clusterSecret: c.secret,
-      privateMetrics: c.privateMetrics,
+      kvEvents: this.kvEvents,
       onSignedProbe: (q) => {
         if (typeof q.prefill_pool === 'string') this.knownPrefills.learn(q.prefill_pool.split(','), this.clock.nowMs());
       },
-      modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
-      health: () => ({
-        role: 'decode',
-        model: servedModelNamesOf(c.engine, this.engine.info.modelName)[0],
-        fingerprint: this.engine.info.fingerprint,
-        settings: pairSettingsOf(this.engine.info),
-        epoch: this.epoch,
-        slots: this.engine.info.sequences,
-        slots_free: this.engine.slotsFree(),
-        rooms: this.rooms.rooms().length,
-        ...this.queueSizes(),
-      }),
+      liveRooms: () => this.rooms.rooms().length,
+      queues: () => this.queueSizes(),
       debugRooms: () => {
         const snap = this.rooms.snapshot(this.clock.nowMs(), this.clock.wallMs());
         const decoding = [...this.jobs.values()].filter((j) => this.driver.step(j.room) === 'decoding').map((j) => ({ room: j.room, rid: j.rid, age_ms: Math.round(this.clock.nowMs() - j.t0), path: pathOf(j), kv_path: j.kvPath ?? null, cached_tokens: cachedOf(j) }));
         return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.jobs.get(r.room)), kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: cachedOf(this.jobs.get(r.room)) })), decoding });
       },
+      generate: (body, reply) => this.handleGenerate(body, reply),
+      abort: (rid, room) => this.abort(rid, room, 'router'),
+      tick: () => this.perform(this.driver.tick(this.clock.nowMs())),
     });
-    this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
-    this.app.post('/abort_request', async (req) => {
-      const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      this.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), 'router');
-      return { ok: true };
-    });
-    registerKvEventsRoute(this.app, this.kvEvents);
-    this.url = await listenUrl(this.app, c.host, c.port);
-    this.watchdog = setInterval(() => this.perform(this.driver.tick(this.clock.nowMs())), c.watchdogMs);
-    this.watchdog.unref();
+    this.app = this.edge.app;
+    this.url = this.edge.url;
     this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
-    if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
   }
 
   async close(): Promise<void> {
-    if (this.watchdog) clearInterval(this.watchdog);
-    this.watchdog = undefined;
+    this.edge?.stop();
     this.kvTracker?.close();
-    this.stopSweep?.();
     this.recvFiles.close(); // spares deleted now (a hung close is cut short); a receiver still holding a file deletes it when it lets go
     this.perform(this.driver.shutdown(this.clock.nowMs()));
     for (const j of this.jobs.values()) j.ac.abort();

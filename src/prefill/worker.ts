@@ -15,20 +15,18 @@ import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
 import { zodToApiError } from '../api/openai.js';
 import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
-import { parseConfig, prefixCacheOf, PrefillConfigSchema, servedModelNamesOf, type PrefillConfig } from '../common/config.js';
+import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
 import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
 import { openPrefixStore } from '../common/prefix-store.js';
 import { KvEventLog } from '../common/kv-events.js';
-import { registerKvEventsRoute } from '../api/kv-events-route.js';
+import { serveWorkerEdge, type WorkerEdge } from '../api/worker-shell.js';
 import { SequenceKvTracker } from '../api/kv-tracker.js';
 import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
 import { pairSettingsOf } from '../common/pair.js';
-import { parseRoomId } from '../common/room-id.js';
-import { createWorkerApp, deferred, listenUrl, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
+import { deferred, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
 import { systemClock, type Clock } from '../common/clock.js';
 import { createLogger, type Logger } from '../common/log.js';
-import { startStateSweeper, sweepStaleStateFiles } from '../common/statefiles.js';
-import { hold, holdsEnabled } from '../common/testhooks.js';
+import { hold } from '../common/testhooks.js';
 import { TraceTags } from '../common/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../common/metrics.js';
 import { loadEngine } from '../engine/index.js';
@@ -106,8 +104,8 @@ export class PrefillWorker {
   private readonly streamPeers = new Set<string>();
   /** The last saved state: prompt tokens and payload bytes (a streamed kv_begin's size estimate). */
   private lastSave: { nTokens: number; payloadBytes: number } | undefined;
-  private watchdog?: NodeJS.Timeout;
-  private stopSweep?: () => void;
+  /** The shared HTTP edge (../api/worker-shell.ts): app, watchdog, sweeper. */
+  private edge?: WorkerEdge;
   /** The same-host handoff (kv_file): probe answers and which decode connections may use it. */
   readonly sameHost: SameHostPrefill;
   app!: FastifyInstance;
@@ -159,8 +157,6 @@ export class PrefillWorker {
 
   async start(): Promise<void> {
     const c = this.config;
-    await sweepStaleStateFiles(c.stateDir, this.log);
-    this.stopSweep = startStateSweeper(c.stateDir, this.log);
     await this.tokenizer.start();
     const internalTls = loadInternalTls(c.internalTls);
     this.kv = new KvServer({
@@ -182,51 +178,35 @@ export class PrefillWorker {
       },
     });
     this.bootstrapPort = await this.kv.listen();
-    this.app = createWorkerApp({
-      internalTls,
+    this.edge = await serveWorkerEdge({
+      role: 'prefill',
       engine: this.engine,
+      tokenize: true,
+      epoch: this.epoch,
+      config: c,
+      internalTls,
       log: this.log,
       registry: this.metrics.registry,
-      clusterSecret: c.secret,
-      privateMetrics: c.privateMetrics,
-      modelNames: servedModelNamesOf(c.engine, this.engine.info.modelName),
-      health: () => ({
-        role: 'prefill',
-        model: servedModelNamesOf(c.engine, this.engine.info.modelName)[0],
-        fingerprint: this.engine.info.fingerprint,
-        settings: pairSettingsOf(this.engine.info),
-        bootstrap_host: c.bootstrapHost,
-        bootstrap_port: this.bootstrapPort,
-        epoch: this.epoch,
-        slots: this.engine.info.sequences,
-        slots_free: this.engine.slotsFree(),
-        rooms: this.rooms.rooms().length,
-        ...this.queueSizes(),
-      }),
+      kvEvents: this.kvEvents,
+      liveRooms: () => this.rooms.rooms().length,
+      queues: () => this.queueSizes(),
+      health: () => ({ bootstrap_host: c.bootstrapHost, bootstrap_port: this.bootstrapPort }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(this.clock.nowMs(), this.clock.wallMs());
         return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', kv_path: this.jobs.get(r.room)?.kvPath ?? null, cached_tokens: this.jobs.get(r.room)?.comp.cachedTokens ?? 0, computation: this.driver.leadOf(r.room) ?? null })) });
       },
+      generate: (body, reply) => this.handleGenerate(body, reply),
+      abort: (rid, room) => this.abort(rid, room, 'router'),
+      tick: () => this.perform(this.driver.tick(this.clock.nowMs())),
     });
-    this.app.post('/generate', (req, reply) => this.handleGenerate(req.body, reply));
-    this.app.post('/abort_request', async (req) => {
-      const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-      this.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), 'router');
-      return { ok: true };
-    });
-    registerKvEventsRoute(this.app, this.kvEvents);
-    this.url = await listenUrl(this.app, c.host, c.port);
-    this.watchdog = setInterval(() => this.perform(this.driver.tick(this.clock.nowMs())), c.watchdogMs);
-    this.watchdog.unref();
+    this.app = this.edge.app;
+    this.url = this.edge.url;
     this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
-    if (holdsEnabled) this.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
   }
 
   /** Stop accepting, fail live rooms, close sockets, free the engine. Idempotent. */
   async close(): Promise<void> {
-    if (this.watchdog) clearInterval(this.watchdog);
-    this.watchdog = undefined;
-    this.stopSweep?.();
+    this.edge?.stop();
     this.kvTracker?.close();
     this.perform(this.driver.shutdown(this.clock.nowMs()));
     await this.app?.close().catch(() => {});
