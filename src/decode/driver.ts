@@ -374,6 +374,19 @@ export class DecodeDriver {
     return out;
   }
 
+  /**
+   * Asked by the shell just before a step that writes into the room's slot — `take` (a handed
+   * state file), `load`, `local_prefill` — after any wait: null = go on; otherwise the room ended
+   * meanwhile (abort, deadline, peer lost) or holds no slot, the step must not run, and the
+   * returned actions end its load (`loadFailed` request_aborted: the slot is released).
+   */
+  proceed(room: RoomId, step: 'take' | 'load' | 'local_prefill', now: number): DecodeAction[] | null {
+    const job = this.jobs.get(room);
+    if (job?.loading && job.slot && this.rooms.has(room)) return null;
+    const what = step === 'take' ? 'the state file was taken' : step === 'load' ? 'the load' : 'the local prefill';
+    return this.loadFailed(room, failure('request_aborted', `room over before ${what}`), now);
+  }
+
   /** The load failed (bad state, engine error, aborted). The room fails; the slot is released. */
   loadFailed(room: RoomId, f: RoomFailure, now: number): DecodeAction[] {
     const job = this.jobs.get(room);

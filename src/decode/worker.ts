@@ -422,7 +422,8 @@ export class DecodeWorker {
     job.kvPath = 'same_host';
     await hold('decode.take', job.ac.signal);
     // The room over: the file stays prefill's (it deletes it, or the sweep once it is gone).
-    if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the state file was taken'), this.clock.nowMs()));
+    const over = this.driver.proceed(room, 'take', this.clock.nowMs());
+    if (over) return this.perform(over);
     const info = this.engine.info;
     let taken: ReceivedState<ParsedState>;
     try {
@@ -451,10 +452,12 @@ export class DecodeWorker {
     const { room } = job;
     try {
       await hold('decode.load', job.ac.signal);
-      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), this.clock.nowMs()));
+      const over = this.driver.proceed(room, 'load', this.clock.nowMs());
+      if (over) return this.perform(over);
       const { header, state, path } = await get();
       if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
-      if (!job.slot || !this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the load'), this.clock.nowMs()));
+      const gone = this.driver.proceed(room, 'load', this.clock.nowMs());
+      if (gone || !job.slot) return this.perform(gone ?? this.driver.loadFailed(room, failure('internal_error', 'no engine slot for the load'), this.clock.nowMs()));
       // the walk above covered this file (ours): llama.cpp loads it as it is, re-framed in place
       await job.slot.loadState(path, state.tokens, state);
       job.promptIds = state.tokens;
@@ -475,7 +478,8 @@ export class DecodeWorker {
     if (!job?.local || !job.slot) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'local prefill without a plan or slot'), this.clock.nowMs()));
     try {
       await hold('decode.local_prefill', job.ac.signal);
-      if (!this.rooms.has(room)) return this.perform(this.driver.loadFailed(room, failure('request_aborted', 'room over before the local prefill'), this.clock.nowMs()));
+      const over = this.driver.proceed(room, 'local_prefill', this.clock.nowMs());
+      if (over) return this.perform(over);
       const start = await localPrefill(job.slot, job.local, job.ac.signal);
       job.start = start;
       this.prefixMetrics.recordLookup(start.promptTokens, start.cachedTokens, start.cacheTier);

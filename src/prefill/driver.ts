@@ -28,6 +28,7 @@
 import { ApiError, failure, type RoomFailure } from '../common/errors.js';
 import type { RoomId } from '../common/room-id.js';
 import { RoomTable } from '../kv/lifecycle.js';
+import type { KvPath } from '../kv/transfer/same-host.js';
 import { failureFromWire, type ControlMsg, type RoomMsg } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomTimeouts } from '../kv/types.js';
 
@@ -63,8 +64,13 @@ export type PrefillAction =
   | { a: 'send'; peer: PeerId; msg: ControlMsg }
   /** Start prompt evaluation of the computation led by `room` (a compute slot is reserved for it); answer with `computeDone(room, …)`. */
   | { a: 'compute'; room: RoomId }
-  /** The room's state is ready and accepted (Transferring): send kv_begin, the chunks, kv_end to `peer`. */
-  | { a: 'transfer'; room: RoomId; peer: PeerId }
+  /**
+   * The room's state is ready and accepted (Transferring): hand it to `peer` by `path` —
+   * `same_host` (a kv_file naming a link to the saved file: the peer proved it shares this host
+   * and state directory, `sameHostConfirmed`) or `tcp` (kv_begin, the chunks, kv_end; also a
+   * room whose kv_file decode refused, `fileRefused`).
+   */
+  | { a: 'transfer'; room: RoomId; peer: PeerId; path: KvPath }
   /** The computed state of the computation led by `room` is wanted by no room any more: drop it. Once per computed state. */
   | { a: 'discard'; room: RoomId }
   /** Every room of the computation led by `room` is terminal while its compute runs: stop it (it still answers `computeDone`). */
@@ -82,6 +88,8 @@ interface Job {
   rid: string;
   peer?: PeerId;
   step: PrefillStep;
+  /** How the state went to the peer (set by the room's `transfer`). */
+  path?: KvPath;
   /** The computation's lead room. */
   comp: RoomId;
 }
@@ -117,6 +125,8 @@ export class PrefillDriver {
   private readonly comps = new Map<RoomId, Comp>();
   /** Rooms registered by decode before the request arrived here. Bounded (maxRooms), expire after the decode bootstrap deadline. */
   private readonly pendingRegs = new Map<RoomId, { peer: PeerId; peerEpoch: string; at: number }>();
+  /** Decode peers confirmed on this host (`sameHostConfirmed`): their rooms get `transfer` path same_host. */
+  private readonly sameHostPeers = new Set<PeerId>();
   /** FIFO of computations (lead rooms) waiting for a compute slot. */
   private readonly waiting = new Set<RoomId>();
   private computing = 0;
@@ -258,8 +268,32 @@ export class PrefillDriver {
     }
   }
 
+  /** Decode `peer` proved it shares this host and state directory (the same-host probe): its rooms' states go as files from now on. */
+  sameHostConfirmed(peer: PeerId): void {
+    this.sameHostPeers.add(peer);
+  }
+
+  /** How a room of `peer` gets its state: `same_host` once the peer was confirmed, else `tcp`. */
+  pathFor(peer: PeerId): KvPath {
+    return this.sameHostPeers.has(peer) ? 'same_host' : 'tcp';
+  }
+
+  /**
+   * Decode `peer` could not take room `room`'s handed file (KV_FILE_REFUSED): a live room sent by
+   * file goes again over TCP (`transfer` path tcp); anything else (another peer, a room over or
+   * already sent by TCP) is ignored.
+   */
+  fileRefused(peer: PeerId, room: RoomId): PrefillAction[] {
+    const job = this.jobs.get(room);
+    if (!job || job.peer !== peer || job.path !== 'same_host' || (job.step !== 'sending' && job.step !== 'awaiting_ack') || this.rooms.get(room)?.state !== KVPoll.Transferring) return [];
+    job.path = 'tcp';
+    job.step = 'sending';
+    return [{ a: 'transfer', room, peer, path: 'tcp' }];
+  }
+
   /** The connection to decode `peer` ended: its pending registrations go, its rooms fail. */
   peerLost(peer: PeerId, reason: string, now: number): PrefillAction[] {
+    this.sameHostPeers.delete(peer);
     for (const [room, p] of this.pendingRegs) if (p.peer === peer) this.pendingRegs.delete(room);
     return this.run(this.rooms.failPeer(peer, failure('peer_lost', reason), now), now);
   }
@@ -431,7 +465,8 @@ export class PrefillDriver {
     if (!accepted) comp.refs.delete(room);
     else if (job?.peer !== undefined) {
       job.step = 'sending';
-      eff.push({ a: 'transfer', room, peer: job.peer });
+      job.path = this.pathFor(job.peer);
+      eff.push({ a: 'transfer', room, peer: job.peer, path: job.path });
     }
     return eff;
   }

@@ -233,7 +233,7 @@ export class PrefillWorker {
           void this.compute(a.room);
           break;
         case 'transfer':
-          void this.transfer(a.room, a.peer);
+          void this.transfer(a.room, a.peer, a.path);
           break;
         case 'discard': {
           const comp = this.comps.get(a.room);
@@ -348,16 +348,17 @@ export class PrefillWorker {
     if (msg.type === 'same_host_probe' || msg.type === 'same_host_ok') {
       const reply = this.sameHost.onMessage(conn.id, msg);
       if (reply) conn.sendControl(reply);
+      if (this.sameHost.usable(conn.id)) this.driver.sameHostConfirmed(conn.id);
       return;
     }
     if (msg.type === 'kv_file_refused') {
-      // decode could not take the handed file: this room goes over TCP (from its link)
-      const job = this.jobs.get(msg.room);
-      if (job?.kvPath === 'same_host' && job.handed) {
+      // decode could not take the handed file: the driver sends a live room again over TCP (from its link)
+      const again = this.driver.fileRefused(conn.id, msg.room);
+      if (again.length > 0) {
         this.metrics.kvFileRefused.inc();
         this.log.warn({ room: msg.room, reason: msg.reason }, 'decode refused the state file (kv_file): sending it over TCP');
-        void this.transfer(msg.room, conn.id, 'tcp');
       }
+      this.perform(again);
       return;
     }
     if (msg.type === 'register' && msg.kvStream === true) this.streamPeers.add(conn.id);
@@ -473,7 +474,7 @@ export class PrefillWorker {
     const room = comp.lead;
     const job = this.jobs.get(room);
     const peer = this.driver.peerOf(room);
-    if (!job || peer === undefined || job.ac.signal.aborted || !this.streamPeers.has(peer) || this.sameHost.usable(peer)) return undefined;
+    if (!job || peer === undefined || job.ac.signal.aborted || !this.streamPeers.has(peer) || this.driver.pathFor(peer) === 'same_host') return undefined;
     const conn = this.conns.get(peer);
     if (!conn?.alive) return undefined;
     const info = this.engine.info;
@@ -516,10 +517,11 @@ export class PrefillWorker {
    * link to the state file (`prefillStateName`), named in one kv_file message (not read; CRC-32'd
    * only with --kv-same-host-verify on either side)
    * (transfer/same-host.ts) — decode takes it over by renaming it; the link is deleted at the
-   * room's finish if it is still ours. Else (or `path` 'tcp': decode refused the file, sent from
-   * the link): kv_begin, the file streamed in pooled pieces (transfer/sender.ts), kv_end.
+   * room's finish if it is still ours. `path` is the driver's choice (`PrefillDriver.pathFor`);
+   * 'tcp' (also a room whose file decode refused, sent from its link): kv_begin, the file
+   * streamed in pooled pieces (transfer/sender.ts), kv_end.
    */
-  private async transfer(room: RoomId, peer: string, path?: KvPath): Promise<void> {
+  private async transfer(room: RoomId, peer: string, path: KvPath): Promise<void> {
     const job = this.jobs.get(room);
     const conn = this.conns.get(peer);
     const st = job?.handed ?? job?.comp.state;
@@ -527,7 +529,8 @@ export class PrefillWorker {
     if (!job || !st || !head) return;
     job.tKvBegin = this.clock.nowMs();
     const failed = (detail: string, code: 'kv_transfer_failed' | 'peer_lost' = 'kv_transfer_failed'): void => this.perform(this.driver.transferFailed(room, failure(code, detail), this.clock.nowMs()));
-    if (job.stream && path === undefined) {
+    // A state streamed while it was saved (startStream) already went over TCP.
+    if (job.stream) {
       job.kvPath = 'tcp';
       // Streamed while the state was saved (startStream): report what went out meanwhile, wait
       // for the rest, then kv_end with the byte count and CRC-32. A failure was reported by it.
@@ -541,7 +544,7 @@ export class PrefillWorker {
       if (!conn || !conn.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc })) failed('connection to decode is gone');
       return;
     }
-    job.kvPath = path ?? (this.sameHost.usable(peer) ? 'same_host' : 'tcp');
+    job.kvPath = path;
     if (job.kvPath === 'same_host') {
       await hold('prefill.send', job.ac.signal);
       if (job.ac.signal.aborted) return;

@@ -1012,7 +1012,7 @@ export class World {
           break;
         case 'load':
         case 'local_prefill': // decode evaluates the suffix into the slot: uncancellable, may fail, like a load
-          if (rec?.slot) this.startLoad(n, rec, rec.slot.idx);
+          if (rec?.slot) this.startLoad(n, rec, rec.slot.idx, a.a);
           break;
         case 'generate': {
           const slot = rec?.slot ? n.slots[rec.slot.idx]! : undefined;
@@ -1038,8 +1038,25 @@ export class World {
     }
   }
 
-  /** The driver's `load`: llama.cpp writes the state into slot `idx` whatever happens meanwhile (3% fail). */
-  private startLoad(n: Node, rec: Rec, idx: number): void {
+  /**
+   * The driver's `load`: after a short wait (the worker's receive finish, its file read) the
+   * driver is asked whether the room may still load (`proceed`: the room may have ended
+   * meanwhile); then llama.cpp writes the state into slot `idx` whatever happens (3% fail).
+   */
+  private startLoad(n: Node, rec: Rec, idx: number, step: 'load' | 'local_prefill'): void {
+    const id = rec.id;
+    this.atNode(n, this.now + this.rng.int(0, 3), () => {
+      let over = false;
+      this.viaD(n, id, 'proceed', (d) => {
+        const stop = d.proceed(id, step, this.now);
+        over = stop !== null;
+        return stop ?? [];
+      });
+      if (!over) this.runLoad(n, rec, idx);
+    });
+  }
+
+  private runLoad(n: Node, rec: Rec, idx: number): void {
     const id = rec.id;
     rec.loading = idx;
     const dur = this.rng.int(3, 60);
