@@ -50,16 +50,19 @@ export function headersObject(h: Dispatcher.DispatchOptions['headers']): Headers
 
 const originOf = (o: Dispatcher.DispatchOptions['origin']): string => (o === undefined ? '' : new URL(String(o)).origin);
 
+/** A bearer key, or the key for a request path (path with query, e.g. an API key for /v1/*, the admin key for /workers). */
+export type BearerKey = string | ((path: string) => string);
+
 /**
  * Interceptor: `Authorization: Bearer KEY` on requests to `origins` (exact scheme://host:port),
  * unless the request already has an Authorization header.
  */
-export function bearerFor(origins: readonly string[], key: string): Dispatcher.DispatcherComposeInterceptor {
+export function bearerFor(origins: readonly string[], key: BearerKey): Dispatcher.DispatcherComposeInterceptor {
   const set = new Set(origins.map((o) => new URL(o).origin));
   return (dispatch) => (opts, handler) => {
     if (!set.has(originOf(opts.origin))) return dispatch(opts, handler);
     const headers = headersObject(opts.headers);
-    if (headers.authorization === undefined) headers.authorization = `Bearer ${key}`;
+    if (headers.authorization === undefined) headers.authorization = `Bearer ${typeof key === 'string' ? key : key(opts.path)}`;
     return dispatch({ ...opts, headers }, handler);
   };
 }
@@ -175,7 +178,7 @@ export function signGlobally(origins: readonly string[], secret: string, tls?: o
  * over connections with the node:tls client options `c.tls` (a CA, a client certificate) —
  * whatever of the three is given. Returns the undo.
  */
-export function reachGlobally(origins: readonly string[], c: { secret?: string; bearer?: string; tls?: object }): () => void {
+export function reachGlobally(origins: readonly string[], c: { secret?: string; bearer?: BearerKey; tls?: object }): () => void {
   const list = origins.map((o) => new URL(o).origin);
   const wrap = [...(c.secret ? [signWith(c.secret)] : []), ...(c.bearer ? [bearerFor(list, c.bearer)] : [])];
   const signer: GlobalRoute = { wrap, ...(c.tls ? { via: new Agent({ connect: c.tls }) } : {}) };

@@ -19,8 +19,9 @@ import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { PdError } from '../common/errors.js';
-import { signGlobally } from '../common/http-auth.js';
+import { reachGlobally, signGlobally } from '../common/http-auth.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
+import { secureKit, secureTestMode, type SecureKit } from './secure-mode.js';
 
 export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';
 
@@ -162,11 +163,26 @@ export class Cluster {
   private storeDir: string | undefined;
   private ownStoreDir = false;
   private unsign?: () => void;
+  private unreach?: () => void;
+  /** Secure test mode's keys and CA (./secure-mode.ts), when it applies to this cluster. */
+  readonly kit: SecureKit | undefined;
+  readonly opts: ClusterOptions;
 
-  constructor(readonly opts: ClusterOptions) {
+  /**
+   * With PDSERVE_TEST_SECURE=1 and neither `access` nor `internalTls` given, the cluster runs
+   * locked (./secure-mode.ts): API and admin keys, HTTPS on the router and the colocated server,
+   * internal mutual TLS.
+   */
+  constructor(opts: ClusterOptions) {
+    this.kit = secureTestMode() && !opts.access && !opts.internalTls ? secureKit() : undefined;
+    const k = this.kit;
+    const tlsArgs = k ? ['--tls-cert', k.pki.cert, '--tls-key', k.pki.key] : [];
+    this.opts = k
+      ? { ...opts, access: { apiKeys: [k.apiKey], adminApiKeys: [k.adminKey], routerArgs: tlsArgs, tls: true }, internalTls: { cert: k.pki.cert, key: k.pki.key, ca: k.pki.ca }, extraArgs: { ...opts.extraArgs, colocated: [...tlsArgs, ...(opts.extraArgs?.colocated ?? [])] } }
+      : opts;
     this.secret = opts.secret ?? randomBytes(24).toString('hex');
     this.host = opts.host ?? '127.0.0.1';
-    this.access = { apiKeys: [...(opts.access?.apiKeys ?? [])], adminApiKeys: [...(opts.access?.adminApiKeys ?? [])] };
+    this.access = { apiKeys: [...(this.opts.access?.apiKeys ?? [])], adminApiKeys: [...(this.opts.access?.adminApiKeys ?? [])] };
   }
 
   /** The key the harness's own admin calls (/workers/probe) send: the admin key, else an API key, else none. */
@@ -180,7 +196,8 @@ export class Cluster {
    */
   private envOf(p: ClusterProc): Record<string, string> {
     const env: Record<string, string> = { PDSERVE_CLUSTER_SECRET: this.secret, PDSERVE_API_KEY: '', PDSERVE_ADMIN_API_KEY: '' };
-    if (p.role === 'router') {
+    // Secure test mode locks the colocated reference like the router.
+    if (p.role === 'router' || (p.role === 'colocated' && this.kit)) {
       if (this.access.apiKeys.length) env.PDSERVE_API_KEY = this.access.apiKeys.join(',');
       if (this.access.adminApiKeys.length) env.PDSERVE_ADMIN_API_KEY = this.access.adminApiKeys.join(',');
     }
@@ -256,6 +273,9 @@ export class Cluster {
     const router = this.proc('router', 0, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);
     this.procs.push(router);
     await this.spawnFirst(router, o.port === undefined || o.port === 0);
+    // Secure test mode: this process's calls to the client edges send the keys and trust the CA.
+    const k = this.kit;
+    if (k) this.unreach = reachGlobally([router.url, ...(this.colocated ? [this.colocated.url] : [])], { bearer: k.keyFor, tls: { ca: k.pki.pem.ca } });
   }
 
   /**
@@ -291,7 +311,7 @@ export class Cluster {
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
     const itls = role !== 'colocated' ? this.opts.internalTls : undefined;
     args = [...args, ...internalTlsArgs(itls), ...(this.opts.extraArgsOf?.[name] ?? [])];
-    const scheme = role === 'router' ? (this.opts.access?.tls ? 'https' : 'http') : itls ? 'https' : 'http';
+    const scheme = role === 'router' ? (this.opts.access?.tls ? 'https' : 'http') : itls || (role === 'colocated' && this.kit) ? 'https' : 'http';
     return { role, index, name, port, bootstrapPort, url: `${scheme}://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
 
@@ -415,6 +435,7 @@ export class Cluster {
     await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
     if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
     this.unsign?.();
+    this.unreach?.();
   }
 
   /** SIGCONT + SIGTERM one process; SIGKILL if it is still alive after `graceMs`. Resolves on exit. */
