@@ -17,7 +17,10 @@
  *    text) from prompt + those tokens, so the same response continues: no token repeated or
  *    missing, usage counted once (the workers count the resumed tokens as completion tokens).
  * At most `migrationLimit` re-dispatches per request (Dynamo's `--migration-limit`), every one
- * inside the request's deadline; when they run out the client gets the last cause's error.
+ * inside the request's deadline; when they run out the client gets the last cause's error. A
+ * re-dispatch after a worker that could not be reached at all (UNREACHED_CODES) is not counted.
+ * A worker that cut its connection mid-request is out of the rotation until its next good probe
+ * (./worker-errors.ts `closed`), so a migration does not land on a dying worker again.
  * When no worker of a role is healthy, a request waits for one (at most MAX_WAITING requests)
  * instead of failing at once: until its deadline when the role is only temporarily empty (its
  * workers served before and are down, restarting or draining now), at most `workerWaitMs` when
@@ -49,6 +52,15 @@ export const MAX_WAITING = 1024;
 const WAIT_POLL_MS = 50;
 /** A failure with less time than this left before the deadline is not retried (ms). */
 const MIN_ATTEMPT_MS = 50;
+/**
+ * Failures of a worker that could not be reached at all — the connection or the KV dial refused:
+ * nothing ran on it, and the worker (marked unreachable) or the pair (./pair-blocks.ts) leaves
+ * the rotation at once, so the same miss cannot repeat. Their re-dispatch is not counted against
+ * `migrationLimit`; at most MAX_UNREACHED of them per request.
+ */
+export const UNREACHED_CODES: ReadonlySet<string> = new Set(['prefill_unreachable', 'decode_unreachable', 'peer_unreachable']);
+/** Most re-dispatches after an unreached worker per request, besides `migrationLimit`. */
+export const MAX_UNREACHED = 8;
 /** Codes never retried although 5xx: the router's own deadline and shutdown. */
 const NEVER = new Set(['timeout', 'shutting_down', 'client_closed_request']);
 
@@ -107,6 +119,9 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
   const causes: { next: 'retry' | 'migrate'; code: string }[] = [];
   let client: ClientReply | null = null;
   let left = config.migrationLimit;
+  let unreached = 0;
+  /** Does the budget allow one more attempt after a failure with `code`? */
+  const budget = (code: string) => left > 0 || (UNREACHED_CODES.has(code) && unreached < MAX_UNREACHED);
   let outcome: Outcome = 'error';
   try {
     for (;;) {
@@ -143,7 +158,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       if (m) m.group.prefill ??= prefill;
       client ??= new ClientReply(rid, parsed, decode.model ?? prefill.model ?? parsed.model ?? 'pdserve', config.requestTimeoutMs);
       const c = client;
-      const decide = left > 0 ? (err: ApiError, output: boolean) => nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : null;
+      const decide = (err: ApiError, output: boolean) => (budget(err.code) ? nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : 'fail');
       // Decode-local continuation first when the decode worker holds this conversation (never for
       // a choice of a group). A migration too: prompt + the tokens the client has go to a decode
       // that holds the prefix, which evaluates only what it lacks (no prefill leg, no KV
@@ -185,7 +200,8 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         break;
       }
       causes.push({ next: run.next, code: run.cause!.code });
-      left--;
+      if (UNREACHED_CODES.has(run.cause!.code) && unreached < MAX_UNREACHED) unreached++;
+      else left--;
       avoid.add(prefill);
       avoid.add(decode);
     }

@@ -50,19 +50,20 @@ import { hold, holdsEnabled } from '../common/testhooks.js';
 import { newRoomId, type RoomId } from '../common/room-id.js';
 import { performance } from 'node:perf_hooks';
 import { Writable } from 'node:stream';
+import { pipeline } from 'node:stream/promises';
 import type { FastifyReply } from 'fastify';
 import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
 import { ApiError, OpenAIResponseBuilder, responseToolSyntax, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
-import { readSse, SseError, SseParser, SseWriter } from '../api/sse.js';
-import { asErrorCode, type ErrorCode } from '../common/errors.js';
+import { readSse, SseParser, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../api/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import { errorOutcome, type Outcome, type RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
 import { randomHex, randomU64 } from './random-pool.js';
-import { describeError, isUnreachable, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
+import { describeError, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
+import { badEvent, eventError, legFailure, workerError, type LegName } from './worker-errors.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
 export const LINGER_MS = 2000;
@@ -99,8 +100,6 @@ export interface DispatchContext {
   observe?: RequestObserver;
 }
 
-type LegName = 'prefill' | 'decode';
-
 interface Leg {
   name: LegName;
   worker: WorkerState;
@@ -114,36 +113,6 @@ interface Leg {
   settled: boolean;
   abortSent: boolean;
   linger: NodeJS.Timeout | null;
-}
-
-/**
- * THE mapping of a worker's error to the client's: its error body (OpenAI shape or anything) →
- * an ApiError (4xx passed through untouched, 5xx prefixed with the worker's role; a status
- * outside 400–599 → 502). Error events inside a worker's stream come here too (`eventError`).
- */
-export function workerError(role: LegName, status: number, text: string): ApiError {
-  let message = text.trim().slice(0, 500) || `HTTP ${status}`;
-  let code: ErrorCode = role === 'prefill' ? 'prefill_error' : 'decode_error';
-  let type: string | undefined;
-  let param: string | null = null;
-  try {
-    const j = JSON.parse(text) as { error?: { message?: unknown; code?: unknown; type?: unknown; param?: unknown } };
-    if (j?.error && typeof j.error === 'object') {
-      if (typeof j.error.message === 'string') message = j.error.message;
-      code = asErrorCode(j.error.code, code);
-      if (typeof j.error.type === 'string') type = j.error.type;
-      if (typeof j.error.param === 'string') param = j.error.param;
-    }
-  } catch {
-    // not JSON: keep the text
-  }
-  // The worker refused the router's own credential: a misconfigured worker, not the client's fault.
-  if (status === 401 && code === 'unauthenticated') return new ApiError(502, 'worker_unauthenticated', `${role} worker refused the router's signed request (does it run with another cluster secret?)`, 'server_error');
-  const valid = status >= 400 && status <= 599;
-  const out = valid ? status : 502;
-  // 4xx: the client's fault (e.g. prompt too long): pass the message through untouched.
-  if (out < 500) return new ApiError(out, code, message, (type ?? 'invalid_request_error') as ApiError['type'], param);
-  return new ApiError(out, code, `${role} worker error: ${message}`, (type ?? 'server_error') as ApiError['type'], param);
 }
 
 /**
@@ -181,16 +150,6 @@ export class ClientReply {
   get workerRid(): string {
     return this.attempt > 1 ? `${this.rid}-a${this.attempt}` : this.rid;
   }
-}
-
-/**
- * An `{error}` event inside a worker's stream (prefill: the handoff failed after token 1; decode:
- * generation failed) through `workerError`: its `status` when valid (prefill sends one), else
- * `fallbackStatus`.
- */
-function eventError(role: LegName, e: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }, fallbackStatus: number): ApiError {
-  const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : fallbackStatus;
-  return workerError(role, status, JSON.stringify({ error: { message: typeof e.message === 'string' ? e.message : `${role} failed`, code: e.code, type: e.type } }));
 }
 
 /**
@@ -341,7 +300,8 @@ export class PdRequest {
         ? await this.member.group.join(this.member.index, this.room, this.body, leg.ac.signal)
         : await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
       leg.answered = true;
-      if (res.statusCode === 200 && streamed) return await this.readPrefillStream(leg, res.body);
+      // A choice group's share of the stream, through the same reader as `streamPrefill`'s.
+      if (res.statusCode === 200 && streamed) return await pipeline(res.body, this.prefillReader(leg));
       const text = await readText(res.body, MAX_ERROR_BODY);
       leg.reported = true;
       if (res.statusCode === 200) {
@@ -354,33 +314,25 @@ export class PdRequest {
     } catch (err) {
       if (err === STOP_PREFILL_STREAM) return;
       if (this.over || leg.ac.signal.aborted) return;
-      if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT')) {
-        this.finish('client_abort', new ApiError(499, 'client_closed_request', `client stream failed: ${err.message}`));
-        return;
-      }
-      if (err instanceof ApiError) return this.legFailed(leg, err);
-      this.legFailed(leg, this.transportError(leg, err));
+      this.legThrew(leg, err);
     } finally {
       this.settle(leg);
     }
   }
 
   /**
-   * Prefill's streamed answer through undici's `stream()` API: its events are parsed (SseParser)
-   * and handled inside undici's data callback, i.e. in the socket's read callback, so the first
-   * token reaches the client's socket in the turn its bytes arrived. A `request()` body read with
-   * `for await` (still used for a choice group's shared stream, `readPrefillStream`) takes several
-   * more turns (the response promise, the Readable's buffering, the async iterators): chunk →
-   * first event parsed 0.11 → 0.04 ms, the router's return path 0.26 → 0.20 ms (stamps,
-   * BENCHMARKS.md §5). Same outcomes as
-   * `readPrefillStream`: resolves when the stream ended (or stopped after an error event, the leg
-   * then failed); rejects with the transport error, an ApiError (bad event, truncated stream) or
-   * the SseError of a failed client write. A status other than 200: its body (≤ MAX_ERROR_BODY
-   * bytes kept) fails the leg, as before.
+   * Prefill's streamed answer through undici's `stream()` API: its events are parsed and handled
+   * inside undici's data callback (`prefillReader`), i.e. in the socket's read callback, so the
+   * first token reaches the client's socket in the turn its bytes arrived. A `request()` body read
+   * with `for await` takes several more turns (the response promise, the Readable's buffering, the
+   * async iterators): chunk → first event parsed 0.11 → 0.04 ms, the router's return path
+   * 0.26 → 0.20 ms (stamps, BENCHMARKS.md §5). Resolves when the stream ended (or stopped after an
+   * error event, the leg then failed); rejects with the transport error, an ApiError (bad event,
+   * truncated stream) or the SseError of a failed client write. A status other than 200: its body
+   * (≤ MAX_ERROR_BODY bytes kept) fails the leg.
    */
   private streamPrefill(leg: Leg): Promise<void> {
     const url = new URL(`${leg.worker.url}/generate`);
-    const st = { first: true };
     let status = 0;
     let errorBody: TextSink | null = null;
     return new Promise<void>((resolve, reject) => {
@@ -390,37 +342,7 @@ export class PdRequest {
           leg.answered = true;
           status = statusCode;
           if (statusCode !== 200) return (errorBody = new TextSink(MAX_ERROR_BODY));
-          const parser = new SseParser({ maxEventBytes: this.ctx.config.maxEventBytes });
-          return new Writable({
-            write: (chunk: Buffer, _enc, cb) => {
-              const events: string[] = [];
-              let failure: unknown = null;
-              try {
-                parser.push(chunk, events);
-              } catch (err) {
-                failure = err; // the events before the oversized one first, as readSse does
-              }
-              const next = (i: number): void => {
-                for (; i < events.length; i++) {
-                  let r: ReturnType<PdRequest['prefillEvent']>;
-                  try {
-                    r = this.prefillEvent(leg, events[i]!, st);
-                  } catch (err) {
-                    return cb(err as Error);
-                  }
-                  if (r === 'stop') return cb(STOP_PREFILL_STREAM);
-                  if (r) {
-                    const at = i + 1;
-                    r.then(() => next(at), (err: Error) => cb(err));
-                    return;
-                  }
-                }
-                cb(failure as Error | null);
-              };
-              next(0);
-            },
-            final: (cb) => cb(st.first && !this.over ? new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error') : null),
-          });
+          return this.prefillReader(leg);
         },
         (err) => {
           if (err) return reject(err);
@@ -434,15 +356,47 @@ export class PdRequest {
     });
   }
 
-  /** Prefill's stream read from a response body (a choice group's member): the same events as `streamPrefill`. */
-  private async readPrefillStream(leg: Leg, body: AsyncIterable<Uint8Array>): Promise<void> {
+  /**
+   * THE reader of prefill's SSE answer (its own stream, or a choice group's share of one): a
+   * Writable fed the body's bytes, parsing events (SseParser) and handling each (`prefillEvent`)
+   * in the write callback; the next chunk waits for the first token's write to the client. Fails
+   * with STOP_PREFILL_STREAM after an error event (the leg has failed: read no further), an
+   * ApiError (bad event; the stream ended before the first token: `prefill_stream_truncated`) or
+   * SseError SSE_EVENT_TOO_LARGE.
+   */
+  private prefillReader(leg: Leg): Writable {
     const st = { first: true };
-    for await (const data of readSse(body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
-      const r = this.prefillEvent(leg, data, st);
-      if (r === 'stop') return;
-      if (r) await r;
-    }
-    if (st.first && !this.over) throw new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error');
+    const parser = new SseParser({ maxEventBytes: this.ctx.config.maxEventBytes });
+    return new Writable({
+      write: (chunk: Buffer, _enc, cb) => {
+        const events: string[] = [];
+        let failure: unknown = null;
+        try {
+          parser.push(chunk, events);
+        } catch (err) {
+          failure = err; // the events before the oversized one first, as readSse does
+        }
+        const next = (i: number): void => {
+          for (; i < events.length; i++) {
+            let r: ReturnType<PdRequest['prefillEvent']>;
+            try {
+              r = this.prefillEvent(leg, events[i]!, st);
+            } catch (err) {
+              return cb(err as Error);
+            }
+            if (r === 'stop') return cb(STOP_PREFILL_STREAM);
+            if (r) {
+              const at = i + 1;
+              r.then(() => next(at), (err: Error) => cb(err));
+              return;
+            }
+          }
+          cb(failure as Error | null);
+        };
+        next(0);
+      },
+      final: (cb) => cb(st.first && !this.over ? new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error') : null),
+    });
   }
 
   /**
@@ -461,7 +415,7 @@ export class PdRequest {
     try {
       ev = JSON.parse(data);
     } catch {
-      throw new ApiError(502, 'bad_worker_event', 'prefill worker sent an event that is not JSON', 'server_error');
+      throw badEvent('prefill');
     }
     if (ev?.error && typeof ev.error === 'object') {
       leg.reported = true;
@@ -509,7 +463,7 @@ export class PdRequest {
         try {
           ev = JSON.parse(data);
         } catch {
-          throw new ApiError(502, 'bad_worker_event', 'decode worker sent an event that is not JSON', 'server_error');
+          throw badEvent('decode');
         }
         const errEv = (ev as { error?: unknown } | null)?.error;
         if (errEv && typeof errEv === 'object') {
@@ -523,22 +477,7 @@ export class PdRequest {
       if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
     } catch (err) {
       if (this.over) return;
-      if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT')) {
-        // Our write to the client failed: the client is gone or not reading.
-        this.finish('client_abort', new ApiError(499, 'client_closed_request', `client stream failed: ${err.message}`));
-        return;
-      }
-      if (err instanceof SseError) {
-        this.legFailed(leg, new ApiError(502, 'bad_worker_event', `decode worker stream: ${err.message}`, 'server_error'));
-        return;
-      }
-      if (err instanceof ApiError) {
-        if (err.code === 'generation_aborted') leg.reported = true;
-        this.legFailed(leg, err);
-        return;
-      }
-      if (leg.ac.signal.aborted) return;
-      this.legFailed(leg, this.transportError(leg, err));
+      this.legThrew(leg, err);
     } finally {
       this.settle(leg);
     }
@@ -624,12 +563,17 @@ export class PdRequest {
     this.finish('error', err);
   }
 
-  private transportError(leg: Leg, err: unknown): ApiError {
-    if (isUnreachable(err)) {
-      this.ctx.registry.markUnreachable(leg.worker, err);
-      return new ApiError(502, `${leg.name}_unreachable`, `${leg.name} worker ${leg.worker.url} is unreachable: ${describeError(err)}`, 'server_error');
-    }
-    return new ApiError(502, `${leg.name}_failed`, `${leg.name} worker ${leg.worker.url} failed: ${describeError(err)}`, 'server_error');
+  /** Whatever a leg's request, stream read or client write threw, through the one mapping (./worker-errors.ts `legFailure`). */
+  private legThrew(leg: Leg, thrown: unknown): void {
+    const f = legFailure(leg.name, leg.worker.url, thrown);
+    // Our write to the client failed: the client is gone or not reading.
+    if (f.clientGone) return this.finish('client_abort', f.err);
+    if (f.transport && leg.ac.signal.aborted) return;
+    if (f.unreachable) this.ctx.registry.markUnreachable(leg.worker, thrown);
+    // A worker that cut its connection mid-request most likely died: no further attempt picks it before a probe says it is back.
+    else if (f.closed) this.ctx.registry.setUnhealthy(leg.worker, `connection lost mid-request: ${describeError(thrown)}`);
+    if (f.err.code === 'generation_aborted') leg.reported = true;
+    this.legFailed(leg, f.err);
   }
 
   /** The leg's HTTP exchange is over: release its load (guarded) and stop its linger timer. */

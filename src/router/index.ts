@@ -55,7 +55,8 @@ import { randomHex } from './random-pool.js';
 import { isGenerationRequest, RouterLogController } from './request-log.js';
 
 export { parseRouterConfig, RouterConfigError, RouterConfigSchema, type RouterConfig, type RouterConfigInput } from './config.js';
-export { LINGER_MS, newRid, randomRoom, workerError } from './dispatch.js';
+export { LINGER_MS, newRid, randomRoom } from './dispatch.js';
+export { workerError } from './worker-errors.js';
 export { OUTCOMES, RouterMetrics, type Outcome } from './metrics.js';
 export { WorkerRegistry, type Lease, type WorkerRole, type WorkerSnapshot, type WorkerState } from './registry.js';
 

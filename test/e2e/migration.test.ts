@@ -7,6 +7,7 @@
  *  - prefill killed before token 1 and after it (mid-transfer);
  *  - a JSON-schema chat request migrated mid-object: the same valid JSON;
  *  - n = 2 with a choice migrated;
+ *  - decode killed mid-stream while the other decode holds the conversation: migrated decode-local;
  *  - a decode with the wrong cluster secret never enters the rotation, no request lost;
  *  - the migration limit reached: a clear error naming the last cause, nothing left held.
  * The kill points are reached with test holds (src/common/testhooks.ts: `decode.step` slows
@@ -216,6 +217,61 @@ async function extraRouter(prefills: ClusterProc[], decodes: string[], flags: st
 
 /** Rooms and queue entries a worker reports on /health (0 when it holds nothing). */
 const held = async (p: ClusterProc) => Number((await getJson<any>(`${p.url}/health`)).rooms ?? 0);
+
+describe('migration onto a decode that holds the prefix', () => {
+  test('decode killed mid-stream, the other decode holding the conversation: the migration goes to it alone (decode-local, prompt + the tokens sent), equal to colocated', async () => {
+    const r = await extraRouter(s.c.byRole('prefill'), s.c.byRole('decode').map((d) => d.url), ['--decode-policy', 'cache_aware']);
+    let stopped: ClusterProc | undefined;
+    try {
+      const api = client(r.url);
+      const view = async () => ((await getJson<any>(`${r.url}/workers`)).workers as any[]);
+      const healthy = async (url: string) => (await view()).find((w) => w.url === url)?.healthy === true;
+      assert.ok(await waitFor(async () => (await view()).filter((w) => w.healthy).length === 4, 10_000), 'four workers seen');
+      const tr = (rid: string) => getJson<any>(`${r.url}/debug/traces/${encodeURIComponent(rid)}`);
+      const p1 = promptOf(60, 60);
+      const { data: r1, response: h1 } = await api.completions.create({ model: 'pdserve', prompt: p1, max_tokens: 8, temperature: 0 }).withResponse();
+      const holder = procOf((await tr(h1.headers.get('x-request-id')!)).decode);
+      const other = s.c.byRole('decode').find((d) => d !== holder)!;
+      const p2 = `${p1}${r1.choices[0]!.text} And then`;
+      const ref = await reference(p2, 24);
+      // The holder is out of the rotation for round 2's first pick (stopped), back before the other decode dies.
+      stopped = holder;
+      process.kill(holder.child!.pid!, 'SIGSTOP');
+      assert.ok(await waitFor(async () => !(await healthy(holder.url)), 10_000), 'the stopped holder left the rotation');
+      await setHold(other, 'decode.step=60');
+      let killing: Promise<void> | null = null;
+      const { data, response } = await api.completions.create({ model: 'pdserve', prompt: p2, max_tokens: 24, temperature: 0, stream: true, stream_options: { include_usage: true } }).withResponse();
+      const rid = response.headers.get('x-request-id')!;
+      let text = '';
+      let usage: any = null;
+      let chunks = 0;
+      for await (const c of data) {
+        text += c.choices[0]?.text ?? '';
+        if (c.usage) usage = c.usage;
+        if (c.choices.length && ++chunks === 3) {
+          process.kill(holder.child!.pid!, 'SIGCONT');
+          stopped = undefined;
+          assert.ok(await waitFor(() => healthy(holder.url), 10_000), 'the holder is back');
+          killing = killAndRestart(other);
+        }
+      }
+      await killing;
+      assert.equal(text, ref.text);
+      assert.equal(usage.completion_tokens, ref.usage.completion_tokens);
+      assert.equal(usage.prompt_tokens, ref.usage.prompt_tokens);
+      const t = await tr(rid);
+      assert.equal(t.outcome, 'ok');
+      assert.deepEqual((t.events as any[]).filter((e) => e.what === 'attempt_failed').map((e) => e.next), ['migrate']);
+      const dispatched = (t.events as any[]).filter((e) => e.what === 'dispatched');
+      assert.deepEqual(dispatched.map((e) => [e.path, e.decode === holder.url]), [['pd', false], ['decode_local', true]], JSON.stringify(dispatched));
+      assert.ok(dispatched[1].resumed_tokens >= 3, `the tokens the client had: ${dispatched[1].resumed_tokens}`);
+    } finally {
+      if (stopped?.child?.pid) process.kill(stopped.child.pid, 'SIGCONT');
+      await r.stop();
+      await clearHolds();
+    }
+  });
+});
 
 describe('when migration cannot save a request', () => {
   test('a decode with the wrong cluster secret never enters the rotation: its signed probe is refused, every request succeeds on the others', async () => {

@@ -759,10 +759,12 @@ describe('router: failures', () => {
     assert.notEqual(gens[0]!.bootstrap_room, gens[1]!.bootstrap_room, 'the new attempt has a new room');
     assert.ok(await waitFor(() => s.prefill[0]!.aborts.some((a) => a.bootstrap_room === gens[0]!.bootstrap_room), 1000), "the first attempt's prefill leg got abort_request");
     assert.equal(await outcomeCount(s, 'error'), 0);
-    // A connection lost after decode's output, every time: migrated until the limit, then the client gets the error.
+    assert.equal(s.router.registry.healthyCount('decode'), 1, 'the decode that cut its connection is out until its next good probe');
+    await s.router.registry.checkAll();
+    // A connection lost after decode's output, on every decode: each leaves the rotation, then no decode is left.
     s.decode[0]!.decode = s.decode[1]!.decode = () => ({ tokens: ['a', 'b'], destroyAfter: 1 });
-    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'q' }), isApiError(502, /decode worker .* failed/));
-    assert.equal(s.prefill[0]!.generates.length, 2 + 4, '1 + migrationLimit attempts');
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'q' }), isApiError(503, /no healthy decode/));
+    assert.equal(s.prefill[0]!.generates.length, 2 + 2, 'one attempt per decode');
     await assertReleased(s);
   });
 
@@ -1127,6 +1129,36 @@ describe('router: attempts (retry before output, request ids)', () => {
     const before = s.decode[0]!.generates.length + s.decode[1]!.generates.length;
     await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'q' }), isApiError(400, /prompt too long/));
     assert.equal(s.decode[0]!.generates.length + s.decode[1]!.generates.length, before + 1, 'not retried');
+    await assertReleased(s);
+  });
+
+  test('a worker that refuses the connection costs no attempt of the budget (migrationLimit 0): it leaves the rotation and the request runs on the other pair', async () => {
+    const s = await stack({ prefill: 2, decode: 2, healthIntervalMs: 60_000, policy: 'round_robin', migrationLimit: 0 });
+    await s.prefill[0]!.close();
+    await s.decode[1]!.close();
+    for (let i = 0; i < 4; i++) {
+      const r = await s.client.completions.create({ model: 'fake-model', prompt: `p${i}` });
+      assert.equal(r.choices[0]!.text, 'Hello, world');
+    }
+    assert.match(await metric(s, 'pdserve_router_retries_total'), /reason="(prefill|decode)_unreachable",outcome="ok"}/);
+    assert.equal(await outcomeCount(s, 'error'), 0);
+    await assertReleased(s);
+  });
+
+  test('a decode that cuts its stream mid-answer leaves the rotation until its next good probe: the migration does not go back to it', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    const script = ['The', ' quick', ' brown', ' fox'];
+    for (const d of s.decode) d.decode = (b) => (b.resume_token_ids ? { tokens: script, finish: 'length' } : { tokens: script, intervalMs: 2, destroyAfter: 2 });
+    const r = await s.client.completions.create({ model: 'fake-model', prompt: 'p' });
+    assert.equal(r.choices[0]!.text, script.join(''));
+    const cut = s.decode.find((d) => d.generates.length === 1 && !d.generates[0]!.resume_token_ids)!;
+    const other = s.decode.find((d) => d !== cut)!;
+    assert.ok(other.generates.some((g) => g.resume_token_ids), 'migrated to the other decode');
+    const w = s.router.registry.workers.find((x) => x.url === cut.url)!;
+    assert.equal(w.healthy, false);
+    assert.match(String(w.lastError), /connection lost mid-request/);
+    await s.router.registry.check(w, true);
+    assert.equal(w.healthy, true, 'a good probe brings it back');
     await assertReleased(s);
   });
 

@@ -1,0 +1,93 @@
+/**
+ * THE mapping of a worker leg's failure to the client's error (one table for every way a leg
+ * fails), so the attempt decision (./attempts.ts `nextStep`) sees one shape whatever broke:
+ *
+ * | what failed | ApiError |
+ * |---|---|
+ * | an error answer (status + body, OpenAI shape or anything) | `workerError`: 4xx passed through untouched, 5xx prefixed with the role; a status outside 400–599 → 502; a worker refusing the router's signature → 502 `worker_unauthenticated` |
+ * | an `{error}` event inside the worker's stream | `eventError`: the same, with the event's `status` when valid |
+ * | an event that is not JSON, an SSE frame over the limit | 502 `bad_worker_event` |
+ * | a stream that ended early | 502 `prefill_stream_truncated` / `decode_stream_truncated` (raised where it is seen) |
+ * | the connection: refused, DNS, connect timeout | 502 `<role>_unreachable` (`unreachable`: the worker is marked so) |
+ * | the connection: reset or closed by the worker | 502 `<role>_failed` (`closed`: the worker most likely died; out of the rotation until its next good probe) |
+ * | the connection: anything else (a timeout) | 502 `<role>_failed` |
+ * | the router's write to ITS client failed (`SSE_CLOSED`, `SSE_WRITE_TIMEOUT`) | 499 `client_closed_request` (`clientGone`: not the worker's fault) |
+ */
+import { ApiError, asErrorCode, type ErrorCode } from '../common/errors.js';
+import { SseError } from '../api/sse.js';
+import { describeError, isConnectionClosed, isUnreachable } from './registry.js';
+
+export type LegName = 'prefill' | 'decode';
+
+/**
+ * A worker's error answer: `status` and its body `text` (OpenAI shape or anything) → an ApiError
+ * (4xx passed through untouched, 5xx prefixed with the worker's role; a status outside 400–599 →
+ * 502; 401 `unauthenticated` → 502 `worker_unauthenticated`, the router's credential refused).
+ */
+export function workerError(role: LegName, status: number, text: string): ApiError {
+  let message = text.trim().slice(0, 500) || `HTTP ${status}`;
+  let code: ErrorCode = role === 'prefill' ? 'prefill_error' : 'decode_error';
+  let type: string | undefined;
+  let param: string | null = null;
+  try {
+    const j = JSON.parse(text) as { error?: { message?: unknown; code?: unknown; type?: unknown; param?: unknown } };
+    if (j?.error && typeof j.error === 'object') {
+      if (typeof j.error.message === 'string') message = j.error.message;
+      code = asErrorCode(j.error.code, code);
+      if (typeof j.error.type === 'string') type = j.error.type;
+      if (typeof j.error.param === 'string') param = j.error.param;
+    }
+  } catch {
+    // not JSON: keep the text
+  }
+  // The worker refused the router's own credential: a misconfigured worker, not the client's fault.
+  if (status === 401 && code === 'unauthenticated') return new ApiError(502, 'worker_unauthenticated', `${role} worker refused the router's signed request (does it run with another cluster secret?)`, 'server_error');
+  const valid = status >= 400 && status <= 599;
+  const out = valid ? status : 502;
+  // 4xx: the client's fault (e.g. prompt too long): pass the message through untouched.
+  if (out < 500) return new ApiError(out, code, message, (type ?? 'invalid_request_error') as ApiError['type'], param);
+  return new ApiError(out, code, `${role} worker error: ${message}`, (type ?? 'server_error') as ApiError['type'], param);
+}
+
+/**
+ * An `{error}` event inside a worker's stream (prefill: the handoff failed after token 1; decode:
+ * generation failed) through `workerError`: its `status` when valid (prefill sends one), else
+ * `fallbackStatus`.
+ */
+export function eventError(role: LegName, e: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }, fallbackStatus: number): ApiError {
+  const status = typeof e.status === 'number' && e.status >= 400 && e.status <= 599 ? e.status : fallbackStatus;
+  return workerError(role, status, JSON.stringify({ error: { message: typeof e.message === 'string' ? e.message : `${role} failed`, code: e.code, type: e.type } }));
+}
+
+/** An event of a worker's stream that is not JSON: 502 `bad_worker_event`. */
+export function badEvent(role: LegName): ApiError {
+  return new ApiError(502, 'bad_worker_event', `${role} worker sent an event that is not JSON`, 'server_error');
+}
+
+/** What a failure thrown while a leg ran means (see the module's table). */
+export interface LegFailure {
+  err: ApiError;
+  /** The router's write to its own client failed: the request ends as the client's abort. */
+  clientGone: boolean;
+  /** A transport error (not an answer of the worker): ignored when the leg was aborted on purpose. */
+  transport: boolean;
+  /** The worker could not be connected to: mark it unreachable. */
+  unreachable: boolean;
+  /** The worker closed or reset the connection mid-request (it most likely died): out of the rotation until its next good probe. */
+  closed: boolean;
+}
+
+/**
+ * Map `thrown` — whatever a leg's request, stream read or client write threw — to its ApiError
+ * (`role`'s worker at `url`; the address only in the message, which the router redacts for clients).
+ */
+export function legFailure(role: LegName, url: string, thrown: unknown): LegFailure {
+  const of = (err: ApiError, o: Partial<Omit<LegFailure, 'err'>> = {}): LegFailure => ({ err, clientGone: false, transport: false, unreachable: false, closed: false, ...o });
+  if (thrown instanceof SseError) {
+    if (thrown.code === 'SSE_CLOSED' || thrown.code === 'SSE_WRITE_TIMEOUT') return of(new ApiError(499, 'client_closed_request', `client stream failed: ${thrown.message}`), { clientGone: true });
+    return of(new ApiError(502, 'bad_worker_event', `${role} worker stream: ${thrown.message}`, 'server_error'));
+  }
+  if (thrown instanceof ApiError) return of(thrown);
+  if (isUnreachable(thrown)) return of(new ApiError(502, `${role}_unreachable`, `${role} worker ${url} is unreachable: ${describeError(thrown)}`, 'server_error'), { transport: true, unreachable: true });
+  return of(new ApiError(502, `${role}_failed`, `${role} worker ${url} failed: ${describeError(thrown)}`, 'server_error'), { transport: true, closed: isConnectionClosed(thrown) });
+}
