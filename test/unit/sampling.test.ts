@@ -172,6 +172,19 @@ describe('sampling options, PD equals colocated', () => {
     }
   });
 
+  it('a migrated request with a seed (temperature > 0): the resumed tokens stand, the rest is a full-length sample, the same for the same migration point', async () => {
+    const sp = base({ temperature: 1.2, seed: 1234 });
+    const ref = await colocated(sp);
+    const k = 4;
+    const msp = { ...sp, resumed: ref.tokens.slice(0, k) };
+    const once = () => colocated(msp);
+    const a = await once();
+    const b = await once();
+    assert.deepEqual(a.tokens, b.tokens, 'reproducible for the same migration point');
+    assert.equal(a.tokens.length, ref.tokens.length - k, 'max_tokens counts the resumed tokens');
+    assert.equal(a.finish, ref.finish);
+  });
+
   it("one seed rule: 4294967295 (llama.cpp's random-seed value) is a seed like any other, ≡ 0; PD equals colocated; consecutive seeds stay distinct across the wrap", async () => {
     assert.deepEqual([4294967294, 4294967295, 4294967296, -1, 0].map(seedOf), [4294967294, 0, 1, 4294967294, 0]);
     assert.deepEqual([0, 1, 2].map((i) => choiceSeed(4294967294, i)), [4294967294, 0, 1], 'n: 3 with seed 4294967294: three distinct seeds, none the random value');
