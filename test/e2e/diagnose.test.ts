@@ -185,6 +185,8 @@ describe('dashboard in headless chromium', () => {
       executablePath: CHROMIUM,
       headless: true,
       viewport: { width: 1400, height: 1000 },
+      // Secure test mode (docs/TESTING.md): the router's certificate is the run's throwaway CA's, its admin key the page's login.
+      ...(c.kit ? { ignoreHTTPSErrors: true, httpCredentials: { username: 'admin', password: c.kit.adminKey, send: 'always' as const } } : {}),
       args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
     });
     try {

@@ -18,6 +18,8 @@ import { newRoomId } from '../../src/common/room-id.js';
 import { freePort, type Cluster, type ClusterProc } from '../../src/harness/cluster.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer } from '../../src/kv/channel.js';
+import { kvTransportOf } from '../../src/kv/transport.js';
+import { loadInternalTls } from '../../src/common/tls.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
 import { CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 
@@ -58,7 +60,8 @@ before(async () => {
   });
   // A prefill stand-in that accepts decode's REGISTER and never answers: it holds a decode slot.
   const d0 = c.byRole('decode')[0]!;
-  stand = new KvServer({ host: '127.0.0.1', port: standPort, secret: c.secret, epoch: newEpoch(), settings: settingsFromHealth((await getJson<any>(`${d0.url}/health`)).settings)! });
+  // The cluster's KV transport (TLS in secure test mode, docs/TESTING.md).
+  stand = new KvServer({ transport: kvTransportOf(loadInternalTls(c.opts.internalTls)), host: '127.0.0.1', port: standPort, secret: c.secret, epoch: newEpoch(), settings: settingsFromHealth((await getJson<any>(`${d0.url}/health`)).settings)! });
   await stand.listen();
 });
 after(async () => {
