@@ -504,7 +504,10 @@ export class DecodeWorker {
       try {
         local = await planLocal(this.engine, body, this.config.localPrefillMaxTokens, this.engine.info.cacheSequences > 0);
       } catch (err) {
-        return sendError(reply, toApiError(err));
+        const e = toApiError(err);
+        // why a decode-local attempt goes back to PD (the router counts a fallback)
+        if (e.code === 'needs_prefill') this.log.info({ rid: body.rid, conversation: body.conversation_key ?? null, reason: e.message }, 'decode-local refused: needs prefill');
+        return sendError(reply, e);
       }
     }
     const job: Job = {

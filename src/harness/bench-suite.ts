@@ -27,7 +27,8 @@ import { runBatching, runInterference, runLowLoad, runRouterOverhead, runScaling
 import { renderReport, writePlots, type SectionFile, type SuiteMeta } from './bench-report.js';
 import { gpuReport } from './bench-gpu.js';
 import { canPin, say } from './bench-util.js';
-import { runAgentsSection } from './bench-agents.js';
+import { runAgentsScale, runAgentsSection } from './bench-agents.js';
+import type { AgentsScaleResult } from './bench-report-agents.js';
 
 /** Options of `pdserve bench-suite`. */
 export interface SuiteOptions {
@@ -55,6 +56,8 @@ export const SECTION_FILES: Record<number, string> = {
   21: 's2-low-load-unpinned.json',
   /** Section 1's large states (PDSERVE_BENCH_KV_BIG), kept next to the default run. */
   11: 's1-kv-large.json',
+  /** Section 7's agents at scale (PDSERVE_BENCH_AGENTS_SCALE), kept next to the default run. */
+  71: 's7-agents-scale.json',
 };
 
 const CTX = 2048;
@@ -273,7 +276,27 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     }
   }
 
-  if (want.has(7)) {
+  // PDSERVE_BENCH_AGENTS_SCALE=1 (or =only: this run alone): §7's agents at scale, 8 and 30 agents
+  // on the generated PDSERVE_BENCH_AGENTS_SCALE_MODEL (small, or tiny where small is too slow),
+  // PDSERVE_BENCH_AGENTS_SCALE_ROUNDS rounds (default 8).
+  const scale = process.env.PDSERVE_BENCH_AGENTS_SCALE ?? '';
+  if (want.has(7) && (scale === '1' || scale === 'only')) {
+    const ts = performance.now();
+    const name = process.env.PDSERVE_BENCH_AGENTS_SCALE_MODEL === 'tiny' ? 'tiny' : 'small';
+    const rounds = Number(process.env.PDSERVE_BENCH_AGENTS_SCALE_ROUNDS ?? 8);
+    if (!Number.isSafeInteger(rounds) || rounds < 2 || rounds > 32) throw new Error(`PDSERVE_BENCH_AGENTS_SCALE_ROUNDS=${process.env.PDSERVE_BENCH_AGENTS_SCALE_ROUNDS}: give an integer in 2..32`);
+    const agents = o.quick ? [2, 4] : [8, 30];
+    say(`section 7, agents at scale: ${agents.join(' and ')} agents × ${rounds} rounds, ${name} model, 1 prefill + 2 decode, with and without the prefix store, and colocated`);
+    try {
+      const r = await runAgentsScale({ model: await ensureModel(name, 1), agents, rounds, decode: 2, decodeSlots: DECODE_SLOTS, contextSize: CTX, batchSize: BATCH });
+      const result: AgentsScaleResult = { model: name, rounds, decode: 2, ...r };
+      save(71, result, (performance.now() - ts) / 1000);
+    } catch (err) {
+      failed = true;
+      say(`section 7 (agents at scale) failed: ${(err as Error).stack ?? err}`);
+    }
+  }
+  if (want.has(7) && scale !== 'only') {
     const ts = performance.now();
     say('section 7: multi-round agents (prefix reuse)');
     try {

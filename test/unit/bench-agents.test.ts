@@ -6,7 +6,8 @@
  */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { agentGoals, agentsPlot, agentsReport, type AgentRun, type AgentsResult, type AgentSetup } from '../../src/harness/bench-agents.js';
+import { agentGoals, agentsPlot, agentsReport, type AgentRun, type AgentsResult, type AgentSetup, type ScaleRun } from '../../src/harness/bench-agents.js';
+import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from '../../src/harness/bench-report-agents.js';
 
 const run = (setup: AgentSetup, concurrency: number, ttftByRound: number[], cachedShare: number, goodput: number): AgentRun => ({
   setup,
@@ -62,5 +63,33 @@ describe('bench §7 goals', () => {
     const svg = agentsPlot(result(150, 0.6, 1));
     assert.match(svg, /^<svg/);
     assert.equal((svg.match(/<polyline/g) ?? []).length, 3);
+  });
+});
+
+describe('bench §7 agents at scale', () => {
+  const scaleRun = (scale: 'pd_store' | 'pd_nostore' | 'colo', concurrency: number, o: { cached: number; ratio: number; fallbacks: number; goodput: number }): ScaleRun => ({
+    ...run(scale === 'colo' ? 'colo' : 'pd_local', concurrency, [1000, 1000 * o.ratio], o.cached, o.goodput),
+    rounds: Array.from({ length: 100 }, (_, i) => ({ agent: i, round: 1, ok: true, ttftMs: 1, e2eMs: 2, tpotMs: 1, promptTokens: 10, cachedTokens: 5, outputTokens: 2, path: 'pd' })),
+    scale,
+    fallbacks: o.fallbacks,
+    ttftRatio: o.ratio,
+    store: { hits: 1, misses: 2, writes: 3, dropped: 0 },
+  });
+  const scaleResult = (pd: { cached: number; ratio: number; fallbacks: number; goodput: number }): AgentsScaleResult => ({
+    model: 'tiny',
+    rounds: 2,
+    decode: 2,
+    cfg: { systemTokens: 120, toolTokens: 150, outputTokens: 24 },
+    slo: { ttftMs: 1500, tpotMs: 100 },
+    runs: [8, 30].flatMap((c) => [scaleRun('pd_store', c, pd), scaleRun('pd_nostore', c, { ...pd, cached: 0 }), scaleRun('colo', c, { cached: 0.8, ratio: 1, fallbacks: 0, goodput: 1 })]),
+  });
+  it('meets each goal on its bound and misses it past the bound', () => {
+    assert.deepEqual(agentsScaleGoals(scaleResult({ cached: 0.8, ratio: 1.5, fallbacks: 2, goodput: 1.5 })).map((g) => g.met), [true, true, true, true]);
+    assert.deepEqual(agentsScaleGoals(scaleResult({ cached: 0.79, ratio: 1.51, fallbacks: 3, goodput: 1.49 })).map((g) => g.met), [false, false, false, false]);
+    const lines = agentsScaleReport(scaleResult({ cached: 0.81, ratio: 0.9, fallbacks: 3, goodput: 0.5 }), 'prov').join('\n');
+    assert.match(lines, /\*\*missed\*\* — decode-local fallbacks ≤ 2 % of requests .*: 8 agents: 3 of 100 \(3\.0 %\)/);
+    assert.match(lines, /\*\*missed\*\* — PD agent goodput ≥ 1\.5 × colocated .*0\.50 vs 1\.00 rounds\/s/);
+    assert.equal((lines.match(/^\| /gm) ?? []).length, 1 + 6, 'the table: head and one row per run');
+    assert.deepEqual(agentsScaleReport(undefined, 'prov'), ['_Not run yet._']);
   });
 });
