@@ -12,7 +12,8 @@
  * asynchronously at most every STORE_RECHECK_MS: decode loads the state from there).
  * It checks after every noted finish and whenever the engine's cached counts change (a 100 ms
  * probe of `cachedStats()`, O(idle sequences)), and publishes `stored` / `evicted` on every
- * change (tier 'sequence', key = the conversation key). Bounded: at most `maxEntries` tracked
+ * change (tier 'sequence', key = the conversation key; a held key noted again for a later round
+ * is announced again with its longer token count). Bounded: at most `maxEntries` tracked
  * (the oldest dropped with an `evicted` event beyond it); a noted entry the engine does not hold
  * within MAX_WAIT_PROBES probes (it kept nothing, or evicted it at once) is dropped silently.
  */
@@ -24,6 +25,8 @@ interface Tracked {
   tokens: number[];
   promptTokens: number;
   held: boolean;
+  /** Tokens of the last `stored` event published for the key (a later round re-announces its longer copy: routers compare copies by tokens). */
+  announced: number;
   /** Probes an entry not yet held has waited (its slot is released after the stream ends). */
   waited: number;
   /** The host's prefix store serves at least half its prompt (last answer; undefined: not known yet). */
@@ -66,7 +69,7 @@ export class SequenceKvTracker {
   noteFinished(key: string, tokens: number[], promptTokens: number): void {
     const old = this.entries.get(key);
     this.entries.delete(key);
-    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, waited: 0, stored: undefined, checking: false, checkedAt: 0 });
+    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, announced: old?.announced ?? 0, waited: 0, stored: undefined, checking: false, checkedAt: 0 });
     while (this.entries.size > this.maxEntries) {
       const [k, e] = this.entries.entries().next().value as [string, Tracked];
       this.entries.delete(k);
@@ -109,7 +112,10 @@ export class SequenceKvTracker {
         if (e.stored === undefined) continue; // decided once the store answered
       }
       const held = inSequence || e.stored === true;
-      if (held && !e.held) this.log.publish({ kind: 'stored', tier: 'sequence', key, tokens: e.tokens.length, bytes: 0 });
+      if (held && (!e.held || e.announced !== e.tokens.length)) {
+        this.log.publish({ kind: 'stored', tier: 'sequence', key, tokens: e.tokens.length, bytes: 0 });
+        e.announced = e.tokens.length;
+      }
       if (held) {
         e.held = true;
         continue;

@@ -134,9 +134,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
   // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.
   const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls);
+  // Whether `url` holds the conversation's latest round, among the workers of its role (kv.holdsAmong).
   const holdsFor = (key: string | undefined) => (key === undefined ? undefined : (url: string) => {
     kv.follow({ url });
-    return kv.holds(url, key, systemClock.nowMs());
+    const role = registry.workers.find((w) => w.url === url)?.role;
+    const peers = role ? registry.workers.filter((w) => w.role === role).map((w) => w.url) : [url];
+    return kv.holdsAmong(peers, key, systemClock.nowMs()).get(url);
   });
   const pickWith = (role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
     const p = policies[role].pick(c, text, now, key, holdsFor(key));

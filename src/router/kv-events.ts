@@ -167,6 +167,35 @@ export class KvEventConsumer {
     return false;
   }
 
+  /**
+   * `holds` for each of `urls` (workers of one role), answering for the conversation's latest
+   * round: a worker whose copy is older than another's says false. The router just finished a
+   * round of `key` on one of them (`expect`, within PENDING_CLAIM_MS): that one is the freshest
+   * and every other copy is older; otherwise the copies the events carry compare by tokens (an
+   * entry holds prompt + reply of the round it was noted for: a later round holds more), ties
+   * all true. Without this, a worker keeping round r − 2 of a conversation whose round r − 1 ran
+   * elsewhere claims it as fully as the one that ran it, and a decode-local attempt there comes
+   * back `needs_prefill` (two rounds of suffix).
+   */
+  holdsAmong(urls: readonly string[], key: string, nowMs: number): Map<string, boolean | undefined> {
+    const out = new Map<string, boolean | undefined>();
+    let pendingAt: string | undefined;
+    let most = 0;
+    for (const url of urls) {
+      out.set(url, this.holds(url, key, nowMs));
+      const c = this.claims.get(url);
+      const at = c?.live ? c.pending.get(key) : undefined;
+      if (at !== undefined && nowMs - at < PENDING_CLAIM_MS) pendingAt = url;
+      if (out.get(url) === true) most = Math.max(most, c!.held.get(heldKey('sequence', key))?.tokens ?? 0);
+    }
+    for (const url of urls) {
+      if (out.get(url) !== true) continue;
+      const older = pendingAt !== undefined ? url !== pendingAt : (this.claims.get(url)!.held.get(heldKey('sequence', key))?.tokens ?? 0) < most;
+      if (older) out.set(url, false);
+    }
+    return out;
+  }
+
   /** Follow `w` (idempotent). */
   follow(w: Pick<WorkerState, 'url'>): void {
     if (this.stopped || this.loops.has(w.url)) return;

@@ -118,6 +118,51 @@ describe('router: following a worker over HTTP', () => {
   });
 });
 
+describe('router: the freshest copy of a conversation', () => {
+  test('an older round on one worker says false when another holds a later one, or the router just finished a round there', async () => {
+    const consumer = new KvEventConsumer(new Registry(), 300);
+    const logs = [new KvEventLog(), new KvEventLog()];
+    const apps = logs.map((log) => {
+      const app = Fastify();
+      registerKvEventsRoute(app, log);
+      return app;
+    });
+    const urls: string[] = [];
+    for (const app of apps) {
+      await app.listen({ host: '127.0.0.1', port: 0 });
+      urls.push(`http://127.0.0.1:${(app.server.address() as { port: number }).port}`);
+    }
+    const until = async (ok: () => boolean) => {
+      const end = Date.now() + 3000;
+      while (!ok()) {
+        if (Date.now() > end) assert.fail('deadline');
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    };
+    const copy = (tokens: number) => ({ kind: 'stored' as const, tier: 'sequence' as const, key: 'k', tokens, bytes: 0 });
+    const now = 5_000_000;
+    const among = () => [...consumer.holdsAmong(urls, 'k', now).values()];
+    try {
+      for (const u of urls) consumer.follow({ url: u });
+      logs[0]!.publish(copy(431)); // round r − 2 on worker 0
+      logs[1]!.publish(copy(620)); // round r − 1 on worker 1
+      await until(() => consumer.holds(urls[0]!, 'k', now) === true && consumer.holds(urls[1]!, 'k', now) === true);
+      assert.deepEqual(among(), [false, true], 'the later round wins');
+      logs[0]!.publish(copy(830)); // round r re-announced on worker 0
+      await until(() => consumer.held(urls[0]!)?.get('sequence:k')?.tokens === 830);
+      assert.deepEqual(among(), [true, false]);
+      // the router finished round r + 1 on worker 1; its event is not here yet: worker 1 is the freshest
+      consumer.expect(urls[1]!, 'k', now);
+      assert.deepEqual(among(), [false, true]);
+      assert.deepEqual([...consumer.holdsAmong(urls, 'k', now + PENDING_CLAIM_MS).values()], [true, false], 'a pending claim that never came does not count');
+      assert.deepEqual([...consumer.holdsAmong(urls, 'other', now).values()], [false, false]);
+    } finally {
+      await consumer.close();
+      for (const app of apps) await app.close();
+    }
+  });
+});
+
 describe('decode: the sequence tier, from the engine itself', () => {
   test('a noted conversation is published once the engine holds it, evicted when it no longer does', () => {
     const idle: number[][] = [];
