@@ -22,7 +22,7 @@ if (r.status !== 0) {
   rmSync(out, { recursive: true, force: true });
   process.exit(r.status ?? 1);
 }
-// Non-TypeScript files of src/ (report templates: src/harness/bench-report.md) beside their
+// Non-TypeScript files of src/ (report templates: src/bench/report.md) beside their
 // compiled modules, which read them by a URL relative to their own.
 cpSync(join(root, 'src'), out, { recursive: true, filter: (p) => statSync(p).isDirectory() || !p.endsWith('.ts') });
 const dist = join(root, 'dist');

@@ -5,7 +5,7 @@
  *   PDSERVE_BENCH_KV_TRACE=/tmp/kv.trace node bin/pdserve.js bench-suite --sections 1
  *   node scripts/kv-trace.mjs /tmp/kv.trace
  *
- * Input: lines "<CLOCK_MONOTONIC ms> <role> <step> [k=v …]" written by src/harness/bench-kv-child.ts
+ * Input: lines "<CLOCK_MONOTONIC ms> <role> <step> [k=v …]" written by src/bench/kv-child.ts
  * (both processes append to one file). A trial starts at a `save-start` step (which carries
  * `bytes=<state size>`) and runs to the next one; per state size, prints the median and minimum of
  * each step-to-step span over the trials that have both stamps (only steps bench-kv-child.ts records).

@@ -11,7 +11,7 @@
  */
 import { homedir } from 'node:os';
 import { join } from 'node:path';
-import { Cluster } from '../src/harness/cluster.js';
+import { Cluster } from '../src/up/cluster.js';
 
 const requests = Number(process.argv[2] ?? 3);
 const promptWords = Number(process.argv[3] ?? 580);

@@ -21,9 +21,9 @@ import { createHash, timingSafeEqual } from 'node:crypto';
 import { readFileSync, statSync } from 'node:fs';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Counter, type Registry } from 'prom-client';
-import { ApiError } from '../common/errors.js';
-import type { Logger } from '../common/log.js';
-import { sendApiError } from './openai.js';
+import { ApiError } from '../base/errors.js';
+import type { Logger } from '../base/log.js';
+import { sendApiError } from './errors.js';
 
 /** Access configuration of one OpenAI edge. */
 export interface AccessOptions {

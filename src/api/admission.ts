@@ -12,12 +12,12 @@
  * per-key limit.
  */
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { Counter, Gauge, type Registry } from 'prom-client';
-import { ApiError } from '../common/errors.js';
+import { ApiError } from '../base/errors.js';
 import { keyIdOf } from './access.js';
 import { isLoopback } from './loopback.js';
-import { sendApiError } from './openai.js';
+import { sendApiError } from './errors.js';
 
 export interface AdmissionOptions {
   /** Generation requests served at once (0 = no cap). */
@@ -33,7 +33,7 @@ export interface AdmissionOptions {
   keyMaxConcurrent?: number;
 }
 
-export { AdmissionSchema } from '../common/config.js';
+export { AdmissionSchema } from '../runtime/config.js';
 
 export const ADMISSION_DEFAULTS = { maxConcurrent: 1024, maxQueued: 4096, queueTimeoutMs: 30_000, keyRps: 0, keyBurst: 0, keyMaxConcurrent: 0 } as const;
 

@@ -9,15 +9,16 @@
  *   POST /detokenize      vLLM's shape: {tokens} → {prompt}.
  *   CORS                  `@fastify/cors` for the configured origins (preflight included); none
  *                         configured = no CORS headers (browsers refuse cross-origin calls).
- * Wrong methods on a known path get 405 with an `Allow` header (see openai.ts's error handling).
+ * Wrong methods on a known path get 405 with an `Allow` header (see ./errors.ts).
  */
-import { redactAddresses } from '../common/redact.js';
+import { redactAddresses } from '../base/redact.js';
 import cors from '@fastify/cors';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { request, type Dispatcher } from 'undici';
 import { z, ZodError } from 'zod';
 import type { Engine } from '../engine/types.js';
-import { ApiError, checkModelName, parseMessages, zodToApiError } from './openai.js';
+import { ApiError, checkModelName, zodToApiError } from './errors.js';
+import { parseMessages } from './parse.js';
 import { parseTools } from './tool-calls.js';
 import { TOOLS_REFUSAL } from './fields.js';
 

@@ -20,13 +20,14 @@
  * abort (rooms released).
  */
 import { request as httpRequest, type Dispatcher } from 'undici';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { readSse, SseWriter } from './sse.js';
 import { randomBytes } from 'node:crypto';
 import { MAX_CHOICES } from './fields.js';
-import { ApiError, badRequest, sendApiError, SSE_DONE, usageOf, type Usage } from './openai.js';
-import { asErrorCode, codeSpec, type ApiErrorType } from '../common/errors.js';
+import { ApiError, badRequest, sendApiError } from './errors.js';
+import { SSE_DONE, usageOf, type Usage } from './respond.js';
+import { asErrorCode, codeSpec, type ApiErrorType } from '../base/errors.js';
 import type { ToolCall, ToolCallDelta } from './tool-calls.js';
 import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 
@@ -176,7 +177,7 @@ export class FanOutMerger {
 
 /**
  * The error of choice `index` whose stream ended in an OpenAI error event: its own code, the
- * code's HTTP status and type from the error table (common/errors.ts; e.g. decode_failed → 502),
+ * code's HTTP status and type from the error table (base/errors.ts; e.g. decode_failed → 502),
  * its param; the message names the choice. A body without a string code is an internal_error.
  */
 export function choiceError(index: number, error: unknown): ApiError {

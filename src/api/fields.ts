@@ -1,6 +1,6 @@
 /**
  * Every request field pdserve knows, per endpoint: its zod schema, whether it is honoured or
- * refused, and a note. The request schemas of ./openai.ts are BUILT from this table (a field
+ * refused, and a note. The request schemas of ./parse.ts are BUILT from this table (a field
  * missing here is an unrecognised argument and gets a 400), and the conformance table of docs/API.md
  * is GENERATED from it (`conformanceMarkdown`, written by `src/api/conformance.ts --write`;
  * a unit test fails when docs/API.md is stale). So nothing can be accepted and ignored without
@@ -13,7 +13,7 @@
  * max_tokens, logprobs <= 20).
  */
 import { z } from 'zod';
-import { MAX_TOKEN_LIST, WorkerGrammarSchema } from './worker-protocol.js';
+import { MAX_TOKEN_LIST, WorkerGrammarSchema } from '../protocol/worker-protocol.js';
 
 /** 'responses' fields live in ./responses-fields.ts (their own table, docs/RESPONSES.md). */
 export type Endpoint = 'completions' | 'chat' | 'responses';

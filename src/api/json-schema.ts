@@ -5,7 +5,7 @@
  * first and anything outside the subset is a 400 naming the keyword, instead of output that
  * silently ignores part of the schema.
  */
-import { PdError } from '../common/errors.js';
+import { PdError } from '../base/errors.js';
 
 const TYPES = new Set(['string', 'number', 'integer', 'boolean', 'null', 'object', 'array']);
 /** Keywords without effect on generation (annotations). */

@@ -6,7 +6,7 @@
 import { randomBytes, timingSafeEqual } from 'node:crypto';
 import { Agent, type Dispatcher } from 'undici';
 import type { FastifyRequest } from 'fastify';
-import { ApiError } from './openai.js';
+import { ApiError } from './errors.js';
 
 /**
  * Loopback connections (one per sub-request in flight); safety timeouts only, the callee's

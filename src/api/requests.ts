@@ -2,10 +2,10 @@
  * Turning a worker `/generate` body into engine inputs. Shared by prefill, decode and colocated
  * so every role tokenizes and samples identically (PD output must equal colocated output).
  */
-import type { GenerateRequest } from './worker-protocol.js';
+import type { GenerateRequest } from '../protocol/worker-protocol.js';
 import type { ChatMessage, Engine, SamplingParams, ToolFunction } from '../engine/types.js';
 import type { TokenizerThread } from '../engine/tokenizer-thread.js';
-import { ApiError } from '../common/errors.js';
+import { ApiError } from '../base/errors.js';
 import { TOOLS_REFUSAL } from './fields.js';
 
 /** A wire chat message as the engine's ChatMessage. */

@@ -17,10 +17,11 @@
  * A client that goes away aborts the chat request, which aborts the room on the workers.
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { request, type Dispatcher } from 'undici';
-import { ApiError, checkModelName, SSE_DONE } from './openai.js';
-import { asErrorCode, codeSpec } from '../common/errors.js';
+import { ApiError, checkModelName } from './errors.js';
+import { SSE_DONE } from './respond.js';
+import { asErrorCode, codeSpec } from '../base/errors.js';
 import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
 import { readSse, SseError, SseWriter } from './sse.js';
 import { newItemId, parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponsesEvent } from './responses.js';

@@ -5,7 +5,7 @@
  * page of at most `limit` items (1–100, default 20) in `order` (`desc`, the default: newest first;
  * or `asc`) after the item `after`. `include` is accepted (nothing here has more to include).
  */
-import { ApiError } from '../common/errors.js';
+import { ApiError } from '../base/errors.js';
 
 /** The query of the route (strings as fastify parses them). */
 export interface InputItemsQuery {

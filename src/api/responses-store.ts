@@ -10,7 +10,7 @@
  * The history and input-item arrays of a chain share their objects; `bytes` counts the whole history and input items
  * of each record (an upper bound of what it holds alive, so the byte bound always holds).
  */
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 
 /** A chat message as the chat path takes it (OpenAI wire shape). */
 export interface WireChatMessage {

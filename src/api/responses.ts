@@ -18,10 +18,10 @@
  * `ResponseInputItem`); vLLM's /v1/responses maps Responses onto its chat machinery the same way.
  */
 import { randomBytes } from 'node:crypto';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { z, type ZodError } from 'zod';
-import { ApiError } from '../common/errors.js';
-import { parseChatRequest, parseFieldTable } from './openai.js';
+import { ApiError } from '../base/errors.js';
+import { parseChatRequest, parseFieldTable } from './parse.js';
 import { RESPONSES_FIELD_MAP } from './responses-fields.js';
 import type { ResponseStore, StoredResponse, WireChatMessage } from './responses-store.js';
 

@@ -11,8 +11,8 @@
  *   (`SSE_EVENT_TOO_LARGE`). Fields other than `data` (`event`, `id`, `retry`) are ignored.
  */
 import type { ServerResponse } from 'node:http';
-import { connectionHeader } from '../common/drain.js';
-import { PdError } from '../common/errors.js';
+import { connectionHeader } from '../runtime/drain.js';
+import { PdError } from '../base/errors.js';
 
 export type SseErrorCode = 'SSE_CLOSED' | 'SSE_WRITE_TIMEOUT' | 'SSE_EVENT_TOO_LARGE';
 

@@ -19,10 +19,10 @@
  */
 import { randomBytes } from 'node:crypto';
 import { z } from 'zod';
-import { ApiError } from '../common/errors.js';
+import { ApiError } from '../base/errors.js';
 import type { ToolCallSyntax, ToolFunction } from '../engine/types.js';
 import { normaliseJsonSchema, SchemaError } from './json-schema.js';
-import { MAX_TOOLS } from './worker-protocol.js';
+import { MAX_TOOLS } from '../protocol/worker-protocol.js';
 
 /** tool_choice after parsing: a named function is `{name}`. */
 export type ToolChoice = 'none' | 'auto' | 'required' | { name: string };

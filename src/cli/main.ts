@@ -7,8 +7,8 @@ import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { ClusterSecretSchema, DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../common/config.js';
-import { createLogger } from '../common/log.js';
+import { ClusterSecretSchema, DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../runtime/config.js';
+import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
@@ -269,8 +269,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
     .option('--decode-gpu-device <list>', 'GPU devices of the decode workers (default: --gpu-device)', cliParser(parseDeviceList))
     .action(async (o) => {
-      const { Cluster } = await import('../harness/cluster.js');
-      const { superviseAction } = await import('../harness/supervise.js');
+      const { Cluster } = await import('../up/cluster.js');
+      const { superviseAction } = await import('../up/supervise.js');
       try {
         await assertPortFree(o.host, o.port);
         if (o.workerPortBase !== undefined) {
@@ -319,7 +319,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       console.log('\nTry:');
       console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
       console.log('\nCtrl-C drains and stops everything (a second Ctrl-C stops waiting).');
-      // Supervise (harness/supervise.ts): a worker that dies on its own is restarted on the same
+      // Supervise (up/supervise.ts): a worker that dies on its own is restarted on the same
       // ports (peers and the router find it again); one that drained on request (exit 0) stays
       // stopped; `up` itself keeps serving with the others meanwhile.
       const restarting = new Set<string>();
@@ -441,7 +441,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       console.log(`wrote ${resolve(o.out)} (${o.preset}, seed ${o.seed}${chatTemplate !== undefined ? ', with a chat template' : ''})`);
     });
 
-  // ---- bench (src/harness/bench.ts) and the benchmark suite (src/harness/bench-suite.ts) ----
+  // ---- bench (src/bench/index.ts) and the benchmark suite (src/bench/suite.ts) ----
   {
     const num = (v: string): number => {
       const n = Number(v);
@@ -484,7 +484,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--ca <file>', "PEM CA of an https:// --url (the router's API key: PDSERVE_API_KEY)");
     internalTlsFlags(bench)
       .action(async (o) => {
-        const { benchCli } = await import('../harness/bench.js');
+        const { benchCli } = await import('../bench/index.js');
         process.exitCode = await benchCli({ ...o, ...(o.ca ? { ca: resolve(o.ca) } : {}), internalTls: internalTlsOf('bench', o, false) });
       });
     program
@@ -499,7 +499,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--batch-size <tokens>', 'prompt chunk', int, 512)
       .option('--json <file>', 'write the runs as JSON')
       .action(async (o) => {
-        const { runAgentsScale, agentsScaleTable } = await import('../harness/bench-agents.js');
+        const { runAgentsScale, agentsScaleTable } = await import('../bench/agents.js');
         const { ensureModel } = await import('../engine/gguf-writer.js');
         const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
         const agents = String(o.agents).split(',').map((x: string) => int(x.trim()));
@@ -516,7 +516,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--no-pin', 'do not pin prefill/decode to separate cores with taskset')
       .option('--render-only', 'only re-render BENCHMARKS.md and the plots from bench/results')
       .action(async (o) => {
-        const { benchSuiteCli } = await import('../harness/bench-suite.js');
+        const { benchSuiteCli } = await import('../bench/suite.js');
         process.exitCode = await benchSuiteCli({ sections: String(o.sections), quick: !!o.quick, out: o.out ? resolve(o.out) : undefined, pin: o.pin !== false, argv, renderOnly: !!o.renderOnly });
       });
   }
@@ -533,7 +533,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       process.exitCode = await simMain(argv.slice(i + 1));
     });
 
-  // ---- storm (src/harness/storm.ts) ----
+  // ---- storm (src/storm/index.ts) ----
   {
     const dur = (v: string): number => {
       try {
@@ -582,7 +582,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--tls-key <file>', 'self-hosted: the PEM key of --tls-cert');
     internalTlsFlags(storm)
       .action(async (o) => {
-        const { runStorm } = await import('../harness/storm.js');
+        const { runStorm } = await import('../storm/index.js');
         if (!o.tlsCert !== !o.tlsKey) {
           console.error('pdserve storm: --tls-cert and --tls-key go together');
           process.exit(2);

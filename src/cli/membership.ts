@@ -1,10 +1,10 @@
 /**
- * CLI glue between a served worker role and etcd membership (../common/discovery.ts): the
+ * CLI glue between a served worker role and etcd membership (../runtime/discovery.ts): the
  * record is built from the worker's own GET /health (served in-process with `app.inject`, no
  * socket) plus the engine settings from the command line, and the URL the router must dial.
  */
-import { Membership, processFields, type MemberRecord } from '../common/discovery.js';
-import { createLogger } from '../common/log.js';
+import { Membership, processFields, type MemberRecord } from '../runtime/discovery.js';
+import { createLogger } from '../base/log.js';
 import type { Served, ServeHooks } from './serve.js';
 
 export interface MembershipFlags {

@@ -12,7 +12,7 @@
 import { readFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import type { Command } from 'commander';
-import { loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
+import { loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 
 /** Split a comma-separated env value into its non-empty, trimmed entries. */
 export function listEnv(v: string | undefined): string[] {
@@ -92,7 +92,7 @@ export function clusterSecretOf(role: string, o: { clusterSecret?: string; clust
   return undefined;
 }
 
-/** Flags of internal TLS (router ↔ workers HTTP, the KV channel): ../common/tls.ts `InternalTlsFiles`. */
+/** Flags of internal TLS (router ↔ workers HTTP, the KV channel): ../runtime/tls.ts `InternalTlsFiles`. */
 export const internalTlsFlags = (c: Command) =>
   c
     .option('--internal-tls-cert <file>', 'internal TLS: this process\'s PEM certificate (its HTTPS / KV listener; the client certificate of its calls to other roles)')

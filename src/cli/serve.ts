@@ -1,16 +1,16 @@
 /**
  * How one server role runs as a process: start it, announce readiness to a parent (`pdserve
- * up`'s IPC channel), then on SIGTERM/SIGINT drain gracefully (../common/drain.ts):
+ * up`'s IPC channel), then on SIGTERM/SIGINT drain gracefully (../runtime/drain.ts):
  *   1st signal → refuse new work, wait for in-flight requests (at most `drainTimeoutMs`),
  *                deregister, close, exit 0;
  *   2nd signal (or the timeout) → stop waiting: close() fails what is left, exit 0;
  *   parent's IPC channel closed → the same as a 2nd signal (no orphan lingers for 30 s).
  */
 import type { FastifyInstance } from 'fastify';
-import { drainGateOf } from '../api/worker-http.js';
-import { DrainGate, gracefulShutdown } from '../common/drain.js';
-import { createLogger } from '../common/log.js';
-import { PdError } from '../common/errors.js';
+import { drainGateOf } from '../worker/http.js';
+import { DrainGate, gracefulShutdown } from '../runtime/drain.js';
+import { createLogger } from '../base/log.js';
+import { PdError } from '../base/errors.js';
 
 /** What a role's start function returns. */
 export interface Served {

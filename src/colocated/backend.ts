@@ -4,13 +4,13 @@
  * runs exactly the engine calls PD runs (chunked prefill, first token sampled after the prompt,
  * then `generate` from that token) minus save/transfer/load.
  */
-import { tokenEvent, type GenerateEvent, type GenerateRequest } from '../api/worker-protocol.js';
-import { ApiError } from '../common/errors.js';
+import { tokenEvent, type GenerateEvent, type GenerateRequest } from '../protocol/worker-protocol.js';
+import { ApiError } from '../base/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
-import type { PrefixCacheMetrics } from '../common/prefix-metrics.js';
-import { systemClock } from '../common/clock.js';
-import type { SequenceKvTracker } from '../api/kv-tracker.js';
+import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import { systemClock } from '../base/clock.js';
+import type { SequenceKvTracker } from '../worker/kv-tracker.js';
 
 /** A request being served, as shown in /debug/rooms (colocated has no rooms: path 'colocated'). */
 export interface ColocatedRunning {
@@ -19,7 +19,7 @@ export interface ColocatedRunning {
   /** Prompt tokens taken from the prefix cache (known once the prompt was evaluated). */
   cached_tokens: number;
   path: 'colocated';
-  /** When it got its slot, monotonic ms (src/common/clock.ts); not shown. */
+  /** When it got its slot, monotonic ms (src/base/clock.ts); not shown. */
   t0: number;
 }
 

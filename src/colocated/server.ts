@@ -3,30 +3,32 @@
  * in one llama.cpp context — no disaggregation. Same request schemas, same response builders
  * and the same engine calls as PD, so greedy outputs can be compared token for token.
  */
-import { newRoomId } from '../common/room-id.js';
+import { newRoomId } from '../base/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { ApiError, checkModelName, OpenAIResponseBuilder, responseToolSyntax, parseChatRequest, parseCompletionRequest, sendApiError, apiErrorOf, toWorkerRequest, SSE_DONE, type ParsedRequest } from '../api/openai.js';
+import { ApiError, checkModelName, sendApiError, apiErrorOf } from '../api/errors.js';
+import { responseToolSyntax, parseChatRequest, parseCompletionRequest, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
+import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
 import { SseWriter } from '../api/sse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
-import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../common/config.js';
-import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
-import { openPrefixStore } from '../common/prefix-store.js';
-import { createWorkerApp, listenUrl, onClientGone } from '../api/worker-http.js';
-import { systemClock } from '../common/clock.js';
-import { createLogger, type Logger } from '../common/log.js';
-import { WorkerMetrics } from '../common/metrics.js';
+import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../runtime/config.js';
+import { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import { openPrefixStore } from '../runtime/prefix-store.js';
+import { createWorkerApp, listenUrl, onClientGone } from '../worker/http.js';
+import { systemClock } from '../base/clock.js';
+import { createLogger, type Logger } from '../base/log.js';
+import { WorkerMetrics } from '../runtime/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine } from '../engine/types.js';
 import { ColocatedBackend } from './backend.js';
 import { registerAccess, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
-import { KvEventLog } from '../common/kv-events.js';
-import { registerKvEventsRoute } from '../api/kv-events-route.js';
-import { SequenceKvTracker } from '../api/kv-tracker.js';
-import { conversationKey } from '../api/conversation-key.js';
+import { KvEventLog } from '../protocol/kv-events.js';
+import { registerKvEventsRoute } from '../worker/kv-events-route.js';
+import { SequenceKvTracker } from '../worker/kv-tracker.js';
+import { conversationKey } from '../protocol/conversation-key.js';
 
 /** A running colocated server. */
 export interface ColocatedServer {

@@ -39,8 +39,8 @@
  * shell takes the file over; `fileTaken` is the room's kv_begin) — or, when the shell refuses the
  * file (`fileRefused`), back to waiting_kv with KV_FILE_REFUSED sent, and prefill sends over TCP.
  */
-import { ApiError, failure, type RoomFailure } from '../common/errors.js';
-import type { RoomId } from '../common/room-id.js';
+import { ApiError, failure, type RoomFailure } from '../base/errors.js';
+import type { RoomId } from '../base/room-id.js';
 import { RoomTable } from '../kv/lifecycle.js';
 import { failureFromWire, type ControlMsg } from '../kv/messages.js';
 import { KVPoll, type Effect, type RoomEvent, type RoomTimeouts } from '../kv/types.js';

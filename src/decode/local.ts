@@ -25,9 +25,9 @@
  * The reuse counted at step 1 is a hint: a request that waited for a slot may find its prefix
  * evicted meanwhile; it is then evaluated locally in full (correct, slower), never failed.
  */
-import { ApiError } from '../common/errors.js';
+import { ApiError } from '../base/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
-import type { GenerateRequest } from '../api/worker-protocol.js';
+import type { GenerateRequest } from '../protocol/worker-protocol.js';
 import type { Engine, SamplingParams, Slot, TokenLogprob } from '../engine/types.js';
 
 /** Default `--local-prefill-max-tokens` (router and decode): the longest suffix decode evaluates itself. */

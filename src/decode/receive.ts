@@ -7,7 +7,7 @@
  * bytes. Byte storage stays with the caller (the worker copies into a buffer, the simulator
  * keeps tags).
  */
-import { failure, type RoomFailure } from '../common/errors.js';
+import { failure, type RoomFailure } from '../base/errors.js';
 
 /** The failure for an announced state size outside (0, maxStateBytes], or undefined. */
 export function checkAnnounced(totalBytes: number, maxStateBytes: number): RoomFailure | undefined {

@@ -25,7 +25,7 @@
  * for other routes.
  */
 import type { ServerResponse } from 'node:http';
-import { tokenEvent, type GenerateEvent, type WireLogprob } from '../api/worker-protocol.js';
+import { tokenEvent, type GenerateEvent, type WireLogprob } from '../protocol/worker-protocol.js';
 
 /** The request-constant parts of every token event. */
 export interface TokenEventMeta {

@@ -13,28 +13,28 @@
  * call on it has settled.
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
-import { zodToApiError } from '../api/openai.js';
-import { GenerateRequestSchema, type GenerateRequest } from '../api/worker-protocol.js';
-import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../common/config.js';
-import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../common/errors.js';
-import { pairSettingsOf } from '../common/pair.js';
-import { connectionHeader } from '../common/drain.js';
-import { deferred, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
-import { systemClock, type Clock } from '../common/clock.js';
-import { createLogger, type Logger } from '../common/log.js';
-import { sweepStaleStateFiles } from '../common/statefiles.js';
-import { hold, holdsEnabled } from '../common/testhooks.js';
-import { TraceTags } from '../common/trace-tags.js';
-import { roomsByState, WorkerMetrics } from '../common/metrics.js';
-import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
-import { openPrefixStore } from '../common/prefix-store.js';
+import { zodToApiError } from '../api/errors.js';
+import { GenerateRequestSchema, type GenerateRequest } from '../protocol/worker-protocol.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../runtime/config.js';
+import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../base/errors.js';
+import { pairSettingsOf } from '../protocol/pair.js';
+import { connectionHeader } from '../runtime/drain.js';
+import { deferred, onClientGone, sendError, type Deferred } from '../worker/http.js';
+import { systemClock, type Clock } from '../base/clock.js';
+import { createLogger, type Logger } from '../base/log.js';
+import { sweepStaleStateFiles } from '../runtime/statefiles.js';
+import { hold, holdsEnabled } from '../runtime/testhooks.js';
+import { TraceTags } from '../protocol/trace-tags.js';
+import { roomsByState, WorkerMetrics } from '../runtime/metrics.js';
+import { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import { openPrefixStore } from '../runtime/prefix-store.js';
 import { samplingFromWire } from '../api/requests.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { kvTransportOf } from '../kv/transport.js';
-import { loadInternalTls } from '../common/tls.js';
+import { loadInternalTls } from '../runtime/tls.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders, type ParsedState } from '../engine/ggsq.js';
 import { StateReceiver, type ReceivedState, type StreamEnd } from '../kv/transfer/receiver.js';
@@ -48,9 +48,9 @@ import { localPrefill, planLocal, type DecodeStart, type LocalPlan } from './loc
 import { DecodeSseWriter } from './sse-out.js';
 import { KnownPrefills } from './known-prefills.js';
 import { Counter } from 'prom-client';
-import { KvEventLog } from '../common/kv-events.js';
-import { serveWorkerEdge, type WorkerEdge } from '../api/worker-shell.js';
-import { SequenceKvTracker } from '../api/kv-tracker.js';
+import { KvEventLog } from '../protocol/kv-events.js';
+import { serveWorkerEdge, type WorkerEdge } from '../worker/shell.js';
+import { SequenceKvTracker } from '../worker/kv-tracker.js';
 
 /** The shell's own per-request state: what the driver does not need (I/O handles, timings). */
 interface Job {
@@ -109,7 +109,7 @@ export class DecodeWorker {
   private readonly kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   /** Destination files of the streaming receivers, recycled after their load (tmpfs pages stay allocated). */
   private readonly recvFiles: FilePool;
-  /** The shared HTTP edge (../api/worker-shell.ts): app, watchdog, sweeper. */
+  /** The shared HTTP edge (../worker/shell.ts): app, watchdog, sweeper. */
   private edge?: WorkerEdge;
   /** The same-host handoff (kv_file): per-connection probe, taking handed files over. */
   readonly sameHost: SameHostDecode;

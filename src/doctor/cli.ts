@@ -14,13 +14,13 @@
  * HTTPS CA) and `--internal-tls-cert/-key/-ca` (https:// workers that ask for a client certificate).
  */
 import { Command, InvalidArgumentError } from 'commander';
-import { diagnose, type Diagnosis } from './diagnose.js';
-import { gather, routerSource, type ClusterSnapshot, type WorkerSource } from './gather.js';
+import { diagnose, type Diagnosis } from '../observe/diagnose.js';
+import { gather, routerSource, type ClusterSnapshot, type WorkerSource } from '../observe/gather.js';
 import { renderRequestReport, requestReport } from './request.js';
 import { readFileSync } from 'node:fs';
 import { Agent, type Dispatcher } from 'undici';
-import { withCredentials } from '../common/http-auth.js';
-import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../common/tls.js';
+import { withCredentials } from '../runtime/http-auth.js';
+import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 
 export interface DoctorOptions {
   url?: string;
@@ -49,7 +49,7 @@ const ROUND_MS = 9000;
 export async function sourceOf(o: Pick<DoctorOptions, 'url' | 'discovery'>): Promise<WorkerSource | string> {
   if (o.url !== undefined && !/^https?:\/\//i.test(o.url)) return `--url ${o.url} has no scheme: give http://${o.url} (or https://)`;
   if (o.discovery) {
-    const { parseDiscoveryUrl } = await import('../common/discovery.js');
+    const { parseDiscoveryUrl } = await import('../runtime/discovery.js');
     try {
       parseDiscoveryUrl(o.discovery);
     } catch (err) {
@@ -77,7 +77,7 @@ export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
 }
 
 /**
- * The dispatcher of the doctor's GETs (../common/http-auth.ts): the admin key on the router's
+ * The dispatcher of the doctor's GETs (../runtime/http-auth.ts): the admin key on the router's
  * requests, and the workers' requests signed with the cluster secret (PDSERVE_CLUSTER_SECRET).
  */
 function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher | undefined {

@@ -1,13 +1,13 @@
 /**
  * `pdserve doctor --discovery etcd://HOST:PORT[,…]`: the worker list from etcd membership (the
- * records workers publish under `pdserve/v1/workers/`, see ../common/discovery.ts), read once per
+ * records workers publish under `pdserve/v1/workers/`, see ../runtime/discovery.ts), read once per
  * round with the router's own `listMembers`. With `--url` as well, the router is probed too and
  * its GET /workers rows are joined by URL; workers only one side knows are flagged
  * (`membership: 'etcd_only' | 'router_only'`) for the diagnosis.
  */
-import { etcdClient } from '../common/discovery.js';
+import { etcdClient } from '../runtime/discovery.js';
 import { listMembers } from '../router/discovery/etcd.js';
-import type { WorkerRef, WorkerSource } from './gather.js';
+import type { WorkerRef, WorkerSource } from '../observe/gather.js';
 
 /** A WorkerSource reading etcd membership (and the router's rows when `routerUrl` is given). */
 export function discoverySource(uri: string, routerUrl: string | null): WorkerSource {

@@ -8,10 +8,10 @@
  * duration is the time to the next event of the same process.
  */
 import type { Dispatcher } from 'undici';
-import { fetchText, type DebugRooms, type RoomInfo } from './gather.js';
-import { systemClock } from '../common/clock.js';
-import { fmtMs } from './diagnose.js';
-import type { RequestTrace } from '../router/trace.js';
+import { fetchText, type DebugRooms, type RoomInfo } from '../observe/gather.js';
+import { systemClock } from '../base/clock.js';
+import { fmtMs } from '../observe/diagnose.js';
+import type { RequestTrace } from '../protocol/trace.js';
 
 export interface TimelineRow {
   at: number;

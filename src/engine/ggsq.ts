@@ -26,7 +26,7 @@
  * Not supported (rejected as BAD_STATE): models whose cells carry the extra "ext" record (M-RoPE,
  * PLE) or whose layers lack a V tensor; neither occurs for the llama architecture.
  */
-import { PdError } from '../common/errors.js';
+import { PdError } from '../base/errors.js';
 
 export const GGSQ_MAGIC = 0x67677371;
 export const GGSQ_VERSION = 3;

@@ -12,7 +12,7 @@
  * `general.alignment` (32).
  */
 import { createHash } from 'node:crypto';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { createReadStream, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';

@@ -128,7 +128,7 @@ export function gpuHealthOf(g: GpuInfo): { backend: string | null; devices: stri
 /**
  * A worker's GPU offload as the router's GET /workers and the doctor show it (`gpu`,
  * `gpu_devices`, `gpu_layers`), parsed back from the /health `gpu` object (`gpuHealthOf`).
- * Display only: pairing never looks at it (common/pair.ts).
+ * Display only: pairing never looks at it (protocol/pair.ts).
  */
 /** The GET /workers fields of one worker; nulls when the worker does not report them. */
 export interface WorkerGpu {

@@ -8,7 +8,7 @@
  * generate run therefore does exactly what prefill → generate on one slot does.
  */
 import { randomUUID } from 'node:crypto';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { closeSync, existsSync, fstatSync, ftruncateSync, openSync, promises as fsp, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -26,7 +26,7 @@ import {
   type Token,
   type CustomBatchingPrioritizationStrategy,
 } from 'node-llama-cpp';
-import { PdError } from '../common/errors.js';
+import { PdError } from '../base/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';

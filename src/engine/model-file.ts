@@ -5,7 +5,7 @@
  * whole file: a damaged GGUF is still llama.cpp's to refuse.
  */
 import { closeSync, openSync, readSync, statSync } from 'node:fs';
-import { PdError } from '../common/errors.js';
+import { PdError } from '../base/errors.js';
 
 /** The first bytes of every GGUF file (its magic, "GGUF"). */
 const GGUF_MAGIC = Buffer.from('GGUF', 'latin1');

@@ -3,7 +3,7 @@
  * in-sequence cache (prefix-cache.ts). Finished sequences' states (prompt + reply) that the
  * first tier evicts are kept as files keyed by their token prefix; a prompt that starts with a stored prefix loads that state
  * into its sequence and evaluates only the rest. The engine only sees `PrefixStore`; the file
- * store that every worker process on a host shares is common/prefix-store.ts.
+ * store that every worker process on a host shares is runtime/prefix-store.ts.
  *
  * Keys: a hash chain over fixed-size token blocks, as vLLM's automatic prefix caching hashes
  * its KV blocks (hash(parent, block tokens, extras)); the chain starts from the store namespace
@@ -121,7 +121,7 @@ export interface KvCacheEvent {
   bytes: number;
 }
 
-/** The second tier as the engine uses it (common/prefix-store.ts implements it over files). */
+/** The second tier as the engine uses it (runtime/prefix-store.ts implements it over files). */
 export interface PrefixStore {
   /** Called once by loadEngine with the loaded engine's identity; before it the store finds nothing. */
   bind(id: StoreIdentity): void;

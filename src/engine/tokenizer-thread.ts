@@ -17,7 +17,7 @@
  * of 'Napi::Error'", reproduced; 30 cycles clean with the dispose).
  */
 import { Worker } from 'node:worker_threads';
-import { PdError } from '../common/errors.js';
+import { PdError } from '../base/errors.js';
 import type { ChatMessage, ToolFunction } from './types.js';
 
 /** One request to the thread; `stop` asks it to answer `{stopped: true}` once idle. */

@@ -26,7 +26,7 @@
  */
 import type net from 'node:net';
 import { DEFAULT_HEARTBEAT_MS, errText, newKvStats, noop, NOOP_LOG, PeerConn, type KvHandlers, type KvLog, type KvStats, type Owner, type Settings } from './connection.js';
-import { systemClock, type Clock } from '../common/clock.js';
+import { systemClock, type Clock } from '../base/clock.js';
 import type { PairSettings } from './messages.js';
 import { KvError } from './types.js';
 import { tcpTransport, type KvTransport } from './transport.js';

@@ -11,7 +11,7 @@
 import type net from 'node:net';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from './frame.js';
 import { Handshake } from './handshake.js';
-import type { Clock } from '../common/clock.js';
+import type { Clock } from '../base/clock.js';
 import { Heartbeat } from './heartbeat.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type PeerMsg } from './messages.js';
 import { KvError, type RoomId } from './types.js';

@@ -12,7 +12,7 @@
  */
 import { z } from 'zod';
 import { FRAME_CHUNK, FRAME_CONTROL, MAX_CHUNK_BYTES, MAX_CONTROL_BYTES, type ControlMsg } from './messages.js';
-import { isRoomId, parseRoomId, type RoomId } from '../common/room-id.js';
+import { isRoomId, parseRoomId, type RoomId } from '../base/room-id.js';
 import { KvError } from './types.js';
 
 /** Bytes of the frame header: u32 length + u8 type. */

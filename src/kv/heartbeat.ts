@@ -10,7 +10,7 @@
  * the peer for that would fail every room on a healthy connection, so the budget restarts
  * instead (`{k:'stalled'}`); a really dead peer is still found one budget later.
  */
-import { systemClock, type Clock } from '../common/clock.js';
+import { systemClock, type Clock } from '../base/clock.js';
 
 /** Heartbeat intervals of silence after which a peer is lost. */
 export const HEARTBEAT_MISS_BUDGET = 2;

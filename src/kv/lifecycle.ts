@@ -2,7 +2,7 @@
  * The room lifecycle core: a sans-IO state machine for the KV rooms of ONE worker role.
  *
  * `(rooms, event, now) → effects`. No timers, no sockets, no `Date.now()`: time is passed in
- * (ms; monotonic in the workers (src/common/clock.ts), virtual in the simulator), and every side effect is returned as
+ * (ms; monotonic in the workers (src/base/clock.ts), virtual in the simulator), and every side effect is returned as
  * an `Effect` for the driver to perform in order. The workers (src/prefill, src/decode) and the
  * deterministic simulator (src/sim) drive this same code.
  *
@@ -38,7 +38,7 @@
  * as `{t:'late'}`, counted apart. `illegal` is kept for real protocol violations (an event out of
  * order on a live room, a double-acquire on Success), so an alert on it fires only on bugs.
  */
-import { failure, failureText, type RoomFailure } from '../common/errors.js';
+import { failure, failureText, type RoomFailure } from '../base/errors.js';
 import {
   KVPoll,
   KvError,
@@ -146,7 +146,7 @@ export interface RoomView {
   total_bytes: number | null;
   /** "code: detail" of the room's failure. */
   fail_reason: string | null;
-  /** Stable error code of the room's failure (common/errors.ts). */
+  /** Stable error code of the room's failure (base/errors.ts). */
   fail_code: string | null;
   timeline: { at: number; state: StateName; phase: Phase; why: string }[];
 }
@@ -187,7 +187,7 @@ const FAILURE_CAUSES = new Set(['abort', 'fail', 'peer_lost', 'deadline', 'tombs
 /**
  * The failure a cause leaves in `room.failure` (and in `terminal`/`notify_peer`): the event's own
  * `{code, detail}`, verbatim; `room_deadline_expired` with detail `deadline:<phase>` for the
- * watchdog. Codes come from the one table in common/errors.ts; nobody parses the detail.
+ * watchdog. Codes come from the one table in base/errors.ts; nobody parses the detail.
  */
 function failureOf(c: Cause, phase: Phase): RoomFailure {
   switch (c.t) {

@@ -6,7 +6,7 @@
  *   type 1 = control: body is UTF-8 JSON of a ControlMsg, at most MAX_CONTROL_BYTES.
  *   type 2 = KV chunk: body is u64 BE room id | u64 BE offset | data, data at most MAX_CHUNK_BYTES.
  *   Room ids travel as u64 in chunk frames, so every room id in the KV layer must be the canonical
- *   decimal form of a u64 (no leading zeros; the branded RoomId of common/room-id.ts).
+ *   decimal form of a u64 (no leading zeros; the branded RoomId of base/room-id.ts).
  * Handshake (before anything else; any other frame first closes the connection):
  *   prefill → hello {nonce, epoch, settings}; decode → auth {nonce, epoch, mac, settings};
  *   prefill → auth_ok {mac} (or auth_fail {reason, code} and close, so decode can tell a refused
@@ -21,8 +21,8 @@
  *   any received byte counts as liveness; a peer silent for 2 intervals is lost.
  */
 
-import { isErrorCode, type RoomFailure } from '../common/errors.js';
-import type { RoomId } from '../common/room-id.js';
+import { isErrorCode, type RoomFailure } from '../base/errors.js';
+import type { RoomId } from '../base/room-id.js';
 
 export const FRAME_CONTROL = 1;
 export const FRAME_CHUNK = 2;

@@ -3,8 +3,8 @@
  * lifecycle events and effects. The lifecycle core (lifecycle.ts) is sans-IO: it maps
  * (rooms, event, now) → effects; workers and the simulator turn effects into I/O.
  */
-import { PdError, type RoomFailure } from '../common/errors.js';
-import type { RoomId } from '../common/room-id.js';
+import { PdError, type RoomFailure } from '../base/errors.js';
+import type { RoomId } from '../base/room-id.js';
 
 /** Room status, numbered as SGLang's `KVPoll`. Failed and Success are terminal. */
 export enum KVPoll {
@@ -19,9 +19,9 @@ export const isTerminal = (s: KVPoll): boolean => s === KVPoll.Failed || s === K
 
 export type Role = 'prefill' | 'decode';
 
-/** Bootstrap room id: the one branded type (a canonical decimal u64; see common/room-id.ts). */
-export type { RoomId } from '../common/room-id.js';
-export type { RoomFailure } from '../common/errors.js';
+/** Bootstrap room id: the one branded type (a canonical decimal u64; see base/room-id.ts). */
+export type { RoomId } from '../base/room-id.js';
+export type { RoomFailure } from '../base/errors.js';
 
 /**
  * Finer position of a room inside its KVPoll state; each phase has its own deadline.
@@ -148,7 +148,7 @@ export type Effect =
   /** A deadline expired (counted as pdserve_room_deadline_expired_total{role,state}). */
   | { t: 'expired'; room: RoomId; state: KVPoll; phase: Phase; timeline: TimelineEntry[] };
 
-/** The KV layer's errors (a PdError, see common/errors.ts): a stable code, mapped to HTTP there. */
+/** The KV layer's errors (a PdError, see base/errors.ts): a stable code, mapped to HTTP there. */
 export class KvError extends PdError {
   constructor(
     public override readonly code: 'DUPLICATE_ROOM' | 'ROOM_FAILED' | 'UNKNOWN_ROOM' | 'BAD_ENVELOPE' | 'BAD_STATE' | 'PEER_LOST' | 'AUTH_FAILED' | 'SETTINGS_MISMATCH' | 'BAD_FRAME' | 'TIMEOUT' | 'ABORTED',

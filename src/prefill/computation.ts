@@ -18,10 +18,10 @@
  */
 import type { FastifyReply } from 'fastify';
 import client from 'prom-client';
-import type { GenerateEvent, PrefillResponse } from '../api/worker-protocol.js';
+import type { GenerateEvent, PrefillResponse } from '../protocol/worker-protocol.js';
 import { SseWriter } from '../api/sse.js';
-import { toApiError } from '../common/errors.js';
-import type { RoomId } from '../common/room-id.js';
+import { toApiError } from '../base/errors.js';
+import type { RoomId } from '../base/room-id.js';
 import type { SamplingParams } from '../engine/types.js';
 
 /** The shell's record of one computation (by its lead room), from the request to its state's release. */

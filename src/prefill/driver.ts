@@ -25,8 +25,8 @@
  * lead). A request with one room is a computation of one room: the behaviour of a single request
  * is unchanged.
  */
-import { ApiError, failure, type RoomFailure } from '../common/errors.js';
-import type { RoomId } from '../common/room-id.js';
+import { ApiError, failure, type RoomFailure } from '../base/errors.js';
+import type { RoomId } from '../base/room-id.js';
 import { RoomTable } from '../kv/lifecycle.js';
 import type { KvPath } from '../kv/transfer/same-host.js';
 import { failureFromWire, type ControlMsg, type RoomMsg } from '../kv/messages.js';

@@ -14,10 +14,10 @@
  * HTTP status, exactly as without the flag.
  */
 import type { FastifyReply } from 'fastify';
-import { tokenEvent, type GenerateEvent, type PrefillResponse, type PrefillStreamEnd } from '../api/worker-protocol.js';
+import { tokenEvent, type GenerateEvent, type PrefillResponse, type PrefillStreamEnd } from '../protocol/worker-protocol.js';
 import { SseWriter } from '../api/sse.js';
-import { toApiError } from '../common/errors.js';
-import { sendError } from '../api/worker-http.js';
+import { toApiError } from '../base/errors.js';
+import { sendError } from '../worker/http.js';
 import type { GeneratedToken, FinishReason } from '../engine/types.js';
 
 const NO_FIRST = Symbol('no first token');

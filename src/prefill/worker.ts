@@ -13,28 +13,28 @@ import { linkSync, renameSync, rmSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { FastifyInstance } from 'fastify';
-import { zodToApiError } from '../api/openai.js';
-import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../api/worker-protocol.js';
-import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../common/config.js';
-import { PrefixCacheMetrics } from '../common/prefix-metrics.js';
-import { openPrefixStore } from '../common/prefix-store.js';
-import { KvEventLog } from '../common/kv-events.js';
-import { serveWorkerEdge, type WorkerEdge } from '../api/worker-shell.js';
-import { SequenceKvTracker } from '../api/kv-tracker.js';
-import { ApiError, errorCodeOf, failure, toApiError } from '../common/errors.js';
-import { pairSettingsOf } from '../common/pair.js';
-import { deferred, onClientGone, sendError, type Deferred } from '../api/worker-http.js';
-import { systemClock, type Clock } from '../common/clock.js';
-import { createLogger, type Logger } from '../common/log.js';
-import { hold } from '../common/testhooks.js';
-import { TraceTags } from '../common/trace-tags.js';
-import { roomsByState, WorkerMetrics } from '../common/metrics.js';
+import { zodToApiError } from '../api/errors.js';
+import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateEvent, type GenerateRequest, type PrefillResponse } from '../protocol/worker-protocol.js';
+import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../runtime/config.js';
+import { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import { openPrefixStore } from '../runtime/prefix-store.js';
+import { KvEventLog } from '../protocol/kv-events.js';
+import { serveWorkerEdge, type WorkerEdge } from '../worker/shell.js';
+import { SequenceKvTracker } from '../worker/kv-tracker.js';
+import { ApiError, errorCodeOf, failure, toApiError } from '../base/errors.js';
+import { pairSettingsOf } from '../protocol/pair.js';
+import { deferred, onClientGone, sendError, type Deferred } from '../worker/http.js';
+import { systemClock, type Clock } from '../base/clock.js';
+import { createLogger, type Logger } from '../base/log.js';
+import { hold } from '../runtime/testhooks.js';
+import { TraceTags } from '../protocol/trace-tags.js';
+import { roomsByState, WorkerMetrics } from '../runtime/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import { newEpoch } from '../kv/auth.js';
 import { KvServer, type PeerConn } from '../kv/channel.js';
 import { kvTransportOf } from '../kv/transport.js';
-import { loadInternalTls } from '../common/tls.js';
+import { loadInternalTls } from '../runtime/tls.js';
 import { encodeEnvelopeHead, prepareEnvelopeHead } from '../kv/envelope.js';
 import { BufferPool, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes, type StreamedSend } from '../kv/transfer/sender.js';
@@ -104,7 +104,7 @@ export class PrefillWorker {
   private readonly streamPeers = new Set<string>();
   /** The last saved state: prompt tokens and payload bytes (a streamed kv_begin's size estimate). */
   private lastSave: { nTokens: number; payloadBytes: number } | undefined;
-  /** The shared HTTP edge (../api/worker-shell.ts): app, watchdog, sweeper. */
+  /** The shared HTTP edge (../worker/shell.ts): app, watchdog, sweeper. */
   private edge?: WorkerEdge;
   /** The same-host handoff (kv_file): probe answers and which decode connections may use it. */
   readonly sameHost: SameHostPrefill;

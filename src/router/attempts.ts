@@ -32,11 +32,12 @@
  * `attempt_failed` event of the request's trace.
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import type { Logger } from 'pino';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { ApiError, sendApiError, type ParsedRequest } from '../api/openai.js';
-import { isErrorCode } from '../common/errors.js';
+import { ApiError, sendApiError } from '../api/errors.js';
+import { type ParsedRequest } from '../api/parse.js';
+import { isErrorCode } from '../base/errors.js';
 import type { ChoiceGroup } from './choices.js';
 import { ClientReply, PdRequest, type DispatchContext } from './dispatch.js';
 import { errorOutcome, type Outcome } from './metrics.js';

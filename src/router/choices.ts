@@ -22,12 +22,12 @@
  * refuses the request answers every member with its status and body. After the send, a member
  * leaving only stops reading its part; the prefill request is aborted when every member left.
  */
-import type { ErrorCode } from '../common/errors.js';
+import type { ErrorCode } from '../base/errors.js';
 import { randomBytes } from 'node:crypto';
 import { request, type Dispatcher } from 'undici';
 import type { SubRequest } from '../api/fanout.js';
 import { readSse } from '../api/sse.js';
-import type { RoomId } from '../common/room-id.js';
+import type { RoomId } from '../base/room-id.js';
 import { readText, type WorkerState } from './registry.js';
 
 /** Header naming a sub-request's group and choice index (`<group id>.<index>`). */

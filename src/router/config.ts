@@ -34,8 +34,8 @@
  */
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
-import { InternalTlsSchema } from '../common/config.js';
-import { PdError } from '../common/errors.js';
+import { InternalTlsSchema } from '../runtime/config.js';
+import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
@@ -74,7 +74,7 @@ export const RouterConfigSchema = z
     decode: z
       .array(z.object({ url: WorkerUrl }).strict())
       .default([]),
-    /** `etcd://HOST:PORT[,…]`: workers also come from etcd membership (../common/discovery.ts). */
+    /** `etcd://HOST:PORT[,…]`: workers also come from etcd membership (../runtime/discovery.ts). */
     discovery: z.string().min(1).optional(),
     healthIntervalMs: z.number().int().min(20).default(2000),
     healthTimeoutMs: z.number().int().min(10).default(1000),
@@ -112,11 +112,11 @@ export const RouterConfigSchema = z
       .object({ maxCount: z.number().int().min(0), maxBytes: z.number().int().min(0), maxAgeMs: z.number().int().min(0) })
       .strict()
       .default(DEFAULT_RESPONSE_STORE_LIMITS),
-    /** The cluster secret: every request to a worker is signed with it (../common/request-auth.ts). Never logged. */
+    /** The cluster secret: every request to a worker is signed with it (../runtime/request-auth.ts). Never logged. */
     clusterSecret: z.string().min(8, 'cluster secret must be at least 8 characters').optional(),
-    /** HTTPS for clients: PEM certificate and key files (../common/tls.ts). */
+    /** HTTPS for clients: PEM certificate and key files (../runtime/tls.ts). */
     tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
-    /** TLS to the workers (../common/tls.ts `InternalTlsFiles`): the CA of https:// workers, the client certificate they ask for. */
+    /** TLS to the workers (../runtime/tls.ts `InternalTlsFiles`): the CA of https:// workers, the client certificate they ask for. */
     internalTls: InternalTlsSchema,
     /** Admission at the edge (../api/admission.ts): concurrency cap, queue, per-key limits. */
     admission: AdmissionSchema,

@@ -1,6 +1,6 @@
 /**
  * The dashboard's prefix-store card: what the cache tiers of the whole cluster hold and do, from
- * the workers' /metrics (as the dashboard gathers them, ../doctor/gather.ts) and the router's
+ * the workers' /metrics (as the dashboard gathers them, ../observe/gather.ts) and the router's
  * KV-event figures (./kv-events.ts `kvEventSummary`).
  *
  *   store       bytes, files and budget of the host prefix store. Every worker process on a host
@@ -11,7 +11,7 @@
  *   events      KV events the workers published (summed) and the router consumed, its gaps,
  *               and the entries it holds now.
  */
-import type { Sample } from '../doctor/gather.js';
+import type { Sample } from '../observe/gather.js';
 
 /** One worker's metrics as gathered (null: not reachable). */
 export interface WorkerMetricsView {

@@ -6,10 +6,10 @@
  * `buckets × maxSamples` numbers. Buckets follow the monotonic clock, so a wall-clock step
  * neither empties the window nor piles requests into one bucket; only the labels are wall time.
  */
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 
 interface Bucket {
-  /** Bucket start, monotonic ms (src/common/clock.ts). */
+  /** Bucket start, monotonic ms (src/base/clock.ts). */
   t: number;
   ok: number;
   /** Answered with a client error (HTTP 4xx): counted apart from failures. */

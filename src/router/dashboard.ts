@@ -13,18 +13,18 @@
  *   GET /debug/traces/:id       one trace by trace id or rid (404 when unknown)
  *
  * /dashboard/data gathers the workers' /health, /metrics and /debug/rooms with the doctor's code
- * (src/doctor/gather.ts, 1.5 s deadline per GET) at most once a second, however many pages poll.
+ * (src/observe/gather.ts, 1.5 s deadline per GET) at most once a second, however many pages poll.
  */
 import { readFile } from 'node:fs/promises';
 import { kvEventSummary } from './kv-events.js';
 import { prefixStoreCard } from './dashboard-prefix.js';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { createRequire } from 'node:module';
 import type { FastifyInstance } from 'fastify';
 import type { Dispatcher } from 'undici';
-import { ApiError } from '../api/openai.js';
-import { diagnose, failureLabel } from '../doctor/diagnose.js';
-import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../doctor/gather.js';
+import { ApiError } from '../api/errors.js';
+import { diagnose, failureLabel } from '../observe/diagnose.js';
+import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../observe/gather.js';
 import { gpuFromHealth } from '../engine/gpu.js';
 import type { DashboardSeries } from './dashboard-series.js';
 import type { RouterMetrics } from './metrics.js';

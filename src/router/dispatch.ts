@@ -43,20 +43,22 @@
  * `ClientReply` (response builder, SSE stream, tokens sent, deadline). The workers' rid of attempt
  * n > 1 is `<rid>-a<n>`; the response id stays `<rid>`.
  */
-import { redactedForClient } from '../common/redact.js';
-import { DRAINING_CODE } from '../common/drain.js';
-import { systemClock } from '../common/clock.js';
-import { hold, holdsEnabled } from '../common/testhooks.js';
-import { newRoomId, type RoomId } from '../common/room-id.js';
+import { redactedForClient } from '../base/redact.js';
+import { DRAINING_CODE } from '../runtime/drain.js';
+import { systemClock } from '../base/clock.js';
+import { hold, holdsEnabled } from '../runtime/testhooks.js';
+import { newRoomId, type RoomId } from '../base/room-id.js';
 import { performance } from 'node:perf_hooks';
 import { Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { FastifyReply } from 'fastify';
 import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
-import { ApiError, OpenAIResponseBuilder, responseToolSyntax, sendApiError, SSE_DONE, toWorkerRequest, type ParsedRequest } from '../api/openai.js';
+import { ApiError, sendApiError } from '../api/errors.js';
+import { responseToolSyntax, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
+import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
 import { readSse, SseParser, SseWriter } from '../api/sse.js';
-import type { GenerateEvent } from '../api/worker-protocol.js';
+import type { GenerateEvent } from '../protocol/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import { errorOutcome, type Outcome, type RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
@@ -74,7 +76,7 @@ const PREFILL_SSE_HEADERS = { ...JSON_HEADERS, accept: 'text/event-stream' } as 
 /** Ends prefill's stream after an error event (the leg has already failed): not an error of its own. */
 const STOP_PREFILL_STREAM = new Error('prefill stream stopped after its error event');
 
-/** Random 63-bit bootstrap room id (the one generator, common/room-id.ts; bytes from ./random-pool.ts). */
+/** Random 63-bit bootstrap room id (the one generator, base/room-id.ts; bytes from ./random-pool.ts). */
 export const randomRoom = (): RoomId => newRoomId(randomU64);
 
 /** Request id: `cmpl-<24 hex>` or `chatcmpl-<24 hex>`. */

@@ -13,7 +13,7 @@
  *   POST /tokenize, POST /detokenize — vLLM's shapes, forwarded to a healthy prefill worker
  * CORS for `config.corsOrigin`; a wrong method on a known path is a 405 with `Allow`.
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
- *                      ({status:'draining'} while draining: see ../common/drain.ts)
+ *                      ({status:'draining'} while draining: see ../runtime/drain.ts)
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total, blocked_pairs}
  *                      (blocked_pairs: pairs out of the rotation after a failed KV handshake, ./pair-blocks.ts)
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
@@ -22,19 +22,20 @@
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
-import { registerHoldRoute } from '../common/testhooks.js';
-import { systemClock } from '../common/clock.js';
-import { DrainGate } from '../common/drain.js';
+import { registerHoldRoute } from '../runtime/testhooks.js';
+import { systemClock } from '../base/clock.js';
+import { DrainGate } from '../runtime/drain.js';
 import { performance } from 'node:perf_hooks';
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { registerAccess, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
-import { withCredentials } from '../common/http-auth.js';
-import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../common/tls.js';
+import { withCredentials } from '../runtime/http-auth.js';
+import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../runtime/tls.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
-import { ApiError, checkModelName, openAIClientErrorHandler, parseChatRequest, parseCompletionRequest, registerOpenAIErrorHandling, type ParsedRequest } from '../api/openai.js';
+import { ApiError, checkModelName, openAIClientErrorHandler, registerOpenAIErrorHandling } from '../api/errors.js';
+import { parseChatRequest, parseCompletionRequest, type ParsedRequest } from '../api/parse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
@@ -110,7 +111,7 @@ function makeLogger(config: RouterConfig): Logger {
 export async function createRouter(raw: RouterConfigInput | RouterConfig): Promise<Router> {
   const config = parseRouterConfig(raw);
   const log = makeLogger(config);
-  // Every router → worker request is signed with the cluster secret (../common/http-auth.ts).
+  // Every router → worker request is signed with the cluster secret (../runtime/http-auth.ts).
   const credentials = config.clusterSecret ? { sign: { secret: config.clusterSecret } } : {};
   // --internal-tls-*: https:// workers are verified with the CA and shown the client certificate.
   const internalTls = loadInternalTls(config.internalTls);
@@ -174,7 +175,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   let closing = false;
 
   const app = Fastify({
-    // --tls-cert/--tls-key: HTTPS for clients (../common/tls.ts).
+    // --tls-cert/--tls-key: HTTPS for clients (../runtime/tls.ts).
     ...(config.tls ? { https: tlsServerOptions(config.tls) } : {}),
     loggerInstance: log,
     bodyLimit: config.bodyLimit,

@@ -1,5 +1,5 @@
 /**
- * The router's side of KV events (../common/kv-events.ts): one long poll per worker,
+ * The router's side of KV events (../protocol/kv-events.ts): one long poll per worker,
  * `GET /kv_events?epoch=E&after=N&wait_ms=W`, over the worker HTTP channel the health probes use
  * (no new port, no broker; an answer comes as soon as the worker has an event, so a claim is at
  * most one round trip old). Chosen over piggy-backing on the health poll because that one runs
@@ -18,7 +18,7 @@
  */
 import { Counter, Gauge, type Registry } from 'prom-client';
 import { Agent, request, type Dispatcher } from 'undici';
-import type { KvEventsReply, HeldEntry } from '../common/kv-events.js';
+import type { KvEventsReply, HeldEntry } from '../protocol/kv-events.js';
 import type { WorkerState } from './registry.js';
 
 /** Long-poll wait asked of a worker, ms. */
@@ -33,7 +33,7 @@ const MAX_REPLY_BYTES = 16 << 20;
 /**
  * How long a conversation the router just finished on a worker counts as "not known yet" rather
  * than "not held" while the worker's events say nothing of it, ms: decode's tracker decides
- * within its 2 s wait for a released sequence (../api/kv-tracker.ts), plus a poll round trip.
+ * within its 2 s wait for a released sequence (../worker/kv-tracker.ts), plus a poll round trip.
  */
 export const PENDING_CLAIM_MS = 3000;
 /** Most pending claims kept per worker (the oldest dropped beyond). */
@@ -107,7 +107,7 @@ export class KvEventConsumer {
 
   /**
    * @param wrap composes the router's credentials onto the consumer's pool (worker requests are
-   *   signed: ../common/http-auth.ts `withCredentials`).
+   *   signed: ../runtime/http-auth.ts `withCredentials`).
    * @param tls node:tls client options of its connections (the CA and client certificate of https:// workers).
    */
   constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b, tls: object = {}) {

@@ -8,7 +8,7 @@
  * A decode whose every pair is blocked (the wrong secret) has left the rotation.
  * Times are systemClock.nowMs() ms; at most MAX_PAIRS entries (the oldest dropped).
  */
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 
 /** Failure codes of a pair's KV handshake: the pair, not the request, is at fault. */
 export const PAIR_FAILURE_CODES: ReadonlySet<string> = new Set(['peer_unreachable', 'settings_mismatch']);

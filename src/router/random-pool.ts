@@ -36,7 +36,7 @@ export function randomHex(n: number): string {
   return pool.toString('hex', at, at + n);
 }
 
-/** 64 random bits (the `u64` source of common/room-id.ts newRoomId). */
+/** 64 random bits (the `u64` source of base/room-id.ts newRoomId). */
 export function randomU64(): bigint {
   return pool.readBigUInt64BE(take(8));
 }

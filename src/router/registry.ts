@@ -10,52 +10,22 @@
  * - Load: the router's own count of in-flight requests per worker. `acquire()` returns a
  *   `Lease` whose `release()` decrements exactly once (later calls are no-ops returning false).
  * - Draining: a worker whose /health says `status: 'draining'` (or that refused a request with
- *   the `draining` error, see ../common/drain.ts) is never picked again until it reports 'ok'.
+ *   the `draining` error, see ../runtime/drain.ts) is never picked again until it reports 'ok'.
  * - Membership: the pool starts from the configured workers; `upsert()` / `remove()` change it at
  *   run time (the etcd watcher in ./discovery/ calls them), and an upsert is probed at once.
  * - Selection: least-loaded healthy, non-draining worker of a role; ties broken round-robin.
  */
 import { request, type Dispatcher } from 'undici';
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import type { Logger } from 'pino';
 import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
-import { mismatchOf, settingsFromHealth } from './pairing.js';
+import { mismatchOf, settingsFromHealth } from './pair-settings.js';
 import { gpuFromHealth, UNKNOWN_GPU, type WorkerGpu } from '../engine/gpu.js';
 import { toolSyntaxFromHealth } from '../api/tool-calls.js';
 import type { ToolCallSyntax } from '../engine/types.js';
-
-export type WorkerRole = 'prefill' | 'decode';
-
-/** One worker as the router sees it. Mutated only by the registry. */
-export interface WorkerState {
-  readonly role: WorkerRole;
-  /** Origin, e.g. http://127.0.0.1:30000 — also the worker's id. */
-  readonly url: string;
-  /** Prefill only: the KV bootstrap address handed to decode. */
-  readonly bootstrapHost: string | null;
-  readonly bootstrapPort: number | null;
-  healthy: boolean;
-  /** A probe found it healthy at least once since it joined the pool: when unhealthy now, it is down or restarting, not misconfigured. */
-  servedOnce?: boolean;
-  /** Shutting down gracefully: finishes what it has, takes nothing new. */
-  draining: boolean;
-  model: string | null;
-  /** All names the worker serves (/health `served_model_names`; its `model` when absent). */
-  servedNames?: string[];
-  /** Prefill: the model's tool-call syntax (/health `tool_call_syntax`; null/absent = no tool calls). */
-  toolSyntax?: ToolCallSyntax | null;
-  /** In-flight requests routed to this worker by this router. */
-  load: number;
-  lastError: string | null;
-  /** Wall-clock ms of the last completed probe, shown as a date (0 = never); never a duration. */
-  lastCheckAt: number;
-  consecutiveFailures: number;
-  /** The settings the worker must share with its pair (from /health), null when not reported. */
-  settings: PairSettings | null;
-  /** GPU offload (from /health `gpu`; display only). */
-  gpu?: WorkerGpu;
-}
+import type { WorkerRole, WorkerState } from './worker-state.js';
+export type { WorkerRole, WorkerState };
 
 /** JSON row of GET /workers. */
 export interface WorkerSnapshot {

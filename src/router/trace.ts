@@ -14,8 +14,10 @@
  *
  * Ids follow the W3C Trace Context recommendation (traceparent = version-traceid-parentid-flags).
  */
-import { systemClock } from '../common/clock.js';
+import { systemClock } from '../base/clock.js';
 import { randomHex } from './random-pool.js';
+import type { TraceEvent, RequestTrace } from '../protocol/trace.js';
+export type { TraceEvent, RequestTrace };
 
 const TRACEPARENT = /^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$/;
 const REQUEST_ID = /^[A-Za-z0-9._:/-]{1,128}$/;
@@ -39,30 +41,6 @@ export function traceIdOf(headers: Record<string, string | string[] | undefined>
   const rid = one(headers['x-request-id']);
   if (rid && REQUEST_ID.test(rid)) return rid;
   return newTraceId();
-}
-
-/** One event of a request at the router. `at`: wall-clock ms since the epoch, a date (never a duration). */
-export interface TraceEvent {
-  at: number;
-  what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'attempt_failed' | 'finished';
-  [field: string]: unknown;
-}
-
-/** The router's record of one request (JSON of GET /debug/traces/:id). */
-export interface RequestTrace {
-  trace: string;
-  rid: string;
-  /** The room of the latest attempt. */
-  room: string | null;
-  /** Every attempt's room, in order (a retried or migrated request has several). */
-  rooms: string[];
-  /** The client's own id for the request (the body's `request_id`), when it sent one. */
-  label: string | null;
-  prefill: string | null;
-  decode: string | null;
-  events: TraceEvent[];
-  /** Set by the 'finished' event. */
-  outcome: string | null;
 }
 
 /** What the dispatch code reports about a request (DispatchContext.observe). */

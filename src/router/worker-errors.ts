@@ -13,7 +13,7 @@
  * | the connection: anything else (a timeout) | 502 `<role>_failed` |
  * | the router's write to ITS client failed (`SSE_CLOSED`, `SSE_WRITE_TIMEOUT`) | 499 `client_closed_request` (`clientGone`: not the worker's fault) |
  */
-import { ApiError, asErrorCode, type ErrorCode } from '../common/errors.js';
+import { ApiError, asErrorCode, type ErrorCode } from '../base/errors.js';
 import { SseError } from '../api/sse.js';
 import { describeError, isConnectionClosed, isUnreachable } from './registry.js';
 

@@ -9,7 +9,7 @@ import { World, type SimOptions, type SimResult, type TraceEntry, type Violation
 
 export { World, FAULT_PROFILES, SIM_TIMEOUTS } from './world.js';
 export type { SimOptions, SimResult, SimStats, TraceEntry, Violation, ViolationKind, FaultProfileName, NodeName } from './world.js';
-export { Prng } from './prng.js';
+export { Prng } from '../base/prng.js';
 
 /** Run one seed. Pure function of `opts` (deterministic). */
 export function runSim(opts: SimOptions): SimResult {

@@ -38,15 +38,15 @@
  * connection) not failed within two heartbeat intervals of silence (+ one check period + max
  * network delay); non-terminal rooms at the end.
  */
-import { failure, failureText } from '../common/errors.js';
-import { newRoomId } from '../common/room-id.js';
+import { failure, failureText } from '../base/errors.js';
+import { newRoomId } from '../base/room-id.js';
 import { RoomTable, stateName } from '../kv/lifecycle.js';
 import { KVPoll, isTerminal, type Effect, type Role, type RoomId, type RoomTimeouts } from '../kv/types.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { DecodeDriver, type DecodeAction } from '../decode/driver.js';
 import { PrefillDriver, type PrefillAction } from '../prefill/driver.js';
 import { EventHeap } from './heap.js';
-import { Prng } from './prng.js';
+import { Prng } from '../base/prng.js';
 
 export type NodeName = 'P' | 'D';
 

@@ -11,8 +11,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { runCli } from '../../src/cli/main.js';
-import { sendRequest, type BenchTarget, type PromptSpec } from '../../src/harness/bench.js';
-import type { Cluster } from '../../src/harness/cluster.js';
+import { sendRequest, type BenchTarget, type PromptSpec } from '../../src/bench/index.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { promptOf, startStack, tinyModel } from '../helpers/stack.js';
 
 let c: Cluster;

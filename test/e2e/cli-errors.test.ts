@@ -11,7 +11,7 @@ import { createServer, type Server } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
-import { BIN, freePort } from '../../src/harness/cluster.js';
+import { BIN, freePort } from '../../src/up/cluster.js';
 import { cli } from '../helpers/cli.js';
 import { tinyModel } from '../helpers/stack.js';
 

@@ -13,8 +13,8 @@ import { existsSync, mkdtempSync, readdirSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
-import type { Cluster } from '../../src/harness/cluster.js';
-import { systemClock } from '../../src/common/clock.js';
+import type { Cluster } from '../../src/up/cluster.js';
+import { systemClock } from '../../src/base/clock.js';
 import { busy, client, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
 /** libfaketime's multi-threaded build (Debian's `faketime` package), or null. */

@@ -21,7 +21,7 @@ import { KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
 import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
-import { freePort, type Cluster } from '../../src/harness/cluster.js';
+import { freePort, type Cluster } from '../../src/up/cluster.js';
 import { busy, client, CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 
 const BATCH = 128;

@@ -14,7 +14,7 @@ import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:f
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import type { Cluster } from '../../src/harness/cluster.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { getJson, startStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';
 import { assertTotalsAreCounters, checkMetrics, reportMissingPromtool } from '../helpers/promtool.js';

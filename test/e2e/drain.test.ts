@@ -12,7 +12,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
+import type { Cluster, ClusterProc } from '../../src/up/cluster.js';
 import { getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
 let c: Cluster;

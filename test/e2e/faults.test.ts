@@ -16,7 +16,7 @@ import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool } from '../../src/kv/channel.js';
 import { encodeControl } from '../../src/kv/frame.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
-import type { Cluster, ClusterProc } from '../../src/harness/cluster.js';
+import type { Cluster, ClusterProc } from '../../src/up/cluster.js';
 import { busy, getJson, promptOf, rawCompletion, startStack, waitFor } from '../helpers/stack.js';
 
 const HB = 250;

@@ -8,7 +8,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import type { Cluster } from '../../src/harness/cluster.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { busy, client, getJson, startStack, waitFor } from '../helpers/stack.js';
 
 let c: Cluster;

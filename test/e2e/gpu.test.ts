@@ -21,10 +21,10 @@ import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import { newRoomId } from '../../src/common/room-id.js';
-import { parsePrometheus, sumOf } from '../../src/doctor/gather.js';
+import { newRoomId } from '../../src/base/room-id.js';
+import { parsePrometheus, sumOf } from '../../src/observe/gather.js';
 import { writeLlamaGguf } from '../../src/engine/gguf-writer.js';
-import type { ClusterOptions, ClusterProc } from '../../src/harness/cluster.js';
+import type { ClusterOptions, ClusterProc } from '../../src/up/cluster.js';
 import { getJson, useStack, waitFor } from '../helpers/stack.js';
 
 const LAVAPIPE = '/usr/share/vulkan/icd.d/lvp_icd.x86_64.json';

@@ -8,7 +8,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import type { Cluster } from '../../src/harness/cluster.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { busy, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
 const REPS = Number(process.env.PDSERVE_LIFECYCLE_REPS ?? (process.env.PDSERVE_LONG_TESTS === '1' ? 50 : 25));

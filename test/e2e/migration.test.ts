@@ -10,14 +10,14 @@
  *  - decode killed mid-stream while the other decode holds the conversation: migrated decode-local;
  *  - a decode with the wrong cluster secret never enters the rotation, no request lost;
  *  - the migration limit reached: a clear error naming the last cause, nothing left held.
- * The kill points are reached with test holds (src/common/testhooks.ts: `decode.step` slows
+ * The kill points are reached with test holds (src/runtime/testhooks.ts: `decode.step` slows
  * generation, `decode.load` / `prefill.compute` / `prefill.send` stop a room in its phase), not
  * with timing. Each killed worker is started again before the next test.
  */
 import assert from 'node:assert/strict';
 import { spawn, type ChildProcess } from 'node:child_process';
 import { describe, test } from 'node:test';
-import { BIN, freePort, type ClusterProc } from '../../src/harness/cluster.js';
+import { BIN, freePort, type ClusterProc } from '../../src/up/cluster.js';
 import { client, CTX, getJson, promptOf, tinyModel, useStack, waitFor } from '../helpers/stack.js';
 
 const s = useStack({ prefill: 2, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--health-interval-ms', '200'] } });

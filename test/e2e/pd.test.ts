@@ -6,7 +6,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import type OpenAI from 'openai';
-import type { Cluster } from '../../src/harness/cluster.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { busy, client, CTX, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
 let c: Cluster;

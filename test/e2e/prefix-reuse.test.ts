@@ -10,8 +10,8 @@ import { after, before, describe, test } from 'node:test';
 import type OpenAI from 'openai';
 import { chatRound as round, type Msg } from '../helpers/chat.js';
 import { startColocated, type ColocatedServer } from '../../src/colocated/server.js';
-import { createLogger } from '../../src/common/log.js';
-import type { Cluster } from '../../src/harness/cluster.js';
+import { createLogger } from '../../src/base/log.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { client, CTX, getJson, startStack, tinyModel } from '../helpers/stack.js';
 
 const BATCH = 32;

@@ -12,7 +12,7 @@ import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { after, before, describe, test } from 'node:test';
 import type OpenAI from 'openai';
 import { startColocated, type ColocatedServer } from '../../src/colocated/server.js';
-import { createLogger } from '../../src/common/log.js';
+import { createLogger } from '../../src/base/log.js';
 import { chatRound as round, type Msg } from '../helpers/chat.js';
 import { checkMetrics } from '../helpers/promtool.js';
 import { client, CTX, tinyModel, useStack } from '../helpers/stack.js';

@@ -15,10 +15,10 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createServer, type Server } from 'node:http';
 import { describe, test } from 'node:test';
-import { BIN } from '../../src/harness/cluster.js';
-import { percentile, summarize } from '../../src/harness/stats.js';
-import type { StormReport } from '../../src/harness/storm.js';
-import { collectLeaks, RoomMonitor } from '../../src/harness/storm-monitor.js';
+import { BIN } from '../../src/up/cluster.js';
+import { percentile, summarize } from '../../src/observe/stats.js';
+import type { StormReport } from '../../src/storm/index.js';
+import { collectLeaks, RoomMonitor } from '../../src/storm/monitor.js';
 
 interface Run {
   code: number | null;

@@ -15,7 +15,7 @@ import { createServer } from 'node:net';
 import { dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'node:test';
-import { BIN, freePort } from '../../src/harness/cluster.js';
+import { BIN, freePort } from '../../src/up/cluster.js';
 import { rawCompletion, tinyModel, waitFor, type RawResult } from '../helpers/stack.js';
 
 const ok = (r: RawResult) => r.status === 200 && /data: \[DONE\]/.test(r.text) && !/"error"/.test(r.text);

@@ -14,12 +14,12 @@
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { after, before, describe, test } from 'node:test';
-import { newRoomId } from '../../src/common/room-id.js';
-import { freePort, type Cluster, type ClusterProc } from '../../src/harness/cluster.js';
+import { newRoomId } from '../../src/base/room-id.js';
+import { freePort, type Cluster, type ClusterProc } from '../../src/up/cluster.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer } from '../../src/kv/channel.js';
 import { kvTransportOf } from '../../src/kv/transport.js';
-import { loadInternalTls } from '../../src/common/tls.js';
+import { loadInternalTls } from '../../src/runtime/tls.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
 import { CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 

@@ -7,7 +7,7 @@ import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { freePort } from '../../src/harness/cluster.js';
+import { freePort } from '../../src/up/cluster.js';
 
 export function etcdBinary(): string | null {
   const r = spawnSync('sh', ['-c', 'command -v etcd'], { encoding: 'utf8' });

@@ -8,8 +8,8 @@ import { join } from 'node:path';
 import OpenAI from 'openai';
 import { after, before } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
-import { Cluster, type ClusterOptions } from '../../src/harness/cluster.js';
-import { secureKit, secureTestMode } from '../../src/harness/secure-mode.js';
+import { Cluster, type ClusterOptions } from '../../src/up/cluster.js';
+import { secureKit, secureTestMode } from '../../src/up/secure-mode.js';
 
 export const CTX = 1024;
 
@@ -49,7 +49,7 @@ export function useStack(over: Partial<ClusterOptions> = {}): { c: Cluster; pd: 
   return h;
 }
 
-/** The openai SDK on `baseUrl` (the router or colocated server); in secure test mode with its API key (src/harness/secure-mode.ts). */
+/** The openai SDK on `baseUrl` (the router or colocated server); in secure test mode with its API key (src/up/secure-mode.ts). */
 export function client(baseUrl: string, timeoutMs = 30_000): OpenAI {
   return new OpenAI({ baseURL: `${baseUrl}/v1`, apiKey: secureTestMode() ? secureKit().apiKey : 'none', timeout: timeoutMs, maxRetries: 0 });
 }

@@ -1,2 +1,2 @@
-/** Throwaway TLS material for tests: see src/harness/test-pki.ts. */
-export { makeTestPki, type TestPki } from '../../src/harness/test-pki.js';
+/** Throwaway TLS material for tests: see src/up/test-pki.ts. */
+export { makeTestPki, type TestPki } from '../../src/up/test-pki.js';

@@ -6,7 +6,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import type { Cluster } from '../../src/harness/cluster.js';
+import type { Cluster } from '../../src/up/cluster.js';
 import { client, startStack } from '../helpers/stack.js';
 
 let c: Cluster;

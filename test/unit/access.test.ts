@@ -9,7 +9,7 @@ import Fastify from 'fastify';
 import pino from 'pino';
 import { Registry } from 'prom-client';
 import { accessClassOf, KeyRing, parseKeyFile, presentedKey, registerAccess } from '../../src/api/access.js';
-import { registerOpenAIErrorHandling } from '../../src/api/openai.js';
+import { registerOpenAIErrorHandling } from '../../src/api/errors.js';
 
 describe('access classes', () => {
   test('by prefix: /v1/* and unknown paths need an API key, control paths the admin key, /health is open', () => {
@@ -101,8 +101,8 @@ describe('registerAccess', () => {
 
 describe('client-facing errors name the role, not the address', () => {
   test('URLs, IPv4/IPv6 literals and host:port are redacted; the rest of the message stays', async () => {
-    const { redactAddresses, redactedForClient } = await import('../../src/common/redact.js');
-    const { ApiError } = await import('../../src/common/errors.js');
+    const { redactAddresses, redactedForClient } = await import('../../src/base/redact.js');
+    const { ApiError } = await import('../../src/base/errors.js');
     assert.equal(redactAddresses('decode worker http://10.0.0.3:30001 is unreachable: connect ECONNREFUSED 10.0.0.3:30001'), 'decode worker <address> is unreachable: connect ECONNREFUSED <address>');
     assert.equal(redactAddresses('cannot pair with prefill [fd00::2]:8998: timeout'), 'cannot pair with prefill <address>: timeout');
     assert.equal(redactAddresses('dial prefill-a.internal.example:8998 failed'), 'dial <address> failed');

@@ -9,7 +9,7 @@ import Fastify from 'fastify';
 import { Registry } from 'prom-client';
 import { registerAdmission, TokenBucket, type AdmissionOptions } from '../../src/api/admission.js';
 import { forwardedHeaders } from '../../src/api/loopback.js';
-import { registerOpenAIErrorHandling } from '../../src/api/openai.js';
+import { registerOpenAIErrorHandling } from '../../src/api/errors.js';
 
 async function server(o: AdmissionOptions) {
   const app = Fastify();

@@ -1,13 +1,13 @@
 /**
- * Bench §7 report logic (src/harness/bench-agents.ts): goals met/missed from the figures, the
+ * Bench §7 report logic (src/bench/agents.ts): goals met/missed from the figures, the
  * table and plot render. Pure functions on a hand-made result; the section itself needs a
  * cluster and runs in `pdserve bench-suite --sections 7`.
  * Run: node --import tsx --test test/unit/bench-agents.test.ts
  */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { agentGoals, agentsPlot, agentsReport, type AgentRun, type AgentsResult, type AgentSetup, type ScaleRun } from '../../src/harness/bench-agents.js';
-import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from '../../src/harness/bench-report-agents.js';
+import { agentGoals, agentsPlot, agentsReport, type AgentRun, type AgentsResult, type AgentSetup, type ScaleRun } from '../../src/bench/agents.js';
+import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from '../../src/bench/report-agents.js';
 
 const run = (setup: AgentSetup, concurrency: number, ttftByRound: number[], cachedShare: number, goodput: number): AgentRun => ({
   setup,

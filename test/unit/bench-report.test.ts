@@ -1,5 +1,5 @@
 /**
- * BENCHMARKS.md is the report template (src/harness/bench-report.md) filled with tables rendered
+ * BENCHMARKS.md is the report template (src/bench/report.md) filled with tables rendered
  * from bench/results/*.json. The template and the code must name the same placeholders, the
  * committed file must be what `bench-suite --render-only` makes from the committed results, and a
  * report without results still states every goal.
@@ -10,16 +10,16 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { fileURLToPath } from 'node:url';
-import { REPORT_TEMPLATE, renderReport, type SuiteMeta } from '../../src/harness/bench-report.js';
-import { reportFromResults } from '../../src/harness/bench-suite.js';
-import { fillTemplate, placeholders, readTemplate } from '../../src/harness/report-template.js';
+import { REPORT_TEMPLATE, renderReport, type SuiteMeta } from '../../src/bench/report.js';
+import { reportFromResults } from '../../src/bench/suite.js';
+import { fillTemplate, placeholders, readTemplate } from '../../src/bench/template.js';
 
 const ROOT = fileURLToPath(new URL('../../', import.meta.url));
 const RESULTS = join(ROOT, 'bench', 'results');
 const plots = mkdtempSync(join(tmpdir(), 'pdserve-report-'));
 after(() => rmSync(plots, { recursive: true, force: true }));
 
-const template = readTemplate(REPORT_TEMPLATE, new URL('../../src/harness/', import.meta.url));
+const template = readTemplate(REPORT_TEMPLATE, new URL('../../src/bench/', import.meta.url));
 const suite = JSON.parse(readFileSync(join(RESULTS, 'suite.json'), 'utf8')) as { meta: SuiteMeta; sectionsRun: number[] };
 
 describe('report template', () => {

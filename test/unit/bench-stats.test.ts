@@ -6,11 +6,11 @@
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { computeMetrics, goodput, meetsSlo, peakConcurrency, tpotMs, type RequestRecord } from '../../src/harness/bench-metrics.js';
-import { buildPrompts, exactText, Rng, type BenchTokenizer } from '../../src/harness/bench.js';
-import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/common/config.js';
-import { decodeContextSequences, ownPromptPair, promptCacheHits, routerOverhead, windowRate } from '../../src/harness/bench-sections.js';
-import { percentile, summarize } from '../../src/harness/stats.js';
+import { computeMetrics, goodput, meetsSlo, peakConcurrency, tpotMs, type RequestRecord } from '../../src/bench/metrics.js';
+import { buildPrompts, exactText, Rng, type BenchTokenizer } from '../../src/bench/index.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/runtime/config.js';
+import { decodeContextSequences, ownPromptPair, promptCacheHits, routerOverhead, windowRate } from '../../src/bench/sections.js';
+import { percentile, summarize } from '../../src/observe/stats.js';
 
 const close = (a: number, b: number, eps = 1e-9) => assert.ok(Math.abs(a - b) <= eps, `${a} ≉ ${b}`);
 

@@ -1,7 +1,7 @@
 /** The bench suite's engineer switches: PDSERVE_BENCH_KV_REPS is taken whole or refused, never shifted. */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { parseKvBigReps, parseKvReps } from '../../src/harness/bench-suite.js';
+import { parseKvBigReps, parseKvReps } from '../../src/bench/suite.js';
 
 describe('bench-suite: PDSERVE_BENCH_KV_REPS', () => {
   it('unset or empty: the suite default', () => {

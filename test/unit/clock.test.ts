@@ -1,5 +1,5 @@
 /**
- * The clock seam (src/common/clock.ts): the product reads time only through it, durations on the
+ * The clock seam (src/base/clock.ts): the product reads time only through it, durations on the
  * monotonic clock and dates on the wall clock, and the views that show monotonic instants to
  * people (/debug/rooms timelines, the dashboard's time axis) turn them into dates at read time.
  */
@@ -8,7 +8,7 @@ import { readdirSync, readFileSync, statSync } from 'node:fs';
 import { dirname, join, relative, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'node:test';
-import { systemClock, wallOf, type Clock } from '../../src/common/clock.js';
+import { systemClock, wallOf, type Clock } from '../../src/base/clock.js';
 import { RoomTable } from '../../src/kv/lifecycle.js';
 import { DEFAULT_TIMEOUTS } from '../../src/kv/types.js';
 import { DashboardSeries } from '../../src/router/dashboard-series.js';
@@ -32,12 +32,12 @@ function steppable(mono = 5_000, wall = 1_700_000_000_000): Clock & { advance(ms
   };
 }
 
-test('the product reads time only through src/common/clock.ts (the bench, storm and simulator tools aside)', () => {
+test('the product reads time only through src/base/clock.ts (the bench, storm and simulator tools aside)', () => {
   const reads = /\bDate\.now\(|\bperformance\.now\(|\bprocess\.hrtime\b|\bnew Date\(\)/;
   const found: string[] = [];
   for (const f of walk(SRC)) {
     const rel = relative(SRC, f);
-    if (rel === 'common/clock.ts' || rel.startsWith('harness/') || rel.startsWith('sim/')) continue;
+    if (rel === 'base/clock.ts' || ['bench/', 'storm/', 'up/', 'sim/'].some((t) => rel.startsWith(t))) continue;
     readFileSync(f, 'utf8')
       .split('\n')
       .forEach((line, i) => {

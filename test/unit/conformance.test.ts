@@ -3,7 +3,8 @@ import { readFileSync } from 'node:fs';
 import { describe, test } from 'node:test';
 import { GENERATED, withConformanceTable } from '../../src/api/conformance.js';
 import { conformanceMarkdown, fieldsOf, REQUEST_FIELDS } from '../../src/api/fields.js';
-import { ApiError, parseChatRequest, parseCompletionRequest } from '../../src/api/openai.js';
+import { ApiError } from '../../src/api/errors.js';
+import { parseChatRequest, parseCompletionRequest } from '../../src/api/parse.js';
 
 describe('OpenAI conformance table', () => {
   test('docs/API.md holds the table generated from the schema (run: node --import tsx src/api/conformance.ts --write)', () => {

@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { parsePrometheus } from '../../src/doctor/gather.js';
+import { parsePrometheus } from '../../src/observe/gather.js';
 import { prefixStoreCard } from '../../src/router/dashboard-prefix.js';
 
 const worker = (bytes: number, files: number, seq: [number, number], store: [number, number], evictions: number, published: number) =>

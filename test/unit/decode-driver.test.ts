@@ -11,7 +11,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import fc from 'fast-check';
-import type { RoomId } from '../../src/common/room-id.js';
+import type { RoomId } from '../../src/base/room-id.js';
 import { DecodeDriver, type DecodeAction, type DecodeDriverConfig } from '../../src/decode/driver.js';
 import { KVPoll, type RoomTimeouts } from '../../src/kv/types.js';
 

@@ -19,7 +19,7 @@ import { RoomTable } from '../../src/kv/lifecycle.js';
 import { KVPoll, type Effect, type RoomFailure, type RoomId } from '../../src/kv/types.js';
 import { localPrefill, planLocal } from '../../src/decode/local.js';
 import { DecodeDriver, type DecodeAction } from '../../src/decode/driver.js';
-import { GenerateRequestSchema } from '../../src/api/worker-protocol.js';
+import { GenerateRequestSchema } from '../../src/protocol/worker-protocol.js';
 import { localPrefillFor, routingText, routingTextAfter } from '../../src/router/policy/index.js';
 
 const T = { preallocMs: 400, bootstrapMs: 100, waitingMs: 600, transferIdleMs: 50 };

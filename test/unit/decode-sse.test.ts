@@ -14,7 +14,7 @@ import { describe, test } from 'node:test';
 import fc from 'fast-check';
 import { request } from 'undici';
 import { readSse } from '../../src/api/sse.js';
-import { tokenEvent, type GenerateEvent } from '../../src/api/worker-protocol.js';
+import { tokenEvent, type GenerateEvent } from '../../src/protocol/worker-protocol.js';
 import { DecodeSseWriter, type TokenEventMeta, type TokenOut } from '../../src/decode/sse-out.js';
 
 /**

@@ -5,8 +5,8 @@
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { diagnose } from '../../src/doctor/diagnose.js';
-import { parsePrometheus, sumOf, type ClusterSnapshot, type Fetched, type RoomInfo, type WorkerProbe } from '../../src/doctor/gather.js';
+import { diagnose } from '../../src/observe/diagnose.js';
+import { parsePrometheus, sumOf, type ClusterSnapshot, type Fetched, type RoomInfo, type WorkerProbe } from '../../src/observe/gather.js';
 import { DashboardSeries, percentile } from '../../src/router/dashboard-series.js';
 import { TraceStore, traceIdOf } from '../../src/router/trace.js';
 

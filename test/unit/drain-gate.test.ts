@@ -8,7 +8,7 @@ import assert from 'node:assert/strict';
 import http from 'node:http';
 import { after, test } from 'node:test';
 import Fastify from 'fastify';
-import { connectionHeader, DrainGate } from '../../src/common/drain.js';
+import { connectionHeader, DrainGate } from '../../src/runtime/drain.js';
 
 const app = Fastify({ logger: false });
 const gate = new DrainGate('worker');

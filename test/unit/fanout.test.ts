@@ -3,7 +3,8 @@ import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import Fastify from 'fastify';
 import { choiceError, FanOutMerger, MAX_CHOICES, mergedPath, planFanOut, serveFanOut } from '../../src/api/fanout.js';
-import { ApiError, SSE_DONE } from '../../src/api/openai.js';
+import { ApiError } from '../../src/api/errors.js';
+import { SSE_DONE } from '../../src/api/respond.js';
 import { SseWriter } from '../../src/api/sse.js';
 
 const usage = (p: number, c: number, cached = 0) => ({ prompt_tokens: p, completion_tokens: c, total_tokens: p + c, prompt_tokens_details: { cached_tokens: cached } });

@@ -12,7 +12,7 @@ import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { kvBytesPerCell, parseStateFile, parseStateHeaders, rewriteNStream, type PositionalSource, type StateExpect } from '../../src/engine/ggsq.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
-import { PdError } from '../../src/common/errors.js';
+import { PdError } from '../../src/base/errors.js';
 
 const CTX = 256;
 const expect: StateExpect = { contextSize: CTX, nLayer: 2, maxBytes: 1 << 24 };

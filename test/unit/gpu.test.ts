@@ -1,5 +1,5 @@
 /**
- * GPU offload settings (src/engine/gpu.ts), their validation (common/config.ts), the pair rule
+ * GPU offload settings (src/engine/gpu.ts), their validation (runtime/config.ts), the pair rule
  * (a KV cache type is compared, the backend is not: kv/handshake.ts, router/pairing.ts) and the
  * engine on the real llama.cpp: CPU, lavapipe (a software Vulkan device, when installed) and
  * the KV cache type reaching llama.cpp (state sizes).
@@ -14,16 +14,16 @@ import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { after, describe, test } from 'node:test';
 import { applyDeviceEnv, checkDeviceMemory, describeGpu, deviceEnvOf, ggmlTypeName, gpuFromHealth, gpuHealthOf, parseDeviceList, parseGpuLayers, type GpuInfo } from '../../src/engine/gpu.js';
-import { EngineConfigSchema, parseConfig, PrefillConfigSchema } from '../../src/common/config.js';
+import { EngineConfigSchema, parseConfig, PrefillConfigSchema } from '../../src/runtime/config.js';
 import { settingsMismatch } from '../../src/kv/handshake.js';
 import { parseControl } from '../../src/kv/frame.js';
-import { pairSettingsOf } from '../../src/common/pair.js';
+import { pairSettingsOf } from '../../src/protocol/pair.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { SamplingParams } from '../../src/engine/types.js';
 import { cli } from '../helpers/cli.js';
-import { benchGpuOptions, gpuReport } from '../../src/harness/bench-gpu.js';
+import { benchGpuOptions, gpuReport } from '../../src/bench/gpu.js';
 import { drain } from '../helpers/engine.js';
 
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-gpu-test-'));

@@ -7,10 +7,10 @@ import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import Fastify from 'fastify';
 import { Registry } from 'prom-client';
-import { KvEventLog } from '../../src/common/kv-events.js';
-import { registerKvEventsRoute } from '../../src/api/kv-events-route.js';
+import { KvEventLog } from '../../src/protocol/kv-events.js';
+import { registerKvEventsRoute } from '../../src/worker/kv-events-route.js';
 import { applyKvReply, KvEventConsumer, PENDING_CLAIM_MS, type WorkerClaims } from '../../src/router/kv-events.js';
-import { SequenceKvTracker } from '../../src/api/kv-tracker.js';
+import { SequenceKvTracker } from '../../src/worker/kv-tracker.js';
 
 const ev = (kind: 'stored' | 'evicted', key: string, tier: 'sequence' | 'store' = 'store') => ({ kind, tier, key, tokens: 64, bytes: 100 });
 const claims = (): WorkerClaims => ({ epoch: null, last: -1, held: new Map(), live: false, pending: new Map() });

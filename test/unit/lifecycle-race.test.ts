@@ -20,7 +20,7 @@
 import { test, describe } from 'node:test';
 import assert from 'node:assert/strict';
 import fc from 'fast-check';
-import type { RoomId } from '../../src/common/room-id.js';
+import type { RoomId } from '../../src/base/room-id.js';
 import { DecodeDriver, type DecodeAction } from '../../src/decode/driver.js';
 import { PrefillDriver, type PrefillAction } from '../../src/prefill/driver.js';
 import { KVPoll, type RoomTimeouts } from '../../src/kv/types.js';

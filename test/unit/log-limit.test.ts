@@ -1,11 +1,11 @@
-/** Refusal logging: 503 refusals at warn without a stack, one line per code per second (common/log-limit.ts, api/openai.ts). */
+/** Refusal logging: 503 refusals at warn without a stack, one line per code per second (base/log-limit.ts, api/errors.ts). */
 import assert from 'node:assert/strict';
 import { Writable } from 'node:stream';
 import { describe, test } from 'node:test';
 import Fastify from 'fastify';
 import pino from 'pino';
-import { ApiError, registerOpenAIErrorHandling } from '../../src/api/openai.js';
-import { RepeatLimiter } from '../../src/common/log-limit.js';
+import { ApiError, registerOpenAIErrorHandling } from '../../src/api/errors.js';
+import { RepeatLimiter } from '../../src/base/log-limit.js';
 
 describe('RepeatLimiter', () => {
   test('one hit per key per window; the next logged hit carries the suppressed count', () => {

@@ -5,9 +5,9 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { Registry } from 'prom-client';
-import { WorkerMetrics } from '../../src/common/metrics.js';
-import { registerGpuMetrics } from '../../src/common/gpu-metrics.js';
-import { collectCleanDefaultMetrics } from '../../src/common/promclean.js';
+import { WorkerMetrics } from '../../src/runtime/metrics.js';
+import { registerGpuMetrics } from '../../src/runtime/gpu-metrics.js';
+import { collectCleanDefaultMetrics } from '../../src/runtime/promclean.js';
 import { KVPoll } from '../../src/kv/types.js';
 import { RouterMetrics, WorkerRegistry } from '../../src/router/index.js';
 import pino from 'pino';

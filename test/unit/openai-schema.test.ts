@@ -1,15 +1,10 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import Fastify, { type FastifyInstance } from 'fastify';
-import { GenerateRequestSchema, type GenerateEvent } from '../../src/api/worker-protocol.js';
-import {
-  ApiError,
-  OpenAIResponseBuilder,
-  parseChatRequest,
-  parseCompletionRequest,
-  registerOpenAIErrorHandling,
-  toWorkerRequest,
-} from '../../src/api/openai.js';
+import { GenerateRequestSchema, type GenerateEvent } from '../../src/protocol/worker-protocol.js';
+import { ApiError, registerOpenAIErrorHandling } from '../../src/api/errors.js';
+import { parseChatRequest, parseCompletionRequest, toWorkerRequest } from '../../src/api/parse.js';
+import { OpenAIResponseBuilder } from '../../src/api/respond.js';
 
 const routing = { rid: 'cmpl-abc', bootstrapHost: '127.0.0.1', bootstrapPort: 8998, bootstrapRoom: '9223372036854775807' };
 

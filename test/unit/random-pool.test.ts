@@ -7,7 +7,7 @@ import { describe, test } from 'node:test';
 import { randomHex, randomU64 } from '../../src/router/random-pool.js';
 import { newRid, randomRoom } from '../../src/router/dispatch.js';
 import { newTraceId } from '../../src/router/trace.js';
-import { parseRoomId } from '../../src/common/room-id.js';
+import { parseRoomId } from '../../src/base/room-id.js';
 
 describe('random pool', () => {
   test('randomHex(n) is 2n lowercase hex digits; 3000 ids (several 4 KiB refills) are all distinct', () => {

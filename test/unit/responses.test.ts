@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { ApiError } from '../../src/api/openai.js';
+import { ApiError } from '../../src/api/errors.js';
 import { RESPONSES_FIELDS } from '../../src/api/responses-fields.js';
 import { parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponseEcho } from '../../src/api/responses.js';
 import { ResponseStore } from '../../src/api/responses-store.js';

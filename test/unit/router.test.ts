@@ -9,7 +9,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { after, afterEach, describe, test } from 'node:test';
 import Fastify, { type FastifyInstance } from 'fastify';
 import OpenAI from 'openai';
-import type { GenerateEvent, GenerateRequest } from '../../src/api/worker-protocol.js';
+import type { GenerateEvent, GenerateRequest } from '../../src/protocol/worker-protocol.js';
 import { createRouter, startRouter, WorkerRegistry, parseRouterConfig, RouterConfigError, type RunningRouter } from '../../src/router/index.js';
 import pino from 'pino';
 import { waitUntil } from '../../src/router/attempts.js';

@@ -13,7 +13,7 @@ import { existsSync, linkSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, r
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { PdError } from '../../src/common/errors.js';
+import { PdError } from '../../src/base/errors.js';
 import { normalizeRoomId } from '../../src/kv/frame.js';
 import { GgsqStreamParser, parseStateFile, parseStateHeaders } from '../../src/engine/ggsq.js';
 import { newEpoch } from '../../src/kv/auth.js';

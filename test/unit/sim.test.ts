@@ -5,11 +5,11 @@
  * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 10,000).
  * PDSERVE_SIM_FROM=<s> changes the first seed (default 1).
  */
-import { newRoomId } from '../../src/common/room-id.js';
+import { newRoomId } from '../../src/base/room-id.js';
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/sim/index.js';
-import { Prng } from '../../src/sim/prng.js';
+import { Prng } from '../../src/base/prng.js';
 
 const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 10_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);

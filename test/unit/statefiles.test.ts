@@ -1,5 +1,5 @@
 /**
- * The stale state-file sweep (src/common/statefiles.ts) on real files and real processes: files
+ * The stale state-file sweep (src/runtime/statefiles.ts) on real files and real processes: files
  * whose owner pid is dead go, files of a live owner and files that are not ours stay — including
  * the bench's names (kind with a dash) and same-host probe files.
  */
@@ -9,7 +9,7 @@ import { mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, test } from 'node:test';
-import { sweepStaleStateFiles } from '../../src/common/statefiles.js';
+import { sweepStaleStateFiles } from '../../src/runtime/statefiles.js';
 
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-sweep-test-'));
 after(() => rmSync(dir, { recursive: true, force: true }));

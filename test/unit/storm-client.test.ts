@@ -9,8 +9,8 @@ import { once } from 'node:events';
 import https from 'node:https';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, it } from 'node:test';
-import { reachGlobally } from '../../src/common/http-auth.js';
-import { ChatCall, clientAgent } from '../../src/harness/storm-client.js';
+import { reachGlobally } from '../../src/runtime/http-auth.js';
+import { ChatCall, clientAgent } from '../../src/storm/client.js';
 import { makeTestPki, type TestPki } from '../helpers/tls.js';
 
 let pki: TestPki;

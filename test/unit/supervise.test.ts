@@ -1,8 +1,8 @@
-/** `pdserve up`'s supervisor decision (harness/supervise.ts): restart crashes, not requested drains. */
+/** `pdserve up`'s supervisor decision (up/supervise.ts): restart crashes, not requested drains. */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import type { ChildProcess } from 'node:child_process';
-import { superviseAction } from '../../src/harness/supervise.js';
+import { superviseAction } from '../../src/up/supervise.js';
 
 test('a crash is restarted; an exit 0 after a drain it was asked for stays stopped; live, expected-down or draining-up processes are left alone', () => {
   const at = 1;

@@ -6,9 +6,11 @@
  */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { ApiError, OpenAIResponseBuilder, parseChatRequest, responseToolSyntax, type ChatCompletion, type ChatCompletionChunk } from '../../src/api/openai.js';
+import { ApiError } from '../../src/api/errors.js';
+import { parseChatRequest, responseToolSyntax } from '../../src/api/parse.js';
+import { OpenAIResponseBuilder, type ChatCompletion, type ChatCompletionChunk } from '../../src/api/respond.js';
 import { ToolCallParser, toolSyntaxFromHealth, type ToolCallDelta } from '../../src/api/tool-calls.js';
-import type { GenerateEvent } from '../../src/api/worker-protocol.js';
+import type { GenerateEvent } from '../../src/protocol/worker-protocol.js';
 import type { ToolCallSyntax } from '../../src/engine/types.js';
 
 const GENERIC: ToolCallSyntax = { prefix: '||call: ', prefixAlternates: ['||call:'], paramsPrefix: '(', suffix: ')', emptyParams: '', betweenCalls: null };

@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { TraceTags } from '../../src/common/trace-tags.js';
+import { TraceTags } from '../../src/protocol/trace-tags.js';
 
 test('noted facts appear on recent rows, a row\'s own fields win, the trace survives a note, the oldest room is forgotten', () => {
   const t = new TraceTags(2);

@@ -19,7 +19,7 @@ import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
 import { KvIo } from '../../src/kv/transfer/io-thread.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
-import { PdError } from '../../src/common/errors.js';
+import { PdError } from '../../src/base/errors.js';
 import { saveTinyState } from '../helpers/engine.js';
 
 const CTX = 256;

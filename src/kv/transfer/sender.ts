@@ -18,7 +18,7 @@ import type { PeerConn, SendChunksOptions } from '../channel.js';
 import { envelopeTrailer, ENVELOPE_TRAILER_BYTES } from '../envelope.js';
 import { MAX_CHUNK_BYTES } from '../messages.js';
 import { KvError, type RoomId } from '../types.js';
-import { systemClock } from '../../common/clock.js';
+import { systemClock } from '../../base/clock.js';
 import type { MonoClock } from '../heartbeat.js';
 import { Crc32 } from './checksum.js';
 import { IO_SLOTS_PER_TRANSFER, type KvIo } from './io-thread.js';

@@ -1,5 +1,5 @@
 /**
- * The router's side of etcd membership (see ../../common/discovery.ts for the records).
+ * The router's side of etcd membership (see ../../runtime/discovery.ts for the records).
  *
  * List-then-watch: a prefix GET gives every record and the store revision; a prefix watch from
  * revision + 1 then streams each PUT (a worker joined, changed load, or started draining) and
@@ -23,7 +23,7 @@
  */
 import type { Etcd3, Watcher } from 'etcd3';
 import type { Logger } from 'pino';
-import { etcdClient, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from '../../common/discovery.js';
+import { etcdClient, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from '../../runtime/discovery.js';
 import type { WorkerRegistry } from '../registry.js';
 
 /** Every valid record under the prefix, with the store revision they were read at. */

@@ -1,7 +1,7 @@
 /**
  * Session affinity: a conversation's key, and the worker each key was last served by.
  *
- * Conversation key (computed in ../../api/conversation-key.ts), first present of (SGLang's gateway routing keys and Dynamo's sticky sessions
+ * Conversation key (computed in ../../protocol/conversation-key.ts), first present of (SGLang's gateway routing keys and Dynamo's sticky sessions
  * do the same with one header):
  *   1. `prompt_cache_key` (OpenAI's own field for this),
  *   2. `user`,
@@ -14,7 +14,7 @@
  * key's worker when it is a candidate and the load guard does not call it overloaded, and
  * records its pick under the key either way.
  */
-export { conversationKey, type KeyedRequest } from '../../api/conversation-key.js';
+export { conversationKey, type KeyedRequest } from '../../protocol/conversation-key.js';
 
 /** Default bound of a session table (keys). */
 export const DEFAULT_MAX_SESSIONS = 65_536;

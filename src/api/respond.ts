@@ -1,0 +1,288 @@
+/**
+ * OpenAI response and stream-chunk builders: completions, chat completions, usage, logprobs, and
+ * `OpenAIResponseBuilder`, which turns worker events into the client's body or SSE chunks.
+ */
+import type { GenerateEvent, WireLogprob } from '../protocol/worker-protocol.js';
+import { ToolCallParser, type ToolCall, type ToolCallDelta } from './tool-calls.js';
+import type { ToolCallSyntax } from '../engine/types.js';
+import { ApiError } from '../base/errors.js';
+
+export type OpenAIFinishReason = 'stop' | 'length' | 'tool_calls';
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+  /** Always present: `cached_tokens` is the subset of prompt_tokens served from the prefix cache (0 when none). */
+  prompt_tokens_details: { cached_tokens: number };
+}
+
+export const usageOf = (promptTokens: number, completionTokens: number, cachedTokens = 0): Usage => ({
+  prompt_tokens: promptTokens,
+  completion_tokens: completionTokens,
+  total_tokens: promptTokens + completionTokens,
+  prompt_tokens_details: { cached_tokens: cachedTokens },
+});
+
+/** Identity of one response: `id` is the rid, `created` unix seconds. */
+export interface ResponseMeta {
+  id: string;
+  model: string;
+  created: number;
+}
+
+/** Completions `logprobs` of one choice (OpenAI legacy shape; text_offset counts UTF-16 units of the token texts). */
+export interface CompletionLogprobs {
+  tokens: string[];
+  token_logprobs: number[];
+  top_logprobs: Record<string, number>[];
+  text_offset: number[];
+}
+
+/** One token of a chat choice's `logprobs.content` (OpenAI shape; bytes = UTF-8 of the token text). */
+export interface ChatTokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs: { token: string; logprob: number; bytes: number[] }[];
+}
+
+/** Chat `logprobs` of one choice. */
+export interface ChatLogprobs {
+  content: ChatTokenLogprob[];
+  refusal: null;
+}
+
+/** Completions logprobs of `lps`, the first token starting at text offset `offset0`. */
+export function completionLogprobs(lps: readonly WireLogprob[], offset0 = 0): CompletionLogprobs {
+  const out: CompletionLogprobs = { tokens: [], token_logprobs: [], top_logprobs: [], text_offset: [] };
+  let off = offset0;
+  for (const lp of lps) {
+    out.tokens.push(lp.token);
+    out.token_logprobs.push(lp.logprob);
+    out.top_logprobs.push(Object.fromEntries(lp.top.map((t) => [t.token, t.logprob])));
+    out.text_offset.push(off);
+    off += lp.token.length;
+  }
+  return out;
+}
+
+/** Chat logprobs of `lps`. */
+export function chatLogprobs(lps: readonly WireLogprob[]): ChatLogprobs {
+  const bytes = (t: string) => [...Buffer.from(t, 'utf8')];
+  return { content: lps.map((lp) => ({ token: lp.token, logprob: lp.logprob, bytes: bytes(lp.token), top_logprobs: lp.top.map((t) => ({ token: t.token, logprob: t.logprob, bytes: bytes(t.token) })) })), refusal: null };
+}
+
+export interface TextCompletion {
+  id: string;
+  object: 'text_completion';
+  created: number;
+  model: string;
+  choices: { index: 0; text: string; logprobs: CompletionLogprobs | null; finish_reason: OpenAIFinishReason | null }[];
+  usage?: Usage | null;
+}
+
+export interface ChatCompletion {
+  id: string;
+  object: 'chat.completion';
+  created: number;
+  model: string;
+  choices: { index: 0; message: ChatMessageOut; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason }[];
+  usage: Usage;
+}
+
+/** The assistant message of a chat response: `content` null when the model only called tools. */
+export interface ChatMessageOut {
+  role: 'assistant';
+  content: string | null;
+  tool_calls?: ToolCall[];
+}
+
+/** The delta of a chat stream chunk. */
+export interface ChatDelta {
+  role?: 'assistant';
+  content?: string;
+  tool_calls?: ToolCallDelta[];
+}
+
+export interface ChatCompletionChunk {
+  id: string;
+  object: 'chat.completion.chunk';
+  created: number;
+  model: string;
+  choices: { index: 0; delta: ChatDelta; logprobs: ChatLogprobs | null; finish_reason: OpenAIFinishReason | null }[];
+  usage?: Usage | null;
+}
+
+/** Non-stream /v1/completions response. */
+export function completionResponse(m: ResponseMeta, text: string, finishReason: OpenAIFinishReason, usage: Usage, logprobs: CompletionLogprobs | null = null): TextCompletion {
+  return { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [{ index: 0, text, logprobs, finish_reason: finishReason }], usage };
+}
+
+/** Non-stream /v1/chat/completions response. */
+export function chatCompletionResponse(m: ResponseMeta, content: string, finishReason: OpenAIFinishReason, usage: Usage, logprobs: ChatLogprobs | null = null, toolCalls: ToolCall[] = []): ChatCompletion {
+  const message: ChatMessageOut = toolCalls.length > 0 ? { role: 'assistant', content: content === '' ? null : content, tool_calls: toolCalls } : { role: 'assistant', content };
+  return {
+    id: m.id,
+    object: 'chat.completion',
+    created: m.created,
+    model: m.model,
+    choices: [{ index: 0, message, logprobs, finish_reason: finishReason }],
+    usage,
+  };
+}
+
+/** One /v1/completions stream chunk. With `includeUsage`, carries `usage: null` (as OpenAI). */
+export function completionChunk(m: ResponseMeta, text: string, finishReason: OpenAIFinishReason | null, includeUsage = false, logprobs: CompletionLogprobs | null = null): TextCompletion {
+  const c: TextCompletion = { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [{ index: 0, text, logprobs, finish_reason: finishReason }] };
+  if (includeUsage) c.usage = null;
+  return c;
+}
+
+/** One /v1/chat/completions stream chunk. With `includeUsage`, carries `usage: null` (as OpenAI). */
+export function chatCompletionChunk(
+  m: ResponseMeta,
+  delta: ChatDelta,
+  finishReason: OpenAIFinishReason | null,
+  includeUsage = false,
+  logprobs: ChatLogprobs | null = null,
+): ChatCompletionChunk {
+  const c: ChatCompletionChunk = { id: m.id, object: 'chat.completion.chunk', created: m.created, model: m.model, choices: [{ index: 0, delta, logprobs, finish_reason: finishReason }] };
+  if (includeUsage) c.usage = null;
+  return c;
+}
+
+/** The final usage-only chunk (`choices: []`) sent when stream_options.include_usage is true. */
+export function usageChunk(kind: 'completion' | 'chat', m: ResponseMeta, usage: Usage): TextCompletion | ChatCompletionChunk {
+  return kind === 'chat'
+    ? { id: m.id, object: 'chat.completion.chunk', created: m.created, model: m.model, choices: [], usage }
+    : { id: m.id, object: 'text_completion', created: m.created, model: m.model, choices: [], usage };
+}
+
+/** Payload of the SSE event that terminates an OpenAI stream. */
+export const SSE_DONE = '[DONE]';
+
+/**
+ * Turns the worker's `GenerateEvent` stream (decode, or a colocated backend) into OpenAI
+ * objects, for one request. Mapping:
+ * - stream, chat: the first event yields a role chunk `delta: {role: 'assistant', content: ''}`;
+ *   every event with non-empty `text` yields a chunk `delta: {content: text}`; the event with
+ *   `meta_info.finish_reason` yields a chunk with `finish_reason` (carrying its text, if any,
+ *   else `delta: {}`).
+ * - stream, completion: the same without the role chunk (`choices[0].text`).
+ * - `tail()`: the usage chunk (`choices: []`) when stream_options.include_usage was set.
+ * - non-stream: `response()` assembles text, finish_reason and usage.
+ * Usage comes from the last event's meta_info (prompt_tokens, cached_tokens, completion_tokens).
+ * Events carrying `logprobs` (the request asked for them) add them to their chunk — a chunk is
+ * then sent even when the event's text is empty — and to the response, in OpenAI's completions
+ * or chat shape.
+ * finish_reason 'abort' is not a normal end: `push` throws ApiError 500 'generation_aborted'.
+ */
+export class OpenAIResponseBuilder {
+  text = '';
+  promptTokens = 0;
+  /** Prompt tokens served from a prefix cache (meta_info.cached_tokens). */
+  cachedTokens = 0;
+  completionTokens = 0;
+  finishReason: OpenAIFinishReason | null = null;
+  /** Events seen so far. */
+  events = 0;
+  /** Logprobs of every token so far; null until an event carries some. */
+  logprobs: WireLogprob[] | null = null;
+  private lpOffset = 0;
+
+  /** Parses tool calls out of the text (chat requests with tools and tool_choice other than "none"). */
+  private readonly tools: ToolCallParser | null;
+
+  /**
+   * @param toolSyntax with it, the chat text is parsed for tool calls in this syntax (see
+   *   ./tool-calls.ts): calls become `tool_calls` (deltas in streams), the text around them
+   *   `content`, and a generation that made a call finishes with 'tool_calls'.
+   */
+  constructor(
+    readonly kind: 'completion' | 'chat',
+    readonly meta: ResponseMeta,
+    readonly includeUsage = false,
+    toolSyntax: ToolCallSyntax | null = null,
+  ) {
+    this.tools = kind === 'chat' && toolSyntax ? new ToolCallParser(toolSyntax) : null;
+  }
+
+  get finished(): boolean {
+    return this.finishReason !== null;
+  }
+
+  /**
+   * Apply one event; returns the stream chunks it produces (possibly none).
+   * @throws ApiError 502 'bad_worker_event' for a malformed event, 500 'generation_aborted' when
+   *   the worker ended the generation with finish_reason 'abort', 502 'bad_worker_event' for an
+   *   event after the finish.
+   */
+  push(ev: GenerateEvent): (TextCompletion | ChatCompletionChunk)[] {
+    if (!ev || typeof ev !== 'object' || typeof ev.text !== 'string' || !ev.meta_info || typeof ev.meta_info !== 'object') {
+      throw new ApiError(502, 'bad_worker_event', 'malformed generation event from the worker', 'server_error');
+    }
+    if (this.finished) throw new ApiError(502, 'bad_worker_event', 'generation event after the finish event', 'server_error');
+    const mi = ev.meta_info;
+    if (Number.isInteger(mi.prompt_tokens)) this.promptTokens = mi.prompt_tokens;
+    if (Number.isInteger(mi.completion_tokens)) this.completionTokens = mi.completion_tokens;
+    if (Number.isInteger(mi.cached_tokens)) this.cachedTokens = mi.cached_tokens!;
+    const fr = mi.finish_reason;
+    if (fr && fr.type === 'abort') {
+      throw new ApiError(500, 'generation_aborted', `generation aborted by the worker${fr.message ? `: ${fr.message}` : ''}`, 'server_error');
+    }
+    if (fr && fr.type !== 'stop' && fr.type !== 'length') {
+      throw new ApiError(502, 'bad_worker_event', `unknown finish_reason from the worker: ${String((fr as { type?: unknown }).type)}`, 'server_error');
+    }
+    let finish: OpenAIFinishReason | null = fr ? (fr.type as OpenAIFinishReason) : null;
+    const out: (TextCompletion | ChatCompletionChunk)[] = [];
+    if (this.kind === 'chat' && this.events === 0) out.push(chatCompletionChunk(this.meta, { role: 'assistant', content: '' }, null, this.includeUsage));
+    this.events++;
+    // With tools, the text is content only where it is not a tool call.
+    let text = ev.text;
+    let deltas: ToolCallDelta[] = [];
+    if (this.tools) {
+      const r = this.tools.feed(ev.text);
+      if (finish) {
+        const e = this.tools.end();
+        r.content += e.content;
+        r.deltas.push(...e.deltas);
+        if (finish === 'stop' && this.tools.called) finish = 'tool_calls';
+      }
+      [text, deltas] = [r.content, r.deltas];
+    }
+    this.text += text;
+    this.finishReason = finish;
+    const lps = Array.isArray(ev.logprobs) && ev.logprobs.length > 0 ? ev.logprobs : null;
+    if (lps) (this.logprobs ??= []).push(...lps);
+    if (text !== '' || deltas.length > 0 || finish || lps) {
+      if (this.kind === 'chat') {
+        const delta: ChatDelta = {};
+        if (text !== '') delta.content = text;
+        if (deltas.length > 0) delta.tool_calls = deltas;
+        out.push(chatCompletionChunk(this.meta, delta, finish, this.includeUsage, lps ? chatLogprobs(lps) : null));
+      } else {
+        out.push(completionChunk(this.meta, ev.text, finish, this.includeUsage, lps ? completionLogprobs(lps, this.lpOffset) : null));
+      }
+    }
+    if (lps) for (const lp of lps) this.lpOffset += lp.token.length;
+    return out;
+  }
+
+  get usage(): Usage {
+    return usageOf(this.promptTokens, this.completionTokens, this.cachedTokens);
+  }
+
+  /** Chunks after the finish event (the usage chunk when requested). `[DONE]` is the caller's. */
+  tail(): (TextCompletion | ChatCompletionChunk)[] {
+    return this.includeUsage ? [usageChunk(this.kind, this.meta, this.usage)] : [];
+  }
+
+  /** The non-stream response. @throws Error when called before the finish event. */
+  response(): TextCompletion | ChatCompletion {
+    if (!this.finishReason) throw new Error('response() before the finish event');
+    return this.kind === 'chat'
+      ? chatCompletionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? chatLogprobs(this.logprobs) : null, this.tools?.calls ?? [])
+      : completionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? completionLogprobs(this.logprobs) : null);
+  }
+}

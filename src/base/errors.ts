@@ -1,0 +1,250 @@
+/**
+ * pdserve's one error model, in the style of undici's `lib/core/errors.js`: every failure has a
+ * stable string `code` that callers and tests switch on (never the message text), and ONE table
+ * maps each code to its HTTP status, its OpenAI error `type` and whether the client or the
+ * system caused it. This module is a leaf: it imports nothing from the project, so every layer
+ * (engine, kv, api, the workers, the router) can use it without an upward import.
+ *
+ * Three shapes carry a code:
+ *  - `PdError` — thrown inside a process (engine, KV channel, envelope, state parser);
+ *  - `RoomFailure` — `{code, detail}`, why a KV room failed (the lifecycle core keeps the first
+ *    one; it travels to the peer in the wire `fail` message);
+ *  - `ApiError` — a PdError that crosses HTTP, rendered as an OpenAI error body; its `code` is
+ *    typed `ErrorCode`, so a code missing from the table fails the type check (a code read from
+ *    a peer's body goes through `asErrorCode`).
+ */
+
+export type ApiErrorType = 'invalid_request_error' | 'server_error' | 'timeout_error' | 'overloaded_error' | 'not_found_error' | 'authentication_error' | 'rate_limit_error';
+
+/** Who caused a failure: the request/its client (4xx, a cancel) or the system (5xx, a fault). */
+export type ErrorCause = 'client' | 'system';
+
+/** One row of the code table. */
+export interface CodeSpec {
+  /** HTTP status the code is answered with. */
+  status: number;
+  type: ApiErrorType;
+  cause: ErrorCause;
+}
+
+const c = (status: number, type: ApiErrorType, cause: ErrorCause): CodeSpec => ({ status, type, cause });
+const CLIENT_400 = c(400, 'invalid_request_error', 'client');
+const BAD_GATEWAY = c(502, 'server_error', 'system');
+
+/**
+ * THE code → status table. Every code a pdserve process answers with over HTTP, or records as a
+ * room failure, is here; `test/unit/errors.test.ts` checks that every `new ApiError(status,
+ * 'code', …)` in the sources agrees with it. Codes are never reused for another meaning.
+ */
+export const ERROR_CODES = {
+  // -- client-caused: the request itself or its client --------------------------------------
+  invalid_request: CLIENT_400,
+  invalid_value: CLIENT_400,
+  /** n × prompts over the router's fan-out bound. */
+  too_many_choices: CLIENT_400,
+  invalid_type: CLIENT_400,
+  missing_required_parameter: CLIENT_400,
+  invalid_json: CLIENT_400,
+  unsupported_media_type: CLIENT_400,
+  invalid_content_length: CLIENT_400,
+  context_length_exceeded: CLIENT_400,
+  /** A request-controlled count (messages, input_ids) over its bound, refused before per-item work. */
+  request_too_large: CLIENT_400,
+  empty_prompt: CLIENT_400,
+  invalid_token: CLIENT_400,
+  /** A second live request with the same `rid` on one worker (vLLM answers 400 too). */
+  duplicate_rid: CLIENT_400,
+  /** A second live room with the same bootstrap_room on one worker. */
+  duplicate_room: c(409, 'invalid_request_error', 'client'),
+  body_too_large: c(413, 'invalid_request_error', 'client'),
+  /** A request field pdserve does not know (refused by name, not ignored). */
+  unrecognized_argument: CLIENT_400,
+  /** A known field with a value pdserve does not support. */
+  unsupported_value: CLIENT_400,
+  not_found: c(404, 'not_found_error', 'client'),
+  model_not_found: c(404, 'not_found_error', 'client'),
+  worker_not_found: c(404, 'not_found_error', 'client'),
+  trace_not_found: c(404, 'not_found_error', 'client'),
+  method_not_allowed: c(405, 'invalid_request_error', 'client'),
+  /** No API key, or not one of the configured keys (OpenAI's code and type). */
+  invalid_api_key: c(401, 'authentication_error', 'client'),
+  /** A worker endpoint called without a valid, fresh, unused request signature (src/runtime/request-auth.ts). */
+  unauthenticated: c(401, 'authentication_error', 'client'),
+  /** A /generate naming a bootstrap address that is not one of the prefill workers decode knows. */
+  unknown_bootstrap_address: CLIENT_400,
+  /** The edge's admission refused the request (concurrency queue full or timed out, or the key's rate): retry after `retry-after`. */
+  rate_limited: c(429, 'rate_limit_error', 'client'),
+  /** The request was cancelled by its client, or by the router on the client's behalf. */
+  request_aborted: c(499, 'invalid_request_error', 'client'),
+  client_closed_request: c(499, 'invalid_request_error', 'client'),
+  /**
+   * Router ↔ decode only, never sent to a client: decode was asked for a decode-local
+   * continuation but the prompt's uncached suffix is over its `local_prefill` limit; nothing was
+   * created, and the router runs the request on the normal PD path.
+   */
+  needs_prefill: c(409, 'invalid_request_error', 'client'),
+  // -- system faults ---------------------------------------------------------------------------
+  internal_error: c(500, 'server_error', 'system'),
+  /** The engine (llama.cpp) failed evaluating, saving or loading a sequence. */
+  engine_failed: c(500, 'server_error', 'system'),
+  generation_aborted: c(500, 'server_error', 'system'),
+  /** The KV transfer broke: connection gone mid-send, chunk out of place, bad announced size. */
+  kv_transfer_failed: BAD_GATEWAY,
+  /** The received KV state failed validation (envelope, checksum, ggsq walk). */
+  bad_state: BAD_GATEWAY,
+  /** The KV connection to the room's peer closed or went silent. */
+  peer_lost: BAD_GATEWAY,
+  /** Decode could not open (or authenticate) a KV connection to the room's prefill. */
+  peer_unreachable: BAD_GATEWAY,
+  /** The peer refused the room's registration (unknown room, registered elsewhere, too many pending). */
+  registration_refused: BAD_GATEWAY,
+  /** Prefill and decode were started with different model or context settings: they never pair. */
+  settings_mismatch: BAD_GATEWAY,
+  bad_worker_event: BAD_GATEWAY,
+  bad_worker_answer: BAD_GATEWAY,
+  prefill_stream_truncated: BAD_GATEWAY,
+  decode_stream_truncated: BAD_GATEWAY,
+  prefill_unreachable: BAD_GATEWAY,
+  decode_unreachable: BAD_GATEWAY,
+  /** A worker refused the router's signed request (it runs with another cluster secret): it leaves the rotation, the request is retried elsewhere. */
+  worker_unauthenticated: BAD_GATEWAY,
+  prefill_failed: BAD_GATEWAY,
+  decode_failed: BAD_GATEWAY,
+  /** A worker answered an error whose code is not in this table (a newer or foreign peer). */
+  prefill_error: BAD_GATEWAY,
+  decode_error: BAD_GATEWAY,
+  /** n > 1: a choice of the group failed or never joined, so the group's one prefill request could not be sent. */
+  choice_group_incomplete: c(503, 'server_error', 'system'),
+  /** /v1/responses: the server's own chat path (its loopback request) did not answer or broke its stream. */
+  chat_path_failed: BAD_GATEWAY,
+  queue_full: c(503, 'overloaded_error', 'system'),
+  queue_timeout: c(503, 'overloaded_error', 'system'),
+  shutting_down: c(503, 'server_error', 'system'),
+  /** A process draining on SIGTERM refuses new work (../runtime/drain.ts); the router re-dispatches it. */
+  draining: c(503, 'server_error', 'system'),
+  no_healthy_prefill: c(503, 'server_error', 'system'),
+  no_healthy_decode: c(503, 'server_error', 'system'),
+  /** Healthy prefill and decode workers exist, but no pair shares the same settings. */
+  no_compatible_pair: c(503, 'server_error', 'system'),
+  /** A room phase's deadline passed (watchdog). */
+  room_deadline_expired: c(504, 'timeout_error', 'system'),
+  timeout: c(504, 'timeout_error', 'system'),
+} as const satisfies Record<string, CodeSpec>;
+
+export type ErrorCode = keyof typeof ERROR_CODES;
+
+/** True when `code` is in the table. */
+export function isErrorCode(code: unknown): code is ErrorCode {
+  return typeof code === 'string' && Object.prototype.hasOwnProperty.call(ERROR_CODES, code);
+}
+
+/** `code` when it is in the table, else `fallback`: for codes read from a peer's error body. */
+export function asErrorCode(code: unknown, fallback: ErrorCode): ErrorCode {
+  return isErrorCode(code) ? code : fallback;
+}
+
+/** The table row of `code`; unknown codes are system faults answered 500. */
+export function codeSpec(code: string): CodeSpec {
+  return isErrorCode(code) ? ERROR_CODES[code] : ERROR_CODES.internal_error;
+}
+
+/** Whether the client (4xx, cancel) or the system (5xx) caused a failure with this code. */
+export function causeOf(code: string): ErrorCause {
+  return codeSpec(code).cause;
+}
+
+/**
+ * Why a KV room failed: a stable code and a human detail. The lifecycle core keeps the first one
+ * (first failure wins); the wire `fail` message carries both to the peer.
+ */
+export interface RoomFailure {
+  code: ErrorCode;
+  detail: string;
+}
+
+/** Build a RoomFailure. */
+export const failure = (code: ErrorCode, detail: string): RoomFailure => ({ code, detail });
+
+/** "code: detail", for logs and timelines. */
+export const failureText = (f: RoomFailure): string => `${f.code}: ${f.detail}`;
+
+/**
+ * The one base class of pdserve's errors (undici's `UndiciError`): `code` is the stable
+ * identity, `message` is for humans. Thrown inside processes with an internal code (the
+ * engine's, the KV channel's, the state parser's: `errorCodeOf` maps them to the table); its
+ * subclass `ApiError` carries a table code, checked by the type system.
+ */
+export class PdError extends Error {
+  constructor(
+    public readonly code: string,
+    message: string,
+  ) {
+    super(message);
+    this.name = 'PdError';
+  }
+}
+
+/** Errors that cross the HTTP boundary: a code from the table, its status and OpenAI `type`. */
+export class ApiError extends PdError {
+  constructor(
+    public readonly status: number,
+    public override readonly code: ErrorCode,
+    message: string,
+    public readonly type: ApiErrorType = status < 500 ? 'invalid_request_error' : 'server_error',
+    public readonly param: string | null = null,
+  ) {
+    super(code, message);
+    this.name = 'ApiError';
+  }
+
+  /** An ApiError whose status and type come from the code table. */
+  static of(code: ErrorCode, message: string, param: string | null = null): ApiError {
+    const s = ERROR_CODES[code];
+    return new ApiError(s.status, code, message, s.type, param);
+  }
+
+  /** The room failure as the HTTP error the worker answers with. */
+  static fromFailure(f: RoomFailure): ApiError {
+    return ApiError.of(f.code, f.detail);
+  }
+
+  /** OpenAI error body: {error: {message, type, param, code}}. */
+  toBody(): { error: { message: string; type: string; param: string | null; code: string } } {
+    return { error: { message: this.message, type: this.type, param: this.param, code: this.code } };
+  }
+}
+
+/**
+ * Codes thrown inside processes (PdError and its subclasses: the engine's, the KV channel's, the
+ * state parser's) → the table's code they are answered with.
+ */
+const INTERNAL_TO_API: Readonly<Record<string, ErrorCode>> = {
+  PROMPT_TOO_LONG: 'context_length_exceeded',
+  EMPTY_PROMPT: 'empty_prompt',
+  INVALID_TOKEN: 'invalid_token',
+  DUPLICATE_ROOM: 'duplicate_room',
+  ABORTED: 'request_aborted',
+  TIMEOUT: 'timeout',
+  QUEUE_FULL: 'queue_full',
+  BAD_STATE: 'bad_state',
+  BAD_ENVELOPE: 'bad_state',
+  PEER_LOST: 'peer_lost',
+  AUTH_FAILED: 'peer_unreachable',
+  SETTINGS_MISMATCH: 'settings_mismatch',
+};
+
+/** The table code of any thrown value (ApiError/PdError codes mapped; anything else internal_error). */
+export function errorCodeOf(err: unknown): ErrorCode {
+  const code = (err as { code?: unknown })?.code;
+  if (typeof code !== 'string') return 'internal_error';
+  if (isErrorCode(code)) return code;
+  return INTERNAL_TO_API[code] ?? 'internal_error';
+}
+
+/** Map any thrown value to an ApiError through the table (unknown errors become 500 internal_error). */
+export function toApiError(err: unknown): ApiError {
+  if (err instanceof ApiError) return err;
+  const message = typeof (err as { message?: unknown })?.message === 'string' ? (err as Error).message : String(err);
+  const param = (err as { code?: unknown })?.code === 'PROMPT_TOO_LONG' ? 'prompt' : null;
+  return ApiError.of(errorCodeOf(err), message, param);
+}

@@ -1,0 +1,46 @@
+/**
+ * BENCHMARKS.md §7's agents at scale (bench/results/s7-agents-scale.json,
+ * `PDSERVE_BENCH_AGENTS_SCALE=1 npm run bench -- --sections 7`): N agents × R growing rounds at
+ * once on 1 prefill + 2 decode workers with the host prefix store, without it, and colocated
+ * (`runAgentsScale` in ./agents.ts), and the many-agents goals read from it.
+ */
+import { agentsScaleTable, type ScaleRun } from './agents.js';
+import { fmt, fmtRatio } from './util.js';
+
+/** What the suite saves for the scale run. */
+export interface AgentsScaleResult {
+  /** The generated model's name (tiny / small) or a file. */
+  model: string;
+  rounds: number;
+  decode: number;
+  cfg: { systemTokens: number; toolTokens: number; outputTokens: number };
+  slo: { ttftMs: number; tpotMs: number };
+  runs: ScaleRun[];
+}
+
+/** Goal bounds (the issue's numbers). */
+export const SCALE_GOALS = { cachedShare: 0.8, ttftRatio: 1.5, fallbackShare: 0.02, goodputVsColo: 1.5 };
+
+/** The many-agents goals, one row each, from the PD + store setup (goodput against colocated at each concurrency). */
+export function agentsScaleGoals(r: AgentsScaleResult): { goal: string; detail: string; met: boolean }[] {
+  const levels = [...new Set(r.runs.map((x) => x.concurrency))].sort((a, b) => a - b);
+  const at = (s: ScaleRun['scale'], c: number) => r.runs.find((x) => x.scale === s && x.concurrency === c);
+  const pd = levels.map((c) => ({ c, run: at('pd_store', c), colo: at('colo', c) })).filter((x) => x.run);
+  const each = (f: (x: (typeof pd)[number]) => string) => pd.map((x) => `${x.c} agents: ${f(x)}`).join(', ');
+  const share = (x: ScaleRun) => (x.rounds.length ? x.fallbacks / x.rounds.length : 0);
+  const tag = `${r.model} model, ${r.rounds} rounds, PD + decode-local + prefix store`;
+  return [
+    { goal: `cached share of prompt tokens over rounds 2+ ≥ ${SCALE_GOALS.cachedShare * 100} % (${tag})`, detail: each((x) => `${fmt(x.run!.cachedShare * 100, 0)} %`), met: pd.length > 0 && pd.every((x) => x.run!.cachedShare >= SCALE_GOALS.cachedShare) },
+    { goal: `round-${r.rounds} / round-1 TTFT ≤ ${SCALE_GOALS.ttftRatio} (${tag})`, detail: each((x) => fmtRatio(x.run!.ttftRatio)), met: pd.length > 0 && pd.every((x) => x.run!.ttftRatio <= SCALE_GOALS.ttftRatio) },
+    { goal: `decode-local fallbacks ≤ ${SCALE_GOALS.fallbackShare * 100} % of requests (${tag})`, detail: each((x) => `${x.run!.fallbacks} of ${x.run!.rounds.length} (${fmt(share(x.run!) * 100, 1)} %)`), met: pd.length > 0 && pd.every((x) => share(x.run!) <= SCALE_GOALS.fallbackShare) },
+    { goal: `PD agent goodput ≥ ${SCALE_GOALS.goodputVsColo} × colocated (${tag})`, detail: each((x) => `${fmt(x.run!.goodput, 2)} vs ${fmt(x.colo?.goodput, 2)} rounds/s`), met: pd.length > 0 && pd.every((x) => x.colo !== undefined && x.run!.goodput >= SCALE_GOALS.goodputVsColo * x.colo.goodput) },
+  ];
+}
+
+/** The subsection's placeholder `{{s7_scale}}`: provenance, the table and the goals (the prose is in report.md). */
+export function agentsScaleReport(r: AgentsScaleResult | undefined, prov: string): string[] {
+  if (!r?.runs?.length) return ['_Not run yet._'];
+  const L = [prov, '', `Model: the generated **${r.model}** model; ${r.rounds} rounds; 1 prefill (1 slot) + ${r.decode} decode workers.`, '', ...agentsScaleTable(r.runs, r.rounds), '', '**Goals:**', ''];
+  for (const g of agentsScaleGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
+  return L;
+}

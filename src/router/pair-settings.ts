@@ -1,0 +1,34 @@
+/**
+ * Pair settings of the router's workers: read from /health, compared between a prefill and a
+ * decode (../kv/handshake.ts `settingsMismatch`, the rule the KV handshake enforces).
+ */
+import { settingsMismatch } from '../kv/handshake.js';
+import type { PairSettings } from '../kv/messages.js';
+import type { WorkerState } from './worker-state.js';
+
+/** PairSettings from a /health body's `settings`, or null when absent or malformed. */
+export function settingsFromHealth(v: unknown): PairSettings | null {
+  const s = v as Partial<PairSettings> | null;
+  if (!s || typeof s !== 'object') return null;
+  if (typeof s.fingerprint !== 'string' || typeof s.contextSize !== 'number' || typeof s.batchSize !== 'number' || typeof s.flashAttention !== 'boolean') return null;
+  return { fingerprint: s.fingerprint, contextSize: s.contextSize, batchSize: s.batchSize, flashAttention: s.flashAttention, ...(typeof s.kvCacheType === 'string' ? { kvCacheType: s.kvCacheType } : {}) };
+}
+
+/** Why `a` and `b` cannot pair ("contextSize 1024 ≠ 2048"), or undefined. Unknown settings pair (older workers). */
+export function pairMismatch(a: WorkerState, b: WorkerState): string | undefined {
+  if (!a.settings || !b.settings) return undefined;
+  return settingsMismatch(a.settings, b.settings);
+}
+
+/**
+ * The `mismatch` reason of GET /workers for `w`: set when healthy workers of the other role exist
+ * but none can pair with `w`; names the first one and what differs. null otherwise.
+ */
+export function mismatchOf(w: WorkerState, workers: readonly WorkerState[]): string | null {
+  const others = workers.filter((o) => o.role !== w.role && o.healthy);
+  if (!w.healthy || others.length === 0) return null;
+  const reasons = others.map((o) => ({ o, why: pairMismatch(w, o) }));
+  if (reasons.some((r) => r.why === undefined)) return null;
+  const first = reasons[0]!;
+  return `settings mismatch with ${first.o.role} ${first.o.url}: ${first.why}${others.length > 1 ? ` (and ${others.length - 1} more ${first.o.role} workers)` : ''}`;
+}

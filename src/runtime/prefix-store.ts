@@ -1,0 +1,575 @@
+/**
+ * The host-wide prefix store: the states of finished sequences that the engines' first tier
+ * evicts (engine/llama.ts: write-back), as files in the state directory, shared
+ * by every worker process on the host (prefill, decode, colocated) with no channel between them
+ * — the directory is the index. The engine's second prefix-cache tier (engine/prefix-store.ts
+ * has the keys and the engine's seam). The idea is llama.cpp server's `--cache-ram` (finished
+ * prompts kept in host RAM and swapped into a slot) and SGLang HiCache's host tier, over files,
+ * because node-llama-cpp moves sequence state through files only.
+ *
+ * Files (names in `dir`):
+ *   pdserve-store-<key>.pdkv              an entry: `key` = the chain key of its first K tokens
+ *   pdserve-storetmp-<pid>-<hex>[-env].ggsq  a write in progress (owner pid in the name)
+ *   pdserve-storeload-<pid>-<hex>.ggsq    a validated copy re-framed for one engine, being loaded
+ * An entry is a KV envelope (kv/envelope.ts: head with the model fingerprint and context
+ * settings, payload = the ggsq state, CRC-32 trailer) — the bytes a TCP handoff carries.
+ *
+ * Safety:
+ *   - Atomic publication: llama.cpp saves into a temp file, the envelope is written to another
+ *     temp file, which is renamed onto the entry's name (rename(2) in one directory is atomic).
+ *     No reader ever sees a partial entry; two processes storing the same prefix at once each
+ *     rename a complete file and the last one wins.
+ *   - Validated before llama.cpp reads a byte, exactly as a handed-over state: the envelope
+ *     (head digest, fingerprint, contextSize, batchSize, size bound, CRC-32 of the payload) and
+ *     the whole ggsq structure walk (engine/ggsq.ts), n_tokens equal in both, the file's first K
+ *     tokens equal to the prompt's (a hash collision or a misnamed file is refused). A file that
+ *     fails is refused, removed, counted, and the lookup goes on to a shorter key. Only a private
+ *     copy (the validated bytes, re-framed to the engine's n_stream) is handed to llama.cpp, so
+ *     an entry replaced or evicted meanwhile cannot change what is loaded.
+ *   - Crashes: temp and load files carry the writer's pid; files of dead pids are swept (at
+ *     bind and every STATE_SWEEP_MS: statefiles.ts, also run by prefill and decode).
+ *   - Never blocks the event loop: fs.promises only; the synchronous work per lookup is one
+ *     CRC-32 (≈9 GB/s) and a header walk.
+ *
+ * Budget and LRU: every process keeps the directory's entries within `maxBytes` (its own
+ * `--prefix-store-bytes`; with several values on a host the smallest wins in effect): after
+ * each write and every SCAN_MS it lists the entries, and removes the least recently used (mtime:
+ * set at write and on every hit) until the total fits. Evictions by two processes at once may
+ * remove a little more than needed, never an entry in use (loads read a private copy).
+ */
+import { randomBytes } from 'node:crypto';
+import { systemClock } from '../base/clock.js';
+import { promises as fsp, statfsSync } from 'node:fs';
+import os from 'node:os';
+import { join } from 'node:path';
+import client from 'prom-client';
+import { parseStateFile, reframedParts } from '../engine/ggsq.js';
+import { reusableTokens } from '../engine/prefix-cache.js';
+import { cacheKeyOf, keyChain, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore, type StoredPrefix, type StoreIdentity, type StoreWrite } from '../engine/prefix-store.js';
+import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PREFIX_BYTES, envelopeTrailer, MAX_ENVELOPE_HEADER_BYTES, parseEnvelopeHead } from '../kv/envelope.js';
+import { crc32 } from '../kv/transfer/checksum.js';
+import type { Logger } from '../base/log.js';
+import { STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles.js';
+
+/** An entry's file name. */
+const ENTRY = /^pdserve-store-([0-9a-f]{32})\.pdkv$/;
+/** Period of the budget scan (also refreshes the bytes/files gauges), ms. */
+export const SCAN_MS = 5000;
+/**
+ * Most store writes in flight per process (begun, saving or publishing); a finished sequence
+ * beyond it is not stored (a cache may drop). Agents finish rounds in bursts (30 agents on two
+ * decode workers: a dozen evictions at once per worker), so the bound is well above that.
+ */
+export const MAX_PENDING_WRITES = 32;
+/** Most publications (a state read into memory, enveloped, written) at once per process: bounds the memory they hold. */
+export const MAX_PUBLISHING = 2;
+/** Longest a lookup waits for this process's own write of a candidate key, ms. */
+export const PENDING_WAIT_MS = 2000;
+
+/**
+ * Default `--prefix-store-bytes`: ¼ of the state directory's filesystem, at most ⅛ of RAM. On
+ * tmpfs (/dev/shm, 50 % of RAM by default) the files are RAM: ¼ leaves the rest of the tmpfs to
+ * in-flight handoffs, and ⅛ of RAM bounds it on a disk or a larger tmpfs (24 GiB host → 3 GiB).
+ * @returns bytes (0 when the directory cannot be read: the store is then off).
+ */
+export function defaultPrefixStoreBytes(dir: string): number {
+  const ram = Math.floor(os.totalmem() / 8);
+  try {
+    const s = statfsSync(dir);
+    return Math.min(Math.floor((s.blocks * s.bsize) / 4), ram);
+  } catch {
+    return 0;
+  }
+}
+
+/**
+ * `size` bytes of an open file into one new buffer, in as few reads as the kernel allows (one on
+ * tmpfs): FileHandle#readFile reads 512 KiB per libuv round trip, which took 2–3× as long for a
+ * 32 MiB state on this machine under load.
+ * @throws Error when the file ends before `size` bytes.
+ */
+async function readWhole(fh: fsp.FileHandle, size: number): Promise<Buffer> {
+  const buf = Buffer.allocUnsafe(size);
+  let off = 0;
+  while (off < size) {
+    const { bytesRead } = await fh.read(buf, off, size - off, off);
+    if (bytesRead === 0) throw new Error(`file ended at byte ${off} of ${size}`);
+    off += bytesRead;
+  }
+  return buf;
+}
+
+/** Why a stored file was refused (the `reason` label). */
+export type RefusedReason = 'bad_envelope' | 'bad_state' | 'key_mismatch' | 'too_large';
+
+export interface FilePrefixStoreOptions {
+  /** The state directory (shared by the host's workers). */
+  dir: string;
+  /** Byte budget of all entries in `dir` (LRU beyond); > 0. */
+  maxBytes: number;
+  /** Store finished sequences (false: this process only reads; prefill, whose prompt-only states decode's prompt + reply states supersede). */
+  write?: boolean;
+  /** Largest entry read or written, bytes (the worker's maxStateBytes). Default maxBytes. */
+  maxFileBytes?: number;
+  /**
+   * Tokens per key block. Default: the deterministic chunk size when the engine has one (reuse is
+   * in whole chunks there, so a key then ends exactly where the reusable prefix does), else
+   * STORE_BLOCK_TOKENS.
+   */
+  blockTokens?: number;
+  /** Registry for the store's metrics (pdserve_prefix_store_*). */
+  registry?: client.Registry;
+  /** Called once per lookup that probed the store: hit or miss (PrefixCacheMetrics.recordTier). */
+  onLookup?: ((hit: boolean) => void) | undefined;
+  log?: Logger;
+  /** Scan period, ms (default SCAN_MS). */
+  scanMs?: number;
+}
+
+/** Counts of one store (what its metrics show). */
+export interface PrefixStoreStats {
+  /** Entries and their bytes in the directory at the last scan (every process's). */
+  files: number;
+  bytes: number;
+  hits: number;
+  misses: number;
+  hitTokens: number;
+  writes: number;
+  /** Finished sequences not stored because MAX_PENDING_WRITES were in flight, or a write failed. */
+  dropped: number;
+  evictions: number;
+  refused: Record<RefusedReason, number>;
+}
+
+/** The prefix store over files (see the module doc). Create one per worker; loadEngine binds it. */
+export class FilePrefixStore implements PrefixStore {
+  /** Tokens per key block (set by bind unless given). */
+  blockTokens: number;
+  readonly stats: PrefixStoreStats = { files: 0, bytes: 0, hits: 0, misses: 0, hitTokens: 0, writes: 0, dropped: 0, evictions: 0, refused: { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0 } };
+  private id: StoreIdentity | undefined;
+  private ns = '';
+  private pendingWrites = 0;
+  /** Publications running, and those waiting for a turn (MAX_PUBLISHING). */
+  private publishing = 0;
+  private readonly publishQueue: (() => void)[] = [];
+  /** Keys being written by this process → settles when the write is published or given up. */
+  private readonly writing = new Map<string, Promise<void>>();
+  private scanning: Promise<void> | null = null;
+  private rescan = false;
+  private timer: NodeJS.Timeout | null = null;
+  private lastSweep = 0;
+  private readonly listeners = new Set<(e: KvCacheEvent) => void>();
+  private closed = false;
+  private readonly counters: { lookups?: client.Counter<'result'>; refused?: client.Counter<'reason'>; evictions?: client.Counter; writes?: client.Counter; hitTokens?: client.Counter; dropped?: client.Counter } = {};
+
+  constructor(private readonly o: FilePrefixStoreOptions) {
+    if (!Number.isSafeInteger(o.maxBytes) || o.maxBytes <= 0) throw new RangeError('maxBytes must be a positive integer');
+    this.blockTokens = o.blockTokens ?? STORE_BLOCK_TOKENS;
+    if (!Number.isSafeInteger(this.blockTokens) || this.blockTokens < 1) throw new RangeError('blockTokens must be a positive integer');
+    if (o.registry) this.registerMetrics(o.registry, o.onLookup);
+  }
+
+  /** Entries' budget, bytes. */
+  get maxBytes(): number {
+    return this.o.maxBytes;
+  }
+
+  bind(id: StoreIdentity): void {
+    this.id = id;
+    this.ns = storeNamespace(id);
+    if (this.o.blockTokens === undefined) this.blockTokens = id.align ?? STORE_BLOCK_TOKENS;
+    this.lastSweep = systemClock.nowMs();
+    void sweepStaleStateFiles(this.o.dir, this.o.log);
+    this.scheduleScan();
+    this.timer = setInterval(() => this.tick(), this.o.scanMs ?? SCAN_MS);
+    this.timer.unref();
+  }
+
+  /** Stop the scan timer (pending writes finish on their own). Idempotent. */
+  close(): void {
+    this.closed = true;
+    if (this.timer) clearInterval(this.timer);
+    this.timer = null;
+  }
+
+  /** Subscribe to stored / evicted events of this process's store operations; returns the unsubscribe function. */
+  onEvent(fn: (e: KvCacheEvent) => void): () => void {
+    this.listeners.add(fn);
+    return () => this.listeners.delete(fn);
+  }
+
+  /** Path of the entry with chain key `key`. */
+  entryPath(key: string): string {
+    return join(this.o.dir, `pdserve-store-${key}.pdkv`);
+  }
+
+  private tmpPath(kind: 'storetmp' | 'storeload'): string {
+    return join(this.o.dir, `pdserve-${kind}-${process.pid}-${randomBytes(8).toString('hex')}.ggsq`);
+  }
+
+  private emit(e: KvCacheEvent): void {
+    for (const fn of this.listeners) {
+      try {
+        fn(e);
+      } catch (err) {
+        this.o.log?.warn({ err: String(err) }, 'prefix store event listener threw');
+      }
+    }
+  }
+
+  /** The chain keys a prompt may be served from (longest first) with their token counts. */
+  private candidates(prompt: readonly number[], minReuse: number): { key: string; tokens: number }[] {
+    const id = this.id!;
+    const B = this.blockTokens;
+    const maxBlocks = Math.floor(Math.min(prompt.length - 1, id.compat.contextSize) / B);
+    if (maxBlocks * B <= minReuse) return [];
+    const chain = keyChain(this.ns, prompt, maxBlocks, B);
+    const out: { key: string; tokens: number }[] = [];
+    for (let m = chain.length; m >= 1 && m * B > minReuse; m--) out.push({ key: chain[m - 1]!, tokens: m * B });
+    return out;
+  }
+
+  /**
+   * The candidates whose entry exists, longest first (all probed at once: one access(2) each on
+   * libuv's pool) — after this process's own writes of any of them settled (PENDING_WAIT_MS at
+   * most) — or undefined when there were no candidates at all (no lookup to count).
+   */
+  private async present(cands: { key: string; tokens: number }[]): Promise<{ key: string; tokens: number }[] | undefined> {
+    if (cands.length === 0) return undefined;
+    const waits = cands.map((c) => this.writing.get(c.key)).filter((p) => p !== undefined);
+    if (waits.length > 0) {
+      let t: NodeJS.Timeout | undefined;
+      await Promise.race([Promise.all(waits), new Promise<void>((r) => (t = setTimeout(r, PENDING_WAIT_MS)))]);
+      clearTimeout(t);
+    }
+    const here = await Promise.all(cands.map((c) => fsp.access(this.entryPath(c.key)).then(() => true, () => false)));
+    return cands.filter((_, i) => here[i]);
+  }
+
+  async reusable(prompt: readonly number[]): Promise<number> {
+    const id = this.id;
+    if (!id || this.closed) return 0;
+    const c = (await this.present(this.candidates(prompt, 0)))?.[0];
+    if (!c) return 0;
+    // deterministic: the key ends at the exact prefix (whole chunks, when they are the blocks);
+    // else the entry's length from its head: the prompt usually continues the whole stored sequence
+    if (id.align !== null) return Math.floor(c.tokens / id.align) * id.align;
+    const held = await this.entryTokens(this.entryPath(c.key));
+    return Math.max(c.tokens, Math.min(held ?? 0, prompt.length - 1));
+  }
+
+  async take(prompt: readonly number[], minReuse: number): Promise<StoredPrefix | undefined> {
+    const id = this.id;
+    if (!id || this.closed) return undefined;
+    const cands = await this.present(this.candidates(prompt, minReuse));
+    if (cands === undefined) return undefined;
+    for (const c of cands) {
+      const path = this.entryPath(c.key);
+      let buf: Buffer;
+      let ino = 0;
+      try {
+        const fh = await fsp.open(path, 'r');
+        try {
+          const st = await fh.stat();
+          ino = st.ino;
+          if (st.size > (this.o.maxFileBytes ?? this.o.maxBytes)) {
+            await this.refuse(path, c, ino, 'too_large', `${st.size} bytes`);
+            continue;
+          }
+          buf = await readWhole(fh, st.size);
+        } finally {
+          await fh.close();
+        }
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code !== 'ENOENT') this.o.log?.warn({ path, err: String(err) }, 'prefix store: entry unreadable');
+        continue;
+      }
+      let parsed: { payload: Buffer; st: ReturnType<typeof parseStateFile> };
+      try {
+        parsed = this.validate(buf, prompt, c.tokens);
+      } catch (err) {
+        const e = err as { code?: string; message?: string };
+        const reason: RefusedReason = e.code === 'BAD_ENVELOPE' ? 'bad_envelope' : e.code === 'KEY_MISMATCH' ? 'key_mismatch' : 'bad_state';
+        await this.refuse(path, c, ino, reason, e.message ?? String(err));
+        continue;
+      }
+      const { payload, st } = parsed;
+      const exactPrefix = id.align === null ? st.nTokens : c.tokens;
+      const reuse = reusableTokens(st.tokens, exactPrefix, prompt, id.align);
+      if (reuse <= minReuse) break; // a shorter key serves no more
+      const loadPath = this.tmpPath('storeload');
+      try {
+        const fh = await fsp.open(loadPath, 'wx');
+        try {
+          await fh.writev(reframedParts(payload, st, id.nStream));
+        } finally {
+          await fh.close();
+        }
+      } catch (err) {
+        await fsp.rm(loadPath, { force: true }).catch(() => {});
+        this.o.log?.warn({ err: String(err) }, 'prefix store: cannot write the load copy');
+        break;
+      }
+      const now = new Date(systemClock.wallMs()); // a file's mtime is a wall-clock date
+      void fsp.utimes(path, now, now).catch(() => {}); // LRU: a hit is a use
+      this.stats.hits++;
+      this.stats.hitTokens += reuse;
+      this.counters.lookups?.inc({ result: 'hit' });
+      this.counters.hitTokens?.inc(reuse);
+      this.o.onLookup?.(true);
+      return { path: loadPath, tokens: st.tokens, reuse, exactPrefix, done: () => fsp.rm(loadPath, { force: true }).catch(() => {}) };
+    }
+    this.stats.misses++;
+    this.counters.lookups?.inc({ result: 'miss' });
+    this.o.onLookup?.(false);
+    return undefined;
+  }
+
+  /** Envelope + ggsq walk + key check of an entry's bytes. @throws coded errors (BAD_ENVELOPE, BAD_STATE, KEY_MISMATCH). */
+  private validate(buf: Buffer, prompt: readonly number[], keyTokens: number): { payload: Buffer; st: ReturnType<typeof parseStateFile> } {
+    const id = this.id!;
+    const { contextSize, batchSize, nLayer } = id.compat;
+    const { header, payload } = decodeEnvelope(buf, { fingerprint: id.fingerprint, contextSize, batchSize, maxPayloadBytes: this.o.maxFileBytes ?? this.o.maxBytes });
+    const st = parseStateFile(payload, { contextSize, nLayer, nVocab: id.nVocab, maxBytes: payload.length });
+    if (st.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${st.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
+    if (st.nTokens < keyTokens) throw Object.assign(new Error(`state holds ${st.nTokens} tokens, its key covers ${keyTokens}`), { code: 'KEY_MISMATCH' });
+    for (let i = 0; i < keyTokens; i++) if (st.tokens[i] !== prompt[i]) throw Object.assign(new Error(`token ${i} differs from the key's`), { code: 'KEY_MISMATCH' });
+    return { payload, st };
+  }
+
+  /** Remove a refused entry (unless another file was renamed onto its name meanwhile) and count it. */
+  private async refuse(path: string, c: { key: string; tokens: number }, ino: number, reason: RefusedReason, detail: string): Promise<void> {
+    this.stats.refused[reason]++;
+    this.counters.refused?.inc({ reason });
+    this.o.log?.warn({ path, reason, detail }, 'prefix store: entry refused and removed');
+    try {
+      if ((await fsp.stat(path)).ino !== ino) return;
+      await fsp.rm(path, { force: true });
+      this.emit({ kind: 'evicted', tier: 'store', key: c.key, tokens: c.tokens, bytes: 0 });
+    } catch {
+      /* gone already */
+    }
+  }
+
+  async begin(tokens: readonly number[], exactPrefix: number): Promise<StoreWrite | undefined> {
+    const id = this.id;
+    if (!id || this.closed || this.o.write === false) return undefined;
+    // The same key (whole blocks) may be reached again by a longer state of the same
+    // conversation: that one replaces the entry (its reply serves the next round).
+    const named = cacheKeyOf(this.ns, tokens, exactPrefix, id.align, this.blockTokens);
+    if (!named) return undefined;
+    if (this.pendingWrites >= MAX_PENDING_WRITES) {
+      this.drop();
+      return undefined;
+    }
+    const { key, tokens: keyTokens } = named;
+    const final = this.entryPath(key);
+    this.pendingWrites++;
+    // Registered before the first await: a lookup of this key in this process waits for it
+    // (the next round of a conversation often arrives while its previous round is being stored).
+    let settled = false;
+    let wake!: () => void;
+    const written = new Promise<void>((r) => (wake = r));
+    this.writing.set(key, written);
+    const settle = (): void => {
+      if (!settled) {
+        this.pendingWrites--;
+        if (this.writing.get(key) === written) this.writing.delete(key);
+        wake();
+      }
+      settled = true;
+    };
+    const held = await this.entryTokens(final);
+    if (held !== undefined && held >= tokens.length) {
+      settle();
+      return undefined; // stored already (by this or another process), as long or longer
+    }
+    const raw = this.tmpPath('storetmp');
+    return {
+      path: raw,
+      commit: () => this.publishInTurn(raw, final, key, keyTokens, tokens.length).finally(settle),
+      abort: async () => {
+        settle();
+        this.drop();
+        await fsp.rm(raw, { force: true }).catch(() => {});
+      },
+    };
+  }
+
+  /** Tokens of the entry at `path` from its envelope head (one small read), or undefined (none, unreadable, not ours). */
+  private async entryTokens(path: string): Promise<number | undefined> {
+    const id = this.id!;
+    let fh: fsp.FileHandle | undefined;
+    try {
+      fh = await fsp.open(path, 'r');
+      const buf = Buffer.alloc(ENVELOPE_PREFIX_BYTES + MAX_ENVELOPE_HEADER_BYTES + ENVELOPE_DIGEST_BYTES);
+      const { bytesRead } = await fh.read(buf, 0, buf.length, 0);
+      const head = parseEnvelopeHead(buf.subarray(0, bytesRead), { fingerprint: id.fingerprint, contextSize: id.compat.contextSize, batchSize: id.compat.batchSize, maxPayloadBytes: this.o.maxFileBytes ?? this.o.maxBytes });
+      return head?.header.nTokens;
+    } catch {
+      return undefined;
+    } finally {
+      await fh?.close().catch(() => {});
+    }
+  }
+
+  private drop(): void {
+    this.stats.dropped++;
+    this.counters.dropped?.inc();
+  }
+
+  /** `publish` in turn: at most MAX_PUBLISHING at once. Never throws. */
+  private async publishInTurn(raw: string, final: string, key: string, keyTokens: number, nTokens: number): Promise<void> {
+    // a waiter inherits the turn of the publication that wakes it
+    if (this.publishing >= MAX_PUBLISHING) await new Promise<void>((r) => this.publishQueue.push(r));
+    else this.publishing++;
+    try {
+      await this.publish(raw, final, key, keyTokens, nTokens);
+    } finally {
+      const next = this.publishQueue.shift();
+      if (next) next();
+      else this.publishing--;
+    }
+  }
+
+  /** Wrap the saved state in an envelope and rename it onto its name. Never throws. */
+  private async publish(raw: string, final: string, key: string, keyTokens: number, nTokens: number): Promise<void> {
+    const id = this.id!;
+    const env = raw.replace(/\.ggsq$/, '-env.ggsq');
+    try {
+      const rf = await fsp.open(raw, 'r');
+      let payload: Buffer;
+      try {
+        payload = await readWhole(rf, (await rf.stat()).size);
+      } finally {
+        await rf.close();
+      }
+      await fsp.rm(raw, { force: true });
+      // our own bytes too: a state this engine could not load is never published
+      const st = parseStateFile(payload, { contextSize: id.compat.contextSize, nLayer: id.compat.nLayer, nVocab: id.nVocab, maxBytes: payload.length });
+      if (st.nTokens !== nTokens) throw new Error(`saved state holds ${st.nTokens} tokens, the sequence ${nTokens}`);
+      const head = encodeEnvelopeHead({ fingerprint: id.fingerprint, contextSize: id.compat.contextSize, batchSize: id.compat.batchSize, nTokens, firstToken: 0, firstIsEog: false, payloadBytes: payload.length });
+      const bytes = head.length + payload.length + 4;
+      if (bytes > Math.min(this.o.maxBytes, this.o.maxFileBytes ?? this.o.maxBytes)) {
+        this.drop();
+        return;
+      }
+      const fh = await fsp.open(env, 'wx');
+      try {
+        await fh.writev([head, payload, envelopeTrailer(crc32(payload))]);
+      } finally {
+        await fh.close();
+      }
+      await fsp.rename(env, final);
+      this.stats.writes++;
+      this.counters.writes?.inc();
+      this.emit({ kind: 'stored', tier: 'store', key, tokens: keyTokens, bytes });
+      this.scheduleScan();
+    } catch (err) {
+      this.drop();
+      this.o.log?.warn({ err: String(err) }, 'prefix store: write failed');
+    } finally {
+      await fsp.rm(raw, { force: true }).catch(() => {});
+      await fsp.rm(env, { force: true }).catch(() => {});
+    }
+  }
+
+  private tick(): void {
+    if (systemClock.nowMs() - this.lastSweep >= STATE_SWEEP_MS) {
+      this.lastSweep = systemClock.nowMs();
+      void sweepStaleStateFiles(this.o.dir, this.o.log);
+    }
+    this.scheduleScan();
+  }
+
+  /** Run a budget scan now, or once more after the running one. */
+  scheduleScan(): Promise<void> {
+    if (this.scanning) {
+      this.rescan = true;
+      return this.scanning;
+    }
+    this.scanning = (async () => {
+      do {
+        this.rescan = false;
+        await this.scan();
+      } while (this.rescan && !this.closed);
+    })().finally(() => {
+      this.scanning = null;
+    });
+    return this.scanning;
+  }
+
+  /** List the entries, evict the least recently used beyond the budget, refresh the gauges. Never throws. */
+  private async scan(): Promise<void> {
+    let names: string[];
+    try {
+      names = await fsp.readdir(this.o.dir);
+    } catch {
+      return;
+    }
+    const entries: { name: string; key: string; size: number; mtimeMs: number }[] = [];
+    for (const name of names) {
+      const m = ENTRY.exec(name);
+      if (!m) continue;
+      try {
+        const st = await fsp.stat(join(this.o.dir, name));
+        entries.push({ name, key: m[1]!, size: st.size, mtimeMs: st.mtimeMs });
+      } catch {
+        /* evicted meanwhile */
+      }
+    }
+    let total = entries.reduce((a, e) => a + e.size, 0);
+    let files = entries.length;
+    if (total > this.o.maxBytes) {
+      entries.sort((a, b) => a.mtimeMs - b.mtimeMs || (a.name < b.name ? -1 : 1));
+      for (const e of entries) {
+        if (total <= this.o.maxBytes) break;
+        try {
+          await fsp.rm(join(this.o.dir, e.name));
+          this.stats.evictions++;
+          this.counters.evictions?.inc();
+          this.emit({ kind: 'evicted', tier: 'store', key: e.key, tokens: 0, bytes: e.size });
+        } catch {
+          /* another process evicted it */
+        }
+        total -= e.size;
+        files--;
+      }
+    }
+    this.stats.bytes = total;
+    this.stats.files = files;
+  }
+
+  /**
+   * Register the store's metrics (pdserve_prefix_store_*) on `registry` and report each lookup
+   * to `onLookup` (hit or miss). Once per store.
+   */
+  registerMetrics(registry: client.Registry, onLookup?: (hit: boolean) => void): void {
+    if (onLookup) this.o.onLookup = onLookup;
+    const registers = [registry];
+    const stats = this.stats;
+    const budget = (): number => this.o.maxBytes;
+    new client.Gauge({ name: 'pdserve_prefix_store_bytes', help: "Bytes of the host's prefix store entries (state directory, last scan)", registers, collect() { this.set(stats.bytes); } });
+    new client.Gauge({ name: 'pdserve_prefix_store_files', help: "Entries of the host's prefix store (last scan)", registers, collect() { this.set(stats.files); } });
+    new client.Gauge({ name: 'pdserve_prefix_store_budget_bytes', help: 'Byte budget this process keeps the prefix store within (--prefix-store-bytes)', registers, collect() { this.set(budget()); } });
+    this.counters.lookups = new client.Counter({ name: 'pdserve_prefix_store_lookups_total', help: 'Prompts looked up in the prefix store, by result (hit, miss)', labelNames: ['result'], registers });
+    this.counters.hitTokens = new client.Counter({ name: 'pdserve_prefix_store_hit_tokens_total', help: 'Prompt tokens served from the prefix store (not evaluated again)', registers });
+    this.counters.writes = new client.Counter({ name: 'pdserve_prefix_store_writes_total', help: 'Finished sequences stored in the prefix store', registers });
+    this.counters.dropped = new client.Counter({ name: 'pdserve_prefix_store_dropped_total', help: 'Finished sequences not stored (writes in flight at the bound, or a write failed)', registers });
+    this.counters.evictions = new client.Counter({ name: 'pdserve_prefix_store_evictions_total', help: 'Prefix store entries this process evicted (LRU, over the budget)', registers });
+    this.counters.refused = new client.Counter({ name: 'pdserve_prefix_store_refused_total', help: 'Prefix store entries refused and removed, by reason', labelNames: ['reason'], registers });
+  }
+}
+
+/**
+ * The store a worker's config asks for, or undefined (prefix cache off, `prefixStoreBytes` 0,
+ * or a folder whose size cannot be read with no budget given).
+ * @param engine the worker's engine config; `stateDir` its state directory (the default folder).
+ */
+export function openPrefixStore(engine: { prefixCacheTokens: number; prefixStoreBytes?: number | undefined; prefixStoreDir?: string | undefined }, stateDir: string, o: { write: boolean; maxFileBytes?: number; log?: Logger }): FilePrefixStore | undefined {
+  if (engine.prefixCacheTokens <= 0) return undefined;
+  const dir = engine.prefixStoreDir ?? stateDir;
+  const maxBytes = engine.prefixStoreBytes ?? defaultPrefixStoreBytes(dir);
+  if (maxBytes <= 0) return undefined;
+  return new FilePrefixStore({ dir, maxBytes, write: o.write, ...(o.maxFileBytes !== undefined ? { maxFileBytes: o.maxFileBytes } : {}), ...(o.log ? { log: o.log } : {}) });
+}

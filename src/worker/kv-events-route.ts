@@ -1,0 +1,35 @@
+/**
+ * `GET /kv_events?epoch=E&after=N&wait_ms=W` on a worker: its KV events for the routers
+ * (../protocol/kv-events.ts). With the worker's current epoch and an `after` it has issued, the
+ * answer waits up to `wait_ms` (≤ 30 s) for an event after N, then carries the events after N;
+ * otherwise (no epoch, another epoch, an id it cannot continue from) it is the snapshot at once.
+ * A client that goes away ends the wait, and so does the app's close (a pending long poll would
+ * otherwise hold `app.close()` — and a worker's shutdown — for up to `wait_ms`).
+ */
+import type { FastifyInstance } from 'fastify';
+import { MAX_KV_WAIT_MS, type KvEventLog } from '../protocol/kv-events.js';
+
+/** Register the route on a worker app. */
+export function registerKvEventsRoute(app: FastifyInstance, log: KvEventLog): void {
+  const waits = new Set<AbortController>();
+  app.addHook('preClose', async () => {
+    for (const ac of waits) ac.abort();
+  });
+  app.get<{ Querystring: { epoch?: string; after?: string; wait_ms?: string } }>('/kv_events', async (req, reply) => {
+    const after = Number(req.query.after ?? -1);
+    const waitMs = Math.max(0, Math.min(MAX_KV_WAIT_MS, Number(req.query.wait_ms ?? 0) || 0));
+    if (req.query.epoch === log.epoch && Number.isSafeInteger(after) && after >= 0 && waitMs > 0) {
+      const ac = new AbortController();
+      const gone = () => ac.abort();
+      reply.raw.once('close', gone);
+      waits.add(ac);
+      try {
+        await log.wait(after, waitMs, ac.signal);
+      } finally {
+        waits.delete(ac);
+        reply.raw.off('close', gone);
+      }
+    }
+    return log.read(req.query.epoch, after);
+  });
+}

@@ -1,0 +1,142 @@
+/**
+ * The HTTP edge both worker roles (prefill, decode) share, start to close: the app of
+ * ./http.ts `createWorkerApp` (OpenAI error bodies, signed-request auth from the cluster
+ * secret, GET /health, /metrics, /debug/rooms, the drain gate), the health fields every role
+ * reports, the work routes POST /generate and POST /abort_request handed to the role, GET
+ * /kv_events, the stale state-file sweeper, listening, and the watchdog that ticks the role's
+ * driver (its deadlines). A role keeps only what is its own: the KV channel, the engine ports and
+ * the handling of one /generate.
+ */
+import type { FastifyInstance, FastifyReply } from 'fastify';
+import { servedModelNamesOf } from '../runtime/config.js';
+import { toApiError } from '../base/errors.js';
+import type { KvEventLog } from '../protocol/kv-events.js';
+import type { Logger } from '../base/log.js';
+import { pairSettingsOf } from '../protocol/pair.js';
+import { parseRoomId } from '../base/room-id.js';
+import { startStateSweeper, sweepStaleStateFiles } from '../runtime/statefiles.js';
+import { holdsEnabled } from '../runtime/testhooks.js';
+import type { Engine } from '../engine/types.js';
+import type { RoomId } from '../kv/types.js';
+import { registerKvEventsRoute } from './kv-events-route.js';
+import { createWorkerApp, listenUrl, sendError, type WorkerAppOptions } from './http.js';
+
+/** Role, identity and the work a worker role hands its edge. */
+/** The worker config fields the edge reads (../runtime/config.ts, shared by both roles). */
+export interface WorkerEdgeConfig {
+  host: string;
+  /** 0 = any free port. */
+  port: number;
+  /** Watchdog period, ms. */
+  watchdogMs: number;
+  /** State-file directory: stale files of dead processes are swept at start and every STATE_SWEEP_MS. */
+  stateDir: string;
+  /** The cluster secret (signed requests on every route but /health and open /metrics). */
+  secret: string;
+  privateMetrics: boolean;
+  /** Engine settings: `servedModelName` names the model in /health, /v1/models and responses. */
+  engine: { servedModelName?: readonly string[] };
+}
+
+export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'engine' | 'offload' | 'modelNames' | 'clusterSecret' | 'privateMetrics'> {
+  role: 'prefill' | 'decode';
+  config: WorkerEdgeConfig;
+  /** The role's engine: identity fields of /health (fingerprint, pair settings, slots) and the GPU offload report. */
+  engine: Engine;
+  /** Serve POST /tokenize and /detokenize on `engine` too. */
+  tokenize?: boolean;
+  /** This process's epoch (/health `epoch`; a restarted worker has a new one). */
+  epoch: string;
+  /** The role's KV event log (GET /kv_events long polls). */
+  kvEvents: KvEventLog;
+  /** Live rooms (/health `rooms`). */
+  liveRooms(): number;
+  /** Queue name → entries (/health, flattened). */
+  queues(): Record<string, number>;
+  /** The role's own /health fields (added after the shared ones). */
+  health?(): Record<string, unknown>;
+  /** POST /generate: the role answers on `reply` (a stream or a JSON body). */
+  generate(body: unknown, reply: FastifyReply): Promise<void>;
+  /** POST /abort_request {rid?, bootstrap_room?}: the router gives up a request (unknown ids are fine). */
+  abort(rid: string | undefined, room: RoomId | undefined): void;
+  /** One watchdog tick (the driver's deadline checks). */
+  tick(): void;
+}
+
+/** A listening worker edge. */
+export interface WorkerEdge {
+  app: FastifyInstance;
+  /** scheme://host:port of the listening app (the real port). */
+  url: string;
+  /** Stop the watchdog and the sweeper (the role closes `app` when its driver has shut down). Idempotent. */
+  stop(): void;
+}
+
+/**
+ * Sweep stale state files, create the worker app, add the work routes, listen, start the
+ * watchdog and the sweeper.
+ * @throws the listen error (EADDRINUSE, EACCES); the sweeper is stopped first.
+ */
+export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge> {
+  const c = o.config;
+  await sweepStaleStateFiles(c.stateDir, o.log);
+  const stopSweep = startStateSweeper(c.stateDir, o.log);
+  const e = o.engine;
+  const modelNames = servedModelNamesOf(c.engine, e.info.modelName);
+  const app = createWorkerApp({
+    ...o,
+    modelNames,
+    clusterSecret: c.secret,
+    privateMetrics: c.privateMetrics,
+    engine: o.tokenize ? e : undefined,
+    offload: e,
+    health: () => ({
+      role: o.role,
+      model: modelNames[0],
+      fingerprint: e.info.fingerprint,
+      settings: pairSettingsOf(e.info),
+      epoch: o.epoch,
+      slots: e.info.sequences,
+      slots_free: e.slotsFree(),
+      rooms: o.liveRooms(),
+      ...o.queues(),
+      ...o.health?.(),
+    }),
+  });
+  // A role's handler answers its own errors; anything it throws still leaves as an OpenAI error body.
+  app.post('/generate', async (req, reply) => {
+    try {
+      await o.generate(req.body, reply);
+    } catch (err) {
+      o.log.error({ err: (err as Error).message }, `${o.role} /generate threw`);
+      sendError(reply, toApiError(err));
+    }
+  });
+  app.post('/abort_request', async (req) => {
+    const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
+    o.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room));
+    return { ok: true };
+  });
+  registerKvEventsRoute(app, o.kvEvents);
+  let url: string;
+  try {
+    url = await listenUrl(app, c.host, c.port);
+  } catch (err) {
+    stopSweep();
+    await app.close().catch(() => {});
+    throw err;
+  }
+  let watchdog: NodeJS.Timeout | undefined = setInterval(o.tick, c.watchdogMs);
+  watchdog.unref();
+  if (holdsEnabled) o.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
+  return {
+    app,
+    url,
+    stop() {
+      if (!watchdog) return;
+      clearInterval(watchdog);
+      watchdog = undefined;
+      stopSweep();
+    },
+  };
+}
