@@ -10,12 +10,13 @@
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
-import { connect } from 'node:net';
 import { after, before, describe, test } from 'node:test';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool } from '../../src/kv/channel.js';
 import { encodeControl } from '../../src/kv/frame.js';
+import { kvTransportOf } from '../../src/kv/transport.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
+import { loadInternalTls } from '../../src/runtime/tls.js';
 import type { Cluster, ClusterProc } from '../../src/up/cluster.js';
 import { busy, getJson, promptOf, rawCompletion, startStack, waitFor } from '../helpers/stack.js';
 
@@ -108,11 +109,13 @@ describe('peer faults on real processes', () => {
 
 describe('protocol abuse on the KV port', () => {
   const bootstrap = () => c.byRole('prefill')[1]!;
+  /** The cluster's KV transport: TLS with the run's client certificate in secure test mode (docs/TESTING.md), else TCP. */
+  const transport = () => kvTransportOf(loadInternalTls(c.opts.internalTls));
 
-  /** Open a raw TCP connection to the bootstrap port, write `bytes` after the server's hello, and resolve when the server closes it. */
+  /** Open a raw connection to the bootstrap port over the cluster's KV transport, write `bytes` after the server's hello, and resolve when the server closes it. */
   function rawSession(bytes: Buffer): Promise<'closed'> {
     return new Promise((resolve, reject) => {
-      const s = connect(bootstrap().bootstrapPort!, '127.0.0.1');
+      const s = transport().dial({ host: '127.0.0.1', port: bootstrap().bootstrapPort! }).socket;
       const t = setTimeout(() => {
         s.destroy();
         reject(new Error('server did not close the connection within 3 s'));
@@ -134,7 +137,7 @@ describe('protocol abuse on the KV port', () => {
     huge[4] = 1;
     assert.equal(await rawSession(huge), 'closed');
     assert.equal(await rawSession(encodeControl({ type: 'register', room: '1', rid: 'x', epoch: 'deadbeefdeadbeef' })), 'closed');
-    const wrongSecret = new KvPeerPool({ secret: 'not-the-cluster-secret', epoch: newEpoch(), settings: await pairOf(bootstrap()) });
+    const wrongSecret = new KvPeerPool({ transport: transport(), secret: 'not-the-cluster-secret', epoch: newEpoch(), settings: await pairOf(bootstrap()) });
     await assert.rejects(wrongSecret.get('127.0.0.1', bootstrap().bootstrapPort!));
     await wrongSecret.close();
     const after = await metric(bootstrap(), /pdserve_kv_channel_events_total\{event="auth_failures"\} (\d+)/);
@@ -145,7 +148,7 @@ describe('protocol abuse on the KV port', () => {
   test('unknown room, stale epoch and duplicate room are refused; the next request is fine', async () => {
     const p = bootstrap();
     const epoch = newEpoch();
-    const pool = new KvPeerPool({ secret: c.secret, epoch, settings: await pairOf(p) });
+    const pool = new KvPeerPool({ transport: transport(), secret: c.secret, epoch, settings: await pairOf(p) });
     try {
       const conn = await pool.get('127.0.0.1', p.bootstrapPort!);
       // Messages for rooms the prefill never saw: ignored (a FAIL leaves a tombstone), nothing breaks.

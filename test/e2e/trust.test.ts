@@ -12,6 +12,7 @@
  *    is a 400 `unknown_bootstrap_address` and that address never sees a connection;
  *  - TLS for clients: a router started with --tls-cert/--tls-key (a throwaway CA made with
  *    openssl here) serves the openai SDK over HTTPS with that CA; a client without it is refused;
+ *  - colocated takes the same API keys, admin key and HTTPS;
  *  - internal TLS: the whole stack runs with --internal-tls-cert/-key/-ca (mutual TLS on the
  *    workers' HTTP and on the KV channel, every handoff over the channel: --no-kv-same-host);
  *    a worker or bootstrap port reached without a client certificate the CA signed is refused
@@ -349,6 +350,31 @@ describe('TLS for clients', () => {
     const untrusted = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 10_000 });
     await assert.rejects(untrusted.models.list(), (e: unknown) => e instanceof OpenAI.APIConnectionError);
     await assert.rejects(fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(3000) }), 'plain HTTP is not served');
+  });
+
+  test('colocated takes the same keys and HTTPS: the openai SDK with a wrong or no key gets 401, the admin key guards /debug/*, /health is open, no CA no handshake', async (t) => {
+    const port = await freePort();
+    const args = [BIN, 'colocated', '--model', await tinyModel(), '--port', String(port), '--ctx-size', '512', '--threads', '1', '--slots', '1', '--tls-cert', pki.cert, '--tls-key', pki.key];
+    const child = spawn(process.execPath, args, { stdio: 'ignore', env: { ...process.env, PDSERVE_API_KEY: API_KEY, PDSERVE_ADMIN_API_KEY: ADMIN_KEY } });
+    t.after(() => void child.kill('SIGKILL'));
+    const trusted = new Agent({ connect: { ca: pki.pem.ca } });
+    t.after(() => trusted.close());
+    const url = `https://127.0.0.1:${port}`;
+    assert.ok(await waitFor(async () => (await request(`${url}/health`, { dispatcher: trusted })).statusCode === 200, 30_000, 100), 'the HTTPS colocated server is up, /health without a key');
+    const colo = (apiKey: string, extra: Partial<ConstructorParameters<typeof OpenAI>[0]> = {}) => new OpenAI({ baseURL: `${url}/v1`, apiKey, maxRetries: 0, timeout: 30_000, fetchOptions: { dispatcher: trusted } as never, ...extra });
+    const refusal = (p: Promise<unknown>) => p.then(() => null, (e: unknown) => e);
+    for (const [what, client] of [['wrong key', colo('sk-wrong')], ['admin key as an API key', colo(ADMIN_KEY)], ['no key', colo('unused', { defaultHeaders: { Authorization: null } })]] as const) {
+      const e = await refusal(client.completions.create({ model: 'pdserve', prompt: 'hi', max_tokens: 2 }));
+      assert.ok(e instanceof OpenAI.AuthenticationError, `${what}: ${String(e)}`);
+      assert.equal(e.status, 401, what);
+      assert.equal(e.code, 'invalid_api_key', what);
+    }
+    const r = await colo(API_KEY).completions.create({ model: 'pdserve', prompt: 'colocated', max_tokens: 2, temperature: 0 });
+    assert.equal(r.choices.length, 1);
+    const debug = (key?: string) => request(`${url}/debug/rooms`, { dispatcher: trusted, headers: key ? { authorization: `Bearer ${key}` } : {} }).then(async (res) => (await res.body.text(), res.statusCode));
+    assert.deepEqual([await debug(), await debug(API_KEY), await debug(ADMIN_KEY)], [401, 401, 200], '/debug/rooms: the admin key only');
+    const untrusted = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 10_000 });
+    await assert.rejects(untrusted.models.list(), (e: unknown) => e instanceof OpenAI.APIConnectionError);
   });
 });
 
