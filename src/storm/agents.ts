@@ -46,6 +46,32 @@ export interface SampledRound {
   cachedTokens?: number;
   /** Serving path the router reported (x-pdserve-path: pd | decode_local), when it did. */
   path?: string;
+  /** The router migrated the round mid-answer (its trace has an `attempt_failed` event with `next: 'migrate'`). */
+  migrated?: boolean;
+}
+
+/** The wrong-answer check's reservoirs: one per serving path, migrated rounds apart from all. */
+export interface SamplePools {
+  migrated: SampledRound[];
+  local: SampledRound[];
+  cached: SampledRound[];
+  plain: SampledRound[];
+}
+
+/**
+ * The rounds the wrong-answer check compares (at most `k`): migrated rounds first, up to half of
+ * `k` (a migrated answer is the one most likely to be wrong, and faults make few); of the rest,
+ * up to a third from the decode-local rounds, up to half of what is left from the other rounds
+ * answered with cached prefix tokens (the reuse paths must be checked even when they are rare),
+ * the rest from the plain rounds. A pool with too few rounds leaves its share to the next.
+ */
+export function chooseSample(p: SamplePools, k: number): SampledRound[] {
+  const others = p.local.length + p.cached.length + p.plain.length;
+  const m = p.migrated.slice(0, Math.max(Math.ceil(k / 2), k - others));
+  const r = k - m.length;
+  const l = p.local.slice(0, Math.max(Math.ceil(r / 3), r - p.cached.length - p.plain.length));
+  const c = p.cached.slice(0, Math.max(Math.ceil((r - l.length) / 2), r - l.length - p.plain.length));
+  return [...m, ...l, ...c, ...p.plain.slice(0, r - l.length - c.length)];
 }
 
 export interface AgentsOptions {
@@ -72,6 +98,11 @@ export interface AgentsOptions {
   sampleSize: number;
   /** Called for every finished request (the storm's accounting). */
   onRecord(rec: RequestRecord): void;
+  /**
+   * Whether the router migrated the completed round with response id `rid` (undefined: unknown);
+   * asked once per completed round when set. Must settle within its own deadline.
+   */
+  migratedOf?(rid: string): Promise<boolean | undefined>;
   /** Called when a request hangs (for the rooms snapshot). */
   onHang?(rec: RequestRecord): void;
 }
@@ -120,8 +151,11 @@ class Estimate {
 
 /** A population of agents; `run()` resolves when every agent has stopped after `stop()`. */
 export class Agents {
-  /** Two reservoirs: rounds served with cached prefix tokens, and the others. */
-  private readonly sampled = { local: [] as SampledRound[], cached: [] as SampledRound[], plain: [] as SampledRound[], seenLocal: 0, seenCached: 0, seenPlain: 0 };
+  /** The wrong-answer check's reservoirs (`chooseSample`) and how many rounds each has seen. */
+  private readonly sampled: SamplePools = { migrated: [], local: [], cached: [], plain: [] };
+  private readonly seen: Record<keyof SamplePools, number> = { migrated: 0, local: 0, cached: 0, plain: 0 };
+  /** `migratedOf` look-ups not settled yet. */
+  private readonly looking = new Set<Promise<void>>();
   private stopping = false;
   private wake = new Set<() => void>();
   private readonly agent: http.Agent;
@@ -291,33 +325,38 @@ export class Agents {
     }
   }
 
-  /**
-   * Completed rounds for the wrong-answer check (at most sampleSize): up to a third of them from
-   * the rounds served on the decode-local path, up to half of the rest from the other rounds
-   * answered with cached prefix tokens (the reuse paths must be checked even when they are
-   * rare), the rest from the plain rounds; each pool a uniform reservoir sample. A pool with too
-   * few rounds leaves its share to the next.
-   */
-  get sample(): SampledRound[] {
-    const k = this.o.sampleSize;
-    const { local, cached, plain } = this.sampled;
-    const l = local.slice(0, Math.max(Math.ceil(k / 3), k - cached.length - plain.length));
-    const c = cached.slice(0, Math.max(Math.ceil((k - l.length) / 2), k - l.length - plain.length));
-    return [...l, ...c, ...plain.slice(0, k - l.length - c.length)];
+  /** Completed rounds the router migrated mid-answer (as `migratedOf` said). */
+  get migratedRounds(): number {
+    return this.seen.migrated;
   }
 
-  /** Reservoir-sample a completed round for the wrong-answer check (cached and plain rounds apart). */
+  /** Completed rounds for the wrong-answer check (at most sampleSize, `chooseSample`), once every `migratedOf` look-up has settled. */
+  async sample(): Promise<SampledRound[]> {
+    await Promise.all([...this.looking]);
+    return chooseSample(this.sampled, this.o.sampleSize);
+  }
+
+  /** Reservoir-sample a completed round for the wrong-answer check (each pool a uniform reservoir sample). */
   private keep(s: AgentState, messages: ChatMessage[], maxTokens: number, res: CallResult): void {
     const k = this.o.sampleSize;
-    if (k <= 0) return;
     const item: SampledRound = { agent: s.id, conv: s.conv, round: s.round, messages, maxTokens, text: res.text, rid: res.rid, cachedTokens: res.cachedTokens, path: res.path };
-    const kind = res.path === 'decode_local' ? 'local' : (res.cachedTokens ?? 0) > 0 ? 'cached' : 'plain';
-    const pool = this.sampled[kind];
-    const seen = kind === 'local' ? ++this.sampled.seenLocal : kind === 'cached' ? ++this.sampled.seenCached : ++this.sampled.seenPlain;
-    if (pool.length < k) pool.push(item);
-    else {
-      const j = Math.floor(this.sampleRng.float() * seen);
-      if (j < k) pool[j] = item;
-    }
+    const put = (migrated: boolean) => {
+      if (migrated) item.migrated = true;
+      const kind: keyof SamplePools = migrated ? 'migrated' : res.path === 'decode_local' ? 'local' : (res.cachedTokens ?? 0) > 0 ? 'cached' : 'plain';
+      const seen = ++this.seen[kind];
+      if (k <= 0) return;
+      const pool = this.sampled[kind];
+      if (pool.length < k) pool.push(item);
+      else {
+        const j = Math.floor(this.sampleRng.float() * seen);
+        if (j < k) pool[j] = item;
+      }
+    };
+    if (!this.o.migratedOf || !res.rid) return put(false);
+    const p: Promise<void> = this.o.migratedOf(res.rid).then(
+      (m) => put(m === true),
+      () => put(false),
+    ).finally(() => this.looking.delete(p));
+    this.looking.add(p);
   }
 }

@@ -35,6 +35,7 @@ import { collectLeaks, RoomMonitor, type LeakReport, type RoomView, type Watched
 import { formatProgress, formatReport } from './report.js';
 import { warmUp, type WarmupResult } from './warmup.js';
 import { summarize, type Summary } from '../observe/stats.js';
+import type { RequestTrace } from '../protocol/trace.js';
 import type { FaultKind, FaultRecord, CheckName, CheckResult, OffendingRoom, StormReport } from './types.js';
 export type { FaultKind, FaultRecord, CheckName, CheckResult, OffendingRoom, StormReport };
 
@@ -294,6 +295,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
     requestTimeoutMs: o.requestTimeoutMs,
     thinkMs: o.thinkMs,
     sampleSize: o.verify,
+    migratedOf: (rid) => migratedOf(routerUrl, rid),
     onRecord(rec) {
       records.push(rec);
       const r = rec.result;
@@ -453,7 +455,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
     monitor.stop();
 
     // Verify: sampled rounds against the colocated reference, one at a time.
-    const verification = await verify(agents.sample, referenceUrl, o.requestTimeoutMs);
+    const verification = await verify(await agents.sample(), referenceUrl, o.requestTimeoutMs);
     const hangs = await Promise.all(hangNotes);
     const redispatched = await routerRedispatches(routerUrl);
 
@@ -491,6 +493,7 @@ export async function runStorm(opts: Partial<StormOptions>): Promise<StormReport
       verification,
       watchedCount: watched.length,
       redispatched,
+      migratedRounds: agents.migratedRounds,
     });
   } finally {
     clearInterval(progress);
@@ -519,7 +522,10 @@ interface Verification {
   cached: number;
   /** Checked rounds the router served on the decode-local path (decode alone, no KV handoff). */
   local: number;
-  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; cached_tokens?: number; path?: string; got: string; want: string }[];
+  /** Sampled rounds the router migrated mid-answer, and how many of them equal the reference. */
+  migrated: number;
+  migratedEqual: number;
+  mismatches: { agent: number; conv: number; round: number; rid?: string; messages: number; prompt_bytes: number; cached_tokens?: number; path?: string; migrated?: boolean; got: string; want: string }[];
   errors: { agent: number; round: number; error: string }[];
 }
 
@@ -529,7 +535,7 @@ interface Verification {
  * when the budget runs out are reported as not checked.
  */
 async function verify(sample: SampledRound[], reference: string | undefined, timeoutMs: number): Promise<Verification> {
-  const v: Verification = { reference, sampled: sample.length, equal: 0, cached: 0, local: 0, mismatches: [], errors: [] };
+  const v: Verification = { reference, sampled: sample.length, equal: 0, cached: 0, local: 0, migrated: sample.filter((s) => s.migrated).length, migratedEqual: 0, mismatches: [], errors: [] };
   if (!reference || sample.length === 0) return v;
   const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
   const end = performance.now() + Math.max(60_000, 2 * timeoutMs);
@@ -547,8 +553,9 @@ async function verify(sample: SampledRound[], reference: string | undefined, tim
         v.equal++;
         if ((s.cachedTokens ?? 0) > 0) v.cached++;
         if (s.path === 'decode_local') v.local++;
+        if (s.migrated) v.migratedEqual++;
       } else {
-        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), cached_tokens: s.cachedTokens, path: s.path, got: s.text, want: r.text });
+        v.mismatches.push({ agent: s.agent, conv: s.conv, round: s.round, rid: s.rid, messages: s.messages.length, prompt_bytes: s.messages.reduce((a, m) => a + Buffer.byteLength(m.content), 0), cached_tokens: s.cachedTokens, path: s.path, ...(s.migrated ? { migrated: true } : {}), got: s.text, want: r.text });
       }
     }
   } finally {
@@ -583,6 +590,21 @@ interface BuildInput {
   verification: Verification;
   watchedCount: number;
   redispatched: { retried: Record<string, number>; migrated: Record<string, number> };
+  /** Completed rounds the router migrated mid-answer (their traces). */
+  migratedRounds: number;
+}
+
+/**
+ * Whether the router migrated request `rid` mid-answer: its trace (GET /debug/traces/:rid) has an
+ * `attempt_failed` event with `next: 'migrate'`. Undefined when the trace is unreadable (3 s).
+ */
+async function migratedOf(routerUrl: string, rid: string): Promise<boolean | undefined> {
+  try {
+    const t = await getJson<RequestTrace>(`${routerUrl}/debug/traces/${encodeURIComponent(rid)}`, 3000);
+    return t.events.some((e) => e.what === 'attempt_failed' && e.next === 'migrate');
+  } catch {
+    return undefined;
+  }
 }
 
 /**
@@ -713,7 +735,7 @@ function buildReport(b: BuildInput): StormReport {
         : {
             name: 'wrong_answer',
             status: v.mismatches.length ? 'fail' : 'pass',
-            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference (no prefix cache; ${v.cached} of the equal rounds were served with cached prefix tokens, ${v.local} on the decode-local path)${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
+            summary: `${v.equal} of ${checked} sampled rounds equal the colocated reference (no prefix cache; ${v.cached} of the equal rounds were served with cached prefix tokens, ${v.local} on the decode-local path; ${v.migratedEqual} of ${v.migrated} migrated rounds checked equal, of ${b.migratedRounds} completed rounds the router migrated)${v.mismatches.length ? `, ${v.mismatches.length} differ` : ''}${v.errors.length ? ` (${v.errors.length} not checked: reference error)` : ''}${checked < Math.min(20, o.verify) ? ` (only ${checked} rounds completed)` : ''}`,
             details: [...v.mismatches, ...v.errors],
           },
   );
@@ -750,7 +772,7 @@ function buildReport(b: BuildInput): StormReport {
       non_stream: total - stream,
     },
     bursts: b.bursts,
-    rounds: { completed: counts.ok, conversations_started: b.conversations.started, conversations_finished: b.conversations.finished, restarted_after_kill: b.conversations.restarted },
+    rounds: { completed: counts.ok, migrated: b.migratedRounds, migrated_verified: v.migrated, migrated_equal: v.migratedEqual, conversations_started: b.conversations.started, conversations_finished: b.conversations.finished, restarted_after_kill: b.conversations.restarted },
     latency_ms: { ttft: sum(b.ttfts), itl: sum(b.itls), e2e: sum(b.e2es) },
     prompt_bytes: sum(records.map((r) => r.promptBytes)),
     faults,

@@ -74,7 +74,7 @@ export function formatReport(r: StormReport): string {
   out.push(`  failed by code: ${kv(q.failed_by_code)}`);
   out.push(`  router dispatched again after a worker failure: retried ${kv(q.retried_by_code ?? {})}; migrated mid-answer ${kv(q.migrated_by_code ?? {})}`);
   if (r.warmup) out.push(`  warm-up before the clock (workers on a GPU): ${r.warmup.ok}/${r.warmup.requests} ok after ${r.warmup.rounds} round(s), ${(r.warmup.ms / 1000).toFixed(1)} s (not counted above)`);
-  out.push(`  rounds completed ${r.rounds.completed}; conversations started ${r.rounds.conversations_started}, finished ${r.rounds.conversations_finished}, restarted after a kill ${r.rounds.restarted_after_kill}; prompt bytes p50 ${ms(r.prompt_bytes.p50)} max ${ms(r.prompt_bytes.max)}`);
+  out.push(`  rounds completed ${r.rounds.completed} (migrated mid-answer ${r.rounds.migrated}: ${r.rounds.migrated_verified} checked against the reference, ${r.rounds.migrated_equal} equal); conversations started ${r.rounds.conversations_started}, finished ${r.rounds.conversations_finished}, restarted after a kill ${r.rounds.restarted_after_kill}; prompt bytes p50 ${ms(r.prompt_bytes.p50)} max ${ms(r.prompt_bytes.max)}`);
   out.push('');
   const L = r.latency_ms;
   const lrow = (name: string, s: StormReport['latency_ms']['ttft']) => [name, String(s.n), ms(s.p50), ms(s.p90), ms(s.p99), ms(s.max)];

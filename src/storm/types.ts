@@ -75,7 +75,11 @@ export interface StormReport {
     non_stream: number;
   };
   bursts: { count: number; cancelled: number };
-  rounds: { completed: number; conversations_started: number; conversations_finished: number; restarted_after_kill: number };
+  /**
+   * `migrated`: completed rounds the router migrated mid-answer (their traces); of them,
+   * `migrated_verified` were compared with the reference and `migrated_equal` were equal.
+   */
+  rounds: { completed: number; migrated: number; migrated_verified: number; migrated_equal: number; conversations_started: number; conversations_finished: number; restarted_after_kill: number };
   latency_ms: { ttft: Summary; itl: Summary; e2e: Summary };
   prompt_bytes: Summary;
   faults: FaultRecord[];

@@ -188,6 +188,12 @@ describe('pdserve storm', () => {
     // Decode-local continuation is on: rounds decode served alone (no KV handoff) were compared.
     const localRounds = Number(/(\d+) on the decode-local path/.exec(wa.summary)?.[1] ?? 0);
     assert.ok(localRounds >= 1, `the wrong-answer check compared rounds served on the decode-local path: ${wa.summary}`);
+    // Rounds the router migrated mid-answer come first in the sample (up to 12 of 24): each one was compared, and equal.
+    if (rep.rounds.migrated > 0) {
+      assert.ok(rep.rounds.migrated_verified >= Math.min(12, rep.rounds.migrated), `migrated rounds in the sample: ${JSON.stringify(rep.rounds)}`);
+      assert.equal(rep.rounds.migrated_equal, rep.rounds.migrated_verified, wa.summary);
+    }
+    console.log(`migrated rounds: ${JSON.stringify(rep.rounds)}`);
     assert.equal(rep.requests.hung, 0);
     // The router retries and migrates what the faults break: no request exhausts its attempts.
     assert.equal(rep.requests.failed, 0, `failed by code: ${JSON.stringify(rep.requests.failed_by_code)}`);

@@ -2,7 +2,8 @@
  * The storm's client and the process-wide credentials of the tools against an HTTPS router with
  * API keys (a throwaway CA from test/helpers/tls.ts): ChatCall sends the key and trusts the CA;
  * its kill resets the TCP connection under TLS (the server sees ECONNRESET, not a clean end);
- * reachGlobally gives fetch() the key and the CA for its origins only.
+ * reachGlobally gives fetch() the key and the CA for its origins only; the wrong-answer
+ * check's sample takes migrated rounds first (chooseSample).
  */
 import assert from 'node:assert/strict';
 import { once } from 'node:events';
@@ -11,6 +12,7 @@ import type { AddressInfo } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { reachGlobally } from '../../src/runtime/http-auth.js';
 import { ChatCall, clientAgent } from '../../src/storm/client.js';
+import { chooseSample, type SampledRound, type SamplePools } from '../../src/storm/agents.js';
 import { makeTestPki, type TestPki } from '../helpers/tls.js';
 
 let pki: TestPki;
@@ -85,5 +87,23 @@ describe('reachGlobally', () => {
       undo();
     }
     await assert.rejects(fetch(`${url}/health`, { signal: AbortSignal.timeout(5000) }), 'forgotten: the CA is not trusted any more');
+  });
+});
+
+describe('the wrong-answer sample (chooseSample)', () => {
+  const rounds = (tag: string, n: number): SampledRound[] => Array.from({ length: n }, (_, i) => ({ agent: 0, conv: 0, round: i, messages: [], maxTokens: 1, text: `${tag}${i}` }));
+  const pools = (m: number, l: number, c: number, p: number): SamplePools => ({ migrated: rounds('m', m), local: rounds('l', l), cached: rounds('c', c), plain: rounds('p', p) });
+  const kinds = (s: SampledRound[]) => s.map((r) => r.text[0]).join('');
+
+  it('takes the migrated rounds first, up to half of the sample, then a share of each path', () => {
+    // 3 migrated of 24: all of them, then 7 local (a third of 21), 7 cached, 7 plain.
+    assert.equal(kinds(chooseSample(pools(3, 24, 24, 24), 24)), `${'m'.repeat(3)}${'l'.repeat(7)}${'c'.repeat(7)}${'p'.repeat(7)}`);
+    // Many migrated rounds: half of the sample; the other paths keep their shares.
+    assert.equal(kinds(chooseSample(pools(24, 24, 24, 24), 24)), `${'m'.repeat(12)}${'l'.repeat(4)}${'c'.repeat(4)}${'p'.repeat(4)}`);
+    // Other pools short: migrated rounds fill what they leave.
+    assert.equal(kinds(chooseSample(pools(24, 0, 2, 3), 24)), `${'m'.repeat(19)}ccppp`);
+    // No migrated round: the paths' rule alone (a third local, half the rest cached).
+    assert.equal(kinds(chooseSample(pools(0, 24, 24, 24), 24)), `${'l'.repeat(8)}${'c'.repeat(8)}${'p'.repeat(8)}`);
+    assert.equal(chooseSample(pools(5, 5, 5, 5), 0).length, 0);
   });
 });
