@@ -5,7 +5,9 @@
  * same bootstrap_room on every worker (GET /debug/rooms: live and recent rooms with their
  * lifecycle timelines). Events are ordered by their wall-clock time (ms since epoch, each
  * process's own clock: exact on one host, off by the clock skew across hosts) and each phase's
- * duration is the time to the next event of the same process.
+ * duration is the time to the next event of the same process. A request with several attempts
+ * (retried, migrated) lists every attempt's room in the header, and each `dispatched` /
+ * `attempt_failed` row names its room, its pair and the failure's code and message.
  */
 import type { Dispatcher } from 'undici';
 import { fetchText, type DebugRooms, type RoomInfo } from '../observe/gather.js';
@@ -70,9 +72,11 @@ export async function requestReport(routerUrl: string, id: string, timeoutMs = 3
   );
   const rows: TimelineRow[] = [];
   const phases: PhaseTime[] = [];
+  // One attempt: its room and pair are the header's. Several (retried, migrated): each event names its own.
+  const several = (trace?.rooms?.length ?? 0) > 1;
   for (const e of trace?.events ?? []) {
     const extra = Object.entries(e)
-      .filter(([k]) => !['at', 'what', 'prefill', 'decode', 'stream'].includes(k) && !(e.what === 'dispatched' && k === 'room'))
+      .filter(([k]) => !['at', 'what', 'stream'].includes(k) && (several || (!['prefill', 'decode'].includes(k) && !(e.what === 'dispatched' && k === 'room'))))
       .map(([k, v]) => `${k}=${typeof v === 'object' ? JSON.stringify(v) : String(v)}`)
       .join(' ');
     rows.push({ at: e.at, process: 'router', event: extra ? `${e.what} ${extra}` : e.what, state: null, phase: null });
@@ -100,6 +104,7 @@ export function renderRequestReport(r: RequestReport): string {
   const t = r.trace;
   out.push(t ? `request ${t.trace}  rid ${t.rid}  room ${t.room ?? '-'}  outcome ${t.outcome ?? 'in flight'}` : `request ${r.id}`);
   if (t) out.push(`  prefill ${t.prefill ?? '-'}  decode ${t.decode ?? '-'}`);
+  if (t && (t.rooms?.length ?? 0) > 1) out.push(`  attempts ${t.rooms.length}: rooms ${t.rooms.join(' → ')}`);
   for (const n of r.notes) out.push(`  note: ${n}`);
   if (r.rows.length === 0) return out.join('\n');
   const t0 = r.rows[0]!.at;

@@ -4,6 +4,7 @@
  * a retry before its first token, a migration (prompt + the tokens it has, to another pair) after
  * — and every greedy answer equals the colocated reference, token for token.
  *  - decode killed mid-stream, during the handoff (after token 1 from prefill), before token 1;
+ *    `pdserve doctor --request` on the migrated request shows both attempts;
  *  - prefill killed before token 1 and after it (mid-transfer);
  *  - a JSON-schema chat request migrated mid-object: the same valid JSON;
  *  - n = 2 with a choice migrated;
@@ -19,6 +20,7 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { describe, test } from 'node:test';
 import { BIN, freePort, type ClusterProc } from '../../src/up/cluster.js';
 import { client, CTX, getJson, promptOf, tinyModel, useStack, waitFor } from '../helpers/stack.js';
+import { cli } from '../helpers/cli.js';
 
 const s = useStack({ prefill: 2, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--health-interval-ms', '200'] } });
 
@@ -62,6 +64,8 @@ async function reference(prompt: string, maxTokens: number) {
   return { text: r.choices[0]!.text, usage: r.usage! };
 }
 
+let migrated: { rid: string; trace: any } | undefined;
+
 describe('a worker killed mid-request costs the client nothing', () => {
   test('decode SIGKILLed mid-stream: the stream continues on the other pair, equal to colocated, usage once', async () => {
     const prompt = promptOf(60, 1);
@@ -87,6 +91,22 @@ describe('a worker killed mid-request costs the client nothing', () => {
     assert.ok(failed[0].tokens_sent >= 9, `tokens the client had: ${failed[0].tokens_sent}`);
     assert.equal(t.rooms.length, 2);
     assert.equal((await migrations()) - before, 1);
+    migrated = { rid: got.rid, trace: t };
+  });
+
+  test('pdserve doctor --request on the migrated request shows every attempt: both rooms, the failed attempt\'s cause, the migration', async () => {
+    assert.ok(migrated, 'the mid-stream migration ran');
+    const { rid, trace: t } = migrated;
+    const r = await cli(['doctor', '--url', s.c.router.url, '--request', rid], 20_000, { PDSERVE_CLUSTER_SECRET: s.c.secret });
+    assert.equal(r.code, 0, r.out + r.err);
+    const failed = t.events.find((e: any) => e.what === 'attempt_failed');
+    const [first, second] = t.rooms as string[];
+    assert.match(r.out, new RegExp(`attempts 2: rooms ${first} → ${second}`), r.out);
+    for (const room of [first, second]) assert.match(r.out, new RegExp(`dispatched room=${room} `), r.out);
+    assert.match(r.out, new RegExp(`attempt_failed attempt=1 next=migrate code=${failed.code} err=.*decode=${failed.decode}`), r.out);
+    // Each attempt's prefill room is found on its worker, with its timeline (the killed decode's rooms died with it).
+    const prefills = (t.events as any[]).filter((e) => e.what === 'dispatched').map((e) => e.prefill.replace(/^https?:\/\//, ''));
+    for (const p of prefills) assert.ok(r.out.includes(`prefill ${p}`), `${p} in ${r.out}`);
   });
 
   test('decode SIGKILLed during the handoff (the client has token 1 from prefill): migrated with that token', async () => {
