@@ -18,6 +18,8 @@ import { ensureModel, loadEngine, parseStateFile, sha256File } from '../../src/e
 import type { Engine } from '../../src/engine/types.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer, type PeerConn } from '../../src/kv/channel.js';
+import { kvTransportOf } from '../../src/kv/transport.js';
+import { loadInternalTls } from '../../src/runtime/tls.js';
 import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
 import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
 import { settingsFromHealth } from '../../src/router/pairing.js';
@@ -66,6 +68,8 @@ before(async () => {
   const allow = ['--allow-prefill', `127.0.0.1:${fakePort}`];
   c = await startStack({ colocated: false, decode: 2, extraArgs: { decode: allow }, extraArgsOf: { 'decode-1': ['--kv-same-host-verify'] } });
   kv = new KvServer({
+    // The cluster's KV transport (TLS in secure test mode, docs/TESTING.md).
+    transport: kvTransportOf(loadInternalTls(c.opts.internalTls)),
     host: '127.0.0.1',
     port: fakePort,
     secret: c.secret,

@@ -15,6 +15,8 @@ import { randomBytes } from 'node:crypto';
 import { describe, test } from 'node:test';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool } from '../../src/kv/channel.js';
+import { kvTransportOf } from '../../src/kv/transport.js';
+import { loadInternalTls } from '../../src/runtime/tls.js';
 import { parseEnvelopeHead, ENVELOPE_TRAILER_BYTES } from '../../src/kv/envelope.js';
 import type { ControlMsg } from '../../src/kv/messages.js';
 import { crc32 } from '../../src/kv/transfer/checksum.js';
@@ -34,6 +36,8 @@ async function handoff(kvStream: boolean, prompt: string) {
   const chunks: Buffer[] = [];
   let next = 0;
   const pool = new KvPeerPool({
+    // The cluster's KV transport (TLS in secure test mode, docs/TESTING.md).
+    transport: kvTransportOf(loadInternalTls(h.c.opts.internalTls)),
     secret: h.c.secret,
     epoch,
     settings: settingsFromHealth(health.settings)!,
