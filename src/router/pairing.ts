@@ -5,12 +5,9 @@
  * and shows the reason on GET /workers (`mismatch`). The workers refuse such a pair in the KV
  * handshake as well (kv/handshake.ts); this is the router's half of the same rule.
  */
-import { settingsMismatch } from '../kv/handshake.js';
-import type { PairSettings } from '../kv/messages.js';
 import type { WorkerRegistry } from './registry.js';
 import type { WorkerState } from './worker-state.js';
-import { settingsFromHealth, pairMismatch, mismatchOf } from './pair-settings.js';
-export { settingsFromHealth, pairMismatch, mismatchOf };
+import { pairMismatch } from './pair-settings.js';
 
 /**
  * A prefill and a decode that can pair: the prefill is chosen (by `pickPrefill`, the router's

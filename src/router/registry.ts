@@ -21,9 +21,8 @@ import type { Logger } from 'pino';
 import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
 import { mismatchOf, settingsFromHealth } from './pair-settings.js';
-import { gpuFromHealth, UNKNOWN_GPU, type WorkerGpu } from '../engine/gpu.js';
+import { gpuFromHealth, UNKNOWN_GPU } from '../engine/gpu.js';
 import { toolSyntaxFromHealth } from '../api/tool-calls.js';
-import type { ToolCallSyntax } from '../engine/types.js';
 import type { WorkerRole, WorkerState } from './worker-state.js';
 export type { WorkerRole, WorkerState };
 

@@ -22,7 +22,7 @@ import { kvTransportOf } from '../../src/kv/transport.js';
 import { loadInternalTls } from '../../src/runtime/tls.js';
 import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
 import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
-import { settingsFromHealth } from '../../src/router/pairing.js';
+import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { freePort, type Cluster } from '../../src/up/cluster.js';
 import { busy, client, CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 

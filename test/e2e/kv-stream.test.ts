@@ -21,7 +21,7 @@ import { parseEnvelopeHead, ENVELOPE_TRAILER_BYTES } from '../../src/kv/envelope
 import type { ControlMsg } from '../../src/kv/messages.js';
 import { crc32 } from '../../src/kv/transfer/checksum.js';
 import { parseStateFile } from '../../src/engine/ggsq.js';
-import { settingsFromHealth } from '../../src/router/pairing.js';
+import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
 
 // TCP only (same-host would hand the file over instead), prefill streams where it may.

@@ -20,7 +20,7 @@ import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer } from '../../src/kv/channel.js';
 import { kvTransportOf } from '../../src/kv/transport.js';
 import { loadInternalTls } from '../../src/runtime/tls.js';
-import { settingsFromHealth } from '../../src/router/pairing.js';
+import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 
 const PREALLOC_MS = 800;

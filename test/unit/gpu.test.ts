@@ -18,7 +18,7 @@ import { EngineConfigSchema, parseConfig, PrefillConfigSchema } from '../../src/
 import { settingsMismatch } from '../../src/kv/handshake.js';
 import { parseControl } from '../../src/kv/frame.js';
 import { pairSettingsOf } from '../../src/protocol/pair.js';
-import { settingsFromHealth } from '../../src/router/pairing.js';
+import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { SamplingParams } from '../../src/engine/types.js';
