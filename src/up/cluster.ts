@@ -164,6 +164,7 @@ export class Cluster {
   private ownStoreDir = false;
   private unsign?: () => void;
   private unreach?: () => void;
+  private readonly unreachExtra: (() => void)[] = [];
   /** Secure test mode's keys and CA (./secure-mode.ts), when it applies to this cluster. */
   readonly kit: SecureKit | undefined;
   readonly opts: ClusterOptions;
@@ -194,14 +195,49 @@ export class Cluster {
    * Environment of one child: the cluster secret, and the client keys for the router (the keys
    * of this process's own environment reach no other child: a colocated reference stays open).
    */
-  private envOf(p: ClusterProc): Record<string, string> {
+  private envOf(role: ProcRole): Record<string, string> {
     const env: Record<string, string> = { PDSERVE_CLUSTER_SECRET: this.secret, PDSERVE_API_KEY: '', PDSERVE_ADMIN_API_KEY: '' };
     // Secure test mode locks the colocated reference like the router.
-    if (p.role === 'router' || (p.role === 'colocated' && this.kit)) {
+    if (role === 'router' || (role === 'colocated' && this.kit)) {
       if (this.access.apiKeys.length) env.PDSERVE_API_KEY = this.access.apiKeys.join(',');
       if (this.access.adminApiKeys.length) env.PDSERVE_ADMIN_API_KEY = this.access.adminApiKeys.join(',');
     }
     return env;
+  }
+
+  /**
+   * How a process of `role` started outside this cluster joins it (a second router over some of
+   * its workers, a worker started by hand): `args` are the flags the cluster's own process of that
+   * role gets for access and TLS (router: client TLS and internal TLS; workers: internal TLS;
+   * colocated: client TLS in secure test mode), `env` the cluster secret and, for a router, its
+   * client keys (by environment, never argv), `scheme` the scheme of its url. Reach a router or
+   * colocated server started so from this process with `reach(url)`.
+   */
+  joinerOf(role: ProcRole): { args: string[]; env: Record<string, string>; scheme: 'http' | 'https' } {
+    const o = this.opts;
+    const itls = role !== 'colocated' ? o.internalTls : undefined;
+    const args = role === 'router' ? [...(o.access?.routerArgs ?? []), ...internalTlsArgs(itls)] : role === 'colocated' ? (this.kit ? ['--tls-cert', this.kit.pki.cert, '--tls-key', this.kit.pki.key] : []) : internalTlsArgs(itls);
+    return { args, env: this.envOf(role), scheme: this.schemeOf(role) };
+  }
+
+  /** The scheme of a `role` process's url: https with client TLS (router, colocated in secure mode) or internal TLS (workers). */
+  private schemeOf(role: ProcRole): 'http' | 'https' {
+    if (role === 'router') return this.opts.access?.tls ? 'https' : 'http';
+    if (role === 'colocated') return this.kit ? 'https' : 'http';
+    return this.opts.internalTls ? 'https' : 'http';
+  }
+
+  /**
+   * From now on this process's fetch() and undici calls to `url` (a router or colocated server
+   * started with `joinerOf`) send the keys and trust the CA as they do for the cluster's own
+   * (secure test mode; a no-op otherwise). Undone by `stop()`, or earlier by the returned undo.
+   */
+  reach(url: string): () => void {
+    const k = this.kit;
+    if (!k) return () => {};
+    const undo = reachGlobally([url], { bearer: k.keyFor, tls: { ca: k.pki.pem.ca } });
+    this.unreachExtra.push(undo);
+    return undo;
   }
 
   get router(): ClusterProc {
@@ -311,8 +347,7 @@ export class Cluster {
     const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
     const itls = role !== 'colocated' ? this.opts.internalTls : undefined;
     args = [...args, ...internalTlsArgs(itls), ...(this.opts.extraArgsOf?.[name] ?? [])];
-    const scheme = role === 'router' ? (this.opts.access?.tls ? 'https' : 'http') : itls || (role === 'colocated' && this.kit) ? 'https' : 'http';
-    return { role, index, name, port, bootstrapPort, url: `${scheme}://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
+    return { role, index, name, port, bootstrapPort, url: `${this.schemeOf(role)}://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
   }
 
   /** The address process `name` binds (its placement, else the cluster's host). */
@@ -336,7 +371,7 @@ export class Cluster {
     const [cmd, argv]: [string, string[]] = [full[0]!, full.slice(1)];
     const child = spawn(cmd, argv, {
       stdio: ['ignore', out, out, 'ipc'],
-      env: { ...process.env, ...this.envOf(p), ...(o.env ?? {}) },
+      env: { ...process.env, ...this.envOf(p.role), ...(o.env ?? {}) },
     });
     if (typeof out === 'number') closeSync(out);
     p.child = child;
@@ -436,6 +471,7 @@ export class Cluster {
     if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
     this.unsign?.();
     this.unreach?.();
+    for (const undo of this.unreachExtra.splice(0)) undo();
   }
 
   /** SIGCONT + SIGTERM one process; SIGKILL if it is still alive after `graceMs`. Resolves on exit. */

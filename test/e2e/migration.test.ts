@@ -215,24 +215,43 @@ describe('a worker killed mid-request costs the client nothing', () => {
   });
 });
 
-/** A second router over some of the stack's workers, with its own flags; resolves when it is ready. */
+/** A child started outside the stack: resolves when it reports ready (rejects on exit or after 60 s). */
+async function ready(child: ChildProcess, what: string): Promise<void> {
+  await new Promise<void>((resolve, reject) => {
+    const t = setTimeout(() => reject(new Error(`${what} not ready within 60 s`)), 60_000);
+    child.on('message', (m: any) => m?.type === 'ready' && (clearTimeout(t), resolve()));
+    child.once('exit', (code) => (clearTimeout(t), reject(new Error(`${what} exited (${code})`))));
+  });
+}
+
+/**
+ * A second router over some of the stack's workers, with its own flags, joined as the stack's own
+ * router is (`Cluster.joinerOf`: the secret, and in secure test mode its keys, HTTPS and internal
+ * TLS; `reach`: this process's calls to it send the keys and trust the CA); resolves when ready.
+ */
 async function extraRouter(prefills: ClusterProc[], decodes: string[], flags: string[]): Promise<{ url: string; child: ChildProcess; stop(): Promise<void> }> {
   const port = await freePort();
-  const args = [BIN, 'router', '--host', '127.0.0.1', '--port', String(port), '--health-interval-ms', '200', ...flags];
+  const join = s.c.joinerOf('router');
+  const args = [BIN, 'router', '--host', '127.0.0.1', '--port', String(port), '--health-interval-ms', '200', ...join.args, ...flags];
   for (const p of prefills) args.push('--prefill', `${p.url},${p.bootstrapPort}`);
   for (const d of decodes) args.push('--decode', d);
-  const child = spawn(process.execPath, args, { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: s.c.secret } });
-  await new Promise<void>((resolve, reject) => {
-    child.on('message', (m: any) => m?.type === 'ready' && resolve());
-    child.once('exit', (code) => reject(new Error(`router exited (${code})`)));
-  });
+  const child = spawn(process.execPath, args, { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, ...join.env } });
+  const url = `${join.scheme}://127.0.0.1:${port}`;
+  const unreach = s.c.reach(url);
   const stop = async () => {
-    if (child.exitCode !== null) return;
+    unreach();
+    if (child.exitCode !== null || child.signalCode !== null) return;
     const gone = new Promise((r) => child.once('exit', r));
     child.kill('SIGKILL');
     await gone;
   };
-  return { url: `http://127.0.0.1:${port}`, child, stop };
+  try {
+    await ready(child, 'router');
+  } catch (err) {
+    await stop();
+    throw err;
+  }
+  return { url, child, stop };
 }
 
 /** Rooms and queue entries a worker reports on /health (0 when it holds nothing). */
@@ -296,16 +315,16 @@ describe('migration onto a decode that holds the prefix', () => {
 describe('when migration cannot save a request', () => {
   test('a decode with the wrong cluster secret never enters the rotation: its signed probe is refused, every request succeeds on the others', async () => {
     const port = await freePort();
-    const bad = spawn(process.execPath, [BIN, 'decode', '--model', await tinyModel(), '--threads', '1', '--ctx-size', String(CTX), '--batch-size', '128', '--deterministic', '--host', '127.0.0.1', '--port', String(port)], { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: 'another-secret-entirely' } });
-    await new Promise<void>((resolve, reject) => {
-      bad.on('message', (m: any) => m?.type === 'ready' && resolve());
-      bad.once('exit', (code) => reject(new Error(`decode exited (${code})`)));
-    });
-    const badUrl = `http://127.0.0.1:${port}`;
-    const r = await extraRouter(s.c.byRole('prefill'), [...s.c.byRole('decode').map((d) => d.url), badUrl], []);
+    // the stack's internal TLS (secure test mode) but another secret: the handshake passes, the signature does not
+    const join = s.c.joinerOf('decode');
+    const bad = spawn(process.execPath, [BIN, 'decode', '--model', await tinyModel(), '--threads', '1', '--ctx-size', String(CTX), '--batch-size', '128', '--deterministic', '--host', '127.0.0.1', '--port', String(port), ...join.args], { stdio: ['ignore', 'ignore', 'ignore', 'ipc'], env: { ...process.env, ...join.env, PDSERVE_CLUSTER_SECRET: 'another-secret-entirely' } });
+    let r: Awaited<ReturnType<typeof extraRouter>> | undefined;
     try {
-      const api = client(r.url);
-      const view = async () => ((await getJson<any>(`${r.url}/workers`)).workers as any[]);
+      await ready(bad, 'decode');
+      const badUrl = `${join.scheme}://127.0.0.1:${port}`;
+      const router = (r = await extraRouter(s.c.byRole('prefill'), [...s.c.byRole('decode').map((d) => d.url), badUrl], []));
+      const api = client(router.url);
+      const view = async () => ((await getJson<any>(`${router.url}/workers`)).workers as any[]);
       assert.ok(await waitFor(async () => (await view()).filter((w) => w.healthy).length === 4, 10_000), 'the four right workers are healthy');
       const prompts = Array.from({ length: 8 }, (_, i) => promptOf(30, 40 + i));
       const refs = await Promise.all(prompts.map((p) => reference(p, 6)));
@@ -315,7 +334,7 @@ describe('when migration cannot save a request', () => {
       assert.equal(w.healthy, false, 'the wrong-secret decode is out of the rotation');
       assert.match(String(w.last_error), /401/, `its probe was refused: ${w.last_error}`);
     } finally {
-      await r.stop();
+      await r?.stop();
       bad.kill('SIGKILL');
     }
   });
