@@ -132,6 +132,9 @@ const TRACE_FILE = process.env.PDSERVE_BENCH_KV_TRACE;
  *             is copied and nothing is checked.
  */
 // (save-then-send trials only; the streamed ones ignore it)
+/** PDSERVE_BENCH_KV_STREAMS=N: both ends stripe the KV connection over N sockets (the workers' `--kv-streams`; default 1). */
+const KV_STREAMS = Number(process.env.PDSERVE_BENCH_KV_STREAMS ?? 1);
+if (!Number.isSafeInteger(KV_STREAMS) || KV_STREAMS < 1 || KV_STREAMS > 8) throw new Error(`PDSERVE_BENCH_KV_STREAMS must be an integer in 1..8, not ${process.env.PDSERVE_BENCH_KV_STREAMS}`);
 const BOUND = process.env.PDSERVE_BENCH_KV_BOUND ?? '';
 if (BOUND !== '' && BOUND !== 'mem' && BOUND !== 'nowrite' && BOUND !== 'both' && BOUND !== 'bare') throw new Error(`PDSERVE_BENCH_KV_BOUND must be mem, nowrite, both or bare, not ${BOUND}`);
 const BOUND_MEM = BOUND === 'mem' || BOUND === 'both' || BOUND === 'bare';
@@ -208,6 +211,7 @@ async function sender(engine: Engine): Promise<void> {
     secret: init.secret,
     epoch: init.epoch,
     settings: pairSettingsOf(engine.info),
+    streams: KV_STREAMS,
     onConnect: (c) => void (conn = c),
     onMessage: (c, msg) => {
       if (msg.type === 'kv_ack') acks.get(msg.room)?.();
@@ -578,6 +582,7 @@ async function receiver(engine: Engine): Promise<void> {
     secret: init.secret,
     settings: pairSettingsOf(engine.info),
     epoch: init.epoch,
+    streams: KV_STREAMS,
     onConnect: (c) => sameHost.probe(c),
     onMessage: (conn, msg) => {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);

@@ -109,6 +109,7 @@ const kvOptions = (c: Command) =>
     .option('--transfer-timeout-ms <ms>', 'max time without KV transfer progress', int, 10_000)
     .option('--state-dir <dir>', 'folder for sequence-state files (tmpfs)', '/dev/shm')
     .option('--max-state-bytes <size>', 'largest KV state accepted (bytes, or with K/M/G; 1M-16G): a larger one fails its room; a 1 GiB state needs more than the default', cliParser(parseStateBytes), DEFAULT_MAX_STATE_BYTES)
+    .option('--kv-streams <n>', 'sockets one KV connection stripes large states over (1-8; the pair uses the smaller of both sides)', int, 1)
     .option('--no-kv-same-host', 'never hand the saved state file over on one host (kv_file): every KV handoff goes over TCP')
     .option('--kv-same-host-verify', 'same-host handoff: also check the state\'s data bytes (CRC-32, one full read of the file on each side, on the critical path); by default size, envelope head and the ggsq structure are checked, not the data (no wire to damage it); either side turns it on for the pair', false);
 
@@ -194,11 +195,11 @@ function corsList(v: string, prev: string[] | undefined): string[] {
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
-/** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes and the GPU flags to the workers. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; workerWaitMs: number } & Parameters<typeof gpuArgs>[0]): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers. */
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; workerWaitMs: number } & Parameters<typeof gpuArgs>[0]): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
-  const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : [])];
+  const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
   const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs)];
   return { router, prefill: [...names, ...verify, ...gpuArgs(o, 'prefill')], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode')] };
 }
@@ -266,6 +267,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--worker-wait-ms <ms>', `router: ${WORKER_WAIT_HELP}`, int, 20_000)
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
     .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M)', cliParser(parseStateBytes))
+    .option('--kv-streams <n>', 'every worker: sockets one KV connection stripes large states over (1-8; default 1)', int)
     .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
     .option('--decode-gpu-device <list>', 'GPU devices of the decode workers (default: --gpu-device)', cliParser(parseDeviceList))
     .action(async (o) => {
@@ -355,7 +357,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'prefill');
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream === true, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -373,7 +375,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'decode');
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('decode'),
         ),
       );

@@ -159,6 +159,7 @@ export class DecodeWorker {
       settings: pairSettingsOf(this.engine.info),
       heartbeatMs: c.heartbeatMs,
       connectTimeoutMs: c.connectTimeoutMs,
+      streams: c.kvStreams,
       log: this.log.child({ part: 'kv' }),
       onMessage: (conn, msg) => this.onControl(conn, msg),
       onChunk: (conn, room, offset, data) => this.onChunk(conn, room, offset, data),

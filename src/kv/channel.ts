@@ -27,7 +27,7 @@
 import type net from 'node:net';
 import { DEFAULT_HEARTBEAT_MS, errText, newKvStats, noop, NOOP_LOG, PeerConn, type KvHandlers, type KvLog, type KvStats, type Owner, type Settings } from './connection.js';
 import { systemClock, type Clock } from '../base/clock.js';
-import type { PairSettings } from './messages.js';
+import { MAX_KV_STREAMS, type PairSettings } from './messages.js';
 import { KvError } from './types.js';
 import { tcpTransport, type KvTransport } from './transport.js';
 
@@ -58,6 +58,12 @@ export interface KvChannelOptions extends KvHandlers {
   closeTimeoutMs?: number;
   /** How sockets are made: plain TCP (default) or TLS (./transport.ts). */
   transport?: KvTransport;
+  /**
+   * Sockets one connection's KV chunks may be striped over (`--kv-streams`, 1..MAX_KV_STREAMS,
+   * default 1): the pair uses the smaller of both sides' values; decode dials the extra sockets
+   * after the first one authenticated (stripes.ts).
+   */
+  streams?: number;
   log?: KvLog;
 }
 
@@ -112,6 +118,7 @@ function settings(o: KvChannelOptions): Settings {
     maxQueuedBytes,
     sendWindowBytes: Math.min(posInt('sendWindowBytes', o.sendWindowBytes, Math.min(4 * 1024 * 1024, Math.floor(maxQueuedBytes / 4))), maxQueuedBytes),
     closeTimeoutMs: posInt('closeTimeoutMs', o.closeTimeoutMs, 2000),
+    streams: Math.min(posInt('streams', o.streams, 1), MAX_KV_STREAMS),
     log: o.log ?? NOOP_LOG,
   };
 }
@@ -136,6 +143,8 @@ export class KvServer implements KvHandlers {
   private readonly server: net.Server;
   private readonly conns = new Set<PeerConn>();
   private readonly byId = new Map<string, PeerConn>();
+  /** Open connections striped over more than one socket, by their hello nonce (what a stripe names). */
+  private readonly striped = new Map<string, PeerConn>();
   private closing: Promise<void> | undefined;
 
   /** Throws TypeError on invalid options. */
@@ -216,6 +225,14 @@ export class KvServer implements KvHandlers {
       stats: this.stats,
       handlers: this,
       authenticated: (c) => {
+        if (c.stripeRequest) {
+          // one more socket of a striped connection: joins it, is not a connection of its own
+          const of = this.striped.get(c.stripeRequest.of);
+          if (!of) c.destroy('stripe of an unknown connection');
+          else of.addStripe(c);
+          return;
+        }
+        if (c.streams > 1) this.striped.set(c.stripeKey, c);
         this.byId.set(c.id, c);
         if (this.onConnect) {
           try {
@@ -228,6 +245,7 @@ export class KvServer implements KvHandlers {
       closed: (c) => {
         this.conns.delete(c);
         if (this.byId.get(c.id) === c) this.byId.delete(c.id);
+        if (this.striped.get(c.stripeKey) === c) this.striped.delete(c.stripeKey);
       },
     };
     this.s.log.debug({ address }, 'kv connection accepted');
@@ -320,7 +338,46 @@ export class KvPeerPool implements KvHandlers {
     for (const c of [...this.all]) c.destroy('kv peer pool destroyed');
   }
 
-  private connect(host: string, port: number, key: string): Promise<PeerConn> {
+  /** The owner of a connection of its own to `key`: it becomes the pool's live one at authentication. */
+  private connOwner(key: string): Owner {
+    return {
+      s: this.s,
+      stats: this.stats,
+      handlers: this,
+      authenticated: (c) => {
+        this.live.set(key, c);
+        if (this.onConnect) {
+          try {
+            this.onConnect(c);
+          } catch (e) {
+            this.s.log.error({ peer: c.id, err: errText(e) }, 'kv onConnect handler threw');
+          }
+        }
+      },
+      closed: (c) => {
+        this.all.delete(c);
+        if (this.live.get(key) === c) this.live.delete(key);
+      },
+    };
+  }
+
+  /** The owner of a stripe of `primary`: it joins at authentication (synchronously: chunks may follow auth_ok in the same read). */
+  private stripeOwner(primary: PeerConn): Owner {
+    return { s: this.s, stats: this.stats, handlers: {}, authenticated: (c) => void primary.addStripe(c), closed: (c) => void this.all.delete(c) };
+  }
+
+  /**
+   * The other sockets of a striped connection (`primary` agreed on more than one): dialed now,
+   * each joins `primary` at its authentication; one that fails leaves the connection with fewer
+   * sockets (logged), never fails it.
+   */
+  private dialStripes(host: string, port: number, key: string, primary: PeerConn): void {
+    for (let index = 1; index < primary.streams; index++) {
+      this.connect(host, port, key, { primary, index }).catch((e: Error) => this.s.log.warn({ peer: key, index, err: e.message }, 'kv stripe not opened: fewer sockets for this connection'));
+    }
+  }
+
+  private connect(host: string, port: number, key: string, join?: { primary: PeerConn; index: number }): Promise<PeerConn> {
     return new Promise<PeerConn>((resolve, reject) => {
       // Reads go into one reused buffer (no fresh allocation, hence no first-touch page faults, per
       // read; the chunk data lands in cache for the receiver's CRC, walk and file write);
@@ -366,31 +423,17 @@ export class KvPeerPool implements KvHandlers {
         if (done) return;
         done = true;
         cleanup();
-        const owner: Owner = {
-          s: this.s,
-          stats: this.stats,
-          handlers: this,
-          authenticated: (c) => {
-            this.live.set(key, c);
-            if (this.onConnect) {
-              try {
-                this.onConnect(c);
-              } catch (e) {
-                this.s.log.error({ peer: c.id, err: errText(e) }, 'kv onConnect handler threw');
-              }
-            }
-          },
-          closed: (c) => {
-            this.all.delete(c);
-            if (this.live.get(key) === c) this.live.delete(key);
-          },
-        };
-        const c = new PeerConn(sock, 'decode', owner, key);
+        const owner: Owner = join ? this.stripeOwner(join.primary) : this.connOwner(key);
+        const c = new PeerConn(sock, 'decode', owner, key, join ? { of: join.primary.stripeKey, index: join.index } : undefined);
         conn = c;
         this.all.add(c);
+        if (this.closing) c.destroy('kv peer pool closing');
         for (const b of early.splice(0)) c.received(b);
         c.ready.then(
-          () => resolve(c),
+          () => {
+            if (!join && c.streams > 1) this.dialStripes(host, port, key, c);
+            resolve(c);
+          },
           (e: KvError) => {
             // A mismatched pair stays refused for a while: no reconnect (and log line) per room.
             if (e.code === 'SETTINGS_MISMATCH') this.mismatched.set(key, { until: this.s.clock.nowMs() + MISMATCH_RETRY_MS, reason: e.message });

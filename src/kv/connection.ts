@@ -15,6 +15,7 @@ import type { Clock } from '../base/clock.js';
 import { Heartbeat } from './heartbeat.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type PeerMsg } from './messages.js';
 import { KvError, type RoomId } from './types.js';
+import { StripeReorder } from './stripes.js';
 
 /** Pino-compatible logger subset. */
 export interface KvLog {
@@ -141,6 +142,8 @@ export interface Settings {
   maxQueuedBytes: number;
   sendWindowBytes: number;
   closeTimeoutMs: number;
+  /** Sockets one connection may be striped over (`--kv-streams`; the pair agrees on the smaller). */
+  streams: number;
   log: KvLog;
 }
 
@@ -206,6 +209,21 @@ export class PeerConn {
   private rejectReady!: (e: KvError) => void;
   private resolveClosed!: () => void;
   private failure: KvError | undefined;
+  /** Sockets the pair agreed to stripe this connection over (1 until authenticated, and for a stripe). */
+  streams = 1;
+  /** @internal Prefill side: the striped connection this one asked to join in its auth (stripes.ts). */
+  stripeRequest: { of: string; index: number } | undefined;
+  /** The other sockets of this striped connection (stripes.ts), in join order. */
+  private readonly stripes: PeerConn[] = [];
+  /** Set on a stripe: the connection it carries chunk frames for. */
+  private primary: PeerConn | undefined;
+  /** Decode side of a striped connection: reassembly of the chunks from every socket. */
+  private reorder: StripeReorder | undefined;
+  /** Chunk frames written so far: the next goes to socket rr mod (1 + stripes). */
+  private rr = 0;
+  private drainScheduled = false;
+  /** Decode side: dialed as a stripe of another connection. */
+  private readonly asStripe: boolean;
 
   /** @internal */
   constructor(
@@ -213,8 +231,10 @@ export class PeerConn {
     private readonly side: Side,
     private readonly owner: Owner,
     address: string,
+    stripe?: { of: string; index: number },
   ) {
     this.address = address;
+    this.asStripe = stripe !== undefined;
     this.ready = new Promise<void>((res, rej) => {
       this.resolveReady = res;
       this.rejectReady = rej;
@@ -224,8 +244,9 @@ export class PeerConn {
     socket.setNoDelay(true);
     socket.on('data', (b: Buffer) => this.onData(b));
     socket.on('drain', () => {
-      for (const o of this.sending) o.alive();
-      this.serveSends();
+      const p = this.primary ?? this;
+      for (const o of p.sending) o.alive();
+      p.serveSends();
     });
     socket.on('error', (e) => this.terminate(`socket error: ${errText(e)}`, { lost: true }));
     socket.on('end', () => this.terminate('connection closed by peer', { lost: true }));
@@ -235,7 +256,7 @@ export class PeerConn {
       this.refuse(`authentication timed out after ${this.owner.s.authTimeoutMs} ms`, 'TIMEOUT');
     }, owner.s.authTimeoutMs);
     this.authTimer.unref();
-    this.handshake = new Handshake({ side, secret: owner.s.secret, epoch: owner.s.epoch, settings: owner.s.pair });
+    this.handshake = new Handshake({ side, secret: owner.s.secret, epoch: owner.s.epoch, settings: owner.s.pair, streams: owner.s.streams, ...(stripe ? { stripe } : {}) });
     for (const m of this.handshake.start()) this.write(encodeControl(m));
   }
 
@@ -249,6 +270,39 @@ export class PeerConn {
     return this.state === 'open';
   }
 
+  /** @internal The key a stripe names to join this connection: its hello nonce. */
+  get stripeKey(): string {
+    return this.handshake.helloNonce;
+  }
+
+  /** The stripes that joined this connection (the sockets besides its own), in join order. */
+  get stripeSockets(): readonly PeerConn[] {
+    return this.stripes;
+  }
+
+  /** Sockets this connection's chunk frames go over now: 1 + the stripes that joined. */
+  get sockets(): number {
+    return 1 + this.stripes.length;
+  }
+
+  /**
+   * @internal Adds `member` (authenticated, asked to join this connection) as one more socket
+   * for chunk frames: the sender deals pieces over all sockets in rotation, the receiver
+   * reassembles (stripes.ts). False (and `member` destroyed) when this connection is not open
+   * or already has its agreed number of sockets. From then on either one's end ends both.
+   */
+  addStripe(member: PeerConn): boolean {
+    if (this.state !== 'open' || this.primary || 1 + this.stripes.length >= this.streams || member.peerEpoch !== this.peerEpoch) {
+      member.destroy('stripe refused: its connection is gone or complete');
+      return false;
+    }
+    member.primary = this;
+    this.stripes.push(member);
+    if (this.readPauses > 0) member.pauseReads();
+    this.owner.s.log.debug({ peer: this.id, sockets: this.sockets }, 'kv stripe joined');
+    return true;
+  }
+
   /**
    * Stop reading the socket until as many `resumeReads` (a receiver whose I/O-thread slots are all
    * busy: TCP's window then holds the sender back). Counted: reads go on once every pause is
@@ -256,13 +310,27 @@ export class PeerConn {
    * soon as a slot is written, or fails its room first (receiver.ts PAUSE_LIMIT_MS).
    */
   pauseReads(): void {
-    if (this.readPauses++ === 0) this.socket.pause();
+    if (this.readPauses++ === 0) {
+      this.socket.pause();
+      for (const m of this.stripes) m.pauseReads();
+    }
   }
 
   /** Undo one `pauseReads`. */
   resumeReads(): void {
     if (this.readPauses === 0) return;
-    if (--this.readPauses === 0 && !this.socket.destroyed) this.socket.resume();
+    if (--this.readPauses === 0) {
+      if (!this.socket.destroyed) this.socket.resume();
+      for (const m of this.stripes) m.resumeReads();
+      if (this.reorder && this.reorder.heldBytes > 0 && !this.drainScheduled) {
+        // held stripe bytes go on after this turn (the receiver that resumed is still on the stack)
+        this.drainScheduled = true;
+        setImmediate(() => {
+          this.drainScheduled = false;
+          if (this.state === 'open') this.reorder?.drain();
+        });
+      }
+    }
   }
 
   /** Bytes queued in user space, not yet handed to the kernel. */
@@ -276,6 +344,7 @@ export class PeerConn {
    */
   sendControl(msg: ControlMsg): boolean {
     if (this.state !== 'open') return false;
+    if (this.reorder && (msg.type === 'kv_ack' || msg.type === 'fail')) this.reorder.forget(msg.room);
     return this.write(encodeControl(msg));
   }
 
@@ -422,7 +491,8 @@ export class PeerConn {
           settle(e as Error);
           return 0;
         }
-        if (this.socket.destroyed || !this.socket.writable) {
+        const to = this.sendTarget();
+        if (to.socket.destroyed || !to.socket.writable) {
           giveBack(piece);
           settle(this.lostError(roomId));
           return 0;
@@ -430,7 +500,8 @@ export class PeerConn {
         out.ready = true;
         offset += piece.length;
         pending++; // from here the socket owns the piece until written() (called on destroy too)
-        if (!this.write(frame, written(piece))) {
+        this.rr++;
+        if (!to.write(frame, written(piece))) {
           settle(this.lostError(roomId));
           return 0;
         }
@@ -564,8 +635,10 @@ export class PeerConn {
       return false;
     }
     const window = this.owner.s.sendWindowBytes;
-    if (this.socket.writableLength >= window) return false;
-    if (this.turnBytes >= window) {
+    // striped: strictly the next socket in the rotation (waiting for it keeps the skew between
+    // the sockets, hence what the receiver holds out of order, to one window and its buffers)
+    if (this.sendTarget().socket.writableLength >= window) return false;
+    if (this.turnBytes >= window * this.sockets) {
       if (!this.turnYield) {
         this.turnYield = true;
         setImmediate(this.nextSendTurn);
@@ -581,6 +654,24 @@ export class PeerConn {
     for (const o of this.sending) o.alive();
     this.serveSends();
   };
+
+  /** The socket the next chunk frame goes to: this one, or a stripe, in rotation. */
+  private sendTarget(): PeerConn {
+    const n = this.stripes.length;
+    if (n === 0) return this;
+    const i = this.rr % (n + 1);
+    return i === 0 ? this : this.stripes[i - 1]!;
+  }
+
+  /** A chunk from any socket of a striped connection (decode side), through the reassembly. */
+  private stripedChunk(room: RoomId, offset: number, data: Buffer): void {
+    if (!this.reorder) {
+      this.owner.stats.badFrames++;
+      this.refuse(`unexpected chunk frame (room ${room}) on a stripe of the ${this.side} side`);
+      return;
+    }
+    this.reorder.chunk(room, offset, data);
+  }
 
   /** Takes a transfer out of the rotation (ended or settled); the turn stays with the next one. */
   private dropSend(o: Outgoing): void {
@@ -655,6 +746,11 @@ export class PeerConn {
       return;
     }
     const h = this.owner.handlers;
+    if (f.kind === 'chunk' && (this.primary || this.reorder)) {
+      // a striped connection's chunk, from this socket or a stripe: reassembled in order
+      (this.primary ?? this).stripedChunk(f.room, f.offset, f.data);
+      return;
+    }
     if (f.kind === 'chunk') {
       if (!h.onChunk) {
         this.owner.stats.badFrames++;
@@ -685,6 +781,11 @@ export class PeerConn {
         this.refuse(`handshake message '${msg.type}' after authentication`);
         return;
       default:
+        if (this.primary) {
+          this.owner.stats.badFrames++;
+          this.refuse(`control message '${msg.type}' on a stripe (only chunk frames and heartbeats go there)`);
+          return;
+        }
         if ('epoch' in msg && msg.epoch !== this.peerEpoch) {
           this.owner.stats.staleEpoch++;
           this.owner.s.log.warn(
@@ -693,6 +794,14 @@ export class PeerConn {
           );
           return;
         }
+        if (this.reorder && msg.type === 'kv_begin') {
+          this.reorder.begin(msg.room, msg.totalBytes);
+          this.call('onMessage', () => h.onMessage?.(this, msg));
+          this.reorder.drain();
+          return;
+        }
+        if (this.reorder && msg.type === 'kv_end' && !this.reorder.end(msg.room, msg, msg.totalBytes)) return; // held until its room's bytes are all in
+        if (this.reorder && msg.type === 'fail') this.reorder.forget(msg.room);
         this.call('onMessage', () => h.onMessage?.(this, msg));
     }
   }
@@ -717,6 +826,18 @@ export class PeerConn {
     for (const m of step.send) this.write(encodeControl(m));
     this.peerEpoch = step.peerEpoch;
     this.peerSettings = step.peerSettings;
+    this.streams = step.streams;
+    this.stripeRequest = step.stripe;
+    if (this.side === 'decode' && this.streams > 1 && !this.asStripe) {
+      this.reorder = new StripeReorder(
+        {
+          chunk: (room, offset, data) => this.call('onChunk', () => this.owner.handlers.onChunk?.(this, room, offset, data)),
+          end: (_room, m) => this.call('onMessage', () => this.owner.handlers.onMessage?.(this, m as PeerMsg)),
+          paused: () => this.readPauses > 0 || this.state !== 'open',
+        },
+        this.owner.s.maxQueuedBytes,
+      );
+    }
     this.open();
   }
 
@@ -807,11 +928,23 @@ export class PeerConn {
     this.stopTimers();
     clearTimeout(this.closeTimer);
     this.socket.destroy();
+    // a striped connection is one connection: any socket's end ends all of them
+    this.reorder?.clear();
+    const reason0 = this.reason || 'connection closed';
+    for (const m of this.stripes.splice(0)) m.destroy(`its striped connection ended: ${reason0}`);
+    const p = this.primary;
+    if (p) {
+      const i = p.stripes.indexOf(this);
+      if (i >= 0) p.stripes.splice(i, 1);
+      p.terminate(`stripe ${this.address} lost: ${reason0}`, { lost: true });
+    }
     const reason = this.reason || 'connection closed';
     this.rejectReady(this.failure ?? new KvError('PEER_LOST', `${this.side === 'decode' ? `prefill ${this.address}` : 'peer'}: ${reason}`));
     for (const w of [...this.closeWaiters]) w(reason);
     this.closeWaiters.clear();
-    if (wasOpen) {
+    const isStripe = p !== undefined || this.asStripe || this.stripeRequest !== undefined;
+    if (wasOpen && isStripe) this.owner.s.log.debug({ peer: this.id, reason }, 'kv stripe closed');
+    else if (wasOpen) {
       if (this.lost) {
         this.owner.stats.peersLost++;
         this.owner.s.log.warn({ peer: this.id, reason }, 'kv peer lost');

@@ -11,7 +11,7 @@
  * Every decoding problem is a KvError('BAD_FRAME', reason); nothing else is ever thrown.
  */
 import { z } from 'zod';
-import { FRAME_CHUNK, FRAME_CONTROL, MAX_CHUNK_BYTES, MAX_CONTROL_BYTES, type ControlMsg } from './messages.js';
+import { FRAME_CHUNK, FRAME_CONTROL, MAX_CHUNK_BYTES, MAX_CONTROL_BYTES, MAX_KV_STREAMS, type ControlMsg } from './messages.js';
 import { isRoomId, parseRoomId, type RoomId } from '../base/room-id.js';
 import { KvError } from './types.js';
 
@@ -53,8 +53,8 @@ const settings = z.object({ fingerprint: hex(1, 128), contextSize: count, batchS
 
 /** zod schema of every ControlMsg variant, discriminated on `type`. */
 export const ControlMsgSchema = z.discriminatedUnion('type', [
-  z.object({ type: z.literal('hello'), nonce, epoch, role: z.literal('prefill'), settings }),
-  z.object({ type: z.literal('auth'), nonce, epoch, role: z.literal('decode'), mac, settings }),
+  z.object({ type: z.literal('hello'), nonce, epoch, role: z.literal('prefill'), settings, streams: z.number().int().min(1).max(MAX_KV_STREAMS).optional() }),
+  z.object({ type: z.literal('auth'), nonce, epoch, role: z.literal('decode'), mac, settings, streams: z.number().int().min(1).max(MAX_KV_STREAMS).optional(), stripe: z.object({ of: nonce, index: z.number().int().min(1).max(MAX_KV_STREAMS - 1) }).optional() }),
   z.object({ type: z.literal('auth_ok'), mac }),
   z.object({ type: z.literal('auth_fail'), reason, code: z.enum(['settings_mismatch', 'auth_failed']).optional() }),
   z.object({ type: z.literal('register'), room, rid: z.string().min(1).max(128), epoch, kvStream: z.boolean().optional() }),

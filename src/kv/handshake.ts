@@ -34,7 +34,16 @@ export type HandshakeStep =
   /** Keep going: send these (possibly none) and wait for the next message. */
   | { k: 'continue'; send: ControlMsg[] }
   /** Authenticated: send these, then the connection is open with the peer's epoch. */
-  | { k: 'open'; send: ControlMsg[]; peerEpoch: string; peerSettings: PairSettings }
+  | {
+      k: 'open';
+      send: ControlMsg[];
+      peerEpoch: string;
+      peerSettings: PairSettings;
+      /** Sockets the pair stripes one connection over: the smaller of both sides' `streams`. */
+      streams: number;
+      /** Prefill only: decode asked this connection to join a striped one (see HandshakeOptions.stripe). */
+      stripe?: { of: string; index: number };
+    }
   /**
    * Refused. `send` (prefill only: auth_fail) goes out before closing; `code` says why:
    * 'AUTH_FAILED' (bad mac, wrong message, refused by prefill) or 'SETTINGS_MISMATCH'.
@@ -48,6 +57,10 @@ export interface HandshakeOptions {
   epoch: string;
   /** This process's pair settings. */
   settings: PairSettings;
+  /** The most sockets this side stripes one connection over (default 1). */
+  streams?: number;
+  /** Decode only: this connection joins the striped connection whose hello nonce is `of`, as socket `index`. */
+  stripe?: { of: string; index: number };
 }
 
 /** One connection's handshake. Feed every control message received before `open` to `onMessage`. */
@@ -56,6 +69,7 @@ export class Handshake {
   private clientNonce = '';
   private helloEpoch = '';
   private helloSettings: PairSettings | undefined;
+  private helloStreams = 1;
 
   constructor(private readonly o: HandshakeOptions) {}
 
@@ -63,7 +77,13 @@ export class Handshake {
   start(): ControlMsg[] {
     if (this.o.side !== 'prefill') return [];
     this.serverNonce = newNonce();
-    return [{ type: 'hello', nonce: this.serverNonce, epoch: this.o.epoch, role: 'prefill', settings: this.o.settings }];
+    const streams = this.o.streams ?? 1;
+    return [{ type: 'hello', nonce: this.serverNonce, epoch: this.o.epoch, role: 'prefill', settings: this.o.settings, ...(streams > 1 ? { streams } : {}) }];
+  }
+
+  /** The prefill's hello nonce of this connection (the key a stripe names in `auth.stripe.of`); '' before hello. */
+  get helloNonce(): string {
+    return this.serverNonce;
   }
 
   /** One received control message. */
@@ -82,7 +102,8 @@ export class Handshake {
     }
     this.clientNonce = msg.nonce;
     const mac = authMac(secret, 'prefill>decode', this.serverNonce, this.clientNonce, epoch);
-    return { k: 'open', send: [{ type: 'auth_ok', mac }], peerEpoch: msg.epoch, peerSettings: msg.settings };
+    const streams = Math.min(this.o.streams ?? 1, msg.streams ?? 1);
+    return { k: 'open', send: [{ type: 'auth_ok', mac }], peerEpoch: msg.epoch, peerSettings: msg.settings, streams, ...(msg.stripe ? { stripe: msg.stripe } : {}) };
   }
 
   private onDecode(msg: ControlMsg): HandshakeStep {
@@ -92,10 +113,13 @@ export class Handshake {
       this.serverNonce = msg.nonce;
       this.helloEpoch = msg.epoch;
       this.helloSettings = msg.settings;
+      this.helloStreams = msg.streams ?? 1;
       this.clientNonce = newNonce();
+      const streams = this.o.streams ?? 1;
+      const extra = { ...(streams > 1 ? { streams } : {}), ...(this.o.stripe ? { stripe: this.o.stripe } : {}) };
       // Even when the settings differ, authenticate: prefill then refuses with auth_fail
       // (settings_mismatch), so both sides log the refusal.
-      return { k: 'continue', send: [{ type: 'auth', nonce: this.clientNonce, epoch, role: 'decode', mac: authMac(secret, 'decode>prefill', this.serverNonce, this.clientNonce, epoch), settings }] };
+      return { k: 'continue', send: [{ type: 'auth', nonce: this.clientNonce, epoch, role: 'decode', mac: authMac(secret, 'decode>prefill', this.serverNonce, this.clientNonce, epoch), settings, ...extra }] };
     }
     if (msg.type === 'auth_fail') {
       if (msg.code === 'settings_mismatch') {
@@ -108,7 +132,7 @@ export class Handshake {
     if (!verifyMac(secret, 'prefill>decode', this.serverNonce, this.clientNonce, this.helloEpoch, msg.mac)) {
       return { k: 'refuse', code: 'AUTH_FAILED', reason: 'prefill failed to authenticate: bad mac (wrong secret?)', send: [] };
     }
-    return { k: 'open', send: [], peerEpoch: this.helloEpoch, peerSettings: this.helloSettings! };
+    return { k: 'open', send: [], peerEpoch: this.helloEpoch, peerSettings: this.helloSettings!, streams: Math.min(this.o.streams ?? 1, this.helloStreams) };
   }
 
   private refuseAuth(reason: string): HandshakeStep {

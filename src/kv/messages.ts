@@ -30,6 +30,8 @@ export const FRAME_CHUNK = 2;
 export const MAX_CONTROL_BYTES = 64 * 1024;
 /** Largest KV chunk payload, bytes. */
 export const MAX_CHUNK_BYTES = 1024 * 1024;
+/** Most sockets one KV connection may be striped over (`--kv-streams`). */
+export const MAX_KV_STREAMS = 8;
 
 /**
  * Envelope header wrapped around a llama.cpp sequence state. The transferred blob is
@@ -75,8 +77,14 @@ export interface PairSettings {
 }
 
 export type ControlMsg =
-  | { type: 'hello'; nonce: string; epoch: string; role: 'prefill'; settings: PairSettings }
-  | { type: 'auth'; nonce: string; epoch: string; role: 'decode'; mac: string; settings: PairSettings }
+  /** `streams`: the most sockets this prefill stripes one connection over (`--kv-streams`; absent = 1). */
+  | { type: 'hello'; nonce: string; epoch: string; role: 'prefill'; settings: PairSettings; streams?: number }
+  /**
+   * `streams`: decode's `--kv-streams` (absent = 1); the pair uses the smaller of the two.
+   * `stripe`: this connection is socket `index` (1..streams-1) of the striped connection whose
+   * hello carried nonce `of` (stripes.ts), not a connection of its own.
+   */
+  | { type: 'auth'; nonce: string; epoch: string; role: 'decode'; mac: string; settings: PairSettings; streams?: number; stripe?: { of: string; index: number } }
   | { type: 'auth_ok'; mac: string }
   /**
    * prefill → decode, instead of auth_ok: refused; prefill closes right after. `code`:

@@ -168,6 +168,7 @@ export class PrefillWorker {
       epoch: this.epoch,
       settings: pairSettingsOf(this.engine.info),
       heartbeatMs: c.heartbeatMs,
+      streams: c.kvStreams,
       log: this.log.child({ part: 'kv' }),
       onMessage: (conn, msg) => this.onControl(conn, msg),
       onPeerLost: (conn, reason) => {

@@ -141,6 +141,12 @@ const common = {
    * (kv/transfer/same-host.ts says why). Either side turning it on turns it on for the pair.
    */
   kvSameHostVerify: z.boolean().default(false),
+  /**
+   * `--kv-streams`: sockets one KV connection's chunks are striped over (kv/stripes.ts); a pair
+   * uses the smaller of both sides' values. 1 by default: on this machine both ends' sockets are
+   * served by one event loop each, and striping measured slower (BENCHMARKS.md §1).
+   */
+  kvStreams: z.number().int().min(1).max(8).default(1),
 };
 
 export const PrefillConfigSchema = z.object({
