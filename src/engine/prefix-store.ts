@@ -68,11 +68,16 @@ export function keyChain(namespace: string, tokens: readonly number[], maxBlocks
 }
 
 /**
- * Tokens a state of `nTokens` tokens is keyed by: whole blocks of its usable prefix (all of it,
- * or with `align` its `exactPrefix`). 0 = too short to store.
+ * Tokens a state of `nTokens` tokens is keyed by: whole blocks of its `exactPrefix` (the prompt
+ * it was computed for; all of it when 0 and `align` is null). Not the reply: the next round
+ * resends the prompt token for token, but its copy of the reply is text tokenized again, which
+ * need not give the generated ids back — a key ending inside the reply would then never be
+ * found, and the conversation's next round would fall back to an older entry. The entry still
+ * serves the reply's tokens wherever they do match (reuse is the common prefix of the state).
+ * 0 = too short to store.
  */
 export function storeKeyTokens(nTokens: number, exactPrefix: number, align: number | null, blockTokens = STORE_BLOCK_TOKENS): number {
-  const usable = align === null ? nTokens : Math.min(exactPrefix, nTokens);
+  const usable = align === null && exactPrefix <= 0 ? nTokens : Math.min(exactPrefix, nTokens);
   return Math.floor(usable / blockTokens) * blockTokens;
 }
 

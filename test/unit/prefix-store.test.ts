@@ -81,6 +81,7 @@ describe('key chain', () => {
     assert.equal(storeKeyTokens(200, 128, 32, 64), 128);
     assert.equal(storeKeyTokens(200, 96, 32, 64), 64);
     assert.equal(storeKeyTokens(63, 63, null, 64), 0);
+    assert.equal(storeKeyTokens(644, 620, null, 64), 576, 'prompt 620 + reply 24: keyed inside the prompt, never inside the reply');
   });
 });
 
@@ -115,6 +116,22 @@ describe('FilePrefixStore', () => {
     assert.equal(await store.take(shortCut, 0), undefined, 'an entry is found by its whole key only: a prompt that leaves it after 100 tokens does not');
     assert.equal(store.stats.hits, 1);
     assert.equal(store.stats.misses, 3);
+    store.close();
+  });
+
+  test('the next round finds a conversation whose reply comes back tokenized differently (the key ends inside the prompt)', async () => {
+    const store = new FilePrefixStore({ dir: freshDir(), maxBytes: 1 << 24, blockTokens: 64 });
+    store.bind(ID);
+    const prompt = toks(180);
+    const reply = toks(24, 3);
+    // decode's kept sequence: prompt + the generated ids, exact prefix = the prompt
+    assert.ok(await put(store, [...prompt, ...reply], prompt.length));
+    // the next round resends the reply as text: its first ids differ from the generated ones
+    const next = [...prompt, (reply[0]! + 1) % 300, ...reply.slice(1), ...toks(80, 9)];
+    const hit = await store.take(next, 0);
+    assert.ok(hit, 'found although the stored tokens and the prompt part at token 180, inside the last whole block of the state (192)');
+    assert.equal(hit.reuse, 180, 'the common prefix: the whole prompt, no reply token');
+    await hit.done();
     store.close();
   });
 
