@@ -7,7 +7,6 @@
  *   parent's IPC channel closed → the same as a 2nd signal (no orphan lingers for 30 s).
  */
 import type { FastifyInstance } from 'fastify';
-import { drainGateOf } from '../worker/http.js';
 import { DrainGate, gracefulShutdown } from '../runtime/drain.js';
 import { createLogger } from '../base/log.js';
 import { PdError } from '../base/errors.js';
@@ -54,7 +53,8 @@ export interface ServeOptions {
 export async function serveRole(role: string, start: () => Promise<Served>, o: ServeOptions): Promise<void> {
   const log = createLogger(`${role}-lifecycle`);
   const s = await start();
-  const gate = s.drain ?? (s.app ? drainGateOf(s.app) : undefined) ?? new DrainGate(role);
+  // the worker edge (fastify) loads only for a serving role: the CLI's tools (doctor) start without it
+  const gate = s.drain ?? (s.app ? (await import('../worker/http.js')).drainGateOf(s.app) : undefined) ?? new DrainGate(role);
   const membership = o.hooks?.register ? await o.hooks.register(s) : undefined;
   process.send?.({ type: 'ready', role, url: s.url, bootstrapPort: s.bootstrapPort });
   const force = new AbortController();

@@ -77,16 +77,18 @@ export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
 }
 
 /**
- * The dispatcher of the doctor's GETs (../runtime/http-auth.ts): the admin key on the router's
- * requests, and the workers' requests signed with the cluster secret (PDSERVE_CLUSTER_SECRET).
+ * The one dispatcher of all the doctor's GETs (../runtime/http-auth.ts): the admin key on the
+ * router's requests, the workers' requests signed with the cluster secret
+ * (PDSERVE_CLUSTER_SECRET), the TLS options, and a connect timeout (TCP connect and TLS
+ * handshake) of one GET's deadline, so a peer that accepts but never completes a handshake
+ * holds neither a round nor the process's exit longer than `--timeout`.
  */
-function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher | undefined {
+function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher {
   const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY?.split(',')[0]?.trim();
   const secret = process.env.PDSERVE_CLUSTER_SECRET;
   const router = source.routerUrl ? [source.routerUrl] : [];
   const tls = doctorTls(o);
-  if (!key && !secret && !tls) return undefined;
-  return withCredentials({ ...(key && router.length ? { bearer: { key, origins: router } } : {}), ...(secret ? { sign: { secret, skipOrigins: router } } : {}) }, new Agent(tls ? { connect: tls } : {}));
+  return withCredentials({ ...(key && router.length ? { bearer: { key, origins: router } } : {}), ...(secret ? { sign: { secret, skipOrigins: router } } : {}) }, new Agent({ connect: { timeout: o.timeout, ...(tls ?? {}) } }));
 }
 
 /**
@@ -141,7 +143,8 @@ export async function runDoctor(o: DoctorOptions, write: (s: string) => void = (
   try {
     return await doctorRounds(source, o, write, dispatcher);
   } finally {
-    await dispatcher?.close().catch(() => {});
+    // destroy, not close: a GET past its deadline may still wait on a handshake; nothing is left to read
+    await dispatcher?.destroy().catch(() => {});
   }
 }
 

@@ -96,10 +96,28 @@ export interface WorkerSource {
 /** Largest body read per endpoint, bytes. */
 const MAX_BODY = 8 * 1024 * 1024;
 
-/** GET `url` with a deadline through `dispatcher` (credentials: ../runtime/http-auth.ts; default: undici's global one); `parse` turns the text into the body. Never throws. */
+/**
+ * GET `url` through `dispatcher` (credentials: ../runtime/http-auth.ts; default: undici's global
+ * one); `parse` turns the text into the body. Answers within `timeoutMs` whatever phase the
+ * request is in: undici applies an abort only once the connection is up, so a TLS handshake with
+ * a hung peer would otherwise wait for the dispatcher's connect timeout (10 s by default). Never
+ * throws.
+ */
 export async function fetchText<T>(url: string, timeoutMs: number, parse: (text: string) => T, dispatcher?: Dispatcher): Promise<Fetched<T>> {
   const t0 = systemClock.nowMs();
   const ms = () => Math.round(systemClock.nowMs() - t0);
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<Fetched<T>>((resolve) => {
+    timer = setTimeout(() => resolve({ ok: false, status: null, ms: ms(), error: `timed out after ${timeoutMs} ms`, body: null }), timeoutMs);
+  });
+  try {
+    return await Promise.race([fetchOnce(url, timeoutMs, parse, ms, dispatcher), late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+async function fetchOnce<T>(url: string, timeoutMs: number, parse: (text: string) => T, ms: () => number, dispatcher?: Dispatcher): Promise<Fetched<T>> {
   try {
     const res = await request(url, { method: 'GET', signal: AbortSignal.timeout(timeoutMs), headersTimeout: timeoutMs, bodyTimeout: timeoutMs, ...(dispatcher ? { dispatcher } : {}) });
     let text = '';
@@ -121,7 +139,8 @@ export async function fetchText<T>(url: string, timeoutMs: number, parse: (text:
     return { ok: res.statusCode >= 200 && res.statusCode < 300, status: res.statusCode, ms: ms(), error: res.statusCode >= 300 ? `HTTP ${res.statusCode}` : null, body };
   } catch (err) {
     const e = err as { name?: string; code?: string; cause?: { code?: string }; message?: string };
-    const why = e.name === 'TimeoutError' ? `timed out after ${timeoutMs} ms` : (e.code ?? e.cause?.code ?? e.message ?? String(err));
+    const code = e.code ?? e.cause?.code;
+    const why = e.name === 'TimeoutError' || code === 'UND_ERR_CONNECT_TIMEOUT' ? `timed out after ${timeoutMs} ms` : (code ?? e.message ?? String(err));
     return { ok: false, status: null, ms: ms(), error: String(why), body: null };
   }
 }

@@ -1,7 +1,8 @@
 /**
  * The doctor's pure parts on fabricated snapshots: diagnosis rules (stuck/slow/orphan/overdue
  * rooms, the incident's signature, lost and mismatched workers, recent failures, counters that
- * moved), trace id parsing, the trace store's bounds, the dashboard series, the Prometheus parser.
+ * moved), trace id parsing, the trace store's bounds, the dashboard series, the Prometheus parser;
+ * and one GET's deadline against a real socket that never finishes a TLS handshake.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
@@ -242,4 +243,29 @@ test('DashboardSeries: a fresh series shows one minute, not the whole empty wind
   assert.equal(s.view(t).t.length, 12);
   assert.equal(s.view(t + 120_000).t.length, 25);
   assert.equal(s.view(t + 3_600_000).t.length, 60);
+});
+
+test('fetchText answers within its deadline when the peer accepts TCP but never completes the TLS handshake', async () => {
+  // A SIGSTOPped worker behind TLS: the kernel accepts, nothing answers; undici applies an abort
+  // only once connected, so without fetchText's own deadline this waits for the connect timeout.
+  const { createServer } = await import('node:net');
+  const { Agent } = await import('undici');
+  const { fetchText } = await import('../../src/observe/gather.js');
+  const held: import('node:net').Socket[] = [];
+  const srv = createServer((s) => held.push(s));
+  await new Promise<void>((r) => srv.listen(0, '127.0.0.1', r));
+  const port = (srv.address() as import('node:net').AddressInfo).port;
+  const agent = new Agent({ connect: { timeout: 20_000 } });
+  try {
+    const t0 = performance.now();
+    const f = await fetchText(`https://127.0.0.1:${port}/health`, 300, JSON.parse, agent);
+    const ms = performance.now() - t0;
+    assert.equal(f.ok, false);
+    assert.equal(f.error, 'timed out after 300 ms');
+    assert.ok(ms < 5000, `answered after ${Math.round(ms)} ms (the connect timeout is 20 s)`);
+  } finally {
+    await agent.destroy();
+    for (const s of held) s.destroy();
+    await new Promise((r) => srv.close(r));
+  }
 });
