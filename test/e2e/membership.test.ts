@@ -91,7 +91,7 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     const all = await kv.getAll().prefix(MEMBER_PREFIX).strings();
     const keys = Object.keys(all);
     assert.equal(keys.length, 3, `one key per worker: ${keys.join(', ')}`);
-    assert.ok(!JSON.stringify(all).includes(c.secret), 'no etcd record holds the cluster secret');
+    for (const s of [c.secret, ...c.access.apiKeys, ...c.access.adminApiKeys]) assert.ok(!JSON.stringify(all).includes(s), 'no etcd record holds the cluster secret or a key');
     assert.ok(await waitFor(async () => (await workers()).filter((w) => w.healthy).length === 3, 5000), 'the router found all three');
     for (let i = 0; i < 4; i++) assert.ok(ok(await completion(promptOf(24, i))), 'requests succeed');
     // every worker that joined through etcd has its KV event stream followed from the join

@@ -374,6 +374,7 @@ describe('when migration cannot save a request', () => {
       assert.equal(killed.size, 2, 'both decodes were killed under the request');
       assert.ok(error, `the stream ended with an error (chunks: ${chunks})`);
       assert.match(String(error.message), /decode/, `the error names the last cause: ${error.message}`);
+      assert.doesNotMatch(String(error.message), /127\.0\.0\.1|localhost|https?:\/\//, 'the client is told the role, never its address');
       const t = await tr(rid);
       assert.equal(t.outcome, 'error');
       // one migration (an attempt_failed event), then the second attempt's failure is the request's

@@ -17,7 +17,9 @@
  *    workers' HTTP and on the KV channel, every handoff over the channel: --no-kv-same-host);
  *    a worker or bootstrap port reached without a client certificate the CA signed is refused
  *    in the TLS handshake; doctor and the dashboard reach the workers with the CA;
- *  - admission: past its key's token bucket a request is a 429 `rate_limited` with retry-after;
+ *  - admission: past its key's token bucket, or past the server's cap with a full queue, a request
+ *    is a 429 `rate_limited` with retry-after; `--private-metrics` puts /metrics behind the key;
+ *  - `--cluster-secret` on a command line works and warns;
  *  - no key or secret in any log file or in `ps` output.
  */
 import assert from 'node:assert/strict';
@@ -325,13 +327,21 @@ describe('TLS for clients', () => {
     ssl('x509', '-req', '-in', 'srv.csr', '-CA', 'ca.crt', '-CAkey', 'ca.key', '-CAcreateserial', '-out', 'srv.crt', '-days', '1', '-extfile', 'san.ext');
     const port = await freePort();
     const p = c.byRole('prefill')[0]!;
-    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key'), '--key-rps', '0.01', '--key-burst', '2', ...doctorTls];
-    const child = spawn(process.execPath, args, { stdio: 'ignore', env: { ...process.env, PDSERVE_CLUSTER_SECRET: c.secret, PDSERVE_API_KEY: API_KEY } });
-    t.after(() => void child.kill('SIGKILL'));
+    // This router takes the cluster secret on its command line (it must warn) and keeps /metrics behind its key.
+    const args = [BIN, 'router', '--port', String(port), '--prefill', `${p.url},${p.bootstrapPort}`, '--decode', c.byRole('decode')[0]!.url, '--tls-cert', join(dir, 'srv.crt'), '--tls-key', join(dir, 'srv.key'), '--key-rps', '0.01', '--key-burst', '2', '--private-metrics', '--cluster-secret', c.secret, ...doctorTls];
+    const child = spawn(process.execPath, args, { stdio: ['ignore', 'ignore', 'pipe'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: '', PDSERVE_API_KEY: API_KEY } });
+    let stderr = '';
+    child.stderr!.on('data', (d: Buffer) => (stderr += d.toString()));
+    // gone before the ps scan of 'secrets stay secret'
+    t.after(() => new Promise<void>((r) => (child.exitCode !== null || child.signalCode !== null ? r() : (child.once('exit', () => r()), child.kill('SIGKILL')))));
     const trusted = new Agent({ connect: { ca: readFileSync(join(dir, 'ca.crt')) } });
     t.after(() => trusted.close());
     const url = `https://127.0.0.1:${port}`;
     assert.ok(await waitFor(async () => (await request(`${url}/health`, { dispatcher: trusted })).statusCode === 200, 20_000, 100), 'the HTTPS router is up');
+    assert.match(stderr, /warning: --cluster-secret on the command line is visible to every local user \(ps\)/);
+    assert.ok(!stderr.includes(c.secret), 'the warning does not repeat the secret');
+    const metrics = (key?: string) => request(`${url}/metrics`, { dispatcher: trusted, headers: key ? bearer(key) : {} }).then(async (res) => (await res.body.text(), res.statusCode));
+    assert.deepEqual([await metrics(), await metrics('sk-wrong'), await metrics(API_KEY)], [401, 401, 200], '--private-metrics: /metrics needs the key (the API key, with no admin key configured)');
     const secure = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 30_000, fetchOptions: { dispatcher: trusted } as never });
     const r = await secure.completions.create({ model: 'pdserve', prompt: 'over tls', max_tokens: 3, temperature: 0 });
     assert.equal(r.choices.length, 1);
@@ -352,9 +362,10 @@ describe('TLS for clients', () => {
     await assert.rejects(fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(3000) }), 'plain HTTP is not served');
   });
 
-  test('colocated takes the same keys and HTTPS: the openai SDK with a wrong or no key gets 401, the admin key guards /debug/*, /health is open, no CA no handshake', async (t) => {
+  test('colocated takes the same keys and HTTPS: the openai SDK with a wrong or no key gets 401, the admin key guards /debug/*, /health is open, past its cap a request is a 429, no CA no handshake', async (t) => {
     const port = await freePort();
-    const args = [BIN, 'colocated', '--model', await tinyModel(), '--port', String(port), '--ctx-size', '512', '--threads', '1', '--slots', '1', '--tls-cert', pki.cert, '--tls-key', pki.key];
+    // admission: one generation request at a time, none queued
+    const args = [BIN, 'colocated', '--model', await tinyModel(), '--port', String(port), '--ctx-size', '512', '--threads', '1', '--slots', '1', '--tls-cert', pki.cert, '--tls-key', pki.key, '--max-concurrent-requests', '1', '--max-queued-requests', '0'];
     const child = spawn(process.execPath, args, { stdio: 'ignore', env: { ...process.env, PDSERVE_API_KEY: API_KEY, PDSERVE_ADMIN_API_KEY: ADMIN_KEY } });
     t.after(() => void child.kill('SIGKILL'));
     const trusted = new Agent({ connect: { ca: pki.pem.ca } });
@@ -373,6 +384,19 @@ describe('TLS for clients', () => {
     assert.equal(r.choices.length, 1);
     const debug = (key?: string) => request(`${url}/debug/rooms`, { dispatcher: trusted, headers: key ? { authorization: `Bearer ${key}` } : {} }).then(async (res) => (await res.body.text(), res.statusCode));
     assert.deepEqual([await debug(), await debug(API_KEY), await debug(ADMIN_KEY)], [401, 401, 200], '/debug/rooms: the admin key only');
+    // At its cap (1, no queue): while one stream runs, the next request is a 429 with retry-after; then it is served again.
+    const running = await colo(API_KEY).completions.create({ model: 'pdserve', prompt: 'a long one', max_tokens: 24, temperature: 0, stream: true });
+    const it = running[Symbol.asyncIterator]();
+    assert.equal((await it.next()).done, false, 'the first request is streaming');
+    const full = await refusal(colo(API_KEY).completions.create({ model: 'pdserve', prompt: 'one too many', max_tokens: 2 }));
+    assert.ok(full instanceof OpenAI.RateLimitError, `at the cap: ${String(full)}`);
+    assert.equal(full.code, 'rate_limited');
+    assert.match(full.message, /at its limit of 1 requests with 0 waiting/);
+    assert.ok(Number(full.headers?.get('retry-after')) >= 1, 'retry-after');
+    while (!(await it.next()).done);
+    assert.equal((await colo(API_KEY).completions.create({ model: 'pdserve', prompt: 'after', max_tokens: 2, temperature: 0 })).choices.length, 1, 'served again once the first ended');
+    const refused = await (await request(`${url}/metrics`, { dispatcher: trusted })).body.text();
+    assert.match(refused, /^pdserve_admission_refused_total\{reason="queue_full"\} 1$/m);
     const untrusted = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 10_000 });
     await assert.rejects(untrusted.models.list(), (e: unknown) => e instanceof OpenAI.APIConnectionError);
   });
