@@ -34,14 +34,14 @@ function cell(s: string): string {
   return s.replace(/\|/g, '\\|').replace(/\s*\n\s*/g, ' ');
 }
 
-/** The default column of one option: `—` when it has none (or a `--no-X` flag's implicit true). */
+/** The default column of one option: `—` when it has none (or a `--no-X` flag's implicit true); its `defaultValueDescription` when it has one (as `--help` shows it). */
 function defaultOf(o: Option): string {
   const d: unknown = o.defaultValue;
   if (d === undefined || o.negate) return '—';
   if (d === false) return 'off';
   if (d === true) return 'on';
   if (Array.isArray(d)) return d.length ? `\`${d.join(',')}\`` : '—';
-  return `\`${String(d)}\``;
+  return `\`${o.defaultValueDescription ?? String(d)}\``;
 }
 
 /** One option's description, with its choices when it has them. */

@@ -466,7 +466,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--prefill <url,bootstrap-port>', 'pd-direct: the prefill worker')
       .option('--decode <url>', 'pd-direct: the decode worker')
       .option('--num-prompts <n>', 'requests to send', int, 100)
-      .option('--request-rate <r>', "Poisson arrival rate, req/s; 'inf' = all at once", reqRate, Infinity)
+      .addOption(new Option('--request-rate <r>', "Poisson arrival rate, req/s; 'inf' = all at once").argParser(reqRate).default(Infinity, 'inf'))
       .option('--max-concurrency <n>', 'cap on requests in flight', int)
       .addOption(new Option('--dataset <name>', 'random: words drawn at random; corpus: windows of a real text (bench/corpus/alice.txt)').choices(['random', 'corpus']).default('random'))
       .option('--input-len <tokens>', 'prompt length', int, 256)

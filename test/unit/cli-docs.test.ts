@@ -19,3 +19,14 @@ test('docs/CLI.md is the reference generated from the commander definitions (run
   }
   assert.match(md, /\| `--threads <n>` \| `1` \| llama\.cpp threads/);
 });
+
+test('a default reads as --help prints it: durations as typed, an infinite rate as inf, never null or Infinity', async () => {
+  const program = await cliProgram([]);
+  const md = cliMarkdown(program);
+  const bench = program.commands.find((c) => c.name() === 'bench')!;
+  assert.match(bench.helpInformation(), /--request-rate[^]*?\(default: inf\)/);
+  assert.match(md, /\| `--request-rate <r>` \| `inf` \|/);
+  assert.match(md, /\| `--duration <time>` \| `1m` \|/);
+  assert.doesNotMatch(md, /\| `(?:null|Infinity|NaN)` \|/);
+  for (const c of program.commands) assert.doesNotMatch(c.helpInformation(), /\(default: (?:null|Infinity|NaN)\)/, c.name());
+});
