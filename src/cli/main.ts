@@ -10,6 +10,7 @@ import { join, resolve } from 'node:path';
 import { ClusterSecretSchema, DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../runtime/config.js';
 import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
+import { tryLines } from '../up/banner.js';
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
@@ -319,7 +320,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       console.log(`  logs      ${logDir}`);
       console.log(`  access    ${c.access.apiKeys.length || o.apiKeyFile ? 'API key required (Authorization: Bearer KEY)' : 'OPEN: no API key, anyone who reaches the router can use it (--api-key-file or PDSERVE_API_KEY)'}`);
       console.log('\nTry:');
-      console.log(`  curl -s ${r}/v1/completions -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`);
+      for (const l of tryLines(r, { apiKey: c.access.apiKeys.length > 0 || !!o.apiKeyFile, https: r.startsWith('https:') })) console.log(`  ${l}`);
       console.log('\nCtrl-C drains and stops everything (a second Ctrl-C stops waiting).');
       // Supervise (up/supervise.ts): a worker that dies on its own is restarted on the same
       // ports (peers and the router find it again); one that drained on request (exit 0) stays
