@@ -128,6 +128,21 @@ function timelineLine(x: RoomAt): string {
 
 const idOf = (r: RoomInfo) => r.trace || r.rid;
 
+/**
+ * The likelier cause of a probe that failed in TLS, which "down" would misname: a certificate
+ * doctor does not trust (`--ca` for the router's HTTPS, `--internal-tls-ca` for the workers'), or
+ * a worker on mutual TLS that cut a doctor without a client certificate it accepts.
+ * @param url the probed base URL; @param error the probe's error code or message (null: none).
+ * @returns the cause, or undefined when the error is not a TLS one.
+ */
+export function tlsCause(url: string, error: string | null | undefined, who: 'router' | 'worker'): string | undefined {
+  const e = error ?? '';
+  const caFlag = who === 'router' ? '--ca FILE' : '--internal-tls-ca FILE';
+  if (/CERT|SELF_SIGNED|UNABLE_TO_VERIFY|UNABLE_TO_GET_ISSUER|unable to verify/i.test(e)) return `doctor does not trust the ${who}'s TLS certificate: give the CA that signed it (${caFlag})`;
+  if (who === 'worker' && url.startsWith('https:') && /UND_ERR_SOCKET|ECONNRESET|EPROTO|SSL|TLS|other side closed/i.test(e)) return 'the TLS handshake failed: a worker on mutual TLS refuses a client without a certificate its CA signed (--internal-tls-cert FILE --internal-tls-key FILE --internal-tls-ca FILE, the cluster\'s), or the worker process is gone';
+  return undefined;
+}
+
 /** The diagnosis of one snapshot (see the module doc). */
 export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagnosis {
   const slowMs = o.slowMs ?? 2000;
@@ -145,7 +160,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       kind: 'router_unreachable',
       title: `router ${router.url} does not answer GET /workers (${router.workers.error})`,
       details: [`GET /health: ${router.health.ok ? 'ok' : router.health.error}`],
-      cause: 'the router process is down, not listening on that address, or its event loop is blocked',
+      cause: tlsCause(router.url, router.workers.error, 'router') ?? 'the router process is down, not listening on that address, or its event loop is blocked',
       next: [`curl -sS -m 3 ${router.url}/health`, 'check the router process (ps, its log) and the address/port'],
       weight: 1e12,
     });
@@ -164,7 +179,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
         kind: 'worker_unreachable',
         title: `${w.ref.role} ${w.ref.url} is unreachable (${w.health.error})`,
         details: [`router's view: healthy=${String(rr.healthy)}, last_error=${String(rr.last_error ?? 'none')}`],
-        cause: 'the worker process died, is not listening, or its event loop is blocked (a long synchronous call)',
+        cause: tlsCause(w.ref.url, w.health.error, 'worker') ?? 'the worker process died, is not listening, or its event loop is blocked (a long synchronous call)',
         next: [`curl -sS -m 3 ${w.ref.url}/health`, `check the ${w.ref.role} process and its log`],
         weight: 1e11,
         data: { url: w.ref.url, role: w.ref.role },

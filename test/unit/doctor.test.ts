@@ -6,7 +6,7 @@
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { diagnose } from '../../src/observe/diagnose.js';
+import { diagnose, tlsCause } from '../../src/observe/diagnose.js';
 import { parsePrometheus, sumOf, type ClusterSnapshot, type Fetched, type RoomInfo, type WorkerProbe } from '../../src/observe/gather.js';
 import { DashboardSeries, percentile } from '../../src/router/dashboard-series.js';
 import { TraceStore, traceIdOf } from '../../src/router/trace.js';
@@ -72,6 +72,22 @@ describe('diagnose', () => {
     const allCpu = diagnose(snap([worker('prefill', { health: { gpu: { backend: null, devices: [], layers: 0, total_layers: 3 } } }), cpu]));
     assert.equal(allCpu.findings.length, 0, 'CPU-only clusters: summary only');
     assert.match(allCpu.summary, /2 on CPU/);
+  });
+
+  test('a TLS failure is named as one, with the flag that fixes it, not as a dead process', () => {
+    const untrusted: Fetched<never> = { ok: false, status: null, ms: 5, error: 'UNABLE_TO_VERIFY_LEAF_SIGNATURE', body: null };
+    const s = snap([]);
+    const d = diagnose({ ...s, router: { ...s.router!, url: 'https://r', health: untrusted, workers: untrusted } });
+    const r = d.findings.find((f) => f.kind === 'router_unreachable')!;
+    assert.match(r.cause, /does not trust the router's TLS certificate.*--ca FILE/);
+    const cut: Fetched<never> = { ok: false, status: null, ms: 5, error: 'UND_ERR_SOCKET', body: null };
+    const w = { ref: { role: 'decode' as const, url: 'https://w:1', router: { healthy: true } }, health: cut, metrics: cut, rooms: cut };
+    assert.match(diagnose(snap([worker('prefill'), w])).findings.find((f) => f.kind === 'worker_unreachable')!.cause, /mutual TLS.*--internal-tls-cert/);
+    assert.match(tlsCause('https://w:1', 'SELF_SIGNED_CERT_IN_CHAIN', 'worker')!, /--internal-tls-ca FILE/);
+    // not TLS: the usual causes stay
+    assert.equal(tlsCause('http://w:1', 'UND_ERR_SOCKET', 'worker'), undefined, 'plain HTTP');
+    assert.equal(tlsCause('https://r', 'ECONNREFUSED', 'router'), undefined);
+    assert.match(diagnose(snap([worker('prefill'), worker('decode', { reachable: false })])).findings.find((f) => f.kind === 'worker_unreachable')!.cause, /worker process died/);
   });
 
   test('a healthy idle cluster: exit 0, no findings', () => {
