@@ -1,6 +1,8 @@
 /**
- * The Node version the README and package.json promise (engines.node, ≥ 20.15) is one every
- * locked dependency supports: npm warns (EBADENGINE) at install for any that needs a later one.
+ * The Node version the README and package.json promise (engines.node) is one every locked
+ * dependency supports: npm warns (EBADENGINE) at install for any that needs a later one. And every
+ * locked package with an install script has its decision in package.json's `allowScripts`: npm 11
+ * blocks such scripts by default and ends `npm install` with a warning listing each one it skipped.
  */
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
@@ -27,4 +29,17 @@ test('every locked package runs on the Node version package.json promises', () =
     )
     .map(([name, p]) => `${name}: node ${p.engines!.node}`);
   assert.deepEqual(bad, []);
+});
+
+test('every locked package with an install script is decided in allowScripts (npm 11 installs without a warning)', () => {
+  const allow = (read('package.json').allowScripts ?? {}) as Record<string, boolean>;
+  const lock = read('package-lock.json') as { packages: Record<string, { hasInstallScript?: boolean }> };
+  const undecided = Object.entries(lock.packages)
+    .filter(([, p]) => p.hasInstallScript === true)
+    .map(([path]) => path.slice(path.lastIndexOf('node_modules/') + 'node_modules/'.length))
+    .filter((name) => !(name in allow));
+  assert.deepEqual(undecided, []);
+  // denied (what npm 11 did silently): the prebuilt binaries, optional dependencies, serve; node-llama-cpp's
+  // postinstall would load llama.cpp at install, or build it from source when no prebuilt one fits
+  assert.equal(allow['node-llama-cpp'], false);
 });
