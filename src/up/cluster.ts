@@ -175,7 +175,7 @@ export class Cluster {
    * internal mutual TLS.
    */
   constructor(opts: ClusterOptions) {
-    this.kit = secureTestMode() && !opts.access && !opts.internalTls ? secureKit() : undefined;
+    this.kit = secureTestMode() && !opts.access && !opts.internalTls ? secureKit([...(opts.host ? [opts.host] : []), ...Object.values(opts.placement ?? {}).map((p) => p.host)]) : undefined;
     const k = this.kit;
     const tlsArgs = k ? ['--tls-cert', k.pki.cert, '--tls-key', k.pki.key] : [];
     this.opts = k

@@ -36,12 +36,19 @@ export function secureTestMode(): boolean {
 
 /**
  * The process's secure-mode kit, made on first use (openssl: a CA and a certificate for
- * 127.0.0.1/localhost, valid one day; removed when the process exits).
- * @throws when openssl fails.
+ * 127.0.0.1, localhost and `hosts`, valid one day; removed when the process exits). `hosts`:
+ * the other addresses the cluster binds (`ClusterOptions.placement`), which the certificate
+ * must name for a peer to verify it.
+ * @throws when openssl fails, or when the kit exists and does not name one of `hosts` (its CA is
+ * shared by every cluster of the process: start the cluster with the most hosts first).
  */
-export function secureKit(): SecureKit {
-  if (kit) return kit;
-  const pki = makeTestPki();
+export function secureKit(hosts: readonly string[] = []): SecureKit {
+  if (kit) {
+    const missing = hosts.filter((h) => !kit!.pki.hosts.includes(h));
+    if (missing.length) throw new Error(`secure test mode: this process's certificate names ${kit.pki.hosts.join(', ')}, not ${missing.join(', ')}`);
+    return kit;
+  }
+  const pki = makeTestPki(hosts);
   process.once('exit', () => rmSync(pki.dir, { recursive: true, force: true }));
   const apiKey = `sk-test-${randomBytes(12).toString('hex')}`;
   const adminKey = `sk-admin-${randomBytes(12).toString('hex')}`;

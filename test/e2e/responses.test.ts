@@ -16,7 +16,7 @@ import { describe, test } from 'node:test';
 import OpenAI from 'openai';
 import { createOpenAI } from '@ai-sdk/openai';
 import { generateText, jsonSchema, streamText, tool } from 'ai';
-import { getJson, useStack, waitFor } from '../helpers/stack.js';
+import { apiKey, getJson, useStack, waitFor } from '../helpers/stack.js';
 
 // Two decode workers with the cache-aware decode policy: session affinity has a choice to make.
 const s = useStack({ ctxSize: 4096, decode: 2, extraArgs: { router: ['--decode-policy', 'cache_aware'] } });
@@ -179,7 +179,7 @@ describe('/v1/responses through the openai SDK (PD and colocated)', () => {
 
 describe('/v1/responses through the Vercel AI SDK default provider', () => {
   test('generateText and streamText with openai(model) call /v1/responses; a tool round trip with the SDK loop', async () => {
-    const openai = createOpenAI({ baseURL: `${s.c.router.url}/v1`, apiKey: 'none' });
+    const openai = createOpenAI({ baseURL: `${s.c.router.url}/v1`, apiKey: apiKey() });
     const messages = [{ role: 'user' as const, content: 'Name a colour.' }];
     const g = await generateText({ model: openai('pdserve'), messages, temperature: 0, maxOutputTokens: 24 });
     assert.equal(g.text, await chatText(s.pd, messages));

@@ -49,9 +49,14 @@ export function useStack(over: Partial<ClusterOptions> = {}): { c: Cluster; pd: 
   return h;
 }
 
-/** The openai SDK on `baseUrl` (the router or colocated server); in secure test mode with its API key (src/up/secure-mode.ts). */
+/** The API key a test client sends: secure test mode's (src/up/secure-mode.ts), else a placeholder the open cluster ignores. */
+export function apiKey(): string {
+  return secureTestMode() ? secureKit().apiKey : 'none';
+}
+
+/** The openai SDK on `baseUrl` (the router or colocated server); in secure test mode with its API key. */
 export function client(baseUrl: string, timeoutMs = 30_000): OpenAI {
-  return new OpenAI({ baseURL: `${baseUrl}/v1`, apiKey: secureTestMode() ? secureKit().apiKey : 'none', timeout: timeoutMs, maxRetries: 0 });
+  return new OpenAI({ baseURL: `${baseUrl}/v1`, apiKey: apiKey(), timeout: timeoutMs, maxRetries: 0 });
 }
 
 /** GET JSON with a deadline. */
