@@ -113,6 +113,7 @@ describe('API keys on the router', () => {
     const n2 = await sdk(API_KEY).completions.create({ model: 'pdserve', prompt: 'the river', max_tokens: 2, n: 2 });
     assert.equal(n2.choices.length, 2);
     assert.equal((await sdk(API_KEY).models.list()).data.length > 0, true);
+    assert.doesNotMatch(readFileSync(join(logDir, 'router.log'), 'utf8'), /is OPEN/, 'a router with keys does not call itself open');
   });
 
   test('every /v1/* route (by prefix), /tokenize and /detokenize need the key; /health is open', async () => {

@@ -140,6 +140,7 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     assert.ok(await waitFor(async () => out.includes('Ctrl-C drains'), 60_000, 50), `up started:\n${out}`);
     assert.match(out, new RegExp(`prefill-0 http://127\\.0\\.0\\.1:${base}\\s+bootstrap port ${base + 1}`));
     assert.match(out, new RegExp(`decode-0  http://127\\.0\\.0\\.1:${base + 2}`));
+    assert.match(out, /access\s+OPEN: no API key/, 'without keys the banner says the server is open');
     for (const p of [base, base + 2]) assert.equal((await health(`http://127.0.0.1:${p}`)).status, 200);
     const router = `http://127.0.0.1:${rport}`;
     // decode-local through up's flags: the first request takes the PD path, the same prompt again
