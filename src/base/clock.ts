@@ -37,3 +37,28 @@ export const systemClock: Clock = {
 export function wallOf(clock: Clock, t: number): number {
   return Math.round(clock.wallMs() - (clock.nowMs() - t));
 }
+
+/** Timers (a port: node's timers here, virtual ones in a simulator). Both return a cancel function; neither keeps the process alive. */
+export interface Timers {
+  /** Call `fn` every `ms` until cancelled. */
+  every(ms: number, fn: () => void): () => void;
+  /** Call `fn` once after `ms` unless cancelled first. */
+  after(ms: number, fn: () => void): () => void;
+  /** Settles after the current event-loop turn (what is queued now runs first). */
+  turn(): Promise<void>;
+}
+
+/** The process's real timers (unref'd). */
+export const systemTimers: Timers = {
+  every(ms, fn) {
+    const t = setInterval(fn, ms);
+    t.unref();
+    return () => clearInterval(t);
+  },
+  after(ms, fn) {
+    const t = setTimeout(fn, ms);
+    t.unref();
+    return () => clearTimeout(t);
+  },
+  turn: () => new Promise<void>((resolve) => setImmediate(resolve)),
+};

@@ -31,7 +31,7 @@ import { MAX_KV_STREAMS, type PairSettings } from './messages.js';
 import { KvError } from './types.js';
 import { tcpTransport, type KvTransport } from './transport.js';
 
-export { DEFAULT_HEARTBEAT_MS, HEARTBEAT_MISS_BUDGET, newKvStats, PeerConn, type KvHandlers, type KvLog, type KvStats, type SendChunksOptions, type ChunkSource } from './connection.js';
+export { DEFAULT_HEARTBEAT_MS, HEARTBEAT_MISS_BUDGET, newKvStats, PeerConn, type KvConn, type KvHandlers, type KvLog, type KvStats, type SendChunksOptions, type ChunkSource } from './connection.js';
 
 /** Options shared by both ends. */
 export interface KvChannelOptions extends KvHandlers {

@@ -165,7 +165,20 @@ export const errText = (e: unknown): string => (e instanceof Error ? ((e as Node
  * One authenticated channel connection, as seen from either side. Obtained from KvServer
  * (onConnect / handlers / get(id)) or KvPeerPool.get(); never constructed directly.
  */
-export class PeerConn {
+/**
+ * What a role's room handling needs of one KV connection: `PeerConn` here, a fake one in the
+ * simulator (src/sim). `id`: stable for the connection; `alive`: authenticated and not closed;
+ * `peerEpoch`: the peer's session epoch ('' before authentication); `sendControl`: false when
+ * the message could not be queued (the connection is gone).
+ */
+export interface KvConn {
+  readonly id: string;
+  readonly alive: boolean;
+  readonly peerEpoch: string;
+  sendControl(msg: ControlMsg): boolean;
+}
+
+export class PeerConn implements KvConn {
   /** Peer's session epoch, bound at authentication ('' before). */
   peerEpoch = '';
   /** Round-trip time of the last answered ping, ms (undefined until one is answered). */

@@ -8,13 +8,42 @@
  * fill up over restarts and a file handed over by a prefill that was then killed goes too.
  * (A dead owner's pid reused by a new process delays its sweep until that process is gone.)
  */
-import { readFileSync } from 'node:fs';
+import { linkSync, readFileSync, renameSync, rmSync } from 'node:fs';
 import { readdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { Logger } from '../base/log.js';
 
 /** `pdserve-<kind>-<pid>[-<rest>].<ggsq|nonce|bin>`; the kind may have dashes (the bench's `bench-kv`, `bench-probe`). */
 const STATE_FILE = /^pdserve-[a-z]+(?:-[a-z]+)*-(\d+)(?:-[^/]*)?\.(?:ggsq|nonce|bin)$/;
+
+/**
+ * The file-system operations a role's room handling performs on state files (a port: node:fs
+ * here, a model of names in the simulator). Paths are absolute.
+ */
+export interface StateFiles {
+  /** Delete `path` if it exists; never rejects. */
+  remove(path: string): Promise<void>;
+  /** Delete `path` now if it exists (synchronous); never throws. */
+  removeNow(path: string): void;
+  /** Rename `from` to `to` (same file system). @throws the rename error (ENOENT, EXDEV). */
+  rename(from: string, to: string): void;
+  /** Give the file `from` the additional name `to` (a hard link). @throws the link error (EEXIST, ENOENT). */
+  link(from: string, to: string): void;
+}
+
+/** State files on the real file system. */
+export const nodeStateFiles: StateFiles = {
+  remove: (path) => rm(path, { force: true }).catch(() => {}),
+  removeNow: (path) => {
+    try {
+      rmSync(path, { force: true });
+    } catch {
+      /* a file that cannot be deleted is the sweeper's */
+    }
+  },
+  rename: (from, to) => renameSync(from, to),
+  link: (from, to) => linkSync(from, to),
+};
 
 /** Period of the stale-file sweep of a running worker, ms. */
 export const STATE_SWEEP_MS = 30_000;

@@ -12,6 +12,7 @@ import { servedModelNamesOf } from '../runtime/config.js';
 import { toApiError } from '../base/errors.js';
 import type { KvEventLog } from '../protocol/kv-events.js';
 import type { Logger } from '../base/log.js';
+import { systemTimers, type Timers } from '../base/clock.js';
 import { pairSettingsOf } from '../protocol/pair.js';
 import { parseRoomId } from '../base/room-id.js';
 import { startStateSweeper, sweepStaleStateFiles } from '../runtime/statefiles.js';
@@ -61,6 +62,8 @@ export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'en
   abort(rid: string | undefined, room: RoomId | undefined): void;
   /** One watchdog tick (the driver's deadline checks). */
   tick(): void;
+  /** The watchdog's timer (default: the process's). */
+  timers?: Timers;
 }
 
 /** A listening worker edge. */
@@ -126,16 +129,15 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     await app.close().catch(() => {});
     throw err;
   }
-  let watchdog: NodeJS.Timeout | undefined = setInterval(o.tick, c.watchdogMs);
-  watchdog.unref();
+  let stopWatchdog: (() => void) | undefined = (o.timers ?? systemTimers).every(c.watchdogMs, o.tick);
   if (holdsEnabled) o.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
   return {
     app,
     url,
     stop() {
-      if (!watchdog) return;
-      clearInterval(watchdog);
-      watchdog = undefined;
+      if (!stopWatchdog) return;
+      stopWatchdog();
+      stopWatchdog = undefined;
       stopSweep();
     },
   };
