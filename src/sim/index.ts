@@ -1,18 +1,23 @@
 /**
  * Deterministic simulator of the KV room lifecycle (TigerBeetle VOPR style). Each seed builds a
- * `World` (router + prefill + decode, each node with a real `RoomTable`) on virtual time with a
- * seeded PRNG, runs it to completion and checks safety and liveness (see world.ts). A seed
+ * `World` (router + prefill + decode, each node the shipped effect executor and driver over fake
+ * ports) on virtual time with a seeded PRNG, runs it to completion and checks safety and
+ * liveness (world.ts, ports.ts, checks.ts). A seed
  * replays exactly: `pdserve sim --from <seed> --seeds 1 --verbose` (add `--legacy` for the
  * legacy rule) prints the full interleaving.
  */
-import { World, type SimOptions, type SimResult, type TraceEntry, type Violation, type ViolationKind } from './world.js';
+import { World } from './world.js';
+import type { SimOptions, SimResult, TraceEntry } from './model.js';
+import type { Violation, ViolationKind } from './checks.js';
 
-export { World, FAULT_PROFILES, SIM_TIMEOUTS } from './world.js';
-export type { SimOptions, SimResult, SimStats, TraceEntry, Violation, ViolationKind, FaultProfileName, NodeName } from './world.js';
+export { World } from './world.js';
+export { FAULT_PROFILES, SIM_TIMEOUTS } from './model.js';
+export type { SimOptions, SimResult, SimStats, TraceEntry, FaultProfileName } from './model.js';
+export type { Violation, ViolationKind, NodeName } from './checks.js';
 export { Prng } from '../base/prng.js';
 
-/** Run one seed. Pure function of `opts` (deterministic). */
-export function runSim(opts: SimOptions): SimResult {
+/** Run one seed. Pure function of `opts` (deterministic); async because the executors it runs are. */
+export function runSim(opts: SimOptions): Promise<SimResult> {
   return new World(opts).run();
 }
 
@@ -36,38 +41,38 @@ export interface RunSeedsResult {
   /** The result `until` matched, replayed with its trace. */
   matched?: SimResult;
   violationsByKind: Partial<Record<ViolationKind, number>>;
-  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number };
+  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; migrated: number; migratedSuccess: number };
   elapsedMs: number;
   seedsPerSec: number;
 }
 
 /** Run seeds `from .. from+count-1`. On a failure, replays the seed with tracing and prints it. */
-export function runSeeds(from: number, count: number, opts: RunSeedsOptions = {}): RunSeedsResult {
+export async function runSeeds(from: number, count: number, opts: RunSeedsOptions = {}): Promise<RunSeedsResult> {
   const log = opts.log === undefined ? (l: string) => console.error(l) : opts.log;
   const printFailures = opts.printFailures ?? 3;
   const t0 = performance.now();
   const failures: SimResult[] = [];
   const byKind: Partial<Record<ViolationKind, number>> = {};
-  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0 };
+  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
-  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, timeouts: opts.timeouts });
+  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, timeouts: opts.timeouts });
   for (let i = 0; i < count; i++) {
     const seed = from + i;
-    const r = runSim(simOpts(seed, false));
+    const r = await runSim(simOpts(seed, false));
     ran++;
     for (const k of Object.keys(totals) as (keyof typeof totals)[]) totals[k] += r.stats[k];
     if (!r.ok) {
       for (const v of r.violations) byKind[v.kind] = (byKind[v.kind] ?? 0) + 1;
       let shown = r;
       if (failures.length < printFailures) {
-        shown = runSim(simOpts(seed, true)); // exact replay, now with the trace
+        shown = await runSim(simOpts(seed, true)); // exact replay, now with the trace
         log?.(formatFailure(shown));
       }
       failures.push(shown);
     }
     if (opts.until?.(r)) {
-      matched = runSim(simOpts(seed, true));
+      matched = await runSim(simOpts(seed, true));
       break;
     }
     if (opts.maxFailures !== undefined && failures.length >= opts.maxFailures) break;
@@ -112,7 +117,7 @@ export function formatFailure(r: SimResult, opts: { full?: boolean } = {}): stri
 }
 
 /** Find the first seed (from `from`, at most `max` seeds) whose run has a wedge; returns it traced. */
-export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOptions, 'until'> & { revivedOnly?: boolean } = {}): RunSeedsResult {
+export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOptions, 'until'> & { revivedOnly?: boolean } = {}): Promise<RunSeedsResult> {
   const pred = (v: Violation): boolean => v.kind === 'wedge' && (!opts.revivedOnly || v.revived === true);
   return runSeeds(from, max, { ...opts, log: opts.log ?? null, until: (r) => r.violations.some(pred) });
 }
@@ -125,7 +130,7 @@ export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOpt
  * PDSERVE_SIM_SEEDS overrides the default seed count. Returns the exit code: 0 when no violation
  * was found, 1 otherwise (for `--legacy`, 1 means the bug was reproduced), 2 on bad flags.
  */
-export function simMain(argv: string[], out: (line: string) => void = (l) => console.log(l)): number {
+export async function simMain(argv: string[], out: (line: string) => void = (l) => console.log(l)): Promise<number> {
   if (argv.includes('--help') || argv.includes('-h')) {
     out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--legacy [--all]] [--verbose]');
     out('  runs the room lifecycle under a deterministic simulator (faulty network, crashes, aborts);');
@@ -177,14 +182,14 @@ export function simMain(argv: string[], out: (line: string) => void = (l) => con
   const legacy = args.has('legacy');
   const verbose = args.has('verbose') || (args.has('seed') && !args.has('from'));
   if (seeds === 1 && verbose) {
-    const r = runSim({ seed: from, rooms, legacy, trace: true });
+    const r = await runSim({ seed: from, rooms, legacy, trace: true });
     out(r.ok ? `seed ${from}${legacy ? ' (legacy)' : ''}: ok (faults=${r.profile})` : formatFailure(r, { full: false }));
     out('full trace:');
     out(formatTrace(r.trace ?? [], r.labels));
     out(`stats: ${JSON.stringify(r.stats)}`);
     return r.ok ? 0 : 1;
   }
-  const res = runSeeds(from, seeds, {
+  const res = await runSeeds(from, seeds, {
     rooms,
     legacy,
     maxFailures: legacy && !args.has('all') ? 1 : undefined,

@@ -1,209 +1,56 @@
 /**
- * One simulated world (TigerBeetle VOPR style): a router, one prefill node (P) and one decode node
- * (D) over a network that drops, duplicates, reorders and delays — all on virtual time from a
- * seeded PRNG, so a seed replays exactly.
+ * One simulated world (TigerBeetle VOPR style): a router, one prefill node (P) and one decode
+ * node (D) on one host, over a network that drops, duplicates, reorders and delays — all on
+ * virtual time from a seeded PRNG, so a seed replays exactly.
  *
- * Both nodes run the SHIPPED drivers — P the prefill driver (`src/prefill/driver.ts`), D the
- * decode driver (`src/decode/driver.ts`), the same objects the workers wrap — as TigerBeetle runs
- * its real replica under its simulator: this file only plays the drivers' ports — the network
- * for their sends, dials and transfers, an engine (prefill compute, decode load and generation)
- * that takes a random time and cannot be cancelled, sequence slots, the clock.
+ * Both nodes run the SHIPPED room handling — P the prefill effect executor
+ * (`src/prefill/effects.ts`) around the prefill driver, D the decode executor
+ * (`src/decode/effects.ts`) around the decode driver: the objects the workers run, as
+ * TigerBeetle runs its real replica under its simulator. This file plays the router and the
+ * network; ./ports.ts the executors' ports (engines whose calls take a random time and cannot be
+ * cancelled, sequence slots, the state directory, the state sender and receiver, the same-host
+ * handoff, the clock); ./checks.ts judges what happens.
  *
  *  - router: dispatches each request to both nodes in random order with random gaps (sometimes
  *    large, so an abort can beat the request: tombstones), aborts at random points to P, D or
- *    both, and (per seed) aborts the other side when one side fails or its connection resets.
- *  - decode (shipped driver): prealloc queue → `assign_slot` (a slot of this node) → `dial` (the
- *    current connection, after a short hop; none → the dial fails) → REGISTER → REGISTERED →
- *    KV_BEGIN → chunks (the shipped reception rule: a duplicated or reordered chunk fails the
- *    room) → KV_END → `load` into the slot (3% fail) → kv_done → KV_ACK → `generate` holds the
- *    slot, then `generationDone`. The driver's `release` gives the slot back; the checks below
- *    catch a slot released while a load still writes into it (the state would land in the next
- *    owner's slot) or a generation on a slot holding another room's state.
- *  - prefill (shipped driver): the engine's state file is saved whatever happened to the room
- *    meanwhile; after a random hop the driver's `computeDone` writes kv_begin — the incident's
- *    ordering — and the table alone decides (under the legacy rule the revived room has no job
- *    left, so nobody sends it: the incident's wedge).
+ *    both, and (per seed) aborts the other side when one side fails. Some requests are choice
+ *    groups (one prefill request for 2–3 rooms), some decode-local (decode alone). A decode that
+ *    dies while it streams a request's tokens makes the router migrate the request: a new room,
+ *    the prompt plus the tokens the client has, dispatched again once decode is back.
+ *  - prefill: compute → state file saved → kv_begin, the chunks, kv_end — or, when the seed puts
+ *    both on one host and decode's probe went through, one kv_file naming a link decode takes
+ *    over (`take_file`).
  *  - channel: every frame is stamped with the sender's epoch; frames from another epoch are refused;
  *    `hello` (re)binds the peer epoch and fails all rooms of a previous epoch; pings every
- *    heartbeat; a peer silent for 2 intervals is lost (failPeer).
+ *    heartbeat; a peer silent for 2 intervals is lost.
  *  - crashes: a node dies (memory gone; in-flight timers dead; state files stay on disk) and
- *    restarts with a new epoch, sweeping stale state files.
- *
- * Checks (violations): double release and leaks of slots / queue entries / receive buffers /
- * state files; state loaded into a slot owned by another room; revival (terminal → non-terminal);
- * a room live on a node after a router abort for it reached that node (an abort that beat the
- * request must leave a tombstone that fails the request at once);
- * more than one `terminal` per room; a live room past its deadline by more than one tick (wedge) or
- * without a deadline; rooms of a crashed peer (on decode: the rooms registered on the lost
- * connection) not failed within two heartbeat intervals of silence (+ one check period + max
- * network delay); non-terminal rooms at the end.
+ *    restarts with a new epoch, sweeping the state files it left.
  */
-import { failure, failureText } from '../base/errors.js';
 import { newRoomId } from '../base/room-id.js';
-import { RoomTable, stateName } from '../kv/lifecycle.js';
-import { KVPoll, isTerminal, type Effect, type Role, type RoomId, type RoomTimeouts } from '../kv/types.js';
+import { silentLogger } from '../base/log.js';
+import { stateName, type RoomTable } from '../kv/lifecycle.js';
+import type { Effect, Role, RoomId, RoomTimeouts } from '../kv/types.js';
 import type { ControlMsg } from '../kv/messages.js';
-import { DecodeDriver, type DecodeAction } from '../decode/driver.js';
-import { PrefillDriver, type PrefillAction } from '../prefill/driver.js';
+import type { Clock, Timers } from '../base/clock.js';
+import { TraceTags } from '../protocol/trace-tags.js';
+import type { SamplingParams } from '../engine/types.js';
+import { DecodeDriver } from '../decode/driver.js';
+import { DecodeEffects, type DecodeJob } from '../decode/effects.js';
+import { PrefillDriver } from '../prefill/driver.js';
+import { PrefillEffects } from '../prefill/effects.js';
 import { EventHeap } from './heap.js';
 import { Prng } from '../base/prng.js';
+import { Checks, type NodeName } from './checks.js';
+import { watchDriver, type WatchHost } from './watch.js';
+import { SIM_MAX_STATE_BYTES, SIM_STATE_DIR, SimConn, SimDisk, SimEngine, simReceive, simSameHostOffer, simSameHostTake, simSender, simMetrics, type NodeCtx, type SimLease } from './ports.js';
+import { FAULT_PROFILES, SIM_TIMEOUTS, type FaultProfile, type SimOptions, type SimResult, type SimStats, type TraceEntry } from './model.js';
 
-export type NodeName = 'P' | 'D';
-
-export type ViolationKind =
-  | 'double_release'
-  | 'leak'
-  | 'wrong_room'
-  | 'revival'
-  | 'double_terminal'
-  | 'wedge'
-  | 'no_deadline'
-  | 'peer_loss_late'
-  | 'ran_after_abort'
-  | 'stuck'
-  | 'exception';
-
-export interface Violation {
-  kind: ViolationKind;
-  /** Virtual ms. */
-  at: number;
-  node?: NodeName;
-  room?: RoomId;
-  /** Request label, '#<n>'. */
-  label?: string;
-  /** wedge only: the room had already been terminal (the incident's revival). */
-  revived?: boolean;
-  detail: string;
-}
-
-export interface TraceEntry {
-  /** Virtual ms. */
-  at: number;
-  who: 'R' | 'P' | 'D' | 'net' | 'sim';
-  room?: RoomId;
-  text: string;
-}
-
-export type FaultProfileName = 'calm' | 'mild' | 'harsh';
-
-export interface FaultProfile {
-  name: FaultProfileName;
-  /** Probability a node→node frame is lost (hello excepted: the handshake retries until it works). */
-  drop: number;
-  /** Probability a frame is delivered twice. */
-  dup: number;
-  /** Extra random delay, ms (uniform 0..jitter). */
-  jitterMs: number;
-  /**
-   * Probability a frame ignores the link's FIFO order (may overtake earlier frames). The real
-   * channel is one TCP connection (FIFO); reordering models a broken/reconnected path and keeps
-   * the drivers honest about out-of-order KV_BEGIN / chunks / KV_END.
-   */
-  reorder: number;
-}
-
-export const FAULT_PROFILES: Readonly<Record<FaultProfileName, FaultProfile>> = {
-  calm: { name: 'calm', drop: 0, dup: 0, jitterMs: 2, reorder: 0 },
-  mild: { name: 'mild', drop: 0.01, dup: 0.01, jitterMs: 10, reorder: 0.02 },
-  harsh: { name: 'harsh', drop: 0.05, dup: 0.03, jitterMs: 30, reorder: 0.1 },
-};
-
-/** Deadlines used by the simulator (virtual ms), scaled down from the defaults. */
-export const SIM_TIMEOUTS: Readonly<RoomTimeouts> = Object.freeze({ preallocMs: 400, bootstrapMs: 150, waitingMs: 600, transferIdleMs: 120 });
-
-export interface SimOptions {
-  seed: number;
-  /** Requests in this world. Default 12. */
-  rooms?: number;
-  /** TEST-ONLY: both tables use `legacyMaxRule` (SGLang's max(old, new) status rule). */
-  legacy?: boolean;
-  /** Record the full event trace (slower; used to replay a failing seed). */
-  trace?: boolean;
-  /** Fault profile; default: drawn from the seed (30% calm, 50% mild, 20% harsh). */
-  faults?: FaultProfileName;
-  /** Decode slots; default drawn from the seed (2..4). */
-  slots?: number;
-  timeouts?: Partial<RoomTimeouts>;
-}
-
-export interface SimStats {
-  requests: number;
-  success: number;
-  failed: number;
-  aborts: number;
-  crashes: number;
-  frames: number;
-  dropped: number;
-  duplicated: number;
-  refusedStale: number;
-  illegal: number;
-  /** Benign races (`late` effects): forward events that reached an already Failed room. */
-  late: number;
-  expired: number;
-  events: number;
-  endAt: number;
-  /** Requests sent on the decode-local path (decode alone, no prefill leg), and those that succeeded. */
-  local: number;
-  localSuccess: number;
-  /** Rooms of choice groups (n > 1: one prefill computation for 2–3 rooms), and those that succeeded on decode. */
-  grouped: number;
-  groupedSuccess: number;
-}
-
-export interface SimResult {
-  seed: number;
-  ok: boolean;
-  legacy: boolean;
-  profile: FaultProfileName;
-  violations: Violation[];
-  stats: SimStats;
-  /** Present when `trace: true`. */
-  trace?: TraceEntry[];
-  /** room id → '#n' */
-  labels: Record<RoomId, string>;
-}
 
 // ---- internal model ---------------------------------------------------------------------------
 
-type ResourceKind = 'slot' | 'queue' | 'recvbuf' | 'statefile';
-
-interface Handle {
-  id: number;
-  kind: ResourceKind;
-  node: NodeName;
-  inc: number;
-  room: RoomId;
-  at: number;
-  released?: { at: number; why: string };
-}
-
-type ChunkBody = { type: 'chunk'; room: RoomId; offset: number; len: number; tag: string };
+type ChunkBody = { type: 'chunk'; room: RoomId; offset: number; data: Buffer };
 type HelloBody = { type: 'hello' };
-type Body =
-  | Extract<ControlMsg, { type: 'register' | 'registered' | 'kv_begin' | 'kv_end' | 'kv_ack' | 'fail' | 'ping' | 'pong' }>
-  | ChunkBody
-  | HelloBody;
-
-interface Rec {
-  id: RoomId;
-  rid: string;
-  queue?: Handle;
-  // decode
-  slot?: { h: Handle; idx: number };
-  /** decode: the receive buffer (from the driver's recv_begin to finish). */
-  recv?: Handle;
-  /** decode: slot index an in-flight load writes into (llama.cpp cannot be cancelled). */
-  loading?: number;
-  // prefill
-  file?: Handle;
-  /** Chunk lengths of the saved state (drawn when the compute finishes). */
-  lens?: number[];
-}
-
-interface Slot {
-  owner?: RoomId;
-  content?: { room: RoomId; rid: string };
-}
+type Body = ControlMsg | ChunkBody | HelloBody;
 
 interface Node {
   name: NodeName;
@@ -213,27 +60,23 @@ interface Node {
   epoch: string;
   up: boolean;
   table: RoomTable;
-  recs: Map<RoomId, Rec>;
+  /** prefill: the shipped executor (and its driver). */
+  pe?: PrefillEffects<SimConn>;
+  /** decode: the shipped executor (and its driver). */
+  de?: DecodeEffects<SimConn>;
   knownPeerEpoch?: string;
   connected: boolean;
+  /** The current connection to the peer (a new one per (re)connection). */
+  conn?: SimConn;
+  connSeq: number;
   lastHeard: number;
-  /** terminal effects seen per room in this incarnation. */
+  /** terminal actions seen per room in this incarnation. */
   terminals: Map<RoomId, number>;
-  reported: Set<string>;
+  /** Rooms whose wedge was traced already. */
+  wedged: Set<string>;
   /** Rooms a router abort was delivered for (this incarnation): they must never be live again. */
   aborted: Set<RoomId>;
-  // decode
-  /** decode: the shipped driver (src/decode/driver.ts); `table` is its room table. */
-  dd?: DecodeDriver;
-  /** decode: id of the current connection to P (a new id per (re)connection), as the worker's pool gives. */
-  conn?: string;
-  connSeq: number;
-  slots: Slot[];
-  // prefill
-  /** prefill: the shipped driver (src/prefill/driver.ts); `table` is its room table. */
-  driver?: PrefillDriver;
-  /** prefill: rooms whose transfer is running (cleared by the driver's `finish`, like the worker's abort signal). */
-  sending: Set<RoomId>;
+  ctx: NodeCtx;
 }
 
 interface Req {
@@ -242,6 +85,9 @@ interface Req {
   rid: string;
   label: string;
   arrival: number;
+  /** The prompt, and the tokens a migrated request's client already has: decode's state must hold both. */
+  prompt: number[];
+  resumed: number[];
   /** Dispatched to (and accepted by) the node incarnation. */
   on: Partial<Record<NodeName, number>>;
   outcome: Partial<Record<NodeName, 'Success' | 'Failed'>>;
@@ -252,12 +98,23 @@ interface Req {
    * request naming every room (sent by the lead), and D one request per room, as choices.ts.
    */
   group?: Req[];
+  /** Decode streams this request's tokens (since this virtual time). */
+  streaming?: number;
+  /** The request this one migrates (and the attempt that replaced this one). */
+  parent?: Req;
+  next?: Req;
 }
 
 const TICK_MS = 10;
-/** Decode's maxStateBytes in the simulated worlds (states are 64..2048 bytes). */
-const SIM_MAX_STATE_BYTES = 1 << 20;
 const HB_MS = 40;
+/** Migrations per request (the router's --migration-limit). */
+const MIGRATION_LIMIT = 1;
+/** The simulated decode's sampler: greedy, a few tokens. */
+const samplingOf = (r: Req): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 8, stop: [], ignoreEos: false, ...(r.resumed.length ? { resumed: r.resumed } : {}) });
+const sameTokens = (a: readonly number[] | undefined, b: readonly number[]): boolean => !!a && a.length === b.length && a.every((x, i) => x === b[i]);
+
+/** Settles once every microtask queued so far, and every one those queue, has run (Node runs ticks only when the microtask queue is empty). */
+const drain = (): Promise<void> => new Promise((resolve) => process.nextTick(resolve));
 
 export class World {
   readonly seed: number;
@@ -271,17 +128,22 @@ export class World {
   private readonly nodes: Record<NodeName, Node>;
   private readonly reqs: Req[] = [];
   private readonly byId = new Map<RoomId, Req>();
-  readonly violations: Violation[] = [];
+  readonly checks: Checks;
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0 };
-  private readonly handles = new Set<Handle>();
-  private handleSeq = 0;
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0 };
   private readonly crossAbort: boolean;
+  private readonly sameHost: boolean;
   private endAt = 0;
   private readonly nSlots: number;
   private readonly maxNetDelay: number;
   /** Delivery time of the last FIFO frame per sending node (the link's tail). */
   private readonly linkTail: Record<NodeName, number> = { P: 0, D: 0 };
+  private readonly disk: SimDisk;
+  /** Something may be waiting in the microtask queue (an executor ran, a fake settled a promise). */
+  private dirty = false;
+  private readonly clock: Clock = { nowMs: () => this.now, wallMs: () => 1_700_000_000_000 + this.now };
+  /** What the drivers' watch (./watch.ts) reports to. */
+  private readonly watch: WatchHost;
 
   constructor(opts: SimOptions) {
     this.seed = opts.seed;
@@ -293,7 +155,29 @@ export class World {
     this.timeouts = { ...SIM_TIMEOUTS, ...opts.timeouts };
     this.nSlots = opts.slots ?? this.rng.int(2, 4);
     this.crossAbort = this.rng.chance(0.5);
+    this.sameHost = opts.sameHost ?? new Prng((this.seed * 40503 + 0x51) >>> 0).chance(0.5);
     this.maxNetDelay = 1 + this.profile.jitterMs;
+    const now = (): number => this.now;
+    this.checks = new Checks({
+      get now() {
+        return now();
+      },
+      label: (id) => this.label(id),
+      note: (who, room, text) => this.tr(who, room, text),
+    });
+    this.disk = new SimDisk(this.checks);
+    this.watch = {
+      tracing: this.tracing,
+      legacy: this.legacy,
+      checks: this.checks,
+      groupOf: (id) => (this.byId.get(id)?.group ?? []).map((m) => m.id),
+      label: (id) => this.label(id),
+      tr: (who, room, text) => this.tr(who, room, text),
+      touched: () => {
+        this.dirty = true;
+      },
+      diag: (node, e) => this.diag(node, e),
+    };
     this.nodes = { P: this.newNode('P', 'prefill'), D: this.newNode('D', 'decode') };
     this.setup(opts.rooms ?? 12);
   }
@@ -301,23 +185,37 @@ export class World {
   // ---- scaffolding ------------------------------------------------------------------------------
 
   private newNode(name: NodeName, role: Role): Node {
+    // `table` and `ctx` are set by `start`, the first event of each node.
+    return { name, role, peer: name === 'P' ? 'D' : 'P', inc: 0, epoch: '', up: false, connected: false, connSeq: 0, lastHeard: 0, terminals: new Map(), wedged: new Set(), aborted: new Set() } as Omit<Node, 'table' | 'ctx'> as Node;
+  }
+
+  /** The fakes' view of node `n`'s current incarnation. */
+  private ctxOf(n: Node): NodeCtx {
+    const inc = n.inc;
     return {
-      name,
-      role,
-      peer: name === 'P' ? 'D' : 'P',
-      inc: 0,
-      epoch: '',
-      up: false,
-      table: new RoomTable(role, this.timeouts, { legacyMaxRule: this.legacy }),
-      recs: new Map(),
-      connected: false,
-      lastHeard: 0,
-      terminals: new Map(),
-      reported: new Set(),
-      aborted: new Set(),
-      connSeq: 0,
-      slots: [],
-      sending: new Set(),
+      name: n.name,
+      inc,
+      rng: this.rng,
+      checks: this.checks,
+      clock: this.clock,
+      later: (d, fn) => this.atNode(n, this.now + d, fn, inc),
+      after: <T>(d: number, fn: () => T) =>
+        new Promise<T>((resolve, reject) =>
+          this.atNode(
+            n,
+            this.now + d,
+            () => {
+              this.dirty = true;
+              try {
+                resolve(fn());
+              } catch (err) {
+                reject(err);
+              }
+            },
+            inc,
+          ),
+        ),
+      note: (room, text) => this.tr(n.name, room, text),
     };
   }
 
@@ -326,53 +224,29 @@ export class World {
   }
 
   /** Schedule on a node incarnation: dropped if the node crashed (or restarted) meanwhile. */
-  private atNode(n: Node, t: number, fn: () => void): void {
-    const inc = n.inc;
+  private atNode(n: Node, t: number, fn: () => void, inc = n.inc): void {
     this.q.push(t, () => {
-      if (n.up && n.inc === inc) fn();
+      if (n.up && n.inc === inc) {
+        this.dirty = true;
+        fn();
+      }
     });
   }
 
   private tr(who: TraceEntry['who'], room: RoomId | undefined, text: string): void {
-    this.trace.push({ at: this.now, who, room, text });
+    if (this.tracing) this.trace.push({ at: this.now, who, room, text });
   }
 
   private label(id: RoomId): string {
     return this.byId.get(id)?.label ?? `room ${id}`;
   }
 
-  private violate(v: Omit<Violation, 'at' | 'label'>): void {
-    const key = `${v.kind}|${v.node ?? ''}|${v.room ?? ''}`;
-    if (this.violations.some((x) => `${x.kind}|${x.node ?? ''}|${x.room ?? ''}` === key)) return;
-    const full: Violation = { ...v, at: this.now, label: v.room ? this.label(v.room) : undefined };
-    this.violations.push(full);
-    if (this.tracing) this.tr('sim', v.room, `!! VIOLATION ${v.kind}${v.node ? ` on ${v.node}` : ''}: ${v.detail}`);
-  }
-
-  // ---- resources --------------------------------------------------------------------------------
-
-  private acquire(n: Node, kind: ResourceKind, room: RoomId): Handle {
-    const h: Handle = { id: ++this.handleSeq, kind, node: n.name, inc: n.inc, room, at: this.now };
-    this.handles.add(h);
-    return h;
-  }
-
-  private release(h: Handle, why: string): void {
-    if (h.released) {
-      this.violate({ kind: 'double_release', node: h.node, room: h.room, detail: `${h.kind} #${h.id} released twice: first at t=${ms(h.released.at)} (${h.released.why}), again (${why})` });
-      return;
-    }
-    h.released = { at: this.now, why };
-    this.handles.delete(h);
-    if (this.tracing && h.kind !== 'queue') this.tr(h.node, h.room, `release ${h.kind} (${why})`);
-  }
-
   // ---- setup ------------------------------------------------------------------------------------
 
   private setup(nReq: number): void {
     const rng = this.rng;
-    // Which requests take the decode-local path: its own stream, so the PD worlds of a seed are
-    // drawn as before (real rule only: the legacy rule's proof is about the PD handoff).
+    // Which requests take the decode-local path: its own stream (real rule only: the legacy
+    // rule's proof is about the PD handoff).
     const localRng = new Prng((this.seed * 2654435761 + 0x9e37) >>> 0);
     let t = 5;
     const ids = new Set<RoomId>();
@@ -381,7 +255,8 @@ export class World {
       let id = newRoomId(() => rng.u64());
       while (ids.has(id)) id = newRoomId(() => rng.u64());
       ids.add(id);
-      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, on: {}, outcome: {}, local: !this.legacy && localRng.chance(0.2) };
+      const prompt = Array.from({ length: rng.int(1, 6) }, (_, k) => 100 * (i + 1) + k);
+      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, prompt, resumed: [], on: {}, outcome: {}, local: !this.legacy && localRng.chance(0.2) };
       if (req.local) this.stats.local++;
       this.reqs.push(req);
       this.byId.set(id, req);
@@ -396,6 +271,7 @@ export class World {
         for (const m of group) {
           m.group = group;
           m.arrival = group[0]!.arrival;
+          m.prompt = group[0]!.prompt; // one request, n choices: one prompt
         }
       }
       i += k;
@@ -407,7 +283,6 @@ export class World {
 
     for (const req of this.reqs) {
       const first: NodeName = rng.chance(0.5) ? 'P' : 'D';
-      const second: NodeName = first === 'P' ? 'D' : 'P';
       const gap = rng.chance(0.15) ? rng.int(20, 250) : rng.int(0, 5);
       if (req.local) {
         // The router sends a decode-local round to decode alone.
@@ -415,15 +290,17 @@ export class World {
         continue;
       }
       this.at(req.arrival, () => this.dispatch(req, first));
-      this.at(req.arrival + gap, () => this.dispatch(req, second));
+      this.at(req.arrival + gap, () => this.dispatch(req, first === 'P' ? 'D' : 'P'));
       if (rng.chance(0.3)) {
         const when = req.arrival + rng.int(0, 900);
         const k = rng.int(0, 2);
         const targets: NodeName[] = k === 0 ? ['P'] : k === 1 ? ['D'] : ['P', 'D'];
         this.at(when, () => {
+          let cur = req;
+          while (cur.next) cur = cur.next; // the client aborts its request, whichever attempt runs
           this.stats.aborts++;
-          if (this.tracing) this.tr('R', req.id, `client abort → ${targets.join('+')}`);
-          for (const s of targets) this.routerAbort(req, s, 'abort: router');
+          this.tr('R', cur.id, `client abort → ${targets.join('+')}`);
+          for (const s of targets) this.routerAbort(cur, s, 'abort: router');
         });
       }
     }
@@ -454,8 +331,21 @@ export class World {
     loop(first);
   }
 
-  /** Run to the end; returns the result. */
-  run(): SimResult {
+  /** Run to the end; resolves with the result. */
+  async run(): Promise<SimResult> {
+    // Untraced runs make many errors (every failed room's answer, every abort's reason): no stacks.
+    const limit = Error.stackTraceLimit;
+    if (!this.tracing) Error.stackTraceLimit = 0;
+    try {
+      await this.loop();
+    } finally {
+      Error.stackTraceLimit = limit;
+    }
+    return this.result();
+  }
+
+  private async loop(): Promise<void> {
+    await drain(); // from here on every step runs inside the microtask queue's processing
     for (;;) {
       const e = this.q.pop();
       if (!e) break;
@@ -464,33 +354,35 @@ export class World {
       try {
         e.run();
       } catch (err) {
-        this.violate({ kind: 'exception', detail: (err as Error).stack ?? String(err) });
+        this.checks.violate({ kind: 'exception', detail: (err as Error).stack ?? String(err) });
+      }
+      if (this.dirty) {
+        this.dirty = false;
+        await drain();
+        this.nameLeases();
       }
     }
-    this.finalChecks();
-    const labels: Record<RoomId, string> = {};
-    for (const r of this.reqs) labels[r.id] = r.label;
-    return {
-      seed: this.seed,
-      ok: this.violations.length === 0,
-      legacy: this.legacy,
-      profile: this.profile.name,
-      violations: this.violations,
-      stats: this.stats,
-      trace: this.tracing ? this.trace : undefined,
-      labels,
-    };
   }
 
-  private finalChecks(): void {
-    for (const n of [this.nodes.P, this.nodes.D]) {
-      if (!n.up) continue;
-      for (const room of n.table.rooms()) {
-        this.violate({ kind: 'stuck', node: n.name, room: room.id, detail: `still ${stateName(room.state)}/${room.phase} at the end (t=${ms(this.now)}), deadline was t=${ms(room.deadlineAt)}` });
-      }
+  private result(): SimResult {
+    const up = [this.nodes.P, this.nodes.D].filter((n) => n.up);
+    this.checks.final(up.map((n) => ({ name: n.name, table: n.table })));
+    for (const n of up) {
+      const left = n.de ? [...n.de.allJobs()].map((j) => j.room) : this.reqs.filter((r) => n.pe?.job(r.id)).map((r) => r.id);
+      for (const room of left) this.checks.violate({ kind: 'leak', node: n.name, room, detail: `the executor still holds the request's record at the end` });
     }
-    for (const h of this.handles) {
-      this.violate({ kind: 'leak', node: h.node, room: h.room, detail: `${h.kind} #${h.id} acquired at t=${ms(h.at)} (incarnation ${h.inc}) never released` });
+    const labels: Record<RoomId, string> = {};
+    for (const r of this.byId.values()) labels[r.id] = r.label;
+    return { seed: this.seed, ok: this.checks.violations.length === 0, legacy: this.legacy, profile: this.profile.name, violations: this.checks.violations, stats: this.stats, trace: this.tracing ? this.trace : undefined, labels };
+  }
+
+  /** Leases the decode executor holds get their room's name (for reports). */
+  private nameLeases(): void {
+    const de = this.nodes.D.de;
+    if (!de) return;
+    for (const j of de.allJobs()) {
+      const lease = j.slot as unknown as SimLease | undefined;
+      if (lease && lease.h.room !== j.room) lease.room = lease.h.room = j.room;
     }
   }
 
@@ -500,30 +392,52 @@ export class World {
     n.inc++;
     n.epoch = `${n.name}${n.inc}`;
     n.up = true;
+    const ctx = (n.ctx = this.ctxOf(n));
+    const m = simMetrics();
+    const timers: Timers = { every: () => () => {}, after: () => () => {}, turn: () => Promise.resolve() };
+    const common = { clock: this.clock, files: this.disk.port(ctx), traces: new TraceTags(256), log: silentLogger };
     if (n.role === 'prefill') {
-      // The shipped prefill driver, with the worker's default bounds and one compute slot.
-      n.driver = new PrefillDriver({ timeouts: this.timeouts, maxRooms: 1024, maxWaiting: 256, slots: 1, legacyMaxRule: this.legacy }, `${n.name}${n.inc + 1}`);
-      n.table = n.driver.rooms;
+      // The shipped prefill driver and executor, with the worker's default bounds and one compute slot.
+      const driver = watchDriver(this.watch, n, new PrefillDriver({ timeouts: this.timeouts, maxRooms: 1024, maxWaiting: 256, slots: 1, legacyMaxRule: this.legacy }, `${n.epoch}`));
+      n.pe = new PrefillEffects<SimConn>({
+        ...common,
+        driver,
+        config: { stateDir: SIM_STATE_DIR, kvStream: false, chunkBytes: 512, timeouts: this.timeouts },
+        engine: new SimEngine(ctx, this.disk, 'prefill', 1),
+        sender: simSender(ctx, this.disk),
+        sameHost: simSameHostOffer(this.sameHost),
+        timers,
+        pid: n.inc,
+        metrics: m.prefill,
+        computeMetrics: m.compute,
+        prefixMetrics: m.prefixP,
+        kvTracker: null,
+      });
+      n.table = driver.rooms;
     } else {
-      // The shipped decode driver, with the worker's default prealloc bound.
-      n.dd = new DecodeDriver({ timeouts: this.timeouts, slots: this.nSlots, maxPrealloc: 256, maxStateBytes: SIM_MAX_STATE_BYTES, legacyMaxRule: this.legacy }, `${n.name}${n.inc + 1}`);
-      n.table = n.dd.rooms;
+      // The shipped decode driver and executor, with the worker's default prealloc bound.
+      const driver = watchDriver(this.watch, n, new DecodeDriver({ timeouts: this.timeouts, slots: this.nSlots, maxPrealloc: 256, maxStateBytes: SIM_MAX_STATE_BYTES, legacyMaxRule: this.legacy }, `${n.epoch}`));
+      n.de = new DecodeEffects<SimConn>({
+        ...common,
+        driver,
+        engine: new SimEngine(ctx, this.disk, 'decode', this.nSlots),
+        dial: () => new Promise<SimConn>((resolve, reject) => ctx.later(this.rng.int(0, 3), () => (n.connected && n.conn ? resolve(n.conn) : reject(new Error('no connection to P'))))),
+        receive: simReceive(ctx, this.disk),
+        sameHost: simSameHostTake(ctx, this.disk),
+        metrics: m.decode,
+        prefixMetrics: m.prefixD,
+      });
+      n.table = driver.rooms;
     }
-    n.recs = new Map();
     n.knownPeerEpoch = undefined;
     n.connected = false;
     n.conn = undefined;
     n.lastHeard = this.now;
     n.terminals = new Map();
-    n.reported = new Set();
+    n.wedged = new Set();
     n.aborted = new Set();
-    n.slots = Array.from({ length: n.role === 'decode' ? this.nSlots : 0 }, () => ({}));
-    n.sending = new Set();
-    // Startup sweep: state files of previous incarnations are deleted.
-    for (const h of [...this.handles]) {
-      if (h.node === n.name && h.kind === 'statefile' && h.inc < n.inc) this.release(h, 'startup sweep');
-    }
-    if (this.tracing) this.tr('sim', undefined, `${n.name} up, epoch ${n.epoch}`);
+    this.disk.sweep(n.name, n.inc); // start-up sweep: the state files of earlier incarnations
+    this.tr('sim', undefined, `${n.name} up, epoch ${n.epoch}`);
     this.send(n, { type: 'hello' });
   }
 
@@ -531,28 +445,26 @@ export class World {
     if (!n.up) return;
     this.stats.crashes++;
     n.up = false;
-    if (this.tracing) this.tr('sim', undefined, `${n.name} CRASH (epoch ${n.epoch}), down ${downMs} ms`);
-    // Process memory is gone: slots, queue entries and buffers die with it; state files stay on disk.
-    for (const h of [...this.handles]) if (h.node === n.name && h.kind !== 'statefile') this.release(h, 'crash');
+    this.tr('sim', undefined, `${n.name} CRASH (epoch ${n.epoch}), down ${downMs} ms`);
+    // Process memory is gone: slots and buffers die with it; state files stay on disk.
+    for (const h of this.checks.held(n.name, (h) => h.kind !== 'statefile')) this.checks.release(h, 'crash');
     // The peer must fail every room bound to n within two heartbeat intervals of silence.
     const s = this.nodes[n.peer];
-    if (s.up && s.connected) {
+    if (s.up && s.connected && s.conn) {
       const inc = s.inc;
-      const bound = this.now + this.maxNetDelay + 3 * HB_MS + 1;
-      const ids = s.dd ? (s.conn ? s.dd.roomsOn(s.conn) : []) : s.table.rooms().filter((r) => r.peer === n.name).map((r) => r.id);
-      this.at(bound, () => {
-        if (!s.up || s.inc !== inc) return;
-        for (const id of ids) {
-          const r = s.table.get(id);
-          if (r && !isTerminal(r.state)) {
-            this.violate({ kind: 'peer_loss_late', node: s.name, room: id, detail: `${n.name} crashed but ${s.name} still has the room ${stateName(r.state)}/${r.phase} ${3 * HB_MS + this.maxNetDelay} ms later` });
-          }
-        }
+      const bound = this.maxNetDelay + 3 * HB_MS + 1;
+      const conn = s.conn;
+      const ids = s.de ? s.de.driver.roomsOn(s.de.idOf(conn)) : s.table.rooms().filter((r) => r.peer === conn.id).map((r) => r.id);
+      this.at(this.now + bound, () => {
+        if (s.up && s.inc === inc) this.checks.peerLossBound(s.name, s.table, ids, n.name, bound);
       });
     }
-    // The router sees its HTTP connections to n reset.
-    for (const req of this.reqs) {
-      if (req.on[n.name] !== undefined && req.outcome[n.name] === undefined) this.routerSide(req, n.name, 'Failed', 'connection reset');
+    // The router sees its HTTP connections to n reset; a request decode was streaming migrates.
+    for (const req of [...this.byId.values()]) {
+      if (req.on[n.name] !== n.inc || req.outcome[n.name] !== undefined) continue;
+      const streaming = n.name === 'D' && req.streaming !== undefined;
+      this.routerSide(req, n.name, 'Failed', streaming ? 'connection reset mid-stream' : 'connection reset');
+      if (streaming) this.migrate(req, downMs);
     }
     this.at(this.now + downMs, () => this.start(n));
   }
@@ -570,7 +482,7 @@ export class World {
     const room = 'room' in body ? body.room : undefined;
     if (body.type !== 'hello' && this.rng.chance(p.drop)) {
       this.stats.dropped++;
-      if (this.tracing && room) this.tr('net', room, `${from.name}→${to.name} ${body.type} DROPPED`);
+      if (room) this.tr('net', room, `${from.name}→${to.name} ${body.type} DROPPED`);
       return true;
     }
     const copies = body.type !== 'hello' && this.rng.chance(p.dup) ? 2 : 1;
@@ -580,7 +492,7 @@ export class World {
       if (!this.rng.chance(p.reorder)) {
         t = Math.max(t, this.linkTail[from.name]);
         this.linkTail[from.name] = t;
-      } else if (this.tracing && room) this.tr('net', room, `${from.name}→${to.name} ${body.type} may overtake earlier frames`);
+      } else if (room) this.tr('net', room, `${from.name}→${to.name} ${body.type} may overtake earlier frames`);
       this.at(t, () => this.deliver(to, from.name, epoch, body));
     }
     return true;
@@ -592,9 +504,9 @@ export class World {
     if (body.type === 'hello') {
       if (to.knownPeerEpoch !== epoch) {
         const old = to.knownPeerEpoch;
-        to.knownPeerEpoch = epoch;
-        if (this.tracing) this.tr('sim', undefined, `${to.name} binds peer epoch ${epoch}${old ? ` (was ${old}: failing its rooms)` : ''}`);
+        this.tr('sim', undefined, `${to.name} binds peer epoch ${epoch}${old ? ` (was ${old}: failing its rooms)` : ''}`);
         if (old) this.lost(to, `${from} restarted (epoch ${old} → ${epoch})`);
+        to.knownPeerEpoch = epoch;
         this.send(to, { type: 'hello' });
       }
       this.connect(to);
@@ -603,83 +515,79 @@ export class World {
     }
     if (epoch !== to.knownPeerEpoch) {
       this.stats.refusedStale++;
-      if (this.tracing && room) this.tr(to.name, room, `refused ${body.type} from stale epoch ${epoch} (bound: ${to.knownPeerEpoch ?? 'none'})`);
+      if (room) this.tr(to.name, room, `refused ${body.type} from stale epoch ${epoch} (bound: ${to.knownPeerEpoch ?? 'none'})`);
       return;
     }
     if (!to.connected) {
       if (body.type !== 'ping' && body.type !== 'pong') {
-        if (this.tracing && room) this.tr(to.name, room, `refused ${body.type}: connection to ${from} closed`);
+        if (room) this.tr(to.name, room, `refused ${body.type}: connection to ${from} closed`);
         return;
       }
       this.connect(to);
-      if (this.tracing) this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
+      this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
     }
     to.lastHeard = this.now;
-    if (this.tracing && room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
+    if (room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
+    const conn = to.conn!;
     if (body.type === 'ping') this.send(to, { type: 'pong', seq: body.seq });
-    else if (to.role === 'prefill') this.prefillRecv(to, epoch, body);
-    else this.decodeRecv(to, epoch, body);
+    else if (body.type === 'pong') return;
+    else if (body.type === 'chunk') to.de?.onChunk(conn, body.room, body.offset, body.data);
+    else {
+      if (body.type === 'kv_file') this.stats.sameHost++;
+      if (body.type === 'kv_file_refused') this.stats.fileRefused++;
+      this.dirty = true;
+      if (to.pe) to.pe.onControl(conn, body);
+      else to.de?.onControl(conn, body);
+    }
   }
 
-  /** The connection to the peer is up; decode gets a new connection id unless it already has one. */
+  /** The connection to the peer is up: a new connection object unless one is current (decode probes it for the same host). */
   private connect(n: Node): void {
     n.connected = true;
-    if (n.dd && n.conn === undefined) n.conn = `${n.knownPeerEpoch}#${++n.connSeq}`;
+    if (n.conn) return;
+    const link = {
+      alive: (c: SimConn) => n.up && n.connected && n.conn === c,
+      control: (c: SimConn, msg: ControlMsg) => n.conn === c && this.send(n, msg),
+      chunk: (c: SimConn, room: RoomId, offset: number, data: Buffer) => n.conn === c && this.send(n, { type: 'chunk', room, offset, data }),
+    };
+    n.conn = new SimConn(`${n.knownPeerEpoch}#${++n.connSeq}`, n.knownPeerEpoch ?? '', link);
+    if (n.de && this.sameHost) n.conn.sendControl({ type: 'same_host_probe', boot: 'sim', pidns: 'sim', file: '' });
   }
 
-  /** The peer is gone (silent, or restarted): fail every room bound to it (decode: to the connection). */
+  /** The peer is gone (silent, or restarted): fail every room bound to the connection. */
   private lost(n: Node, detail: string): void {
-    if (n.driver) this.performP(n, n.driver.peerLost(n.peer, detail, this.now));
-    if (n.dd && n.conn !== undefined) {
-      const conn = n.conn;
-      n.conn = undefined;
-      this.performD(n, n.dd.peerLost(conn, detail, this.now));
-    }
+    const conn = n.conn;
+    n.conn = undefined;
+    if (!conn) return;
+    this.dirty = true;
+    n.pe?.peerLost(conn, detail);
+    n.de?.peerLost(conn, detail);
   }
 
   private heartbeat(n: Node): void {
     if (!n.up) return;
     if (n.connected && this.now - n.lastHeard > 2 * HB_MS) {
       n.connected = false;
-      if (this.tracing) this.tr('sim', undefined, `${n.name}: ${n.peer} silent for ${this.now - n.lastHeard} ms > 2 heartbeats: peer lost`);
+      this.tr('sim', undefined, `${n.name}: ${n.peer} silent for ${this.now - n.lastHeard} ms > 2 heartbeats: peer lost`);
       this.lost(n, `heartbeat: ${n.peer} silent for 2 intervals`);
     }
     if (n.knownPeerEpoch) this.send(n, { type: 'ping', seq: 0 });
   }
 
-  // ---- the core, wrapped with checks ------------------------------------------------------------
-
-  /** After a router abort reached n, the room must never be live on n (tombstones, stickiness). */
-  private checkAborted(n: Node, id: RoomId, on: string): void {
-    if (n.aborted.has(id) && n.table.has(id)) {
-      const r = n.table.get(id)!;
-      this.violate({ kind: 'ran_after_abort', node: n.name, room: id, detail: `live (${stateName(r.state)}/${r.phase}) after a router abort reached ${n.name}, on ${on}` });
-    }
-  }
-
-  /** The watchdog timer of a node. */
+  /** The watchdog timer of a node, then the deadline checks. */
   private tick(n: Node): void {
     if (!n.up) return;
-    if (n.driver) this.performP(n, n.driver.tick(this.now));
-    if (n.dd) this.performD(n, n.dd.tick(this.now));
-    for (const room of n.table.rooms()) {
-      if (!Number.isFinite(room.deadlineAt)) {
-        this.violate({ kind: 'no_deadline', node: n.name, room: room.id, detail: `live room ${stateName(room.state)}/${room.phase} has no deadline` });
-      } else if (this.now > room.deadlineAt + TICK_MS) {
-        const revived = (n.terminals.get(room.id) ?? 0) > 0;
-        const key = `wedge|${room.id}`;
-        if (this.tracing && !n.reported.has(key)) {
-          n.reported.add(key);
-          this.tr(n.name, room.id, `watchdog: Failed write for ${stateName(room.state)}/${room.phase} swallowed (max(${room.state}, ${KVPoll.Failed}) = ${room.state})`);
-        }
-        this.violate({
-          kind: 'wedge',
-          node: n.name,
-          room: room.id,
-          revived,
-          detail: `${stateName(room.state)}/${room.phase} is ${ms(this.now - room.deadlineAt)} ms past its deadline (t=${ms(room.deadlineAt)}) and still live${revived ? '; it had already been Failed and was revived' : ''}`,
-        });
-      }
+    n.pe?.tick();
+    n.de?.tick();
+    this.checks.deadlines(n.name, n.table, n.terminals, TICK_MS, n.wedged);
+  }
+
+  private diag(n: NodeName, e: Effect): void {
+    if (e.t === 'illegal') this.stats.illegal++;
+    else if (e.t === 'late') this.stats.late++;
+    else if (e.t === 'expired') {
+      this.stats.expired++;
+      this.tr(n, e.room, `watchdog: ${stateName(e.state)}/${e.phase} expired`);
     }
   }
 
@@ -688,8 +596,10 @@ export class World {
   private http(to: Node, fn: (n: Node) => void, onDown?: () => void): void {
     const d = 0.5 + this.rng.float() * 3;
     this.at(this.now + d, () => {
-      if (to.up) fn(to);
-      else onDown?.();
+      if (to.up) {
+        this.dirty = true;
+        fn(to);
+      } else onDown?.();
     });
   }
 
@@ -697,7 +607,7 @@ export class World {
     // A choice group's prefill request is one, sent by its lead for every room.
     if (side === 'P' && req.group && req.group[0] !== req) return;
     const members = side === 'P' && req.group ? req.group : [req];
-    if (this.tracing) this.tr('R', req.id, `dispatch → ${side}${members.length > 1 ? ` (rooms ${members.map((m) => m.label).join(' ')})` : ''}`);
+    this.tr('R', req.id, `dispatch → ${side}${members.length > 1 ? ` (rooms ${members.map((m) => m.label).join(' ')})` : ''}`);
     this.http(
       this.nodes[side],
       (n) => (n.role === 'prefill' ? this.prefillCreate(n, members) : this.decodeCreate(n, req)),
@@ -709,11 +619,18 @@ export class World {
 
   private routerAbort(req: Req, side: NodeName, reason: string): void {
     this.http(this.nodes[side], (n) => {
-      if (this.tracing) this.tr(n.name, req.id, `← router abort`);
+      this.tr(n.name, req.id, `← router abort (${reason})`);
       n.aborted.add(req.id);
-      if (n.driver) this.viaP(n, req.id, `abort:router (${reason})`, (d) => d.abort(undefined, req.id, 'router', this.now));
-      if (n.dd) this.viaD(n, req.id, `abort:router (${reason})`, (d) => d.abort(undefined, req.id, 'router', this.now));
+      n.pe?.abort(undefined, req.id, 'router');
+      n.de?.abort(undefined, req.id, 'router');
     });
+  }
+
+  /** A leg's answer, if it comes from the incarnation the request went to. */
+  private answered(req: Req, side: NodeName, inc: number, outcome: 'Success' | 'Failed', why: string): void {
+    const n = this.nodes[side];
+    if (!n.up || n.inc !== inc) return;
+    this.at(this.now + 1, () => this.routerSide(req, side, outcome, why));
   }
 
   private routerSide(req: Req, side: NodeName, outcome: 'Success' | 'Failed', why: string): void {
@@ -724,398 +641,90 @@ export class World {
       else this.stats.failed++;
       if (req.local && outcome === 'Success') this.stats.localSuccess++;
       if (req.group && outcome === 'Success') this.stats.groupedSuccess++;
+      if (req.parent && outcome === 'Success') this.stats.migratedSuccess++;
     }
-    if (this.tracing) this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
+    this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
     if (req.local) return; // no prefill leg to abort
     const other: NodeName = side === 'P' ? 'D' : 'P';
     if (outcome === 'Failed' && this.crossAbort && req.outcome[other] === undefined) this.routerAbort(req, other, `abort: router: ${side} failed`);
   }
 
-  // ---- prefill: the shipped driver over simulated I/O ---------------------------------------
-
   /**
-   * Feed one input for room `id` to a driver and perform its actions; trace the position change
-   * (with REVIVED when a terminal room came back), check revival and aborts — for `id` and for
-   * the `also` rooms the same input concerns (the other rooms of a prefill computation).
+   * Decode died while it streamed `req`: the router sends the prompt and the tokens the client
+   * has as a new attempt (a new room) to both workers once decode is back (the one decode of
+   * this world); prefill evaluates them, decode's state must hold them.
    */
-  private viaDriver<A>(n: Node, id: RoomId, label: string, input: () => A[], perform: (actions: A[]) => void, show: (actions: A[]) => string, also: readonly RoomId[] = []): A[] {
-    const ids = [id, ...also.filter((x) => x !== id)];
-    // Positions as strings now: the table's room objects change in place.
-    const before = ids.map((x) => {
-      const r = n.table.get(x);
-      return r ? `${stateName(r.state)}/${r.phase}` : 'unknown';
-    });
-    const actions = input();
-    const after = ids.map((x) => n.table.get(x));
-    if (this.tracing && label !== 'progress') {
-      ids.forEach((x, k) => {
-        const b = before[k]!;
-        const a = after[k] ? `${stateName(after[k].state)}/${after[k].phase}` : 'unknown';
-        const revived = (n.terminals.get(x) ?? 0) > 0 && after[k] && !isTerminal(after[k].state) ? '  [REVIVED a terminal room]' : '';
-        const swallowed = this.legacy && b !== 'unknown' && a === b && label !== 'registered' && actions.length === 0 ? '  (legacy: write swallowed by max)' : '';
-        this.tr(n.name, x, `driver ${label}${k > 0 ? ` (of ${this.label(id)}'s computation)` : ''}: ${b} → ${a}${show(actions)}${revived}${swallowed}`);
-      });
-    }
-    perform(actions);
-    ids.forEach((x, k) => {
-      this.checkAborted(n, x, label);
-      const r = after[k];
-      if (r && !isTerminal(r.state) && (n.terminals.get(x) ?? 0) > 0) {
-        this.violate({ kind: 'revival', node: n.name, room: x, detail: `terminal room moved back to ${stateName(r.state)}/${r.phase} on ${label}` });
-      }
-    });
-    return actions;
-  }
-
-  /** `viaDriver` for the prefill node (a computation's input concerns each of its rooms). */
-  private viaP(n: Node, id: RoomId, label: string, input: (d: PrefillDriver) => PrefillAction[]): PrefillAction[] {
-    const group = label === 'computeDone' || label === 'request' ? (this.byId.get(id)?.group ?? []).map((m) => m.id) : [];
-    return this.viaDriver(n, id, label, () => input(n.driver!), (a) => this.performP(n, a), fxA, group);
-  }
-
-  /** `viaDriver` for the decode node. */
-  private viaD(n: Node, id: RoomId, label: string, input: (d: DecodeDriver) => DecodeAction[]): DecodeAction[] {
-    return this.viaDriver(n, id, label, () => input(n.dd!), (a) => this.performD(n, a), fxD);
+  private migrate(req: Req, downMs: number): void {
+    let migrations = 0;
+    for (let r = req.parent; r; r = r.parent) migrations++;
+    if (migrations >= MIGRATION_LIMIT || req.local) return;
+    const sent = Array.from({ length: this.rng.int(1, 3) }, (_, k) => 9000 + req.resumed.length + k);
+    let id = newRoomId(() => this.rng.u64());
+    while (this.byId.has(id)) id = newRoomId(() => this.rng.u64());
+    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + downMs + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, local: false, parent: req };
+    req.next = next;
+    this.byId.set(id, next);
+    this.stats.migrated++;
+    this.tr('R', req.id, `decode lost mid-stream after ${sent.length} token(s): migrating as ${next.label} (room ${id})`);
+    const first: NodeName = this.rng.chance(0.5) ? 'P' : 'D';
+    this.at(next.arrival, () => this.dispatch(next, first));
+    this.at(next.arrival + this.rng.int(0, 5), () => this.dispatch(next, first === 'P' ? 'D' : 'P'));
   }
 
   /** The router's request to P for `members` (one room, or every room of a choice group: one computation). */
   private prefillCreate(n: Node, members: Req[]): void {
     const lead = members[0]!;
-    let refused: string | undefined;
-    this.viaP(n, lead.id, 'request', (d) => {
-      const r = d.request(members.map((m) => m.id), lead.rid, this.now);
-      if (r.refused) {
-        refused = r.refused.code;
-        return [];
-      }
-      for (const m of members) {
-        m.on.P = n.inc;
-        // (The room's own rid on its record: the chunk tag D checks names the room's request.)
-        n.recs.set(m.id, { id: m.id, rid: m.rid });
-      }
-      return r.actions;
-    });
-    if (refused) for (const m of members) this.routerSide(m, 'P', 'Failed', `refused: ${refused}`);
-  }
-
-  private prefillRecv(n: Node, epoch: string, body: Body): void {
-    if (body.type === 'register' || body.type === 'kv_ack' || body.type === 'fail') this.viaP(n, body.room, body.type, (d) => d.message(n.peer, epoch, body, this.now));
-  }
-
-  /** Perform the prefill driver's actions, in order (the simulated counterpart of the worker's `perform`). */
-  private performP(n: Node, actions: PrefillAction[]): void {
-    for (const a of actions) {
-      switch (a.a) {
-        case 'send':
-          this.send(n, a.msg as Body);
-          break;
-        case 'compute': {
-          const dur = this.rng.int(20, 150);
-          if (this.tracing) this.tr('P', a.room, `compute starts (${dur} ms)`);
-          this.atNode(n, this.now + dur, () => this.computeDone(n, a.room));
-          break;
-        }
-        case 'transfer':
-          this.startTransfer(n, a.room);
-          break;
-        case 'discard': {
-          const rec = n.recs.get(a.room);
-          if (rec?.file) {
-            this.release(rec.file, 'no room needs the state any more');
-            rec.file = undefined;
-          }
-          break;
-        }
-        case 'finish':
-          this.prefillFinish(n, a.room, a.state, a.failure ? failureText(a.failure) : 'kv_done');
-          break;
-        case 'diag':
-          this.diag(n, a.effect);
-          break;
-        case 'registration_expired':
-          if (this.tracing) this.tr('P', a.room, 'pending registration expired: FAIL sent');
-          break;
-        case 'cancel':
-          // The simulated engine cannot be cancelled: the compute still ends in computeDone.
-          if (this.tracing) this.tr('P', a.room, 'compute cancelled (no live room); it still finishes');
-          break;
-        case 'fault_leak':
-          break;
-      }
-    }
-  }
-
-  private diag(n: Node, e: Effect): void {
-    if (e.t === 'illegal') this.stats.illegal++;
-    else if (e.t === 'late') this.stats.late++;
-    else if (e.t === 'expired') {
-      this.stats.expired++;
-      if (this.tracing) this.tr(n.name, e.room, `watchdog: ${stateName(e.state)}/${e.phase} expired`);
-    }
-  }
-
-  /**
-   * The engine finished (it cannot be cancelled in this model): the state is saved whatever
-   * happened to the room meanwhile; after a random hop the driver decides (`computeDone`).
-   */
-  private computeDone(n: Node, id: RoomId): void {
-    const file = this.acquire(n, 'statefile', id);
-    const hop = this.rng.int(0, 25);
-    if (this.tracing) this.tr('P', id, `compute done, state file saved; driver told in ${hop} ms`);
-    this.atNode(n, this.now + hop, () => {
-      const nChunks = this.rng.int(1, 4);
-      const lens = Array.from({ length: nChunks }, () => this.rng.int(64, 512));
-      const total = lens.reduce((x, y) => x + y, 0);
-      let rec = n.recs.get(id);
-      if (!rec) n.recs.set(id, (rec = { id, rid: '?' }));
-      rec.file = file; // the computation's one state file, on its lead's record
-      // Every room of the computation sends the same state (each with its own head in the worker).
-      for (const m of this.byId.get(id)?.group ?? []) {
-        const mr = n.recs.get(m.id);
-        if (mr) mr.lens = lens;
-      }
-      rec.lens = lens;
-      const actions = this.viaP(n, id, 'computeDone', (d) => d.computeDone(id, { ok: true, totalBytes: total }, this.now));
-      if (this.tracing && rec.file && !actions.some((x) => x.a === 'transfer' || x.a === 'discard')) {
-        this.tr('P', id, 'the driver has no job for the room any more: nobody will send it');
-      }
-    });
-  }
-
-  /** The driver's `transfer`: KV_BEGIN, the chunks (each a `progress`), KV_END. */
-  private startTransfer(n: Node, id: RoomId): void {
-    const rec = n.recs.get(id);
-    const lens = rec?.lens ?? [];
-    const total = lens.reduce((x, y) => x + y, 0);
-    n.sending.add(id);
-    this.send(n, { type: 'kv_begin', room: id, totalBytes: total });
-    let t = this.now;
-    let offset = 0;
-    lens.forEach((len, k) => {
-      t += this.rng.int(1, 8);
-      const off = offset;
-      offset += len;
-      this.atNode(n, t, () => this.sendChunk(n, id, off, len, k === lens.length - 1));
-    });
-  }
-
-  private sendChunk(n: Node, id: RoomId, offset: number, len: number, last: boolean): void {
-    if (!n.sending.has(id)) return; // the worker's abort signal stopped the send
-    const rec = n.recs.get(id)!;
-    if (!this.send(n, { type: 'chunk', room: id, offset, len, tag: `${id}/${rec.rid}` })) {
-      n.sending.delete(id);
-      this.viaP(n, id, 'transferFailed', (d) => d.transferFailed(id, failure('kv_transfer_failed', 'socket write failed: connection closed'), this.now));
+    const inc = n.inc;
+    const r = n.pe!.admit({ rooms: members.map((m) => m.id), rid: lead.rid, tokens: lead.prompt, sampling: samplingOf(lead), first: members.length > 1, trace: lead.label });
+    if (r.refused) {
+      for (const m of members) this.routerSide(m, 'P', 'Failed', `refused: ${r.refused.code}`);
       return;
     }
-    this.viaP(n, id, 'progress', (d) => d.progress(id, len, this.now));
-    if (last && n.sending.has(id)) {
-      this.send(n, { type: 'kv_end', room: id });
-      this.viaP(n, id, 'transferSent', (d) => d.transferSent(id));
-    }
+    members.forEach((m, i) => {
+      m.on.P = inc;
+      r.jobs[i]!.done.promise.then(
+        () => this.answered(m, 'P', inc, 'Success', 'kv_done'),
+        (e: { code?: string }) => this.answered(m, 'P', inc, 'Failed', e.code ?? 'failed'),
+      );
+    });
   }
 
-  /** The driver's `finish`: release the room's state file, tell the router. */
-  private prefillFinish(n: Node, id: RoomId, state: KVPoll, why: string): void {
-    this.finished(n, id, state, why);
-    n.sending.delete(id);
-    // The state file is not released here: the driver's `discard` is its one release path
-    // (reference-counted over the rooms of a computation), so the leak check covers it.
-  }
-
-  /** A driver's `finish` on either node: once per room and incarnation; the router hears the answer. */
-  private finished(n: Node, id: RoomId, state: KVPoll, why: string): void {
-    const c = (n.terminals.get(id) ?? 0) + 1;
-    n.terminals.set(id, c);
-    if (c > 1) this.violate({ kind: 'double_terminal', node: n.name, room: id, detail: `finish #${c} (${stateName(state)}: ${why})` });
-    if (this.tracing) this.tr(n.name, id, `TERMINAL ${stateName(state)} (${why})`);
-    const req = this.byId.get(id);
-    if (req && req.on[n.name] === n.inc) {
-      const st = state === KVPoll.Success ? 'Success' : 'Failed';
-      this.at(this.now + 1, () => this.routerSide(req, n.name, st, why));
-    }
-  }
-
-  // ---- decode: the shipped driver over simulated I/O -----------------------------------------
-
+  /** The router's request to D for `req` (PD, or decode-local with a plan decode accepted). */
   private decodeCreate(n: Node, req: Req): void {
-    let refused: string | undefined;
-    this.viaD(n, req.id, 'request', (d) => {
-      const r = d.request(req.id, req.rid, 'P', this.now, { local: req.local });
-      if (r.refused) {
-        refused = r.refused.code;
-        return r.actions;
-      }
-      req.on.D = n.inc;
-      // The prealloc queue entry: released when the driver hands the room a slot or finishes it.
-      n.recs.set(req.id, { id: req.id, rid: req.rid, queue: this.acquire(n, 'queue', req.id) });
-      return r.actions;
-    });
-    if (refused) this.routerSide(req, 'D', 'Failed', `refused: ${refused}`);
-  }
-
-  private decodeRecv(n: Node, epoch: string, body: Body): void {
-    const conn = n.conn!;
-    if (body.type === 'chunk') {
-      this.viaD(n, body.room, 'progress', (d) => {
-        const r = d.chunk(conn, body.room, body.offset, body.len, this.now);
-        // The worker's receiver validates the stored bytes: a piece of another room's state is bad_state.
-        if (r.store && body.tag !== `${body.room}/${n.recs.get(body.room)?.rid}`) return [...r.actions, ...d.fail(body.room, failure('bad_state', `chunk tagged ${body.tag}`), this.now)];
-        return r.actions;
-      });
+    const inc = n.inc;
+    const sampling = samplingOf(req);
+    const r = n.de!.admit({ room: req.id, rid: req.rid, sampling, skipFirst: false, host: 'P', port: 1, trace: req.label, ...(req.local ? { local: { tokens: req.prompt, sampling, reusable: 0 } } : {}) });
+    if (r.refused) {
+      this.routerSide(req, 'D', 'Failed', `refused: ${r.refused.code}`);
       return;
     }
-    if (body.type === 'registered' || body.type === 'kv_begin' || body.type === 'kv_end' || body.type === 'fail') this.viaD(n, body.room, body.type, (d) => d.message(conn, epoch, body, this.now));
+    req.on.D = inc;
+    r.job.ready.promise.then(
+      () => this.stream(n, inc, req, r.job),
+      (e: { code?: string }) => this.answered(req, 'D', inc, 'Failed', e.code ?? 'failed'),
+    );
   }
 
-  /** Perform the decode driver's actions, in order (the simulated counterpart of the worker's `perform`). */
-  private performD(n: Node, actions: DecodeAction[]): void {
-    for (const a of actions) {
-      const rec = 'room' in a ? n.recs.get(a.room) : undefined;
-      switch (a.a) {
-        case 'assign_slot': {
-          const idx = n.slots.findIndex((s) => s.owner === undefined);
-          if (idx < 0 || !rec) {
-            this.violate({ kind: 'double_release', node: n.name, room: a.room, detail: `the driver handed out a slot with none free (or no request): ${n.slots.length} slots` });
-            break;
-          }
-          if (rec.queue) this.release(rec.queue, 'admitted');
-          rec.queue = undefined;
-          n.slots[idx] = { owner: a.room };
-          rec.slot = { h: this.acquire(n, 'slot', a.room), idx };
-          break;
-        }
-        case 'release':
-          if (rec?.loading !== undefined) this.violate({ kind: 'wrong_room', node: n.name, room: a.room, detail: `slot ${rec.loading} released while a load still writes into it` });
-          if (rec?.queue) this.release(rec.queue, 'released');
-          if (a.slot && rec?.slot) this.releaseSlot(n, rec, 'released');
-          n.recs.delete(a.room);
-          break;
-        case 'dial': {
-          const hop = this.rng.int(0, 3);
-          this.atNode(n, this.now + hop, () => {
-            if (n.connected && n.conn !== undefined) {
-              const conn = n.conn;
-              this.viaD(n, a.room, 'dialed', (d) => d.dialed(a.room, conn, this.now));
-            } else this.viaD(n, a.room, 'dial failed', (d) => d.registerFailed(a.room, failure('peer_unreachable', 'no connection to P'), this.now));
-          });
-          break;
-        }
-        case 'register':
-          if (a.conn !== n.conn || !this.send(n, a.msg)) this.viaD(n, a.room, 'register failed', (d) => d.registerFailed(a.room, failure('peer_lost', 'connection closed before register'), this.now));
-          break;
-        case 'send':
-          // On the room's connection; else (addr) on the current one, as the pool would open.
-          if ((a.conn !== undefined && a.conn === n.conn) || a.addr !== undefined) this.send(n, a.msg as Body);
-          break;
-        case 'recv_begin':
-          if (rec) rec.recv = this.acquire(n, 'recvbuf', a.room);
-          break;
-        case 'load':
-        case 'local_prefill': // decode evaluates the suffix into the slot: uncancellable, may fail, like a load
-          if (rec?.slot) this.startLoad(n, rec, rec.slot.idx, a.a);
-          break;
-        case 'generate': {
-          const slot = rec?.slot ? n.slots[rec.slot.idx]! : undefined;
-          if (!rec || !slot || slot.owner !== a.room || slot.content?.rid !== rec.rid) {
-            this.violate({ kind: 'wrong_room', node: n.name, room: a.room, detail: `generation for ${this.label(a.room)} would run on a slot holding ${slot?.content ? this.label(slot.content.room) : 'nothing'}` });
-          }
-          this.atNode(n, this.now + this.rng.int(10, 100), () => this.viaD(n, a.room, 'generationDone', (d) => d.generationDone(a.room, this.now)));
-          break;
-        }
-        case 'finish':
-          this.finished(n, a.room, a.state, a.failure ? failureText(a.failure) : 'kv_done');
-          if (rec?.queue) this.release(rec.queue, 'terminal');
-          if (rec?.recv) this.release(rec.recv, 'terminal');
-          if (rec) rec.queue = rec.recv = undefined;
-          break;
-        case 'diag':
-          this.diag(n, a.effect);
-          break;
-        case 'stray':
-          if (this.tracing) this.tr(n.name, a.room, `${a.what} on ${a.conn} ignored: the room is not registered on it`);
-          break;
-      }
+  /** Decode streams the tokens from the room's slot, which must hold this request's own state; then `generationDone`. */
+  private stream(n: Node, inc: number, req: Req, job: DecodeJob<SimConn>): void {
+    if (!n.up || n.inc !== inc) return;
+    const lease = job.slot as unknown as SimLease | undefined;
+    const want = [...req.prompt, ...req.resumed];
+    if (!lease || !sameTokens(lease.content(), want)) {
+      this.checks.violate({ kind: 'wrong_room', node: n.name, room: req.id, detail: `generation for ${req.label} would run on a slot holding ${lease?.content() ? `tokens [${lease.content()!.join(',')}]` : 'nothing'}, not its own state [${want.join(',')}]` });
     }
-  }
-
-  /**
-   * The driver's `load`: after a short wait (the worker's receive finish, its file read) the
-   * driver is asked whether the room may still load (`proceed`: the room may have ended
-   * meanwhile); then llama.cpp writes the state into slot `idx` whatever happens (3% fail).
-   */
-  private startLoad(n: Node, rec: Rec, idx: number, step: 'load' | 'local_prefill'): void {
-    const id = rec.id;
-    this.atNode(n, this.now + this.rng.int(0, 3), () => {
-      let over = false;
-      this.viaD(n, id, 'proceed', (d) => {
-        const stop = d.proceed(id, step, this.now);
-        over = stop !== null;
-        return stop ?? [];
-      });
-      if (!over) this.runLoad(n, rec, idx);
-    });
-  }
-
-  private runLoad(n: Node, rec: Rec, idx: number): void {
-    const id = rec.id;
-    rec.loading = idx;
-    const dur = this.rng.int(3, 60);
-    const fails = this.rng.chance(0.03);
-    if (this.tracing) this.tr('D', id, `loading into slot ${idx} (${dur} ms${fails ? ', will fail' : ''})`);
-    this.atNode(n, this.now + dur, () => {
-      rec.loading = undefined;
-      const slot = n.slots[idx]!;
-      if (slot.owner !== id) {
-        this.violate({ kind: 'wrong_room', node: n.name, room: id, detail: `state of ${this.label(id)} loaded into slot ${idx}, now ${slot.owner ? `owned by ${this.label(slot.owner)}` : 'free'}` });
-      } else if (!fails) slot.content = { room: id, rid: rec.rid };
-      if (fails) this.viaD(n, id, 'loadFailed', (d) => d.loadFailed(id, failure('engine_failed', 'simulated load failure'), this.now));
-      else this.viaD(n, id, 'loadDone', (d) => d.loadDone(id, this.now));
-    });
-  }
-
-  private releaseSlot(n: Node, rec: Rec, why: string): void {
-    const s = rec.slot;
-    if (!s) return;
-    const slot = n.slots[s.idx]!;
-    if (slot.owner === rec.id) {
-      slot.owner = undefined;
-      slot.content = undefined;
-    }
-    rec.slot = undefined;
-    this.release(s.h, why);
+    if (lease) lease.generating = true;
+    req.streaming = this.now;
+    let over = false;
+    const end = (why: 'done' | 'aborted'): void => {
+      if (over) return;
+      over = true;
+      if (lease) lease.generating = false;
+      req.streaming = undefined;
+      n.de!.generationDone(req.id);
+      this.answered(req, 'D', inc, why === 'done' ? 'Success' : 'Failed', why === 'done' ? 'stream done' : 'aborted mid-stream');
+    };
+    this.atNode(n, this.now + this.rng.int(10, 100), () => end('done'), inc);
+    job.ac.signal.addEventListener('abort', () => this.atNode(n, this.now + 0.5, () => end('aborted'), inc), { once: true });
   }
 }
-
-const ms = (x: number): string => (Math.round(x * 10) / 10).toString();
-
-/** Trace label of one core effect. */
-function effectLabel(e: Effect): string {
-  switch (e.t) {
-    case 'terminal':
-      return `terminal ${stateName(e.state)}`;
-    case 'illegal':
-      return `illegal ${stateName(e.from)}→${stateName(e.to)}`;
-    case 'late':
-      return `late ${e.event}`;
-    case 'notify_peer':
-      return `notify_peer(${failureText(e.failure)})`;
-    default:
-      return e.t;
-  }
-}
-
-const bracket = (labels: string[]): string => (labels.length ? ` [${labels.join(', ')}]` : '');
-
-
-/** Trace label of one driver action. */
-function actionLabel(a: PrefillAction | DecodeAction): string {
-  if (a.a === 'finish') return `terminal ${stateName(a.state)}`;
-  if (a.a === 'diag') return effectLabel(a.effect);
-  if (a.a === 'send') return a.msg.type === 'fail' ? `notify_peer(${a.msg.code}: ${a.msg.detail})` : `send ${a.msg.type}`;
-  if (a.a === 'release') return a.slot ? 'release slot' : 'release';
-  return a.a;
-}
-
-/** ' [action, action]' for traces of a driver. */
-const fxA = (actions: (PrefillAction | DecodeAction)[]): string => bracket(actions.map(actionLabel));
-const fxD = fxA;

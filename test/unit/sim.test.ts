@@ -2,7 +2,10 @@
  * The deterministic simulator (src/sim) over many seeds: the real lifecycle rule must survive
  * every interleaving with no violation; the legacy max(old, new) rule must be caught wedging.
  *
- * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 10,000).
+ * The worlds run the shipped effect executors (src/prefill/effects.ts, src/decode/effects.ts) over
+ * the simulator's fake ports, same-host handoffs and mid-stream migrations included.
+ *
+ * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 2,000).
  * PDSERVE_SIM_FROM=<s> changes the first seed (default 1).
  */
 import { newRoomId } from '../../src/base/room-id.js';
@@ -11,7 +14,7 @@ import assert from 'node:assert/strict';
 import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/sim/index.js';
 import { Prng } from '../../src/base/prng.js';
 
-const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 10_000);
+const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 2_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
 /** Seeds within which the legacy rule must show the incident's wedge. */
 const LEGACY_BOUND = 2_000;
@@ -29,23 +32,24 @@ test('PRNG is deterministic and roughly uniform', () => {
   assert.match(newRoomId(() => new Prng(3).u64()), /^[1-9]\d{0,18}$/);
 });
 
-test('a seed replays exactly (same trace, same verdict, with or without tracing)', () => {
+test('a seed replays exactly (same trace, same verdict, with or without tracing)', async () => {
   for (const seed of [1, 2, 3, 99, 12345]) {
-    const a = runSim({ seed, trace: true });
-    const b = runSim({ seed, trace: true });
+    const a = await runSim({ seed, trace: true });
+    const b = await runSim({ seed, trace: true });
     assert.deepEqual(a, b);
-    assert.deepEqual(runSim({ seed }).stats, a.stats);
+    assert.deepEqual((await runSim({ seed })).stats, a.stats);
   }
-  const l1 = runSim({ seed: 5, legacy: true, trace: true });
-  assert.deepEqual(runSim({ seed: 5, legacy: true, trace: true }), l1);
+  const l1 = await runSim({ seed: 5, legacy: true, trace: true });
+  assert.deepEqual(await runSim({ seed: 5, legacy: true, trace: true }), l1);
 });
 
-test(`real rule: ${SEEDS} seeds, no violation`, () => {
-  const res = runSeeds(FROM, SEEDS, { rooms: 12, printFailures: 3 });
+test(`real rule: ${SEEDS} seeds, no violation`, async () => {
+  const res = await runSeeds(FROM, SEEDS, { rooms: 12, printFailures: 3 });
   const t = res.totals;
   console.log(
     `sim: ${res.ran} seeds in ${(res.elapsedMs / 1000).toFixed(1)} s (${res.seedsPerSec.toFixed(0)} seeds/s); ` +
-      `${t.requests} requests: ${t.success} ok, ${t.failed} failed; ${t.aborts} aborts, ${t.crashes} crashes, ${t.expired} deadlines, ${t.late} late events, ${t.illegal} refused writes, ${t.events} events`,
+      `${t.requests} requests: ${t.success} ok, ${t.failed} failed; ${t.aborts} aborts, ${t.crashes} crashes, ${t.expired} deadlines, ${t.late} late events, ${t.illegal} refused writes, ` +
+      `${t.sameHost} same-host handoffs (${t.fileRefused} refused), ${t.migrated} migrations (${t.migratedSuccess} completed), ${t.events} events`,
   );
   // The worlds must actually exercise the hard paths, or "no violation" means nothing.
   assert.ok(t.success > t.requests * 0.3, 'enough requests complete');
@@ -57,6 +61,9 @@ test(`real rule: ${SEEDS} seeds, no violation`, () => {
   assert.ok(t.local > SEEDS && t.localSuccess > 0 && t.localSuccess < t.local, `decode-local requests exercised: ${t.localSuccess} of ${t.local} ok`);
   // Choice groups (n > 1: one prefill computation, 2–3 rooms) ran, and most of their rooms got the shared state.
   assert.ok(t.grouped > SEEDS && t.groupedSuccess > t.grouped / 3, `choice-group rooms exercised: ${t.groupedSuccess} of ${t.grouped} ok`);
+  // The same-host path (kv_file, take_file) in half the worlds, and decodes killed mid-stream whose requests migrate.
+  assert.ok(t.sameHost > SEEDS, `same-host handoffs exercised: ${t.sameHost}`);
+  assert.ok(t.migrated > SEEDS / 200 && t.migratedSuccess > 0, `migrations exercised: ${t.migratedSuccess} of ${t.migrated} completed`);
   assert.deepEqual(
     res.failures.map((f) => f.seed),
     [],
@@ -64,17 +71,17 @@ test(`real rule: ${SEEDS} seeds, no violation`, () => {
   );
 });
 
-test('real rule, larger worlds and harsh network: no violation', () => {
-  const big = runSeeds(FROM + 1_000_000, 300, { rooms: 40, printFailures: 2 });
-  const harsh = runSeeds(FROM + 2_000_000, 500, { rooms: 12, faults: 'harsh', slots: 1, printFailures: 2 });
+test('real rule, larger worlds and harsh network: no violation', async () => {
+  const big = await runSeeds(FROM + 1_000_000, 100, { rooms: 40, printFailures: 2 });
+  const harsh = await runSeeds(FROM + 2_000_000, 300, { rooms: 12, faults: 'harsh', slots: 1, printFailures: 2 });
   assert.deepEqual([...big.failures, ...harsh.failures].map((f) => f.seed), []);
 });
 
-test(`legacy max rule: the simulator finds the incident's wedge within ${LEGACY_BOUND} seeds`, () => {
+test(`legacy max rule: the simulator finds the incident's wedge within ${LEGACY_BOUND} seeds`, async () => {
   // The incident: abort → Failed(0); the transfer continuation writes Transferring(3) and the max
   // rule revives the room; the abort dropped its transfer info so the worker skips it; the
   // watchdog's Failed write is swallowed (max(3, 0) = 3): non-terminal forever.
-  const res = findFirstWedge(1, LEGACY_BOUND, { legacy: true, rooms: 12, revivedOnly: true });
+  const res = await findFirstWedge(1, LEGACY_BOUND, { legacy: true, rooms: 12, revivedOnly: true });
   assert.ok(res.matched, `no revived wedge in ${LEGACY_BOUND} legacy seeds`);
   const r = res.matched;
   const v = r.violations.find((x) => x.kind === 'wedge' && x.revived)!;
@@ -86,26 +93,26 @@ test(`legacy max rule: the simulator finds the incident's wedge within ${LEGACY_
   const iSwallow = story.findIndex((s) => s.startsWith('watchdog: Failed write') && s.includes('swallowed'));
   assert.ok(iFail >= 0 && iRevive > iFail && iSwallow > iRevive, `interleaving Failed → revived → swallowed:\n${story.join('\n')}`);
   // The same seed under the real rule is clean.
-  assert.equal(runSim({ seed: r.seed, rooms: 12 }).ok, true);
+  assert.equal((await runSim({ seed: r.seed, rooms: 12 })).ok, true);
 });
 
-test('legacy max rule: the very first failing seed is a wedge too', () => {
-  const res = findFirstWedge(1, LEGACY_BOUND, { legacy: true, rooms: 12 });
+test('legacy max rule: the very first failing seed is a wedge too', async () => {
+  const res = await findFirstWedge(1, LEGACY_BOUND, { legacy: true, rooms: 12 });
   assert.ok(res.matched);
   const v = res.matched.violations.find((x) => x.kind === 'wedge')!;
   console.log(`legacy: first wedge of any kind at seed ${res.matched.seed}: ${v.node} ${v.label} ${v.detail}`);
 });
 
-test('simMain: exit codes and output', () => {
+test('simMain: exit codes and output', async () => {
   const lines: string[] = [];
-  assert.equal(simMain(['--seeds', '20', '--from', '3'], (l) => lines.push(l)), 0);
+  assert.equal(await simMain(['--seeds', '20', '--from', '3'], (l) => lines.push(l)), 0);
   assert.match(lines.at(-1)!, /^ok: 20 seeds from 3 .* seeds\/s/);
   lines.length = 0;
-  assert.equal(simMain(['--seeds', '200', '--legacy'], (l) => lines.push(l)), 1);
+  assert.equal(await simMain(['--seeds', '200', '--legacy'], (l) => lines.push(l)), 1);
   assert.match(lines.join('\n'), /SIM seed \d+ \(legacy max rule\) FAILED[\s\S]*replay: pdserve sim --from \d+ --seeds 1 --legacy --verbose/);
   lines.length = 0;
-  assert.equal(simMain(['--seed', '4'], (l) => lines.push(l)), 0);
+  assert.equal(await simMain(['--seed', '4'], (l) => lines.push(l)), 0);
   assert.match(lines.join('\n'), /full trace:/);
-  assert.equal(simMain(['--seeds'], () => {}), 2);
-  assert.equal(simMain(['--seeds', 'x'], () => {}), 2);
+  assert.equal(await simMain(['--seeds'], () => {}), 2);
+  assert.equal(await simMain(['--seeds', 'x'], () => {}), 2);
 });

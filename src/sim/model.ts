@@ -1,0 +1,101 @@
+/**
+ * The simulator's public shapes: a world's options, fault profiles and deadlines, and what a run
+ * returns (statistics, violations, the trace).
+ */
+import type { RoomId, RoomTimeouts } from '../kv/types.js';
+import type { Violation } from './checks.js';
+
+export interface TraceEntry {
+  /** Virtual ms. */
+  at: number;
+  who: 'R' | 'P' | 'D' | 'net' | 'sim';
+  room?: RoomId;
+  text: string;
+}
+
+export type FaultProfileName = 'calm' | 'mild' | 'harsh';
+
+export interface FaultProfile {
+  name: FaultProfileName;
+  /** Probability a node→node frame is lost (hello excepted: the handshake retries until it works). */
+  drop: number;
+  /** Probability a frame is delivered twice. */
+  dup: number;
+  /** Extra random delay, ms (uniform 0..jitter). */
+  jitterMs: number;
+  /**
+   * Probability a frame ignores the link's FIFO order (may overtake earlier frames). The real
+   * channel is one TCP connection (FIFO); reordering models a broken/reconnected path and keeps
+   * the drivers honest about out-of-order KV_BEGIN / chunks / KV_END.
+   */
+  reorder: number;
+}
+
+export const FAULT_PROFILES: Readonly<Record<FaultProfileName, FaultProfile>> = {
+  calm: { name: 'calm', drop: 0, dup: 0, jitterMs: 2, reorder: 0 },
+  mild: { name: 'mild', drop: 0.01, dup: 0.01, jitterMs: 10, reorder: 0.02 },
+  harsh: { name: 'harsh', drop: 0.05, dup: 0.03, jitterMs: 30, reorder: 0.1 },
+};
+
+/** Deadlines used by the simulator (virtual ms), scaled down from the defaults. */
+export const SIM_TIMEOUTS: Readonly<RoomTimeouts> = Object.freeze({ preallocMs: 400, bootstrapMs: 150, waitingMs: 600, transferIdleMs: 120 });
+
+export interface SimOptions {
+  seed: number;
+  /** Requests in this world. Default 12. */
+  rooms?: number;
+  /** TEST-ONLY: both tables use `legacyMaxRule` (SGLang's max(old, new) status rule). */
+  legacy?: boolean;
+  /** Record the full event trace (slower; used to replay a failing seed). */
+  trace?: boolean;
+  /** Fault profile; default: drawn from the seed (30% calm, 50% mild, 20% harsh). */
+  faults?: FaultProfileName;
+  /** Decode slots; default drawn from the seed (2..4). */
+  slots?: number;
+  /** Both nodes on one host (the same-host handoff); default drawn from the seed (half the worlds). */
+  sameHost?: boolean;
+  timeouts?: Partial<RoomTimeouts>;
+}
+
+export interface SimStats {
+  requests: number;
+  success: number;
+  failed: number;
+  aborts: number;
+  crashes: number;
+  frames: number;
+  dropped: number;
+  duplicated: number;
+  refusedStale: number;
+  illegal: number;
+  /** Benign races (`late` effects): forward events that reached an already Failed room. */
+  late: number;
+  expired: number;
+  events: number;
+  endAt: number;
+  /** Requests sent on the decode-local path (decode alone, no prefill leg), and those that succeeded. */
+  local: number;
+  localSuccess: number;
+  /** Rooms of choice groups (n > 1: one prefill computation for 2–3 rooms), and those that succeeded on decode. */
+  grouped: number;
+  groupedSuccess: number;
+  /** States decode took over on the same host (kv_file), and kv_files it refused. */
+  sameHost: number;
+  fileRefused: number;
+  /** Requests migrated after their decode died mid-stream, and those whose migrated stream completed. */
+  migrated: number;
+  migratedSuccess: number;
+}
+
+export interface SimResult {
+  seed: number;
+  ok: boolean;
+  legacy: boolean;
+  profile: FaultProfileName;
+  violations: Violation[];
+  stats: SimStats;
+  /** Present when `trace: true`. */
+  trace?: TraceEntry[];
+  /** room id → '#n' */
+  labels: Record<RoomId, string>;
+}
