@@ -13,6 +13,8 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain } from '../../src/sim/index.js';
 import { Prng } from '../../src/base/prng.js';
+import { DecodeEffects } from '../../src/decode/effects.js';
+import { PrefillEffects } from '../../src/prefill/effects.js';
 
 const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 2_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
@@ -101,6 +103,30 @@ test('legacy max rule: the very first failing seed is a wedge too', async () => 
   assert.ok(res.matched);
   const v = res.matched.violations.find((x) => x.kind === 'wedge')!;
   console.log(`legacy: first wedge of any kind at seed ${res.matched.seed}: ${v.node} ${v.label} ${v.detail}`);
+});
+
+test('the worlds run the shipped executors: a release planted out of one is caught', async () => {
+  // Decode's executor forgets a failed room's receive buffer; prefill's never deletes a computation's state file.
+  const d = DecodeEffects.prototype as unknown as { finish(a: { room: string }): void };
+  const p = PrefillEffects.prototype as unknown as { dropState(comp: unknown): void };
+  const finish = d.finish;
+  const dropState = p.dropState;
+  d.finish = function (this: { job(room: string): { recv?: unknown } | undefined }, a) {
+    const job = this.job(a.room);
+    if (job) job.recv = undefined;
+    return finish.call(this, a);
+  };
+  p.dropState = () => {};
+  try {
+    const res = await runSeeds(FROM, 40, { rooms: 12, log: null });
+    const leaks = res.failures.flatMap((f) => f.violations).filter((v) => v.kind === 'leak');
+    assert.ok(leaks.some((v) => v.node === 'D' && /recvbuf/.test(v.detail)), 'decode receive buffer leak found');
+    assert.ok(leaks.some((v) => v.node === 'P' && /statefile/.test(v.detail)), 'prefill state file leak found');
+  } finally {
+    d.finish = finish;
+    p.dropState = dropState;
+  }
+  assert.equal((await runSeeds(FROM, 40, { rooms: 12, log: null })).failures.length, 0);
 });
 
 test('simMain: exit codes and output', async () => {
