@@ -17,7 +17,7 @@
 import { stateName, type RoomTable } from '../kv/lifecycle.js';
 import { KVPoll, isTerminal, type RoomId } from '../kv/types.js';
 
-export type NodeName = 'P' | 'D';
+export type NodeName = 'P' | 'D' | 'D2';
 
 export type ViolationKind =
   | 'double_release'
@@ -30,6 +30,7 @@ export type ViolationKind =
   | 'peer_loss_late'
   | 'ran_after_abort'
   | 'stuck'
+  | 'misordered'
   | 'exception';
 
 export interface Violation {
@@ -56,6 +57,44 @@ export interface Handle {
   room: RoomId;
   at: number;
   released?: { at: number; why: string };
+}
+
+/**
+ * What a striped connection's reassembly hands decode's executor must be what one socket would
+ * have given it: per room, from its kv_begin, each chunk at the next offset and kv_end only after
+ * the last byte (else `misordered`). One per decode end of a striped connection.
+ */
+export class StreamOrder {
+  private readonly rooms = new Map<RoomId, { next: number; total: number }>();
+
+  constructor(
+    private readonly checks: Checks,
+    private readonly node: NodeName,
+  ) {}
+
+  begin(room: RoomId, totalBytes: number): void {
+    this.rooms.set(room, { next: 0, total: totalBytes });
+  }
+
+  chunk(room: RoomId, offset: number, bytes: number): void {
+    const r = this.rooms.get(room);
+    if (!r) return; // a late chunk of an ended room: the executor refuses it on its own
+    if (offset !== r.next) this.checks.violate({ kind: 'misordered', node: this.node, room, detail: `the striped connection handed on a chunk at offset ${offset} while ${r.next} was next` });
+    r.next = Math.max(r.next, offset + bytes);
+  }
+
+  /** kv_end handed on (`totalBytes`: a streamed kv_end's count, else kv_begin's). */
+  end(room: RoomId, totalBytes?: number): void {
+    const r = this.rooms.get(room);
+    if (!r) return;
+    this.rooms.delete(room);
+    const at = totalBytes ?? r.total;
+    if (r.next < at) this.checks.violate({ kind: 'misordered', node: this.node, room, detail: `the striped connection handed on kv_end after ${r.next} of its ${at} bytes` });
+  }
+
+  forget(room: RoomId): void {
+    this.rooms.delete(room);
+  }
 }
 
 /** What the checkers need of the world: the virtual time, labels and the trace. */

@@ -41,7 +41,7 @@ export interface RunSeedsResult {
   /** The result `until` matched, replayed with its trace. */
   matched?: SimResult;
   violationsByKind: Partial<Record<ViolationKind, number>>;
-  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; migrated: number; migratedSuccess: number };
+  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; migrated: number; migratedSuccess: number; migratedAcross: number; twoDecodes: number; striped: number; stripeChunks: number; stripeHeld: number; stripeLost: number };
   elapsedMs: number;
   seedsPerSec: number;
 }
@@ -53,10 +53,10 @@ export async function runSeeds(from: number, count: number, opts: RunSeedsOption
   const t0 = performance.now();
   const failures: SimResult[] = [];
   const byKind: Partial<Record<ViolationKind, number>> = {};
-  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0 };
+  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
-  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, timeouts: opts.timeouts });
+  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, decodes: opts.decodes, kvStreams: opts.kvStreams, timeouts: opts.timeouts });
   for (let i = 0; i < count; i++) {
     const seed = from + i;
     const r = await runSim(simOpts(seed, false));
@@ -82,8 +82,8 @@ export async function runSeeds(from: number, count: number, opts: RunSeedsOption
 }
 
 /** The replay command for a seed. */
-export function replayCommand(r: Pick<SimResult, 'seed' | 'legacy'>, rooms?: number): string {
-  return `pdserve sim --from ${r.seed} --seeds 1${r.legacy ? ' --legacy' : ''}${rooms ? ` --rooms ${rooms}` : ''} --verbose`;
+export function replayCommand(r: Pick<SimResult, 'seed' | 'legacy'> & Partial<Pick<SimResult, 'forced'>>, rooms?: number): string {
+  return `pdserve sim --from ${r.seed} --seeds 1${r.legacy ? ' --legacy' : ''}${rooms ? ` --rooms ${rooms}` : ''}${(r.forced ?? []).map((f) => ` ${f}`).join('')} --verbose`;
 }
 
 /** The trace entries about one room, plus node-wide events (crashes, epochs, peer loss). */
@@ -102,7 +102,7 @@ export function formatViolation(v: Violation): string {
 /** Seed, violations, replay command and the offending room's interleaving. */
 export function formatFailure(r: SimResult, opts: { full?: boolean } = {}): string {
   const lines = [
-    `SIM seed ${r.seed}${r.legacy ? ' (legacy max rule)' : ''} FAILED — ${r.violations.length} violation(s), faults=${r.profile}`,
+    `SIM seed ${r.seed}${r.legacy ? ' (legacy max rule)' : ''} FAILED — ${r.violations.length} violation(s), faults=${r.profile}, decodes=${r.decodes}, kv-streams=${r.kvStreams}`,
     ...r.violations.slice(0, 8).map((v) => `  ${formatViolation(v)}`),
     ...(r.violations.length > 8 ? [`  ... ${r.violations.length - 8} more`] : []),
     `  replay: ${replayCommand(r)}`,
@@ -126,18 +126,19 @@ export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOpt
  * CLI entry for `pdserve sim`. Flags: `--seeds N` (default 1000), `--from S` (default 1),
  * `--seed S` (= --from S --seeds 1 --verbose), `--rooms R` (requests per seed, default 12),
  * `--legacy` (test-only legacy max rule: expect wedges; stops at the first failing seed unless
- * `--all`), `--verbose` (full trace of failing seeds, or of the single seed). Env
+ * `--all`), `--decodes 1|2` and `--kv-streams 1|2` (the topology, else drawn from each seed),
+ * `--verbose` (full trace of failing seeds, or of the single seed). Env
  * PDSERVE_SIM_SEEDS overrides the default seed count. Returns the exit code: 0 when no violation
  * was found, 1 otherwise (for `--legacy`, 1 means the bug was reproduced), 2 on bad flags.
  */
 export async function simMain(argv: string[], out: (line: string) => void = (l) => console.log(l)): Promise<number> {
   if (argv.includes('--help') || argv.includes('-h')) {
-    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--legacy [--all]] [--verbose]');
+    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--decodes 1|2] [--kv-streams 1|2] [--legacy [--all]] [--verbose]');
     out('  runs the room lifecycle under a deterministic simulator (faulty network, crashes, aborts);');
     out('  exit 0 = no violation, 1 = violations (with --legacy: the wedge was reproduced), 2 = bad flags');
     return 0;
   }
-  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'legacy', 'verbose', 'all']);
+  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'decodes', 'kv-streams', 'legacy', 'verbose', 'all']);
   const args = new Map<string, string | true>();
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i]!;
@@ -170,7 +171,14 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
   let from: number;
   let seeds: number;
   let rooms: number;
+  const topo: Pick<SimOptions, 'decodes' | 'kvStreams'> = {};
   try {
+    for (const [k, f] of [['decodes', 'decodes'], ['kv-streams', 'kvStreams']] as const) {
+      if (!args.has(k)) continue;
+      const n = num(k, 1);
+      if (n !== 1 && n !== 2) throw new Error(`--${k} must be 1 or 2`);
+      topo[f] = n;
+    }
     const single = args.has('seed');
     from = single ? num('seed', 1) : num('from', 1);
     seeds = single ? 1 : num('seeds', Number(process.env.PDSERVE_SIM_SEEDS ?? 1000));
@@ -182,8 +190,8 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
   const legacy = args.has('legacy');
   const verbose = args.has('verbose') || (args.has('seed') && !args.has('from'));
   if (seeds === 1 && verbose) {
-    const r = await runSim({ seed: from, rooms, legacy, trace: true });
-    out(r.ok ? `seed ${from}${legacy ? ' (legacy)' : ''}: ok (faults=${r.profile})` : formatFailure(r, { full: false }));
+    const r = await runSim({ seed: from, rooms, legacy, trace: true, ...topo });
+    out(r.ok ? `seed ${from}${legacy ? ' (legacy)' : ''}: ok (faults=${r.profile}, decodes=${r.decodes}, kv-streams=${r.kvStreams})` : formatFailure(r, { full: false }));
     out('full trace:');
     out(formatTrace(r.trace ?? [], r.labels));
     out(`stats: ${JSON.stringify(r.stats)}`);
@@ -191,6 +199,7 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
   }
   const res = await runSeeds(from, seeds, {
     rooms,
+    ...topo,
     legacy,
     maxFailures: legacy && !args.has('all') ? 1 : undefined,
     log: (l) => out(l),

@@ -8,7 +8,7 @@ import type { Violation } from './checks.js';
 export interface TraceEntry {
   /** Virtual ms. */
   at: number;
-  who: 'R' | 'P' | 'D' | 'net' | 'sim';
+  who: 'R' | 'P' | 'D' | 'D2' | 'net' | 'sim';
   room?: RoomId;
   text: string;
 }
@@ -54,6 +54,10 @@ export interface SimOptions {
   slots?: number;
   /** Both nodes on one host (the same-host handoff); default drawn from the seed (half the worlds). */
   sameHost?: boolean;
+  /** Decode workers (1 or 2: requests paired with either, a migration goes to the other); default drawn from the seed (25 % two; legacy: 1). */
+  decodes?: 1 | 2;
+  /** Sockets per KV connection (`--kv-streams`: 2 stripes the chunks); default drawn from the seed (20 % two; legacy: 1). */
+  kvStreams?: 1 | 2;
   timeouts?: Partial<RoomTimeouts>;
 }
 
@@ -85,6 +89,15 @@ export interface SimStats {
   /** Requests migrated after their decode died mid-stream, and those whose migrated stream completed. */
   migrated: number;
   migratedSuccess: number;
+  /** Migrations that went to the other decode worker (a world of two). */
+  migratedAcross: number;
+  /** 1 when the world has two decode workers. */
+  twoDecodes: number;
+  /** 1 when the world's KV connections are striped over two sockets; chunk frames sent on the second; chunks the reassembly held for earlier bytes; stripe sockets lost. */
+  striped: number;
+  stripeChunks: number;
+  stripeHeld: number;
+  stripeLost: number;
 }
 
 export interface SimResult {
@@ -92,6 +105,11 @@ export interface SimResult {
   ok: boolean;
   legacy: boolean;
   profile: FaultProfileName;
+  /** The world's topology: decode workers and sockets per KV connection. */
+  decodes: 1 | 2;
+  kvStreams: 1 | 2;
+  /** The `pdserve sim` flags that replay the options this run forced rather than drew from its seed. */
+  forced: string[];
   violations: Violation[];
   stats: SimStats;
   /** Present when `trace: true`. */

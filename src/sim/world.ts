@@ -1,10 +1,10 @@
 /**
- * One simulated world (TigerBeetle VOPR style): a router, one prefill node (P) and one decode
- * node (D) on one host, over a network that drops, duplicates, reorders and delays — all on
- * virtual time from a seeded PRNG, so a seed replays exactly.
+ * One simulated world (TigerBeetle VOPR style): a router, one prefill node (P) and one or two
+ * decode nodes (D, D2) on one host, over a network that drops, duplicates, reorders and delays —
+ * all on virtual time from a seeded PRNG, so a seed replays exactly.
  *
- * Both nodes run the SHIPPED room handling — P the prefill effect executor
- * (`src/prefill/effects.ts`) around the prefill driver, D the decode executor
+ * Every node runs the SHIPPED room handling — P the prefill effect executor
+ * (`src/prefill/effects.ts`) around the prefill driver, each decode the decode executor
  * (`src/decode/effects.ts`) around the decode driver: the objects the workers run, as
  * TigerBeetle runs its real replica under its simulator. This file plays the router and the
  * network; ./ports.ts the executors' ports (engines whose calls take a random time and cannot be
@@ -16,13 +16,20 @@
  *    both, and (per seed) aborts the other side when one side fails. Some requests are choice
  *    groups (one prefill request for 2–3 rooms), some decode-local (decode alone). A decode that
  *    dies while it streams a request's tokens makes the router migrate the request: a new room,
- *    the prompt plus the tokens the client has, dispatched again once decode is back.
+ *    the prompt plus the tokens the client has, dispatched to the other decode (a world of two)
+ *    or again once decode is back. With two decodes, each request is paired with either, so P
+ *    holds rooms bound to both connections.
  *  - prefill: compute → state file saved → kv_begin, the chunks, kv_end — or, when the seed puts
  *    both on one host and decode's probe went through, one kv_file naming a link decode takes
  *    over (`take_file`).
  *  - channel: every frame is stamped with the sender's epoch; frames from another epoch are refused;
  *    `hello` (re)binds the peer epoch and fails all rooms of a previous epoch; pings every
  *    heartbeat; a peer silent for 2 intervals is lost.
+ *  - striped channel (`--kv-streams 2`, in some worlds): P deals chunk frames round robin over two
+ *    sockets, each FIFO on its own (socket 0 carries the control frames too), so stripes overtake
+ *    each other and kv_begin / kv_end; decode's end runs every frame through the shipped
+ *    reassembly (../kv/stripes.ts) as PeerConn does; one stripe socket dies once per world, which
+ *    ends the whole striped connection on both sides (its frames in flight are gone).
  *  - crashes: a node dies (memory gone; in-flight timers dead; state files stay on disk) and
  *    restarts with a new epoch, sweeping the state files it left.
  */
@@ -38,9 +45,10 @@ import { DecodeDriver } from '../decode/driver.js';
 import { DecodeEffects, type DecodeJob } from '../decode/effects.js';
 import { PrefillDriver } from '../prefill/driver.js';
 import { PrefillEffects } from '../prefill/effects.js';
+import { StripeReorder } from '../kv/stripes.js';
 import { EventHeap } from './heap.js';
 import { Prng } from '../base/prng.js';
-import { Checks, type NodeName } from './checks.js';
+import { Checks, StreamOrder, type NodeName } from './checks.js';
 import { watchDriver, type WatchHost } from './watch.js';
 import { SIM_MAX_STATE_BYTES, SIM_STATE_DIR, SimConn, SimDisk, SimEngine, simReceive, simSameHostOffer, simSameHostTake, simSender, simMetrics, type NodeCtx, type SimLease } from './ports.js';
 import { FAULT_PROFILES, SIM_TIMEOUTS, type FaultProfile, type SimOptions, type SimResult, type SimStats, type TraceEntry } from './model.js';
@@ -52,10 +60,27 @@ type ChunkBody = { type: 'chunk'; room: RoomId; offset: number; data: Buffer };
 type HelloBody = { type: 'hello' };
 type Body = ControlMsg | ChunkBody | HelloBody;
 
+/** One node's end of its link to one peer (a decode has one, to P; P has one per decode). */
+interface Link {
+  peer: NodeName;
+  knownPeerEpoch?: string;
+  connected: boolean;
+  /** The current connection to the peer (a new one per (re)connection). */
+  conn?: SimConn;
+  connSeq: number;
+  lastHeard: number;
+  /** Decode end of a striped connection (`--kv-streams 2`): the shipped reassembly of both sockets' chunks, and the check of what it hands on. */
+  reorder?: StripeReorder;
+  order?: StreamOrder;
+  /** Prefill end of a striped connection: chunk frames written so far (the next goes to socket rr mod streams). */
+  rr: number;
+}
+
 interface Node {
   name: NodeName;
   role: Role;
-  peer: NodeName;
+  /** The links to the peers, by peer: P → every decode, a decode → P. */
+  links: Map<NodeName, Link>;
   inc: number;
   epoch: string;
   up: boolean;
@@ -64,12 +89,6 @@ interface Node {
   pe?: PrefillEffects<SimConn>;
   /** decode: the shipped executor (and its driver). */
   de?: DecodeEffects<SimConn>;
-  knownPeerEpoch?: string;
-  connected: boolean;
-  /** The current connection to the peer (a new one per (re)connection). */
-  conn?: SimConn;
-  connSeq: number;
-  lastHeard: number;
   /** terminal actions seen per room in this incarnation. */
   terminals: Map<RoomId, number>;
   /** Rooms whose wedge was traced already. */
@@ -89,8 +108,10 @@ interface Req {
   prompt: number[];
   resumed: number[];
   /** Dispatched to (and accepted by) the node incarnation. */
-  on: Partial<Record<NodeName, number>>;
-  outcome: Partial<Record<NodeName, 'Success' | 'Failed'>>;
+  on: Partial<Record<Leg, number>>;
+  outcome: Partial<Record<Leg, 'Success' | 'Failed'>>;
+  /** The decode node the router paired this request with (a choice group's rooms share one). */
+  dec: NodeName;
   /** Decode-local continuation: sent to decode alone (`local: true`); prefill never sees it. */
   local: boolean;
   /**
@@ -104,6 +125,9 @@ interface Req {
   parent?: Req;
   next?: Req;
 }
+
+/** A request's two legs: its prefill request (to P) and its decode request (to its decode node). */
+type Leg = 'P' | 'D';
 
 const TICK_MS = 10;
 const HB_MS = 40;
@@ -125,19 +149,26 @@ export class World {
   private readonly rng: Prng;
   private readonly q = new EventHeap();
   now = 0;
-  private readonly nodes: Record<NodeName, Node>;
+  private readonly nodes: Partial<Record<NodeName, Node>> & Record<'P' | 'D', Node>;
   private readonly reqs: Req[] = [];
   private readonly byId = new Map<RoomId, Req>();
   readonly checks: Checks;
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
   private readonly crossAbort: boolean;
+  private readonly topo: Prng;
   private readonly sameHost: boolean;
   private endAt = 0;
   private readonly nSlots: number;
   private readonly maxNetDelay: number;
-  /** Delivery time of the last FIFO frame per sending node (the link's tail). */
-  private readonly linkTail: Record<NodeName, number> = { P: 0, D: 0 };
+  /** Delivery time of the last FIFO frame per socket (`from>to#socket`: the socket's tail). */
+  private readonly linkTail = new Map<string, number>();
+  /** Per node pair: the sockets' generation (a lost stripe ends them all; frames of an older one are gone). */
+  private readonly gens = new Map<string, number>();
+  /** The decode nodes (one, or two: requests are paired with either, a migration goes to the other). */
+  private readonly decodes: NodeName[];
+  /** Sockets per KV connection (`--kv-streams`): 2 stripes chunk frames over two sockets. */
+  readonly kvStreams: number;
   private readonly disk: SimDisk;
   /** Something may be waiting in the microtask queue (an executor ran, a fake settled a promise). */
   private dirty = false;
@@ -145,7 +176,7 @@ export class World {
   /** What the drivers' watch (./watch.ts) reports to. */
   private readonly watch: WatchHost;
 
-  constructor(opts: SimOptions) {
+  constructor(private readonly opts: SimOptions) {
     this.seed = opts.seed;
     this.rng = new Prng(opts.seed);
     this.legacy = opts.legacy ?? false;
@@ -157,6 +188,12 @@ export class World {
     this.crossAbort = this.rng.chance(0.5);
     this.sameHost = opts.sameHost ?? new Prng((this.seed * 40503 + 0x51) >>> 0).chance(0.5);
     this.maxNetDelay = 1 + this.profile.jitterMs;
+    // The topology, from its own stream (legacy worlds keep the incident's: one decode, one socket).
+    const topo = new Prng((this.seed * 2246822519 + 0x3c6e) >>> 0);
+    const two = opts.decodes ?? (this.legacy ? 1 : topo.chance(0.25) ? 2 : 1);
+    this.decodes = two === 2 ? ['D', 'D2'] : ['D'];
+    this.kvStreams = opts.kvStreams ?? (this.legacy ? 1 : topo.chance(0.2) ? 2 : 1);
+    this.topo = topo;
     const now = (): number => this.now;
     this.checks = new Checks({
       get now() {
@@ -179,6 +216,9 @@ export class World {
       diag: (node, e) => this.diag(node, e),
     };
     this.nodes = { P: this.newNode('P', 'prefill'), D: this.newNode('D', 'decode') };
+    if (this.decodes.length === 2) this.nodes.D2 = this.newNode('D2', 'decode');
+    if (this.decodes.length === 2) this.stats.twoDecodes = 1;
+    if (this.kvStreams > 1) this.stats.striped = 1;
     this.setup(opts.rooms ?? 12);
   }
 
@@ -186,7 +226,30 @@ export class World {
 
   private newNode(name: NodeName, role: Role): Node {
     // `table` and `ctx` are set by `start`, the first event of each node.
-    return { name, role, peer: name === 'P' ? 'D' : 'P', inc: 0, epoch: '', up: false, connected: false, connSeq: 0, lastHeard: 0, terminals: new Map(), wedged: new Set(), aborted: new Set() } as Omit<Node, 'table' | 'ctx'> as Node;
+    const links = new Map<NodeName, Link>();
+    for (const peer of role === 'prefill' ? this.decodes : (['P'] as NodeName[])) links.set(peer, { peer, connected: false, connSeq: 0, lastHeard: 0, rr: 0 });
+    return { name, role, links, inc: 0, epoch: '', up: false, terminals: new Map(), wedged: new Set(), aborted: new Set() } as Omit<Node, 'table' | 'ctx'> as Node;
+  }
+
+  private all(): Node[] {
+    return [this.nodes.P, ...this.decodes.map((d) => this.nodes[d]!)];
+  }
+
+  private node(name: NodeName): Node {
+    return this.nodes[name]!;
+  }
+
+  /** The node serving `req`'s leg. */
+  private nodeOf(req: Req, leg: Leg): Node {
+    return leg === 'P' ? this.nodes.P : this.node(req.dec);
+  }
+
+  private static legOf(n: Node): Leg {
+    return n.role === 'prefill' ? 'P' : 'D';
+  }
+
+  private pairKey(a: NodeName, b: NodeName): string {
+    return a < b ? `${a}|${b}` : `${b}|${a}`;
   }
 
   /** The fakes' view of node `n`'s current incarnation. */
@@ -256,7 +319,8 @@ export class World {
       while (ids.has(id)) id = newRoomId(() => rng.u64());
       ids.add(id);
       const prompt = Array.from({ length: rng.int(1, 6) }, (_, k) => 100 * (i + 1) + k);
-      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, prompt, resumed: [], on: {}, outcome: {}, local: !this.legacy && localRng.chance(0.2) };
+      const dec = this.decodes[this.topo.int(0, this.decodes.length - 1)]!;
+      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, prompt, resumed: [], on: {}, outcome: {}, dec, local: !this.legacy && localRng.chance(0.2) };
       if (req.local) this.stats.local++;
       this.reqs.push(req);
       this.byId.set(id, req);
@@ -272,6 +336,7 @@ export class World {
           m.group = group;
           m.arrival = group[0]!.arrival;
           m.prompt = group[0]!.prompt; // one request, n choices: one prompt
+          m.dec = group[0]!.dec; // the choices decode on one worker
         }
       }
       i += k;
@@ -282,7 +347,7 @@ export class World {
     this.stats.endAt = this.endAt;
 
     for (const req of this.reqs) {
-      const first: NodeName = rng.chance(0.5) ? 'P' : 'D';
+      const first: Leg = rng.chance(0.5) ? 'P' : 'D';
       const gap = rng.chance(0.15) ? rng.int(20, 250) : rng.int(0, 5);
       if (req.local) {
         // The router sends a decode-local round to decode alone.
@@ -294,7 +359,7 @@ export class World {
       if (rng.chance(0.3)) {
         const when = req.arrival + rng.int(0, 900);
         const k = rng.int(0, 2);
-        const targets: NodeName[] = k === 0 ? ['P'] : k === 1 ? ['D'] : ['P', 'D'];
+        const targets: Leg[] = k === 0 ? ['P'] : k === 1 ? ['D'] : ['P', 'D'];
         this.at(when, () => {
           let cur = req;
           while (cur.next) cur = cur.next; // the client aborts its request, whichever attempt runs
@@ -307,14 +372,19 @@ export class World {
 
     const crashes = rng.chance(0.2) ? (this.profile.name === 'harsh' && rng.chance(0.5) ? 2 : 1) : 0;
     for (let c = 0; c < crashes; c++) {
-      const who: NodeName = rng.chance(0.5) ? 'P' : 'D';
+      const who: NodeName = rng.chance(0.5) ? 'P' : this.decodes[this.topo.int(0, this.decodes.length - 1)]!;
       const when = rng.int(20, window + 200);
       const down = rng.int(30, 300);
-      this.at(when, () => this.crash(this.nodes[who], down));
+      this.at(when, () => this.crash(this.node(who), down));
+    }
+    // A striped world loses one stripe socket of one decode's connection (the whole connection ends with it).
+    if (this.kvStreams > 1) {
+      const d = this.decodes[this.topo.int(0, this.decodes.length - 1)]!;
+      this.at(this.topo.int(20, window + 200), () => this.loseStripe(this.node(d)));
     }
 
     // Start both nodes, then the periodic watchdog ticks and heartbeats (random phase per node).
-    for (const n of [this.nodes.P, this.nodes.D]) {
+    for (const n of this.all()) {
       this.at(0, () => this.start(n));
       this.periodic(rng.int(0, TICK_MS - 1), TICK_MS, () => this.tick(n));
       this.periodic(rng.int(0, HB_MS - 1), HB_MS, () => this.heartbeat(n));
@@ -365,7 +435,7 @@ export class World {
   }
 
   private result(): SimResult {
-    const up = [this.nodes.P, this.nodes.D].filter((n) => n.up);
+    const up = this.all().filter((n) => n.up);
     this.checks.final(up.map((n) => ({ name: n.name, table: n.table })));
     for (const n of up) {
       const left = n.de ? [...n.de.allJobs()].map((j) => j.room) : this.reqs.filter((r) => n.pe?.job(r.id)).map((r) => r.id);
@@ -373,16 +443,19 @@ export class World {
     }
     const labels: Record<RoomId, string> = {};
     for (const r of this.byId.values()) labels[r.id] = r.label;
-    return { seed: this.seed, ok: this.checks.violations.length === 0, legacy: this.legacy, profile: this.profile.name, violations: this.checks.violations, stats: this.stats, trace: this.tracing ? this.trace : undefined, labels };
+    const forced = [...(this.opts.decodes ? [`--decodes ${this.opts.decodes}`] : []), ...(this.opts.kvStreams ? [`--kv-streams ${this.opts.kvStreams}`] : [])];
+    return { seed: this.seed, ok: this.checks.violations.length === 0, legacy: this.legacy, profile: this.profile.name, decodes: this.decodes.length as 1 | 2, kvStreams: this.kvStreams as 1 | 2, forced, violations: this.checks.violations, stats: this.stats, trace: this.tracing ? this.trace : undefined, labels };
   }
 
   /** Leases the decode executor holds get their room's name (for reports). */
   private nameLeases(): void {
-    const de = this.nodes.D.de;
-    if (!de) return;
-    for (const j of de.allJobs()) {
-      const lease = j.slot as unknown as SimLease | undefined;
-      if (lease && lease.h.room !== j.room) lease.room = lease.h.room = j.room;
+    for (const d of this.decodes) {
+      const de = this.node(d).de;
+      if (!de) continue;
+      for (const j of de.allJobs()) {
+        const lease = j.slot as unknown as SimLease | undefined;
+        if (lease && lease.h.room !== j.room) lease.room = lease.h.room = j.room;
+      }
     }
   }
 
@@ -390,7 +463,7 @@ export class World {
 
   private start(n: Node): void {
     n.inc++;
-    n.epoch = `${n.name}${n.inc}`;
+    n.epoch = `${n.name}.${n.inc}`;
     n.up = true;
     const ctx = (n.ctx = this.ctxOf(n));
     const m = simMetrics();
@@ -421,7 +494,10 @@ export class World {
         ...common,
         driver,
         engine: new SimEngine(ctx, this.disk, 'decode', this.nSlots),
-        dial: () => new Promise<SimConn>((resolve, reject) => ctx.later(this.rng.int(0, 3), () => (n.connected && n.conn ? resolve(n.conn) : reject(new Error('no connection to P'))))),
+        dial: () => {
+          const l = n.links.get('P')!;
+          return new Promise<SimConn>((resolve, reject) => ctx.later(this.rng.int(0, 3), () => (l.connected && l.conn ? resolve(l.conn) : reject(new Error('no connection to P')))));
+        },
         receive: simReceive(ctx, this.disk),
         sameHost: simSameHostTake(ctx, this.disk),
         metrics: m.decode,
@@ -429,16 +505,20 @@ export class World {
       });
       n.table = driver.rooms;
     }
-    n.knownPeerEpoch = undefined;
-    n.connected = false;
-    n.conn = undefined;
-    n.lastHeard = this.now;
+    for (const l of n.links.values()) {
+      l.knownPeerEpoch = undefined;
+      l.connected = false;
+      l.conn = undefined;
+      l.reorder = undefined;
+      l.order = undefined;
+      l.lastHeard = this.now;
+    }
     n.terminals = new Map();
     n.wedged = new Set();
     n.aborted = new Set();
     this.disk.sweep(n.name, n.inc); // start-up sweep: the state files of earlier incarnations
     this.tr('sim', undefined, `${n.name} up, epoch ${n.epoch}`);
-    this.send(n, { type: 'hello' });
+    for (const peer of n.links.keys()) this.send(n, peer, { type: 'hello' });
   }
 
   private crash(n: Node, downMs: number): void {
@@ -448,41 +528,54 @@ export class World {
     this.tr('sim', undefined, `${n.name} CRASH (epoch ${n.epoch}), down ${downMs} ms`);
     // Process memory is gone: slots and buffers die with it; state files stay on disk.
     for (const h of this.checks.held(n.name, (h) => h.kind !== 'statefile')) this.checks.release(h, 'crash');
-    // The peer must fail every room bound to n within two heartbeat intervals of silence.
-    const s = this.nodes[n.peer];
-    if (s.up && s.connected && s.conn) {
+    // Each peer must fail every room bound to n within two heartbeat intervals of silence.
+    for (const peer of n.links.keys()) {
+      const s = this.node(peer);
+      const sl = s.links.get(n.name)!;
+      if (!(s.up && sl.connected && sl.conn)) continue;
       const inc = s.inc;
       const bound = this.maxNetDelay + 3 * HB_MS + 1;
-      const conn = s.conn;
+      const conn = sl.conn;
       const ids = s.de ? s.de.driver.roomsOn(s.de.idOf(conn)) : s.table.rooms().filter((r) => r.peer === conn.id).map((r) => r.id);
       this.at(this.now + bound, () => {
         if (s.up && s.inc === inc) this.checks.peerLossBound(s.name, s.table, ids, n.name, bound);
       });
     }
     // The router sees its HTTP connections to n reset; a request decode was streaming migrates.
+    const leg = World.legOf(n);
     for (const req of [...this.byId.values()]) {
-      if (req.on[n.name] !== n.inc || req.outcome[n.name] !== undefined) continue;
-      const streaming = n.name === 'D' && req.streaming !== undefined;
-      this.routerSide(req, n.name, 'Failed', streaming ? 'connection reset mid-stream' : 'connection reset');
-      if (streaming) this.migrate(req, downMs);
+      if (this.nodeOf(req, leg) !== n || req.on[leg] !== n.inc || req.outcome[leg] !== undefined) continue;
+      const streaming = leg === 'D' && req.streaming !== undefined;
+      this.routerSide(req, leg, 'Failed', streaming ? 'connection reset mid-stream' : 'connection reset');
+      if (streaming) this.migrate(req, n, downMs);
     }
     this.at(this.now + downMs, () => this.start(n));
   }
 
   // ---- network ----------------------------------------------------------------------------------
 
-  /** Send a frame to the peer. false when the sender's connection is down (a failed socket write). */
-  private send(from: Node, body: Body): boolean {
+  /**
+   * Send a frame to peer `to`. false when the sender's connection is down (a failed socket write).
+   * A striped connection's chunk frames go round robin over its sockets (socket 0 carries the
+   * control frames too, as PeerConn.sendFrom deals them); each socket is FIFO on its own, so
+   * stripes overtake one another and the control frames.
+   */
+  private send(from: Node, to: NodeName, body: Body): boolean {
     if (!from.up) return false;
-    if (body.type !== 'hello' && body.type !== 'ping' && body.type !== 'pong' && !from.connected) return false;
-    const to = this.nodes[from.peer];
+    const l = from.links.get(to)!;
+    if (body.type !== 'hello' && body.type !== 'ping' && body.type !== 'pong' && !l.connected) return false;
+    const dest = this.node(to);
     const epoch = from.epoch;
+    const gen = this.gens.get(this.pairKey(from.name, to)) ?? 0;
+    const socket = body.type === 'chunk' && this.kvStreams > 1 ? l.rr++ % this.kvStreams : 0;
+    if (socket > 0) this.stats.stripeChunks++;
+    const tail = `${from.name}>${to}#${socket}`;
     this.stats.frames++;
     const p = this.profile;
     const room = 'room' in body ? body.room : undefined;
     if (body.type !== 'hello' && this.rng.chance(p.drop)) {
       this.stats.dropped++;
-      if (room) this.tr('net', room, `${from.name}→${to.name} ${body.type} DROPPED`);
+      if (room) this.tr('net', room, `${from.name}→${to} ${body.type} DROPPED`);
       return true;
     }
     const copies = body.type !== 'hello' && this.rng.chance(p.dup) ? 2 : 1;
@@ -490,88 +583,184 @@ export class World {
     for (let i = 0; i < copies; i++) {
       let t = this.now + 0.5 + this.rng.float() * p.jitterMs;
       if (!this.rng.chance(p.reorder)) {
-        t = Math.max(t, this.linkTail[from.name]);
-        this.linkTail[from.name] = t;
-      } else if (room) this.tr('net', room, `${from.name}→${to.name} ${body.type} may overtake earlier frames`);
-      this.at(t, () => this.deliver(to, from.name, epoch, body));
+        t = Math.max(t, this.linkTail.get(tail) ?? 0);
+        this.linkTail.set(tail, t);
+      } else if (room) this.tr('net', room, `${from.name}→${to} ${body.type} may overtake earlier frames`);
+      this.at(t, () => this.deliver(dest, from.name, epoch, gen, body));
     }
     return true;
   }
 
-  private deliver(to: Node, from: NodeName, epoch: string, body: Body): void {
+  private deliver(to: Node, from: NodeName, epoch: string, gen: number, body: Body): void {
     if (!to.up) return;
+    if (gen !== (this.gens.get(this.pairKey(from, to.name)) ?? 0)) return; // its socket was closed under it
+    const l = to.links.get(from)!;
     const room = 'room' in body ? body.room : undefined;
     if (body.type === 'hello') {
-      if (to.knownPeerEpoch !== epoch) {
-        const old = to.knownPeerEpoch;
+      if (l.knownPeerEpoch !== epoch) {
+        const old = l.knownPeerEpoch;
         this.tr('sim', undefined, `${to.name} binds peer epoch ${epoch}${old ? ` (was ${old}: failing its rooms)` : ''}`);
-        if (old) this.lost(to, `${from} restarted (epoch ${old} → ${epoch})`);
-        to.knownPeerEpoch = epoch;
-        this.send(to, { type: 'hello' });
+        if (old) this.lost(to, l, `${from} restarted (epoch ${old} → ${epoch})`);
+        l.knownPeerEpoch = epoch;
+        this.send(to, from, { type: 'hello' });
       }
-      this.connect(to);
-      to.lastHeard = this.now;
+      this.connect(to, l);
+      l.lastHeard = this.now;
       return;
     }
-    if (epoch !== to.knownPeerEpoch) {
+    if (epoch !== l.knownPeerEpoch) {
       this.stats.refusedStale++;
-      if (room) this.tr(to.name, room, `refused ${body.type} from stale epoch ${epoch} (bound: ${to.knownPeerEpoch ?? 'none'})`);
+      if (room) this.tr(to.name, room, `refused ${body.type} from stale epoch ${epoch} (bound: ${l.knownPeerEpoch ?? 'none'})`);
       return;
     }
-    if (!to.connected) {
+    if (!l.connected) {
       if (body.type !== 'ping' && body.type !== 'pong') {
         if (room) this.tr(to.name, room, `refused ${body.type}: connection to ${from} closed`);
         return;
       }
-      this.connect(to);
+      this.connect(to, l);
       this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
     }
-    to.lastHeard = this.now;
+    l.lastHeard = this.now;
     if (room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
-    const conn = to.conn!;
-    if (body.type === 'ping') this.send(to, { type: 'pong', seq: body.seq });
+    const conn = l.conn!;
+    if (body.type === 'ping') this.send(to, from, { type: 'pong', seq: body.seq });
     else if (body.type === 'pong') return;
+    else if (l.reorder) this.striped(to, l, body);
     else if (body.type === 'chunk') to.de?.onChunk(conn, body.room, body.offset, body.data);
-    else {
-      if (body.type === 'kv_file') this.stats.sameHost++;
-      if (body.type === 'kv_file_refused') this.stats.fileRefused++;
-      this.dirty = true;
-      if (to.pe) to.pe.onControl(conn, body);
-      else to.de?.onControl(conn, body);
+    else this.control(to, conn, body);
+  }
+
+  private control(to: Node, conn: SimConn, body: ControlMsg): void {
+    if (body.type === 'kv_file') this.stats.sameHost++;
+    if (body.type === 'kv_file_refused') this.stats.fileRefused++;
+    this.dirty = true;
+    if (to.pe) to.pe.onControl(conn, body);
+    else to.de?.onControl(conn, body);
+  }
+
+  /** Decode's end of a striped connection: every frame through the shipped reassembly (../kv/stripes.ts), as PeerConn.onFrame. */
+  private striped(to: Node, l: Link, body: ControlMsg | ChunkBody): void {
+    const reorder = l.reorder!;
+    const conn = l.conn!;
+    try {
+      if (body.type === 'chunk') {
+        const held = reorder.heldBytes;
+        reorder.chunk(body.room, body.offset, body.data);
+        if (reorder.heldBytes > held) {
+          this.stats.stripeHeld++;
+          this.tr(to.name, body.room, `striped chunk at ${body.offset} held for the bytes before it`);
+        }
+        return;
+      }
+      if (body.type === 'kv_begin') {
+        reorder.begin(body.room, body.totalBytes);
+        l.order!.begin(body.room, body.totalBytes);
+        this.control(to, conn, body);
+        reorder.drain();
+        return;
+      }
+      if (body.type === 'kv_end' && !reorder.end(body.room, body, body.totalBytes)) {
+        this.tr(to.name, body.room, 'kv_end held until its bytes are in');
+        return;
+      }
+      if (body.type === 'kv_end') l.order!.end(body.room, body.totalBytes);
+      if (body.type === 'fail') {
+        reorder.forget(body.room);
+        l.order!.forget(body.room);
+      }
+      this.control(to, conn, body);
+    } catch (err) {
+      // The reassembly refused a frame (an overlap, the held-bytes cap): the whole striped connection closes.
+      this.tr('sim', 'room' in body ? body.room : undefined, `${to.name}: striped connection refused a frame (${(err as Error).message}): closing it`);
+      this.closePair(to, l, `striped connection closed: ${(err as Error).message}`);
     }
   }
 
   /** The connection to the peer is up: a new connection object unless one is current (decode probes it for the same host). */
-  private connect(n: Node): void {
-    n.connected = true;
-    if (n.conn) return;
+  private connect(n: Node, l: Link): void {
+    l.connected = true;
+    if (l.conn) return;
     const link = {
-      alive: (c: SimConn) => n.up && n.connected && n.conn === c,
-      control: (c: SimConn, msg: ControlMsg) => n.conn === c && this.send(n, msg),
-      chunk: (c: SimConn, room: RoomId, offset: number, data: Buffer) => n.conn === c && this.send(n, { type: 'chunk', room, offset, data }),
+      alive: (c: SimConn) => n.up && l.connected && l.conn === c,
+      control: (c: SimConn, msg: ControlMsg) => {
+        if (l.conn !== c) return false;
+        if (l.reorder && (msg.type === 'kv_ack' || msg.type === 'fail')) {
+          l.reorder.forget(msg.room); // as PeerConn.sendControl
+          l.order?.forget(msg.room);
+        }
+        return this.send(n, l.peer, msg);
+      },
+      chunk: (c: SimConn, room: RoomId, offset: number, data: Buffer) => l.conn === c && this.send(n, l.peer, { type: 'chunk', room, offset, data }),
     };
-    n.conn = new SimConn(`${n.knownPeerEpoch}#${++n.connSeq}`, n.knownPeerEpoch ?? '', link);
-    if (n.de && this.sameHost) n.conn.sendControl({ type: 'same_host_probe', boot: 'sim', pidns: 'sim', file: '' });
+    const conn = (l.conn = new SimConn(`${l.knownPeerEpoch}#${++l.connSeq}`, l.knownPeerEpoch ?? '', link));
+    l.rr = 0;
+    if (n.de && this.kvStreams > 1) {
+      const de = n.de;
+      const order = (l.order = new StreamOrder(this.checks, n.name));
+      l.reorder = new StripeReorder(
+        {
+          chunk: (room, offset, data) => {
+            order.chunk(room, offset, data.length);
+            de.onChunk(conn, room, offset, data);
+          },
+          end: (room, msg) => {
+            order.end(room, (msg as { totalBytes?: number }).totalBytes);
+            this.dirty = true;
+            de.onControl(conn, msg as ControlMsg);
+          },
+          paused: () => false,
+        },
+        SIM_MAX_STATE_BYTES,
+      );
+    }
+    if (n.de && this.sameHost) conn.sendControl({ type: 'same_host_probe', boot: 'sim', pidns: 'sim', file: '' });
   }
 
-  /** The peer is gone (silent, or restarted): fail every room bound to the connection. */
-  private lost(n: Node, detail: string): void {
-    const conn = n.conn;
-    n.conn = undefined;
+  /** The peer is gone (silent, restarted, or its connection closed): fail every room bound to the connection. */
+  private lost(n: Node, l: Link, detail: string): void {
+    const conn = l.conn;
+    l.conn = undefined;
+    l.reorder?.clear();
+    l.reorder = undefined;
+    l.order = undefined;
     if (!conn) return;
     this.dirty = true;
     n.pe?.peerLost(conn, detail);
     n.de?.peerLost(conn, detail);
   }
 
+  /** Both ends of the pair's connection close (its sockets' frames in flight are gone); heartbeats reconnect them. */
+  private closePair(n: Node, l: Link, detail: string): void {
+    const key = this.pairKey(n.name, l.peer);
+    this.gens.set(key, (this.gens.get(key) ?? 0) + 1);
+    const peer = this.node(l.peer);
+    for (const [side, sl] of [[n, l], [peer, peer.links.get(n.name)!]] as const) {
+      if (!side.up || !sl.connected) continue;
+      sl.connected = false;
+      this.lost(side, sl, detail);
+    }
+  }
+
+  /** One stripe socket of decode `d`'s connection dies: as PeerConn.terminate, the whole striped connection ends on both sides. */
+  private loseStripe(d: Node): void {
+    const l = d.links.get('P')!;
+    if (!d.up || !this.nodes.P.up || !l.connected || !l.conn) return;
+    this.stats.stripeLost++;
+    this.tr('sim', undefined, `${d.name}: stripe 2 of its connection to P lost: the striped connection ends`);
+    this.closePair(d, l, 'stripe lost: its striped connection ended');
+  }
+
   private heartbeat(n: Node): void {
     if (!n.up) return;
-    if (n.connected && this.now - n.lastHeard > 2 * HB_MS) {
-      n.connected = false;
-      this.tr('sim', undefined, `${n.name}: ${n.peer} silent for ${this.now - n.lastHeard} ms > 2 heartbeats: peer lost`);
-      this.lost(n, `heartbeat: ${n.peer} silent for 2 intervals`);
+    for (const l of n.links.values()) {
+      if (l.connected && this.now - l.lastHeard > 2 * HB_MS) {
+        l.connected = false;
+        this.tr('sim', undefined, `${n.name}: ${l.peer} silent for ${this.now - l.lastHeard} ms > 2 heartbeats: peer lost`);
+        this.lost(n, l, `heartbeat: ${l.peer} silent for 2 intervals`);
+      }
+      if (l.knownPeerEpoch) this.send(n, l.peer, { type: 'ping', seq: 0 });
     }
-    if (n.knownPeerEpoch) this.send(n, { type: 'ping', seq: 0 });
   }
 
   /** The watchdog timer of a node, then the deadline checks. */
@@ -603,13 +792,13 @@ export class World {
     });
   }
 
-  private dispatch(req: Req, side: NodeName): void {
+  private dispatch(req: Req, side: Leg): void {
     // A choice group's prefill request is one, sent by its lead for every room.
     if (side === 'P' && req.group && req.group[0] !== req) return;
     const members = side === 'P' && req.group ? req.group : [req];
-    this.tr('R', req.id, `dispatch → ${side}${members.length > 1 ? ` (rooms ${members.map((m) => m.label).join(' ')})` : ''}`);
+    this.tr('R', req.id, `dispatch → ${this.nodeOf(req, side).name}${members.length > 1 ? ` (rooms ${members.map((m) => m.label).join(' ')})` : ''}`);
     this.http(
-      this.nodes[side],
+      this.nodeOf(req, side),
       (n) => (n.role === 'prefill' ? this.prefillCreate(n, members) : this.decodeCreate(n, req)),
       () => {
         for (const m of members) this.routerSide(m, side, 'Failed', 'connection refused');
@@ -617,8 +806,8 @@ export class World {
     );
   }
 
-  private routerAbort(req: Req, side: NodeName, reason: string): void {
-    this.http(this.nodes[side], (n) => {
+  private routerAbort(req: Req, side: Leg, reason: string): void {
+    this.http(this.nodeOf(req, side), (n) => {
       this.tr(n.name, req.id, `← router abort (${reason})`);
       n.aborted.add(req.id);
       n.pe?.abort(undefined, req.id, 'router');
@@ -627,13 +816,13 @@ export class World {
   }
 
   /** A leg's answer, if it comes from the incarnation the request went to. */
-  private answered(req: Req, side: NodeName, inc: number, outcome: 'Success' | 'Failed', why: string): void {
-    const n = this.nodes[side];
+  private answered(req: Req, side: Leg, inc: number, outcome: 'Success' | 'Failed', why: string): void {
+    const n = this.nodeOf(req, side);
     if (!n.up || n.inc !== inc) return;
     this.at(this.now + 1, () => this.routerSide(req, side, outcome, why));
   }
 
-  private routerSide(req: Req, side: NodeName, outcome: 'Success' | 'Failed', why: string): void {
+  private routerSide(req: Req, side: Leg, outcome: 'Success' | 'Failed', why: string): void {
     if (req.outcome[side] !== undefined) return;
     req.outcome[side] = outcome;
     if (side === 'D') {
@@ -645,28 +834,31 @@ export class World {
     }
     this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
     if (req.local) return; // no prefill leg to abort
-    const other: NodeName = side === 'P' ? 'D' : 'P';
+    const other: Leg = side === 'P' ? 'D' : 'P';
     if (outcome === 'Failed' && this.crossAbort && req.outcome[other] === undefined) this.routerAbort(req, other, `abort: router: ${side} failed`);
   }
 
   /**
-   * Decode died while it streamed `req`: the router sends the prompt and the tokens the client
-   * has as a new attempt (a new room) to both workers once decode is back (the one decode of
-   * this world); prefill evaluates them, decode's state must hold them.
+   * Decode `dead` died while it streamed `req`: the router sends the prompt and the tokens the
+   * client has as a new attempt (a new room) to prefill and the other decode (or, in a world of
+   * one decode, to `dead` once it is back); prefill evaluates them, decode's state must hold them.
    */
-  private migrate(req: Req, downMs: number): void {
+  private migrate(req: Req, dead: Node, downMs: number): void {
     let migrations = 0;
     for (let r = req.parent; r; r = r.parent) migrations++;
     if (migrations >= MIGRATION_LIMIT || req.local) return;
     const sent = Array.from({ length: this.rng.int(1, 3) }, (_, k) => 9000 + req.resumed.length + k);
     let id = newRoomId(() => this.rng.u64());
     while (this.byId.has(id)) id = newRoomId(() => this.rng.u64());
-    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + downMs + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, local: false, parent: req };
+    const dec = this.decodes.find((d) => d !== dead.name) ?? dead.name;
+    const wait = dec === dead.name ? downMs : 0;
+    if (dec !== dead.name) this.stats.migratedAcross++;
+    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + wait + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, dec, local: false, parent: req };
     req.next = next;
     this.byId.set(id, next);
     this.stats.migrated++;
-    this.tr('R', req.id, `decode lost mid-stream after ${sent.length} token(s): migrating as ${next.label} (room ${id})`);
-    const first: NodeName = this.rng.chance(0.5) ? 'P' : 'D';
+    this.tr('R', req.id, `decode ${dead.name} lost mid-stream after ${sent.length} token(s): migrating as ${next.label} (room ${id}) to ${dec}`);
+    const first: Leg = this.rng.chance(0.5) ? 'P' : 'D';
     this.at(next.arrival, () => this.dispatch(next, first));
     this.at(next.arrival + this.rng.int(0, 5), () => this.dispatch(next, first === 'P' ? 'D' : 'P'));
   }

@@ -3,7 +3,9 @@
  * every interleaving with no violation; the legacy max(old, new) rule must be caught wedging.
  *
  * The worlds run the shipped effect executors (src/prefill/effects.ts, src/decode/effects.ts) over
- * the simulator's fake ports, same-host handoffs and mid-stream migrations included.
+ * the simulator's fake ports, same-host handoffs and mid-stream migrations included; some worlds
+ * have two decode workers (a migration goes to the other one) and KV connections striped over two
+ * sockets (the shipped reassembly, src/kv/stripes.ts, on the decode end).
  *
  * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 2,000).
  * PDSERVE_SIM_FROM=<s> changes the first seed (default 1).
@@ -15,6 +17,7 @@ import { findFirstWedge, formatFailure, interleaving, runSeeds, runSim, simMain 
 import { Prng } from '../../src/base/prng.js';
 import { DecodeEffects } from '../../src/decode/effects.js';
 import { PrefillEffects } from '../../src/prefill/effects.js';
+import { StripeReorder } from '../../src/kv/stripes.js';
 
 const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 2_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
@@ -51,7 +54,8 @@ test(`real rule: ${SEEDS} seeds, no violation`, async () => {
   console.log(
     `sim: ${res.ran} seeds in ${(res.elapsedMs / 1000).toFixed(1)} s (${res.seedsPerSec.toFixed(0)} seeds/s); ` +
       `${t.requests} requests: ${t.success} ok, ${t.failed} failed; ${t.aborts} aborts, ${t.crashes} crashes, ${t.expired} deadlines, ${t.late} late events, ${t.illegal} refused writes, ` +
-      `${t.sameHost} same-host handoffs (${t.fileRefused} refused), ${t.migrated} migrations (${t.migratedSuccess} completed), ${t.events} events`,
+      `${t.sameHost} same-host handoffs (${t.fileRefused} refused), ${t.migrated} migrations (${t.migratedSuccess} completed, ${t.migratedAcross} to the other decode), ` +
+      `${t.twoDecodes} worlds of two decodes, ${t.striped} striped (${t.stripeChunks} chunks on stripe 2, ${t.stripeHeld} held out of order, ${t.stripeLost} stripes lost), ${t.events} events`,
   );
   // The worlds must actually exercise the hard paths, or "no violation" means nothing.
   assert.ok(t.success > t.requests * 0.3, 'enough requests complete');
@@ -66,6 +70,9 @@ test(`real rule: ${SEEDS} seeds, no violation`, async () => {
   // The same-host path (kv_file, take_file) in half the worlds, and decodes killed mid-stream whose requests migrate.
   assert.ok(t.sameHost > SEEDS, `same-host handoffs exercised: ${t.sameHost}`);
   assert.ok(t.migrated > SEEDS / 200 && t.migratedSuccess > 0, `migrations exercised: ${t.migratedSuccess} of ${t.migrated} completed`);
+  // Worlds of two decodes (rooms of both on one prefill, migration to the other) and striped KV connections.
+  assert.ok(t.twoDecodes > SEEDS / 6 && t.migratedAcross > 0, `two-decode worlds: ${t.twoDecodes}, migrations to the other decode: ${t.migratedAcross}`);
+  assert.ok(t.striped > SEEDS / 8 && t.stripeChunks > SEEDS / 4 && t.stripeHeld > 0 && t.stripeLost > SEEDS / 12, `striped worlds: ${t.striped}, stripe-2 chunks ${t.stripeChunks}, held ${t.stripeHeld}, lost ${t.stripeLost}`);
   assert.deepEqual(
     res.failures.map((f) => f.seed),
     [],
@@ -77,6 +84,19 @@ test('real rule, larger worlds and harsh network: no violation', async () => {
   const big = await runSeeds(FROM + 1_000_000, 100, { rooms: 40, printFailures: 2 });
   const harsh = await runSeeds(FROM + 2_000_000, 300, { rooms: 12, faults: 'harsh', slots: 1, printFailures: 2 });
   assert.deepEqual([...big.failures, ...harsh.failures].map((f) => f.seed), []);
+});
+
+test('two decodes, striped KV connections over the network: no violation, out-of-order stripes reassembled, a lost stripe fails only its rooms', async () => {
+  // Cross-host (chunks, not kv_file) so every transfer is striped; one calm set (stripes reorder only by their own sockets) and one harsh.
+  const calm = await runSeeds(FROM + 3_000_000, 80, { rooms: 12, decodes: 2, kvStreams: 2, sameHost: false, faults: 'calm', printFailures: 2 });
+  const harsh = await runSeeds(FROM + 4_000_000, 60, { rooms: 12, decodes: 2, kvStreams: 2, sameHost: false, faults: 'harsh', printFailures: 2 });
+  assert.deepEqual([...calm.failures, ...harsh.failures].map((f) => f.seed), []);
+  for (const t of [calm.totals, harsh.totals]) {
+    assert.ok(t.stripeChunks > 0 && t.stripeHeld > 0 && t.stripeLost > 0, `stripes exercised: ${JSON.stringify(t)}`);
+    assert.ok(t.success > t.requests * 0.3, `enough requests complete over striped connections: ${t.success} of ${t.requests}`);
+  }
+  // Calm worlds lose no frame: what fails there is aborts, crashes, engine failures, the lost stripe and deadlines, never the reassembly.
+  assert.ok(calm.totals.success > calm.totals.requests * 0.6, `calm striped worlds: ${calm.totals.success} of ${calm.totals.requests} ok`);
 });
 
 test(`legacy max rule: the simulator finds the incident's wedge within ${LEGACY_BOUND} seeds`, async () => {
@@ -127,6 +147,25 @@ test('the worlds run the shipped executors: a release planted out of one is caug
     p.dropState = dropState;
   }
   assert.equal((await runSeeds(FROM, 40, { rooms: 12, log: null })).failures.length, 0);
+});
+
+test('the striped worlds run the shipped reassembly: a bypass planted in it is caught', async () => {
+  // StripeReorder hands every chunk and kv_end on as it arrives, as if the sockets were one.
+  const r = StripeReorder.prototype as unknown as { chunk(room: string, offset: number, data: Buffer): void; end(...a: unknown[]): boolean };
+  const { chunk, end } = r;
+  r.chunk = function (this: { sink: { chunk(room: string, offset: number, data: Buffer): void } }, room, offset, data) {
+    this.sink.chunk(room, offset, data);
+  };
+  r.end = () => true;
+  const opts = { rooms: 12, decodes: 2, kvStreams: 2, sameHost: false, faults: 'calm', log: null } as const;
+  try {
+    const res = await runSeeds(FROM + 3_000_000, 30, opts);
+    assert.ok((res.violationsByKind.misordered ?? 0) > 0, `misordered hand-ons found: ${JSON.stringify(res.violationsByKind)}`);
+  } finally {
+    r.chunk = chunk;
+    r.end = end;
+  }
+  assert.equal((await runSeeds(FROM + 3_000_000, 30, opts)).failures.length, 0);
 });
 
 test('simMain: exit codes and output', async () => {
