@@ -28,7 +28,8 @@ import { foldAscii, ROOT } from '../up/corpus.js';
 import { benchAgent, discoverModel, exactText, loadTokenizer, type BenchTokenizer } from './index.js';
 import { lineChart } from './svg.js';
 import { fmt, fmtRatio, median, say } from './util.js';
-import { Cluster } from '../up/cluster.js';
+import { Cluster, type ClusterProc } from '../up/cluster.js';
+import { machineBusySeconds, processCpuSeconds } from './cpu.js';
 
 export type AgentSetup = 'pd_local' | 'pd' | 'colo' | 'pd_noreuse';
 export const AGENT_SETUPS: readonly AgentSetup[] = ['pd_local', 'pd', 'colo', 'pd_noreuse'];
@@ -376,6 +377,27 @@ export interface ScaleRun extends AgentRun {
   ttftRatio: number;
   /** The setup's workers' prefix store counts over the run (metric deltas; zeros without a store). */
   store: StoreCounts;
+  /** CPU seconds over the run (./cpu.ts; NaN without /proc): the setup's own processes by role, this bench process, the whole machine (all cores, every job on it). */
+  cpu?: CpuSeconds;
+}
+
+/** CPU seconds of one run, see `ScaleRun.cpu`. */
+export interface CpuSeconds {
+  router: number;
+  prefill: number;
+  decode: number;
+  colocated: number;
+  bench: number;
+  machine: number;
+}
+
+/** CPU seconds used so far by `procs` (summed per role), this process and the machine. */
+function cpuNow(procs: readonly ClusterProc[]): CpuSeconds {
+  const c: CpuSeconds = { router: 0, prefill: 0, decode: 0, colocated: 0, bench: 0, machine: machineBusySeconds() };
+  for (const p of procs) c[p.role] += processCpuSeconds(p.child?.pid);
+  const u = process.cpuUsage();
+  c.bench = (u.user + u.system) / 1e6;
+  return c;
 }
 
 interface StoreCounts {
@@ -447,12 +469,16 @@ export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTo
         const convs = conversations(tok, c, o.rounds, `scale-${s}-c${c}`, cfg.systemTokens, cfg.toolTokens);
         const router = s === 'colo' ? undefined : urls[s];
         const workers = s === 'colo' ? [store.colocated!.url] : (s === 'pd_store' ? store : nostore).procs.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url);
+        const own = s === 'colo' ? [store.colocated!] : (s === 'pd_store' ? store : nostore).procs.filter((p) => p.role !== 'colocated');
         const before = await countsOf(router, workers, dispatcher);
+        const cpu0 = cpuNow(own);
         const run = await runSetup(s === 'colo' ? 'colo' : 'pd_local', urls[s], model, convs, { rounds: o.rounds, outputTokens: cfg.outputTokens, slo, dispatcher, timeoutMs });
+        const cpu1 = cpuNow(own);
         const after = await countsOf(router, workers, dispatcher);
+        const cpu = Object.fromEntries(Object.entries(cpu1).map(([k, v]) => [k, v - cpu0[k as keyof CpuSeconds]])) as unknown as CpuSeconds;
         const st: StoreCounts = { hits: after.store.hits - before.store.hits, misses: after.store.misses - before.store.misses, writes: after.store.writes - before.store.writes, dropped: after.store.dropped - before.store.dropped };
-        const r: ScaleRun = { ...run, scale: s, fallbacks: after.fallbacks - before.fallbacks, ttftRatio: run.ttftByRound[o.rounds - 1]! / run.ttftByRound[0]!, store: st };
-        say(`  ${SCALE_NAMES[s]}, ${c} agents: cached ${fmt(r.cachedShare * 100, 0)} %, TTFT r1 ${fmt(r.ttftByRound[0], 0)} ms r${o.rounds} ${fmt(r.ttftByRound[o.rounds - 1], 0)} ms (${fmtRatio(r.ttftRatio)}), fallbacks ${r.fallbacks} of ${r.rounds.length} requests, paths pd ${r.paths.pd} / local ${r.paths.decode_local}, store hits ${st.hits} / misses ${st.misses} / writes ${st.writes} / dropped ${st.dropped}, goodput ${fmt(r.goodput, 2)} rounds/s, failed ${r.failed}, load ${r.load}`);
+        const r: ScaleRun = { ...run, scale: s, fallbacks: after.fallbacks - before.fallbacks, ttftRatio: run.ttftByRound[o.rounds - 1]! / run.ttftByRound[0]!, store: st, cpu };
+        say(`  ${SCALE_NAMES[s]}, ${c} agents: cached ${fmt(r.cachedShare * 100, 0)} %, TTFT r1 ${fmt(r.ttftByRound[0], 0)} ms r${o.rounds} ${fmt(r.ttftByRound[o.rounds - 1], 0)} ms (${fmtRatio(r.ttftRatio)}), fallbacks ${r.fallbacks} of ${r.rounds.length} requests, paths pd ${r.paths.pd} / local ${r.paths.decode_local}, store hits ${st.hits} / misses ${st.misses} / writes ${st.writes} / dropped ${st.dropped}, goodput ${fmt(r.goodput, 2)} rounds/s, failed ${r.failed}, load ${r.load}; CPU s router ${fmt(cpu.router, 1)} / prefill ${fmt(cpu.prefill, 1)} / decode ${fmt(cpu.decode, 1)} / colocated ${fmt(cpu.colocated, 1)}, machine ${fmt(cpu.machine / (run.wallMs / 1000), 2)} cores busy`);
         runs.push(r);
       }
     }
@@ -469,5 +495,24 @@ export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTo
 export function agentsScaleTable(runs: readonly ScaleRun[], rounds: number): string[] {
   const head = ['setup', 'agents', 'cached (r2+)', `TTFT r1 ms`, `TTFT r${rounds} ms`, `r${rounds}/r1`, 'fallbacks / requests', 'rounds pd / decode-local', 'store hits / misses / writes / dropped', 'goodput rounds/s', 'failed', 'load'];
   const rows = runs.map((x) => [SCALE_NAMES[x.scale], x.concurrency, `${fmt(x.cachedShare * 100, 0)} %`, fmt(x.ttftByRound[0], 0), fmt(x.ttftByRound[rounds - 1], 0), fmtRatio(x.ttftRatio), x.scale === 'colo' ? '—' : `${x.fallbacks} / ${x.rounds.length}`, x.scale === 'colo' ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`, `${x.store.hits} / ${x.store.misses} / ${x.store.writes} / ${x.store.dropped}`, fmt(x.goodput, 2), x.failed, x.load]);
+  return [`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)];
+}
+
+/**
+ * Who had the cores in each run (runs measured with `cpu`): CPU seconds of the setup's own
+ * processes by role over the run, per completed round, the cores they used on average, and the
+ * whole machine's busy cores (other jobs included) against the machine's `cores`.
+ */
+export function agentsScaleCpuTable(runs: readonly ScaleRun[], cores: number): string[] {
+  const measured = runs.filter((x) => x.cpu);
+  if (measured.length === 0) return [];
+  const head = ['setup', 'agents', 'wall s', 'CPU s router / prefill / decode / colocated', 'CPU ms per round', 'cores used', `machine busy (of ${cores})`];
+  const rows = measured.map((x) => {
+    const c = x.cpu!;
+    const wall = x.wallMs / 1000;
+    const own = c.router + c.prefill + c.decode + c.colocated;
+    const done = x.rounds.filter((r) => r.ok).length;
+    return [SCALE_NAMES[x.scale], x.concurrency, fmt(wall, 1), [c.router, c.prefill, c.decode, c.colocated].map((v) => fmt(v, 1)).join(' / '), fmt(done ? (own * 1000) / done : NaN, 0), fmt(own / wall, 2), fmt(c.machine / wall, 2)];
+  });
   return [`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)];
 }

@@ -4,7 +4,7 @@
  * once on 1 prefill + 2 decode workers with the host prefix store, without it, and colocated
  * (`runAgentsScale` in ./agents.ts), and the many-agents goals read from it.
  */
-import { agentsScaleTable, type ScaleRun } from './agents.js';
+import { agentsScaleCpuTable, agentsScaleTable, type ScaleRun } from './agents.js';
 import { fmt, fmtRatio } from './util.js';
 
 /** What the suite saves for the scale run. */
@@ -37,10 +37,13 @@ export function agentsScaleGoals(r: AgentsScaleResult): { goal: string; detail: 
   ];
 }
 
-/** The subsection's placeholder `{{s7_scale}}`: provenance, the table and the goals (the prose is in report.md). */
-export function agentsScaleReport(r: AgentsScaleResult | undefined, prov: string): string[] {
+/** The subsection's placeholder `{{s7_scale}}`: provenance, the tables and the goals (the prose is in report.md); `cores`: the measuring machine's. */
+export function agentsScaleReport(r: AgentsScaleResult | undefined, prov: string, cores: number): string[] {
   if (!r?.runs?.length) return ['_Not run yet._'];
-  const L = [prov, '', `Model: the generated **${r.model}** model; ${r.rounds} rounds; 1 prefill (1 slot) + ${r.decode} decode workers.`, '', ...agentsScaleTable(r.runs, r.rounds), '', '**Goals:**', ''];
+  const L = [prov, '', `Model: the generated **${r.model}** model; ${r.rounds} rounds; 1 prefill (1 slot) + ${r.decode} decode workers.`, '', ...agentsScaleTable(r.runs, r.rounds), ''];
+  const cpu = agentsScaleCpuTable(r.runs, cores);
+  if (cpu.length) L.push('CPU over each run:', '', ...cpu, '');
+  L.push('**Goals:**', '');
   for (const g of agentsScaleGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
   return L;
 }

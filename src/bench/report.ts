@@ -243,7 +243,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   const large = largeStatesSection(files.get(11), prov(11));
   values.s1_large = large.length ? large.join('\n') : NOT_RUN;
   values.s7 = agentsReport(s7, prov(7), plots['s7-agents-ttft.svg'], m.cores).join('\n');
-  values.s7_scale = agentsScaleReport(s7scale, prov(71)).join('\n');
+  values.s7_scale = agentsScaleReport(s7scale, prov(71), m.cores).join('\n');
   values.gpu = extra.join('\n');
   values.losses = losses(s1, s2, s3, s4, s5, s6, s7, s7scale)
     .map((x) => `- ${x}`)

@@ -8,6 +8,7 @@ import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { agentGoals, agentsPlot, agentsReport, type AgentRun, type AgentsResult, type AgentSetup, type ScaleRun } from '../../src/bench/agents.js';
 import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from '../../src/bench/report-agents.js';
+import { machineBusySeconds, processCpuSeconds } from '../../src/bench/cpu.js';
 
 const run = (setup: AgentSetup, concurrency: number, ttftByRound: number[], cachedShare: number, goodput: number): AgentRun => ({
   setup,
@@ -86,10 +87,27 @@ describe('bench §7 agents at scale', () => {
   it('meets each goal on its bound and misses it past the bound', () => {
     assert.deepEqual(agentsScaleGoals(scaleResult({ cached: 0.8, ratio: 1.5, fallbacks: 2, goodput: 1.5 })).map((g) => g.met), [true, true, true, true]);
     assert.deepEqual(agentsScaleGoals(scaleResult({ cached: 0.79, ratio: 1.51, fallbacks: 3, goodput: 1.49 })).map((g) => g.met), [false, false, false, false]);
-    const lines = agentsScaleReport(scaleResult({ cached: 0.81, ratio: 0.9, fallbacks: 3, goodput: 0.5 }), 'prov').join('\n');
+    const lines = agentsScaleReport(scaleResult({ cached: 0.81, ratio: 0.9, fallbacks: 3, goodput: 0.5 }), 'prov', 2).join('\n');
     assert.match(lines, /\*\*missed\*\* — decode-local fallbacks ≤ 2 % of requests .*: 8 agents: 3 of 100 \(3\.0 %\)/);
     assert.match(lines, /\*\*missed\*\* — PD agent goodput ≥ 1\.5 × colocated .*0\.50 vs 1\.00 rounds\/s/);
     assert.equal((lines.match(/^\| /gm) ?? []).length, 1 + 6, 'the table: head and one row per run');
-    assert.deepEqual(agentsScaleReport(undefined, 'prov'), ['_Not run yet._']);
+    assert.deepEqual(agentsScaleReport(undefined, 'prov', 2), ['_Not run yet._']);
+  });
+  it('the CPU table: each setup\'s CPU seconds by role, per completed round, cores used and the machine busy', () => {
+    const r = scaleResult({ cached: 0.81, ratio: 0.9, fallbacks: 0, goodput: 2 });
+    r.runs = r.runs.map((x) => ({ ...x, wallMs: 4000, cpu: x.scale === 'colo' ? { router: 0, prefill: 0, decode: 0, colocated: 3, bench: 0.5, machine: 8 } : { router: 1, prefill: 0.5, decode: 4.5, colocated: 0, bench: 0.5, machine: 7.9 } }));
+    const lines = agentsScaleReport(r, 'prov', 2);
+    assert.ok(lines.includes('| PD + decode-local + prefix store | 8 | 4.0 | 1.0 / 0.5 / 4.5 / 0.0 | 60 | 1.50 | 1.98 |'), lines.join('\n'));
+    assert.ok(lines.includes('| colocated + prefix store | 30 | 4.0 | 0.0 / 0.0 / 0.0 / 3.0 | 30 | 0.75 | 2.00 |'));
+    assert.ok(lines.some((l) => l.includes('machine busy (of 2)')));
+  });
+  it('CPU seconds from /proc: this process counts up, an unknown one is NaN', () => {
+    const before = processCpuSeconds(process.pid);
+    const end = performance.now() + 60;
+    let x = 0;
+    while (performance.now() < end) x += Math.sqrt(x + 1);
+    assert.ok(x > 0 && processCpuSeconds(process.pid) > before, 'busy 60 ms: more CPU seconds');
+    assert.ok(Number.isNaN(processCpuSeconds(undefined)) && Number.isNaN(processCpuSeconds(2 ** 30)));
+    assert.ok(machineBusySeconds() > 0);
   });
 });
