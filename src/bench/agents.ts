@@ -110,8 +110,13 @@ interface Conversation {
 function conversations(tok: BenchTokenizer, n: number, rounds: number, tag: string, systemTokens: number, toolTokens: number): Conversation[] {
   const ids = tok.encode(loadAgentCorpus());
   const out: Conversation[] = [];
+  // the offset depends on the whole tag: two runs whose tags have the same length (c2 / c4) must
+  // not share tool results, or the conversations share a key (its first user message) and a
+  // later run routes on an earlier run's claims
+  let seed = 0;
+  for (const ch of tag) seed = (seed * 31 + ch.charCodeAt(0)) % 1_000_003;
   for (let a = 0; a < n; a++) {
-    const base = (a * 7919 + tag.length * 104729) % ids.length;
+    const base = (a * 7919 + seed * 104729) % ids.length;
     const system = `You are agent ${a} of run ${tag}. Read each tool result and decide the next step in one short sentence. Background: ${exactText(tok, ids, base, systemTokens).text}`;
     const tools: string[] = [];
     for (let r = 0; r < rounds; r++) tools.push(exactText(tok, ids, base + 997 * (r + 1), toolTokens).text);
@@ -449,7 +454,8 @@ export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTo
   const common = { model: o.model, prefill: 1, decode: o.decode, threads: 1, ctxSize: o.contextSize, batchSize: o.batchSize, decodeSlots: o.decodeSlots, prefillSlots: 1, startTimeoutMs: 120_000 };
   const router = ['--decode-policy', 'cache_aware'];
   const off = ['--prefix-store-bytes', '0'];
-  const store = new Cluster({ ...common, colocated: true, extraArgs: { router }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-')) });
+  // colocated gets as many slots as the decode workers together: the same concurrent sequences as PD
+  const store = new Cluster({ ...common, colocated: true, extraArgs: { router, colocated: ['--slots', String(o.decodeSlots * o.decode)] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-')) });
   const nostore = new Cluster({ ...common, colocated: false, extraArgs: { router, prefill: off, decode: off }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-ns-')) });
   const dispatcher = benchAgent(256);
   const tok = await loadTokenizer(o.model);

@@ -8,7 +8,8 @@
  * metrics count them and pass promtool.
  */
 import assert from 'node:assert/strict';
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, rmSync, statSync, truncateSync } from 'node:fs';
+import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import type OpenAI from 'openai';
 import { startColocated, type ColocatedServer } from '../../src/colocated/server.js';
@@ -133,5 +134,28 @@ describe('prefix store shared by prefill, decode and colocated vs no cache', () 
     const dm = await text(`${h.c.byRole('decode')[0]!.url}/metrics`);
     assert.ok(metric(dm, 'pdserve_prefix_store_writes_total') >= 4, 'decode stored its finished rounds');
     assert.equal(metric(dm, 'pdserve_prefix_store_refused_total'), 0);
+  });
+
+  test('torn store files under real workers: refused and removed, the round equals no cache, every process lives', async () => {
+    const files = readdirSync(storeDir).filter((f) => f.endsWith('.pdkv'));
+    assert.ok(files.length > 0);
+    for (const f of files) truncateSync(join(storeDir, f), Math.floor(statSync(join(storeDir, f)).size / 2));
+    const workers = [...h.c.byRole('decode'), ...h.c.byRole('prefill')].map((p) => p.url);
+    const refused = async () => {
+      let n = 0;
+      for (const url of [...workers, colo.url]) n += metric(await text(`${url}/metrics`), 'pdserve_prefix_store_refused_total');
+      return n;
+    };
+    const before = await refused();
+    messages.push({ role: 'user', content: `tool result 7: ${'torn '.repeat(9)}` });
+    const ref = await round(h.ref, messages, false);
+    const a = await round(h.pd, messages, true);
+    assert.equal(a.text, ref.text, 'served cold from torn entries, same output');
+    assert.ok((await refused()) > before, 'a torn entry was refused');
+    assert.ok(readdirSync(storeDir).filter((f) => files.includes(f)).length < files.length, 'and removed');
+    for (const p of [...h.c.byRole('decode'), ...h.c.byRole('prefill')]) {
+      assert.equal(p.child?.exitCode, null, `${p.name} lives`);
+      assert.equal((await (await fetch(`${p.url}/health`)).json() as { status: string }).status, 'ok');
+    }
   });
 });
