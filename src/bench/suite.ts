@@ -108,6 +108,18 @@ export function parseKvReps(v: string | undefined): number[] | undefined {
   return reps;
 }
 
+/**
+ * PDSERVE_BENCH_AGENTS_SCALE_AGENTS: the agents-at-scale concurrencies, a comma list of integers
+ * in 1..64 ("8" profiles one level); undefined when unset or blank.
+ * @throws on anything else.
+ */
+export function parseAgents(v: string | undefined): number[] | undefined {
+  if (v === undefined || v.trim() === '') return undefined;
+  const agents = v.split(',').map((x) => Number(x.trim()));
+  if (!agents.every((n) => Number.isSafeInteger(n) && n >= 1 && n <= 64)) throw new Error(`PDSERVE_BENCH_AGENTS_SCALE_AGENTS=${JSON.stringify(v)}: give concurrencies, integers in 1..64, e.g. "8,30"`);
+  return agents;
+}
+
 /** Context of §1's large-state run: holds the 1 GiB state's 4096 tokens of the 'wide' model. */
 const LARGE_CTX = 4352;
 
@@ -278,14 +290,15 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
 
   // PDSERVE_BENCH_AGENTS_SCALE=1 (or =only: this run alone): §7's agents at scale, 8 and 30 agents
   // on the generated PDSERVE_BENCH_AGENTS_SCALE_MODEL (small, or tiny where small is too slow),
-  // PDSERVE_BENCH_AGENTS_SCALE_ROUNDS rounds (default 8).
+  // PDSERVE_BENCH_AGENTS_SCALE_ROUNDS rounds (default 8), PDSERVE_BENCH_AGENTS_SCALE_AGENTS levels
+  // (comma list, default 8,30; quick 2,4).
   const scale = process.env.PDSERVE_BENCH_AGENTS_SCALE ?? '';
   if (want.has(7) && (scale === '1' || scale === 'only')) {
     const ts = performance.now();
     const name = process.env.PDSERVE_BENCH_AGENTS_SCALE_MODEL === 'tiny' ? 'tiny' : 'small';
     const rounds = Number(process.env.PDSERVE_BENCH_AGENTS_SCALE_ROUNDS ?? 8);
     if (!Number.isSafeInteger(rounds) || rounds < 2 || rounds > 32) throw new Error(`PDSERVE_BENCH_AGENTS_SCALE_ROUNDS=${process.env.PDSERVE_BENCH_AGENTS_SCALE_ROUNDS}: give an integer in 2..32`);
-    const agents = o.quick ? [2, 4] : [8, 30];
+    const agents = parseAgents(process.env.PDSERVE_BENCH_AGENTS_SCALE_AGENTS) ?? (o.quick ? [2, 4] : [8, 30]);
     say(`section 7, agents at scale: ${agents.join(' and ')} agents × ${rounds} rounds, ${name} model, 1 prefill + 2 decode, with and without the prefix store, and colocated`);
     try {
       const r = await runAgentsScale({ model: await ensureModel(name, 1), agents, rounds, decode: 2, decodeSlots: DECODE_SLOTS, contextSize: CTX, batchSize: BATCH });

@@ -1,7 +1,7 @@
 /** The bench suite's engineer switches: PDSERVE_BENCH_KV_REPS is taken whole or refused, never shifted. */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { parseKvBigReps, parseKvReps } from '../../src/bench/suite.js';
+import { parseAgents, parseKvBigReps, parseKvReps } from '../../src/bench/suite.js';
 
 describe('bench-suite: PDSERVE_BENCH_KV_REPS', () => {
   it('unset or empty: the suite default', () => {
@@ -27,5 +27,15 @@ describe('bench-suite: PDSERVE_BENCH_KV_BIG_REPS', () => {
     assert.deepEqual(parseKvBigReps(' '), [3, 3]);
     assert.deepEqual(parseKvBigReps('5, 2'), [5, 2]);
     for (const bad of ['3', '3,3,3', '0,3', '3,51', 'x,3', '2.5,3']) assert.throws(() => parseKvBigReps(bad), /PDSERVE_BENCH_KV_BIG_REPS=.*give 2 trial counts/, bad);
+  });
+});
+
+describe('bench-suite: PDSERVE_BENCH_AGENTS_SCALE_AGENTS', () => {
+  it('unset or blank: the suite default; a comma list of concurrencies in order; anything else refused', () => {
+    assert.equal(parseAgents(undefined), undefined);
+    assert.equal(parseAgents(' '), undefined);
+    assert.deepEqual(parseAgents('8'), [8]);
+    assert.deepEqual(parseAgents(' 8, 30'), [8, 30]);
+    for (const bad of ['0', '65', '8,x', '2.5', '8,,30', '-8']) assert.throws(() => parseAgents(bad), /PDSERVE_BENCH_AGENTS_SCALE_AGENTS=.*give concurrencies/, bad);
   });
 });
