@@ -170,6 +170,20 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   } else if (router?.health.body && router.health.status === 503) {
     add({ severity: 'critical', kind: 'router_unavailable', title: `router ${router.url} answers 503: no healthy prefill or decode worker`, details: [`prefill ${JSON.stringify(router.health.body.prefill ?? null)}, decode ${JSON.stringify(router.health.body.decode ?? null)}`], cause: 'every worker of a role is down, unhealthy, draining or mismatched; the findings below name them', next: [`curl -sS ${router.url}/workers`], weight: 1e12 });
   }
+  // A worker that answers /health but refuses /debug/rooms unsigned: doctor runs without the
+  // cluster secret (`pdserve up` generates one), so every room finding below would be blind there.
+  const unsigned = snap.workers.filter((w) => w.health.ok && w.rooms.status === 401);
+  if (unsigned.length > 0) {
+    add({
+      severity: 'warning',
+      kind: 'rooms_unreadable',
+      title: `cannot read the rooms of ${unsigned.length} worker(s): their /debug/rooms takes only requests signed with the cluster secret`,
+      details: unsigned.map((w) => `${w.ref.role} ${w.ref.url}`),
+      cause: 'doctor runs without the cluster secret (PDSERVE_CLUSTER_SECRET) or with another one, so stuck and slow rooms on these workers cannot be seen',
+      next: [`PDSERVE_CLUSTER_SECRET=<the cluster's secret> pdserve doctor --url ${routerUrl}`],
+      weight: 1e9,
+    });
+  }
   const drainingOf = (w: WorkerProbe) => w.ref.router?.draining === true || w.health.body?.status === 'draining' || w.health.body?.draining === true || w.health.body?.state === 'draining';
   for (const w of snap.workers) {
     const rr = w.ref.router ?? {};

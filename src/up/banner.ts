@@ -1,8 +1,11 @@
 /**
  * The request `pdserve up` prints under "Try:": a `curl` line a user can paste against the
  * cluster as started, so it carries what that cluster asks of a client (an API key, a CA for
- * HTTPS) as placeholders, and says what each placeholder stands for.
+ * HTTPS) as placeholders, and says what each placeholder stands for; and the doctor command
+ * that can read the cluster's rooms.
  */
+import { rmSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
 
 /** What the started router asks of a client. */
 export interface TryAccess {
@@ -24,4 +27,31 @@ export function tryLines(routerUrl: string, a: TryAccess): string[] {
   const curl = `curl -s${ca} ${routerUrl}/v1/completions${key} -H 'content-type: application/json' -d '{"model":"pdserve","prompt":"Once upon a time","max_tokens":16,"temperature":0}'`;
   const names = [a.https ? 'CA.pem: the CA that signed --tls-cert' : '', a.apiKey ? 'KEY: one of the API keys' : ''].filter(Boolean);
   return names.length ? [curl, `(${names.join('; ')})`] : [curl];
+}
+
+/**
+ * Write the cluster secret `up` generated to `<dir>/cluster-secret` so that a user's `pdserve
+ * doctor` can sign its worker requests (without it doctor sees no rooms). Mode 0600, created new
+ * (`wx`, never written through a file or link already there; one left by an earlier run with the
+ * same `--log-dir` is unlinked first).
+ * @returns the file's path, or null when it cannot be written (the banner then prints no file).
+ */
+export function writeSecretFile(dir: string, secret: string): string | null {
+  const path = join(dir, 'cluster-secret');
+  try {
+    rmSync(path, { force: true });
+    writeFileSync(path, `${secret}\n`, { mode: 0o600, flag: 'wx' });
+    return path;
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * The banner's doctor command: with the file of a secret `up` generated, it reads the secret
+ * from there (the secret itself is never printed); else it relies on the caller's own
+ * PDSERVE_CLUSTER_SECRET, the secret `up` was given (or could not write).
+ */
+export function doctorLine(routerUrl: string, secretFile: string | null): string {
+  return secretFile ? `PDSERVE_CLUSTER_SECRET=$(cat ${secretFile}) node bin/pdserve.js doctor --url ${routerUrl}` : `PDSERVE_CLUSTER_SECRET=<the cluster secret> node bin/pdserve.js doctor --url ${routerUrl}`;
 }

@@ -9,7 +9,7 @@
  *   the README's quick start (its curl line and its OpenAI client snippet) works against it.
  */
 import assert from 'node:assert/strict';
-import { spawn, type ChildProcess } from 'node:child_process';
+import { execSync, spawn, type ChildProcess } from 'node:child_process';
 import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { dirname } from 'node:path';
@@ -126,7 +126,7 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
   const rport = await freePort();
   const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024', '--decode-policy', 'cache_aware', '--local-prefill-max-tokens', '128'], {
     stdio: ['ignore', 'pipe', 'pipe'],
-    env: { ...process.env, PDSERVE_TEST_HOLDS: 'decode.load=1500' },
+    env: { ...process.env, PDSERVE_TEST_HOLDS: 'decode.load=1500', PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: '' },
     // Its own process group, as a shell gives a foreground job: a terminal's Ctrl-C reaches up AND
     // its workers. The workers must leave the order to up (router first), not drain on their own.
     detached: true,
@@ -154,6 +154,13 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     }
     assert.deepEqual(paths, ['pd', 'decode_local']);
     await readmeQuickStart(rport);
+    // The banner's doctor line, run as printed, reads every worker's rooms (up generated the secret
+    // and wrote it to a 0600 file); without the secret doctor says it cannot, rather than "OK".
+    const doctorCmd = /^ {2}doctor {4}(.+)$/m.exec(out)?.[1];
+    assert.ok(doctorCmd && doctorCmd.includes('$(cat '), `the banner has a doctor line:\n${out}`);
+    const findings = (cmd: string, env: Record<string, string> = {}) => (JSON.parse(execSync(`${cmd} --json || true`, { encoding: 'utf8', env: { ...process.env, ...env }, timeout: 20_000 })) as { findings: { kind: string }[] }).findings.map((f) => f.kind);
+    assert.ok(!findings(doctorCmd!).includes('rooms_unreadable'), 'the printed doctor command signs its worker requests');
+    assert.ok(findings(`node bin/pdserve.js doctor --url ${router}`, { PDSERVE_CLUSTER_SECRET: '' }).includes('rooms_unreadable'), 'without the secret doctor names the blind spot');
     // prompts unlike the one above and each other (no tree hit): the PD path, held in decode's load
     const reqs = ['the river', 'my garden'].map((p) => rawCompletion(router, p, 8, 30_000));
     assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');

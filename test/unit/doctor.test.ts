@@ -90,6 +90,20 @@ describe('diagnose', () => {
     assert.match(diagnose(snap([worker('prefill'), worker('decode', { reachable: false })])).findings.find((f) => f.kind === 'worker_unreachable')!.cause, /worker process died/);
   });
 
+  test('workers that refuse /debug/rooms unsigned (doctor without the cluster secret): one warning naming them, not silence', () => {
+    const refused: Fetched<never> = { ok: false, status: 401, ms: 2, error: 'HTTP 401', body: null };
+    const blind = (role: 'prefill' | 'decode') => ({ ...worker(role), rooms: refused });
+    const d = diagnose(snap([blind('prefill'), blind('decode')]));
+    const f = d.findings.find((x) => x.kind === 'rooms_unreadable')!;
+    assert.ok(f, JSON.stringify(d.findings));
+    assert.equal(f.severity, 'warning');
+    assert.equal(d.exitCode, 1);
+    assert.deepEqual(f.details, ['prefill http://w-prefill:1', 'decode http://w-decode:1']);
+    assert.match(f.next[0]!, /PDSERVE_CLUSTER_SECRET=.* pdserve doctor --url http:\/\/r/);
+    assert.doesNotMatch(f.title, /401/, 'the title names the cause, not the status');
+    assert.ok(!diagnose(snap([worker('prefill'), worker('decode')])).findings.some((x) => x.kind === 'rooms_unreadable'), 'signed: no finding');
+  });
+
   test('a healthy idle cluster: exit 0, no findings', () => {
     const d = diagnose(snap([worker('prefill'), worker('decode')]));
     assert.equal(d.exitCode, 0);

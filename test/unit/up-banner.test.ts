@@ -1,8 +1,10 @@
-/** The request `pdserve up` prints under "Try:" (up/banner.ts): pasteable against the cluster as started. */
+/** What `pdserve up` prints for a user to paste (up/banner.ts): the "Try:" request and the doctor command, against the cluster as started. */
 import assert from 'node:assert/strict';
-import { readFileSync } from 'node:fs';
+import { lstatSync, mkdtempSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { test } from 'node:test';
-import { tryLines } from '../../src/up/banner.js';
+import { doctorLine, tryLines, writeSecretFile } from '../../src/up/banner.js';
 
 const README = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
 
@@ -21,4 +23,30 @@ test('API keys and HTTPS: the line sends the key and trusts a CA, and says what 
   const [keyOnly, keyNote] = tryLines('http://h:1', { apiKey: true, https: false });
   assert.ok(!keyOnly!.includes('--cacert') && keyOnly!.includes('Bearer KEY'), keyOnly);
   assert.equal(keyNote, '(KEY: one of the API keys)');
+});
+
+test('the secret file: 0600, the secret alone, replaces a stale file, never writes through a link; the doctor line names the file, not the secret', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'pdserve-banner-'));
+  try {
+    const path = writeSecretFile(dir, 'generated-secret-1')!;
+    assert.equal(path, join(dir, 'cluster-secret'));
+    assert.equal(readFileSync(path, 'utf8'), 'generated-secret-1\n');
+    assert.equal(statSync(path).mode & 0o777, 0o600);
+    // a link left where the file goes (an earlier run's --log-dir, or planted): the link goes, its target is untouched
+    const target = join(dir, 'elsewhere');
+    writeFileSync(target, 'keep');
+    rmSync(path);
+    symlinkSync(target, path);
+    assert.equal(writeSecretFile(dir, 'generated-secret-2'), path);
+    assert.equal(readFileSync(target, 'utf8'), 'keep');
+    assert.ok(!lstatSync(path).isSymbolicLink());
+    assert.equal(readFileSync(path, 'utf8'), 'generated-secret-2\n');
+    assert.equal(writeSecretFile(join(dir, 'no-such-dir'), 's'), null, 'unwritable: null, not a throw');
+    const line = doctorLine('http://127.0.0.1:8000', path);
+    assert.equal(line, `PDSERVE_CLUSTER_SECRET=$(cat ${path}) node bin/pdserve.js doctor --url http://127.0.0.1:8000`);
+    assert.ok(!line.includes('generated-secret'));
+    assert.match(doctorLine('http://h:1', null), /^PDSERVE_CLUSTER_SECRET=<the cluster secret> node bin\/pdserve\.js doctor --url http:\/\/h:1$/);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
 });
