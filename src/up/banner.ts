@@ -47,11 +47,26 @@ export function writeSecretFile(dir: string, secret: string): string | null {
   }
 }
 
+/** What the started cluster asks of `doctor`, for the banner's doctor line. */
+export interface DoctorAccess {
+  /** The router serves HTTPS (`--tls-cert`): doctor needs `--ca` for it. */
+  https?: boolean;
+  /** The router has admin keys (`ADMIN_KEY`) or only API keys (`KEY`: one opens the debug paths too); null: open. */
+  key?: 'ADMIN_KEY' | 'KEY' | null;
+  /** The internal TLS files `up` gave its children (absolute paths, not secrets): doctor presents the same. */
+  internalTls?: { cert?: string; key?: string; ca?: string };
+}
+
 /**
  * The banner's doctor command: with the file of a secret `up` generated, it reads the secret
  * from there (the secret itself is never printed); else it relies on the caller's own
- * PDSERVE_CLUSTER_SECRET, the secret `up` was given (or could not write).
+ * PDSERVE_CLUSTER_SECRET, the secret `up` was given (or could not write). A keyed router adds
+ * `PDSERVE_ADMIN_API_KEY=<placeholder>`, HTTPS adds `--ca CA.pem` (the placeholder `tryLines`
+ * explains), internal TLS the `--internal-tls-*` files as given.
  */
-export function doctorLine(routerUrl: string, secretFile: string | null): string {
-  return secretFile ? `PDSERVE_CLUSTER_SECRET=$(cat ${secretFile}) node bin/pdserve.js doctor --url ${routerUrl}` : `PDSERVE_CLUSTER_SECRET=<the cluster secret> node bin/pdserve.js doctor --url ${routerUrl}`;
+export function doctorLine(routerUrl: string, secretFile: string | null, a: DoctorAccess = {}): string {
+  const env = [secretFile ? `PDSERVE_CLUSTER_SECRET=$(cat ${secretFile})` : 'PDSERVE_CLUSTER_SECRET=<the cluster secret>', a.key ? `PDSERVE_ADMIN_API_KEY=${a.key}` : ''];
+  const t = a.internalTls ?? {};
+  const flags = [a.https ? '--ca CA.pem' : '', t.cert ? `--internal-tls-cert ${t.cert}` : '', t.key ? `--internal-tls-key ${t.key}` : '', t.ca ? `--internal-tls-ca ${t.ca}` : ''];
+  return [...env, 'node bin/pdserve.js doctor --url', routerUrl, ...flags].filter(Boolean).join(' ');
 }
