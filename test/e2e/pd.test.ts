@@ -144,7 +144,9 @@ describe('PD end to end', () => {
       // the client sees its own abort
     }
     assert.ok(chunks >= 3 && !finished, `aborted mid-stream after ${chunks} chunks`);
-    assert.ok(await waitFor(async () => (await aborts()) === before + 1, 1000), 'router counted the client abort');
+    // only this case aborts in this file, so the router's counter moves by this abort alone; it is
+    // counted when the router notices the closed socket (late on a loaded machine)
+    assert.ok(await waitFor(async () => (await aborts()) === before + 1, 5000), 'router counted the client abort');
     const workers = c.procs.filter((p) => p.role === 'prefill' || p.role === 'decode');
     const idle = await waitFor(async () => (await Promise.all(workers.map((w) => busy(w.url)))).every((n) => n === 0), 1000);
     assert.ok(idle, `workers idle within 1 s: ${JSON.stringify(await Promise.all(workers.map((w) => getJson(`${w.url}/health`))))}`);

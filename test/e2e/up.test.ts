@@ -100,8 +100,9 @@ test('colocated: SIGTERM mid-stream drains: health and new requests say draining
     const reader = res.body!.getReader();
     await reader.read(); // the stream has started
     child.kill('SIGTERM');
-    await new Promise((r) => setTimeout(r, 50));
-    const h = await health(url);
+    // draining once the signal is handled (the 1000-token stream keeps the process there)
+    let h = { status: 0, body: {} as any };
+    assert.ok(await waitFor(async () => (h = await health(url)).status === 503, 5000, 10), `draining after SIGTERM (last: ${h.status})`);
     assert.equal(h.status, 503);
     assert.equal(h.body.status, 'draining');
     const refused = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'hi', max_tokens: 2 }) });
