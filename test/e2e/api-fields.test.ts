@@ -305,7 +305,7 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged; in PD one
     assert.equal(r.choices.length, 3);
     const P = r.usage!.prompt_tokens;
     // Prefill's rooms reach Success on decode's kv_ack, which may trail the response a little.
-    assert.ok(await waitFor(async () => (await prefillCounter('pdserve_rooms_terminal_total', 'state="Success"')) - before.ok === 3, 2000), 'three rooms handed off');
+    assert.ok(await waitFor(async () => (await prefillCounter('pdserve_rooms_terminal_total', 'state="Success"')) - before.ok === 3, 5000), 'three rooms handed off');
     assert.equal((await prefillCounter('pdserve_prefill_computations_total')) - before.comp, 1, 'one prompt computation');
     assert.equal((await prefillCounter('pdserve_prefill_states_saved_total')) - before.saved, 1, 'one state saved');
     assert.equal((await prefillCounter('pdserve_prefill_prompt_tokens_evaluated_total')) - before.tokens, P, 'the prompt tokens evaluated once');

@@ -109,7 +109,9 @@ describe('streamed KV handoff over TCP (--kv-stream), real processes', () => {
       const b = await h.ref.completions.create({ model: 'pdserve', prompt, max_tokens: 12, temperature: 0 });
       assert.equal(a.choices[0]!.text, b.choices[0]!.text, `${n} tokens: PD == colocated`);
     }
-    const after = await counters();
+    // prefill counts a handoff at decode's kv_ack, which may trail the response: wait (5 s) for the third
+    let after = before;
+    await waitFor(async () => { after = await counters(); return after.tcp - before.tcp >= 3 && after.streamed - before.streamed >= 3; }, 5000);
     assert.equal(after.tcp - before.tcp, 3, 'the three handoffs went over TCP');
     assert.equal(after.streamed - before.streamed, 3, 'and each was streamed while llama.cpp saved the state');
   });
