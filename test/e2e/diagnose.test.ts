@@ -45,7 +45,10 @@ describe('request traces', () => {
     assert.equal(r.status, 200);
     assert.equal(r.headers.get('x-trace-id'), traceId);
     assert.match(await r.text(), /\[DONE\]/);
-    const t = await getJson(`${c.router.url}/debug/traces/${traceId}`);
+    // prefill answers the router on decode's kv_ack, which may trail the client's [DONE]: wait (5 s)
+    // until the trace holds all five events, then check them
+    let t: any;
+    await waitFor(async () => (t = await getJson(`${c.router.url}/debug/traces/${traceId}`)).events.length >= 5, 5000);
     assert.equal(t.trace, traceId);
     const whats = t.events.map((e: { what: string }) => e.what);
     assert.deepEqual(whats.slice(0, 2), ['received', 'dispatched'], JSON.stringify(t));
