@@ -122,6 +122,9 @@ after(async () => {
 describe(`client abort in each phase, ${REPS}× each`, () => {
   for (const s of scenarios) {
     test(s.name, async () => {
+      // From an idle stack: the victim of an earlier scenario that failed mid-rep (still decoding,
+      // still holding a slot) must not be the room this scenario's `find` picks.
+      await idleWithin(15_000);
       await setHolds(s.holds);
       for (let i = 0; i < REPS; i++) {
         const background = s.setup?.();
@@ -152,6 +155,7 @@ describe(`client abort in each phase, ${REPS}× each`, () => {
   }
 
   test('prefill answers an error at once: the client gets it within 1 s and the decode leg is cancelled', async () => {
+    await idleWithin(15_000);
     await setHolds('');
     for (let i = 0; i < Math.min(REPS, 20); i++) {
       const t0 = Date.now();
