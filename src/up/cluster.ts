@@ -452,11 +452,13 @@ export class Cluster {
    * Graceful stop: SIGTERM the router and wait for it to drain and exit, then the workers (which
    * by then have nothing in flight). A process still alive `graceMs` after its SIGTERM is killed.
    * `force()` (e.g. on a 2nd Ctrl-C) SIGTERMs every process again, which makes them stop waiting.
+   * Then the prefix store folder it made goes, as in `stop()`.
    */
   async drain(graceMs: number): Promise<void> {
     this.stopping = true;
     await Promise.all(this.procs.filter((p) => p.role === 'router').map((p) => this.terminate(p, graceMs)));
     await Promise.all(this.procs.filter((p) => p.role !== 'router').map((p) => this.terminate(p, graceMs)));
+    if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
   }
 
   /** During `drain()`: signal every live process again (they stop waiting and fail what is left). */

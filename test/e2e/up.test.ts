@@ -10,7 +10,7 @@
  */
 import assert from 'node:assert/strict';
 import { execSync, spawn, type ChildProcess } from 'node:child_process';
-import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -165,12 +165,16 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     // prompts unlike the one above and each other (no tree hit): the PD path, held in decode's load
     const reqs = ['the river', 'my garden'].map((p) => rawCompletion(router, p, 8, 30_000));
     assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
+    // the host prefix store folder up made for its workers (on their command lines): gone after the drain
+    const storeDir = /--prefix-store-dir (\S+)/.exec(execSync(`ps -o args= --ppid ${child.pid}`, { encoding: 'utf8' }))?.[1];
+    assert.ok(storeDir && existsSync(storeDir), `up's workers share a store folder it made: ${storeDir}`);
     process.kill(-child.pid!, 'SIGINT');
     const results = await Promise.all(reqs);
     for (const r of results) assert.ok(ok(r), `stream completed through the drain: ${r.status} ${r.text.slice(-200)}`);
     assert.equal(await exited, 0);
     assert.match(out, /pdserve: stopped/, `up says it stopped:\n${out}`);
     for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
+    assert.ok(!existsSync(storeDir!), `the store folder ${storeDir} is removed on Ctrl-C`);
   } finally {
     try {
       process.kill(-child.pid!, 'SIGKILL');
