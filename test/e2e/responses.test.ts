@@ -235,6 +235,11 @@ describe('KV events', () => {
     return m ? Number(m[1]) : 0;
   };
   const sequences = async (url: string) => ((await getJson<{ snapshot: { tier: string; key: string }[] }>(`${url}/kv_events`)).snapshot ?? []).filter((e) => e.tier === 'sequence');
+  /** The router's sequence-tier claims, and the workers it follows (prefill and both decodes). */
+  const HELD = 'pdserve_router_kv_held_entries{tier="sequence"}';
+  const followedUrls = () => [...s.c.byRole('prefill'), ...s.c.byRole('decode')].map((p) => p.url);
+  /** What `urls` say they hold, summed: the router's figure once it has caught up with their events. */
+  const words = async (urls: string[]) => (await Promise.all(urls.map(async (u) => (await sequences(u)).length))).reduce((a, b) => a + b, 0);
 
   test('decode claims what it keeps, the router follows; a restarted decode worker: its claims vanish, no fallback', async () => {
     // longer than one prompt chunk (128): deterministic engines reuse whole chunks only
@@ -243,17 +248,15 @@ describe('KV events', () => {
     const decode = (await getJson<{ decode: string }>(`${s.c.router.url}/debug/traces/${response.headers.get('x-request-id')}`)).decode;
     assert.ok(await waitFor(async () => (await sequences(decode)).some((e) => e.key === 'k:agent-kv'), 5000), 'decode publishes the kept conversation');
     // a quiet moment: the router's claims are every followed worker's word (prefill and both decodes)
-    const followed = [...s.c.byRole('prefill'), ...s.c.byRole('decode')].map((p) => p.url);
-    const words = async (urls: string[]) => (await Promise.all(urls.map(async (u) => (await sequences(u)).length))).reduce((a, b) => a + b, 0);
-    const held = 'pdserve_router_kv_held_entries{tier="sequence"}';
-    assert.ok(await waitFor(async () => (await metric(held)) === (await words(followed)), 5000), 'the router holds its claims');
+    const followed = followedUrls();
+    assert.ok(await waitFor(async () => (await metric(HELD)) === (await words(followed)), 5000), 'the router holds its claims');
     assert.ok((await sequences(decode)).length > 0);
     const fallbacks = await metric('pdserve_router_requests_by_path_total{path="fallback"}');
     const proc = s.c.byRole('decode').find((p) => p.url === decode)!;
     const others = followed.filter((u) => u !== decode);
     await s.c.restart(proc);
     // the other workers may store or evict meanwhile: compare with their word, not with a count taken before
-    assert.ok(await waitFor(async () => (await metric(held)) === (await words(others)), 2000), "the old process's claims are gone");
+    assert.ok(await waitFor(async () => (await metric(HELD)) === (await words(others)), 2000), "the old process's claims are gone");
     assert.ok(await waitFor(async () => (await getJson<{ status: string }>(`${decode}/health`).catch(() => ({ status: 'down' }))).status === 'ok', 20_000));
     assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_resyncs_total{reason="restart"}')) >= 1, 5000), 'the router follows the new process (new epoch)');
     // the next round of that conversation: no decode-local attempt on the stale claim
@@ -266,12 +269,10 @@ describe('KV events', () => {
     const prefill = s.c.byRole('prefill')[0]!.url;
     const held = 'pdserve_router_policy_picks_total{role="prefill",policy="cache_aware",reason="held"}';
     const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `prefill events round 1: ${'other context '.repeat(30)}` }];
-    const entries = await metric('pdserve_router_kv_held_entries{tier="sequence"}');
     const data = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, prompt_cache_key: 'agent-prefill', messages });
     assert.ok(await waitFor(async () => (await sequences(prefill)).some((e) => e.key === 'k:agent-prefill'), 5000), 'prefill publishes the kept prompt');
-    // the router's long poll is answered at the event: one round trip
-    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_held_entries{tier="sequence"}')) > entries, 5000));
-    await new Promise((r) => setTimeout(r, 300));
+    // the router's long poll is answered at the event: it catches up with every worker's word
+    assert.ok(await waitFor(async () => (await sequences(prefill)).some((e) => e.key === 'k:agent-prefill') && (await metric(HELD)) === (await words(followedUrls())), 5000), 'the router holds prefill\'s claim');
     const before = await metric(held);
     messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });
     await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, prompt_cache_key: 'agent-prefill', messages });
