@@ -218,6 +218,8 @@ export class PeerConn implements KvConn {
   private serveAgain = false;
   /** Outstanding pauseReads. */
   private readPauses = 0;
+  /** Outstanding pauses of this socket (pauseReads, and the reassembly's holds of a striped connection). */
+  private socketPauses = 0;
   private resolveReady!: () => void;
   private rejectReady!: (e: KvError) => void;
   private resolveClosed!: () => void;
@@ -324,16 +326,31 @@ export class PeerConn implements KvConn {
    */
   pauseReads(): void {
     if (this.readPauses++ === 0) {
-      this.socket.pause();
+      this.pauseSocket();
       for (const m of this.stripes) m.pauseReads();
     }
+  }
+
+  /** The socket itself stops reading (counted: the receiver's pause and the reassembly's hold). */
+  private pauseSocket(): void {
+    if (this.socketPauses++ === 0) this.socket.pause();
+  }
+
+  private resumeSocket(): void {
+    if (this.socketPauses === 0) return;
+    if (--this.socketPauses === 0 && !this.socket.destroyed) this.socket.resume();
+  }
+
+  /** Socket `i` of this striped connection: 0 = this one, then the stripes in join order. */
+  private socketAt(i: number): PeerConn | undefined {
+    return i === 0 ? this : this.stripes[i - 1];
   }
 
   /** Undo one `pauseReads`. */
   resumeReads(): void {
     if (this.readPauses === 0) return;
     if (--this.readPauses === 0) {
-      if (!this.socket.destroyed) this.socket.resume();
+      this.resumeSocket();
       for (const m of this.stripes) m.resumeReads();
       if (this.reorder && this.reorder.heldBytes > 0 && !this.drainScheduled) {
         // held stripe bytes go on after this turn (the receiver that resumed is still on the stack)
@@ -649,9 +666,10 @@ export class PeerConn implements KvConn {
     }
     const window = this.owner.s.sendWindowBytes;
     // striped: strictly the next socket in the rotation (waiting for it keeps the skew between
-    // the sockets, hence what the receiver holds out of order, to one window and its buffers)
-    if (this.sendTarget().socket.writableLength >= window) return false;
-    if (this.turnBytes >= window * this.sockets) {
+    // the sockets, hence what the receiver holds out of order, bounded), each with its share of
+    // the window, so a room that starts behind another waits for one window's bytes, as on one socket
+    if (this.sendTarget().socket.writableLength >= Math.ceil(window / this.sockets)) return false;
+    if (this.turnBytes >= window) {
       if (!this.turnYield) {
         this.turnYield = true;
         setImmediate(this.nextSendTurn);
@@ -677,13 +695,13 @@ export class PeerConn implements KvConn {
   }
 
   /** A chunk from any socket of a striped connection (decode side), through the reassembly. */
-  private stripedChunk(room: RoomId, offset: number, data: Buffer): void {
+  private stripedChunk(from: PeerConn, room: RoomId, offset: number, data: Buffer): void {
     if (!this.reorder) {
       this.owner.stats.badFrames++;
       this.refuse(`unexpected chunk frame (room ${room}) on a stripe of the ${this.side} side`);
       return;
     }
-    this.reorder.chunk(room, offset, data);
+    this.reorder.chunk(room, offset, data, from === this ? 0 : this.stripes.indexOf(from) + 1);
   }
 
   /** Takes a transfer out of the rotation (ended or settled); the turn stays with the next one. */
@@ -761,7 +779,7 @@ export class PeerConn implements KvConn {
     const h = this.owner.handlers;
     if (f.kind === 'chunk' && (this.primary || this.reorder)) {
       // a striped connection's chunk, from this socket or a stripe: reassembled in order
-      (this.primary ?? this).stripedChunk(f.room, f.offset, f.data);
+      (this.primary ?? this).stripedChunk(this, f.room, f.offset, f.data);
       return;
     }
     if (f.kind === 'chunk') {
@@ -847,6 +865,8 @@ export class PeerConn implements KvConn {
           chunk: (room, offset, data) => this.call('onChunk', () => this.owner.handlers.onChunk?.(this, room, offset, data)),
           end: (_room, m) => this.call('onMessage', () => this.owner.handlers.onMessage?.(this, m as PeerMsg)),
           paused: () => this.readPauses > 0 || this.state !== 'open',
+          holdSocket: (i) => this.socketAt(i)?.pauseSocket(),
+          releaseSocket: (i) => this.socketAt(i)?.resumeSocket(),
         },
         this.owner.s.maxQueuedBytes,
       );

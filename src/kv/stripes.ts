@@ -35,7 +35,22 @@ export interface ReorderSink {
   end(room: RoomId, msg: unknown): void;
   /** True while the receiver cannot take more (its socket reads are paused): held bytes wait. */
   paused(): boolean;
+  /** Stop reading socket `from`: it holds SOCKET_HOLD_HIGH bytes ahead of their rooms' gaps. */
+  holdSocket(from: number): void;
+  /** Read socket `from` again (undoes one holdSocket). */
+  releaseSocket(from: number): void;
 }
+
+/**
+ * Bytes one socket may have waiting out of order before its reads stop, and the level at which
+ * they go on again. Only a socket whose own pieces wait is stopped: a piece waits for a gap
+ * the sender wrote earlier, so the gap is not behind it on that socket, and the earliest piece
+ * not yet read is always on a socket that reads (deadlock-free); without it a receiver slower
+ * than the wire let one socket's held bytes grow to the cap (a 256 MiB state over 2 sockets held
+ * 64 MiB at load 12).
+ */
+export const SOCKET_HOLD_HIGH = 4 * 1024 * 1024;
+export const SOCKET_HOLD_LOW = 1024 * 1024;
 
 /** How many ended rooms are remembered, so their late chunks are not held. */
 export const RECENT_ROOMS = 1024;
@@ -47,8 +62,8 @@ interface RoomOrder {
   total: number;
   /** Offset of the next byte to hand on. */
   next: number;
-  /** Bytes that arrived ahead of `next`, by offset (copies). */
-  held: Map<number, Buffer>;
+  /** Bytes that arrived ahead of `next`, by offset (copies), and the socket each came from. */
+  held: Map<number, { b: Buffer; from: number }>;
   /** The kv_end waiting for the bytes before it, and the byte count it closes at. */
   end: { msg: unknown; at: number } | undefined;
 }
@@ -59,11 +74,18 @@ export class StripeReorder {
   heldBytes = 0;
   private readonly rooms = new Map<RoomId, RoomOrder>();
   private readonly recent = new Set<RoomId>();
+  /** Held bytes per socket, and the sockets whose reads this reassembly stopped. */
+  private readonly bySocket = new Map<number, number>();
+  private readonly stopped = new Set<number>();
 
-  /** `maxHeldBytes`: the cap on bytes held out of order (over it `chunk` throws). */
+  /**
+   * `maxHeldBytes`: the cap on bytes held out of order (over it `chunk` throws); `hold`: a
+   * socket's high and low marks (default SOCKET_HOLD_HIGH / SOCKET_HOLD_LOW).
+   */
   constructor(
     private readonly sink: ReorderSink,
     private readonly maxHeldBytes: number,
+    private readonly hold = { high: SOCKET_HOLD_HIGH, low: SOCKET_HOLD_LOW },
   ) {}
 
   /** Rooms with reassembly state now (for tests and leak checks). */
@@ -88,11 +110,11 @@ export class StripeReorder {
   }
 
   /**
-   * A piece of `room`'s bytes at `offset`, from any socket of the group (`data` is copied if it
-   * has to wait). @throws KvError('BAD_FRAME') for bytes already handed on (a duplicate or an
+   * A piece of `room`'s bytes at `offset`, from socket `from` of the group (`data` is copied if
+   * it has to wait). @throws KvError('BAD_FRAME') for bytes already handed on (a duplicate or an
    * overlap) or when the held bytes would pass the cap.
    */
-  chunk(room: RoomId, offset: number, data: Buffer): void {
+  chunk(room: RoomId, offset: number, data: Buffer, from = 0): void {
     let r = this.rooms.get(room);
     if (!r) {
       if (this.recent.has(room)) return this.sink.chunk(room, offset, data);
@@ -107,8 +129,14 @@ export class StripeReorder {
     }
     if (offset < r.next || r.held.has(offset)) throw new KvError('BAD_FRAME', `striped chunk of room ${room} at offset ${offset} overlaps bytes already received (next ${r.next})`);
     if (this.heldBytes + data.length > this.maxHeldBytes) throw new KvError('BAD_FRAME', `striped connection holds ${this.heldBytes + data.length} bytes out of order (max ${this.maxHeldBytes})`);
-    r.held.set(offset, Buffer.from(data));
+    r.held.set(offset, { b: Buffer.from(data), from });
     this.heldBytes += data.length;
+    const mine = (this.bySocket.get(from) ?? 0) + data.length;
+    this.bySocket.set(from, mine);
+    if (mine > this.hold.high && !this.stopped.has(from)) {
+      this.stopped.add(from);
+      this.sink.holdSocket(from);
+    }
     if (r.begun && offset === r.next) this.drainRoom(room, r);
   }
 
@@ -149,13 +177,21 @@ export class StripeReorder {
     for (const [room, r] of [...this.rooms]) this.drop(room, r);
   }
 
+  /** A held piece leaves (handed on or dropped): its socket reads again once it holds little. */
+  private unhold(h: { b: Buffer; from: number }): void {
+    this.heldBytes -= h.b.length;
+    const left = (this.bySocket.get(h.from) ?? 0) - h.b.length;
+    this.bySocket.set(h.from, left);
+    if (left <= this.hold.low && this.stopped.delete(h.from)) this.sink.releaseSocket(h.from);
+  }
+
   private drainRoom(room: RoomId, r: RoomOrder): void {
-    for (let b = r.held.get(r.next); b !== undefined && !this.sink.paused(); b = r.held.get(r.next)) {
+    for (let h = r.held.get(r.next); h !== undefined && !this.sink.paused(); h = r.held.get(r.next)) {
       r.held.delete(r.next);
-      this.heldBytes -= b.length;
       const off = r.next;
-      r.next += b.length;
-      this.sink.chunk(room, off, b);
+      r.next += h.b.length;
+      this.sink.chunk(room, off, h.b);
+      this.unhold(h);
       if (this.rooms.get(room) !== r) return; // the handler ended the room
     }
     this.maybeEnd(room);
@@ -170,8 +206,9 @@ export class StripeReorder {
   }
 
   private drop(room: RoomId, r: RoomOrder): void {
-    for (const b of r.held.values()) this.heldBytes -= b.length;
+    const held = [...r.held.values()];
     r.held.clear();
+    for (const h of held) this.unhold(h);
     this.rooms.delete(room);
     this.remember(room);
   }
