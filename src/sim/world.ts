@@ -710,6 +710,10 @@ export class World {
             de.onControl(conn, msg as ControlMsg);
           },
           paused: () => false,
+          // a sim link has no socket reads to stop, and its states (≤ SIM_MAX_STATE_BYTES) stay
+          // below the per-socket hold mark (SOCKET_HOLD_HIGH): never called
+          holdSocket: () => {},
+          releaseSocket: () => {},
         },
         SIM_MAX_STATE_BYTES,
       );
