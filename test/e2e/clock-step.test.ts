@@ -5,8 +5,9 @@
  * DONT_FAKE_MONOTONIC=1 leaves CLOCK_MONOTONIC real, as an NTP step would. The test's own calls to
  * the workers are signed on the same stepped wall clock (a signature's window is wall time, shared
  * by design across processes). Pass: every request
- * succeeds, no room expires, no KV peer is lost, every worker stays healthy, and every age and
- * deadline on /debug/rooms stays within its phase's bounds.
+ * succeeds, no room expires, no KV peer is lost, every worker stays healthy, every age and
+ * deadline on /debug/rooms stays within its phase's bounds, and the only failed rooms are those of
+ * attempts refused in the instant between two processes seeing the step (dispatched again, served).
  */
 import assert from 'node:assert/strict';
 import { existsSync, mkdtempSync, readdirSync, writeFileSync } from 'node:fs';
@@ -132,14 +133,25 @@ test('the wall clock steps +10 min and −10 min under load: no expired room, no
   assert.deepEqual({ failures, bad }, { failures: [], bad: [] }, 'every request crossing a step succeeded; ages and deadlines on /debug/rooms stayed sane');
   assert.ok(ok >= 6, `requests ran under the steps (${ok})`);
   assert.ok(await waitFor(async () => (await Promise.all(workers.map((w) => busy(w.url)))).every((n) => n === 0), 10_000, 50), 'idle after the load');
+  const sum = (text: string, re: RegExp) => [...text.matchAll(re)].reduce((s, m) => s + Number(m[1]), 0);
+  const notOk: string[] = [];
   for (const w of workers) {
     const metrics = await (await fetch(`${w.url}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
-    const sum = (re: RegExp) => [...metrics.matchAll(re)].reduce((s, m) => s + Number(m[1]), 0);
-    assert.equal(sum(/^pdserve_room_deadline_expired_total\{[^}]*\} (\S+)$/gm), 0, `${w.name}: no room expired`);
-    assert.equal(sum(/^pdserve_kv_channel_events_total\{[^}]*event="peers_lost"[^}]*\} (\S+)$/gm), 0, `${w.name}: no KV peer lost`);
+    assert.equal(sum(metrics, /^pdserve_room_deadline_expired_total\{[^}]*\} (\S+)$/gm), 0, `${w.name}: no room expired`);
+    assert.equal(sum(metrics, /^pdserve_kv_channel_events_total\{[^}]*event="peers_lost"[^}]*\} (\S+)$/gm), 0, `${w.name}: no KV peer lost`);
     const d = await getJson<Rooms>(`${w.url}/debug/rooms`);
-    assert.deepEqual(d.recent.filter((r) => r.state !== 'Success').map((r) => `${r.room} ${r.state}`), [], `${w.name}: every recent room succeeded`);
+    notOk.push(...d.recent.filter((r) => r.state !== 'Success').map((r) => `${w.name}: ${r.room} ${r.state}`));
   }
+  // In the instant one process shows the step and its peer does not yet, a signed request is 10 min
+  // off the verifier's clock (the window is ±30 s of wall time, by design): it is refused as
+  // worker_unauthenticated, the router dispatches it again, and that first attempt's room fails.
+  // Any other failed room is a defect.
+  const routerMetrics = await (await fetch(`${cl.router.url}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
+  const refused = sum(routerMetrics, /^pdserve_router_retries_total\{[^}]*reason="worker_unauthenticated"[^}]*\} (\S+)$/gm);
+  const refusedOk = sum(routerMetrics, /^pdserve_router_retries_total\{(?=[^}]*reason="worker_unauthenticated")(?=[^}]*outcome="ok")[^}]*\} (\S+)$/gm);
+  t.diagnostic(`${refused} attempts refused in a step's instant and dispatched again; failed rooms: ${JSON.stringify(notOk)}`);
+  assert.equal(refusedOk, refused, 'every attempt refused in a step\'s instant was served on its next attempt');
+  assert.ok(notOk.length <= refused, `every failed room is a refused attempt's (${refused}): ${JSON.stringify(notOk)}`);
   const reg = await getJson<{ workers: { url: string; healthy: boolean; consecutive_failures?: number }[] }>(`${cl.router.url}/workers`);
   assert.ok(reg.workers.length === 2 && reg.workers.every((w) => w.healthy), `every worker stayed healthy: ${JSON.stringify(reg.workers)}`);
 });
