@@ -458,6 +458,11 @@ export class Cluster {
     this.stopping = true;
     await Promise.all(this.procs.filter((p) => p.role === 'router').map((p) => this.terminate(p, graceMs)));
     await Promise.all(this.procs.filter((p) => p.role !== 'router').map((p) => this.terminate(p, graceMs)));
+    this.removeOwnStore();
+  }
+
+  /** Remove the prefix store folder this cluster made (none given to it); a store it was given stays. */
+  private removeOwnStore(): void {
     if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
   }
 
@@ -470,7 +475,7 @@ export class Cluster {
   async stop(graceMs = 3000): Promise<void> {
     this.stopping = true;
     await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
-    if (this.ownStoreDir && this.storeDir) rmSync(this.storeDir, { recursive: true, force: true });
+    this.removeOwnStore();
     this.unsign?.();
     this.unreach?.();
     for (const undo of this.unreachExtra.splice(0)) undo();
