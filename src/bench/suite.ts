@@ -72,9 +72,23 @@ function pkgVersion(name: string): string {
   }
 }
 
+/**
+ * The commit the figures are measured on, named so that the name cannot go stale: HEAD's short hash
+ * when HEAD is on `main` (main is never rewritten), else `<main's commit> + N branch commits` (a
+ * branch's own hashes change when it is rebased onto main to land). `?` outside a git checkout.
+ */
 function gitCommit(): string {
+  const git = (args: string) => execSync(`git ${args}`, { cwd: REPO_ROOT, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
   try {
-    return execSync('git rev-parse --short HEAD', { cwd: REPO_ROOT, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
+    const head = git('rev-parse --short HEAD');
+    let base: string;
+    try {
+      base = git('merge-base HEAD main');
+    } catch {
+      return head; // no local main (a bare clone of one branch): HEAD is the best name there is
+    }
+    const ahead = Number(git(`rev-list --count ${base}..HEAD`));
+    return ahead === 0 ? head : `${git(`rev-parse --short ${base}`)} + ${ahead} branch commit${ahead === 1 ? '' : 's'}`;
   } catch {
     return '?';
   }

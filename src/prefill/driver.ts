@@ -76,13 +76,22 @@ export type PrefillAction =
   /** Every room of the computation led by `room` is terminal while its compute runs: stop it (it still answers `computeDone`). */
   | { a: 'cancel'; room: RoomId }
   /** The room is terminal: stop its compute/transfer, answer its request, release its resources. Once per room. */
-  | { a: 'finish'; room: RoomId; rid: string; state: KVPoll.Success | KVPoll.Failed; failure?: RoomFailure; registered: boolean }
+  /** `bytes`: the room's transfer size in wire bytes (`roomWireBytes`), taken when it became terminal. */
+  | { a: 'finish'; room: RoomId; rid: string; state: KVPoll.Success | KVPoll.Failed; failure?: RoomFailure; registered: boolean; bytes: number }
   /** A diagnostic effect of the core (illegal, late, expired): count and log. */
   | { a: 'diag'; effect: Effect }
   /** A pending registration expired without a request: count it. */
   | { a: 'registration_expired'; room: RoomId }
   /** TEST-ONLY fault injection happened (see faultLeakFirstAck). */
   | { a: 'fault_leak'; room: RoomId };
+
+/**
+ * Wire bytes of a room's transfer: the bytes that reached the socket (a streamed send's true size),
+ * else the size announced at `kv_begin` (a same-host handoff moves none); 0 before any transfer.
+ */
+function roomWireBytes(room: { bytes: number; totalBytes?: number | null } | undefined): number {
+  return room ? room.bytes || (room.totalBytes ?? 0) : 0;
+}
 
 interface Job {
   rid: string;
@@ -437,7 +446,7 @@ export class PrefillDriver {
           this.jobs.delete(e.room);
           const comp = this.comps.get(job.comp);
           if (this.byRid.get(job.rid) === job.comp && !(comp?.rooms.some((r) => this.jobs.has(r)) ?? false)) this.byRid.delete(job.rid);
-          out.push({ a: 'finish', room: e.room, rid: job.rid, state: e.state, failure: e.failure, registered: job.peer !== undefined });
+          out.push({ a: 'finish', room: e.room, rid: job.rid, state: e.state, failure: e.failure, registered: job.peer !== undefined, bytes: roomWireBytes(this.rooms.get(e.room)) });
           if (comp) {
             comp.refs.delete(e.room);
             out.push(...this.release(comp));

@@ -306,7 +306,7 @@ export class PrefillEffects<C extends KvConn> {
       if (job.tStreamStart !== undefined && job.kvPath === 'tcp') m.kvStreamed.inc();
       job.done.resolve({
         rid: job.rid,
-        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: this.driver.rooms.get(a.room)?.bytes ?? 0, prefill_ms: job.comp.prefillMs, transfer_ms: Math.round(this.now - (job.tStreamStart ?? job.tKvBegin)) },
+        meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: a.bytes, prefill_ms: job.comp.prefillMs, transfer_ms: Math.round(this.now - (job.tStreamStart ?? job.tKvBegin)) },
       });
     } else {
       job.done.reject(ApiError.fromFailure(a.failure ?? failure('internal_error', 'room failed')));
