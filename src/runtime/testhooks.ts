@@ -37,13 +37,21 @@ function parseHolds(spec: string | undefined): Map<string, number> {
 }
 
 let holds = parseHolds(process.env.PDSERVE_TEST_HOLDS);
+/** Requests waiting at a point now, so that a new spec without that point releases them. */
+const waiting = new Set<{ point: HoldPoint; release(): void }>();
 
 /** True when PDSERVE_TEST_HOLDS is set (logged at start-up; enables POST /debug/test-holds). */
 export const holdsEnabled = (process.env.PDSERVE_TEST_HOLDS ?? '') !== '';
 
-/** Replace every hold with `spec` ("point=ms,…"; '' clears). Ignored unless holdsEnabled. */
+/**
+ * Replace every hold with `spec` ("point=ms,…"; '' clears). Requests waiting at a point the new
+ * spec leaves out go on at once (a test releases what it caught as soon as it has looked);
+ * those at a point it keeps wait out their own time. Ignored unless holdsEnabled.
+ */
 export function setHolds(spec: string): void {
-  if (holdsEnabled) holds = parseHolds(spec);
+  if (!holdsEnabled) return;
+  holds = parseHolds(spec);
+  for (const w of [...waiting]) if (!holds.has(w.point)) w.release();
 }
 
 /** Register POST /debug/test-holds on a fastify app when holds are enabled. */
@@ -55,14 +63,20 @@ export function registerHoldRoute(app: { post(path: string, handler: (req: { bod
   });
 }
 
-/** Wait the configured ms at `point` (resolves early when `signal` aborts); no-op when unset. */
+/**
+ * Wait the configured ms at `point` (resolves early when `signal` aborts, or when `setHolds`
+ * leaves the point out); no-op when unset.
+ */
 export function hold(point: HoldPoint, signal?: AbortSignal): Promise<void> {
   const ms = holds.get(point);
   if (!ms || signal?.aborted) return Promise.resolve();
   return new Promise((resolve) => {
     const t = setTimeout(done, ms);
+    const entry = { point, release: done };
+    waiting.add(entry);
     function done() {
       clearTimeout(t);
+      waiting.delete(entry);
       signal?.removeEventListener('abort', done);
       resolve();
     }

@@ -76,7 +76,9 @@ describe('first token before the KV handoff', () => {
 
   test('the client has token 1 while prefill has not even saved the state; the rest equals colocated', async () => {
     const ref = await client(c.colocated!.url).completions.create({ model: 'pdserve', prompt, max_tokens: 12, temperature: 0 });
-    await setHolds('prefill.save=2000');
+    // Held far longer than token 1 can take to reach the client on a loaded machine; clearing the
+    // hold once the room was seen releases it at once (src/runtime/testhooks.ts).
+    await setHolds('prefill.save=30000');
     let seenWhileHeld: LiveRoom[] = [];
     const out = await streamRaw({ prompt, max_tokens: 12 }, async () => {
       seenWhileHeld = await prefillRooms();
@@ -113,13 +115,15 @@ describe('first token before the KV handoff', () => {
   });
 
   test('a handoff that fails after token 1: the client gets an SSE error after its first token, no [DONE]', async () => {
-    await setHolds('prefill.save=3000');
+    await setHolds('prefill.save=30000');
     const out = await streamRaw({ prompt, max_tokens: 12 }, async () => {
-      // The handoff fails: decode's room for this request is aborted while prefill is held.
+      // The handoff fails: decode's room for this request is aborted while prefill is held (until
+      // the abort is answered, however long that takes), then prefill goes on to a dead room.
       const decodeRooms = (await getJson<{ live: LiveRoom[] }>(`${decodeUrl()}/debug/rooms`)).live;
       assert.equal(decodeRooms.length, 1);
       const r = await fetch(`${decodeUrl()}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ bootstrap_room: decodeRooms[0]!.room }) });
       assert.equal(r.status, 200);
+      await setHolds('');
     });
     await setHolds('');
     assert.equal(out.status, 200, 'the stream had started');
