@@ -19,10 +19,14 @@ import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
 const dir = mkdtempSync('/dev/shm/pdserve-samehost-e2e-');
 after(() => rmSync(dir, { recursive: true, force: true }));
 
+/** The router's deadline of one request, ms: well above a held request's 4 s, well below the client's 30 s. */
+const REQUEST_DEADLINE_MS = 10_000;
 const h = useStack({
   decode: 2,
   env: { PDSERVE_TEST_HOLDS: 'on' },
-  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir], router: ['--decode-policy', 'round_robin'] },
+  // A request whose only prefill was killed waits for one until its deadline (--worker-wait-ms):
+  // 10 s here, not the default 300 s (cut short by the client's 30 s), so the kill cases end soon.
+  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS)] },
   extraArgsOf: { 'decode-1': ['--no-kv-same-host'] },
 });
 
@@ -91,8 +95,11 @@ describe('same-host KV handoff (kv_file)', () => {
       const handed = stateFiles().filter((n) => n.startsWith('pdserve-prefill-') && n.endsWith(`-${room}.ggsq`));
       assert.equal(handed.length, 1, `the handed file is still prefill's: ${stateFiles().join(', ')}`);
       await h.c.kill(proc('prefill-0'));
-      const r = (await done) as { ok: boolean };
+      const t0 = Date.now();
+      const r = (await done) as { ok: boolean; err?: { status?: number; message?: string } };
       assert.equal(r.ok, false, 'the request fails: its prefill died');
+      // The router's error at its deadline (a status), not the client giving up (30 s, no status).
+      assert.equal(typeof r.err?.status, 'number', `the router answered the failure: ${r.err?.message} after ${Date.now() - t0} ms`);
       assert.ok(await waitFor(async () => stateFiles().length === 0, 6000, 100), `the dead prefill's file was removed: ${stateFiles().join(', ')}`);
       assert.equal((await getJson(`${proc('decode-0').url}/health`)).role, 'decode', 'decode lives');
     } finally {
@@ -110,7 +117,8 @@ describe('same-host KV handoff (kv_file)', () => {
       const files = stateFiles();
       assert.deepEqual(files.filter((n) => n.endsWith(`-${room}.ggsq`)).map((n) => n.split('-')[1]), ['decode'], `ownership moved to decode (renamed): ${files.join(', ')}`);
       await h.c.kill(proc('prefill-0'));
-      await done;
+      const r = (await done) as { ok: boolean; err?: { status?: number; message?: string } };
+      if (!r.ok) assert.equal(typeof r.err?.status, 'number', `the router answered the failure: ${r.err?.message}`);
       assert.ok(await waitFor(async () => stateFiles().length === 0, 6000, 100), `decode deleted the file it owned: ${stateFiles().join(', ')}`);
     } finally {
       await setHolds('decode-0', '');
