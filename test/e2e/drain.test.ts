@@ -62,6 +62,9 @@ async function healthOf(url: string): Promise<{ status: number; body: any }> {
   return { status: r.status, body: await r.json() };
 }
 
+/** The rooms live on a worker now (its /debug/rooms). */
+const liveRooms = async (url: string) => (await getJson<{ live: { room: string }[] }>(`${url}/debug/rooms`)).live;
+
 /** Requests served by `p` so far, from its own metrics (rooms that reached Success). */
 async function served(p: ClusterProc): Promise<number> {
   const text = await (await fetch(`${p.url}/metrics`)).text();
@@ -93,8 +96,10 @@ describe('graceful drain on SIGTERM', () => {
         assert.ok(await waitFor(async () => (await served(p)) > 0, 10_000), 'load is flowing through the worker');
         // Its requests from now on stay 1.5 s in flight, so the drain has something to wait for.
         await fetch(`${p.url}/debug/test-holds`, { method: 'POST', body: role === 'decode' ? 'decode.load=1500' : 'prefill.compute=1500' });
-        await new Promise((r) => setTimeout(r, 400)); // requests held before the change are through
-        assert.ok(await waitFor(async () => (await healthOf(p.url)).body.rooms > 0, 5000, 5), `${role} has a room in flight`);
+        // A room that appears after the change is held 1.5 s (one live before it may be at the
+        // 300 ms hold, or past its hold point, and end before the signal is handled).
+        const before = new Set((await liveRooms(p.url)).map((r) => r.room));
+        assert.ok(await waitFor(async () => (await liveRooms(p.url)).some((r) => !before.has(r.room)), 5000, 5), `${role} has a room in flight held 1.5 s`);
         const exited = exitOf(p);
         const t0 = Date.now();
         c.signal(p, 'SIGTERM');
