@@ -24,6 +24,11 @@ const h = useStack({
   batchSize: BATCH,
   decodeSlots: 4,
   prefixStoreDir: storeDir,
+  // Decode's in-sequence tier is off (below), so its events never claim a conversation: the
+  // router sends round r + 1 to decode alone on the pending claim of round r, which lasts 3 s
+  // (PENDING_CLAIM_MS, src/router/kv-events.ts). Here it outlasts the reference round and the
+  // store's write on a loaded machine.
+  env: { PDSERVE_TEST_PENDING_CLAIM_MS: '60000' },
   extraArgs: {
     router: ['--decode-policy', 'cache_aware', '--local-prefill-max-tokens', '128'],
     prefill: ['--prefix-cache-tokens', '1'],
