@@ -1,6 +1,6 @@
 /**
  * The room lifecycle on real processes: a client abort in every phase of a request, a prefill
- * that fails early, and each scenario repeated (PDSERVE_LIFECYCLE_REPS; default 25, 50 with
+ * that fails early, and each scenario repeated (PDSERVE_LIFECYCLE_REPS; default 8, 50 with
  * PDSERVE_LONG_TESTS=1). Pass: no
  * crash; the victim's rooms terminal on both sides and everything released within 1 s; the next
  * request succeeds. The target phase of each scenario is made long enough to hit with a test-only
@@ -11,7 +11,7 @@ import { after, before, describe, test } from 'node:test';
 import type { Cluster } from '../../src/up/cluster.js';
 import { busy, getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 
-const REPS = Number(process.env.PDSERVE_LIFECYCLE_REPS ?? (process.env.PDSERVE_LONG_TESTS === '1' ? 50 : 25));
+const REPS = Number(process.env.PDSERVE_LIFECYCLE_REPS ?? (process.env.PDSERVE_LONG_TESTS === '1' ? 50 : 8));
 /** How long the target phase is held, ms: long enough to observe on a loaded 2-core machine. */
 const HOLD = 150;
 
