@@ -9,10 +9,10 @@
  *
  * TLS files are paths, not secrets: they may go on a command line (`internalTlsArgs`).
  */
-import { readFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import type { Command } from 'commander';
 import { loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
+import { checkClusterSecret, readClusterSecretFile } from '../runtime/cluster-secret.js';
 
 /** Split a comma-separated env value into its non-empty, trimmed entries. */
 export function listEnv(v: string | undefined): string[] {
@@ -70,24 +70,16 @@ export const secretFlags = (c: Command) =>
 /**
  * The cluster secret: --cluster-secret-file, PDSERVE_CLUSTER_SECRET, PDSERVE_CLUSTER_SECRET_FILE,
  * then --cluster-secret (with a warning). Undefined when none is given.
- * @throws Error when a named file cannot be read or is empty.
+ * @throws PdError('invalid_config') when a named file cannot be read or is empty, or the secret is
+ *   shorter than ../runtime/cluster-secret.ts `CLUSTER_SECRET_MIN_CHARS` (one message for every role).
  */
 export function clusterSecretOf(role: string, o: { clusterSecret?: string; clusterSecretFile?: string }): string | undefined {
   const file = o.clusterSecretFile ?? process.env.PDSERVE_CLUSTER_SECRET_FILE;
-  if (o.clusterSecretFile || (!process.env.PDSERVE_CLUSTER_SECRET && file)) {
-    let s: string;
-    try {
-      s = (readFileSync(file!, 'utf8').split(/\r?\n/)[0] ?? '').trim();
-    } catch (err) {
-      throw new Error(`cannot read the cluster secret file ${file}: ${(err as Error).message}`);
-    }
-    if (!s) throw new Error(`the cluster secret file ${file} is empty`);
-    return s;
-  }
-  if (process.env.PDSERVE_CLUSTER_SECRET) return process.env.PDSERVE_CLUSTER_SECRET;
+  if (o.clusterSecretFile || (!process.env.PDSERVE_CLUSTER_SECRET && file)) return readClusterSecretFile(file!);
+  if (process.env.PDSERVE_CLUSTER_SECRET) return checkClusterSecret(process.env.PDSERVE_CLUSTER_SECRET);
   if (o.clusterSecret) {
     warnArgv(role, '--cluster-secret', 'PDSERVE_CLUSTER_SECRET or --cluster-secret-file');
-    return o.clusterSecret;
+    return checkClusterSecret(o.clusterSecret);
   }
   return undefined;
 }

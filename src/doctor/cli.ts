@@ -9,9 +9,11 @@
  * Every GET has a deadline (`--timeout`, default 3 s) and a whole round is bounded by 9 s, so an
  * answer comes within 10 s even when workers hang. `--discovery etcd://…` reads the worker list
  * from etcd membership instead of (or, with --url, besides) the router's GET /workers.
- * Credentials from the environment: PDSERVE_ADMIN_API_KEY (to the router only) and
- * PDSERVE_CLUSTER_SECRET (the workers' requests are signed with it). TLS: `--ca` (the router's
- * HTTPS CA) and `--internal-tls-cert/-key/-ca` (https:// workers that ask for a client certificate).
+ * Credentials from the environment: PDSERVE_ADMIN_API_KEY (to the router only) and the cluster
+ * secret the workers' requests are signed with (`--cluster-secret-file`, PDSERVE_CLUSTER_SECRET,
+ * PDSERVE_CLUSTER_SECRET_FILE: the workers' order). TLS: `--ca` (the router's HTTPS CA) and
+ * `--internal-tls-cert/-key/-ca` (https:// workers that ask for a client certificate). The
+ * commands a finding suggests repeat these flags (paths) and name the keys by placeholder.
  */
 import { Command, InvalidArgumentError } from 'commander';
 import { diagnose, type Diagnosis } from '../observe/diagnose.js';
@@ -21,6 +23,7 @@ import { readFileSync } from 'node:fs';
 import { Agent, type Dispatcher } from 'undici';
 import { withCredentials } from '../runtime/http-auth.js';
 import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
+import { readClusterSecretFile } from '../runtime/cluster-secret.js';
 
 export interface DoctorOptions {
   url?: string;
@@ -40,6 +43,18 @@ export interface DoctorOptions {
   internalTlsCert?: string;
   internalTlsKey?: string;
   internalTlsCa?: string;
+  /** File holding the cluster secret (its first line); else PDSERVE_CLUSTER_SECRET, then PDSERVE_CLUSTER_SECRET_FILE. */
+  clusterSecretFile?: string;
+}
+
+/**
+ * What a command a finding suggests must carry to reach the same cluster as this run: the
+ * admin key by placeholder (never its value), the TLS files as given (paths, not secrets).
+ */
+export function doctorCredentials(o: Pick<DoctorOptions, 'adminApiKey' | 'ca' | 'internalTlsCert' | 'internalTlsKey' | 'internalTlsCa'>): { env: string[]; flags: string[] } {
+  const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY;
+  const flags = [o.ca ? `--ca ${o.ca}` : '', o.internalTlsCert ? `--internal-tls-cert ${o.internalTlsCert}` : '', o.internalTlsKey ? `--internal-tls-key ${o.internalTlsKey}` : '', o.internalTlsCa ? `--internal-tls-ca ${o.internalTlsCa}` : ''];
+  return { env: key ? ['PDSERVE_ADMIN_API_KEY=<the admin key>'] : [], flags: flags.filter(Boolean) };
 }
 
 /** Bound on one round (gather + diagnose), ms: the answer comes within 10 s. */
@@ -79,13 +94,14 @@ export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
 /**
  * The one dispatcher of all the doctor's GETs (../runtime/http-auth.ts): the admin key on the
  * router's requests, the workers' requests signed with the cluster secret
- * (PDSERVE_CLUSTER_SECRET), the TLS options, and a connect timeout (TCP connect and TLS
+ * (`--cluster-secret-file`, PDSERVE_CLUSTER_SECRET, PDSERVE_CLUSTER_SECRET_FILE), the TLS options, and a connect timeout (TCP connect and TLS
  * handshake) of one GET's deadline, so a peer that accepts but never completes a handshake
  * holds neither a round nor the process's exit longer than `--timeout`.
  */
 function doctorDispatcher(source: WorkerSource, o: DoctorOptions): Dispatcher {
   const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY?.split(',')[0]?.trim();
-  const secret = process.env.PDSERVE_CLUSTER_SECRET;
+  const file = o.clusterSecretFile ?? (process.env.PDSERVE_CLUSTER_SECRET ? undefined : process.env.PDSERVE_CLUSTER_SECRET_FILE);
+  const secret = file ? readClusterSecretFile(file) : process.env.PDSERVE_CLUSTER_SECRET;
   const router = source.routerUrl ? [source.routerUrl] : [];
   const tls = doctorTls(o);
   return withCredentials({ ...(key && router.length ? { bearer: { key, origins: router } } : {}), ...(secret ? { sign: { secret, skipOrigins: router } } : {}) }, new Agent({ connect: { timeout: o.timeout, ...(tls ?? {}) } }));
@@ -120,7 +136,7 @@ async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSn
   });
   try {
     const snap = await Promise.race([gather(source, o.timeout, dispatcher), limit]);
-    return { snap, d: diagnose(snap, { slowMs: o.slowMs, windowMs: o.windowMs, previous, routerUrl: source.routerUrl ?? undefined }) };
+    return { snap, d: diagnose(snap, { slowMs: o.slowMs, windowMs: o.windowMs, previous, routerUrl: source.routerUrl ?? undefined, doctor: doctorCredentials(o) }) };
   } finally {
     clearTimeout(timer);
   }
@@ -202,6 +218,7 @@ export function addDoctorCommand(program: Command): void {
     .option('--internal-tls-cert <file>', 'internal TLS: the client certificate (PEM) workers with --internal-tls-ca ask for')
     .option('--internal-tls-key <file>', 'internal TLS: the key of --internal-tls-cert')
     .option('--internal-tls-ca <file>', 'internal TLS: the PEM CA of the https:// workers')
+    .option('--cluster-secret-file <file>', 'file holding the cluster secret, to read the workers\' rooms (its first line; or PDSERVE_CLUSTER_SECRET, or PDSERVE_CLUSTER_SECRET_FILE)')
     .action(async (opts: Omit<DoctorOptions, 'windowMs' | 'watch'> & { window: number; watch?: number | true }) => {
       const code = await runDoctor({ ...opts, watch: opts.watch === true ? 2 : opts.watch, windowMs: opts.window * 60_000 });
       process.exitCode = code;

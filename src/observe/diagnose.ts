@@ -45,6 +45,8 @@ export interface DiagnoseOptions {
   previous?: ClusterSnapshot | null;
   /** Router URL to put into suggested commands. */
   routerUrl?: string;
+  /** What a suggested `pdserve doctor` command carries to reach this cluster: environment assignments (keys by placeholder) and flags (TLS files). */
+  doctor?: { env: string[]; flags: string[] };
 }
 
 const SEVERITY_RANK: Record<Severity, number> = { critical: 0, warning: 1, info: 2 };
@@ -150,7 +152,8 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   const routerUrl = o.routerUrl ?? snap.router?.url ?? 'ROUTER';
   const f: Finding[] = [];
   const add = (x: Omit<Finding, 'weight'> & { weight?: number }) => f.push({ weight: 0, ...x });
-  const doctorReq = (id: string) => `pdserve doctor --url ${routerUrl} --request ${id}`;
+  const doctorCmd = (env: string[], tail: string[]) => [...env, ...(o.doctor?.env ?? []), 'pdserve doctor --url', routerUrl, ...(o.doctor?.flags ?? []), ...tail].join(' ');
+  const doctorReq = (id: string) => doctorCmd([], ['--request', id]);
 
   // ---- reachability ---------------------------------------------------------------------------
   const router = snap.router;
@@ -180,7 +183,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       title: `cannot read the rooms of ${unsigned.length} worker(s): their /debug/rooms takes only requests signed with the cluster secret`,
       details: unsigned.map((w) => `${w.ref.role} ${w.ref.url}`),
       cause: 'doctor runs without the cluster secret (PDSERVE_CLUSTER_SECRET) or with another one, so stuck and slow rooms on these workers cannot be seen',
-      next: [`PDSERVE_CLUSTER_SECRET=<the cluster's secret> pdserve doctor --url ${routerUrl}`],
+      next: [doctorCmd(['PDSERVE_CLUSTER_SECRET_FILE=<file holding the cluster secret>'], [])],
       weight: 1e9,
     });
   }
@@ -414,7 +417,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     if (moved.length) {
       add({ severity: 'warning', kind: 'counter_moved', title: `${label}: moved since the previous round (${fmtMs(snap.at - o.previous!.at)} ago)`, details: moved, cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: ['curl -sS WORKER/debug/rooms   # recent rooms and their fail reasons'], weight: moved.length });
     } else if (total.length) {
-      add({ severity: sev, kind: 'counter_total', title: `${label} since start: ${total.join('; ')}`, details: [], cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: [`pdserve doctor --url ${routerUrl} --watch   # shows when it moves`] });
+      add({ severity: sev, kind: 'counter_total', title: `${label} since start: ${total.join('; ')}`, details: [], cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: [`${doctorCmd([], ['--watch'])}   # shows when it moves`] });
     }
   }
   const prevRouter = o.previous?.router?.metrics.body;

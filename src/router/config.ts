@@ -34,7 +34,7 @@
  */
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
-import { InternalTlsSchema } from '../runtime/config.js';
+import { ClusterSecretSchema, InternalTlsSchema } from '../runtime/config.js';
 import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
@@ -113,7 +113,7 @@ export const RouterConfigSchema = z
       .strict()
       .default(DEFAULT_RESPONSE_STORE_LIMITS),
     /** The cluster secret: every request to a worker is signed with it (../runtime/request-auth.ts). Never logged. */
-    clusterSecret: z.string().min(8, 'cluster secret must be at least 8 characters').optional(),
+    clusterSecret: ClusterSecretSchema.optional(),
     /** HTTPS for clients: PEM certificate and key files (../runtime/tls.ts). */
     tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
     /** TLS to the workers (../runtime/tls.ts `InternalTlsFiles`): the CA of https:// workers, the client certificate they ask for. */

@@ -6,6 +6,7 @@ import { z } from 'zod';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
+import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from './cluster-secret.js';
 
 const port = z.number().int().min(0).max(65535);
 
@@ -100,7 +101,7 @@ export const TimeoutsSchema = z.object({
 });
 
 /** The cluster secret's rule, one place for the workers' config and `up`'s own check. */
-export const ClusterSecretSchema = z.string().min(8, 'cluster secret must be at least 8 characters');
+export const ClusterSecretSchema = z.string().min(CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE);
 
 const common = {
   host: z.string().default('127.0.0.1'),

@@ -58,14 +58,15 @@ export interface DoctorAccess {
 }
 
 /**
- * The banner's doctor command: with the file of a secret `up` generated, it reads the secret
- * from there (the secret itself is never printed); else it relies on the caller's own
+ * The banner's doctor command: with the file of a secret `up` generated, doctor reads the secret
+ * from there (PDSERVE_CLUSTER_SECRET_FILE: no shell substitution, the secret itself is never
+ * printed); else it relies on the caller's own
  * PDSERVE_CLUSTER_SECRET, the secret `up` was given (or could not write). A keyed router adds
  * `PDSERVE_ADMIN_API_KEY=<placeholder>`, HTTPS adds `--ca CA.pem` (the placeholder `tryLines`
  * explains), internal TLS the `--internal-tls-*` files as given.
  */
 export function doctorLine(routerUrl: string, secretFile: string | null, a: DoctorAccess = {}): string {
-  const env = [secretFile ? `PDSERVE_CLUSTER_SECRET=$(cat ${secretFile})` : 'PDSERVE_CLUSTER_SECRET=<the cluster secret>', a.key ? `PDSERVE_ADMIN_API_KEY=${a.key}` : ''];
+  const env = [secretFile ? `PDSERVE_CLUSTER_SECRET_FILE=${secretFile}` : 'PDSERVE_CLUSTER_SECRET=<the cluster secret>', a.key ? `PDSERVE_ADMIN_API_KEY=${a.key}` : ''];
   const t = a.internalTls ?? {};
   const flags = [a.https ? '--ca CA.pem' : '', t.cert ? `--internal-tls-cert ${t.cert}` : '', t.key ? `--internal-tls-key ${t.key}` : '', t.ca ? `--internal-tls-ca ${t.ca}` : ''];
   return [...env, 'node bin/pdserve.js doctor --url', routerUrl, ...flags].filter(Boolean).join(' ');

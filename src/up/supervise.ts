@@ -14,3 +14,14 @@ export function superviseAction(p: Pick<ClusterProc, 'child' | 'expectedDown' | 
   if (p.child || p.expectedDown || stopping) return 'none';
   return p.lastExit?.code === 0 ? 'stopped' : 'restart';
 }
+
+/**
+ * `up`'s line for a process that died on its own: its name, how it ended (the signal's name when
+ * one killed it — `SIGKILL`: the OOM killer or a `kill -9` — else its exit code) and its log.
+ * e.g. `pdserve: decode-1 exited unexpectedly (SIGKILL; log: /tmp/pdserve-1/decode-1.log); restarting it`.
+ */
+export function unexpectedExitLine(p: Pick<ClusterProc, 'name' | 'lastExit' | 'logFile'>): string {
+  const e = p.lastExit;
+  const how = e?.signal ? e.signal : e?.code !== undefined && e.code !== null ? `exit code ${e.code}` : 'no exit status seen';
+  return `pdserve: ${p.name} exited unexpectedly (${how}${p.logFile ? `; log: ${p.logFile}` : ''}); restarting it`;
+}

@@ -69,17 +69,27 @@ test('a supervisor that picked the port is told over IPC that it was taken (the 
 });
 
 test('an invalid configuration: its message, no stack', async () => {
-  const r = await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', '0'], 20_000, { PDSERVE_CLUSTER_SECRET: 'short' });
+  const r = await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', '0', '--slots', '0'], 20_000, SECRET);
   assert.equal(r.code, 2, r.err);
   assert.ok(!/^\s+at /m.test(r.err), `no stack:\n${r.err}`);
-  assert.match(r.err, /^pdserve prefill: invalid configuration:\n\s+secret: cluster secret must be at least 8 characters\n$/);
+  assert.match(r.err, /^pdserve prefill: invalid configuration:\n\s+slots: .*\n$/);
 });
 
-test('a cluster secret under 8 characters: one line from the router, and from up before any worker starts', async () => {
+test('a cluster secret under 8 characters: the same one line, saying what to do, from every role and from up before any worker starts', async () => {
   const short = { PDSERVE_CLUSTER_SECRET: 'short' };
-  oneLine(await cli(['router', '--port', '0', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, short), 2, /^pdserve router: invalid router config: clusterSecret: cluster secret must be at least 8 characters$/);
+  const want = (role: string) => new RegExp(`^pdserve ${role}: the cluster secret is shorter than 8 characters: give the router and every worker the same longer one \\(e\\.g\\. openssl rand -hex 24 > FILE, then PDSERVE_CLUSTER_SECRET_FILE=FILE\\)$`);
+  oneLine(await cli(['router', '--port', '0', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, short), 2, want('router'));
+  oneLine(await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', '0'], 20_000, short), 2, want('prefill'));
+  oneLine(await cli(['decode', '--model', model, '--port', '0'], 20_000, short), 2, want('decode'));
   const up = await cli(['up', '--model', model, '--port', String(await freePort())], 20_000, short);
-  oneLine(up, 2, /^pdserve up: invalid configuration: cluster secret must be at least 8 characters$/);
+  oneLine(up, 2, want('up'));
+  // from a file, through the workers' own variable, and to doctor: the same words
+  const file = join(dir, 'short-secret');
+  writeFileSync(file, 'short\n');
+  oneLine(await cli(['decode', '--model', model, '--port', '0'], 20_000, { PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: file }), 2, want('decode'));
+  const d = await cli(['doctor', '--url', 'http://127.0.0.1:1', '--cluster-secret-file', file]);
+  assert.equal(d.code, 3, d.err);
+  assert.match(d.err.trim(), want('doctor'));
 });
 
 test('--version prints the package version', async () => {

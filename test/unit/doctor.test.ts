@@ -10,6 +10,7 @@ import { diagnose, tlsCause } from '../../src/observe/diagnose.js';
 import { parsePrometheus, sumOf, type ClusterSnapshot, type Fetched, type RoomInfo, type WorkerProbe } from '../../src/observe/gather.js';
 import { DashboardSeries, percentile } from '../../src/router/dashboard-series.js';
 import { TraceStore, traceIdOf } from '../../src/router/trace.js';
+import { doctorCredentials } from '../../src/doctor/cli.js';
 
 const NOW = 1_800_000_000_000;
 const ok = <T>(body: T): Fetched<T> => ({ ok: true, status: 200, ms: 1, error: null, body });
@@ -99,7 +100,12 @@ describe('diagnose', () => {
     assert.equal(f.severity, 'warning');
     assert.equal(d.exitCode, 1);
     assert.deepEqual(f.details, ['prefill http://w-prefill:1', 'decode http://w-decode:1']);
-    assert.match(f.next[0]!, /PDSERVE_CLUSTER_SECRET=.* pdserve doctor --url http:\/\/r/);
+    assert.equal(f.next[0], 'PDSERVE_CLUSTER_SECRET_FILE=<file holding the cluster secret> pdserve doctor --url http://r');
+    // a locked cluster: the suggested command carries what this run was given, keys by placeholder
+    const locked = { env: ['PDSERVE_ADMIN_API_KEY=<the admin key>'], flags: ['--ca /etc/pd/ca.pem', '--internal-tls-cert /etc/pd/c.crt', '--internal-tls-key /etc/pd/c.key', '--internal-tls-ca /etc/pd/ica.pem'] };
+    const lf = diagnose(snap([blind('prefill'), blind('decode')]), { routerUrl: 'https://r', doctor: locked }).findings.find((x) => x.kind === 'rooms_unreadable')!;
+    assert.equal(lf.next[0], 'PDSERVE_CLUSTER_SECRET_FILE=<file holding the cluster secret> PDSERVE_ADMIN_API_KEY=<the admin key> pdserve doctor --url https://r --ca /etc/pd/ca.pem --internal-tls-cert /etc/pd/c.crt --internal-tls-key /etc/pd/c.key --internal-tls-ca /etc/pd/ica.pem');
+    assert.deepEqual(doctorCredentials({ adminApiKey: 'k-123', ca: '/etc/pd/ca.pem', internalTlsCert: '/etc/pd/c.crt', internalTlsKey: '/etc/pd/c.key', internalTlsCa: '/etc/pd/ica.pem' }), locked, 'the key by placeholder, never its value');
     assert.doesNotMatch(f.title, /401/, 'the title names the cause, not the status');
     assert.ok(!diagnose(snap([worker('prefill'), worker('decode')])).findings.some((x) => x.kind === 'rooms_unreadable'), 'signed: no finding');
   });

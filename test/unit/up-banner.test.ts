@@ -43,7 +43,7 @@ test('the secret file: 0600, the secret alone, replaces a stale file, never writ
     assert.equal(readFileSync(path, 'utf8'), 'generated-secret-2\n');
     assert.equal(writeSecretFile(join(dir, 'no-such-dir'), 's'), null, 'unwritable: null, not a throw');
     const line = doctorLine('http://127.0.0.1:8000', path);
-    assert.equal(line, `PDSERVE_CLUSTER_SECRET=$(cat ${path}) node bin/pdserve.js doctor --url http://127.0.0.1:8000`);
+    assert.equal(line, `PDSERVE_CLUSTER_SECRET_FILE=${path} node bin/pdserve.js doctor --url http://127.0.0.1:8000`);
     assert.ok(!line.includes('generated-secret'));
     assert.match(doctorLine('http://h:1', null), /^PDSERVE_CLUSTER_SECRET=<the cluster secret> node bin\/pdserve\.js doctor --url http:\/\/h:1$/);
   } finally {
@@ -54,7 +54,7 @@ test('the secret file: 0600, the secret alone, replaces a stale file, never writ
 test('the doctor line of a locked cluster: the admin key (or an API key) by placeholder, --ca for HTTPS, the internal TLS files as given', () => {
   const tls = { cert: '/etc/pd/node.crt', key: '/etc/pd/node.key', ca: '/etc/pd/ca.crt' };
   const line = doctorLine('https://127.0.0.1:8443', '/tmp/l/cluster-secret', { https: true, key: 'ADMIN_KEY', internalTls: tls });
-  assert.equal(line, 'PDSERVE_CLUSTER_SECRET=$(cat /tmp/l/cluster-secret) PDSERVE_ADMIN_API_KEY=ADMIN_KEY node bin/pdserve.js doctor --url https://127.0.0.1:8443 --ca CA.pem --internal-tls-cert /etc/pd/node.crt --internal-tls-key /etc/pd/node.key --internal-tls-ca /etc/pd/ca.crt');
+  assert.equal(line, 'PDSERVE_CLUSTER_SECRET_FILE=/tmp/l/cluster-secret PDSERVE_ADMIN_API_KEY=ADMIN_KEY node bin/pdserve.js doctor --url https://127.0.0.1:8443 --ca CA.pem --internal-tls-cert /etc/pd/node.crt --internal-tls-key /etc/pd/node.key --internal-tls-ca /etc/pd/ca.crt');
   assert.match(doctorLine('http://h:1', null, { key: 'KEY' }), /^PDSERVE_CLUSTER_SECRET=<the cluster secret> PDSERVE_ADMIN_API_KEY=KEY node bin\/pdserve\.js doctor --url http:\/\/h:1$/);
   assert.equal(doctorLine('http://h:1', null, { key: null, internalTls: {} }), doctorLine('http://h:1', null), 'an open cluster: nothing added');
 });
