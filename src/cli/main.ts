@@ -10,7 +10,7 @@ import { join, resolve } from 'node:path';
 import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../runtime/config.js';
 import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
-import { doctorLine, tryLines, writeSecretFile } from '../up/banner.js';
+import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../up/banner.js';
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
@@ -314,7 +314,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(9)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
       console.log(`  logs      ${logDir}`);
       const secretGiven = !!(o.clusterSecret || o.clusterSecretFile || process.env.PDSERVE_CLUSTER_SECRET || process.env.PDSERVE_CLUSTER_SECRET_FILE);
-      console.log(`  doctor    ${doctorLine(r, secretGiven ? null : writeSecretFile(logDir, c.secret), { https: r.startsWith('https:'), key: c.access.adminApiKeys.length > 0 ? 'ADMIN_KEY' : c.access.apiKeys.length > 0 || o.apiKeyFile ? 'KEY' : null, internalTls: c.opts.internalTls ?? {} })}`);
+      console.log(`  doctor    ${doctorLine(r, givenSecretFile(o) ?? (secretGiven ? null : writeSecretFile(logDir, c.secret)), { https: r.startsWith('https:'), key: c.access.adminApiKeys.length > 0 ? 'ADMIN_KEY' : c.access.apiKeys.length > 0 || o.apiKeyFile ? 'KEY' : null, internalTls: c.opts.internalTls ?? {} })}`);
       console.log(`  access    ${c.access.apiKeys.length || o.apiKeyFile ? 'API key required (Authorization: Bearer KEY)' : 'OPEN: no API key, anyone who reaches the router can use it (--api-key-file or PDSERVE_API_KEY)'}`);
       console.log('\nTry:');
       for (const l of tryLines(r, { apiKey: c.access.apiKeys.length > 0 || !!o.apiKeyFile, https: r.startsWith('https:') })) console.log(`  ${l}`);

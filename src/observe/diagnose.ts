@@ -140,9 +140,20 @@ const idOf = (r: RoomInfo) => r.trace || r.rid;
 export function tlsCause(url: string, error: string | null | undefined, who: 'router' | 'worker'): string | undefined {
   const e = error ?? '';
   const caFlag = who === 'router' ? '--ca FILE' : '--internal-tls-ca FILE';
+  if (/ALTNAME|Hostname\/IP does not match/i.test(e)) return `the ${who}'s TLS certificate does not name ${hostOf(url)}, the host doctor dialed: reissue it with that name in its subjectAltName, or reach the ${who} by a name the certificate has`;
+  if (/CERT_HAS_EXPIRED|CERT_NOT_YET_VALID/i.test(e)) return `the ${who}'s TLS certificate is expired or not yet valid: renew it (or check this host's clock)`;
   if (/CERT|SELF_SIGNED|UNABLE_TO_VERIFY|UNABLE_TO_GET_ISSUER|unable to verify/i.test(e)) return `doctor does not trust the ${who}'s TLS certificate: give the CA that signed it (${caFlag})`;
   if (who === 'worker' && url.startsWith('https:') && /UND_ERR_SOCKET|ECONNRESET|EPROTO|SSL|TLS|other side closed/i.test(e)) return 'the TLS handshake failed: a worker on mutual TLS refuses a client without a certificate its CA signed (--internal-tls-cert FILE --internal-tls-key FILE --internal-tls-ca FILE, the cluster\'s), or the worker process is gone';
   return undefined;
+}
+
+/** The host[:port] of a URL, as given (the URL itself when it does not parse). */
+function hostOf(url: string): string {
+  try {
+    return new URL(url).host;
+  } catch {
+    return url;
+  }
 }
 
 /** The diagnosis of one snapshot (see the module doc). */
@@ -152,12 +163,26 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   const routerUrl = o.routerUrl ?? snap.router?.url ?? 'ROUTER';
   const f: Finding[] = [];
   const add = (x: Omit<Finding, 'weight'> & { weight?: number }) => f.push({ weight: 0, ...x });
-  const doctorCmd = (env: string[], tail: string[]) => [...env, ...(o.doctor?.env ?? []), 'pdserve doctor --url', routerUrl, ...(o.doctor?.flags ?? []), ...tail].join(' ');
+  // a suggested doctor command: this run's credentials (an assignment in `env` replaces this run's of the same variable)
+  const doctorCmd = (env: string[], tail: string[]) => {
+    const named = new Set(env.map((e) => e.split('=')[0]));
+    return [...env, ...(o.doctor?.env ?? []).filter((e) => !named.has(e.split('=')[0])), 'pdserve doctor --url', routerUrl, ...(o.doctor?.flags ?? []), ...tail].join(' ');
+  };
   const doctorReq = (id: string) => doctorCmd([], ['--request', id]);
 
   // ---- reachability ---------------------------------------------------------------------------
   const router = snap.router;
-  if (router && !router.workers.ok) {
+  if (router && !router.workers.ok && router.workers.status === 401) {
+    add({
+      severity: 'critical',
+      kind: 'router_refused_key',
+      title: `router ${router.url} refuses doctor's GET /workers: its admin key is missing or wrong (HTTP 401)`,
+      details: [`GET /health: ${router.health.ok ? 'ok' : router.health.error}`],
+      cause: 'the router has admin keys (or API keys) and doctor sent none of them: PDSERVE_ADMIN_API_KEY (or --admin-api-key) is unset or holds another key',
+      next: [doctorCmd(['PDSERVE_ADMIN_API_KEY=<one of the router\'s admin keys>'], [])],
+      weight: 1e12,
+    });
+  } else if (router && !router.workers.ok) {
     add({
       severity: 'critical',
       kind: 'router_unreachable',

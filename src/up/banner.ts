@@ -5,7 +5,7 @@
  * that can read the cluster's rooms.
  */
 import { rmSync, writeFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { join, resolve } from 'node:path';
 
 /** What the started router asks of a client. */
 export interface TryAccess {
@@ -47,6 +47,16 @@ export function writeSecretFile(dir: string, secret: string): string | null {
   }
 }
 
+/**
+ * The file `up` read its cluster secret from, as an absolute path, for the doctor line: the
+ * `--cluster-secret-file` flag, else PDSERVE_CLUSTER_SECRET_FILE unless PDSERVE_CLUSTER_SECRET is
+ * set (../cli/secrets.ts `clusterSecretOf`'s order); null for a secret given by value or none.
+ */
+export function givenSecretFile(o: { clusterSecretFile?: string }, env: NodeJS.ProcessEnv = process.env): string | null {
+  const f = o.clusterSecretFile ?? (env.PDSERVE_CLUSTER_SECRET ? undefined : env.PDSERVE_CLUSTER_SECRET_FILE);
+  return f ? resolve(f) : null;
+}
+
 /** What the started cluster asks of `doctor`, for the banner's doctor line. */
 export interface DoctorAccess {
   /** The router serves HTTPS (`--tls-cert`): doctor needs `--ca` for it. */
@@ -58,8 +68,8 @@ export interface DoctorAccess {
 }
 
 /**
- * The banner's doctor command: with the file of a secret `up` generated, doctor reads the secret
- * from there (PDSERVE_CLUSTER_SECRET_FILE: no shell substitution, the secret itself is never
+ * The banner's doctor command: with the file of the secret (the one `up` was given, or the one it
+ * wrote for a secret it generated), doctor reads the secret from there (PDSERVE_CLUSTER_SECRET_FILE: no shell substitution, the secret itself is never
  * printed); else it relies on the caller's own
  * PDSERVE_CLUSTER_SECRET, the secret `up` was given (or could not write). A keyed router adds
  * `PDSERVE_ADMIN_API_KEY=<placeholder>`, HTTPS adds `--ca CA.pem` (the placeholder `tryLines`

@@ -85,10 +85,26 @@ describe('diagnose', () => {
     const w = { ref: { role: 'decode' as const, url: 'https://w:1', router: { healthy: true } }, health: cut, metrics: cut, rooms: cut };
     assert.match(diagnose(snap([worker('prefill'), w])).findings.find((f) => f.kind === 'worker_unreachable')!.cause, /mutual TLS.*--internal-tls-cert/);
     assert.match(tlsCause('https://w:1', 'SELF_SIGNED_CERT_IN_CHAIN', 'worker')!, /--internal-tls-ca FILE/);
+    // a certificate the CA signed for another name, or an expired one: giving the CA would not help
+    assert.match(tlsCause('https://127.0.0.1:8444', 'ERR_TLS_CERT_ALTNAME_INVALID', 'router')!, /^the router's TLS certificate does not name 127\.0\.0\.1:8444, the host doctor dialed: reissue it .*subjectAltName/);
+    assert.doesNotMatch(tlsCause('https://r', 'ERR_TLS_CERT_ALTNAME_INVALID', 'router')!, /--ca/);
+    assert.match(tlsCause('https://w:1', 'CERT_HAS_EXPIRED', 'worker')!, /expired or not yet valid: renew it/);
     // not TLS: the usual causes stay
     assert.equal(tlsCause('http://w:1', 'UND_ERR_SOCKET', 'worker'), undefined, 'plain HTTP');
     assert.equal(tlsCause('https://r', 'ECONNREFUSED', 'router'), undefined);
     assert.match(diagnose(snap([worker('prefill'), worker('decode', { reachable: false })])).findings.find((f) => f.kind === 'worker_unreachable')!.cause, /worker process died/);
+  });
+
+  test('a router that refuses the admin key is named as such, not as a dead router, with the command that sends one', () => {
+    const refused: Fetched<never> = { ok: false, status: 401, ms: 2, error: 'HTTP 401', body: null };
+    const s = snap([]);
+    const d = diagnose({ ...s, router: { ...s.router!, workers: refused } }, { routerUrl: 'https://r', doctor: { env: ['PDSERVE_ADMIN_API_KEY=<the admin key>'], flags: ['--ca /etc/pd/ca.pem'] } });
+    assert.ok(!d.findings.some((f) => f.kind === 'router_unreachable'), JSON.stringify(d.findings));
+    const f = d.findings.find((x) => x.kind === 'router_refused_key')!;
+    assert.equal(f.severity, 'critical');
+    assert.match(f.title, /admin key is missing or wrong/);
+    assert.match(f.cause, /PDSERVE_ADMIN_API_KEY/);
+    assert.deepEqual(f.next, ["PDSERVE_ADMIN_API_KEY=<one of the router's admin keys> pdserve doctor --url https://r --ca /etc/pd/ca.pem"]);
   });
 
   test('workers that refuse /debug/rooms unsigned (doctor without the cluster secret): one warning naming them, not silence', () => {

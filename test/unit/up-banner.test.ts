@@ -2,9 +2,9 @@
 import assert from 'node:assert/strict';
 import { lstatSync, mkdtempSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { join, resolve } from 'node:path';
 import { test } from 'node:test';
-import { doctorLine, tryLines, writeSecretFile } from '../../src/up/banner.js';
+import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../../src/up/banner.js';
 
 const README = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
 
@@ -57,4 +57,12 @@ test('the doctor line of a locked cluster: the admin key (or an API key) by plac
   assert.equal(line, 'PDSERVE_CLUSTER_SECRET_FILE=/tmp/l/cluster-secret PDSERVE_ADMIN_API_KEY=ADMIN_KEY node bin/pdserve.js doctor --url https://127.0.0.1:8443 --ca CA.pem --internal-tls-cert /etc/pd/node.crt --internal-tls-key /etc/pd/node.key --internal-tls-ca /etc/pd/ca.crt');
   assert.match(doctorLine('http://h:1', null, { key: 'KEY' }), /^PDSERVE_CLUSTER_SECRET=<the cluster secret> PDSERVE_ADMIN_API_KEY=KEY node bin\/pdserve\.js doctor --url http:\/\/h:1$/);
   assert.equal(doctorLine('http://h:1', null, { key: null, internalTls: {} }), doctorLine('http://h:1', null), 'an open cluster: nothing added');
+});
+
+test("a secret up was given in a file: the doctor line names that file (flag, else the workers' variable), not a placeholder", () => {
+  assert.equal(givenSecretFile({ clusterSecretFile: '/etc/pd/secret' }, { PDSERVE_CLUSTER_SECRET: 'x'.repeat(16) }), '/etc/pd/secret', 'the flag wins');
+  assert.equal(givenSecretFile({}, { PDSERVE_CLUSTER_SECRET_FILE: 'rel/secret' }), resolve('rel/secret'), 'absolute: doctor may run elsewhere');
+  assert.equal(givenSecretFile({}, { PDSERVE_CLUSTER_SECRET: 'x'.repeat(16), PDSERVE_CLUSTER_SECRET_FILE: '/f' }), null, 'the value wins over the file, as for the workers');
+  assert.equal(givenSecretFile({}, {}), null);
+  assert.equal(doctorLine('https://r:1', givenSecretFile({}, { PDSERVE_CLUSTER_SECRET_FILE: '/etc/pd/secret' }), { key: 'ADMIN_KEY' }), 'PDSERVE_CLUSTER_SECRET_FILE=/etc/pd/secret PDSERVE_ADMIN_API_KEY=ADMIN_KEY node bin/pdserve.js doctor --url https://r:1');
 });
