@@ -95,6 +95,8 @@ export class ColocatedBackend {
     const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
     await checkSampling(this.engine, sampling);
     const slot = await this.acquire(signal, tokens);
+    const leasedKey = this.kvTracker ? body.conversation_key : undefined;
+    if (leasedKey) this.kvTracker!.noteLeased(leasedKey);
     this.running++;
     const entry: ColocatedRunning = { rid: body.rid, prompt_tokens: tokens.length, cached_tokens: 0, path: 'colocated', t0: systemClock.nowMs() };
     this.live.set(body.rid, entry);
@@ -127,6 +129,7 @@ export class ColocatedBackend {
       this.running--;
       if (this.live.get(body.rid) === entry) this.live.delete(body.rid);
       this.release(slot);
+      if (leasedKey) this.kvTracker!.noteReleased(leasedKey);
     }
   }
 }

@@ -230,6 +230,8 @@ export class DecodeWorker {
     if (admitted.refused) return sendError(reply, admitted.refused);
     const { job } = admitted;
     const off = onClientGone(reply, () => this.abort(undefined, room, 'client'));
+    const leasedKey = job.conversationKey;
+    if (leasedKey) this.kvTracker?.noteLeased(leasedKey);
     try {
       let start: DecodeStart;
       try {
@@ -244,6 +246,7 @@ export class DecodeWorker {
       }
     } finally {
       off();
+      if (leasedKey) this.kvTracker?.noteReleased(leasedKey);
     }
   }
 

@@ -2,7 +2,7 @@
  * The host-wide prefix store: the states of finished sequences that the engines' first tier
  * evicts (engine/llama.ts: write-back), as files in the state directory, shared
  * by every worker process on the host (prefill, decode, colocated) with no channel between them
- * — the directory is the index. The engine's second prefix-cache tier (engine/prefix-store.ts
+ * — the directory is the truth (each process keeps an index of it: Index below). The engine's second prefix-cache tier (engine/prefix-store.ts
  * has the keys and the engine's seam). The idea is llama.cpp server's `--cache-ram` (finished
  * prompts kept in host RAM and swapped into a slot) and SGLang HiCache's host tier, over files,
  * because node-llama-cpp moves sequence state through files only.
@@ -30,6 +30,12 @@
  *     bind and every STATE_SWEEP_MS: statefiles.ts, also run by prefill and decode).
  *   - Never blocks the event loop: fs.promises only; the synchronous work per lookup is one
  *     CRC-32 (≈9 GB/s) and a header walk.
+ *
+ * Index: each process keeps the entry names it knows in memory (filled by each directory
+ * listing, by its own writes, evictions and refusals; other processes' writes appear at the next
+ * listing, taken at most every INDEX_FRESH_MS and only when a lookup needs it), so a miss costs
+ * no file system call. The index is a hint: a hit still opens the file (`take`) or checks it is
+ * there (`reusable`), and every rule above applies to what is opened.
  *
  * Budget and LRU: every process keeps the directory's entries within `maxBytes` (its own
  * `--prefix-store-bytes`; with several values on a host the smallest wins in effect): after
@@ -63,6 +69,8 @@ export const SCAN_MS = 5000;
 export const MAX_PENDING_WRITES = 32;
 /** Most publications (a state read into memory, enveloped, written) at once per process: bounds the memory they hold. */
 export const MAX_PUBLISHING = 2;
+/** Oldest directory listing a lookup trusts, ms: a younger one answers a miss with no system call; an older one is refreshed by one readdir(2) (shared by lookups meanwhile). */
+export const INDEX_FRESH_MS = 200;
 /** Longest a lookup waits for this process's own write of a candidate key, ms. */
 export const PENDING_WAIT_MS = 2000;
 
@@ -155,6 +163,13 @@ export class FilePrefixStore implements PrefixStore {
   /** Keys being written by this process → settles when the write is published or given up. */
   private readonly writing = new Map<string, Promise<void>>();
   private scanning: Promise<void> | null = null;
+  /** Entry keys in the directory as this process knows them (see Index in the module doc). */
+  private readonly index = new Set<string>();
+  /** When the index was last listed from the directory (monotonic ms; -Infinity: never). */
+  private indexAt = -Infinity;
+  private listing: Promise<void> | null = null;
+  /** This process's publications → when (monotonic ms): one renamed in while a listing ran is kept by it. */
+  private readonly ownWrites = new Map<string, number>();
   private rescan = false;
   private timer: NodeJS.Timeout | null = null;
   private lastSweep = 0;
@@ -230,9 +245,9 @@ export class FilePrefixStore implements PrefixStore {
   }
 
   /**
-   * The candidates whose entry exists, longest first (all probed at once: one access(2) each on
-   * libuv's pool) — after this process's own writes of any of them settled (PENDING_WAIT_MS at
-   * most) — or undefined when there were no candidates at all (no lookup to count).
+   * The candidates whose entry the index lists, longest first — after this process's own writes
+   * of any of them settled (PENDING_WAIT_MS at most) and with a listing no older than
+   * INDEX_FRESH_MS — or undefined when there were no candidates at all (no lookup to count).
    */
   private async present(cands: { key: string; tokens: number }[]): Promise<{ key: string; tokens: number }[] | undefined> {
     if (cands.length === 0) return undefined;
@@ -242,14 +257,57 @@ export class FilePrefixStore implements PrefixStore {
       await Promise.race([Promise.all(waits), new Promise<void>((r) => (t = setTimeout(r, PENDING_WAIT_MS)))]);
       clearTimeout(t);
     }
-    const here = await Promise.all(cands.map((c) => fsp.access(this.entryPath(c.key)).then(() => true, () => false)));
-    return cands.filter((_, i) => here[i]);
+    if (systemClock.nowMs() - this.indexAt >= INDEX_FRESH_MS) await this.listIndex();
+    return cands.filter((c) => this.index.has(c.key));
+  }
+
+  /** Refill the index from one readdir(2) of the directory (one at a time; callers meanwhile share it). Never throws. */
+  private listIndex(): Promise<void> {
+    this.listing ??= (async () => {
+      const at = systemClock.nowMs();
+      try {
+        this.setIndex(await fsp.readdir(this.o.dir), at);
+      } catch {
+        /* unreadable directory: keep what is known; take() checks every file it opens */
+      }
+    })().finally(() => {
+      this.listing = null;
+    });
+    return this.listing;
+  }
+
+  /** The index := the entries among `names` (a listing begun at monotonic `at` ms). */
+  private setIndex(names: readonly string[], at: number): void {
+    this.index.clear();
+    for (const name of names) {
+      const m = ENTRY.exec(name);
+      if (m) this.index.add(m[1]!);
+    }
+    for (const [key, t] of this.ownWrites) {
+      if (t >= at) this.index.add(key);
+      else this.ownWrites.delete(key);
+    }
+    this.indexAt = at;
+  }
+
+  /** Number of entries the index lists now (tests, /debug). */
+  get indexed(): number {
+    return this.index.size;
   }
 
   async reusable(prompt: readonly number[]): Promise<number> {
     const id = this.id;
     if (!id || this.closed) return 0;
-    const c = (await this.present(this.candidates(prompt, 0)))?.[0];
+    const cands = (await this.present(this.candidates(prompt, 0))) ?? [];
+    // the index is a hint: the chosen entry's file must be there (one access(2) on a hit)
+    let c: { key: string; tokens: number } | undefined;
+    for (const x of cands) {
+      if (await fsp.access(this.entryPath(x.key)).then(() => true, () => false)) {
+        c = x;
+        break;
+      }
+      this.index.delete(x.key);
+    }
     if (!c) return 0;
     // deterministic: the key ends at the exact prefix (whole chunks, when they are the blocks);
     // else the entry's length from its head: the prompt usually continues the whole stored sequence
@@ -281,7 +339,8 @@ export class FilePrefixStore implements PrefixStore {
           await fh.close();
         }
       } catch (err) {
-        if ((err as NodeJS.ErrnoException).code !== 'ENOENT') this.o.log?.warn({ path, err: String(err) }, 'prefix store: entry unreadable');
+        if ((err as NodeJS.ErrnoException).code === 'ENOENT') this.index.delete(c.key);
+        else this.o.log?.warn({ path, err: String(err) }, 'prefix store: entry unreadable');
         continue;
       }
       let parsed: { payload: Buffer; st: ReturnType<typeof parseStateFile> };
@@ -342,6 +401,8 @@ export class FilePrefixStore implements PrefixStore {
     this.stats.refused[reason]++;
     this.counters.refused?.inc({ reason });
     this.o.log?.warn({ path, reason, detail }, 'prefix store: entry refused and removed');
+    this.index.delete(c.key);
+    this.ownWrites.delete(c.key);
     try {
       if ((await fsp.stat(path)).ino !== ino) return;
       await fsp.rm(path, { force: true });
@@ -461,6 +522,8 @@ export class FilePrefixStore implements PrefixStore {
         await fh.close();
       }
       await fsp.rename(env, final);
+      this.index.add(key);
+      this.ownWrites.set(key, systemClock.nowMs());
       this.stats.writes++;
       this.counters.writes?.inc();
       this.emit({ kind: 'stored', tier: 'store', key, tokens: keyTokens, bytes });
@@ -502,11 +565,13 @@ export class FilePrefixStore implements PrefixStore {
   /** List the entries, evict the least recently used beyond the budget, refresh the gauges. Never throws. */
   private async scan(): Promise<void> {
     let names: string[];
+    const at = systemClock.nowMs();
     try {
       names = await fsp.readdir(this.o.dir);
     } catch {
       return;
     }
+    this.setIndex(names, at);
     const entries: { name: string; key: string; size: number; mtimeMs: number }[] = [];
     for (const name of names) {
       const m = ENTRY.exec(name);
@@ -526,6 +591,8 @@ export class FilePrefixStore implements PrefixStore {
         if (total <= this.o.maxBytes) break;
         try {
           await fsp.rm(join(this.o.dir, e.name));
+          this.index.delete(e.key);
+          this.ownWrites.delete(e.key);
           this.stats.evictions++;
           this.counters.evictions?.inc();
           this.emit({ kind: 'evicted', tier: 'store', key: e.key, tokens: 0, bytes: e.size });

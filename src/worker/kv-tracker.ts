@@ -13,7 +13,10 @@
  * It checks after every noted finish and whenever the engine's cached counts change (a 100 ms
  * probe of `cachedStats()`, O(idle sequences)), and publishes `stored` / `evicted` on every
  * change (tier 'sequence', key = the conversation key; a held key noted again for a later round
- * is announced again with its longer token count). Bounded: at most `maxEntries` tracked
+ * is announced again with its longer token count). While a request of the conversation runs
+ * (`noteLeased` … `noteReleased`: its sequence is leased, so no longer among the idle ones) the
+ * entry stays held unchecked: the conversation's next round is using it, and an evicted/stored
+ * pair per round would be churn for every router. Bounded: at most `maxEntries` tracked
  * (the oldest dropped with an `evicted` event beyond it); a noted entry the engine does not hold
  * within MAX_WAIT_PROBES probes (it kept nothing, or evicted it at once) is dropped silently.
  */
@@ -34,6 +37,8 @@ interface Tracked {
   /** A store check is in flight; when the last one was asked (monotonic ms, systemClock). */
   checking: boolean;
   checkedAt: number;
+  /** Requests of the conversation running now (noteLeased − noteReleased). */
+  leased: number;
 }
 
 /** Probes a noted entry may wait to become held before it is dropped (≈ 2 s). */
@@ -69,7 +74,7 @@ export class SequenceKvTracker {
   noteFinished(key: string, tokens: number[], promptTokens: number): void {
     const old = this.entries.get(key);
     this.entries.delete(key);
-    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, announced: old?.announced ?? 0, waited: 0, stored: undefined, checking: false, checkedAt: 0 });
+    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, announced: old?.announced ?? 0, waited: 0, stored: undefined, checking: false, checkedAt: 0, leased: old?.leased ?? 0 });
     while (this.entries.size > this.maxEntries) {
       const [k, e] = this.entries.entries().next().value as [string, Tracked];
       this.entries.delete(k);
@@ -78,15 +83,32 @@ export class SequenceKvTracker {
     this.sig = ''; // check at the next probe (the slot is released after the stream ends)
   }
 
+  /**
+   * A request of conversation `key` was admitted (its sequence is leased from now): the entry, if
+   * any, counts as held and is not re-checked until the matching `noteReleased`.
+   */
+  noteLeased(key: string): void {
+    const e = this.entries.get(key);
+    if (e) e.leased++;
+  }
+
+  /** A request `noteLeased` announced ended (finished, failed or aborted, after any noteFinished): check the entry again. */
+  noteReleased(key: string): void {
+    const e = this.entries.get(key);
+    if (e && e.leased > 0) e.leased--;
+    this.sig = '';
+  }
+
   /** Re-check every entry against the engine when its cached counts changed. */
   probe(): void {
     const s = this.engine.cachedStats();
     const sig = `${s.sequences}/${s.tokens}`;
     let waiting = false;
-    for (const e of this.entries.values()) if (!e.held) waiting = true;
+    for (const e of this.entries.values()) if (!e.held && e.leased === 0) waiting = true;
     if (sig === this.sig && !waiting) return;
     this.sig = sig;
     for (const [key, e] of this.entries) {
+      if (e.leased > 0) continue; // in use by the conversation's next round: held as it was
       const half = Math.max(1, Math.ceil(e.promptTokens / 2));
       const inSequence = this.engine.reusableFor(e.tokens) >= half;
       // dropped by the sequences: still served here if the host's prefix store holds it (asked

@@ -190,4 +190,45 @@ describe('decode: the sequence tier, from the engine itself', () => {
       t.close();
     }
   });
+  test("a conversation whose next round leased its sequence stays held, with no evicted/stored pair; released and gone, it is evicted", () => {
+    const idle: number[][] = [];
+    const engine = {
+      reusableFor: (p: readonly number[]) => Math.max(0, ...idle.map((t) => { let i = 0; while (i < t.length && i < p.length - 1 && t[i] === p[i]) i++; return i; })),
+      cachedStats: () => ({ sequences: idle.length, tokens: idle.reduce((n, t) => n + t.length, 0) }),
+    };
+    const log = new KvEventLog();
+    const t = new SequenceKvTracker(engine as never, log);
+    const kinds = (): string[] => log.read(log.epoch, 0).events.map((e) => `${e.kind}:${e.tokens}`);
+    try {
+      t.noteFinished('k:a', [1, 2, 3, 4, 5, 6], 4);
+      idle.push([1, 2, 3, 4, 5, 6]);
+      t.probe();
+      assert.deepEqual(kinds(), ['stored:6']);
+      // round 2: its request leases the sequence (no longer idle) and ends normally
+      t.noteLeased('k:a');
+      idle.length = 0;
+      t.probe();
+      assert.deepEqual(t.held, ['k:a'], 'leased to the next round: still held');
+      t.noteFinished('k:a', [1, 2, 3, 4, 5, 6, 7, 8, 9], 7);
+      t.noteReleased('k:a');
+      idle.push([1, 2, 3, 4, 5, 6, 7, 8, 9]);
+      t.probe();
+      assert.deepEqual(kinds(), ['stored:6', 'stored:9'], 'the longer copy announced, no evicted between');
+      // round 3 aborted: released without a finish, and the engine dropped the sequence
+      t.noteLeased('k:a');
+      idle.length = 0;
+      t.probe();
+      assert.equal(log.last, 2);
+      t.noteReleased('k:a');
+      t.probe();
+      assert.deepEqual(kinds(), ['stored:6', 'stored:9', 'evicted:9']);
+      assert.deepEqual(t.held, []);
+      t.noteLeased('k:unknown'); // not tracked: nothing to keep
+      t.noteReleased('k:unknown');
+      t.probe();
+      assert.equal(log.last, 3);
+    } finally {
+      t.close();
+    }
+  });
 });

@@ -15,7 +15,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, describe, test } from 'node:test';
 import { Registry } from 'prom-client';
-import { FilePrefixStore } from '../../src/runtime/prefix-store.js';
+import { FilePrefixStore, INDEX_FRESH_MS } from '../../src/runtime/prefix-store.js';
 import { parseStateFile } from '../../src/engine/ggsq.js';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
@@ -50,6 +50,8 @@ async function put(store: FilePrefixStore, tokens: number[], exactPrefix = token
 }
 
 const entries = (dir: string): string[] => readdirSync(dir).filter((n) => n.endsWith('.pdkv'));
+/** Wait until a store's index lists a file written from outside it (as by another process). */
+const listed = (): Promise<void> => new Promise((r) => setTimeout(r, INDEX_FRESH_MS + 10));
 
 describe('key chain', () => {
   test('a prefix has the leading keys of every longer token list; a change in block i changes keys i..', () => {
@@ -158,6 +160,33 @@ describe('FilePrefixStore', () => {
     store.close();
   });
 
+  test("the index: another process's entry is found once the listing is INDEX_FRESH_MS old; an entry removed behind it is a miss, never a throw", async () => {
+    const dir = freshDir();
+    const a = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    const b = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    a.bind(ID);
+    b.bind(ID);
+    const conv = toks(200);
+    const next = [...conv, 1, 2];
+    assert.equal(await b.take(next, 0), undefined, 'nothing stored yet: a miss (and a listing)');
+    assert.ok(await put(a, conv));
+    assert.equal(a.indexed, 1, "the writer's index has its own entry at once");
+    await listed();
+    assert.equal(await b.reusable(next), 200, "the other store lists the writer's entry once its listing is old");
+    const hit = await b.take(next, 0);
+    assert.equal(hit?.reuse, 200);
+    await hit?.done();
+    // removed from outside while both indexes still list it: the file check on the hit path misses
+    rmSync(path.join(dir, entries(dir)[0]!));
+    assert.equal(await a.reusable(next), 0, 'reusable checks the file the index names');
+    assert.equal(a.indexed, 0, 'and forgets it');
+    assert.equal(await b.take(next, 0), undefined, 'take opens the file the index names: gone, a miss');
+    assert.equal(b.indexed, 0);
+    assert.equal(b.stats.misses, 2);
+    a.close();
+    b.close();
+  });
+
   test('deterministic mode: keyed and reused by the exact prefix only', async () => {
     const dir = freshDir();
     const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
@@ -210,6 +239,7 @@ describe('FilePrefixStore', () => {
     const otherDir = path.dirname(other.entryPath('x'));
     const name = keyChain(storeNamespace(ID), long, 4, 64)[3]!;
     writeFileSync(store.entryPath(name), readFileSync(path.join(otherDir, entries(otherDir)[0]!)));
+    await listed();
     const refusedBefore = store.stats.refused.bad_envelope;
     const hit = await store.take(prompt, 0);
     assert.equal(store.stats.refused.bad_envelope, refusedBefore + 1, 'fingerprint mismatch refused');
@@ -220,6 +250,7 @@ describe('FilePrefixStore', () => {
     const misnamed = entries(dir).find((n) => n !== shortEntry)!;
     writeFileSync(store.entryPath(name), readFileSync(path.join(dir, misnamed)));
     rmSync(path.join(dir, misnamed));
+    await listed();
     const h2 = await store.take(prompt, 0);
     assert.equal(store.stats.refused.key_mismatch, 1);
     assert.equal(h2?.reuse, 140);
