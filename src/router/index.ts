@@ -130,7 +130,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const metrics = new RouterMetrics(registry);
   const policyOptions = { cacheThreshold: config.cacheThreshold, balanceAbsThreshold: config.balanceAbsThreshold, balanceRelThreshold: config.balanceRelThreshold, maxTreeChars: config.maxTreeChars };
   // One policy (and prefix tree) per role: prefill holds the prefix cache.
-  const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, policyOptions) };
+  const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, { ...policyOptions, packBatches: true }) };
   // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
   // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.

@@ -233,6 +233,7 @@ export class WorkerRegistry {
       }
       w.settings = settingsFromHealth(j.settings) ?? w.settings;
       w.gpu = gpuFromHealth(j.gpu) ?? w.gpu;
+      if (typeof j.slots === 'number' && Number.isSafeInteger(j.slots) && j.slots > 0) w.slots = j.slots;
       this.setDraining(w, false);
       if (w.role === 'prefill') w.toolSyntax = toolSyntaxFromHealth(j.tool_call_syntax);
       if (Array.isArray(j.served_model_names)) w.servedNames = j.served_model_names.filter((n: unknown): n is string => typeof n === 'string').slice(0, 16);

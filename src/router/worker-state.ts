@@ -31,6 +31,8 @@ export interface WorkerState {
   consecutiveFailures: number;
   /** The settings the worker must share with its pair (from /health), null when not reported. */
   settings: PairSettings | null;
-  /** GPU offload (from /health `gpu`; display only). */
+  /** GPU offload (from /health `gpu`; display, and decode batch packing on CPU hosts: policy/pack.ts). */
   gpu?: WorkerGpu;
+  /** Sequence slots (from /health `slots`; undefined when not reported). */
+  slots?: number;
 }

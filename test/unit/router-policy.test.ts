@@ -202,6 +202,40 @@ describe('session affinity', () => {
     assert.notEqual(p.pick(others, 'pin', 15, 'k:b')!.reason, 'affinity');
   });
 
+  it('decode batch packing on CPU hosts: the most loaded worker with a free slot; a held or sticky conversation still wins; GPUs and unknown hosts spread', () => {
+    const cpu = { gpu: null, gpu_devices: [], gpu_layers: '0/3' };
+    const pool = (loads: number[], slots = 4, gpu: object | undefined = cpu) => loads.map((load, i) => ({ url: `http://w${i}`, load, slots, gpu }));
+    const p = createPolicy('cache_aware', { packBatches: true, balanceAbsThreshold: 64 });
+    // eight new conversations at once, each pick's load counted before the next: 4 fill w0, then w1
+    const loads = [0, 0];
+    const got: string[] = [];
+    for (let i = 0; i < 8; i++) {
+      const pick = p.pick(pool(loads), String.fromCharCode(65 + i).repeat(20), i, `k:${i}`)!;
+      assert.equal(pick.reason, 'packed');
+      got.push(pick.worker.url);
+      loads[Number(pick.worker.url.slice(-1))]!++;
+    }
+    assert.deepEqual(got, [...Array(4).fill('http://w0'), ...Array(4).fill('http://w1')]);
+    // the busier worker first while it has a free slot, whichever it is in pool order
+    assert.equal(p.pick(pool([1, 3]), 'new a', 10, 'k:new-a')!.worker.url, 'http://w1');
+    // every slot in use: the usual smallest-tree rule
+    assert.notEqual(p.pick(pool([4, 4]), 'new b', 11, 'k:new-b')!.reason, 'packed');
+    // the cache-aware choices come first: a conversation stays on the worker that served it
+    assert.deepEqual(((x) => [x.worker.url, x.reason])(p.pick(pool([1, 3]), 'any text', 12, 'k:0')!), ['http://w0', 'affinity']);
+    const holds = (url: string) => url === 'http://w0';
+    assert.equal(p.pick(pool([0, 3]), 'other text', 13, 'k:held', holds)!.reason, 'held');
+    // the load guard: a worker it calls overloaded is not filled further
+    const guarded = createPolicy('cache_aware', { packBatches: true, balanceAbsThreshold: 2, balanceRelThreshold: 1.5 });
+    assert.equal(guarded.pick(pool([0, 3], 8), 'guarded', 0, 'k:g')!.worker.url, 'http://w0', 'w1 (3 vs 0) is overloaded');
+    // a GPU worker, or one that reports no slots or no offload, is not packed
+    const gpu = { gpu: 'cuda', gpu_devices: ['A100'], gpu_layers: '33/33' };
+    for (const c of [pool([0, 1], 4, gpu), pool([0, 1]).map(({ gpu: _g, ...w }) => w), pool([0, 1]).map(({ slots: _s, ...w }) => w)]) {
+      assert.notEqual(createPolicy('cache_aware', { packBatches: true }).pick(c, 'spread', 0, 'k:s')!.reason, 'packed');
+    }
+    // off by default (the prefill policy): spread as before
+    assert.notEqual(createPolicy('cache_aware').pick(pool([0, 1]), 'spread', 0, 'k:s')!.reason, 'packed');
+  });
+
   it('an affinity pick allows decode-local continuation, as a tree hit does', () => {
     const p = createPolicy('cache_aware');
     const w = workers(0, 0);

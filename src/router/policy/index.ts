@@ -16,9 +16,12 @@
  *   that served the key last when it is a candidate and not overloaded — its load exceeds the
  *   least loaded candidate's by more than `balanceAbsThreshold` AND is more than
  *   `balanceRelThreshold` times it (the imbalance rule, applied to that one worker).
+ *   With `packBatches` (the router's decode policy), the "smallest tree" fallback gives way to
+ *   batch packing on CPU hosts (./pack.ts): the most loaded worker with a free slot.
  */
 import { PrefixTree } from './radix-tree.js';
 import { SessionTable } from './affinity.js';
+import { packedWorker } from './pack.js';
 
 /** What a policy needs of a worker. */
 export interface PolicyWorker {
@@ -42,12 +45,14 @@ export interface CacheAwareOptions {
   maxTreeChars: number;
   /** Conversation keys remembered (LRU beyond). Default 65 536. */
   maxSessions: number;
+  /** Fill one worker's batch before the next on CPU hosts (./pack.ts) where no cache claim decides. Default false. */
+  packBatches: boolean;
 }
 
-export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20, maxSessions: 65_536 };
+export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20, maxSessions: 65_536, packBatches: false };
 
 /** Why a policy chose its worker (for logs and metrics). */
-export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity' | 'held';
+export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity' | 'held' | 'packed';
 
 export interface Pick<W extends PolicyWorker> {
   worker: W;
@@ -170,8 +175,11 @@ class CacheAware implements Policy {
           bestChars = n;
         }
       }
+      const packed = this.o.packBatches ? packedWorker(c, (load) => this.overloaded(load, min)) : undefined;
       if (best && text.length > 0 && bestChars / text.length > this.o.cacheThreshold) {
         pick = { worker: best, reason: 'cache_hit', matchedChars: bestChars };
+      } else if (packed) {
+        pick = { worker: packed, reason: 'packed', matchedChars: m.byTenant.get(packed.url) ?? 0 };
       } else {
         // Smallest tree = most room for new prefixes; ties: lower load, then in turn.
         let smallest = Infinity;
