@@ -344,6 +344,7 @@ export class PdRequest {
           leg.answered = true;
           status = statusCode;
           if (statusCode !== 200) return (errorBody = new TextSink(MAX_ERROR_BODY));
+          this.ctx.registry.noteExchange(leg.worker);
           return this.prefillReader(leg);
         },
         (err) => {
@@ -452,6 +453,7 @@ export class PdRequest {
         this.legFailed(leg, workerError('decode', res.statusCode, text));
         return;
       }
+      this.ctx.registry.noteExchange(leg.worker);
       for await (const data of readSse(res.body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
         if (this.over && this.outcome !== 'ok') break;
         if (data === SSE_DONE) {

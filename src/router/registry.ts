@@ -6,7 +6,11 @@
  *   `status: 'ok'` and, when present, `role` equal to the configured role. `model` (string) is
  *   remembered for /v1/models. A worker is skipped after `unhealthyAfter` consecutive failed
  *   probes (timeouts, bad answers), or at once when the connection is refused (by a probe or
- *   while dispatching: `markUnreachable`); the next successful probe restores it.
+ *   while dispatching: `markUnreachable`); the next successful probe restores it. A healthy
+ *   worker that answered a generation request with 200 within the last `intervalMs`
+ *   (`noteExchange`) skips its periodic probe — that answer says what the probe would — but at
+ *   most MAX_SKIPPED_PROBES polls in a row, so its settings, slots and decode's prefill pool
+ *   stay refreshed.
  * - Load: the router's own count of in-flight requests per worker. `acquire()` returns a
  *   `Lease` whose `release()` decrements exactly once (later calls are no-ops returning false).
  * - Draining: a worker whose /health says `status: 'draining'` (or that refused a request with
@@ -25,6 +29,9 @@ import { gpuFromHealth, UNKNOWN_GPU } from '../engine/gpu.js';
 import { toolSyntaxFromHealth } from '../api/tool-calls.js';
 import type { WorkerRole, WorkerState } from './worker-state.js';
 export type { WorkerRole, WorkerState };
+
+/** Most periodic probes in a row a worker skips for its recent successful exchanges (then one is sent anyway). */
+export const MAX_SKIPPED_PROBES = 4;
 
 /** JSON row of GET /workers. */
 export interface WorkerSnapshot {
@@ -85,6 +92,10 @@ export class WorkerRegistry {
   /** Probes asked for while one was in flight: run again when it settles (a restart must not wait a poll). */
   private readonly recheck = new Set<WorkerState>();
   private readonly warnedBootstrap = new Set<WorkerState>();
+  /** Per worker: monotonic ms of its last successful exchange (noteExchange), periodic probes skipped in a row. */
+  private readonly exchanged = new WeakMap<WorkerState, { at: number; skipped: number }>();
+  /** Periodic probes skipped so far (tests, /debug). */
+  skippedProbes = 0;
   private timer: NodeJS.Timeout | null = null;
   private stopped = false;
   /** Called when `upsert()` adds a worker that was not in the pool (membership: a join). */
@@ -179,7 +190,7 @@ export class WorkerRegistry {
   private schedule(): void {
     if (this.stopped) return;
     this.timer = setTimeout(() => {
-      void this.checkAll().finally(() => this.schedule());
+      void this.pollAll().finally(() => this.schedule());
     }, this.opts.intervalMs);
     this.timer.unref();
   }
@@ -197,6 +208,33 @@ export class WorkerRegistry {
   /** Probe all workers concurrently; resolves when every probe settled. Never rejects. */
   async checkAll(): Promise<void> {
     await Promise.all(this.workers.map((w) => this.check(w)));
+  }
+
+  /**
+   * `w` answered a request with 200 just now (dispatch: a /generate response's head): its next
+   * periodic probe may be skipped (see Health in the module doc).
+   */
+  noteExchange(w: WorkerState): void {
+    const e = this.exchanged.get(w);
+    if (e) e.at = systemClock.nowMs();
+    else this.exchanged.set(w, { at: systemClock.nowMs(), skipped: 0 });
+  }
+
+  /** The periodic poll: every worker, except a healthy one with a successful exchange within intervalMs (MAX_SKIPPED_PROBES in a row at most). */
+  private pollAll(): Promise<void> {
+    const now = systemClock.nowMs();
+    return Promise.all(
+      this.workers.map((w) => {
+        const e = this.exchanged.get(w);
+        if (e && w.healthy && !w.draining && now - e.at < this.opts.intervalMs && e.skipped < MAX_SKIPPED_PROBES) {
+          e.skipped++;
+          this.skippedProbes++;
+          return undefined;
+        }
+        if (e) e.skipped = 0;
+        return this.check(w);
+      }),
+    ).then(() => {});
   }
 
   /** Probe one worker. A probe already in flight is not doubled; with `again` one more runs when it settles. Never rejects. */

@@ -921,6 +921,46 @@ describe('router: scheduling and load accounting', () => {
     assert.equal(reg.releasedTotal, 2);
   });
 
+  test("a worker that answered with 200 within the probe interval skips its periodic probe, at most MAX_SKIPPED_PROBES in a row; an idle one is probed every interval", async () => {
+    const hits = { busy: 0, idle: 0 };
+    const apps = await Promise.all((['busy', 'idle'] as const).map(async (name) => {
+      const app = Fastify();
+      app.get('/health', async () => {
+        hits[name]++;
+        return { status: 'ok', role: 'decode', model: 'm' };
+      });
+      await app.listen({ port: 0, host: '127.0.0.1' });
+      return app;
+    }));
+    const urls = apps.map((a) => `http://127.0.0.1:${(a.server.address() as { port: number }).port}`);
+    const reg = new WorkerRegistry({ prefill: [], decode: urls.map((url) => ({ url })) } as never, { dispatcher: undefined as never, log: pino({ level: 'silent' }), intervalMs: 40, timeoutMs: 1000 });
+    try {
+      await reg.start();
+      const [busy, idle] = reg.workers;
+      assert.ok(busy!.healthy && idle!.healthy);
+      const start = { ...hits };
+      const ticker = setInterval(() => reg.noteExchange(busy!), 5);
+      await sleep(40 * 12);
+      clearInterval(ticker);
+      const busyProbes = hits.busy - start.busy;
+      const idleProbes = hits.idle - start.idle;
+      assert.ok(idleProbes >= 6, `the idle worker is probed every interval (${idleProbes})`);
+      assert.ok(busyProbes >= 1, 'a busy worker is still probed once every MAX_SKIPPED_PROBES + 1 polls');
+      assert.ok(busyProbes * 3 <= idleProbes, `the busy worker skipped most probes (${busyProbes} vs ${idleProbes})`);
+      assert.ok(reg.skippedProbes > 0);
+      // an unhealthy worker is probed whatever its last exchange
+      reg.setUnhealthy(busy!, 'down');
+      reg.noteExchange(busy!);
+      const before = hits.busy;
+      await sleep(40 * 3);
+      assert.ok(hits.busy > before, 'probed while unhealthy');
+      assert.ok(busy!.healthy, 'and restored by the probe');
+    } finally {
+      reg.stop();
+      for (const app of apps) await app.close();
+    }
+  });
+
   test('pick: least loaded healthy worker, ties round-robin, unhealthy skipped', () => {
     const reg = new WorkerRegistry(
       parseRouterConfig({ prefill: [{ url: 'http://127.0.0.1:1', bootstrapPort: 2 }], decode: [{ url: 'http://127.0.0.1:3' }, { url: 'http://127.0.0.1:4' }, { url: 'http://127.0.0.1:5' }], log: { level: 'silent' } }),
