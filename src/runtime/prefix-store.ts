@@ -31,11 +31,13 @@
  *   - Never blocks the event loop: fs.promises only; the synchronous work per lookup is one
  *     CRC-32 (≈9 GB/s) and a header walk.
  *
- * Index: each process keeps the entry names it knows in memory (filled by each directory
- * listing, by its own writes, evictions and refusals; other processes' writes appear at the next
- * listing, taken at most every INDEX_FRESH_MS and only when a lookup needs it), so a miss costs
- * no file system call. The index is a hint: a hit still opens the file (`take`) or checks it is
- * there (`reusable`), and every rule above applies to what is opened.
+ * Index: each process keeps the entry names it knows in memory, so a miss costs no system call.
+ * It is filled by each directory listing (the budget scan), by this process's own writes,
+ * evictions and refusals, and by the directory's change notifications (fs.watch, inotify on
+ * Linux) for other processes' writes; where the folder cannot be watched, a lookup that finds
+ * the listing older than INDEX_FRESH_MS lists it again first (one readdir(2)). The index is a
+ * hint: a hit still opens the file (`take`) or checks it is there (`reusable`), a name it lists
+ * that is gone is dropped then, and every rule above applies to what is opened.
  *
  * Budget and LRU: every process keeps the directory's entries within `maxBytes` (its own
  * `--prefix-store-bytes`; with several values on a host the smallest wins in effect): after
@@ -45,7 +47,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { systemClock } from '../base/clock.js';
-import { promises as fsp, statfsSync } from 'node:fs';
+import { promises as fsp, statfsSync, watch, type FSWatcher } from 'node:fs';
 import os from 'node:os';
 import { join } from 'node:path';
 import client from 'prom-client';
@@ -69,7 +71,7 @@ export const SCAN_MS = 5000;
 export const MAX_PENDING_WRITES = 32;
 /** Most publications (a state read into memory, enveloped, written) at once per process: bounds the memory they hold. */
 export const MAX_PUBLISHING = 2;
-/** Oldest directory listing a lookup trusts, ms: a younger one answers a miss with no system call; an older one is refreshed by one readdir(2) (shared by lookups meanwhile). */
+/** Without change notifications: the oldest directory listing a lookup trusts, ms (an older one is refreshed by one readdir(2), shared by lookups meanwhile). */
 export const INDEX_FRESH_MS = 200;
 /** Longest a lookup waits for this process's own write of a candidate key, ms. */
 export const PENDING_WAIT_MS = 2000;
@@ -168,8 +170,10 @@ export class FilePrefixStore implements PrefixStore {
   /** When the index was last listed from the directory (monotonic ms; -Infinity: never). */
   private indexAt = -Infinity;
   private listing: Promise<void> | null = null;
-  /** This process's publications → when (monotonic ms): one renamed in while a listing ran is kept by it. */
+  /** Keys added by this process's publications and by change notifications → when (monotonic ms): one added while a listing ran is kept by it. */
   private readonly ownWrites = new Map<string, number>();
+  /** The directory's change notifications (null: none; lookups then list the folder when the index is old). */
+  private watcher: FSWatcher | null = null;
   private rescan = false;
   private timer: NodeJS.Timeout | null = null;
   private lastSweep = 0;
@@ -194,17 +198,45 @@ export class FilePrefixStore implements PrefixStore {
     this.ns = storeNamespace(id);
     if (this.o.blockTokens === undefined) this.blockTokens = id.align ?? STORE_BLOCK_TOKENS;
     this.lastSweep = systemClock.nowMs();
+    this.watchDir();
     void sweepStaleStateFiles(this.o.dir, this.o.log);
     this.scheduleScan();
     this.timer = setInterval(() => this.tick(), this.o.scanMs ?? SCAN_MS);
     this.timer.unref();
   }
 
-  /** Stop the scan timer (pending writes finish on their own). Idempotent. */
+  /** Stop the scan timer and the change notifications (pending writes finish on their own). Idempotent. */
   close(): void {
     this.closed = true;
     if (this.timer) clearInterval(this.timer);
     this.timer = null;
+    this.watcher?.close();
+    this.watcher = null;
+  }
+
+  /**
+   * Watch the directory: an entry name renamed in or out is added to the index (a name that is
+   * gone is dropped at its next lookup or listing). Without notifications (fs.watch throws or
+   * fails later) lookups list the folder when the index is older than INDEX_FRESH_MS.
+   */
+  private watchDir(): void {
+    try {
+      const w = watch(this.o.dir, { persistent: false }, (_event, name) => {
+        const m = typeof name === 'string' ? ENTRY.exec(name) : null;
+        if (m) {
+          this.index.add(m[1]!);
+          this.ownWrites.set(m[1]!, systemClock.nowMs());
+        } else if (name == null) this.indexAt = -Infinity; // the kernel dropped names: list again
+      });
+      w.on('error', () => {
+        w.close();
+        if (this.watcher === w) this.watcher = null;
+        this.indexAt = -Infinity;
+      });
+      this.watcher = w;
+    } catch {
+      this.watcher = null;
+    }
   }
 
   /** Subscribe to stored / evicted events of this process's store operations; returns the unsubscribe function. */
@@ -257,7 +289,8 @@ export class FilePrefixStore implements PrefixStore {
       await Promise.race([Promise.all(waits), new Promise<void>((r) => (t = setTimeout(r, PENDING_WAIT_MS)))]);
       clearTimeout(t);
     }
-    if (systemClock.nowMs() - this.indexAt >= INDEX_FRESH_MS) await this.listIndex();
+    // notifications keep the index current once one listing filled it; without them it ages
+    if (this.indexAt === -Infinity || (!this.watcher && systemClock.nowMs() - this.indexAt >= INDEX_FRESH_MS)) await this.listIndex();
     return cands.filter((c) => this.index.has(c.key));
   }
 

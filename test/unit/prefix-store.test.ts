@@ -10,7 +10,7 @@
  */
 import assert from 'node:assert/strict';
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, utimesSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, promises as fsp, readdirSync, readFileSync, rmSync, statSync, truncateSync, utimesSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, describe, test } from 'node:test';
@@ -160,7 +160,7 @@ describe('FilePrefixStore', () => {
     store.close();
   });
 
-  test("the index: another process's entry is found once the listing is INDEX_FRESH_MS old; an entry removed behind it is a miss, never a throw", async () => {
+  test("the index: a miss costs no file system call; another process's entry is found; an entry removed behind it is a miss, never a throw", async () => {
     const dir = freshDir();
     const a = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
     const b = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
@@ -169,6 +169,20 @@ describe('FilePrefixStore', () => {
     const conv = toks(200);
     const next = [...conv, 1, 2];
     assert.equal(await b.take(next, 0), undefined, 'nothing stored yet: a miss (and a listing)');
+    // once listed, misses touch no file: count the store's fs.promises calls over 20 of them
+    const counted = ['readdir', 'access', 'open', 'stat'] as const;
+    const saved = counted.map((k) => fsp[k]);
+    let calls = 0;
+    for (const k of counted) (fsp as unknown as Record<string, (...a: unknown[]) => unknown>)[k] = (...args: unknown[]) => (calls++, (saved[counted.indexOf(k)] as (...a: unknown[]) => unknown)(...args));
+    try {
+      for (let i = 0; i < 20; i++) {
+        assert.equal(await b.take([...toks(300, 20 + i), 1], 0), undefined);
+        assert.equal(await b.reusable([...toks(300, 40 + i), 1]), 0);
+      }
+    } finally {
+      counted.forEach((k, i) => ((fsp as unknown as Record<string, unknown>)[k] = saved[i]));
+    }
+    assert.equal(calls, 0, 'no readdir, access, open or stat for a miss');
     assert.ok(await put(a, conv));
     assert.equal(a.indexed, 1, "the writer's index has its own entry at once");
     await listed();
@@ -182,7 +196,7 @@ describe('FilePrefixStore', () => {
     assert.equal(a.indexed, 0, 'and forgets it');
     assert.equal(await b.take(next, 0), undefined, 'take opens the file the index names: gone, a miss');
     assert.equal(b.indexed, 0);
-    assert.equal(b.stats.misses, 2);
+    assert.equal(b.stats.misses, 22);
     a.close();
     b.close();
   });
@@ -342,6 +356,8 @@ describe('FilePrefixStore', () => {
         assert.equal(h.reuse, 300);
         await h.done();
       }
+      // a miss does no I/O (the index answers): let the writers' exit events in
+      await new Promise((r) => setImmediate(r));
     }
     const [a, b] = await both;
     assert.ok(a.writes + b.writes >= 50, `the writers stored ${a.writes} + ${b.writes} times`);
