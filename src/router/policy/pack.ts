@@ -13,10 +13,11 @@
  * "most spare cache" fallback. The idea is vLLM/SGLang's batch-first scheduling within one
  * engine, applied across the engines of one host.
  */
-import type { PolicyWorker } from './index.js';
-
-/** What packing needs of a worker: its slots and GPU offload from /health (undefined: not reported). */
-export interface PackWorker extends PolicyWorker {
+/** What packing needs of a worker (a PolicyWorker of ./index.ts, which imports this module): load, slots and GPU offload from /health (undefined: not reported). */
+export interface PackWorker {
+  readonly url: string;
+  /** In-flight requests. */
+  readonly load: number;
   /** Sequence slots (/health `slots`). */
   readonly slots?: number | undefined;
   /** GPU offload from /health `gpu` (backend null or "0/N" layers: CPU only); undefined: not reported. */
@@ -29,7 +30,7 @@ export interface PackWorker extends PolicyWorker {
  * not `overloaded`, or fewer than two candidates).
  * @param overloaded the policy's load guard for one worker's load (SGLang's imbalance rule).
  */
-export function packedWorker<W extends PolicyWorker>(c: readonly W[], overloaded: (load: number) => boolean): W | undefined {
+export function packedWorker<W extends { readonly load: number }>(c: readonly W[], overloaded: (load: number) => boolean): W | undefined {
   if (c.length < 2) return undefined;
   let best: W | undefined;
   for (const w of c as readonly (W & PackWorker)[]) {
