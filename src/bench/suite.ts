@@ -20,6 +20,7 @@ import os from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { ensureModel, describeModel } from '../engine/gguf-writer.js';
+import { KV_CACHE_TYPES, type KvCacheType } from '../engine/gpu.js';
 import { Cluster } from '../up/cluster.js';
 import { benchAgent, discoverModel, loadTokenizer, REPO_ROOT, sendRequest, type BenchTarget } from './index.js';
 import { runKvSection, type KvSectionResult } from './kv.js';
@@ -156,6 +157,11 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     // its §1 figures are not the handoff's: they must not land in the checkout's BENCHMARKS.md
     throw new Error(`PDSERVE_BENCH_KV_BOUND=${process.env.PDSERVE_BENCH_KV_BOUND} is a bound experiment, not the workers' path: run it with --out <scratch dir>`);
   }
+  // PDSERVE_BENCH_KV_CACHE_TYPE=q8_0: §2–6's workers and colocated server run with --kv-cache-type
+  // (an engineer's A/B; the checkout's figures are f16's, so it needs --out like the bound experiment)
+  const kvCacheType = process.env.PDSERVE_BENCH_KV_CACHE_TYPE || undefined;
+  if (kvCacheType !== undefined && !(KV_CACHE_TYPES as readonly string[]).includes(kvCacheType)) throw new Error(`PDSERVE_BENCH_KV_CACHE_TYPE must be one of ${KV_CACHE_TYPES.join(', ')}, not ${kvCacheType}`);
+  if (kvCacheType !== undefined && root === REPO_ROOT && !o.renderOnly) throw new Error(`PDSERVE_BENCH_KV_CACHE_TYPE=${kvCacheType} is an A/B against the f16 figures: run it with --out <scratch dir>`);
   const kvReps = o.quick ? [2, 2, 1, 1] : parseKvReps(process.env.PDSERVE_BENCH_KV_REPS) ?? [12, 10, 8, 6];
   const resultsDir = join(root, 'bench', 'results');
   const plotsDir = join(root, 'bench', 'plots');
@@ -251,6 +257,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
       logDir,
       startTimeoutMs: 120_000,
       cpuAffinity: pinned ? { prefill: '0', decode: '1' } : undefined,
+      ...(kvCacheType ? { extraArgs: Object.fromEntries((['prefill', 'decode', 'colocated'] as const).map((r) => [r, ['--kv-cache-type', kvCacheType as KvCacheType]])) } : {}),
     });
     const dispatcher = benchAgent(64);
     const tokenizer = await loadTokenizer(modelPath);

@@ -220,7 +220,7 @@ describe('striped KV connections on real sockets', () => {
   });
 
   it('through the KV I/O thread (its pauses stop every socket) the striped file is byte-identical; every slot goes back', async () => {
-    const io = new KvIo({ slotBytes: 4096, slots: 16 });
+    const io = new KvIo({ slotBytes: 4096, slots: 16, minBytes: 0 });
     assert.ok(await io.start());
     const file = path.join(dir, 'stripe-io.ggsq');
     writeFileSync(file, state);
@@ -301,7 +301,7 @@ describe('striped KV connections on real sockets', () => {
   });
 
   it('a stripe lost mid-transfer fails the room on both sides within the liveness budget; slots, buffers, files and sockets all come back; the next connection works', async () => {
-    const io = new KvIo({ slotBytes: 4096, slots: 16 });
+    const io = new KvIo({ slotBytes: 4096, slots: 16, minBytes: 0 });
     assert.ok(await io.start());
     const file = path.join(dir, 'stripe-lost.ggsq');
     writeFileSync(file, state);

@@ -659,7 +659,7 @@ describe('the data path on the KV I/O thread (io-thread.ts)', () => {
 
   it('through the thread\'s slots, both ways, the file is byte-identical to the inline path\'s; every slot goes back', async () => {
     // slots far smaller than the state: many jobs, the reservation reused, the socket paused and resumed
-    const io = new KvIo({ slotBytes: 4096, slots: 16 });
+    const io = new KvIo({ slotBytes: 4096, slots: 16, minBytes: 0 });
     assert.equal(io.available, false, 'not available before the thread is ready (transfers go inline meanwhile)');
     assert.ok(await io.start(), 'the thread starts');
     assert.ok(io.available);
@@ -690,8 +690,35 @@ describe('the data path on the KV I/O thread (io-thread.ts)', () => {
     }
   });
 
+  it('a state smaller than the thread\'s minBytes goes inline on both sides (no job on the thread), byte-identical', async () => {
+    const io = new KvIo({ slotBytes: 4096, slots: 16, minBytes: state.length + 1 });
+    assert.ok(await io.start());
+    assert.equal(io.wants(state.length), false);
+    assert.equal(io.wants(state.length + 1), true);
+    const p = await pair(io);
+    const file = path.join(dir, 'io-small.ggsq');
+    writeFileSync(file, state);
+    try {
+      const h = head();
+      const rx = p.newReceiver('35', h, true);
+      const ended = new Promise<void>((r) => p.ends.set('35', r));
+      await sendStateFile(p.prefill, '35', file, h, state.length, { pool: new BufferPool(8192, 2), chunkBytes: 4096, io });
+      p.prefill.sendControl({ type: 'kv_end', room: '35' });
+      await ended;
+      assert.equal(p.errors.get('35'), undefined, 'no receive error');
+      const r = await rx.finish();
+      assert.ok(readFileSync(r.path).equals(state), 'the received file equals the sent state');
+      await rx.done();
+      assert.equal(io.jobs, 0, 'neither side used the thread');
+      assert.equal(io.freeSlots, 16, 'no slot reserved');
+    } finally {
+      await p.close();
+      await io.close();
+    }
+  });
+
   it('a thread that dies mid-transfer fails that room on each side (slots and descriptors back once, the file given up once); the process and the connection live, and the next room goes through a restarted thread', async () => {
-    const io = new KvIo({ slotBytes: 4096, slots: 16 });
+    const io = new KvIo({ slotBytes: 4096, slots: 16, minBytes: 0 });
     const p = await pair(io);
     const file = path.join(dir, 'io-crash.ggsq');
     writeFileSync(file, state);

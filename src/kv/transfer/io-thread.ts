@@ -9,7 +9,7 @@
  *
  * Bounds: `slots` slots of `slotBytes` in all (default 64 × 256 KiB = 16 MiB), handed out in
  * fixed reservations per transfer (`reserve`: a transfer that gets none does its I/O inline, on
- * the event loop, as before). Failure: a thread that dies (an uncaught error, a crash) fails
+ * the event loop, as does one below `minBytes`, IO_THREAD_MIN_BYTES by default: `wants`). Failure: a thread that dies (an uncaught error, a crash) fails
  * every stream it held (`IoStream.failed`, the stream's `onFail` once) and is started again, at
  * most `maxStarts` times per process. Transfers use the thread only once it said it is ready
  * (`available`; a start takes tens of ms, longer from source under tsx): before that, after the
@@ -31,8 +31,20 @@ export const IO_SLOTS = 64;
 /** Slots one transfer reserves (2 MiB in flight between the thread and the socket). */
 export const IO_SLOTS_PER_TRANSFER = 8;
 
+/**
+ * Smallest transfer (payload bytes) that goes through the thread (8 MiB); smaller ones do their
+ * file I/O and CRC-32 inline, in the same 256 KiB pieces. Below it the thread's hand-offs (a
+ * wake-up of the thread per piece and of the event loop per answer) cost more than the work they
+ * move: on this 2-core machine at load 14, inline took a 1 MiB handoff from 14.4 to 6.3 ms and a
+ * 4 MiB one from 21.0 to 14.9 ms, while its event-loop delay at 16 MiB (p99 64 ms against 18)
+ * shows why larger states keep the thread (BENCHMARKS.md §1).
+ */
+export const IO_THREAD_MIN_BYTES = 8 * 1024 * 1024;
+
 /** Options of a KvIo. */
 export interface KvIoOptions {
+  /** Smallest transfer, payload bytes, that `wants` the thread for (default IO_THREAD_MIN_BYTES). */
+  minBytes?: number;
   /** Bytes of one slot (default IO_SLOT_BYTES). */
   slotBytes?: number;
   /** Slots in all (default IO_SLOTS). */
@@ -194,6 +206,16 @@ export class KvIo {
   /** Slots not reserved now. */
   get freeSlots(): number {
     return this.free.length;
+  }
+
+  /** Smallest payload (bytes) a transfer does through the thread (KvIoOptions.minBytes). */
+  get minBytes(): number {
+    return this.o.minBytes ?? IO_THREAD_MIN_BYTES;
+  }
+
+  /** Whether a transfer of `payloadBytes` should use the thread: it is `available` and the transfer is at least `minBytes`. */
+  wants(payloadBytes: number): boolean {
+    return this.available && payloadBytes >= this.minBytes;
   }
 
   /** Up to `n` slots for one transfer (fewer, or none, when the pool is short). Give them back with `unreserve`. */

@@ -244,7 +244,7 @@ export class StateReceiver<S> {
       this.fd = f.fd;
       this.path = f.path;
       this.fileBytes = payloadBytes;
-      this.useThread();
+      this.useThread(payloadBytes);
       return;
     }
     if (this.o.path === undefined) throw new KvError('BAD_STATE', 'StateReceiver: neither path nor files given');
@@ -252,13 +252,13 @@ export class StateReceiver<S> {
     this.fd = openSync(this.o.path, 'w');
     ftruncateSync(this.fd, payloadBytes);
     this.fileBytes = payloadBytes;
-    this.useThread();
+    this.useThread(payloadBytes);
   }
 
   /** With `io`: reserve this receive's slots and a stream on the thread (none free, or no thread: inline). */
-  private useThread(): void {
+  private useThread(payloadBytes: number): void {
     const io = this.o.io;
-    if (!io?.available) return;
+    if (!io?.wants(payloadBytes)) return;
     const slots = io.reserve(IO_SLOTS_PER_TRANSFER);
     const stream = slots.length > 0 ? io.stream() : undefined;
     if (!stream) {

@@ -133,7 +133,7 @@ export function wireBytes(head: Buffer, payloadBytes: number): number {
  *   when the file's size is not `payloadBytes`; fs errors from reading it.
  */
 export async function sendStateFile(conn: PeerConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, opts: SendStateFileOptions): Promise<void> {
-  if (opts.io?.available) {
+  if (opts.io?.wants(payloadBytes)) {
     const slots = opts.io.reserve(IO_SLOTS_PER_TRANSFER);
     if (slots.length > 0) return sendThroughThread(conn, room, path, head, payloadBytes, opts.io, slots, opts);
   }
