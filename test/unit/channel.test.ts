@@ -458,8 +458,8 @@ describe('channel: chunks', () => {
 
   /**
    * The rooms of `before` start on one connection to a decode pool that reads slowly (it spins
-   * 0.2 ms in every read's chunk callback), so our queue stays at the window; room 99 (`after`)
-   * starts while it is full. The order on the wire is then decided by which room gets the space
+   * 0.2 ms in every read's chunk callback, and reads nothing until room 99 starts), so our queue
+   * stays at the window; room 99 (`after`) starts while it is full. The order on the wire is then decided by which room gets the space
    * each flush frees, not by timing. Returns each room's first and last byte as positions in the
    * stream of chunk bytes received.
    */
@@ -476,11 +476,15 @@ describe('channel: chunks', () => {
       at[room].last = total;
       for (const end = performance.now() + 0.2; performance.now() < end; );
     };
-    await p.pool.get('127.0.0.1', s.port);
+    const pc = await p.pool.get('127.0.0.1', s.port);
     await until(() => sc !== undefined);
+    // The pool reads nothing until room 99 is queued, so the window is full when it starts on
+    // any machine (a reader keeping up on an idle one, or a loaded one, left it short at times).
+    pc.pauseReads();
     const sends = Object.entries(before).map(([room, x]) => sc!.sendFrom(room, x.source));
-    await until(() => total >= window && sc!.queuedBytes >= window, 3000, 'the send window full while the peer reads');
+    await until(() => sc!.queuedBytes >= window, 10_000, 'the send window full');
     sends.push(sc!.sendFrom('99', after.source));
+    pc.resumeReads();
     const expected = Object.values(before).reduce((n, x) => n + x.bytes, after.bytes);
     await Promise.all(sends);
     await until(() => total === expected, 10_000, 'every byte received');

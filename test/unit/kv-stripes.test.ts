@@ -19,7 +19,7 @@ import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
 import { StripeReorder } from '../../src/kv/stripes.js';
 import type { RoomId } from '../../src/kv/types.js';
-import { KvIo } from '../../src/kv/transfer/io-thread.js';
+import { IO_SLOTS_PER_TRANSFER, KvIo } from '../../src/kv/transfer/io-thread.js';
 import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
@@ -312,21 +312,46 @@ describe('striped KV connections on real sockets', () => {
       const rx = x.newReceiver('41', h);
       const sendPool = new BufferPool(8 * 1024, 4);
       x.prefill.sendControl({ type: 'kv_begin', room: R(41), totalBytes: wireBytes(h, state.length) });
+      // From the kill on, the I/O thread's answers wait until the send has settled: the rest of
+      // the state (more than the thread reads ahead, asserted below) cannot reach the sockets
+      // before the prefill side has seen the loss, however slow the machine.
+      let holding = false;
+      const held: (() => void)[] = [];
+      const openStream = io.stream.bind(io);
+      io.stream = () => {
+        const st = openStream();
+        if (st) {
+          const answered = st.answered.bind(st);
+          st.answered = (r) => void (holding ? held.push(() => answered(r)) : answered(r));
+        }
+        return st;
+      };
       let killedAt = 0;
-      let pieces = 0;
+      let flushed = 0;
+      let leftAtKill = 0;
+      const total = wireBytes(h, state.length);
       const sent = sendStateFile(x.prefill, R(41), file, h, state.length, {
         pool: sendPool,
         pieceBytes: 1024,
         io,
-        onProgress: () => {
-          // a quarter of the way: one of decode's stripe sockets dies (as a reset would)
-          if (++pieces === Math.floor(state.length / 4096)) {
+        onProgress: (n) => {
+          // a quarter of the bytes flushed: one of decode's stripe sockets dies (as a reset would).
+          // Counted in bytes: the I/O thread's pieces are its slots (4 KiB), not pieceBytes.
+          flushed += n;
+          if (!killedAt && flushed >= total / 4) {
             killedAt = performance.now();
+            leftAtKill = total - flushed;
+            holding = true;
             x.decode.stripeSockets[1]!.destroy('test: stripe socket killed');
           }
         },
       });
+      // (A send that flushed everything to the kernel before the loss resolves, as on one socket:
+      // decode's kv_ack, never sent, decides the room. Hence the hold.)
       await assert.rejects(sent, /PEER_LOST|gone/);
+      holding = false;
+      for (const answer of held.splice(0)) answer();
+      assert.ok(leftAtKill > IO_SLOTS_PER_TRANSFER * 4096 + 4, `killed mid-transfer: ${leftAtKill} of ${total} bytes left, more than the thread reads ahead`);
       for (let i = 0; x.lost.length < 2; i++) {
         assert.ok(i < 300, `both sides lost the connection (have ${JSON.stringify(x.lost)})`);
         await new Promise((r) => setTimeout(r, 10));
