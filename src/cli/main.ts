@@ -4,7 +4,7 @@
  */
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { randomBytes } from 'node:crypto';
-import { readFileSync } from 'node:fs';
+import { readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../runtime/config.js';
@@ -287,6 +287,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
       const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
       let stopping = false;
+      let madeSecretFile: string | null = null;
       const stop = async (code = 0) => {
         if (stopping) {
           console.log('\npdserve: second signal: the processes stop waiting for requests in flight');
@@ -296,6 +297,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
         stopping = true;
         console.log(`\npdserve: draining the cluster (router first; at most ${o.drainTimeoutMs} ms; Ctrl-C again to stop waiting)…`);
         await c.drain(o.drainTimeoutMs + 10_000);
+        if (madeSecretFile) rmSync(madeSecretFile, { force: true }); // the secret of a cluster that is gone: no reason to keep it on disk
         console.log('pdserve: stopped (every process has exited)');
         process.exit(code);
       };
@@ -314,7 +316,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(9)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
       console.log(`  logs      ${logDir}`);
       const secretGiven = !!(o.clusterSecret || o.clusterSecretFile || process.env.PDSERVE_CLUSTER_SECRET || process.env.PDSERVE_CLUSTER_SECRET_FILE);
-      console.log(`  doctor    ${doctorLine(r, givenSecretFile(o) ?? (secretGiven ? null : writeSecretFile(logDir, c.secret)), { https: r.startsWith('https:'), key: c.access.adminApiKeys.length > 0 ? 'ADMIN_KEY' : c.access.apiKeys.length > 0 || o.apiKeyFile ? 'KEY' : null, internalTls: c.opts.internalTls ?? {} })}`);
+      console.log(`  doctor    ${doctorLine(r, givenSecretFile(o) ?? (secretGiven ? null : (madeSecretFile = writeSecretFile(logDir, c.secret))), { https: r.startsWith('https:'), key: c.access.adminApiKeys.length > 0 ? 'ADMIN_KEY' : c.access.apiKeys.length > 0 || o.apiKeyFile ? 'KEY' : null, internalTls: c.opts.internalTls ?? {} })}`);
       console.log(`  access    ${c.access.apiKeys.length || o.apiKeyFile ? 'API key required (Authorization: Bearer KEY)' : 'OPEN: no API key, anyone who reaches the router can use it (--api-key-file or PDSERVE_API_KEY)'}`);
       console.log('\nTry:');
       for (const l of tryLines(r, { apiKey: c.access.apiKeys.length > 0 || !!o.apiKeyFile, https: r.startsWith('https:') })) console.log(`  ${l}`);

@@ -175,6 +175,8 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     assert.match(out, /pdserve: stopped/, `up says it stopped:\n${out}`);
     for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
     assert.ok(!existsSync(storeDir!), `the store folder ${storeDir} is removed on Ctrl-C`);
+    const secretFile = /PDSERVE_CLUSTER_SECRET_FILE=(\S+)/.exec(doctorCmd!)?.[1];
+    assert.ok(secretFile && !existsSync(secretFile), `the secret file up wrote (${secretFile}) is removed on Ctrl-C; its logs stay`);
   } finally {
     try {
       process.kill(-child.pid!, 'SIGKILL');
