@@ -83,6 +83,11 @@ export const ERROR_CODES = {
    * created, and the router runs the request on the normal PD path.
    */
   needs_prefill: c(409, 'invalid_request_error', 'client'),
+  /**
+   * Router → decode only (the cause of an /abort_request): prefill refused the request with a
+   * 4xx (the request's own fault, e.g. context_length_exceeded), so decode's room ends with it.
+   */
+  prefill_refused: CLIENT_400,
   // -- system faults ---------------------------------------------------------------------------
   internal_error: c(500, 'server_error', 'system'),
   /** The engine (llama.cpp) failed evaluating, saving or loading a sequence. */

@@ -235,11 +235,13 @@ export class DecodeDriver {
    * Abort by room id (or, without one, by rid): router's /abort_request, the client gone, local
    * shutdown. An id not seen yet leaves a tombstone (the request, if it comes, fails at once).
    * A room already terminal is left as it is (a generation in progress is stopped by the caller).
+   * `cause`: the router's reason (its /abort_request `cause`, e.g. prefill_refused), the room's
+   * failure instead of request_aborted.
    */
-  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local', now: number): DecodeAction[] {
+  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local', now: number, cause?: RoomFailure): DecodeAction[] {
     const id = room ?? (rid !== undefined ? this.roomOfRid(rid) : undefined);
     if (id === undefined) return [];
-    const f = from === 'local' ? failure('shutting_down', 'aborted locally') : failure('request_aborted', from === 'router' ? 'abort_request from the router' : 'the client closed the request');
+    const f = from === 'local' ? failure('shutting_down', 'aborted locally') : from === 'router' && cause ? cause : failure('request_aborted', from === 'router' ? 'abort_request from the router' : 'the client closed the request');
     return this.apply(id, { t: 'abort', from, failure: f }, now);
   }
 

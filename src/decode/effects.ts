@@ -162,10 +162,10 @@ export class DecodeEffects<C extends KvConn> {
     return { job };
   }
 
-  /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. */
-  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local'): void {
+  /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. `cause`: why, when the router said. */
+  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local', cause?: RoomFailure): void {
     const id = room ?? (rid !== undefined ? this.driver.roomOfRid(rid) : undefined);
-    this.perform(this.driver.abort(rid, room, from, this.now));
+    this.perform(this.driver.abort(rid, room, from, this.now, cause));
     if (id !== undefined) this.jobs.get(id)?.ac.abort();
   }
 

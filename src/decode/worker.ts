@@ -10,7 +10,7 @@ import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/errors.js';
 import { GenerateRequestSchema, type GenerateRequest } from '../protocol/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../runtime/config.js';
-import { ApiError, toApiError } from '../base/errors.js';
+import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
 import { connectionHeader } from '../runtime/drain.js';
 import { onClientGone, sendError } from '../worker/http.js';
 import { systemClock, systemTimers, type Clock, type Timers } from '../base/clock.js';
@@ -166,7 +166,7 @@ export class DecodeWorker {
         return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: pathOf(this.effects.job(r.room)), kv_path: this.effects.job(r.room)?.kvPath ?? null, cached_tokens: cachedOf(this.effects.job(r.room)) })), decoding });
       },
       generate: (body, reply) => this.handleGenerate(body, reply),
-      abort: (rid, room) => this.abort(rid, room, 'router'),
+      abort: (rid, room, cause) => this.abort(rid, room, 'router', cause),
       timers: this.timers,
       tick: () => this.effects.tick(),
     });
@@ -185,9 +185,9 @@ export class DecodeWorker {
     await this.engine.dispose();
   }
 
-  /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. */
-  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local'): void {
-    this.effects.abort(rid, room, from);
+  /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. `cause`: why, when the router said. */
+  abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local', cause?: RoomFailure): void {
+    this.effects.abort(rid, room, from, cause);
   }
 
   // ---- HTTP -----------------------------------------------------------------------------------

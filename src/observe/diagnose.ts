@@ -502,6 +502,8 @@ const FAILURE_CAUSES: Record<string, string> = {
   abort: ABORT_CAUSE,
   request_aborted: ABORT_CAUSE,
   client_closed_request: ABORT_CAUSE,
+  prefill_refused: "prefill refused the request (a 4xx such as context_length_exceeded, the client's answer too): the router told decode to drop its room",
+  prefill_failed: "prefill failed the request (see prefill's own failures): the router told decode to drop its room",
   shutdown: 'a worker was shutting down',
 };
 

@@ -8,10 +8,11 @@
  * `data: {error}`, then `data: [DONE]`; an error before the first token is a plain error body.
  * Decode answers with an SSE stream of `GenerateEvent`s, then `data: [DONE]`; an error before the
  * stream starts is a plain OpenAI error body with 4xx/5xx; after it starts, an `{error}` event.
- * `POST /abort_request {rid}` cancels on either worker (idempotent, 200 even when unknown).
+ * `POST /abort_request {rid, bootstrap_room?, cause?}` cancels on either worker (idempotent, 200
+ * even when unknown); `cause` {code, message} says why when the router knows (`abortCauseOf`).
  */
 import { z } from 'zod';
-import { ApiError } from '../base/errors.js';
+import { ApiError, failure, isErrorCode, type RoomFailure } from '../base/errors.js';
 import { parseRoomId, type RoomId } from '../base/room-id.js';
 
 /** Most tools (functions) one request may declare, and most calls one assistant message may carry. */
@@ -201,6 +202,21 @@ export interface GenerateEvent {
     /** Set on the last event. */
     finish_reason: null | { type: 'stop' | 'length' | 'abort'; message?: string };
   };
+}
+
+/** Longest `cause.message` of an /abort_request kept (longer ones are cut). */
+export const MAX_ABORT_CAUSE_CHARS = 500;
+
+/**
+ * The `cause` of an /abort_request body as the room's failure: `{code, message}` with `code` a
+ * row of ERROR_CODES and `message` a string (cut to MAX_ABORT_CAUSE_CHARS). Anything else
+ * (absent, another shape, an unknown code) is undefined: the worker names the abort itself.
+ */
+export function abortCauseOf(raw: unknown): RoomFailure | undefined {
+  if (!raw || typeof raw !== 'object') return undefined;
+  const { code, message } = raw as { code?: unknown; message?: unknown };
+  if (!isErrorCode(code) || typeof message !== 'string') return undefined;
+  return failure(code, message.slice(0, MAX_ABORT_CAUSE_CHARS));
 }
 
 /** Error event inside an already started stream. */

@@ -65,7 +65,7 @@ import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
 import { randomHex, randomU64 } from './random-pool.js';
 import { describeError, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
-import { badEvent, eventError, legFailure, workerError, type LegName } from './worker-errors.js';
+import { abortCause, badEvent, eventError, legFailure, workerError, type AbortCause, type LegName } from './worker-errors.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
 export const LINGER_MS = 2000;
@@ -168,6 +168,8 @@ export class PdRequest {
   next: 'retry' | 'migrate' | null = null;
   /** The error the attempt failed with (why `next` is set, or what the client got). */
   cause: ApiError | null = null;
+  /** The leg whose failure ended this attempt, and its error (the other leg's abort says so). */
+  private failedLeg: { leg: LegName; err: ApiError } | null = null;
   /** The workers' rid of this attempt. */
   readonly workerRid: string;
   /** Decode-local attempt answered `needs_prefill` before any output: run it on the PD path. */
@@ -559,6 +561,7 @@ export class PdRequest {
     // Run again elsewhere (./attempts.ts decides): finish() aborts the other leg; nothing is sent.
     const next = this.decide ? this.decide(err, this.client.builder.events > 0) : 'fail';
     this.cause = err;
+    this.failedLeg = { leg: leg.name, err };
     if (next !== 'fail') {
       this.next = next;
       this.finish('error');
@@ -588,15 +591,15 @@ export class PdRequest {
     leg.lease.release();
   }
 
-  /** Fire-and-forget POST /abort_request to the leg's worker (once per leg). */
-  private sendAbort(leg: Leg): void {
-    if (leg.abortSent) return;
+  /** POST /abort_request to the leg's worker (once per leg), with `cause` when given; settles (never rejects) once answered or failed. */
+  private sendAbort(leg: Leg, cause?: AbortCause): Promise<void> {
+    if (leg.abortSent) return Promise.resolve();
     leg.abortSent = true;
     const { controlAgent, config } = this.ctx;
     const p = request(`${leg.worker.url}/abort_request`, {
       method: 'POST',
       headers: JSON_HEADERS,
-      body: JSON.stringify({ rid: this.workerRid, bootstrap_room: this.room }),
+      body: JSON.stringify({ rid: this.workerRid, bootstrap_room: this.room, ...(cause ? { cause } : {}) }),
       dispatcher: controlAgent,
       signal: AbortSignal.timeout(config.abortTimeoutMs),
     })
@@ -606,6 +609,7 @@ export class PdRequest {
       })
       .catch((err: unknown) => this.log.warn({ worker: leg.worker.url, err: describeError(err) }, 'abort_request failed'));
     this.ctx.track(p);
+    return p;
   }
 
   /** Send the client an error in the form its phase allows (naming the failed role, not its address). */
@@ -641,7 +645,7 @@ export class PdRequest {
           leg.linger = setTimeout(() => {
             if (leg.settled) return;
             this.log.warn({ leg: leg.name, worker: leg.worker.url }, 'leg did not settle after the response; aborting it');
-            if (leg.name === 'prefill') this.sendAbort(leg);
+            if (leg.name === 'prefill') void this.sendAbort(leg);
             leg.ac.abort();
             leg.lease.release();
           }, LINGER_MS);
@@ -649,8 +653,14 @@ export class PdRequest {
         }
         continue;
       }
-      if (outcome === 'client_abort' || outcome === 'timeout' || !leg.reported) this.sendAbort(leg);
-      leg.ac.abort();
+      const cause = outcome === 'client_abort' || outcome === 'timeout' || !leg.reported ? abortCause(leg.name, this.failedLeg) : undefined;
+      if (cause) {
+        // the leg's connection closes once its worker has the cause (at most abortTimeoutMs): closed first, it reads as the client gone
+        void this.sendAbort(leg, cause).then(() => leg.ac.abort());
+      } else {
+        if (outcome === 'client_abort' || outcome === 'timeout' || !leg.reported) void this.sendAbort(leg);
+        leg.ac.abort();
+      }
       leg.lease.release();
     }
 

@@ -91,3 +91,22 @@ export function legFailure(role: LegName, url: string, thrown: unknown): LegFail
   if (isUnreachable(thrown)) return of(new ApiError(502, `${role}_unreachable`, `${role} worker ${url} is unreachable: ${describeError(thrown)}`, 'server_error'), { transport: true, unreachable: true });
   return of(new ApiError(502, `${role}_failed`, `${role} worker ${url} failed: ${describeError(thrown)}`, 'server_error'), { transport: true, closed: isConnectionClosed(thrown) });
 }
+
+/** The `cause` of an /abort_request (read by ../protocol/worker-protocol.ts `abortCauseOf`). */
+export interface AbortCause {
+  code: ErrorCode;
+  message: string;
+}
+
+/**
+ * Why the router aborts leg `leg` when the attempt ended because leg `failed.leg` failed with
+ * `failed.err`: decode told that prefill refused the request (a 4xx: `prefill_refused`) or failed
+ * it (`prefill_failed`), so its room does not read as a client's cancel. Undefined when there is
+ * nothing to tell (no leg failed, the leg itself failed, or decode's failure ends a prefill leg).
+ */
+export function abortCause(leg: LegName, failed: { leg: LegName; err: ApiError } | null): AbortCause | undefined {
+  if (!failed || failed.leg === leg || failed.leg !== 'prefill') return undefined;
+  const { status, code, message } = failed.err;
+  const refused = status >= 400 && status < 500;
+  return { code: refused ? 'prefill_refused' : 'prefill_failed', message: `prefill ${refused ? 'refused' : 'failed'} the request: ${status} ${code}: ${message}` };
+}

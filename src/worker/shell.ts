@@ -9,7 +9,8 @@
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { servedModelNamesOf } from '../runtime/config.js';
-import { toApiError } from '../base/errors.js';
+import { toApiError, type RoomFailure } from '../base/errors.js';
+import { abortCauseOf } from '../protocol/worker-protocol.js';
 import type { KvEventLog } from '../protocol/kv-events.js';
 import type { Logger } from '../base/log.js';
 import { systemTimers, type Timers } from '../base/clock.js';
@@ -58,8 +59,8 @@ export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'en
   health?(): Record<string, unknown>;
   /** POST /generate: the role answers on `reply` (a stream or a JSON body). */
   generate(body: unknown, reply: FastifyReply): Promise<void>;
-  /** POST /abort_request {rid?, bootstrap_room?}: the router gives up a request (unknown ids are fine). */
-  abort(rid: string | undefined, room: RoomId | undefined): void;
+  /** POST /abort_request {rid?, bootstrap_room?, cause?}: the router gives up a request (unknown ids are fine); `cause` when it said why. */
+  abort(rid: string | undefined, room: RoomId | undefined, cause?: RoomFailure): void;
   /** One watchdog tick (the driver's deadline checks). */
   tick(): void;
   /** The watchdog's timer (default: the process's). */
@@ -116,8 +117,8 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     }
   });
   app.post('/abort_request', async (req) => {
-    const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown };
-    o.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room));
+    const b = (req.body ?? {}) as { rid?: unknown; bootstrap_room?: unknown; cause?: unknown };
+    o.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), abortCauseOf(b.cause));
     return { ok: true };
   });
   registerKvEventsRoute(app, o.kvEvents);

@@ -216,6 +216,20 @@ describe('decode driver: decisions', () => {
     assert.deepEqual(kinds(bad), ['send:fail', 'finish', 'release']);
   });
 
+  test("the router's abort cause is the room's failure, told to prefill too; a client's close stays request_aborted", () => {
+    const finished = (out: ReturnType<DecodeDriver['abort']>) => out.find((a) => a.a === 'finish')?.failure;
+    const told = (out: ReturnType<DecodeDriver['abort']>) => out.flatMap((a) => (a.a === 'send' && a.msg.type === 'fail' ? [a.msg.code] : []));
+    const d = new DecodeDriver(cfg, 'd0d0d0d0');
+    d.request(A, 'ra', P, 0);
+    d.request(B, 'rb', P, 0);
+    d.dialed(A, C, 0);
+    const cause = { code: 'prefill_refused' as const, detail: 'prefill refused the request: 400 context_length_exceeded: too long' };
+    const byRouter = d.abort(undefined, A, 'router', 1, cause);
+    assert.deepEqual(finished(byRouter), cause);
+    assert.deepEqual(told(byRouter), ['prefill_refused'], JSON.stringify(byRouter));
+    assert.deepEqual(finished(d.abort(undefined, B, 'client', 1, cause)), { code: 'request_aborted', detail: 'the client closed the request' }, 'only the router says why');
+  });
+
   test('deadlines: prealloc expiry tells prefill on a new connection; a silent prefill after REGISTER tells it on the room\'s', () => {
     const d = new DecodeDriver(cfg, 'd0d0d0d0');
     d.request(A, 'ra', P, 0);

@@ -212,6 +212,13 @@ describe('diagnose', () => {
     assert.equal(d4.exitCode, 0, 'client aborts (error table cause: client) are no warning');
     assert.ok(d4.findings.every((f) => f.severity === 'info'), JSON.stringify(d4.findings));
     assert.match(d4.findings[0]!.cause, /cancelled/);
+    // a request prefill refused (its 400 went to the client): decode's room names it, and no one blames the client's cancel
+    const refused = [{ ...recent[0]!, room: '9', role: 'decode', fail_reason: 'prefill_refused: prefill refused the request: 400 context_length_exceeded: too long' }];
+    const d5 = diagnose(snap([worker('prefill'), worker('decode', { recent: refused })]));
+    assert.equal(d5.exitCode, 0, 'a request refused by prefill is no cluster fault');
+    assert.match(d5.findings[0]!.title, /decode room\(s\) failed with 'prefill_refused'/);
+    assert.match(d5.findings[0]!.cause, /prefill refused the request/);
+    assert.doesNotMatch(d5.findings[0]!.cause, /cancelled/);
     const fault = [{ ...recent[0]!, fail_reason: 'peer_lost: heartbeat' }];
     assert.equal(diagnose(snap([worker('prefill', { recent: fault }), worker('decode')])).exitCode, 1, 'a system fault stays a warning');
     const totals = diagnose(snap([worker('prefill', { metrics: 'pdserve_room_deadline_expired_total{role="prefill"} 2\n' }), worker('decode')]), { routerUrl: 'http://r:9' });

@@ -10,7 +10,7 @@ import { fileURLToPath } from 'node:url';
 import { describe, test } from 'node:test';
 import { ApiError, causeOf, ERROR_CODES, isErrorCode, PdError, toApiError } from '../../src/base/errors.js';
 import { isRoomId, newRoomId, parseRoomId } from '../../src/base/room-id.js';
-import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES } from '../../src/protocol/worker-protocol.js';
+import { abortCauseOf, checkRequestBounds, GenerateRequestSchema, MAX_ABORT_CAUSE_CHARS, MAX_MESSAGES } from '../../src/protocol/worker-protocol.js';
 import { parseChatRequest } from '../../src/api/parse.js';
 
 const SRC = resolve(dirname(fileURLToPath(import.meta.url)), '../../src');
@@ -68,6 +68,12 @@ describe('error model', () => {
       assert.equal(a.status, status);
     }
     assert.equal(ApiError.fromFailure({ code: 'room_deadline_expired', detail: 'deadline:waiting' }).status, 504);
+  });
+
+  test("an /abort_request's cause is a room failure only with a table code and a string message (cut to its bound)", () => {
+    assert.deepEqual(abortCauseOf({ code: 'prefill_refused', message: 'prefill refused the request: 400 context_length_exceeded: x' }), { code: 'prefill_refused', detail: 'prefill refused the request: 400 context_length_exceeded: x' });
+    assert.equal(abortCauseOf({ code: 'prefill_refused', message: 'y'.repeat(10_000) })!.detail.length, MAX_ABORT_CAUSE_CHARS);
+    for (const bad of [undefined, null, 'prefill_refused', { code: 'no_such_code', message: 'x' }, { code: 'prefill_refused' }, { code: 'prefill_refused', message: 7 }]) assert.equal(abortCauseOf(bad), undefined, JSON.stringify(bad));
   });
 });
 

@@ -60,6 +60,7 @@ interface DecodeBehaviour {
 interface AbortRecord {
   rid: string;
   bootstrap_room?: string;
+  cause?: { code: string; message: string };
   at: number;
 }
 
@@ -71,6 +72,8 @@ class FakeWorker {
   /** rid → time the worker saw its /generate connection close before it finished. */
   connectionClosed = new Map<string, number>();
   active = 0;
+  /** How long /abort_request waits before it cancels (and answers). */
+  abortDelayMs = 0;
   health: () => { code: number; body: unknown };
   prefill: (b: GenerateRequest) => PrefillBehaviour = () => ({ delayMs: 5 });
   decode: (b: GenerateRequest) => DecodeBehaviour = () => ({ tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'length' });
@@ -89,6 +92,7 @@ class FakeWorker {
     this.app.post('/abort_request', async (req) => {
       const b = req.body as { rid: string; bootstrap_room?: string };
       this.aborts.push({ ...b, at: Date.now() });
+      if (this.abortDelayMs > 0) await sleep(this.abortDelayMs); // a worker busy for a while before it acts on the abort
       this.cancels.get(String(b.bootstrap_room ?? b.rid))?.abort(); // by room when given, as the real workers do
       return { ok: true };
     });
@@ -558,11 +562,19 @@ describe('router: failures', () => {
     const s = await stack();
     s.prefill[0]!.prefill = () => ({ delayMs: 1, status: 400, message: 'prompt (2000 tokens) + max_tokens (10) exceeds the context size (1024 tokens)', code: 'context_length_exceeded' });
     s.decode[0]!.decode = () => ({ startDelayMs: 30_000 });
+    s.decode[0]!.abortDelayMs = 50;
     await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p' }), (e: unknown) => {
       isApiError(400, /exceeds the context size/)(e);
       assert.equal((e as InstanceType<typeof OpenAI.APIError>).code, 'context_length_exceeded');
       return true;
     });
+    // decode is told why (its room is no client's cancel), before its /generate connection closes
+    const rid = s.decode[0]!.generates[0]!.rid;
+    assert.ok(await waitFor(() => s.decode[0]!.abortsFor(rid).length === 1 && s.decode[0]!.active === 0, 3000), 'decode got abort_request and ended its request');
+    const told = s.decode[0]!.abortsFor(rid)[0]!;
+    assert.equal(told.cause?.code, 'prefill_refused');
+    assert.match(told.cause?.message ?? '', /400 context_length_exceeded: prompt \(2000 tokens\)/);
+    assert.ok(!s.decode[0]!.connectionClosed.has(rid), 'decode ended the request on the abort, not on a closed connection');
     await assertReleased(s);
     // a 4xx from a worker, and one the router gives before dispatch (an unknown field), are the client's errors, not failures
     await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p', no_such_field: 1 } as never), isApiError(400, /Unrecognized request argument/));
