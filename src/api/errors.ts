@@ -54,10 +54,11 @@ export function zodToApiError(err: ZodError): ApiError {
 /**
  * Map anything thrown inside a request to an ApiError: ApiError as is, ZodError → 400, fastify
  * body errors → 400 (invalid / empty JSON, wrong content type, bad content-length) or 413
- * (bodyLimit), other errors with a 4xx `statusCode` keep it, engine errors with a string `code`
- * go through base/errors `toApiError`, anything else → 500 'Internal server error'.
+ * (bodyLimit: named when `bodyLimit`, bytes, is given), other errors with a 4xx `statusCode` keep
+ * it, engine errors with a string `code` go through base/errors `toApiError`, anything else → 500
+ * 'Internal server error'.
  */
-export function apiErrorOf(err: unknown): ApiError {
+export function apiErrorOf(err: unknown, bodyLimit?: number): ApiError {
   if (err instanceof ApiError) return err;
   if (err instanceof ZodError) return zodToApiError(err);
   const e = err as Partial<FastifyError> & { message?: string };
@@ -71,13 +72,21 @@ export function apiErrorOf(err: unknown): ApiError {
     case 'FST_ERR_CTP_INVALID_CONTENT_LENGTH':
       return badRequest('Request body size did not match Content-Length.', null, 'invalid_content_length');
     case 'FST_ERR_CTP_BODY_TOO_LARGE':
-      return new ApiError(413, 'body_too_large', 'Request body is too large.', 'invalid_request_error');
+      return new ApiError(413, 'body_too_large', bodyLimit ? `Request body is too large: the limit is ${sizeText(bodyLimit)}.` : 'Request body is too large.', 'invalid_request_error');
   }
-  if (err instanceof SyntaxError) return badRequest(`We could not parse the JSON body of your request: ${err.message}`, null, 'invalid_json');
+  if (err instanceof SyntaxError) return badRequest(`We could not parse the JSON body of your request: ${printable(err.message)}`, null, 'invalid_json');
   const status = typeof e?.statusCode === 'number' ? e.statusCode : 500;
   if (status >= 400 && status < 500) return new ApiError(status, asErrorCode(e?.code, 'invalid_request'), e?.message ?? 'Bad request', 'invalid_request_error');
   if (typeof e?.code === 'string' && !e.code.startsWith('FST_')) return commonToApiError(err);
   return new ApiError(500, 'internal_error', 'Internal server error', 'server_error');
+}
+
+/** `bytes` for a person: "8 MiB (8388608 bytes)", "64 KiB (65536 bytes)", "1000 bytes". */
+export function sizeText(bytes: number): string {
+  const unit = bytes >= 1 << 20 ? ([1 << 20, 'MiB'] as const) : bytes >= 1024 ? ([1024, 'KiB'] as const) : null;
+  if (!unit) return `${bytes} bytes`;
+  const n = bytes / unit[0];
+  return `${Number.isInteger(n) ? n : n.toFixed(1)} ${unit[1]} (${bytes} bytes)`;
 }
 
 /** Send an ApiError as an OpenAI error body through fastify. */
@@ -96,13 +105,32 @@ const refusalLog = new RepeatLimiter(1000);
  * line; other 5xx (faults) at error with the original error; 4xx at debug.
  */
 export function openAIErrorHandler(error: unknown, request: FastifyRequest, reply: FastifyReply): void {
-  const apiErr = apiErrorOf(error);
+  const apiErr = apiErrorOf(error, request.routeOptions?.bodyLimit ?? request.server?.initialConfig.bodyLimit);
   if (apiErr.status === 503) {
     const suppressed = refusalLog.hit(apiErr.code);
     if (suppressed !== null) request.log.warn({ status: apiErr.status, code: apiErr.code, message: apiErr.message, suppressed }, 'request refused');
   } else if (apiErr.status >= 500) request.log.error({ err: error }, 'request failed');
   else request.log.debug({ status: apiErr.status, message: apiErr.message }, 'request rejected');
   void sendApiError(reply, apiErr);
+}
+
+/** `text` with control characters and U+FFFD (undecodable bytes) written as \uXXXX: a parse error quoting a binary body echoes no raw bytes. */
+function printable(text: string): string {
+  return text.replace(/[\u0000-\u001f\u007f-\u009f\ufffd]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+}
+
+/**
+ * Refuse a request body sent with a Content-Encoding other than identity (gzip, br, …) with 415
+ * unsupported_content_encoding before it is read: bodies are parsed as sent, and OpenAI's clients
+ * send them uncompressed (decompressing would also need a bound on the inflated size).
+ */
+function registerContentEncodingCheck(app: FastifyInstance): void {
+  app.addHook('preParsing', async (request, _reply, payload) => {
+    const enc = request.headers['content-encoding'];
+    if (enc === undefined || enc.trim().toLowerCase() === 'identity' || enc.trim() === '') return payload;
+    const named = /^[\w.,; -]{1,64}$/.test(enc) ? ` '${enc}'` : '';
+    throw new ApiError(415, 'unsupported_content_encoding', `Content-Encoding${named} is not supported: send the request body uncompressed (no Content-Encoding header, or identity).`, 'invalid_request_error');
+  });
 }
 
 /** Keys refused in a JSON body (prototype poisoning, as fastify's secure-json-parse refuses them). */
@@ -127,7 +155,7 @@ export function parseJsonBody(text: string): unknown {
     });
   } catch (err) {
     if (err instanceof ApiError) throw err;
-    throw badRequest(`We could not parse the JSON body of your request: ${(err as Error).message}.`, null, 'invalid_json');
+    throw badRequest(`We could not parse the JSON body of your request: ${printable((err as Error).message)}.`, null, 'invalid_json');
   }
 }
 
@@ -170,6 +198,7 @@ export function openAIClientErrorHandler(err: NodeJS.ErrnoException, socket: imp
 export function registerOpenAIErrorHandling(app: FastifyInstance): void {
   app.setErrorHandler(openAIErrorHandler);
   registerJsonBodyParser(app);
+  registerContentEncodingCheck(app);
   const routes: { re: RegExp; methods: Set<string> }[] = [];
   app.addHook('onRoute', (r) => {
     if (r.url === '*' || r.url.includes('*')) return;

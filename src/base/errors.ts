@@ -57,6 +57,8 @@ export const ERROR_CODES = {
   /** A second live room with the same bootstrap_room on one worker. */
   duplicate_room: c(409, 'invalid_request_error', 'client'),
   body_too_large: c(413, 'invalid_request_error', 'client'),
+  /** A request body sent compressed (Content-Encoding gzip, br, …): bodies are read as sent. */
+  unsupported_content_encoding: c(415, 'invalid_request_error', 'client'),
   /** A request field pdserve does not know (refused by name, not ignored). */
   unrecognized_argument: CLIENT_400,
   /** A known field with a value pdserve does not support. */

@@ -1,8 +1,9 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import Fastify, { type FastifyInstance } from 'fastify';
+import { gzipSync } from 'node:zlib';
 import { GenerateRequestSchema, type GenerateEvent } from '../../src/protocol/worker-protocol.js';
-import { ApiError, registerOpenAIErrorHandling } from '../../src/api/errors.js';
+import { ApiError, registerOpenAIErrorHandling, sizeText } from '../../src/api/errors.js';
 import { parseChatRequest, parseCompletionRequest, toWorkerRequest } from '../../src/api/parse.js';
 import { OpenAIResponseBuilder } from '../../src/api/respond.js';
 
@@ -369,9 +370,27 @@ describe('HTTP errors through fastify', () => {
     assert.equal(e.code, 'unsupported_media_type');
   });
 
-  test('too-large body → 413', async () => {
-    const e = assertOpenAIError(await post('/v1/completions', JSON.stringify({ prompt: 'x'.repeat(100 * 1024) })), 413);
+  test('too-large body → 413 naming the limit', async () => {
+    const e = assertOpenAIError(await post('/v1/completions', JSON.stringify({ prompt: 'x'.repeat(100 * 1024) })), 413, /the limit is 64 KiB \(65536 bytes\)/);
     assert.equal(e.code, 'body_too_large');
+    assert.equal(sizeText(8 * 1024 * 1024), '8 MiB (8388608 bytes)');
+    assert.equal(sizeText(1536 * 1024), '1.5 MiB (1572864 bytes)');
+    assert.equal(sizeText(1000), '1000 bytes');
+  });
+
+  test('a compressed body → 415 unsupported_content_encoding, its bytes never echoed; binary JSON → 400 without raw bytes', async () => {
+    const raw = gzipSync(JSON.stringify({ model: 'm', prompt: 'hi' }));
+    const r = await app.inject({ method: 'POST', url: '/v1/completions', payload: raw, headers: { 'content-type': 'application/json', 'content-encoding': 'gzip' } });
+    const e = assertOpenAIError(r, 415, /Content-Encoding 'gzip' is not supported/);
+    assert.equal(e.code, 'unsupported_content_encoding');
+    assert.equal(e.type, 'invalid_request_error');
+    const plain = await app.inject({ method: 'POST', url: '/v1/completions', payload: JSON.stringify({ model: 'm', prompt: 'hi' }), headers: { 'content-type': 'application/json', 'content-encoding': 'identity' } });
+    assert.equal(plain.statusCode, 200, 'identity is no encoding');
+    // the same bytes without the header: a JSON syntax error whose message escapes what it quotes
+    const b = await app.inject({ method: 'POST', url: '/v1/completions', payload: raw, headers: { 'content-type': 'application/json' } });
+    const e2 = assertOpenAIError(b, 400, /could not parse the JSON body/);
+    assert.equal(e2.code, 'invalid_json');
+    assert.doesNotMatch(e2.message, /[\u0000-\u001f\u007f-\u009f\ufffd]/, `raw bytes echoed: ${JSON.stringify(e2.message)}`);
   });
 
   test('zod errors → 400 naming the field', async () => {
