@@ -126,6 +126,8 @@ describe('worker faults', () => {
       for (const d of decodes) n += await metricSum(d, 'pdserve_rooms_terminal_total', labels);
       return n;
     };
+    const recentOnDecode = async (): Promise<{ room: string; fail_reason?: string | null }[]> => (await Promise.all(decodes.map(async (d) => (await getJson<any>(`${d.url}/debug/rooms`)).recent))).flat();
+    const known = new Set((await recentOnDecode()).map((r) => r.room));
     const [sys0, ended0, client0] = [await sys(), await onDecode(), await onDecode('cause="client"')];
     const r = await post(`${c.router.url}/v1/completions`, { model: 'pdserve', prompt: 'Once upon a time', max_tokens: CTX + 10 });
     assert.equal(r.status, 400);
@@ -139,6 +141,10 @@ describe('worker faults', () => {
     const [ended, client] = [(await onDecode()) - ended0, (await onDecode('cause="client"')) - client0];
     t.diagnostic(saw ? `decode ended ${ended} room(s) for it, ${client} client-caused` : 'decode created no room for it (leg cancelled before it arrived, or refused before a room)');
     assert.equal(client, ended, 'every decode room that ended for it was booked as client-caused');
+    // and names why: the router told decode that prefill refused it (not a client's cancel)
+    const fresh = (await recentOnDecode()).filter((r) => !known.has(r.room));
+    for (const r of fresh) assert.match(r.fail_reason ?? '', /^prefill_refused: prefill refused the request: 400 context_length_exceeded/, `room ${r.room}`);
+    if (fresh.length > 0) t.diagnostic(`decode's reason: ${fresh[0]!.fail_reason}`);
     assert.equal(await sys(), sys0, 'no system-fault counter moved on any worker');
   });
 
