@@ -163,13 +163,18 @@ describe('router: the freshest copy of a conversation', () => {
   });
 });
 
+/** An engine whose idle cache sequences are `idle` (mutated by the test): what SequenceKvTracker asks of it. */
+function idleEngine(idle: number[][]) {
+  return {
+    reusableFor: (p: readonly number[]) => Math.max(0, ...idle.map((t) => { let i = 0; while (i < t.length && i < p.length - 1 && t[i] === p[i]) i++; return i; })),
+    cachedStats: () => ({ sequences: idle.length, tokens: idle.reduce((n, t) => n + t.length, 0) }),
+  };
+}
+
 describe('decode: the sequence tier, from the engine itself', () => {
   test('a noted conversation is published once the engine holds it, evicted when it no longer does', () => {
     const idle: number[][] = [];
-    const engine = {
-      reusableFor: (p: readonly number[]) => Math.max(0, ...idle.map((t) => { let i = 0; while (i < t.length && i < p.length - 1 && t[i] === p[i]) i++; return i; })),
-      cachedStats: () => ({ sequences: idle.length, tokens: idle.reduce((n, t) => n + t.length, 0) }),
-    };
+    const engine = idleEngine(idle);
     const log = new KvEventLog();
     const t = new SequenceKvTracker(engine as never, log);
     try {
@@ -192,10 +197,7 @@ describe('decode: the sequence tier, from the engine itself', () => {
   });
   test("a conversation whose next round leased its sequence stays held, with no evicted/stored pair; released and gone, it is evicted", () => {
     const idle: number[][] = [];
-    const engine = {
-      reusableFor: (p: readonly number[]) => Math.max(0, ...idle.map((t) => { let i = 0; while (i < t.length && i < p.length - 1 && t[i] === p[i]) i++; return i; })),
-      cachedStats: () => ({ sequences: idle.length, tokens: idle.reduce((n, t) => n + t.length, 0) }),
-    };
+    const engine = idleEngine(idle);
     const log = new KvEventLog();
     const t = new SequenceKvTracker(engine as never, log);
     const kinds = (): string[] => log.read(log.epoch, 0).events.map((e) => `${e.kind}:${e.tokens}`);
