@@ -653,12 +653,13 @@ export class PdRequest {
         }
         continue;
       }
-      const cause = outcome === 'client_abort' || outcome === 'timeout' || !leg.reported ? abortCause(leg.name, this.failedLeg) : undefined;
+      const tell = outcome === 'client_abort' || outcome === 'timeout' || !leg.reported;
+      const cause = tell ? abortCause(leg.name, this.failedLeg) : undefined;
       if (cause) {
         // the leg's connection closes once its worker has the cause (at most abortTimeoutMs): closed first, it reads as the client gone
         void this.sendAbort(leg, cause).then(() => leg.ac.abort());
       } else {
-        if (outcome === 'client_abort' || outcome === 'timeout' || !leg.reported) void this.sendAbort(leg);
+        if (tell) void this.sendAbort(leg);
         leg.ac.abort();
       }
       leg.lease.release();
