@@ -6,7 +6,9 @@
  * DELETE (it left, or its lease expired). Every change is applied to the `WorkerRegistry` at
  * once: a new or re-registered worker is probed immediately (so it is routable within one probe
  * round trip of registering), a draining one is never picked again, a deleted one leaves the pool.
- * After the watch reconnects (etcd restarted, network cut) the prefix is listed again, diffed
+ * After the watch reconnects (etcd restarted, network cut), or as soon as a periodic list succeeds
+ * while the watch is still down (etcd3 retries a lost watch on a backoff that grows to seconds
+ * over an outage, and a delete must not wait for it), the prefix is listed again, diffed
  * with what the router knows (Dynamo's resync), and the watch is made again from the new
  * revision (an etcd restarted empty counts revisions from 1 again: a watch resumed at the old
  * revision would miss every re-registration). The prefix is also listed every `resyncMs`, so
@@ -25,6 +27,9 @@ import type { Etcd3, Watcher } from 'etcd3';
 import type { Logger } from 'pino';
 import { etcdClient, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from '../../runtime/discovery.js';
 import type { WorkerRegistry } from '../registry.js';
+
+/** Deadline for etcd to confirm a new watch (ms); past it the watch counts as down and the next tick tries again. */
+const WATCH_CREATE_MS = 5000;
 
 /** Every valid record under the prefix, with the store revision they were read at. */
 export async function listMembers(client: Etcd3): Promise<{ revision: string; members: Map<string, MemberRecord> }> {
@@ -61,6 +66,10 @@ export class EtcdDiscovery {
   private readonly unlisted = new Set<string>();
   /** The last list failed (logged once per outage). */
   private etcdDown = false;
+  /** The current watch lost its stream and has not delivered `connected` since. */
+  private watchDown = false;
+  /** A re-watch in flight (list, then watch from its revision): one at a time. */
+  private rewatching: Promise<void> | null = null;
 
   constructor(private readonly o: EtcdDiscoveryOptions) {
     this.client = etcdClient(o.discovery);
@@ -79,14 +88,22 @@ export class EtcdDiscovery {
       this.client.close();
       throw new Error(`cannot read worker membership from etcd at ${this.o.discovery}: ${(err as Error).message}`);
     }
-    await this.watchFrom(revision);
+    try {
+      await this.watchFrom(revision);
+    } catch (err) {
+      this.client.close();
+      throw new Error(`cannot watch worker membership on etcd at ${this.o.discovery}: ${(err as Error).message}`);
+    }
     const every = this.o.resyncMs ?? 2000;
     const tick = () => {
       this.timer = setTimeout(() => {
         void this.resync()
-          .then(() => {
+          .then((rev) => {
             if (this.etcdDown) this.o.log.info('etcd answers again: membership re-listed');
             this.etcdDown = false;
+            // etcd answers but the watch is still down (etcd3 retries it on a growing backoff):
+            // watch again now, so deletes are pushed again within a tick of etcd's return.
+            if (this.watchDown) this.rewatch('etcd answers a list but the watch is down', rev);
           })
           .catch((err: unknown) => {
             if (!this.etcdDown) this.o.log.warn({ err: (err as Error).message }, 'etcd cannot be read: keeping the pool as it is');
@@ -105,28 +122,57 @@ export class EtcdDiscovery {
     this.watcher = null;
     await old?.cancel().catch(() => {});
     if (this.stopped) return;
-    const w = await this.client.watch().prefix(MEMBER_PREFIX).startRevision(String(BigInt(revision) + 1n)).create();
+    const creating = this.client.watch().prefix(MEMBER_PREFIX).startRevision(String(BigInt(revision) + 1n)).create();
+    let timer: NodeJS.Timeout | undefined;
+    const w = await Promise.race([
+      creating,
+      new Promise<never>((_, reject) => {
+        timer = setTimeout(() => {
+          void creating.then((late) => late.cancel()).catch(() => {}); // connects after the deadline: not ours any more
+          reject(new Error(`the watch was not created within ${WATCH_CREATE_MS} ms`));
+        }, WATCH_CREATE_MS);
+      }),
+    ]).finally(() => clearTimeout(timer));
     if (this.stopped) {
       await w.cancel().catch(() => {});
       return;
     }
     this.watcher = w;
+    this.watchDown = false;
     let disconnected = false;
     w.on('put', (kv) => this.onPut(kv.key.toString(), kv.value.toString()));
     w.on('delete', (kv) => this.onDelete(kv.key.toString(), 'deregistered or lease expired'));
     w.on('disconnected', (err) => {
+      if (this.watcher !== w) return;
+      if (!disconnected) this.o.log.warn({ err: err?.message }, 'etcd watch disconnected; reconnecting');
       disconnected = true;
-      this.o.log.warn({ err: err?.message }, 'etcd watch disconnected; reconnecting');
+      this.watchDown = true;
     });
     w.on('connected', () => {
       if (!disconnected || this.stopped || this.watcher !== w) return;
       disconnected = false;
-      this.o.log.info('etcd watch reconnected; listing members again and watching from the new revision');
-      void this.resync()
-        .then((rev) => this.watchFrom(rev))
-        .catch((err: unknown) => this.o.log.warn({ err: (err as Error).message }, 'etcd resync failed'));
+      this.rewatch('etcd watch reconnected');
     });
     w.on('error', (err) => this.o.log.warn({ err: err?.message }, 'etcd watch error'));
+  }
+
+  /**
+   * List again (unless `revision` is the revision of a list just applied) and watch from the
+   * listed revision: what the lost watch missed is in the list, nothing after it is missed.
+   * At most one runs at a time; a failure leaves `watchDown` set for the next tick.
+   */
+  private rewatch(reason: string, revision?: string): void {
+    if (this.rewatching || this.stopped) return;
+    this.o.log.info({ reason }, 'etcd: listing members again and watching from the new revision');
+    this.rewatching = (revision !== undefined ? Promise.resolve(revision) : this.resync())
+      .then((rev) => this.watchFrom(rev))
+      .catch((err: unknown) => {
+        this.watchDown = true;
+        this.o.log.warn({ err: (err as Error).message }, 'etcd re-watch failed; the next tick tries again');
+      })
+      .finally(() => {
+        this.rewatching = null;
+      });
   }
 
   /** List the prefix and make the registry match it (see the module doc). Returns the revision. */
