@@ -10,6 +10,7 @@ import { join, resolve } from 'node:path';
 import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../runtime/config.js';
 import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
+import { upEngineArgs, type UpEngineFlags } from './up-args.js';
 import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../up/banner.js';
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
@@ -197,8 +198,8 @@ function corsList(v: string, prev: string[] | undefined): string[] {
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
 /** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; workerWaitMs: number } & Parameters<typeof gpuArgs>[0]): { router?: string[]; prefill?: string[]; decode?: string[] } {
-  const names = o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : [];
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; workerWaitMs: number } & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+  const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
   const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs)];
@@ -285,7 +286,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, prefixStoreDir: o.prefixStoreDir, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
       let stopping = false;
       let madeSecretFile: string | null = null;
       const stop = async (code = 0) => {

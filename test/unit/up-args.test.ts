@@ -1,0 +1,35 @@
+/**
+ * `pdserve up` forwards the engine flags it accepts to its workers: each flag given to `up`,
+ * turned into worker arguments by `upEngineArgs`, parses under the real `prefill` and `decode`
+ * commands to the same value (a flag `up` took but dropped left the workers on their defaults:
+ * `up --no-prefix-cache` still reused prefixes).
+ */
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import type { Command } from 'commander';
+import { cliProgram } from '../../src/cli/main.js';
+import { upEngineArgs, type UpEngineFlags } from '../../src/cli/up-args.js';
+
+const KEYS = ['flashAttention', 'prefixCache', 'prefixCacheSlots', 'prefixCacheTokens', 'prefixStoreBytes'] as const;
+
+async function parsed(name: string, args: string[]): Promise<Record<string, unknown>> {
+  const program = await cliProgram(['node', 'pdserve']);
+  const cmd = program.commands.find((c) => c.name() === name) as Command;
+  const { unknown } = cmd.parseOptions(args);
+  assert.deepEqual(unknown, [], `${name} refuses ${unknown.join(' ')}`);
+  return cmd.opts();
+}
+
+const pick = (o: Record<string, unknown>) => Object.fromEntries(KEYS.map((k) => [k, o[k]]));
+
+for (const given of [
+  ['--no-flash-attention', '--no-prefix-cache', '--prefix-cache-slots', '2', '--prefix-cache-tokens', '1000', '--prefix-store-bytes', '0'],
+  ['--prefix-cache-slots', '0', '--prefix-store-bytes', '1048576'],
+  [],
+]) {
+  test(`up ${given.join(' ') || '(defaults)'}: prefill and decode get the same engine flags`, async () => {
+    const up = await parsed('up', given);
+    const args = upEngineArgs(up as unknown as UpEngineFlags);
+    for (const role of ['prefill', 'decode']) assert.deepEqual(pick(await parsed(role, args)), pick(up), role);
+  });
+}
