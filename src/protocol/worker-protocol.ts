@@ -91,7 +91,8 @@ export function checkRequestBounds(raw: unknown, limits: { maxMessages: number; 
     return ApiError.of('request_too_large', `messages has ${b.messages.length} entries; at most ${limits.maxMessages} are accepted`, 'messages');
   }
   if (Array.isArray(b.input_ids) && b.input_ids.length > limits.maxPromptTokens) {
-    return ApiError.of('context_length_exceeded', `input_ids has ${b.input_ids.length} tokens; the context holds ${limits.maxPromptTokens}`, 'input_ids');
+    // named as the client's field: the router passes a worker's 4xx through to an OpenAI client, whose token ids were `prompt`
+    return ApiError.of('context_length_exceeded', `the prompt (${b.input_ids.length} tokens) exceeds the context size (${limits.maxPromptTokens} tokens)`, 'prompt');
   }
   return undefined;
 }

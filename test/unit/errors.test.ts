@@ -108,5 +108,6 @@ describe('request-controlled counts are bounded before per-item work', () => {
     assert.equal(checkRequestBounds({ messages: body.messages.slice(0, 10) }, { maxMessages: MAX_MESSAGES, maxPromptTokens: 2048 }), undefined);
     const ids = checkRequestBounds({ input_ids: new Array(5000).fill(1) }, { maxMessages: MAX_MESSAGES, maxPromptTokens: 2048 });
     assert.equal(ids?.code, 'context_length_exceeded');
+    assert.equal(ids?.param, 'prompt', 'named as the OpenAI field the router passes it through for');
   });
 });
