@@ -13,7 +13,8 @@
  * in PD and colocated mode. The cost is one loopback HTTP exchange per request (a local socket
  * and one more SSE parse per event). The chat request always streams (with the usage chunk); a non-stream Responses
  * request is assembled from it. The chat path's error answers (status and OpenAI body) pass
- * through unchanged before the stream; a chat error event after it is `response.failed`.
+ * through before the stream, their `param` renamed to the Responses field (./responses-errors.ts);
+ * a chat error event after it is `response.failed`.
  * A client that goes away aborts the chat request, which aborts the room on the workers.
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
@@ -27,6 +28,7 @@ import { readSse, SseError, SseWriter } from './sse.js';
 import { newItemId, parseResponsesRequest, ResponsesTranslator, storedRecordOf, type ResponsesEvent } from './responses.js';
 import { ResponseStore } from './responses-store.js';
 import { pageInputItems, type InputItemsQuery } from './responses-items.js';
+import { responsesErrorText } from './responses-errors.js';
 import { Gauge, type Registry } from 'prom-client';
 
 export interface ResponsesRouteOptions {
@@ -130,7 +132,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
         const retryAfter = res.headers['retry-after'];
         if (typeof retryAfter === 'string') reply.header('retry-after', retryAfter);
         if (rid) reply.header('x-request-id', rid);
-        return reply.code(res.statusCode).type('application/json; charset=utf-8').send(text);
+        return reply.code(res.statusCode).type('application/json; charset=utf-8').send(responsesErrorText(text));
       }
       const model = (parsed.chat.model as string | undefined) ?? o.models()[0] ?? 'pdserve';
       const t = new ResponsesTranslator(responseIdOf(rid), model, Math.floor(systemClock.wallMs() / 1000), parsed.echo);

@@ -174,6 +174,9 @@ describe('/v1/responses through the openai SDK (PD and colocated)', () => {
     await bad({ truncation: 'auto' }, 'truncation');
     await bad({ max_output_tokens: 0 }, 'max_output_tokens');
     await bad({ background: true }, 'background');
+    // refusals of the chat path name the Responses field the value came from
+    await bad({ input: 'word '.repeat(5000) }, 'input');
+    await bad({ max_output_tokens: 5000 }, 'max_output_tokens');
   });
 });
 
