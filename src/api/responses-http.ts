@@ -33,7 +33,7 @@ import { Gauge, type Registry } from 'prom-client';
 
 export interface ResponsesRouteOptions {
   store: ResponseStore;
-  /** Served model names (first = the responses' `model` when the chat path names none). */
+  /** Served model names (first = the responses' `model`, as on the chat path). */
   models(): readonly string[];
   /** Largest chat body sent (the server's own body limit), bytes. */
   bodyLimit: number;
@@ -134,7 +134,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
         if (rid) reply.header('x-request-id', rid);
         return reply.code(res.statusCode).type('application/json; charset=utf-8').send(responsesErrorText(text));
       }
-      const model = (parsed.chat.model as string | undefined) ?? o.models()[0] ?? 'pdserve';
+      const model = o.models()[0] ?? (parsed.chat.model as string | undefined) ?? 'pdserve'; // the chat path's: the first served name, whichever served name was asked for
       const t = new ResponsesTranslator(responseIdOf(rid), model, Math.floor(systemClock.wallMs() / 1000), parsed.echo);
       let writer: SseWriter | null = null;
       const send = async (events: ResponsesEvent[]) => {

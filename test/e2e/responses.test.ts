@@ -46,6 +46,8 @@ describe('/v1/responses through the openai SDK (PD and colocated)', () => {
       assert.equal(r.usage!.total_tokens, r.usage!.input_tokens + r.usage!.output_tokens);
       assert.equal(r.instructions, 'Answer briefly.');
       assert.equal(r.max_output_tokens, 24);
+      const chat = await api.chat.completions.create({ model: 'pdserve', max_completion_tokens: 1, messages: [{ role: 'user', content: 'x' }] });
+      assert.equal(r.model, chat.model, `${name}: the Response's model is the chat path's (the first served name)`);
       if (r.usage!.output_tokens === 24) assert.deepEqual([r.status, r.incomplete_details], ['incomplete', { reason: 'max_output_tokens' }]);
     }
   });
