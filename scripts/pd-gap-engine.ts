@@ -17,9 +17,9 @@
  *
  * Before each load the file is validated untimed, as decode does: `headers` (default) walks its
  * structure with positional reads of the headers only (the same-host receiver's
- * `parseStateHeaders`); `buffer` reads the whole state into a JavaScript Buffer and parses it,
- * as the old version of this script did — those tens of MiB of external memory start a V8
- * garbage collection whose helper threads then take the core from the next decode steps.
+ * `parseStateHeaders`); `buffer` reads the whole state into a JavaScript Buffer and parses it:
+ * those tens of MiB of external memory start a V8 garbage collection whose helper threads then
+ * take the core from the next decode steps.
  *
  * Every timed phase is reported as wall ms and, on Linux, as the on-CPU ms of the thread that
  * did the work and how long that thread waited for a core (/proc/self/task/<tid>/schedstat),
