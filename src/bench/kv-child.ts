@@ -15,9 +15,10 @@
  *            length and the same number of bytes on a bare socket until a 1-byte ack (the
  *            receiver stamps its last byte; it reads into one reused buffer of the KV channel's
  *            read size, as decode's KV connection does).
- *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved under the
- *            room's name" (a copy made before the clock starts), offer it (an fstat: no read,
- *            no CRC-32 — the default, without --kv-same-host-verify), send kv_file — until the
+ *            `kvfile` trial (same host, transfer/same-host.ts): from "state saved" (a copy made
+ *            before the clock starts), rename it to the room's name (the worker's one-room
+ *            path), offer it (no read, no CRC-32 — the default, without
+ *            --kv-same-host-verify), send kv_file — until the
  *            receiver's kv_ack; stamped with process.hrtime.bigint() (CLOCK_MONOTONIC, one
  *            clock for both processes), so the parent also ends the clock at the receiver's
  *            "state loaded" stamp. `floor` (same-host figures): the one-way lag of an 8-byte
@@ -59,7 +60,7 @@ import { GgsqStreamParser, parseStateHeaders, type ParsedState, type PositionalS
 import { StateReceiver } from '../kv/transfer/receiver.js';
 import { SEND_PIECE_BYTES, sendGrowingStateFile, sendStateFile, wireBytes } from '../kv/transfer/sender.js';
 import { prefillStateName, SameHostDecode, SameHostPrefill } from '../kv/transfer/same-host.js';
-import { appendFileSync, existsSync, ftruncateSync, openSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { appendFileSync, existsSync, ftruncateSync, openSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { loadCorpus } from './index.js';
 
 interface Init {
@@ -399,19 +400,22 @@ async function sender(engine: Engine): Promise<void> {
         const acked = new Promise<void>((r) => acks.set(room, r));
         const info = engine.info;
         const head = encodeEnvelopeHead({ fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, nTokens: st.n, firstToken: st.firstToken, firstIsEog: st.firstIsEog, payloadBytes: st.bytes });
-        // The saved state under the room's name, its only name (as a one-room request hands it
-        // over): a copy made before the clock starts, standing for the save the goal counts apart.
-        // (copied off the event loop: a 1 GiB copy blocked heartbeats for > 2 s at load 15, and the
-        // receiver dropped the connection)
+        // The saved state under the computation's name, as the prefill worker's save leaves it: a
+        // copy made before the clock starts, standing for the save the goal counts apart. (Copied
+        // off the event loop: a 1 GiB copy blocked heartbeats for > 2 s at load 15, and the
+        // receiver dropped the connection.) On the clock, as the worker does for a one-room
+        // request (prefill/effects.ts `transfer`): the rename to the room's name, the offer, kv_file.
+        const saved = join(init.stateDir, `pdserve-bench-kv-${process.pid}-${room}-saved.ggsq`);
         const name = join(init.stateDir, prefillStateName(process.pid, room));
-        await copyFile(st.path, name);
-        let [t2, t4, crc, sentNs, ackNs] = [0, 0, false, '', ''];
+        await copyFile(st.path, saved);
+        let [t1, t2, t4, crc, sentNs, ackNs] = [0, 0, 0, false, '', ''];
         let loop = { eldP99: NaN, eldMax: NaN };
         eldStart();
         const t0Ns = mono();
         const t0 = now();
-        const t1 = now();
         try {
+          renameSync(saved, name);
+          t1 = now();
           const msg = sameHost.offer(conn.id, room, name, head, st.bytes, sendPool);
           crc = msg.crc !== undefined;
           t2 = now();
@@ -424,6 +428,7 @@ async function sender(engine: Engine): Promise<void> {
         } finally {
           acks.delete(room);
           await rm(name, { force: true }); // prefill's delete at finish: decode renamed it, so nothing is left (a failed trial's copy too)
+          await rm(saved, { force: true }); // renamed on the clock: nothing left, unless the trial failed before
         }
         send({ type: 'kvFileDone', room, totalMs: t4 - t0, linkMs: t1 - t0, offerMs: t2 - t1, crc, t0Ns, sentNs, ackNs, ...loop });
       } else if (m.cmd === 'floor') {
@@ -586,10 +591,7 @@ async function receiver(engine: Engine): Promise<void> {
     onConnect: (c) => sameHost.probe(c),
     onMessage: (conn, msg) => {
       if (msg.type === 'same_host_reply') sameHost.onReply(conn, msg);
-      else if (msg.type === 'kv_file') {
-        eldStart();
-        void loadFile(conn, msg, mono());
-      }
+      else if (msg.type === 'kv_file') void loadFile(conn, msg, mono());
       else if (msg.type === 'kv_begin') {
         tr('kv_begin-recv');
         if (recv) {
@@ -696,10 +698,14 @@ async function receiver(engine: Engine): Promise<void> {
       const t0 = now();
       const out = sameHost.take(msg, { expect, headers, walker, pool: kvPool });
       if ('refused' in out) throw new Error(`refused: ${out.refused}`);
-      const readBytes = out.bytesRead;
+      const { bytesRead: readBytes, reads } = out;
       path = out.taken.path;
       const t1 = now();
-      await slot.loadState(path, out.taken.state.tokens, out.taken.state);
+      const loading = slot.loadState(path, out.taken.state.tokens, out.taken.state);
+      // the event-loop monitor from the load's start (its own start costs ~30 µs: off the clock,
+      // while llama.cpp loads on its thread)
+      setImmediate(eldStart);
+      await loading;
       const t2 = now();
       const loadedNs = mono(); // the state is in the slot: the request could generate from here
       const loop = eldStop();
@@ -707,7 +713,7 @@ async function receiver(engine: Engine): Promise<void> {
       conn.sendControl({ type: 'kv_ack', room: msg.room, epoch: init.epoch });
       await rm(path, { force: true });
       const t3 = now();
-      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, takeNs, loadedNs, ...loop });
+      send({ type: 'kvFileRecv', room: msg.room, takeMs: t1 - t0, readBytes, reads, loadMs: t2 - t1, rmMs: t3 - t2, arriveNs, takeNs, loadedNs, ...loop });
     } catch (err) {
       if (path) await rm(path, { force: true });
       send({ type: 'kvFileRecv', room: msg.room, error: (err as Error).message });

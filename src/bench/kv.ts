@@ -11,9 +11,10 @@
  * the other process, until its last byte arrived (its stamp). Neither includes the return hop;
  * the ack-inclusive times (kv_ack / 1-byte ack received back) are kept as `kvAckMs` /
  * `rawAckMs`. Same host (when the two processes pass the same-host probe over their KV
- * connection, kv/transfer/same-host.ts): from the state saved under prefill's name for the room
- * (its only name, as for a one-room request), named in a kv_file message (not read: no CRC-32
- * without --kv-same-host-verify); decode takes it over (rename), validates it (envelope head,
+ * connection, kv/transfer/same-host.ts): from the state saved under the computation's name,
+ * renamed to prefill's name for the room (as the worker does for a one-room request), named in a
+ * kv_file message (not read: no CRC-32 without --kv-same-host-verify); decode takes it over
+ * (rename), validates it (envelope head,
  * size, ggsq header walk by pread — the KV data is not read), loads it, acks, then deletes it.
  * The same-host clock ends when decode's loadState returns ("prefill-saved → decode-loaded", the
  * handoff's definition: the request generates from there; kv_ack only lets prefill
@@ -126,8 +127,9 @@ export interface KvSizeResult {
   /** (save + same-host) / (save + loadState): goal ≤ 1.1. */
   sameHostGoalRatio?: number;
   /**
-   * Medians of the same-host phases: link (unused, ~0: the file is placed before the clock
-   * starts), offer (prefill makes kv_file: an fstat; the CRC-32 read only with verify), take
+   * Medians of the same-host phases: link (prefill renames the saved file to the room's name,
+   * as the worker does for a one-room request), offer (prefill makes kv_file: no system call;
+   * the CRC-32 read only with verify), take
    * (decode: rename + envelope head + ggsq header walk), load (llama.cpp), rm (decode's delete,
    * after the ack: off the clock), beginLag (kv_file sent → received: decode's KV message
    * handler; CLOCK_MONOTONIC), ackLag (decode's load done → kv_ack received: after the clock),
@@ -137,6 +139,8 @@ export interface KvSizeResult {
   sameHostPhasesMs?: { link: number; offer: number; take: number; load: number; rm: number; beginLag: number; ackLag: number; handle?: number; over?: number };
   /** Bytes of the file decode's validation read (median; the header walk's preads). */
   sameHostReadBytes?: number;
+  /** The preads that validation made (median). */
+  sameHostReads?: number;
   /** The same-host trials carried a CRC-32 (verify on): false for the default path. */
   sameHostVerified?: boolean;
   /** Event-loop delay (perf_hooks.monitorEventLoopDelay, 1 ms resolution) during the KV, same-host and inline KV trials. */
@@ -309,6 +313,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
       push(k.ph, 'offer', d.offerMs);
       push(k.ph, 'take', rv.takeMs);
       push(k.ph, 'readBytes', rv.readBytes);
+      push(k.ph, 'reads', rv.reads);
       if (d.crc === true) k.verified = true;
       push(k.ph, 'load', rv.loadMs);
       push(k.ph, 'rm', rv.rmMs);
@@ -412,6 +417,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
                 sameHostGoalRatio: (s.saveMs + shMs.median) / (s.saveMs + sp('load')),
                 sameHostPhasesMs: { link: sp('link'), offer: sp('offer'), take: sp('take'), load: sp('load'), rm: sp('rm'), beginLag: sp('beginLag'), ackLag: sp('ackLag'), ...(q.ph.over ? { handle: sp('handle'), over: sp('over') } : {}) },
                 sameHostReadBytes: sp('readBytes'),
+                ...(q.ph.reads ? { sameHostReads: sp('reads') } : {}),
                 sameHostVerified: q.verified === true,
               };
             })()

@@ -271,10 +271,11 @@ function kvSection(s1: KvSectionResult | undefined, plots: Plots): SectionText {
   const shs = s1.sizes.filter((s) => s.sameHostMs);
   const sameHost = shs.length
     ? table(
-        ['state', 'same-host to decode-loaded, median (p90) ms', 'to kv_ack on prefill ms', 'KV over TCP ms', 'save ms', 'prefill offer (fstat)', 'kv_file lag', 'decode take (rename + header walk)', 'bytes the walk read', 'loadState', 'goal: (save+same-host) / (save+load), ≤ 1.1', 'trials'],
+        ['state', 'same-host to decode-loaded, median (p90) ms', 'to kv_ack on prefill ms', 'KV over TCP ms', 'save ms', 'prefill rename + kv_file', 'kv_file lag', 'decode take (rename + header walk)', 'preads (bytes) of the walk', 'loadState', 'above its load', 'goal: (save+same-host) / (save+load), ≤ 1.1', 'trials'],
         shs.map((s) => {
           const p = s.sameHostPhasesMs!;
-          return [size(s), `${fmt(s.sameHostMs!.median)} (${fmt(s.sameHostMs!.p90)})`, fmt(s.sameHostAckMs?.median), fmt(s.kvMs.median), fmt(s.saveMs), fmt(p.offer, 2), fmt(p.beginLag, 2), fmt(p.take, 2), s.sameHostReadBytes === undefined ? 'n/a' : Math.round(s.sameHostReadBytes).toLocaleString('en-US'), fmt(p.load), `**${fmtRatio(s.sameHostGoalRatio!)}** ${s.sameHostGoalRatio! <= 1.1 ? 'pass' : 'miss'}`, s.sameHostMs!.n];
+          const bytes = s.sameHostReadBytes === undefined ? 'n/a' : Math.round(s.sameHostReadBytes).toLocaleString('en-US');
+          return [size(s), `${fmt(s.sameHostMs!.median)} (${fmt(s.sameHostMs!.p90)})`, fmt(s.sameHostAckMs?.median), fmt(s.kvMs.median), fmt(s.saveMs), fmt(p.link + p.offer, 2), fmt(p.beginLag, 2), fmt(p.take, 2), s.sameHostReads === undefined ? bytes : `${Math.round(s.sameHostReads)} (${bytes})`, fmt(p.load), fmt(p.over, 2), `**${fmtRatio(s.sameHostGoalRatio!)}** ${s.sameHostGoalRatio! <= 1.1 ? 'pass' : 'miss'}`, s.sameHostMs!.n];
         }),
       )
     : '';

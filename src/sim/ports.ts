@@ -429,7 +429,7 @@ export function simSameHostTake(ctx: NodeCtx, disk: SimDisk): SameHostTake<SimCo
       const path = `${SIM_STATE_DIR}/pdserve-decode-${ctx.inc}-${msg.room}.ggsq`;
       disk.rename(ctx, msg.file, path);
       const tokens = disk.contents[f.content] ?? [];
-      return { taken: { header: head.header, state: { nTokens: tokens.length, tokens: [...tokens] } as unknown as ParsedState, path }, verified: false, bytesRead: 0 };
+      return { taken: { header: head.header, state: { nTokens: tokens.length, tokens: [...tokens] } as unknown as ParsedState, path }, verified: false, bytesRead: 0, reads: 0 };
     },
   };
 }

@@ -171,6 +171,8 @@ describe('taking a handed file over', () => {
     assert.deepEqual(out.taken.state, st0());
     assert.equal(out.verified, false);
     assert.ok(out.bytesRead < state.length / 2, `read ${out.bytesRead} of ${state.length} bytes`);
+    // one pread for everything before layer 0's K data (sized from the envelope's token count), then one per other K / V header
+    assert.equal(out.reads, 2 * 2, `${nTokens} tokens, 2 layers: ${out.reads} preads`);
     assert.equal(out.taken.path, decodeName(room));
     assert.equal(existsSync(p), false, "prefill's name is gone: its delete at finish finds nothing");
     assert.deepEqual(readFileSync(out.taken.path), state);
@@ -268,11 +270,17 @@ describe('taking a handed file over', () => {
     rmSync(c.p);
   });
 
-  it('prefill\'s offer checks the size without reading: a file of another size throws', () => {
+  it('prefill\'s offer touches no file (decode checks the size it took): a file of another size is refused by decode and stays prefill\'s; with verify the offer reads it and throws', () => {
     const room = normalizeRoomId(seq++);
     const p = path.join(shared, prefillStateName(4242, room));
     writeFileSync(p, state.subarray(0, 10));
-    assert.throws(() => pre.offer('conn', room, p, Buffer.from('h'), state.length, pool), isBad(/10 bytes/));
+    const head = encodeEnvelopeHead({ fingerprint: FP, contextSize: CTX, batchSize: 64, nTokens, firstToken: 1, firstIsEog: false, payloadBytes: state.length });
+    const msg = pre.offer('conn', room, p, head, state.length, pool);
+    assert.equal(msg.payloadBytes, state.length, "the save's own count");
+    const r = dec.take(msg, opts);
+    assert.ok('refused' in r && /10 bytes/.test(r.refused));
+    assert.ok(existsSync(p), 'a refused file stays with prefill');
+    assert.throws(() => preVerify.offer('conn', room, p, head, state.length, pool), isBad(/10 bytes/));
     rmSync(p);
   });
 

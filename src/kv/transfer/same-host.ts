@@ -66,7 +66,7 @@
  * The TCP path always keeps its CRC-32 (transfer/sender.ts, receiver.ts).
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, fstatSync, lstatSync, openSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { closeSync, fstatSync, lstatSync, openSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { PeerConn } from '../channel.js';
 import { parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
@@ -203,12 +203,14 @@ export class SameHostPrefill {
 
   /**
    * The kv_file message handing room `room`'s saved state at `path` (a file in the state
-   * directory named `prefillStateName`) to decode over connection `connId`. By default nothing
-   * is read: one fstat checks the size, and the message carries no CRC-32 (the module doc says
-   * why). With `verify` on this side, or asked for by that connection's decode, or when that
-   * decode's same_host_ok did not say `headerWalk` (an earlier version, which requires `crc`),
-   * the file is read once to compute its CRC-32, which the message then carries.
-   * @throws KvError('BAD_STATE') when the file's size is not `payloadBytes`; fs errors.
+   * directory named `prefillStateName`) to decode over connection `connId`. By default no
+   * system call is made: `payloadBytes` is the save's own count, the message carries no CRC-32
+   * (the module doc says why), and decode checks the size of the file it took (fstat) — a
+   * check here would only repeat it on the handoff's critical path. With `verify` on this side,
+   * or asked for by that connection's decode, or when that decode's same_host_ok did not say
+   * `headerWalk` (an earlier version, which requires `crc`), the file is read once to compute
+   * its CRC-32, which the message then carries.
+   * @throws KvError('BAD_STATE') (verify path only) when the file's size is not `payloadBytes`; fs errors.
    */
   offer(connId: string, room: RoomId, path: string, head: Buffer, payloadBytes: number, pool: BufferPool): Extract<ControlMsg, { type: 'kv_file' }> {
     const file = path.slice(path.lastIndexOf('/') + 1);
@@ -217,8 +219,6 @@ export class SameHostPrefill {
       readPieces(path, payloadBytes, pool, (piece) => crc.update(piece));
       return { type: 'kv_file', room, file, payloadBytes, crc: crc.value >>> 0, head: head.toString('base64') };
     }
-    const size = statSync(path).size;
-    if (size !== payloadBytes) throw new KvError('BAD_STATE', `state file is ${size} bytes, expected ${payloadBytes}`);
     return { type: 'kv_file', room, file, payloadBytes, head: head.toString('base64') };
   }
 }
@@ -233,19 +233,22 @@ function readPieces(path: string, bytes: number, pool: BufferPool, each: (piece:
   }
 }
 
-/** `readPieces` over an open file. */
-function readPiecesOf(fd: number, bytes: number, pool: BufferPool, each: (piece: Buffer) => void): void {
+/** `readPieces` over an open file; returns the reads it made. */
+function readPiecesOf(fd: number, bytes: number, pool: BufferPool, each: (piece: Buffer) => void): number {
   const buf = pool.acquire();
   try {
     const size = fstatSync(fd).size;
     if (size !== bytes) throw new KvError('BAD_STATE', `state file is ${size} bytes, expected ${bytes}`);
     let pos = 0;
+    let reads = 0;
     while (pos < bytes) {
       const n = readSync(fd, buf, 0, Math.min(buf.length, bytes - pos), pos);
+      reads++;
       if (n === 0) throw new KvError('BAD_STATE', `state file ended at byte ${pos}, expected ${bytes}`);
       each(buf.subarray(0, n));
       pos += n;
     }
+    return reads;
   } finally {
     pool.release(buf);
   }
@@ -255,9 +258,19 @@ function readPiecesOf(fd: number, bytes: number, pool: BufferPool, each: (piece:
 const READ_AHEAD_BYTES = 512;
 
 /**
+ * The bytes of a one-stream ggsq state of `nTokens` tokens before its first layer's K data:
+ * magic, version, n_tokens, the token ids (4 bytes each), n_stream, cell_count, the cell metadata
+ * (12 bytes each), v_trans, n_layer and the first K header (12 bytes).
+ */
+const fixedRegionBytes = (nTokens: number): number => 16 * nTokens + 40;
+
+/**
  * `PositionalSource` over an open file: each read that the current window does not hold is one
- * pread of the asked bytes plus READ_AHEAD_BYTES, into `scratch` when it fits. Counts what it read.
- * A returned buffer is valid until the next `read` (the walk consumes each before asking again).
+ * pread of the asked bytes plus READ_AHEAD_BYTES, into `scratch` when it fits. The first read
+ * takes at least `firstBytes` (the region every walk reads front to back, sized from the
+ * envelope's token count: one pread instead of three — a hint for the read's size only, the walk
+ * checks every field it reads). Counts what it read. A returned buffer is valid until the next
+ * `read` (the walk consumes each before asking again).
  */
 class PreadSource {
   private win: Buffer = Buffer.alloc(0);
@@ -270,11 +283,13 @@ class PreadSource {
     private readonly fd: number,
     readonly size: number,
     private readonly scratch: Buffer,
+    private firstBytes = 0,
   ) {}
 
   read(pos: number, n: number): Buffer {
     if (pos >= this.winPos && pos + n <= this.winPos + this.win.length) return this.win.subarray(pos - this.winPos, pos - this.winPos + n);
-    const len = Math.min(this.size - pos, n + READ_AHEAD_BYTES);
+    const len = Math.min(this.size - pos, Math.max(n + READ_AHEAD_BYTES, Math.min(this.firstBytes, this.scratch.length)));
+    this.firstBytes = 0;
     const buf = len <= this.scratch.length ? this.scratch.subarray(0, len) : Buffer.allocUnsafe(len);
     let got = 0;
     while (got < len) {
@@ -298,10 +313,10 @@ interface Probe {
 
 /**
  * Outcome of `SameHostDecode.take`: taken (the file is decode's now; `verified` = its data bytes
- * were CRC-checked too, `bytesRead` = what validation read of the file) or refused (still
- * prefill's: use TCP).
+ * were CRC-checked too, `bytesRead` = what validation read of the file, in `reads` preads) or
+ * refused (still prefill's: use TCP).
  */
-export type TakeOutcome<S> = { taken: ReceivedState<S>; verified: boolean; bytesRead: number } | { refused: string };
+export type TakeOutcome<S> = { taken: ReceivedState<S>; verified: boolean; bytesRead: number; reads: number } | { refused: string };
 
 /** A taken file as the header walk reads it (structurally `PositionalSource` of engine/ggsq.ts; kv does not import engine). */
 export interface HeaderSource {
@@ -461,19 +476,19 @@ export class SameHostDecode {
         if (msg.crc !== undefined) {
           const walker = o.walker(msg.payloadBytes);
           const crc = new Crc32();
-          readPiecesOf(fd, msg.payloadBytes, o.pool, (piece) => {
+          const reads = readPiecesOf(fd, msg.payloadBytes, o.pool, (piece) => {
             crc.update(piece);
             walker.push(piece);
           });
           const state = walker.end();
           if (crc.value >>> 0 !== msg.crc) throw new KvError('BAD_ENVELOPE', 'payload checksum mismatch: the handed state file is corrupted');
-          return { taken: { header: h.header, state, path: dst }, verified: true, bytesRead: size };
+          return { taken: { header: h.header, state, path: dst }, verified: true, bytesRead: size, reads };
         }
         const scratch = o.pool.acquire();
         try {
-          const file = new PreadSource(fd, size, scratch);
+          const file = new PreadSource(fd, size, scratch, fixedRegionBytes(h.header.nTokens) + READ_AHEAD_BYTES);
           const state = o.headers(file);
-          return { taken: { header: h.header, state, path: dst }, verified: false, bytesRead: file.bytesRead };
+          return { taken: { header: h.header, state, path: dst }, verified: false, bytesRead: file.bytesRead, reads: file.reads };
         } finally {
           o.pool.release(scratch);
         }
