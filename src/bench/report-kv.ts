@@ -79,7 +79,7 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   const row = (s: KvSectionResult['sizes'][number], kind: string, d: LoopDelay | undefined): (string | number)[] | undefined => (d ? [size(s.blobBytes), kind, fmt(d.senderP99), fmt(d.senderMax), fmt(d.receiverP99), fmt(d.receiverMax)] : undefined);
   L.push(
     '',
-    "The event loop's delay during the trials (1 ms resolution; prefill from the save's start to `kv_ack`, decode from `kv_begin` or `kv_file` to the load's return; p99: median over trials of each trial's p99; max: the largest of any trial):",
+    "The event loop's delay during the trials (1 ms resolution; prefill from the save's start to `kv_ack`, decode from `kv_begin` (TCP) or the load's start (same host) to the load's return; p99: median over trials of each trial's p99; max: the largest of any trial):",
     '',
   );
   L.push(

@@ -46,9 +46,10 @@
  * engine/ggsq.ts, injected by the caller: token ids,
  * cell metadata, per-layer type / row size), seeking over the KV data — every count and size
  * checked against the file's size, as the streamed walk does. A cut file, a damaged head or a
- * damaged structure header fails its room, never the process. Cost: ~20 preads reading 16
- * bytes per token (ids, cell metadata) plus 12 per layer header — none of the KV data — all
- * synchronous (`take` says why, and what bounds the time it blocks the event loop).
+ * damaged structure header fails its room, never the process. Cost: 2 × n_layer preads (one
+ * for everything before layer 0's K data: 16 bytes per token of ids and cell metadata; one per
+ * other layer header) — none of the KV data — all synchronous (`take` says why, and what bounds
+ * the time it blocks the event loop).
  *
  * What is NOT checked by default, and why: the KV data bytes (no CRC-32). No wire exists on this
  * path — the bytes decode loads are the very pages prefill's llama.cpp wrote into the shared
@@ -431,13 +432,14 @@ export class SameHostDecode {
    * of the loop per call — with ~20 calls that was the take's whole cost on the busy 2-core
    * machine, as sender.ts and receiver.ts found for their reads and writes). What the loop is
    * blocked for is bounded by the state's shape, not its size: lstat, rename, open, fstat,
-   * close, and the header walk's preads — a few for the fixed fields and the token ids
-   * (4 bytes a token), one per non-empty stream for its cell metadata (12+ bytes a cell), and
-   * one per layer for K and one for V (12-byte headers; each read takes 512 bytes more, which
-   * often holds the next small field) — so about 2 × n_layer + 5 preads reading ≤ 16 bytes a
-   * token + 0.5 KiB a read: bench §1 reads 9.7 KiB of a 64-token (1 MiB) state and 75 KiB of a
-   * 4,092-token (64 MiB) one, and the whole take costs 0.2–0.35 ms in a process that had been
-   * idle ("decode take"). On the state directory's intended tmpfs (/dev/shm, the
+   * close, and the header walk's preads — one for everything before layer 0's K data (sized
+   * from the envelope's token count: the fixed fields, 4 bytes a token of ids, 12 a cell of
+   * metadata, the first K header), then one per other K and V header (12 bytes; each read takes
+   * 512 bytes more, which holds the next header when a layer's data is small) — so 2 × n_layer
+   * preads for a one-sequence state, reading ≤ 16 bytes a token + 0.5 KiB a read (bench §1: 16
+   * preads of 12 KiB for a 4 MiB state of the 8-layer small model). On a busy 2-core VM the
+   * take costs 0.5–1 ms in a process that has just woken up, most of it the walk's preads and
+   * its first run in a while ("decode take"). On the state directory's intended tmpfs (/dev/shm, the
    * default) each pread is a memory copy. On a disk-backed state directory the file was written
    * by prefill's saveState a moment before, so its pages are normally still in the page cache
    * and the reads stay memory copies; only pages evicted under memory pressure would make each
