@@ -17,11 +17,14 @@
   };
   const timeAxis = { space: 90, values: (u, ticks) => ticks.map(timeLabel) };
 
+  // A bucket without a sample (an idle 5 s: no request finished, so no TTFT or ITL) is null and
+  // stays a gap in its line (spanGaps false): a line drawn across it would show latencies that
+  // nobody measured. Points mark lone buckets between gaps.
   function chart(id, series, data) {
     const el = $(id);
     const width = Math.max(280, el.clientWidth || 360);
     if (!charts[id]) {
-      charts[id] = new uPlot({ width, height: 180, series: [{}].concat(series.map((x) => Object.assign({ spanGaps: true, points: { show: true, size: 4 } }, x))), axes: [timeAxis, { size: 50 }], legend: { live: false } }, data, el);
+      charts[id] = new uPlot({ width, height: 180, series: [{}].concat(series.map((x) => Object.assign({ spanGaps: false, points: { show: true, size: 4 } }, x))), axes: [timeAxis, { size: 50 }], legend: { live: false } }, data, el);
     } else {
       charts[id].setData(data);
     }

@@ -9,10 +9,11 @@ import { test } from 'node:test';
 import { createContext, runInContext } from 'node:vm';
 
 type Axis = { space: number; values: (u: unknown, ticks: number[]) => string[] };
+type Opts = { axes: Axis[]; series: { label?: string; spanGaps?: boolean }[] };
 
 /** Run app.js once against one /dashboard/data answer; resolves with the options of each chart it made. */
-async function chartsOf(data: unknown): Promise<{ axes: Axis[] }[]> {
-  const made: { axes: Axis[] }[] = [];
+async function chartsOf(data: unknown): Promise<Opts[]> {
+  const made: Opts[] = [];
   const el = (): Record<string, unknown> => {
     const e: Record<string, unknown> = { textContent: '', className: '', innerHTML: '', dataset: {}, clientWidth: 400, children: [] as unknown[] };
     e.appendChild = (c: unknown) => (e.children as unknown[]).push(c);
@@ -25,7 +26,7 @@ async function chartsOf(data: unknown): Promise<{ axes: Axis[] }[]> {
   const done = new Promise<void>((r) => (rendered = r));
   const context = createContext({
     document,
-    uPlot: function uPlot(opts: { axes: Axis[] }) {
+    uPlot: function uPlot(opts: Opts) {
       made.push(opts);
       return { setData() {} };
     },
@@ -52,5 +53,21 @@ test('the time axis: HH:MM:SS in 24-hour local time, a label per tick, at least 
     const x = c.axes[0]!;
     assert.ok(x.space >= 90, `labels at least 90 px apart: ${x.space}`);
     assert.deepEqual(x.values(null, t), ['15:04:05', '15:04:10', '09:00:00', '00:00:59', '23:59:55']);
+  }
+});
+
+test('an idle bucket (null: no request finished) is a gap in every line, not a line drawn across it', async () => {
+  const t = [100, 105, 110, 115, 120];
+  const gap = [12, null, null, 15, 14];
+  const data = {
+    status: 'ok', at: 0, gather_ms: 1, router: { inflight: 0, requests: {}, kv_events: {} }, prefix_store: null, rooms_by_phase: {}, findings: [], workers: [], room_failures: [],
+    series: { t, ttft_p50_ms: gap, ttft_p95_ms: gap, itl_p50_ms: gap, itl_p95_ms: gap, tokens_per_s: t.map(() => 0), requests_per_s: t.map(() => 0), failed_per_s: t.map(() => 0), rejected_per_s: t.map(() => 0), failures: [] },
+  };
+  const charts = await chartsOf(data);
+  for (const c of charts) {
+    const lines = c.series.slice(1);
+    assert.ok(lines.length > 0);
+    // uPlot joins the points around a null only with spanGaps: true (its default is false)
+    for (const s of lines) assert.notEqual(s.spanGaps, true, `series ${s.label} spans gaps`);
   }
 });
