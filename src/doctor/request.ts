@@ -61,8 +61,10 @@ export async function requestReport(routerUrl: string, id: string, timeoutMs = 3
   await Promise.all(
     (workers.body?.workers ?? []).map(async (w) => {
       const d = await fetchText<DebugRooms>(`${w.url}/debug/rooms`, timeoutMs, (t) => JSON.parse(t) as DebugRooms, dispatcher);
-      if (!d.body) {
-        notes.push(`${w.role} ${w.url}: GET /debug/rooms: ${d.error}`);
+      if (!d.ok || !d.body) {
+        // a refusal's body parses too (an error object): without this its rooms just went missing
+        const unsigned = d.status === 401 || d.status === 403 ? ': its rooms take only requests signed with the cluster secret (PDSERVE_CLUSTER_SECRET_FILE=<file holding the cluster secret>)' : '';
+        notes.push(`${w.role} ${w.url}: GET /debug/rooms: ${d.error}${unsigned}`);
         return;
       }
       clock = d.body.now;
