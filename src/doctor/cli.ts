@@ -49,12 +49,16 @@ export interface DoctorOptions {
 
 /**
  * What a command a finding suggests must carry to reach the same cluster as this run: the
- * admin key by placeholder (never its value), the TLS files as given (paths, not secrets).
+ * admin key by placeholder (never its value), the cluster secret as this run read it (a file by
+ * its path, `PDSERVE_CLUSTER_SECRET_FILE=/tmp/…/cluster-secret`; a secret from the environment
+ * by placeholder), the TLS files as given (paths, not secrets). `env` is the process environment.
  */
-export function doctorCredentials(o: Pick<DoctorOptions, 'adminApiKey' | 'ca' | 'internalTlsCert' | 'internalTlsKey' | 'internalTlsCa'>): { env: string[]; flags: string[] } {
-  const key = o.adminApiKey ?? process.env.PDSERVE_ADMIN_API_KEY;
+export function doctorCredentials(o: Pick<DoctorOptions, 'adminApiKey' | 'ca' | 'internalTlsCert' | 'internalTlsKey' | 'internalTlsCa' | 'clusterSecretFile'>, env: NodeJS.ProcessEnv = process.env): { env: string[]; flags: string[] } {
+  const key = o.adminApiKey ?? env.PDSERVE_ADMIN_API_KEY;
+  const file = o.clusterSecretFile ?? (env.PDSERVE_CLUSTER_SECRET ? undefined : env.PDSERVE_CLUSTER_SECRET_FILE); // the order doctorSnapshot reads it in
+  const secret = file ? [`PDSERVE_CLUSTER_SECRET_FILE=${file}`] : env.PDSERVE_CLUSTER_SECRET ? ['PDSERVE_CLUSTER_SECRET=<the cluster secret>'] : [];
   const flags = [o.ca ? `--ca ${o.ca}` : '', o.internalTlsCert ? `--internal-tls-cert ${o.internalTlsCert}` : '', o.internalTlsKey ? `--internal-tls-key ${o.internalTlsKey}` : '', o.internalTlsCa ? `--internal-tls-ca ${o.internalTlsCa}` : ''];
-  return { env: key ? ['PDSERVE_ADMIN_API_KEY=<the admin key>'] : [], flags: flags.filter(Boolean) };
+  return { env: [...secret, ...(key ? ['PDSERVE_ADMIN_API_KEY=<the admin key>'] : [])], flags: flags.filter(Boolean) };
 }
 
 /** Bound on one round (gather + diagnose), ms: the answer comes within 10 s. */

@@ -163,10 +163,11 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   const routerUrl = o.routerUrl ?? snap.router?.url ?? 'ROUTER';
   const f: Finding[] = [];
   const add = (x: Omit<Finding, 'weight'> & { weight?: number }) => f.push({ weight: 0, ...x });
-  // a suggested doctor command: this run's credentials (an assignment in `env` replaces this run's of the same variable)
+  // a suggested doctor command: this run's credentials (an assignment in `env` replaces this run's of the same variable; X and X_FILE are one)
   const doctorCmd = (env: string[], tail: string[]) => {
-    const named = new Set(env.map((e) => e.split('=')[0]));
-    return [...env, ...(o.doctor?.env ?? []).filter((e) => !named.has(e.split('=')[0])), 'pdserve doctor --url', routerUrl, ...(o.doctor?.flags ?? []), ...tail].join(' ');
+    const name = (e: string) => e.split('=')[0]!.replace(/_FILE$/, '');
+    const named = new Set(env.map(name));
+    return [...env, ...(o.doctor?.env ?? []).filter((e) => !named.has(name(e))), 'pdserve doctor --url', routerUrl, ...(o.doctor?.flags ?? []), ...tail].join(' ');
   };
   const doctorReq = (id: string) => doctorCmd([], ['--request', id]);
 

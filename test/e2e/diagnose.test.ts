@@ -172,7 +172,8 @@ test('the incident: a room held in prefill inflight is named by pdserve doctor, 
     assert.equal(text.code, 2);
     assert.match(text.out, new RegExp(`room ${room.room} .*Transferring/inflight step sending`));
     assert.match(text.out, /requests are waiting while every engine is idle/);
-    assert.match(text.out, /likely cause: .*\n\s+next: pdserve doctor --url \S+ --request held-victim/);
+    assert.match(text.out, /likely cause: .*\n\s+next: PDSERVE_CLUSTER_SECRET=<the cluster secret> (?:\S+=<[^>]*> )*pdserve doctor --url \S+ (?:.* )?--request held-victim/, 'the next command carries the secret this run read, by placeholder');
+    assert.ok(!text.out.includes(c.secret), 'never the secret itself');
   } finally {
     await hold('');
     ac.abort();

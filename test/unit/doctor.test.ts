@@ -121,7 +121,21 @@ describe('diagnose', () => {
     const locked = { env: ['PDSERVE_ADMIN_API_KEY=<the admin key>'], flags: ['--ca /etc/pd/ca.pem', '--internal-tls-cert /etc/pd/c.crt', '--internal-tls-key /etc/pd/c.key', '--internal-tls-ca /etc/pd/ica.pem'] };
     const lf = diagnose(snap([blind('prefill'), blind('decode')]), { routerUrl: 'https://r', doctor: locked }).findings.find((x) => x.kind === 'rooms_unreadable')!;
     assert.equal(lf.next[0], 'PDSERVE_CLUSTER_SECRET_FILE=<file holding the cluster secret> PDSERVE_ADMIN_API_KEY=<the admin key> pdserve doctor --url https://r --ca /etc/pd/ca.pem --internal-tls-cert /etc/pd/c.crt --internal-tls-key /etc/pd/c.key --internal-tls-ca /etc/pd/ica.pem');
-    assert.deepEqual(doctorCredentials({ adminApiKey: 'k-123', ca: '/etc/pd/ca.pem', internalTlsCert: '/etc/pd/c.crt', internalTlsKey: '/etc/pd/c.key', internalTlsCa: '/etc/pd/ica.pem' }), locked, 'the key by placeholder, never its value');
+    assert.deepEqual(doctorCredentials({ adminApiKey: 'k-123', ca: '/etc/pd/ca.pem', internalTlsCert: '/etc/pd/c.crt', internalTlsKey: '/etc/pd/c.key', internalTlsCa: '/etc/pd/ica.pem' }, {}), locked, 'the key by placeholder, never its value');
+    // the cluster secret as this run read it: a file by its path (what `up` prints), a secret by placeholder
+    assert.deepEqual(doctorCredentials({}, { PDSERVE_CLUSTER_SECRET_FILE: '/tmp/pdserve-1/cluster-secret' }).env, ['PDSERVE_CLUSTER_SECRET_FILE=/tmp/pdserve-1/cluster-secret']);
+    assert.deepEqual(doctorCredentials({ clusterSecretFile: '/etc/pd/secret' }, { PDSERVE_CLUSTER_SECRET: 'abcdefgh12' }).env, ['PDSERVE_CLUSTER_SECRET_FILE=/etc/pd/secret']);
+    const bySecret = doctorCredentials({}, { PDSERVE_CLUSTER_SECRET: 'abcdefgh12', PDSERVE_CLUSTER_SECRET_FILE: '/x' });
+    assert.deepEqual(bySecret.env, ['PDSERVE_CLUSTER_SECRET=<the cluster secret>'], 'the secret by placeholder, never its value');
+    // a finding's --request command carries this run's secret file, so pasting it reads the workers' rooms too
+    const held = room({ role: 'prefill', state: 'Transferring', phase: 'inflight', step: 'sending', inPhase: 3000, bytes: 10, total_bytes: 10 });
+    const withFile = diagnose(snap([worker('prefill', { live: [held] }), worker('decode')], 1), { routerUrl: 'http://r', doctor: doctorCredentials({}, { PDSERVE_CLUSTER_SECRET_FILE: '/tmp/pdserve-1/cluster-secret' }) });
+    const reqNext = withFile.findings.flatMap((x) => x.next).filter((n) => n.includes('--request'));
+    assert.ok(reqNext.length > 0, JSON.stringify(withFile.findings));
+    for (const n of reqNext) assert.match(n, /^PDSERVE_CLUSTER_SECRET_FILE=\/tmp\/pdserve-1\/cluster-secret pdserve doctor --url http:\/\/r --request /);
+    // the finding's own secret assignment replaces this run's, whichever of the two variables this run used
+    const wrong = diagnose(snap([blind('prefill'), blind('decode')]), { routerUrl: 'http://r', doctor: bySecret }).findings.find((x) => x.kind === 'rooms_unreadable')!;
+    assert.equal(wrong.next[0], 'PDSERVE_CLUSTER_SECRET_FILE=<file holding the cluster secret> pdserve doctor --url http://r');
     assert.doesNotMatch(f.title, /401/, 'the title names the cause, not the status');
     assert.ok(!diagnose(snap([worker('prefill'), worker('decode')])).findings.some((x) => x.kind === 'rooms_unreadable'), 'signed: no finding');
   });
