@@ -46,7 +46,7 @@ import { copyFile, readFile, rm, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { join } from 'node:path';
 import { monitorEventLoopDelay, performance } from 'node:perf_hooks';
-import { sharedKvIo } from '../kv/transfer/io-thread.js';
+import { kvIoForReceives, sharedKvIo } from '../kv/transfer/io-thread.js';
 import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
 import { KV_READ_BUFFER_BYTES, KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
@@ -178,6 +178,13 @@ const eldStop = (): { eldP99: number; eldMax: number } => {
 };
 let ioMode: 'thread' | 'inline' = 'thread';
 const kvIo = () => (ioMode === 'thread' ? sharedKvIo() : undefined);
+/**
+ * The receiver's thread as the decode worker picks it (kvIoForReceives: none on a tmpfs state
+ * directory), or none with 'inline'; PDSERVE_BENCH_KV_RECV_THREAD=1: the thread whatever the
+ * directory (to compare).
+ */
+const RECV_THREAD = process.env.PDSERVE_BENCH_KV_RECV_THREAD === '1';
+const kvIoRecv = () => (ioMode !== 'thread' ? undefined : RECV_THREAD ? sharedKvIo() : kvIoForReceives(init.stateDir));
 
 interface State {
   n: number;
@@ -599,7 +606,7 @@ async function receiver(engine: Engine): Promise<void> {
           drop(recv);
         }
         const streamed = msg.streamed === true;
-        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: BOUND_NOWRITE ? stagePool : recvFiles, pool: kvPool, io: kvIo() });
+        const rx = new StateReceiver({ totalBytes: streamed ? maxBytes : msg.totalBytes, ...(streamed ? { streamed: { hintBytes: msg.totalBytes } } : {}), expect: { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: maxBytes }, walker: (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab }), files: BOUND_NOWRITE ? stagePool : recvFiles, pool: kvPool, io: kvIoRecv() });
         eldStart();
         tr('rx-made');
         const bare = BOUND_BARE && !streamed ? bareOf.get(msg.totalBytes) : undefined;

@@ -1,8 +1,8 @@
 /**
  * BENCHMARKS.md §1's large states (bench/results/s1-kv-large.json, PDSERVE_BENCH_KV_BIG=1): the
  * TCP and same-host handoffs of 256 MiB and 1 GiB real states, their phases, and the event
- * loop's delay on both sides, with the KV I/O thread (the workers' path) and with the data path
- * inline on the event loop (the same trials interleaved).
+ * loop's delay on both sides: the workers' path (prefill's reads on the KV I/O thread, decode's
+ * tmpfs writes inline) and the data path inline on both sides (the same trials interleaved).
  */
 import type { KvSectionResult, LoopDelay } from './kv.js';
 import type { SectionFile } from './util.js';
@@ -53,13 +53,13 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   const L: string[] = [provenance, '', `Context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'} tokens, 2 llama.cpp threads, decode side 1 sequence; each state is a real prompt evaluated once and saved by llama.cpp in every trial.`, ''];
   L.push(
     table(
-      ['state', 'tokens', 'KV, I/O thread: median (p90) ms', 'KV, inline: median ms', 'raw TCP ms', 'save ms', 'loadState ms', 'goal: KV / (save + raw + load)', 'inline: same ratio', 'wire GB/s', 'raw GB/s', 'trials'],
+      ['state', 'tokens', 'KV, workers\' path: median (p90) ms', 'KV, inline: median ms', 'raw TCP ms', 'save ms', 'loadState ms', 'goal: KV / (save + raw + load)', 'inline: same ratio', 'wire GB/s', 'raw GB/s', 'trials'],
       r.sizes.map((s) => [size(s.blobBytes), s.tokens, `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.inline?.kvMs.median), fmt(s.rawMs.median), fmt(s.goalSaveMs ?? s.saveMs), fmt(s.phasesMs.loadState), `**${ratio(s.goalRatio)}** ${s.rawMs.median >= s.kvMs.median ? '(no floor)' : s.goalRatio <= 1.1 ? 'pass' : s.goalRatio <= 1.3 ? '(≤ 1.3 only)' : 'miss'}`, ratio(s.inline?.goalRatio), fmt(s.wireGBps, 3), fmt(s.rawGBps, 3), s.kvMs.n]),
     ),
   );
   if (r.sizes.some((s) => s.rawMs.median >= s.kvMs.median))
-    L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver allocates a buffer per read where the channel reuses one, so that floor is no floor and its ratio no verdict; compare the I/O thread with inline, same trials.`);
-  L.push('', 'Phases of the I/O-thread trials (medians, ms; as in the table above):', '');
+    L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver allocates a buffer per read where the channel reuses one, so that floor is no floor and its ratio no verdict; compare the workers' path with inline, same trials.`);
+  L.push('', 'Phases of the workers\' path trials (medians, ms; as in the table above):', '');
   L.push(
     table(
       ['state', 'save', 'prefill send', 'kv_begin lag', 'decode wire', 'finish at kv_end', 'loadState', 'kv_ack lag'],
@@ -85,7 +85,7 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   L.push(
     table(
       ['state', 'handoff', 'prefill p99 ms', 'prefill max ms', 'decode p99 ms', 'decode max ms'],
-      r.sizes.flatMap((s) => [row(s, 'TCP, I/O thread', s.loopDelayMs?.kv), row(s, 'TCP, inline', s.loopDelayMs?.kvInline), row(s, 'same host', s.loopDelayMs?.sameHost)].filter((x): x is (string | number)[] => x !== undefined)),
+      r.sizes.flatMap((s) => [row(s, 'TCP, workers\' path', s.loopDelayMs?.kv), row(s, 'TCP, inline', s.loopDelayMs?.kvInline), row(s, 'same host', s.loopDelayMs?.sameHost)].filter((x): x is (string | number)[] => x !== undefined)),
     ),
   );
   return L;

@@ -29,7 +29,7 @@ import { KvPeerPool, type PeerConn } from '../kv/channel.js';
 import { BufferPool, FilePool, RECV_SPARE_BYTES, RECV_SPARE_FILES, TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS } from '../kv/transfer/pool.js';
 import { GgsqStreamParser, parseStateHeaders } from '../engine/ggsq.js';
 import { StateReceiver } from '../kv/transfer/receiver.js';
-import { sharedKvIo } from '../kv/transfer/io-thread.js';
+import { kvIoForReceives } from '../kv/transfer/io-thread.js';
 import { SameHostDecode } from '../kv/transfer/same-host.js';
 import type { RoomId } from '../kv/types.js';
 import { DecodeDriver } from './driver.js';
@@ -100,7 +100,7 @@ export class DecodeWorker {
       files: nodeStateFiles,
       dial: (host, port) => this.pool.get(host, port),
       receive: (_room, totalBytes, hintBytes) =>
-        new StateReceiver({ totalBytes, ...(hintBytes !== undefined ? { streamed: { hintBytes } } : {}), expect, walker, files: this.recvFiles, pool: this.kvPool, io: sharedKvIo() }),
+        new StateReceiver({ totalBytes, ...(hintBytes !== undefined ? { streamed: { hintBytes } } : {}), expect, walker, files: this.recvFiles, pool: this.kvPool, io: kvIoForReceives(config.stateDir) }),
       sameHost: {
         ready: (conn) => sameHost.ready(conn),
         onReply: (conn, msg) => sameHost.onReply(conn, msg),

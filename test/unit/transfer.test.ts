@@ -5,7 +5,7 @@
  * written to its file as it comes). Damage is caught while streaming; cut streams at kv_end.
  */
 import assert from 'node:assert/strict';
-import { closeSync, existsSync, fstatSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
+import { closeSync, existsSync, fstatSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, statfsSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -15,8 +15,11 @@ import { KvPeerPool, KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { encodeEnvelope, encodeEnvelopeHead, type EnvelopeExpect } from '../../src/kv/envelope.js';
 import { Crc32, crc32, crc32Impl } from '../../src/kv/transfer/checksum.js';
 import zlib from 'node:zlib';
+
+const TMPFS_MAGIC = 0x01021994;
+const statfsType = (dir: string): number => statfsSync(dir).type;
 import { BufferPool, FilePool } from '../../src/kv/transfer/pool.js';
-import { KvIo } from '../../src/kv/transfer/io-thread.js';
+import { KvIo, kvIoForReceives, sharedKvIo } from '../../src/kv/transfer/io-thread.js';
 import { StateReceiver } from '../../src/kv/transfer/receiver.js';
 import { sendGrowingStateFile, sendStateFile, wireBytes } from '../../src/kv/transfer/sender.js';
 import { PdError } from '../../src/base/errors.js';
@@ -715,6 +718,15 @@ describe('the data path on the KV I/O thread (io-thread.ts)', () => {
       await p.close();
       await io.close();
     }
+  });
+
+  it('a receive into a tmpfs directory writes inline (no thread); into another file system, through the shared thread', (t) => {
+    const tmpfs = '/dev/shm';
+    const disk = process.cwd(); // the checkout: not tmpfs on a developer's or CI machine
+    if (!existsSync(tmpfs) || statfsType(tmpfs) !== TMPFS_MAGIC || statfsType(disk) === TMPFS_MAGIC) return t.skip('needs a tmpfs /dev/shm and a checkout on another file system');
+    assert.equal(kvIoForReceives(tmpfs), undefined, 'tmpfs: inline');
+    assert.equal(kvIoForReceives(disk), sharedKvIo(), 'a disk: the shared thread');
+    assert.equal(kvIoForReceives(path.join(disk, 'no-such-dir-' + process.pid)), sharedKvIo(), 'a directory that cannot be checked: the thread');
   });
 
   it('a thread that dies mid-transfer fails that room on each side (slots and descriptors back once, the file given up once); the process and the connection live, and the next room goes through a restarted thread', async () => {

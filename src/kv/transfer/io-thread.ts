@@ -1,6 +1,7 @@
 /**
  * The handoff's data path off the event loop: one worker thread per process does the state
- * file's reads and CRC-32 on prefill and the CRC-32 and file writes on decode (./io-worker.ts),
+ * file's reads and CRC-32 on prefill and the CRC-32 and file writes on decode (./io-worker.ts;
+ * decode's writes into a tmpfs state directory stay inline, see kvIoForReceives),
  * on a bounded pool of slots of one SharedArrayBuffer, so the main thread only hands slots to
  * the socket (prefill) or copies socket reads into them (decode) — a slow disk or a gigabyte
  * state never holds up heartbeats, HTTP or other rooms. (The same split as libuv's file I/O
@@ -20,6 +21,7 @@
  * once the stream is idle (`whenIdle`: no job of it left in the thread), so a descriptor number
  * is never reused under a job that still reads or writes through it.
  */
+import { statfsSync } from 'node:fs';
 import { Worker } from 'node:worker_threads';
 import { KvError } from '../types.js';
 import type { IoJob, IoReply } from './io-worker.js';
@@ -337,4 +339,31 @@ let shared: KvIo | undefined;
 /** The process's KvIo (created on first use; its thread starts then, transfers use it once it is ready). */
 export function sharedKvIo(): KvIo {
   return (shared ??= new KvIo());
+}
+
+/** statfs(2) f_type of tmpfs (linux/magic.h TMPFS_MAGIC). */
+const TMPFS_MAGIC = 0x01021994;
+const onTmpfs = new Map<string, boolean>();
+
+/**
+ * The KV I/O thread for a TCP receive that writes its state file into `dir` (decode's state
+ * directory): none when `dir` is on tmpfs, the shared one (sharedKvIo) otherwise. On tmpfs a
+ * write is a memory copy, and the thread's hand-off costs more than the work it moves: the copy of
+ * each socket read into a slot and two thread messages per 256 KiB slot took a receiver's CPU
+ * time per 256 MiB state from 193–219 ms inline to 490–532 ms (scripts/kv-send-loop.ts,
+ * RX_IO=0/1), on the 2 cores that also run the sender, so the bytes cross slower. On a disk a
+ * write may block for milliseconds: there the thread keeps it off the event loop. The answer
+ * per directory is computed once (statfs); a directory that cannot be checked gets the thread.
+ */
+export function kvIoForReceives(dir: string): KvIo | undefined {
+  let tmpfs = onTmpfs.get(dir);
+  if (tmpfs === undefined) {
+    try {
+      tmpfs = statfsSync(dir).type === TMPFS_MAGIC;
+    } catch {
+      tmpfs = false;
+    }
+    onTmpfs.set(dir, tmpfs);
+  }
+  return tmpfs ? undefined : sharedKvIo();
 }
