@@ -211,7 +211,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       traces.begin(rid, trace);
       // Whatever ends the response ends the trace: dispatch records its own 'finished' as the
       // response ends; a refusal before dispatch or a fan-out parent is settled from the status.
-      reply.raw.once('close', () => setTimeout(() => traces.settle(rid, reply.raw.statusCode), 1000).unref());
+      reply.raw.once('close', () => {
+        const at = systemClock.wallMs(); // the finish is now, not when the settle runs
+        setTimeout(() => traces.settle(rid, reply.raw.statusCode, at), 1000).unref();
+      });
       reply.header('x-trace-id', trace);
     }
     done();

@@ -99,13 +99,14 @@ export class TraceStore implements RequestObserver {
    * Close the trace of `rid` if nothing recorded its end: a request refused before dispatch (bad
    * body, no healthy pair) or a fan-out parent, whose choices carry traces of their own. The
    * outcome comes from the HTTP status (`status` < 400 ok, < 500 rejected, else error). Not passed
-   * to `onFinished`: the dashboard's series hold dispatched requests only. Idempotent.
+   * to `onFinished`: the dashboard's series hold dispatched requests only. Idempotent. `at`: when
+   * the response ended (wall ms; default now), so a settle run later still dates the finish right.
    */
-  settle(rid: string, status: number): void {
+  settle(rid: string, status: number, at: number = systemClock.wallMs()): void {
     const t = this.byRid.get(rid);
     if (!t || t.outcome !== null) return;
     t.outcome = status < 400 ? 'ok' : status < 500 ? 'rejected' : 'error';
-    if (t.events.length < MAX_EVENTS) t.events.push({ at: systemClock.wallMs(), what: 'finished', outcome: t.outcome, status });
+    if (t.events.length < MAX_EVENTS) t.events.push({ at, what: 'finished', outcome: t.outcome, status });
   }
 
   /**

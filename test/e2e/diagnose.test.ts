@@ -46,6 +46,18 @@ after(async () => {
 });
 
 describe('request traces', () => {
+  test('a request refused before dispatch: its trace finishes when the answer left, not at the later settle', async () => {
+    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'no-such-model', prompt: 'x' }) });
+    assert.equal(r.status, 404);
+    await r.text();
+    const rid = r.headers.get('x-request-id')!;
+    let t: any;
+    assert.ok(await waitFor(async () => (t = await getJson(`${c.router.url}/debug/traces/${rid}`)).outcome !== null, 5000), 'settled');
+    const [received, finished] = [t.events[0], t.events.find((e: { what: string }) => e.what === 'finished')];
+    assert.equal(finished.status, 404);
+    assert.ok(finished.at - received.at < 500, `finished ${finished.at - received.at} ms after received (settle runs 1 s after the answer)`);
+  });
+
   test('a traceparent trace id follows the request through router, prefill and decode', async () => {
     const traceId = '4bf92f3577b34da6a3ce929d0e0e4736';
     const r = await complete({ traceparent: `00-${traceId}-00f067aa0ba902b7-01` }, { stream: true });

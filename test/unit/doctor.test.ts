@@ -282,6 +282,9 @@ test('TraceStore.settle closes only a trace nothing finished, from the HTTP stat
   assert.equal(s.get('pd')!.outcome, 'client_abort', 'a recorded finish wins');
   s.settle('unknown', 500);
   assert.deepEqual(done, ['pd'], 'settled traces are not fed to the dashboard series');
+  s.begin('late', 't-late');
+  s.settle('late', 404, 1234);
+  assert.equal(s.get('late')!.events.at(-1)!.at, 1234, 'dated when the response ended, not when settled');
 });
 
 test('DashboardSeries: buckets, percentiles, failures by code', () => {
