@@ -278,6 +278,7 @@ export class DecodeWorker {
         }
         if (prompt && job.conversationKey) ids.push(r.value.token);
         n++;
+        if (n === 2) this.effects.stepped(job.room); // the first step ran: the loaded state's file may go
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
         out.token(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, resumed + n);

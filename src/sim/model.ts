@@ -86,6 +86,8 @@ export interface SimStats {
   /** States decode took over on the same host (kv_file), and kv_files it refused. */
   sameHost: number;
   fileRefused: number;
+  /** Loaded state files decode still held at the room's first decode step and deleted there. */
+  filesHeldToFirstStep: number;
   /** Requests migrated after their decode died mid-stream, and those whose migrated stream completed. */
   migrated: number;
   migratedSuccess: number;

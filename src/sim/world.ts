@@ -154,7 +154,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly checks: Checks;
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
   private readonly crossAbort: boolean;
   private readonly topo: Prng;
   private readonly sameHost: boolean;
@@ -920,6 +920,20 @@ export class World {
       n.de!.generationDone(req.id);
       this.answered(req, 'D', inc, why === 'done' ? 'Success' : 'Failed', why === 'done' ? 'stream done' : 'aborted mid-stream');
     };
+    // The first decode step (the worker's second token): the state file the load read, held
+    // until now, goes here — exactly once, the disk's handles check that.
+    this.atNode(
+      n,
+      this.now + 1,
+      () => {
+        const files = (): number => this.checks.held(n.name, (h) => h.kind === 'statefile' && h.room === req.id).length;
+        const before = files();
+        n.de!.stepped(req.id);
+        if (job.loadedFileCleanup) this.checks.violate({ kind: 'leak', node: n.name, room: req.id, detail: 'the loaded state file is still held after the first decode step' });
+        if (files() < before) this.stats.filesHeldToFirstStep++;
+      },
+      inc,
+    );
     this.atNode(n, this.now + this.rng.int(10, 100), () => end('done'), inc);
     job.ac.signal.addEventListener('abort', () => this.atNode(n, this.now + 0.5, () => end('aborted'), inc), { once: true });
   }

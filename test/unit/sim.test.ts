@@ -69,6 +69,8 @@ test(`real rule: ${SEEDS} seeds, no violation`, async () => {
   assert.ok(t.grouped > SEEDS && t.groupedSuccess > t.grouped / 3, `choice-group rooms exercised: ${t.groupedSuccess} of ${t.grouped} ok`);
   // The same-host path (kv_file, take_file) in half the worlds, and decodes killed mid-stream whose requests migrate.
   assert.ok(t.sameHost > SEEDS, `same-host handoffs exercised: ${t.sameHost}`);
+  // A loaded state's file stays until the room's first decode step and goes there (its unlink is off the step's core time).
+  assert.ok(t.filesHeldToFirstStep > SEEDS / 2, `state files held to the first decode step: ${t.filesHeldToFirstStep}`);
   assert.ok(t.migrated > SEEDS / 200 && t.migratedSuccess > 0, `migrations exercised: ${t.migratedSuccess} of ${t.migrated} completed`);
   // Worlds of two decodes (rooms of both on one prefill, migration to the other) and striped KV connections.
   assert.ok(t.twoDecodes > SEEDS / 6 && t.migratedAcross > 0, `two-decode worlds: ${t.twoDecodes}, migrations to the other decode: ${t.migratedAcross}`);
