@@ -47,6 +47,8 @@ export const ERROR_CODES = {
   invalid_json: CLIENT_400,
   unsupported_media_type: CLIENT_400,
   invalid_content_length: CLIENT_400,
+  /** Plain HTTP sent to a TLS port (api/plain-http.ts): answered without reading the request. */
+  plain_http_on_tls_port: CLIENT_400,
   context_length_exceeded: CLIENT_400,
   /** A request-controlled count (messages, input_ids) over its bound, refused before per-item work. */
   request_too_large: CLIENT_400,

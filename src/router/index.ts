@@ -35,6 +35,8 @@ import { withCredentials } from '../runtime/http-auth.js';
 import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../runtime/tls.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, registerOpenAIErrorHandling } from '../api/errors.js';
+import { answerPlainHttp } from '../api/plain-http.js';
+import type { Server as TlsServer } from 'node:tls';
 import { parseChatRequest, parseCompletionRequest, type ParsedRequest } from '../api/parse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
@@ -194,6 +196,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       return logger.child({ ...bindings, trace }, opts);
     },
   }) as unknown as FastifyInstance;
+  if (config.tls) answerPlainHttp(app.server as unknown as TlsServer);
   registerOpenAIErrorHandling(app);
   // Keys first: an unauthenticated caller learns nothing, not even that the router drains.
   const access = registerAccess(app, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);

@@ -11,6 +11,8 @@ import { registerCors, registerModelRoute, registerTokenizeRoutes } from '../api
 import { isSigned, registerWorkerAuth } from './auth.js';
 import { internalServerOptions, tlsServerOptions, type InternalTls, type TlsFiles } from '../runtime/tls.js';
 import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from '../api/errors.js';
+import { answerPlainHttp } from '../api/plain-http.js';
+import type { Server as TlsServer } from 'node:tls';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../base/errors.js';
 import { DrainGate } from '../runtime/drain.js';
@@ -62,6 +64,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
   const https = o.tls ? tlsServerOptions(o.tls) : o.internalTls ? internalServerOptions(o.internalTls) : undefined;
   const app: FastifyInstance = Fastify({ ...(https ? { https } : {}), loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
+  if (https) answerPlainHttp(app.server as unknown as TlsServer);
   registerOpenAIErrorHandling(app);
   if (o.clusterSecret !== undefined) registerWorkerAuth(app, { secret: o.clusterSecret, privateMetrics: o.privateMetrics }, o.registry);
   o.guard?.(app);

@@ -272,7 +272,9 @@ describe('internal TLS (mutual, HTTP and the KV channel)', () => {
         for (const [who, d] of [['no client certificate', anonymous], ["another CA's certificate", stranger]] as const) {
           await assert.rejects(request(`${w.url}/health`, { dispatcher: d, signal: AbortSignal.timeout(5000) }).then((r) => r.body.text()), `${w.name} /health with ${who}`);
         }
-        await assert.rejects(fetch(w.url.replace('https:', 'http:') + '/health', { signal: AbortSignal.timeout(3000) }), `${w.name}: plain HTTP is not served`);
+        // plain HTTP is not served: answered 400 plain_http_on_tls_port, before any TLS (no certificate asked)
+        const plainW = await fetch(w.url.replace('https:', 'http:') + '/health', { signal: AbortSignal.timeout(3000) });
+        assert.deepEqual([plainW.status, ((await plainW.json()) as { error: { code: string } }).error.code], [400, 'plain_http_on_tls_port'], `${w.name}: plain HTTP is not served`);
         // The cluster's certificate gets through TLS (and /health is open).
         assert.equal((await request(`${w.url}/health`, { dispatcher: plain2(), signal: AbortSignal.timeout(5000) })).statusCode, 200);
       }
@@ -339,6 +341,12 @@ describe('TLS for clients', () => {
     t.after(() => trusted.close());
     const url = `https://127.0.0.1:${port}`;
     assert.ok(await waitFor(async () => (await request(`${url}/health`, { dispatcher: trusted })).statusCode === 200, 20_000, 100), 'the HTTPS router is up');
+    // plain HTTP to the TLS port (curl http://…): an answer that names the mistake, not an empty reply
+    const plain = await request(`http://127.0.0.1:${port}/health`);
+    const plainBody = (await plain.body.json()) as { error: { code: string; message: string } };
+    assert.equal(plain.statusCode, 400);
+    assert.equal(plainBody.error.code, 'plain_http_on_tls_port');
+    assert.match(plainBody.error.message, /https:\/\//);
     assert.match(stderr, /warning: --cluster-secret on the command line is visible to every local user \(ps\)/);
     assert.ok(!stderr.includes(c.secret), 'the warning does not repeat the secret');
     const metrics = (key?: string) => request(`${url}/metrics`, { dispatcher: trusted, headers: key ? bearer(key) : {} }).then(async (res) => (await res.body.text(), res.statusCode));
@@ -360,7 +368,6 @@ describe('TLS for clients', () => {
     assert.ok(Number(limited.headers?.get('retry-after')) >= 1);
     const untrusted = new OpenAI({ baseURL: `${url}/v1`, apiKey: API_KEY, maxRetries: 0, timeout: 10_000 });
     await assert.rejects(untrusted.models.list(), (e: unknown) => e instanceof OpenAI.APIConnectionError);
-    await assert.rejects(fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(3000) }), 'plain HTTP is not served');
   });
 
   test('colocated takes the same keys and HTTPS: the openai SDK with a wrong or no key gets 401, the admin key guards /debug/*, /health is open, past its cap a request is a 429, no CA no handshake', async (t) => {
