@@ -50,12 +50,14 @@ export class ComputationMetrics {
   readonly evaluatedTokens: client.Counter;
   readonly statesSaved: client.Counter;
   readonly roomsPerComputation: client.Histogram;
+  readonly firstTokensAfterSave: client.Counter;
 
   constructor(registry: client.Registry) {
     const registers = [registry];
     this.computations = new client.Counter({ name: 'pdserve_prefill_computations_total', help: 'Prompt evaluations run by prefill (one per request, whatever its number of rooms)', registers });
     this.evaluatedTokens = new client.Counter({ name: 'pdserve_prefill_prompt_tokens_evaluated_total', help: 'Prompt tokens evaluated by prefill (prefix-cache hits excluded)', registers });
     this.statesSaved = new client.Counter({ name: 'pdserve_prefill_states_saved_total', help: 'Sequence states saved by prefill (one per computation, shared by its rooms)', registers });
+    this.firstTokensAfterSave = new client.Counter({ name: 'pdserve_prefill_first_tokens_after_save_total', help: 'First tokens prefill sent once the state was saved (--first-token-after-save), not before the save', registers });
     this.roomsPerComputation = new client.Histogram({ name: 'pdserve_prefill_rooms_per_computation', help: 'Rooms (choices) fed by one prefill computation', buckets: [1, 2, 4, 8, 16], registers });
   }
 }

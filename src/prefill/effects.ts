@@ -84,7 +84,7 @@ export type PrefillEngine = Pick<Engine, 'tryAcquireSlot'> & { readonly info: Pi
 /** Everything the executor runs over. */
 export interface PrefillEffectsOptions<C extends KvConn> {
   driver: PrefillDriver;
-  config: Pick<PrefillConfig, 'stateDir' | 'kvStream' | 'chunkBytes' | 'timeouts'>;
+  config: Pick<PrefillConfig, 'stateDir' | 'kvStream' | 'firstTokenAfterSave' | 'chunkBytes' | 'timeouts'>;
   engine: PrefillEngine;
   sender: StateSender<C>;
   sameHost: SameHostOffer;
@@ -157,8 +157,8 @@ export class PrefillEffects<C extends KvConn> {
   private readonly conns = new Map<string, C>();
   /** Decode connections whose `register` said `kvStream` (they take a streamed kv_begin). */
   private readonly streamPeers = new Set<string>();
-  /** The last saved state: prompt tokens and payload bytes (a streamed kv_begin's size estimate). */
-  private lastSave: { nTokens: number; payloadBytes: number } | undefined;
+  /** The last saved state: prompt tokens, payload bytes (a streamed kv_begin's size estimate) and how long llama.cpp took, ms. */
+  private lastSave: { nTokens: number; payloadBytes: number; ms: number } | undefined;
 
   constructor(private readonly o: PrefillEffectsOptions<C>) {
     this.driver = o.driver;
@@ -356,16 +356,23 @@ export class PrefillEffects<C extends KvConn> {
       comp.cachedTokens = r.cachedTokens;
       this.o.computeMetrics.evaluatedTokens.inc(r.promptTokens - r.cachedTokens);
       this.o.prefixMetrics.recordLookup(r.promptTokens, r.cachedTokens, r.cacheTier);
+      const firsts: (() => void)[] = [];
       for (let i = 0; i < comp.rooms.length; i++) {
         const job = this.jobs.get(comp.rooms[i]!);
         const pick = r.choices[i]!;
         // A migrated request's state also holds its resumed tokens: they count as completion tokens.
         const resumed = comp.sampling.resumed?.length ?? 0;
-        if (job?.first) job.first.resolve(firstTokenEvent(job.rid, r.promptTokens - resumed, { ...(await slot.firstOutput(pick.firstToken, comp.sampling)), logprob: pick.firstLogprob }, r.cachedTokens, resumed));
+        if (job?.first) {
+          const ev = firstTokenEvent(job.rid, r.promptTokens - resumed, { ...(await slot.firstOutput(pick.firstToken, comp.sampling)), logprob: pick.firstLogprob }, r.cachedTokens, resumed);
+          firsts.push(() => job.first!.resolve(ev));
+        }
       }
+      const holdFirst = firsts.length > 0 && this.firstAfterSave(r.promptTokens, this.now - t0);
+      if (!holdFirst) for (const send of firsts.splice(0)) send();
       await hold('prefill.save', signal);
       if (signal.aborted) return { ok: false, aborted: true };
       files.removeNow(path); // a streamed send reads the file as it grows: no stale bytes
+      const tSave = this.now;
       const saving = slot.saveState(path);
       saving.catch(() => {}); // awaited below; not unhandled while the heads are prepared
       const streamedBytes = this.startStream(comp, r.promptTokens, r.cachedTokens, r.choices[0]!, path, saving);
@@ -385,9 +392,13 @@ export class PrefillEffects<C extends KvConn> {
         headError = e; // thrown once the save is over (the slot is released after it)
       }
       const payloadBytes = await saving;
+      this.lastSave = { nTokens: r.promptTokens, payloadBytes, ms: this.now - tSave };
       if (headError !== undefined) throw headError;
       this.o.computeMetrics.statesSaved.inc();
-      this.lastSave = { nTokens: r.promptTokens, payloadBytes };
+      if (firsts.length > 0 && !signal.aborted) {
+        this.o.computeMetrics.firstTokensAfterSave.inc(firsts.length);
+        for (const send of firsts) send(); // the state is saved: the handoff's stall no longer follows token 1
+      }
       const roomBytes = new Map<RoomId, number>();
       comp.rooms.forEach((room, i) => {
         const head = heads[i]!(payloadBytes);
@@ -409,6 +420,26 @@ export class PrefillEffects<C extends KvConn> {
       slot.release();
       if (comp.state?.path !== path) await files.remove(path);
     }
+  }
+
+  /**
+   * Whether token 1 waits for the state save (`--first-token-after-save PCT`): yes when the save
+   * of `nTokens` is expected to take at most PCT % of the `evalMs` the prompt's evaluation just
+   * took. Token 1 then leaves when the handoff can begin, so the client's gap between token 1
+   * and token 2 holds the transfer, the load and decode's first step, not llama.cpp's save too;
+   * the save moves into TTFT, where it is a small share (CPU: ~0.5 % at 1500 tokens). A save
+   * that would be a large share of TTFT (a GPU's fast prompt evaluation, a prefix-cache hit that
+   * evaluated a short suffix) is not waited for. The expectation scales the last save's time by
+   * the token count (a state's size is affine in it); before any save, no wait.
+   * @param nTokens tokens in the sequence to save (prompt, with any cached prefix).
+   * @param evalMs time from the computation's start to its first tokens, ms.
+   */
+  private firstAfterSave(nTokens: number, evalMs: number): boolean {
+    const pct = this.o.config.firstTokenAfterSave;
+    const last = this.lastSave;
+    if (pct <= 0 || !last || last.nTokens <= 0) return false;
+    const expectMs = last.ms * (Math.max(1, nTokens) / last.nTokens);
+    return expectMs <= (pct / 100) * evalMs;
   }
 
   /**

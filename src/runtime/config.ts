@@ -171,6 +171,12 @@ export const PrefillConfigSchema = z.object({
    * 16 MiB at load ≈ 1.3, and lost or tied at load 5–9 (docs/KV-HANDOFF.md).
    */
   kvStream: z.boolean().default(false),
+  /**
+   * `--first-token-after-save`: with the first token streamed from prefill, it waits for the
+   * state save when the save is expected to take at most this share of the prompt's evaluation,
+   * percent (prefill/effects.ts `firstAfterSave`); 0 = token 1 leaves before the save.
+   */
+  firstTokenAfterSave: z.number().min(0).max(100).default(5),
 });
 export type PrefillConfig = Readonly<z.infer<typeof PrefillConfigSchema>>;
 

@@ -169,6 +169,8 @@ export class World {
   private readonly decodes: NodeName[];
   /** Sockets per KV connection (`--kv-streams`): 2 stripes chunk frames over two sockets. */
   readonly kvStreams: number;
+  /** Prefill's `--first-token-after-save` in this world (0 or 100). */
+  readonly firstAfterSave: number;
   private readonly disk: SimDisk;
   /** Something may be waiting in the microtask queue (an executor ran, a fake settled a promise). */
   private dirty = false;
@@ -187,6 +189,8 @@ export class World {
     this.nSlots = opts.slots ?? this.rng.int(2, 4);
     this.crossAbort = this.rng.chance(0.5);
     this.sameHost = opts.sameHost ?? new Prng((this.seed * 40503 + 0x51) >>> 0).chance(0.5);
+    // Half the worlds hold token 1 until the save whenever the last save predicts it (a stream of its own: the other draws stay as they were).
+    this.firstAfterSave = new Prng((this.seed * 69069 + 0x1f7) >>> 0).chance(0.5) ? 100 : 0;
     this.maxNetDelay = 1 + this.profile.jitterMs;
     // The topology, from its own stream (legacy worlds keep the incident's: one decode, one socket).
     const topo = new Prng((this.seed * 2246822519 + 0x3c6e) >>> 0);
@@ -475,7 +479,7 @@ export class World {
       n.pe = new PrefillEffects<SimConn>({
         ...common,
         driver,
-        config: { stateDir: SIM_STATE_DIR, kvStream: false, chunkBytes: 512, timeouts: this.timeouts },
+        config: { stateDir: SIM_STATE_DIR, kvStream: false, firstTokenAfterSave: this.firstAfterSave, chunkBytes: 512, timeouts: this.timeouts },
         engine: new SimEngine(ctx, this.disk, 'prefill', 1),
         sender: simSender(ctx, this.disk),
         sameHost: simSameHostOffer(this.sameHost),
