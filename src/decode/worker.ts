@@ -278,10 +278,12 @@ export class DecodeWorker {
         }
         if (prompt && job.conversationKey) ids.push(r.value.token);
         n++;
-        if (n === 2) this.effects.stepped(job.room); // the first step ran: the loaded state's file may go
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
         out.token(n === 1 && start.firstLogprob ? { ...r.value, logprob: start.firstLogprob } : r.value, resumed + n);
+        // The first step ran: the loaded state's file may go, once this turn's flush has handed
+        // token 2 to the socket (freeing its pages takes CPU that token 2 would wait for).
+        if (n === 2) setImmediate(() => this.effects.stepped(job.room));
         const ok = out.writable();
         if (ok !== true && !(await ok)) job.ac.abort();
       }
