@@ -28,11 +28,12 @@ function port(v: string): number {
   return n;
 }
 
-const FIRST_TOKEN_AFTER_SAVE_HELP = "with the first token streamed from prefill: token 1 waits for the state save when the save is expected to take at most this percent of the prompt's evaluation (0 = token 1 leaves before the save)";
+const FIRST_TOKEN_AFTER_SAVE_HELP = "with the first token streamed from prefill: token 1 waits for the state save when the save is expected to take at most this percent of the prompt's evaluation (0: token 1 leaves before the save; 'always')";
 
-function percent(v: string): number {
+function percentOrAlways(v: string): number | 'always' {
+  if (v === 'always') return v;
   const n = Number(v);
-  if (v.trim() === '' || !Number.isFinite(n) || n < 0 || n > 100) throw new InvalidArgumentError(`not a percentage (0-100): ${v}`);
+  if (v.trim() === '' || !Number.isFinite(n) || n < 0 || n > 100) throw new InvalidArgumentError(`not a percentage (0-100) or 'always': ${v}`);
   return n;
 }
 
@@ -206,7 +207,7 @@ function corsList(v: string, prev: string[] | undefined): string[] {
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
 /** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save to prefill. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number; workerWaitMs: number } & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; workerWaitMs: number } & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
@@ -274,7 +275,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
     .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M)', cliParser(parseStateBytes))
     .option('--kv-streams <n>', 'every worker: sockets one KV connection stripes large states over (1-8; default 1)', int)
-    .option('--first-token-after-save <pct>', `prefill workers: ${FIRST_TOKEN_AFTER_SAVE_HELP} (default 5)`, percent)
+    .option('--first-token-after-save <pct>', `prefill workers: ${FIRST_TOKEN_AFTER_SAVE_HELP} (default 5)`, percentOrAlways)
     .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
     .option('--decode-gpu-device <list>', 'GPU devices of the decode workers (default: --gpu-device)', cliParser(parseDeviceList))
     .action(async (o) => {
@@ -362,7 +363,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--bootstrap-host <host>', 'address decode workers use to reach the bootstrap listener', '127.0.0.1')
     .option('--slots <n>', 'sequences of the prefill context', int, 1)
     .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)
-    .option('--first-token-after-save <pct>', FIRST_TOKEN_AFTER_SAVE_HELP, percent, 5)
+    .option('--first-token-after-save <pct>', FIRST_TOKEN_AFTER_SAVE_HELP, percentOrAlways, 5)
     .option('--kv-stream', 'over TCP, send the state while llama.cpp still saves it (one-room requests, to a decode that supports it); off: save, then send', false)))
     .action(async (o) => {
       const { startPrefillWorker } = await import('../prefill/worker.js');

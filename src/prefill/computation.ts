@@ -62,6 +62,33 @@ export class ComputationMetrics {
   }
 }
 
+/** A finished save: the sequence's tokens and how long llama.cpp took to save it, ms. */
+export interface SaveTiming {
+  nTokens: number;
+  ms: number;
+}
+
+/**
+ * Whether token 1 waits for the state save (`--first-token-after-save PCT`): yes when the save
+ * of `nTokens` is expected to take at most PCT % of the `evalMs` the prompt's evaluation took.
+ * Token 1 then leaves when the handoff can begin, so the client's gap between token 1 and token
+ * 2 holds the transfer, the load and decode's first step, not llama.cpp's save too; the save
+ * moves into TTFT, where it is a small share (CPU: ~0.5 % at 1500 tokens) and token 2 comes no
+ * later. A save that would be a large share of TTFT (a GPU's fast prompt evaluation, a prefix
+ * hit that evaluated a short suffix) is not waited for. The expectation scales the last save's
+ * time by the token count (a state's size is affine in it); with no save yet, no wait.
+ * @param pct the share, percent (0 = never wait; 'always': every first token waits).
+ * @param last the worker's last save, if any.
+ * @param nTokens tokens in the sequence to save (prompt, cached prefix included).
+ * @param evalMs time from the computation's start to its first tokens, ms.
+ */
+export function firstTokenAfterSave(pct: number | 'always', last: SaveTiming | undefined, nTokens: number, evalMs: number): boolean {
+  if (pct === 'always') return true;
+  if (!(pct > 0) || !last || last.nTokens <= 0 || !(last.ms >= 0)) return false;
+  const expectMs = last.ms * (Math.max(1, nTokens) / last.nTokens);
+  return expectMs <= (pct / 100) * evalMs;
+}
+
 /** One room of a multi-room answer: its first-token event (never rejects) and its terminal outcome. */
 export interface RoomAnswer {
   room: RoomId;

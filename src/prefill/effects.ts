@@ -33,6 +33,7 @@ import type { ControlMsg } from '../kv/messages.js';
 import { KVPoll, type RoomId } from '../kv/types.js';
 import type { ComputeOutcome, PrefillAction, PrefillDriver } from './driver.js';
 import { firstTokenEvent } from './first-token.js';
+import { firstTokenAfterSave } from './computation.js';
 import type { Computation, ComputationMetrics } from './computation.js';
 
 /** Options of one streamed send (the sender port adds its buffers and I/O thread). */
@@ -367,7 +368,7 @@ export class PrefillEffects<C extends KvConn> {
           firsts.push(() => job.first!.resolve(ev));
         }
       }
-      const holdFirst = firsts.length > 0 && this.firstAfterSave(r.promptTokens, this.now - t0);
+      const holdFirst = firsts.length > 0 && firstTokenAfterSave(this.o.config.firstTokenAfterSave, this.lastSave, r.promptTokens, this.now - t0);
       if (!holdFirst) for (const send of firsts.splice(0)) send();
       await hold('prefill.save', signal);
       if (signal.aborted) return { ok: false, aborted: true };
@@ -420,26 +421,6 @@ export class PrefillEffects<C extends KvConn> {
       slot.release();
       if (comp.state?.path !== path) await files.remove(path);
     }
-  }
-
-  /**
-   * Whether token 1 waits for the state save (`--first-token-after-save PCT`): yes when the save
-   * of `nTokens` is expected to take at most PCT % of the `evalMs` the prompt's evaluation just
-   * took. Token 1 then leaves when the handoff can begin, so the client's gap between token 1
-   * and token 2 holds the transfer, the load and decode's first step, not llama.cpp's save too;
-   * the save moves into TTFT, where it is a small share (CPU: ~0.5 % at 1500 tokens). A save
-   * that would be a large share of TTFT (a GPU's fast prompt evaluation, a prefix-cache hit that
-   * evaluated a short suffix) is not waited for. The expectation scales the last save's time by
-   * the token count (a state's size is affine in it); before any save, no wait.
-   * @param nTokens tokens in the sequence to save (prompt, with any cached prefix).
-   * @param evalMs time from the computation's start to its first tokens, ms.
-   */
-  private firstAfterSave(nTokens: number, evalMs: number): boolean {
-    const pct = this.o.config.firstTokenAfterSave;
-    const last = this.lastSave;
-    if (pct <= 0 || !last || last.nTokens <= 0) return false;
-    const expectMs = last.ms * (Math.max(1, nTokens) / last.nTokens);
-    return expectMs <= (pct / 100) * evalMs;
   }
 
   /**

@@ -174,9 +174,10 @@ export const PrefillConfigSchema = z.object({
   /**
    * `--first-token-after-save`: with the first token streamed from prefill, it waits for the
    * state save when the save is expected to take at most this share of the prompt's evaluation,
-   * percent (prefill/effects.ts `firstAfterSave`); 0 = token 1 leaves before the save.
+   * percent (prefill/computation.ts `firstTokenAfterSave`); 0 = token 1 leaves before the save,
+   * 'always' = it always waits.
    */
-  firstTokenAfterSave: z.number().min(0).max(100).default(5),
+  firstTokenAfterSave: z.union([z.number().min(0).max(100), z.literal('always')]).default(5),
 });
 export type PrefillConfig = Readonly<z.infer<typeof PrefillConfigSchema>>;
 

@@ -54,12 +54,19 @@ export function setHolds(spec: string): void {
   for (const w of [...waiting]) if (!holds.has(w.point)) w.release();
 }
 
-/** Register POST /debug/test-holds on a fastify app when holds are enabled. */
+/** Requests waiting now, by hold point (a test polls this to know its request reached a point). */
+function waitingAt(): Record<string, number> {
+  const out: Record<string, number> = {};
+  for (const w of waiting) out[w.point] = (out[w.point] ?? 0) + 1;
+  return out;
+}
+
+/** Register POST /debug/test-holds on a fastify app when holds are enabled; it answers the holds now set and the requests `waiting` at each point. */
 export function registerHoldRoute(app: { post(path: string, handler: (req: { body: unknown }) => Promise<unknown>): unknown }): void {
   if (!holdsEnabled) return;
   app.post('/debug/test-holds', async (req) => {
     setHolds(typeof req.body === 'string' ? req.body : String((req.body as { spec?: unknown } | null)?.spec ?? ''));
-    return { holds: Object.fromEntries(holds) };
+    return { holds: Object.fromEntries(holds), waiting: waitingAt() };
   });
 }
 

@@ -64,7 +64,8 @@ async function streamRaw(body: Record<string, unknown>, onFirst: (text: string) 
 const prefillRooms = async () => (await getJson<{ live: LiveRoom[] }>(`${prefillUrl()}/debug/rooms`)).live;
 
 before(async () => {
-  c = await startStack({ env: { PDSERVE_TEST_HOLDS: 'on' } });
+  // Token 1 before the save (--first-token-after-save 0); pd.test.ts runs it after the save.
+  c = await startStack({ env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { prefill: ['--first-token-after-save', '0'] } });
 });
 
 after(async () => {

@@ -92,7 +92,9 @@ function cases(): Case[] {
 }
 
 before(async () => {
-  c = await startStack();
+  // Every first token here waits for the state save (prefill's --first-token-after-save always);
+  // first-token.test.ts runs the other order.
+  c = await startStack({ env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { prefill: ['--first-token-after-save', 'always'] } });
   pd = client(c.router.url);
   ref = client(c.colocated!.url);
 });
@@ -177,6 +179,39 @@ describe('PD end to end', () => {
     const ok = await run(pd, { name: 'after bad input', kind: 'chat', stream: true, prompt: 'still there?', maxTokens: 8 });
     assert.ok(ok.completionTokens! >= 1);
     for (const p of c.procs) assert.equal(p.unexpectedExits.length, 0, `${p.name} did not crash`);
+  });
+
+  test('--first-token-after-save: no token reaches the client while prefill saves the state; then the stream equals colocated', async () => {
+    const prefill = c.byRole('prefill')[0]!;
+    const holds = async (spec: string): Promise<{ waiting: Record<string, number> }> => {
+      const r = await fetch(`${prefill.url}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec, signal: AbortSignal.timeout(2000) });
+      assert.equal(r.status, 200);
+      return (await r.json()) as { waiting: Record<string, number> };
+    };
+    const counted = async (): Promise<number> => Number(/^pdserve_prefill_first_tokens_after_save_total (\d+)/m.exec(await (await fetch(`${prefill.url}/metrics`)).text())?.[1] ?? 'NaN');
+    const k: Case = { name: 'held save', kind: 'completion', stream: true, prompt: promptOf(60, 7), maxTokens: 8 };
+    const want = await run(ref, k);
+    const before = await counted();
+    await holds('prefill.save=30000');
+    let events = 0;
+    const got = (async () => {
+      const s = await pd.completions.create({ model: 'pdserve', prompt: k.prompt, max_tokens: k.maxTokens, temperature: 0, stream: true });
+      let text = '';
+      for await (const ch of s) {
+        events++;
+        text += ch.choices[0]?.text ?? '';
+      }
+      return text;
+    })();
+    try {
+      assert.ok(await waitFor(async () => ((await holds('prefill.save=30000')).waiting['prefill.save'] ?? 0) >= 1, 10_000), 'prefill reached the save');
+      await new Promise((r) => setTimeout(r, 300));
+      assert.equal(events, 0, 'the client has nothing while the state is not saved');
+    } finally {
+      await holds('');
+    }
+    assert.equal(await got, want.text);
+    assert.equal(await counted(), before + 1, 'one first token sent after its save');
   });
 
   test('/v1/models, /workers, /metrics and /debug/rooms answer', async () => {
