@@ -118,6 +118,17 @@ interface Outgoing {
   lost(): void;
 }
 
+/**
+ * Bytes a connection reads from its socket per event-loop turn before it yields: then reads stop
+ * until the turn's check phase (setImmediate) and go on in the next turn, after timers and other
+ * sockets. libuv reads a readable socket up to 32 times per poll event (32 × the 256 KiB read
+ * buffer = 8 MiB), each read handled on the spot (frame decode, CRC-32, ggsq walk, file write), so
+ * a large state streaming in held decode's loop for 25–44 ms per poll event while a 1 GiB state
+ * arrived (bench §1, event-loop delay p99 35–41 ms); 1 MiB (4 reads) bounds a turn to a few ms.
+ * The sender is held back by TCP's window meanwhile; nothing is dropped.
+ */
+export const READ_TURN_BYTES = 1024 * 1024;
+
 export const DEFAULT_HEARTBEAT_MS = 1000;
 export { HEARTBEAT_MISS_BUDGET } from './heartbeat.js';
 
@@ -218,8 +229,12 @@ export class PeerConn implements KvConn {
   private serveAgain = false;
   /** Outstanding pauseReads. */
   private readPauses = 0;
-  /** Outstanding pauses of this socket (pauseReads, and the reassembly's holds of a striped connection). */
+  /** Outstanding pauses of this socket (pauseReads, the reassembly's holds of a striped connection, the read turn's yield). */
   private socketPauses = 0;
+  /** Bytes read in this event-loop turn (READ_TURN_BYTES), whether the turn's end is scheduled, whether reads yielded for it. */
+  private turnRead = 0;
+  private readTurnEnd = false;
+  private readYielded = false;
   private resolveReady!: () => void;
   private rejectReady!: (e: KvError) => void;
   private resolveClosed!: () => void;
@@ -753,6 +768,7 @@ export class PeerConn implements KvConn {
     if (this.ending) return;
     this.heartbeat?.received();
     this.owner.stats.bytesIn += buf.length;
+    this.countRead(buf.length);
     try {
       for (const f of this.decoder.feed(buf)) {
         if (f.kind === 'control' || f.final) this.owner.stats.framesIn++;
@@ -769,6 +785,31 @@ export class PeerConn implements KvConn {
       }
     }
   }
+
+  /**
+   * READ_TURN_BYTES: `n` more bytes read in this event-loop turn; past the budget the socket
+   * stops reading until the turn's check phase, where the count restarts and reading resumes.
+   */
+  private countRead(n: number): void {
+    this.turnRead += n;
+    if (!this.readTurnEnd) {
+      this.readTurnEnd = true;
+      setImmediate(this.endReadTurn);
+    }
+    if (this.turnRead >= READ_TURN_BYTES && !this.readYielded) {
+      this.readYielded = true;
+      this.pauseSocket();
+    }
+  }
+
+  private readonly endReadTurn = (): void => {
+    this.readTurnEnd = false;
+    this.turnRead = 0;
+    if (this.readYielded) {
+      this.readYielded = false;
+      this.resumeSocket();
+    }
+  };
 
   private onFrame(f: Frame): void {
     if (this.state === 'handshake') {

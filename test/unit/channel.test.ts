@@ -8,7 +8,7 @@ import { afterEach, describe, it } from 'node:test';
 import { fileURLToPath } from 'node:url';
 import { authMac, newEpoch, newNonce } from '../../src/kv/auth.js';
 import { KvPeerPool, KvServer, type ChunkSource, type KvChannelOptions, type KvLog, type PeerConn } from '../../src/kv/channel.js';
-import { SEND_QUANTUM_BYTES } from '../../src/kv/connection.js';
+import { READ_TURN_BYTES, SEND_QUANTUM_BYTES } from '../../src/kv/connection.js';
 import { encodeChunk, encodeControl, FrameDecoder, type Frame } from '../../src/kv/frame.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type RoomMsg } from '../../src/kv/messages.js';
 import { KvError } from '../../src/kv/types.js';
@@ -677,6 +677,46 @@ describe('channel: chunks', () => {
       assert.equal(back.filter((b) => b === good).length, 1);
       assert.equal(back.filter((b) => b === bad).length, 1);
     }
+  });
+  it('reads yield once READ_TURN_BYTES came in one event-loop turn: the socket pauses until the next turn, nothing is lost, a receiver\'s own pause is kept', async () => {
+    const s = await startServer();
+    const p = startPool();
+    let received = 0;
+    let inOrder = true;
+    p.pool.onChunk = (_c, room, offset, data) => {
+      if (room !== '5' || offset !== received) inOrder = false;
+      received += data.length;
+    };
+    const conn = await p.pool.get('127.0.0.1', s.port);
+    const sock = (conn as unknown as { socket: net.Socket }).socket;
+    // the bytes of several socket reads arriving in one turn, as libuv delivers them (up to 32 reads a poll event)
+    const piece = 256 * 1024;
+    const frames = (from: number, n: number) => Array.from({ length: n }, (_, i) => Buffer.concat(encodeChunk('5', from + i * piece, Buffer.alloc(piece, i))));
+    const turn = Math.ceil(READ_TURN_BYTES / piece) + 2;
+    for (const f of frames(0, turn)) conn.received(f);
+    assert.equal(received, turn * piece, 'every byte read in the turn is delivered, none held back');
+    assert.ok(sock.isPaused(), `the socket stops reading after ${READ_TURN_BYTES} bytes in one turn`);
+    await new Promise((r) => setImmediate(r));
+    assert.ok(!sock.isPaused(), 'and reads again in the next turn');
+    // below the budget in a turn: no pause
+    conn.received(frames(turn * piece, 1)[0]!);
+    assert.ok(!sock.isPaused(), 'one read is within the budget');
+    await new Promise((r) => setImmediate(r));
+    // the receiver's own pause (its I/O slots busy) outlives the turn's end
+    conn.pauseReads();
+    for (const f of frames((turn + 1) * piece, turn)) conn.received(f);
+    await new Promise((r) => setImmediate(r));
+    assert.ok(sock.isPaused(), 'the receiver\'s pause is still in force after the turn');
+    conn.resumeReads();
+    assert.ok(!sock.isPaused(), 'resumed once the receiver resumes');
+    assert.ok(inOrder);
+    assert.equal(received, (2 * turn + 1) * piece);
+    // and the socket itself reads on: a blob from the peer arrives whole
+    let other = 0;
+    p.pool.onChunk = (_c, room, _offset, data) => void (room === '6' && (other += data.length));
+    const sc = s.server.connections()[0]!;
+    await sc.sendChunks('6', Buffer.alloc(4 * READ_TURN_BYTES, 1), { chunkBytes: piece });
+    await until(() => other === 4 * READ_TURN_BYTES, 3000, 'the peer\'s blob');
   });
 });
 
