@@ -548,7 +548,7 @@ async function receiver(engine: Engine): Promise<void> {
   const maxBytes = 2 * 1024 * 1024 * 1024; // above the 1 GiB state of the large-state run
   const kvPool = new BufferPool(TRANSFER_BUFFER_BYTES, TRANSFER_POOL_BUFFERS);
   // as the decode worker: received states go into recycled files (deleted when the process exits normally; the sweep otherwise)
-  const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES });
+  const recvFiles = new FilePool({ dir: init.stateDir, prefix: `pdserve-bench-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES, maxLargeBytes: maxBytes });
   atExit(() => recvFiles.close());
   // PDSERVE_BENCH_KV_BOUND nowrite: per payload size, the file the first trial wrote and loaded
   // (re-framed in place by that load; the next loads re-frame it again to the same bytes)
@@ -737,7 +737,7 @@ async function receiver(engine: Engine): Promise<void> {
     }
     if (m.cmd === 'settle') {
       try {
-        await within(Promise.allSettled([...pending]), TRIAL_WAIT_MS, 'the previous trial\'s file work');
+        await within(Promise.allSettled([...pending, recvFiles.settled()]), TRIAL_WAIT_MS, 'the previous trial\'s file work');
         send({ type: 'settled' });
       } catch (err) {
         send({ type: 'settled', error: (err as Error).message });

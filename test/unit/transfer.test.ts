@@ -143,7 +143,7 @@ describe('StateReceiver (in memory pieces)', () => {
 describe('FilePool (recycled destination files)', () => {
   const filesIn = (d: string) => readdirSync(d).filter((n) => n.endsWith('.ggsq')).sort();
 
-  it('reuses a released file, sized exactly as asked; keeps at most maxFiles / maxBytes; close deletes the spares', () => {
+  it('reuses a released file, sized exactly as asked; keeps at most maxFiles / maxBytes (deleting the rest in the background); close deletes the spares', async () => {
     const d = mkdtempSync(path.join(dir, 'fp-'));
     const fp = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-1', maxFiles: 2, maxBytes: 10_000 });
     const a = fp.acquire(3000);
@@ -166,7 +166,11 @@ describe('FilePool (recycled destination files)', () => {
     fp.release(b.path);
     fp.release(c.path);
     assert.deepEqual(fp.spare, { files: 2, bytes: 7000 });
-    fp.release(e.path); // a third spare is over maxFiles (and maxBytes): deleted
+    const deleted = fp.deleted;
+    fp.release(e.path); // a third spare is over maxFiles (and maxBytes): deleted, in the background
+    assert.equal(fp.deleted, deleted, 'the deletion is not done inside release (it runs off the event loop)');
+    await fp.settled();
+    assert.equal(fp.deleted, deleted + 1);
     assert.ok(!existsSync(e.path));
     assert.deepEqual(fp.spare, { files: 2, bytes: 7000 });
     // a much larger spare is not cut down for a small state: a new file instead
@@ -179,8 +183,69 @@ describe('FilePool (recycled destination files)', () => {
     const late = fp.acquire(10);
     closeSync(late.fd);
     fp.release(late.path);
+    await fp.settled();
     assert.ok(!existsSync(late.path), 'after close a released file is deleted');
     assert.throws(() => new FilePool({ dir: d, prefix: 'x', maxFiles: -1, maxBytes: 0 }), RangeError);
+    assert.throws(() => new FilePool({ dir: d, prefix: 'x', maxFiles: 1, maxBytes: 0, maxLargeBytes: -1 }), RangeError);
+    assert.throws(() => new FilePool({ dir: d, prefix: 'x', maxFiles: 1, maxBytes: 0, largeIdleMs: 0 }), RangeError);
+  });
+
+  it('keeps one large spare (over maxBytes, up to maxLargeBytes): reused for a state of about its size, replaced by a newer one, deleted once idle or at close', async () => {
+    const d = mkdtempSync(path.join(dir, 'fpl-'));
+    const made = (fp: FilePool, n: number) => {
+      const f = fp.acquire(n);
+      closeSync(f.fd);
+      return f.path;
+    };
+    const fp = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-9', maxFiles: 4, maxBytes: 10_000, maxLargeBytes: 100_000, largeIdleMs: 60_000 });
+    const small = made(fp, 4000);
+    const big = made(fp, 64_000);
+    const huge = made(fp, 200_000);
+    fp.release(small);
+    fp.release(big); // over maxBytes: the large spare
+    assert.deepEqual(fp.spare, { files: 2, bytes: 68_000 });
+    assert.equal(fp.largeSpareBytes, 64_000);
+    // a state of about its size takes it (grown, or cut by at most 1/16)
+    const a = fp.acquire(62_000);
+    assert.equal(a.path, big);
+    assert.equal(fstatSync(a.fd).size, 62_000);
+    closeSync(a.fd);
+    assert.equal(fp.largeSpareBytes, 0, 'a handed-out file is not a spare');
+    fp.release(a.path);
+    // one much larger than the state is not cut down to it (freeing its pages would block the loop): a new file
+    const b = fp.acquire(30_000);
+    assert.notEqual(b.path, big);
+    closeSync(b.fd);
+    assert.equal(fp.largeSpareBytes, 62_000);
+    // a newer large file replaces the kept one, which is deleted in the background
+    fp.release(b.path);
+    assert.equal(fp.largeSpareBytes, 30_000);
+    await fp.settled();
+    assert.ok(!existsSync(big), 'the replaced large spare is deleted');
+    // over maxLargeBytes: deleted
+    fp.release(huge);
+    await fp.settled();
+    assert.ok(!existsSync(huge));
+    assert.equal(fp.largeSpareBytes, 30_000);
+    // growing a smaller large spare is fine (its pages are reused, the rest allocated by the writes)
+    const c = fp.acquire(90_000);
+    assert.equal(c.path, b.path);
+    closeSync(c.fd);
+    fp.release(c.path);
+    fp.close();
+    assert.deepEqual(filesIn(d), [], 'close deleted the large spare too');
+    assert.deepEqual(fp.spare, { files: 0, bytes: 0 });
+    // idle: the large spare goes once no receive took it for largeIdleMs
+    const fp2 = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-10', maxFiles: 1, maxBytes: 1000, maxLargeBytes: 100_000, largeIdleMs: 1 });
+    const idle = made(fp2, 50_000);
+    fp2.release(idle);
+    assert.equal(fp2.largeSpareBytes, 50_000);
+    const end = Date.now() + 5000;
+    while (fp2.largeSpareBytes > 0 && Date.now() < end) await new Promise((r) => setTimeout(r, 5));
+    await fp2.settled();
+    assert.equal(fp2.largeSpareBytes, 0, 'dropped after its idle time');
+    assert.ok(!existsSync(idle), 'and deleted');
+    fp2.close();
   });
 
   it('a receiver takes its file from the pool; done recycles it, a failed transfer gives it back once, discard after finish deletes it', async () => {

@@ -1,4 +1,4 @@
-import { closeSync, ftruncateSync, openSync, rmSync, statSync } from 'node:fs';
+import { closeSync, ftruncateSync, openSync, rmSync, statSync, unlink } from 'node:fs';
 import { join } from 'node:path';
 /**
  * A bounded pool of equal-sized transfer buffers, reused across transfers. Fresh buffers cost
@@ -83,41 +83,75 @@ export interface FilePoolOptions {
   maxFiles: number;
   /** Most bytes of spare files kept (their sizes summed, ≥ 0). */
   maxBytes: number;
+  /**
+   * One more spare, the large one: a released file that does not fit under `maxFiles` /
+   * `maxBytes` but has at most this many bytes is kept apart (at most one such file; a newer one
+   * replaces it), for the next state of that size (default 0: none).
+   */
+  maxLargeBytes?: number;
+  /** The large spare is deleted once it has not been taken for this long, ms (default LARGE_SPARE_IDLE_MS). */
+  largeIdleMs?: number;
+}
+
+/**
+ * Deletes `path` without blocking the event loop: unlink(2) of a large tmpfs file frees its pages
+ * inside the call (1 GiB: ~130–150 ms here), so it runs on libuv's thread pool. `done` is called
+ * once it finished (`ok`: the file was deleted or was already gone). Never throws.
+ */
+export function unlinkInBackground(path: string, done?: (ok: boolean) => void): void {
+  unlink(path, (err) => done?.(!err || err.code === 'ENOENT'));
 }
 
 /**
  * A bounded pool of recycled destination files for received states. Writing into a NEW tmpfs
- * file makes the kernel allocate and zero every page on first write (measured here: 1.9 GB/s
- * for 1 MiB writes into a new /dev/shm file against 6.6 GB/s into one whose pages exist), so
- * decode keeps a few spare state files after their load and overwrites them instead.
+ * file makes the kernel allocate and zero every page on first write (measured here: 2.6 GB/s
+ * writing 1 GiB into a new /dev/shm file against 4.8 GB/s overwriting one whose pages exist), so
+ * decode keeps a few spare state files after their load and overwrites them instead: small ones
+ * within `maxFiles` / `maxBytes`, and one large one (`maxLargeBytes`) until it has been idle for
+ * `largeIdleMs`.
  *
- * Ownership: a spare belongs to the pool (deleted by `close` or when a release would exceed the
- * bounds); `acquire` hands one out (or creates one) and from then on its holder owns it until it
- * gives it back with `release` (kept as a spare, or deleted when over the bounds or closed) or
- * deletes it itself. The pool never touches a handed-out file, so a file has exactly one owner
- * at a time and is deleted exactly once. File calls are synchronous (tmpfs: memory operations).
+ * Ownership: a spare belongs to the pool (deleted by `close`, when a release would exceed the
+ * bounds, or when the large spare has idled); `acquire` hands one out (or creates one) and from
+ * then on its holder owns it until it gives it back with `release` (kept as a spare, or deleted)
+ * or deletes it itself. The pool never touches a handed-out file, so a file has exactly one owner
+ * at a time and is deleted exactly once. Deletions of spares and released files run in the
+ * background (unlinkInBackground: freeing a large file's pages is not done on the event loop;
+ * `settled()` resolves once they are done), except `close`'s, which are synchronous (the process
+ * is stopping). The other file calls are synchronous (tmpfs: memory operations).
  */
 export class FilePool {
   private readonly spares: { path: string; bytes: number }[] = [];
   private spareBytes = 0;
+  /** The large spare (maxLargeBytes), and the timer that deletes it once idle. */
+  private large: { path: string; bytes: number; timer: NodeJS.Timeout } | undefined;
   private seq = 0;
   private closed = false;
+  /** Background deletions not finished yet, and who waits for them. */
+  private deleting = 0;
+  private readonly onSettled: (() => void)[] = [];
   /** Acquires served by a spare. */
   reused = 0;
   /** Files created. */
   created = 0;
-  /** Files deleted by the pool (over the bounds, or at close). */
+  /** Files deleted by the pool (over the bounds, idle, or at close; counted when the deletion finished). */
   deleted = 0;
 
   /** @throws RangeError on bad bounds. */
   constructor(private readonly o: FilePoolOptions) {
     if (!Number.isSafeInteger(o.maxFiles) || o.maxFiles < 0) throw new RangeError(`maxFiles must be a non-negative integer, got ${o.maxFiles}`);
     if (!Number.isSafeInteger(o.maxBytes) || o.maxBytes < 0) throw new RangeError(`maxBytes must be a non-negative integer, got ${o.maxBytes}`);
+    if (o.maxLargeBytes !== undefined && (!Number.isSafeInteger(o.maxLargeBytes) || o.maxLargeBytes < 0)) throw new RangeError(`maxLargeBytes must be a non-negative integer, got ${o.maxLargeBytes}`);
+    if (o.largeIdleMs !== undefined && (!Number.isSafeInteger(o.largeIdleMs) || o.largeIdleMs < 1)) throw new RangeError(`largeIdleMs must be a positive integer, got ${o.largeIdleMs}`);
   }
 
-  /** Spare files kept now, and their bytes. */
+  /** Spare files kept now, and their bytes (the large spare included). */
   get spare(): { files: number; bytes: number } {
-    return { files: this.spares.length, bytes: this.spareBytes };
+    return { files: this.spares.length + (this.large ? 1 : 0), bytes: this.spareBytes + (this.large?.bytes ?? 0) };
+  }
+
+  /** Bytes of the large spare kept now (0: none). */
+  get largeSpareBytes(): number {
+    return this.large?.bytes ?? 0;
   }
 
   /**
@@ -126,19 +160,17 @@ export class FilePool {
    * @throws fs errors (the file, if any was created, is deleted first).
    */
   acquire(bytes: number): PooledFile {
-    const pick = this.closed ? -1 : this.choose(bytes);
-    if (pick >= 0) {
-      const [s] = this.spares.splice(pick, 1);
-      this.spareBytes -= s!.bytes;
+    const s = this.closed ? undefined : this.take(bytes);
+    if (s) {
       let fd: number | undefined;
       try {
-        fd = openSync(s!.path, 'r+');
-        if (s!.bytes !== bytes) ftruncateSync(fd, bytes);
+        fd = openSync(s.path, 'r+');
+        if (s.bytes !== bytes) ftruncateSync(fd, bytes);
         this.reused++;
-        return { path: s!.path, fd, reused: true };
+        return { path: s.path, fd, reused: true };
       } catch {
         if (fd !== undefined) closeSync(fd);
-        this.unlink(s!.path); // a spare we cannot reuse: gone, make a new one
+        this.remove(s.path); // a spare we cannot reuse: gone, make a new one
       }
     }
     const path = join(this.o.dir, `${this.o.prefix}-${++this.seq}.ggsq`);
@@ -147,34 +179,34 @@ export class FilePool {
       ftruncateSync(fd, bytes);
     } catch (e) {
       closeSync(fd);
-      this.unlink(path);
+      this.remove(path);
       throw e;
     }
     this.created++;
     return { path, fd, reused: false };
   }
 
-  /**
-   * The spare to reuse for `bytes`, or -1 for a new file. Cutting a file frees its pages and
-   * growing one allocates new ones, both costing about what writing them does, so: the smallest
-   * spare that holds `bytes` if it is at most twice that; else the largest smaller one (grown);
-   * else none (a much larger spare stays for a large state instead of being cut down).
-   */
-  private choose(bytes: number): number {
-    let fit = -1;
-    let under = -1;
-    this.spares.forEach((s, i) => {
-      if (s.bytes >= bytes) {
-        if (fit < 0 || s.bytes < this.spares[fit]!.bytes) fit = i;
-      } else if (under < 0 || s.bytes > this.spares[under]!.bytes) under = i;
-    });
-    if (fit >= 0 && this.spares[fit]!.bytes <= 2 * bytes) return fit;
-    return under;
+  /** The spare `choose` picks for `bytes`, out of the pool (undefined: make a new file). */
+  private take(bytes: number): { path: string; bytes: number } | undefined {
+    const all: Spare[] = this.spares.map((s) => ({ bytes: s.bytes, cut: 2 }));
+    if (this.large) all.push({ bytes: this.large.bytes, cut: LARGE_SPARE_CUT });
+    const pick = choose(all, bytes);
+    if (pick < 0) return undefined;
+    if (pick === this.spares.length) {
+      const l = this.large!;
+      clearTimeout(l.timer);
+      this.large = undefined;
+      return { path: l.path, bytes: l.bytes };
+    }
+    const [s] = this.spares.splice(pick, 1);
+    this.spareBytes -= s!.bytes;
+    return s;
   }
 
   /**
    * Give back a file from `acquire` (closed by the caller, no I/O on it any more): kept as a
-   * spare if the bounds allow, else deleted. After `close`, always deleted. Never throws.
+   * spare if the bounds allow (else as the large spare, replacing an older one, if it has at most
+   * maxLargeBytes), else deleted in the background. After `close`, always deleted. Never throws.
    */
   release(path: string): void {
     let bytes = -1;
@@ -183,32 +215,104 @@ export class FilePool {
     } catch {
       return; // already gone
     }
-    if (this.closed || this.spares.length + 1 > this.o.maxFiles || this.spareBytes + bytes > this.o.maxBytes) {
-      this.unlink(path);
+    if (!this.closed && this.spares.length + 1 <= this.o.maxFiles && this.spareBytes + bytes <= this.o.maxBytes) {
+      this.spares.push({ path, bytes });
+      this.spareBytes += bytes;
       return;
     }
-    this.spares.push({ path, bytes });
-    this.spareBytes += bytes;
+    if (!this.closed && bytes > 0 && bytes <= (this.o.maxLargeBytes ?? 0)) {
+      if (this.large) {
+        clearTimeout(this.large.timer);
+        this.remove(this.large.path);
+      }
+      const timer = setTimeout(() => {
+        if (this.large?.path !== path) return;
+        this.large = undefined;
+        this.remove(path);
+      }, this.o.largeIdleMs ?? LARGE_SPARE_IDLE_MS);
+      timer.unref();
+      this.large = { path, bytes, timer };
+      return;
+    }
+    this.remove(path);
   }
 
-  /** Delete every spare; later releases delete their file. Idempotent; never throws. */
+  /** Delete every spare now (synchronously); later releases delete their file. Idempotent; never throws. */
   close(): void {
     this.closed = true;
-    for (const s of this.spares.splice(0)) this.unlink(s.path);
+    const all = this.spares.splice(0);
+    if (this.large) {
+      clearTimeout(this.large.timer);
+      all.push(this.large);
+      this.large = undefined;
+    }
+    for (const s of all) {
+      try {
+        rmSync(s.path, { force: true });
+        this.deleted++;
+      } catch {
+        // tmpfs unlink of our own file: nothing to do about a failure
+      }
+    }
     this.spareBytes = 0;
   }
 
-  private unlink(path: string): void {
-    try {
-      rmSync(path, { force: true });
-      this.deleted++;
-    } catch {
-      // tmpfs unlink of our own file: nothing to do about a failure
-    }
+  /** Resolves once every background deletion started so far has finished (never rejects). */
+  settled(): Promise<void> {
+    if (this.deleting === 0) return Promise.resolve();
+    return new Promise((r) => this.onSettled.push(r));
   }
+
+  /** Delete a file of the pool in the background (unlinkInBackground). */
+  private remove(path: string): void {
+    this.deleting++;
+    unlinkInBackground(path, (ok) => {
+      if (ok) this.deleted++;
+      if (--this.deleting === 0) for (const r of this.onSettled.splice(0)) r();
+    });
+  }
+}
+
+/** A spare as `choose` sees it: its size, and how much larger than a state it may be and still be cut to it. */
+interface Spare {
+  bytes: number;
+  /** Largest spare / state ratio for which the spare is cut down to the state. */
+  cut: number;
+}
+
+/**
+ * The large spare is cut down to a state only when it has at most 1/16 more bytes: cutting a
+ * tmpfs file frees its pages inside ftruncate(2) on the event loop (~7 GB/s here: 64 MiB of a
+ * 1 GiB spare ≈ 9 ms); a larger one is left for a state of its size.
+ */
+const LARGE_SPARE_CUT = 17 / 16;
+
+/**
+ * The spare of `spares` to reuse for `bytes`, or -1 for a new file. Cutting a file frees its
+ * pages and growing one allocates new ones, both costing about what writing them does, so: the
+ * smallest spare that holds `bytes` if it is at most `cut` times that (2 for the small spares);
+ * else the largest smaller one (grown); else none (a much larger spare stays for a large state
+ * instead of being cut down).
+ */
+function choose(spares: readonly Spare[], bytes: number): number {
+  let fit = -1;
+  let under = -1;
+  spares.forEach((s, i) => {
+    if (s.bytes >= bytes) {
+      if (s.bytes <= s.cut * bytes && (fit < 0 || s.bytes < spares[fit]!.bytes)) fit = i;
+    } else if (under < 0 || s.bytes > spares[under]!.bytes) under = i;
+  });
+  return fit >= 0 ? fit : under;
 }
 
 /** Spare received-state files decode keeps (FilePool.maxFiles). */
 export const RECV_SPARE_FILES = 4;
 /** Most bytes of spare received-state files decode keeps (FilePool.maxBytes), 256 MiB. */
 export const RECV_SPARE_BYTES = 256 * 1024 * 1024;
+/**
+ * How long decode keeps its one large spare (a received state over RECV_SPARE_BYTES, up to
+ * --max-state-bytes: FilePool.maxLargeBytes) without a receive taking it, ms: 60 s. A 1 GiB
+ * receive into a new tmpfs file wrote at 0.3–0.6 GB/s in bench §1 against 0.9–1.2 GB/s for the
+ * 256 MiB states that found a spare; the price is that much tmpfs (RAM) held while idle.
+ */
+export const LARGE_SPARE_IDLE_MS = 60_000;

@@ -16,13 +16,13 @@
  *
  * Byte stream (envelope.ts): head | payload | u32 BE CRC-32 trailer.
  */
-import { closeSync, ftruncateSync, openSync, rmSync, writeSync } from 'node:fs';
+import { closeSync, ftruncateSync, openSync, writeSync } from 'node:fs';
 import { ENVELOPE_TRAILER_BYTES, parseEnvelopeHead, type EnvelopeExpect } from '../envelope.js';
 import type { EnvelopeHeader } from '../messages.js';
 import { KvError } from '../types.js';
 import { Crc32 } from './checksum.js';
 import { IO_SLOTS_PER_TRANSFER, type IoStream, type KvIo } from './io-thread.js';
-import type { BufferPool, FilePool } from './pool.js';
+import { unlinkInBackground, type BufferPool, type FilePool } from './pool.js';
 
 /** An incremental parser of the payload's structure (see StateReceiverOptions.walker). */
 export interface StructureWalker<S> {
@@ -464,24 +464,25 @@ export class StateReceiver<S> {
    * The caller is done with the file `finish` returned (its load settled, whatever the outcome):
    * the file goes back to the file pool (deleted when there is none, or it is full). Also fine
    * instead of `discard` when no one else can be reading the file. Idempotent, a no-op after
-   * `discard`; never throws.
+   * `discard`; never throws. A deletion runs in the background (unlinkInBackground): resolves
+   * once it finished.
    */
   async done(): Promise<void> {
-    this.giveUp(false);
+    return this.giveUp(false);
   }
 
   /**
    * Drop everything (any failure, at any time): buffer back to the pool, file closed; the file
-   * is recycled if `finish` never handed it out, else deleted. Idempotent, a no-op after `done`;
-   * never throws.
+   * is recycled if `finish` never handed it out, else deleted (in the background: resolves once
+   * it is gone). Idempotent, a no-op after `done`; never throws.
    */
   async discard(): Promise<void> {
     this.failed ??= new KvError('ABORTED', 'receive discarded');
-    this.giveUp(this.lent);
+    return this.giveUp(this.lent);
   }
 
-  private giveUp(remove: boolean): void {
-    if (this.discarded) return;
+  private giveUp(remove: boolean): Promise<void> {
+    if (this.discarded) return Promise.resolve();
     this.discarded = true;
     const t = this.t;
     if (t) {
@@ -491,30 +492,30 @@ export class StateReceiver<S> {
       t.overflow.length = 0;
       t.overflowBytes = 0;
       t.stream.end();
-      t.stream.whenIdle(() => {
-        t.io.unreserve(t.slots);
-        this.giveUpNow(remove);
-      });
-      return;
+      return new Promise((resolve) =>
+        t.stream.whenIdle(() => {
+          t.io.unreserve(t.slots);
+          this.giveUpNow(remove, resolve);
+        }),
+      );
     }
-    this.giveUpNow(remove);
+    return new Promise((resolve) => this.giveUpNow(remove, resolve));
   }
 
-  private giveUpNow(remove: boolean): void {
+  /** Close the file, then recycle or delete it; `settled` once that is done (a deletion finished). */
+  private giveUpNow(remove: boolean, settled: () => void): void {
     try {
       this.release();
     } catch {
       // closing a file we wrote cannot fail in a way that matters here
     }
     const path = this.path;
-    if (path === undefined) return;
-    if (!remove && this.o.files) this.o.files.release(path);
-    else {
-      try {
-        rmSync(path, { force: true });
-      } catch {
-        // tmpfs unlink of our own file
-      }
+    if (path === undefined) return settled();
+    if (!remove && this.o.files) {
+      this.o.files.release(path);
+      return settled();
     }
+    // a large tmpfs file's pages are freed inside unlink(2): not on the event loop
+    unlinkInBackground(path, () => settled());
   }
 }
