@@ -328,11 +328,18 @@ function lowLoadSection(s2: LowLoadRow[] | undefined, s2u: LowLoadRow[] | undefi
             bd.map((r) => [r.promptTokens, fmt(r.colo.ttftMs.median), fmt(r.pdBreakdown.prefillMs), fmt(r.pdBreakdown.transferMs), fmt(r.pdBreakdown.kvBytes / MiB, 1), fmt(r.pdBreakdown.directTtftMs), fmt(r.pd.ttftMs.median)]),
           )
         : '',
-      st.length ? 'Token 1 → token 2 (medians over the same requests, ms):' : '',
+      st.length ? 'Token 1 → token 2 (medians over the same requests, ms; token 2 at: from the request):' : '',
       st.length
         ? table(
-            ['prompt tokens', 'PD token 1 → 2', 'colocated token 1 → 2', 'colocated ITL', 'PD gap / colocated ITL'],
-            st.map((r) => [r.promptTokens, fmt(r.secondToken!.pdGapMs), fmt(r.secondToken!.coloGapMs), fmt(r.secondToken!.coloItlMs, 2), `**${fmtRatio(r.secondToken!.ratio)}** ${r.promptTokens >= 1500 ? (r.secondToken!.ratio <= 3 ? 'pass' : 'miss') : ''}`]),
+            ['prompt tokens', 'PD token 1 → 2', 'colocated token 1 → 2', 'colocated ITL', 'PD gap / colocated ITL', 'token 2 at, PD / colocated'],
+            st.map((r) => [
+              r.promptTokens,
+              fmt(r.secondToken!.pdGapMs),
+              fmt(r.secondToken!.coloGapMs),
+              fmt(r.secondToken!.coloItlMs, 2),
+              `**${fmtRatio(r.secondToken!.ratio)}** ${r.promptTokens >= 1500 ? (r.secondToken!.ratio <= 3 ? 'pass' : 'miss') : ''}`,
+              r.secondToken!.pdAtMs !== undefined && r.secondToken!.coloAtMs !== undefined ? `${fmt(r.secondToken!.pdAtMs)} / ${fmt(r.secondToken!.coloAtMs)}` : '–',
+            ]),
           )
         : '',
       s2u?.length ? `Unpinned (\`--no-pin\`); ${provUnpinned.replace(/^_|\.?_$/g, '')}:` : '',
@@ -342,8 +349,8 @@ function lowLoadSection(s2: LowLoadRow[] | undefined, s2u: LowLoadRow[] | undefi
     ),
     reading:
       refWorst.ratio.ttft > 1.1
-        ? `PD's TTFT is ${pct(refWorst.ratio.ttft)} at ${refWorst.promptTokens} prompt tokens${s2u?.length ? ' unpinned' : ''} (${pct(worst.ratio.ttft)} at ${worst.promptTokens} pinned): its first token streams from prefill before the handoff, so what it pays is the router hop, decode's registration before prefill evaluates, and a process on another core.`
-        : `PD's TTFT is within 1.10 × colocated at every length${s2u?.length ? ' unpinned' : ''}: its first token streams from prefill before the handoff, so the state's save, transfer and load are not on it${worst.ratio.ttft > 1.1 ? ` (pinned: ${pct(worst.ratio.ttft)} at ${worst.promptTokens} tokens)` : ''}.`,
+        ? `PD's TTFT is ${pct(refWorst.ratio.ttft)} at ${refWorst.promptTokens} prompt tokens${s2u?.length ? ' unpinned' : ''} (${pct(worst.ratio.ttft)} at ${worst.promptTokens} pinned): its first token streams from prefill before the transfer, so what it pays is the router hop, decode's registration before prefill evaluates, the state save when token 1 waits for it, and a process on another core.`
+        : `PD's TTFT is within 1.10 × colocated at every length${s2u?.length ? ' unpinned' : ''}: its first token streams from prefill before the transfer, so the state's transfer and load are not on it (the save is, when token 1 waits for it: ≈ 0.5 % of TTFT)${worst.ratio.ttft > 1.1 ? ` (pinned: ${pct(worst.ratio.ttft)} at ${worst.promptTokens} tokens)` : ''}.`,
   };
 }
 

@@ -63,7 +63,15 @@ export interface LowLoadRow {
    * requests): with PD the first comes from prefill and the second from decode, so the gap holds
    * the KV handoff. Against colocated ITL (median of all its gaps); `ratio` = PD gap / that.
    */
-  secondToken?: { pdGapMs: number; coloGapMs: number; coloItlMs: number; ratio: number };
+  secondToken?: {
+    pdGapMs: number;
+    coloGapMs: number;
+    coloItlMs: number;
+    ratio: number;
+    /** Request sent → token 2 at the client, ms (medians): what moving the save before token 1 (`--first-token-after-save`) cannot change. */
+    pdAtMs?: number;
+    coloAtMs?: number;
+  };
   errors: string[];
 }
 
@@ -97,8 +105,9 @@ export async function runLowLoad(ctx: SectionCtx, lens = [64, 512, 1500], output
       ratio: { ttft: mp.ttftMs.median / mc.ttftMs.median, tpot: mp.tpotMs.median / mc.tpotMs.median, e2e: mp.e2eMs.median / mc.e2eMs.median },
       secondToken: (() => {
         const first = (rs: RequestRecord[]) => median(rs.filter((r) => r.ok && r.itlMs.length > 0).map((r) => r.itlMs[0]!));
+        const second = (rs: RequestRecord[]) => median(rs.filter((r) => r.ok && r.itlMs.length > 0).map((r) => r.ttftMs + r.itlMs[0]!));
         const pdGapMs = first(pd);
-        return { pdGapMs, coloGapMs: first(colo), coloItlMs: mc.itlMs.median, ratio: pdGapMs / mc.itlMs.median };
+        return { pdGapMs, coloGapMs: first(colo), coloItlMs: mc.itlMs.median, ratio: pdGapMs / mc.itlMs.median, pdAtMs: second(pd), coloAtMs: second(colo) };
       })(),
       errors: [...failures(pd), ...failures(colo), ...failures(probes)],
     });
