@@ -398,7 +398,12 @@ export class PrefillEffects<C extends KvConn> {
       this.o.computeMetrics.statesSaved.inc();
       if (firsts.length > 0 && !signal.aborted) {
         this.o.computeMetrics.firstTokensAfterSave.inc(firsts.length);
-        for (const send of firsts) send(); // the state is saved: the handoff's stall no longer follows token 1
+        // The state is saved: token 1 leaves one event-loop turn later, once the driver's
+        // `transfer` (after this returns) has begun the handoff — decode starts taking the state
+        // while token 1 crosses the router, and the save is not in the gap to token 2.
+        void this.o.timers.turn().then(() => {
+          if (!signal.aborted) for (const send of firsts) send();
+        });
       }
       const roomBytes = new Map<RoomId, number>();
       comp.rooms.forEach((room, i) => {
