@@ -8,7 +8,7 @@
  *            into a fresh file (its envelope head prepared, all but the size, while llama.cpp
  *            saves), then the head's size filled in, kv_begin, sendStateFile (the file read in
  *            pooled pieces, CRC-32 as they pass, into the socket), kv_end; or, with
- *            `streamed` (the worker's --kv-stream), during the save: streamed kv_begin,
+ *            `streamed` (the workers' default; off: --no-kv-stream), during the save: streamed kv_begin,
  *            sendGrowingStateFile (the growing file read behind llama.cpp's writes), kv_end with
  *            the byte count and CRC — until the receiver's kv_ack (the receiver stamps "loaded"
  *            itself: the goal's end). `raw` trial: write an 8-byte
@@ -73,7 +73,7 @@ interface Init {
   stateDir: string;
   /** Sequences of this process's context (decode: the decode worker's slot count, so loads are re-framed as in the cluster). */
   sequences?: number;
-  /** Sender: kv trials stream the state while it is saved (the prefill worker's --kv-stream); else save, then send. */
+  /** Sender: kv trials stream the state while it is saved (the prefill worker's default); else save, then send (--no-kv-stream). */
   streamed?: boolean;
   /** llama.cpp threads (default 1). */
   threads?: number;
@@ -194,7 +194,7 @@ interface State {
   bytes: number;
   firstToken: number;
   firstIsEog: boolean;
-  /** Median of 3 saves of this state (ms): the save that the handoff goal counts on both sides. */
+  /** Median of 5 saves of this state (ms), each into a new file: the save that the handoff goal counts on both sides. */
   saveMs: number;
   /** PDSERVE_BENCH_KV_BOUND mem: the state's bytes and CRC-32; `checked` once a trial's save was compared with them. */
   mem?: { bytes: Buffer; crc: number; checked: boolean };
@@ -291,13 +291,16 @@ async function sender(engine: Engine): Promise<void> {
             const path = join(init.stateDir, `pdserve-bench-kv-${process.pid}-${n}.ggsq`);
             const saves: number[] = [];
             let bytes = 0;
-            for (let k = 0; k < 3; k++) {
+            for (let k = 0; k < 5; k++) {
+              // into a file that does not exist, as in the KV trials and the workers (llama.cpp's
+              // fopen("wb") of an existing file would first free its pages)
+              rmSync(path, { force: true });
               const ts = now();
               bytes = await slot.saveState(path);
               saves.push(now() - ts);
             }
             const mem = BOUND_MEM ? readFileSync(path) : undefined;
-            states.push({ n, tokens: toks, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[1]!, ...(mem ? { mem: { bytes: mem, crc: crc32(mem), checked: false } } : {}) });
+            states.push({ n, tokens: toks, path, bytes, firstToken: r.firstToken, firstIsEog: r.firstIsEog, saveMs: saves.sort((a, b) => a - b)[2]!, ...(mem ? { mem: { bytes: mem, crc: crc32(mem), checked: false } } : {}) });
             atExit(() => rmSync(path, { force: true }));
           } finally {
             slot.release();

@@ -6,7 +6,7 @@
  * process.hrtime.bigint, one clock for both processes): the save, then the pipelined handoff
  * (transfer/: the file read in pooled pieces into framed chunks over the authenticated channel,
  * CRC-32 on both sides and envelope + ggsq validation and the file write on decode all while the
- * bytes stream) — or, with `kvStream` (--kv-stream), the two overlapped (the growing file read
+ * bytes stream) — or, with `kvStream` (the workers' default), the two overlapped (the growing file read
  * behind llama.cpp's writes) — then llama.cpp's state load. Raw: the same number of bytes written on a bare net.Socket and counted (not stored) by
  * the other process, until its last byte arrived (its stamp). Neither includes the return hop;
  * the ack-inclusive times (kv_ack / 1-byte ack received back) are kept as `kvAckMs` /
@@ -46,8 +46,9 @@ export interface KvSectionOptions {
   /** Sequences of the receiving context (the decode worker's slots; 1 on the sending side, as the prefill worker). */
   receiverSequences?: number;
   /**
-   * KV trials stream the state while it is saved, as the prefill worker with --kv-stream
-   * (default: the environment's PDSERVE_BENCH_KV_STREAM=1; else save, then send, as by default).
+   * KV trials stream the state while it is saved, as the prefill worker does by default
+   * (default: true unless the environment says PDSERVE_BENCH_KV_STREAM=0: save, then send, as
+   * `prefill --no-kv-stream`).
    */
   kvStream?: boolean;
   /**
@@ -88,7 +89,7 @@ export interface KvSizeResult {
   rawGBps: number;
   /** median KV time / median raw time. */
   ratio: number;
-  /** Median of 3 saveState calls of this state (ms). */
+  /** Median of 5 saveState calls of this state, each into a new file (ms). */
   saveMs: number;
   /** KV / (save + raw + loadState): the handoff (save included) against its floor (goal ≤ 1.3). */
   goalRatio: number;
@@ -176,7 +177,7 @@ export interface KvSectionResult {
    * and p90 of `rounds`. Absent when the same-host probe failed.
    */
   sameHostFloorMs?: { there: number; thereP90: number; back: number; rounds: number };
-  /** The KV trials streamed the state while it was saved (--kv-stream); false: save, then send. */
+  /** The KV trials streamed the state while it was saved (the workers' default); false: save, then send (--no-kv-stream). */
   streamed?: boolean;
   /** The KV channel ran over mutual TLS (PDSERVE_BENCH_KV_TLS_DIR); raw TCP stays plain. */
   tls?: boolean;
@@ -192,7 +193,7 @@ interface Msg {
 export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult> {
   const secret = randomBytes(16).toString('hex');
   const base = { model: o.model, contextSize: o.contextSize, batchSize: o.batchSize, secret, stateDir: '/dev/shm', threads: o.threads ?? 1 };
-  const streamed = o.kvStream ?? process.env.PDSERVE_BENCH_KV_STREAM === '1';
+  const streamed = o.kvStream ?? process.env.PDSERVE_BENCH_KV_STREAM !== '0';
   // PDSERVE_BENCH_KV_TLS_DIR=<dir with ca.crt, node.crt, node.key>: the channel over mutual TLS (the workers' --internal-tls-*).
   const tlsDir = process.env.PDSERVE_BENCH_KV_TLS_DIR;
   if (tlsDir) (base as Record<string, unknown>).tls = { ca: join(tlsDir, 'ca.crt'), cert: join(tlsDir, 'node.crt'), key: join(tlsDir, 'node.key') };
@@ -387,7 +388,7 @@ export async function runKvSection(o: KvSectionOptions): Promise<KvSectionResult
         ratio: kvMs.median / rawMs.median,
         saveMs: s.saveMs,
         // the floor's save: the trials' own saves (many, interleaved) when they ran alone; while
-        // streamed they overlap the send, so then the median of 3 saves made with the state
+        // streamed they overlap the send, so then the median of 5 saves made with the state
         goalSaveMs: streamed ? s.saveMs : ph('save'),
         goalRatio: kvMs.median / ((streamed ? s.saveMs : ph('save')) + rawMs.median + ph('loadState')),
         phasesMs: {

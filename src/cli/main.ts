@@ -203,17 +203,21 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
+/** `--no-kv-stream` (prefill and `up`): see ../runtime/config.ts `kvStream`. */
+const NO_KV_STREAM_HELP = 'over TCP, send the state only once llama.cpp has saved it (default: a one-room state goes out while llama.cpp saves it, to a decode that takes that)';
+
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
-/** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save to prefill. */
-function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; workerWaitMs: number } & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
+export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number } & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
   const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs)];
   const firstToken = o.firstTokenAfterSave !== undefined ? ['--first-token-after-save', String(o.firstTokenAfterSave)] : [];
-  return { router, prefill: [...names, ...verify, ...firstToken, ...gpuArgs(o, 'prefill')], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode')] };
+  const stream = o.kvStream === false ? ['--no-kv-stream'] : [];
+  return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill')], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode')] };
 }
 
 /** The GPU flags of one role's workers under `up` (per-role --prefill-gpu-device / --decode-gpu-device over --gpu-device). */
@@ -276,6 +280,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M)', cliParser(parseStateBytes))
     .option('--kv-streams <n>', 'every worker: sockets one KV connection stripes large states over (1-8; default 1)', int)
     .option('--first-token-after-save <pct>', `prefill workers: ${FIRST_TOKEN_AFTER_SAVE_HELP} (default 5)`, percentOrAlways)
+    .option('--no-kv-stream', `prefill workers: ${NO_KV_STREAM_HELP}`)
     .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
     .option('--decode-gpu-device <list>', 'GPU devices of the decode workers (default: --gpu-device)', cliParser(parseDeviceList))
     .action(async (o) => {
@@ -364,13 +369,13 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--slots <n>', 'sequences of the prefill context', int, 1)
     .option('--max-waiting <n>', 'bound on rooms queued for prompt evaluation', int, 256)
     .option('--first-token-after-save <pct>', FIRST_TOKEN_AFTER_SAVE_HELP, percentOrAlways, 5)
-    .option('--kv-stream', 'over TCP, send the state while llama.cpp still saves it (one-room requests, to a decode that supports it); off: save, then send', false)))
+    .option('--no-kv-stream', NO_KV_STREAM_HELP)))
     .action(async (o) => {
       const { startPrefillWorker } = await import('../prefill/worker.js');
       const model = await modelPath(o.model, 'prefill');
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream === true, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream !== false, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('prefill'),
         ),
       );

@@ -164,13 +164,14 @@ export const PrefillConfigSchema = z.object({
   /** KV chunk size on the wire, bytes. */
   chunkBytes: z.number().int().min(1024).max(1024 * 1024).default(1024 * 1024),
   /**
-   * `--kv-stream`: over TCP, send the state while llama.cpp is still saving it (one-room
-   * requests, to a decode that said `kvStream`; transfer/sender.ts sendGrowingStateFile). Off by
-   * default: on this 2-core machine the save's thread competes with both event loops and the
-   * save ran 2–5× slower; against save-then-send it gained ~6–12 % at 64 MiB and lost ~20 % at
-   * 16 MiB at load ≈ 1.3, and lost or tied at load 5–9 (docs/KV-HANDOFF.md).
+   * Over TCP, send the state while llama.cpp is still saving it (one-room requests, to a decode
+   * that said `kvStream`; transfer/sender.ts sendGrowingStateFile); `--no-kv-stream`: save, then
+   * send. On by default: on an idle 2-core machine it took bench §1's handoff (save start → loaded)
+   * from 125–134 to 100–111 ms at 64 MiB, 418–427 to 268–293 ms at 256 MiB and 1946–1984 to
+   * 1002–1070 ms at 1 GiB, interleaved runs (BENCHMARKS.md §1); SGLang and vLLM overlap the
+   * transfer with the computation likewise.
    */
-  kvStream: z.boolean().default(false),
+  kvStream: z.boolean().default(true),
   /**
    * `--first-token-after-save`: with the first token streamed from prefill, it waits for the
    * state save when the save is expected to take at most this share of the prompt's evaluation,

@@ -1,12 +1,12 @@
 /**
- * The streamed TCP handoff (`--kv-stream`: prefill sends the state while llama.cpp saves it) on
- * real processes: a real prefill worker, a real decode worker and router, and a test decode made
+ * The streamed TCP handoff (prefill's default, `--no-kv-stream` turns it off: prefill sends the
+ * state while llama.cpp saves it) on real processes, with prefill's default flags: a real prefill worker, a real decode worker and router, and a test decode made
  * of the real KV channel client (KvPeerPool) to see the wire itself.
  * - A decode whose `register` says `kvStream` gets the streamed sequence: kv_begin{streamed}, an
  *   envelope head with payloadBytes 0, the payload, kv_end{totalBytes, crc} — the bytes and the
  *   CRC-32 match, and the payload is the ggsq state of the prompt.
  * - A decode that does not say it (an older version) gets the old sequence: kv_begin with the
- *   exact size, head + payload + CRC trailer, a bare kv_end — whatever `--kv-stream` says.
+ *   exact size, head + payload + CRC trailer, a bare kv_end — although prefill streams by default.
  * - Through the router (the real decode says kvStream), greedy PD output equals colocated, and
  *   prefill's counters show each of those handoffs went over TCP, streamed.
  */
@@ -24,8 +24,8 @@ import { parseStateFile } from '../../src/engine/ggsq.js';
 import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
 
-// TCP only (same-host would hand the file over instead), prefill streams where it may.
-const h = useStack({ extraArgs: { prefill: ['--kv-stream', '--no-kv-same-host'] } });
+// TCP only (same-host would hand the file over instead); prefill streams where it may by default.
+const h = useStack({ extraArgs: { prefill: ['--no-kv-same-host'] } });
 
 /** Act as a decode worker for one room on prefill's KV port: register (with or without kvStream), record the wire, ack. */
 async function handoff(kvStream: boolean, prompt: string) {
@@ -70,7 +70,7 @@ async function handoff(kvStream: boolean, prompt: string) {
 
 const expectOf = (w: { fingerprint: string; settings: any }) => ({ fingerprint: w.fingerprint, contextSize: w.settings.contextSize ?? w.settings.context_size, batchSize: w.settings.batchSize ?? w.settings.batch_size, maxPayloadBytes: 1 << 30 });
 
-describe('streamed KV handoff over TCP (--kv-stream), real processes', () => {
+describe('streamed KV handoff over TCP (the default), real processes', () => {
   test('a decode that says kvStream gets the streamed sequence; one that does not gets the old one; both carry the same state', async () => {
     const prompt = promptOf(90, 3);
     const old = await handoff(false, prompt);

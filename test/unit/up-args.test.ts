@@ -7,7 +7,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import type { Command } from 'commander';
-import { cliProgram } from '../../src/cli/main.js';
+import { cliProgram, upExtraArgs } from '../../src/cli/main.js';
 import { upEngineArgs, type UpEngineFlags } from '../../src/cli/up-args.js';
 
 const KEYS = ['flashAttention', 'prefixCache', 'prefixCacheSlots', 'prefixCacheTokens', 'prefixStoreBytes'] as const;
@@ -33,3 +33,14 @@ for (const given of [
     for (const role of ['prefill', 'decode']) assert.deepEqual(pick(await parsed(role, args)), pick(up), role);
   });
 }
+
+test('prefill streams the state while llama.cpp saves it by default; `prefill --no-kv-stream` and `up --no-kv-stream` turn it off', async () => {
+  assert.equal((await parsed('prefill', [])).kvStream, true, 'prefill: on by default');
+  assert.equal((await parsed('prefill', ['--no-kv-stream'])).kvStream, false, 'prefill --no-kv-stream');
+  for (const [given, want] of [[[], true], [['--no-kv-stream'], false]] as const) {
+    const up = await parsed('up', [...given]);
+    const forwarded = upExtraArgs(up as unknown as Parameters<typeof upExtraArgs>[0]).prefill ?? [];
+    assert.equal(forwarded.includes('--no-kv-stream'), !want, `up ${given.join(' ')} forwards ${forwarded.join(' ')}`);
+    assert.equal((await parsed('prefill', forwarded)).kvStream, want, `up ${given.join(' ') || '(defaults)'}: its prefill workers stream: ${want}`);
+  }
+});
