@@ -34,7 +34,7 @@ export const GGSQ_VERSION = 3;
 export const MAX_STREAMS = 256;
 const MAX_LAYERS = 4096;
 /** Largest accepted bytes per cell per layer (K or V row), 16 MiB. */
-const MAX_ROW_BYTES = 1n << 24n;
+const MAX_ROW_BYTES = 1 << 24;
 /** ggml_type ids are small non-negative integers (GGML_TYPE_COUNT is < 64). */
 const MAX_GGML_TYPE = 64;
 
@@ -98,9 +98,10 @@ function bad(reason: string): never {
 
 /**
  * What the ggsq walker asks its driver for next: `n` bytes to read (always bounded: at most
- * contextSize × 12), or `skip` bytes of KV data to pass over. `what` names the field for errors.
+ * contextSize × 12), or `skip` bytes of KV data to pass over (a safe integer within the file's
+ * limit: checked before it is asked for). `what` names the field for errors.
  */
-export type GgsqNeed = { n: number; what: string } | { skip: bigint; what: string };
+export type GgsqNeed = { n: number; what: string } | { skip: number; what: string };
 
 const LITTLE_ENDIAN_HOST = new Uint8Array(new Uint32Array([1]).buffer)[0] === 1;
 
@@ -146,40 +147,55 @@ function cellPositions(meta: Buffer, cellCount: number, nTokens: number, seenPos
 
 /**
  * The ggsq v3 structure walk as a generator, so the same checks run over a whole buffer
- * (`parseStateFile`) and over bytes as they stream in (`GgsqStreamParser`). It yields what it
- * needs next and receives the bytes for reads (nothing for skips); it returns the parsed state.
+ * (`parseStateFile`), over bytes as they stream in (`GgsqStreamParser`) and over positional
+ * reads of the headers alone (`parseStateHeaders`). It yields what it needs next and receives
+ * the bytes for reads (nothing for skips); it returns the parsed state.
  * Checks: see parseStateFile. Throws KvError('BAD_STATE') on any inconsistency it sees; the
  * driver reports truncation and trailing bytes.
+ *
+ * One generator, no nested ones, and sizes in Number arithmetic: this walk runs on the
+ * handoff's critical path in a process that has just woken up (same-host take, TCP receive),
+ * where every generator object and BigInt costs (a yield* per field made the header walk of an
+ * 8-layer state ~2× slower). Sizes stay exact where they decide anything: a row is ≤ 2^24 and a
+ * cell count < 2^32, so a product that is not exact is ≥ 2^53, above any byte limit.
  */
 export function* walkStateFile(expect: StateExpect): Generator<GgsqNeed, ParsedState, Buffer | undefined> {
   if (!Number.isInteger(expect.contextSize) || expect.contextSize < 1) bad('expect.contextSize must be a positive integer');
+  const max = expect.maxBytes;
+  if (!Number.isSafeInteger(max) || max < 0) bad(`expect.maxBytes ${max} is not a byte count`);
   let pos = 0;
-  const read = function* (n: number, what: string): Generator<GgsqNeed, Buffer, Buffer | undefined> {
-    if (pos + n > expect.maxBytes) bad(`truncated at byte ${pos}: ${what} needs ${n} bytes, ${expect.maxBytes - pos} left`);
-    const b = yield { n, what };
-    pos += n;
-    return b!;
+  /** The read of `n` bytes at `pos`, checked against the limit first. */
+  const need = (n: number, what: string): GgsqNeed => {
+    if (pos + n > max) bad(`truncated at byte ${pos}: ${what} needs ${n} bytes, ${max - pos} left`);
+    return { n, what };
   };
-  const u32 = function* (what: string): Generator<GgsqNeed, number, Buffer | undefined> {
-    return (yield* read(4, what)).readUInt32LE(0);
-  };
-  const skip = function* (n: bigint, what: string): Generator<GgsqNeed, void, Buffer | undefined> {
-    if (pos + Number(n) > expect.maxBytes || n > BigInt(expect.maxBytes)) bad(`${what} of ${n} bytes at byte ${pos} goes past the limit of ${expect.maxBytes} bytes`);
-    if (n > 0n) yield { skip: n, what };
-    pos += Number(n);
+  /** The skip over `row` × `cells` bytes of KV data (undefined: nothing to skip), checked against the limit first. */
+  const skipOf = (row: number, cells: number, what: string): GgsqNeed | undefined => {
+    const n = row * cells;
+    if (pos + n > max || n > max) bad(`${what} of ${BigInt(row) * BigInt(cells)} bytes at byte ${pos} goes past the limit of ${max} bytes`);
+    return n > 0 ? { skip: n, what } : undefined;
   };
 
-  const magic = yield* u32('magic');
+  const magic = (yield need(4, 'magic'))!.readUInt32LE(0);
+  pos += 4;
   if (magic !== GGSQ_MAGIC) bad(`magic 0x${magic.toString(16)} is not ggsq`);
-  const version = yield* u32('version');
+  const version = (yield need(4, 'version'))!.readUInt32LE(0);
+  pos += 4;
   if (version !== GGSQ_VERSION) bad(`version ${version}, expected ${GGSQ_VERSION}`);
 
-  const nTokens = yield* u32('n_tokens');
+  const nTokens = (yield need(4, 'n_tokens'))!.readUInt32LE(0);
+  pos += 4;
   if (nTokens > expect.contextSize) bad(`n_tokens ${nTokens} exceeds the context size ${expect.contextSize}`);
-  const tokens = nTokens > 0 ? tokenIds(yield* read(nTokens * 4, 'token ids'), nTokens, expect.nVocab) : [];
+  let tokens: number[] = [];
+  if (nTokens > 0) {
+    const tb = (yield need(nTokens * 4, 'token ids'))!;
+    pos += nTokens * 4;
+    tokens = tokenIds(tb, nTokens, expect.nVocab);
+  }
 
   const nStreamOffset = pos;
-  const nStream = yield* u32('n_stream');
+  const nStream = (yield need(4, 'n_stream'))!.readUInt32LE(0);
+  pos += 4;
   if (nStream < 1 || nStream > MAX_STREAMS) bad(`n_stream ${nStream} outside [1, ${MAX_STREAMS}]`);
 
   const streams: StateStream[] = [];
@@ -187,7 +203,8 @@ export function* walkStateFile(expect: StateExpect): Generator<GgsqNeed, ParsedS
   const seenPos = new Uint8Array(nTokens);
   for (let s = 0; s < nStream; s++) {
     const start = pos;
-    const cellCount = yield* u32(`stream ${s} cell_count`);
+    const cellCount = (yield need(4, `stream ${s} cell_count`))!.readUInt32LE(0);
+    pos += 4;
     if (cellCount > expect.contextSize) bad(`stream ${s} cell_count ${cellCount} exceeds the context size ${expect.contextSize}`);
     if (cellCount === 0) {
       streams.push({ start, end: pos, cellCount, positions: [] });
@@ -196,44 +213,56 @@ export function* walkStateFile(expect: StateExpect): Generator<GgsqNeed, ParsedS
     totalCells += cellCount;
     if (totalCells > expect.contextSize) bad(`${totalCells} cells exceed the context size ${expect.contextSize}`);
     // n_seq_id must be 1, so each cell's metadata is exactly pos + n_seq_id + seq_id (12 bytes)
-    const positions = cellPositions(yield* read(cellCount * 12, `stream ${s} cell metadata`), cellCount, nTokens, seenPos, s);
-    const vTransRaw = yield* u32(`stream ${s} v_trans`);
+    const meta = (yield need(cellCount * 12, `stream ${s} cell metadata`))!;
+    pos += cellCount * 12;
+    const positions = cellPositions(meta, cellCount, nTokens, seenPos, s);
+    const vTransRaw = (yield need(4, `stream ${s} v_trans`))!.readUInt32LE(0);
+    pos += 4;
     if (vTransRaw > 1) bad(`stream ${s} v_trans ${vTransRaw} is not 0 or 1`);
-    const nLayer = yield* u32(`stream ${s} n_layer`);
+    const nLayer = (yield need(4, `stream ${s} n_layer`))!.readUInt32LE(0);
+    pos += 4;
     if (nLayer < 1 || nLayer > MAX_LAYERS) bad(`stream ${s} n_layer ${nLayer} out of range`);
     if (expect.nLayer !== undefined && nLayer !== expect.nLayer) bad(`stream ${s} n_layer ${nLayer}, this model has ${expect.nLayer}`);
-    const cells = BigInt(cellCount);
 
     const k: StateLayerSection[] = [];
     for (let l = 0; l < nLayer; l++) {
-      const h = yield* read(12, `K type and row_size (layer ${l})`);
+      const h = (yield need(12, `K type and row_size (layer ${l})`))!;
+      pos += 12;
       const type = h.readInt32LE(0);
       if (type < 0 || type >= MAX_GGML_TYPE) bad(`K type ${type} of layer ${l} out of range`);
-      const row = h.readBigUInt64LE(4);
-      if (row === 0n || row > MAX_ROW_BYTES) bad(`K row_size ${row} of layer ${l} out of range`);
+      const row = h.readUInt32LE(4);
+      if (h.readUInt32LE(8) !== 0 || row === 0 || row > MAX_ROW_BYTES) bad(`K row_size ${h.readBigUInt64LE(4)} of layer ${l} out of range`);
       const dataOffset = pos;
-      yield* skip(row * cells, `K data (layer ${l})`);
-      k.push({ type, bytesPerCell: Number(row), dataOffset });
+      const sk = skipOf(row, cellCount, `K data (layer ${l})`);
+      if (sk) yield sk;
+      pos += row * cellCount;
+      k.push({ type, bytesPerCell: row, dataOffset });
     }
     const v: StateLayerSection[] = [];
     for (let l = 0; l < nLayer; l++) {
-      const h = yield* read(12, vTransRaw === 0 ? `V type and row_size (layer ${l})` : `V type, el_size and n_embd_v_gqa (layer ${l})`);
+      const h = (yield need(12, vTransRaw === 0 ? `V type and row_size (layer ${l})` : `V type, el_size and n_embd_v_gqa (layer ${l})`))!;
+      pos += 12;
       const type = h.readInt32LE(0);
       if (type < 0 || type >= MAX_GGML_TYPE) bad(`V type ${type} of layer ${l} out of range`);
       if (vTransRaw === 0) {
-        const row = h.readBigUInt64LE(4);
-        if (row === 0n || row > MAX_ROW_BYTES) bad(`V row_size ${row} of layer ${l} out of range`);
+        const row = h.readUInt32LE(4);
+        if (h.readUInt32LE(8) !== 0 || row === 0 || row > MAX_ROW_BYTES) bad(`V row_size ${h.readBigUInt64LE(4)} of layer ${l} out of range`);
         const dataOffset = pos;
-        yield* skip(row * cells, `V data (layer ${l})`);
-        v.push({ type, bytesPerCell: Number(row), dataOffset });
+        const sk = skipOf(row, cellCount, `V data (layer ${l})`);
+        if (sk) yield sk;
+        pos += row * cellCount;
+        v.push({ type, bytesPerCell: row, dataOffset });
       } else {
         const elSize = h.readUInt32LE(4);
         if (elSize < 1 || elSize > 64) bad(`V el_size ${elSize} of layer ${l} out of range`);
         const nEmbd = h.readUInt32LE(8);
-        if (nEmbd < 1 || BigInt(nEmbd) * BigInt(elSize) > MAX_ROW_BYTES) bad(`V n_embd_v_gqa ${nEmbd} of layer ${l} out of range`);
+        if (nEmbd < 1 || nEmbd * elSize > MAX_ROW_BYTES) bad(`V n_embd_v_gqa ${nEmbd} of layer ${l} out of range`);
         const dataOffset = pos;
-        yield* skip(BigInt(nEmbd) * BigInt(elSize) * cells, `V data (layer ${l})`);
-        v.push({ type, bytesPerCell: nEmbd * elSize, elSize, nEmbd, dataOffset });
+        const row = nEmbd * elSize;
+        const sk = skipOf(row, cellCount, `V data (layer ${l})`);
+        if (sk) yield sk;
+        pos += row * cellCount;
+        v.push({ type, bytesPerCell: row, elSize, nEmbd, dataOffset });
       }
     }
     streams.push({ start, end: pos, cellCount, positions, vTrans: vTransRaw === 1, nLayer, k, v });
@@ -251,7 +280,7 @@ export function* walkStateFile(expect: StateExpect): Generator<GgsqNeed, ParsedS
  * and fits; per stream cell_count ≤ contextSize and fits; per cell n_seq_id = 1, pos and
  * seq_id in range, positions a permutation of 0..n_tokens-1 (the sequence holds exactly its
  * tokens); v_trans ∈ {0,1}; n_layer = expect.nLayer; ggml types in range; row sizes in
- * (0, 16 MiB]; row_size × cell_count (BigInt) within the remaining bytes; total cells = n_tokens;
+ * (0, 16 MiB]; row_size × cell_count (exact) within the remaining bytes; total cells = n_tokens;
  * no trailing bytes.
  *
  * @param buf whole file contents.
@@ -303,7 +332,7 @@ export class GgsqStreamParser {
       return;
     }
     this.need = r.value;
-    if ('skip' in r.value) this.skipLeft = Number(r.value.skip);
+    if ('skip' in r.value) this.skipLeft = r.value.skip;
   }
 
   push(data: Buffer): void {

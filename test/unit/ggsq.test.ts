@@ -9,7 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
-import { kvBytesPerCell, parseStateFile, parseStateHeaders, rewriteNStream, type PositionalSource, type StateExpect } from '../../src/engine/ggsq.js';
+import { GgsqStreamParser, kvBytesPerCell, parseStateFile, parseStateHeaders, rewriteNStream, type PositionalSource, type StateExpect } from '../../src/engine/ggsq.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 import { PdError } from '../../src/base/errors.js';
@@ -136,8 +136,19 @@ describe('parseStateFile rejects damaged files', () => {
 
   it('rejects absurd row sizes without overflow (u64 max, 2^40, off by one)', () => {
     const kRowOff = cellCountOff(plain) + 4 + 12 * 5 + 8 + 4;
-    for (const v of [0xffffffffffffffffn, 1n << 40n, 1n << 24n, 129n, 0n]) {
+    for (const v of [0xffffffffffffffffn, 1n << 40n, 1n << 32n, (1n << 24n) + 1n, 1n << 24n, 129n, 0n]) {
       assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeBigUInt64LE(v, kRowOff)), expect), isBadState, `row ${v}`);
+    }
+    // the error names the u64 exactly (the walk reads it as two u32 halves)
+    assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeBigUInt64LE(0xffffffffffffffffn, kRowOff)), expect), /K row_size 18446744073709551615 of layer 0 out of range/);
+    assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeBigUInt64LE((1n << 32n) + 8n, kRowOff)), expect), /K row_size 4294967304 of layer 0 out of range/);
+    // a row within the limit whose data runs past the file: the exact byte count in the error
+    assert.throws(() => parseStateFile(mutate(plain, (b) => b.writeBigUInt64LE(1n << 24n, kRowOff)), expect), new RegExp(`K data \\(layer 0\\) of ${5 * 2 ** 24} bytes at byte \\d+ goes past the limit`));
+  });
+
+  it("refuses a byte limit that is not a safe integer (the walk's sizes are exact below 2^53)", () => {
+    for (const maxBytes of [Infinity, 2 ** 53, -1, 1.5]) {
+      assert.throws(() => new GgsqStreamParser({ contextSize: CTX, maxBytes }), /is not a byte count/, String(maxBytes));
     }
   });
 

@@ -274,8 +274,10 @@ const fixedRegionBytes = (nTokens: number): number => 16 * nTokens + 40;
  * `read` (the walk consumes each before asking again).
  */
 class PreadSource {
-  private win: Buffer = Buffer.alloc(0);
+  /** The last read's bytes: `win[0, winLen)` is the file at [winPos, winPos + winLen). */
+  private win: Buffer;
   private winPos = 0;
+  private winLen = 0;
   /** Bytes read from the file so far, and preads made. */
   bytesRead = 0;
   reads = 0;
@@ -285,13 +287,16 @@ class PreadSource {
     readonly size: number,
     private readonly scratch: Buffer,
     private firstBytes = 0,
-  ) {}
+  ) {
+    this.win = scratch;
+  }
 
   read(pos: number, n: number): Buffer {
-    if (pos >= this.winPos && pos + n <= this.winPos + this.win.length) return this.win.subarray(pos - this.winPos, pos - this.winPos + n);
+    const off = pos - this.winPos;
+    if (off >= 0 && off + n <= this.winLen) return this.win.subarray(off, off + n);
     const len = Math.min(this.size - pos, Math.max(n + READ_AHEAD_BYTES, Math.min(this.firstBytes, this.scratch.length)));
     this.firstBytes = 0;
-    const buf = len <= this.scratch.length ? this.scratch.subarray(0, len) : Buffer.allocUnsafe(len);
+    const buf = len <= this.scratch.length ? this.scratch : Buffer.allocUnsafe(len);
     let got = 0;
     while (got < len) {
       const k = readSync(this.fd, buf, got, len - got, pos + got);
@@ -300,9 +305,10 @@ class PreadSource {
       got += k;
     }
     this.bytesRead += got;
-    this.win = buf.subarray(0, got);
+    this.win = buf;
     this.winPos = pos;
-    return this.win.subarray(0, Math.min(n, got));
+    this.winLen = got;
+    return buf.subarray(0, Math.min(n, got));
   }
 }
 
@@ -346,9 +352,12 @@ export class SameHostDecode {
   private readonly probes = new WeakMap<PeerConn, Probe>();
   private readonly answers = new WeakMap<PeerConn, (msg: Extract<ControlMsg, { type: 'same_host_reply' }>) => void>();
   private readonly id: HostIdentity | undefined;
+  /** The state directory with a trailing separator: + a checked one-component name = join(stateDir, name). */
+  private readonly dirSlash: string;
 
   constructor(private readonly o: SameHostOptions) {
     this.id = identityOf(o);
+    this.dirSlash = join(o.stateDir, '/');
   }
 
   /** Whether the path is on here at all. */
@@ -437,9 +446,11 @@ export class SameHostDecode {
    * metadata, the first K header), then one per other K and V header (12 bytes; each read takes
    * 512 bytes more, which holds the next header when a layer's data is small) — so 2 × n_layer
    * preads for a one-sequence state, reading ≤ 16 bytes a token + 0.5 KiB a read (bench §1: 16
-   * preads of 12 KiB for a 4 MiB state of the 8-layer small model). On a busy 2-core VM the
-   * take costs 0.5–1 ms in a process that has just woken up, most of it the walk's preads and
-   * its first run in a while ("decode take"). On the state directory's intended tmpfs (/dev/shm, the
+   * preads of 12 KiB for a 4 MiB state of the 8-layer small model). In a process that has
+   * just woken up (caches cold) the take costs ~0.25 ms at 4 MiB on this 2-core VM (bench §1
+   * "decode take", load 2–3); of it, with the caches flushed between takes, about a third is
+   * the envelope head (base64, SHA-256, JSON), a fifth the path syscalls, the rest the walk, its
+   * JS more than its preads. On the state directory's intended tmpfs (/dev/shm, the
    * default) each pread is a memory copy. On a disk-backed state directory the file was written
    * by prefill's saveState a moment before, so its pages are normally still in the page cache
    * and the reads stay memory copies; only pages evicted under memory pressure would make each
@@ -456,7 +467,7 @@ export class SameHostDecode {
     const m = /^pdserve-prefill-\d+-(\d+)\.ggsq$/.exec(msg.file);
     if (!m || m[1] !== msg.room) return { refused: `kv_file name ${JSON.stringify(msg.file.slice(0, 80))} is not a prefill state file of room ${msg.room}` };
     if (this.o.verify && msg.crc === undefined) return { refused: 'decode runs --kv-same-host-verify and the kv_file carries no CRC-32' };
-    const src = join(this.o.stateDir, msg.file);
+    const src = this.dirSlash + msg.file; // one component (the pattern above)
     try {
       const st = lstatSync(src);
       if (!st.isFile()) return { refused: 'the named state file is not a regular file' };
@@ -464,7 +475,7 @@ export class SameHostDecode {
     } catch (err) {
       return { refused: `the state file is not in decode's state directory (${(err as NodeJS.ErrnoException).code ?? 'error'})` };
     }
-    const dst = join(this.o.stateDir, decodeStateName(process.pid, msg.room));
+    const dst = this.dirSlash + decodeStateName(process.pid, msg.room);
     try {
       renameSync(src, dst); // ownership moves here, atomically
     } catch (err) {
