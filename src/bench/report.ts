@@ -342,7 +342,7 @@ function lowLoadSection(s2: LowLoadRow[] | undefined, s2u: LowLoadRow[] | undefi
             ]),
           )
         : '',
-      s2u?.length ? `Unpinned (\`--no-pin\`); ${provUnpinned.replace(/^_|\.?_$/g, '')}:` : '',
+      s2u?.length ? `Unpinned (\`--no-pin\`); ${provUnpinned.replace(/^_|\.?_$/g, '').replace(/^[TF]/, (c) => c.toLowerCase())}:` : '',
       s2u?.length ? lowLoad(s2u) : '',
       failures(s2.flatMap((r) => r.errors)),
       img(plots, 's2-low-load.svg', 'PD vs colocated at low load'),

@@ -76,20 +76,29 @@ function pkgVersion(name: string): string {
 /**
  * The commit the figures are measured on, named so that the name cannot go stale: HEAD's short hash
  * when HEAD is on `main` (main is never rewritten), else `<main's commit> + N branch commits` (a
- * branch's own hashes change when it is rebased onto main to land). `?` outside a git checkout.
+ * branch's own hashes change when it is rebased onto main to land); either followed by
+ * `+ uncommitted changes` when tracked files other than the report's own outputs (BENCHMARKS.md,
+ * bench/) differ from HEAD — figures from code no commit holds must not name a commit alone.
+ * `?` outside a git checkout.
  */
+export function commitLabel(o: { head: string; base?: string; ahead: number; dirty: boolean }): string {
+  const name = o.base === undefined || o.ahead === 0 ? o.head : `${o.base} + ${o.ahead} branch commit${o.ahead === 1 ? '' : 's'}`;
+  return o.dirty ? `${name} + uncommitted changes` : name;
+}
+
 function gitCommit(): string {
   const git = (args: string) => execSync(`git ${args}`, { cwd: REPO_ROOT, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
   try {
     const head = git('rev-parse --short HEAD');
+    const dirty = git("status --porcelain --untracked-files=no -- . ':(exclude)BENCHMARKS.md' ':(exclude)bench'") !== '';
     let base: string;
     try {
       base = git('merge-base HEAD main');
     } catch {
-      return head; // no local main (a bare clone of one branch): HEAD is the best name there is
+      return commitLabel({ head, ahead: 0, dirty }); // no local main (a bare clone of one branch): HEAD is the best name there is
     }
     const ahead = Number(git(`rev-list --count ${base}..HEAD`));
-    return ahead === 0 ? head : `${git(`rev-parse --short ${base}`)} + ${ahead} branch commit${ahead === 1 ? '' : 's'}`;
+    return commitLabel({ head, base: git(`rev-parse --short ${base}`), ahead, dirty });
   } catch {
     return '?';
   }

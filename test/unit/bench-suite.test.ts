@@ -1,7 +1,7 @@
 /** The bench suite's engineer switches: PDSERVE_BENCH_KV_REPS is taken whole or refused, never shifted. */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { parseAgents, parseKvBigReps, parseKvReps } from '../../src/bench/suite.js';
+import { commitLabel, parseAgents, parseKvBigReps, parseKvReps } from '../../src/bench/suite.js';
 
 describe('bench-suite: PDSERVE_BENCH_KV_REPS', () => {
   it('unset or empty: the suite default', () => {
@@ -37,5 +37,15 @@ describe('bench-suite: PDSERVE_BENCH_AGENTS_SCALE_AGENTS', () => {
     assert.deepEqual(parseAgents('8'), [8]);
     assert.deepEqual(parseAgents(' 8, 30'), [8, 30]);
     for (const bad of ['0', '65', '8,x', '2.5', '8,,30', '-8']) assert.throws(() => parseAgents(bad), /PDSERVE_BENCH_AGENTS_SCALE_AGENTS=.*give concurrencies/, bad);
+  });
+});
+
+describe('bench-suite: the commit a run names', () => {
+  it("main's hash on main; main's hash + N branch commits on a branch; + uncommitted changes when the code differs from every commit", () => {
+    assert.equal(commitLabel({ head: 'abc1234', base: 'abc1234', ahead: 0, dirty: false }), 'abc1234');
+    assert.equal(commitLabel({ head: 'fff0000', base: 'abc1234', ahead: 1, dirty: false }), 'abc1234 + 1 branch commit');
+    assert.equal(commitLabel({ head: 'fff0000', base: 'abc1234', ahead: 3, dirty: true }), 'abc1234 + 3 branch commits + uncommitted changes');
+    assert.equal(commitLabel({ head: 'abc1234', base: 'abc1234', ahead: 0, dirty: true }), 'abc1234 + uncommitted changes');
+    assert.equal(commitLabel({ head: 'abc1234', ahead: 0, dirty: false }), 'abc1234', 'no local main');
   });
 });
