@@ -346,10 +346,15 @@ async function sender(engine: Engine): Promise<void> {
             // as the prefill worker: kv_begin (the size estimate from an earlier save of this many
             // tokens) once llama.cpp has created the file; a failed send leaves the receiver
             // without kv_end: it reports on its own deadline
-            const begin = () => c.sendControl({ type: 'kv_begin', room, totalBytes: head.length + st.bytes, streamed: true });
+            const begin = () => {
+              tr('kv_begin-sent');
+              return c.sendControl({ type: 'kv_begin', room, totalBytes: head.length + st.bytes, streamed: true });
+            };
+            let flushed = 0;
+            const onProgress = TRACE_FILE ? (n: number) => tr(`flushed ${(flushed += n)}`) : undefined;
             let sent;
             try {
-              sent = await sendGrowingStateFile(c, room, path, head, { saved: saving, pool: sendPool, chunkBytes: 1024 * 1024, growStallMs: TRIAL_WAIT_MS, onFileStart: begin });
+              sent = await sendGrowingStateFile(c, room, path, head, { saved: saving, pool: sendPool, chunkBytes: 1024 * 1024, growStallMs: TRIAL_WAIT_MS, onFileStart: begin, onProgress });
             } catch (e) {
               await saving.catch(() => {}); // llama.cpp may still be writing this sequence's file: release the slot after it
               throw e;
