@@ -108,8 +108,11 @@ describe('GPU offload on lavapipe', { skip: !existsSync(LAVAPIPE) && 'mesa-vulka
     assert.ok(await waitFor(async () => (await row())?.healthy === true && /settings mismatch/.test((await row())?.mismatch ?? ''), 5000), 'GET /workers shows the mismatch');
     assert.match((await row()).mismatch, /kvCacheType q8_0 ≠ f16/);
     const before = await metric(d1.url, 'pdserve_rooms_terminal_total');
+    // Prompts of more than 8 tokens (22), as in the test above: an 8-token prompt made the Vulkan
+    // prefill build other pipelines first (llama.cpp's matrix-vector kernels), 20-40 s on lavapipe
+    // with a cold Mesa shader cache, past the client's 30 s at load 4.
     for (let i = 0; i < 2; i++) {
-      const r = await s.pd.completions.create({ model: 'pdserve', prompt: `pair ${i}`, max_tokens: 2, temperature: 0 });
+      const r = await s.pd.completions.create({ model: 'pdserve', prompt: `pair ${i}: once upon a time`, max_tokens: 2, temperature: 0 });
       assert.equal(r.choices[0]!.finish_reason, 'length', `request ${i} served by the matching pair`);
     }
     assert.equal(await metric(d1.url, 'pdserve_rooms_terminal_total'), before, 'the mismatched decode got no room');
