@@ -19,13 +19,18 @@ import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
 const dir = mkdtempSync('/dev/shm/pdserve-samehost-e2e-');
 after(() => rmSync(dir, { recursive: true, force: true }));
 
-/** The router's deadline of one request, ms: well above a held request's 4 s, well below the client's 30 s. */
-const REQUEST_DEADLINE_MS = 10_000;
+/** How long decode-0 holds a caught room (in take or load), ms: the test sees it and kills prefill meanwhile. */
+const HOLD_MS = 3000;
+/**
+ * The router's deadline of one request, ms: twice a hold, so a held room's hold ends well before
+ * the deadline (the request fails for its dead prefill, never for the hold); well below the client's 30 s.
+ */
+const REQUEST_DEADLINE_MS = 2 * HOLD_MS;
 const h = useStack({
   decode: 2,
   env: { PDSERVE_TEST_HOLDS: 'on' },
   // A request whose only prefill was killed waits for one until its deadline (--worker-wait-ms):
-  // 10 s here, not the default 300 s (cut short by the client's 30 s), so the kill cases end soon.
+  // 6 s here, not the default 300 s (cut short by the client's 30 s), so the kill cases end soon.
   extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS)] },
   extraArgsOf: { 'decode-1': ['--no-kv-same-host'] },
 });
@@ -89,7 +94,7 @@ describe('same-host KV handoff (kv_file)', () => {
   });
 
   test('prefill killed right after handing a file over, before decode took it: the request fails, decode lives, the file is swept', async () => {
-    await setHolds('decode-0', 'decode.take=4000');
+    await setHolds('decode-0', `decode.take=${HOLD_MS}`);
     try {
       const { room, done } = await heldOnDecode0('loading');
       const handed = stateFiles().filter((n) => n.startsWith('pdserve-prefill-') && n.endsWith(`-${room}.ggsq`));
@@ -109,7 +114,7 @@ describe('same-host KV handoff (kv_file)', () => {
   });
 
   test('prefill killed after decode took the file over: decode fails the room cleanly, deletes its file; the next request works', async () => {
-    await setHolds('decode-0', 'decode.load=3000');
+    await setHolds('decode-0', `decode.load=${HOLD_MS}`);
     try {
       // the restarted prefill must be back in the router's pool
       assert.ok(await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: 'warm', max_tokens: 1, temperature: 0 }).then(() => true, () => false)), 15_000, 300), 'service back after the restart');
