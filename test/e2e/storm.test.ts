@@ -209,7 +209,9 @@ describe('pdserve storm', () => {
   test('the storm fails loudly: a leaked room (PDSERVE_FAULT_LEAK_ROOM=1) makes it exit 1 and name the room', async () => {
     const r = await storm(
       [
-        '--duration', '12s',
+        // Long enough for the first acknowledged room (the one leaked) and some traffic after it;
+        // the settle after it is waited out in full (the leaked room never ends).
+        '--duration', '6s',
         '--agents', '8',
         '--prefill', '1',
         '--decode', '1',
