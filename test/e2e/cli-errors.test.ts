@@ -47,16 +47,23 @@ test('a model path that is missing, a directory or not GGUF: one line from every
     [['colocated', '--model', notGguf], /^pdserve colocated: model .*notes\.gguf: is not a GGUF file/],
     [['up', '--model', join(dir, 'missing.gguf'), '--port', '0'], /^pdserve: model .*missing\.gguf: no such file$/],
   ];
-  for (const [args, re] of cases) oneLine(await cli(args, 20_000, SECRET), 2, re);
+  // The commands are independent: run at once, each result checked on its own.
+  const results = await Promise.all(cases.map(([args]) => cli(args, 20_000, SECRET)));
+  cases.forEach(([, re], i) => oneLine(results[i]!, 2, re));
 });
 
 test('a role alone on a busy port: the one line `up` gives, before the engine loads', async () => {
   const want = new RegExp(`cannot listen on 127\\.0\\.0\\.1:${busyPort}: the port is in use \\(pick another with --(port|bootstrap-port)\\)$`);
-  oneLine(await cli(['prefill', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
-  oneLine(await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', String(busyPort)], 20_000, SECRET), 2, /--bootstrap-port\)$/);
-  oneLine(await cli(['decode', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
-  oneLine(await cli(['colocated', '--model', model, '--port', String(busyPort)], 20_000, SECRET), 2, want);
-  oneLine(await cli(['router', '--port', String(busyPort), '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, SECRET), 2, want);
+  const cases: [string[], RegExp][] = [
+    [['prefill', '--model', model, '--port', String(busyPort)], want],
+    [['prefill', '--model', model, '--port', '0', '--bootstrap-port', String(busyPort)], /--bootstrap-port\)$/],
+    [['decode', '--model', model, '--port', String(busyPort)], want],
+    [['colocated', '--model', model, '--port', String(busyPort)], want],
+    [['router', '--port', String(busyPort), '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], want],
+  ];
+  // The commands are independent (the port stays busy throughout): run at once, each result checked on its own.
+  const results = await Promise.all(cases.map(([args]) => cli(args, 20_000, SECRET)));
+  cases.forEach(([, re], i) => oneLine(results[i]!, 2, re));
 });
 
 test('a supervisor that picked the port is told over IPC that it was taken (the harness then picks another)', async () => {
@@ -78,16 +85,24 @@ test('an invalid configuration: its message, no stack', async () => {
 test('a cluster secret under 8 characters: the same one line, saying what to do, from every role and from up before any worker starts', async () => {
   const short = { PDSERVE_CLUSTER_SECRET: 'short' };
   const want = (role: string) => new RegExp(`^pdserve ${role}: the cluster secret is shorter than 8 characters: give the router and every worker the same longer one \\(e\\.g\\. openssl rand -hex 24 > FILE, then PDSERVE_CLUSTER_SECRET_FILE=FILE\\)$`);
-  oneLine(await cli(['router', '--port', '0', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, short), 2, want('router'));
-  oneLine(await cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', '0'], 20_000, short), 2, want('prefill'));
-  oneLine(await cli(['decode', '--model', model, '--port', '0'], 20_000, short), 2, want('decode'));
-  const up = await cli(['up', '--model', model, '--port', String(await freePort())], 20_000, short);
-  oneLine(up, 2, want('up'));
-  // from a file, through the workers' own variable, and to doctor: the same words
+  // from a file too, through the workers' own variable, and to doctor: the same words
   const file = join(dir, 'short-secret');
   writeFileSync(file, 'short\n');
-  oneLine(await cli(['decode', '--model', model, '--port', '0'], 20_000, { PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: file }), 2, want('decode'));
-  const d = await cli(['doctor', '--url', 'http://127.0.0.1:1', '--cluster-secret-file', file]);
+  const upPort = String(await freePort());
+  // The commands are independent: run at once, each result checked on its own.
+  const [router, prefill, decode, up, decodeFromFile, d] = await Promise.all([
+    cli(['router', '--port', '0', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'], 20_000, short),
+    cli(['prefill', '--model', model, '--port', '0', '--bootstrap-port', '0'], 20_000, short),
+    cli(['decode', '--model', model, '--port', '0'], 20_000, short),
+    cli(['up', '--model', model, '--port', upPort], 20_000, short),
+    cli(['decode', '--model', model, '--port', '0'], 20_000, { PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: file }),
+    cli(['doctor', '--url', 'http://127.0.0.1:1', '--cluster-secret-file', file]),
+  ]);
+  oneLine(router, 2, want('router'));
+  oneLine(prefill, 2, want('prefill'));
+  oneLine(decode, 2, want('decode'));
+  oneLine(up, 2, want('up'));
+  oneLine(decodeFromFile, 2, want('decode'));
   assert.equal(d.code, 3, d.err);
   assert.match(d.err.trim(), want('doctor'));
 });
