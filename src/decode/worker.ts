@@ -85,7 +85,7 @@ export class DecodeWorker {
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
     this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
     this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
-    // small spares within RECV_SPARE_BYTES, and one large one (a state of up to --max-state-bytes) while receives keep taking it
+    // small spares within RECV_SPARE_BYTES, and large ones within --max-state-bytes while receives keep taking them
     this.recvFiles = new FilePool({ dir: config.stateDir, prefix: `pdserve-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES, maxLargeBytes: config.maxStateBytes });
     this.knownPrefills = new KnownPrefills(config.allowPrefill);
     this.bootstrapRefused = new Counter({ name: 'pdserve_bootstrap_refused_total', help: 'Requests refused because their bootstrap address is not a prefill this decode worker knows', registers: [this.metrics.registry] });

@@ -190,7 +190,7 @@ describe('FilePool (recycled destination files)', () => {
     assert.throws(() => new FilePool({ dir: d, prefix: 'x', maxFiles: 1, maxBytes: 0, largeIdleMs: 0 }), RangeError);
   });
 
-  it('keeps one large spare (over maxBytes, up to maxLargeBytes): reused for a state of about its size, replaced by a newer one, deleted once idle or at close', async () => {
+  it('keeps large spares (over maxBytes) within maxLargeBytes: reused for a state of about their size, the oldest deleted to make room, deleted once idle or at close', async () => {
     const d = mkdtempSync(path.join(dir, 'fpl-'));
     const made = (fp: FilePool, n: number) => {
       const f = fp.acquire(n);
@@ -200,50 +200,55 @@ describe('FilePool (recycled destination files)', () => {
     const fp = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-9', maxFiles: 4, maxBytes: 10_000, maxLargeBytes: 100_000, largeIdleMs: 60_000 });
     const small = made(fp, 4000);
     const big = made(fp, 64_000);
+    const mid = made(fp, 30_000);
     const huge = made(fp, 200_000);
     fp.release(small);
-    fp.release(big); // over maxBytes: the large spare
+    fp.release(big); // over maxBytes: a large spare
     assert.deepEqual(fp.spare, { files: 2, bytes: 68_000 });
-    assert.equal(fp.largeSpareBytes, 64_000);
-    // a state of about its size takes it (grown, or cut by at most 1/16)
+    assert.deepEqual(fp.largeSpares, [64_000]);
+    // a state of about its size takes it (cut by at most 1/16)
     const a = fp.acquire(62_000);
     assert.equal(a.path, big);
     assert.equal(fstatSync(a.fd).size, 62_000);
     closeSync(a.fd);
-    assert.equal(fp.largeSpareBytes, 0, 'a handed-out file is not a spare');
+    assert.deepEqual(fp.largeSpares, [], 'a handed-out file is not a spare');
     fp.release(a.path);
-    // one much larger than the state is not cut down to it (freeing its pages would block the loop): a new file
-    const b = fp.acquire(30_000);
-    assert.notEqual(b.path, big);
+    fp.release(mid); // both fit within maxLargeBytes
+    assert.deepEqual(fp.largeSpares, [62_000, 30_000]);
+    // one much larger than the state is not cut down to it (freeing its pages would block the loop)
+    const b = fp.acquire(20_000);
+    assert.ok(b.path !== big && b.path !== mid, 'neither large spare is cut to a third of its size');
     closeSync(b.fd);
-    assert.equal(fp.largeSpareBytes, 62_000);
-    // a newer large file replaces the kept one, which is deleted in the background
-    fp.release(b.path);
-    assert.equal(fp.largeSpareBytes, 30_000);
+    rmSync(b.path);
+    // a newer one that does not fit with them makes room: the oldest goes, in the background
+    const c = path.join(d, 'pdserve-kvrecv-9-c.ggsq'); // (made apart: acquire would grow a spare for it)
+    writeFileSync(c, Buffer.alloc(50_000));
+    fp.release(c);
+    assert.deepEqual(fp.largeSpares, [30_000, 50_000]);
     await fp.settled();
-    assert.ok(!existsSync(big), 'the replaced large spare is deleted');
+    assert.ok(!existsSync(big), 'the oldest large spare is deleted');
     // over maxLargeBytes: deleted
     fp.release(huge);
     await fp.settled();
     assert.ok(!existsSync(huge));
-    assert.equal(fp.largeSpareBytes, 30_000);
-    // growing a smaller large spare is fine (its pages are reused, the rest allocated by the writes)
-    const c = fp.acquire(90_000);
-    assert.equal(c.path, b.path);
-    closeSync(c.fd);
-    fp.release(c.path);
+    assert.deepEqual(fp.largeSpares, [30_000, 50_000]);
+    // growing the largest smaller spare is fine (its pages are reused, the rest allocated by the writes)
+    const g = fp.acquire(90_000);
+    assert.equal(g.path, c);
+    closeSync(g.fd);
+    fp.release(g.path);
     fp.close();
-    assert.deepEqual(filesIn(d), [], 'close deleted the large spare too');
+    assert.deepEqual(filesIn(d), [], 'close deleted the large spares too');
     assert.deepEqual(fp.spare, { files: 0, bytes: 0 });
-    // idle: the large spare goes once no receive took it for largeIdleMs
+    // idle: a large spare goes once no receive took it for largeIdleMs
     const fp2 = new FilePool({ dir: d, prefix: 'pdserve-kvrecv-10', maxFiles: 1, maxBytes: 1000, maxLargeBytes: 100_000, largeIdleMs: 1 });
     const idle = made(fp2, 50_000);
     fp2.release(idle);
-    assert.equal(fp2.largeSpareBytes, 50_000);
+    assert.deepEqual(fp2.largeSpares, [50_000]);
     const end = Date.now() + 5000;
-    while (fp2.largeSpareBytes > 0 && Date.now() < end) await new Promise((r) => setTimeout(r, 5));
+    while (fp2.largeSpares.length > 0 && Date.now() < end) await new Promise((r) => setTimeout(r, 5));
     await fp2.settled();
-    assert.equal(fp2.largeSpareBytes, 0, 'dropped after its idle time');
+    assert.deepEqual(fp2.largeSpares, [], 'dropped after its idle time');
     assert.ok(!existsSync(idle), 'and deleted');
     fp2.close();
   });

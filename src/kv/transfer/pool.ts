@@ -84,12 +84,12 @@ export interface FilePoolOptions {
   /** Most bytes of spare files kept (their sizes summed, ≥ 0). */
   maxBytes: number;
   /**
-   * One more spare, the large one: a released file that does not fit under `maxFiles` /
-   * `maxBytes` but has at most this many bytes is kept apart (at most one such file; a newer one
-   * replaces it), for the next state of that size (default 0: none).
+   * Large spares: a released file that does not fit under `maxFiles` / `maxBytes` is kept apart
+   * for the next state of about its size while the large spares' bytes stay at most this many
+   * (the oldest go first to make room; a file larger than this is deleted), default 0: none.
    */
   maxLargeBytes?: number;
-  /** The large spare is deleted once it has not been taken for this long, ms (default LARGE_SPARE_IDLE_MS). */
+  /** A large spare is deleted once it has not been taken for this long, ms (default LARGE_SPARE_IDLE_MS). */
   largeIdleMs?: number;
 }
 
@@ -107,11 +107,11 @@ export function unlinkInBackground(path: string, done?: (ok: boolean) => void): 
  * file makes the kernel allocate and zero every page on first write (measured here: 2.6 GB/s
  * writing 1 GiB into a new /dev/shm file against 4.8 GB/s overwriting one whose pages exist), so
  * decode keeps a few spare state files after their load and overwrites them instead: small ones
- * within `maxFiles` / `maxBytes`, and one large one (`maxLargeBytes`) until it has been idle for
- * `largeIdleMs`.
+ * within `maxFiles` / `maxBytes`, and large ones within `maxLargeBytes`, each until it has been
+ * idle for `largeIdleMs`.
  *
  * Ownership: a spare belongs to the pool (deleted by `close`, when a release would exceed the
- * bounds, or when the large spare has idled); `acquire` hands one out (or creates one) and from
+ * bounds, or when a large spare has idled or made room for a newer one); `acquire` hands one out (or creates one) and from
  * then on its holder owns it until it gives it back with `release` (kept as a spare, or deleted)
  * or deletes it itself. The pool never touches a handed-out file, so a file has exactly one owner
  * at a time and is deleted exactly once. Deletions of spares and released files run in the
@@ -122,8 +122,9 @@ export function unlinkInBackground(path: string, done?: (ok: boolean) => void): 
 export class FilePool {
   private readonly spares: { path: string; bytes: number }[] = [];
   private spareBytes = 0;
-  /** The large spare (maxLargeBytes), and the timer that deletes it once idle. */
-  private large: { path: string; bytes: number; timer: NodeJS.Timeout } | undefined;
+  /** The large spares (maxLargeBytes), oldest first, each with the timer that deletes it once idle. */
+  private readonly large: { path: string; bytes: number; timer: NodeJS.Timeout }[] = [];
+  private largeBytes = 0;
   private seq = 0;
   private closed = false;
   /** Background deletions not finished yet, and who waits for them. */
@@ -144,14 +145,14 @@ export class FilePool {
     if (o.largeIdleMs !== undefined && (!Number.isSafeInteger(o.largeIdleMs) || o.largeIdleMs < 1)) throw new RangeError(`largeIdleMs must be a positive integer, got ${o.largeIdleMs}`);
   }
 
-  /** Spare files kept now, and their bytes (the large spare included). */
+  /** Spare files kept now, and their bytes (the large spares included). */
   get spare(): { files: number; bytes: number } {
-    return { files: this.spares.length + (this.large ? 1 : 0), bytes: this.spareBytes + (this.large?.bytes ?? 0) };
+    return { files: this.spares.length + this.large.length, bytes: this.spareBytes + this.largeBytes };
   }
 
-  /** Bytes of the large spare kept now (0: none). */
-  get largeSpareBytes(): number {
-    return this.large?.bytes ?? 0;
+  /** The large spares kept now: their sizes, oldest first. */
+  get largeSpares(): number[] {
+    return this.large.map((l) => l.bytes);
   }
 
   /**
@@ -188,15 +189,14 @@ export class FilePool {
 
   /** The spare `choose` picks for `bytes`, out of the pool (undefined: make a new file). */
   private take(bytes: number): { path: string; bytes: number } | undefined {
-    const all: Spare[] = this.spares.map((s) => ({ bytes: s.bytes, cut: 2 }));
-    if (this.large) all.push({ bytes: this.large.bytes, cut: LARGE_SPARE_CUT });
+    const all: Spare[] = [...this.spares.map((s) => ({ bytes: s.bytes, cut: 2 })), ...this.large.map((l) => ({ bytes: l.bytes, cut: LARGE_SPARE_CUT }))];
     const pick = choose(all, bytes);
     if (pick < 0) return undefined;
-    if (pick === this.spares.length) {
-      const l = this.large!;
-      clearTimeout(l.timer);
-      this.large = undefined;
-      return { path: l.path, bytes: l.bytes };
+    if (pick >= this.spares.length) {
+      const [l] = this.large.splice(pick - this.spares.length, 1);
+      clearTimeout(l!.timer);
+      this.largeBytes -= l!.bytes;
+      return { path: l!.path, bytes: l!.bytes };
     }
     const [s] = this.spares.splice(pick, 1);
     this.spareBytes -= s!.bytes;
@@ -205,8 +205,8 @@ export class FilePool {
 
   /**
    * Give back a file from `acquire` (closed by the caller, no I/O on it any more): kept as a
-   * spare if the bounds allow (else as the large spare, replacing an older one, if it has at most
-   * maxLargeBytes), else deleted in the background. After `close`, always deleted. Never throws.
+   * spare if the bounds allow (else as a large spare, if it has at most maxLargeBytes: the oldest
+   * large spares are deleted to make room), else deleted in the background. After `close`, always deleted. Never throws.
    */
   release(path: string): void {
     let bytes = -1;
@@ -220,18 +220,13 @@ export class FilePool {
       this.spareBytes += bytes;
       return;
     }
-    if (!this.closed && bytes > 0 && bytes <= (this.o.maxLargeBytes ?? 0)) {
-      if (this.large) {
-        clearTimeout(this.large.timer);
-        this.remove(this.large.path);
-      }
-      const timer = setTimeout(() => {
-        if (this.large?.path !== path) return;
-        this.large = undefined;
-        this.remove(path);
-      }, this.o.largeIdleMs ?? LARGE_SPARE_IDLE_MS);
-      timer.unref();
-      this.large = { path, bytes, timer };
+    const maxLarge = this.o.maxLargeBytes ?? 0;
+    if (!this.closed && bytes > 0 && bytes <= maxLarge) {
+      while (this.largeBytes + bytes > maxLarge) this.dropLarge(0);
+      const entry = { path, bytes, timer: setTimeout(() => this.dropLarge(this.large.indexOf(entry)), this.o.largeIdleMs ?? LARGE_SPARE_IDLE_MS) };
+      entry.timer.unref();
+      this.large.push(entry);
+      this.largeBytes += bytes;
       return;
     }
     this.remove(path);
@@ -240,12 +235,12 @@ export class FilePool {
   /** Delete every spare now (synchronously); later releases delete their file. Idempotent; never throws. */
   close(): void {
     this.closed = true;
-    const all = this.spares.splice(0);
-    if (this.large) {
-      clearTimeout(this.large.timer);
-      all.push(this.large);
-      this.large = undefined;
+    const all: { path: string; bytes: number }[] = this.spares.splice(0);
+    for (const l of this.large.splice(0)) {
+      clearTimeout(l.timer);
+      all.push(l);
     }
+    this.largeBytes = 0;
     for (const s of all) {
       try {
         rmSync(s.path, { force: true });
@@ -261,6 +256,15 @@ export class FilePool {
   settled(): Promise<void> {
     if (this.deleting === 0) return Promise.resolve();
     return new Promise((r) => this.onSettled.push(r));
+  }
+
+  /** Large spare `i` out of the pool, deleted in the background (a no-op for -1: already taken). */
+  private dropLarge(i: number): void {
+    if (i < 0) return;
+    const [l] = this.large.splice(i, 1);
+    clearTimeout(l!.timer);
+    this.largeBytes -= l!.bytes;
+    this.remove(l!.path);
   }
 
   /** Delete a file of the pool in the background (unlinkInBackground). */
@@ -281,7 +285,7 @@ interface Spare {
 }
 
 /**
- * The large spare is cut down to a state only when it has at most 1/16 more bytes: cutting a
+ * A large spare is cut down to a state only when it has at most 1/16 more bytes: cutting a
  * tmpfs file frees its pages inside ftruncate(2) on the event loop (~7 GB/s here: 64 MiB of a
  * 1 GiB spare ≈ 9 ms); a larger one is left for a state of its size.
  */
@@ -310,7 +314,7 @@ export const RECV_SPARE_FILES = 4;
 /** Most bytes of spare received-state files decode keeps (FilePool.maxBytes), 256 MiB. */
 export const RECV_SPARE_BYTES = 256 * 1024 * 1024;
 /**
- * How long decode keeps its one large spare (a received state over RECV_SPARE_BYTES, up to
+ * How long decode keeps a large spare (a received state over RECV_SPARE_BYTES; all of them within
  * --max-state-bytes: FilePool.maxLargeBytes) without a receive taking it, ms: 60 s. A 1 GiB
  * receive into a new tmpfs file wrote at 0.3–0.6 GB/s in bench §1 against 0.9–1.2 GB/s for the
  * 256 MiB states that found a spare; the price is that much tmpfs (RAM) held while idle.
