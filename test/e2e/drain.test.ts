@@ -142,6 +142,8 @@ describe('graceful drain on SIGTERM', () => {
     const ex = await exited;
     assert.equal(ex.code, 0);
     assert.ok(ex.at - t0 < 3000, `exited ${ex.at - t0} ms after the second signal`);
+    // The request on the other decode goes on now (its hold only kept it in flight meanwhile).
+    await fetch(`${d0!.url}/debug/test-holds`, { method: 'POST', body: '' });
     const results = await Promise.all(reqs);
     const failed = results.filter((r) => !ok(r));
     assert.equal(failed.length, 1, 'the request left on the drained decode failed, the other completed');
