@@ -304,7 +304,7 @@ export class PrefillEffects<C extends KvConn> {
     if (a.state === KVPoll.Success) {
       m.kvSeconds.observe((this.now - (job.tStreamStart ?? job.tKvBegin)) / 1000);
       m.kvHandoffs.inc({ path: job.kvPath ?? 'tcp' });
-      if (job.tStreamStart !== undefined && job.kvPath === 'tcp') m.kvStreamed.inc();
+      if (job.tStreamStart !== undefined && job.kvPath === 'tcp') m.kvStreamed?.inc();
       job.done.resolve({
         rid: job.rid,
         meta_info: { prompt_tokens: job.comp.tokens.length, cached_tokens: job.comp.cachedTokens, kv_bytes: a.bytes, prefill_ms: job.comp.prefillMs, transfer_ms: Math.round(this.now - (job.tStreamStart ?? job.tKvBegin)) },

@@ -28,8 +28,8 @@ export class WorkerMetrics {
   readonly kvSeconds: client.Histogram;
   /** Rooms whose KV handoff succeeded, by path ('tcp' | 'same_host', kv/transfer/same-host.ts). */
   readonly kvHandoffs: client.Counter<'path'>;
-  /** Prefill: successful TCP handoffs whose state went out while llama.cpp was still saving it (`--kv-stream`). */
-  readonly kvStreamed: client.Counter;
+  /** Prefill only (null on decode and colocated, where it is not registered): successful TCP handoffs whose state went out while llama.cpp was still saving it (`--kv-stream`). */
+  readonly kvStreamed: client.Counter | null;
   /** Same-host handoffs decode refused (the room went over TCP instead). */
   readonly kvFileRefused: client.Counter;
   readonly illegal: client.Counter<'from' | 'to'>;
@@ -70,7 +70,7 @@ export class WorkerMetrics {
     this.kvBytes = new client.Counter({ name: 'pdserve_kv_transfer_bytes_total', help: 'KV state bytes sent (prefill) or received (decode)', registers });
     this.kvSeconds = new client.Histogram({ name: 'pdserve_kv_transfer_seconds', help: 'Time from kv_begin to the room reaching Success', buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], registers });
     this.kvHandoffs = new client.Counter({ name: 'pdserve_kv_handoffs_total', help: 'Rooms whose KV handoff succeeded, by path: tcp (streamed over the KV channel) or same_host (the state file handed over, kv_file)', labelNames: ['path'], registers });
-    this.kvStreamed = new client.Counter({ name: 'pdserve_kv_streamed_handoffs_total', help: 'Prefill: successful TCP handoffs sent while llama.cpp was still saving the state (--kv-stream; also counted in pdserve_kv_handoffs_total{path="tcp"})', registers });
+    this.kvStreamed = role !== 'prefill' ? null : new client.Counter({ name: 'pdserve_kv_streamed_handoffs_total', help: 'Prefill: successful TCP handoffs sent while llama.cpp was still saving the state (--kv-stream; also counted in pdserve_kv_handoffs_total{path="tcp"})', registers });
     this.kvFileRefused = new client.Counter({ name: 'pdserve_kv_file_refused_total', help: 'Same-host handoffs (kv_file) refused by decode (file missing, other size, …): the room went over TCP instead', registers });
     this.illegal = new client.Counter({ name: 'pdserve_illegal_transitions_total', help: 'Room state writes refused as protocol violations (0 in a healthy cluster)', labelNames: ['from', 'to'], registers });
     this.late = new client.Counter({ name: 'pdserve_room_late_events_total', help: 'Benign races: events (an ack, a completion) that reached a room already Failed, refused without harm', labelNames: ['event', 'state'], registers });

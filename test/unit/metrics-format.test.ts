@@ -49,3 +49,12 @@ test('worker and router /metrics text passes promtool check metrics', async (t) 
     assert.ok(res.ok, `promtool rejects the ${name} metrics:\n${res.output}`);
   }
 });
+
+test('pdserve_kv_streamed_handoffs_total is on prefill only, the side that counts it', async () => {
+  const sources = { queues: () => ({}), roomsByState: () => new Map<KVPoll, number>() };
+  const text = async (role: 'prefill' | 'decode' | 'colocated') => new WorkerMetrics(role, sources).registry.metrics();
+  assert.match(await text('prefill'), /^# TYPE pdserve_kv_streamed_handoffs_total counter$/m);
+  for (const role of ['decode', 'colocated'] as const) assert.doesNotMatch(await text(role), /pdserve_kv_streamed_handoffs_total/, role);
+  // the handoff count by path stays on both sides (each counts its own end of a handoff)
+  assert.match(await text('decode'), /^# TYPE pdserve_kv_handoffs_total counter$/m);
+});
