@@ -45,6 +45,14 @@ export const DEFAULT_COMPLETION_MAX_TOKENS = 16;
 /** Most choices one request may ask for (n × number of prompts); see api/fanout.ts. */
 export const MAX_CHOICES = 16;
 
+/**
+ * Why `max_tokens: 0` is refused. OpenAI's legacy completions (and vLLM) take 0 with `echo` to
+ * return the prompt alone, used with `logprobs` to score it; pdserve computes no prompt logprobs
+ * (echo with logprobs is refused), so an echo-only answer would serve no purpose.
+ */
+const MAX_TOKENS_ZERO_NOTE = '0 (with echo: the prompt alone, to score it by its logprobs in OpenAI and vLLM) is a 400, as prompt logprobs are not computed';
+const MAX_TOKENS_ZERO = 'must be at least 1 (max_tokens 0, which OpenAI and vLLM take with echo to score a prompt by its logprobs, is not supported: prompt logprobs are not computed)';
+
 const BOTH: readonly Endpoint[] = ['completions', 'chat'];
 const CMPL: readonly Endpoint[] = ['completions'];
 const CHAT: readonly Endpoint[] = ['chat'];
@@ -75,8 +83,8 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'messages', endpoints: CHAT, status: 'partial', notes: 'rendered with the model\'s chat template; see the message table below', schema: z.unknown() },
   { name: 'model', endpoints: BOTH, status: 'honoured', notes: "one of the served names (--served-model-name, as vLLM; default: the GGUF's file name without .gguf and 'pdserve'), else 404 model_not_found; may be omitted. Responses carry the first served name", schema: z.string().max(512) },
   // ---- length and stopping
-  { name: 'max_tokens', endpoints: BOTH, status: 'honoured', notes: `default ${DEFAULT_COMPLETION_MAX_TOKENS} for completions, the rest of the context for chat (as vLLM)`, schema: z.number().int().min(1).max(MAX_INT32) },
-  { name: 'max_completion_tokens', endpoints: CHAT, status: 'honoured', notes: 'wins over max_tokens', schema: z.number().int().min(1).max(MAX_INT32) },
+  { name: 'max_tokens', endpoints: BOTH, status: 'honoured', notes: `default ${DEFAULT_COMPLETION_MAX_TOKENS} for completions, the rest of the context for chat (as vLLM); at least 1: ${MAX_TOKENS_ZERO_NOTE}`, schema: z.number().int().min(1, MAX_TOKENS_ZERO).max(MAX_INT32) },
+  { name: 'max_completion_tokens', endpoints: CHAT, status: 'honoured', notes: 'wins over max_tokens; at least 1', schema: z.number().int().min(1, MAX_TOKENS_ZERO).max(MAX_INT32) },
   { name: 'min_tokens', endpoints: BOTH, status: 'honoured', notes: 'vLLM: EOS, stop_token_ids and stop strings are not honoured before it; <= max_tokens', schema: z.number().int().min(0).max(MAX_INT32) },
   { name: 'stop', endpoints: BOTH, status: 'honoured', notes: `string or up to ${MAX_STOP} strings; the stop string is not returned`, schema: StopSchema },
   { name: 'stop_token_ids', endpoints: BOTH, status: 'honoured', notes: 'vLLM: these token ids end generation like EOS (their text is not returned)', schema: z.array(z.number().int().min(0).max(MAX_INT32)).max(MAX_TOKEN_LIST) },

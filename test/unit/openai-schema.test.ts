@@ -95,7 +95,8 @@ describe('completion schema', () => {
   });
 
   test('invalid values name the field', () => {
-    rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 0 }), 'max_tokens');
+    // 0 (OpenAI's and vLLM's echo-only request, to score a prompt by its logprobs) says why it is refused
+    for (const b of [{ max_tokens: 0 }, { max_tokens: 0, echo: true }]) rejects400(() => parseCompletionRequest({ prompt: 'x', ...b }), 'max_tokens', /Invalid value for 'max_tokens': must be at least 1 \(max_tokens 0, .*prompt logprobs are not computed\)/);
     rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: -1 }), 'max_tokens', /Invalid value for 'max_tokens'/);
     rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 1.5 }), 'max_tokens');
     rejects400(() => parseCompletionRequest({ prompt: 'x', max_tokens: 'ten' }), 'max_tokens', /Invalid type for 'max_tokens': expected number, got string/);

@@ -788,6 +788,7 @@ describe('router: failures', () => {
       ['{"model": "x", "prompt": ', 400, /JSON/],
       [JSON.stringify({ model: 'fake-model' }), 400, /prompt/],
       [JSON.stringify({ prompt: 'x', max_tokens: -1 }), 400, /max_tokens/],
+      [JSON.stringify({ prompt: 'x', max_tokens: 0, echo: true }), 400, /'max_tokens': must be at least 1 .*prompt logprobs are not computed/],
       [JSON.stringify({ prompt: 'x', max_tokens: 'ten' }), 400, /max_tokens/],
       [JSON.stringify({ prompt: 'x', n: 17 }), 400, /exceeds the limit of 16/],
       [JSON.stringify({ prompt: 'x'.repeat(100 * 1024) }), 413, /too large/],
