@@ -145,7 +145,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
     name: 'logprobs',
     endpoints: BOTH,
     status: 'honoured',
-    notes: `completions: integer 0..${MAX_LOGPROBS} (top alternatives per token); chat: boolean. Logprobs of the distribution each token was sampled from (after penalties, bias, grammar, temperature, top-k/p, min-p); PD: token 1's come from prefill (needs the router's default first-token-from-prefill)`,
+    notes: `completions: integer 0..${MAX_LOGPROBS} (top alternatives per token); chat: boolean. Logprobs of the distribution each token was sampled from (after penalties, bias, grammar, temperature, top-k/p, min-p); PD: token 1's come from prefill (needs the router's default first-token-from-prefill). Tokens are rendered as they read in the text (see Logprobs above)`,
     schema: z.union([z.boolean(), z.number().int().min(0).max(MAX_LOGPROBS)]),
   },
   { name: 'top_logprobs', endpoints: CHAT, status: 'honoured', notes: `0..${MAX_LOGPROBS}, requires logprobs: true`, schema: z.number().int().min(0).max(MAX_LOGPROBS) },

@@ -5,6 +5,7 @@
 import type { GenerateEvent, WireLogprob } from '../protocol/worker-protocol.js';
 import { ToolCallParser, type ToolCall, type ToolCallDelta } from './tool-calls.js';
 import type { ToolCallSyntax } from '../engine/types.js';
+import { bytesOf } from '../engine/token-text.js';
 import { ApiError } from '../base/errors.js';
 
 export type OpenAIFinishReason = 'stop' | 'length' | 'tool_calls';
@@ -31,7 +32,12 @@ export interface ResponseMeta {
   created: number;
 }
 
-/** Completions `logprobs` of one choice (OpenAI legacy shape; text_offset counts UTF-16 units of the token texts). */
+/**
+ * Completions `logprobs` of one choice (OpenAI legacy shape). `tokens` and the keys of
+ * `top_logprobs` are token texts as they read in the text (see engine/token-text.ts), so
+ * `tokens.join('')` is the text unless a stop string cut it or a token is part of a multi-byte
+ * character (`bytes:\xNN…`); `text_offset[i]` is where token i starts in the text, in UTF-16 units.
+ */
 export interface CompletionLogprobs {
   tokens: string[];
   token_logprobs: number[];
@@ -39,7 +45,7 @@ export interface CompletionLogprobs {
   text_offset: number[];
 }
 
-/** One token of a chat choice's `logprobs.content` (OpenAI shape; bytes = UTF-8 of the token text). */
+/** One token of a chat choice's `logprobs.content` (OpenAI shape; bytes = the token's UTF-8 bytes, partial for a part of a multi-byte character). */
 export interface ChatTokenLogprob {
   token: string;
   logprob: number;
@@ -53,24 +59,48 @@ export interface ChatLogprobs {
   refusal: null;
 }
 
-/** Completions logprobs of `lps`, the first token starting at text offset `offset0`. */
-export function completionLogprobs(lps: readonly WireLogprob[], offset0 = 0): CompletionLogprobs {
+/**
+ * Text offsets of consecutive tokens of one text: `next(bytes)` returns where the token with these
+ * UTF-8 bytes starts (UTF-16 units) and moves past it. A character split over tokens starts where
+ * its first part's token does; the bytes are decoded as a stream, as the text is.
+ */
+export class TextOffsets {
+  private readonly decoder = new TextDecoder('utf-8', { ignoreBOM: true });
+  private at: number;
+
+  /** @param start offset of the first token (UTF-16 units of text before it). */
+  constructor(start = 0) {
+    this.at = start;
+  }
+
+  next(bytes: readonly number[]): number {
+    const off = this.at;
+    this.at += this.decoder.decode(Uint8Array.from(bytes), { stream: true }).length;
+    return off;
+  }
+}
+
+/**
+ * Completions logprobs of `lps`, offsets from `offsets` (shared by a stream's chunks). An
+ * alternative whose text another, likelier one has too keeps the likelier logprob (the
+ * alternatives come most likely first).
+ */
+export function completionLogprobs(lps: readonly WireLogprob[], offsets = new TextOffsets()): CompletionLogprobs {
   const out: CompletionLogprobs = { tokens: [], token_logprobs: [], top_logprobs: [], text_offset: [] };
-  let off = offset0;
   for (const lp of lps) {
     out.tokens.push(lp.token);
     out.token_logprobs.push(lp.logprob);
-    out.top_logprobs.push(Object.fromEntries(lp.top.map((t) => [t.token, t.logprob])));
-    out.text_offset.push(off);
-    off += lp.token.length;
+    const top: Record<string, number> = {};
+    for (const t of lp.top) if (!Object.hasOwn(top, t.token)) top[t.token] = t.logprob;
+    out.top_logprobs.push(top);
+    out.text_offset.push(offsets.next(bytesOf(lp)));
   }
   return out;
 }
 
 /** Chat logprobs of `lps`. */
 export function chatLogprobs(lps: readonly WireLogprob[]): ChatLogprobs {
-  const bytes = (t: string) => [...Buffer.from(t, 'utf8')];
-  return { content: lps.map((lp) => ({ token: lp.token, logprob: lp.logprob, bytes: bytes(lp.token), top_logprobs: lp.top.map((t) => ({ token: t.token, logprob: t.logprob, bytes: bytes(t.token) })) })), refusal: null };
+  return { content: lps.map((lp) => ({ token: lp.token, logprob: lp.logprob, bytes: bytesOf(lp), top_logprobs: lp.top.map((t) => ({ token: t.token, logprob: t.logprob, bytes: bytesOf(t) })) })), refusal: null };
 }
 
 export interface TextCompletion {
@@ -189,7 +219,8 @@ export class OpenAIResponseBuilder {
   events = 0;
   /** Logprobs of every token so far; null until an event carries some. */
   logprobs: WireLogprob[] | null = null;
-  private lpOffset = 0;
+  /** Text offsets of the streamed chunks' tokens. */
+  private readonly offsets = new TextOffsets();
 
   /** Parses tool calls out of the text (chat requests with tools and tool_choice other than "none"). */
   private readonly tools: ToolCallParser | null;
@@ -262,10 +293,9 @@ export class OpenAIResponseBuilder {
         if (deltas.length > 0) delta.tool_calls = deltas;
         out.push(chatCompletionChunk(this.meta, delta, finish, this.includeUsage, lps ? chatLogprobs(lps) : null));
       } else {
-        out.push(completionChunk(this.meta, ev.text, finish, this.includeUsage, lps ? completionLogprobs(lps, this.lpOffset) : null));
+        out.push(completionChunk(this.meta, ev.text, finish, this.includeUsage, lps ? completionLogprobs(lps, this.offsets) : null));
       }
     }
-    if (lps) for (const lp of lps) this.lpOffset += lp.token.length;
     return out;
   }
 

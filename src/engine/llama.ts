@@ -30,6 +30,7 @@ import { PdError } from '../base/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
+import { CONTEXT_TOKENS, TokenRenderer } from './token-text.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
@@ -411,7 +412,8 @@ class Lease implements Slot {
     for (let c = 0; c < Math.max(1, choices); c++) {
       const tok = draw && probabilities ? drawToken(probabilities, choiceSeed(sampling.seed, c)) : first;
       const pick: FirstToken = { firstToken: tok, firstIsEog: this.engine.model.isEogToken(tok as Token) };
-      if (wantLogprobs && probabilities) pick.firstLogprob = logprobOf(this.engine.model, tok, probabilities, sampling.logprobs!);
+      // rendered after the prompt (and a migrated request's earlier tokens), as the text is
+      if (wantLogprobs && probabilities) pick.firstLogprob = logprobOf(this.engine.renderer, tok, probabilities, sampling.logprobs!, resumed.length ? [...tokens, ...resumed] : tokens);
       picks.push(pick);
     }
     const res: PrefillResult = { promptTokens: tokens.length + resumed.length, cachedTokens: reuse, ...(tier ? { cacheTier: tier } : {}), ...picks[0]!, choices: picks };
@@ -558,6 +560,8 @@ class Lease implements Slot {
     if (r.end) return r.end;
     sampler.accept(firstToken, true);
     const wantLogprobs = sampling.logprobs !== undefined;
+    // The tokens before the next one (their last CONTEXT_TOKENS), to render logprob tokens in context.
+    let context = wantLogprobs ? [...seq.contextTokens.slice(-CONTEXT_TOKENS), firstToken] : [];
     const it = seq.evaluateWithMetadata([firstToken as Token], { probabilities: wantLogprobs }, sampler.options);
     let ended = false;
     try {
@@ -572,7 +576,10 @@ class Lease implements Slot {
         const tok = n.value.token;
         sampler.accept(tok);
         r = step(tok);
-        if (wantLogprobs) r.out.logprob = logprobOf(this.engine.model, tok, (n.value as unknown as { probabilities: Map<Token, number> }).probabilities, sampling.logprobs!);
+        if (wantLogprobs) {
+          r.out.logprob = logprobOf(this.engine.renderer, tok, (n.value as unknown as { probabilities: Map<Token, number> }).probabilities, sampling.logprobs!, context);
+          context = [...context.slice(1 - CONTEXT_TOKENS), tok];
+        }
         yield r.out;
         if (r.end) {
           ended = true;
@@ -609,6 +616,8 @@ class LlamaEngine implements Engine {
   private readonly barrier: StepBarrier | null;
   /** Namespace of the KV events' keys (prefix-store.ts storeNamespace). */
   private readonly eventNamespace: string;
+  /** Token texts in context, for logprobs. */
+  readonly renderer: TokenRenderer;
 
   constructor(
     readonly info: EngineInfo,
@@ -636,6 +645,7 @@ class LlamaEngine implements Engine {
     this.toolSyntax = syntax && syntaxIsVisible(model, syntax) ? syntax : null;
     if (syntax && !this.toolSyntax) logSink?.('warn', `tool calls are off: the chat wrapper's call syntax ${JSON.stringify(syntax.prefix)} contains tokens that are not rendered as text`);
     this.grammars = new GrammarCache(model.llama, this.toolSyntax);
+    this.renderer = new TokenRenderer(model);
   }
 
   tokenize(text: string, addSpecial = true): number[] {

@@ -15,6 +15,7 @@ import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, 
 import { randomInt } from 'node:crypto';
 import type { GrammarSpec, SamplingParams, TokenLogprob, ToolCallSyntax } from './types.js';
 import { toolCallGrammarText, triggerTexts } from './tools.js';
+import type { TokenRenderer } from './token-text.js';
 
 /** Error code thrown when a grammar cannot be built (bad JSON schema): the API maps it to 400. */
 export const BAD_GRAMMAR = 'BAD_GRAMMAR';
@@ -179,18 +180,19 @@ export class RequestSampler {
 
 /**
  * The logprob of `token` and of the `top` most likely tokens of `probabilities` (node-llama-cpp's
- * sorted next-token distribution, as returned by evaluateWithMetadata({probabilities: true})).
- * A probability of 0 gives -Infinity, sent as -9999 (as vLLM clamps) to stay valid JSON.
+ * sorted next-token distribution, as returned by evaluateWithMetadata({probabilities: true})),
+ * every token rendered by `render` after `context` (the tokens before `token`, prompt included:
+ * alternatives read as they would in its place). A probability of 0 gives -Infinity, sent as
+ * -9999 (as vLLM clamps) to stay valid JSON.
  */
-export function logprobOf(model: LlamaModel, token: number, probabilities: Map<Token, number>, top: number): TokenLogprob {
-  const text = (t: number) => model.detokenize([t as Token], false);
+export function logprobOf(render: TokenRenderer, token: number, probabilities: Map<Token, number>, top: number, context: readonly number[]): TokenLogprob {
   const lp = (p: number | undefined) => (p && p > 0 ? Math.max(-9999, Math.log(p)) : -9999);
-  const alts: { token: string; logprob: number }[] = [];
+  const alts: TokenLogprob['top'] = [];
   for (const [t, p] of probabilities) {
     if (alts.length >= top) break;
-    alts.push({ token: text(t), logprob: lp(p) });
+    alts.push({ ...render.render(t, context), logprob: lp(p) });
   }
-  return { token: text(token), logprob: lp(probabilities.get(token as Token)), top: alts };
+  return { ...render.render(token, context), logprob: lp(probabilities.get(token as Token)), top: alts };
 }
 
 /** llama.cpp's LLAMA_DEFAULT_SEED: a sampler given this u32 seed draws a random one instead. */

@@ -184,12 +184,15 @@ export interface FirstToken {
 /**
  * Log-probability of one sampled token and of the `SamplingParams.logprobs` most likely
  * alternatives, from the distribution it was sampled from (after penalties, bias, grammar,
- * temperature, top-k/top-p/min-p; natural log). `token` strings are the tokens' own text.
+ * temperature, top-k/top-p/min-p; natural log). `token` strings are each token's text after the
+ * tokens before it (alternatives: in the sampled token's place), see ./token-text.ts: `bytes`
+ * only for a token that is part of a multi-byte character (`token` is then `bytes:\xNN…`).
  */
 export interface TokenLogprob {
   token: string;
+  bytes?: number[];
   logprob: number;
-  top: { token: string; logprob: number }[];
+  top: { token: string; bytes?: number[]; logprob: number }[];
 }
 
 /** One generated token as streamed to a client. */

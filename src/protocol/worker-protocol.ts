@@ -173,11 +173,16 @@ export const GenerateRequestSchema = z
   });
 export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
 
-/** Logprob of one generated token and its top alternatives (natural log; token = its text). */
+/**
+ * Logprob of one generated token and its top alternatives (natural log; token = its text in the
+ * output; `bytes` only when they are not the UTF-8 of `token`: a part of a multi-byte character,
+ * `token` then `bytes:\xNN…`).
+ */
 export interface WireLogprob {
   token: string;
+  bytes?: number[];
   logprob: number;
-  top: { token: string; logprob: number }[];
+  top: { token: string; bytes?: number[]; logprob: number }[];
 }
 
 /** The event of one generated token (`logprobs` when the token carries one). */
