@@ -169,6 +169,46 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     assert.equal(none.logprobs, null, 'no logprobs unless asked');
   });
 
+  test('logprob tokens are the text as written: leading spaces, joined tokens, text_offset, chat bytes (PD = colocated, stream and not)', async () => {
+    type Cmpl = { tokens: string[]; token_logprobs: number[]; top_logprobs: Record<string, number>[]; text_offset: number[] };
+    type Chat = { content: { token: string; logprob: number; bytes: number[]; top_logprobs: { token: string; logprob: number; bytes: number[] }[] }[] };
+    // a SentencePiece word's first piece carries its space ("Once upon a time" → 'F!f tr2…': ' t' is one token)
+    const c = await same('completion', { prompt: 'Once upon a time', max_tokens: 12, ignore_eos: true, logprobs: 3 });
+    const lp = c.logprobs as Cmpl;
+    assert.equal(lp.tokens.length, 12);
+    assert.ok(lp.tokens.some((t) => t.startsWith(' ') && t.length > 1), `a token with its leading space in ${JSON.stringify(lp.tokens)}`);
+    assert.equal(lp.tokens.join(''), c.text);
+    assert.deepEqual(lp.text_offset, lp.tokens.map((_, i) => lp.tokens.slice(0, i).join('').length));
+    // alternatives are rendered in the same context: greedy, the sampled token is the likeliest key
+    lp.tokens.forEach((t, i) => assert.equal(lp.top_logprobs[i]![t], lp.token_logprobs[i], `token ${i} ${JSON.stringify(t)} among its alternatives`));
+    // echo and logprobs together stay a clear 400 (no prompt logprobs), on both servers
+    await refused('completions', { prompt: 'Once upon a time', max_tokens: 2, logprobs: 1, echo: true }, 'echo');
+
+    const ch = await same('chat', { prompt: 'Once upon a time', max_tokens: 10, ignore_eos: true, logprobs: true, top_logprobs: 2 });
+    const content = (ch.logprobs as Chat).content;
+    assert.equal(content.length, 10);
+    assert.equal(content.map((t) => t.token).join(''), ch.text);
+    assert.equal(Buffer.from(content.flatMap((t) => t.bytes)).toString('utf8'), ch.text);
+    for (const t of content) {
+      assert.deepEqual(t.bytes, [...Buffer.from(t.token, 'utf8')]);
+      assert.deepEqual(t.top_logprobs[0], { token: t.token, logprob: t.logprob, bytes: t.bytes });
+    }
+
+    // ’ (E2 80 99) and é (C3 A9) have no piece in the tiny vocabulary: byte tokens write them, one
+    // part each — bytes:\xNN tokens whose raw bytes make the character, at the character's offset
+    const parts = ['"', 'bytes:\\xe2', 'bytes:\\x80', 'bytes:\\x99', 'bytes:\\xc3', 'bytes:\\xa9', '"'];
+    const g = await same('completion', { prompt: 'say it:', max_tokens: 7, logprobs: 1, guided_json: { enum: ['’é'] } });
+    const glp = g.logprobs as Cmpl;
+    assert.equal(g.text, '"’é"');
+    assert.deepEqual(glp.tokens, parts);
+    assert.deepEqual(glp.text_offset, [0, 1, 1, 1, 2, 2, 3]);
+    const gc = await same('chat', { prompt: 'say it:', max_tokens: 7, logprobs: true, response_format: { type: 'json_schema', json_schema: { name: 'q', schema: { enum: ['’é'] } } } });
+    const gcontent = (gc.logprobs as Chat).content;
+    assert.equal(gc.text, '"’é"');
+    assert.deepEqual(gcontent.map((t) => t.token), parts);
+    assert.deepEqual(gcontent.map((t) => t.bytes), [[0x22], [0xe2], [0x80], [0x99], [0xc3], [0xa9], [0x22]]);
+  });
+
   test('echo puts the prompt text before the output (text and token-id prompts), PD equals colocated', async () => {
     const plain = await same('completion', { prompt, max_tokens: 6, ignore_eos: true });
     const e = await same('completion', { prompt, max_tokens: 6, ignore_eos: true, echo: true });
