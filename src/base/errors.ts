@@ -88,6 +88,12 @@ export const ERROR_CODES = {
    */
   needs_prefill: c(409, 'invalid_request_error', 'client'),
   /**
+   * The prompt's KV state is over the decode worker's `--max-state-bytes`: the same prompt makes
+   * the same state on every attempt, so it is answered at once, never retried or migrated (400
+   * as `context_length_exceeded`: the prompt is too long for this deployment, not a fault).
+   */
+  kv_state_too_large: CLIENT_400,
+  /**
    * Router → decode only (the cause of an /abort_request): prefill refused the request with a
    * 4xx (the request's own fault, e.g. context_length_exceeded), so decode's room ends with it.
    */
@@ -237,6 +243,7 @@ const INTERNAL_TO_API: Readonly<Record<string, ErrorCode>> = {
   QUEUE_FULL: 'queue_full',
   BAD_STATE: 'bad_state',
   BAD_ENVELOPE: 'bad_state',
+  STATE_TOO_LARGE: 'kv_state_too_large',
   PEER_LOST: 'peer_lost',
   AUTH_FAILED: 'peer_unreachable',
   SETTINGS_MISMATCH: 'settings_mismatch',

@@ -60,7 +60,10 @@ export interface DecodeDriverConfig {
   slots: number;
   /** Bound on requests waiting for a slot (the prealloc queue). */
   maxPrealloc: number;
-  /** Largest announced state accepted at KV_BEGIN, bytes. */
+  /**
+   * Largest state accepted, bytes (`--max-state-bytes`): announced at KV_BEGIN / KV_FILE, or
+   * received in order on a streamed KV_BEGIN; above it the room fails `kv_state_too_large`.
+   */
   maxStateBytes: number;
   /** TEST-ONLY: SGLang's max(old, new) status rule (simulator proof of the wedge). Never in a worker. */
   legacyMaxRule?: boolean;
@@ -281,7 +284,7 @@ export class DecodeDriver {
         if (bad) return this.apply(msg.room, { t: 'fail', failure: bad }, now);
         const out = this.apply(msg.room, { t: 'kv_begin', totalBytes: msg.totalBytes }, now);
         if (!job.rx && this.rooms.get(msg.room)?.state === KVPoll.Transferring && this.rooms.has(msg.room)) {
-          job.rx = new KvReception(limit, streamed);
+          job.rx = new KvReception(limit, streamed, streamed ? msg.totalBytes : undefined);
           job.step = 'receiving';
           out.unshift({ a: 'recv_begin', room: msg.room, totalBytes: limit, ...(streamed ? { hintBytes: msg.totalBytes } : {}) });
         }

@@ -33,7 +33,7 @@ import { localPrefill, type DecodeStart, type LocalPlan } from './local.js';
 
 /** One room's incoming state (real: ../kv/transfer/receiver.ts `StateReceiver`, validating as it writes). */
 export interface StateIntake<C extends KvConn> {
-  /** One chunk's data, in order. @throws on the first inconsistency (the room fails bad_state). */
+  /** One chunk's data, in order. @throws on the first inconsistency (the room fails bad_state; KvError STATE_TOO_LARGE: kv_state_too_large). */
   push(data: Buffer, conn: C): void;
   /** kv_end arrived: the complete, checked state and its file. @throws KvError BAD_ENVELOPE / BAD_STATE. */
   finish(end?: StreamEnd): Promise<ReceivedState<ParsedState>>;
@@ -247,7 +247,7 @@ export class DecodeEffects<C extends KvConn> {
         this.o.metrics.kvBytes.inc(data.length);
       } catch (err) {
         this.perform(actions);
-        this.perform(this.driver.fail(room, failure('bad_state', (err as Error).message), this.now));
+        this.perform(this.driver.fail(room, failure(intakeCode(err), (err as Error).message), this.now));
         return;
       }
     }
@@ -459,7 +459,7 @@ export class DecodeEffects<C extends KvConn> {
       this.perform(this.driver.loadDone(room, this.now));
     } catch (err) {
       const e = err as { code?: string; message?: string };
-      this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' ? 'bad_state' : 'engine_failed', e.message ?? String(err)), this.now));
+      this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' || e.code === 'STATE_TOO_LARGE' ? intakeCode(err) : 'engine_failed', e.message ?? String(err)), this.now));
     } finally {
       if (!held) await cleanup();
     }
@@ -482,6 +482,11 @@ export class DecodeEffects<C extends KvConn> {
       this.perform(this.driver.loadFailed(room, failure(e.status < 500 ? (e.code as RoomFailure['code']) : 'engine_failed', e.message), this.now));
     }
   }
+}
+
+/** The room failure code of a receive that threw: a state over the limit, else a bad state. */
+function intakeCode(err: unknown): 'kv_state_too_large' | 'bad_state' {
+  return (err as { code?: unknown })?.code === 'STATE_TOO_LARGE' ? 'kv_state_too_large' : 'bad_state';
 }
 
 /** "host:port" (the host may be an IPv6 literal) → its parts. */

@@ -151,7 +151,7 @@ export type Effect =
 /** The KV layer's errors (a PdError, see base/errors.ts): a stable code, mapped to HTTP there. */
 export class KvError extends PdError {
   constructor(
-    public override readonly code: 'DUPLICATE_ROOM' | 'ROOM_FAILED' | 'UNKNOWN_ROOM' | 'BAD_ENVELOPE' | 'BAD_STATE' | 'PEER_LOST' | 'AUTH_FAILED' | 'SETTINGS_MISMATCH' | 'BAD_FRAME' | 'TIMEOUT' | 'ABORTED',
+    public override readonly code: 'DUPLICATE_ROOM' | 'ROOM_FAILED' | 'UNKNOWN_ROOM' | 'BAD_ENVELOPE' | 'BAD_STATE' | 'PEER_LOST' | 'AUTH_FAILED' | 'SETTINGS_MISMATCH' | 'BAD_FRAME' | 'TIMEOUT' | 'ABORTED' | 'STATE_TOO_LARGE',
     message: string,
   ) {
     super(code, message);

@@ -104,7 +104,9 @@ describe('decode driver: decisions', () => {
       d.message(C, EP, { type: 'registered', room: r }, 0);
     }
     const big = d.message(C, EP, { type: 'kv_begin', room: A, totalBytes: 1001 }, 1);
-    assert.ok(big.some((a) => a.a === 'finish' && a.failure?.code === 'kv_transfer_failed'));
+    assert.ok(big.some((a) => a.a === 'finish' && a.failure?.code === 'kv_state_too_large' && /1001 bytes is over .*limit of 1000 bytes .*--max-state-bytes/.test(a.failure.detail)));
+    assert.ok(big.some((a) => a.a === 'send' && a.msg.type === 'fail' && a.msg.code === 'kv_state_too_large'), 'prefill is told, with the code');
+    assert.ok(!big.some((a) => a.a === 'recv_begin'), 'nothing is received');
     d.message(C, EP, { type: 'kv_begin', room: B, totalBytes: 10 }, 1);
     d.chunk(C, B, 0, 5, 1);
     const early = d.message(C, EP, { type: 'kv_end', room: B }, 2);
@@ -135,8 +137,13 @@ describe('decode driver: decisions', () => {
     assert.ok(cut.some((a) => a.a === 'finish' && /truncated/.test(a.failure?.detail ?? '')) && !cut.some((a) => a.a === 'load'));
     // D3: bytes past decode's own limit fail at the chunk
     d.message(C, EP, { type: 'kv_begin', room: D3, totalBytes: 10, streamed: true }, 1);
-    const over = d.chunk(C, D3, 0, cfg.maxStateBytes + 1, 1);
-    assert.ok(over.actions.some((a) => a.a === 'finish' && a.failure?.code === 'kv_transfer_failed'));
+    assert.deepEqual(d.chunk(C, D3, 0, cfg.maxStateBytes - 1, 1).actions, [], 'bytes up to the limit are taken');
+    const over = d.chunk(C, D3, cfg.maxStateBytes - 1, 2, 1);
+    assert.equal(over.store, false, 'the bytes past the limit are not stored');
+    assert.ok(over.actions.some((a) => a.a === 'finish' && a.failure?.code === 'kv_state_too_large' && /over this decode worker's limit of 1000 bytes \(decode --max-state-bytes\)/.test(a.failure.detail)));
+    assert.ok(over.actions.some((a) => a.a === 'send' && a.msg.type === 'fail' && a.msg.code === 'kv_state_too_large'), 'prefill is told, so it stops sending');
+    const late = d.chunk(C, D3, cfg.maxStateBytes + 1, 10, 2);
+    assert.ok(!late.store && late.actions.every((a) => a.a === 'stray'), 'later chunks of the failed room are dropped');
   });
 
   test('success: load, kv_ack on the room\'s connection, finish, generate; the slot goes back after generation, to the oldest waiter', () => {
@@ -181,6 +188,18 @@ describe('decode driver: decisions', () => {
     assert.deepEqual(kinds(d.loadDone(B, 10)), ['send:kv_ack', 'finish', 'generate']);
     // a KV_FILE after the room is over is ignored
     assert.deepEqual(d.message(C, EP, kvFile(B), 11), [], 'a terminal room ignores a late KV_FILE');
+  });
+
+  test('same host: a KV_FILE over maxStateBytes fails the room kv_state_too_large (no take, no TCP fallback), prefill told', () => {
+    const d = new DecodeDriver(cfg, 'd0d0d0d0');
+    d.request(A, 'ra', P, 0);
+    d.dialed(A, C, 1);
+    d.message(C, EP, { type: 'registered', room: A }, 1);
+    const out = d.message(C, EP, { type: 'kv_file', room: A, file: 'x', payloadBytes: cfg.maxStateBytes + 1, crc: 0, head: 'AA==' }, 2);
+    assert.deepEqual(kinds(out), ['send:fail', 'finish', 'release'], 'not take_file, not kv_file_refused (TCP would fail the same)');
+    const f = out.find((a) => a.a === 'finish')!;
+    assert.ok(f.a === 'finish' && f.failure?.code === 'kv_state_too_large' && /KV state of 1001 bytes is over .*limit of 1000 bytes/.test(f.failure.detail));
+    assert.equal(d.freeSlots, 1);
   });
 
   test('same host: a room that fails while its file is being taken keeps its slot until the take answers', () => {

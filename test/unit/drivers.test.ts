@@ -369,7 +369,8 @@ describe('decode reception rule (shared by the decode worker and the simulator)'
   test('in order and inside the announced size; duplicated, reordered, overflowing chunks and an early KV_END fail the room', async () => {
     const { KvReception, checkAnnounced } = await import('../../src/decode/receive.js');
     assert.equal(checkAnnounced(10, 100), undefined);
-    for (const bad of [0, -1, 101]) assert.equal(checkAnnounced(bad, 100)?.code, 'kv_transfer_failed');
+    assert.equal(checkAnnounced(100, 100), undefined, 'the limit itself is accepted');
+    for (const bad of [0, -1]) assert.equal(checkAnnounced(bad, 100)?.code, 'kv_transfer_failed');
     const r = new KvReception(10);
     assert.equal(r.accept(0, 4), undefined);
     assert.equal(r.end()?.code, 'kv_transfer_failed', 'kv_end before every byte');
@@ -378,5 +379,32 @@ describe('decode reception rule (shared by the decode worker and the simulator)'
     assert.ok(r.accept(4, 7), 'past the announced size');
     assert.equal(r.accept(4, 6), undefined);
     assert.equal(r.end(), undefined);
+  });
+
+  test('a state over maxStateBytes is kv_state_too_large with the size, the limit and the flag: announced at once, streamed when the bytes in order pass the limit', async () => {
+    const { KvReception, checkAnnounced, stateTooLarge } = await import('../../src/decode/receive.js');
+    const M = 1024 * 1024;
+    const announced = checkAnnounced(1058491, M)!;
+    assert.equal(announced.code, 'kv_state_too_large');
+    assert.match(announced.detail, /KV state of 1058491 bytes \(1\.01 MiB\) is over this decode worker's limit of 1048576 bytes \(1 MiB\) \(decode --max-state-bytes\)/);
+    assert.match(announced.detail, /--max-state-bytes of at least 1058491/);
+    assert.doesNotMatch(announced.detail, /outside|does not follow|past the limit/);
+    // streamed (total = the limit, estimate = prefill's): the bytes up to the limit are fine
+    const r = new KvReception(M, true, 1058491);
+    assert.equal(r.accept(0, 786708), undefined);
+    assert.equal(r.accept(786708, M - 786708), undefined, 'exactly the limit is accepted');
+    const over = r.accept(M, 1)!;
+    assert.equal(over.code, 'kv_state_too_large', 'the next byte in order is over the limit');
+    assert.match(over.detail, /1048576 bytes arrived and more followed; it needs about 1058491 bytes \(1\.01 MiB\) \(prefill's estimate\)/);
+    assert.match(over.detail, /--max-state-bytes/);
+    // the tester's chunk: 786708 (+262123) past 1048576 → too large, not "does not follow"
+    const t = new KvReception(M, true, 1058491);
+    assert.equal(t.accept(0, 786708), undefined);
+    assert.equal(t.accept(786708, 262123)?.code, 'kv_state_too_large');
+    // an estimate under the limit (it may be a few hundred bytes low) is not quoted as the need
+    assert.match(stateTooLarge(M, { over: true, estimate: M - 100 }).detail, /it needs more than 1048576 bytes/);
+    // a chunk out of place stays a transfer fault, streamed or not; past an announced size too
+    assert.equal(new KvReception(M, true).accept(5, 1)?.code, 'kv_transfer_failed');
+    assert.equal(new KvReception(10).accept(0, 11)?.code, 'kv_transfer_failed');
   });
 });

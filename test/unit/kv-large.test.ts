@@ -60,7 +60,8 @@ describe('--max-state-bytes', () => {
   it('a 1 GiB state is refused by default and accepted with --max-state-bytes 1536M (decode\'s announce rule)', () => {
     const gib = 2 ** 30 + 4096;
     assert.equal(decodeConfig().maxStateBytes, DEFAULT_MAX_STATE_BYTES);
-    assert.match(checkAnnounced(gib, decodeConfig().maxStateBytes)?.detail ?? '', /outside/);
+    assert.equal(checkAnnounced(gib, decodeConfig().maxStateBytes)?.code, 'kv_state_too_large');
+    assert.match(checkAnnounced(gib, decodeConfig().maxStateBytes)?.detail ?? '', /over this decode worker's limit of 536870912 bytes \(512 MiB\) \(decode --max-state-bytes\)/);
     assert.equal(checkAnnounced(gib, decodeConfig('1536M').maxStateBytes), undefined);
   });
 });

@@ -29,6 +29,8 @@ interface PrefillBehaviour {
   first?: string;
   /** With first_token_from_prefill: wait this long after the first token, then end with an `{error}` event instead of `{transfer}`. */
   failAfterFirstMs?: number;
+  /** With failAfterFirstMs: the `{error}` event's error (default 502 kv_transfer_failed). */
+  failError?: { message: string; code: string; status: number; type: string };
   /** With first_token_from_prefill: the body of the 200 stream instead of the script above, in these pieces (5 ms apart), then the end. */
   rawPieces?: string[];
 }
@@ -153,7 +155,7 @@ class FakeWorker {
       } catch {
         return res.end();
       }
-      const end = b.failAfterFirstMs !== undefined ? { error: { message: 'KV transfer failed: peer lost', type: 'server_error', code: 'kv_transfer_failed', status: 502 } } : { transfer: { rid: body.rid, meta_info: { prompt_tokens: 3, kv_bytes: 1000, prefill_ms: 1, transfer_ms: 1 } } };
+      const end = b.failAfterFirstMs !== undefined ? { error: b.failError ?? { message: 'KV transfer failed: peer lost', type: 'server_error', code: 'kv_transfer_failed', status: 502 } } : { transfer: { rid: body.rid, meta_info: { prompt_tokens: 3, kv_bytes: 1000, prefill_ms: 1, transfer_ms: 1 } } };
       res.write(`data: ${JSON.stringify(end)}\n\ndata: [DONE]\n\n`);
       return res.end();
     }
@@ -167,7 +169,7 @@ class FakeWorker {
     } catch {
       return reply.code(500).send({ error: { message: 'aborted', type: 'server_error', param: null, code: 'aborted' } });
     }
-    if (b.status) return reply.code(b.status).send({ error: { message: b.message ?? 'decode failed', type: 'server_error', param: null, code: b.code ?? 'decode_failed' } });
+    if (b.status) return reply.code(b.status).send({ error: { message: b.message ?? 'decode failed', type: b.status < 500 ? 'invalid_request_error' : 'server_error', param: null, code: b.code ?? 'decode_failed' } });
     reply.hijack();
     if (b.destroy) return void reply.raw.socket?.destroy();
     const res = reply.raw;
@@ -1348,6 +1350,27 @@ describe('router: migration (after output)', () => {
     assert.deepEqual(s.prefill[0]!.generates[1]!.resume_token_ids, [99]);
     const t = (await (await fetch(`${s.router.url}/debug/traces/${r.id}`)).json()) as any;
     assert.deepEqual(t.events.filter((e: any) => e.what === 'attempt_failed').map((e: any) => [e.next, e.code, e.tokens_sent]), [['migrate', 'kv_transfer_failed', 1]]);
+    await assertReleased(s);
+  });
+
+  test('a state over decode\'s --max-state-bytes (kv_state_too_large, after token 1) is never migrated: stream → token 1 then the error event (no [DONE]); non-stream → 400; one attempt', async () => {
+    const s = await stack({ decode: 2, firstTokenFromPrefill: true, healthIntervalMs: 60_000, policy: 'round_robin' });
+    const msg = "the prompt's KV state of 1058491 bytes (1.01 MiB) is over this decode worker's limit of 1048576 bytes (1 MiB) (decode --max-state-bytes)";
+    const tooLarge = { message: `decode: ${msg}`, code: 'kv_state_too_large', status: 400, type: 'invalid_request_error' };
+    s.prefill[0]!.prefill = () => ({ delayMs: 1, first: 'The', failAfterFirstMs: 20, failError: tooLarge });
+    // decode answers the same failure (its room failed); either leg may be heard first
+    for (const d of s.decode) d.decode = () => ({ startDelayMs: 40, status: 400, code: 'kv_state_too_large', message: msg });
+    const events = await rawStream(s);
+    assert.equal(texts(events)[0], 'The', 'token 1 from prefill');
+    const last = JSON.parse(events.at(-1)!) as { error?: { code: string; message: string } };
+    assert.equal(last.error?.code, 'kv_state_too_large');
+    assert.match(last.error!.message, /--max-state-bytes/);
+    assert.ok(!events.includes('[DONE]'));
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'hi' }), (e: unknown) => e instanceof OpenAI.APIError && e.status === 400 && (e as { code?: unknown }).code === 'kv_state_too_large' && /--max-state-bytes/.test(e.message));
+    assert.equal(s.prefill[0]!.generates.length, 2, 'one prefill attempt per request: nothing re-evaluated');
+    assert.equal(s.decode[0]!.generates.length + s.decode[1]!.generates.length, 2, 'one decode attempt per request');
+    assert.equal(await metric(s, 'pdserve_router_migrations_total{'), '', 'no migration');
+    assert.equal(await metric(s, 'pdserve_router_retries_total{'), '', 'no retry');
     await assertReleased(s);
   });
 

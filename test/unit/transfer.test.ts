@@ -682,6 +682,28 @@ describe('sendGrowingStateFile (streamed while the state is saved) → streamed 
     await rx.discard();
     assert.equal(pool.inUse, 0);
   });
+
+  it('a streamed state over the receiver\'s limit fails STATE_TOO_LARGE once its bytes pass the limit, never as a bad structure first', async () => {
+    const pool = new BufferPool(4096, 4);
+    const h = head(0);
+    const stream = Buffer.concat([h, state]);
+    // The limit ends inside the last layer's data: its row header (before the limit) announces
+    // data past it, which a walk bounded by the limit refuses as "goes past the limit".
+    const limit = stream.length - 10;
+    const rx = new StateReceiver({ totalBytes: limit, streamed: { hintBytes: stream.length }, expect: EXPECT, walker: (n) => new GgsqStreamParser({ contextSize: CTX, nLayer: 2, maxBytes: n }), path: path.join(dir, `sr-${seq++}.ggsq`), pool });
+    for (let off = 0; off < limit; off += 1000) rx.push(stream.subarray(off, Math.min(limit, off + 1000)));
+    assert.equal(rx.received, limit, 'every byte up to the limit is taken (the structure so far is sound)');
+    const tooLarge = (e: unknown) => e instanceof PdError && e.code === 'STATE_TOO_LARGE' && new RegExp(`over the limit of ${limit} bytes`).test((e as Error).message);
+    assert.throws(() => rx.push(stream.subarray(limit, limit + 1)), tooLarge);
+    assert.throws(() => rx.push(Buffer.alloc(1)), tooLarge, 'the receive stays failed');
+    await assert.rejects(rx.finish({ totalBytes: stream.length, crc: crc32(state) }), tooLarge);
+    await rx.discard();
+    assert.equal(pool.inUse, 0);
+    // the announced (not streamed) receive keeps its own rule: bytes past the announce are a bad envelope
+    const ann = receiver(stream.length - 1);
+    assert.throws(() => ann.push(Buffer.concat([head(), state])), isBad(/kv_begin announced/));
+    await ann.discard();
+  });
 });
 
 describe('the data path on the KV I/O thread (io-thread.ts)', () => {

@@ -34,7 +34,8 @@ export interface StructureWalker<S> {
 export interface StateReceiverOptions<S> {
   /**
    * Bytes kv_begin announced (head + payload + trailer); with `streamed`, the most bytes
-   * accepted (the receiver's own limit: the real count comes with kv_end).
+   * accepted (the receiver's own limit: the real count comes with kv_end; more fail the receive
+   * with KvError('STATE_TOO_LARGE'), and the structure walk is not bounded by it).
    */
   totalBytes: number;
   /**
@@ -171,7 +172,8 @@ export class StateReceiver<S> {
    * `flow`: the socket the bytes come from, paused while this receive's I/O-thread slots are all
    * busy (with `io`; ignored otherwise).
    * @throws KvError('BAD_ENVELOPE' | 'BAD_STATE') at the first byte that proves the state bad
-   *   (head fields, structure, more bytes than announced); the I/O thread's failure
+   *   (head fields, structure, more bytes than announced); KvError('STATE_TOO_LARGE') when a
+   *   streamed state's bytes pass `totalBytes` (the limit); the I/O thread's failure
    *   (KvError('ABORTED') when it died, 'BAD_STATE' on a write error).
    */
   push(data: Buffer, flow?: ReadFlow): void {
@@ -187,7 +189,11 @@ export class StateReceiver<S> {
   }
 
   private consume(data: Buffer): void {
-    if (this.received + data.length > this.o.totalBytes) throw bad(`${this.received + data.length} bytes received, kv_begin announced ${this.o.totalBytes}`);
+    if (this.received + data.length > this.o.totalBytes) {
+      // streamed: `totalBytes` is the receiver's limit, not a size the sender announced
+      if (this.o.streamed) throw new KvError('STATE_TOO_LARGE', `the state is over the limit of ${this.o.totalBytes} bytes: ${this.received + data.length} bytes arrived`);
+      throw bad(`${this.received + data.length} bytes received, kv_begin announced ${this.o.totalBytes}`);
+    }
     let d = data;
     if (!this.header) {
       this.head.push(d);
@@ -212,7 +218,10 @@ export class StateReceiver<S> {
       this.headBytes = h.headBytes;
       this.payloadCap = payloadCap;
       this.open(this.o.streamed ? Math.max(1, Math.min(payloadCap, this.o.streamed.hintBytes - h.headBytes)) : payloadCap);
-      this.parser = this.o.walker(payloadCap);
+      // Streamed, the real size is unknown until kv_end: the byte limit above is the only one (a
+      // walk bounded by it would refuse a too-large state as a corrupt one at its first layer
+      // header past the limit, before the bytes do); the walk still checks every field.
+      this.parser = this.o.walker(this.o.streamed ? Number.MAX_SAFE_INTEGER : payloadCap);
       this.head = [];
       d = all.subarray(h.headBytes);
       this.received -= d.length; // counted again below
