@@ -119,7 +119,7 @@ const kvOptions = (c: Command) =>
     .option('--waiting-timeout-ms <ms>', 'prefill: max queue + prompt evaluation time; decode: max wait for the KV to start', int, 60_000)
     .option('--transfer-timeout-ms <ms>', 'max time without KV transfer progress', int, 10_000)
     .option('--state-dir <dir>', 'folder for sequence-state files (tmpfs)', '/dev/shm')
-    .option('--max-state-bytes <size>', 'largest KV state accepted (bytes, or with K/M/G; 1M-16G): a larger one fails its room; a 1 GiB state needs more than the default', cliParser(parseStateBytes), DEFAULT_MAX_STATE_BYTES)
+    .option('--max-state-bytes <size>', 'largest KV state accepted (bytes, or with K/M/G; 1M-16G): on decode, a prompt whose state is larger fails at once with 400 kv_state_too_large (never retried or migrated), on every handoff path; a 1 GiB state needs more than the default', cliParser(parseStateBytes), DEFAULT_MAX_STATE_BYTES)
     .option('--kv-streams <n>', 'sockets one KV connection stripes large states over (1-8; the pair uses the smaller of both sides)', int, 1)
     .option('--no-kv-same-host', 'never hand the saved state file over on one host (kv_file): every KV handoff goes over TCP')
     .option('--kv-same-host-verify', 'same-host handoff: also check the state\'s data bytes (CRC-32, one full read of the file on each side, on the critical path); by default size, envelope head and the ggsq structure are checked, not the data (no wire to damage it); either side turns it on for the pair', false);
@@ -277,7 +277,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
     .option('--worker-wait-ms <ms>', `router: ${WORKER_WAIT_HELP}`, int, 20_000)
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
-    .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M)', cliParser(parseStateBytes))
+    .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M); a larger state fails its request with 400 kv_state_too_large', cliParser(parseStateBytes))
     .option('--kv-streams <n>', 'every worker: sockets one KV connection stripes large states over (1-8; default 1)', int)
     .option('--first-token-after-save <pct>', `prefill workers: ${FIRST_TOKEN_AFTER_SAVE_HELP} (default 5)`, percentOrAlways)
     .option('--no-kv-stream', `prefill workers: ${NO_KV_STREAM_HELP}`)
