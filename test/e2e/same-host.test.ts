@@ -8,13 +8,17 @@
  *    decode lives, the file is removed (swept: its owner is dead) and nothing stays behind;
  *  - prefill SIGKILLed after decode took the file over (ownership moved, the load held): decode
  *    fails the room cleanly and deletes its file; nothing stays behind; the next request works.
+ *  - a prompt whose state is over the decodes' --max-state-bytes (1M; `'ab ' × 1000`, ~1.06 MB):
+ *    streamed or not, n = 1 or 2, on both paths (TCP streamed while saved, TCP saved-then-sent
+ *    for n = 2, same host), the client gets `kv_state_too_large` naming the flag at once — one
+ *    attempt, no retry or migration — nothing stays behind, and the next request is served.
  * Damaged or cut handed files: test/e2e/corrupt-state.test.ts; the probe's fallbacks (another
  * boot id, pid namespace or directory, the flag on either side): test/unit/same-host.test.ts.
  */
 import assert from 'node:assert/strict';
 import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { after, describe, test } from 'node:test';
-import { getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
+import { busy, getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
 
 const dir = mkdtempSync('/dev/shm/pdserve-samehost-e2e-');
 after(() => rmSync(dir, { recursive: true, force: true }));
@@ -26,12 +30,17 @@ const HOLD_MS = 3000;
  * the deadline (the request fails for its dead prefill, never for the hold); well below the client's 30 s.
  */
 const REQUEST_DEADLINE_MS = 2 * HOLD_MS;
+/** Both decodes' --max-state-bytes: the smallest accepted; the tiny model's state is ~530 B/token. */
+const MAX_STATE = '1M';
+/** A prompt of ~2000 tokens (a ~1.06 MB state: over MAX_STATE), as the context allows. */
+const BIG_PROMPT = 'ab '.repeat(1000);
 const h = useStack({
   decode: 2,
+  ctxSize: 4096,
   env: { PDSERVE_TEST_HOLDS: 'on' },
   // A request whose only prefill was killed waits for one until its deadline (--worker-wait-ms):
   // 6 s here, not the default 300 s (cut short by the client's 30 s), so the kill cases end soon.
-  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS)] },
+  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir, '--max-state-bytes', MAX_STATE], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS)] },
   extraArgsOf: { 'decode-1': ['--no-kv-same-host'] },
 });
 
@@ -91,6 +100,70 @@ describe('same-host KV handoff (kv_file)', () => {
     assert.ok((d1.tcp ?? 0) >= 3 && (d1.same_host ?? 0) === 0, `decode-1 (--no-kv-same-host) received every state over TCP: ${JSON.stringify(d1)}`);
     assert.equal((p0.same_host ?? 0) + (p0.tcp ?? 0), 12, `prefill counted each handoff once by path: ${JSON.stringify(p0)}`);
     assert.ok(await waitFor(async () => stateFiles().length === 0, 3000), `no state file left behind: ${stateFiles().join(', ')}`);
+  });
+
+  test('a state over decode\'s --max-state-bytes: kv_state_too_large at once on every path (stream or not, n = 1 or 2), one attempt; nothing left; the next request is served', async () => {
+    const tooLarge = async (name: string) => {
+      const m = /^pdserve_rooms_cancelled_total\{code="kv_state_too_large"\} (\d+)/m.exec(await (await fetch(`${proc(name).url}/metrics`)).text());
+      return Number(m?.[1] ?? 0);
+    };
+    const counts = async () => [await tooLarge('decode-0'), await tooLarge('decode-1')];
+    const routerMetrics = async () => (await (await fetch(`${h.c.router.url}/metrics`)).text()).split('\n').filter((l) => /^pdserve_router_(migrations|retries)_total\{/.test(l)).sort().join('\n');
+    const retriesBefore = await routerMetrics();
+    /** The message a decode's path gives: streamed TCP learns the size as bytes come; an announced size (TCP n = 2, a handed file) is exact. */
+    const streamedMsg = /over this decode worker's limit of 1048576 bytes \(1 MiB\) \(decode --max-state-bytes\): 1048576 bytes arrived and more followed; it needs about \d+ bytes/;
+    const announcedMsg = /KV state of \d+ bytes \([\d.]+ MiB\) is over this decode worker's limit of 1048576 bytes \(1 MiB\) \(decode --max-state-bytes\): .*--max-state-bytes of at least \d+/;
+    const seen = { streamed: 0, announced: 0, sameHost: 0 };
+    for (const n of [1, 2]) {
+      for (const stream of [false, true]) {
+        // twice: round robin puts the two on different decodes (n = 2: each request's two choices)
+        for (let rep = 0; rep < (n === 1 ? 2 : 1); rep++) {
+          const before = await counts();
+          const label = `n=${n} stream=${stream} #${rep}`;
+          let err: any;
+          let tokens = 0;
+          try {
+            if (stream) {
+              const s = await h.pd.completions.create({ model: 'pdserve', prompt: BIG_PROMPT, max_tokens: 8, temperature: 0, n, stream: true });
+              for await (const c of s) tokens += c.choices[0]?.text ? 1 : 0;
+            } else await h.pd.completions.create({ model: 'pdserve', prompt: BIG_PROMPT, max_tokens: 8, temperature: 0, n });
+          } catch (e) {
+            err = e;
+          }
+          assert.ok(err, `${label}: the request failed`);
+          assert.equal(err.code, 'kv_state_too_large', `${label}: ${err.message}`);
+          assert.match(err.message, /--max-state-bytes/, label);
+          assert.doesNotMatch(err.message, /does not follow|goes past the limit|outside \(0/, label);
+          if (stream) assert.equal(err.status, undefined, `${label}: an SSE error event after token 1, not an HTTP error`);
+          else assert.equal(err.status, 400, label);
+          assert.ok(tokens <= n, `${label}: at most token 1 of each choice before the error (${tokens})`);
+          // which decode(s) failed the room(s): prefill and decode may answer in either order, the count trails a little
+          let after = before;
+          await waitFor(async () => { after = await counts(); return after[0]! + after[1]! - before[0]! - before[1]! >= n; }, 3000);
+          // at most one room per choice (an attempt run again would fail another room); n = 2: the
+          // first choice to fail ends the request, the other's room may end as aborted before its state came
+          const failed = after[0]! + after[1]! - before[0]! - before[1]!;
+          assert.ok(failed >= 1 && failed <= n, `${label}: one attempt per choice, failed kv_state_too_large on a decode (${failed})`);
+          const on = [0, 1].filter((d) => after[d]! > before[d]!);
+          if (n === 1) {
+            assert.equal(on.length, 1, label);
+            // decode-0 takes files over (same host); decode-1 (--no-kv-same-host) gets a state streamed while it is saved
+            assert.match(err.message, on[0] === 1 ? streamedMsg : announcedMsg, `${label} on decode-${on[0]}`);
+            if (on[0] === 1) seen.streamed++;
+            else seen.sameHost++;
+          } else {
+            assert.match(err.message, announcedMsg, `${label}: n = 2 is saved, then sent`);
+            seen.announced++;
+          }
+        }
+      }
+    }
+    assert.ok(seen.streamed >= 1 && seen.sameHost >= 1 && seen.announced >= 1, `every path was taken: ${JSON.stringify(seen)}`);
+    assert.equal(await routerMetrics(), retriesBefore, 'no retry, no migration');
+    for (const name of ['prefill-0', 'decode-0', 'decode-1']) assert.ok(await waitFor(async () => (await busy(proc(name).url)) === 0, 3000), `${name} idle: ${JSON.stringify(await getJson(`${proc(name).url}/health`))}`);
+    assert.ok(await waitFor(async () => stateFiles().length === 0, 3000), `no state file left behind: ${stateFiles().join(', ')}`);
+    const ok = await h.pd.completions.create({ model: 'pdserve', prompt: promptOf(200, 3), max_tokens: 4, temperature: 0 });
+    assert.ok(ok.usage!.completion_tokens >= 1, 'the next request is served');
   });
 
   test('prefill killed right after handing a file over, before decode took it: the request fails, decode lives, the file is swept', async () => {
