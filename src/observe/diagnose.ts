@@ -279,7 +279,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       title: `room ${room} ${what}: ${worst.r.state}/${worst.r.phase}${worst.r.step ? ` step ${worst.r.step}` : ''} on ${worst.w.ref.role} for ${fmtMs(worst.inPhase)}${worst.budget ? ` of its ${fmtMs(worst.budget)} budget` : ''}`,
       details,
       cause,
-      next: [doctorReq(idOf(worst.r)), `curl -sS ${worst.w.ref.url}/debug/rooms`, `curl -sS -X POST -H 'content-type: application/json' -d '{"bootstrap_room":"${room}"}' ${worst.w.ref.url}/abort_request   # fail it now`],
+      next: [doctorReq(idOf(worst.r)), `curl -sS ${routerUrl}/debug/rooms   # every worker's rooms`, `curl -sS -X POST -H 'content-type: application/json' -d '{"bootstrap_room":"${room}"}' ${worst.w.ref.url}/abort_request   # fail it now`],
       weight: worst.inPhase,
       data: { room, rid: worst.r.rid, trace: worst.r.trace ?? null, state: worst.r.state, phase: worst.r.phase, step: worst.r.step ?? null, role: worst.w.ref.role, worker: worst.w.ref.url, in_phase_ms: worst.inPhase, age_ms: worst.r.age_ms, deadline_ms: worst.r.deadline_ms, peer: worst.r.peer },
     });
@@ -324,7 +324,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       title: `requests are waiting while every engine is idle: ${all.length} live room(s), ${routerInflight} request(s) in flight at the router, no prefill computing, no decode generating`,
       details: [...queues, oldest ? `longest wait: room ${oldest.r.room} ${oldest.r.state}/${oldest.r.phase}${oldest.r.step ? ` step ${oldest.r.step}` : ''} on ${oldest.w.ref.role} for ${fmtMs(oldest.inPhase)}` : `oldest request in flight: ${fmtMs(oldestActive)}`],
       cause: 'a room is waiting for an event that will not come (a lost KV_ACK/fail message, a stalled send, a held request): nothing is computing, so it is not load. The room findings name it',
-      next: oldest ? [doctorReq(idOf(oldest.r)), `curl -sS ${oldest.w.ref.url}/debug/rooms`] : [`curl -sS ${routerUrl}/debug/traces?active=1`],
+      next: oldest ? [doctorReq(idOf(oldest.r)), `curl -sS ${routerUrl}/debug/rooms   # every worker's rooms`] : [`curl -sS ${routerUrl}/debug/traces?active=1`],
       weight: 1e9,
       data: oldest ? { room: oldest.r.room, rid: oldest.r.rid, trace: oldest.r.trace ?? null, state: oldest.r.state, phase: oldest.r.phase, step: oldest.r.step ?? null, role: oldest.w.ref.role, in_phase_ms: oldest.inPhase, age_ms: oldest.r.age_ms } : { router_inflight: routerInflight },
     });
@@ -441,7 +441,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       }
     }
     if (moved.length) {
-      add({ severity: 'warning', kind: 'counter_moved', title: `${label}: moved since the previous round (${fmtMs(snap.at - o.previous!.at)} ago)`, details: moved, cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: ['curl -sS WORKER/debug/rooms   # recent rooms and their fail reasons'], weight: moved.length });
+      add({ severity: 'warning', kind: 'counter_moved', title: `${label}: moved since the previous round (${fmtMs(snap.at - o.previous!.at)} ago)`, details: moved, cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: [`curl -sS ${routerUrl}/debug/rooms   # every worker's recent rooms and their fail reasons`], weight: moved.length });
     } else if (total.length) {
       add({ severity: sev, kind: 'counter_total', title: `${label} since start: ${total.join('; ')}`, details: [], cause: COUNTER_CAUSES[label] ?? 'see the worker log', next: [`${doctorCmd([], ['--watch'])}   # shows when it moves`] });
     }

@@ -11,6 +11,10 @@
  *   GET /debug/traces           recent request traces, newest first (?active=1: in flight only;
  *                               ?limit=N, default 50, at most 500)
  *   GET /debug/traces/:id       one trace by trace id or rid (404 when unknown)
+ *   GET /debug/rooms            every worker's GET /debug/rooms, fetched now (signed with the
+ *                               cluster secret, ROOMS_TIMEOUT_MS each, all at once):
+ *                               {workers: [{role, url, error, rooms}]}, rooms = the worker's body
+ *                               or null with the error (unreachable, refused, timed out)
  *
  * /dashboard/data gathers the workers' /health, /metrics and /debug/rooms with the doctor's code
  * (src/observe/gather.ts, 1.5 s deadline per GET) at most once a second, however many pages poll.
@@ -24,7 +28,7 @@ import type { FastifyInstance } from 'fastify';
 import type { Dispatcher } from 'undici';
 import { ApiError } from '../api/errors.js';
 import { diagnose, failureLabel } from '../observe/diagnose.js';
-import { probeWorker, type ClusterSnapshot, type Fetched, type RouterProbe, type WorkerProbe } from '../observe/gather.js';
+import { fetchText, probeWorker, type ClusterSnapshot, type DebugRooms, type Fetched, type RouterProbe, type WorkerProbe } from '../observe/gather.js';
 import { gpuFromHealth } from '../engine/gpu.js';
 import type { DashboardSeries } from './dashboard-series.js';
 import type { RouterMetrics } from './metrics.js';
@@ -54,6 +58,9 @@ const ASSETS: Record<string, { path: () => string | URL; type: string }> = {
 };
 
 const ok = <T>(body: T): Fetched<T> => ({ ok: true, status: 200, ms: 0, error: null, body });
+
+/** Deadline of each worker's GET /debug/rooms behind the router's, ms. */
+export const ROOMS_TIMEOUT_MS = 1500;
 
 /** Register the dashboard and trace routes on the router's fastify app. */
 export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): void {
@@ -87,6 +94,19 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
     const t = d.traces.get(req.params.id);
     if (!t) throw new ApiError(404, 'trace_not_found', `no recent request with trace id or rid ${req.params.id}`, 'invalid_request_error');
     return t;
+  });
+
+  // Workers answer /debug/rooms to signed requests only: the router's dispatcher signs them.
+  app.get('/debug/rooms', async () => {
+    const rows = d.registry.snapshot() as unknown as { role: string; url: string }[];
+    const workers = await Promise.all(
+      rows.map(async (r) => {
+        const f = await fetchText<DebugRooms>(`${r.url}/debug/rooms`, ROOMS_TIMEOUT_MS, (t) => JSON.parse(t) as DebugRooms, d.dispatcher);
+        const said = (f.body as { error?: { message?: unknown } } | null)?.error?.message;
+        return { role: r.role, url: r.url, error: f.ok ? null : `${f.error}${typeof said === 'string' ? `: ${said}` : ''}`, rooms: f.ok ? f.body : null };
+      }),
+    );
+    return { workers };
   });
 
   let last: { at: number; body: unknown } | null = null;

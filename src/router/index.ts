@@ -17,7 +17,7 @@
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total, blocked_pairs}
  *                      (blocked_pairs: pairs out of the rotation after a failed KV handshake, ./pair-blocks.ts)
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
- *   GET /dashboard, /dashboard/data, /debug/traces[/:id] — see `./dashboard.ts`
+ *   GET /dashboard, /dashboard/data, /debug/traces[/:id], /debug/rooms — see `./dashboard.ts`
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.

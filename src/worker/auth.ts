@@ -47,8 +47,17 @@ export function isSigned(request: FastifyRequest): boolean {
 
 const EMPTY_DIGEST = createHash('sha256').digest('hex');
 
-const MESSAGES: Record<RefusalReason, string> = {
-  missing: `this worker endpoint needs a signed request (${SIGNATURE_HEADER}, from the cluster secret): call it through the router, or see SECURITY.md`,
+/**
+ * The 401 of an unsigned request says what works instead: the router's own routes (its
+ * GET /debug/rooms gathers every worker's rooms, signed) or `pdserve doctor` with the secret.
+ */
+function missingMessage(path: string): string {
+  const head = `this worker endpoint takes only requests signed with the cluster secret (${SIGNATURE_HEADER})`;
+  if (path.startsWith('/debug/')) return `${head}: read every worker's rooms through the router (GET <router>/debug/rooms, with the admin key if it has one), or run \`pdserve doctor --url <router>\` with PDSERVE_CLUSTER_SECRET or --cluster-secret-file; see SECURITY.md`;
+  return `${head}: send requests to the router (/v1/...), or sign them with the cluster secret as the router and \`pdserve doctor\` do; see SECURITY.md`;
+}
+
+const MESSAGES: Record<Exclude<RefusalReason, 'missing'>, string> = {
   malformed: `malformed ${SIGNATURE_HEADER} header`,
   expired: 'request signature outside its validity window (check the clocks) or too old',
   replayed: 'request signature already used (a replayed request)',
@@ -73,7 +82,8 @@ export function registerWorkerAuth(app: FastifyInstance, o: WorkerAuthOptions, r
   const deny = (request: FastifyRequest, reply: FastifyReply, reason: RefusalReason): FastifyReply => {
     refused.inc({ reason });
     request.log.debug({ reason, method: request.method, path: request.url.split('?')[0] }, 'unauthenticated worker request refused');
-    return sendApiError(reply, new ApiError(401, 'unauthenticated', MESSAGES[reason], 'authentication_error'));
+    const message = reason === 'missing' ? missingMessage(request.url.split('?')[0]!) : MESSAGES[reason];
+    return sendApiError(reply, new ApiError(401, 'unauthenticated', message, 'authentication_error'));
   };
   app.addHook('onRequest', (request, reply, done) => {
     const open = isOpen(request.method, request.url, o.privateMetrics === true);

@@ -185,11 +185,26 @@ describe('signed worker requests', () => {
       assert.equal(gen.status, 401, `${w.name} /generate`);
       assert.equal(JSON.parse(gen.text).error.code, 'unauthenticated');
       assert.equal((await call(w.url, 'POST', '/abort_request', '{"rid":"x"}')).status, 401, `${w.name} /abort_request`);
-      assert.equal((await call(w.url, 'GET', '/debug/rooms')).status, 401, `${w.name} /debug/rooms`);
+      const rooms = await call(w.url, 'GET', '/debug/rooms');
+      assert.equal(rooms.status, 401, `${w.name} /debug/rooms`);
+      assert.match(JSON.parse(rooms.text).error.message, /GET <router>\/debug\/rooms.*pdserve doctor --url <router>/, 'the 401 names what works');
       assert.equal((await call(w.url, 'GET', '/v1/models')).status, 401, `${w.name} /v1/models`);
       assert.equal((await call(w.url, 'GET', '/health')).status, 200);
       assert.ok(((await refusals(w.url)).missing ?? 0) >= 4, `${w.name} counts the refusals`);
     }
+  });
+
+  test("the router's GET /debug/rooms (admin key) reads every worker's rooms, signed", async () => {
+    const res = await get('/debug/rooms', bearer(ADMIN_KEY));
+    assert.equal(res.status, 200);
+    const { workers } = (await res.json()) as { workers: { role: string; url: string; error: string | null; rooms: { role: string; live: unknown[]; recent: unknown[] } | null }[] };
+    assert.deepEqual(workers.map((w) => w.url).sort(), [...c.byRole('prefill'), ...c.byRole('decode')].map((p) => p.url).sort());
+    for (const w of workers) {
+      assert.equal(w.error, null, w.url);
+      assert.equal(w.rooms?.role, w.role, w.url);
+      assert.ok(Array.isArray(w.rooms?.recent), w.url);
+    }
+    assert.equal((await get('/debug/rooms')).status, 401, 'without the admin key');
   });
 
   test('a replayed, an old, a changed or a wrongly keyed signature is refused; a fresh one is accepted once', async () => {

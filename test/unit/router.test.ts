@@ -77,6 +77,8 @@ class FakeWorker {
   /** How long /abort_request waits before it cancels (and answers). */
   abortDelayMs = 0;
   health: () => { code: number; body: unknown };
+  /** GET /debug/rooms's answer (a real worker's needs the router's signature). */
+  rooms: () => { code: number; body: unknown } = () => ({ code: 200, body: { role: this.role, now: Date.now(), live: [], recent: [] } });
   prefill: (b: GenerateRequest) => PrefillBehaviour = () => ({ delayMs: 5 });
   decode: (b: GenerateRequest) => DecodeBehaviour = () => ({ tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'length' });
   private readonly cancels = new Map<string, AbortController>();
@@ -90,6 +92,10 @@ class FakeWorker {
     this.app.get('/health', async (_req, reply) => {
       const h = this.health();
       return reply.code(h.code).send(h.body);
+    });
+    this.app.get('/debug/rooms', async (_req, reply) => {
+      const r = this.rooms();
+      return reply.code(r.code).send(r.body);
     });
     this.app.post('/abort_request', async (req) => {
       const b = req.body as { rid: string; bootstrap_room?: string };
@@ -486,6 +492,26 @@ describe('router: happy paths through the openai client', () => {
 });
 
 describe('router: failures', () => {
+  test("GET /debug/rooms gathers every worker's rooms; a worker that refuses or is down has rooms null and its error", async () => {
+    const s = await stack({ decode: 3 });
+    const room = { room: '42', rid: 'r1', state: 'Transferring', phase: 'transfer', age_ms: 5, timeline: [] };
+    s.prefill[0]!.rooms = () => ({ code: 200, body: { role: 'prefill', now: 1, live: [room], recent: [] } });
+    s.decode[1]!.rooms = () => ({ code: 401, body: { error: { message: 'this worker endpoint takes only requests signed with the cluster secret', type: 'authentication_error', param: null, code: 'unauthenticated' } } });
+    await s.decode[2]!.app.close(); // down
+    const r = await fetch(`${s.router.url}/debug/rooms`);
+    assert.equal(r.status, 200);
+    const { workers } = (await r.json()) as { workers: { role: string; url: string; error: string | null; rooms: { live: unknown[] } | null }[] };
+    const byUrl = new Map(workers.map((w) => [w.url, w]));
+    assert.equal(workers.length, 4);
+    assert.deepEqual(byUrl.get(s.prefill[0]!.url), { role: 'prefill', url: s.prefill[0]!.url, error: null, rooms: { role: 'prefill', now: 1, live: [room], recent: [] } });
+    assert.equal(byUrl.get(s.decode[0]!.url)!.error, null);
+    assert.deepEqual(byUrl.get(s.decode[0]!.url)!.rooms!.live, []);
+    assert.equal(byUrl.get(s.decode[1]!.url)!.rooms, null);
+    assert.match(byUrl.get(s.decode[1]!.url)!.error!, /^HTTP 401: this worker endpoint takes only requests signed/);
+    assert.equal(byUrl.get(s.decode[2]!.url)!.rooms, null);
+    assert.ok(byUrl.get(s.decode[2]!.url)!.error, 'the down worker has an error');
+  });
+
   test('a request refused before dispatch (400, malformed JSON) does not stay in flight in /debug/traces', async () => {
     const s = await stack();
     const post = (body: string) => fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
