@@ -139,7 +139,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     async close() {
       kvTracker?.close();
       await app.close().catch(() => {});
-      store?.close();
+      await store?.close();
       await engine.dispose();
     },
   };

@@ -869,6 +869,7 @@ class LlamaEngine implements Engine {
     if (this.logSink) logSinks.delete(this.logSink);
     await this.context.dispose();
     await this.model.dispose();
+    await this.store?.close?.(); // no write of this engine can start now
   }
 }
 

@@ -144,4 +144,6 @@ export interface PrefixStore {
    * Never throws.
    */
   begin(tokens: readonly number[], exactPrefix: number): Promise<StoreWrite | undefined>;
+  /** The engine is disposed: stop (the file store may remove its entries, see runtime/prefix-store.ts). Idempotent; never rejects. */
+  close?(): Promise<void>;
 }

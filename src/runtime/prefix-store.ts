@@ -11,6 +11,7 @@
  *   pdserve-store-<key>.pdkv              an entry: `key` = the chain key of its first K tokens
  *   pdserve-storetmp-<pid>-<hex>[-env].ggsq  a write in progress (owner pid in the name)
  *   pdserve-storeload-<pid>-<hex>.ggsq    a validated copy re-framed for one engine, being loaded
+ *   pdserve-storeuser-<pid>-<hex>.pid     a store bound by a running process (one per store)
  * An entry is a KV envelope (kv/envelope.ts: head with the model fingerprint and context
  * settings, payload = the ggsq state, CRC-32 trailer) — the bytes a TCP handoff carries.
  *
@@ -39,6 +40,11 @@
  * hint: a hit still opens the file (`take`) or checks it is there (`reusable`), a name it lists
  * that is gone is dropped then, and every rule above applies to what is opened.
  *
+ * Lifetime: entries outlive a process but not the last one using the folder. Each bound store
+ * keeps a user file; `close()` (engine dispose, on every clean stop) removes it and, when no user
+ * file of a live pid is left, every entry. A store bound where no live process uses the folder
+ * removes the entries it finds (their processes were killed). Between the two, at most the budget.
+ *
  * Budget and LRU: every process keeps the directory's entries within `maxBytes` (its own
  * `--prefix-store-bytes`; with several values on a host the smallest wins in effect): after
  * each write and every SCAN_MS it lists the entries, and removes the least recently used (mtime:
@@ -57,10 +63,12 @@ import { cacheKeyOf, keyChain, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheE
 import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PREFIX_BYTES, envelopeTrailer, MAX_ENVELOPE_HEADER_BYTES, parseEnvelopeHead } from '../kv/envelope.js';
 import { crc32 } from '../kv/transfer/checksum.js';
 import type { Logger } from '../base/log.js';
-import { STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles.js';
+import { processAlive, STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles.js';
 
 /** An entry's file name. */
 const ENTRY = /^pdserve-store-([0-9a-f]{32})\.pdkv$/;
+/** A running process's mark that it uses the folder (one per bound store; a dead pid's is swept by statefiles.ts). */
+const USER = /^pdserve-storeuser-(\d+)-[0-9a-f]+\.pid$/;
 /** Period of the budget scan (also refreshes the bytes/files gauges), ms. */
 export const SCAN_MS = 5000;
 /**
@@ -179,6 +187,11 @@ export class FilePrefixStore implements PrefixStore {
   private lastSweep = 0;
   private readonly listeners = new Set<(e: KvCacheEvent) => void>();
   private closed = false;
+  /** This store's user file (null before bind, or when it could not be written). */
+  private userFile: string | null = null;
+  /** The claim of the folder made at bind (user file written, entries of killed processes removed). */
+  private claimed: Promise<void> = Promise.resolve();
+  private closing: Promise<void> | null = null;
   private readonly counters: { lookups?: client.Counter<'result'>; refused?: client.Counter<'reason'>; evictions?: client.Counter; writes?: client.Counter; hitTokens?: client.Counter; dropped?: client.Counter } = {};
 
   constructor(private readonly o: FilePrefixStoreOptions) {
@@ -199,19 +212,97 @@ export class FilePrefixStore implements PrefixStore {
     if (this.o.blockTokens === undefined) this.blockTokens = id.align ?? STORE_BLOCK_TOKENS;
     this.lastSweep = systemClock.nowMs();
     this.watchDir();
-    void sweepStaleStateFiles(this.o.dir, this.o.log);
-    this.scheduleScan();
+    this.claimed = this.claim().then(() => {
+      void sweepStaleStateFiles(this.o.dir, this.o.log);
+      if (!this.closed) void this.scheduleScan();
+    });
     this.timer = setInterval(() => this.tick(), this.o.scanMs ?? SCAN_MS);
     this.timer.unref();
   }
 
-  /** Stop the scan timer and the change notifications (pending writes finish on their own). Idempotent. */
-  close(): void {
+  /**
+   * Stop the scan timer and the change notifications, wait for this process's writes in flight
+   * (PENDING_WAIT_MS at most), remove this store's user file and, when no live process uses the
+   * folder any more, every entry (module doc, Lifetime). Idempotent; never rejects.
+   */
+  close(): Promise<void> {
+    if (this.closing) return this.closing;
     this.closed = true;
     if (this.timer) clearInterval(this.timer);
     this.timer = null;
     this.watcher?.close();
     this.watcher = null;
+    this.closing = (async () => {
+      await this.claimed;
+      const writes = [...this.writing.values()];
+      if (writes.length > 0) {
+        let t: NodeJS.Timeout | undefined;
+        await Promise.race([Promise.all(writes), new Promise<void>((r) => (t = setTimeout(r, PENDING_WAIT_MS)))]);
+        clearTimeout(t);
+      }
+      if (!this.userFile) return;
+      // own file first: of two users stopping at once, the one listing last sees neither and clears
+      await fsp.rm(this.userFile, { force: true }).catch(() => {});
+      this.userFile = null;
+      if ((await this.liveUsers()) === 0) {
+        const removed = await this.removeEntries();
+        if (removed > 0) this.o.log?.info({ dir: this.o.dir, removed }, 'prefix store: the last process using the folder removed its entries');
+      }
+    })().catch((err) => this.o.log?.warn({ err: String(err) }, 'prefix store: close failed'));
+    return this.closing;
+  }
+
+  /** Write this store's user file; where no other live process uses the folder, remove the entries killed processes left. Never throws. */
+  private async claim(): Promise<void> {
+    const path = join(this.o.dir, `pdserve-storeuser-${process.pid}-${randomBytes(8).toString('hex')}.pid`);
+    try {
+      await fsp.writeFile(path, `${process.pid}\n`, { flag: 'wx' });
+    } catch (err) {
+      this.o.log?.warn({ path, err: String(err) }, 'prefix store: cannot mark the folder as used (its entries are not removed at stop)');
+      return;
+    }
+    this.userFile = path;
+    if ((await this.liveUsers()) === 0) {
+      const removed = await this.removeEntries();
+      if (removed > 0) this.o.log?.info({ dir: this.o.dir, removed }, 'prefix store: removed entries no running process uses (their processes were killed)');
+    }
+  }
+
+  /** User files of live processes in the folder other than this store's (Infinity when it cannot be listed: assume users). */
+  private async liveUsers(): Promise<number> {
+    let names: string[];
+    try {
+      names = await fsp.readdir(this.o.dir);
+    } catch {
+      return Infinity;
+    }
+    let n = 0;
+    for (const name of names) {
+      const m = USER.exec(name);
+      if (m && join(this.o.dir, name) !== this.userFile && processAlive(Number(m[1]))) n++;
+    }
+    return n;
+  }
+
+  /** Remove every entry of the folder; returns how many. Never throws. */
+  private async removeEntries(): Promise<number> {
+    let names: string[];
+    try {
+      names = await fsp.readdir(this.o.dir);
+    } catch {
+      return 0;
+    }
+    let removed = 0;
+    for (const name of names) {
+      const m = ENTRY.exec(name);
+      if (!m) continue;
+      await fsp.rm(join(this.o.dir, name), { force: true }).then(() => removed++, () => {});
+      this.index.delete(m[1]!);
+      this.ownWrites.delete(m[1]!);
+    }
+    this.stats.bytes = 0;
+    this.stats.files = 0;
+    return removed;
   }
 
   /**

@@ -13,8 +13,8 @@ import { readdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { Logger } from '../base/log.js';
 
-/** `pdserve-<kind>-<pid>[-<rest>].<ggsq|nonce|bin>`; the kind may have dashes (the bench's `bench-kv`, `bench-probe`). */
-const STATE_FILE = /^pdserve-[a-z]+(?:-[a-z]+)*-(\d+)(?:-[^/]*)?\.(?:ggsq|nonce|bin)$/;
+/** `pdserve-<kind>-<pid>[-<rest>].<ggsq|nonce|bin|pid>`; the kind may have dashes (the bench's `bench-kv`, `bench-probe`); `.pid`: a prefix store's user file (prefix-store.ts). */
+const STATE_FILE = /^pdserve-[a-z]+(?:-[a-z]+)*-(\d+)(?:-[^/]*)?\.(?:ggsq|nonce|bin|pid)$/;
 
 /**
  * The file-system operations a role's room handling performs on state files (a port: node:fs
@@ -48,8 +48,8 @@ export const nodeStateFiles: StateFiles = {
 /** Period of the stale-file sweep of a running worker, ms. */
 export const STATE_SWEEP_MS = 30_000;
 
-/** The process exists and is not a zombie (a killed child its parent has not reaped yet is dead). */
-function alive(pid: number): boolean {
+/** The process exists and is not a zombie (a killed child its parent has not reaped yet is dead). Never throws. */
+export function processAlive(pid: number): boolean {
   try {
     process.kill(pid, 0);
   } catch (err) {
@@ -74,7 +74,7 @@ export async function sweepStaleStateFiles(dir: string, log?: Logger): Promise<n
   let removed = 0;
   for (const name of names) {
     const m = STATE_FILE.exec(name);
-    if (!m || alive(Number(m[1]))) continue;
+    if (!m || processAlive(Number(m[1]))) continue;
     await rm(join(dir, name), { force: true }).then(() => removed++, () => {});
   }
   if (removed > 0) log?.info({ dir, removed }, 'removed state files left by dead processes');

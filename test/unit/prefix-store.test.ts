@@ -110,7 +110,7 @@ describe('FilePrefixStore', () => {
     assert.equal(st.nStream, ID.nStream, 'the load copy has the loading context n_stream');
     assert.deepEqual(st.tokens, conv);
     await hit.done();
-    assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp or load file left');
+    assert.deepEqual(readdirSync(dir).filter((n) => !/\.(pdkv|pid)$/.test(n)), [], 'no temp or load file left');
 
     assert.equal(await store.take(next, 200), undefined, 'nothing better than what the first tier gives');
     assert.equal(await store.take(toks(300, 9), 0), undefined, 'another conversation misses');
@@ -362,7 +362,7 @@ describe('FilePrefixStore', () => {
     const [a, b] = await both;
     assert.ok(a.writes + b.writes >= 50, `the writers stored ${a.writes} + ${b.writes} times`);
     assert.deepEqual(reader.stats.refused, { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0 }, 'no torn or mixed entry was ever read');
-    assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp files left');
+    assert.deepEqual(readdirSync(dir).filter((n) => !/\.(pdkv|pid)$/.test(n)), [], 'no temp files left');
     // leave one entry and check it whole
     if (entries(dir).length > 0) {
       const h = await reader.take([...toks(300), 1], 0);
@@ -371,6 +371,49 @@ describe('FilePrefixStore', () => {
     }
     assert.ok(hits >= 0);
     reader.close();
+  });
+
+  test('entries outlive a store closed while another uses the folder, not the last one; a store bound where no live process uses the folder removes what killed ones left', async () => {
+    const dir = freshDir();
+    const users = () => readdirSync(dir).filter((n) => n.endsWith('.pid'));
+    const claimed = (s: FilePrefixStore) => (s as unknown as { claimed: Promise<void> }).claimed;
+    const a = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    const b = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    a.bind(ID);
+    b.bind(ID);
+    await Promise.all([claimed(a), claimed(b)]);
+    assert.equal(users().length, 2, 'one user file per bound store');
+    assert.ok(await put(a, toks(200)));
+    assert.ok(await put(b, toks(200, 4)));
+    assert.equal(entries(dir).length, 2);
+    await a.close();
+    assert.equal(entries(dir).length, 2, 'b still uses the folder: the entries stay');
+    assert.equal(users().length, 1);
+    await b.close();
+    assert.deepEqual(readdirSync(dir), [], 'the last one to stop removed every entry and its user file');
+    await b.close(); // idempotent
+
+    // killed processes: their entries and user file, no live user → the next store removes them
+    const dead = spawnSync(process.execPath, ['-e', '0']).pid!;
+    const left = `pdserve-store-${'ab'.repeat(16)}.pdkv`;
+    writeFileSync(path.join(dir, left), 'x'.repeat(100));
+    writeFileSync(path.join(dir, `pdserve-storeuser-${dead}-00112233.pid`), `${dead}\n`);
+    const c = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    c.bind(ID);
+    await claimed(c);
+    assert.deepEqual(entries(dir), [], 'the entries killed processes left are removed');
+    await new Promise((r) => setTimeout(r, 100)); // the dead-pid sweep follows the claim
+    assert.equal(users().length, 1, "the dead user's file is swept; the new store's stays");
+    await c.close();
+
+    // another live process uses the folder (a user file of a live pid): neither bind nor close removes entries
+    writeFileSync(path.join(dir, left), 'x'.repeat(100));
+    writeFileSync(path.join(dir, `pdserve-storeuser-${process.pid}-ffeeddcc.pid`), `${process.pid}\n`);
+    const d = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    d.bind(ID);
+    await claimed(d);
+    await d.close();
+    assert.deepEqual(entries(dir), [left], 'a live user keeps the entries');
   });
 
   test("a dead writer's temp files are swept when a store binds; a live one's stay", async () => {
@@ -382,9 +425,10 @@ describe('FilePrefixStore', () => {
     const store = new FilePrefixStore({ dir, maxBytes: 1 << 20 });
     store.bind(ID);
     await store.scheduleScan();
-    for (let i = 0; i < 50 && readdirSync(dir).length > 1; i++) await new Promise((r) => setTimeout(r, 10));
-    assert.deepEqual(readdirSync(dir), [live]);
-    store.close();
+    const left = () => readdirSync(dir).filter((n) => !n.endsWith('.pid')); // but the store's own user file
+    for (let i = 0; i < 50 && left().length > 1; i++) await new Promise((r) => setTimeout(r, 10));
+    assert.deepEqual(left(), [live]);
+    await store.close();
   });
 
   test('store metrics pass promtool', async (t) => {
@@ -466,7 +510,7 @@ describe('the store between two engines on the tiny model', () => {
     }
     assert.equal(served, 4);
     assert.equal(rs.stats.hits, 4);
-    assert.deepEqual(readdirSync(dir).filter((n) => !n.endsWith('.pdkv')), [], 'no temp or load file left');
+    assert.deepEqual(readdirSync(dir).filter((n) => !/\.(pdkv|pid)$/.test(n)), [], 'no temp or load file left');
   });
 
   test('KV events and write-back: a kept sequence is announced; evicted, it is stored under the same key', async () => {
