@@ -13,13 +13,14 @@
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { closeSync, existsSync, mkdirSync, mkdtempSync, openSync, rmSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, mkdtempSync, openSync, readdirSync, rmSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { PdError } from '../base/errors.js';
 import { reachGlobally, signGlobally } from '../runtime/http-auth.js';
+import { processAlive } from '../runtime/statefiles.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 import { secureKit, secureTestMode, type SecureKit } from './secure-mode.js';
 
@@ -89,8 +90,9 @@ export interface ClusterOptions {
   cpuAffinity?: Partial<Record<ProcRole, string>>;
   /**
    * `--prefix-store-dir` of every worker (the host-wide prefix store). Default: a fresh folder
-   * under /dev/shm, removed by stop(), so two clusters (tests, benchmark runs) never see each
-   * other's entries.
+   * under /dev/shm (`pdserve-cluster-store-<pid>-<random>`), removed by stop(), so two clusters
+   * (tests, benchmark runs) never see each other's entries; start() first removes those of dead
+   * clusters (`sweepDeadClusterStores`).
    */
   prefixStoreDir?: string;
 }
@@ -149,6 +151,41 @@ class PortInUseError extends PdError {
   constructor(message: string) {
     super('PORT_IN_USE', message);
   }
+}
+
+
+/** A prefix store folder a cluster made: `pdserve-cluster-store-<owner pid>-<random>`. */
+const CLUSTER_STORE = /^pdserve-cluster-store-(\d+)-[A-Za-z0-9]+$/;
+/** A running process's mark in a prefix store folder (runtime/prefix-store.ts). */
+const STORE_USER = /^pdserve-storeuser-(\d+)-[0-9a-f]+\.pid$/;
+
+/**
+ * Remove the prefix store folders in `parent` made by clusters whose process is gone (a killed
+ * `up` cannot remove its own) and used by no live process (no user file of a live pid inside).
+ * Folders named without a pid are left alone.
+ * @returns the folders removed. Never throws.
+ */
+export function sweepDeadClusterStores(parent: string): string[] {
+  let names: string[];
+  try {
+    names = readdirSync(parent);
+  } catch {
+    return [];
+  }
+  const removed: string[] = [];
+  for (const name of names) {
+    const m = CLUSTER_STORE.exec(name);
+    if (!m || processAlive(Number(m[1]))) continue;
+    const dir = join(parent, name);
+    try {
+      if (readdirSync(dir).some((f) => { const u = STORE_USER.exec(f); return u !== null && processAlive(Number(u[1])); })) continue;
+      rmSync(dir, { recursive: true, force: true });
+      removed.push(dir);
+    } catch {
+      /* not a folder, or gone meanwhile */
+    }
+  }
+  return removed;
 }
 
 /** Start and supervise a cluster. `start()` resolves when every process answered ready. */
@@ -270,7 +307,10 @@ export class Cluster {
   async start(): Promise<void> {
     const o = this.opts;
     if (!this.storeDir) {
-      this.storeDir = o.prefixStoreDir ?? mkdtempSync(join(existsSync('/dev/shm') ? '/dev/shm' : tmpdir(), 'pdserve-cluster-store-'));
+      const parent = existsSync('/dev/shm') ? '/dev/shm' : tmpdir();
+      // the folders of clusters killed before they could remove theirs (the pid in the name says whose)
+      if (o.prefixStoreDir === undefined) sweepDeadClusterStores(parent);
+      this.storeDir = o.prefixStoreDir ?? mkdtempSync(join(parent, `pdserve-cluster-store-${process.pid}-`));
       this.ownStoreDir = o.prefixStoreDir === undefined;
     }
     const fixed = this.workerPorts();
