@@ -13,7 +13,8 @@ interface GpuCheckResult {
   backend: 'cuda' | 'lavapipe';
   gpus: number;
   rows: { promptTokens: number; colo: GpuRow; pd: GpuRow }[];
-  kv: { mib: number; kvMs?: number; rawMs?: number }[] | null;
+  /** §1's states, smallest first; the goal ratios when the run recorded them (TCP: KV / (save + raw + load); same host: (save + handoff) / (save + load)). */
+  kv: { mib: number; kvMs?: number; rawMs?: number; tcpGoalRatio?: number; sameHostGoalRatio?: number }[] | null;
 }
 interface GpuRow {
   ttftP50: number;
@@ -50,8 +51,8 @@ export function gpuReport(resultsDir: string): string[] {
   );
   for (const x of r.rows) L.push(`| ${x.promptTokens} | ${f(x.colo.ttftP50)} / ${f(x.pd.ttftP50)} | ${f(x.pd.ttftP50 / x.colo.ttftP50, 2)} | ${f(x.colo.itlP50, 2)} / ${f(x.pd.itlP50, 2)} | ${f(x.colo.itlP99, 2)} / ${f(x.pd.itlP99, 2)} | ${f(x.colo.e2eP50, 0)} / ${f(x.pd.e2eP50, 0)} |`);
   if (r.kv?.length) {
-    L.push('', '| state (MiB) | KV handoff (ms) | raw TCP (ms) |', '|---|---|---|');
-    for (const k of r.kv) L.push(`| ${f(k.mib, 0)} | ${f(k.kvMs)} | ${f(k.rawMs)} |`);
+    L.push('', '| state (MiB) | KV handoff (ms) | raw TCP (ms) | TCP: KV / (save + raw + load) | same host: (save + handoff) / (save + load) |', '|---|---|---|---|---|');
+    for (const k of r.kv) L.push(`| ${f(k.mib, 0)} | ${f(k.kvMs)} | ${f(k.rawMs)} | ${f(k.tcpGoalRatio, 2)} | ${f(k.sameHostGoalRatio, 2)} |`);
   }
   return L;
 }
