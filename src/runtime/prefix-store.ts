@@ -67,8 +67,8 @@ import { processAlive, STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles
 
 /** An entry's file name. */
 const ENTRY = /^pdserve-store-([0-9a-f]{32})\.pdkv$/;
-/** A running process's mark that it uses the folder (one per bound store; a dead pid's is swept by statefiles.ts). */
-const USER = /^pdserve-storeuser-(\d+)-[0-9a-f]+\.pid$/;
+/** A running process's mark that it uses the folder (one per bound store; a dead pid's is swept by statefiles.ts); group 1: its pid. */
+export const STORE_USER_FILE = /^pdserve-storeuser-(\d+)-[0-9a-f]+\.pid$/;
 /** Period of the budget scan (also refreshes the bytes/files gauges), ms. */
 export const SCAN_MS = 5000;
 /**
@@ -278,7 +278,7 @@ export class FilePrefixStore implements PrefixStore {
     }
     let n = 0;
     for (const name of names) {
-      const m = USER.exec(name);
+      const m = STORE_USER_FILE.exec(name);
       if (m && join(this.o.dir, name) !== this.userFile && processAlive(Number(m[1]))) n++;
     }
     return n;

@@ -20,6 +20,7 @@ import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { PdError } from '../base/errors.js';
 import { reachGlobally, signGlobally } from '../runtime/http-auth.js';
+import { STORE_USER_FILE } from '../runtime/prefix-store.js';
 import { processAlive } from '../runtime/statefiles.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 import { secureKit, secureTestMode, type SecureKit } from './secure-mode.js';
@@ -153,11 +154,8 @@ class PortInUseError extends PdError {
   }
 }
 
-
 /** A prefix store folder a cluster made: `pdserve-cluster-store-<owner pid>-<random>`. */
 const CLUSTER_STORE = /^pdserve-cluster-store-(\d+)-[A-Za-z0-9]+$/;
-/** A running process's mark in a prefix store folder (runtime/prefix-store.ts). */
-const STORE_USER = /^pdserve-storeuser-(\d+)-[0-9a-f]+\.pid$/;
 
 /**
  * Remove the prefix store folders in `parent` made by clusters whose process is gone (a killed
@@ -178,7 +176,7 @@ export function sweepDeadClusterStores(parent: string): string[] {
     if (!m || processAlive(Number(m[1]))) continue;
     const dir = join(parent, name);
     try {
-      if (readdirSync(dir).some((f) => { const u = STORE_USER.exec(f); return u !== null && processAlive(Number(u[1])); })) continue;
+      if (readdirSync(dir).some((f) => { const u = STORE_USER_FILE.exec(f); return u !== null && processAlive(Number(u[1])); })) continue;
       rmSync(dir, { recursive: true, force: true });
       removed.push(dir);
     } catch {
