@@ -196,7 +196,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
 export const MESSAGE_FIELDS: readonly { name: string; status: FieldStatus; notes: string }[] = [
   { name: 'role', status: 'partial', notes: 'system, developer (as system), user, assistant, tool; function (legacy) is refused' },
   { name: 'content', status: 'partial', notes: 'string, null, or text parts (joined with newlines); image/audio/file parts are refused' },
-  { name: 'name', status: 'refused', notes: 'participant names are not rendered by the chat templates pdserve uses; a 400 rather than dropped' },
+  { name: 'name', status: 'honoured', notes: 'any role (LangChain names tool messages after their tool and assistant messages "model"): accepted and not rendered, since node-llama-cpp\'s chat history has no participant name; vLLM passes it to the template, whose common forms ignore it' },
   { name: 'tool_calls', status: 'honoured', notes: 'assistant: rendered as calls in the wrapper\'s syntax, each with the result of the tool message answering its id (every call needs one)' },
   { name: 'tool_call_id', status: 'honoured', notes: 'tool: the id of an earlier assistant tool call (else 400)' },
   { name: 'function_call', status: 'refused', notes: 'legacy; use tool_calls' },

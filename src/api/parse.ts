@@ -122,7 +122,7 @@ export function parseMessages(raw: unknown): ChatMessage[] {
     if (msg.tool_calls && msg.tool_calls.length > 0 && msg.role !== 'assistant') throw unsupported(at('tool_calls'), 'only assistant messages carry tool_calls');
     if (msg.tool_call_id != null && msg.role !== 'tool') throw unsupported(at('tool_call_id'), 'only tool messages carry a tool_call_id');
     if (msg.role === 'tool' && msg.tool_call_id == null) throw new ApiError(400, 'missing_required_parameter', `Missing required parameter: '${at('tool_call_id')}'.`, 'invalid_request_error', at('tool_call_id'));
-    if (msg.name != null) throw unsupported(at('name'), 'participant names are not supported (they would be dropped from the prompt)');
+    // A participant name is accepted and not rendered (see MESSAGE_FIELDS): frameworks send it on every role.
     if (msg.refusal) throw unsupported(at('refusal'), 'a non-empty refusal is not supported');
     if (msg.audio != null) throw unsupported(at('audio'), 'audio is not supported');
     if (msg.annotations && msg.annotations.length > 0) throw unsupported(at('annotations'), 'annotations are not supported');

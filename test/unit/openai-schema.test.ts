@@ -248,7 +248,10 @@ describe('chat schema', () => {
     assert.equal((parseChatRequest({ messages: u, tools, tool_choice: 'required' }).sampling.grammar as { parallel?: boolean }).parallel, true, 'parallel_tool_calls defaults to true');
     assert.deepEqual(parseChatRequest({ messages: u, tools, tool_choice: 'required' }).sampling.grammar?.type, 'tool_call');
     assert.deepEqual(parseChatRequest({ messages: u, tools, tool_choice: { type: 'function', function: { name: 'now' } } }).sampling.grammar, { type: 'tool_call', functions: [{ name: 'now' }], lazy: false });
-    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', name: 'bob' }] }), 'messages[0].name');
+    // name on any role (LangChain: the tool's name on tool messages, "model" on assistant messages): accepted, not rendered
+    const named = parseChatRequest({ messages: [{ role: 'user', content: 'x', name: 'bob' }, { role: 'assistant', content: null, name: 'model', tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] }, { role: 'tool', content: '1', tool_call_id: 'c1', name: 'f' }], tools });
+    assert.deepEqual(named.messages, [{ role: 'user', content: 'x' }, { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'f', arguments: '{}' }] }, { role: 'tool', content: '1', toolCallId: 'c1' }]);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', name: 7 }] }), 'messages[0].name');
     rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', extra: 1 }] }), 'messages[0].extra', /Unrecognized/);
     rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'xml' } }), 'response_format');
     rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'json_object' }, guided_json: {} }), 'guided_json');
