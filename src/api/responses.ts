@@ -197,7 +197,7 @@ function renamed(err: ApiError, sources: string[], hasInstructions: boolean): Ap
 
 /**
  * Validate a /v1/responses body and build its chat request (see the module doc).
- * @throws ApiError 400 naming the Responses field; 404 for an unknown previous_response_id or item_reference.
+ * @throws ApiError 400 naming the Responses field; 400 previous_response_not_found for an unknown previous_response_id (OpenAI's code), 404 for an unknown item_reference.
  */
 export function parseResponsesRequest(body: unknown, store: ResponseStore): ParsedResponsesRequest {
   const b = parseFieldTable(RESPONSES_FIELD_MAP, body);
@@ -208,7 +208,7 @@ export function parseResponsesRequest(body: unknown, store: ResponseStore): Pars
   const prevId = b.previous_response_id as string | undefined;
   if (prevId !== undefined) {
     const prev = store.get(prevId);
-    if (!prev) throw new ApiError(404, 'not_found', `Previous response with id '${prevId}' not found.`, 'invalid_request_error', 'previous_response_id');
+    if (!prev) throw new ApiError(400, 'previous_response_not_found', `Previous response with id '${prevId}' not found.`, 'invalid_request_error', 'previous_response_id');
     history.push(...prev.history);
     for (let i = 0; i < prev.history.length; i++) sources.push('previous_response_id');
     inputItems.push(...prev.input, ...((prev.response.output as Record<string, unknown>[] | undefined) ?? []));

@@ -66,6 +66,8 @@ export const ERROR_CODES = {
   /** A known field with a value pdserve does not support. */
   unsupported_value: CLIENT_400,
   not_found: c(404, 'not_found_error', 'client'),
+  /** /v1/responses: previous_response_id names no stored response (OpenAI answers this code with a 400). */
+  previous_response_not_found: CLIENT_400,
   model_not_found: c(404, 'not_found_error', 'client'),
   worker_not_found: c(404, 'not_found_error', 'client'),
   trace_not_found: c(404, 'not_found_error', 'client'),

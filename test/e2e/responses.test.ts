@@ -113,7 +113,7 @@ describe('/v1/responses through the openai SDK (PD and colocated)', () => {
     assert.deepEqual(asc.data.map((it) => it.id), items.map((it) => it.id).reverse());
     await assert.rejects(s.pd.responses.inputItems.list('resp_unknown'), (e: unknown) => e instanceof OpenAI.NotFoundError);
     await assert.rejects(s.pd.responses.inputItems.list(prev!, { limit: 101 }), (e: unknown) => e instanceof OpenAI.BadRequestError && e.param === 'limit');
-    await assert.rejects(s.pd.responses.create({ ...base, input: 'x', previous_response_id: 'resp_unknown' }), (e: unknown) => e instanceof OpenAI.NotFoundError && e.param === 'previous_response_id');
+    await assert.rejects(s.pd.responses.create({ ...base, input: 'x', previous_response_id: 'resp_unknown' }), (e: unknown) => e instanceof OpenAI.BadRequestError && e.code === 'previous_response_not_found' && e.param === 'previous_response_id');
     // store: false keeps nothing to continue from
     const unstored = await s.pd.responses.create({ ...base, input: 'x', store: false });
     await assert.rejects(s.pd.responses.retrieve(unstored.id), (e: unknown) => e instanceof OpenAI.NotFoundError);

@@ -89,7 +89,7 @@ describe('Responses request → chat request', () => {
     const msgId = t.output[0]!.id;
     const ref = parseResponsesRequest({ input: [{ role: 'user', content: 'q1' }, { type: 'item_reference', id: msgId }, { role: 'user', content: 'q2' }] }, s);
     assert.deepEqual(ref.chat.messages, [{ role: 'user', content: 'q1' }, { role: 'assistant', content: 'a1' }, { role: 'user', content: 'q2' }]);
-    assert.equal(err(() => parseResponsesRequest({ previous_response_id: 'resp_x', input: 'q' }, s)).status, 404);
+    assert.deepEqual(((e) => [e.status, e.code, e.param])(err(() => parseResponsesRequest({ previous_response_id: 'resp_x', input: 'q' }, s))), [400, 'previous_response_not_found', 'previous_response_id'], "OpenAI's answer to an unknown previous_response_id");
     assert.equal(err(() => parseResponsesRequest({ input: [{ type: 'item_reference', id: 'msg_x' }] }, s)).status, 404);
     assert.ok(s.delete('resp_a'));
     assert.equal(err(() => parseResponsesRequest({ input: [{ type: 'item_reference', id: msgId }] }, s)).status, 404, 'a deleted response takes its items');
