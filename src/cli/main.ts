@@ -155,9 +155,26 @@ function secretOf(role: string, o: { clusterSecret?: string; clusterSecretFile?:
   return s;
 }
 
-/** Options every server role takes: graceful drain (see ./serve.ts). */
-const lifecycleOptions = (c: Command) =>
+/** The HTTP server timeouts of every server role and of `up` (../runtime/http-timeouts.ts). */
+const httpTimeoutOptions = (c: Command, what = '') =>
   c
+    .option('--keep-alive-timeout-ms <ms>', `${what}how long an idle keep-alive connection stays open (sent as Keep-Alive: timeout=); behind a load balancer, set it above the balancer's idle timeout`, positive, 72_000)
+    .option('--headers-timeout-ms <ms>', `${what}longest wait for one request's headers`, positive, 60_000)
+    .option('--http-request-timeout-ms <ms>', `${what}longest wait to receive one whole request, headers and body (0 = none)`, int, 0);
+
+/** `httpTimeouts` of a role's config from the flags of `httpTimeoutOptions`. */
+function httpTimeoutsOf(o: { keepAliveTimeoutMs: number; headersTimeoutMs: number; httpRequestTimeoutMs: number }) {
+  return { keepAliveMs: o.keepAliveTimeoutMs, headersMs: o.headersTimeoutMs, requestMs: o.httpRequestTimeoutMs };
+}
+
+/** The flags of `httpTimeoutOptions` again, for a child of `up`. */
+function httpTimeoutArgs(o: { keepAliveTimeoutMs: number; headersTimeoutMs: number; httpRequestTimeoutMs: number }): string[] {
+  return ['--keep-alive-timeout-ms', String(o.keepAliveTimeoutMs), '--headers-timeout-ms', String(o.headersTimeoutMs), '--http-request-timeout-ms', String(o.httpRequestTimeoutMs)];
+}
+
+/** Options every server role takes: graceful drain (see ./serve.ts), the HTTP server timeouts. */
+const lifecycleOptions = (c: Command) =>
+  httpTimeoutOptions(c)
     .option('--drain-timeout-ms <ms>', 'on SIGTERM: longest wait for requests in flight before failing them (a 2nd signal stops waiting)', int, 30_000)
     .option('--discovery <etcd://HOST:PORT>', 'membership on etcd: workers register under a lease, the router watches (default: static --prefill/--decode flags only)');
 
@@ -209,15 +226,16 @@ const NO_KV_STREAM_HELP = 'over TCP, send the state only once llama.cpp has save
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
-/** Flags `up` forwards to its children: --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
-export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number } & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
+export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
-  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs)];
+  const http = o.keepAliveTimeoutMs !== undefined && o.headersTimeoutMs !== undefined && o.httpRequestTimeoutMs !== undefined ? httpTimeoutArgs({ keepAliveTimeoutMs: o.keepAliveTimeoutMs, headersTimeoutMs: o.headersTimeoutMs, httpRequestTimeoutMs: o.httpRequestTimeoutMs }) : [];
+  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...http];
   const firstToken = o.firstTokenAfterSave !== undefined ? ['--first-token-after-save', String(o.firstTokenAfterSave)] : [];
   const stream = o.kvStream === false ? ['--no-kv-stream'] : [];
-  return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill')], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode')] };
+  return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill'), ...http], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode'), ...http] };
 }
 
 /** The GPU flags of one role's workers under `up` (per-role --prefill-gpu-device / --decode-gpu-device over --gpu-device). */
@@ -260,7 +278,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
   const program = new Command('pdserve').description('Prefill/decode-disaggregated LLM serving with a KV handoff that cannot wedge').showHelpAfterError();
   program.version(packageVersion(), '-V, --version', 'print the version');
 
-  internalTlsFlags(accessFlags(engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback'))))
+  httpTimeoutOptions(internalTlsFlags(accessFlags(engineOptions(program.command('up').description('start a local cluster: router + N prefill + M decode workers on loopback')))), 'every process: ')
     .option('--prefill <n>', 'prefill workers', positive, 1)
     .option('--decode <n>', 'decode workers', positive, 1)
     .option('--port <port>', 'router port', port, 8000)
@@ -375,7 +393,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'prefill');
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream !== false, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream !== false, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -393,7 +411,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'decode');
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, timeouts: timeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('decode'),
         ),
       );
@@ -407,7 +425,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model, 'colocated');
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
   internalTlsFlags(secretFlags(accessFlags(lifecycleOptions(program
@@ -442,7 +460,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

@@ -67,6 +67,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map(({ t0, ...r }) => ({ ...r, age_ms: Math.round(systemClock.nowMs() - t0) })), recent: [] }),
     engine,
     corsOrigins: config.corsOrigin,
+    httpTimeouts: config.httpTimeouts,
     ...(config.tls ? { tls: config.tls } : {}),
     guard: (a) => {
       access = registerAccess(a, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);

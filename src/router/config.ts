@@ -12,6 +12,7 @@
  *     requestTimeoutMs = 600000 (end-to-end deadline of one request),
  *     abortTimeoutMs = 2000 (deadline of one POST /abort_request),
  *     writeTimeoutMs = 30000 (max wait for a slow client to drain one SSE write),
+ *     httpTimeouts = { keepAliveMs = 72000, headersMs = 60000, requestMs = 0 } (the HTTP server's),
  *     bodyLimit = 4 MiB, maxEventBytes = 1 MiB (largest SSE event accepted from decode),
  *     firstTokenFromPrefill = true (prefill streams token 1 before the KV handoff; false: decode
  *       streams every token and prefill answers once with JSON),
@@ -35,6 +36,7 @@
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
 import { ClusterSecretSchema, InternalTlsSchema } from '../runtime/config.js';
+import { HttpTimeoutsSchema, type HttpTimeouts } from '../runtime/http-timeouts.js';
 import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
@@ -82,6 +84,8 @@ export const RouterConfigSchema = z
     requestTimeoutMs: z.number().int().min(50).default(600_000),
     abortTimeoutMs: z.number().int().min(10).default(2000),
     writeTimeoutMs: z.number().int().min(10).default(30_000),
+    /** The HTTP server's keep-alive, headers and request timeouts (../runtime/http-timeouts.ts). */
+    httpTimeouts: HttpTimeoutsSchema,
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
     firstTokenFromPrefill: z.boolean().default(true),
@@ -156,6 +160,8 @@ export interface RouterConfig {
   readonly requestTimeoutMs: number;
   readonly abortTimeoutMs: number;
   readonly writeTimeoutMs: number;
+  /** The HTTP server's keep-alive, headers and request timeouts, ms (../runtime/http-timeouts.ts). */
+  readonly httpTimeouts: Readonly<HttpTimeouts>;
   readonly bodyLimit: number;
   readonly maxEventBytes: number;
   /** Stream the first token from prefill before the KV handoff (default true). */

@@ -33,6 +33,7 @@ import { registerAccess, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
 import { withCredentials } from '../runtime/http-auth.js';
 import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../runtime/tls.js';
+import { applyHttpTimeouts, fastifyTimeoutOptions } from '../runtime/http-timeouts.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, registerOpenAIErrorHandling } from '../api/errors.js';
 import { answerPlainHttp } from '../api/plain-http.js';
@@ -181,6 +182,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     ...(config.tls ? { https: tlsServerOptions(config.tls) } : {}),
     loggerInstance: log,
     bodyLimit: config.bodyLimit,
+    ...fastifyTimeoutOptions(config.httpTimeouts),
     clientErrorHandler: openAIClientErrorHandler,
     genReqId,
     requestIdHeader: false,
@@ -196,6 +198,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       return logger.child({ ...bindings, trace }, opts);
     },
   }) as unknown as FastifyInstance;
+  applyHttpTimeouts(app.server, config.httpTimeouts);
   if (config.tls) answerPlainHttp(app.server as unknown as TlsServer);
   registerOpenAIErrorHandling(app);
   // Keys first: an unauthenticated caller learns nothing, not even that the router drains.

@@ -7,6 +7,7 @@ import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from './cluster-secret.js';
+import { HttpTimeoutsSchema } from './http-timeouts.js';
 
 const port = z.number().int().min(0).max(65535);
 
@@ -117,6 +118,8 @@ const common = {
   internalTls: InternalTlsSchema,
   engine: EngineConfigSchema,
   timeouts: TimeoutsSchema.default({}),
+  /** The HTTP server's keep-alive, headers and request timeouts (http-timeouts.ts). */
+  httpTimeouts: HttpTimeoutsSchema,
   /** Heartbeat interval of the KV control channel, ms; a peer is lost after 2 silent intervals. */
   heartbeatMs: z.number().int().min(50).max(60_000).default(1000),
   /** Watchdog period (deadline checks), ms. */
@@ -216,6 +219,8 @@ export const ColocatedConfigSchema = z.object({
   slots: z.number().int().min(1).max(256).default(8),
   maxWaiting: z.number().int().min(1).default(256),
   requestTimeoutMs: z.number().int().positive().default(300_000),
+  /** The HTTP server's keep-alive, headers and request timeouts (http-timeouts.ts). */
+  httpTimeouts: HttpTimeoutsSchema,
   /** CORS origins ('*' = any); empty = no CORS. */
   corsOrigin: z.array(z.string().min(1)).max(64).default([]),
   /** Client access (src/api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */

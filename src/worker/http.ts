@@ -10,6 +10,7 @@ import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from '../api/endpoints.js';
 import { isSigned, registerWorkerAuth } from './auth.js';
 import { internalServerOptions, tlsServerOptions, type InternalTls, type TlsFiles } from '../runtime/tls.js';
+import { applyHttpTimeouts, fastifyTimeoutOptions, type HttpTimeouts } from '../runtime/http-timeouts.js';
 import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from '../api/errors.js';
 import { answerPlainHttp } from '../api/plain-http.js';
 import type { Server as TlsServer } from 'node:tls';
@@ -48,6 +49,8 @@ export interface WorkerAppOptions {
   internalTls?: InternalTls;
   /** Called with the query of every GET /health that carried a valid signature (the router's probe). */
   onSignedProbe?: (query: Record<string, unknown>) => void;
+  /** The server's keep-alive, headers and request timeouts (../runtime/http-timeouts.ts; absent: the defaults). */
+  httpTimeouts?: Partial<HttpTimeouts>;
   /** The engine whose GPU offload is logged at start, reported in /health (`gpu`) and /metrics; default `engine`. */
   offload?: Engine;
 }
@@ -63,7 +66,8 @@ export function drainGateOf(app: FastifyInstance): DrainGate | undefined {
 export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   // return503OnClosing false: the drain gate answers work reaching a closing app with `draining`.
   const https = o.tls ? tlsServerOptions(o.tls) : o.internalTls ? internalServerOptions(o.internalTls) : undefined;
-  const app: FastifyInstance = Fastify({ ...(https ? { https } : {}), loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
+  const app: FastifyInstance = Fastify({ ...(https ? { https } : {}), loggerInstance: o.log as FastifyBaseLogger, bodyLimit: o.bodyLimit ?? 8 * 1024 * 1024, ...fastifyTimeoutOptions(o.httpTimeouts), return503OnClosing: false, clientErrorHandler: openAIClientErrorHandler, logController: new LogController({ disableRequestLogging: true }) });
+  applyHttpTimeouts(app.server, o.httpTimeouts);
   if (https) answerPlainHttp(app.server as unknown as TlsServer);
   registerOpenAIErrorHandling(app);
   if (o.clusterSecret !== undefined) registerWorkerAuth(app, { secret: o.clusterSecret, privateMetrics: o.privateMetrics }, o.registry);

@@ -21,6 +21,7 @@ import { holdsEnabled } from '../runtime/testhooks.js';
 import type { Engine } from '../engine/types.js';
 import type { RoomId } from '../kv/types.js';
 import { registerKvEventsRoute } from './kv-events-route.js';
+import type { HttpTimeouts } from '../runtime/http-timeouts.js';
 import { createWorkerApp, listenUrl, sendError, type WorkerAppOptions } from './http.js';
 
 /** Role, identity and the work a worker role hands its edge. */
@@ -36,6 +37,8 @@ export interface WorkerEdgeConfig {
   /** The cluster secret (signed requests on every route but /health and open /metrics). */
   secret: string;
   privateMetrics: boolean;
+  /** The HTTP server's timeouts (../runtime/http-timeouts.ts). */
+  httpTimeouts?: Partial<HttpTimeouts>;
   /** Engine settings: `servedModelName` names the model in /health, /v1/models and responses. */
   engine: { servedModelName?: readonly string[] };
 }
@@ -92,6 +95,7 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     modelNames,
     clusterSecret: c.secret,
     privateMetrics: c.privateMetrics,
+    httpTimeouts: c.httpTimeouts,
     engine: o.tokenize ? e : undefined,
     offload: e,
     health: () => ({
