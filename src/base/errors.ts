@@ -105,6 +105,12 @@ export const ERROR_CODES = {
   /** The engine (llama.cpp) failed evaluating, saving or loading a sequence. */
   engine_failed: c(500, 'server_error', 'system'),
   generation_aborted: c(500, 'server_error', 'system'),
+  /**
+   * The worker's state directory (--state-dir, /dev/shm) has no room for the request's KV state
+   * (507 Insufficient Storage): the router does not send it to that worker again, the worker's
+   * /health says `degraded` until space frees up (../runtime/state-space.ts).
+   */
+  state_dir_full: c(507, 'server_error', 'system'),
   /** The KV transfer broke: connection gone mid-send, chunk out of place, bad announced size. */
   kv_transfer_failed: BAD_GATEWAY,
   /** The received KV state failed validation (envelope, checksum, ggsq walk). */
@@ -249,6 +255,7 @@ const INTERNAL_TO_API: Readonly<Record<string, ErrorCode>> = {
   PEER_LOST: 'peer_lost',
   AUTH_FAILED: 'peer_unreachable',
   SETTINGS_MISMATCH: 'settings_mismatch',
+  STATE_DIR_FULL: 'state_dir_full',
 };
 
 /** The table code of any thrown value (ApiError/PdError codes mapped; anything else internal_error). */

@@ -21,6 +21,7 @@ import { hold } from '../runtime/testhooks.js';
 import type { WorkerMetrics } from '../runtime/metrics.js';
 import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
+import type { StateSpacePort } from '../runtime/state-space.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import type { ParsedState } from '../engine/ggsq.js';
 import type { KvConn } from '../kv/channel.js';
@@ -62,6 +63,8 @@ export interface DecodeEffectsOptions<C extends KvConn> {
   receive(room: RoomId, totalBytes: number, hintBytes?: number): StateIntake<C>;
   sameHost: SameHostTake<C>;
   files: StateFiles;
+  /** Judges a failed receive: ENOSPC fails the room `state_dir_full` (../runtime/state-space.ts); absent: never. */
+  space?: StateSpacePort;
   clock: Clock;
   metrics: WorkerMetrics;
   prefixMetrics: PrefixCacheMetrics;
@@ -247,7 +250,8 @@ export class DecodeEffects<C extends KvConn> {
         this.o.metrics.kvBytes.inc(data.length);
       } catch (err) {
         this.perform(actions);
-        this.perform(this.driver.fail(room, failure(intakeCode(err), (err as Error).message), this.now));
+        const full = this.o.space?.judge(err, undefined, true) === true;
+        this.perform(this.driver.fail(room, full ? failure('state_dir_full', this.o.space!.message('decode')) : failure(intakeCode(err), (err as Error).message), this.now));
         return;
       }
     }
@@ -459,6 +463,7 @@ export class DecodeEffects<C extends KvConn> {
       this.perform(this.driver.loadDone(room, this.now));
     } catch (err) {
       const e = err as { code?: string; message?: string };
+      if (this.o.space?.judge(err, undefined, true)) return this.perform(this.driver.loadFailed(room, failure('state_dir_full', this.o.space.message('decode')), this.now));
       this.perform(this.driver.loadFailed(room, failure(e.code === 'BAD_ENVELOPE' || e.code === 'BAD_STATE' || e.code === 'STATE_TOO_LARGE' ? intakeCode(err) : 'engine_failed', e.message ?? String(err)), this.now));
     } finally {
       if (!held) await cleanup();

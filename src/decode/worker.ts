@@ -16,6 +16,7 @@ import { onClientGone, sendError } from '../worker/http.js';
 import { systemClock, systemTimers, type Clock, type Timers } from '../base/clock.js';
 import { createLogger, type Logger } from '../base/log.js';
 import { nodeStateFiles, sweepStaleStateFiles } from '../runtime/statefiles.js';
+import { StateSpace } from '../runtime/state-space.js';
 import { hold, holdsEnabled } from '../runtime/testhooks.js';
 import { TraceTags } from '../protocol/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../runtime/metrics.js';
@@ -64,6 +65,8 @@ export class DecodeWorker {
   private edge?: WorkerEdge;
   /** The same-host handoff (kv_file): per-connection probe, taking handed files over. */
   readonly sameHost: SameHostDecode;
+  /** Whether the state directory is too full for a received state (../runtime/state-space.ts). */
+  readonly space: StateSpace;
   /** Prefill bootstrap addresses this worker may dial (--allow-prefill and the router's pool). */
   readonly knownPrefills: KnownPrefills;
   private readonly bootstrapRefused: Counter;
@@ -94,7 +97,9 @@ export class DecodeWorker {
     const expect = { fingerprint: info.fingerprint, contextSize: info.compat.contextSize, batchSize: info.compat.batchSize, maxPayloadBytes: config.maxStateBytes };
     const walker = (n: number) => new GgsqStreamParser({ contextSize: info.compat.contextSize, nLayer: info.compat.nLayer, maxBytes: n, nVocab: info.nVocab });
     const sameHost = this.sameHost;
+    this.space = new StateSpace(config.stateDir);
     this.effects = new DecodeEffects<PeerConn>({
+      space: this.space,
       driver: this.driver,
       engine,
       clock,
@@ -155,6 +160,7 @@ export class DecodeWorker {
       internalTls,
       log: this.log,
       registry: this.metrics.registry,
+      space: this.space,
       kvEvents: this.kvEvents,
       onSignedProbe: (q) => {
         if (typeof q.prefill_pool === 'string') this.knownPrefills.learn(q.prefill_pool.split(','), this.clock.nowMs());

@@ -14,6 +14,8 @@
  *    flight at the router for ≥ `slowMs` that no worker holds a room for; room failures other than
  *    client aborts in the last `windowMs`; illegal transitions; counters that moved since the
  *    previous round (--watch).
+ *  - critical too: a worker whose state directory is full (`state_dir_full` in its /health
+ *    `degraded` or the router's row); warning: another `degraded` condition.
  *  - info: model names differ, draining workers, cumulative failure counters since start.
  *
  * "Every engine idle": every prefill has all slots free and every decode has no request
@@ -368,6 +370,22 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     }
     if (drainingOf(w)) {
       add({ severity: 'info', kind: 'draining', title: `${w.ref.role} ${w.ref.url} is draining`, details: [], cause: 'a graceful shutdown is under way: it takes no new requests', next: [`curl -sS ${w.ref.url}/health`] });
+    }
+    const degraded = [...(Array.isArray(w.health.body?.degraded) ? (w.health.body.degraded as unknown[]) : []), rr.degraded].filter((x): x is string => typeof x === 'string' && x.length > 0);
+    const full = degraded.find((x) => x.startsWith('state_dir_full'));
+    if (full) {
+      add({
+        severity: 'critical',
+        kind: 'state_dir_full',
+        title: `${w.ref.role} ${w.ref.url}: its state directory is full (${full.replace(/^state_dir_full: /, '')})`,
+        details: [],
+        cause: 'the tmpfs holding sequence states (--state-dir, /dev/shm by default) has no room for one: other files there, a tmpfs sized below the states, or --prefix-store-bytes sharing it; the worker takes no new requests until space frees up',
+        next: [`curl -sS ${w.ref.url}/health`, 'df -h <its --state-dir>; du -sh <its --state-dir>/* | sort -h | tail', 'free space there or restart the worker with a larger --state-dir (mount -o remount,size=… for a tmpfs)'],
+        weight: 1e9,
+        data: { url: w.ref.url, role: w.ref.role },
+      });
+    } else if (degraded.length) {
+      add({ severity: 'warning', kind: 'degraded', title: `${w.ref.role} ${w.ref.url} is degraded: ${degraded[0]}`, details: degraded.slice(1), cause: 'the worker is alive but reports a condition that keeps new requests away', next: [`curl -sS ${w.ref.url}/health`] });
     }
   }
   if (fps.size > 1) {

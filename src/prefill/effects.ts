@@ -23,6 +23,7 @@ import { hold } from '../runtime/testhooks.js';
 import type { WorkerMetrics } from '../runtime/metrics.js';
 import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
+import type { StateSpacePort } from '../runtime/state-space.js';
 import type { PrefillConfig } from '../runtime/config.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import type { KvConn } from '../kv/channel.js';
@@ -90,6 +91,8 @@ export interface PrefillEffectsOptions<C extends KvConn> {
   sender: StateSender<C>;
   sameHost: SameHostOffer;
   files: StateFiles;
+  /** Judges a failed save: a full state directory fails the room `state_dir_full` (../runtime/state-space.ts); absent: never. */
+  space?: StateSpacePort;
   clock: Clock;
   /** One event-loop turn (`turn`) while llama.cpp starts a save. */
   timers: Pick<Timers, 'turn'>;
@@ -348,6 +351,7 @@ export class PrefillEffects<C extends KvConn> {
     // Not a room's name (`prefillStateName`): on the same-host path each room gets its own link.
     const path = join(config.stateDir, `pdserve-prefill-${this.o.pid}-${comp.lead}-saved.ggsq`);
     const signal = comp.ac.signal;
+    let saveFailed = false;
     try {
       await hold('prefill.compute', signal);
       const t0 = this.now;
@@ -392,7 +396,11 @@ export class PrefillEffects<C extends KvConn> {
       } catch (e) {
         headError = e; // thrown once the save is over (the slot is released after it)
       }
-      const payloadBytes = await saving;
+      const payloadBytes = await saving.catch((e: unknown) => {
+        saveFailed = true;
+        throw e;
+      });
+      this.o.space?.ok(payloadBytes);
       this.lastSave = { nTokens: r.promptTokens, payloadBytes, ms: this.now - tSave };
       if (headError !== undefined) throw headError;
       this.o.computeMetrics.statesSaved.inc();
@@ -420,6 +428,8 @@ export class PrefillEffects<C extends KvConn> {
     } catch (err) {
       const e = err as { code?: string; message?: string };
       if (e.code === 'ABORTED' || signal.aborted) return { ok: false, aborted: true };
+      // before the finally removes the partial file: it is part of the evidence
+      if (saveFailed && this.o.space?.judge(err, path)) return { ok: false, failure: failure('state_dir_full', this.o.space.message('prefill')) };
       const code = errorCodeOf(err);
       return { ok: false, failure: failure(code === 'internal_error' ? 'engine_failed' : code, `prefill: ${e.message ?? String(err)}`) };
     } finally {
@@ -476,8 +486,15 @@ export class PrefillEffects<C extends KvConn> {
           else job.earlyBytes = (job.earlyBytes ?? 0) + bytes;
         },
       })
-      .catch((err: unknown) => {
-        if (!job.ac.signal.aborted) this.perform(this.driver.transferFailed(room, failure(errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed', (err as Error).message), this.now));
+      .catch(async (err: unknown) => {
+        if (job.ac.signal.aborted) return undefined;
+        // the save itself failed (the send saw it first): a full state directory says so
+        const saveErr: unknown = await saved.then(
+          () => undefined,
+          (e: unknown) => e ?? err,
+        );
+        if (saveErr !== undefined && this.o.space?.judge(saveErr, path)) this.perform(this.driver.transferFailed(room, failure('state_dir_full', this.o.space.message('prefill')), this.now));
+        else this.perform(this.driver.transferFailed(room, failure(errorCodeOf(err) === 'peer_lost' ? 'peer_lost' : 'kv_transfer_failed', (err as Error).message), this.now));
         return undefined;
       });
     return head.length;

@@ -11,6 +11,7 @@ import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } f
 import { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
 import { openPrefixStore } from '../runtime/prefix-store.js';
 import { nodeStateFiles } from '../runtime/statefiles.js';
+import { StateSpace } from '../runtime/state-space.js';
 import { KvEventLog } from '../protocol/kv-events.js';
 import { serveWorkerEdge, type WorkerEdge } from '../worker/shell.js';
 import { workerKvChannel } from '../worker/kv-channel.js';
@@ -58,6 +59,8 @@ export class PrefillWorker {
   private edge?: WorkerEdge;
   /** The same-host handoff (kv_file): probe answers and which decode connections may use it. */
   readonly sameHost: SameHostPrefill;
+  /** Whether the state directory is too full for a state (../runtime/state-space.ts). */
+  readonly space: StateSpace;
   app!: FastifyInstance;
   kv!: KvServer;
   url = '';
@@ -95,7 +98,9 @@ export class PrefillWorker {
     this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir });
     const pool = this.kvPool;
     const sameHost = this.sameHost;
+    this.space = new StateSpace(config.stateDir);
     this.effects = new PrefillEffects<PeerConn>({
+      space: this.space,
       driver: this.driver,
       config,
       engine,
@@ -153,6 +158,7 @@ export class PrefillWorker {
       internalTls,
       log: this.log,
       registry: this.metrics.registry,
+      space: this.space,
       kvEvents: this.kvEvents,
       liveRooms: () => this.rooms.rooms().length,
       queues: () => this.queueSizes(),

@@ -143,6 +143,9 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       const until = (error: string): number => waitUntil(error, registry.workers, waitStart, deadlineAt, config.workerWaitMs);
       // blocked pairs only: a pair exists once the blocks are ignored
       const transient = () => !('error' in pickPair(registry, (c) => c[0] ?? null, (c) => c[0] ?? null, () => true));
+      // A role whose live workers are all degraded (a full state directory) answers at once.
+      const unfit = degradedError(registry);
+      if (unfit) throw unfit;
       const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing(), transient);
       if ('error' in pair) {
         throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
@@ -205,6 +208,9 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       else left--;
       avoid.add(prefill);
       avoid.add(decode);
+      // The worker said its state directory is full: its /health says which one (degraded), and
+      // a degraded worker is never picked, so the retry does not land on the same host.
+      if (run.cause!.code === 'state_dir_full') await Promise.all([registry.refresh(prefill), registry.refresh(decode)]);
     }
   } catch (err) {
     metrics.requests.labels(errorOutcome(err)).inc();
@@ -218,6 +224,21 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
   } finally {
     for (const c of causes) (c.next === 'retry' ? metrics.retries : metrics.migrations).labels(isErrorCode(c.code) ? c.code : 'other', outcome).inc();
   }
+}
+
+/**
+ * The error of a request that no worker of a role can take because every live one (healthy, not
+ * draining) is degraded — `state_dir_full` when that is why — or undefined when each role has a
+ * candidate or a worker that is down (which the request may wait for, see `waitUntil`).
+ */
+export function degradedError(registry: { readonly workers: readonly WorkerState[] }): ApiError | undefined {
+  for (const role of ['prefill', 'decode'] as const) {
+    const live = registry.workers.filter((w) => w.role === role && w.healthy && !w.draining);
+    if (live.length === 0 || live.some((w) => !w.degraded)) continue;
+    const reason = live[0]!.degraded!;
+    return ApiError.of(reason.startsWith('state_dir_full') ? 'state_dir_full' : `no_healthy_${role}`, `no ${role} worker can take the request: ${reason}`);
+  }
+  return undefined;
 }
 
 /**

@@ -41,6 +41,8 @@ export interface WorkerSnapshot {
   bootstrap_port: number | null;
   healthy: boolean;
   draining: boolean;
+  /** Why the worker is alive but takes no new work (its /health `degraded`: `state_dir_full: …`), else null. */
+  degraded: string | null;
   model: string | null;
   load: number;
   last_error: string | null;
@@ -89,6 +91,8 @@ export class WorkerRegistry {
   releasedTotal = 0;
   private readonly rr: Record<WorkerRole, number> = { prefill: 0, decode: 0 };
   private readonly probing = new Set<WorkerState>();
+  /** Per worker probing now: settles when that probe has. */
+  private readonly inflight = new Map<WorkerState, Promise<void>>();
   /** Probes asked for while one was in flight: run again when it settles (a restart must not wait a poll). */
   private readonly recheck = new Set<WorkerState>();
   private readonly warnedBootstrap = new Set<WorkerState>();
@@ -168,6 +172,15 @@ export class WorkerRegistry {
     return true;
   }
 
+  /** Mark `w` degraded with `reason` (or not: null): a degraded worker is never picked. */
+  setDegraded(w: WorkerState, reason: string | null): void {
+    if ((w.degraded ?? null) !== reason) {
+      if (reason) this.opts.log.warn({ worker: w.url, role: w.role, reason }, 'worker degraded: no new requests go to it');
+      else if (w.degraded) this.opts.log.info({ worker: w.url, role: w.role }, 'worker no longer degraded');
+    }
+    w.degraded = reason;
+  }
+
   /** Mark `w` draining (or not): a draining worker is never picked. */
   setDraining(w: WorkerState, draining: boolean): void {
     if (w.draining !== draining) this.opts.log.info({ worker: w.url, role: w.role }, draining ? 'worker draining: no new requests go to it' : 'worker no longer draining');
@@ -245,6 +258,8 @@ export class WorkerRegistry {
       return;
     }
     this.probing.add(w);
+    let settled!: () => void;
+    this.inflight.set(w, new Promise<void>((r) => (settled = r)));
     try {
       const signal = AbortSignal.any([AbortSignal.timeout(this.opts.timeoutMs), this.probeAc.signal]);
       const res = await request(`${w.url}/health${w.role === 'decode' ? this.poolQuery() : ''}`, { method: 'GET', dispatcher: this.opts.dispatcher, signal, headersTimeout: this.opts.timeoutMs, bodyTimeout: this.opts.timeoutMs });
@@ -263,7 +278,8 @@ export class WorkerRegistry {
       }
       if (res.statusCode !== 200) return this.probeFailed(w, `GET /health: HTTP ${res.statusCode}`);
       if (j === null) return this.probeFailed(w, 'GET /health: body is not JSON');
-      if (j?.status !== 'ok') return this.probeFailed(w, `GET /health: status ${JSON.stringify(j?.status)}`);
+      this.setDegraded(w, j.status === 'degraded' ? (Array.isArray(j.degraded) ? j.degraded.filter((x): x is string => typeof x === 'string').join('; ').slice(0, 500) : '') || 'degraded' : null);
+      if (j?.status !== 'ok' && j?.status !== 'degraded') return this.probeFailed(w, `GET /health: status ${JSON.stringify(j?.status)}`);
       if (j.role !== undefined && j.role !== w.role) return this.probeFailed(w, `GET /health: role is ${JSON.stringify(j.role)}, expected '${w.role}'`);
       if (w.role === 'prefill' && typeof j.bootstrap_port === 'number' && j.bootstrap_port !== w.bootstrapPort && !this.warnedBootstrap.has(w)) {
         this.warnedBootstrap.add(w);
@@ -282,8 +298,20 @@ export class WorkerRegistry {
       else this.probeFailed(w, `GET /health: ${describeError(err)}`);
     } finally {
       this.probing.delete(w);
+      this.inflight.delete(w);
+      settled();
       if (this.recheck.delete(w)) void this.check(w);
     }
+  }
+
+  /**
+   * Probe `w` now and resolve once a probe that started after this call settled (one in flight
+   * is waited out first): the router asks after a failure that names a condition of the worker
+   * (`state_dir_full`) before it picks again. Never rejects.
+   */
+  async refresh(w: WorkerState): Promise<void> {
+    for (let i = 0; i < 3 && this.inflight.has(w); i++) await this.inflight.get(w);
+    await this.check(w);
   }
 
   /** Record a successful probe. */
@@ -327,7 +355,7 @@ export class WorkerRegistry {
 
   /** Healthy, non-draining workers of `role`, in pool order (the candidates of a load-balancing policy). */
   candidates(role: WorkerRole): WorkerState[] {
-    return this.workers.filter((w) => w.role === role && w.healthy && !w.draining);
+    return this.workers.filter((w) => w.role === role && w.healthy && !w.draining && !w.degraded);
   }
 
   /** Least-loaded healthy, non-draining worker of `role` (ties round-robin), or null when there is none. */
@@ -335,7 +363,7 @@ export class WorkerRegistry {
     let min = Infinity;
     let tied: WorkerState[] = [];
     for (const w of this.workers) {
-      if (w.role !== role || !w.healthy || w.draining) continue;
+      if (w.role !== role || !w.healthy || w.draining || w.degraded) continue;
       if (w.load < min) {
         min = w.load;
         tied = [w];
@@ -393,6 +421,7 @@ export class WorkerRegistry {
       bootstrap_port: w.bootstrapPort,
       healthy: w.healthy,
       draining: w.draining,
+      degraded: w.degraded ?? null,
       model: w.model,
       load: w.load,
       last_error: w.lastError,

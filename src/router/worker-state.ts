@@ -18,6 +18,8 @@ export interface WorkerState {
   servedOnce?: boolean;
   /** Shutting down gracefully: finishes what it has, takes nothing new. */
   draining: boolean;
+  /** Alive but unfit for new work (/health `status: 'degraded'`: e.g. `state_dir_full: …`): never picked; null or absent when fine. */
+  degraded?: string | null;
   model: string | null;
   /** All names the worker serves (/health `served_model_names`; its `model` when absent). */
   servedNames?: string[];

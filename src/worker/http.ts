@@ -27,6 +27,8 @@ export interface WorkerAppOptions {
   registry: Registry;
   /** Body of GET /health (status 'ok' added). */
   health(): Record<string, unknown>;
+  /** Conditions that make the worker unfit for new work while alive (`state_dir_full: …`): /health answers 200 `status: 'degraded'` with them as `degraded`. */
+  degraded?(): string[];
   /** Body of GET /debug/rooms. */
   debugRooms(): unknown;
   /** Served model names (first = responses' `model`), listed by GET /v1/models and reported in /health as `served_model_names`. */
@@ -85,6 +87,8 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
     if (o.onSignedProbe && isSigned(req)) o.onSignedProbe((req.query ?? {}) as Record<string, unknown>);
     // tool_call_syntax: the router parses tool calls in the model's syntax (null = no tool calls).
     const body = { ...o.health(), served_model_names: o.modelNames, ...(o.engine ? { tool_call_syntax: o.engine.toolSyntax } : {}), ...(offload ? { gpu: gpuHealthOf(offload.info.gpu) } : {}) };
+    const degraded = gate.draining ? [] : (o.degraded?.() ?? []);
+    if (degraded.length > 0) return { status: 'degraded', degraded, ...body };
     if (!gate.draining) return { status: 'ok', ...body };
     return reply.code(503).send({ status: 'draining', ...body, inflight: gate.inflight });
   });

@@ -18,6 +18,7 @@ import { pairSettingsOf } from '../protocol/pair.js';
 import { parseRoomId } from '../base/room-id.js';
 import { startStateSweeper, sweepStaleStateFiles } from '../runtime/statefiles.js';
 import { holdsEnabled } from '../runtime/testhooks.js';
+import type { StateSpace } from '../runtime/state-space.js';
 import type { Engine } from '../engine/types.js';
 import type { RoomId } from '../kv/types.js';
 import { registerKvEventsRoute } from './kv-events-route.js';
@@ -43,7 +44,7 @@ export interface WorkerEdgeConfig {
   engine: { servedModelName?: readonly string[] };
 }
 
-export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'engine' | 'offload' | 'modelNames' | 'clusterSecret' | 'privateMetrics'> {
+export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'engine' | 'offload' | 'modelNames' | 'clusterSecret' | 'privateMetrics' | 'degraded'> {
   role: 'prefill' | 'decode';
   config: WorkerEdgeConfig;
   /** The role's engine: identity fields of /health (fingerprint, pair settings, slots) and the GPU offload report. */
@@ -58,6 +59,8 @@ export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'en
   liveRooms(): number;
   /** Queue name → entries (/health, flattened). */
   queues(): Record<string, number>;
+  /** The state directory's full condition: /health `degraded` while it holds, its metrics on the role's registry. */
+  space?: StateSpace;
   /** The role's own /health fields (added after the shared ones). */
   health?(): Record<string, unknown>;
   /** POST /generate: the role answers on `reply` (a stream or a JSON body). */
@@ -90,8 +93,13 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
   const stopSweep = startStateSweeper(c.stateDir, o.log);
   const e = o.engine;
   const modelNames = servedModelNamesOf(c.engine, e.info.modelName);
+  o.space?.registerMetrics(o.registry);
   const app = createWorkerApp({
     ...o,
+    degraded: () => {
+      const full = o.space?.condition();
+      return full ? [`${full.reason}: ${full.detail}`] : [];
+    },
     modelNames,
     clusterSecret: c.secret,
     privateMetrics: c.privateMetrics,

@@ -12,16 +12,38 @@
  *    streamed or not, n = 1 or 2, on both paths (TCP streamed while saved, TCP saved-then-sent
  *    for n = 2, same host), the client gets `kv_state_too_large` naming the flag at once — one
  *    attempt, no retry or migration — nothing stays behind, and the next request is served.
+ *  - the state directory full (its own 64 MiB tmpfs, root only, filled by a file): the client
+ *    gets 507 `state_dir_full` at once, one save tried and never again on that host, prefill's
+ *    /health `degraded`, the router's /workers row `degraded`, doctor's `state_dir_full` finding,
+ *    the metrics; once the file goes, the router takes the worker back and requests are served;
+ *    no process died and no state file stays behind.
  * Damaged or cut handed files: test/e2e/corrupt-state.test.ts; the probe's fallbacks (another
  * boot id, pid namespace or directory, the flag on either side): test/unit/same-host.test.ts.
  */
 import assert from 'node:assert/strict';
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, readdirSync, rmSync, statfsSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { after, describe, test } from 'node:test';
 import { busy, getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
+import { cli } from '../helpers/cli.js';
 
 const dir = mkdtempSync('/dev/shm/pdserve-samehost-e2e-');
-after(() => rmSync(dir, { recursive: true, force: true }));
+/** The state directory's own tmpfs (root only), so the full-directory case can fill it without touching /dev/shm. */
+const TMPFS_BYTES = 64 << 20;
+let ownTmpfs: string | undefined;
+try {
+  if (process.getuid?.() === 0) {
+    execFileSync('mount', ['-t', 'tmpfs', '-o', `size=${TMPFS_BYTES}`, 'tmpfs', dir]);
+    ownTmpfs = dir;
+  } else ownTmpfs = undefined;
+} catch (err) {
+  console.warn(`same-host.test.ts: cannot mount a tmpfs on ${dir} (${(err as Error).message}): the full state directory case is skipped`);
+}
+after(() => {
+  if (ownTmpfs) execFileSync('umount', ['-l', ownTmpfs]);
+  rmSync(dir, { recursive: true, force: true });
+});
 
 /** How long decode-0 holds a caught room (in take or load), ms: the test sees it and kills prefill meanwhile. */
 const HOLD_MS = 3000;
@@ -204,5 +226,55 @@ describe('same-host KV handoff (kv_file)', () => {
     }
     const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: promptOf(80, 9), max_tokens: 4, temperature: 0 }).then(() => true, () => false)), 15_000, 300);
     assert.ok(ok, 'a request succeeds after the prefill restart');
+  });
+  test('a full state directory: 507 state_dir_full at once, not retried on the host; /health degraded, /workers, doctor and metrics say so; served again once space frees up', async (t) => {
+    if (!ownTmpfs) {
+      const why = 'the full state directory case needs root to mount a small tmpfs';
+      if (process.env.CI === 'true') assert.fail(why);
+      console.warn(`SKIPPED: ${why}`);
+      return t.skip(why);
+    }
+    const filler = join(dir, 'filler.bin');
+    const metric = async (name: string, m: string) => Number(new RegExp(`^${m} (\\d+)`, 'm').exec(await (await fetch(`${proc(name).url}/metrics`)).text())?.[1] ?? NaN);
+    // the restarted prefill must be back in the router's pool
+    assert.ok(await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: 'warm', max_tokens: 1, temperature: 0 }).then(() => true, () => false)), 15_000, 300), 'service before the case');
+    const pids = h.c.procs.map((p) => p.child?.pid);
+    const s = statfsSync(dir);
+    writeFileSync(filler, Buffer.alloc(Math.max(0, s.bavail * s.bsize - 32 * 1024)));
+    try {
+      const prompt = promptOf(300, 77); // a ~160 KB state: over the 32 KiB left
+      const t0 = Date.now();
+      const err: any = await h.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 4, temperature: 0 }).then(() => null, (e: unknown) => e);
+      const ms = Date.now() - t0;
+      assert.ok(err, 'the request failed');
+      assert.equal(err.status, 507, `${err.status} ${err.code}: ${err.message}`);
+      assert.equal(err.code, 'state_dir_full');
+      assert.match(err.message, /state directory .* is full/);
+      assert.ok(ms < 3000, `answered at once, not retried until the deadline: ${ms} ms`);
+      assert.equal(await metric('prefill-0', 'pdserve_state_dir_full_total'), 1, 'one save refused: the request was not sent to this prefill again');
+      assert.equal(await metric('prefill-0', 'pdserve_state_dir_full'), 1);
+      const health = await getJson(`${proc('prefill-0').url}/health`);
+      assert.equal(health.status, 'degraded');
+      assert.match(health.degraded[0], /^state_dir_full: state directory .* is full/);
+      const row = (await getJson<{ workers: any[] }>(`${h.c.router.url}/workers`)).workers.find((w) => w.role === 'prefill');
+      assert.match(String(row.degraded), /^state_dir_full/, `/workers: ${JSON.stringify(row)}`);
+      // a second request does not reach the full prefill at all
+      const again: any = await h.pd.completions.create({ model: 'pdserve', prompt, max_tokens: 4, temperature: 0 }).then(() => null, (e: unknown) => e);
+      assert.equal(again?.code, 'state_dir_full', String(again?.message));
+      assert.equal(await metric('prefill-0', 'pdserve_state_dir_full_total'), 1, 'the degraded prefill got no request');
+      const doc = await cli(['doctor', '--url', h.c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: h.c.secret });
+      const kinds = (JSON.parse(doc.out) as { findings: { kind: string; title: string }[] }).findings;
+      const f = kinds.find((x) => x.kind === 'state_dir_full');
+      assert.ok(f, `doctor names the full state directory: ${doc.out.slice(0, 2000)}`);
+      assert.match(f.title, /prefill .* state directory is full/);
+    } finally {
+      rmSync(filler, { force: true });
+    }
+    assert.ok(await waitFor(async () => !(await getJson<{ workers: any[] }>(`${h.c.router.url}/workers`)).workers.some((w) => w.degraded), 10_000, 100), 'the router takes the worker back once space frees up');
+    const r = await h.pd.completions.create({ model: 'pdserve', prompt: promptOf(300, 78), max_tokens: 4, temperature: 0 });
+    assert.equal(r.choices.length, 1, 'served again');
+    assert.equal((await getJson(`${proc('prefill-0').url}/health`)).status, 'ok');
+    assert.deepEqual(h.c.procs.map((p) => p.child?.pid), pids, 'no process died or restarted');
+    assert.ok(await waitFor(async () => stateFiles().length === 0, 3000), `no state file left behind: ${stateFiles().join(', ')}`);
   });
 });

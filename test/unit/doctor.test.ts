@@ -58,6 +58,20 @@ function snap(workers: WorkerProbe[], inflight = 0): ClusterSnapshot {
 }
 
 describe('diagnose', () => {
+  test('a worker whose state directory is full: a critical state_dir_full finding naming it and the folder; another degraded condition: a warning', () => {
+    const reason = 'state_dir_full: state directory /dev/shm is full: 0 bytes free, a state needs about 1200000';
+    const d = diagnose(snap([worker('prefill', { health: { status: 'degraded', degraded: [reason] }, router: { degraded: reason } }), worker('decode')]));
+    const f = d.findings.find((x) => x.kind === 'state_dir_full');
+    assert.ok(f, JSON.stringify(d.findings));
+    assert.equal(f.severity, 'critical');
+    assert.match(f.title, /^prefill http:\/\/w-prefill:1: its state directory is full \(state directory \/dev\/shm is full/);
+    assert.ok(f.next.some((n) => n.includes('--state-dir')));
+    assert.equal(d.findings.filter((x) => x.kind === 'state_dir_full').length, 1, 'one finding, whether /health or the router said it');
+    const other = diagnose(snap([worker('prefill'), worker('decode', { health: { status: 'degraded', degraded: ['something_else: x'] } })]));
+    assert.ok(other.findings.some((x) => x.kind === 'degraded' && x.severity === 'warning' && /something_else/.test(x.title)));
+    assert.ok(!diagnose(snap([worker('prefill'), worker('decode')])).findings.some((x) => x.kind === 'state_dir_full' || x.kind === 'degraded'), 'healthy workers: no finding');
+  });
+
   test('GPU offload: the summary counts engines per backend; an info finding names each worker\'s devices and layers, partial offload called out', () => {
     const vk = { backend: 'vulkan', devices: ['llvmpipe'], layers: 3, total_layers: 3 };
     const cpu = worker('decode', { health: { gpu: { backend: null, devices: [], layers: 0, total_layers: 3 } } });
