@@ -316,6 +316,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // Workers that join later (etcd membership) are followed from their join; leaves are forgotten.
   registry.onAdded = (w) => kv.follow(w);
   registry.onRemoved = (w) => {
+    metrics.forgetWorker(w.url);
     kv.forget(w.url);
     policies.prefill.forget?.(w.url);
     policies.decode.forget?.(w.url);

@@ -19,6 +19,9 @@
  *   after it (migration); reason = the failure's code, outcome = how the request then ended.
  * - pdserve_router_inflight_requests: generation requests being served right now.
  * - pdserve_router_worker_load{worker}: the router's in-flight count per worker URL.
+ * Per-worker series exist only for the workers in the registry: a worker that leaves (etcd
+ * membership, a removal) takes its series with it (`forgetWorker`), so no series stays frozen
+ * at a departed worker's last value.
  */
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
 import type { WorkerRegistry } from './registry.js';
@@ -80,8 +83,20 @@ export class RouterMetrics {
       labelNames: ['worker'],
       registers,
       collect() {
+        // the pool now, nothing else: a series of a worker that left cannot come back
+        this.reset();
         for (const w of workers.workers) this.labels(w.url).set(w.load);
       },
     });
+  }
+
+  /** Every gauge with a `worker` label (what `forgetWorker` clears). */
+  get perWorker(): Gauge<'worker'>[] {
+    return [this.workerLoad];
+  }
+
+  /** Remove every per-worker series of `url` (the worker left the registry). */
+  forgetWorker(url: string): void {
+    for (const g of this.perWorker) g.remove({ worker: url });
   }
 }

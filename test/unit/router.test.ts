@@ -1457,3 +1457,24 @@ describe('router: migration (after output)', () => {
     await assertReleased(s);
   });
 });
+
+describe('router: per-worker metric series', () => {
+  test('a worker that leaves the registry takes its pdserve_router_worker_load series with it; one that joins gets one', async () => {
+    const urls = ['http://127.0.0.1:9', 'http://127.0.0.1:10', 'http://127.0.0.1:11'];
+    const r = await createRouter({ prefill: [{ url: 'http://127.0.0.1:8', bootstrapPort: 2 }], decode: urls.map((url) => ({ url })), healthIntervalMs: 60_000, healthTimeoutMs: 100, log: { level: 'silent' } });
+    try {
+      const series = async () => {
+        const text = (await r.app.inject({ method: 'GET', url: '/metrics' })).body;
+        return text.split('\n').filter((l) => l.startsWith('pdserve_router_worker_load{')).map((l) => /worker="([^"]+)"/.exec(l)![1]).sort();
+      };
+      assert.deepEqual(await series(), ['http://127.0.0.1:10', 'http://127.0.0.1:11', 'http://127.0.0.1:8', 'http://127.0.0.1:9']);
+      // etcd churn: two decode workers leave, one new joins
+      assert.ok(r.registry.remove('http://127.0.0.1:10', 'lease expired'));
+      assert.ok(r.registry.remove('http://127.0.0.1:11', 'deregistered'));
+      r.registry.upsert({ role: 'decode', url: 'http://127.0.0.1:12' });
+      assert.deepEqual(await series(), ['http://127.0.0.1:12', 'http://127.0.0.1:8', 'http://127.0.0.1:9'], 'the departed workers have no series left');
+    } finally {
+      await r.close();
+    }
+  });
+});
