@@ -6,7 +6,7 @@
 // The newest KEEP builds are kept; older ones are removed. Used by `npm run build`, `prepare`
 // and `pretest`.
 import { spawnSync } from 'node:child_process';
-import { cpSync, lstatSync, readdirSync, renameSync, rmSync, symlinkSync, statSync } from 'node:fs';
+import { cpSync, lstatSync, readdirSync, readFileSync, renameSync, rmSync, symlinkSync, statSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -22,6 +22,16 @@ if (r.status !== 0) {
   rmSync(out, { recursive: true, force: true });
   process.exit(r.status ?? 1);
 }
+// The build's identity (src/base/version.ts reads it): package version and git commit
+// (`-dirty` with uncommitted changes to tracked files; `unknown` outside a git checkout).
+const git = (...args) => {
+  const g = spawnSync('git', ['-C', root, ...args], { encoding: 'utf8' });
+  return g.status === 0 ? g.stdout.trim() : undefined;
+};
+const commit = git('rev-parse', '--short=12', 'HEAD');
+const dirty = commit !== undefined && (git('status', '--porcelain', '--untracked-files=no') ?? '') !== '';
+const { version } = JSON.parse(readFileSync(join(root, 'package.json'), 'utf8'));
+writeFileSync(join(out, 'build-info.json'), `${JSON.stringify({ version, commit: commit ? `${commit}${dirty ? '-dirty' : ''}` : 'unknown' })}\n`);
 // Non-TypeScript files of src/ (report templates: src/bench/report.md) beside their
 // compiled modules, which read them by a URL relative to their own.
 cpSync(join(root, 'src'), out, { recursive: true, filter: (p) => statSync(p).isDirectory() || !p.endsWith('.ts') });

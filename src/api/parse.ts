@@ -7,6 +7,7 @@
  * "Unrecognized request argument supplied" (as OpenAI). `null` means "not set" for every optional
  * field; wrong types and out-of-range values (vLLM's ranges) are 400s naming the field.
  */
+import { protocolVersion } from '../base/version.js';
 import { z, ZodError } from 'zod';
 import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateRequest } from '../protocol/worker-protocol.js';
 import type { RoomId } from '../base/room-id.js';
@@ -365,6 +366,7 @@ export interface WorkerRouting {
 export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): GenerateRequest {
   const base = {
     rid: routing.rid,
+    protocol: protocolVersion(),
     sampling_params: parsed.sampling,
     stream: true,
     first_token_from_prefill: routing.firstTokenFromPrefill ?? false,

@@ -123,6 +123,8 @@ export const ERROR_CODES = {
   registration_refused: BAD_GATEWAY,
   /** Prefill and decode were started with different model or context settings: they never pair. */
   settings_mismatch: BAD_GATEWAY,
+  /** A worker refused a request of another protocol major (../base/version.ts): a rolling upgrade's incompatible pair. */
+  protocol_mismatch: BAD_GATEWAY,
   bad_worker_event: BAD_GATEWAY,
   bad_worker_answer: BAD_GATEWAY,
   prefill_stream_truncated: BAD_GATEWAY,

@@ -3,6 +3,7 @@
  * in one llama.cpp context — no disaggregation. Same request schemas, same response builders
  * and the same engine calls as PD, so greedy outputs can be compared token for token.
  */
+import { BUILD, protocolVersion } from '../base/version.js';
 import { newRoomId } from '../base/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
@@ -63,7 +64,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     log,
     registry: metrics.registry,
     modelNames: names,
-    health: () => ({ role: 'colocated', model: names[0], fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
+    health: () => ({ role: 'colocated', build: BUILD, protocol: protocolVersion(), model: names[0], fingerprint: engine.info.fingerprint, slots: engine.info.sequences, slots_free: engine.slotsFree(), colocated_waiting_queue: backend.waiting, colocated_running: backend.running }),
     debugRooms: () => ({ role: 'colocated', live: [...backend.live.values()].map(({ t0, ...r }) => ({ ...r, age_ms: Math.round(systemClock.nowMs() - t0) })), recent: [] }),
     engine,
     corsOrigins: config.corsOrigin,

@@ -14,6 +14,7 @@
  */
 import { authMac, newNonce, verifyMac } from './auth.js';
 import type { ControlMsg, PairSettings } from './messages.js';
+import { peerProtocol, protocolMismatch } from '../base/version.js';
 
 /**
  * What differs between two PairSettings, as one human line ("contextSize 2048 ≠ 4096; …"), or
@@ -26,6 +27,8 @@ export function settingsMismatch(a: PairSettings, b: PairSettings): string | und
   if (a.batchSize !== b.batchSize) diffs.push(`batchSize ${a.batchSize} ≠ ${b.batchSize}`);
   if (a.flashAttention !== b.flashAttention) diffs.push(`flashAttention ${a.flashAttention} ≠ ${b.flashAttention}`);
   if ((a.kvCacheType ?? 'f16') !== (b.kvCacheType ?? 'f16')) diffs.push(`kvCacheType ${a.kvCacheType ?? 'f16'} ≠ ${b.kvCacheType ?? 'f16'}`);
+  const protocol = protocolMismatch(peerProtocol(a.protocol), peerProtocol(b.protocol));
+  if (protocol) diffs.push(`${protocol}${a.build || b.build ? `, builds ${a.build ?? '?'} and ${b.build ?? '?'}` : ''}`);
   return diffs.length ? diffs.join('; ') : undefined;
 }
 

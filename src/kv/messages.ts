@@ -74,6 +74,10 @@ export interface PairSettings {
   flashAttention: boolean;
   /** K and V cache type ('f16', 'q8_0', 'q4_0'); absent = 'f16' (a worker that does not report it). */
   kvCacheType?: string;
+  /** The protocol the process speaks (`MAJOR.MINOR`, ../base/version.ts): another major never pairs; absent = 1.0. */
+  protocol?: string;
+  /** The process's build (`<version>+<commit>`): reported, never compared. */
+  build?: string;
 }
 
 export type ControlMsg =

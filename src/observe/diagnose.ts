@@ -9,14 +9,16 @@
  *    live (the watchdog is not failing it); a room stuck (≥ half its phase budget spent without
  *    moving on); an orphan room (live on one side, gone on its peer); settings that cannot work
  *    together (model fingerprints differ, bootstrap port differs from the router's, a
- *    `mismatch` reported by the router).
+ *    `mismatch` reported by the router, a protocol major that differs from the router's or a
+ *    peer's: `protocol_mismatch`).
  *  - warning: a slow room (≥ `slowMs` in one phase); a request in
  *    flight at the router for ≥ `slowMs` that no worker holds a room for; room failures other than
  *    client aborts in the last `windowMs`; illegal transitions; counters that moved since the
  *    previous round (--watch).
  *  - critical too: a worker whose state directory is full (`state_dir_full` in its /health
  *    `degraded` or the router's row); warning: another `degraded` condition.
- *  - info: model names differ, draining workers, cumulative failure counters since start.
+ *  - info: model names differ, several builds (a rolling upgrade), draining workers, cumulative
+ *    failure counters since start.
  *
  * "Every engine idle": every prefill has all slots free and every decode has no request
  * generating (`decode_running` 0). "Waiting": rooms live on a worker or requests in flight at the
@@ -26,6 +28,7 @@
 import type { ClusterSnapshot, RoomInfo, WorkerProbe } from './gather.js';
 import { sumOf } from './gather.js';
 import { causeOf, isErrorCode } from '../base/errors.js';
+import { peerProtocol, protocolMismatch } from '../base/version.js';
 import { offloadFinding, offloadSummary } from './gpu.js';
 import type { Severity, Finding } from './finding.js';
 export type { Severity, Finding };
@@ -352,7 +355,8 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
         weight: 1e8,
       });
     }
-    const why = [rr.mismatch, rr.reason, rr.state, rr.last_error].filter((x): x is string => typeof x === 'string' && /mismatch/i.test(x));
+    // a protocol mismatch is versionFindings' (its own kind, cause and next steps)
+    const why = [rr.mismatch, rr.reason, rr.state, rr.last_error].filter((x): x is string => typeof x === 'string' && /mismatch/i.test(x) && !/\bprotocol \S+ ≠/.test(x));
     if (why.length) {
       add({ severity: 'critical', kind: 'mismatch', title: `router reports a settings mismatch for ${w.ref.role} ${w.ref.url}: ${why[0]}`, details: [], cause: 'the worker runs with settings the rest of the cluster cannot work with (model, context size, secret)', next: [`curl -sS ${routerUrl}/workers`, `curl -sS ${w.ref.url}/health`], weight: 1e8 });
     }
@@ -388,6 +392,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       add({ severity: 'warning', kind: 'degraded', title: `${w.ref.role} ${w.ref.url} is degraded: ${degraded[0]}`, details: degraded.slice(1), cause: 'the worker is alive but reports a condition that keeps new requests away', next: [`curl -sS ${w.ref.url}/health`] });
     }
   }
+  versionFindings(snap, routerUrl, add);
   if (fps.size > 1) {
     add({
       severity: 'critical',
@@ -535,3 +540,44 @@ const COUNTER_CAUSES: Record<string, string> = {
   'KV channel auth failures': 'a peer with the wrong --cluster-secret tried to connect',
   'bad KV frames': 'corrupt or oversized frames on the KV channel: a version mismatch or a non-pdserve client',
 };
+
+/** A process's build id and protocol from its /health body (`build.id`, `protocol`; 1.0 when it reports none: an older build). */
+function versionOf(body: Record<string, unknown> | null | undefined): { build: string; protocol: string } | undefined {
+  if (!body) return undefined;
+  const b = body.build as { id?: unknown } | undefined;
+  return { build: typeof b?.id === 'string' ? b.id : 'an older build (no build id)', protocol: peerProtocol(body.protocol) };
+}
+
+/**
+ * Builds and protocols across the cluster (../base/version.ts): a worker whose protocol major
+ * differs from the router's (without the router's /health: from a worker of the other role) is critical (`protocol_mismatch`:
+ * the router never picks it, the KV handshake refuses the pair); several builds of one protocol
+ * are info (`builds`: a rolling upgrade under way).
+ */
+function versionFindings(snap: ClusterSnapshot, routerUrl: string, add: (f: Omit<Finding, 'weight'> & { weight?: number }) => void): void {
+  const router = versionOf(snap.router?.health.body as Record<string, unknown> | undefined);
+  const workers = snap.workers.map((w) => ({ w, v: versionOf(w.health.body as Record<string, unknown> | undefined) })).filter((x): x is { w: WorkerProbe; v: { build: string; protocol: string } } => x.v !== undefined);
+  for (const { w, v } of workers) {
+    const against = router ? { who: `the router (${router.build})`, v: router } : undefined;
+    const other = workers.find((o) => o.w.ref.role !== w.ref.role && protocolMismatch(v.protocol, o.v.protocol));
+    // the router's protocol is the reference (it picks the workers); without it, the other role's
+    const why = against ? (protocolMismatch(v.protocol, against.v.protocol) ? { who: against.who, text: protocolMismatch(v.protocol, against.v.protocol)! } : undefined) : other ? { who: `${other.w.ref.role} ${other.w.ref.url} (${other.v.build})`, text: protocolMismatch(v.protocol, other.v.protocol)! } : undefined;
+    if (!why) continue;
+    add({
+      severity: 'critical',
+      kind: 'protocol_mismatch',
+      title: `${w.ref.role} ${w.ref.url} (${v.build}) cannot work with ${why.who}: ${why.text}`,
+      details: [],
+      cause: 'a rolling upgrade mixed builds of different protocol majors: the router never sends work to the worker and the KV handshake refuses the pair',
+      next: [`curl -sS ${routerUrl}/workers   # build, protocol and mismatch of each worker`, `curl -sS ${w.ref.url}/health`, 'upgrade (or roll back) the odd workers so that every process speaks one protocol major'],
+      weight: 1e8,
+      data: { url: w.ref.url, role: w.ref.role, build: v.build, protocol: v.protocol },
+    });
+  }
+  const builds = new Map<string, string[]>();
+  if (router) builds.set(router.build, ['router']);
+  for (const { w, v } of workers) builds.set(v.build, [...(builds.get(v.build) ?? []), `${w.ref.role} ${w.ref.url}`]);
+  if (builds.size > 1) {
+    add({ severity: 'info', kind: 'builds', title: `the cluster runs ${builds.size} builds`, details: [...builds.entries()].map(([b, ws]) => `${b}: ${ws.join(', ')}`), cause: 'a rolling upgrade under way, or a process left on an old build: fine while the protocol majors agree', next: [`curl -sS ${routerUrl}/workers`] });
+  }
+}

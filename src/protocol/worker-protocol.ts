@@ -114,6 +114,8 @@ const RoomIdSchema = z.union([z.string(), z.number()]).transform((v, ctx): RoomI
 export const GenerateRequestSchema = z
   .object({
     rid: z.string().min(1).max(128),
+    /** The sender's protocol (`MAJOR.MINOR`, ../base/version.ts); absent = 1.0. A worker refuses another major (502 `protocol_mismatch`) before parsing the rest. */
+    protocol: z.string().max(32).optional(),
     /** Trace id of the request (router: client's traceparent/x-request-id or generated); shown in logs and /debug/rooms. */
     trace_id: z.string().min(1).max(128).optional(),
     text: z.string().optional(),

@@ -22,6 +22,7 @@
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
+import { BUILD, protocolVersion } from '../base/version.js';
 import { registerHoldRoute } from '../runtime/testhooks.js';
 import { systemClock } from '../base/clock.js';
 import { DrainGate } from '../runtime/drain.js';
@@ -288,7 +289,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     const prefill = role('prefill');
     const decode = role('decode');
     const ok = prefill.healthy > 0 && decode.healthy > 0 && !closing && !drain.draining;
-    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : drain.draining ? 'draining' : 'unavailable', role: 'router', models: registry.models(), prefill, decode, inflight: active.size });
+    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : drain.draining ? 'draining' : 'unavailable', role: 'router', build: BUILD, protocol: protocolVersion(), models: registry.models(), prefill, decode, inflight: active.size });
   });
 
   registerHoldRoute(app);

@@ -24,10 +24,11 @@ import { systemClock } from '../base/clock.js';
 import type { Logger } from 'pino';
 import type { PairSettings } from '../kv/messages.js';
 import type { RouterConfig } from './config.js';
-import { mismatchOf, settingsFromHealth } from './pair-settings.js';
+import { mismatchOf, routerMismatch, settingsFromHealth } from './pair-settings.js';
 import { gpuFromHealth, UNKNOWN_GPU } from '../engine/gpu.js';
 import { toolSyntaxFromHealth } from '../api/tool-calls.js';
 import type { WorkerRole, WorkerState } from './worker-state.js';
+import { IMPLIED_PROTOCOL } from '../base/version.js';
 export type { WorkerRole, WorkerState };
 
 /** Most periodic probes in a row a worker skips for its recent successful exchanges (then one is sent anyway). */
@@ -49,6 +50,10 @@ export interface WorkerSnapshot {
   last_check_at: string | null;
   consecutive_failures: number;
   settings: PairSettings | null;
+  /** The worker's build (`<version>+<commit>`, from its settings), null when not reported. */
+  build: string | null;
+  /** The worker's protocol (`MAJOR.MINOR`; 1.0 when its settings do not say), null before a probe. */
+  protocol: string | null;
   /** Why no healthy worker of the other role can pair with this one (settings differ), else null. */
   mismatch: string | null;
   /** GPU backend (null = CPU only or not reported), device names and offloaded layers ("3/3"). */
@@ -355,7 +360,7 @@ export class WorkerRegistry {
 
   /** Healthy, non-draining workers of `role`, in pool order (the candidates of a load-balancing policy). */
   candidates(role: WorkerRole): WorkerState[] {
-    return this.workers.filter((w) => w.role === role && w.healthy && !w.draining && !w.degraded);
+    return this.workers.filter((w) => w.role === role && w.healthy && !w.draining && !w.degraded && routerMismatch(w) === undefined);
   }
 
   /** Least-loaded healthy, non-draining worker of `role` (ties round-robin), or null when there is none. */
@@ -363,7 +368,7 @@ export class WorkerRegistry {
     let min = Infinity;
     let tied: WorkerState[] = [];
     for (const w of this.workers) {
-      if (w.role !== role || !w.healthy || w.draining || w.degraded) continue;
+      if (w.role !== role || !w.healthy || w.draining || w.degraded || routerMismatch(w) !== undefined) continue;
       if (w.load < min) {
         min = w.load;
         tied = [w];
@@ -428,6 +433,8 @@ export class WorkerRegistry {
       last_check_at: w.lastCheckAt ? new Date(w.lastCheckAt).toISOString() : null,
       consecutive_failures: w.consecutiveFailures,
       settings: w.settings,
+      build: w.settings?.build ?? null,
+      protocol: w.settings ? (w.settings.protocol ?? IMPLIED_PROTOCOL) : null,
       mismatch: mismatchOf(w, this.workers),
       ...(w.gpu ?? UNKNOWN_GPU),
     }));

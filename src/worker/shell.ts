@@ -9,7 +9,8 @@
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { servedModelNamesOf } from '../runtime/config.js';
-import { toApiError, type RoomFailure } from '../base/errors.js';
+import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
+import { BUILD, peerProtocol, protocolMismatch, protocolVersion } from '../base/version.js';
 import { abortCauseOf } from '../protocol/worker-protocol.js';
 import type { KvEventLog } from '../protocol/kv-events.js';
 import type { Logger } from '../base/log.js';
@@ -108,6 +109,8 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     offload: e,
     health: () => ({
       role: o.role,
+      build: BUILD,
+      protocol: protocolVersion(),
       model: modelNames[0],
       fingerprint: e.info.fingerprint,
       settings: pairSettingsOf(e.info),
@@ -121,6 +124,10 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
   });
   // A role's handler answers its own errors; anything it throws still leaves as an OpenAI error body.
   app.post('/generate', async (req, reply) => {
+    // Another protocol major misreads this body or its answer: refused before anything runs.
+    const theirs = peerProtocol((req.body as { protocol?: unknown } | null)?.protocol);
+    const why = protocolMismatch(protocolVersion(), theirs);
+    if (why) return sendError(reply, ApiError.of('protocol_mismatch', `${o.role} worker (${BUILD.id}) refuses a request of another protocol: ${why}`));
     try {
       await o.generate(req.body, reply);
     } catch (err) {

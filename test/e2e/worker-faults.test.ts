@@ -8,7 +8,11 @@
  *  - decode fails a room it never registered (prealloc deadline, prealloc queue full) and
  *    prefill hears within 1 s — decode opens the KV connection to tell it;
  *  - a decode with another context size is shown as `mismatch` on GET /workers, is never
- *    dispatched to, and a direct pairing is refused in the handshake with one log line per side.
+ *    dispatched to, and a direct pairing is refused in the handshake with one log line per side;
+ *  - a decode of another protocol major (PDSERVE_TEST_PROTOCOL_VERSION=2.0): its build and
+ *    protocol on /health and /workers, `mismatch` with the router, never dispatched to, a request
+ *    of protocol 1.0 refused 502 `protocol_mismatch`, its KV handshake with prefill refused
+ *    naming the protocols, doctor's `protocol_mismatch` finding.
  * The KV stand-in prefill used to hold decode's only slot is a real KvServer in this process.
  */
 import assert from 'node:assert/strict';
@@ -22,6 +26,7 @@ import { kvTransportOf } from '../../src/kv/transport.js';
 import { loadInternalTls } from '../../src/runtime/tls.js';
 import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
+import { cli } from '../helpers/cli.js';
 
 const PREALLOC_MS = 800;
 let c: Cluster;
@@ -221,5 +226,59 @@ describe('worker faults', () => {
     const lines = (proc: ClusterProc) => readFileSync(proc.logFile!, 'utf8').split('\n').filter((l) => l.includes('kv pair refused'));
     assert.ok(await waitFor(async () => lines(p).length === 1 && lines(d1).length === 1, 2000), `one line each: prefill ${lines(p).length}, decode ${lines(d1).length}`);
     assert.match(lines(p)[0]!, /contextSize/);
+  });
+  test('g: a decode of another protocol major: build and protocol on /health and /workers, mismatch, never dispatched to, refused on /generate and in the handshake, named by doctor', async () => {
+    const p = prefill();
+    const d1 = c.byRole('decode')[1]!;
+    await c.kill(d1);
+    const i = d1.args.indexOf('--ctx-size');
+    if (i >= 0) d1.args.splice(i, 2); // the settings of its pair again: only the protocol differs
+    process.env.PDSERVE_TEST_PROTOCOL_VERSION = '2.0';
+    try {
+      await c.spawn(d1);
+    } finally {
+      delete process.env.PDSERVE_TEST_PROTOCOL_VERSION;
+    }
+    const h = await getJson<any>(`${d1.url}/health`);
+    assert.equal(h.protocol, '2.0');
+    assert.match(h.build.id, /^\d+\.\d+\.\d+\+\S+$/);
+    const rh = await getJson<any>(`${c.router.url}/health`);
+    assert.equal(rh.protocol, '1.0');
+    assert.equal(rh.build.id, h.build.id, 'one checkout: one build');
+    const row = async () => ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).find((w) => w.url === d1.url);
+    assert.ok(await waitFor(async () => (await row())?.healthy === true && (await row())?.protocol === '2.0', 5000), 'GET /workers has the probe');
+    const r1 = await row();
+    assert.equal(r1.build, h.build.id);
+    assert.match(r1.mismatch, /^mismatch with the router: protocol 1\.0 ≠ 2\.0 \(another major\)/);
+    const d0row = ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).find((w) => w.url === c.byRole('decode')[0]!.url);
+    assert.equal(d0row.protocol, '1.0');
+    assert.equal(d0row.mismatch, null);
+    const before = await metricSum(d1, 'pdserve_rooms_terminal_total');
+    for (let k = 0; k < 4; k++) {
+      const r = await post(`${c.router.url}/v1/completions`, { model: 'pdserve', prompt: `proto ${k}`, max_tokens: 4, temperature: 0 });
+      assert.equal(r.status, 200, `request ${k}`);
+    }
+    assert.equal(await metricSum(d1, 'pdserve_rooms_terminal_total'), before, 'the other-protocol decode got no room');
+    // A request of protocol 1.0 (what this router sends; an older router sends none): refused before anything runs.
+    for (const protocol of ['1.0', undefined]) {
+      const r = await post(`${d1.url}/generate`, gen('g-old', newRoomId(), p.bootstrapPort!, protocol ? { protocol } : {}));
+      assert.equal(r.status, 502);
+      const e = (await r.json()).error;
+      assert.equal(e.code, 'protocol_mismatch');
+      assert.match(e.message, /refuses a request of another protocol: protocol 2\.0 ≠ 1\.0/);
+    }
+    // Its own protocol, paired with prefill directly: the KV handshake refuses, naming the protocols.
+    const room = newRoomId();
+    const atPrefill = post(`${p.url}/generate`, gen('g-direct', room, p.bootstrapPort!)).catch(() => undefined);
+    const dr = await post(`${d1.url}/generate`, gen('g-direct', room, p.bootstrapPort!, { protocol: '2.0' }));
+    assert.equal(dr.status, 502);
+    const de = (await dr.json()).error;
+    assert.equal(de.code, 'settings_mismatch');
+    assert.match(de.message, /protocol 2\.0 ≠ 1\.0/);
+    await post(`${p.url}/abort_request`, { rid: 'g-direct', bootstrap_room: room });
+    await atPrefill;
+    const doc = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
+    const found = (JSON.parse(doc.out) as { findings: { kind: string; title: string }[] }).findings.filter((f) => f.kind === 'protocol_mismatch');
+    assert.ok(found.some((f) => f.title.includes(d1.url) && /protocol 2\.0 ≠ 1\.0/.test(f.title)), `doctor names the decode: ${doc.out.slice(0, 1500)}`);
   });
 });
