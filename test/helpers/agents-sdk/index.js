@@ -1,0 +1,2 @@
+export * from '@openai/agents';
+export { z } from 'zod';
