@@ -506,13 +506,16 @@ class Lease implements Slot {
     const maxTokens = Math.max(1, sampling.maxTokens || this.engine.info.compat.contextSize - prompt.length);
     const minTokens = sampling.minTokens ?? 0;
     const stopIds = new Set(sampling.stopTokenIds ?? []);
+    // A grammar allows EOG only where its output is complete (json-grammar.ts), so ignore_eos does
+    // not hold it open: it could only sample EOG up to max_tokens.
+    const grammarEnds = sampling.grammar !== undefined && !(sampling.grammar.type === 'tool_call' && sampling.grammar.lazy);
     // echo: the prompt's text before token 1's text
     let echo = sampling.echo ? this.engine.detokenize(prompt) : '';
     let count = 0;
     const step = (tok: number): { out: GeneratedToken; end?: FinishReason } => {
       count++;
       const eog = model.isEogToken(tok as Token);
-      if (eog && !sampling.ignoreEos) return { out: { token: tok, text: text.flush() }, end: 'stop' };
+      if (eog && (!sampling.ignoreEos || grammarEnds)) return { out: { token: tok, text: text.flush() }, end: 'stop' };
       if (stopIds.has(tok) && count > minTokens) return { out: { token: tok, text: text.flush() }, end: 'stop' };
       text.stopsArmed = count > minTokens;
       let t = eog ? '' : text.push(tok);

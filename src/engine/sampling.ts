@@ -13,7 +13,8 @@
  */
 import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, type LlamaModel, type SequenceEvaluateOptions, type Token } from 'node-llama-cpp';
 import { randomInt } from 'node:crypto';
-import type { GrammarSpec, SamplingParams, TokenLogprob, ToolCallSyntax } from './types.js';
+import { DEFAULT_MAX_TOOL_CALLS, type GrammarSpec, type SamplingParams, type TokenLogprob, type ToolCallSyntax } from './types.js';
+import { JSON_OBJECT_GBNF, jsonSchemaGbnf } from './json-grammar.js';
 import { toolCallGrammarText, triggerTexts } from './tools.js';
 import type { TokenRenderer } from './token-text.js';
 
@@ -55,10 +56,11 @@ export class GrammarCache {
   }
 
   private async compile(spec: GrammarSpec): Promise<LlamaGrammar> {
-    if (spec.type === 'json') return this.llama.getGrammarFor('json');
-    if (spec.type === 'json_schema') return this.llama.createGrammarForJsonSchema(spec.schema as never);
+    // Both end where the JSON ends (json-grammar.ts): llama.cpp then allows only an end-of-generation token.
+    if (spec.type === 'json') return this.llama.createGrammar({ grammar: JSON_OBJECT_GBNF });
+    if (spec.type === 'json_schema') return this.llama.createGrammar({ grammar: await jsonSchemaGbnf(this.llama, spec.schema) });
     if (!this.toolSyntax) throw new Error("the model's chat wrapper has no function-call syntax");
-    return this.llama.createGrammar({ grammar: await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, spec.lazy, spec.parallel === true) });
+    return this.llama.createGrammar({ grammar: await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, spec.lazy, spec.parallel === true ? (spec.maxCalls ?? DEFAULT_MAX_TOOL_CALLS) : 1) });
   }
 }
 
@@ -68,6 +70,14 @@ function acceptGrammarToken(llama: Llama, state: LlamaGrammarEvaluationState, to
   const native = (state as unknown as { _state?: unknown })._state;
   if (!addon?.acceptGrammarEvaluationStateToken || native === undefined) throw new Error('node-llama-cpp has no grammar accept binding (expected 3.21.1)');
   addon.acceptGrammarEvaluationStateToken(native, token);
+}
+
+/** Whether the grammar state allows `token` next (node-llama-cpp 3.21.1 binding; for an EOG token: whether the grammar may end here). */
+function grammarAllows(llama: Llama, state: LlamaGrammarEvaluationState, token: number): boolean {
+  const addon = (llama as unknown as { _bindings?: { AddonSampler?: { canBeNextTokenForGrammarEvaluationState?: (s: unknown, t: number) => boolean } } })._bindings?.AddonSampler;
+  const native = (state as unknown as { _state?: unknown })._state;
+  if (!addon?.canBeNextTokenForGrammarEvaluationState || native === undefined) throw new Error('node-llama-cpp has no grammar check binding (expected 3.21.1)');
+  return addon.canBeNextTokenForGrammarEvaluationState(native, token);
 }
 
 /**
@@ -151,7 +161,10 @@ export class RequestSampler {
     }
     if (this.bias || this.banBias) {
       const after = this.bias ?? biasOf(model, []);
-      opts.tokenBias = () => (this.banBias && this.generated < minTokens ? this.banBias : after);
+      // A grammar that may end here (a complete JSON value or call) could be left with no token at
+      // all with EOG banned, and llama.cpp would then fail the sequence: min_tokens yields to it.
+      const grammarMayEnd = () => this.grammarState !== undefined && eogTokens.some((t) => grammarAllows(model.llama, this.grammarState!, t));
+      opts.tokenBias = () => (this.banBias && this.generated < minTokens && !grammarMayEnd() ? this.banBias : after);
     }
     if (this.lazy) opts.grammarEvaluationState = () => this.grammarState;
     else if (this.grammarState) opts.grammarEvaluationState = this.grammarState;

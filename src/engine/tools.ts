@@ -18,6 +18,7 @@
  * A complete call ends the grammar, so llama.cpp only allows an end-of-generation token after it.
  */
 import { LlamaText, type ChatHistoryItem, type ChatModelFunctions, type ChatModelResponse, type ChatWrapper, type Llama, type LlamaModel } from 'node-llama-cpp';
+import { jsonSchemaGbnf } from './json-grammar.js';
 import type { ChatMessage, ToolCallSyntax, ToolFunction } from './types.js';
 
 /** Text of a LlamaText-ish value (string, LlamaText, special-token text) as the model would print it. */
@@ -170,12 +171,14 @@ export function prefixGbnfRules(g: string, prefix: string): string {
 
 /**
  * The grammar of one call of any of `functions` in `syntax`. Arguments follow each function's
- * JSON schema (through node-llama-cpp's JSON-schema grammar, whose trailing newlines are
- * dropped); a function without parameters takes `{}` (or the wrapper's empty placeholder).
+ * JSON schema (json-grammar.ts: ends where the JSON ends); a function without parameters takes `{}` (or the wrapper's empty placeholder).
  * `lazy`: starts after the call prefix (an optional space first, for prefixes matched without
- * their trailing space). `parallel`: further calls may follow (see ToolCallSyntax.betweenCalls). @throws what llama.createGrammarForJsonSchema throws for a bad schema.
+ * their trailing space). `maxCalls` > 1: up to that many calls in the turn where the wrapper has
+ * a between-calls text (ToolCallSyntax.betweenCalls), separated by that text and at most llama.cpp
+ * server's whitespace (`| " " | "\n"{1,2} [ \t]{0,20}`); after the last one the grammar is
+ * complete, so the turn ends. @throws what llama.createGrammarForJsonSchema throws for a bad schema.
  */
-export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, functions: readonly { name: string; parameters?: Record<string, unknown> }[], lazy: boolean, parallel = false): Promise<string> {
+export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, functions: readonly { name: string; parameters?: Record<string, unknown> }[], lazy: boolean, maxCalls = 1): Promise<string> {
   const rules: string[] = [];
   const alts: string[] = [];
   for (let i = 0; i < functions.length; i++) {
@@ -183,9 +186,7 @@ export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, 
     const p = `f${i}-`;
     let params: string;
     if (f.parameters && Object.keys(f.parameters).length > 0 && !(f.parameters.type === 'object' && f.parameters.properties && Object.keys(f.parameters.properties as object).length === 0)) {
-      const g = (await llama.createGrammarForJsonSchema(f.parameters as never)).grammar;
-      const renamed = prefixGbnfRules(g, p).replace(/[ \t]*"\\n\\n\\n\\n"[ \t]*\[\\n\]\*[ \t]*$/m, '');
-      rules.push(renamed.trim());
+      rules.push(prefixGbnfRules(await jsonSchemaGbnf(llama, f.parameters), p).trim());
       params = `${p}root`;
     } else {
       params = syntax.emptyParams === '' ? '("{}" | "")' : `("{}" | ${gbnfLiteral(syntax.emptyParams)})`;
@@ -194,8 +195,10 @@ export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, 
   }
   const call = `call ::= ${alts.map((a) => `(${a})`).join(' | ')}`;
   // Several calls in one turn (parallel tool calls, when the wrapper has a between-calls text):
-  // after a call either the end or the between text, optional whitespace, the prefix, a call.
-  const more = parallel && syntax.betweenCalls !== null ? ` (${syntax.betweenCalls === '' ? '' : `${gbnfLiteral(syntax.betweenCalls)} `}[ \\t\\n]* ${gbnfLiteral(syntax.prefix)} call)*` : '';
+  // after a call either the end or the between text, bounded whitespace, the prefix, a call —
+  // at most maxCalls in all, so neither whitespace nor calls can run a turn into max_tokens.
+  const ws = '( " " | "\\n"{1,2} [ \\t]{0,20} )?';
+  const more = maxCalls > 1 && syntax.betweenCalls !== null ? ` (${syntax.betweenCalls === '' ? '' : `${gbnfLiteral(syntax.betweenCalls)} `}${ws} ${gbnfLiteral(syntax.prefix)} call){0,${maxCalls - 1}}` : '';
   const root = lazy ? `root ::= " "? call${more}` : `root ::= ${gbnfLiteral(syntax.prefix)} call${more}`;
   return [root, call, ...rules].join('\n');
 }

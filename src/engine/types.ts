@@ -69,7 +69,12 @@ export interface SamplingParams {
 export type GrammarSpec =
   | { type: 'json' }
   | { type: 'json_schema'; schema: Record<string, unknown> }
-  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean };
+  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean; maxCalls?: number };
+
+/** Most tool calls in one turn when a parallel tool_call grammar names no `maxCalls` (the router's and colocated's `--max-tool-calls` default). */
+export const DEFAULT_MAX_TOOL_CALLS = 16;
+/** Highest `--max-tool-calls`. */
+export const MAX_TOOL_CALLS_LIMIT = 128;
 
 /** A function the model may call (OpenAI `tools[].function`; parameters = a JSON schema). */
 export interface ToolFunction {

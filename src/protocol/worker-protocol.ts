@@ -14,6 +14,7 @@
 import { z } from 'zod';
 import { ApiError, failure, isErrorCode, type RoomFailure } from '../base/errors.js';
 import { parseRoomId, type RoomId } from '../base/room-id.js';
+import { MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
 /** Most tools (functions) one request may declare, and most calls one assistant message may carry. */
 export const MAX_TOOLS = 128;
@@ -40,7 +41,7 @@ export const WorkerGrammarSchema = z.union([
   z.object({ type: z.literal('json') }),
   z.object({ type: z.literal('json_schema'), schema: z.record(z.unknown()) }),
   /** One call of one of `functions` in the model's call syntax; lazy = only after the call prefix (tool_choice auto). */
-  z.object({ type: z.literal('tool_call'), functions: z.array(z.object({ name: ToolNameSchema, parameters: z.record(z.unknown()).optional() })).min(1).max(MAX_TOOLS), lazy: z.boolean(), parallel: z.boolean().optional() }),
+  z.object({ type: z.literal('tool_call'), functions: z.array(z.object({ name: ToolNameSchema, parameters: z.record(z.unknown()).optional() })).min(1).max(MAX_TOOLS), lazy: z.boolean(), parallel: z.boolean().optional(), maxCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).optional() }),
 ]);
 
 /**

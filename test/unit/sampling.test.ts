@@ -127,6 +127,22 @@ describe('sampling options, PD equals colocated', () => {
     const v = JSON.parse(js.text) as { n: unknown; ok: unknown };
     assert.equal(typeof v.n, 'number');
     assert.equal(typeof v.ok, 'boolean');
+    // the grammar ends where the JSON ends: EOG right after it, no trigger newlines, finish stop
+    for (const [name, r] of [['json', json], ['json schema', js]] as const) {
+      assert.equal(r.finish, 'stop', `${name}: ${JSON.stringify(r.text)}`);
+      assert.equal(r.text, r.text.trimEnd(), `${name}: no trailing whitespace`);
+      assert.ok(r.text.endsWith('}'), name);
+      assert.ok(r.tokens.length < 200, name);
+    }
+    assert.ok(Number.isInteger(v.n) && !/\d[eE]/.test(js.text), 'an integer is written without exponent');
+    // ignore_eos and min_tokens past the JSON's end do not hold a complete grammar open
+    // (min_tokens banning EOG would leave llama.cpp no token at all: the sequence would fail)
+    for (const over of [{ ignoreEos: true }, { minTokens: 150 }, { temperature: 1, seed: 11, minTokens: 150 }]) {
+      const r = await both(base({ ignoreEos: false, maxTokens: 200, grammar: { type: 'json_schema', schema }, ...over }));
+      assert.equal(r.finish, 'stop', JSON.stringify(over));
+      assert.doesNotThrow(() => JSON.parse(r.text), r.text);
+      assert.equal(r.text, r.text.trimEnd());
+    }
   });
 
   it('a migrated request (prompt + k tokens the client has) continues exactly: penalties, logit bias, min_tokens, stop strings, grammars, max_tokens 0', async () => {
