@@ -14,6 +14,7 @@
  */
 import { z } from 'zod';
 import { MAX_TOKEN_LIST, WorkerGrammarSchema } from '../protocol/worker-protocol.js';
+import { SCHEMA_KEYWORDS } from './json-schema.js';
 
 /** 'responses' fields live in ./responses-fields.ts (their own table, docs/RESPONSES.md). */
 export type Endpoint = 'completions' | 'chat' | 'responses';
@@ -117,7 +118,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
     name: 'response_format',
     endpoints: BOTH,
     status: 'honoured',
-    notes: "text; json_object (any JSON); json_schema (node-llama-cpp's JSON-schema grammar: a schema it cannot compile is a 400). Output cut by max_tokens is returned as is, not well-formed JSON, with finish_reason length (as OpenAI)",
+    notes: 'text; json_object (any JSON object); json_schema (see JSON schemas: the keyword table below; the reply ends with the JSON, finish_reason stop). Output cut by max_tokens is returned as is, not well-formed JSON, with finish_reason length (as OpenAI)',
     schema: z.union([
       z.object({ type: z.literal('text') }).strict(),
       z.object({ type: z.literal('json_object') }).strict(),
@@ -166,9 +167,9 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'documents', endpoints: CHAT, status: 'refused', notes: 'vLLM RAG documents; not supported', schema: z.array(z.unknown()), refuse: emptyOk('documents are not supported') },
   { name: 'mm_processor_kwargs', endpoints: CHAT, status: 'refused', notes: 'vLLM; text-only server', schema: z.record(z.unknown()), refuse: emptyOk('mm_processor_kwargs is not supported (text-only server)') },
   // ---- tools (through the model's chat wrapper: src/api/tool-calls.ts, src/engine/tools.ts)
-  { name: 'tools', endpoints: CHAT, status: 'honoured', notes: `type "function" only, ≤ 128; parameters: a JSON schema in the grammar engine's subset (else 400 naming the keyword). Rendered into the prompt and parsed from the output in the chat wrapper's own call syntax (node-llama-cpp's: the generic wrapper's \`||call: name({...})\` for a GGUF without a template); a model whose wrapper has no call syntax gets a 400`, schema: z.array(z.unknown()) },
+  { name: 'tools', endpoints: CHAT, status: 'honoured', notes: `type "function" only, ≤ 128; parameters: a JSON schema (the keyword table below; a refused keyword is a 400 naming it). Rendered into the prompt and parsed from the output in the chat wrapper's own call syntax (node-llama-cpp's: the generic wrapper's \`||call: name({...})\` for a GGUF without a template); a model whose wrapper has no call syntax gets a 400`, schema: z.array(z.unknown()) },
   { name: 'tool_choice', endpoints: CHAT, status: 'honoured', notes: '"auto" (default with tools): free text, a grammar completes a call once the model starts one; "required" / a named function: the grammar forces one call; "none": tools shown, no call parsed. "required" / a name without tools is a 400', schema: z.union([z.string(), z.record(z.unknown())]) },
-  { name: 'parallel_tool_calls', endpoints: CHAT, status: 'honoured', notes: "true (default): several calls in one turn where the chat wrapper has a between-calls syntax (node-llama-cpp's parallelism settings, e.g. templates with repeated <tool_call> blocks); the generic wrapper has none, so one call ends its turn. false: one call. A named tool_choice is one call", schema: z.boolean() },
+  { name: 'parallel_tool_calls', endpoints: CHAT, status: 'honoured', notes: "true (default): up to --max-tool-calls calls in one turn where the chat wrapper has a between-calls syntax (node-llama-cpp's parallelism settings, e.g. templates with repeated <tool_call> blocks), whitespace between them bounded; the generic wrapper has none, so one call ends its turn. false: one call. A named tool_choice is one call", schema: z.boolean() },
   { name: 'functions', endpoints: CHAT, status: 'refused', notes: `legacy (deprecated) form of tools: a 400 asking for tools`, schema: z.array(z.unknown()), refuse: emptyOk(LEGACY_FUNCTIONS_REFUSAL) },
   { name: 'function_call', endpoints: CHAT, status: 'refused', notes: 'legacy tool_choice: a 400 asking for tool_choice ("none" accepted)', schema: z.union([z.string(), z.record(z.unknown())]), refuse: notDefault('none', LEGACY_FUNCTIONS_REFUSAL) },
   // ---- OpenAI platform features
@@ -226,6 +227,12 @@ export function conformanceMarkdown(): string {
     ...MESSAGE_FIELDS.map((f) => `| \`${f.name}\` | ${mark[f.status]} | ${esc(f.notes)} |`),
     '',
     'Any other field is refused with 400 "Unrecognized request argument supplied: <name>" (as OpenAI). `null` always means "not set".',
+    '',
+    '| JSON-schema keyword | treatment | notes |',
+    '|---|---|---|',
+    ...SCHEMA_KEYWORDS.map((k) => `| ${k.keyword.split(', ').map((w) => `\`${w}\``).join(', ')} | ${k.status} | ${esc(k.notes)} |`),
+    '',
+    'A keyword not in this table is refused (400), the message naming it.',
   ];
   return lines.join('\n');
 }

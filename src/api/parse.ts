@@ -17,6 +17,7 @@ import { parseTools, toolGrammarOf, type ParsedTools } from './tool-calls.js';
 import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
 import { ApiError } from '../base/errors.js';
 import { badRequest, zodToApiError } from './errors.js';
+import type { OutputChecks } from './respond.js';
 
 export { DEFAULT_COMPLETION_MAX_TOKENS, MAX_STOP } from './fields.js';
 
@@ -221,6 +222,19 @@ export function responseToolSyntax(parsed: ParsedRequest): ToolCallSyntax | null
 
 export type ParsedRequest = ParsedCompletionRequest | ParsedChatRequest;
 
+/**
+ * What the response builder checks a finished output against (respond.ts OutputChecks): the
+ * json_schema grammar's schema (not with echo: the prompt's text comes first), and each tool's
+ * parameters schema.
+ */
+export function outputChecksOf(parsed: ParsedRequest): OutputChecks {
+  const out: OutputChecks = {};
+  const g = parsed.sampling.grammar;
+  if (g?.type === 'json_schema' && !parsed.sampling.echo) out.output = g.schema;
+  if (parsed.kind === 'chat' && parsed.tools) out.tools = new Map(parsed.tools.functions.flatMap((f) => (f.parameters ? [[f.name, f.parameters] as const] : [])));
+  return out;
+}
+
 /** The grammar a request asks for (response_format json_object / json_schema, guided_json), if any. */
 function grammarOf(b: Record<string, unknown>): WorkerSampling['grammar'] {
   const rf = b.response_format as { type: string; json_schema?: { schema?: Record<string, unknown> } } | undefined;
@@ -325,12 +339,18 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   return { kind: 'completion', prompt, ...commonOf(b, (b.max_tokens as number | undefined) ?? DEFAULT_COMPLETION_MAX_TOKENS) };
 }
 
+/** Server settings a chat request is parsed with. */
+export interface ChatParseOptions {
+  /** Most tool calls in one turn with parallel_tool_calls (`--max-tool-calls`; default DEFAULT_MAX_TOOL_CALLS). */
+  maxToolCalls?: number;
+}
+
 /**
  * Validate and normalise a /v1/chat/completions body (see ./fields.ts for every field).
  * `max_completion_tokens` wins over `max_tokens`; neither = the rest of the context.
  * @throws ApiError 400 naming the offending field.
  */
-export function parseChatRequest(body: unknown): ParsedChatRequest {
+export function parseChatRequest(body: unknown, opts: ChatParseOptions = {}): ParsedChatRequest {
   // Request-controlled counts first: an O(1) length check before any per-message work.
   const tooLarge = checkRequestBounds(body, { maxMessages: MAX_MESSAGES, maxPromptTokens: Infinity });
   if (tooLarge) throw tooLarge;
@@ -338,7 +358,7 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   const messages = parseMessages(b.messages);
   const maxTokens = (b.max_completion_tokens as number | undefined) ?? (b.max_tokens as number | undefined);
   const out: ParsedChatRequest = { kind: 'chat', messages, ...commonOf(b, maxTokens) };
-  const tools = parseTools(b);
+  const tools = parseTools(b, opts.maxToolCalls);
   if (tools) {
     out.tools = tools;
     const g = toolGrammarOf(tools);

@@ -7,6 +7,7 @@ import { ToolCallParser, type ToolCall, type ToolCallDelta } from './tool-calls.
 import type { ToolCallSyntax } from '../engine/types.js';
 import { bytesOf } from '../engine/token-text.js';
 import { ApiError } from '../base/errors.js';
+import { validateJson } from './json-schema.js';
 
 export type OpenAIFinishReason = 'stop' | 'length' | 'tool_calls';
 
@@ -24,6 +25,29 @@ export const usageOf = (promptTokens: number, completionTokens: number, cachedTo
   total_tokens: promptTokens + completionTokens,
   prompt_tokens_details: { cached_tokens: cachedTokens },
 });
+
+/**
+ * What a finished generation is checked against (api/json-schema.ts validateJson): the keywords
+ * a grammar cannot enforce (docs/API.md's keyword table, "checked after").
+ */
+export interface OutputChecks {
+  /** response_format json_schema / guided_json: the normalised schema of the whole output. */
+  output?: Record<string, unknown>;
+  /** Tool calls: each function's normalised parameters schema, by name. */
+  tools?: ReadonlyMap<string, Record<string, unknown>>;
+}
+
+/** The 422 of a finished output that breaks its schema where only the check after generation could see it. */
+function schemaMismatch(what: string, text: string, checks: Record<string, unknown>): ApiError | null {
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch {
+    return new ApiError(422, 'output_schema_mismatch', `${what} is not valid JSON although its grammar was complete`, 'invalid_request_error');
+  }
+  const v = validateJson(checks, value);
+  return v ? new ApiError(422, 'output_schema_mismatch', `${what} breaks the schema at ${v.path}: ${v.message} (a keyword the grammar cannot enforce, checked after generation: see docs/API.md, JSON schemas)`, 'invalid_request_error') : null;
+}
 
 /** Identity of one response: `id` is the rid, `created` unix seconds. */
 export interface ResponseMeta {
@@ -207,6 +231,9 @@ export const SSE_DONE = '[DONE]';
  * then sent even when the event's text is empty — and to the response, in OpenAI's completions
  * or chat shape.
  * finish_reason 'abort' is not a normal end: `push` throws ApiError 500 'generation_aborted'.
+ * With `checks`, an output that ends by itself (finish_reason stop / tool_calls) is validated
+ * against its schema: a violation throws ApiError 422 'output_schema_mismatch' at the finish
+ * event (non-stream: the response is that error; stream: the SSE error event ends the stream).
  */
 export class OpenAIResponseBuilder {
   text = '';
@@ -235,8 +262,24 @@ export class OpenAIResponseBuilder {
     readonly meta: ResponseMeta,
     readonly includeUsage = false,
     toolSyntax: ToolCallSyntax | null = null,
+    private readonly checks: OutputChecks = {},
   ) {
     this.tools = kind === 'chat' && toolSyntax ? new ToolCallParser(toolSyntax) : null;
+  }
+
+  /** @throws ApiError 422 'output_schema_mismatch' (see the class doc). */
+  private check(full: string, finish: OpenAIFinishReason): void {
+    if (finish === 'stop' && this.checks.output) {
+      const e = schemaMismatch('the output', full, this.checks.output);
+      if (e) throw e;
+    }
+    if (finish === 'tool_calls' && this.checks.tools && this.tools) {
+      for (const c of this.tools.calls) {
+        const schema = this.checks.tools.get(c.function.name);
+        const e = schema ? schemaMismatch(`the arguments of the call of '${c.function.name}'`, c.function.arguments, schema) : null;
+        if (e) throw e;
+      }
+    }
   }
 
   get finished(): boolean {
@@ -275,13 +318,14 @@ export class OpenAIResponseBuilder {
     if (this.tools) {
       const r = this.tools.feed(ev.text);
       if (finish) {
-        const e = this.tools.end();
+        const e = this.tools.end(finish === 'length');
         r.content += e.content;
         r.deltas.push(...e.deltas);
         if (finish === 'stop' && this.tools.called) finish = 'tool_calls';
       }
       [text, deltas] = [r.content, r.deltas];
     }
+    if (finish) this.check(this.text + text, finish);
     this.text += text;
     this.finishReason = finish;
     const lps = Array.isArray(ev.logprobs) && ev.logprobs.length > 0 ? ev.logprobs : null;

@@ -20,7 +20,7 @@
 import { randomBytes } from 'node:crypto';
 import { z } from 'zod';
 import { ApiError } from '../base/errors.js';
-import type { ToolCallSyntax, ToolFunction } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, type ToolCallSyntax, type ToolFunction } from '../engine/types.js';
 import { normaliseJsonSchema, SchemaError } from './json-schema.js';
 import { MAX_TOOLS } from '../protocol/worker-protocol.js';
 
@@ -33,6 +33,8 @@ export interface ParsedTools {
   choice: ToolChoice;
   /** parallel_tool_calls (default true): several calls in one turn when the wrapper has a syntax for it. */
   parallel: boolean;
+  /** With `parallel`: most calls in one turn (the server's --max-tool-calls); the grammar ends the turn after the last. */
+  maxCalls: number;
 }
 
 const NAME = /^[a-zA-Z0-9_-]{1,64}$/;
@@ -61,9 +63,9 @@ const bad = (param: string, message: string) => new ApiError(400, 'invalid_value
 /**
  * `tools`, `tool_choice`, `parallel_tool_calls` of a chat body (already type-checked as arrays /
  * values by the field table). Returns undefined when the request has no tools and no tool_choice
- * other than "none"/"auto". @throws ApiError 400 naming the field.
+ * other than "none"/"auto". `maxCalls`: the server's bound on calls per turn. @throws ApiError 400 naming the field.
  */
-export function parseTools(b: Record<string, unknown>): ParsedTools | undefined {
+export function parseTools(b: Record<string, unknown>, maxCalls = DEFAULT_MAX_TOOL_CALLS): ParsedTools | undefined {
   const raw = (b.tools as unknown[] | undefined) ?? [];
   if (raw.length > MAX_TOOLS) throw bad('tools', `at most ${MAX_TOOLS} tools`);
   const functions: ToolFunction[] = [];
@@ -102,7 +104,7 @@ export function parseTools(b: Record<string, unknown>): ParsedTools | undefined 
     throw bad('tool_choice', `${typeof choice === 'string' ? `"${choice}"` : `the function '${choice.name}'`} needs tools (none were given)`);
   }
   if (typeof choice === 'object' && !seen.has(choice.name)) throw bad('tool_choice', `the function '${choice.name}' is not one of the tools (${[...seen].join(', ')})`);
-  return { functions, choice, parallel: b.parallel_tool_calls !== false };
+  return { functions, choice, parallel: b.parallel_tool_calls !== false, maxCalls };
 }
 
 const SyntaxSchema = z.object({ prefix: z.string().min(1).max(256), prefixAlternates: z.array(z.string().max(256)).max(8), paramsPrefix: z.string().min(1).max(256), suffix: z.string().max(256), emptyParams: z.string().max(256), betweenCalls: z.string().max(256).nullable().default(null) });
@@ -114,13 +116,13 @@ export function toolSyntaxFromHealth(v: unknown): ToolCallSyntax | null {
 }
 
 /** The worker grammar for `tools` (see the module doc), or undefined for tool_choice "none". */
-export function toolGrammarOf(tools: ParsedTools): { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean } | undefined {
+export function toolGrammarOf(tools: ParsedTools): { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean; maxCalls?: number } | undefined {
   if (tools.choice === 'none') return undefined;
   const named = typeof tools.choice === 'object';
   const pick = named ? tools.functions.filter((f) => f.name === (tools.choice as { name: string }).name) : tools.functions;
   const g = { type: 'tool_call' as const, functions: pick.map((f) => (f.parameters ? { name: f.name, parameters: f.parameters } : { name: f.name })), lazy: tools.choice === 'auto' };
   // A named tool_choice is one call of that function (OpenAI); otherwise parallel_tool_calls decides.
-  return tools.parallel && !named ? { ...g, parallel: true } : g;
+  return tools.parallel && !named ? { ...g, parallel: true, maxCalls: tools.maxCalls } : g;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -147,8 +149,11 @@ const MAX_NAME = 256;
 
 /**
  * Incremental parser of generated text in a wrapper's call syntax. `feed(text)` returns the
- * content to emit now and the tool-call deltas; `end()` flushes at the end of generation (held
- * text becomes content; an unfinished name is content; unfinished arguments stay as streamed).
+ * content to emit now and the tool-call deltas; `end(cut)` flushes at the end of generation (held
+ * text becomes content; unfinished arguments stay as streamed, a partial `tool_calls` entry). A
+ * generation cut by max_tokens (`cut`) inside a call's prefix or name returns no call and none
+ * of that template text as content (API.md: a cut call comes back as far as it got, never as raw
+ * call syntax); a generation that ended there by itself was not a call, and its text is content.
  */
 export class ToolCallParser {
   readonly calls: ToolCall[] = [];
@@ -180,10 +185,12 @@ export class ToolCallParser {
     return out;
   }
 
-  end(): { content: string; deltas: ToolCallDelta[] } {
+  end(cut = false): { content: string; deltas: ToolCallDelta[] } {
     const out = { content: '', deltas: [] as ToolCallDelta[] };
-    if (this.state === 'text') out.content = this.calls.length > 0 && this.buf.trim() === '' ? '' : this.buf;
-    else if (this.state === 'name') out.content = this.raw + this.buf;
+    if (this.state === 'text') {
+      const text = cut ? this.buf.slice(0, this.buf.length - this.heldBack()) : this.buf;
+      out.content = this.calls.length > 0 && text.trim() === '' ? '' : text;
+    } else if (this.state === 'name' && !cut) out.content = this.raw + this.buf;
     this.buf = '';
     return out;
   }

@@ -68,6 +68,12 @@ export const ERROR_CODES = {
   not_found: c(404, 'not_found_error', 'client'),
   /** /v1/responses: previous_response_id names no stored response (OpenAI answers this code with a 400). */
   previous_response_not_found: CLIENT_400,
+  /**
+   * A finished JSON output (response_format json_schema, guided_json, tool-call arguments) breaks
+   * a keyword of its schema that the grammar cannot enforce and that is checked after generation
+   * (docs/API.md's keyword table); 4xx, so neither the router nor an SDK retries it.
+   */
+  output_schema_mismatch: c(422, 'invalid_request_error', 'client'),
   model_not_found: c(404, 'not_found_error', 'client'),
   worker_not_found: c(404, 'not_found_error', 'client'),
   trace_not_found: c(404, 'not_found_error', 'client'),

@@ -15,6 +15,7 @@ import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../up/ba
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
+import { DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -223,6 +224,9 @@ function corsList(v: string, prev: string[] | undefined): string[] {
 /** `--no-kv-stream` (prefill and `up`): see ../runtime/config.ts `kvStream`. */
 const NO_KV_STREAM_HELP = 'over TCP, send the state only once llama.cpp has saved it (default: a one-room state goes out while llama.cpp saves it, to a decode that takes that)';
 
+/** `--max-tool-calls` (router and colocated): see ../api/tool-calls.ts ParsedTools.maxCalls. */
+const MAX_TOOL_CALLS_HELP = `most tool calls in one turn with parallel_tool_calls (1..${MAX_TOOL_CALLS_LIMIT}): after the last one the grammar ends the turn (finish_reason "tool_calls")`;
+
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
@@ -421,11 +425,12 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--host <host>', 'HTTP bind address', '127.0.0.1')
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
+    .option('--max-tool-calls <n>', MAX_TOOL_CALLS_HELP, int, DEFAULT_MAX_TOOL_CALLS)
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model, 'colocated');
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, maxToolCalls: o.maxToolCalls, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
   internalTlsFlags(secretFlags(accessFlags(lifecycleOptions(program
@@ -438,6 +443,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--request-timeout-ms <ms>', 'end-to-end deadline of one request', int, 300_000)
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
+    .option('--max-tool-calls <n>', MAX_TOOL_CALLS_HELP, int, DEFAULT_MAX_TOOL_CALLS)
     .option('--migration-limit <n>', 'most re-dispatches of one request after a worker failure, before output (retry) or after (migration: prompt + tokens sent go to another pair); see docs/MIGRATION.md', int, 3)
     .option('--worker-wait-ms <ms>', WORKER_WAIT_HELP, int, 20_000)
     .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices([...POLICY_NAMES]).default('cache_aware'))
@@ -460,7 +466,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, workerWaitMs: o.workerWaitMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

@@ -8,7 +8,7 @@ import { newRoomId } from '../base/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { ApiError, checkModelName, sendApiError, apiErrorOf } from '../api/errors.js';
-import { responseToolSyntax, parseChatRequest, parseCompletionRequest, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
+import { outputChecksOf, responseToolSyntax, parseChatRequest, parseCompletionRequest, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
 import { SseWriter } from '../api/sse.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
@@ -80,7 +80,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     // n > 1 / batched prompts: one local sub-request per choice, merged (api/fanout.ts).
     const subs = planFanOut(kind, req.body);
     if (subs) return serveFanOut(req, reply, kind, subs);
-    const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body) : parseCompletionRequest(req.body);
+    const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body, { maxToolCalls: config.maxToolCalls }) : parseCompletionRequest(req.body);
     checkModelName(parsed.model, names);
     if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;
     const key = conversationKey(parsed, req.headers['x-session-id']);
@@ -91,7 +91,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     const ac = new AbortController();
     const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
     const off = onClientGone(reply, () => ac.abort());
-    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(systemClock.wallMs() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax);
+    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(systemClock.wallMs() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax, outputChecksOf(parsed));
     const events = backend.generate(body, ac.signal);
     try {
       if (!parsed.stream) {

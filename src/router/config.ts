@@ -18,7 +18,8 @@
  *       streams every token and prefill answers once with JSON),
  *     migrationLimit = 3 (re-dispatches of one request after retryable failures, before or
  *       after output: ./attempts.ts), workerWaitMs = 20000 (wait for a healthy worker of a role
- *       that has none, inside the deadline; 0 = 503 at once),
+ *       that has none, inside the deadline; 0 = 503 at once), maxToolCalls = 16 (tool calls
+ *       per turn with parallel_tool_calls),
  *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
  *       decodePolicy = 'least_load' (same choices; cache_aware enables decode-local
  *       continuation up to localPrefillMaxTokens = 256 uncached tokens, 0 = off), with cache_aware's
@@ -41,6 +42,7 @@ import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
+import { DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
 const LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
 
@@ -90,6 +92,7 @@ export const RouterConfigSchema = z
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
     firstTokenFromPrefill: z.boolean().default(true),
     migrationLimit: z.number().int().min(0).max(16).default(3),
+    maxToolCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).default(DEFAULT_MAX_TOOL_CALLS),
     workerWaitMs: z.number().int().min(0).default(20_000),
     policy: z.enum(POLICY_NAMES).default('cache_aware'),
     decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
@@ -168,6 +171,8 @@ export interface RouterConfig {
   readonly firstTokenFromPrefill: boolean;
   /** Most times one request is dispatched again after a retryable failure, before or after output (./attempts.ts). */
   readonly migrationLimit: number;
+  /** Most tool calls in one turn with parallel_tool_calls (`--max-tool-calls`): the grammar ends the turn after the last. */
+  readonly maxToolCalls: number;
   /** Longest wait (ms, inside the request's deadline) for a healthy worker of a role that has none; 0 = answer 503 at once. */
   readonly workerWaitMs: number;
   /** Load-balancing policy of prefill workers (policy/index.ts; they hold the prefix cache); cache_aware by default. */

@@ -55,7 +55,7 @@ import type { FastifyReply } from 'fastify';
 import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
 import { ApiError, sendApiError } from '../api/errors.js';
-import { responseToolSyntax, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
+import { outputChecksOf, responseToolSyntax, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
 import { readSse, SseParser, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../protocol/worker-protocol.js';
@@ -144,7 +144,7 @@ export class ClientReply {
     model: string,
     timeoutMs: number,
   ) {
-    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(systemClock.wallMs() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed));
+    this.builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, model, created: Math.floor(systemClock.wallMs() / 1000) }, parsed.includeUsage, responseToolSyntax(parsed), outputChecksOf(parsed));
     this.deadlineAt = this.t0 + timeoutMs;
   }
 

@@ -249,7 +249,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const dispatch = async (kind: 'completion' | 'chat', request: FastifyRequest, reply: FastifyReply, member: ReturnType<ChoiceGroups['member']>): Promise<FastifyReply> => {
       let parsed: ParsedRequest;
       try {
-        parsed = kind === 'chat' ? parseChatRequest(request.body) : parseCompletionRequest(request.body);
+        parsed = kind === 'chat' ? parseChatRequest(request.body, { maxToolCalls: config.maxToolCalls }) : parseCompletionRequest(request.body);
         checkModelName(parsed.model, registry.models());
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
         // Token 1's logprob exists only where it was sampled: prefill's first-token event.

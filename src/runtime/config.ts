@@ -5,6 +5,7 @@
 import { z } from 'zod';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from './cluster-secret.js';
 import { HttpTimeoutsSchema } from './http-timeouts.js';
@@ -221,6 +222,8 @@ export const ColocatedConfigSchema = z.object({
   requestTimeoutMs: z.number().int().positive().default(300_000),
   /** The HTTP server's keep-alive, headers and request timeouts (http-timeouts.ts). */
   httpTimeouts: HttpTimeoutsSchema,
+  /** Most tool calls in one turn with parallel_tool_calls (`--max-tool-calls`). */
+  maxToolCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).default(DEFAULT_MAX_TOOL_CALLS),
   /** CORS origins ('*' = any); empty = no CORS. */
   corsOrigin: z.array(z.string().min(1)).max(64).default([]),
   /** Client access (src/api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */

@@ -149,6 +149,52 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     assert.equal(typeof v.ok, 'boolean');
     const g = await same('completion', { prompt, max_tokens: 300, guided_json: schema });
     assert.equal(typeof (JSON.parse(g.text) as { n: unknown }).n, 'number');
+    // the reply ends with the JSON: finish stop, nothing after it (PD, colocated, streamed and not: same() compares all four)
+    for (const r of [j, js, g]) {
+      assert.equal(r.finish, 'stop', r.text);
+      assert.equal(r.text, r.text.trimEnd(), 'no trailing newlines');
+      assert.ok(r.completionTokens < 300);
+    }
+  });
+
+  test('zod idioms in a json_schema (.int(), .positive(), .email(), nullable, draft-07 definitions) are accepted; the reply satisfies the schema and ends with stop', async () => {
+    // what zod 4's toJSONSchema / the AI SDK's zodSchema emit, plus a zod-to-json-schema reference
+    const schema = {
+      $schema: 'http://json-schema.org/draft-07/schema#',
+      type: 'object',
+      properties: {
+        age: { type: 'integer', exclusiveMinimum: 0, maximum: 9007199254740991 },
+        count: { type: 'integer', minimum: -9007199254740991, maximum: 9007199254740991, description: 'how many' },
+        rating: { type: 'integer', minimum: 1, maximum: 5 },
+        email: { type: 'string', format: 'email', pattern: "^(?!\\.)(?!.*\\.\\.)([A-Za-z0-9_'+\\-\\.]*)[A-Za-z0-9_+-]@([A-Za-z0-9][A-Za-z0-9\\-]*\\.)+[A-Za-z]{2,}$" },
+        home: { $ref: '#/definitions/Place' },
+        work: { anyOf: [{ $ref: '#/definitions/Place' }, { type: 'null' }] },
+      },
+      required: ['age', 'count', 'rating', 'email', 'home', 'work'],
+      additionalProperties: false,
+      definitions: { Place: { type: 'object', properties: { zip: { type: 'string', maxLength: 6 } }, required: ['zip'], additionalProperties: false } },
+    };
+    const r = await same('chat', { max_tokens: 400, response_format: { type: 'json_schema', json_schema: { name: 'person', strict: true, schema } } });
+    assert.equal(r.finish, 'stop', r.text);
+    const v = JSON.parse(r.text) as { age: number; count: number; rating: number; email: string; home: { zip: string }; work: { zip: string } | null };
+    assert.ok(Number.isSafeInteger(v.age) && v.age > 0, `age ${v.age}`);
+    assert.ok(Number.isSafeInteger(v.count));
+    assert.ok(v.rating >= 1 && v.rating <= 5 && Number.isInteger(v.rating));
+    assert.match(v.email, new RegExp(schema.properties.email.pattern));
+    assert.equal(typeof v.home.zip, 'string');
+    assert.ok(v.work === null || typeof v.work.zip === 'string');
+    for (const k of ['age', 'count', 'rating']) assert.match(r.text, new RegExp(`"${k}":\\s*-?\\d+\\s*[,}]`), `${k} written as a JSON integer (no exponent)`);
+  });
+
+  test('a keyword checked after generation: an output that breaks it is a 422 output_schema_mismatch naming the path (PD and colocated)', async () => {
+    // a pattern the random model cannot meet by chance; maxLength keeps the string short
+    const schema = { type: 'object', properties: { s: { type: 'string', pattern: '^zz+q$', maxLength: 3 } }, required: ['s'] };
+    for (const api of [s.ref, s.pd]) {
+      await assert.rejects(
+        api.chat.completions.create({ model: 'pdserve', temperature: 0, max_tokens: 60, messages: [{ role: 'user', content: 'x' }], response_format: { type: 'json_schema', json_schema: { name: 'p', schema } } }),
+        (e: unknown) => e instanceof OpenAI.UnprocessableEntityError && e.code === 'output_schema_mismatch' && /\$\.s/.test(e.message),
+      );
+    }
   });
 
   test('logprobs (completions: top N; chat: logprobs + top_logprobs): one per token, PD equals colocated', async () => {
@@ -238,7 +284,7 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     await refused('chat/completions', { messages, functions: [{ name: 'f', parameters: {} }] }, 'functions', /legacy/);
     await refused('chat/completions', { messages, tool_choice: 'required' }, 'tool_choice', /needs tools/);
     await refused('chat/completions', { messages: [...messages, { role: 'tool', content: '4', tool_call_id: 'c' }] }, 'messages[1].tool_call_id');
-    await refused('chat/completions', { messages, response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: 'x' } } } }, 'response_format.json_schema.schema.pattern');
+    await refused('chat/completions', { messages, response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', not: { const: 'x' } } } } }, 'response_format.json_schema.schema.not', /keyword 'not'/);
     // the SDK surfaces the 400 as BadRequestError
     await assert.rejects(s.pd.completions.create({ model: 'pdserve', prompt, min_p: 2 } as never), (e: unknown) => e instanceof OpenAI.BadRequestError);
   });

@@ -11,9 +11,14 @@
  * a token each on the tiny byte-level vocabulary.
  */
 import assert from 'node:assert/strict';
-import { describe, test } from 'node:test';
+import { mkdtempSync, readFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, test } from 'node:test';
 import OpenAI from 'openai';
-import { useStack } from '../helpers/stack.js';
+import { writeLlamaGguf } from '../../src/engine/gguf-writer.js';
+import type { Cluster } from '../../src/up/cluster.js';
+import { client, startStack, useStack } from '../helpers/stack.js';
 
 const s = useStack({ ctxSize: 4096 });
 
@@ -95,6 +100,10 @@ describe('tool calls through the chat wrapper (PD = colocated)', () => {
     const msg = first.choices[0]!.message;
     const call = msg.tool_calls![0]!;
     const history: OpenAI.ChatCompletionMessageParam[] = [...messages, msg as OpenAI.ChatCompletionAssistantMessageParam, { role: 'tool', tool_call_id: call.id, content: '{"temperature": 21, "sky": "clear"}' }];
+    // LangChain's shape of the same history: name on the user, assistant ("model") and tool (the tool's name) messages — accepted, not rendered
+    const named = [{ ...history[0]!, name: 'alice' }, { ...history[1]!, name: 'model' }, { ...history[2]!, name: 'get_weather' }] as OpenAI.ChatCompletionMessageParam[];
+    const plainTurn = await same({ messages: history, tool_choice: 'auto', max_tokens: 8 } as never);
+    assert.deepEqual(await same({ messages: named, tool_choice: 'auto', max_tokens: 8 } as never), plainTurn, 'names change nothing in the prompt');
     const r = await same({ messages: history, tool_choice: 'auto', max_tokens: 24 } as never);
     assert.equal(r.calls.length, 0);
     const u = await s.pd.chat.completions.create({ ...base, messages: history, max_tokens: 1 });
@@ -138,12 +147,51 @@ describe('tool calls through the chat wrapper (PD = colocated)', () => {
           return true;
         });
       };
-      await bad({ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string', pattern: '^x' } } } } }] }, 'tools[0].function.parameters.properties.a.pattern', /not supported/);
+      await bad({ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'object', propertyNames: { pattern: '^x' } } } } } }] }, 'tools[0].function.parameters.properties.a.propertyNames', /not supported/);
       await bad({ tools: [{ type: 'function', function: { name: 'f', parameters: 'nope' } }] }, 'tools[0].function.parameters', /object/i);
       await bad({ functions: [{ name: 'f', parameters: {} }] }, 'functions', /legacy.*tools/);
       await bad({ tool_choice: 'required' }, 'tool_choice', /needs tools/);
       await bad({ messages: [...messages, { role: 'tool', tool_call_id: 'nope', content: '1' }] }, 'messages[1].tool_call_id', /no earlier assistant tool call/);
       await bad({ messages: [...messages, { role: 'assistant', content: null, tool_calls: [{ id: 'c', type: 'function', function: { name: 'f', arguments: '{}' } }] }] }, 'messages[1].tool_calls[0]', /no tool message answers/);
     }
+  });
+});
+
+/**
+ * Parallel calls need a wrapper with a between-calls text: the tiny model with a template whose
+ * calls are repeated <tool_call> blocks (test/fixtures/tagged-tools.jinja), on a second small
+ * stack whose router and colocated server allow 2 calls per turn.
+ */
+describe('parallel tool calls (a template with repeated <tool_call> blocks, --max-tool-calls 2)', () => {
+  const t = {} as { c: Cluster; pd: OpenAI; ref: OpenAI };
+  before(async () => {
+    const file = join(mkdtempSync(join(tmpdir(), 'pdserve-tagged-')), 'tagged.gguf');
+    await writeLlamaGguf(file, { preset: 'tiny', seed: 1, chatTemplate: readFileSync(new URL('../fixtures/tagged-tools.jinja', import.meta.url), 'utf8') });
+    t.c = await startStack({ model: file, ctxSize: 4096, extraArgs: { router: ['--max-tool-calls', '2'], colocated: ['--max-tool-calls', '2'] } });
+    t.pd = client(t.c.router.url);
+    t.ref = client(t.c.colocated!.url);
+  });
+  after(async () => {
+    await t.c?.stop();
+  });
+
+  test('every turn ends by itself with finish_reason "tool_calls" and 1 or 2 well-formed calls (bounded whitespace between them); PD equals colocated, stream and not', async () => {
+    const unit: OpenAI.ChatCompletionTool = { type: 'function', function: { name: 'forecast', parameters: { type: 'object', properties: { unit: { type: 'string', enum: ['c', 'f'] }, days: { type: 'integer', minimum: 1, maximum: 7 } }, required: ['unit', 'days'] } } };
+    const counts: number[] = [];
+    for (const seed of [1, 2, 3, 4]) {
+      const req = { model: 'pdserve', messages, tools: [unit, NOW], tool_choice: 'required' as const, temperature: 1, seed, max_tokens: 600 };
+      const want = shapeOf(await t.ref.chat.completions.create(req));
+      assert.equal(want.finish, 'tool_calls', `seed ${seed}: ${JSON.stringify(want)}`);
+      assert.ok(want.calls.length >= 1 && want.calls.length <= 2, `seed ${seed}: ${want.calls.length} calls`);
+      for (const c of want.calls) {
+        const args = JSON.parse(c.arguments) as { days?: number };
+        if (c.name === 'forecast') assert.ok(Number.isInteger(args.days) && args.days! >= 1 && args.days! <= 7, c.arguments);
+      }
+      assert.deepEqual(shapeOf(await t.pd.chat.completions.create(req)), want, `seed ${seed}: PD equals colocated`);
+      const fin = await t.pd.chat.completions.stream({ ...req, stream: true }).finalChatCompletion();
+      assert.deepEqual(shapeOf(fin as OpenAI.ChatCompletion).calls, want.calls, `seed ${seed}: PD stream`);
+      counts.push(want.calls.length);
+    }
+    assert.ok(counts.includes(2), `some turn makes 2 calls (the bound): ${counts}`);
   });
 });

@@ -222,7 +222,7 @@ describe('chat schema', () => {
     rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'code_interpreter' }] }), 'tools[0].type');
     rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'bad name' } }] }), 'tools[0].function.name');
     rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f' } }, { type: 'function', function: { name: 'f' } }] }), 'tools[1].function.name', /used twice/);
-    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string', pattern: 'x' } } } } }] }), 'tools[0].function.parameters.properties.a.pattern', /not supported/);
+    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string', propertyNames: {} } } } } }] }), 'tools[0].function.parameters.properties.a.propertyNames', /not supported/);
     rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'string' } } }] }), 'tools[0].function.parameters.type');
     const f = rejects400(() => parseChatRequest({ messages: u, functions: [{ name: 'f' }] }), 'functions', /legacy.*send 'tools'/);
     rejects400(() => parseChatRequest({ messages: u, function_call: 'auto' }), 'function_call', /legacy/);
@@ -269,7 +269,10 @@ describe('chat schema', () => {
     assert.deepEqual(parseCompletionRequest({ prompt: 'x', guided_json: JSON.stringify(schema) }).sampling.grammar, { type: 'json_schema', schema });
     assert.equal(parseChatRequest({ messages: u, response_format: { type: 'text' } }).sampling.grammar, undefined);
     // outside node-llama-cpp's exact subset: a 400 naming the keyword, not a silently looser grammar
-    rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'json_schema', json_schema: { name: 's', schema: { type: 'string', pattern: 'a+' } } } }), 'response_format.json_schema.schema.pattern', /keyword 'pattern'/);
+    rejects400(() => parseChatRequest({ messages: u, response_format: { type: 'json_schema', json_schema: { name: 's', schema: { not: { type: 'string' } } } } }), 'response_format.json_schema.schema.not', /keyword 'not'/);
+    // the zod idioms: .int() (safe-integer bounds), .positive(), .email() (format + pattern), draft-07 definitions
+    const zod = { type: 'object', properties: { n: { type: 'integer', minimum: -9007199254740991, maximum: 9007199254740991 }, p: { type: 'number', exclusiveMinimum: 0 }, e: { type: 'string', format: 'email', pattern: '^\\S+@\\S+$' }, d: { $ref: '#/definitions/D' } }, definitions: { D: { type: 'boolean' } } };
+    assert.deepEqual(parseChatRequest({ messages: u, response_format: { type: 'json_schema', json_schema: { name: 's', schema: zod } } }).sampling.grammar, { type: 'json_schema', schema: { type: 'object', properties: { ...zod.properties, d: { $ref: '#/$defs/D' } }, $defs: { D: { type: 'boolean' } } } });
     rejects400(() => parseCompletionRequest({ prompt: 'x', guided_json: { type: 'nonsense' } }), 'guided_json.type');
     rejects400(() => parseCompletionRequest({ prompt: 'x', guided_json: { $ref: '#/$defs/missing' } }), 'guided_json.$ref');
     assert.deepEqual(parseCompletionRequest({ prompt: 'x', guided_json: { anyOf: [{ type: 'null' }, { type: 'integer' }], title: 'T' } }).sampling.grammar, { type: 'json_schema', schema: { oneOf: [{ type: 'null' }, { type: 'integer' }] } });

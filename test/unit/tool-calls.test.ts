@@ -10,6 +10,7 @@ import { ApiError } from '../../src/api/errors.js';
 import { parseChatRequest, responseToolSyntax } from '../../src/api/parse.js';
 import { OpenAIResponseBuilder, type ChatCompletion, type ChatCompletionChunk } from '../../src/api/respond.js';
 import { ToolCallParser, toolSyntaxFromHealth, type ToolCallDelta } from '../../src/api/tool-calls.js';
+import { normaliseJsonSchema } from '../../src/api/json-schema.js';
 import type { GenerateEvent } from '../../src/protocol/worker-protocol.js';
 import type { ToolCallSyntax } from '../../src/engine/types.js';
 
@@ -128,5 +129,42 @@ describe('OpenAIResponseBuilder with tools', () => {
     const c = cut.response() as ChatCompletion;
     assert.equal(c.choices[0]!.finish_reason, 'length');
     assert.equal(c.choices[0]!.message.tool_calls![0]!.function.arguments, '{"a": 1');
+  });
+
+  it('a call cut by max_tokens before its arguments: no raw call syntax in content, no call (stream and not)', () => {
+    for (const pieces of [['||call: get_wea'], ['||cal'], ['Sure. ', '||call: f'], ['<tool_call>\n{"name": "get']]) {
+      const syntax = pieces[0]!.startsWith('<') ? QWEN : GENERIC;
+      const b = new OpenAIResponseBuilder('chat', meta, false, syntax);
+      const chunks = pieces.map((t, i) => ev(t, i === pieces.length - 1 ? 'length' : null)).flatMap((e) => b.push(e)) as ChatCompletionChunk[];
+      const streamed = chunks.map((c) => c.choices[0]!.delta.content ?? '').join('');
+      const r = b.response() as ChatCompletion;
+      const want = pieces[0] === 'Sure. ' ? 'Sure. ' : '';
+      assert.equal(r.choices[0]!.message.content, want, JSON.stringify(pieces));
+      assert.equal(streamed, want, JSON.stringify(pieces));
+      assert.equal(r.choices[0]!.message.tool_calls, undefined);
+      assert.equal(r.choices[0]!.finish_reason, 'length');
+    }
+    // the same text ending by itself (stop) was not a call: it is content (checked below)
+    const b = new OpenAIResponseBuilder('chat', meta, false, GENERIC);
+    b.push(ev('||cal', 'stop'));
+    assert.equal((b.response() as ChatCompletion).choices[0]!.message.content, '||cal');
+  });
+
+  it('the check after generation: an output or call arguments breaking a keyword the grammar cannot enforce is a 422 at the finish', () => {
+    const output = normaliseJsonSchema({ type: 'object', properties: { a: { type: 'integer', multipleOf: 3 }, s: { type: 'string', pattern: '^x' } } });
+    const mismatch = (fn: () => unknown, re: RegExp) => assert.throws(fn, (e: unknown) => e instanceof ApiError && e.status === 422 && e.code === 'output_schema_mismatch' && re.test(e.message));
+    const b = () => new OpenAIResponseBuilder('chat', meta, false, null, { output });
+    mismatch(() => b().push(ev('{"a": 4, "s": "x"}', 'stop')), /at \$\.a: 4 is not a multiple of 3/);
+    mismatch(() => b().push(ev('{"a": 3, "s": "y"}', 'stop')), /at \$\.s: does not match the pattern/);
+    const ok = b();
+    ok.push(ev('{"a": 6,'));
+    ok.push(ev(' "s": "xy"}', 'stop'));
+    assert.equal((ok.response() as ChatCompletion).choices[0]!.message.content, '{"a": 6, "s": "xy"}');
+    b().push(ev('{"a": 4', 'length')); // cut by max_tokens: returned as it is, not checked
+    const tools = new Map([['f', normaliseJsonSchema({ type: 'object', properties: { n: { type: 'number', maximum: 1 } } })]]);
+    mismatch(() => new OpenAIResponseBuilder('chat', meta, false, GENERIC, { tools }).push(ev('||call: f({"n": 2})', 'stop')), /the call of 'f' breaks the schema at \$\.n/);
+    const t = new OpenAIResponseBuilder('chat', meta, false, GENERIC, { tools });
+    t.push(ev('||call: f({"n": 0.5})', 'stop'));
+    assert.equal(t.finishReason, 'tool_calls');
   });
 });
