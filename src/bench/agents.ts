@@ -371,6 +371,8 @@ export interface ScaleOptions {
   agents: number[];
   rounds: number;
   timeoutMs?: number;
+  /** Engine flags of every prefill, decode and colocated process, e.g. `['--gpu', 'vulkan', '--gpu-layers', 'max', '--gpu-device', '0']`. */
+  engineArgs?: string[];
 }
 
 /** One setup at one concurrency, with the router's decode-local fallbacks. */
@@ -455,8 +457,9 @@ export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTo
   const router = ['--decode-policy', 'cache_aware'];
   const off = ['--prefix-store-bytes', '0'];
   // colocated gets as many slots as the decode workers together: the same concurrent sequences as PD
-  const store = new Cluster({ ...common, colocated: true, extraArgs: { router, colocated: ['--slots', String(o.decodeSlots * o.decode)] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-')) });
-  const nostore = new Cluster({ ...common, colocated: false, extraArgs: { router, prefill: off, decode: off }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-ns-')) });
+  const eng = o.engineArgs ?? [];
+  const store = new Cluster({ ...common, colocated: true, extraArgs: { router, prefill: eng, decode: eng, colocated: ['--slots', String(o.decodeSlots * o.decode), ...eng] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-')) });
+  const nostore = new Cluster({ ...common, colocated: false, extraArgs: { router, prefill: [...off, ...eng], decode: [...off, ...eng] }, logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-scale-ns-')) });
   const dispatcher = benchAgent(256);
   const tok = await loadTokenizer(o.model);
   const setups: ScaleSetup[] = ['pd_store', 'pd_nostore', 'colo'];

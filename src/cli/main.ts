@@ -542,12 +542,15 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--ctx-size <tokens>', 'context size per sequence', int, 2048)
       .option('--batch-size <tokens>', 'prompt chunk', int, 512)
       .option('--json <file>', 'write the runs as JSON')
+      .addOption(new Option('--gpu <backend>', 'engine processes on a GPU backend, every layer offloaded (default: CPU)').choices(['cuda', 'vulkan']))
+      .option('--gpu-device <list>', 'with --gpu: the devices of every engine process, e.g. 0', cliParser(parseDeviceList))
       .action(async (o) => {
         const { runAgentsScale, agentsScaleTable } = await import('../bench/agents.js');
         const { ensureModel } = await import('../engine/gguf-writer.js');
         const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
         const agents = String(o.agents).split(',').map((x: string) => int(x.trim()));
-        const r = await runAgentsScale({ model, agents, rounds: o.rounds, decode: o.decode, decodeSlots: o.decodeSlots, contextSize: o.ctxSize, batchSize: o.batchSize });
+        const engineArgs = o.gpu ? ['--gpu', o.gpu, '--gpu-layers', 'max', ...(o.gpuDevice ? ['--gpu-device', (o.gpuDevice as number[]).join(',')] : [])] : [];
+        const r = await runAgentsScale({ model, agents, rounds: o.rounds, decode: o.decode, decodeSlots: o.decodeSlots, contextSize: o.ctxSize, batchSize: o.batchSize, engineArgs });
         console.log(agentsScaleTable(r.runs, o.rounds).join('\n'));
         if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, null, 1) + '\n');
       });
