@@ -1,20 +1,30 @@
 /**
  * The GPU part of BENCHMARKS.md (its prose and goal are the report template's, report.md): the
- * figures of `scripts/gpu-check.sh` (bench/results/gpu.json) when it has run — on CUDA, or on
- * lavapipe, whose figures are a functional check of the path and no performance claim.
+ * figures of `scripts/gpu-check.sh` (bench/results/gpu.json) when it has run — on CUDA or Vulkan,
+ * or on lavapipe, whose figures are a functional check of the path and no performance claim.
  */
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { GPU_BACKENDS, parseDeviceList, type GpuBackend } from '../engine/gpu.js';
 
-/** bench/results/gpu.json as scripts/gpu-check.sh writes it (ms). */
+/** bench/results/gpu.json as scripts/gpu-check.sh writes it (ms). Fields after `kv` are absent from older runs. */
 interface GpuCheckResult {
   date: string;
-  backend: 'cuda' | 'lavapipe';
+  backend: 'cuda' | 'vulkan' | 'lavapipe';
   gpus: number;
   rows: { promptTokens: number; colo: GpuRow; pd: GpuRow }[];
   /** §1's states, smallest first; the goal ratios when the run recorded them (TCP: KV / (save + raw + load); same host: (save + handoff) / (save + load)). */
   kv: { mib: number; kvMs?: number; rawMs?: number; tcpGoalRatio?: number; sameHostGoalRatio?: number }[] | null;
+  /** `--smoke`: tiny model, two short prompts per length. */
+  smoke?: boolean;
+  /** The model file's name. */
+  model?: string;
+  /** What each engine got (colocated from /health, prefill and decode from the router's /workers); layers "offloaded/total". */
+  engines?: { role: string; backend: string | null; devices: string[]; layers: string | null }[];
+  /** The agents run (`pdserve bench-agents` on the GPU): per setup, TTFT of round 1 and of the last round (ms), cached share (0–1), goodput (rounds/s). */
+  agents?: { setup: string; agents: number; ttftR1: number; ttftLast: number; rounds: number; cachedShare: number; goodput: number; failed: number }[] | null;
+  /** What the run skipped and why. */
+  notes?: string[];
 }
 interface GpuRow {
   ttftP50: number;
@@ -24,6 +34,7 @@ interface GpuRow {
 }
 
 const f = (x: number | undefined, d = 1) => (typeof x === 'number' && Number.isFinite(x) ? x.toFixed(d) : '–');
+const BACKEND_NAMES: Record<GpuCheckResult['backend'], string> = { cuda: 'CUDA', vulkan: 'Vulkan', lavapipe: 'lavapipe' };
 
 /** The section's figures from `resultsDir`/gpu.json when present (the goal and the prose are the report template's). */
 export function gpuReport(resultsDir: string): string[] {
@@ -41,10 +52,19 @@ export function gpuReport(resultsDir: string): string[] {
     L.push('_`scripts/gpu-check.sh` has not run yet._');
     return L;
   }
+  const devices = [...new Set((r.engines ?? []).flatMap((e) => e.devices))];
+  const model = r.model ? `, model ${r.model}` : '';
   L.push(
     r.backend === 'lavapipe'
-      ? `Last run (${r.date}): **lavapipe**, Mesa's CPU-backed Vulkan device, tiny model, every layer offloaded — a functional check of the offload path (PD served through device memory on both roles), not a performance figure.`
-      : `Last run (${r.date}): CUDA, ${r.gpus} GPU(s), every layer offloaded.`,
+      ? `Last run (${r.date}): **lavapipe**, Mesa's CPU-backed Vulkan device${model || ', tiny model'}, every layer offloaded — a functional check of the offload path (PD served through device memory on both roles), not a performance figure.`
+      : `Last run (${r.date}): ${BACKEND_NAMES[r.backend] ?? r.backend}, ${r.gpus} GPU(s)${devices.length ? ` (${devices.join(', ')})` : ''}${model}, every layer offloaded.`,
+  );
+  if (r.smoke) L.push('', 'A `--smoke` run (tiny model, two short prompts per length): the path end to end, not a performance figure.');
+  if (r.engines?.length) {
+    L.push('', '| engine | backend | layers on the device |', '|---|---|---|');
+    for (const e of r.engines) L.push(`| ${e.role} | ${e.backend ?? 'CPU'} | ${e.layers ?? '–'} |`);
+  }
+  L.push(
     '',
     '| prompt tokens | TTFT p50 colocated / PD (ms) | PD / colocated | ITL p50 colocated / PD (ms) | ITL p99 colocated / PD (ms) | E2E p50 colocated / PD (ms) |',
     '|---|---|---|---|---|---|',
@@ -54,6 +74,11 @@ export function gpuReport(resultsDir: string): string[] {
     L.push('', '| state (MiB) | KV handoff (ms) | raw TCP (ms) | TCP: KV / (save + raw + load) | same host: (save + handoff) / (save + load) |', '|---|---|---|---|---|');
     for (const k of r.kv) L.push(`| ${f(k.mib, 0)} | ${f(k.kvMs)} | ${f(k.rawMs)} | ${f(k.tcpGoalRatio, 2)} | ${f(k.sameHostGoalRatio, 2)} |`);
   }
+  if (r.agents?.length) {
+    L.push('', '| agents run: setup | agents | TTFT round 1 (ms) | TTFT last round (ms) | cached (rounds 2+) | goodput (rounds/s) | failed |', '|---|---|---|---|---|---|---|');
+    for (const a of r.agents) L.push(`| ${a.setup} | ${a.agents} | ${f(a.ttftR1, 0)} | ${f(a.ttftLast, 0)} | ${f(a.cachedShare * 100, 0)} % | ${f(a.goodput, 2)} | ${a.failed} |`);
+  }
+  if (r.notes?.length) L.push('', ...r.notes.map((n) => `- ${n}`));
   return L;
 }
 

@@ -94,6 +94,16 @@ describe('benchmarks', () => {
     const lv = gpuReport(results).join('\n');
     assert.match(lv, /functional check of the offload path.*not a performance figure/);
     assert.match(lv, /\| 64 \| 100\.0 \/ 110\.0 \| 1\.10 \|/);
+    // a Vulkan run with what the engines got, the agents run and what was skipped
+    const engines = [{ role: 'colocated', backend: 'vulkan', devices: ['NVIDIA H100 80GB HBM3'], layers: '9/9' }, { role: 'decode', backend: 'vulkan', devices: ['NVIDIA H100 80GB HBM3'], layers: '9/9' }];
+    const agents = [{ setup: 'pd_store', agents: 8, ttftR1: 40, ttftLast: 30, rounds: 4, cachedShare: 0.8, goodput: 3.456, failed: 0 }];
+    writeFileSync(path.join(results, 'gpu.json'), JSON.stringify({ date: 'd', backend: 'vulkan', gpus: 1, model: 'm.gguf', engines, rows: [{ promptTokens: 512, colo: row, pd: row }], kv: null, agents, notes: ['§1 skipped: --no-kv'] }));
+    const vk = gpuReport(results).join('\n');
+    assert.match(vk, /Vulkan, 1 GPU\(s\) \(NVIDIA H100 80GB HBM3\), model m\.gguf, every layer offloaded/);
+    assert.match(vk, /\| decode \| vulkan \| 9\/9 \|/);
+    assert.match(vk, /\| pd_store \| 8 \| 40 \| 30 \| 80 % \| 3\.46 \| 0 \|/);
+    assert.match(vk, /- §1 skipped: --no-kv/);
+    assert.doesNotMatch(vk, /not a performance figure/);
   });
 
   test('PDSERVE_BENCH_GPU puts the KV benchmark\'s engines on a device; absent = CPU; a bad value is refused', () => {
