@@ -38,15 +38,16 @@ export const SCHEMA_KEYWORDS: readonly KeywordSpec[] = [
   { keyword: 'uniqueItems', status: 'checked after', notes: '' },
   { keyword: 'minLength, maxLength', status: 'enforced, rest checked after', notes: 'in the grammar for a plain string; checked after with a format or pattern' },
   { keyword: 'pattern', status: 'checked after', notes: 'ECMAScript regular expression (as JSON Schema), at most 1,024 characters' },
-  { keyword: 'format', status: 'enforced', notes: 'date-time, date, time, email, uuid, ipv4, uri/url by a grammar rule (a subset of each format); other formats are annotations, as JSON Schema 2020-12 treats them by default' },
+  { keyword: 'format', status: 'enforced', notes: 'date-time, date, time (UTC, days 01-28), email, uuid, ipv4, uri/url by a grammar rule (a subset of each format that calendar-aware validators such as zod\'s ISO patterns accept too); other formats are annotations, as JSON Schema 2020-12 treats them by default' },
   { keyword: 'minimum, maximum, exclusiveMinimum, exclusiveMaximum', status: 'enforced, rest checked after', notes: 'integers: exactly the range in the grammar (default: the safe integers ±(2^53−1)); numbers: a lower bound ≥ 0 drops the sign in the grammar, the rest is checked after; draft 4 boolean exclusive forms accepted' },
   { keyword: 'multipleOf', status: 'enforced, rest checked after', notes: '1 (an integer) and 10^-k (k decimals at most) in the grammar; other values checked after' },
-  { keyword: 'title, description, default, examples, $schema, $id, $anchor, $comment, deprecated, readOnly, writeOnly, discriminator, contentEncoding, contentMediaType, strict', status: 'annotation (ignored)', notes: 'no effect on generation' },
+  { keyword: 'description', status: 'annotation (ignored)', notes: 'no effect on the grammar; kept, so the chat template documents a tool\'s parameters with it' },
+  { keyword: 'title, default, examples, $schema, $id, $anchor, $comment, deprecated, readOnly, writeOnly, discriminator, contentEncoding, contentMediaType, strict', status: 'annotation (ignored)', notes: 'no effect on generation' },
   { keyword: 'not, if, then, else, patternProperties, propertyNames, dependentRequired, dependentSchemas, unevaluatedProperties, unevaluatedItems, contains, minContains, maxContains, $dynamicRef, remote $ref', status: 'refused', notes: 'a grammar cannot generate them and they are rare in framework schemas: a 400 naming the keyword' },
 ];
 
 const TYPES = new Set(['string', 'number', 'integer', 'boolean', 'null', 'object', 'array']);
-const ANNOTATIONS = new Set(['title', 'description', 'default', 'examples', '$schema', '$id', '$anchor', '$comment', 'deprecated', 'readOnly', 'writeOnly', 'discriminator', 'contentEncoding', 'contentMediaType', 'strict']);
+const ANNOTATIONS = new Set(['title', 'default', 'examples', '$schema', '$id', '$anchor', '$comment', 'deprecated', 'readOnly', 'writeOnly', 'discriminator', 'contentEncoding', 'contentMediaType', 'strict']);
 const COUNTS = ['minProperties', 'maxProperties', 'minItems', 'maxItems', 'minLength', 'maxLength'];
 const NUMERIC = ['minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf'];
 const KEEP = new Set(['type', 'const', 'enum', 'required', 'uniqueItems', 'pattern', 'format', ...COUNTS, ...NUMERIC]);
@@ -103,7 +104,7 @@ function resolvePointer(root: unknown, ref: string): unknown {
 /** Merge `b` into `a` (allOf): properties and required joined, equal values kept, others must not conflict. */
 function mergeInto(a: Record<string, unknown>, b: Record<string, unknown>, at: string): void {
   for (const [k, v] of Object.entries(b)) {
-    if (ANNOTATIONS.has(k)) continue;
+    if (ANNOTATIONS.has(k) || (k === 'description' && k in a)) continue;
     if (!(k in a)) a[k] = v;
     else if (k === 'properties' && isObj(a[k]) && isObj(v)) {
       const p = { ...(a[k] as Record<string, unknown>) };
@@ -169,7 +170,7 @@ export function normaliseJsonSchema(schema: unknown): Record<string, unknown> {
     }
     if (s.$ref !== undefined) {
       if (typeof s.$ref !== 'string') throw new SchemaError(`${path}.$ref`, 'expected a string');
-      const others = Object.keys(s).filter((k) => k !== '$ref' && k !== '$defs' && k !== 'definitions' && !ANNOTATIONS.has(k));
+      const others = Object.keys(s).filter((k) => k !== '$ref' && k !== '$defs' && k !== 'definitions' && k !== 'description' && !ANNOTATIONS.has(k));
       if (others.length > 0) return sub({ allOf: [{ $ref: s.$ref }, Object.fromEntries(others.map((k) => [k, s[k]]))] }, path);
       return { $ref: `#/$defs/${refName(s.$ref, `${path}.$ref`)}` };
     }
@@ -190,6 +191,10 @@ export function normaliseJsonSchema(schema: unknown): Record<string, unknown> {
       const at = `${path}.${k}`;
       if (ANNOTATIONS.has(k) || k === 'nullable' || k === '$defs' || k === 'definitions') continue;
       switch (k) {
+        case 'description':
+          // kept: the chat wrapper documents a tool's parameters with it; no effect on the grammar
+          if (typeof v === 'string') out.description = v;
+          break;
         case 'type':
           if (typeof v !== 'string' || !TYPES.has(v)) throw new SchemaError(at, `unsupported type ${JSON.stringify(v)}`);
           out.type = v;

@@ -14,7 +14,7 @@
  * | `integer` | an integer without exponent in the safe range (±2^53−1) |
  * | `integer` + `minimum` / `maximum` / exclusive forms | exactly the integers of the range (digit-range rules, llama.cpp's idea) |
  * | `number` | no exponent; `minimum` ≥ 0 / `exclusiveMinimum` ≥ 0: no sign; `multipleOf` 1 / 10^-k: an integer / k decimals at most |
- * | `string` + `format` email, uuid, ipv4, uri | a rule per format (a subset of what the format allows) |
+ * | `string` + `format` email, uuid, ipv4, uri/url, date, date-time, time | a rule per format (a subset of what the format allows that calendar-aware validators accept too) |
  *
  * Bounds the grammar cannot express (non-integer ranges, other `multipleOf`, `pattern`) are
  * checked after generation by the API layer (api/json-schema.ts `validateJson`).
@@ -115,9 +115,18 @@ const FORMATS: Record<string, string> = {
   uri: '("https" | "http") "://" [a-z0-9] [a-z0-9-]{0,30} ("." [a-z0-9] [a-z0-9-]{0,30}){0,4} ("/" [A-Za-z0-9._~-]{1,32}){0,6}',
 };
 FORMATS.url = FORMATS.uri!;
+// Dates: days 01-28 are valid in every month, so a validator that knows the calendar (zod's
+// ISO patterns) accepts every one; times in UTC ("Z").
+const DATE = '[0-9]{4} "-" ("0" [1-9] | "1" [012]) "-" ("0" [1-9] | "1" [0-9] | "2" [0-8])';
+const TIME = '([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{3})?';
+FORMATS.date = DATE;
+FORMATS['date-time'] = `${DATE} "T" ${TIME} "Z"`;
+FORMATS.time = `${TIME} "Z"`;
+/** `time` beside a `pattern` (zod's ISO time pattern refuses an offset): no "Z". */
+const TIME_NO_OFFSET = TIME;
 
-/** String formats with a grammar rule of ours (node-llama-cpp's own: date-time, date, time). */
-export const GRAMMAR_FORMATS = new Set([...Object.keys(FORMATS), 'date-time', 'date', 'time']);
+/** String formats with a grammar rule of ours; any other format is an annotation. */
+export const GRAMMAR_FORMATS = new Set(Object.keys(FORMATS));
 
 /**
  * The schema with every sub-schema that needs a rule of ours replaced by a marker `const`
@@ -146,7 +155,10 @@ function lower(schema: unknown, rules: string[]): unknown {
       if (nonNegative) rule = rule.replace(/^"-"\? /, '');
       return mark(rule);
     }
-    if (s.type === 'string' && typeof s.format === 'string' && FORMATS[s.format]) return mark(`"\\"" ${FORMATS[s.format]} "\\""`);
+    if (s.type === 'string' && typeof s.format === 'string' && FORMATS[s.format]) {
+      const rule = s.format === 'time' && typeof s.pattern === 'string' ? TIME_NO_OFFSET : FORMATS[s.format];
+      return mark(`"\\"" ${rule} "\\""`);
+    }
   }
   const out: Record<string, unknown> = { ...s };
   // a format without a rule (ours or node-llama-cpp's) is an annotation

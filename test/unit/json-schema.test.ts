@@ -109,8 +109,21 @@ describe('JSON schemas of the frameworks', () => {
     assert.ok(!(await accepts({ type: 'string', format: 'uuid' }, '"x"')));
     assert.ok(await accepts({ type: 'string', format: 'ipv4' }, '"10.0.255.1"'));
     assert.ok(!(await accepts({ type: 'string', format: 'ipv4' }, '"10.0.256.1"')));
-    assert.ok(await accepts({ type: 'string', format: 'date' }, '"2024-02-29"'));
+    assert.ok(await accepts({ type: 'string', format: 'date' }, '"2024-02-28"'));
     assert.ok(await accepts({ type: 'string', format: 'hostname' }, '"anything"'), 'an unknown format is an annotation');
+    // zod 4's ISO formats (format + a calendar-aware pattern): what the grammar allows, the pattern accepts
+    const iso = {
+      date: '^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))$',
+      time: '^(?:[01]\\d|2[0-3]):[0-5]\\d(?::[0-5]\\d(?:\\.\\d+)?)?$',
+    };
+    assert.ok(await accepts({ type: 'string', format: 'date', pattern: iso.date }, '"2023-02-28"'));
+    assert.ok(!(await accepts({ type: 'string', format: 'date', pattern: iso.date }, '"2023-02-29"')), 'days past 28 are left out');
+    assert.ok(await accepts({ type: 'string', format: 'time', pattern: iso.time }, '"23:59:59.123"'));
+    assert.ok(!(await accepts({ type: 'string', format: 'time', pattern: iso.time }, '"23:59:59Z"')), 'zod time: no offset');
+    assert.ok(await accepts({ type: 'string', format: 'time' }, '"23:59:59Z"'), 'JSON Schema time: with its offset');
+    assert.ok(await accepts({ type: 'string', format: 'date-time' }, '"1999-12-28T00:00:00.000Z"'));
+    assert.match('1999-12-28', new RegExp(iso.date));
+    assert.match('23:59:59.123', new RegExp(iso.time));
     const p = normaliseJsonSchema({ type: 'string', pattern: '^[a-z]+$', maxLength: 3 });
     assert.equal(validateJson(p, 'abc'), null);
     assert.match(validateJson(p, 'aB')!.message, /does not match the pattern/);
@@ -120,6 +133,8 @@ describe('JSON schemas of the frameworks', () => {
 
   it('nullable unions, type lists, allOf, annotations', () => {
     assert.deepEqual(normaliseJsonSchema({ type: ['string', 'null'], maxLength: 4, title: 'T', default: 'x' }), { oneOf: [{ type: 'string', maxLength: 4 }, { type: 'null' }] });
+    // description is kept for the prompt (the chat wrapper documents tool parameters with it)
+    assert.deepEqual(normaliseJsonSchema({ type: 'object', properties: { city: { type: 'string', description: 'a city', examples: ['Paris'] } } }), { type: 'object', properties: { city: { type: 'string', description: 'a city' } } });
     assert.deepEqual(normaliseJsonSchema({ type: 'integer', nullable: true, minimum: 1 }), { oneOf: [{ type: 'integer', minimum: 1 }, { type: 'null' }] });
     assert.deepEqual(normaliseJsonSchema({ allOf: [{ type: 'object', properties: { a: { type: 'string' } }, required: ['a'] }, { properties: { b: { type: 'boolean' } }, required: ['b'] }] }), {
       type: 'object',
