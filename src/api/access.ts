@@ -7,7 +7,7 @@
  *   class     paths                                                     needs
  *   open      GET /health, OPTIONS (CORS preflight)                     nothing
  *   metrics   /metrics                                                  nothing, or (privateMetrics) admin
- *   admin     /workers*, /debug/*, /dashboard*                          an admin key (none configured: an API key)
+ *   admin     /workers*, /debug/*, /dashboard*, /abort_request          an admin key (none configured: an API key)
  *   api       everything else (/v1/*, /tokenize, /detokenize, 404s)      an API key
  *
  * No key of a class configured = that class is open (as before keys existed). A key is sent as
@@ -46,7 +46,7 @@ export function accessClassOf(method: string, url: string): AccessClass {
   if (method === 'OPTIONS') return 'open';
   if (path === '/health') return 'open';
   if (path === '/metrics') return 'metrics';
-  if (path === '/workers' || path.startsWith('/workers/') || path.startsWith('/debug/') || path === '/dashboard' || path.startsWith('/dashboard/')) return 'admin';
+  if (path === '/workers' || path.startsWith('/workers/') || path.startsWith('/debug/') || path === '/dashboard' || path.startsWith('/dashboard/') || path === '/abort_request') return 'admin';
   return 'api';
 }
 

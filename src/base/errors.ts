@@ -77,6 +77,8 @@ export const ERROR_CODES = {
   model_not_found: c(404, 'not_found_error', 'client'),
   worker_not_found: c(404, 'not_found_error', 'client'),
   trace_not_found: c(404, 'not_found_error', 'client'),
+  /** The router's POST /abort_request names no request in flight. */
+  request_not_found: c(404, 'not_found_error', 'client'),
   method_not_allowed: c(405, 'invalid_request_error', 'client'),
   /** No API key, or not one of the configured keys (OpenAI's code and type). */
   invalid_api_key: c(401, 'authentication_error', 'client'),
@@ -86,8 +88,13 @@ export const ERROR_CODES = {
   unknown_bootstrap_address: CLIENT_400,
   /** The edge's admission refused the request (concurrency queue full or timed out, or the key's rate): retry after `retry-after`. */
   rate_limited: c(429, 'rate_limit_error', 'client'),
-  /** The request was cancelled by its client, or by the router on the client's behalf. */
+  /** The request was cancelled by its client, by the router on the client's behalf, or by an operator (POST /abort_request). */
   request_aborted: c(499, 'invalid_request_error', 'client'),
+  /**
+   * Router → a leg's worker only (the cause of an /abort_request): the other leg's worker was
+   * draining and the request runs again on another pair; this leg's room is cancelled, not failed.
+   */
+  request_redispatched: c(499, 'invalid_request_error', 'client'),
   client_closed_request: c(499, 'invalid_request_error', 'client'),
   /**
    * Router ↔ decode only, never sent to a client: decode was asked for a decode-local

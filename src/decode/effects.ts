@@ -94,6 +94,8 @@ export interface DecodeAsk {
 export interface DecodeJob<C extends KvConn = KvConn> extends Omit<DecodeAsk, 'trace'> {
   /** Fires when the room fails or the client goes: stops the register hold, the load hold, generation. */
   ac: AbortController;
+  /** Why an /abort_request ended the job (set before `ac` aborts): an operator's or the router's reason, told to the router in the stream. */
+  abortedBy?: RoomFailure;
   slot?: Slot;
   /** The incoming state: validated and written to its file as the chunks arrive. */
   recv?: StateIntake<C>;
@@ -176,7 +178,10 @@ export class DecodeEffects<C extends KvConn> {
   abort(rid: string | undefined, room: RoomId | undefined, from: 'router' | 'client' | 'local', cause?: RoomFailure): void {
     const id = room ?? (rid !== undefined ? this.driver.roomOfRid(rid) : undefined);
     this.perform(this.driver.abort(rid, room, from, this.now, cause));
-    if (id !== undefined) this.jobs.get(id)?.ac.abort();
+    const job = id !== undefined ? this.jobs.get(id) : undefined;
+    if (!job) return;
+    if (from === 'router') job.abortedBy ??= cause ?? failure('request_aborted', 'aborted by POST /abort_request');
+    job.ac.abort();
   }
 
   /** The room's stream is over (or never started): the driver releases its slot. */

@@ -100,9 +100,13 @@ export class DecodeSseWriter {
     this.push(`data: ${JSON.stringify(ev)}\n\ndata: [DONE]\n\n`);
   }
 
-  /** Queue an error event inside the started stream (`{error: {message, type, code}}`). */
-  error(e: { message: string; type: string; code: string }): void {
-    this.push(`data: ${JSON.stringify({ error: { message: e.message, type: e.type, code: e.code } })}\n\n`);
+  /**
+   * Queue an error event inside the started stream (`{error: {message, type, code}}`); with
+   * `withStatus`, its `status` too (the router then reads a 4xx as the request's end, not as a
+   * worker failure to migrate).
+   */
+  error(e: { message: string; type: string; code: string; status?: number }, withStatus = false): void {
+    this.push(`data: ${JSON.stringify({ error: { message: e.message, type: e.type, code: e.code, ...(withStatus && e.status !== undefined ? { status: e.status } : {}) } })}\n\n`);
   }
 
   /** Queue a frame; the first of a turn schedules the flush at the end of the turn. Dropped when closed. */

@@ -294,7 +294,10 @@ export class DecodeWorker {
         const ok = out.writable();
         if (ok !== true && !(await ok)) job.ac.abort();
       }
-      out.finish(resumed + n, finish);
+      // An /abort_request (an operator's, or the router's own) ended it: say so with its code, so the
+      // router does not take the end for a worker failure (and migrate the request).
+      if (finish === 'abort' && job.abortedBy?.code === 'request_aborted') out.error(ApiError.fromFailure(job.abortedBy), true);
+      else out.finish(resumed + n, finish);
       if (finish !== 'abort' && prompt && job.conversationKey) this.kvTracker?.noteFinished(job.conversationKey, [...prompt, ...ids], prompt.length);
     } catch (err) {
       out.error(toApiError(err));

@@ -136,6 +136,16 @@ function timelineLine(x: RoomAt): string {
 const idOf = (r: RoomInfo) => r.trace || r.rid;
 
 /**
+ * The "fail it now" command of a request: the router's POST /abort_request by the rid (an
+ * attempt's worker rid works too), with the admin key. The request ends with 499
+ * request_aborted on every leg and is never migrated (a worker's own /abort_request would read
+ * to the router as that worker's failure).
+ */
+export function abortCmd(routerUrl: string, rid: string): string {
+  return `curl -sS -X POST -H 'content-type: application/json' -H "authorization: Bearer $PDSERVE_ADMIN_API_KEY" -d '${JSON.stringify({ rid })}' ${routerUrl}/abort_request   # fail it now`;
+}
+
+/**
  * The likelier cause of a probe that failed in TLS, which "down" would misname: a certificate
  * doctor does not trust (`--ca` for the router's HTTPS, `--internal-tls-ca` for the workers'), or
  * a worker on mutual TLS that cut a doctor without a client certificate it accepts.
@@ -284,7 +294,7 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       title: `room ${room} ${what}: ${worst.r.state}/${worst.r.phase}${worst.r.step ? ` step ${worst.r.step}` : ''} on ${worst.w.ref.role} for ${fmtMs(worst.inPhase)}${worst.budget ? ` of its ${fmtMs(worst.budget)} budget` : ''}`,
       details,
       cause,
-      next: [doctorReq(idOf(worst.r)), `curl -sS ${routerUrl}/debug/rooms   # every worker's rooms`, `curl -sS -X POST -H 'content-type: application/json' -d '{"bootstrap_room":"${room}"}' ${worst.w.ref.url}/abort_request   # fail it now`],
+      next: [doctorReq(idOf(worst.r)), `curl -sS ${routerUrl}/debug/rooms   # every worker's rooms`, abortCmd(routerUrl, worst.r.rid)],
       weight: worst.inPhase,
       data: { room, rid: worst.r.rid, trace: worst.r.trace ?? null, state: worst.r.state, phase: worst.r.phase, step: worst.r.step ?? null, role: worst.w.ref.role, worker: worst.w.ref.url, in_phase_ms: worst.inPhase, age_ms: worst.r.age_ms, deadline_ms: worst.r.deadline_ms, peer: worst.r.peer },
     });

@@ -6,7 +6,7 @@
 /** One event of a request at the router. `at`: wall-clock ms since the epoch, a date (never a duration). */
 export interface TraceEvent {
   at: number;
-  what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'attempt_failed' | 'finished';
+  what: 'received' | 'dispatched' | 'prefill_done' | 'first_token' | 'attempt_failed' | 'operator_abort' | 'finished';
   [field: string]: unknown;
 }
 

@@ -65,7 +65,7 @@ import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
 import { randomHex, randomU64 } from './random-pool.js';
 import { describeError, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
-import { abortCause, badEvent, eventError, legFailure, workerError, type AbortCause, type LegName } from './worker-errors.js';
+import { abortCause, badEvent, eventError, legFailure, OPERATOR_ABORT, workerError, type AbortCause, type LegName } from './worker-errors.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
 export const LINGER_MS = 2000;
@@ -174,6 +174,8 @@ export class PdRequest {
   readonly workerRid: string;
   /** Decode-local attempt answered `needs_prefill` before any output: run it on the PD path. */
   fallback = false;
+  /** An operator aborted the request (`abortByOperator`): every leg is told so, nothing runs again. */
+  private operatorAborted = false;
   /** Serving path, for metrics and logs. */
   readonly path: 'pd' | 'decode_local';
   private phase: 'waiting' | 'streaming' | 'finished' = 'waiting';
@@ -539,6 +541,19 @@ export class PdRequest {
     this.finish('ok');
   }
 
+  /**
+   * An operator's abort (the router's POST /abort_request): the client gets 499 `request_aborted`
+   * (an SSE error event once streaming), every leg's worker ends its room with the same code, and
+   * the attempt is never retried or migrated. False when the request was already over.
+   */
+  abortByOperator(): boolean {
+    if (this.over) return false;
+    this.operatorAborted = true;
+    this.ctx.observe?.event(this.rid, 'operator_abort', { attempt: this.client.attempt });
+    this.finish('error', ApiError.of('request_aborted', OPERATOR_ABORT.message));
+    return true;
+  }
+
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
     if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
@@ -654,7 +669,7 @@ export class PdRequest {
         continue;
       }
       const tell = outcome === 'client_abort' || outcome === 'timeout' || !leg.reported;
-      const cause = tell ? abortCause(leg.name, this.failedLeg) : undefined;
+      const cause = tell ? (this.operatorAborted ? OPERATOR_ABORT : abortCause(leg.name, this.failedLeg)) : undefined;
       if (cause) {
         // the leg's connection closes once its worker has the cause (at most abortTimeoutMs): closed first, it reads as the client gone
         void this.sendAbort(leg, cause).then(() => leg.ac.abort());

@@ -14,6 +14,9 @@
  * CORS for `config.corsOrigin`; a wrong method on a known path is a 405 with `Allow`.
  *   GET /health     — 200 {status:'ok', ...} when ≥ 1 healthy prefill and decode, else 503
  *                      ({status:'draining'} while draining: see ../runtime/drain.ts)
+ *   POST /abort_request {rid} — an operator ends the request in flight with that id: 499
+ *                      request_aborted on every leg, never migrated (admin access); 404
+ *                      request_not_found when none
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total, blocked_pairs}
  *                      (blocked_pairs: pairs out of the rotation after a failed KV handshake, ./pair-blocks.ts)
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
@@ -303,6 +306,19 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     if (!w) throw new ApiError(404, 'worker_not_found', `no worker ${JSON.stringify(url)} in the pool`, 'not_found_error', 'url');
     await registry.check(w, true);
     return registry.snapshot().find((x) => x.url === w.url);
+  });
+
+  // An operator ends a request in flight (doctor's "fail it now"): by its id (the response id,
+  // x-request-id; an attempt's worker rid `<rid>-a<n>` too). Every leg ends with request_aborted;
+  // never retried or migrated (./dispatch.ts `abortByOperator`). Admin access (../api/access.ts).
+  app.post('/abort_request', async (req) => {
+    const rid = (req.body as { rid?: unknown } | null)?.rid;
+    if (typeof rid !== 'string' || rid.length === 0 || rid.length > 256) throw new ApiError(400, 'invalid_request', "'rid' must be the request's id (its response id, x-request-id)", 'invalid_request_error', 'rid');
+    const runs = [...active].filter((r) => r.rid === rid || r.workerRid === rid);
+    const aborted = runs.filter((r) => r.abortByOperator()).length;
+    if (aborted === 0) throw ApiError.of('request_not_found', `no request ${JSON.stringify(rid)} is in flight at this router`, 'rid');
+    log.warn({ rid, aborted }, 'request aborted by an operator (POST /abort_request)');
+    return { rid, aborted };
   });
 
   app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal, blocked_pairs: pairs.snapshot() }));

@@ -98,15 +98,21 @@ export interface AbortCause {
   message: string;
 }
 
+/** The cause an operator's abort (the router's POST /abort_request) gives every leg. */
+export const OPERATOR_ABORT: AbortCause = { code: 'request_aborted', message: 'aborted by an operator (POST /abort_request on the router)' };
+
 /**
  * Why the router aborts leg `leg` when the attempt ended because leg `failed.leg` failed with
  * `failed.err`: decode told that prefill refused the request (a 4xx: `prefill_refused`) or failed
- * it (`prefill_failed`), so its room does not read as a client's cancel. Undefined when there is
- * nothing to tell (no leg failed, the leg itself failed, or decode's failure ends a prefill leg).
+ * it (`prefill_failed`), so its room does not read as a client's cancel; that prefill was
+ * draining (`request_redispatched`: the request runs again elsewhere, nothing failed). Undefined
+ * when there is nothing to tell (no leg failed, the leg itself failed, or decode's failure ends a
+ * prefill leg).
  */
 export function abortCause(leg: LegName, failed: { leg: LegName; err: ApiError } | null): AbortCause | undefined {
   if (!failed || failed.leg === leg || failed.leg !== 'prefill') return undefined;
   const { status, code, message } = failed.err;
+  if (code === 'draining') return { code: 'request_redispatched', message: `prefill is draining: the request runs again on another pair (${message})` };
   const refused = status >= 400 && status < 500;
   return { code: refused ? 'prefill_refused' : 'prefill_failed', message: `prefill ${refused ? 'refused' : 'failed'} the request: ${status} ${code}: ${message}` };
 }

@@ -10,6 +10,8 @@
  *  - n = 2 with a choice migrated;
  *  - decode killed mid-stream while the other decode holds the conversation: migrated decode-local;
  *  - a decode with the wrong cluster secret never enters the rotation, no request lost;
+ *  - an operator's abort (the router's POST /abort_request, or a signed one straight to the decode)
+ *    ends the request with request_aborted: never a migration;
  *  - the migration limit reached: a clear error naming the last cause, nothing left held.
  * The kill points are reached with test holds (src/runtime/testhooks.ts: `decode.step` slows
  * generation, `decode.load` / `prefill.compute` / `prefill.send` stop a room in its phase), not
@@ -19,7 +21,7 @@ import assert from 'node:assert/strict';
 import { spawn, type ChildProcess } from 'node:child_process';
 import { describe, test } from 'node:test';
 import { BIN, freePort, type ClusterProc } from '../../src/up/cluster.js';
-import { client, CTX, getJson, promptOf, tinyModel, useStack, waitFor } from '../helpers/stack.js';
+import { busy, client, CTX, getJson, promptOf, tinyModel, useStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';
 
 const s = useStack({ prefill: 2, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--health-interval-ms', '200'] } });
@@ -309,6 +311,65 @@ describe('migration onto a decode that holds the prefix', () => {
       await r.stop();
       await clearHolds();
     }
+  });
+});
+
+describe("an operator's abort is final: never a migration", () => {
+  /** A streamed request that `abort(rid, decodeProc)` ends after chunk 5: the error it ended with, the chunks before it. */
+  async function abortedStream(abort: (rid: string, decode: ClusterProc) => Promise<void>) {
+    for (const d of s.c.byRole('decode')) await setHold(d, 'decode.step=25');
+    const before = await migrations();
+    let error: any = null;
+    let rid = '';
+    let chunks = 0;
+    let decode: ClusterProc | undefined;
+    try {
+      await streamed(promptOf(40, 70), 60, async (i, id) => {
+        rid = id;
+        chunks = i + 1;
+        if (i !== 5) return;
+        decode = procOf((await trace(id)).decode);
+        await abort(id, decode);
+      });
+    } catch (err) {
+      error = err;
+    } finally {
+      await clearHolds();
+    }
+    return { error, rid, chunks, decode: decode!, migrated: (await migrations()) - before };
+  }
+
+  test('POST /abort_request on the router (admin) by rid: the stream ends with request_aborted, every leg ends its room, no migration', async () => {
+    const r = await abortedStream(async (rid) => {
+      const res = await fetch(`${s.c.router.url}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ rid }) });
+      assert.equal(res.status, 200, await res.clone().text());
+      assert.deepEqual(await res.json(), { rid, aborted: 1 });
+    });
+    assert.ok(r.error, `the stream ended with an error, not [DONE] (chunks: ${r.chunks})`);
+    assert.equal(r.error.code, 'request_aborted', String(r.error.message));
+    assert.ok(r.chunks < 30, `the client did not get the rest of the tokens (${r.chunks} chunks)`);
+    assert.equal(r.migrated, 0, 'no retry or migration');
+    const t = await trace(r.rid);
+    assert.equal(t.outcome, 'error');
+    assert.deepEqual((t.events as any[]).filter((e) => e.what === 'attempt_failed'), [], 'no failed attempt');
+    assert.ok((t.events as any[]).some((e) => e.what === 'operator_abort'), JSON.stringify(t.events));
+    assert.ok(await waitFor(async () => (await busy(r.decode.url)) === 0, 3000), 'decode stopped generating and freed its slot');
+    const gone = await fetch(`${s.c.router.url}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ rid: r.rid }) });
+    assert.equal(gone.status, 404);
+    assert.equal(((await gone.json()) as any).error.code, 'request_not_found');
+  });
+
+  test("a signed /abort_request straight to the decode serving the stream is the request's end too, not a worker failure to migrate", async () => {
+    const r = await abortedStream(async (rid, decode) => {
+      const res = await fetch(`${decode.url}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ rid }) });
+      assert.equal(res.status, 200, await res.clone().text());
+    });
+    assert.ok(r.error, `the stream ended with an error, not [DONE] (chunks: ${r.chunks})`);
+    assert.equal(r.error.code, 'request_aborted', String(r.error.message));
+    assert.equal(r.migrated, 0, 'no retry or migration');
+    const t = await trace(r.rid);
+    assert.equal(t.outcome, 'error');
+    assert.equal(t.rooms.length, 1, 'one attempt');
   });
 });
 

@@ -204,6 +204,9 @@ describe('diagnose', () => {
     const f = slow.findings.find((x) => x.kind === 'stuck_room')!;
     assert.ok(f, JSON.stringify(slow.findings));
     assert.match(f.cause, /decode-local continuation/);
+    // "fail it now" goes through the router (never straight to a worker: the router would migrate it)
+    const failNow = f.next.find((n) => n.includes('# fail it now'))!;
+    assert.ok(failNow.includes(`-d '{"rid":"${local.rid}"}' http://r/abort_request`) && failNow.includes('$PDSERVE_ADMIN_API_KEY'), failNow);
   });
 
   test('lost and mismatched workers, recent failures, moved counters', () => {

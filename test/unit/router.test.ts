@@ -1478,3 +1478,14 @@ describe('router: per-worker metric series', () => {
     }
   });
 });
+
+describe('router: what an aborted leg is told', () => {
+  test("a prefill that was draining: decode's room ends as request_redispatched (a cancel), never as prefill_failed (a failure)", async () => {
+    const { abortCause } = await import('../../src/router/worker-errors.js');
+    const { ApiError: E, causeOf } = await import('../../src/base/errors.js');
+    const drained = abortCause('decode', { leg: 'prefill', err: E.of('draining', 'prefill worker is draining') })!;
+    assert.equal(drained.code, 'request_redispatched');
+    assert.equal(causeOf(drained.code), 'client', 'counted in pdserve_rooms_cancelled_total, not pdserve_bootstrap_failed_total');
+    assert.equal(abortCause('decode', { leg: 'prefill', err: E.of('prefill_failed', 'it died') })!.code, 'prefill_failed', 'a real failure stays one');
+  });
+});
