@@ -73,6 +73,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 stage=$(mktemp -d /tmp/pdserve-gpu-bundle-XXXX)
+chmod 755 "$stage"   # the unpacked top folder's mode
 trap 'rm -rf "$stage"' EXIT
 app="$stage/app"
 mkdir -p "$app/bin" "$app/scripts" "$app/bench" "$stage/node/bin" "$stage/lib/vulkan"
@@ -84,14 +85,19 @@ cp -rL dist "$app/dist"
 cp -r corpus "$app/corpus"
 cp -r bench/corpus "$app/bench/corpus"
 
-# The production dependencies (npm's own list), less what a check never loads: the CUDA and other
-# platforms' builds of node-llama-cpp, llama.cpp's source bundle, TypeScript and tsx (dist/ is
-# compiled). npm ls exits non-zero on a tree it finds odd (an extraneous package): the list is
-# still whole, and node-llama-cpp in it is checked.
+# The production dependencies: package-lock.json's installed entries not marked dev (nor links,
+# nor devOptional: TypeScript), less what a check never loads: the other platforms' and CUDA
+# builds of node-llama-cpp, llama.cpp's source bundle, tsx and esbuild (dist/ is compiled).
+# (The lockfile, not `npm ls`: npm ls calls every package extraneous in a worktree whose
+# node_modules is a link to another checkout's.)
 list="$stage/prod.txt"
-{ npm ls --omit=dev --all --parseable 2>/dev/null || true; } | sed -n "s|^$root/node_modules/|node_modules/|p" | sort -u |
+node -e '
+  const fs = require("fs");
+  for (const [k, v] of Object.entries(require(process.argv[1]).packages))
+    if (k && !v.dev && !v.devOptional && !v.link && fs.existsSync(k)) console.log(k);
+' "$root/package-lock.json" | sort -u |
   grep -Ev '^node_modules/(@node-llama-cpp/(linux-arm|linux-x64-cuda|mac-|win-)|typescript$|tsx$|esbuild$|@esbuild/|@types/)' >"$list"
-grep -qx 'node_modules/node-llama-cpp' "$list" || die "npm ls --omit=dev did not list node-llama-cpp"
+grep -qx 'node_modules/node-llama-cpp' "$list" || die "package-lock.json lists no installed node-llama-cpp"
 tar -C "$root" -cf - --exclude='node_modules/node-llama-cpp/llama/gitRelease.bundle' -T "$list" | tar -C "$app" -xf -
 # identical llama.cpp libraries of the CPU and Vulkan builds: one copy (tar stores hard links once)
 cpu="$app/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64"
@@ -115,6 +121,7 @@ cat >"$stage/run" <<'EOF'
 # linker cache lacks (PDSERVE_BUNDLE_LIBS=all: every one; none: never). When the NVIDIA Vulkan
 # driver's manifest is only under /usr/local/nvidia (the lent machines), the loader is pointed
 # at it. Results: --results DIR if given, else $OUT when set (the lent machines), else ./results.
+# The backend is vulkan unless ARGS name lavapipe (the CUDA build is not inside).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export PATH="$here/node/bin:$PATH"
@@ -128,7 +135,7 @@ for f in "$here"/lib/vulkan/lib*.so.[0-9]; do
   case "${PDSERVE_BUNDLE_LIBS:-auto}" in
     all) ;;
     none) continue ;;
-    *) if grep -q " $n " <<<"$have"; then continue; fi ;;
+    *) if grep -qE "^[[:space:]]+${n//./\\.}[[:space:]]" <<<"$have"; then continue; fi ;;
   esac
   ln -s "$f" "$ld/$n"; used+=("$n")
 done
@@ -136,12 +143,19 @@ for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -d "$d" ] && LD_LIB
 export LD_LIBRARY_PATH="$ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 if [ -f "$icd" ] && ! compgen -G '/usr/share/vulkan/icd.d/nvidia*.json' >/dev/null && ! compgen -G '/etc/vulkan/icd.d/nvidia*.json' >/dev/null && [ -z "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ]; then
-  export VK_ADD_DRIVER_FILES="$icd"
-  echo "run: Vulkan driver manifest $icd (VK_ADD_DRIVER_FILES)"
+  # the full list (VK_DRIVER_FILES replaces the search; VK_ICD_FILENAMES is its older name)
+  files=$(printf '%s:' "$icd" /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json /usr/local/share/vulkan/icd.d/*.json | sed 's/[^:]*\*[^:]*://g; s/:$//')
+  export VK_DRIVER_FILES="$files" VK_ICD_FILENAMES="$files"
+  echo "run: Vulkan driver manifests $files"
 fi
 echo "run: node $(command -v node) ($(node --version)); bundle libraries used: ${used[*]:-none}"
-res=()
-if [ -n "${OUT:-}" ]; then res=(--results "$OUT" --logs "$OUT/gpu-check-logs.tar.gz"); else res=(--results "$here/results"); fi
+prev=''
+for a in "$@"; do
+  if [ "$prev" = --backend ] && [ "$a" = cuda ]; then echo "run: the bundle carries node-llama-cpp's Vulkan build, not the CUDA one: --backend vulkan" >&2; exit 2; fi
+  prev=$a
+done
+res=(--backend vulkan)   # the default; a --backend in ARGS comes later and wins
+if [ -n "${OUT:-}" ]; then res+=(--results "$OUT" --logs "$OUT/gpu-check-logs.tar.gz"); else res+=(--results "$here/results"); fi
 exec bash "$here/app/scripts/gpu-check.sh" "${res[@]}" "$@"
 EOF
 chmod +x "$stage/run"
@@ -151,7 +165,7 @@ cat >"$stage/MANIFEST" <<EOF
 pdserve GPU bundle, built $(date -u +%FT%TZ) from $commit${dirty:+ (uncommitted changes)}
 node $("$stage/node/bin/node" --version), node-llama-cpp $("$stage/node/bin/node" -p "require('$app/node_modules/node-llama-cpp/package.json').version") (CPU and Vulkan builds)
 vulkan libraries: $(cd "$stage/lib/vulkan" && ls | tr '\n' ' ')
-run: ./run --backend vulkan | cuda | lavapipe [--smoke] [gpu-check.sh options]  (./run --help)
+run: ./run [--backend vulkan | lavapipe] [--smoke] [gpu-check.sh options]  (./run --help; Vulkan is the default)
 EOF
 
 tmp="$out.tmp-$$"

@@ -113,7 +113,7 @@ test('the GPU bundle, unpacked into an empty folder, runs the check on lavapipe 
   for (const k of Object.keys(env)) if (env[k] === undefined) delete env[k];
   const base = await freeBase();
   const r = spawnSync(join(dir, 'run'), ['--backend', 'lavapipe', '--smoke', '--port-base', String(base)], { cwd: work, env, encoding: 'utf8', timeout: 300_000 });
-  t.diagnostic(r.stdout.split('\n').filter((l) => l.startsWith('run:') || l.startsWith('|')).join('\n'));
+  for (const l of r.stdout.split('\n')) if (l.startsWith('run:') || l.startsWith('|')) t.diagnostic(l);
   assert.equal(r.status, 0, `./run failed (${r.status}, ${r.signal}):\n${r.stdout}\n${r.stderr}`);
   assert.match(r.stdout, /^run: node .*\/node\/bin\/node \(v20\.[^)]*\); bundle libraries used: .*libvulkan\.so\.1/m);
 
