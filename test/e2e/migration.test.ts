@@ -173,21 +173,26 @@ describe('a worker killed mid-request costs the client nothing', () => {
   test('a JSON-schema chat request migrated mid-object gives the same valid JSON as an uninterrupted run', async () => {
     const schema = { type: 'object', properties: { n: { type: 'integer' }, ok: { type: 'boolean' } }, required: ['n', 'ok'], additionalProperties: false };
     const body = { model: 'pdserve', messages: [{ role: 'user' as const, content: 'give me an object' }], temperature: 0, max_tokens: 120, response_format: { type: 'json_schema' as const, json_schema: { name: 'o', schema } } };
-    const ref = (await s.ref.chat.completions.create(body)).choices[0]!.message.content!;
+    const refChoice = (await s.ref.chat.completions.create(body)).choices[0]!;
+    const ref = refChoice.message.content!;
     assert.doesNotThrow(() => JSON.parse(ref), ref);
+    assert.equal(refChoice.finish_reason, 'stop', 'the grammar ends the reply with the JSON');
     for (const d of s.c.byRole('decode')) await setHold(d, 'decode.step=25');
     const { data, response } = await s.pd.chat.completions.create({ ...body, stream: true }).withResponse();
     const rid = response.headers.get('x-request-id')!;
     let content = '';
     let chunks = 0;
+    let finish: string | null = null;
     let killing: Promise<void> | null = null;
     for await (const c of data) {
       content += c.choices[0]?.delta?.content ?? '';
+      finish = c.choices[0]?.finish_reason ?? finish;
       if (++chunks === 4) killing = killAndRestart(procOf((await trace(rid)).decode));
     }
     await killing;
     await clearHolds();
     assert.equal(content, ref);
+    assert.equal(finish, 'stop', 'the migrated attempt ends with the JSON too');
     assert.deepEqual(JSON.parse(content), JSON.parse(ref));
     const failed = (await trace(rid)).events.filter((e: any) => e.what === 'attempt_failed');
     assert.equal(failed.length, 1);
