@@ -230,13 +230,13 @@ const MAX_TOOL_CALLS_HELP = `most tool calls in one turn with parallel_tool_call
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
-/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
-export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms, --max-tool-calls to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
+export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number; maxToolCalls?: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
   const http = o.keepAliveTimeoutMs !== undefined && o.headersTimeoutMs !== undefined && o.httpRequestTimeoutMs !== undefined ? httpTimeoutArgs({ keepAliveTimeoutMs: o.keepAliveTimeoutMs, headersTimeoutMs: o.headersTimeoutMs, httpRequestTimeoutMs: o.httpRequestTimeoutMs }) : [];
-  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...http];
+  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...(o.maxToolCalls !== undefined ? ['--max-tool-calls', String(o.maxToolCalls)] : []), ...http];
   const firstToken = o.firstTokenAfterSave !== undefined ? ['--first-token-after-save', String(o.firstTokenAfterSave)] : [];
   const stream = o.kvStream === false ? ['--no-kv-stream'] : [];
   return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill'), ...http], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode'), ...http] };
@@ -298,6 +298,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .addOption(new Option('--decode-policy <name>', "the router's load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)").choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
     .option('--worker-wait-ms <ms>', `router: ${WORKER_WAIT_HELP}`, int, 20_000)
+    .option('--max-tool-calls <n>', `router: ${MAX_TOOL_CALLS_HELP}`, int, DEFAULT_MAX_TOOL_CALLS)
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
     .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M); a larger state fails its request with 400 kv_state_too_large', cliParser(parseStateBytes))
     .option('--kv-streams <n>', 'every worker: sockets one KV connection stripes large states over (1-8; default 1)', int)

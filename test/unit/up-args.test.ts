@@ -44,3 +44,10 @@ test('prefill streams the state while llama.cpp saves it by default; `prefill --
     assert.equal((await parsed('prefill', forwarded)).kvStream, want, `up ${given.join(' ') || '(defaults)'}: its prefill workers stream: ${want}`);
   }
 });
+
+test('`up --max-tool-calls N` reaches its router', async () => {
+  const up = await parsed('up', ['--max-tool-calls', '3']);
+  const forwarded = upExtraArgs(up as unknown as Parameters<typeof upExtraArgs>[0]).router ?? [];
+  assert.equal((await parsed('router', forwarded)).maxToolCalls, 3, forwarded.join(' '));
+  assert.equal((await parsed('router', [])).maxToolCalls, 16, 'default');
+});
