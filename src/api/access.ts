@@ -7,7 +7,9 @@
  *   class     paths                                                     needs
  *   open      GET /health, OPTIONS (CORS preflight)                     nothing
  *   metrics   /metrics                                                  nothing, or (privateMetrics) admin
- *   admin     /workers*, /debug/*, /dashboard*, /abort_request          an admin key (none configured: an API key)
+ *   admin     /workers*, /dashboard*, /abort_request                    an admin key (none configured: an API key)
+ *             /debug/*                                                  an admin key (none configured while API keys are: refused;
+ *                                                                       traces and rooms name other tenants' requests and responses)
  *   api       everything else (/v1/*, /tokenize, /detokenize, 404s)      an API key
  *
  * No key of a class configured = that class is open (as before keys existed). A key is sent as
@@ -99,7 +101,35 @@ export function presentedKey(header: unknown): string | null {
 
 /** The key id an authenticated request was let in with (undefined: the class is open). */
 export const KEY_ID = Symbol('pdserve.keyId');
-type Keyed = { [KEY_ID]?: string };
+/** The tenant of a request let in with an API key (`tenantOf`). */
+export const TENANT = Symbol('pdserve.tenant');
+type Keyed = { [KEY_ID]?: string; [TENANT]?: string };
+
+/**
+ * The tenant of an API key: hex of SHA-256 over a domain label and the key (128 bits). It
+ * partitions what one key's requests leave behind — stored responses, the prefix cache and the
+ * host store (as the cache salt) — so another key can neither read them nor learn of them.
+ * Derived from the key itself, so rotating a key to a new one starts a new tenant.
+ */
+export function tenantOfKey(key: string): string {
+  return createHash('sha256').update('pdserve-tenant\0', 'utf8').update(key, 'utf8').digest('hex').slice(0, 32);
+}
+
+/**
+ * The cache salt of a request (sent to the workers as `cache_salt`): the client's own
+ * `cache_salt` (hashed: `s:<hex>`) when it gave one — every request giving the same one shares
+ * the prefix cache, whatever its key: the explicit opt-in to share — else its tenant's
+ * (`t:<tenant>`), else none (an open server: one tenant, one cache).
+ */
+export function cacheSaltOf(tenant: string | undefined, clientSalt: string | undefined): string | undefined {
+  if (clientSalt !== undefined) return `s:${createHash('sha256').update('pdserve-cache-salt\0', 'utf8').update(clientSalt, 'utf8').digest('hex').slice(0, 32)}`;
+  return tenant === undefined ? undefined : `t:${tenant}`;
+}
+
+/** The tenant `request` came in as: its API key's (`tenantOfKey`), undefined when the API is open (one tenant: everyone). */
+export function tenantOf(request: FastifyRequest): string | undefined {
+  return (request as unknown as Keyed)[TENANT];
+}
 
 /** The id of the API key `request` came in with, when it needed one (for per-key limits). */
 export function keyIdOf(request: FastifyRequest): string | undefined {
@@ -155,8 +185,12 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     if (cls === 'metrics' && !o.privateMetrics) return null;
     return adminRing();
   };
-  const deny = (request: FastifyRequest, reply: FastifyReply, cls: AccessClass, missing: boolean): void => {
+  const deny = (request: FastifyRequest, reply: FastifyReply, cls: AccessClass, missing: boolean, debugWithoutAdmin = false): void => {
     refused.inc({ class: cls });
+    if (debugWithoutAdmin) {
+      void sendApiError(reply, new ApiError(401, 'invalid_api_key', 'The /debug/* routes show every client\'s requests: they need an admin API key, and none is configured (--admin-api-key or PDSERVE_ADMIN_API_KEY).', 'authentication_error'));
+      return;
+    }
     const what = cls === 'api' ? 'API key' : 'admin API key';
     const path = request.url.split('?')[0] ?? '';
     reply.header('www-authenticate', path === '/dashboard' || path.startsWith('/dashboard/') ? 'Basic realm="pdserve admin", charset="UTF-8"' : 'Bearer realm="pdserve"');
@@ -169,11 +203,14 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     const cls = accessClassOf(request.method, request.url);
     const need = rings(cls);
     if (!need) return done();
+    // tenants must not see each other's traffic: with API keys on, /debug/* is the admin key's alone
+    if (cls === 'admin' && admin.size === 0 && request.url.startsWith('/debug/')) return deny(request, reply, cls, false, true);
     const key = presentedKey(request.headers.authorization);
     let id: string | null = null;
     for (const r of need) id ??= r.match(key);
     if (id === null) return deny(request, reply, cls, key === null);
     (request as unknown as Keyed)[KEY_ID] = id;
+    if (cls === 'api') (request as unknown as Keyed)[TENANT] = tenantOfKey(key!);
     done();
   });
   app.addHook('onClose', (_i, done) => {
@@ -187,7 +224,7 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     },
     describe() {
       const apiPart = apiGuarded() ? `API key required on /v1/*, /tokenize, /detokenize (${api.size} key(s)${o.apiKeyFile ? ` + key file ${o.apiKeyFile}` : ''})` : 'OPEN: no API key (anyone who reaches this port can use the API; set --api-key-file or PDSERVE_API_KEY)';
-      const adminPart = admin.size > 0 ? 'admin key required on /workers, /debug/*, /dashboard' : apiGuarded() ? 'an API key also opens /workers, /debug/*, /dashboard (no admin key)' : '/workers, /debug/*, /dashboard open';
+      const adminPart = admin.size > 0 ? 'admin key required on /workers, /debug/*, /dashboard' : apiGuarded() ? 'an API key also opens /workers and /dashboard, /debug/* is closed (no admin key)' : '/workers, /debug/*, /dashboard open';
       return `${apiPart}; ${adminPart}; /metrics ${o.privateMetrics ? 'behind the admin rule' : 'open'}; /health open`;
     },
     close() {

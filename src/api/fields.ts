@@ -175,6 +175,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   // ---- OpenAI platform features
   { name: 'user', endpoints: BOTH, status: 'honoured', notes: 'an end-user id: it has no effect on generation (as in OpenAI and vLLM)', schema: z.string().max(256) },
   { name: 'safety_identifier', endpoints: BOTH, status: 'honoured', notes: 'like user: no effect on generation', schema: z.string().max(256) },
+  { name: 'cache_salt', endpoints: BOTH, status: 'honoured', notes: "vLLM: the prefix cache's partition. With API keys each key has its own (a key's cached_tokens reveal nothing of another key's prompts); requests giving the same cache_salt share one whatever their key: the explicit opt-in to share (docs/PREFIX-REUSE.md)", schema: z.string().min(1).max(256) },
   { name: 'prompt_cache_key', endpoints: BOTH, status: 'honoured', notes: 'the conversation key of session affinity (then user, the x-session-id header, the first non-system message): the router keeps a key on the worker that served it unless that worker is overloaded (docs/PREFIX-REUSE.md)', schema: z.string().min(1).max(1024) },
   { name: 'service_tier', endpoints: BOTH, status: 'partial', notes: '"auto" or "default" only', schema: z.string(), refuse: (v: never) => ((v as string) === 'auto' || (v as string) === 'default' ? null : `service_tier '${v as string}' is not supported (only 'auto' or 'default')`) },
   { name: 'store', endpoints: CHAT, status: 'refused', notes: 'nothing is stored; only false', schema: z.boolean(), refuse: notDefault(false, 'store=true is not supported: pdserve stores nothing') },
@@ -189,7 +190,6 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'request_id', endpoints: BOTH, status: 'honoured', notes: "vLLM; the client's label for the request (≤ 128 characters): kept in its router trace (`GET /debug/traces/<id>`, `doctor --request`); the response id and the workers' rids stay pdserve's own, so reused ids never collide", schema: z.string().max(128) },
   { name: 'logits_processors', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.array(z.unknown()), refuse: emptyOk('logits_processors are not supported') },
   { name: 'vllm_xargs', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.record(z.unknown()), refuse: emptyOk('vllm_xargs is not supported') },
-  { name: 'cache_salt', endpoints: BOTH, status: 'refused', notes: 'vLLM; not supported', schema: z.string(), refuse: refusedAny('cache_salt is not supported') },
   { name: 'kv_transfer_params', endpoints: BOTH, status: 'refused', notes: 'vLLM; the router owns the KV handoff', schema: z.record(z.unknown()), refuse: refusedAny('kv_transfer_params is not supported: the router owns the KV handoff') },
 ];
 

@@ -190,6 +190,10 @@ interface ParsedCommon {
   promptCacheKey?: string;
   /** Set by the router: the conversation key it routes on, sent to the workers as `conversation_key`. */
   conversationKey?: string;
+  /** The client's `cache_salt` (vLLM). */
+  cacheSalt?: string;
+  /** Set by the edge: the salt the workers partition the prefix cache by (../api/access.ts `cacheSaltOf`), sent as `cache_salt`. */
+  salt?: string;
 }
 
 /** A validated, defaulted POST /v1/completions request. */
@@ -326,6 +330,7 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): Pa
   if (b.model !== undefined) out.model = b.model as string;
   if (b.user !== undefined) out.user = b.user as string;
   if (b.prompt_cache_key !== undefined) out.promptCacheKey = b.prompt_cache_key as string;
+  if (b.cache_salt !== undefined) out.cacheSalt = b.cache_salt as string;
   return out;
 }
 
@@ -394,6 +399,7 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
     bootstrap_port: routing.bootstrapPort,
     bootstrap_room: routing.bootstrapRoom,
     ...(parsed.conversationKey ? { conversation_key: parsed.conversationKey } : {}),
+    ...(parsed.salt !== undefined ? { cache_salt: parsed.salt } : {}),
   };
   if (parsed.kind === 'chat') {
     const messages = parsed.messages.map((m) => {

@@ -17,6 +17,7 @@
  * a chat error event after it is `response.failed`.
  * A client that goes away aborts the chat request, which aborts the room on the workers.
  */
+import { tenantOf } from './access.js';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { systemClock } from '../base/clock.js';
 import { request, type Dispatcher } from 'undici';
@@ -89,23 +90,25 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
     });
   }
   const notFound = (id: string) => new ApiError(404, 'not_found', `Response with id '${id}' not found.`, 'invalid_request_error', 'id');
+  // Each tenant (API key) sees its own stored responses only: another's id is unknown (404).
   app.get<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
-    const r = o.store.get(req.params.id);
+    const r = o.store.of(tenantOf(req)).get(req.params.id);
     if (!r) throw notFound(req.params.id);
     return r.response;
   });
   app.get<{ Params: { id: string }; Querystring: InputItemsQuery }>('/v1/responses/:id/input_items', async (req) => {
-    const r = o.store.get(req.params.id);
+    const r = o.store.of(tenantOf(req)).get(req.params.id);
     if (!r) throw notFound(req.params.id);
     return pageInputItems(r.input, req.query ?? {});
   });
   app.delete<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
-    if (!o.store.delete(req.params.id)) throw notFound(req.params.id);
+    if (!o.store.of(tenantOf(req)).delete(req.params.id)) throw notFound(req.params.id);
     return { id: req.params.id, object: 'response', deleted: true };
   });
 
   app.post('/v1/responses', async (req: FastifyRequest, reply: FastifyReply) => {
-    const parsed = parseResponsesRequest(req.body, o.store);
+    const mine = o.store.of(tenantOf(req));
+    const parsed = parseResponsesRequest(req.body, mine);
     checkModelName(parsed.chat.model as string | undefined, o.models());
     const body = JSON.stringify(parsed.chat);
     if (Buffer.byteLength(body) > o.bodyLimit) {
@@ -185,7 +188,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
       }
       const finalEvents = t.finish();
       const response = t.response();
-      if (parsed.store) o.store.put(storedRecordOf(parsed, response, t.output));
+      if (parsed.store) mine.put(storedRecordOf(parsed, response, t.output));
       if (writer) {
         await send(finalEvents).catch(() => {});
         writer.end();

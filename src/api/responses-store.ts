@@ -35,6 +35,16 @@ export interface StoredResponse {
   bytes: number;
   /** Monotonic ms when stored. */
   at: number;
+  /** The tenant that created it (../api/access.ts `tenantOf`: its API key's); undefined on an open server. Another tenant never sees it. */
+  owner?: string;
+}
+
+/** The store as one tenant sees it (`ResponseStore.of`): only its own records exist. */
+export interface ResponseStoreView {
+  get(id: string): StoredResponse | undefined;
+  item(itemId: string): Record<string, unknown> | undefined;
+  delete(id: string): boolean;
+  put(rec: Omit<StoredResponse, 'at' | 'owner'>): boolean;
 }
 
 export interface ResponseStoreLimits {
@@ -95,19 +105,30 @@ export class ResponseStore {
     return this.records.has(r.id);
   }
 
-  /** The record of `id`, or undefined when unknown, deleted or expired. */
-  get(id: string): StoredResponse | undefined {
+  /** The record of `id` created by `owner` (undefined: an open server's), or undefined when unknown, another tenant's, deleted or expired. */
+  get(id: string, owner?: string): StoredResponse | undefined {
     this.expire();
-    return this.records.get(id);
+    const r = this.records.get(id);
+    return r && r.owner === owner ? r : undefined;
   }
 
-  /** The stored item `itemId` (an output item of a stored response), or undefined. */
-  item(itemId: string): Record<string, unknown> | undefined {
-    const owner = this.itemOwner.get(itemId);
-    return owner === undefined ? undefined : this.get(owner)?.items.get(itemId);
+  /** The stored item `itemId` (an output item of a stored response of `owner`), or undefined. */
+  item(itemId: string, owner?: string): Record<string, unknown> | undefined {
+    const rid = this.itemOwner.get(itemId);
+    return rid === undefined ? undefined : this.get(rid, owner)?.items.get(itemId);
   }
 
-  /** Remove `id`; returns whether it was there. */
+  /** The store as tenant `owner` sees it: its own records only (another tenant's id is unknown: 404). */
+  of(owner: string | undefined): ResponseStoreView {
+    return {
+      get: (id) => this.get(id, owner),
+      item: (id) => this.item(id, owner),
+      delete: (id) => (this.get(id, owner) ? this.delete(id) : false),
+      put: (rec) => this.put(owner === undefined ? rec : { ...rec, owner }),
+    };
+  }
+
+  /** Remove `id` whoever owns it (a tenant deletes through `of`); returns whether it was there. */
   delete(id: string): boolean {
     const r = this.records.get(id);
     if (!r) return false;

@@ -23,7 +23,7 @@ import { z, type ZodError } from 'zod';
 import { ApiError } from '../base/errors.js';
 import { parseChatRequest, parseFieldTable } from './parse.js';
 import { RESPONSES_FIELD_MAP } from './responses-fields.js';
-import type { ResponseStore, StoredResponse, WireChatMessage } from './responses-store.js';
+import type { ResponseStore, ResponseStoreView, StoredResponse, WireChatMessage } from './responses-store.js';
 
 /** A fresh item or response id: `prefix` + 48 hex digits (OpenAI's ids are as long). */
 export const newItemId = (prefix: string): string => `${prefix}_${randomBytes(24).toString('hex')}`;
@@ -125,7 +125,7 @@ function partsText(parts: unknown[], at: string): string {
  * assistant message; a message appended to is copied first, never changed in place: stored
  * histories share their objects). `sources[k]` names the input item that made out[k].
  */
-function appendItems(items: unknown[], store: ResponseStore, out: WireChatMessage[], sources: string[], listed: Record<string, unknown>[]): void {
+function appendItems(items: unknown[], store: Pick<ResponseStoreView, 'item'>, out: WireChatMessage[], sources: string[], listed: Record<string, unknown>[]): void {
   const from = out.length;
   const add = (m: WireChatMessage, at: string) => {
     out.push(m);
@@ -199,7 +199,7 @@ function renamed(err: ApiError, sources: string[], hasInstructions: boolean): Ap
  * Validate a /v1/responses body and build its chat request (see the module doc).
  * @throws ApiError 400 naming the Responses field; 400 previous_response_not_found for an unknown previous_response_id (OpenAI's code), 404 for an unknown item_reference.
  */
-export function parseResponsesRequest(body: unknown, store: ResponseStore): ParsedResponsesRequest {
+export function parseResponsesRequest(body: unknown, store: Pick<ResponseStoreView, 'get' | 'item'>): ParsedResponsesRequest {
   const b = parseFieldTable(RESPONSES_FIELD_MAP, body);
   if (b.input === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'input'.", 'invalid_request_error', 'input');
   const history: WireChatMessage[] = [];

@@ -32,7 +32,7 @@ export interface ColocatedLimits {
 
 /** Slot allocation with a bounded FIFO of waiters, each with a deadline. */
 export class ColocatedBackend {
-  private readonly waiters: { resolve(s: Slot): void; reject(e: unknown): void }[] = [];
+  private readonly waiters: { prompt: readonly number[]; salt: string | undefined; resolve(s: Slot): void; reject(e: unknown): void }[] = [];
   running = 0;
   /** Requests holding a slot, by rid. */
   readonly live = new Map<string, ColocatedRunning>();
@@ -49,12 +49,14 @@ export class ColocatedBackend {
     return this.waiters.length;
   }
 
-  private async acquire(signal: AbortSignal, prompt: readonly number[]): Promise<Slot> {
-    const s = this.engine.tryAcquireSlot(prompt);
+  private async acquire(signal: AbortSignal, prompt: readonly number[], salt: string | undefined): Promise<Slot> {
+    const s = this.engine.tryAcquireSlot(prompt, salt);
     if (s) return s;
     if (this.waiters.length >= this.limits.maxWaiting) throw new ApiError(503, 'queue_full', `colocated queue is full (${this.limits.maxWaiting})`, 'overloaded_error');
     return new Promise<Slot>((resolve, reject) => {
       const w = {
+        prompt,
+        salt,
         resolve: (slot: Slot) => {
           cleanup();
           resolve(slot);
@@ -81,7 +83,7 @@ export class ColocatedBackend {
     slot.release();
     const w = this.waiters[0];
     if (w) {
-      const s = this.engine.tryAcquireSlot();
+      const s = this.engine.tryAcquireSlot(w.prompt, w.salt);
       if (s) w.resolve(s);
     }
   }
@@ -90,11 +92,11 @@ export class ColocatedBackend {
    * Generate for one request: yields GenerateEvents (one per token, then a final one with
    * finish_reason). @throws ApiError for bad prompts, full queues; Error code 'ABORTED' on signal.
    */
-  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params' | 'conversation_key'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
+  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params' | 'conversation_key' | 'cache_salt'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
     const tokens = tokenizeRequest(this.engine, body);
     const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
     await checkSampling(this.engine, sampling);
-    const slot = await this.acquire(signal, tokens);
+    const slot = await this.acquire(signal, tokens, body.cache_salt);
     const leasedKey = this.kvTracker ? body.conversation_key : undefined;
     if (leasedKey) this.kvTracker!.noteLeased(leasedKey);
     this.running++;
@@ -115,7 +117,7 @@ export class ColocatedBackend {
       for (;;) {
         const r = await g.next();
         if (r.done) {
-          if (key && r.value !== 'abort') this.kvTracker!.noteFinished(key, [...tokens, ...ids], tokens.length);
+          if (key && r.value !== 'abort') this.kvTracker!.noteFinished(key, [...tokens, ...ids], tokens.length, body.cache_salt);
           yield { text: '', token_ids: [], meta_info: meta(n, { type: r.value }) };
           return;
         }

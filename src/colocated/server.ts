@@ -24,7 +24,7 @@ import { WorkerMetrics } from '../runtime/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine } from '../engine/types.js';
 import { ColocatedBackend } from './backend.js';
-import { registerAccess, type Access } from '../api/access.js';
+import { cacheSaltOf, registerAccess, tenantOf, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
 import { KvEventLog } from '../protocol/kv-events.js';
 import { registerKvEventsRoute } from '../worker/kv-events-route.js';
@@ -81,6 +81,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     const subs = planFanOut(kind, req.body);
     if (subs) return serveFanOut(req, reply, kind, subs);
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body, { maxToolCalls: config.maxToolCalls }) : parseCompletionRequest(req.body);
+    parsed.salt = cacheSaltOf(tenantOf(req), parsed.cacheSalt);
     checkModelName(parsed.model, names);
     if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;
     const key = conversationKey(parsed, req.headers['x-session-id']);

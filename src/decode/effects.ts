@@ -86,6 +86,8 @@ export interface DecodeAsk {
   local?: LocalPlan;
   /** The router's conversation key (KV events name the kept sequence by it). */
   conversationKey?: string;
+  /** The request's cache salt (its tenant): the kept sequence is reused for this salt only. */
+  salt?: string;
   /** Trace id (/debug/rooms). */
   trace: string;
 }
@@ -283,7 +285,7 @@ export class DecodeEffects<C extends KvConn> {
         case 'assign_slot': {
           const job = this.jobs.get(a.room);
           // A local room's prompt picks the kept sequence holding its prefix.
-          const slot = this.o.engine.tryAcquireSlot(job?.local?.tokens);
+          const slot = this.o.engine.tryAcquireSlot(job?.local?.tokens, job?.salt);
           if (job && slot) job.slot = slot;
           else {
             slot?.release();

@@ -72,9 +72,9 @@ export async function planLocal(engine: Engine, body: GenerateRequest, ownLimit:
   const sampling = fitSampling(engine, tokens.length, samplingFromWire(body.sampling_params, body.resume_token_ids));
   await checkSampling(engine, sampling);
   const resumed = body.resume_token_ids?.length ?? 0;
-  let reusable = engine.reusableFor(tokens);
+  let reusable = engine.reusableFor(tokens, body.cache_salt);
   // the host's prefix store (second tier) may hold it when no kept sequence does
-  if (tokens.length + resumed - reusable > limit && engine.storedReusableFor) reusable = Math.max(reusable, await engine.storedReusableFor(tokens));
+  if (tokens.length + resumed - reusable > limit && engine.storedReusableFor) reusable = Math.max(reusable, await engine.storedReusableFor(tokens, body.cache_salt));
   const uncached = tokens.length + resumed - reusable;
   if (uncached > limit) throw ApiError.of('needs_prefill', `uncached suffix of ${uncached} tokens (prompt ${tokens.length}${resumed ? ` + ${resumed} resumed` : ''}, kept ${reusable}) exceeds the local prefill limit ${limit}`);
   return { tokens, sampling, reusable };

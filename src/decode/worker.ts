@@ -233,6 +233,7 @@ export class DecodeWorker {
       trace: body.trace_id ?? body.rid,
       ...(local ? { local } : {}),
       ...(body.conversation_key !== undefined ? { conversationKey: body.conversation_key } : {}),
+      ...(body.cache_salt !== undefined ? { salt: body.cache_salt } : {}),
     });
     if (admitted.refused) return sendError(reply, admitted.refused);
     const { job } = admitted;
@@ -298,7 +299,7 @@ export class DecodeWorker {
       // router does not take the end for a worker failure (and migrate the request).
       if (finish === 'abort' && job.abortedBy?.code === 'request_aborted') out.error(ApiError.fromFailure(job.abortedBy), true);
       else out.finish(resumed + n, finish);
-      if (finish !== 'abort' && prompt && job.conversationKey) this.kvTracker?.noteFinished(job.conversationKey, [...prompt, ...ids], prompt.length);
+      if (finish !== 'abort' && prompt && job.conversationKey) this.kvTracker?.noteFinished(job.conversationKey, [...prompt, ...ids], prompt.length, job.salt);
     } catch (err) {
       out.error(toApiError(err));
     } finally {

@@ -294,6 +294,8 @@ class SeqHolder {
   /** Leading tokens of the held KV that a cold run would compute identically (prefix-cache.ts). */
   exactPrefix = 0;
   lastUsed = 0;
+  /** The cache salt of the request whose KV the sequence holds (set at acquisition; prefix-cache.ts). */
+  salt: string | undefined = undefined;
   /** The key of the entry a `stored` KV event announced for this sequence (prefix-store.ts), until its `evicted`. */
   eventKey: { key: string; tokens: number } | undefined;
   /**
@@ -682,31 +684,33 @@ class LlamaEngine implements Engine {
     return Math.max(0, Math.min(this.free.length, this.info.sequences - busy));
   }
 
-  tryAcquireSlot(prompt?: readonly number[]): Slot | null {
+  tryAcquireSlot(prompt?: readonly number[], salt?: string): Slot | null {
     if (this.slotsFree() === 0) return null;
     // The idle sequence with the longest reusable prefix; else an empty one, else a cached one
     // (its cache is dropped) — next to the busy ones where possible (one ubatch per run of
     // consecutive sequence ids), then lowest index / least recently used.
     const busy = new Set<number>();
     for (const h of this.holders) if (h.lease) busy.add(h.index);
-    const choice = chooseSequence(this.free, prompt, this.cache, busy)!;
+    const choice = chooseSequence(this.free, prompt, this.cache, busy, salt)!;
     const holder = choice.seq;
     this.free.splice(this.free.indexOf(holder), 1);
-    if (choice.reuse === 0 && holder.tokens.length > 0) this.clearHolder(holder);
+    // cleared (and written back under its own salt) before it takes this request's
+    if ((choice.reuse === 0 || holder.salt !== salt) && holder.tokens.length > 0) this.clearHolder(holder);
+    holder.salt = salt;
     holder.tokens = [];
     const lease = new Lease(this, holder);
     holder.lease = lease;
     return lease;
   }
 
-  reusableFor(prompt: readonly number[]): number {
+  reusableFor(prompt: readonly number[], salt?: string): number {
     if (this.disposed || !this.cache.enabled || prompt.length === 0) return 0;
-    return chooseSequence(this.free, prompt, this.cache)?.reuse ?? 0;
+    return chooseSequence(this.free, prompt, this.cache, undefined, salt)?.reuse ?? 0;
   }
 
-  async storedReusableFor(prompt: readonly number[]): Promise<number> {
+  async storedReusableFor(prompt: readonly number[], salt?: string): Promise<number> {
     if (this.disposed || !this.store || !this.cache.enabled || prompt.length === 0) return 0;
-    return this.store.reusable(prompt);
+    return this.store.reusable(prompt, salt);
   }
 
   /**
@@ -718,7 +722,7 @@ class LlamaEngine implements Engine {
    */
   async loadStored(seq: LlamaContextSequence, holder: SeqHolder, prompt: readonly number[], minReuse: number): Promise<number | undefined> {
     if (!this.store || !this.cache.enabled || this.disposed) return undefined;
-    const hit = await this.store.take(prompt, minReuse);
+    const hit = await this.store.take(prompt, minReuse, holder.salt);
     if (!hit) return undefined;
     const since = markProblems();
     try {
@@ -765,7 +769,7 @@ class LlamaEngine implements Engine {
     if (!store) return;
     const tokens = holder.tokens;
     // begun now, so that a lookup of this prefix (the conversation's next round) waits for it
-    const started = store.begin(tokens, holder.exactPrefix);
+    const started = store.begin(tokens, holder.exactPrefix, holder.salt);
     holder.pending = holder.pending
       .then(async () => {
         const w = await started;

@@ -27,6 +27,8 @@ export interface CachedSequence {
   readonly exactPrefix: number;
   /** Last time the sequence finished a request (any monotonic clock, ms). */
   readonly lastUsed: number;
+  /** The cache salt of the request whose KV it holds (its tenant: vLLM's `cache_salt`); undefined = unsalted. */
+  readonly salt?: string | undefined;
 }
 
 /** Prefix-cache settings of an engine. */
@@ -100,15 +102,17 @@ export function runDelta(busy: ReadonlySet<number>, index: number): number {
  * increasing sequence ids (one KV stream each; the engine sorts its queue by id), each a full
  * pass over the weights, so 4 decoding sequences 2, 5, 9, 13 cost 4 passes per step where 3–6
  * cost 1 — in a long-lived decode worker every sequence holds a cache and plain LRU scatters new
- * rooms over the context (BENCHMARKS.md §4). Without `busy`: lowest index / LRU.
+ * rooms over the context (BENCHMARKS.md §4). Without `busy`: lowest index / LRU. Only
+ * sequences of the same `salt` (the request's tenant) are reused; any may be evicted.
  * Never returns undefined when `free` is non-empty: eviction never fails an allocation.
  */
-export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings, busy?: ReadonlySet<number>): SequenceChoice<S> | undefined {
+export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings, busy?: ReadonlySet<number>, salt?: string): SequenceChoice<S> | undefined {
   if (free.length === 0) return undefined;
   let best: SequenceChoice<S> | undefined;
   if (settings.enabled && prompt && prompt.length > 0) {
     for (const s of free) {
-      if (s.tokens.length === 0) continue;
+      // another salt's KV is never reused (tenants do not share prefixes: vLLM's cache_salt)
+      if (s.tokens.length === 0 || s.salt !== salt) continue;
       const reuse = reusableTokens(s.tokens, s.exactPrefix, prompt, settings.align);
       if (reuse === 0 || reuse < MIN_KEEP_FRACTION * s.tokens.length) continue;
       if (!best || reuse > best.reuse || (reuse === best.reuse && (s.lastUsed > best.seq.lastUsed || (s.lastUsed === best.seq.lastUsed && s.index < best.seq.index)))) best = { seq: s, reuse };

@@ -48,6 +48,14 @@ export function storeNamespace(id: Pick<StoreIdentity, 'fingerprint' | 'compat' 
 }
 
 /**
+ * The namespace of one cache salt's entries (a tenant's, vLLM's `cache_salt`): the identity's
+ * namespace itself when unsalted, else a hash of both — another salt's prompt never finds them.
+ */
+export function saltedNamespace(namespace: string, salt: string | undefined): string {
+  return salt === undefined ? namespace : hash('sha256', `${namespace}/salt/${salt}`, 'hex');
+}
+
+/**
  * The key chain of `tokens`: element i is the key of the first (i + 1) × `blockTokens` tokens,
  * h_i = sha256(h_{i−1} ‖ block i as little-endian i32s) truncated to 16 bytes, h_{−1} =
  * sha256(namespace). Only whole blocks, at most `maxBlocks` of them.
@@ -135,15 +143,16 @@ export interface PrefixStore {
    * the in-sequence tier already gives). Every candidate is validated before it is returned;
    * a bad one is refused and removed. Never throws.
    */
-  take(prompt: readonly number[], minReuse: number): Promise<StoredPrefix | undefined>;
+  take(prompt: readonly number[], minReuse: number, salt?: string): Promise<StoredPrefix | undefined>;
   /** Tokens of `prompt` a stored state would serve (a hint for decode-local planning; reads no state). Never throws. */
-  reusable(prompt: readonly number[]): Promise<number>;
+  reusable(prompt: readonly number[], salt?: string): Promise<number>;
   /**
    * Start storing a finished sequence holding `tokens` (`exactPrefix` as prefix-cache.ts):
    * undefined when it is not worth a file (too short, already stored, writes pending at the bound).
-   * Never throws.
+   * `salt` (in every method): the entries of one cache salt (a tenant) are keyed under their own
+   * namespace (`saltedNamespace`): only a lookup with the same salt finds them. Never throws.
    */
-  begin(tokens: readonly number[], exactPrefix: number): Promise<StoreWrite | undefined>;
+  begin(tokens: readonly number[], exactPrefix: number, salt?: string): Promise<StoreWrite | undefined>;
   /** The engine is disposed: stop (the file store may remove its entries, see runtime/prefix-store.ts). Idempotent; never rejects. */
   close?(): Promise<void>;
 }

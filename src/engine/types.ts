@@ -289,21 +289,23 @@ export interface Engine {
    * Reserve a free slot, or null when all are taken. With the prefix cache on and `prompt` given,
    * the idle sequence sharing the longest reusable prefix with it is chosen (its `prefill` then
    * evaluates only the rest); a cached sequence is evicted rather than ever returning null while
-   * a slot is free.
+   * a slot is free. `salt` (here and below): the request's cache salt (its tenant, vLLM's
+   * `cache_salt`): only KV left by requests of the same salt is reused, in the sequences and in
+   * the prefix store; the slot's KV is then kept under that salt.
    */
-  tryAcquireSlot(prompt?: readonly number[]): Slot | null;
+  tryAcquireSlot(prompt?: readonly number[], salt?: string): Slot | null;
   /**
    * Tokens of `prompt` the slot `tryAcquireSlot(prompt)` would reuse right now (0 with the prefix
    * cache off). A hint: another acquisition may evict that sequence before this one takes it;
    * `Slot.prefill` re-derives the reuse under its lease. Decode uses it to decide whether a
    * request's uncached suffix is short enough to evaluate locally (decode-local continuation).
    */
-  reusableFor(prompt: readonly number[]): number;
+  reusableFor(prompt: readonly number[], salt?: string): number;
   /**
    * Tokens of `prompt` the prefix store (second tier) would serve (0 without one): a hint from
    * the store's file names and one entry's head; `Slot.prefill` loads and validates the state.
    */
-  storedReusableFor?(prompt: readonly number[]): Promise<number>;
+  storedReusableFor?(prompt: readonly number[], salt?: string): Promise<number>;
   /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
   cachedStats(): { sequences: number; tokens: number };
   /**

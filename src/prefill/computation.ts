@@ -42,6 +42,8 @@ export interface Computation {
   cachedTokens: number;
   /** The router's conversation key (`conversation_key`): what the sequence tier's KV events name. */
   key?: string;
+  /** The request's cache salt (`cache_salt`, its tenant): only this salt's cached KV is reused. */
+  salt?: string;
 }
 
 /** Counters that show how many prompt evaluations and state saves the rooms cost (n > 1: one each for n rooms). */

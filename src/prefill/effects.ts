@@ -150,6 +150,8 @@ export interface PrefillAsk {
   first: boolean;
   trace: string;
   conversationKey?: string;
+  /** The request's cache salt (its tenant): the prefix cache reuses only this salt's KV. */
+  salt?: string;
 }
 
 /** Prefill's room handling over ports (see the module doc). Create one per worker process. */
@@ -186,7 +188,7 @@ export class PrefillEffects<C extends KvConn> {
     const { rooms } = ask;
     const admitted = this.driver.request(rooms, ask.rid, this.now);
     if (admitted.refused) return { refused: admitted.refused };
-    const comp: Computation = { lead: rooms[0]!, rooms, tokens: ask.tokens, sampling: ask.sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0, ...(ask.conversationKey ? { key: ask.conversationKey } : {}) };
+    const comp: Computation = { lead: rooms[0]!, rooms, tokens: ask.tokens, sampling: ask.sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0, ...(ask.conversationKey ? { key: ask.conversationKey } : {}), ...(ask.salt !== undefined ? { salt: ask.salt } : {}) };
     this.comps.set(comp.lead, comp);
     const jobs = rooms.map((r) => {
       const job: PrefillJob = { rid: ask.rid, comp, ac: new AbortController(), done: deferred(), t0: this.now, tKvBegin: 0, first: ask.first ? deferred() : undefined };
@@ -330,7 +332,7 @@ export class PrefillEffects<C extends KvConn> {
   private async compute(lead: RoomId): Promise<void> {
     const comp = this.comps.get(lead);
     // The prompt picks the idle sequence sharing its longest prefix (prefix cache).
-    const slot = comp && !comp.ac.signal.aborted ? this.o.engine.tryAcquireSlot(comp.tokens) : null;
+    const slot = comp && !comp.ac.signal.aborted ? this.o.engine.tryAcquireSlot(comp.tokens, comp.salt) : null;
     const done = (o: ComputeOutcome): void => {
       if (!o.ok) this.comps.delete(lead);
       this.perform(this.driver.computeDone(lead, o, this.now));
@@ -423,7 +425,7 @@ export class PrefillEffects<C extends KvConn> {
       if (signal.aborted) return { ok: false, aborted: true };
       comp.state = { path, payloadBytes }; // the file is the computation's now: deleted by the driver's `discard`
       // the sequence keeps this prompt once released: the conversation's next round finds it here
-      if (comp.key) this.o.kvTracker?.noteFinished(comp.key, comp.tokens, comp.tokens.length);
+      if (comp.key) this.o.kvTracker?.noteFinished(comp.key, comp.tokens, comp.tokens.length, comp.salt);
       return { ok: true, totalBytes: roomBytes.get(comp.lead)!, roomBytes };
     } catch (err) {
       const e = err as { code?: string; message?: string };

@@ -215,7 +215,7 @@ export class PrefillWorker {
     // n > 1: one computation for every room named (the first is the lead, = bootstrap_room).
     const rooms = body.bootstrap_rooms ?? [body.bootstrap_room];
     if (rooms.length > 1 && !body.first_token_from_prefill) return sendError(reply, ApiError.of('invalid_request', 'bootstrap_rooms needs first_token_from_prefill (each room gets its own first token)', 'bootstrap_rooms'));
-    const admitted = this.effects.admit({ rooms, rid: body.rid, tokens, sampling, first: body.first_token_from_prefill, trace: body.trace_id ?? body.rid, ...(body.conversation_key ? { conversationKey: body.conversation_key } : {}) });
+    const admitted = this.effects.admit({ rooms, rid: body.rid, tokens, sampling, first: body.first_token_from_prefill, trace: body.trace_id ?? body.rid, ...(body.conversation_key ? { conversationKey: body.conversation_key } : {}), ...(body.cache_salt !== undefined ? { salt: body.cache_salt } : {}) });
     if (admitted.refused) return sendError(reply, admitted.refused);
     const { jobs } = admitted;
     const off = onClientGone(reply, () => this.effects.abortRooms(rooms));

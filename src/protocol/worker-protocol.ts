@@ -146,6 +146,12 @@ export const GenerateRequestSchema = z
     /** The router's conversation key (router/policy/affinity.ts): decode's KV events name kept sequences by it. */
     conversation_key: z.string().min(1).max(300).optional(),
     /**
+     * The prefix cache's partition (vLLM's `cache_salt`; set by the router: the tenant of the
+     * request's API key, or the client's own `cache_salt`, ../api/access.ts `cacheSaltOf`): KV
+     * left by a request of another salt is never reused, in the sequences or the prefix store.
+     */
+    cache_salt: z.string().min(1).max(300).optional(),
+    /**
      * Migration (pdserve's extension; prefill and decode): the tokens an earlier attempt of this
      * request generated and the client already has. Prefill (or decode itself, with
      * `local_prefill`) evaluates them after the prompt and samples the next token; both sides count them as generated in every sampler state

@@ -33,7 +33,7 @@ import { performance } from 'node:perf_hooks';
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
-import { registerAccess, type Access } from '../api/access.js';
+import { cacheSaltOf, registerAccess, tenantOf, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
 import { withCredentials } from '../runtime/http-auth.js';
 import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../runtime/tls.js';
@@ -253,6 +253,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       let parsed: ParsedRequest;
       try {
         parsed = kind === 'chat' ? parseChatRequest(request.body, { maxToolCalls: config.maxToolCalls }) : parseCompletionRequest(request.body);
+        parsed.salt = cacheSaltOf(tenantOf(request), parsed.cacheSalt);
         checkModelName(parsed.model, registry.models());
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
         // Token 1's logprob exists only where it was sampled: prefill's first-token event.

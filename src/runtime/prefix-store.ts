@@ -59,7 +59,7 @@ import { join } from 'node:path';
 import client from 'prom-client';
 import { parseStateFile, reframedParts } from '../engine/ggsq.js';
 import { reusableTokens } from '../engine/prefix-cache.js';
-import { cacheKeyOf, keyChain, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore, type StoredPrefix, type StoreIdentity, type StoreWrite } from '../engine/prefix-store.js';
+import { cacheKeyOf, keyChain, saltedNamespace, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore, type StoredPrefix, type StoreIdentity, type StoreWrite } from '../engine/prefix-store.js';
 import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PREFIX_BYTES, envelopeTrailer, MAX_ENVELOPE_HEADER_BYTES, parseEnvelopeHead } from '../kv/envelope.js';
 import { crc32 } from '../kv/transfer/checksum.js';
 import type { Logger } from '../base/log.js';
@@ -356,12 +356,12 @@ export class FilePrefixStore implements PrefixStore {
   }
 
   /** The chain keys a prompt may be served from (longest first) with their token counts. */
-  private candidates(prompt: readonly number[], minReuse: number): { key: string; tokens: number }[] {
+  private candidates(prompt: readonly number[], minReuse: number, salt: string | undefined): { key: string; tokens: number }[] {
     const id = this.id!;
     const B = this.blockTokens;
     const maxBlocks = Math.floor(Math.min(prompt.length - 1, id.compat.contextSize) / B);
     if (maxBlocks * B <= minReuse) return [];
-    const chain = keyChain(this.ns, prompt, maxBlocks, B);
+    const chain = keyChain(saltedNamespace(this.ns, salt), prompt, maxBlocks, B);
     const out: { key: string; tokens: number }[] = [];
     for (let m = chain.length; m >= 1 && m * B > minReuse; m--) out.push({ key: chain[m - 1]!, tokens: m * B });
     return out;
@@ -419,10 +419,10 @@ export class FilePrefixStore implements PrefixStore {
     return this.index.size;
   }
 
-  async reusable(prompt: readonly number[]): Promise<number> {
+  async reusable(prompt: readonly number[], salt?: string): Promise<number> {
     const id = this.id;
     if (!id || this.closed) return 0;
-    const cands = (await this.present(this.candidates(prompt, 0))) ?? [];
+    const cands = (await this.present(this.candidates(prompt, 0, salt))) ?? [];
     // the index is a hint: the chosen entry's file must be there (one access(2) on a hit)
     let c: { key: string; tokens: number } | undefined;
     for (const x of cands) {
@@ -440,10 +440,10 @@ export class FilePrefixStore implements PrefixStore {
     return Math.max(c.tokens, Math.min(held ?? 0, prompt.length - 1));
   }
 
-  async take(prompt: readonly number[], minReuse: number): Promise<StoredPrefix | undefined> {
+  async take(prompt: readonly number[], minReuse: number, salt?: string): Promise<StoredPrefix | undefined> {
     const id = this.id;
     if (!id || this.closed) return undefined;
-    const cands = await this.present(this.candidates(prompt, minReuse));
+    const cands = await this.present(this.candidates(prompt, minReuse, salt));
     if (cands === undefined) return undefined;
     for (const c of cands) {
       const path = this.entryPath(c.key);
@@ -536,12 +536,12 @@ export class FilePrefixStore implements PrefixStore {
     }
   }
 
-  async begin(tokens: readonly number[], exactPrefix: number): Promise<StoreWrite | undefined> {
+  async begin(tokens: readonly number[], exactPrefix: number, salt?: string): Promise<StoreWrite | undefined> {
     const id = this.id;
     if (!id || this.closed || this.o.write === false) return undefined;
     // The same key (whole blocks) may be reached again by a longer state of the same
     // conversation: that one replaces the entry (its reply serves the next round).
-    const named = cacheKeyOf(this.ns, tokens, exactPrefix, id.align, this.blockTokens);
+    const named = cacheKeyOf(saltedNamespace(this.ns, salt), tokens, exactPrefix, id.align, this.blockTokens);
     if (!named) return undefined;
     if (this.pendingWrites >= MAX_PENDING_WRITES) {
       this.drop();

@@ -27,6 +27,8 @@ import { systemClock } from '../base/clock.js';
 interface Tracked {
   tokens: number[];
   promptTokens: number;
+  /** The cache salt its sequence is kept under (the engine reuses it for that salt only). */
+  salt: string | undefined;
   held: boolean;
   /** Tokens of the last `stored` event published for the key (a later round re-announces its longer copy: routers compare copies by tokens). */
   announced: number;
@@ -71,10 +73,10 @@ export class SequenceKvTracker {
   }
 
   /** A generation of conversation `key` ended normally; its sequence holds `tokens` (prompt first). */
-  noteFinished(key: string, tokens: number[], promptTokens: number): void {
+  noteFinished(key: string, tokens: number[], promptTokens: number, salt?: string): void {
     const old = this.entries.get(key);
     this.entries.delete(key);
-    this.entries.set(key, { tokens, promptTokens, held: old?.held ?? false, announced: old?.announced ?? 0, waited: 0, stored: undefined, checking: false, checkedAt: 0, leased: old?.leased ?? 0 });
+    this.entries.set(key, { tokens, promptTokens, salt, held: old?.held ?? false, announced: old?.announced ?? 0, waited: 0, stored: undefined, checking: false, checkedAt: 0, leased: old?.leased ?? 0 });
     while (this.entries.size > this.maxEntries) {
       const [k, e] = this.entries.entries().next().value as [string, Tracked];
       this.entries.delete(k);
@@ -110,7 +112,7 @@ export class SequenceKvTracker {
     for (const [key, e] of this.entries) {
       if (e.leased > 0) continue; // in use by the conversation's next round: held as it was
       const half = Math.max(1, Math.ceil(e.promptTokens / 2));
-      const inSequence = this.engine.reusableFor(e.tokens) >= half;
+      const inSequence = this.engine.reusableFor(e.tokens, e.salt) >= half;
       // dropped by the sequences: still served here if the host's prefix store holds it (asked
       // asynchronously; the answer counts from the next probe)
       if (!inSequence && this.engine.storedReusableFor) {
@@ -118,7 +120,7 @@ export class SequenceKvTracker {
         if (!e.checking && (!e.held || systemClock.nowMs() - e.checkedAt >= STORE_RECHECK_MS)) {
           e.checking = true;
           e.checkedAt = systemClock.nowMs();
-          void this.engine.storedReusableFor(e.tokens).then(
+          void this.engine.storedReusableFor(e.tokens, e.salt).then(
             (n) => {
               e.checking = false;
               e.stored = n >= half;

@@ -3,6 +3,10 @@
  *  - API keys on the router: the openai SDK with a wrong and with a missing key gets 401
  *    `invalid_api_key`; the right key (from the environment or from the key file, which is
  *    re-read when it changes) works, fanned-out n > 1 too; /health stays open;
+ *  - tenants (one per API key): another key's cached_tokens for the same prompt is 0 (the prefix
+ *    cache is salted by the key), a shared `cache_salt` is the explicit opt-in to share; another
+ *    key gets 404 for a stored Response (get, input_items, delete) and 400
+ *    previous_response_not_found for its id, while its owner keeps it;
  *  - the admin key guards /workers, /debug/*, /dashboard (Basic for a browser) and is what
  *    `pdserve doctor` sends (PDSERVE_ADMIN_API_KEY);
  *  - every worker endpoint but /health and /metrics needs a request signed with the cluster
@@ -36,9 +40,11 @@ import { BIN, Cluster, freePort } from '../../src/up/cluster.js';
 import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/runtime/request-auth.js';
 import { cli } from '../helpers/cli.js';
 import { makeTestPki, type TestPki } from '../helpers/tls.js';
-import { tinyModel, waitFor } from '../helpers/stack.js';
+import { promptOf, tinyModel, waitFor } from '../helpers/stack.js';
 
 const API_KEY = 'sk-test-api-key-0123456789';
+/** A second tenant's key. */
+const OTHER_KEY = 'sk-test-other-tenant-key-555';
 const ADMIN_KEY = 'sk-test-admin-key-9876543210';
 const FILE_KEY_1 = 'sk-file-key-one-aaaaaaaa';
 const FILE_KEY_2 = 'sk-file-key-two-bbbbbbbb';
@@ -71,7 +77,7 @@ before(async () => {
     batchSize: 128,
     decodeSlots: 4,
     logDir,
-    access: { apiKeys: [API_KEY], adminApiKeys: [ADMIN_KEY], routerArgs: ['--api-key-file', keyFile] },
+    access: { apiKeys: [API_KEY, OTHER_KEY], adminApiKeys: [ADMIN_KEY], routerArgs: ['--api-key-file', keyFile] },
     internalTls: { cert: pki.cert, key: pki.key, ca: pki.ca },
     // Every KV handoff crosses the (TLS) channel: no same-host file handoff.
     extraArgs: { prefill: ['--no-kv-same-host'], decode: ['--no-kv-same-host'] },
@@ -135,6 +141,51 @@ describe('API keys on the router', () => {
     assert.ok(await waitFor(async () => (await get('/v1/models', bearer(FILE_KEY_2))).status === 200, 5000, 100), 'the new key is accepted within seconds');
     assert.equal((await get('/v1/models', bearer(FILE_KEY_1))).status, 401);
     assert.equal((await get('/v1/models', bearer(API_KEY))).status, 200, 'keys from the environment stay');
+  });
+});
+
+describe('tenants: one per API key', () => {
+  /** prompt_tokens_details.cached_tokens of a greedy 2-token completion of `prompt` with `key` (and a cache_salt). */
+  const cached = async (key: string, prompt: string, salt?: string): Promise<number> => {
+    const r = await sdk(key).completions.create({ model: 'pdserve', prompt, max_tokens: 2, temperature: 0, ...(salt ? { cache_salt: salt } : {}) } as OpenAI.CompletionCreateParamsNonStreaming);
+    return (r.usage as { prompt_tokens_details?: { cached_tokens?: number } }).prompt_tokens_details?.cached_tokens ?? -1;
+  };
+
+  test("another key's cached_tokens for the same prompt is 0 (the prefix cache is salted by the key); a shared cache_salt shares it", async () => {
+    const p = promptOf(300, 41);
+    assert.equal(await cached(API_KEY, p), 0, 'cold');
+    const again = await cached(API_KEY, p);
+    assert.ok(again > 200, `the same key reuses its prompt: ${again}`);
+    assert.equal(await cached(OTHER_KEY, p), 0, "another key learns nothing of the first key's prompt");
+    assert.ok((await cached(API_KEY, p)) > 200, 'the first key still reuses its own');
+    const r = promptOf(300, 43);
+    assert.equal(await cached(API_KEY, r), 0);
+    assert.equal(await cached(OTHER_KEY, `${r.slice(0, 200)} something else`), 0, 'nor of a prefix of it');
+    const q = promptOf(300, 42);
+    assert.equal(await cached(API_KEY, q, 'team-7'), 0);
+    const shared = await cached(OTHER_KEY, q, 'team-7');
+    assert.ok(shared > 200, `the same cache_salt shares across keys: ${shared}`);
+    assert.equal(await cached(OTHER_KEY, q), 0, "without it the key's own partition: nothing");
+  });
+
+  test("another key gets 404 for a stored Response (get, input_items, delete) and 400 for its previous_response_id; the owner keeps it", async () => {
+    const created = await sdk(API_KEY).responses.create({ model: 'pdserve', input: 'the river ran', max_output_tokens: 3, temperature: 0 });
+    const id = created.id;
+    const call = (key: string, method: string, path: string, body?: unknown) => fetch(`${c.router.url}${path}`, { method, headers: { ...bearer(key), ...(body ? { 'content-type': 'application/json' } : {}) }, ...(body ? { body: JSON.stringify(body) } : {}), signal: AbortSignal.timeout(15_000) });
+    for (const [method, path] of [['GET', `/v1/responses/${id}`], ['GET', `/v1/responses/${id}/input_items`], ['DELETE', `/v1/responses/${id}`]] as const) {
+      const r = await call(OTHER_KEY, method, path);
+      assert.equal(r.status, 404, `${method} ${path} with another key`);
+      assert.equal(((await r.json()) as { error: { code: string } }).error.code, 'not_found');
+    }
+    const cont = await call(OTHER_KEY, 'POST', '/v1/responses', { model: 'pdserve', input: 'and then', previous_response_id: id, max_output_tokens: 2 });
+    assert.equal(cont.status, 400);
+    assert.equal(((await cont.json()) as { error: { code: string } }).error.code, 'previous_response_not_found');
+    const own = await call(API_KEY, 'GET', `/v1/responses/${id}`);
+    assert.equal(own.status, 200, 'the owner still has it (the other key could not delete it)');
+    assert.equal(((await own.json()) as { id: string }).id, id);
+    const next = await sdk(API_KEY).responses.create({ model: 'pdserve', input: 'and then', previous_response_id: id, max_output_tokens: 2, temperature: 0 });
+    assert.equal(next.previous_response_id, id, 'the owner continues it');
+    assert.equal((await call(API_KEY, 'DELETE', `/v1/responses/${id}`)).status, 200);
   });
 });
 

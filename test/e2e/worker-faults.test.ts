@@ -11,7 +11,7 @@
  *    dispatched to, and a direct pairing is refused in the handshake with one log line per side;
  *  - a decode of another protocol major (PDSERVE_TEST_PROTOCOL_VERSION=2.0): its build and
  *    protocol on /health and /workers, `mismatch` with the router, never dispatched to, a request
- *    of protocol 1.0 refused 502 `protocol_mismatch`, its KV handshake with prefill refused
+ *    of protocol 1.x refused 502 `protocol_mismatch`, its KV handshake with prefill refused
  *    naming the protocols, doctor's `protocol_mismatch` finding.
  * The KV stand-in prefill used to hold decode's only slot is a real KvServer in this process.
  */
@@ -243,15 +243,15 @@ describe('worker faults', () => {
     assert.equal(h.protocol, '2.0');
     assert.match(h.build.id, /^\d+\.\d+\.\d+\+\S+$/);
     const rh = await getJson<any>(`${c.router.url}/health`);
-    assert.equal(rh.protocol, '1.0');
+    assert.equal(rh.protocol, '1.1');
     assert.equal(rh.build.id, h.build.id, 'one checkout: one build');
     const row = async () => ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).find((w) => w.url === d1.url);
     assert.ok(await waitFor(async () => (await row())?.healthy === true && (await row())?.protocol === '2.0', 5000), 'GET /workers has the probe');
     const r1 = await row();
     assert.equal(r1.build, h.build.id);
-    assert.match(r1.mismatch, /^mismatch with the router: protocol 1\.0 ≠ 2\.0 \(another major\)/);
+    assert.match(r1.mismatch, /^mismatch with the router: protocol 1\.1 ≠ 2\.0 \(another major\)/);
     const d0row = ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).find((w) => w.url === c.byRole('decode')[0]!.url);
-    assert.equal(d0row.protocol, '1.0');
+    assert.equal(d0row.protocol, '1.1');
     assert.equal(d0row.mismatch, null);
     const before = await metricSum(d1, 'pdserve_rooms_terminal_total');
     for (let k = 0; k < 4; k++) {
@@ -259,13 +259,13 @@ describe('worker faults', () => {
       assert.equal(r.status, 200, `request ${k}`);
     }
     assert.equal(await metricSum(d1, 'pdserve_rooms_terminal_total'), before, 'the other-protocol decode got no room');
-    // A request of protocol 1.0 (what this router sends; an older router sends none): refused before anything runs.
-    for (const protocol of ['1.0', undefined]) {
+    // A request of protocol 1.x (what this router sends; an older router sends none): refused before anything runs.
+    for (const protocol of ['1.1', undefined]) {
       const r = await post(`${d1.url}/generate`, gen('g-old', newRoomId(), p.bootstrapPort!, protocol ? { protocol } : {}));
       assert.equal(r.status, 502);
       const e = (await r.json()).error;
       assert.equal(e.code, 'protocol_mismatch');
-      assert.match(e.message, /refuses a request of another protocol: protocol 2\.0 ≠ 1\.0/);
+      assert.match(e.message, /refuses a request of another protocol: protocol 2\.0 ≠ 1\.[01]/);
     }
     // Its own protocol, paired with prefill directly: the KV handshake refuses, naming the protocols.
     const room = newRoomId();
@@ -274,11 +274,11 @@ describe('worker faults', () => {
     assert.equal(dr.status, 502);
     const de = (await dr.json()).error;
     assert.equal(de.code, 'settings_mismatch');
-    assert.match(de.message, /protocol 2\.0 ≠ 1\.0/);
+    assert.match(de.message, /protocol 2\.0 ≠ 1\.1/);
     await post(`${p.url}/abort_request`, { rid: 'g-direct', bootstrap_room: room });
     await atPrefill;
     const doc = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     const found = (JSON.parse(doc.out) as { findings: { kind: string; title: string }[] }).findings.filter((f) => f.kind === 'protocol_mismatch');
-    assert.ok(found.some((f) => f.title.includes(d1.url) && /protocol 2\.0 ≠ 1\.0/.test(f.title)), `doctor names the decode: ${doc.out.slice(0, 1500)}`);
+    assert.ok(found.some((f) => f.title.includes(d1.url) && /protocol 2\.0 ≠ 1\.1/.test(f.title)), `doctor names the decode: ${doc.out.slice(0, 1500)}`);
   });
 });

@@ -86,10 +86,13 @@ describe('registerAccess', () => {
     await a.close();
   });
 
-  test('API keys without an admin key: an API key opens the control paths (they are never left open)', async () => {
+  test('API keys without an admin key: an API key opens the control paths (they are never left open), but not /debug/* (other tenants\' traffic)', async () => {
     const { a } = await app({ apiKeys: ['sk-a'] });
     assert.equal((await a.inject({ method: 'GET', url: '/workers' })).statusCode, 401);
     assert.equal((await a.inject({ method: 'GET', url: '/workers', headers: { authorization: 'Bearer sk-a' } })).statusCode, 200);
+    const traces = await a.inject({ method: 'GET', url: '/debug/traces', headers: { authorization: 'Bearer sk-a' } });
+    assert.equal(traces.statusCode, 401);
+    assert.match(traces.json().error.message, /need an admin API key, and none is configured/);
     assert.equal((await a.inject({ method: 'GET', url: '/metrics' })).statusCode, 200);
     await a.close();
   });

@@ -158,7 +158,7 @@ describe('completion schema', () => {
     const w = toWorkerRequest(parseCompletionRequest({ prompt: 'hello', max_tokens: 3, seed: 7 }), routing);
     assert.deepEqual(w, {
       rid: 'cmpl-abc',
-      protocol: '1.0',
+      protocol: '1.1',
       text: 'hello',
       sampling_params: { temperature: 1, top_p: 1, top_k: 0, min_p: 0, repetition_penalty: 1, presence_penalty: 0, frequency_penalty: 0, min_tokens: 0, seed: 7, max_new_tokens: 3, stop: [], ignore_eos: false },
       stream: true,
