@@ -53,7 +53,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-run() { if [ "$dry" = 1 ]; then echo "  would run: $*" >&2; else "$@"; fi; }
+exec 3>&2   # the plan of a dry run goes to the original stderr, past a step's redirections
+run() { if [ "$dry" = 1 ]; then echo "  would run: $*" >&3; else "$@"; fi; }
 cd "$root"
 command -v node >/dev/null 2>&1 || { echo "gpu-check: node is not on PATH" >&2; exit 1; }
 
@@ -136,7 +137,7 @@ case "$model" in
   *) file=$model ;;
 esac
 
-out=$(mktemp -d /tmp/pdserve-gpu-check-XXXX)
+out=$(mktemp -d "${TMPDIR:-/tmp}/pdserve-gpu-check-XXXX")
 pids=()
 cleanup() { for p in "${pids[@]:-}"; do [ -n "$p" ] && kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -195,7 +196,7 @@ fi
 if [ "$agents" != 0 ]; then
   run node bin/pdserve.js bench-agents --model "$file" --agents "$agents" --rounds 4 --decode 1 --gpu "$bench_gpu" --gpu-device "$pdev" --json "$out/agents.json" >"$out/agents.txt" 2>&1 || echo "gpu-check: the agents run failed (see $out/agents.txt)" >&2
 fi
-[ "$dry" = 1 ] && { echo "gpu-check: dry run done"; exit 0; }
+[ "$dry" = 1 ] && { rm -rf "$out"; echo "gpu-check: dry run done"; exit 0; }
 
 node - "$out" "$backend" "$lens" "$ngpu" "$results" "$smoke" "$file" "$(printf '%s\n' "${notes[@]}")" <<'EOF'
 const fs = require('node:fs');

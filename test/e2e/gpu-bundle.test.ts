@@ -109,7 +109,9 @@ test('the GPU bundle, unpacked into an empty folder, runs the check on lavapipe 
   // a PATH without Node: only the bundle's can run
   const bin = pathWithoutNode(join(work, 'path'));
   assert.notEqual(spawnSync('sh', ['-c', 'command -v node'], { env: { PATH: bin } }).status, 0, 'no node on the test PATH');
-  const env: NodeJS.ProcessEnv = { PATH: bin, HOME: process.env.HOME, TMPDIR: process.env.TMPDIR, PDSERVE_BUNDLE_LIBS: 'all' };
+  const tmp = join(work, 'tmp'); // the check's logs and raw results: removed with the rest
+  mkdirSync(tmp);
+  const env: NodeJS.ProcessEnv = { PATH: bin, HOME: process.env.HOME, TMPDIR: tmp, PDSERVE_BUNDLE_LIBS: 'all' };
   for (const k of Object.keys(env)) if (env[k] === undefined) delete env[k];
   const base = await freeBase();
   const r = spawnSync(join(dir, 'run'), ['--backend', 'lavapipe', '--smoke', '--port-base', String(base)], { cwd: work, env, encoding: 'utf8', timeout: 300_000 });
