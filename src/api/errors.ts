@@ -98,7 +98,8 @@ export function sendApiError(reply: FastifyReply, err: ApiError): FastifyReply {
 const refusalLog = new RepeatLimiter(1000);
 
 /**
- * Fastify error handler producing OpenAI error bodies (see `apiErrorOf`). Logging follows the
+ * Fastify error handler producing OpenAI error bodies (see `apiErrorOf`); a 503 carries
+ * `retry-after: 1` unless the route set its own. Logging follows the
  * error table (../base/errors.ts): a 503 refusal (no_healthy_decode, queue_full, draining, …)
  * is expected under load or restarts, so it is logged at warn without a stack, at most once per
  * code per second with `suppressed` = the refusals of that code not logged since the previous
@@ -107,6 +108,8 @@ const refusalLog = new RepeatLimiter(1000);
 export function openAIErrorHandler(error: unknown, request: FastifyRequest, reply: FastifyReply): void {
   const apiErr = apiErrorOf(error, request.routeOptions?.bodyLimit ?? request.server?.initialConfig.bodyLimit);
   if (apiErr.status === 503) {
+    // a refusal that passes (no healthy worker, a full queue): the client may try again soon
+    if (!reply.hasHeader('retry-after')) reply.header('retry-after', '1');
     const suppressed = refusalLog.hit(apiErr.code);
     if (suppressed !== null) request.log.warn({ status: apiErr.status, code: apiErr.code, message: apiErr.message, suppressed }, 'request refused');
   } else if (apiErr.status >= 500) request.log.error({ err: error }, 'request failed');

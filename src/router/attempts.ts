@@ -37,7 +37,7 @@ import type { Logger } from 'pino';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { ApiError, sendApiError } from '../api/errors.js';
 import { type ParsedRequest } from '../api/parse.js';
-import { isErrorCode } from '../base/errors.js';
+import { isErrorCode, toApiError } from '../base/errors.js';
 import type { ChoiceGroup } from './choices.js';
 import { ClientReply, PdRequest, type DispatchContext } from './dispatch.js';
 import { errorOutcome, type Outcome } from './metrics.js';
@@ -46,6 +46,8 @@ import { localPrefillFor, routingText, routingTextAfter, type Pick, type Policy 
 import { conversationKey } from './policy/affinity.js';
 import type { WorkerState } from './registry.js';
 import { PAIR_FAILURE_CODES, type PairBlocks } from './pair-blocks.js';
+import { SseKeepAlive } from './keepalive.js';
+import type { SseWriter } from '../api/sse.js';
 
 /** Most requests waiting for a healthy worker at once; beyond it a request gets the 503 at once. */
 export const MAX_WAITING = 1024;
@@ -124,6 +126,13 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
   /** Does the budget allow one more attempt after a failure with `code`? */
   const budget = (code: string) => left > 0 || (UNREACHED_CODES.has(code) && unreached < MAX_UNREACHED);
   let outcome: Outcome = 'error';
+  // A streamed request silent for sseKeepAliveMs gets an SSE comment (./keepalive.ts): from now on,
+  // while it waits for a pair, its first token or the next one.
+  const ka = parsed.stream && config.sseKeepAliveMs > 0
+    ? new SseKeepAlive(reply, config.sseKeepAliveMs, config.writeTimeoutMs, { 'x-request-id': rid, 'x-trace-id': d.ctx.observe?.traceOf(rid) ?? rid }, () => client?.lastTokenAt ?? 0, () => client?.writer ?? null, (w) => {
+        if (client && !client.writer) client.writer = w;
+      })
+    : null;
   try {
     for (;;) {
       if (d.closing()) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
@@ -140,7 +149,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       };
       const deadlineAt: number = client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs;
       const waitStart = systemClock.nowMs();
-      const until = (error: string): number => waitUntil(error, registry.workers, waitStart, deadlineAt, config.workerWaitMs);
+      const until = (error: string): number => waitUntil(error, registry.workers, waitStart, deadlineAt, config.workerWaitMs, config.unavailableWaitMs);
       // blocked pairs only: a pair exists once the blocks are ignored
       const transient = () => !('error' in pickPair(registry, (c) => c[0] ?? null, (c) => c[0] ?? null, () => true));
       // A role whose live workers are all degraded (a full state directory) answers at once.
@@ -162,6 +171,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       if (m) m.group.prefill ??= prefill;
       client ??= new ClientReply(rid, parsed, decode.model ?? prefill.model ?? parsed.model ?? 'pdserve', config.requestTimeoutMs);
       const c = client;
+      c.writer ??= ka?.writer() ?? null; // a keep-alive comment opened the stream already
       const decide = (err: ApiError, output: boolean) => (budget(err.code) ? nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : 'fail');
       // Decode-local continuation first when the decode worker holds this conversation (never for
       // a choice of a group). A migration too: prompt + the tokens the client has go to a decode
@@ -214,14 +224,18 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
     }
   } catch (err) {
     metrics.requests.labels(errorOutcome(err)).inc();
-    if (!(err instanceof ApiError) || !client || client.builder.events === 0) {
+    // The stream is open (output, or a keep-alive comment): the error can only go in it.
+    const open = client?.writer ?? ka?.writer() ?? null;
+    if (!(err instanceof ApiError) || (!open && (!client || client.builder.events === 0))) {
       if (client && err instanceof ApiError) d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: err.status, code: err.code, err: err.message, attempts: client.attempt });
-      throw err;
+      if (!open) throw err;
     }
-    // The client has output (a migration found no pair): end its response with the error.
-    failAfterOutput(client, reply, err, log);
-    d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: err.status, code: err.code, err: err.message, attempts: client.attempt });
+    const e = toApiError(err);
+    // The client has output or an open stream (a migration found no pair, no worker came): end its response with the error.
+    failAfterOutput(open, client, reply, e, log);
+    d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: e.status, code: e.code, err: e.message, attempts: client?.attempt ?? 0 });
   } finally {
+    ka?.stop();
     for (const c of causes) (c.next === 'retry' ? metrics.retries : metrics.migrations).labels(isErrorCode(c.code) ? c.code : 'other', outcome).inc();
   }
 }
@@ -245,21 +259,26 @@ export function degradedError(registry: { readonly workers: readonly WorkerState
  * Until when (systemClock ms) a request that found no pair (`error`, a `pickPair` error code)
  * since `now` may wait for one:
  *  - `workerWaitMs` 0: not at all (`now`);
- *  - the role is temporarily empty — a worker of it (in `workers`) served before
- *    (`servedOnce`: it is down, restarting or draining now), or every compatible pair is blocked
+ *  - the role is temporarily empty — a worker of it (in `workers`) served before and is not
+ *    draining (`servedOnce`: it is down or restarting now), or every compatible pair is blocked
  *    for a while (`no_compatible_pair`): until the request's deadline `deadlineAt`, since a
  *    restarted worker may take longer than any fixed wait to be ready (a tiny-model prefill needs
  *    10–17 s under load);
+ *  - every worker of the role that served is draining (leaving: none of them can take the
+ *    request): at most `unavailableWaitMs`, then 503 with `retry-after`, so a client (or the load
+ *    balancer in front) tries again soon instead of waiting silently for the deadline;
  *  - no worker of the role ever served (none configured or registered, or none ever answered its
  *    probe: a wrong address, another cluster secret): at most `workerWaitMs`, so a misconfigured
  *    cluster answers 503 soon.
  * Never past `deadlineAt`.
  */
-export function waitUntil(error: string, workers: readonly { role: WorkerState['role']; servedOnce?: boolean }[], now: number, deadlineAt: number, workerWaitMs: number): number {
+export function waitUntil(error: string, workers: readonly { role: WorkerState['role']; servedOnce?: boolean; draining?: boolean }[], now: number, deadlineAt: number, workerWaitMs: number, unavailableWaitMs = workerWaitMs): number {
   if (workerWaitMs <= 0) return now;
   const role = error === 'no_healthy_prefill' ? 'prefill' : error === 'no_healthy_decode' ? 'decode' : null;
-  const temporary = role === null || workers.some((w) => w.role === role && w.servedOnce === true);
-  return temporary ? deadlineAt : Math.min(deadlineAt, now + workerWaitMs);
+  if (role === null) return deadlineAt;
+  const served = workers.filter((w) => w.role === role && w.servedOnce === true);
+  if (served.some((w) => !w.draining)) return deadlineAt;
+  return Math.min(deadlineAt, now + (served.length > 0 ? unavailableWaitMs : workerWaitMs));
 }
 
 /**
@@ -286,10 +305,9 @@ async function pickOrWait<P extends object | { error: string }>(pick: () => P, u
   return pair;
 }
 
-/** End a response that already has output with `err`: an SSE error event (no [DONE]) or, not streamed yet, the error body. */
-function failAfterOutput(client: ClientReply, reply: FastifyReply, err: ApiError, log: Logger): void {
-  log.warn({ code: err.code, err: err.message, attempts: client.attempt, tokens: client.tokenIds.length }, 'request failed');
-  const w = client.writer;
+/** End a response that already has output (or an open stream `w`) with `err`: an SSE error event (no [DONE]) or, not streamed yet, the error body. */
+function failAfterOutput(w: SseWriter | null, client: ClientReply | null, reply: FastifyReply, err: ApiError, log: Logger): void {
+  log.warn({ code: err.code, err: err.message, attempts: client?.attempt ?? 0, tokens: client?.tokenIds.length ?? 0 }, 'request failed');
   if (w) {
     if (!w.closed) {
       w.write({ error: err.toBody().error }).catch(() => {});

@@ -18,7 +18,9 @@
  *       streams every token and prefill answers once with JSON),
  *     migrationLimit = 3 (re-dispatches of one request after retryable failures, before or
  *       after output: ./attempts.ts), workerWaitMs = 20000 (wait for a healthy worker of a role
- *       that has none, inside the deadline; 0 = 503 at once), maxToolCalls = 16 (tool calls
+ *       that has none, inside the deadline; 0 = 503 at once), unavailableWaitMs = 5000 (the wait
+ *       when every worker of the role is draining), sseKeepAliveMs = 15000 (an SSE comment on a
+ *       stream silent this long; 0 = none), maxToolCalls = 16 (tool calls
  *       per turn with parallel_tool_calls),
  *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
  *       decodePolicy = 'least_load' (same choices; cache_aware enables decode-local
@@ -94,6 +96,8 @@ export const RouterConfigSchema = z
     migrationLimit: z.number().int().min(0).max(16).default(3),
     maxToolCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).default(DEFAULT_MAX_TOOL_CALLS),
     workerWaitMs: z.number().int().min(0).default(20_000),
+    unavailableWaitMs: z.number().int().min(0).default(5000),
+    sseKeepAliveMs: z.number().int().min(0).default(15_000),
     policy: z.enum(POLICY_NAMES).default('cache_aware'),
     decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
     /**
@@ -175,6 +179,10 @@ export interface RouterConfig {
   readonly maxToolCalls: number;
   /** Longest wait (ms, inside the request's deadline) for a healthy worker of a role that has none; 0 = answer 503 at once. */
   readonly workerWaitMs: number;
+  /** Longest wait (ms) for a worker of a role whose every worker is draining (./attempts.ts `waitUntil`), then 503 with retry-after. */
+  readonly unavailableWaitMs: number;
+  /** A streamed request silent this long (no token yet, or none since the last) gets an SSE comment `: keep-alive` (ms); 0 = never. */
+  readonly sseKeepAliveMs: number;
   /** Load-balancing policy of prefill workers (policy/index.ts; they hold the prefix cache); cache_aware by default. */
   readonly policy: PolicyName;
   /**

@@ -510,7 +510,11 @@ export class PdRequest {
       client.lastTokenAt = now;
     }
     if (this.parsed.stream) {
-      if (this.phase === 'waiting') this.openStream();
+      // a keep-alive comment (./keepalive.ts) may have opened the stream while this attempt waited
+      if (this.phase === 'waiting') {
+        if (client.writer) this.phase = 'streaming';
+        else this.openStream();
+      }
       for (const c of chunks) {
         await client.writer!.write(c);
         if (this.over) return;
@@ -645,7 +649,7 @@ export class PdRequest {
   /** The single exit: see the module doc. Idempotent. */
   private finish(outcome: Outcome, err?: ApiError): void {
     if (this.phase === 'finished') return;
-    const wasStreaming = this.phase === 'streaming';
+    const wasStreaming = this.phase === 'streaming' || (this.parsed.stream && this.client.writer !== null);
     this.phase = 'finished';
     this.outcome = outcome;
     this.firstGateOpen();

@@ -246,7 +246,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware' } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware'; unavailableWaitMs?: number; sseKeepAliveMs?: number } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -261,6 +261,8 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     // 0: a request finding no healthy worker is answered 503 at once (the wait has its own test)
     workerWaitMs: opts.workerWaitMs ?? 0,
     ...(opts.migrationLimit !== undefined ? { migrationLimit: opts.migrationLimit } : {}),
+    ...(opts.unavailableWaitMs !== undefined ? { unavailableWaitMs: opts.unavailableWaitMs } : {}),
+    ...(opts.sseKeepAliveMs !== undefined ? { sseKeepAliveMs: opts.sseKeepAliveMs } : {}),
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
     ...(opts.policy ? { policy: opts.policy } : {}),
     ...(opts.decodePolicy ? { decodePolicy: opts.decodePolicy } : {}),
@@ -1275,6 +1277,26 @@ describe('router: attempts (retry before output, request ids)', () => {
     assert.equal(waitUntil('no_healthy_decode', [], 1000, 3000, 5000), 3000, 'never past the deadline');
     assert.equal(waitUntil('no_compatible_pair', served, 1000, 61_000, 5000), 61_000, 'blocked pairs only: until the deadline');
     assert.equal(waitUntil('no_healthy_prefill', served, 1000, 61_000, 0), 1000, 'workerWaitMs 0: 503 at once');
+    const drained = [{ role: 'decode' as const, servedOnce: true, draining: true }, { role: 'decode' as const, servedOnce: true, draining: true }];
+    assert.equal(waitUntil('no_healthy_decode', drained, 1000, 61_000, 5000, 300), 1300, 'every decode draining: unavailableWaitMs');
+    assert.equal(waitUntil('no_healthy_decode', [...drained, { role: 'decode' as const, servedOnce: true }], 1000, 61_000, 5000, 300), 61_000, 'one decode restarting: until the deadline');
+  });
+
+  test('the only decode is draining: 503 no_healthy_decode with retry-after after unavailableWaitMs, not at the deadline', async () => {
+    const s = await stack({ workerWaitMs: 5000, unavailableWaitMs: 300, requestTimeoutMs: 10_000, healthIntervalMs: 60_000 });
+    const d = s.decode[0]!;
+    d.health = () => ({ code: 503, body: { status: 'draining', role: 'decode' } });
+    await s.router.registry.check(s.router.registry.workers.find((w) => w.role === 'decode')!, true);
+    for (const stream of [false, true]) {
+      const t0 = Date.now();
+      const res = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'p', stream }) });
+      const ms = Date.now() - t0;
+      assert.equal(res.status, 503, await res.clone().text());
+      assert.equal(((await res.json()) as any).error.code, 'no_healthy_decode');
+      assert.ok(res.headers.get('retry-after'), 'retry-after is set');
+      assert.ok(ms >= 250 && ms < 3000, `answered after the short wait, not the deadline (${ms} ms)`);
+    }
+    assert.equal(d.generates.length, 0);
   });
 
   test('a prefill that served and is down now: the request waits past workerWaitMs (inside its deadline) and is served when it is back', async () => {
@@ -1487,5 +1509,36 @@ describe('router: what an aborted leg is told', () => {
     assert.equal(drained.code, 'request_redispatched');
     assert.equal(causeOf(drained.code), 'client', 'counted in pdserve_rooms_cancelled_total, not pdserve_bootstrap_failed_total');
     assert.equal(abortCause('decode', { leg: 'prefill', err: E.of('prefill_failed', 'it died') })!.code, 'prefill_failed', 'a real failure stays one');
+  });
+});
+
+describe('router: SSE keep-alive while a stream waits', () => {
+  test("a stream waiting for its first token gets ': keep-alive' comments, then its tokens and [DONE]; the openai client reads it unchanged", async () => {
+    const s = await stack({ sseKeepAliveMs: 100, healthIntervalMs: 60_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 450, tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'length' });
+    const res = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'p', stream: true }) });
+    assert.equal(res.status, 200);
+    assert.match(res.headers.get('content-type') ?? '', /text\/event-stream/);
+    const text = await res.text();
+    const firstData = text.indexOf('data:');
+    const comments = text.slice(0, firstData).match(/^: keep-alive$/gm) ?? [];
+    assert.ok(comments.length >= 2, `comments before the first token: ${JSON.stringify(text.slice(0, 200))}`);
+    assert.match(text, /data: \[DONE\]\s*$/);
+    const stream = await s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true });
+    let got = '';
+    for await (const c of stream) got += c.choices[0]?.text ?? '';
+    assert.equal(got, 'Hello, world');
+    await assertReleased(s);
+  });
+
+  test('a stream a comment opened, then no worker came before the deadline: the error is an SSE event in the open stream', async () => {
+    const s = await stack({ sseKeepAliveMs: 100, workerWaitMs: 5000, requestTimeoutMs: 700, healthIntervalMs: 60_000 });
+    s.router.registry.setUnhealthy(s.router.registry.workers.find((w) => w.role === 'prefill')!, 'test: restarting');
+    const res = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'p', stream: true }) });
+    assert.equal(res.status, 200, 'the stream was opened by a keep-alive comment');
+    const text = await res.text();
+    assert.match(text, /^: keep-alive$/m);
+    assert.match(text, /data: \{"error":\{[^\n]*"code":"no_healthy_prefill"/, text);
+    assert.doesNotMatch(text, /\[DONE\]/);
   });
 });
