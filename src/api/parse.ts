@@ -235,6 +235,7 @@ export function outputChecksOf(parsed: ParsedRequest): OutputChecks {
   const out: OutputChecks = {};
   const g = parsed.sampling.grammar;
   if (g?.type === 'json_schema' && !parsed.sampling.echo) out.output = g.schema;
+  if ((parsed.sampling.stop?.length ?? 0) > 0 || (parsed.sampling.stop_token_ids?.length ?? 0) > 0) out.stopsMayCut = true;
   if (parsed.kind === 'chat' && parsed.tools) out.tools = new Map(parsed.tools.functions.flatMap((f) => (f.parameters ? [[f.name, f.parameters] as const] : [])));
   return out;
 }

@@ -35,15 +35,21 @@ export interface OutputChecks {
   output?: Record<string, unknown>;
   /** Tool calls: each function's normalised parameters schema, by name. */
   tools?: ReadonlyMap<string, Record<string, unknown>>;
+  /**
+   * The request has stop strings or stop_token_ids: a finish 'stop' may be one of them cutting
+   * the JSON, so text that is not JSON is returned as it is (as max_tokens' cut); JSON that
+   * parses is still checked.
+   */
+  stopsMayCut?: boolean;
 }
 
-/** The 422 of a finished output that breaks its schema where only the check after generation could see it. */
-function schemaMismatch(what: string, text: string, checks: Record<string, unknown>): ApiError | null {
+/** The 422 of a finished output that breaks its schema where only the check after generation could see it (`cutOk`: text that is not JSON is no error). */
+function schemaMismatch(what: string, text: string, checks: Record<string, unknown>, cutOk = false): ApiError | null {
   let value: unknown;
   try {
     value = JSON.parse(text);
   } catch {
-    return new ApiError(422, 'output_schema_mismatch', `${what} is not valid JSON although its grammar was complete`, 'invalid_request_error');
+    return cutOk ? null : new ApiError(422, 'output_schema_mismatch', `${what} is not valid JSON although its grammar was complete`, 'invalid_request_error');
   }
   const v = validateJson(checks, value);
   return v ? new ApiError(422, 'output_schema_mismatch', `${what} breaks the schema at ${v.path}: ${v.message} (a keyword the grammar cannot enforce, checked after generation: see docs/API.md, JSON schemas)`, 'invalid_request_error') : null;
@@ -270,7 +276,7 @@ export class OpenAIResponseBuilder {
   /** @throws ApiError 422 'output_schema_mismatch' (see the class doc). */
   private check(full: string, finish: OpenAIFinishReason): void {
     if (finish === 'stop' && this.checks.output) {
-      const e = schemaMismatch('the output', full, this.checks.output);
+      const e = schemaMismatch('the output', full, this.checks.output, this.checks.stopsMayCut === true);
       if (e) throw e;
     }
     if (finish === 'tool_calls' && this.checks.tools && this.tools) {

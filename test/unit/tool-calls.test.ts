@@ -161,6 +161,11 @@ describe('OpenAIResponseBuilder with tools', () => {
     ok.push(ev(' "s": "xy"}', 'stop'));
     assert.equal((ok.response() as ChatCompletion).choices[0]!.message.content, '{"a": 6, "s": "xy"}');
     b().push(ev('{"a": 4', 'length')); // cut by max_tokens: returned as it is, not checked
+    mismatch(() => b().push(ev('{"a": 3', 'stop')), /not valid JSON/);
+    const cut = new OpenAIResponseBuilder('chat', meta, false, null, { output, stopsMayCut: true });
+    cut.push(ev('{"a": 3', 'stop')); // a stop string may have cut it: returned as it is
+    assert.equal((cut.response() as ChatCompletion).choices[0]!.message.content, '{"a": 3');
+    mismatch(() => new OpenAIResponseBuilder('chat', meta, false, null, { output, stopsMayCut: true }).push(ev('{"a": 4}', 'stop')), /multiple of 3/);
     const tools = new Map([['f', normaliseJsonSchema({ type: 'object', properties: { n: { type: 'number', maximum: 1 } } })]]);
     mismatch(() => new OpenAIResponseBuilder('chat', meta, false, GENERIC, { tools }).push(ev('||call: f({"n": 2})', 'stop')), /the call of 'f' breaks the schema at \$\.n/);
     const t = new OpenAIResponseBuilder('chat', meta, false, GENERIC, { tools });
