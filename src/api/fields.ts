@@ -204,6 +204,7 @@ export const MESSAGE_FIELDS: readonly { name: string; status: FieldStatus; notes
   { name: 'refusal', status: 'partial', notes: 'null or "" only (an echoed assistant message)' },
   { name: 'audio', status: 'refused', notes: 'null only' },
   { name: 'annotations', status: 'partial', notes: 'null or [] only (an echoed assistant message)' },
+  { name: 'parsed', status: 'partial', notes: 'assistant only: accepted and not rendered, as a call\'s `function.parsed_arguments` (the openai SDK\'s parse helpers and runTools echo the parsed JSON beside the text that carries it)' },
 ];
 
 /** The fields of one endpoint, by name. */

@@ -101,6 +101,7 @@ const MessageSchema = z
     refusal: z.string().nullish(),
     audio: z.unknown().nullish(),
     annotations: z.array(z.unknown()).nullish(),
+    parsed: z.unknown(),
   })
   .passthrough();
 
@@ -127,6 +128,7 @@ export function parseMessages(raw: unknown): ChatMessage[] {
     // A participant name is accepted and not rendered (see MESSAGE_FIELDS): frameworks send it on every role.
     if (msg.refusal) throw unsupported(at('refusal'), 'a non-empty refusal is not supported');
     if (msg.audio != null) throw unsupported(at('audio'), 'audio is not supported');
+    if (msg.parsed != null && msg.role !== 'assistant') throw unsupported(at('parsed'), 'only an assistant message (an echoed reply) carries parsed');
     if (msg.annotations && msg.annotations.length > 0) throw unsupported(at('annotations'), 'annotations are not supported');
     const c = msg.content;
     const content = c == null ? '' : typeof c === 'string' ? c : c.map((p) => p.text ?? '').join('\n');
@@ -149,7 +151,7 @@ const ToolCallSchema = z
   .object({
     id: z.string().min(1).max(256),
     type: z.literal('function'),
-    function: z.object({ name: z.string().regex(/^[a-zA-Z0-9_-]{1,64}$/, 'a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -'), arguments: z.string().max(1 << 20) }).strict(),
+    function: z.object({ name: z.string().regex(/^[a-zA-Z0-9_-]{1,64}$/, 'a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -'), arguments: z.string().max(1 << 20), parsed_arguments: z.unknown() }).strict(),
   })
   .strict();
 

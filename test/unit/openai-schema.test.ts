@@ -184,17 +184,31 @@ describe('chat schema', () => {
         { role: 'system', content: 'be brief' },
         { role: 'user', content: [{ type: 'text', text: 'hello' }, { type: 'text', text: 'world' }] },
         { role: 'assistant', content: null, refusal: null, annotations: [], tool_calls: [] },
+        { role: 'assistant', content: '{"a":1}', parsed: { a: 1 } },
       ],
     });
     assert.deepEqual(p.messages, [
       { role: 'system', content: 'be brief' },
       { role: 'user', content: 'hello\nworld' },
       { role: 'assistant', content: '' },
+      { role: 'assistant', content: '{"a":1}' },
     ]);
+    rejects400(() => parseChatRequest({ messages: [{ role: 'user', content: 'x', parsed: { a: 1 } }] }), 'messages[0].parsed', /only an assistant message/);
     assert.equal(p.sampling.max_new_tokens, undefined, 'absent: the worker uses the rest of the context');
     const w = toWorkerRequest(p, { ...routing, rid: 'chatcmpl-x' });
     assert.ok(GenerateRequestSchema.safeParse(w).success);
     assert.deepEqual(w.messages, p.messages);
+  });
+
+  test("an echoed call's function.parsed_arguments is accepted and not rendered", () => {
+    const p = parseChatRequest({
+      messages: [
+        { role: 'user', content: 'x' },
+        { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{"a":1}', parsed_arguments: { a: 1 } } }] },
+        { role: 'tool', tool_call_id: 'c1', content: 'ok' },
+      ],
+    });
+    assert.deepEqual(p.messages[1], { role: 'assistant', content: '', toolCalls: [{ id: 'c1', name: 'f', arguments: '{"a":1}' }] });
   });
 
   test('max_completion_tokens wins over max_tokens', () => {
