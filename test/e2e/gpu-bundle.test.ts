@@ -76,6 +76,8 @@ function pathWithoutNode(dir: string): string {
   return dir;
 }
 
+if (missing.length && !process.env.CI) process.stderr.write(`\n!!!!! SKIPPED: the GPU bundle test needs ${missing.join(', ')} (run .ci/install-tools) !!!!!\n\n`);
+
 const work = mkdtempSync(join(tmpdir(), 'pdserve-gpu-bundle-'));
 after(() => rmSync(work, { recursive: true, force: true }));
 
