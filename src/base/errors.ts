@@ -148,6 +148,12 @@ export const ERROR_CODES = {
   worker_unauthenticated: BAD_GATEWAY,
   prefill_failed: BAD_GATEWAY,
   decode_failed: BAD_GATEWAY,
+  /**
+   * The decode worker's stream went silent mid-generation for longer than the router's
+   * `--leg-silence-timeout-ms` (a stopped or frozen process): the worker is marked frozen and the
+   * request migrates as after a crash.
+   */
+  decode_stalled: BAD_GATEWAY,
   /** A worker answered an error whose code is not in this table (a newer or foreign peer). */
   prefill_error: BAD_GATEWAY,
   decode_error: BAD_GATEWAY,

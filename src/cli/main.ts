@@ -233,16 +233,19 @@ const UNAVAILABLE_WAIT_HELP = 'a request finding every worker of a role draining
 /** `--sse-keepalive-ms` (router and `up`): see ../router/keepalive.ts. */
 const SSE_KEEPALIVE_HELP = "a streamed request silent this long (waiting for a worker, its first token or the next) gets an SSE comment ': keep-alive', so an idle proxy in front does not cut it (0 = never)";
 
+/** `--leg-silence-timeout-ms` (router and `up`): see ../router/dispatch.ts `watchSilence`. */
+const LEG_SILENCE_HELP = "a decode worker whose stream goes silent this long mid-generation (no token: a stopped or frozen process) is marked frozen and the request migrates, as after a crash (0 = no bound)";
+
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
-/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms, --unavailable-wait-ms, --sse-keepalive-ms, --max-tool-calls to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
-export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number; unavailableWaitMs?: number; sseKeepaliveMs?: number; maxToolCalls?: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms, --unavailable-wait-ms, --sse-keepalive-ms, --leg-silence-timeout-ms, --max-tool-calls to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
+export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number; unavailableWaitMs?: number; sseKeepaliveMs?: number; legSilenceTimeoutMs?: number; maxToolCalls?: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
   const http = o.keepAliveTimeoutMs !== undefined && o.headersTimeoutMs !== undefined && o.httpRequestTimeoutMs !== undefined ? httpTimeoutArgs({ keepAliveTimeoutMs: o.keepAliveTimeoutMs, headersTimeoutMs: o.headersTimeoutMs, httpRequestTimeoutMs: o.httpRequestTimeoutMs }) : [];
-  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...(o.unavailableWaitMs !== undefined ? ['--unavailable-wait-ms', String(o.unavailableWaitMs)] : []), ...(o.sseKeepaliveMs !== undefined ? ['--sse-keepalive-ms', String(o.sseKeepaliveMs)] : []), ...(o.maxToolCalls !== undefined ? ['--max-tool-calls', String(o.maxToolCalls)] : []), ...http];
+  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...(o.unavailableWaitMs !== undefined ? ['--unavailable-wait-ms', String(o.unavailableWaitMs)] : []), ...(o.sseKeepaliveMs !== undefined ? ['--sse-keepalive-ms', String(o.sseKeepaliveMs)] : []), ...(o.legSilenceTimeoutMs !== undefined ? ['--leg-silence-timeout-ms', String(o.legSilenceTimeoutMs)] : []), ...(o.maxToolCalls !== undefined ? ['--max-tool-calls', String(o.maxToolCalls)] : []), ...http];
   const firstToken = o.firstTokenAfterSave !== undefined ? ['--first-token-after-save', String(o.firstTokenAfterSave)] : [];
   const stream = o.kvStream === false ? ['--no-kv-stream'] : [];
   return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill'), ...http], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode'), ...http] };
@@ -307,6 +310,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--max-tool-calls <n>', `router: ${MAX_TOOL_CALLS_HELP}`, int, DEFAULT_MAX_TOOL_CALLS)
     .option('--unavailable-wait-ms <ms>', `router: ${UNAVAILABLE_WAIT_HELP}`, int, 5000)
     .option('--sse-keepalive-ms <ms>', `router: ${SSE_KEEPALIVE_HELP}`, int, 15_000)
+    .option('--leg-silence-timeout-ms <ms>', `router: ${LEG_SILENCE_HELP}`, int, 30_000)
     .option('--kv-same-host-verify', 'every worker: the same-host KV handoff also checks the state\'s data bytes (CRC-32; one full read of the file on each side)', false)
     .option('--max-state-bytes <size>', 'every worker: largest KV state accepted (bytes, or with K/M/G; 1M-16G; default 512M); a larger state fails its request with 400 kv_state_too_large', cliParser(parseStateBytes))
     .option('--kv-streams <n>', 'every worker: sockets one KV connection stripes large states over (1-8; default 1)', int)
@@ -457,6 +461,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--worker-wait-ms <ms>', WORKER_WAIT_HELP, int, 20_000)
     .option('--unavailable-wait-ms <ms>', UNAVAILABLE_WAIT_HELP, int, 5000)
     .option('--sse-keepalive-ms <ms>', SSE_KEEPALIVE_HELP, int, 15_000)
+    .option('--leg-silence-timeout-ms <ms>', LEG_SILENCE_HELP, int, 30_000)
     .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices([...POLICY_NAMES]).default('cache_aware'))
     .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
@@ -477,7 +482,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, sseKeepAliveMs: o.sseKeepaliveMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

@@ -231,7 +231,18 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
   const drainingOf = (w: WorkerProbe) => w.ref.router?.draining === true || w.health.body?.status === 'draining' || w.health.body?.draining === true || w.health.body?.state === 'draining';
   for (const w of snap.workers) {
     const rr = w.ref.router ?? {};
-    if (!w.health.ok && !(w.health.status === 503 && w.health.body)) {
+    if (typeof rr.frozen === 'string' && rr.healthy !== true) {
+      add({
+        severity: 'critical',
+        kind: 'worker_frozen',
+        title: `${w.ref.role} ${w.ref.url} is frozen: ${rr.frozen}`,
+        details: [`router's view: healthy=${String(rr.healthy)}, last_error=${String(rr.last_error ?? 'none')}`, `worker's own /health: ${w.health.ok ? `HTTP ${w.health.status}` : String(w.health.error)}`],
+        cause: "the worker stopped answering in the middle of a request's stream: the process is stopped (SIGSTOP, a debugger), starved or swapped out, or its event loop is blocked; the router migrated its requests and sends it no new ones until a probe finds it healthy",
+        next: [`ps -o pid,stat,wchan,cmd -p <the ${w.ref.role}'s pid>   # T = stopped (kill -CONT resumes it), D = waiting on I/O`, `curl -sS -m 3 ${w.ref.url}/health`, `check the ${w.ref.role} process and its log; restart it if it does not recover`],
+        weight: 2e11,
+        data: { url: w.ref.url, role: w.ref.role, frozen: rr.frozen },
+      });
+    } else if (!w.health.ok && !(w.health.status === 503 && w.health.body)) {
       add({
         severity: 'critical',
         kind: 'worker_unreachable',

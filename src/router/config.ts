@@ -20,7 +20,8 @@
  *       after output: ./attempts.ts), workerWaitMs = 20000 (wait for a healthy worker of a role
  *       that has none, inside the deadline; 0 = 503 at once), unavailableWaitMs = 5000 (the wait
  *       when every worker of the role is draining), sseKeepAliveMs = 15000 (an SSE comment on a
- *       stream silent this long; 0 = none), maxToolCalls = 16 (tool calls
+ *       stream silent this long; 0 = none), legSilenceMs = 30000 (decode's stream silent this
+ *       long mid-generation: the worker is frozen, the request migrates; 0 = no bound), maxToolCalls = 16 (tool calls
  *       per turn with parallel_tool_calls),
  *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
  *       decodePolicy = 'least_load' (same choices; cache_aware enables decode-local
@@ -98,6 +99,7 @@ export const RouterConfigSchema = z
     workerWaitMs: z.number().int().min(0).default(20_000),
     unavailableWaitMs: z.number().int().min(0).default(5000),
     sseKeepAliveMs: z.number().int().min(0).default(15_000),
+    legSilenceMs: z.number().int().min(0).default(30_000),
     policy: z.enum(POLICY_NAMES).default('cache_aware'),
     decodePolicy: z.enum(POLICY_NAMES).default('least_load'),
     /**
@@ -183,6 +185,8 @@ export interface RouterConfig {
   readonly unavailableWaitMs: number;
   /** A streamed request silent this long (no token yet, or none since the last) gets an SSE comment `: keep-alive` (ms); 0 = never. */
   readonly sseKeepAliveMs: number;
+  /** Longest silence of decode's stream once it streams (no event, ms) before the worker counts as frozen and the request migrates (./dispatch.ts); 0 = no bound. */
+  readonly legSilenceMs: number;
   /** Load-balancing policy of prefill workers (policy/index.ts; they hold the prefix cache); cache_aware by default. */
   readonly policy: PolicyName;
   /**

@@ -442,6 +442,7 @@ export class PdRequest {
 
   private async runDecode(): Promise<void> {
     const leg = this.legs.decode;
+    let stall: { heard(): void; waiting(): void; stop(): void } | null = null;
     try {
       const res = await request(`${leg.worker.url}/generate`, {
         method: 'POST',
@@ -458,7 +459,9 @@ export class PdRequest {
         return;
       }
       this.ctx.registry.noteExchange(leg.worker);
+      stall = this.watchSilence(leg);
       for await (const data of readSse(res.body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
+        stall?.heard();
         if (this.over && this.outcome !== 'ok') break;
         if (data === SSE_DONE) {
           leg.reported = true;
@@ -481,14 +484,45 @@ export class PdRequest {
         }
         this.decodeEvents++;
         await this.onEvent(ev as GenerateEvent);
+        stall?.waiting();
       }
       if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
     } catch (err) {
       if (this.over) return;
       this.legThrew(leg, err);
     } finally {
+      stall?.stop();
       this.settle(leg);
     }
+  }
+
+  /**
+   * The silence bound of decode's stream (`legSilenceMs`; null when 0): only the time the router
+   * waits on the worker counts (`waiting()` after each event is handled, `heard()` when the next
+   * arrives), not a slow client's write. Past the bound the worker is marked frozen (GET /workers,
+   * doctor) and the leg fails with 502 `decode_stalled`, which migrates the request as a crash
+   * does; its connection is aborted.
+   */
+  private watchSilence(leg: Leg): { heard(): void; waiting(): void; stop(): void } | null {
+    const boundMs = this.ctx.config.legSilenceMs;
+    if (boundMs <= 0) return null;
+    let since = systemClock.nowMs();
+    const timer = setInterval(() => {
+      if (since === 0 || this.over) return;
+      const silent = systemClock.nowMs() - since;
+      if (silent < boundMs) return;
+      clearInterval(timer);
+      const why = `no event on a request's stream for ${Math.round(silent)} ms (bound ${boundMs} ms), after ${this.decodeEvents} events`;
+      this.log.warn({ worker: leg.worker.url, silent_ms: Math.round(silent), events: this.decodeEvents }, 'decode stream went silent: the worker is frozen, migrating the request');
+      this.ctx.registry.markFrozen(leg.worker, why);
+      this.legFailed(leg, new ApiError(502, 'decode_stalled', `decode worker ${leg.worker.url} stalled: ${why}`, 'server_error'));
+    }, Math.max(10, Math.min(1000, Math.floor(boundMs / 4))));
+    timer.unref();
+    return {
+      heard: () => (since = 0),
+      waiting: () => (since = systemClock.nowMs()),
+      stop: () => clearInterval(timer),
+    };
   }
 
   /** A decode event: metrics, translation, write to the client; completes on the finish event. */

@@ -54,6 +54,8 @@ export interface WorkerSnapshot {
   build: string | null;
   /** The worker's protocol (`MAJOR.MINOR`; 1.0 when its settings do not say), null before a probe. */
   protocol: string | null;
+  /** Why the worker counts as frozen (a request's stream on it went silent: its requests migrated), until a probe finds it healthy; else null. */
+  frozen: string | null;
   /** Why no healthy worker of the other role can pair with this one (settings differ), else null. */
   mismatch: string | null;
   /** GPU backend (null = CPU only or not reported), device names and offloaded layers ("3/3"). */
@@ -323,6 +325,8 @@ export class WorkerRegistry {
   setHealthy(w: WorkerState, model: string | null): void {
     const recovered = !w.healthy;
     if (recovered) this.opts.log.info({ worker: w.url, role: w.role, model }, 'worker healthy');
+    if (w.frozen) this.opts.log.info({ worker: w.url, role: w.role }, 'frozen worker answers again');
+    w.frozen = null;
     w.healthy = true;
     w.servedOnce = true;
     w.model = model ?? w.model;
@@ -351,6 +355,16 @@ export class WorkerRegistry {
     w.lastError = reason;
     w.lastCheckAt = systemClock.wallMs();
     w.consecutiveFailures++;
+  }
+
+  /**
+   * A request's stream on `w` went silent past the router's bound (a stopped or frozen process):
+   * out of the rotation and shown as `frozen` on GET /workers (doctor names it) until a probe
+   * finds it healthy.
+   */
+  markFrozen(w: WorkerState, reason: string): void {
+    w.frozen = reason;
+    this.setUnhealthy(w, `frozen: ${reason}`);
   }
 
   /** A request could not reach `w` (connection refused, DNS, connect timeout): skip it until the next good probe. */
@@ -432,6 +446,7 @@ export class WorkerRegistry {
       last_error: w.lastError,
       last_check_at: w.lastCheckAt ? new Date(w.lastCheckAt).toISOString() : null,
       consecutive_failures: w.consecutiveFailures,
+      frozen: w.frozen ?? null,
       settings: w.settings,
       build: w.settings?.build ?? null,
       protocol: w.settings ? (w.settings.protocol ?? IMPLIED_PROTOCOL) : null,

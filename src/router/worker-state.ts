@@ -35,6 +35,8 @@ export interface WorkerState {
   settings: PairSettings | null;
   /** GPU offload (from /health `gpu`; display, and decode batch packing on CPU hosts: policy/pack.ts). */
   gpu?: WorkerGpu;
+  /** Why the worker counts as frozen (a request's stream went silent on it: ./dispatch.ts), until a probe finds it healthy; absent = not frozen. */
+  frozen?: string | null;
   /** Sequence slots (from /health `slots`; undefined when not reported). */
   slots?: number;
 }

@@ -10,6 +10,8 @@
  *  - n = 2 with a choice migrated;
  *  - decode killed mid-stream while the other decode holds the conversation: migrated decode-local;
  *  - a decode with the wrong cluster secret never enters the rotation, no request lost;
+ *  - a decode SIGSTOPped mid-stream: after the router's silence bound the stream migrates, the
+ *    worker is marked frozen and doctor names it;
  *  - an operator's abort (the router's POST /abort_request, or a signed one straight to the decode)
  *    ends the request with request_aborted: never a migration;
  *  - the migration limit reached: a clear error naming the last cause, nothing left held.
@@ -24,7 +26,9 @@ import { BIN, freePort, type ClusterProc } from '../../src/up/cluster.js';
 import { busy, client, CTX, getJson, promptOf, tinyModel, useStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';
 
-const s = useStack({ prefill: 2, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--health-interval-ms', '200'] } });
+// --leg-silence-timeout-ms 3000: a frozen decode (SIGSTOP) is given up after 3 s of silence
+const SILENCE_MS = 3000;
+const s = useStack({ prefill: 2, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--health-interval-ms', '200', '--leg-silence-timeout-ms', String(SILENCE_MS)] } });
 
 const setHold = (p: ClusterProc, spec: string) => fetch(`${p.url}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec }).then((r) => r.body?.cancel());
 const workers = () => s.c.procs.filter((p) => p.role === 'prefill' || p.role === 'decode');
@@ -316,6 +320,50 @@ describe('migration onto a decode that holds the prefix', () => {
       await r.stop();
       await clearHolds();
     }
+  });
+});
+
+describe('a frozen decode does not hang its streams', () => {
+  test('decode SIGSTOPped mid-stream: after the silence bound the stream migrates, equal to colocated; the worker is marked frozen and doctor names it', async () => {
+    const prompt = promptOf(60, 3);
+    const ref = await reference(prompt, 40);
+    for (const d of s.c.byRole('decode')) await setHold(d, 'decode.step=25');
+    const before = await migrations();
+    let stopped: ClusterProc | undefined;
+    let safety: NodeJS.Timeout | undefined;
+    let stoppedAt = 0;
+    let resumedAt = 0;
+    let doctor: { code: number | null; out: string } | undefined;
+    try {
+      const got = await streamed(prompt, 40, async (i, rid) => {
+        if (i === 8) {
+          stopped = procOf((await trace(rid)).decode);
+          s.c.signal(stopped, 'SIGSTOP');
+          stoppedAt = Date.now();
+          // never hang the suite: SIGCONT after 20 s whatever happens (the stream must have moved on long before)
+          safety = setTimeout(() => s.c.signal(stopped!, 'SIGCONT'), 20_000);
+        } else if (stoppedAt && !resumedAt) {
+          resumedAt = Date.now();
+          // the frozen worker, still stopped, as doctor sees it
+          doctor = await cli(['doctor', '--url', s.c.router.url], 20_000, { PDSERVE_CLUSTER_SECRET: s.c.secret });
+        }
+      });
+      assert.equal(got.text, ref.text, 'the client got every token once');
+      assert.ok(resumedAt - stoppedAt < 15_000, `the stream moved on after the silence bound, not at SIGCONT (${resumedAt - stoppedAt} ms)`);
+      assert.ok(resumedAt - stoppedAt >= SILENCE_MS - 500, `not before the bound (${resumedAt - stoppedAt} ms)`);
+      const t = await trace(got.rid);
+      assert.equal(t.outcome, 'ok');
+      assert.deepEqual((t.events as any[]).filter((e) => e.what === 'attempt_failed').map((e) => [e.next, e.code]), [['migrate', 'decode_stalled']]);
+      assert.equal((await migrations()) - before, 1);
+      assert.ok(doctor, 'doctor ran while the worker was stopped');
+      assert.match(doctor.out, new RegExp(`decode ${stopped!.url.replace(/[.:/]/g, '\\$&')} is frozen: no event on a request's stream`), doctor.out);
+    } finally {
+      if (safety) clearTimeout(safety);
+      if (stopped) s.c.signal(stopped, 'SIGCONT');
+      await clearHolds();
+    }
+    // resumed, it answers its probe again: healthy, no longer frozen
+    assert.ok(await waitFor(async () => ((await getJson<any>(`${s.c.router.url}/workers`)).workers as any[]).every((w) => w.healthy && w.frozen === null), 10_000), 'the resumed decode is back in the rotation');
   });
 });
 

@@ -209,6 +209,16 @@ describe('diagnose', () => {
     assert.ok(failNow.includes(`-d '{"rid":"${local.rid}"}' http://r/abort_request`) && failNow.includes('$PDSERVE_ADMIN_API_KEY'), failNow);
   });
 
+  test('a worker the router marked frozen is named as such, worst first', () => {
+    const frozen = { ...worker('decode', { reachable: false }), ref: { role: 'decode' as const, url: 'http://d:2', router: { healthy: false, frozen: "no event on a request's stream for 3012 ms (bound 3000 ms), after 9 events", last_error: 'frozen: …' } } };
+    const d = diagnose(snap([worker('prefill'), worker('decode'), frozen]));
+    const f = d.findings[0]!;
+    assert.equal(f.kind, 'worker_frozen', JSON.stringify(d.findings.map((x) => x.kind)));
+    assert.equal(f.severity, 'critical');
+    assert.match(f.title, /decode http:\/\/d:2 is frozen: no event/);
+    assert.ok(!d.findings.some((x) => x.kind === 'worker_unreachable'), 'named once, as frozen');
+  });
+
   test('lost and mismatched workers, recent failures, moved counters', () => {
     const d = diagnose(snap([worker('prefill', { health: { fingerprint: 'a', bootstrap_port: 9 }, router: { bootstrap_port: 8 } }), worker('decode', { health: { fingerprint: 'b' } }), { ...worker('decode', { reachable: false }), ref: { role: 'decode', url: 'http://gone:1', router: { healthy: false } } }]));
     const kinds = d.findings.map((f) => f.kind);

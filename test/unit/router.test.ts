@@ -246,7 +246,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware'; unavailableWaitMs?: number; sseKeepAliveMs?: number } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware'; unavailableWaitMs?: number; sseKeepAliveMs?: number; legSilenceMs?: number } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -263,6 +263,7 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     ...(opts.migrationLimit !== undefined ? { migrationLimit: opts.migrationLimit } : {}),
     ...(opts.unavailableWaitMs !== undefined ? { unavailableWaitMs: opts.unavailableWaitMs } : {}),
     ...(opts.sseKeepAliveMs !== undefined ? { sseKeepAliveMs: opts.sseKeepAliveMs } : {}),
+    ...(opts.legSilenceMs !== undefined ? { legSilenceMs: opts.legSilenceMs } : {}),
     ...(opts.bodyLimit ? { bodyLimit: opts.bodyLimit } : {}),
     ...(opts.policy ? { policy: opts.policy } : {}),
     ...(opts.decodePolicy ? { decodePolicy: opts.decodePolicy } : {}),
@@ -1540,5 +1541,26 @@ describe('router: SSE keep-alive while a stream waits', () => {
     assert.match(text, /^: keep-alive$/m);
     assert.match(text, /data: \{"error":\{[^\n]*"code":"no_healthy_prefill"/, text);
     assert.doesNotMatch(text, /\[DONE\]/);
+  });
+});
+
+describe('router: a decode stream that goes silent', () => {
+  test('decode stops sending mid-stream (connection open): after legSilenceMs it is marked frozen and the stream migrates to the other decode', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin', legSilenceMs: 300 });
+    const script = ['The', ' quick', ' brown', ' fox', ' jumps'];
+    let first = true;
+    for (const d of s.decode) d.decode = () => (first ? ((first = false), { tokens: script, intervalMs: 2, hangAfter: 2 }) : { tokens: script, intervalMs: 2, finish: 'length' });
+    const t0 = Date.now();
+    const stream = await s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true });
+    let text = '';
+    for await (const c of stream) text += c.choices[0]?.text ?? '';
+    assert.equal(text, 'The quick brown fox jumps', 'no token repeated or missing');
+    assert.ok(Date.now() - t0 < 5000, `migrated after the silence bound, not the deadline (${Date.now() - t0} ms)`);
+    const frozen = s.router.registry.snapshot().filter((w) => w.frozen);
+    assert.equal(frozen.length, 1, JSON.stringify(s.router.registry.snapshot()));
+    assert.equal(frozen[0]!.healthy, false);
+    assert.match(frozen[0]!.frozen!, /no event on a request's stream for \d+ ms/);
+    assert.match(await metric(s, 'pdserve_router_migrations_total'), /reason="decode_stalled",outcome="ok"\} 1/);
+    await assertReleased(s, 3000);
   });
 });
