@@ -19,6 +19,7 @@
  * the others are aborted by closing their connections, which each server handles as a client
  * abort (rooms released).
  */
+import type { SendQueueWatch } from '../runtime/send-queue.js';
 import { request as httpRequest, type Dispatcher } from 'undici';
 import { systemClock } from '../base/clock.js';
 import type { FastifyReply, FastifyRequest } from 'fastify';
@@ -211,6 +212,8 @@ export async function serveFanOut(
   subs: SubRequest[],
   /** Extra headers of one sub-request (the router's choice-group header, src/router/choices.ts). */
   headersOf?: (s: SubRequest) => Record<string, string>,
+  /** The server's send-queue watch: a client reading too slowly is cut and every choice aborted (../runtime/send-queue.ts). */
+  watch?: SendQueueWatch,
 ): Promise<FastifyReply> {
   const body = request.body as Record<string, unknown>;
   const stream = body.stream === true;
@@ -248,7 +251,7 @@ export async function serveFanOut(
     let writer: SseWriter | null = null;
     if (stream) {
       reply.hijack();
-      writer = new SseWriter(reply.raw, { headers: { 'x-request-id': rid, ...(servedBy ? { 'x-pdserve-path': servedBy } : {}) } });
+      writer = new SseWriter(reply.raw, { headers: { 'x-request-id': rid, ...(servedBy ? { 'x-pdserve-path': servedBy } : {}) }, ...(watch ? { watch } : {}) });
     }
     let chain: Promise<void> = Promise.resolve();
     const emit = (c: unknown) => (chain = chain.then(() => writer!.write(c)));

@@ -17,6 +17,7 @@
  * a chat error event after it is `response.failed`.
  * A client that goes away aborts the chat request, which aborts the room on the workers.
  */
+import type { SendQueueWatch } from '../runtime/send-queue.js';
 import { tenantOf } from './access.js';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { systemClock } from '../base/clock.js';
@@ -42,6 +43,8 @@ export interface ResponsesRouteOptions {
   requestTimeoutMs: number;
   /** Max wait for the client to drain one event, ms. */
   writeTimeoutMs?: number;
+  /** The server's send-queue watch: a stream whose client reads too slowly is cut (../runtime/send-queue.ts). */
+  watch?: SendQueueWatch;
   /** Largest chat event read, bytes. */
   maxEventBytes?: number;
   /** Registry for pdserve_responses_stored{unit} (the store's entries and bytes, and its evictions). */
@@ -146,7 +149,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
       };
       if (parsed.stream) {
         reply.hijack();
-        writer = new SseWriter(reply.raw, { writeTimeoutMs: o.writeTimeoutMs, headers: { 'x-request-id': rid ?? t.id } });
+        writer = new SseWriter(reply.raw, { writeTimeoutMs: o.writeTimeoutMs, headers: { 'x-request-id': rid ?? t.id }, ...(o.watch ? { watch: o.watch } : {}) });
         reply.raw.socket?.setNoDelay(true);
       }
       let failure: { status: number; code: string; message: string; type: string } | null = null;
@@ -169,7 +172,7 @@ export function registerResponsesRoutes(app: FastifyInstance, o: ResponsesRouteO
         }
         if (!done && !failure) failure = { status: 502, code: 'chat_path_failed', message: 'the chat stream ended before its end', type: 'server_error' };
       } catch (err) {
-        if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT')) {
+        if (err instanceof SseError && (err.code === 'SSE_CLOSED' || err.code === 'SSE_WRITE_TIMEOUT' || err.code === 'SSE_SLOW_CLIENT')) {
           ac.abort();
           return reply;
         }

@@ -13,8 +13,9 @@
 import type { ServerResponse } from 'node:http';
 import { connectionHeader } from '../runtime/drain.js';
 import { PdError } from '../base/errors.js';
+import type { SendQueueWatch } from '../runtime/send-queue.js';
 
-export type SseErrorCode = 'SSE_CLOSED' | 'SSE_WRITE_TIMEOUT' | 'SSE_EVENT_TOO_LARGE';
+export type SseErrorCode = 'SSE_CLOSED' | 'SSE_WRITE_TIMEOUT' | 'SSE_EVENT_TOO_LARGE' | 'SSE_SLOW_CLIENT';
 
 /** Typed SSE error with a stable `code` (undici style). */
 export class SseError extends PdError {
@@ -42,6 +43,12 @@ export interface SseWriterOptions {
   writeTimeoutMs?: number;
   /** Extra response headers sent by `open()`. */
   headers?: Record<string, string>;
+  /**
+   * The server's send-queue watch (../runtime/send-queue.ts): a client that does not drain what
+   * is queued for it within the write deadline, or lets too much queue up, is cut — the
+   * connection destroyed, every later `write` and `settled` rejecting SSE_SLOW_CLIENT.
+   */
+  watch?: SendQueueWatch;
 }
 
 /**
@@ -51,6 +58,11 @@ export interface SseWriterOptions {
 export class SseWriter {
   private readonly writeTimeoutMs: number;
   private readonly extraHeaders: Record<string, string>;
+  private readonly watch: SendQueueWatch | undefined;
+  private unwatch: (() => void) | undefined;
+  /** Why the watch cut the client (every later write rejects with it). */
+  private cut: SseError | undefined;
+  private onCut: ((e: SseError) => void)[] = [];
 
   constructor(
     private readonly res: ServerResponse,
@@ -58,6 +70,62 @@ export class SseWriter {
   ) {
     this.writeTimeoutMs = opts.writeTimeoutMs ?? 30_000;
     this.extraHeaders = opts.headers ?? {};
+    this.watch = opts.watch;
+  }
+
+  /** The client was cut for reading too slowly (`watch`), else undefined. */
+  get cutError(): SseError | undefined {
+    return this.cut;
+  }
+
+  private startWatch(): void {
+    const sock = this.res.socket;
+    if (!this.watch || this.unwatch || !sock) return;
+    this.unwatch = this.watch.watch(sock, (_reason, detail) => {
+      this.cut = new SseError('SSE_SLOW_CLIENT', `client cut: ${detail}`);
+      for (const f of this.onCut.splice(0)) f(this.cut);
+      this.res.destroy(this.cut);
+    });
+  }
+
+  /**
+   * After `end`: resolves once what was queued for the client drained (the watch saw nothing
+   * queued), at once without a watch or when the client closed after the end. @throws SseError
+   * SSE_SLOW_CLIENT when the watch cut the client first.
+   */
+  settled(): Promise<void> {
+    if (this.cut) return Promise.reject(this.cut);
+    const sock = this.res.socket;
+    if (!this.watch || !this.unwatch || !sock || sock.destroyed) return Promise.resolve();
+    const watch = this.watch;
+    return new Promise<void>((resolve, reject) => {
+      const done = () => {
+        clearInterval(t);
+        this.onCut = this.onCut.filter((f) => f !== fail);
+        sock.off('close', closed);
+      };
+      const fail = (e: SseError) => {
+        done();
+        reject(e);
+      };
+      const closed = () => {
+        done();
+        if (this.cut) reject(this.cut);
+        else resolve();
+      };
+      this.onCut.push(fail);
+      sock.once('close', closed);
+      const check = () =>
+        void watch.queued(sock).then((n) => {
+          if (n > 0 || this.cut || sock.destroyed) return;
+          done();
+          this.unwatch?.();
+          resolve();
+        });
+      const t = setInterval(check, watch.periodMs);
+      t.unref();
+      check();
+    });
   }
 
   /** True once the response ended or the connection is gone; further writes reject. */
@@ -72,6 +140,7 @@ export class SseWriter {
    */
   open(status = 200, flush = false): void {
     if (this.res.headersSent || this.closed) return;
+    this.startWatch();
     this.res.writeHead(status, {
       'content-type': 'text/event-stream; charset=utf-8',
       'cache-control': 'no-cache, no-transform',
@@ -102,9 +171,12 @@ export class SseWriter {
     if (this.closed) return;
     this.open();
     this.res.end();
+    // watched until what is queued drains (a reader that stalls at the end is cut all the same)
+    if (this.unwatch) void this.settled().catch(() => {});
   }
 
   private writeRaw(frame: string): Promise<void> {
+    if (this.cut) return Promise.reject(this.cut);
     if (this.closed) return Promise.reject(new SseError('SSE_CLOSED', 'SSE response is closed'));
     this.open();
     if (this.res.write(frame)) return Promise.resolve();
@@ -121,7 +193,7 @@ export class SseWriter {
       };
       const onClose = () => {
         cleanup();
-        reject(new SseError('SSE_CLOSED', 'SSE response closed while waiting for drain'));
+        reject(this.cut ?? new SseError('SSE_CLOSED', 'SSE response closed while waiting for drain'));
       };
       const timer = setTimeout(() => {
         cleanup();

@@ -2,6 +2,7 @@
  * The `pdserve` command line (commander). Each role runs on its own (`prefill`, `decode`,
  * `router`, `colocated`) so workers can live on other hosts; `up` starts a whole local cluster.
  */
+import { DEFAULT_SEND_QUEUE_LIMITS, parseBufferedBytes } from '../runtime/send-queue.js';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { randomBytes } from 'node:crypto';
 import { readFileSync, rmSync } from 'node:fs';
@@ -232,6 +233,9 @@ const UNAVAILABLE_WAIT_HELP = 'a request finding every worker of a role draining
 
 /** `--sse-keepalive-ms` (router and `up`): see ../router/keepalive.ts. */
 const SSE_KEEPALIVE_HELP = "a streamed request silent this long (waiting for a worker, its first token or the next) gets an SSE comment ': keep-alive', so an idle proxy in front does not cut it (0 = never)";
+/** `--client-write-deadline-ms` and `--client-max-buffered-bytes` (router): ../runtime/send-queue.ts. */
+const CLIENT_DEADLINE_HELP = 'a streaming client must read what is queued for it within this (ms), else it is cut and its request aborted (a stalled or too slow reader)';
+const CLIENT_BUFFER_HELP = 'most bytes queued for one streaming client (bytes, or with K/M/G; 64K-1G; default 4M) before it is cut and its request aborted';
 
 /** `--leg-silence-timeout-ms` (router and `up`): see ../router/dispatch.ts `watchSilence`. */
 const LEG_SILENCE_HELP = "a decode worker whose stream goes silent this long mid-generation (no token: a stopped or frozen process) is marked frozen and the request migrates, as after a crash (0 = no bound)";
@@ -462,6 +466,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--unavailable-wait-ms <ms>', UNAVAILABLE_WAIT_HELP, int, 5000)
     .option('--sse-keepalive-ms <ms>', SSE_KEEPALIVE_HELP, int, 15_000)
     .option('--leg-silence-timeout-ms <ms>', LEG_SILENCE_HELP, int, 30_000)
+    .option('--client-write-deadline-ms <ms>', CLIENT_DEADLINE_HELP, int, DEFAULT_SEND_QUEUE_LIMITS.deadlineMs)
+    .option('--client-max-buffered-bytes <size>', CLIENT_BUFFER_HELP, cliParser(parseBufferedBytes), DEFAULT_SEND_QUEUE_LIMITS.maxBufferedBytes)
     .addOption(new Option('--policy <name>', 'load balancing of prefill workers (cache_aware: SGLang\'s prefix-tree policy with a load-imbalance threshold)').choices([...POLICY_NAMES]).default('cache_aware'))
     .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
@@ -482,7 +488,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

@@ -37,6 +37,7 @@
  *     log: a pino logger | { level } (default { level: 'info' }) }
  * Unknown keys are rejected (a typo in a config should not be silently ignored).
  */
+import { DEFAULT_SEND_QUEUE_LIMITS } from '../runtime/send-queue.js';
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
 import { ClusterSecretSchema, InternalTlsSchema } from '../runtime/config.js';
@@ -89,6 +90,10 @@ export const RouterConfigSchema = z
     requestTimeoutMs: z.number().int().min(50).default(600_000),
     abortTimeoutMs: z.number().int().min(10).default(2000),
     writeTimeoutMs: z.number().int().min(10).default(30_000),
+    /** What is queued for a streaming client must drain within this (ms), else it is cut (../runtime/send-queue.ts). */
+    clientWriteDeadlineMs: z.number().int().min(100).default(DEFAULT_SEND_QUEUE_LIMITS.deadlineMs),
+    /** Most bytes queued for one streaming client before it is cut. */
+    clientMaxBufferedBytes: z.number().int().min(64 * 1024).default(DEFAULT_SEND_QUEUE_LIMITS.maxBufferedBytes),
     /** The HTTP server's keep-alive, headers and request timeouts (../runtime/http-timeouts.ts). */
     httpTimeouts: HttpTimeoutsSchema,
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
@@ -169,6 +174,10 @@ export interface RouterConfig {
   readonly requestTimeoutMs: number;
   readonly abortTimeoutMs: number;
   readonly writeTimeoutMs: number;
+  /** What is queued for a streaming client must drain within this, ms (`--client-write-deadline-ms`). */
+  readonly clientWriteDeadlineMs: number;
+  /** Most bytes queued for one streaming client (`--client-max-buffered-bytes`). */
+  readonly clientMaxBufferedBytes: number;
   /** The HTTP server's keep-alive, headers and request timeouts, ms (../runtime/http-timeouts.ts). */
   readonly httpTimeouts: Readonly<HttpTimeouts>;
   readonly bodyLimit: number;

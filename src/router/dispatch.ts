@@ -43,6 +43,8 @@
  * `ClientReply` (response builder, SSE stream, tokens sent, deadline). The workers' rid of attempt
  * n > 1 is `<rid>-a<n>`; the response id stays `<rid>`.
  */
+import { isLoopback } from '../api/loopback.js';
+import type { SendQueueWatch } from '../runtime/send-queue.js';
 import { redactedForClient } from '../base/redact.js';
 import { DRAINING_CODE } from '../runtime/drain.js';
 import { systemClock } from '../base/clock.js';
@@ -100,6 +102,8 @@ export interface DispatchContext {
   track(p: Promise<unknown>): void;
   /** Request traces (src/router/trace.ts): trace id per rid, and the request's events. */
   observe?: RequestObserver;
+  /** Streaming clients' send queues (../runtime/send-queue.ts): one reading too slowly is cut (not this server's own loopback requests: their reader is watched). */
+  sendWatch?: SendQueueWatch;
 }
 
 interface Leg {
@@ -559,7 +563,7 @@ export class PdRequest {
 
   private openStream(): void {
     this.reply.hijack();
-    this.client.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path } });
+    this.client.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path }, ...(this.ctx.sendWatch && !isLoopback(this.reply.request) ? { watch: this.ctx.sendWatch } : {}) });
     this.reply.raw.socket?.setNoDelay(true); // each token leaves at once (no Nagle wait for an ACK)
     this.client.writer.open(200);
     this.phase = 'streaming';
@@ -572,6 +576,7 @@ export class PdRequest {
       for (const c of builder.tail()) await writer!.write(c);
       await writer!.write(SSE_DONE);
       if (this.over) return;
+      // still watched until the client read it all (a reader stalling now is cut and counted by the watch)
       writer!.end();
     } else {
       void this.reply.code(200).header('x-request-id', this.rid).header('x-pdserve-path', this.path).send(builder.response());

@@ -25,6 +25,7 @@
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
+import { SendQueueWatch } from '../runtime/send-queue.js';
 import { BUILD, protocolVersion } from '../base/version.js';
 import { registerHoldRoute } from '../runtime/testhooks.js';
 import { systemClock } from '../base/clock.js';
@@ -160,7 +161,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   traces.onFinished = (_t, fields) => series.add(fields);
   const pending = new Set<Promise<unknown>>();
   const active = new Set<PdRequest>();
+  const sendWatch = new SendQueueWatch({ deadlineMs: config.clientWriteDeadlineMs, maxBufferedBytes: config.clientMaxBufferedBytes }, { registry: metrics.registry });
   const ctx: DispatchContext = {
+    sendWatch,
     config,
     registry,
     metrics,
@@ -235,7 +238,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       // n > 1 / batched prompts: one sub-request (one PD room) per choice, merged (api/fanout.ts);
       // the n choices of one prompt share one prefill computation (choice groups, choices.ts).
       const subs = planFanOut(kind, request.body);
-      if (subs) return serveFanOut(request, reply, kind, subs, config.firstTokenFromPrefill ? groupHeaders(choiceGroups, subs) : undefined);
+      if (subs) return serveFanOut(request, reply, kind, subs, config.firstTokenFromPrefill ? groupHeaders(choiceGroups, subs) : undefined, sendWatch);
       let member: ReturnType<ChoiceGroups['member']>;
       try {
         member = choiceGroups.member(request.headers[CHOICE_HEADER]);
@@ -278,7 +281,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   app.post('/v1/completions', generation('completion'));
   app.post('/v1/chat/completions', generation('chat'));
-  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, requestTimeoutMs: config.requestTimeoutMs, writeTimeoutMs: config.writeTimeoutMs, maxEventBytes: config.maxEventBytes, registry: metrics.registry });
+  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, requestTimeoutMs: config.requestTimeoutMs, writeTimeoutMs: config.writeTimeoutMs, watch: sendWatch, maxEventBytes: config.maxEventBytes, registry: metrics.registry });
 
   app.get('/v1/models', async () => ({
     object: 'list',

@@ -11,7 +11,7 @@
  * | the connection: refused, DNS, connect timeout | 502 `<role>_unreachable` (`unreachable`: the worker is marked so) |
  * | the connection: reset or closed by the worker | 502 `<role>_failed` (`closed`: the worker most likely died; out of the rotation until its next good probe) |
  * | the connection: anything else (a timeout) | 502 `<role>_failed` |
- * | the router's write to ITS client failed (`SSE_CLOSED`, `SSE_WRITE_TIMEOUT`) | 499 `client_closed_request` (`clientGone`: not the worker's fault) |
+ * | the router's write to ITS client failed (`SSE_CLOSED`, `SSE_WRITE_TIMEOUT`, `SSE_SLOW_CLIENT`: cut for reading too slowly) | 499 `client_closed_request` (`clientGone`: not the worker's fault) |
  */
 import { ApiError, asErrorCode, type ErrorCode } from '../base/errors.js';
 import { SseError } from '../api/sse.js';
@@ -84,7 +84,7 @@ export interface LegFailure {
 export function legFailure(role: LegName, url: string, thrown: unknown): LegFailure {
   const of = (err: ApiError, o: Partial<Omit<LegFailure, 'err'>> = {}): LegFailure => ({ err, clientGone: false, transport: false, unreachable: false, closed: false, ...o });
   if (thrown instanceof SseError) {
-    if (thrown.code === 'SSE_CLOSED' || thrown.code === 'SSE_WRITE_TIMEOUT') return of(new ApiError(499, 'client_closed_request', `client stream failed: ${thrown.message}`), { clientGone: true });
+    if (thrown.code === 'SSE_CLOSED' || thrown.code === 'SSE_WRITE_TIMEOUT' || thrown.code === 'SSE_SLOW_CLIENT') return of(new ApiError(499, 'client_closed_request', `client stream failed: ${thrown.message}`), { clientGone: true });
     return of(new ApiError(502, 'bad_worker_event', `${role} worker stream: ${thrown.message}`, 'server_error'));
   }
   if (thrown instanceof ApiError) return of(thrown);

@@ -19,6 +19,7 @@
  */
 import { statSync, statfsSync } from 'node:fs';
 import client from 'prom-client';
+import { systemClock } from '../base/clock.js';
 
 /** Free space under which a failed write counts as a full directory, and the slack a recovery needs on top of the failed size, bytes. */
 export const STATE_DIR_MARGIN_BYTES = 1 << 20;
@@ -75,7 +76,7 @@ export class StateSpace implements StateSpacePort {
   constructor(
     readonly dir: string,
     private readonly probe: SpaceProbe = nodeSpaceProbe,
-    private readonly now: () => number = Date.now,
+    private readonly now: () => number = () => systemClock.nowMs(),
   ) {}
 
   /**

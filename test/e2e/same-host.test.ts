@@ -12,6 +12,10 @@
  *    streamed or not, n = 1 or 2, on both paths (TCP streamed while saved, TCP saved-then-sent
  *    for n = 2, same host), the client gets `kv_state_too_large` naming the flag at once — one
  *    attempt, no retry or migration — nothing stays behind, and the next request is served.
+ *  - a client that stops reading a long stream (a raw socket, paused) — n = 1, n = 3 and
+ *    /v1/responses: cut within the router's --client-write-deadline-ms once its queue stops
+ *    draining, counted (pdserve_client_cut_total{reason="stalled"}), its rooms aborted and the
+ *    decode slots freed long before the stream would have ended;
  *  - the state directory full (its own 64 MiB tmpfs, root only, filled by a file): the client
  *    gets 507 `state_dir_full` at once, one save tried and never again on that host, prefill's
  *    /health `degraded`, the router's /workers row `degraded`, doctor's `state_dir_full` finding,
@@ -23,6 +27,7 @@
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readdirSync, rmSync, statfsSync, writeFileSync } from 'node:fs';
+import { connect } from 'node:net';
 import { join } from 'node:path';
 import { after, describe, test } from 'node:test';
 import { busy, getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
@@ -52,6 +57,8 @@ const HOLD_MS = 3000;
  * the deadline (the request fails for its dead prefill, never for the hold); well below the client's 30 s.
  */
 const REQUEST_DEADLINE_MS = 2 * HOLD_MS;
+/** The router's --client-write-deadline-ms: a stalled reader is cut this long after its queue stopped draining. */
+const CLIENT_DEADLINE_MS = 1500;
 /** Both decodes' --max-state-bytes: the smallest accepted; the tiny model's state is ~530 B/token. */
 const MAX_STATE = '1M';
 /** A prompt of ~2000 tokens (a ~1.06 MB state: over MAX_STATE), as the context allows. */
@@ -62,7 +69,7 @@ const h = useStack({
   env: { PDSERVE_TEST_HOLDS: 'on' },
   // A request whose only prefill was killed waits for one until its deadline (--worker-wait-ms):
   // 6 s here, not the default 300 s (cut short by the client's 30 s), so the kill cases end soon.
-  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir, '--max-state-bytes', MAX_STATE], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS)] },
+  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir, '--max-state-bytes', MAX_STATE], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS), '--client-write-deadline-ms', String(CLIENT_DEADLINE_MS)] },
   extraArgsOf: { 'decode-1': ['--no-kv-same-host'] },
 });
 
@@ -227,6 +234,47 @@ describe('same-host KV handoff (kv_file)', () => {
     const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: promptOf(80, 9), max_tokens: 4, temperature: 0 }).then(() => true, () => false)), 15_000, 300);
     assert.ok(ok, 'a request succeeds after the prefill restart');
   });
+  test('a client that stops reading a long stream is cut within the write deadline, counted, its rooms aborted and the decode slots freed (n = 1, n = 3, Responses)', async () => {
+    const cuts = async () => Number(/^pdserve_client_cut_total\{reason="stalled"\} (\d+)/m.exec(await (await fetch(`${h.c.router.url}/metrics`)).text())?.[1] ?? NaN);
+    const live = async () => (await Promise.all(['decode-0', 'decode-1'].map(async (n) => (await getJson<{ live: unknown[] }>(`${proc(n).url}/debug/rooms`)).live.length))).reduce((a, b) => a + b, 0);
+    const router = new URL(h.c.router.url);
+    // generation slowed to 2 ms a token: 3000 tokens would take 6 s, the router's whole deadline
+    for (const d of ['decode-0', 'decode-1']) await setHolds(d, 'decode.step=2');
+    try {
+      const cases: [string, string, Record<string, unknown>][] = [
+        ['n = 1', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, logprobs: 5, stream: true }],
+        ['n = 3', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, n: 3, logprobs: 5, stream: true }],
+        ['Responses', '/v1/responses', { model: 'pdserve', input: 'Once upon a time', max_output_tokens: 3000, temperature: 0, stream: true }],
+      ];
+      for (const [label, path, body] of cases) {
+        const before = await cuts();
+        const json = JSON.stringify(body);
+        const sock = connect(Number(router.port), router.hostname);
+        sock.pause(); // never read a byte: the kernel queues fill, then the router's
+        let closedAt = 0;
+        sock.on('close', () => (closedAt = Date.now()));
+        sock.on('error', () => {});
+        sock.write(`POST ${path} HTTP/1.1\r\nhost: ${router.host}\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(json)}\r\n\r\n${json}`);
+        const t0 = Date.now();
+        assert.ok(await waitFor(async () => (await cuts()) === before + 1, REQUEST_DEADLINE_MS - 500, 50), `${label}: the stalled reader was cut before the request's deadline (${await cuts()} cuts)`);
+        const ms = Date.now() - t0;
+        assert.ok(await waitFor(async () => (await live()) === 0, 1500, 50), `${label}: its rooms were aborted, the decode slots are free`);
+        sock.resume(); // read what was queued: the router's end of the connection is closed behind it
+        assert.ok(await waitFor(async () => closedAt > 0, 3000, 20), `${label}: the router closed the connection`);
+        assert.ok(ms >= CLIENT_DEADLINE_MS, `${label}: not before the deadline (${ms} ms)`);
+        console.log(`# ${label}: cut after ${ms} ms`);
+        sock.destroy();
+      }
+    } finally {
+      for (const d of ['decode-0', 'decode-1']) await setHolds(d, '');
+    }
+    // a reader that reads is not cut: the next stream ends with [DONE]
+    const s = await h.pd.completions.create({ model: 'pdserve', prompt: 'Once upon a time', max_tokens: 200, ignore_eos: true, temperature: 0, logprobs: 5, stream: true } as never);
+    let n = 0;
+    for await (const _ of s as unknown as AsyncIterable<unknown>) n++;
+    assert.ok(n >= 200, `a reading client gets its whole stream (${n} chunks)`);
+  });
+
   test('a full state directory: 507 state_dir_full at once, not retried on the host; /health degraded, /workers, doctor and metrics say so; served again once space frees up', async (t) => {
     if (!ownTmpfs) {
       const why = 'the full state directory case needs root to mount a small tmpfs';
