@@ -30,7 +30,7 @@ import { ApiError, badRequest, sendApiError } from './errors.js';
 import { SSE_DONE, usageOf, type Usage } from './respond.js';
 import { asErrorCode, codeSpec, type ApiErrorType } from '../base/errors.js';
 import type { ToolCall, ToolCallDelta } from './tool-calls.js';
-import { forwardedHeaders, loopback, selfUrl } from './loopback.js';
+import { forwardedHeaders, loopback, PARENT_RID_HEADER, selfUrl } from './loopback.js';
 
 export { MAX_CHOICES };
 
@@ -226,7 +226,7 @@ export async function serveFanOut(
   reply.raw.on('close', onClose);
   const path = kind === 'chat' ? '/v1/chat/completions' : '/v1/completions';
   const base = selfUrl(request);
-  const headers: Record<string, string> = { 'content-type': 'application/json', ...forwardedHeaders(request) };
+  const headers: Record<string, string> = { 'content-type': 'application/json', ...forwardedHeaders(request), [PARENT_RID_HEADER]: rid };
   const pending = subs.map((s) => httpRequest(`${base}${path}`, { method: 'POST', headers: { ...headers, ...headersOf?.(s) }, body: JSON.stringify(s.body), signal: ac.signal, dispatcher: loopback }));
   try {
     const settled = await Promise.allSettled(pending);

@@ -22,6 +22,15 @@ export const FORWARDED_HEADERS = ['authorization', 'x-api-key', 'x-trace-id', 'x
 const LOOPBACK_HEADER = 'x-pdserve-loopback';
 const LOOPBACK_TOKEN = randomBytes(16).toString('hex');
 
+/** The response id of the request a fan-out sub-request belongs to (the router's POST /abort_request finds its choices by it). */
+export const PARENT_RID_HEADER = 'x-pdserve-parent-rid';
+
+/** The parent's response id of one of this process's own fan-out sub-requests; undefined for any other request (a client cannot set it). */
+export function parentRidOf(request: { headers: Record<string, unknown> }): string | undefined {
+  const v = request.headers[PARENT_RID_HEADER];
+  return typeof v === 'string' && isLoopback(request) ? v : undefined;
+}
+
 /** True when `request` is one of this process's own loopback sub-requests (./admission.ts does not admit it twice). */
 export function isLoopback(request: { headers: Record<string, unknown> }): boolean {
   const v = request.headers[LOOPBACK_HEADER];

@@ -37,6 +37,7 @@ import type { Logger } from 'pino';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { ApiError, sendApiError } from '../api/errors.js';
 import { type ParsedRequest } from '../api/parse.js';
+import { parentRidOf } from '../api/loopback.js';
 import { isErrorCode, toApiError } from '../base/errors.js';
 import type { ChoiceGroup } from './choices.js';
 import { ClientReply, PdRequest, type DispatchContext } from './dispatch.js';
@@ -171,6 +172,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       if (m) m.group.prefill ??= prefill;
       client ??= new ClientReply(rid, parsed, decode.model ?? prefill.model ?? parsed.model ?? 'pdserve', config.requestTimeoutMs);
       const c = client;
+      c.parentRid ??= parentRidOf(request);
       c.writer ??= ka?.writer() ?? null; // a keep-alive comment opened the stream already
       const decide = (err: ApiError, output: boolean) => (budget(err.code) ? nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : 'fail');
       // Decode-local continuation first when the decode worker holds this conversation (never for

@@ -141,6 +141,8 @@ export class ClientReply {
   lastTokenAt = 0;
   /** Attempts started so far (1 for the first); attempt n > 1 sends the workers rid `<rid>-a<n>`. */
   attempt = 0;
+  /** A choice of an n > 1 request or a prompt batch: the response id of the whole request (../api/fanout.ts). */
+  parentRid: string | undefined;
 
   constructor(
     readonly rid: string,
@@ -176,6 +178,10 @@ export class PdRequest {
   private failedLeg: { leg: LegName; err: ApiError } | null = null;
   /** The workers' rid of this attempt. */
   readonly workerRid: string;
+  /** A choice of a fanned-out request: the whole request's response id (POST /abort_request finds the choices by it). */
+  get parentRid(): string | undefined {
+    return this.client.parentRid;
+  }
   /** Decode-local attempt answered `needs_prefill` before any output: run it on the PD path. */
   fallback = false;
   /** An operator aborted the request (`abortByOperator`): every leg is told so, nothing runs again. */

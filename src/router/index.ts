@@ -313,12 +313,12 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   });
 
   // An operator ends a request in flight (doctor's "fail it now"): by its id (the response id,
-  // x-request-id; an attempt's worker rid `<rid>-a<n>` too). Every leg ends with request_aborted;
+  // x-request-id; an attempt's worker rid `<rid>-a<n>` too; n > 1: every choice). Every leg ends with request_aborted;
   // never retried or migrated (./dispatch.ts `abortByOperator`). Admin access (../api/access.ts).
   app.post('/abort_request', async (req) => {
     const rid = (req.body as { rid?: unknown } | null)?.rid;
     if (typeof rid !== 'string' || rid.length === 0 || rid.length > 256) throw new ApiError(400, 'invalid_request', "'rid' must be the request's id (its response id, x-request-id)", 'invalid_request_error', 'rid');
-    const runs = [...active].filter((r) => r.rid === rid || r.workerRid === rid);
+    const runs = [...active].filter((r) => r.rid === rid || r.workerRid === rid || r.parentRid === rid);
     const aborted = runs.filter((r) => r.abortByOperator()).length;
     if (aborted === 0) throw ApiError.of('request_not_found', `no request ${JSON.stringify(rid)} is in flight at this router`, 'rid');
     log.warn({ rid, aborted }, 'request aborted by an operator (POST /abort_request)');

@@ -1564,3 +1564,28 @@ describe('router: a decode stream that goes silent', () => {
     await assertReleased(s, 3000);
   });
 });
+
+describe("router: an operator's abort", () => {
+  test('POST /abort_request by the id of an n = 2 request ends both choices with request_aborted; the workers are told, nothing migrates', async () => {
+    const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin' });
+    for (const d of s.decode) d.decode = () => ({ tokens: Array.from({ length: 200 }, (_, i) => ` t${i}`), intervalMs: 20, finish: 'length' });
+    const res = await fetch(`${s.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'fake-model', prompt: 'p', n: 2, stream: true }) });
+    assert.equal(res.status, 200);
+    const rid = res.headers.get('x-request-id')!;
+    const reader = res.body!.getReader();
+    let text = new TextDecoder().decode((await reader.read()).value);
+    const ab = await fetch(`${s.router.url}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ rid }) });
+    assert.equal(ab.status, 200);
+    assert.deepEqual(await ab.json(), { rid, aborted: 2 });
+    for (;;) {
+      const r = await reader.read();
+      if (r.done) break;
+      text += new TextDecoder().decode(r.value);
+    }
+    assert.match(text, /"code":"request_aborted"/);
+    assert.doesNotMatch(text, /\[DONE\]/);
+    for (const d of s.decode) assert.ok(await waitFor(() => d.aborts.some((a) => a.cause?.code === 'request_aborted'), 2000), 'each decode was told request_aborted');
+    assert.doesNotMatch(await metric(s, 'pdserve_router_migrations_total'), /\} [1-9]/);
+    await assertReleased(s, 3000);
+  });
+});
