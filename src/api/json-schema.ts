@@ -12,9 +12,17 @@
  *   SchemaError naming the keyword and why.
  * - `validateJson(schema, value)`: the first violation of a normalised schema, or null.
  *
+ * Size bounds (`SchemaLimits`, flags `--schema-max-nodes`, `--schema-max-enum-values`): the
+ * walk counts every schema node it produces (a `$ref` with sibling keywords is expanded in
+ * place, so a chain of them doubles per level) and every enum/const value, and stops with a
+ * SchemaTooComplexError as soon as a count passes its bound — an exponential `$defs` chain is
+ * refused after O(bound) work instead of being expanded. The grammar compiler's time and the
+ * grammar's cost per sampled token grow with both counts.
+ *
  * The keyword table of docs/API.md is `SCHEMA_KEYWORDS`.
  */
-import { PdError } from '../base/errors.js';
+import { ApiError, PdError } from '../base/errors.js';
+import { DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES } from '../engine/types.js';
 
 /** How the server treats a JSON-schema keyword (docs/API.md's table). */
 export interface KeywordSpec {
@@ -26,11 +34,11 @@ export interface KeywordSpec {
 /** Every keyword the normaliser knows, with its treatment; a keyword not listed is refused. */
 export const SCHEMA_KEYWORDS: readonly KeywordSpec[] = [
   { keyword: 'type', status: 'enforced', notes: 'string, number, integer, boolean, null, object, array; a list of types is a oneOf' },
-  { keyword: 'enum, const', status: 'enforced', notes: 'string, number, boolean or null values (an object or array value is refused: the grammar engine matches literals)' },
+  { keyword: 'enum, const', status: 'enforced', notes: 'string, number, boolean or null values (an object or array value is refused: the grammar engine matches literals); at most --schema-max-enum-values (1,000) values and 64 KiB of them in all of a request\'s schemas, past that a 400 schema_too_complex (each value is a grammar alternative checked on every sampled token)' },
   { keyword: 'anyOf, oneOf', status: 'enforced', notes: 'one alternative is generated (so oneOf\'s "exactly one" holds unless alternatives overlap)' },
   { keyword: 'allOf', status: 'enforced', notes: 'merged into one schema (properties and required joined); conflicting values are refused' },
   { keyword: 'nullable', status: 'enforced', notes: 'OpenAPI 3.0 form: the schema or null' },
-  { keyword: '$ref, $defs, definitions', status: 'enforced', notes: 'local references only (#/$defs/…, #/definitions/…, any JSON pointer into the schema); recursion allowed; at most 256 definitions' },
+  { keyword: '$ref, $defs, definitions', status: 'enforced', notes: 'local references only (#/$defs/…, #/definitions/…, any JSON pointer into the schema); recursion allowed; at most 256 definitions. A $ref with sibling keywords is expanded in place: all of a request\'s schemas together expand to at most --schema-max-nodes (5,000) nodes, past that a 400 schema_too_complex, refused before any grammar is compiled' },
   { keyword: 'properties, required', status: 'enforced', notes: 'every listed property is generated, in order (the grammar engine writes optional ones too, which satisfies required)' },
   { keyword: 'additionalProperties', status: 'enforced', notes: 'false or absent: none generated; true or a schema: extra properties allowed' },
   { keyword: 'minProperties, maxProperties', status: 'enforced', notes: 'with additionalProperties' },
@@ -58,6 +66,26 @@ const MAX_DEPTH = 32;
 /** Longest `pattern` accepted (it is run on generated strings). */
 const MAX_PATTERN = 1024;
 
+/** Bounds on what one request's schemas may expand to (docs/API.md's keyword table). */
+export interface SchemaLimits {
+  /** Most schema nodes after `$ref` expansion, over all schemas of a request (`--schema-max-nodes`). */
+  maxNodes: number;
+  /** Most enum/const values, over all schemas of a request (`--schema-max-enum-values`). */
+  maxEnumValues: number;
+  /** Most bytes of enum/const values (as JSON), over all schemas of a request. */
+  maxEnumBytes: number;
+}
+
+/** The default bounds (OpenAI's structured-output limits: 5,000 properties, 1,000 enum values). */
+export const DEFAULT_SCHEMA_LIMITS: Readonly<SchemaLimits> = { maxNodes: DEFAULT_SCHEMA_MAX_NODES, maxEnumValues: DEFAULT_SCHEMA_MAX_ENUM_VALUES, maxEnumBytes: 65_536 };
+
+/** What a request's schemas have used of their SchemaLimits (shared by its tools' schemas). */
+export interface SchemaUsage {
+  nodes: number;
+  enumValues: number;
+  enumBytes: number;
+}
+
 /** A schema outside the supported subset: `path` is a JSON pointer-ish path of the offending keyword. */
 export class SchemaError extends PdError {
   constructor(
@@ -67,6 +95,23 @@ export class SchemaError extends PdError {
     super('UNSUPPORTED_SCHEMA', message);
     this.name = 'SchemaError';
   }
+}
+
+/** A schema past a SchemaLimits bound: `bound` names the flag; the API answers 400 `schema_too_complex`. */
+export class SchemaTooComplexError extends SchemaError {
+  constructor(
+    path: string,
+    message: string,
+    readonly bound: string,
+  ) {
+    super(path, message);
+    this.name = 'SchemaTooComplexError';
+  }
+}
+
+/** The 400 `schema_too_complex` for a SchemaTooComplexError found at `param` (the schema's field path). */
+export function schemaTooComplex(param: string, err: SchemaTooComplexError): ApiError {
+  return new ApiError(400, 'schema_too_complex', `The JSON schema at '${param}' is too complex: ${err.message}`, 'invalid_request_error', param);
 }
 
 /** Keywords that apply to one type (a type list is split into one schema per type). */
@@ -120,10 +165,11 @@ function mergeInto(a: Record<string, unknown>, b: Record<string, unknown>, at: s
 
 /**
  * Bring `schema` to the supported subset (see the module doc). Returns a new schema; the input
- * is not changed. @throws SchemaError naming the first unsupported keyword or value (depth ≤ 32,
- * ≤ 256 definitions).
+ * is not changed. `usage` carries the counts across the schemas of one request (a fresh one per
+ * call by default). @throws SchemaError naming the first unsupported keyword or value (depth ≤ 32,
+ * ≤ 256 definitions); SchemaTooComplexError past a bound of `limits`, after O(bound) work.
  */
-export function normaliseJsonSchema(schema: unknown): Record<string, unknown> {
+export function normaliseJsonSchema(schema: unknown, limits: Readonly<SchemaLimits> = DEFAULT_SCHEMA_LIMITS, usage: SchemaUsage = { nodes: 0, enumValues: 0, enumBytes: 0 }): Record<string, unknown> {
   if (!isObj(schema)) throw new SchemaError('', 'expected a schema object');
   const root = schema;
   const defs: Record<string, unknown> = {};
@@ -147,6 +193,7 @@ export function normaliseJsonSchema(schema: unknown): Record<string, unknown> {
 
   const walk = (node: unknown, path: string, depth: number): Record<string, unknown> => {
     if (depth > MAX_DEPTH) throw new SchemaError(path, `the schema is nested too deeply (limit ${MAX_DEPTH})`);
+    if (++usage.nodes > limits.maxNodes) throw new SchemaTooComplexError(path, `the schema expands to more than ${limits.maxNodes} nodes after $ref expansion (--schema-max-nodes)`, 'schema-max-nodes');
     if (node === true) return {};
     if (!isObj(node)) throw new SchemaError(path, 'expected a schema object');
     let s: Record<string, unknown> = node;
@@ -233,7 +280,12 @@ export function normaliseJsonSchema(schema: unknown): Record<string, unknown> {
         case 'const':
         case 'enum':
           if (k === 'enum' && (!Array.isArray(v) || v.length === 0)) throw new SchemaError(at, 'expected a non-empty array');
-          for (const x of k === 'enum' ? (v as unknown[]) : [v]) if (x !== null && typeof x === 'object') throw new SchemaError(at, 'only string, number, boolean or null values are supported (the grammar matches literals)');
+          for (const x of k === 'enum' ? (v as unknown[]) : [v]) {
+            if (x !== null && typeof x === 'object') throw new SchemaError(at, 'only string, number, boolean or null values are supported (the grammar matches literals)');
+            if (++usage.enumValues > limits.maxEnumValues) throw new SchemaTooComplexError(at, `more than ${limits.maxEnumValues} enum/const values (--schema-max-enum-values)`, 'schema-max-enum-values');
+            usage.enumBytes += typeof x === 'string' ? Buffer.byteLength(x) + 2 : String(x).length;
+            if (usage.enumBytes > limits.maxEnumBytes) throw new SchemaTooComplexError(at, `enum/const values longer than ${limits.maxEnumBytes} bytes (as JSON) in all`, 'schema-max-enum-bytes');
+          }
           out[k] = v;
           break;
         case 'uniqueItems':

@@ -11,7 +11,7 @@ import { protocolVersion } from '../base/version.js';
 import { z, ZodError } from 'zod';
 import { checkRequestBounds, MAX_MESSAGES, MAX_TOKEN_LIST, type GenerateRequest } from '../protocol/worker-protocol.js';
 import type { RoomId } from '../base/room-id.js';
-import { normaliseJsonSchema, SchemaError } from './json-schema.js';
+import { DEFAULT_SCHEMA_LIMITS, normaliseJsonSchema, SchemaError, schemaTooComplex, SchemaTooComplexError, type SchemaLimits } from './json-schema.js';
 import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint, type FieldSpec } from './fields.js';
 import { parseTools, toolGrammarOf, type ParsedTools } from './tool-calls.js';
 import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
@@ -243,12 +243,13 @@ export function outputChecksOf(parsed: ParsedRequest): OutputChecks {
 }
 
 /** The grammar a request asks for (response_format json_object / json_schema, guided_json), if any. */
-function grammarOf(b: Record<string, unknown>): WorkerSampling['grammar'] {
+function grammarOf(b: Record<string, unknown>, limits: Readonly<SchemaLimits>): WorkerSampling['grammar'] {
   const rf = b.response_format as { type: string; json_schema?: { schema?: Record<string, unknown> } } | undefined;
   const checked = (schema: unknown, param: string): Record<string, unknown> => {
     try {
-      return normaliseJsonSchema(schema);
+      return normaliseJsonSchema(schema, limits);
     } catch (err) {
+      if (err instanceof SchemaTooComplexError) throw schemaTooComplex(`${param}${err.path}`, err);
       if (!(err instanceof SchemaError)) throw err;
       throw unsupported(`${param}${err.path}`, err.message);
     }
@@ -293,7 +294,7 @@ function logprobsOf(b: Record<string, unknown>): number | undefined {
  * The parts shared by both endpoints. `maxTokens` undefined = the rest of the context (the
  * worker resolves it once it knows the prompt length).
  */
-function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): ParsedCommon {
+function commonOf(b: Record<string, unknown>, maxTokens: number | undefined, limits: Readonly<SchemaLimits>): ParsedCommon {
   const stop = (b.stop === undefined ? [] : typeof b.stop === 'string' ? [b.stop] : (b.stop as string[])).filter((s) => s.length > 0);
   if (b.stream_options !== undefined && b.stream !== true) throw unsupported('stream_options', 'stream_options is only allowed when stream is true');
   const minTokens = (b.min_tokens as number | undefined) ?? 0;
@@ -320,7 +321,7 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): Pa
   }
   const stopIds = b.stop_token_ids as number[] | undefined;
   if (stopIds && stopIds.length > 0) sampling.stop_token_ids = stopIds;
-  const grammar = grammarOf(b);
+  const grammar = grammarOf(b, limits);
   if (grammar) sampling.grammar = grammar;
   const lp = logprobsOf(b);
   if (lp !== undefined) sampling.logprobs = lp;
@@ -341,14 +342,20 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined): Pa
  * Validate and normalise a /v1/completions body (see ./fields.ts for every field).
  * @throws ApiError 400 naming the offending field.
  */
-export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
+export function parseCompletionRequest(body: unknown, opts: CompletionParseOptions = {}): ParsedCompletionRequest {
   const b = parseFields('completions', body);
   const prompt = parsePrompt(b.prompt);
-  return { kind: 'completion', prompt, ...commonOf(b, (b.max_tokens as number | undefined) ?? DEFAULT_COMPLETION_MAX_TOKENS) };
+  return { kind: 'completion', prompt, ...commonOf(b, (b.max_tokens as number | undefined) ?? DEFAULT_COMPLETION_MAX_TOKENS, opts.schemaLimits ?? DEFAULT_SCHEMA_LIMITS) };
+}
+
+/** Server settings a completion request is parsed with. */
+export interface CompletionParseOptions {
+  /** Bounds on guided_json / response_format schemas (`--schema-max-nodes`, `--schema-max-enum-values`); past them a 400 schema_too_complex. */
+  schemaLimits?: Readonly<SchemaLimits>;
 }
 
 /** Server settings a chat request is parsed with. */
-export interface ChatParseOptions {
+export interface ChatParseOptions extends CompletionParseOptions {
   /** Most tool calls in one turn with parallel_tool_calls (`--max-tool-calls`; default DEFAULT_MAX_TOOL_CALLS). */
   maxToolCalls?: number;
 }
@@ -365,8 +372,9 @@ export function parseChatRequest(body: unknown, opts: ChatParseOptions = {}): Pa
   const b = parseFields('chat', body);
   const messages = parseMessages(b.messages);
   const maxTokens = (b.max_completion_tokens as number | undefined) ?? (b.max_tokens as number | undefined);
-  const out: ParsedChatRequest = { kind: 'chat', messages, ...commonOf(b, maxTokens) };
-  const tools = parseTools(b, opts.maxToolCalls);
+  const limits = opts.schemaLimits ?? DEFAULT_SCHEMA_LIMITS;
+  const out: ParsedChatRequest = { kind: 'chat', messages, ...commonOf(b, maxTokens, limits) };
+  const tools = parseTools(b, opts.maxToolCalls, limits);
   if (tools) {
     out.tools = tools;
     const g = toolGrammarOf(tools);

@@ -21,7 +21,7 @@ import { randomBytes } from 'node:crypto';
 import { z } from 'zod';
 import { ApiError } from '../base/errors.js';
 import { DEFAULT_MAX_TOOL_CALLS, type ToolCallSyntax, type ToolFunction } from '../engine/types.js';
-import { normaliseJsonSchema, SchemaError } from './json-schema.js';
+import { DEFAULT_SCHEMA_LIMITS, normaliseJsonSchema, SchemaError, schemaTooComplex, SchemaTooComplexError, type SchemaLimits, type SchemaUsage } from './json-schema.js';
 import { MAX_TOOLS } from '../protocol/worker-protocol.js';
 
 /** tool_choice after parsing: a named function is `{name}`. */
@@ -63,9 +63,12 @@ const bad = (param: string, message: string) => new ApiError(400, 'invalid_value
 /**
  * `tools`, `tool_choice`, `parallel_tool_calls` of a chat body (already type-checked as arrays /
  * values by the field table). Returns undefined when the request has no tools and no tool_choice
- * other than "none"/"auto". `maxCalls`: the server's bound on calls per turn. @throws ApiError 400 naming the field.
+ * other than "none"/"auto". `maxCalls`: the server's bound on calls per turn; `limits`: the bounds
+ * all parameter schemas together stay within. @throws ApiError 400 naming the field
+ * (`schema_too_complex` past `limits`).
  */
-export function parseTools(b: Record<string, unknown>, maxCalls = DEFAULT_MAX_TOOL_CALLS): ParsedTools | undefined {
+export function parseTools(b: Record<string, unknown>, maxCalls = DEFAULT_MAX_TOOL_CALLS, limits: Readonly<SchemaLimits> = DEFAULT_SCHEMA_LIMITS): ParsedTools | undefined {
+  const usage: SchemaUsage = { nodes: 0, enumValues: 0, enumBytes: 0 };
   const raw = (b.tools as unknown[] | undefined) ?? [];
   if (raw.length > MAX_TOOLS) throw bad('tools', `at most ${MAX_TOOLS} tools`);
   const functions: ToolFunction[] = [];
@@ -84,8 +87,9 @@ export function parseTools(b: Record<string, unknown>, maxCalls = DEFAULT_MAX_TO
     if (f.description) fn.description = f.description;
     if (f.parameters && Object.keys(f.parameters).length > 0) {
       try {
-        fn.parameters = normaliseJsonSchema(f.parameters);
+        fn.parameters = normaliseJsonSchema(f.parameters, limits, usage);
       } catch (err) {
+        if (err instanceof SchemaTooComplexError) throw schemaTooComplex(`tools[${i}].function.parameters${err.path}`, err);
         if (err instanceof SchemaError) throw bad(`tools[${i}].function.parameters${err.path}`, err.message);
         throw err;
       }

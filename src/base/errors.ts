@@ -52,6 +52,8 @@ export const ERROR_CODES = {
   context_length_exceeded: CLIENT_400,
   /** A request-controlled count (messages, input_ids) over its bound, refused before per-item work. */
   request_too_large: CLIENT_400,
+  /** A JSON schema past a size bound (nodes after $ref expansion, enum values): refused before any grammar is compiled. */
+  schema_too_complex: CLIENT_400,
   empty_prompt: CLIENT_400,
   invalid_token: CLIENT_400,
   /** A second live request with the same `rid` on one worker (vLLM answers 400 too). */

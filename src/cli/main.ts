@@ -16,7 +16,7 @@ import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../up/ba
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
-import { DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -228,6 +228,10 @@ const NO_KV_STREAM_HELP = 'over TCP, send the state only once llama.cpp has save
 /** `--max-tool-calls` (router and colocated): see ../api/tool-calls.ts ParsedTools.maxCalls. */
 const MAX_TOOL_CALLS_HELP = `most tool calls in one turn with parallel_tool_calls (1..${MAX_TOOL_CALLS_LIMIT}): after the last one the grammar ends the turn (finish_reason "tool_calls")`;
 
+/** `--schema-max-nodes`, `--schema-max-enum-values` (router, colocated, `up`): see ../api/json-schema.ts SchemaLimits. */
+const SCHEMA_MAX_NODES_HELP = 'most JSON-schema nodes a request\'s response_format / guided_json / tool parameters may expand to after $ref expansion (all its schemas together); past it a 400 schema_too_complex before any grammar is compiled';
+const SCHEMA_MAX_ENUM_HELP = 'most enum/const values in a request\'s JSON schemas (all together); past it a 400 schema_too_complex (each value is a grammar alternative checked on every sampled token)';
+
 /** `--unavailable-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const UNAVAILABLE_WAIT_HELP = 'a request finding every worker of a role draining (none can take it) waits at most this long for one, then gets 503 with retry-after';
 
@@ -243,13 +247,13 @@ const LEG_SILENCE_HELP = "a decode worker whose stream goes silent this long mid
 /** `--worker-wait-ms` (router and `up`): see ../router/attempts.ts `waitUntil`. */
 const WORKER_WAIT_HELP = 'a request finding no healthy worker of a role waits for one: until its deadline when a worker of the role served before (restarting, draining), at most this long when none ever did (a misconfigured cluster); 0 = 503 at once';
 
-/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms, --unavailable-wait-ms, --sse-keepalive-ms, --leg-silence-timeout-ms, --max-tool-calls to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
-export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number; unavailableWaitMs?: number; sseKeepaliveMs?: number; legSilenceTimeoutMs?: number; maxToolCalls?: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
+/** Flags `up` forwards to its children: the HTTP server timeouts to every one, --cors-origin, --worker-wait-ms, --unavailable-wait-ms, --sse-keepalive-ms, --leg-silence-timeout-ms, --max-tool-calls, --schema-max-nodes, --schema-max-enum-values to the router, --served-model-name, --kv-same-host-verify, --max-state-bytes, --kv-streams and the GPU flags to the workers, --first-token-after-save and --no-kv-stream to prefill. */
+export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string[]; decodePolicy: string; localPrefillMaxTokens: number; kvSameHostVerify?: boolean; maxStateBytes?: number; kvStreams?: number; firstTokenAfterSave?: number | 'always'; kvStream?: boolean; workerWaitMs: number; unavailableWaitMs?: number; sseKeepaliveMs?: number; legSilenceTimeoutMs?: number; maxToolCalls?: number; schemaMaxNodes?: number; schemaMaxEnumValues?: number } & Partial<Parameters<typeof httpTimeoutArgs>[0]> & Parameters<typeof gpuArgs>[0] & UpEngineFlags): { router?: string[]; prefill?: string[]; decode?: string[] } {
   const names = [...(o.servedModelName?.length ? ['--served-model-name', ...o.servedModelName] : []), ...upEngineArgs(o)]; // + the engine flags Cluster does not carry
   const local = ['--local-prefill-max-tokens', String(o.localPrefillMaxTokens)];
   const verify = [...(o.kvSameHostVerify ? ['--kv-same-host-verify'] : []), ...(o.maxStateBytes !== undefined ? ['--max-state-bytes', String(o.maxStateBytes)] : []), ...(o.kvStreams !== undefined ? ['--kv-streams', String(o.kvStreams)] : [])];
   const http = o.keepAliveTimeoutMs !== undefined && o.headersTimeoutMs !== undefined && o.httpRequestTimeoutMs !== undefined ? httpTimeoutArgs({ keepAliveTimeoutMs: o.keepAliveTimeoutMs, headersTimeoutMs: o.headersTimeoutMs, httpRequestTimeoutMs: o.httpRequestTimeoutMs }) : [];
-  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...(o.unavailableWaitMs !== undefined ? ['--unavailable-wait-ms', String(o.unavailableWaitMs)] : []), ...(o.sseKeepaliveMs !== undefined ? ['--sse-keepalive-ms', String(o.sseKeepaliveMs)] : []), ...(o.legSilenceTimeoutMs !== undefined ? ['--leg-silence-timeout-ms', String(o.legSilenceTimeoutMs)] : []), ...(o.maxToolCalls !== undefined ? ['--max-tool-calls', String(o.maxToolCalls)] : []), ...http];
+  const router = [...(o.corsOrigin ? ['--cors-origin', o.corsOrigin.join(',')] : []), '--decode-policy', o.decodePolicy, ...local, '--worker-wait-ms', String(o.workerWaitMs), ...(o.unavailableWaitMs !== undefined ? ['--unavailable-wait-ms', String(o.unavailableWaitMs)] : []), ...(o.sseKeepaliveMs !== undefined ? ['--sse-keepalive-ms', String(o.sseKeepaliveMs)] : []), ...(o.legSilenceTimeoutMs !== undefined ? ['--leg-silence-timeout-ms', String(o.legSilenceTimeoutMs)] : []), ...(o.maxToolCalls !== undefined ? ['--max-tool-calls', String(o.maxToolCalls)] : []), ...(o.schemaMaxNodes !== undefined ? ['--schema-max-nodes', String(o.schemaMaxNodes)] : []), ...(o.schemaMaxEnumValues !== undefined ? ['--schema-max-enum-values', String(o.schemaMaxEnumValues)] : []), ...http];
   const firstToken = o.firstTokenAfterSave !== undefined ? ['--first-token-after-save', String(o.firstTokenAfterSave)] : [];
   const stream = o.kvStream === false ? ['--no-kv-stream'] : [];
   return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill'), ...http], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode'), ...http] };
@@ -312,6 +316,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): longest uncached prompt suffix a decode worker evaluates itself (router and decode; 0 = off)', int, 256)
     .option('--worker-wait-ms <ms>', `router: ${WORKER_WAIT_HELP}`, int, 20_000)
     .option('--max-tool-calls <n>', `router: ${MAX_TOOL_CALLS_HELP}`, int, DEFAULT_MAX_TOOL_CALLS)
+    .option('--schema-max-nodes <n>', `router: ${SCHEMA_MAX_NODES_HELP}`, int, DEFAULT_SCHEMA_MAX_NODES)
+    .option('--schema-max-enum-values <n>', `router: ${SCHEMA_MAX_ENUM_HELP}`, int, DEFAULT_SCHEMA_MAX_ENUM_VALUES)
     .option('--unavailable-wait-ms <ms>', `router: ${UNAVAILABLE_WAIT_HELP}`, int, 5000)
     .option('--sse-keepalive-ms <ms>', `router: ${SSE_KEEPALIVE_HELP}`, int, 15_000)
     .option('--leg-silence-timeout-ms <ms>', `router: ${LEG_SILENCE_HELP}`, int, 30_000)
@@ -443,11 +449,13 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--port <port>', 'HTTP port', int, 8000)
     .option('--slots <n>', 'sequences decoded as one batch', int, 8)
     .option('--max-tool-calls <n>', MAX_TOOL_CALLS_HELP, int, DEFAULT_MAX_TOOL_CALLS)
+    .option('--schema-max-nodes <n>', SCHEMA_MAX_NODES_HELP, int, DEFAULT_SCHEMA_MAX_NODES)
+    .option('--schema-max-enum-values <n>', SCHEMA_MAX_ENUM_HELP, int, DEFAULT_SCHEMA_MAX_ENUM_VALUES)
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model, 'colocated');
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, maxToolCalls: o.maxToolCalls, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
   internalTlsFlags(secretFlags(accessFlags(lifecycleOptions(program
@@ -461,6 +469,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--health-interval-ms <ms>', 'worker health polling period', int, 1000)
     .option('--no-first-token-from-prefill', 'decode streams every token (the first token waits for the KV handoff)')
     .option('--max-tool-calls <n>', MAX_TOOL_CALLS_HELP, int, DEFAULT_MAX_TOOL_CALLS)
+    .option('--schema-max-nodes <n>', SCHEMA_MAX_NODES_HELP, int, DEFAULT_SCHEMA_MAX_NODES)
+    .option('--schema-max-enum-values <n>', SCHEMA_MAX_ENUM_HELP, int, DEFAULT_SCHEMA_MAX_ENUM_VALUES)
     .option('--migration-limit <n>', 'most re-dispatches of one request after a worker failure, before output (retry) or after (migration: prompt + tokens sent go to another pair); see docs/MIGRATION.md', int, 3)
     .option('--worker-wait-ms <ms>', WORKER_WAIT_HELP, int, 20_000)
     .option('--unavailable-wait-ms <ms>', UNAVAILABLE_WAIT_HELP, int, 5000)
@@ -488,7 +498,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') });
         return r;
       });
     });

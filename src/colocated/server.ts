@@ -11,6 +11,7 @@ import { ApiError, checkModelName, sendApiError, apiErrorOf } from '../api/error
 import { outputChecksOf, responseToolSyntax, parseChatRequest, parseCompletionRequest, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
 import { SseWriter } from '../api/sse.js';
+import { DEFAULT_SCHEMA_LIMITS } from '../api/json-schema.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
@@ -43,6 +44,7 @@ export interface ColocatedServer {
 /** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/responses(/{id}), /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
 export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
   const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
+  const schemaLimits = { ...DEFAULT_SCHEMA_LIMITS, maxNodes: config.schemaMaxNodes, maxEnumValues: config.schemaMaxEnumValues };
   const store = openPrefixStore(config.engine, '/dev/shm', { write: true, log });
   const engine: Engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
   let backend: ColocatedBackend | undefined;
@@ -80,7 +82,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     // n > 1 / batched prompts: one local sub-request per choice, merged (api/fanout.ts).
     const subs = planFanOut(kind, req.body);
     if (subs) return serveFanOut(req, reply, kind, subs);
-    const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body, { maxToolCalls: config.maxToolCalls }) : parseCompletionRequest(req.body);
+    const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(req.body, { schemaLimits });
     parsed.salt = cacheSaltOf(tenantOf(req), parsed.cacheSalt);
     checkModelName(parsed.model, names);
     if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;

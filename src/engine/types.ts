@@ -71,6 +71,10 @@ export type GrammarSpec =
   | { type: 'json_schema'; schema: Record<string, unknown> }
   | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean; maxCalls?: number };
 
+/** Most JSON-schema nodes after `$ref` expansion in one request, by default (`--schema-max-nodes`; OpenAI's structured outputs allow 5,000 properties). */
+export const DEFAULT_SCHEMA_MAX_NODES = 5000;
+/** Most enum/const values in one request's JSON schemas, by default (`--schema-max-enum-values`; OpenAI's bound). */
+export const DEFAULT_SCHEMA_MAX_ENUM_VALUES = 1000;
 /** Most tool calls in one turn when a parallel tool_call grammar names no `maxCalls` (the router's and colocated's `--max-tool-calls` default). */
 export const DEFAULT_MAX_TOOL_CALLS = 16;
 /** Highest `--max-tool-calls`. */

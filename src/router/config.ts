@@ -22,7 +22,8 @@
  *       when every worker of the role is draining), sseKeepAliveMs = 15000 (an SSE comment on a
  *       stream silent this long; 0 = none), legSilenceMs = 30000 (decode's stream silent this
  *       long mid-generation: the worker is frozen, the request migrates; 0 = no bound), maxToolCalls = 16 (tool calls
- *       per turn with parallel_tool_calls),
+ *       per turn with parallel_tool_calls), schemaMaxNodes = 5000 and schemaMaxEnumValues =
+ *       1000 (JSON-schema bounds, ../api/json-schema.ts SchemaLimits),
  *     policy (prefill) = 'cache_aware' | 'least_load' | 'round_robin' | 'power_of_two',
  *       decodePolicy = 'least_load' (same choices; cache_aware enables decode-local
  *       continuation up to localPrefillMaxTokens = 256 uncached tokens, 0 = off), with cache_aware's
@@ -46,7 +47,7 @@ import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
-import { DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
 const LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
 
@@ -101,6 +102,8 @@ export const RouterConfigSchema = z
     firstTokenFromPrefill: z.boolean().default(true),
     migrationLimit: z.number().int().min(0).max(16).default(3),
     maxToolCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).default(DEFAULT_MAX_TOOL_CALLS),
+    schemaMaxNodes: z.number().int().min(1).max(1_000_000).default(DEFAULT_SCHEMA_MAX_NODES),
+    schemaMaxEnumValues: z.number().int().min(1).max(1_000_000).default(DEFAULT_SCHEMA_MAX_ENUM_VALUES),
     workerWaitMs: z.number().int().min(0).default(20_000),
     unavailableWaitMs: z.number().int().min(0).default(5000),
     sseKeepAliveMs: z.number().int().min(0).default(15_000),
@@ -188,6 +191,10 @@ export interface RouterConfig {
   readonly migrationLimit: number;
   /** Most tool calls in one turn with parallel_tool_calls (`--max-tool-calls`): the grammar ends the turn after the last. */
   readonly maxToolCalls: number;
+  /** Most JSON-schema nodes after `$ref` expansion per request (`--schema-max-nodes`); past it a 400 schema_too_complex. */
+  readonly schemaMaxNodes: number;
+  /** Most enum/const values in a request's JSON schemas (`--schema-max-enum-values`); past it a 400 schema_too_complex. */
+  readonly schemaMaxEnumValues: number;
   /** Longest wait (ms, inside the request's deadline) for a healthy worker of a role that has none; 0 = answer 503 at once. */
   readonly workerWaitMs: number;
   /** Longest wait (ms) for a worker of a role whose every worker is draining (./attempts.ts `waitUntil`), then 503 with retry-after. */

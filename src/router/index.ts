@@ -44,6 +44,7 @@ import { ApiError, checkModelName, openAIClientErrorHandler, registerOpenAIError
 import { answerPlainHttp } from '../api/plain-http.js';
 import type { Server as TlsServer } from 'node:tls';
 import { parseChatRequest, parseCompletionRequest, type ParsedRequest } from '../api/parse.js';
+import { DEFAULT_SCHEMA_LIMITS } from '../api/json-schema.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
@@ -118,6 +119,7 @@ function makeLogger(config: RouterConfig): Logger {
  */
 export async function createRouter(raw: RouterConfigInput | RouterConfig): Promise<Router> {
   const config = parseRouterConfig(raw);
+  const schemaLimits = { ...DEFAULT_SCHEMA_LIMITS, maxNodes: config.schemaMaxNodes, maxEnumValues: config.schemaMaxEnumValues };
   const log = makeLogger(config);
   // Every router → worker request is signed with the cluster secret (../runtime/http-auth.ts).
   const credentials = config.clusterSecret ? { sign: { secret: config.clusterSecret } } : {};
@@ -255,7 +257,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const dispatch = async (kind: 'completion' | 'chat', request: FastifyRequest, reply: FastifyReply, member: ReturnType<ChoiceGroups['member']>): Promise<FastifyReply> => {
       let parsed: ParsedRequest;
       try {
-        parsed = kind === 'chat' ? parseChatRequest(request.body, { maxToolCalls: config.maxToolCalls }) : parseCompletionRequest(request.body);
+        parsed = kind === 'chat' ? parseChatRequest(request.body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(request.body, { schemaLimits });
         parsed.salt = cacheSaltOf(tenantOf(request), parsed.cacheSalt);
         checkModelName(parsed.model, registry.models());
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');

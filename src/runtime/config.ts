@@ -5,7 +5,7 @@
 import { z } from 'zod';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
-import { DEFAULT_MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from './cluster-secret.js';
 import { HttpTimeoutsSchema } from './http-timeouts.js';
@@ -224,6 +224,10 @@ export const ColocatedConfigSchema = z.object({
   httpTimeouts: HttpTimeoutsSchema,
   /** Most tool calls in one turn with parallel_tool_calls (`--max-tool-calls`). */
   maxToolCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).default(DEFAULT_MAX_TOOL_CALLS),
+  /** Most JSON-schema nodes after `$ref` expansion per request (`--schema-max-nodes`). */
+  schemaMaxNodes: z.number().int().min(1).max(1_000_000).default(DEFAULT_SCHEMA_MAX_NODES),
+  /** Most enum/const values in a request's JSON schemas (`--schema-max-enum-values`). */
+  schemaMaxEnumValues: z.number().int().min(1).max(1_000_000).default(DEFAULT_SCHEMA_MAX_ENUM_VALUES),
   /** CORS origins ('*' = any); empty = no CORS. */
   corsOrigin: z.array(z.string().min(1)).max(64).default([]),
   /** Client access (src/api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */

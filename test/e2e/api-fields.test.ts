@@ -197,6 +197,52 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
     }
   });
 
+  test('a hostile schema (a 2 KB $defs chain expanding to 4^10 nodes, a 20,000-value enum, 1,000-value enums in two tools) is a fast 400 schema_too_complex while a concurrent stream goes on undisturbed', async () => {
+    const defs: Record<string, unknown> = {};
+    const props = (i: number) => Object.fromEntries([0, 1, 2, 3].map((k) => [`p${k}`, { $ref: `#/$defs/d${i}`, type: 'object' }]));
+    for (let i = 0; i < 10; i++) defs[`d${i}`] = i === 9 ? { type: 'object', properties: { s: { type: 'string' } } } : { type: 'object', properties: props(i + 1) };
+    const chain = { $defs: defs, $ref: '#/$defs/d0' };
+    const bigEnum = (n: number) => ({ type: 'object', properties: { v: { enum: Array.from({ length: n }, (_, i) => `value-${i}`) } }, required: ['v'] });
+    const tool = (name: string) => ({ type: 'function', function: { name, parameters: bigEnum(1000) } });
+    const hostile: [string, Body, RegExp][] = [
+      ['chat/completions', { messages: [{ role: 'user', content: 'x' }], response_format: { type: 'json_schema', json_schema: { name: 'h', schema: chain } } }, /more than 5000 nodes.*--schema-max-nodes/],
+      ['completions', { prompt: 'x', guided_json: bigEnum(20_000) }, /more than 1000 enum\/const values.*--schema-max-enum-values/],
+      ['chat/completions', { messages: [{ role: 'user', content: 'x' }], tools: [tool('a'), tool('b')] }, /more than 1000 enum/],
+    ];
+    for (const api of [s.pd, s.ref]) {
+      // the side stream: fixed length, its inter-token gaps measured while the hostile requests come in
+      const stream = await api.completions.create({ model: 'pdserve', prompt, max_tokens: 64, ignore_eos: true, temperature: 0, stream: true });
+      const gaps: number[] = [];
+      let tokens = 0;
+      let finish: string | null = null;
+      const side = (async () => {
+        let last = performance.now();
+        for await (const ch of stream) {
+          const now = performance.now();
+          if (ch.choices[0]?.text) (tokens++, gaps.push(now - last));
+          finish = ch.choices[0]?.finish_reason ?? finish;
+          last = now;
+        }
+      })();
+      const url = api === s.pd ? s.c.router.url : s.c.colocated!.url;
+      for (const [path, body, re] of hostile) {
+        const t = performance.now();
+        const r = await fetch(`${url}/v1/${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', max_tokens: 8, ...body }), signal: AbortSignal.timeout(20_000) });
+        const j = (await r.json()) as { error: { code: string; message: string; param: string | null } };
+        const ms = performance.now() - t;
+        assert.equal(r.status, 400, `${url} ${path}: ${JSON.stringify(j).slice(0, 300)}`);
+        assert.equal(j.error.code, 'schema_too_complex');
+        assert.match(j.error.message, re);
+        assert.ok(ms < 2000, `${path} refused in ${ms.toFixed(0)} ms`);
+      }
+      await side;
+      assert.equal(finish, 'length');
+      assert.equal(tokens, 64, 'the side stream got every token');
+      const worst = Math.max(...gaps.slice(1));
+      assert.ok(worst < 1500, `side stream's longest inter-token gap ${worst.toFixed(0)} ms`);
+    }
+  });
+
   test('logprobs (completions: top N; chat: logprobs + top_logprobs): one per token, PD equals colocated', async () => {
     const c = await same('completion', { prompt, max_tokens: 10, ignore_eos: true, logprobs: 3 });
     const lp = c.logprobs as { tokens: string[]; token_logprobs: number[]; top_logprobs: Record<string, number>[]; text_offset: number[] };
