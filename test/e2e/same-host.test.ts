@@ -58,7 +58,7 @@ const HOLD_MS = 3000;
  */
 const REQUEST_DEADLINE_MS = 2 * HOLD_MS;
 /** The router's --client-write-deadline-ms: a stalled reader is cut this long after its queue stopped draining. */
-const CLIENT_DEADLINE_MS = 1500;
+const CLIENT_DEADLINE_MS = 2500;
 /** Both decodes' --max-state-bytes: the smallest accepted; the tiny model's state is ~530 B/token. */
 const MAX_STATE = '1M';
 /** A prompt of ~2000 tokens (a ~1.06 MB state: over MAX_STATE), as the context allows. */
