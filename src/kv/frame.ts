@@ -49,7 +49,7 @@ const mac = hex(64, 64);
 const room = z.string().refine(isRoomId, 'must be a canonical decimal u64 room id').transform((r) => r as RoomId);
 const reason = z.string().max(MAX_REASON_CHARS);
 const count = z.number().int().min(0).max(Number.MAX_SAFE_INTEGER);
-const settings = z.object({ fingerprint: hex(1, 128), contextSize: count, batchSize: count, flashAttention: z.boolean(), kvCacheType: z.string().regex(/^[a-z0-9_]{1,16}$/).optional() });
+const settings = z.object({ fingerprint: hex(1, 128), contextSize: count, batchSize: count, flashAttention: z.boolean(), kvCacheType: z.string().regex(/^[a-z0-9_]{1,16}$/).optional(), protocol: z.string().max(32).optional(), build: z.string().max(80).optional() });
 
 /** zod schema of every ControlMsg variant, discriminated on `type`. */
 export const ControlMsgSchema = z.discriminatedUnion('type', [
