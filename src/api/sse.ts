@@ -85,6 +85,8 @@ export class SseWriter {
       this.cut = new SseError('SSE_SLOW_CLIENT', `client cut: ${detail}`);
       for (const f of this.onCut.splice(0)) f(this.cut);
       this.res.destroy(this.cut);
+      // after `end` the response is finished and its destroy leaves the (keep-alive) socket open
+      sock.destroy();
     });
   }
 

@@ -238,7 +238,7 @@ const UNAVAILABLE_WAIT_HELP = 'a request finding every worker of a role draining
 /** `--sse-keepalive-ms` (router and `up`): see ../router/keepalive.ts. */
 const SSE_KEEPALIVE_HELP = "a streamed request silent this long (waiting for a worker, its first token or the next) gets an SSE comment ': keep-alive', so an idle proxy in front does not cut it (0 = never)";
 /** `--client-write-deadline-ms` and `--client-max-buffered-bytes` (router): ../runtime/send-queue.ts. */
-const CLIENT_DEADLINE_HELP = 'a streaming client must read what is queued for it within this (ms), else it is cut and its request aborted (a stalled or too slow reader)';
+const CLIENT_DEADLINE_HELP = 'every byte written to a streaming client must be delivered within this (ms) of its write, else the client is cut and its request aborted (a stalled or too slow reader)';
 const CLIENT_BUFFER_HELP = 'most bytes queued for one streaming client (bytes, or with K/M/G; 64K-1G; default 4M) before it is cut and its request aborted';
 
 /** `--leg-silence-timeout-ms` (router and `up`): see ../router/dispatch.ts `watchSilence`. */

@@ -8,7 +8,7 @@
  *
  * | rule | flag (router, colocated) | default | reason |
  * |---|---|---|---|
- * | what is queued for the client must drain (reach 0) within the write deadline | `--client-write-deadline-ms` | 30000 | `stalled` (a reader that stopped, or reads 1 byte/s) |
+ * | every byte written to the client is delivered (acknowledged by its kernel) within the write deadline of its write | `--client-write-deadline-ms` | 30000 | `stalled` (a reader that stopped, or reads 1 byte/s) |
  * | at most this many bytes queued for one client | `--client-max-buffered-bytes` | 4M | `over_buffer` |
  *
  * Cutting = destroying the connection: the request's rooms are aborted as for a client that left,
@@ -16,6 +16,11 @@
  * Node's buffer is seen: a reader stalled behind a full kernel queue is still caught by the
  * deadline once Node's buffer stops draining. A queue is sampled every `periodMs` (a quarter of
  * the deadline, 1 s at most) while any stream is watched, with one read of the two files.
+ *
+ * The deadline is judged per byte (delivered = written − queued), not on an empty queue: a healthy
+ * reader across a WAN always has a round trip's worth of unacknowledged bytes queued while the
+ * stream runs, so "the queue reaches 0" would cut it, while "what was written a deadline ago has
+ * been delivered" holds for it and fails for a stopped or 1 byte/s reader.
  */
 import { readFile } from 'node:fs/promises';
 import type { Socket } from 'node:net';
@@ -63,22 +68,32 @@ export function parseTxQueues(text: string, into: Map<string, number> = new Map(
   return into;
 }
 
-/** One watched client: when its queue was last empty (ms). */
+/**
+ * One watched client: marks `{at, written}` (ms, bytes written so far) taken at samples while
+ * bytes were still undelivered, oldest first; a mark goes once its bytes are delivered. At most
+ * one mark per sample, and a mark older than the deadline cuts the client, so there are at most
+ * deadline ÷ sample period + 1 marks.
+ */
 export interface QueueState {
-  emptyAt: number;
+  marks: { at: number; written: number }[];
+}
+
+/** A fresh QueueState. */
+export function newQueueState(): QueueState {
+  return { marks: [] };
 }
 
 /**
- * The verdict on a client whose queue holds `queued` bytes at `now` (ms), `st` updated: cut when
- * over the byte bound, or when the queue has not been empty for the whole deadline.
+ * The verdict on a client to which `written` bytes were written in all, `queued` of them not yet
+ * delivered, at `now` (ms); `st` updated. Cut when over the byte bound, or when bytes written at
+ * least a deadline ago are still undelivered.
  */
-export function judgeQueue(st: QueueState, queued: number, now: number, limits: SendQueueLimits): CutReason | undefined {
-  if (queued <= 0) {
-    st.emptyAt = now;
-    return undefined;
-  }
+export function judgeQueue(st: QueueState, written: number, queued: number, now: number, limits: SendQueueLimits): CutReason | undefined {
   if (queued > limits.maxBufferedBytes) return 'over_buffer';
-  if (now - st.emptyAt >= limits.deadlineMs) return 'stalled';
+  const delivered = written - Math.max(0, queued);
+  while (st.marks.length > 0 && st.marks[0]!.written <= delivered) st.marks.shift();
+  if (st.marks.length > 0 && now - st.marks[0]!.at >= limits.deadlineMs) return 'stalled';
+  if (written > delivered && written > (st.marks.at(-1)?.written ?? -1)) st.marks.push({ at: now, written });
   return undefined;
 }
 
@@ -118,7 +133,7 @@ export class SendQueueWatch {
    * closes; `cut` is called once when it breaks a rule (the caller destroys the connection).
    */
   watch(socket: Socket, cut: (reason: CutReason, detail: string) => void): () => void {
-    const w: Watched = { socket, st: { emptyAt: this.now() }, cut };
+    const w: Watched = { socket, st: newQueueState(), cut };
     this.watched.add(w);
     const stop = () => {
       this.watched.delete(w);
@@ -163,11 +178,11 @@ export class SendQueueWatch {
       if (s.destroyed) continue;
       const k = kernel && s.localPort !== undefined && s.remotePort !== undefined ? (kernel.get(`${s.localPort}:${s.remotePort}`) ?? 0) : 0;
       const queued = k + s.writableLength;
-      const reason = judgeQueue(w.st, queued, now, this.limits);
+      const reason = judgeQueue(w.st, s.bytesWritten, queued, now, this.limits);
       if (!reason) continue;
       this.watched.delete(w);
       this.cuts?.inc({ reason });
-      const detail = reason === 'over_buffer' ? `${queued} bytes queued for the client, over --client-max-buffered-bytes ${this.limits.maxBufferedBytes}` : `the client read nothing for ${Math.round(now - w.st.emptyAt)} ms with ${queued} bytes queued (--client-write-deadline-ms ${this.limits.deadlineMs})`;
+      const detail = reason === 'over_buffer' ? `${queued} bytes queued for the client, over --client-max-buffered-bytes ${this.limits.maxBufferedBytes}` : `bytes written to the client ${Math.round(now - (w.st.marks[0]?.at ?? now))} ms ago are still undelivered, ${queued} bytes queued (--client-write-deadline-ms ${this.limits.deadlineMs})`;
       w.cut(reason, detail);
     }
   }

@@ -1,6 +1,6 @@
 /**
  * Stalled and too-slow readers (src/runtime/send-queue.ts): the /proc/net/tcp parser, the rule
- * (drain within the deadline, at most the byte bound queued), the watch's sampling with a fake
+ * (every byte delivered within the deadline of its write, at most the byte bound queued), the watch's sampling with a fake
  * kernel queue, and the size flag's parser.
  */
 import assert from 'node:assert/strict';
@@ -8,7 +8,7 @@ import { EventEmitter } from 'node:events';
 import type { Socket } from 'node:net';
 import { test } from 'node:test';
 import client from 'prom-client';
-import { judgeQueue, parseBufferedBytes, parseTxQueues, SendQueueWatch } from '../../src/runtime/send-queue.js';
+import { judgeQueue, newQueueState, parseBufferedBytes, parseTxQueues, SendQueueWatch } from '../../src/runtime/send-queue.js';
 
 test('tx_queue by port pair from /proc/net/tcp and tcp6 text', () => {
   const tcp = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -24,14 +24,30 @@ test('tx_queue by port pair from /proc/net/tcp and tcp6 text', () => {
   assert.equal(m.get('8000:0'), 0);
 });
 
-test('the rule: a queue that does not reach 0 within the deadline is stalled; over the bound at once; an emptied queue restarts the clock', () => {
+test('the rule: bytes still undelivered a deadline after their write are stalled; over the bound at once', () => {
   const limits = { deadlineMs: 1000, maxBufferedBytes: 1 << 20 };
-  const st = { emptyAt: 0 };
-  assert.equal(judgeQueue(st, 500, 900, limits), undefined);
-  assert.equal(judgeQueue(st, 0, 950, limits), undefined, 'drained');
-  assert.equal(judgeQueue(st, 10, 1900, limits), undefined, 'the deadline counts from the last empty queue');
-  assert.equal(judgeQueue(st, 10, 1950, limits), 'stalled', 'a 1 byte/s reader never empties it');
-  assert.equal(judgeQueue({ emptyAt: 0 }, (1 << 20) + 1, 10, limits), 'over_buffer');
+  const st = newQueueState();
+  assert.equal(judgeQueue(st, 500, 500, 0, limits), undefined, 'written at 0, not yet delivered');
+  assert.equal(judgeQueue(st, 900, 500, 900, limits), undefined, '400 delivered, the first 500 not yet');
+  assert.equal(judgeQueue(st, 900, 400, 950, limits), undefined, "the bytes written at 0 are delivered: that mark goes, 900's is 50 ms old");
+  assert.equal(judgeQueue(st, 1000, 200, 1850, limits), undefined, '800 delivered');
+  assert.equal(judgeQueue(st, 1000, 190, 1900, limits), 'stalled', 'bytes written at 900 still undelivered at 1900: a 1 byte/s reader');
+  assert.equal(judgeQueue(newQueueState(), (1 << 20) + 1, (1 << 20) + 1, 10, limits), 'over_buffer');
+});
+
+test('the rule: a healthy reader across a WAN, whose queue never empties while the stream runs, is not cut', () => {
+  const limits = { deadlineMs: 1000, maxBufferedBytes: 1 << 20 };
+  const st = newQueueState();
+  // 10 KB/s written, a round trip (100 ms = 1 KB) always in flight, for 10 deadlines.
+  for (let t = 0; t <= 10_000; t += 250) {
+    const written = t * 10 + 1000;
+    assert.equal(judgeQueue(st, written, 1000, t, limits), undefined, `at ${t} ms`);
+  }
+  assert.ok(st.marks.length <= 2, `marks are bounded: ${st.marks.length}`);
+  // The same stream's reader stops: what it had been sent is undelivered a deadline later.
+  assert.equal(judgeQueue(st, 101_000, 1000 + 5000, 10_500, limits), undefined);
+  assert.equal(judgeQueue(st, 101_000, 6000, 10_900, limits), undefined);
+  assert.equal(judgeQueue(st, 101_000, 6000, 11_000, limits), 'stalled', 'what was written at 10 000 ms is undelivered at 11 000');
 });
 
 test('the watch samples every watched socket (kernel + Node queue), cuts once, counts, and stops sampling when none is left', async () => {
@@ -39,13 +55,16 @@ test('the watch samples every watched socket (kernel + Node queue), cuts once, c
   const kernel = new Map<string, number>();
   const registry = new client.Registry();
   const w = new SendQueueWatch({ deadlineMs: 1000, maxBufferedBytes: 1 << 20 }, { registry, now: () => now, readQueues: async () => kernel });
-  const sock = (local: number, remote: number) => Object.assign(new EventEmitter(), { localPort: local, remotePort: remote, writableLength: 0, destroyed: false }) as unknown as Socket & { writableLength: number };
+  const sock = (local: number, remote: number) => Object.assign(new EventEmitter(), { localPort: local, remotePort: remote, writableLength: 0, bytesWritten: 0, destroyed: false }) as unknown as Socket & { writableLength: number; bytesWritten: number };
   const a = sock(8000, 1);
   const b = sock(8000, 2);
   const cut: string[] = [];
   w.watch(a, (r) => cut.push(`a:${r}`));
   const stopB = w.watch(b, (r) => cut.push(`b:${r}`));
   kernel.set('8000:1', 100);
+  a.bytesWritten = 100;
+  now = 0;
+  await w.sample();
   now = 500;
   await w.sample();
   assert.deepEqual(cut, []);
@@ -54,6 +73,7 @@ test('the watch samples every watched socket (kernel + Node queue), cuts once, c
   assert.deepEqual(cut, ['a:stalled'], 'a never drained; b had nothing queued');
   now = 1100;
   b.writableLength = 2 << 20;
+  b.bytesWritten = 2 << 20;
   await w.sample();
   assert.deepEqual(cut, ['a:stalled', 'b:over_buffer'], "Node's own buffer counts");
   await w.sample();
