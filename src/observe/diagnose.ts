@@ -498,6 +498,24 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
     }
   }
 
+  // streaming clients the router cut for reading too slowly (../runtime/send-queue.ts)
+  if (router?.metrics.body) {
+    const by = (['stalled', 'over_buffer'] as const).map((reason) => ({ reason, n: sumOf(router.metrics.body, 'pdserve_client_cut_total', { reason }), d: prevRouter ? sumOf(router.metrics.body, 'pdserve_client_cut_total', { reason }) - sumOf(prevRouter, 'pdserve_client_cut_total', { reason }) : 0 }));
+    const total = by.reduce((a, x) => a + x.n, 0);
+    const moved = by.reduce((a, x) => a + Math.max(0, x.d), 0);
+    if (total > 0) {
+      add({
+        severity: moved > 0 ? 'warning' : 'info',
+        kind: 'slow_clients',
+        title: moved > 0 ? `router: ${moved} streaming client(s) cut for reading too slowly since the previous round` : `router: ${total} streaming client(s) cut for reading too slowly since start`,
+        details: by.filter((x) => x.n > 0).map((x) => `${x.reason}: ${x.n}`),
+        cause: 'clients that stopped reading their stream (stalled: nothing drained within --client-write-deadline-ms) or let too much queue up (over_buffer: --client-max-buffered-bytes); their requests were aborted, their slots freed',
+        next: [`curl -sS ${routerUrl}/metrics | grep pdserve_client_cut_total`, 'a proxy in front buffering, or clients on slow links: raise the router flags; else the clients are the problem'],
+        weight: moved || total,
+      });
+    }
+  }
+
   const offload = offloadFinding(snap.workers);
   if (offload) add(offload);
 
