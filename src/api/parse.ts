@@ -14,7 +14,7 @@ import type { RoomId } from '../base/room-id.js';
 import { DEFAULT_SCHEMA_LIMITS, normaliseJsonSchema, SchemaError, schemaTooComplex, SchemaTooComplexError, type SchemaLimits } from './json-schema.js';
 import { DEFAULT_COMPLETION_MAX_TOKENS, fieldsOf, LEGACY_FUNCTIONS_REFUSAL, MESSAGE_FIELDS, TOOLS_REFUSAL, type Endpoint, type FieldSpec } from './fields.js';
 import { parseTools, toolGrammarOf, type ParsedTools } from './tool-calls.js';
-import type { ChatMessage, ToolCallSyntax } from '../engine/types.js';
+import type { ChatMessage, JsonGrammarSpec, ToolCallSyntax } from '../engine/types.js';
 import { ApiError } from '../base/errors.js';
 import { badRequest, zodToApiError } from './errors.js';
 import type { OutputChecks } from './respond.js';
@@ -230,13 +230,15 @@ export type ParsedRequest = ParsedCompletionRequest | ParsedChatRequest;
 
 /**
  * What the response builder checks a finished output against (respond.ts OutputChecks): the
- * json_schema grammar's schema (not with echo: the prompt's text comes first), and each tool's
- * parameters schema.
+ * json_schema grammar's schema (not with echo: the prompt's text comes first; with tools, the
+ * content of a reply that made no call), and each tool's parameters schema.
  */
 export function outputChecksOf(parsed: ParsedRequest): OutputChecks {
   const out: OutputChecks = {};
   const g = parsed.sampling.grammar;
   if (g?.type === 'json_schema' && !parsed.sampling.echo) out.output = g.schema;
+  // tools + a JSON format (tool_choice auto): a reply without calls ends 'stop' and is checked as the JSON
+  if (g?.type === 'tool_call' && g.reply?.type === 'json_schema') out.output = g.reply.schema;
   if ((parsed.sampling.stop?.length ?? 0) > 0 || (parsed.sampling.stop_token_ids?.length ?? 0) > 0) out.stopsMayCut = true;
   if (parsed.kind === 'chat' && parsed.tools) out.tools = new Map(parsed.tools.functions.flatMap((f) => (f.parameters ? [[f.name, f.parameters] as const] : [])));
   return out;
@@ -377,8 +379,8 @@ export function parseChatRequest(body: unknown, opts: ChatParseOptions = {}): Pa
   const tools = parseTools(b, opts.maxToolCalls, limits);
   if (tools) {
     out.tools = tools;
-    const g = toolGrammarOf(tools);
-    if (g && out.sampling.grammar) throw unsupported('tool_choice', 'tools cannot be combined with response_format / guided_json (one grammar per request); send tool_choice "none" or drop the JSON format');
+    // The grammar so far is the JSON format's (grammarOf); with tools it becomes the calls' (or either)
+    const g = toolGrammarOf(tools, out.sampling.grammar as JsonGrammarSpec | undefined);
     if (g) out.sampling.grammar = g;
   }
   return out;

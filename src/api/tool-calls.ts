@@ -6,8 +6,9 @@
  *   in the subset the grammar engine supports, checked by ./json-schema.ts), `tool_choice`
  *   ("none" | "auto" | "required" | {type: "function", function: {name}}), `parallel_tool_calls`.
  *   Every problem is a 400 naming the field.
- * - `toolGrammarOf(tools)`: the worker grammar — none for "none", a lazy call grammar for "auto"
- *   (on after the call prefix), a whole-output call grammar for "required" / a named function.
+ * - `toolGrammarOf(tools, format)`: the worker grammar — none for "none", a lazy call grammar for "auto"
+ *   (on after the call prefix), a whole-output call grammar for "required" / a named function;
+ *   with a JSON format, "auto" is a whole-output grammar of the calls or a JSON reply.
  * - `ToolCallParser`: the router's (and colocated's) incremental parser of the generated text in
  *   the wrapper's call syntax (`prefix name paramsPrefix {json} suffix`), producing OpenAI
  *   content and `tool_calls` deltas (index, id, type, function name, then argument pieces) as the
@@ -20,7 +21,7 @@
 import { randomBytes } from 'node:crypto';
 import { z } from 'zod';
 import { ApiError } from '../base/errors.js';
-import { DEFAULT_MAX_TOOL_CALLS, type ToolCallSyntax, type ToolFunction } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, type GrammarSpec, type JsonGrammarSpec, type ToolCallSyntax, type ToolFunction } from '../engine/types.js';
 import { DEFAULT_SCHEMA_LIMITS, normaliseJsonSchema, SchemaError, schemaTooComplex, SchemaTooComplexError, type SchemaLimits, type SchemaUsage } from './json-schema.js';
 import { MAX_TOOLS } from '../protocol/worker-protocol.js';
 
@@ -119,12 +120,19 @@ export function toolSyntaxFromHealth(v: unknown): ToolCallSyntax | null {
   return r.success ? r.data : null;
 }
 
-/** The worker grammar for `tools` (see the module doc), or undefined for tool_choice "none". */
-export function toolGrammarOf(tools: ParsedTools): { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean; maxCalls?: number } | undefined {
-  if (tools.choice === 'none') return undefined;
+/**
+ * The worker grammar for `tools` (see the module doc), or `format` (the request's JSON format
+ * grammar, if any) for tool_choice "none". With a JSON format, tool_choice "auto" is the calls
+ * or a JSON reply of that format (OpenAI accepts both together: the model calls tools or answers
+ * in the format), "required" / a named function the calls alone (the format applies to a later
+ * turn's reply).
+ */
+export function toolGrammarOf(tools: ParsedTools, format?: JsonGrammarSpec): GrammarSpec | undefined {
+  if (tools.choice === 'none') return format;
   const named = typeof tools.choice === 'object';
   const pick = named ? tools.functions.filter((f) => f.name === (tools.choice as { name: string }).name) : tools.functions;
-  const g = { type: 'tool_call' as const, functions: pick.map((f) => (f.parameters ? { name: f.name, parameters: f.parameters } : { name: f.name })), lazy: tools.choice === 'auto' };
+  const reply = tools.choice === 'auto' ? format : undefined;
+  const g: GrammarSpec = { type: 'tool_call', functions: pick.map((f) => (f.parameters ? { name: f.name, parameters: f.parameters } : { name: f.name })), lazy: tools.choice === 'auto' && !reply, ...(reply ? { reply } : {}) };
   // A named tool_choice is one call of that function (OpenAI); otherwise parallel_tool_calls decides.
   return tools.parallel && !named ? { ...g, parallel: true, maxCalls: tools.maxCalls } : g;
 }

@@ -18,7 +18,7 @@
 import { readFileSync } from 'node:fs';
 
 /** The protocol this build speaks, `MAJOR.MINOR`. */
-export const PROTOCOL_VERSION = '1.1';
+export const PROTOCOL_VERSION = '1.2';
 
 /** What a peer that reports no protocol speaks. */
 export const IMPLIED_PROTOCOL = '1.0';

@@ -36,6 +36,7 @@ import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier
 import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
 import { cacheKeyOf, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore } from './prefix-store.js';
 import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
+import { isLazyGrammar } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
 import { applyDeviceEnv, checkDeviceMemory, ggmlTypeName, llamaGpuOption, type GpuBackend, type GpuInfo, type GpuLayers, type KvCacheType } from './gpu.js';
 
@@ -510,7 +511,7 @@ class Lease implements Slot {
     const stopIds = new Set(sampling.stopTokenIds ?? []);
     // A grammar allows EOG only where its output is complete (json-grammar.ts), so ignore_eos does
     // not hold it open: it could only sample EOG up to max_tokens.
-    const grammarEnds = sampling.grammar !== undefined && !(sampling.grammar.type === 'tool_call' && sampling.grammar.lazy);
+    const grammarEnds = sampling.grammar !== undefined && !isLazyGrammar(sampling.grammar);
     // echo: the prompt's text before token 1's text
     let echo = sampling.echo ? this.engine.detokenize(prompt) : '';
     let count = 0;

@@ -13,9 +13,9 @@
  */
 import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, type LlamaModel, type SequenceEvaluateOptions, type Token } from 'node-llama-cpp';
 import { randomInt } from 'node:crypto';
-import { DEFAULT_MAX_TOOL_CALLS, type GrammarSpec, type SamplingParams, type TokenLogprob, type ToolCallSyntax } from './types.js';
+import { DEFAULT_MAX_TOOL_CALLS, isLazyGrammar, type GrammarSpec, type SamplingParams, type TokenLogprob, type ToolCallSyntax } from './types.js';
 import { JSON_OBJECT_GBNF, jsonSchemaGbnf } from './json-grammar.js';
-import { toolCallGrammarText, triggerTexts } from './tools.js';
+import { eitherGrammarText, toolCallGrammarText, triggerTexts } from './tools.js';
 import type { TokenRenderer } from './token-text.js';
 
 /** Error code thrown when a grammar cannot be built (bad JSON schema): the API maps it to 400. */
@@ -60,7 +60,11 @@ export class GrammarCache {
     if (spec.type === 'json') return this.llama.createGrammar({ grammar: JSON_OBJECT_GBNF });
     if (spec.type === 'json_schema') return this.llama.createGrammar({ grammar: await jsonSchemaGbnf(this.llama, spec.schema) });
     if (!this.toolSyntax) throw new Error("the model's chat wrapper has no function-call syntax");
-    return this.llama.createGrammar({ grammar: await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, spec.lazy, spec.parallel === true ? (spec.maxCalls ?? DEFAULT_MAX_TOOL_CALLS) : 1) });
+    const calls = await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, isLazyGrammar(spec), spec.parallel === true ? (spec.maxCalls ?? DEFAULT_MAX_TOOL_CALLS) : 1);
+    if (!spec.reply) return this.llama.createGrammar({ grammar: calls });
+    // The calls (from the call prefix on) or a JSON reply: whole-output, so both end where they end.
+    const reply = spec.reply.type === 'json' ? JSON_OBJECT_GBNF : await jsonSchemaGbnf(this.llama, spec.reply.schema);
+    return this.llama.createGrammar({ grammar: eitherGrammarText(calls, reply) });
   }
 }
 
@@ -140,7 +144,7 @@ export class RequestSampler {
       for (const t of s.stopTokenIds ?? []) bans.push([t, -Infinity]);
       this.banBias = biasOf(model, bans);
     }
-    if (grammar && s.grammar?.type === 'tool_call' && s.grammar.lazy) {
+    if (grammar && isLazyGrammar(s.grammar)) {
       if (!toolSyntax) throw new Error('a lazy tool-call grammar needs the chat wrapper\'s call syntax');
       const triggers = triggerTexts(toolSyntax);
       this.lazy = { grammar, triggers, longest: Math.max(...triggers.map((t) => t.length)), tail: '' };

@@ -204,6 +204,15 @@ export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, 
 }
 
 /**
+ * A GBNF grammar whose output is one of `a` or `b` (two GBNF grammars with a `root` rule each):
+ * `root ::= a-root | b-root`, every rule of `a` renamed `a-…`, of `b` `b-…` (prefixGbnfRules).
+ * Used for tool calls or a JSON reply (tool_choice "auto" with a JSON response format).
+ */
+export function eitherGrammarText(a: string, b: string): string {
+  return ['root ::= a-root | b-root', prefixGbnfRules(a, 'a-').trim(), prefixGbnfRules(b, 'b-').trim()].join('\n');
+}
+
+/**
  * The texts whose appearance at the end of the generated text starts a call (lazy grammar
  * trigger): the prefix, its alternates and the prefix without its trailing whitespace.
  */

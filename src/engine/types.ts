@@ -65,11 +65,21 @@ export interface SamplingParams {
  * A grammar request: JSON text of any shape, JSON matching a JSON schema, or one tool call of
  * one of `functions` in the model's call syntax (`lazy`: only once the text ends with the call
  * prefix — tool_choice "auto"; else the whole output is the call — "required" / a named function).
+ * A tool_call grammar's `reply` (tool_choice "auto" with a JSON response format): the output is
+ * either the calls or a JSON reply of that format, never free text; `lazy` is then false.
  */
 export type GrammarSpec =
   | { type: 'json' }
   | { type: 'json_schema'; schema: Record<string, unknown> }
-  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean; maxCalls?: number };
+  | { type: 'tool_call'; functions: { name: string; parameters?: Record<string, unknown> }[]; lazy: boolean; parallel?: boolean; maxCalls?: number; reply?: JsonGrammarSpec };
+
+/** The JSON grammars (response_format json_object / json_schema, guided_json). */
+export type JsonGrammarSpec = { type: 'json' } | { type: 'json_schema'; schema: Record<string, unknown> };
+
+/** Whether a grammar starts only after the call prefix (a lazy tool_call grammar without a JSON reply). */
+export function isLazyGrammar(g: GrammarSpec | undefined): boolean {
+  return g?.type === 'tool_call' && g.lazy && g.reply === undefined;
+}
 
 /** Most JSON-schema nodes after `$ref` expansion in one request, by default (`--schema-max-nodes`; OpenAI's structured outputs allow 5,000 properties). */
 export const DEFAULT_SCHEMA_MAX_NODES = 5000;

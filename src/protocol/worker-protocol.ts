@@ -40,8 +40,8 @@ export const MAX_TOKEN_LIST = 1024;
 export const WorkerGrammarSchema = z.union([
   z.object({ type: z.literal('json') }),
   z.object({ type: z.literal('json_schema'), schema: z.record(z.unknown()) }),
-  /** One call of one of `functions` in the model's call syntax; lazy = only after the call prefix (tool_choice auto). */
-  z.object({ type: z.literal('tool_call'), functions: z.array(z.object({ name: ToolNameSchema, parameters: z.record(z.unknown()).optional() })).min(1).max(MAX_TOOLS), lazy: z.boolean(), parallel: z.boolean().optional(), maxCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).optional() }),
+  /** One call of one of `functions` in the model's call syntax; lazy = only after the call prefix (tool_choice auto); reply = or else a JSON reply of that grammar (tool_choice auto with a JSON format). */
+  z.object({ type: z.literal('tool_call'), functions: z.array(z.object({ name: ToolNameSchema, parameters: z.record(z.unknown()).optional() })).min(1).max(MAX_TOOLS), lazy: z.boolean(), parallel: z.boolean().optional(), maxCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).optional(), reply: z.union([z.object({ type: z.literal('json') }), z.object({ type: z.literal('json_schema'), schema: z.record(z.unknown()) })]).optional() }),
 ]);
 
 /**

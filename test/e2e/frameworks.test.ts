@@ -304,10 +304,14 @@ describe('OpenAI Agents SDK', () => {
       assert.deepEqual(Card.parse(r.finalOutput), r.finalOutput);
     });
 
-    // toolChoice required on the first turn; the SDK resets it after a tool call (resetToolChoice)
+    // The first turn sends the tool (toolChoice required) and the output format together: the
+    // calls alone. The SDK then resets toolChoice to auto, where the model may call again or reply
+    // in the format; stories260K at temperature 0 calls again, so the tool is off once it ran
+    // (isEnabled) and the next turn is the format's reply.
     each(`${api} model: an agent with a tool and an outputType, the tool runs, finalOutput is the parsed object`, async (url) => {
       const w = weatherLog();
-      const agent = new agents.Agent({ name: 'reporter', instructions: 'Report the weather.', model: MODELS[api](url), tools: [weather(w)], outputType: Report, modelSettings: { temperature: 0, maxTokens: MAX, toolChoice: 'required' } });
+      const once = agents.tool({ name: 'get_weather', description: 'Current weather of a city', parameters: agents.z.object({ city: agents.z.enum(CITIES) }), execute: async (a) => w.run(a), isEnabled: () => w.calls.length === 0 });
+      const agent = new agents.Agent({ name: 'reporter', instructions: 'Report the weather.', model: MODELS[api](url), tools: [once], outputType: Report, modelSettings: { temperature: 0, maxTokens: MAX, toolChoice: 'required' } });
       const r = await agents.run(agent, WEATHER_ASK, { maxTurns: 4 });
       assertRan(w.calls, 'agent');
       assert.deepEqual(Report.parse(r.finalOutput), r.finalOutput);

@@ -19,6 +19,7 @@ import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { after, before, describe, test } from 'node:test';
 import { newRoomId } from '../../src/base/room-id.js';
+import { PROTOCOL_VERSION } from '../../src/base/version.js';
 import { freePort, type Cluster, type ClusterProc } from '../../src/up/cluster.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer } from '../../src/kv/channel.js';
@@ -243,15 +244,15 @@ describe('worker faults', () => {
     assert.equal(h.protocol, '2.0');
     assert.match(h.build.id, /^\d+\.\d+\.\d+\+\S+$/);
     const rh = await getJson<any>(`${c.router.url}/health`);
-    assert.equal(rh.protocol, '1.1');
+    assert.equal(rh.protocol, PROTOCOL_VERSION);
     assert.equal(rh.build.id, h.build.id, 'one checkout: one build');
     const row = async () => ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).find((w) => w.url === d1.url);
     assert.ok(await waitFor(async () => (await row())?.healthy === true && (await row())?.protocol === '2.0', 5000), 'GET /workers has the probe');
     const r1 = await row();
     assert.equal(r1.build, h.build.id);
-    assert.match(r1.mismatch, /^mismatch with the router: protocol 1\.1 ≠ 2\.0 \(another major\)/);
+    assert.match(r1.mismatch, /^mismatch with the router: protocol 1\.\d+ ≠ 2\.0 \(another major\)/);
     const d0row = ((await getJson<any>(`${c.router.url}/workers`)).workers as any[]).find((w) => w.url === c.byRole('decode')[0]!.url);
-    assert.equal(d0row.protocol, '1.1');
+    assert.equal(d0row.protocol, PROTOCOL_VERSION);
     assert.equal(d0row.mismatch, null);
     const before = await metricSum(d1, 'pdserve_rooms_terminal_total');
     for (let k = 0; k < 4; k++) {
@@ -260,12 +261,12 @@ describe('worker faults', () => {
     }
     assert.equal(await metricSum(d1, 'pdserve_rooms_terminal_total'), before, 'the other-protocol decode got no room');
     // A request of protocol 1.x (what this router sends; an older router sends none): refused before anything runs.
-    for (const protocol of ['1.1', undefined]) {
+    for (const protocol of [PROTOCOL_VERSION, undefined]) {
       const r = await post(`${d1.url}/generate`, gen('g-old', newRoomId(), p.bootstrapPort!, protocol ? { protocol } : {}));
       assert.equal(r.status, 502);
       const e = (await r.json()).error;
       assert.equal(e.code, 'protocol_mismatch');
-      assert.match(e.message, /refuses a request of another protocol: protocol 2\.0 ≠ 1\.[01]/);
+      assert.match(e.message, /refuses a request of another protocol: protocol 2\.0 ≠ 1\.\d+/);
     }
     // Its own protocol, paired with prefill directly: the KV handshake refuses, naming the protocols.
     const room = newRoomId();
@@ -274,12 +275,12 @@ describe('worker faults', () => {
     assert.equal(dr.status, 502);
     const de = (await dr.json()).error;
     assert.equal(de.code, 'settings_mismatch');
-    assert.match(de.message, /protocol 2\.0 ≠ 1\.1 \(another major\), builds \S+ and \S+$/);
+    assert.match(de.message, /protocol 2\.0 ≠ 1\.\d+ \(another major\), builds \S+ and \S+$/);
     assert.doesNotMatch(de.message, /contextSize/, 'only the protocol differs');
     await post(`${p.url}/abort_request`, { rid: 'g-direct', bootstrap_room: room });
     await atPrefill;
     const doc = await cli(['doctor', '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     const found = (JSON.parse(doc.out) as { findings: { kind: string; title: string }[] }).findings.filter((f) => f.kind === 'protocol_mismatch');
-    assert.ok(found.some((f) => f.title.includes(d1.url) && /protocol 2\.0 ≠ 1\.1/.test(f.title)), `doctor names the decode: ${doc.out.slice(0, 1500)}`);
+    assert.ok(found.some((f) => f.title.includes(d1.url) && /protocol 2\.0 ≠ 1\.\d+/.test(f.title)), `doctor names the decode: ${doc.out.slice(0, 1500)}`);
   });
 });

@@ -4,7 +4,7 @@ import Fastify, { type FastifyInstance } from 'fastify';
 import { gzipSync } from 'node:zlib';
 import { GenerateRequestSchema, type GenerateEvent } from '../../src/protocol/worker-protocol.js';
 import { ApiError, registerOpenAIErrorHandling, sizeText } from '../../src/api/errors.js';
-import { parseChatRequest, parseCompletionRequest, toWorkerRequest } from '../../src/api/parse.js';
+import { outputChecksOf, parseChatRequest, parseCompletionRequest, toWorkerRequest } from '../../src/api/parse.js';
 import { OpenAIResponseBuilder } from '../../src/api/respond.js';
 
 const routing = { rid: 'cmpl-abc', bootstrapHost: '127.0.0.1', bootstrapPort: 8998, bootstrapRoom: '9223372036854775807' };
@@ -158,7 +158,7 @@ describe('completion schema', () => {
     const w = toWorkerRequest(parseCompletionRequest({ prompt: 'hello', max_tokens: 3, seed: 7 }), routing);
     assert.deepEqual(w, {
       rid: 'cmpl-abc',
-      protocol: '1.1',
+      protocol: '1.2',
       text: 'hello',
       sampling_params: { temperature: 1, top_p: 1, top_k: 0, min_p: 0, repetition_penalty: 1, presence_penalty: 0, frequency_penalty: 0, min_tokens: 0, seed: 7, max_new_tokens: 3, stop: [], ignore_eos: false },
       stream: true,
@@ -244,7 +244,21 @@ describe('chat schema', () => {
     rejects400(() => parseChatRequest({ messages: u, tool_choice: 'required' }), 'tool_choice', /needs tools/);
     rejects400(() => parseChatRequest({ messages: u, tool_choice: { type: 'function', function: { name: 'g' } }, tools: [{ type: 'function', function: { name: 'f' } }] }), 'tool_choice', /not one of the tools/);
     rejects400(() => parseChatRequest({ messages: u, tool_choice: 'sometimes', tools: [{ type: 'function', function: { name: 'f' } }] }), 'tool_choice');
-    rejects400(() => parseChatRequest({ messages: u, tools: [{ type: 'function', function: { name: 'f' } }], response_format: { type: 'json_object' } }), 'tool_choice', /one grammar/);
+    // tools + a JSON format: "auto" is the calls or a JSON reply (checked after as the format), "required" / named the calls alone, "none" the format alone
+    const fn = [{ type: 'function', function: { name: 'f' } }];
+    const schema = { type: 'object', properties: { a: { type: 'string', maxLength: 3 } }, required: ['a'], additionalProperties: false };
+    const auto = parseChatRequest({ messages: u, tools: fn, response_format: { type: 'json_schema', json_schema: { name: 's', schema } } });
+    assert.equal(auto.sampling.grammar?.type, 'tool_call');
+    assert.ok(auto.sampling.grammar?.type === 'tool_call' && !auto.sampling.grammar.lazy && auto.sampling.grammar.reply?.type === 'json_schema', JSON.stringify(auto.sampling.grammar));
+    assert.deepEqual(outputChecksOf(auto).output, (auto.sampling.grammar as { reply: { schema: unknown } }).reply.schema, 'a reply without calls is checked against the format');
+    const obj = parseChatRequest({ messages: u, tools: fn, response_format: { type: 'json_object' } });
+    assert.deepEqual(obj.sampling.grammar?.type === 'tool_call' && obj.sampling.grammar.reply, { type: 'json' });
+    for (const tool_choice of ['required', { type: 'function', function: { name: 'f' } }]) {
+      const g = parseChatRequest({ messages: u, tools: fn, tool_choice, response_format: { type: 'json_object' } }).sampling.grammar;
+      assert.ok(g?.type === 'tool_call' && !g.lazy && g.reply === undefined, JSON.stringify(g));
+    }
+    assert.deepEqual(parseChatRequest({ messages: u, tools: fn, tool_choice: 'none', response_format: { type: 'json_object' } }).sampling.grammar, { type: 'json' });
+    assert.ok(!('reply' in parseChatRequest({ messages: u, tools: fn }).sampling.grammar!), 'no format: the lazy call grammar alone');
     rejects400(() => parseChatRequest({ messages: [{ role: 'function', content: '4', name: 'f' }] }), 'messages[0].role', /legacy/);
     rejects400(() => parseChatRequest({ messages: [{ role: 'tool', content: '4' }] }), 'messages[0].tool_call_id');
     rejects400(() => parseChatRequest({ messages: [...u, { role: 'tool', content: '4', tool_call_id: 'c1' }] }), 'messages[1].tool_call_id', /no earlier assistant tool call/);

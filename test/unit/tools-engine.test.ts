@@ -203,4 +203,33 @@ describe('tool calls with a chat template that defines the call syntax (tiny mod
     }
     assert.ok(counts.some((n) => n >= 2), `some run makes several calls: ${counts}`);
   });
+
+  it('tools + a JSON schema ("auto"): the output is either calls or a JSON reply valid against the schema, ending "stop" with nothing after it; PD equals colocated', async () => {
+    const prompt = tmpl.renderChat([{ role: 'user', content: 'Weather in Paris?' }], [BOUNDED]);
+    const schema = { type: 'object', properties: { unit: { type: 'string', enum: ['c', 'f'] }, ok: { type: 'boolean' } }, required: ['unit', 'ok'], additionalProperties: false };
+    const seen = { calls: 0, json: 0 };
+    // Random weights favour '{': every other run pushes '<' (the call prefix's first character) up, so both forms are taken.
+    const lt = tmpl.tokenize('<', false).at(-1)!;
+    for (const seed of [1, 2, 3, 4, 5, 6, 7, 8]) {
+      const sp = base({ temperature: 1, seed, maxTokens: 300, ...(seed % 2 === 0 ? { logitBias: [[lt, 50]] as [number, number][] } : {}), grammar: { type: 'tool_call', functions: [BOUNDED], lazy: false, parallel: true, maxCalls: 2, reply: { type: 'json_schema', schema } } });
+      const c = await both(prompt, sp, tmpl);
+      assert.equal(c.finish, 'stop', `seed ${seed}: ends by itself: ${JSON.stringify(c.text)}`);
+      const p = new ToolCallParser(tmpl.toolSyntax!);
+      const content = p.feed(c.text).content + p.end().content;
+      if (p.calls.length > 0) {
+        seen.calls++;
+        assert.equal(content, '', `seed ${seed}: calls alone: ${JSON.stringify(c.text)}`);
+        for (const call of p.calls) assert.ok(['c', 'f'].includes((JSON.parse(call.function.arguments) as { unit: string }).unit));
+      } else {
+        seen.json++;
+        assert.equal(content, c.text);
+        assert.doesNotMatch(c.text, /\s$/, `seed ${seed}: nothing after the JSON`);
+        const v = JSON.parse(c.text) as { unit: unknown; ok: unknown };
+        assert.deepEqual(Object.keys(v).sort(), ['ok', 'unit'], c.text);
+        assert.ok((v.unit === 'c' || v.unit === 'f') && typeof v.ok === 'boolean', c.text);
+      }
+    }
+    console.log(`tools + schema over 8 seeds: ${seen.calls} called, ${seen.json} replied JSON`);
+    assert.ok(seen.calls > 0 && seen.json > 0, `both forms are open to the model: ${JSON.stringify(seen)}`);
+  });
 });

@@ -35,8 +35,8 @@ test("the router: a worker of another major is `mismatch with the router` (never
   const settings = { fingerprint: 'f'.repeat(64), contextSize: 1024, batchSize: 128, flashAttention: false };
   const w = (role: 'prefill' | 'decode', protocol?: string): WorkerState => ({ role, url: `http://${role}-${protocol}`, bootstrapHost: null, bootstrapPort: null, healthy: true, draining: false, model: null, load: 0, lastError: null, lastCheckAt: 0, consecutiveFailures: 0, settings: { ...settings, ...(protocol ? { protocol, build: `b-${protocol}` } : {}) } });
   const odd = w('decode', '2.0');
-  assert.match(routerMismatch(odd)!, /^protocol 1\.1 ≠ 2\.0 \(another major\): the router runs \S+, the worker b-2\.0$/);
-  assert.match(mismatchOf(odd, [w('prefill', '1.0'), odd])!, /^mismatch with the router: protocol 1\.1 ≠ 2\.0/);
+  assert.match(routerMismatch(odd)!, /^protocol 1\.2 ≠ 2\.0 \(another major\): the router runs \S+, the worker b-2\.0$/);
+  assert.match(mismatchOf(odd, [w('prefill', '1.0'), odd])!, /^mismatch with the router: protocol 1\.2 ≠ 2\.0/);
   assert.equal(routerMismatch(w('decode', '1.4')), undefined);
   assert.equal(routerMismatch(w('decode')), undefined, 'no protocol reported: 1.0');
   assert.equal(mismatchOf(w('decode', '1.0'), [w('prefill', '1.0')]), null);
