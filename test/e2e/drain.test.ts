@@ -3,7 +3,7 @@
  * - SIGTERM a decode worker under steady load: /health says draining at once, its streams end
  *   with [DONE], the router sends it nothing new, it exits 0, and no request fails; restarted, it
  *   is routable again.
- * - The same for a prefill worker.
+ * - The same for a prefill worker; decode counts no `prefill_failed` for a request prefill refused as it began to drain (it ran again elsewhere).
  * - A second SIGTERM stops waiting: the request left fails cleanly (an error, not a hang) and the
  *   process exits 0 at once.
  * - SIGTERM the router with streams in flight: they end with [DONE], new requests get 503
@@ -71,6 +71,16 @@ async function served(p: ClusterProc): Promise<number> {
   return Number(/pdserve_rooms_terminal_total\{[^}]*state="Success"[^}]*\} (\d+)/.exec(text)?.[1] ?? 0);
 }
 
+/** Decode rooms counted as failed because their prefill failed (pdserve_bootstrap_failed_total + kv_transfer_failed_total {reason="prefill_failed"}), over both decodes. */
+async function prefillFailedOnDecode(): Promise<number> {
+  let n = 0;
+  for (const d of c.byRole('decode')) {
+    const text = await (await fetch(`${d.url}/metrics`)).text();
+    for (const m of text.matchAll(/^pdserve_(?:bootstrap|kv_transfer)_failed_total\{reason="prefill_failed"\} (\d+)/gm)) n += Number(m[1]);
+  }
+  return n;
+}
+
 before(async () => {
   c = await startStack({
     colocated: false,
@@ -91,6 +101,7 @@ describe('graceful drain on SIGTERM', () => {
   for (const role of ['decode', 'prefill'] as const) {
     test(`${role}: draining under load loses no request, streams end with [DONE], exit 0, restart is routable`, async (t) => {
       const p = c.byRole(role)[0]!;
+      const failedBefore = role === 'prefill' ? await prefillFailedOnDecode() : 0;
       const l = load(4);
       try {
         assert.ok(await waitFor(async () => (await served(p)) > 0, 10_000), 'load is flowing through the worker');
@@ -119,6 +130,8 @@ describe('graceful drain on SIGTERM', () => {
       const failed = l.results.filter((r) => !ok(r));
       assert.ok(l.results.length >= 8, `load ran (${l.results.length} requests)`);
       assert.deepEqual(failed.map((r) => `${r.status} ${r.text.slice(0, 200)}`), [], 'no request failed');
+      // a request prefill refused as it began to drain ran again elsewhere: decode's room of it was cancelled, not failed
+      if (role === 'prefill') assert.equal(await prefillFailedOnDecode(), failedBefore, 'decode counted no prefill_failed for a drain-time retry');
       // Restart on the same ports: the supervisor's push makes it routable at once.
       const t1 = Date.now();
       await c.spawn(p); // resolves once the worker is ready and the router was asked to probe it
