@@ -474,11 +474,12 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged; in PD one
     assert.ok(idle, `workers idle after the abort: ${await pdBusy()}`);
   });
 
-  test('one choice failing on decode mid-way is migrated: the stream completes, every choice equal, every room freed', async () => {
+  test('the decode serving an n = 3 stream killed mid-way: every choice is migrated, the stream completes, every choice equal, every room freed', async () => {
     const stream = await s.pd.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: p1 }], max_tokens: 900, ignore_eos: true, temperature: 0, n: 3, stream: true } as never) as unknown as AsyncIterable<AnyChunk>;
     const decode = s.c.byRole('decode')[0]!.url;
     let chunks = 0;
     let killed = '';
+    let killing: Promise<void> | null = null;
     const text = ['', '', ''];
     const finish: (string | null)[] = [null, null, null];
     for await (const chunk of stream) {
@@ -487,20 +488,25 @@ describe('n > 1 and prompt arrays (one sub-request per choice, merged; in PD one
         if (c.finish_reason) finish[c.index] = c.finish_reason;
       }
       if (++chunks === 6) {
-        // Decode stops one choice's sequence (as a decode-side failure would): the router migrates it.
+        // The decode dies (SIGKILL) and is started again: the router migrates every choice.
         // (The first chunks may all come from prefill's first tokens: wait for decode to be generating.)
         await waitFor(async () => {
           const dbg = (await (await fetch(`${decode}/debug/rooms`)).json()) as { decoding: { room: string }[] };
           killed = dbg.decoding.at(-1)?.room ?? '';
           return killed !== '';
         }, 2000);
-        await fetch(`${decode}/abort_request`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ bootstrap_room: killed }) });
+        const p = s.c.byRole('decode')[0]!;
+        killing = (async () => {
+          await s.c.kill(p);
+          await s.c.spawn(p);
+        })();
       }
     }
+    await killing;
     assert.ok(killed, 'a choice was decoding');
     assert.deepEqual(finish, ['length', 'length', 'length'], 'every choice ran to its budget');
     assert.ok(text[0]!.length > 0);
-    assert.deepEqual([text[1], text[2]], [text[0], text[0]], 'the migrated choice equals the others (greedy): no token repeated or missing');
+    assert.deepEqual([text[1], text[2]], [text[0], text[0]], 'the migrated choices are equal (greedy): no token repeated or missing');
     const idle = await waitFor(async () => (await pdBusy()) === 0, 1500);
     assert.ok(idle, `every room released: ${await pdBusy()}`);
   });
