@@ -6,7 +6,8 @@
  * well-formed call) carry the call tests; "auto" and "none" give text. Covers: non-stream and
  * stream (the SDK's stream accumulator), a follow-up round with the assistant tool_calls and the
  * tool result in the history, PD equal to colocated, and the 400s (bad schema, legacy functions,
- * unanswered calls, tool_choice without tools).
+ * unanswered calls, tool_choice without tools); tools with a JSON response_format (calls or a
+ * JSON reply) on the tagged-template stack.
  * The context is 4096 tokens: the wrapper's function documentation alone is ≈ 1000 characters,
  * a token each on the tiny byte-level vocabulary.
  */
@@ -193,5 +194,35 @@ describe('parallel tool calls (a template with repeated <tool_call> blocks, --ma
       counts.push(want.calls.length);
     }
     assert.ok(counts.includes(2), `some turn makes 2 calls (the bound): ${counts}`);
+  });
+
+  test('tools with a json_schema response_format, tool_choice "auto": each reply is calls (finish tool_calls) or schema-valid JSON content (finish stop, nothing after it); PD equals colocated', async () => {
+    const unit: OpenAI.ChatCompletionTool = { type: 'function', function: { name: 'forecast', parameters: { type: 'object', properties: { unit: { type: 'string', enum: ['c', 'f'] } }, required: ['unit'] } } };
+    const schema = { type: 'object', properties: { city: { type: 'string', enum: ['Oslo', 'Rome'] }, warm: { type: 'boolean' } }, required: ['city', 'warm'], additionalProperties: false };
+    // Random weights favour '{': half the runs push '<' (the call prefix's first character) up, so both forms are taken.
+    const tok = (await (await fetch(`${t.c.colocated!.url}/tokenize`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: '<', add_special_tokens: false }), signal: AbortSignal.timeout(10_000) })).json()) as { tokens: number[] };
+    const lt = tok.tokens.at(-1)!;
+    const seen = { calls: 0, json: 0 };
+    for (const seed of [1, 2, 3, 4]) {
+      const req = { model: 'pdserve', messages, tools: [unit], tool_choice: 'auto' as const, response_format: { type: 'json_schema' as const, json_schema: { name: 'report', schema } }, temperature: 1, seed, max_tokens: 300, ...(seed % 2 === 0 ? { logit_bias: { [lt]: 50 } } : {}) };
+      const want = shapeOf(await t.ref.chat.completions.create(req));
+      if (want.calls.length > 0) {
+        seen.calls++;
+        assert.equal(want.finish, 'tool_calls', `seed ${seed}: ${JSON.stringify(want)}`);
+        assert.equal(want.content, null, `seed ${seed}: calls alone`);
+        for (const c of want.calls) assert.ok(['c', 'f'].includes((JSON.parse(c.arguments) as { unit: string }).unit), c.arguments);
+      } else {
+        seen.json++;
+        assert.equal(want.finish, 'stop', `seed ${seed}: ${JSON.stringify(want)}`);
+        assert.doesNotMatch(want.content!, /\s$/, 'nothing after the JSON');
+        const v = JSON.parse(want.content!) as { city: unknown; warm: unknown };
+        assert.ok(['Oslo', 'Rome'].includes(v.city as string) && typeof v.warm === 'boolean' && Object.keys(v).length === 2, want.content!);
+      }
+      assert.deepEqual(shapeOf(await t.pd.chat.completions.create(req)), want, `seed ${seed}: PD equals colocated`);
+      const fin = await t.pd.chat.completions.stream({ ...req, stream: true }).finalChatCompletion();
+      const got = shapeOf(fin as OpenAI.ChatCompletion);
+      assert.deepEqual({ ...got, content: got.content || null }, { ...want, content: want.content || null }, `seed ${seed}: PD stream`);
+    }
+    assert.ok(seen.calls > 0 && seen.json > 0, `both forms taken: ${JSON.stringify(seen)}`);
   });
 });
