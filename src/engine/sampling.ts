@@ -13,6 +13,7 @@
  */
 import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, type LlamaModel, type SequenceEvaluateOptions, type Token } from 'node-llama-cpp';
 import { randomInt } from 'node:crypto';
+import { PdError } from '../base/errors.js';
 import { DEFAULT_MAX_TOOL_CALLS, isLazyGrammar, type GrammarSpec, type SamplingParams, type TokenLogprob, type ToolCallSyntax } from './types.js';
 import { JSON_OBJECT_GBNF, jsonSchemaGbnf } from './json-grammar.js';
 import { eitherGrammarText, toolCallGrammarText, triggerTexts } from './tools.js';
@@ -59,7 +60,7 @@ export class GrammarCache {
     // Both end where the JSON ends (json-grammar.ts): llama.cpp then allows only an end-of-generation token.
     if (spec.type === 'json') return this.llama.createGrammar({ grammar: JSON_OBJECT_GBNF });
     if (spec.type === 'json_schema') return this.llama.createGrammar({ grammar: await jsonSchemaGbnf(this.llama, spec.schema) });
-    if (!this.toolSyntax) throw new Error("the model's chat wrapper has no function-call syntax");
+    if (!this.toolSyntax) throw new PdError('engine_failed', "the model's chat wrapper has no function-call syntax");
     const calls = await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, isLazyGrammar(spec), spec.parallel === true ? (spec.maxCalls ?? DEFAULT_MAX_TOOL_CALLS) : 1);
     if (!spec.reply) return this.llama.createGrammar({ grammar: calls });
     // The calls (from the call prefix on) or a JSON reply: whole-output, so both end where they end.
@@ -72,7 +73,7 @@ export class GrammarCache {
 function acceptGrammarToken(llama: Llama, state: LlamaGrammarEvaluationState, token: number): void {
   const addon = (llama as unknown as { _bindings?: { AddonSampler?: { acceptGrammarEvaluationStateToken?: (s: unknown, t: number) => void } } })._bindings?.AddonSampler;
   const native = (state as unknown as { _state?: unknown })._state;
-  if (!addon?.acceptGrammarEvaluationStateToken || native === undefined) throw new Error('node-llama-cpp has no grammar accept binding (expected 3.21.1)');
+  if (!addon?.acceptGrammarEvaluationStateToken || native === undefined) throw new PdError('engine_failed', 'node-llama-cpp has no grammar accept binding (expected 3.21.1)');
   addon.acceptGrammarEvaluationStateToken(native, token);
 }
 
@@ -80,7 +81,7 @@ function acceptGrammarToken(llama: Llama, state: LlamaGrammarEvaluationState, to
 function grammarAllows(llama: Llama, state: LlamaGrammarEvaluationState, token: number): boolean {
   const addon = (llama as unknown as { _bindings?: { AddonSampler?: { canBeNextTokenForGrammarEvaluationState?: (s: unknown, t: number) => boolean } } })._bindings?.AddonSampler;
   const native = (state as unknown as { _state?: unknown })._state;
-  if (!addon?.canBeNextTokenForGrammarEvaluationState || native === undefined) throw new Error('node-llama-cpp has no grammar check binding (expected 3.21.1)');
+  if (!addon?.canBeNextTokenForGrammarEvaluationState || native === undefined) throw new PdError('engine_failed', 'node-llama-cpp has no grammar check binding (expected 3.21.1)');
   return addon.canBeNextTokenForGrammarEvaluationState(native, token);
 }
 
@@ -91,7 +92,7 @@ function grammarAllows(llama: Llama, state: LlamaGrammarEvaluationState, token: 
 function biasOf(model: LlamaModel, entries: Iterable<[number, number]>): TokenBias {
   const b = new TokenBias(model.tokenizer);
   const map = (b as unknown as { _biases?: Map<number, number> })._biases;
-  if (!(map instanceof Map)) throw new Error('node-llama-cpp TokenBias has no _biases map (expected 3.21.1)');
+  if (!(map instanceof Map)) throw new PdError('engine_failed', 'node-llama-cpp TokenBias has no _biases map (expected 3.21.1)');
   for (const [t, v] of entries) map.set(t, (map.get(t) ?? 0) + v);
   return b;
 }
@@ -145,7 +146,7 @@ export class RequestSampler {
       this.banBias = biasOf(model, bans);
     }
     if (grammar && isLazyGrammar(s.grammar)) {
-      if (!toolSyntax) throw new Error('a lazy tool-call grammar needs the chat wrapper\'s call syntax');
+      if (!toolSyntax) throw new PdError('engine_failed', 'a lazy tool-call grammar needs the chat wrapper\'s call syntax');
       const triggers = triggerTexts(toolSyntax);
       this.lazy = { grammar, triggers, longest: Math.max(...triggers.map((t) => t.length)), tail: '' };
     } else {
@@ -251,7 +252,7 @@ export function drawToken(probabilities: Map<Token, number>, seed: number): numb
   const u = ((t ^ (t >>> 14)) >>> 0) / 4294967296;
   let total = 0;
   for (const p of probabilities.values()) total += p > 0 ? p : 0;
-  if (!(total > 0)) throw new Error('empty next-token distribution');
+  if (!(total > 0)) throw new PdError('engine_failed', 'empty next-token distribution');
   let acc = 0;
   let last: number | undefined;
   for (const [tok, p] of probabilities) {
