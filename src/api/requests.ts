@@ -79,7 +79,10 @@ export async function checkSampling(engine: Engine, sampling: SamplingParams): P
     await engine.prepareSampling(sampling);
   } catch (err) {
     const e = err as { code?: string; message?: string };
-    if (e.code === 'BAD_GRAMMAR') throw new ApiError(400, 'invalid_value', e.message ?? 'bad grammar', 'invalid_request_error', sampling.grammar?.type === 'tool_call' ? 'tools' : 'response_format');
+    const param = sampling.grammar?.type === 'tool_call' ? 'tools' : 'response_format';
+    if (e.code === 'BAD_GRAMMAR') throw new ApiError(400, 'invalid_value', e.message ?? 'bad grammar', 'invalid_request_error', param);
+    // the grammar thread's time budget (engine/grammar-thread.ts)
+    if (e.code === 'schema_too_complex') throw new ApiError(400, 'schema_too_complex', `The JSON schema at '${param}' is too complex: ${e.message ?? ''}`, 'invalid_request_error', param);
     throw err;
   }
 }

@@ -173,19 +173,35 @@ function lower(schema: unknown, rules: string[]): unknown {
   return out;
 }
 
+/** node-llama-cpp's JSON-schema → GBNF generator (`getGbnfGrammarForGbnfJsonSchema`, or `createGrammarForJsonSchema(x).grammar`). */
+export type GbnfGenerator = (lowered: Record<string, unknown>) => string;
+
 /**
  * GBNF text of a JSON schema (in api/json-schema.ts's normalised subset) whose root rule ends
- * where the JSON value ends (see the module doc). Integers never take an exponent; numbers
- * neither. @throws what llama.createGrammarForJsonSchema throws for a schema it cannot compile.
+ * where the JSON value ends (see the module doc), with node-llama-cpp's generator `generate`
+ * doing the part it can express. Synchronous and pure apart from `generate`: both the grammar
+ * thread (./grammar-thread.ts) and `jsonSchemaGbnf` call it. @throws what `generate` throws.
  */
-export async function jsonSchemaGbnf(llama: Llama, schema: Record<string, unknown>): Promise<string> {
+export function jsonSchemaGbnfWith(generate: GbnfGenerator, schema: Record<string, unknown>): string {
   const rules: string[] = [];
   const lowered = lower(schema, rules) as Record<string, unknown>;
-  let g = (await llama.createGrammarForJsonSchema(lowered as never)).grammar;
+  let g = generate(lowered);
   g = g.replace(/[ \t]*"\\n\\n\\n\\n"[ \t]*\[\\n\]\*[ \t]*$/m, '');
   // "any JSON" parts (additionalProperties: true, a schema without type) use node-llama-cpp's number rules
   g = g.replace(/^integer-number-rule ::= .*$/m, `integer-number-rule ::= ${integerRangeGbnf(-MAX_SAFE, MAX_SAFE)}`);
   g = g.replace(/^fractional-number-rule ::= .*$/m, `fractional-number-rule ::= ${NUMBER}`);
   g = g.replace(new RegExp(`"\\\\"${MARK}(\\d+)\\\\""`, 'g'), (_m, i: string) => `(${rules[Number(i)]!})`);
   return g;
+}
+
+/**
+ * `jsonSchemaGbnfWith` on this thread, with `llama.createGrammarForJsonSchema(x).grammar` as the
+ * generator (up to ~80 ms of blocked loop for a bounded schema: the engine uses the grammar
+ * thread instead; this is the reference the thread is tested against).
+ * @throws what llama.createGrammarForJsonSchema throws for a schema it cannot compile.
+ */
+export async function jsonSchemaGbnf(llama: Llama, schema: Record<string, unknown>): Promise<string> {
+  // lowering is deterministic: the text generated here is the one jsonSchemaGbnfWith's own lowering expects
+  const grammar = (await llama.createGrammarForJsonSchema(lower(schema, []) as never)).grammar;
+  return jsonSchemaGbnfWith(() => grammar, schema);
 }

@@ -875,6 +875,7 @@ class LlamaEngine implements Engine {
     this.disposed = true;
     this.free.length = 0;
     if (this.logSink) logSinks.delete(this.logSink);
+    await this.grammars.close();
     await this.context.dispose();
     await this.model.dispose();
     await this.store?.close?.(); // no write of this engine can start now

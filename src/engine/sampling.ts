@@ -15,7 +15,8 @@ import { LlamaGrammarEvaluationState, TokenBias, type Llama, type LlamaGrammar, 
 import { randomInt } from 'node:crypto';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_MAX_TOOL_CALLS, isLazyGrammar, type GrammarSpec, type SamplingParams, type TokenLogprob, type ToolCallSyntax } from './types.js';
-import { JSON_OBJECT_GBNF, jsonSchemaGbnf } from './json-grammar.js';
+import { JSON_OBJECT_GBNF } from './json-grammar.js';
+import { GrammarThread } from './grammar-thread.js';
 import { eitherGrammarText, toolCallGrammarText, triggerTexts } from './tools.js';
 import type { TokenRenderer } from './token-text.js';
 
@@ -26,16 +27,29 @@ export const BAD_GRAMMAR = 'BAD_GRAMMAR';
 const GRAMMAR_CACHE = 32;
 
 /**
- * Compiles and caches grammars of one llama instance. `get` resolves to null when the spec is
- * undefined. @throws Error with code BAD_GRAMMAR when node-llama-cpp rejects the schema.
+ * Compiles and caches grammars of one llama instance: JSON schemas become GBNF text in the
+ * grammar thread (./grammar-thread.ts, off the event loop, within its time budget), the text
+ * becomes a grammar object here. `get` resolves to null when the spec is undefined.
+ * @throws Error with code BAD_GRAMMAR when node-llama-cpp rejects the schema; the grammar
+ * thread's PdError as it is (schema_too_complex past the time budget, QUEUE_FULL, engine_failed).
  */
+/** PdErrors of the grammar thread (time budget, queue, thread lost): `get` passes them on as they are. */
+const threadErrors = new WeakSet<object>();
+
 export class GrammarCache {
   private readonly cache = new Map<string, Promise<LlamaGrammar>>();
   /** @param toolSyntax the chat wrapper's call syntax (tool_call grammars need it; null = refused). */
   constructor(
     private readonly llama: Llama,
     private readonly toolSyntax: ToolCallSyntax | null = null,
+    /** Where JSON schemas become GBNF text (closed by `close`). */
+    readonly thread: GrammarThread = new GrammarThread(),
   ) {}
+
+  /** Stop the grammar thread (the engine's dispose); later schemas fail with engine_failed. */
+  close(): Promise<void> {
+    return this.thread.close();
+  }
 
   async get(spec: GrammarSpec | undefined): Promise<LlamaGrammar | null> {
     if (!spec) return null;
@@ -48,6 +62,7 @@ export class GrammarCache {
     }
     p = this.compile(spec).catch((err: unknown) => {
       this.cache.delete(key);
+      if (threadErrors.has(err as object)) throw err;
       const what = spec.type === 'tool_call' ? 'tools: a function\'s parameters schema' : 'response_format: the JSON schema';
       throw Object.assign(new Error(`${what} cannot be turned into a grammar: ${(err as Error).message ?? String(err)}`), { code: BAD_GRAMMAR });
     });
@@ -56,15 +71,23 @@ export class GrammarCache {
     return p;
   }
 
+  /** The grammar thread's GBNF text of a schema; its PdErrors are marked to pass `get` unwrapped. */
+  private gbnf(schema: Record<string, unknown>): Promise<string> {
+    return this.thread.gbnf(schema).catch((err: unknown) => {
+      if (err instanceof PdError) threadErrors.add(err);
+      throw err;
+    });
+  }
+
   private async compile(spec: GrammarSpec): Promise<LlamaGrammar> {
     // Both end where the JSON ends (json-grammar.ts): llama.cpp then allows only an end-of-generation token.
     if (spec.type === 'json') return this.llama.createGrammar({ grammar: JSON_OBJECT_GBNF });
-    if (spec.type === 'json_schema') return this.llama.createGrammar({ grammar: await jsonSchemaGbnf(this.llama, spec.schema) });
+    if (spec.type === 'json_schema') return this.llama.createGrammar({ grammar: await this.gbnf(spec.schema) });
     if (!this.toolSyntax) throw new PdError('engine_failed', "the model's chat wrapper has no function-call syntax");
-    const calls = await toolCallGrammarText(this.llama, this.toolSyntax, spec.functions, isLazyGrammar(spec), spec.parallel === true ? (spec.maxCalls ?? DEFAULT_MAX_TOOL_CALLS) : 1);
+    const calls = await toolCallGrammarText((schema) => this.gbnf(schema), this.toolSyntax, spec.functions, isLazyGrammar(spec), spec.parallel === true ? (spec.maxCalls ?? DEFAULT_MAX_TOOL_CALLS) : 1);
     if (!spec.reply) return this.llama.createGrammar({ grammar: calls });
     // The calls (from the call prefix on) or a JSON reply: whole-output, so both end where they end.
-    const reply = spec.reply.type === 'json' ? JSON_OBJECT_GBNF : await jsonSchemaGbnf(this.llama, spec.reply.schema);
+    const reply = spec.reply.type === 'json' ? JSON_OBJECT_GBNF : await this.gbnf(spec.reply.schema);
     return this.llama.createGrammar({ grammar: eitherGrammarText(calls, reply) });
   }
 }

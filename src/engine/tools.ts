@@ -17,8 +17,7 @@
  *   well formed. Not lazy: the whole output is a call (tool_choice "required" or a named function).
  * A complete call ends the grammar, so llama.cpp only allows an end-of-generation token after it.
  */
-import { LlamaText, type ChatHistoryItem, type ChatModelFunctions, type ChatModelResponse, type ChatWrapper, type Llama, type LlamaModel } from 'node-llama-cpp';
-import { jsonSchemaGbnf } from './json-grammar.js';
+import { LlamaText, type ChatHistoryItem, type ChatModelFunctions, type ChatModelResponse, type ChatWrapper, type LlamaModel } from 'node-llama-cpp';
 import type { ChatMessage, ToolCallSyntax, ToolFunction } from './types.js';
 
 /** Text of a LlamaText-ish value (string, LlamaText, special-token text) as the model would print it. */
@@ -176,9 +175,10 @@ export function prefixGbnfRules(g: string, prefix: string): string {
  * their trailing space). `maxCalls` > 1: up to that many calls in the turn where the wrapper has
  * a between-calls text (ToolCallSyntax.betweenCalls), separated by that text and at most llama.cpp
  * server's whitespace (`| " " | "\n"{1,2} [ \t]{0,20}`); after the last one the grammar is
- * complete, so the turn ends. @throws what llama.createGrammarForJsonSchema throws for a bad schema.
+ * complete, so the turn ends. `schemaGbnf`: a parameters schema → its GBNF text (json-grammar.ts;
+ * the engine's grammar thread). @throws what `schemaGbnf` throws for a bad schema.
  */
-export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, functions: readonly { name: string; parameters?: Record<string, unknown> }[], lazy: boolean, maxCalls = 1): Promise<string> {
+export async function toolCallGrammarText(schemaGbnf: (schema: Record<string, unknown>) => Promise<string>, syntax: ToolCallSyntax, functions: readonly { name: string; parameters?: Record<string, unknown> }[], lazy: boolean, maxCalls = 1): Promise<string> {
   const rules: string[] = [];
   const alts: string[] = [];
   for (let i = 0; i < functions.length; i++) {
@@ -186,7 +186,7 @@ export async function toolCallGrammarText(llama: Llama, syntax: ToolCallSyntax, 
     const p = `f${i}-`;
     let params: string;
     if (f.parameters && Object.keys(f.parameters).length > 0 && !(f.parameters.type === 'object' && f.parameters.properties && Object.keys(f.parameters.properties as object).length === 0)) {
-      rules.push(prefixGbnfRules(await jsonSchemaGbnf(llama, f.parameters), p).trim());
+      rules.push(prefixGbnfRules(await schemaGbnf(f.parameters), p).trim());
       params = `${p}root`;
     } else {
       params = syntax.emptyParams === '' ? '("{}" | "")' : `("{}" | ${gbnfLiteral(syntax.emptyParams)})`;
