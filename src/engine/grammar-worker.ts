@@ -16,8 +16,7 @@ const mod = (await import(pathToFileURL(gbnfGeneratorPath()).href)) as { getGbnf
 const generate = mod.getGbnfGrammarForGbnfJsonSchema;
 port.on('message', (job: { id: number; schema: Record<string, unknown> }) => {
   try {
-    const until = Date.now() + spinMs;
-    while (Date.now() < until);
+    if (spinMs > 0) Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, spinMs); // the thread blocked, as in a slow generation
     port.postMessage({ id: job.id, gbnf: jsonSchemaGbnfWith((s) => generate(s), job.schema) });
   } catch (err) {
     port.postMessage({ id: job.id, error: (err as Error).message ?? String(err) });
