@@ -9,12 +9,12 @@
 import assert from 'node:assert/strict';
 import { request as httpRequest, Agent } from 'node:http';
 import { test } from 'node:test';
-import type { Command } from 'commander';
 import pino from 'pino';
 import { Registry } from 'prom-client';
 import { startRouter } from '../../src/router/index.js';
 import { createWorkerApp, listenUrl } from '../../src/worker/http.js';
-import { cliProgram, upExtraArgs } from '../../src/cli/main.js';
+import { upExtraArgs } from '../../src/cli/main.js';
+import { parsedOptions } from '../helpers/cli-options.js';
 import { DEFAULT_HTTP_TIMEOUTS, HttpTimeoutsSchema } from '../../src/runtime/http-timeouts.js';
 
 /** GET `url` on a keep-alive connection: the response's status and `keep-alive` header. */
@@ -67,13 +67,7 @@ test('a headers timeout above the request timeout is refused', () => {
   assert.equal(HttpTimeoutsSchema.safeParse({ headersMs: 10_000, requestMs: 0 }).success, true, '0 = no request timeout');
 });
 
-async function parsed(name: string, args: string[]): Promise<Record<string, unknown>> {
-  const program = await cliProgram(['node', 'pdserve']);
-  const cmd = program.commands.find((c) => c.name() === name) as Command;
-  const { unknown } = cmd.parseOptions(args);
-  assert.deepEqual(unknown, [], `${name} refuses ${unknown.join(' ')}`);
-  return cmd.opts();
-}
+const parsed = parsedOptions;
 
 test('every server command takes the timeout flags, and `up` forwards them to the router and every worker', async () => {
   const flags = ['--keep-alive-timeout-ms', '620000', '--headers-timeout-ms', '30000', '--http-request-timeout-ms', '120000'];

@@ -6,19 +6,13 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import type { Command } from 'commander';
-import { cliProgram, upExtraArgs } from '../../src/cli/main.js';
+import { upExtraArgs } from '../../src/cli/main.js';
+import { parsedOptions } from '../helpers/cli-options.js';
 import { upEngineArgs, type UpEngineFlags } from '../../src/cli/up-args.js';
 
 const KEYS = ['flashAttention', 'prefixCache', 'prefixCacheSlots', 'prefixCacheTokens', 'prefixStoreBytes'] as const;
 
-async function parsed(name: string, args: string[]): Promise<Record<string, unknown>> {
-  const program = await cliProgram(['node', 'pdserve']);
-  const cmd = program.commands.find((c) => c.name() === name) as Command;
-  const { unknown } = cmd.parseOptions(args);
-  assert.deepEqual(unknown, [], `${name} refuses ${unknown.join(' ')}`);
-  return cmd.opts();
-}
+const parsed = parsedOptions;
 
 const pick = (o: Record<string, unknown>) => Object.fromEntries(KEYS.map((k) => [k, o[k]]));
 
