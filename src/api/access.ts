@@ -7,9 +7,10 @@
  *   class     paths                                                     needs
  *   open      GET /health, OPTIONS (CORS preflight)                     nothing
  *   metrics   /metrics                                                  nothing, or (privateMetrics) admin
- *   admin     /workers*, /dashboard*, /abort_request                    an admin key (none configured: an API key)
- *             /debug/*                                                  an admin key (none configured while API keys are: refused;
- *                                                                       traces and rooms name other tenants' requests and responses)
+ *   admin     /workers*, /dashboard*                                    an admin key (none configured: an API key)
+ *             /debug/*, /abort_request                                  an admin key (none configured while API keys are: refused;
+ *                                                                       traces and rooms name other tenants' requests and responses,
+ *                                                                       and an abort ends any tenant's request by its id)
  *   api       everything else (/v1/*, /tokenize, /detokenize, 404s)      an API key
  *
  * No key of a class configured = that class is open (as before keys existed). A key is sent as
@@ -185,10 +186,11 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     if (cls === 'metrics' && !o.privateMetrics) return null;
     return adminRing();
   };
-  const deny = (request: FastifyRequest, reply: FastifyReply, cls: AccessClass, missing: boolean, debugWithoutAdmin = false): void => {
+  const deny = (request: FastifyRequest, reply: FastifyReply, cls: AccessClass, missing: boolean, adminOnly?: 'debug' | 'abort'): void => {
     refused.inc({ class: cls });
-    if (debugWithoutAdmin) {
-      void sendApiError(reply, new ApiError(401, 'invalid_api_key', 'The /debug/* routes show every client\'s requests: they need an admin API key, and none is configured (--admin-api-key or PDSERVE_ADMIN_API_KEY).', 'authentication_error'));
+    if (adminOnly) {
+      const what = adminOnly === 'debug' ? 'The /debug/* routes show every client\'s requests: they need' : 'POST /abort_request ends any client\'s request: it needs';
+      void sendApiError(reply, new ApiError(401, 'invalid_api_key', `${what} an admin API key, and none is configured (--admin-api-key or PDSERVE_ADMIN_API_KEY).`, 'authentication_error'));
       return;
     }
     const what = cls === 'api' ? 'API key' : 'admin API key';
@@ -203,8 +205,12 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     const cls = accessClassOf(request.method, request.url);
     const need = rings(cls);
     if (!need) return done();
-    // tenants must not see each other's traffic: with API keys on, /debug/* is the admin key's alone
-    if (cls === 'admin' && admin.size === 0 && request.url.startsWith('/debug/')) return deny(request, reply, cls, false, true);
+    // tenants must not see nor end each other's traffic: with API keys on, /debug/* and /abort_request are the admin key's alone
+    if (cls === 'admin' && admin.size === 0) {
+      const path = request.url.split('?')[0] ?? '';
+      if (path.startsWith('/debug/')) return deny(request, reply, cls, false, 'debug');
+      if (path === '/abort_request') return deny(request, reply, cls, false, 'abort');
+    }
     const key = presentedKey(request.headers.authorization);
     let id: string | null = null;
     for (const r of need) id ??= r.match(key);
@@ -224,7 +230,7 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     },
     describe() {
       const apiPart = apiGuarded() ? `API key required on /v1/*, /tokenize, /detokenize (${api.size} key(s)${o.apiKeyFile ? ` + key file ${o.apiKeyFile}` : ''})` : 'OPEN: no API key (anyone who reaches this port can use the API; set --api-key-file or PDSERVE_API_KEY)';
-      const adminPart = admin.size > 0 ? 'admin key required on /workers, /debug/*, /dashboard' : apiGuarded() ? 'an API key also opens /workers and /dashboard, /debug/* is closed (no admin key)' : '/workers, /debug/*, /dashboard open';
+      const adminPart = admin.size > 0 ? 'admin key required on /workers, /debug/*, /dashboard, /abort_request' : apiGuarded() ? 'an API key also opens /workers and /dashboard, /debug/* and /abort_request are closed (no admin key)' : '/workers, /debug/*, /dashboard, /abort_request open';
       return `${apiPart}; ${adminPart}; /metrics ${o.privateMetrics ? 'behind the admin rule' : 'open'}; /health open`;
     },
     close() {

@@ -50,6 +50,7 @@ async function app(o: Parameters<typeof registerAccess>[1]) {
   a.get('/metrics', async () => 'm');
   a.get('/workers', async () => ({ workers: [] }));
   a.post('/v1/responses', async () => ({ ok: true }));
+  a.post('/abort_request', async () => ({ aborted: true }));
   await a.ready();
   return { a, access, registry };
 }
@@ -86,15 +87,36 @@ describe('registerAccess', () => {
     await a.close();
   });
 
-  test('API keys without an admin key: an API key opens the control paths (they are never left open), but not /debug/* (other tenants\' traffic)', async () => {
+  test('API keys without an admin key: an API key opens the control paths (they are never left open), but not /debug/* nor /abort_request (other tenants\' traffic)', async () => {
     const { a } = await app({ apiKeys: ['sk-a'] });
     assert.equal((await a.inject({ method: 'GET', url: '/workers' })).statusCode, 401);
     assert.equal((await a.inject({ method: 'GET', url: '/workers', headers: { authorization: 'Bearer sk-a' } })).statusCode, 200);
     const traces = await a.inject({ method: 'GET', url: '/debug/traces', headers: { authorization: 'Bearer sk-a' } });
     assert.equal(traces.statusCode, 401);
     assert.match(traces.json().error.message, /need an admin API key, and none is configured/);
+    for (const url of ['/abort_request', '/abort_request?x=1']) {
+      const abort = await a.inject({ method: 'POST', url, headers: { authorization: 'Bearer sk-a' }, payload: { rid: 'chatcmpl-x' } });
+      assert.equal(abort.statusCode, 401, url);
+      assert.equal(abort.json().error.code, 'invalid_api_key');
+      assert.match(abort.json().error.message, /abort_request .*needs an admin API key, and none is configured \(--admin-api-key or PDSERVE_ADMIN_API_KEY\)/);
+    }
+    assert.equal((await a.inject({ method: 'POST', url: '/abort_request', payload: { rid: 'chatcmpl-x' } })).statusCode, 401);
     assert.equal((await a.inject({ method: 'GET', url: '/metrics' })).statusCode, 200);
     await a.close();
+  });
+
+  test('/abort_request: the admin key when one is set (an API key is refused); open when no key is set', async () => {
+    const locked = await app({ apiKeys: ['sk-a'], adminKeys: ['sk-admin'] });
+    assert.equal((await locked.a.inject({ method: 'POST', url: '/abort_request', headers: { authorization: 'Bearer sk-a' }, payload: { rid: 'r' } })).statusCode, 401);
+    assert.equal((await locked.a.inject({ method: 'POST', url: '/abort_request', headers: { authorization: 'Bearer sk-admin' }, payload: { rid: 'r' } })).statusCode, 200);
+    await locked.a.close();
+    const adminOnly = await app({ adminKeys: ['sk-admin'] });
+    assert.equal((await adminOnly.a.inject({ method: 'POST', url: '/abort_request', payload: { rid: 'r' } })).statusCode, 401);
+    assert.equal((await adminOnly.a.inject({ method: 'POST', url: '/abort_request', headers: { authorization: 'Bearer sk-admin' }, payload: { rid: 'r' } })).statusCode, 200);
+    await adminOnly.a.close();
+    const open = await app({});
+    assert.equal((await open.a.inject({ method: 'POST', url: '/abort_request', payload: { rid: 'r' } })).statusCode, 200);
+    await open.a.close();
   });
 
   test('an unreadable key file at start is an error', async () => {
