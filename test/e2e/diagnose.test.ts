@@ -111,9 +111,13 @@ describe('request traces', () => {
       assert.match(out.out, re);
     }
     const j = await cli(['doctor', '--url', c.router.url, '--request', 'timeline-probe', '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
-    const rep = JSON.parse(j.out) as { rows: { process: string }[]; phases: { phase: string; ms: number }[] };
+    const rep = JSON.parse(j.out) as { rows: { process: string }[]; phases: { process: string; phase: string; ms: number; ongoing: boolean }[] };
     assert.deepEqual(new Set(rep.rows.map((x) => x.process.split(' ')[0])), new Set(['router', 'prefill', 'decode']));
-    assert.ok(rep.phases.every((p) => p.ms >= 0));
+    // both workers' rooms gave their phases, each timed and over (the request has finished)
+    const phaseOf = (role: string) => rep.phases.filter((p) => p.process.startsWith(`${role} `)).map((p) => p.phase);
+    assert.ok(phaseOf('prefill').includes('bootstrap'), JSON.stringify(rep.phases));
+    assert.ok(phaseOf('decode').includes('prealloc'), JSON.stringify(rep.phases));
+    assert.ok(rep.phases.every((p) => Number.isFinite(p.ms) && p.ms >= 0 && !p.ongoing), JSON.stringify(rep.phases));
     const missing = await cli(['doctor', '--url', c.router.url, '--request', 'no-such-request'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     assert.equal(missing.code, 1);
     assert.match(missing.out, /no process knows no-such-request/);
