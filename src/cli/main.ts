@@ -16,7 +16,7 @@ import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../up/ba
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
-import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -84,7 +84,8 @@ const engineOptions = (c: Command) =>
     .addOption(new Option('--gpu <backend>', 'GPU backend (auto: CUDA, then Vulkan / Metal, else the CPU)').choices([...GPU_BACKENDS]).default('auto'))
     .option('--gpu-layers <n>', "layers offloaded to the GPU: auto (as many as fit), max, or a number (llama.cpp's -ngl)", cliParser(parseGpuLayers), 'auto')
     .option('--gpu-device <list>', 'GPU device indices this process may use, e.g. 0 or 0,1 (sets GGML_VK_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES; a software Vulkan device such as lavapipe is used only when named here)', cliParser(parseDeviceList))
-    .addOption(new Option('--kv-cache-type <type>', 'K and V cache type (llama.cpp -ctk/-ctv; quantized needs flash attention and a head size that is a multiple of 32; prefill and decode must agree)').choices([...KV_CACHE_TYPES]).default('f16'));
+    .addOption(new Option('--kv-cache-type <type>', 'K and V cache type (llama.cpp -ctk/-ctv; quantized needs flash attention and a head size that is a multiple of 32; prefill and decode must agree)').choices([...KV_CACHE_TYPES]).default('f16'))
+    .option('--grammar-budget-ms <ms>', "longest generation of one JSON schema's grammar (response_format json_schema, strict tools), off the event loop; past it the request is a 400 schema_too_complex (50-600000)", int, GRAMMAR_BUDGET_MS);
 
 /** A commander argument parser from one that throws RangeError. */
 function cliParser<T>(parse: (v: string) => T): (v: string) => T {
@@ -420,7 +421,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'prefill');
       await serve('prefill', o, async () =>
         startPrefillWorker(
-          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream !== false, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('prefill', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('prefill', o), privateMetrics: o.privateMetrics === true, slots: o.slots, maxWaiting: o.maxWaiting, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream !== false, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], grammarBudgetMs: o.grammarBudgetMs, ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('prefill'),
         ),
       );
@@ -438,7 +439,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const model = await modelPath(o.model, 'decode');
       await serve('decode', o, async () =>
         startDecodeWorker(
-          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          { internalTls: internalTlsOf('decode', o, true), host: o.host, port: o.port, secret: secretOf('decode', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], grammarBudgetMs: o.grammarBudgetMs, ...prefixCacheConfig(o), ...gpuConfig(o) } },
           createLogger('decode'),
         ),
       );
@@ -455,7 +456,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model, 'colocated');
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], grammarBudgetMs: o.grammarBudgetMs, ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
   internalTlsFlags(secretFlags(accessFlags(lifecycleOptions(program

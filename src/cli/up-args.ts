@@ -18,6 +18,8 @@ export interface UpEngineFlags {
   prefixCacheTokens: number;
   /** `--prefix-store-bytes`: bytes (0 = off); undefined = the workers' default. */
   prefixStoreBytes?: number;
+  /** `--grammar-budget-ms`: ms; undefined = the workers' default. */
+  grammarBudgetMs?: number;
 }
 
 /**
@@ -34,5 +36,6 @@ export function upEngineArgs(o: UpEngineFlags): string[] {
     '--prefix-cache-tokens',
     String(o.prefixCacheTokens),
     ...(o.prefixStoreBytes !== undefined ? ['--prefix-store-bytes', String(o.prefixStoreBytes)] : []),
+    ...(o.grammarBudgetMs !== undefined ? ['--grammar-budget-ms', String(o.grammarBudgetMs)] : []),
   ];
 }

@@ -16,9 +16,9 @@ import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
 import { Worker } from 'node:worker_threads';
 import { PdError } from '../base/errors.js';
+import { GRAMMAR_BUDGET_MS } from './types.js';
 
-/** Default time budget for one schema's grammar, ms. */
-export const GRAMMAR_BUDGET_MS = 2000;
+export { GRAMMAR_BUDGET_MS };
 
 export interface GrammarThreadOptions {
   /** Longest generation of one schema's grammar, ms (queue wait and thread start not counted). Default GRAMMAR_BUDGET_MS. */

@@ -30,6 +30,7 @@ import { PdError } from '../base/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
+import { GrammarThread } from './grammar-thread.js';
 import { CONTEXT_TOKENS, TokenRenderer } from './token-text.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
@@ -100,6 +101,8 @@ export interface LoadEngineOptions {
   gpuDevices?: readonly number[];
   /** K and V cache type (default 'f16'); a quantized V cache needs flash attention. */
   kvCacheType?: KvCacheType;
+  /** Time budget of one JSON schema's grammar generation, ms (grammar-thread.ts; default GRAMMAR_BUDGET_MS). */
+  grammarBudgetMs?: number;
 }
 
 /** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
@@ -635,6 +638,8 @@ class LlamaEngine implements Engine {
     stepBarrier: 'wait' | 'count' | 'off',
     private readonly store: PrefixStore | null = null,
     private readonly onCacheEvent: ((e: KvCacheEvent) => void) | null = null,
+    /** Time budget of one JSON schema's grammar, ms (undefined: GRAMMAR_BUDGET_MS). */
+    grammarBudgetMs?: number,
   ) {
     this.eventNamespace = onCacheEvent ? storeNamespace({ fingerprint: info.fingerprint, compat: info.compat, align: cache.align }) : '';
     this.holders = [];
@@ -650,7 +655,7 @@ class LlamaEngine implements Engine {
     const syntax = toolSyntaxOf(this.chatWrapper);
     this.toolSyntax = syntax && syntaxIsVisible(model, syntax) ? syntax : null;
     if (syntax && !this.toolSyntax) logSink?.('warn', `tool calls are off: the chat wrapper's call syntax ${JSON.stringify(syntax.prefix)} contains tokens that are not rendered as text`);
-    this.grammars = new GrammarCache(model.llama, this.toolSyntax);
+    this.grammars = new GrammarCache(model.llama, this.toolSyntax, new GrammarThread(grammarBudgetMs !== undefined ? { budgetMs: grammarBudgetMs } : {}));
     this.renderer = new TokenRenderer(model);
   }
 
@@ -994,7 +999,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     const barrier = opts.deterministic ? 'off' : opts.stepBarrier === false ? 'count' : 'wait';
     const store = cache.enabled ? (opts.prefixStore ?? null) : null;
     store?.bind({ fingerprint, compat: info.compat, nVocab: info.nVocab, nStream: opts.sequences + cacheSequences, align: cache.align });
-    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier, store, cache.enabled ? (opts.onCacheEvent ?? null) : null);
+    return new LlamaEngine(info, model, context, opts.tmpDir ?? defaultTmpDir(), sink, cache, barrier, store, cache.enabled ? (opts.onCacheEvent ?? null) : null, opts.grammarBudgetMs);
   } catch (err) {
     if (sink) logSinks.delete(sink);
     await model?.dispose().catch(() => {});

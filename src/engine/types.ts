@@ -81,6 +81,9 @@ export function isLazyGrammar(g: GrammarSpec | undefined): boolean {
   return g?.type === 'tool_call' && g.lazy && g.reply === undefined;
 }
 
+/** Longest generation of one JSON schema's grammar, ms, by default (`--grammar-budget-ms`; ./grammar-thread.ts): a hostile 2 KB `$defs` chain takes seconds, real schemas under 100 ms. */
+export const GRAMMAR_BUDGET_MS = 2000;
+
 /** Most JSON-schema nodes after `$ref` expansion in one request, by default (`--schema-max-nodes`; OpenAI's structured outputs allow 5,000 properties). */
 export const DEFAULT_SCHEMA_MAX_NODES = 5000;
 /** Most enum/const values in one request's JSON schemas, by default (`--schema-max-enum-values`; OpenAI's bound). */

@@ -5,7 +5,7 @@
 import { z } from 'zod';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
-import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from './cluster-secret.js';
 import { HttpTimeoutsSchema } from './http-timeouts.js';
@@ -59,6 +59,8 @@ export const EngineConfigSchema = z.object({
     .optional(),
   /** `--kv-cache-type`: K and V cache type; prefill and decode must agree (checked in the KV handshake). */
   kvCacheType: z.enum(KV_CACHE_TYPES).default('f16'),
+  /** `--grammar-budget-ms`: longest generation of one JSON schema's grammar, ms; past it a 400 schema_too_complex (engine/grammar-thread.ts). */
+  grammarBudgetMs: z.number().int().min(50).max(600_000).default(GRAMMAR_BUDGET_MS),
 }).refine((e) => e.kvCacheType === 'f16' || e.flashAttention, { message: 'a quantized --kv-cache-type needs flash attention (drop --no-flash-attention)', path: ['kvCacheType'] });
 
 /** The name a request may use when --served-model-name is not given, besides the file name. */

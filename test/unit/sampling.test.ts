@@ -12,7 +12,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
-import { choiceSeed, seedOf } from '../../src/engine/sampling.js';
+import { choiceSeed, seedOf, type GrammarCache } from '../../src/engine/sampling.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 import { drain, type Run } from '../helpers/engine.js';
 
@@ -61,7 +61,7 @@ async function both(sp: SamplingParams, p = prompt): Promise<Run> {
 
 describe('sampling options, PD equals colocated', () => {
   before(async () => {
-    engine = await loadEngine({ modelPath: await ensureModel('tiny', 1), sequences: 2, contextSize: 512, batchSize: 64, deterministic: true });
+    engine = await loadEngine({ modelPath: await ensureModel('tiny', 1), sequences: 2, contextSize: 512, batchSize: 64, deterministic: true, grammarBudgetMs: 1500 });
     prompt = engine.tokenize('the river ran past old mills and the river ran past old mills and');
   });
   after(async () => {
@@ -119,6 +119,7 @@ describe('sampling options, PD equals colocated', () => {
   });
 
   it('JSON grammar and JSON schema grammar: valid JSON out of a random model, same in PD', async () => {
+    assert.equal((engine as unknown as { grammars: GrammarCache }).grammars.thread.budgetMs, 1500, 'the engine\'s grammar thread has the budget it was loaded with (--grammar-budget-ms)');
     const json = await both(base({ ignoreEos: false, maxTokens: 200, grammar: { type: 'json' } }));
     assert.equal(json.finish, 'stop', json.text);
     assert.doesNotThrow(() => JSON.parse(json.text), json.text);

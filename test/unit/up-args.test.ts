@@ -10,7 +10,7 @@ import { upExtraArgs } from '../../src/cli/main.js';
 import { parsedOptions } from '../helpers/cli-options.js';
 import { upEngineArgs, type UpEngineFlags } from '../../src/cli/up-args.js';
 
-const KEYS = ['flashAttention', 'prefixCache', 'prefixCacheSlots', 'prefixCacheTokens', 'prefixStoreBytes'] as const;
+const KEYS = ['flashAttention', 'prefixCache', 'prefixCacheSlots', 'prefixCacheTokens', 'prefixStoreBytes', 'grammarBudgetMs'] as const;
 
 const parsed = parsedOptions;
 
@@ -18,7 +18,7 @@ const pick = (o: Record<string, unknown>) => Object.fromEntries(KEYS.map((k) => 
 
 for (const given of [
   ['--no-flash-attention', '--no-prefix-cache', '--prefix-cache-slots', '2', '--prefix-cache-tokens', '1000', '--prefix-store-bytes', '0'],
-  ['--prefix-cache-slots', '0', '--prefix-store-bytes', '1048576'],
+  ['--prefix-cache-slots', '0', '--prefix-store-bytes', '1048576', '--grammar-budget-ms', '750'],
   [],
 ]) {
   test(`up ${given.join(' ') || '(defaults)'}: prefill and decode get the same engine flags`, async () => {
