@@ -4,21 +4,19 @@
  *   serveAttempts(deps, request, reply, parsed, member) — pick a pair → run the attempt (its two
  *   legs, ./dispatch.ts `PdRequest`) → done | retry | migrate, until the request is answered.
  *
- * An attempt whose leg fails with a retryable error (`retryable`: a 5xx of any worker or of the
- * transport — connection refused or reset, `peer_lost`, `decode_failed`, a KV failure, `draining`,
- * a full queue — never a 4xx, never the router's own deadline or shutdown) ends without a word to
- * the client, and the request runs again on another pair (the failed attempt's workers are
- * avoided while others are healthy):
+ * An attempt whose leg fails ends without a word to the client when the attempt plan (./plan.ts
+ * `AttemptPlan`, the rule the simulator runs too) says so, and the request runs again on another
+ * pair (the failed attempt's workers are avoided while others are healthy):
  *  - **retry**: the client has nothing yet — the same request again;
  *  - **migrate**: the client already has output — prompt + the tokens it has (`resume_token_ids`)
  *    go to the new pair, whose prefill evaluates them after the prompt and samples the next token
  *    (or, when the decode picked holds the conversation's prefix, to that decode alone: decode-local),
  *    and whose decode rebuilds every sampler state (penalties, grammar, min_tokens, stop strings'
  *    text) from prompt + those tokens, so the same response continues: no token repeated or
- *    missing, usage counted once (the workers count the resumed tokens as completion tokens).
- * At most `migrationLimit` re-dispatches per request (Dynamo's `--migration-limit`), every one
- * inside the request's deadline; when they run out the client gets the last cause's error. A
- * re-dispatch after a worker that could not be reached at all (UNREACHED_CODES) is not counted.
+ *    missing, usage counted once (the workers count the resumed tokens as completion tokens);
+ *  - **fallback**: a decode-local attempt decode refused (`needs_prefill`): the PD path, same pair.
+ * The plan's budget (`migrationLimit`, unreached workers apart) and the request's deadline bound
+ * the re-dispatches; when it says fail the client gets the last cause's error.
  * A worker that cut its connection mid-request is out of the rotation until its next good probe
  * (./worker-errors.ts `closed`), so a migration does not land on a dying worker again.
  * When no worker of a role is healthy, a request waits for one (at most MAX_WAITING requests)
@@ -40,7 +38,8 @@ import { type ParsedRequest } from '../api/parse.js';
 import { parentRidOf } from '../api/loopback.js';
 import { isErrorCode, toApiError } from '../base/errors.js';
 import type { ChoiceGroup } from './choices.js';
-import { ClientReply, PdRequest, type DispatchContext } from './dispatch.js';
+import { ClientReply, PdRequest, type Decide, type DispatchContext } from './dispatch.js';
+import { AttemptPlan, type PlanState } from './plan.js';
 import { errorOutcome, type Outcome } from './metrics.js';
 import { pickPair } from './pairing.js';
 import { localPrefillFor, routingText, routingTextAfter, type Pick, type Policy } from './policy/index.js';
@@ -54,33 +53,6 @@ import type { SseWriter } from '../api/sse.js';
 export const MAX_WAITING = 1024;
 /** How often a waiting request looks for a healthy worker again (ms). */
 const WAIT_POLL_MS = 50;
-/** A failure with less time than this left before the deadline is not retried (ms). */
-const MIN_ATTEMPT_MS = 50;
-/**
- * Failures of a worker that could not be reached at all — the connection or the KV dial refused:
- * nothing ran on it, and the worker (marked unreachable) or the pair (./pair-blocks.ts) leaves
- * the rotation at once, so the same miss cannot repeat. Their re-dispatch is not counted against
- * `migrationLimit`; at most MAX_UNREACHED of them per request.
- */
-export const UNREACHED_CODES: ReadonlySet<string> = new Set(['prefill_unreachable', 'decode_unreachable', 'peer_unreachable']);
-/** Most re-dispatches after an unreached worker per request, besides `migrationLimit`. */
-export const MAX_UNREACHED = 8;
-/** Codes never retried although 5xx: the router's own deadline and shutdown. */
-const NEVER = new Set(['timeout', 'shutting_down', 'client_closed_request']);
-
-/** May a leg's failure `err` be retried on another pair? Any 5xx but the router's own (see the module doc); never a 4xx. */
-export function retryable(err: ApiError): boolean {
-  return err.status >= 500 && !NEVER.has(err.code);
-}
-
-/**
- * The decision for a failed leg. `output`: the client already has output (events applied to the
- * response); `leftMs`: time left before the request's deadline.
- */
-export function nextStep(err: ApiError, output: boolean, leftMs: number): 'retry' | 'migrate' | 'fail' {
-  if (!retryable(err) || leftMs < MIN_ATTEMPT_MS) return 'fail';
-  return output ? 'migrate' : 'retry';
-}
 
 /** What `serveAttempts` needs from its router. */
 export interface AttemptDeps {
@@ -122,10 +94,10 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
   };
   const causes: { next: 'retry' | 'migrate'; code: string }[] = [];
   let client: ClientReply | null = null;
-  let left = config.migrationLimit;
-  let unreached = 0;
-  /** Does the budget allow one more attempt after a failure with `code`? */
-  const budget = (code: string) => left > 0 || (UNREACHED_CODES.has(code) && unreached < MAX_UNREACHED);
+  const plan = new AttemptPlan({ migrationLimit: config.migrationLimit });
+  /** The plan's state (./plan.ts), from the first attempt; `decided`: the state after the last failed attempt's decision. */
+  let planned: PlanState | null = null;
+  let decided: PlanState | null = null;
   let outcome: Outcome = 'error';
   // A streamed request silent for sseKeepAliveMs gets an SSE comment (./keepalive.ts): from now on,
   // while it waits for a pair, its first token or the next one.
@@ -174,7 +146,14 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       const c = client;
       c.parentRid ??= parentRidOf(request);
       c.writer ??= ka?.writer() ?? null; // a keep-alive comment opened the stream already
-      const decide = (err: ApiError, output: boolean) => (budget(err.code) ? nextStep(err, output, c.deadlineAt - systemClock.nowMs()) : 'fail');
+      planned ??= plan.start(c.deadlineAt);
+      const state: PlanState = planned;
+      decided = null;
+      const decide: Decide = (err, ev) => {
+        const d = plan.next(state, { code: err.code, status: err.status, now: systemClock.nowMs(), ...ev });
+        decided = d.state;
+        return d.next;
+      };
       // Decode-local continuation first when the decode worker holds this conversation (never for
       // a choice of a group). A migration too: prompt + the tokens the client has go to a decode
       // that holds the prefix, which evaluates only what it lacks (no prefill leg, no KV
@@ -186,7 +165,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       d.active.add(run);
       try {
         await run.run();
-        if (run.fallback && !reply.raw.destroyed && !d.closing()) {
+        if (run.next === 'fallback' && !reply.raw.destroyed && !d.closing()) {
           d.active.delete(run);
           c.attempt++;
           run = new PdRequest(d.ctx, c, parsed, reply, prefill, decode, log, decide);
@@ -203,11 +182,11 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         log.warn({ prefill: prefill.url, decode: decode.url, code: run.cause.code, retry_in_ms: ms }, 'KV handshake failed: the pair leaves the rotation');
       } else if (run.outcome === 'ok') d.pairs.ok(prefill.url, decode.url);
       // The decode worker now keeps this round (prompt + reply): the next round's prefix.
-      if (run.outcome === 'ok' && !run.next) {
+      if (run.outcome === 'ok' && run.next === null) {
         d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, systemClock.nowMs());
         if (key !== undefined) d.expectHeld?.(decode.url, key);
       }
-      if (!run.next) break;
+      if (run.next !== 'retry' && run.next !== 'migrate') break;
       if (reply.raw.destroyed) {
         // The attempt failed as its client left: the request ends as the client's abort.
         outcome = 'client_abort';
@@ -216,8 +195,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         break;
       }
       causes.push({ next: run.next, code: run.cause!.code });
-      if (UNREACHED_CODES.has(run.cause!.code) && unreached < MAX_UNREACHED) unreached++;
-      else left--;
+      planned = decided ?? planned;
       avoid.add(prefill);
       avoid.add(decode);
       // The worker said its state directory is full: its /health says which one (degraded), and

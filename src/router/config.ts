@@ -65,6 +65,9 @@ const LoggerSchema = z.custom<Logger>(
   { message: 'expected a pino logger or { level }' },
 );
 
+/** Re-dispatches of one request after retryable failures (`--migration-limit`; ./plan.ts). */
+export const DEFAULT_MIGRATION_LIMIT = 3;
+
 export const RouterConfigSchema = z
   .object({
     host: z.string().min(1).default('127.0.0.1'),
@@ -100,7 +103,7 @@ export const RouterConfigSchema = z
     bodyLimit: z.number().int().min(1024).default(4 * 1024 * 1024),
     maxEventBytes: z.number().int().min(1024).default(1024 * 1024),
     firstTokenFromPrefill: z.boolean().default(true),
-    migrationLimit: z.number().int().min(0).max(16).default(3),
+    migrationLimit: z.number().int().min(0).max(16).default(DEFAULT_MIGRATION_LIMIT),
     maxToolCalls: z.number().int().min(1).max(MAX_TOOL_CALLS_LIMIT).default(DEFAULT_MAX_TOOL_CALLS),
     schemaMaxNodes: z.number().int().min(1).max(1_000_000).default(DEFAULT_SCHEMA_MAX_NODES),
     schemaMaxEnumValues: z.number().int().min(1).max(1_000_000).default(DEFAULT_SCHEMA_MAX_ENUM_VALUES),

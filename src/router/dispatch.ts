@@ -62,6 +62,7 @@ import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
 import { readSse, SseParser, SseWriter } from '../api/sse.js';
 import type { GenerateEvent } from '../protocol/worker-protocol.js';
 import type { RouterConfig } from './config.js';
+import type { Next } from './plan.js';
 import { errorOutcome, type Outcome, type RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
@@ -86,8 +87,8 @@ export function newRid(kind: 'completion' | 'chat'): string {
   return `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomHex(12)}`;
 }
 
-/** The attempt decision for a failed leg: `err`, and whether the client already has output. */
-export type Decide = (err: ApiError, output: boolean) => 'retry' | 'migrate' | 'fail';
+/** The attempt decision for a failed leg (./plan.ts `AttemptPlan.next` with the request's state): `err` and what the attempt knows. */
+export type Decide = (err: ApiError, ev: { output: boolean; attemptOutput: boolean; local: boolean }) => Next;
 
 /** Everything a request needs from its router. */
 export interface DispatchContext {
@@ -170,8 +171,8 @@ export class PdRequest {
   /** The response id (the client's rid, the same for every attempt). */
   readonly rid: string;
   outcome: Outcome | null = null;
-  /** The attempt failed and may be run again (see ./attempts.ts `nextStep`): retry (no output yet) or migrate (the client has output). */
-  next: 'retry' | 'migrate' | null = null;
+  /** The attempt failed and runs again (./plan.ts): retry (no output yet), migrate (the client has output) or fallback (decode-local refused: the PD path on the same pair). */
+  next: Exclude<Next, 'fail'> | null = null;
   /** The error the attempt failed with (why `next` is set, or what the client got). */
   cause: ApiError | null = null;
   /** The leg whose failure ended this attempt, and its error (the other leg's abort says so). */
@@ -182,8 +183,6 @@ export class PdRequest {
   get parentRid(): string | undefined {
     return this.client.parentRid;
   }
-  /** Decode-local attempt answered `needs_prefill` before any output: run it on the PD path. */
-  fallback = false;
   /** An operator aborted the request (`abortByOperator`): every leg is told so, nothing runs again. */
   private operatorAborted = false;
   /** Serving path, for metrics and logs. */
@@ -216,7 +215,7 @@ export class PdRequest {
     prefill: WorkerState,
     decode: WorkerState,
     log: Logger,
-    /** What a failed leg leads to (./attempts.ts `nextStep` with the request's budget); null = always fail (the last attempt). */
+    /** What a failed leg leads to (./plan.ts with the request's state); null = always fail. */
     private readonly decide: Decide | null = null,
     /** Decode-local continuation: send to decode alone, decode evaluates ≤ maxTokens uncached tokens. */
     local?: { maxTokens: number },
@@ -524,7 +523,7 @@ export class PdRequest {
       clearInterval(timer);
       const why = `no event on a request's stream for ${Math.round(silent)} ms (bound ${boundMs} ms), after ${this.decodeEvents} events`;
       this.log.warn({ worker: leg.worker.url, silent_ms: Math.round(silent), events: this.decodeEvents }, 'decode stream went silent: the worker is frozen, migrating the request');
-      this.ctx.registry.markFrozen(leg.worker, why);
+      this.ctx.registry.report(leg.worker, { kind: 'frozen', why });
       this.legFailed(leg, new ApiError(502, 'decode_stalled', `decode worker ${leg.worker.url} stalled: ${why}`, 'server_error'));
     }, Math.max(10, Math.min(1000, Math.floor(boundMs / 4))));
     timer.unref();
@@ -605,15 +604,9 @@ export class PdRequest {
 
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
-    if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.setDraining(leg.worker, true);
+    if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.report(leg.worker, { kind: 'draining' });
     // Out of the rotation until a signed probe passes (its /health refuses a wrong signature too).
-    if (err.code === 'worker_unauthenticated') this.ctx.registry.setUnhealthy(leg.worker, "refused the router's signed request: another cluster secret?");
-    // Decode-local refused before this attempt wrote anything (a migrated attempt's client has earlier output).
-    if (err.code === 'needs_prefill' && this.path === 'decode_local' && this.decodeEvents === 0 && !this.over) {
-      this.fallback = true;
-      this.finish('error');
-      return;
-    }
+    if (err.code === 'worker_unauthenticated') this.ctx.registry.report(leg.worker, { kind: 'unauthenticated' });
     if (this.over) {
       this.log.warn({ leg: leg.name, worker: leg.worker.url, status: err.status, err: err.message }, 'worker error after the request finished');
       return;
@@ -622,8 +615,13 @@ export class PdRequest {
       this.log.warn({ worker: leg.worker.url, status: err.status, err: err.message }, 'prefill reported an error after decode started generating; keeping decode output');
       return;
     }
-    // Run again elsewhere (./attempts.ts decides): finish() aborts the other leg; nothing is sent.
-    const next = this.decide ? this.decide(err, this.client.builder.events > 0) : 'fail';
+    // Run again (./plan.ts decides): finish() aborts the other leg; nothing is sent.
+    const next = this.decide ? this.decide(err, { output: this.client.builder.events > 0, attemptOutput: this.decodeEvents > 0, local: this.path === 'decode_local' }) : 'fail';
+    if (next === 'fallback') {
+      this.next = next;
+      this.finish('error');
+      return;
+    }
     this.cause = err;
     this.failedLeg = { leg: leg.name, err };
     if (next !== 'fail') {
@@ -640,9 +638,9 @@ export class PdRequest {
     // Our write to the client failed: the client is gone or not reading.
     if (f.clientGone) return this.finish('client_abort', f.err);
     if (f.transport && leg.ac.signal.aborted) return;
-    if (f.unreachable) this.ctx.registry.markUnreachable(leg.worker, thrown);
+    if (f.unreachable) this.ctx.registry.report(leg.worker, { kind: 'unreachable', err: thrown });
     // A worker that cut its connection mid-request most likely died: no further attempt picks it before a probe says it is back.
-    else if (f.closed) this.ctx.registry.setUnhealthy(leg.worker, `connection lost mid-request: ${describeError(thrown)}`);
+    else if (f.closed) this.ctx.registry.report(leg.worker, { kind: 'connection_lost', err: thrown });
     if (f.err.code === 'generation_aborted') leg.reported = true;
     this.legFailed(leg, f.err);
   }
@@ -733,14 +731,14 @@ export class PdRequest {
     const client = this.client;
     const e2eMs = systemClock.nowMs() - client.t0;
     metrics.inflight.dec();
-    if (this.next) {
+    if (this.next === 'retry' || this.next === 'migrate') {
       const cause = this.cause!;
       this.ctx.observe?.event(this.rid, 'attempt_failed', { attempt: client.attempt, next: this.next, code: cause.code, err: cause.message, prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, tokens_sent: client.tokenIds.length });
       this.log.info({ prefill: this.legs.prefill?.worker.url ?? null, decode: this.legs.decode.worker.url, attempt: client.attempt, code: cause.code, err: cause.message, tokens: client.tokenIds.length }, this.next === 'retry' ? 'attempt failed before any output: dispatching the request again' : 'attempt failed after output: migrating the request');
       this.resolveDone();
       return;
     }
-    if (this.fallback) {
+    if (this.next === 'fallback') {
       metrics.byPath.labels('fallback').inc();
       this.debug({ decode: this.legs.decode.worker.url }, 'decode-local attempt needs prefill: running the PD path');
       this.resolveDone();

@@ -65,6 +65,9 @@ export interface WorkerSnapshot {
 }
 
 /** A held unit of load on one worker. `release()` is idempotent; true only on the first call. */
+/** What a request saw go wrong with a worker: the input of `WorkerRegistry.report` (`err`: what the transport threw; `why`: the silence seen). */
+export type WorkerFailure = { kind: 'draining' } | { kind: 'unauthenticated' } | { kind: 'unreachable'; err: unknown } | { kind: 'connection_lost'; err: unknown } | { kind: 'frozen'; why: string };
+
 export interface Lease {
   readonly worker: WorkerState;
   readonly released: boolean;
@@ -301,7 +304,7 @@ export class WorkerRegistry {
       this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
     } catch (err) {
       if (this.stopped) return;
-      if (isUnreachable(err)) this.markUnreachable(w, err);
+      if (isUnreachable(err)) this.report(w, { kind: 'unreachable', err });
       else this.probeFailed(w, `GET /health: ${describeError(err)}`);
     } finally {
       this.probing.delete(w);
@@ -348,6 +351,29 @@ export class WorkerRegistry {
     this.setUnhealthy(w, reason);
   }
 
+  /**
+   * THE health write of a request's failure on `w` (the router's attempts report here, nothing
+   * else writes worker health from a request): `draining` — out of new picks; `unauthenticated`
+   * (refused the router's signed request), `unreachable` (connection refused, DNS, connect
+   * timeout), `connection_lost` (closed or reset mid-request: it most likely died), `frozen` (its
+   * stream went silent past the bound) — unhealthy until the next good probe.
+   */
+  report(w: WorkerState, failure: WorkerFailure): void {
+    switch (failure.kind) {
+      case 'draining':
+        return this.setDraining(w, true);
+      case 'unauthenticated':
+        return this.setUnhealthy(w, "refused the router's signed request: another cluster secret?");
+      case 'unreachable':
+        return this.setUnhealthy(w, `unreachable: ${describeError(failure.err)}`);
+      case 'connection_lost':
+        return this.setUnhealthy(w, `connection lost mid-request: ${describeError(failure.err)}`);
+      case 'frozen':
+        w.frozen = failure.why;
+        return this.setUnhealthy(w, `frozen: ${failure.why}`);
+    }
+  }
+
   /** Mark `w` unhealthy now. */
   setUnhealthy(w: WorkerState, reason: string): void {
     if (w.healthy || w.lastCheckAt === 0) this.opts.log.warn({ worker: w.url, role: w.role, reason }, 'worker unhealthy');
@@ -355,21 +381,6 @@ export class WorkerRegistry {
     w.lastError = reason;
     w.lastCheckAt = systemClock.wallMs();
     w.consecutiveFailures++;
-  }
-
-  /**
-   * A request's stream on `w` went silent past the router's bound (a stopped or frozen process):
-   * out of the rotation and shown as `frozen` on GET /workers (doctor names it) until a probe
-   * finds it healthy.
-   */
-  markFrozen(w: WorkerState, reason: string): void {
-    w.frozen = reason;
-    this.setUnhealthy(w, `frozen: ${reason}`);
-  }
-
-  /** A request could not reach `w` (connection refused, DNS, connect timeout): skip it until the next good probe. */
-  markUnreachable(w: WorkerState, err: unknown): void {
-    this.setUnhealthy(w, `unreachable: ${describeError(err)}`);
   }
 
   /** Healthy, non-draining workers of `role`, in pool order (the candidates of a load-balancing policy). */

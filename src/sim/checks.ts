@@ -12,7 +12,9 @@
  * - one terminal per room and incarnation, never non-terminal again (`double_terminal`, `revival`);
  * - every live room has a deadline and ends within a tick of it (`no_deadline`, `wedge`), none is
  *   live at the end (`stuck`), none is live after a router abort reached it (`ran_after_abort`),
- *   the rooms of a crashed peer fail within the heartbeat bound (`peer_loss_late`).
+ *   the rooms of a crashed peer fail within the heartbeat bound (`peer_loss_late`);
+ * - the router's attempt plan: a request re-dispatched at most `migrationLimit` times
+ *   (`over_budget`), never at or past its deadline (`late_attempt`).
  */
 import { stateName, type RoomTable } from '../kv/lifecycle.js';
 import { KVPoll, isTerminal, type RoomId } from '../kv/types.js';
@@ -31,6 +33,8 @@ export type ViolationKind =
   | 'ran_after_abort'
   | 'stuck'
   | 'misordered'
+  | 'over_budget'
+  | 'late_attempt'
   | 'exception';
 
 export interface Violation {
@@ -122,6 +126,14 @@ export class Checks {
     if (this.violations.some((x) => `${x.kind}|${x.node ?? ''}|${x.room ?? ''}` === key)) return;
     this.violations.push({ ...v, at: this.w.now, label: v.room ? this.w.label(v.room) : undefined });
     this.w.note('sim', v.room, `!! VIOLATION ${v.kind}${v.node ? ` on ${v.node}` : ''}: ${v.detail}`);
+  }
+
+  // ---- the router's attempts ---------------------------------------------------------------
+
+  /** The router decided to re-dispatch `room`'s request as its `n`-th migration (limit `limit`), the request's deadline being `deadlineAt`. */
+  attempt(room: RoomId, n: number, limit: number, deadlineAt: number): void {
+    if (n > limit) this.violate({ kind: 'over_budget', room, detail: `migration ${n} of a request whose limit is ${limit}` });
+    if (this.w.now >= deadlineAt) this.violate({ kind: 'late_attempt', room, detail: `migration decided at t=${ms(this.w.now)}, at or past the request's deadline t=${ms(deadlineAt)}` });
   }
 
   // ---- resources ----------------------------------------------------------------------------

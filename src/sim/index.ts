@@ -56,7 +56,7 @@ export async function runSeeds(from: number, count: number, opts: RunSeedsOption
   const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
-  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, decodes: opts.decodes, kvStreams: opts.kvStreams, timeouts: opts.timeouts });
+  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, decodes: opts.decodes, kvStreams: opts.kvStreams, timeouts: opts.timeouts, migrationLimit: opts.migrationLimit, requestTimeoutMs: opts.requestTimeoutMs });
   for (let i = 0; i < count; i++) {
     const seed = from + i;
     const r = await runSim(simOpts(seed, false));
@@ -133,12 +133,12 @@ export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOpt
  */
 export async function simMain(argv: string[], out: (line: string) => void = (l) => console.log(l)): Promise<number> {
   if (argv.includes('--help') || argv.includes('-h')) {
-    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--decodes 1|2] [--kv-streams 1|2] [--legacy [--all]] [--verbose]');
+    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--decodes 1|2] [--kv-streams 1|2] [--migration-limit N] [--request-timeout-ms MS] [--legacy [--all]] [--verbose]');
     out('  runs the room lifecycle under a deterministic simulator (faulty network, crashes, aborts);');
     out('  exit 0 = no violation, 1 = violations (with --legacy: the wedge was reproduced), 2 = bad flags');
     return 0;
   }
-  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'decodes', 'kv-streams', 'legacy', 'verbose', 'all']);
+  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'decodes', 'kv-streams', 'migration-limit', 'request-timeout-ms', 'legacy', 'verbose', 'all']);
   const args = new Map<string, string | true>();
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i]!;
@@ -171,7 +171,7 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
   let from: number;
   let seeds: number;
   let rooms: number;
-  const topo: Pick<SimOptions, 'decodes' | 'kvStreams'> = {};
+  const topo: Pick<SimOptions, 'decodes' | 'kvStreams' | 'migrationLimit' | 'requestTimeoutMs'> = {};
   try {
     for (const [k, f] of [['decodes', 'decodes'], ['kv-streams', 'kvStreams']] as const) {
       if (!args.has(k)) continue;
@@ -179,6 +179,8 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
       if (n !== 1 && n !== 2) throw new Error(`--${k} must be 1 or 2`);
       topo[f] = n;
     }
+    if (args.has('migration-limit')) topo.migrationLimit = Math.max(0, num('migration-limit', 0));
+    if (args.has('request-timeout-ms')) topo.requestTimeoutMs = Math.max(1, num('request-timeout-ms', 1));
     const single = args.has('seed');
     from = single ? num('seed', 1) : num('from', 1);
     seeds = single ? 1 : num('seeds', Number(process.env.PDSERVE_SIM_SEEDS ?? 1000));

@@ -59,6 +59,10 @@ export interface SimOptions {
   /** Sockets per KV connection (`--kv-streams`: 2 stripes the chunks); default drawn from the seed (20 % two; legacy: 1). */
   kvStreams?: 1 | 2;
   timeouts?: Partial<RoomTimeouts>;
+  /** The router's `--migration-limit` its attempt plan (../router/plan.ts) runs with; default the router's default. */
+  migrationLimit?: number;
+  /** Every request's deadline after its arrival, virtual ms; default drawn from the seed (30 % short: 200, else 10,000). */
+  requestTimeoutMs?: number;
 }
 
 export interface SimStats {

@@ -46,6 +46,8 @@ import { DecodeEffects, type DecodeJob } from '../decode/effects.js';
 import { PrefillDriver } from '../prefill/driver.js';
 import { PrefillEffects } from '../prefill/effects.js';
 import { StripeReorder } from '../kv/stripes.js';
+import { AttemptPlan, type PlanState } from '../router/plan.js';
+import { DEFAULT_MIGRATION_LIMIT } from '../router/config.js';
 import { EventHeap } from './heap.js';
 import { Prng } from '../base/prng.js';
 import { Checks, StreamOrder, type NodeName } from './checks.js';
@@ -121,6 +123,8 @@ interface Req {
   group?: Req[];
   /** Decode streams this request's tokens (since this virtual time). */
   streaming?: number;
+  /** The router's attempt plan for the request (../router/plan.ts), shared by its attempts: budget left and deadline. */
+  plan: PlanState;
   /** The request this one migrates (and the attempt that replaced this one). */
   parent?: Req;
   next?: Req;
@@ -131,8 +135,8 @@ type Leg = 'P' | 'D';
 
 const TICK_MS = 10;
 const HB_MS = 40;
-/** Migrations per request (the router's --migration-limit). */
-const MIGRATION_LIMIT = 1;
+/** A request's deadline after its arrival (the router's requestTimeoutMs, scaled down): long, or in some worlds short enough that decodes die after it. */
+const REQUEST_TIMEOUT_MS = { long: 10_000, short: 200 } as const;
 /** The simulated decode's sampler: greedy, a few tokens. */
 const samplingOf = (r: Req): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 8, stop: [], ignoreEos: false, ...(r.resumed.length ? { resumed: r.resumed } : {}) });
 const sameTokens = (a: readonly number[] | undefined, b: readonly number[]): boolean => !!a && a.length === b.length && a.every((x, i) => x === b[i]);
@@ -156,6 +160,10 @@ export class World {
   readonly trace: TraceEntry[] = [];
   readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
   private readonly crossAbort: boolean;
+  /** The router's attempt plan (its default --migration-limit unless the options say otherwise). */
+  private readonly plan: AttemptPlan;
+  /** The requests' deadline after arrival in this world (REQUEST_TIMEOUT_MS). */
+  private readonly requestTimeoutMs: number;
   private readonly topo: Prng;
   private readonly sameHost: boolean;
   private endAt = 0;
@@ -198,6 +206,9 @@ export class World {
     this.decodes = two === 2 ? ['D', 'D2'] : ['D'];
     this.kvStreams = opts.kvStreams ?? (this.legacy ? 1 : topo.chance(0.2) ? 2 : 1);
     this.topo = topo;
+    this.plan = new AttemptPlan({ migrationLimit: opts.migrationLimit ?? DEFAULT_MIGRATION_LIMIT });
+    // Its own stream, so the other draws stay as they were.
+    this.requestTimeoutMs = opts.requestTimeoutMs ?? (new Prng((this.seed * 16807 + 0x2a5) >>> 0).chance(0.3) ? REQUEST_TIMEOUT_MS.short : REQUEST_TIMEOUT_MS.long);
     const now = (): number => this.now;
     this.checks = new Checks({
       get now() {
@@ -324,7 +335,7 @@ export class World {
       ids.add(id);
       const prompt = Array.from({ length: rng.int(1, 6) }, (_, k) => 100 * (i + 1) + k);
       const dec = this.decodes[this.topo.int(0, this.decodes.length - 1)]!;
-      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, prompt, resumed: [], on: {}, outcome: {}, dec, local: !this.legacy && localRng.chance(0.2) };
+      const req: Req = { n: i + 1, id, rid: `req-${i + 1}`, label: `#${i + 1}`, arrival: t, prompt, resumed: [], on: {}, outcome: {}, dec, local: !this.legacy && localRng.chance(0.2), plan: this.plan.start(t + this.requestTimeoutMs) };
       if (req.local) this.stats.local++;
       this.reqs.push(req);
       this.byId.set(id, req);
@@ -339,6 +350,7 @@ export class World {
         for (const m of group) {
           m.group = group;
           m.arrival = group[0]!.arrival;
+          m.plan = group[0]!.plan;
           m.prompt = group[0]!.prompt; // one request, n choices: one prompt
           m.dec = group[0]!.dec; // the choices decode on one worker
         }
@@ -447,7 +459,8 @@ export class World {
     }
     const labels: Record<RoomId, string> = {};
     for (const r of this.byId.values()) labels[r.id] = r.label;
-    const forced = [...(this.opts.decodes ? [`--decodes ${this.opts.decodes}`] : []), ...(this.opts.kvStreams ? [`--kv-streams ${this.opts.kvStreams}`] : [])];
+    const o = this.opts;
+    const forced = [...(o.decodes ? [`--decodes ${o.decodes}`] : []), ...(o.kvStreams ? [`--kv-streams ${o.kvStreams}`] : []), ...(o.migrationLimit !== undefined ? [`--migration-limit ${o.migrationLimit}`] : []), ...(o.requestTimeoutMs !== undefined ? [`--request-timeout-ms ${o.requestTimeoutMs}`] : [])];
     return { seed: this.seed, ok: this.checks.violations.length === 0, legacy: this.legacy, profile: this.profile.name, decodes: this.decodes.length as 1 | 2, kvStreams: this.kvStreams as 1 | 2, forced, violations: this.checks.violations, stats: this.stats, trace: this.tracing ? this.trace : undefined, labels };
   }
 
@@ -847,21 +860,28 @@ export class World {
   }
 
   /**
-   * Decode `dead` died while it streamed `req`: the router sends the prompt and the tokens the
+   * Decode `dead` died while it streamed `req`: the router asks its attempt plan
+   * (../router/plan.ts, the shipped one), and on `migrate` sends the prompt and the tokens the
    * client has as a new attempt (a new room) to prefill and the other decode (or, in a world of
    * one decode, to `dead` once it is back); prefill evaluates them, decode's state must hold them.
+   * The plan's answer is judged by the checks: never more migrations than the limit, never one
+   * decided at or past the request's deadline.
    */
   private migrate(req: Req, dead: Node, downMs: number): void {
-    let migrations = 0;
+    if (req.local) return; // the model migrates PD requests only
+    const d = this.plan.next(req.plan, { code: 'decode_failed', status: 502, output: true, attemptOutput: true, local: false, now: this.now });
+    this.tr('R', req.id, `attempt plan: ${d.next} (${d.state.left} of ${this.plan.migrationLimit} migrations left, deadline t=${req.plan.deadlineAt})`);
+    if (d.next !== 'migrate') return;
+    let migrations = 1;
     for (let r = req.parent; r; r = r.parent) migrations++;
-    if (migrations >= MIGRATION_LIMIT || req.local) return;
+    this.checks.attempt(req.id, migrations, this.plan.migrationLimit, req.plan.deadlineAt);
     const sent = Array.from({ length: this.rng.int(1, 3) }, (_, k) => 9000 + req.resumed.length + k);
     let id = newRoomId(() => this.rng.u64());
     while (this.byId.has(id)) id = newRoomId(() => this.rng.u64());
     const dec = this.decodes.find((d) => d !== dead.name) ?? dead.name;
     const wait = dec === dead.name ? downMs : 0;
     if (dec !== dead.name) this.stats.migratedAcross++;
-    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + wait + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, dec, local: false, parent: req };
+    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + wait + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, dec, local: false, plan: d.state, parent: req };
     req.next = next;
     this.byId.set(id, next);
     this.stats.migrated++;

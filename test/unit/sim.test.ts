@@ -18,6 +18,8 @@ import { Prng } from '../../src/base/prng.js';
 import { DecodeEffects } from '../../src/decode/effects.js';
 import { PrefillEffects } from '../../src/prefill/effects.js';
 import { StripeReorder } from '../../src/kv/stripes.js';
+import { AttemptPlan, type PlanState } from '../../src/router/plan.js';
+import { DEFAULT_MIGRATION_LIMIT } from '../../src/router/config.js';
 
 const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 2_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
@@ -168,6 +170,67 @@ test('the striped worlds run the shipped reassembly: a bypass planted in it is c
     r.end = end;
   }
   assert.equal((await runSeeds(FROM + 3_000_000, 30, opts)).failures.length, 0);
+});
+
+/**
+ * Plant a bug in one rule of the router's attempt plan (src/router/plan.ts, the object the worlds'
+ * router asks) for the duration of `fn`.
+ */
+async function withPlanted<K extends 'budgetAllows' | 'inTime'>(rule: K, bug: AttemptPlan[K], fn: () => Promise<void>): Promise<void> {
+  const proto = AttemptPlan.prototype as unknown as Record<K, AttemptPlan[K]>;
+  const shipped = proto[rule];
+  proto[rule] = bug;
+  try {
+    await fn();
+  } finally {
+    proto[rule] = shipped;
+  }
+}
+
+test("the worlds' router runs the shipped attempt plan: an off-by-one in its migration budget is caught", async () => {
+  // Limit 0: no request may migrate at all; the planted rule lets one more through than the budget.
+  const opts = { rooms: 12, migrationLimit: 0, log: null } as const;
+  await withPlanted('budgetAllows', function (this: AttemptPlan, s: PlanState) {
+    return s.left >= 0;
+  }, async () => {
+    const res = await runSeeds(FROM, 300, opts);
+    assert.ok((res.violationsByKind.over_budget ?? 0) > 0, `over-budget migrations found: ${JSON.stringify(res.violationsByKind)}`);
+  });
+  const clean = await runSeeds(FROM, 300, opts);
+  assert.equal(clean.failures.length, 0);
+  assert.equal(clean.totals.migrated, 0, 'limit 0: no migration');
+});
+
+test("the worlds' router runs the shipped attempt plan: a migration after the request's deadline is caught", async () => {
+  // Short deadlines, so decodes die after them; the planted rule forgets the deadline.
+  const opts = { rooms: 12, requestTimeoutMs: 150, log: null } as const;
+  await withPlanted('inTime', () => true, async () => {
+    const res = await runSeeds(FROM, 300, opts);
+    assert.ok((res.violationsByKind.late_attempt ?? 0) > 0, `late migrations found: ${JSON.stringify(res.violationsByKind)}`);
+  });
+  assert.equal((await runSeeds(FROM, 300, opts)).failures.length, 0);
+});
+
+test("the worlds' router takes the router's migration limit (no limit of its own)", () => {
+  assert.equal(new AttemptPlan().migrationLimit, DEFAULT_MIGRATION_LIMIT);
+  // A request in state s fails once its counted budget is spent, migrates while it lasts.
+  const plan = new AttemptPlan({ migrationLimit: 2 });
+  let s = plan.start(1_000);
+  const ev = { code: 'decode_failed', status: 502, output: true, attemptOutput: true, local: false, now: 0 };
+  const seen: string[] = [];
+  for (let i = 0; i < 3; i++) {
+    const d = plan.next(s, ev);
+    seen.push(d.next);
+    s = d.state;
+  }
+  assert.deepEqual(seen, ['migrate', 'migrate', 'fail']);
+  // Unreached workers use their own budget first; a 4xx, the router's own timeout and a late failure never run again.
+  assert.equal(plan.next(plan.start(1_000), { ...ev, code: 'decode_unreachable' }).state.left, 2);
+  assert.equal(plan.next(plan.start(1_000), { ...ev, status: 400, code: 'invalid_request' }).next, 'fail');
+  assert.equal(plan.next(plan.start(1_000), { ...ev, status: 504, code: 'timeout' }).next, 'fail');
+  assert.equal(plan.next(plan.start(1_000), { ...ev, now: 960 }).next, 'fail');
+  assert.equal(plan.next(plan.start(1_000), { ...ev, output: false }).next, 'retry');
+  assert.deepEqual(plan.next(plan.start(1_000), { ...ev, code: 'needs_prefill', status: 409, local: true, attemptOutput: false }), { next: 'fallback', state: plan.start(1_000) });
 });
 
 test('simMain: exit codes and output', async () => {
