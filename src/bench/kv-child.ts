@@ -108,8 +108,7 @@ const hr = () => Number(process.hrtime.bigint()) / 1e6;
 /**
  * Bench-only step stamps of KV trials (PDSERVE_BENCH_KV_TRACE=<file>): lines
  * "<CLOCK_MONOTONIC ms> <role> <step>" appended to the file once a trial is over (off the
- * clock); a push of a few µs per step on the clock. Unset: no stamps. Read with
- * scripts/kv-trace.mjs.
+ * clock); a push of a few µs per step on the clock. Unset: no stamps.
  */
 const TRACE_FILE = process.env.PDSERVE_BENCH_KV_TRACE;
 /**

@@ -2,7 +2,7 @@
  * Prompt tokenization off the event loop, so a large prompt cannot stall heartbeats: rendering a chat template and
  * tokenizing are synchronous in node-llama-cpp, and an accepted prompt may be as large as
  * context × longest vocabulary piece bytes (about 1 MiB for an 8k context and a real vocabulary:
- * 0.4–0.6 s of blocked loop, measured). A worker thread holding the model's vocabulary only
+ * hundreds of ms of blocked loop). A worker thread holding the model's vocabulary only
  * (`vocabOnly`) does that work with the engine's own functions (./prompt.ts), so the tokens are
  * the same and the worker's loop keeps serving heartbeats and streams meanwhile.
  *

@@ -87,10 +87,9 @@ export const DEFAULT_BOOTSTRAP_PORT = 8998;
  * JS callback, frame decode, CRC-32 call, ggsq walk step and file write (writeSync) for the
  * receiver, so the read size sets how often those fixed costs are paid: while a state streams
  * in, the receiver is behind the sender and reads come back full. 256 KiB (the sender's piece
- * size, and still within this machine's 512 KiB L2 for the CRC and file write that follow the
- * read) halves the pieces the receiver handles for a 1-64 MiB state against 64 KiB (bench §1: 23 → 11 at 1 MiB,
- * 1283 → 552 at 64 MiB) and took its KV time from 5.5/5.9 to 4.5/4.8 ms at 1 MiB and from
- * 174/175 to 148/168 ms at 64 MiB in two interleaved pairs at load ≈ 1.5 (kvpace notes).
+ * size, and small enough to stay in a core's L2 cache for the CRC and file write that follow the
+ * read) makes the receiver handle less than half the pieces a 64 KiB buffer does for a 1-64 MiB
+ * state, and so pays those fixed costs less often.
  * Memory: one buffer per decode→prefill connection.
  */
 export const KV_READ_BUFFER_BYTES = 256 * 1024;

@@ -110,8 +110,8 @@ export function encodeEnvelopeHead(header: Omit<EnvelopeHeader, 'checksum' | 've
  * `payloadBytes` bytes (a safe non-negative integer, else KvError('BAD_ENVELOPE')): the size
  * spliced into the JSON, the length checked, prefix and SHA-256 digest — a few µs. Prefill calls
  * this while llama.cpp saves the state (the size comes with the save), so the head's encode no
- * longer runs after the save on a CPU that sat idle through it (CLOCK_MONOTONIC stamps: 0.14–0.27 ms
- * there, most of it zod and cold caches). `payloadBytes` in `header`, if any, is ignored.
+ * longer runs after the save on a CPU that sat idle through it (most of that cost was zod and cold
+ * caches). `payloadBytes` in `header`, if any, is ignored.
  * @throws KvError('BAD_ENVELOPE') if a field is invalid (at once, not at the call).
  */
 export function prepareEnvelopeHead(header: Omit<EnvelopeHeader, 'checksum' | 'version' | 'payloadBytes'> & { payloadBytes?: number }): (payloadBytes: number) => Buffer {

@@ -112,11 +112,10 @@ const str = (v: unknown, min: number, max: number): v is string => typeof v === 
  * undefined when `v` is not such a message or breaks any rule: parseControl then runs the zod
  * schema, which refuses it with its usual wording (so nothing is accepted here that zod would
  * refuse, and every refusal still comes from zod; test/unit/frame.test.ts compares both on valid
- * and broken messages). Why: zod's safeParse of a kv_file took 50–150 µs in a process that had
- * been idle for a few ms (cold caches, 2-core VM; 10–20 µs when hot), once when prefill encodes
- * the message and once when decode reads it, on the handoff's critical path — as much as the
- * loopback wake-up itself; kv_begin and kv_end likewise (CLOCK_MONOTONIC stamps: prefill's encode of
- * kv_begin 0.14–0.25 ms, of kv_end 0.09–0.15 ms after the save). This check takes ~2 µs.
+ * and broken messages). Why: zod's safeParse in a process just woken up (cold caches) costs as
+ * much as the loopback wake-up itself, once when prefill encodes the message and once when
+ * decode reads it, on the handoff's critical path; kv_begin and kv_end likewise. This check is a
+ * few field tests.
  * Exported for that test only.
  * @internal
  */

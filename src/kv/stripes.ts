@@ -46,8 +46,7 @@ export interface ReorderSink {
  * they go on again. Only a socket whose own pieces wait is stopped: a piece waits for a gap
  * the sender wrote earlier, so the gap is not behind it on that socket, and the earliest piece
  * not yet read is always on a socket that reads (deadlock-free); without it a receiver slower
- * than the wire let one socket's held bytes grow to the cap (a 256 MiB state over 2 sockets held
- * 64 MiB at load 12).
+ * than the wire let one socket's held bytes grow to the cap.
  */
 export const SOCKET_HOLD_HIGH = 4 * 1024 * 1024;
 export const SOCKET_HOLD_LOW = 1024 * 1024;

@@ -278,10 +278,10 @@ export class PdRequest {
     if (!this.over) {
       // Decode's request first: prefill waits for decode's `register` (which comes after decode has
       // read its request) before it evaluates, so decode's socket write is the one on the TTFT path.
-      // (Prefill first, as a direct client sends them, was measured and lost: see BENCHMARKS.md §5.
-      // undici writes both in the same check phase, after its idle-socket check; writing the first
-      // wakes its worker, which can preempt the router before the second write: ≈ 1 ms, 3 times in
-      // 6 at load ≈ 3.) What only records (the trace event, the debug line) comes after both.
+      // (Not prefill first, as a direct client sends them: undici writes both in the same check
+      // phase, after its idle-socket check; writing the first wakes its worker, which can preempt
+      // the router before the second write.) What only records (the trace event, the debug line)
+      // comes after both.
       void this.runDecode();
       if (this.legs.prefill) void this.runPrefill(this.legs.prefill);
     }
@@ -340,8 +340,7 @@ export class PdRequest {
    * inside undici's data callback (`prefillReader`), i.e. in the socket's read callback, so the
    * first token reaches the client's socket in the turn its bytes arrived. A `request()` body read
    * with `for await` takes several more turns (the response promise, the Readable's buffering, the
-   * async iterators): chunk → first event parsed 0.11 → 0.04 ms, the router's return path
-   * 0.26 → 0.20 ms (stamps, BENCHMARKS.md §5). Resolves when the stream ended (or stopped after an
+   * async iterators). Resolves when the stream ended (or stopped after an
    * error event, the leg then failed); rejects with the transport error, an ApiError (bad event,
    * truncated stream) or the SseError of a failed client write. A status other than 200: its body
    * (≤ MAX_ERROR_BODY bytes kept) fails the leg.

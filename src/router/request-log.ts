@@ -6,7 +6,7 @@
  *  - Generation requests (POST /v1/completions, /v1/chat/completions): fastify's
  *    'incoming request' line is written at debug, not info. At info it was serialized and written
  *    synchronously (pino.destination(2)) before the request was parsed and dispatched, i.e. on
- *    every request's TTFT path (≈ 0.1 ms of router CPU, measured by profiling). The
+ *    every request's TTFT path. The
  *    'request completed' line (info, written once the response is over) carries the request's
  *    fields instead (`req`: method, url, host, remote address and port), and the router's own
  *    'request finished' line (dispatch.ts) has its outcome and timings, so an info-level log

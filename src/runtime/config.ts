@@ -150,8 +150,9 @@ const common = {
   kvSameHostVerify: z.boolean().default(false),
   /**
    * `--kv-streams`: sockets one KV connection's chunks are striped over (kv/stripes.ts); a pair
-   * uses the smaller of both sides' values. 1 by default: on this machine both ends' sockets are
-   * served by one event loop each, and striping measured slower (BENCHMARKS.md §1).
+   * uses the smaller of both sides' values. 1 by default: both ends' sockets are served by one
+   * event loop each, so more sockets add waits and out-of-order copies, not bandwidth
+   * (BENCHMARKS.md §1).
    */
   kvStreams: z.number().int().min(1).max(8).default(1),
 };
@@ -172,10 +173,8 @@ export const PrefillConfigSchema = z.object({
   /**
    * Over TCP, send the state while llama.cpp is still saving it (one-room requests, to a decode
    * that said `kvStream`; transfer/sender.ts sendGrowingStateFile); `--no-kv-stream`: save, then
-   * send. On by default: on an idle 2-core machine it took bench §1's handoff (save start → loaded)
-   * from 125–134 to 100–111 ms at 64 MiB, 418–427 to 268–293 ms at 256 MiB and 1946–1984 to
-   * 1002–1070 ms at 1 GiB, interleaved runs (BENCHMARKS.md §1); SGLang and vLLM overlap the
-   * transfer with the computation likewise.
+   * send. On by default: the send overlaps llama.cpp's save, which writes the state front to back
+   * (BENCHMARKS.md §1); SGLang and vLLM overlap the transfer with the computation likewise.
    */
   kvStream: z.boolean().default(true),
   /**

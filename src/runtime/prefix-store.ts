@@ -30,7 +30,7 @@
  *   - Crashes: temp and load files carry the writer's pid; files of dead pids are swept (at
  *     bind and every STATE_SWEEP_MS: statefiles.ts, also run by prefill and decode).
  *   - Never blocks the event loop: fs.promises only; the synchronous work per lookup is one
- *     CRC-32 (≈9 GB/s) and a header walk.
+ *     CRC-32 and a header walk.
  *
  * Index: each process keeps the entry names it knows in memory, so a miss costs no system call.
  * It is filled by each directory listing (the budget scan), by this process's own writes,
@@ -102,8 +102,8 @@ export function defaultPrefixStoreBytes(dir: string): number {
 
 /**
  * `size` bytes of an open file into one new buffer, in as few reads as the kernel allows (one on
- * tmpfs): FileHandle#readFile reads 512 KiB per libuv round trip, which took 2–3× as long for a
- * 32 MiB state on this machine under load.
+ * tmpfs): FileHandle#readFile reads 512 KiB per libuv round trip, each a wake-up of a pool
+ * thread and of the event loop.
  * @throws Error when the file ends before `size` bytes.
  */
 async function readWhole(fh: fsp.FileHandle, size: number): Promise<Buffer> {

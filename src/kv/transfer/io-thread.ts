@@ -37,9 +37,8 @@ export const IO_SLOTS_PER_TRANSFER = 8;
  * Smallest transfer (payload bytes) that goes through the thread (8 MiB); smaller ones do their
  * file I/O and CRC-32 inline, in the same 256 KiB pieces. Below it the thread's hand-offs (a
  * wake-up of the thread per piece and of the event loop per answer) cost more than the work they
- * move: on this 2-core machine at load 14, inline took a 1 MiB handoff from 14.4 to 6.3 ms and a
- * 4 MiB one from 21.0 to 14.9 ms, while its event-loop delay at 16 MiB (p99 64 ms against 18)
- * shows why larger states keep the thread (BENCHMARKS.md §1).
+ * move; larger states keep the thread because inline their reads and CRCs hold the event loop
+ * for tens of ms (BENCHMARKS.md §1).
  */
 export const IO_THREAD_MIN_BYTES = 8 * 1024 * 1024;
 
@@ -349,9 +348,8 @@ const onTmpfs = new Map<string, boolean>();
  * The KV I/O thread for a TCP receive that writes its state file into `dir` (decode's state
  * directory): none when `dir` is on tmpfs, the shared one (sharedKvIo) otherwise. On tmpfs a
  * write is a memory copy, and the thread's hand-off costs more than the work it moves: the copy of
- * each socket read into a slot and two thread messages per 256 KiB slot took a receiver's CPU
- * time per 256 MiB state from 193–219 ms inline to 490–532 ms (scripts/kv-send-loop.ts,
- * RX_IO=0/1), on the 2 cores that also run the sender, so the bytes cross slower. On a disk a
+ * each socket read into a slot and two thread messages per 256 KiB slot more than doubled a
+ * receiver's CPU time per state, on cores that also run the sender, so the bytes cross slower. On a disk a
  * write may block for milliseconds: there the thread keeps it off the event loop. The answer
  * per directory is computed once (statfs); a directory that cannot be checked gets the thread.
  */

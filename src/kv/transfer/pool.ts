@@ -2,8 +2,8 @@ import { closeSync, ftruncateSync, openSync, rmSync, statSync, unlink } from 'no
 import { join } from 'node:path';
 /**
  * A bounded pool of equal-sized transfer buffers, reused across transfers. Fresh buffers cost
- * first-touch page faults (measured here at 1.3 GB/s against 15.8 GB/s into touched memory,
- * BENCHMARKS.md §1), so the handoff's read and write buffers are taken from here and given back.
+ * first-touch page faults (a copy into fresh memory runs several times slower than into touched
+ * memory), so the handoff's read and write buffers are taken from here and given back.
  * The pool keeps at most `maxBuffers`; beyond that `acquire` hands out a transient buffer that
  * `release` simply drops, so a burst of transfers never waits on the pool and memory held
  * between bursts stays bounded (maxBuffers × bufferBytes).
@@ -95,7 +95,7 @@ export interface FilePoolOptions {
 
 /**
  * Deletes `path` without blocking the event loop: unlink(2) of a large tmpfs file frees its pages
- * inside the call (1 GiB: ~130–150 ms here), so it runs on libuv's thread pool. `done` is called
+ * inside the call (a long stall for a large file), so it runs on libuv's thread pool. `done` is called
  * once it finished (`ok`: the file was deleted or was already gone). Never throws.
  */
 export function unlinkInBackground(path: string, done?: (ok: boolean) => void): void {
@@ -104,8 +104,8 @@ export function unlinkInBackground(path: string, done?: (ok: boolean) => void): 
 
 /**
  * A bounded pool of recycled destination files for received states. Writing into a NEW tmpfs
- * file makes the kernel allocate and zero every page on first write (measured here: 2.6 GB/s
- * writing 1 GiB into a new /dev/shm file against 4.8 GB/s overwriting one whose pages exist), so
+ * file makes the kernel allocate and zero every page on first write (slower than overwriting a
+ * file whose pages exist), so
  * decode keeps a few spare state files after their load and overwrites them instead: small ones
  * within `maxFiles` / `maxBytes`, and large ones within `maxLargeBytes`, each until it has been
  * idle for `largeIdleMs`.
@@ -286,8 +286,8 @@ interface Spare {
 
 /**
  * A large spare is cut down to a state only when it has at most 1/16 more bytes: cutting a
- * tmpfs file frees its pages inside ftruncate(2) on the event loop (~7 GB/s here: 64 MiB of a
- * 1 GiB spare ≈ 9 ms); a larger one is left for a state of its size.
+ * tmpfs file frees its pages inside ftruncate(2) on the event loop; a larger one is left for a
+ * state of its size.
  */
 const LARGE_SPARE_CUT = 17 / 16;
 
@@ -315,8 +315,8 @@ export const RECV_SPARE_FILES = 4;
 export const RECV_SPARE_BYTES = 256 * 1024 * 1024;
 /**
  * How long decode keeps a large spare (a received state over RECV_SPARE_BYTES; all of them within
- * --max-state-bytes: FilePool.maxLargeBytes) without a receive taking it, ms: 60 s. A 1 GiB
- * receive into a new tmpfs file wrote at 0.3–0.6 GB/s in bench §1 against 0.9–1.2 GB/s for the
- * 256 MiB states that found a spare; the price is that much tmpfs (RAM) held while idle.
+ * --max-state-bytes: FilePool.maxLargeBytes) without a receive taking it, ms: 60 s. A receive
+ * into a new tmpfs file writes at a fraction of the speed of one that found a spare; the price
+ * is that much tmpfs (RAM) held while idle.
  */
 export const LARGE_SPARE_IDLE_MS = 60_000;

@@ -11,7 +11,7 @@
  *
  * File calls are synchronous: the state directory is tmpfs (/dev/shm), where writing 1 MiB is a
  * memory copy well under a millisecond, while every asynchronous fs call is a round trip through
- * libuv's thread pool that cost several ms each on this loaded 2-core machine, on the handoff's
+ * libuv's thread pool (a wake-up of a pool thread and of the event loop), on the handoff's
  * critical path. (A state directory on a real disk would block the event loop for its writes.)
  *
  * Byte stream (envelope.ts): head | payload | u32 BE CRC-32 trailer.

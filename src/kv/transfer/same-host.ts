@@ -438,19 +438,17 @@ export class SameHostDecode {
    *
    * Synchronous, on purpose: every fs call here is a synchronous syscall on the event loop, not
    * a round trip through libuv's thread pool (which costs a wake-up of a pool thread and one
-   * of the loop per call — with ~20 calls that was the take's whole cost on the busy 2-core
-   * machine, as sender.ts and receiver.ts found for their reads and writes). What the loop is
+   * of the loop per call — with ~20 calls that would be the take's whole cost, as sender.ts and
+   * receiver.ts found for their reads and writes). What the loop is
    * blocked for is bounded by the state's shape, not its size: lstat, rename, open, fstat,
    * close, and the header walk's preads — one for everything before layer 0's K data (sized
    * from the envelope's token count: the fixed fields, 4 bytes a token of ids, 12 a cell of
    * metadata, the first K header), then one per other K and V header (12 bytes; each read takes
    * 512 bytes more, which holds the next header when a layer's data is small) — so 2 × n_layer
    * preads for a one-sequence state, reading ≤ 16 bytes a token + 0.5 KiB a read (bench §1: 16
-   * preads of 12 KiB for a 4 MiB state of the 8-layer small model). In a process that has
-   * just woken up (caches cold) the take costs ~0.25 ms at 4 MiB on this 2-core VM (bench §1
-   * "decode take", load 2–3); of it, with the caches flushed between takes, about a third is
-   * the envelope head (base64, SHA-256, JSON), a fifth the path syscalls, the rest the walk, its
-   * JS more than its preads. On the state directory's intended tmpfs (/dev/shm, the
+   * preads of 12 KiB for a 4 MiB state of the 8-layer small model). Of the take's time in a
+   * process just woken up (bench §1 "decode take"), about a third is the envelope head (base64,
+   * SHA-256, JSON), a fifth the path syscalls, the rest the walk, its JS more than its preads. On the state directory's intended tmpfs (/dev/shm, the
    * default) each pread is a memory copy. On a disk-backed state directory the file was written
    * by prefill's saveState a moment before, so its pages are normally still in the page cache
    * and the reads stay memory copies; only pages evicted under memory pressure would make each

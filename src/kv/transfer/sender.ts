@@ -10,8 +10,8 @@
  *
  * The file is read with synchronous calls: the state directory is tmpfs (/dev/shm), where a
  * piece read is a memory copy of microseconds, while each asynchronous fs call is a round trip
- * through libuv's thread pool — measured on this 2-core machine under load at several ms each,
- * a fixed cost that dominated small handoffs. The kernel sends earlier pieces while we read.
+ * through libuv's thread pool (a wake-up of a pool thread and of the event loop), a fixed cost
+ * that dominated small handoffs. The kernel sends earlier pieces while we read.
  */
 import { closeSync, fstatSync, openSync, readSync } from 'node:fs';
 import type { PeerConn, SendChunksOptions } from '../channel.js';
@@ -40,10 +40,9 @@ export interface SendStateFileOptions extends Omit<SendChunksOptions, 'offset'> 
 
 /**
  * Read piece and chunk frame size of `sendStateFile`, bytes. Small enough that the piece read
- * from the file is still in the CPU cache (L2: 512 KiB per core here) when the CRC and the
- * socket's copy touch it — read + CRC-32 of a 64 MiB state from /dev/shm took 44-49 ms (best
- * of 7) in 64-256 KiB pieces against 59-63 ms in 1 MiB ones on this machine — and large
- * enough that per-frame costs (a writev, a callback) stay few: 256 frames per 64 MiB.
+ * from the file is still in the core's L2 cache when the CRC and the socket's copy touch it (1 MiB
+ * pieces read and CRC'd slower) and large enough that per-frame costs (a writev, a callback)
+ * stay few: 256 frames per 64 MiB.
  */
 export const SEND_PIECE_BYTES = 256 * 1024;
 
