@@ -310,8 +310,8 @@ function localSentence(r: AgentsResult): string {
   return `decode-local continuation removes the handoff for the rounds it serves: ${per} rounds (${runs.map((x) => x.concurrency).join(' / ')} agents) ran on decode alone, which evaluated the new tool result and kept the reply's KV from the round before (no prefill, no KV on the wire; round 1 and any round whose suffix exceeds \`--local-prefill-max-tokens\` take the PD path)`;
 }
 
-/** Markdown lines of section 7 (the heading and the setups' description are the report template's). `prov` is the provenance line; `plot` the SVG's path when written; `cores` those of the machine that measured. */
-export function agentsReport(r: AgentsResult | undefined, prov: string, plot: string | undefined, cores = os.cpus().length): string[] {
+/** Markdown lines of section 7 (the heading and the setups' description are the report template's; its goals are the summary's rows, `agentGoals`). `prov` is the provenance line; `plot` the SVG's path when written. */
+export function agentsReport(r: AgentsResult | undefined, prov: string, plot: string | undefined): string[] {
   const L = [prov, ''];
   if (!r?.runs?.length) {
     L.push('_Not run yet._');
@@ -328,28 +328,18 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
     fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!),
     `${fmt(x.cachedShare * 100, 0)} %`,
     fmt(x.goodput, 2),
-    fmt(x.throughput, 2),
     x.failed,
     x.setup === 'colo' || !x.paths ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`,
-    x.load,
   ]);
-  const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'rounds/s', 'failed', 'rounds pd / decode-local', 'load (1 min)'];
+  const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'failed', 'rounds pd / decode-local'];
   L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((x) => `| ${x.join(' | ')} |`));
-  L.push('', '**Goals:**', '');
-  for (const g of agentGoals(r)) L.push(`- ${g.met ? '**met**' : '**missed**'} — ${g.goal}: ${g.detail}.`);
-  const loads = r.runs.map((x) => x.load);
-  const top = Math.max(...r.concurrencies);
-  const noneMeet = r.runs.filter((x) => x.concurrency === top && (x.setup === 'pd' || x.setup === 'colo')).every((x) => x.goodput === 0);
-  const at = (setup: AgentSetup, c: number) => r.runs.find((x) => x.setup === setup && x.concurrency === c);
-  const hasLocal = r.runs.some((x) => x.setup === 'pd_local');
-  const gp = r.concurrencies.map((c) => `${c}: ${hasLocal ? `${fmt(at('pd_local', c)?.goodput, 2)} / ` : ''}${fmt(at('pd', c)?.goodput, 2)} / ${fmt(at('colo', c)?.goodput, 2)}`);
-  const thr = r.concurrencies.map((c) => `${c}: ${hasLocal ? `${fmt(at('pd_local', c)?.throughput, 2)} / ` : ''}${fmt(at('pd', c)?.throughput, 2)} / ${fmt(at('colo', c)?.throughput, 2)}`);
+  const local = localSentence(r);
   L.push(
     '',
-    `Reading it. Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
+    `Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
       .filter((x) => x.setup === 'pd_noreuse')
       .map((x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!))
-      .join(' / ')} its round-1 TTFT (${r.concurrencies.join(' / ')} agents), with it the prompt work per round is the new tool result and reply. Goodput at the SLO, ${hasLocal ? 'PD + decode-local / ' : ''}PD + prefix cache / colocated, by agents: ${gp.join('; ')} rounds/s (all rounds per second: ${thr.join('; ')}). Where PD + prefix cache loses to colocated: (1) one prefill worker with one slot evaluates the agents' prompts one after another, while the colocated server evaluates all agents' suffixes in one context at once; (2) it still ships the whole sequence state every round (≈16 KB per token on this model, ≈24 MB at round ${r.rounds}), and prefill's slot is held while the state is saved and enveloped — reuse on prefill shortens the evaluation, not the handoff; ${localSentence(r)}; (3) the machine ran at a load average of ${fmt(Math.min(...loads), 1)}–${fmt(Math.max(...loads), 1)} on ${cores} cores during this section, so PD's three processes (router, prefill, decode) compete with other jobs for slices the one colocated process also needs, and every TTFT is several times its unloaded value; single rounds at 1 agent are single samples${noneMeet ? ` (at ${top} agents neither PD + prefix cache nor colocated meets the ${r.slo.ttftMs} ms TTFT SLO)` : ''}.`,
+      .join(' / ')} its round-1 TTFT (${r.concurrencies.join(' / ')} agents); with it the prompt work per round is the new tool result and reply. PD + prefix cache alone still ships the whole sequence state every round, and its one prefill slot evaluates the agents' prompts one after another where the colocated server evaluates them in one context. ${local[0]!.toUpperCase()}${local.slice(1)}.`,
   );
   if (plot) L.push('', `![TTFT per round](${plot})`, '');
   return L;
@@ -502,8 +492,8 @@ export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTo
 
 /** The agents-at-scale table (markdown lines). */
 export function agentsScaleTable(runs: readonly ScaleRun[], rounds: number): string[] {
-  const head = ['setup', 'agents', 'cached (r2+)', `TTFT r1 ms`, `TTFT r${rounds} ms`, `r${rounds}/r1`, 'fallbacks / requests', 'rounds pd / decode-local', 'store hits / misses / writes / dropped', 'goodput rounds/s', 'failed', 'load'];
-  const rows = runs.map((x) => [SCALE_NAMES[x.scale], x.concurrency, `${fmt(x.cachedShare * 100, 0)} %`, fmt(x.ttftByRound[0], 0), fmt(x.ttftByRound[rounds - 1], 0), fmtRatio(x.ttftRatio), x.scale === 'colo' ? '—' : `${x.fallbacks} / ${x.rounds.length}`, x.scale === 'colo' ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`, `${x.store.hits} / ${x.store.misses} / ${x.store.writes} / ${x.store.dropped}`, fmt(x.goodput, 2), x.failed, x.load]);
+  const head = ['setup', 'agents', 'cached (r2+)', `TTFT r1 ms`, `TTFT r${rounds} ms`, `r${rounds}/r1`, 'fallbacks / requests', 'rounds pd / decode-local', 'store hits / misses / writes / dropped', 'goodput rounds/s', 'failed'];
+  const rows = runs.map((x) => [SCALE_NAMES[x.scale], x.concurrency, `${fmt(x.cachedShare * 100, 0)} %`, fmt(x.ttftByRound[0], 0), fmt(x.ttftByRound[rounds - 1], 0), fmtRatio(x.ttftRatio), x.scale === 'colo' ? '—' : `${x.fallbacks} / ${x.rounds.length}`, x.scale === 'colo' ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`, `${x.store.hits} / ${x.store.misses} / ${x.store.writes} / ${x.store.dropped}`, fmt(x.goodput, 2), x.failed]);
   return [`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)];
 }
 

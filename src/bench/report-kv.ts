@@ -136,22 +136,18 @@ export function handoffGoals(s1: SectionFile | undefined, large: SectionFile | u
 export function largeStatesSection(f: SectionFile | undefined, provenance: string): string[] {
   const r = f?.result as KvSectionResult | undefined;
   if (!r?.sizes?.length) return [];
-  const L: string[] = [provenance, '', `Context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'} tokens, 2 llama.cpp threads, decode side 1 sequence; each state is a real prompt evaluated once and saved by llama.cpp in every trial.`, ''];
+  const L: string[] = [provenance, '', `Context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'} tokens, 2 llama.cpp threads, decode side 1 sequence.`, ''];
+  // the inline columns only where the run made inline trials (save-then-send runs)
+  const inline = r.sizes.some((s) => s.inline);
+  const cols = (all: (string | number)[]) => (inline ? all : all.filter((_, i) => i !== 3 && i !== 8));
   L.push(
     table(
-      ['state', 'tokens', 'KV, workers\' path: median (p90) ms', 'KV, inline: median ms', 'raw TCP ms', 'save ms', 'loadState ms', 'goal: KV / (save + raw + load)', 'inline: same ratio', 'wire GB/s', 'raw GB/s', 'trials'],
-      r.sizes.map((s) => [size(s.blobBytes), s.tokens, `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.inline?.kvMs.median), fmt(s.rawMs.median), fmt(s.goalSaveMs ?? s.saveMs), fmt(s.phasesMs.loadState), `**${ratio(s.goalRatio)}** ${s.rawMs.median >= s.kvMs.median ? '(no floor)' : s.goalRatio <= 1.1 ? 'pass' : s.goalRatio <= 1.3 ? '(≤ 1.3 only)' : 'miss'}`, ratio(s.inline?.goalRatio), fmt(s.wireGBps, 3), fmt(s.rawGBps, 3), s.kvMs.n]),
+      cols(['state', 'tokens', 'KV, workers\' path: median (p90) ms', 'KV, inline: median ms', 'raw TCP ms', 'save ms', 'loadState ms', 'goal: KV / (save + raw + load)', 'inline: same ratio', 'wire GB/s', 'raw GB/s', 'trials']) as string[],
+      r.sizes.map((s) => cols([size(s.blobBytes), s.tokens, `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.inline?.kvMs.median), fmt(s.rawMs.median), fmt(s.goalSaveMs ?? s.saveMs), fmt(s.phasesMs.loadState), `**${ratio(s.goalRatio)}** ${s.rawMs.median >= s.kvMs.median ? '(no floor)' : s.goalRatio <= 1.1 ? 'pass' : s.goalRatio <= 1.3 ? '(≤ 1.3 only)' : 'miss'}`, ratio(s.inline?.goalRatio), fmt(s.wireGBps, 3), fmt(s.rawGBps, 3), s.kvMs.n])),
     ),
   );
   if (r.sizes.some((s) => s.rawMs.median >= s.kvMs.median))
     L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver allocates a buffer per read where the channel reuses one, so that floor is no floor and its ratio no verdict; compare the workers' path with inline, same trials.`);
-  L.push('', 'Phases of the workers\' path trials (medians, ms; as in the table above):', '');
-  L.push(
-    table(
-      ['state', 'save', 'prefill send', 'kv_begin lag', 'decode wire', 'finish at kv_end', 'loadState', 'kv_ack lag'],
-      r.sizes.map((s) => [size(s.blobBytes), fmt(s.phasesMs.save), fmt(s.phasesMs.send), fmt(s.phasesMs.beginLag, 2), fmt(s.phasesMs.wire), fmt(s.phasesMs.writeFile), fmt(s.phasesMs.loadState), fmt(s.phasesMs.ackLag, 2)]),
-    ),
-  );
   const sh = r.sizes.filter((s) => s.sameHostMs);
   if (sh.length) {
     L.push('', 'Same host (kv_file: rename + header walk, no byte read), same run:', '');
@@ -165,7 +161,7 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   const row = (s: KvSectionResult['sizes'][number], kind: string, d: LoopDelay | undefined): (string | number)[] | undefined => (d ? [size(s.blobBytes), kind, fmt(d.senderP99), fmt(d.senderMax), fmt(d.receiverP99), fmt(d.receiverMax)] : undefined);
   L.push(
     '',
-    "The event loop's delay during the trials (1 ms resolution; prefill from the save's start to `kv_ack`, decode from `kv_begin` (TCP) or the load's start (same host) to the load's return; p99: median over trials of each trial's p99; max: the largest of any trial):",
+    "The event loop's delay during the handoffs (1 ms resolution; p99: median over trials of each trial's p99; max: the largest of any trial):",
     '',
   );
   L.push(

@@ -247,7 +247,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   }
   const large = largeStatesSection(files.get(11), prov(11));
   values.s1_large = large.length ? large.join('\n') : NOT_RUN;
-  values.s7 = agentsReport(s7, prov(7), plots['s7-agents-ttft.svg'], m.cores).join('\n');
+  values.s7 = agentsReport(s7, prov(7), plots['s7-agents-ttft.svg']).join('\n');
   values.s7_scale = agentsScaleReport(s7scale, prov(71), m.cores).join('\n');
   values.gpu = extra.join('\n');
   values.losses = losses(s1, s2, s3, s4, s5, s6, s7, s7scale)
@@ -256,34 +256,23 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   return fillTemplate(template, values);
 }
 
-/** §1: the handoff's table, its phases, the same-host path's table and the building blocks' speeds. */
+/** §1: the handoff's table and the same-host path's table (the per-phase medians and the building blocks' speeds stay in the JSON). */
 function kvSection(s1: KvSectionResult | undefined, plots: Plots): SectionText {
   if (!s1?.sizes?.length) return { body: NOT_RUN, reading: '' };
   const size = (s: KvSectionResult['sizes'][number]) => mib(s.blobBytes, 1);
   const main = table(
-    ['state', 'tokens', 'bytes', 'KV: save start → loaded, median (p90) ms', 'KV to kv_ack ms', 'raw: → last byte, median (p90) ms', 'raw to ack ms', 'KV GB/s', 'raw GB/s', 'KV / raw', "save ms (goal's floor)", 'goal: KV / (save+raw+load), ≤ 1.3 from 16 MiB', 'trials'],
-    s1.sizes.map((s) => [size(s), s.tokens, s.blobBytes.toLocaleString('en-US'), `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.kvAckMs?.median), `${fmt(s.rawMs.median)} (${fmt(s.rawMs.p90)})`, fmt(s.rawAckMs?.median), fmt(s.kvGBps, 3), fmt(s.rawGBps, 3), fmtRatio(s.ratio), fmt(s.goalSaveMs ?? s.saveMs), s.goalRatio === undefined ? 'n/a' : `**${fmtRatio(s.goalRatio)}** ${!judged(KV_GOALS.tcp, targetMiBOf(s)) ? 'not judged' : s.goalRatio <= KV_GOALS.tcp.limit ? 'pass' : 'miss'}`, s.kvMs.n]),
-  );
-  const phases = table(
-    ['state', 'save (in the trial)', 'prefill send', 'kv_begin lag', 'decode wire (validate, CRC, write)', 'finish at kv_end', 'loadState', 'kv_ack lag', 'wire GB/s'],
-    s1.sizes.map((s) => [size(s), fmt(s.phasesMs.save), fmt(s.phasesMs.send), fmt(s.phasesMs.beginLag), fmt(s.phasesMs.wire), fmt(s.phasesMs.writeFile), fmt(s.phasesMs.loadState), fmt(s.phasesMs.ackLag), fmt(s.wireGBps, 3)]),
+    ['state', 'tokens', 'bytes', 'KV: save start → loaded, median (p90) ms', 'raw: → last byte, median (p90) ms', 'KV GB/s', 'raw GB/s', "save ms (goal's floor)", 'goal: KV / (save+raw+load), ≤ 1.3 from 16 MiB', 'trials'],
+    s1.sizes.map((s) => [size(s), s.tokens, s.blobBytes.toLocaleString('en-US'), `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, `${fmt(s.rawMs.median)} (${fmt(s.rawMs.p90)})`, fmt(s.kvGBps, 3), fmt(s.rawGBps, 3), fmt(s.goalSaveMs ?? s.saveMs), s.goalRatio === undefined ? 'n/a' : `**${fmtRatio(s.goalRatio)}** ${!judged(KV_GOALS.tcp, targetMiBOf(s)) ? 'not judged' : s.goalRatio <= KV_GOALS.tcp.limit ? 'pass' : 'miss'}`, s.kvMs.n]),
   );
   const shs = s1.sizes.filter((s) => s.sameHostMs);
   const sameHost = shs.length
     ? table(
-        ['state', 'same-host to decode-loaded, median (p90) ms', 'to kv_ack on prefill ms', 'KV over TCP ms', 'save ms', 'prefill rename + kv_file', 'kv_file lag', 'decode take (rename + header walk)', 'preads (bytes) of the walk', 'loadState', 'above its load', 'goal: (save+same-host) / (save+load), ≤ 1.1 from 4 MiB', 'trials'],
+        ['state', 'same-host to decode-loaded, median (p90) ms', 'save ms', 'decode take (rename + header walk)', 'preads (bytes) of the walk', 'loadState', 'goal: (save+same-host) / (save+load), ≤ 1.1 from 4 MiB', 'trials'],
         shs.map((s) => {
           const p = s.sameHostPhasesMs!;
           const bytes = s.sameHostReadBytes === undefined ? 'n/a' : Math.round(s.sameHostReadBytes).toLocaleString('en-US');
-          return [size(s), `${fmt(s.sameHostMs!.median)} (${fmt(s.sameHostMs!.p90)})`, fmt(s.sameHostAckMs?.median), fmt(s.kvMs.median), fmt(s.saveMs), fmt(p.link + p.offer, 2), fmt(p.beginLag, 2), fmt(p.take, 2), s.sameHostReads === undefined ? bytes : `${Math.round(s.sameHostReads)} (${bytes})`, fmt(p.load), fmt(p.over, 2), `**${fmtRatio(s.sameHostGoalRatio!)}** ${!judged(KV_GOALS.sameHost, targetMiBOf(s)) ? 'not judged' : s.sameHostGoalRatio! <= KV_GOALS.sameHost.limit ? 'pass' : 'miss'}`, s.sameHostMs!.n];
+          return [size(s), `${fmt(s.sameHostMs!.median)} (${fmt(s.sameHostMs!.p90)})`, fmt(s.saveMs), fmt(p.take, 2), s.sameHostReads === undefined ? bytes : `${Math.round(s.sameHostReads)} (${bytes})`, fmt(p.load), `**${fmtRatio(s.sameHostGoalRatio!)}** ${!judged(KV_GOALS.sameHost, targetMiBOf(s)) ? 'not judged' : s.sameHostGoalRatio! <= KV_GOALS.sameHost.limit ? 'pass' : 'miss'}`, s.sameHostMs!.n];
         }),
-      )
-    : '';
-  const mach = s1.machine;
-  const blocksTable = mach
-    ? table(
-        ['SHA-256', 'memcpy, warm destination', 'memcpy, fresh allocation', 'writeFile /dev/shm', 'readFile /dev/shm', 'raw TCP between processes (largest state)'],
-        [[fmt(mach.sha256GBps, 2), fmt(mach.copyWarmGBps, 2), fmt(mach.copyFreshGBps, 2), fmt(mach.writeFileGBps, 2), fmt(mach.readFileGBps, 2), fmt(s1.sizes[s1.sizes.length - 1]!.rawGBps, 2)]],
       )
     : '';
   const g1 = s1.sizes.filter((s) => s.goalRatio !== undefined);
@@ -292,12 +281,8 @@ function kvSection(s1: KvSectionResult | undefined, plots: Plots): SectionText {
   return {
     body: blocks(
       main,
-      'Where the KV time goes (medians per phase, ms, so they need not add up to the total):',
-      phases,
       sameHost && 'The same-host path in the same run (clock: saved on prefill → loaded on decode; `kv_ack` only releases prefill\'s file):',
       sameHost,
-      blocksTable && `What this machine allows for the same building blocks (one process, ${mib(mach!.bytes)}, median of 5, GB/s):`,
-      blocksTable,
       img(plots, 's1-kv-vs-raw.svg', 'KV handoff vs raw TCP, GB/s'),
     ),
     reading,
