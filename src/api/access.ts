@@ -190,7 +190,7 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     refused.inc({ class: cls });
     if (adminOnly) {
       const what = adminOnly === 'debug' ? 'The /debug/* routes show every client\'s requests: they need' : 'POST /abort_request ends any client\'s request: it needs';
-      void sendApiError(reply, new ApiError(401, 'invalid_api_key', `${what} an admin API key, and none is configured (--admin-api-key or PDSERVE_ADMIN_API_KEY).`, 'authentication_error'));
+      void sendApiError(reply, ApiError.of('invalid_api_key', `${what} an admin API key, and none is configured (--admin-api-key or PDSERVE_ADMIN_API_KEY).`));
       return;
     }
     const what = cls === 'api' ? 'API key' : 'admin API key';
@@ -198,7 +198,7 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
     reply.header('www-authenticate', path === '/dashboard' || path.startsWith('/dashboard/') ? 'Basic realm="pdserve admin", charset="UTF-8"' : 'Bearer realm="pdserve"');
     // OpenAI's wording; the key itself is never echoed.
     const msg = missing ? `You didn't provide an ${what}. Send it as 'Authorization: Bearer KEY'.` : `Incorrect ${what} provided.`;
-    void sendApiError(reply, new ApiError(401, 'invalid_api_key', msg, 'authentication_error'));
+    void sendApiError(reply, ApiError.of('invalid_api_key', msg));
   };
 
   app.addHook('onRequest', (request, reply, done) => {

@@ -99,7 +99,7 @@ export function registerAdmission(app: FastifyInstance, raw: AdmissionOptions, r
   };
   const refuse = (reason: string, retryMs: number, message: string): ApiError => {
     refused.inc({ reason });
-    return Object.assign(new ApiError(429, 'rate_limited', message, 'rate_limit_error'), { retryAfterS: Math.max(1, Math.ceil(retryMs / 1000)) });
+    return Object.assign(ApiError.of('rate_limited', message), { retryAfterS: Math.max(1, Math.ceil(retryMs / 1000)) });
   };
   const release = (): void => {
     const next = waiting.shift();

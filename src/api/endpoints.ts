@@ -38,7 +38,7 @@ export function registerModelRoute(app: FastifyInstance, models: () => string[],
   app.get<{ Params: { id: string } }>('/v1/models/:id', async (req) => {
     const id = req.params.id;
     checkModelName(id, models());
-    if (models().length === 0) throw new ApiError(404, 'model_not_found', `The model '${id}' does not exist`, 'invalid_request_error', 'model');
+    if (models().length === 0) throw ApiError.of('model_not_found', `The model '${id}' does not exist`, 'model');
     const m: ModelObject = { id, object: 'model', owned_by: 'pdserve', created };
     return m;
   });
@@ -90,7 +90,7 @@ function toBadRequest(err: ZodError): ApiError {
   const i = err.issues[0];
   if (i?.code === 'unrecognized_keys') {
     const k = i.keys[0] ?? '';
-    return new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${k}`, 'invalid_request_error', k);
+    return ApiError.of('unrecognized_argument', `Unrecognized request argument supplied: ${k}`, k);
   }
   return zodToApiError(err);
 }
@@ -118,7 +118,7 @@ export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine, mod
       if (!r.success) throw toBadRequest(r.error);
       checkModelName(r.data.model ?? undefined, models);
       const tools = parseTools({ tools: r.data.tools ?? undefined });
-      if (tools && !engine.toolSyntax) throw new ApiError(400, 'unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'invalid_request_error', 'tools');
+      if (tools && !engine.toolSyntax) throw ApiError.of('unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'tools');
       tokens = engine.renderChat(parseMessages(r.data.messages), tools?.functions);
       strs = r.data.return_token_strs === true;
     } else {
@@ -126,7 +126,7 @@ export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine, mod
       if (!r.success) throw toBadRequest(r.error);
       checkModelName(r.data.model ?? undefined, models);
       const maxBytes = engine.info.compat.contextSize * engine.info.maxTokenBytes * 4;
-      if (Buffer.byteLength(r.data.prompt) > maxBytes) throw new ApiError(400, 'invalid_value', `prompt is longer than ${maxBytes} bytes`, 'invalid_request_error', 'prompt');
+      if (Buffer.byteLength(r.data.prompt) > maxBytes) throw ApiError.of('invalid_value', `prompt is longer than ${maxBytes} bytes`, 'prompt');
       tokens = engine.tokenize(r.data.prompt, r.data.add_special_tokens !== false);
       strs = r.data.return_token_strs === true;
     }
@@ -138,7 +138,7 @@ export function registerTokenizeRoutes(app: FastifyInstance, engine: Engine, mod
     if (!r.success) throw toBadRequest(r.error);
     checkModelName(r.data.model ?? undefined, models);
     const bad = r.data.tokens.find((t) => t >= engine.info.nVocab);
-    if (bad !== undefined) throw new ApiError(400, 'invalid_value', `token id ${bad} is outside the vocabulary (size ${engine.info.nVocab})`, 'invalid_request_error', 'tokens');
+    if (bad !== undefined) throw ApiError.of('invalid_value', `token id ${bad} is outside the vocabulary (size ${engine.info.nVocab})`, 'tokens');
     return { prompt: engine.detokenize(r.data.tokens) };
   });
 }
@@ -153,13 +153,13 @@ const MAX_PROXY_BODY = 16 * 1024 * 1024;
 export function registerTokenizeProxy(app: FastifyInstance, pickUrl: () => string | null, dispatcher: Dispatcher, timeoutMs: number): void {
   const forward = (path: string) => async (req: FastifyRequest, reply: FastifyReply) => {
     const url = pickUrl();
-    if (!url) throw new ApiError(503, 'no_healthy_prefill', 'no healthy prefill worker to tokenize with', 'server_error');
+    if (!url) throw ApiError.of('no_healthy_prefill', 'no healthy prefill worker to tokenize with');
     let res: Dispatcher.ResponseData;
     try {
       res = await request(`${url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(req.body ?? null), dispatcher, signal: AbortSignal.timeout(timeoutMs) });
     } catch (err) {
       req.log.warn({ worker: url, err: (err as Error).message }, 'tokenize proxy: prefill unreachable');
-      throw new ApiError(502, 'prefill_unreachable', `prefill worker: ${redactAddresses((err as Error).message)}`, 'server_error');
+      throw ApiError.of('prefill_unreachable', `prefill worker: ${redactAddresses((err as Error).message)}`);
     }
     const chunks: Buffer[] = [];
     let n = 0;
@@ -167,7 +167,7 @@ export function registerTokenizeProxy(app: FastifyInstance, pickUrl: () => strin
       n += (c as Buffer).length;
       if (n > MAX_PROXY_BODY) {
         res.body.destroy();
-        throw new ApiError(502, 'bad_worker_answer', `prefill worker's ${path} answer exceeds ${MAX_PROXY_BODY} bytes`, 'server_error');
+        throw ApiError.of('bad_worker_answer', `prefill worker's ${path} answer exceeds ${MAX_PROXY_BODY} bytes`);
       }
       chunks.push(c as Buffer);
     }

@@ -5,7 +5,7 @@
  */
 import { ZodError, type ZodIssue } from 'zod';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { ApiError, asErrorCode, toApiError as commonToApiError, type ApiErrorType, type ErrorCode } from '../base/errors.js';
+import { ApiError, asErrorCode, toApiError as commonToApiError, type ApiErrorType, type CodeWithStatus, type ErrorCode } from '../base/errors.js';
 import { RepeatLimiter } from '../base/log-limit.js';
 
 export { ApiError };
@@ -22,9 +22,8 @@ export function errorBody(message: string, type: ApiErrorType | string = 'invali
   return { error: { message, type, param, code } };
 }
 
-/** 400 invalid_request_error with a stable `code`. */
-export const badRequest = (message: string, param: string | null = null, code: ErrorCode = 'invalid_value'): ApiError =>
-  new ApiError(400, code, message, 'invalid_request_error', param);
+/** 400 invalid_request_error with a stable `code` (one the table answers 400). */
+export const badRequest = (message: string, param: string | null = null, code: CodeWithStatus<400> = 'invalid_value'): ApiError => ApiError.of(code, message, param);
 
 /** Render a zod path as `messages[0].content`. */
 function pathString(path: (string | number)[]): string {
@@ -48,7 +47,7 @@ export function zodToApiError(err: ZodError): ApiError {
   if (!issue) return badRequest('Invalid request body');
   const param = pathString(issue.path);
   const code = issue.code === 'invalid_type' && issue.received === 'undefined' ? 'missing_required_parameter' : issue.code === 'invalid_type' ? 'invalid_type' : 'invalid_value';
-  return new ApiError(400, code, issueMessage(issue, param), 'invalid_request_error', param === '' ? null : param);
+  return ApiError.of(code, issueMessage(issue, param), param === '' ? null : param);
 }
 
 /**
@@ -72,13 +71,14 @@ export function apiErrorOf(err: unknown, bodyLimit?: number): ApiError {
     case 'FST_ERR_CTP_INVALID_CONTENT_LENGTH':
       return badRequest('Request body size did not match Content-Length.', null, 'invalid_content_length');
     case 'FST_ERR_CTP_BODY_TOO_LARGE':
-      return new ApiError(413, 'body_too_large', bodyLimit ? `Request body is too large: the limit is ${sizeText(bodyLimit)}.` : 'Request body is too large.', 'invalid_request_error');
+      return ApiError.of('body_too_large', bodyLimit ? `Request body is too large: the limit is ${sizeText(bodyLimit)}.` : 'Request body is too large.');
   }
   if (err instanceof SyntaxError) return badRequest(`We could not parse the JSON body of your request: ${printable(err.message)}`, null, 'invalid_json');
   const status = typeof e?.statusCode === 'number' ? e.statusCode : 500;
+  // a 4xx raised by fastify or a plugin: its own status is relayed, whatever its code maps to
   if (status >= 400 && status < 500) return new ApiError(status, asErrorCode(e?.code, 'invalid_request'), e?.message ?? 'Bad request', 'invalid_request_error');
   if (typeof e?.code === 'string' && !e.code.startsWith('FST_')) return commonToApiError(err);
-  return new ApiError(500, 'internal_error', 'Internal server error', 'server_error');
+  return ApiError.of('internal_error', 'Internal server error');
 }
 
 /** `bytes` for a person: "8 MiB (8388608 bytes)", "64 KiB (65536 bytes)", "1000 bytes". */
@@ -132,7 +132,7 @@ function registerContentEncodingCheck(app: FastifyInstance): void {
     const enc = request.headers['content-encoding'];
     if (enc === undefined || enc.trim().toLowerCase() === 'identity' || enc.trim() === '') return payload;
     const named = /^[\w.,; -]{1,64}$/.test(enc) ? ` '${enc}'` : '';
-    throw new ApiError(415, 'unsupported_content_encoding', `Content-Encoding${named} is not supported: send the request body uncompressed (no Content-Encoding header, or identity).`, 'invalid_request_error');
+    throw ApiError.of('unsupported_content_encoding', `Content-Encoding${named} is not supported: send the request body uncompressed (no Content-Encoding header, or identity).`);
   });
 }
 
@@ -214,9 +214,10 @@ export function registerOpenAIErrorHandling(app: FastifyInstance): void {
     const path = request.url.split('?')[0] ?? '';
     const allowed = routes.filter((x) => x.re.test(path)).flatMap((x) => [...x.methods]);
     if (allowed.length > 0) {
-      void sendApiError(reply.header('allow', [...new Set(allowed)].sort().join(', ')), new ApiError(405, 'method_not_allowed', `Method ${request.method} is not allowed on ${path} (allowed: ${[...new Set(allowed)].sort().join(', ')})`, 'invalid_request_error'));
+      void sendApiError(reply.header('allow', [...new Set(allowed)].sort().join(', ')), ApiError.of('method_not_allowed', `Method ${request.method} is not allowed on ${path} (allowed: ${[...new Set(allowed)].sort().join(', ')})`));
       return;
     }
+    // an unknown route is typed not_found_error (an unknown object id, the table's not_found, is OpenAI's invalid_request_error)
     void sendApiError(reply, new ApiError(404, 'not_found', `Route ${request.method} ${path} not found`, 'not_found_error'));
   });
 }
@@ -229,5 +230,5 @@ export function registerOpenAIErrorHandling(app: FastifyInstance): void {
  */
 export function checkModelName(model: string | undefined, served: readonly string[]): void {
   if (model === undefined || served.length === 0 || served.includes(model)) return;
-  throw new ApiError(404, 'model_not_found', `The model '${model}' does not exist (this server serves: ${served.map((m) => `'${m}'`).join(', ')})`, 'invalid_request_error', 'model');
+  throw ApiError.of('model_not_found', `The model '${model}' does not exist (this server serves: ${served.map((m) => `'${m}'`).join(', ')})`, 'model');
 }

@@ -111,7 +111,7 @@ export class SchemaTooComplexError extends SchemaError {
 
 /** The 400 `schema_too_complex` for a SchemaTooComplexError found at `param` (the schema's field path). */
 export function schemaTooComplex(param: string, err: SchemaTooComplexError): ApiError {
-  return new ApiError(400, 'schema_too_complex', `The JSON schema at '${param}' is too complex: ${err.message}`, 'invalid_request_error', param);
+  return ApiError.of('schema_too_complex', `The JSON schema at '${param}' is too complex: ${err.message}`, param);
 }
 
 /** Keywords that apply to one type (a type list is split into one schema per type). */

@@ -22,7 +22,7 @@ import type { OutputChecks } from './respond.js';
 export { DEFAULT_COMPLETION_MAX_TOKENS, MAX_STOP } from './fields.js';
 
 /** 400 naming `param`, for a valid value pdserve does not support. */
-const unsupported = (param: string, why: string): ApiError => new ApiError(400, 'unsupported_value', `Unsupported value for '${param}': ${why}`, 'invalid_request_error', param);
+const unsupported = (param: string, why: string): ApiError => ApiError.of('unsupported_value', `Unsupported value for '${param}': ${why}`, param);
 
 /** Re-root a zod error under `prefix` and convert it to a 400 naming the full path. */
 function fieldError(prefix: (string | number)[], err: ZodError): ApiError {
@@ -44,13 +44,13 @@ function parseFields(endpoint: Endpoint, body: unknown): Record<string, unknown>
  */
 export function parseFieldTable(fields: ReadonlyMap<string, FieldSpec>, body: unknown): Record<string, unknown> {
   if (typeof body === 'string' || Buffer.isBuffer(body)) {
-    throw new ApiError(400, 'unsupported_media_type', "The request body was not sent as JSON: send it with 'Content-Type: application/json' (a text/plain body is not parsed).", 'invalid_request_error');
+    throw ApiError.of('unsupported_media_type', "The request body was not sent as JSON: send it with 'Content-Type: application/json' (a text/plain body is not parsed).");
   }
   if (body === null || typeof body !== 'object' || Array.isArray(body)) throw badRequest(`Invalid request body: expected a JSON object, got ${body === null ? 'null' : Array.isArray(body) ? 'an array' : typeof body}`, null, 'invalid_type');
   const out: Record<string, unknown> = {};
   for (const [k, v] of Object.entries(body as Record<string, unknown>)) {
     const f = fields.get(k);
-    if (!f) throw new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${k}`, 'invalid_request_error', k);
+    if (!f) throw ApiError.of('unrecognized_argument', `Unrecognized request argument supplied: ${k}`, k);
     if (v === null || v === undefined) continue;
     const r = f.schema.safeParse(v);
     if (!r.success) throw fieldError([k], r.error);
@@ -67,7 +67,7 @@ const isTokenId = (t: unknown): t is number => typeof t === 'number' && Number.i
 
 /** prompt: string | [string] | token ids | [token ids] → {text} | {input_ids}. */
 function parsePrompt(p: unknown): { text: string } | { input_ids: number[] } {
-  if (p === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'prompt'.", 'invalid_request_error', 'prompt');
+  if (p === undefined) throw ApiError.of('missing_required_parameter', "Missing required parameter: 'prompt'.", 'prompt');
   if (typeof p === 'string') return { text: p };
   if (Array.isArray(p)) {
     if (p.length === 1 && typeof p[0] === 'string') return { text: p[0] };
@@ -110,7 +110,7 @@ const MessageSchema = z
  * @throws ApiError 400 naming the offending message field.
  */
 export function parseMessages(raw: unknown): ChatMessage[] {
-  if (raw === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'messages'.", 'invalid_request_error', 'messages');
+  if (raw === undefined) throw ApiError.of('missing_required_parameter', "Missing required parameter: 'messages'.", 'messages');
   const arr = z.array(z.unknown()).min(1).safeParse(raw);
   if (!arr.success) throw fieldError(['messages'], arr.error);
   const known = new Set(MESSAGE_FIELDS.map((f) => f.name));
@@ -119,12 +119,12 @@ export function parseMessages(raw: unknown): ChatMessage[] {
     if (!r.success) throw fieldError(['messages', i], r.error);
     const msg = r.data;
     const at = (k: string) => `messages[${i}].${k}`;
-    for (const k of Object.keys(msg)) if (!known.has(k)) throw new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${at(k)}`, 'invalid_request_error', at(k));
+    for (const k of Object.keys(msg)) if (!known.has(k)) throw ApiError.of('unrecognized_argument', `Unrecognized request argument supplied: ${at(k)}`, at(k));
     if (msg.role === 'function') throw unsupported(at('role'), LEGACY_FUNCTIONS_REFUSAL);
     if (msg.function_call != null) throw unsupported(at('function_call'), LEGACY_FUNCTIONS_REFUSAL);
     if (msg.tool_calls && msg.tool_calls.length > 0 && msg.role !== 'assistant') throw unsupported(at('tool_calls'), 'only assistant messages carry tool_calls');
     if (msg.tool_call_id != null && msg.role !== 'tool') throw unsupported(at('tool_call_id'), 'only tool messages carry a tool_call_id');
-    if (msg.role === 'tool' && msg.tool_call_id == null) throw new ApiError(400, 'missing_required_parameter', `Missing required parameter: '${at('tool_call_id')}'.`, 'invalid_request_error', at('tool_call_id'));
+    if (msg.role === 'tool' && msg.tool_call_id == null) throw ApiError.of('missing_required_parameter', `Missing required parameter: '${at('tool_call_id')}'.`, at('tool_call_id'));
     // A participant name is accepted and not rendered (see MESSAGE_FIELDS): frameworks send it on every role.
     if (msg.refusal) throw unsupported(at('refusal'), 'a non-empty refusal is not supported');
     if (msg.audio != null) throw unsupported(at('audio'), 'audio is not supported');
@@ -284,11 +284,11 @@ function logprobsOf(b: Record<string, unknown>): number | undefined {
   const chat = 'messages' in b;
   const lp = b.logprobs;
   if (chat) {
-    if (lp !== undefined && typeof lp !== 'boolean') throw new ApiError(400, 'invalid_type', "Invalid type for 'logprobs': expected boolean", 'invalid_request_error', 'logprobs');
+    if (lp !== undefined && typeof lp !== 'boolean') throw ApiError.of('invalid_type', "Invalid type for 'logprobs': expected boolean", 'logprobs');
     if (b.top_logprobs !== undefined && lp !== true) throw badRequest("Invalid value for 'top_logprobs': top_logprobs requires logprobs to be true", 'top_logprobs');
     return lp === true ? ((b.top_logprobs as number | undefined) ?? 0) : undefined;
   }
-  if (lp !== undefined && typeof lp !== 'number') throw new ApiError(400, 'invalid_type', "Invalid type for 'logprobs': expected an integer in [0, 20]", 'invalid_request_error', 'logprobs');
+  if (lp !== undefined && typeof lp !== 'number') throw ApiError.of('invalid_type', "Invalid type for 'logprobs': expected an integer in [0, 20]", 'logprobs');
   return lp as number | undefined;
 }
 

@@ -53,14 +53,14 @@ export function samplingFromWire(s: GenerateRequest['sampling_params'], resumed?
 export function fitSampling(engine: Engine, promptTokens: number, sampling: SamplingParams): SamplingParams {
   const ctx = engine.info.compat.contextSize;
   if (promptTokens >= ctx) {
-    throw new ApiError(400, 'context_length_exceeded', `the prompt (${promptTokens} tokens) leaves no room for output in the context (${ctx} tokens)`, 'invalid_request_error', 'prompt');
+    throw ApiError.of('context_length_exceeded', `the prompt (${promptTokens} tokens) leaves no room for output in the context (${ctx} tokens)`, 'prompt');
   }
   if (sampling.maxTokens === 0) sampling.maxTokens = ctx - promptTokens;
   if (promptTokens + sampling.maxTokens > ctx) {
-    throw new ApiError(400, 'context_length_exceeded', `prompt (${promptTokens} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'invalid_request_error', 'max_tokens');
+    throw ApiError.of('context_length_exceeded', `prompt (${promptTokens} tokens) + max_tokens (${sampling.maxTokens}) exceeds the context size (${ctx} tokens)`, 'max_tokens');
   }
   if ((sampling.minTokens ?? 0) > sampling.maxTokens) {
-    throw new ApiError(400, 'invalid_value', `min_tokens (${sampling.minTokens}) exceeds max_tokens (${sampling.maxTokens})`, 'invalid_request_error', 'min_tokens');
+    throw ApiError.of('invalid_value', `min_tokens (${sampling.minTokens}) exceeds max_tokens (${sampling.maxTokens})`, 'min_tokens');
   }
   return sampling;
 }
@@ -72,17 +72,17 @@ export function fitSampling(engine: Engine, promptTokens: number, sampling: Samp
 export async function checkSampling(engine: Engine, sampling: SamplingParams): Promise<void> {
   const n = engine.info.nVocab;
   const badBias = sampling.logitBias?.find(([t]) => t >= n);
-  if (badBias) throw new ApiError(400, 'invalid_value', `logit_bias names token ${badBias[0]}, outside the vocabulary (size ${n})`, 'invalid_request_error', 'logit_bias');
+  if (badBias) throw ApiError.of('invalid_value', `logit_bias names token ${badBias[0]}, outside the vocabulary (size ${n})`, 'logit_bias');
   const badStop = sampling.stopTokenIds?.find((t) => t >= n);
-  if (badStop !== undefined) throw new ApiError(400, 'invalid_value', `stop_token_ids names token ${badStop}, outside the vocabulary (size ${n})`, 'invalid_request_error', 'stop_token_ids');
+  if (badStop !== undefined) throw ApiError.of('invalid_value', `stop_token_ids names token ${badStop}, outside the vocabulary (size ${n})`, 'stop_token_ids');
   try {
     await engine.prepareSampling(sampling);
   } catch (err) {
     const e = err as { code?: string; message?: string };
     const param = sampling.grammar?.type === 'tool_call' ? 'tools' : 'response_format';
-    if (e.code === 'BAD_GRAMMAR') throw new ApiError(400, 'invalid_value', e.message ?? 'bad grammar', 'invalid_request_error', param);
+    if (e.code === 'BAD_GRAMMAR') throw ApiError.of('invalid_value', e.message ?? 'bad grammar', param);
     // the grammar thread's time budget (engine/grammar-thread.ts)
-    if (e.code === 'schema_too_complex') throw new ApiError(400, 'schema_too_complex', `The JSON schema at '${param}' is too complex: ${e.message ?? ''}`, 'invalid_request_error', param);
+    if (e.code === 'schema_too_complex') throw ApiError.of('schema_too_complex', `The JSON schema at '${param}' is too complex: ${e.message ?? ''}`, param);
     throw err;
   }
 }
@@ -108,24 +108,24 @@ function promptWork(engine: Engine, body: PromptBody): PromptWork & { bytes: num
   const bytes = body.text !== undefined ? Buffer.byteLength(body.text) : (body.messages ?? []).reduce((n, m) => n + Buffer.byteLength(m.content), 0);
   const atLeast = Math.floor(bytes / engine.info.maxTokenBytes);
   if (atLeast > engine.info.compat.contextSize) {
-    throw new ApiError(400, 'context_length_exceeded', `the prompt (${bytes} bytes, at least ${atLeast} tokens) exceeds the context size (${engine.info.compat.contextSize} tokens)`, 'invalid_request_error', body.messages ? 'messages' : 'prompt');
+    throw ApiError.of('context_length_exceeded', `the prompt (${bytes} bytes, at least ${atLeast} tokens) exceeds the context size (${engine.info.compat.contextSize} tokens)`, body.messages ? 'messages' : 'prompt');
   }
   if (body.input_ids) {
     const n = engine.info.nVocab;
     const bad = body.input_ids.find((t) => t >= n);
-    if (bad !== undefined) throw new ApiError(400, 'invalid_token', `token id ${bad} is outside the vocabulary (size ${n})`, 'invalid_request_error', 'prompt');
+    if (bad !== undefined) throw ApiError.of('invalid_token', `token id ${bad} is outside the vocabulary (size ${n})`, 'prompt');
     return { kind: 'ids', ids: body.input_ids, bytes };
   }
   if (body.messages) {
-    if (body.messages.length === 0) throw new ApiError(400, 'invalid_request', 'messages must not be empty', 'invalid_request_error', 'messages');
-    if (body.tools?.length && !engine.toolSyntax) throw new ApiError(400, 'unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'invalid_request_error', 'tools');
+    if (body.messages.length === 0) throw ApiError.of('invalid_request', 'messages must not be empty', 'messages');
+    if (body.tools?.length && !engine.toolSyntax) throw ApiError.of('unsupported_value', `Unsupported value for 'tools': ${TOOLS_REFUSAL}`, 'tools');
     return { kind: 'chat', messages: body.messages.map(chatMessageOf), tools: body.tools, bytes };
   }
   return { kind: 'text', text: body.text ?? '', bytes };
 }
 
 function nonEmpty(tokens: number[]): number[] {
-  if (tokens.length === 0) throw new ApiError(400, 'empty_prompt', 'the prompt is empty (0 tokens)', 'invalid_request_error', 'prompt');
+  if (tokens.length === 0) throw ApiError.of('empty_prompt', 'the prompt is empty (0 tokens)', 'prompt');
   return tokens;
 }
 

@@ -49,10 +49,10 @@ function schemaMismatch(what: string, text: string, checks: Record<string, unkno
   try {
     value = JSON.parse(text);
   } catch {
-    return cutOk ? null : new ApiError(422, 'output_schema_mismatch', `${what} is not valid JSON although its grammar was complete`, 'invalid_request_error');
+    return cutOk ? null : ApiError.of('output_schema_mismatch', `${what} is not valid JSON although its grammar was complete`);
   }
   const v = validateJson(checks, value);
-  return v ? new ApiError(422, 'output_schema_mismatch', `${what} breaks the schema at ${v.path}: ${v.message} (a keyword the grammar cannot enforce, checked after generation: see docs/API.md, JSON schemas)`, 'invalid_request_error') : null;
+  return v ? ApiError.of('output_schema_mismatch', `${what} breaks the schema at ${v.path}: ${v.message} (a keyword the grammar cannot enforce, checked after generation: see docs/API.md, JSON schemas)`) : null;
 }
 
 /** Identity of one response: `id` is the rid, `created` unix seconds. */
@@ -300,19 +300,19 @@ export class OpenAIResponseBuilder {
    */
   push(ev: GenerateEvent): (TextCompletion | ChatCompletionChunk)[] {
     if (!ev || typeof ev !== 'object' || typeof ev.text !== 'string' || !ev.meta_info || typeof ev.meta_info !== 'object') {
-      throw new ApiError(502, 'bad_worker_event', 'malformed generation event from the worker', 'server_error');
+      throw ApiError.of('bad_worker_event', 'malformed generation event from the worker');
     }
-    if (this.finished) throw new ApiError(502, 'bad_worker_event', 'generation event after the finish event', 'server_error');
+    if (this.finished) throw ApiError.of('bad_worker_event', 'generation event after the finish event');
     const mi = ev.meta_info;
     if (Number.isInteger(mi.prompt_tokens)) this.promptTokens = mi.prompt_tokens;
     if (Number.isInteger(mi.completion_tokens)) this.completionTokens = mi.completion_tokens;
     if (Number.isInteger(mi.cached_tokens)) this.cachedTokens = mi.cached_tokens!;
     const fr = mi.finish_reason;
     if (fr && fr.type === 'abort') {
-      throw new ApiError(500, 'generation_aborted', `generation aborted by the worker${fr.message ? `: ${fr.message}` : ''}`, 'server_error');
+      throw ApiError.of('generation_aborted', `generation aborted by the worker${fr.message ? `: ${fr.message}` : ''}`);
     }
     if (fr && fr.type !== 'stop' && fr.type !== 'length') {
-      throw new ApiError(502, 'bad_worker_event', `unknown finish_reason from the worker: ${String((fr as { type?: unknown }).type)}`, 'server_error');
+      throw ApiError.of('bad_worker_event', `unknown finish_reason from the worker: ${String((fr as { type?: unknown }).type)}`);
     }
     let finish: OpenAIFinishReason | null = fr ? (fr.type as OpenAIFinishReason) : null;
     const out: (TextCompletion | ChatCompletionChunk)[] = [];

@@ -18,7 +18,7 @@ export interface InputItemsQuery {
 /** Most items per page (OpenAI's bound). */
 export const MAX_INPUT_ITEMS_PAGE = 100;
 
-const bad = (param: string, message: string): ApiError => new ApiError(400, 'invalid_value', `Invalid value for '${param}': ${message}`, 'invalid_request_error', param);
+const bad = (param: string, message: string): ApiError => ApiError.of('invalid_value', `Invalid value for '${param}': ${message}`, param);
 
 /**
  * One page of `items` (in context order) for `q`.

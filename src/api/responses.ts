@@ -66,14 +66,14 @@ export interface ResponseEcho {
   prompt_cache_key: string | null;
 }
 
-const bad = (param: string, message: string): ApiError => new ApiError(400, 'invalid_value', `Invalid value for '${param}': ${message}`, 'invalid_request_error', param);
-const unsupported = (param: string, why: string): ApiError => new ApiError(400, 'unsupported_value', `Unsupported value for '${param}': ${why}`, 'invalid_request_error', param);
+const bad = (param: string, message: string): ApiError => ApiError.of('invalid_value', `Invalid value for '${param}': ${message}`, param);
+const unsupported = (param: string, why: string): ApiError => ApiError.of('unsupported_value', `Unsupported value for '${param}': ${why}`, param);
 
 function zodError(prefix: string, err: ZodError): ApiError {
   const i = err.issues[0]!;
   const at = [prefix, ...i.path.map((p) => (typeof p === 'number' ? `[${p}]` : `.${p}`))].join('');
-  if (i.code === 'unrecognized_keys') return new ApiError(400, 'unrecognized_argument', `Unrecognized request argument supplied: ${at}.${i.keys[0]}`, 'invalid_request_error', `${at}.${i.keys[0]}`);
-  if (i.code === 'invalid_type' && i.received === 'undefined') return new ApiError(400, 'missing_required_parameter', `Missing required parameter: '${at}'.`, 'invalid_request_error', at);
+  if (i.code === 'unrecognized_keys') return ApiError.of('unrecognized_argument', `Unrecognized request argument supplied: ${at}.${i.keys[0]}`, `${at}.${i.keys[0]}`);
+  if (i.code === 'invalid_type' && i.received === 'undefined') return ApiError.of('missing_required_parameter', `Missing required parameter: '${at}'.`, at);
   return bad(at, i.message);
 }
 
@@ -166,7 +166,7 @@ function appendItems(items: unknown[], store: Pick<ResponseStoreView, 'item'>, o
       const r = ItemReference.safeParse(raw);
       if (!r.success) throw zodError(at, r.error);
       const stored = store.item(r.data.id);
-      if (!stored) throw new ApiError(404, 'not_found', `Item with id '${r.data.id}' not found (items of stored responses only; it may have expired or been deleted).`, 'invalid_request_error', `${at}.id`);
+      if (!stored) throw ApiError.of('not_found', `Item with id '${r.data.id}' not found (items of stored responses only; it may have expired or been deleted).`, `${at}.id`);
       item(stored, at, true);
       listed.push(structuredClone(stored));
       return;
@@ -192,7 +192,7 @@ function renamed(err: ApiError, sources: string[], hasInstructions: boolean): Ap
   };
   const to = map(p);
   if (to === p) return err;
-  return new ApiError(err.status, err.code, err.message.split(`'${p}'`).join(`'${to}'`), err.type, to);
+  return err.with({ message: err.message.split(`'${p}'`).join(`'${to}'`), param: to });
 }
 
 /**
@@ -201,14 +201,14 @@ function renamed(err: ApiError, sources: string[], hasInstructions: boolean): Ap
  */
 export function parseResponsesRequest(body: unknown, store: Pick<ResponseStoreView, 'get' | 'item'>): ParsedResponsesRequest {
   const b = parseFieldTable(RESPONSES_FIELD_MAP, body);
-  if (b.input === undefined) throw new ApiError(400, 'missing_required_parameter', "Missing required parameter: 'input'.", 'invalid_request_error', 'input');
+  if (b.input === undefined) throw ApiError.of('missing_required_parameter', "Missing required parameter: 'input'.", 'input');
   const history: WireChatMessage[] = [];
   const sources: string[] = [];
   const inputItems: Record<string, unknown>[] = [];
   const prevId = b.previous_response_id as string | undefined;
   if (prevId !== undefined) {
     const prev = store.get(prevId);
-    if (!prev) throw new ApiError(400, 'previous_response_not_found', `Previous response with id '${prevId}' not found.`, 'invalid_request_error', 'previous_response_id');
+    if (!prev) throw ApiError.of('previous_response_not_found', `Previous response with id '${prevId}' not found.`, 'previous_response_id');
     history.push(...prev.history);
     for (let i = 0; i < prev.history.length; i++) sources.push('previous_response_id');
     inputItems.push(...prev.input, ...((prev.response.output as Record<string, unknown>[] | undefined) ?? []));
@@ -424,7 +424,7 @@ export class ResponsesTranslator {
     for (const tc of d.tool_calls ?? []) {
       let call = this.calls.get(tc.index);
       if (!call) {
-        if (!tc.id || !tc.function?.name) throw new ApiError(502, 'bad_worker_event', 'a tool-call delta names no call started before', 'server_error');
+        if (!tc.id || !tc.function?.name) throw ApiError.of('bad_worker_event', 'a tool-call delta names no call started before');
         call = { type: 'function_call', id: newItemId('fc'), status: 'in_progress', call_id: tc.id, name: tc.function.name, arguments: '' };
         this.calls.set(tc.index, call);
         this.openItem(call, out);

@@ -59,7 +59,7 @@ const ToolChoiceSchema = z.union([
   z.object({ type: z.literal('function'), function: z.object({ name: z.string() }).strict() }).strict(),
 ]);
 
-const bad = (param: string, message: string) => new ApiError(400, 'invalid_value', `Invalid value for '${param}': ${message}`, 'invalid_request_error', param);
+const bad = (param: string, message: string) => ApiError.of('invalid_value', `Invalid value for '${param}': ${message}`, param);
 
 /**
  * `tools`, `tool_choice`, `parallel_tool_calls` of a chat body (already type-checked as arrays /

@@ -6,12 +6,16 @@
  * (engine, kv, api, the workers, the router) can use it without an upward import.
  *
  * Three shapes carry a code:
- *  - `PdError` — thrown inside a process (engine, KV channel, envelope, state parser);
+ *  - `PdError` — thrown inside a process (engine, KV channel, envelope, state parser, start-up
+ *    checks); its code is a table code or an internal one of `INTERNAL_TO_API`, typed, so a code
+ *    in neither fails the type check. Subclasses: `InternalError` (a broken invariant: a bug),
+ *    `ConfigError` (a start-up configuration the user fixes), and each layer's own
+ *    (`EngineError`, `KvError`, `SseError`, …);
  *  - `RoomFailure` — `{code, detail}`, why a KV room failed (the lifecycle core keeps the first
  *    one; it travels to the peer in the wire `fail` message);
  *  - `ApiError` — a PdError that crosses HTTP, rendered as an OpenAI error body; its `code` is
- *    typed `ErrorCode`, so a code missing from the table fails the type check (a code read from
- *    a peer's body goes through `asErrorCode`).
+ *    typed `ErrorCode` (a code read from a peer's body goes through `asErrorCode`), and
+ *    `ApiError.of(code, …)` takes its status and type from the table.
  */
 
 export type ApiErrorType = 'invalid_request_error' | 'server_error' | 'timeout_error' | 'overloaded_error' | 'not_found_error' | 'authentication_error' | 'rate_limit_error';
@@ -27,14 +31,14 @@ export interface CodeSpec {
   cause: ErrorCause;
 }
 
-const c = (status: number, type: ApiErrorType, cause: ErrorCause): CodeSpec => ({ status, type, cause });
+const c = <S extends number, T extends ApiErrorType>(status: S, type: T, cause: ErrorCause) => ({ status, type, cause });
 const CLIENT_400 = c(400, 'invalid_request_error', 'client');
 const BAD_GATEWAY = c(502, 'server_error', 'system');
 
 /**
  * THE code → status table. Every code a pdserve process answers with over HTTP, or records as a
  * room failure, is here; `test/unit/errors.test.ts` checks that every `new ApiError(status,
- * 'code', …)` in the sources agrees with it. Codes are never reused for another meaning.
+ * 'code', …)` left in the sources agrees with it. Codes are never reused for another meaning.
  */
 export const ERROR_CODES = {
   // -- client-caused: the request itself or its client --------------------------------------
@@ -67,7 +71,8 @@ export const ERROR_CODES = {
   unrecognized_argument: CLIENT_400,
   /** A known field with a value pdserve does not support. */
   unsupported_value: CLIENT_400,
-  not_found: c(404, 'not_found_error', 'client'),
+  /** An object id that names nothing (a stored response, an item, a dashboard asset): OpenAI's type for it is invalid_request_error. */
+  not_found: c(404, 'invalid_request_error', 'client'),
   /** /v1/responses: previous_response_id names no stored response (OpenAI answers this code with a 400). */
   previous_response_not_found: CLIENT_400,
   /**
@@ -76,9 +81,10 @@ export const ERROR_CODES = {
    * (docs/API.md's keyword table); 4xx, so neither the router nor an SDK retries it.
    */
   output_schema_mismatch: c(422, 'invalid_request_error', 'client'),
-  model_not_found: c(404, 'not_found_error', 'client'),
+  /** A model name this server does not serve (OpenAI answers it with type invalid_request_error). */
+  model_not_found: c(404, 'invalid_request_error', 'client'),
   worker_not_found: c(404, 'not_found_error', 'client'),
-  trace_not_found: c(404, 'not_found_error', 'client'),
+  trace_not_found: c(404, 'invalid_request_error', 'client'),
   /** The router's POST /abort_request names no request in flight. */
   request_not_found: c(404, 'not_found_error', 'client'),
   method_not_allowed: c(405, 'invalid_request_error', 'client'),
@@ -179,6 +185,9 @@ export const ERROR_CODES = {
 
 export type ErrorCode = keyof typeof ERROR_CODES;
 
+/** The table codes answered with HTTP status `S` (e.g. `CodeWithStatus<400>` for a bad request). */
+export type CodeWithStatus<S extends number> = { [K in ErrorCode]: (typeof ERROR_CODES)[K]['status'] extends S ? K : never }[ErrorCode];
+
 /** True when `code` is in the table. */
 export function isErrorCode(code: unknown): code is ErrorCode {
   return typeof code === 'string' && Object.prototype.hasOwnProperty.call(ERROR_CODES, code);
@@ -215,6 +224,72 @@ export const failure = (code: ErrorCode, detail: string): RoomFailure => ({ code
 export const failureText = (f: RoomFailure): string => `${f.code}: ${f.detail}`;
 
 /**
+ * THE internal → API table: every code thrown inside a process (PdError and its subclasses: the
+ * engine's, the KV channel's, the state parser's, the SSE writer's, start-up checks) → the table
+ * code it is answered with. `PdError`'s code is typed `ErrorCode | InternalCode`, so a code in
+ * neither table fails the type check, and a new internal code cannot be added without its row.
+ */
+export const INTERNAL_TO_API = {
+  // -- the engine (src/engine) -----------------------------------------------------------------
+  PROMPT_TOO_LONG: 'context_length_exceeded',
+  EMPTY_PROMPT: 'empty_prompt',
+  INVALID_TOKEN: 'invalid_token',
+  /** A JSON schema or grammar node-llama-cpp refuses: the request's fault. */
+  BAD_GRAMMAR: 'invalid_value',
+  /** A slot used after its release: a bug at the caller. */
+  SLOT_RELEASED: 'internal_error',
+  /** The engine was closed under a request: the process is shutting down. */
+  ENGINE_DISPOSED: 'shutting_down',
+  /** Model + slots over the free device memory (start-up). */
+  GPU_MEMORY: 'engine_failed',
+  QUEUE_FULL: 'queue_full',
+  TIMEOUT: 'timeout',
+  ABORTED: 'request_aborted',
+  // -- the KV channel and the state it carries (src/kv, the prefix store) ----------------------
+  DUPLICATE_ROOM: 'duplicate_room',
+  /** A write to a room that already failed (its own failure is what is answered). */
+  ROOM_FAILED: 'kv_transfer_failed',
+  UNKNOWN_ROOM: 'registration_refused',
+  /** A frame that does not decode (bad length, type, field): the transfer is broken. */
+  BAD_FRAME: 'kv_transfer_failed',
+  BAD_STATE: 'bad_state',
+  BAD_ENVELOPE: 'bad_state',
+  /** A stored prefix state whose tokens are not its key's. */
+  KEY_MISMATCH: 'bad_state',
+  STATE_TOO_LARGE: 'kv_state_too_large',
+  PEER_LOST: 'peer_lost',
+  AUTH_FAILED: 'peer_unreachable',
+  SETTINGS_MISMATCH: 'settings_mismatch',
+  STATE_DIR_FULL: 'state_dir_full',
+  // -- the SSE writer and reader (src/api/sse.ts) ----------------------------------------------
+  SSE_CLOSED: 'client_closed_request',
+  SSE_WRITE_TIMEOUT: 'client_closed_request',
+  SSE_SLOW_CLIENT: 'client_closed_request',
+  SSE_EVENT_TOO_LARGE: 'bad_worker_event',
+  /** A JSON schema outside the supported subset (the API names the keyword, 400). */
+  UNSUPPORTED_SCHEMA: 'invalid_value',
+  // -- start-up and operation: never answered over HTTP, printed or logged --------------------
+  /** A configuration a user fixes from the message alone (flags, files, addresses). */
+  invalid_config: 'internal_error',
+  INVALID_ROUTER_CONFIG: 'internal_error',
+  bad_model_file: 'internal_error',
+  /** A child process could not listen on its port. */
+  PORT_IN_USE: 'internal_error',
+  /** etcd (membership) did not answer or refused. */
+  ETCD_FAILED: 'internal_error',
+  /** A child process did not become ready (pdserve up). */
+  START_FAILED: 'internal_error',
+  /** A broken invariant: a bug in pdserve, never the input's fault (`InternalError`). */
+  INTERNAL: 'internal_error',
+} as const satisfies Record<string, ErrorCode>;
+
+/** A code thrown inside a process, mapped by INTERNAL_TO_API. */
+export type InternalCode = keyof typeof INTERNAL_TO_API;
+
+/** Every code a PdError may carry: a table code or an internal one. */
+export type PdCode = ErrorCode | InternalCode;
+
+/**
  * The one base class of pdserve's errors (undici's `UndiciError`): `code` is the stable
  * identity, `message` is for humans. Thrown inside processes with an internal code (the
  * engine's, the KV channel's, the state parser's: `errorCodeOf` maps them to the table); its
@@ -222,7 +297,7 @@ export const failureText = (f: RoomFailure): string => `${f.code}: ${f.detail}`;
  */
 export class PdError extends Error {
   constructor(
-    public readonly code: string,
+    public readonly code: PdCode,
     message: string,
   ) {
     super(message);
@@ -230,7 +305,34 @@ export class PdError extends Error {
   }
 }
 
-/** Errors that cross the HTTP boundary: a code from the table, its status and OpenAI `type`. */
+/**
+ * A broken invariant — a bug in pdserve, never the input's fault (node:assert's role, with a
+ * code): answered 500 `internal_error` if it reaches HTTP.
+ */
+export class InternalError extends PdError {
+  constructor(message: string) {
+    super('INTERNAL', message);
+    this.name = 'InternalError';
+  }
+}
+
+/**
+ * A start-up configuration the user fixes from its message alone (a flag, a file, an address):
+ * printed without a stack (src/cli/serve.ts `startupProblem`).
+ */
+export class ConfigError extends PdError {
+  constructor(message: string) {
+    super('invalid_config', message);
+    this.name = 'ConfigError';
+  }
+}
+
+/**
+ * Errors that cross the HTTP boundary: a code from the table, its status and OpenAI `type`.
+ * Build them with `ApiError.of(code, …)`: status and type come from the table. The constructor
+ * takes them as given, for an answer relayed from a peer (a worker's status and type passed
+ * through to the client) — the one case where the table does not decide.
+ */
 export class ApiError extends PdError {
   constructor(
     public readonly status: number,
@@ -249,6 +351,11 @@ export class ApiError extends PdError {
     return new ApiError(s.status, code, message, s.type, param);
   }
 
+  /** This error with another message and/or param; its code, status and type kept. */
+  with(changes: { message?: string; param?: string | null }): ApiError {
+    return new ApiError(this.status, this.code, changes.message ?? this.message, this.type, changes.param === undefined ? this.param : changes.param);
+  }
+
   /** The room failure as the HTTP error the worker answers with. */
   static fromFailure(f: RoomFailure): ApiError {
     return ApiError.of(f.code, f.detail);
@@ -260,33 +367,17 @@ export class ApiError extends PdError {
   }
 }
 
-/**
- * Codes thrown inside processes (PdError and its subclasses: the engine's, the KV channel's, the
- * state parser's) → the table's code they are answered with.
- */
-const INTERNAL_TO_API: Readonly<Record<string, ErrorCode>> = {
-  PROMPT_TOO_LONG: 'context_length_exceeded',
-  EMPTY_PROMPT: 'empty_prompt',
-  INVALID_TOKEN: 'invalid_token',
-  DUPLICATE_ROOM: 'duplicate_room',
-  ABORTED: 'request_aborted',
-  TIMEOUT: 'timeout',
-  QUEUE_FULL: 'queue_full',
-  BAD_STATE: 'bad_state',
-  BAD_ENVELOPE: 'bad_state',
-  STATE_TOO_LARGE: 'kv_state_too_large',
-  PEER_LOST: 'peer_lost',
-  AUTH_FAILED: 'peer_unreachable',
-  SETTINGS_MISMATCH: 'settings_mismatch',
-  STATE_DIR_FULL: 'state_dir_full',
-};
+/** True when `code` is an internal code (a row of INTERNAL_TO_API). */
+export function isInternalCode(code: unknown): code is InternalCode {
+  return typeof code === 'string' && Object.prototype.hasOwnProperty.call(INTERNAL_TO_API, code);
+}
 
 /** The table code of any thrown value (ApiError/PdError codes mapped; anything else internal_error). */
 export function errorCodeOf(err: unknown): ErrorCode {
   const code = (err as { code?: unknown })?.code;
   if (typeof code !== 'string') return 'internal_error';
   if (isErrorCode(code)) return code;
-  return INTERNAL_TO_API[code] ?? 'internal_error';
+  return isInternalCode(code) ? INTERNAL_TO_API[code] : 'internal_error';
 }
 
 /** Map any thrown value to an ApiError through the table (unknown errors become 500 internal_error). */

@@ -18,5 +18,5 @@ export function redactAddresses(s: string): string {
 /** `err` with its message redacted (the same object when there was nothing to redact). */
 export function redactedForClient(err: ApiError): ApiError {
   const m = redactAddresses(err.message);
-  return m === err.message ? err : new ApiError(err.status, err.code, m, err.type, err.param);
+  return m === err.message ? err : err.with({ message: m });
 }

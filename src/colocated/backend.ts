@@ -52,7 +52,7 @@ export class ColocatedBackend {
   private async acquire(signal: AbortSignal, prompt: readonly number[], salt: string | undefined): Promise<Slot> {
     const s = this.engine.tryAcquireSlot(prompt, salt);
     if (s) return s;
-    if (this.waiters.length >= this.limits.maxWaiting) throw new ApiError(503, 'queue_full', `colocated queue is full (${this.limits.maxWaiting})`, 'overloaded_error');
+    if (this.waiters.length >= this.limits.maxWaiting) throw ApiError.of('queue_full', `colocated queue is full (${this.limits.maxWaiting})`);
     return new Promise<Slot>((resolve, reject) => {
       const w = {
         prompt,
@@ -66,7 +66,7 @@ export class ColocatedBackend {
           reject(e);
         },
       };
-      const t = setTimeout(() => w.reject(new ApiError(503, 'queue_timeout', `no free slot within ${this.limits.slotWaitMs} ms`, 'overloaded_error')), this.limits.slotWaitMs);
+      const t = setTimeout(() => w.reject(ApiError.of('queue_timeout', `no free slot within ${this.limits.slotWaitMs} ms`)), this.limits.slotWaitMs);
       const onAbort = () => w.reject(Object.assign(new Error('aborted while waiting for a slot'), { code: 'ABORTED' }));
       signal.addEventListener('abort', onAbort, { once: true });
       const cleanup = () => {

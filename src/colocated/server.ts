@@ -122,7 +122,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
       return reply;
     } catch (err) {
       if (reply.raw.headersSent) return reply;
-      const e = ac.signal.aborted ? new ApiError(504, 'timeout', 'request deadline expired', 'timeout_error') : apiErrorOf(err);
+      const e = ac.signal.aborted ? ApiError.of('timeout', 'request deadline expired') : apiErrorOf(err);
       return sendApiError(reply, e);
     } finally {
       clearTimeout(deadline);

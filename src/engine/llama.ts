@@ -105,9 +105,15 @@ export interface LoadEngineOptions {
   grammarBudgetMs?: number;
 }
 
-/** Error with a stable `code` ('PROMPT_TOO_LONG', 'EMPTY_PROMPT', 'ABORTED', 'INVALID_TOKEN', 'SLOT_RELEASED', 'ENGINE_DISPOSED'). */
+/** The engine's codes (rows of base/errors.ts INTERNAL_TO_API). */
+export type EngineErrorCode = 'PROMPT_TOO_LONG' | 'EMPTY_PROMPT' | 'ABORTED' | 'INVALID_TOKEN' | 'SLOT_RELEASED' | 'ENGINE_DISPOSED' | 'GPU_MEMORY' | 'BAD_GRAMMAR';
+
+/** The engine's errors: a stable `code` (EngineErrorCode), mapped to HTTP by base/errors.ts. */
 export class EngineError extends PdError {
-  constructor(code: string, message: string) {
+  constructor(
+    public override readonly code: EngineErrorCode,
+    message: string,
+  ) {
     super(code, message);
     this.name = 'EngineError';
   }

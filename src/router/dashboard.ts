@@ -80,7 +80,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
   });
   app.get<{ Params: { file: string } }>('/dashboard/assets/:file', async (req, reply) => {
     const a = ASSETS[req.params.file];
-    if (!a) throw new ApiError(404, 'not_found', `no dashboard asset ${req.params.file}`);
+    if (!a) throw ApiError.of('not_found', `no dashboard asset ${req.params.file}`);
     return reply.header('content-type', a.type).header('cache-control', 'max-age=300').send(await asset(req.params.file));
   });
 
@@ -92,7 +92,7 @@ export function registerDiagnostics(app: FastifyInstance, d: DiagnosticsDeps): v
   });
   app.get<{ Params: { id: string } }>('/debug/traces/:id', async (req) => {
     const t = d.traces.get(req.params.id);
-    if (!t) throw new ApiError(404, 'trace_not_found', `no recent request with trace id or rid ${req.params.id}`, 'invalid_request_error');
+    if (!t) throw ApiError.of('trace_not_found', `no recent request with trace id or rid ${req.params.id}`);
     return t;
   });
 

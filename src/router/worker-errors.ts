@@ -41,10 +41,11 @@ export function workerError(role: LegName, status: number, text: string): ApiErr
     // not JSON: keep the text
   }
   // The worker refused the router's own credential: a misconfigured worker, not the client's fault.
-  if (status === 401 && code === 'unauthenticated') return new ApiError(502, 'worker_unauthenticated', `${role} worker refused the router's signed request (does it run with another cluster secret?)`, 'server_error');
+  if (status === 401 && code === 'unauthenticated') return ApiError.of('worker_unauthenticated', `${role} worker refused the router's signed request (does it run with another cluster secret?)`);
   const valid = status >= 400 && status <= 599;
   const out = valid ? status : 502;
   // 4xx: the client's fault (e.g. prompt too long): pass the message through untouched.
+  // the worker's status and type are relayed as answered (the table decides only a missing type)
   if (out < 500) return new ApiError(out, code, message, (type ?? 'invalid_request_error') as ApiError['type'], param);
   return new ApiError(out, code, `${role} worker error: ${message}`, (type ?? 'server_error') as ApiError['type'], param);
 }
@@ -61,7 +62,7 @@ export function eventError(role: LegName, e: { message?: unknown; code?: unknown
 
 /** An event of a worker's stream that is not JSON: 502 `bad_worker_event`. */
 export function badEvent(role: LegName): ApiError {
-  return new ApiError(502, 'bad_worker_event', `${role} worker sent an event that is not JSON`, 'server_error');
+  return ApiError.of('bad_worker_event', `${role} worker sent an event that is not JSON`);
 }
 
 /** What a failure thrown while a leg ran means (see the module's table). */
@@ -84,12 +85,12 @@ export interface LegFailure {
 export function legFailure(role: LegName, url: string, thrown: unknown): LegFailure {
   const of = (err: ApiError, o: Partial<Omit<LegFailure, 'err'>> = {}): LegFailure => ({ err, clientGone: false, transport: false, unreachable: false, closed: false, ...o });
   if (thrown instanceof SseError) {
-    if (thrown.code === 'SSE_CLOSED' || thrown.code === 'SSE_WRITE_TIMEOUT' || thrown.code === 'SSE_SLOW_CLIENT') return of(new ApiError(499, 'client_closed_request', `client stream failed: ${thrown.message}`), { clientGone: true });
-    return of(new ApiError(502, 'bad_worker_event', `${role} worker stream: ${thrown.message}`, 'server_error'));
+    if (thrown.code === 'SSE_CLOSED' || thrown.code === 'SSE_WRITE_TIMEOUT' || thrown.code === 'SSE_SLOW_CLIENT') return of(ApiError.of('client_closed_request', `client stream failed: ${thrown.message}`), { clientGone: true });
+    return of(ApiError.of('bad_worker_event', `${role} worker stream: ${thrown.message}`));
   }
   if (thrown instanceof ApiError) return of(thrown);
-  if (isUnreachable(thrown)) return of(new ApiError(502, `${role}_unreachable`, `${role} worker ${url} is unreachable: ${describeError(thrown)}`, 'server_error'), { transport: true, unreachable: true });
-  return of(new ApiError(502, `${role}_failed`, `${role} worker ${url} failed: ${describeError(thrown)}`, 'server_error'), { transport: true, closed: isConnectionClosed(thrown) });
+  if (isUnreachable(thrown)) return of(ApiError.of(`${role}_unreachable`, `${role} worker ${url} is unreachable: ${describeError(thrown)}`), { transport: true, unreachable: true });
+  return of(ApiError.of(`${role}_failed`, `${role} worker ${url} failed: ${describeError(thrown)}`), { transport: true, closed: isConnectionClosed(thrown) });
 }
 
 /** The `cause` of an /abort_request (read by ../protocol/worker-protocol.ts `abortCauseOf`). */

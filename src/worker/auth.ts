@@ -83,7 +83,7 @@ export function registerWorkerAuth(app: FastifyInstance, o: WorkerAuthOptions, r
     refused.inc({ reason });
     request.log.debug({ reason, method: request.method, path: request.url.split('?')[0] }, 'unauthenticated worker request refused');
     const message = reason === 'missing' ? missingMessage(request.url.split('?')[0]!) : MESSAGES[reason];
-    return sendApiError(reply, new ApiError(401, 'unauthenticated', message, 'authentication_error'));
+    return sendApiError(reply, ApiError.of('unauthenticated', message));
   };
   app.addHook('onRequest', (request, reply, done) => {
     const open = isOpen(request.method, request.url, o.privateMetrics === true);
