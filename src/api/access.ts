@@ -24,7 +24,7 @@ import { createHash, timingSafeEqual } from 'node:crypto';
 import { readFileSync, statSync } from 'node:fs';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Counter, type Registry } from 'prom-client';
-import { ApiError } from '../base/errors.js';
+import { ApiError, ConfigError } from '../base/errors.js';
 import type { Logger } from '../base/log.js';
 import { sendApiError } from './errors.js';
 
@@ -169,7 +169,7 @@ export function registerAccess(app: FastifyInstance, o: AccessOptions, registry:
       fileStamp = stamp;
       if (!first) log.info({ file: o.apiKeyFile, keys: fileKeys.size }, 'API key file re-read');
     } catch (err) {
-      if (first) throw new Error(`cannot read the API key file ${o.apiKeyFile}: ${(err as Error).message}`);
+      if (first) throw new ConfigError(`cannot read the API key file ${o.apiKeyFile}: ${(err as Error).message}`);
       log.warn({ file: o.apiKeyFile, err: (err as Error).message }, 'API key file unreadable: keeping the keys read before');
     }
   };

@@ -6,7 +6,7 @@ import type { GenerateEvent, WireLogprob } from '../protocol/worker-protocol.js'
 import { ToolCallParser, type ToolCall, type ToolCallDelta } from './tool-calls.js';
 import type { ToolCallSyntax } from '../engine/types.js';
 import { bytesOf } from '../engine/token-text.js';
-import { ApiError } from '../base/errors.js';
+import { ApiError, InternalError } from '../base/errors.js';
 import { validateJson } from './json-schema.js';
 
 export type OpenAIFinishReason = 'stop' | 'length' | 'tool_calls';
@@ -360,7 +360,7 @@ export class OpenAIResponseBuilder {
 
   /** The non-stream response. @throws Error when called before the finish event. */
   response(): TextCompletion | ChatCompletion {
-    if (!this.finishReason) throw new Error('response() before the finish event');
+    if (!this.finishReason) throw new InternalError('response() before the finish event');
     return this.kind === 'chat'
       ? chatCompletionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? chatLogprobs(this.logprobs) : null, this.tools?.calls ?? [])
       : completionResponse(this.meta, this.text, this.finishReason, this.usage, this.logprobs ? completionLogprobs(this.logprobs) : null);

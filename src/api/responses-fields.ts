@@ -10,6 +10,7 @@
  */
 import { z } from 'zod';
 import { emptyOk, fieldsOf, notDefault, refusedAny, type FieldSpec, type FieldStatus } from './fields.js';
+import { InternalError } from '../base/errors.js';
 
 /** Most `metadata` keys, and their key / value lengths (OpenAI's limits). */
 export const MAX_METADATA_KEYS = 16;
@@ -20,7 +21,7 @@ const chat = fieldsOf('chat');
 /** Chat's schema of `name` (the same ranges on both endpoints). */
 const chatSchema = (name: string): z.ZodTypeAny => {
   const f = chat.get(name);
-  if (!f) throw new Error(`no chat field ${name}`);
+  if (!f) throw new InternalError(`no chat field ${name}`);
   return f.schema;
 };
 

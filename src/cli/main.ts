@@ -17,6 +17,7 @@ import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
 import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { ConfigError } from '../base/errors.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -50,7 +51,7 @@ async function assertPortFree(host: string, p: number, flag = '--port'): Promise
   const { createServer } = await import('node:net');
   await new Promise<void>((resolve, reject) => {
     const s = createServer();
-    s.once('error', (err: NodeJS.ErrnoException) => reject(new Error(`cannot listen on ${host}:${p}: ${err.code === 'EADDRINUSE' ? `the port is in use (pick another with ${flag})` : err.message}`)));
+    s.once('error', (err: NodeJS.ErrnoException) => reject(new ConfigError(`cannot listen on ${host}:${p}: ${err.code === 'EADDRINUSE' ? `the port is in use (pick another with ${flag})` : err.message}`)));
     s.listen(p, host, () => s.close(() => resolve()));
   });
 }
@@ -62,7 +63,7 @@ function collect(v: string, prev: string[] = []): string[] {
 /** `500ms`, `20s`, `10m`, `1h`, or a bare number of seconds → ms. */
 function parseDurationMs(v: string): number {
   const m = /^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$/.exec(v);
-  if (!m) throw new Error(`not a duration: ${v} (e.g. 500ms, 20s, 10m)`);
+  if (!m) throw new ConfigError(`not a duration: ${v} (e.g. 500ms, 20s, 10m)`);
   const unit = m[2] ?? 's';
   return Math.round(Number(m[1]) * (unit === 'ms' ? 1 : unit === 's' ? 1000 : unit === 'm' ? 60_000 : 3_600_000));
 }
@@ -336,9 +337,9 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
         await assertPortFree(o.host, o.port);
         if (o.workerPortBase !== undefined) {
           const last = o.workerPortBase + 2 * o.prefill + o.decode - 1;
-          if (last > 65535) throw new Error(`--worker-port-base ${o.workerPortBase} leaves no room for ${2 * o.prefill + o.decode} worker ports (last would be ${last})`);
+          if (last > 65535) throw new ConfigError(`--worker-port-base ${o.workerPortBase} leaves no room for ${2 * o.prefill + o.decode} worker ports (last would be ${last})`);
           for (let p = o.workerPortBase; p <= last; p++) {
-            if (p === o.port) throw new Error(`--worker-port-base ${o.workerPortBase}: worker port ${p} is the router's --port`);
+            if (p === o.port) throw new ConfigError(`--worker-port-base ${o.workerPortBase}: worker port ${p} is the router's --port`);
             await assertPortFree(o.host, p, '--worker-port-base');
           }
         }

@@ -6,6 +6,7 @@
 import { Membership, processFields, type MemberRecord } from '../runtime/discovery.js';
 import { createLogger } from '../base/log.js';
 import type { Served, ServeHooks } from './serve.js';
+import { ConfigError } from '../base/errors.js';
 
 export interface MembershipFlags {
   discovery?: string;
@@ -24,7 +25,7 @@ export function membershipHooks(role: 'prefill' | 'decode' | 'colocated', o: Mem
   if (!o.discovery) return undefined;
   const discovery = o.discovery;
   const adv = o.advertiseHost ?? o.host;
-  if (adv === '0.0.0.0' || adv === '::') throw new Error(`--discovery with --host ${o.host}: pass --advertise-host with the address the router and peers dial`);
+  if (adv === '0.0.0.0' || adv === '::') throw new ConfigError(`--discovery with --host ${o.host}: pass --advertise-host with the address the router and peers dial`);
   const log = createLogger(`${role}-membership`);
   return {
     async register(s: Served) {

@@ -13,6 +13,7 @@ import { resolve } from 'node:path';
 import type { Command } from 'commander';
 import { loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 import { checkClusterSecret, readClusterSecretFile } from '../runtime/cluster-secret.js';
+import { ConfigError } from '../base/errors.js';
 
 /** Split a comma-separated env value into its non-empty, trimmed entries. */
 export function listEnv(v: string | undefined): string[] {
@@ -102,7 +103,7 @@ export function internalTlsOf(role: string, o: { internalTlsCert?: string; inter
   try {
     const t = loadInternalTls(f);
     if (!t) return undefined;
-    if (server && !t.cert) throw new Error('internal TLS on a listening role needs --internal-tls-cert and --internal-tls-key');
+    if (server && !t.cert) throw new ConfigError('internal TLS on a listening role needs --internal-tls-cert and --internal-tls-key');
   } catch (err) {
     console.error(`pdserve ${role}: ${(err as Error).message}`);
     process.exit(2);

@@ -5,7 +5,7 @@
  * then `generate` from that token) minus save/transfer/load.
  */
 import { tokenEvent, type GenerateEvent, type GenerateRequest } from '../protocol/worker-protocol.js';
-import { ApiError } from '../base/errors.js';
+import { ApiError, PdError } from '../base/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
 import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
@@ -67,7 +67,7 @@ export class ColocatedBackend {
         },
       };
       const t = setTimeout(() => w.reject(ApiError.of('queue_timeout', `no free slot within ${this.limits.slotWaitMs} ms`)), this.limits.slotWaitMs);
-      const onAbort = () => w.reject(Object.assign(new Error('aborted while waiting for a slot'), { code: 'ABORTED' }));
+      const onAbort = () => w.reject(new PdError('ABORTED', 'aborted while waiting for a slot'));
       signal.addEventListener('abort', onAbort, { once: true });
       const cleanup = () => {
         clearTimeout(t);

@@ -12,7 +12,7 @@
  * driver's `assign_slot` and given back on its `release` — the one place, after any engine call
  * on it has settled.
  */
-import { ApiError, errorCodeOf, failure, toApiError, type RoomFailure } from '../base/errors.js';
+import { ApiError, errorCodeOf, failure, InternalError, PdError, toApiError, type RoomFailure } from '../base/errors.js';
 import type { Clock } from '../base/clock.js';
 import type { Logger } from '../base/log.js';
 import type { TraceTags } from '../protocol/trace-tags.js';
@@ -252,7 +252,7 @@ export class DecodeEffects<C extends KvConn> {
     if (store) {
       const recv = this.jobs.get(room)?.recv;
       try {
-        if (!recv) throw new Error('no receiver for an accepted chunk');
+        if (!recv) throw new InternalError('no receiver for an accepted chunk');
         recv.push(data, conn);
         this.o.metrics.kvBytes.inc(data.length);
       } catch (err) {
@@ -456,7 +456,7 @@ export class DecodeEffects<C extends KvConn> {
       const over = this.driver.proceed(room, 'load', this.now);
       if (over) return this.perform(over);
       const { header, state, path } = await get();
-      if (state.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
+      if (state.nTokens !== header.nTokens) throw new PdError('BAD_STATE', `state holds ${state.nTokens} tokens, envelope says ${header.nTokens}`);
       const gone = this.driver.proceed(room, 'load', this.now);
       if (gone || !job.slot) return this.perform(gone ?? this.driver.loadFailed(room, failure('internal_error', 'no engine slot for the load'), this.now));
       // the walk above covered this file (ours): llama.cpp loads it as it is, re-framed in place

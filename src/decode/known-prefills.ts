@@ -12,6 +12,7 @@
  * A router marks a decode healthy only after a probe succeeded, so a decode always knows its
  * router's pool before the router sends it work. Bounded: at most `maxLearned` learned addresses.
  */
+import { ConfigError } from '../base/errors.js';
 
 /** Longest time an address stays allowed after the last probe that named it, ms. */
 export const KNOWN_PREFILL_TTL_MS = 60_000;
@@ -48,7 +49,7 @@ export class KnownPrefills {
     this.fixed = new Set(
       allow.map((a) => {
         const p = parseBootstrapAddr(a);
-        if (!p) throw new Error(`not a HOST:PORT bootstrap address: ${a}`);
+        if (!p) throw new ConfigError(`not a HOST:PORT bootstrap address: ${a}`);
         return bootstrapKey(p.host, p.port);
       }),
     );

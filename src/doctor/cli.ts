@@ -24,6 +24,7 @@ import { Agent, type Dispatcher } from 'undici';
 import { withCredentials } from '../runtime/http-auth.js';
 import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 import { readClusterSecretFile } from '../runtime/cluster-secret.js';
+import { ConfigError, PdError } from '../base/errors.js';
 
 export interface DoctorOptions {
   url?: string;
@@ -124,7 +125,7 @@ function doctorTls(o: DoctorOptions): { ca?: Buffer[]; cert?: Buffer; key?: Buff
     try {
       routerCa = readFileSync(o.ca);
     } catch (err) {
-      throw new Error(`cannot read the CA file ${o.ca}: ${(err as Error).message}`);
+      throw new ConfigError(`cannot read the CA file ${o.ca}: ${(err as Error).message}`);
     }
   }
   if (!internal && !routerCa) return undefined;
@@ -136,7 +137,7 @@ function doctorTls(o: DoctorOptions): { ca?: Buffer[]; cert?: Buffer; key?: Buff
 async function round(source: WorkerSource, o: DoctorOptions, previous: ClusterSnapshot | null, dispatcher?: Dispatcher): Promise<{ snap: ClusterSnapshot; d: Diagnosis }> {
   let timer: NodeJS.Timeout | undefined;
   const limit = new Promise<never>((_, rej) => {
-    timer = setTimeout(() => rej(new Error(`gathering took longer than ${ROUND_MS} ms`)), ROUND_MS);
+    timer = setTimeout(() => rej(new PdError('TIMEOUT', `gathering took longer than ${ROUND_MS} ms`)), ROUND_MS);
   });
   try {
     const snap = await Promise.race([gather(source, o.timeout, dispatcher), limit]);

@@ -8,6 +8,7 @@
 import { etcdClient } from '../runtime/discovery.js';
 import { listMembers } from '../router/discovery/etcd.js';
 import type { WorkerRef, WorkerSource } from '../observe/gather.js';
+import { PdError } from '../base/errors.js';
 
 /** A WorkerSource reading etcd membership (and the router's rows when `routerUrl` is given). */
 export function discoverySource(uri: string, routerUrl: string | null): WorkerSource {
@@ -22,7 +23,7 @@ export function discoverySource(uri: string, routerUrl: string | null): WorkerSo
         try {
           members = (await listMembers(client)).members;
         } catch (err) {
-          throw new Error(`cannot read worker membership from etcd at ${uri}: ${(err as Error).message}`);
+          throw new PdError('ETCD_FAILED', `cannot read worker membership from etcd at ${uri}: ${(err as Error).message}`);
         }
         const rows = base ? (router?.workers.body?.workers ?? []) : [];
         const refs: WorkerRef[] = [];

@@ -16,6 +16,7 @@ import { systemClock } from '../base/clock.js';
 import { createReadStream, promises as fsp } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
+import { ConfigError } from '../base/errors.js';
 
 export type GgufPreset = 'tiny' | 'small' | 'wide';
 
@@ -370,14 +371,14 @@ export function describeModel(opts: WriteGgufOptions): { dims: ModelDims; nVocab
 
 function resolveDims(opts: WriteGgufOptions): ModelDims {
   const base = PRESETS[opts.preset];
-  if (!base) throw new Error(`unknown preset ${String(opts.preset)}`);
+  if (!base) throw new ConfigError(`unknown preset ${String(opts.preset)}`);
   const d: ModelDims = { ...base, ...(opts.dims ?? {}) };
   for (const k of ['nEmbd', 'nLayer', 'nHead', 'nHeadKv', 'nFf', 'contextLength', 'vocabTarget'] as const) {
-    if (!Number.isInteger(d[k]) || d[k] < 1) throw new Error(`dims.${k} must be a positive integer`);
+    if (!Number.isInteger(d[k]) || d[k] < 1) throw new ConfigError(`dims.${k} must be a positive integer`);
   }
-  if (d.nEmbd % d.nHead !== 0) throw new Error('nEmbd must be a multiple of nHead');
-  if ((d.nEmbd / d.nHead) % 2 !== 0) throw new Error('head dimension must be even (RoPE)');
-  if (d.nHead % d.nHeadKv !== 0) throw new Error('nHead must be a multiple of nHeadKv');
+  if (d.nEmbd % d.nHead !== 0) throw new ConfigError('nEmbd must be a multiple of nHead');
+  if ((d.nEmbd / d.nHead) % 2 !== 0) throw new ConfigError('head dimension must be even (RoPE)');
+  if (d.nHead % d.nHeadKv !== 0) throw new ConfigError('nHead must be a multiple of nHeadKv');
   return d;
 }
 
@@ -418,7 +419,7 @@ function buildTensorSpecs(d: ModelDims, nVocab: number): TensorSpec[] {
 /** Build the GGUF file in memory. Same options → identical bytes. */
 export function buildLlamaGguf(opts: WriteGgufOptions): Buffer {
   if (!Number.isInteger(opts.seed) || opts.seed < 0 || opts.seed > 0xffffffff) {
-    throw new Error('seed must be a uint32');
+    throw new ConfigError('seed must be a uint32');
   }
   const d = resolveDims(opts);
   const vocab = buildVocab(d.vocabTarget);

@@ -9,6 +9,7 @@
  * llama.cpp's Vulkan backend skips CPU-type devices (Mesa's lavapipe) unless
  * GGML_VK_VISIBLE_DEVICES names them, so a software device is used only when asked for.
  */
+import { ConfigError, PdError } from '../base/errors.js';
 
 /** `--gpu`: 'auto' tries CUDA, then Vulkan (Metal on macOS), then falls back to the CPU. */
 export const GPU_BACKENDS = ['auto', 'cuda', 'vulkan', 'metal', 'off'] as const;
@@ -106,7 +107,7 @@ export function applyDeviceEnv(backend: GpuBackend, devices: readonly number[] |
   if (backend === 'off') return;
   const key = devices?.join(',') ?? 'the environment\'s';
   const before = appliedDevices.get(env);
-  if (before !== undefined && before !== key) throw new Error(`--gpu-device ${devices?.join(',') ?? '(none)'}: this process already uses ${before} devices (one device list per process)`);
+  if (before !== undefined && before !== key) throw new ConfigError(`--gpu-device ${devices?.join(',') ?? '(none)'}: this process already uses ${before} devices (one device list per process)`);
   appliedDevices.set(env, key);
   if (devices) Object.assign(env, deviceEnvOf(backend, devices));
 }
@@ -182,12 +183,11 @@ export interface MemoryPlan {
 export function checkDeviceMemory(p: MemoryPlan): number {
   const need = p.modelBytes + p.slotsContextBytes;
   if (need > p.freeBytes) {
-    const e = new Error(
+    throw new PdError(
+      'GPU_MEMORY',
       `not enough device memory: model ${mib(p.modelBytes)} + context ${mib(p.slotsContextBytes)} (${p.slots} slots × ${p.contextSize} tokens) = ${mib(need)}, ` +
         `device has ${mib(p.freeBytes)} free of ${mib(p.totalBytes)}: lower --gpu-layers, --ctx-size or --slots (or --gpu off)`,
     );
-    (e as Error & { code: string }).code = 'GPU_MEMORY';
-    throw e;
   }
   if (p.cacheSequences === 0 || p.perCacheSequenceBytes <= 0) return p.cacheSequences;
   return Math.min(p.cacheSequences, Math.floor((p.freeBytes - need) / p.perCacheSequenceBytes));

@@ -144,7 +144,7 @@ export class GrammarThread {
         if (!job || job.id !== m.id || this.worker !== w) return;
         clearTimeout(job.timer);
         this.current = undefined;
-        if ('error' in m) job.reject(new Error(m.error));
+        if ('error' in m) job.reject(new PdError('BAD_GRAMMAR', m.error));
         else job.resolve(m.gbnf);
         this.next();
       });

@@ -26,7 +26,7 @@ import {
   type Token,
   type CustomBatchingPrioritizationStrategy,
 } from 'node-llama-cpp';
-import { PdError } from '../base/errors.js';
+import { ConfigError, InternalError, PdError } from '../base/errors.js';
 import { sha256File } from './gguf-writer.js';
 import { inPlaceReframe, parseStateFile, rewriteNStream, type ParsedState } from './ggsq.js';
 import { choiceSeed, drawToken, GrammarCache, logprobOf, RequestSampler } from './sampling.js';
@@ -139,7 +139,7 @@ function getSharedLlama(backend: GpuBackend): Promise<Llama> {
   const existing = llamaPromises.get(backend);
   if (existing) return existing;
   const other = [...llamaPromises.keys()][0];
-  if (other !== undefined) return Promise.reject(new Error(`--gpu ${backend}: this process already runs --gpu ${other} (one GPU backend per process)`));
+  if (other !== undefined) return Promise.reject(new ConfigError(`--gpu ${backend}: this process already runs --gpu ${other} (one GPU backend per process)`));
   const p = getLlama({
     gpu: llamaGpuOption(backend),
     build: 'never',
@@ -163,7 +163,7 @@ function getSharedLlama(backend: GpuBackend): Promise<Llama> {
   }).catch((err: unknown) => {
     llamaPromises.delete(backend);
     const name = (err as Error)?.name;
-    if (name === 'NoBinaryFoundError') throw new Error(`--gpu ${backend}: node-llama-cpp has no ${backend} build that works on this machine (no driver or device?); use --gpu auto or --gpu off`);
+    if (name === 'NoBinaryFoundError') throw new ConfigError(`--gpu ${backend}: node-llama-cpp has no ${backend} build that works on this machine (no driver or device?); use --gpu auto or --gpu off`);
     throw err;
   });
   llamaPromises.set(backend, p);
@@ -173,7 +173,7 @@ function getSharedLlama(backend: GpuBackend): Promise<Llama> {
 /** Append the llama.cpp warnings/errors logged since `since` (a `markProblems()` value) to err. */
 function withLlamaLog(err: unknown, since: number): Error {
   const lines = recentProblems.filter((p) => p.n >= since).map((p) => p.msg);
-  const e = err instanceof Error ? err : new Error(String(err));
+  const e = err instanceof Error ? err : new PdError('engine_failed', String(err));
   if (lines.length > 0) e.message += ` [llama.cpp: ${lines.join(' | ')}]`;
   return e;
 }
@@ -416,7 +416,7 @@ class Lease implements Slot {
       probabilities = (out as unknown as { probabilities?: Map<Token, number> }).probabilities;
       break;
     }
-    if (first === undefined) throw new Error('llama.cpp sampled no token');
+    if (first === undefined) throw new PdError('engine_failed', 'llama.cpp sampled no token');
     holder.exactPrefix = exactPrefixAfterPrompt(tokens.length, cache.align);
     // The resumed tokens were evaluated one per call, not as a cold prompt's chunks: not a cache entry.
     holder.valid = resumed.length === 0;
@@ -587,7 +587,7 @@ class Lease implements Slot {
         const n = await it.next();
         if (signal.aborted || this.released || this.engine.disposed) return 'abort';
         // with yieldEogToken node-llama-cpp ends its generator only when sampling yields nothing
-        if (n.done) throw new Error('llama.cpp stopped sampling unexpectedly');
+        if (n.done) throw new PdError('engine_failed', 'llama.cpp stopped sampling unexpectedly');
         const tok = n.value.token;
         sampler.accept(tok);
         r = step(tok);
@@ -740,7 +740,7 @@ class LlamaEngine implements Engine {
     try {
       if (this.disposed || seq.disposed) return 0;
       await this.exclusive(() => seq.loadStateFromFile(hit.path, { acceptRisk: true }));
-      if (!sameTokens(seq.contextTokens, hit.tokens)) throw new Error('the loaded sequence does not hold the stored tokens');
+      if (!sameTokens(seq.contextTokens, hit.tokens)) throw new PdError('BAD_STATE', 'the loaded sequence does not hold the stored tokens');
       holder.exactPrefix = hit.exactPrefix;
       return hit.reuse;
     } catch (err) {
@@ -788,7 +788,7 @@ class LlamaEngine implements Engine {
         if (!w) return;
         try {
           if (this.disposed || holder.seq.disposed) throw new EngineError('ENGINE_DISPOSED', 'the engine is disposed');
-          if (!sameTokens(holder.seq.contextTokens, tokens)) throw new Error('the sequence changed before its save');
+          if (!sameTokens(holder.seq.contextTokens, tokens)) throw new InternalError('the sequence changed before its save');
           await this.exclusive(() => holder.seq.saveStateToFile(w.path));
         } catch (err) {
           await w.abort();
@@ -939,7 +939,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
     const devices = llama.supportsGpuOffloading ? await llama.getGpuDeviceNames() : [];
     if (devices.length === 0 && backend !== 'auto' && backend !== 'off' && opts.gpuLayers !== 0) {
       const hint = backend === 'vulkan' ? ' (a CPU-type Vulkan device such as lavapipe is used only when named: --gpu-device 0)' : '';
-      throw new Error(`--gpu ${backend}: the ${llama.gpu || backend} backend found no device${hint}; use --gpu auto (CPU fallback) or --gpu off`);
+      throw new ConfigError(`--gpu ${backend}: the ${llama.gpu || backend} backend found no device${hint}; use --gpu auto (CPU fallback) or --gpu off`);
     }
     const kvType = GgmlType[ggmlTypeName(kvCacheType)];
     const cacheSequences = devices.length > 0 ? await fitOnDevice(llama, modelPath, opts, kvType) : (opts.prefixCache?.cacheSequences ?? 0);

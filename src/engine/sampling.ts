@@ -64,7 +64,7 @@ export class GrammarCache {
       this.cache.delete(key);
       if (threadErrors.has(err as object)) throw err;
       const what = spec.type === 'tool_call' ? 'tools: a function\'s parameters schema' : 'response_format: the JSON schema';
-      throw Object.assign(new Error(`${what} cannot be turned into a grammar: ${(err as Error).message ?? String(err)}`), { code: BAD_GRAMMAR });
+      throw new PdError(BAD_GRAMMAR, `${what} cannot be turned into a grammar: ${(err as Error).message ?? String(err)}`);
     });
     this.cache.set(key, p);
     while (this.cache.size > GRAMMAR_CACHE) this.cache.delete(this.cache.keys().next().value as string);

@@ -16,7 +16,7 @@
 import type { FastifyReply } from 'fastify';
 import { tokenEvent, type GenerateEvent, type PrefillResponse, type PrefillStreamEnd } from '../protocol/worker-protocol.js';
 import { SseWriter } from '../api/sse.js';
-import { toApiError } from '../base/errors.js';
+import { InternalError, toApiError } from '../base/errors.js';
 import { sendError } from '../worker/http.js';
 import type { GeneratedToken, FinishReason } from '../engine/types.js';
 
@@ -48,7 +48,7 @@ export async function answerWithFirstToken(reply: FastifyReply, first: Promise<G
     return;
   }
   if (ev === NO_FIRST) {
-    sendError(reply, toApiError(new Error('prefill finished the room without a first token')));
+    sendError(reply, toApiError(new InternalError('prefill finished the room without a first token')));
     return;
   }
   reply.hijack();

@@ -29,6 +29,7 @@ import type { SubRequest } from '../api/fanout.js';
 import { readSse } from '../api/sse.js';
 import type { RoomId } from '../base/room-id.js';
 import { readText, type WorkerState } from './registry.js';
+import { ApiError, InternalError, PdError } from '../base/errors.js';
 
 /** Header naming a sub-request's group and choice index (`<group id>.<index>`). */
 export const CHOICE_HEADER = 'x-pdserve-choice';
@@ -62,7 +63,7 @@ class MemberStream {
     signal.addEventListener('abort', onAbort);
     try {
       for (;;) {
-        if (signal.aborted) throw Object.assign(new Error('member aborted'), { name: 'AbortError' });
+        if (signal.aborted) throw Object.assign(new PdError('ABORTED', 'member aborted'), { name: 'AbortError' });
         const f = this.frames.shift();
         if (f) {
           yield f;
@@ -128,7 +129,7 @@ export class ChoiceGroup {
   join(index: number, room: RoomId, body: string, signal: AbortSignal): Promise<MemberResponse> {
     return new Promise<MemberResponse>((resolve, reject) => {
       if (this.failed) return resolve(errorResponse(this.failed));
-      if (this.members[index] || index < 0 || index >= this.n) return reject(new Error(`choice ${index} joined twice`));
+      if (this.members[index] || index < 0 || index >= this.n) return reject(new InternalError(`choice ${index} joined twice`));
       const m: Member = { room, body, stream: new MemberStream(), result: { resolve, reject }, left: false };
       this.members[index] = m;
       this.joined++;
@@ -249,7 +250,7 @@ export class ChoiceGroups {
     const m = typeof header === 'string' ? /^([0-9a-f]{32})\.(\d{1,2})$/.exec(header) : null;
     const group = m ? this.groups.get(m[1]!) : undefined;
     const index = m ? Number(m[2]) : -1;
-    if (!group || index >= group.n) throw new Error(`${CHOICE_HEADER} names no live choice group`);
+    if (!group || index >= group.n) throw ApiError.of('invalid_request', `${CHOICE_HEADER} names no live choice group`);
     return { group, index };
   }
 

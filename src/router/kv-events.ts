@@ -20,6 +20,7 @@ import { Counter, Gauge, type Registry } from 'prom-client';
 import { Agent, request, type Dispatcher } from 'undici';
 import type { KvEventsReply, HeldEntry } from '../protocol/kv-events.js';
 import type { WorkerState } from './registry.js';
+import { PdError } from '../base/errors.js';
 
 /** Long-poll wait asked of a worker, ms. */
 export const KV_WAIT_MS = 10_000;
@@ -239,11 +240,11 @@ export class KvEventConsumer {
           await pause(NO_EVENTS_RETRY_MS);
           continue;
         }
-        if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`);
+        if (res.statusCode !== 200) throw new PdError('bad_worker_answer', `HTTP ${res.statusCode}`);
         const len = Number(res.headers['content-length'] ?? 0);
-        if (len > MAX_REPLY_BYTES) throw new Error('reply too large');
+        if (len > MAX_REPLY_BYTES) throw new PdError('bad_worker_answer', 'reply too large');
         reply = (await res.body.json()) as KvEventsReply;
-        if (!reply || typeof reply.epoch !== 'string' || !Array.isArray(reply.events) || !Number.isSafeInteger(reply.last)) throw new Error('malformed reply');
+        if (!reply || typeof reply.epoch !== 'string' || !Array.isArray(reply.events) || !Number.isSafeInteger(reply.last)) throw new PdError('bad_worker_answer', 'malformed reply');
       } catch {
         if (signal.aborted) return;
         // a worker that does not answer holds nothing as far as routing goes; resync when it answers

@@ -20,6 +20,7 @@ import { hostname } from 'node:os';
 import { Etcd3, type Lease } from 'etcd3';
 import { z } from 'zod';
 import { systemClock, type Clock } from '../base/clock.js';
+import { ConfigError, PdError } from '../base/errors.js';
 
 /** Prefix of every worker key. */
 export const MEMBER_PREFIX = 'pdserve/v1/workers/';
@@ -69,9 +70,9 @@ export function parseMemberRecord(value: string): MemberRecord | null {
  */
 export function parseDiscoveryUrl(uri: string): string[] {
   const m = /^etcd:\/\/(.+)$/.exec(uri.trim());
-  if (!m) throw new Error(`--discovery: expected etcd://HOST:PORT[,HOST:PORT…], got ${JSON.stringify(uri)}`);
+  if (!m) throw new ConfigError(`--discovery: expected etcd://HOST:PORT[,HOST:PORT…], got ${JSON.stringify(uri)}`);
   const hosts = m[1]!.replace(/\/+$/, '').split(',').map((h) => h.trim());
-  for (const h of hosts) if (!/^(\[[0-9a-fA-F:.]+\]|[^:/\s]+):\d{1,5}$/.test(h)) throw new Error(`--discovery: not HOST:PORT: ${JSON.stringify(h)}`);
+  for (const h of hosts) if (!/^(\[[0-9a-fA-F:.]+\]|[^:/\s]+):\d{1,5}$/.test(h)) throw new ConfigError(`--discovery: not HOST:PORT: ${JSON.stringify(h)}`);
   return hosts.map((h) => `http://${h}`);
 }
 
@@ -136,7 +137,7 @@ export class Membership {
       await m.grantAndWrite(rec);
     } catch (err) {
       client.close();
-      throw new Error(`cannot register in etcd at ${o.discovery}: ${(err as Error).message}`);
+      throw new PdError('ETCD_FAILED', `cannot register in etcd at ${o.discovery}: ${(err as Error).message}`);
     }
     m.timer = setInterval(() => void m.refresh(), o.refreshMs ?? 1000);
     m.timer.unref();
@@ -204,7 +205,7 @@ export class Membership {
     // (a keepalive stream can hang silently through a partition).
     const ttlMs = 1000 * (this.o.ttlS ?? 5);
     const silentMs = this.clock.nowMs() - this.aliveAt;
-    if (silentMs > 2 * ttlMs) return this.onLost(this.lease, new Error(`no keepalive answer for ${Math.round(silentMs)} ms`));
+    if (silentMs > 2 * ttlMs) return this.onLost(this.lease, new PdError('ETCD_FAILED', `no keepalive answer for ${Math.round(silentMs)} ms`));
     try {
       await this.write(await this.recordNow());
     } catch (err) {

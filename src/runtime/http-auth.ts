@@ -19,6 +19,7 @@
  */
 import { Agent, getGlobalDispatcher, setGlobalDispatcher, type Dispatcher } from 'undici';
 import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from './request-auth.js';
+import { PdError } from '../base/errors.js';
 
 /** What a client sends: an admin/API key for some origins; request signatures from the cluster secret. */
 export interface ClientCredentials {
@@ -81,7 +82,7 @@ async function collect(body: AsyncIterable<unknown>): Promise<Buffer> {
   for await (const c of body) {
     const b = typeof c === 'string' ? Buffer.from(c) : Buffer.from(c as Uint8Array);
     n += b.length;
-    if (n > MAX_SIGNED_STREAM) throw new Error(`signed request body larger than ${MAX_SIGNED_STREAM} bytes`);
+    if (n > MAX_SIGNED_STREAM) throw new PdError('body_too_large', `signed request body larger than ${MAX_SIGNED_STREAM} bytes`);
     parts.push(b);
   }
   return Buffer.concat(parts);

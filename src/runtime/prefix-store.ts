@@ -64,6 +64,7 @@ import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PRE
 import { crc32 } from '../kv/transfer/checksum.js';
 import type { Logger } from '../base/log.js';
 import { processAlive, STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles.js';
+import { PdError } from '../base/errors.js';
 
 /** An entry's file name. */
 const ENTRY = /^pdserve-store-([0-9a-f]{32})\.pdkv$/;
@@ -111,7 +112,7 @@ async function readWhole(fh: fsp.FileHandle, size: number): Promise<Buffer> {
   let off = 0;
   while (off < size) {
     const { bytesRead } = await fh.read(buf, off, size - off, off);
-    if (bytesRead === 0) throw new Error(`file ended at byte ${off} of ${size}`);
+    if (bytesRead === 0) throw new PdError('BAD_STATE', `file ended at byte ${off} of ${size}`);
     off += bytesRead;
   }
   return buf;
@@ -514,9 +515,9 @@ export class FilePrefixStore implements PrefixStore {
     const { contextSize, batchSize, nLayer } = id.compat;
     const { header, payload } = decodeEnvelope(buf, { fingerprint: id.fingerprint, contextSize, batchSize, maxPayloadBytes: this.o.maxFileBytes ?? this.o.maxBytes });
     const st = parseStateFile(payload, { contextSize, nLayer, nVocab: id.nVocab, maxBytes: payload.length });
-    if (st.nTokens !== header.nTokens) throw Object.assign(new Error(`state holds ${st.nTokens} tokens, envelope says ${header.nTokens}`), { code: 'BAD_STATE' });
-    if (st.nTokens < keyTokens) throw Object.assign(new Error(`state holds ${st.nTokens} tokens, its key covers ${keyTokens}`), { code: 'KEY_MISMATCH' });
-    for (let i = 0; i < keyTokens; i++) if (st.tokens[i] !== prompt[i]) throw Object.assign(new Error(`token ${i} differs from the key's`), { code: 'KEY_MISMATCH' });
+    if (st.nTokens !== header.nTokens) throw new PdError('BAD_STATE', `state holds ${st.nTokens} tokens, envelope says ${header.nTokens}`);
+    if (st.nTokens < keyTokens) throw new PdError('KEY_MISMATCH', `state holds ${st.nTokens} tokens, its key covers ${keyTokens}`);
+    for (let i = 0; i < keyTokens; i++) if (st.tokens[i] !== prompt[i]) throw new PdError('KEY_MISMATCH', `token ${i} differs from the key's`);
     return { payload, st };
   }
 
@@ -632,7 +633,7 @@ export class FilePrefixStore implements PrefixStore {
       await fsp.rm(raw, { force: true });
       // our own bytes too: a state this engine could not load is never published
       const st = parseStateFile(payload, { contextSize: id.compat.contextSize, nLayer: id.compat.nLayer, nVocab: id.nVocab, maxBytes: payload.length });
-      if (st.nTokens !== nTokens) throw new Error(`saved state holds ${st.nTokens} tokens, the sequence ${nTokens}`);
+      if (st.nTokens !== nTokens) throw new PdError('BAD_STATE', `saved state holds ${st.nTokens} tokens, the sequence ${nTokens}`);
       const head = encodeEnvelopeHead({ fingerprint: id.fingerprint, contextSize: id.compat.contextSize, batchSize: id.compat.batchSize, nTokens, firstToken: 0, firstIsEog: false, payloadBytes: payload.length });
       const bytes = head.length + payload.length + 4;
       if (bytes > Math.min(this.o.maxBytes, this.o.maxFileBytes ?? this.o.maxBytes)) {

@@ -3,6 +3,7 @@
  * `--tls-key` (PEM files), read once at start.
  */
 import { readFileSync } from 'node:fs';
+import { ConfigError } from '../base/errors.js';
 
 /** Paths of a PEM certificate (chain) and its private key. */
 export interface TlsFiles {
@@ -19,7 +20,7 @@ export function tlsServerOptions(t: TlsFiles): { cert: Buffer; key: Buffer } {
     try {
       return readFileSync(p);
     } catch (err) {
-      throw new Error(`cannot read the TLS ${what} ${p}: ${(err as Error).message}`);
+      throw new ConfigError(`cannot read the TLS ${what} ${p}: ${(err as Error).message}`);
     }
   };
   return { cert: read('certificate', t.cert), key: read('key', t.key) };
@@ -52,12 +53,12 @@ export interface InternalTls {
  */
 export function loadInternalTls(f: InternalTlsFiles | undefined): InternalTls | undefined {
   if (!f || (!f.cert && !f.key && !f.ca)) return undefined;
-  if (!f.cert !== !f.key) throw new Error('--internal-tls-cert and --internal-tls-key go together');
+  if (!f.cert !== !f.key) throw new ConfigError('--internal-tls-cert and --internal-tls-key go together');
   const read = (what: string, p: string): Buffer => {
     try {
       return readFileSync(p);
     } catch (err) {
-      throw new Error(`cannot read the internal TLS ${what} ${p}: ${(err as Error).message}`);
+      throw new ConfigError(`cannot read the internal TLS ${what} ${p}: ${(err as Error).message}`);
     }
   };
   return { ...(f.cert ? { cert: read('certificate', f.cert) } : {}), ...(f.key ? { key: read('key', f.key) } : {}), ...(f.ca ? { ca: read('CA', f.ca) } : {}) };
@@ -70,7 +71,7 @@ export function loadInternalTls(f: InternalTlsFiles | undefined): InternalTls | 
  * @throws Error when the certificate or key is missing (a server needs both).
  */
 export function internalServerOptions(t: InternalTls): { cert: Buffer; key: Buffer; ca?: Buffer; requestCert: boolean; rejectUnauthorized: boolean } {
-  if (!t.cert || !t.key) throw new Error('internal TLS on a server needs --internal-tls-cert and --internal-tls-key');
+  if (!t.cert || !t.key) throw new ConfigError('internal TLS on a server needs --internal-tls-cert and --internal-tls-key');
   return { cert: t.cert, key: t.key, ...(t.ca ? { ca: t.ca } : {}), requestCert: t.ca !== undefined, rejectUnauthorized: t.ca !== undefined };
 }
 

@@ -421,13 +421,13 @@ export class Cluster {
     });
     const deadline = o.startTimeoutMs ?? 60_000;
     await new Promise<void>((resolve, reject) => {
-      const t = setTimeout(() => fail(new Error(`${p.name} did not become ready within ${deadline} ms${p.logFile ? ` (log: ${p.logFile})` : ''}`)), deadline);
+      const t = setTimeout(() => fail(new PdError('START_FAILED', `${p.name} did not become ready within ${deadline} ms${p.logFile ? ` (log: ${p.logFile})` : ''}`)), deadline);
       const onMsg = (m: unknown) => {
         const msg = m as { type?: string; reason?: string; message?: string };
         if (msg?.type === 'ready') done();
         if (msg?.type === 'start_failed' && msg.reason === 'port_in_use') fail(new PortInUseError(`${p.name}: ${msg.message ?? 'port in use'}`));
       };
-      const onExit = (code: number | null, signal: string | null) => fail(new Error(`${p.name} exited (${code ?? signal}) before it was ready${p.logFile ? ` (log: ${p.logFile})` : ''}`));
+      const onExit = (code: number | null, signal: string | null) => fail(new PdError('START_FAILED', `${p.name} exited (${code ?? signal}) before it was ready${p.logFile ? ` (log: ${p.logFile})` : ''}`));
       const done = () => {
         clearTimeout(t);
         child.off('message', onMsg);

@@ -7,6 +7,7 @@ import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import type { Prng } from '../base/prng.js';
+import { ConfigError } from '../base/errors.js';
 
 const here = dirname(fileURLToPath(import.meta.url));
 /** Repository root, from src/harness or dist/harness. */
@@ -66,7 +67,7 @@ export class Corpus {
       this.sources.push({ name: t.name, bytes: folded.length });
       this.paras.push(...paragraphs(folded));
     }
-    if (this.paras.length === 0) throw new Error('the storm corpus is empty');
+    if (this.paras.length === 0) throw new ConfigError('the storm corpus is empty');
   }
 
   /** Total characters. */

@@ -10,6 +10,7 @@ import { rmSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { accessClassOf } from '../api/access.js';
 import { makeTestPki, type TestPki } from './test-pki.js';
+import { ConfigError } from '../base/errors.js';
 
 /** The environment variable that turns secure test mode on ('1'). */
 export const SECURE_TEST_ENV = 'PDSERVE_TEST_SECURE';
@@ -45,7 +46,7 @@ export function secureTestMode(): boolean {
 export function secureKit(hosts: readonly string[] = []): SecureKit {
   if (kit) {
     const missing = hosts.filter((h) => !kit!.pki.hosts.includes(h));
-    if (missing.length) throw new Error(`secure test mode: this process's certificate names ${kit.pki.hosts.join(', ')}, not ${missing.join(', ')}`);
+    if (missing.length) throw new ConfigError(`secure test mode: this process's certificate names ${kit.pki.hosts.join(', ')}, not ${missing.join(', ')}`);
     return kit;
   }
   const pki = makeTestPki(hosts);

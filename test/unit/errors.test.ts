@@ -8,7 +8,8 @@ import { readdirSync, readFileSync, statSync } from 'node:fs';
 import { join, relative, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { describe, test } from 'node:test';
-import { ApiError, causeOf, ERROR_CODES, isErrorCode, PdError, toApiError } from '../../src/base/errors.js';
+import { ApiError, causeOf, ConfigError, ERROR_CODES, errorCodeOf, INTERNAL_TO_API, InternalError, isErrorCode, isInternalCode, PdError, toApiError } from '../../src/base/errors.js';
+import { startupProblem } from '../../src/cli/serve.js';
 import { isRoomId, newRoomId, parseRoomId } from '../../src/base/room-id.js';
 import { abortCauseOf, checkRequestBounds, GenerateRequestSchema, MAX_ABORT_CAUSE_CHARS, MAX_MESSAGES } from '../../src/protocol/worker-protocol.js';
 import { parseChatRequest } from '../../src/api/parse.js';
@@ -68,6 +69,66 @@ describe('error model', () => {
       assert.equal(a.status, status);
     }
     assert.equal(ApiError.fromFailure({ code: 'room_deadline_expired', detail: 'deadline:waiting' }).status, 504);
+  });
+
+  test('no untyped errors: no `new Error(` or ad hoc `Object.assign(new Error, {code})` in src (outside bench, storm, sim)', () => {
+    // tools and simulations (bench, storm, sim) report to their operator, not to a client or a pdserve log
+    const product = SOURCES.filter((f) => !/^(bench|storm|sim)\//.test(f.path));
+    assert.ok(product.length > 100, `scanned ${product.length} files`);
+    const at = (re: RegExp) => product.flatMap((f) => f.text.split('\n').flatMap((line, i) => (re.test(line) ? [`${f.path}:${i + 1}`] : [])));
+    assert.deepEqual(at(/throw new Error\(/), [], 'throw a PdError subclass with a code (InternalError for a broken invariant, ConfigError for a start-up configuration)');
+    assert.deepEqual(at(/Object\.assign\(new Error\b/), [], 'an error with a code is a PdError, typed');
+    // the one left: a sentinel the prefill stream loop hands itself and recognises by identity (never reported)
+    assert.deepEqual(at(/\bnew Error\(/).map((l) => l.split(':')[0]), ['router/dispatch.ts']);
+  });
+
+  test("every internal code maps to a table code: the channel's, the engine's and the SSE writer's among them", () => {
+    for (const [internal, api] of Object.entries(INTERNAL_TO_API)) {
+      assert.ok(isErrorCode(api), `${internal} → ${api} is not a table code`);
+      assert.ok(!isErrorCode(internal), `${internal} is both a table and an internal code`);
+    }
+    const expect: [string, string, number][] = [
+      ['BAD_FRAME', 'kv_transfer_failed', 502],
+      ['SLOT_RELEASED', 'internal_error', 500],
+      ['ENGINE_DISPOSED', 'shutting_down', 503],
+      ['BAD_GRAMMAR', 'invalid_value', 400],
+      ['KEY_MISMATCH', 'bad_state', 502],
+      ['SSE_CLOSED', 'client_closed_request', 499],
+      ['INTERNAL', 'internal_error', 500],
+    ];
+    for (const [internal, code, status] of expect) {
+      const a = toApiError(new PdError(internal as keyof typeof INTERNAL_TO_API, 'x'));
+      assert.deepEqual([a.code, a.status], [code, status], internal);
+    }
+    assert.equal(errorCodeOf(new InternalError('a broken invariant')), 'internal_error');
+    assert.equal(toApiError(new Error('anything untyped')).status, 500);
+    const cfg = new ConfigError('--x: not a number');
+    assert.ok(cfg instanceof PdError && cfg.code === 'invalid_config');
+    assert.equal(startupProblem(cfg), '--x: not a number', 'a ConfigError is printed as the user\'s problem, without a stack');
+  });
+
+  test('every code a PdError is built with in src is a table or an internal code', () => {
+    let n = 0;
+    for (const f of SOURCES) {
+      for (const m of f.text.matchAll(/new (?:PdError|EngineError|KvError|SseError)\(\s*'([A-Za-z_]+)'/g)) {
+        n++;
+        assert.ok(isErrorCode(m[1]) || isInternalCode(m[1]), `${f.path}: '${m[1]}' is in neither table`);
+      }
+    }
+    assert.ok(n > 50, `scanned ${n} sites`);
+  });
+
+  test('status and type come from the code: `ApiError.of`, with `new ApiError(status, …)` only where a status is relayed', () => {
+    const literal = SOURCES.filter((f) => /new ApiError\(\s*\d{3},/.test(f.text)).map((f) => f.path).sort();
+    // an unknown route's 404 keeps the type not_found_error (the table's not_found is an unknown object id)
+    const relays = ['api/errors.ts'];
+    // call sites still to convert (their statuses agree with the table: checked above); shrink it, never grow it
+    const toConvert = ['api/fanout.ts', 'api/loopback.ts', 'api/responses-http.ts', 'router/attempts.ts', 'router/dispatch.ts', 'router/index.ts'];
+    assert.deepEqual(literal.filter((p) => !relays.includes(p) && !toConvert.includes(p)), []);
+    const a = ApiError.of('rate_limited', 'slow down');
+    assert.deepEqual([a.status, a.type], [429, 'rate_limit_error']);
+    const moved = a.with({ message: 'm', param: 'p' });
+    assert.deepEqual([moved.status, moved.type, moved.code, moved.message, moved.param], [429, 'rate_limit_error', 'rate_limited', 'm', 'p']);
   });
 
   test("an /abort_request's cause is a room failure only with a table code and a string message (cut to its bound)", () => {

@@ -15,6 +15,7 @@
  */
 import { createRequire } from 'node:module';
 import zlib from 'node:zlib';
+import { ConfigError } from '../../base/errors.js';
 
 type Crc32Fn = (data: Uint8Array, value?: number) => number;
 
@@ -41,7 +42,7 @@ function pick(): Crc32Fn | undefined {
 const impl = pick();
 
 function fn(): Crc32Fn {
-  if (!impl) throw new Error(`node:zlib has no crc32 in Node ${process.version} and @node-rs/crc32 did not load: pdserve needs Node >= 20.15`);
+  if (!impl) throw new ConfigError(`node:zlib has no crc32 in Node ${process.version} and @node-rs/crc32 did not load: pdserve needs Node >= 20.15`);
   return impl;
 }
 

@@ -16,6 +16,7 @@
 import { readSync, writeSync } from 'node:fs';
 import { parentPort, workerData } from 'node:worker_threads';
 import { Crc32 } from './checksum.js';
+import { InternalError } from '../../base/errors.js';
 
 /** A job of the I/O thread (see the module doc). */
 export type IoJob = { s: number; op: 'read'; fd: number; slot: number; len: number; pos: number; min: number } | { s: number; op: 'write'; fd: number; slot: number; len: number; pos: number } | { s: number; op: 'drop' };
@@ -29,7 +30,7 @@ if (port) {
   const crcs = new Map<number, Crc32>();
   let jobs = 0;
   port.on('message', (j: IoJob) => {
-    if (crashAfterJobs && ++jobs >= crashAfterJobs) throw new Error(`kv I/O thread: test crash at job ${jobs}`);
+    if (crashAfterJobs && ++jobs >= crashAfterJobs) throw new InternalError(`kv I/O thread: test crash at job ${jobs}`);
     if (j.op === 'drop') return void crcs.delete(j.s);
     const at = j.slot * slotBytes;
     try {

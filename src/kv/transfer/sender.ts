@@ -23,6 +23,7 @@ import type { MonoClock } from '../heartbeat.js';
 import { Crc32 } from './checksum.js';
 import { IO_SLOTS_PER_TRANSFER, type KvIo } from './io-thread.js';
 import type { BufferPool } from './pool.js';
+import { PdError } from '../../base/errors.js';
 
 /** Options of `sendStateFile`; signal, stallMs, onProgress as PeerConn.sendChunks; `chunkBytes` caps the piece size. */
 export interface SendStateFileOptions extends Omit<SendChunksOptions, 'offset'> {
@@ -416,7 +417,7 @@ export async function sendGrowingStateFile(conn: PeerConn, room: RoomId, path: s
       wake();
     },
     (e: unknown) => {
-      saveError = e ?? new Error('save failed');
+      saveError = e ?? new PdError('engine_failed', 'save failed');
       wake();
     },
   );

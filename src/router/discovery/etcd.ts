@@ -27,6 +27,7 @@ import type { Etcd3, Watcher } from 'etcd3';
 import type { Logger } from 'pino';
 import { etcdClient, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from '../../runtime/discovery.js';
 import type { WorkerRegistry } from '../registry.js';
+import { PdError } from '../../base/errors.js';
 
 /** Deadline for etcd to confirm a new watch (ms); past it the watch counts as down and the next tick tries again. */
 const WATCH_CREATE_MS = 5000;
@@ -86,13 +87,13 @@ export class EtcdDiscovery {
       revision = await this.resync();
     } catch (err) {
       this.client.close();
-      throw new Error(`cannot read worker membership from etcd at ${this.o.discovery}: ${(err as Error).message}`);
+      throw new PdError('ETCD_FAILED', `cannot read worker membership from etcd at ${this.o.discovery}: ${(err as Error).message}`);
     }
     try {
       await this.watchFrom(revision);
     } catch (err) {
       this.client.close();
-      throw new Error(`cannot watch worker membership on etcd at ${this.o.discovery}: ${(err as Error).message}`);
+      throw new PdError('ETCD_FAILED', `cannot watch worker membership on etcd at ${this.o.discovery}: ${(err as Error).message}`);
     }
     const every = this.o.resyncMs ?? 2000;
     const tick = () => {
@@ -129,7 +130,7 @@ export class EtcdDiscovery {
       new Promise<never>((_, reject) => {
         timer = setTimeout(() => {
           void creating.then((late) => late.cancel()).catch(() => {}); // connects after the deadline: not ours any more
-          reject(new Error(`the watch was not created within ${WATCH_CREATE_MS} ms`));
+          reject(new PdError('ETCD_FAILED', `the watch was not created within ${WATCH_CREATE_MS} ms`));
         }, WATCH_CREATE_MS);
       }),
     ]).finally(() => clearTimeout(timer));
