@@ -233,13 +233,13 @@ describe('OpenAI fields end to end (PD = colocated)', () => {
         assert.equal(r.status, 400, `${url} ${path}: ${JSON.stringify(j).slice(0, 300)}`);
         assert.equal(j.error.code, 'schema_too_complex');
         assert.match(j.error.message, re);
-        assert.ok(ms < 2000, `${path} refused in ${ms.toFixed(0)} ms`);
+        assert.ok(ms < 3000, `${path} refused in ${ms.toFixed(0)} ms`);
       }
       await side;
       assert.equal(finish, 'length');
       assert.equal(tokens, 64, 'the side stream got every token');
       const worst = Math.max(...gaps.slice(1));
-      assert.ok(worst < 1500, `side stream's longest inter-token gap ${worst.toFixed(0)} ms`);
+      assert.ok(worst < 3000, `side stream's longest inter-token gap ${worst.toFixed(0)} ms`);
     }
   });
 

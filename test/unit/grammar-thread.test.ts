@@ -78,7 +78,8 @@ describe('grammar thread', () => {
     assert.ok(ms >= 600, `took ${ms} ms (the spin is 600)`);
     // 600 ms at 10 ms: ~60 ticks on an idle loop; a blocked loop would give 0-1 (shared CPU: leeway)
     assert.ok(ticks >= 20, `${ticks} ticks in ${Math.round(ms)} ms`);
-    assert.ok(maxDelayMs < 300, `worst loop delay ${maxDelayMs} ms`);
+    // a blocked loop's worst delay is the whole generation; a shared CI core may pause the loop briefly
+    assert.ok(maxDelayMs < ms * 0.75, `worst loop delay ${maxDelayMs} ms of ${Math.round(ms)}`);
   });
 
   it('past the time budget: schema_too_complex naming the budget, the loop responsive, a new thread for the next schema', async () => {
@@ -91,7 +92,7 @@ describe('grammar thread', () => {
     assert.match(err.message, /400 ms time budget/);
     assert.ok(ms >= 400 && ms < 2_900, `failed after ${Math.round(ms)} ms, before the 3 s generation ended`);
     assert.ok(ticks >= 10, `${ticks} ticks in ${Math.round(ms)} ms`);
-    assert.ok(maxDelayMs < 300, `worst loop delay ${maxDelayMs} ms`);
+    assert.ok(maxDelayMs < ms * 0.75, `worst loop delay ${maxDelayMs} ms of ${Math.round(ms)}`);
     assert.equal(t.starts, 1);
     // the next schema gets a new thread (and its own budget)
     await assert.rejects(t.gbnf({ type: 'string' }), (e: PdError) => e.code === 'schema_too_complex');

@@ -44,14 +44,14 @@ describe('schema bounds', () => {
     assert.ok(err instanceof SchemaTooComplexError, `refused: ${String(err)}`);
     assert.equal(err.bound, 'schema-max-nodes');
     assert.match(err.message, /more than 5000 nodes/);
-    assert.ok(ms < 500, `refused in ${ms.toFixed(0)} ms`);
+    assert.ok(ms < 2000, `refused in ${ms.toFixed(0)} ms`);
   });
 
   it('a 20,000-value enum is refused quickly, naming --schema-max-enum-values; the byte bound applies too', () => {
     const { ms, err } = timed(() => normaliseJsonSchema(bigEnum(20_000)));
     assert.ok(err instanceof SchemaTooComplexError, `refused: ${String(err)}`);
     assert.equal(err.bound, 'schema-max-enum-values');
-    assert.ok(ms < 200, `refused in ${ms.toFixed(0)} ms`);
+    assert.ok(ms < 1000, `refused in ${ms.toFixed(0)} ms`);
     const long = { enum: Array.from({ length: 100 }, (_, i) => `${i}-${'x'.repeat(1000)}`) };
     assert.throws(() => normaliseJsonSchema(long), (e: unknown) => e instanceof SchemaTooComplexError && e.bound === 'schema-max-enum-bytes');
   });
