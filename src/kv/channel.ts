@@ -26,7 +26,7 @@
  */
 import type net from 'node:net';
 import { DEFAULT_HEARTBEAT_MS, errText, newKvStats, noop, NOOP_LOG, PeerConn, type KvHandlers, type KvLog, type KvStats, type Owner, type Settings } from './connection.js';
-import { systemClock, type Clock } from '../base/clock.js';
+import { systemClock, systemTimers, type Clock, type Timers } from '../base/clock.js';
 import { MAX_KV_STREAMS, type PairSettings } from './messages.js';
 import { KvError } from './types.js';
 import { tcpTransport, type KvTransport } from './transport.js';
@@ -44,8 +44,10 @@ export interface KvChannelOptions extends KvHandlers {
    * exchanged in the handshake: a pair whose settings differ is refused (code SETTINGS_MISMATCH).
    */
   settings: PairSettings;
-  /** Time source of the heartbeat (default Date.now). */
+  /** Time source of the heartbeat (default the system's monotonic clock). */
   clock?: Clock;
+  /** Timers of each connection: handshake deadline, heartbeat, send stalls, per-turn yields, close (default node's, unref'd). */
+  timers?: Timers;
   /** Ping interval, ms (default 1000). A peer silent for 2 intervals is lost. */
   heartbeatMs?: number;
   /** Deadline of the whole handshake after TCP connect/accept, ms (default 2000). */
@@ -112,6 +114,7 @@ function settings(o: KvChannelOptions): Settings {
     epoch: o.epoch,
     pair: o.settings,
     clock: o.clock ?? systemClock,
+    timers: o.timers ?? systemTimers,
     heartbeatMs: posInt('heartbeatMs', o.heartbeatMs, DEFAULT_HEARTBEAT_MS, 10),
     authTimeoutMs: posInt('authTimeoutMs', o.authTimeoutMs, 2000),
     maxQueuedBytes,

@@ -1,49 +1,24 @@
 /**
- * One KV channel connection (either side): a TCP socket, the frame decoder (frame.ts), the
- * handshake (handshake.ts, sans-IO) and liveness (heartbeat.ts, injected clock) composed — the
- * way nats.js composes transport, parser and heartbeats. The server and the pool that own
- * connections are in channel.ts.
+ * One KV channel connection (either side): the socket adapter around the sans-IO core
+ * (conn-core.ts: frames, handshake, heartbeat) and the send rotation (send-rotation.ts), on
+ * injected `Timers`. What is left here is the socket's: writes and their queue cap, read-turn
+ * pacing, pausing reads, striping over several sockets (stripes.ts), closing. The server and the
+ * pool that own connections are in channel.ts.
  *
  * Guarantees (see channel.ts for the whole list): nothing blocks the event loop; every wait has a
  * deadline; anything unexpected closes this one connection with a logged reason; onPeerLost fires
  * exactly once for every authenticated connection that ends.
  */
 import type net from 'node:net';
-import { encodeChunk, encodeControl, FrameDecoder, type Frame } from './frame.js';
-import { Handshake } from './handshake.js';
-import type { Clock } from '../base/clock.js';
-import { Heartbeat } from './heartbeat.js';
+import { ConnCore, CoreTimers, errText, noop, type CoreEnd, type CoreOpen, type KvConn, type KvLog, type KvStats, type Side } from './conn-core.js';
+import type { Clock, Timers } from '../base/clock.js';
 import { MAX_CHUNK_BYTES, type ControlMsg, type PairSettings, type PeerMsg } from './messages.js';
 import { KvError, type RoomId } from './types.js';
 import { StripeReorder } from './stripes.js';
+import { sendFrom, SendRotation, type ChunkSource, type SendChunksOptions, type TransferHost } from './send-rotation.js';
 
-/** Pino-compatible logger subset. */
-export interface KvLog {
-  info(obj: object, msg?: string): void;
-  warn(obj: object, msg?: string): void;
-  error(obj: object, msg?: string): void;
-  debug(obj: object, msg?: string): void;
-}
-
-/** Counters of one KvServer or KvPeerPool (monotonic; export as Prometheus counters). */
-export interface KvStats {
-  framesIn: number;
-  framesOut: number;
-  bytesIn: number;
-  bytesOut: number;
-  /** Handshakes refused: bad mac, auth_fail received, timeout, wrong or unauthenticated frame. */
-  authFailures: number;
-  /** Connections closed for a malformed, oversized, unknown or out-of-place frame. */
-  badFrames: number;
-  /** register / kv_ack / fail messages refused because their epoch is not the connection's. */
-  staleEpoch: number;
-  /** Authenticated connections lost for a cause other than a local close()/destroy(). */
-  peersLost: number;
-  /** Handshakes refused because the pair's settings (model, context, batch, flash attention) differ. */
-  settingsMismatch: number;
-  /** Liveness checks that found THIS process's event loop had stalled (the peer was not blamed). */
-  ownStalls: number;
-}
+export { errText, newKvStats, noop, NOOP_LOG, type KvConn, type KvLog, type KvStats, type Side } from './conn-core.js';
+export { SEND_QUANTUM_BYTES, type ChunkSource, type SendChunksOptions } from './send-rotation.js';
 
 /** Callbacks of a KvServer / KvPeerPool. Exceptions thrown by them are logged and swallowed. */
 export interface KvHandlers {
@@ -63,82 +38,18 @@ export interface KvHandlers {
   onConnect?: (conn: PeerConn) => void;
 }
 
-/** Options of PeerConn.sendChunks. */
-export interface SendChunksOptions {
-  /** Data bytes per chunk frame, 1..MAX_CHUNK_BYTES (default MAX_CHUNK_BYTES). */
-  chunkBytes?: number;
-  /** Aborting rejects with KvError('ABORTED'). Chunks already queued are still delivered. */
-  signal?: AbortSignal;
-  /** Max time without progress (a chunk flushed to the kernel), ms (default 10000); then KvError('TIMEOUT'). */
-  stallMs?: number;
-  /** Called with the data bytes of each chunk once flushed to the kernel (a delta, not a total). */
-  onProgress?: (bytes: number) => void;
-  /** Offset of `blob`'s first byte in the room's byte stream (default 0): a transfer sent in pieces. */
-  offset?: number;
-}
-
-/**
- * What `PeerConn.sendFrom` pulls pieces from. `next()`: a piece, `null` (none ready now),
- * `undefined` (the end). `flushed(piece)`: the socket is done with a piece. `attach(resume)`:
- * called once at the start by a source that can have nothing ready with nothing in flight (a
- * file still being written): it calls `resume()` when it may have bytes again, and bounds its
- * own waits (sendFrom's stall timer restarts on every resume). Without `attach`, `null` with
- * nothing in flight is an error.
- */
-export interface ChunkSource {
-  next(): Buffer | null | undefined;
-  flushed?(piece: Buffer): void;
-  attach?(resume: () => void): void;
-}
-
-/**
- * Bytes a transfer may hand the socket per turn of its connection's send rotation (its credit,
- * spent in whole pieces: it writes while credit is left), 2 × MAX_CHUNK_BYTES = 2 MiB. A
- * transfer that runs dry in its turn (all its pooled pieces in flight: the file sender has at
- * most 1 MiB out) keeps the credit it has left and is served first as soon as it has a piece
- * again, before the rotation goes on — deficit round robin (Shreedhar & Varghese, "Efficient
- * fair queuing using deficit round robin", SIGCOMM 1995), with the credit reset rather than
- * accumulated at each turn. So a state of up to about 2 MiB (envelope head, payload pieces,
- * trailer), once its turn comes, goes out without a whole rotation of other rooms' bytes between
- * its first and its last.
- */
-export const SEND_QUANTUM_BYTES = 2 * MAX_CHUNK_BYTES;
-
-/** One running sendFrom as its connection's send rotation sees it. */
-interface Outgoing {
-  /** False after its source returned null: skipped until a flush of its own or the source's resume. */
-  ready: boolean;
-  /** Bytes it may still write in its current turn (SEND_QUANTUM_BYTES when the turn starts; kept when it runs dry). */
-  credit: number;
-  /** Hands the socket the source's next piece: its bytes, or 0 (nothing ready, the end, or the transfer settled). */
-  step(): number;
-  /** The connection made progress: restart the stall timer. */
-  alive(): void;
-  /** The connection is gone: settle with PEER_LOST. */
-  lost(): void;
-}
-
 /**
  * Bytes a connection reads from its socket per event-loop turn before it yields: then reads stop
  * until the turn's check phase (setImmediate) and go on in the next turn, after timers and other
  * sockets. libuv reads a readable socket up to 32 times per poll event (32 × the 256 KiB read
  * buffer = 8 MiB), each read handled on the spot (frame decode, CRC-32, ggsq walk, file write), so
- * a large state streaming in held decode's loop for 25–44 ms per poll event while a 1 GiB state
- * arrived (bench §1, event-loop delay p99 35–41 ms); 1 MiB (4 reads) bounds a turn to a few ms.
- * The sender is held back by TCP's window meanwhile; nothing is dropped.
+ * a large state streaming in held decode's loop for tens of ms per poll event; 1 MiB (4 reads)
+ * bounds a turn to a few ms. The sender is held back by TCP's window meanwhile; nothing is dropped.
  */
 export const READ_TURN_BYTES = 1024 * 1024;
 
 export const DEFAULT_HEARTBEAT_MS = 1000;
 export { HEARTBEAT_MISS_BUDGET } from './heartbeat.js';
-
-/** Fresh zeroed counters. */
-export function newKvStats(): KvStats {
-  return { framesIn: 0, framesOut: 0, bytesIn: 0, bytesOut: 0, authFailures: 0, badFrames: 0, staleEpoch: 0, peersLost: 0, settingsMismatch: 0, ownStalls: 0 };
-}
-
-export const noop = (): void => {};
-export const NOOP_LOG: KvLog = { info: noop, warn: noop, error: noop, debug: noop };
 
 /** @internal Validated options shared by every connection of one server/pool. */
 export interface Settings {
@@ -148,6 +59,8 @@ export interface Settings {
   pair: PairSettings;
   /** Monotonic time source of the heartbeat and the ping round trip. */
   clock: Clock;
+  /** Timers of the handshake deadline, heartbeat, send stalls, per-turn yields and close. */
+  timers: Timers;
   heartbeatMs: number;
   authTimeoutMs: number;
   maxQueuedBytes: number;
@@ -168,32 +81,16 @@ export interface Owner {
 }
 
 export type ConnState = 'handshake' | 'open' | 'closing' | 'closed';
-export type Side = 'prefill' | 'decode';
-
-export const errText = (e: unknown): string => (e instanceof Error ? ((e as NodeJS.ErrnoException).code ?? e.message) : String(e));
 
 /**
  * One authenticated channel connection, as seen from either side. Obtained from KvServer
  * (onConnect / handlers / get(id)) or KvPeerPool.get(); never constructed directly.
  */
-/**
- * What a role's room handling needs of one KV connection: `PeerConn` here, a fake one in the
- * simulator (src/sim). `id`: stable for the connection; `alive`: authenticated and not closed;
- * `peerEpoch`: the peer's session epoch ('' before authentication); `sendControl`: false when
- * the message could not be queued (the connection is gone).
- */
-export interface KvConn {
-  readonly id: string;
-  readonly alive: boolean;
-  readonly peerEpoch: string;
-  sendControl(msg: ControlMsg): boolean;
-}
-
 export class PeerConn implements KvConn {
-  /** Peer's session epoch, bound at authentication ('' before). */
-  peerEpoch = '';
-  /** Round-trip time of the last answered ping, ms (undefined until one is answered). */
-  rttMs: number | undefined;
+  /** Sockets the pair agreed to stripe this connection over (1 until authenticated, and for a stripe). */
+  streams = 1;
+  /** @internal Prefill side: the striped connection this one asked to join in its auth (stripes.ts). */
+  stripeRequest: { of: string; index: number } | undefined;
   /** "host:port": the dialed address (decode side) or the peer's socket address (prefill side). */
   readonly address: string;
   /** Settles when the connection is fully closed (never rejects). */
@@ -205,28 +102,13 @@ export class PeerConn implements KvConn {
   private reason = '';
   private lost = false;
   private authed = false;
-  private readonly decoder = new FrameDecoder({ acceptChunks: false, streamChunks: true });
-  private readonly handshake: Handshake;
-  private heartbeat: Heartbeat | undefined;
-  /** Peer's pair settings, bound at authentication. */
-  peerSettings: PairSettings | undefined;
-  private pingSeq = 0;
-  private pingSentAt = new Map<number, number>();
-  private authTimer: NodeJS.Timeout | undefined;
-  private pingTimer: NodeJS.Timeout | undefined;
-  private liveTimer: NodeJS.Timeout | undefined;
-  private closeTimer: NodeJS.Timeout | undefined;
+  private readonly core: ConnCore;
+  private readonly ticks: CoreTimers;
+  private cancelClose: (() => void) | undefined;
   private readonly closeWaiters = new Set<(reason: string) => void>();
-  /** Running sendFrom transfers in rotation order (see serveSends). */
-  private readonly sending: Outgoing[] = [];
-  /** Index in `sending` of the transfer whose turn it is, and the bytes it has written in this turn. */
-  private sendCursor = 0;
-  private turnOwner: Outgoing | undefined;
-  /** Chunk bytes handed to the socket since the last per-turn yield, and whether one is scheduled. */
-  private turnBytes = 0;
+  /** The running sendFrom transfers, taking turns (send-rotation.ts). */
+  private readonly rotation: SendRotation;
   private turnYield = false;
-  private serving = false;
-  private serveAgain = false;
   /** Outstanding pauseReads. */
   private readPauses = 0;
   /** Outstanding pauses of this socket (pauseReads, the reassembly's holds of a striped connection, the read turn's yield). */
@@ -239,10 +121,6 @@ export class PeerConn implements KvConn {
   private rejectReady!: (e: KvError) => void;
   private resolveClosed!: () => void;
   private failure: KvError | undefined;
-  /** Sockets the pair agreed to stripe this connection over (1 until authenticated, and for a stripe). */
-  streams = 1;
-  /** @internal Prefill side: the striped connection this one asked to join in its auth (stripes.ts). */
-  stripeRequest: { of: string; index: number } | undefined;
   /** The other sockets of this striped connection (stripes.ts), in join order. */
   private readonly stripes: PeerConn[] = [];
   /** Set on a stripe: the connection it carries chunk frames for. */
@@ -254,6 +132,8 @@ export class PeerConn implements KvConn {
   private drainScheduled = false;
   /** Decode side: dialed as a stripe of another connection. */
   private readonly asStripe: boolean;
+  /** What sendFrom needs of this connection. */
+  private readonly host: TransferHost;
 
   /** @internal */
   constructor(
@@ -271,23 +151,69 @@ export class PeerConn implements KvConn {
     });
     this.ready.catch(noop);
     this.closed = new Promise<void>((res) => (this.resolveClosed = res));
+    const s = owner.s;
+    this.rotation = new SendRotation((turnBytes) => this.windowOpen(turnBytes));
+    const self = this;
+    this.host = {
+      rotation: this.rotation,
+      timers: s.timers,
+      log: s.log,
+      get name() {
+        return self.id;
+      },
+      get open() {
+        return self.state === 'open';
+      },
+      writeChunk: (frame, done) => {
+        const to = this.sendTarget();
+        if (to.socket.destroyed || !to.socket.writable) return 'gone';
+        this.rr++;
+        return to.write(frame, done);
+      },
+      lostError: (room, err) => this.lostError(room, err),
+      onEnd: (fn) => {
+        this.closeWaiters.add(fn);
+        return () => this.closeWaiters.delete(fn);
+      },
+    };
     socket.setNoDelay(true);
     socket.on('data', (b: Buffer) => this.onData(b));
     socket.on('drain', () => {
       const p = this.primary ?? this;
-      for (const o of p.sending) o.alive();
-      p.serveSends();
+      for (const o of p.rotation.sending) o.alive();
+      p.rotation.serve();
     });
     socket.on('error', (e) => this.terminate(`socket error: ${errText(e)}`, { lost: true }));
     socket.on('end', () => this.terminate('connection closed by peer', { lost: true }));
     socket.on('close', () => this.terminate(this.state === 'closing' ? this.reason : 'connection closed', { lost: true }));
-    this.authTimer = setTimeout(() => {
-      this.owner.stats.authFailures++;
-      this.refuse(`authentication timed out after ${this.owner.s.authTimeoutMs} ms`, 'TIMEOUT');
-    }, owner.s.authTimeoutMs);
-    this.authTimer.unref();
-    this.handshake = new Handshake({ side, secret: owner.s.secret, epoch: owner.s.epoch, settings: owner.s.pair, streams: owner.s.streams, ...(stripe ? { stripe } : {}) });
-    for (const m of this.handshake.start()) this.write(encodeControl(m));
+    this.core = new ConnCore(
+      { side, secret: s.secret, epoch: s.epoch, pair: s.pair, streams: s.streams, ...(stripe ? { stripe } : {}), heartbeatMs: s.heartbeatMs, clock: s.clock, stats: owner.stats, log: s.log, address, name: () => this.id },
+      {
+        write: (frame) => this.write(frame),
+        opened: (step) => this.opened(step),
+        message: (msg) => this.onMessage(msg),
+        chunk: (room, offset, data) => this.onChunk(room, offset, data),
+        stalled: noop,
+        ended: (e) => this.coreEnded(e),
+      },
+    );
+    this.ticks = new CoreTimers(this.core, s.timers, s.heartbeatMs, s.authTimeoutMs);
+    this.core.start();
+  }
+
+  /** Peer's session epoch, bound at authentication ('' before). */
+  get peerEpoch(): string {
+    return this.core.peerEpoch;
+  }
+
+  /** Peer's pair settings, bound at authentication. */
+  get peerSettings(): PairSettings | undefined {
+    return this.core.peerSettings;
+  }
+
+  /** Round-trip time of the last answered ping, ms (undefined until one is answered). */
+  get rttMs(): number | undefined {
+    return this.core.rttMs;
   }
 
   /** "decode@<addr>:<port>#<epoch prefix>" on prefill, "prefill@<host>:<port>#<epoch prefix>" on decode. */
@@ -302,7 +228,7 @@ export class PeerConn implements KvConn {
 
   /** @internal The key a stripe names to join this connection: its hello nonce. */
   get stripeKey(): string {
-    return this.handshake.helloNonce;
+    return this.core.helloNonce;
   }
 
   /** The stripes that joined this connection (the sockets besides its own), in join order. */
@@ -370,7 +296,7 @@ export class PeerConn implements KvConn {
       if (this.reorder && this.reorder.heldBytes > 0 && !this.drainScheduled) {
         // held stripe bytes go on after this turn (the receiver that resumed is still on the stack)
         this.drainScheduled = true;
-        setImmediate(() => {
+        void this.owner.s.timers.turn().then(() => {
           this.drainScheduled = false;
           if (this.state === 'open') this.reorder?.drain();
         });
@@ -390,7 +316,7 @@ export class PeerConn implements KvConn {
   sendControl(msg: ControlMsg): boolean {
     if (this.state !== 'open') return false;
     if (this.reorder && (msg.type === 'kv_ack' || msg.type === 'fail')) this.reorder.forget(msg.room);
-    return this.write(encodeControl(msg));
+    return this.core.sendControl(msg);
   }
 
   /**
@@ -446,132 +372,7 @@ export class PeerConn implements KvConn {
    * RangeError). (`chunkBytes` is not used: the source sizes its pieces.)
    */
   sendFrom(roomId: RoomId, source: ChunkSource, opts: SendChunksOptions = {}): Promise<void> {
-    const stallMs = opts.stallMs ?? 10_000;
-    if (!Number.isSafeInteger(stallMs) || stallMs < 1) return Promise.reject(new RangeError(`stallMs must be a positive integer, got ${stallMs}`));
-    try {
-      encodeChunk(roomId, 0, Buffer.alloc(1)); // validates the room id up front
-    } catch (e) {
-      return Promise.reject(e);
-    }
-    const signal = opts.signal;
-    if (signal?.aborted) return Promise.reject(new KvError('ABORTED', `transfer of room ${roomId} aborted before start: ${reasonText(signal.reason)}`));
-    if (this.state !== 'open') return Promise.reject(this.lostError(roomId));
-
-    return new Promise<void>((resolve, reject) => {
-      let offset = opts.offset ?? 0;
-      let pending = 0;
-      let flushed = 0;
-      let ended = false;
-      let done = false;
-      const settle = (err?: Error): void => {
-        if (done) return;
-        done = true;
-        clearTimeout(stall);
-        this.dropSend(out);
-        this.closeWaiters.delete(onClose);
-        signal?.removeEventListener('abort', onAbort);
-        if (err) reject(err);
-        else resolve();
-      };
-      const onAbort = (): void => settle(new KvError('ABORTED', `transfer of room ${roomId} aborted: ${reasonText(signal?.reason)}`));
-      const onClose = (): void => settle(this.lostError(roomId));
-      const stall = setTimeout(() => settle(new KvError('TIMEOUT', `transfer of room ${roomId} stalled: no progress for ${stallMs} ms (${flushed} bytes flushed)`)), stallMs);
-      stall.unref();
-      const giveBack = (piece: Buffer): void => {
-        if (!source.flushed) return;
-        try {
-          source.flushed(piece);
-        } catch (e) {
-          this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendFrom flushed() threw');
-        }
-      };
-      const written = (piece: Buffer) => (err?: Error | null): void => {
-        pending--;
-        giveBack(piece);
-        if (!done) {
-          if (err) settle(this.lostError(roomId, err));
-          else {
-            flushed += piece.length;
-            stall.refresh();
-            if (opts.onProgress) {
-              try {
-                opts.onProgress(piece.length);
-              } catch (e) {
-                this.owner.s.log.error({ peer: this.id, room: roomId, err: errText(e) }, 'kv sendChunks onProgress threw');
-              }
-            }
-            if (ended && pending === 0) settle();
-            else out.ready = true; // a piece back: the source may have one again
-          }
-        }
-        if (!err) for (const o of this.sending) if (o.ready) o.alive(); // the connection moves: rooms waiting for their turn are not stalled
-        this.serveSends(); // room in the window: a room with credit left first, then whoever's turn it is
-      };
-      const step = (): number => {
-        if (done || ended) return 0;
-        let piece: Buffer | null | undefined;
-        out.ready = false; // before next(): a resume called from inside next() sets it again (no lost wake-up)
-        try {
-          piece = source.next();
-        } catch (e) {
-          settle(e as Error);
-          return 0;
-        }
-        if (piece === undefined) {
-          ended = true;
-          this.dropSend(out); // nothing more to write; settles when the last piece is flushed
-          if (pending === 0) settle();
-          return 0;
-        }
-        if (piece === null) {
-          // not ready until a flush of ours (or the source's resume, through attach)
-          if (pending === 0 && !source.attach) settle(new KvError('BAD_STATE', `transfer of room ${roomId}: the source has nothing to send and nothing in flight`));
-          return 0;
-        }
-        let frame: Buffer[];
-        try {
-          frame = encodeChunk(roomId, offset, piece);
-        } catch (e) {
-          giveBack(piece); // never handed to the socket: back to its owner now (a pooled buffer)
-          settle(e as Error);
-          return 0;
-        }
-        const to = this.sendTarget();
-        if (to.socket.destroyed || !to.socket.writable) {
-          giveBack(piece);
-          settle(this.lostError(roomId));
-          return 0;
-        }
-        out.ready = true;
-        offset += piece.length;
-        pending++; // from here the socket owns the piece until written() (called on destroy too)
-        this.rr++;
-        if (!to.write(frame, written(piece))) {
-          settle(this.lostError(roomId));
-          return 0;
-        }
-        return piece.length;
-      };
-      const out: Outgoing = {
-        ready: true,
-        credit: 0,
-        step,
-        alive: () => {
-          if (!done) stall.refresh();
-        },
-        lost: onClose,
-      };
-      this.sending.push(out);
-      this.closeWaiters.add(onClose);
-      signal?.addEventListener('abort', onAbort, { once: true });
-      source.attach?.(() => {
-        if (done) return;
-        stall.refresh();
-        out.ready = true;
-        this.serveSends();
-      });
-      this.serveSends();
-    });
+    return sendFrom(this.host, roomId, source, opts);
   }
 
   /**
@@ -596,87 +397,15 @@ export class PeerConn implements KvConn {
   }
 
   /**
-   * Fills the send window from the running transfers, in turns (deficit round robin, see
-   * SEND_QUANTUM_BYTES): first any transfer that ran dry in its turn with credit left and has a
-   * piece again, up to that credit; then the transfer whose turn it is writes pieces until it has
-   * spent its credit (SEND_QUANTUM_BYTES a turn) or has nothing ready, then the next one in the
-   * rotation. Called whenever the window may have room (a flush of any room's piece,
-   * 'drain', a new transfer, a source's resume, the next event-loop turn), so a room that starts
-   * behind a long transfer waits for one turn of each other room, not for their ends; a transfer
-   * alone on the connection is served as fast as before. At most one send window is handed to
-   * the socket per event-loop turn (the rest after setImmediate): when the peer reads as fast as
-   * we write, the kernel takes every write at once, writableLength stays near 0 and nothing would
-   * make this loop yield; write callbacks (progress, pooled buffers back), heartbeats and other
-   * work run between.
+   * The send rotation's gate: whether it may hand the socket more. The connection is open (else
+   * every transfer is settled as lost), the queue is under the send window (a flush or 'drain'
+   * serves again) and this event-loop turn has not handed over a whole window yet (else the rest
+   * after the turn: when the peer reads as fast as we write, the kernel takes every write at
+   * once, writableLength stays near 0 and nothing else would make the rotation yield).
    */
-  private serveSends(): void {
-    if (this.serving) {
-      this.serveAgain = true; // re-entered (from a source or a settle): loop once more when back
-      return;
-    }
-    this.serving = true;
-    try {
-      do {
-        this.serveAgain = false;
-        this.serveRound();
-      } while (this.serveAgain);
-    } finally {
-      this.serving = false;
-    }
-  }
-
-  private serveRound(): void {
-    const list = this.sending;
-    // 1. transfers that ran dry in their turn with credit left go first, up to that credit
-    for (let i = 0; i < list.length; ) {
-      if (!this.windowOpen()) return;
-      const o = list[i];
-      if (o.ready && o.credit > 0 && i !== this.sendCursor) {
-        const n = o.step();
-        if (list[i] !== o) continue; // it ended or settled: list[i] is the next one now
-        if (n > 0) {
-          o.credit -= n;
-          this.turnBytes += n;
-          continue;
-        }
-      }
-      i++;
-    }
-    // 2. the rotation
-    let idle = 0; // transfers in a row that had nothing to write
-    while (list.length > 0) {
-      if (!this.windowOpen()) return;
-      if (this.sendCursor >= list.length) this.sendCursor = 0;
-      const o = list[this.sendCursor];
-      if (this.turnOwner !== o) {
-        this.turnOwner = o; // its turn starts
-        o.credit = SEND_QUANTUM_BYTES;
-      }
-      const n = o.ready ? o.step() : 0;
-      if (list[this.sendCursor] !== o) {
-        idle = 0; // it ended or settled (dropSend moved the cursor to the next one)
-        continue;
-      }
-      if (n > 0) {
-        idle = 0;
-        this.turnBytes += n;
-        o.credit -= n;
-        if (o.credit > 0) continue;
-        o.credit = 0;
-      } else if (++idle >= list.length) return; // nobody has a piece ready
-      this.sendCursor++; // the next one's turn (a dry one keeps its credit: step 1 serves it)
-      this.turnOwner = undefined; // a new turn starts there, even when the rotation is back at the same transfer
-    }
-  }
-
-  /**
-   * Whether serveRound may hand the socket more: the connection is open (else every transfer is
-   * settled as lost), the queue is under the send window (a flush or 'drain' serves again) and
-   * this event-loop turn has not handed over a whole window yet (else the rest after setImmediate).
-   */
-  private windowOpen(): boolean {
+  private windowOpen(turnBytes: number): boolean {
     if (this.state !== 'open') {
-      for (const o of [...this.sending]) o.lost();
+      for (const o of [...this.rotation.sending]) o.lost();
       return false;
     }
     const window = this.owner.s.sendWindowBytes;
@@ -684,10 +413,10 @@ export class PeerConn implements KvConn {
     // the sockets, hence what the receiver holds out of order, bounded), each with its share of
     // the window, so a room that starts behind another waits for one window's bytes, as on one socket
     if (this.sendTarget().socket.writableLength >= Math.ceil(window / this.sockets)) return false;
-    if (this.turnBytes >= window) {
+    if (turnBytes >= window) {
       if (!this.turnYield) {
         this.turnYield = true;
-        setImmediate(this.nextSendTurn);
+        void this.owner.s.timers.turn().then(this.nextSendTurn);
       }
       return false;
     }
@@ -696,9 +425,9 @@ export class PeerConn implements KvConn {
 
   private readonly nextSendTurn = (): void => {
     this.turnYield = false;
-    this.turnBytes = 0;
-    for (const o of this.sending) o.alive();
-    this.serveSends();
+    this.rotation.newTurn();
+    for (const o of this.rotation.sending) o.alive();
+    this.rotation.serve();
   };
 
   /** The socket the next chunk frame goes to: this one, or a stripe, in rotation. */
@@ -713,19 +442,10 @@ export class PeerConn implements KvConn {
   private stripedChunk(from: PeerConn, room: RoomId, offset: number, data: Buffer): void {
     if (!this.reorder) {
       this.owner.stats.badFrames++;
-      this.refuse(`unexpected chunk frame (room ${room}) on a stripe of the ${this.side} side`);
+      this.core.refuse(`unexpected chunk frame (room ${room}) on a stripe of the ${this.side} side`);
       return;
     }
     this.reorder.chunk(room, offset, data, from === this ? 0 : this.stripes.indexOf(from) + 1);
-  }
-
-  /** Takes a transfer out of the rotation (ended or settled); the turn stays with the next one. */
-  private dropSend(o: Outgoing): void {
-    const i = this.sending.indexOf(o);
-    if (i < 0) return;
-    this.sending.splice(i, 1);
-    if (i < this.sendCursor) this.sendCursor--;
-    if (this.turnOwner === o) this.turnOwner = undefined;
   }
 
   /** Hands one frame to the socket; false if the socket is gone or the queue cap is exceeded. */
@@ -766,24 +486,8 @@ export class PeerConn implements KvConn {
 
   private onData(buf: Buffer): void {
     if (this.ending) return;
-    this.heartbeat?.received();
-    this.owner.stats.bytesIn += buf.length;
     this.countRead(buf.length);
-    try {
-      for (const f of this.decoder.feed(buf)) {
-        if (f.kind === 'control' || f.final) this.owner.stats.framesIn++;
-        this.onFrame(f);
-        if (this.ending) return;
-      }
-    } catch (e) {
-      if (e instanceof KvError && e.code === 'BAD_FRAME') {
-        this.owner.stats.badFrames++;
-        this.refuse(`bad frame: ${e.message}`, 'AUTH_FAILED');
-      } else {
-        this.owner.s.log.error({ peer: this.id, err: errText(e) }, 'kv channel internal error');
-        this.terminate(`internal error: ${errText(e)}`, { lost: true });
-      }
-    }
+    this.core.receive(buf);
   }
 
   /**
@@ -794,7 +498,7 @@ export class PeerConn implements KvConn {
     this.turnRead += n;
     if (!this.readTurnEnd) {
       this.readTurnEnd = true;
-      setImmediate(this.endReadTurn);
+      void this.owner.s.timers.turn().then(this.endReadTurn);
     }
     if (this.turnRead >= READ_TURN_BYTES && !this.readYielded) {
       this.readYielded = true;
@@ -811,93 +515,43 @@ export class PeerConn implements KvConn {
     }
   };
 
-  private onFrame(f: Frame): void {
-    if (this.state === 'handshake') {
-      // The decoder refuses chunk frames until authenticated.
-      if (f.kind === 'control') this.onHandshake(f.msg);
+  /** A chunk the core decoded: through the reassembly of a striped connection, else to the handler. */
+  private onChunk(room: RoomId, offset: number, data: Buffer): void {
+    if (this.primary || this.reorder) {
+      // a striped connection's chunk, from this socket or a stripe: reassembled in order
+      (this.primary ?? this).stripedChunk(this, room, offset, data);
       return;
     }
     const h = this.owner.handlers;
-    if (f.kind === 'chunk' && (this.primary || this.reorder)) {
-      // a striped connection's chunk, from this socket or a stripe: reassembled in order
-      (this.primary ?? this).stripedChunk(this, f.room, f.offset, f.data);
+    if (!h.onChunk) {
+      this.owner.stats.badFrames++;
+      this.core.refuse(`unexpected chunk frame (room ${room}) on the ${this.side} side`);
       return;
     }
-    if (f.kind === 'chunk') {
-      if (!h.onChunk) {
-        this.owner.stats.badFrames++;
-        this.refuse(`unexpected chunk frame (room ${f.room}) on the ${this.side} side`);
-        return;
-      }
-      this.call('onChunk', () => h.onChunk?.(this, f.room, f.offset, f.data));
-      return;
-    }
-    const msg = f.msg;
-    switch (msg.type) {
-      case 'ping':
-        this.write(encodeControl({ type: 'pong', seq: msg.seq }));
-        return;
-      case 'pong': {
-        const t = this.pingSentAt.get(msg.seq);
-        if (t !== undefined) {
-          this.rttMs = this.owner.s.clock.nowMs() - t;
-          this.pingSentAt.delete(msg.seq);
-        }
-        return;
-      }
-      case 'hello':
-      case 'auth':
-      case 'auth_ok':
-      case 'auth_fail':
-        this.owner.stats.badFrames++;
-        this.refuse(`handshake message '${msg.type}' after authentication`);
-        return;
-      default:
-        if (this.primary) {
-          this.owner.stats.badFrames++;
-          this.refuse(`control message '${msg.type}' on a stripe (only chunk frames and heartbeats go there)`);
-          return;
-        }
-        if ('epoch' in msg && msg.epoch !== this.peerEpoch) {
-          this.owner.stats.staleEpoch++;
-          this.owner.s.log.warn(
-            { peer: this.id, type: msg.type, room: msg.room, epoch: msg.epoch, boundEpoch: this.peerEpoch },
-            'kv message with a stale epoch refused',
-          );
-          return;
-        }
-        if (this.reorder && msg.type === 'kv_begin') {
-          this.reorder.begin(msg.room, msg.totalBytes);
-          this.call('onMessage', () => h.onMessage?.(this, msg));
-          this.reorder.drain();
-          return;
-        }
-        if (this.reorder && msg.type === 'kv_end' && !this.reorder.end(msg.room, msg, msg.totalBytes)) return; // held until its room's bytes are all in
-        if (this.reorder && msg.type === 'fail') this.reorder.forget(msg.room);
-        this.call('onMessage', () => h.onMessage?.(this, msg));
-    }
+    this.call('onChunk', () => h.onChunk?.(this, room, offset, data));
   }
 
-  private onHandshake(msg: ControlMsg): void {
-    const step = this.handshake.onMessage(msg);
-    if (step.k === 'continue') {
-      for (const m of step.send) this.write(encodeControl(m));
+  /** A room message the core accepted (its epoch is the connection's). */
+  private onMessage(msg: PeerMsg): void {
+    const h = this.owner.handlers;
+    if (this.primary) {
+      this.owner.stats.badFrames++;
+      this.core.refuse(`control message '${msg.type}' on a stripe (only chunk frames and heartbeats go there)`);
       return;
     }
-    if (step.k === 'refuse') {
-      if (step.code === 'SETTINGS_MISMATCH') {
-        this.owner.stats.settingsMismatch++;
-        // The one log line of this refusal on this side (refuse() stays quiet for it).
-        this.owner.s.log.error({ peer: this.address, reason: step.reason }, 'kv pair refused: prefill and decode settings differ; no request will be dispatched over this pair');
-      } else {
-        this.owner.stats.authFailures++;
-      }
-      this.refuse(step.reason, step.code, step.send);
+    if (this.reorder && msg.type === 'kv_begin') {
+      this.reorder.begin(msg.room, msg.totalBytes);
+      this.call('onMessage', () => h.onMessage?.(this, msg));
+      this.reorder.drain();
       return;
     }
-    for (const m of step.send) this.write(encodeControl(m));
-    this.peerEpoch = step.peerEpoch;
-    this.peerSettings = step.peerSettings;
+    if (this.reorder && msg.type === 'kv_end' && !this.reorder.end(msg.room, msg, msg.totalBytes)) return; // held until its room's bytes are all in
+    if (this.reorder && msg.type === 'fail') this.reorder.forget(msg.room);
+    this.call('onMessage', () => h.onMessage?.(this, msg));
+  }
+
+  /** The handshake succeeded: bind what the pair agreed, start the heartbeat, tell the owner. */
+  private opened(step: CoreOpen): void {
     this.streams = step.streams;
     this.stripeRequest = step.stripe;
     if (this.side === 'decode' && this.streams > 1 && !this.asStripe) {
@@ -912,66 +566,20 @@ export class PeerConn implements KvConn {
         this.owner.s.maxQueuedBytes,
       );
     }
-    this.open();
-  }
-
-  private open(): void {
-    clearTimeout(this.authTimer);
-    this.authTimer = undefined;
     this.state = 'open';
     this.authed = true;
-    this.decoder.acceptChunks = true;
-    this.heartbeat = new Heartbeat(this.owner.s.heartbeatMs, undefined, this.owner.s.clock);
-    const hb = this.owner.s.heartbeatMs;
-    this.pingTimer = setInterval(() => this.ping(), hb);
-    this.pingTimer.unref();
-    this.armLiveness();
+    this.ticks.opened();
     this.owner.s.log.info({ peer: this.id }, 'kv peer authenticated');
     this.resolveReady();
     this.owner.authenticated(this);
   }
 
-  private ping(): void {
-    if (this.state !== 'open') return;
-    const seq = this.pingSeq++;
-    this.pingSentAt.set(seq, this.owner.s.clock.nowMs());
-    if (this.pingSentAt.size > 16) this.pingSentAt.delete(this.pingSentAt.keys().next().value as number);
-    this.write(encodeControl({ type: 'ping', seq }));
-  }
-
-  private armLiveness(): void {
-    const hb = this.heartbeat!;
-    this.liveTimer = setTimeout(() => {
-      // Decide after the poll phase, so bytes that arrived while our loop was busy count first.
-      setImmediate(() => {
-        if (this.state !== 'open') return;
-        const v = hb.check();
-        if (v.k === 'lost') {
-          this.terminate(v.reason, { lost: true });
-          return;
-        }
-        if (v.k === 'stalled') {
-          this.owner.stats.ownStalls++;
-          this.owner.s.log.warn({ peer: this.id, lateMs: v.lateMs }, 'this process stalled: liveness check ran late, peer budget restarted (the peer is not blamed for our stall)');
-        }
-        this.armLiveness();
-      });
-    }, hb.nextCheckInMs());
-    this.liveTimer.unref();
-  }
-
-  /** Closes for a protocol/auth reason: logs, tells the peer during the handshake (prefill side), destroys. */
-  private refuse(reason: string, code: 'AUTH_FAILED' | 'SETTINGS_MISMATCH' | 'TIMEOUT' = 'AUTH_FAILED', send?: ControlMsg[]): void {
-    if (this.state === 'closing' || this.state === 'closed') return;
-    const wasHandshake = this.state === 'handshake';
-    if (code !== 'SETTINGS_MISMATCH') this.owner.s.log.warn({ peer: this.id, reason }, 'closing kv connection');
-    if (wasHandshake && this.side === 'prefill') {
-      // Best effort, so decode can report a refused secret (or a settings mismatch) rather than a dead peer.
-      for (const m of send ?? [{ type: 'auth_fail', reason, code: 'auth_failed' } as ControlMsg]) this.write(encodeControl(m));
-      this.socket.end();
-    }
-    this.failure = wasHandshake ? new KvError(code, `${this.side === 'decode' ? `prefill ${this.address}` : 'peer'}: ${reason}`) : undefined;
-    this.terminate(reason, { lost: true, graceful: wasHandshake && this.side === 'prefill' });
+  /** The core gave up (refusal, bad frame, silent peer): close the socket accordingly. */
+  private coreEnded(e: CoreEnd): void {
+    if (this.ending) return;
+    if (e.graceful) this.socket.end();
+    this.failure = e.failure;
+    this.terminate(e.reason, { lost: e.lost, graceful: e.graceful });
   }
 
   private terminate(reason: string, opts: { lost: boolean; graceful?: boolean }): void {
@@ -983,12 +591,12 @@ export class PeerConn implements KvConn {
     }
     this.reason = reason;
     this.lost = opts.lost;
+    this.core.end();
     if (opts.graceful && !this.socket.destroyed) {
       this.state = 'closing';
-      this.stopTimers();
+      this.ticks.stop();
       this.socket.end();
-      this.closeTimer = setTimeout(() => this.finish(), this.owner.s.closeTimeoutMs);
-      this.closeTimer.unref();
+      this.cancelClose = this.owner.s.timers.after(this.owner.s.closeTimeoutMs, () => this.finish());
       for (const w of [...this.closeWaiters]) w(reason);
       return;
     }
@@ -999,8 +607,9 @@ export class PeerConn implements KvConn {
     if (this.state === 'closed') return;
     const wasOpen = this.authed;
     this.state = 'closed';
-    this.stopTimers();
-    clearTimeout(this.closeTimer);
+    this.core.end();
+    this.ticks.stop();
+    this.cancelClose?.();
     this.socket.destroy();
     // a striped connection is one connection: any socket's end ends all of them
     this.reorder?.clear();
@@ -1032,13 +641,6 @@ export class PeerConn implements KvConn {
     this.resolveClosed();
   }
 
-  private stopTimers(): void {
-    clearTimeout(this.authTimer);
-    clearInterval(this.pingTimer);
-    clearTimeout(this.liveTimer);
-    this.authTimer = this.pingTimer = this.liveTimer = undefined;
-  }
-
   private call(name: string, fn: () => void): void {
     try {
       fn();
@@ -1047,9 +649,3 @@ export class PeerConn implements KvConn {
     }
   }
 }
-
-function reasonText(r: unknown): string {
-  if (r instanceof Error) return r.message;
-  return r === undefined ? 'aborted' : String(r);
-}
-
