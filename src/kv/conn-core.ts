@@ -86,6 +86,8 @@ export interface CoreEnd {
   graceful: boolean;
   /** Set when the handshake failed: the error the connection's `ready` rejects with. */
   failure?: KvError;
+  /** Set when the heartbeat found the peer silent: for how long, ms. */
+  silentMs?: number;
 }
 
 /** Where a core's writes and events go (its owner: a socket adapter, or the simulator). */
@@ -232,7 +234,7 @@ export class ConnCore {
   check(): HeartbeatVerdict | undefined {
     if (this.st !== 'open') return undefined;
     const v = this.heartbeat!.check();
-    if (v.k === 'lost') this.finish({ reason: v.reason, lost: true, graceful: false });
+    if (v.k === 'lost') this.finish({ reason: v.reason, lost: true, graceful: false, silentMs: v.silentMs });
     else if (v.k === 'stalled') {
       this.o.stats.ownStalls++;
       this.o.log.warn({ peer: this.o.name(), lateMs: v.lateMs }, 'this process stalled: liveness check ran late, peer budget restarted (the peer is not blamed for our stall)');

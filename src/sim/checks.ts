@@ -35,6 +35,8 @@ export type ViolationKind =
   | 'misordered'
   | 'over_budget'
   | 'late_attempt'
+  | 'unfair_send'
+  | 'blamed_peer'
   | 'exception';
 
 export interface Violation {

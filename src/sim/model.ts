@@ -17,7 +17,7 @@ export type FaultProfileName = 'calm' | 'mild' | 'harsh';
 
 export interface FaultProfile {
   name: FaultProfileName;
-  /** Probability a node→node frame is lost (hello excepted: the handshake retries until it works). */
+  /** Probability a node→node frame is lost (the handshake's frames excepted: a TCP handshake retries until it works). */
   drop: number;
   /** Probability a frame is delivered twice. */
   dup: number;
@@ -104,6 +104,9 @@ export interface SimStats {
   stripeChunks: number;
   stripeHeld: number;
   stripeLost: number;
+  /** Node freezes (the whole host paused: its loop and its network), and liveness checks that found their own node had stalled. */
+  freezes: number;
+  ownStalls: number;
 }
 
 export interface SimResult {

@@ -15,7 +15,7 @@ import type { Clock } from '../base/clock.js';
 import type { Prng } from '../base/prng.js';
 import { KvError, type RoomId } from '../kv/types.js';
 import type { ControlMsg } from '../kv/messages.js';
-import type { KvConn } from '../kv/channel.js';
+import { SIM_PIECE_BYTES, type SimConn } from './net.js';
 import { parseEnvelopeHead, type EnvelopeExpect } from '../kv/envelope.js';
 import { wireBytes } from '../kv/transfer/sender.js';
 import type { ReceivedState, StreamEnd } from '../kv/transfer/receiver.js';
@@ -149,36 +149,6 @@ export class SimDisk {
   }
 }
 
-// ---- KV connections ---------------------------------------------------------------------------
-
-/** What a fake connection asks of the world's network. */
-export interface SimLink {
-  alive(c: SimConn): boolean;
-  control(c: SimConn, msg: ControlMsg): boolean;
-  chunk(c: SimConn, room: RoomId, offset: number, data: Buffer): boolean;
-}
-
-/** One (re)connection between the nodes, as one side sees it. */
-export class SimConn implements KvConn {
-  constructor(
-    readonly id: string,
-    readonly peerEpoch: string,
-    private readonly link: SimLink,
-  ) {}
-
-  get alive(): boolean {
-    return this.link.alive(this);
-  }
-
-  sendControl(msg: ControlMsg): boolean {
-    return this.link.control(this, msg);
-  }
-
-  sendChunk(room: RoomId, offset: number, data: Buffer): boolean {
-    return this.link.chunk(this, room, offset, data);
-  }
-}
-
 // ---- engines ----------------------------------------------------------------------------------
 
 /** One physical sequence of a simulated engine. */
@@ -305,39 +275,24 @@ export class SimEngine {
 
 // ---- the state's way: sender, receiver, same host -----------------------------------------
 
-/** Chunks of 1..4 pieces, 1..8 ms apart; a piece that cannot be written fails the send. */
-export function simSender(ctx: NodeCtx, disk: SimDisk): StateSender<SimConn> {
+/**
+ * The state sender: the envelope bytes in SIM_PIECE_BYTES pieces through the shipped `sendFrom`
+ * and send rotation of the connection (./net.ts), paced by its socket's flushes.
+ */
+export function simSender(_ctx: NodeCtx, disk: SimDisk): StateSender<SimConn> {
   const send = (conn: SimConn, room: RoomId, path: string, head: Buffer, payloadBytes: number, o: SendOptions): Promise<void> => {
     const f = disk.get(path);
-    if (!f) return Promise.reject(new Error(`send of ${path}: no such file`));
+    if (!f) return Promise.reject(new KvError('BAD_STATE', `send of ${path}: no such file`));
     const total = wireBytes(head, payloadBytes);
     const bytes = Buffer.concat([head, SimDisk.payload(f.content, payloadBytes), Buffer.alloc(total - head.length - payloadBytes)]);
-    const n = ctx.rng.int(1, 4);
-    const cuts = [0, ...Array.from({ length: n - 1 }, () => ctx.rng.int(1, total - 1)).sort((a, b) => a - b), total];
-    return new Promise<void>((resolve, reject) => {
-      let settled = false;
-      let t = 0;
-      for (let k = 0; k < n; k++) {
-        const [from, to] = [cuts[k]!, cuts[k + 1]!];
-        t += ctx.rng.int(1, 8);
-        ctx.later(t, () => {
-          if (settled) return;
-          if (o.signal.aborted) {
-            settled = true;
-            return reject(new KvError('ABORTED', 'send stopped: the room is over'));
-          }
-          if (to > from && !conn.sendChunk(room, from, bytes.subarray(from, to))) {
-            settled = true;
-            return reject(new Error('socket write failed: connection closed'));
-          }
-          o.onProgress(to - from);
-          if (k === n - 1) {
-            settled = true;
-            resolve();
-          }
-        });
-      }
-    });
+    let at = 0;
+    const next = (): Buffer | undefined => {
+      if (at >= bytes.length) return undefined;
+      const n = Math.min(SIM_PIECE_BYTES, bytes.length - at);
+      at += n;
+      return bytes.subarray(at - n, at);
+    };
+    return conn.sendFrom(room, { next }, { signal: o.signal, stallMs: o.stallMs, onProgress: o.onProgress });
   };
   return {
     sendFile: send,

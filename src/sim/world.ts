@@ -22,14 +22,16 @@
  *  - prefill: compute → state file saved → kv_begin, the chunks, kv_end — or, when the seed puts
  *    both on one host and decode's probe went through, one kv_file naming a link decode takes
  *    over (`take_file`).
- *  - channel: every frame is stamped with the sender's epoch; frames from another epoch are refused;
- *    `hello` (re)binds the peer epoch and fails all rooms of a previous epoch; pings every
- *    heartbeat; a peer silent for 2 intervals is lost.
- *  - striped channel (`--kv-streams 2`, in some worlds): P deals chunk frames round robin over two
- *    sockets, each FIFO on its own (socket 0 carries the control frames too), so stripes overtake
- *    each other and kv_begin / kv_end; decode's end runs every frame through the shipped
- *    reassembly (../kv/stripes.ts) as PeerConn does; one stripe socket dies once per world, which
- *    ends the whole striped connection on both sides (its frames in flight are gone).
+ *  - channel (./net.ts): every connection is a pair of the SHIPPED connection cores
+ *    (../kv/conn-core.ts: frames, handshake, heartbeat) over fake sockets, and every state goes
+ *    out through the shipped send rotation; decode dials prefill as the pool does, a crashed node
+ *    goes silent and its peer's heartbeat finds it, a restarted one is reached over a new
+ *    handshake that binds its new epoch.
+ *  - striped channel (`--kv-streams 2`, in some worlds): two sockets per connection, the second
+ *    joined by the shipped stripe handshake; chunk frames go round robin over both, so stripes
+ *    overtake each other and kv_begin / kv_end; decode reassembles through the shipped
+ *    ../kv/stripes.ts; one stripe socket dies once per world, which ends the whole striped
+ *    connection on both sides (its frames in flight are gone).
  *  - crashes: a node dies (memory gone; in-flight timers dead; state files stay on disk) and
  *    restarts with a new epoch, sweeping the state files it left.
  */
@@ -37,7 +39,7 @@ import { newRoomId } from '../base/room-id.js';
 import { silentLogger } from '../base/log.js';
 import { stateName, type RoomTable } from '../kv/lifecycle.js';
 import type { Effect, Role, RoomId, RoomTimeouts } from '../kv/types.js';
-import type { ControlMsg } from '../kv/messages.js';
+import type { ControlMsg, PeerMsg } from '../kv/messages.js';
 import type { Clock, Timers } from '../base/clock.js';
 import { TraceTags } from '../protocol/trace-tags.js';
 import type { SamplingParams } from '../engine/types.js';
@@ -45,44 +47,24 @@ import { DecodeDriver } from '../decode/driver.js';
 import { DecodeEffects, type DecodeJob } from '../decode/effects.js';
 import { PrefillDriver } from '../prefill/driver.js';
 import { PrefillEffects } from '../prefill/effects.js';
-import { StripeReorder } from '../kv/stripes.js';
 import { AttemptPlan, type PlanState } from '../router/plan.js';
 import { DEFAULT_MIGRATION_LIMIT } from '../router/config.js';
 import { EventHeap } from './heap.js';
 import { Prng } from '../base/prng.js';
-import { Checks, StreamOrder, type NodeName } from './checks.js';
+import { Checks, type NodeName } from './checks.js';
 import { watchDriver, type WatchHost } from './watch.js';
-import { SIM_MAX_STATE_BYTES, SIM_STATE_DIR, SimConn, SimDisk, SimEngine, simReceive, simSameHostOffer, simSameHostTake, simSender, simMetrics, type NodeCtx, type SimLease } from './ports.js';
+import { SIM_MAX_STATE_BYTES, SIM_STATE_DIR, SimDisk, SimEngine, simReceive, simSameHostOffer, simSameHostTake, simSender, simMetrics, type NodeCtx, type SimLease } from './ports.js';
+import { SIM_HEARTBEAT_MS, SimNet, type NetNode, type SimConn } from './net.js';
 import { FAULT_PROFILES, SIM_TIMEOUTS, type FaultProfile, type SimOptions, type SimResult, type SimStats, type TraceEntry } from './model.js';
 
 
 // ---- internal model ---------------------------------------------------------------------------
 
-type ChunkBody = { type: 'chunk'; room: RoomId; offset: number; data: Buffer };
-type HelloBody = { type: 'hello' };
-type Body = ControlMsg | ChunkBody | HelloBody;
-
-/** One node's end of its link to one peer (a decode has one, to P; P has one per decode). */
-interface Link {
-  peer: NodeName;
-  knownPeerEpoch?: string;
-  connected: boolean;
-  /** The current connection to the peer (a new one per (re)connection). */
-  conn?: SimConn;
-  connSeq: number;
-  lastHeard: number;
-  /** Decode end of a striped connection (`--kv-streams 2`): the shipped reassembly of both sockets' chunks, and the check of what it hands on. */
-  reorder?: StripeReorder;
-  order?: StreamOrder;
-  /** Prefill end of a striped connection: chunk frames written so far (the next goes to socket rr mod streams). */
-  rr: number;
-}
-
 interface Node {
   name: NodeName;
   role: Role;
-  /** The links to the peers, by peer: P → every decode, a decode → P. */
-  links: Map<NodeName, Link>;
+  /** The peers: P → every decode, a decode → P. */
+  peers: NodeName[];
   inc: number;
   epoch: string;
   up: boolean;
@@ -98,6 +80,8 @@ interface Node {
   /** Rooms a router abort was delivered for (this incarnation): they must never be live again. */
   aborted: Set<RoomId>;
   ctx: NodeCtx;
+  /** This incarnation as the network sees it. */
+  net: NetNode;
 }
 
 interface Req {
@@ -134,7 +118,6 @@ interface Req {
 type Leg = 'P' | 'D';
 
 const TICK_MS = 10;
-const HB_MS = 40;
 /** A request's deadline after its arrival (the router's requestTimeoutMs, scaled down): long, or in some worlds short enough that decodes die after it. */
 const REQUEST_TIMEOUT_MS = { long: 10_000, short: 200 } as const;
 /** The simulated decode's sampler: greedy, a few tokens. */
@@ -158,7 +141,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly checks: Checks;
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
   private readonly crossAbort: boolean;
   /** The router's attempt plan (its default --migration-limit unless the options say otherwise). */
   private readonly plan: AttemptPlan;
@@ -169,10 +152,10 @@ export class World {
   private endAt = 0;
   private readonly nSlots: number;
   private readonly maxNetDelay: number;
-  /** Delivery time of the last FIFO frame per socket (`from>to#socket`: the socket's tail). */
-  private readonly linkTail = new Map<string, number>();
-  /** Per node pair: the sockets' generation (a lost stripe ends them all; frames of an older one are gone). */
-  private readonly gens = new Map<string, number>();
+  /** The KV network: the shipped connection cores over fake sockets. */
+  private readonly net: SimNet;
+  /** Node freezes: until when, how long the frames sent to it meanwhile take after (TCP retransmission). */
+  private readonly frozen = new Map<NodeName, { until: number; retransMs: number }>();
   /** The decode nodes (one, or two: requests are paired with either, a migration goes to the other). */
   private readonly decodes: NodeName[];
   /** Sockets per KV connection (`--kv-streams`): 2 stripes chunk frames over two sockets. */
@@ -230,6 +213,28 @@ export class World {
       },
       diag: (node, e) => this.diag(node, e),
     };
+    const world = this;
+    this.net = new SimNet({
+      rng: this.rng,
+      profile: this.profile,
+      stats: this.stats,
+      checks: this.checks,
+      clock: this.clock,
+      streams: this.kvStreams,
+      get endAt() {
+        return world.endAt;
+      },
+      now: () => this.now,
+      at: (t, fn) =>
+        this.q.push(t, () => {
+          this.dirty = true;
+          fn();
+        }),
+      atNode: (name, t, fn, wire) => this.onNode(name, t, fn, wire),
+      thawedAt: (name) => this.frozen.get(name)?.until,
+      node: (name) => this.node(name).net,
+      tr: (who, room, text) => this.tr(who, room, text),
+    });
     this.nodes = { P: this.newNode('P', 'prefill'), D: this.newNode('D', 'decode') };
     if (this.decodes.length === 2) this.nodes.D2 = this.newNode('D2', 'decode');
     if (this.decodes.length === 2) this.stats.twoDecodes = 1;
@@ -241,9 +246,10 @@ export class World {
 
   private newNode(name: NodeName, role: Role): Node {
     // `table` and `ctx` are set by `start`, the first event of each node.
-    const links = new Map<NodeName, Link>();
-    for (const peer of role === 'prefill' ? this.decodes : (['P'] as NodeName[])) links.set(peer, { peer, connected: false, connSeq: 0, lastHeard: 0, rr: 0 });
-    return { name, role, links, inc: 0, epoch: '', up: false, terminals: new Map(), wedged: new Set(), aborted: new Set() } as Omit<Node, 'table' | 'ctx'> as Node;
+    const peers = role === 'prefill' ? [...this.decodes] : (['P'] as NodeName[]);
+    const n = { name, role, peers, inc: 0, epoch: '', up: false, terminals: new Map(), wedged: new Set(), aborted: new Set() } as Omit<Node, 'table' | 'ctx' | 'net'> as Node;
+    n.net = this.netNodeOf(n);
+    return n;
   }
 
   private all(): Node[] {
@@ -261,10 +267,6 @@ export class World {
 
   private static legOf(n: Node): Leg {
     return n.role === 'prefill' ? 'P' : 'D';
-  }
-
-  private pairKey(a: NodeName, b: NodeName): string {
-    return a < b ? `${a}|${b}` : `${b}|${a}`;
   }
 
   /** The fakes' view of node `n`'s current incarnation. */
@@ -297,18 +299,92 @@ export class World {
     };
   }
 
+  /** Virtual timers of node `n`'s current incarnation (dead with it). */
+  private timersOf(n: Node): Timers {
+    const inc = n.inc;
+    return {
+      after: (ms, fn) => {
+        let live = true;
+        this.atNode(n, this.now + ms, () => live && fn(), inc);
+        return () => void (live = false);
+      },
+      every: (ms, fn) => {
+        let live = true;
+        const loop = (t: number): void => {
+          if (t <= this.endAt) this.atNode(n, t, () => (live ? (fn(), loop(t + ms)) : undefined), inc);
+        };
+        loop(this.now + ms);
+        return () => void (live = false);
+      },
+      turn: () => new Promise<void>((resolve) => this.atNode(n, this.now, resolve, inc)),
+    };
+  }
+
+  /** Node `n`'s current incarnation as the network sees it: its executor's entry points. */
+  private netNodeOf(n: Node): NetNode {
+    const inc = n.inc;
+    return {
+      name: n.name,
+      role: n.role,
+      epoch: n.epoch,
+      inc,
+      get up() {
+        return n.up && n.inc === inc;
+      },
+      timers: this.timersOf(n),
+      message: (conn, msg) => this.control(n, conn, msg),
+      chunk: (conn, room, offset, data) => n.de?.onChunk(conn, room, offset, data),
+      peerLost: (conn, reason) => {
+        this.dirty = true;
+        this.tr('sim', undefined, `${n.name}: connection ${conn.id} lost (${reason}): failing its rooms`);
+        n.pe?.peerLost(conn, reason);
+        n.de?.peerLost(conn, reason);
+      },
+      connected: (conn) => {
+        if (n.de && this.sameHost) conn.sendControl({ type: 'same_host_probe', boot: 'sim', pidns: 'sim', file: 'sim-probe' });
+      },
+    };
+  }
+
   private at(t: number, fn: () => void): void {
     this.q.push(t, fn);
   }
 
-  /** Schedule on a node incarnation: dropped if the node crashed (or restarted) meanwhile. */
+  /** Schedule on a node incarnation: dropped if the node crashed (or restarted) meanwhile, held while it is frozen. */
   private atNode(n: Node, t: number, fn: () => void, inc = n.inc): void {
-    this.q.push(t, () => {
-      if (n.up && n.inc === inc) {
-        this.dirty = true;
-        fn();
+    this.onNode(
+      n.name,
+      t,
+      () => {
+        if (n.up && n.inc === inc) fn();
+      },
+      false,
+    );
+  }
+
+  /**
+   * Run `fn` on node `name` at `t`, or when its freeze ends if it is frozen then — a frame on the
+   * wire (`wire`) that long plus the freeze's retransmission delay (the host did not take it).
+   */
+  private onNode(name: NodeName, t: number, fn: () => void, wire: boolean): void {
+    const run = (): void => {
+      const fz = this.frozen.get(name);
+      if (fz && this.now < fz.until) {
+        this.q.push(fz.until + (wire ? fz.retransMs : 0), run);
+        return;
       }
-    });
+      this.dirty = true;
+      fn();
+    };
+    this.q.push(t, run);
+  }
+
+  /** The whole host of `n` pauses for `ms` (a VM paused): its loop runs nothing, frames sent to it are retransmitted after. */
+  private freeze(n: Node, ms: number, retransMs: number): void {
+    if (!n.up) return;
+    this.stats.freezes++;
+    this.frozen.set(n.name, { until: this.now + ms, retransMs });
+    this.tr('sim', undefined, `${n.name} FROZEN for ${ms} ms (frames to it arrive ${retransMs} ms after)`);
   }
 
   private tr(who: TraceEntry['who'], room: RoomId | undefined, text: string): void {
@@ -393,17 +469,26 @@ export class World {
       const down = rng.int(30, 300);
       this.at(when, () => this.crash(this.node(who), down));
     }
+    // A world without crashes may pause one node's host once, long enough for its liveness checks to see their own stall.
+    const fr = new Prng((this.seed * 1103515245 + 0x5eed) >>> 0);
+    if (crashes === 0 && fr.chance(0.1)) {
+      const all = ['P', ...this.decodes] as NodeName[];
+      const who = all[fr.int(0, all.length - 1)]!;
+      const when = fr.int(50, window + 200);
+      const ms = fr.int(340, 500);
+      const retrans = fr.int(1, 20);
+      this.at(when, () => this.freeze(this.node(who), ms, retrans));
+    }
     // A striped world loses one stripe socket of one decode's connection (the whole connection ends with it).
     if (this.kvStreams > 1) {
       const d = this.decodes[this.topo.int(0, this.decodes.length - 1)]!;
       this.at(this.topo.int(20, window + 200), () => this.loseStripe(this.node(d)));
     }
 
-    // Start both nodes, then the periodic watchdog ticks and heartbeats (random phase per node).
+    // Start both nodes, then the periodic watchdog ticks (random phase per node); the connections' heartbeats are their cores'.
     for (const n of this.all()) {
       this.at(0, () => this.start(n));
       this.periodic(rng.int(0, TICK_MS - 1), TICK_MS, () => this.tick(n));
-      this.periodic(rng.int(0, HB_MS - 1), HB_MS, () => this.heartbeat(n));
     }
   }
 
@@ -451,6 +536,8 @@ export class World {
   }
 
   private result(): SimResult {
+    this.stats.refusedStale = this.net.kvStats.staleEpoch;
+    this.stats.ownStalls = this.net.kvStats.ownStalls;
     const up = this.all().filter((n) => n.up);
     this.checks.final(up.map((n) => ({ name: n.name, table: n.table })));
     for (const n of up) {
@@ -480,8 +567,11 @@ export class World {
 
   private start(n: Node): void {
     n.inc++;
-    n.epoch = `${n.name}.${n.inc}`;
+    // a session epoch as the workers make them (hex): the node's letter code, then its incarnation
+    n.epoch = `${n.name === 'P' ? 'a' : n.name === 'D' ? 'd' : 'e'}${n.inc.toString(16).padStart(15, '0')}`;
     n.up = true;
+    n.net = this.netNodeOf(n);
+    this.net.nodeUp(n.name);
     const ctx = (n.ctx = this.ctxOf(n));
     const m = simMetrics();
     const timers: Timers = { every: () => () => {}, after: () => () => {}, turn: () => Promise.resolve() };
@@ -511,10 +601,7 @@ export class World {
         ...common,
         driver,
         engine: new SimEngine(ctx, this.disk, 'decode', this.nSlots),
-        dial: () => {
-          const l = n.links.get('P')!;
-          return new Promise<SimConn>((resolve, reject) => ctx.later(this.rng.int(0, 3), () => (l.connected && l.conn ? resolve(l.conn) : reject(new Error('no connection to P')))));
-        },
+        dial: () => this.net.dial(n.net),
         receive: simReceive(ctx, this.disk),
         sameHost: simSameHostTake(ctx, this.disk),
         metrics: m.decode,
@@ -522,20 +609,11 @@ export class World {
       });
       n.table = driver.rooms;
     }
-    for (const l of n.links.values()) {
-      l.knownPeerEpoch = undefined;
-      l.connected = false;
-      l.conn = undefined;
-      l.reorder = undefined;
-      l.order = undefined;
-      l.lastHeard = this.now;
-    }
     n.terminals = new Map();
     n.wedged = new Set();
     n.aborted = new Set();
     this.disk.sweep(n.name, n.inc); // start-up sweep: the state files of earlier incarnations
     this.tr('sim', undefined, `${n.name} up, epoch ${n.epoch}`);
-    for (const peer of n.links.keys()) this.send(n, peer, { type: 'hello' });
   }
 
   private crash(n: Node, downMs: number): void {
@@ -545,14 +623,13 @@ export class World {
     this.tr('sim', undefined, `${n.name} CRASH (epoch ${n.epoch}), down ${downMs} ms`);
     // Process memory is gone: slots and buffers die with it; state files stay on disk.
     for (const h of this.checks.held(n.name, (h) => h.kind !== 'statefile')) this.checks.release(h, 'crash');
-    // Each peer must fail every room bound to n within two heartbeat intervals of silence.
-    for (const peer of n.links.keys()) {
+    // Each peer must fail every room bound to n within two heartbeat intervals of silence (its core's heartbeat).
+    for (const peer of n.peers) {
       const s = this.node(peer);
-      const sl = s.links.get(n.name)!;
-      if (!(s.up && sl.connected && sl.conn)) continue;
+      const conn = this.net.conn(s.name, n.name);
+      if (!(s.up && conn)) continue;
       const inc = s.inc;
-      const bound = this.maxNetDelay + 3 * HB_MS + 1;
-      const conn = sl.conn;
+      const bound = this.maxNetDelay + 3 * SIM_HEARTBEAT_MS + 1;
       const ids = s.de ? s.de.driver.roomsOn(s.de.idOf(conn)) : s.table.rooms().filter((r) => r.peer === conn.id).map((r) => r.id);
       this.at(this.now + bound, () => {
         if (s.up && s.inc === inc) this.checks.peerLossBound(s.name, s.table, ids, n.name, bound);
@@ -569,224 +646,31 @@ export class World {
     this.at(this.now + downMs, () => this.start(n));
   }
 
-  // ---- network ----------------------------------------------------------------------------------
+  // ---- network (./net.ts) -------------------------------------------------------------------------
 
-  /**
-   * Send a frame to peer `to`. false when the sender's connection is down (a failed socket write).
-   * A striped connection's chunk frames go round robin over its sockets (socket 0 carries the
-   * control frames too, as PeerConn.sendFrom deals them); each socket is FIFO on its own, so
-   * stripes overtake one another and the control frames.
-   */
-  private send(from: Node, to: NodeName, body: Body): boolean {
-    if (!from.up) return false;
-    const l = from.links.get(to)!;
-    if (body.type !== 'hello' && body.type !== 'ping' && body.type !== 'pong' && !l.connected) return false;
-    const dest = this.node(to);
-    const epoch = from.epoch;
-    const gen = this.gens.get(this.pairKey(from.name, to)) ?? 0;
-    const socket = body.type === 'chunk' && this.kvStreams > 1 ? l.rr++ % this.kvStreams : 0;
-    if (socket > 0) this.stats.stripeChunks++;
-    const tail = `${from.name}>${to}#${socket}`;
-    this.stats.frames++;
-    const p = this.profile;
-    const room = 'room' in body ? body.room : undefined;
-    if (body.type !== 'hello' && this.rng.chance(p.drop)) {
-      this.stats.dropped++;
-      if (room) this.tr('net', room, `${from.name}→${to} ${body.type} DROPPED`);
-      return true;
-    }
-    const copies = body.type !== 'hello' && this.rng.chance(p.dup) ? 2 : 1;
-    if (copies === 2) this.stats.duplicated++;
-    for (let i = 0; i < copies; i++) {
-      let t = this.now + 0.5 + this.rng.float() * p.jitterMs;
-      if (!this.rng.chance(p.reorder)) {
-        t = Math.max(t, this.linkTail.get(tail) ?? 0);
-        this.linkTail.set(tail, t);
-      } else if (room) this.tr('net', room, `${from.name}→${to} ${body.type} may overtake earlier frames`);
-      this.at(t, () => this.deliver(dest, from.name, epoch, gen, body));
-    }
-    return true;
-  }
-
-  private deliver(to: Node, from: NodeName, epoch: string, gen: number, body: Body): void {
-    if (!to.up) return;
-    if (gen !== (this.gens.get(this.pairKey(from, to.name)) ?? 0)) return; // its socket was closed under it
-    const l = to.links.get(from)!;
-    const room = 'room' in body ? body.room : undefined;
-    if (body.type === 'hello') {
-      if (l.knownPeerEpoch !== epoch) {
-        const old = l.knownPeerEpoch;
-        this.tr('sim', undefined, `${to.name} binds peer epoch ${epoch}${old ? ` (was ${old}: failing its rooms)` : ''}`);
-        if (old) this.lost(to, l, `${from} restarted (epoch ${old} → ${epoch})`);
-        l.knownPeerEpoch = epoch;
-        this.send(to, from, { type: 'hello' });
-      }
-      this.connect(to, l);
-      l.lastHeard = this.now;
-      return;
-    }
-    if (epoch !== l.knownPeerEpoch) {
-      this.stats.refusedStale++;
-      if (room) this.tr(to.name, room, `refused ${body.type} from stale epoch ${epoch} (bound: ${l.knownPeerEpoch ?? 'none'})`);
-      return;
-    }
-    if (!l.connected) {
-      if (body.type !== 'ping' && body.type !== 'pong') {
-        if (room) this.tr(to.name, room, `refused ${body.type}: connection to ${from} closed`);
-        return;
-      }
-      this.connect(to, l);
-      this.tr('sim', undefined, `${to.name} reconnected to ${from} (${epoch})`);
-    }
-    l.lastHeard = this.now;
-    if (room && body.type !== 'chunk') this.tr(to.name, room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
-    const conn = l.conn!;
-    if (body.type === 'ping') this.send(to, from, { type: 'pong', seq: body.seq });
-    else if (body.type === 'pong') return;
-    else if (l.reorder) this.striped(to, l, body);
-    else if (body.type === 'chunk') to.de?.onChunk(conn, body.room, body.offset, body.data);
-    else this.control(to, conn, body);
-  }
-
-  private control(to: Node, conn: SimConn, body: ControlMsg): void {
+  /** A room or same-host message node `to` received on `conn`: to its executor. */
+  private control(to: Node, conn: SimConn, body: PeerMsg): void {
+    if ('room' in body) this.tr(to.name, body.room, `← ${body.type}${body.type === 'fail' ? ` (${body.code}: ${body.detail})` : ''}`);
     if (body.type === 'kv_file') this.stats.sameHost++;
     if (body.type === 'kv_file_refused') this.stats.fileRefused++;
     this.dirty = true;
-    if (to.pe) to.pe.onControl(conn, body);
-    else to.de?.onControl(conn, body);
-  }
-
-  /** Decode's end of a striped connection: every frame through the shipped reassembly (../kv/stripes.ts), as PeerConn.onFrame. */
-  private striped(to: Node, l: Link, body: ControlMsg | ChunkBody): void {
-    const reorder = l.reorder!;
-    const conn = l.conn!;
-    try {
-      if (body.type === 'chunk') {
-        const held = reorder.heldBytes;
-        reorder.chunk(body.room, body.offset, body.data);
-        if (reorder.heldBytes > held) {
-          this.stats.stripeHeld++;
-          this.tr(to.name, body.room, `striped chunk at ${body.offset} held for the bytes before it`);
-        }
-        return;
-      }
-      if (body.type === 'kv_begin') {
-        reorder.begin(body.room, body.totalBytes);
-        l.order!.begin(body.room, body.totalBytes);
-        this.control(to, conn, body);
-        reorder.drain();
-        return;
-      }
-      if (body.type === 'kv_end' && !reorder.end(body.room, body, body.totalBytes)) {
-        this.tr(to.name, body.room, 'kv_end held until its bytes are in');
-        return;
-      }
-      if (body.type === 'kv_end') l.order!.end(body.room, body.totalBytes);
-      if (body.type === 'fail') {
-        reorder.forget(body.room);
-        l.order!.forget(body.room);
-      }
-      this.control(to, conn, body);
-    } catch (err) {
-      // The reassembly refused a frame (an overlap, the held-bytes cap): the whole striped connection closes.
-      this.tr('sim', 'room' in body ? body.room : undefined, `${to.name}: striped connection refused a frame (${(err as Error).message}): closing it`);
-      this.closePair(to, l, `striped connection closed: ${(err as Error).message}`);
-    }
-  }
-
-  /** The connection to the peer is up: a new connection object unless one is current (decode probes it for the same host). */
-  private connect(n: Node, l: Link): void {
-    l.connected = true;
-    if (l.conn) return;
-    const link = {
-      alive: (c: SimConn) => n.up && l.connected && l.conn === c,
-      control: (c: SimConn, msg: ControlMsg) => {
-        if (l.conn !== c) return false;
-        if (l.reorder && (msg.type === 'kv_ack' || msg.type === 'fail')) {
-          l.reorder.forget(msg.room); // as PeerConn.sendControl
-          l.order?.forget(msg.room);
-        }
-        return this.send(n, l.peer, msg);
-      },
-      chunk: (c: SimConn, room: RoomId, offset: number, data: Buffer) => l.conn === c && this.send(n, l.peer, { type: 'chunk', room, offset, data }),
-    };
-    const conn = (l.conn = new SimConn(`${l.knownPeerEpoch}#${++l.connSeq}`, l.knownPeerEpoch ?? '', link));
-    l.rr = 0;
-    if (n.de && this.kvStreams > 1) {
-      const de = n.de;
-      const order = (l.order = new StreamOrder(this.checks, n.name));
-      l.reorder = new StripeReorder(
-        {
-          chunk: (room, offset, data) => {
-            order.chunk(room, offset, data.length);
-            de.onChunk(conn, room, offset, data);
-          },
-          end: (room, msg) => {
-            order.end(room, (msg as { totalBytes?: number }).totalBytes);
-            this.dirty = true;
-            de.onControl(conn, msg as ControlMsg);
-          },
-          paused: () => false,
-          // a sim link has no socket reads to stop, and its states (≤ SIM_MAX_STATE_BYTES) stay
-          // below the per-socket hold mark (SOCKET_HOLD_HIGH): never called
-          holdSocket: () => {},
-          releaseSocket: () => {},
-        },
-        SIM_MAX_STATE_BYTES,
-      );
-    }
-    if (n.de && this.sameHost) conn.sendControl({ type: 'same_host_probe', boot: 'sim', pidns: 'sim', file: '' });
-  }
-
-  /** The peer is gone (silent, restarted, or its connection closed): fail every room bound to the connection. */
-  private lost(n: Node, l: Link, detail: string): void {
-    const conn = l.conn;
-    l.conn = undefined;
-    l.reorder?.clear();
-    l.reorder = undefined;
-    l.order = undefined;
-    if (!conn) return;
-    this.dirty = true;
-    n.pe?.peerLost(conn, detail);
-    n.de?.peerLost(conn, detail);
-  }
-
-  /** Both ends of the pair's connection close (its sockets' frames in flight are gone); heartbeats reconnect them. */
-  private closePair(n: Node, l: Link, detail: string): void {
-    const key = this.pairKey(n.name, l.peer);
-    this.gens.set(key, (this.gens.get(key) ?? 0) + 1);
-    const peer = this.node(l.peer);
-    for (const [side, sl] of [[n, l], [peer, peer.links.get(n.name)!]] as const) {
-      if (!side.up || !sl.connected) continue;
-      sl.connected = false;
-      this.lost(side, sl, detail);
-    }
+    if (to.pe) to.pe.onControl(conn, body as ControlMsg);
+    else to.de?.onControl(conn, body as ControlMsg);
   }
 
   /** One stripe socket of decode `d`'s connection dies: as PeerConn.terminate, the whole striped connection ends on both sides. */
   private loseStripe(d: Node): void {
-    const l = d.links.get('P')!;
-    if (!d.up || !this.nodes.P.up || !l.connected || !l.conn) return;
+    if (!d.up || !this.nodes.P.up) return;
+    if (!this.net.loseStripe(d.name)) return;
     this.stats.stripeLost++;
     this.tr('sim', undefined, `${d.name}: stripe 2 of its connection to P lost: the striped connection ends`);
-    this.closePair(d, l, 'stripe lost: its striped connection ended');
-  }
-
-  private heartbeat(n: Node): void {
-    if (!n.up) return;
-    for (const l of n.links.values()) {
-      if (l.connected && this.now - l.lastHeard > 2 * HB_MS) {
-        l.connected = false;
-        this.tr('sim', undefined, `${n.name}: ${l.peer} silent for ${this.now - l.lastHeard} ms > 2 heartbeats: peer lost`);
-        this.lost(n, l, `heartbeat: ${l.peer} silent for 2 intervals`);
-      }
-      if (l.knownPeerEpoch) this.send(n, l.peer, { type: 'ping', seq: 0 });
-    }
   }
 
   /** The watchdog timer of a node, then the deadline checks. */
   private tick(n: Node): void {
     if (!n.up) return;
+    const fz = this.frozen.get(n.name);
+    if (fz && this.now < fz.until) return; // its loop is paused: the first tick after the freeze catches up
     n.pe?.tick();
     n.de?.tick();
     this.checks.deadlines(n.name, n.table, n.terminals, TICK_MS, n.wedged);
@@ -805,12 +689,15 @@ export class World {
 
   private http(to: Node, fn: (n: Node) => void, onDown?: () => void): void {
     const d = 0.5 + this.rng.float() * 3;
-    this.at(this.now + d, () => {
-      if (to.up) {
-        this.dirty = true;
-        fn(to);
-      } else onDown?.();
-    });
+    this.onNode(
+      to.name,
+      this.now + d,
+      () => {
+        if (to.up) fn(to);
+        else onDown?.();
+      },
+      false,
+    );
   }
 
   private dispatch(req: Req, side: Leg): void {

@@ -20,6 +20,8 @@ import { PrefillEffects } from '../../src/prefill/effects.js';
 import { StripeReorder } from '../../src/kv/stripes.js';
 import { AttemptPlan, type PlanState } from '../../src/router/plan.js';
 import { DEFAULT_MIGRATION_LIMIT } from '../../src/router/config.js';
+import { Heartbeat } from '../../src/kv/heartbeat.js';
+import { SendRotation } from '../../src/kv/send-rotation.js';
 
 const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 2_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
@@ -245,4 +247,70 @@ test('simMain: exit codes and output', async () => {
   assert.match(lines.join('\n'), /full trace:/);
   assert.equal(await simMain(['--seeds'], () => {}), 2);
   assert.equal(await simMain(['--seeds', 'x'], () => {}), 2);
+});
+
+test("the worlds run the shipped connection core: a planted bug in the heartbeat's stall rule is caught", async () => {
+  // The stall rule reads any lateness, even none, as this process's own stall: the peer's budget
+  // restarts at every check, so a crashed peer is never found and its rooms are never failed.
+  const hb = Heartbeat.prototype as unknown as { check(): unknown };
+  const check = hb.check;
+  hb.check = function (this: { clock: { nowMs(): number }; dueAt: number; lastRx: number }) {
+    const now = this.clock.nowMs();
+    this.lastRx = now;
+    return { k: 'stalled', lateMs: Math.round(now - this.dueAt) };
+  };
+  try {
+    const res = await runSeeds(FROM, 120, { rooms: 12, log: null });
+    assert.ok((res.violationsByKind.peer_loss_late ?? 0) > 0, `a crashed peer's rooms outlive the heartbeat's bound: ${JSON.stringify(res.violationsByKind)}`);
+  } finally {
+    hb.check = check;
+  }
+  assert.equal((await runSeeds(FROM, 40, { rooms: 12, log: null })).failures.length, 0);
+});
+
+test("the worlds run the shipped connection core: the heartbeat without its stall rule blames the peer for the node's own freeze, and is caught", async () => {
+  // The planted rule judges silence alone: a node whose host was paused wakes up, finds the
+  // peer silent for the whole pause (its frames are still being retransmitted) and drops a
+  // connection whose only fault was its own stall.
+  const hb = Heartbeat.prototype as unknown as { check(): unknown };
+  const check = hb.check;
+  hb.check = function (this: { clock: { nowMs(): number }; lastRx: number; budgetMs: number; intervalMs: number; missBudget: number }) {
+    const silentMs = Math.round(this.clock.nowMs() - this.lastRx);
+    if (silentMs >= this.budgetMs) return { k: 'lost', silentMs, reason: `peer silent for ${silentMs} ms (heartbeat ${this.intervalMs} ms, budget ${this.missBudget} intervals)` };
+    return { k: 'ok' };
+  };
+  try {
+    const res = await runSeeds(FROM, 120, { rooms: 12, log: null });
+    assert.ok(res.totals.freezes > 0, 'nodes freeze');
+    assert.ok((res.violationsByKind.blamed_peer ?? 0) > 0, `the peer is blamed for the node's own freeze: ${JSON.stringify(res.violationsByKind)}`);
+  } finally {
+    hb.check = check;
+  }
+  const clean = await runSeeds(FROM, 120, { rooms: 12, log: null });
+  assert.equal(clean.failures.length, 0);
+  assert.ok(clean.totals.ownStalls > 0, `the shipped rule saw the freezes as its own stalls: ${clean.totals.ownStalls}`);
+});
+
+test('the worlds send through the shipped send rotation: a planted bug in the scheduler is caught', async () => {
+  // The rotation serves the first transfer until it has nothing ready (first come, first served):
+  // a room behind a long transfer waits for its end, not for one turn.
+  const r = SendRotation.prototype as unknown as { round(): void };
+  const round = r.round;
+  r.round = function (this: { sending: { ready: boolean; step(): number }[]; gate(n: number): boolean; turnBytes: number }) {
+    const list = this.sending;
+    while (list.length > 0 && this.gate(this.turnBytes)) {
+      const o = list[0]!;
+      const n = o.ready ? o.step() : 0;
+      if (list[0] !== o) continue;
+      if (n === 0) return;
+      this.turnBytes += n;
+    }
+  };
+  try {
+    const res = await runSeeds(FROM, 120, { rooms: 12, log: null });
+    assert.ok((res.violationsByKind.unfair_send ?? 0) > 0, `a transfer waits past its turn: ${JSON.stringify(res.violationsByKind)}`);
+  } finally {
+    r.round = round;
+  }
+  assert.equal((await runSeeds(FROM, 40, { rooms: 12, log: null })).failures.length, 0);
 });
