@@ -168,6 +168,23 @@ describe('tenants: one per API key', () => {
     assert.equal(await cached(OTHER_KEY, q), 0, "without it the key's own partition: nothing");
   });
 
+  test('/v1/responses takes cache_salt as chat does: salted by the key without it, shared across keys with the same one', async () => {
+    const viaResponses = async (key: string, input: string, salt?: string): Promise<number> => {
+      const r = await sdk(key).responses.create({ model: 'pdserve', input, max_output_tokens: 2, temperature: 0, store: false, ...(salt ? { cache_salt: salt } : {}) } as OpenAI.Responses.ResponseCreateParamsNonStreaming);
+      return r.usage?.input_tokens_details.cached_tokens ?? -1;
+    };
+    const p = promptOf(300, 44);
+    assert.equal(await viaResponses(API_KEY, p, 'team-9'), 0, 'cold');
+    const shared = await viaResponses(OTHER_KEY, p, 'team-9');
+    assert.ok(shared > 200, `the same cache_salt shares across keys on /v1/responses: ${shared}`);
+    assert.equal(await viaResponses(OTHER_KEY, p), 0, "without it the key's own partition: nothing");
+    const own = await viaResponses(OTHER_KEY, p);
+    assert.ok(own > 200, `the key reuses its own partition: ${own}`);
+    const bad = await fetch(`${c.router.url}/v1/responses`, { method: 'POST', headers: { ...bearer(API_KEY), 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', input: 'x', cache_salt: '' }), signal: AbortSignal.timeout(15_000) });
+    assert.equal(bad.status, 400, 'an empty cache_salt is refused as on chat');
+    assert.equal(((await bad.json()) as { error: { param: string } }).error.param, 'cache_salt');
+  });
+
   test("another key gets 404 for a stored Response (get, input_items, delete) and 400 for its previous_response_id; the owner keeps it", async () => {
     const created = await sdk(API_KEY).responses.create({ model: 'pdserve', input: 'the river ran', max_output_tokens: 3, temperature: 0 });
     const id = created.id;

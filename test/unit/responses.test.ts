@@ -43,6 +43,17 @@ describe('Responses request → chat request', () => {
     assert.equal(p.store, true, 'store defaults to true');
   });
 
+  test('cache_salt: passed to the chat request as chat takes it (same bounds), absent when not given', () => {
+    const p = parseResponsesRequest({ input: 'hello', cache_salt: 'team-7' }, store());
+    assert.equal(p.chat.cache_salt, 'team-7');
+    assert.ok(!('cache_salt' in parseResponsesRequest({ input: 'hello' }, store()).chat));
+    for (const bad of ['', 'x'.repeat(257), 7]) {
+      const e = err(() => parseResponsesRequest({ input: 'hello', cache_salt: bad }, store()));
+      assert.equal(e.status, 400, JSON.stringify(bad));
+      assert.equal(e.param, 'cache_salt');
+    }
+  });
+
   test('items: text parts joined, developer as system, consecutive calls one assistant turn, outputs as tool messages', () => {
     const p = parseResponsesRequest(
       {
