@@ -239,9 +239,9 @@ const UNAVAILABLE_WAIT_HELP = 'a request finding every worker of a role draining
 
 /** `--sse-keepalive-ms` (router and `up`): see ../router/keepalive.ts. */
 const SSE_KEEPALIVE_HELP = "a streamed request silent this long (waiting for a worker, its first token or the next) gets an SSE comment ': keep-alive', so an idle proxy in front does not cut it (0 = never)";
-/** `--client-write-deadline-ms` and `--client-max-buffered-bytes` (router): ../runtime/send-queue.ts. */
-const CLIENT_DEADLINE_HELP = 'every byte written to a streaming client must be delivered within this (ms) of its write, else the client is cut and its request aborted (a stalled or too slow reader)';
-const CLIENT_BUFFER_HELP = 'most bytes queued for one streaming client (bytes, or with K/M/G; 64K-1G; default 4M) before it is cut and its request aborted';
+/** `--client-write-deadline-ms` and `--client-max-buffered-bytes` (router, colocated): ../runtime/send-queue.ts. */
+const CLIENT_DEADLINE_HELP = 'every byte written to a client (a stream, or a non-streamed body of 64 KiB or more) must be delivered within this (ms) of its write, else the client is cut and its request aborted (a stalled or too slow reader)';
+const CLIENT_BUFFER_HELP = 'most bytes queued for one client (bytes, or with K/M/G; 64K-1G; default 4M) before it is cut and its request aborted';
 
 /** `--leg-silence-timeout-ms` (router and `up`): see ../router/dispatch.ts `watchSilence`. */
 const LEG_SILENCE_HELP = "a decode worker whose stream goes silent this long mid-generation (no token: a stopped or frozen process) is marked frozen and the request migrates, as after a crash (0 = no bound)";
@@ -453,11 +453,13 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--max-tool-calls <n>', MAX_TOOL_CALLS_HELP, int, DEFAULT_MAX_TOOL_CALLS)
     .option('--schema-max-nodes <n>', SCHEMA_MAX_NODES_HELP, int, DEFAULT_SCHEMA_MAX_NODES)
     .option('--schema-max-enum-values <n>', SCHEMA_MAX_ENUM_HELP, int, DEFAULT_SCHEMA_MAX_ENUM_VALUES)
+    .option('--client-write-deadline-ms <ms>', CLIENT_DEADLINE_HELP, int, DEFAULT_SEND_QUEUE_LIMITS.deadlineMs)
+    .option('--client-max-buffered-bytes <size>', CLIENT_BUFFER_HELP, cliParser(parseBufferedBytes), DEFAULT_SEND_QUEUE_LIMITS.maxBufferedBytes)
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList)))))
     .action(async (o) => {
       const { startColocated } = await import('../colocated/server.js');
       const model = await modelPath(o.model, 'colocated');
-      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], grammarBudgetMs: o.grammarBudgetMs, ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
+      await serve('colocated', o, async () => startColocated({ host: o.host, port: o.port, slots: o.slots, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, corsOrigin: o.corsOrigin ?? [], httpTimeouts: httpTimeoutsOf(o), ...accessOf('colocated', o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], grammarBudgetMs: o.grammarBudgetMs, ...prefixCacheConfig(o), ...gpuConfig(o) } }, createLogger('colocated')));
     });
 
   internalTlsFlags(secretFlags(accessFlags(lifecycleOptions(program

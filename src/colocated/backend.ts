@@ -11,6 +11,7 @@ import type { Engine, Slot } from '../engine/types.js';
 import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
 import { systemClock } from '../base/clock.js';
 import type { SequenceKvTracker } from '../worker/kv-tracker.js';
+import { hold, holdsEnabled } from '../runtime/testhooks.js';
 
 /** A request being served, as shown in /debug/rooms (colocated has no rooms: path 'colocated'). */
 export interface ColocatedRunning {
@@ -115,6 +116,7 @@ export class ColocatedBackend {
       const key = this.kvTracker ? body.conversation_key : undefined;
       const ids: number[] = [];
       for (;;) {
+        if (holdsEnabled) await hold('decode.step', signal);
         const r = await g.next();
         if (r.done) {
           if (key && r.value !== 'abort') this.kvTracker!.noteFinished(key, [...tokens, ...ids], tokens.length, body.cache_salt);

@@ -31,6 +31,9 @@ import { KvEventLog } from '../protocol/kv-events.js';
 import { registerKvEventsRoute } from '../worker/kv-events-route.js';
 import { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { conversationKey } from '../protocol/conversation-key.js';
+import { SendQueueWatch } from '../runtime/send-queue.js';
+import { registerBodyWatch } from '../api/body-watch.js';
+import { isLoopback } from '../api/loopback.js';
 
 /** A running colocated server. */
 export interface ColocatedServer {
@@ -61,6 +64,8 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents) : null;
   backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics, kvTracker);
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
+  // stalled and too-slow readers (../runtime/send-queue.ts): streams, n > 1, Responses and large non-streamed bodies
+  const sendWatch = new SendQueueWatch({ deadlineMs: config.clientWriteDeadlineMs, maxBufferedBytes: config.clientMaxBufferedBytes }, { registry: metrics.registry });
   let access: Access | undefined;
   const app = createWorkerApp({
     log,
@@ -77,11 +82,12 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
       registerAdmission(a, config.admission, metrics.registry);
     },
   });
+  registerBodyWatch(app, sendWatch, log);
 
   const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
     // n > 1 / batched prompts: one local sub-request per choice, merged (api/fanout.ts).
     const subs = planFanOut(kind, req.body);
-    if (subs) return serveFanOut(req, reply, kind, subs);
+    if (subs) return serveFanOut(req, reply, kind, subs, undefined, sendWatch);
     const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(req.body, { schemaLimits });
     parsed.salt = cacheSaltOf(tenantOf(req), parsed.cacheSalt);
     checkModelName(parsed.model, names);
@@ -104,7 +110,8 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
       // First event before committing to a 200 stream, so early errors are plain HTTP errors.
       const first = await events.next();
       reply.hijack();
-      const sse = new SseWriter(reply.raw, { headers: { 'x-request-id': rid } });
+      // a loopback sub-request (n > 1, Responses) is not watched: the response to the client is
+      const sse = new SseWriter(reply.raw, { headers: { 'x-request-id': rid }, ...(isLoopback(req) ? {} : { watch: sendWatch }) });
       try {
         let r = first;
         while (!r.done) {
@@ -114,6 +121,8 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
         for (const ch of builder.tail()) await sse.write(ch);
         await sse.write(SSE_DONE);
       } catch (err) {
+        // cut for reading too slowly: the connection is gone, the generation aborted with it (onClientGone)
+        if (sse.cutError) log.warn({ rid, outcome: 'client_abort', err: sse.cutError.message }, 'client cut: the stream was not read in time');
         const e = apiErrorOf(err);
         if (!sse.closed) await sse.write(e.toBody()).catch(() => {});
       } finally {
@@ -133,7 +142,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
   registerKvEventsRoute(app, kvEvents);
-  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs, registry: metrics.registry });
+  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs, watch: sendWatch, registry: metrics.registry });
   const url = await listenUrl(app, config.host, config.port);
   log.info({ url, access: access?.describe() }, 'colocated server ready');
   if (access?.apiOpen) log.warn('the colocated server is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');

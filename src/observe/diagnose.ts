@@ -507,9 +507,9 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       add({
         severity: moved > 0 ? 'warning' : 'info',
         kind: 'slow_clients',
-        title: moved > 0 ? `router: ${moved} streaming client(s) cut for reading too slowly since the previous round` : `router: ${total} streaming client(s) cut for reading too slowly since start`,
+        title: moved > 0 ? `router: ${moved} client(s) cut for reading too slowly since the previous round` : `router: ${total} client(s) cut for reading too slowly since start`,
         details: by.filter((x) => x.n > 0).map((x) => `${x.reason}: ${x.n}`),
-        cause: 'clients that stopped reading their stream (stalled: nothing drained within --client-write-deadline-ms) or let too much queue up (over_buffer: --client-max-buffered-bytes); their requests were aborted, their slots freed',
+        cause: 'clients that stopped reading their stream or a large response (stalled: nothing drained within --client-write-deadline-ms) or let too much queue up (over_buffer: --client-max-buffered-bytes); their requests were aborted, their slots freed',
         next: [`curl -sS ${routerUrl}/metrics | grep pdserve_client_cut_total`, 'a proxy in front buffering, or clients on slow links: raise the router flags; else the clients are the problem'],
         weight: moved || total,
       });

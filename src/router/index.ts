@@ -26,6 +26,7 @@
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
 import { SendQueueWatch } from '../runtime/send-queue.js';
+import { bodyPending, registerBodyWatch } from '../api/body-watch.js';
 import { BUILD, protocolVersion } from '../base/version.js';
 import { registerHoldRoute } from '../runtime/testhooks.js';
 import { systemClock } from '../base/clock.js';
@@ -215,6 +216,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   registerAdmission(app, config.admission, metrics.registry);
   const drain = new DrainGate('router');
   drain.install(app);
+  // a large non-streamed body under the same send-queue watch as the streams (../api/body-watch.ts)
+  registerBodyWatch(app, sendWatch, log);
   // Every response names its rid (errors included); hijacked streams set it themselves.
   // Callback style (no promise per request); on every route, so it runs after the drain gate's.
   app.addHook('onRequest', (request, reply, done) => {
@@ -273,7 +276,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
       const label = (request.body as { request_id?: unknown }).request_id;
       if (typeof label === 'string') traces.label(String(request.id), label);
       await serveAttempts(attemptDeps, request, reply, parsed, member);
-      if (!reply.sent) {
+      if (!reply.sent && !bodyPending(reply)) {
         // Client gone before any response: nothing to send.
         reply.hijack();
         if (!reply.raw.destroyed) reply.raw.destroy();

@@ -9,6 +9,7 @@ import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from './cluster-secret.js';
 import { HttpTimeoutsSchema } from './http-timeouts.js';
+import { DEFAULT_SEND_QUEUE_LIMITS } from './send-queue.js';
 
 const port = z.number().int().min(0).max(65535);
 
@@ -240,6 +241,10 @@ export const ColocatedConfigSchema = z.object({
   tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
   /** Admission at the edge (src/api/admission.ts). */
   admission: AdmissionSchema,
+  /** What was written to a client must be delivered within this, ms (`--client-write-deadline-ms`; ./send-queue.ts). */
+  clientWriteDeadlineMs: z.number().int().min(100).default(DEFAULT_SEND_QUEUE_LIMITS.deadlineMs),
+  /** Most bytes queued for one client (`--client-max-buffered-bytes`; ./send-queue.ts). */
+  clientMaxBufferedBytes: z.number().int().min(64 * 1024).max(1024 ** 3).default(DEFAULT_SEND_QUEUE_LIMITS.maxBufferedBytes),
 });
 export type ColocatedConfig = Readonly<z.infer<typeof ColocatedConfigSchema>>;
 

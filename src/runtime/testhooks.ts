@@ -13,7 +13,7 @@ export type HoldPoint =
   | 'decode.register'
   /** decode: all KV bytes received, before validation and load. */
   | 'decode.load'
-  /** decode: before each generated token is sampled (a slow generation, to catch a stream mid-way). */
+  /** decode and colocated: before each generated token is sampled (a slow generation, to catch a stream mid-way). */
   | 'decode.step'
   /** decode: decode-local room holds its slot, before the suffix is evaluated. */
   | 'decode.local_prefill'

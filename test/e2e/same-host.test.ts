@@ -13,9 +13,11 @@
  *    for n = 2, same host), the client gets `kv_state_too_large` naming the flag at once — one
  *    attempt, no retry or migration — nothing stays behind, and the next request is served.
  *  - a client that stops reading a long stream (a raw socket, paused) — n = 1, n = 3 and
- *    /v1/responses: cut within the router's --client-write-deadline-ms once its queue stops
- *    draining, counted (pdserve_client_cut_total{reason="stalled"}), its rooms aborted and the
- *    decode slots freed long before the stream would have ended;
+ *    /v1/responses, on the router and on colocated: cut within --client-write-deadline-ms once
+ *    its queue stops draining, counted (pdserve_client_cut_total{reason="stalled"}), its rooms
+ *    aborted and the slots freed long before the stream would have ended; a client that stops
+ *    reading a large non-streamed body (~1 MB) is cut and counted the same way on both, while
+ *    a reading client gets the whole body with its content-length;
  *  - the state directory full (its own 64 MiB tmpfs, root only, filled by a file): the client
  *    gets 507 `state_dir_full` at once, one save tried and never again on that host, prefill's
  *    /health `degraded`, the router's /workers row `degraded`, doctor's `state_dir_full` finding,
@@ -27,7 +29,7 @@
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readdirSync, rmSync, statfsSync, writeFileSync } from 'node:fs';
-import { connect } from 'node:net';
+import { connect, type Socket } from 'node:net';
 import { join } from 'node:path';
 import { after, describe, test } from 'node:test';
 import { busy, getJson, promptOf, useStack, waitFor } from '../helpers/stack.js';
@@ -69,7 +71,7 @@ const h = useStack({
   env: { PDSERVE_TEST_HOLDS: 'on' },
   // A request whose only prefill was killed waits for one until its deadline (--worker-wait-ms):
   // 6 s here, not the default 300 s (cut short by the client's 30 s), so the kill cases end soon.
-  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir, '--max-state-bytes', MAX_STATE], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS), '--client-write-deadline-ms', String(CLIENT_DEADLINE_MS)] },
+  extraArgs: { prefill: ['--state-dir', dir], decode: ['--state-dir', dir, '--max-state-bytes', MAX_STATE], router: ['--decode-policy', 'round_robin', '--request-timeout-ms', String(REQUEST_DEADLINE_MS), '--client-write-deadline-ms', String(CLIENT_DEADLINE_MS)], colocated: ['--client-write-deadline-ms', String(CLIENT_DEADLINE_MS)] },
   extraArgsOf: { 'decode-1': ['--no-kv-same-host'] },
 });
 
@@ -77,6 +79,22 @@ const proc = (name: string) => h.c.procs.find((p) => p.name === name)!;
 const setHolds = (name: string, spec: string) => fetch(`${proc(name).url}/debug/test-holds`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: spec });
 /** State files of rooms (not decode's spare received-state files, `pdserve-kvrecv-*`, kept by a live decode for the next TCP handoff). */
 const stateFiles = () => readdirSync(dir).filter((n) => (n.endsWith('.ggsq') || n.endsWith('.nonce')) && !n.startsWith('pdserve-kvrecv-'));
+
+/** pdserve_client_cut_total{reason="stalled"} of the router or colocated server at `url`. */
+const cuts = async (url: string) => Number(/^pdserve_client_cut_total\{reason="stalled"\} (\d+)/m.exec(await (await fetch(`${url}/metrics`)).text())?.[1] ?? NaN);
+
+/** A raw HTTP/1.1 POST of `body` to `url` + `path` whose socket never reads (paused) until resumed; `received` counts the bytes read after, `closedAt` when it closed. */
+function stalledReader(url: string, path: string, body: Record<string, unknown>): Socket & { closedAt: number; received: number } {
+  const u = new URL(url);
+  const json = JSON.stringify(body);
+  const sock = Object.assign(connect(Number(u.port), u.hostname), { closedAt: 0, received: 0 });
+  sock.pause(); // never read a byte: the kernel queues fill, then the server's
+  sock.on('data', (b: Buffer) => (sock.received += b.length));
+  sock.on('close', () => (sock.closedAt = Date.now()));
+  sock.on('error', () => {});
+  sock.write(`POST ${path} HTTP/1.1\r\nhost: ${u.host}\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(json)}\r\n\r\n${json}`);
+  return sock;
+}
 
 /** pdserve_kv_handoffs_total by path of one worker. */
 async function handoffs(name: string): Promise<Record<string, number>> {
@@ -234,45 +252,67 @@ describe('same-host KV handoff (kv_file)', () => {
     const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: promptOf(80, 9), max_tokens: 4, temperature: 0 }).then(() => true, () => false)), 15_000, 300);
     assert.ok(ok, 'a request succeeds after the prefill restart');
   });
-  test('a client that stops reading a long stream is cut within the write deadline, counted, its rooms aborted and the decode slots freed (n = 1, n = 3, Responses)', async () => {
-    const cuts = async () => Number(/^pdserve_client_cut_total\{reason="stalled"\} (\d+)/m.exec(await (await fetch(`${h.c.router.url}/metrics`)).text())?.[1] ?? NaN);
-    const live = async () => (await Promise.all(['decode-0', 'decode-1'].map(async (n) => (await getJson<{ live: unknown[] }>(`${proc(n).url}/debug/rooms`)).live.length))).reduce((a, b) => a + b, 0);
-    const router = new URL(h.c.router.url);
-    // generation slowed to 2 ms a token: 3000 tokens would take 6 s, the router's whole deadline
-    for (const d of ['decode-0', 'decode-1']) await setHolds(d, 'decode.step=2');
-    try {
-      const cases: [string, string, Record<string, unknown>][] = [
-        ['n = 1', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, logprobs: 5, stream: true }],
-        ['n = 3', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, n: 3, logprobs: 5, stream: true }],
-        ['Responses', '/v1/responses', { model: 'pdserve', input: 'Once upon a time', max_output_tokens: 3000, temperature: 0, stream: true }],
-      ];
-      for (const [label, path, body] of cases) {
-        const before = await cuts();
-        const json = JSON.stringify(body);
-        const sock = connect(Number(router.port), router.hostname);
-        sock.pause(); // never read a byte: the kernel queues fill, then the router's
-        let closedAt = 0;
-        sock.on('close', () => (closedAt = Date.now()));
-        sock.on('error', () => {});
-        sock.write(`POST ${path} HTTP/1.1\r\nhost: ${router.host}\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(json)}\r\n\r\n${json}`);
-        const t0 = Date.now();
-        assert.ok(await waitFor(async () => (await cuts()) === before + 1, REQUEST_DEADLINE_MS - 500, 50), `${label}: the stalled reader was cut before the request's deadline (${await cuts()} cuts)`);
-        const ms = Date.now() - t0;
-        assert.ok(await waitFor(async () => (await live()) === 0, 1500, 50), `${label}: its rooms were aborted, the decode slots are free`);
-        sock.resume(); // read what was queued: the router's end of the connection is closed behind it
-        assert.ok(await waitFor(async () => closedAt > 0, 3000, 20), `${label}: the router closed the connection`);
-        assert.ok(ms >= CLIENT_DEADLINE_MS, `${label}: not before the deadline (${ms} ms)`);
-        console.log(`# ${label}: cut after ${ms} ms`);
-        sock.destroy();
+  test('a client that stops reading a long stream is cut within the write deadline, counted, its rooms aborted and the slots freed (router and colocated; n = 1, n = 3, Responses)', async () => {
+    const servers = [
+      { name: 'colocated', url: h.c.colocated!.url, slowed: ['colocated'], live: async () => (await getJson<{ live: unknown[] }>(`${h.c.colocated!.url}/debug/rooms`)).live.length },
+      { name: 'router', url: h.c.router.url, slowed: ['decode-0', 'decode-1'], live: async () => (await Promise.all(['decode-0', 'decode-1'].map(async (n) => (await getJson<{ live: unknown[] }>(`${proc(n).url}/debug/rooms`)).live.length))).reduce((a, b) => a + b, 0) },
+    ];
+    for (const srv of servers) {
+      // generation slowed to 2 ms a token: 3000 tokens would take 6 s, the router's whole deadline
+      for (const d of srv.slowed) await setHolds(d, 'decode.step=2');
+      try {
+        const cases: [string, string, Record<string, unknown>][] = [
+          ['n = 1', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, logprobs: 5, stream: true }],
+          ['n = 3', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, n: 3, logprobs: 5, stream: true }],
+          ['Responses', '/v1/responses', { model: 'pdserve', input: 'Once upon a time', max_output_tokens: 3000, temperature: 0, stream: true }],
+        ];
+        for (const [label, path, body] of cases) {
+          const before = await cuts(srv.url);
+          const sock = stalledReader(srv.url, path, body);
+          const t0 = Date.now();
+          assert.ok(await waitFor(async () => (await cuts(srv.url)) === before + 1, REQUEST_DEADLINE_MS - 500, 50), `${srv.name} ${label}: the stalled reader was cut before the request's deadline (${await cuts(srv.url)} cuts)`);
+          const ms = Date.now() - t0;
+          assert.ok(await waitFor(async () => (await srv.live()) === 0, 1500, 50), `${srv.name} ${label}: its rooms were aborted, the slots are free`);
+          sock.resume(); // read what was queued: the server's end of the connection is closed behind it
+          assert.ok(await waitFor(async () => sock.closedAt > 0, 3000, 20), `${srv.name} ${label}: the server closed the connection`);
+          assert.ok(ms >= CLIENT_DEADLINE_MS, `${srv.name} ${label}: not before the deadline (${ms} ms)`);
+          console.log(`# ${srv.name} ${label}: cut after ${ms} ms`);
+          sock.destroy();
+        }
+      } finally {
+        for (const d of srv.slowed) await setHolds(d, '');
       }
-    } finally {
-      for (const d of ['decode-0', 'decode-1']) await setHolds(d, '');
+      // a reader that reads is not cut: the next stream ends with [DONE]
+      const s = await (srv.name === 'router' ? h.pd : h.ref).completions.create({ model: 'pdserve', prompt: 'Once upon a time', max_tokens: 200, ignore_eos: true, temperature: 0, logprobs: 5, stream: true } as never);
+      let n = 0;
+      for await (const _ of s as unknown as AsyncIterable<unknown>) n++;
+      assert.ok(n >= 200, `${srv.name}: a reading client gets its whole stream (${n} chunks)`);
     }
-    // a reader that reads is not cut: the next stream ends with [DONE]
-    const s = await h.pd.completions.create({ model: 'pdserve', prompt: 'Once upon a time', max_tokens: 200, ignore_eos: true, temperature: 0, logprobs: 5, stream: true } as never);
-    let n = 0;
-    for await (const _ of s as unknown as AsyncIterable<unknown>) n++;
-    assert.ok(n >= 200, `a reading client gets its whole stream (${n} chunks)`);
+  });
+
+  test('a client that stops reading a large non-streamed response is cut within the write deadline and counted (router and colocated); a reading client gets the whole body', async () => {
+    // chat with top-20 logprobs: ~1.2 KB a token, a body far over what a reader's kernel takes while it does not read (its receive buffer)
+    const body = { model: 'pdserve', messages: [{ role: 'user', content: 'Once upon a time' }], max_tokens: 900, ignore_eos: true, temperature: 0, logprobs: true, top_logprobs: 20 };
+    for (const srv of [{ name: 'colocated', url: h.c.colocated!.url }, { name: 'router', url: h.c.router.url }]) {
+      const whole = await fetch(`${srv.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(30_000) });
+      assert.equal(whole.status, 200, `${srv.name}: ${whole.status}`);
+      const text = await whole.text();
+      const size = Buffer.byteLength(text);
+      assert.equal(Number(whole.headers.get('content-length')), size, `${srv.name}: the content-length is the body's length`);
+      assert.equal((JSON.parse(text) as { choices: { logprobs: { content: unknown[] } }[] }).choices[0]!.logprobs.content.length, 900, `${srv.name}: a reading client gets the whole body`);
+      assert.ok(size > 768 << 10, `${srv.name}: the body (${size} bytes) is large enough to park in the queues`);
+      const before = await cuts(srv.url);
+      const sock = stalledReader(srv.url, '/v1/chat/completions', body);
+      const t0 = Date.now();
+      assert.ok(await waitFor(async () => (await cuts(srv.url)) === before + 1, 20_000, 50), `${srv.name}: the stalled reader of a ${size}-byte body was cut (${await cuts(srv.url)} cuts)`);
+      const ms = Date.now() - t0;
+      // what the server's kernel had queued still arrives (a close does not discard it), then the end
+      sock.resume();
+      assert.ok(await waitFor(async () => sock.closedAt > 0, 3000, 20), `${srv.name}: the server closed the connection`);
+      assert.ok(ms >= CLIENT_DEADLINE_MS, `${srv.name}: not before the deadline (${ms} ms)`);
+      console.log(`# ${srv.name} non-streamed ${size} bytes: cut after ${ms} ms, ${sock.received} bytes read`);
+      sock.destroy();
+    }
   });
 
   test('a full state directory: 507 state_dir_full at once, not retried on the host; /health degraded, /workers, doctor and metrics say so; served again once space frees up', async (t) => {

@@ -58,7 +58,7 @@ function snap(workers: WorkerProbe[], inflight = 0): ClusterSnapshot {
 }
 
 describe('diagnose', () => {
-  test('streaming clients the router cut for reading too slowly: info since start, a warning when it moved', () => {
+  test('clients the router cut (streams and large bodies) for reading too slowly: info since start, a warning when it moved', () => {
     const withCuts = (n: number) => {
       const s = snap([worker('prefill'), worker('decode')]);
       (s.router as any).metrics = ok(parsePrometheus(`pdserve_client_cut_total{reason="stalled"} ${n}\npdserve_client_cut_total{reason="over_buffer"} 0\n`));
@@ -66,11 +66,11 @@ describe('diagnose', () => {
     };
     const once = diagnose(withCuts(2)).findings.find((x) => x.kind === 'slow_clients');
     assert.equal(once?.severity, 'info');
-    assert.match(once!.title, /2 streaming client\(s\) cut for reading too slowly since start/);
+    assert.match(once!.title, /2 client\(s\) cut for reading too slowly since start/);
     assert.deepEqual(once!.details, ['stalled: 2']);
     const watch = diagnose(withCuts(5), { previous: withCuts(2) } as any).findings.find((x) => x.kind === 'slow_clients');
     assert.equal(watch?.severity, 'warning');
-    assert.match(watch!.title, /3 streaming client\(s\) cut/);
+    assert.match(watch!.title, /3 client\(s\) cut/);
     assert.ok(!diagnose(withCuts(0)).findings.some((x) => x.kind === 'slow_clients'));
   });
 
