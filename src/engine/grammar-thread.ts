@@ -14,8 +14,9 @@
  */
 import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
-import { Worker } from 'node:worker_threads';
+import type { Worker } from 'node:worker_threads';
 import { PdError } from '../base/errors.js';
+import { startWorkerThread } from './worker-thread.js';
 import { GRAMMAR_BUDGET_MS } from './types.js';
 
 export { GRAMMAR_BUDGET_MS };
@@ -47,7 +48,10 @@ interface Job {
   reject: (err: Error) => void;
 }
 
-type Reply = { ready: true } | { id: number; gbnf: string } | { id: number; error: string };
+type Reply = { id: number; gbnf: string } | { id: number; error: string };
+
+/** Code of a schema node-llama-cpp's generator refuses (GrammarCache makes it a 400 naming the field). */
+export const BAD_GRAMMAR = 'BAD_GRAMMAR';
 
 export class GrammarThread {
   private worker: Worker | undefined;
@@ -73,7 +77,7 @@ export class GrammarThread {
   /**
    * GBNF text of a normalised JSON schema, as json-grammar.ts `jsonSchemaGbnf` makes it.
    * @throws PdError schema_too_complex past the budget, QUEUE_FULL, engine_failed (thread lost or
-   * closed); an Error with the generator's message when node-llama-cpp refuses the schema.
+   * closed); PdError BAD_GRAMMAR with the generator's message when node-llama-cpp refuses the schema.
    */
   gbnf(schema: Record<string, unknown>): Promise<string> {
     if (this.closed) return Promise.reject(new PdError('engine_failed', 'grammar thread closed'));
@@ -119,44 +123,28 @@ export class GrammarThread {
   private start(): Promise<void> {
     if (this.ready) return this.ready;
     this.starts++;
-    // The entry next to this file; from source (tests under tsx) through tsx's loader, registered in the thread.
-    const entry = new URL(`./grammar-worker${import.meta.url.endsWith('.ts') ? '.ts' : '.js'}`, import.meta.url);
-    const workerData = { spinMs: this.spinMs };
-    const w = entry.pathname.endsWith('.ts')
-      ? new Worker(`import('tsx/esm/api').then((t) => { t.register(); return import(${JSON.stringify(entry.href)}); })`, { eval: true, workerData })
-      : new Worker(entry, { workerData });
-    this.worker = w;
-    w.unref();
-    const ready = new Promise<void>((resolve, reject) => {
-      const t = setTimeout(() => {
-        reject(new PdError('engine_failed', `grammar thread did not start within ${this.startTimeoutMs} ms`));
-        this.lost(w, `grammar thread did not start within ${this.startTimeoutMs} ms`);
-        void w.terminate().catch(() => 0);
-      }, this.startTimeoutMs);
-      t.unref();
-      w.on('message', (m: Reply) => {
-        if ('ready' in m) {
-          clearTimeout(t);
-          resolve();
-          return;
-        }
+    const { worker, ready } = startWorkerThread<Reply>({
+      entry: 'grammar-worker',
+      base: import.meta.url,
+      label: 'grammar thread',
+      workerData: { spinMs: this.spinMs },
+      startTimeoutMs: this.startTimeoutMs,
+      onMessage: (m, w) => {
         const job = this.current;
         if (!job || job.id !== m.id || this.worker !== w) return;
         clearTimeout(job.timer);
         this.current = undefined;
-        if ('error' in m) job.reject(new PdError('BAD_GRAMMAR', m.error));
+        if ('error' in m) job.reject(new PdError(BAD_GRAMMAR, m.error));
         else job.resolve(m.gbnf);
         this.next();
-      });
-      const gone = (why: string): void => {
-        clearTimeout(t);
-        reject(new PdError('engine_failed', why));
+      },
+      onGone: (w, why) => this.lost(w, why),
+      onStartTimeout: (w, why) => {
         this.lost(w, why);
-      };
-      w.on('error', (err) => gone(`grammar thread failed: ${err.message}`));
-      w.on('exit', (code) => gone(`grammar thread exited (${code})`));
+        void w.terminate().catch(() => 0);
+      },
     });
-    ready.catch(() => {});
+    this.worker = worker;
     this.ready = ready;
     return ready;
   }

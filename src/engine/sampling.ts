@@ -16,12 +16,12 @@ import { randomInt } from 'node:crypto';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_MAX_TOOL_CALLS, isLazyGrammar, type GrammarSpec, type SamplingParams, type TokenLogprob, type ToolCallSyntax } from './types.js';
 import { JSON_OBJECT_GBNF } from './json-grammar.js';
-import { GrammarThread } from './grammar-thread.js';
+import { BAD_GRAMMAR, GrammarThread } from './grammar-thread.js';
 import { eitherGrammarText, toolCallGrammarText, triggerTexts } from './tools.js';
 import type { TokenRenderer } from './token-text.js';
 
 /** Error code thrown when a grammar cannot be built (bad JSON schema): the API maps it to 400. */
-export const BAD_GRAMMAR = 'BAD_GRAMMAR';
+export { BAD_GRAMMAR };
 
 /** Most distinct grammars kept compiled per engine (LRU). */
 const GRAMMAR_CACHE = 32;
@@ -30,7 +30,7 @@ const GRAMMAR_CACHE = 32;
  * Compiles and caches grammars of one llama instance: JSON schemas become GBNF text in the
  * grammar thread (./grammar-thread.ts, off the event loop, within its time budget), the text
  * becomes a grammar object here. `get` resolves to null when the spec is undefined.
- * @throws Error with code BAD_GRAMMAR when node-llama-cpp rejects the schema; the grammar
+ * @throws PdError BAD_GRAMMAR when node-llama-cpp rejects the schema; the grammar
  * thread's PdError as it is (schema_too_complex past the time budget, QUEUE_FULL, engine_failed).
  */
 /** PdErrors of the grammar thread (time budget, queue, thread lost): `get` passes them on as they are. */
@@ -74,7 +74,8 @@ export class GrammarCache {
   /** The grammar thread's GBNF text of a schema; its PdErrors are marked to pass `get` unwrapped. */
   private gbnf(schema: Record<string, unknown>): Promise<string> {
     return this.thread.gbnf(schema).catch((err: unknown) => {
-      if (err instanceof PdError) threadErrors.add(err);
+      // the generator's refusal of the schema is the client's (get makes it BAD_GRAMMAR naming the field), the rest passes as it is
+      if (err instanceof PdError && err.code !== BAD_GRAMMAR) threadErrors.add(err);
       throw err;
     });
   }

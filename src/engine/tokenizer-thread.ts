@@ -16,14 +16,15 @@
  * disposed aborted the process after 10–18 cycles ("terminate called after throwing an instance
  * of 'Napi::Error'", reproduced; 30 cycles clean with the dispose).
  */
-import { Worker } from 'node:worker_threads';
+import type { Worker } from 'node:worker_threads';
 import { PdError } from '../base/errors.js';
+import { startWorkerThread } from './worker-thread.js';
 import type { ChatMessage, ToolFunction } from './types.js';
 
 /** One request to the thread; `stop` asks it to answer `{stopped: true}` once idle. */
 export type TokenizeJob = { id: number; kind: 'text'; text: string; addSpecial: boolean } | { id: number; kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { id: number; kind: 'stop' };
 
-type Reply = { ready: true } | { stopped: true } | { id: number; tokens: Uint32Array } | { id: number; error: string };
+type Reply = { stopped: true } | { id: number; tokens: Uint32Array } | { id: number; error: string };
 
 export interface TokenizerThreadOptions {
   /** Most prompts queued or in work at once. Default 64. */
@@ -79,24 +80,13 @@ export class TokenizerThread {
     if (this.ready) return this.ready;
     if (this.starts >= this.maxStarts) return Promise.reject(new PdError('engine_failed', `tokenizer thread unavailable (started ${this.starts} times)`));
     this.starts++;
-    // The entry next to this file (.ts when run from source under tsx, .js when built).
-    // The entry next to this file; from source (tests under tsx) through tsx's loader, registered in the thread.
-    const entry = new URL(`./tokenizer-worker${import.meta.url.endsWith('.ts') ? '.ts' : '.js'}`, import.meta.url);
-    const workerData = { modelPath: this.modelPath, stop: this.stopFlag };
-    const w = entry.pathname.endsWith('.ts')
-      ? new Worker(`import('tsx/esm/api').then((t) => { t.register(); return import(${JSON.stringify(entry.href)}); })`, { eval: true, workerData })
-      : new Worker(entry, { workerData });
-    this.worker = w;
-    w.unref();
-    const ready = new Promise<void>((resolve, reject) => {
-      const t = setTimeout(() => reject(new PdError('engine_failed', `tokenizer thread did not start within ${this.startTimeoutMs} ms`)), this.startTimeoutMs);
-      t.unref();
-      w.on('message', (m: Reply) => {
-        if ('ready' in m) {
-          clearTimeout(t);
-          resolve();
-          return;
-        }
+    const { worker, ready } = startWorkerThread<Reply>({
+      entry: 'tokenizer-worker',
+      base: import.meta.url,
+      label: 'tokenizer thread',
+      workerData: { modelPath: this.modelPath, stop: this.stopFlag },
+      startTimeoutMs: this.startTimeoutMs,
+      onMessage: (m) => {
         if ('stopped' in m) {
           this.onStopped?.();
           return;
@@ -107,16 +97,10 @@ export class TokenizerThread {
         clearTimeout(p.timer);
         if ('error' in m) p.reject(new PdError('engine_failed', `tokenizer: ${m.error}`));
         else p.resolve(Array.from(m.tokens));
-      });
-      const gone = (why: string): void => {
-        clearTimeout(t);
-        reject(new PdError('engine_failed', why));
-        this.lost(w, why);
-      };
-      w.on('error', (err) => gone(`tokenizer thread failed: ${err.message}`));
-      w.on('exit', (code) => gone(`tokenizer thread exited (${code})`));
+      },
+      onGone: (w, why) => this.lost(w, why),
     });
-    ready.catch(() => {});
+    this.worker = worker;
     this.ready = ready;
     return ready;
   }

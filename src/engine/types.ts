@@ -297,7 +297,7 @@ export interface Engine {
   detokenize(tokens: number[]): string;
   /**
    * Prepare what `sampling` needs before a slot is taken (compiles and caches its grammar).
-   * @throws Error with code 'BAD_GRAMMAR' when the JSON schema cannot be turned into a grammar.
+   * @throws PdError 'BAD_GRAMMAR' when the JSON schema cannot be turned into a grammar.
    */
   prepareSampling(sampling: SamplingParams): Promise<void>;
   /** Free slots right now. */

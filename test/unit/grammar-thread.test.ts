@@ -15,7 +15,7 @@ import { getLlama, type Llama } from 'node-llama-cpp';
 import { normaliseJsonSchema } from '../../src/api/json-schema.js';
 import { PdError } from '../../src/base/errors.js';
 import { jsonSchemaGbnf, type GbnfGenerator } from '../../src/engine/json-grammar.js';
-import { gbnfGeneratorPath, GrammarThread } from '../../src/engine/grammar-thread.js';
+import { BAD_GRAMMAR, gbnfGeneratorPath, GrammarThread } from '../../src/engine/grammar-thread.js';
 import { GrammarCache } from '../../src/engine/sampling.js';
 
 const FIXTURES = JSON.parse(readFileSync(new URL('../fixtures/framework-schemas.json', import.meta.url), 'utf8')) as Record<string, Record<string, unknown>>;
@@ -97,6 +97,16 @@ describe('grammar thread', () => {
     // the next schema gets a new thread (and its own budget)
     await assert.rejects(t.gbnf({ type: 'string' }), (e: PdError) => e.code === 'schema_too_complex');
     assert.equal(t.starts, 2);
+  });
+
+  it('a schema the generator refuses: PdError BAD_GRAMMAR from the thread, which GrammarCache names (a 400 at the API) and the thread lives on', async () => {
+    const t = thread();
+    const bad = { enum: [{ a: 1 }] }; // an object literal: node-llama-cpp's generator throws
+    await assert.rejects(t.gbnf(bad), (e: unknown) => e instanceof PdError && e.code === BAD_GRAMMAR && /literal/.test(e.message));
+    const cache = new GrammarCache(llama, null, t);
+    await assert.rejects(cache.get({ type: 'json_schema', schema: bad }), (e: unknown) => e instanceof PdError && e.code === BAD_GRAMMAR && /^response_format: the JSON schema cannot be turned into a grammar: /.test(e.message));
+    assert.ok(await cache.get({ type: 'json_schema', schema: { type: 'integer' } }), 'the next schema is served');
+    assert.equal(t.starts, 1, 'a refused schema is no thread failure');
   });
 
   it("GrammarCache passes the budget's schema_too_complex through (not BAD_GRAMMAR) and does not cache it; closed, it refuses", async () => {
