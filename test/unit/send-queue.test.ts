@@ -1,7 +1,7 @@
 /**
  * Stalled and too-slow readers (src/runtime/send-queue.ts): the /proc/net/tcp parser, the rule
  * (every byte delivered within the deadline of its write, at most the byte bound queued), the watch's sampling with a fake
- * kernel queue, and the size flag's parser.
+ * kernel queue, the size flag's parser, and the slicing of a large non-streamed body (src/api/body-watch.ts).
  */
 import assert from 'node:assert/strict';
 import { EventEmitter } from 'node:events';
@@ -90,4 +90,39 @@ test('--client-max-buffered-bytes: sizes with K/M/G, 64K to 1G', () => {
   assert.throws(() => parseBufferedBytes('1K'), RangeError);
   assert.throws(() => parseBufferedBytes('2G'), RangeError);
   assert.throws(() => parseBufferedBytes('lots'), RangeError);
+});
+
+test('a large non-streamed body (api/body-watch.ts): same bytes and content-length, sent in slices while watched, unwatched once delivered; a small one is left alone', async () => {
+  const Fastify = (await import('fastify')).default;
+  const pino = (await import('pino')).default;
+  const { bodyPending, registerBodyWatch, WATCHED_BODY_BYTES } = await import('../../src/api/body-watch.js');
+  const watch = new SendQueueWatch({ deadlineMs: 400, maxBufferedBytes: 1 << 20 });
+  const app = Fastify();
+  registerBodyWatch(app, watch, pino({ level: 'silent' }));
+  const big = JSON.stringify({ text: 'x'.repeat(3 * WATCHED_BODY_BYTES + 123) });
+  const pending: boolean[] = [];
+  app.get('/big', async (_req, reply) => {
+    void reply.send(big);
+    pending.push(bodyPending(reply));
+    return reply;
+  });
+  app.get('/small', async () => ({ ok: true }));
+  await app.listen({ host: '127.0.0.1', port: 0 });
+  try {
+    const base = `http://127.0.0.1:${(app.server.address() as { port: number }).port}`;
+    const r = await fetch(`${base}/big`);
+    const text = await r.text();
+    assert.equal(text, big, 'the same bytes');
+    assert.equal(r.headers.get('content-length'), String(Buffer.byteLength(big)));
+    assert.equal(r.headers.get('content-type'), 'text/plain; charset=utf-8', 'the headers fastify gave it');
+    assert.deepEqual(pending, [true], 'the reply counts as sent while its slices go out');
+    const t0 = Date.now();
+    while (watch.size > 0 && Date.now() - t0 < 3000) await new Promise((res) => setTimeout(res, 20));
+    assert.equal(watch.size, 0, 'unwatched once the client had it all');
+    const small = await fetch(`${base}/small`);
+    assert.deepEqual(await small.json(), { ok: true });
+    assert.equal(watch.size, 0, 'a small body is not watched');
+  } finally {
+    await app.close();
+  }
 });
