@@ -411,10 +411,9 @@ export class KvPeerPool implements KvHandlers {
       };
       const onError = (e: Error): void => fail(new KvError('PEER_LOST', `connect to prefill ${key} failed: ${errText(e)}`));
       const onClose = (): void => fail(new KvError('PEER_LOST', `connect to prefill ${key} aborted`));
-      const timer = setTimeout(() => fail(new KvError('TIMEOUT', `connect to prefill ${key} timed out after ${this.connectTimeoutMs} ms`)), this.connectTimeoutMs);
-      timer.unref();
+      const cancelTimer = this.s.timers.after(this.connectTimeoutMs, () => fail(new KvError('TIMEOUT', `connect to prefill ${key} timed out after ${this.connectTimeoutMs} ms`)));
       const cleanup = (): void => {
-        clearTimeout(timer);
+        cancelTimer();
         this.dialing.delete(sock);
         sock.off('error', onError);
         sock.off('close', onClose);

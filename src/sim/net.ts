@@ -24,6 +24,7 @@ import { ConnCore, CoreTimers, NOOP_LOG, type CoreEnd, type CoreOpen, type KvCon
 import { sendFrom, SendRotation, type ChunkSource, type Outgoing, type SendChunksOptions, type TransferHost } from '../kv/send-rotation.js';
 import { StripeReorder } from '../kv/stripes.js';
 import { FRAME_CHUNK, type ControlMsg, type PairSettings, type PeerMsg } from '../kv/messages.js';
+import { FRAME_HEADER_BYTES } from '../kv/frame.js';
 import { KvError, type RoomId } from '../kv/types.js';
 import { StreamOrder, type Checks, type NodeName } from './checks.js';
 import type { FaultProfile, SimStats, TraceEntry } from './model.js';
@@ -67,6 +68,8 @@ export interface NetWorld {
   readonly stats: SimStats;
   readonly checks: Checks;
   readonly clock: Clock;
+  /** The run records its trace (fault notes cost a frame parse). */
+  readonly tracing: boolean;
   /** Sockets per connection (1 or 2). */
   readonly streams: number;
   /** Latest time the heartbeat timers run (the world's end). */
@@ -201,10 +204,16 @@ class End {
     }
   }
 
+  /** Traces a fault on a frame of a room (traced runs only): its type and room, read back from the bytes. */
   private note(bytes: Buffer, what: string): void {
     const w = this.net.w;
-    const room = bytes[4] === FRAME_CHUNK ? (bytes.readBigUInt64BE(5).toString() as RoomId) : undefined;
-    if (room) w.tr('net', room, `${this.node.name}→${this.peer} chunk ${what}`);
+    if (!w.tracing) return;
+    if (bytes[4] === FRAME_CHUNK) {
+      w.tr('net', bytes.readBigUInt64BE(5).toString() as RoomId, `${this.node.name}→${this.peer} chunk ${what}`);
+      return;
+    }
+    const msg = JSON.parse(bytes.subarray(FRAME_HEADER_BYTES).toString('utf8')) as { type: string; room?: RoomId };
+    if (msg.room) w.tr('net', msg.room, `${this.node.name}→${this.peer} ${msg.type} ${what}`);
   }
 }
 

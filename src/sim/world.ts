@@ -220,6 +220,7 @@ export class World {
       stats: this.stats,
       checks: this.checks,
       clock: this.clock,
+      tracing: this.tracing,
       streams: this.kvStreams,
       get endAt() {
         return world.endAt;
