@@ -6,8 +6,9 @@
  * `pdserve_admission_refused_total{reason}`; `pdserve_admission_queued` is the queue's length.
  *
  * Only POSTs under /v1/ are admitted (generation; /v1/models and the control paths are not).
- * A server's own loopback sub-requests (fan-out choices, /v1/responses over chat: ./loopback.ts)
- * are not admitted again: their parent holds the slot (else n > cap would wait on itself).
+ * A fanned-out request (n > 1, a prompt batch) or a /v1/responses request is admitted once, as
+ * one request: its choices and its chat generation run in process (./generation.ts) and never
+ * pass this hook (so n > cap cannot wait on itself).
  * Defaults never refuse a single user's normal traffic: 1024 at once, 4096 queued for 30 s, no
  * per-key limit.
  */
@@ -16,7 +17,6 @@ import { systemClock } from '../base/clock.js';
 import { Counter, Gauge, type Registry } from 'prom-client';
 import { ApiError } from '../base/errors.js';
 import { keyIdOf } from './access.js';
-import { isLoopback } from './loopback.js';
 import { sendApiError } from './errors.js';
 
 export interface AdmissionOptions {
@@ -108,7 +108,7 @@ export function registerAdmission(app: FastifyInstance, raw: AdmissionOptions, r
   };
 
   app.addHook('onRequest', (request, reply, done) => {
-    if (request.method !== 'POST' || !request.url.startsWith('/v1/') || isLoopback(request)) return done();
+    if (request.method !== 'POST' || !request.url.startsWith('/v1/')) return done();
     const k = keyOf(request);
     const ks = stateOf(k);
     const fail = (e: ApiError & { retryAfterS?: number }): void => void sendApiError(reply.header('retry-after', String(e.retryAfterS ?? 1)), e);

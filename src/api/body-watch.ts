@@ -13,15 +13,13 @@
  *
  * Smaller bodies are not watched: the kernel takes them whole, and the keep-alive timeout closes
  * the idle connection of a reader that never reads them. Streams (hijacked replies) do not pass
- * here: their SseWriter is watched. A server's own loopback sub-requests are not watched (the
- * outer response to the client is).
+ * here: their SseWriter is watched.
  */
 import { Readable } from 'node:stream';
 import type { ServerResponse } from 'node:http';
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import type { Logger } from '../base/log.js';
 import type { SendQueueWatch } from '../runtime/send-queue.js';
-import { isLoopback } from './loopback.js';
 
 /** Smallest body watched, bytes (smaller ones fit a kernel send queue at once). */
 export const WATCHED_BODY_BYTES = 64 * 1024;
@@ -49,7 +47,7 @@ export function registerBodyWatch(app: FastifyInstance, watch: SendQueueWatch, l
     const bytes = typeof payload === 'string' ? Buffer.byteLength(payload) : payload.length;
     const res = reply.raw;
     const sock = res.socket;
-    if (bytes < WATCHED_BODY_BYTES || !sock || sock.destroyed || request.method === 'HEAD' || isLoopback(request)) return payload;
+    if (bytes < WATCHED_BODY_BYTES || !sock || sock.destroyed || request.method === 'HEAD') return payload;
     const body = typeof payload === 'string' ? Buffer.from(payload) : payload;
     sliced.add(res);
     const unwatch = watch.watch(sock, (reason, detail) => {

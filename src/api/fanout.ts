@@ -1,10 +1,11 @@
 /**
  * n > 1 and batched prompts (a /v1/completions `prompt` that is an array of strings or of
- * token-id arrays): the request is fanned out into n × prompts single-choice sub-requests, each
- * sent back to this same server over loopback HTTP, so each sub-request is an ordinary request
- * with its own PD room (router) or its own sequence (colocated): dispatch, load accounting,
- * deadlines, aborts and error handling are the ones of a single request, unchanged. The results
- * are merged into one OpenAI response or one SSE stream.
+ * token-id arrays): the request is fanned out into n × prompts single-choice generations, each
+ * run in process by the server's own generation path (./generation.ts), so each choice is an
+ * ordinary generation with its own PD room (router) or its own sequence (colocated): dispatch,
+ * load accounting, deadlines, aborts and error handling are the ones of a single request,
+ * unchanged. The request is admitted once (./admission.ts sees the client's request only). The
+ * results are merged into one OpenAI response or one SSE stream.
  *
  * Choice index = prompt_index × n + i (OpenAI's order). With `seed` set, choice i of a prompt
  * uses seed + i, so seeded choices differ at temperature > 0 and are reproducible. The prompt's
@@ -14,27 +15,25 @@
  *
  * Usage: prompt_tokens counts each prompt once (from its first choice), completion_tokens sums
  * every choice (as vLLM and OpenAI). Streams: every chunk carries its choice index; one usage
- * chunk at the end when stream_options.include_usage; one [DONE]. A failed sub-request fails the
+ * chunk at the end when stream_options.include_usage; one [DONE]. A failed choice fails the
  * whole request (its OpenAI error as the response, or as an error event in a started stream) and
- * the others are aborted by closing their connections, which each server handles as a client
+ * the others are aborted through their sinks' signal, which each generation handles as a client
  * abort (rooms released).
  */
-import type { SendQueueWatch } from '../runtime/send-queue.js';
-import { request as httpRequest, type Dispatcher } from 'undici';
 import { systemClock } from '../base/clock.js';
 import type { FastifyReply, FastifyRequest } from 'fastify';
-import { readSse, SseWriter } from './sse.js';
+import { SseError } from './sse.js';
 import { randomBytes } from 'node:crypto';
 import { MAX_CHOICES } from './fields.js';
 import { ApiError, badRequest, sendApiError } from './errors.js';
 import { SSE_DONE, usageOf, type Usage } from './respond.js';
 import { asErrorCode, codeSpec, type ApiErrorType } from '../base/errors.js';
 import type { ToolCall, ToolCallDelta } from './tool-calls.js';
-import { forwardedHeaders, loopback, PARENT_RID_HEADER, selfUrl } from './loopback.js';
+import { callerOf, generateInProcess, HttpSink, newResponseId, type ChunkStream, type GenerationOutcome, type GenerationPort } from './generation.js';
 
 export { MAX_CHOICES };
 
-/** One planned sub-request: its body (n = 1, one prompt) and its choice index. */
+/** One planned choice: its body (n = 1, one prompt) and its choice index. */
 export interface SubRequest {
   index: number;
   promptIndex: number;
@@ -54,10 +53,10 @@ export function batchedPrompts(prompt: unknown): unknown[] | null {
 }
 
 /**
- * Split a request body that asks for several choices into single-choice sub-request bodies, or
+ * Split a request body that asks for several choices into single-choice bodies, or
  * return null when it asks for one (n absent/1 and a single prompt). Sub-bodies always stream
  * with include_usage (the merge needs each choice's usage); `n`, the batch and `stream_options`
- * are replaced, every other field is passed as is (the sub-request validates it).
+ * are replaced, every other field is passed as is (the choice's parse validates it).
  * @throws ApiError 400 naming `n` when n × prompts exceeds MAX_CHOICES.
  */
 export function planFanOut(kind: 'completion' | 'chat', body: unknown): SubRequest[] | null {
@@ -83,6 +82,9 @@ export function planFanOut(kind: 'completion' | 'chat', body: unknown): SubReque
   }
   return out;
 }
+
+/** Most merged chunks waiting for the client's stream before a choice waits for it (a bound). */
+const MAX_BACKLOG = 4096;
 
 type Chunk = { id?: string; created?: number; model?: string; choices?: { index?: number }[]; usage?: Usage | null; error?: unknown };
 
@@ -200,102 +202,135 @@ export function mergedPath(values: readonly unknown[]): string | null {
 }
 
 /**
- * Serve a fanned-out request (see the module doc): send every sub-request, wait for all their
- * response heads (so an invalid request or an early failure is one plain HTTP error), then merge.
- * Resolves when the reply is sent or the client is gone; every sub-request is finished or
- * aborted by then.
+ * Serve a fanned-out request (see the module doc): parse every choice (an invalid one is the
+ * request's 400 before anything runs), run each as an in-process generation of `port`
+ * (./generation.ts), wait for all their heads (so an early failure is one plain HTTP error), then
+ * merge. A stream is opened at once by a choice's keep-alive comment while the choices wait (at
+ * most one comment per half of `port.streams.keepAliveMs` is passed on), and is written with the
+ * server's write deadline and send-queue watch: a client reading too slowly is cut and every
+ * choice aborted. Resolves when the reply is sent or the client is gone; every choice is over by then.
+ * @throws ApiError (before any answer) for an invalid choice body.
  */
-export async function serveFanOut(
-  request: FastifyRequest,
-  reply: FastifyReply,
-  kind: 'completion' | 'chat',
-  subs: SubRequest[],
-  /** Extra headers of one sub-request (the router's choice-group header, src/router/choices.ts). */
-  headersOf?: (s: SubRequest) => Record<string, string>,
-  /** The server's send-queue watch: a client reading too slowly is cut and every choice aborted (../runtime/send-queue.ts). */
-  watch?: SendQueueWatch,
-): Promise<FastifyReply> {
+export async function serveFanOut<M>(request: FastifyRequest, reply: FastifyReply, kind: 'completion' | 'chat', subs: SubRequest[], port: GenerationPort<M>): Promise<FastifyReply> {
   const body = request.body as Record<string, unknown>;
   const stream = body.stream === true;
   const so = body.stream_options as { include_usage?: boolean } | null | undefined;
+  const caller = callerOf(request);
+  const parsed = subs.map((s) => port.parse(kind, s.body, caller));
   const prefix = kind === 'chat' ? 'chatcmpl' : 'cmpl';
-  const rid = String(request.id).startsWith(`${prefix}-`) ? String(request.id) : `${prefix}-${randomBytes(12).toString('hex')}`;
+  const rid = String(request.id).startsWith(`${prefix}-`) ? String(request.id) : newResponseId(kind, randomBytes(12).toString('hex'));
   const merger = new FanOutMerger(kind, rid, Math.floor(systemClock.wallMs() / 1000), stream && so?.include_usage === true, subs);
   const ac = new AbortController();
-  const onClose = () => ac.abort();
+  const onClose = () => {
+    if (!reply.raw.writableFinished) ac.abort();
+  };
   reply.raw.on('close', onClose);
-  const path = kind === 'chat' ? '/v1/chat/completions' : '/v1/completions';
-  const base = selfUrl(request);
-  const headers: Record<string, string> = { 'content-type': 'application/json', ...forwardedHeaders(request), [PARENT_RID_HEADER]: rid };
-  const pending = subs.map((s) => httpRequest(`${base}${path}`, { method: 'POST', headers: { ...headers, ...headersOf?.(s) }, body: JSON.stringify(s.body), signal: ac.signal, dispatcher: loopback }));
-  try {
-    const settled = await Promise.allSettled(pending);
-    const failed = settled.find((r) => r.status === 'rejected' || r.value.statusCode !== 200);
-    if (failed) {
-      // The failed choice's error body first (aborting would cut it), then abort the others.
-      const text = failed.status === 'fulfilled' ? await failed.value.body.text().catch(() => '') : '';
-      ac.abort();
-      if (reply.raw.destroyed) return reply;
-      if (failed.status === 'rejected') throw new ApiError(500, 'internal_error', `a choice's sub-request failed: ${String((failed.reason as Error)?.message ?? failed.reason)}`, 'server_error');
-      let err: ApiError;
-      try {
-        const e = (JSON.parse(text) as { error: { message: string; type: string; param: string | null; code: string | null } }).error;
-        err = new ApiError(failed.value.statusCode, asErrorCode(e.code, 'internal_error'), e.message, e.type as never, e.param);
-      } catch {
-        err = new ApiError(500, 'internal_error', `a choice's sub-request failed with status ${failed.value.statusCode}: ${text.slice(0, 300)}`, 'server_error');
-      }
-      return sendApiError(reply, err);
-    }
-    const responses = settled.map((r) => (r as PromiseFulfilledResult<Dispatcher.ResponseData>).value);
-    const servedBy = mergedPath(responses.map((r) => r.headers['x-pdserve-path']));
-    let writer: SseWriter | null = null;
-    if (stream) {
-      reply.hijack();
-      writer = new SseWriter(reply.raw, { headers: { 'x-request-id': rid, ...(servedBy ? { 'x-pdserve-path': servedBy } : {}) }, ...(watch ? { watch } : {}) });
-    }
-    let chain: Promise<void> = Promise.resolve();
-    const emit = (c: unknown) => (chain = chain.then(() => writer!.write(c)));
-    const pump = async (s: SubRequest, res: Dispatcher.ResponseData) => {
-      let done = false;
-      for await (const data of readSse(res.body)) {
-        if (data === SSE_DONE) {
-          done = true;
-          break;
-        }
-        const chunk = JSON.parse(data) as Chunk;
-        if (chunk.error) throw choiceError(s.index, chunk.error);
-        const out = merger.push(s.index, chunk);
-        if (out && writer) await emit(out);
-      }
-      if (!done) throw new ApiError(500, 'internal_error', `choice ${s.index}'s stream ended without [DONE]`, 'server_error');
-    };
-    try {
-      await Promise.all(subs.map((s, i) => pump(s, responses[i]!).catch((err: unknown) => {
+  const http = new HttpSink(reply, port.streams);
+  const gapMs = (port.streams.keepAliveMs ?? 0) / 2;
+  let writer: ChunkStream | null = null;
+  let lastWrite = systemClock.nowMs();
+  let failure: { index: number; outcome: GenerationOutcome & { ok: false } } | null = null;
+  // Chunks wait for the client's stream (opened once every choice has its first event, or by a
+  // keep-alive comment) in one chain, in order; a choice blocks on its chunk only once the stream
+  // is open or MAX_BACKLOG chunks wait, so a choice never holds its slot waiting for another's.
+  let opened!: () => void;
+  const writerOpen = new Promise<void>((r) => (opened = r));
+  const open = (headers: Record<string, string>): void => {
+    writer ??= http.stream(headers);
+    opened();
+  };
+  let chain: Promise<void> = Promise.resolve();
+  let backlog = 0;
+  const emit = (c: unknown): Promise<void> => {
+    backlog++;
+    lastWrite = systemClock.nowMs();
+    const p = (chain = chain.then(async () => {
+      await writerOpen;
+      if (failure || !writer) throw new SseError('SSE_CLOSED', 'the fanned-out request is over');
+      await writer.write(c);
+    }));
+    void p.then(() => backlog--, () => backlog--);
+    return p;
+  };
+  const paths: unknown[] = subs.map(() => undefined);
+  const heads: Promise<void>[] = [];
+  const headsDone: (() => void)[] = [];
+  for (let i = 0; i < subs.length; i++) heads.push(new Promise<void>((r) => headsDone.push(r)));
+  const allHeads = Promise.all(heads);
+  const tagOf = port.members?.(subs);
+  const runs = subs.map((s, i) => {
+    const member = tagOf?.(s);
+    return generateInProcess(port, { parsed: parsed[i]!, rid: newResponseId(kind, randomBytes(12).toString('hex')), caller, inProcess: true, parentRid: rid, ...(member !== undefined ? { member } : {}) }, ac.signal, {
+      open(headers) {
+        paths[i] = headers['x-pdserve-path'];
+        headsDone[i]!();
+      },
+      async event(chunk) {
+        if (failure || ac.signal.aborted) throw new SseError('SSE_CLOSED', 'the fanned-out request is over');
+        const out = merger.push(s.index, chunk as Chunk);
+        if (!out || !stream) return;
+        const p = emit(out);
+        if (writer || backlog > MAX_BACKLOG) await p;
+        else p.catch(() => {});
+      },
+      async comment(text) {
+        // a waiting stream: the client's stream opens now (no x-pdserve-path: not known yet)
+        if (!stream || (http.answered && !writer)) return;
+        if (systemClock.nowMs() - lastWrite < gapMs) return;
+        open({ 'x-request-id': rid });
+        lastWrite = systemClock.nowMs();
+        await (chain = chain.then(() => writer!.comment(text)));
+      },
+    }).then((outcome) => {
+      headsDone[i]!();
+      if (!outcome.ok && !failure && !outcome.gone) {
+        failure = { index: s.index, outcome };
         ac.abort();
-        throw err;
-      })));
-      if (writer) {
-        if (merger.includeUsage) await emit(merger.usageChunk());
-        await emit(SSE_DONE);
-        writer.end();
+        opened();
+      }
+      return outcome;
+    });
+  });
+  try {
+    await allHeads;
+    if (!failure && !ac.signal.aborted && stream && !writer) {
+      const servedBy = mergedPath(paths);
+      open({ 'x-request-id': rid, ...(servedBy ? { 'x-pdserve-path': servedBy } : {}) });
+    }
+    opened(); // no stream to open (failed, gone, not streamed): chunks still waiting are dropped
+    const outcomes = await Promise.all(runs);
+    await chain.catch(() => {});
+    const w = writer as ChunkStream | null;
+    if (reply.raw.destroyed && !w) return reply;
+    const f = failure as { index: number; outcome: GenerationOutcome & { ok: false } } | null;
+    if (f || outcomes.some((o) => !o.ok)) {
+      const o = f?.outcome ?? (outcomes.find((x) => !x.ok) as GenerationOutcome & { ok: false });
+      const index = f?.index ?? outcomes.findIndex((x) => !x.ok);
+      const e = o.streamed ? choiceError(index, o.error.toBody().error) : o.error;
+      if (w) {
+        if (!w.closed) await w.write(e.toBody()).catch(() => {});
+        w.end();
         return reply;
       }
-      if (servedBy) void reply.header('x-pdserve-path', servedBy);
-      return reply.code(200).send(merger.response());
-    } catch (err) {
-      if (reply.raw.destroyed) return reply;
-      const e = err instanceof ApiError ? err : new ApiError(500, 'internal_error', `a choice failed: ${(err as Error)?.message ?? String(err)}`, 'server_error');
-      if (writer) {
-        await chain.catch(() => {});
-        if (!writer.closed) await writer.write(e.toBody()).catch(() => {});
-        writer.end();
-        return reply;
-      }
+      if (o.gone || reply.raw.destroyed) return reply;
       return sendApiError(reply, e);
     }
+    if (w) {
+      try {
+        if (merger.includeUsage) await emit(merger.usageChunk());
+        await emit(SSE_DONE);
+      } catch {
+        // the client is gone or was cut: nothing more to send
+      }
+      w.end();
+      return reply;
+    }
+    const servedBy = mergedPath(outcomes.map((o) => o.headers['x-pdserve-path']));
+    if (servedBy) void reply.header('x-pdserve-path', servedBy);
+    return reply.code(200).send(merger.response());
   } finally {
     reply.raw.off('close', onClose);
     ac.abort();
-    await Promise.allSettled(pending.map((p) => p.then((r) => r.body.dump().catch(() => {}))));
+    await Promise.allSettled(runs);
   }
 }

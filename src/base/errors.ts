@@ -167,7 +167,7 @@ export const ERROR_CODES = {
   decode_error: BAD_GATEWAY,
   /** n > 1: a choice of the group failed or never joined, so the group's one prefill request could not be sent. */
   choice_group_incomplete: c(503, 'server_error', 'system'),
-  /** /v1/responses: the server's own chat path (its loopback request) did not answer or broke its stream. */
+  /** /v1/responses: the server's own chat path did not answer or broke its stream. */
   chat_path_failed: BAD_GATEWAY,
   queue_full: c(503, 'overloaded_error', 'system'),
   queue_timeout: c(503, 'overloaded_error', 'system'),

@@ -7,10 +7,10 @@ import { BUILD, protocolVersion } from '../base/version.js';
 import { newRoomId } from '../base/room-id.js';
 import { randomBytes } from 'node:crypto';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
-import { ApiError, checkModelName, sendApiError, apiErrorOf } from '../api/errors.js';
+import { ApiError, checkModelName, apiErrorOf } from '../api/errors.js';
+import { callerOf, HttpSink, newResponseId, type GenerationPort } from '../api/generation.js';
 import { outputChecksOf, responseToolSyntax, parseChatRequest, parseCompletionRequest, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
-import { SseWriter } from '../api/sse.js';
 import { DEFAULT_SCHEMA_LIMITS } from '../api/json-schema.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
@@ -18,14 +18,14 @@ import { ResponseStore } from '../api/responses-store.js';
 import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../runtime/config.js';
 import { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
 import { openPrefixStore } from '../runtime/prefix-store.js';
-import { createWorkerApp, listenUrl, onClientGone } from '../worker/http.js';
+import { createWorkerApp, listenUrl } from '../worker/http.js';
 import { systemClock } from '../base/clock.js';
 import { createLogger, type Logger } from '../base/log.js';
 import { WorkerMetrics } from '../runtime/metrics.js';
 import { loadEngine } from '../engine/index.js';
 import type { Engine } from '../engine/types.js';
 import { ColocatedBackend } from './backend.js';
-import { cacheSaltOf, registerAccess, tenantOf, type Access } from '../api/access.js';
+import { cacheSaltOf, registerAccess, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
 import { KvEventLog } from '../protocol/kv-events.js';
 import { registerKvEventsRoute } from '../worker/kv-events-route.js';
@@ -33,7 +33,7 @@ import { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { conversationKey } from '../protocol/conversation-key.js';
 import { SendQueueWatch } from '../runtime/send-queue.js';
 import { registerBodyWatch } from '../api/body-watch.js';
-import { isLoopback } from '../api/loopback.js';
+import { SseError } from '../api/sse.js';
 
 /** A running colocated server. */
 export interface ColocatedServer {
@@ -84,65 +84,83 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   });
   registerBodyWatch(app, sendWatch, log);
 
-  const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
-    // n > 1 / batched prompts: one local sub-request per choice, merged (api/fanout.ts).
-    const subs = planFanOut(kind, req.body);
-    if (subs) return serveFanOut(req, reply, kind, subs, undefined, sendWatch);
-    const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(req.body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(req.body, { schemaLimits });
-    parsed.salt = cacheSaltOf(tenantOf(req), parsed.cacheSalt);
-    checkModelName(parsed.model, names);
-    if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;
-    const key = conversationKey(parsed, req.headers['x-session-id']);
-    if (key !== undefined) parsed.conversationKey = key;
-    const toolSyntax = responseToolSyntax(parsed);
-    const rid = `${kind === 'chat' ? 'chatcmpl' : 'cmpl'}-${randomBytes(12).toString('hex')}`;
-    const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });
-    const ac = new AbortController();
-    const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
-    const off = onClientGone(reply, () => ac.abort());
-    const builder = new OpenAIResponseBuilder(kind, { id: rid, created: Math.floor(systemClock.wallMs() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax, outputChecksOf(parsed));
-    const events = backend.generate(body, ac.signal);
-    try {
-      if (!parsed.stream) {
-        for await (const ev of events) builder.push(ev);
-        return reply.send(builder.response());
-      }
-      // First event before committing to a 200 stream, so early errors are plain HTTP errors.
-      const first = await events.next();
-      reply.hijack();
-      // a loopback sub-request (n > 1, Responses) is not watched: the response to the client is
-      const sse = new SseWriter(reply.raw, { headers: { 'x-request-id': rid }, ...(isLoopback(req) ? {} : { watch: sendWatch }) });
+  // One generation, in process (../api/generation.ts): the HTTP handler, n > 1 fan-out and the
+  // Responses API all run a request through `port`; admission saw only the client's request.
+  const port: GenerationPort<never> = {
+    parse(kind, body, caller) {
+      const parsed: ParsedRequest = kind === 'chat' ? parseChatRequest(body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(body, { schemaLimits });
+      parsed.salt = cacheSaltOf(caller.tenant, parsed.cacheSalt);
+      checkModelName(parsed.model, names);
+      if (parsed.kind === 'chat' && parsed.tools) parsed.toolSyntax = engine.toolSyntax;
+      const key = conversationKey(parsed, caller.sessionId);
+      if (key !== undefined) parsed.conversationKey = key;
+      return parsed;
+    },
+    async generate({ parsed, rid }, sink) {
+      const toolSyntax = responseToolSyntax(parsed);
+      const body = toWorkerRequest(parsed, { rid, bootstrapHost: 'local', bootstrapPort: 1, bootstrapRoom: newRoomId(() => 0n) });
+      const ac = new AbortController();
+      const deadline = setTimeout(() => ac.abort(), config.requestTimeoutMs);
+      const gone = () => ac.abort();
+      if (sink.signal.aborted) ac.abort();
+      else sink.signal.addEventListener('abort', gone, { once: true });
+      const builder = new OpenAIResponseBuilder(parsed.kind, { id: rid, created: Math.floor(systemClock.wallMs() / 1000), model: names[0]! }, parsed.includeUsage, toolSyntax, outputChecksOf(parsed));
+      const events = backend.generate(body, ac.signal);
       try {
-        let r = first;
-        while (!r.done) {
-          for (const ch of builder.push(r.value)) await sse.write(ch);
-          r = await events.next();
+        if (!parsed.stream) {
+          for await (const ev of events) builder.push(ev);
+          sink.json(builder.response(), {});
+          return;
         }
-        for (const ch of builder.tail()) await sse.write(ch);
-        await sse.write(SSE_DONE);
+        // First event before committing to a 200 stream, so early errors are plain HTTP errors.
+        const first = await events.next();
+        const sse = sink.stream({ 'x-request-id': rid });
+        try {
+          let r = first;
+          while (!r.done) {
+            for (const ch of builder.push(r.value)) await sse.write(ch);
+            r = await events.next();
+          }
+          for (const ch of builder.tail()) await sse.write(ch);
+          await sse.write(SSE_DONE);
+        } catch (err) {
+          // cut for reading too slowly: the connection is gone, the generation aborted with it
+          if (err instanceof SseError && err.code === 'SSE_SLOW_CLIENT') log.warn({ rid, outcome: 'client_abort', err: err.message }, 'client cut: the stream was not read in time');
+          const e = apiErrorOf(err);
+          if (!sse.closed) await sse.write(e.toBody()).catch(() => {});
+        } finally {
+          sse.end();
+        }
       } catch (err) {
-        // cut for reading too slowly: the connection is gone, the generation aborted with it (onClientGone)
-        if (sse.cutError) log.warn({ rid, outcome: 'client_abort', err: sse.cutError.message }, 'client cut: the stream was not read in time');
-        const e = apiErrorOf(err);
-        if (!sse.closed) await sse.write(e.toBody()).catch(() => {});
+        if (sink.answered) return;
+        sink.fail(ac.signal.aborted ? ApiError.of('timeout', 'request deadline expired') : apiErrorOf(err));
       } finally {
-        sse.end();
+        clearTimeout(deadline);
+        sink.signal.removeEventListener('abort', gone);
+        await events.return(undefined).catch(() => {});
       }
-      return reply;
-    } catch (err) {
-      if (reply.raw.headersSent) return reply;
-      const e = ac.signal.aborted ? ApiError.of('timeout', 'request deadline expired') : apiErrorOf(err);
-      return sendApiError(reply, e);
-    } finally {
-      clearTimeout(deadline);
-      off();
-      await events.return(undefined).catch(() => {});
+    },
+    streams: { watch: sendWatch },
+  };
+
+  const handler = (kind: 'completion' | 'chat') => async (req: FastifyRequest, reply: FastifyReply) => {
+    // n > 1 / batched prompts: one in-process generation per choice, merged (api/fanout.ts).
+    const subs = planFanOut(kind, req.body);
+    if (subs) return serveFanOut(req, reply, kind, subs, port);
+    const caller = callerOf(req);
+    const parsed = port.parse(kind, req.body, caller);
+    await port.generate({ parsed, rid: newResponseId(kind, randomBytes(12).toString('hex')), caller, inProcess: false }, new HttpSink(reply, port.streams));
+    if (!reply.sent) {
+      // Client gone before any response: nothing to send.
+      reply.hijack();
+      if (!reply.raw.destroyed) reply.raw.destroy();
     }
+    return reply;
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
   registerKvEventsRoute(app, kvEvents);
-  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, requestTimeoutMs: config.requestTimeoutMs, watch: sendWatch, registry: metrics.registry });
+  registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, port, registry: metrics.registry });
   const url = await listenUrl(app, config.host, config.port);
   log.info({ url, access: access?.describe() }, 'colocated server ready');
   if (access?.apiOpen) log.warn('the colocated server is OPEN: no API key is configured, anyone who reaches its port can use it (see SECURITY.md)');

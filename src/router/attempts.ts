@@ -1,7 +1,7 @@
 /**
  * The attempts of one generation request: the one place that decides what a failure leads to.
  *
- *   serveAttempts(deps, request, reply, parsed, member) — pick a pair → run the attempt (its two
+ *   serveAttempts(deps, caller, sink, parsed, member) — pick a pair → run the attempt (its two
  *   legs, ./dispatch.ts `PdRequest`) → done | retry | migrate, until the request is answered.
  *
  * An attempt whose leg fails ends without a word to the client when the attempt plan (./plan.ts
@@ -29,13 +29,12 @@
  * (reason: the failure's code; outcome: how the request ended), and each failed attempt is an
  * `attempt_failed` event of the request's trace.
  */
-import type { FastifyReply, FastifyRequest } from 'fastify';
 import { systemClock } from '../base/clock.js';
 import type { Logger } from 'pino';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { ApiError, sendApiError } from '../api/errors.js';
+import { ApiError } from '../api/errors.js';
 import { type ParsedRequest } from '../api/parse.js';
-import { parentRidOf } from '../api/loopback.js';
+import type { ChunkStream, GenerationSink } from '../api/generation.js';
 import { isErrorCode, toApiError } from '../base/errors.js';
 import type { ChoiceGroup } from './choices.js';
 import { ClientReply, PdRequest, type Decide, type DispatchContext } from './dispatch.js';
@@ -47,7 +46,6 @@ import { conversationKey } from './policy/affinity.js';
 import type { WorkerState } from './registry.js';
 import { PAIR_FAILURE_CODES, type PairBlocks } from './pair-blocks.js';
 import { SseKeepAlive } from './keepalive.js';
-import type { SseWriter } from '../api/sse.js';
 
 /** Most requests waiting for a healthy worker at once; beyond it a request gets the 503 at once. */
 export const MAX_WAITING = 1024;
@@ -73,18 +71,27 @@ export interface AttemptDeps {
   pairs: PairBlocks;
 }
 
+/** Who a request is for: its response id, log, `x-session-id` and, for a fanned-out choice, the whole request's response id. */
+export interface AttemptCaller {
+  rid: string;
+  log: Logger;
+  sessionId: string | undefined;
+  parentRid: string | undefined;
+}
+
 /**
- * Serve one generation request (validated: `parsed`) through as many attempts as it takes; see
- * the module doc. Resolves when the client was answered (or is gone).
- * @throws ApiError before any response was started (no healthy pair, shutting down): the route's
- *   error handler answers it.
+ * Serve one generation request (validated: `parsed`) through as many attempts as it takes into
+ * `sink` (an HTTP response or an in-process caller: ../api/generation.ts); see the module doc.
+ * Resolves when the client was answered (or is gone).
+ * @throws ApiError before any response was started (no healthy pair, shutting down): the caller
+ *   answers it.
  */
-export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, reply: FastifyReply, parsed: ParsedRequest, member: { group: ChoiceGroup; index: number } | undefined): Promise<void> {
+export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink: GenerationSink, parsed: ParsedRequest, member: { group: ChoiceGroup; index: number } | undefined): Promise<void> {
   const { config, registry, metrics } = d.ctx;
-  const log = request.log as unknown as Logger;
-  const rid = String(request.id);
+  const log = caller.log;
+  const rid = caller.rid;
   const text = routingText(parsed);
-  const key = conversationKey(parsed, request.headers['x-session-id']);
+  const key = conversationKey(parsed, caller.sessionId);
   if (key !== undefined) parsed.conversationKey = key;
   const avoid = new Set<WorkerState>();
   /** Skip the failed attempts' workers while others are candidates. */
@@ -102,7 +109,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
   // A streamed request silent for sseKeepAliveMs gets an SSE comment (./keepalive.ts): from now on,
   // while it waits for a pair, its first token or the next one.
   const ka = parsed.stream && config.sseKeepAliveMs > 0
-    ? new SseKeepAlive(reply, config.sseKeepAliveMs, config.writeTimeoutMs, { 'x-request-id': rid, 'x-trace-id': d.ctx.observe?.traceOf(rid) ?? rid }, () => client?.lastTokenAt ?? 0, () => client?.writer ?? null, (w) => {
+    ? new SseKeepAlive(sink, config.sseKeepAliveMs, { 'x-request-id': rid, 'x-trace-id': d.ctx.observe?.traceOf(rid) ?? rid }, () => client?.lastTokenAt ?? 0, () => client?.writer ?? null, (w) => {
         if (client && !client.writer) client.writer = w;
       })
     : null;
@@ -118,7 +125,10 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       const pick = (): Pair => {
         const now = systemClock.nowMs();
         const fixed: WorkerState | null | undefined = m?.group.prefill;
-        return pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
+        const p = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
+        // at once: the group's other members run in the same turn (in process) and must take this prefill
+        if (m && !('error' in p)) m.group.prefill ??= p.prefill;
+        return p;
       };
       const deadlineAt: number = client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs;
       const waitStart = systemClock.nowMs();
@@ -128,12 +138,12 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       // A role whose live workers are all degraded (a full state directory) answers at once.
       const unfit = degradedError(registry);
       if (unfit) throw unfit;
-      const pair: Pair = await pickOrWait(pick, until, d, () => reply.raw.destroyed || d.closing(), transient);
+      const pair: Pair = await pickOrWait(pick, until, d, () => sink.signal.aborted || d.closing(), transient);
       if ('error' in pair) {
         throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
       }
       // The client left while the request waited for a pair (or between attempts): no attempt for nobody.
-      if (reply.raw.destroyed) {
+      if (sink.signal.aborted) {
         outcome = 'client_abort';
         metrics.requests.labels('client_abort').inc();
         d.ctx.observe?.event(rid, 'finished', { outcome, status: 499, attempts: client?.attempt ?? 0 });
@@ -144,7 +154,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       if (m) m.group.prefill ??= prefill;
       client ??= new ClientReply(rid, parsed, decode.model ?? prefill.model ?? parsed.model ?? 'pdserve', config.requestTimeoutMs);
       const c = client;
-      c.parentRid ??= parentRidOf(request);
+      c.parentRid ??= caller.parentRid;
       c.writer ??= ka?.writer() ?? null; // a keep-alive comment opened the stream already
       planned ??= plan.start(c.deadlineAt);
       const state: PlanState = planned;
@@ -161,14 +171,14 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
       // path on the same pair.
       const localMax = m ? 0 : localPrefillFor(config.localPrefillMaxTokens, d.policies.decode.name, decodePick, text.length, decodePick ? d.holdsFor(key)?.(decode.url) : undefined);
       c.attempt++;
-      let run = new PdRequest(d.ctx, c, parsed, reply, prefill, decode, log, decide, localMax ? { maxTokens: localMax } : undefined, m);
+      let run = new PdRequest(d.ctx, c, parsed, sink, prefill, decode, log, decide, localMax ? { maxTokens: localMax } : undefined, m);
       d.active.add(run);
       try {
         await run.run();
-        if (run.next === 'fallback' && !reply.raw.destroyed && !d.closing()) {
+        if (run.next === 'fallback' && !sink.signal.aborted && !d.closing()) {
           d.active.delete(run);
           c.attempt++;
-          run = new PdRequest(d.ctx, c, parsed, reply, prefill, decode, log, decide);
+          run = new PdRequest(d.ctx, c, parsed, sink, prefill, decode, log, decide);
           d.active.add(run);
           await run.run();
         }
@@ -187,7 +197,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
         if (key !== undefined) d.expectHeld?.(decode.url, key);
       }
       if (run.next !== 'retry' && run.next !== 'migrate') break;
-      if (reply.raw.destroyed) {
+      if (sink.signal.aborted) {
         // The attempt failed as its client left: the request ends as the client's abort.
         outcome = 'client_abort';
         metrics.requests.labels('client_abort').inc();
@@ -212,7 +222,7 @@ export async function serveAttempts(d: AttemptDeps, request: FastifyRequest, rep
     }
     const e = toApiError(err);
     // The client has output or an open stream (a migration found no pair, no worker came): end its response with the error.
-    failAfterOutput(open, client, reply, e, log);
+    failAfterOutput(open, client, sink, e, log);
     d.ctx.observe?.event(rid, 'finished', { outcome: 'error', status: e.status, code: e.code, err: e.message, attempts: client?.attempt ?? 0 });
   } finally {
     ka?.stop();
@@ -286,7 +296,7 @@ async function pickOrWait<P extends object | { error: string }>(pick: () => P, u
 }
 
 /** End a response that already has output (or an open stream `w`) with `err`: an SSE error event (no [DONE]) or, not streamed yet, the error body. */
-function failAfterOutput(w: SseWriter | null, client: ClientReply | null, reply: FastifyReply, err: ApiError, log: Logger): void {
+function failAfterOutput(w: ChunkStream | null, client: ClientReply | null, sink: GenerationSink, err: ApiError, log: Logger): void {
   log.warn({ code: err.code, err: err.message, attempts: client?.attempt ?? 0, tokens: client?.tokenIds.length ?? 0 }, 'request failed');
   if (w) {
     if (!w.closed) {
@@ -295,5 +305,5 @@ function failAfterOutput(w: SseWriter | null, client: ClientReply | null, reply:
     }
     return;
   }
-  if (!reply.sent && !reply.raw.headersSent && !reply.raw.destroyed) void sendApiError(reply, err);
+  sink.fail(err);
 }

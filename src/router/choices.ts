@@ -1,9 +1,9 @@
 /**
  * n > 1 in PD: one prefill computation, n decode sequences from the same state (vLLM's parallel
  * sampling, across the PD split). The request is still fanned out into n single-choice
- * sub-requests (src/api/fanout.ts): each is an ordinary `PdRequest` with its own room, its own
+ * generations (src/api/fanout.ts, run in process): each is an ordinary `PdRequest` with its own room, its own
  * decode pick, load lease, deadline, abort and error handling, and decode's side is unchanged
- * (one room = one sequence). What this module adds is the prefill side: the n sub-requests of one
+ * (one room = one sequence). What this module adds is the prefill side: the n choices of one
  * prompt are members of a `ChoiceGroup`, which
  *  - fixes the prefill worker (the first member picks it with the policy; the others take it);
  *  - waits until every member has drawn its room, then sends prefill ONE `/generate` naming the
@@ -11,12 +11,12 @@
  *  - splits prefill's multiplexed answer (src/prefill/computation.ts) back into one
  *    single-room answer per member, which the member's prefill leg reads exactly as it reads a
  *    single request's answer (first-token event, then transfer or error, then [DONE]).
- * Room i's first token is sampled with seed + i, as the fan-out gives sub-request i seed + i.
+ * Room i's first token is sampled with seed + i, as the fan-out gives choice i seed + i.
  *
- * Members reach the router as loopback sub-requests carrying `x-pdserve-choice: <group>.<i>`;
- * the group id is 128 random bits known only to this process, so a client cannot join a group.
+ * Members are the fan-out's in-process choices (../api/generation.ts), each handed its
+ * membership by `groupMembers`: a client cannot name or join a group.
  *
- * Failure rules: a member that leaves before the prefill request was sent (its sub-request was
+ * Failure rules: a member that leaves before the prefill request was sent (its choice was
  * aborted or refused) fails the others with 503 `choice_group_incomplete` (the fan-out fails the
  * whole request anyway); so does a group not complete within its join deadline. A prefill that
  * refuses the request answers every member with its status and body. After the send, a member
@@ -25,14 +25,12 @@
 import type { ErrorCode } from '../base/errors.js';
 import { randomBytes } from 'node:crypto';
 import { request, type Dispatcher } from 'undici';
-import type { SubRequest } from '../api/fanout.js';
+import type { ChoiceSpec } from '../api/generation.js';
 import { readSse } from '../api/sse.js';
 import type { RoomId } from '../base/room-id.js';
 import { readText, type WorkerState } from './registry.js';
 import { ApiError, InternalError, PdError } from '../base/errors.js';
 
-/** Header naming a sub-request's group and choice index (`<group id>.<index>`). */
-export const CHOICE_HEADER = 'x-pdserve-choice';
 /** How long prefill's answer may run on after the last choice finished (ms), as a single request's leg lingers. */
 const GROUP_LINGER_MS = 2000;
 /** Largest error body read from prefill, bytes. */
@@ -233,25 +231,12 @@ export class ChoiceGroups {
   private readonly groups = new Map<string, ChoiceGroup>();
   constructor(private readonly ctx: GroupContext) {}
 
-  /** A new group of `n` members; its header value for member i is `${id}.${i}`. */
+  /** A new group of `n` members. */
   create(n: number): ChoiceGroup {
     const id = randomBytes(16).toString('hex');
     const g = new ChoiceGroup(id, n, this.ctx, () => this.groups.delete(id));
     this.groups.set(id, g);
     return g;
-  }
-
-  /**
-   * The member named by a sub-request's `x-pdserve-choice` header, or undefined when the header
-   * is absent. @throws Error when it names no live group (a forged or expired header).
-   */
-  member(header: unknown): { group: ChoiceGroup; index: number } | undefined {
-    if (header === undefined) return undefined;
-    const m = typeof header === 'string' ? /^([0-9a-f]{32})\.(\d{1,2})$/.exec(header) : null;
-    const group = m ? this.groups.get(m[1]!) : undefined;
-    const index = m ? Number(m[2]) : -1;
-    if (!group || index >= group.n) throw ApiError.of('invalid_request', `${CHOICE_HEADER} names no live choice group`);
-    return { group, index };
   }
 
   get size(): number {
@@ -261,20 +246,18 @@ export class ChoiceGroups {
 
 /**
  * One choice group per prompt of a fanned-out request with n > 1 (a batch with n = 1 needs
- * none: each prompt is its own computation anyway); returns each sub-request's header.
+ * none: each prompt is its own computation anyway); returns each choice's membership (undefined
+ * for a choice of no group). Every member must run (and leave) once: a member that never joins
+ * fails its group.
  */
-export function groupHeaders(groups: ChoiceGroups, subs: readonly SubRequest[]): ((s: SubRequest) => Record<string, string>) | undefined {
-  const perPrompt = new Map<number, SubRequest[]>();
+export function groupMembers<S extends ChoiceSpec>(groups: ChoiceGroups, subs: readonly S[]): (s: S) => { group: ChoiceGroup; index: number } | undefined {
+  const perPrompt = new Map<number, S[]>();
   for (const s of subs) perPrompt.set(s.promptIndex, [...(perPrompt.get(s.promptIndex) ?? []), s]);
-  const header = new Map<SubRequest, string>();
+  const member = new Map<S, { group: ChoiceGroup; index: number }>();
   for (const list of perPrompt.values()) {
     if (list.length < 2) continue;
     const g = groups.create(list.length);
-    list.forEach((s, i) => header.set(s, `${g.id}.${i}`));
+    list.forEach((s, index) => member.set(s, { group: g, index }));
   }
-  if (header.size === 0) return undefined;
-  return (s): Record<string, string> => {
-    const h = header.get(s);
-    return h ? { [CHOICE_HEADER]: h } : {};
-  };
+  return (s) => member.get(s);
 }

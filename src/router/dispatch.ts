@@ -43,7 +43,6 @@
  * `ClientReply` (response builder, SSE stream, tokens sent, deadline). The workers' rid of attempt
  * n > 1 is `<rid>-a<n>`; the response id stays `<rid>`.
  */
-import { isLoopback } from '../api/loopback.js';
 import type { SendQueueWatch } from '../runtime/send-queue.js';
 import { redactedForClient } from '../base/redact.js';
 import { DRAINING_CODE } from '../runtime/drain.js';
@@ -53,13 +52,13 @@ import { newRoomId, type RoomId } from '../base/room-id.js';
 import { performance } from 'node:perf_hooks';
 import { Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
-import type { FastifyReply } from 'fastify';
+import type { ChunkStream, GenerationSink } from '../api/generation.js';
 import type { Logger } from 'pino';
 import { request, type Dispatcher } from 'undici';
-import { ApiError, sendApiError } from '../api/errors.js';
+import { ApiError } from '../api/errors.js';
 import { outputChecksOf, responseToolSyntax, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
-import { readSse, SseParser, SseWriter } from '../api/sse.js';
+import { readSse, SseParser } from '../api/sse.js';
 import type { GenerateEvent } from '../protocol/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import type { Next } from './plan.js';
@@ -103,7 +102,7 @@ export interface DispatchContext {
   track(p: Promise<unknown>): void;
   /** Request traces (src/router/trace.ts): trace id per rid, and the request's events. */
   observe?: RequestObserver;
-  /** Streaming clients' send queues (../runtime/send-queue.ts): one reading too slowly is cut (not this server's own loopback requests: their reader is watched). */
+  /** Streaming clients' send queues (../runtime/send-queue.ts): one reading too slowly is cut. */
   sendWatch?: SendQueueWatch;
 }
 
@@ -132,7 +131,7 @@ interface Leg {
 export class ClientReply {
   readonly builder: OpenAIResponseBuilder;
   /** The client's SSE stream, once the first chunk was written (stream requests). */
-  writer: SseWriter | null = null;
+  writer: ChunkStream | null = null;
   /** Token ids of every event applied to `builder`, in order: what a migrated attempt resumes after. */
   readonly tokenIds: number[] = [];
   readonly t0 = systemClock.nowMs();
@@ -211,7 +210,8 @@ export class PdRequest {
     /** The request's state across attempts; its rid is the response id. */
     private readonly client: ClientReply,
     private readonly parsed: ParsedRequest,
-    private readonly reply: FastifyReply,
+    /** Where the answer goes (an HTTP response, or the in-process caller: ../api/generation.ts). */
+    private readonly sink: GenerationSink,
     prefill: WorkerState,
     decode: WorkerState,
     log: Logger,
@@ -269,7 +269,8 @@ export class PdRequest {
   async run(): Promise<void> {
     const { metrics, config } = this.ctx;
     metrics.inflight.inc();
-    this.reply.raw.on('close', this.onClientClose);
+    if (this.sink.signal.aborted) queueMicrotask(this.onClientClose);
+    else this.sink.signal.addEventListener('abort', this.onClientClose);
     this.deadline = setTimeout(
       () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
       Math.max(0, this.client.deadlineAt - systemClock.nowMs()),
@@ -566,10 +567,7 @@ export class PdRequest {
   }
 
   private openStream(): void {
-    this.reply.hijack();
-    this.client.writer = new SseWriter(this.reply.raw, { writeTimeoutMs: this.ctx.config.writeTimeoutMs, headers: { 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path }, ...(this.ctx.sendWatch && !isLoopback(this.reply.request) ? { watch: this.ctx.sendWatch } : {}) });
-    this.reply.raw.socket?.setNoDelay(true); // each token leaves at once (no Nagle wait for an ACK)
-    this.client.writer.open(200);
+    this.client.writer = this.sink.stream({ 'x-request-id': this.rid, 'x-trace-id': this.ctx.observe?.traceOf(this.rid) ?? this.rid, 'x-pdserve-path': this.path });
     this.phase = 'streaming';
   }
 
@@ -583,7 +581,7 @@ export class PdRequest {
       // still watched until the client read it all (a reader stalling now is cut and counted by the watch)
       writer!.end();
     } else {
-      void this.reply.code(200).header('x-request-id', this.rid).header('x-pdserve-path', this.path).send(builder.response());
+      this.sink.json(builder.response(), { 'x-request-id': this.rid, 'x-pdserve-path': this.path });
     }
     this.finish('ok');
   }
@@ -678,7 +676,7 @@ export class PdRequest {
     const err = redactedForClient(raw);
     this.status = err.status;
     if (!wasStreaming) {
-      if (!this.reply.sent && !this.reply.raw.headersSent && !this.reply.raw.destroyed) void sendApiError(this.reply, err);
+      this.sink.fail(err);
       return;
     }
     const w = this.client.writer;
@@ -696,7 +694,7 @@ export class PdRequest {
     this.outcome = outcome;
     this.firstGateOpen();
     if (this.deadline) clearTimeout(this.deadline);
-    this.reply.raw.off('close', this.onClientClose);
+    this.sink.signal.removeEventListener('abort', this.onClientClose);
     if (err && outcome !== 'client_abort') this.sendError(err, wasStreaming);
     else if (outcome === 'client_abort') this.status = 499;
 

@@ -6,7 +6,7 @@
  *
  * Config: see `./config.ts` (validated with zod, frozen). Endpoints:
  *   POST /v1/completions, POST /v1/chat/completions — dual dispatch, see `./dispatch.ts`
- *   POST /v1/responses, GET|DELETE /v1/responses/{id} — over the chat path, see ../api/responses-http.ts
+ *   POST /v1/responses, GET|DELETE /v1/responses/{id} — the chat path in process, see ../api/responses-http.ts
  *   GET /v1/models  — {object:'list', data:[{id, object:'model', owned_by:'pdserve', created}]}
  *                      with the `model` names reported by the workers' /health
  *   GET /v1/models/{id} — one of them, or 404 model_not_found
@@ -44,12 +44,13 @@ import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/
 import { ApiError, checkModelName, openAIClientErrorHandler, registerOpenAIErrorHandling } from '../api/errors.js';
 import { answerPlainHttp } from '../api/plain-http.js';
 import type { Server as TlsServer } from 'node:tls';
-import { parseChatRequest, parseCompletionRequest, type ParsedRequest } from '../api/parse.js';
+import { parseChatRequest, parseCompletionRequest } from '../api/parse.js';
 import { DEFAULT_SCHEMA_LIMITS } from '../api/json-schema.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
+import { callerOf, HttpSink, type GenerationPort } from '../api/generation.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
-import { CHOICE_HEADER, ChoiceGroups, groupHeaders } from './choices.js';
+import { ChoiceGroups, groupMembers, type ChoiceGroup } from './choices.js';
 import { parseRouterConfig, type RouterConfig, type RouterConfigInput } from './config.js';
 import { newRid, type DispatchContext, type PdRequest } from './dispatch.js';
 import { serveAttempts, type AttemptDeps } from './attempts.js';
@@ -238,44 +239,66 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     done();
   });
 
-  const generation = (kind: 'completion' | 'chat') =>
-    async function handler(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
-      // n > 1 / batched prompts: one sub-request (one PD room) per choice, merged (api/fanout.ts);
-      // the n choices of one prompt share one prefill computation (choice groups, choices.ts).
-      const subs = planFanOut(kind, request.body);
-      if (subs) return serveFanOut(request, reply, kind, subs, config.firstTokenFromPrefill ? groupHeaders(choiceGroups, subs) : undefined, sendWatch);
-      let member: ReturnType<ChoiceGroups['member']>;
+  // One generation, in process (../api/generation.ts): the HTTP handler, n > 1 fan-out and the
+  // Responses API all run a request through `port`; admission saw only the client's request.
+  type Member = { group: ChoiceGroup; index: number };
+  const port: GenerationPort<Member> = {
+    parse(kind, body, caller) {
       try {
-        member = choiceGroups.member(request.headers[CHOICE_HEADER]);
-      } catch (err) {
-        throw new ApiError(400, 'invalid_request', (err as Error).message, 'invalid_request_error');
-      }
-      try {
-        return await dispatch(kind, request, reply, member);
-      } finally {
-        member?.group.leave(member.index);
-      }
-    };
-
-  const dispatch = async (kind: 'completion' | 'chat', request: FastifyRequest, reply: FastifyReply, member: ReturnType<ChoiceGroups['member']>): Promise<FastifyReply> => {
-      let parsed: ParsedRequest;
-      try {
-        parsed = kind === 'chat' ? parseChatRequest(request.body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(request.body, { schemaLimits });
-        parsed.salt = cacheSaltOf(tenantOf(request), parsed.cacheSalt);
+        const parsed = kind === 'chat' ? parseChatRequest(body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(body, { schemaLimits });
+        parsed.salt = cacheSaltOf(caller.tenant, parsed.cacheSalt);
         checkModelName(parsed.model, registry.models());
         if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
         // Token 1's logprob exists only where it was sampled: prefill's first-token event.
         if (parsed.sampling.logprobs !== undefined && !config.firstTokenFromPrefill) {
           throw new ApiError(400, 'unsupported_value', "Unsupported value for 'logprobs': logprobs need the first token from prefill (this router runs with --no-first-token-from-prefill)", 'invalid_request_error', 'logprobs');
         }
+        return parsed;
       } catch (err) {
         metrics.requests.labels(errorOutcome(err)).inc();
         throw err;
       }
+    },
+    async generate(g, sink) {
+      const { caller, rid } = g;
+      let log = caller.log as unknown as Logger;
+      if (g.inProcess) {
+        // A choice or a Responses request: its own trace entry (the client's trace context) and log fields, as a request of its own.
+        const trace = traceIdOf(caller.headers);
+        traces.begin(rid, trace);
+        log = log.child({ rid, trace });
+      }
       // The client's own id (vLLM's body field): a label of the trace, never the workers' rid.
+      if (g.label !== undefined) traces.label(rid, g.label);
+      let status = 200;
+      try {
+        await serveAttempts(attemptDeps, { rid, log, sessionId: caller.sessionId, parentRid: g.parentRid }, sink, g.parsed, g.member);
+      } catch (err) {
+        status = err instanceof ApiError ? err.status : 500;
+        throw err;
+      } finally {
+        g.member?.group.leave(g.member.index);
+        if (g.inProcess) traces.settle(rid, sink.signal.aborted ? 499 : status);
+      }
+    },
+    // n > 1: the choices of one prompt share one prefill computation (choices.ts).
+    members: (subs) => {
+      const of = config.firstTokenFromPrefill ? groupMembers(choiceGroups, subs) : undefined;
+      return (s) => of?.(s);
+    },
+    streams: { writeTimeoutMs: config.writeTimeoutMs, watch: sendWatch, keepAliveMs: config.sseKeepAliveMs },
+  };
+
+  const generation = (kind: 'completion' | 'chat') =>
+    async function handler(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
+      // n > 1 / batched prompts: one generation (one PD room) per choice, merged (api/fanout.ts);
+      // the n choices of one prompt share one prefill computation (choice groups, choices.ts).
+      const subs = planFanOut(kind, request.body);
+      if (subs) return serveFanOut(request, reply, kind, subs, port);
+      const caller = callerOf(request);
+      const parsed = port.parse(kind, request.body, caller);
       const label = (request.body as { request_id?: unknown }).request_id;
-      if (typeof label === 'string') traces.label(String(request.id), label);
-      await serveAttempts(attemptDeps, request, reply, parsed, member);
+      await port.generate({ parsed, rid: String(request.id), caller, inProcess: false, ...(typeof label === 'string' ? { label } : {}) }, new HttpSink(reply, port.streams));
       if (!reply.sent && !bodyPending(reply)) {
         // Client gone before any response: nothing to send.
         reply.hijack();
@@ -286,7 +309,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 
   app.post('/v1/completions', generation('completion'));
   app.post('/v1/chat/completions', generation('chat'));
-  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, requestTimeoutMs: config.requestTimeoutMs, writeTimeoutMs: config.writeTimeoutMs, watch: sendWatch, maxEventBytes: config.maxEventBytes, registry: metrics.registry });
+  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, port, registry: metrics.registry });
 
   app.get('/v1/models', async () => ({
     object: 'list',

@@ -5,11 +5,12 @@
  * when it is not open yet), so an idle-timeout proxy in front does not cut a request that is
  * only waiting. SSE clients ignore comment lines (the WHATWG event-stream rules), as the OpenAI
  * SDKs do. Once the stream is open an error can only reach the client as an SSE `{error}`
- * event: the request's code (./dispatch.ts, ./attempts.ts) reads `writer()` to know.
+ * event: the request's code (./dispatch.ts, ./attempts.ts) reads `writer()` to know. The stream is
+ * the request's sink's (../api/generation.ts): an HTTP response, or a fan-out's or a Responses
+ * request's in-process sink, which passes the comment on to its own client.
  */
 import { systemClock } from '../base/clock.js';
-import { SseWriter } from '../api/sse.js';
-import type { FastifyReply } from 'fastify';
+import type { ChunkStream, GenerationSink } from '../api/generation.js';
 
 /** The comment's text. */
 export const KEEP_ALIVE_COMMENT = 'keep-alive';
@@ -17,7 +18,7 @@ export const KEEP_ALIVE_COMMENT = 'keep-alive';
 export class SseKeepAlive {
   private timer: NodeJS.Timeout | null = null;
   private lastCommentAt: number;
-  private early: SseWriter | null = null;
+  private early: ChunkStream | null = null;
   /** Comments written so far (tests, logs). */
   comments = 0;
 
@@ -27,21 +28,20 @@ export class SseKeepAlive {
    * `headers`: the response headers a stream opened here carries.
    */
   constructor(
-    private readonly reply: FastifyReply,
+    private readonly sink: GenerationSink,
     private readonly intervalMs: number,
-    private readonly writeTimeoutMs: number,
     private readonly headers: Record<string, string>,
     private readonly lastWrite: () => number,
-    private readonly current: () => SseWriter | null,
+    private readonly current: () => ChunkStream | null,
     /** Called with the stream a comment opened (the request adopts it). */
-    private readonly onOpen: (w: SseWriter) => void = () => {},
+    private readonly onOpen: (w: ChunkStream) => void = () => {},
   ) {
     this.lastCommentAt = systemClock.nowMs();
     this.schedule(intervalMs);
   }
 
   /** The client's stream: the request's own, or the one a comment opened (null: not open). */
-  writer(): SseWriter | null {
+  writer(): ChunkStream | null {
     return this.current() ?? this.early;
   }
 
@@ -61,14 +61,10 @@ export class SseKeepAlive {
     const now = systemClock.nowMs();
     const silent = now - Math.max(this.lastCommentAt, this.lastWrite());
     if (silent + 1 < this.intervalMs) return this.schedule(this.intervalMs - silent);
-    const raw = this.reply.raw;
     let w = this.writer();
     if (!w) {
-      if (this.reply.sent || raw.headersSent || raw.destroyed) return; // answered (or gone) another way
-      this.reply.hijack();
-      w = this.early = new SseWriter(raw, { writeTimeoutMs: this.writeTimeoutMs, headers: this.headers });
-      raw.socket?.setNoDelay(true);
-      w.open(200);
+      if (this.sink.answered) return; // answered (or gone) another way
+      w = this.early = this.sink.stream(this.headers);
       this.onOpen(w);
     }
     if (w.closed) return;

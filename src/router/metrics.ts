@@ -10,7 +10,7 @@
  *   a 4xx (a bad body, an unknown model, a prompt over the context), before or after dispatch;
  *   error is a failure of the system (5xx: no healthy worker, a worker failure).
  *   An n > 1 request or a prompt batch counts once per choice (api/fanout.ts: each choice is a
- *   sub-request of its own), the parent request is not counted.
+ *   generation of its own), the parent request is not counted.
  * - pdserve_router_requests_by_path_total{path}: ok requests (choices, as above) by serving path —
  *   pd (prefill + decode, KV handoff) or decode_local (decode alone continued a kept sequence) —
  *   and path="fallback": decode-local attempts decode answered `needs_prefill` (then served as pd).

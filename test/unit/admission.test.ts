@@ -1,29 +1,33 @@
 /**
  * Admission at the edge (src/api/admission.ts): the concurrency cap with its bounded queue and
- * queue timeout, per-key token buckets and concurrency, 429 + retry-after, loopback sub-requests
- * not admitted twice.
+ * queue timeout, per-key token buckets and concurrency, 429 + retry-after; a fanned-out request
+ * admitted once, as one request (its choices run in process).
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import Fastify from 'fastify';
 import { Registry } from 'prom-client';
 import { registerAdmission, TokenBucket, type AdmissionOptions } from '../../src/api/admission.js';
-import { forwardedHeaders } from '../../src/api/loopback.js';
 import { registerOpenAIErrorHandling } from '../../src/api/errors.js';
+import { planFanOut, serveFanOut } from '../../src/api/fanout.js';
+import { fakePort } from '../helpers/fake-port.js';
 
 async function server(o: AdmissionOptions) {
-  const app = Fastify();
+  const app = Fastify({ forceCloseConnections: true });
   registerOpenAIErrorHandling(app);
   const registry = new Registry();
   const adm = registerAdmission(app, o, registry);
   const gates: (() => void)[] = [];
   app.post('/v1/hold', () => new Promise((r) => gates.push(() => r({ ok: true }))));
   app.post('/v1/fast', async () => ({ ok: true }));
+  // n > 1 over a generation port whose choices wait for `fake.release()` (test/helpers/fake-port.ts)
+  const fake = fakePort();
+  app.post('/v1/chat/completions', async (req, reply) => serveFanOut(req, reply, 'chat', planFanOut('chat', req.body)!, fake.port));
   app.get('/v1/models', async () => ({ data: [] }));
   await app.listen({ port: 0, host: '127.0.0.1' });
   const url = `http://127.0.0.1:${(app.server.address() as { port: number }).port}`;
   const post = (path: string, headers: Record<string, string> = {}) => fetch(`${url}${path}`, { method: 'POST', headers, signal: AbortSignal.timeout(5000) });
-  return { app, adm, registry, gates, post, url };
+  return { app, adm, registry, gates, post, url, fake };
 }
 
 const until = async (f: () => boolean) => {
@@ -75,7 +79,7 @@ describe('admission', () => {
     await s.app.close();
   });
 
-  test('per key: a token bucket (rps, burst) and a concurrency limit; loopback sub-requests are not admitted again', async () => {
+  test('per key: a token bucket (rps, burst) and a concurrency limit', async () => {
     const s = await server({ keyRps: 1, keyBurst: 2, keyMaxConcurrent: 1 });
     assert.equal((await s.post('/v1/fast')).status, 200);
     assert.equal((await s.post('/v1/fast')).status, 200);
@@ -87,12 +91,29 @@ describe('admission', () => {
     const held = c.post('/v1/hold');
     await until(() => c.adm.active === 1);
     assert.equal((await c.post('/v1/fast')).status, 429, 'the key has one in flight');
-    // A loopback sub-request carries the process's token and is not admitted (its parent holds the slot).
-    const fake = { headers: {} } as never;
-    assert.equal((await c.post('/v1/fast', forwardedHeaders(fake))).status, 200);
+    // The header that let a server's own sub-requests skip admission is nothing now.
+    assert.equal((await c.post('/v1/fast', { 'x-pdserve-loopback': 'x'.repeat(32) })).status, 429);
     c.gates.shift()!();
     await held;
     await c.app.close();
+  });
+
+  test('a fanned-out request (n = 4 > the cap of 1) is admitted once, as one request: it holds one slot, its choices run, and the next request waits for it', async () => {
+    const s = await server({ maxConcurrent: 1, maxQueued: 1, queueTimeoutMs: 5000 });
+    const chat = (body: object) => fetch(`${s.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(5000) });
+    const fanned = chat({ messages: [], n: 4, hold: true });
+    await until(() => s.fake.held.length === 4);
+    assert.deepEqual([s.adm.active, s.adm.queued], [1, 0], 'four choices running, one request admitted');
+    const next = s.post('/v1/fast');
+    await until(() => s.adm.queued === 1);
+    assert.equal((await s.post('/v1/fast')).status, 429, 'the queue (1) is full: the fanned-out request counts as the one at the cap');
+    s.fake.release();
+    const res = await fanned;
+    assert.equal(res.status, 200);
+    assert.equal(((await res.json()) as { choices: unknown[] }).choices.length, 4);
+    assert.equal((await next).status, 200);
+    await until(() => s.adm.active === 0);
+    await s.app.close();
   });
 
   test('TokenBucket refills at its rate up to its burst', () => {

@@ -1,11 +1,11 @@
-/** n > 1 and batched prompts: the split into single-choice sub-requests and the merge of their streams (api/fanout.ts). */
+/** n > 1 and batched prompts: the split into single-choice generations, run in process, and the merge of their streams (api/fanout.ts). */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import Fastify from 'fastify';
 import { choiceError, FanOutMerger, MAX_CHOICES, mergedPath, planFanOut, serveFanOut } from '../../src/api/fanout.js';
-import { ApiError } from '../../src/api/errors.js';
+import { ApiError, registerOpenAIErrorHandling } from '../../src/api/errors.js';
 import { SSE_DONE } from '../../src/api/respond.js';
-import { SseWriter } from '../../src/api/sse.js';
+import { fakePort } from '../helpers/fake-port.js';
 
 const usage = (p: number, c: number, cached = 0) => ({ prompt_tokens: p, completion_tokens: c, total_tokens: p + c, prompt_tokens_details: { cached_tokens: cached } });
 
@@ -94,34 +94,28 @@ describe('FanOutMerger', () => {
 });
 
 /**
- * serveFanOut on a real loopback Fastify server whose single-choice requests stream one chunk
- * (header x-pdserve-path: `paths[seed]`, default pd) and then [DONE], or, for choice 1 when
- * `fail`, an OpenAI error event (what the router sends when decode dies mid-stream).
+ * serveFanOut on a real Fastify server (real HTTP to the client) over a fake generation port
+ * (test/helpers/fake-port.ts): its choices run in process, no request goes back to the server.
  */
-describe('serveFanOut on a loopback server', () => {
-  const start = async () => {
-    const app = Fastify({ logger: false });
+describe('serveFanOut over a generation port', () => {
+  const start = async (o: Parameters<typeof fakePort>[0] = {}) => {
+    const fake = fakePort(o);
+    const app = Fastify({ logger: false, forceCloseConnections: true });
+    registerOpenAIErrorHandling(app);
+    let posted = 0;
     app.post('/v1/chat/completions', async (req, reply) => {
+      posted++;
       const subs = planFanOut('chat', req.body);
-      if (subs) return serveFanOut(req, reply, 'chat', subs);
-      const seed = (req.body as { seed?: number }).seed ?? 0;
-      reply.hijack();
-      const w = new SseWriter(reply.raw, { headers: { 'x-pdserve-path': (req.body as { paths?: string[] }).paths?.[seed] ?? 'pd' } });
-      await w.write({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta: { content: 'a' }, finish_reason: null }] });
-      if (seed === 1 && (req.body as { fail?: boolean }).fail) await w.write(ApiError.of('decode_failed', 'decode worker x failed: other side closed').toBody());
-      else {
-        await w.write({ id: 's', object: 'chat.completion.chunk', created: 1, model: 'm', choices: [{ index: 0, delta: {}, finish_reason: 'stop' }] });
-        await w.write(SSE_DONE);
-      }
-      w.end();
+      assert.ok(subs, 'the tests send n > 1');
+      return serveFanOut(req, reply, 'chat', subs, fake.port);
     });
     await app.listen({ port: 0, host: '127.0.0.1' });
     const a = app.server.address() as { port: number };
-    return { app, url: `http://127.0.0.1:${a.port}/v1/chat/completions` };
+    return { app, fake, posted: () => posted, url: `http://127.0.0.1:${a.port}/v1/chat/completions` };
   };
 
-  test('non-stream: the choice\'s status and code (decode_failed 502), the message names the choice', async () => {
-    const { app, url } = await start();
+  test('non-stream: the choice\'s status and code (decode_failed 502), the message names the choice; one HTTP request, every choice in process', async () => {
+    const { app, url, fake, posted } = await start();
     try {
       const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, seed: 0, fail: true }) });
       const body = (await res.json()) as { error: { code: string; type: string; message: string } };
@@ -129,6 +123,20 @@ describe('serveFanOut on a loopback server', () => {
       assert.equal(body.error.code, 'decode_failed');
       assert.equal(body.error.type, 'server_error');
       assert.match(body.error.message, /^choice 1 failed: decode worker x failed/);
+      assert.equal(posted(), 1, 'the server saw the client\'s request only');
+      assert.equal(fake.state.ran, 2);
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('an invalid choice body is the request\'s 400 before any choice runs', async () => {
+    const { app, url, fake } = await start();
+    try {
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 3, invalid: true }) });
+      assert.equal(res.status, 400);
+      assert.equal(((await res.json()) as { error: { param: string } }).error.param, 'messages');
+      assert.equal(fake.state.ran, 0);
     } finally {
       await app.close();
     }
@@ -164,6 +172,58 @@ describe('serveFanOut on a loopback server', () => {
       assert.equal(mixed.headers.get('x-pdserve-path'), 'pd, decode_local');
       await mixed.text();
       assert.equal(mergedPath([undefined, undefined]), null);
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('keep-alive: while the choices wait, their comments reach the client (at most one per half interval), then the merged tokens and [DONE]', async () => {
+    const { app, url } = await start({ keepAliveMs: 100 });
+    try {
+      const t0 = Date.now();
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 3, stream: true, waitMs: 550 }) });
+      assert.equal(res.status, 200);
+      assert.ok(Date.now() - t0 < 450, `the stream opened while the choices waited (${Date.now() - t0} ms)`);
+      const text = await res.text();
+      const comments = text.slice(0, text.indexOf('data:')).match(/^: keep-alive$/gm) ?? [];
+      assert.ok(comments.length >= 2 && comments.length <= 6, `${comments.length} comments (3 choices × ~5 each, deduplicated): ${JSON.stringify(text.slice(0, 300))}`);
+      const data = text.split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6));
+      assert.equal(data.at(-1), SSE_DONE);
+      const indexes = new Set(data.slice(0, -1).map((d) => (JSON.parse(d) as { choices: { index: number }[] }).choices[0]?.index));
+      assert.deepEqual([...indexes].sort(), [0, 1, 2]);
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('stream: a choice that streams before the others started does not wait for them (one slot for three choices: no deadlock)', async () => {
+    const { app, url, fake } = await start({ slots: 1 });
+    try {
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 3, stream: true, chunks: 20 }), signal: AbortSignal.timeout(5000) });
+      assert.equal(res.status, 200);
+      const data = (await res.text()).split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6));
+      assert.equal(data.at(-1), SSE_DONE);
+      assert.equal(fake.state.ran, 3);
+      const per = [0, 0, 0];
+      for (const d of data.slice(0, -1)) for (const c of (JSON.parse(d) as { choices: { index: number; delta: { content?: string } }[] }).choices) if (c.delta.content) per[c.index]!++;
+      assert.deepEqual(per, [20, 20, 20], 'every chunk of every choice, in order per choice');
+    } finally {
+      await app.close();
+    }
+  });
+
+  test('a client gone mid-stream aborts every choice', async () => {
+    const { app, url, fake } = await start();
+    try {
+      const ac = new AbortController();
+      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ messages: [], n: 2, stream: true, chunks: 1000, intervalMs: 5 }), signal: ac.signal });
+      const reader = res.body!.getReader();
+      await reader.read();
+      ac.abort();
+      const t0 = Date.now();
+      while (fake.state.running > 0 && Date.now() - t0 < 3000) await new Promise((r) => setTimeout(r, 10));
+      assert.equal(fake.state.running, 0, 'both choices ended');
+      assert.equal(fake.state.aborted, 2, 'both choices saw their client gone');
     } finally {
       await app.close();
     }

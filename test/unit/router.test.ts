@@ -1544,6 +1544,87 @@ describe('router: SSE keep-alive while a stream waits', () => {
   });
 });
 
+describe('router: SSE keep-alive on n > 1 and Responses streams (their generations run in process)', () => {
+  const post = (s: Stack, path: string, body: object) => fetch(`${s.router.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+
+  test("n = 2: while the choices wait for their first token the client gets ': keep-alive' comments (one per interval, not one per choice), then both choices and [DONE]", async () => {
+    const s = await stack({ decode: 2, policy: 'round_robin', sseKeepAliveMs: 100, healthIntervalMs: 60_000 });
+    for (const d of s.decode) d.decode = () => ({ startDelayMs: 550, tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'length' });
+    const t0 = Date.now();
+    const res = await post(s, '/v1/completions', { model: 'fake-model', prompt: 'p', n: 2, stream: true });
+    assert.equal(res.status, 200);
+    assert.ok(Date.now() - t0 < 450, `the stream opened while the choices waited (${Date.now() - t0} ms)`);
+    assert.equal(res.headers.get('x-pdserve-path'), null, 'opened by a comment: the path is not known yet');
+    const text = await res.text();
+    const comments = text.slice(0, text.indexOf('data:')).match(/^: keep-alive$/gm) ?? [];
+    assert.ok(comments.length >= 2 && comments.length <= 6, `comments before the first token (2 choices × ~5 each, at most one per half interval passed on): ${JSON.stringify(text.slice(0, 300))}`);
+    assert.match(text, /data: \[DONE\]\s*$/);
+    const stream = await s.client.completions.create({ model: 'fake-model', prompt: 'p', n: 2, stream: true });
+    const got = ['', ''];
+    for await (const c of stream) for (const ch of c.choices) got[ch.index] += ch.text;
+    assert.deepEqual(got, ['Hello, world', 'Hello, world'], 'the openai client reads the commented stream unchanged');
+    await assertReleased(s, 3000);
+  });
+
+  test('n = 2: a stream a comment opened, then no worker came before the deadline: the error is an SSE event in the open stream, no [DONE]', async () => {
+    const s = await stack({ sseKeepAliveMs: 100, workerWaitMs: 5000, requestTimeoutMs: 700, healthIntervalMs: 60_000 });
+    s.router.registry.setUnhealthy(s.router.registry.workers.find((w) => w.role === 'prefill')!, 'test: restarting');
+    const res = await post(s, '/v1/completions', { model: 'fake-model', prompt: 'p', n: 2, stream: true });
+    assert.equal(res.status, 200, 'the stream was opened by a keep-alive comment');
+    const text = await res.text();
+    assert.match(text, /^: keep-alive$/m);
+    assert.match(text, /data: \{"error":\{[^\n]*"code":"no_healthy_prefill"/, text);
+    assert.doesNotMatch(text, /\[DONE\]/);
+  });
+
+  test("Responses: a streamed response waiting for its first token gets ': keep-alive' comments, then its events to response.completed; the openai client reads it", async () => {
+    const s = await stack({ sseKeepAliveMs: 100, healthIntervalMs: 60_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 450, tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'stop' });
+    const t0 = Date.now();
+    const res = await post(s, '/v1/responses', { model: 'fake-model', input: 'p', stream: true });
+    assert.equal(res.status, 200);
+    assert.ok(Date.now() - t0 < 400, `the stream opened while the response waited (${Date.now() - t0} ms)`);
+    const text = await res.text();
+    const comments = text.slice(0, text.indexOf('event:')).match(/^: keep-alive$/gm) ?? [];
+    assert.ok(comments.length >= 2, `comments before the first event: ${JSON.stringify(text.slice(0, 300))}`);
+    assert.match(text, /^event: response\.created$/m);
+    assert.match(text, /^event: response\.completed$/m);
+    const stream = await s.client.responses.create({ model: 'fake-model', input: 'p', stream: true });
+    let got = '';
+    let completed = false;
+    for await (const e of stream) {
+      if (e.type === 'response.output_text.delta') got += e.delta;
+      if (e.type === 'response.completed') completed = true;
+    }
+    assert.deepEqual([got, completed], ['Hello, world', true]);
+    await assertReleased(s);
+  });
+
+  test('Responses: a stream a comment opened, then no worker came: response.failed in the open stream', async () => {
+    const s = await stack({ sseKeepAliveMs: 100, workerWaitMs: 5000, requestTimeoutMs: 700, healthIntervalMs: 60_000 });
+    s.router.registry.setUnhealthy(s.router.registry.workers.find((w) => w.role === 'prefill')!, 'test: restarting');
+    const res = await post(s, '/v1/responses', { model: 'fake-model', input: 'p', stream: true });
+    assert.equal(res.status, 200, 'the stream was opened by a keep-alive comment');
+    const text = await res.text();
+    assert.match(text, /^: keep-alive$/m);
+    assert.match(text, /^event: response\.created$/m);
+    assert.match(text, /^event: response\.failed$/m);
+    assert.match(text, /no_healthy_prefill/);
+  });
+
+  test('Responses and n = 2 without a stream: no comment, the plain answer (a waiting non-stream request is never opened)', async () => {
+    const s = await stack({ sseKeepAliveMs: 100, healthIntervalMs: 60_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 350, tokens: ['Hi'], intervalMs: 2, finish: 'stop' });
+    const r = await post(s, '/v1/responses', { model: 'fake-model', input: 'p' });
+    assert.equal(r.status, 200);
+    assert.match(r.headers.get('content-type') ?? '', /application\/json/);
+    assert.equal(((await r.json()) as { status: string }).status, 'completed');
+    const c = await post(s, '/v1/completions', { model: 'fake-model', prompt: 'p', n: 2 });
+    assert.equal(c.status, 200);
+    assert.equal(((await c.json()) as { choices: { text: string }[] }).choices.map((x) => x.text).join('|'), 'Hi|Hi');
+  });
+});
+
 describe('router: a decode stream that goes silent', () => {
   test('decode stops sending mid-stream (connection open): after legSilenceMs it is marked frozen and the stream migrates to the other decode', async () => {
     const s = await stack({ decode: 2, healthIntervalMs: 60_000, policy: 'round_robin', legSilenceMs: 300 });
