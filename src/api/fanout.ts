@@ -118,7 +118,7 @@ export class FanOutMerger {
    * @throws ApiError 502 for a chunk that is not an OpenAI chunk.
    */
   push(index: number, raw: Chunk): Chunk | null {
-    if (!raw || typeof raw !== 'object' || !Array.isArray(raw.choices)) throw new ApiError(502, 'bad_worker_event', `malformed chunk in choice ${index}'s stream`, 'server_error');
+    if (!raw || typeof raw !== 'object' || !Array.isArray(raw.choices)) throw ApiError.of('bad_worker_event', `malformed chunk in choice ${index}'s stream`);
     this.model ??= typeof raw.model === 'string' ? raw.model : null;
     if (raw.usage) this.usages.set(index, raw.usage);
     if (raw.choices.length === 0) return null;

@@ -222,7 +222,7 @@ export class InProcessSink implements GenerationSink {
       this.handlers.open?.(this.headers);
       this.headDone();
     };
-    const gone = () => new ApiError(499, 'client_closed_request', 'the in-process caller is gone');
+    const gone = () => ApiError.of('client_closed_request', 'the in-process caller is gone');
     const self = this;
     const stopped = (err: unknown) => (err instanceof SseError ? err : new SseError('SSE_CLOSED', `the in-process caller stopped: ${(err as Error)?.message ?? String(err)}`));
     this.out = {
@@ -282,7 +282,7 @@ export class InProcessSink implements GenerationSink {
     this.headDone();
     if (this.result) return this.result;
     if (thrown !== undefined) return { ok: false, error: thrown instanceof ApiError ? thrown : ApiError.of('internal_error', `generation failed: ${(thrown as Error)?.message ?? String(thrown)}`), headers: this.headers, streamed: this.begun, gone: false };
-    return { ok: false, error: new ApiError(499, 'client_closed_request', 'the in-process caller is gone'), headers: this.headers, streamed: this.begun, gone: true };
+    return { ok: false, error: ApiError.of('client_closed_request', 'the in-process caller is gone'), headers: this.headers, streamed: this.begun, gone: true };
   }
 }
 

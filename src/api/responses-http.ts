@@ -69,7 +69,7 @@ export function registerResponsesRoutes<M>(app: FastifyInstance, o: ResponsesRou
       },
     });
   }
-  const notFound = (id: string) => new ApiError(404, 'not_found', `Response with id '${id}' not found.`, 'invalid_request_error', 'id');
+  const notFound = (id: string) => ApiError.of('not_found', `Response with id '${id}' not found.`, 'id');
   // Each tenant (API key) sees its own stored responses only: another's id is unknown (404).
   app.get<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
     const r = o.store.of(tenantOf(req)).get(req.params.id);
@@ -92,7 +92,7 @@ export function registerResponsesRoutes<M>(app: FastifyInstance, o: ResponsesRou
     checkModelName(parsed.chat.model as string | undefined, o.models());
     const size = Buffer.byteLength(JSON.stringify(parsed.chat));
     if (size > o.bodyLimit) {
-      throw new ApiError(400, 'context_length_exceeded', `the conversation (${size} bytes with the previous responses) exceeds the server's request size limit (${o.bodyLimit} bytes)`, 'invalid_request_error', parsed.echo.previous_response_id ? 'previous_response_id' : 'input');
+      throw ApiError.of('context_length_exceeded', `the conversation (${size} bytes with the previous responses) exceeds the server's request size limit (${o.bodyLimit} bytes)`, parsed.echo.previous_response_id ? 'previous_response_id' : 'input');
     }
     const rid = newResponseId('chat', randomBytes(12).toString('hex'));
     const caller = callerOf(req);
@@ -181,5 +181,5 @@ export function registerResponsesRoutes<M>(app: FastifyInstance, o: ResponsesRou
 function asResponsesError(err: unknown): unknown {
   if (!(err instanceof ApiError) || err.param === null) return err;
   const param = responsesParamOf(err.param);
-  return param === err.param ? err : new ApiError(err.status, err.code, err.message, err.type, param);
+  return param === err.param ? err : err.with({ param });
 }

@@ -248,10 +248,10 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
         const parsed = kind === 'chat' ? parseChatRequest(body, { maxToolCalls: config.maxToolCalls, schemaLimits }) : parseCompletionRequest(body, { schemaLimits });
         parsed.salt = cacheSaltOf(caller.tenant, parsed.cacheSalt);
         checkModelName(parsed.model, registry.models());
-        if (closing) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+        if (closing) throw ApiError.of('shutting_down', 'router is shutting down');
         // Token 1's logprob exists only where it was sampled: prefill's first-token event.
         if (parsed.sampling.logprobs !== undefined && !config.firstTokenFromPrefill) {
-          throw new ApiError(400, 'unsupported_value', "Unsupported value for 'logprobs': logprobs need the first token from prefill (this router runs with --no-first-token-from-prefill)", 'invalid_request_error', 'logprobs');
+          throw ApiError.of('unsupported_value', "Unsupported value for 'logprobs': logprobs need the first token from prefill (this router runs with --no-first-token-from-prefill)", 'logprobs');
         }
         return parsed;
       } catch (err) {

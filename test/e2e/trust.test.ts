@@ -115,7 +115,7 @@ describe('API keys on the router', () => {
     assert.match(missing.message, /didn't provide an API key/);
     const okRes = await sdk(API_KEY).completions.create({ model: 'pdserve', prompt: 'the river', max_tokens: 3, temperature: 0 });
     assert.equal(okRes.choices.length, 1);
-    // n > 1 fans out over loopback: the sub-requests carry the client's key.
+    // n > 1: the choices run in process, under the client's key (its tenant).
     const n2 = await sdk(API_KEY).completions.create({ model: 'pdserve', prompt: 'the river', max_tokens: 2, n: 2 });
     assert.equal(n2.choices.length, 2);
     assert.equal((await sdk(API_KEY).models.list()).data.length > 0, true);
@@ -440,7 +440,7 @@ describe('TLS for clients', () => {
     const streamed = await secure.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: 'hi' }], max_tokens: 3, n: 2, stream: true });
     let chunks = 0;
     for await (const _ of streamed) chunks++;
-    assert.ok(chunks > 0, 'a fanned-out stream over HTTPS (loopback sub-requests over HTTPS too, not admitted twice)');
+    assert.ok(chunks > 0, 'a fanned-out stream over HTTPS (its choices in process, the request admitted once)');
     // Admission: the key's bucket (burst 2) is empty: the third generation request is a 429 with retry-after.
     const limited = await secure.completions.create({ model: 'pdserve', prompt: 'one more', max_tokens: 2 }).then(
       () => null,
