@@ -61,6 +61,10 @@ const HOLD_MS = 3000;
 const REQUEST_DEADLINE_MS = 2 * HOLD_MS;
 /** The router's --client-write-deadline-ms: a stalled reader is cut this long after its queue stopped draining. */
 const CLIENT_DEADLINE_MS = 2500;
+/** The router's deadline while the stalled-reader cases run, ms: past their 9 s generation. */
+const STALL_REQUEST_DEADLINE_MS = 30_000;
+/** A stalled reader is cut within this, ms: under the 9 s its generation takes at least, so the cut (not the end) frees the rooms. */
+const STALL_CUT_WITHIN_MS = 8500;
 /** Both decodes' --max-state-bytes: the smallest accepted; the tiny model's state is ~530 B/token. */
 const MAX_STATE = '1M';
 /** A prompt of ~2000 tokens (a ~1.06 MB state: over MAX_STATE), as the context allows. */
@@ -94,6 +98,19 @@ function stalledReader(url: string, path: string, body: Record<string, unknown>)
   sock.on('error', () => {});
   sock.write(`POST ${path} HTTP/1.1\r\nhost: ${u.host}\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(json)}\r\n\r\n${json}`);
   return sock;
+}
+
+/** Restart the router with another --request-timeout-ms; resolves once it serves a request. */
+async function restartRouter(deadlineMs: number): Promise<void> {
+  const r = h.c.router;
+  const i = r.args.indexOf('--request-timeout-ms');
+  assert.ok(i >= 0);
+  if (r.args[i + 1] === String(deadlineMs)) return;
+  await h.c.kill(r);
+  r.args[i + 1] = String(deadlineMs);
+  await h.c.spawn(r);
+  const ok = await waitFor(async () => (await h.pd.completions.create({ model: 'pdserve', prompt: 'Once', max_tokens: 2, temperature: 0 }).then(() => true, () => false)), 15_000, 200);
+  assert.ok(ok, `the router serves again (deadline ${deadlineMs} ms)`);
 }
 
 /** pdserve_kv_handoffs_total by path of one worker. */
@@ -258,8 +275,11 @@ describe('same-host KV handoff (kv_file)', () => {
       { name: 'router', url: h.c.router.url, slowed: ['decode-0', 'decode-1'], live: async () => (await Promise.all(['decode-0', 'decode-1'].map(async (n) => (await getJson<{ live: unknown[] }>(`${proc(n).url}/debug/rooms`)).live.length))).reduce((a, b) => a + b, 0) },
     ];
     for (const srv of servers) {
-      // generation slowed to 2 ms a token: 3000 tokens would take 6 s, the router's whole deadline
-      for (const d of srv.slowed) await setHolds(d, 'decode.step=2');
+      // generation slowed to 3 ms a token: 3000 tokens take 9 s or more. The router runs with a
+      // deadline past that for this case, so a cut that comes late on a loaded machine (the reader's
+      // window fills more slowly as tokens come more slowly) is still a cut, never the deadline.
+      if (srv.name === 'router') await restartRouter(STALL_REQUEST_DEADLINE_MS);
+      for (const d of srv.slowed) await setHolds(d, 'decode.step=3');
       try {
         const cases: [string, string, Record<string, unknown>][] = [
           ['n = 1', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, logprobs: 5, stream: true }],
@@ -270,7 +290,7 @@ describe('same-host KV handoff (kv_file)', () => {
           const before = await cuts(srv.url);
           const sock = stalledReader(srv.url, path, body);
           const t0 = Date.now();
-          assert.ok(await waitFor(async () => (await cuts(srv.url)) === before + 1, REQUEST_DEADLINE_MS - 500, 50), `${srv.name} ${label}: the stalled reader was cut before the request's deadline (${await cuts(srv.url)} cuts)`);
+          assert.ok(await waitFor(async () => (await cuts(srv.url)) === before + 1, STALL_CUT_WITHIN_MS, 50), `${srv.name} ${label}: the stalled reader was cut while its stream was generating (${await cuts(srv.url)} cuts)`);
           const ms = Date.now() - t0;
           assert.ok(await waitFor(async () => (await srv.live()) === 0, 1500, 50), `${srv.name} ${label}: its rooms were aborted, the slots are free`);
           sock.resume(); // read what was queued: the server's end of the connection is closed behind it
@@ -281,6 +301,7 @@ describe('same-host KV handoff (kv_file)', () => {
         }
       } finally {
         for (const d of srv.slowed) await setHolds(d, '');
+        if (srv.name === 'router') await restartRouter(REQUEST_DEADLINE_MS);
       }
       // a reader that reads is not cut: the next stream ends with [DONE]
       const s = await (srv.name === 'router' ? h.pd : h.ref).completions.create({ model: 'pdserve', prompt: 'Once upon a time', max_tokens: 200, ignore_eos: true, temperature: 0, logprobs: 5, stream: true } as never);
