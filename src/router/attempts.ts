@@ -40,11 +40,11 @@ import type { ChoiceGroup } from './choices.js';
 import { ClientReply, PdRequest, type Decide, type DispatchContext } from './dispatch.js';
 import { AttemptPlan, type PlanState } from './plan.js';
 import { errorOutcome, type Outcome } from './metrics.js';
-import { pickPair } from './pairing.js';
-import { localPrefillFor, routingText, routingTextAfter, type Pick, type Policy } from './policy/index.js';
+import { routingText, routingTextAfter } from './policy/index.js';
+import type { PairPicker, PickAnswer } from './picker.js';
 import { conversationKey } from './policy/affinity.js';
 import type { WorkerState } from './registry.js';
-import { PAIR_FAILURE_CODES, type PairBlocks } from './pair-blocks.js';
+import { PAIR_FAILURE_CODES } from './pair-blocks.js';
 import { SseKeepAlive } from './keepalive.js';
 
 /** Most requests waiting for a healthy worker at once; beyond it a request gets the 503 at once. */
@@ -55,20 +55,13 @@ const WAIT_POLL_MS = 50;
 /** What `serveAttempts` needs from its router. */
 export interface AttemptDeps {
   ctx: DispatchContext;
-  policies: { prefill: Policy; decode: Policy };
-  /** A policy pick function over candidates (counts the pick; `key`: the conversation's affinity key; `seen` gets the decode pick). */
-  pickWith(role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void): (c: WorkerState[]) => WorkerState | null;
-  /** Whether a decode worker's KV events say it holds the conversation `key` (undefined: unknown). */
-  holdsFor(key: string | undefined): ((url: string) => boolean | undefined) | undefined;
-  /** A round of conversation `key` just ended well on decode `url`: its claim is on its way (./kv-events.ts `expect`). */
-  expectHeld?(url: string, key: string): void;
+  /** Which pair serves an attempt (./picker.ts), and what became of it. */
+  picker: PairPicker;
   /** The attempts running now (the router cancels them on close). */
   active: Set<PdRequest>;
   closing(): boolean;
   /** Requests waiting for a healthy worker now (bounded by MAX_WAITING). */
   waiting: { n: number };
-  /** Pairs out of the rotation after a failed KV handshake. */
-  pairs: PairBlocks;
 }
 
 /** Who a request is for: its response id, log, `x-session-id` and, for a fanned-out choice, the whole request's response id. */
@@ -93,12 +86,8 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
   const text = routingText(parsed);
   const key = conversationKey(parsed, caller.sessionId);
   if (key !== undefined) parsed.conversationKey = key;
+  /** The failed attempts' workers: the picker skips them while others are candidates. */
   const avoid = new Set<WorkerState>();
-  /** Skip the failed attempts' workers while others are candidates. */
-  const avoiding = (f: (c: WorkerState[]) => WorkerState | null) => (c: WorkerState[]) => {
-    const rest = avoid.size ? c.filter((w) => !avoid.has(w)) : c;
-    return f(rest.length ? rest : c);
-  };
   const causes: { next: 'retry' | 'migrate'; code: string }[] = [];
   let client: ClientReply | null = null;
   const plan = new AttemptPlan({ migrationLimit: config.migrationLimit });
@@ -120,12 +109,8 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
       // A choice group's prefill is picked once, by its first member; the others take it. A
       // choice runs again on its own (the group's prefill request is over).
       const m: { group: ChoiceGroup; index: number } | undefined = first ? member : undefined;
-      let decodePick: Pick<WorkerState> | null = null;
-      type Pair = ReturnType<typeof pickPair>;
-      const pick = (): Pair => {
-        const now = systemClock.nowMs();
-        const fixed: WorkerState | null | undefined = m?.group.prefill;
-        const p = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : avoiding(d.pickWith('prefill', text, now, key)), avoiding(d.pickWith('decode', text, now, key, (p) => (decodePick = p))), (p, dd) => d.pairs.usable(p.url, dd.url));
+      const pick = (): PickAnswer => {
+        const p = d.picker.pick({ text, key, avoid, prefill: m?.group.prefill ?? undefined, local: !m });
         // at once: the group's other members run in the same turn (in process) and must take this prefill
         if (m && !('error' in p)) m.group.prefill ??= p.prefill;
         return p;
@@ -133,15 +118,11 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
       const deadlineAt: number = client?.deadlineAt ?? systemClock.nowMs() + config.requestTimeoutMs;
       const waitStart = systemClock.nowMs();
       const until = (error: string): number => waitUntil(error, registry.workers, waitStart, deadlineAt, config.workerWaitMs, config.unavailableWaitMs);
-      // blocked pairs only: a pair exists once the blocks are ignored
-      const transient = () => !('error' in pickPair(registry, (c) => c[0] ?? null, (c) => c[0] ?? null, () => true));
       // A role whose live workers are all degraded (a full state directory) answers at once.
       const unfit = degradedError(registry);
       if (unfit) throw unfit;
-      const pair: Pair = await pickOrWait(pick, until, d, () => sink.signal.aborted || d.closing(), transient);
-      if ('error' in pair) {
-        throw ApiError.of(pair.error, pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`);
-      }
+      const pair = await pickOrWait(pick, until, d, () => sink.signal.aborted || d.closing());
+      if ('error' in pair) throw ApiError.of(pair.error, pair.reason);
       // The client left while the request waited for a pair (or between attempts): no attempt for nobody.
       if (sink.signal.aborted) {
         outcome = 'client_abort';
@@ -164,12 +145,12 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
         decided = d.state;
         return d.next;
       };
-      // Decode-local continuation first when the decode worker holds this conversation (never for
-      // a choice of a group). A migration too: prompt + the tokens the client has go to a decode
-      // that holds the prefix, which evaluates only what it lacks (no prefill leg, no KV
-      // handoff). Its `needs_prefill` answer (before this attempt's output) falls back to the PD
-      // path on the same pair.
-      const localMax = m ? 0 : localPrefillFor(config.localPrefillMaxTokens, d.policies.decode.name, decodePick, text.length, decodePick ? d.holdsFor(key)?.(decode.url) : undefined);
+      // Decode-local continuation first when the decode worker holds this conversation (the
+      // picker's `localPrefill`; never for a choice of a group). A migration too: prompt + the
+      // tokens the client has go to a decode that holds the prefix, which evaluates only what it
+      // lacks (no prefill leg, no KV handoff). Its `needs_prefill` answer (before this attempt's
+      // output) falls back to the PD path on the same pair.
+      const localMax = pair.localPrefill;
       c.attempt++;
       let run = new PdRequest(d.ctx, c, parsed, sink, prefill, decode, log, decide, localMax ? { maxTokens: localMax } : undefined, m);
       d.active.add(run);
@@ -187,15 +168,11 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
       }
       outcome = run.outcome ?? 'error';
       // A failed KV handshake takes the pair out of the rotation (./pair-blocks.ts); service clears it.
-      if (run.cause && PAIR_FAILURE_CODES.has(run.cause.code)) {
-        const ms = d.pairs.block(prefill.url, decode.url, run.cause.code);
-        log.warn({ prefill: prefill.url, decode: decode.url, code: run.cause.code, retry_in_ms: ms }, 'KV handshake failed: the pair leaves the rotation');
-      } else if (run.outcome === 'ok') d.pairs.ok(prefill.url, decode.url);
-      // The decode worker now keeps this round (prompt + reply): the next round's prefix.
-      if (run.outcome === 'ok' && run.next === null) {
-        d.policies.decode.record?.(routingTextAfter(parsed, run.generatedText), decode.url, systemClock.nowMs());
-        if (key !== undefined) d.expectHeld?.(decode.url, key);
-      }
+      // An ok round: the decode worker now keeps it (prompt + reply), the next round's prefix.
+      const pairFailed = run.cause && PAIR_FAILURE_CODES.has(run.cause.code) ? run.cause.code : undefined;
+      const ok = run.outcome === 'ok' && run.next === null;
+      const blockedMs = d.picker.learn({ prefill, decode, ok: run.outcome === 'ok', pairFailed, ...(ok ? { heldText: routingTextAfter(parsed, run.generatedText), key } : {}) });
+      if (pairFailed) log.warn({ prefill: prefill.url, decode: decode.url, code: pairFailed, retry_in_ms: blockedMs }, 'KV handshake failed: the pair leaves the rotation');
       if (run.next !== 'retry' && run.next !== 'migrate') break;
       if (sink.signal.aborted) {
         // The attempt failed as its client left: the request ends as the client's abort.
@@ -272,22 +249,19 @@ export function waitUntil(error: string, workers: readonly { role: WorkerState['
 }
 
 /**
- * The pair `pick` gives, or — when a role has no healthy worker, or every compatible pair is
- * blocked for a while (`transient`) — the first one it gives before `until(error)` (`waitUntil`,
- * asked again after every look: the missing role can change; see MAX_WAITING).
- * A settings mismatch no pair can serve is answered at once.
+ * The pair `pick` gives, or — when its answer may change by waiting (`waitable`: a role has no
+ * healthy worker, or every compatible pair is blocked for a while) — the first one it gives before
+ * `until(error)` (`waitUntil`, asked again after every look: the missing role can change; see
+ * MAX_WAITING). A settings mismatch no pair can serve is answered at once.
  */
-async function pickOrWait<P extends object | { error: string }>(pick: () => P, until: (error: string) => number, d: AttemptDeps, gone: () => boolean, transient: () => boolean): Promise<P> {
-  const waitable = (error: string) => error !== 'no_compatible_pair' || transient();
+async function pickOrWait(pick: () => PickAnswer, until: (error: string) => number, d: AttemptDeps, gone: () => boolean): Promise<PickAnswer> {
   let pair = pick();
-  if (!('error' in pair) || !waitable(pair.error) || d.waiting.n >= MAX_WAITING) return pair;
+  if (!('error' in pair) || !pair.waitable || d.waiting.n >= MAX_WAITING) return pair;
   d.waiting.n++;
   try {
-    for (let error = pair.error; waitable(error) && systemClock.nowMs() + WAIT_POLL_MS <= until(error) && !gone(); ) {
+    while ('error' in pair && pair.waitable && systemClock.nowMs() + WAIT_POLL_MS <= until(pair.error) && !gone()) {
       await sleep(WAIT_POLL_MS);
       pair = pick();
-      if (!('error' in pair)) return pair;
-      error = pair.error;
     }
   } finally {
     d.waiting.n--;

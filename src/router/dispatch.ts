@@ -1,10 +1,14 @@
 /**
- * Dual dispatch of one generation request (SGLang mini-LB style).
+ * Dual dispatch of one generation request (SGLang mini-LB style): the attempt's coordinator.
  *
  * The same `/generate` body (rid, bootstrap_host/port of the chosen prefill, a random 63-bit
  * bootstrap_room) is POSTed to the prefill and the decode worker at once. Prefill answers JSON
  * when its room is terminal; decode streams `GenerateEvent`s as SSE. The client gets decode's
  * stream converted to OpenAI chunks (stream) or the assembled response (non-stream).
+ *
+ * Each worker call is a leg (./leg.ts: the call, its one SSE loop, its abort, lease and
+ * settling), heard as typed events; this class coordinates the two: the first-token gate, the
+ * client's response, the deadline, aborts and the end.
  *
  * Lifecycle (`PdRequest`): waiting → streaming (stream mode, from decode's first event) →
  * finished. `finish(outcome)` runs once and:
@@ -28,20 +32,19 @@
  * Decode-local continuation (`local`, ../decode/local.ts): the request goes to decode ALONE with
  * `local_prefill: {max_tokens}` (no prefill leg, no KV handoff; decode streams every token). If
  * decode answers 409 `needs_prefill` before this attempt sent anything to the client, the
- * attempt ends with `fallback = true` instead of an error, and the caller runs a normal PD request
+ * attempt ends with `next = 'fallback'` (./plan.ts) instead of an error, and the caller runs a normal PD request
  * on the same pair. A migrated attempt may take this path too (`resume_token_ids` with
  * `local_prefill`). Everything else (deadline, aborts, leases, finish) is the same code. A
  * successful response names its path in the `x-pdserve-path` header (pd | decode_local).
  *
- * Attempts (./attempts.ts): this class is one attempt. A leg that fails with an error the
- * attempt's `decide` function (./attempts.ts `nextStep`) says may run again — a 5xx or transport
- * failure of either worker, `draining` (the worker is marked draining), a refused or reset
- * connection (a worker that just died: marked unreachable) — ends the attempt with `next` =
- * 'retry' (no output yet) or 'migrate' (the client has output) and `cause` set instead of an
- * error: nothing is sent to the client, the other leg is aborted (its room ends by
- * /abort_request) and the caller runs a new attempt on another pair, through the same
- * `ClientReply` (response builder, SSE stream, tokens sent, deadline). The workers' rid of attempt
- * n > 1 is `<rid>-a<n>`; the response id stays `<rid>`.
+ * Attempts (./attempts.ts): this class is one attempt. A leg's failure is reported to the
+ * registry (`report`: draining, unreachable, connection lost, frozen, unauthenticated) and put to
+ * the attempt plan (./plan.ts, through `decide`): `retry` (no output yet) or `migrate` (the
+ * client has output) end the attempt with `next` and `cause` set instead of an error — nothing is
+ * sent to the client, the other leg is aborted (its room ends by /abort_request) and the caller
+ * runs a new attempt on another pair, through the same `ClientReply` (response builder, SSE
+ * stream, tokens sent, deadline). The workers' rid of attempt n > 1 is `<rid>-a<n>`; the
+ * response id stays `<rid>`.
  */
 import type { SendQueueWatch } from '../runtime/send-queue.js';
 import { redactedForClient } from '../base/redact.js';
@@ -49,16 +52,12 @@ import { DRAINING_CODE } from '../runtime/drain.js';
 import { systemClock } from '../base/clock.js';
 import { hold, holdsEnabled } from '../runtime/testhooks.js';
 import { newRoomId, type RoomId } from '../base/room-id.js';
-import { performance } from 'node:perf_hooks';
-import { Writable } from 'node:stream';
-import { pipeline } from 'node:stream/promises';
 import type { ChunkStream, GenerationSink } from '../api/generation.js';
 import type { Logger } from 'pino';
-import { request, type Dispatcher } from 'undici';
+import type { Dispatcher } from 'undici';
 import { ApiError } from '../api/errors.js';
 import { outputChecksOf, responseToolSyntax, toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { OpenAIResponseBuilder, SSE_DONE } from '../api/respond.js';
-import { readSse, SseParser } from '../api/sse.js';
 import type { GenerateEvent } from '../protocol/worker-protocol.js';
 import type { RouterConfig } from './config.js';
 import type { Next } from './plan.js';
@@ -66,18 +65,12 @@ import { errorOutcome, type Outcome, type RouterMetrics } from './metrics.js';
 import type { RequestObserver } from './trace.js';
 import type { ChoiceGroup } from './choices.js';
 import { randomHex, randomU64 } from './random-pool.js';
-import { describeError, readText, type Lease, type WorkerRegistry, type WorkerState } from './registry.js';
-import { abortCause, badEvent, eventError, legFailure, OPERATOR_ABORT, workerError, type AbortCause, type LegName } from './worker-errors.js';
+import type { Lease, WorkerRegistry, WorkerState } from './registry.js';
+import { Leg, type LegCall, type LegEvent } from './leg.js';
+import { abortCause, legFailure, OPERATOR_ABORT, type LegName } from './worker-errors.js';
 
 /** How long an already-answered request waits for a leg to settle on its own before aborting it. */
 export const LINGER_MS = 2000;
-/** Largest worker error body read, bytes. */
-const MAX_ERROR_BODY = 64 * 1024;
-const JSON_HEADERS = { 'content-type': 'application/json' } as const;
-const PREFILL_SSE_HEADERS = { ...JSON_HEADERS, accept: 'text/event-stream' } as const;
-/** Ends prefill's stream after an error event (the leg has already failed): not an error of its own. */
-const STOP_PREFILL_STREAM = new Error('prefill stream stopped after its error event');
-
 /** Random 63-bit bootstrap room id (the one generator, base/room-id.ts; bytes from ./random-pool.ts). */
 export const randomRoom = (): RoomId => newRoomId(randomU64);
 
@@ -104,21 +97,6 @@ export interface DispatchContext {
   observe?: RequestObserver;
   /** Streaming clients' send queues (../runtime/send-queue.ts): one reading too slowly is cut. */
   sendWatch?: SendQueueWatch;
-}
-
-interface Leg {
-  name: LegName;
-  worker: WorkerState;
-  lease: Lease;
-  ac: AbortController;
-  /** The worker gave a terminal answer (200, error status, error event, [DONE]): no abort_request needed on error. */
-  reported: boolean;
-  /** The worker's response headers arrived (before that, a closed connection means it never answered). */
-  answered: boolean;
-  /** The HTTP exchange is over. */
-  settled: boolean;
-  abortSent: boolean;
-  linger: NodeJS.Timeout | null;
 }
 
 /**
@@ -224,17 +202,7 @@ export class PdRequest {
   ) {
     // A group's prefill computation is one load on its worker: only its first choice holds the lease.
     const shared = (name: LegName) => name === 'prefill' && member !== undefined && member.index > 0;
-    const leg = (name: LegName, worker: WorkerState): Leg => ({
-      name,
-      worker,
-      lease: shared(name) ? noLease(worker) : ctx.registry.acquire(worker),
-      ac: new AbortController(),
-      reported: false,
-      answered: false,
-      settled: false,
-      abortSent: false,
-      linger: null,
-    });
+    const leg = (name: LegName, worker: WorkerState): Leg => new Leg(name, worker, shared(name) ? noLease(worker) : ctx.registry.acquire(worker), ctx, () => this.log);
     this.path = local ? 'decode_local' : 'pd';
     this.legs = local ? { decode: leg('decode', decode) } : { prefill: leg('prefill', prefill), decode: leg('decode', decode) };
     this.parentLog = log;
@@ -305,233 +273,84 @@ export class PdRequest {
     return this.phase === 'finished';
   }
 
-  private async runPrefill(leg: Leg): Promise<void> {
-    const streamed = this.ctx.config.firstTokenFromPrefill;
-    try {
-      // The common case (a request of its own, first token from prefill) reads the stream inside
-      // the socket's read callback: see `streamPrefill`.
-      if (streamed && !this.member) return await this.streamPrefill(leg);
-      const headers = streamed ? PREFILL_SSE_HEADERS : JSON_HEADERS;
-      const res = this.member
-        ? await this.member.group.join(this.member.index, this.room, this.body, leg.ac.signal)
-        : await request(`${leg.worker.url}/generate`, { method: 'POST', headers, body: this.body, signal: leg.ac.signal, dispatcher: this.ctx.dataAgent });
-      leg.answered = true;
-      // A choice group's share of the stream, through the same reader as `streamPrefill`'s.
-      if (res.statusCode === 200 && streamed) return await pipeline(res.body, this.prefillReader(leg));
-      const text = await readText(res.body, MAX_ERROR_BODY);
-      leg.reported = true;
-      if (res.statusCode === 200) {
-        const answer = safeJson(text);
-        this.debug({ prefill: answer }, 'prefill answered');
-        this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: (answer as { meta_info?: unknown })?.meta_info ?? null });
-        return;
+  /**
+   * Prefill's leg (./leg.ts): its own stream, a choice group's share of one, or a JSON answer
+   * (no streamed first token). Token 1 goes to the client at once and opens the first gate;
+   * then the handoff outcome. A stream that ends before token 1 fails the leg.
+   */
+  private runPrefill(leg: Leg): Promise<void> {
+    const sse = this.ctx.config.firstTokenFromPrefill;
+    const m = this.member;
+    const call: LegCall = m ? { via: 'group', sse, join: (signal) => m.group.join(m.index, this.room, this.body, signal) } : { via: 'generate', sse };
+    let first = true;
+    return leg.run(this.body, call, (e) => {
+      switch (e.type) {
+        case 'generate':
+          if (!first || this.over) return;
+          first = false;
+          return this.onEvent(e.ev).finally(() => this.firstGateOpen());
+        case 'transfer':
+          this.debug({ prefill: e.info }, 'prefill answered: KV handoff done');
+          this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: e.info });
+          return;
+        case 'answer':
+          this.debug({ prefill: e.body }, 'prefill answered');
+          this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: (e.body as { meta_info?: unknown })?.meta_info ?? null });
+          return;
+        case 'error':
+          this.legFailed(leg, e.err);
+          return 'stop';
+        case 'end':
+          if (first && !this.over) throw new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error');
+          return;
+        case 'thrown':
+          if (!this.over) this.legThrew(leg, e.thrown);
+          return;
       }
-      this.legFailed(leg, workerError('prefill', res.statusCode, text));
-    } catch (err) {
-      if (err === STOP_PREFILL_STREAM) return;
-      if (this.over || leg.ac.signal.aborted) return;
-      this.legThrew(leg, err);
-    } finally {
-      this.settle(leg);
-    }
-  }
-
-  /**
-   * Prefill's streamed answer through undici's `stream()` API: its events are parsed and handled
-   * inside undici's data callback (`prefillReader`), i.e. in the socket's read callback, so the
-   * first token reaches the client's socket in the turn its bytes arrived. A `request()` body read
-   * with `for await` takes several more turns (the response promise, the Readable's buffering, the
-   * async iterators). Resolves when the stream ended (or stopped after an
-   * error event, the leg then failed); rejects with the transport error, an ApiError (bad event,
-   * truncated stream) or the SseError of a failed client write. A status other than 200: its body
-   * (≤ MAX_ERROR_BODY bytes kept) fails the leg.
-   */
-  private streamPrefill(leg: Leg): Promise<void> {
-    const url = new URL(`${leg.worker.url}/generate`);
-    let status = 0;
-    let errorBody: TextSink | null = null;
-    return new Promise<void>((resolve, reject) => {
-      this.ctx.dataAgent.stream(
-        { origin: url.origin, path: url.pathname + url.search, method: 'POST', headers: PREFILL_SSE_HEADERS, body: this.body, signal: leg.ac.signal },
-        ({ statusCode }) => {
-          leg.answered = true;
-          status = statusCode;
-          if (statusCode !== 200) return (errorBody = new TextSink(MAX_ERROR_BODY));
-          this.ctx.registry.noteExchange(leg.worker);
-          return this.prefillReader(leg);
-        },
-        (err) => {
-          if (err) return reject(err);
-          if (errorBody) {
-            leg.reported = true;
-            this.legFailed(leg, workerError('prefill', status, errorBody.text()));
-          }
-          resolve();
-        },
-      );
     });
   }
 
   /**
-   * THE reader of prefill's SSE answer (its own stream, or a choice group's share of one): a
-   * Writable fed the body's bytes, parsing events (SseParser) and handling each (`prefillEvent`)
-   * in the write callback; the next chunk waits for the first token's write to the client. Fails
-   * with STOP_PREFILL_STREAM after an error event (the leg has failed: read no further), an
-   * ApiError (bad event; the stream ended before the first token: `prefill_stream_truncated`) or
-   * SseError SSE_EVENT_TOO_LARGE.
+   * Decode's leg (./leg.ts): every event after the first gate to the client, in order. After an
+   * ok finish the rest of the body is drained; after any other finish the read stops. A stream
+   * that ends before the finish event fails the leg; so does silence past `legSilenceMs` (the
+   * worker is marked frozen, GET /workers and doctor name it, and the request migrates as after
+   * a crash).
    */
-  private prefillReader(leg: Leg): Writable {
-    const st = { first: true };
-    const parser = new SseParser({ maxEventBytes: this.ctx.config.maxEventBytes });
-    return new Writable({
-      write: (chunk: Buffer, _enc, cb) => {
-        const events: string[] = [];
-        let failure: unknown = null;
-        try {
-          parser.push(chunk, events);
-        } catch (err) {
-          failure = err; // the events before the oversized one first, as readSse does
-        }
-        const next = (i: number): void => {
-          for (; i < events.length; i++) {
-            let r: ReturnType<PdRequest['prefillEvent']>;
-            try {
-              r = this.prefillEvent(leg, events[i]!, st);
-            } catch (err) {
-              return cb(err as Error);
-            }
-            if (r === 'stop') return cb(STOP_PREFILL_STREAM);
-            if (r) {
-              const at = i + 1;
-              r.then(() => next(at), (err: Error) => cb(err));
-              return;
-            }
-          }
-          cb(failure as Error | null);
-        };
-        next(0);
-      },
-      final: (cb) => cb(st.first && !this.over ? new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error') : null),
+  private runDecode(): Promise<void> {
+    const leg = this.legs.decode;
+    return leg.run(this.body, { via: 'generate', sse: true }, (e) => {
+      switch (e.type) {
+        case 'generate':
+        case 'error':
+          if (this.over) return this.outcome === 'ok' ? undefined : 'stop';
+          return this.decodeEvent(leg, e);
+        case 'end':
+          if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
+          return;
+        case 'thrown':
+          if (!this.over) this.legThrew(leg, e.thrown);
+          return;
+        case 'silent':
+          if (this.over) return;
+          this.log.warn({ worker: leg.worker.url, why: e.why, events: this.decodeEvents }, 'decode stream went silent: the worker is frozen, migrating the request');
+          this.ctx.registry.report(leg.worker, { kind: 'frozen', why: e.why });
+          this.legFailed(leg, new ApiError(502, 'decode_stalled', `decode worker ${leg.worker.url} stalled: ${e.why}`, 'server_error'));
+          return;
+      }
     });
   }
 
-  /**
-   * One event of prefill's stream: the first-token event (to the client at once), then the
-   * handoff outcome. Returns 'stop' after an error event (the leg has failed: read no further),
-   * the promise of the first token's handling (the write to the client; decode's events are held
-   * until it settles), or undefined.
-   * @throws ApiError 502 bad_worker_event when the event is not JSON.
-   */
-  private prefillEvent(leg: Leg, data: string, st: { first: boolean }): 'stop' | Promise<void> | undefined {
-    if (data === SSE_DONE) {
-      leg.reported = true;
-      return undefined;
-    }
-    let ev: { error?: { message?: unknown; code?: unknown; type?: unknown; status?: unknown }; transfer?: unknown };
-    try {
-      ev = JSON.parse(data);
-    } catch {
-      throw badEvent('prefill');
-    }
-    if (ev?.error && typeof ev.error === 'object') {
-      leg.reported = true;
-      this.legFailed(leg, eventError('prefill', ev.error, 502));
+  /** A decode event once prefill's token 1 was handled: an error fails the leg, anything else goes to the client. */
+  private async decodeEvent(leg: Leg, e: Extract<LegEvent, { type: 'generate' | 'error' }>): Promise<void | 'stop'> {
+    await this.firstGate;
+    if (this.over) return;
+    if (e.type === 'error') {
+      this.legFailed(leg, e.err);
       return 'stop';
     }
-    if (ev?.transfer !== undefined) {
-      leg.reported = true;
-      this.debug({ prefill: ev.transfer }, 'prefill answered: KV handoff done');
-      this.ctx.observe?.event(this.rid, 'prefill_done', { meta_info: ev.transfer });
-      return undefined;
-    }
-    if (!st.first || this.over) return undefined;
-    st.first = false;
-    return this.onEvent(ev as unknown as GenerateEvent).finally(() => this.firstGateOpen());
-  }
-
-  private async runDecode(): Promise<void> {
-    const leg = this.legs.decode;
-    let stall: { heard(): void; waiting(): void; stop(): void } | null = null;
-    try {
-      const res = await request(`${leg.worker.url}/generate`, {
-        method: 'POST',
-        headers: { ...JSON_HEADERS, accept: 'text/event-stream' },
-        body: this.body,
-        signal: leg.ac.signal,
-        dispatcher: this.ctx.dataAgent,
-      });
-      leg.answered = true;
-      if (res.statusCode !== 200) {
-        const text = await readText(res.body, MAX_ERROR_BODY);
-        leg.reported = true;
-        this.legFailed(leg, workerError('decode', res.statusCode, text));
-        return;
-      }
-      this.ctx.registry.noteExchange(leg.worker);
-      stall = this.watchSilence(leg);
-      for await (const data of readSse(res.body, { maxEventBytes: this.ctx.config.maxEventBytes })) {
-        stall?.heard();
-        if (this.over && this.outcome !== 'ok') break;
-        if (data === SSE_DONE) {
-          leg.reported = true;
-          continue;
-        }
-        if (this.over) continue; // ok: drain to the end of the body
-        await this.firstGate;
-        if (this.over) continue;
-        let ev: unknown;
-        try {
-          ev = JSON.parse(data);
-        } catch {
-          throw badEvent('decode');
-        }
-        const errEv = (ev as { error?: unknown } | null)?.error;
-        if (errEv && typeof errEv === 'object') {
-          leg.reported = true;
-          this.legFailed(leg, eventError('decode', errEv as Record<string, unknown>, 500));
-          return;
-        }
-        this.decodeEvents++;
-        await this.onEvent(ev as GenerateEvent);
-        stall?.waiting();
-      }
-      if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
-    } catch (err) {
-      if (this.over) return;
-      this.legThrew(leg, err);
-    } finally {
-      stall?.stop();
-      this.settle(leg);
-    }
-  }
-
-  /**
-   * The silence bound of decode's stream (`legSilenceMs`; null when 0): only the time the router
-   * waits on the worker counts (`waiting()` after each event is handled, `heard()` when the next
-   * arrives), not a slow client's write. Past the bound the worker is marked frozen (GET /workers,
-   * doctor) and the leg fails with 502 `decode_stalled`, which migrates the request as a crash
-   * does; its connection is aborted.
-   */
-  private watchSilence(leg: Leg): { heard(): void; waiting(): void; stop(): void } | null {
-    const boundMs = this.ctx.config.legSilenceMs;
-    if (boundMs <= 0) return null;
-    let since = systemClock.nowMs();
-    const timer = setInterval(() => {
-      if (since === 0 || this.over) return;
-      const silent = systemClock.nowMs() - since;
-      if (silent < boundMs) return;
-      clearInterval(timer);
-      const why = `no event on a request's stream for ${Math.round(silent)} ms (bound ${boundMs} ms), after ${this.decodeEvents} events`;
-      this.log.warn({ worker: leg.worker.url, silent_ms: Math.round(silent), events: this.decodeEvents }, 'decode stream went silent: the worker is frozen, migrating the request');
-      this.ctx.registry.report(leg.worker, { kind: 'frozen', why });
-      this.legFailed(leg, new ApiError(502, 'decode_stalled', `decode worker ${leg.worker.url} stalled: ${why}`, 'server_error'));
-    }, Math.max(10, Math.min(1000, Math.floor(boundMs / 4))));
-    timer.unref();
-    return {
-      heard: () => (since = 0),
-      waiting: () => (since = systemClock.nowMs()),
-      stop: () => clearInterval(timer),
-    };
+    this.decodeEvents++;
+    await this.onEvent(e.ev);
   }
 
   /** A decode event: metrics, translation, write to the client; completes on the finish event. */
@@ -642,35 +461,6 @@ export class PdRequest {
     this.legFailed(leg, f.err);
   }
 
-  /** The leg's HTTP exchange is over: release its load (guarded) and stop its linger timer. */
-  private settle(leg: Leg): void {
-    leg.settled = true;
-    if (leg.linger) clearTimeout(leg.linger);
-    leg.linger = null;
-    leg.lease.release();
-  }
-
-  /** POST /abort_request to the leg's worker (once per leg), with `cause` when given; settles (never rejects) once answered or failed. */
-  private sendAbort(leg: Leg, cause?: AbortCause): Promise<void> {
-    if (leg.abortSent) return Promise.resolve();
-    leg.abortSent = true;
-    const { controlAgent, config } = this.ctx;
-    const p = request(`${leg.worker.url}/abort_request`, {
-      method: 'POST',
-      headers: JSON_HEADERS,
-      body: JSON.stringify({ rid: this.workerRid, bootstrap_room: this.room, ...(cause ? { cause } : {}) }),
-      dispatcher: controlAgent,
-      signal: AbortSignal.timeout(config.abortTimeoutMs),
-    })
-      .then(async (res) => {
-        await res.body.dump();
-        if (res.statusCode >= 300) this.log.warn({ worker: leg.worker.url, status: res.statusCode }, 'abort_request refused');
-      })
-      .catch((err: unknown) => this.log.warn({ worker: leg.worker.url, err: describeError(err) }, 'abort_request failed'));
-    this.ctx.track(p);
-    return p;
-  }
-
   /** Send the client an error in the form its phase allows (naming the failed role, not its address). */
   private sendError(raw: ApiError, wasStreaming: boolean): void {
     const err = redactedForClient(raw);
@@ -699,29 +489,13 @@ export class PdRequest {
     else if (outcome === 'client_abort') this.status = 499;
 
     for (const leg of this.legs.prefill ? [this.legs.prefill, this.legs.decode] : [this.legs.decode]) {
-      if (outcome === 'ok') {
-        if (!leg.settled) {
-          leg.linger = setTimeout(() => {
-            if (leg.settled) return;
-            this.log.warn({ leg: leg.name, worker: leg.worker.url }, 'leg did not settle after the response; aborting it');
-            if (leg.name === 'prefill') void this.sendAbort(leg);
-            leg.ac.abort();
-            leg.lease.release();
-          }, LINGER_MS);
-          leg.linger.unref();
-        }
-        continue;
+      // ok: a leg still open gets LINGER_MS to settle on its own (an unsettled prefill is then told to abort)
+      if (outcome === 'ok') leg.linger(LINGER_MS, () => leg.name === 'prefill' && void leg.sendAbort(this.workerRid, this.room));
+      else {
+        const tell = outcome === 'client_abort' || outcome === 'timeout' || !leg.reported;
+        const cause = tell ? (this.operatorAborted ? OPERATOR_ABORT : abortCause(leg.name, this.failedLeg)) : undefined;
+        leg.abort(tell ? { rid: this.workerRid, room: this.room, cause } : null);
       }
-      const tell = outcome === 'client_abort' || outcome === 'timeout' || !leg.reported;
-      const cause = tell ? (this.operatorAborted ? OPERATOR_ABORT : abortCause(leg.name, this.failedLeg)) : undefined;
-      if (cause) {
-        // the leg's connection closes once its worker has the cause (at most abortTimeoutMs): closed first, it reads as the client gone
-        void this.sendAbort(leg, cause).then(() => leg.ac.abort());
-      } else {
-        if (tell) void this.sendAbort(leg);
-        leg.ac.abort();
-      }
-      leg.lease.release();
     }
 
     const { metrics } = this.ctx;
@@ -772,32 +546,4 @@ export class PdRequest {
 /** The lease of a leg whose worker load is held by another request (a choice group's prefill). */
 function noLease(worker: WorkerState): Lease {
   return { worker, released: false, release: () => false };
-}
-
-/** A response body kept as text, at most `max` bytes (the rest is read and dropped, as `readText` does). */
-class TextSink extends Writable {
-  private readonly parts: Buffer[] = [];
-  private n = 0;
-  constructor(private readonly max: number) {
-    super();
-  }
-  override _write(chunk: Buffer, _enc: BufferEncoding, cb: (err?: Error | null) => void): void {
-    if (this.n < this.max) {
-      const c = chunk.subarray(0, this.max - this.n);
-      this.parts.push(Buffer.from(c));
-      this.n += c.length;
-    }
-    cb();
-  }
-  text(): string {
-    return Buffer.concat(this.parts).toString('utf8');
-  }
-}
-
-function safeJson(text: string): unknown {
-  try {
-    return JSON.parse(text);
-  } catch {
-    return text.slice(0, 200);
-  }
 }

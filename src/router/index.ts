@@ -58,7 +58,8 @@ import { PairBlocks } from './pair-blocks.js';
 import { errorOutcome, RouterMetrics } from './metrics.js';
 import { WorkerRegistry, type WorkerState } from './registry.js';
 import { Counter } from 'prom-client';
-import { createPolicy, type Pick } from './policy/index.js';
+import { createPolicy } from './policy/index.js';
+import { Picker } from './picker.js';
 import { KvEventConsumer } from './kv-events.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
@@ -147,19 +148,6 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
   // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.
   const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls);
-  // Whether `url` holds the conversation's latest round, among the workers of its role (kv.holdsAmong).
-  const holdsFor = (key: string | undefined) => (key === undefined ? undefined : (url: string) => {
-    kv.follow({ url });
-    const role = registry.workers.find((w) => w.url === url)?.role;
-    const peers = role ? registry.workers.filter((w) => w.role === role).map((w) => w.url) : [url];
-    return kv.holdsAmong(peers, key, systemClock.nowMs()).get(url);
-  });
-  const pickWith = (role: 'prefill' | 'decode', text: string, now: number, key: string | undefined, seen?: (p: Pick<WorkerState> | null) => void) => (c: WorkerState[]) => {
-    const p = policies[role].pick(c, text, now, key, holdsFor(key));
-    if (p) picks.inc({ role, policy: policies[role].name, reason: p.reason });
-    seen?.(p);
-    return p?.worker ?? null;
-  };
   const traces = new TraceStore();
   const series = new DashboardSeries();
   traces.onFinished = (_t, fields) => series.add(fields);
@@ -180,8 +168,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     },
   };
   const pairs = new PairBlocks();
-  const expectHeld = (url: string, key: string) => kv.expect(url, key, systemClock.nowMs());
-  const attemptDeps: AttemptDeps = { ctx, policies, pickWith, holdsFor, expectHeld, active, closing: () => closing, waiting: { n: 0 }, pairs };
+  const picker = new Picker({ registry, policies, picks, kv, pairs, localPrefillMaxTokens: config.localPrefillMaxTokens });
+  const attemptDeps: AttemptDeps = { ctx, picker, active, closing: () => closing, waiting: { n: 0 } };
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(systemClock.wallMs() / 1000);

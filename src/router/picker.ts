@@ -1,0 +1,137 @@
+/**
+ * THE picker: which prefill and decode serve one attempt of a request, in one call. Its seam is
+ * small on purpose — routing features (sessions and exact-prefix routing, several routers sharing
+ * a pool) replace or wrap it without touching the attempts:
+ *
+ *   pick(facts: PickFacts) → { prefill, decode, localPrefill? } | { error, reason, waitable }
+ *   learn(round: PickRound) — what became of a pick (the pair's KV handshake, the decode's new prefix)
+ *
+ * | input (PickFacts) | meaning |
+ * |---|---|
+ * | `text` | the routing text (./policy/index.ts `routingText`): the prompt as the policies see it |
+ * | `key` | the conversation (session) key (./policy/affinity.ts), or undefined |
+ * | `avoid` | workers of the request's failed attempts: skipped while other candidates exist |
+ * | `prefill` | a fixed prefill (a choice group's, ./choices.ts): taken when it is a candidate |
+ * | `local` | may the attempt go to decode alone (decode-local)? false for a choice of a group |
+ *
+ * A pair is chosen as ./pairing.ts `pickPair` does (prefill among those with a compatible decode,
+ * then decode among that prefill's), through each role's policy (counted in
+ * pdserve_router_policy_picks_total {role, policy, reason}) and the pair blocks of failed KV
+ * handshakes (./pair-blocks.ts). `localPrefill` (max uncached tokens decode evaluates) is set when
+ * the decode picked holds the conversation (./policy/index.ts `localPrefillFor`). An error names
+ * what is missing (`no_healthy_prefill`, `no_healthy_decode`, `no_compatible_pair`), the client's
+ * message (`reason`), and whether waiting may help (`waitable`: a role with no healthy worker, or
+ * compatible pairs that are only blocked for a while; a settings mismatch is final).
+ */
+import { systemClock } from '../base/clock.js';
+import type { Counter } from 'prom-client';
+import { pickPair } from './pairing.js';
+import { localPrefillFor, type Pick, type Policy } from './policy/index.js';
+import type { PairBlocks } from './pair-blocks.js';
+import type { WorkerRegistry, WorkerState } from './registry.js';
+import type { KvEventConsumer } from './kv-events.js';
+
+/** The request facts a pick needs (see the module doc's table). */
+export interface PickFacts {
+  text: string;
+  key?: string;
+  avoid?: ReadonlySet<WorkerState>;
+  prefill?: WorkerState;
+  local: boolean;
+}
+
+/** Why no pair was found. */
+export type PickError = 'no_healthy_prefill' | 'no_healthy_decode' | 'no_compatible_pair';
+
+/** A pick: a pair (decode-local: `localPrefill` max tokens), or why there is none. */
+export type PickAnswer = { prefill: WorkerState; decode: WorkerState; localPrefill?: number } | { error: PickError; reason: string; waitable: boolean };
+
+/** What became of one pick (its attempt's end), for the picker to learn from. */
+export interface PickRound {
+  prefill: WorkerState;
+  decode: WorkerState;
+  /** The attempt's outcome: ok, or the failure code that ended it. */
+  ok: boolean;
+  /** A failed KV handshake between the two (./pair-blocks.ts PAIR_FAILURE_CODES): the pair leaves the rotation; returns the block's ms. */
+  pairFailed?: string;
+  /** An ok round: the conversation as the decode now holds it (routing text after the reply) and its key. */
+  heldText?: string;
+  key?: string;
+}
+
+/** The picker's seam (the module doc). */
+export interface PairPicker {
+  pick(facts: PickFacts): PickAnswer;
+  learn(round: PickRound): number | undefined;
+}
+
+/** What the router's picker is built from. */
+export interface PickerDeps {
+  registry: WorkerRegistry;
+  policies: { prefill: Policy; decode: Policy };
+  /** pdserve_router_policy_picks_total {role, policy, reason}. */
+  picks: Counter<'role' | 'policy' | 'reason'>;
+  /** The workers' KV events (./kv-events.ts): what each decode holds. */
+  kv: KvEventConsumer;
+  pairs: PairBlocks;
+  /** `--local-prefill-max-tokens` (0: never decode-local). */
+  localPrefillMaxTokens: number;
+}
+
+/** The router's picker: policies + KV events + pair blocks over the registry (see the module doc). */
+export class Picker implements PairPicker {
+  constructor(private readonly d: PickerDeps) {}
+
+  /** Whether decode `url` holds conversation `key`'s latest round among the workers of its role (undefined: unknown). */
+  holds(key: string | undefined): ((url: string) => boolean | undefined) | undefined {
+    if (key === undefined) return undefined;
+    const { registry, kv } = this.d;
+    return (url: string) => {
+      kv.follow({ url });
+      const role = registry.workers.find((w) => w.url === url)?.role;
+      const peers = role ? registry.workers.filter((w) => w.role === role).map((w) => w.url) : [url];
+      return kv.holdsAmong(peers, key, systemClock.nowMs()).get(url);
+    };
+  }
+
+  pick(f: PickFacts): PickAnswer {
+    const { registry, policies, pairs } = this.d;
+    const now = systemClock.nowMs();
+    const holds = this.holds(f.key);
+    let decodePick: Pick<WorkerState> | null = null;
+    const avoiding = (c: WorkerState[]): WorkerState[] => {
+      const rest = f.avoid?.size ? c.filter((w) => !f.avoid!.has(w)) : c;
+      return rest.length ? rest : c;
+    };
+    const policy = (role: 'prefill' | 'decode') => (c: WorkerState[]): WorkerState | null => {
+      const p = policies[role].pick(avoiding(c), f.text, now, f.key, holds);
+      if (p) this.d.picks.inc({ role, policy: policies[role].name, reason: p.reason });
+      if (role === 'decode') decodePick = p;
+      return p?.worker ?? null;
+    };
+    const fixed = f.prefill;
+    const pair = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : policy('prefill'), policy('decode'), (p, d) => pairs.usable(p.url, d.url));
+    if ('error' in pair) {
+      const reason = pair.error === 'no_compatible_pair' ? 'no healthy prefill–decode pair with matching settings (see GET /workers: mismatch)' : `no healthy ${pair.error.slice('no_healthy_'.length)} worker`;
+      // A mismatch no pair can serve is final; blocked pairs only (a pair exists once the blocks are ignored) may come back.
+      const waitable = pair.error !== 'no_compatible_pair' || !('error' in pickPair(registry, (c) => c[0] ?? null, (c) => c[0] ?? null, () => true));
+      return { error: pair.error, reason, waitable };
+    }
+    const dp = decodePick as Pick<WorkerState> | null;
+    const localPrefill = f.local ? localPrefillFor(this.d.localPrefillMaxTokens, policies.decode.name, dp, f.text.length, dp ? holds?.(pair.decode.url) : undefined) : undefined;
+    return localPrefill ? { ...pair, localPrefill } : pair;
+  }
+
+  learn(r: PickRound): number | undefined {
+    const { pairs, policies, kv } = this.d;
+    let blockedMs: number | undefined;
+    if (r.pairFailed) blockedMs = pairs.block(r.prefill.url, r.decode.url, r.pairFailed);
+    else if (r.ok) pairs.ok(r.prefill.url, r.decode.url);
+    if (r.ok && r.heldText !== undefined) {
+      // The decode worker now keeps this round (prompt + reply): the next round's prefix.
+      policies.decode.record?.(r.heldText, r.decode.url, systemClock.nowMs());
+      if (r.key !== undefined) kv.expect(r.decode.url, r.key, systemClock.nowMs());
+    }
+    return blockedMs;
+  }
+}
