@@ -6,7 +6,7 @@
  *   `status: 'ok'` and, when present, `role` equal to the configured role. `model` (string) is
  *   remembered for /v1/models. A worker is skipped after `unhealthyAfter` consecutive failed
  *   probes (timeouts, bad answers), or at once when the connection is refused (by a probe or
- *   while dispatching: `markUnreachable`); the next successful probe restores it. A healthy
+ *   while dispatching: `report`); the next successful probe restores it. A healthy
  *   worker that answered a generation request with 200 within the last `intervalMs`
  *   (`noteExchange`) skips its periodic probe — that answer says what the probe would — but at
  *   most MAX_SKIPPED_PROBES polls in a row, so its settings, slots and decode's prefill pool

@@ -1,6 +1,6 @@
 /**
  * THE mapping of a worker leg's failure to the client's error (one table for every way a leg
- * fails), so the attempt decision (./attempts.ts `nextStep`) sees one shape whatever broke:
+ * fails), so the attempt plan (./plan.ts) sees one shape whatever broke:
  *
  * | what failed | ApiError |
  * |---|---|
