@@ -15,7 +15,9 @@
  *    large, so an abort can beat the request: tombstones), aborts at random points to P, D or
  *    both, and (per seed) aborts the other side when one side fails. Some requests are choice
  *    groups (one prefill request for 2–3 rooms), some decode-local (decode alone). A decode that
- *    dies while it streams a request's tokens makes the router migrate the request: a new room,
+ *    dies while it streams a request's tokens makes the router ask the shipped attempt plan
+ *    (../router/plan.ts: the router's migration limit, the request's deadline) and, on
+ *    `migrate`, move the request: a new room,
  *    the prompt plus the tokens the client has, dispatched to the other decode (a world of two)
  *    or again once decode is back. With two decodes, each request is paired with either, so P
  *    holds rooms bound to both connections.
