@@ -321,8 +321,11 @@ export class PdRequest {
     const leg = this.legs.decode;
     return leg.run(this.body, { via: 'generate', sse: true }, (e) => {
       switch (e.type) {
-        case 'generate':
         case 'error':
+          // an error status: no stream to keep in order
+          if (e.via === 'status') return this.legFailed(leg, e.err);
+        // falls through: an error event is ordered after prefill's token 1, as every event
+        case 'generate':
           if (this.over) return this.outcome === 'ok' ? undefined : 'stop';
           return this.decodeEvent(leg, e);
         case 'end':

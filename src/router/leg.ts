@@ -8,9 +8,9 @@
  * | 200 SSE: a generation event (token ids, text, finish) | `generate` (the leg counts them: `events`) |
  * | 200 SSE: prefill's handoff outcome `{transfer}` | `transfer` |
  * | 200 SSE: `[DONE]` | `done` |
- * | 200 SSE: an `{error}` event (prefill: 502 unless it names a status; decode: 500) | `error` (./worker-errors.ts `eventError`); the loop stops |
+ * | 200 SSE: an `{error}` event (prefill: 502 unless it names a status; decode: 500) | `error` via `event` (./worker-errors.ts `eventError`); the loop stops |
  * | 200 JSON (prefill without a streamed first token) | `answer` |
- * | an error status: its body (≤ MAX_ERROR_BODY bytes) | `error` (`workerError`) |
+ * | an error status: its body (≤ MAX_ERROR_BODY bytes) | `error` via `status` (`workerError`) |
  * | the stream ended | `end` (the attempt says whether that was early) |
  * | anything thrown: transport, a non-JSON event, an SSE frame over the limit, the client's write | `thrown` (the attempt maps it with `legFailure`), unless the leg was aborted on purpose |
  * | no event for `legSilenceMs` (decode) | `silent` |
@@ -52,7 +52,7 @@ export type LegEvent =
   | { type: 'transfer'; info: unknown }
   | { type: 'answer'; body: unknown }
   | { type: 'done' }
-  | { type: 'error'; err: ApiError }
+  | { type: 'error'; err: ApiError; via: 'status' | 'event' }
   | { type: 'end' }
   | { type: 'thrown'; thrown: unknown }
   | { type: 'silent'; why: string };
@@ -114,7 +114,7 @@ export class Leg {
         } else {
           const text = await readText(res.body, MAX_ERROR_BODY);
           this.reported = true;
-          on(res.statusCode === 200 ? { type: 'answer', body: safeJson(text) } : { type: 'error', err: workerError(this.name, res.statusCode, text) });
+          on(res.statusCode === 200 ? { type: 'answer', body: safeJson(text) } : { type: 'error', err: workerError(this.name, res.statusCode, text), via: 'status' });
         }
       }
     } catch (err) {
@@ -144,7 +144,7 @@ export class Leg {
           if (err) return reject(err);
           if (errorBody) {
             this.reported = true;
-            on({ type: 'error', err: workerError(this.name, status, errorBody.text()) });
+            on({ type: 'error', err: workerError(this.name, status, errorBody.text()), via: 'status' });
           }
           resolve();
         },
@@ -222,7 +222,7 @@ export class Leg {
     }
     if (ev?.error && typeof ev.error === 'object') {
       this.reported = true;
-      return { type: 'error', err: eventError(this.name, ev.error as Record<string, unknown>, this.name === 'prefill' ? 502 : 500) };
+      return { type: 'error', err: eventError(this.name, ev.error as Record<string, unknown>, this.name === 'prefill' ? 502 : 500), via: 'event' };
     }
     if (this.name === 'prefill' && ev?.transfer !== undefined) {
       this.reported = true;
