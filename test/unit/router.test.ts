@@ -863,6 +863,16 @@ describe('router: first token from prefill (before the KV handoff)', () => {
     await assertReleased(s);
   });
 
+  test("decode refuses (an error status) while prefill's token 1 is still coming: the client gets the error at once, not after the first token", async () => {
+    const s = await stack({ firstTokenFromPrefill: true });
+    s.prefill[0]!.prefill = () => ({ delayMs: 30_000 });
+    s.decode[0]!.decode = () => ({ startDelayMs: 10, status: 503, message: 'decode prealloc queue is full' });
+    const t0 = Date.now();
+    await assert.rejects(s.client.completions.create({ model: 'fake-model', prompt: 'p', stream: true }), isApiError(503, /decode prealloc queue is full/));
+    assert.ok(Date.now() - t0 < 1000, `answered after ${Date.now() - t0} ms`);
+    await assertReleased(s);
+  });
+
   test('handoff fails after token 1 with no migration left (migrationLimit 0): SSE error after the first token (no [DONE]); non-stream 502; decode aborted', async () => {
     const s = await stack({ firstTokenFromPrefill: true, migrationLimit: 0 });
     s.prefill[0]!.prefill = () => ({ delayMs: 1, first: 'Hello', failAfterFirstMs: 30 });
