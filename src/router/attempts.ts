@@ -104,7 +104,7 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
     : null;
   try {
     for (;;) {
-      if (d.closing()) throw new ApiError(503, 'shutting_down', 'router is shutting down', 'server_error');
+      if (d.closing()) throw ApiError.of('shutting_down', 'router is shutting down');
       const first: boolean = client === null;
       // A choice group's prefill is picked once, by its first member; the others take it. A
       // choice runs again on its own (the group's prefill request is over).

@@ -180,7 +180,7 @@ export class PdRequest {
   private resolveDone!: () => void;
   private readonly done = new Promise<void>((r) => (this.resolveDone = r));
   private readonly onClientClose = () => {
-    if (this.phase !== 'finished') this.finish('client_abort', new ApiError(499, 'client_closed_request', 'client disconnected'));
+    if (this.phase !== 'finished') this.finish('client_abort', ApiError.of('client_closed_request', 'client disconnected'));
   };
 
   constructor(
@@ -240,7 +240,7 @@ export class PdRequest {
     if (this.sink.signal.aborted) queueMicrotask(this.onClientClose);
     else this.sink.signal.addEventListener('abort', this.onClientClose);
     this.deadline = setTimeout(
-      () => this.finish('timeout', new ApiError(504, 'timeout', `request timed out after ${config.requestTimeoutMs} ms`, 'timeout_error')),
+      () => this.finish('timeout', ApiError.of('timeout', `request timed out after ${config.requestTimeoutMs} ms`)),
       Math.max(0, this.client.deadlineAt - systemClock.nowMs()),
     );
     if (holdsEnabled) await hold('router.dispatch');
@@ -261,7 +261,7 @@ export class PdRequest {
 
   /** Router shutdown: fail the request with 503 and abort both legs. */
   cancel(reason = 'router is shutting down'): void {
-    this.finish('error', new ApiError(503, 'shutting_down', reason, 'server_error'));
+    this.finish('error', ApiError.of('shutting_down', reason));
   }
 
   /** The generated text so far (the whole reply once the request finished ok). */
@@ -301,7 +301,7 @@ export class PdRequest {
           this.legFailed(leg, e.err);
           return 'stop';
         case 'end':
-          if (first && !this.over) throw new ApiError(502, 'prefill_stream_truncated', 'prefill worker ended its stream before the first token', 'server_error');
+          if (first && !this.over) throw ApiError.of('prefill_stream_truncated', 'prefill worker ended its stream before the first token');
           return;
         case 'thrown':
           if (!this.over) this.legThrew(leg, e.thrown);
@@ -329,7 +329,7 @@ export class PdRequest {
           if (this.over) return this.outcome === 'ok' ? undefined : 'stop';
           return this.decodeEvent(leg, e);
         case 'end':
-          if (!this.over) throw new ApiError(502, 'decode_stream_truncated', 'decode worker ended its stream before the finish event', 'server_error');
+          if (!this.over) throw ApiError.of('decode_stream_truncated', 'decode worker ended its stream before the finish event');
           return;
         case 'thrown':
           if (!this.over) this.legThrew(leg, e.thrown);
@@ -338,7 +338,7 @@ export class PdRequest {
           if (this.over) return;
           this.log.warn({ worker: leg.worker.url, why: e.why, events: this.decodeEvents }, 'decode stream went silent: the worker is frozen, migrating the request');
           this.ctx.registry.report(leg.worker, { kind: 'frozen', why: e.why });
-          this.legFailed(leg, new ApiError(502, 'decode_stalled', `decode worker ${leg.worker.url} stalled: ${e.why}`, 'server_error'));
+          this.legFailed(leg, ApiError.of('decode_stalled', `decode worker ${leg.worker.url} stalled: ${e.why}`));
           return;
       }
     });

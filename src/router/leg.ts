@@ -44,7 +44,7 @@ export const MAX_ERROR_BODY = 64 * 1024;
 const JSON_HEADERS = { 'content-type': 'application/json' } as const;
 const SSE_HEADERS = { ...JSON_HEADERS, accept: 'text/event-stream' } as const;
 /** Ends a stream the attempt said to stop reading (after an error event): not an error of its own. */
-const STOP = new ApiError(502, 'generation_aborted', 'stream stopped by its attempt', 'server_error');
+const STOP = ApiError.of('generation_aborted', 'stream stopped by its attempt');
 
 /** What a leg tells its attempt (see the module doc's table). */
 export type LegEvent =
