@@ -8,7 +8,7 @@ import { tokenEvent, type GenerateEvent, type GenerateRequest } from '../protoco
 import { ApiError, PdError } from '../base/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
 import type { Engine, Slot } from '../engine/types.js';
-import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { systemClock } from '../base/clock.js';
 import type { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { hold, holdsEnabled } from '../runtime/testhooks.js';

@@ -19,7 +19,7 @@ import type { TraceTags } from '../protocol/trace-tags.js';
 import { deferred, type Deferred } from '../worker/http.js';
 import { hold } from '../runtime/testhooks.js';
 import type { WorkerMetrics } from '../runtime/metrics.js';
-import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
 import type { StateSpacePort } from '../runtime/state-space.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';

@@ -3,7 +3,7 @@
  * in-sequence cache (prefix-cache.ts). Finished sequences' states (prompt + reply) that the
  * first tier evicts are kept as files keyed by their token prefix; a prompt that starts with a stored prefix loads that state
  * into its sequence and evaluates only the rest. The engine only sees `PrefixStore`; the file
- * store that every worker process on a host shares is runtime/prefix-store.ts.
+ * store that every worker process on a host shares is prefixes/prefix-store.ts.
  *
  * Keys: a hash chain over fixed-size token blocks, as vLLM's automatic prefix caching hashes
  * its KV blocks (hash(parent, block tokens, extras)); the chain starts from the store namespace
@@ -134,7 +134,7 @@ export interface KvCacheEvent {
   bytes: number;
 }
 
-/** The second tier as the engine uses it (runtime/prefix-store.ts implements it over files). */
+/** The second tier as the engine uses it (prefixes/prefix-store.ts implements it over files). */
 export interface PrefixStore {
   /** Called once by loadEngine with the loaded engine's identity; before it the store finds nothing. */
   bind(id: StoreIdentity): void;
@@ -153,6 +153,6 @@ export interface PrefixStore {
    * namespace (`saltedNamespace`): only a lookup with the same salt finds them. Never throws.
    */
   begin(tokens: readonly number[], exactPrefix: number, salt?: string): Promise<StoreWrite | undefined>;
-  /** The engine is disposed: stop (the file store may remove its entries, see runtime/prefix-store.ts). Idempotent; never rejects. */
+  /** The engine is disposed: stop (the file store may remove its entries, see prefixes/prefix-store.ts). Idempotent; never rejects. */
   close?(): Promise<void>;
 }

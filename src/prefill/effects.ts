@@ -21,7 +21,7 @@ import { deferred, type Deferred } from '../worker/http.js';
 import type { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { hold } from '../runtime/testhooks.js';
 import type { WorkerMetrics } from '../runtime/metrics.js';
-import type { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
 import type { StateSpacePort } from '../runtime/state-space.js';
 import type { PrefillConfig } from '../runtime/config.js';

@@ -34,7 +34,7 @@ export const EngineConfigSchema = z.object({
   /** Prefix cache: most tokens idle sequences hold together (LRU beyond); 0 = the cache is off. */
   prefixCacheTokens: z.number().int().min(0).max(1 << 26).default(65536),
   /**
-   * Host-wide prefix store (runtime/prefix-store.ts), the prefix cache's second tier: byte budget
+   * Host-wide prefix store (prefixes/prefix-store.ts), the prefix cache's second tier: byte budget
    * of its files (LRU beyond); 0 = off; absent = defaultPrefixStoreBytes of its folder. Only
    * with the prefix cache on.
    */

@@ -27,7 +27,7 @@ import type { GrowingSendOptions, SameHostOffer, SendOptions, StateSender } from
 import type { SameHostTake, StateIntake } from '../decode/effects.js';
 import { ComputationMetrics } from '../prefill/computation.js';
 import { WorkerMetrics } from '../runtime/metrics.js';
-import { PrefixCacheMetrics } from '../runtime/prefix-metrics.js';
+import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { Checks, Handle, NodeName } from './checks.js';
 
 /** What a fake needs of its node incarnation. */

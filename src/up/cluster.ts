@@ -20,7 +20,7 @@ import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { PdError } from '../base/errors.js';
 import { reachGlobally, signGlobally } from '../runtime/http-auth.js';
-import { STORE_USER_FILE } from '../runtime/prefix-store.js';
+import { STORE_USER_FILE } from '../prefixes/prefix-store.js';
 import { processAlive } from '../runtime/statefiles.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
 import { secureKit, secureTestMode, type SecureKit } from './secure-mode.js';

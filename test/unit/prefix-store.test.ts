@@ -1,5 +1,5 @@
 /**
- * The host-wide prefix store (src/runtime/prefix-store.ts, keys in src/engine/prefix-store.ts) on
+ * The host-wide prefix store (src/prefixes/prefix-store.ts, keys in src/engine/prefix-store.ts) on
  * real files, with synthetic but complete ggsq states: the key chain finds a shorter ancestor;
  * entries are validated as handed-over states (torn, corrupt, foreign entries refused, removed,
  * counted — never thrown); the byte budget holds with LRU over 30 growing conversations; two
@@ -15,7 +15,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, describe, test } from 'node:test';
 import { Registry } from 'prom-client';
-import { FilePrefixStore, INDEX_FRESH_MS } from '../../src/runtime/prefix-store.js';
+import { FilePrefixStore, INDEX_FRESH_MS } from '../../src/prefixes/prefix-store.js';
 import { parseStateFile } from '../../src/engine/ggsq.js';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
@@ -316,7 +316,7 @@ describe('FilePrefixStore', () => {
     const dir = freshDir();
     const script = `
       import { writeFileSync, rmSync } from 'node:fs';
-      import { FilePrefixStore } from ${JSON.stringify(path.resolve('src/runtime/prefix-store.ts'))};
+      import { FilePrefixStore } from ${JSON.stringify(path.resolve('src/prefixes/prefix-store.ts'))};
       import { synthState } from ${JSON.stringify(path.resolve('test/helpers/ggsq-synth.ts'))};
       const [dir, id] = [process.argv[1], JSON.parse(process.argv[2])];
       const tokens = Array.from({ length: 300 }, (_, i) => (i * 7 + 13) % 300);

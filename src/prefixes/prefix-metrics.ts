@@ -7,7 +7,7 @@
  *   hit rate is hit / query, as SGLang's `cache_hit_rate` and vLLM's prefix-cache queries/hits.
  * - `pdserve_prefix_cache_tokens` / `_sequences`: what idle sequences hold right now.
  * - `pdserve_prefix_cache_lookups_total{tier,result}`: per tier (`sequence`: the engine's idle
- *   sequences; `store`: the host's prefix store, runtime/prefix-store.ts), lookups whose reused
+ *   sequences; `store`: the host's prefix store, prefixes/prefix-store.ts), lookups whose reused
  *   KV that tier supplied (`hit`) or not (`miss`); the store counts only prompts it was asked for.
  * - `pdserve_requests_by_path_total{path}`: generations by serving path (`pd`: KV handed off by
  *   prefill; `decode_local`: continued on decode without a handoff; `colocated`).

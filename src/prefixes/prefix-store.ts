@@ -63,7 +63,7 @@ import { cacheKeyOf, keyChain, saltedNamespace, STORE_BLOCK_TOKENS, storeNamespa
 import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PREFIX_BYTES, envelopeTrailer, MAX_ENVELOPE_HEADER_BYTES, parseEnvelopeHead } from '../kv/envelope.js';
 import { crc32 } from '../kv/transfer/checksum.js';
 import type { Logger } from '../base/log.js';
-import { processAlive, STATE_SWEEP_MS, sweepStaleStateFiles } from './statefiles.js';
+import { processAlive, STATE_SWEEP_MS, sweepStaleStateFiles } from '../runtime/statefiles.js';
 import { PdError } from '../base/errors.js';
 
 /** An entry's file name. */
