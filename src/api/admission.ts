@@ -33,7 +33,7 @@ export interface AdmissionOptions {
   keyMaxConcurrent?: number;
 }
 
-export { AdmissionSchema } from '../runtime/config.js';
+export { AdmissionSchema } from '../config/config.js';
 
 export const ADMISSION_DEFAULTS = { maxConcurrent: 1024, maxQueued: 4096, queueTimeoutMs: 30_000, keyRps: 0, keyBurst: 0, keyMaxConcurrent: 0 } as const;
 

@@ -5,7 +5,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import type { Dispatcher } from 'undici';
-import { DecodeConfigSchema, EngineConfigSchema, prefixCacheOf } from '../runtime/config.js';
+import { DecodeConfigSchema, EngineConfigSchema, prefixCacheOf } from '../config/config.js';
 import { computeMetrics, type BenchMetrics, type RequestRecord, type Slo } from './metrics.js';
 import { buildPrompts, runBench, sendRequest, type BenchTarget, type BenchTokenizer, type PromptSpec } from './index.js';
 import { alternate, BenchChild, median, say, sleep } from './util.js';

@@ -8,7 +8,7 @@ import { randomBytes } from 'node:crypto';
 import { readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../runtime/config.js';
+import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../config/config.js';
 import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
 import { upEngineArgs, type UpEngineFlags } from './up-args.js';
@@ -224,7 +224,7 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
-/** `--no-kv-stream` (prefill and `up`): see ../runtime/config.ts `kvStream`. */
+/** `--no-kv-stream` (prefill and `up`): see ../config/config.ts `kvStream`. */
 const NO_KV_STREAM_HELP = 'over TCP, send the state only once llama.cpp has saved it (default: a one-room state goes out while llama.cpp saves it, to a decode that takes that)';
 
 /** `--max-tool-calls` (router and colocated): see ../api/tool-calls.ts ParsedTools.maxCalls. */

@@ -15,7 +15,7 @@ import { DEFAULT_SCHEMA_LIMITS } from '../api/json-schema.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
-import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../runtime/config.js';
+import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../config/config.js';
 import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { openPrefixStore } from '../prefixes/prefix-store.js';
 import { createWorkerApp, listenUrl } from '../worker/http.js';

@@ -9,7 +9,7 @@
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/errors.js';
 import { GenerateRequestSchema, type GenerateRequest } from '../protocol/worker-protocol.js';
-import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../runtime/config.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../config/config.js';
 import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
 import { connectionHeader } from '../runtime/drain.js';
 import { onClientGone, sendError } from '../worker/http.js';

@@ -24,7 +24,7 @@ import type { WorkerMetrics } from '../runtime/metrics.js';
 import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
 import type { StateSpacePort } from '../runtime/state-space.js';
-import type { PrefillConfig } from '../runtime/config.js';
+import type { PrefillConfig } from '../config/config.js';
 import type { Engine, SamplingParams, Slot } from '../engine/types.js';
 import type { KvConn } from '../kv/channel.js';
 import { encodeEnvelopeHead, prepareEnvelopeHead } from '../kv/envelope.js';

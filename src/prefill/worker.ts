@@ -7,7 +7,7 @@
 import type { FastifyInstance } from 'fastify';
 import { zodToApiError } from '../api/errors.js';
 import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateRequest } from '../protocol/worker-protocol.js';
-import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../runtime/config.js';
+import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../config/config.js';
 import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { openPrefixStore } from '../prefixes/prefix-store.js';
 import { nodeStateFiles } from '../runtime/statefiles.js';

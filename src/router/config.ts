@@ -41,7 +41,7 @@
 import { DEFAULT_SEND_QUEUE_LIMITS } from '../runtime/send-queue.js';
 import { z } from 'zod';
 import { AdmissionSchema, type AdmissionOptions } from '../api/admission.js';
-import { ClusterSecretSchema, InternalTlsSchema } from '../runtime/config.js';
+import { ClusterSecretSchema, InternalTlsSchema } from '../config/config.js';
 import { HttpTimeoutsSchema, type HttpTimeouts } from '../runtime/http-timeouts.js';
 import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';

@@ -8,7 +8,7 @@
  * the handling of one /generate.
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
-import { servedModelNamesOf } from '../runtime/config.js';
+import { servedModelNamesOf } from '../config/config.js';
 import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
 import { BUILD, peerProtocol, protocolMismatch, protocolVersion } from '../base/version.js';
 import { abortCauseOf } from '../protocol/worker-protocol.js';
@@ -27,7 +27,7 @@ import type { HttpTimeouts } from '../runtime/http-timeouts.js';
 import { createWorkerApp, listenUrl, sendError, type WorkerAppOptions } from './http.js';
 
 /** Role, identity and the work a worker role hands its edge. */
-/** The worker config fields the edge reads (../runtime/config.ts, shared by both roles). */
+/** The worker config fields the edge reads (../config/config.ts, shared by both roles). */
 export interface WorkerEdgeConfig {
   host: string;
   /** 0 = any free port. */

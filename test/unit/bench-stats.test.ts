@@ -8,7 +8,7 @@ import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { computeMetrics, goodput, meetsSlo, peakConcurrency, tpotMs, type RequestRecord } from '../../src/bench/metrics.js';
 import { buildPrompts, exactText, Rng, type BenchTokenizer } from '../../src/bench/index.js';
-import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/runtime/config.js';
+import { DecodeConfigSchema, parseConfig, prefixCacheOf } from '../../src/config/config.js';
 import { decodeContextSequences, ownPromptPair, promptCacheHits, routerOverhead, windowRate } from '../../src/bench/sections.js';
 import { percentile, summarize } from '../../src/observe/stats.js';
 

@@ -1,5 +1,5 @@
 /**
- * GPU offload settings (src/engine/gpu.ts), their validation (runtime/config.ts), the pair rule
+ * GPU offload settings (src/engine/gpu.ts), their validation (config/config.ts), the pair rule
  * (a KV cache type is compared, the backend is not: kv/handshake.ts, router/pairing.ts) and the
  * engine on the real llama.cpp: CPU, lavapipe (a software Vulkan device, when installed) and
  * the KV cache type reaching llama.cpp (state sizes).
@@ -14,7 +14,7 @@ import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { after, describe, test } from 'node:test';
 import { applyDeviceEnv, checkDeviceMemory, describeGpu, deviceEnvOf, ggmlTypeName, gpuFromHealth, gpuHealthOf, parseDeviceList, parseGpuLayers, type GpuInfo } from '../../src/engine/gpu.js';
-import { EngineConfigSchema, parseConfig, PrefillConfigSchema } from '../../src/runtime/config.js';
+import { EngineConfigSchema, parseConfig, PrefillConfigSchema } from '../../src/config/config.js';
 import { settingsMismatch } from '../../src/kv/handshake.js';
 import { parseControl } from '../../src/kv/frame.js';
 import { pairSettingsOf } from '../../src/protocol/pair.js';

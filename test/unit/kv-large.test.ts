@@ -13,7 +13,7 @@ import assert from 'node:assert/strict';
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { DecodeConfigSchema, DEFAULT_MAX_STATE_BYTES, parseConfig, parseStateBytes, PrefillConfigSchema } from '../../src/runtime/config.js';
+import { DecodeConfigSchema, DEFAULT_MAX_STATE_BYTES, parseConfig, parseStateBytes, PrefillConfigSchema } from '../../src/config/config.js';
 import { checkAnnounced } from '../../src/decode/receive.js';
 import { GgsqStreamParser, parseStateHeaders } from '../../src/engine/ggsq.js';
 import { newEpoch } from '../../src/kv/auth.js';
