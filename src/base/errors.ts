@@ -90,7 +90,7 @@ export const ERROR_CODES = {
   method_not_allowed: c(405, 'invalid_request_error', 'client'),
   /** No API key, or not one of the configured keys (OpenAI's code and type). */
   invalid_api_key: c(401, 'authentication_error', 'client'),
-  /** A worker endpoint called without a valid, fresh, unused request signature (src/runtime/request-auth.ts). */
+  /** A worker endpoint called without a valid, fresh, unused request signature (src/security/request-auth.ts). */
   unauthenticated: c(401, 'authentication_error', 'client'),
   /** A /generate naming a bootstrap address that is not one of the prefill workers decode knows. */
   unknown_bootstrap_address: CLIENT_400,

@@ -51,7 +51,7 @@ import { loadEngine } from '../engine/llama.js';
 import type { Engine } from '../engine/types.js';
 import { KV_READ_BUFFER_BYTES, KvPeerPool, KvServer, type PeerConn } from '../kv/channel.js';
 import { kvTransportOf } from '../kv/transport.js';
-import { loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
+import { loadInternalTls, type InternalTlsFiles } from '../security/tls.js';
 import type { ControlMsg } from '../kv/messages.js';
 import { encodeEnvelopeHead, envelopeTrailer, prepareEnvelopeHead } from '../kv/envelope.js';
 import { crc32 } from '../kv/transfer/checksum.js';

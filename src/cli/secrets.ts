@@ -11,8 +11,8 @@
  */
 import { resolve } from 'node:path';
 import type { Command } from 'commander';
-import { loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
-import { checkClusterSecret, readClusterSecretFile } from '../runtime/cluster-secret.js';
+import { loadInternalTls, type InternalTlsFiles } from '../security/tls.js';
+import { checkClusterSecret, readClusterSecretFile } from '../security/cluster-secret.js';
 import { ConfigError } from '../base/errors.js';
 
 /** Split a comma-separated env value into its non-empty, trimmed entries. */
@@ -72,7 +72,7 @@ export const secretFlags = (c: Command) =>
  * The cluster secret: --cluster-secret-file, PDSERVE_CLUSTER_SECRET, PDSERVE_CLUSTER_SECRET_FILE,
  * then --cluster-secret (with a warning). Undefined when none is given.
  * @throws PdError('invalid_config') when a named file cannot be read or is empty, or the secret is
- *   shorter than ../runtime/cluster-secret.ts `CLUSTER_SECRET_MIN_CHARS` (one message for every role).
+ *   shorter than ../security/cluster-secret.ts `CLUSTER_SECRET_MIN_CHARS` (one message for every role).
  */
 export function clusterSecretOf(role: string, o: { clusterSecret?: string; clusterSecretFile?: string }): string | undefined {
   const file = o.clusterSecretFile ?? process.env.PDSERVE_CLUSTER_SECRET_FILE;
@@ -85,7 +85,7 @@ export function clusterSecretOf(role: string, o: { clusterSecret?: string; clust
   return undefined;
 }
 
-/** Flags of internal TLS (router ↔ workers HTTP, the KV channel): ../runtime/tls.ts `InternalTlsFiles`. */
+/** Flags of internal TLS (router ↔ workers HTTP, the KV channel): ../security/tls.ts `InternalTlsFiles`. */
 export const internalTlsFlags = (c: Command) =>
   c
     .option('--internal-tls-cert <file>', 'internal TLS: this process\'s PEM certificate (its HTTPS / KV listener; the client certificate of its calls to other roles)')

@@ -7,7 +7,7 @@ import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
 import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
-import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from '../runtime/cluster-secret.js';
+import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from '../security/cluster-secret.js';
 import { HttpTimeoutsSchema } from '../runtime/http-timeouts.js';
 import { DEFAULT_SEND_QUEUE_LIMITS } from '../runtime/send-queue.js';
 

@@ -21,9 +21,9 @@ import { gather, routerSource, type ClusterSnapshot, type WorkerSource } from '.
 import { renderRequestReport, requestReport } from './request.js';
 import { readFileSync } from 'node:fs';
 import { Agent, type Dispatcher } from 'undici';
-import { withCredentials } from '../runtime/http-auth.js';
-import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
-import { readClusterSecretFile } from '../runtime/cluster-secret.js';
+import { withCredentials } from '../security/http-auth.js';
+import { internalClientOptions, loadInternalTls, type InternalTlsFiles } from '../security/tls.js';
+import { readClusterSecretFile } from '../security/cluster-secret.js';
 import { ConfigError, PdError } from '../base/errors.js';
 
 export interface DoctorOptions {
@@ -97,7 +97,7 @@ export function renderDiagnosis(d: Diagnosis, snap: ClusterSnapshot): string {
 }
 
 /**
- * The one dispatcher of all the doctor's GETs (../runtime/http-auth.ts): the admin key on the
+ * The one dispatcher of all the doctor's GETs (../security/http-auth.ts): the admin key on the
  * router's requests, the workers' requests signed with the cluster secret
  * (`--cluster-secret-file`, PDSERVE_CLUSTER_SECRET, PDSERVE_CLUSTER_SECRET_FILE), the TLS options, and a connect timeout (TCP connect and TLS
  * handshake) of one GET's deadline, so a peer that accepts but never completes a handshake

@@ -47,7 +47,7 @@ export const tcpTransport: KvTransport = {
   dial: (o) => ({ socket: net.connect({ host: o.host, port: o.port, noDelay: true, ...(o.onread ? { onread: o.onread } : {}) }), readyEvent: 'connect' }),
 };
 
-/** TLS material of both ends (PEM bytes; see ../runtime/tls.ts `loadInternalTls`). */
+/** TLS material of both ends (PEM bytes; see ../security/tls.ts `loadInternalTls`). */
 export interface KvTlsOptions {
   /** This end's certificate and key: required on the server; on the client, its client certificate. */
   cert?: Buffer;

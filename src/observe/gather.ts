@@ -97,7 +97,7 @@ export interface WorkerSource {
 const MAX_BODY = 8 * 1024 * 1024;
 
 /**
- * GET `url` through `dispatcher` (credentials: ../runtime/http-auth.ts; default: undici's global
+ * GET `url` through `dispatcher` (credentials: ../security/http-auth.ts; default: undici's global
  * one); `parse` turns the text into the body. Answers within `timeoutMs` whatever phase the
  * request is in: undici applies an abort only once the connection is up, so a TLS handshake with
  * a hung peer would otherwise wait for the dispatcher's connect timeout (10 s by default). Never

@@ -136,11 +136,11 @@ export const RouterConfigSchema = z
       .object({ maxCount: z.number().int().min(0), maxBytes: z.number().int().min(0), maxAgeMs: z.number().int().min(0) })
       .strict()
       .default(DEFAULT_RESPONSE_STORE_LIMITS),
-    /** The cluster secret: every request to a worker is signed with it (../runtime/request-auth.ts). Never logged. */
+    /** The cluster secret: every request to a worker is signed with it (../security/request-auth.ts). Never logged. */
     clusterSecret: ClusterSecretSchema.optional(),
-    /** HTTPS for clients: PEM certificate and key files (../runtime/tls.ts). */
+    /** HTTPS for clients: PEM certificate and key files (../security/tls.ts). */
     tls: z.object({ cert: z.string().min(1), key: z.string().min(1) }).strict().optional(),
-    /** TLS to the workers (../runtime/tls.ts `InternalTlsFiles`): the CA of https:// workers, the client certificate they ask for. */
+    /** TLS to the workers (../security/tls.ts `InternalTlsFiles`): the CA of https:// workers, the client certificate they ask for. */
     internalTls: InternalTlsSchema,
     /** Admission at the edge (../api/admission.ts): concurrency cap, queue, per-key limits. */
     admission: AdmissionSchema,

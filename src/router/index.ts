@@ -37,8 +37,8 @@ import pino, { type Logger } from 'pino';
 import { Agent } from 'undici';
 import { cacheSaltOf, registerAccess, tenantOf, type Access } from '../api/access.js';
 import { registerAdmission } from '../api/admission.js';
-import { withCredentials } from '../runtime/http-auth.js';
-import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../runtime/tls.js';
+import { withCredentials } from '../security/http-auth.js';
+import { internalClientOptions, loadInternalTls, tlsServerOptions } from '../security/tls.js';
 import { applyHttpTimeouts, fastifyTimeoutOptions } from '../runtime/http-timeouts.js';
 import { registerCors, registerModelRoute, registerTokenizeProxy } from '../api/endpoints.js';
 import { ApiError, checkModelName, openAIClientErrorHandler, registerOpenAIErrorHandling } from '../api/errors.js';
@@ -124,7 +124,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const config = parseRouterConfig(raw);
   const schemaLimits = { ...DEFAULT_SCHEMA_LIMITS, maxNodes: config.schemaMaxNodes, maxEnumValues: config.schemaMaxEnumValues };
   const log = makeLogger(config);
-  // Every router → worker request is signed with the cluster secret (../runtime/http-auth.ts).
+  // Every router → worker request is signed with the cluster secret (../security/http-auth.ts).
   const credentials = config.clusterSecret ? { sign: { secret: config.clusterSecret } } : {};
   // --internal-tls-*: https:// workers are verified with the CA and shown the client certificate.
   const internalTls = loadInternalTls(config.internalTls);
@@ -177,7 +177,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   let closing = false;
 
   const app = Fastify({
-    // --tls-cert/--tls-key: HTTPS for clients (../runtime/tls.ts).
+    // --tls-cert/--tls-key: HTTPS for clients (../security/tls.ts).
     ...(config.tls ? { https: tlsServerOptions(config.tls) } : {}),
     loggerInstance: log,
     bodyLimit: config.bodyLimit,

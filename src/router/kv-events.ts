@@ -110,7 +110,7 @@ export class KvEventConsumer {
 
   /**
    * @param wrap composes the router's credentials onto the consumer's pool (worker requests are
-   *   signed: ../runtime/http-auth.ts `withCredentials`).
+   *   signed: ../security/http-auth.ts `withCredentials`).
    * @param tls node:tls client options of its connections (the CA and client certificate of https:// workers).
    */
   constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b, tls: object = {}) {

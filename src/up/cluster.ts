@@ -6,7 +6,7 @@
  *
  * The cluster secret reaches the children by environment (never argv), and from `start()` on
  * this process's fetch() and undici calls sign their requests to the workers with it
- * (../runtime/http-auth.ts `signGlobally`), so tools and tests reach them as the router does.
+ * (../security/http-auth.ts `signGlobally`), so tools and tests reach them as the router does.
  *
  * Children report readiness over an IPC channel ({type:'ready', url, bootstrapPort}) and exit
  * when that channel closes, so a dead parent leaves no orphans.
@@ -19,10 +19,10 @@ import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { PdError } from '../base/errors.js';
-import { reachGlobally, signGlobally } from '../runtime/http-auth.js';
+import { reachGlobally, signGlobally } from '../security/http-auth.js';
 import { STORE_USER_FILE } from '../prefixes/prefix-store.js';
 import { processAlive } from '../runtime/statefiles.js';
-import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../runtime/tls.js';
+import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../security/tls.js';
 import { secureKit, secureTestMode, type SecureKit } from './secure-mode.js';
 
 export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';

@@ -1,5 +1,5 @@
 /**
- * The workers' side of signed requests (../runtime/request-auth.ts), as three fastify hooks
+ * The workers' side of signed requests (../security/request-auth.ts), as three fastify hooks
  * installed first on a worker's app (./http.ts `createWorkerApp`):
  *
  *   onRequest      the header, the window, the nonce unseen — refused before the body is read
@@ -21,7 +21,7 @@ import { Transform } from 'node:stream';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Counter, type Registry } from 'prom-client';
 import { ApiError } from '../base/errors.js';
-import { httpKeyOf, SIGNATURE_HEADER, SignatureVerifier, type RefusalReason, type Signature } from '../runtime/request-auth.js';
+import { httpKeyOf, SIGNATURE_HEADER, SignatureVerifier, type RefusalReason, type Signature } from '../security/request-auth.js';
 import { sendApiError } from '../api/errors.js';
 
 export interface WorkerAuthOptions {

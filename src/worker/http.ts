@@ -9,7 +9,7 @@ import { systemClock } from '../base/clock.js';
 import type { Registry } from 'prom-client';
 import { registerCors, registerModelRoute, registerTokenizeRoutes } from '../api/endpoints.js';
 import { isSigned, registerWorkerAuth } from './auth.js';
-import { internalServerOptions, tlsServerOptions, type InternalTls, type TlsFiles } from '../runtime/tls.js';
+import { internalServerOptions, tlsServerOptions, type InternalTls, type TlsFiles } from '../security/tls.js';
 import { applyHttpTimeouts, fastifyTimeoutOptions, type HttpTimeouts } from '../runtime/http-timeouts.js';
 import { openAIClientErrorHandler, registerOpenAIErrorHandling, sendApiError } from '../api/errors.js';
 import { answerPlainHttp } from '../api/plain-http.js';
@@ -45,9 +45,9 @@ export interface WorkerAppOptions {
   clusterSecret?: string;
   /** With `clusterSecret`: /metrics needs a signature too. */
   privateMetrics?: boolean;
-  /** HTTPS: PEM certificate and key files (../runtime/tls.ts). */
+  /** HTTPS: PEM certificate and key files (../security/tls.ts). */
   tls?: TlsFiles;
-  /** HTTPS for the cluster's own calls (../runtime/tls.ts `internalServerOptions`: mutual when it has a CA); ignored with `tls`. */
+  /** HTTPS for the cluster's own calls (../security/tls.ts `internalServerOptions`: mutual when it has a CA); ignored with `tls`. */
   internalTls?: InternalTls;
   /** Called with the query of every GET /health that carried a valid signature (the router's probe). */
   onSignedProbe?: (query: Record<string, unknown>) => void;

@@ -8,7 +8,7 @@
 import type { Clock } from '../base/clock.js';
 import type { Logger } from '../base/log.js';
 import { pairSettingsOf } from '../protocol/pair.js';
-import { loadInternalTls, type InternalTls, type InternalTlsFiles } from '../runtime/tls.js';
+import { loadInternalTls, type InternalTls, type InternalTlsFiles } from '../security/tls.js';
 import type { Engine } from '../engine/types.js';
 import type { KvChannelOptions } from '../kv/channel.js';
 import { kvTransportOf } from '../kv/transport.js';

@@ -19,7 +19,7 @@ import type { Engine } from '../../src/engine/types.js';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer, type PeerConn } from '../../src/kv/channel.js';
 import { kvTransportOf } from '../../src/kv/transport.js';
-import { loadInternalTls } from '../../src/runtime/tls.js';
+import { loadInternalTls } from '../../src/security/tls.js';
 import { encodeEnvelope, encodeEnvelopeHead } from '../../src/kv/envelope.js';
 import { decodeStateName, prefillStateName, SameHostPrefill } from '../../src/kv/transfer/same-host.js';
 import { settingsFromHealth } from '../../src/router/pair-settings.js';

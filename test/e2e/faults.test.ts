@@ -16,7 +16,7 @@ import { KvPeerPool } from '../../src/kv/channel.js';
 import { encodeControl } from '../../src/kv/frame.js';
 import { kvTransportOf } from '../../src/kv/transport.js';
 import { settingsFromHealth } from '../../src/router/pair-settings.js';
-import { loadInternalTls } from '../../src/runtime/tls.js';
+import { loadInternalTls } from '../../src/security/tls.js';
 import type { Cluster, ClusterProc } from '../../src/up/cluster.js';
 import { busy, getJson, promptOf, rawCompletion, startStack, waitFor } from '../helpers/stack.js';
 

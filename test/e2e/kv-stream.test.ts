@@ -16,7 +16,7 @@ import { describe, test } from 'node:test';
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvPeerPool } from '../../src/kv/channel.js';
 import { kvTransportOf } from '../../src/kv/transport.js';
-import { loadInternalTls } from '../../src/runtime/tls.js';
+import { loadInternalTls } from '../../src/security/tls.js';
 import { parseEnvelopeHead, ENVELOPE_TRAILER_BYTES } from '../../src/kv/envelope.js';
 import type { ControlMsg } from '../../src/kv/messages.js';
 import { crc32 } from '../../src/kv/transfer/checksum.js';

@@ -37,7 +37,7 @@ import { after, before, describe, test } from 'node:test';
 import OpenAI from 'openai';
 import { Agent, request } from 'undici';
 import { BIN, Cluster, freePort } from '../../src/up/cluster.js';
-import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/runtime/request-auth.js';
+import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/security/request-auth.js';
 import { cli } from '../helpers/cli.js';
 import { makeTestPki, type TestPki } from '../helpers/tls.js';
 import { promptOf, tinyModel, waitFor } from '../helpers/stack.js';

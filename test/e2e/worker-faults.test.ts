@@ -24,7 +24,7 @@ import { freePort, type Cluster, type ClusterProc } from '../../src/up/cluster.j
 import { newEpoch } from '../../src/kv/auth.js';
 import { KvServer } from '../../src/kv/channel.js';
 import { kvTransportOf } from '../../src/kv/transport.js';
-import { loadInternalTls } from '../../src/runtime/tls.js';
+import { loadInternalTls } from '../../src/security/tls.js';
 import { settingsFromHealth } from '../../src/router/pair-settings.js';
 import { CTX, getJson, startStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';

@@ -17,7 +17,8 @@ const LAYERS: readonly (readonly string[])[] = [
   ['base'], // errors, room ids, clock, log: imports nothing of src
   ['engine', 'kv'], // llama.cpp; the room lifecycle, KV channel and transfer
   ['protocol'], // what crosses HTTP between the roles and the tools
-  ['runtime'], // metrics, auth, TLS, drain, membership
+  ['security'], // signed worker calls, TLS, the cluster secret
+  ['runtime'], // metrics, drain, membership, send queues
   ['config', 'prefixes'], // the configuration schemas; the host prefix store
   ['api', 'observe'], // the OpenAI edge; gather + diagnose (doctor and dashboard)
   ['worker'], // the HTTP edge both worker roles share

@@ -1,12 +1,12 @@
 /**
- * Signed worker requests (src/runtime/request-auth.ts): a signature is good for one request, one
+ * Signed worker requests (src/security/request-auth.ts): a signature is good for one request, one
  * moment and one body; the replay cache is bounded and, once it forgot a nonce, refuses every
  * signature not newer than it. Decode's known prefills (src/decode/known-prefills.ts).
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import fc from 'fast-check';
-import { bodyDigest, httpKeyOf, parseSignature, signRequest, SignatureVerifier, type Signature } from '../../src/runtime/request-auth.js';
+import { bodyDigest, httpKeyOf, parseSignature, signRequest, SignatureVerifier, type Signature } from '../../src/security/request-auth.js';
 import { KnownPrefills } from '../../src/decode/known-prefills.js';
 
 const key = httpKeyOf('cluster-secret-1');

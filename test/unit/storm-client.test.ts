@@ -10,7 +10,7 @@ import { once } from 'node:events';
 import https from 'node:https';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, it } from 'node:test';
-import { reachGlobally } from '../../src/runtime/http-auth.js';
+import { reachGlobally } from '../../src/security/http-auth.js';
 import { ChatCall, clientAgent } from '../../src/storm/client.js';
 import { chooseSample, type SampledRound, type SamplePools } from '../../src/storm/agents.js';
 import { makeTestPki, type TestPki } from '../helpers/tls.js';

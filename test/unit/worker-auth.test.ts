@@ -8,7 +8,7 @@ import { test } from 'node:test';
 import Fastify from 'fastify';
 import { Registry } from 'prom-client';
 import { registerWorkerAuth } from '../../src/worker/auth.js';
-import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/runtime/request-auth.js';
+import { bodyDigest, httpKeyOf, signRequest, SIGNATURE_HEADER } from '../../src/security/request-auth.js';
 
 const SECRET = 'worker-auth-test-secret';
 
