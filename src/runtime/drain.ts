@@ -115,8 +115,13 @@ export class DrainGate {
    * Install on a fastify app (before it listens): counts work routes and refuses them while
    * draining or closing (create the app with `return503OnClosing: false` so requests reaching a
    * closing app get here). The hook runs before body parsing, so a refused request costs nothing.
+   * `closeIdle` (default true): close idle keep-alive sockets when the drain starts, so clients
+   * reconnect elsewhere at once. Workers pass false: their one client is the router, and a request
+   * already on its way over an idle socket would be reset (ECONNRESET, read as a failed worker)
+   * where the drain's `draining` 503 with `connection: close` re-dispatches it with nothing failed.
    */
-  install(app: FastifyInstance): void {
+  install(app: FastifyInstance, opts: { closeIdle?: boolean } = {}): void {
+    const closeIdle = opts.closeIdle ?? true;
     // Work responses whose headers have not left yet: told `connection: close` when the drain starts.
     const open = new Set<ServerResponse>();
     // Closing (app.close(): after the drain, or without one): work is refused the same way. With
@@ -128,7 +133,7 @@ export class DrainGate {
     });
     this.onDraining(() => {
       for (const res of open) if (!res.headersSent) res.setHeader('connection', 'close');
-      app.server.closeIdleConnections?.();
+      if (closeIdle) app.server.closeIdleConnections?.();
     });
     app.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
       const refusing = this._draining || closing;

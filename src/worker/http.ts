@@ -82,7 +82,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   }
   const gate = new DrainGate('worker');
   gates.set(app, gate);
-  gate.install(app);
+  gate.install(app, { closeIdle: false }); // see DrainGate.install: the router re-dispatches a draining 503
   app.get('/health', async (req, reply) => {
     if (o.onSignedProbe && isSigned(req)) o.onSignedProbe((req.query ?? {}) as Record<string, unknown>);
     // tool_call_syntax: the router parses tool calls in the model's syntax (null = no tool calls).
