@@ -182,7 +182,7 @@ const lifecycleOptions = (c: Command) =>
     .option('--drain-timeout-ms <ms>', 'on SIGTERM: longest wait for requests in flight before failing them (a 2nd signal stops waiting)', int, 30_000)
     .option('--discovery <etcd://HOST:PORT>', 'membership on etcd: workers register under a lease, the router watches (default: static --prefill/--decode flags only)');
 
-/** Worker flags of etcd membership (see ./membership.ts). */
+/** Worker flags of etcd membership (see ../membership/worker-hooks.ts). */
 const memberOptions = (c: Command) =>
   c
     .option('--advertise-host <host>', 'with --discovery: the address the router and peers dial (default: --host)')
@@ -192,7 +192,7 @@ const memberOptions = (c: Command) =>
 async function serve(role: string, o: { drainTimeoutMs: number; host?: string; discovery?: string; advertiseHost?: string; discoveryTtlS?: number; [k: string]: unknown }, start: () => Promise<Served>): Promise<void> {
   let hooks;
   if (role !== 'router' && o.discovery) {
-    const { membershipHooks } = await import('./membership.js');
+    const { membershipHooks } = await import('../membership/worker-hooks.js');
     try {
       hooks = membershipHooks(role as 'prefill' | 'decode' | 'colocated', { ...o, host: o.host ?? '127.0.0.1' }, { model_file: typeof o.model === 'string' ? o.model : null, ctx_size: o.ctxSize as number, batch_size: o.batchSize as number, deterministic: !!o.deterministic, threads: o.threads as number, slots: (o.slots as number | undefined) ?? null });
     } catch (err) {

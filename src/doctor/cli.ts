@@ -69,13 +69,13 @@ const ROUND_MS = 9000;
 export async function sourceOf(o: Pick<DoctorOptions, 'url' | 'discovery'>): Promise<WorkerSource | string> {
   if (o.url !== undefined && !/^https?:\/\//i.test(o.url)) return `--url ${o.url} has no scheme: give http://${o.url} (or https://)`;
   if (o.discovery) {
-    const { parseDiscoveryUrl } = await import('../runtime/discovery.js');
+    const { parseDiscoveryUrl } = await import('../membership/etcd.js');
     try {
       parseDiscoveryUrl(o.discovery);
     } catch (err) {
       return (err as Error).message;
     }
-    const { discoverySource } = await import('./discovery.js');
+    const { discoverySource } = await import('../membership/doctor-source.js');
     return discoverySource(o.discovery, o.url ?? null);
   }
   if (!o.url) return 'give --url ROUTER (e.g. --url http://127.0.0.1:8000) or --discovery etcd://HOST:PORT';

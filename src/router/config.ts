@@ -86,7 +86,7 @@ export const RouterConfigSchema = z
     decode: z
       .array(z.object({ url: WorkerUrl }).strict())
       .default([]),
-    /** `etcd://HOST:PORT[,…]`: workers also come from etcd membership (../runtime/discovery.ts). */
+    /** `etcd://HOST:PORT[,…]`: workers also come from etcd membership (../membership/etcd.ts). */
     discovery: z.string().min(1).optional(),
     healthIntervalMs: z.number().int().min(20).default(2000),
     healthTimeoutMs: z.number().int().min(10).default(1000),

@@ -363,7 +363,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   // Membership on etcd (optional): the pool follows registrations, drains and lease expiries.
   let discovery: { stop(): Promise<void> } | null = null;
   if (config.discovery) {
-    const { EtcdDiscovery } = await import('./discovery/etcd.js');
+    const { EtcdDiscovery } = await import('../membership/watch.js');
     const d = new EtcdDiscovery({ discovery: config.discovery, registry, log });
     try {
       await d.start();

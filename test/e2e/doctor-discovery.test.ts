@@ -7,7 +7,7 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { Etcd3 } from 'etcd3';
-import { memberKey } from '../../src/runtime/discovery.js';
+import { memberKey } from '../../src/membership/etcd.js';
 import { freePort } from '../../src/up/cluster.js';
 import { cli } from '../helpers/cli.js';
 import { etcdBinary, startEtcd, type TestEtcd } from '../helpers/etcd.js';

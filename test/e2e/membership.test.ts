@@ -18,7 +18,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { Etcd3 } from 'etcd3';
 import type { Cluster, ClusterProc } from '../../src/up/cluster.js';
-import { MEMBER_PREFIX, memberKey, parseMemberRecord } from '../../src/runtime/discovery.js';
+import { MEMBER_PREFIX, memberKey, parseMemberRecord } from '../../src/membership/etcd.js';
 import { etcdBinary, startEtcd, type TestEtcd } from '../helpers/etcd.js';
 import { getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';

@@ -16,7 +16,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { Etcd3 } from 'etcd3';
 import type { Cluster, ClusterProc } from '../../src/up/cluster.js';
-import { memberKey } from '../../src/runtime/discovery.js';
+import { memberKey } from '../../src/membership/etcd.js';
 import { etcdBinary, startEtcd, type TestEtcd } from '../helpers/etcd.js';
 import { NetLab, netnsUnavailable } from '../helpers/netns.js';
 import { client, getJson, promptOf, rawCompletion, startStack, waitFor, type RawResult } from '../helpers/stack.js';

@@ -18,9 +18,10 @@ const LAYERS: readonly (readonly string[])[] = [
   ['engine', 'kv'], // llama.cpp; the room lifecycle, KV channel and transfer
   ['protocol'], // what crosses HTTP between the roles and the tools
   ['security'], // signed worker calls, TLS, the cluster secret
-  ['runtime'], // metrics, drain, membership, send queues
+  ['runtime'], // metrics, drain, send queues
   ['config', 'prefixes'], // the configuration schemas; the host prefix store
   ['api', 'observe'], // the OpenAI edge; gather + diagnose (doctor and dashboard)
+  ['membership'], // etcd: worker records and leases, the router's watch (over a pool it is handed), doctor's reader
   ['worker'], // the HTTP edge both worker roles share
   ['router', 'prefill', 'decode', 'colocated'], // the roles
   ['up'], // the local cluster, the tools' launcher

@@ -1,12 +1,11 @@
 /**
  * `pdserve doctor --discovery etcd://HOST:PORT[,…]`: the worker list from etcd membership (the
- * records workers publish under `pdserve/v1/workers/`, see ../runtime/discovery.ts), read once per
- * round with the router's own `listMembers`. With `--url` as well, the router is probed too and
+ * records workers publish under `pdserve/v1/workers/`, see ./etcd.ts), read once per round with
+ * the same `listMembers` the router's watch uses. With `--url` as well, the router is probed too and
  * its GET /workers rows are joined by URL; workers only one side knows are flagged
  * (`membership: 'etcd_only' | 'router_only'`) for the diagnosis.
  */
-import { etcdClient } from '../runtime/discovery.js';
-import { listMembers } from '../router/discovery/etcd.js';
+import { etcdClient, listMembers } from './etcd.js';
 import type { WorkerRef, WorkerSource } from '../observe/gather.js';
 import { PdError } from '../base/errors.js';
 

@@ -1,12 +1,23 @@
 /**
- * CLI glue between a served worker role and etcd membership (../runtime/discovery.ts): the
- * record is built from the worker's own GET /health (served in-process with `app.inject`, no
- * socket) plus the engine settings from the command line, and the URL the router must dial.
+ * Glue between a served worker role and etcd membership (./etcd.ts): the record is built from
+ * the worker's own GET /health (served in-process with `app.inject`, no socket) plus the engine
+ * settings from the command line, and the URL the router must dial. The served role is seen
+ * through `ServedWorker` (the CLI's `Served` is one): membership does not import the CLI.
  */
-import { Membership, processFields, type MemberRecord } from '../runtime/discovery.js';
+import { Membership, processFields, type MemberRecord } from './etcd.js';
 import { createLogger } from '../base/log.js';
-import type { Served, ServeHooks } from './serve.js';
 import { ConfigError } from '../base/errors.js';
+
+/** What registration reads of a served worker: its URL and, for workers, its app (GET /health in-process). */
+export interface ServedWorker {
+  url: string;
+  app?: { inject(o: { method: 'GET'; url: string }): Promise<{ json(): unknown }> };
+}
+
+/** The serve loop's hook (the CLI's `ServeHooks`): register once ready; announce draining; deregister. */
+export interface RegisterHooks {
+  register(s: ServedWorker): Promise<{ setDraining(): Promise<void>; deregister(): Promise<void> }>;
+}
 
 export interface MembershipFlags {
   discovery?: string;
@@ -21,14 +32,14 @@ const LOAD_KEYS = /^(slots|slots_free|rooms|inflight)$|_queue$|_running$|_used$/
  * Hooks that register the worker in etcd after it is ready, or undefined without --discovery.
  * @throws Error when the advertised address would be a wildcard.
  */
-export function membershipHooks(role: 'prefill' | 'decode' | 'colocated', o: MembershipFlags & { host: string }, engine: Record<string, string | number | boolean | null>): ServeHooks | undefined {
+export function membershipHooks(role: 'prefill' | 'decode' | 'colocated', o: MembershipFlags & { host: string }, engine: Record<string, string | number | boolean | null>): RegisterHooks | undefined {
   if (!o.discovery) return undefined;
   const discovery = o.discovery;
   const adv = o.advertiseHost ?? o.host;
   if (adv === '0.0.0.0' || adv === '::') throw new ConfigError(`--discovery with --host ${o.host}: pass --advertise-host with the address the router and peers dial`);
   const log = createLogger(`${role}-membership`);
   return {
-    async register(s: Served) {
+    async register(s: ServedWorker) {
       const { port, protocol } = new URL(s.url);
       const url = `${protocol}//${adv.includes(':') ? `[${adv}]` : adv}:${port}`;
       const proc = processFields();

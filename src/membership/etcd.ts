@@ -1,5 +1,6 @@
 /**
- * Membership on etcd: each worker registers itself under a lease; routers watch the prefix.
+ * Membership on etcd: each worker registers itself under a lease; routers watch the prefix
+ * (./watch.ts); workers' CLI glue is ./worker-hooks.ts, doctor's reader ./doctor-source.ts.
  *
  * Key:   `pdserve/v1/workers/<role>/<urlencoded worker URL>`
  * Value: a `MemberRecord` as JSON (below): role, URLs, bootstrap address, model fingerprint,
@@ -82,6 +83,22 @@ export function etcdClient(uri: string): Etcd3 {
   // gRPC takes a deadline as a wall-clock date and turns it back into a timeout at once.
   return new Etcd3({ hosts: parseDiscoveryUrl(uri), dialTimeout: 2000, defaultCallOptions: (ctx) => (ctx.isStream ? {} : { deadline: systemClock.wallMs() + 3000 }) });
 }
+
+/**
+ * Every valid record under the prefix, with the store revision they were read at. Read once,
+ * without a pool: the router's watch (./watch.ts) and `pdserve doctor --discovery` both use it.
+ * @throws whatever the etcd3 client rejects with (the caller wraps it in its own `ETCD_FAILED`).
+ */
+export async function listMembers(client: Etcd3): Promise<{ revision: string; members: Map<string, MemberRecord> }> {
+  const res = await client.getAll().prefix(MEMBER_PREFIX).exec();
+  const members = new Map<string, MemberRecord>();
+  for (const kv of res.kvs) {
+    const rec = parseMemberRecord(kv.value.toString());
+    if (rec) members.set(kv.key.toString(), rec);
+  }
+  return { revision: String(res.header.revision), members };
+}
+
 
 interface Log {
   info(o: object, m: string): void;

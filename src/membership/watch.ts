@@ -1,5 +1,5 @@
 /**
- * The router's side of etcd membership (see ../../runtime/discovery.ts for the records).
+ * The router's side of etcd membership (see ./etcd.ts for the records).
  *
  * List-then-watch: a prefix GET gives every record and the store revision; a prefix watch from
  * revision + 1 then streams each PUT (a worker joined, changed load, or started draining) and
@@ -20,40 +20,50 @@
  * lease expiry). While etcd cannot be read the pool is left as it is. Workers given by flags
  * are never removed by etcd.
  *
- * Seam for other consumers (`pdserve doctor --discovery`, a dashboard): `listMembers()` below
- * reads the same records without a registry.
+ * The pool is whatever the router hands in as a `MemberPool` (its `WorkerRegistry`): membership
+ * does not import the router. Other consumers (`pdserve doctor --discovery`, a dashboard) read the
+ * same records with `listMembers()` in ./etcd.ts, without a pool.
  */
 import type { Etcd3, Watcher } from 'etcd3';
 import type { Logger } from 'pino';
-import { etcdClient, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from '../../runtime/discovery.js';
-import type { WorkerRegistry } from '../registry.js';
-import { PdError } from '../../base/errors.js';
+import { etcdClient, listMembers, MEMBER_PREFIX, parseMemberRecord, type MemberRecord } from './etcd.js';
+import { PdError } from '../base/errors.js';
 
 /** Deadline for etcd to confirm a new watch (ms); past it the watch counts as down and the next tick tries again. */
 const WATCH_CREATE_MS = 5000;
 
-/** Every valid record under the prefix, with the store revision they were read at. */
-export async function listMembers(client: Etcd3): Promise<{ revision: string; members: Map<string, MemberRecord> }> {
-  const res = await client.getAll().prefix(MEMBER_PREFIX).exec();
-  const members = new Map<string, MemberRecord>();
-  for (const kv of res.kvs) {
-    const rec = parseMemberRecord(kv.value.toString());
-    if (rec) members.set(kv.key.toString(), rec);
-  }
-  return { revision: String(res.header.revision), members };
+/** What the watch reads of one pooled worker. */
+export interface PooledWorker {
+  readonly url: string;
+  readonly healthy: boolean;
+  readonly draining: boolean;
+  readonly bootstrapPort: number | null;
 }
 
-export interface EtcdDiscoveryOptions {
+/**
+ * The worker pool the watch keeps in step with etcd (the router's `WorkerRegistry` is one).
+ * `upsert` adds or refreshes a worker and probes it when new; `check(w, true)` probes it now;
+ * `remove` takes it out of the pool, `reason` for the log.
+ */
+export interface MemberPool<W extends PooledWorker = PooledWorker> {
+  readonly workers: readonly W[];
+  upsert(spec: { role: 'prefill' | 'decode'; url: string; bootstrapHost: string | null; bootstrapPort: number | null }): W;
+  setDraining(w: W, draining: boolean): void;
+  check(w: W, again: boolean): Promise<void>;
+  remove(url: string, reason: string): unknown;
+}
+
+export interface EtcdDiscoveryOptions<W extends PooledWorker = PooledWorker> {
   /** `etcd://HOST:PORT[,…]`. */
   discovery: string;
-  registry: WorkerRegistry;
+  registry: MemberPool<W>;
   log: Logger;
   /** Period of the safety-net re-list (ms); default 2000 (etcd's shortest lease TTL is about 2 s). */
   resyncMs?: number;
 }
 
 /** Keeps a WorkerRegistry in step with the etcd records. `start()` resolves after the first list. */
-export class EtcdDiscovery {
+export class EtcdDiscovery<W extends PooledWorker = PooledWorker> {
   private readonly client: Etcd3;
   private watcher: Watcher | null = null;
   /** key → URL and process signature of workers this source added (only these are removed on DELETE). */
@@ -72,7 +82,7 @@ export class EtcdDiscovery {
   /** A re-watch in flight (list, then watch from its revision): one at a time. */
   private rewatching: Promise<void> | null = null;
 
-  constructor(private readonly o: EtcdDiscoveryOptions) {
+  constructor(private readonly o: EtcdDiscoveryOptions<W>) {
     this.client = etcdClient(o.discovery);
     this.staticUrls = new Set(o.registry.workers.map((w) => w.url));
   }
