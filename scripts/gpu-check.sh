@@ -194,7 +194,7 @@ fi
 # The agents run: one prefill, one decode (decode-local continuation, prefix store on and off)
 # and colocated, every engine on GPU pdev
 if [ "$agents" != 0 ]; then
-  run node bin/pdserve.js bench-agents --model "$file" --agents "$agents" --rounds 4 --decode 1 --gpu "$bench_gpu" --gpu-device "$pdev" --json "$out/agents.json" >"$out/agents.txt" 2>&1 || echo "gpu-check: the agents run failed (see $out/agents.txt)" >&2
+  run node bin/pdserve.js bench-agents --mode rounds --model "$file" --agents "$agents" --rounds 4 --decode 1 --gpu "$bench_gpu" --gpu-device "$pdev" --json "$out/agents.json" >"$out/agents.txt" 2>&1 || echo "gpu-check: the agents run failed (see $out/agents.txt)" >&2
 fi
 [ "$dry" = 1 ] && { rm -rf "$out"; echo "gpu-check: dry run done"; exit 0; }
 

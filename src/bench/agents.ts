@@ -92,7 +92,7 @@ export interface AgentsOptions {
 }
 
 /** The agent corpus: corpus/*.txt (the storm's prose), folded to ASCII, in file-name order. */
-function loadAgentCorpus(): string {
+export function loadAgentCorpus(): string {
   const dir = join(ROOT, 'corpus');
   return readdirSync(dir)
     .filter((f) => f.endsWith('.txt'))

@@ -10,6 +10,7 @@ import { join } from 'node:path';
 import type { KvSectionResult } from './kv.js';
 import { agentGoals, agentsPlot, agentsReport, type AgentsResult } from './agents.js';
 import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from './report-agents.js';
+import { agentTraceGoals, agentTracePlot, agentTraceReport, type AgentTraceResult } from './report-agent-trace.js';
 import type { BatchingResult, BatchingRow, InterferenceResult, LowLoadRow, RouterOverheadResult, RouterOverheadRun, ScalingResult } from './sections.js';
 import { barChart, lineChart } from './svg.js';
 import { fmt, fmtRatio } from './util.js';
@@ -158,6 +159,8 @@ export function writePlots(files: Map<number, SectionFile>, dir: string): Plots 
   }
   const s7 = files.get(7)?.result as AgentsResult | undefined;
   if (s7?.runs?.length) put('s7-agents-ttft.svg', agentsPlot(s7));
+  const s7trace = files.get(72)?.result as AgentTraceResult | undefined;
+  if (s7trace?.runs?.length) put('s7-agent-trace-ttft.svg', agentTracePlot(s7trace));
   return out;
 }
 
@@ -165,9 +168,9 @@ function table(head: string[], rows: (string | number)[][]): string {
   return [`| ${head.join(' | ')} |`, `|${head.map((h, i) => (i === 0 ? '---' : '---:')).join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)].join('\n');
 }
 
-/** A section's name in the report: its number, and 71 (the results file of §7 at scale) as "7 (agents at scale)". */
+/** A section's name in the report: its number, 71 and 72 (§7's agents at scale and agent trace results) named. */
 function sectionName(n: number): string {
-  return n === 71 ? '7 (agents at scale)' : String(n);
+  return n === 71 ? '7 (agents at scale)' : n === 72 ? '7 (agent trace)' : String(n);
 }
 
 function provenance(f: SectionFile | undefined, fresh: boolean): string {
@@ -214,7 +217,8 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
     meta.quick ? '> **This is a quick smoke run** (`--quick`): repetitions and durations are cut to the minimum; the numbers only show that every section works. Run `npm run bench` for real numbers.' : '',
   ];
   const s7scale = files.get(71)?.result as AgentsScaleResult | undefined;
-  const agentRows = [...(s7?.runs?.length ? agentGoals(s7) : []), ...(s7scale?.runs?.length ? agentsScaleGoals(s7scale) : [])].map((g) => [`${g.goal} (§7)`, g.detail, g.met ? '**pass**' : '**miss**']);
+  const s7trace = files.get(72)?.result as AgentTraceResult | undefined;
+  const agentRows = [...(s7?.runs?.length ? agentGoals(s7) : []), ...(s7scale?.runs?.length ? agentsScaleGoals(s7scale) : []), ...(s7trace?.runs?.length ? agentTraceGoals(s7trace) : [])].map((g) => [`${g.goal} (§7)`, g.detail, g.met ? '**pass**' : '**miss**']);
   const goals = table(['goal', 'measured', 'met?'], [...handoffGoals(files.get(1), files.get(11), s2), ...servingGoals(s2, s2u, s3, s4, s5), ...agentRows]);
   const machine = table(
     ['', ''],
@@ -249,8 +253,9 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   values.s1_large = large.length ? large.join('\n') : NOT_RUN;
   values.s7 = agentsReport(s7, prov(7), plots['s7-agents-ttft.svg']).join('\n');
   values.s7_scale = agentsScaleReport(s7scale, prov(71), m.cores).join('\n');
+  values.s7_trace = agentTraceReport(s7trace, prov(72), plots['s7-agent-trace-ttft.svg']).join('\n');
   values.gpu = extra.join('\n');
-  values.losses = losses(s1, s2, s3, s4, s5, s6, s7, s7scale)
+  values.losses = losses(s1, s2, s3, s4, s5, s6, s7, s7scale, s7trace)
     .map((x) => `- ${x}`)
     .join('\n');
   return fillTemplate(template, values);
@@ -435,7 +440,7 @@ function scalingSection(s6: ScalingResult | undefined, plots: Plots): SectionTex
 }
 
 /** "Where PD loses": every figure of the report where PD is behind. */
-function losses(s1: KvSectionResult | undefined, s2: LowLoadRow[] | undefined, s3: InterferenceResult | undefined, s4: BatchingRow[] | undefined, s5: RouterOverheadResult | undefined, s6: ScalingResult | undefined, s7: AgentsResult | undefined, s7scale?: AgentsScaleResult): string[] {
+function losses(s1: KvSectionResult | undefined, s2: LowLoadRow[] | undefined, s3: InterferenceResult | undefined, s4: BatchingRow[] | undefined, s5: RouterOverheadResult | undefined, s6: ScalingResult | undefined, s7: AgentsResult | undefined, s7scale?: AgentsScaleResult, s7trace?: AgentTraceResult): string[] {
   const out: string[] = [];
   if (s2?.length) for (const r of s2) if (r.ratio.ttft > 1.05) out.push(`Unloaded TTFT at ${r.promptTokens} prompt tokens: ${pct(r.ratio.ttft)} (${fmt(r.pd.ttftMs.median, 0)} vs ${fmt(r.colo.ttftMs.median, 0)} ms).`);
   if (s2?.length) for (const r of s2) if (r.ratio.tpot > 1.05) out.push(`Unloaded TPOT at ${r.promptTokens} prompt tokens: ${pct(r.ratio.tpot)} (${fmt(r.pd.tpotMs.median, 2)} vs ${fmt(r.colo.tpotMs.median, 2)} ms).`);
@@ -447,6 +452,7 @@ function losses(s1: KvSectionResult | undefined, s2: LowLoadRow[] | undefined, s
   if (s6?.rows?.length) for (const r of s6.rows) if (clearlyBelow(r.pd.goodput, r.colo.goodput)) out.push(`Goodput at ${r.rate} req/s: ${fmt(r.pd.goodput, 2)} vs ${fmt(r.colo.goodput, 2)} req/s.`);
   if (s7?.runs?.length) for (const g of agentGoals(s7)) if (!g.met) out.push(`Multi-round agents: ${g.goal} missed (${g.detail}).`);
   if (s7scale?.runs?.length) for (const g of agentsScaleGoals(s7scale)) if (!g.met) out.push(`Agents at scale: ${g.goal} missed (${g.detail}).`);
+  if (s7trace?.runs?.length) for (const g of agentTraceGoals(s7trace)) if (!g.met) out.push(`${g.goal[0]!.toUpperCase()}${g.goal.slice(1)} missed (${g.detail}).`);
   out.push('Resources: PD needs two model copies (prefill and decode each load the GGUF) and, here, two cores where the colocated server used one.');
   return out;
 }

@@ -59,6 +59,8 @@ export const SECTION_FILES: Record<number, string> = {
   11: 's1-kv-large.json',
   /** Section 7's agents at scale (PDSERVE_BENCH_AGENTS_SCALE), kept next to the default run. */
   71: 's7-agents-scale.json',
+  /** Section 7's agent trace replay (`pdserve bench-agents --save`), kept next to the default run. */
+  72: 's7-agent-trace.json',
 };
 
 const CTX = 2048;
@@ -86,7 +88,8 @@ export function commitLabel(o: { head: string; base?: string; ahead: number; dir
   return o.dirty ? `${name} + uncommitted changes` : name;
 }
 
-function gitCommit(): string {
+/** The commit label of this checkout (`commitLabel`), `?` outside git. */
+export function gitCommit(): string {
   const git = (args: string) => execSync(`git ${args}`, { cwd: REPO_ROOT, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
   try {
     const head = git('rev-parse --short HEAD');
@@ -385,8 +388,8 @@ export function reportFromResults(resultsDir: string, plotsDir: string, meta: Su
   return renderReport(meta, files, writePlots(files, plotsDir), sectionsRun, gpuReport(resultsDir));
 }
 
-/** `--render-only`: BENCHMARKS.md and plots again from bench/results (after a change to the report's wording). */
-function renderOnly(resultsDir: string, plotsDir: string, root: string): number {
+/** `--render-only`: BENCHMARKS.md and plots again from `root`'s bench/results (after a change to the report's wording, or a section saved alone); returns the exit code. */
+export function renderOnly(resultsDir: string, plotsDir: string, root: string): number {
   const file = join(resultsDir, 'suite.json');
   if (!existsSync(file)) {
     console.error(`pdserve bench-suite: ${file} is missing; run the suite first`);

@@ -18,6 +18,7 @@ import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
 import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { ConfigError } from '../base/errors.js';
+import { GENERATE_DEFAULTS } from '../bench/agent-trace.js';
 
 function int(v: string): number {
   const n = Number(v);
@@ -567,26 +568,60 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
         const { benchCli } = await import('../bench/index.js');
         process.exitCode = await benchCli({ ...o, ...(o.ca ? { ca: resolve(o.ca) } : {}), internalTls: internalTlsOf('bench', o, false) });
       });
+    const collect = (v: string, prev: string[]) => [...prev, v];
     program
       .command('bench-agents')
-      .description('agents at scale: N concurrent R-round conversations on 1 prefill + D decode (cache_aware), with and without the prefix store, and colocated; prints the table')
-      .option('--model <file>', "GGUF model, or 'tiny' / 'small' (generated)", 'small')
-      .option('--agents <list>', 'comma-separated concurrencies', '8,30')
-      .option('--rounds <n>', 'rounds per conversation', int, 8)
+      .description('agent sessions: replay a seeded or recorded (Mooncake / AIPerf JSONL) trace on PD, colocated and PD without reuse, or on --target endpoints; job-level metrics and goals (--mode rounds: N agents × R rounds with and without the prefix store)')
+      .addOption(new Option('--mode <name>', 'trace: session trace replay; rounds: agents at scale (N concurrent R-round conversations)').choices(['trace', 'rounds']).default('trace'))
+      .option('--model <file>', "GGUF model, or 'tiny' / 'small' (generated); default tiny (trace), small (rounds)")
+      .option('--trace <file>', 'trace: replay a recorded Mooncake / AIPerf mooncake_trace JSONL file (timestamp or delay, input_length, output_length, hash_ids, session_id) instead of generating one')
+      .option('--block-size <tokens>', "trace: tokens per hash id of --trace (Mooncake's: 512)", int, 512)
+      .option('--seed <n>', 'trace: seed of the generated sessions', int, GENERATE_DEFAULTS.seed)
+      .option('--sessions <n>', 'trace: top-level sessions (sub-agents come on top)', int, GENERATE_DEFAULTS.sessions)
+      .option('--turns <n>', 'trace: median turns per session', int, GENERATE_DEFAULTS.turns)
+      .option('--turns-sigma <s>', 'trace: spread of the turn count (σ of its log; 0 = all equal)', num, GENERATE_DEFAULTS.turnsSigma)
+      .option('--growth <tokens>', 'trace: median tokens a turn adds (tool result)', int, GENERATE_DEFAULTS.growth)
+      .option('--system-tokens <tokens>', 'trace: shared system prompt', int, GENERATE_DEFAULTS.systemTokens)
+      .option('--tool-tokens <tokens>', 'trace: shared tool definitions block', int, GENERATE_DEFAULTS.toolTokens)
+      .option('--task-tokens <tokens>', 'trace: task text', int, GENERATE_DEFAULTS.taskTokens)
+      .option('--tasks <n>', 'trace: distinct task texts the sessions open with (weights 1/rank)', int, GENERATE_DEFAULTS.tasks)
+      .option('--io-ratio <r>', 'trace: total input : output tokens', num, GENERATE_DEFAULTS.ioRatio)
+      .option('--think-ms <ms>', 'trace: median pause between turns (tool run, think time)', num, GENERATE_DEFAULTS.thinkMs)
+      .option('--subagents <share>', 'trace: share of sessions that spawn sub-agents', num, GENERATE_DEFAULTS.subagentShare)
+      .option('--ramp-ms <ms>', 'trace: sessions start uniformly over this window', num, GENERATE_DEFAULTS.rampMs)
+      .option('--time-scale <x>', "trace: the trace's pauses and arrival times × this", num, 1)
+      .option('--write-trace <file>', 'trace: also write the trace as mooncake_trace JSONL (hash ids per --block-size tokens)')
+      .option('--setups <list>', 'trace: stacks to start and replay on, in order: pd, colo, pd_noreuse', 'pd,colo,pd_noreuse')
+      .option('--repeats <n>', 'trace: replays per setup (the order rotates)', int, 1)
+      .option('--target <url>', 'trace: replay on this OpenAI endpoint instead of starting stacks (NAME=URL; repeatable)', collect, [])
+      .addOption(new Option('--endpoint <name>', 'trace: chat (messages by role) or completions (one prompt)').choices(['chat', 'completions']).default('chat'))
+      .option('--tokenizer <gguf>', "trace with --target: the served model's GGUF, for exact block lengths (default: 4 characters a token)")
+      .option('--no-session-key', 'trace: do not send the session id as prompt_cache_key')
+      .option('--timeout-ms <ms>', 'trace: per-request deadline', int, 600_000)
+      .option('--deadline-s <s>', 'trace: per-replay deadline (requests not sent by then fail)', int, 1800)
+      .option('--save', "trace: write bench/results/s7-agent-trace.json and re-render BENCHMARKS.md from this checkout's results")
+      .option('--agents <list>', 'rounds: comma-separated concurrencies', '8,30')
+      .option('--rounds <n>', 'rounds: rounds per conversation', int, 8)
       .option('--decode <n>', 'decode workers', int, 2)
       .option('--decode-slots <n>', 'slots per decode worker', int, 10)
-      .option('--ctx-size <tokens>', 'context size per sequence', int, 2048)
+      .option('--ctx-size <tokens>', 'context size per sequence (default: rounds 2048; trace: the longest prompt and reply, rounded up)', int)
       .option('--batch-size <tokens>', 'prompt chunk', int, 512)
       .option('--json <file>', 'write the runs as JSON')
       .addOption(new Option('--gpu <backend>', 'engine processes on a GPU backend, every layer offloaded (default: CPU)').choices(['cuda', 'vulkan']))
       .option('--gpu-device <list>', 'with --gpu: the devices of every engine process, e.g. 0', cliParser(parseDeviceList))
       .action(async (o) => {
+        const engineArgs = o.gpu ? ['--gpu', o.gpu, '--gpu-layers', 'max', ...(o.gpuDevice ? ['--gpu-device', (o.gpuDevice as number[]).join(',')] : [])] : [];
+        if (o.mode === 'trace') {
+          const { benchAgentsTraceCli } = await import('../bench/agents-cli.js');
+          process.exitCode = await benchAgentsTraceCli({ ...o, model: o.model ?? 'tiny', subagentShare: o.subagents, targets: o.target, engineArgs, argv });
+          return;
+        }
         const { runAgentsScale, agentsScaleTable } = await import('../bench/agents.js');
         const { ensureModel } = await import('../engine/gguf-writer.js');
-        const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
+        const name = o.model ?? 'small';
+        const model = name === 'tiny' || name === 'small' ? await ensureModel(name, 1) : resolve(name);
         const agents = String(o.agents).split(',').map((x: string) => int(x.trim()));
-        const engineArgs = o.gpu ? ['--gpu', o.gpu, '--gpu-layers', 'max', ...(o.gpuDevice ? ['--gpu-device', (o.gpuDevice as number[]).join(',')] : [])] : [];
-        const r = await runAgentsScale({ model, agents, rounds: o.rounds, decode: o.decode, decodeSlots: o.decodeSlots, contextSize: o.ctxSize, batchSize: o.batchSize, engineArgs });
+        const r = await runAgentsScale({ model, agents, rounds: o.rounds, decode: o.decode, decodeSlots: o.decodeSlots, contextSize: o.ctxSize ?? 2048, batchSize: o.batchSize, engineArgs });
         console.log(agentsScaleTable(r.runs, o.rounds).join('\n'));
         if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, null, 1) + '\n');
       });

@@ -3,7 +3,8 @@
  * colocated on loopback): the command completes and its JSON has every field, through the
  * router (OpenAI API) and with the pd-direct backend; prompt lengths are exact with a GGUF
  * tokenizer and with the target's /tokenize; both backends record the server's
- * prefix-cache hits (bench §5's warm prompts rely on it). No timing thresholds.
+ * prefix-cache hits (bench §5's warm prompts rely on it); `pdserve bench-agents --target` replays
+ * a tiny generated agent trace through the router. No timing thresholds.
  */
 import assert from 'node:assert/strict';
 import { mkdtempSync, readFileSync } from 'node:fs';
@@ -113,5 +114,32 @@ describe('pdserve bench', () => {
       assert.ok(r.cachedTokens! >= 128 && r.cachedTokens! < r.promptTokens, `cached ${r.cachedTokens} of ${r.promptTokens}`);
       assert.equal(r.outputTokens, 4);
     }
+  });
+
+  test('bench-agents --target: a tiny agent trace replayed through the router, every turn served, later turns cached', async () => {
+    const model = await tinyModel();
+    const file = join(dir, 'agents.json');
+    const trace = join(dir, 'trace.jsonl');
+    const before = process.exitCode;
+    await runCli(['node', 'pdserve', 'bench-agents', '--target', `pd=${c.router.url}`, '--tokenizer', model, '--sessions', '2', '--turns', '3', '--turns-sigma', '0', '--subagents', '1', '--growth', '40', '--system-tokens', '100', '--tool-tokens', '50', '--task-tokens', '40', '--think-ms', '20', '--ramp-ms', '50', '--timeout-ms', '30000', '--deadline-s', '60', '--write-trace', trace, '--json', file]);
+    const code = process.exitCode;
+    process.exitCode = before;
+    const j = JSON.parse(readFileSync(file, 'utf8'));
+    assert.equal(j.runs.length, 1);
+    const r = j.runs[0];
+    assert.equal(code, 0, JSON.stringify(r.errors));
+    assert.equal(r.name, 'pd');
+    // every request of the written trace was sent and served with its output length
+    const lines = readFileSync(trace, 'utf8').trim().split('\n').map((l) => JSON.parse(l));
+    assert.equal(r.requests, lines.length);
+    assert.equal(r.failed, 0);
+    assert.equal(r.sessionsOk, 2);
+    assert.ok(lines.some((l) => String(l.session_id).includes('.')), 'sub-agents ran');
+    assert.deepEqual(r.records.map((x: any) => x.outputTokens).sort(), lines.map((l) => l.output_length).sort());
+    // the conversation grows turn by turn, and the router reports what the prefill cache reused
+    for (const x of r.records) if (x.turn > 1) assert.ok(x.promptTokens > r.records.find((y: any) => y.session === x.session && y.turn === x.turn - 1).promptTokens);
+    assert.ok(r.cached2 > 0 && r.bound2 > 0.5, `cached ${r.cached2}, bound ${r.bound2}`);
+    assert.equal(r.byTurn.length, 3);
+    assert.equal(typeof r.bounces, 'number');
   });
 });

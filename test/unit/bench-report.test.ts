@@ -56,7 +56,7 @@ describe('BENCHMARKS.md', () => {
 
   it('without results: every section says so and every goal is still stated', () => {
     const md = renderReport(suite.meta, new Map(), {}, [], ['_gpu figures_']);
-    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 9, "one per section, §1's large states and §7's agents at scale");
+    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 10, "one per section, §1's large states, §7's agents at scale and agent trace");
     assert.match(md, /router adds ≤ 3 ms to TTFT p99 \(§5\) \| n\/a \| not measured/);
     assert.match(md, /PD TTFT ≤ 1\.10 × colocated at 512–8192 prompt tokens/);
     assert.match(md, /ITL p99 ≤ 0\.2 × colocated under prefill interference/);
