@@ -14,6 +14,17 @@
  */
 import { z } from 'zod';
 import { MAX_TOKEN_LIST, WorkerGrammarSchema } from '../protocol/worker-protocol.js';
+import { MAX_RETENTION_MS } from '../engine/types.js';
+
+/**
+ * `agent_hints`: the retention fields the agent-serving proposals name (Dynamo's
+ * `nvext.agent_hints.priority`, SGLang's `priority` 0–99 with `retention_seconds`). Unknown keys
+ * are dropped (a client written for Dynamo also sends `osl`, `latency_sensitivity`).
+ */
+export const AgentHintsSchema = z.object({
+  priority: z.number().int().min(0).max(99).optional(),
+  retention_seconds: z.number().min(0).max(MAX_RETENTION_MS / 1000).optional(),
+});
 import { SCHEMA_KEYWORDS } from './json-schema.js';
 
 /** 'responses' fields live in ./responses-fields.ts (their own table, docs/RESPONSES.md). */
@@ -177,6 +188,7 @@ export const REQUEST_FIELDS: readonly FieldSpec[] = [
   { name: 'safety_identifier', endpoints: BOTH, status: 'honoured', notes: 'like user: no effect on generation', schema: z.string().max(256) },
   { name: 'cache_salt', endpoints: BOTH, status: 'honoured', notes: "vLLM: the prefix cache's partition. With API keys each key has its own (a key's cached_tokens reveal nothing of another key's prompts); requests giving the same cache_salt share one whatever their key: the explicit opt-in to share (docs/PREFIX-REUSE.md)", schema: z.string().min(1).max(256) },
   { name: 'prompt_cache_key', endpoints: BOTH, status: 'honoured', notes: 'the conversation key of session affinity (then user, the x-session-id header, the first non-system message): the router keeps a key on the worker that served it unless that worker is overloaded (docs/PREFIX-REUSE.md)', schema: z.string().min(1).max(1024) },
+  { name: 'agent_hints', endpoints: BOTH, status: 'honoured', notes: "retention hint of this request's cached state (Dynamo's `agent_hints`, SGLang's soft retention): `priority` integer 0–99 (higher = kept longer inside its window; default 0) and `retention_seconds` 0–3600 (its retention window after the request ends; default --session-ttl-ms when the request names a session: prompt_cache_key, user, x-session-id; 0 = none). Soft: orders evictions, never fails a request. Other keys (Dynamo's osl, latency_sensitivity, …) are accepted and ignored (docs/PREFIX-REUSE.md)", schema: AgentHintsSchema },
   { name: 'service_tier', endpoints: BOTH, status: 'partial', notes: '"auto" or "default" only', schema: z.string(), refuse: (v: never) => ((v as string) === 'auto' || (v as string) === 'default' ? null : `service_tier '${v as string}' is not supported (only 'auto' or 'default')`) },
   { name: 'store', endpoints: CHAT, status: 'refused', notes: 'nothing is stored; only false', schema: z.boolean(), refuse: notDefault(false, 'store=true is not supported: pdserve stores nothing') },
   { name: 'metadata', endpoints: CHAT, status: 'refused', notes: 'only with store; an empty object is accepted', schema: z.record(z.string()), refuse: emptyOk('metadata is not supported: pdserve stores nothing') },

@@ -194,6 +194,8 @@ interface ParsedCommon {
   conversationKey?: string;
   /** The client's `cache_salt` (vLLM). */
   cacheSalt?: string;
+  /** `agent_hints` (validated): the retention hint sent to the workers as `retention`. */
+  agentHints?: { priority?: number; retention_seconds?: number };
   /** Set by the edge: the salt the workers partition the prefix cache by (../api/access.ts `cacheSaltOf`), sent as `cache_salt`. */
   salt?: string;
 }
@@ -337,6 +339,12 @@ function commonOf(b: Record<string, unknown>, maxTokens: number | undefined, lim
   if (b.user !== undefined) out.user = b.user as string;
   if (b.prompt_cache_key !== undefined) out.promptCacheKey = b.prompt_cache_key as string;
   if (b.cache_salt !== undefined) out.cacheSalt = b.cache_salt as string;
+  const hints = b.agent_hints as { priority?: number; retention_seconds?: number } | undefined;
+  if (hints && (hints.priority !== undefined || hints.retention_seconds !== undefined)) {
+    out.agentHints = {};
+    if (hints.priority !== undefined) out.agentHints.priority = hints.priority;
+    if (hints.retention_seconds !== undefined) out.agentHints.retention_seconds = hints.retention_seconds;
+  }
   return out;
 }
 
@@ -386,6 +394,20 @@ export function parseChatRequest(body: unknown, opts: ChatParseOptions = {}): Pa
   return out;
 }
 
+/**
+ * The `retention` of a /generate body: the request's `agent_hints` (retention_seconds in ms) and
+ * whether it names a session (prompt_cache_key, user or the x-session-id header: a conversation
+ * key of those sources, `k:`, `u:`, `s:` in ../protocol/conversation-key.ts) — the workers then
+ * give its state the session TTL. Empty when there is nothing to say.
+ */
+export function retentionOf(parsed: ParsedRequest): { retention?: NonNullable<GenerateRequest['retention']> } {
+  const r: NonNullable<GenerateRequest['retention']> = {};
+  if (parsed.conversationKey !== undefined && /^[kus]:/.test(parsed.conversationKey)) r.session = true;
+  if (parsed.agentHints?.priority !== undefined) r.priority = parsed.agentHints.priority;
+  if (parsed.agentHints?.retention_seconds !== undefined) r.ttl_ms = Math.round(parsed.agentHints.retention_seconds * 1000);
+  return Object.keys(r).length > 0 ? { retention: r } : {};
+}
+
 /** Routing facts the router adds to a request. */
 export interface WorkerRouting {
   rid: string;
@@ -413,6 +435,7 @@ export function toWorkerRequest(parsed: ParsedRequest, routing: WorkerRouting): 
     bootstrap_room: routing.bootstrapRoom,
     ...(parsed.conversationKey ? { conversation_key: parsed.conversationKey } : {}),
     ...(parsed.salt !== undefined ? { cache_salt: parsed.salt } : {}),
+    ...retentionOf(parsed),
   };
   if (parsed.kind === 'chat') {
     const messages = parsed.messages.map((m) => {

@@ -57,6 +57,7 @@ export const RESPONSES_FIELDS: readonly FieldSpec[] = [
   { name: 'safety_identifier', endpoints: R, status: 'honoured', notes: 'as chat: no effect on generation', schema: chatSchema('safety_identifier') },
   { name: 'prompt_cache_key', endpoints: R, status: 'honoured', notes: 'as chat: the conversation key of session affinity', schema: chatSchema('prompt_cache_key') },
   { name: 'cache_salt', endpoints: R, status: 'honoured', notes: "as chat (vLLM's field): the prefix cache's partition; with API keys each key has its own, and requests giving the same cache_salt share one whatever their key (docs/PREFIX-REUSE.md). Not echoed in the response", schema: chatSchema('cache_salt') },
+  { name: 'agent_hints', endpoints: R, status: 'honoured', notes: 'as chat: priority and retention_seconds of the cached state (docs/PREFIX-REUSE.md)', schema: chatSchema('agent_hints') },
   { name: 'prompt_cache_retention', endpoints: R, status: 'partial', notes: '"in_memory" only', schema: z.string(), refuse: notDefault('in_memory', "only 'in_memory' prompt cache retention is supported") },
   { name: 'service_tier', endpoints: R, status: 'partial', notes: 'as chat: "auto" or "default" only', schema: chatSchema('service_tier'), refuse: chat.get('service_tier')!.refuse },
   { name: 'truncation', endpoints: R, status: 'partial', notes: '"disabled" only: an input that does not fit the context is a 400', schema: z.string(), refuse: notDefault('disabled', "only truncation 'disabled' is supported (an input that does not fit is a 400)") },

@@ -223,7 +223,7 @@ export function parseResponsesRequest(body: unknown, store: Pick<ResponseStoreVi
   const instructions = (b.instructions as string | undefined) ?? null;
   const messages: WireChatMessage[] = instructions !== null ? [{ role: 'system', content: instructions }, ...history] : history;
   const chat: Record<string, unknown> = { messages, stream: true, stream_options: { include_usage: true } };
-  for (const k of ['model', 'temperature', 'top_p', 'parallel_tool_calls', 'user', 'safety_identifier', 'service_tier', 'prompt_cache_key', 'cache_salt'] as const) if (b[k] !== undefined) chat[k] = b[k];
+  for (const k of ['model', 'temperature', 'top_p', 'parallel_tool_calls', 'user', 'safety_identifier', 'service_tier', 'prompt_cache_key', 'cache_salt', 'agent_hints'] as const) if (b[k] !== undefined) chat[k] = b[k];
   if (b.max_output_tokens !== undefined) chat.max_completion_tokens = b.max_output_tokens;
 
   const tools = ((b.tools as unknown[] | undefined) ?? []).map((t, i) => {

@@ -16,7 +16,7 @@ import { doctorLine, givenSecretFile, tryLines, writeSecretFile } from '../up/ba
 import { accessFlags, accessOf, clusterSecretOf, internalTlsFlags, internalTlsOf, listEnv, secretFlags } from './secrets.js';
 import { POLICY_NAMES } from '../router/policy/index.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES, parseDeviceList, parseGpuLayers } from '../engine/gpu.js';
-import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, DEFAULT_SESSION_TTL_MS, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { ConfigError } from '../base/errors.js';
 import { GENERATE_DEFAULTS } from '../bench/agent-trace.js';
 
@@ -79,6 +79,7 @@ const engineOptions = (c: Command) =>
     .option('--no-flash-attention', 'turn llama.cpp flash attention off (prefill and decode must agree)')
     .option('--prefix-cache-slots <n>', 'extra sequences that keep finished requests\' KV for prefix reuse (decode: for decode-local continuation)', int, 4)
     .option('--prefix-cache-tokens <tokens>', 'most tokens the prefix cache holds (LRU beyond)', int, 65536)
+    .option('--session-ttl-ms <ms>', "retention window of a session's cached state after its turn ends (a request naming a session: prompt_cache_key, user or x-session-id; agent_hints.retention_seconds overrides it): inside it only superseded and out-of-window states are evicted before it; soft, never fails an allocation (0 = plain LRU)", int, DEFAULT_SESSION_TTL_MS)
     .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
     .option('--prefix-store-bytes <bytes>', "byte budget of the host-wide prefix store, shared by the host's workers (LRU beyond; 0 = off; default: 1/4 of the state directory's filesystem, at most 1/8 of RAM)", int)
     .option('--prefix-store-dir <dir>', "folder of the prefix store (default: the state directory; colocated: /dev/shm)")
@@ -106,9 +107,10 @@ function gpuConfig(o: { gpu: string; gpuLayers: string | number; gpuDevice?: num
 }
 
 /** The prefix-cache part of an engine config from the engine options. */
-function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number; prefixStoreBytes?: number; prefixStoreDir?: string }) {
+function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number; sessionTtlMs: number; prefixStoreBytes?: number; prefixStoreDir?: string }) {
   return {
     prefixCacheSlots: o.prefixCacheSlots,
+    sessionTtlMs: o.sessionTtlMs,
     prefixCacheTokens: o.prefixCache === false ? 0 : o.prefixCacheTokens,
     ...(o.prefixStoreBytes !== undefined ? { prefixStoreBytes: o.prefixStoreBytes } : {}),
     ...(o.prefixStoreDir !== undefined ? { prefixStoreDir: o.prefixStoreDir } : {}),

@@ -16,6 +16,8 @@ export interface UpEngineFlags {
   prefixCacheSlots: number;
   /** `--prefix-cache-tokens`: tokens. */
   prefixCacheTokens: number;
+  /** `--session-ttl-ms`: ms; undefined = the workers' default. */
+  sessionTtlMs?: number;
   /** `--prefix-store-bytes`: bytes (0 = off); undefined = the workers' default. */
   prefixStoreBytes?: number;
   /** `--grammar-budget-ms`: ms; undefined = the workers' default. */
@@ -35,6 +37,7 @@ export function upEngineArgs(o: UpEngineFlags): string[] {
     String(o.prefixCacheSlots),
     '--prefix-cache-tokens',
     String(o.prefixCacheTokens),
+    ...(o.sessionTtlMs !== undefined ? ['--session-ttl-ms', String(o.sessionTtlMs)] : []),
     ...(o.prefixStoreBytes !== undefined ? ['--prefix-store-bytes', String(o.prefixStoreBytes)] : []),
     ...(o.grammarBudgetMs !== undefined ? ['--grammar-budget-ms', String(o.grammarBudgetMs)] : []),
   ];

@@ -4,10 +4,10 @@
  * runs exactly the engine calls PD runs (chunked prefill, first token sampled after the prompt,
  * then `generate` from that token) minus save/transfer/load.
  */
-import { tokenEvent, type GenerateEvent, type GenerateRequest } from '../protocol/worker-protocol.js';
+import { retentionFromWire, tokenEvent, type GenerateEvent, type GenerateRequest } from '../protocol/worker-protocol.js';
 import { ApiError, PdError } from '../base/errors.js';
 import { checkSampling, fitSampling, samplingFromWire, tokenizeRequest } from '../api/requests.js';
-import type { Engine, Slot } from '../engine/types.js';
+import type { Engine, Retention, Slot } from '../engine/types.js';
 import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { systemClock } from '../base/clock.js';
 import type { SequenceKvTracker } from '../worker/kv-tracker.js';
@@ -33,7 +33,7 @@ export interface ColocatedLimits {
 
 /** Slot allocation with a bounded FIFO of waiters, each with a deadline. */
 export class ColocatedBackend {
-  private readonly waiters: { prompt: readonly number[]; salt: string | undefined; resolve(s: Slot): void; reject(e: unknown): void }[] = [];
+  private readonly waiters: { prompt: readonly number[]; salt: string | undefined; retention: Retention | undefined; resolve(s: Slot): void; reject(e: unknown): void }[] = [];
   running = 0;
   /** Requests holding a slot, by rid. */
   readonly live = new Map<string, ColocatedRunning>();
@@ -50,14 +50,15 @@ export class ColocatedBackend {
     return this.waiters.length;
   }
 
-  private async acquire(signal: AbortSignal, prompt: readonly number[], salt: string | undefined): Promise<Slot> {
-    const s = this.engine.tryAcquireSlot(prompt, salt);
+  private async acquire(signal: AbortSignal, prompt: readonly number[], salt: string | undefined, retention: Retention | undefined): Promise<Slot> {
+    const s = this.engine.tryAcquireSlot(prompt, salt, retention);
     if (s) return s;
     if (this.waiters.length >= this.limits.maxWaiting) throw ApiError.of('queue_full', `colocated queue is full (${this.limits.maxWaiting})`);
     return new Promise<Slot>((resolve, reject) => {
       const w = {
         prompt,
         salt,
+        retention,
         resolve: (slot: Slot) => {
           cleanup();
           resolve(slot);
@@ -84,7 +85,7 @@ export class ColocatedBackend {
     slot.release();
     const w = this.waiters[0];
     if (w) {
-      const s = this.engine.tryAcquireSlot(w.prompt, w.salt);
+      const s = this.engine.tryAcquireSlot(w.prompt, w.salt, w.retention);
       if (s) w.resolve(s);
     }
   }
@@ -93,11 +94,11 @@ export class ColocatedBackend {
    * Generate for one request: yields GenerateEvents (one per token, then a final one with
    * finish_reason). @throws ApiError for bad prompts, full queues; Error code 'ABORTED' on signal.
    */
-  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params' | 'conversation_key' | 'cache_salt'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
+  async *generate(body: Pick<GenerateRequest, 'rid' | 'text' | 'input_ids' | 'messages' | 'sampling_params' | 'conversation_key' | 'cache_salt' | 'retention'>, signal: AbortSignal): AsyncGenerator<GenerateEvent> {
     const tokens = tokenizeRequest(this.engine, body);
     const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
     await checkSampling(this.engine, sampling);
-    const slot = await this.acquire(signal, tokens, body.cache_salt);
+    const slot = await this.acquire(signal, tokens, body.cache_salt, retentionFromWire(body.retention));
     const leasedKey = this.kvTracker ? body.conversation_key : undefined;
     if (leasedKey) this.kvTracker!.noteLeased(leasedKey);
     this.running++;

@@ -55,7 +55,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     queues: () => ({ colocated_waiting_queue: backend?.waiting ?? 0, colocated_running: backend?.running ?? 0 }),
     roomsByState: () => new Map(),
   });
-  const prefixMetrics = new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats());
+  const prefixMetrics = new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats(), () => engine.evictionStats?.() ?? []);
   store?.registerMetrics(metrics.registry, (hit) => prefixMetrics.recordTier('store', hit));
   // KV events as the workers publish them (GET /kv_events, pdserve_kv_events_published_total):
   // the store's files by chain key, kept conversations by conversation key.

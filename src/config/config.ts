@@ -5,7 +5,7 @@
 import { z } from 'zod';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
-import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, GRAMMAR_BUDGET_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, DEFAULT_SESSION_TTL_MS, GRAMMAR_BUDGET_MS, MAX_RETENTION_MS, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 import { GPU_BACKENDS, KV_CACHE_TYPES } from '../engine/gpu.js';
 import { CLUSTER_SECRET_MIN_CHARS, SHORT_SECRET_MESSAGE } from '../security/cluster-secret.js';
 import { HttpTimeoutsSchema } from '../runtime/http-timeouts.js';
@@ -33,6 +33,8 @@ export const EngineConfigSchema = z.object({
   prefixCacheSlots: z.number().int().min(0).max(256).default(4),
   /** Prefix cache: most tokens idle sequences hold together (LRU beyond); 0 = the cache is off. */
   prefixCacheTokens: z.number().int().min(0).max(1 << 26).default(65536),
+  /** `--session-ttl-ms`: retention window of a session's cached state, ms (engine/prefix-cache.ts); 0 = plain LRU. */
+  sessionTtlMs: z.number().int().min(0).max(MAX_RETENTION_MS).default(DEFAULT_SESSION_TTL_MS),
   /**
    * Host-wide prefix store (prefixes/prefix-store.ts), the prefix cache's second tier: byte budget
    * of its files (LRU beyond); 0 = off; absent = defaultPrefixStoreBytes of its folder. Only
@@ -73,8 +75,8 @@ export function servedModelNamesOf(e: { servedModelName?: readonly string[] }, m
 }
 
 /** LoadEngineOptions.prefixCache for an engine config (undefined = off). */
-export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSequences: number; maxTokens: number } | undefined {
-  return e.prefixCacheTokens > 0 ? { cacheSequences: e.prefixCacheSlots, maxTokens: e.prefixCacheTokens } : undefined;
+export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSequences: number; maxTokens: number; sessionTtlMs: number } | undefined {
+  return e.prefixCacheTokens > 0 ? { cacheSequences: e.prefixCacheSlots, maxTokens: e.prefixCacheTokens, sessionTtlMs: e.sessionTtlMs } : undefined;
 }
 
 /** Default `--max-state-bytes`: 512 MiB (a 4k-token state of an 8B GQA model in f16 fits; a 1 GiB one needs the flag). */

@@ -22,7 +22,7 @@ import type { WorkerMetrics } from '../runtime/metrics.js';
 import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
 import type { StateSpacePort } from '../runtime/state-space.js';
-import type { Engine, SamplingParams, Slot } from '../engine/types.js';
+import type { Engine, Retention, SamplingParams, Slot } from '../engine/types.js';
 import type { ParsedState } from '../engine/ggsq.js';
 import type { KvConn } from '../kv/channel.js';
 import type { ReceivedState, StreamEnd } from '../kv/transfer/receiver.js';
@@ -88,6 +88,8 @@ export interface DecodeAsk {
   conversationKey?: string;
   /** The request's cache salt (its tenant): the kept sequence is reused for this salt only. */
   salt?: string;
+  /** How long its kept sequence is retained (`retention` of /generate; engine/prefix-cache.ts). */
+  retention?: Retention;
   /** Trace id (/debug/rooms). */
   trace: string;
 }
@@ -285,7 +287,7 @@ export class DecodeEffects<C extends KvConn> {
         case 'assign_slot': {
           const job = this.jobs.get(a.room);
           // A local room's prompt picks the kept sequence holding its prefix.
-          const slot = this.o.engine.tryAcquireSlot(job?.local?.tokens, job?.salt);
+          const slot = this.o.engine.tryAcquireSlot(job?.local?.tokens, job?.salt, job?.retention);
           if (job && slot) job.slot = slot;
           else {
             slot?.release();
@@ -297,7 +299,7 @@ export class DecodeEffects<C extends KvConn> {
         case 'release': {
           const job = this.jobs.get(a.room);
           if (a.slot) job?.slot?.release();
-          if (job) this.o.traces.note(a.room, { path: pathOf(job), kv_path: job.kvPath ?? null, cached_tokens: cachedOf(job) }); // kept for its `recent` row
+          if (job) this.o.traces.note(a.room, { path: pathOf(job), kv_path: job.kvPath ?? null, cached_tokens: cachedOf(job), evicted: job.slot?.evicted ?? [] }); // kept for its `recent` row
           this.cleanLoadedFile(job);
           this.jobs.delete(a.room);
           break;

@@ -8,7 +8,7 @@
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/errors.js';
-import { GenerateRequestSchema, type GenerateRequest } from '../protocol/worker-protocol.js';
+import { GenerateRequestSchema, retentionFromWire, type GenerateRequest } from '../protocol/worker-protocol.js';
 import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../config/config.js';
 import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
 import { connectionHeader } from '../runtime/drain.js';
@@ -85,7 +85,7 @@ export class DecodeWorker {
   ) {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
-    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats(), () => this.engine.evictionStats?.() ?? []);
     this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
     this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
     // small spares within RECV_SPARE_BYTES, and large ones within --max-state-bytes while receives keep taking them
@@ -234,6 +234,7 @@ export class DecodeWorker {
       ...(local ? { local } : {}),
       ...(body.conversation_key !== undefined ? { conversationKey: body.conversation_key } : {}),
       ...(body.cache_salt !== undefined ? { salt: body.cache_salt } : {}),
+      ...(body.retention ? { retention: retentionFromWire(body.retention)! } : {}),
     });
     if (admitted.refused) return sendError(reply, admitted.refused);
     const { job } = admitted;

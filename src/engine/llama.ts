@@ -34,9 +34,9 @@ import { GrammarThread } from './grammar-thread.js';
 import { CONTEXT_TOKENS, TokenRenderer } from './token-text.js';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
 import { installBatchCounter, installStepBarrier, sortQueuedDecodes, StepBarrier } from './step-barrier.js';
-import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type PrefixCacheSettings } from './prefix-cache.js';
+import { chooseSequence, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, type EvictionCause, type PrefixCacheSettings } from './prefix-cache.js';
 import { cacheKeyOf, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore } from './prefix-store.js';
-import type { ChatMessage, Engine, EngineInfo, FinishReason, FirstToken, GeneratedToken, PrefillResult, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
+import type { ChatMessage, Engine, EngineInfo, EvictionNote, FinishReason, FirstToken, GeneratedToken, PrefillResult, Retention, SamplingParams, Slot, TokenLogprob, ToolCallSyntax, ToolFunction } from './types.js';
 import { isLazyGrammar } from './types.js';
 import { chatFunctionsOf, chatHistoryOf, syntaxIsVisible, toolSyntaxOf } from './tools.js';
 import { applyDeviceEnv, checkDeviceMemory, ggmlTypeName, llamaGpuOption, type GpuBackend, type GpuInfo, type GpuLayers, type KvCacheType } from './gpu.js';
@@ -72,10 +72,11 @@ export interface LoadEngineOptions {
    * Prefix cache (prefix-cache.ts): finished sequences keep their KV, and a prompt sharing a
    * prefix with one evaluates only the rest. `cacheSequences` extra sequences are added to the
    * context so that idle cached prefixes survive while all `sequences` slots are busy;
-   * `maxTokens` bounds the tokens idle sequences hold together (LRU eviction). Absent = off:
-   * every released slot is cleared.
+   * `maxTokens` bounds the tokens idle sequences hold together (eviction in prefix-cache.ts
+   * `evictionOrder`); `sessionTtlMs` the retention window of a session's state (default 0).
+   * Absent = off: every released slot is cleared.
    */
-  prefixCache?: { cacheSequences: number; maxTokens: number };
+  prefixCache?: { cacheSequences: number; maxTokens: number; sessionTtlMs?: number };
   /**
    * Second prefix-cache tier (prefix-store.ts; with `prefixCache` only): finished sequences are
    * stored there, and a prompt it serves better than any idle sequence loads its state.
@@ -306,6 +307,12 @@ class SeqHolder {
   lastUsed = 0;
   /** The cache salt of the request whose KV the sequence holds (set at acquisition; prefix-cache.ts). */
   salt: string | undefined = undefined;
+  /** While idle: end of the held state's retention window (monotonic ms; prefix-cache.ts); undefined = none. */
+  retainUntil: number | undefined = undefined;
+  /** While idle: the held state's retention priority (agent_hints.priority). */
+  priority: number | undefined = undefined;
+  /** The leasing request's retention (set at acquisition, applied at release). */
+  retention: Retention | undefined = undefined;
   /** The key of the entry a `stored` KV event announced for this sequence (prefix-store.ts), until its `evicted`. */
   eventKey: { key: string; tokens: number } | undefined;
   /**
@@ -322,6 +329,7 @@ class SeqHolder {
 
 class Lease implements Slot {
   released = false;
+  readonly evicted: EvictionNote[] = [];
   constructor(
     private readonly engine: LlamaEngine,
     private readonly holder: SeqHolder,
@@ -696,28 +704,39 @@ class LlamaEngine implements Engine {
     return Math.max(0, Math.min(this.free.length, this.info.sequences - busy));
   }
 
-  tryAcquireSlot(prompt?: readonly number[], salt?: string): Slot | null {
+  tryAcquireSlot(prompt?: readonly number[], salt?: string, retention?: Retention): Slot | null {
     if (this.slotsFree() === 0) return null;
     // The idle sequence with the longest reusable prefix; else an empty one, else a cached one
     // (its cache is dropped) — next to the busy ones where possible (one ubatch per run of
     // consecutive sequence ids), then lowest index / least recently used.
     const busy = new Set<number>();
     for (const h of this.holders) if (h.lease) busy.add(h.index);
-    const choice = chooseSequence(this.free, prompt, this.cache, busy, salt)!;
+    const choice = chooseSequence(this.free, prompt, this.cache, busy, salt, systemClock.nowMs())!;
     const holder = choice.seq;
     this.free.splice(this.free.indexOf(holder), 1);
-    // cleared (and written back under its own salt) before it takes this request's
-    if ((choice.reuse === 0 || holder.salt !== salt) && holder.tokens.length > 0) this.clearHolder(holder);
+    const lease = new Lease(this, holder);
+    if (choice.evicts && holder.tokens.length > 0) {
+      // an eviction (counted with its cause): dropped whole, or cut back to what this prompt shares
+      // with it (prefill erases the rest) — written back to the store first either way
+      lease.evicted.push(this.noteEviction(choice.evicts, holder.tokens.length));
+      if (choice.reuse === 0) this.clearHolder(holder, choice.evicts);
+      else this.writeBack(holder, choice.evicts);
+    } else if ((choice.reuse === 0 || holder.salt !== salt) && holder.tokens.length > 0) {
+      // cleared (and written back under its own salt) before it takes this request's
+      this.clearHolder(holder);
+    }
     holder.salt = salt;
     holder.tokens = [];
-    const lease = new Lease(this, holder);
+    holder.retainUntil = undefined;
+    holder.priority = undefined;
+    holder.retention = retention;
     holder.lease = lease;
     return lease;
   }
 
   reusableFor(prompt: readonly number[], salt?: string): number {
     if (this.disposed || !this.cache.enabled || prompt.length === 0) return 0;
-    return chooseSequence(this.free, prompt, this.cache, undefined, salt)?.reuse ?? 0;
+    return chooseSequence(this.free, prompt, this.cache, undefined, salt, systemClock.nowMs())?.reuse ?? 0;
   }
 
   async storedReusableFor(prompt: readonly number[], salt?: string): Promise<number> {
@@ -822,12 +841,40 @@ class LlamaEngine implements Engine {
     return { sequences, tokens };
   }
 
-  /** Drop a sequence's KV (queued behind its previous clear; ready() waits for it). */
-  private clearHolder(holder: SeqHolder): void {
+  /** Sequence-tier evictions since load, by cause. */
+  private readonly evictions = new Map<EvictionCause, { count: number; tokens: number }>();
+
+  /** Count one sequence-tier eviction; @returns its note for the request's trace. */
+  private noteEviction(cause: EvictionCause, tokens: number): EvictionNote {
+    const e = this.evictions.get(cause) ?? { count: 0, tokens: 0 };
+    e.count++;
+    e.tokens += tokens;
+    this.evictions.set(cause, e);
+    return { tier: 'sequence', cause, tokens };
+  }
+
+  evictionStats(): { tier: 'sequence' | 'store'; cause: EvictionCause; count: number; tokens: number }[] {
+    const out: { tier: 'sequence' | 'store'; cause: EvictionCause; count: number; tokens: number }[] = [...this.evictions].map(([cause, e]) => ({ tier: 'sequence', cause, ...e }));
+    for (const e of this.store?.evictionStats?.() ?? []) out.push({ tier: 'store', cause: e.cause, count: e.count, tokens: 0 });
+    return out;
+  }
+
+  /**
+   * The sequence tier lets a held state go: its `evicted` event, and the write-back to the
+   * prefix store — except for a superseded state (another held state covers it: a file of it
+   * would serve nobody).
+   */
+  private writeBack(holder: SeqHolder, cause?: EvictionCause): void {
     this.announceEvicted(holder);
-    // write-back: the prefix store keeps what the sequence tier drops (saved before the clear)
-    if (holder.valid && holder.tokens.length > 0) this.storeSave(holder);
+    if (holder.valid && holder.tokens.length > 0 && cause !== 'superseded') this.storeSave(holder);
+  }
+
+  /** Drop a sequence's KV (queued behind its previous clear; ready() waits for it). `cause`: an eviction's (see writeBack). */
+  private clearHolder(holder: SeqHolder, cause?: EvictionCause): void {
+    this.writeBack(holder, cause);
     holder.tokens = [];
+    holder.retainUntil = undefined;
+    holder.priority = undefined;
     holder.exactPrefix = 0;
     holder.valid = false;
     holder.pending = holder.pending
@@ -869,16 +916,25 @@ class LlamaEngine implements Engine {
     if (holder.lease !== lease) return;
     holder.lease = null;
     const keep = this.cache.enabled && holder.valid && !this.disposed && !holder.seq.disposed && holder.seq.nextTokenIndex > 0;
+    const now = systemClock.nowMs();
     if (keep) {
       holder.tokens = holder.seq.contextTokens;
       holder.exactPrefix = Math.min(holder.exactPrefix, holder.tokens.length);
-      holder.lastUsed = systemClock.nowMs();
+      holder.lastUsed = now;
+      const r = holder.retention;
+      const ttl = r?.ttlMs ?? (r?.session || r?.priority !== undefined ? (this.cache.sessionTtlMs ?? 0) : 0);
+      holder.retainUntil = ttl > 0 ? now + ttl : undefined;
+      holder.priority = r?.priority;
       this.announceStored(holder);
     } else {
       this.clearHolder(holder);
     }
+    holder.retention = undefined;
     this.free.push(holder);
-    for (const h of evictionsForBudget(this.free, this.cache.maxTokens)) this.clearHolder(h);
+    for (const e of evictionsForBudget(this.free, this.cache.maxTokens, now, this.cache.align)) {
+      lease.evicted.push(this.noteEviction(e.cause, e.seq.tokens.length));
+      this.clearHolder(e.seq, e.cause);
+    }
   }
 
   async dispose(): Promise<void> {
@@ -1001,6 +1057,7 @@ export async function loadEngine(opts: LoadEngineOptions): Promise<Engine> {
       enabled: opts.prefixCache !== undefined,
       align: opts.deterministic ? context.batchSize : null,
       maxTokens: opts.prefixCache?.maxTokens ?? 0,
+      sessionTtlMs: opts.prefixCache?.sessionTtlMs ?? 0,
     };
     const barrier = opts.deterministic ? 'off' : opts.stepBarrier === false ? 'count' : 'wait';
     const store = cache.enabled ? (opts.prefixStore ?? null) : null;

@@ -15,6 +15,18 @@
  * chunks (`exactPrefix`): the suffix is then evaluated in exactly the chunks a cold run uses and
  * the output is bit-identical. Without deterministic mode the whole common prefix is reused
  * (greedy tokens usually, not always, match a cold run — as with llama.cpp's server).
+ *
+ * Retention (which cached state goes first, `evictionOrder`): a state another held state of the
+ * same salt covers goes first (`superseded`: turn M makes turn M−1's copy unnecessary — the
+ * a-posteriori rule of SGLang's agent-aware cache RFC); then states past their retention window
+ * (`lru`, least recently used first); a state still inside its window (an agent's session
+ * paused on a tool call: `retainUntil`, from the session TTL or the request's
+ * `agent_hints.retention_seconds`) only when nothing else is left (`ttl_pressure`: lowest
+ * `agent_hints.priority` first, then the nearest end of window). The window is soft, as in
+ * SGLang's `retention_seconds` and vLLM's session-hint RFC: it orders evictions and never fails
+ * an allocation. A prefix held whole by one sequence and extended by two or more others that
+ * diverge (a shared system prompt) is not superseded: it is the one copy a new session can
+ * start from (a sequence is taken for a prompt only when it keeps ≥ MIN_KEEP_FRACTION of it).
  */
 
 /** What the engine knows about one idle (free) sequence of its context. */
@@ -29,6 +41,19 @@ export interface CachedSequence {
   readonly lastUsed: number;
   /** The cache salt of the request whose KV it holds (its tenant: vLLM's `cache_salt`); undefined = unsalted. */
   readonly salt?: string | undefined;
+  /** End of its retention window (same clock as `lastUsed`); absent or ≤ now = none left (see the module doc). */
+  readonly retainUntil?: number | undefined;
+  /** Retention priority 0–99 (`agent_hints.priority`; higher = kept longer), inside its window only; absent = 0. */
+  readonly priority?: number | undefined;
+}
+
+/** Why a cached state was evicted (the `cause` label of pdserve_cache_evictions_total). */
+export type EvictionCause = 'superseded' | 'lru' | 'ttl_pressure';
+
+/** One eviction decision: the state and why it goes. */
+export interface Eviction<S extends CachedSequence> {
+  seq: S;
+  cause: EvictionCause;
 }
 
 /** Prefix-cache settings of an engine. */
@@ -37,8 +62,14 @@ export interface PrefixCacheSettings {
   enabled: boolean;
   /** Chunk size reuse is aligned to (deterministic mode), or null for whole-prefix reuse. */
   align: number | null;
-  /** Most tokens held by idle sequences together; the least recently used are evicted beyond it. */
+  /** Most tokens held by idle sequences together; beyond it states are evicted in `evictionOrder`. */
   maxTokens: number;
+  /**
+   * Retention window of a session's state after its request ends, ms (`--session-ttl-ms`): the
+   * default for requests that name a session (prompt_cache_key, user, x-session-id) and give no
+   * `agent_hints.retention_seconds`. Absent = 0.
+   */
+  sessionTtlMs?: number;
 }
 
 /** Length of the longest common prefix of two token arrays. */
@@ -74,6 +105,8 @@ export interface SequenceChoice<S extends CachedSequence> {
   seq: S;
   /** Tokens reused (0 = the sequence is cleared). */
   reuse: number;
+  /** Set when the sequence held a cache the choice drops (past `reuse`): why it was the one evicted. */
+  evicts?: EvictionCause;
 }
 
 /**
@@ -93,30 +126,105 @@ export function runDelta(busy: ReadonlySet<number>, index: number): number {
 }
 
 /**
+ * Tokens of `s` a prompt must reuse for taking it to keep everything its session would resend:
+ * its exact prefix (the prompt it was computed for; the reply's copy in the next round is text
+ * tokenized again, see prefix-store.ts storeKeyTokens), all of it when unknown.
+ */
+function neededTokens(s: CachedSequence): number {
+  return s.exactPrefix > 0 ? Math.min(s.exactPrefix, s.tokens.length) : s.tokens.length;
+}
+
+/** `a` holds everything of `b` a prompt could reuse from `b` (same salt; reuse rules of `reusableTokens`). */
+function covers(a: CachedSequence, b: CachedSequence, align: number | null): boolean {
+  if (a === b || a.salt !== b.salt || b.tokens.length === 0) return false;
+  const need = neededTokens(b);
+  // cheap rejections first: most states of other sessions differ at their end
+  if (a.tokens.length < need || a.tokens[need - 1] !== b.tokens[need - 1] || commonPrefix(a.tokens, b.tokens) < need) return false;
+  return align === null || a.exactPrefix >= need;
+}
+
+/** Order of two states that cover each other (duplicates): the longer, then more recent, then lower index is kept. */
+function keptOver(a: CachedSequence, b: CachedSequence): boolean {
+  return a.tokens.length !== b.tokens.length ? a.tokens.length > b.tokens.length : a.lastUsed !== b.lastUsed ? a.lastUsed > b.lastUsed : a.index < b.index;
+}
+
+/**
+ * The states of `held` that another state of `held` supersedes: it covers them (same salt, every
+ * reusable token) and, where both cover each other, is kept over them (`keptOver`) — except a
+ * prefix covered by two or more states that do not cover one another (a prefix several
+ * sessions share: the one copy a new session starts from).
+ */
+export function supersededStates<S extends CachedSequence>(held: readonly S[], align: number | null): Set<S> {
+  const out = new Set<S>();
+  const live = held.filter((s) => s.tokens.length > 0);
+  for (const b of live) {
+    const by = live.filter((a) => covers(a, b, align) && (!covers(b, a, align) || keptOver(a, b)));
+    if (by.length === 0) continue;
+    // a branch point: two covering states that diverge (neither covers the other)
+    let branch = false;
+    for (let i = 0; i < by.length && !branch; i++) for (let j = i + 1; j < by.length && !branch; j++) branch = !covers(by[i]!, by[j]!, align) && !covers(by[j]!, by[i]!, align);
+    if (!branch) out.add(b);
+  }
+  return out;
+}
+
+/** Retention class of a cached state at `now`: 0 superseded, 1 past its window, 2 inside it. */
+function retentionClass(s: CachedSequence, superseded: ReadonlySet<CachedSequence>, now: number): 0 | 1 | 2 {
+  if (superseded.has(s)) return 0;
+  return s.retainUntil !== undefined && s.retainUntil > now ? 2 : 1;
+}
+
+const CAUSES: readonly EvictionCause[] = ['superseded', 'lru', 'ttl_pressure'];
+
+/** Within one class: LRU (classes 0, 1); lowest priority, then nearest window end, then LRU (class 2); then index. */
+function withinClass(a: CachedSequence, b: CachedSequence, cls: 0 | 1 | 2): number {
+  if (cls === 2) {
+    const d = (a.priority ?? 0) - (b.priority ?? 0) || (a.retainUntil ?? 0) - (b.retainUntil ?? 0);
+    if (d !== 0) return d;
+  }
+  return a.lastUsed - b.lastUsed || a.index - b.index;
+}
+
+/**
+ * Cached states of `idle` (empty ones left out) in the order they are evicted at `now` (any
+ * monotonic ms, the clock of `lastUsed`), each with its cause: superseded, then past their
+ * retention window (LRU), then inside it (see the module doc).
+ */
+export function evictionOrder<S extends CachedSequence>(idle: readonly S[], now: number, align: number | null): Eviction<S>[] {
+  const sup = supersededStates(idle, align);
+  const ranked = idle.filter((s) => s.tokens.length > 0).map((s) => ({ s, c: retentionClass(s, sup, now) }));
+  ranked.sort((x, y) => x.c - y.c || withinClass(x.s, y.s, x.c));
+  return ranked.map((r) => ({ seq: r.s, cause: CAUSES[r.c]! }));
+}
+
+/**
  * Pick the idle sequence for `prompt` (undefined = plain allocation, no reuse): the one with the
  * longest reusable prefix that keeps ≥ MIN_KEEP_FRACTION of its tokens (ties: the more recently
- * used, then lower index); else an empty sequence, else (all idle ones hold a cache) any idle one,
- * whose cache is dropped. Among those, the one that keeps the busy sequences (`busy`: their
- * indices) in the fewest runs of consecutive ids (`runDelta`), then the lowest index (empty) or
- * the least recently used (cached). Why: llama.cpp splits a batch into ubatches of consecutive,
- * increasing sequence ids (one KV stream each; the engine sorts its queue by id), each a full
- * pass over the weights, so 4 decoding sequences 2, 5, 9, 13 cost 4 passes per step where 3–6
- * cost 1 — in a long-lived decode worker every sequence holds a cache and plain LRU scatters new
- * rooms over the context (BENCHMARKS.md §4). Without `busy`: lowest index / LRU. Only
- * sequences of the same `salt` (the request's tenant) are reused; any may be evicted.
+ * used, then lower index) — a state inside its retention window only when the prompt keeps all
+ * of it that its own session would reuse (another session's prompt must not cut a paused one
+ * short); else an empty sequence, else (all idle ones hold a cache) the first to evict
+ * (`evictionOrder` class: superseded, past its window, inside it), whose cache is dropped except
+ * the prefix the prompt shares with it (`evicts` = the cause). Among empty ones and within a
+ * class, the one that keeps the busy sequences (`busy`: their indices) in the fewest runs of
+ * consecutive ids (`runDelta`), then the lowest index (empty) or the class order (cached). Why:
+ * llama.cpp splits a batch into ubatches of consecutive, increasing sequence ids (one KV stream
+ * each; the engine sorts its queue by id), each a full pass over the weights, so 4 decoding
+ * sequences 2, 5, 9, 13 cost 4 passes per step where 3–6 cost 1 — in a long-lived decode worker
+ * every sequence holds a cache and plain LRU scatters new rooms over the context
+ * (BENCHMARKS.md §4). Only sequences of the same `salt` (the request's tenant) are reused; any
+ * may be evicted. `now`: the clock of `lastUsed` (absent = every window is over).
  * Never returns undefined when `free` is non-empty: eviction never fails an allocation.
  */
-export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings, busy?: ReadonlySet<number>, salt?: string): SequenceChoice<S> | undefined {
+export function chooseSequence<S extends CachedSequence>(free: readonly S[], prompt: readonly number[] | undefined, settings: PrefixCacheSettings, busy?: ReadonlySet<number>, salt?: string, now = Infinity): SequenceChoice<S> | undefined {
   if (free.length === 0) return undefined;
   let best: SequenceChoice<S> | undefined;
-  if (settings.enabled && prompt && prompt.length > 0) {
-    for (const s of free) {
-      // another salt's KV is never reused (tenants do not share prefixes: vLLM's cache_salt)
-      if (s.tokens.length === 0 || s.salt !== salt) continue;
-      const reuse = reusableTokens(s.tokens, s.exactPrefix, prompt, settings.align);
-      if (reuse === 0 || reuse < MIN_KEEP_FRACTION * s.tokens.length) continue;
-      if (!best || reuse > best.reuse || (reuse === best.reuse && (s.lastUsed > best.seq.lastUsed || (s.lastUsed === best.seq.lastUsed && s.index < best.seq.index)))) best = { seq: s, reuse };
-    }
+  const reusable = (s: S): number => (settings.enabled && prompt && prompt.length > 0 && s.tokens.length > 0 && s.salt === salt ? reusableTokens(s.tokens, s.exactPrefix, prompt, settings.align) : 0);
+  for (const s of free) {
+    // another salt's KV is never reused (tenants do not share prefixes: vLLM's cache_salt)
+    const reuse = reusable(s);
+    if (reuse === 0 || reuse < MIN_KEEP_FRACTION * s.tokens.length) continue;
+    if (s.retainUntil !== undefined && s.retainUntil > now && reuse < neededTokens(s)) continue;
+    if (!best || reuse > best.reuse || (reuse === best.reuse && (s.lastUsed > best.seq.lastUsed || (s.lastUsed === best.seq.lastUsed && s.index < best.seq.index)))) best = { seq: s, reuse };
   }
   if (best) return best;
   const delta = (s: S): number => (busy && busy.size > 0 ? runDelta(busy, s.index) : 0);
@@ -130,32 +238,35 @@ export function chooseSequence<S extends CachedSequence>(free: readonly S[], pro
       pickDelta = d;
     }
   }
-  if (!pick) {
-    for (const s of free) {
-      const d = delta(s);
-      if (!pick || d < pickDelta || (d === pickDelta && (s.lastUsed < pick.lastUsed || (s.lastUsed === pick.lastUsed && s.index < pick.index)))) {
-        pick = s;
-        pickDelta = d;
-      }
+  if (pick) return { seq: pick, reuse: 0 };
+  const sup = supersededStates(free, settings.align);
+  let cls: 0 | 1 | 2 = 2;
+  for (const s of free) {
+    const c = retentionClass(s, sup, now);
+    const d = delta(s);
+    if (!pick || c < cls || (c === cls && (d < pickDelta || (d === pickDelta && withinClass(s, pick, c) < 0)))) {
+      pick = s;
+      pickDelta = d;
+      cls = c;
     }
   }
-  return { seq: pick!, reuse: 0 };
+  return { seq: pick!, reuse: reusable(pick!), evicts: CAUSES[cls]! };
 }
 
 /**
- * Idle sequences to clear so that the cached tokens fit `maxTokens`, least recently used first.
+ * Idle sequences to clear so that the cached tokens fit `maxTokens`, in `evictionOrder` at `now`
+ * (absent = every window is over: superseded first, then least recently used), with their cause.
  * Sequences holding nothing are never returned.
  */
-export function evictionsForBudget<S extends CachedSequence>(idle: readonly S[], maxTokens: number): S[] {
+export function evictionsForBudget<S extends CachedSequence>(idle: readonly S[], maxTokens: number, now = Infinity, align: number | null = null): Eviction<S>[] {
   let total = 0;
   for (const s of idle) total += s.tokens.length;
   if (total <= maxTokens) return [];
-  const order = idle.filter((s) => s.tokens.length > 0).sort((a, b) => a.lastUsed - b.lastUsed || a.index - b.index);
-  const out: S[] = [];
-  for (const s of order) {
+  const out: Eviction<S>[] = [];
+  for (const e of evictionOrder(idle, now, align)) {
     if (total <= maxTokens) break;
-    out.push(s);
-    total -= s.tokens.length;
+    out.push(e);
+    total -= e.seq.tokens.length;
   }
   return out;
 }

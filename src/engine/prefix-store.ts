@@ -153,6 +153,8 @@ export interface PrefixStore {
    * namespace (`saltedNamespace`): only a lookup with the same salt finds them. Never throws.
    */
   begin(tokens: readonly number[], exactPrefix: number, salt?: string): Promise<StoreWrite | undefined>;
+  /** Entries this process evicted since it started, by cause (superseded by a newer state of the session, lru). */
+  evictionStats?(): readonly { cause: 'superseded' | 'lru'; count: number }[];
   /** The engine is disposed: stop (the file store may remove its entries, see prefixes/prefix-store.ts). Idempotent; never rejects. */
   close?(): Promise<void>;
 }

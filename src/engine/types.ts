@@ -81,6 +81,16 @@ export function isLazyGrammar(g: GrammarSpec | undefined): boolean {
   return g?.type === 'tool_call' && g.lazy && g.reply === undefined;
 }
 
+/**
+ * Default `--session-ttl-ms`: 60 s. An agent's tool call (a test run, a build, a fetch) mostly
+ * returns within seconds to tens of seconds; a session quiet for longer than a minute gives way
+ * to active ones (the window is soft: it orders evictions, never fails an allocation).
+ */
+export const DEFAULT_SESSION_TTL_MS = 60_000;
+
+/** Longest retention window a request may ask (`agent_hints.retention_seconds`) or `--session-ttl-ms` may set: 1 h. */
+export const MAX_RETENTION_MS = 3_600_000;
+
 /** Longest generation of one JSON schema's grammar, ms, by default (`--grammar-budget-ms`; ./grammar-thread.ts): a hostile 2 KB `$defs` chain takes seconds, real schemas under 100 ms. */
 export const GRAMMAR_BUDGET_MS = 2000;
 
@@ -236,6 +246,12 @@ export type FinishReason = 'stop' | 'length';
 export interface Slot {
   readonly index: number;
   /**
+   * Cached states this slot's acquisition and release evicted from the sequence tier (filled by
+   * `tryAcquireSlot` and `release`; the request's trace shows them). Absent on engines without a
+   * prefix cache.
+   */
+  readonly evicted?: readonly EvictionNote[];
+  /**
    * Evaluate `tokens` in chunks of `compat.batchSize`, checking `signal` between chunks, then
    * sample the first token with `sampling`. The sampled token is NOT evaluated (the state holds
    * the prompt only), exactly as the decode side expects. With `choices` > 1 (n > 1 in PD: one
@@ -283,6 +299,25 @@ export interface Slot {
   release(): void;
 }
 
+/** One eviction of a cached state: the tier, why (prefix-cache.ts EvictionCause) and the tokens it held. */
+export interface EvictionNote {
+  tier: 'sequence' | 'store';
+  cause: 'superseded' | 'lru' | 'ttl_pressure';
+  tokens: number;
+}
+
+/**
+ * How long and how firmly a request's state is kept after it ends (prefix-cache.ts retention):
+ * `ttlMs` its retention window (from `agent_hints.retention_seconds`), else the session TTL when
+ * `session` (the request names a session) or a `priority` is given, else none; `priority` 0–99
+ * (`agent_hints.priority`, higher = kept longer inside the window).
+ */
+export interface Retention {
+  session?: boolean;
+  ttlMs?: number;
+  priority?: number;
+}
+
 /** A loaded model with one multi-sequence context. */
 export interface Engine {
   readonly info: EngineInfo;
@@ -308,9 +343,10 @@ export interface Engine {
    * evaluates only the rest); a cached sequence is evicted rather than ever returning null while
    * a slot is free. `salt` (here and below): the request's cache salt (its tenant, vLLM's
    * `cache_salt`): only KV left by requests of the same salt is reused, in the sequences and in
-   * the prefix store; the slot's KV is then kept under that salt.
+   * the prefix store; the slot's KV is then kept under that salt. `retention`: how long its KV
+   * is kept once the slot is released (absent: no retention window, plain LRU).
    */
-  tryAcquireSlot(prompt?: readonly number[], salt?: string): Slot | null;
+  tryAcquireSlot(prompt?: readonly number[], salt?: string, retention?: Retention): Slot | null;
   /**
    * Tokens of `prompt` the slot `tryAcquireSlot(prompt)` would reuse right now (0 with the prefix
    * cache off). A hint: another acquisition may evict that sequence before this one takes it;
@@ -325,6 +361,8 @@ export interface Engine {
   storedReusableFor?(prompt: readonly number[], salt?: string): Promise<number>;
   /** Idle sequences holding cached prefixes and their tokens in total (prefix cache). */
   cachedStats(): { sequences: number; tokens: number };
+  /** Evictions since load by tier (sequence; store: this process's) and cause, with the tokens they held (0 where unknown). */
+  evictionStats?(): readonly { tier: EvictionNote['tier']; cause: EvictionNote['cause']; count: number; tokens: number }[];
   /**
    * Decode steps of the context (batches node-llama-cpp sent to llama_decode with a generating or
    * prefilling sequence in them) and the sequences in them, since load; null when not counted

@@ -22,7 +22,7 @@ import type { GenerateEvent, PrefillResponse } from '../protocol/worker-protocol
 import { SseWriter } from '../api/sse.js';
 import { toApiError } from '../base/errors.js';
 import type { RoomId } from '../base/room-id.js';
-import type { SamplingParams } from '../engine/types.js';
+import type { EvictionNote, Retention, SamplingParams } from '../engine/types.js';
 
 /** The shell's record of one computation (by its lead room), from the request to its state's release. */
 export interface Computation {
@@ -44,6 +44,10 @@ export interface Computation {
   key?: string;
   /** The request's cache salt (`cache_salt`, its tenant): only this salt's cached KV is reused. */
   salt?: string;
+  /** How long the kept sequence is retained (`retention` of /generate). */
+  retention?: Retention;
+  /** Cached states the computation's slot evicted (engine Slot.evicted), for its trace rows. */
+  evicted?: readonly EvictionNote[];
 }
 
 /** Counters that show how many prompt evaluations and state saves the rooms cost (n > 1: one each for n rooms). */

@@ -25,7 +25,7 @@ import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
 import type { StateSpacePort } from '../runtime/state-space.js';
 import type { PrefillConfig } from '../config/config.js';
-import type { Engine, SamplingParams, Slot } from '../engine/types.js';
+import type { Engine, Retention, SamplingParams, Slot } from '../engine/types.js';
 import type { KvConn } from '../kv/channel.js';
 import { encodeEnvelopeHead, prepareEnvelopeHead } from '../kv/envelope.js';
 import { wireBytes, type StreamedSend } from '../kv/transfer/sender.js';
@@ -152,6 +152,8 @@ export interface PrefillAsk {
   conversationKey?: string;
   /** The request's cache salt (its tenant): the prefix cache reuses only this salt's KV. */
   salt?: string;
+  /** How long its kept sequence is retained (`retention` of /generate; engine/prefix-cache.ts). */
+  retention?: Retention;
 }
 
 /** Prefill's room handling over ports (see the module doc). Create one per worker process. */
@@ -188,7 +190,7 @@ export class PrefillEffects<C extends KvConn> {
     const { rooms } = ask;
     const admitted = this.driver.request(rooms, ask.rid, this.now);
     if (admitted.refused) return { refused: admitted.refused };
-    const comp: Computation = { lead: rooms[0]!, rooms, tokens: ask.tokens, sampling: ask.sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0, ...(ask.conversationKey ? { key: ask.conversationKey } : {}), ...(ask.salt !== undefined ? { salt: ask.salt } : {}) };
+    const comp: Computation = { lead: rooms[0]!, rooms, tokens: ask.tokens, sampling: ask.sampling, ac: new AbortController(), heads: new Map(), prefillMs: 0, cachedTokens: 0, ...(ask.conversationKey ? { key: ask.conversationKey } : {}), ...(ask.salt !== undefined ? { salt: ask.salt } : {}), ...(ask.retention ? { retention: ask.retention } : {}) };
     this.comps.set(comp.lead, comp);
     const jobs = rooms.map((r) => {
       const job: PrefillJob = { rid: ask.rid, comp, ac: new AbortController(), done: deferred(), t0: this.now, tKvBegin: 0, first: ask.first ? deferred() : undefined };
@@ -332,11 +334,12 @@ export class PrefillEffects<C extends KvConn> {
   private async compute(lead: RoomId): Promise<void> {
     const comp = this.comps.get(lead);
     // The prompt picks the idle sequence sharing its longest prefix (prefix cache).
-    const slot = comp && !comp.ac.signal.aborted ? this.o.engine.tryAcquireSlot(comp.tokens, comp.salt) : null;
+    const slot = comp && !comp.ac.signal.aborted ? this.o.engine.tryAcquireSlot(comp.tokens, comp.salt, comp.retention) : null;
     const done = (o: ComputeOutcome): void => {
       if (!o.ok) this.comps.delete(lead);
       this.perform(this.driver.computeDone(lead, o, this.now));
     };
+    if (comp && slot?.evicted) comp.evicted = slot.evicted; // the same array: the release's evictions join it
     if (!comp || !slot) {
       slot?.release();
       return done(comp && !comp.ac.signal.aborted ? { ok: false, failure: failure('engine_failed', 'no free prefill sequence') } : { ok: false, aborted: true });
@@ -436,6 +439,8 @@ export class PrefillEffects<C extends KvConn> {
       return { ok: false, failure: failure(code === 'internal_error' ? 'engine_failed' : code, `prefill: ${e.message ?? String(err)}`) };
     } finally {
       slot.release();
+      // the /debug/rooms rows of the rooms, after they end too: what this prompt reused and evicted
+      for (const r of comp.rooms) this.o.traces.note(r, { cached_tokens: comp.cachedTokens, evicted: comp.evicted ?? [] });
       if (comp.state?.path !== path) await files.remove(path);
     }
   }

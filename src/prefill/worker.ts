@@ -6,7 +6,7 @@
  */
 import type { FastifyInstance } from 'fastify';
 import { zodToApiError } from '../api/errors.js';
-import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, type GenerateRequest } from '../protocol/worker-protocol.js';
+import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, retentionFromWire, type GenerateRequest } from '../protocol/worker-protocol.js';
 import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../config/config.js';
 import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { openPrefixStore } from '../prefixes/prefix-store.js';
@@ -91,7 +91,7 @@ export class PrefillWorker {
       roomsByState: () => roomsByState(this.rooms),
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
-    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats());
+    this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats(), () => this.engine.evictionStats?.() ?? []);
     this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
     this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
@@ -165,7 +165,7 @@ export class PrefillWorker {
       health: () => ({ bootstrap_host: c.bootstrapHost, bootstrap_port: this.bootstrapPort }),
       debugRooms: () => {
         const snap = this.rooms.snapshot(this.clock.nowMs(), this.clock.wallMs());
-        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', kv_path: this.effects.job(r.room)?.kvPath ?? null, cached_tokens: this.effects.job(r.room)?.comp.cachedTokens ?? 0, computation: this.driver.leadOf(r.room) ?? null })) });
+        return this.traces.tag({ epoch: this.epoch, queues: this.queueSizes(), pending_registrations: this.driver.pendingRegistrations, ...snap, live: snap.live.map((r) => ({ ...r, step: this.driver.step(r.room), path: 'pd', kv_path: this.effects.job(r.room)?.kvPath ?? null, cached_tokens: this.effects.job(r.room)?.comp.cachedTokens ?? 0, evicted: this.effects.job(r.room)?.comp.evicted ?? [], computation: this.driver.leadOf(r.room) ?? null })) });
       },
       generate: (body, reply) => this.handleGenerate(body, reply),
       abort: (rid, room) => this.abort(rid, room, 'router'),
@@ -215,7 +215,7 @@ export class PrefillWorker {
     // n > 1: one computation for every room named (the first is the lead, = bootstrap_room).
     const rooms = body.bootstrap_rooms ?? [body.bootstrap_room];
     if (rooms.length > 1 && !body.first_token_from_prefill) return sendError(reply, ApiError.of('invalid_request', 'bootstrap_rooms needs first_token_from_prefill (each room gets its own first token)', 'bootstrap_rooms'));
-    const admitted = this.effects.admit({ rooms, rid: body.rid, tokens, sampling, first: body.first_token_from_prefill, trace: body.trace_id ?? body.rid, ...(body.conversation_key ? { conversationKey: body.conversation_key } : {}), ...(body.cache_salt !== undefined ? { salt: body.cache_salt } : {}) });
+    const admitted = this.effects.admit({ rooms, rid: body.rid, tokens, sampling, first: body.first_token_from_prefill, trace: body.trace_id ?? body.rid, ...(body.conversation_key ? { conversationKey: body.conversation_key } : {}), ...(body.cache_salt !== undefined ? { salt: body.cache_salt } : {}), ...(body.retention ? { retention: retentionFromWire(body.retention)! } : {}) });
     if (admitted.refused) return sendError(reply, admitted.refused);
     const { jobs } = admitted;
     const off = onClientGone(reply, () => this.effects.abortRooms(rooms));

@@ -9,6 +9,10 @@
  * - `pdserve_prefix_cache_lookups_total{tier,result}`: per tier (`sequence`: the engine's idle
  *   sequences; `store`: the host's prefix store, prefixes/prefix-store.ts), lookups whose reused
  *   KV that tier supplied (`hit`) or not (`miss`); the store counts only prompts it was asked for.
+ * - `pdserve_cache_evictions_total{tier,cause}`: cached states evicted, by tier (`sequence`,
+ *   `store`) and cause (`superseded`: a newer state of the same session covers it; `lru`: least
+ *   recently used, past its retention window; `ttl_pressure`: inside its window, nothing else
+ *   left — engine/prefix-cache.ts `evictionOrder`).
  * - `pdserve_requests_by_path_total{path}`: generations by serving path (`pd`: KV handed off by
  *   prefill; `decode_local`: continued on decode without a handoff; `colocated`).
  */
@@ -23,9 +27,29 @@ export class PrefixCacheMetrics {
   readonly requestsByPath: client.Counter<'path'>;
   readonly lookups: client.Counter<'tier' | 'result'>;
 
-  /** @param cached reads the engine's idle cached sequences at scrape time (Engine.cachedStats). */
-  constructor(registry: client.Registry, cached?: () => { sequences: number; tokens: number }) {
+  /**
+   * @param cached reads the engine's idle cached sequences at scrape time (Engine.cachedStats).
+   * @param evictions reads the evictions since start at scrape time, by tier and cause (Engine.evictionStats, the store's).
+   */
+  constructor(registry: client.Registry, cached?: () => { sequences: number; tokens: number }, evictions?: () => readonly { tier: string; cause: string; count: number }[]) {
     const registers = [registry];
+    if (evictions) {
+      const seen = new Map<string, number>();
+      new client.Counter({
+        name: 'pdserve_cache_evictions_total',
+        help: 'Cached states evicted, by tier (sequence, store) and cause (superseded, lru, ttl_pressure)',
+        labelNames: ['tier', 'cause'],
+        registers,
+        collect() {
+          for (const e of evictions()) {
+            const k = `${e.tier}/${e.cause}`;
+            const d = e.count - (seen.get(k) ?? 0);
+            if (d > 0) this.inc({ tier: e.tier, cause: e.cause }, d);
+            seen.set(k, e.count);
+          }
+        },
+      });
+    }
     this.queryTokens = new client.Counter({ name: 'pdserve_prefix_cache_query_tokens_total', help: 'Prompt tokens looked up in the prefix cache', registers });
     this.hitTokens = new client.Counter({ name: 'pdserve_prefix_cache_hit_tokens_total', help: 'Prompt tokens served from the prefix cache (not evaluated again)', registers });
     this.lookups = new client.Counter({ name: 'pdserve_prefix_cache_lookups_total', help: 'Prefix-cache lookups by tier (sequence, store) and result (hit: that tier supplied the reused KV)', labelNames: ['tier', 'result'], registers });

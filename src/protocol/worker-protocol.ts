@@ -14,7 +14,7 @@
 import { z } from 'zod';
 import { ApiError, failure, isErrorCode, type RoomFailure } from '../base/errors.js';
 import { parseRoomId, type RoomId } from '../base/room-id.js';
-import { MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
+import { MAX_RETENTION_MS, MAX_TOOL_CALLS_LIMIT, type Retention } from '../engine/types.js';
 
 /** Most tools (functions) one request may declare, and most calls one assistant message may carry. */
 export const MAX_TOOLS = 128;
@@ -152,6 +152,20 @@ export const GenerateRequestSchema = z
      */
     cache_salt: z.string().min(1).max(300).optional(),
     /**
+     * Retention of the request's cached state after it ends (engine/prefix-cache.ts; set by the
+     * router or colocated from `agent_hints` and the session key, ../api/parse.ts retentionOf):
+     * `session` — the request names a session (its state gets the worker's --session-ttl-ms);
+     * `ttl_ms` — its own retention window (agent_hints.retention_seconds); `priority` 0–99.
+     */
+    retention: z
+      .object({
+        session: z.boolean().optional(),
+        ttl_ms: z.number().int().min(0).max(MAX_RETENTION_MS).optional(),
+        priority: z.number().int().min(0).max(99).optional(),
+      })
+      .strict()
+      .optional(),
+    /**
      * Migration (pdserve's extension; prefill and decode): the tokens an earlier attempt of this
      * request generated and the client already has. Prefill (or decode itself, with
      * `local_prefill`) evaluates them after the prompt and samples the next token; both sides count them as generated in every sampler state
@@ -181,6 +195,16 @@ export const GenerateRequestSchema = z
     message: 'resume_token_ids is for a single-room request (not with bootstrap_rooms)',
   });
 export type GenerateRequest = z.infer<typeof GenerateRequestSchema>;
+
+/** The engine's Retention of a /generate body's `retention` (undefined when absent). */
+export function retentionFromWire(r: GenerateRequest['retention']): Retention | undefined {
+  if (!r) return undefined;
+  const out: Retention = {};
+  if (r.session) out.session = true;
+  if (r.ttl_ms !== undefined) out.ttlMs = r.ttl_ms;
+  if (r.priority !== undefined) out.priority = r.priority;
+  return out;
+}
 
 /**
  * Logprob of one generated token and its top alternatives (natural log; token = its text in the

@@ -3,7 +3,10 @@
  * a multi-round agent conversation through PD (prefill's prefix cache) and the colocated server
  * (its own prefix cache) gives, round for round, the output of a colocated engine without any
  * cache; usage.prompt_tokens_details.cached_tokens reports the reuse; an aborted round leaves
- * nothing a later round could read; the metrics and /debug/rooms say what was reused.
+ * nothing a later round could read; the metrics and /debug/rooms say what was reused. Retention:
+ * an agent's session paused within its TTL keeps its cached state while one-off requests take
+ * the sequences, and loses it past the TTL; `agent_hints.retention_seconds` gives a request a
+ * window of its own; bad hints are a 400; evictions are counted by cause.
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
@@ -17,6 +20,7 @@ import { client, CTX, getJson, startStack, tinyModel } from '../helpers/stack.js
 const BATCH = 32;
 let c: Cluster;
 let nocache: ColocatedServer;
+let retain: ColocatedServer;
 let pd: OpenAI;
 let colo: OpenAI;
 let cold: OpenAI;
@@ -27,12 +31,27 @@ const metricValue = (text: string, name: string): number => {
   return m ? Number(m[1]) : NaN;
 };
 
+/** The retention server's session TTL: long enough for three requests on a loaded CI machine, short enough to wait out. */
+const SESSION_TTL_MS = 4000;
+
+/** One greedy non-streamed chat call with extra body fields (prompt_cache_key, agent_hints): its text, prompt and cached tokens. */
+async function callWith(api: OpenAI, messages: Msg[], extra: Record<string, unknown> = {}): Promise<{ text: string; prompt: number; cached: number }> {
+  const r = await api.chat.completions.create({ model: 'pdserve', messages, max_tokens: 8, temperature: 0, ...extra } as OpenAI.Chat.Completions.ChatCompletionCreateParamsNonStreaming);
+  return { text: r.choices[0]!.message.content ?? '', prompt: r.usage!.prompt_tokens, cached: r.usage!.prompt_tokens_details!.cached_tokens! };
+}
+
 describe('prefix reuse (PD and colocated vs no cache)', () => {
   before(async () => {
     c = await startStack({ batchSize: BATCH });
     nocache = await startColocated(
       { port: 0, slots: 2, engine: { modelPath: await tinyModel(), contextSize: CTX, batchSize: BATCH, deterministic: true, prefixCacheTokens: 0 } },
       createLogger('colocated-nocache', { level: 'silent' }),
+    );
+    // retention: 2 sequences (1 slot + 1 cache sequence), no host store (only the sequence tier
+    // can serve a reuse), a short session TTL
+    retain = await startColocated(
+      { port: 0, slots: 1, engine: { modelPath: await tinyModel(), contextSize: CTX, batchSize: BATCH, deterministic: true, prefixCacheSlots: 1, prefixStoreBytes: 0, sessionTtlMs: SESSION_TTL_MS } },
+      createLogger('colocated-retain', { level: 'silent' }),
     );
     pd = client(c.router.url);
     colo = client(c.colocated!.url);
@@ -41,6 +60,7 @@ describe('prefix reuse (PD and colocated vs no cache)', () => {
   after(async () => {
     await c?.stop();
     await nocache?.close();
+    await retain?.close();
   });
 
   test('a 6-round agent conversation: same output with and without reuse; cached tokens reported', async () => {
@@ -116,5 +136,55 @@ describe('prefix reuse (PD and colocated vs no cache)', () => {
     assert.ok(live.length > 0, 'a live request was seen');
     assert.equal(live[0].path, 'colocated');
     assert.equal(typeof live[0].cached_tokens, 'number');
+  });
+
+  test('retention: a session paused within its TTL keeps its state while one-off requests take the sequences; past it, LRU takes it', async () => {
+    const api = client(retain.url);
+    const agent: Msg[] = [{ role: 'system', content: 'You are a coding agent. Plan, call a tool, read its result, answer in one line. '.repeat(2) }, { role: 'user', content: 'task: fix the failing build step '.repeat(3) }];
+    const oneOff = (i: number): Msg[] => [{ role: 'user', content: `${i} unrelated question number ${i}: ${'why '.repeat(20 + i)}` }];
+    const evictions = async (cause: string): Promise<number> => {
+      const m = new RegExp(`^pdserve_cache_evictions_total\\{tier="sequence",cause="${cause}"\\} (\\S+)$`, 'm').exec(await (await fetch(`${retain.url}/metrics`)).text());
+      return m ? Number(m[1]) : 0;
+    };
+    const ref1 = await callWith(cold, agent);
+    const t1 = await callWith(api, agent, { prompt_cache_key: 'agent-1' });
+    assert.equal(t1.text, ref1.text);
+    const t0 = Date.now();
+    // the agent runs a tool; two one-off requests need both sequences meanwhile
+    await callWith(api, oneOff(1));
+    await callWith(api, oneOff(2));
+    agent.push({ role: 'assistant', content: t1.text }, { role: 'user', content: 'tool result: exit 0, 12 tests passed' });
+    const within = Date.now() - t0;
+    const t2 = await callWith(api, agent, { prompt_cache_key: 'agent-1' });
+    const ref2 = await callWith(cold, agent);
+    assert.equal(t2.text, ref2.text, 'reuse changed the output');
+    if (within < SESSION_TTL_MS) {
+      // plain LRU would have given the paused session's sequence to the second one-off request
+      assert.ok(t2.cached >= BATCH, `turn 2 within the TTL (${within} ms) reused ${t2.cached} of ${t2.prompt} tokens`);
+      assert.ok((await evictions('lru')) >= 1, 'the one-off state was evicted (lru)');
+    } else console.error(`retention e2e: the one-off requests took ${within} ms, past the ${SESSION_TTL_MS} ms TTL: the within-TTL check is skipped`);
+
+    // paused past its TTL: LRU takes it (turn 2's state is the oldest once two more requests came)
+    await new Promise((r) => setTimeout(r, SESSION_TTL_MS + 200));
+    await callWith(api, oneOff(3));
+    await callWith(api, oneOff(4));
+    agent.push({ role: 'assistant', content: t2.text }, { role: 'user', content: 'tool result: deployed' });
+    const t3 = await callWith(api, agent, { prompt_cache_key: 'agent-1' });
+    assert.equal(t3.text, (await callWith(cold, agent)).text);
+    assert.equal(t3.cached, 0, 'past its TTL the paused session lost its state to LRU');
+
+    // agent_hints.retention_seconds gives a request without a session key its own window
+    const hinted: Msg[] = [{ role: 'user', content: 'hinted request: keep my state while my tool runs '.repeat(3) }];
+    const h1 = await callWith(api, hinted, { agent_hints: { retention_seconds: 60, priority: 50 } });
+    await callWith(api, oneOff(5));
+    await callWith(api, oneOff(6));
+    hinted.push({ role: 'assistant', content: h1.text }, { role: 'user', content: 'tool result: ok' });
+    const h2 = await callWith(api, hinted);
+    assert.ok(h2.cached >= BATCH, `the hinted request kept its state (${h2.cached} cached)`);
+    assert.ok((await evictions('lru')) >= 2);
+    assert.ok((await evictions('ttl_pressure')) >= 1, 'with both sequences inside their windows, the lower priority went (ttl_pressure)');
+
+    // a bad hint is a 400 naming the field, through the real client
+    await assert.rejects(callWith(api, hinted, { agent_hints: { retention_seconds: 7200 } }), (e: { status?: number; param?: string }) => e.status === 400 && e.param === 'agent_hints.retention_seconds');
   });
 });

@@ -446,3 +446,28 @@ describe('HTTP errors through fastify', () => {
     assert.equal(b.message, 'Internal server error');
   });
 });
+
+describe('agent_hints (retention hint)', () => {
+  const u = [{ role: 'user', content: 'hi' }];
+  test('validated: priority an integer 0-99, retention_seconds 0-3600; other keys (Dynamo osl) ignored', () => {
+    rejects400(() => parseChatRequest({ messages: u, agent_hints: { priority: 100 } }), 'agent_hints.priority', /99/);
+    rejects400(() => parseChatRequest({ messages: u, agent_hints: { priority: 1.5 } }), 'agent_hints.priority');
+    rejects400(() => parseChatRequest({ messages: u, agent_hints: { retention_seconds: -1 } }), 'agent_hints.retention_seconds');
+    rejects400(() => parseChatRequest({ messages: u, agent_hints: { retention_seconds: 3601 } }), 'agent_hints.retention_seconds', /3600/);
+    rejects400(() => parseCompletionRequest({ prompt: 'x', agent_hints: 'high' }), 'agent_hints');
+    assert.deepEqual(parseChatRequest({ messages: u, agent_hints: { priority: 7, retention_seconds: 2.5, osl: 512 } }).agentHints, { priority: 7, retention_seconds: 2.5 });
+    assert.equal(parseChatRequest({ messages: u, agent_hints: { osl: 512 } }).agentHints, undefined);
+  });
+
+  test('carried to the workers as retention (ttl in ms; session when the key is the client\'s own)', () => {
+    const p = parseChatRequest({ messages: u, agent_hints: { priority: 7, retention_seconds: 2.5 } });
+    let w = toWorkerRequest(p, routing);
+    assert.deepEqual(w.retention, { priority: 7, ttl_ms: 2500 });
+    assert.deepEqual(GenerateRequestSchema.parse(w).retention, { priority: 7, ttl_ms: 2500 }, 'the worker schema accepts it');
+    w = toWorkerRequest({ ...parseChatRequest({ messages: u }), conversationKey: 'k:abc' }, routing);
+    assert.deepEqual(w.retention, { session: true }, 'prompt_cache_key names a session');
+    w = toWorkerRequest({ ...parseChatRequest({ messages: u }), conversationKey: 'm:first-message-hash' }, routing);
+    assert.equal(w.retention, undefined, 'a key derived from the first message is no session');
+    assert.throws(() => GenerateRequestSchema.parse({ ...w, retention: { ttl_ms: 3_600_001 } }), 'the worker bounds the window too');
+  });
+});

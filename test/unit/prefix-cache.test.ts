@@ -12,7 +12,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { loadEngine } from '../../src/engine/llama.js';
-import { chooseSequence, commonPrefix, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, runDelta, type CachedSequence } from '../../src/engine/prefix-cache.js';
+import { chooseSequence, commonPrefix, evictionOrder, evictionsForBudget, exactPrefixAfterPrompt, reusableTokens, runDelta, supersededStates, type CachedSequence } from '../../src/engine/prefix-cache.js';
 import type { Engine, SamplingParams, Slot } from '../../src/engine/types.js';
 
 const never = new AbortController().signal;
@@ -69,12 +69,81 @@ describe('prefix cache policy', () => {
     assert.equal(busyPick([seq(0, [1, 2, 3], 10), seq(4, [9], 5)], [3], [1, 2, 3, 4]), 0);
   });
 
-  it('evicts least recently used sequences beyond the token budget', () => {
+  it('evicts beyond the token budget: superseded states first, then least recently used', () => {
+    // 0 is a prefix of 1 (same salt): superseded, the first to go although 1 is older
     const idle = [seq(0, [1, 2, 3], 30), seq(1, [1, 2, 3, 4], 10), seq(2, [], 0), seq(3, [5, 6], 20)];
-    assert.deepEqual(evictionsForBudget(idle, 9).map((s) => s.index), []);
-    assert.deepEqual(evictionsForBudget(idle, 8).map((s) => s.index), [1]);
-    assert.deepEqual(evictionsForBudget(idle, 2).map((s) => s.index), [1, 3, 0]);
-    assert.deepEqual(evictionsForBudget(idle, 0).map((s) => s.index), [1, 3, 0]);
+    const ev = (max: number, now?: number) => evictionsForBudget(idle, max, now).map((e) => `${e.seq.index}:${e.cause}`);
+    assert.deepEqual(ev(9), []);
+    assert.deepEqual(ev(8), ['0:superseded']);
+    assert.deepEqual(ev(2), ['0:superseded', '1:lru']);
+    assert.deepEqual(ev(0), ['0:superseded', '1:lru', '3:lru']);
+  });
+});
+
+describe('retention rules', () => {
+  const s = (index: number, tokens: number[], lastUsed: number, o: Partial<CachedSequence> = {}): CachedSequence => ({ index, tokens, exactPrefix: tokens.length, lastUsed, ...o });
+  const order = (idle: CachedSequence[], now: number, align: number | null = null) => evictionOrder(idle, now, align).map((e) => `${e.seq.index}:${e.cause}`);
+
+  it('supersede: turn M covers turn M-1 of the same salt (its prompt part; the reply is tokenized again next round)', () => {
+    const turn1 = s(0, [1, 2, 3, 4, 50, 51], 10, { exactPrefix: 4 }); // prompt 1-4, reply 50 51
+    const turn2 = s(1, [1, 2, 3, 4, 50, 52, 7, 8, 60], 20, { exactPrefix: 8 }); // the reply came back as 50 52
+    assert.deepEqual([...supersededStates([turn1, turn2], null)].map((x) => x.index), [0], 'turn 1 superseded although its reply tail differs');
+    assert.deepEqual([...supersededStates([turn1, { ...turn2, salt: 't:b' }], null)], [], "another salt's state supersedes nothing");
+    assert.deepEqual([...supersededStates([turn1, s(1, [1, 2, 3, 9, 9, 9], 20)], null)], [], 'diverging inside the prompt: not covered');
+    // deterministic: the newer state must hold the older's exact prefix exactly too
+    assert.deepEqual([...supersededStates([s(0, [1, 2, 3, 4], 1, { exactPrefix: 4 }), s(1, [1, 2, 3, 4, 5, 6], 2, { exactPrefix: 2 })], 2)].map((x) => x.index), [1], 'the longer state whose exact part is shorter is the one covered');
+    assert.deepEqual([...supersededStates([s(0, [1, 2, 3, 4], 1, { exactPrefix: 4 }), s(1, [1, 2, 3, 4, 5, 6], 2, { exactPrefix: 6 })], 2)].map((x) => x.index), [0]);
+    // duplicates: exactly one of two identical states goes (the less recently used)
+    assert.deepEqual([...supersededStates([s(0, [1, 2, 3], 5), s(1, [1, 2, 3], 9)], null)].map((x) => x.index), [0]);
+    // superseded goes first even when the superseding state is older and LRU would pick another
+    assert.deepEqual(order([s(5, [9, 9], 1), turn2, turn1], 0), ['0:superseded', '5:lru', '1:lru']);
+  });
+
+  it('a prefix shared by several diverging sessions is kept once (not superseded); a prefix of one line is', () => {
+    const sys = s(0, [1, 2, 3, 4], 1);
+    const a = s(1, [1, 2, 3, 4, 10, 11], 2);
+    const b = s(2, [1, 2, 3, 4, 20, 21], 3);
+    assert.deepEqual([...supersededStates([sys, a, b], null)], [], 'two sessions branch after it: the one copy new sessions start from');
+    assert.deepEqual([...supersededStates([sys, a], null)].map((x) => x.index), [0], 'one session extends it: superseded');
+    const a2 = s(3, [1, 2, 3, 4, 10, 11, 12], 4);
+    assert.deepEqual([...supersededStates([sys, a, a2], null)].map((x) => x.index).sort(), [0, 1], 'a line, not a branch: both older states go first');
+  });
+
+  it('idle-session TTL: inside its window a state goes only after every other one; then nearest end first (ttl_pressure)', () => {
+    const paused = s(0, [1, 1], 10, { retainUntil: 10 + 1000 }); // an agent's session on a tool call
+    const oneOff = s(1, [2, 2], 500); // a newer request without a session
+    const other = s(2, [3, 3], 20, { retainUntil: 20 + 5000 });
+    assert.deepEqual(order([paused, oneOff, other], 600), ['1:lru', '0:ttl_pressure', '2:ttl_pressure'], 'within TTL: the newer one-off goes first; under pressure the nearest window end');
+    assert.deepEqual(order([paused, oneOff, other], 2000), ['0:lru', '1:lru', '2:ttl_pressure'], 'past its TTL: plain LRU takes it');
+    // priority (agent_hints.priority) inside the window: lower goes first, whatever the window end
+    assert.deepEqual(order([s(0, [1], 1, { retainUntil: 100, priority: 50 }), s(1, [2], 2, { retainUntil: 900, priority: 10 })], 50), ['1:ttl_pressure', '0:ttl_pressure']);
+    // the budget follows the same order
+    assert.deepEqual(evictionsForBudget([paused, oneOff, other], 4, 600).map((e) => `${e.seq.index}:${e.cause}`), ['1:lru']);
+  });
+
+  it('allocation: an empty sequence, else superseded, else past its window, else inside it (ttl_pressure); a paused session is not cut short by another prompt', () => {
+    const now = 600;
+    const paused = s(0, [1, 2, 3, 4, 5, 6], 10, { retainUntil: 2000 });
+    const oneOff = s(1, [7, 7], 500);
+    const settings = { ...on, sessionTtlMs: 1000 };
+    const c1 = chooseSequence([paused, oneOff], [8, 8, 8], settings, undefined, undefined, now)!;
+    assert.deepEqual([c1.seq.index, c1.reuse, c1.evicts], [1, 0, 'lru'], 'the newer one-off state, not the older paused session');
+    const c2 = chooseSequence([paused, oneOff], [8, 8, 8], settings, undefined, undefined, 3000)!;
+    assert.deepEqual([c2.seq.index, c2.evicts], [0, 'lru'], 'past the TTL: LRU takes the session');
+    // another session sharing 4 of its 6 tokens (≥ half): LRU would cut it to 4; inside its window it is not
+    const c3 = chooseSequence([paused, oneOff], [1, 2, 3, 4, 9, 9], settings, undefined, undefined, now)!;
+    assert.deepEqual([c3.seq.index, c3.evicts], [1, 'lru']);
+    const c4 = chooseSequence([paused, oneOff], [1, 2, 3, 4, 9, 9], settings, undefined, undefined, 3000)!;
+    assert.deepEqual([c4.seq.index, c4.reuse, c4.evicts], [0, 4, undefined], 'past its window: reused and cut, as before');
+    // its own next turn still reuses it inside the window
+    const c5 = chooseSequence([paused, oneOff], [1, 2, 3, 4, 5, 6, 9], settings, undefined, undefined, now)!;
+    assert.deepEqual([c5.seq.index, c5.reuse], [0, 6]);
+    // everything inside its window: the nearest end goes, keeping what the prompt shares with it
+    const c6 = chooseSequence([paused, s(1, [1, 2, 9, 9, 9, 9], 500, { retainUntil: 1500 })], [1, 2, 3, 4, 9, 9], settings, undefined, undefined, now)!;
+    assert.deepEqual([c6.seq.index, c6.reuse, c6.evicts], [1, 2, 'ttl_pressure']);
+    // a superseded state goes before a past-window one
+    const c7 = chooseSequence([oneOff, s(2, [1, 2, 3], 900), s(3, [1, 2, 3, 4], 50)], [8, 8], settings, undefined, undefined, now)!;
+    assert.deepEqual([c7.seq.index, c7.evicts], [2, 'superseded']);
   });
 });
 
