@@ -484,6 +484,69 @@ export function inPlaceReframe(st: ParsedState, targetStreams: number): { nStrea
   return { nStreamOffset: st.nStreamOffset, nStream: targetStreams, size: st.streams[targetStreams]!.start };
 }
 
+/**
+ * The state of the first `keep` tokens of a one-sequence state file: a new ggsq file holding
+ * tokens[0, keep) and the cells of positions < keep (K rows, V rows or transposed V columns
+ * copied), in the same stream layout. Lets the prefix store keep a prefix several sessions
+ * share as an entry of its own (prefixes/prefix-store.ts) from one session's saved state —
+ * llama.cpp saves whole sequences only.
+ * @param st `parseStateFile(buf, …)`'s result.
+ * @returns the pieces of the new file, in order (writev or Buffer.concat).
+ * @throws PdError('BAD_STATE') when `keep` is not in [1, nTokens] or the state has more than one non-empty stream.
+ */
+export function truncatedStateParts(buf: Buffer, st: ParsedState, keep: number): Buffer[] {
+  if (!Number.isInteger(keep) || keep < 1 || keep > st.nTokens) bad(`cannot keep ${keep} of ${st.nTokens} tokens`);
+  const full = st.streams.filter((s) => s.cellCount > 0);
+  if (full.length !== 1) bad(`${full.length} non-empty streams: only a one-sequence state can be cut`);
+  const head = Buffer.alloc(12 + keep * 4 + 4);
+  head.writeUInt32LE(GGSQ_MAGIC, 0);
+  head.writeUInt32LE(st.version, 4);
+  head.writeUInt32LE(keep, 8);
+  buf.copy(head, 12, 12, 12 + keep * 4);
+  head.writeUInt32LE(st.nStream, 12 + keep * 4);
+  const parts: Buffer[] = [head];
+  for (const s of st.streams) {
+    if (s.cellCount === 0) {
+      parts.push(Buffer.alloc(4));
+      continue;
+    }
+    // runs of consecutive kept cells in file order: [first, end)
+    const runs: [number, number][] = [];
+    for (let i = 0; i < s.cellCount; i++) {
+      if (s.positions[i]! >= keep) continue;
+      const last = runs.at(-1);
+      if (last && last[1] === i) last[1] = i + 1;
+      else runs.push([i, i + 1]);
+    }
+    const count = Buffer.alloc(4);
+    count.writeUInt32LE(keep, 0);
+    parts.push(count);
+    const meta = s.start + 4;
+    for (const [a, b] of runs) parts.push(buf.subarray(meta + a * 12, meta + b * 12));
+    const vt = meta + s.cellCount * 12;
+    parts.push(buf.subarray(vt, vt + 8)); // v_trans, n_layer
+    const rows = (sec: StateLayerSection): void => {
+      parts.push(buf.subarray(sec.dataOffset - 12, sec.dataOffset));
+      for (const [a, b] of runs) parts.push(buf.subarray(sec.dataOffset + a * sec.bytesPerCell, sec.dataOffset + b * sec.bytesPerCell));
+    };
+    for (const sec of s.k!) rows(sec);
+    for (const sec of s.v!) {
+      if (!s.vTrans) {
+        rows(sec);
+        continue;
+      }
+      // transposed: n_embd rows of cellCount elements each
+      parts.push(buf.subarray(sec.dataOffset - 12, sec.dataOffset));
+      const el = sec.elSize!;
+      for (let j = 0; j < sec.nEmbd!; j++) {
+        const row = sec.dataOffset + j * s.cellCount * el;
+        for (const [a, b] of runs) parts.push(buf.subarray(row + a * el, row + b * el));
+      }
+    }
+  }
+  return parts;
+}
+
 /** Bytes of one stream per cell (K + V over all layers) — the KV cost of one token. */
 export function kvBytesPerCell(stream: StateStream): number {
   let n = 0;

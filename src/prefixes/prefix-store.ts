@@ -47,9 +47,19 @@
  *
  * Budget and LRU: every process keeps the directory's entries within `maxBytes` (its own
  * `--prefix-store-bytes`; with several values on a host the smallest wins in effect): after
- * each write and every SCAN_MS it lists the entries, and removes the least recently used (mtime:
- * set at write and on every hit) until the total fits. Evictions by two processes at once may
- * remove a little more than needed, never an entry in use (loads read a private copy).
+ * each write and every SCAN_MS it lists the entries, and removes superseded entries first, then
+ * the least recently used (mtime: set at write and on every hit) until the total fits.
+ * Evictions by two processes at once may remove a little more than needed, never an entry in use
+ * (loads read a private copy).
+ *
+ * Sessions (engine/prefix-cache.ts retention): each process remembers the key chains of the
+ * entries it wrote (`lines`, bounded). An entry on the chain of a newer one is superseded (turn
+ * M's entry covers turn M−1's key) — the first to go under the budget, as long as its mtime
+ * shows no hit since — unless a known line branches off there. Where two known lines diverge,
+ * the prefix they share (whole blocks: a system prompt, tool definitions) is written once as an
+ * entry of its own, cut from the newer state (ggsq.ts truncatedStateParts), so that a new
+ * session sharing only that prefix finds it: without it, a lookup probes the prompt's own key
+ * chain and meets no session's longer entry.
  */
 import { randomBytes } from 'node:crypto';
 import { systemClock } from '../base/clock.js';
@@ -57,7 +67,7 @@ import { promises as fsp, statfsSync, watch, type FSWatcher } from 'node:fs';
 import os from 'node:os';
 import { join } from 'node:path';
 import client from 'prom-client';
-import { parseStateFile, reframedParts } from '../engine/ggsq.js';
+import { parseStateFile, reframedParts, truncatedStateParts } from '../engine/ggsq.js';
 import { reusableTokens } from '../engine/prefix-cache.js';
 import { cacheKeyOf, keyChain, saltedNamespace, STORE_BLOCK_TOKENS, storeNamespace, type KvCacheEvent, type PrefixStore, type StoredPrefix, type StoreIdentity, type StoreWrite } from '../engine/prefix-store.js';
 import { decodeEnvelope, encodeEnvelopeHead, ENVELOPE_DIGEST_BYTES, ENVELOPE_PREFIX_BYTES, envelopeTrailer, MAX_ENVELOPE_HEADER_BYTES, parseEnvelopeHead } from '../kv/envelope.js';
@@ -80,6 +90,8 @@ export const SCAN_MS = 5000;
 export const MAX_PENDING_WRITES = 32;
 /** Most publications (a state read into memory, enveloped, written) at once per process: bounds the memory they hold. */
 export const MAX_PUBLISHING = 2;
+/** Key chains of this process's entries remembered for the session rules (oldest forgotten first). */
+export const MAX_LINES = 4096;
 /** Without change notifications: the oldest directory listing a lookup trusts, ms (an older one is refreshed by one readdir(2), shared by lookups meanwhile). */
 export const INDEX_FRESH_MS = 200;
 /** Longest a lookup waits for this process's own write of a candidate key, ms. */
@@ -157,6 +169,10 @@ export interface PrefixStoreStats {
   /** Finished sequences not stored because MAX_PENDING_WRITES were in flight, or a write failed. */
   dropped: number;
   evictions: number;
+  /** Of `evictions`, the superseded entries. */
+  superseded: number;
+  /** Shared-prefix entries written (a prefix two known lines share). */
+  sharedWrites: number;
   refused: Record<RefusedReason, number>;
 }
 
@@ -164,7 +180,7 @@ export interface PrefixStoreStats {
 export class FilePrefixStore implements PrefixStore {
   /** Tokens per key block (set by bind unless given). */
   blockTokens: number;
-  readonly stats: PrefixStoreStats = { files: 0, bytes: 0, hits: 0, misses: 0, hitTokens: 0, writes: 0, dropped: 0, evictions: 0, refused: { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0 } };
+  readonly stats: PrefixStoreStats = { files: 0, bytes: 0, hits: 0, misses: 0, hitTokens: 0, writes: 0, dropped: 0, evictions: 0, superseded: 0, sharedWrites: 0, refused: { bad_envelope: 0, bad_state: 0, key_mismatch: 0, too_large: 0 } };
   private id: StoreIdentity | undefined;
   private ns = '';
   private pendingWrites = 0;
@@ -187,6 +203,12 @@ export class FilePrefixStore implements PrefixStore {
   private timer: NodeJS.Timeout | null = null;
   private lastSweep = 0;
   private readonly listeners = new Set<(e: KvCacheEvent) => void>();
+  /** Key chains of the entries this process wrote (the session rules, see the module doc); insertion order = age. */
+  private readonly lines = new Map<string, readonly string[]>();
+  /** Entries marked superseded, with their mtime then (a later hit clears the mark in effect). */
+  private readonly supersededAt = new Map<string, number>();
+  /** Keys of prefixes two known lines share: never marked superseded. */
+  private readonly shared = new Set<string>();
   private closed = false;
   /** This store's user file (null before bind, or when it could not be written). */
   private userFile: string | null = null;
@@ -549,6 +571,7 @@ export class FilePrefixStore implements PrefixStore {
       return undefined;
     }
     const { key, tokens: keyTokens } = named;
+    const chain = keyChain(saltedNamespace(this.ns, salt), tokens, keyTokens / this.blockTokens, this.blockTokens);
     const final = this.entryPath(key);
     this.pendingWrites++;
     // Registered before the first await: a lookup of this key in this process waits for it
@@ -573,7 +596,7 @@ export class FilePrefixStore implements PrefixStore {
     const raw = this.tmpPath('storetmp');
     return {
       path: raw,
-      commit: () => this.publishInTurn(raw, final, key, keyTokens, tokens.length).finally(settle),
+      commit: () => this.publishInTurn(raw, final, chain, keyTokens, tokens.length).finally(settle),
       abort: async () => {
         settle();
         this.drop();
@@ -605,12 +628,12 @@ export class FilePrefixStore implements PrefixStore {
   }
 
   /** `publish` in turn: at most MAX_PUBLISHING at once. Never throws. */
-  private async publishInTurn(raw: string, final: string, key: string, keyTokens: number, nTokens: number): Promise<void> {
+  private async publishInTurn(raw: string, final: string, chain: readonly string[], keyTokens: number, nTokens: number): Promise<void> {
     // a waiter inherits the turn of the publication that wakes it
     if (this.publishing >= MAX_PUBLISHING) await new Promise<void>((r) => this.publishQueue.push(r));
     else this.publishing++;
     try {
-      await this.publish(raw, final, key, keyTokens, nTokens);
+      await this.publish(raw, final, chain, keyTokens, nTokens);
     } finally {
       const next = this.publishQueue.shift();
       if (next) next();
@@ -618,9 +641,10 @@ export class FilePrefixStore implements PrefixStore {
     }
   }
 
-  /** Wrap the saved state in an envelope and rename it onto its name. Never throws. */
-  private async publish(raw: string, final: string, key: string, keyTokens: number, nTokens: number): Promise<void> {
+  /** Wrap the saved state in an envelope and rename it onto its name; then the session rules. Never throws. */
+  private async publish(raw: string, final: string, chain: readonly string[], keyTokens: number, nTokens: number): Promise<void> {
     const id = this.id!;
+    const key = chain.at(-1)!;
     const env = raw.replace(/\.ggsq$/, '-env.ggsq');
     try {
       const rf = await fsp.open(raw, 'r');
@@ -652,6 +676,7 @@ export class FilePrefixStore implements PrefixStore {
       this.stats.writes++;
       this.counters.writes?.inc();
       this.emit({ kind: 'stored', tier: 'store', key, tokens: keyTokens, bytes });
+      await this.sessionRules(chain, payload, st);
       this.scheduleScan();
     } catch (err) {
       this.drop();
@@ -660,6 +685,83 @@ export class FilePrefixStore implements PrefixStore {
       await fsp.rm(raw, { force: true }).catch(() => {});
       await fsp.rm(env, { force: true }).catch(() => {});
     }
+  }
+
+  /**
+   * After `chain`'s entry was published (its saved `payload`, parsed as `st`): mark the entries on
+   * its chain superseded unless a known line branches off there, and write the prefix it shares
+   * with the known line it diverges from deepest as an entry of its own (see the module doc).
+   * Never throws.
+   */
+  private async sessionRules(chain: readonly string[], payload: Buffer, st: ReturnType<typeof parseStateFile>): Promise<void> {
+    const key = chain.at(-1)!;
+    let deepest = 0;
+    for (const [k, other] of this.lines) {
+      if (k === key) continue;
+      const l = commonKeys(other, chain);
+      if (l < chain.length && l < other.length && l > deepest) deepest = l;
+    }
+    this.lines.delete(key);
+    this.lines.set(key, chain);
+    if (this.lines.size > MAX_LINES) this.lines.delete(this.lines.keys().next().value as string);
+    for (let i = 0; i < chain.length - 1; i++) {
+      const a = chain[i]!;
+      if (this.shared.has(a) || !this.index.has(a)) continue;
+      let branch = false;
+      for (const other of this.lines.values()) if (other.length > i + 1 && other[i] === a && other[i + 1] !== chain[i + 1]) branch = true;
+      if (branch) continue;
+      try {
+        this.supersededAt.set(a, (await fsp.stat(this.entryPath(a))).mtimeMs);
+        this.lines.delete(a); // its keys are on this chain
+      } catch {
+        /* gone meanwhile */
+      }
+    }
+    if (this.supersededAt.size > MAX_LINES) this.supersededAt.delete(this.supersededAt.keys().next().value as string);
+    if (deepest < 1) return;
+    const sharedKey = chain[deepest - 1]!;
+    this.shared.add(sharedKey);
+    this.supersededAt.delete(sharedKey);
+    if (this.shared.size > MAX_LINES) this.shared.delete(this.shared.values().next().value as string);
+    if (this.index.has(sharedKey)) return;
+    await this.writeShared(sharedKey, deepest * this.blockTokens, payload, st);
+  }
+
+  /** Publish the first `keep` tokens of a saved state as the entry `key` (a shared prefix). Never throws. */
+  private async writeShared(key: string, keep: number, payload: Buffer, st: ReturnType<typeof parseStateFile>): Promise<void> {
+    const id = this.id!;
+    const env = this.tmpPath('storetmp').replace(/\.ggsq$/, '-env.ggsq');
+    try {
+      const cut = Buffer.concat(truncatedStateParts(payload, st, keep));
+      const head = encodeEnvelopeHead({ fingerprint: id.fingerprint, contextSize: id.compat.contextSize, batchSize: id.compat.batchSize, nTokens: keep, firstToken: 0, firstIsEog: false, payloadBytes: cut.length });
+      const bytes = head.length + cut.length + 4;
+      if (bytes > Math.min(this.o.maxBytes, this.o.maxFileBytes ?? this.o.maxBytes)) return;
+      const fh = await fsp.open(env, 'wx');
+      try {
+        await fh.writev([head, cut, envelopeTrailer(crc32(cut))]);
+      } finally {
+        await fh.close();
+      }
+      await fsp.rename(env, this.entryPath(key));
+      this.index.add(key);
+      this.ownWrites.set(key, systemClock.nowMs());
+      this.stats.sharedWrites++;
+      this.stats.writes++;
+      this.counters.writes?.inc();
+      this.emit({ kind: 'stored', tier: 'store', key, tokens: keep, bytes });
+    } catch (err) {
+      this.o.log?.warn({ err: String(err) }, 'prefix store: shared-prefix write failed');
+    } finally {
+      await fsp.rm(env, { force: true }).catch(() => {});
+    }
+  }
+
+  /** Entries this process evicted, by cause. */
+  evictionStats(): { cause: 'superseded' | 'lru'; count: number }[] {
+    return [
+      { cause: 'lru', count: this.stats.evictions - this.stats.superseded },
+      { cause: 'superseded', count: this.stats.superseded },
+    ];
   }
 
   private tick(): void {
@@ -697,13 +799,13 @@ export class FilePrefixStore implements PrefixStore {
       return;
     }
     this.setIndex(names, at);
-    const entries: { name: string; key: string; size: number; mtimeMs: number }[] = [];
+    const entries: { name: string; key: string; size: number; mtimeMs: number; superseded: boolean }[] = [];
     for (const name of names) {
       const m = ENTRY.exec(name);
       if (!m) continue;
       try {
         const st = await fsp.stat(join(this.o.dir, name));
-        entries.push({ name, key: m[1]!, size: st.size, mtimeMs: st.mtimeMs });
+        entries.push({ name, key: m[1]!, size: st.size, mtimeMs: st.mtimeMs, superseded: this.supersededAt.get(m[1]!) === st.mtimeMs });
       } catch {
         /* evicted meanwhile */
       }
@@ -711,7 +813,8 @@ export class FilePrefixStore implements PrefixStore {
     let total = entries.reduce((a, e) => a + e.size, 0);
     let files = entries.length;
     if (total > this.o.maxBytes) {
-      entries.sort((a, b) => a.mtimeMs - b.mtimeMs || (a.name < b.name ? -1 : 1));
+      // superseded first (unless hit since they were marked), then least recently used
+      entries.sort((a, b) => Number(b.superseded) - Number(a.superseded) || a.mtimeMs - b.mtimeMs || (a.name < b.name ? -1 : 1));
       for (const e of entries) {
         if (total <= this.o.maxBytes) break;
         try {
@@ -719,6 +822,9 @@ export class FilePrefixStore implements PrefixStore {
           this.index.delete(e.key);
           this.ownWrites.delete(e.key);
           this.stats.evictions++;
+          if (e.superseded) this.stats.superseded++;
+          this.supersededAt.delete(e.key);
+          this.lines.delete(e.key);
           this.counters.evictions?.inc();
           this.emit({ kind: 'evicted', tier: 'store', key: e.key, tokens: 0, bytes: e.size });
         } catch {
@@ -748,7 +854,7 @@ export class FilePrefixStore implements PrefixStore {
     this.counters.hitTokens = new client.Counter({ name: 'pdserve_prefix_store_hit_tokens_total', help: 'Prompt tokens served from the prefix store (not evaluated again)', registers });
     this.counters.writes = new client.Counter({ name: 'pdserve_prefix_store_writes_total', help: 'Finished sequences stored in the prefix store', registers });
     this.counters.dropped = new client.Counter({ name: 'pdserve_prefix_store_dropped_total', help: 'Finished sequences not stored (writes in flight at the bound, or a write failed)', registers });
-    this.counters.evictions = new client.Counter({ name: 'pdserve_prefix_store_evictions_total', help: 'Prefix store entries this process evicted (LRU, over the budget)', registers });
+    this.counters.evictions = new client.Counter({ name: 'pdserve_prefix_store_evictions_total', help: 'Prefix store entries this process evicted over the budget (superseded first, then LRU; by cause: pdserve_cache_evictions_total)', registers });
     this.counters.refused = new client.Counter({ name: 'pdserve_prefix_store_refused_total', help: 'Prefix store entries refused and removed, by reason', labelNames: ['reason'], registers });
   }
 }
@@ -764,4 +870,12 @@ export function openPrefixStore(engine: { prefixCacheTokens: number; prefixStore
   const maxBytes = engine.prefixStoreBytes ?? defaultPrefixStoreBytes(dir);
   if (maxBytes <= 0) return undefined;
   return new FilePrefixStore({ dir, maxBytes, write: o.write, ...(o.maxFileBytes !== undefined ? { maxFileBytes: o.maxFileBytes } : {}), ...(o.log ? { log: o.log } : {}) });
+}
+
+/** Leading keys two chains share (chained hashes: equal at i means equal before). */
+function commonKeys(a: readonly string[], b: readonly string[]): number {
+  const n = Math.min(a.length, b.length);
+  let i = 0;
+  while (i < n && a[i] === b[i]) i++;
+  return i;
 }

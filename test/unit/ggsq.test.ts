@@ -9,7 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
-import { GgsqStreamParser, kvBytesPerCell, parseStateFile, parseStateHeaders, rewriteNStream, type PositionalSource, type StateExpect } from '../../src/engine/ggsq.js';
+import { GgsqStreamParser, kvBytesPerCell, parseStateFile, parseStateHeaders, rewriteNStream, truncatedStateParts, type PositionalSource, type StateExpect } from '../../src/engine/ggsq.js';
 import { loadEngine } from '../../src/engine/llama.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 import { PdError } from '../../src/base/errors.js';
@@ -329,5 +329,84 @@ describe('rewriteNStream', () => {
     assert.throws(() => rewriteNStream(trans.subarray(0, trans.length - 1), 1), isBadState);
     assert.throws(() => rewriteNStream(trans, 0), RangeError);
     assert.throws(() => rewriteNStream(trans, 257), RangeError);
+  });
+});
+
+describe('truncatedStateParts: the first tokens of a state as a state of their own', () => {
+  /** A one-sequence state whose every K/V byte names its cell's position (cells in `order`), transposed V when `vTrans`. */
+  function cellState(tokens: number[], order: number[], vTrans: boolean, nStream = 2, seq = 1): Buffer {
+    const n = tokens.length;
+    const row = 4;
+    const parts: Buffer[] = [];
+    const u32 = (v: number) => parts.push(Buffer.from(new Uint32Array([v]).buffer));
+    const i32 = (v: number) => parts.push(Buffer.from(new Int32Array([v]).buffer));
+    u32(0x67677371);
+    u32(3);
+    u32(n);
+    for (const t of tokens) i32(t);
+    u32(nStream);
+    for (let s = 0; s < nStream; s++) {
+      if (s !== seq) {
+        u32(0);
+        continue;
+      }
+      u32(n);
+      for (const p of order) {
+        i32(p);
+        u32(1);
+        i32(seq);
+      }
+      u32(vTrans ? 1 : 0);
+      u32(2); // layers
+      for (let l = 0; l < 2; l++) {
+        i32(1);
+        u32(row);
+        u32(0);
+        for (const p of order) parts.push(Buffer.alloc(row, p + 10 * l));
+      }
+      for (let l = 0; l < 2; l++) {
+        i32(1);
+        if (!vTrans) {
+          u32(row);
+          u32(0);
+          for (const p of order) parts.push(Buffer.alloc(row, 100 + p + 10 * l));
+        } else {
+          u32(2); // el_size
+          u32(3); // n_embd_v_gqa
+          for (let j = 0; j < 3; j++) for (const p of order) parts.push(Buffer.alloc(2, 100 + p + 10 * l + 50 * j));
+        }
+      }
+    }
+    return Buffer.concat(parts);
+  }
+  const expect = { contextSize: 64, maxBytes: 1 << 20 };
+
+  for (const vTrans of [false, true]) {
+    it(`keeps tokens and cells of positions < keep, data byte for byte (v_trans ${vTrans}, cells out of order)`, () => {
+      const tokens = [5, 6, 7, 8, 9, 10];
+      const order = [0, 1, 4, 2, 5, 3]; // a sequence that was erased and refilled
+      const buf = cellState(tokens, order, vTrans);
+      const st = parseStateFile(buf, expect);
+      const cut = Buffer.concat(truncatedStateParts(buf, st, 4));
+      const ct = parseStateFile(cut, expect);
+      assert.deepEqual(ct.tokens, [5, 6, 7, 8]);
+      assert.equal(ct.nStream, 2);
+      const s = ct.streams[1]!;
+      assert.deepEqual(s.positions, [0, 1, 2, 3], 'the kept cells in their file order');
+      for (let l = 0; l < 2; l++) {
+        for (let i = 0; i < 4; i++) assert.equal(cut[s.k![l]!.dataOffset + i * 4], s.positions[i]! + 10 * l, `K layer ${l} cell ${i}`);
+        const v = s.v![l]!;
+        if (!vTrans) for (let i = 0; i < 4; i++) assert.equal(cut[v.dataOffset + i * 4], 100 + s.positions[i]! + 10 * l);
+        else for (let j = 0; j < 3; j++) for (let i = 0; i < 4; i++) assert.equal(cut[v.dataOffset + (j * 4 + i) * 2], 100 + s.positions[i]! + 10 * l + 50 * j, `V layer ${l} row ${j} cell ${i}`);
+      }
+      assert.equal(Buffer.concat(truncatedStateParts(buf, st, 6)).equals(buf), true, 'keeping all is the same file');
+    });
+  }
+
+  it('refuses what cannot be cut', () => {
+    const buf = cellState([1, 2, 3], [0, 1, 2], false);
+    const st = parseStateFile(buf, expect);
+    assert.throws(() => truncatedStateParts(buf, st, 0), PdError);
+    assert.throws(() => truncatedStateParts(buf, st, 4), PdError);
   });
 });

@@ -276,7 +276,7 @@ describe('FilePrefixStore', () => {
     other.close();
   });
 
-  test('the byte budget holds over 30 eight-round conversations; the least recently used go first, a hit keeps an entry', async () => {
+  test('the byte budget holds over 30 eight-round conversations; superseded rounds and the least recently used go first, a hit keeps an entry', async () => {
     const dir = freshDir();
     const one = synthState(toks(64), { nStream: 2, seq: 1 }).length;
     const budget = 40 * (one + 4 * 64 * 2 * 2 * 8); // room for a few dozen mid-sized entries
@@ -286,7 +286,9 @@ describe('FilePrefixStore', () => {
     store.bind(ID);
     const convs = Array.from({ length: 30 }, (_, c) => toks(70, c + 1));
     let t = 1_000_000;
-    let kept: string | undefined;
+    // an entry no later one extends (a superseded one is first to go, whatever its hits before)
+    assert.ok(await put(store, toks(140, 99)));
+    const kept = path.join(dir, entries(dir)[0]!);
     for (let round = 1; round <= 8; round++) {
       for (let c = 0; c < 30; c++) {
         convs[c] = [...convs[c]!, ...toks(40, c * 8 + round)];
@@ -294,8 +296,7 @@ describe('FilePrefixStore', () => {
         // fix the write order in mtime (one second apart), whatever the clock's resolution
         const newest = entries(dir).map((n) => path.join(dir, n)).sort((a, b) => statSync(b).mtimeMs - statSync(a).mtimeMs || 0)[0]!;
         utimesSync(newest, t, t++);
-        if (round === 1 && c === 0) kept = newest;
-        if (kept && round > 1) utimesSync(kept, t, t++); // conversation 0's first round is hit again and again
+        utimesSync(kept, t, t++); // hit again and again
         await store.scheduleScan();
         const bytes = entries(dir).reduce((a, n) => a + statSync(path.join(dir, n)).size, 0);
         assert.ok(bytes <= budget, `round ${round} conversation ${c}: ${bytes} bytes over the budget ${budget}`);
@@ -303,7 +304,8 @@ describe('FilePrefixStore', () => {
       }
     }
     assert.ok(evicted.length > 100, `LRU evicted ${evicted.length} entries`);
-    assert.ok(entries(dir).includes(path.basename(kept!)), 'the entry hit all along survives');
+    assert.ok(entries(dir).includes(path.basename(kept)), 'the entry hit all along survives');
+    assert.ok(store.stats.superseded > 60, `each round's entry superseded its conversation's last (${store.stats.superseded} of ${store.stats.evictions} evictions)`);
     const last = await store.take([...convs[29]!, 1], 0);
     assert.ok(last, 'the newest round of the last conversation is held');
     assert.equal(last.reuse, convs[29]!.length);
@@ -453,6 +455,86 @@ describe('FilePrefixStore', () => {
   });
 });
 
+describe('session rules in the store', () => {
+  const setBudget = (s: FilePrefixStore, bytes: number): void => {
+    (s as unknown as { o: { maxBytes: number } }).o.maxBytes = bytes;
+  };
+  const dirBytes = (dir: string): number => entries(dir).reduce((a, n) => a + statSync(path.join(dir, n)).size, 0);
+
+  test("supersede: a session's older entry on a newer entry's chain goes first under the budget, before an older entry of another session", async () => {
+    const dir = freshDir();
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    store.bind(ID);
+    const a1 = toks(140, 1);
+    const b1 = toks(140, 2);
+    assert.ok(await put(store, a1));
+    assert.ok(await put(store, b1));
+    const bFile = entries(dir).find((n) => n.includes(keyChain(storeNamespace(ID), b1, 2, 64)[1]!))!;
+    utimesSync(path.join(dir, bFile), 1000, 1000); // session b's entry is by far the least recently used
+    const a2 = [...a1, ...toks(100, 3)];
+    assert.ok(await put(store, a2));
+    assert.equal(entries(dir).length, 3);
+    setBudget(store, dirBytes(dir) - 1); // one entry must go
+    await store.scheduleScan();
+    const left = entries(dir);
+    assert.equal(left.length, 2);
+    assert.ok(left.includes(bFile), "the other session's older entry stays");
+    assert.ok(!left.some((n) => n.includes(keyChain(storeNamespace(ID), a1, 2, 64)[1]!)), "turn 1's entry went: turn 2's covers it");
+    const next = await store.take([...a2, 9, 9], 0);
+    assert.ok(next && next.reuse === a2.length, "the session's next turn is served by turn 2's entry");
+    await next.done();
+    assert.deepEqual(store.evictionStats(), [{ cause: 'lru', count: 0 }, { cause: 'superseded', count: 1 }]);
+    store.close();
+  });
+
+  test('a superseded entry hit since it was marked is no longer first to go', async () => {
+    const dir = freshDir();
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    store.bind(ID);
+    const a1 = toks(140, 1);
+    assert.ok(await put(store, a1));
+    assert.ok(await put(store, toks(140, 2)));
+    const a2 = [...a1, ...toks(100, 3)];
+    assert.ok(await put(store, a2));
+    const aFile = entries(dir).find((n) => n.includes(keyChain(storeNamespace(ID), a1, 2, 64)[1]!))!;
+    utimesSync(path.join(dir, aFile), 4e9, 4e9); // a hit (a sub-agent forked from turn 1): the newest entry now
+    setBudget(store, dirBytes(dir) - 1);
+    await store.scheduleScan();
+    assert.ok(entries(dir).includes(aFile));
+    assert.deepEqual(store.evictionStats(), [{ cause: 'lru', count: 1 }, { cause: 'superseded', count: 0 }]);
+    store.close();
+  });
+
+  test('a prefix two sessions share is written once as an entry of its own (cut from the newer state) and serves a third session', async () => {
+    const dir = freshDir();
+    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+    const events: KvCacheEvent[] = [];
+    store.onEvent((e) => events.push(e));
+    store.bind(ID);
+    const system = toks(150, 7); // 2 whole blocks shared
+    assert.ok(await put(store, [...system, ...toks(90, 1)]));
+    assert.equal(store.stats.sharedWrites, 0, 'one session: nothing shared yet');
+    assert.ok(await put(store, [...system, ...toks(90, 2)]));
+    assert.equal(store.stats.sharedWrites, 1);
+    const sharedKey = keyChain(storeNamespace(ID), system, 2, 64)[1]!;
+    assert.ok(events.some((e) => e.kind === 'stored' && e.key === sharedKey && e.tokens === 128), JSON.stringify(events));
+    assert.ok(await put(store, [...system, ...toks(90, 3)]));
+    assert.equal(store.stats.sharedWrites, 1, 'kept once: a third session does not write it again');
+    const third = [...system, ...toks(50, 4)];
+    const hit = await store.take(third, 0);
+    assert.ok(hit, "a new session sharing only the prefix finds it (no session's own entry is on its chain)");
+    assert.equal(hit.tokens.length, 128);
+    assert.equal(hit.reuse, 128);
+    await hit.done();
+    // the shared entry is never superseded by a session extending it
+    assert.ok(await put(store, [...system, ...toks(90, 1), ...toks(80, 5)]));
+    setBudget(store, dirBytes(dir) - 1);
+    await store.scheduleScan();
+    assert.ok(entries(dir).some((n) => n.includes(sharedKey)), 'the shared prefix survives');
+    store.close();
+  });
+});
+
 describe('the store between two engines on the tiny model', () => {
   const BATCH = 16;
   const greedy: SamplingParams = { temperature: 0, topP: 1, topK: 0, maxTokens: 12, stop: [], ignoreEos: true };
@@ -543,6 +625,40 @@ describe('the store between two engines on the tiny model', () => {
     } finally {
       await e.dispose();
       st.close();
+    }
+  });
+
+  test('deterministic: a system prompt two sessions share is stored once, cut from a saved state, and a third session loaded from it gives the no-cache output', async () => {
+    const model = await ensureModel('tiny', 1);
+    const dir = freshDir();
+    const wst = new FilePrefixStore({ dir, maxBytes: 1 << 26 });
+    const rst = new FilePrefixStore({ dir, maxBytes: 1 << 26, write: false });
+    const base = { modelPath: model, contextSize: 1024, batchSize: BATCH, deterministic: true };
+    // every finished round is evicted from the writer's sequences at once (a 1-token budget), so written back
+    const w = await loadEngine({ ...base, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 1 }, prefixStore: wst });
+    const r = await loadEngine({ ...base, sequences: 1, prefixCache: { cacheSequences: 0, maxTokens: 1 }, prefixStore: rst });
+    const c0 = cold ?? (await loadEngine({ ...base, sequences: 1 }));
+    try {
+      const system: ChatMessage = { role: 'system', content: 'You are one of many agents. Tools: read(path), write(path, text), run(cmd). Answer briefly. '.repeat(2) };
+      const session = (task: string): number[] => c0.renderChat([system, { role: 'user', content: task }]);
+      for (const [i, task] of ['task one: fix the mills', 'task two: count the rivers'].entries()) {
+        const writes = wst.stats.writes;
+        await run(w, session(task));
+        for (let k = 0; k < 300 && wst.stats.writes < writes + 1 + i; k++) await new Promise((res) => setTimeout(res, 10));
+      }
+      assert.equal(wst.stats.sharedWrites, 1, `the shared system prompt was stored once (${wst.stats.writes} writes)`);
+      const third = session('task three: list the tools you have');
+      const ref = await run(c0, third);
+      const got = await run(r, third);
+      assert.equal(got.tier, 'store', `the third session was served by the shared entry (cached ${got.cached})`);
+      assert.ok(got.cached >= BATCH && got.cached % BATCH === 0);
+      assert.deepEqual(got.tokens, ref.tokens, 'a state cut from another session gives the no-cache output');
+    } finally {
+      await w.dispose();
+      await r.dispose();
+      if (c0 !== cold) await c0.dispose();
+      wst.close();
+      rst.close();
     }
   });
 });
