@@ -72,7 +72,7 @@ export async function benchAgentsTraceCli(o: TraceCliOptions): Promise<number> {
   for (const k of Object.keys(GENERATE_DEFAULTS) as (keyof GenerateOptions)[]) if (o[k] !== undefined) gen[k] = o[k] as never;
   const trace = o.trace ? loadTrace(resolve(o.trace), o.blockSize) : generateSessions(gen);
   const scale = traceScale(trace);
-  say(`bench-agents: ${trace.source}: ${scale.topSessions} sessions (${scale.sessions} with sub-agents), ${scale.requests} requests, turns median ${scale.turnsMedian} / max ${scale.turnsMax}, prompt tokens median ${scale.promptMedian} / max ${scale.promptMax}, input:output ${scale.ioRatio.toFixed(0)}:1`);
+  say(`bench-agents: ${trace.source}: ${scale.topSessions} sessions and ${scale.sessions - scale.topSessions} sub-agent sessions, ${scale.requests} requests, turns median ${scale.turnsMedian} / max ${scale.turnsMax}, prompt tokens median ${scale.promptMedian} / max ${scale.promptMax}, input:output ${scale.ioRatio.toFixed(0)}:1`);
   if (o.writeTrace) writeFileSync(o.writeTrace, traceJsonl(trace, o.blockSize));
   const modelName = o.model;
   const gguf = o.targets.length ? (o.tokenizer ? resolve(o.tokenizer) : undefined) : modelName === 'tiny' || modelName === 'small' ? await ensureModel(modelName, 1) : resolve(modelName);

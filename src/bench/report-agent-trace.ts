@@ -79,7 +79,7 @@ export function agentTraceReport(r: AgentTraceResult | undefined, prov: string, 
   const L = [
     prov,
     '',
-    `Trace: ${r.source}. ${s.topSessions} sessions (${s.sessions} with sub-agents), ${s.requests} requests; turns per session median ${s.turnsMedian}, max ${s.turnsMax}; prompt tokens median ${s.promptMedian}, max ${s.promptMax}; input : output ${fmt(s.ioRatio, 0)} : 1; pauses × ${r.timeScale}. Model: the generated **${r.model}** model; PD is 1 prefill + ${r.decode} decode (\`--decode-policy cache_aware\`). Command: \`${flagsJoined(r.command)}\`.`,
+    `Trace: ${r.source}. ${s.topSessions} sessions and ${s.sessions - s.topSessions} sub-agent sessions, ${s.requests} requests; turns per session median ${s.turnsMedian}, max ${s.turnsMax}; prompt tokens median ${s.promptMedian}, max ${s.promptMax}; input : output ${fmt(s.ioRatio, 0)} : 1; pauses × ${r.timeScale}. Model: the generated **${r.model}** model; PD is 1 prefill + ${r.decode} decode (\`--decode-policy cache_aware\`). Command: \`${flagsJoined(r.command)}\`.`,
     '',
     `Machine load (1/5/15-min) ${r.load.start.join(' / ')} at the start, ${r.load.end.join(' / ')} at the end, on ${r.load.cores} cores shared with other jobs: the figures are measured under that load.`,
     '',
