@@ -202,19 +202,24 @@ export function counterSum(text: string, name: string, labels = ''): number | un
 }
 
 /**
- * Evictions by cause in a worker's /metrics: `pdserve_cache_evictions_total{cause}` (each cause),
- * and the host prefix store's LRU evictions (`pdserve_prefix_store_evictions_total`) as cause
- * `prefix_store`; undefined when neither is served.
+ * Evictions by cause in a worker's /metrics: `pdserve_cache_evictions_total{tier,cause}` as
+ * `tier cause` (e.g. `sequence superseded`), zero when the counter is declared without samples;
+ * the host prefix store's own LRU counter (`pdserve_prefix_store_evictions_total`) as
+ * `prefix_store` where no `tier="store"` sample counts it already; undefined when neither is served.
  */
 export function evictionsOf(text: string): Record<string, number> | undefined {
-  let out: Record<string, number> | undefined;
+  let out: Record<string, number> | undefined = /^# TYPE pdserve_cache_evictions_total /m.test(text) ? {} : undefined;
+  let storeTier = false;
   for (const m of text.matchAll(/^pdserve_cache_evictions_total\{([^}]*)\} (\S+)$/gm)) {
     const cause = /cause="([^"]*)"/.exec(m[1]!)?.[1] ?? 'unknown';
+    const tier = /tier="([^"]*)"/.exec(m[1]!)?.[1];
+    if (tier === 'store') storeTier = true;
+    const k = tier ? `${tier} ${cause}` : cause;
     out ??= {};
-    out[cause] = (out[cause] ?? 0) + Number(m[2]);
+    out[k] = (out[k] ?? 0) + Number(m[2]);
   }
   const store = counterSum(text, 'pdserve_prefix_store_evictions_total');
-  if (store !== undefined) {
+  if (store !== undefined && !storeTier) {
     out ??= {};
     out.prefix_store = (out.prefix_store ?? 0) + store;
   }

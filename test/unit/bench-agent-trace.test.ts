@@ -190,8 +190,12 @@ describe('job-level metrics', () => {
     const router = 'pdserve_router_requests_by_path_total{path="pd"} 9\npdserve_router_requests_by_path_total{path="fallback"} 2\n';
     assert.equal(counterSum(router, 'pdserve_router_requests_by_path_total', 'path="fallback"'), 2);
     assert.equal(counterSum(router, 'pdserve_nothing_total'), undefined);
-    const worker = 'pdserve_cache_evictions_total{cause="lru"} 3\npdserve_cache_evictions_total{cause="superseded",role="decode"} 4\npdserve_prefix_store_evictions_total 1\n';
-    assert.deepEqual(evictionsOf(worker), { lru: 3, superseded: 4, prefix_store: 1 });
+    const worker = 'pdserve_cache_evictions_total{tier="sequence",cause="lru"} 3\npdserve_cache_evictions_total{tier="sequence",cause="superseded"} 4\npdserve_cache_evictions_total{cause="ttl_pressure"} 2\npdserve_prefix_store_evictions_total 1\n';
+    assert.deepEqual(evictionsOf(worker), { 'sequence lru': 3, 'sequence superseded': 4, ttl_pressure: 2, prefix_store: 1 });
+    // the store tier counted by the tiered counter: its own LRU counter is not added again
+    assert.deepEqual(evictionsOf('pdserve_cache_evictions_total{tier="store",cause="lru"} 5\npdserve_prefix_store_evictions_total 5\n'), { 'store lru': 5 });
+    // declared, nothing evicted yet: zero, not unknown
+    assert.deepEqual(evictionsOf('# HELP pdserve_cache_evictions_total x\n# TYPE pdserve_cache_evictions_total counter\n'), {});
     assert.equal(evictionsOf('pdserve_other 1\n'), undefined);
   });
 });
