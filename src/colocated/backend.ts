@@ -11,7 +11,7 @@ import type { Engine, Retention, Slot } from '../engine/types.js';
 import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { systemClock } from '../base/clock.js';
 import type { SequenceKvTracker } from '../worker/kv-tracker.js';
-import { hold, holdsEnabled } from '../runtime/testhooks.js';
+import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 
 /** A request being served, as shown in /debug/rooms (colocated has no rooms: path 'colocated'). */
 export interface ColocatedRunning {
@@ -44,6 +44,8 @@ export class ColocatedBackend {
     private readonly prefixMetrics?: PrefixCacheMetrics,
     /** The sequence tier of this server's KV events: a finished generation with a conversation key is noted (prompt + reply). */
     private readonly kvTracker?: SequenceKvTracker | null,
+    /** Test-only hold points (`decode.step` before each token); production: `noTestHooks`. */
+    private readonly testHooks: TestHooks = noTestHooks,
   ) {}
 
   get waiting(): number {
@@ -117,7 +119,7 @@ export class ColocatedBackend {
       const key = this.kvTracker ? body.conversation_key : undefined;
       const ids: number[] = [];
       for (;;) {
-        if (holdsEnabled) await hold('decode.step', signal);
+        if (this.testHooks.enabled) await this.testHooks.hold('decode.step', signal);
         const r = await g.next();
         if (r.done) {
           if (key && r.value !== 'abort') this.kvTracker!.noteFinished(key, [...tokens, ...ids], tokens.length, body.cache_salt);

@@ -33,6 +33,7 @@ import { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { conversationKey } from '../protocol/conversation-key.js';
 import { SendQueueWatch } from '../runtime/send-queue.js';
 import { bodyPending, registerBodyWatch } from '../api/body-watch.js';
+import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 import { SseError } from '../api/sse.js';
 
 /** A running colocated server. */
@@ -44,8 +45,8 @@ export interface ColocatedServer {
   close(): Promise<void>;
 }
 
-/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/responses(/{id}), /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin). */
-export async function startColocated(raw: unknown, log: Logger = createLogger('colocated')): Promise<ColocatedServer> {
+/** Load the engine and serve /v1/completions, /v1/chat/completions, /v1/responses(/{id}), /v1/models(/{id}), /tokenize, /detokenize, /health, /metrics (CORS for config.corsOrigin); `testHooks`: the test-only hold points (the CLI: `testHooksFromEnv()`). */
+export async function startColocated(raw: unknown, log: Logger = createLogger('colocated'), testHooks: TestHooks = noTestHooks): Promise<ColocatedServer> {
   const config: ColocatedConfig = parseConfig(ColocatedConfigSchema, raw);
   const schemaLimits = { ...DEFAULT_SCHEMA_LIMITS, maxNodes: config.schemaMaxNodes, maxEnumValues: config.schemaMaxEnumValues };
   const store = openPrefixStore(config.engine, '/dev/shm', { write: true, log });
@@ -62,12 +63,13 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   const kvEvents = new KvEventLog({ registry: metrics.registry });
   store?.onEvent((e) => kvEvents.publish(e));
   const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents) : null;
-  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics, kvTracker);
+  backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics, kvTracker, testHooks);
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
   // stalled and too-slow readers (../runtime/send-queue.ts): streams, n > 1, Responses and large non-streamed bodies
   const sendWatch = new SendQueueWatch({ deadlineMs: config.clientWriteDeadlineMs, maxBufferedBytes: config.clientMaxBufferedBytes }, { registry: metrics.registry });
   let access: Access | undefined;
   const app = createWorkerApp({
+    testHooks,
     log,
     registry: metrics.registry,
     modelNames: names,

@@ -17,7 +17,7 @@ import type { Clock } from '../base/clock.js';
 import type { Logger } from '../base/log.js';
 import type { TraceTags } from '../protocol/trace-tags.js';
 import { deferred, type Deferred } from '../worker/http.js';
-import { hold } from '../runtime/testhooks.js';
+import type { TestHooks } from '../runtime/testhooks.js';
 import type { WorkerMetrics } from '../runtime/metrics.js';
 import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
@@ -70,6 +70,8 @@ export interface DecodeEffectsOptions<C extends KvConn> {
   prefixMetrics: PrefixCacheMetrics;
   traces: TraceTags;
   log: Logger;
+  /** Test-only hold points (../runtime/testhooks.ts); production and the simulator: `noTestHooks`. */
+  testHooks: TestHooks;
 }
 
 /** The request a decode worker admits (parsed; a local plan already accepted). */
@@ -379,7 +381,7 @@ export class DecodeEffects<C extends KvConn> {
   private async dial(room: RoomId, addr: PrefillAddr): Promise<void> {
     const job = this.jobs.get(room);
     if (!job) return;
-    await hold('decode.register', job.ac.signal);
+    await this.o.testHooks.hold('decode.register', job.ac.signal);
     let conn: C;
     try {
       conn = await this.o.dial(job.host, job.port);
@@ -424,7 +426,7 @@ export class DecodeEffects<C extends KvConn> {
     const job = this.jobs.get(room);
     if (!job) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'kv_file without a request'), this.now));
     job.kvPath = 'same_host';
-    await hold('decode.take', job.ac.signal);
+    await this.o.testHooks.hold('decode.take', job.ac.signal);
     // The room over: the file stays prefill's (it deletes it, or the sweep once it is gone).
     const over = this.driver.proceed(room, 'take', this.now);
     if (over) return this.perform(over);
@@ -454,7 +456,7 @@ export class DecodeEffects<C extends KvConn> {
     const { room } = job;
     let held = false;
     try {
-      await hold('decode.load', job.ac.signal);
+      await this.o.testHooks.hold('decode.load', job.ac.signal);
       const over = this.driver.proceed(room, 'load', this.now);
       if (over) return this.perform(over);
       const { header, state, path } = await get();
@@ -484,7 +486,7 @@ export class DecodeEffects<C extends KvConn> {
     const job = this.jobs.get(room);
     if (!job?.local || !job.slot) return this.perform(this.driver.loadFailed(room, failure('internal_error', 'local prefill without a plan or slot'), this.now));
     try {
-      await hold('decode.local_prefill', job.ac.signal);
+      await this.o.testHooks.hold('decode.local_prefill', job.ac.signal);
       const over = this.driver.proceed(room, 'local_prefill', this.now);
       if (over) return this.perform(over);
       const start = await localPrefill(job.slot, job.local, job.ac.signal);

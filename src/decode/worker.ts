@@ -17,7 +17,7 @@ import { systemClock, systemTimers, type Clock, type Timers } from '../base/cloc
 import { createLogger, type Logger } from '../base/log.js';
 import { nodeStateFiles, sweepStaleStateFiles } from '../runtime/statefiles.js';
 import { StateSpace } from '../runtime/state-space.js';
-import { hold, holdsEnabled } from '../runtime/testhooks.js';
+import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 import { TraceTags } from '../protocol/trace-tags.js';
 import { roomsByState, WorkerMetrics } from '../runtime/metrics.js';
 import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
@@ -82,6 +82,8 @@ export class DecodeWorker {
     readonly clock: Clock = systemClock,
     /** The watchdog's and the state-file sweeps' timers. */
     readonly timers: Timers = systemTimers,
+    /** Test-only hold points (../runtime/testhooks.ts); production: `noTestHooks`. */
+    readonly testHooks: TestHooks = noTestHooks,
   ) {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
@@ -99,6 +101,7 @@ export class DecodeWorker {
     const sameHost = this.sameHost;
     this.space = new StateSpace(config.stateDir);
     this.effects = new DecodeEffects<PeerConn>({
+      testHooks,
       space: this.space,
       driver: this.driver,
       engine,
@@ -154,6 +157,7 @@ export class DecodeWorker {
     });
     this.edge = await serveWorkerEdge({
       role: 'decode',
+      testHooks: this.testHooks,
       engine: this.engine,
       epoch: this.epoch,
       config: c,
@@ -279,7 +283,7 @@ export class DecodeWorker {
     try {
       let finish: 'stop' | 'length' | 'abort' = 'abort';
       for (;;) {
-        if (holdsEnabled) await hold('decode.step', job.ac.signal);
+        if (this.testHooks.enabled) await this.testHooks.hold('decode.step', job.ac.signal);
         const r = await gen.next();
         if (r.done) {
           finish = r.value;
@@ -310,14 +314,14 @@ export class DecodeWorker {
   }
 }
 
-/** Load the engine, start the worker. */
-export async function startDecodeWorker(raw: unknown, log = createLogger('decode')): Promise<DecodeWorker> {
+/** Load the engine, start the worker. `testHooks`: the test-only hold points (the CLI: `testHooksFromEnv()`). */
+export async function startDecodeWorker(raw: unknown, log = createLogger('decode'), testHooks: TestHooks = noTestHooks): Promise<DecodeWorker> {
   const config = parseConfig(DecodeConfigSchema, raw);
   // Decode keeps finished sequences (prompt + reply KV) for decode-local continuation when on.
   const prefixCache = config.localPrefillMaxTokens > 0 ? prefixCacheOf(config.engine) : undefined;
   const store = prefixCache ? openPrefixStore(config.engine, config.stateDir, { write: true, maxFileBytes: config.maxStateBytes, log }) : undefined;
   const engine = await loadEngine({ ...config.engine, sequences: config.slots, ...(prefixCache ? { prefixCache } : {}), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
-  const w = new DecodeWorker(config, engine, log);
+  const w = new DecodeWorker(config, engine, log, undefined, undefined, testHooks);
   store?.registerMetrics(w.metrics.registry, (hit) => w.prefixMetrics.recordTier('store', hit));
   store?.onEvent((e) => w.kvEvents.publish(e));
   await w.start();

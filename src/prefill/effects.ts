@@ -19,7 +19,7 @@ import type { GenerateEvent, PrefillResponse } from '../protocol/worker-protocol
 import type { TraceTags } from '../protocol/trace-tags.js';
 import { deferred, type Deferred } from '../worker/http.js';
 import type { SequenceKvTracker } from '../worker/kv-tracker.js';
-import { hold } from '../runtime/testhooks.js';
+import type { TestHooks } from '../runtime/testhooks.js';
 import type { WorkerMetrics } from '../runtime/metrics.js';
 import type { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import type { StateFiles } from '../runtime/statefiles.js';
@@ -104,6 +104,8 @@ export interface PrefillEffectsOptions<C extends KvConn> {
   kvTracker: SequenceKvTracker | null;
   traces: TraceTags;
   log: Logger;
+  /** Test-only hold points (../runtime/testhooks.ts); production and the simulator: `noTestHooks`. */
+  testHooks: TestHooks;
 }
 
 /** The executor's record of one room: what the driver does not need (I/O handles, timings). */
@@ -358,7 +360,7 @@ export class PrefillEffects<C extends KvConn> {
     const signal = comp.ac.signal;
     let saveFailed = false;
     try {
-      await hold('prefill.compute', signal);
+      await this.o.testHooks.hold('prefill.compute', signal);
       const t0 = this.now;
       this.o.computeMetrics.computations.inc();
       this.o.computeMetrics.roomsPerComputation.observe(comp.rooms.length);
@@ -379,7 +381,7 @@ export class PrefillEffects<C extends KvConn> {
       }
       const holdFirst = firsts.length > 0 && firstTokenAfterSave(this.o.config.firstTokenAfterSave, this.lastSave, r.promptTokens, this.now - t0);
       if (!holdFirst) for (const send of firsts.splice(0)) send();
-      await hold('prefill.save', signal);
+      await this.o.testHooks.hold('prefill.save', signal);
       if (signal.aborted) return { ok: false, aborted: true };
       files.removeNow(path); // a streamed send reads the file as it grows: no stale bytes
       const tSave = this.now;
@@ -534,14 +536,14 @@ export class PrefillEffects<C extends KvConn> {
       const sent = await job.stream;
       if (!sent || job.ac.signal.aborted) return;
       this.perform(this.driver.transferSent(room));
-      await hold('prefill.send', job.ac.signal);
+      await this.o.testHooks.hold('prefill.send', job.ac.signal);
       if (job.ac.signal.aborted) return;
       if (!conn || !conn.sendControl({ type: 'kv_end', room, totalBytes: sent.totalBytes, crc: sent.crc })) failed('connection to decode is gone');
       return;
     }
     job.kvPath = path;
     if (job.kvPath === 'same_host') {
-      await hold('prefill.send', job.ac.signal);
+      await this.o.testHooks.hold('prefill.send', job.ac.signal);
       if (job.ac.signal.aborted) return;
       try {
         const link = join(config.stateDir, prefillStateName(this.o.pid, room));
@@ -575,7 +577,7 @@ export class PrefillEffects<C extends KvConn> {
       });
       // The room no longer needs the state: the last room to get here releases it (`discard`).
       this.perform(this.driver.transferSent(room));
-      await hold('prefill.send', job.ac.signal);
+      await this.o.testHooks.hold('prefill.send', job.ac.signal);
       if (job.ac.signal.aborted) return;
       conn.sendControl({ type: 'kv_end', room });
     } catch (err) {

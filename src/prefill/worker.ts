@@ -35,6 +35,7 @@ import { checkSampling, fitSampling, samplingFromWire, tokenizeRequestOffLoop } 
 import { TokenizerThread } from '../engine/tokenizer-thread.js';
 import { PrefillDriver } from './driver.js';
 import { PrefillEffects } from './effects.js';
+import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 import { answerWithFirstToken } from './first-token.js';
 import { answerRooms, ComputationMetrics } from './computation.js';
 
@@ -74,6 +75,8 @@ export class PrefillWorker {
     readonly tokenizer: TokenizerThread = new TokenizerThread(engine.info.modelPath),
     /** Monotonic time of every deadline, watchdog tick and elapsed figure; wall time for /debug/rooms dates. */
     readonly clock: Clock = systemClock,
+    /** Test-only hold points (../runtime/testhooks.ts); production: `noTestHooks`. */
+    readonly testHooks: TestHooks = noTestHooks,
   ) {
     this.driver = new PrefillDriver(
       {
@@ -100,6 +103,7 @@ export class PrefillWorker {
     const sameHost = this.sameHost;
     this.space = new StateSpace(config.stateDir);
     this.effects = new PrefillEffects<PeerConn>({
+      testHooks,
       space: this.space,
       driver: this.driver,
       config,
@@ -151,6 +155,7 @@ export class PrefillWorker {
     this.bootstrapPort = await this.kv.listen();
     this.edge = await serveWorkerEdge({
       role: 'prefill',
+      testHooks: this.testHooks,
       engine: this.engine,
       tokenize: true,
       epoch: this.epoch,
@@ -241,13 +246,13 @@ export class PrefillWorker {
   }
 }
 
-/** Load the engine, start the worker. */
-export async function startPrefillWorker(raw: unknown, log = createLogger('prefill')): Promise<PrefillWorker> {
+/** Load the engine, start the worker. `testHooks`: the test-only hold points (the CLI: `testHooksFromEnv()`). */
+export async function startPrefillWorker(raw: unknown, log = createLogger('prefill'), testHooks: TestHooks = noTestHooks): Promise<PrefillWorker> {
   const config = parseConfig(PrefillConfigSchema, raw);
   // prefill only reads the store: decode's finished prompt + reply states supersede its prompt-only ones
   const store = openPrefixStore(config.engine, config.stateDir, { write: false, maxFileBytes: config.maxStateBytes, log });
   const engine = await loadEngine({ ...config.engine, sequences: config.slots, prefixCache: prefixCacheOf(config.engine), ...(store ? { prefixStore: store } : {}), log: (level: string, msg: string) => log.debug({ level }, msg) });
-  const w = new PrefillWorker(config, engine, log);
+  const w = new PrefillWorker(config, engine, log, undefined, undefined, testHooks);
   store?.registerMetrics(w.metrics.registry, (hit) => w.prefixMetrics.recordTier('store', hit));
   store?.onEvent((e) => w.kvEvents.publish(e));
   await w.start();

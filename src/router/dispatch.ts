@@ -50,7 +50,7 @@ import type { SendQueueWatch } from '../runtime/send-queue.js';
 import { redactedForClient } from '../base/redact.js';
 import { DRAINING_CODE } from '../runtime/drain.js';
 import { systemClock } from '../base/clock.js';
-import { hold, holdsEnabled } from '../runtime/testhooks.js';
+import type { TestHooks } from '../runtime/testhooks.js';
 import { newRoomId, type RoomId } from '../base/room-id.js';
 import type { ChunkStream, GenerationSink } from '../api/generation.js';
 import type { Logger } from 'pino';
@@ -97,6 +97,8 @@ export interface DispatchContext {
   observe?: RequestObserver;
   /** Streaming clients' send queues (../runtime/send-queue.ts): one reading too slowly is cut. */
   sendWatch?: SendQueueWatch;
+  /** Test-only hold points (`router.dispatch`); production: `noTestHooks`. */
+  testHooks: TestHooks;
 }
 
 /**
@@ -243,7 +245,7 @@ export class PdRequest {
       () => this.finish('timeout', ApiError.of('timeout', `request timed out after ${config.requestTimeoutMs} ms`)),
       Math.max(0, this.client.deadlineAt - systemClock.nowMs()),
     );
-    if (holdsEnabled) await hold('router.dispatch');
+    if (this.ctx.testHooks.enabled) await this.ctx.testHooks.hold('router.dispatch');
     if (!this.over) {
       // Decode's request first: prefill waits for decode's `register` (which comes after decode has
       // read its request) before it evaluates, so decode's socket write is the one on the TTFT path.

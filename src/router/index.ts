@@ -28,7 +28,7 @@
 import { SendQueueWatch } from '../runtime/send-queue.js';
 import { bodyPending, registerBodyWatch } from '../api/body-watch.js';
 import { BUILD, protocolVersion } from '../base/version.js';
-import { registerHoldRoute } from '../runtime/testhooks.js';
+import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 import { systemClock } from '../base/clock.js';
 import { DrainGate } from '../runtime/drain.js';
 import { performance } from 'node:perf_hooks';
@@ -118,9 +118,11 @@ function makeLogger(config: RouterConfig): Logger {
 
 /**
  * Build the router (validates `raw` first), probe every worker once, start health polling.
+ * `testHooks`: the test-only hold points (`router.dispatch`, POST /debug/test-holds); production:
+ * `noTestHooks` (the CLI: `testHooksFromEnv()`).
  * @throws RouterConfigError on an invalid config.
  */
-export async function createRouter(raw: RouterConfigInput | RouterConfig): Promise<Router> {
+export async function createRouter(raw: RouterConfigInput | RouterConfig, testHooks: TestHooks = noTestHooks): Promise<Router> {
   const config = parseRouterConfig(raw);
   const schemaLimits = { ...DEFAULT_SCHEMA_LIMITS, maxNodes: config.schemaMaxNodes, maxEnumValues: config.schemaMaxEnumValues };
   const log = makeLogger(config);
@@ -155,6 +157,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
   const active = new Set<PdRequest>();
   const sendWatch = new SendQueueWatch({ deadlineMs: config.clientWriteDeadlineMs, maxBufferedBytes: config.clientMaxBufferedBytes }, { registry: metrics.registry });
   const ctx: DispatchContext = {
+    testHooks,
     sendWatch,
     config,
     registry,
@@ -315,7 +318,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
     return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : drain.draining ? 'draining' : 'unavailable', role: 'router', build: BUILD, protocol: protocolVersion(), models: registry.models(), prefill, decode, inflight: active.size });
   });
 
-  registerHoldRoute(app);
+  testHooks.registerRoute(app);
   registerDiagnostics(app, { registry, metrics, traces, series, inflight: () => active.size, selfUrl: () => selfUrl, dispatcher: controlAgent });
 
   // A supervisor that restarted a worker asks for an immediate probe (static membership's push;
@@ -409,8 +412,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig): Promi
 }
 
 /** createRouter + listen on config.host:config.port. */
-export async function startRouter(raw: RouterConfigInput | RouterConfig): Promise<RunningRouter> {
-  const r = await createRouter(raw);
+export async function startRouter(raw: RouterConfigInput | RouterConfig, testHooks: TestHooks = noTestHooks): Promise<RunningRouter> {
+  const r = await createRouter(raw, testHooks);
   try {
     await r.app.listen({ host: r.config.host, port: r.config.port });
   } catch (err) {

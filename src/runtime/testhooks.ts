@@ -1,9 +1,11 @@
 /**
  * Test-only pauses at named points of a request's path, so real-process tests can catch a
- * request in a chosen phase (e.g. abort while prefill is transferring). Off unless the
- * environment variable PDSERVE_TEST_HOLDS is set, e.g. `prefill.compute=50,decode.load=50`
- * (ms per point) or `on` (none yet). When set, every process also serves
- * `POST /debug/test-holds` (body: the same spec as text) to change them at run time.
+ * request in a chosen phase (e.g. abort while prefill is transferring). One port, `TestHooks`,
+ * is handed to every role and executor that has a hold point; production gets `noTestHooks`
+ * (nothing waits, no route). The CLI builds the port with `testHooksFromEnv()`: holds are on
+ * only when the environment variable PDSERVE_TEST_HOLDS is set, e.g.
+ * `prefill.compute=50,decode.load=50` (ms per point) or `on` (none yet); such a process also
+ * serves `POST /debug/test-holds` (body: the same spec as text) to change them at run time.
  * Never set it in production: it only adds latency.
  */
 export type HoldPoint =
@@ -26,6 +28,31 @@ export type HoldPoint =
   /** prefill: chunks sent, before KV_END (same host: before KV_FILE is sent). */
   | 'prefill.send';
 
+/** The hooks port: where a request may be held, and the route that changes the holds. */
+export interface TestHooks {
+  /** True when holds are on (logged at start-up; POST /debug/test-holds is served). */
+  readonly enabled: boolean;
+  /** The spec the port started with ('' when off), for the start-up log. */
+  readonly spec: string;
+  /**
+   * Wait the configured ms at `point` (resolves early when `signal` aborts, or when a new spec
+   * leaves the point out); resolves at once when the point has no hold.
+   */
+  hold(point: HoldPoint, signal?: AbortSignal): Promise<void>;
+  /** Register POST /debug/test-holds on a fastify app (nothing when off). */
+  registerRoute(app: { post(path: string, handler: (req: { body: unknown }) => Promise<unknown>): unknown }): void;
+}
+
+const resolved = Promise.resolve();
+
+/** The production port: no hold point waits, no route is served. */
+export const noTestHooks: TestHooks = Object.freeze({
+  enabled: false,
+  spec: '',
+  hold: () => resolved,
+  registerRoute: () => {},
+});
+
 function parseHolds(spec: string | undefined): Map<string, number> {
   const m = new Map<string, number>();
   for (const part of (spec ?? '').split(',')) {
@@ -36,57 +63,64 @@ function parseHolds(spec: string | undefined): Map<string, number> {
   return m;
 }
 
-let holds = parseHolds(process.env.PDSERVE_TEST_HOLDS);
-/** Requests waiting at a point now, so that a new spec without that point releases them. */
-const waiting = new Set<{ point: HoldPoint; release(): void }>();
+/** Holds on: each point waits the ms its spec gives it (at most 60 s), changeable at run time. */
+export class TestHolds implements TestHooks {
+  readonly enabled = true;
+  private holds: Map<string, number>;
+  /** Requests waiting at a point now, so that a new spec without that point releases them. */
+  private readonly waiting = new Set<{ point: HoldPoint; release(): void }>();
 
-/** True when PDSERVE_TEST_HOLDS is set (logged at start-up; enables POST /debug/test-holds). */
-export const holdsEnabled = (process.env.PDSERVE_TEST_HOLDS ?? '') !== '';
+  /** @param spec "point=ms,…" ('on' or '': on, no point held yet). */
+  constructor(readonly spec: string) {
+    this.holds = parseHolds(spec);
+  }
 
-/**
- * Replace every hold with `spec` ("point=ms,…"; '' clears). Requests waiting at a point the new
- * spec leaves out go on at once (a test releases what it caught as soon as it has looked);
- * those at a point it keeps wait out their own time. Ignored unless holdsEnabled.
- */
-export function setHolds(spec: string): void {
-  if (!holdsEnabled) return;
-  holds = parseHolds(spec);
-  for (const w of [...waiting]) if (!holds.has(w.point)) w.release();
+  /**
+   * Replace every hold with `spec` ("point=ms,…"; '' clears). Requests waiting at a point the new
+   * spec leaves out go on at once (a test releases what it caught as soon as it has looked);
+   * those at a point it keeps wait out their own time.
+   */
+  set(spec: string): void {
+    this.holds = parseHolds(spec);
+    for (const w of [...this.waiting]) if (!this.holds.has(w.point)) w.release();
+  }
+
+  /** Requests waiting now, by hold point (a test polls this to know its request reached a point). */
+  waitingAt(): Record<string, number> {
+    const out: Record<string, number> = {};
+    for (const w of this.waiting) out[w.point] = (out[w.point] ?? 0) + 1;
+    return out;
+  }
+
+  /** POST /debug/test-holds: sets the holds and answers the holds now set and the requests `waiting` at each point. */
+  registerRoute(app: { post(path: string, handler: (req: { body: unknown }) => Promise<unknown>): unknown }): void {
+    app.post('/debug/test-holds', async (req) => {
+      this.set(typeof req.body === 'string' ? req.body : String((req.body as { spec?: unknown } | null)?.spec ?? ''));
+      return { holds: Object.fromEntries(this.holds), waiting: this.waitingAt() };
+    });
+  }
+
+  hold(point: HoldPoint, signal?: AbortSignal): Promise<void> {
+    const ms = this.holds.get(point);
+    if (!ms || signal?.aborted) return resolved;
+    return new Promise((resolve) => {
+      const t = setTimeout(done, ms);
+      const entry = { point, release: done };
+      const waiting = this.waiting;
+      waiting.add(entry);
+      function done() {
+        clearTimeout(t);
+        waiting.delete(entry);
+        signal?.removeEventListener('abort', done);
+        resolve();
+      }
+      signal?.addEventListener('abort', done, { once: true });
+    });
+  }
 }
 
-/** Requests waiting now, by hold point (a test polls this to know its request reached a point). */
-function waitingAt(): Record<string, number> {
-  const out: Record<string, number> = {};
-  for (const w of waiting) out[w.point] = (out[w.point] ?? 0) + 1;
-  return out;
-}
-
-/** Register POST /debug/test-holds on a fastify app when holds are enabled; it answers the holds now set and the requests `waiting` at each point. */
-export function registerHoldRoute(app: { post(path: string, handler: (req: { body: unknown }) => Promise<unknown>): unknown }): void {
-  if (!holdsEnabled) return;
-  app.post('/debug/test-holds', async (req) => {
-    setHolds(typeof req.body === 'string' ? req.body : String((req.body as { spec?: unknown } | null)?.spec ?? ''));
-    return { holds: Object.fromEntries(holds), waiting: waitingAt() };
-  });
-}
-
-/**
- * Wait the configured ms at `point` (resolves early when `signal` aborts, or when `setHolds`
- * leaves the point out); no-op when unset.
- */
-export function hold(point: HoldPoint, signal?: AbortSignal): Promise<void> {
-  const ms = holds.get(point);
-  if (!ms || signal?.aborted) return Promise.resolve();
-  return new Promise((resolve) => {
-    const t = setTimeout(done, ms);
-    const entry = { point, release: done };
-    waiting.add(entry);
-    function done() {
-      clearTimeout(t);
-      waiting.delete(entry);
-      signal?.removeEventListener('abort', done);
-      resolve();
-    }
-    signal?.addEventListener('abort', done, { once: true });
-  });
+/** The port a process starts with: `TestHolds` when PDSERVE_TEST_HOLDS is set and not empty, else `noTestHooks`. */
+export function testHooksFromEnv(env: NodeJS.ProcessEnv = process.env): TestHooks {
+  const spec = env.PDSERVE_TEST_HOLDS ?? '';
+  return spec !== '' ? new TestHolds(spec) : noTestHooks;
 }

@@ -58,6 +58,7 @@ import { watchDriver, type WatchHost } from './watch.js';
 import { SIM_MAX_STATE_BYTES, SIM_STATE_DIR, SimDisk, SimEngine, simReceive, simSameHostOffer, simSameHostTake, simSender, simMetrics, type NodeCtx, type SimLease } from './ports.js';
 import { SIM_HEARTBEAT_MS, SimNet, type NetNode, type SimConn } from './net.js';
 import { FAULT_PROFILES, SIM_TIMEOUTS, type FaultProfile, type SimOptions, type SimResult, type SimStats, type TraceEntry } from './model.js';
+import { noTestHooks } from '../runtime/testhooks.js';
 
 
 // ---- internal model ---------------------------------------------------------------------------
@@ -583,6 +584,7 @@ export class World {
       // The shipped prefill driver and executor, with the worker's default bounds and one compute slot.
       const driver = watchDriver(this.watch, n, new PrefillDriver({ timeouts: this.timeouts, maxRooms: 1024, maxWaiting: 256, slots: 1, legacyMaxRule: this.legacy }, `${n.epoch}`));
       n.pe = new PrefillEffects<SimConn>({
+        testHooks: noTestHooks,
         ...common,
         driver,
         config: { stateDir: SIM_STATE_DIR, kvStream: false, firstTokenAfterSave: this.firstAfterSave, chunkBytes: 512, timeouts: this.timeouts },
@@ -601,6 +603,7 @@ export class World {
       // The shipped decode driver and executor, with the worker's default prealloc bound.
       const driver = watchDriver(this.watch, n, new DecodeDriver({ timeouts: this.timeouts, slots: this.nSlots, maxPrealloc: 256, maxStateBytes: SIM_MAX_STATE_BYTES, legacyMaxRule: this.legacy }, `${n.epoch}`));
       n.de = new DecodeEffects<SimConn>({
+        testHooks: noTestHooks,
         ...common,
         driver,
         engine: new SimEngine(ctx, this.disk, 'decode', this.nSlots),

@@ -17,7 +17,7 @@ import type { Server as TlsServer } from 'node:tls';
 import type { Engine } from '../engine/types.js';
 import type { ApiError } from '../base/errors.js';
 import { DrainGate } from '../runtime/drain.js';
-import { registerHoldRoute } from '../runtime/testhooks.js';
+import type { TestHooks } from '../runtime/testhooks.js';
 import type { Logger } from '../base/log.js';
 import { registerGpuMetrics } from '../runtime/gpu-metrics.js';
 import { describeGpu, gpuHealthOf } from '../engine/gpu.js';
@@ -55,6 +55,8 @@ export interface WorkerAppOptions {
   httpTimeouts?: Partial<HttpTimeouts>;
   /** The engine whose GPU offload is logged at start, reported in /health (`gpu`) and /metrics; default `engine`. */
   offload?: Engine;
+  /** Test-only hold points: when on, POST /debug/test-holds is served (../runtime/testhooks.ts); default `noTestHooks`. */
+  testHooks?: TestHooks;
 }
 
 const gates = new WeakMap<FastifyInstance, DrainGate>();
@@ -102,7 +104,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   registerModelRoute(app, () => [...o.modelNames], created);
   if (o.engine) registerTokenizeRoutes(app, o.engine, o.modelNames);
   registerCors(app, o.corsOrigins ?? []);
-  registerHoldRoute(app);
+  o.testHooks?.registerRoute(app);
   return app;
 }
 

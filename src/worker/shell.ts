@@ -18,7 +18,6 @@ import { systemTimers, type Timers } from '../base/clock.js';
 import { pairSettingsOf } from '../protocol/pair.js';
 import { parseRoomId } from '../base/room-id.js';
 import { startStateSweeper, sweepStaleStateFiles } from '../runtime/statefiles.js';
-import { holdsEnabled } from '../runtime/testhooks.js';
 import type { StateSpace } from '../runtime/state-space.js';
 import type { Engine } from '../engine/types.js';
 import type { RoomId } from '../kv/types.js';
@@ -150,7 +149,7 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     throw err;
   }
   let stopWatchdog: (() => void) | undefined = (o.timers ?? systemTimers).every(c.watchdogMs, o.tick);
-  if (holdsEnabled) o.log.warn({ holds: process.env.PDSERVE_TEST_HOLDS }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
+  if (o.testHooks?.enabled) o.log.warn({ holds: o.testHooks.spec }, 'PDSERVE_TEST_HOLDS is set: test-only pauses are active');
   return {
     app,
     url,
