@@ -23,9 +23,24 @@ import { reachGlobally, signGlobally } from '../security/http-auth.js';
 import { STORE_USER_FILE } from '../prefixes/prefix-store.js';
 import { processAlive } from '../runtime/statefiles.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../security/tls.js';
-import { secureKit, secureTestMode, type SecureKit } from './secure-mode.js';
 
 export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';
+
+/**
+ * Keys and PEM files that lock a cluster started without access or TLS options of its own: an
+ * API key and an admin key on the router and the colocated server, HTTPS on both with
+ * `pki.cert`/`pki.key`, and internal mutual TLS between the roles under `pki.ca`. The test
+ * harness's secure mode hands one in (test/helpers/secure-mode.ts); `pdserve up` never does
+ * (it has its own --api-key and TLS flags).
+ */
+export interface ClusterLock {
+  apiKey: string;
+  adminKey: string;
+  /** PEM paths (absolute), and the CA read, for this process's own calls. */
+  pki: { ca: string; cert: string; key: string; pem: { ca: Buffer } };
+  /** The key a request to `path` on the router or colocated server sends (the admin key on admin routes). */
+  keyFor(path: string): string;
+}
 
 export interface ClusterOptions {
   model: string;
@@ -80,6 +95,8 @@ export interface ClusterOptions {
    * TLS, mutual with a CA. This process reaches the workers with the same CA and certificate.
    */
   internalTls?: InternalTlsFiles;
+  /** Run locked with these keys and certificates (see `ClusterLock`); ignored when `access` or `internalTls` is given. */
+  lock?: ClusterLock;
   /** Per-process start deadline, ms. */
   startTimeoutMs?: number;
   /** Also start a colocated reference server. */
@@ -200,17 +217,16 @@ export class Cluster {
   private unsign?: () => void;
   private unreach?: () => void;
   private readonly unreachExtra: (() => void)[] = [];
-  /** Secure test mode's keys and CA (./secure-mode.ts), when it applies to this cluster. */
-  readonly kit: SecureKit | undefined;
+  /** The lock's keys and CA (`ClusterOptions.lock`), when it applies to this cluster. */
+  readonly kit: ClusterLock | undefined;
   readonly opts: ClusterOptions;
 
   /**
-   * With PDSERVE_TEST_SECURE=1 and neither `access` nor `internalTls` given, the cluster runs
-   * locked (./secure-mode.ts): API and admin keys, HTTPS on the router and the colocated server,
-   * internal mutual TLS.
+   * With `lock` and neither `access` nor `internalTls` given, the cluster runs locked: API and
+   * admin keys, HTTPS on the router and the colocated server, internal mutual TLS.
    */
   constructor(opts: ClusterOptions) {
-    this.kit = secureTestMode() && !opts.access && !opts.internalTls ? secureKit([...(opts.host ? [opts.host] : []), ...Object.values(opts.placement ?? {}).map((p) => p.host)]) : undefined;
+    this.kit = opts.lock && !opts.access && !opts.internalTls ? opts.lock : undefined;
     const k = this.kit;
     const tlsArgs = k ? ['--tls-cert', k.pki.cert, '--tls-key', k.pki.key] : [];
     this.opts = k
@@ -232,7 +248,7 @@ export class Cluster {
    */
   private envOf(role: ProcRole): Record<string, string> {
     const env: Record<string, string> = { PDSERVE_CLUSTER_SECRET: this.secret, PDSERVE_API_KEY: '', PDSERVE_ADMIN_API_KEY: '' };
-    // Secure test mode locks the colocated reference like the router.
+    // Locked: the colocated reference is locked like the router.
     if (role === 'router' || (role === 'colocated' && this.kit)) {
       if (this.access.apiKeys.length) env.PDSERVE_API_KEY = this.access.apiKeys.join(',');
       if (this.access.adminApiKeys.length) env.PDSERVE_ADMIN_API_KEY = this.access.adminApiKeys.join(',');
@@ -244,7 +260,7 @@ export class Cluster {
    * How a process of `role` started outside this cluster joins it (a second router over some of
    * its workers, a worker started by hand): `args` are the flags the cluster's own process of that
    * role gets for access and TLS (router: client TLS and internal TLS; workers: internal TLS;
-   * colocated: client TLS in secure test mode), `env` the cluster secret and, for a router, its
+   * colocated: client TLS when locked), `env` the cluster secret and, for a router, its
    * client keys (by environment, never argv), `scheme` the scheme of its url. Reach a router or
    * colocated server started so from this process with `reach(url)`.
    */
@@ -265,7 +281,7 @@ export class Cluster {
   /**
    * From now on this process's fetch() and undici calls to `url` (a router or colocated server
    * started with `joinerOf`) send the keys and trust the CA as they do for the cluster's own
-   * (secure test mode; a no-op otherwise). Undone by `stop()`, or earlier by the returned undo.
+   * (when locked; a no-op otherwise). Undone by `stop()`, or earlier by the returned undo.
    */
   reach(url: string): () => void {
     const k = this.kit;
@@ -347,7 +363,7 @@ export class Cluster {
     const router = this.proc('router', 0, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);
     this.procs.push(router);
     await this.spawnFirst(router, o.port === undefined || o.port === 0);
-    // Secure test mode: this process's calls to the client edges send the keys and trust the CA.
+    // Locked: this process's calls to the client edges send the keys and trust the CA.
     const k = this.kit;
     if (k) this.unreach = reachGlobally([router.url, ...(this.colocated ? [this.colocated.url] : [])], { bearer: k.keyFor, tls: { ca: k.pki.pem.ca } });
   }

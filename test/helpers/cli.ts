@@ -1,10 +1,10 @@
 /** Run the real `pdserve` CLI (bin/pdserve.js, built dist/) as a child process, with a deadline. */
 import { spawn } from 'node:child_process';
-import { secureKit, secureTestMode } from '../../src/up/secure-mode.js';
+import { secureKit, secureTestMode } from './secure-mode.js';
 
 /**
  * Run the real CLI (with `env` added to this process's environment); resolves with exit code and
- * output. In secure test mode (src/up/secure-mode.ts) `doctor` gets the admin key and the
+ * output. In secure test mode (./secure-mode.ts) `doctor` gets the admin key and the
  * CA and client certificate, unless the test gives TLS flags of its own.
  */
 export function cli(args: string[], timeoutMs = 20_000, env: Record<string, string> = {}): Promise<{ code: number | null; out: string; err: string; ms: number }> {

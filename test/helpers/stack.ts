@@ -9,7 +9,7 @@ import OpenAI from 'openai';
 import { after, before } from 'node:test';
 import { ensureModel } from '../../src/engine/gguf-writer.js';
 import { Cluster, type ClusterOptions } from '../../src/up/cluster.js';
-import { secureKit, secureTestMode } from '../../src/up/secure-mode.js';
+import { secureKit, secureTestMode } from './secure-mode.js';
 
 export const CTX = 1024;
 
@@ -22,7 +22,7 @@ export async function startStack(over: Partial<ClusterOptions> = {}): Promise<Cl
   const logDir = mkdtempSync(join(tmpdir(), 'pdserve-test-'));
   // Deterministic (batch-invariant) engines: greedy PD output must equal colocated output
   // token for token whatever else is running.
-  const c = new Cluster({ model: await tinyModel(), prefill: 1, decode: 1, ctxSize: CTX, batchSize: 128, decodeSlots: 8, colocated: true, deterministic: true, logDir, ...over });
+  const c = new Cluster({ model: await tinyModel(), prefill: 1, decode: 1, ctxSize: CTX, batchSize: 128, decodeSlots: 8, colocated: true, deterministic: true, logDir, ...secureLock(over), ...over });
   try {
     await c.start();
   } catch (err) {
@@ -30,6 +30,15 @@ export async function startStack(over: Partial<ClusterOptions> = {}): Promise<Cl
     throw err;
   }
   return c;
+}
+
+/**
+ * Secure test mode: the lock for a cluster started without access or TLS options of its own; its
+ * certificate names every address the cluster binds (`host`, `placement`).
+ */
+export function secureLock(over: Partial<ClusterOptions>): Pick<ClusterOptions, 'lock'> {
+  if (!secureTestMode() || over.access || over.internalTls) return {};
+  return { lock: secureKit([...(over.host ? [over.host] : []), ...Object.values(over.placement ?? {}).map((p) => p.host)]) };
 }
 
 /**
@@ -49,7 +58,7 @@ export function useStack(over: Partial<ClusterOptions> = {}): { c: Cluster; pd: 
   return h;
 }
 
-/** The API key a test client sends: secure test mode's (src/up/secure-mode.ts), else a placeholder the open cluster ignores. */
+/** The API key a test client sends: secure test mode's (./secure-mode.ts), else a placeholder the open cluster ignores. */
 export function apiKey(): string {
   return secureTestMode() ? secureKit().apiKey : 'none';
 }

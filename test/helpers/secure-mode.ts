@@ -1,22 +1,23 @@
 /**
  * Secure test mode (`PDSERVE_TEST_SECURE=1`, docs/TESTING.md): every cluster the harness starts
- * without access or TLS options of its own gets an API key, an admin key, client TLS on the
- * router and the colocated server, and internal mutual TLS between the roles, from one throwaway
- * CA made with openssl per test process (./test-pki.ts). The test clients (`Cluster.start`'s
+ * (./stack.ts) without access or TLS options of its own is handed this kit as its `lock`
+ * (src/up/cluster.ts `ClusterLock`): an API key, an admin key, client TLS on the router and the
+ * colocated server, and internal mutual TLS between the roles, from one throwaway CA made with
+ * openssl per test process (./tls.ts). The test clients (`Cluster.start`'s
  * process-wide dispatcher, the openai SDK helpers, the CLI helper) send the keys and trust the CA,
  * so a test written for an open cluster runs unchanged against a locked one.
  */
 import { rmSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
-import { accessClassOf } from '../api/access.js';
-import { makeTestPki, type TestPki } from './test-pki.js';
-import { ConfigError } from '../base/errors.js';
+import { accessClassOf } from '../../src/api/access.js';
+import type { ClusterLock } from '../../src/up/cluster.js';
+import { makeTestPki, type TestPki } from './tls.js';
 
 /** The environment variable that turns secure test mode on ('1'). */
 export const SECURE_TEST_ENV = 'PDSERVE_TEST_SECURE';
 
 /** The keys and PEM files of secure test mode (one set per process). */
-export interface SecureKit {
+export interface SecureKit extends ClusterLock {
   apiKey: string;
   adminKey: string;
   pki: TestPki;
@@ -46,7 +47,7 @@ export function secureTestMode(): boolean {
 export function secureKit(hosts: readonly string[] = []): SecureKit {
   if (kit) {
     const missing = hosts.filter((h) => !kit!.pki.hosts.includes(h));
-    if (missing.length) throw new ConfigError(`secure test mode: this process's certificate names ${kit.pki.hosts.join(', ')}, not ${missing.join(', ')}`);
+    if (missing.length) throw new Error(`secure test mode: this process's certificate names ${kit.pki.hosts.join(', ')}, not ${missing.join(', ')}`);
     return kit;
   }
   const pki = makeTestPki(hosts);
