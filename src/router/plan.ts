@@ -73,7 +73,7 @@ export interface Decision {
 
 /**
  * The plan (see the module doc). Its rules are methods so a test can plant a bug in one
- * (test/unit/sim.test.ts replaces `budgetAllows` or `inTime` on the prototype); every method is
+ * (test/unit/sim.test.ts replaces `budgetAllows`, `inTime` or `retry` on the prototype); every method is
  * pure.
  */
 export class AttemptPlan {
@@ -112,10 +112,20 @@ export class AttemptPlan {
     return UNREACHED_CODES.has(code) && s.unreached < this.maxUnreached ? { ...s, unreached: s.unreached + 1 } : { ...s, left: s.left - 1 };
   }
 
+  /** Run the request again from the start (the client has nothing yet): one re-dispatch spent. */
+  retry(s: PlanState, code: string): Decision {
+    return { next: 'retry', state: this.spend(s, code) };
+  }
+
+  /** Move the request with the output the client has to a new pair: one re-dispatch spent. */
+  migrate(s: PlanState, code: string): Decision {
+    return { next: 'migrate', state: this.spend(s, code) };
+  }
+
   /** The decision for a failed attempt `ev` of a request in state `s`. */
   next(s: PlanState, ev: PlanEvent): Decision {
     if (ev.code === 'needs_prefill' && ev.local && !ev.attemptOutput) return { next: 'fallback', state: s };
     if (!this.retryable(ev.code, ev.status) || !this.inTime(s, ev.now) || !this.budgetAllows(s, ev.code)) return { next: 'fail', state: s };
-    return { next: ev.output ? 'migrate' : 'retry', state: this.spend(s, ev.code) };
+    return ev.output ? this.migrate(s, ev.code) : this.retry(s, ev.code);
   }
 }

@@ -13,8 +13,10 @@
  * - every live room has a deadline and ends within a tick of it (`no_deadline`, `wedge`), none is
  *   live at the end (`stuck`), none is live after a router abort reached it (`ran_after_abort`),
  *   the rooms of a crashed peer fail within the heartbeat bound (`peer_loss_late`);
- * - the router's attempt plan: a request re-dispatched at most `migrationLimit` times
- *   (`over_budget`), never at or past its deadline (`late_attempt`).
+ * - the router's attempt plan: a request re-dispatched (retried or migrated) at most
+ *   `migrationLimit` times (`over_budget`), never at or past its deadline (`late_attempt`),
+ *   retried only while its client has nothing and migrated only when it has output
+ *   (`wrong_redispatch`).
  */
 import { stateName, type RoomTable } from '../kv/lifecycle.js';
 import { KVPoll, isTerminal, type RoomId } from '../kv/types.js';
@@ -35,6 +37,7 @@ export type ViolationKind =
   | 'misordered'
   | 'over_budget'
   | 'late_attempt'
+  | 'wrong_redispatch'
   | 'unfair_send'
   | 'blamed_peer'
   | 'exception';
@@ -132,10 +135,16 @@ export class Checks {
 
   // ---- the router's attempts ---------------------------------------------------------------
 
-  /** The router decided to re-dispatch `room`'s request as its `n`-th migration (limit `limit`), the request's deadline being `deadlineAt`. */
-  attempt(room: RoomId, n: number, limit: number, deadlineAt: number): void {
-    if (n > limit) this.violate({ kind: 'over_budget', room, detail: `migration ${n} of a request whose limit is ${limit}` });
-    if (this.w.now >= deadlineAt) this.violate({ kind: 'late_attempt', room, detail: `migration decided at t=${ms(this.w.now)}, at or past the request's deadline t=${ms(deadlineAt)}` });
+  /**
+   * The router decided to re-dispatch `room`'s request (`how`: retry from the start, or migrate
+   * with the client's output) as its `n`-th re-dispatch (limit `limit`), the request's deadline
+   * being `deadlineAt`; `output`: the client has output (a retry would send it twice, a
+   * migration without it would lose nothing to resume).
+   */
+  attempt(room: RoomId, how: 'retry' | 'migrate', n: number, limit: number, deadlineAt: number, output = how === 'migrate'): void {
+    if (n > limit) this.violate({ kind: 'over_budget', room, detail: `${how} ${n} of a request whose limit is ${limit}` });
+    if (this.w.now >= deadlineAt) this.violate({ kind: 'late_attempt', room, detail: `${how} decided at t=${ms(this.w.now)}, at or past the request's deadline t=${ms(deadlineAt)}` });
+    if ((how === 'retry') === output) this.violate({ kind: 'wrong_redispatch', room, detail: `${how} of a request whose client has ${output ? 'output' : 'nothing yet'}` });
   }
 
   // ---- resources ----------------------------------------------------------------------------

@@ -41,7 +41,7 @@ export interface RunSeedsResult {
   /** The result `until` matched, replayed with its trace. */
   matched?: SimResult;
   violationsByKind: Partial<Record<ViolationKind, number>>;
-  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; filesHeldToFirstStep: number; migrated: number; migratedSuccess: number; migratedAcross: number; twoDecodes: number; striped: number; stripeChunks: number; stripeHeld: number; stripeLost: number; freezes: number; ownStalls: number };
+  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; filesHeldToFirstStep: number; migrated: number; migratedSuccess: number; migratedAcross: number; retried: number; retriedSuccess: number; twoDecodes: number; striped: number; stripeChunks: number; stripeHeld: number; stripeLost: number; freezes: number; ownStalls: number };
   elapsedMs: number;
   seedsPerSec: number;
 }
@@ -53,7 +53,7 @@ export async function runSeeds(from: number, count: number, opts: RunSeedsOption
   const t0 = performance.now();
   const failures: SimResult[] = [];
   const byKind: Partial<Record<ViolationKind, number>> = {};
-  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
+  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, retried: 0, retriedSuccess: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
   const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, decodes: opts.decodes, kvStreams: opts.kvStreams, timeouts: opts.timeouts, migrationLimit: opts.migrationLimit, requestTimeoutMs: opts.requestTimeoutMs });

@@ -97,6 +97,9 @@ export interface SimStats {
   migratedSuccess: number;
   /** Migrations that went to the other decode worker (a world of two). */
   migratedAcross: number;
+  /** Requests run again from the start after a worker died before the client had output, and those whose retry completed. */
+  retried: number;
+  retriedSuccess: number;
   /** 1 when the world has two decode workers. */
   twoDecodes: number;
   /** 1 when the world's KV connections are striped over two sockets; chunk frames sent on the second; chunks the reassembly held for earlier bytes; stripe sockets lost. */

@@ -19,7 +19,8 @@
  *    (../router/plan.ts: the router's migration limit, the request's deadline) and, on
  *    `migrate`, move the request: a new room,
  *    the prompt plus the tokens the client has, dispatched to the other decode (a world of two)
- *    or again once decode is back. With two decodes, each request is paired with either, so P
+ *    or again once decode is back. A worker that dies before the client has a token makes the
+ *    router ask the same plan, and on `retry` run the request again from the start. With two decodes, each request is paired with either, so P
  *    holds rooms bound to both connections.
  *  - prefill: compute → state file saved → kv_begin, the chunks, kv_end — or, when the seed puts
  *    both on one host and decode's probe went through, one kv_file naming a link decode takes
@@ -112,9 +113,12 @@ interface Req {
   streaming?: number;
   /** The router's attempt plan for the request (../router/plan.ts), shared by its attempts: budget left and deadline. */
   plan: PlanState;
-  /** The request this one migrates (and the attempt that replaced this one). */
+  /** The attempt this one replaces (`via`: how the plan re-dispatched it), and the attempt that replaced this one. */
   parent?: Req;
+  via?: 'retry' | 'migrate';
   next?: Req;
+  /** The client aborted the request (the router never runs it again). */
+  clientAborted?: boolean;
 }
 
 /** A request's two legs: its prefill request (to P) and its decode request (to its decode node). */
@@ -125,6 +129,12 @@ const TICK_MS = 10;
 const REQUEST_TIMEOUT_MS = { long: 10_000, short: 200 } as const;
 /** The simulated decode's sampler: greedy, a few tokens. */
 const samplingOf = (r: Req): SamplingParams => ({ temperature: 0, topP: 1, topK: 0, maxTokens: 8, stop: [], ignoreEos: false, ...(r.resumed.length ? { resumed: r.resumed } : {}) });
+/** Re-dispatches before `req` (its chain of earlier attempts), plus the one being decided: the n-th re-dispatch of the request. */
+const attemptsBefore = (req: Req): number => {
+  let n = 1;
+  for (let r = req.parent; r; r = r.parent) n++;
+  return n;
+};
 const sameTokens = (a: readonly number[] | undefined, b: readonly number[]): boolean => !!a && a.length === b.length && a.every((x, i) => x === b[i]);
 
 /** Settles once every microtask queued so far, and every one those queue, has run (Node runs ticks only when the microtask queue is empty). */
@@ -144,7 +154,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly checks: Checks;
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, retried: 0, retriedSuccess: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
   private readonly crossAbort: boolean;
   /** The router's attempt plan (its default --migration-limit unless the options say otherwise). */
   private readonly plan: AttemptPlan;
@@ -459,6 +469,7 @@ export class World {
         this.at(when, () => {
           let cur = req;
           while (cur.next) cur = cur.next; // the client aborts its request, whichever attempt runs
+          cur.clientAborted = true;
           this.stats.aborts++;
           this.tr('R', cur.id, `client abort → ${targets.join('+')}`);
           for (const s of targets) this.routerAbort(cur, s, 'abort: router');
@@ -641,13 +652,16 @@ export class World {
         if (s.up && s.inc === inc) this.checks.peerLossBound(s.name, s.table, ids, n.name, bound);
       });
     }
-    // The router sees its HTTP connections to n reset; a request decode was streaming migrates.
+    // The router sees its HTTP connections to n reset and asks its attempt plan: a request decode
+    // was streaming migrates, one whose client has nothing yet runs again from the start.
     const leg = World.legOf(n);
     for (const req of [...this.byId.values()]) {
       if (this.nodeOf(req, leg) !== n || req.on[leg] !== n.inc || req.outcome[leg] !== undefined) continue;
       const streaming = leg === 'D' && req.streaming !== undefined;
+      const retry = !streaming && req.outcome.D === undefined && !req.next;
       this.routerSide(req, leg, 'Failed', streaming ? 'connection reset mid-stream' : 'connection reset');
       if (streaming) this.migrate(req, n, downMs);
+      else if (retry) this.retry(req, n, leg, downMs);
     }
     this.at(this.now + downMs, () => this.start(n));
   }
@@ -744,7 +758,8 @@ export class World {
       else this.stats.failed++;
       if (req.local && outcome === 'Success') this.stats.localSuccess++;
       if (req.group && outcome === 'Success') this.stats.groupedSuccess++;
-      if (req.parent && outcome === 'Success') this.stats.migratedSuccess++;
+      if (req.via === 'migrate' && outcome === 'Success') this.stats.migratedSuccess++;
+      if (req.via === 'retry' && outcome === 'Success') this.stats.retriedSuccess++;
     }
     this.tr('R', req.id, `${side} answered ${outcome} (${why})`);
     if (req.local) return; // no prefill leg to abort
@@ -765,20 +780,49 @@ export class World {
     const d = this.plan.next(req.plan, { code: 'decode_failed', status: 502, output: true, attemptOutput: true, local: false, now: this.now });
     this.tr('R', req.id, `attempt plan: ${d.next} (${d.state.left} of ${this.plan.migrationLimit} migrations left, deadline t=${req.plan.deadlineAt})`);
     if (d.next !== 'migrate') return;
-    let migrations = 1;
-    for (let r = req.parent; r; r = r.parent) migrations++;
-    this.checks.attempt(req.id, migrations, this.plan.migrationLimit, req.plan.deadlineAt);
+    this.checks.attempt(req.id, 'migrate', attemptsBefore(req), this.plan.migrationLimit, req.plan.deadlineAt);
     const sent = Array.from({ length: this.rng.int(1, 3) }, (_, k) => 9000 + req.resumed.length + k);
     let id = newRoomId(() => this.rng.u64());
     while (this.byId.has(id)) id = newRoomId(() => this.rng.u64());
     const dec = this.decodes.find((d) => d !== dead.name) ?? dead.name;
     const wait = dec === dead.name ? downMs : 0;
     if (dec !== dead.name) this.stats.migratedAcross++;
-    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + wait + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, dec, local: false, plan: d.state, parent: req };
+    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.m`, arrival: this.now + wait + this.rng.int(1, 30), prompt: req.prompt, resumed: [...req.resumed, ...sent], on: {}, outcome: {}, dec, local: false, plan: d.state, parent: req, via: 'migrate' };
     req.next = next;
     this.byId.set(id, next);
     this.stats.migrated++;
     this.tr('R', req.id, `decode ${dead.name} lost mid-stream after ${sent.length} token(s): migrating as ${next.label} (room ${id}) to ${dec}`);
+    const first: Leg = this.rng.chance(0.5) ? 'P' : 'D';
+    this.at(next.arrival, () => this.dispatch(next, first));
+    this.at(next.arrival + this.rng.int(0, 5), () => this.dispatch(next, first === 'P' ? 'D' : 'P'));
+  }
+
+  /**
+   * `req`'s attempt failed on `dead` (its `leg` reset by a crash) before decode streamed a token:
+   * the router asks its attempt plan (../router/plan.ts, the shipped one) with the client having
+   * nothing from this attempt, and on `retry` runs the request again from the start as a new
+   * attempt (a new room, the same prompt and the tokens earlier attempts gave the client) on the
+   * other decode, or once the dead node is back. A request the client aborted, a decode-local
+   * one and a choice-group room are not re-run (the model re-runs single PD requests). The
+   * plan's answer is judged by the checks: a retry only while the client has nothing, never more
+   * re-dispatches than the limit, never one at or past the deadline.
+   */
+  private retry(req: Req, dead: Node, leg: Leg, downMs: number): void {
+    if (req.local || req.group || req.clientAborted) return;
+    const output = req.resumed.length > 0;
+    const d = this.plan.next(req.plan, { code: leg === 'P' ? 'prefill_failed' : 'decode_failed', status: 502, output, attemptOutput: false, local: false, now: this.now });
+    this.tr('R', req.id, `attempt plan after ${dead.name} reset before any token: ${d.next} (${d.state.left} of ${this.plan.migrationLimit} re-dispatches left, deadline t=${req.plan.deadlineAt})`);
+    if (d.next !== 'retry' && d.next !== 'migrate') return;
+    this.checks.attempt(req.id, d.next, attemptsBefore(req), this.plan.migrationLimit, req.plan.deadlineAt, output);
+    let id = newRoomId(() => this.rng.u64());
+    while (this.byId.has(id)) id = newRoomId(() => this.rng.u64());
+    const dec = leg === 'D' ? (this.decodes.find((x) => x !== dead.name) ?? dead.name) : req.dec;
+    const wait = this.nodeOf(req, 'P') === dead || dec === dead.name ? downMs : 0;
+    const next: Req = { n: req.n, id, rid: req.rid, label: `${req.label}.r`, arrival: this.now + wait + this.rng.int(1, 30), prompt: req.prompt, resumed: req.resumed, on: {}, outcome: {}, dec, local: false, plan: d.state, parent: req, via: d.next };
+    req.next = next;
+    this.byId.set(id, next);
+    this.stats.retried++;
+    this.tr('R', req.id, `${dead.name} lost before any token: running again as ${next.label} (room ${id}) on ${dec}`);
     const first: Leg = this.rng.chance(0.5) ? 'P' : 'D';
     this.at(next.arrival, () => this.dispatch(next, first));
     this.at(next.arrival + this.rng.int(0, 5), () => this.dispatch(next, first === 'P' ? 'D' : 'P'));

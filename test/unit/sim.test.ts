@@ -178,7 +178,7 @@ test('the striped worlds run the shipped reassembly: a bypass planted in it is c
  * Plant a bug in one rule of the router's attempt plan (src/router/plan.ts, the object the worlds'
  * router asks) for the duration of `fn`.
  */
-async function withPlanted<K extends 'budgetAllows' | 'inTime'>(rule: K, bug: AttemptPlan[K], fn: () => Promise<void>): Promise<void> {
+async function withPlanted<K extends 'budgetAllows' | 'inTime' | 'retry'>(rule: K, bug: AttemptPlan[K], fn: () => Promise<void>): Promise<void> {
   const proto = AttemptPlan.prototype as unknown as Record<K, AttemptPlan[K]>;
   const shipped = proto[rule];
   proto[rule] = bug;
@@ -211,6 +211,29 @@ test("the worlds' router runs the shipped attempt plan: a migration after the re
     assert.ok((res.violationsByKind.late_attempt ?? 0) > 0, `late migrations found: ${JSON.stringify(res.violationsByKind)}`);
   });
   assert.equal((await runSeeds(FROM, 300, opts)).failures.length, 0);
+});
+
+test("the worlds' router asks the shipped attempt plan on retries too: a retry that spends no budget, or is answered as a migration, is caught", async () => {
+  // A worker dies under requests whose client has nothing yet: the router asks the plan, which
+  // answers `retry` (run again from the start) while the budget lasts.
+  const opts = { rooms: 12, migrationLimit: 1, log: null } as const;
+  const clean = await runSeeds(FROM, 300, opts);
+  assert.equal(clean.failures.length, 0, JSON.stringify(clean.failures.map((f) => f.violations[0])));
+  assert.ok(clean.totals.retried > 0 && clean.totals.retriedSuccess > 0, `retries ran and completed: ${clean.totals.retried} / ${clean.totals.retriedSuccess}`);
+  // The planted retry branch forgets to spend the budget: a request whose workers keep dying runs again past its limit.
+  await withPlanted('retry', function (this: AttemptPlan, s: PlanState) {
+    return { next: 'retry', state: s };
+  }, async () => {
+    const res = await runSeeds(FROM, 300, { ...opts, faults: 'harsh' });
+    assert.ok((res.violationsByKind.over_budget ?? 0) > 0, `over-budget retries found: ${JSON.stringify(res.violationsByKind)}`);
+  });
+  // The planted retry branch answers `migrate`: a migration of a request whose client has nothing.
+  await withPlanted('retry', function (this: AttemptPlan, s: PlanState, code: string) {
+    return this.migrate(s, code);
+  }, async () => {
+    const res = await runSeeds(FROM, 300, opts);
+    assert.ok((res.violationsByKind.wrong_redispatch ?? 0) > 0, `retries answered as migrations found: ${JSON.stringify(res.violationsByKind)}`);
+  });
 });
 
 test("the worlds' router takes the router's migration limit (no limit of its own)", () => {
