@@ -23,6 +23,7 @@ import { sendApiError } from './errors.js';
 import type { ParsedRequest } from './parse.js';
 import { SSE_DONE } from './respond.js';
 import { SseError, SseWriter } from './sse.js';
+import { bodyPending } from './body-watch.js';
 
 /** The client stream of a generation: SSE events and comments out (`SseWriter` is one). */
 export interface ChunkStream {
@@ -164,6 +165,20 @@ export class HttpSink implements GenerationSink {
   fail(err: ApiError): void {
     if (this.answered) return;
     void sendApiError(this.reply, err);
+  }
+
+  /**
+   * The handler's last word after `generate`: when nothing was sent (no response, no body still
+   * going out in slices: ./body-watch.ts), the client went before any response — the connection
+   * is destroyed, nothing is written. Returns the reply for fastify.
+   */
+  finish(): FastifyReply {
+    const { reply } = this;
+    if (!reply.sent && !bodyPending(reply)) {
+      reply.hijack();
+      if (!reply.raw.destroyed) reply.raw.destroy();
+    }
+    return reply;
   }
 }
 

@@ -32,7 +32,7 @@ import { registerKvEventsRoute } from '../worker/kv-events-route.js';
 import { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { conversationKey } from '../protocol/conversation-key.js';
 import { SendQueueWatch } from '../runtime/send-queue.js';
-import { bodyPending, registerBodyWatch } from '../api/body-watch.js';
+import { registerBodyWatch } from '../api/body-watch.js';
 import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 import { SseError } from '../api/sse.js';
 
@@ -151,13 +151,9 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
     if (subs) return serveFanOut(req, reply, kind, subs, port);
     const caller = callerOf(req);
     const parsed = port.parse(kind, req.body, caller);
-    await port.generate({ parsed, rid: newResponseId(kind, randomBytes(12).toString('hex')), caller, inProcess: false }, new HttpSink(reply, port.streams));
-    if (!reply.sent && !bodyPending(reply)) {
-      // Client gone before any response: nothing to send (a large body still going out in slices is sent: ../api/body-watch.ts).
-      reply.hijack();
-      if (!reply.raw.destroyed) reply.raw.destroy();
-    }
-    return reply;
+    const sink = new HttpSink(reply, port.streams);
+    await port.generate({ parsed, rid: newResponseId(kind, randomBytes(12).toString('hex')), caller, inProcess: false }, sink);
+    return sink.finish();
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));

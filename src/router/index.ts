@@ -26,7 +26,7 @@
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
 import { SendQueueWatch } from '../runtime/send-queue.js';
-import { bodyPending, registerBodyWatch } from '../api/body-watch.js';
+import { registerBodyWatch } from '../api/body-watch.js';
 import { BUILD, protocolVersion } from '../base/version.js';
 import { noTestHooks, type TestHooks } from '../runtime/testhooks.js';
 import { systemClock } from '../base/clock.js';
@@ -289,13 +289,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
       const caller = callerOf(request);
       const parsed = port.parse(kind, request.body, caller);
       const label = (request.body as { request_id?: unknown }).request_id;
-      await port.generate({ parsed, rid: String(request.id), caller, inProcess: false, ...(typeof label === 'string' ? { label } : {}) }, new HttpSink(reply, port.streams));
-      if (!reply.sent && !bodyPending(reply)) {
-        // Client gone before any response: nothing to send.
-        reply.hijack();
-        if (!reply.raw.destroyed) reply.raw.destroy();
-      }
-      return reply;
+      const sink = new HttpSink(reply, port.streams);
+      await port.generate({ parsed, rid: String(request.id), caller, inProcess: false, ...(typeof label === 'string' ? { label } : {}) }, sink);
+      return sink.finish();
     };
 
   app.post('/v1/completions', generation('completion'));

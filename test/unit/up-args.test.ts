@@ -39,6 +39,17 @@ test('prefill streams the state while llama.cpp saves it by default; `prefill --
   }
 });
 
+test('`up --client-write-deadline-ms` and `--client-max-buffered-bytes` reach its router', async () => {
+  const up = await parsed('up', ['--client-write-deadline-ms', '1234', '--client-max-buffered-bytes', '8M']);
+  const forwarded = upExtraArgs(up as unknown as Parameters<typeof upExtraArgs>[0]).router ?? [];
+  const router = await parsed('router', forwarded);
+  assert.equal(router.clientWriteDeadlineMs, 1234, forwarded.join(' '));
+  assert.equal(router.clientMaxBufferedBytes, 8 * 1024 * 1024, forwarded.join(' '));
+  const defaults = await parsed('router', upExtraArgs((await parsed('up', [])) as unknown as Parameters<typeof upExtraArgs>[0]).router ?? []);
+  const plain = await parsed('router', []);
+  assert.deepEqual([defaults.clientWriteDeadlineMs, defaults.clientMaxBufferedBytes], [plain.clientWriteDeadlineMs, plain.clientMaxBufferedBytes], "up's defaults are the router's");
+});
+
 test('`up --max-tool-calls N` reaches its router', async () => {
   const up = await parsed('up', ['--max-tool-calls', '3']);
   const forwarded = upExtraArgs(up as unknown as Parameters<typeof upExtraArgs>[0]).router ?? [];
