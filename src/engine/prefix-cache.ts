@@ -22,7 +22,10 @@
  * (`lru`, least recently used first); a state still inside its window (an agent's session
  * paused on a tool call: `retainUntil`, from the session TTL or the request's
  * `agent_hints.retention_seconds`) only when nothing else is left (`ttl_pressure`: lowest
- * `agent_hints.priority` first, then the nearest end of window). The window is soft, as in
+ * `agent_hints.priority` first, then the most recently used — the session that just finished a
+ * turn has just started its tool call, so its next turn is likely the farthest; the longest
+ * paused is the likeliest to return next, and taking it first is LRU's failure on sessions that
+ * take turns). The window is soft, as in
  * SGLang's `retention_seconds` and vLLM's session-hint RFC: it orders evictions and never fails
  * an allocation. A prefix held whole by one sequence and extended by two or more others that
  * diverge (a shared system prompt) is not superseded: it is the one copy a new session can
@@ -176,10 +179,10 @@ function retentionClass(s: CachedSequence, superseded: ReadonlySet<CachedSequenc
 
 const CAUSES: readonly EvictionCause[] = ['superseded', 'lru', 'ttl_pressure'];
 
-/** Within one class: LRU (classes 0, 1); lowest priority, then nearest window end, then LRU (class 2); then index. */
+/** Within one class: LRU (classes 0, 1); lowest priority, then most recently used (class 2, see the module doc); then index. */
 function withinClass(a: CachedSequence, b: CachedSequence, cls: 0 | 1 | 2): number {
   if (cls === 2) {
-    const d = (a.priority ?? 0) - (b.priority ?? 0) || (a.retainUntil ?? 0) - (b.retainUntil ?? 0);
+    const d = (a.priority ?? 0) - (b.priority ?? 0) || b.lastUsed - a.lastUsed;
     if (d !== 0) return d;
   }
   return a.lastUsed - b.lastUsed || a.index - b.index;
@@ -188,7 +191,7 @@ function withinClass(a: CachedSequence, b: CachedSequence, cls: 0 | 1 | 2): numb
 /**
  * Cached states of `idle` (empty ones left out) in the order they are evicted at `now` (any
  * monotonic ms, the clock of `lastUsed`), each with its cause: superseded, then past their
- * retention window (LRU), then inside it (see the module doc).
+ * retention window (LRU), then inside it (lowest priority, then most recently used: see the module doc).
  */
 export function evictionOrder<S extends CachedSequence>(idle: readonly S[], now: number, align: number | null): Eviction<S>[] {
   const sup = supersededStates(idle, align);

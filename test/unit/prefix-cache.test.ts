@@ -109,14 +109,14 @@ describe('retention rules', () => {
     assert.deepEqual([...supersededStates([sys, a, a2], null)].map((x) => x.index).sort(), [0, 1], 'a line, not a branch: both older states go first');
   });
 
-  it('idle-session TTL: inside its window a state goes only after every other one; then nearest end first (ttl_pressure)', () => {
+  it('idle-session TTL: inside its window a state goes only after every other one; then the most recently used first (ttl_pressure)', () => {
     const paused = s(0, [1, 1], 10, { retainUntil: 10 + 1000 }); // an agent's session on a tool call
     const oneOff = s(1, [2, 2], 500); // a newer request without a session
     const other = s(2, [3, 3], 20, { retainUntil: 20 + 5000 });
-    assert.deepEqual(order([paused, oneOff, other], 600), ['1:lru', '0:ttl_pressure', '2:ttl_pressure'], 'within TTL: the newer one-off goes first; under pressure the nearest window end');
+    assert.deepEqual(order([paused, oneOff, other], 600), ['1:lru', '2:ttl_pressure', '0:ttl_pressure'], 'within TTL: the newer one-off goes first; under pressure the session that paused last (its next turn is the farthest), not the longest paused');
     assert.deepEqual(order([paused, oneOff, other], 2000), ['0:lru', '1:lru', '2:ttl_pressure'], 'past its TTL: plain LRU takes it');
-    // priority (agent_hints.priority) inside the window: lower goes first, whatever the window end
-    assert.deepEqual(order([s(0, [1], 1, { retainUntil: 100, priority: 50 }), s(1, [2], 2, { retainUntil: 900, priority: 10 })], 50), ['1:ttl_pressure', '0:ttl_pressure']);
+    // priority (agent_hints.priority) inside the window: lower goes first, whatever the recency
+    assert.deepEqual(order([s(0, [1], 2, { retainUntil: 100, priority: 50 }), s(1, [2], 1, { retainUntil: 900, priority: 10 })], 50), ['1:ttl_pressure', '0:ttl_pressure']);
     // the budget follows the same order
     assert.deepEqual(evictionsForBudget([paused, oneOff, other], 4, 600).map((e) => `${e.seq.index}:${e.cause}`), ['1:lru']);
   });
@@ -138,7 +138,7 @@ describe('retention rules', () => {
     // its own next turn still reuses it inside the window
     const c5 = chooseSequence([paused, oneOff], [1, 2, 3, 4, 5, 6, 9], settings, undefined, undefined, now)!;
     assert.deepEqual([c5.seq.index, c5.reuse], [0, 6]);
-    // everything inside its window: the nearest end goes, keeping what the prompt shares with it
+    // everything inside its window: the most recently used goes, keeping what the prompt shares with it
     const c6 = chooseSequence([paused, s(1, [1, 2, 9, 9, 9, 9], 500, { retainUntil: 1500 })], [1, 2, 3, 4, 9, 9], settings, undefined, undefined, now)!;
     assert.deepEqual([c6.seq.index, c6.reuse, c6.evicts], [1, 2, 'ttl_pressure']);
     // a superseded state goes before a past-window one
