@@ -293,4 +293,30 @@ describe('prefix cache on the tiny model', () => {
       await e.dispose();
     }
   });
+
+  it('on the engine: a session state inside its window outlives a newer one-off; each slot records what it evicted and why; counted by cause', async () => {
+    const e = await loadEngine({ modelPath: model, contextSize: 512, batchSize: BATCH, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 4096, sessionTtlMs: 60_000 } });
+    try {
+      const go = async (prompt: number[], retention?: { session?: boolean; ttlMs?: number; priority?: number }) => {
+        const s = e.tryAcquireSlot(prompt, undefined, retention)!;
+        try {
+          const r = await s.prefill(prompt, greedy({ maxTokens: 2 }), never);
+          for await (const _t of s.generate(r.firstToken, greedy({ maxTokens: 2 }), never));
+          return { cached: r.cachedTokens, slot: s };
+        } finally {
+          s.release();
+        }
+      };
+      const session = e.tokenize('the agent reads the file and plans the change. '.repeat(4));
+      await go(session, { session: true });
+      await go(e.tokenize('one-off question number one about the weather. '.repeat(3)));
+      const second = await go(e.tokenize('one-off question number two about rivers and mills. '.repeat(3)));
+      assert.deepEqual(second.slot.evicted?.map((x) => [x.tier, x.cause]), [['sequence', 'lru']], 'the one-off state went, not the session');
+      const back = await go([...session, ...e.tokenize(' the tool returned ok.', false)], { session: true });
+      assert.ok(back.cached >= BATCH, `the session kept its state (${back.cached} cached)`);
+      assert.deepEqual(e.evictionStats?.().filter((x) => x.tier === 'sequence').map((x) => [x.cause, x.count]), [['lru', 1]]);
+    } finally {
+      await e.dispose();
+    }
+  });
 });
