@@ -61,6 +61,7 @@ import { Counter } from 'prom-client';
 import { createPolicy } from './policy/index.js';
 import { Picker } from './picker.js';
 import { KvEventConsumer } from './kv-events.js';
+import { LoadWatch } from './load-watch.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
@@ -150,6 +151,8 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
   // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.
   const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls);
+  // Other routers' load, as each worker counts it (./load-watch.ts): one long poll per worker.
+  const loads = new LoadWatch((url) => registry.workers.find((w) => w.url === url)?.load ?? 0, (base) => withCredentials(credentials, base), workerTls);
   const traces = new TraceStore();
   const series = new DashboardSeries();
   traces.onFinished = (_t, fields) => series.add(fields);
@@ -171,7 +174,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
     },
   };
   const pairs = new PairBlocks();
-  const picker = new Picker({ registry, policies, picks, kv, pairs, localPrefillMaxTokens: config.localPrefillMaxTokens });
+  const picker = new Picker({ registry, policies, picks, kv, pairs, localPrefillMaxTokens: config.localPrefillMaxTokens, othersLoad: (url) => loads.others(url) });
   const attemptDeps: AttemptDeps = { ctx, picker, active, closing: () => closing, waiting: { n: 0 } };
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
@@ -340,7 +343,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
     return { rid, aborted };
   });
 
-  app.get('/workers', async () => ({ workers: registry.snapshot(), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal, blocked_pairs: pairs.snapshot() }));
+  app.get('/workers', async () => ({ workers: registry.snapshot().map((w) => ({ ...w, others_load: loads.others(w.url) })), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal, blocked_pairs: pairs.snapshot() }));
 
   app.get('/metrics', async (_req, reply) => {
     const text = await metrics.registry.metrics();
@@ -350,15 +353,22 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   // A restarted worker's old handshake failures say nothing of the new process.
   registry.onRecovered = (w) => pairs.forget(w.url);
   // Workers that join later (etcd membership) are followed from their join; leaves are forgotten.
-  registry.onAdded = (w) => kv.follow(w);
+  registry.onAdded = (w) => {
+    kv.follow(w);
+    loads.follow(w.url);
+  };
   registry.onRemoved = (w) => {
     metrics.forgetWorker(w.url);
     kv.forget(w.url);
+    loads.forget(w.url);
     policies.prefill.forget?.(w.url);
     policies.decode.forget?.(w.url);
   };
   await registry.start();
-  for (const w of registry.workers) kv.follow(w);
+  for (const w of registry.workers) {
+    kv.follow(w);
+    loads.follow(w.url);
+  }
   // Membership on etcd (optional): the pool follows registrations, drains and lease expiries.
   let discovery: { stop(): Promise<void> } | null = null;
   if (config.discovery) {
@@ -369,6 +379,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
     } catch (err) {
       registry.stop();
       await kv.close();
+      await loads.close();
       await Promise.allSettled([dataAgent.destroy(), controlAgent.destroy()]);
       throw err;
     }
@@ -383,6 +394,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
       await discovery?.stop();
       registry.stop();
       await kv.close();
+      await loads.close();
       for (const r of [...active]) r.cancel();
       const settle = Promise.allSettled([...pending]);
       await Promise.race([settle, new Promise((r) => setTimeout(r, config.abortTimeoutMs + 100).unref())]);

@@ -14,6 +14,8 @@
  * | `prefill` | a fixed prefill (a choice group's, ./choices.ts): taken when it is a candidate |
  * | `local` | may the attempt go to decode alone (decode-local)? false for a choice of a group |
  *
+ * Load as the policies see it is this router's own in-flight count plus the other routers' as the
+ * workers report it (`othersLoad`, ./load-watch.ts).
  * A pair is chosen as ./pairing.ts `pickPair` does (prefill among those with a compatible decode,
  * then decode among that prefill's), through each role's policy (counted in
  * pdserve_router_policy_picks_total {role, policy, reason}) and the pair blocks of failed KV
@@ -76,6 +78,8 @@ export interface PickerDeps {
   pairs: PairBlocks;
   /** `--local-prefill-max-tokens` (0: never decode-local). */
   localPrefillMaxTokens: number;
+  /** Other routers' in-flight requests on a worker (./load-watch.ts `LoadWatch.others`); absent: this router's own count only. */
+  othersLoad?: (url: string) => number;
 }
 
 /** The router's picker: policies + KV events + pair blocks over the registry (see the module doc). */
@@ -103,11 +107,16 @@ export class Picker implements PairPicker {
       const rest = f.avoid?.size ? c.filter((w) => !f.avoid!.has(w)) : c;
       return rest.length ? rest : c;
     };
+    const others = this.d.othersLoad;
     const policy = (role: 'prefill' | 'decode') => (c: WorkerState[]): WorkerState | null => {
-      const p = policies[role].pick(avoiding(c), f.text, now, f.key, holds);
+      const cand = avoiding(c);
+      // Other routers' load on each worker (./load-watch.ts) counts as if it were this router's.
+      const views = others ? cand.map((w) => ({ ref: w, url: w.url, load: w.load + others(w.url), slots: w.slots, gpu: w.gpu })) : null;
+      const p = views ? policies[role].pick(views, f.text, now, f.key, holds) : policies[role].pick(cand, f.text, now, f.key, holds);
+      const worker = p ? ('ref' in p.worker ? p.worker.ref : p.worker) : null;
       if (p) this.d.picks.inc({ role, policy: policies[role].name, reason: p.reason });
-      if (role === 'decode') decodePick = p;
-      return p?.worker ?? null;
+      if (role === 'decode') decodePick = p && worker ? { ...p, worker } : null;
+      return worker;
     };
     const fixed = f.prefill;
     const pair = pickPair(registry, fixed ? (c) => (c.includes(fixed) ? fixed : null) : policy('prefill'), policy('decode'), (p, d) => pairs.usable(p.url, d.url));

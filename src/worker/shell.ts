@@ -21,6 +21,7 @@ import { startStateSweeper, sweepStaleStateFiles } from '../runtime/statefiles.j
 import type { StateSpace } from '../runtime/state-space.js';
 import type { Engine } from '../engine/types.js';
 import type { RoomId } from '../kv/types.js';
+import { registerLoadRoute } from './load-route.js';
 import { registerKvEventsRoute } from './kv-events-route.js';
 import type { HttpTimeouts } from '../runtime/http-timeouts.js';
 import { createWorkerApp, listenUrl, sendError, type WorkerAppOptions } from './http.js';
@@ -140,6 +141,7 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     return { ok: true };
   });
   registerKvEventsRoute(app, o.kvEvents);
+  registerLoadRoute(app, () => ({ rooms: o.liveRooms(), slots: e.info.sequences, slots_free: e.slotsFree() }));
   let url: string;
   try {
     url = await listenUrl(app, c.host, c.port);
