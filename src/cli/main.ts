@@ -309,6 +309,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--prefill <n>', 'prefill workers', positive, 1)
     .option('--decode <n>', 'decode workers', positive, 1)
     .option('--port <port>', 'router port', port, 8000)
+    .option('--routers <n>', 'routers in front of the same workers, on --port, --port+1, …; more than one shares load, admission and stored Responses through etcd (--discovery, else a local etcd is started: needs the etcd binary)', positive, 1)
     .option('--host <host>', 'bind address of every process', '127.0.0.1')
     .option('--decode-slots <n>', 'sequences per decode worker', positive, 8)
     .option('--cluster-secret-file <file>', 'file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET, else a random one); children get it by environment')
@@ -340,12 +341,12 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const { Cluster } = await import('../up/cluster.js');
       const { superviseAction, unexpectedExitLine } = await import('../up/supervise.js');
       try {
-        await assertPortFree(o.host, o.port);
+        for (let i = 0; i < o.routers; i++) await assertPortFree(o.host, o.port + i, i ? '--routers' : undefined);
         if (o.workerPortBase !== undefined) {
           const last = o.workerPortBase + 2 * o.prefill + o.decode - 1;
           if (last > 65535) throw new ConfigError(`--worker-port-base ${o.workerPortBase} leaves no room for ${2 * o.prefill + o.decode} worker ports (last would be ${last})`);
           for (let p = o.workerPortBase; p <= last; p++) {
-            if (p === o.port) throw new ConfigError(`--worker-port-base ${o.workerPortBase}: worker port ${p} is the router's --port`);
+            if (p >= o.port && p < o.port + o.routers) throw new ConfigError(`--worker-port-base ${o.workerPortBase}: worker port ${p} is a router's port (--port, --routers)`);
             await assertPortFree(o.host, p, '--worker-port-base');
           }
         }
@@ -355,7 +356,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, prefixStoreDir: o.prefixStoreDir, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, routers: o.routers, prefixStoreDir: o.prefixStoreDir, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
       let stopping = false;
       let madeSecretFile: string | null = null;
       const stop = async (code = 0) => {
@@ -382,7 +383,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       }
       const r = c.router.url;
       console.log(`pdserve is up (model ${model})`);
-      console.log(`  router    ${r}   (OpenAI API: ${r}/v1)`);
+      for (const p of c.byRole('router')) console.log(`  ${p.name.padEnd(9)} ${p.url}   (OpenAI API: ${p.url}/v1)`);
+      if (c.discovery && !o.discovery) console.log(`  etcd      ${c.discovery}   (started for the routers)`);
       for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(9)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
       console.log(`  logs      ${logDir}`);
       const secretGiven = !!(o.clusterSecret || o.clusterSecretFile || process.env.PDSERVE_CLUSTER_SECRET || process.env.PDSERVE_CLUSTER_SECRET_FILE);

@@ -158,6 +158,11 @@ export class DecodeDriver {
 
   // ---- queries ---------------------------------------------------------------------------------
 
+  /** Requests this worker holds now, in any step (waiting for a slot, receiving KV, generating): its load as GET /load reports it. */
+  get requests(): number {
+    return this.jobs.size;
+  }
+
   /** Queue name → entries: prealloc and transfer from room phases, running = generating, slots used. */
   queueSizes(): Record<string, number> {
     let prealloc = 0;

@@ -170,6 +170,7 @@ export class DecodeWorker {
         if (typeof q.prefill_pool === 'string') this.knownPrefills.learn(q.prefill_pool.split(','), this.clock.nowMs());
       },
       liveRooms: () => this.rooms.rooms().length,
+      requests: () => this.driver.requests,
       queues: () => this.queueSizes(),
       debugRooms: () => {
         const snap = this.rooms.snapshot(this.clock.nowMs(), this.clock.wallMs());

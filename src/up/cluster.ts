@@ -23,6 +23,7 @@ import { reachGlobally, signGlobally } from '../security/http-auth.js';
 import { STORE_USER_FILE } from '../prefixes/prefix-store.js';
 import { processAlive } from '../runtime/statefiles.js';
 import { internalClientOptions, internalTlsArgs, loadInternalTls, type InternalTlsFiles } from '../security/tls.js';
+import { startLocalEtcd, type LocalEtcd } from './etcd.js';
 
 export type ProcRole = 'prefill' | 'decode' | 'router' | 'colocated';
 
@@ -57,6 +58,12 @@ export interface ClusterOptions {
   drainTimeoutMs?: number;
   /** `--discovery etcd://HOST:PORT` of every process: workers register, the router watches. */
   discovery?: string;
+  /**
+   * Routers in front of the same workers (default 1): router 0 is named `router` and binds `port`,
+   * router i `router-i` on `port + i` (free ports when `port` is 0 or unset). More than one needs
+   * etcd: without `discovery` the cluster starts a local one (./etcd.ts).
+   */
+  routers?: number;
   /** With `discovery`: false = the router gets no --prefill/--decode flags (etcd is its only source). */
   staticWorkers?: boolean;
   /**
@@ -220,6 +227,10 @@ export class Cluster {
   /** The lock's keys and CA (`ClusterOptions.lock`), when it applies to this cluster. */
   readonly kit: ClusterLock | undefined;
   readonly opts: ClusterOptions;
+  /** `--discovery` of every process: the given one, or the local etcd's (`routers` > 1). */
+  discovery: string | undefined;
+  /** The etcd this cluster started (`routers` > 1 without `discovery`). */
+  private etcd: LocalEtcd | undefined;
 
   /**
    * With `lock` and neither `access` nor `internalTls` given, the cluster runs locked: API and
@@ -232,6 +243,7 @@ export class Cluster {
     this.opts = k
       ? { ...opts, access: { apiKeys: [k.apiKey], adminApiKeys: [k.adminKey], routerArgs: tlsArgs, tls: true }, internalTls: { cert: k.pki.cert, key: k.pki.key, ca: k.pki.ca }, extraArgs: { ...opts.extraArgs, colocated: [...tlsArgs, ...(opts.extraArgs?.colocated ?? [])] } }
       : opts;
+    this.discovery = opts.discovery;
     this.secret = opts.secret ?? randomBytes(24).toString('hex');
     this.host = opts.host ?? '127.0.0.1';
     this.access = { apiKeys: [...(this.opts.access?.apiKeys ?? [])], adminApiKeys: [...(this.opts.access?.adminApiKeys ?? [])] };
@@ -320,6 +332,10 @@ export class Cluster {
 
   async start(): Promise<void> {
     const o = this.opts;
+    if ((o.routers ?? 1) > 1 && !this.discovery) {
+      this.etcd = await startLocalEtcd({ host: this.host, dir: o.logDir ?? mkdtempSync(join(tmpdir(), 'pdserve-up-')), ports: () => freePort(this.host) });
+      this.discovery = this.etcd.uri;
+    }
     if (!this.storeDir) {
       const parent = existsSync('/dev/shm') ? '/dev/shm' : tmpdir();
       // the folders of clusters killed before they could remove theirs (the pid in the name says whose)
@@ -355,17 +371,22 @@ export class Cluster {
     // after the start, which may have moved a worker to other ports.
     const itls = loadInternalTls(o.internalTls);
     this.unsign = signGlobally(workers.filter((p) => p.role === 'prefill' || p.role === 'decode').map((p) => p.url), this.secret, itls ? internalClientOptions(itls) : undefined);
-    const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port;
-    const rargs = ['router', '--host', this.hostOf('router'), '--port', String(rport)];
-    const statics = !o.discovery || o.staticWorkers !== false;
-    for (const p of statics ? this.byRole('prefill') : []) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
-    for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
-    const router = this.proc('router', 0, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);
-    this.procs.push(router);
-    await this.spawnFirst(router, o.port === undefined || o.port === 0);
+    const statics = !this.discovery || o.staticWorkers !== false;
+    const routers: ClusterProc[] = [];
+    for (let i = 0; i < (o.routers ?? 1); i++) {
+      const name = i === 0 ? 'router' : `router-${i}`;
+      const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port + i;
+      const rargs = ['router', '--host', this.hostOf(name), '--port', String(rport)];
+      for (const p of statics ? this.byRole('prefill') : []) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
+      for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
+      const router = this.proc('router', i, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);
+      this.procs.push(router);
+      routers.push(router);
+    }
+    await Promise.all(routers.map((r) => this.spawnFirst(r, o.port === undefined || o.port === 0)));
     // Locked: this process's calls to the client edges send the keys and trust the CA.
     const k = this.kit;
-    if (k) this.unreach = reachGlobally([router.url, ...(this.colocated ? [this.colocated.url] : [])], { bearer: k.keyFor, tls: { ca: k.pki.pem.ca } });
+    if (k) this.unreach = reachGlobally([...routers.map((r) => r.url), ...(this.colocated ? [this.colocated.url] : [])], { bearer: k.keyFor, tls: { ca: k.pki.pem.ca } });
   }
 
   /**
@@ -397,8 +418,8 @@ export class Cluster {
 
   private proc(role: ProcRole, index: number, port: number, args: string[], bootstrapPort?: number): ClusterProc {
     if (this.opts.drainTimeoutMs !== undefined) args = [...args, '--drain-timeout-ms', String(this.opts.drainTimeoutMs)];
-    if (this.opts.discovery) args = [...args, '--discovery', this.opts.discovery];
-    const name = role === 'router' || role === 'colocated' ? role : `${role}-${index}`;
+    if (this.discovery) args = [...args, '--discovery', this.discovery];
+    const name = role === 'colocated' || (role === 'router' && index === 0) ? role : `${role}-${index}`;
     const itls = role !== 'colocated' ? this.opts.internalTls : undefined;
     args = [...args, ...internalTlsArgs(itls), ...(this.opts.extraArgsOf?.[name] ?? [])];
     return { role, index, name, port, bootstrapPort, url: `${this.schemeOf(role)}://${this.hostOf(name)}:${port}`, args, expectedDown: false, unexpectedExits: [] };
@@ -513,6 +534,7 @@ export class Cluster {
     await Promise.all(this.procs.filter((p) => p.role === 'router').map((p) => this.terminate(p, graceMs)));
     await Promise.all(this.procs.filter((p) => p.role !== 'router').map((p) => this.terminate(p, graceMs)));
     this.removeOwnStore();
+    await this.etcd?.stop();
   }
 
   /** Remove the prefix store folder this cluster made (none given to it); a store it was given stays. */
@@ -530,6 +552,7 @@ export class Cluster {
     this.stopping = true;
     await Promise.all(this.procs.map((p) => this.terminate(p, graceMs)));
     this.removeOwnStore();
+    await this.etcd?.stop();
     this.unsign?.();
     this.unreach?.();
     for (const undo of this.unreachExtra.splice(0)) undo();

@@ -2,7 +2,8 @@
  * `GET /load?after=SIG&wait_ms=W` on a worker: its load as the worker counts it, across every
  * router that sends it work — the routers' shared view of load (../router/load-watch.ts).
  *
- * Answer: `{ sig, rooms, slots, slots_free }`: `rooms` the live requests (rooms) on this worker,
+ * Answer: `{ sig, rooms, slots, slots_free }`: `rooms` the requests this worker holds in any step
+ * (decode: waiting for a slot, receiving KV or generating; prefill: its live rooms),
  * `slots`/`slots_free` its engine's sequence slots; `sig` names those values. When `after` equals
  * the current `sig` and `wait_ms` > 0 (at most MAX_LOAD_WAIT_MS), the answer waits until the load
  * changes or `wait_ms` passes (a long poll: a router learns of another router's pick within one

@@ -58,6 +58,8 @@ export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'en
   kvEvents: KvEventLog;
   /** Live rooms (/health `rooms`). */
   liveRooms(): number;
+  /** Requests held now in any step (GET /load `rooms`, the load routers share); default `liveRooms`. */
+  requests?(): number;
   /** Queue name → entries (/health, flattened). */
   queues(): Record<string, number>;
   /** The state directory's full condition: /health `degraded` while it holds, its metrics on the role's registry. */
@@ -141,7 +143,7 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     return { ok: true };
   });
   registerKvEventsRoute(app, o.kvEvents);
-  registerLoadRoute(app, () => ({ rooms: o.liveRooms(), slots: e.info.sequences, slots_free: e.slotsFree() }));
+  registerLoadRoute(app, () => ({ rooms: o.requests?.() ?? o.liveRooms(), slots: e.info.sequences, slots_free: e.slotsFree() }));
   let url: string;
   try {
     url = await listenUrl(app, c.host, c.port);

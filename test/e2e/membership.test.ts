@@ -1,8 +1,12 @@
 /**
  * Membership on etcd with real processes: a throwaway etcd on loopback, 1 prefill + 2 decode
  * workers registering under 2 s leases, and a router given NO worker flags (etcd is its only
- * source) whose health poll is slowed to 10 s, so everything asserted here comes from the watch:
+ * source) whose health poll is slowed to 10 s, so everything asserted here comes from the watch
+ * (a second router, `router-1`, watches the same etcd):
  * - the records carry role, URLs, bootstrap address, fingerprint, engine settings and load;
+ * - two routers (Cluster `routers: 2`) × 4 streams on two 4-slot decodes: each router counts the
+ *   other's streams (the workers' GET /load), so no request waits for a slot while the other
+ *   decode has one free and both decodes serve;
  * - a SIGKILLed worker restarted on its port is routable within 1 s of being ready;
  * - a SIGKILLed worker leaves the pool when its lease expires;
  * - `pdserve doctor --discovery` reads the same workers from etcd (with and without the router);
@@ -24,6 +28,9 @@ import { getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';
 
 const TTL_S = 2;
+/** Sequence slots per decode worker. */
+const SLOTS = 4;
+const HOLDS = 'decode.load=200';
 const missing = etcdBinary() === null;
 if (missing) {
   if (process.env.CI === 'true') throw new Error('etcd is not installed but CI=true: .ci/install-tools should have installed etcd-server');
@@ -34,9 +41,9 @@ let etcd: TestEtcd;
 let c: Cluster;
 let kv: Etcd3;
 
-async function completion(prompt: string, maxTokens = 8): Promise<{ status: number; text: string }> {
+async function completion(prompt: string, maxTokens = 8, base = c.router.url): Promise<{ status: number; text: string }> {
   try {
-    const r = await fetch(`${c.router.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(20_000) });
+    const r = await fetch(`${base}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt, max_tokens: maxTokens, temperature: 0, stream: true }), signal: AbortSignal.timeout(20_000) });
     return { status: r.status, text: await r.text() };
   } catch (err) {
     return { status: 0, text: String(err) };
@@ -64,10 +71,12 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
       colocated: false,
       prefill: 1,
       decode: 2,
+      decodeSlots: SLOTS,
+      routers: 2,
       discovery: etcd.uri,
       staticWorkers: false,
-      extraArgs: { prefill: ['--discovery-ttl-s', String(TTL_S)], decode: ['--discovery-ttl-s', String(TTL_S)], router: ['--health-interval-ms', '10000'] },
-      env: { PDSERVE_TEST_HOLDS: 'decode.load=200' },
+      extraArgs: { prefill: ['--discovery-ttl-s', String(TTL_S)], decode: ['--discovery-ttl-s', String(TTL_S)], router: ['--health-interval-ms', '10000', '--decode-policy', 'cache_aware'] },
+      env: { PDSERVE_TEST_HOLDS: HOLDS },
     });
   });
   after(async () => {
@@ -96,6 +105,52 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     for (let i = 0; i < 4; i++) assert.ok(ok(await completion(promptOf(24, i))), 'requests succeed');
     // every worker that joined through etcd has its KV event stream followed from the join
     assert.ok(await waitFor(async () => (await firstStreams()) === 3, 5000), `KV event streams: ${await firstStreams()} of 3`);
+  });
+
+  test('two routers × 4 streams on two decodes: no request waits for a slot while a decode has one free', async (t) => {
+    const routers = c.byRole('router');
+    const decodes = c.byRole('decode');
+    assert.equal(routers.length, 2);
+    for (const r of routers) assert.ok(await waitFor(async () => ((await getJson<any>(`${r.url}/workers`)).workers as any[]).filter((w) => w.healthy).length === 3, 5000), `${r.name} found all three`);
+    const holds = (spec: string) => Promise.all(decodes.map((d) => fetch(`${d.url}/debug/test-holds`, { method: 'POST', body: spec, signal: AbortSignal.timeout(2000) })));
+    await holds(`${HOLDS},decode.step=150`); // each stream generates for about 2.5 s
+    const samples: { rooms: number; slots: number }[][] = [];
+    let sampling = true;
+    const sampler = (async () => {
+      while (sampling) {
+        samples.push(await Promise.all(decodes.map(async (d) => getJson<{ rooms: number; slots: number }>(`${d.url}/load`))));
+        await new Promise((r) => setTimeout(r, 15));
+      }
+    })();
+    const results: Promise<{ status: number; text: string }>[] = [];
+    const lags: number[] = [];
+    // Decode load as router r sees it: its own in-flight requests plus the others' the workers report.
+    const seen = async (r: ClusterProc) => ((await getJson<any>(`${r.url}/workers`)).workers as any[]).filter((w) => w.role === 'decode').reduce((n, w) => n + w.load + w.others_load, 0);
+    try {
+      // Through A, B, A, B, …, each sent once both routers see every earlier stream (a pick within
+      // one round trip of another router's is the documented race, not this bar).
+      for (let i = 0; i < 8; i++) {
+        const t0 = Date.now();
+        assert.ok(await waitFor(async () => (await seen(routers[0]!)) >= i && (await seen(routers[1]!)) >= i, 3000, 10), `both routers see the ${i} streams sent so far`);
+        lags.push(Date.now() - t0);
+        results.push(completion(promptOf(24, 300 + 11 * i), 16, routers[i % 2]!.url));
+      }
+    } finally {
+      await Promise.allSettled(results);
+      sampling = false;
+      await sampler;
+      await holds(HOLDS);
+    }
+    t.diagnostic(`ms until both routers saw the streams sent before: ${lags.join(', ')}`);
+    assert.deepEqual((await Promise.all(results)).filter((r) => !ok(r)).map((r) => `${r.status} ${r.text.slice(0, 200)}`), [], 'every stream succeeds');
+    const slots = samples[0]![0]!.slots;
+    assert.equal(slots, SLOTS, 'each decode has SLOTS sequence slots');
+    // a request waits for a slot on a decode (its rooms exceed its slots) while the other has a free one
+    const waited = samples.filter((s) => s.some((x) => x.rooms > x.slots) && s.some((x) => x.rooms < x.slots));
+    const most = decodes.map((_, i) => Math.max(...samples.map((s) => s[i]!.rooms)));
+    t.diagnostic(`${samples.length} samples; most rooms per decode: ${most.join(', ')} (slots ${slots}); samples with a request waiting while a slot was free: ${waited.length}`);
+    assert.deepEqual(waited, [], 'no request waited for a slot while the other decode had one free');
+    assert.ok(most.every((n) => n > 0), `both decodes served (most rooms ${most.join(', ')})`);
   });
 
   test('pdserve doctor --discovery reads the same workers from etcd and finds nothing wrong', async () => {
