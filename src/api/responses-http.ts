@@ -72,22 +72,30 @@ export function registerResponsesRoutes<M>(app: FastifyInstance, o: ResponsesRou
   const notFound = (id: string) => ApiError.of('not_found', `Response with id '${id}' not found.`, 'id');
   // Each tenant (API key) sees its own stored responses only: another's id is unknown (404).
   app.get<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
-    const r = o.store.of(tenantOf(req)).get(req.params.id);
+    const mine = o.store.of(tenantOf(req));
+    await mine.load(req.params.id);
+    const r = mine.get(req.params.id);
     if (!r) throw notFound(req.params.id);
     return r.response;
   });
   app.get<{ Params: { id: string }; Querystring: InputItemsQuery }>('/v1/responses/:id/input_items', async (req) => {
-    const r = o.store.of(tenantOf(req)).get(req.params.id);
+    const mine = o.store.of(tenantOf(req));
+    await mine.load(req.params.id);
+    const r = mine.get(req.params.id);
     if (!r) throw notFound(req.params.id);
     return pageInputItems(r.input, req.query ?? {});
   });
   app.delete<{ Params: { id: string } }>('/v1/responses/:id', async (req) => {
-    if (!o.store.of(tenantOf(req)).delete(req.params.id)) throw notFound(req.params.id);
+    const mine = o.store.of(tenantOf(req));
+    await mine.load(req.params.id);
+    if (!mine.delete(req.params.id)) throw notFound(req.params.id);
     return { id: req.params.id, object: 'response', deleted: true };
   });
 
   app.post('/v1/responses', async (req: FastifyRequest, reply: FastifyReply) => {
     const mine = o.store.of(tenantOf(req));
+    const prev = (req.body as { previous_response_id?: unknown } | null)?.previous_response_id;
+    if (typeof prev === 'string') await mine.load(prev);
     const parsed = parseResponsesRequest(req.body, mine);
     checkModelName(parsed.chat.model as string | undefined, o.models());
     const size = Buffer.byteLength(JSON.stringify(parsed.chat));
@@ -163,7 +171,8 @@ export function registerResponsesRoutes<M>(app: FastifyInstance, o: ResponsesRou
       }
       const finalEvents = t.finish();
       const response = t.response();
-      if (parsed.store) mine.put(storedRecordOf(parsed, response, t.output));
+      // Several routers: the record is in the shared store before the client hears of it (bounded wait).
+      if (parsed.store && mine.put(storedRecordOf(parsed, response, t.output))) await mine.shared(response.id as string);
       if (writer) {
         await send(finalEvents).catch(() => {});
         (writer as ChunkStream).end();

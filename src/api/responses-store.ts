@@ -12,6 +12,22 @@
  */
 import { systemClock } from '../base/clock.js';
 
+/**
+ * A store shared by several routers (etcd: ../membership/router-state.ts): every record stored
+ * here is published, a deletion unpublished, and an id this store does not hold is fetched
+ * (read-through) before it counts as unknown.
+ */
+export interface SharedResponses {
+  /** Publish a stored record; settles once it is shared (or could not be: too large, the shared store unreachable). Never rejects. */
+  publishResponse(rec: StoredResponse): Promise<void>;
+  /** The record was deleted. */
+  unpublishResponse(id: string): void;
+  /** The record another router stored, or undefined (unknown, expired, or the shared store unreachable). Never rejects. */
+  fetchResponse(id: string): Promise<StoredResponse | undefined>;
+  /** Call `fn` with the id of every shared record deleted (through another router, or expired), so copies read through go too. */
+  onResponseDeleted(fn: (id: string) => void): void;
+}
+
 /** A chat message as the chat path takes it (OpenAI wire shape). */
 export interface WireChatMessage {
   role: 'system' | 'user' | 'assistant' | 'tool';
@@ -41,6 +57,10 @@ export interface StoredResponse {
 
 /** The store as one tenant sees it (`ResponseStore.of`): only its own records exist. */
 export interface ResponseStoreView {
+  /** Make `id` present when another router stored it (read-through; a no-op without a shared store). Never rejects. */
+  load(id: string): Promise<void>;
+  /** Settles once record `id` put here is shared with the other routers, or after SHARE_WAIT_MS (at once without a shared store). Never rejects. */
+  shared(id: string): Promise<void>;
   get(id: string): StoredResponse | undefined;
   item(itemId: string): Record<string, unknown> | undefined;
   delete(id: string): boolean;
@@ -55,6 +75,9 @@ export interface ResponseStoreLimits {
   /** A record older than this (ms) is gone. */
   maxAgeMs: number;
 }
+
+/** Longest a stored Response's answer waits for the record to be shared with the other routers, ms. */
+export const SHARE_WAIT_MS = 1000;
 
 /** Defaults: 10 000 responses, 64 MiB, 1 hour. */
 export const DEFAULT_RESPONSE_STORE_LIMITS: ResponseStoreLimits = { maxCount: 10_000, maxBytes: 64 << 20, maxAgeMs: 3_600_000 };
@@ -71,7 +94,30 @@ export class ResponseStore {
   constructor(
     readonly limits: ResponseStoreLimits = DEFAULT_RESPONSE_STORE_LIMITS,
     private readonly now: () => number = () => systemClock.nowMs(),
-  ) {}
+    /** Several routers: the store they share (see `SharedResponses`). */
+    private readonly shared?: SharedResponses,
+  ) {
+    shared?.onResponseDeleted((id) => this.delete(id));
+  }
+
+  /** Publications in flight: id → settles when shared. */
+  private readonly sharing = new Map<string, Promise<void>>();
+
+  /** See `ResponseStoreView.shared`. */
+  async whenShared(id: string): Promise<void> {
+    const p = this.sharing.get(id);
+    if (!p) return;
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([p, new Promise<void>((r) => (timer = setTimeout(r, SHARE_WAIT_MS)))]);
+    clearTimeout(timer);
+  }
+
+  /** Read-through (see `SharedResponses`): fetch `id` into this store when it is not here. Never rejects. */
+  async load(id: string): Promise<void> {
+    if (!this.shared || this.records.has(id)) return;
+    const r = await this.shared.fetchResponse(id);
+    if (r && !this.records.has(id)) this.putLocal(r);
+  }
 
   /** Stored responses now. */
   get size(): number {
@@ -90,6 +136,18 @@ export class ResponseStore {
    * A record larger than `maxBytes` by itself is not stored. Returns whether it was stored.
    */
   put(rec: Omit<StoredResponse, 'at'>): boolean {
+    const stored = this.putLocal(rec);
+    const r = this.records.get(rec.id);
+    if (stored && r && this.shared) {
+      const p = this.shared.publishResponse(r).finally(() => {
+        if (this.sharing.get(r.id) === p) this.sharing.delete(r.id);
+      });
+      this.sharing.set(r.id, p);
+    }
+    return stored;
+  }
+
+  private putLocal(rec: Omit<StoredResponse, 'at'>): boolean {
     this.delete(rec.id);
     if (rec.bytes > this.limits.maxBytes) return false;
     const r: StoredResponse = { ...rec, at: this.now() };
@@ -123,7 +181,14 @@ export class ResponseStore {
     return {
       get: (id) => this.get(id, owner),
       item: (id) => this.item(id, owner),
-      delete: (id) => (this.get(id, owner) ? this.delete(id) : false),
+      load: (id) => this.load(id),
+      shared: (id) => this.whenShared(id),
+      delete: (id) => {
+        if (!this.get(id, owner)) return false;
+        this.delete(id);
+        this.shared?.unpublishResponse(id);
+        return true;
+      },
       put: (rec) => this.put(owner === undefined ? rec : { ...rec, owner }),
     };
   }

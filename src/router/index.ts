@@ -180,6 +180,19 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(systemClock.wallMs() / 1000);
   let selfUrl = `${config.tls ? 'https' : 'http'}://${config.host}:${config.port}`;
+  // Several routers on one etcd share per-key admission, stored Responses and their presence (../membership/router-state.ts).
+  const shared = config.discovery
+    ? new (await import('../membership/router-state.js')).RouterState({
+        discovery: config.discovery,
+        url: () => selfUrl,
+        view: () => {
+          const age = loads.oldestMs();
+          return { workers: registry.workers.length, healthy: registry.workers.filter((w) => w.healthy).length, load_age_ms: Number.isFinite(age) && registry.workers.length ? Math.round(age) : null };
+        },
+        log,
+        responses: { maxBytes: config.responsesStore.maxBytes, maxAgeMs: config.responsesStore.maxAgeMs },
+      })
+    : null;
   let closing = false;
 
   const app = Fastify({
@@ -208,7 +221,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   registerOpenAIErrorHandling(app);
   // Keys first: an unauthenticated caller learns nothing, not even that the router drains.
   const access = registerAccess(app, { apiKeys: config.apiKeys, apiKeyFile: config.apiKeyFile, adminKeys: config.adminApiKeys, privateMetrics: config.privateMetrics }, metrics.registry, log);
-  registerAdmission(app, config.admission, metrics.registry);
+  registerAdmission(app, config.admission, metrics.registry, shared ?? undefined);
   const drain = new DrainGate('router');
   drain.install(app);
   // a large non-streamed body under the same send-queue watch as the streams (../api/body-watch.ts)
@@ -299,7 +312,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
 
   app.post('/v1/completions', generation('completion'));
   app.post('/v1/chat/completions', generation('chat'));
-  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore), models: () => registry.models(), bodyLimit: config.bodyLimit, port, registry: metrics.registry });
+  registerResponsesRoutes(app, { store: new ResponseStore(config.responsesStore, undefined, shared ?? undefined), models: () => registry.models(), bodyLimit: config.bodyLimit, port, registry: metrics.registry });
 
   app.get('/v1/models', async () => ({
     object: 'list',
@@ -376,7 +389,9 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
     const d = new EtcdDiscovery({ discovery: config.discovery, registry, log });
     try {
       await d.start();
+      await shared?.start();
     } catch (err) {
+      await d.stop();
       registry.stop();
       await kv.close();
       await loads.close();
@@ -392,6 +407,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
     (closed ??= (async () => {
       closing = true;
       await discovery?.stop();
+      await shared?.stop();
       registry.stop();
       await kv.close();
       await loads.close();
