@@ -6,6 +6,8 @@
  * (`membership: 'etcd_only' | 'router_only'`) for the diagnosis.
  */
 import { etcdClient, listMembers } from './etcd.js';
+import { listRouters } from './router-state.js';
+import { systemClock } from '../base/clock.js';
 import type { WorkerRef, WorkerSource } from '../observe/gather.js';
 import { PdError } from '../base/errors.js';
 
@@ -36,6 +38,15 @@ export function discoverySource(uri: string, routerUrl: string | null): WorkerSo
           if ((r.role === 'prefill' || r.role === 'decode') && typeof r.url === 'string' && !refs.some((x) => x.url === r.url)) refs.push({ role: r.role, url: r.url, router: { ...r, membership: 'router_only' } });
         }
         return refs;
+      } finally {
+        client.close();
+      }
+    },
+    async routers() {
+      const client = etcdClient(uri);
+      try {
+        const now = systemClock.wallMs();
+        return (await listRouters(client)).map((p) => ({ url: p.url, ageMs: Math.max(0, now - p.updated_at), view: p.view }));
       } finally {
         client.close();
       }

@@ -172,6 +172,9 @@ function hostOf(url: string): string {
 }
 
 /** The diagnosis of one snapshot (see the module doc). */
+/** A router's shared-state record or view older than this is stale, ms (it writes every second). */
+export const STALE_ROUTER_MS = 3000;
+
 export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagnosis {
   const slowMs = o.slowMs ?? 2000;
   const windowMs = o.windowMs ?? 300_000;
@@ -208,6 +211,12 @@ export function diagnose(snap: ClusterSnapshot, o: DiagnoseOptions = {}): Diagno
       next: [`curl -sS -m 3 ${router.url}/health`, 'check the router process (ps, its log) and the address/port'],
       weight: 1e12,
     });
+  }
+  // Several routers: one whose shared-state record or view is old is stale (hung, starved, or cut off from etcd or the workers).
+  for (const r of snap.routers ?? []) {
+    const why = r.ageMs > STALE_ROUTER_MS ? `it last wrote its state ${Math.round(r.ageMs)} ms ago (every second while alive)` : r.view.load_age_ms !== null && r.view.load_age_ms > STALE_ROUTER_MS ? `its load readings of the workers are ${r.view.load_age_ms} ms old` : snap.listed !== undefined && r.view.workers < snap.listed ? `it knows ${r.view.workers} of the ${snap.listed} workers etcd lists` : null;
+    if (!why) continue;
+    add({ severity: 'warning', kind: 'router_stale', title: `router ${r.url} has a stale view: ${why}`, details: [`workers ${r.view.workers}, healthy ${r.view.healthy}, load readings ${r.view.load_age_ms ?? '—'} ms old`], cause: 'the router process is hung or starved, or cannot reach etcd or the workers: its routing decisions use old state', next: [`curl -sS -m 3 ${r.url}/health`, `curl -sS -m 3 ${r.url}/workers`, 'check its log; restart it (its clients retry through the other routers)'], weight: 1e10, data: { url: r.url } });
   }
   if (router?.health.body?.status === 'draining') {
     add({ severity: 'warning', kind: 'draining', title: `router ${router.url} is draining: it refuses new requests`, details: [], cause: 'a graceful shutdown (SIGTERM) is under way', next: [`curl -sS ${router.url}/health`] });

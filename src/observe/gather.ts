@@ -73,9 +73,22 @@ export interface RouterProbe {
 }
 
 /** Everything gathered in one pass. */
+/** A router as its shared-state record says (several routers on etcd: ../membership/router-state.ts). */
+export interface RouterView {
+  url: string;
+  /** How long ago it last wrote its record, ms (it writes every second while alive). */
+  ageMs: number;
+  /** Workers in its pool, healthy ones, the age of its oldest load reading (ms; null: none). */
+  view: { workers: number; healthy: number; load_age_ms: number | null };
+}
+
 export interface ClusterSnapshot {
   /** When gathering started, ms since epoch (this process's clock). */
   at: number;
+  /** Several routers: each one's record (the source's `routers`); undefined when the source has none. */
+  routers?: RouterView[];
+  /** Workers the source lists (etcd's records), for comparing with each router's view. */
+  listed?: number;
   /** How long gathering took, ms. */
   gatherMs: number;
   /** Where the worker list came from (e.g. 'router http://…'). */
@@ -91,6 +104,8 @@ export interface WorkerSource {
   routerUrl: string | null;
   /** Workers to probe; may throw when the source itself is unreachable (recorded, not thrown, by `gather`). */
   list(router: RouterProbe | null): Promise<WorkerRef[]>;
+  /** The routers sharing this source (etcd), when it knows them; may throw (then left out). */
+  routers?(): Promise<RouterView[]>;
 }
 
 /** Largest body read per endpoint, bytes. */
@@ -218,5 +233,6 @@ export async function gather(source: WorkerSource, timeoutMs = 3000, dispatcher?
   const router = source.routerUrl ? await probeRouter(source.routerUrl, timeoutMs, dispatcher) : null;
   const refs = await source.list(router);
   const workers = await Promise.all(refs.map((r) => probeWorker(r, timeoutMs, dispatcher)));
-  return { at, gatherMs: Math.round(systemClock.nowMs() - t0), source: source.describe, router, workers };
+  const routers = source.routers ? await source.routers().catch(() => undefined) : undefined;
+  return { at, gatherMs: Math.round(systemClock.nowMs() - t0), source: source.describe, router, workers, ...(routers ? { routers, listed: refs.length } : {}) };
 }
