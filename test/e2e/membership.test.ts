@@ -7,6 +7,13 @@
  * - two routers (Cluster `routers: 2`) × 4 streams on two 4-slot decodes: each router counts the
  *   other's streams (the workers' GET /load), so no request waits for a slot while the other
  *   decode has one free and both decodes serve;
+ * - a Response stored through one router is read, continued (`previous_response_id`) and deleted
+ *   through the other;
+ * - router A SIGKILLed mid-run: every keyed next turn through B succeeds and goes to the decode
+ *   holding its cache (≥ 95 % of the sessions a decode holds, by its KV events); A restarted is
+ *   routable with the workers' load within 1 s of ready;
+ * - doctor --discovery names a router that stopped (SIGSTOP) as stale;
+ * - a per-key limit of 2 in flight holds across the two routers (last: it restarts them);
  * - a SIGKILLed worker restarted on its port is routable within 1 s of being ready;
  * - a SIGKILLed worker leaves the pool when its lease expires;
  * - `pdserve doctor --discovery` reads the same workers from etcd (with and without the router);
@@ -50,6 +57,29 @@ async function completion(prompt: string, maxTokens = 8, base = c.router.url): P
   }
 }
 const ok = (r: { status: number; text: string }) => r.status === 200 && /data: \[DONE\]/.test(r.text) && !/"error"/.test(r.text);
+/** POST JSON to `url`: status and body (null when not JSON); never rejects. */
+async function post(url: string, body: unknown, timeoutMs = 20_000): Promise<{ status: number; body: any }> {
+  try {
+    const r = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal: AbortSignal.timeout(timeoutMs) });
+    const text = await r.text();
+    let j: any = null;
+    try {
+      j = JSON.parse(text);
+    } catch {
+      j = { text };
+    }
+    return { status: r.status, body: j };
+  } catch (err) {
+    return { status: 0, body: { error: String(err) } };
+  }
+}
+/** One greedy chat round of session `user` through `base`. */
+const chat = (base: string, user: string, messages: { role: string; content: string }[]) => post(`${base}/v1/chat/completions`, { model: 'pdserve', messages, max_tokens: 6, temperature: 0, user });
+/** Decode picks of router `base` by reason. */
+const picks = async (base: string, reason: string): Promise<number> => {
+  const text = await (await fetch(`${base}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
+  return Number(new RegExp(`^pdserve_router_policy_picks_total\\{role="decode",policy="cache_aware",reason="${reason}"\\} (\\S+)$`, 'm').exec(text)?.[1] ?? 0);
+};
 const workers = async () => (await getJson<any>(`${c.router.url}/workers`)).workers as any[];
 const routable = async (url: string) => (await workers()).some((w) => w.url === url && w.healthy && !w.draining);
 const listed = async (url: string) => (await workers()).some((w) => w.url === url);
@@ -153,6 +183,95 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     assert.ok(most.every((n) => n > 0), `both decodes served (most rooms ${most.join(', ')})`);
   });
 
+  test('a Response stored through one router is read, continued and deleted through the other', async () => {
+    const [b, a] = c.byRole('router');
+    const first = await post(`${a!.url}/v1/responses`, { model: 'pdserve', input: promptOf(20, 500), max_output_tokens: 6, temperature: 0 });
+    assert.equal(first.status, 200, JSON.stringify(first.body));
+    const id = first.body.id as string;
+    const read = await getJson<any>(`${b!.url}/v1/responses/${id}`);
+    assert.equal(read.id, id, 'read through the other router');
+    assert.deepEqual(read.output, first.body.output, 'the same Response');
+    const next = await post(`${b!.url}/v1/responses`, { model: 'pdserve', previous_response_id: id, input: 'and then', max_output_tokens: 6, temperature: 0 });
+    assert.equal(next.status, 200, `previous_response_id through the other router: ${JSON.stringify(next.body)}`);
+    assert.ok(next.body.usage.input_tokens > first.body.usage.input_tokens, 'the continuation carries the first exchange');
+    assert.equal((await getJson<any>(`${a!.url}/v1/responses/${next.body.id}`)).id, next.body.id, 'and the continuation is read back through the first');
+    const del = await fetch(`${a!.url}/v1/responses/${id}`, { method: 'DELETE', signal: AbortSignal.timeout(2000) });
+    assert.equal(del.status, 200);
+    assert.ok(await waitFor(async () => (await fetch(`${b!.url}/v1/responses/${id}`, { signal: AbortSignal.timeout(2000) })).status === 404, 2000), 'deleted through one router: gone through the other');
+  });
+
+  test('router A SIGKILLed mid-run: keyed next turns through B reach the worker holding their cache, none fails; A restarted is routable with the shared state within 1 s', async (t) => {
+    const [b, a] = c.byRole('router');
+    const decodes = c.byRole('decode');
+    // 8 sessions: the two decodes keep up to 4 finished conversations each (--prefix-cache-slots);
+    // prompts of several deterministic chunks, so that a kept sequence counts as held
+    const N = 8;
+    const sessions = Array.from({ length: N }, (_, i) => ({ user: `mk-${i}`, messages: [{ role: 'user', content: promptOf(400, 700 + 13 * i) }] as { role: string; content: string }[] }));
+    // round 1 through A, four at a time
+    for (let i = 0; i < N; i += 4) {
+      const rs = await Promise.all(sessions.slice(i, i + 4).map((s) => chat(a!.url, s.user, s.messages)));
+      rs.forEach((r, k) => {
+        assert.equal(r.status, 200, JSON.stringify(r.body));
+        sessions[i + k]!.messages.push({ role: 'assistant', content: r.body.choices[0].message.content }, { role: 'user', content: 'go on' });
+      });
+    }
+    // mid-run: four next turns in flight through A when it is SIGKILLed (A's own clients see it fail)
+    await Promise.all(decodes.map((d) => fetch(`${d.url}/debug/test-holds`, { method: 'POST', body: `${HOLDS},decode.step=100`, signal: AbortSignal.timeout(2000) })));
+    const inflight = sessions.slice(0, 4).map((s) => chat(a!.url, s.user, s.messages));
+    await new Promise((r) => setTimeout(r, 300));
+    await c.kill(a!);
+    await Promise.allSettled(inflight);
+    await Promise.all(decodes.map((d) => fetch(`${d.url}/debug/test-holds`, { method: 'POST', body: HOLDS, signal: AbortSignal.timeout(2000) })));
+    // sessions a decode holds now, by its own KV events
+    const heldKeys = new Set<string>();
+    for (const d of decodes) for (const e of ((await getJson<any>(`${d.url}/kv_events?after=-1`)).snapshot ?? []) as { tier: string; key: string }[]) if (e.tier === 'sequence') heldKeys.add(e.key);
+    const held0 = await picks(b!.url, 'held');
+    const rs = await Promise.all(sessions.map((s) => chat(b!.url, s.user, s.messages)));
+    const held = (await picks(b!.url, 'held')) - held0;
+    const failed = rs.filter((r) => r.status !== 200).map((r) => `${r.status} ${JSON.stringify(r.body).slice(0, 200)}`);
+    t.diagnostic(`${N} next turns through B after A was killed: ${N - failed.length} ok, ${held} sent to the decode holding their cache, of ${heldKeys.size} sessions a decode held`);
+    assert.deepEqual(failed, [], 'no next turn through B failed');
+    assert.ok(heldKeys.size >= 3, `decodes held ${heldKeys.size} of ${N} sessions`);
+    assert.ok(held >= Math.ceil(0.95 * heldKeys.size), `${held} of ${heldKeys.size} held sessions reached their worker (≥ 95 %)`);
+    // A comes back: routable, with the workers' load and the other routers' shards, within 1 s of ready
+    await c.spawn(a!);
+    const t0 = Date.now();
+    assert.ok(
+      await waitFor(async () => {
+        const ws = (await getJson<any>(`${a!.url}/workers`)).workers as any[];
+        const me = Object.values(await kv.getAll().prefix('pdserve/v1/routers/').strings()).map((v) => JSON.parse(v)).find((p) => p.url === a!.url);
+        return ws.filter((w) => w.healthy).length === 3 && me?.view.load_age_ms !== null && me?.view.load_age_ms !== undefined;
+      }, 3000, 10),
+      'restarted router routable with load readings',
+    );
+    const ms = Date.now() - t0;
+    t.diagnostic(`restarted router A routable with shared state ${ms} ms after ready`);
+    assert.ok(ms < 1000, `routable ${ms} ms after ready`);
+    const heldA = await picks(a!.url, 'held');
+    const again = await Promise.all(sessions.slice(4, 8).map((s) => chat(a!.url, s.user, s.messages)));
+    assert.deepEqual(again.map((r) => r.status), [200, 200, 200, 200]);
+    t.diagnostic(`then through A: ${(await picks(a!.url, 'held')) - heldA} of 4 next turns sent to a decode holding their cache`);
+  });
+
+  test('doctor --discovery names a router whose view is stale', async () => {
+    const [, a] = c.byRole('router');
+    c.signal(a!, 'SIGSTOP');
+    try {
+      await new Promise((r) => setTimeout(r, 3500));
+      const d = await cli(['doctor', '--discovery', etcd.uri, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
+      const j = JSON.parse(d.out) as { findings: { kind: string; title: string }[] };
+      const stale = j.findings.filter((f) => f.kind === 'router_stale');
+      assert.equal(stale.length, 1, JSON.stringify(j.findings));
+      assert.ok(stale[0]!.title.includes(a!.url), `the stopped router is named: ${stale[0]!.title}`);
+    } finally {
+      c.signal(a!, 'SIGCONT');
+    }
+    assert.ok(await waitFor(async () => {
+      const d = await cli(['doctor', '--discovery', etcd.uri, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
+      return !(JSON.parse(d.out) as { findings: { kind: string }[] }).findings.some((f) => f.kind === 'router_stale');
+    }, 8000, 200), 'fresh again once it runs');
+  });
+
   test('pdserve doctor --discovery reads the same workers from etcd and finds nothing wrong', async () => {
     const both = await cli(['doctor', '--discovery', etcd.uri, '--url', c.router.url, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
     const j = JSON.parse(both.out) as { exit_code: number; source: string; summary: string; findings: { kind: string; severity: string }[] };
@@ -250,5 +369,31 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     t.diagnostic(`${results.length} requests under load during the drain, ${results.filter((r) => !ok(r)).length} failed`);
     assert.ok(results.length >= 8, `load ran (${results.length})`);
     assert.deepEqual(results.filter((r) => !ok(r)).map((r) => `${r.status} ${r.text.slice(0, 200)}`), [], 'no request failed');
+  });
+  test('a per-key limit of 2 in flight holds across the two routers', async (t) => {
+    const routers = c.byRole('router');
+    const [b, a] = routers;
+    for (const r of routers) {
+      await c.kill(r);
+      r.args.push('--key-max-concurrent', '2');
+      await c.spawn(r);
+    }
+    const d = c.byRole('decode').find((x) => x.child && x.child.exitCode === null)!;
+    const shards = async () => Object.values(await kv.getAll().prefix('pdserve/v1/admission/').strings()).reduce((n, v) => n + (JSON.parse(v).inflight as number), 0);
+    await fetch(`${d.url}/debug/test-holds`, { method: 'POST', body: `${HOLDS},decode.step=150`, signal: AbortSignal.timeout(2000) });
+    try {
+      // two in flight through A (the same client key: this process's address)
+      const long = [0, 1].map((i) => completion(promptOf(20, 900 + i), 16, a!.url));
+      assert.ok(await waitFor(async () => (await shards()) === 2, 5000, 10), 'A published its shard: 2 in flight');
+      const more = await Promise.all([completion(promptOf(20, 910), 4, b!.url), completion(promptOf(20, 911), 4, b!.url), completion(promptOf(20, 912), 4, a!.url)]);
+      t.diagnostic(`while 2 were in flight through A: ${more.map((r) => r.status).join(', ')} (B, B, A)`);
+      assert.deepEqual(more.map((r) => r.status), [429, 429, 429], 'a third request of the key is refused through either router');
+      assert.match(more[0]!.text, /across the routers/);
+      assert.ok((await Promise.all(long)).every(ok), 'the two admitted ones finish');
+      assert.ok(await waitFor(async () => (await shards()) === 0, 5000, 10), 'and their shard says 0');
+      assert.ok(ok(await completion(promptOf(20, 913), 4, b!.url)), 'then the key is admitted through B again');
+    } finally {
+      await fetch(`${d.url}/debug/test-holds`, { method: 'POST', body: HOLDS, signal: AbortSignal.timeout(2000) });
+    }
   });
 });
