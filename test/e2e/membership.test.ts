@@ -13,6 +13,8 @@
  *   holding its cache (≥ 95 % of the sessions a decode holds, by its KV events); A restarted is
  *   routable with the workers' load within 1 s of ready;
  * - doctor --discovery names a router that stopped (SIGSTOP) as stale;
+ * - behind nginx (OPERATIONS.md's config) with router A SIGKILLed under load, the openai SDK's own
+ *   retries carry A's cut requests to B: 0 failed (skipped loudly without nginx; fails under CI=true);
  * - a per-key limit of 2 in flight holds across the two routers (last: it restarts them);
  * - a SIGKILLed worker restarted on its port is routable within 1 s of being ready;
  * - a SIGKILLed worker leaves the pool when its lease expires;
@@ -33,6 +35,8 @@ import { MEMBER_PREFIX, memberKey, parseMemberRecord } from '../../src/membershi
 import { etcdBinary, startEtcd, type TestEtcd } from '../helpers/etcd.js';
 import { getJson, promptOf, startStack, waitFor } from '../helpers/stack.js';
 import { cli } from '../helpers/cli.js';
+import OpenAI from 'openai';
+import { nginxBinary, startNginx } from '../helpers/nginx.js';
 
 const TTL_S = 2;
 /** Sequence slots per decode worker. */
@@ -42,6 +46,12 @@ const missing = etcdBinary() === null;
 if (missing) {
   if (process.env.CI === 'true') throw new Error('etcd is not installed but CI=true: .ci/install-tools should have installed etcd-server');
   console.error('\n*** SKIPPED: etcd is not installed here (apt-get install etcd-server; .ci/install-tools does it). Membership tests did NOT run. ***\n');
+}
+
+const noNginx = !missing && nginxBinary() === null;
+if (noNginx) {
+  if (process.env.CI === 'true') throw new Error('nginx is not installed but CI=true: .ci/install-tools should have installed nginx-light');
+  console.error('\n*** SKIPPED: nginx is not installed here (apt-get install nginx-light; .ci/install-tools does it). The load-balancer test did NOT run. ***\n');
 }
 
 let etcd: TestEtcd;
@@ -270,6 +280,57 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
       const d = await cli(['doctor', '--discovery', etcd.uri, '--json'], 20_000, { PDSERVE_CLUSTER_SECRET: c.secret });
       return !(JSON.parse(d.out) as { findings: { kind: string }[] }).findings.some((f) => f.kind === 'router_stale');
     }, 8000, 200), 'fresh again once it runs');
+  });
+
+  test('behind nginx: router A SIGKILLed under load, the openai SDK\'s own retries carry its clients over, 0 failed', { skip: noNginx ? 'nginx is not installed (see the message above)' : false }, async (t) => {
+    const [b, a] = c.byRole('router');
+    const lb = await startNginx([b!.url, a!.url]);
+    // answers of 5xx the SDK saw (and retried): A's requests in flight when it died come back 502 from nginx
+    let retried = 0;
+    const sdk = new OpenAI({
+      baseURL: `${lb.url}/v1`,
+      apiKey: 'none',
+      maxRetries: 3,
+      timeout: 20_000,
+      fetch: async (url: any, init: any) => {
+        const r = await fetch(url, init);
+        if (r.status >= 500) retried++;
+        return r;
+      },
+    });
+    const decodes = c.byRole('decode');
+    const holds = (spec: string) => Promise.all(decodes.map((d) => fetch(`${d.url}/debug/test-holds`, { method: 'POST', body: spec, signal: AbortSignal.timeout(2000) })));
+    await holds(`${HOLDS},decode.step=100`); // each request takes about a second: some are in flight through A when it dies
+    let running = true;
+    const outcomes: string[] = [];
+    try {
+      const loops = Array.from({ length: 4 }, async (_, k) => {
+        for (let i = 0; running; i++) {
+          try {
+            const r = await sdk.chat.completions.create({ model: 'pdserve', messages: [{ role: 'user', content: promptOf(40, 1000 + 31 * k + i) }], max_tokens: 6, temperature: 0, user: `lb-${k}` });
+            outcomes.push(r.choices[0]?.message ? 'ok' : 'empty');
+          } catch (err) {
+            outcomes.push(`failed: ${(err as Error).message}`);
+          }
+        }
+      });
+      await new Promise((r) => setTimeout(r, 2500));
+      const before = outcomes.length;
+      await c.kill(a!);
+      await new Promise((r) => setTimeout(r, 3000));
+      running = false;
+      await Promise.all(loops);
+      const failed = outcomes.filter((o) => o !== 'ok');
+      t.diagnostic(`${outcomes.length} requests through nginx (${before} before A was killed), ${retried} answers of 5xx retried by the SDK, ${failed.length} failed`);
+      assert.ok(outcomes.length - before >= 4, `load went on after the kill (${outcomes.length - before})`);
+      assert.ok(retried >= 1, 'requests in flight through A were cut by the kill and retried');
+      assert.deepEqual(failed, [], 'no request failed: the SDK retried what A dropped, nginx sent it to B');
+    } finally {
+      running = false;
+      await holds(HOLDS);
+      await lb.stop();
+      if (a!.child?.exitCode !== null || a!.child?.signalCode !== null) await c.spawn(a!);
+    }
   });
 
   test('pdserve doctor --discovery reads the same workers from etcd and finds nothing wrong', async () => {
