@@ -6,7 +6,9 @@
  *   `up` drains the router first (its streams end with [DONE]), then the workers; exit 0 and
  *   every port is closed. `up --decode-policy cache_aware --local-prefill-max-tokens N` reaches
  *   the router and decode: a repeated short prompt is served `x-pdserve-path: decode_local`;
- *   the README's quick start (its curl line and its OpenAI client snippet) works against it.
+ *   the README's quick start (its curl line and its OpenAI client snippet) works against it;
+ * - `pdserve up --routers 2`: routers on P and P+1 over an etcd `up` starts, both serve, Ctrl-C
+ *   stops them and the etcd.
  */
 import assert from 'node:assert/strict';
 import { execSync, spawn, type ChildProcess } from 'node:child_process';
@@ -177,6 +179,43 @@ test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole pro
     assert.ok(!existsSync(storeDir!), `the store folder ${storeDir} is removed on Ctrl-C`);
     const secretFile = /PDSERVE_CLUSTER_SECRET_FILE=(\S+)/.exec(doctorCmd!)?.[1];
     assert.ok(secretFile && !existsSync(secretFile), `the secret file up wrote (${secretFile}) is removed on Ctrl-C; its logs stay`);
+  } finally {
+    try {
+      process.kill(-child.pid!, 'SIGKILL');
+    } catch {
+      // the group is gone already
+    }
+  }
+});
+
+test('up --routers 2: two routers on --port and --port + 1 over a local etcd up starts, both serve, Ctrl-C stops everything', async (t) => {
+  if (!/\//.test(execSync('command -v etcd || true', { encoding: 'utf8', shell: '/bin/sh' }))) {
+    if (process.env.CI === 'true') throw new Error('etcd is not installed but CI=true: .ci/install-tools should have installed etcd-server');
+    console.error('\n*** SKIPPED: etcd is not installed here (apt-get install etcd-server). up --routers did NOT run. ***\n');
+    return t.skip('etcd is not installed');
+  }
+  const rport = await freeRun(2);
+  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--routers', '2', '--ctx-size', '1024'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: '' }, detached: true });
+  let out = '';
+  child.stdout!.on('data', (d) => (out += d));
+  child.stderr!.on('data', (d) => (out += d));
+  const exited = exitOf(child);
+  try {
+    assert.ok(await waitFor(async () => out.includes('Ctrl-C drains'), 60_000, 50), `up started:\n${out}`);
+    assert.match(out, new RegExp(`router    http://127\\.0\\.0\\.1:${rport}\\s`));
+    assert.match(out, new RegExp(`router-1  http://127\\.0\\.0\\.1:${rport + 1}\\s`));
+    const etcdUri = /etcd\s+(etcd:\/\/\S+)\s+\(started for the routers\)/.exec(out)?.[1];
+    assert.ok(etcdUri, `the banner names the etcd it started:\n${out}`);
+    for (const p of [rport, rport + 1]) {
+      const r = await rawCompletion(`http://127.0.0.1:${p}`, 'the river ran', 4, 30_000);
+      assert.ok(ok(r), `router on ${p} serves: ${r.status} ${r.text.slice(0, 200)}`);
+      const ws = (await (await fetch(`http://127.0.0.1:${p}/workers`)).json()) as { workers: { healthy: boolean }[] };
+      assert.equal(ws.workers.filter((w) => w.healthy).length, 2, 'each router has both workers');
+    }
+    process.kill(-child.pid!, 'SIGINT');
+    assert.equal(await exited, 0);
+    const etcdPort = Number(/:(\d+)$/.exec(etcdUri!)![1]);
+    for (const p of [rport, rport + 1, etcdPort]) assert.ok(await portFree(p), `port ${p} closed`);
   } finally {
     try {
       process.kill(-child.pid!, 'SIGKILL');
