@@ -21,6 +21,7 @@
 import { Agent, request, type Dispatcher } from 'undici';
 import type { LoadReply } from '../worker/load-route.js';
 import { PdError } from '../base/errors.js';
+import { systemClock } from '../base/clock.js';
 
 /** Long-poll wait asked of a worker, ms (the reading is refreshed at least this often). */
 export const LOAD_WAIT_MS = 1000;
@@ -60,7 +61,7 @@ export class LoadWatch {
     wrap: (base: Dispatcher) => Dispatcher = (b) => b,
     tls: object = {},
     private readonly waitMs = LOAD_WAIT_MS,
-    private readonly now: () => number = () => performance.now(),
+    private readonly now: () => number = () => systemClock.nowMs(),
   ) {
     this.base = new Agent({ connections: 2, pipelining: 1, keepAliveTimeout: 30_000, connect: { timeout: 2_000, ...tls }, headersTimeout: waitMs + 3_000, bodyTimeout: waitMs + 3_000 });
     this.agent = wrap(this.base);

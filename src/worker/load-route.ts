@@ -12,6 +12,7 @@
  * so does the app's close.
  */
 import type { FastifyInstance } from 'fastify';
+import { systemClock } from '../base/clock.js';
 
 /** Longest wait a router may ask, ms. */
 export const MAX_LOAD_WAIT_MS = 10_000;
@@ -51,8 +52,8 @@ export function registerLoadRoute(app: FastifyInstance, load: () => WorkerLoad):
       let wake = (): void => {};
       ac.signal.addEventListener('abort', () => (clearTimeout(timer), wake()), { once: true });
       try {
-        const until = performance.now() + waitMs;
-        while (!ac.signal.aborted && performance.now() < until && loadSig(l) === req.query.after) {
+        const until = systemClock.nowMs() + waitMs;
+        while (!ac.signal.aborted && systemClock.nowMs() < until && loadSig(l) === req.query.after) {
           await new Promise<void>((r) => {
             wake = r;
             timer = setTimeout(r, LOAD_SAMPLE_MS);
