@@ -101,13 +101,14 @@ export function loadAgentCorpus(): string {
     .join('\n\n');
 }
 
-interface Conversation {
+/** One agent's conversation material: its system prompt and one tool result per round. */
+export interface Conversation {
   system: string;
   tools: string[];
 }
 
-/** Agent conversations: a system prompt and one tool result per round, cut from the storm corpus at exact token counts. */
-function conversations(tok: BenchTokenizer, n: number, rounds: number, tag: string, systemTokens: number, toolTokens: number): Conversation[] {
+/** Agent conversations: a system prompt and one tool result per round, cut from the storm corpus at exact token counts (`tag` seeds the offsets: a new tag, new conversations). */
+export function conversations(tok: BenchTokenizer, n: number, rounds: number, tag: string, systemTokens: number, toolTokens: number): Conversation[] {
   const ids = tok.encode(loadAgentCorpus());
   const out: Conversation[] = [];
   // the offset depends on the whole tag: two runs whose tags have the same length (c2 / c4) must

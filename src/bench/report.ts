@@ -11,6 +11,8 @@ import type { KvSectionResult } from './kv.js';
 import { agentGoals, agentsPlot, agentsReport, type AgentsResult } from './agents.js';
 import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from './report-agents.js';
 import { agentTraceGoals, agentTracePlot, agentTraceReport, type AgentTraceResult } from './report-agent-trace.js';
+import { peerReport, type PeerResult } from './peer.js';
+import { phaseReport, type PhaseProfileResult } from './profile.js';
 import type { BatchingResult, BatchingRow, InterferenceResult, LowLoadRow, RouterOverheadResult, RouterOverheadRun, ScalingResult } from './sections.js';
 import { barChart, lineChart } from './svg.js';
 import { fmt, fmtRatio } from './util.js';
@@ -170,7 +172,7 @@ function table(head: string[], rows: (string | number)[][]): string {
 
 /** A section's name in the report: its number, 71 and 72 (§7's agents at scale and agent trace results) named. */
 function sectionName(n: number): string {
-  return n === 71 ? '7 (agents at scale)' : n === 72 ? '7 (agent trace)' : String(n);
+  return n === 71 ? '7 (agents at scale)' : n === 72 ? '7 (agent trace)' : n === 81 ? '8 (profile)' : String(n);
 }
 
 function provenance(f: SectionFile | undefined, fresh: boolean): string {
@@ -254,6 +256,8 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   values.s7 = agentsReport(s7, prov(7), plots['s7-agents-ttft.svg']).join('\n');
   values.s7_scale = agentsScaleReport(s7scale, prov(71), m.cores).join('\n');
   values.s7_trace = agentTraceReport(s7trace, prov(72), plots['s7-agent-trace-ttft.svg']).join('\n');
+  values.s8 = peerReport(files.get(8)?.result as PeerResult | undefined, prov(8)).join('\n');
+  values.s8_profile = phaseReport(files.get(81)?.result as PhaseProfileResult | undefined, prov(81)).join('\n');
   values.gpu = extra.join('\n');
   values.losses = losses(s1, s2, s3, s4, s5, s6, s7, s7scale, s7trace)
     .map((x) => `- ${x}`)

@@ -10,6 +10,9 @@
  *   5. Router overhead: requests of one shape (each with a prompt of its own) through the router vs to the workers directly
  *   6. Scaling: Poisson rate sweep, goodput under an SLO
  *   7. Multi-round agents: prefix reuse (PD + cache vs colocated + cache vs PD without), own stacks
+ *   8. Against llama-server: llama.cpp's own server beside colocated and PD (./peer.ts), and a
+ *      per-phase CPU profile (PDSERVE_BENCH_PEER_PROFILE=1); a run of §8 alone keeps the stored
+ *      run's header (suite.json) and re-renders
  *
  * Writes bench/results/sN-*.json, bench/plots/*.svg and BENCHMARKS.md (sections not run this time
  * are taken from their previous JSON, when present). Model: the generated `small` GGUF.
@@ -29,6 +32,7 @@ import { renderReport, writePlots, type SectionFile, type SuiteMeta } from './re
 import { gpuReport } from './gpu.js';
 import { canPin, say } from './util.js';
 import { runAgentsScale, runAgentsSection } from './agents.js';
+import { runPeerSection } from './peer.js';
 import type { AgentsScaleResult } from './report-agents.js';
 
 /** Options of `pdserve bench-suite`. */
@@ -61,6 +65,9 @@ export const SECTION_FILES: Record<number, string> = {
   71: 's7-agents-scale.json',
   /** Section 7's agent trace replay (`pdserve bench-agents --save`), kept next to the default run. */
   72: 's7-agent-trace.json',
+  8: 's8-llama-server.json',
+  /** Section 8's per-phase profile (PDSERVE_BENCH_PEER_PROFILE=1). */
+  81: 's8-profile.json',
 };
 
 const CTX = 2048;
@@ -184,7 +191,7 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     o.sections
       .split(',')
       .map((s) => Number(s.trim()))
-      .filter((n) => n >= 1 && n <= 7),
+      .filter((n) => n >= 1 && n <= 8),
   );
   const modelPath = await ensureModel('small', 1);
   const desc = describeModel({ preset: 'small', seed: 1 });
@@ -355,8 +362,27 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     }
   }
 
+  if (want.has(8)) {
+    const ts = performance.now();
+    say('section 8: against llama-server');
+    try {
+      const { profile, ...r } = await runPeerSection({ model: modelPath, quick: o.quick, batchSize: BATCH });
+      if (profile) save(81, profile, (performance.now() - ts) / 1000);
+      save(8, r, (performance.now() - ts) / 1000);
+    } catch (err) {
+      failed = true;
+      say(`section 8 failed: ${(err as Error).stack ?? err}`);
+    }
+  }
+
   meta.totalSeconds = Math.round((performance.now() - t0) / 1000);
   meta.machine.loadavgEnd = os.loadavg().map((x) => Math.round(x * 100) / 100);
+  if (want.size === 1 && want.has(8) && existsSync(join(resultsDir, 'suite.json'))) {
+    // §8 alone: the stored run's header and sections stay as measured, §8 comes from its new file
+    say(`measured section 8 in ${meta.totalSeconds} s`);
+    const code = renderOnly(resultsDir, plotsDir, root);
+    return failed ? 1 : code;
+  }
   writeFileSync(join(resultsDir, 'suite.json'), JSON.stringify({ meta, sectionsRun: [...fresh.keys()] }, null, 1) + '\n');
   render(resultsDir, plotsDir, root, meta, [...fresh.keys()], fresh);
   say(`wrote BENCHMARKS.md, ${resultsDir}, ${plotsDir} in ${meta.totalSeconds} s`);

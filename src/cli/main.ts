@@ -637,7 +637,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     program
       .command('bench-suite')
       .description('the benchmark suite behind `npm run bench`: writes BENCHMARKS.md, bench/results/*.json, bench/plots/*.svg')
-      .option('--sections <list>', 'comma-separated section numbers to run (1-7)', '1,2,3,4,5,6,7')
+      .option('--sections <list>', 'comma-separated section numbers to run (1-8; 8 needs cmake and ninja to build llama-server once)', '1,2,3,4,5,6,7')
       .option('--quick', 'tiny repetitions and durations (a smoke run, numbers meaningless)')
       .option('--out <dir>', 'repository root to write into (default: this checkout)')
       .option('--no-pin', 'do not pin prefill/decode to separate cores with taskset')

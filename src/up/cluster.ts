@@ -90,6 +90,8 @@ export interface ClusterOptions {
   extraArgsOf?: Record<string, string[]>;
   /** Extra environment for all children. */
   env?: Record<string, string>;
+  /** Flags of every child's node before the entry script, e.g. `['--cpu-prof', '--cpu-prof-dir=…']` (flags NODE_OPTIONS refuses). */
+  nodeArgs?: string[];
   /**
    * Client access of the router: keys go to it by environment
    * (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never argv; `routerArgs` are extra router flags
@@ -441,7 +443,7 @@ export class Cluster {
     }
     const cpus = o.cpuAffinity?.[p.role];
     const ns = o.placement?.[p.name]?.netns;
-    const node = [process.execPath, BIN, ...p.args];
+    const node = [process.execPath, ...(o.nodeArgs ?? []), BIN, ...p.args];
     const full = [...(ns ? ['ip', 'netns', 'exec', ns] : []), ...(cpus ? ['taskset', '-c', cpus] : []), ...node];
     const [cmd, argv]: [string, string[]] = [full[0]!, full.slice(1)];
     const child = spawn(cmd, argv, {

@@ -47,7 +47,7 @@ describe('BENCHMARKS.md', () => {
     const md = reportFromResults(RESULTS, plots, suite.meta, suite.sectionsRun);
     const headings = [...md.matchAll(/^## (.+)$/gm)].map((m) => m[1]);
     assert.equal(headings[0], 'Summary');
-    for (const n of [1, 2, 3, 4, 5, 6, 7]) assert.ok(headings.some((h) => h!.startsWith(`${n}. `)), `section ${n}`);
+    for (const n of [1, 2, 3, 4, 5, 6, 7, 8]) assert.ok(headings.some((h) => h!.startsWith(`${n}. `)), `section ${n}`);
     assert.match(md, /## Summary\n\n.*\n\n\| goal \| measured \| met\? \|/);
     assert.match(md, /\| 1\.0 MiB \| 64 \| 1,050,089 \|/);
     assert.match(md, /Over TCP the handoff takes 1 MiB \d\.\d\d×/);
@@ -56,7 +56,7 @@ describe('BENCHMARKS.md', () => {
 
   it('without results: every section says so and every goal is still stated', () => {
     const md = renderReport(suite.meta, new Map(), {}, [], ['_gpu figures_']);
-    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 10, "one per section, §1's large states, §7's agents at scale and agent trace");
+    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 12, "one per section, §1's large states, §7's agents at scale and agent trace, §8's profile");
     assert.match(md, /router adds ≤ 3 ms to TTFT p99 \(§5\) \| n\/a \| not measured/);
     assert.match(md, /PD TTFT ≤ 1\.10 × colocated at 512–8192 prompt tokens/);
     assert.match(md, /ITL p99 ≤ 0\.2 × colocated under prefill interference/);
