@@ -178,5 +178,20 @@ export function phaseReport(r: PhaseProfileResult | undefined, prov: string): st
     const sum = (f: (p: ProcessPhases) => number) => s.processes.reduce((a, p) => a + f(p), 0);
     L.push(`| ${s.system} | **all** | **${f0(sum((p) => p.cpuMs))}** (${f0(sum((p) => p.cpuMs) / r.floorMs)}× floor) | ${PHASES.map((ph) => f0(sum((p) => p.phases[ph]))).join(' | ')} | ${f0(sum((p) => p.nativeMs))} | — |`);
   }
+  L.push('', ...gapLines(r).map((x) => `- ${x}`));
   return L;
+}
+
+/** Who owns a phase's cost: llama.cpp's compute as pdserve drives it, or pdserve's own JS. */
+const OWNER: Record<Phase | 'native', string> = { native: 'llama.cpp compute, as node-llama-cpp and pdserve drive it (batch shapes, calls per step)', http: 'pdserve (HTTP hops)', json: 'pdserve (JSON, validation)', tokenize: 'pdserve (tokenizing)', render: 'pdserve (rendering)', engine: 'pdserve + node-llama-cpp (the JS side of evaluation)', 'save/load': 'pdserve (sequence state save/load)', transfer: 'pdserve (KV transfer)', pdserve: 'pdserve (role logic)', gc: 'pdserve (garbage)', program: 'node-llama-cpp / V8 native calls on the JS thread', other: 'unattributed' };
+
+/** One sentence per system: its CPU per request over the floor and the three largest costs with their owners. */
+export function gapLines(r: PhaseProfileResult): string[] {
+  return r.systems.map((s) => {
+    const sum = (f: (p: ProcessPhases) => number) => s.processes.reduce((a, p) => a + f(p), 0);
+    const total = sum((p) => p.cpuMs);
+    const costs: [Phase | 'native', number][] = [['native', sum((p) => p.nativeMs) - r.floorMs], ...PHASES.map((ph) => [ph, sum((p) => p.phases[ph])] as [Phase, number])];
+    const top = costs.filter(([, v]) => Number.isFinite(v)).sort((a, b) => b[1] - a[1]).slice(0, 3);
+    return `${s.system}: ${f0(total)} ms per request, ${f0(total - r.floorMs)} ms over llama-server's; largest: ${top.map(([k, v]) => `${k === 'native' ? 'native threads over the floor' : k} ${f0(v)} ms (${OWNER[k]})`).join('; ')}.`;
+  });
 }

@@ -366,7 +366,9 @@ export async function benchSuiteCli(o: SuiteOptions): Promise<number> {
     const ts = performance.now();
     say('section 8: against llama-server');
     try {
-      const { profile, ...r } = await runPeerSection({ model: modelPath, quick: o.quick, batchSize: BATCH });
+      // PDSERVE_BENCH_PEER_MODEL=tiny: the overhead-bound model (its figures replace the small one's)
+      const peerModel = process.env.PDSERVE_BENCH_PEER_MODEL === 'tiny' ? 'tiny' : 'small';
+      const { profile, ...r } = await runPeerSection({ model: peerModel === 'tiny' ? await ensureModel('tiny', 1) : modelPath, modelName: peerModel, quick: o.quick, batchSize: BATCH });
       if (profile) save(81, profile, (performance.now() - ts) / 1000);
       save(8, r, (performance.now() - ts) / 1000);
     } catch (err) {
