@@ -87,6 +87,8 @@ export const ERROR_CODES = {
   trace_not_found: c(404, 'invalid_request_error', 'client'),
   /** The router's POST /abort_request names no request in flight. */
   request_not_found: c(404, 'not_found_error', 'client'),
+  /** A role switch asked of a worker that cannot make it now: a fixed-role worker, a stale epoch, a switch already running, the role it has, the last worker of a role. */
+  role_switch_refused: c(409, 'invalid_request_error', 'client'),
   method_not_allowed: c(405, 'invalid_request_error', 'client'),
   /** No API key, or not one of the configured keys (OpenAI's code and type). */
   invalid_api_key: c(401, 'authentication_error', 'client'),
@@ -174,6 +176,14 @@ export const ERROR_CODES = {
   shutting_down: c(503, 'server_error', 'system'),
   /** A process draining on SIGTERM refuses new work (../runtime/drain.ts); the router re-dispatches it. */
   draining: c(503, 'server_error', 'system'),
+  /**
+   * A /generate leg whose role or epoch header names another role or epoch than the worker's now
+   * (it switched role or restarted since the router picked it): refused before anything runs; the
+   * router re-dispatches the request and re-probes the worker.
+   */
+  stale_epoch: c(503, 'server_error', 'system'),
+  /** A role switch (a worker's POST /role) broke midway: the worker is back in its old role (`safe_to_restore`) or marked failed. */
+  role_switch_failed: c(503, 'server_error', 'system'),
   no_healthy_prefill: c(503, 'server_error', 'system'),
   no_healthy_decode: c(503, 'server_error', 'system'),
   /** Healthy prefill and decode workers exist, but no pair shares the same settings. */

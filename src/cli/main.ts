@@ -337,14 +337,19 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--no-kv-stream', `prefill workers: ${NO_KV_STREAM_HELP}`)
     .option('--prefill-gpu-device <list>', 'GPU devices of the prefill workers (default: --gpu-device), e.g. 0 — with --decode-gpu-device 1, one box with two GPUs', cliParser(parseDeviceList))
     .option('--decode-gpu-device <list>', 'GPU devices of the decode workers (default: --gpu-device)', cliParser(parseDeviceList))
+    .option('--autoscale', 'start the workers as `pdserve worker` (switchable in place) and run the planner: it flips roles on the workers\' load gauges (docs/OPERATIONS.md#planner)')
+    .option('--planner-tick-ms <ms>', 'with --autoscale: the planner\'s tick', positive, 5000)
+    .option('--planner-port <port>', 'with --autoscale: port of the planner\'s GET /metrics and /status (0 = any free port)', int, 0)
     .action(async (o) => {
       const { Cluster } = await import('../up/cluster.js');
       const { superviseAction, unexpectedExitLine } = await import('../up/supervise.js');
       try {
         for (let i = 0; i < o.routers; i++) await assertPortFree(o.host, o.port + i, i ? '--routers' : undefined);
+        if (o.autoscale && o.discovery) throw new ConfigError('--autoscale with --discovery: switchable workers do not register in etcd; run `pdserve planner --router URL` against a router that lists them');
+        const workerPorts = o.autoscale ? 2 * (o.prefill + o.decode) : 2 * o.prefill + o.decode;
         if (o.workerPortBase !== undefined) {
-          const last = o.workerPortBase + 2 * o.prefill + o.decode - 1;
-          if (last > 65535) throw new ConfigError(`--worker-port-base ${o.workerPortBase} leaves no room for ${2 * o.prefill + o.decode} worker ports (last would be ${last})`);
+          const last = o.workerPortBase + workerPorts - 1;
+          if (last > 65535) throw new ConfigError(`--worker-port-base ${o.workerPortBase} leaves no room for ${workerPorts} worker ports (last would be ${last})`);
           for (let p = o.workerPortBase; p <= last; p++) {
             if (p >= o.port && p < o.port + o.routers) throw new ConfigError(`--worker-port-base ${o.workerPortBase}: worker port ${p} is a router's port (--port, --routers)`);
             await assertPortFree(o.host, p, '--worker-port-base');
@@ -356,8 +361,9 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       }
       const model = await modelPath(o.model);
       const logDir = o.logDir ?? join(tmpdir(), `pdserve-${process.pid}`);
-      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, routers: o.routers, prefixStoreDir: o.prefixStoreDir, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true) });
+      const c = new Cluster({ model, prefill: o.prefill, decode: o.decode, port: o.port, host: o.host, threads: o.threads, ctxSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, decodeSlots: o.decodeSlots, secret: upSecret(o), logDir, workerPortBase: o.workerPortBase, drainTimeoutMs: o.drainTimeoutMs, discovery: o.discovery, routers: o.routers, prefixStoreDir: o.prefixStoreDir, extraArgs: upExtraArgs(o), access: upAccess(o), internalTls: internalTlsOf('up', o, true), switchable: o.autoscale === true });
       let stopping = false;
+      let planner: { stop(): Promise<void> } | null = null;
       let madeSecretFile: string | null = null;
       const stop = async (code = 0) => {
         if (stopping) {
@@ -366,6 +372,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
           return;
         }
         stopping = true;
+        await planner?.stop();
         console.log(`\npdserve: draining the cluster (router first; at most ${o.drainTimeoutMs} ms; Ctrl-C again to stop waiting)…`);
         await c.drain(o.drainTimeoutMs + 10_000);
         if (madeSecretFile) rmSync(madeSecretFile, { force: true }); // the secret of a cluster that is gone: no reason to keep it on disk
@@ -387,6 +394,14 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       if (c.discovery && !o.discovery) console.log(`  etcd      ${c.discovery}   (started for the routers)`);
       for (const p of c.procs.filter((x) => x.role !== 'router')) console.log(`  ${p.name.padEnd(9)} ${p.url}${p.bootstrapPort ? `   bootstrap port ${p.bootstrapPort}` : ''}`);
       console.log(`  logs      ${logDir}`);
+      if (o.autoscale) {
+        const { Planner, servePlanner } = await import('../planner/planner.js');
+        const p = new Planner({ router: r, ...(c.adminKey ? { adminKey: c.adminKey } : {}), tickMs: o.plannerTickMs, log: createLogger('planner') });
+        const served = await servePlanner(p, '127.0.0.1', o.plannerPort);
+        p.start();
+        planner = { stop: async () => { await p.stop(); await served.close(); } };
+        console.log(`  planner   ${served.url}/status   (tick ${o.plannerTickMs} ms; decisions in ${served.url}/metrics)`);
+      }
       const secretGiven = !!(o.clusterSecret || o.clusterSecretFile || process.env.PDSERVE_CLUSTER_SECRET || process.env.PDSERVE_CLUSTER_SECRET_FILE);
       console.log(`  doctor    ${doctorLine(r, givenSecretFile(o) ?? (secretGiven ? null : (madeSecretFile = writeSecretFile(logDir, c.secret))), { https: r.startsWith('https:'), key: c.access.adminApiKeys.length > 0 ? 'ADMIN_KEY' : c.access.apiKeys.length > 0 || o.apiKeyFile ? 'KEY' : null, internalTls: c.opts.internalTls ?? {} })}`);
       console.log(`  access    ${c.access.apiKeys.length || o.apiKeyFile ? 'API key required (Authorization: Bearer KEY)' : 'OPEN: no API key, anyone who reaches the router can use it (--api-key-file or PDSERVE_API_KEY)'}`);
@@ -454,6 +469,55 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
           testHooksFromEnv(),
         ),
       );
+    });
+
+  lifecycleOptions(kvOptions(engineOptions(program.command('worker').description('run a worker that serves either role over one loaded model and switches in place (POST /role, or the router\'s POST /workers/role)')))
+    .addOption(new Option('--role <role>', 'the role it starts in').choices(['prefill', 'decode']).makeOptionMandatory())
+    .option('--host <host>', 'HTTP bind address', '127.0.0.1')
+    .option('--port <port>', 'HTTP port', int, 30000)
+    .option('--bootstrap-port <port>', 'KV bootstrap/control listener port while it serves prefill', int, 8998)
+    .option('--bootstrap-host <host>', 'address decode workers use to reach the bootstrap listener', '127.0.0.1')
+    .option('--slots <n>', 'sequences of the context (both roles)', int, 4)
+    .option('--max-waiting <n>', 'prefill: bound on rooms queued for prompt evaluation', int, 256)
+    .option('--max-prealloc <n>', 'decode: bound on requests waiting for a slot', int, 256)
+    .option('--local-prefill-max-tokens <tokens>', 'decode: decode-local continuation limit (0 = off)', int, 256)
+    .option('--first-token-after-save <pct>', FIRST_TOKEN_AFTER_SAVE_HELP, percentOrAlways, 5)
+    .option('--no-kv-stream', NO_KV_STREAM_HELP)
+    .option('--switch-drain-timeout-ms <ms>', 'a role switch: longest wait for the drain (requests and rooms to terminal) before it gives up and serves the old role again', int, 30_000)
+    .addOption(new Option('--allow-prefill <host:port>', "decode: a prefill bootstrap address it may dial besides the router's pool (repeatable)").argParser(collect)))
+    .action(async (o) => {
+      if (o.discovery) {
+        console.error('pdserve worker: --discovery is not supported for a switchable worker (its etcd record is keyed by role); list it with the router\'s --prefill/--decode');
+        process.exit(2);
+      }
+      const { startSwitchableWorker } = await import('../switch/host.js');
+      const model = await modelPath(o.model, 'worker');
+      await serve('worker', o, async () =>
+        startSwitchableWorker(
+          { internalTls: internalTlsOf('worker', o, true), host: o.host, port: o.port, bootstrapHost: o.bootstrapHost, bootstrapPort: o.bootstrapPort, secret: secretOf('worker', o), privateMetrics: o.privateMetrics === true, allowPrefill: o.allowPrefill ?? [], slots: o.slots, maxWaiting: o.maxWaiting, maxPrealloc: o.maxPrealloc, localPrefillMaxTokens: o.localPrefillMaxTokens, heartbeatMs: o.heartbeatMs, stateDir: o.stateDir, maxStateBytes: o.maxStateBytes, kvSameHost: o.kvSameHost, kvSameHostVerify: o.kvSameHostVerify, kvStreams: o.kvStreams, kvStream: o.kvStream !== false, firstTokenAfterSave: o.firstTokenAfterSave, timeouts: timeoutsOf(o), httpTimeouts: httpTimeoutsOf(o), engine: { modelPath: model, threads: o.threads, contextSize: o.ctxSize, batchSize: o.batchSize, deterministic: o.deterministic, flashAttention: o.flashAttention, servedModelName: o.servedModelName ?? [], grammarBudgetMs: o.grammarBudgetMs, ...prefixCacheConfig(o), ...gpuConfig(o) } },
+          o.role,
+          { drainTimeoutMs: o.switchDrainTimeoutMs, log: createLogger('worker') },
+        ),
+      );
+    });
+
+  program
+    .command('planner')
+    .description("flip switchable workers' roles on their load (Dynamo's easy-mode thresholds) through a router's POST /workers/role; the router's admin key from PDSERVE_ADMIN_API_KEY")
+    .requiredOption('--router <url>', "the router's base URL")
+    .option('--tick-ms <ms>', 'how often it observes and decides', positive, 5000)
+    .option('--host <host>', 'bind address of its GET /metrics and /status', '127.0.0.1')
+    .option('--port <port>', 'port of its GET /metrics and /status (0 = any free port)', int, 0)
+    .action(async (o) => {
+      const { Planner, servePlanner } = await import('../planner/planner.js');
+      const key = (process.env.PDSERVE_ADMIN_API_KEY ?? '').split(',')[0]?.trim();
+      const p = new Planner({ router: String(o.router).replace(/\/+$/, ''), ...(key ? { adminKey: key } : {}), tickMs: o.tickMs, log: createLogger('planner') });
+      const served = await servePlanner(p, o.host, o.port);
+      console.log(`pdserve planner: router ${o.router}, tick ${o.tickMs} ms; ${served.url}/status, ${served.url}/metrics`);
+      p.start();
+      const stop = () => void p.stop().then(() => served.close()).then(() => process.exit(0));
+      process.on('SIGINT', stop);
+      process.on('SIGTERM', stop);
     });
 
   accessFlags(memberOptions(lifecycleOptions(engineOptions(program.command('colocated').description('run a single-process server (no disaggregation): the baseline and correctness reference'))

@@ -40,7 +40,8 @@ import { DecodeSseWriter } from './sse-out.js';
 import { KnownPrefills } from './known-prefills.js';
 import { Counter } from 'prom-client';
 import { KvEventLog } from '../protocol/kv-events.js';
-import { serveWorkerEdge, type WorkerEdge } from '../worker/shell.js';
+import { serveWorkerEdge, type RoleEdgeParts, type WorkerEdge } from '../worker/shell.js';
+import type { InternalTls } from '../security/tls.js';
 import { workerKvChannel } from '../worker/kv-channel.js';
 import { SequenceKvTracker } from '../worker/kv-tracker.js';
 
@@ -138,7 +139,17 @@ export class DecodeWorker {
     return this.driver.queueSizes();
   }
 
+  /** Start the worker: its role parts (`startRole`), then its own HTTP edge over them. */
   async start(): Promise<void> {
+    const internalTls = await this.startRole();
+    this.edge = await serveWorkerEdge({ ...this.edgeParts(), testHooks: this.testHooks, engine: this.engine, config: this.config, internalTls, log: this.log, timers: this.timers });
+    this.app = this.edge.app;
+    this.url = this.edge.url;
+    this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
+  }
+
+  /** Start what is decode's own: the KV peer pool (receive side). Returns the internal TLS material the HTTP edge serves with. */
+  async startRole(): Promise<InternalTls | undefined> {
     const c = this.config;
     const { internalTls, channel } = workerKvChannel(c, { engine: this.engine, epoch: this.epoch, clock: this.clock, log: this.log });
     this.pool = new KvPeerPool({
@@ -155,14 +166,14 @@ export class DecodeWorker {
       },
       onConnect: (conn) => this.sameHost.probe(conn),
     });
-    this.edge = await serveWorkerEdge({
+    return internalTls;
+  }
+
+  /** What decode hands an HTTP edge (../worker/shell.ts): its identity, metrics, rooms and work routes. */
+  edgeParts(): RoleEdgeParts {
+    return {
       role: 'decode',
-      testHooks: this.testHooks,
-      engine: this.engine,
       epoch: this.epoch,
-      config: c,
-      internalTls,
-      log: this.log,
       registry: this.metrics.registry,
       space: this.space,
       kvEvents: this.kvEvents,
@@ -179,12 +190,8 @@ export class DecodeWorker {
       },
       generate: (body, reply) => this.handleGenerate(body, reply),
       abort: (rid, room, cause) => this.abort(rid, room, 'router', cause),
-      timers: this.timers,
       tick: () => this.effects.tick(),
-    });
-    this.app = this.edge.app;
-    this.url = this.edge.url;
-    this.log.info({ url: this.url, epoch: this.epoch }, 'decode worker ready');
+    };
   }
 
   async close(): Promise<void> {
@@ -193,8 +200,20 @@ export class DecodeWorker {
     this.recvFiles.close(); // spares deleted now (a hung close is cut short); a receiver still holding a file deletes it when it lets go
     this.effects.shutdown();
     await this.app?.close().catch(() => {});
-    await this.pool?.close();
+    await this.closeRole();
     await this.engine.dispose();
+  }
+
+  /**
+   * Tear down what is decode's own, keeping the engine (weights, KV memory) for the next role:
+   * fail live rooms, stop the sequence tracker, drop the spare receive files, close the KV peer
+   * pool. Idempotent.
+   */
+  async closeRole(): Promise<void> {
+    this.kvTracker?.close();
+    this.recvFiles.close();
+    this.effects.shutdown();
+    await this.pool?.close();
   }
 
   /** Abort by room id and/or rid (router, client gone, local); also stops a generation in progress. `cause`: why, when the router said. */

@@ -186,6 +186,13 @@ export class PrefillDriver {
     return this.comps.size;
   }
 
+  /** Lead rooms of the computations whose prompt is not evaluated yet (queued for a compute slot or computing). */
+  pendingComputations(): RoomId[] {
+    const out: RoomId[] = [];
+    for (const c of this.comps.values()) if (c.phase === 'queued' || c.phase === 'computing' || c.phase === 'idle') out.push(c.lead);
+    return out;
+  }
+
   get pendingRegistrations(): number {
     return this.pendingRegs.size;
   }

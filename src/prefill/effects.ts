@@ -178,6 +178,13 @@ export class PrefillEffects<C extends KvConn> {
     return this.o.clock.nowMs();
   }
 
+  /** Prompt tokens of the computations not evaluated yet (the planner's prefill load: Dynamo's queued prefill tokens). */
+  queuedPromptTokens(): number {
+    let n = 0;
+    for (const lead of this.driver.pendingComputations()) n += this.comps.get(lead)?.tokens.length ?? 0;
+    return n;
+  }
+
   /** The room's record (for /debug/rooms), if it is live here. */
   job(room: RoomId): PrefillJob | undefined {
     return this.jobs.get(room);

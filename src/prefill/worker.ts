@@ -5,6 +5,7 @@
  * llama.cpp, the KV server's connections, the pooled state sender, node:fs, the process clock.
  */
 import type { FastifyInstance } from 'fastify';
+import { Gauge } from 'prom-client';
 import { zodToApiError } from '../api/errors.js';
 import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, retentionFromWire, type GenerateRequest } from '../protocol/worker-protocol.js';
 import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../config/config.js';
@@ -13,7 +14,8 @@ import { openPrefixStore } from '../prefixes/prefix-store.js';
 import { nodeStateFiles } from '../runtime/statefiles.js';
 import { StateSpace } from '../runtime/state-space.js';
 import { KvEventLog } from '../protocol/kv-events.js';
-import { serveWorkerEdge, type WorkerEdge } from '../worker/shell.js';
+import { serveWorkerEdge, type RoleEdgeParts, type WorkerEdge } from '../worker/shell.js';
+import type { InternalTls } from '../security/tls.js';
 import { workerKvChannel } from '../worker/kv-channel.js';
 import { SequenceKvTracker } from '../worker/kv-tracker.js';
 import { ApiError, toApiError } from '../base/errors.js';
@@ -98,6 +100,8 @@ export class PrefillWorker {
     this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
     this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
+    const queued = () => this.effects.queuedPromptTokens();
+    new Gauge({ name: 'pdserve_prefill_queued_tokens', help: 'Prompt tokens of the requests not evaluated yet (queued for a compute slot or being evaluated): the planner\'s prefill load', registers: [this.metrics.registry], collect() { this.set(queued()); } });
     this.sameHost = new SameHostPrefill({ enabled: config.kvSameHost, verify: config.kvSameHostVerify, stateDir: config.stateDir });
     const pool = this.kvPool;
     const sameHost = this.sameHost;
@@ -141,7 +145,21 @@ export class PrefillWorker {
     return this.driver.queueSizes();
   }
 
+  /** Start the worker: its role parts (`startRole`), then its own HTTP edge over them. */
   async start(): Promise<void> {
+    const internalTls = await this.startRole();
+    this.edge = await serveWorkerEdge({ ...this.edgeParts(), testHooks: this.testHooks, engine: this.engine, tokenize: true, config: this.config, internalTls, log: this.log });
+    this.app = this.edge.app;
+    this.url = this.edge.url;
+    this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
+  }
+
+  /**
+   * Start what is prefill's own: the tokenizer thread and the KV bootstrap listener. Returns the
+   * internal TLS material the HTTP edge serves with.
+   * @throws the listen error of the bootstrap port (EADDRINUSE, EACCES)
+   */
+  async startRole(): Promise<InternalTls | undefined> {
     const c = this.config;
     await this.tokenizer.start();
     const { internalTls, channel } = workerKvChannel(c, { engine: this.engine, epoch: this.epoch, clock: this.clock, log: this.log });
@@ -153,15 +171,15 @@ export class PrefillWorker {
       onPeerLost: (conn, reason) => this.effects.peerLost(conn, reason),
     });
     this.bootstrapPort = await this.kv.listen();
-    this.edge = await serveWorkerEdge({
+    return internalTls;
+  }
+
+  /** What prefill hands an HTTP edge (../worker/shell.ts): its identity, metrics, rooms and work routes. */
+  edgeParts(): RoleEdgeParts {
+    const c = this.config;
+    return {
       role: 'prefill',
-      testHooks: this.testHooks,
-      engine: this.engine,
-      tokenize: true,
       epoch: this.epoch,
-      config: c,
-      internalTls,
-      log: this.log,
       registry: this.metrics.registry,
       space: this.space,
       kvEvents: this.kvEvents,
@@ -175,10 +193,7 @@ export class PrefillWorker {
       generate: (body, reply) => this.handleGenerate(body, reply),
       abort: (rid, room) => this.abort(rid, room, 'router'),
       tick: () => this.effects.tick(),
-    });
-    this.app = this.edge.app;
-    this.url = this.edge.url;
-    this.log.info({ url: this.url, bootstrapPort: this.bootstrapPort, epoch: this.epoch }, 'prefill worker ready');
+    };
   }
 
   /** Stop accepting, fail live rooms, close sockets, free the engine. Idempotent. */
@@ -187,9 +202,20 @@ export class PrefillWorker {
     this.kvTracker?.close();
     this.effects.shutdown();
     await this.app?.close().catch(() => {});
+    await this.closeRole();
+    await this.engine.dispose();
+  }
+
+  /**
+   * Tear down what is prefill's own, keeping the engine (weights, KV memory) for the next role:
+   * fail live rooms, stop the sequence tracker, close the bootstrap listener and the tokenizer
+   * thread. Idempotent.
+   */
+  async closeRole(): Promise<void> {
+    this.kvTracker?.close();
+    this.effects.shutdown();
     await this.kv?.close();
     await this.tokenizer.close();
-    await this.engine.dispose();
   }
 
   /** Abort by rid and/or room id; unknown ids leave a tombstone (when the room id is known). */

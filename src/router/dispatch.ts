@@ -425,7 +425,9 @@ export class PdRequest {
 
   /** A leg failed before the request finished (see the module doc for the prefill exception). */
   private legFailed(leg: Leg, err: ApiError): void {
-    if (err.code === DRAINING_CODE && !this.over) this.ctx.registry.report(leg.worker, { kind: 'draining' });
+    if ((err.code === DRAINING_CODE || err.code === 'stale_epoch') && !this.over) this.ctx.registry.report(leg.worker, { kind: 'draining' });
+    // the worker switched role or restarted since it was picked: learn its role and epoch now
+    if (err.code === 'stale_epoch') void this.ctx.registry.check(leg.worker, true);
     // Out of the rotation until a signed probe passes (its /health refuses a wrong signature too).
     if (err.code === 'worker_unauthenticated') this.ctx.registry.report(leg.worker, { kind: 'unauthenticated' });
     if (this.over) {

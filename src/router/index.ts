@@ -19,12 +19,15 @@
  *                      request_not_found when none
  *   GET /workers    — {workers: WorkerSnapshot[], acquired_total, released_total, blocked_pairs}
  *                      (blocked_pairs: pairs out of the rotation after a failed KV handshake, ./pair-blocks.ts)
+ *   POST /workers/role {url, role} — switch a `pdserve worker` to the other role (admin access;
+ *                      ./role-switch.ts): 200 verified, 409 role_switch_refused, 503 role_switch_failed
  *   GET /metrics    — Prometheus text of the router's own registry (see `./metrics.ts`)
  *   GET /dashboard, /dashboard/data, /debug/traces[/:id], /debug/rooms — see `./dashboard.ts`
  * Errors are OpenAI error bodies. Every log line of a request carries its `rid`
  * (`cmpl-…` / `chatcmpl-…`), which is also the response `id` and the workers' rid, and its
  * `trace` (see `./trace.ts`), returned in the `x-trace-id` header.
  */
+import { switchWorkerRole } from './role-switch.js';
 import { SendQueueWatch } from '../runtime/send-queue.js';
 import { registerBodyWatch } from '../api/body-watch.js';
 import { BUILD, protocolVersion } from '../base/version.js';
@@ -102,6 +105,9 @@ export interface RunningRouter extends Router {
 
 /** The trace id of a generation request, kept on its raw request by the child logger factory. */
 const TRACE = Symbol('pdserve.trace');
+
+/** Longest wait for a worker's POST /role (its drain, bounded by its --switch-drain-timeout-ms, and its rebuild), ms. */
+const ROLE_SWITCH_TIMEOUT_MS = 120_000;
 type TracedRaw = { [TRACE]?: string };
 
 /** Request id by route: generation routes get the OpenAI-style id that becomes the rid. */
@@ -356,7 +362,16 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
     return { rid, aborted };
   });
 
-  app.get('/workers', async () => ({ workers: registry.snapshot().map((w) => ({ ...w, others_load: loads.others(w.url) })), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal, blocked_pairs: pairs.snapshot() }));
+  // An operator or the planner flips a switchable worker's role (./role-switch.ts): out of the
+  // pool, the worker's POST /role, GET /role verified, back in the pool in its new role.
+  app.post('/workers/role', async (req, reply) => {
+    const b = (req.body ?? {}) as { url?: unknown; role?: unknown };
+    if (typeof b.url !== 'string' || (b.role !== 'prefill' && b.role !== 'decode')) throw ApiError.of('invalid_request', "POST /workers/role wants {url: a worker's URL, role: 'prefill' | 'decode'}", typeof b.url !== 'string' ? 'url' : 'role');
+    const r = await switchWorkerRole({ registry, dispatcher: controlAgent, log, switchTimeoutMs: ROLE_SWITCH_TIMEOUT_MS }, b.url, b.role);
+    return reply.code(r.status).send(r.body);
+  });
+
+    app.get('/workers', async () => ({ workers: registry.snapshot().map((w) => ({ ...w, others_load: loads.others(w.url) })), acquired_total: registry.acquiredTotal, released_total: registry.releasedTotal, blocked_pairs: pairs.snapshot() }));
 
   app.get('/metrics', async (_req, reply) => {
     const text = await metrics.registry.metrics();

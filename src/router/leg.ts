@@ -108,7 +108,7 @@ export class Leg {
       if (call.via === 'generate' && call.sse) {
         await this.stream(body, on, silence);
       } else {
-        const res = call.via === 'group' ? await call.join(this.ac.signal) : await request(`${this.worker.url}/generate`, { method: 'POST', headers: JSON_HEADERS, body, signal: this.ac.signal, dispatcher: this.ctx.dataAgent });
+        const res = call.via === 'group' ? await call.join(this.ac.signal) : await request(`${this.worker.url}/generate`, { method: 'POST', headers: this.headers(JSON_HEADERS), body, signal: this.ac.signal, dispatcher: this.ctx.dataAgent });
         if (res.statusCode === 200 && call.sse) {
           await pipeline(res.body, this.reader(on, silence));
         } else {
@@ -125,6 +125,12 @@ export class Leg {
     }
   }
 
+  /** `base` plus the role this leg picked the worker for and, for a worker that can switch role, the epoch it saw (a switched worker refuses the leg: `stale_epoch`). */
+  private headers(base: Record<string, string>): Record<string, string> {
+    const w = this.worker;
+    return { ...base, 'x-pdserve-role': w.role, ...(w.switchable && w.epoch ? { 'x-pdserve-epoch': w.epoch } : {}) };
+  }
+
   /** POST /generate through undici's `stream()`: a 200's body into `reader`, an error status's body (≤ MAX_ERROR_BODY) as an `error` event. */
   private stream(body: string, on: LegHandler, silence: Silence | null): Promise<void> {
     const url = new URL(`${this.worker.url}/generate`);
@@ -132,7 +138,7 @@ export class Leg {
     let errorBody: TextSink | null = null;
     return new Promise<void>((resolve, reject) => {
       this.ctx.dataAgent.stream(
-        { origin: url.origin, path: url.pathname + url.search, method: 'POST', headers: SSE_HEADERS, body, signal: this.ac.signal },
+        { origin: url.origin, path: url.pathname + url.search, method: 'POST', headers: this.headers(SSE_HEADERS), body, signal: this.ac.signal },
         ({ statusCode }) => {
           status = statusCode;
           if (statusCode !== 200) return (errorBody = new TextSink(MAX_ERROR_BODY));

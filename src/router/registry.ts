@@ -56,6 +56,12 @@ export interface WorkerSnapshot {
   protocol: string | null;
   /** Why the worker counts as frozen (a request's stream on it went silent: its requests migrated), until a probe finds it healthy; else null. */
   frozen: string | null;
+  /** The worker's epoch (/health), null before a probe. */
+  epoch: string | null;
+  /** It can switch role in place (`pdserve worker`). */
+  switchable: boolean;
+  /** Why it is out of the pool for a role switch, else null. */
+  switching: string | null;
   /** Why no healthy worker of the other role can pair with this one (settings differ), else null. */
   mismatch: string | null;
   /** GPU backend (null = CPU only or not reported), device names and offloaded layers ("3/3"). */
@@ -191,6 +197,12 @@ export class WorkerRegistry {
     w.degraded = reason;
   }
 
+  /** Take `w` out of the pool for a role switch (`why`), or put it back (null): draining while switching, whatever its probes say. */
+  setSwitching(w: WorkerState, why: string | null): void {
+    w.switching = why;
+    this.setDraining(w, why !== null);
+  }
+
   /** Mark `w` draining (or not): a draining worker is never picked. */
   setDraining(w: WorkerState, draining: boolean): void {
     if (w.draining !== draining) this.opts.log.info({ worker: w.url, role: w.role }, draining ? 'worker draining: no new requests go to it' : 'worker no longer draining');
@@ -290,7 +302,13 @@ export class WorkerRegistry {
       if (j === null) return this.probeFailed(w, 'GET /health: body is not JSON');
       this.setDegraded(w, j.status === 'degraded' ? (Array.isArray(j.degraded) ? j.degraded.filter((x): x is string => typeof x === 'string').join('; ').slice(0, 500) : '') || 'degraded' : null);
       if (j?.status !== 'ok' && j?.status !== 'degraded') return this.probeFailed(w, `GET /health: status ${JSON.stringify(j?.status)}`);
-      if (j.role !== undefined && j.role !== w.role) return this.probeFailed(w, `GET /health: role is ${JSON.stringify(j.role)}, expected '${w.role}'`);
+      if (j.role !== undefined && j.role !== w.role) {
+        // Another role (switched behind the router's back, or a misconfiguration): never routed as this one, from the first such answer.
+        w.consecutiveFailures = Math.max(w.consecutiveFailures, (this.opts.unhealthyAfter ?? 2) - 1);
+        return this.probeFailed(w, `GET /health: role is ${JSON.stringify(j.role)}, expected '${w.role}'`);
+      }
+      if (typeof j.epoch === 'string') w.epoch = j.epoch;
+      w.switchable = j.role_switch === true;
       if (w.role === 'prefill' && typeof j.bootstrap_port === 'number' && j.bootstrap_port !== w.bootstrapPort && !this.warnedBootstrap.has(w)) {
         this.warnedBootstrap.add(w);
         this.opts.log.warn({ worker: w.url, configured: w.bootstrapPort, reported: j.bootstrap_port }, 'prefill reports a different bootstrap_port than configured; decode will dial the configured one');
@@ -298,7 +316,8 @@ export class WorkerRegistry {
       w.settings = settingsFromHealth(j.settings) ?? w.settings;
       w.gpu = gpuFromHealth(j.gpu) ?? w.gpu;
       if (typeof j.slots === 'number' && Number.isSafeInteger(j.slots) && j.slots > 0) w.slots = j.slots;
-      this.setDraining(w, false);
+      // a worker the router is switching stays out of the pool whatever its probe says (./role-switch.ts)
+      this.setDraining(w, !!w.switching);
       if (w.role === 'prefill') w.toolSyntax = toolSyntaxFromHealth(j.tool_call_syntax);
       if (Array.isArray(j.served_model_names)) w.servedNames = j.served_model_names.filter((n: unknown): n is string => typeof n === 'string').slice(0, 16);
       this.setHealthy(w, typeof j.model === 'string' ? j.model : null);
@@ -458,6 +477,9 @@ export class WorkerRegistry {
       last_check_at: w.lastCheckAt ? new Date(w.lastCheckAt).toISOString() : null,
       consecutive_failures: w.consecutiveFailures,
       frozen: w.frozen ?? null,
+      epoch: w.epoch ?? null,
+      switchable: w.switchable ?? false,
+      switching: w.switching ?? null,
       settings: w.settings,
       build: w.settings?.build ?? null,
       protocol: w.settings ? (w.settings.protocol ?? IMPLIED_PROTOCOL) : null,

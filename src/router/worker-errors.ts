@@ -113,7 +113,7 @@ export const OPERATOR_ABORT: AbortCause = { code: 'request_aborted', message: 'a
 export function abortCause(leg: LegName, failed: { leg: LegName; err: ApiError } | null): AbortCause | undefined {
   if (!failed || failed.leg === leg || failed.leg !== 'prefill') return undefined;
   const { status, code, message } = failed.err;
-  if (code === 'draining') return { code: 'request_redispatched', message: `prefill is draining: the request runs again on another pair (${message})` };
+  if (code === 'draining' || code === 'stale_epoch') return { code: 'request_redispatched', message: `prefill is ${code === 'draining' ? 'draining' : 'no longer the worker it was picked as'}: the request runs again on another pair (${message})` };
   const refused = status >= 400 && status < 500;
   return { code: refused ? 'prefill_refused' : 'prefill_failed', message: `prefill ${refused ? 'refused' : 'failed'} the request: ${status} ${code}: ${message}` };
 }

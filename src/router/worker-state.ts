@@ -37,6 +37,12 @@ export interface WorkerState {
   gpu?: WorkerGpu;
   /** Why the worker counts as frozen (a request's stream went silent on it: ./dispatch.ts), until a probe finds it healthy; absent = not frozen. */
   frozen?: string | null;
+  /** The worker's epoch (/health `epoch`): a new one after a restart or a role switch; null/absent before a probe. */
+  epoch?: string | null;
+  /** It can switch role in place (/health `role_switch`): the router sends it the epoch it picked it under (a switched worker refuses the leg with `stale_epoch`). */
+  switchable?: boolean;
+  /** Why it is out of the pool for a role switch the router runs (./role-switch.ts); null/absent when not switching. Kept draining while set. */
+  switching?: string | null;
   /** Sequence slots (from /health `slots`; undefined when not reported). */
   slots?: number;
 }

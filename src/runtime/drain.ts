@@ -84,7 +84,17 @@ export class DrainGate {
     for (const l of this.listeners) l(true);
   }
 
-  /** Called once when draining starts. Returns a disposer. */
+  /**
+   * Take work again after a drain that did not end the process (a worker's role switch: drained,
+   * rebuilt, serving again). Listeners hear `false`. Idempotent.
+   */
+  reopen(): void {
+    if (!this._draining) return;
+    this._draining = false;
+    for (const l of this.listeners) l(false);
+  }
+
+  /** Called when draining starts (`true`) and when a drained gate reopens (`false`). Returns a disposer. */
   onDraining(fn: (draining: boolean) => void): () => void {
     this.listeners.add(fn);
     return () => this.listeners.delete(fn);
@@ -131,7 +141,8 @@ export class DrainGate {
     app.addHook('preClose', async () => {
       closing = true;
     });
-    this.onDraining(() => {
+    this.onDraining((draining) => {
+      if (!draining) return;
       for (const res of open) if (!res.headersSent) res.setHeader('connection', 'close');
       if (closeIdle) app.server.closeIdleConnections?.();
     });

@@ -122,6 +122,12 @@ export interface ClusterOptions {
    * clusters (`sweepDeadClusterStores`).
    */
   prefixStoreDir?: string;
+  /**
+   * Start the workers as `pdserve worker --role R` (one model, switchable in place: the router's
+   * POST /workers/role, the planner); each gets a bootstrap port, decodes too (their prefill port
+   * after a switch).
+   */
+  switchable?: boolean;
 }
 
 export interface ClusterProc {
@@ -328,7 +334,7 @@ export class Cluster {
   /** Ports of the workers in start order (see `workerPortBase`). */
   workerPorts(): number[] {
     const o = this.opts;
-    const n = 2 * (o.prefill ?? 1) + (o.decode ?? 1) + (o.colocated ? 1 : 0);
+    const n = 2 * (o.prefill ?? 1) + (o.switchable ? 2 : 1) * (o.decode ?? 1) + (o.colocated ? 1 : 0);
     return o.workerPortBase === undefined ? [] : Array.from({ length: n }, (_, i) => o.workerPortBase! + i);
   }
 
@@ -351,15 +357,18 @@ export class Cluster {
       const h = this.hostOf(`prefill-${i}`);
       const port = await nextPort();
       const bootstrapPort = await nextPort();
-      const args = ['prefill', ...this.engineArgs(), '--host', h, '--port', String(port), '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h];
-      if (o.prefillSlots !== undefined) args.push('--slots', String(o.prefillSlots));
+      const args = [...(o.switchable ? ['worker', '--role', 'prefill'] : ['prefill']), ...this.engineArgs(), '--host', h, '--port', String(port), '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h];
+      const slots = o.switchable ? (o.decodeSlots ?? o.prefillSlots) : o.prefillSlots;
+      if (slots !== undefined) args.push('--slots', String(slots));
       this.procs.push(this.proc('prefill', i, port, [...args, ...(o.extraArgs?.prefill ?? [])], bootstrapPort));
     }
     for (let i = 0; i < (o.decode ?? 1); i++) {
       const port = await nextPort();
-      const args = ['decode', ...this.engineArgs(), '--host', this.hostOf(`decode-${i}`), '--port', String(port)];
+      const h = this.hostOf(`decode-${i}`);
+      const bootstrapPort = o.switchable ? await nextPort() : undefined;
+      const args = [...(o.switchable ? ['worker', '--role', 'decode', '--bootstrap-port', String(bootstrapPort), '--bootstrap-host', h] : ['decode']), ...this.engineArgs(), '--host', h, '--port', String(port)];
       if (o.decodeSlots !== undefined) args.push('--slots', String(o.decodeSlots));
-      this.procs.push(this.proc('decode', i, port, [...args, ...(o.extraArgs?.decode ?? [])]));
+      this.procs.push(this.proc('decode', i, port, [...args, ...(o.extraArgs?.decode ?? [])], bootstrapPort));
     }
     if (o.colocated) {
       const port = await nextPort();

@@ -53,6 +53,8 @@ export interface WorkerAppOptions {
   onSignedProbe?: (query: Record<string, unknown>) => void;
   /** The server's keep-alive, headers and request timeouts (../runtime/http-timeouts.ts; absent: the defaults). */
   httpTimeouts?: Partial<HttpTimeouts>;
+  /** The /metrics body (default: `registry`'s text): a switchable worker adds the serving role's registry. */
+  metricsText?(): Promise<string>;
   /** The engine whose GPU offload is logged at start, reported in /health (`gpu`) and /metrics; default `engine`. */
   offload?: Engine;
   /** Test-only hold points: when on, POST /debug/test-holds is served (../runtime/testhooks.ts); default `noTestHooks`. */
@@ -96,7 +98,7 @@ export function createWorkerApp(o: WorkerAppOptions): FastifyInstance {
   });
   app.get('/metrics', async (_req, reply) => {
     reply.header('content-type', o.registry.contentType);
-    return o.registry.metrics();
+    return o.metricsText ? o.metricsText() : o.registry.metrics();
   });
   app.get('/debug/rooms', async () => o.debugRooms());
   const created = Math.floor(systemClock.wallMs() / 1000);

@@ -9,13 +9,14 @@
 import type { FastifyInstance } from 'fastify';
 import { MAX_KV_WAIT_MS, type KvEventLog } from '../protocol/kv-events.js';
 
-/** Register the route on a worker app. */
-export function registerKvEventsRoute(app: FastifyInstance, log: KvEventLog): void {
+/** Register the route on a worker app. `events`: the log, or the log serving now (a switchable worker's role has its own, with its epoch). */
+export function registerKvEventsRoute(app: FastifyInstance, events: KvEventLog | (() => KvEventLog)): void {
   const waits = new Set<AbortController>();
   app.addHook('preClose', async () => {
     for (const ac of waits) ac.abort();
   });
   app.get<{ Querystring: { epoch?: string; after?: string; wait_ms?: string } }>('/kv_events', async (req, reply) => {
+    const log = typeof events === 'function' ? events() : events;
     const after = Number(req.query.after ?? -1);
     const waitMs = Math.max(0, Math.min(MAX_KV_WAIT_MS, Number(req.query.wait_ms ?? 0) || 0));
     if (req.query.epoch === log.epoch && Number.isSafeInteger(after) && after >= 0 && waitMs > 0) {

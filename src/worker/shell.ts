@@ -8,6 +8,7 @@
  * the handling of one /generate.
  */
 import type { FastifyInstance, FastifyReply } from 'fastify';
+import { Gauge } from 'prom-client';
 import { servedModelNamesOf } from '../config/config.js';
 import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
 import { BUILD, peerProtocol, protocolMismatch, protocolVersion } from '../base/version.js';
@@ -74,7 +75,49 @@ export interface WorkerEdgeOptions extends Omit<WorkerAppOptions, 'health' | 'en
   tick(): void;
   /** The watchdog's timer (default: the process's). */
   timers?: Timers;
+  /** The role and epoch serving now (default: `role`, `epoch`, not switchable): a switchable worker's host (../switch/) changes them at run time. */
+  identity?(): WorkerIdentity;
+  /** POST /role {role, epoch}: switch this worker's role; absent: 409 role_switch_refused (a fixed-role worker). */
+  switchRole?(body: unknown): Promise<{ status: number; body: Record<string, unknown> }>;
+  /** The /metrics body (default: `registry`'s text). */
+  metricsText?(): Promise<string>;
+  /** The state directory's condition of the role serving now (default: `space`). */
+  spaceNow?(): StateSpace | undefined;
+  /** The KV event log serving now (default: `kvEvents`). */
+  kvEventsNow?(): KvEventLog;
 }
+
+/** GET /role: which role a worker serves now, under which epoch, and whether it can switch. */
+export interface WorkerIdentity {
+  role: 'prefill' | 'decode';
+  epoch: string;
+  switchable: boolean;
+  /** serving; switching (drained, out of the pool); failed (a switch broke it: unhealthy until restarted). */
+  state: 'serving' | 'switching' | 'failed';
+  /** Prefill: the KV bootstrap address decode dials; null on decode. */
+  bootstrap_host: string | null;
+  bootstrap_port: number | null;
+}
+
+/** Headers the router sets on a /generate leg: the role and epoch it picked the worker for (a switched worker refuses the rest with `stale_epoch`). */
+export const ROLE_HEADER = 'x-pdserve-role';
+export const EPOCH_HEADER = 'x-pdserve-epoch';
+
+/**
+ * Why a /generate leg may not run here: its role or epoch header names another role or another
+ * epoch than `now` (the worker switched, or restarted, since the router picked it); null when it
+ * may (headers absent: no expectation).
+ */
+export function staleLegOf(headers: Record<string, unknown>, now: Pick<WorkerIdentity, 'role' | 'epoch'>): ApiError | null {
+  const role = headers[ROLE_HEADER];
+  const epoch = headers[EPOCH_HEADER];
+  if (typeof role === 'string' && role !== now.role) return ApiError.of('stale_epoch', `this worker serves ${now.role} now (epoch ${now.epoch}), not ${role}: the router's view is stale`);
+  if (typeof epoch === 'string' && epoch !== now.epoch) return ApiError.of('stale_epoch', `this worker's epoch is ${now.epoch}, not ${epoch}: it switched role or restarted since the router picked it`);
+  return null;
+}
+
+/** What a role (prefill, decode) hands an HTTP edge: its identity, metrics, rooms and work routes. */
+export type RoleEdgeParts = Pick<WorkerEdgeOptions, 'role' | 'epoch' | 'registry' | 'space' | 'kvEvents' | 'liveRooms' | 'queues' | 'health' | 'debugRooms' | 'generate' | 'abort' | 'tick' | 'onSignedProbe'>;
 
 /** A listening worker edge. */
 export interface WorkerEdge {
@@ -95,12 +138,15 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
   await sweepStaleStateFiles(c.stateDir, o.log);
   const stopSweep = startStateSweeper(c.stateDir, o.log);
   const e = o.engine;
+  const identity = (): WorkerIdentity => o.identity?.() ?? { role: o.role, epoch: o.epoch, switchable: false, state: 'serving', bootstrap_host: null, bootstrap_port: null };
   const modelNames = servedModelNamesOf(c.engine, e.info.modelName);
   o.space?.registerMetrics(o.registry);
+  new Gauge({ name: 'pdserve_engine_context_tokens', help: 'Context size of one sequence, tokens (the planner divides queued prefill tokens by it)', registers: [o.registry] }).set(e.info.compat.contextSize);
+  new Gauge({ name: 'pdserve_engine_slots', help: 'Sequence slots of the engine (the planner divides slots in use by it)', registers: [o.registry] }).set(e.info.sequences);
   const app = createWorkerApp({
     ...o,
     degraded: () => {
-      const full = o.space?.condition();
+      const full = (o.spaceNow?.() ?? o.space)?.condition();
       return full ? [`${full.reason}: ${full.detail}`] : [];
     },
     modelNames,
@@ -109,14 +155,16 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     httpTimeouts: c.httpTimeouts,
     engine: o.tokenize ? e : undefined,
     offload: e,
+    ...(o.metricsText ? { metricsText: o.metricsText } : {}),
     health: () => ({
-      role: o.role,
+      role: identity().role,
       build: BUILD,
       protocol: protocolVersion(),
       model: modelNames[0],
       fingerprint: e.info.fingerprint,
       settings: pairSettingsOf(e.info),
-      epoch: o.epoch,
+      epoch: identity().epoch,
+      role_switch: identity().switchable,
       slots: e.info.sequences,
       slots_free: e.slotsFree(),
       rooms: o.liveRooms(),
@@ -130,6 +178,8 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     const theirs = peerProtocol((req.body as { protocol?: unknown } | null)?.protocol);
     const why = protocolMismatch(protocolVersion(), theirs);
     if (why) return sendError(reply, ApiError.of('protocol_mismatch', `${o.role} worker (${BUILD.id}) refuses a request of another protocol: ${why}`));
+    const stale = staleLegOf(req.headers, identity());
+    if (stale) return sendError(reply, stale);
     try {
       await o.generate(req.body, reply);
     } catch (err) {
@@ -142,7 +192,13 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     o.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), abortCauseOf(b.cause));
     return { ok: true };
   });
-  registerKvEventsRoute(app, o.kvEvents);
+  registerKvEventsRoute(app, o.kvEventsNow ?? o.kvEvents);
+  app.get('/role', async () => identity());
+  app.post('/role', async (req, reply) => {
+    if (!o.switchRole) return sendError(reply, ApiError.of('role_switch_refused', `this ${o.role} worker cannot switch role: start it with \`pdserve worker --role ${o.role}\``));
+    const r = await o.switchRole(req.body);
+    return reply.code(r.status).send(r.body);
+  });
   registerLoadRoute(app, () => ({ rooms: o.requests?.() ?? o.liveRooms(), slots: e.info.sequences, slots_free: e.slotsFree() }));
   let url: string;
   try {

@@ -24,6 +24,7 @@ const LAYERS: readonly (readonly string[])[] = [
   ['membership'], // etcd: worker records and leases, the router's watch (over a pool it is handed), doctor's reader
   ['worker'], // the HTTP edge both worker roles share
   ['router', 'prefill', 'decode', 'colocated'], // the roles
+  ['switch', 'planner'], // a worker hosting either role (role switch); the planner that flips roles
   ['up'], // the local cluster, the tools' launcher
   ['bench', 'storm', 'doctor', 'sim'], // the tools
   ['cli'], // the `pdserve` command
