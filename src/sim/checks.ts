@@ -40,6 +40,8 @@ export type ViolationKind =
   | 'wrong_redispatch'
   | 'unfair_send'
   | 'blamed_peer'
+  /** A role switch tore a node down while a request was in flight or a room live on it, or a node switching accepted a request. */
+  | 'half_switched'
   | 'exception';
 
 export interface Violation {

@@ -41,7 +41,7 @@ export interface RunSeedsResult {
   /** The result `until` matched, replayed with its trace. */
   matched?: SimResult;
   violationsByKind: Partial<Record<ViolationKind, number>>;
-  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; filesHeldToFirstStep: number; migrated: number; migratedSuccess: number; migratedAcross: number; retried: number; retriedSuccess: number; twoDecodes: number; striped: number; stripeChunks: number; stripeHeld: number; stripeLost: number; freezes: number; ownStalls: number };
+  totals: { requests: number; success: number; failed: number; aborts: number; crashes: number; events: number; illegal: number; late: number; expired: number; local: number; localSuccess: number; grouped: number; groupedSuccess: number; sameHost: number; fileRefused: number; filesHeldToFirstStep: number; migrated: number; migratedSuccess: number; migratedAcross: number; retried: number; retriedSuccess: number; twoDecodes: number; striped: number; stripeChunks: number; stripeHeld: number; stripeLost: number; freezes: number; ownStalls: number; switches: number; switchWaitedRooms: number; switchDuringLocal: number; switchFailed: number; switchTimeouts: number };
   elapsedMs: number;
   seedsPerSec: number;
 }
@@ -53,10 +53,10 @@ export async function runSeeds(from: number, count: number, opts: RunSeedsOption
   const t0 = performance.now();
   const failures: SimResult[] = [];
   const byKind: Partial<Record<ViolationKind, number>> = {};
-  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, retried: 0, retriedSuccess: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
+  const totals = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, events: 0, illegal: 0, late: 0, expired: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, retried: 0, retriedSuccess: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0, switches: 0, switchWaitedRooms: 0, switchDuringLocal: 0, switchFailed: 0, switchTimeouts: 0 };
   let ran = 0;
   let matched: SimResult | undefined;
-  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, decodes: opts.decodes, kvStreams: opts.kvStreams, timeouts: opts.timeouts, migrationLimit: opts.migrationLimit, requestTimeoutMs: opts.requestTimeoutMs });
+  const simOpts = (seed: number, trace: boolean): SimOptions => ({ seed, trace, rooms: opts.rooms, legacy: opts.legacy, faults: opts.faults, slots: opts.slots, sameHost: opts.sameHost, decodes: opts.decodes, kvStreams: opts.kvStreams, timeouts: opts.timeouts, migrationLimit: opts.migrationLimit, requestTimeoutMs: opts.requestTimeoutMs, switches: opts.switches, plantSwitchBug: opts.plantSwitchBug });
   for (let i = 0; i < count; i++) {
     const seed = from + i;
     const r = await runSim(simOpts(seed, false));
@@ -127,18 +127,18 @@ export function findFirstWedge(from: number, max: number, opts: Omit<RunSeedsOpt
  * `--seed S` (= --from S --seeds 1 --verbose), `--rooms R` (requests per seed, default 12),
  * `--legacy` (test-only legacy max rule: expect wedges; stops at the first failing seed unless
  * `--all`), `--decodes 1|2` and `--kv-streams 1|2` (the topology, else drawn from each seed),
- * `--verbose` (full trace of failing seeds, or of the single seed). Env
+ * `--switches` (one role switch per world: drain, tear down, rebuild), `--verbose` (full trace of failing seeds, or of the single seed). Env
  * PDSERVE_SIM_SEEDS overrides the default seed count. Returns the exit code: 0 when no violation
  * was found, 1 otherwise (for `--legacy`, 1 means the bug was reproduced), 2 on bad flags.
  */
 export async function simMain(argv: string[], out: (line: string) => void = (l) => console.log(l)): Promise<number> {
   if (argv.includes('--help') || argv.includes('-h')) {
-    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--decodes 1|2] [--kv-streams 1|2] [--migration-limit N] [--request-timeout-ms MS] [--legacy [--all]] [--verbose]');
+    out('usage: pdserve sim [--seeds N] [--from S] [--seed S] [--rooms R] [--decodes 1|2] [--kv-streams 1|2] [--migration-limit N] [--request-timeout-ms MS] [--switches] [--legacy [--all]] [--verbose]');
     out('  runs the room lifecycle under a deterministic simulator (faulty network, crashes, aborts);');
     out('  exit 0 = no violation, 1 = violations (with --legacy: the wedge was reproduced), 2 = bad flags');
     return 0;
   }
-  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'decodes', 'kv-streams', 'migration-limit', 'request-timeout-ms', 'legacy', 'verbose', 'all']);
+  const known = new Set(['seeds', 'from', 'seed', 'rooms', 'decodes', 'kv-streams', 'migration-limit', 'request-timeout-ms', 'legacy', 'verbose', 'all', 'switches']);
   const args = new Map<string, string | true>();
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i]!;
@@ -151,7 +151,7 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
       return 2;
     }
     const [k, inline] = a.slice(2).split('=', 2) as [string, string | undefined];
-    if (['legacy', 'verbose', 'all'].includes(k)) args.set(k, true);
+    if (['legacy', 'verbose', 'all', 'switches'].includes(k)) args.set(k, true);
     else {
       const v = inline ?? argv[++i];
       if (v === undefined) {
@@ -171,7 +171,7 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
   let from: number;
   let seeds: number;
   let rooms: number;
-  const topo: Pick<SimOptions, 'decodes' | 'kvStreams' | 'migrationLimit' | 'requestTimeoutMs'> = {};
+  const topo: Pick<SimOptions, 'decodes' | 'kvStreams' | 'migrationLimit' | 'requestTimeoutMs' | 'switches'> = {};
   try {
     for (const [k, f] of [['decodes', 'decodes'], ['kv-streams', 'kvStreams']] as const) {
       if (!args.has(k)) continue;
@@ -179,6 +179,7 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
       if (n !== 1 && n !== 2) throw new Error(`--${k} must be 1 or 2`);
       topo[f] = n;
     }
+    if (args.has('switches')) topo.switches = true;
     if (args.has('migration-limit')) topo.migrationLimit = Math.max(0, num('migration-limit', 0));
     if (args.has('request-timeout-ms')) topo.requestTimeoutMs = Math.max(1, num('request-timeout-ms', 1));
     const single = args.has('seed');
@@ -211,6 +212,7 @@ export async function simMain(argv: string[], out: (line: string) => void = (l) 
   out(
     `${res.failures.length === 0 ? 'ok' : 'FAILED'}: ${res.ran} seeds from ${from} (${rooms} requests each${legacy ? ', legacy max rule' : ''}) in ${(res.elapsedMs / 1000).toFixed(1)} s = ${res.seedsPerSec.toFixed(0)} seeds/s; ` +
       `${res.totals.success} ok / ${res.totals.failed} failed requests, ${res.totals.aborts} aborts, ${res.totals.crashes} crashes, ${res.totals.late} late events (benign races), ${res.totals.illegal} refused writes (duplicated/reordered frames of the faulty network), ${res.totals.expired} deadlines` +
+      (topo.switches ? `, ${res.totals.switches} role switches (${res.totals.switchWaitedRooms} waited for live rooms with no request in flight, ${res.totals.switchDuringLocal} asked during a decode-local request, ${res.totals.switchFailed} failed midway, ${res.totals.switchTimeouts} drain timeouts)` : '') +
       (res.failures.length ? `; ${res.failures.length} failing seed(s): ${res.failures.slice(0, 10).map((f) => f.seed).join(', ')}; violations: ${kinds}` : ''),
   );
   return res.failures.length === 0 ? 0 : 1;

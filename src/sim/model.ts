@@ -63,6 +63,15 @@ export interface SimOptions {
   migrationLimit?: number;
   /** Every request's deadline after its arrival, virtual ms; default drawn from the seed (30 % short: 200, else 10,000). */
   requestTimeoutMs?: number;
+  /**
+   * Role switches: one node per world (P or a decode) is asked to switch at a random time: the
+   * router sends it nothing new, it drains (../switch/drain.ts), tears down its role's parts and
+   * comes back under a new epoch (the simulated topology keeps its role); 30 % of switches fail
+   * midway (down 100–300 ms before the rebuild). Default off.
+   */
+  switches?: boolean;
+  /** TEST-ONLY planted bug: a switch tears down once no request is in flight, not waiting for live rooms. */
+  plantSwitchBug?: boolean;
 }
 
 export interface SimStats {
@@ -110,6 +119,12 @@ export interface SimStats {
   /** Node freezes (the whole host paused: its loop and its network), and liveness checks that found their own node had stalled. */
   freezes: number;
   ownStalls: number;
+  /** Role switches torn down and rebuilt; of them, switches that waited for live rooms with no request in flight (a prefill room whose KV a decode reads, a registration ahead of its request), switches asked while a decode-local request ran, switches that failed midway; switches whose drain ran out of time (the old role serves on). */
+  switches: number;
+  switchWaitedRooms: number;
+  switchDuringLocal: number;
+  switchFailed: number;
+  switchTimeouts: number;
 }
 
 export interface SimResult {

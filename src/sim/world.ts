@@ -55,6 +55,7 @@ import { DEFAULT_MIGRATION_LIMIT } from '../router/config.js';
 import { EventHeap } from './heap.js';
 import { Prng } from '../base/prng.js';
 import { Checks, type NodeName } from './checks.js';
+import { drainedForSwitch } from '../switch/drain.js';
 import { watchDriver, type WatchHost } from './watch.js';
 import { SIM_MAX_STATE_BYTES, SIM_STATE_DIR, SimDisk, SimEngine, simReceive, simSameHostOffer, simSameHostTake, simSender, simMetrics, type NodeCtx, type SimLease } from './ports.js';
 import { SIM_HEARTBEAT_MS, SimNet, type NetNode, type SimConn } from './net.js';
@@ -86,6 +87,8 @@ interface Node {
   ctx: NodeCtx;
   /** This incarnation as the network sees it. */
   net: NetNode;
+  /** A role switch asked of this node: the router sends it nothing new until it is rebuilt (or the drain gives up). */
+  switching?: boolean;
 }
 
 interface Req {
@@ -154,7 +157,7 @@ export class World {
   private readonly byId = new Map<RoomId, Req>();
   readonly checks: Checks;
   readonly trace: TraceEntry[] = [];
-  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, retried: 0, retriedSuccess: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0 };
+  readonly stats: SimStats = { requests: 0, success: 0, failed: 0, aborts: 0, crashes: 0, frames: 0, dropped: 0, duplicated: 0, refusedStale: 0, illegal: 0, late: 0, expired: 0, events: 0, endAt: 0, local: 0, localSuccess: 0, grouped: 0, groupedSuccess: 0, sameHost: 0, fileRefused: 0, filesHeldToFirstStep: 0, migrated: 0, migratedSuccess: 0, migratedAcross: 0, retried: 0, retriedSuccess: 0, twoDecodes: 0, striped: 0, stripeChunks: 0, stripeHeld: 0, stripeLost: 0, freezes: 0, ownStalls: 0, switches: 0, switchWaitedRooms: 0, switchDuringLocal: 0, switchFailed: 0, switchTimeouts: 0 };
   private readonly crossAbort: boolean;
   /** The router's attempt plan (its default --migration-limit unless the options say otherwise). */
   private readonly plan: AttemptPlan;
@@ -486,7 +489,8 @@ export class World {
     }
     // A world without crashes may pause one node's host once, long enough for its liveness checks to see their own stall.
     const fr = new Prng((this.seed * 1103515245 + 0x5eed) >>> 0);
-    if (crashes === 0 && fr.chance(0.1)) {
+    // (not in a world with a role switch: its teardown is a node going away, judged as a crash is)
+    if (crashes === 0 && !this.opts.switches && fr.chance(0.1)) {
       const all = ['P', ...this.decodes] as NodeName[];
       const who = all[fr.int(0, all.length - 1)]!;
       const when = fr.int(50, window + 200);
@@ -500,6 +504,16 @@ export class World {
       this.at(this.topo.int(20, window + 200), () => this.loseStripe(this.node(d)));
     }
 
+    // One role switch per world (its own stream: the other draws stay as they were).
+    if (this.opts.switches) {
+      const sw = new Prng((this.seed * 2654435761 + 0x5317c4) >>> 0);
+      const all = ['P', ...this.decodes] as NodeName[];
+      const who = all[sw.int(0, all.length - 1)]!;
+      const when = sw.int(20, window + 200);
+      const fail = sw.chance(0.3);
+      const downMs = fail ? sw.int(100, 300) : sw.int(1, 5);
+      this.at(when, () => this.requestSwitch(this.node(who), downMs, fail));
+    }
     // Start both nodes, then the periodic watchdog ticks (random phase per node); the connections' heartbeats are their cores'.
     for (const n of this.all()) {
       this.at(0, () => this.start(n));
@@ -562,7 +576,7 @@ export class World {
     const labels: Record<RoomId, string> = {};
     for (const r of this.byId.values()) labels[r.id] = r.label;
     const o = this.opts;
-    const forced = [...(o.decodes ? [`--decodes ${o.decodes}`] : []), ...(o.kvStreams ? [`--kv-streams ${o.kvStreams}`] : []), ...(o.migrationLimit !== undefined ? [`--migration-limit ${o.migrationLimit}`] : []), ...(o.requestTimeoutMs !== undefined ? [`--request-timeout-ms ${o.requestTimeoutMs}`] : [])];
+    const forced = [...(o.decodes ? [`--decodes ${o.decodes}`] : []), ...(o.kvStreams ? [`--kv-streams ${o.kvStreams}`] : []), ...(o.migrationLimit !== undefined ? [`--migration-limit ${o.migrationLimit}`] : []), ...(o.requestTimeoutMs !== undefined ? [`--request-timeout-ms ${o.requestTimeoutMs}`] : []), ...(o.switches ? ['--switches'] : [])];
     return { seed: this.seed, ok: this.checks.violations.length === 0, legacy: this.legacy, profile: this.profile.name, decodes: this.decodes.length as 1 | 2, kvStreams: this.kvStreams as 1 | 2, forced, violations: this.checks.violations, stats: this.stats, trace: this.tracing ? this.trace : undefined, labels };
   }
 
@@ -633,11 +647,12 @@ export class World {
     this.tr('sim', undefined, `${n.name} up, epoch ${n.epoch}`);
   }
 
-  private crash(n: Node, downMs: number): void {
+  private crash(n: Node, downMs: number, why: 'crash' | 'switch' = 'crash'): void {
     if (!n.up) return;
-    this.stats.crashes++;
+    if (why === 'crash') this.stats.crashes++;
     n.up = false;
-    this.tr('sim', undefined, `${n.name} CRASH (epoch ${n.epoch}), down ${downMs} ms`);
+    n.switching = false;
+    this.tr('sim', undefined, `${n.name} ${why === 'crash' ? 'CRASH' : 'down for its role switch'} (epoch ${n.epoch}), down ${downMs} ms`);
     // Process memory is gone: slots and buffers die with it; state files stay on disk.
     for (const h of this.checks.held(n.name, (h) => h.kind !== 'statefile')) this.checks.release(h, 'crash');
     // Each peer must fail every room bound to n within two heartbeat intervals of silence (its core's heartbeat).
@@ -664,6 +679,62 @@ export class World {
       else if (retry) this.retry(req, n, leg, downMs);
     }
     this.at(this.now + downMs, () => this.start(n));
+  }
+
+  /** Requests whose leg on `n`'s incarnation is open (the router has no answer yet): its HTTP requests in flight. */
+  private openLegs(n: Node): number {
+    const leg = World.legOf(n);
+    let k = 0;
+    for (const req of this.byId.values()) if (this.nodeOf(req, leg) === n && req.on[leg] === n.inc && req.outcome[leg] === undefined) k++;
+    return k;
+  }
+
+  /** Rooms of `n` not terminal, and decode jobs still holding their record. */
+  private liveOn(n: Node): number {
+    return n.table.rooms().length + (n.de ? [...n.de.allJobs()].length : 0);
+  }
+
+  /**
+   * A role switch of `n` (../switch/host.ts in the simulator): out of the router's pool at once,
+   * drained (../switch/drain.ts: no request in flight, no live room), its role's parts torn down
+   * (the executor's shutdown: it must fail nothing) and rebuilt under a new epoch after `downMs`
+   * (long when the switch failed midway and the old role is rebuilt). A drain that does not end
+   * within the requests' deadline gives up: the node serves on.
+   */
+  private requestSwitch(n: Node, downMs: number, fail: boolean): void {
+    if (!n.up || n.switching) return;
+    const inc = n.inc;
+    n.switching = true;
+    const local = n.de ? [...n.de.allJobs()].some((j) => j.local) : false;
+    if (local) this.stats.switchDuringLocal++;
+    this.tr('sim', undefined, `${n.name} SWITCH asked (epoch ${n.epoch}): ${this.openLegs(n)} request(s) in flight, ${this.liveOn(n)} live${local ? ', a decode-local request running' : ''}`);
+    const giveUpAt = this.now + this.requestTimeoutMs + 1000;
+    let waitedRooms = false;
+    const poll = (): void => {
+      if (!n.up || n.inc !== inc) return; // crashed meanwhile: its restart is a new incarnation, not switching
+      const s = { inflight: this.openLegs(n), liveRooms: this.liveOn(n) };
+      if (s.inflight === 0 && s.liveRooms > 0) waitedRooms = true;
+      const ready = this.opts.plantSwitchBug ? s.inflight === 0 : drainedForSwitch(s);
+      if (!ready) {
+        if (this.now >= giveUpAt) {
+          n.switching = false;
+          this.stats.switchTimeouts++;
+          this.tr('sim', undefined, `${n.name} switch: drain ran out of time (${s.inflight} in flight, ${s.liveRooms} live): serving its old role`);
+          return;
+        }
+        this.at(this.now + TICK_MS, poll);
+        return;
+      }
+      if (s.inflight > 0 || s.liveRooms > 0) this.checks.violate({ kind: 'half_switched', node: n.name, detail: `torn down for a role switch with ${s.inflight} request(s) in flight and ${s.liveRooms} room(s) live` });
+      if (waitedRooms) this.stats.switchWaitedRooms++;
+      this.stats.switches++;
+      if (fail) this.stats.switchFailed++;
+      this.tr('sim', undefined, `${n.name} switch: drained, tearing down${fail ? ': the new role fails to build, the old one is rebuilt' : ''} (back in ${downMs} ms)`);
+      n.pe?.shutdown();
+      n.de?.shutdown();
+      this.crash(n, downMs, 'switch');
+    };
+    poll();
   }
 
   // ---- network (./net.ts) -------------------------------------------------------------------------
@@ -727,7 +798,15 @@ export class World {
     this.tr('R', req.id, `dispatch → ${this.nodeOf(req, side).name}${members.length > 1 ? ` (rooms ${members.map((m) => m.label).join(' ')})` : ''}`);
     this.http(
       this.nodeOf(req, side),
-      (n) => (n.role === 'prefill' ? this.prefillCreate(n, members) : this.decodeCreate(n, req)),
+      (n) => {
+        // a node switching role is out of the pool: refused as draining (the router runs it elsewhere)
+        if (n.switching) {
+          for (const m of members) this.routerSide(m, side, 'Failed', 'refused: draining (switching role)');
+          return;
+        }
+        if (n.role === 'prefill') this.prefillCreate(n, members);
+        else this.decodeCreate(n, req);
+      },
       () => {
         for (const m of members) this.routerSide(m, side, 'Failed', 'connection refused');
       },

@@ -37,6 +37,7 @@ import type { FilePrefixStore } from '../prefixes/prefix-store.js';
 import { drainGateOf, sendError } from '../worker/http.js';
 import { serveWorkerEdge, type RoleEdgeParts, type WorkerEdge, type WorkerIdentity } from '../worker/shell.js';
 import { PrefillWorker } from '../prefill/worker.js';
+import { drainedForSwitch } from './drain.js';
 import { DecodeWorker } from '../decode/worker.js';
 
 export type SwitchRole = 'prefill' | 'decode';
@@ -266,7 +267,7 @@ export class RoleHost {
   private async drained(deadline: number): Promise<boolean> {
     const gate = drainGateOf(this.edge.app);
     for (;;) {
-      if ((gate?.inflight ?? 0) === 0 && this.parts.liveRooms() === 0) return true;
+      if (drainedForSwitch({ inflight: gate?.inflight ?? 0, liveRooms: this.parts.liveRooms() })) return true;
       const left = deadline - systemClock.nowMs();
       if (left <= 0) return false;
       await new Promise((r) => setTimeout(r, Math.min(10, left)));
