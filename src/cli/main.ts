@@ -228,6 +228,25 @@ function corsList(v: string, prev: string[] | undefined): string[] {
   return [...(prev ?? []), ...v.split(',').map((x) => x.trim()).filter((x) => x.length > 0)];
 }
 
+/**
+ * Set the `--role` of switchable worker `p`'s arguments to the role the router at `router` has
+ * it in (the planner may have flipped it since it started), so a restart keeps it. Best effort:
+ * when the router cannot be read the arguments stay as they are.
+ */
+async function followRouterRole(router: string, p: { url: string; args: string[] }, adminKey: string | undefined): Promise<void> {
+  try {
+    const res = await fetch(`${router}/workers`, { headers: adminKey ? { authorization: `Bearer ${adminKey}` } : {}, signal: AbortSignal.timeout(2000) });
+    const w = ((await res.json()) as { workers?: { url: string; role: string }[] }).workers?.find((x) => x.url === p.url);
+    const i = p.args.indexOf('--role');
+    if (w && i >= 0 && (w.role === 'prefill' || w.role === 'decode') && p.args[i + 1] !== w.role) {
+      console.error(`pdserve: ${p.url} restarts as ${w.role} (the role the planner gave it)`);
+      p.args[i + 1] = w.role;
+    }
+  } catch {
+    // the router is down or slow: restart with the arguments it has
+  }
+}
+
 /** `--no-kv-stream` (prefill and `up`): see ../config/config.ts `kvStream`. */
 const NO_KV_STREAM_HELP = 'over TCP, send the state only once llama.cpp has saved it (default: a one-room state goes out while llama.cpp saves it, to a decode that takes that)';
 
@@ -423,7 +442,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
           if (action !== 'restart') continue;
           restarting.add(p.name);
           console.error(unexpectedExitLine(p));
-          c.spawn(p).then(
+          // --autoscale: a worker the planner flipped comes back in the role the router has it in
+          (o.autoscale ? followRouterRole(r, p, c.adminKey) : Promise.resolve()).then(() => c.spawn(p)).then(
             () => console.error(`pdserve: ${p.name} is back`),
             (err) => console.error(`pdserve: ${p.name} failed to restart: ${(err as Error).message}`),
           ).finally(() => restarting.delete(p.name));

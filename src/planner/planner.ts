@@ -2,8 +2,9 @@
  * The planner loop: every `tickMs` it reads the pool from the router (GET /workers, admin key)
  * and each routable worker's gauges (GET /metrics), decides (./rules.ts), and carries a flip out
  * through the router (POST /workers/role: out of the pool, drain, rebuild, verify). One flip at a
- * time; ticks while one runs only observe. Every decision is logged and counted
- * (pdserve_planner_decisions_total{action,reason}); `recent` keeps the last ones for GET /status.
+ * time; ticks while one runs only observe. Every decision is logged (a hold repeating the tick
+ * before's reason at debug level) and counted (pdserve_planner_decisions_total{action,reason});
+ * `recent` keeps the last ones for GET /status.
  *
  * Runs inside `pdserve up --autoscale` or alone (`pdserve planner --router URL`, for a cluster
  * whose workers are `pdserve worker` processes).
@@ -107,7 +108,9 @@ export class Planner {
     this.recent.push(rec);
     if (this.recent.length > 100) this.recent.shift();
     const fields = { tick, action: d.action, reason: d.reason, worker: d.url ?? null, prefill_load: round(d.prefillLoad), decode_load: round(d.decodeLoad), prefill_workers: d.prefillWorkers, decode_workers: d.decodeWorkers, ...(error ? { err: error } : {}) };
-    if (d.action === 'hold') this.o.log.info(fields, 'planner: hold');
+    // a hold for the reason of the tick before is logged at debug (one info line per change, not one per tick); every decision is counted
+    const prev = this.recent.at(-2);
+    if (d.action === 'hold') (prev?.action === 'hold' && prev.reason === d.reason ? this.o.log.debug.bind(this.o.log) : this.o.log.info.bind(this.o.log))(fields, 'planner: hold');
     else {
       this.o.log.info(fields, `planner: flip ${d.url} ${d.action === 'to_prefill' ? 'decode → prefill' : 'prefill → decode'}`);
       const to = d.action === 'to_prefill' ? 'prefill' : 'decode';
