@@ -12,6 +12,7 @@
 import { createServer, type Server } from 'node:http';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { PdError } from '../base/errors.js';
+import { systemClock } from '../base/clock.js';
 import type { Logger } from '../base/log.js';
 import { decide, DEFAULT_THRESHOLDS, type Decision, type Thresholds, type WorkerObservation } from './rules.js';
 
@@ -103,7 +104,7 @@ export class Planner {
       error = (err as Error)?.message ?? String(err);
     }
     const d = error ? { action: 'hold' as const, reason: 'no_data' as const, prefillLoad: null, decodeLoad: null, prefillWorkers: 0, decodeWorkers: 0 } : decide(ws, this.flip !== null, this.o.thresholds ?? DEFAULT_THRESHOLDS);
-    const rec: DecisionRecord = { ...d, at: new Date().toISOString(), tick, ...(error ? { detail: error } : {}) };
+    const rec: DecisionRecord = { ...d, at: new Date(systemClock.wallMs()).toISOString(), tick, ...(error ? { detail: error } : {}) };
     this.decisions.inc({ action: d.action, reason: d.reason });
     this.recent.push(rec);
     if (this.recent.length > 100) this.recent.shift();
