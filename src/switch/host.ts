@@ -160,6 +160,7 @@ export class RoleHost {
       kvEventsNow: () => this.worker.kvEvents,
       health: () => ({ ...(live().health?.() ?? {}), ...(this.state === 'failed' ? { role_switch_failed: true } : {}) }),
       liveRooms: () => live().liveRooms(),
+      requests: () => { const p = live(); return p.requests?.() ?? p.liveRooms(); },
       queues: () => live().queues(),
       debugRooms: () => ({ role: this.role, state: this.state, ...(live().debugRooms() as object) }),
       onSignedProbe: (q) => live().onSignedProbe?.(q),

@@ -117,7 +117,7 @@ export function staleLegOf(headers: Record<string, unknown>, now: Pick<WorkerIde
 }
 
 /** What a role (prefill, decode) hands an HTTP edge: its identity, metrics, rooms and work routes. */
-export type RoleEdgeParts = Pick<WorkerEdgeOptions, 'role' | 'epoch' | 'registry' | 'space' | 'kvEvents' | 'liveRooms' | 'queues' | 'health' | 'debugRooms' | 'generate' | 'abort' | 'tick' | 'onSignedProbe'>;
+export type RoleEdgeParts = Pick<WorkerEdgeOptions, 'role' | 'epoch' | 'registry' | 'space' | 'kvEvents' | 'liveRooms' | 'requests' | 'queues' | 'health' | 'debugRooms' | 'generate' | 'abort' | 'tick' | 'onSignedProbe'>;
 
 /** A listening worker edge. */
 export interface WorkerEdge {
