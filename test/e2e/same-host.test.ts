@@ -61,10 +61,12 @@ const HOLD_MS = 3000;
 const REQUEST_DEADLINE_MS = 2 * HOLD_MS;
 /** The router's --client-write-deadline-ms: a stalled reader is cut this long after its queue stopped draining. */
 const CLIENT_DEADLINE_MS = 2500;
-/** The router's deadline while the stalled-reader cases run, ms: past their 9 s generation. */
+/** The router's deadline while the stalled-reader cases run, ms: past their 12 s generation. */
 const STALL_REQUEST_DEADLINE_MS = 30_000;
-/** A stalled reader is cut within this, ms: under the 9 s its generation takes at least, so the cut (not the end) frees the rooms. */
-const STALL_CUT_WITHIN_MS = 8500;
+/** Tokens a stalled reader's stream asks for: 4000 at 3 ms a token take at least 12 s (the context is 4096). */
+const STALL_TOKENS = 4000;
+/** A stalled reader is cut within this, ms: under the 12 s its generation takes at least, so the cut (not the end) frees the rooms. */
+const STALL_CUT_WITHIN_MS = 11_500;
 /** Both decodes' --max-state-bytes: the smallest accepted; the tiny model's state is ~530 B/token. */
 const MAX_STATE = '1M';
 /** A prompt of ~2000 tokens (a ~1.06 MB state: over MAX_STATE), as the context allows. */
@@ -275,16 +277,16 @@ describe('same-host KV handoff (kv_file)', () => {
       { name: 'router', url: h.c.router.url, slowed: ['decode-0', 'decode-1'], live: async () => (await Promise.all(['decode-0', 'decode-1'].map(async (n) => (await getJson<{ live: unknown[] }>(`${proc(n).url}/debug/rooms`)).live.length))).reduce((a, b) => a + b, 0) },
     ];
     for (const srv of servers) {
-      // generation slowed to 3 ms a token: 3000 tokens take 9 s or more. The router runs with a
+      // generation slowed to 3 ms a token: STALL_TOKENS take 12 s or more. The router runs with a
       // deadline past that for this case, so a cut that comes late on a loaded machine (the reader's
       // window fills more slowly as tokens come more slowly) is still a cut, never the deadline.
       if (srv.name === 'router') await restartRouter(STALL_REQUEST_DEADLINE_MS);
       for (const d of srv.slowed) await setHolds(d, 'decode.step=3');
       try {
         const cases: [string, string, Record<string, unknown>][] = [
-          ['n = 1', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, logprobs: 5, stream: true }],
-          ['n = 3', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: 3000, ignore_eos: true, temperature: 0, n: 3, logprobs: 5, stream: true }],
-          ['Responses', '/v1/responses', { model: 'pdserve', input: 'Once upon a time', max_output_tokens: 3000, temperature: 0, stream: true }],
+          ['n = 1', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: STALL_TOKENS, ignore_eos: true, temperature: 0, logprobs: 5, stream: true }],
+          ['n = 3', '/v1/completions', { model: 'pdserve', prompt: 'Once upon a time', max_tokens: STALL_TOKENS, ignore_eos: true, temperature: 0, n: 3, logprobs: 5, stream: true }],
+          ['Responses', '/v1/responses', { model: 'pdserve', input: 'Once upon a time', max_output_tokens: STALL_TOKENS, temperature: 0, stream: true }],
         ];
         for (const [label, path, body] of cases) {
           const before = await cuts(srv.url);
