@@ -8,8 +8,8 @@ import type { TokenizerThread } from '../engine/tokenizer-thread.js';
 import { ApiError } from '../base/errors.js';
 import { TOOLS_REFUSAL } from './fields.js';
 
-/** A wire chat message as the engine's ChatMessage. */
-function chatMessageOf(m: NonNullable<GenerateRequest['messages']>[number]): ChatMessage {
+/** One wire message → the engine's ChatMessage (what prefill, decode and the router's tokenizer render). */
+export function chatMessageOf(m: NonNullable<GenerateRequest['messages']>[number]): ChatMessage {
   const out: ChatMessage = { role: m.role, content: m.content };
   if (m.tool_calls) out.toolCalls = m.tool_calls;
   if (m.tool_call_id !== undefined) out.toolCallId = m.tool_call_id;

@@ -9,6 +9,8 @@ import { randomBytes } from 'node:crypto';
 import { readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
+import { DEFAULT_KV_BLOCK_TOKENS, MAX_KV_BLOCK_TOKENS, MIN_KV_BLOCK_TOKENS } from '../protocol/token-blocks.js';
+import { DEFAULT_ROUTER_MAX_BLOCKS } from '../protocol/kv-events.js';
 import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../config/config.js';
 import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
@@ -84,6 +86,7 @@ const engineOptions = (c: Command) =>
     .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
     .option('--prefix-store-bytes <bytes>', "byte budget of the host-wide prefix store, shared by the host's workers (LRU beyond; 0 = off; default: 1/4 of the state directory's filesystem, at most 1/8 of RAM)", int)
     .option('--prefix-store-dir <dir>', "folder of the prefix store (default: the state directory; colocated: /dev/shm)")
+    .option('--kv-block-tokens <tokens>', `tokens per block of the KV events this worker publishes (chained block hashes the router matches prompts against; ${MIN_KV_BLOCK_TOKENS}-${MAX_KV_BLOCK_TOKENS})`, int, DEFAULT_KV_BLOCK_TOKENS)
     .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name without .gguf, and 'pdserve')")
     .addOption(new Option('--gpu <backend>', 'GPU backend (auto: CUDA, then Vulkan / Metal, else the CPU)').choices([...GPU_BACKENDS]).default('auto'))
     .option('--gpu-layers <n>', "layers offloaded to the GPU: auto (as many as fit), max, or a number (llama.cpp's -ngl)", cliParser(parseGpuLayers), 'auto')
@@ -108,8 +111,9 @@ function gpuConfig(o: { gpu: string; gpuLayers: string | number; gpuDevice?: num
 }
 
 /** The prefix-cache part of an engine config from the engine options. */
-function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number; sessionTtlMs: number; prefixStoreBytes?: number; prefixStoreDir?: string }) {
+function prefixCacheConfig(o: { prefixCache?: boolean; prefixCacheSlots: number; prefixCacheTokens: number; sessionTtlMs: number; prefixStoreBytes?: number; prefixStoreDir?: string; kvBlockTokens?: number }) {
   return {
+    ...(o.kvBlockTokens !== undefined ? { kvBlockTokens: o.kvBlockTokens } : {}),
     prefixCacheSlots: o.prefixCacheSlots,
     sessionTtlMs: o.sessionTtlMs,
     prefixCacheTokens: o.prefixCache === false ? 0 : o.prefixCacheTokens,
@@ -282,6 +286,11 @@ export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string
   const firstToken = o.firstTokenAfterSave !== undefined ? ['--first-token-after-save', String(o.firstTokenAfterSave)] : [];
   const stream = o.kvStream === false ? ['--no-kv-stream'] : [];
   return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill'), ...http], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode'), ...http] };
+}
+
+/** `up`'s router tokenizes with the workers' own GGUF (exact routing, ../router/tokens.ts). */
+function withRouterModel(extra: ReturnType<typeof upExtraArgs>, model: string): ReturnType<typeof upExtraArgs> {
+  return { ...extra, router: [...(extra.router ?? []), '--model', model] };
 }
 
 /** The GPU flags of one role's workers under `up` (per-role --prefill-gpu-device / --decode-gpu-device over --gpu-device). */
@@ -580,6 +589,8 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
     .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
+    .option('--model <file>', "the workers' GGUF: the router tokenizes prompts with its vocabulary (a vocabulary-only load on a thread) and routes on the token blocks the workers hold; without it: the approximate prefix tree and no decode-local ('up' passes its model)")
+    .option('--kv-router-max-blocks <n>', 'block references of the workers\' KV events the router keeps per worker (an entry past the bound is not matched)', int, DEFAULT_ROUTER_MAX_BLOCKS)
     .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
     .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
@@ -596,7 +607,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') }, testHooksFromEnv());
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, ...(o.model ? { model: resolve(o.model as string) } : {}), kvRouterMaxBlocks: o.kvRouterMaxBlocks, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') }, testHooksFromEnv());
         return r;
       });
     });

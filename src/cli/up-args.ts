@@ -22,6 +22,8 @@ export interface UpEngineFlags {
   prefixStoreBytes?: number;
   /** `--grammar-budget-ms`: ms; undefined = the workers' default. */
   grammarBudgetMs?: number;
+  /** `--kv-block-tokens`: tokens per KV-event block; undefined = the workers' default. */
+  kvBlockTokens?: number;
 }
 
 /**
@@ -40,5 +42,6 @@ export function upEngineArgs(o: UpEngineFlags): string[] {
     ...(o.sessionTtlMs !== undefined ? ['--session-ttl-ms', String(o.sessionTtlMs)] : []),
     ...(o.prefixStoreBytes !== undefined ? ['--prefix-store-bytes', String(o.prefixStoreBytes)] : []),
     ...(o.grammarBudgetMs !== undefined ? ['--grammar-budget-ms', String(o.grammarBudgetMs)] : []),
+    ...(o.kvBlockTokens !== undefined ? ['--kv-block-tokens', String(o.kvBlockTokens)] : []),
   ];
 }

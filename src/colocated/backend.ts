@@ -101,8 +101,6 @@ export class ColocatedBackend {
     const sampling = fitSampling(this.engine, tokens.length, samplingFromWire(body.sampling_params));
     await checkSampling(this.engine, sampling);
     const slot = await this.acquire(signal, tokens, body.cache_salt, retentionFromWire(body.retention));
-    const leasedKey = this.kvTracker ? body.conversation_key : undefined;
-    if (leasedKey) this.kvTracker!.noteLeased(leasedKey);
     this.running++;
     const entry: ColocatedRunning = { rid: body.rid, prompt_tokens: tokens.length, cached_tokens: 0, path: 'colocated', t0: systemClock.nowMs() };
     this.live.set(body.rid, entry);
@@ -116,17 +114,17 @@ export class ColocatedBackend {
       const g = slot.generate(first.firstToken, sampling, signal);
       gen = g;
       let n = 0;
-      const key = this.kvTracker ? body.conversation_key : undefined;
+      const track = this.kvTracker !== null && this.kvTracker !== undefined;
       const ids: number[] = [];
       for (;;) {
         if (this.testHooks.enabled) await this.testHooks.hold('decode.step', signal);
         const r = await g.next();
         if (r.done) {
-          if (key && r.value !== 'abort') this.kvTracker!.noteFinished(key, [...tokens, ...ids], tokens.length, body.cache_salt);
+          if (track && r.value !== 'abort') this.kvTracker!.noteFinished([...tokens, ...ids], body.cache_salt);
           yield { text: '', token_ids: [], meta_info: meta(n, { type: r.value }) };
           return;
         }
-        if (key) ids.push(r.value.token);
+        if (track) ids.push(r.value.token);
         n++;
         // generate() knows no logprob for the first token: prefill sampled it
         yield tokenEvent(n === 1 && first.firstLogprob ? { ...r.value, logprob: first.firstLogprob } : r.value, meta(n, null));
@@ -136,7 +134,6 @@ export class ColocatedBackend {
       this.running--;
       if (this.live.get(body.rid) === entry) this.live.delete(body.rid);
       this.release(slot);
-      if (leasedKey) this.kvTracker!.noteReleased(leasedKey);
     }
   }
 }

@@ -59,10 +59,10 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   const prefixMetrics = new PrefixCacheMetrics(metrics.registry, () => engine.cachedStats(), () => engine.evictionStats?.() ?? []);
   store?.registerMetrics(metrics.registry, (hit) => prefixMetrics.recordTier('store', hit));
   // KV events as the workers publish them (GET /kv_events, pdserve_kv_events_published_total):
-  // the store's files by chain key, kept conversations by conversation key.
-  const kvEvents = new KvEventLog({ registry: metrics.registry });
+  // the store's files by chain key, kept token blocks per entry (../worker/kv-tracker.ts).
+  const kvEvents = new KvEventLog({ registry: metrics.registry, blockTokens: config.engine.kvBlockTokens });
   store?.onEvent((e) => kvEvents.publish(e));
-  const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents) : null;
+  const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents, config.engine.kvBlockTokens) : null;
   backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics, kvTracker, testHooks);
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
   // stalled and too-slow readers (../runtime/send-queue.ts): streams, n > 1, Responses and large non-streamed bodies

@@ -2,6 +2,7 @@
  * Worker configuration, validated once with zod at start-up (all problems reported together)
  * and frozen, in the style of fastify's initial-config-validation.
  */
+import { DEFAULT_KV_BLOCK_TOKENS, MAX_KV_BLOCK_TOKENS, MIN_KV_BLOCK_TOKENS } from '../protocol/token-blocks.js';
 import { z } from 'zod';
 import { PdError } from '../base/errors.js';
 import { DEFAULT_TIMEOUTS } from '../kv/types.js';
@@ -43,6 +44,8 @@ export const EngineConfigSchema = z.object({
   prefixStoreBytes: z.number().int().min(0).max(Number.MAX_SAFE_INTEGER).optional(),
   /** Folder of the prefix store (default: the worker's state directory; colocated: /dev/shm). */
   prefixStoreDir: z.string().min(1).optional(),
+  /** Tokens per block of the KV events' chained block hashes (../protocol/token-blocks.ts). */
+  kvBlockTokens: z.number().int().min(MIN_KV_BLOCK_TOKENS).max(MAX_KV_BLOCK_TOKENS).default(DEFAULT_KV_BLOCK_TOKENS),
   /**
    * Names the OpenAI API answers to (vLLM's --served-model-name): a request naming another model
    * is a 404 model_not_found. The first is the `model` of responses. Empty = the GGUF's file name

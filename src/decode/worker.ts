@@ -89,8 +89,8 @@ export class DecodeWorker {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats(), () => this.engine.evictionStats?.() ?? []);
-    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
-    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
+    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry, blockTokens: config.engine.kvBlockTokens });
+    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents, config.engine.kvBlockTokens) : null;
     // small spares within RECV_SPARE_BYTES, and large ones within --max-state-bytes while receives keep taking them
     this.recvFiles = new FilePool({ dir: config.stateDir, prefix: `pdserve-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES, maxLargeBytes: config.maxStateBytes });
     this.knownPrefills = new KnownPrefills(config.allowPrefill);
@@ -263,8 +263,6 @@ export class DecodeWorker {
     if (admitted.refused) return sendError(reply, admitted.refused);
     const { job } = admitted;
     const off = onClientGone(reply, () => this.abort(undefined, room, 'client'));
-    const leasedKey = job.conversationKey;
-    if (leasedKey) this.kvTracker?.noteLeased(leasedKey);
     try {
       let start: DecodeStart;
       try {
@@ -279,7 +277,6 @@ export class DecodeWorker {
       }
     } finally {
       off();
-      if (leasedKey) this.kvTracker?.noteReleased(leasedKey);
     }
   }
 
@@ -309,7 +306,7 @@ export class DecodeWorker {
           finish = r.value;
           break;
         }
-        if (prompt && job.conversationKey) ids.push(r.value.token);
+        if (prompt && this.kvTracker) ids.push(r.value.token);
         n++;
         if (n === 1 && job.skipFirst) continue; // the client has it from prefill; same text state here
         // local path: decode sampled token 1 itself, with its logprob (generate() knows none for it)
@@ -324,7 +321,7 @@ export class DecodeWorker {
       // router does not take the end for a worker failure (and migrate the request).
       if (finish === 'abort' && job.abortedBy?.code === 'request_aborted') out.error(ApiError.fromFailure(job.abortedBy), true);
       else out.finish(resumed + n, finish);
-      if (finish !== 'abort' && prompt && job.conversationKey) this.kvTracker?.noteFinished(job.conversationKey, [...prompt, ...ids], prompt.length, job.salt);
+      if (finish !== 'abort' && prompt) this.kvTracker?.noteFinished([...prompt, ...ids], job.salt);
     } catch (err) {
       out.error(toApiError(err));
     } finally {

@@ -132,6 +132,8 @@ export interface KvCacheEvent {
   tokens: number;
   /** Bytes the entry holds (store: file size; 0 when unknown). */
   bytes: number;
+  /** `stored`: the chained hashes of the whole token blocks it holds, in order (../protocol/token-blocks.ts); absent: not named per block. */
+  blocks?: number[];
 }
 
 /** The second tier as the engine uses it (prefixes/prefix-store.ts implements it over files). */

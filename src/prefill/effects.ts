@@ -437,7 +437,7 @@ export class PrefillEffects<C extends KvConn> {
       if (signal.aborted) return { ok: false, aborted: true };
       comp.state = { path, payloadBytes }; // the file is the computation's now: deleted by the driver's `discard`
       // the sequence keeps this prompt once released: the conversation's next round finds it here
-      if (comp.key) this.o.kvTracker?.noteFinished(comp.key, comp.tokens, comp.tokens.length, comp.salt);
+      this.o.kvTracker?.noteFinished(comp.tokens, comp.salt);
       return { ok: true, totalBytes: roomBytes.get(comp.lead)!, roomBytes };
     } catch (err) {
       const e = err as { code?: string; message?: string };

@@ -97,8 +97,8 @@ export class PrefillWorker {
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats(), () => this.engine.evictionStats?.() ?? []);
-    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry });
-    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents) : null;
+    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry, blockTokens: config.engine.kvBlockTokens });
+    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents, config.engine.kvBlockTokens) : null;
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
     const queued = () => this.effects.queuedPromptTokens();
     new Gauge({ name: 'pdserve_prefill_queued_tokens', help: 'Prompt tokens of the requests not evaluated yet (queued for a compute slot or being evaluated): the planner\'s prefill load', registers: [this.metrics.registry], collect() { this.set(queued()); } });

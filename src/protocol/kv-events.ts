@@ -6,6 +6,8 @@
  *           of the old process at once (nothing the old process held survives it in memory).
  *   id      1, 2, 3, … per epoch, one per event: a router that sees a jump has missed events.
  *   held    what is held now, per (tier, key): the snapshot a router resyncs from.
+ *   blocks  a `stored` event's chained token-block hashes (./token-blocks.ts), the block size in
+ *           every reply (`block_tokens`): what a router matches a prompt against.
  *
  * `read(epoch, after)` answers a router: the events after `after` when it has all of them, or
  * the snapshot when it cannot continue (another epoch, an id it never issued, or events already
@@ -16,6 +18,7 @@
 import { randomBytes } from 'node:crypto';
 import { Counter, type Registry } from 'prom-client';
 import type { KvCacheEvent } from '../engine/prefix-store.js';
+import { DEFAULT_KV_BLOCK_TOKENS } from './token-blocks.js';
 
 export type { KvCacheEvent };
 
@@ -36,6 +39,8 @@ export interface KvEventsReply {
   snapshot?: HeldEntry[];
   /** More events are waiting (the batch bound cut this reply). */
   more?: boolean;
+  /** Tokens per block of the events' `blocks` (the worker's `--kv-block-tokens`). */
+  block_tokens?: number;
 }
 
 export interface KvEventLogOptions {
@@ -46,7 +51,12 @@ export interface KvEventLogOptions {
   maxHeld?: number;
   /** Registry for pdserve_kv_events_published_total{tier,kind}. */
   registry?: Registry;
+  /** Tokens per block of the published `blocks` (default DEFAULT_KV_BLOCK_TOKENS). */
+  blockTokens?: number;
 }
+
+/** Default bound of the block references a router keeps per worker (`--kv-router-max-blocks`). */
+export const DEFAULT_ROUTER_MAX_BLOCKS = 1 << 20;
 
 /** Longest long poll a router may ask for, ms. */
 export const MAX_KV_WAIT_MS = 30_000;
@@ -54,6 +64,7 @@ export const MAX_KV_WAIT_MS = 30_000;
 /** See the module doc. */
 export class KvEventLog {
   readonly epoch: string;
+  readonly blockTokens: number;
   private lastId = 0;
   private readonly ring: KvEvent[] = [];
   private readonly held = new Map<string, HeldEntry>();
@@ -71,6 +82,7 @@ export class KvEventLog {
     this.maxEvents = o.maxEvents ?? 4096;
     this.maxBatch = o.maxBatch ?? 1024;
     this.maxHeld = o.maxHeld ?? 65_536;
+    this.blockTokens = o.blockTokens ?? DEFAULT_KV_BLOCK_TOKENS;
   }
 
   /** Id of the last event (0 before the first). */
@@ -85,13 +97,13 @@ export class KvEventLog {
 
   /** Publish one event (a stored entry already held, or an evicted one not held, still gets its event). */
   publish(e: KvCacheEvent): KvEvent {
-    const ev: KvEvent = { id: ++this.lastId, kind: e.kind, tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes };
+    const ev: KvEvent = { id: ++this.lastId, kind: e.kind, tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) };
     this.ring.push(ev);
     if (this.ring.length > this.maxEvents) this.ring.splice(0, this.ring.length - this.maxEvents);
     const k = `${e.tier}:${e.key}`;
     this.held.delete(k);
     if (e.kind === 'stored') {
-      this.held.set(k, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes });
+      this.held.set(k, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) });
       if (this.held.size > this.maxHeld) {
         this.held.delete(this.held.keys().next().value as string);
         this.truncated++;
@@ -106,12 +118,12 @@ export class KvEventLog {
   read(epoch: string | undefined, after: number): KvEventsReply {
     const oldest = this.ring[0]?.id ?? this.lastId + 1;
     if (epoch !== this.epoch || !Number.isSafeInteger(after) || after < 0 || after > this.lastId || after < oldest - 1) {
-      return { epoch: this.epoch, last: this.lastId, events: [], snapshot: [...this.held.values()] };
+      return { epoch: this.epoch, last: this.lastId, events: [], snapshot: [...this.held.values()], block_tokens: this.blockTokens };
     }
     const from = after - oldest + 1;
     const events = this.ring.slice(from, from + this.maxBatch);
     const last = events.length > 0 ? events[events.length - 1]!.id : after;
-    return last < this.lastId ? { epoch: this.epoch, last, events, more: true } : { epoch: this.epoch, last, events };
+    return last < this.lastId ? { epoch: this.epoch, last, events, more: true, block_tokens: this.blockTokens } : { epoch: this.epoch, last, events, block_tokens: this.blockTokens };
   }
 
   /** Resolves once an event after `after` exists, `ms` passed, or `signal` aborted (never rejects). */

@@ -62,6 +62,8 @@ export interface AttemptDeps {
   closing(): boolean;
   /** Requests waiting for a healthy worker now (bounded by MAX_WAITING). */
   waiting: { n: number };
+  /** The prompt's tokens as the workers tokenize it (./tokens.ts); absent: no router tokenizer. */
+  tokensOf?: (parsed: ParsedRequest) => Promise<number[] | undefined>;
 }
 
 /** Who a request is for: its response id, log, `x-session-id` and, for a fanned-out choice, the whole request's response id. */
@@ -86,6 +88,8 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
   const text = routingText(parsed);
   const key = conversationKey(parsed, caller.sessionId);
   if (key !== undefined) parsed.conversationKey = key;
+  // exact routing: the prompt's tokens, bounded and on a deadline (undefined: route without them)
+  const tokens = d.tokensOf && !member ? await d.tokensOf(parsed) : undefined;
   /** The failed attempts' workers: the picker skips them while others are candidates. */
   const avoid = new Set<WorkerState>();
   const causes: { next: 'retry' | 'migrate'; code: string }[] = [];
@@ -110,7 +114,7 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
       // choice runs again on its own (the group's prefill request is over).
       const m: { group: ChoiceGroup; index: number } | undefined = first ? member : undefined;
       const pick = (): PickAnswer => {
-        const p = d.picker.pick({ text, key, avoid, prefill: m?.group.prefill ?? undefined, local: !m });
+        const p = d.picker.pick({ text, ...(tokens ? { tokens } : {}), ...(parsed.salt !== undefined ? { salt: parsed.salt } : {}), resumed: client?.tokenIds.length ?? 0, key, avoid, prefill: m?.group.prefill ?? undefined, local: !m });
         // at once: the group's other members run in the same turn (in process) and must take this prefill
         if (m && !('error' in p)) m.group.prefill ??= p.prefill;
         return p;
@@ -171,7 +175,7 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
       // An ok round: the decode worker now keeps it (prompt + reply), the next round's prefix.
       const pairFailed = run.cause && PAIR_FAILURE_CODES.has(run.cause.code) ? run.cause.code : undefined;
       const ok = run.outcome === 'ok' && run.next === null;
-      const blockedMs = d.picker.learn({ prefill, decode, ok: run.outcome === 'ok', pairFailed, ...(ok ? { heldText: routingTextAfter(parsed, run.generatedText), key } : {}) });
+      const blockedMs = d.picker.learn({ prefill, decode, ok: run.outcome === 'ok', pairFailed, ...(ok ? { heldText: routingTextAfter(parsed, run.generatedText), ...(tokens ? { tokens } : {}), ...(parsed.salt !== undefined ? { salt: parsed.salt } : {}) } : {}) });
       if (pairFailed) log.warn({ prefill: prefill.url, decode: decode.url, code: pairFailed, retry_in_ms: blockedMs }, 'KV handshake failed: the pair leaves the rotation');
       if (run.next !== 'retry' && run.next !== 'migrate') break;
       if (sink.signal.aborted) {

@@ -29,6 +29,8 @@
  *       continuation up to localPrefillMaxTokens = 256 uncached tokens, 0 = off), with cache_aware's
  *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
+ *     model? (the workers' GGUF: exact routing, ./tokens.ts), kvRouterMaxBlocks = 1 Mi (block
+ *       references of the workers' KV events kept per worker, ./kv-events.ts),
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
  *       ../api/access.ts), clusterSecret? (signs every request to a worker), tls? = { cert, key }
@@ -46,6 +48,7 @@ import { HttpTimeoutsSchema, type HttpTimeouts } from '../runtime/http-timeouts.
 import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
+import { DEFAULT_ROUTER_MAX_BLOCKS } from '../protocol/kv-events.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
 import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
@@ -125,6 +128,10 @@ export const RouterConfigSchema = z
     balanceAbsThreshold: z.number().int().min(0).default(DEFAULT_CACHE_AWARE.balanceAbsThreshold),
     balanceRelThreshold: z.number().min(1).default(DEFAULT_CACHE_AWARE.balanceRelThreshold),
     maxTreeChars: z.number().int().min(1).default(DEFAULT_CACHE_AWARE.maxTreeChars),
+    /** The workers' GGUF: the router tokenizes prompts with its vocabulary (./tokens.ts) for exact routing. Absent: no exact routing. */
+    model: z.string().min(1).optional(),
+    /** Block references of the workers' KV events kept per worker (./kv-events.ts). */
+    kvRouterMaxBlocks: z.number().int().min(1).max(1 << 26).default(DEFAULT_ROUTER_MAX_BLOCKS),
     /** CORS origins ('*' = any); empty = no CORS headers. */
     corsOrigin: z.array(z.string().min(1)).max(64).default([]),
     /** Client access (../api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */
@@ -223,6 +230,10 @@ export interface RouterConfig {
   readonly balanceRelThreshold: number;
   /** cache_aware: routing-text characters remembered per worker. */
   readonly maxTreeChars: number;
+  /** The workers' GGUF (exact routing: the router tokenizes with its vocabulary); absent: none. */
+  readonly model?: string;
+  /** Block references of the workers' KV events kept per worker. */
+  readonly kvRouterMaxBlocks: number;
   /** CORS origins ('*' = any); empty = no CORS headers. */
   readonly corsOrigin: readonly string[];
   /** Client access (../api/access.ts). Never logged. */

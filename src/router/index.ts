@@ -65,6 +65,7 @@ import { createPolicy } from './policy/index.js';
 import { Picker } from './picker.js';
 import { KvEventConsumer } from './kv-events.js';
 import { LoadWatch } from './load-watch.js';
+import { RouterTokenizer } from './tokens.js';
 import { registerDiagnostics } from './dashboard.js';
 import { DashboardSeries } from './dashboard-series.js';
 import { TraceStore, traceIdOf } from './trace.js';
@@ -155,10 +156,15 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   const policies = { prefill: createPolicy(config.policy, policyOptions), decode: createPolicy(config.decodePolicy, { ...policyOptions, packBatches: true }) };
   // Why each worker was chosen (cache_aware: cache_hit / cache_miss / imbalanced): the router's view of prefix locality.
   const picks = new Counter({ name: 'pdserve_router_policy_picks_total', help: 'Workers chosen by the load-balancing policy, by role, policy and reason', labelNames: ['role', 'policy', 'reason'], registers: [metrics.registry] });
-  // What the workers really hold, from their KV events (./kv-events.ts); decode's sequence tier is keyed by conversation.
-  const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls);
+  // What the workers really hold, per token block, from their KV events (./kv-events.ts).
+  const kv = new KvEventConsumer(metrics.registry, undefined, (base) => withCredentials(credentials, base), workerTls, config.kvRouterMaxBlocks);
   // Other routers' load, as each worker counts it (./load-watch.ts): one long poll per worker.
   const loads = new LoadWatch((url) => registry.workers.find((w) => w.url === url)?.load ?? 0, (base) => withCredentials(credentials, base), workerTls);
+  // The prompt's tokens as the workers tokenize it (./tokens.ts): exact routing needs the model's vocabulary.
+  const tokenizer = config.model ? new RouterTokenizer(config.model, { registry: metrics.registry }) : null;
+  // loaded before the router serves (bounded by the thread's start deadline): a request never waits for it
+  if (tokenizer) await tokenizer.start().catch((err: unknown) => log.warn({ err: (err as Error).message, model: config.model }, 'router tokenizer did not start: routing without exact token blocks'));
+  else log.info('no --model: the router routes without exact token blocks (approximate prefix tree; no decode-local)');
   const traces = new TraceStore();
   const series = new DashboardSeries();
   traces.onFinished = (_t, fields) => series.add(fields);
@@ -181,7 +187,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   };
   const pairs = new PairBlocks();
   const picker = new Picker({ registry, policies, picks, kv, pairs, localPrefillMaxTokens: config.localPrefillMaxTokens, othersLoad: (url) => loads.others(url) });
-  const attemptDeps: AttemptDeps = { ctx, picker, active, closing: () => closing, waiting: { n: 0 } };
+  const attemptDeps: AttemptDeps = { ctx, picker, active, closing: () => closing, waiting: { n: 0 }, ...(tokenizer ? { tokensOf: (p) => tokenizer.tokensOf(p) } : {}) };
   // n > 1: the choices of one prompt share one prefill computation (choices.ts).
   const choiceGroups = new ChoiceGroups({ dataAgent, joinTimeoutMs: Math.min(config.requestTimeoutMs, 30_000), maxEventBytes: config.maxEventBytes, log });
   const createdAt = Math.floor(systemClock.wallMs() / 1000);
@@ -410,6 +416,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
       registry.stop();
       await kv.close();
       await loads.close();
+      await tokenizer?.close();
       await Promise.allSettled([dataAgent.destroy(), controlAgent.destroy()]);
       throw err;
     }
@@ -426,6 +433,7 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
       registry.stop();
       await kv.close();
       await loads.close();
+      await tokenizer?.close();
       for (const r of [...active]) r.cancel();
       const settle = Promise.allSettled([...pending]);
       await Promise.race([settle, new Promise((r) => setTimeout(r, config.abortTimeoutMs + 100).unref())]);

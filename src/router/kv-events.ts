@@ -5,7 +5,10 @@
  * most one round trip old). Chosen over piggy-backing on the health poll because that one runs
  * every 2 s: a stale claim would live that long.
  *
- * Per worker it keeps what the worker says it holds (`held`: key → tier, tokens):
+ * Per worker it keeps what the worker says it holds (`held`: key → tier, tokens, block hashes) and
+ * the set of token blocks those entries name (`blocks`: hash → entries holding it, at most
+ * `--kv-router-max-blocks` references; ../protocol/token-blocks.ts): a prompt's match on a worker
+ * is the longest run of its leading blocks in that set (`matchedTokens`).
  *   - events apply in id order; an id that is not last + 1 is a gap: the claims are dropped and
  *     the next poll asks for the snapshot (resync);
  *   - a reply with another epoch is a restarted process: every claim of the old one is dropped
@@ -14,13 +17,14 @@
  *     a live process says is routed on. A worker without the endpoint (404) is asked again
  *     every NO_EVENTS_RETRY_MS; the approximate prefix tree stays the fallback for it.
  * Metrics: pdserve_router_kv_events_consumed_total{tier,kind}, pdserve_router_kv_event_gaps_total,
- * pdserve_router_kv_resyncs_total{reason}, pdserve_router_kv_held_entries{tier}.
+ * pdserve_router_kv_resyncs_total{reason}, pdserve_router_kv_held_entries{tier}, pdserve_router_kv_blocks.
  */
 import { Counter, Gauge, type Registry } from 'prom-client';
 import { Agent, request, type Dispatcher } from 'undici';
-import type { KvEventsReply, HeldEntry } from '../protocol/kv-events.js';
+import { DEFAULT_ROUTER_MAX_BLOCKS, type KvEventsReply, type HeldEntry } from '../protocol/kv-events.js';
 import type { WorkerState } from './registry.js';
 import { PdError } from '../base/errors.js';
+import { commonRun, leadingRun } from '../protocol/token-blocks.js';
 
 /** Long-poll wait asked of a worker, ms. */
 export const KV_WAIT_MS = 10_000;
@@ -32,15 +36,15 @@ const NO_EVENTS_RETRY_MS = 30_000;
 const MAX_REPLY_BYTES = 16 << 20;
 
 /**
- * How long a conversation the router just finished on a worker counts as "not known yet" rather
- * than "not held" while the worker's events say nothing of it, ms: decode's tracker decides
- * within its 2 s wait for a released sequence (../worker/kv-tracker.ts), plus a poll round trip.
- * PDSERVE_TEST_PENDING_CLAIM_MS (ms > 0) replaces it in tests whose next round may come later
- * than that on a loaded machine.
+ * How long the prompt blocks of a round the router just finished on a worker count as held there
+ * while the worker's events say nothing of them yet, ms: the tracker publishes within a probe or
+ * two of the sequence's release (../worker/kv-tracker.ts), plus a poll round trip; a next round
+ * arriving sooner would otherwise see the worker hold nothing. PDSERVE_TEST_PENDING_CLAIM_MS
+ * (ms > 0) replaces it in tests whose next round may come later than that on a loaded machine.
  */
 export const PENDING_CLAIM_MS = Number(process.env.PDSERVE_TEST_PENDING_CLAIM_MS) > 0 ? Number(process.env.PDSERVE_TEST_PENDING_CLAIM_MS) : 3000;
 /** Most pending claims kept per worker (the oldest dropped beyond). */
-const MAX_PENDING_CLAIMS = 4096;
+const MAX_PENDING_CLAIMS = 64;
 
 /** The key of an entry in `WorkerClaims.held`: `tier:key` (the tiers' keys are different spaces). */
 export const heldKey = (tier: string, key: string): string => `${tier}:${key}`;
@@ -50,12 +54,65 @@ export interface WorkerClaims {
   epoch: string | null;
   /** Last event id applied; -1 = ask for the snapshot. */
   last: number;
-  /** heldKey(tier, key) → entry. */
+  /** heldKey(tier, key) → entry (its `blocks` dropped when the bound refused them). */
   held: Map<string, HeldEntry>;
   /** The stream is up to date (its last poll succeeded). */
   live: boolean;
-  /** Sequence-tier keys the router finished a round of here, the events silent on them since: key → monotonic ms (`KvEventConsumer.expect`). */
-  pending: Map<string, number>;
+  /** Block hash → entries holding it (every tier). */
+  blocks: Map<number, number>;
+  /** Block references counted in `blocks` (sum over entries); bounded by `maxBlocks`. */
+  refs: number;
+  /** Most block references kept (`--kv-router-max-blocks`); an entry past it is kept without its blocks. */
+  maxBlocks: number;
+  /** Entries whose blocks the bound refused (since the last resync). */
+  refused: number;
+  /** The worker's block size (its replies' `block_tokens`); 0 before the first reply. */
+  blockTokens: number;
+  /** Prompt blocks of rounds the router finished here, the events silent on them so far: monotonic ms → hashes (`KvEventConsumer.expect`). */
+  pending: { at: number; blocks: readonly number[] }[];
+}
+
+/** Fresh claims of a worker (`maxBlocks` block references at most). */
+export function newClaims(maxBlocks = DEFAULT_ROUTER_MAX_BLOCKS): WorkerClaims {
+  return { epoch: null, last: -1, held: new Map(), live: false, blocks: new Map(), refs: 0, maxBlocks, refused: 0, blockTokens: 0, pending: [] };
+}
+
+function clearClaims(c: WorkerClaims): void {
+  c.held.clear();
+  c.blocks.clear();
+  c.refs = 0;
+  c.refused = 0;
+  c.pending = [];
+}
+
+function addEntry(c: WorkerClaims, e: HeldEntry): void {
+  const k = heldKey(e.tier, e.key);
+  removeEntry(c, k);
+  let entry = e;
+  if (e.blocks?.length) {
+    if (c.refs + e.blocks.length > c.maxBlocks) {
+      c.refused++;
+      const { blocks: _dropped, ...rest } = e;
+      entry = rest;
+    } else {
+      for (const h of e.blocks) c.blocks.set(h, (c.blocks.get(h) ?? 0) + 1);
+      c.refs += e.blocks.length;
+    }
+  }
+  c.held.set(k, entry);
+}
+
+function removeEntry(c: WorkerClaims, k: string): void {
+  const old = c.held.get(k);
+  if (!old) return;
+  c.held.delete(k);
+  if (!old.blocks) return;
+  for (const h of old.blocks) {
+    const n = (c.blocks.get(h) ?? 0) - 1;
+    if (n > 0) c.blocks.set(h, n);
+    else c.blocks.delete(h);
+  }
+  c.refs -= old.blocks.length;
 }
 
 /**
@@ -66,19 +123,22 @@ export function applyKvReply(c: WorkerClaims, r: KvEventsReply): { outcome: 'ok'
   const applied: { tier: string; kind: string }[] = [];
   let outcome: 'ok' | 'resync' | 'restart' | 'gap' = 'ok';
   if (c.epoch !== null && r.epoch !== c.epoch) {
-    c.held.clear();
+    clearClaims(c);
     outcome = 'restart';
   }
+  if (Number.isSafeInteger(r.block_tokens) && r.block_tokens! > 0) c.blockTokens = r.block_tokens!;
   if (r.snapshot) {
-    c.held.clear();
-    for (const e of r.snapshot) c.held.set(heldKey(e.tier, e.key), e);
+    const pending = c.pending;
+    clearClaims(c);
+    if (outcome !== 'restart') c.pending = pending;
+    for (const e of r.snapshot) addEntry(c, e);
     c.epoch = r.epoch;
     c.last = r.last;
     c.live = true;
     return { outcome: outcome === 'restart' ? 'restart' : 'resync', applied };
   }
   const gap = () => {
-    c.held.clear();
+    clearClaims(c);
     c.epoch = r.epoch;
     c.last = -1;
     c.live = false;
@@ -89,12 +149,22 @@ export function applyKvReply(c: WorkerClaims, r: KvEventsReply): { outcome: 'ok'
   for (const e of r.events) {
     if (e.id !== c.last + 1) return gap();
     c.last = e.id;
-    if (e.kind === 'stored') c.held.set(heldKey(e.tier, e.key), { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes });
-    else c.held.delete(heldKey(e.tier, e.key));
+    if (e.kind === 'stored') addEntry(c, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) });
+    else removeEntry(c, heldKey(e.tier, e.key));
     applied.push({ tier: e.tier, kind: e.kind });
   }
   c.live = true;
   return { outcome, applied };
+}
+
+/**
+ * Leading blocks of `hashes` (the worker's block size) that claims `c` hold — the longest run
+ * from block 0, its events' blocks or a pending claim's, whichever is longer — at `nowMs`.
+ */
+export function matchedBlocks(c: WorkerClaims, hashes: readonly number[], nowMs: number): number {
+  let n = leadingRun(hashes, (h) => c.blocks.has(h));
+  for (const p of c.pending) if (nowMs - p.at < PENDING_CLAIM_MS) n = Math.max(n, commonRun(hashes, p.blocks));
+  return n;
 }
 
 /** One long-poll loop per worker (see the module doc). */
@@ -112,8 +182,9 @@ export class KvEventConsumer {
    * @param wrap composes the router's credentials onto the consumer's pool (worker requests are
    *   signed: ../security/http-auth.ts `withCredentials`).
    * @param tls node:tls client options of its connections (the CA and client certificate of https:// workers).
+   * @param maxBlocks block references kept per worker (`--kv-router-max-blocks`).
    */
-  constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b, tls: object = {}) {
+  constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b, tls: object = {}, private readonly maxBlocks = DEFAULT_ROUTER_MAX_BLOCKS) {
     this.base = new Agent({ connections: 2, pipelining: 1, keepAliveTimeout: 30_000, connect: { timeout: 2_000, ...tls }, headersTimeout: KV_WAIT_MS + 5_000, bodyTimeout: KV_WAIT_MS + 5_000 });
     this.agent = wrap(this.base);
     this.consumed = new Counter({ name: 'pdserve_router_kv_events_consumed_total', help: 'KV events applied from the workers, by tier and kind', labelNames: ['tier', 'kind'], registers: [registry] });
@@ -131,6 +202,16 @@ export class KvEventConsumer {
         for (const [tier, v] of n) this.set({ tier }, v);
       },
     });
+    new Gauge({
+      name: 'pdserve_router_kv_blocks',
+      help: 'Distinct token blocks the workers say they hold (live streams only, summed over workers); bounded per worker by --kv-router-max-blocks',
+      registers: [registry],
+      collect() {
+        let n = 0;
+        for (const c of claims.values()) if (c.live) n += c.blocks.size;
+        this.set(n);
+      },
+    });
   }
 
   /** What worker `url` holds (live streams only; undefined: no live event stream, use the fallback). */
@@ -139,64 +220,34 @@ export class KvEventConsumer {
     return c?.live ? c.held : undefined;
   }
 
-  /**
-   * The router just finished a round of conversation `key` (a sequence-tier key) on worker
-   * `url` at `nowMs` (monotonic): until the worker's events say something of `key`, or
-   * PENDING_CLAIM_MS pass, `holds` answers "unknown" instead of "not held" — the worker's
-   * `stored` event is on its way, and the conversation's next round may arrive before it.
-   */
-  expect(url: string, key: string, nowMs: number): void {
+  /** Claims of worker `url` while its stream is live (undefined: no live stream: nothing is known). */
+  live(url: string): Readonly<WorkerClaims> | undefined {
     const c = this.claims.get(url);
-    if (!c) return;
-    c.pending.delete(key);
-    c.pending.set(key, nowMs);
-    for (const [k, at] of c.pending) {
-      if (c.pending.size <= MAX_PENDING_CLAIMS && nowMs - at < PENDING_CLAIM_MS) break;
-      c.pending.delete(k);
-    }
+    return c?.live && c.blockTokens > 0 ? c : undefined;
   }
 
   /**
-   * Does worker `url` hold conversation `key` in its sequence tier? true / false from its events;
-   * undefined when unknown: no live event stream (use the fallback), or a round of `key` the
-   * router finished there is newer than anything the events said of it (see `expect`).
+   * Leading tokens of a prompt worker `url` holds, from its block claims: matched blocks × its
+   * block size; `hashesFor(blockTokens)` gives the prompt's block hashes in the worker's size.
+   * undefined: no live event stream (unknown, not "none").
    */
-  holds(url: string, key: string, nowMs: number): boolean | undefined {
-    const c = this.claims.get(url);
-    if (!c?.live) return undefined;
-    if (c.held.has(heldKey('sequence', key))) return true;
-    const at = c.pending.get(key);
-    if (at !== undefined && nowMs - at < PENDING_CLAIM_MS) return undefined;
-    return false;
+  matchedTokens(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number): number | undefined {
+    const c = this.live(url);
+    if (!c) return undefined;
+    return matchedBlocks(c, hashesFor(c.blockTokens), nowMs) * c.blockTokens;
   }
 
   /**
-   * `holds` for each of `urls` (workers of one role), answering for the conversation's latest
-   * round: a worker whose copy is older than another's says false. The router just finished a
-   * round of `key` on one of them (`expect`, within PENDING_CLAIM_MS): that one is the freshest
-   * and every other copy is older; otherwise the copies the events carry compare by tokens (an
-   * entry holds prompt + reply of the round it was noted for: a later round holds more), ties
-   * all true. Without this, a worker keeping round r − 2 of a conversation whose round r − 1 ran
-   * elsewhere claims it as fully as the one that ran it, and a decode-local attempt there comes
-   * back `needs_prefill` (two rounds of suffix).
+   * The router just finished a round on worker `url` whose prompt has `hashesFor(size)` blocks:
+   * for PENDING_CLAIM_MS they count as held there (the worker's `stored` event is on its way).
    */
-  holdsAmong(urls: readonly string[], key: string, nowMs: number): Map<string, boolean | undefined> {
-    const out = new Map<string, boolean | undefined>();
-    let pendingAt: string | undefined;
-    let most = 0;
-    for (const url of urls) {
-      out.set(url, this.holds(url, key, nowMs));
-      const c = this.claims.get(url);
-      const at = c?.live ? c.pending.get(key) : undefined;
-      if (at !== undefined && nowMs - at < PENDING_CLAIM_MS) pendingAt = url;
-      if (out.get(url) === true) most = Math.max(most, c!.held.get(heldKey('sequence', key))?.tokens ?? 0);
-    }
-    for (const url of urls) {
-      if (out.get(url) !== true) continue;
-      const older = pendingAt !== undefined ? url !== pendingAt : (this.claims.get(url)!.held.get(heldKey('sequence', key))?.tokens ?? 0) < most;
-      if (older) out.set(url, false);
-    }
-    return out;
+  expect(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number): void {
+    const c = this.claims.get(url);
+    if (!c?.live || c.blockTokens <= 0) return;
+    const blocks = hashesFor(c.blockTokens);
+    if (blocks.length === 0) return;
+    c.pending = c.pending.filter((p) => nowMs - p.at < PENDING_CLAIM_MS).slice(-(MAX_PENDING_CLAIMS - 1));
+    c.pending.push({ at: nowMs, blocks });
   }
 
   /** Follow `w` (idempotent). */
@@ -204,7 +255,7 @@ export class KvEventConsumer {
     if (this.stopped || this.loops.has(w.url)) return;
     const ac = new AbortController();
     this.loops.set(w.url, ac);
-    const c: WorkerClaims = { epoch: null, last: -1, held: new Map(), live: false, pending: new Map() };
+    const c = newClaims(this.maxBlocks);
     this.claims.set(w.url, c);
     void this.loop(w.url, c, ac.signal);
   }
@@ -235,7 +286,7 @@ export class KvEventConsumer {
         if (res.statusCode === 404) {
           await res.body.dump();
           c.live = false;
-          c.held.clear();
+          clearClaims(c);
           c.last = -1;
           await pause(NO_EVENTS_RETRY_MS);
           continue;
@@ -249,15 +300,12 @@ export class KvEventConsumer {
         if (signal.aborted) return;
         // a worker that does not answer holds nothing as far as routing goes; resync when it answers
         c.live = false;
-        c.held.clear();
+        clearClaims(c);
         c.last = -1;
         await pause(RETRY_MS);
         continue;
       }
       const r = applyKvReply(c, reply);
-      // the worker spoke of these conversations (or restarted): their claims are its word now
-      if (r.outcome === 'restart') c.pending.clear();
-      for (const e of reply.events) if (e.tier === 'sequence') c.pending.delete(e.key);
       for (const a of r.applied) this.consumed.inc(a);
       if (r.outcome === 'gap') this.gaps.inc();
       if (r.outcome === 'restart' || r.outcome === 'resync') this.resyncs.inc({ reason: r.outcome === 'restart' ? 'restart' : firstSnapshot ? 'first' : 'resync' });

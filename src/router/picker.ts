@@ -4,12 +4,16 @@
  * a pool) replace or wrap it without touching the attempts:
  *
  *   pick(facts: PickFacts) → { prefill, decode, localPrefill? } | { error, reason, waitable }
- *   learn(round: PickRound) — what became of a pick (the pair's KV handshake, the decode's new prefix)
+ *   learn(round: PickRound) — what became of a pick (the pair's KV handshake, the decode's new prefix:
+ *   its prompt blocks count as held there until the worker's own event says so, ./kv-events.ts `expect`)
  *
  * | input (PickFacts) | meaning |
  * |---|---|
- * | `text` | the routing text (./policy/index.ts `routingText`): the prompt as the policies see it |
- * | `key` | the conversation (session) key (./policy/affinity.ts), or undefined |
+ * | `text` | the routing text (./policy/index.ts `routingText`): the prompt as the approximate tree sees it |
+ * | `tokens` | the prompt's tokens as the workers tokenize it (./tokens.ts), or undefined (no router tokenizer) |
+ * | `salt` | the request's cache salt: the root of its block hashes (../protocol/token-blocks.ts) |
+ * | `resumed` | tokens the client already has (a migration's `resume_token_ids`): evaluated after the prompt, so lacked too |
+ * | `key` | the explicit session key (./policy/affinity.ts), or undefined |
  * | `avoid` | workers of the request's failed attempts: skipped while other candidates exist |
  * | `prefill` | a fixed prefill (a choice group's, ./choices.ts): taken when it is a candidate |
  * | `local` | may the attempt go to decode alone (decode-local)? false for a choice of a group |
@@ -19,8 +23,11 @@
  * A pair is chosen as ./pairing.ts `pickPair` does (prefill among those with a compatible decode,
  * then decode among that prefill's), through each role's policy (counted in
  * pdserve_router_policy_picks_total {role, policy, reason}) and the pair blocks of failed KV
- * handshakes (./pair-blocks.ts). `localPrefill` (max uncached tokens decode evaluates) is set when
- * the decode picked holds the conversation (./policy/index.ts `localPrefillFor`). An error names
+ * handshakes (./pair-blocks.ts). Each policy gets the prompt's exact match per worker: its block
+ * hashes (in each worker's block size, computed once per size) against the blocks that worker's KV
+ * events name (./kv-events.ts). `localPrefill` (max uncached tokens decode evaluates) is set when
+ * what the decode picked lacks of the prompt, in tokens, is within the limit (./policy/index.ts
+ * `localPrefillFor`). An error names
  * what is missing (`no_healthy_prefill`, `no_healthy_decode`, `no_compatible_pair`), the client's
  * message (`reason`), and whether waiting may help (`waitable`: a role with no healthy worker, or
  * compatible pairs that are only blocked for a while; a settings mismatch is final).
@@ -28,7 +35,8 @@
 import { systemClock } from '../base/clock.js';
 import type { Counter } from 'prom-client';
 import { pickPair } from './pairing.js';
-import { localPrefillFor, type Pick, type Policy } from './policy/index.js';
+import { localPrefillFor, type ExactFacts, type Pick, type Policy } from './policy/index.js';
+import { blockHashes } from '../protocol/token-blocks.js';
 import type { PairBlocks } from './pair-blocks.js';
 import type { WorkerRegistry, WorkerState } from './registry.js';
 import type { KvEventConsumer } from './kv-events.js';
@@ -36,6 +44,9 @@ import type { KvEventConsumer } from './kv-events.js';
 /** The request facts a pick needs (see the module doc's table). */
 export interface PickFacts {
   text: string;
+  tokens?: readonly number[];
+  salt?: string;
+  resumed?: number;
   key?: string;
   avoid?: ReadonlySet<WorkerState>;
   prefill?: WorkerState;
@@ -56,9 +67,11 @@ export interface PickRound {
   ok: boolean;
   /** A failed KV handshake between the two (./pair-blocks.ts PAIR_FAILURE_CODES): the pair leaves the rotation; returns the block's ms. */
   pairFailed?: string;
-  /** An ok round: the conversation as the decode now holds it (routing text after the reply) and its key. */
+  /** An ok round: the conversation as the decode now holds it (routing text after the reply). */
   heldText?: string;
-  key?: string;
+  /** An ok round: its prompt's tokens (when the router tokenized it) and cache salt: held by the decode now. */
+  tokens?: readonly number[];
+  salt?: string;
 }
 
 /** The picker's seam (the module doc). */
@@ -86,22 +99,34 @@ export interface PickerDeps {
 export class Picker implements PairPicker {
   constructor(private readonly d: PickerDeps) {}
 
-  /** Whether decode `url` holds conversation `key`'s latest round among the workers of its role (undefined: unknown). */
-  holds(key: string | undefined): ((url: string) => boolean | undefined) | undefined {
-    if (key === undefined) return undefined;
-    const { registry, kv } = this.d;
-    return (url: string) => {
-      kv.follow({ url });
-      const role = registry.workers.find((w) => w.url === url)?.role;
-      const peers = role ? registry.workers.filter((w) => w.role === role).map((w) => w.url) : [url];
-      return kv.holdsAmong(peers, key, systemClock.nowMs()).get(url);
+  /** The prompt's block hashes per block size, computed on first use (one size in a uniform cluster). */
+  private static hashes(tokens: readonly number[], salt: string | undefined): (blockTokens: number) => readonly number[] {
+    const by = new Map<number, readonly number[]>();
+    return (b) => {
+      let h = by.get(b);
+      if (!h) by.set(b, (h = blockHashes(tokens, b, salt)));
+      return h;
+    };
+  }
+
+  /** The exact facts of a prompt (undefined: no tokens). */
+  exact(tokens: readonly number[] | undefined, salt: string | undefined, now: number): ExactFacts | undefined {
+    if (!tokens) return undefined;
+    const { kv } = this.d;
+    const hashesFor = Picker.hashes(tokens, salt);
+    return {
+      promptTokens: tokens.length,
+      matched: (url) => {
+        kv.follow({ url });
+        return kv.matchedTokens(url, hashesFor, now);
+      },
     };
   }
 
   pick(f: PickFacts): PickAnswer {
     const { registry, policies, pairs } = this.d;
     const now = systemClock.nowMs();
-    const holds = this.holds(f.key);
+    const exact = this.exact(f.tokens, f.salt, now);
     let decodePick: Pick<WorkerState> | null = null;
     const avoiding = (c: WorkerState[]): WorkerState[] => {
       const rest = f.avoid?.size ? c.filter((w) => !f.avoid!.has(w)) : c;
@@ -112,7 +137,7 @@ export class Picker implements PairPicker {
       const cand = avoiding(c);
       // Other routers' load on each worker (./load-watch.ts) counts as if it were this router's.
       const views = others ? cand.map((w) => ({ ref: w, url: w.url, load: w.load + others(w.url), slots: w.slots, gpu: w.gpu })) : null;
-      const p = views ? policies[role].pick(views, f.text, now, f.key, holds) : policies[role].pick(cand, f.text, now, f.key, holds);
+      const p = views ? policies[role].pick(views, f.text, now, f.key, exact) : policies[role].pick(cand, f.text, now, f.key, exact);
       const worker = p ? ('ref' in p.worker ? p.worker.ref : p.worker) : null;
       if (p) this.d.picks.inc({ role, policy: policies[role].name, reason: p.reason });
       if (role === 'decode') decodePick = p && worker ? { ...p, worker } : null;
@@ -127,7 +152,9 @@ export class Picker implements PairPicker {
       return { error: pair.error, reason, waitable };
     }
     const dp = decodePick as Pick<WorkerState> | null;
-    const localPrefill = f.local ? localPrefillFor(this.d.localPrefillMaxTokens, policies.decode.name, dp, f.text.length, dp ? holds?.(pair.decode.url) : undefined) : undefined;
+    // the policy's pick is the pair's decode unless the pair blocks replaced it: then it is not known to hold anything
+    const dpFor = dp && dp.worker === pair.decode ? dp : null;
+    const localPrefill = f.local ? localPrefillFor(this.d.localPrefillMaxTokens, policies.decode.name, dpFor, f.tokens?.length, f.resumed) : undefined;
     return localPrefill ? { ...pair, localPrefill } : pair;
   }
 
@@ -139,7 +166,7 @@ export class Picker implements PairPicker {
     if (r.ok && r.heldText !== undefined) {
       // The decode worker now keeps this round (prompt + reply): the next round's prefix.
       policies.decode.record?.(r.heldText, r.decode.url, systemClock.nowMs());
-      if (r.key !== undefined) kv.expect(r.decode.url, r.key, systemClock.nowMs());
+      if (r.tokens) kv.expect(r.decode.url, Picker.hashes(r.tokens, r.salt), systemClock.nowMs());
     }
     return blockedMs;
   }

@@ -84,13 +84,17 @@ describe('lifecycle: the decode-local path', () => {
 
 describe('router: when to try decode-local', () => {
   const w = { url: 'http://d1', load: 0 };
-  it('only on a cache_aware tree hit with a short unmatched part, and only when on', () => {
-    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedChars: 900 }, 1000), 256);
-    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedChars: 10 }, 10_000), undefined, 'unmatched text far over the limit');
-    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_miss', matchedChars: 900 }, 1000), undefined);
-    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'imbalanced' }, 1000), undefined, 'the imbalance guard wins');
-    assert.equal(localPrefillFor(256, 'least_load', { worker: w, reason: 'least_load' }, 1000), undefined);
-    assert.equal(localPrefillFor(0, 'cache_aware', { worker: w, reason: 'cache_hit', matchedChars: 999 }, 1000), undefined, '0 = off');
+  it('only on exact numbers: what the chosen decode lacks of the prompt, in tokens, within the limit', () => {
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedTokens: 896 }, 1000), 256, 'lacks 104 tokens');
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedTokens: 744 }, 1000), 256, 'lacks exactly 256');
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedTokens: 736 }, 1000), undefined, 'lacks 264: PD');
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'affinity', matchedTokens: 0 }, 100), undefined, 'holds nothing of it: PD even for a short prompt');
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedChars: 999 }, 1000), undefined, 'no exact match (an approximate tree hit): PD');
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'cache_hit', matchedTokens: 900 }, undefined), undefined, 'no router tokens: PD');
+    assert.equal(localPrefillFor(256, 'cache_aware', { worker: w, reason: 'imbalanced', matchedTokens: 999 }, 1000), undefined, 'the imbalance guard wins');
+    assert.equal(localPrefillFor(256, 'least_load', { worker: w, reason: 'least_load', matchedTokens: 999 }, 1000), undefined);
+    assert.equal(localPrefillFor(0, 'cache_aware', { worker: w, reason: 'cache_hit', matchedTokens: 999 }, 1000), undefined, '0 = off');
+    assert.equal(localPrefillFor(1, 'cache_aware', { worker: w, reason: 'cache_hit', matchedTokens: 1000 }, 1000), 1, 'a whole match still lacks the last token');
   });
   it('a finished round is remembered as the next round will send it', () => {
     const msgs = [{ role: 'user', content: 'hi' }];

@@ -9,11 +9,13 @@ import Fastify from 'fastify';
 import { Registry } from 'prom-client';
 import { KvEventLog } from '../../src/protocol/kv-events.js';
 import { registerKvEventsRoute } from '../../src/worker/kv-events-route.js';
-import { applyKvReply, KvEventConsumer, PENDING_CLAIM_MS, type WorkerClaims } from '../../src/router/kv-events.js';
+import { applyKvReply, KvEventConsumer, matchedBlocks, newClaims, PENDING_CLAIM_MS, type WorkerClaims } from '../../src/router/kv-events.js';
 import { SequenceKvTracker } from '../../src/worker/kv-tracker.js';
+import { blockHashes } from '../../src/protocol/token-blocks.js';
 
 const ev = (kind: 'stored' | 'evicted', key: string, tier: 'sequence' | 'store' = 'store') => ({ kind, tier, key, tokens: 64, bytes: 100 });
-const claims = (): WorkerClaims => ({ epoch: null, last: -1, held: new Map(), live: false, pending: new Map() });
+const claims = (maxBlocks?: number): WorkerClaims => newClaims(maxBlocks);
+const seq = (n: number, from = 0) => Array.from({ length: n }, (_, i) => from + i);
 
 describe('worker KV event log', () => {
   test('ids count from 1; events after an id; the snapshot for another epoch, an unknown id or dropped events', () => {
@@ -96,18 +98,20 @@ describe('router: following a worker over HTTP', () => {
       const text = await reg.metrics();
       assert.match(text, /pdserve_router_kv_resyncs_total\{reason="restart"\} 1/);
       assert.match(text, /pdserve_router_kv_events_consumed_total\{tier="sequence",kind="stored"\} 1/);
-      // a round the router just finished there: unknown (not "not held") until the worker's
-      // events speak of it, or PENDING_CLAIM_MS pass
+      // blocks: a prompt matches the longest run of its leading blocks the worker's entries name
+      const prompt = seq(64);
+      const h = blockHashes(prompt, 16);
       const now = 1_000_000;
-      assert.equal(consumer.holds(url, 'k', now), false);
-      consumer.expect(url, 'k', now);
-      assert.equal(consumer.holds(url, 'k', now + 10), undefined);
-      assert.equal(consumer.holds(url, 'k', now + PENDING_CLAIM_MS), false, 'a claim that never came is not assumed');
-      consumer.expect(url, 'k', now);
-      log.publish(ev('stored', 'k', 'sequence'));
-      await until(() => consumer.holds(url, 'k', now) === true);
-      log.publish(ev('evicted', 'k', 'sequence'));
-      await until(() => consumer.holds(url, 'k', now) === false);
+      assert.equal(consumer.matchedTokens(url, () => h, now), 0);
+      log.publish({ kind: 'stored', tier: 'sequence', key: 'b1', tokens: 32, bytes: 0, blocks: h.slice(0, 2) });
+      await until(() => consumer.matchedTokens(url, () => h, now) === 32);
+      // a round the router just finished there: its prompt blocks count until PENDING_CLAIM_MS pass
+      consumer.expect(url, () => h, now);
+      assert.equal(consumer.matchedTokens(url, () => h, now + 10), 64);
+      assert.equal(consumer.matchedTokens(url, () => h, now + PENDING_CLAIM_MS), 32, 'a claim that never came is not assumed');
+      log.publish({ kind: 'evicted', tier: 'sequence', key: 'b1', tokens: 32, bytes: 0 });
+      await until(() => consumer.matchedTokens(url, () => h, now + PENDING_CLAIM_MS) === 0);
+      assert.match(await reg.metrics(), /pdserve_router_kv_blocks 0/);
       // a worker that stops answering holds nothing
       await app.close();
       await until(() => consumer.held(url) === undefined);
@@ -118,48 +122,45 @@ describe('router: following a worker over HTTP', () => {
   });
 });
 
-describe('router: the freshest copy of a conversation', () => {
-  test('an older round on one worker says false when another holds a later one, or the router just finished a round there', async () => {
-    const consumer = new KvEventConsumer(new Registry(), 300);
-    const logs = [new KvEventLog(), new KvEventLog()];
-    const apps = logs.map((log) => {
-      const app = Fastify();
-      registerKvEventsRoute(app, log);
-      return app;
-    });
-    const urls: string[] = [];
-    for (const app of apps) {
-      await app.listen({ host: '127.0.0.1', port: 0 });
-      urls.push(`http://127.0.0.1:${(app.server.address() as { port: number }).port}`);
-    }
-    const until = async (ok: () => boolean) => {
-      const end = Date.now() + 3000;
-      while (!ok()) {
-        if (Date.now() > end) assert.fail('deadline');
-        await new Promise((r) => setTimeout(r, 10));
-      }
-    };
-    const copy = (tokens: number) => ({ kind: 'stored' as const, tier: 'sequence' as const, key: 'k', tokens, bytes: 0 });
-    const now = 5_000_000;
-    const among = () => [...consumer.holdsAmong(urls, 'k', now).values()];
-    try {
-      for (const u of urls) consumer.follow({ url: u });
-      logs[0]!.publish(copy(431)); // round r − 2 on worker 0
-      logs[1]!.publish(copy(620)); // round r − 1 on worker 1
-      await until(() => consumer.holds(urls[0]!, 'k', now) === true && consumer.holds(urls[1]!, 'k', now) === true);
-      assert.deepEqual(among(), [false, true], 'the later round wins');
-      logs[0]!.publish(copy(830)); // round r re-announced on worker 0
-      await until(() => consumer.held(urls[0]!)?.get('sequence:k')?.tokens === 830);
-      assert.deepEqual(among(), [true, false]);
-      // the router finished round r + 1 on worker 1; its event is not here yet: worker 1 is the freshest
-      consumer.expect(urls[1]!, 'k', now);
-      assert.deepEqual(among(), [false, true]);
-      assert.deepEqual([...consumer.holdsAmong(urls, 'k', now + PENDING_CLAIM_MS).values()], [true, false], 'a pending claim that never came does not count');
-      assert.deepEqual([...consumer.holdsAmong(urls, 'other', now).values()], [false, false]);
-    } finally {
-      await consumer.close();
-      for (const app of apps) await app.close();
-    }
+describe('router: block claims', () => {
+  test('entries share blocks by reference; an evicted entry leaves the blocks another still names; a gap, a restart, a resync', () => {
+    const c = claims();
+    const h = blockHashes(seq(80), 16); // 5 blocks
+    applyKvReply(c, { epoch: 'e1', last: 0, events: [], snapshot: [], block_tokens: 16 });
+    applyKvReply(c, { epoch: 'e1', last: 2, events: [
+      { id: 1, kind: 'stored', tier: 'sequence', key: 'r1', tokens: 48, bytes: 0, blocks: h.slice(0, 3) },
+      { id: 2, kind: 'stored', tier: 'store', key: 'r2', tokens: 80, bytes: 0, blocks: h },
+    ] });
+    assert.deepEqual([c.blockTokens, c.blocks.size, c.refs, matchedBlocks(c, h, 0)], [16, 5, 8, 5]);
+    applyKvReply(c, { epoch: 'e1', last: 3, events: [{ id: 3, kind: 'evicted', tier: 'store', key: 'r2', tokens: 80, bytes: 0 }] });
+    assert.deepEqual([c.blocks.size, matchedBlocks(c, h, 0)], [3, 3], 'r1 still names the first three');
+    // a re-announced entry replaces its old blocks
+    applyKvReply(c, { epoch: 'e1', last: 4, events: [{ id: 4, kind: 'stored', tier: 'sequence', key: 'r1', tokens: 16, bytes: 0, blocks: h.slice(0, 1) }] });
+    assert.deepEqual([c.refs, matchedBlocks(c, h, 0)], [1, 1]);
+    // a run stops at the first block not held, whatever comes after
+    applyKvReply(c, { epoch: 'e1', last: 5, events: [{ id: 5, kind: 'stored', tier: 'sequence', key: 'x', tokens: 16, bytes: 0, blocks: [h[2]!] }] });
+    assert.equal(matchedBlocks(c, h, 0), 1);
+    // a gap drops every block; the snapshot rebuilds them
+    assert.equal(applyKvReply(c, { epoch: 'e1', last: 9, events: [{ id: 9, kind: 'stored', tier: 'sequence', key: 'y', tokens: 16, bytes: 0, blocks: [h[1]!] }] }).outcome, 'gap');
+    assert.deepEqual([c.blocks.size, c.refs, c.live], [0, 0, false]);
+    applyKvReply(c, { epoch: 'e1', last: 9, events: [], snapshot: [{ tier: 'sequence', key: 'r1', tokens: 32, bytes: 0, blocks: h.slice(0, 2) }] });
+    assert.deepEqual([matchedBlocks(c, h, 0), c.live], [2, true]);
+    // a restarted worker: nothing of the old process counts, pending claims included
+    c.pending.push({ at: 0, blocks: h });
+    assert.equal(matchedBlocks(c, h, 1), 5);
+    assert.equal(applyKvReply(c, { epoch: 'e2', last: 0, events: [], snapshot: [] }).outcome, 'restart');
+    assert.deepEqual([c.blocks.size, matchedBlocks(c, h, 1)], [0, 0]);
+  });
+
+  test('the bound: block references past --kv-router-max-blocks are not kept (the entry is, without its blocks)', () => {
+    const c = claims(4);
+    const h = blockHashes(seq(96), 16);
+    applyKvReply(c, { epoch: 'e', last: 2, events: [], snapshot: [
+      { tier: 'sequence', key: 'a', tokens: 48, bytes: 0, blocks: h.slice(0, 3) },
+      { tier: 'sequence', key: 'b', tokens: 96, bytes: 0, blocks: h },
+    ] });
+    assert.deepEqual([c.refs, c.refused, c.held.size, matchedBlocks(c, h, 0)], [3, 1, 2, 3]);
+    assert.equal(c.held.get('sequence:b')!.blocks, undefined);
   });
 });
 
@@ -171,64 +172,69 @@ function idleEngine(idle: number[][]) {
   };
 }
 
-describe('decode: the sequence tier, from the engine itself', () => {
-  test('a noted conversation is published once the engine holds it, evicted when it no longer does', () => {
+describe('workers: per-block events from the engine itself', () => {
+  test('a noted sequence is published with the blocks the engine would reuse, evicted when it no longer holds one', () => {
     const idle: number[][] = [];
     const engine = idleEngine(idle);
-    const log = new KvEventLog();
-    const t = new SequenceKvTracker(engine as never, log);
+    const log = new KvEventLog({ blockTokens: 4 });
+    const t = new SequenceKvTracker(engine as never, log, 4);
     try {
-      t.noteFinished('k:a', [1, 2, 3, 4, 5, 6], 4);
+      const tokens = seq(13);
+      assert.equal(t.noteFinished([1, 2, 3]), undefined, 'no whole block: nothing to name');
+      const key = t.noteFinished(tokens)!;
       t.probe();
       assert.equal(log.last, 0, 'still busy: nothing held yet');
-      idle.push([1, 2, 3, 4, 5]);
+      idle.push(tokens);
       t.probe();
-      assert.deepEqual(log.read(log.epoch, 0).events.map((e) => [e.kind, e.tier, e.key]), [['stored', 'sequence', 'k:a']]);
+      const stored = log.read(log.epoch, 0).events;
+      assert.deepEqual(stored.map((e) => [e.kind, e.tier, e.key, e.tokens]), [['stored', 'sequence', key, 12]]);
+      assert.deepEqual(stored[0]!.blocks, blockHashes(tokens, 4), 'the hashes of the blocks held');
+      assert.equal(log.read(log.epoch, 0).block_tokens, 4);
       t.probe();
       assert.equal(log.last, 1, 'no change, no event');
       idle.length = 0;
+      idle.push(seq(9)); // the engine keeps only 8 tokens of it now: two blocks
+      t.probe();
+      assert.deepEqual(log.read(log.epoch, 1).events.map((e) => [e.kind, e.tokens, e.blocks?.length]), [['stored', 8, 2]]);
+      idle.length = 0;
       idle.push([9, 9, 9]);
       t.probe();
-      assert.deepEqual(log.read(log.epoch, 1).events.map((e) => [e.kind, e.key]), [['evicted', 'k:a']]);
+      assert.deepEqual(log.read(log.epoch, 2).events.map((e) => [e.kind, e.key]), [['evicted', key]]);
       assert.deepEqual(t.held, []);
+      // a salt roots the chain: another tenant's same tokens are other blocks
+      assert.notEqual(t.noteFinished(tokens, 'tenant-b'), key);
     } finally {
       t.close();
     }
   });
-  test("a conversation whose next round leased its sequence stays held, with no evicted/stored pair; released and gone, it is evicted", () => {
+
+  test('the next round supersedes the one it extends (evicted once the newer is published); the store tier serves what the sequences dropped', async () => {
     const idle: number[][] = [];
-    const engine = idleEngine(idle);
-    const log = new KvEventLog();
-    const t = new SequenceKvTracker(engine as never, log);
-    const kinds = (): string[] => log.read(log.epoch, 0).events.map((e) => `${e.kind}:${e.tokens}`);
+    let stored = 0;
+    const engine = { ...idleEngine(idle), storedReusableFor: async () => stored };
+    const log = new KvEventLog({ blockTokens: 4 });
+    const t = new SequenceKvTracker(engine as never, log, 4);
+    const kinds = (): string[] => log.read(log.epoch, 0).events.map((e) => `${e.kind}:${e.tier}:${e.tokens}`);
     try {
-      t.noteFinished('k:a', [1, 2, 3, 4, 5, 6], 4);
-      idle.push([1, 2, 3, 4, 5, 6]);
+      const r1 = seq(9);
+      t.noteFinished(r1);
+      idle.push(r1);
       t.probe();
-      assert.deepEqual(kinds(), ['stored:6']);
-      // round 2: its request leases the sequence (no longer idle) and ends normally
-      t.noteLeased('k:a');
+      assert.deepEqual(kinds(), ['stored:sequence:8']);
+      const r2 = seq(17);
+      t.noteFinished(r2);
       idle.length = 0;
+      idle.push(r2);
       t.probe();
-      assert.deepEqual(t.held, ['k:a'], 'leased to the next round: still held');
-      t.noteFinished('k:a', [1, 2, 3, 4, 5, 6, 7, 8, 9], 7);
-      t.noteReleased('k:a');
-      idle.push([1, 2, 3, 4, 5, 6, 7, 8, 9]);
-      t.probe();
-      assert.deepEqual(kinds(), ['stored:6', 'stored:9'], 'the longer copy announced, no evicted between');
-      // round 3 aborted: released without a finish, and the engine dropped the sequence
-      t.noteLeased('k:a');
+      assert.deepEqual(kinds(), ['stored:sequence:8', 'stored:sequence:16', 'evicted:sequence:8']);
+      assert.equal(t.held.length, 1);
+      // the sequences drop it; the host store holds it: announced again on the store tier
       idle.length = 0;
+      stored = 16;
       t.probe();
-      assert.equal(log.last, 2);
-      t.noteReleased('k:a');
+      await new Promise((r) => setImmediate(r));
       t.probe();
-      assert.deepEqual(kinds(), ['stored:6', 'stored:9', 'evicted:9']);
-      assert.deepEqual(t.held, []);
-      t.noteLeased('k:unknown'); // not tracked: nothing to keep
-      t.noteReleased('k:unknown');
-      t.probe();
-      assert.equal(log.last, 3);
+      assert.deepEqual(kinds().slice(3), ['evicted:sequence:16', 'stored:store:16']);
     } finally {
       t.close();
     }

@@ -160,17 +160,13 @@ describe('policies', () => {
 });
 
 describe('session affinity', () => {
-  it('the conversation key: prompt_cache_key, then user, then x-session-id, then the first non-system message', () => {
-    const messages = [{ role: 'system', content: 'shared agent prompt' }, { role: 'user', content: 'task 1' }];
-    assert.equal(conversationKey({ kind: 'chat', promptCacheKey: 'k', user: 'u', messages }, 's'), 'k:k');
-    assert.equal(conversationKey({ kind: 'chat', user: 'u', messages }, 's'), 'u:u');
-    assert.equal(conversationKey({ kind: 'chat', messages }, 's'), 's:s');
-    const a = conversationKey({ kind: 'chat', messages }, undefined);
-    assert.match(String(a), /^m:/);
-    assert.equal(conversationKey({ kind: 'chat', messages: [...messages, { role: 'assistant', content: 'reply' }, { role: 'user', content: 'more' }] }, undefined), a, 'later rounds keep the key');
-    assert.notEqual(conversationKey({ kind: 'chat', messages: [messages[0]!, { role: 'user', content: 'task 2' }] }, undefined), a, 'a shared system prompt does not merge conversations');
+  it('the session key: prompt_cache_key, then user, then x-session-id; nothing derived from the prompt', () => {
+    assert.equal(conversationKey({ kind: 'chat', promptCacheKey: 'k', user: 'u' }, 's'), 'k:k');
+    assert.equal(conversationKey({ kind: 'chat', user: 'u' }, 's'), 'u:u');
+    assert.equal(conversationKey({ kind: 'chat' }, 's'), 's:s');
+    assert.equal(conversationKey({ kind: 'chat' }, undefined), undefined, 'agents that open alike are not one session');
     assert.equal(conversationKey({ kind: 'completion' }, undefined), undefined);
-    assert.equal(conversationKey({ kind: 'chat', messages: [messages[0]!] }, ''), undefined);
+    assert.equal(conversationKey({ kind: 'chat' }, ''), undefined);
   });
 
   it('cache_aware keeps a key on its worker whatever the text, until the load guard says it is overloaded', () => {
@@ -222,8 +218,8 @@ describe('session affinity', () => {
     assert.notEqual(p.pick(pool([4, 4]), 'new b', 11, 'k:new-b')!.reason, 'packed');
     // the cache-aware choices come first: a conversation stays on the worker that served it
     assert.deepEqual(((x) => [x.worker.url, x.reason])(p.pick(pool([1, 3]), 'any text', 12, 'k:0')!), ['http://w0', 'affinity']);
-    const holds = (url: string) => url === 'http://w0';
-    assert.equal(p.pick(pool([0, 3]), 'other text', 13, 'k:held', holds)!.reason, 'held');
+    const exact = { promptTokens: 100, matched: (url: string) => (url === 'http://w0' ? 96 : 0) };
+    assert.deepEqual(((x) => [x.worker.url, x.reason])(p.pick(pool([0, 3]), 'other text', 13, 'k:held', exact)!), ['http://w0', 'cache_hit']);
     // the load guard: a worker it calls overloaded is not filled further
     const guarded = createPolicy('cache_aware', { packBatches: true, balanceAbsThreshold: 2, balanceRelThreshold: 1.5 });
     assert.equal(guarded.pick(pool([0, 3], 8), 'guarded', 0, 'k:g')!.worker.url, 'http://w0', 'w1 (3 vs 0) is overloaded');
@@ -236,13 +232,15 @@ describe('session affinity', () => {
     assert.notEqual(createPolicy('cache_aware').pick(pool([0, 1]), 'spread', 0, 'k:s')!.reason, 'packed');
   });
 
-  it('an affinity pick allows decode-local continuation, as a tree hit does', () => {
+  it('an affinity pick goes decode-local only on the exact numbers of what its worker holds', () => {
     const p = createPolicy('cache_aware');
     const w = workers(0, 0);
-    p.pick(w, 'abc', 0, 'k:x');
-    const pick = p.pick(w, 'zzz unrelated', 1, 'k:x')!;
-    assert.equal(pick.reason, 'affinity');
-    assert.equal(localPrefillFor(256, 'cache_aware', pick, 13), 256);
+    const first = p.pick(w, 'abc', 0, 'k:x')!.worker.url;
+    const holds = { promptTokens: 300, matched: (url: string) => (url === first ? 64 : 0) };
+    const pick = p.pick(w, 'zzz unrelated', 1, 'k:x', holds)!;
+    assert.deepEqual([pick.worker.url, pick.reason, pick.matchedTokens], [first, 'affinity', 64]);
+    assert.equal(localPrefillFor(256, 'cache_aware', pick, 300), 256, 'lacks 236 tokens');
+    assert.equal(localPrefillFor(256, 'cache_aware', p.pick(w, 'zzz unrelated', 2, 'k:x')!, 300), undefined, 'no exact facts: PD');
   });
 
   it('the session table is LRU-bounded', () => {
@@ -256,20 +254,26 @@ describe('session affinity', () => {
 });
 
 describe('routing on KV events', () => {
-  it('a worker whose events say it holds the conversation wins; a contradicted claim never goes decode-local', () => {
-    const p = createPolicy('cache_aware');
+  it('the worker holding the longest run of the prompt\'s blocks wins; an overloaded one is passed over; no tree once every worker is known', () => {
+    const p = createPolicy('cache_aware', { balanceAbsThreshold: 2 });
     const w = workers(0, 0);
-    p.pick(w, 'conversation text', 0, 'k:c');
-    const sticky = p.pick(w, 'conversation text more', 1, 'k:c')!.worker.url;
-    const other = w.find((x) => x.url !== sticky)!.url;
-    const held = p.pick(w, 'conversation text more still', 2, 'k:c', (url) => url === other)!;
-    assert.deepEqual([held.worker.url, held.reason], [other, 'held']);
-    assert.equal(localPrefillFor(256, 'cache_aware', held, 30, true), 256);
-    const hit = p.pick(w, 'conversation text more still', 3, 'k:c')!;
-    assert.equal(localPrefillFor(256, 'cache_aware', hit, 30, false), undefined, 'the live events say it is gone: PD, no needs_prefill fallback');
-    assert.equal(localPrefillFor(256, 'cache_aware', hit, 30, undefined), 256, 'no live events: the tree decides');
+    const [a, b] = [w[0]!.url, w[1]!.url];
+    // the tree says a (a round recorded there), the events say b holds 90 % of the prompt
+    p.record!('shared system prompt and task', a, 0);
+    const facts = { promptTokens: 1000, matched: (url: string) => (url === b ? 900 : 16) };
+    const hit = p.pick(w, 'shared system prompt and task', 1, undefined, facts)!;
+    assert.deepEqual([hit.worker.url, hit.reason, hit.matchedTokens], [b, 'cache_hit', 900]);
+    assert.equal(localPrefillFor(256, 'cache_aware', hit, 1000), 256);
+    // below the threshold of the prompt: no cache hit, and with every worker known the tree is not asked
+    const low = p.pick(w, 'shared system prompt and task', 2, undefined, { promptTokens: 1000, matched: () => 16 })!;
+    assert.equal(low.reason, 'cache_miss');
+    assert.equal(localPrefillFor(256, 'cache_aware', low, 1000), undefined, 'lacks 984 tokens');
     // an overloaded holder is not taken
-    const loaded = w.map((x) => ({ ...x, load: x.url === other ? 100 : 0 }));
-    assert.notEqual(p.pick(loaded, 'conversation text', 4, 'k:c', (url) => url === other)!.reason, 'held');
+    const loaded = w.map((x) => ({ ...x, load: x.url === b ? 100 : 0 }));
+    assert.notEqual(p.pick(loaded, 'x', 3, undefined, facts)!.worker.url, b);
+    // a worker without live events (undefined): the tree is the fallback
+    const partial = p.pick(w, 'shared system prompt and task', 4, undefined, { promptTokens: 1000, matched: (url: string) => (url === b ? 0 : undefined) })!;
+    assert.deepEqual([partial.worker.url, partial.reason], [a, 'cache_hit'], 'the tree decides for the unknown worker');
+    assert.equal(localPrefillFor(256, 'cache_aware', partial, 1000), undefined, 'no exact number for it: PD');
   });
 });

@@ -13,6 +13,9 @@ import type { GenerateEvent, GenerateRequest } from '../../src/protocol/worker-p
 import { createRouter, startRouter, WorkerRegistry, parseRouterConfig, RouterConfigError, type RunningRouter } from '../../src/router/index.js';
 import pino from 'pino';
 import { waitUntil } from '../../src/router/attempts.js';
+import { KvEventLog } from '../../src/protocol/kv-events.js';
+import { registerKvEventsRoute } from '../../src/worker/kv-events-route.js';
+import { ensureModel } from '../../src/engine/gguf-writer.js';
 
 // ------------------------------------------------------------------------------------------
 // Fake workers
@@ -82,6 +85,8 @@ class FakeWorker {
   prefill: (b: GenerateRequest) => PrefillBehaviour = () => ({ delayMs: 5 });
   decode: (b: GenerateRequest) => DecodeBehaviour = () => ({ tokens: ['Hello', ',', ' world'], intervalMs: 2, finish: 'length' });
   private readonly cancels = new Map<string, AbortController>();
+  /** GET /kv_events: what the test says this worker holds (nothing unless it publishes). */
+  readonly kvEvents = new KvEventLog();
 
   constructor(
     readonly role: 'prefill' | 'decode',
@@ -89,6 +94,7 @@ class FakeWorker {
   ) {
     this.health = () => ({ code: 200, body: { status: 'ok', role: this.role, model: this.model, slots_free: 4 } });
     this.app = Fastify({ logger: false });
+    registerKvEventsRoute(this.app, this.kvEvents);
     this.app.get('/health', async (_req, reply) => {
       const h = this.health();
       return reply.code(h.code).send(h.body);
@@ -246,7 +252,7 @@ const open: Stack[] = [];
  * Fake workers and a real router. `firstTokenFromPrefill` defaults to false here (the tests of the
  * one-shot prefill answer); the streamed first token has its own tests below.
  */
-async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware'; unavailableWaitMs?: number; sseKeepAliveMs?: number; legSilenceMs?: number } = {}): Promise<Stack> {
+async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs?: number; healthIntervalMs?: number; bodyLimit?: number; firstTokenFromPrefill?: boolean; policy?: 'cache_aware' | 'round_robin'; maxEventBytes?: number; workerWaitMs?: number; migrationLimit?: number; decodePolicy?: 'cache_aware'; unavailableWaitMs?: number; sseKeepAliveMs?: number; legSilenceMs?: number; model?: string } = {}): Promise<Stack> {
   const prefill = await Promise.all(Array.from({ length: opts.prefill ?? 1 }, () => new FakeWorker('prefill').start()));
   const decode = await Promise.all(Array.from({ length: opts.decode ?? 1 }, () => new FakeWorker('decode').start()));
   const router = await startRouter({
@@ -268,6 +274,7 @@ async function stack(opts: { prefill?: number; decode?: number; requestTimeoutMs
     ...(opts.policy ? { policy: opts.policy } : {}),
     ...(opts.decodePolicy ? { decodePolicy: opts.decodePolicy } : {}),
     ...(opts.maxEventBytes ? { maxEventBytes: opts.maxEventBytes } : {}),
+    ...(opts.model ? { model: opts.model } : {}),
     log: { level: 'silent' },
   });
   const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 10_000 });
@@ -1435,8 +1442,10 @@ describe('router: migration (after output)', () => {
 
   for (const local of ['served', 'needs_prefill'] as const) {
     test(`migration onto the decode that holds the prefix: prompt + the tokens sent go to it alone (decode-local)${local === 'needs_prefill' ? '; its needs_prefill falls back to PD on the same pair, with those tokens' : ''}`, async () => {
-      const s = await stack({ decode: 2, healthIntervalMs: 60_000, decodePolicy: 'cache_aware' });
-      const round1 = 'The plan has these steps: first read the file, then count the lines, then report.';
+      // exact routing: the router tokenizes with the tiny model's vocabulary; round 1's prompt
+      // blocks count as held by its decode (the fake workers publish nothing themselves)
+      const s = await stack({ decode: 2, healthIntervalMs: 60_000, decodePolicy: 'cache_aware', model: await ensureModel('tiny', 1) });
+      const round1 = 'The plan has these steps: first read the file, then count the lines, then report. '.repeat(4);
       const r1 = await s.client.completions.create({ model: 'fake-model', prompt: round1 });
       const holder = s.decode.find((d) => d.generates.length === 1)!;
       const other = s.decode.find((d) => d !== holder)!;

@@ -1,14 +1,12 @@
 /**
  * Session affinity: a conversation's key, and the worker each key was last served by.
  *
- * Conversation key (computed in ../../protocol/conversation-key.ts), first present of (SGLang's gateway routing keys and Dynamo's sticky sessions
- * do the same with one header):
+ * Session key (computed in ../../protocol/conversation-key.ts), first present of (SGLang's gateway
+ * routing keys and Dynamo's sticky sessions do the same with one header):
  *   1. `prompt_cache_key` (OpenAI's own field for this),
  *   2. `user`,
- *   3. the `x-session-id` request header,
- *   4. chat only: a hash of the first message that is not a system message (the first user turn
- *      names a conversation; a system prompt shared by every agent would put them all on one key).
- * A completion without 1–3 has no key (no affinity; the policy alone decides).
+ *   3. the `x-session-id` request header.
+ * A request without one has no key (no affinity; what the workers hold decides).
  *
  * `SessionTable`: key → worker url, LRU-bounded. The cache-aware policy (./index.ts) takes the
  * key's worker when it is a candidate and the load guard does not call it overloaded, and

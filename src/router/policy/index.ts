@@ -6,16 +6,21 @@
  * - `least_load`: fewest in-flight requests (the router's own count); ties in turn.
  * - `power_of_two`: two distinct random candidates, the less loaded (Mitzenmacher's "power of
  *   two choices"; SGLang's `power_of_two`).
- * - `cache_aware` (default): SGLang's cache-aware policy (sgl-router `policies/cache_aware.rs`).
- *   The system is imbalanced iff max load − min load > `balanceAbsThreshold` AND max load >
- *   min load × `balanceRelThreshold`; then the least-loaded worker is taken. Otherwise the worker
- *   whose recent requests share the longest prefix with this one (PrefixTree) is taken when the
- *   match covers more than `cacheThreshold` of the text; else the worker with the smallest tree
- *   (most spare cache). Either way the text is recorded for the chosen worker.
- *   Session affinity first (./affinity.ts): a request with a conversation key goes to the worker
- *   that served the key last when it is a candidate and not overloaded — its load exceeds the
- *   least loaded candidate's by more than `balanceAbsThreshold` AND is more than
- *   `balanceRelThreshold` times it (the imbalance rule, applied to that one worker).
+ * - `cache_aware` (default): routes on what the workers hold.
+ *   Exact first (`ExactFacts`: the router tokenized the prompt as the workers do and the workers'
+ *   KV events name their token blocks, ../kv-events.ts): the candidate holding the longest run of
+ *   the prompt's leading blocks, not overloaded, ties to the less loaded, is taken (`cache_hit`)
+ *   when that run covers more than `cacheThreshold` of the prompt's tokens.
+ *   Then session affinity (./affinity.ts): a request with an explicit session key goes to the
+ *   worker that served the key last when it is a candidate and not overloaded — its load exceeds
+ *   the least loaded candidate's by more than `balanceAbsThreshold` AND is more than
+ *   `balanceRelThreshold` times it (SGLang's imbalance rule, applied to that one worker).
+ *   Then SGLang's cache-aware rule (sgl-router `policies/cache_aware.rs`): imbalanced (the rule
+ *   over all candidates) → the least loaded. Otherwise, only when some candidate has no exact
+ *   facts (no live event stream, or no router tokenizer), the approximate prefix tree over the
+ *   routing text (PrefixTree) decides as SGLang's does (longest match over `cacheThreshold`, else
+ *   the smallest tree); with exact facts for every candidate the tree is not consulted and the
+ *   least loaded is taken. The text is recorded in the tree for the chosen worker either way.
  *   With `packBatches` (the router's decode policy), the "smallest tree" fallback gives way to
  *   batch packing on CPU hosts (./pack.ts): the most loaded worker with a free slot.
  */
@@ -52,13 +57,23 @@ export interface CacheAwareOptions {
 export const DEFAULT_CACHE_AWARE: CacheAwareOptions = { cacheThreshold: 0.3, balanceAbsThreshold: 64, balanceRelThreshold: 1.5, maxTreeChars: 4 << 20, maxSessions: 65_536, packBatches: false };
 
 /** Why a policy chose its worker (for logs and metrics). */
-export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity' | 'held' | 'packed';
+export type PickReason = 'round_robin' | 'least_load' | 'power_of_two' | 'imbalanced' | 'cache_hit' | 'cache_miss' | 'affinity' | 'packed';
 
 export interface Pick<W extends PolicyWorker> {
   worker: W;
   reason: PickReason;
   /** cache_aware: characters of the text the chosen worker's tree matched. */
   matchedChars?: number;
+  /** cache_aware with exact facts: leading prompt tokens the chosen worker holds (undefined: unknown). */
+  matchedTokens?: number;
+}
+
+/** What the router knows exactly of a request's prompt against the workers (cache_aware). */
+export interface ExactFacts {
+  /** Prompt tokens, as the workers tokenize it. */
+  promptTokens: number;
+  /** Leading prompt tokens worker `url` holds (whole blocks its events name); undefined: unknown (no live events). */
+  matched(url: string): number | undefined;
 }
 
 /** A load-balancing policy for one role. */
@@ -66,10 +81,10 @@ export interface Policy {
   readonly name: PolicyName;
   /**
    * Choose among `candidates` (the healthy workers; may be empty → null). `now` in ms. `key`:
-   * the request's conversation key (./affinity.ts), used by cache_aware; `holds(url)`: whether
-   * that worker's KV events say it holds the key's conversation (undefined: no live events).
+   * the request's explicit session key (./affinity.ts), used by cache_aware; `exact`: the
+   * prompt's exact match per worker (used by cache_aware; absent: the router has no tokens).
    */
-  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number, key?: string, holds?: (url: string) => boolean | undefined): Pick<W> | null;
+  pick<W extends PolicyWorker>(candidates: readonly W[], text: string, now: number, key?: string, exact?: ExactFacts): Pick<W> | null;
   /** Forget a worker (removed from the cluster). */
   forget?(url: string): void;
   /**
@@ -144,7 +159,7 @@ class CacheAware implements Policy {
     return hi - lo > this.o.balanceAbsThreshold && hi > lo * this.o.balanceRelThreshold;
   }
 
-  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number, key?: string, holds?: (url: string) => boolean | undefined): Pick<W> | null {
+  pick<W extends PolicyWorker>(c: readonly W[], text: string, now: number, key?: string, exact?: ExactFacts): Pick<W> | null {
     if (c.length === 0) return null;
     let min = Infinity;
     let max = -Infinity;
@@ -155,15 +170,34 @@ class CacheAware implements Policy {
     let pick: Pick<W>;
     const stickyUrl = key === undefined ? undefined : this.sessions.get(key);
     const sticky = stickyUrl === undefined ? undefined : c.find((w) => w.url === stickyUrl);
-    // A worker whose events say it holds the conversation, least loaded first, unless overloaded.
+    // Exact: the longest run of the prompt's leading blocks a worker holds, unless overloaded.
+    const matched = new Map<string, number | undefined>();
+    let allKnown = exact !== undefined;
     let holder: W | undefined;
-    if (key !== undefined && holds) for (const w of c) if (holds(w.url) === true && !this.overloaded(w.load, min) && (!holder || w.load < holder.load)) holder = w;
-    if (holder) {
-      pick = { worker: holder, reason: 'held', matchedChars: this.tree.match(text).byTenant.get(holder.url) ?? 0 };
+    let held = 0;
+    if (exact) {
+      for (const w of c) {
+        const n = exact.matched(w.url);
+        matched.set(w.url, n);
+        if (n === undefined) allKnown = false;
+        else if (!this.overloaded(w.load, min) && (n > held || (n === held && holder && n > 0 && w.load < holder.load))) {
+          holder = w;
+          held = n;
+        }
+      }
+    }
+    const tokensOf = (w: W): { matchedTokens?: number } => (matched.get(w.url) === undefined ? {} : { matchedTokens: matched.get(w.url)! });
+    if (holder && exact && held > 0 && held / exact.promptTokens > this.o.cacheThreshold) {
+      pick = { worker: holder, reason: 'cache_hit', matchedTokens: held };
     } else if (sticky && !this.overloaded(sticky.load, min)) {
-      pick = { worker: sticky, reason: 'affinity', matchedChars: this.tree.match(text).byTenant.get(sticky.url) ?? 0 };
+      pick = { worker: sticky, reason: 'affinity', ...tokensOf(sticky) };
     } else if (this.overloaded(max, min)) {
-      pick = { worker: leastLoaded(c, this.rr++), reason: 'imbalanced' };
+      const w = leastLoaded(c, this.rr++);
+      pick = { worker: w, reason: 'imbalanced', ...tokensOf(w) };
+    } else if (allKnown) {
+      const packed = this.o.packBatches ? packedWorker(c, (load) => this.overloaded(load, min)) : undefined;
+      const w = packed ?? leastLoaded(c, this.rr++);
+      pick = { worker: w, reason: packed ? 'packed' : 'cache_miss', ...tokensOf(w) };
     } else {
       const m = this.tree.match(text);
       let best: W | undefined;
@@ -177,9 +211,9 @@ class CacheAware implements Policy {
       }
       const packed = this.o.packBatches ? packedWorker(c, (load) => this.overloaded(load, min)) : undefined;
       if (best && text.length > 0 && bestChars / text.length > this.o.cacheThreshold) {
-        pick = { worker: best, reason: 'cache_hit', matchedChars: bestChars };
+        pick = { worker: best, reason: 'cache_hit', matchedChars: bestChars, ...tokensOf(best) };
       } else if (packed) {
-        pick = { worker: packed, reason: 'packed', matchedChars: m.byTenant.get(packed.url) ?? 0 };
+        pick = { worker: packed, reason: 'packed', matchedChars: m.byTenant.get(packed.url) ?? 0, ...tokensOf(packed) };
       } else {
         // Smallest tree = most room for new prefixes; ties: lower load, then in turn.
         let smallest = Infinity;
@@ -192,7 +226,7 @@ class CacheAware implements Policy {
           } else if (s === smallest) tied.push(w);
         }
         const w = leastLoaded(tied, this.rr++);
-        pick = { worker: w, reason: 'cache_miss', matchedChars: m.byTenant.get(w.url) ?? 0 };
+        pick = { worker: w, reason: 'cache_miss', matchedChars: m.byTenant.get(w.url) ?? 0, ...tokensOf(w) };
       }
     }
     this.rr %= 1_000_000_007;
@@ -226,29 +260,23 @@ export function createPolicy(name: PolicyName, cacheAware: Partial<CacheAwareOpt
 }
 
 /**
- * Most characters per token assumed when the router guesses whether a decode-local suffix can
- * be short (a routing hint only: decode counts tokens exactly and answers `needs_prefill`).
- */
-export const MAX_CHARS_PER_TOKEN = 8;
-
-/**
- * Decode-local continuation at the router (Dynamo's conditional disaggregation; decode makes the
- * exact decision in tokens, ../../decode/local.ts): try the local path iff it is on
- * (`maxTokens` > 0), the decode policy is cache_aware and its pick was a tree hit or the
- * conversation's sticky worker (the worker served this conversation's earlier round and kept
- * it), and the unmatched part of the routing text could be at most `maxTokens` tokens. A pick
- * the worker's live KV events contradict (`held` false: it no longer holds the conversation)
- * never goes local: that claim is stale and would only come back `needs_prefill`; a 'held' pick
- * (the events say it does) goes local. The imbalance guard applies first: an imbalanced pick
- * is never a hit, so a hot conversation cannot pile onto one decode worker.
+ * Decode-local continuation at the router (Dynamo's conditional disaggregation,
+ * `disagg_router.rs`: prefill remotely iff prompt − prefix hit > max_local_prefill_length),
+ * decided on exact numbers: the prompt's tokens as the workers tokenize them and the leading
+ * tokens the chosen decode holds (whole blocks its KV events name). Local iff it is on
+ * (`maxTokens` > 0), the decode policy is cache_aware, the pick was not an imbalance pick, the
+ * decode holds at least one block of the prompt, and what it lacks — prompt − matched, at least
+ * 1 (the engine always evaluates the last prompt token), plus `resumed` (a migration's tokens the
+ * client has, evaluated after the prompt) — is at most `maxTokens`. Unknown numbers
+ * (no router tokenizer, no live events) never go local. Decode checks again (../../decode/local.ts):
+ * a `needs_prefill` is then a race (an eviction between the event and the request), counted.
  * @returns the `local_prefill.max_tokens` to send, or undefined for the PD path.
  */
-export function localPrefillFor(maxTokens: number, policy: PolicyName, pick: Pick<PolicyWorker> | null, textLength: number, held?: boolean): number | undefined {
-  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || held === false) return undefined;
-  if (pick.reason === 'held') return maxTokens;
-  if (pick.reason !== 'cache_hit' && pick.reason !== 'affinity') return undefined;
-  const unmatched = textLength - (pick.matchedChars ?? 0);
-  return unmatched <= maxTokens * MAX_CHARS_PER_TOKEN ? maxTokens : undefined;
+export function localPrefillFor(maxTokens: number, policy: PolicyName, pick: Pick<PolicyWorker> | null, promptTokens: number | undefined, resumed = 0): number | undefined {
+  if (maxTokens <= 0 || policy !== 'cache_aware' || !pick || pick.reason === 'imbalanced') return undefined;
+  const matched = pick.matchedTokens;
+  if (promptTokens === undefined || matched === undefined || matched <= 0) return undefined;
+  return Math.max(1, promptTokens - matched) + resumed <= maxTokens ? maxTokens : undefined;
 }
 
 /**
