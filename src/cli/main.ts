@@ -288,11 +288,6 @@ export function upExtraArgs(o: { corsOrigin?: string[]; servedModelName?: string
   return { router, prefill: [...names, ...verify, ...firstToken, ...stream, ...gpuArgs(o, 'prefill'), ...http], decode: [...names, ...local, ...verify, ...gpuArgs(o, 'decode'), ...http] };
 }
 
-/** `up`'s router tokenizes with the workers' own GGUF (exact routing, ../router/tokens.ts). */
-function withRouterModel(extra: ReturnType<typeof upExtraArgs>, model: string): ReturnType<typeof upExtraArgs> {
-  return { ...extra, router: [...(extra.router ?? []), '--model', model] };
-}
-
 /** The GPU flags of one role's workers under `up` (per-role --prefill-gpu-device / --decode-gpu-device over --gpu-device). */
 function gpuArgs(o: { gpu: string; gpuLayers: string | number; kvCacheType: string; gpuDevice?: number[]; prefillGpuDevice?: number[]; decodeGpuDevice?: number[] }, role: 'prefill' | 'decode'): string[] {
   const devices = (role === 'prefill' ? o.prefillGpuDevice : o.decodeGpuDevice) ?? o.gpuDevice;
@@ -589,7 +584,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .addOption(new Option('--decode-policy <name>', 'load balancing of decode workers (cache_aware: a prefix tree per decode worker; enables decode-local continuation)').choices([...POLICY_NAMES]).default('least_load'))
     .option('--local-prefill-max-tokens <tokens>', 'decode-local continuation (with --decode-policy cache_aware): a round whose prefix the chosen decode worker holds is sent to it alone when its uncached suffix is at most this many tokens (decode checks exactly; 0 = off)', int, 256)
     .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
-    .option('--model <file>', "the workers' GGUF: the router tokenizes prompts with its vocabulary (a vocabulary-only load on a thread) and routes on the token blocks the workers hold; without it: the approximate prefix tree and no decode-local ('up' passes its model)")
+    .option('--model <file>', "the workers' GGUF: the router tokenizes prompts with its vocabulary (a vocabulary-only load on a thread) and routes on the token blocks the workers hold; without it: the approximate prefix tree and no decode-local ('up' passes its own)")
     .option('--kv-router-max-blocks <n>', 'block references of the workers\' KV events the router keeps per worker (an entry past the bound is not matched)', int, DEFAULT_ROUTER_MAX_BLOCKS)
     .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
     .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)

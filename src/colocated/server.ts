@@ -15,7 +15,7 @@ import { DEFAULT_SCHEMA_LIMITS } from '../api/json-schema.js';
 import { planFanOut, serveFanOut } from '../api/fanout.js';
 import { registerResponsesRoutes } from '../api/responses-http.js';
 import { ResponseStore } from '../api/responses-store.js';
-import { ColocatedConfigSchema, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../config/config.js';
+import { ColocatedConfigSchema, kvEventBlockTokens, parseConfig, prefixCacheOf, servedModelNamesOf, type ColocatedConfig } from '../config/config.js';
 import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { openPrefixStore } from '../prefixes/prefix-store.js';
 import { createWorkerApp, listenUrl } from '../worker/http.js';
@@ -60,9 +60,9 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   store?.registerMetrics(metrics.registry, (hit) => prefixMetrics.recordTier('store', hit));
   // KV events as the workers publish them (GET /kv_events, pdserve_kv_events_published_total):
   // the store's files by chain key, kept token blocks per entry (../worker/kv-tracker.ts).
-  const kvEvents = new KvEventLog({ registry: metrics.registry, blockTokens: config.engine.kvBlockTokens });
+  const kvEvents = new KvEventLog({ registry: metrics.registry, blockTokens: kvEventBlockTokens(config.engine) });
   store?.onEvent((e) => kvEvents.publish(e));
-  const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents, config.engine.kvBlockTokens) : null;
+  const kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, kvEvents, kvEventBlockTokens(config.engine)) : null;
   backend = new ColocatedBackend(engine, { maxWaiting: config.maxWaiting, slotWaitMs: config.requestTimeoutMs }, prefixMetrics, kvTracker, testHooks);
   const names = servedModelNamesOf(config.engine, engine.info.modelName);
   // stalled and too-slow readers (../runtime/send-queue.ts): streams, n > 1, Responses and large non-streamed bodies

@@ -77,6 +77,16 @@ export function servedModelNamesOf(e: { servedModelName?: readonly string[] }, m
   return e.servedModelName && e.servedModelName.length > 0 ? [...new Set(e.servedModelName)] : [...new Set([modelName, DEFAULT_SERVED_NAME])];
 }
 
+/**
+ * Tokens per block of the KV events a worker publishes: `kvBlockTokens`, rounded up to a multiple
+ * of the batch in deterministic mode (the engine reuses whole batches only there: a block boundary
+ * that is no batch boundary would claim tokens the engine cannot reuse).
+ */
+export function kvEventBlockTokens(e: Pick<z.infer<typeof EngineConfigSchema>, 'kvBlockTokens' | 'deterministic' | 'batchSize'>): number {
+  if (!e.deterministic) return e.kvBlockTokens;
+  return Math.ceil(e.kvBlockTokens / e.batchSize) * e.batchSize;
+}
+
 /** LoadEngineOptions.prefixCache for an engine config (undefined = off). */
 export function prefixCacheOf(e: z.infer<typeof EngineConfigSchema>): { cacheSequences: number; maxTokens: number; sessionTtlMs: number } | undefined {
   return e.prefixCacheTokens > 0 ? { cacheSequences: e.prefixCacheSlots, maxTokens: e.prefixCacheTokens, sessionTtlMs: e.sessionTtlMs } : undefined;

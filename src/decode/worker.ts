@@ -9,7 +9,7 @@
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { zodToApiError } from '../api/errors.js';
 import { GenerateRequestSchema, retentionFromWire, type GenerateRequest } from '../protocol/worker-protocol.js';
-import { DecodeConfigSchema, parseConfig, prefixCacheOf, type DecodeConfig } from '../config/config.js';
+import { DecodeConfigSchema, kvEventBlockTokens, parseConfig, prefixCacheOf, type DecodeConfig } from '../config/config.js';
 import { ApiError, toApiError, type RoomFailure } from '../base/errors.js';
 import { connectionHeader } from '../runtime/drain.js';
 import { onClientGone, sendError } from '../worker/http.js';
@@ -89,8 +89,8 @@ export class DecodeWorker {
     this.driver = new DecodeDriver({ timeouts: config.timeouts, slots: engine.info.sequences, maxPrealloc: config.maxPrealloc, maxStateBytes: config.maxStateBytes }, this.epoch);
     this.metrics = new WorkerMetrics('decode', { queues: () => this.queueSizes(), roomsByState: () => roomsByState(this.rooms), channel: () => ({ ...(this.pool?.stats ?? {}) }) });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats(), () => this.engine.evictionStats?.() ?? []);
-    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry, blockTokens: config.engine.kvBlockTokens });
-    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents, config.engine.kvBlockTokens) : null;
+    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry, blockTokens: kvEventBlockTokens(config.engine) });
+    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents, kvEventBlockTokens(config.engine)) : null;
     // small spares within RECV_SPARE_BYTES, and large ones within --max-state-bytes while receives keep taking them
     this.recvFiles = new FilePool({ dir: config.stateDir, prefix: `pdserve-kvrecv-${process.pid}`, maxFiles: RECV_SPARE_FILES, maxBytes: RECV_SPARE_BYTES, maxLargeBytes: config.maxStateBytes });
     this.knownPrefills = new KnownPrefills(config.allowPrefill);

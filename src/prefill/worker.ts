@@ -8,7 +8,7 @@ import type { FastifyInstance } from 'fastify';
 import { Gauge } from 'prom-client';
 import { zodToApiError } from '../api/errors.js';
 import { checkRequestBounds, GenerateRequestSchema, MAX_MESSAGES, retentionFromWire, type GenerateRequest } from '../protocol/worker-protocol.js';
-import { parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../config/config.js';
+import { kvEventBlockTokens, parseConfig, prefixCacheOf, PrefillConfigSchema, type PrefillConfig } from '../config/config.js';
 import { PrefixCacheMetrics } from '../prefixes/prefix-metrics.js';
 import { openPrefixStore } from '../prefixes/prefix-store.js';
 import { nodeStateFiles } from '../runtime/statefiles.js';
@@ -97,8 +97,8 @@ export class PrefillWorker {
       channel: () => ({ ...(this.kv?.stats ?? {}) }),
     });
     this.prefixMetrics = new PrefixCacheMetrics(this.metrics.registry, () => this.engine.cachedStats(), () => this.engine.evictionStats?.() ?? []);
-    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry, blockTokens: config.engine.kvBlockTokens });
-    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents, config.engine.kvBlockTokens) : null;
+    this.kvEvents = new KvEventLog({ epoch: this.epoch, registry: this.metrics.registry, blockTokens: kvEventBlockTokens(config.engine) });
+    this.kvTracker = engine.info.cacheSequences > 0 ? new SequenceKvTracker(engine, this.kvEvents, kvEventBlockTokens(config.engine)) : null;
     this.computeMetrics = new ComputationMetrics(this.metrics.registry);
     const queued = () => this.effects.queuedPromptTokens();
     new Gauge({ name: 'pdserve_prefill_queued_tokens', help: 'Prompt tokens of the requests not evaluated yet (queued for a compute slot or being evaluated): the planner\'s prefill load', registers: [this.metrics.registry], collect() { this.set(queued()); } });

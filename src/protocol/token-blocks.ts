@@ -21,6 +21,8 @@ export const DEFAULT_KV_BLOCK_TOKENS = 16;
 /** Bounds of the block size. */
 export const MIN_KV_BLOCK_TOKENS = 1;
 export const MAX_KV_BLOCK_TOKENS = 4096;
+/** Largest block hashed (a deterministic worker's blocks are whole batches: up to the batch bound). */
+const MAX_HASHED_BLOCK_TOKENS = 1 << 16;
 
 const C1 = 0xcc9e2d51;
 const C2 = 0x1b873593;
@@ -77,11 +79,11 @@ export function blockRoot(salt?: string): number {
 /**
  * Chained hashes of the whole `blockTokens`-token blocks of `tokens` (at most `maxBlocks`),
  * rooted at `blockRoot(salt)`: element i names tokens [0, (i + 1) × blockTokens).
- * O(tokens). @throws InternalError for a block size outside [MIN_KV_BLOCK_TOKENS, MAX_KV_BLOCK_TOKENS]
+ * O(tokens). @throws InternalError for a block size outside [MIN_KV_BLOCK_TOKENS, 65 536]
  * (a programming error: the flag is validated where it is read).
  */
 export function blockHashes(tokens: ArrayLike<number>, blockTokens: number, salt?: string, maxBlocks = Infinity): number[] {
-  if (!Number.isInteger(blockTokens) || blockTokens < MIN_KV_BLOCK_TOKENS || blockTokens > MAX_KV_BLOCK_TOKENS) throw new InternalError(`block size ${blockTokens} out of range`);
+  if (!Number.isInteger(blockTokens) || blockTokens < MIN_KV_BLOCK_TOKENS || blockTokens > MAX_HASHED_BLOCK_TOKENS) throw new InternalError(`block size ${blockTokens} out of range`);
   const n = Math.min(Math.floor(tokens.length / blockTokens), maxBlocks);
   const out = new Array<number>(n);
   let h = blockRoot(salt);

@@ -68,7 +68,7 @@ export interface WorkerClaims {
   refused: number;
   /** The worker's block size (its replies' `block_tokens`); 0 before the first reply. */
   blockTokens: number;
-  /** Prompt blocks of rounds the router finished here, the events silent on them so far: monotonic ms → hashes (`KvEventConsumer.expect`). */
+  /** Prompt blocks of rounds the router finished here, the events silent on them so far: monotonic ms → hashes (`KvEventConsumer.expect`); an `evicted` entry that held a pending prompt's last block drops it. */
   pending: { at: number; blocks: readonly number[] }[];
 }
 
@@ -150,7 +150,15 @@ export function applyKvReply(c: WorkerClaims, r: KvEventsReply): { outcome: 'ok'
     if (e.id !== c.last + 1) return gap();
     c.last = e.id;
     if (e.kind === 'stored') addEntry(c, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) });
-    else removeEntry(c, heldKey(e.tier, e.key));
+    else {
+      const gone = c.held.get(heldKey(e.tier, e.key))?.blocks;
+      removeEntry(c, heldKey(e.tier, e.key));
+      // a pending round whose whole prompt the dropped entry held went with it
+      if (gone?.length && c.pending.length) {
+        const had = new Set(gone);
+        c.pending = c.pending.filter((p) => !had.has(p.blocks[p.blocks.length - 1]!));
+      }
+    }
     applied.push({ tier: e.tier, kind: e.kind });
   }
   c.live = true;
@@ -228,13 +236,16 @@ export class KvEventConsumer {
 
   /**
    * Leading tokens of a prompt worker `url` holds, from its block claims: matched blocks × its
-   * block size; `hashesFor(blockTokens)` gives the prompt's block hashes in the worker's size.
+   * block size (whole blocks before the prompt's last token: `promptTokens`); `hashesFor(blockTokens)`
+   * gives the prompt's block hashes in the worker's size.
    * undefined: no live event stream (unknown, not "none").
    */
-  matchedTokens(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number): number | undefined {
+  matchedTokens(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number, promptTokens = Infinity): number | undefined {
     const c = this.live(url);
     if (!c) return undefined;
-    return matchedBlocks(c, hashesFor(c.blockTokens), nowMs) * c.blockTokens;
+    // a worker evaluates at least the prompt's last token: a whole held prompt serves one block less
+    const most = Math.floor((promptTokens - 1) / c.blockTokens);
+    return Math.min(matchedBlocks(c, hashesFor(c.blockTokens), nowMs), most) * c.blockTokens;
   }
 
   /**

@@ -118,7 +118,7 @@ export class Picker implements PairPicker {
       promptTokens: tokens.length,
       matched: (url) => {
         kv.follow({ url });
-        return kv.matchedTokens(url, hashesFor, now);
+        return kv.matchedTokens(url, hashesFor, now, tokens.length);
       },
     };
   }

@@ -387,7 +387,8 @@ export class Cluster {
     for (let i = 0; i < (o.routers ?? 1); i++) {
       const name = i === 0 ? 'router' : `router-${i}`;
       const rport = o.port === undefined || o.port === 0 ? await freePort(this.host) : o.port + i;
-      const rargs = ['router', '--host', this.hostOf(name), '--port', String(rport)];
+      // the router tokenizes with the workers' own GGUF (exact routing on the blocks they hold)
+      const rargs = ['router', '--host', this.hostOf(name), '--port', String(rport), '--model', o.model];
       for (const p of statics ? this.byRole('prefill') : []) rargs.push('--prefill', `${p.url},${p.bootstrapPort}`);
       for (const p of statics ? this.byRole('decode') : []) rargs.push('--decode', p.url);
       const router = this.proc('router', i, rport, [...rargs, ...(o.access?.routerArgs ?? []), ...(o.extraArgs?.router ?? [])]);

@@ -5,9 +5,13 @@
  * otherwise (no epoch, another epoch, an id it cannot continue from) it is the snapshot at once.
  * A client that goes away ends the wait, and so does the app's close (a pending long poll would
  * otherwise hold `app.close()` — and a worker's shutdown — for up to `wait_ms`).
+ * Tests (PDSERVE_TEST_HOLDS set, ../runtime/testhooks.ts): `POST /debug/kv-events/drop` loses the
+ * first event of the next reply that carries any, as a lost message would: the router sees the
+ * id jump (a gap) and resyncs from the snapshot.
  */
 import type { FastifyInstance } from 'fastify';
 import { MAX_KV_WAIT_MS, type KvEventLog } from '../protocol/kv-events.js';
+import { holdsEnabled } from '../runtime/testhooks.js';
 
 /** Register the route on a worker app. `events`: the log, or the log serving now (a switchable worker's role has its own, with its epoch). */
 export function registerKvEventsRoute(app: FastifyInstance, events: KvEventLog | (() => KvEventLog)): void {
@@ -31,6 +35,18 @@ export function registerKvEventsRoute(app: FastifyInstance, events: KvEventLog |
         reply.raw.off('close', gone);
       }
     }
-    return log.read(req.query.epoch, after);
+    const r = log.read(req.query.epoch, after);
+    if (drops > 0 && !r.snapshot && r.events.length > 0) {
+      drops--;
+      return { ...r, events: r.events.slice(1) };
+    }
+    return r;
   });
+  let drops = 0;
+  if (holdsEnabled) {
+    app.post('/debug/kv-events/drop', async () => {
+      drops++;
+      return { drops };
+    });
+  }
 }

@@ -3,8 +3,8 @@
  * engines): the router (`--decode-policy cache_aware`) sends a conversation's later rounds to the
  * decode worker that kept the earlier one, alone; decode evaluates the short suffix itself. Round
  * for round the output equals a colocated server without any cache (and round 1, PD without
- * reuse: prefill runs `--no-prefix-cache`); cached_tokens are reported; a long suffix falls back
- * to PD invisibly; a client abort mid-round leaves nothing a later round could read; more
+ * reuse: prefill runs `--no-prefix-cache`); cached_tokens are reported; a long suffix goes PD
+ * from the start (the router counts what decode lacks in tokens); a client abort mid-round leaves nothing a later round could read; more
  * conversations than decode's spare sequences never fail a request; metrics and /debug/rooms
  * name the path.
  */
@@ -43,7 +43,7 @@ describe('decode-local continuation (PD, decode alone for short suffixes) vs col
     const messages: Msg[] = [{ role: 'system', content: 'You are an agent. Call tools, read results, answer briefly.' }];
     let localRounds = 0;
     for (let r = 1; r <= 6; r++) {
-      // round 5 adds a long tool result: over the 128-token local limit, so decode says needs_prefill
+      // round 5 adds a long tool result: over the 128-token local limit, which the router counts exactly
       messages.push({ role: 'user', content: r === 5 ? `tool result ${r}: ${'long output line '.repeat(20)}` : `tool result ${r}: ${'ok '.repeat(6 + r)}` });
       const stream = r % 2 === 0;
       const ref = await round(h.ref, messages, stream);
@@ -63,7 +63,7 @@ describe('decode-local continuation (PD, decode alone for short suffixes) vs col
       }
       else if (r === 5) {
         assert.equal(wasLocal, 0, 'round 5: the long suffix is not evaluated on decode');
-        assert.equal(fellBack, 1, 'round 5: decode answered needs_prefill and the router ran PD');
+        assert.equal(fellBack, 0, 'round 5: the router knew decode lacked more than 128 tokens: PD at once, no needs_prefill');
       } else {
         assert.equal(wasLocal, 1, `round ${r}: served by decode alone`);
         assert.equal(handoffs, 0, `round ${r}: no KV handoff from prefill`);

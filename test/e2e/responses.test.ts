@@ -7,9 +7,12 @@
  * same conversation, on PD and colocated; a continuation by previous_response_id is the stored
  * conversation exactly (its output equals the chat path's for the explicit history, and the
  * prefix cache serves the earlier rounds: cached_tokens > 0). Session affinity: one
- * prompt_cache_key stays on one decode worker whatever its text. KV events: decode claims the
- * conversations it keeps, the router follows, a restarted worker's claims vanish and its
- * conversations go the PD way without a needs_prefill fallback.
+ * prompt_cache_key stays on one decode worker whatever its text. KV events and exact routing:
+ * the workers publish the token blocks they keep, the router follows and matches prompts on them;
+ * agents that share a long system prompt and the same task text (each its own prompt_cache_key,
+ * or none) continue on decode alone without needs_prefill bounces; a restarted worker's claims
+ * vanish, a lost event is a gap the snapshot repairs, a restarted router rebuilds its state from
+ * the workers' snapshots.
  */
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
@@ -19,7 +22,8 @@ import { generateText, jsonSchema, streamText, tool } from 'ai';
 import { apiKey, getJson, useStack, waitFor } from '../helpers/stack.js';
 
 // Two decode workers with the cache-aware decode policy: session affinity has a choice to make.
-const s = useStack({ ctxSize: 4096, decode: 2, extraArgs: { router: ['--decode-policy', 'cache_aware'] } });
+// PDSERVE_TEST_HOLDS=on: no holds, only the test routes (a lost KV event: worker/kv-events-route.ts).
+const s = useStack({ ctxSize: 4096, decode: 2, env: { PDSERVE_TEST_HOLDS: 'on' }, extraArgs: { router: ['--decode-policy', 'cache_aware'] } });
 const base = { model: 'pdserve', temperature: 0, max_output_tokens: 24 } as const;
 
 /** The chat path's greedy reply for `messages` (the reference of every Responses result). */
@@ -233,62 +237,148 @@ describe('session affinity', () => {
   });
 });
 
-describe('KV events', () => {
+describe('KV events and exact routing', () => {
   const metric = async (name: string): Promise<number> => {
     const text = await (await fetch(`${s.c.router.url}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
     const m = new RegExp(`^${name.replace(/[{}"]/g, (c) => `\\${c}`)} (\\S+)$`, 'm').exec(text);
     return m ? Number(m[1]) : 0;
   };
-  const sequences = async (url: string) => ((await getJson<{ snapshot: { tier: string; key: string }[] }>(`${url}/kv_events`)).snapshot ?? []).filter((e) => e.tier === 'sequence');
-  /** The router's sequence-tier claims, and the workers it follows (prefill and both decodes). */
-  const HELD = 'pdserve_router_kv_held_entries{tier="sequence"}';
+  type Entry = { tier: string; key: string; blocks?: number[] };
+  const snapshot = async (url: string): Promise<Entry[]> => (await getJson<{ snapshot: Entry[] }>(`${url}/kv_events`)).snapshot ?? [];
+  const sequences = async (url: string) => (await snapshot(url)).filter((e) => e.tier === 'sequence');
+  const decodes = () => s.c.byRole('decode').map((p) => p.url);
   const followedUrls = () => [...s.c.byRole('prefill'), ...s.c.byRole('decode')].map((p) => p.url);
-  /** What `urls` say they hold, summed: the router's figure once it has caught up with their events. */
-  const words = async (urls: string[]) => (await Promise.all(urls.map(async (u) => (await sequences(u)).length))).reduce((a, b) => a + b, 0);
+  /** Distinct blocks `urls` say they hold, summed over workers: the router's pdserve_router_kv_blocks once it has caught up. */
+  const blocksOf = async (urls: string[]) => (await Promise.all(urls.map(async (u) => new Set((await snapshot(u)).flatMap((e) => e.blocks ?? [])).size))).reduce((a, b) => a + b, 0);
+  const caughtUp = () => waitFor(async () => (await metric('pdserve_router_kv_blocks')) === (await blocksOf(followedUrls())), 5000);
+  const FALLBACK = 'pdserve_router_requests_by_path_total{path="fallback"}';
+  const LOCAL = 'pdserve_router_requests_by_path_total{path="decode_local"}';
+  const SYSTEM = `You are a coding agent in a large repository. Read the task, call tools, read their results, and answer briefly. ${'Follow the style guide, keep changes small, and run the tests. '.repeat(8)}`;
+  const TASK = `Task: the build is failing on the main branch after the last merge; find the cause and fix it. ${'Look at the logs first. '.repeat(4)}`;
+  /** One agent round through the router: its text, usage and serving path. */
+  const turn = async (messages: OpenAI.ChatCompletionMessageParam[], key: string | undefined) => {
+    const { data, response } = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 8, messages, ...(key ? { prompt_cache_key: key } : {}) }).withResponse();
+    return { text: data.choices[0]!.message.content ?? '', prompt: data.usage!.prompt_tokens, cached: data.usage!.prompt_tokens_details?.cached_tokens ?? 0, path: response.headers.get('x-pdserve-path') };
+  };
+  const agents = new Map<string, OpenAI.ChatCompletionMessageParam[]>();
 
-  test('decode claims what it keeps, the router follows; a restarted decode worker: its claims vanish, no fallback', async () => {
-    // longer than one prompt chunk (128): deterministic engines reuse whole chunks only
-    const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `kv events round 1: ${'some context '.repeat(30)}` }];
-    const { data, response } = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 8, prompt_cache_key: 'agent-kv', messages }).withResponse();
-    const decode = (await getJson<{ decode: string }>(`${s.c.router.url}/debug/traces/${response.headers.get('x-request-id')}`)).decode;
-    assert.ok(await waitFor(async () => (await sequences(decode)).some((e) => e.key === 'k:agent-kv'), 5000), 'decode publishes the kept conversation');
-    // a quiet moment: the router's claims are every followed worker's word (prefill and both decodes)
-    const followed = followedUrls();
-    assert.ok(await waitFor(async () => (await metric(HELD)) === (await words(followed)), 5000), 'the router holds its claims');
-    assert.ok((await sequences(decode)).length > 0);
-    const fallbacks = await metric('pdserve_router_requests_by_path_total{path="fallback"}');
+  for (const keyed of [true, false]) {
+    test(`6 agents sharing a long system prompt and the same task text (${keyed ? 'each its own prompt_cache_key' : 'no session key'}): continuations on decode alone, no needs_prefill bounces, most of each prompt cached`, async () => {
+      const AGENTS = 6;
+      const ROUNDS = 4;
+      const before = { fallback: await metric(FALLBACK), local: await metric(LOCAL) };
+      const convs = Array.from({ length: AGENTS }, (_, i) => {
+        const m: OpenAI.ChatCompletionMessageParam[] = [{ role: 'system', content: SYSTEM }, { role: 'user', content: TASK }];
+        agents.set(`${keyed ? 'k' : 'n'}${i}`, m);
+        return m;
+      });
+      let requests = 0;
+      let localTurns = 0;
+      let localAll = 0;
+      let cached = 0;
+      let prompt = 0;
+      for (let r = 1; r <= ROUNDS; r++) {
+        const out = await Promise.all(convs.map((m, i) => turn(m, keyed ? `agent-${i}` : undefined)));
+        requests += out.length;
+        out.forEach((o, i) => {
+          if (o.path === 'decode_local') localAll++;
+          if (r > 1) {
+            cached += o.cached;
+            prompt += o.prompt;
+            if (o.path === 'decode_local') localTurns++;
+          }
+          // the agents diverge from round 2: each its own tool result
+          convs[i]!.push({ role: 'assistant', content: o.text }, { role: 'user', content: `tool result ${r} for agent ${i}: exit code ${r + i}` });
+        });
+      }
+      const bounces = (await metric(FALLBACK)) - before.fallback;
+      const continuations = AGENTS * (ROUNDS - 1);
+      // the figures, for the log of a run
+      console.log(`exact routing, ${keyed ? 'keyed' : 'unkeyed'} agents: ${requests} requests, ${localTurns}/${continuations} continuations decode-local, ${bounces} needs_prefill bounces, cached share of rounds 2+ ${(cached / prompt).toFixed(3)}`);
+      assert.ok(bounces <= 0.005 * requests, `needs_prefill bounces ${bounces} of ${requests} requests`);
+      assert.ok(localTurns >= continuations / 2, `continuations decode-local: ${localTurns} of ${continuations}`);
+      // round 1 too may go decode-local: the same opening as agents before (the keyed run's) is held
+      assert.equal((await metric(LOCAL)) - before.local, localAll);
+      assert.ok(cached / prompt >= 0.6, `cached share of rounds 2+: ${(cached / prompt).toFixed(3)}`);
+    });
+  }
+
+  test('the workers publish token blocks, the router holds exactly their blocks; a restarted decode worker: its claims vanish, its agents go PD without a bounce', async () => {
+    const keyed = [...agents].filter(([k]) => k.startsWith('k'));
+    assert.ok(keyed.length > 0, 'the agents ran');
+    for (const u of decodes()) for (const e of await sequences(u)) assert.ok(e.key.startsWith('b') && (e.blocks?.length ?? 0) > 0, 'an entry names its blocks');
+    assert.ok(await caughtUp(), 'the router holds the workers\' blocks');
+    const fallbacks = await metric(FALLBACK);
+    let decode = decodes()[0]!;
+    for (const u of decodes()) if ((await sequences(u)).length > 0) decode = u;
     const proc = s.c.byRole('decode').find((p) => p.url === decode)!;
-    const others = followed.filter((u) => u !== decode);
+    const restarts = await metric('pdserve_router_kv_resyncs_total{reason="restart"}');
     await s.c.restart(proc);
-    // the other workers may store or evict meanwhile: compare with their word, not with a count taken before
-    assert.ok(await waitFor(async () => (await metric(HELD)) === (await words(others)), 2000), "the old process's claims are gone");
     assert.ok(await waitFor(async () => (await getJson<{ status: string }>(`${decode}/health`).catch(() => ({ status: 'down' }))).status === 'ok', 20_000));
-    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_resyncs_total{reason="restart"}')) >= 1, 5000), 'the router follows the new process (new epoch)');
-    // the next round of that conversation: no decode-local attempt on the stale claim
-    messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });
-    await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 8, prompt_cache_key: 'agent-kv', messages });
-    assert.equal(await metric('pdserve_router_requests_by_path_total{path="fallback"}'), fallbacks, 'no needs_prefill fallback');
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_resyncs_total{reason="restart"}')) > restarts, 5000), 'the router follows the new process (new epoch)');
+    assert.ok(await caughtUp(), "the old process's blocks are gone: the router holds what the live workers say");
+    // every keyed agent's next round: none bounces on a stale claim
+    await Promise.all(keyed.map(async ([k, m]) => {
+      const o = await turn(m, `agent-${k.slice(1)}`);
+      m.push({ role: 'assistant', content: o.text }, { role: 'user', content: 'tool result after the restart' });
+    }));
+    assert.equal(await metric(FALLBACK), fallbacks, 'no needs_prefill fallback');
   });
 
-  test('prefill claims the prompts it keeps, and the router picks prefill on them (reason held)', async () => {
+  test('a lost event: the router sees the gap, resyncs from the snapshot, and routes on the repaired state', async () => {
+    const [k, m] = [...agents].find(([key]) => key.startsWith('n'))!;
+    assert.ok(m);
+    const gaps = await metric('pdserve_router_kv_event_gaps_total');
+    for (const u of decodes()) await fetch(`${u}/debug/kv-events/drop`, { method: 'POST', signal: AbortSignal.timeout(2000) });
+    // rounds make events; the first event each decode publishes next is lost on its way
+    for (let r = 0; r < 2; r++) {
+      const o = await turn(m, undefined);
+      m.push({ role: 'assistant', content: o.text }, { role: 'user', content: `tool result ${r} of ${k} after a lost event` });
+    }
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_event_gaps_total')) > gaps, 5000), 'the gap is seen');
+    assert.ok(await metric('pdserve_router_kv_resyncs_total{reason="resync"}') >= 1);
+    assert.ok(await caughtUp(), 'the snapshot repaired the router\'s blocks');
+    const fallbacks = await metric(FALLBACK);
+    const o = await turn(m, undefined);
+    assert.equal(o.path, 'decode_local', 'the next round goes to the decode that holds it, alone');
+    assert.equal(await metric(FALLBACK), fallbacks);
+  });
+
+  test('prefill publishes the prompts it keeps, and the router picks prefill on their blocks', async () => {
     const prefill = s.c.byRole('prefill')[0]!.url;
-    const held = 'pdserve_router_policy_picks_total{role="prefill",policy="cache_aware",reason="held"}';
+    const hit = 'pdserve_router_policy_picks_total{role="prefill",policy="cache_aware",reason="cache_hit"}';
     const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `prefill events round 1: ${'other context '.repeat(30)}` }];
-    const data = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, prompt_cache_key: 'agent-prefill', messages });
-    assert.ok(await waitFor(async () => (await sequences(prefill)).some((e) => e.key === 'k:agent-prefill'), 5000), 'prefill publishes the kept prompt');
-    // the router's long poll is answered at the event: it catches up with every worker's word
-    assert.ok(await waitFor(async () => (await sequences(prefill)).some((e) => e.key === 'k:agent-prefill') && (await metric(HELD)) === (await words(followedUrls())), 5000), 'the router holds prefill\'s claim');
-    const before = await metric(held);
+    const stored = async () => Number(/^pdserve_kv_events_published_total\{tier="sequence",kind="stored"\} (\S+)$/m.exec(await (await fetch(`${prefill}/metrics`, { signal: AbortSignal.timeout(2000) })).text())?.[1] ?? 0);
+    const published = await stored();
+    const data = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, messages });
+    assert.ok(await waitFor(async () => (await stored()) > published, 5000), 'prefill publishes the kept prompt');
+    assert.ok(await caughtUp(), 'the router holds prefill\'s blocks');
+    const before = await metric(hit);
     messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });
-    await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, prompt_cache_key: 'agent-prefill', messages });
-    assert.equal(await metric(held), before + 1, 'the prefill pick came from its events');
+    await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, messages });
+    assert.equal(await metric(hit), before + 1, 'the prefill pick came from its blocks');
   });
 
   test('colocated publishes what it keeps: GET /kv_events and pdserve_kv_events_published_total', async () => {
     const colo = s.c.colocated!.url;
-    await s.ref.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 4, prompt_cache_key: 'agent-colo', messages: [{ role: 'user', content: `colocated events: ${'more context '.repeat(30)}` }] });
-    assert.ok(await waitFor(async () => (await sequences(colo)).some((e) => e.key === 'k:agent-colo'), 5000), 'colocated publishes the kept conversation');
+    await s.ref.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 4, messages: [{ role: 'user', content: `colocated events: ${'more context '.repeat(30)}` }] });
+    assert.ok(await waitFor(async () => (await sequences(colo)).some((e) => (e.blocks?.length ?? 0) > 0), 5000), 'colocated publishes the kept blocks');
     const text = await (await fetch(`${colo}/metrics`, { signal: AbortSignal.timeout(2000) })).text();
     assert.match(text, /^pdserve_kv_events_published_total\{tier="sequence",kind="stored"\} [1-9]/m);
+  });
+
+  test('a restarted router rebuilds its routing state from the workers\' snapshots: the next round goes decode-local at once', async () => {
+    const [k, m] = [...agents].find(([key]) => key.startsWith('k'))!;
+    const o1 = await turn(m, `agent-${k.slice(1)}`);
+    m.push({ role: 'assistant', content: o1.text }, { role: 'user', content: 'tool result before the router restart' });
+    assert.ok(await caughtUp());
+    const held = await metric('pdserve_router_kv_blocks');
+    assert.ok(held > 0);
+    await s.c.restart(s.c.router);
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_blocks')) === (await blocksOf(followedUrls())), 15_000), 'rebuilt from the snapshots');
+    assert.ok(await metric('pdserve_router_kv_resyncs_total{reason="first"}') >= 3, 'one snapshot per worker');
+    const o2 = await turn(m, `agent-${k.slice(1)}`);
+    assert.equal(o2.path, 'decode_local');
+    assert.equal(await metric(FALLBACK), 0, 'a fresh router: no bounce');
   });
 });
