@@ -281,13 +281,13 @@ export class Cluster {
    * its workers, a worker started by hand): `args` are the flags the cluster's own process of that
    * role gets for access and TLS (router: client TLS and internal TLS; workers: internal TLS;
    * colocated: client TLS when locked), `env` the cluster secret and, for a router, its
-   * client keys (by environment, never argv), `scheme` the scheme of its url. Reach a router or
+   * client keys (by environment, never argv; a router: the workers' model too, for exact routing), `scheme` the scheme of its url. Reach a router or
    * colocated server started so from this process with `reach(url)`.
    */
   joinerOf(role: ProcRole): { args: string[]; env: Record<string, string>; scheme: 'http' | 'https' } {
     const o = this.opts;
     const itls = role !== 'colocated' ? o.internalTls : undefined;
-    const args = role === 'router' ? [...(o.access?.routerArgs ?? []), ...internalTlsArgs(itls)] : role === 'colocated' ? (this.kit ? ['--tls-cert', this.kit.pki.cert, '--tls-key', this.kit.pki.key] : []) : internalTlsArgs(itls);
+    const args = role === 'router' ? ['--model', o.model, ...(o.access?.routerArgs ?? []), ...internalTlsArgs(itls)] : role === 'colocated' ? (this.kit ? ['--tls-cert', this.kit.pki.cert, '--tls-key', this.kit.pki.key] : []) : internalTlsArgs(itls);
     return { args, env: this.envOf(role), scheme: this.schemeOf(role) };
   }
 

@@ -278,7 +278,8 @@ describe('migration onto a decode that holds the prefix', () => {
       const healthy = async (url: string) => (await view()).find((w) => w.url === url)?.healthy === true;
       assert.ok(await waitFor(async () => (await view()).filter((w) => w.healthy).length === 4, 10_000), 'four workers seen');
       const tr = (rid: string) => getJson<any>(`${r.url}/debug/traces/${encodeURIComponent(rid)}`);
-      const p1 = promptOf(60, 60);
+      // several whole blocks (128 tokens: a deterministic worker's batch) the holder claims exactly
+      const p1 = promptOf(600, 60);
       const { data: r1, response: h1 } = await api.completions.create({ model: 'pdserve', prompt: p1, max_tokens: 8, temperature: 0 }).withResponse();
       const holder = procOf((await tr(h1.headers.get('x-request-id')!)).decode);
       const other = s.c.byRole('decode').find((d) => d !== holder)!;
