@@ -86,7 +86,7 @@ const engineOptions = (c: Command) =>
     .option('--no-prefix-cache', 'never reuse a cached prefix (every prompt evaluated in full; decode: no decode-local continuation)')
     .option('--prefix-store-bytes <bytes>', "byte budget of the host-wide prefix store, shared by the host's workers (LRU beyond; 0 = off; default: 1/4 of the state directory's filesystem, at most 1/8 of RAM)", int)
     .option('--prefix-store-dir <dir>', "folder of the prefix store (default: the state directory; colocated: /dev/shm)")
-    .option('--kv-block-tokens <tokens>', `tokens per block of the KV events this worker publishes (chained block hashes the router matches prompts against; ${MIN_KV_BLOCK_TOKENS}-${MAX_KV_BLOCK_TOKENS})`, int, DEFAULT_KV_BLOCK_TOKENS)
+    .option('--kv-block-tokens <tokens>', `tokens per block of the KV events this worker publishes (chained block hashes the router matches prompts against; ${MIN_KV_BLOCK_TOKENS}-${MAX_KV_BLOCK_TOKENS}; with --deterministic rounded up to whole --batch-size chunks)`, int, DEFAULT_KV_BLOCK_TOKENS)
     .option('--served-model-name <names...>', "model names the API answers to (as vLLM); a request naming another model gets 404 model_not_found; the first is the responses' model (default: the GGUF's file name without .gguf, and 'pdserve')")
     .addOption(new Option('--gpu <backend>', 'GPU backend (auto: CUDA, then Vulkan / Metal, else the CPU)').choices([...GPU_BACKENDS]).default('auto'))
     .option('--gpu-layers <n>', "layers offloaded to the GPU: auto (as many as fit), max, or a number (llama.cpp's -ngl)", cliParser(parseGpuLayers), 'auto')
@@ -619,6 +619,20 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       const chatTemplate = o.chatTemplate ? readFileSync(resolve(o.chatTemplate), 'utf8') : undefined;
       await writeLlamaGguf(resolve(o.out), { preset: o.preset, seed: o.seed, ...(chatTemplate !== undefined ? { chatTemplate } : {}) });
       console.log(`wrote ${resolve(o.out)} (${o.preset}, seed ${o.seed}${chatTemplate !== undefined ? ', with a chat template' : ''})`);
+    });
+
+  program
+    .command('bench-route-tokens')
+    .description("the router's added latency for exact routing at a long prompt: tokenizing as the workers do plus block hashing and matching, p50/p99/max per request (one JSON line)")
+    .option('--model <file>', "GGUF model, or 'tiny' / 'small' (generated)", 'tiny')
+    .option('--prompt-tokens <n>', 'prompt size, tokens', int, 16_384)
+    .option('--iterations <n>', 'requests measured, one after another', int, 300)
+    .option('--kv-block-tokens <tokens>', 'block size hashed', int, DEFAULT_KV_BLOCK_TOKENS)
+    .action(async (o) => {
+      const { benchRouteTokens } = await import('../bench/route-tokens.js');
+      const { ensureModel } = await import('../engine/gguf-writer.js');
+      const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
+      console.log(JSON.stringify(await benchRouteTokens({ model, promptTokens: o.promptTokens, iterations: o.iterations, blockTokens: o.kvBlockTokens })));
     });
 
   // ---- bench (src/bench/index.ts) and the benchmark suite (src/bench/suite.ts) ----

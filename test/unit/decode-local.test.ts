@@ -21,6 +21,11 @@ import { localPrefill, planLocal } from '../../src/decode/local.js';
 import { DecodeDriver, type DecodeAction } from '../../src/decode/driver.js';
 import { GenerateRequestSchema } from '../../src/protocol/worker-protocol.js';
 import { localPrefillFor, routingText, routingTextAfter } from '../../src/router/policy/index.js';
+import { RouterTokenizer } from '../../src/router/tokens.js';
+import { parseChatRequest, parseCompletionRequest, toWorkerRequest } from '../../src/api/parse.js';
+import { tokenizeRequest } from '../../src/api/requests.js';
+import { newRoomId } from '../../src/base/room-id.js';
+import { Registry } from 'prom-client';
 
 const T = { preallocMs: 400, bootstrapMs: 100, waitingMs: 600, transferIdleMs: 50 };
 const F: RoomFailure = { code: 'request_aborted', detail: 'client' };
@@ -126,6 +131,25 @@ describe('decode-local on the tiny model', () => {
     await decode?.dispose();
     await cold?.dispose();
     rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('the router tokenizes a request exactly as the workers do (chat with tools history, completion text, input ids)', async () => {
+    const tok = new RouterTokenizer(model, { registry: new Registry() });
+    await tok.start();
+    try {
+      const routing = { rid: 'r', bootstrapHost: 'h', bootstrapPort: 1, bootstrapRoom: newRoomId() };
+      const requests = [
+        parseChatRequest({ model: 'm', messages: [{ role: 'system', content: 'You are an agent. '.repeat(20) }, { role: 'user', content: 'Fix the build.' }, { role: 'assistant', content: 'Reading the log.' }, { role: 'user', content: 'tool result: exit 2' }] }),
+        parseCompletionRequest({ model: 'm', prompt: 'Once upon a time '.repeat(30) }),
+        parseCompletionRequest({ model: 'm', prompt: [1, 5, 9, 12] }),
+      ];
+      for (const parsed of requests) {
+        const expected = tokenizeRequest(prefill, toWorkerRequest(parsed, routing));
+        assert.deepEqual(await tok.tokensOf(parsed), expected);
+      }
+    } finally {
+      await tok.close();
+    }
   });
 
   async function gen(s: Slot, first: number, sp: SamplingParams, signal = never): Promise<number[]> {
