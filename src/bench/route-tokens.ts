@@ -18,6 +18,7 @@ import { applyKvReply, matchedBlocks, newClaims } from '../router/kv-events.js';
 import { blockHashes, DEFAULT_KV_BLOCK_TOKENS } from '../protocol/token-blocks.js';
 import { parseChatRequest } from '../api/parse.js';
 import { summarize } from '../observe/stats.js';
+import { InternalError } from '../base/errors.js';
 
 export interface RouteTokensOptions {
   model: string;
@@ -27,54 +28,56 @@ export interface RouteTokensOptions {
   blockTokens?: number;
 }
 
-/** Run the measurement (see the module doc). @returns the figures printed. */
-export async function benchRouteTokens(o: RouteTokensOptions): Promise<Record<string, number | string>> {
+type Figures = { p50: number; p99: number; max: number };
+
+/**
+ * Run the measurement (see the module doc): an agent conversation of about `promptTokens` tokens
+ * (a long system prompt, the task, then one turn that differs per request), its blocks matched
+ * against a worker holding the previous request's.
+ * @returns the figures printed.
+ */
+export async function benchRouteTokens(o: RouteTokensOptions): Promise<Record<string, unknown>> {
+  const b = o.blockTokens ?? DEFAULT_KV_BLOCK_TOKENS;
   const tok = new RouterTokenizer(o.model, { registry: new Registry(), timeoutMs: 10_000, maxPending: 4 });
   await tok.start();
   try {
-    const b = o.blockTokens ?? DEFAULT_KV_BLOCK_TOKENS;
     const sentence = 'The agent reads the file, runs the tests, and reports what failed and why. ';
-    // grow the system prompt until the rendered prompt has the tokens asked for
+    const chat = (system: string, turn: number) =>
+      parseChatRequest({ model: 'm', messages: [{ role: 'system', content: system }, { role: 'user', content: 'Task: fix the failing build.' }, { role: 'assistant', content: `Step ${turn}: running the tests again.` }, { role: 'user', content: `tool result ${turn}: exit code ${turn % 3}` }] });
+    // grow the system prompt until the conversation has about the tokens asked for
     let system = sentence;
-    let tokens: number[] = [];
+    let n = 0;
     for (;;) {
-      const parsed = parseChatRequest({ model: 'm', messages: [{ role: 'system', content: system }, { role: 'user', content: 'Fix the build.' }] });
-      tokens = (await tok.tokensOf(parsed)) ?? [];
-      if (tokens.length === 0) return { error: 'the tokenizer gave no tokens' };
-      if (tokens.length >= o.promptTokens) break;
-      system = system.repeat(Math.max(2, Math.ceil(o.promptTokens / tokens.length)));
-      if (system.length > 64 << 20) return { error: 'the prompt cannot reach the size asked' };
+      n = (await tok.tokensOf(chat(system, 0)))?.length ?? 0;
+      if (n === 0) throw new InternalError('the tokenizer gave no tokens');
+      if (n >= o.promptTokens) break;
+      system = sentence.repeat(Math.ceil((system.length / sentence.length) * Math.max(1.01, o.promptTokens / n)));
     }
-    // trim to about the size asked (whole sentences)
-    while (system.length > sentence.length && tokens.length > o.promptTokens * 1.05) {
-      system = system.slice(0, Math.floor(system.length * 0.97 / sentence.length) * sentence.length);
-      tokens = (await tok.tokensOf(parseChatRequest({ model: 'm', messages: [{ role: 'system', content: system }, { role: 'user', content: 'Fix the build.' }] }))) ?? [];
-    }
-    // a worker holding all but the last blocks of the prompt (a continuation's case: the longest run to find)
     const claims = newClaims();
-    const held = blockHashes(tokens, b);
-    applyKvReply(claims, { epoch: 'e', last: 0, events: [], snapshot: [{ tier: 'sequence', key: 'b', tokens: held.length * b, bytes: 0, blocks: held.slice(0, -2) }], block_tokens: b });
-    const parsed = parseChatRequest({ model: 'm', messages: [{ role: 'system', content: system }, { role: 'user', content: 'Fix the build.' }] });
     const tokenize: number[] = [];
     const hash: number[] = [];
     const total: number[] = [];
     let matched = 0;
+    let promptTokens = 0;
     for (let i = 0; i < o.iterations; i++) {
+      const parsed = chat(system, i + 1);
       const t0 = performance.now();
-      const t = await tok.tokensOf(parsed);
+      const t = (await tok.tokensOf(parsed)) ?? [];
       const t1 = performance.now();
-      matched = matchedBlocks(claims, blockHashes(t ?? [], b), 0);
+      const hashes = blockHashes(t, b);
+      matched = matchedBlocks(claims, hashes, 0);
       const t2 = performance.now();
       tokenize.push(t1 - t0);
       hash.push(t2 - t1);
       total.push(t2 - t0);
+      promptTokens = t.length;
+      applyKvReply(claims, { epoch: 'e', last: i, events: [], snapshot: [{ tier: 'sequence', key: 'b', tokens: hashes.length * b, bytes: 0, blocks: hashes }], block_tokens: b });
     }
-    const f = (xs: number[]) => {
+    const f = (xs: number[]): Figures => {
       const st = summarize(xs);
       return { p50: +st.p50.toFixed(3), p99: +st.p99.toFixed(3), max: +st.max.toFixed(3) };
     };
-    const r = { model: o.model, prompt_tokens: tokens.length, block_tokens: b, matched_blocks: matched, iterations: o.iterations, tokenize_ms: f(tokenize), hash_match_ms: f(hash), total_ms: f(total) };
-    return r as unknown as Record<string, number | string>;
+    return { model: o.model, block_tokens: b, iterations: o.iterations, prompt_tokens: promptTokens, matched_blocks: matched, tokenize_ms: f(tokenize), hash_match_ms: f(hash), total_ms: f(total) };
   } finally {
     await tok.close();
   }
