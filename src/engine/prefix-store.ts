@@ -134,6 +134,10 @@ export interface KvCacheEvent {
   bytes: number;
   /** `stored`: the chained hashes of the whole token blocks it holds, in order (../protocol/token-blocks.ts); absent: not named per block. */
   blocks?: number[];
+  /** `stored` with blocks: tokens of the whole kept sequence (a prompt sharing less than half of it cannot take it: prefix-cache.ts MIN_KEEP_FRACTION). */
+  seq_tokens?: number;
+  /** `stored` with blocks: another session's prompt sharing half of it may take it (false: a paused session's state, kept for its own next round). */
+  shared?: boolean;
 }
 
 /** The second tier as the engine uses it (prefixes/prefix-store.ts implements it over files). */

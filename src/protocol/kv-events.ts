@@ -97,13 +97,14 @@ export class KvEventLog {
 
   /** Publish one event (a stored entry already held, or an evicted one not held, still gets its event). */
   publish(e: KvCacheEvent): KvEvent {
-    const ev: KvEvent = { id: ++this.lastId, kind: e.kind, tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) };
+    const extra = { ...(e.blocks ? { blocks: e.blocks } : {}), ...(e.seq_tokens !== undefined ? { seq_tokens: e.seq_tokens } : {}), ...(e.shared !== undefined ? { shared: e.shared } : {}) };
+    const ev: KvEvent = { id: ++this.lastId, kind: e.kind, tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...extra };
     this.ring.push(ev);
     if (this.ring.length > this.maxEvents) this.ring.splice(0, this.ring.length - this.maxEvents);
     const k = `${e.tier}:${e.key}`;
     this.held.delete(k);
     if (e.kind === 'stored') {
-      this.held.set(k, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) });
+      this.held.set(k, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...extra });
       if (this.held.size > this.maxHeld) {
         this.held.delete(this.held.keys().next().value as string);
         this.truncated++;

@@ -8,7 +8,8 @@
  * Per worker it keeps what the worker says it holds (`held`: key → tier, tokens, block hashes) and
  * the set of token blocks those entries name (`blocks`: hash → entries holding it, at most
  * `--kv-router-max-blocks` references; ../protocol/token-blocks.ts): a prompt's match on a worker
- * is the longest run of its leading blocks in that set (`matchedTokens`).
+ * is the longest run of its leading blocks one kept sequence would serve by the engine's rules
+ * (`matchedBlocks`).
  *   - events apply in id order; an id that is not last + 1 is a gap: the claims are dropped and
  *     the next poll asks for the snapshot (resync);
  *   - a reply with another epoch is a restarted process: every claim of the old one is dropped
@@ -149,7 +150,10 @@ export function applyKvReply(c: WorkerClaims, r: KvEventsReply): { outcome: 'ok'
   for (const e of r.events) {
     if (e.id !== c.last + 1) return gap();
     c.last = e.id;
-    if (e.kind === 'stored') addEntry(c, { tier: e.tier, key: e.key, tokens: e.tokens, bytes: e.bytes, ...(e.blocks ? { blocks: e.blocks } : {}) });
+    if (e.kind === 'stored') {
+      const { id: _id, kind: _kind, ...entry } = e;
+      addEntry(c, entry);
+    }
     else {
       const gone = c.held.get(heldKey(e.tier, e.key))?.blocks;
       removeEntry(c, heldKey(e.tier, e.key));
@@ -165,13 +169,30 @@ export function applyKvReply(c: WorkerClaims, r: KvEventsReply): { outcome: 'ok'
   return { outcome, applied };
 }
 
+/** A sequence shorter than this share of its tokens is not given to a prompt (the engine's MIN_KEEP_FRACTION). */
+const KEEP_FRACTION = 0.5;
+
 /**
- * Leading blocks of `hashes` (the worker's block size) that claims `c` hold — the longest run
- * from block 0, its events' blocks or a pending claim's, whichever is longer — at `nowMs`.
+ * Leading blocks of `hashes` (the worker's block size) that a kept sequence of claims `c` would
+ * serve at `nowMs`, as the engine decides (../engine/prefix-cache.ts `chooseSequence`): per entry,
+ * the run of leading blocks it shares with the prompt counts when it is the entry's whole run (the
+ * session's own continuation) or, for an entry open to other sessions (`shared`), at least half of
+ * the kept sequence (`seq_tokens`); a pending round counts only as a whole run. The longest such
+ * run. The worker's block set bounds it first (`blocks`: nothing held, nothing to look at).
  */
 export function matchedBlocks(c: WorkerClaims, hashes: readonly number[], nowMs: number): number {
-  let n = leadingRun(hashes, (h) => c.blocks.has(h));
-  for (const p of c.pending) if (nowMs - p.at < PENDING_CLAIM_MS) n = Math.max(n, commonRun(hashes, p.blocks));
+  let n = 0;
+  for (const p of c.pending) if (nowMs - p.at < PENDING_CLAIM_MS && commonRun(hashes, p.blocks) === p.blocks.length) n = Math.max(n, p.blocks.length);
+  const bound = leadingRun(hashes, (h) => c.blocks.has(h));
+  if (bound <= n) return n;
+  for (const e of c.held.values()) {
+    const b = e.blocks;
+    if (!b || b.length <= n) continue;
+    const run = commonRun(hashes, b);
+    if (run <= n) continue;
+    if (run === b.length || (e.shared !== false && run * c.blockTokens >= KEEP_FRACTION * (e.seq_tokens ?? b.length * c.blockTokens))) n = run;
+    if (n >= bound) break;
+  }
   return n;
 }
 

@@ -6,8 +6,8 @@
  * A client that goes away ends the wait, and so does the app's close (a pending long poll would
  * otherwise hold `app.close()` — and a worker's shutdown — for up to `wait_ms`).
  * Tests (PDSERVE_TEST_HOLDS set, ../runtime/testhooks.ts): `POST /debug/kv-events/drop` loses the
- * first event of the next reply that carries any, as a lost message would: the router sees the
- * id jump (a gap) and resyncs from the snapshot.
+ * next event this worker publishes, as a lost message would: every answer leaves it out, so the
+ * router sees the id jump (a gap) at the event after it and resyncs from the snapshot.
  */
 import type { FastifyInstance } from 'fastify';
 import { MAX_KV_WAIT_MS, type KvEventLog } from '../protocol/kv-events.js';
@@ -36,17 +36,21 @@ export function registerKvEventsRoute(app: FastifyInstance, events: KvEventLog |
       }
     }
     const r = log.read(req.query.epoch, after);
-    if (drops > 0 && !r.snapshot && r.events.length > 0) {
-      drops--;
-      return { ...r, events: r.events.slice(1) };
-    }
-    return r;
+    if (lost === undefined || r.snapshot || !r.events.some((e) => e.id === lost)) return r;
+    // the lost event never reaches a router: the ones after it come without it (a gap); when it
+    // was all there was, the answer waits for the next one instead (no busy poll meanwhile)
+    const events = r.events.filter((e) => e.id !== lost);
+    if (events.length > 0 || waitMs === 0) return { ...r, events };
+    await log.wait(lost, waitMs, AbortSignal.timeout(waitMs));
+    const next = log.read(req.query.epoch, after);
+    return next.snapshot ? next : { ...next, events: next.events.filter((e) => e.id !== lost) };
   });
-  let drops = 0;
+  /** Test hook: the id of the event every answer leaves out. */
+  let lost: number | undefined;
   if (holdsEnabled) {
     app.post('/debug/kv-events/drop', async () => {
-      drops++;
-      return { drops };
+      lost = log.last + 1;
+      return { lost };
     });
   }
 }

@@ -18,6 +18,8 @@
  * | key | `b<hash of the entry's last whole block>`: one entry per distinct token run |
  * | blocks | chained hashes of the leading whole blocks held, in order |
  * | tokens | blocks × block size |
+ * | seq_tokens | tokens of the whole kept sequence (prompt + reply) |
+ * | shared | another session's prompt sharing half of it may take it (the engine's rule, asked of the engine with such a prompt); false: a paused session's state inside its retention window |
  *
  * A newer entry whose tokens extend an older one (the conversation's next round) supersedes it:
  * the older is dropped (`evicted`) once the newer is published, the newer names the same blocks.
@@ -29,6 +31,7 @@
 import type { Engine } from '../engine/types.js';
 import type { KvEventLog } from '../protocol/kv-events.js';
 import { blockHashes, DEFAULT_KV_BLOCK_TOKENS } from '../protocol/token-blocks.js';
+import { MIN_KEEP_FRACTION } from '../engine/prefix-cache.js';
 import { systemClock } from '../base/clock.js';
 
 type Tier = 'sequence' | 'store';
@@ -40,7 +43,7 @@ interface Tracked {
   /** The cache salt its sequence is kept under (the engine reuses it for that salt only). */
   salt: string | undefined;
   /** What the last `stored` event said (undefined: not published). */
-  announced: { tier: Tier; blocks: number } | undefined;
+  announced: { tier: Tier; blocks: number; shared: boolean } | undefined;
   /** Probes an entry not yet held has waited (its slot is released after the stream ends). */
   waited: number;
   /** Tokens the host's prefix store serves (last answer; undefined: not known yet). */
@@ -154,11 +157,14 @@ export class SequenceKvTracker {
       }
       const blocks = Math.min(e.hashes.length, Math.floor(reusable / this.blockTokens));
       if (blocks > 0) {
+        // would the engine give it to another session's prompt sharing just over half of it?
+        // (prefix-cache.ts chooseSequence: MIN_KEEP_FRACTION, and a paused session's window)
+        const shared = tier === 'store' || this.engine.reusableFor(e.tokens.slice(0, Math.ceil(e.tokens.length * MIN_KEEP_FRACTION) + 1), e.salt) > 0;
         const a = e.announced;
-        if (!a || a.tier !== tier || a.blocks !== blocks) {
+        if (!a || a.tier !== tier || a.blocks !== blocks || a.shared !== shared) {
           if (a && a.tier !== tier) this.log.publish({ kind: 'evicted', tier: a.tier, key, tokens: a.blocks * this.blockTokens, bytes: 0 });
-          this.log.publish({ kind: 'stored', tier, key, tokens: blocks * this.blockTokens, bytes: 0, blocks: e.hashes.slice(0, blocks) });
-          e.announced = { tier, blocks };
+          this.log.publish({ kind: 'stored', tier, key, tokens: blocks * this.blockTokens, bytes: 0, blocks: e.hashes.slice(0, blocks), seq_tokens: tier === 'store' ? blocks * this.blockTokens : e.tokens.length, shared });
+          e.announced = { tier, blocks, shared };
         }
         for (const k of e.supersedes) {
           const old = this.entries.get(k);

@@ -336,7 +336,7 @@ describe('KV events and exact routing', () => {
       m.push({ role: 'assistant', content: o.text }, { role: 'user', content: `tool result ${r} of ${k} after a lost event` });
     }
     assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_event_gaps_total')) > gaps, 5000), 'the gap is seen');
-    assert.ok(await metric('pdserve_router_kv_resyncs_total{reason="resync"}') >= 1);
+    assert.ok(await waitFor(async () => (await metric('pdserve_router_kv_resyncs_total{reason="resync"}')) >= 1, 5000), 'then the snapshot');
     assert.ok(await caughtUp(), 'the snapshot repaired the router\'s blocks');
     const fallbacks = await metric(FALLBACK);
     const o = await turn(m, undefined);
@@ -348,10 +348,10 @@ describe('KV events and exact routing', () => {
     const prefill = s.c.byRole('prefill')[0]!.url;
     const hit = 'pdserve_router_policy_picks_total{role="prefill",policy="cache_aware",reason="cache_hit"}';
     const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `prefill events round 1: ${'other context '.repeat(30)}` }];
-    const stored = async () => Number(/^pdserve_kv_events_published_total\{tier="sequence",kind="stored"\} (\S+)$/m.exec(await (await fetch(`${prefill}/metrics`, { signal: AbortSignal.timeout(2000) })).text())?.[1] ?? 0);
-    const published = await stored();
     const data = await s.pd.chat.completions.create({ model: 'pdserve', temperature: 0, max_completion_tokens: 1, messages });
-    assert.ok(await waitFor(async () => (await stored()) > published, 5000), 'prefill publishes the kept prompt');
+    // prefill keeps the prompt: an entry of exactly its tokens
+    const kept = async () => (await snapshot(prefill)).some((e) => (e as { seq_tokens?: number }).seq_tokens === data.usage!.prompt_tokens);
+    assert.ok(await waitFor(kept, 5000), 'prefill publishes the kept prompt');
     assert.ok(await caughtUp(), 'the router holds prefill\'s blocks');
     const before = await metric(hit);
     messages.push({ role: 'assistant', content: data.choices[0]!.message.content ?? '' }, { role: 'user', content: 'round 2' });

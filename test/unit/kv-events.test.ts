@@ -152,6 +152,19 @@ describe('router: block claims', () => {
     assert.deepEqual([c.blocks.size, matchedBlocks(c, h, 1)], [0, 0]);
   });
 
+  test("a sequence serves another session's prompt only as the engine would give it: its whole run, or half of it when it is open to others", () => {
+    const c = claims();
+    const h = blockHashes(seq(160), 16); // 10 blocks
+    const other = blockHashes([...seq(64), ...seq(96, 5000)], 16); // shares the first 4 blocks
+    applyKvReply(c, { epoch: 'e', last: 1, events: [], snapshot: [{ tier: 'sequence', key: 'a', tokens: 160, bytes: 0, blocks: h, seq_tokens: 170, shared: false }], block_tokens: 16 });
+    assert.equal(matchedBlocks(c, h, 0), 10, 'its own continuation: the whole run');
+    assert.equal(matchedBlocks(c, other, 0), 0, 'a paused session is not cut short for another prompt');
+    applyKvReply(c, { epoch: 'e', last: 2, events: [{ id: 2, kind: 'stored', tier: 'sequence', key: 'a', tokens: 160, bytes: 0, blocks: h, seq_tokens: 170, shared: true }] });
+    assert.equal(matchedBlocks(c, other, 0), 0, '4 blocks (64 tokens) keep less than half of 170');
+    const half = blockHashes([...seq(96), ...seq(64, 5000)], 16);
+    assert.equal(matchedBlocks(c, half, 0), 6, '96 tokens keep more than half');
+  });
+
   test('the bound: block references past --kv-router-max-blocks are not kept (the entry is, without its blocks)', () => {
     const c = claims(4);
     const h = blockHashes(seq(96), 16);
@@ -189,6 +202,7 @@ describe('workers: per-block events from the engine itself', () => {
       const stored = log.read(log.epoch, 0).events;
       assert.deepEqual(stored.map((e) => [e.kind, e.tier, e.key, e.tokens]), [['stored', 'sequence', key, 12]]);
       assert.deepEqual(stored[0]!.blocks, blockHashes(tokens, 4), 'the hashes of the blocks held');
+      assert.deepEqual([stored[0]!.seq_tokens, stored[0]!.shared], [13, true], 'the whole sequence, open to a prompt sharing half of it');
       assert.equal(log.read(log.epoch, 0).block_tokens, 4);
       t.probe();
       assert.equal(log.last, 1, 'no change, no event');
