@@ -175,7 +175,7 @@ export async function serveAttempts(d: AttemptDeps, caller: AttemptCaller, sink:
       // An ok round: the decode worker now keeps it (prompt + reply), the next round's prefix.
       const pairFailed = run.cause && PAIR_FAILURE_CODES.has(run.cause.code) ? run.cause.code : undefined;
       const ok = run.outcome === 'ok' && run.next === null;
-      const blockedMs = d.picker.learn({ prefill, decode, ok: run.outcome === 'ok', pairFailed, ...(ok ? { heldText: routingTextAfter(parsed, run.generatedText), ...(tokens ? { tokens } : {}), ...(parsed.salt !== undefined ? { salt: parsed.salt } : {}) } : {}) });
+      const blockedMs = d.picker.learn({ prefill, decode, ok: run.outcome === 'ok', pairFailed, ...(ok ? { heldText: routingTextAfter(parsed, run.generatedText), ...(tokens ? { tokens } : {}), ...(parsed.salt !== undefined ? { salt: parsed.salt } : {}), ...(key !== undefined ? { key } : {}) } : {}) });
       if (pairFailed) log.warn({ prefill: prefill.url, decode: decode.url, code: pairFailed, retry_in_ms: blockedMs }, 'KV handshake failed: the pair leaves the rotation');
       if (run.next !== 'retry' && run.next !== 'migrate') break;
       if (sink.signal.aborted) {

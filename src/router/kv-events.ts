@@ -70,7 +70,7 @@ export interface WorkerClaims {
   /** The worker's block size (its replies' `block_tokens`); 0 before the first reply. */
   blockTokens: number;
   /** Prompt blocks of rounds the router finished here, the events silent on them so far: monotonic ms → hashes (`KvEventConsumer.expect`); an `evicted` entry that held a pending prompt's last block drops it. */
-  pending: { at: number; blocks: readonly number[] }[];
+  pending: { at: number; blocks: readonly number[]; key?: string | undefined }[];
 }
 
 /** Fresh claims of a worker (`maxBlocks` block references at most). */
@@ -180,9 +180,9 @@ const KEEP_FRACTION = 0.5;
  * the kept sequence (`seq_tokens`); a pending round counts only as a whole run. The longest such
  * run. The worker's block set bounds it first (`blocks`: nothing held, nothing to look at).
  */
-export function matchedBlocks(c: WorkerClaims, hashes: readonly number[], nowMs: number): number {
+export function matchedBlocks(c: WorkerClaims, hashes: readonly number[], nowMs: number, key?: string, promptTokens = Infinity): number {
   let n = 0;
-  for (const p of c.pending) if (nowMs - p.at < PENDING_CLAIM_MS && commonRun(hashes, p.blocks) === p.blocks.length) n = Math.max(n, p.blocks.length);
+  for (const p of c.pending) if (nowMs - p.at < PENDING_CLAIM_MS && (p.key === undefined || p.key === key) && commonRun(hashes, p.blocks) === p.blocks.length) n = Math.max(n, p.blocks.length);
   const bound = leadingRun(hashes, (h) => c.blocks.has(h));
   if (bound <= n) return n;
   for (const e of c.held.values()) {
@@ -190,7 +190,11 @@ export function matchedBlocks(c: WorkerClaims, hashes: readonly number[], nowMs:
     if (!b || b.length <= n) continue;
     const run = commonRun(hashes, b);
     if (run <= n) continue;
-    if (run === b.length || (e.shared !== false && run * c.blockTokens >= KEEP_FRACTION * (e.seq_tokens ?? b.length * c.blockTokens))) n = run;
+    const seq = e.seq_tokens ?? b.length * c.blockTokens;
+    // its whole run, in a prompt that holds the whole sequence: its session's next round (the
+    // engine gives a paused session's state only to a prompt that reuses all of it)
+    const continues = run === b.length && (e.shared !== false || promptTokens > seq);
+    if (continues || (e.shared !== false && run * c.blockTokens >= KEEP_FRACTION * seq)) n = run;
     if (n >= bound) break;
   }
   return n;
@@ -256,30 +260,31 @@ export class KvEventConsumer {
   }
 
   /**
-   * Leading tokens of a prompt worker `url` holds, from its block claims: matched blocks × its
+   * Leading tokens of a prompt (of session `key`) worker `url` holds, from its block claims: matched blocks × its
    * block size (whole blocks before the prompt's last token: `promptTokens`); `hashesFor(blockTokens)`
    * gives the prompt's block hashes in the worker's size.
    * undefined: no live event stream (unknown, not "none").
    */
-  matchedTokens(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number, promptTokens = Infinity): number | undefined {
+  matchedTokens(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number, promptTokens = Infinity, key?: string): number | undefined {
     const c = this.live(url);
     if (!c) return undefined;
     // a worker evaluates at least the prompt's last token: a whole held prompt serves one block less
     const most = Math.floor((promptTokens - 1) / c.blockTokens);
-    return Math.min(matchedBlocks(c, hashesFor(c.blockTokens), nowMs), most) * c.blockTokens;
+    return Math.min(matchedBlocks(c, hashesFor(c.blockTokens), nowMs, key, promptTokens), most) * c.blockTokens;
   }
 
   /**
-   * The router just finished a round on worker `url` whose prompt has `hashesFor(size)` blocks:
-   * for PENDING_CLAIM_MS they count as held there (the worker's `stored` event is on its way).
+   * The router just finished a round on worker `url` whose prompt has `hashesFor(size)` blocks
+   * (of session `key`, if named): for PENDING_CLAIM_MS they count as held there for that session
+   * (the worker's `stored` event is on its way).
    */
-  expect(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number): void {
+  expect(url: string, hashesFor: (blockTokens: number) => readonly number[], nowMs: number, key?: string): void {
     const c = this.claims.get(url);
     if (!c?.live || c.blockTokens <= 0) return;
     const blocks = hashesFor(c.blockTokens);
     if (blocks.length === 0) return;
     c.pending = c.pending.filter((p) => nowMs - p.at < PENDING_CLAIM_MS).slice(-(MAX_PENDING_CLAIMS - 1));
-    c.pending.push({ at: nowMs, blocks });
+    c.pending.push({ at: nowMs, blocks, ...(key !== undefined ? { key } : {}) });
   }
 
   /** Follow `w` (idempotent). */

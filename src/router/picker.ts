@@ -69,9 +69,10 @@ export interface PickRound {
   pairFailed?: string;
   /** An ok round: the conversation as the decode now holds it (routing text after the reply). */
   heldText?: string;
-  /** An ok round: its prompt's tokens (when the router tokenized it) and cache salt: held by the decode now. */
+  /** An ok round: its prompt's tokens (when the router tokenized it), cache salt and session key: held by the decode now. */
   tokens?: readonly number[];
   salt?: string;
+  key?: string;
 }
 
 /** The picker's seam (the module doc). */
@@ -110,7 +111,7 @@ export class Picker implements PairPicker {
   }
 
   /** The exact facts of a prompt (undefined: no tokens). */
-  exact(tokens: readonly number[] | undefined, salt: string | undefined, now: number): ExactFacts | undefined {
+  exact(tokens: readonly number[] | undefined, salt: string | undefined, now: number, key?: string): ExactFacts | undefined {
     if (!tokens) return undefined;
     const { kv } = this.d;
     const hashesFor = Picker.hashes(tokens, salt);
@@ -118,7 +119,7 @@ export class Picker implements PairPicker {
       promptTokens: tokens.length,
       matched: (url) => {
         kv.follow({ url });
-        return kv.matchedTokens(url, hashesFor, now, tokens.length);
+        return kv.matchedTokens(url, hashesFor, now, tokens.length, key);
       },
     };
   }
@@ -126,7 +127,7 @@ export class Picker implements PairPicker {
   pick(f: PickFacts): PickAnswer {
     const { registry, policies, pairs } = this.d;
     const now = systemClock.nowMs();
-    const exact = this.exact(f.tokens, f.salt, now);
+    const exact = this.exact(f.tokens, f.salt, now, f.key);
     let decodePick: Pick<WorkerState> | null = null;
     const avoiding = (c: WorkerState[]): WorkerState[] => {
       const rest = f.avoid?.size ? c.filter((w) => !f.avoid!.has(w)) : c;
@@ -166,7 +167,7 @@ export class Picker implements PairPicker {
     if (r.ok && r.heldText !== undefined) {
       // The decode worker now keeps this round (prompt + reply): the next round's prefix.
       policies.decode.record?.(r.heldText, r.decode.url, systemClock.nowMs());
-      if (r.tokens) kv.expect(r.decode.url, Picker.hashes(r.tokens, r.salt), systemClock.nowMs());
+      if (r.tokens) kv.expect(r.decode.url, Picker.hashes(r.tokens, r.salt), systemClock.nowMs(), r.key);
     }
     return blockedMs;
   }

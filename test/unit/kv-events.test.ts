@@ -157,12 +157,16 @@ describe('router: block claims', () => {
     const h = blockHashes(seq(160), 16); // 10 blocks
     const other = blockHashes([...seq(64), ...seq(96, 5000)], 16); // shares the first 4 blocks
     applyKvReply(c, { epoch: 'e', last: 1, events: [], snapshot: [{ tier: 'sequence', key: 'a', tokens: 160, bytes: 0, blocks: h, seq_tokens: 170, shared: false }], block_tokens: 16 });
-    assert.equal(matchedBlocks(c, h, 0), 10, 'its own continuation: the whole run');
+    assert.equal(matchedBlocks(c, h, 0, undefined, 180), 10, 'its own continuation: the whole run, in a prompt holding the whole sequence');
+    assert.equal(matchedBlocks(c, h, 0, undefined, 170), 0, 'another session\'s prompt of the same tokens: the engine keeps the paused state for its own');
     assert.equal(matchedBlocks(c, other, 0), 0, 'a paused session is not cut short for another prompt');
     applyKvReply(c, { epoch: 'e', last: 2, events: [{ id: 2, kind: 'stored', tier: 'sequence', key: 'a', tokens: 160, bytes: 0, blocks: h, seq_tokens: 170, shared: true }] });
     assert.equal(matchedBlocks(c, other, 0), 0, '4 blocks (64 tokens) keep less than half of 170');
     const half = blockHashes([...seq(96), ...seq(64, 5000)], 16);
     assert.equal(matchedBlocks(c, half, 0), 6, '96 tokens keep more than half');
+    // a named session's pending round serves that session only
+    c.pending.push({ at: 0, blocks: other, key: 'k:a' });
+    assert.deepEqual([matchedBlocks(c, other, 1, 'k:a'), matchedBlocks(c, other, 1, 'k:b'), matchedBlocks(c, other, 1)], [other.length, 0, 0]);
   });
 
   test('the bound: block references past --kv-router-max-blocks are not kept (the entry is, without its blocks)', () => {
