@@ -157,7 +157,7 @@ export async function startColocated(raw: unknown, log: Logger = createLogger('c
   };
   app.post('/v1/completions', handler('completion'));
   app.post('/v1/chat/completions', handler('chat'));
-  registerKvEventsRoute(app, kvEvents);
+  registerKvEventsRoute(app, kvEvents, testHooks);
   registerResponsesRoutes(app, { store: new ResponseStore(), models: () => names, bodyLimit: app.initialConfig.bodyLimit ?? 8 << 20, port, registry: metrics.registry });
   const url = await listenUrl(app, config.host, config.port);
   log.info({ url, access: access?.describe() }, 'colocated server ready');

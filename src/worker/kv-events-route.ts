@@ -5,22 +5,23 @@
  * otherwise (no epoch, another epoch, an id it cannot continue from) it is the snapshot at once.
  * A client that goes away ends the wait, and so does the app's close (a pending long poll would
  * otherwise hold `app.close()` — and a worker's shutdown — for up to `wait_ms`).
- * Tests (PDSERVE_TEST_HOLDS set, ../runtime/testhooks.ts): `POST /debug/kv-events/drop` loses the
+ * Tests (`testHooks` enabled: PDSERVE_TEST_HOLDS set, ../runtime/testhooks.ts): `POST /debug/kv-events/drop` loses the
  * next event this worker publishes, as a lost message would: every answer leaves it out, so the
  * router sees the id jump (a gap) at the event after it and resyncs from the snapshot.
  */
 import type { FastifyInstance } from 'fastify';
 import { MAX_KV_WAIT_MS, type KvEventLog } from '../protocol/kv-events.js';
-import { holdsEnabled } from '../runtime/testhooks.js';
+import type { TestHooks } from '../runtime/testhooks.js';
 
-/** Register the route on a worker app. `events`: the log, or the log serving now (a switchable worker's role has its own, with its epoch). */
-export function registerKvEventsRoute(app: FastifyInstance, events: KvEventLog | (() => KvEventLog)): void {
+/** Register the route on a worker app. `source`: the log, or the log serving now (a switchable worker's role has its own, with its epoch); `testHooks` enabled: the lost-event hook too. */
+export function registerKvEventsRoute(app: FastifyInstance, source: KvEventLog | (() => KvEventLog), testHooks?: Pick<TestHooks, 'enabled'>): void {
+  const current = (): KvEventLog => (typeof source === 'function' ? source() : source);
   const waits = new Set<AbortController>();
   app.addHook('preClose', async () => {
     for (const ac of waits) ac.abort();
   });
   app.get<{ Querystring: { epoch?: string; after?: string; wait_ms?: string } }>('/kv_events', async (req, reply) => {
-    const log = typeof events === 'function' ? events() : events;
+    const log = current();
     const after = Number(req.query.after ?? -1);
     const waitMs = Math.max(0, Math.min(MAX_KV_WAIT_MS, Number(req.query.wait_ms ?? 0) || 0));
     if (req.query.epoch === log.epoch && Number.isSafeInteger(after) && after >= 0 && waitMs > 0) {
@@ -47,9 +48,9 @@ export function registerKvEventsRoute(app: FastifyInstance, events: KvEventLog |
   });
   /** Test hook: the id of the event every answer leaves out. */
   let lost: number | undefined;
-  if (holdsEnabled) {
+  if (testHooks?.enabled) {
     app.post('/debug/kv-events/drop', async () => {
-      lost = log.last + 1;
+      lost = current().last + 1;
       return { lost };
     });
   }

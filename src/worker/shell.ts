@@ -192,7 +192,7 @@ export async function serveWorkerEdge(o: WorkerEdgeOptions): Promise<WorkerEdge>
     o.abort(typeof b.rid === 'string' ? b.rid : undefined, parseRoomId(b.bootstrap_room), abortCauseOf(b.cause));
     return { ok: true };
   });
-  registerKvEventsRoute(app, o.kvEventsNow ?? o.kvEvents);
+  registerKvEventsRoute(app, o.kvEventsNow ?? o.kvEvents, o.testHooks);
   app.get('/role', async () => identity());
   app.post('/role', async (req, reply) => {
     if (!o.switchRole) return sendError(reply, ApiError.of('role_switch_refused', `this ${o.role} worker cannot switch role: start it with \`pdserve worker --role ${o.role}\``));
