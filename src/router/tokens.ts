@@ -23,6 +23,7 @@ import { TokenizerThread } from '../engine/tokenizer-thread.js';
 import { toWorkerRequest, type ParsedRequest } from '../api/parse.js';
 import { chatMessageOf } from '../api/requests.js';
 import { newRoomId } from '../base/room-id.js';
+import { systemClock } from '../base/clock.js';
 
 /** Default most prompts queued on the router's tokenizer thread. */
 export const ROUTER_TOKENIZE_MAX_PENDING = 256;
@@ -65,11 +66,11 @@ export class RouterTokenizer {
       this.outcomes.labels('skipped').inc();
       return undefined;
     }
-    const t0 = performance.now();
+    const t0 = systemClock.nowMs();
     try {
       const body = toWorkerRequest(parsed, { rid: '', bootstrapHost: '', bootstrapPort: 0, bootstrapRoom: newRoomId() });
       const tokens = body.input_ids ? [...body.input_ids] : body.messages ? await this.thread.renderChat(body.messages.map(chatMessageOf), body.tools) : await this.thread.tokenize(body.text ?? '');
-      this.seconds.observe((performance.now() - t0) / 1000);
+      this.seconds.observe((systemClock.nowMs() - t0) / 1000);
       this.outcomes.labels('ok').inc();
       return tokens;
     } catch {
