@@ -235,9 +235,9 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     // sessions a decode holds now, by its own KV events
     const heldKeys = new Set<string>();
     for (const d of decodes) for (const e of ((await getJson<any>(`${d.url}/kv_events?after=-1`)).snapshot ?? []) as { tier: string; key: string }[]) if (e.tier === 'sequence') heldKeys.add(e.key);
-    const held0 = await picks(b!.url, 'held');
+    const held0 = await picks(b!.url, 'cache_hit');
     const rs = await Promise.all(sessions.map((s) => chat(b!.url, s.user, s.messages)));
-    const held = (await picks(b!.url, 'held')) - held0;
+    const held = (await picks(b!.url, 'cache_hit')) - held0;
     const failed = rs.filter((r) => r.status !== 200).map((r) => `${r.status} ${JSON.stringify(r.body).slice(0, 200)}`);
     t.diagnostic(`${N} next turns through B after A was killed: ${N - failed.length} ok, ${held} sent to the decode holding their cache, of ${heldKeys.size} sessions a decode held`);
     assert.deepEqual(failed, [], 'no next turn through B failed');
@@ -257,10 +257,10 @@ describe('membership on etcd', { skip: missing ? 'etcd is not installed (see the
     const ms = Date.now() - t0;
     t.diagnostic(`restarted router A routable with shared state ${ms} ms after ready`);
     assert.ok(ms < 1000, `routable ${ms} ms after ready`);
-    const heldA = await picks(a!.url, 'held');
+    const heldA = await picks(a!.url, 'cache_hit');
     const again = await Promise.all(sessions.slice(4, 8).map((s) => chat(a!.url, s.user, s.messages)));
     assert.deepEqual(again.map((r) => r.status), [200, 200, 200, 200]);
-    t.diagnostic(`then through A: ${(await picks(a!.url, 'held')) - heldA} of 4 next turns sent to a decode holding their cache`);
+    t.diagnostic(`then through A: ${(await picks(a!.url, 'cache_hit')) - heldA} of 4 next turns sent to a decode holding their cache`);
   });
 
   test('doctor --discovery names a router whose view is stale', async () => {
