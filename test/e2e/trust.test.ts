@@ -165,7 +165,10 @@ describe('tenants: one per API key', () => {
     assert.equal(await cached(API_KEY, q, 'team-7'), 0);
     const shared = await cached(OTHER_KEY, q, 'team-7');
     assert.ok(shared > 200, `the same cache_salt shares across keys: ${shared}`);
-    assert.equal(await cached(OTHER_KEY, q), 0, "without it the key's own partition: nothing");
+    // without the salt: the key's own partition, which holds none of q's state (its own earlier
+    // prompts share at most the opening every prompt starts with: BOS and the first piece)
+    const own = await cached(OTHER_KEY, q);
+    assert.ok(own < 8, `without it the key's own partition: nothing of team-7's ${shared} tokens (${own})`);
   });
 
   test('/v1/responses takes cache_salt as chat does: salted by the key without it, shared across keys with the same one', async () => {
