@@ -1178,6 +1178,8 @@ describe('router: config and lifecycle', () => {
     assert.equal(res.status, 503);
     await closing;
     const rid = decode.generates[0]!.rid;
+    // the aborts are requests on their way to the workers: they arrive, once each
+    assert.ok(await waitFor(() => decode.abortsFor(rid).length >= 1 && prefill.abortsFor(rid).length >= 1, 2000), 'both workers were told to abort');
     assert.equal(decode.abortsFor(rid).length, 1);
     assert.equal(prefill.abortsFor(rid).length, 1);
     assert.equal(r.registry.acquiredTotal, r.registry.releasedTotal);
