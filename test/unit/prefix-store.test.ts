@@ -497,6 +497,7 @@ describe('session rules in the store', () => {
     const a2 = [...a1, ...toks(100, 3)];
     assert.ok(await put(store, a2));
     const aFile = entries(dir).find((n) => n.includes(keyChain(storeNamespace(ID), a1, 2, 64)[1]!))!;
+    await store.scheduleScan(); // the write's own scan: one that listed the files before the hit below would act on the old mtime
     utimesSync(path.join(dir, aFile), 4e9, 4e9); // a hit (a sub-agent forked from turn 1): the newest entry now
     setBudget(store, dirBytes(dir) - 1);
     await store.scheduleScan();

@@ -1164,28 +1164,33 @@ describe('router: config and lifecycle', () => {
     }
   });
 
-  test('close() fails in-flight requests with 503 and aborts them on both workers', async () => {
+  test('close() fails in-flight requests with 503 and aborts them on both workers', async (t) => {
     const prefill = await new FakeWorker('prefill').start();
     const decode = await new FakeWorker('decode').start();
+    // both legs still running when close() comes (a prefill that already answered is not told to abort)
+    prefill.prefill = () => ({ delayMs: 30_000 });
     decode.decode = () => ({ startDelayMs: 30_000 });
     const r = await createRouter({ port: 0, prefill: [{ url: prefill.url, bootstrapPort: 9000 }], decode: [{ url: decode.url }], log: { level: 'silent' }, healthIntervalMs: 100 });
+    // a failed assertion must not leave servers open (the file would never end)
+    t.after(async () => {
+      await r.close();
+      await prefill.close();
+      await decode.close();
+    });
     await r.app.listen({ host: '127.0.0.1', port: 0 });
     const port = (r.app.server.address() as { port: number }).port;
     const p = fetch(`http://127.0.0.1:${port}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'x' }) });
-    assert.ok(await waitFor(() => decode.generates.length === 1, 1000));
+    assert.ok(await waitFor(() => decode.generates.length === 1 && prefill.generates.length === 1, 1000));
     const closing = r.close();
     const res = await p;
     assert.equal(res.status, 503);
     await closing;
     const rid = decode.generates[0]!.rid;
     // the aborts are requests on their way to the workers: they arrive, once each
-    assert.ok(await waitFor(() => decode.abortsFor(rid).length >= 1 && prefill.abortsFor(rid).length >= 1, 2000), 'both workers were told to abort');
+    assert.ok(await waitFor(() => decode.abortsFor(rid).length >= 1 && prefill.abortsFor(rid).length >= 1, 2000), `both workers were told to abort: decode ${decode.abortsFor(rid).length}, prefill ${prefill.abortsFor(rid).length}, prefill saw ${JSON.stringify(prefill.generates.map((g) => g.rid))} rid ${rid}`);
     assert.equal(decode.abortsFor(rid).length, 1);
     assert.equal(prefill.abortsFor(rid).length, 1);
     assert.equal(r.registry.acquiredTotal, r.registry.releasedTotal);
-    await r.close();
-    await prefill.close();
-    await decode.close();
   });
 });
 
