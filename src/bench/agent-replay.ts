@@ -11,6 +11,7 @@
  * llama.cpp's llama-server, vLLM); by default the command starts its own stacks and replays the
  * same trace on each, one after another in a rotating order (`runTraceSetups`).
  */
+import { setMaxListeners } from 'node:events';
 import { mkdtempSync } from 'node:fs';
 import os from 'node:os';
 import { join } from 'node:path';
@@ -325,6 +326,8 @@ export async function replayTrace(trace: AgentTrace, target: ReplayTarget, o: Re
   const records: ReplayRecord[] = [];
   const before = await counts(target, o.dispatcher);
   const run = new AbortController();
+  // every session waits on the run's signal at once (its pauses and its request): one listener each
+  setMaxListeners(2 * sessions.size + 16, run.signal);
   const timer = setTimeout(() => run.abort(), o.deadlineMs);
   const t0 = performance.now();
   try {
