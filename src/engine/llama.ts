@@ -734,9 +734,10 @@ class LlamaEngine implements Engine {
     return lease;
   }
 
-  reusableFor(prompt: readonly number[], salt?: string): number {
+  reusableFor(prompt: readonly number[], salt?: string, heldOnly = false): number {
     if (this.disposed || !this.cache.enabled || prompt.length === 0) return 0;
-    return chooseSequence(this.free, prompt, this.cache, undefined, salt, systemClock.nowMs())?.reuse ?? 0;
+    const c = chooseSequence(this.free, prompt, this.cache, undefined, salt, systemClock.nowMs());
+    return !c || (heldOnly && c.evicts) ? 0 : c.reuse;
   }
 
   async storedReusableFor(prompt: readonly number[], salt?: string): Promise<number> {

@@ -352,8 +352,11 @@ export interface Engine {
    * cache off). A hint: another acquisition may evict that sequence before this one takes it;
    * `Slot.prefill` re-derives the reuse under its lease. Decode uses it to decide whether a
    * request's uncached suffix is short enough to evaluate locally (decode-local continuation).
+   * That count includes what a sequence taken by eviction happens to share with the prompt;
+   * `heldOnly` counts only an idle state the engine would give the prompt as it is (0 when the
+   * acquisition would have to evict): whether a kept state is open to the prompt.
    */
-  reusableFor(prompt: readonly number[], salt?: string): number;
+  reusableFor(prompt: readonly number[], salt?: string, heldOnly?: boolean): number;
   /**
    * Tokens of `prompt` the prefix store (second tier) would serve (0 without one): a hint from
    * the store's file names and one entry's head; `Slot.prefill` loads and validates the state.

@@ -158,8 +158,9 @@ export class SequenceKvTracker {
       const blocks = Math.min(e.hashes.length, Math.floor(reusable / this.blockTokens));
       if (blocks > 0) {
         // would the engine give it to another session's prompt sharing just over half of it?
-        // (prefix-cache.ts chooseSequence: MIN_KEEP_FRACTION, and a paused session's window)
-        const shared = tier === 'store' || this.engine.reusableFor(e.tokens.slice(0, Math.ceil(e.tokens.length * MIN_KEEP_FRACTION) + 1), e.salt) > 0;
+        // (prefix-cache.ts chooseSequence: MIN_KEEP_FRACTION, and a paused session's window) —
+        // a held state only: what an evicted sequence happens to share is not this entry's
+        const shared = tier === 'store' || this.engine.reusableFor(e.tokens.slice(0, Math.ceil(e.tokens.length * MIN_KEEP_FRACTION) + 1), e.salt, true) > 0;
         const a = e.announced;
         if (!a || a.tier !== tier || a.blocks !== blocks || a.shared !== shared) {
           if (a && a.tier !== tier) this.log.publish({ kind: 'evicted', tier: a.tier, key, tokens: a.blocks * this.blockTokens, bytes: 0 });

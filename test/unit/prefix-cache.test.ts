@@ -319,4 +319,32 @@ describe('prefix cache on the tiny model', () => {
       await e.dispose();
     }
   });
+
+  it('on the engine: reusableFor counts what an evicted sequence shares; heldOnly counts only a state given as it is (a paused session is not open to another prompt)', async () => {
+    const e = await loadEngine({ modelPath: model, contextSize: 512, batchSize: BATCH, sequences: 1, prefixCache: { cacheSequences: 1, maxTokens: 4096, sessionTtlMs: 60_000 } });
+    try {
+      const go = async (prompt: number[], retention?: { session?: boolean }) => {
+        const s = e.tryAcquireSlot(prompt, undefined, retention)!;
+        try {
+          const r = await s.prefill(prompt, greedy({ maxTokens: 2 }), never);
+          for await (const _t of s.generate(r.firstToken, greedy({ maxTokens: 2 }), never));
+        } finally {
+          s.release();
+        }
+      };
+      const system = e.tokenize('You are a careful agent with tools. ');
+      const session = [...system, ...e.tokenize('the agent reads the file and plans the change. '.repeat(4), false)];
+      // both sequences hold a state: the paused session (inside its window) and a one-off sharing only the system prompt (under half of it)
+      await go(session, { session: true });
+      await go([...system, ...e.tokenize('one-off question about the weather and the mills by the river. '.repeat(3), false)]);
+      const half = session.slice(0, Math.ceil(session.length / 2) + 1);
+      assert.ok(e.reusableFor(half) >= system.length - 1, `taking the one-off's sequence would reuse the system prompt (${e.reusableFor(half)})`);
+      assert.equal(e.reusableFor(half, undefined, true), 0, "the paused session's state is not given to another session's prompt");
+      const next = [...session, ...e.tokenize(' the tool returned ok.', false)];
+      assert.equal(e.reusableFor(next, undefined, true), e.reusableFor(next), "the session's own next turn gets its state as it is");
+      assert.ok(e.reusableFor(next, undefined, true) >= session.length - 1);
+    } finally {
+      await e.dispose();
+    }
+  });
 });
