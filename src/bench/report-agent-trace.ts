@@ -72,6 +72,17 @@ export function agentTracePlot(r: AgentTraceResult): string {
   });
 }
 
+/** Past this many turn positions the by-turn table shows turns 1, 2, every BY_TURN_STEP-th and the last (the plot has them all). */
+const BY_TURN_ALL = 12;
+const BY_TURN_STEP = 5;
+
+/** The turn positions the by-turn table shows, of the sorted positions `all`. */
+export function byTurnRows(all: readonly number[]): number[] {
+  if (all.length <= BY_TURN_ALL) return [...all];
+  const last = all[all.length - 1];
+  return all.filter((t) => t <= 2 || t % BY_TURN_STEP === 0 || t === last);
+}
+
 /** Markdown lines of the subsection's placeholder: provenance, scale, the runs, TTFT and cached share by turn, the plot. */
 export function agentTraceReport(r: AgentTraceResult | undefined, prov: string, plot: string | undefined): string[] {
   if (!r?.runs?.length) return ['_Not run yet._'];
@@ -104,10 +115,11 @@ export function agentTraceReport(r: AgentTraceResult | undefined, prov: string, 
   };
   L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...r.runs.map((x) => `| ${row(x).join(' | ')} |`), '');
   // by turn: TTFT p50/p90 of each run, cached share and bound of each run
-  const turns = [...new Set(r.runs.flatMap((x) => x.byTurn.map((t) => t.turn)))].sort((a, b) => a - b);
+  const all = [...new Set(r.runs.flatMap((x) => x.byTurn.map((t) => t.turn)))].sort((a, b) => a - b);
+  const turns = byTurnRows(all);
   const first = r.runs.filter((x) => x.repeat === 1);
   const th = ['turn', 'sessions', ...first.map((x) => `${x.name}: TTFT p50 / p90 ms`), ...first.map((x) => `${x.name}: cached / bound`)];
-  L.push('By turn (top-level sessions; first replay of each setup):', '', `| ${th.join(' | ')} |`, `|---:|${th.slice(1).map(() => '---:').join('|')}|`);
+  L.push(`By turn (top-level sessions; first replay of each setup${turns.length < all.length ? `; turns 1, 2, every ${BY_TURN_STEP}th and the last` : ''}):`, '', `| ${th.join(' | ')} |`, `|---:|${th.slice(1).map(() => '---:').join('|')}|`);
   for (const t of turns) {
     const cells = first.map((x) => x.byTurn.find((y) => y.turn === t));
     L.push(`| ${[t, cells.find((c) => c)?.n ?? 0, ...cells.map((c) => (c ? `${fmt(c.ttftP50, 0)} / ${fmt(c.ttftP90, 0)}` : '—')), ...cells.map((c) => (c ? `${pct(c.cached)} / ${pct(c.bound)}` : '—'))].join(' | ')} |`);
