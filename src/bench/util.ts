@@ -7,6 +7,7 @@ import { existsSync } from 'node:fs';
 import os from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { stopChild } from '../up/child.js';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const ext = fileURLToPath(import.meta.url).endsWith('.ts') ? '.ts' : '.js';
@@ -106,12 +107,7 @@ export class BenchChild<Msg extends { type: string } = { type: string }> {
 
   /** Kill (SIGTERM, then SIGKILL after 2 s) and wait for the exit. */
   async stop(): Promise<void> {
-    if (this.proc.exitCode !== null || this.proc.signalCode !== null) return;
-    const done = new Promise<void>((r) => this.proc.once('exit', () => r()));
-    this.proc.kill('SIGTERM');
-    const t = setTimeout(() => this.proc.kill('SIGKILL'), 2000);
-    await done;
-    clearTimeout(t);
+    await stopChild(this.proc, 'SIGTERM', 2000);
   }
 }
 
