@@ -13,6 +13,7 @@ import { GgsqStreamParser, kvBytesPerCell, parseStateFile, parseStateHeaders, re
 import { loadEngine } from '../../src/engine/llama.js';
 import type { Engine, SamplingParams } from '../../src/engine/types.js';
 import { PdError } from '../../src/base/errors.js';
+import { synthState } from '../helpers/ggsq-synth.js';
 
 const CTX = 256;
 const expect: StateExpect = { contextSize: CTX, nLayer: 2, maxBytes: 1 << 24 };
@@ -334,51 +335,8 @@ describe('rewriteNStream', () => {
 
 describe('truncatedStateParts: the first tokens of a state as a state of their own', () => {
   /** A one-sequence state whose every K/V byte names its cell's position (cells in `order`), transposed V when `vTrans`. */
-  function cellState(tokens: number[], order: number[], vTrans: boolean, nStream = 2, seq = 1): Buffer {
-    const n = tokens.length;
-    const row = 4;
-    const parts: Buffer[] = [];
-    const u32 = (v: number) => parts.push(Buffer.from(new Uint32Array([v]).buffer));
-    const i32 = (v: number) => parts.push(Buffer.from(new Int32Array([v]).buffer));
-    u32(0x67677371);
-    u32(3);
-    u32(n);
-    for (const t of tokens) i32(t);
-    u32(nStream);
-    for (let s = 0; s < nStream; s++) {
-      if (s !== seq) {
-        u32(0);
-        continue;
-      }
-      u32(n);
-      for (const p of order) {
-        i32(p);
-        u32(1);
-        i32(seq);
-      }
-      u32(vTrans ? 1 : 0);
-      u32(2); // layers
-      for (let l = 0; l < 2; l++) {
-        i32(1);
-        u32(row);
-        u32(0);
-        for (const p of order) parts.push(Buffer.alloc(row, p + 10 * l));
-      }
-      for (let l = 0; l < 2; l++) {
-        i32(1);
-        if (!vTrans) {
-          u32(row);
-          u32(0);
-          for (const p of order) parts.push(Buffer.alloc(row, 100 + p + 10 * l));
-        } else {
-          u32(2); // el_size
-          u32(3); // n_embd_v_gqa
-          for (let j = 0; j < 3; j++) for (const p of order) parts.push(Buffer.alloc(2, 100 + p + 10 * l + 50 * j));
-        }
-      }
-    }
-    return Buffer.concat(parts);
-  }
+  const cellState = (tokens: number[], order: number[], vTrans: boolean): Buffer =>
+    synthState(tokens, { nStream: 2, seq: 1, rowBytes: 4, positions: order, ...(vTrans ? { vTrans: { elBytes: 2, rows: 3 } } : {}), data: (part, l, p, j) => (part === 'k' ? p + 10 * l : 100 + p + 10 * l + 50 * j) });
   const expect = { contextSize: 64, maxBytes: 1 << 20 };
 
   for (const vTrans of [false, true]) {
