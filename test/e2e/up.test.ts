@@ -16,7 +16,7 @@ import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node
 import { createServer } from 'node:net';
 import { dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { test } from 'node:test';
+import { test, type TestContext } from 'node:test';
 import { BIN, freePort } from '../../src/up/cluster.js';
 import { rawCompletion, tinyModel, waitFor, type RawResult } from '../helpers/stack.js';
 
@@ -48,6 +48,29 @@ function exitOf(child: ChildProcess): Promise<number | null> {
 async function health(url: string): Promise<{ status: number; body: any }> {
   const r = await fetch(`${url}/health`, { signal: AbortSignal.timeout(2000) });
   return { status: r.status, body: await r.json() };
+}
+
+/**
+ * `pdserve up --model <tiny> ARGS` in its own process group, as a shell gives a foreground job (a
+ * terminal's Ctrl-C reaches up AND its workers), without a cluster secret in its environment
+ * (up generates one) plus `env`; stdout and stderr gathered in `out`. Resolves once the banner's
+ * last line is printed (60 s deadline); the group is SIGKILLed when the test ends.
+ */
+async function startUp(t: TestContext, args: string[], env: Record<string, string> = {}): Promise<{ child: ChildProcess; out: string; exited: Promise<number | null> }> {
+  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: '', ...env }, detached: true });
+  const up = { child, out: '', exited: exitOf(child) };
+  child.stdout!.on('data', (d) => (up.out += d));
+  child.stderr!.on('data', (d) => (up.out += d));
+  t.after(() => {
+    try {
+      process.kill(-child.pid!, 'SIGKILL');
+    } catch {
+      // the group is gone already
+    }
+  });
+  // The banner's last line: its earlier lines may arrive in separate chunks.
+  assert.ok(await waitFor(async () => up.out.includes('Ctrl-C drains'), 60_000, 50), `up started:\n${up.out}`);
+  return up;
 }
 
 /**
@@ -124,68 +147,50 @@ test('colocated: SIGTERM mid-stream drains: health and new requests say draining
   }
 });
 
-test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole process group) drains the router first, streams end with [DONE], exit 0, ports closed', async () => {
+test('up --worker-port-base: fixed worker ports; Ctrl-C (SIGINT to the whole process group) drains the router first, streams end with [DONE], exit 0, ports closed', async (t) => {
   const base = await freeRun(3);
   const rport = await freePort();
-  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024', '--decode-policy', 'cache_aware', '--local-prefill-max-tokens', '128'], {
-    stdio: ['ignore', 'pipe', 'pipe'],
-    env: { ...process.env, PDSERVE_TEST_HOLDS: 'decode.load=1500', PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: '' },
-    // Its own process group, as a shell gives a foreground job: a terminal's Ctrl-C reaches up AND
-    // its workers. The workers must leave the order to up (router first), not drain on their own.
-    detached: true,
-  });
-  let out = '';
-  child.stdout!.on('data', (d) => (out += d));
-  child.stderr!.on('data', (d) => (out += d));
-  const exited = exitOf(child);
-  try {
-    // The banner's last line: its earlier lines may arrive in separate chunks.
-    assert.ok(await waitFor(async () => out.includes('Ctrl-C drains'), 60_000, 50), `up started:\n${out}`);
-    assert.match(out, new RegExp(`prefill-0 http://127\\.0\\.0\\.1:${base}\\s+bootstrap port ${base + 1}`));
-    assert.match(out, new RegExp(`decode-0  http://127\\.0\\.0\\.1:${base + 2}`));
-    assert.match(out, /access\s+OPEN: no API key/, 'without keys the banner says the server is open');
-    for (const p of [base, base + 2]) assert.equal((await health(`http://127.0.0.1:${p}`)).status, 200);
-    const router = `http://127.0.0.1:${rport}`;
-    // decode-local through up's flags: the first request takes the PD path, the same prompt again
-    // hits the decode worker's prefix tree and is served by decode alone
-    const paths: (string | null)[] = [];
-    for (let i = 0; i < 2; i++) {
-      const r = await fetch(`${router}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'Zebras quietly graze', max_tokens: 4, temperature: 0 }), signal: AbortSignal.timeout(30_000) });
-      assert.equal(r.status, 200, await r.clone().text());
-      await r.json();
-      paths.push(r.headers.get('x-pdserve-path'));
-    }
-    assert.deepEqual(paths, ['pd', 'decode_local']);
-    await readmeQuickStart(rport);
-    // The banner's doctor line, run as printed, reads every worker's rooms (up generated the secret
-    // and wrote it to a 0600 file); without the secret doctor says it cannot, rather than "OK".
-    const doctorCmd = /^ {2}doctor {4}(.+)$/m.exec(out)?.[1];
-    assert.ok(doctorCmd && doctorCmd.startsWith('PDSERVE_CLUSTER_SECRET_FILE=') && !doctorCmd.includes('$('), `the banner has a doctor line naming the secret's file:\n${out}`);
-    const findings = (cmd: string, env: Record<string, string> = {}) => (JSON.parse(execSync(`${cmd} --json || true`, { encoding: 'utf8', env: { ...process.env, ...env }, timeout: 20_000 })) as { findings: { kind: string }[] }).findings.map((f) => f.kind);
-    assert.ok(!findings(doctorCmd!).includes('rooms_unreadable'), 'the printed doctor command signs its worker requests');
-    assert.ok(findings(`node bin/pdserve.js doctor --url ${router}`, { PDSERVE_CLUSTER_SECRET: '' }).includes('rooms_unreadable'), 'without the secret doctor names the blind spot');
-    // prompts unlike the one above and each other (no tree hit): the PD path, held in decode's load
-    const reqs = ['the river', 'my garden'].map((p) => rawCompletion(router, p, 8, 30_000));
-    assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
-    // the host prefix store folder up made for its workers (on their command lines): gone after the drain
-    const storeDir = /--prefix-store-dir (\S+)/.exec(execSync(`ps -o args= --ppid ${child.pid}`, { encoding: 'utf8' }))?.[1];
-    assert.ok(storeDir && existsSync(storeDir), `up's workers share a store folder it made: ${storeDir}`);
-    process.kill(-child.pid!, 'SIGINT');
-    const results = await Promise.all(reqs);
-    for (const r of results) assert.ok(ok(r), `stream completed through the drain: ${r.status} ${r.text.slice(-200)}`);
-    assert.equal(await exited, 0);
-    assert.match(out, /pdserve: stopped/, `up says it stopped:\n${out}`);
-    for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
-    assert.ok(!existsSync(storeDir!), `the store folder ${storeDir} is removed on Ctrl-C`);
-    const secretFile = /PDSERVE_CLUSTER_SECRET_FILE=(\S+)/.exec(doctorCmd!)?.[1];
-    assert.ok(secretFile && !existsSync(secretFile), `the secret file up wrote (${secretFile}) is removed on Ctrl-C; its logs stay`);
-  } finally {
-    try {
-      process.kill(-child.pid!, 'SIGKILL');
-    } catch {
-      // the group is gone already
-    }
+  // The workers must leave the order to up (router first), not drain on their own.
+  const up = await startUp(t, ['--port', String(rport), '--worker-port-base', String(base), '--ctx-size', '1024', '--decode-policy', 'cache_aware', '--local-prefill-max-tokens', '128'], { PDSERVE_TEST_HOLDS: 'decode.load=1500' });
+  const { child, exited } = up;
+  assert.match(up.out, new RegExp(`prefill-0 http://127\\.0\\.0\\.1:${base}\\s+bootstrap port ${base + 1}`));
+  assert.match(up.out, new RegExp(`decode-0  http://127\\.0\\.0\\.1:${base + 2}`));
+  assert.match(up.out, /access\s+OPEN: no API key/, 'without keys the banner says the server is open');
+  for (const p of [base, base + 2]) assert.equal((await health(`http://127.0.0.1:${p}`)).status, 200);
+  const router = `http://127.0.0.1:${rport}`;
+  // decode-local through up's flags: the first request takes the PD path, the same prompt again
+  // hits the decode worker's prefix tree and is served by decode alone
+  const paths: (string | null)[] = [];
+  for (let i = 0; i < 2; i++) {
+    const r = await fetch(`${router}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'pdserve', prompt: 'Zebras quietly graze', max_tokens: 4, temperature: 0 }), signal: AbortSignal.timeout(30_000) });
+    assert.equal(r.status, 200, await r.clone().text());
+    await r.json();
+    paths.push(r.headers.get('x-pdserve-path'));
   }
+  assert.deepEqual(paths, ['pd', 'decode_local']);
+  await readmeQuickStart(rport);
+  // The banner's doctor line, run as printed, reads every worker's rooms (up generated the secret
+  // and wrote it to a 0600 file); without the secret doctor says it cannot, rather than "OK".
+  const doctorCmd = /^ {2}doctor {4}(.+)$/m.exec(up.out)?.[1];
+  assert.ok(doctorCmd && doctorCmd.startsWith('PDSERVE_CLUSTER_SECRET_FILE=') && !doctorCmd.includes('$('), `the banner has a doctor line naming the secret's file:\n${up.out}`);
+  const findings = (cmd: string, env: Record<string, string> = {}) => (JSON.parse(execSync(`${cmd} --json || true`, { encoding: 'utf8', env: { ...process.env, ...env }, timeout: 20_000 })) as { findings: { kind: string }[] }).findings.map((f) => f.kind);
+  assert.ok(!findings(doctorCmd!).includes('rooms_unreadable'), 'the printed doctor command signs its worker requests');
+  assert.ok(findings(`node bin/pdserve.js doctor --url ${router}`, { PDSERVE_CLUSTER_SECRET: '' }).includes('rooms_unreadable'), 'without the secret doctor names the blind spot');
+  // prompts unlike the one above and each other (no tree hit): the PD path, held in decode's load
+  const reqs = ['the river', 'my garden'].map((p) => rawCompletion(router, p, 8, 30_000));
+  assert.ok(await waitFor(async () => (await health(router)).body.inflight >= 2, 5000, 10), 'requests in flight');
+  // the host prefix store folder up made for its workers (on their command lines): gone after the drain
+  const storeDir = /--prefix-store-dir (\S+)/.exec(execSync(`ps -o args= --ppid ${child.pid}`, { encoding: 'utf8' }))?.[1];
+  assert.ok(storeDir && existsSync(storeDir), `up's workers share a store folder it made: ${storeDir}`);
+  process.kill(-child.pid!, 'SIGINT');
+  const results = await Promise.all(reqs);
+  for (const r of results) assert.ok(ok(r), `stream completed through the drain: ${r.status} ${r.text.slice(-200)}`);
+  assert.equal(await exited, 0);
+  assert.match(up.out, /pdserve: stopped/, `up says it stopped:\n${up.out}`);
+  for (const p of [rport, base, base + 1, base + 2]) assert.ok(await portFree(p), `port ${p} closed`);
+  assert.ok(!existsSync(storeDir!), `the store folder ${storeDir} is removed on Ctrl-C`);
+  const secretFile = /PDSERVE_CLUSTER_SECRET_FILE=(\S+)/.exec(doctorCmd!)?.[1];
+  assert.ok(secretFile && !existsSync(secretFile), `the secret file up wrote (${secretFile}) is removed on Ctrl-C; its logs stay`);
 });
 
 test('up --routers 2: two routers on --port and --port + 1 over a local etcd up starts, both serve, Ctrl-C stops everything', async (t) => {
@@ -195,32 +200,20 @@ test('up --routers 2: two routers on --port and --port + 1 over a local etcd up 
     return t.skip('etcd is not installed');
   }
   const rport = await freeRun(2);
-  const child = spawn(process.execPath, [BIN, 'up', '--model', await tinyModel(), '--port', String(rport), '--routers', '2', '--ctx-size', '1024'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, PDSERVE_CLUSTER_SECRET: '', PDSERVE_CLUSTER_SECRET_FILE: '' }, detached: true });
-  let out = '';
-  child.stdout!.on('data', (d) => (out += d));
-  child.stderr!.on('data', (d) => (out += d));
-  const exited = exitOf(child);
-  try {
-    assert.ok(await waitFor(async () => out.includes('Ctrl-C drains'), 60_000, 50), `up started:\n${out}`);
-    assert.match(out, new RegExp(`router    http://127\\.0\\.0\\.1:${rport}\\s`));
-    assert.match(out, new RegExp(`router-1  http://127\\.0\\.0\\.1:${rport + 1}\\s`));
-    const etcdUri = /etcd\s+(etcd:\/\/\S+)\s+\(started for the routers\)/.exec(out)?.[1];
-    assert.ok(etcdUri, `the banner names the etcd it started:\n${out}`);
-    for (const p of [rport, rport + 1]) {
-      const r = await rawCompletion(`http://127.0.0.1:${p}`, 'the river ran', 4, 30_000);
-      assert.ok(ok(r), `router on ${p} serves: ${r.status} ${r.text.slice(0, 200)}`);
-      const ws = (await (await fetch(`http://127.0.0.1:${p}/workers`)).json()) as { workers: { healthy: boolean }[] };
-      assert.equal(ws.workers.filter((w) => w.healthy).length, 2, 'each router has both workers');
-    }
-    process.kill(-child.pid!, 'SIGINT');
-    assert.equal(await exited, 0);
-    const etcdPort = Number(/:(\d+)$/.exec(etcdUri!)![1]);
-    for (const p of [rport, rport + 1, etcdPort]) assert.ok(await portFree(p), `port ${p} closed`);
-  } finally {
-    try {
-      process.kill(-child.pid!, 'SIGKILL');
-    } catch {
-      // the group is gone already
-    }
+  const up = await startUp(t, ['--port', String(rport), '--routers', '2', '--ctx-size', '1024']);
+  const { child, exited } = up;
+  assert.match(up.out, new RegExp(`router    http://127\\.0\\.0\\.1:${rport}\\s`));
+  assert.match(up.out, new RegExp(`router-1  http://127\\.0\\.0\\.1:${rport + 1}\\s`));
+  const etcdUri = /etcd\s+(etcd:\/\/\S+)\s+\(started for the routers\)/.exec(up.out)?.[1];
+  assert.ok(etcdUri, `the banner names the etcd it started:\n${up.out}`);
+  for (const p of [rport, rport + 1]) {
+    const r = await rawCompletion(`http://127.0.0.1:${p}`, 'the river ran', 4, 30_000);
+    assert.ok(ok(r), `router on ${p} serves: ${r.status} ${r.text.slice(0, 200)}`);
+    const ws = (await (await fetch(`http://127.0.0.1:${p}/workers`)).json()) as { workers: { healthy: boolean }[] };
+    assert.equal(ws.workers.filter((w) => w.healthy).length, 2, 'each router has both workers');
   }
+  process.kill(-child.pid!, 'SIGINT');
+  assert.equal(await exited, 0);
+  const etcdPort = Number(/:(\d+)$/.exec(etcdUri!)![1]);
+  for (const p of [rport, rport + 1, etcdPort]) assert.ok(await portFree(p), `port ${p} closed`);
 });
