@@ -21,11 +21,12 @@
  * pdserve_router_kv_resyncs_total{reason}, pdserve_router_kv_held_entries{tier}, pdserve_router_kv_blocks.
  */
 import { Counter, Gauge, type Registry } from 'prom-client';
-import { Agent, request, type Dispatcher } from 'undici';
+import { request, type Dispatcher } from 'undici';
 import { DEFAULT_ROUTER_MAX_BLOCKS, type KvEventsReply, type HeldEntry } from '../protocol/kv-events.js';
 import type { WorkerState } from './registry.js';
 import { PdError } from '../base/errors.js';
 import { commonRun, leadingRun } from '../protocol/token-blocks.js';
+import { pause, PollLoops } from './poll-loops.js';
 
 /** Long-poll wait asked of a worker, ms. */
 export const KV_WAIT_MS = 10_000;
@@ -203,13 +204,10 @@ export function matchedBlocks(c: WorkerClaims, hashes: readonly number[], nowMs:
 /** One long-poll loop per worker (see the module doc). */
 export class KvEventConsumer {
   private readonly claims = new Map<string, WorkerClaims>();
-  private readonly loops = new Map<string, AbortController>();
-  private readonly base: Agent;
-  private readonly agent: Dispatcher;
+  private readonly polls: PollLoops;
   private readonly consumed: Counter<'tier' | 'kind'>;
   private readonly gaps: Counter;
   private readonly resyncs: Counter<'reason'>;
-  private stopped = false;
 
   /**
    * @param wrap composes the router's credentials onto the consumer's pool (worker requests are
@@ -218,8 +216,7 @@ export class KvEventConsumer {
    * @param maxBlocks block references kept per worker (`--kv-router-max-blocks`).
    */
   constructor(registry: Registry, private readonly waitMs = KV_WAIT_MS, wrap: (base: Dispatcher) => Dispatcher = (b) => b, tls: object = {}, private readonly maxBlocks = DEFAULT_ROUTER_MAX_BLOCKS) {
-    this.base = new Agent({ connections: 2, pipelining: 1, keepAliveTimeout: 30_000, connect: { timeout: 2_000, ...tls }, headersTimeout: KV_WAIT_MS + 5_000, bodyTimeout: KV_WAIT_MS + 5_000 });
-    this.agent = wrap(this.base);
+    this.polls = new PollLoops(KV_WAIT_MS + 5_000, wrap, tls);
     this.consumed = new Counter({ name: 'pdserve_router_kv_events_consumed_total', help: 'KV events applied from the workers, by tier and kind', labelNames: ['tier', 'kind'], registers: [registry] });
     this.gaps = new Counter({ name: 'pdserve_router_kv_event_gaps_total', help: 'KV event streams found with a missing event id (claims dropped, then resynced)', registers: [registry] });
     this.resyncs = new Counter({ name: 'pdserve_router_kv_resyncs_total', help: 'Snapshots applied, by reason (first: a new stream; restart: a new worker epoch; resync: after a gap or a lost stream)', labelNames: ['reason'], registers: [registry] });
@@ -289,37 +286,28 @@ export class KvEventConsumer {
 
   /** Follow `w` (idempotent). */
   follow(w: Pick<WorkerState, 'url'>): void {
-    if (this.stopped || this.loops.has(w.url)) return;
-    const ac = new AbortController();
-    this.loops.set(w.url, ac);
     const c = newClaims(this.maxBlocks);
-    this.claims.set(w.url, c);
-    void this.loop(w.url, c, ac.signal);
+    if (this.polls.start(w.url, (signal) => this.loop(w.url, c, signal))) this.claims.set(w.url, c);
   }
 
   /** Stop following `url` and drop its claims. */
   forget(url: string): void {
-    this.loops.get(url)?.abort();
-    this.loops.delete(url);
+    this.polls.stop(url);
     this.claims.delete(url);
   }
 
   /** Stop every loop. */
   async close(): Promise<void> {
-    this.stopped = true;
-    for (const ac of this.loops.values()) ac.abort();
-    this.loops.clear();
-    await this.base.destroy().catch(() => {});
+    await this.polls.close();
   }
 
   private async loop(url: string, c: WorkerClaims, signal: AbortSignal): Promise<void> {
-    const pause = (ms: number) => new Promise<void>((r) => setTimeout(r, ms).unref());
     let firstSnapshot = true;
     while (!signal.aborted) {
       const q = `epoch=${c.epoch ?? ''}&after=${c.last}&wait_ms=${c.last < 0 ? 0 : this.waitMs}`;
       let reply: KvEventsReply;
       try {
-        const res = await request(`${url}/kv_events?${q}`, { dispatcher: this.agent, signal: AbortSignal.any([signal, AbortSignal.timeout(this.waitMs + 5_000)]) });
+        const res = await request(`${url}/kv_events?${q}`, { dispatcher: this.polls.agent, signal: AbortSignal.any([signal, AbortSignal.timeout(this.waitMs + 5_000)]) });
         if (res.statusCode === 404) {
           await res.body.dump();
           c.live = false;

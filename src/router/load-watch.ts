@@ -18,10 +18,11 @@
  * Best effort: two picks by two routers within one round trip of each other can both see a slot
  * the other takes.
  */
-import { Agent, request, type Dispatcher } from 'undici';
+import { request, type Dispatcher } from 'undici';
 import type { LoadReply } from '../worker/load-route.js';
 import { PdError } from '../base/errors.js';
 import { systemClock } from '../base/clock.js';
+import { pause, PollLoops } from './poll-loops.js';
 
 /** Long-poll wait asked of a worker, ms (the reading is refreshed at least this often). */
 export const LOAD_WAIT_MS = 1000;
@@ -45,10 +46,7 @@ interface Reading {
 /** The long polls of one router (see the module doc). */
 export class LoadWatch {
   private readonly readings = new Map<string, Reading>();
-  private readonly loops = new Map<string, AbortController>();
-  private readonly base: Agent;
-  private readonly agent: Dispatcher;
-  private stopped = false;
+  private readonly polls: PollLoops;
 
   /**
    * @param own the router's own in-flight count on a worker (by URL; 0 when unknown).
@@ -63,8 +61,7 @@ export class LoadWatch {
     private readonly waitMs = LOAD_WAIT_MS,
     private readonly now: () => number = () => systemClock.nowMs(),
   ) {
-    this.base = new Agent({ connections: 2, pipelining: 1, keepAliveTimeout: 30_000, connect: { timeout: 2_000, ...tls }, headersTimeout: waitMs + 3_000, bodyTimeout: waitMs + 3_000 });
-    this.agent = wrap(this.base);
+    this.polls = new PollLoops(waitMs + 3_000, wrap, tls);
   }
 
   /** Other routers' in-flight requests on `url` as of the last fresh reading (0 without one). */
@@ -77,7 +74,7 @@ export class LoadWatch {
   /** Age of the oldest reading among the followed workers, ms (Infinity when one has none): the staleness of this router's view. */
   oldestMs(): number {
     let oldest = 0;
-    for (const url of this.loops.keys()) {
+    for (const url of this.polls.urls()) {
       const r = this.readings.get(url);
       oldest = Math.max(oldest, r ? this.now() - r.at : Infinity);
     }
@@ -86,34 +83,26 @@ export class LoadWatch {
 
   /** Follow worker `url` (idempotent). */
   follow(url: string): void {
-    if (this.stopped || this.loops.has(url)) return;
-    const ac = new AbortController();
-    this.loops.set(url, ac);
-    void this.loop(url, ac.signal);
+    this.polls.start(url, (signal) => this.loop(url, signal));
   }
 
   /** Stop following `url` and drop its reading. */
   forget(url: string): void {
-    this.loops.get(url)?.abort();
-    this.loops.delete(url);
+    this.polls.stop(url);
     this.readings.delete(url);
   }
 
   /** Stop every loop. */
   async close(): Promise<void> {
-    this.stopped = true;
-    for (const ac of this.loops.values()) ac.abort();
-    this.loops.clear();
-    await this.base.destroy().catch(() => {});
+    await this.polls.close();
   }
 
   private async loop(url: string, signal: AbortSignal): Promise<void> {
-    const pause = (ms: number) => new Promise<void>((r) => setTimeout(r, ms).unref());
     while (!signal.aborted) {
       const last = this.readings.get(url);
       const q = last ? `after=${encodeURIComponent(last.sig)}&wait_ms=${this.waitMs}` : 'wait_ms=0';
       try {
-        const res = await request(`${url}/load?${q}`, { dispatcher: this.agent, signal: AbortSignal.any([signal, AbortSignal.timeout(this.waitMs + 3_000)]) });
+        const res = await request(`${url}/load?${q}`, { dispatcher: this.polls.agent, signal: AbortSignal.any([signal, AbortSignal.timeout(this.waitMs + 3_000)]) });
         if (res.statusCode === 404) {
           await res.body.dump();
           this.readings.delete(url);
