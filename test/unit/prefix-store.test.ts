@@ -40,6 +40,16 @@ function existsShm(): boolean {
 const ID: StoreIdentity = { fingerprint: 'ab'.repeat(32), compat: { contextSize: 1024, batchSize: 32, nLayer: 2, flashAttention: true }, nVocab: 300, nStream: 3, align: null };
 const toks = (n: number, seed = 1): number[] => Array.from({ length: n }, (_, i) => (i * 7 + seed * 13) % 300);
 
+/** A store of 16 MiB in 64-token blocks in a fresh folder, bound to `id`, with the events it emits. */
+function boundStore(id: StoreIdentity = ID): { dir: string; store: FilePrefixStore; events: KvCacheEvent[] } {
+  const dir = freshDir();
+  const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
+  const events: KvCacheEvent[] = [];
+  store.onEvent((e) => events.push(e));
+  store.bind(id);
+  return { dir, store, events };
+}
+
 /** Store `tokens` (a synthetic state in a 2-sequence context) the way the engine does: begin, "save", commit. */
 async function put(store: FilePrefixStore, tokens: number[], exactPrefix = tokens.length): Promise<boolean> {
   const w = await store.begin(tokens, exactPrefix);
@@ -89,11 +99,7 @@ describe('key chain', () => {
 
 describe('FilePrefixStore', () => {
   test('a stored conversation serves a longer prompt (its ancestor), re-framed for the loader; nothing for another prompt', async () => {
-    const dir = freshDir();
-    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
-    const events: KvCacheEvent[] = [];
-    store.onEvent((e) => events.push(e));
-    store.bind(ID);
+    const { dir, store, events } = boundStore();
     const conv = toks(200);
     assert.ok(await put(store, conv));
     assert.equal(entries(dir).length, 1);
@@ -202,9 +208,7 @@ describe('FilePrefixStore', () => {
   });
 
   test('deterministic mode: keyed and reused by the exact prefix only', async () => {
-    const dir = freshDir();
-    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
-    store.bind({ ...ID, align: 32 });
+    const { dir, store } = boundStore({ ...ID, align: 32 });
     const conv = toks(200);
     assert.ok(await put(store, conv, 160));
     const hit = await store.take([...conv, 5, 6, 7], 0);
@@ -462,9 +466,7 @@ describe('session rules in the store', () => {
   const dirBytes = (dir: string): number => entries(dir).reduce((a, n) => a + statSync(path.join(dir, n)).size, 0);
 
   test("supersede: a session's older entry on a newer entry's chain goes first under the budget, before an older entry of another session", async () => {
-    const dir = freshDir();
-    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
-    store.bind(ID);
+    const { dir, store } = boundStore();
     const a1 = toks(140, 1);
     const b1 = toks(140, 2);
     assert.ok(await put(store, a1));
@@ -488,9 +490,7 @@ describe('session rules in the store', () => {
   });
 
   test('a superseded entry hit since it was marked is no longer first to go', async () => {
-    const dir = freshDir();
-    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
-    store.bind(ID);
+    const { dir, store } = boundStore();
     const a1 = toks(140, 1);
     assert.ok(await put(store, a1));
     assert.ok(await put(store, toks(140, 2)));
@@ -507,11 +507,7 @@ describe('session rules in the store', () => {
   });
 
   test('a prefix two sessions share is written once as an entry of its own (cut from the newer state) and serves a third session', async () => {
-    const dir = freshDir();
-    const store = new FilePrefixStore({ dir, maxBytes: 1 << 24, blockTokens: 64 });
-    const events: KvCacheEvent[] = [];
-    store.onEvent((e) => events.push(e));
-    store.bind(ID);
+    const { dir, store, events } = boundStore();
     const system = toks(150, 7); // 2 whole blocks shared
     assert.ok(await put(store, [...system, ...toks(90, 1)]));
     assert.equal(store.stats.sharedWrites, 0, 'one session: nothing shared yet');
