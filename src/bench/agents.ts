@@ -278,6 +278,8 @@ export function agentsPlot(r: AgentsResult): string {
 }
 
 /** The agents-at-scale goals, each met/missed with the figures behind it. */
+const agentsN = (c: number) => `${c} agent${c === 1 ? '' : 's'}`;
+
 export function agentGoals(r: AgentsResult): { goal: string; met: boolean; detail: string }[] {
   const of = (s: AgentSetup) => r.runs.filter((x) => x.setup === s);
   // PD as shipped with every part on (decode-local continuation); results from before it existed: PD + prefix cache.
@@ -293,22 +295,14 @@ export function agentGoals(r: AgentsResult): { goal: string; met: boolean; detai
   const gp = pd.map((x) => ({ c: x.concurrency, pd: x.goodput, colo: at(colo, x.concurrency), plain: at(plain, x.concurrency) }));
   const also = full === 'pd_local' ? ' (PD + prefix cache alone: ' : '';
   return [
-    { goal: `PD round-${r.rounds} TTFT ≤ 1.5 × round-1 TTFT (${name})`, met: pd.length > 0 && ratio.every((x) => x.v <= 1.5), detail: ratio.map((x) => `${x.c} agent(s): ${fmtRatio(x.v)}`).join(', ') },
-    { goal: `cached tokens ≥ 60 % of prompt tokens over rounds 2+ (${name})`, met: pd.length > 0 && share.every((x) => x.v >= 0.6), detail: share.map((x) => `${x.c} agent(s): ${fmt(x.v * 100, 0)} %`).join(', ') },
+    { goal: `round-${r.rounds} TTFT ≤ 1.5 × round 1 (${name})`, met: pd.length > 0 && ratio.every((x) => x.v <= 1.5), detail: ratio.map((x) => `${agentsN(x.c)} ${fmtRatio(x.v)}`).join(', ') },
+    { goal: `cached share over rounds 2+ ≥ 60 % (${name})`, met: pd.length > 0 && share.every((x) => x.v >= 0.6), detail: share.map((x) => `${agentsN(x.c)} ${fmt(x.v * 100, 0)} %`).join(', ') },
     {
       goal: `PD agent goodput ≥ colocated at every concurrency (${name})`,
       met: pd.length > 0 && gp.every((x) => x.pd >= x.colo),
-      detail: gp.map((x) => `${x.c} agent(s): ${fmt(x.pd, 2)} vs ${fmt(x.colo, 2)} rounds/s`).join(', ') + (also ? `${also}${gp.map((x) => fmt(x.plain, 2)).join(' / ')})` : ''),
+      detail: gp.map((x) => `${agentsN(x.c)} ${fmt(x.pd, 2)} vs ${fmt(x.colo, 2)}`).join(', ') + ' rounds/s' + (also ? `${also}${gp.map((x) => fmt(x.plain, 2)).join(' / ')})` : ''),
     },
   ];
-}
-
-/** What decode-local continuation did in these runs (rounds by path), for the reading paragraph. */
-function localSentence(r: AgentsResult): string {
-  const runs = r.runs.filter((x) => x.setup === 'pd_local' && x.paths);
-  if (runs.length === 0) return 'decode-local continuation was not part of this run';
-  const per = runs.map((x) => `${x.paths.decode_local} of ${x.paths.pd + x.paths.decode_local}`).join(' / ');
-  return `decode-local continuation removes the handoff for the rounds it serves: ${per} rounds (${runs.map((x) => x.concurrency).join(' / ')} agents) ran on decode alone, which evaluated the new tool result and kept the reply's KV from the round before (no prefill, no KV on the wire; round 1 and any round whose suffix exceeds \`--local-prefill-max-tokens\` take the PD path)`;
 }
 
 /** Markdown lines of section 7 (the heading and the setups' description are the report template's; its goals are the summary's rows, `agentGoals`). `prov` is the provenance line; `plot` the SVG's path when written. */
@@ -318,37 +312,29 @@ export function agentsReport(r: AgentsResult | undefined, prov: string, plot: st
     L.push('_Not run yet._');
     return L;
   }
-  L.push(`${r.rounds} rounds, ${r.outputTokens} output tokens per round, a system prompt of ~${r.systemTokens} tokens and a ${r.toolTokens}-token tool result per round; each stack gets one warm-up request; per-round TTFT is the median over the run's agents; agent goodput = rounds per second meeting TTFT ≤ ${r.slo.ttftMs} ms and TPOT ≤ ${r.slo.tpotMs} ms.`, '');
-  const byLevel = [...r.runs].sort((a, b) => a.concurrency - b.concurrency || AGENT_SETUPS.indexOf(a.setup) - AGENT_SETUPS.indexOf(b.setup));
-  const rows = byLevel.map((x) => [
-    `${SETUP_NAMES[x.setup]}`,
-    x.concurrency,
-    fmt(x.ttftByRound[0], 0),
-    fmt(x.ttftByRound[Math.min(3, r.rounds - 1)], 0),
-    fmt(x.ttftByRound[r.rounds - 1], 0),
-    fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!),
-    `${fmt(x.cachedShare * 100, 0)} %`,
-    fmt(x.goodput, 2),
-    x.failed,
-    x.setup === 'colo' || !x.paths ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`,
+  // one row per setup, each cell its figures at every concurrency (the plot has the TTFT of every round)
+  const setups = AGENT_SETUPS.filter((su) => r.runs.some((x) => x.setup === su));
+  const anyFailed = r.runs.some((x) => x.failed > 0);
+  const cell = (su: AgentSetup, f: (x: AgentRun) => string) => r.concurrencies.map((c) => r.runs.find((x) => x.setup === su && x.concurrency === c)).map((x) => (x ? f(x) : '—')).join(' / ');
+  const rows = setups.map((su) => [
+    SETUP_NAMES[su],
+    cell(su, (x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!)),
+    cell(su, (x) => `${fmt(x.cachedShare * 100, 0)} %`),
+    cell(su, (x) => fmt(x.goodput, 2)),
+    su === 'colo' ? '—' : cell(su, (x) => (x.paths ? `${x.paths.decode_local}` : '—')),
+    ...(anyFailed ? [cell(su, (x) => String(x.failed))] : []),
   ]);
-  const head = ['setup', 'agents', 'TTFT r1 ms', `TTFT r${Math.min(4, r.rounds)} ms`, `TTFT r${r.rounds} ms`, `r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'failed', 'rounds pd / decode-local'];
+  const head = ['setup', `TTFT r${r.rounds}/r1`, 'cached (r2+)', 'goodput rounds/s', 'rounds on decode alone', ...(anyFailed ? ['failed'] : [])];
+  L.push(`${r.rounds} rounds (${r.toolTokens}-token tool result, ${r.outputTokens} tokens out; ~${r.systemTokens}-token system prompt); goodput: rounds/s within TTFT ≤ ${r.slo.ttftMs} ms, TPOT ≤ ${r.slo.tpotMs} ms. Each cell: ${r.concurrencies.join(' / ')} agent${r.concurrencies.length === 1 && r.concurrencies[0] === 1 ? '' : 's'} (${r.concurrencies.map((c) => c * r.rounds).join(' / ')} rounds)${anyFailed ? '' : '; no request failed'}.`, '');
   L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((x) => `| ${x.join(' | ')} |`));
-  const local = localSentence(r);
-  L.push(
-    '',
-    `Reuse is what keeps TTFT flat: without it PD's round-${r.rounds} TTFT is ${r.runs
-      .filter((x) => x.setup === 'pd_noreuse')
-      .map((x) => fmtRatio(x.ttftByRound[r.rounds - 1]! / x.ttftByRound[0]!))
-      .join(' / ')} its round-1 TTFT (${r.concurrencies.join(' / ')} agents); with it the prompt work per round is the new tool result and reply. PD + prefix cache alone still ships the whole sequence state every round, and its one prefill slot evaluates the agents' prompts one after another where the colocated server evaluates them in one context. ${local[0]!.toUpperCase()}${local.slice(1)}.`,
-  );
+  L.push('', "Without reuse every round evaluates the whole conversation again; with it only the new tool result, and a round on decode alone (decode-local) skips prefill and the KV transfer.");
   if (plot) L.push('', `![TTFT per round](${plot})`, '');
   return L;
 }
 
 /** A setup of the agents-at-scale run: PD + decode-local with the host's prefix store, without it, and the colocated server (with it). */
 export type ScaleSetup = 'pd_store' | 'pd_nostore' | 'colo';
-const SCALE_NAMES: Record<ScaleSetup, string> = { pd_store: 'PD + decode-local + prefix store', pd_nostore: 'PD + decode-local, no prefix store', colo: 'colocated + prefix store' };
+const SCALE_NAMES: Record<ScaleSetup, string> = { pd_store: 'PD + store', pd_nostore: 'PD, no store', colo: 'colocated + store' };
 
 export interface ScaleOptions {
   model: string;
@@ -491,28 +477,22 @@ export async function runAgentsScale(o: ScaleOptions): Promise<{ cfg: { systemTo
   }
 }
 
-/** The agents-at-scale table (markdown lines). */
-export function agentsScaleTable(runs: readonly ScaleRun[], rounds: number): string[] {
-  const head = ['setup', 'agents', 'cached (r2+)', `TTFT r1 ms`, `TTFT r${rounds} ms`, `r${rounds}/r1`, 'fallbacks / requests', 'rounds pd / decode-local', 'store hits / misses / writes / dropped', 'goodput rounds/s', 'failed'];
-  const rows = runs.map((x) => [SCALE_NAMES[x.scale], x.concurrency, `${fmt(x.cachedShare * 100, 0)} %`, fmt(x.ttftByRound[0], 0), fmt(x.ttftByRound[rounds - 1], 0), fmtRatio(x.ttftRatio), x.scale === 'colo' ? '—' : `${x.fallbacks} / ${x.rounds.length}`, x.scale === 'colo' ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`, `${x.store.hits} / ${x.store.misses} / ${x.store.writes} / ${x.store.dropped}`, fmt(x.goodput, 2), x.failed]);
-  return [`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)];
-}
-
 /**
- * Who had the cores in each run (runs measured with `cpu`): CPU seconds of the setup's own
- * processes by role over the run, per completed round, the cores they used on average, and the
- * whole machine's busy cores (other jobs included) against the machine's `cores`.
+ * The agents-at-scale table (markdown lines): one row per setup and concurrency; runs measured
+ * with `cpu` add the CPU of the setup's own processes per completed round (ms) and the cores they
+ * used on average over the run (CPU seconds / wall seconds).
  */
-export function agentsScaleCpuTable(runs: readonly ScaleRun[], cores: number): string[] {
-  const measured = runs.filter((x) => x.cpu);
-  if (measured.length === 0) return [];
-  const head = ['setup', 'agents', 'wall s', 'CPU s router / prefill / decode / colocated', 'CPU ms per round', 'cores used', `machine busy (of ${cores})`];
-  const rows = measured.map((x) => {
-    const c = x.cpu!;
-    const wall = x.wallMs / 1000;
-    const own = c.router + c.prefill + c.decode + c.colocated;
+export function agentsScaleTable(runs: readonly ScaleRun[], rounds: number): string[] {
+  const withCpu = runs.some((x) => x.cpu);
+  const anyFailed = runs.some((x) => x.failed > 0);
+  const head = ['setup', 'agents', 'cached (r2+)', `TTFT r${rounds} ms`, `r${rounds}/r1`, 'fallbacks / requests', 'rounds pd / decode-local', 'store hits / misses / writes', 'goodput rounds/s', ...(anyFailed ? ['failed'] : []), ...(withCpu ? ['CPU ms/round', 'cores used'] : [])];
+  const cpuCells = (x: ScaleRun): string[] => {
+    if (!withCpu) return [];
+    if (!x.cpu) return ['n/a', 'n/a'];
+    const own = x.cpu.router + x.cpu.prefill + x.cpu.decode + x.cpu.colocated;
     const done = x.rounds.filter((r) => r.ok).length;
-    return [SCALE_NAMES[x.scale], x.concurrency, fmt(wall, 1), [c.router, c.prefill, c.decode, c.colocated].map((v) => fmt(v, 1)).join(' / '), fmt(done ? (own * 1000) / done : NaN, 0), fmt(own / wall, 2), fmt(c.machine / wall, 2)];
-  });
+    return [fmt(done ? (own * 1000) / done : NaN, 0), fmt(own / (x.wallMs / 1000), 2)];
+  };
+  const rows = runs.map((x) => [SCALE_NAMES[x.scale], x.concurrency, `${fmt(x.cachedShare * 100, 0)} %`, fmt(x.ttftByRound[rounds - 1], 0), fmtRatio(x.ttftRatio), x.scale === 'colo' ? '—' : `${x.fallbacks} / ${x.rounds.length}`, x.scale === 'colo' ? '—' : `${x.paths.pd} / ${x.paths.decode_local}`, `${x.store.hits} / ${x.store.misses} / ${x.store.writes}`, fmt(x.goodput, 2), ...(anyFailed ? [x.failed] : []), ...cpuCells(x)]);
   return [`| ${head.join(' | ')} |`, `|---|${head.slice(1).map(() => '---:').join('|')}|`, ...rows.map((r) => `| ${r.join(' | ')} |`)];
 }

@@ -56,7 +56,7 @@ export function gpuReport(resultsDir: string): string[] {
   const model = r.model ? `, model ${r.model}` : '';
   L.push(
     r.backend === 'lavapipe'
-      ? `Last run (${r.date}): **lavapipe**, Mesa's CPU-backed Vulkan device${model || ', tiny model'}, every layer offloaded — a functional check of the offload path (PD served through device memory on both roles), not a performance figure.`
+      ? `Last run (${r.date}): **lavapipe** (Mesa's CPU Vulkan)${model || ', tiny model'}, every layer offloaded: a functional check of the offload path, not a performance figure.`
       : `Last run (${r.date}): ${BACKEND_NAMES[r.backend] ?? r.backend}, ${r.gpus} GPU(s)${devices.length ? ` (${devices.join(', ')})` : ''}${model}, every layer offloaded.`,
   );
   if (r.smoke) L.push('', 'A `--smoke` run (tiny model, two short prompts per length): the path end to end, not a performance figure.');
@@ -66,7 +66,7 @@ export function gpuReport(resultsDir: string): string[] {
   }
   L.push(
     '',
-    '| prompt tokens | TTFT p50 colocated / PD (ms) | PD / colocated | ITL p50 colocated / PD (ms) | ITL p99 colocated / PD (ms) | E2E p50 colocated / PD (ms) |',
+    '| prompt tokens | TTFT p50 colo / PD ms | PD / colo | ITL p50 colo / PD ms | ITL p99 colo / PD ms | E2E p50 colo / PD ms |',
     '|---|---|---|---|---|---|',
   );
   for (const x of r.rows) L.push(`| ${x.promptTokens} | ${f(x.colo.ttftP50)} / ${f(x.pd.ttftP50)} | ${f(x.pd.ttftP50 / x.colo.ttftP50, 2)} | ${f(x.colo.itlP50, 2)} / ${f(x.pd.itlP50, 2)} | ${f(x.colo.itlP99, 2)} / ${f(x.pd.itlP99, 2)} | ${f(x.colo.e2eP50, 0)} / ${f(x.pd.e2eP50, 0)} |`);

@@ -456,7 +456,7 @@ export function peerReport(r: PeerResult | undefined, prov: string): string[] {
   const L = [prov, ''];
   if (!r) return [...L, '_Not run yet._'];
   if (r.skipped) return [...L, `_Not measured: ${r.skipped}._`];
-  L.push(`Model: the generated ${r.modelName ?? 'small'} one. llama-server ${r.llamaCppTag} (built from node-llama-cpp's bundled source): \`llama-server ${(r.llamaServerArgs ?? []).join(' ')}\`. ${r.config.reps} repetition(s) per point, the systems' order rotating; figures are medians over the repetitions, load is the 1-minute load average after each run (min–max).`, '');
+  L.push(`Model: the generated ${r.modelName ?? 'small'} one; llama-server ${r.llamaCppTag}: \`llama-server ${(r.llamaServerArgs ?? []).join(' ').replace(/ --host \S+ --port \d+/, '')}\`. Medians of ${r.config.reps} repetition(s) per point, the systems' order rotating.`, '');
   if (r.agents.length) {
     L.push(`**Agent workload**: ${r.config.agentSessions} sessions × ${r.config.agentRounds} rounds at once (system prompt ~120 tokens, a 150-token tool result and 24 tokens out per round).`, '');
     L.push(row(['system', 'sessions done s', 'session p50 s', 'req/s', 'TTFT p50 ms', 'TTFT p90 ms', 'TPOT p50 ms', 'TPOT p99 ms', 'cached (r2+)', 'CPU ms/req by process', 'failed', 'load']), `|---|${Array(11).fill('---:').join('|')}|`);
@@ -472,8 +472,8 @@ export function peerReport(r: PeerResult | undefined, prov: string): string[] {
     L.push('');
   }
   if (r.uniform.length) {
-    L.push(`**Uniform sweep**: prompts of random words at exact token counts, ${r.config.outputTokens} tokens out, N streams (max concurrency N, 2N requests, at least 6).`, '');
-    L.push(row(['prompt tokens', 'streams', 'system', 'req/s', 'vs llama-server', 'TTFT p50 ms', 'TTFT p90 ms', 'TPOT p50 ms', 'TPOT p99 ms', 'CPU ms/req', 'failed', 'load']), `|---:|---:|---|${Array(9).fill('---:').join('|')}|`);
+    L.push(`**Uniform sweep**: random-word prompts of exact token counts, ${r.config.outputTokens} tokens out, N streams (2N requests, at least 6).`, '');
+    L.push(row(['prompt tokens', 'streams', 'system', 'req/s', 'vs llama-server', 'TTFT p50 ms', 'TPOT p99 ms', 'CPU ms/req', 'failed', '1-min load']), `|---:|---:|---|${Array(7).fill('---:').join('|')}|`);
     for (const p of r.config.promptTokens) {
       for (const n of r.config.streams) {
         const llama = median(r.uniform.filter((x) => x.system === 'llama' && x.streams === n && x.promptTokens === p).map((x) => x.reqPerS));
@@ -482,7 +482,7 @@ export function peerReport(r: PeerResult | undefined, prov: string): string[] {
           if (!xs.length) continue;
           const m = (f: (x: UniformRun) => number, d = 0) => fmt(median(xs.map(f)), d);
           const loads = xs.map((x) => x.load);
-          L.push(row([p, n, PEER_NAMES[s], m((x) => x.reqPerS, 2), s === 'llama' ? '—' : fmtRatio(median(xs.map((x) => x.reqPerS)) / llama), m((x) => x.ttft.p50), m((x) => x.ttft.p90), m((x) => x.tpot.p50, 1), m((x) => x.tpot.p99, 1), m((x) => cpuTotal(x.cpuMsPerRequest)), xs.reduce((a, x) => a + x.failed, 0), `${Math.min(...loads)}–${Math.max(...loads)}`]));
+          L.push(row([p, n, PEER_NAMES[s], m((x) => x.reqPerS, 2), s === 'llama' ? '—' : fmtRatio(median(xs.map((x) => x.reqPerS)) / llama), m((x) => x.ttft.p50), m((x) => x.tpot.p99, 1), m((x) => cpuTotal(x.cpuMsPerRequest)), xs.reduce((a, x) => a + x.failed, 0), `${Math.min(...loads)}–${Math.max(...loads)}`]));
         }
       }
     }

@@ -166,32 +166,24 @@ export function processPhases(name: string, dir: string, pid: number, cpuS: numb
 
 const f0 = (x: number) => (Number.isFinite(x) ? x.toFixed(x < 10 ? 1 : 0) : 'n/a');
 
-/** Markdown lines of the profile table (`prov` the provenance line). */
+/**
+ * Markdown lines of the profile table (`prov` the provenance line): one row per system with its
+ * CPU ms per request against the floor (llama-server's on the same workload), each process's
+ * share, and the whole system's JS phases and native-thread time; a phase no process spent 0.1 ms
+ * per request on gets no column (its name is listed instead).
+ */
 export function phaseReport(r: PhaseProfileResult | undefined, prov: string): string[] {
   const L = [prov, ''];
   if (!r?.systems?.length) return [...L, '_Not run yet._'];
-  L.push(`${r.sessions} agent sessions × ${r.rounds} rounds per system; CPU ms per request (completed round) of each process; JS phases from \`node --cpu-prof\` self time (1 ms sampling), native threads = the process's CPU from /proc minus its JS threads' samples (llama.cpp's compute, libuv, GC helpers); waiting = the JS threads' idle wall time per request. llama-server's CPU per request on the same workload, **${f0(r.floorMs)} ms**, is the engine's own cost: the floor.`, '');
-  const head = ['system', 'process', 'CPU ms/req', ...PHASES, 'native threads', 'waiting (wall)'];
-  L.push(`| ${head.join(' | ')} |`, `|---|---|${head.slice(2).map(() => '---:').join('|')}|`);
+  const shown = PHASES.filter((ph) => r.systems.some((s) => s.processes.some((p) => f0(p.phases[ph]) !== '0.0')));
+  const none = PHASES.filter((ph) => !shown.includes(ph));
+  L.push(`${r.sessions} agent sessions × ${r.rounds} rounds per system; CPU ms per request: JS phases by \`--cpu-prof\` self time; native threads: /proc CPU minus JS samples (llama.cpp, libuv, GC helpers)${none.length ? `; 0 everywhere: ${none.join(', ')}` : ''}. Floor: llama-server's CPU per request, **${f0(r.floorMs)} ms**.`, '');
+  const head = ['system', 'CPU ms/req', 'by process', ...shown, 'native threads'];
+  L.push(`| ${head.join(' | ')} |`, `|---|${head.slice(1).map((h) => (h === 'by process' ? '---' : '---:')).join('|')}|`);
   for (const s of r.systems) {
-    for (const p of s.processes) L.push(`| ${s.system} | ${p.name} | ${f0(p.cpuMs)} | ${PHASES.map((ph) => f0(p.phases[ph])).join(' | ')} | ${f0(p.nativeMs)} | ${f0(p.waitingMs)} |`);
-    const sum = (f: (p: ProcessPhases) => number) => s.processes.reduce((a, p) => a + f(p), 0);
-    L.push(`| ${s.system} | **all** | **${f0(sum((p) => p.cpuMs))}** (${f0(sum((p) => p.cpuMs) / r.floorMs)}× floor) | ${PHASES.map((ph) => f0(sum((p) => p.phases[ph]))).join(' | ')} | ${f0(sum((p) => p.nativeMs))} | — |`);
-  }
-  L.push('', ...gapLines(r).map((x) => `- ${x}`));
-  return L;
-}
-
-/** Who owns a phase's cost: llama.cpp's compute as pdserve drives it, or pdserve's own JS. */
-const OWNER: Record<Phase | 'native', string> = { native: 'llama.cpp compute, as node-llama-cpp and pdserve drive it (batch shapes, calls per step)', http: 'pdserve (HTTP hops)', json: 'pdserve (JSON, validation)', tokenize: 'pdserve (tokenizing)', render: 'pdserve (rendering)', engine: 'pdserve + node-llama-cpp (the JS side of evaluation)', 'save/load': 'pdserve (sequence state save/load)', transfer: 'pdserve (KV transfer)', pdserve: 'pdserve (role logic)', gc: 'pdserve (garbage)', program: 'node-llama-cpp / V8 native calls on the JS thread', other: 'unattributed' };
-
-/** One sentence per system: its CPU per request over the floor and the three largest costs with their owners. */
-export function gapLines(r: PhaseProfileResult): string[] {
-  return r.systems.map((s) => {
     const sum = (f: (p: ProcessPhases) => number) => s.processes.reduce((a, p) => a + f(p), 0);
     const total = sum((p) => p.cpuMs);
-    const costs: [Phase | 'native', number][] = [['native', sum((p) => p.nativeMs) - r.floorMs], ...PHASES.map((ph) => [ph, sum((p) => p.phases[ph])] as [Phase, number])];
-    const top = costs.filter(([, v]) => Number.isFinite(v)).sort((a, b) => b[1] - a[1]).slice(0, 3);
-    return `${s.system}: ${f0(total)} ms per request, ${f0(total - r.floorMs)} ms over llama-server's; largest: ${top.map(([k, v]) => `${k === 'native' ? 'native threads over the floor' : k} ${f0(v)} ms (${OWNER[k]})`).join('; ')}.`;
-  });
+    L.push(`| ${s.system} | **${f0(total)}** (${f0(total / r.floorMs)}× floor) | ${s.processes.map((p) => `${p.name} ${f0(p.cpuMs)}`).join(', ')} | ${shown.map((ph) => f0(sum((p) => p.phases[ph]))).join(' | ')} | ${f0(sum((p) => p.nativeMs))} |`);
+  }
+  return L;
 }

@@ -57,7 +57,7 @@ export interface GoalPart {
 /**
  * A goal over a size range as a summary row [goal, measured, verdict], from the figures of one
  * or more tables (each ratio is within one run). Sizes inside `g`'s range are judged against
- * `g.limit`; sizes outside it are shown as "not judged"; a size without a floor (`noFloor`) is
+ * `g.limit`; sizes outside it are left out of the row; a size without a floor (`noFloor`) is
  * shown and not judged. Verdict: **miss** when a judged size is above the limit; **pass** when
  * every judged size is within it and every part was measured; "pass so far (… not measured)"
  * when a part is missing; "not measured" when nothing in the range was.
@@ -85,7 +85,8 @@ export function rangeGoal(goal: string, g: KvGoalRange, parts: GoalPart[]): stri
     }
     if (mine.length) shown.push(commits.size > 1 ? `${mine.join(', ')} (${p.what}, ${p.commit})` : mine.join(', '));
   }
-  const measured = [shown.join('; ') || 'n/a', ...(outside.length ? [`not judged (outside the goal's range): ${outside.join(', ')}`] : [])].join('; ');
+  // sizes outside the range are left out here (the section's tables mark them "not judged")
+  const measured = shown.join('; ') || (outside.length ? 'none in range' : 'n/a');
   const verdict = inRange.some((f) => f.ratio! > g.limit) ? '**miss**' : !inRange.length ? 'not measured' : missing.length ? `pass so far (${missing.join(', ')} not measured)` : '**pass**';
   return [goal, measured, verdict];
 }
@@ -110,10 +111,10 @@ export function handoffGoals(s1: SectionFile | undefined, large: SectionFile | u
   ];
   const sameHostFigs = (r: KvSectionResult | undefined) => r?.sizes?.some((s) => s.sameHostGoalRatio !== undefined);
   const rows: string[][] = [
-    rangeGoal('KV handoff over TCP ≤ 1.3 × (save + raw TCP + load) at 16 MiB – 1 GiB (§1 and its large states)', KV_GOALS.tcp, parts((s) => s.goalRatio, true)),
-    rangeGoal('KV handoff over TCP ≤ 1.1 × (save + raw TCP + load) at ≥ 256 MiB (§1, large states)', KV_GOALS.tcpLarge, parts((s) => s.goalRatio, true, false)),
+    rangeGoal('KV handoff over TCP ≤ 1.3 × floor at 16 MiB – 1 GiB (§1)', KV_GOALS.tcp, parts((s) => s.goalRatio, true)),
+    rangeGoal('KV handoff over TCP ≤ 1.1 × floor at ≥ 256 MiB (§1)', KV_GOALS.tcpLarge, parts((s) => s.goalRatio, true, false)),
   ];
-  const sh = rangeGoal('same-host handoff ≤ 1.1 × (save + load) at ≥ 4 MiB (§1 and its large states, same runs as TCP)', KV_GOALS.sameHost, parts((s) => s.sameHostGoalRatio, false));
+  const sh = rangeGoal('same-host handoff ≤ 1.1 × (save + load) at ≥ 4 MiB (§1)', KV_GOALS.sameHost, parts((s) => s.sameHostGoalRatio, false));
   if ((small || big) && !sameHostFigs(small) && !sameHostFigs(big)) sh[1] = 'n/a (the two processes failed the same-host probe)';
   rows.push(sh);
   const gib = big?.sizes?.length ? big.sizes[big.sizes.length - 1]! : undefined;
@@ -121,12 +122,12 @@ export function handoffGoals(s1: SectionFile | undefined, large: SectionFile | u
   if (gib && d) {
     const shd = gib.loopDelayMs?.sameHost;
     const ok = d.senderP99 <= 20 && d.receiverP99 <= 20 && (!shd || (shd.senderP99 <= 20 && shd.receiverP99 <= 20));
-    rows.push([`event-loop delay p99 ≤ 20 ms on both sides during a ${size(gib.blobBytes)} handoff (§1, large states)`, `TCP: prefill ${fmt(d.senderP99)} ms, decode ${fmt(d.receiverP99)} ms${shd ? `; same host: prefill ${fmt(shd.senderP99)} ms, decode ${fmt(shd.receiverP99)} ms` : ''}`, ok ? '**pass**' : '**miss**']);
-  } else rows.push(['event-loop delay p99 ≤ 20 ms on both sides during a 1 GiB handoff (§1, large states)', 'n/a', 'not measured']);
+    rows.push([`event-loop delay p99 ≤ 20 ms on both sides during a ${size(gib.blobBytes)} handoff (§1)`, `prefill / decode: TCP ${fmt(d.senderP99)} / ${fmt(d.receiverP99)} ms${shd ? `, same host ${fmt(shd.senderP99)} / ${fmt(shd.receiverP99)} ms` : ''}`, ok ? '**pass**' : '**miss**']);
+  } else rows.push(['event-loop delay p99 ≤ 20 ms on both sides during a 1 GiB handoff (§1)', 'n/a', 'not measured']);
   const st = s2?.filter((r) => r.secondToken && r.promptTokens >= 1500) ?? [];
   rows.push(
     st.length
-      ? ['PD token-1 → token-2 gap ≤ 3 × colocated ITL at 1500 prompt tokens (§2)', st.map((r) => `${r.promptTokens}: ${fmt(r.secondToken!.pdGapMs)} ms against ITL ${fmt(r.secondToken!.coloItlMs, 2)} ms, ${ratio(r.secondToken!.ratio)}`).join('; '), st.every((r) => r.secondToken!.ratio <= 3) ? '**pass**' : '**miss**']
+      ? ['PD token-1 → token-2 gap ≤ 3 × colocated ITL at 1500 prompt tokens (§2)', st.map((r) => `${fmt(r.secondToken!.pdGapMs)} vs ${fmt(r.secondToken!.coloItlMs, 2)} ms: ${ratio(r.secondToken!.ratio)}`).join('; '), st.every((r) => r.secondToken!.ratio <= 3) ? '**pass**' : '**miss**']
       : ['PD token-1 → token-2 gap ≤ 3 × colocated ITL at 1500 prompt tokens (§2)', 'n/a', 'not measured'],
   );
   return rows;
@@ -136,24 +137,24 @@ export function handoffGoals(s1: SectionFile | undefined, large: SectionFile | u
 export function largeStatesSection(f: SectionFile | undefined, provenance: string): string[] {
   const r = f?.result as KvSectionResult | undefined;
   if (!r?.sizes?.length) return [];
-  const L: string[] = [provenance, '', `Context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'} tokens, 2 llama.cpp threads, decode side 1 sequence.`, ''];
+  const L: string[] = [provenance, '', `Context ${r.stateMaking.length ? Math.max(...r.stateMaking.map((s) => s.tokens)) + 256 : 'n/a'} tokens, 2 llama.cpp threads, 1 decode sequence.`, ''];
   // the inline columns only where the run made inline trials (save-then-send runs)
   const inline = r.sizes.some((s) => s.inline);
   const cols = (all: (string | number)[]) => (inline ? all : all.filter((_, i) => i !== 3 && i !== 8));
   L.push(
     table(
-      cols(['state', 'tokens', 'KV, workers\' path: median (p90) ms', 'KV, inline: median ms', 'raw TCP ms', 'save ms', 'loadState ms', 'goal: KV / (save + raw + load)', 'inline: same ratio', 'wire GB/s', 'raw GB/s', 'trials']) as string[],
-      r.sizes.map((s) => cols([size(s.blobBytes), s.tokens, `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.inline?.kvMs.median), fmt(s.rawMs.median), fmt(s.goalSaveMs ?? s.saveMs), fmt(s.phasesMs.loadState), `**${ratio(s.goalRatio)}** ${s.rawMs.median >= s.kvMs.median ? '(no floor)' : s.goalRatio <= 1.1 ? 'pass' : s.goalRatio <= 1.3 ? '(≤ 1.3 only)' : 'miss'}`, ratio(s.inline?.goalRatio), fmt(s.wireGBps, 3), fmt(s.rawGBps, 3), s.kvMs.n])),
+      cols(['state', 'tokens', 'KV ms (p90)', 'KV inline ms', 'raw TCP ms', 'save ms', 'loadState ms', 'KV / (save+raw+load)', 'inline: same ratio', 'trials']) as string[],
+      r.sizes.map((s) => cols([size(s.blobBytes), s.tokens, `${fmt(s.kvMs.median)} (${fmt(s.kvMs.p90)})`, fmt(s.inline?.kvMs.median), fmt(s.rawMs.median), fmt(s.goalSaveMs ?? s.saveMs), fmt(s.phasesMs.loadState), `**${ratio(s.goalRatio)}** ${s.rawMs.median >= s.kvMs.median ? '(no floor)' : s.goalRatio <= 1.1 ? 'pass' : s.goalRatio <= 1.3 ? '(≤ 1.3 only)' : 'miss'}`, ratio(s.inline?.goalRatio), s.kvMs.n])),
     ),
   );
   if (r.sizes.some((s) => s.rawMs.median >= s.kvMs.median))
     L.push('', `Raw TCP is slower than the whole handoff here (${r.sizes.map((s) => `${size(s.blobBytes)}: ${fmt(s.rawGBps, 2)} GB/s against the channel's wire ${fmt(s.wireGBps, 2)} GB/s`).join('; ')}): its receiver allocates a buffer per read where the channel reuses one, so that floor is no floor and its ratio no verdict; compare the workers' path with inline, same trials.`);
   const sh = r.sizes.filter((s) => s.sameHostMs);
   if (sh.length) {
-    L.push('', 'Same host (kv_file: rename + header walk, no byte read), same run:', '');
+    L.push('', 'Same host, same run:', '');
     L.push(
       table(
-        ['state', 'same-host to decode-loaded, median (p90) ms', 'save ms', 'decode take ms', 'loadState ms', 'goal: (save + same-host) / (save + load), ≤ 1.1'],
+        ['state', 'same host ms (p90)', 'save ms', 'take ms', 'loadState ms', '(save+same host) / (save+load), ≤ 1.1'],
         sh.map((s) => [size(s.blobBytes), `${fmt(s.sameHostMs!.median)} (${fmt(s.sameHostMs!.p90)})`, fmt(s.saveMs), fmt(s.sameHostPhasesMs?.take, 2), fmt(s.sameHostPhasesMs?.load), `**${ratio(s.sameHostGoalRatio)}** ${s.sameHostGoalRatio! <= 1.1 ? 'pass' : 'miss'}`]),
       ),
     );
@@ -161,13 +162,13 @@ export function largeStatesSection(f: SectionFile | undefined, provenance: strin
   const row = (s: KvSectionResult['sizes'][number], kind: string, d: LoopDelay | undefined): (string | number)[] | undefined => (d ? [size(s.blobBytes), kind, fmt(d.senderP99), fmt(d.senderMax), fmt(d.receiverP99), fmt(d.receiverMax)] : undefined);
   L.push(
     '',
-    "The event loop's delay during the handoffs (1 ms resolution; p99: median over trials of each trial's p99; max: the largest of any trial):",
+    "Event-loop delay during the handoffs (p99: median of the trials' p99s; max: over all trials):",
     '',
   );
   L.push(
     table(
-      ['state', 'handoff', 'prefill p99 ms', 'prefill max ms', 'decode p99 ms', 'decode max ms'],
-      r.sizes.flatMap((s) => [row(s, 'TCP, workers\' path', s.loopDelayMs?.kv), row(s, 'TCP, inline', s.loopDelayMs?.kvInline), row(s, 'same host', s.loopDelayMs?.sameHost)].filter((x): x is (string | number)[] => x !== undefined)),
+      ['state', 'handoff', 'prefill p99 ms', 'max', 'decode p99 ms', 'max'],
+      r.sizes.flatMap((s) => [row(s, 'TCP', s.loopDelayMs?.kv), row(s, 'TCP, inline', s.loopDelayMs?.kvInline), row(s, 'same host', s.loopDelayMs?.sameHost)].filter((x): x is (string | number)[] => x !== undefined)),
     ),
   );
   return L;

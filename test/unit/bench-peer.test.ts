@@ -104,7 +104,8 @@ describe('CPU profile phases', () => {
   it('reports per process with the floor', () => {
     const zero = { http: 0, json: 0, tokenize: 0, render: 0, engine: 0, 'save/load': 0, transfer: 0, pdserve: 0, gc: 0, program: 0, other: 0 };
     const lines = phaseReport({ sessions: 30, rounds: 4, floorMs: 20, systems: [{ system: 'pdserve colocated', requests: 120, wallS: 30, processes: [{ name: 'colocated', cpuMs: 40, phases: { ...zero, http: 5 }, nativeMs: 30, waitingMs: 100, profiles: 2 }] }] }, '_p_').join('\n');
-    assert.match(lines, /\| pdserve colocated \| colocated \| 40 \| 5\.0 \|/);
-    assert.match(lines, /\*\*all\*\* \| \*\*40\*\* \(2\.0× floor\)/);
+    assert.match(lines, /\| pdserve colocated \| \*\*40\*\* \(2\.0× floor\) \| colocated 40 \| 5\.0 \| 30 \|/);
+    assert.doesNotMatch(lines, /\| tokenize \|/, 'a phase at 0 everywhere has no column');
+    assert.match(lines, /0 everywhere: json, tokenize/);
   });
 });
