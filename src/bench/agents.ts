@@ -35,21 +35,26 @@ export type AgentSetup = 'pd_local' | 'pd' | 'colo' | 'pd_noreuse';
 export const AGENT_SETUPS: readonly AgentSetup[] = ['pd_local', 'pd', 'colo', 'pd_noreuse'];
 const SETUP_NAMES: Record<AgentSetup, string> = { pd_local: 'PD + decode-local', pd: 'PD + prefix cache', colo: 'colocated + prefix cache', pd_noreuse: 'PD, no reuse' };
 
-/** One round of one agent as the client saw it. Times in ms. */
-export interface AgentRound {
-  agent: number;
-  round: number;
+/** What one streamed round measured, client side. Times in ms. */
+export interface StreamedRound {
   ok: boolean;
   error?: string;
   ttftMs: number;
   e2eMs: number;
-  /** (E2E − TTFT) / (output tokens − 1). */
+  /** (E2E − TTFT) / (output tokens − 1); `tpotIfOne` of `streamedRound` below 2 tokens. */
   tpotMs: number;
   promptTokens: number;
   cachedTokens: number;
   outputTokens: number;
-  /** Serving path the router reported (x-pdserve-path: pd | decode_local); '' for colocated. */
+  /** Serving path the router reported (x-pdserve-path: pd | decode_local); '' when absent. */
   path: string;
+  text: string;
+}
+
+/** One agent's round as §7 keeps it (the reply's text goes back into the conversation, not into the results). */
+export interface AgentRound extends Omit<StreamedRound, 'text'> {
+  agent: number;
+  round: number;
 }
 
 /** One setup at one concurrency. */
@@ -126,17 +131,24 @@ export function conversations(tok: BenchTokenizer, n: number, rounds: number, ta
   return out;
 }
 
-/** One streamed chat round. Never rejects. */
-async function chatRound(url: string, model: string, messages: { role: string; content: string }[], maxTokens: number, dispatcher: Dispatcher, timeoutMs: number): Promise<Omit<AgentRound, 'agent' | 'round'> & { text: string }> {
+/**
+ * One streamed OpenAI round: POSTs `body` (`stream: true`, `stream_options.include_usage` set
+ * here) to `url` + `endpoint` and reads the SSE stream. TTFT is taken at the first non-empty
+ * piece (a completion's `text`, a chat chunk's `delta.content`), E2E at the stream's end (ms,
+ * from the call); token counts are usage's. Shared by §7's chat rounds and §8's completion rounds.
+ * Never rejects: a status other than 200, an error chunk, a stream without `[DONE]` or a transport
+ * failure comes back `ok: false` with `error` saying which.
+ */
+export async function streamedRound(url: string, endpoint: '/v1/completions' | '/v1/chat/completions', body: Record<string, unknown>, o: { dispatcher: Dispatcher; timeoutMs: number; tpotIfOne: number }): Promise<StreamedRound> {
   const start = performance.now();
-  const r = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, path: '', text: '' } as Omit<AgentRound, 'agent' | 'round'> & { text: string };
+  const r: StreamedRound = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, path: '', text: '' };
   try {
-    const res = await request(`${url}/v1/chat/completions`, {
+    const res = await request(`${url}${endpoint}`, {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ model, messages, max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream: true, stream_options: { include_usage: true } }),
-      dispatcher,
-      signal: AbortSignal.timeout(timeoutMs),
+      body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
+      dispatcher: o.dispatcher,
+      signal: AbortSignal.timeout(o.timeoutMs),
     });
     if (res.statusCode !== 200) {
       r.error = `HTTP ${res.statusCode}: ${(await res.body.text()).slice(0, 200)}`;
@@ -150,12 +162,12 @@ async function chatRound(url: string, model: string, messages: { role: string; c
         done = true;
         continue;
       }
-      const j = JSON.parse(data) as { choices?: { delta?: { content?: string | null } }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } } | null; error?: { message?: string } };
+      const j = JSON.parse(data) as { choices?: { text?: string | null; delta?: { content?: string | null } }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } } | null; error?: { message?: string } };
       if (j.error) {
         r.error = `stream error: ${j.error.message}`;
         return r;
       }
-      const c = j.choices?.[0]?.delta?.content ?? '';
+      const c = (endpoint === '/v1/completions' ? j.choices?.[0]?.text : j.choices?.[0]?.delta?.content) ?? '';
       if (c !== '' && Number.isNaN(r.ttftMs)) r.ttftMs = performance.now() - start;
       r.text += c;
       if (j.usage) {
@@ -166,13 +178,18 @@ async function chatRound(url: string, model: string, messages: { role: string; c
     }
     r.e2eMs = performance.now() - start;
     if (Number.isNaN(r.ttftMs)) r.ttftMs = r.e2eMs;
-    r.tpotMs = r.outputTokens > 1 ? (r.e2eMs - r.ttftMs) / (r.outputTokens - 1) : 0;
+    r.tpotMs = r.outputTokens > 1 ? (r.e2eMs - r.ttftMs) / (r.outputTokens - 1) : o.tpotIfOne;
     r.ok = done;
     if (!done) r.error = 'stream ended without [DONE]';
   } catch (err) {
     r.error = `transport: ${(err as Error).message}`;
   }
   return r;
+}
+
+/** One streamed chat round (TPOT 0 below 2 output tokens). Never rejects. */
+function chatRound(url: string, model: string, messages: { role: string; content: string }[], maxTokens: number, dispatcher: Dispatcher, timeoutMs: number): Promise<StreamedRound> {
+  return streamedRound(url, '/v1/chat/completions', { model, messages, max_tokens: maxTokens, temperature: 0, ignore_eos: true }, { dispatcher, timeoutMs, tpotIfOne: 0 });
 }
 
 /** Run `convs` concurrently against one endpoint, R rounds each; summarise. */

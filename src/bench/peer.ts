@@ -19,11 +19,10 @@ import { mkdirSync, mkdtempSync } from 'node:fs';
 import os from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
-import { request, type Dispatcher } from 'undici';
-import { readSse } from '../api/sse.js';
+import type { Dispatcher } from 'undici';
 import { summarize, type Summary } from '../observe/stats.js';
 import { Cluster } from '../up/cluster.js';
-import { conversations, type Conversation } from './agents.js';
+import { conversations, streamedRound, type Conversation, type StreamedRound } from './agents.js';
 import { processCpuSeconds } from './cpu.js';
 import { benchAgent, buildPrompts, discoverModel, loadTokenizer, runBench, type BenchTarget, type BenchTokenizer } from './index.js';
 import { ensureLlamaServer, startLlamaServer, type LlamaServerProc } from './llama-server.js';
@@ -116,63 +115,35 @@ export function renderAgentPrompt(messages: readonly { role: 'system' | 'user' |
   return `${s}### Assistant\n`;
 }
 
-interface RoundResult {
-  ok: boolean;
-  error?: string;
-  ttftMs: number;
-  e2eMs: number;
-  tpotMs: number;
-  promptTokens: number;
-  cachedTokens: number;
-  outputTokens: number;
-  text: string;
+type RoundResult = StreamedRound;
+
+/** One streamed /v1/completions round (TPOT NaN below 2 output tokens). Never rejects. */
+function completionRound(url: string, model: string, prompt: string, maxTokens: number, dispatcher: Dispatcher, timeoutMs: number): Promise<RoundResult> {
+  return streamedRound(url, '/v1/completions', { model, prompt, max_tokens: maxTokens, temperature: 0, ignore_eos: true }, { dispatcher, timeoutMs, tpotIfOne: NaN });
 }
 
-/** One streamed /v1/completions round. Never rejects. */
-async function completionRound(url: string, model: string, prompt: string, maxTokens: number, dispatcher: Dispatcher, timeoutMs: number): Promise<RoundResult> {
-  const start = performance.now();
-  const r: RoundResult = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, text: '' };
-  try {
-    const res = await request(`${url}/v1/completions`, {
-      method: 'POST',
-      headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ model, prompt, max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream: true, stream_options: { include_usage: true } }),
-      dispatcher,
-      signal: AbortSignal.timeout(timeoutMs),
-    });
-    if (res.statusCode !== 200) {
-      r.error = `HTTP ${res.statusCode}: ${(await res.body.text()).slice(0, 200)}`;
-      return r;
-    }
-    let done = false;
-    for await (const data of readSse(res.body)) {
-      if (data === '[DONE]') {
-        done = true;
-        continue;
-      }
-      const j = JSON.parse(data) as { choices?: { text?: string | null }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } } | null; error?: { message?: string } };
-      if (j.error) {
-        r.error = `stream error: ${j.error.message}`;
-        return r;
-      }
-      const c = j.choices?.[0]?.text ?? '';
-      if (c !== '' && Number.isNaN(r.ttftMs)) r.ttftMs = performance.now() - start;
-      r.text += c;
-      if (j.usage) {
-        r.promptTokens = j.usage.prompt_tokens;
-        r.outputTokens = j.usage.completion_tokens;
-        r.cachedTokens = j.usage.prompt_tokens_details?.cached_tokens ?? 0;
-      }
-    }
-    r.e2eMs = performance.now() - start;
-    if (Number.isNaN(r.ttftMs)) r.ttftMs = r.e2eMs;
-    r.tpotMs = r.outputTokens > 1 ? (r.e2eMs - r.ttftMs) / (r.outputTokens - 1) : NaN;
-    r.ok = done;
-    if (!done) r.error = 'stream ended without [DONE]';
-  } catch (err) {
-    r.error = `transport: ${(err as Error).message}`;
-  }
-  return r;
+/**
+ * The pdserve side of §8, as llama-server's threads and slots are matched: PD 1 prefill (1 slot)
+ * + 2 decode (4 slots) at 1 llama.cpp thread each behind a `cache_aware` router, and a colocated
+ * server at 2 threads and 8 slots; `ctxSize` tokens per slot, logs under `logDir`, `nodeArgs` for
+ * every pdserve process (the profile's `--cpu-prof`).
+ */
+function peerCluster(o: PeerOptions, ctxSize: number, logDir: string, nodeArgs?: string[]): Cluster {
+  return new Cluster({
+    model: o.model,
+    prefill: 1,
+    decode: 2,
+    colocated: true,
+    threads: 1,
+    ctxSize,
+    batchSize: o.batchSize,
+    decodeSlots: 4,
+    prefillSlots: 1,
+    logDir,
+    startTimeoutMs: 120_000,
+    ...(nodeArgs ? { nodeArgs } : {}),
+    extraArgs: { router: ['--decode-policy', 'cache_aware'], colocated: ['--threads', '2', '--slots', '8'] },
+  });
 }
 
 /** The processes of one system, by name, with their pids. */
@@ -240,20 +211,7 @@ export async function runPeerSection(o: PeerOptions): Promise<PeerResult> {
   }
   const timeoutMs = o.timeoutMs ?? 600_000;
   const logDir = mkdtempSync(join(os.tmpdir(), 'pdserve-bench-peer-'));
-  const cluster = new Cluster({
-    model: o.model,
-    prefill: 1,
-    decode: 2,
-    colocated: true,
-    threads: 1,
-    ctxSize: contextPerSlot,
-    batchSize: o.batchSize,
-    decodeSlots: 4,
-    prefillSlots: 1,
-    logDir,
-    startTimeoutMs: 120_000,
-    extraArgs: { router: ['--decode-policy', 'cache_aware'], colocated: ['--threads', '2', '--slots', '8'] },
-  });
+  const cluster = peerCluster(o, contextPerSlot, logDir);
   const dispatcher = benchAgent(128);
   const tok: BenchTokenizer = await loadTokenizer(o.model);
   let peer: LlamaServerProc | undefined;
@@ -348,21 +306,7 @@ async function profileRun(o: PeerOptions & { contextPerSlot: number; logDir: str
   const [sessions, rounds] = envList('PDSERVE_BENCH_PEER_PROFILE_AGENTS', [30, 4]) as [number, number];
   const profDir = join(o.logDir, 'cpuprof');
   mkdirSync(profDir, { recursive: true });
-  const cluster = new Cluster({
-    model: o.model,
-    prefill: 1,
-    decode: 2,
-    colocated: true,
-    threads: 1,
-    ctxSize: o.contextPerSlot,
-    batchSize: o.batchSize,
-    decodeSlots: 4,
-    prefillSlots: 1,
-    logDir: join(o.logDir, 'profiled'),
-    startTimeoutMs: 120_000,
-    nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${profDir}`],
-    extraArgs: { router: ['--decode-policy', 'cache_aware'], colocated: ['--threads', '2', '--slots', '8'] },
-  });
+  const cluster = peerCluster(o, o.contextPerSlot, join(o.logDir, 'profiled'), ['--cpu-prof', `--cpu-prof-dir=${profDir}`]);
   say(`section 8, profile: ${sessions} sessions × ${rounds} rounds per system under node --cpu-prof (profiles in ${profDir})`);
   const windows: { system: string; procs: { name: string; pid: number; cpuS: number }[]; requests: number; wallS: number; fromUs: number; toUs: number }[] = [];
   let floorMs = NaN;
