@@ -739,6 +739,35 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
         if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, null, 1) + '\n');
       });
     program
+      .command('bench-routers')
+      .description("scale-out: 1 prefill + 2 decode behind 2 routers and nginx; 2 routers × N streams (does a request wait for a slot while a decode has one free), then agent sessions through nginx with the openai SDK's retries while router A is SIGKILLed at the midpoint; goals met/missed (exit 1 when one is missed)")
+      .option('--model <file>', "GGUF model, or 'tiny' / 'small' (generated)", 'tiny')
+      .option('--sessions <n>', 'agent sessions', int, 30)
+      .option('--turns <n>', 'turns per session (each resends the conversation plus a tool result)', int, 8)
+      .option('--system-tokens <tokens>', "each session's system prompt", int, 120)
+      .option('--tool-tokens <tokens>', "each turn's tool result", int, 40)
+      .option('--output-tokens <tokens>', 'max_tokens of each turn (EOS ignored)', int, 12)
+      .option('--think-ms <ms>', 'pause of a session between its turns', int, 50)
+      .option('--decode-slots <n>', 'sequence slots per decode worker', int, 4)
+      .option('--keep-slots <n>', "finished conversations each decode keeps (its --prefix-cache-slots; default: its share of the sessions + 2)", int)
+      .option('--ctx-size <tokens>', 'context size per sequence', int, 1024)
+      .option('--max-retries <n>', "the openai SDK's maxRetries", int, 3)
+      .option('--timeout-ms <ms>', 'per-request deadline', int, 60_000)
+      .option('--streams <n>', 'streams phase: streams per router', int, 4)
+      .option('--stream-tokens <tokens>', 'streams phase: tokens each stream generates', int, 300)
+      .option('--stream-gap-ms <ms>', 'streams phase: gap between two sends (to the routers in turn)', int, 100)
+      .option('--no-nginx', 'send the sessions to the routers directly even when nginx is installed')
+      .option('--json <file>', 'write the result (per-turn records included) as JSON')
+      .action(async (o) => {
+        const { runBenchRouters, routersReport } = await import('../bench/routers.js');
+        const { ensureModel } = await import('../engine/gguf-writer.js');
+        const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
+        const r = await runBenchRouters({ model, sessions: o.sessions, turns: o.turns, systemTokens: o.systemTokens, toolTokens: o.toolTokens, outputTokens: o.outputTokens, thinkMs: o.thinkMs, decodeSlots: o.decodeSlots, keepSlots: o.keepSlots ?? Math.ceil(o.sessions / 2) + 2, ctxSize: o.ctxSize, maxRetries: o.maxRetries, timeoutMs: o.timeoutMs, streams: o.streams, streamTokens: o.streamTokens, streamGapMs: o.streamGapMs, nginx: o.nginx !== false });
+        console.log(routersReport(r).join('\n'));
+        if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, (_k, v) => (typeof v === 'number' && !Number.isFinite(v) ? null : v), 1) + '\n');
+        process.exitCode = r.goals.every((g) => g.met) ? 0 : 1;
+      });
+    program
       .command('bench-suite')
       .description('the benchmark suite behind `npm run bench`: writes BENCHMARKS.md, bench/results/*.json, bench/plots/*.svg')
       .option('--sections <list>', 'comma-separated section numbers to run (1-8; 8 needs cmake and ninja to build llama-server once)', '1,2,3,4,5,6,7')

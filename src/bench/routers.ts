@@ -1,0 +1,394 @@
+/**
+ * `pdserve bench-routers`: the scale-out benchmark. Two routers in front of one cluster (1
+ * prefill + 2 decode workers, etcd membership, `--decode-policy cache_aware`), nginx in front of
+ * both (OPERATIONS.md's config; without nginx installed the sessions go to the routers directly,
+ * and it says so), then two phases on the same cluster:
+ *
+ * | phase | what runs | what is measured |
+ * |---|---|---|
+ * | streams | `streams` long streams per router, sent to the routers in turn `streamGapMs` apart | the decodes' GET /load, sampled every 15 ms: samples where a decode holds more requests than slots while the other has a slot free |
+ * | sessions | `sessions` agent conversations of `turns` turns each (a `prompt_cache_key` per session), through nginx with the openai SDK (its own `maxRetries`); router A is SIGKILLed once half the turns are done | per turn: the decode that served it (the router's GET /debug/traces/:id, the request's `x-request-id`), its path, `usage.prompt_tokens_details.cached_tokens`; router B's `pdserve_router_requests_total` by outcome; the 5xx answers and connection errors the SDK retried |
+ *
+ * "Reached the worker holding its cache": a session's first turn that completes after the kill
+ * was served by the decode that served (and kept: decode `--prefix-cache-slots` covers its share
+ * of the sessions) the session's previous turn. Goals:
+ * ≥ 95 % of sessions; cached share of turns 2+ drops ≤ 5 points across the kill; 0 failed through
+ * B; 0 failed at the client after the SDK's retries (behind nginx); no request waits for a slot
+ * while a decode has one free.
+ */
+import { mkdtempSync } from 'node:fs';
+import os from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import type OpenAI from 'openai';
+import { ConfigError } from '../base/errors.js';
+import { Cluster, type ClusterProc } from '../up/cluster.js';
+import { nginxBinary, startNginx, type LocalNginx } from '../up/nginx.js';
+import { conversations } from './agents.js';
+import { loadTokenizer } from './index.js';
+import { fmt, say, sleep } from './util.js';
+
+/** Options of `pdserve bench-routers` (see the module doc). Times in ms. */
+export interface RoutersOptions {
+  /** GGUF path. */
+  model: string;
+  sessions: number;
+  turns: number;
+  /** Tokens of each session's system prompt, of each turn's tool result, and each reply (max_tokens, EOS ignored). */
+  systemTokens: number;
+  toolTokens: number;
+  outputTokens: number;
+  /** Pause of a session between its turns. */
+  thinkMs: number;
+  /** Sequence slots per decode worker; finished conversations each decode keeps (`--prefix-cache-slots`). */
+  decodeSlots: number;
+  keepSlots: number;
+  ctxSize: number;
+  /** The openai SDK's maxRetries, and its per-request timeout. */
+  maxRetries: number;
+  timeoutMs: number;
+  /** Streams phase: streams per router, tokens each, gap between two sends. */
+  streams: number;
+  streamTokens: number;
+  streamGapMs: number;
+  /** Put nginx in front when it is installed (false: the sessions go to the routers directly). */
+  nginx: boolean;
+}
+
+/** One turn as the client saw it. `at`: ms since the phase began. */
+export interface TurnRecord {
+  session: number;
+  turn: number;
+  ok: boolean;
+  error?: string;
+  doneAt: number;
+  promptTokens: number;
+  cachedTokens: number;
+  /** Decode URL, path (pd | decode_local) and router (A | B) from the serving router's trace; null when none answered. */
+  decode: string | null;
+  path: string | null;
+  router: 'A' | 'B' | null;
+}
+
+/** One goal, met or missed, with its figure. */
+export interface RoutersGoal {
+  goal: string;
+  figure: string;
+  met: boolean;
+}
+
+/** What `runBenchRouters` measured. */
+export interface RoutersResult {
+  lb: 'nginx' | 'none';
+  options: RoutersOptions;
+  wallS: number;
+  loadavg: number[];
+  streams: { samples: number; waited: number; mostWaiting: number; mostRooms: number[]; slots: number; failed: number };
+  sessions: {
+    killAt: number;
+    turns: TurnRecord[];
+    /** Turns through A and B before the kill (from the traces). */
+    beforeByRouter: { A: number; B: number };
+    /** Sessions with a turn completing after the kill and a known decode before it; of those, on the same decode; and served decode_local. */
+    nextTurns: number;
+    sameDecode: number;
+    decodeLocal: number;
+    unknown: number;
+    cachedBefore: number;
+    cachedAfter: number;
+    failedClient: number;
+    /** Router B's finished requests by outcome over the sessions phase. */
+    throughB: Record<string, number>;
+    /** 5xx answers and connection errors the SDK saw (and retried). */
+    sdkRetried: number;
+    /** Router B's decode picks by reason over the turns after the kill. */
+    picksAfterB: Record<string, number>;
+  };
+  goals: RoutersGoal[];
+}
+
+/** Sum of a counter's series whose labels contain `match`, by the value of `label`. */
+function countersBy(text: string, name: string, label: string, match = ''): Record<string, number> {
+  const out: Record<string, number> = {};
+  const re = new RegExp(`^${name}\\{([^}]*)\\} (\\S+)$`, 'gm');
+  for (const m of text.matchAll(re)) {
+    if (!m[1]!.includes(match)) continue;
+    const v = new RegExp(`${label}="([^"]*)"`).exec(m[1]!)?.[1];
+    if (v !== undefined) out[v] = (out[v] ?? 0) + Number(m[2]);
+  }
+  return out;
+}
+const diff = (a: Record<string, number>, b: Record<string, number>): Record<string, number> => Object.fromEntries(Object.keys(a).map((k) => [k, a[k]! - (b[k] ?? 0)]).filter(([, v]) => v !== 0));
+
+async function metricsOf(url: string): Promise<string> {
+  try {
+    return await (await fetch(`${url}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
+  } catch {
+    return '';
+  }
+}
+
+/** The streams phase (see the module doc). */
+async function streamsPhase(routers: ClusterProc[], decodes: ClusterProc[], model: string, o: RoutersOptions): Promise<RoutersResult['streams']> {
+  const samples: { rooms: number; slots: number }[][] = [];
+  let sampling = true;
+  const sampler = (async () => {
+    while (sampling) {
+      try {
+        samples.push(await Promise.all(decodes.map(async (d) => (await (await fetch(`${d.url}/load`, { signal: AbortSignal.timeout(2000) })).json()) as { rooms: number; slots: number })));
+      } catch {
+        // a missed sample
+      }
+      await sleep(15);
+    }
+  })();
+  const sends: Promise<boolean>[] = [];
+  try {
+    for (let i = 0; i < o.streams * routers.length; i++) {
+      const r = routers[i % routers.length]!;
+      sends.push(
+        (async () => {
+          try {
+            const res = await fetch(`${r.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model, prompt: `Stream ${i} of the two-router check. Once upon a time`, max_tokens: o.streamTokens, temperature: 0, ignore_eos: true, stream: true }), signal: AbortSignal.timeout(o.timeoutMs) });
+            const text = await res.text();
+            return res.status === 200 && text.includes('data: [DONE]') && !text.includes('"error"');
+          } catch {
+            return false;
+          }
+        })(),
+      );
+      await sleep(o.streamGapMs);
+    }
+  } finally {
+    await Promise.allSettled(sends);
+    sampling = false;
+    await sampler;
+  }
+  const waited = samples.filter((s) => s.some((x) => x.rooms > x.slots) && s.some((x) => x.rooms < x.slots));
+  return {
+    samples: samples.length,
+    waited: waited.length,
+    mostWaiting: Math.max(0, ...waited.map((s) => s.reduce((n, x) => n + Math.max(0, x.rooms - x.slots), 0))),
+    mostRooms: decodes.map((_, i) => Math.max(0, ...samples.map((s) => s[i]!.rooms))),
+    slots: samples[0]?.[0]?.slots ?? NaN,
+    failed: (await Promise.all(sends)).filter((ok) => !ok).length,
+  };
+}
+
+/** The serving router's trace of request `id`: decode, path of its last dispatch, which router. */
+async function traceOf(id: string, routers: { name: 'A' | 'B'; url: string }[]): Promise<{ decode: string | null; path: string | null; router: 'A' | 'B' | null }> {
+  for (const r of routers) {
+    try {
+      const res = await fetch(`${r.url}/debug/traces/${encodeURIComponent(id)}`, { signal: AbortSignal.timeout(2000) });
+      if (res.status !== 200) continue;
+      const t = (await res.json()) as { decode: string | null; events: { what: string; path?: string }[] };
+      const path = t.events.filter((e) => e.what === 'dispatched').at(-1)?.path ?? null;
+      return { decode: t.decode, path, router: r.name };
+    } catch {
+      // dead or not this router's
+    }
+  }
+  return { decode: null, path: null, router: null };
+}
+
+/**
+ * Start the cluster (and nginx), run both phases, stop everything.
+ * @returns the figures and the goals, met or missed.
+ * @throws ConfigError without an etcd binary or when the openai package is missing; PdError START_FAILED when a process does not start.
+ */
+export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult> {
+  let OpenAICtor: typeof OpenAI;
+  try {
+    OpenAICtor = (await import('openai')).default;
+  } catch {
+    throw new ConfigError('bench-routers drives the sessions with the openai SDK: npm install openai (a devDependency of pdserve)');
+  }
+  const t0 = performance.now();
+  const useNginx = o.nginx && nginxBinary() !== null;
+  if (o.nginx && !useNginx) say('bench-routers: nginx is NOT installed (apt-get install nginx-light): sessions go to the routers directly, a client of A fails over by itself; the load-balancer goal is not measured');
+  const tok = await loadTokenizer(o.model);
+  const convs = conversations(tok, o.sessions, o.turns, 'bench-routers', o.systemTokens, o.toolTokens);
+  await tok.dispose().catch(() => {});
+  const c = new Cluster({
+    model: o.model,
+    prefill: 1,
+    decode: 2,
+    routers: 2,
+    threads: 1,
+    ctxSize: o.ctxSize,
+    decodeSlots: o.decodeSlots,
+    prefillSlots: 1,
+    startTimeoutMs: 120_000,
+    logDir: mkdtempSync(join(os.tmpdir(), 'pdserve-bench-routers-')),
+    extraArgs: { router: ['--decode-policy', 'cache_aware'], decode: ['--prefix-cache-slots', String(o.keepSlots)] },
+  });
+  let lb: LocalNginx | undefined;
+  try {
+    say(`bench-routers: starting 1 prefill + 2 decode (${o.decodeSlots} slots, ${o.keepSlots} kept conversations each), 2 routers, etcd${useNginx ? ', nginx' : ''}`);
+    await c.start();
+    const [ra, rb] = c.byRole('router') as [ClusterProc, ClusterProc];
+    const decodes = c.byRole('decode');
+    const named = [
+      { name: 'B' as const, url: rb.url },
+      { name: 'A' as const, url: ra.url },
+    ];
+    // both routers route with every worker's load before anything is measured
+    const end = Date.now() + 20_000;
+    for (const r of [ra, rb]) {
+      while (((await (await fetch(`${r.url}/workers`, { signal: AbortSignal.timeout(2000) })).json()) as { workers: { healthy: boolean }[] }).workers.filter((w) => w.healthy).length < 3) {
+        if (Date.now() > end) throw new ConfigError(`router ${r.name} did not see the 3 workers within 20 s`);
+        await sleep(100);
+      }
+    }
+    if (useNginx) lb = await startNginx([ra.url, rb.url]);
+    const model = 'pdserve';
+    for (const r of [ra, rb]) await fetch(`${r.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model, prompt: 'Warm up', max_tokens: 4 }), signal: AbortSignal.timeout(o.timeoutMs) });
+
+    say(`bench-routers: streams phase: ${o.streams} streams × 2 routers on 2 decodes, ${o.streamTokens} tokens each, ${o.streamGapMs} ms apart`);
+    const streams = await streamsPhase([ra, rb], decodes, model, o);
+    say(`  ${streams.samples} load samples, most rooms per decode ${streams.mostRooms.join(' / ')} (slots ${streams.slots}), samples with a request waiting while a slot was free: ${streams.waited}`);
+
+    say(`bench-routers: sessions phase: ${o.sessions} sessions × ${o.turns} turns through ${useNginx ? `nginx (${lb!.url})` : 'the routers directly'}, openai SDK maxRetries ${o.maxRetries}; router A SIGKILLed at the midpoint`);
+    let sdkRetried = 0;
+    const counted: typeof fetch = async (url, init) => {
+      try {
+        const r = await fetch(url, init);
+        if (r.status >= 500) sdkRetried++;
+        return r;
+      } catch (err) {
+        sdkRetried++;
+        throw err;
+      }
+    };
+    const sdkOf = (baseURL: string) => new OpenAICtor({ baseURL: `${baseURL}/v1`, apiKey: 'none', maxRetries: o.maxRetries, timeout: o.timeoutMs, fetch: counted });
+    const viaLb = lb ? sdkOf(lb.url) : undefined;
+    const direct = { A: sdkOf(ra.url), B: sdkOf(rb.url) };
+    const bBefore = await metricsOf(rb.url);
+    const turns: TurnRecord[] = [];
+    const phase0 = performance.now();
+    const half = Math.floor((o.sessions * o.turns) / 2);
+    let done = 0;
+    let killAt = NaN;
+    let picksAtKill = '';
+    let killing: Promise<void> | undefined;
+    const lookups = new Set<Promise<unknown>>();
+    const aDead = () => !Number.isNaN(killAt);
+    await Promise.all(
+      convs.map(async (conv, session) => {
+        const messages: { role: 'system' | 'user' | 'assistant'; content: string }[] = [{ role: 'system', content: conv.system }];
+        await sleep((session * 37) % 200); // sessions start spread out, as agents do
+        for (let turn = 1; turn <= o.turns; turn++) {
+          messages.push({ role: 'user', content: `Tool result ${turn}:\n${conv.tools[turn - 1]}` });
+          const id = `bench-routers-${process.pid}-${session}-${turn}`;
+          const body = { model, messages, max_tokens: o.outputTokens, temperature: 0, ignore_eos: true, prompt_cache_key: `bench-routers-${session}` } as OpenAI.ChatCompletionCreateParamsNonStreaming;
+          let rec: TurnRecord;
+          try {
+            // without a load balancer the bench is the client that fails over: session i starts on router i mod 2
+            const sdk = viaLb ?? (session % 2 === 0 && !aDead() ? direct.A : direct.B);
+            const r = await sdk.chat.completions.create(body, { headers: { 'x-request-id': id } });
+            const text = r.choices[0]?.message.content ?? '';
+            messages.push({ role: 'assistant', content: text });
+            const doneAt = performance.now() - phase0;
+            const lookup = traceOf(id, named);
+            lookups.add(lookup);
+            const where = await lookup;
+            lookups.delete(lookup);
+            rec = { session, turn, ok: true, doneAt, promptTokens: r.usage?.prompt_tokens ?? 0, cachedTokens: r.usage?.prompt_tokens_details?.cached_tokens ?? 0, ...where };
+          } catch (err) {
+            rec = { session, turn, ok: false, error: (err as Error).message.slice(0, 200), doneAt: performance.now() - phase0, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null };
+            messages.pop();
+          }
+          turns.push(rec);
+          if (!rec.ok) {
+            // the session tries the same turn again (a failure is counted, not skipped over); three failures end it
+            if (turns.filter((t) => t.session === session && !t.ok).length >= 3) return;
+            turn--;
+          }
+          if (rec.ok && ++done === half) {
+            killAt = performance.now() - phase0;
+            // the turns A served read their traces from A before it goes (bounded: 2 s)
+            await Promise.race([Promise.allSettled([...lookups]), sleep(2000)]);
+            picksAtKill = await metricsOf(rb.url);
+            say(`  ${done} turns done: SIGKILL router A`);
+            killing = c.kill(ra);
+          }
+          await sleep(o.thinkMs);
+        }
+      }),
+    );
+    await killing;
+    const bAfter = await metricsOf(rb.url);
+    // per session: its first turn completing after the kill, against the decode of the turn before
+    let nextTurns = 0;
+    let sameDecode = 0;
+    let decodeLocal = 0;
+    let unknown = 0;
+    for (let s = 0; s < o.sessions; s++) {
+      const own = turns.filter((t) => t.session === s && t.ok).sort((a, b) => a.doneAt - b.doneAt);
+      const i = own.findIndex((t) => t.doneAt > killAt);
+      if (i <= 0) continue; // no turn after the kill, or none before it
+      const prev = own[i - 1]!;
+      const next = own[i]!;
+      if (prev.decode === null || next.decode === null) {
+        unknown++;
+        continue;
+      }
+      nextTurns++;
+      if (next.decode === prev.decode) sameDecode++;
+      if (next.path === 'decode_local') decodeLocal++;
+    }
+    const later = turns.filter((t) => t.ok && t.turn >= 2);
+    const share = (xs: TurnRecord[]) => {
+      const p = xs.reduce((a, t) => a + t.promptTokens, 0);
+      return p > 0 ? xs.reduce((a, t) => a + t.cachedTokens, 0) / p : NaN;
+    };
+    const cachedBefore = share(later.filter((t) => t.doneAt <= killAt));
+    const cachedAfter = share(later.filter((t) => t.doneAt > killAt));
+    const before = turns.filter((t) => t.ok && t.doneAt <= killAt);
+    const throughB = diff(countersBy(bAfter, 'pdserve_router_requests_total', 'outcome'), countersBy(bBefore, 'pdserve_router_requests_total', 'outcome'));
+    const failedB = Object.entries(throughB).reduce((n, [k, v]) => n + (k === 'ok' ? 0 : v), 0);
+    const failedClient = turns.filter((t) => !t.ok).length;
+    const sessions: RoutersResult['sessions'] = {
+      killAt,
+      turns,
+      beforeByRouter: { A: before.filter((t) => t.router === 'A').length, B: before.filter((t) => t.router === 'B').length },
+      nextTurns,
+      sameDecode,
+      decodeLocal,
+      unknown,
+      cachedBefore,
+      cachedAfter,
+      failedClient,
+      throughB,
+      sdkRetried,
+      picksAfterB: diff(countersBy(bAfter, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'), countersBy(picksAtKill, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"')),
+    };
+    const pct = (x: number) => `${fmt(x * 100, 1)} %`;
+    const held = nextTurns > 0 ? sameDecode / nextTurns : NaN;
+    const goals: RoutersGoal[] = [
+      { goal: "≥ 95 % of sessions' next turn after A's kill reaches the decode holding their cache", figure: `${sameDecode} of ${nextTurns} (${pct(held)}; ${decodeLocal} decode-local${unknown ? `; ${unknown} without a trace, left out` : ''})`, met: nextTurns > 0 && held >= 0.95 },
+      { goal: 'cached share of turns 2+ drops ≤ 5 points across the kill', figure: `${pct(cachedBefore)} before, ${pct(cachedAfter)} after (${cachedAfter >= cachedBefore ? 'no drop' : `${fmt((cachedBefore - cachedAfter) * 100, 1)} points drop`})`, met: cachedBefore - cachedAfter <= 0.05 },
+      { goal: 'requests through B: 0 failed', figure: `${failedB} failed of ${Object.values(throughB).reduce((a, b) => a + b, 0)} (${Object.entries(throughB).map(([k, v]) => `${k} ${v}`).join(', ')})`, met: failedB === 0 },
+      { goal: "behind nginx, the openai SDK's own retries carry A's clients over: 0 failed", figure: useNginx ? `${failedClient} failed of ${turns.length} turns; ${sdkRetried} answers of 5xx / connection errors retried by the SDK` : `not measured: no nginx (${failedClient} failed at the client going direct)`, met: useNginx && failedClient === 0 },
+      { goal: '2 routers × 4 streams on 2 decodes: no request waits for a slot while a decode has one free', figure: `${streams.waited} of ${streams.samples} load samples (most waiting at once ${streams.mostWaiting}; most rooms per decode ${streams.mostRooms.join(' / ')} of ${streams.slots} slots; ${streams.failed} streams failed)`, met: streams.waited === 0 && streams.failed === 0 && streams.samples > 0 },
+    ];
+    return { lb: useNginx ? 'nginx' : 'none', options: o, wallS: (performance.now() - t0) / 1000, loadavg: os.loadavg().map((x) => Math.round(x * 100) / 100), streams, sessions, goals };
+  } finally {
+    await lb?.stop();
+    await c.stop();
+  }
+}
+
+/** The report: setup line, per-phase figures, and the goals side by side with met/missed (markdown lines). */
+export function routersReport(r: RoutersResult): string[] {
+  const s = r.sessions;
+  const o = r.options;
+  return [
+    `bench-routers: 1 prefill + 2 decode, 2 routers (cache_aware), ${r.lb === 'nginx' ? 'nginx in front' : 'NO load balancer (nginx not installed)'}; ${o.sessions} sessions × ${o.turns} turns; ${fmt(r.wallS, 0)} s; load average ${r.loadavg.join(' ')} on ${os.cpus().length} cores`,
+    `sessions: router A SIGKILLed at ${fmt(s.killAt / 1000, 1)} s; turns before it through A ${s.beforeByRouter.A} / B ${s.beforeByRouter.B}; router B's decode picks after it: ${Object.entries(s.picksAfterB).map(([k, v]) => `${k} ${v}`).join(', ') || 'none'}`,
+    '',
+    '| goal | figure | |',
+    '|---|---|---|',
+    ...r.goals.map((g) => `| ${g.goal} | ${g.figure} | ${g.met ? 'met' : 'MISSED'} |`),
+  ];
+}
