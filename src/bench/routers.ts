@@ -61,6 +61,8 @@ export interface TurnRecord {
   turn: number;
   ok: boolean;
   error?: string;
+  /** When the client sent it (the SDK's retries included) and when it completed or failed. */
+  sentAt: number;
   doneAt: number;
   promptTokens: number;
   cachedTokens: number;
@@ -68,6 +70,77 @@ export interface TurnRecord {
   decode: string | null;
   path: string | null;
   router: 'A' | 'B' | null;
+}
+
+/** What the sessions' turns say about the kill (see `sessionFigures`). */
+export interface SessionFigures {
+  /** Turns through A and B completed before the kill (from the traces). */
+  beforeByRouter: { A: number; B: number };
+  /** Sessions with a turn completing after the kill whose turn before it has a known decode. */
+  nextTurns: number;
+  /** Of those: served by the decode that served the turn before; served decode-local (on the kept sequence itself); in flight at the kill. */
+  sameDecode: number;
+  decodeLocal: number;
+  inFlight: number;
+  /** Sessions left out: a turn without a trace. */
+  unknown: number;
+  /** cached / prompt tokens of the turns 2+ completed before and after the kill (NaN: none). */
+  cachedBefore: number;
+  cachedAfter: number;
+  /** Turns that failed at the client after the SDK's retries. */
+  failedClient: number;
+}
+
+/**
+ * The kill's figures from the client's turn records: per session, its first turn completing
+ * after `killAt` against the turn completing before it (the decode that served, and kept, the
+ * conversation); the cached share of turns 2+ on each side of the kill.
+ */
+export function sessionFigures(turns: readonly TurnRecord[], killAt: number, sessions: number): SessionFigures {
+  const f: SessionFigures = { beforeByRouter: { A: 0, B: 0 }, nextTurns: 0, sameDecode: 0, decodeLocal: 0, inFlight: 0, unknown: 0, cachedBefore: NaN, cachedAfter: NaN, failedClient: turns.filter((t) => !t.ok).length };
+  for (let s = 0; s < sessions; s++) {
+    const own = turns.filter((t) => t.session === s && t.ok).sort((a, b) => a.doneAt - b.doneAt);
+    const i = own.findIndex((t) => t.doneAt > killAt);
+    if (i <= 0) continue; // no turn after the kill, or none before it
+    const prev = own[i - 1]!;
+    const next = own[i]!;
+    if (prev.decode === null || next.decode === null) {
+      f.unknown++;
+      continue;
+    }
+    f.nextTurns++;
+    if (next.decode === prev.decode) f.sameDecode++;
+    if (next.path === 'decode_local') f.decodeLocal++;
+    if (next.sentAt < killAt) f.inFlight++;
+  }
+  for (const t of turns) if (t.ok && t.doneAt <= killAt && t.router) f.beforeByRouter[t.router]++;
+  const share = (xs: TurnRecord[]) => {
+    const p = xs.reduce((a, t) => a + t.promptTokens, 0);
+    return p > 0 ? xs.reduce((a, t) => a + t.cachedTokens, 0) / p : NaN;
+  };
+  const later = turns.filter((t) => t.ok && t.turn >= 2);
+  f.cachedBefore = share(later.filter((t) => t.doneAt <= killAt));
+  f.cachedAfter = share(later.filter((t) => t.doneAt > killAt));
+  return f;
+}
+
+/**
+ * The goals, met or missed, with their figures. `throughB`: router B's finished requests by
+ * outcome; `sdkRetried`: 5xx answers and connection errors the SDK saw; `lb`: what stood in
+ * front of the routers (without nginx the load-balancer goal is not measured: missed).
+ */
+export function routersGoals(lb: 'nginx' | 'none', streams: RoutersResult['streams'], f: SessionFigures, turns: number, throughB: Record<string, number>, sdkRetried: number): RoutersGoal[] {
+  const pct = (x: number) => `${fmt(x * 100, 1)} %`;
+  const held = f.nextTurns > 0 ? f.sameDecode / f.nextTurns : NaN;
+  const failedB = Object.entries(throughB).reduce((n, [k, v]) => n + (k === 'ok' ? 0 : v), 0);
+  const dropped = f.cachedBefore - f.cachedAfter;
+  return [
+    { goal: "≥ 95 % of sessions' next turn after A's kill reaches the decode holding their cache", figure: `${f.sameDecode} of ${f.nextTurns} (${pct(held)}); ${f.decodeLocal} served decode-local on the kept sequence; ${f.inFlight} were in flight at the kill${f.unknown ? `; ${f.unknown} without a trace, left out` : ''}`, met: f.nextTurns > 0 && held >= 0.95 },
+    { goal: 'cached share of turns 2+ drops ≤ 5 points across the kill', figure: `${pct(f.cachedBefore)} before, ${pct(f.cachedAfter)} after (${dropped > 0 ? `${fmt(dropped * 100, 1)} points drop` : 'no drop'})`, met: Number.isFinite(dropped) && dropped <= 0.05 },
+    { goal: 'requests through B: 0 failed', figure: `${failedB} failed of ${Object.values(throughB).reduce((a, b) => a + b, 0)} (${Object.entries(throughB).map(([k, v]) => `${k} ${v}`).join(', ')})`, met: failedB === 0 && (throughB.ok ?? 0) > 0 },
+    { goal: "behind nginx, the openai SDK's own retries carry A's clients over: 0 failed", figure: lb === 'nginx' ? `${f.failedClient} failed of ${turns} turns; ${sdkRetried} answers of 5xx / connection errors retried by the SDK` : `not measured: no nginx (${f.failedClient} failed at the client going direct)`, met: lb === 'nginx' && f.failedClient === 0 },
+    { goal: '2 routers × 4 streams on 2 decodes: no request waits for a slot while a decode has one free', figure: `${streams.waited} of ${streams.samples} load samples (most waiting at once ${streams.mostWaiting}; most rooms per decode ${streams.mostRooms.join(' / ')} of ${streams.slots} slots; ${streams.failed} streams failed)`, met: streams.waited === 0 && streams.failed === 0 && streams.samples > 0 },
+  ];
 }
 
 /** One goal, met or missed, with its figure. */
@@ -84,19 +157,9 @@ export interface RoutersResult {
   wallS: number;
   loadavg: number[];
   streams: { samples: number; waited: number; mostWaiting: number; mostRooms: number[]; slots: number; failed: number };
-  sessions: {
+  sessions: SessionFigures & {
     killAt: number;
     turns: TurnRecord[];
-    /** Turns through A and B before the kill (from the traces). */
-    beforeByRouter: { A: number; B: number };
-    /** Sessions with a turn completing after the kill and a known decode before it; of those, on the same decode; and served decode_local. */
-    nextTurns: number;
-    sameDecode: number;
-    decodeLocal: number;
-    unknown: number;
-    cachedBefore: number;
-    cachedAfter: number;
-    failedClient: number;
     /** Router B's finished requests by outcome over the sessions phase. */
     throughB: Record<string, number>;
     /** 5xx answers and connection errors the SDK saw (and retried). */
@@ -108,7 +171,7 @@ export interface RoutersResult {
 }
 
 /** Sum of a counter's series whose labels contain `match`, by the value of `label`. */
-function countersBy(text: string, name: string, label: string, match = ''): Record<string, number> {
+export function countersBy(text: string, name: string, label: string, match = ''): Record<string, number> {
   const out: Record<string, number> = {};
   const re = new RegExp(`^${name}\\{([^}]*)\\} (\\S+)$`, 'gm');
   for (const m of text.matchAll(re)) {
@@ -282,6 +345,7 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
           const id = `bench-routers-${process.pid}-${session}-${turn}`;
           const body = { model, messages, max_tokens: o.outputTokens, temperature: 0, ignore_eos: true, prompt_cache_key: `bench-routers-${session}` } as OpenAI.ChatCompletionCreateParamsNonStreaming;
           let rec: TurnRecord;
+          const sentAt = performance.now() - phase0;
           try {
             // without a load balancer the bench is the client that fails over: session i starts on router i mod 2
             const sdk = viaLb ?? (session % 2 === 0 && !aDead() ? direct.A : direct.B);
@@ -293,9 +357,9 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
             lookups.add(lookup);
             const where = await lookup;
             lookups.delete(lookup);
-            rec = { session, turn, ok: true, doneAt, promptTokens: r.usage?.prompt_tokens ?? 0, cachedTokens: r.usage?.prompt_tokens_details?.cached_tokens ?? 0, ...where };
+            rec = { session, turn, ok: true, sentAt, doneAt, promptTokens: r.usage?.prompt_tokens ?? 0, cachedTokens: r.usage?.prompt_tokens_details?.cached_tokens ?? 0, ...where };
           } catch (err) {
-            rec = { session, turn, ok: false, error: (err as Error).message.slice(0, 200), doneAt: performance.now() - phase0, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null };
+            rec = { session, turn, ok: false, error: (err as Error).message.slice(0, 200), sentAt, doneAt: performance.now() - phase0, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null };
             messages.pop();
           }
           turns.push(rec);
@@ -318,60 +382,11 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     );
     await killing;
     const bAfter = await metricsOf(rb.url);
-    // per session: its first turn completing after the kill, against the decode of the turn before
-    let nextTurns = 0;
-    let sameDecode = 0;
-    let decodeLocal = 0;
-    let unknown = 0;
-    for (let s = 0; s < o.sessions; s++) {
-      const own = turns.filter((t) => t.session === s && t.ok).sort((a, b) => a.doneAt - b.doneAt);
-      const i = own.findIndex((t) => t.doneAt > killAt);
-      if (i <= 0) continue; // no turn after the kill, or none before it
-      const prev = own[i - 1]!;
-      const next = own[i]!;
-      if (prev.decode === null || next.decode === null) {
-        unknown++;
-        continue;
-      }
-      nextTurns++;
-      if (next.decode === prev.decode) sameDecode++;
-      if (next.path === 'decode_local') decodeLocal++;
-    }
-    const later = turns.filter((t) => t.ok && t.turn >= 2);
-    const share = (xs: TurnRecord[]) => {
-      const p = xs.reduce((a, t) => a + t.promptTokens, 0);
-      return p > 0 ? xs.reduce((a, t) => a + t.cachedTokens, 0) / p : NaN;
-    };
-    const cachedBefore = share(later.filter((t) => t.doneAt <= killAt));
-    const cachedAfter = share(later.filter((t) => t.doneAt > killAt));
-    const before = turns.filter((t) => t.ok && t.doneAt <= killAt);
+    const figures = sessionFigures(turns, killAt, o.sessions);
     const throughB = diff(countersBy(bAfter, 'pdserve_router_requests_total', 'outcome'), countersBy(bBefore, 'pdserve_router_requests_total', 'outcome'));
-    const failedB = Object.entries(throughB).reduce((n, [k, v]) => n + (k === 'ok' ? 0 : v), 0);
-    const failedClient = turns.filter((t) => !t.ok).length;
-    const sessions: RoutersResult['sessions'] = {
-      killAt,
-      turns,
-      beforeByRouter: { A: before.filter((t) => t.router === 'A').length, B: before.filter((t) => t.router === 'B').length },
-      nextTurns,
-      sameDecode,
-      decodeLocal,
-      unknown,
-      cachedBefore,
-      cachedAfter,
-      failedClient,
-      throughB,
-      sdkRetried,
-      picksAfterB: diff(countersBy(bAfter, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'), countersBy(picksAtKill, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"')),
-    };
-    const pct = (x: number) => `${fmt(x * 100, 1)} %`;
-    const held = nextTurns > 0 ? sameDecode / nextTurns : NaN;
-    const goals: RoutersGoal[] = [
-      { goal: "≥ 95 % of sessions' next turn after A's kill reaches the decode holding their cache", figure: `${sameDecode} of ${nextTurns} (${pct(held)}; ${decodeLocal} decode-local${unknown ? `; ${unknown} without a trace, left out` : ''})`, met: nextTurns > 0 && held >= 0.95 },
-      { goal: 'cached share of turns 2+ drops ≤ 5 points across the kill', figure: `${pct(cachedBefore)} before, ${pct(cachedAfter)} after (${cachedAfter >= cachedBefore ? 'no drop' : `${fmt((cachedBefore - cachedAfter) * 100, 1)} points drop`})`, met: cachedBefore - cachedAfter <= 0.05 },
-      { goal: 'requests through B: 0 failed', figure: `${failedB} failed of ${Object.values(throughB).reduce((a, b) => a + b, 0)} (${Object.entries(throughB).map(([k, v]) => `${k} ${v}`).join(', ')})`, met: failedB === 0 },
-      { goal: "behind nginx, the openai SDK's own retries carry A's clients over: 0 failed", figure: useNginx ? `${failedClient} failed of ${turns.length} turns; ${sdkRetried} answers of 5xx / connection errors retried by the SDK` : `not measured: no nginx (${failedClient} failed at the client going direct)`, met: useNginx && failedClient === 0 },
-      { goal: '2 routers × 4 streams on 2 decodes: no request waits for a slot while a decode has one free', figure: `${streams.waited} of ${streams.samples} load samples (most waiting at once ${streams.mostWaiting}; most rooms per decode ${streams.mostRooms.join(' / ')} of ${streams.slots} slots; ${streams.failed} streams failed)`, met: streams.waited === 0 && streams.failed === 0 && streams.samples > 0 },
-    ];
+    const picksAfterB = diff(countersBy(bAfter, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'), countersBy(picksAtKill, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'));
+    const sessions: RoutersResult['sessions'] = { ...figures, killAt, turns, throughB, sdkRetried, picksAfterB };
+    const goals = routersGoals(useNginx ? 'nginx' : 'none', streams, figures, turns.length, throughB, sdkRetried);
     return { lb: useNginx ? 'nginx' : 'none', options: o, wallS: (performance.now() - t0) / 1000, loadavg: os.loadavg().map((x) => Math.round(x * 100) / 100), streams, sessions, goals };
   } finally {
     await lb?.stop();
