@@ -6,7 +6,7 @@
  *
  * | phase | what runs | what is measured |
  * |---|---|---|
- * | streams | `streams` long streams per router, sent to the routers in turn `streamGapMs` apart | the decodes' GET /load, sampled every 15 ms: samples where a decode holds more requests than slots while the other has a slot free |
+ * | streams | `streams` long streams per router, sent to the routers in turn, each once both routers count the streams sent before it (GET /workers: own load + others'; deadline 3 s; a pick within one round trip of another router's is the documented race) | the decodes' GET /load, sampled every 15 ms: samples where a decode holds more requests than slots while the other has a slot free; how long each send waited for both routers to see the earlier streams |
  * | sessions | `sessions` agent conversations of `turns` turns each (a `prompt_cache_key` per session), through nginx with the openai SDK (its own `maxRetries`); router A is SIGKILLed once half the turns are done | per turn: the decode that served it (the router's GET /debug/traces/:id, the request's `x-request-id`), its path, `usage.prompt_tokens_details.cached_tokens`; router B's `pdserve_router_requests_total` by outcome; the 5xx answers and connection errors the SDK retried |
  *
  * "Reached the worker holding its cache": a session's first turn that completes after the kill
@@ -26,7 +26,7 @@ import { Cluster, type ClusterProc } from '../up/cluster.js';
 import { nginxBinary, startNginx, type LocalNginx } from '../up/nginx.js';
 import { conversations } from './agents.js';
 import { loadTokenizer } from './index.js';
-import { fmt, say, sleep } from './util.js';
+import { fmt, median, say, sleep } from './util.js';
 
 /** Options of `pdserve bench-routers` (see the module doc). Times in ms. */
 export interface RoutersOptions {
@@ -47,10 +47,9 @@ export interface RoutersOptions {
   /** The openai SDK's maxRetries, and its per-request timeout. */
   maxRetries: number;
   timeoutMs: number;
-  /** Streams phase: streams per router, tokens each, gap between two sends. */
+  /** Streams phase: streams per router, tokens each. */
   streams: number;
   streamTokens: number;
-  streamGapMs: number;
   /** Put nginx in front when it is installed (false: the sessions go to the routers directly). */
   nginx: boolean;
 }
@@ -59,6 +58,8 @@ export interface RoutersOptions {
 export interface TurnRecord {
   session: number;
   turn: number;
+  /** Its `x-request-id` (the routers' trace id). */
+  id: string;
   ok: boolean;
   error?: string;
   /** When the client sent it (the SDK's retries included) and when it completed or failed. */
@@ -139,7 +140,7 @@ export function routersGoals(lb: 'nginx' | 'none', streams: RoutersResult['strea
     { goal: 'cached share of turns 2+ drops ≤ 5 points across the kill', figure: `${pct(f.cachedBefore)} before, ${pct(f.cachedAfter)} after (${dropped > 0 ? `${fmt(dropped * 100, 1)} points drop` : 'no drop'})`, met: Number.isFinite(dropped) && dropped <= 0.05 },
     { goal: 'requests through B: 0 failed', figure: `${failedB} failed of ${Object.values(throughB).reduce((a, b) => a + b, 0)} (${Object.entries(throughB).map(([k, v]) => `${k} ${v}`).join(', ')})`, met: failedB === 0 && (throughB.ok ?? 0) > 0 },
     { goal: "behind nginx, the openai SDK's own retries carry A's clients over: 0 failed", figure: lb === 'nginx' ? `${f.failedClient} failed of ${turns} turns; ${sdkRetried} answers of 5xx / connection errors retried by the SDK` : `not measured: no nginx (${f.failedClient} failed at the client going direct)`, met: lb === 'nginx' && f.failedClient === 0 },
-    { goal: '2 routers × 4 streams on 2 decodes: no request waits for a slot while a decode has one free', figure: `${streams.waited} of ${streams.samples} load samples (most waiting at once ${streams.mostWaiting}; most rooms per decode ${streams.mostRooms.join(' / ')} of ${streams.slots} slots; ${streams.failed} streams failed)`, met: streams.waited === 0 && streams.failed === 0 && streams.samples > 0 },
+    { goal: '2 routers × 4 streams on 2 decodes: no request waits for a slot while a decode has one free', figure: `${streams.waited} of ${streams.samples} load samples (most waiting at once ${streams.mostWaiting}; most rooms per decode ${streams.mostRooms.join(' / ')} of ${streams.slots} slots; ${streams.failed} streams failed; each sent once both routers counted the earlier ones: ${fmt(streams.lagMs.median, 0)} ms median, ${fmt(streams.lagMs.max, 0)} ms max wait${streams.unseen ? `, ${streams.unseen} sent at the ${STREAM_SEEN_MS / 1000} s deadline` : ''})`, met: streams.waited === 0 && streams.failed === 0 && streams.samples > 0 },
   ];
 }
 
@@ -156,7 +157,17 @@ export interface RoutersResult {
   options: RoutersOptions;
   wallS: number;
   loadavg: number[];
-  streams: { samples: number; waited: number; mostWaiting: number; mostRooms: number[]; slots: number; failed: number };
+  streams: {
+    samples: number;
+    waited: number;
+    mostWaiting: number;
+    mostRooms: number[];
+    slots: number;
+    failed: number;
+    /** ms each send waited until both routers counted the streams sent before it: median, max; sends that went at the deadline. */
+    lagMs: { median: number; max: number };
+    unseen: number;
+  };
   sessions: SessionFigures & {
     killAt: number;
     turns: TurnRecord[];
@@ -206,9 +217,30 @@ async function streamsPhase(routers: ClusterProc[], decodes: ClusterProc[], mode
     }
   })();
   const sends: Promise<boolean>[] = [];
+  const lags: number[] = [];
+  let unseen = 0;
+  // decode requests router r counts: its own in flight plus the others' the workers report (-1: no answer)
+  const seen = async (r: ClusterProc): Promise<number> => {
+    try {
+      const ws = ((await (await fetch(`${r.url}/workers`, { signal: AbortSignal.timeout(2000) })).json()) as { workers: { role: string; load: number; others_load?: number }[] }).workers;
+      return ws.filter((w) => w.role === 'decode').reduce((n, w) => n + w.load + (w.others_load ?? 0), 0);
+    } catch {
+      return -1;
+    }
+  };
   try {
     for (let i = 0; i < o.streams * routers.length; i++) {
       const r = routers[i % routers.length]!;
+      const t0 = performance.now();
+      for (;;) {
+        if ((await Promise.all(routers.map(seen))).every((n) => n >= i)) break;
+        if (performance.now() - t0 > STREAM_SEEN_MS) {
+          unseen++;
+          break;
+        }
+        await sleep(10);
+      }
+      lags.push(performance.now() - t0);
       sends.push(
         (async () => {
           try {
@@ -220,7 +252,6 @@ async function streamsPhase(routers: ClusterProc[], decodes: ClusterProc[], mode
           }
         })(),
       );
-      await sleep(o.streamGapMs);
     }
   } finally {
     await Promise.allSettled(sends);
@@ -235,7 +266,24 @@ async function streamsPhase(routers: ClusterProc[], decodes: ClusterProc[], mode
     mostRooms: decodes.map((_, i) => Math.max(0, ...samples.map((s) => s[i]!.rooms))),
     slots: samples[0]?.[0]?.slots ?? NaN,
     failed: (await Promise.all(sends)).filter((ok) => !ok).length,
+    lagMs: { median: median(lags), max: Math.max(0, ...lags) },
+    unseen,
   };
+}
+
+/** How long a stream waits for both routers to count the streams sent before it, ms. */
+const STREAM_SEEN_MS = 3000;
+
+/** A router's recent traces (GET /debug/traces, at most 500) by trace id: decode and the path of the last dispatch; empty when it does not answer. */
+async function recentTraces(url: string): Promise<Map<string, { decode: string | null; path: string | null }>> {
+  const out = new Map<string, { decode: string | null; path: string | null }>();
+  try {
+    const j = (await (await fetch(`${url}/debug/traces?limit=500`, { signal: AbortSignal.timeout(5000) })).json()) as { traces: { trace: string; decode: string | null; events: { what: string; path?: string }[] }[] };
+    for (const t of j.traces) out.set(t.trace, { decode: t.decode, path: t.events.filter((e) => e.what === 'dispatched').at(-1)?.path ?? null });
+  } catch {
+    // none
+  }
+  return out;
 }
 
 /** The serving router's trace of request `id`: decode, path of its last dispatch, which router. */
@@ -307,9 +355,9 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     const model = 'pdserve';
     for (const r of [ra, rb]) await fetch(`${r.url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model, prompt: 'Warm up', max_tokens: 4 }), signal: AbortSignal.timeout(o.timeoutMs) });
 
-    say(`bench-routers: streams phase: ${o.streams} streams × 2 routers on 2 decodes, ${o.streamTokens} tokens each, ${o.streamGapMs} ms apart`);
+    say(`bench-routers: streams phase: ${o.streams} streams × 2 routers on 2 decodes, ${o.streamTokens} tokens each, each sent once both routers count the earlier ones`);
     const streams = await streamsPhase([ra, rb], decodes, model, o);
-    say(`  ${streams.samples} load samples, most rooms per decode ${streams.mostRooms.join(' / ')} (slots ${streams.slots}), samples with a request waiting while a slot was free: ${streams.waited}`);
+    say(`  ${streams.samples} load samples, most rooms per decode ${streams.mostRooms.join(' / ')} (slots ${streams.slots}), samples with a request waiting while a slot was free: ${streams.waited}; both routers saw the earlier streams after ${fmt(streams.lagMs.median, 0)} ms median, ${fmt(streams.lagMs.max, 0)} ms max`);
 
     say(`bench-routers: sessions phase: ${o.sessions} sessions × ${o.turns} turns through ${useNginx ? `nginx (${lb!.url})` : 'the routers directly'}, openai SDK maxRetries ${o.maxRetries}; router A SIGKILLed at the midpoint`);
     let sdkRetried = 0;
@@ -335,6 +383,7 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     let picksAtKill = '';
     let killing: Promise<void> | undefined;
     const lookups = new Set<Promise<unknown>>();
+    let aTraces = new Map<string, { decode: string | null; path: string | null }>();
     const aDead = () => !Number.isNaN(killAt);
     await Promise.all(
       convs.map(async (conv, session) => {
@@ -357,9 +406,9 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
             lookups.add(lookup);
             const where = await lookup;
             lookups.delete(lookup);
-            rec = { session, turn, ok: true, sentAt, doneAt, promptTokens: r.usage?.prompt_tokens ?? 0, cachedTokens: r.usage?.prompt_tokens_details?.cached_tokens ?? 0, ...where };
+            rec = { id, session, turn, ok: true, sentAt, doneAt, promptTokens: r.usage?.prompt_tokens ?? 0, cachedTokens: r.usage?.prompt_tokens_details?.cached_tokens ?? 0, ...where };
           } catch (err) {
-            rec = { session, turn, ok: false, error: (err as Error).message.slice(0, 200), sentAt, doneAt: performance.now() - phase0, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null };
+            rec = { id, session, turn, ok: false, error: (err as Error).message.slice(0, 200), sentAt, doneAt: performance.now() - phase0, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null };
             messages.pop();
           }
           turns.push(rec);
@@ -370,9 +419,10 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
           }
           if (rec.ok && ++done === half) {
             killAt = performance.now() - phase0;
-            // the turns A served read their traces from A before it goes (bounded: 2 s)
+            // the turns A served read their traces from A before it goes (bounded: 2 s), and A's recent traces are kept for those whose lookup loses the race
             await Promise.race([Promise.allSettled([...lookups]), sleep(2000)]);
             picksAtKill = await metricsOf(rb.url);
+            aTraces = await recentTraces(ra.url);
             say(`  ${done} turns done: SIGKILL router A`);
             killing = c.kill(ra);
           }
@@ -382,6 +432,13 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     );
     await killing;
     const bAfter = await metricsOf(rb.url);
+    // turns whose own lookup found no trace: from B's recent traces, else A's taken before the kill
+    const bTraces = await recentTraces(rb.url);
+    for (const t of turns) {
+      if (!t.ok || t.decode !== null) continue;
+      const [router, found] = bTraces.has(t.id) ? (['B', bTraces.get(t.id)!] as const) : aTraces.has(t.id) ? (['A', aTraces.get(t.id)!] as const) : [null, undefined];
+      if (found) Object.assign(t, found, { router });
+    }
     const figures = sessionFigures(turns, killAt, o.sessions);
     const throughB = diff(countersBy(bAfter, 'pdserve_router_requests_total', 'outcome'), countersBy(bBefore, 'pdserve_router_requests_total', 'outcome'));
     const picksAfterB = diff(countersBy(bAfter, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'), countersBy(picksAtKill, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'));

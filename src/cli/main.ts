@@ -754,15 +754,14 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--max-retries <n>', "the openai SDK's maxRetries", int, 3)
       .option('--timeout-ms <ms>', 'per-request deadline', int, 60_000)
       .option('--streams <n>', 'streams phase: streams per router', int, 4)
-      .option('--stream-tokens <tokens>', 'streams phase: tokens each stream generates', int, 300)
-      .option('--stream-gap-ms <ms>', 'streams phase: gap between two sends (to the routers in turn)', int, 100)
+      .option('--stream-tokens <tokens>', 'streams phase: tokens each stream generates', int, 600)
       .option('--no-nginx', 'send the sessions to the routers directly even when nginx is installed')
       .option('--json <file>', 'write the result (per-turn records included) as JSON')
       .action(async (o) => {
         const { runBenchRouters, routersReport } = await import('../bench/routers.js');
         const { ensureModel } = await import('../engine/gguf-writer.js');
         const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
-        const r = await runBenchRouters({ model, sessions: o.sessions, turns: o.turns, systemTokens: o.systemTokens, toolTokens: o.toolTokens, outputTokens: o.outputTokens, thinkMs: o.thinkMs, decodeSlots: o.decodeSlots, keepSlots: o.keepSlots ?? Math.ceil(o.sessions / 2) + 2, ctxSize: o.ctxSize, maxRetries: o.maxRetries, timeoutMs: o.timeoutMs, streams: o.streams, streamTokens: o.streamTokens, streamGapMs: o.streamGapMs, nginx: o.nginx !== false });
+        const r = await runBenchRouters({ model, sessions: o.sessions, turns: o.turns, systemTokens: o.systemTokens, toolTokens: o.toolTokens, outputTokens: o.outputTokens, thinkMs: o.thinkMs, decodeSlots: o.decodeSlots, keepSlots: o.keepSlots ?? Math.ceil(o.sessions / 2) + 2, ctxSize: o.ctxSize, maxRetries: o.maxRetries, timeoutMs: o.timeoutMs, streams: o.streams, streamTokens: o.streamTokens, nginx: o.nginx !== false });
         console.log(routersReport(r).join('\n'));
         if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, (_k, v) => (typeof v === 'number' && !Number.isFinite(v) ? null : v), 1) + '\n');
         process.exitCode = r.goals.every((g) => g.met) ? 0 : 1;

@@ -12,8 +12,8 @@ import { countersBy, routersGoals, sessionFigures, type TurnRecord } from '../..
 const D0 = 'http://127.0.0.1:1';
 const D1 = 'http://127.0.0.1:2';
 /** A completed turn. */
-const t = (session: number, turn: number, sentAt: number, doneAt: number, decode: string | null, path = 'decode_local', cached = 80, router: 'A' | 'B' = 'A'): TurnRecord => ({ session, turn, ok: true, sentAt, doneAt, promptTokens: 100, cachedTokens: cached, decode, path, router });
-const streams = { samples: 50, waited: 0, mostWaiting: 0, mostRooms: [4, 4], slots: 4, failed: 0 };
+const t = (session: number, turn: number, sentAt: number, doneAt: number, decode: string | null, path = 'decode_local', cached = 80, router: 'A' | 'B' = 'A'): TurnRecord => ({ id: `${session}-${turn}`, session, turn, ok: true, sentAt, doneAt, promptTokens: 100, cachedTokens: cached, decode, path, router });
+const streams = { samples: 50, waited: 0, mostWaiting: 0, mostRooms: [4, 4], slots: 4, failed: 0, lagMs: { median: 20, max: 60 }, unseen: 0 };
 
 describe('bench-routers figures', () => {
   it('next turn after the kill: same decode, decode-local, in flight at the kill; a turn without a trace is left out', () => {
@@ -31,7 +31,7 @@ describe('bench-routers figures', () => {
       t(2, 2, 1100, 1300, D1, 'decode_local', 90, 'B'),
       // session 3: nothing after the kill
       t(3, 1, 0, 500, D1),
-      { session: 3, turn: 2, ok: false, error: 'x', sentAt: 600, doneAt: 1400, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null },
+      { id: '3-2', session: 3, turn: 2, ok: false, error: 'x', sentAt: 600, doneAt: 1400, promptTokens: 0, cachedTokens: 0, decode: null, path: null, router: null },
     ];
     const f = sessionFigures(turns, kill, 4);
     assert.deepEqual({ next: f.nextTurns, same: f.sameDecode, local: f.decodeLocal, inFlight: f.inFlight, unknown: f.unknown, failed: f.failedClient }, { next: 2, same: 1, local: 1, inFlight: 1, unknown: 1, failed: 1 });
