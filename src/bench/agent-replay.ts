@@ -20,9 +20,9 @@ import { setTimeout as delay } from 'node:timers/promises';
 import { request, type Dispatcher } from 'undici';
 import { ConfigError } from '../base/errors.js';
 import { summarize } from '../observe/stats.js';
-import { readSse } from '../api/sse.js';
 import { Cluster } from '../up/cluster.js';
 import { inputTokens, SeenBlocks, sessionsOf, type AgentTrace, type BlockText, type TraceRequest } from './agent-trace.js';
+import { streamedRound } from './agents.js';
 import { benchAgent, discoverModel } from './index.js';
 import { fmt, say } from './util.js';
 
@@ -128,54 +128,25 @@ class Deferred<T> {
   readonly promise = new Promise<T>((r) => (this.resolve = r));
 }
 
-/** One streamed request; never rejects. */
+/** One streamed request (`streamedRound`, with the run's signal); never rejects. E2E is the time to the failure on a failed one. */
 async function send(url: string, r: TraceRequest, o: ReplayOptions, signal: AbortSignal): Promise<Omit<ReplayRecord, 'session' | 'parent' | 'turn' | 'last' | 'input' | 'seen' | 'sentMs'>> {
   const start = performance.now();
-  const rec = { ok: false, ttftMs: NaN, e2eMs: NaN, promptTokens: 0, cachedTokens: null as number | null, outputTokens: 0, path: '' } as Omit<ReplayRecord, 'session' | 'parent' | 'turn' | 'last' | 'input' | 'seen' | 'sentMs'>;
   const chat = o.endpoint === 'chat';
-  const body: Record<string, unknown> = { model: o.model, max_tokens: r.outputTokens, temperature: 0, ignore_eos: true, stream: true, stream_options: { include_usage: true } };
+  const body: Record<string, unknown> = { model: o.model, max_tokens: r.outputTokens, temperature: 0, ignore_eos: true };
   if (chat) body.messages = o.text.messages(r.blocks);
   else body.prompt = o.text.prompt(r.blocks);
   if (o.sessionKey) body.prompt_cache_key = r.session;
-  try {
-    const res = await request(`${url}/v1/${chat ? 'chat/completions' : 'completions'}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), dispatcher: o.dispatcher, signal: AbortSignal.any([signal, AbortSignal.timeout(o.timeoutMs)]) });
-    if (res.statusCode !== 200) {
-      rec.error = `HTTP ${res.statusCode}: ${(await res.body.text()).slice(0, 200)}`;
-      rec.e2eMs = performance.now() - start;
-      return rec;
-    }
-    const path = res.headers['x-pdserve-path'];
-    if (typeof path === 'string') rec.path = path;
-    let done = false;
-    for await (const data of readSse(res.body)) {
-      if (data === '[DONE]') {
-        done = true;
-        continue;
-      }
-      const j = JSON.parse(data) as { choices?: { delta?: { content?: string | null }; text?: string }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } | null } | null; error?: { message?: string } };
-      if (j.error) {
-        rec.error = `stream error: ${j.error.message}`;
-        rec.e2eMs = performance.now() - start;
-        return rec;
-      }
-      const c = (chat ? j.choices?.[0]?.delta?.content : j.choices?.[0]?.text) ?? '';
-      if (c !== '' && Number.isNaN(rec.ttftMs)) rec.ttftMs = performance.now() - start;
-      if (j.usage) {
-        rec.promptTokens = j.usage.prompt_tokens;
-        rec.outputTokens = j.usage.completion_tokens;
-        const cached = j.usage.prompt_tokens_details?.cached_tokens;
-        rec.cachedTokens = typeof cached === 'number' ? cached : null;
-      }
-    }
-    rec.e2eMs = performance.now() - start;
-    if (Number.isNaN(rec.ttftMs)) rec.ttftMs = rec.e2eMs;
-    rec.ok = done;
-    if (!done) rec.error = 'stream ended without [DONE]';
-  } catch (err) {
-    rec.e2eMs = performance.now() - start;
-    rec.error = `transport: ${(err as Error).message}`;
-  }
-  return rec;
+  const s = await streamedRound(url, chat ? '/v1/chat/completions' : '/v1/completions', body, { dispatcher: o.dispatcher, timeoutMs: o.timeoutMs, tpotIfOne: NaN, signal });
+  return {
+    ok: s.ok,
+    ...(s.error !== undefined ? { error: s.error } : {}),
+    ttftMs: s.ttftMs,
+    e2eMs: Number.isNaN(s.e2eMs) ? performance.now() - start : s.e2eMs,
+    promptTokens: s.promptTokens,
+    cachedTokens: s.cachedReported ? s.cachedTokens : null,
+    outputTokens: s.outputTokens,
+    path: s.path,
+  };
 }
 
 async function metricsText(url: string | undefined, dispatcher: Dispatcher): Promise<string | undefined> {

@@ -45,6 +45,8 @@ export interface StreamedRound {
   tpotMs: number;
   promptTokens: number;
   cachedTokens: number;
+  /** usage carried prompt_tokens_details.cached_tokens (when false, `cachedTokens` is 0 for want of a figure). */
+  cachedReported: boolean;
   outputTokens: number;
   /** Serving path the router reported (x-pdserve-path: pd | decode_local); '' when absent. */
   path: string;
@@ -52,7 +54,7 @@ export interface StreamedRound {
 }
 
 /** One agent's round as §7 keeps it (the reply's text goes back into the conversation, not into the results). */
-export interface AgentRound extends Omit<StreamedRound, 'text'> {
+export interface AgentRound extends Omit<StreamedRound, 'text' | 'cachedReported'> {
   agent: number;
   round: number;
 }
@@ -137,18 +139,19 @@ export function conversations(tok: BenchTokenizer, n: number, rounds: number, ta
  * piece (a completion's `text`, a chat chunk's `delta.content`), E2E at the stream's end (ms,
  * from the call); token counts are usage's. Shared by §7's chat rounds and §8's completion rounds.
  * Never rejects: a status other than 200, an error chunk, a stream without `[DONE]` or a transport
- * failure comes back `ok: false` with `error` saying which.
+ * failure comes back `ok: false` with `error` saying which. `signal` (a run's deadline) aborts it as
+ * the `timeoutMs` deadline does.
  */
-export async function streamedRound(url: string, endpoint: '/v1/completions' | '/v1/chat/completions', body: Record<string, unknown>, o: { dispatcher: Dispatcher; timeoutMs: number; tpotIfOne: number }): Promise<StreamedRound> {
+export async function streamedRound(url: string, endpoint: '/v1/completions' | '/v1/chat/completions', body: Record<string, unknown>, o: { dispatcher: Dispatcher; timeoutMs: number; tpotIfOne: number; signal?: AbortSignal }): Promise<StreamedRound> {
   const start = performance.now();
-  const r: StreamedRound = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, outputTokens: 0, path: '', text: '' };
+  const r: StreamedRound = { ok: false, ttftMs: NaN, e2eMs: NaN, tpotMs: NaN, promptTokens: 0, cachedTokens: 0, cachedReported: false, outputTokens: 0, path: '', text: '' };
   try {
     const res = await request(`${url}${endpoint}`, {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
       body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
       dispatcher: o.dispatcher,
-      signal: AbortSignal.timeout(o.timeoutMs),
+      signal: o.signal ? AbortSignal.any([o.signal, AbortSignal.timeout(o.timeoutMs)]) : AbortSignal.timeout(o.timeoutMs),
     });
     if (res.statusCode !== 200) {
       r.error = `HTTP ${res.statusCode}: ${(await res.body.text()).slice(0, 200)}`;
@@ -162,7 +165,7 @@ export async function streamedRound(url: string, endpoint: '/v1/completions' | '
         done = true;
         continue;
       }
-      const j = JSON.parse(data) as { choices?: { text?: string | null; delta?: { content?: string | null } }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } } | null; error?: { message?: string } };
+      const j = JSON.parse(data) as { choices?: { text?: string | null; delta?: { content?: string | null } }[]; usage?: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details?: { cached_tokens?: number } | null } | null; error?: { message?: string } };
       if (j.error) {
         r.error = `stream error: ${j.error.message}`;
         return r;
@@ -173,7 +176,9 @@ export async function streamedRound(url: string, endpoint: '/v1/completions' | '
       if (j.usage) {
         r.promptTokens = j.usage.prompt_tokens;
         r.outputTokens = j.usage.completion_tokens;
-        r.cachedTokens = j.usage.prompt_tokens_details?.cached_tokens ?? 0;
+        const cached = j.usage.prompt_tokens_details?.cached_tokens;
+        r.cachedReported = typeof cached === 'number';
+        r.cachedTokens = typeof cached === 'number' ? cached : 0;
       }
     }
     r.e2eMs = performance.now() - start;
