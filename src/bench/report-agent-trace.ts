@@ -38,12 +38,15 @@ export function agentTraceGoals(r: AgentTraceResult): { goal: string; detail: st
   const last = each((x) => x.lastTurn.ttftP90 / t2(x));
   const bounce = each((x) => (x.bounces === null ? NaN : x.bounces / Math.max(1, x.requests)));
   const all = (xs: number[], ok: (v: number) => boolean) => xs.length > 0 && xs.every((v) => Number.isFinite(v) && ok(v));
-  return [
+  // the scale the figures are from, beside them
+  const at = `${r.scale.topSessions}×${r.scale.turnsMedian} turns to ${fmt(r.scale.promptMax / 1000, 1)}K tokens, ${r.model}: `;
+  const rows = [
     { goal: `trace: median session completion ≥ ${TRACE_GOALS.completionSpeedup}× faster with reuse than without`, detail: pd.map((x, i) => `${fmt(x.completion.p50 / 1000, 2)} s vs ${fmt(offMedian / 1000, 2)} s: ${fmtRatio(speed[i])}`).join(', ') || 'no PD run', met: all(speed, (v) => v >= TRACE_GOALS.completionSpeedup) },
     { goal: `trace: PD cached share over turns 2+ ≥ ${TRACE_GOALS.cachedVsBound} × upper bound`, detail: pd.map((x, i) => `${x.cached2 === null ? 'n/a' : fmt(x.cached2 * 100, 1) + ' %'} of ${fmt(x.bound2 * 100, 1)} %: ${fmt(ratio[i], 2)}`).join(', ') || 'no PD run', met: all(ratio, (v) => v >= TRACE_GOALS.cachedVsBound) },
     { goal: `trace: PD TTFT p90 at the last turn ≤ ${TRACE_GOALS.lastVsTurn2}× turn 2`, detail: pd.map((x, i) => `${fmt(x.lastTurn.ttftP90, 0)} vs ${fmt(t2(x), 0)} ms: ${fmtRatio(last[i])}`).join(', ') || 'no PD run', met: all(last, (v) => v <= TRACE_GOALS.lastVsTurn2) },
     { goal: `trace: PD needs_prefill bounces ≤ ${TRACE_GOALS.bounceShare * 100} % of requests`, detail: pd.map((x, i) => `${x.bounces ?? 'n/a'} of ${x.requests} (${fmt(bounce[i]! * 100, 2)} %)`).join(', ') || 'no PD run', met: all(bounce, (v) => v <= TRACE_GOALS.bounceShare) },
   ];
+  return rows.map((g) => ({ ...g, detail: at + g.detail }));
 }
 
 /** A command line with each `--flag value` written `--flag=value` (the same to the CLI; a count after a bare flag name reads as prose otherwise). */

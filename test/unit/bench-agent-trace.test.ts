@@ -233,6 +233,7 @@ describe('agent trace goals and report', () => {
     assert.deepEqual(miss.map((g) => g.met), [false, false, false, false]);
     assert.match(miss[0]!.detail, /1\.00 s vs 3\.00 s: 3\.00×/);
     assert.match(miss[3]!.detail, /3 of 400 \(0\.75 %\)/);
+    assert.match(miss[1]!.detail, /^2×2 turns to 0\.2K tokens, tiny: /, 'the scale stands beside the figures');
   });
 
   it('render the runs, the load and the plot', () => {
