@@ -11,6 +11,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { DEFAULT_KV_BLOCK_TOKENS, MAX_KV_BLOCK_TOKENS, MIN_KV_BLOCK_TOKENS } from '../protocol/token-blocks.js';
 import { DEFAULT_ROUTER_MAX_BLOCKS } from '../protocol/kv-events.js';
+import { DEFAULT_TOKENIZE_CACHE_BYTES } from '../engine/token-chunks.js';
 import { DEFAULT_MAX_STATE_BYTES, parseStateBytes } from '../config/config.js';
 import { createLogger } from '../base/log.js';
 import { serveRole, startupProblem, type Served } from './serve.js';
@@ -586,6 +587,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--cache-threshold <fraction>', 'cache_aware: matched fraction of the prompt above which the worker holding the prefix is taken', Number, 0.3)
     .option('--model <file>', "the workers' GGUF: the router tokenizes prompts with its vocabulary (a vocabulary-only load on a thread) and routes on the token blocks the workers hold; without it: the approximate prefix tree and no decode-local ('up' passes its own)")
     .option('--kv-router-max-blocks <n>', 'block references of the workers\' KV events the router keeps per worker (an entry past the bound is not matched)', int, DEFAULT_ROUTER_MAX_BLOCKS)
+    .option('--tokenize-cache-mib <n>', 'bound of the router tokenizer\'s chunk cache (long prompts tokenized by cached chunks, exactly; 0 = every prompt whole)', int, DEFAULT_TOKENIZE_CACHE_BYTES >> 20)
     .option('--balance-abs-threshold <n>', 'cache_aware: the load is imbalanced when max - min in-flight requests exceeds this…', int, 64)
     .option('--balance-rel-threshold <x>', '…and max exceeds min times this; then the least loaded worker is taken', Number, 1.5)
     .addOption(new Option('--cors-origin <origin>', "allow browser calls from this origin (repeatable or comma-separated; '*' = any)").argParser(corsList))
@@ -602,7 +604,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       });
       const decode = ((o.decode ?? []) as string[]).map((url) => ({ url }));
       await serve('router', o, async () => {
-        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, ...(o.model ? { model: resolve(o.model as string) } : {}), kvRouterMaxBlocks: o.kvRouterMaxBlocks, cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') }, testHooksFromEnv());
+        const r = await startRouter({ host: o.host, port: o.port, prefill, decode, discovery: o.discovery, requestTimeoutMs: o.requestTimeoutMs, httpTimeouts: httpTimeoutsOf(o), healthIntervalMs: o.healthIntervalMs, firstTokenFromPrefill: o.firstTokenFromPrefill, migrationLimit: o.migrationLimit, maxToolCalls: o.maxToolCalls, schemaMaxNodes: o.schemaMaxNodes, schemaMaxEnumValues: o.schemaMaxEnumValues, workerWaitMs: o.workerWaitMs, unavailableWaitMs: o.unavailableWaitMs, clientWriteDeadlineMs: o.clientWriteDeadlineMs, clientMaxBufferedBytes: o.clientMaxBufferedBytes, sseKeepAliveMs: o.sseKeepaliveMs, legSilenceMs: o.legSilenceTimeoutMs, policy: o.policy, decodePolicy: o.decodePolicy, localPrefillMaxTokens: o.localPrefillMaxTokens, ...(o.model ? { model: resolve(o.model as string) } : {}), kvRouterMaxBlocks: o.kvRouterMaxBlocks, tokenizeCacheBytes: o.tokenizeCacheMib * (1 << 20), cacheThreshold: o.cacheThreshold, balanceAbsThreshold: o.balanceAbsThreshold, balanceRelThreshold: o.balanceRelThreshold, corsOrigin: o.corsOrigin ?? [], ...accessOf('router', o), internalTls: internalTlsOf('router', o, false), clusterSecret: secretOf('router', o), log: createLogger('router') }, testHooksFromEnv());
         return r;
       });
     });
@@ -628,11 +630,18 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
     .option('--prompt-tokens <n>', 'prompt size, tokens', int, 16_384)
     .option('--iterations <n>', 'requests measured, one after another', int, 300)
     .option('--kv-block-tokens <tokens>', 'block size hashed', int, DEFAULT_KV_BLOCK_TOKENS)
+    .option('--tokenize-cache-mib <n>', 'bound of the router tokenizer\'s chunk cache (0 = every prompt whole)', int, DEFAULT_TOKENIZE_CACHE_BYTES >> 20)
+    .option('--memory-sessions <n>', 'instead: the router\'s memory with this many sessions\' prompts tokenized and their blocks held (heap before/after beside the bounds)', int)
+    .option('--session-tokens <n>', 'with --memory-sessions: tokens of each session\'s prompt', int, 8192)
+    .option('--workers <n>', 'with --memory-sessions: workers the sessions\' blocks are spread over', int, 3)
+    .option('--kv-router-max-blocks <n>', 'with --memory-sessions: block references kept per worker', int, DEFAULT_ROUTER_MAX_BLOCKS)
     .action(async (o) => {
-      const { benchRouteTokens } = await import('../bench/route-tokens.js');
+      const { benchRouteTokens, benchRouteMemory } = await import('../bench/route-tokens.js');
       const { ensureModel } = await import('../engine/gguf-writer.js');
       const model = o.model === 'tiny' || o.model === 'small' ? await ensureModel(o.model, 1) : resolve(o.model);
-      console.log(JSON.stringify(await benchRouteTokens({ model, promptTokens: o.promptTokens, iterations: o.iterations, blockTokens: o.kvBlockTokens })));
+      const cacheBytes = o.tokenizeCacheMib * (1 << 20);
+      if (o.memorySessions !== undefined) console.log(JSON.stringify(await benchRouteMemory({ model, sessions: o.memorySessions, sessionTokens: o.sessionTokens, workers: o.workers, maxBlocks: o.kvRouterMaxBlocks, cacheBytes, blockTokens: o.kvBlockTokens })));
+      else console.log(JSON.stringify(await benchRouteTokens({ model, promptTokens: o.promptTokens, iterations: o.iterations, blockTokens: o.kvBlockTokens, cacheBytes })));
     });
 
   // ---- bench (src/bench/index.ts) and the benchmark suite (src/bench/suite.ts) ----

@@ -5,7 +5,7 @@
  * event loop) and the tokenizer thread (./tokenizer-worker.ts, off it), so both give the same
  * tokens for the same input.
  */
-import { GeneralChatWrapper, resolveChatWrapper, type ChatWrapper, type LlamaModel } from 'node-llama-cpp';
+import { GeneralChatWrapper, resolveChatWrapper, type ChatWrapper, type LlamaModel, type Tokenizer } from 'node-llama-cpp';
 import { chatFunctionsOf, chatHistoryOf } from './tools.js';
 import type { ChatMessage, ToolFunction } from './types.js';
 
@@ -18,9 +18,12 @@ export function chatWrapperOf(model: LlamaModel): ChatWrapper {
   return typeof tmpl === 'string' && tmpl.length > 0 ? resolveChatWrapper(model) : new GeneralChatWrapper();
 }
 
-/** Plain text → tokens (special-token text is not parsed); BOS prepended when the model asks for it and `addSpecial`. */
-export function tokenizeText(model: LlamaModel, text: string, addSpecial = true): number[] {
-  const toks = model.tokenize(text, false) as number[];
+/**
+ * Plain text → tokens (special-token text is not parsed); BOS prepended when the model asks for it and `addSpecial`.
+ * `tokenizer`: the model's own by default; ./token-chunks.ts gives one with the same results, cached.
+ */
+export function tokenizeText(model: LlamaModel, text: string, addSpecial = true, tokenizer: Tokenizer = model.tokenizer): number[] {
+  const toks = tokenizer(text, false) as number[];
   const bos = model.tokens.bos;
   if (addSpecial && bos != null && model.tokens.shouldPrependBosToken && toks[0] !== bos) return [bos, ...toks];
   return toks;
@@ -28,11 +31,12 @@ export function tokenizeText(model: LlamaModel, text: string, addSpecial = true)
 
 /**
  * Messages rendered with `wrapper` — tool calls and results in the history and the functions'
- * documentation in the wrapper's own format (./tools.ts) — the assistant prefix added, tokenized.
+ * documentation in the wrapper's own format (./tools.ts) — the assistant prefix added, tokenized
+ * with `tokenizer` (the model's own by default; ./token-chunks.ts gives one with the same results, cached).
  */
-export function renderChatTokens(model: LlamaModel, wrapper: ChatWrapper, messages: readonly ChatMessage[], tools?: readonly ToolFunction[]): number[] {
+export function renderChatTokens(model: LlamaModel, wrapper: ChatWrapper, messages: readonly ChatMessage[], tools?: readonly ToolFunction[], tokenizer: Tokenizer = model.tokenizer): number[] {
   const history = chatHistoryOf(messages);
   const functions = tools && tools.length > 0 ? chatFunctionsOf(tools) : undefined;
   const { contextText } = wrapper.generateContextState({ chatHistory: history, ...(functions ? { availableFunctions: functions, documentFunctionParams: true } : {}) });
-  return contextText.tokenize(model.tokenizer) as number[];
+  return contextText.tokenize(tokenizer) as number[];
 }

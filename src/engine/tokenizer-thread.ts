@@ -20,11 +20,15 @@ import type { Worker } from 'node:worker_threads';
 import { PdError } from '../base/errors.js';
 import { startWorkerThread } from './worker-thread.js';
 import type { ChatMessage, ToolFunction } from './types.js';
+import type { ChunkCacheStats } from './token-chunks.js';
 
 /** One request to the thread; `stop` asks it to answer `{stopped: true}` once idle. */
-export type TokenizeJob = { id: number; kind: 'text'; text: string; addSpecial: boolean } | { id: number; kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { id: number; kind: 'stop' };
+export type TokenizeJob = { id: number; kind: 'text'; text: string; addSpecial: boolean } | { id: number; kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { id: number; kind: 'stats' } | { id: number; kind: 'stop' };
 
-type Reply = { stopped: true } | { id: number; tokens: Uint32Array } | { id: number; error: string };
+/** The chunk cache's figures and the thread's V8 heap in use, bytes. */
+export type TokenizerThreadStats = ChunkCacheStats & { heapUsed: number };
+
+type Reply = { stopped: true } | { cache: ChunkCacheStats } | { id: number; tokens: Uint32Array } | { id: number; stats: TokenizerThreadStats } | { id: number; error: string };
 
 export interface TokenizerThreadOptions {
   /** Most prompts queued or in work at once. Default 64. */
@@ -35,10 +39,14 @@ export interface TokenizerThreadOptions {
   startTimeoutMs?: number;
   /** Most thread starts in this process (restarts after a thread died included). Default 3. */
   maxStarts?: number;
+  /** Bound of the thread's chunk cache (./token-chunks.ts), bytes; 0 (default): prompts tokenized whole. */
+  cacheBytes?: number;
 }
 
 interface Pending {
-  resolve: (tokens: number[]) => void;
+  resolve: (v: never) => void;
+  /** Resolve with the thread's Uint32Array as it came (no copy into an array). */
+  typed: boolean;
   reject: (err: Error) => void;
   timer: NodeJS.Timeout;
 }
@@ -57,6 +65,9 @@ export class TokenizerThread {
   private readonly startTimeoutMs: number;
   private readonly maxStarts: number;
   private starts = 0;
+  private readonly cacheBytes: number;
+  /** The chunk cache's state as the thread reported it at its last start (after its self-check). */
+  cache: ChunkCacheStats | undefined;
 
   constructor(
     /** The GGUF whose vocabulary is loaded (the engine's model file). */
@@ -67,6 +78,7 @@ export class TokenizerThread {
     this.timeoutMs = opts.timeoutMs ?? 30_000;
     this.startTimeoutMs = opts.startTimeoutMs ?? 60_000;
     this.maxStarts = opts.maxStarts ?? 3;
+    this.cacheBytes = opts.cacheBytes ?? 0;
   }
 
   /** False once closed or out of starts: tokenize on the caller's loop instead. */
@@ -84,11 +96,15 @@ export class TokenizerThread {
       entry: 'tokenizer-worker',
       base: import.meta.url,
       label: 'tokenizer thread',
-      workerData: { modelPath: this.modelPath, stop: this.stopFlag },
+      workerData: { modelPath: this.modelPath, stop: this.stopFlag, cacheBytes: this.cacheBytes },
       startTimeoutMs: this.startTimeoutMs,
       onMessage: (m) => {
         if ('stopped' in m) {
           this.onStopped?.();
+          return;
+        }
+        if ('cache' in m) {
+          this.cache = m.cache;
           return;
         }
         const p = this.pending.get(m.id);
@@ -96,7 +112,8 @@ export class TokenizerThread {
         this.pending.delete(m.id);
         clearTimeout(p.timer);
         if ('error' in m) p.reject(new PdError('engine_failed', `tokenizer: ${m.error}`));
-        else p.resolve(Array.from(m.tokens));
+        else if ('stats' in m) p.resolve(m.stats as never);
+        else p.resolve((p.typed ? m.tokens : Array.from(m.tokens)) as never);
       },
       onGone: (w, why) => this.lost(w, why),
     });
@@ -113,6 +130,21 @@ export class TokenizerThread {
   /** Messages (and tools) → tokens, as `Engine.renderChat`. @throws PdError QUEUE_FULL, TIMEOUT, engine_failed. */
   renderChat(messages: ChatMessage[], tools?: readonly ToolFunction[]): Promise<number[]> {
     return this.call({ id: 0, kind: 'chat', messages, ...(tools ? { tools: [...tools] } : {}) });
+  }
+
+  /** `tokenize`, the tokens as the thread's Uint32Array (no copy: for callers that only read them). */
+  tokenizeTyped(text: string, addSpecial = true): Promise<Uint32Array> {
+    return this.call({ id: 0, kind: 'text', text, addSpecial }, true);
+  }
+
+  /** `renderChat`, the tokens as the thread's Uint32Array (no copy: for callers that only read them). */
+  renderChatTyped(messages: ChatMessage[], tools?: readonly ToolFunction[]): Promise<Uint32Array> {
+    return this.call({ id: 0, kind: 'chat', messages, ...(tools ? { tools: [...tools] } : {}) }, true);
+  }
+
+  /** The chunk cache's figures and the thread's heap. @throws PdError QUEUE_FULL, TIMEOUT, engine_failed. */
+  stats(): Promise<TokenizerThreadStats> {
+    return this.call({ id: 0, kind: 'stats' });
   }
 
   /**
@@ -139,20 +171,20 @@ export class TokenizerThread {
     if (await idle) await w.terminate().catch(() => 0);
   }
 
-  private async call(job: TokenizeJob): Promise<number[]> {
+  private async call<T = number[]>(job: TokenizeJob, typed = false): Promise<T> {
     if (this.pending.size >= this.maxPending) throw new PdError('QUEUE_FULL', `tokenizer queue is full (${this.maxPending} prompts)`);
     await this.start();
     const w = this.worker;
     if (!w) throw new PdError('engine_failed', 'tokenizer thread is gone');
     if (this.pending.size >= this.maxPending) throw new PdError('QUEUE_FULL', `tokenizer queue is full (${this.maxPending} prompts)`);
     const id = ++this.seq;
-    return new Promise<number[]>((resolve, reject) => {
+    return new Promise<T>((resolve, reject) => {
       const timer = setTimeout(() => {
         this.pending.delete(id);
         reject(new PdError('TIMEOUT', `tokenizing took more than ${this.timeoutMs} ms`));
       }, this.timeoutMs);
       timer.unref();
-      this.pending.set(id, { resolve, reject, timer });
+      this.pending.set(id, { resolve: resolve as (v: never) => void, reject, timer, typed });
       w.postMessage({ ...job, id });
     });
   }

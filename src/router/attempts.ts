@@ -63,7 +63,7 @@ export interface AttemptDeps {
   /** Requests waiting for a healthy worker now (bounded by MAX_WAITING). */
   waiting: { n: number };
   /** The prompt's tokens as the workers tokenize it (./tokens.ts); absent: no router tokenizer. */
-  tokensOf?: (parsed: ParsedRequest) => Promise<number[] | undefined>;
+  tokensOf?: (parsed: ParsedRequest) => Promise<ArrayLike<number> | undefined>;
 }
 
 /** Who a request is for: its response id, log, `x-session-id` and, for a fanned-out choice, the whole request's response id. */

@@ -30,7 +30,8 @@
  *       cacheThreshold = 0.3, balanceAbsThreshold = 64, balanceRelThreshold = 1.5,
  *       maxTreeChars = 4 Mi (SGLang router's defaults; see policy/index.ts),
  *     model? (the workers' GGUF: exact routing, ./tokens.ts), kvRouterMaxBlocks = 1 Mi (block
- *       references of the workers' KV events kept per worker, ./kv-events.ts),
+ *       references of the workers' KV events kept per worker, ./kv-events.ts), tokenizeCacheBytes =
+ *       64 MiB (the router tokenizer's chunk cache, ../engine/token-chunks.ts; 0 = off),
  *     corsOrigin = [] (CORS origins; '*' = any; empty = no CORS headers),
  *     apiKeys = [], apiKeyFile?, adminApiKeys = [], privateMetrics = false (client access:
  *       ../api/access.ts), clusterSecret? (signs every request to a worker), tls? = { cert, key }
@@ -49,6 +50,7 @@ import { PdError } from '../base/errors.js';
 import type { Logger } from 'pino';
 import { DEFAULT_CACHE_AWARE, POLICY_NAMES, type PolicyName } from './policy/index.js';
 import { DEFAULT_ROUTER_MAX_BLOCKS } from '../protocol/kv-events.js';
+import { DEFAULT_TOKENIZE_CACHE_BYTES } from '../engine/token-chunks.js';
 import { DEFAULT_RESPONSE_STORE_LIMITS, type ResponseStoreLimits } from '../api/responses-store.js';
 import { DEFAULT_MAX_TOOL_CALLS, DEFAULT_SCHEMA_MAX_ENUM_VALUES, DEFAULT_SCHEMA_MAX_NODES, MAX_TOOL_CALLS_LIMIT } from '../engine/types.js';
 
@@ -132,6 +134,7 @@ export const RouterConfigSchema = z
     model: z.string().min(1).optional(),
     /** Block references of the workers' KV events kept per worker (./kv-events.ts). */
     kvRouterMaxBlocks: z.number().int().min(1).max(1 << 26).default(DEFAULT_ROUTER_MAX_BLOCKS),
+    tokenizeCacheBytes: z.number().int().min(0).max(2 ** 40).default(DEFAULT_TOKENIZE_CACHE_BYTES),
     /** CORS origins ('*' = any); empty = no CORS headers. */
     corsOrigin: z.array(z.string().min(1)).max(64).default([]),
     /** Client access (../api/access.ts): API keys, a key file re-read on change, admin keys, /metrics behind the admin rule. */
@@ -234,6 +237,8 @@ export interface RouterConfig {
   readonly model?: string;
   /** Block references of the workers' KV events kept per worker. */
   readonly kvRouterMaxBlocks: number;
+  /** Bound of the router tokenizer's chunk cache, bytes (0: prompts tokenized whole). */
+  readonly tokenizeCacheBytes: number;
   /** CORS origins ('*' = any); empty = no CORS headers. */
   readonly corsOrigin: readonly string[];
   /** Client access (../api/access.ts). Never logged. */

@@ -161,9 +161,13 @@ export async function createRouter(raw: RouterConfigInput | RouterConfig, testHo
   // Other routers' load, as each worker counts it (./load-watch.ts): one long poll per worker.
   const loads = new LoadWatch((url) => registry.workers.find((w) => w.url === url)?.load ?? 0, (base) => withCredentials(credentials, base), workerTls);
   // The prompt's tokens as the workers tokenize it (./tokens.ts): exact routing needs the model's vocabulary.
-  const tokenizer = config.model ? new RouterTokenizer(config.model, { registry: metrics.registry }) : null;
+  const tokenizer = config.model ? new RouterTokenizer(config.model, { registry: metrics.registry, cacheBytes: config.tokenizeCacheBytes }) : null;
   // loaded before the router serves (bounded by the thread's start deadline): a request never waits for it
-  if (tokenizer) await tokenizer.start().catch((err: unknown) => log.warn({ err: (err as Error).message, model: config.model }, 'router tokenizer did not start: routing without exact token blocks'));
+  if (tokenizer) {
+    await tokenizer.start().catch((err: unknown) => log.warn({ err: (err as Error).message, model: config.model }, 'router tokenizer did not start: routing without exact token blocks'));
+    const cache = tokenizer.cache;
+    if (cache && !cache.on && config.tokenizeCacheBytes > 0) log.warn({ why: cache.why, model: config.model }, 'router tokenizer chunk cache is off: every prompt is tokenized whole');
+  }
   else log.info('no --model: the router routes without exact token blocks (approximate prefix tree; no decode-local)');
   const traces = new TraceStore();
   const series = new DashboardSeries();

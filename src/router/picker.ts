@@ -44,7 +44,7 @@ import type { KvEventConsumer } from './kv-events.js';
 /** The request facts a pick needs (see the module doc's table). */
 export interface PickFacts {
   text: string;
-  tokens?: readonly number[];
+  tokens?: ArrayLike<number>;
   salt?: string;
   resumed?: number;
   key?: string;
@@ -70,7 +70,7 @@ export interface PickRound {
   /** An ok round: the conversation as the decode now holds it (routing text after the reply). */
   heldText?: string;
   /** An ok round: its prompt's tokens (when the router tokenized it), cache salt and session key: held by the decode now. */
-  tokens?: readonly number[];
+  tokens?: ArrayLike<number>;
   salt?: string;
   key?: string;
 }
@@ -101,7 +101,7 @@ export class Picker implements PairPicker {
   constructor(private readonly d: PickerDeps) {}
 
   /** The prompt's block hashes per block size, computed on first use (one size in a uniform cluster). */
-  private static hashes(tokens: readonly number[], salt: string | undefined): (blockTokens: number) => readonly number[] {
+  private static hashes(tokens: ArrayLike<number>, salt: string | undefined): (blockTokens: number) => readonly number[] {
     const by = new Map<number, readonly number[]>();
     return (b) => {
       let h = by.get(b);
@@ -111,7 +111,7 @@ export class Picker implements PairPicker {
   }
 
   /** The exact facts of a prompt (undefined: no tokens). */
-  exact(tokens: readonly number[] | undefined, salt: string | undefined, now: number, key?: string): ExactFacts | undefined {
+  exact(tokens: ArrayLike<number> | undefined, salt: string | undefined, now: number, key?: string): ExactFacts | undefined {
     if (!tokens) return undefined;
     const { kv } = this.d;
     const hashesFor = Picker.hashes(tokens, salt);
