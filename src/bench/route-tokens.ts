@@ -25,7 +25,8 @@
  * | entries_without_blocks | sessions whose blocks the bound refused (kept, not matched) |
  * | tokenize_cache_max_bytes / tokenize_cache_bytes | the chunk cache's bound (`--tokenize-cache-mib`) and what it holds |
  * | router_heap_mib | the router thread's V8 heap used: before, after, added |
- * | tokenizer_heap_mib | the tokenizer thread's V8 heap used (the chunk cache lives there): before, after, added |
+ * | router_bytes_per_block_ref | heap added ÷ block references kept (the index's cost per block) |
+ * | tokenizer_heap_mib | the tokenizer thread's V8 heap used plus its typed arrays (the chunk cache lives there), after a full GC: before, after, added |
  */
 import { Registry } from 'prom-client';
 import { RouterTokenizer } from '../router/tokens.js';
@@ -150,19 +151,23 @@ export async function benchRouteMemory(o: RouteMemoryOptions): Promise<Record<st
       seed = (Math.imul(seed, 1103515245) + 12345) >>> 0;
       return words[(seed >>> 16) % words.length]!;
     };
-    const chars = Math.max(16, o.sessionTokens * 5);
+    let chars = Math.max(16, o.sessionTokens * 4);
     const sessionText = (i: number): string => {
       let t = `Session ${i}.`;
       while (t.length < chars) t += ' ' + word();
       return t;
     };
-    const thread0 = (await tok.stats()).heapUsed;
+    const chatOf = (i: number) => parseChatRequest({ model: 'm', messages: [{ role: 'system', content: sessionText(i) }, { role: 'user', content: `turn ${i}` }] });
+    // characters a token in this vocabulary: one sample session sets the text length
+    const sample = (await tok.tokensOf(chatOf(-1)))?.length ?? 0;
+    if (sample === 0) throw new InternalError('the tokenizer gave no tokens');
+    chars = Math.max(16, Math.round((chars * o.sessionTokens) / sample));
+    const thread0 = (await tok.stats(true)).heapUsed;
     const heap0 = heapAfterGc();
     let tokens = 0;
     const t0 = performance.now();
     for (let i = 0; i < o.sessions; i++) {
-      const parsed = parseChatRequest({ model: 'm', messages: [{ role: 'system', content: sessionText(i) }, { role: 'user', content: `turn ${i}` }] });
-      const t = (await tok.tokensOf(parsed)) ?? [];
+      const t = (await tok.tokensOf(chatOf(i))) ?? [];
       if (t.length === 0) throw new InternalError(`session ${i}: the tokenizer gave no tokens`);
       tokens += t.length;
       const c = claims[i % o.workers]!;
@@ -171,7 +176,8 @@ export async function benchRouteMemory(o: RouteMemoryOptions): Promise<Record<st
     }
     const seconds = (performance.now() - t0) / 1000;
     const heap1 = heapAfterGc();
-    const st = await tok.stats();
+    const st = await tok.stats(true);
+    const refs = claims.reduce((n, c) => n + c.refs, 0);
     return {
       model: o.model,
       sessions: o.sessions,
@@ -187,6 +193,7 @@ export async function benchRouteMemory(o: RouteMemoryOptions): Promise<Record<st
       tokenize_cache_entries: st.entries,
       tokenize_cache_on: st.on,
       router_heap_mib: { before: mib(heap0), after: mib(heap1), added: mib(heap1 - heap0) },
+      router_bytes_per_block_ref: refs > 0 ? Math.round((heap1 - heap0) / refs) : null,
       tokenizer_heap_mib: { before: mib(thread0), after: mib(st.heapUsed), added: mib(st.heapUsed - thread0) },
       rss_mib: mib(process.memoryUsage().rss),
       seconds: +seconds.toFixed(1),

@@ -23,9 +23,9 @@ import type { ChatMessage, ToolFunction } from './types.js';
 import type { ChunkCacheStats } from './token-chunks.js';
 
 /** One request to the thread; `stop` asks it to answer `{stopped: true}` once idle. */
-export type TokenizeJob = { id: number; kind: 'text'; text: string; addSpecial: boolean } | { id: number; kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { id: number; kind: 'stats' } | { id: number; kind: 'stop' };
+export type TokenizeJob = { id: number; kind: 'text'; text: string; addSpecial: boolean } | { id: number; kind: 'chat'; messages: ChatMessage[]; tools?: ToolFunction[] } | { id: number; kind: 'stats'; gc: boolean } | { id: number; kind: 'stop' };
 
-/** The chunk cache's figures and the thread's V8 heap in use, bytes. */
+/** The chunk cache's figures and the thread's V8 heap in use plus its external memory (typed arrays), bytes. */
 export type TokenizerThreadStats = ChunkCacheStats & { heapUsed: number };
 
 type Reply = { stopped: true } | { cache: ChunkCacheStats } | { id: number; tokens: Uint32Array } | { id: number; stats: TokenizerThreadStats } | { id: number; error: string };
@@ -142,9 +142,9 @@ export class TokenizerThread {
     return this.call({ id: 0, kind: 'chat', messages, ...(tools ? { tools: [...tools] } : {}) }, true);
   }
 
-  /** The chunk cache's figures and the thread's heap. @throws PdError QUEUE_FULL, TIMEOUT, engine_failed. */
-  stats(): Promise<TokenizerThreadStats> {
-    return this.call({ id: 0, kind: 'stats' });
+  /** The chunk cache's figures and the thread's heap (`gc`: after a full collection there, for benchmarks). @throws PdError QUEUE_FULL, TIMEOUT, engine_failed. */
+  stats(gc = false): Promise<TokenizerThreadStats> {
+    return this.call({ id: 0, kind: 'stats', gc });
   }
 
   /**

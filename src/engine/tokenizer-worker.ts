@@ -2,14 +2,15 @@
  * Entry of the tokenizer thread (see ./tokenizer-thread.ts): loads the model's vocabulary only
  * (`vocabOnly`: no weight tensors, no context) and turns prompts into tokens with the same
  * functions the engine uses (./prompt.ts), off the worker's event loop. Messages in:
- * `{id, kind: 'text', text, addSpecial}`, `{id, kind: 'chat', messages}` or `{id, kind: 'stats'}`;
+ * `{id, kind: 'text', text, addSpecial}`, `{id, kind: 'chat', messages}` or `{id, kind: 'stats', gc}`;
  * out: `{cache}` (the chunk cache's state after its self-check) and `{ready: true}` once, then
  * `{id, tokens: Uint32Array}`, `{id, stats}` or `{id, error}` per request, in order. `{kind: 'stop'}`
  * is answered `{stopped: true}` when it is reached (the thread is idle then); while the shared
  * `stop` flag is up, queued prompts are skipped. With `cacheBytes` > 0 prompts go through the
  * chunk cache (./token-chunks.ts), which checks itself first and stays off on a mismatch.
  */
-import { getHeapStatistics } from 'node:v8';
+import { getHeapStatistics, setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { parentPort, workerData } from 'node:worker_threads';
 import { getLlama, LlamaLogLevel } from 'node-llama-cpp';
 import { chatWrapperOf, renderChatTokens, tokenizeText } from './prompt.js';
@@ -34,7 +35,15 @@ port.on('message', (job: TokenizeJob) => {
   if (job.kind === 'stop') return void model.dispose().then(() => llama.dispose()).finally(() => port.postMessage({ stopped: true }));
   // Closing: queued prompts are skipped (their callers were already answered).
   if (Atomics.load(stop, 0) === 1) return port.postMessage({ id: job.id, error: 'stopped' });
-  if (job.kind === 'stats') return port.postMessage({ id: job.id, stats: { ...chunked.stats(), heapUsed: getHeapStatistics().used_heap_size } });
+  if (job.kind === 'stats') {
+    // benchmarks: what is live after a full collection (the GC exposed for this on demand)
+    if (job.gc) {
+      setFlagsFromString('--expose-gc');
+      (runInNewContext('gc') as () => void)();
+    }
+    const h = getHeapStatistics();
+    return port.postMessage({ id: job.id, stats: { ...chunked.stats(), heapUsed: h.used_heap_size + h.external_memory } });
+  }
   try {
     const tokens = Uint32Array.from(job.kind === 'text' ? tokenizeText(model, job.text, job.addSpecial, tokenizer) : renderChatTokens(model, wrapper, job.messages, job.tools, tokenizer));
     port.postMessage({ id: job.id, tokens }, [tokens.buffer]);

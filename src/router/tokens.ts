@@ -89,9 +89,9 @@ export class RouterTokenizer {
     return this.thread.cache;
   }
 
-  /** The chunk cache's figures now and the thread's heap (benchmarks). @throws PdError as `TokenizerThread.stats`. */
-  stats(): Promise<TokenizerThreadStats> {
-    return this.thread.stats();
+  /** The chunk cache's figures now and the thread's heap (benchmarks; `gc`: after a full collection). @throws PdError as `TokenizerThread.stats`. */
+  stats(gc = false): Promise<TokenizerThreadStats> {
+    return this.thread.stats(gc);
   }
 
   /** End the thread (see `TokenizerThread.close`). */
