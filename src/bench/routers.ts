@@ -71,13 +71,15 @@ export interface TurnRecord {
   decode: string | null;
   path: string | null;
   router: 'A' | 'B' | null;
+  /** When the serving router dispatched its last attempt (its trace's last `dispatched` event, on the `sentAt` clock); absent when unknown. */
+  routedAt?: number;
 }
 
 /** What the sessions' turns say about the kill (see `sessionFigures`). */
 export interface SessionFigures {
   /** Turns through A and B completed before the kill (from the traces). */
   beforeByRouter: { A: number; B: number };
-  /** Sessions with a turn completing after the kill whose turn before it has a known decode. */
+  /** Sessions with a turn routed after the kill whose turn before it has a known decode. */
   nextTurns: number;
   /** Of those: served by the decode that served the turn before; served decode-local (on the kept sequence itself); in flight at the kill. */
   sameDecode: number;
@@ -93,15 +95,17 @@ export interface SessionFigures {
 }
 
 /**
- * The kill's figures from the client's turn records: per session, its first turn completing
- * after `killAt` against the turn completing before it (the decode that served, and kept, the
- * conversation); the cached share of turns 2+ on each side of the kill.
+ * The kill's figures from the client's turn records: per session, its first turn routed after
+ * `killAt` (its last dispatch; the completion time where the trace has none) against the turn
+ * before it (the decode that served, and kept, the conversation) — a turn routed before the
+ * kill and finishing after it is not a decision made after the kill; the cached share of turns
+ * 2+ completed on each side of the kill.
  */
 export function sessionFigures(turns: readonly TurnRecord[], killAt: number, sessions: number): SessionFigures {
   const f: SessionFigures = { beforeByRouter: { A: 0, B: 0 }, nextTurns: 0, sameDecode: 0, decodeLocal: 0, inFlight: 0, unknown: 0, cachedBefore: NaN, cachedAfter: NaN, failedClient: turns.filter((t) => !t.ok).length };
   for (let s = 0; s < sessions; s++) {
     const own = turns.filter((t) => t.session === s && t.ok).sort((a, b) => a.doneAt - b.doneAt);
-    const i = own.findIndex((t) => t.doneAt > killAt);
+    const i = own.findIndex((t) => (t.routedAt ?? t.doneAt) > killAt);
     if (i <= 0) continue; // no turn after the kill, or none before it
     const prev = own[i - 1]!;
     const next = own[i]!;
@@ -275,26 +279,40 @@ async function streamsPhase(routers: ClusterProc[], decodes: ClusterProc[], mode
 const STREAM_SEEN_MS = 3000;
 
 /** A router's recent traces (GET /debug/traces, at most 500) by trace id: decode and the path of the last dispatch; empty when it does not answer. */
-async function recentTraces(url: string): Promise<Map<string, { decode: string | null; path: string | null }>> {
-  const out = new Map<string, { decode: string | null; path: string | null }>();
+async function recentTraces(url: string, wall0: number): Promise<Map<string, Served>> {
+  const out = new Map<string, Served>();
   try {
-    const j = (await (await fetch(`${url}/debug/traces?limit=500`, { signal: AbortSignal.timeout(5000) })).json()) as { traces: { trace: string; decode: string | null; events: { what: string; path?: string }[] }[] };
-    for (const t of j.traces) out.set(t.trace, { decode: t.decode, path: t.events.filter((e) => e.what === 'dispatched').at(-1)?.path ?? null });
+    const j = (await (await fetch(`${url}/debug/traces?limit=500`, { signal: AbortSignal.timeout(5000) })).json()) as { traces: TraceJson[] };
+    for (const t of j.traces) out.set(t.trace, servedBy(t, wall0));
   } catch {
     // none
   }
   return out;
 }
 
-/** The serving router's trace of request `id`: decode, path of its last dispatch, which router. */
-async function traceOf(id: string, routers: { name: 'A' | 'B'; url: string }[]): Promise<{ decode: string | null; path: string | null; router: 'A' | 'B' | null }> {
+/** A trace as GET /debug/traces gives it (the fields read here). */
+interface TraceJson {
+  trace: string;
+  decode: string | null;
+  events: { at: number; what: string; path?: string }[];
+}
+
+/** Where a trace says its request was served: decode, the path and time of its last dispatch. */
+type Served = Pick<TurnRecord, 'decode' | 'path' | 'routedAt'>;
+
+/** `Served` of trace `t`, its dispatch time on the phase clock that started at wall ms `wall0`. */
+function servedBy(t: TraceJson, wall0: number): Served {
+  const last = t.events.filter((e) => e.what === 'dispatched').at(-1);
+  return { decode: t.decode, path: last?.path ?? null, ...(last ? { routedAt: last.at - wall0 } : {}) };
+}
+
+/** The serving router's trace of request `id`: decode, path and time of its last dispatch, which router. */
+async function traceOf(id: string, routers: { name: 'A' | 'B'; url: string }[], wall0: number): Promise<Served & { router: 'A' | 'B' | null }> {
   for (const r of routers) {
     try {
       const res = await fetch(`${r.url}/debug/traces/${encodeURIComponent(id)}`, { signal: AbortSignal.timeout(2000) });
       if (res.status !== 200) continue;
-      const t = (await res.json()) as { decode: string | null; events: { what: string; path?: string }[] };
-      const path = t.events.filter((e) => e.what === 'dispatched').at(-1)?.path ?? null;
-      return { decode: t.decode, path, router: r.name };
+      return { ...servedBy((await res.json()) as TraceJson, wall0), router: r.name };
     } catch {
       // dead or not this router's
     }
@@ -377,13 +395,14 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     const bBefore = await metricsOf(rb.url);
     const turns: TurnRecord[] = [];
     const phase0 = performance.now();
+    const wall0 = Date.now(); // the routers' trace times are wall ms
     const half = Math.floor((o.sessions * o.turns) / 2);
     let done = 0;
     let killAt = NaN;
     let picksAtKill = '';
     let killing: Promise<void> | undefined;
     const lookups = new Set<Promise<unknown>>();
-    let aTraces = new Map<string, { decode: string | null; path: string | null }>();
+    let aTraces = new Map<string, Served>();
     const aDead = () => !Number.isNaN(killAt);
     await Promise.all(
       convs.map(async (conv, session) => {
@@ -402,7 +421,7 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
             const text = r.choices[0]?.message.content ?? '';
             messages.push({ role: 'assistant', content: text });
             const doneAt = performance.now() - phase0;
-            const lookup = traceOf(id, named);
+            const lookup = traceOf(id, named, wall0);
             lookups.add(lookup);
             const where = await lookup;
             lookups.delete(lookup);
@@ -422,7 +441,7 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
             // the turns A served read their traces from A before it goes (bounded: 2 s), and A's recent traces are kept for those whose lookup loses the race
             await Promise.race([Promise.allSettled([...lookups]), sleep(2000)]);
             picksAtKill = await metricsOf(rb.url);
-            aTraces = await recentTraces(ra.url);
+            aTraces = await recentTraces(ra.url, wall0);
             say(`  ${done} turns done: SIGKILL router A`);
             killing = c.kill(ra);
           }
@@ -433,7 +452,7 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     await killing;
     const bAfter = await metricsOf(rb.url);
     // turns whose own lookup found no trace: from B's recent traces, else A's taken before the kill
-    const bTraces = await recentTraces(rb.url);
+    const bTraces = await recentTraces(rb.url, wall0);
     for (const t of turns) {
       if (!t.ok || t.decode !== null) continue;
       const [router, found] = bTraces.has(t.id) ? (['B', bTraces.get(t.id)!] as const) : aTraces.has(t.id) ? (['A', aTraces.get(t.id)!] as const) : [null, undefined];

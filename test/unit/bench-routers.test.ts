@@ -48,6 +48,25 @@ describe('bench-routers figures', () => {
     assert.match(goals[1]!.figure, /80\.0 % before, 63\.3 % after \(16\.7 points drop\)/);
   });
 
+  it('the next turn is the first routed after the kill: a turn routed before it and finishing after is the one before', () => {
+    const kill = 1000;
+    const turns = [
+      t(0, 1, 0, 400, D0, 'pd', 0),
+      // routed to D1 by B before the kill, done after it: no decision of the kill's aftermath
+      { ...t(0, 2, 800, 1100, D1, 'pd', 10, 'B'), routedAt: 820 },
+      // routed after the kill: judged against turn 2's decode
+      { ...t(0, 3, 1200, 1400, D1, 'decode_local', 90, 'B'), routedAt: 1210 },
+      // in flight at the kill, retried through B after it: the retry's dispatch counts
+      t(1, 1, 0, 300, D0, 'pd', 0),
+      { ...t(1, 2, 900, 1500, D0, 'decode_local', 90, 'B'), routedAt: 1050 },
+    ];
+    const f = sessionFigures(turns, kill, 2);
+    assert.deepEqual({ next: f.nextTurns, same: f.sameDecode, inFlight: f.inFlight }, { next: 2, same: 2, inFlight: 1 });
+    // by completion alone session 0's turn 2 would have been the next turn, on another decode
+    const byDone = sessionFigures(turns.map(({ routedAt: _, ...r }) => r), kill, 2);
+    assert.deepEqual({ next: byDone.nextTurns, same: byDone.sameDecode }, { next: 2, same: 1 });
+  });
+
   it('every goal met; and each missed by its own figure', () => {
     const turns = [t(0, 1, 0, 100, D0, 'pd', 0), t(0, 2, 200, 300, D0), t(0, 3, 400, 600, D0, 'decode_local', 90, 'B')];
     const f = sessionFigures(turns, 350, 1);
