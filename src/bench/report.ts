@@ -11,6 +11,7 @@ import type { KvSectionResult } from './kv.js';
 import { agentGoals, agentsPlot, agentsReport, type AgentsResult } from './agents.js';
 import { agentsScaleGoals, agentsScaleReport, type AgentsScaleResult } from './report-agents.js';
 import { agentTraceGoals, agentTracePlot, agentTraceReport, type AgentTraceResult } from './report-agent-trace.js';
+import { routersSection, routersSummaryRows, type RoutersResult } from './routers.js';
 import { peerReport, type PeerResult } from './peer.js';
 import { phaseReport, type PhaseProfileResult } from './profile.js';
 import type { BatchingResult, BatchingRow, InterferenceResult, LowLoadRow, RouterOverheadResult, RouterOverheadRun, ScalingResult } from './sections.js';
@@ -222,7 +223,9 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   const s7scale = files.get(71)?.result as AgentsScaleResult | undefined;
   const s7trace = files.get(72)?.result as AgentTraceResult | undefined;
   const agentRows = [...(s7?.runs?.length ? agentGoals(s7) : []), ...(s7scale?.runs?.length ? agentsScaleGoals(s7scale) : []), ...(s7trace?.runs?.length ? agentTraceGoals(s7trace) : [])].map((g) => [`${g.goal} (§7)`, g.detail, g.met ? '**pass**' : '**miss**']);
-  const goals = table(['goal', 'measured', 'met?'], [...handoffGoals(files.get(1), files.get(11), s2), ...servingGoals(s2, s2u, s3, s4, s5, s6), ...agentRows]);
+  const s9 = files.get(9)?.result as RoutersResult | undefined;
+  const routerRows = routersSummaryRows(s9).map((g) => [`${g.goal} (§9)`, g.figure, g.met ? '**pass**' : '**miss**']);
+  const goals = table(['goal', 'measured', 'met?'], [...handoffGoals(files.get(1), files.get(11), s2), ...servingGoals(s2, s2u, s3, s4, s5, s6), ...agentRows, ...routerRows]);
   const machine = table(
     ['', ''],
     [
@@ -259,6 +262,7 @@ export function renderReport(meta: SuiteMeta, files: Map<number, SectionFile>, p
   values.s8 = peerReport(files.get(8)?.result as PeerResult | undefined, prov(8)).join('\n');
   // the profile usually comes from §8's own run: its provenance line is said once
   values.s8_profile = phaseReport(files.get(81)?.result as PhaseProfileResult | undefined, prov(81) === prov(8) ? '_Same run._' : prov(81)).join('\n');
+  values.s9 = routersSection(files.get(9)?.result as RoutersResult | undefined, prov(9)).join('\n');
   values.gpu = extra.join('\n');
   values.losses = losses(s1, s2, s3, s4, s5, s6, s7, s7scale, s7trace)
     .map((x) => `- ${x}`)

@@ -161,6 +161,8 @@ export interface RoutersResult {
   options: RoutersOptions;
   wallS: number;
   loadavg: number[];
+  /** CPU cores of the machine that ran it. */
+  cores?: number;
   streams: {
     samples: number;
     waited: number;
@@ -463,19 +465,36 @@ export async function runBenchRouters(o: RoutersOptions): Promise<RoutersResult>
     const picksAfterB = diff(countersBy(bAfter, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'), countersBy(picksAtKill, 'pdserve_router_policy_picks_total', 'reason', 'role="decode"'));
     const sessions: RoutersResult['sessions'] = { ...figures, killAt, turns, throughB, sdkRetried, picksAfterB };
     const goals = routersGoals(useNginx ? 'nginx' : 'none', streams, figures, turns.length, throughB, sdkRetried);
-    return { lb: useNginx ? 'nginx' : 'none', options: o, wallS: (performance.now() - t0) / 1000, loadavg: os.loadavg().map((x) => Math.round(x * 100) / 100), streams, sessions, goals };
+    return { lb: useNginx ? 'nginx' : 'none', options: o, wallS: (performance.now() - t0) / 1000, loadavg: os.loadavg().map((x) => Math.round(x * 100) / 100), cores: os.cpus().length, streams, sessions, goals };
   } finally {
     await lb?.stop();
     await c.stop();
   }
 }
 
-/** The report: setup line, per-phase figures, and the goals side by side with met/missed (markdown lines). */
-export function routersReport(r: RoutersResult): string[] {
+/**
+ * BENCHMARKS.md §9 from a saved run (bench/results/s9-routers.json): its provenance, the setup
+ * and the kill's lines (the goals and their headline figures are the summary's rows,
+ * `routersSummaryRows`; the whole figures stay in the file). Markdown lines; "not run yet"
+ * without a run.
+ */
+export function routersSection(r: RoutersResult | undefined, prov: string): string[] {
+  if (!r?.goals?.length) return ['_Not run yet._'];
+  const [setup, kill] = routersReport(r, r.cores);
+  return [prov, '', `${setup}.`, '', `${kill}.`];
+}
+
+/** The summary table's rows of a saved run: goal, the headline of its figure (up to its first " (" or ";"), met. */
+export function routersSummaryRows(r: RoutersResult | undefined): { goal: string; figure: string; met: boolean }[] {
+  return (r?.goals ?? []).map((g) => ({ goal: g.goal, figure: g.figure.split(/ \(|;/)[0]!, met: g.met }));
+}
+
+/** The report: setup line, per-phase figures, and the goals side by side with met/missed (markdown lines); `cores` of the machine that ran it (default: this one). */
+export function routersReport(r: RoutersResult, cores = os.cpus().length): string[] {
   const s = r.sessions;
   const o = r.options;
   return [
-    `bench-routers: 1 prefill + 2 decode, 2 routers (cache_aware), ${r.lb === 'nginx' ? 'nginx in front' : 'NO load balancer (nginx not installed)'}; ${o.sessions} sessions × ${o.turns} turns; ${fmt(r.wallS, 0)} s; load average ${r.loadavg.join(' ')} on ${os.cpus().length} cores`,
+    `bench-routers: 1 prefill + 2 decode, 2 routers (cache_aware), ${r.lb === 'nginx' ? 'nginx in front' : 'NO load balancer (nginx not installed)'}; ${o.sessions} sessions × ${o.turns} turns; ${fmt(r.wallS, 0)} s; load average ${r.loadavg.join(' ')} on ${cores} cores`,
     `sessions: router A SIGKILLed at ${fmt(s.killAt / 1000, 1)} s; turns before it through A ${s.beforeByRouter.A} / B ${s.beforeByRouter.B}; router B's decode picks after it: ${Object.entries(s.picksAfterB).map(([k, v]) => `${k} ${v}`).join(', ') || 'none'}`,
     '',
     '| goal | figure | |',

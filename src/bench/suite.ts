@@ -66,6 +66,8 @@ export const SECTION_FILES: Record<number, string> = {
   /** Section 7's agent trace replay (`pdserve bench-agents --save`), kept next to the default run. */
   72: 's7-agent-trace.json',
   8: 's8-llama-server.json',
+  /** Section 9, two routers (`pdserve bench-routers --save`). */
+  9: 's9-routers.json',
   /** Section 8's per-phase profile (PDSERVE_BENCH_PEER_PROFILE=1). */
   81: 's8-profile.json',
 };

@@ -766,6 +766,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
       .option('--stream-tokens <tokens>', 'streams phase: tokens each stream generates', int, 600)
       .option('--no-nginx', 'send the sessions to the routers directly even when nginx is installed')
       .option('--json <file>', 'write the result (per-turn records included) as JSON')
+      .option('--save', "write bench/results/s9-routers.json (without the per-turn records) and re-render BENCHMARKS.md from this checkout's results")
       .action(async (o) => {
         const { runBenchRouters, routersReport } = await import('../bench/routers.js');
         const { ensureModel } = await import('../engine/gguf-writer.js');
@@ -773,6 +774,7 @@ export async function cliProgram(argv: string[] = process.argv): Promise<Command
         const r = await runBenchRouters({ model, sessions: o.sessions, turns: o.turns, systemTokens: o.systemTokens, toolTokens: o.toolTokens, outputTokens: o.outputTokens, thinkMs: o.thinkMs, decodeSlots: o.decodeSlots, keepSlots: o.keepSlots ?? Math.ceil(o.sessions / 2) + 2, ctxSize: o.ctxSize, maxRetries: o.maxRetries, timeoutMs: o.timeoutMs, streams: o.streams, streamTokens: o.streamTokens, nginx: o.nginx !== false });
         console.log(routersReport(r).join('\n'));
         if (o.json) (await import('node:fs')).writeFileSync(o.json, JSON.stringify(r, (_k, v) => (typeof v === 'number' && !Number.isFinite(v) ? null : v), 1) + '\n');
+        if (o.save) (await import('../bench/routers-save.js')).saveRoutersResult(r);
         process.exitCode = r.goals.every((g) => g.met) ? 0 : 1;
       });
     program

@@ -52,7 +52,7 @@ describe('BENCHMARKS.md', () => {
     const md = reportFromResults(RESULTS, plots, suite.meta, suite.sectionsRun);
     const headings = [...md.matchAll(/^## (.+)$/gm)].map((m) => m[1]);
     assert.equal(headings[0], 'Summary');
-    for (const n of [1, 2, 3, 4, 5, 6, 7, 8]) assert.ok(headings.some((h) => h!.startsWith(`${n}. `)), `section ${n}`);
+    for (const n of [1, 2, 3, 4, 5, 6, 7, 8, 9]) assert.ok(headings.some((h) => h!.startsWith(`${n}. `)), `section ${n}`);
     assert.match(md, /## Summary\n\n\| goal \| measured \| met\? \|/);
     assert.match(md, /\| 1\.0 MiB \| 64 \| [\d.]+ \([\d.]+\) \|.*\| \*\*\d\.\d\d×\*\* not judged \|/);
     assert.match(md, /Over TCP the excess over the floor is the work a bare socket skips/);
@@ -62,7 +62,7 @@ describe('BENCHMARKS.md', () => {
 
   it('without results: every section says so and every goal is still stated', () => {
     const md = renderReport(suite.meta, new Map(), {}, [], ['_gpu figures_']);
-    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 12, "one per section, §1's large states, §7's agents at scale and agent trace, §8's profile");
+    assert.equal((md.match(/_Not run yet\._/g) ?? []).length, 13, "one per section, §1's large states, §7's agents at scale and agent trace, §8's profile, §9's two routers");
     assert.match(md, /router adds ≤ 3 ms to TTFT p99 \(§5\) \| n\/a \| not measured/);
     assert.match(md, /PD TTFT ≤ 1\.10 × colocated at 512–8192 prompt tokens/);
     assert.match(md, /ITL p99 ≤ 0\.2 × colocated under prefill interference/);

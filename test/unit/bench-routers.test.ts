@@ -7,7 +7,7 @@
  */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { countersBy, routersGoals, sessionFigures, type TurnRecord } from '../../src/bench/routers.js';
+import { countersBy, routersGoals, routersSection, routersSummaryRows, sessionFigures, type RoutersResult, type TurnRecord } from '../../src/bench/routers.js';
 
 const D0 = 'http://127.0.0.1:1';
 const D1 = 'http://127.0.0.1:2';
@@ -65,6 +65,21 @@ describe('bench-routers figures', () => {
     // by completion alone session 0's turn 2 would have been the next turn, on another decode
     const byDone = sessionFigures(turns.map(({ routedAt: _, ...r }) => r), kill, 2);
     assert.deepEqual({ next: byDone.nextTurns, same: byDone.sameDecode }, { next: 2, same: 1 });
+  });
+
+  it("BENCHMARKS §9: the summary shows each figure's headline, the section the whole figure; no run: not run yet", () => {
+    const turns = [t(0, 1, 0, 100, D0, 'pd', 0), t(0, 2, 200, 300, D0), t(0, 3, 400, 600, D1, 'pd', 10, 'B')];
+    const f = sessionFigures(turns, 350, 1);
+    const goals = routersGoals('nginx', streams, f, 3, { ok: 5 }, 2);
+    const r = { lb: 'nginx', options: { sessions: 1, turns: 3 }, wallS: 20, loadavg: [1, 2, 3], cores: 2, streams, sessions: { ...f, killAt: 350, turns, throughB: { ok: 5 }, sdkRetried: 2, picksAfterB: { cache_hit: 1 } }, goals } as unknown as RoutersResult;
+    const rows = routersSummaryRows(r);
+    assert.deepEqual(rows.map((x) => x.figure), ['0 of 1', '80.0 % before, 10.0 % after', '0 failed of 5', '0 failed of 3 turns', '0 of 50 load samples']);
+    assert.deepEqual(rows.map((x) => x.met), goals.map((g) => g.met));
+    const text = routersSection(r, '_prov_').join('\n');
+    assert.match(text, /^_prov_\n/);
+    assert.match(text, /on 2 cores/);
+    assert.match(text, /router A SIGKILLed at 0\.3 s/);
+    assert.deepEqual(routersSection(undefined, '_prov_'), ['_Not run yet._']);
   });
 
   it('every goal met; and each missed by its own figure', () => {
