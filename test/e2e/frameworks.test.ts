@@ -22,8 +22,7 @@
  * not call one (tool_choice none, or the framework's own reset), and every loop has a step bound.
  */
 import assert from 'node:assert/strict';
-import { execFileSync } from 'node:child_process';
-import { existsSync, readFileSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { describe, test } from 'node:test';
 import { fileURLToPath } from 'node:url';
@@ -43,23 +42,10 @@ import { OpenAI as LlamaOpenAI } from '@llamaindex/openai';
 import { tool as llamaTool } from '@llamaindex/core/tools';
 import { withChatTemplate } from '../helpers/gguf-template.js';
 import { apiKey, useStack } from '../helpers/stack.js';
+import { storiesModel } from '../helpers/stories.js';
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 
-/** stories260K.gguf at `../shared/models/` from the repo root (a git worktree: from its main checkout's root too); null when absent. */
-function storiesModel(): string | null {
-  const roots = [ROOT];
-  try {
-    roots.push(dirname(resolve(ROOT, execFileSync('git', ['rev-parse', '--git-common-dir'], { cwd: ROOT, encoding: 'utf8' }).trim())));
-  } catch {
-    // not a git checkout: the repo root alone
-  }
-  for (const r of roots) {
-    const p = resolve(r, '../shared/models/stories260K.gguf');
-    if (existsSync(p)) return p;
-  }
-  return null;
-}
 
 const STORIES = storiesModel();
 const MODEL = STORIES && withChatTemplate(STORIES, readFileSync(resolve(ROOT, 'test/fixtures/tagged-tools.jinja'), 'utf8'));

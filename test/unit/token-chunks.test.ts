@@ -8,8 +8,7 @@
  * rule; vocabularies the cut rule does not cover leave the cache off; the byte bound holds.
  */
 import assert from 'node:assert/strict';
-import { execFileSync } from 'node:child_process';
-import { existsSync, readFileSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { after, before, describe, test } from 'node:test';
@@ -19,24 +18,11 @@ import { chatWrapperOf, renderChatTokens, tokenizeText } from '../../src/engine/
 import { ChunkedTokenizer, safeCutsOf, selfCheckSamples } from '../../src/engine/token-chunks.js';
 import type { ChatMessage, ToolFunction } from '../../src/engine/types.js';
 import { withChatTemplate } from '../helpers/gguf-template.js';
+import { storiesModel } from '../helpers/stories.js';
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const TEMPLATE = readFileSync(resolve(ROOT, 'test/fixtures/tagged-tools.jinja'), 'utf8');
 
-/** stories260K.gguf at `../shared/models/` from the repo root (or from a worktree's main checkout); null when absent. */
-function storiesModel(): string | null {
-  const roots = [ROOT];
-  try {
-    roots.push(dirname(resolve(ROOT, execFileSync('git', ['rev-parse', '--git-common-dir'], { cwd: ROOT, encoding: 'utf8' }).trim())));
-  } catch {
-    // not a git checkout: the repo root alone
-  }
-  for (const r of roots) {
-    const p = resolve(r, '../shared/models/stories260K.gguf');
-    if (existsSync(p)) return p;
-  }
-  return null;
-}
 
 /** mulberry32: a small seeded PRNG, so a failure names its seed. */
 function prng(seed: number): () => number {
