@@ -1,6 +1,6 @@
 /**
  * `pdserve storm` end to end, through the real CLI (bin/pdserve.js → dist/):
- *  1. the CI storm: 60 s, self-hosted, tiny model, 30 agents, ≥ 30 % aborts, bursts, and at
+ *  1. the CI storm: 40 s, self-hosted, tiny model, 30 agents, ≥ 30 % aborts, bursts, and at
  *     least one decode SIGKILL, one prefill SIGKILL and one prefill SIGSTOP/SIGCONT — it must
  *     pass every check (wedge, leak, hang, crash, wrong answer) with both KV handoff paths
  *     carrying rooms (decode-0 same host, decode-1 TCP), and no request may fail: the router
@@ -146,15 +146,15 @@ describe('storm helpers', () => {
 });
 
 describe('pdserve storm', () => {
-  test('CI storm: 60 s, 30 agents, ≥ 30 % aborts, decode/prefill SIGKILL and prefill SIGSTOP — every check passes', async () => {
+  test('CI storm: 40 s, 30 agents, ≥ 30 % aborts, decode/prefill SIGKILL and prefill SIGSTOP — every check passes', async () => {
     const r = await storm([
-      '--duration', '60s',
+      '--duration', '40s',
       '--agents', '30',
       '--prefill', '2',
       '--decode', '2',
       '--abort-rate', '0.4',
       '--kill-rate', '0.05',
-      '--burst-every', '15s',
+      '--burst-every', '12s',
       '--kill-decode-every', '20s',
       '--kill-prefill-every', '25s',
       '--stop-prefill-every', '15s',

@@ -7,7 +7,7 @@
  * have two decode workers (a migration goes to the other one) and KV connections striped over two
  * sockets (the shipped reassembly, src/kv/stripes.ts, on the decode end).
  *
- * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 2,000).
+ * PDSERVE_SIM_SEEDS=<n> runs more (or fewer) seeds for the real rule (default 1,000).
  * PDSERVE_SIM_FROM=<s> changes the first seed (default 1).
  */
 import { newRoomId } from '../../src/base/room-id.js';
@@ -23,7 +23,7 @@ import { DEFAULT_MIGRATION_LIMIT } from '../../src/router/config.js';
 import { Heartbeat } from '../../src/kv/heartbeat.js';
 import { SendRotation } from '../../src/kv/send-rotation.js';
 
-const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 2_000);
+const SEEDS = Number(process.env.PDSERVE_SIM_SEEDS ?? 1_000);
 const FROM = Number(process.env.PDSERVE_SIM_FROM ?? 1);
 /** Seeds within which the legacy rule must show the incident's wedge. */
 const LEGACY_BOUND = 2_000;
