@@ -19,6 +19,7 @@ import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
 import { createWriteStream, existsSync, mkdirSync, readFileSync, renameSync, rmSync, copyFileSync, chmodSync } from 'node:fs';
 import { join } from 'node:path';
 import { request } from 'undici';
+import { PdError } from '../base/errors.js';
 import { defaultCacheDir } from '../engine/gguf-writer.js';
 import { freePort } from '../up/cluster.js';
 import { REPO_ROOT } from './index.js';
@@ -126,7 +127,7 @@ export async function ensureLlamaServer(o: { log: (line: string) => void; jobs?:
   await run('cmake', ['-S', src, '-B', build, ...LLAMA_SERVER_CMAKE_FLAGS], { log, timeoutMs: left() });
   await run('ninja', ['-C', build, `-j${o.jobs ?? 2}`, 'llama-server'], { log, timeoutMs: left() });
   const built = join(build, 'bin', 'llama-server');
-  if (!existsSync(built)) throw new Error(`the build finished without ${built}; log: ${log}`);
+  if (!existsSync(built)) throw new PdError('START_FAILED', `the build finished without ${built}; log: ${log}`);
   mkdirSync(join(dir, 'bin'), { recursive: true });
   const tmp = `${binary}.tmp-${process.pid}`;
   copyFileSync(built, tmp);
@@ -211,7 +212,7 @@ export async function startLlamaServer(o: LlamaServerOptions): Promise<LlamaServ
   };
   const deadline = Date.now() + (o.startTimeoutMs ?? 120_000);
   while (Date.now() < deadline) {
-    if (exited !== undefined) throw new Error(`llama-server ${exited} while starting; log: ${o.logFile}`);
+    if (exited !== undefined) throw new PdError('START_FAILED', `llama-server ${exited} while starting; log: ${o.logFile}`);
     try {
       const r = await request(`${url}/health`, { signal: AbortSignal.timeout(2000) });
       await r.body.dump();
@@ -222,5 +223,5 @@ export async function startLlamaServer(o: LlamaServerOptions): Promise<LlamaServ
     await sleep(200);
   }
   await stop();
-  throw new Error(`llama-server not healthy within ${o.startTimeoutMs ?? 120_000} ms; log: ${o.logFile}`);
+  throw new PdError('START_FAILED', `llama-server not healthy within ${o.startTimeoutMs ?? 120_000} ms; log: ${o.logFile}`);
 }

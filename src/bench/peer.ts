@@ -20,6 +20,7 @@ import os from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import type { Dispatcher } from 'undici';
+import { ConfigError, PdError } from '../base/errors.js';
 import { summarize, type Summary } from '../observe/stats.js';
 import { Cluster } from '../up/cluster.js';
 import { conversations, streamedRound, type Conversation, type StreamedRound } from './agents.js';
@@ -104,7 +105,7 @@ function envList(name: string, dflt: number[]): number[] {
   const v = process.env[name];
   if (v === undefined || v.trim() === '') return dflt;
   const xs = v.split(',').map((x) => Number(x.trim()));
-  if (!xs.every((n) => Number.isSafeInteger(n) && n >= 1 && n <= 4096)) throw new Error(`${name}=${JSON.stringify(v)}: give positive integers, e.g. "1,8"`);
+  if (!xs.every((n) => Number.isSafeInteger(n) && n >= 1 && n <= 4096)) throw new ConfigError(`${name}=${JSON.stringify(v)}: give positive integers, e.g. "1,8"`);
   return xs;
 }
 
@@ -228,7 +229,7 @@ export async function runPeerSection(o: PeerOptions): Promise<PeerResult> {
     const models: Record<PeerSystem, string> = { llama: await discoverModel(urls.llama, dispatcher), colo: await discoverModel(urls.colo, dispatcher), pd: await discoverModel(urls.pd, dispatcher) };
     for (const s of PEER_SYSTEMS) {
       const w = await completionRound(urls[s], models[s], 'Warm up: once upon a time', 8, dispatcher, 60_000);
-      if (!w.ok) throw new Error(`warm-up request failed (${PEER_NAMES[s]}): ${w.error}`);
+      if (!w.ok) throw new PdError('START_FAILED', `warm-up request failed (${PEER_NAMES[s]}): ${w.error}`);
     }
     const uniform: UniformRun[] = [];
     const agents: PeerAgentRun[] = [];
@@ -319,7 +320,7 @@ async function profileRun(o: PeerOptions & { contextPerSlot: number; logDir: str
     for (const s of sys) {
       const model = await discoverModel(s.url, o.dispatcher);
       const w = await completionRound(s.url, model, 'Warm up: once upon a time', 8, o.dispatcher, 60_000);
-      if (!w.ok) throw new Error(`warm-up request failed (${s.system}, profiled): ${w.error}`);
+      if (!w.ok) throw new PdError('START_FAILED', `warm-up request failed (${s.system}, profiled): ${w.error}`);
       const c0 = cpuOf(s.procs);
       const fromUs = nowUs();
       const a = await runAgentSessions(s.url, model, conversations(o.tok, sessions, rounds, `profile-${s.system}`, 120, 150), { rounds, outputTokens: 24, dispatcher: o.dispatcher, timeoutMs: o.timeoutMs });
